@@ -1,0 +1,76 @@
+"""Names fixed by the contract between the parts (DESIGN.md): annotation keys, env vars, paths.
+
+One place for every string that the webhook, the extender, the agent and the interposer must
+agree on. The device-annotation key helper is the single implementation both the webhook and
+the extender use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+PREFIX = "gpuslice.io/"
+
+# Pod annotations written by gpuslice.
+ANN_MUTATED = PREFIX + "mutated"
+ANN_DEVICES_PREFIX = PREFIX + "devices."
+
+# Node annotation and labels published by the agent.
+ANN_NODE_GPUS = PREFIX + "gpus"
+LABEL_GPU_PRODUCT = PREFIX + "gpu.product"
+LABEL_GPU_COUNT = PREFIX + "gpu.count"
+LABEL_GPU_MEMORY = PREFIX + "gpu.memory"
+
+# Namespace label for the per-namespace toggle.
+LABEL_NAMESPACE_WEBHOOK = PREFIX + "webhook"
+
+# User-facing pod annotations (ours, then HAMi's equivalents).
+ANN_GPU_TYPE = PREFIX + "gpu-type"
+ANN_AVOID_GPU_TYPE = PREFIX + "avoid-gpu-type"
+ANN_GPU_UUID = PREFIX + "gpu-uuid"
+ANN_AVOID_GPU_UUID = PREFIX + "avoid-gpu-uuid"
+ANN_PLACEMENT = PREFIX + "placement"
+HAMI_USE_GPUTYPE = "nvidia.com/use-gputype"
+HAMI_NOUSE_GPUTYPE = "nvidia.com/nouse-gputype"
+HAMI_USE_GPUUUID = "nvidia.com/use-gpuuuid"
+HAMI_NOUSE_GPUUUID = "nvidia.com/nouse-gpuuuid"
+HAMI_POLICY = "hami.io/gpu-scheduler-policy"
+
+# Env vars written into containers (DESIGN.md §2) and read by the interposer (§5).
+ENV_POD_UID = "GPUSLICE_POD_UID"
+ENV_POD_NAME = "GPUSLICE_POD_NAME"
+ENV_POD_NAMESPACE = "GPUSLICE_POD_NAMESPACE"
+ENV_CONTAINER = "GPUSLICE_CONTAINER"
+ENV_MEMORY_LIMIT = "CUDA_DEVICE_MEMORY_LIMIT"
+ENV_MEMORY_PERCENT = "GPUSLICE_MEMORY_PERCENT"
+ENV_SM_LIMIT = "CUDA_DEVICE_SM_LIMIT"
+ENV_SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+
+# Paths.
+HOST_LIBRARY_DIR = "/usr/local/gpuslice"
+HOST_PRELOAD_FILE = HOST_LIBRARY_DIR + "/ld.so.preload"
+CONTAINER_PRELOAD_FILE = "/etc/ld.so.preload"
+HOST_STATE_DIR = "/var/lib/gpuslice/containers"
+CONTAINER_STATE_DIR = "/var/run/gpuslice"
+REGION_FILE = CONTAINER_STATE_DIR + "/region"
+
+# Ports and HTTP paths.
+WEBHOOK_PORT = 8443
+AGENT_METRICS_PORT = 9400
+
+_MAX_NAME_PART = 63
+_DEVICES_NAME_PREFIX = "devices."
+
+
+def devices_annotation(container_name: str) -> str:
+    """Return the pod annotation key holding the GPU UUIDs assigned to ``container_name``.
+
+    The name part of an annotation key may have at most 63 characters. Where
+    ``devices.<name>`` is longer, the key is ``devices.<first 46 chars>-<8 hex of sha256(name)>``.
+    """
+    name_part = _DEVICES_NAME_PREFIX + container_name
+    if len(name_part) > _MAX_NAME_PART:
+        digest = hashlib.sha256(container_name.encode()).hexdigest()[:8]
+        name_part = f"{_DEVICES_NAME_PREFIX}{container_name[:46]}-{digest}"
+    return PREFIX + name_part
