@@ -1,0 +1,74 @@
+"""Settings: defaults, YAML + overrides, and a bad value names its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from webhook.cli import main
+from webhook.names import devices_annotation
+from webhook.settings import Settings, SettingsError, load_settings, settings_from_mapping
+
+
+def test_defaults_are_hami_compatible() -> None:
+    s = Settings()
+    assert s.resource_names == ("nvidia.com/gpu", "nvidia.com/gpumem",
+                                "nvidia.com/gpumem-percentage", "nvidia.com/gpucores")
+    assert s.node_selector == {"gpu": "on"}
+    assert s.scheduler_name == "gpuslice-scheduler"
+    assert s.split_count == 10 and s.port == 8443
+
+
+def test_yaml_file_then_overrides_win(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("split-count: 4\nscheduler_name: sched\ntolerations:\n"
+                   "  - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}\n")
+    s = load_settings(cfg, {"split_count": 6, "runtime_class_name": None})
+    assert s.split_count == 6 and s.scheduler_name == "sched"
+    assert s.tolerations == ({"key": "nvidia.com/gpu", "operator": "Exists",
+                              "effect": "NoSchedule"},)
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"split_count": 0}, "split_count"),
+    ({"split_count": "ten"}, "split_count"),
+    ({"namespace_mode": "sometimes"}, "namespace_mode"),
+    ({"resource_gpu": "not a name!"}, "resource_gpu"),
+    ({"resource_mem": "nvidia.com/gpu"}, "resource_*"),
+    ({"port": 70000}, "port"),
+    ({"tolerations": [{"key": "a", "operator": "Maybe"}]}, "tolerations"),
+    ({"tolerations": "x"}, "tolerations"),
+    ({"default_policy": "random"}, "default_policy"),
+    ({"node_label_value": "not valid!"}, "node_label_value"),
+    ({"no_such_setting": 1}, "no_such_setting"),
+])
+def test_bad_setting_is_rejected_naming_the_field(data: dict, field: str) -> None:
+    with pytest.raises(SettingsError) as err:
+        settings_from_mapping(data)
+    assert field in str(err.value)
+
+
+def test_bad_config_file_stops_cli_with_field_name(tmp_path, capsys) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("split_count: -1\n")
+    assert main(["check", "--config", str(cfg), "-f", str(cfg)]) == 2
+    assert "split_count" in capsys.readouterr().err
+
+
+def test_unreadable_or_invalid_yaml_is_a_settings_error(tmp_path) -> None:
+    with pytest.raises(SettingsError, match="cannot read"):
+        load_settings(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1,\n")
+    with pytest.raises(SettingsError, match="not valid YAML"):
+        load_settings(bad)
+
+
+def test_devices_annotation_key_is_shortened_past_63_characters() -> None:
+    assert devices_annotation("main") == "gpuslice.io/devices.main"
+    long = "c" * 60
+    key = devices_annotation(long)
+    name_part = key.split("/", 1)[1]
+    assert len(name_part) <= 63
+    assert name_part.startswith("devices." + "c" * 46 + "-")
+    assert devices_annotation("c" * 55) == "gpuslice.io/devices." + "c" * 55
+    assert devices_annotation(long) != devices_annotation(long + "x")
