@@ -1,0 +1,118 @@
+"""A fake NVML module for the agent's tests: the pynvml functions the agent calls, over a list
+of fake devices, raising the real ``pynvml`` error classes so the agent's ``except`` clauses
+are exercised exactly as with the real library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+
+@dataclass
+class FakeDevice:
+    uuid: str
+    name: str = "NVIDIA A100-SXM4-80GB"
+    total: int = 80 * GIB
+    used: int = 0
+    util: int = 0
+    retired_pending: bool = False
+    remap_failure: bool = False
+    health_probes_supported: bool = True
+    fail: dict[str, int] = field(default_factory=dict)
+    """NVML function name -> NVML error code it raises for this device."""
+
+
+class FakeNvml:
+    """Stands in for the ``pynvml`` module (pass it to ``Inventory(nvml=...)``)."""
+
+    def __init__(self, devices: list[FakeDevice] | None = None,
+                 init_error: int | None = None, driver: str = "550.54.15") -> None:
+        self.devices = list(devices or [])
+        self.init_error = init_error
+        self.driver = driver
+        self.initialised = False
+        self.init_calls = 0
+        self.count_error: int | None = None
+
+    # --- library ---
+    def nvmlInit(self) -> None:
+        self.init_calls += 1
+        if self.init_error is not None:
+            raise pynvml.NVMLError(self.init_error)
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self.initialised = False
+
+    def _need_init(self) -> None:
+        if not self.initialised:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._need_init()
+        return self.driver
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._need_init()
+        if self.count_error is not None:
+            raise pynvml.NVMLError(self.count_error)
+        return len(self.devices)
+
+    # --- devices ---
+    def _dev(self, handle: Any, fn: str) -> FakeDevice:
+        self._need_init()
+        dev = self.devices[handle]
+        if fn in dev.fail:
+            raise pynvml.NVMLError(dev.fail[fn])
+        return dev
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        self._need_init()
+        if not 0 <= index < len(self.devices):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._dev(index, "nvmlDeviceGetHandleByIndex")
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return self._dev(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetName(self, handle: int) -> bytes:
+        return self._dev(handle, "nvmlDeviceGetName").name.encode()
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetMemoryInfo")
+        return SimpleNamespace(total=d.total, used=d.used, free=d.total - d.used)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        d = self._dev(handle, "nvmlDeviceGetUtilizationRates")
+        return SimpleNamespace(gpu=d.util, memory=0)
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
+        d = self._dev(handle, "nvmlDeviceGetRetiredPagesPendingStatus")
+        if not d.health_probes_supported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return pynvml.NVML_FEATURE_ENABLED if d.retired_pending else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetRemappedRows(self, handle: int) -> tuple[int, int, int, int]:
+        d = self._dev(handle, "nvmlDeviceGetRemappedRows")
+        if not d.health_probes_supported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return (0, 0, 0, 1 if d.remap_failure else 0)
+
+
+FUNCTIONS = [name for name in dir(FakeNvml) if name.startswith("nvml")]
+"""The pynvml functions the fake provides (and the agent may call)."""
+
+
+def two_a100s() -> FakeNvml:
+    return FakeNvml([
+        FakeDevice("GPU-00000000-0000-0000-0000-000000000000", used=5 * GIB, util=40),
+        FakeDevice("GPU-11111111-1111-1111-1111-111111111111", used=1 * GIB, util=7),
+    ])

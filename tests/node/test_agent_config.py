@@ -1,0 +1,90 @@
+"""The agent's flags (the chart passes exactly these) and their validation."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from webhook.cli import build_parser
+from webhook.node.config import AgentSettings, add_arguments, settings_from_args
+from webhook.settings import SettingsError
+
+CHART_ARGS = [
+    "agent", "--node-name", "gpu-node-1",
+    "--library-source", "/opt/gpuslice/libgpuslice.so",
+    "--host-library-dir", "/usr/local/gpuslice",
+    "--preload-target", "/usr/local/gpuslice",
+    "--host-state-dir", "/var/lib/gpuslice/containers",
+    "--proc-root", "/host/proc",
+    "--metrics-port", "9400", "--metrics-host", "0.0.0.0",
+    "--interval", "60", "--split-count", "10",
+    "--resource-gpu", "nvidia.com/gpu", "--resource-mem", "nvidia.com/gpumem",
+    "--resource-cores", "nvidia.com/gpucores",
+    "--log-level", "INFO", "--log-format", "json",
+]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_cli_agent_subcommand_accepts_every_chart_flag() -> None:
+    args = build_parser().parse_args(CHART_ARGS)
+    s = settings_from_args(args)
+    assert s.node_name == "gpu-node-1"
+    assert s.proc_root == "/host/proc"
+    assert s.log_format == "json"
+    assert s.kube_enabled is True
+    assert args.func.__name__ == "call"
+
+
+def test_defaults_are_the_documented_paths_and_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODE_NAME", "n1")
+    s = settings_from_args(_parse([]))
+    assert s == AgentSettings(node_name="n1")
+    assert (s.library_source, s.host_library_dir, s.preload_target, s.host_state_dir) == (
+        "/opt/gpuslice/libgpuslice.so", "/usr/local/gpuslice", "/usr/local/gpuslice",
+        "/var/lib/gpuslice/containers")
+    assert (s.metrics_host, s.metrics_port, s.interval, s.split_count) == ("0.0.0.0", 9400,
+                                                                          60.0, 10)
+    assert (s.resource_gpu, s.resource_mem, s.resource_cores) == (
+        "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores")
+    assert s.proc_root == "/proc" and s.kubeconfig is None
+
+
+def test_node_name_flag_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODE_NAME", "from-env")
+    assert settings_from_args(_parse(["--node-name", "from-flag"])).node_name == "from-flag"
+
+
+def test_missing_node_name_is_an_error_unless_no_kube(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    with pytest.raises(SettingsError, match="--node-name"):
+        settings_from_args(_parse([]))
+    assert settings_from_args(_parse(["--no-kube"])).kube_enabled is False
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--library-source", "relative.so"], "--library-source"),
+    (["--proc-root", "proc"], "--proc-root"),
+    (["--metrics-port", "70000"], "--metrics-port"),
+    (["--interval", "0"], "--interval"),
+    (["--split-count", "0"], "--split-count"),
+    (["--resource-gpu", "gpu"], "--resource-gpu"),
+    (["--resource-mem", "nvidia.com/gpu"], "--resource-"),
+    (["--log-level", "LOUD"], "--log-level"),
+    (["--node-name", "Not_A_Node"], "--node-name"),
+    (["--cleanup-grace", "-1"], "--cleanup-grace"),
+])
+def test_bad_values_are_rejected_naming_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(SettingsError, match=flag):
+        settings_from_args(_parse(["--node-name", "n1", *argv]))
+
+
+def test_cli_reports_bad_agent_flags_as_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from webhook.cli import main
+    assert main(["agent", "--node-name", "n1", "--split-count", "0"]) == 2
+    assert "--split-count" in capsys.readouterr().err

@@ -1,0 +1,114 @@
+"""GPU discovery through (fake) NVML: identity, health, a node without driver or GPUs."""
+
+from __future__ import annotations
+
+import ctypes.util
+import logging
+
+import pynvml
+import pytest
+from node.fakenvml import FUNCTIONS, GIB, FakeDevice, FakeNvml, two_a100s
+
+from webhook.node.inventory import HEALTHY, UNHEALTHY, Gpu, Inventory
+
+
+def test_discovers_uuid_index_product_memory_and_health() -> None:
+    d = Inventory(two_a100s()).discover()
+    assert d.available and d.driver_version == "550.54.15"
+    assert d.gpus == (
+        Gpu("GPU-00000000-0000-0000-0000-000000000000", 0, "NVIDIA A100-SXM4-80GB", 81920,
+            HEALTHY),
+        Gpu("GPU-11111111-1111-1111-1111-111111111111", 1, "NVIDIA A100-SXM4-80GB", 81920,
+            HEALTHY),
+    )
+    assert d.gpus[0].to_json() == {"uuid": "GPU-00000000-0000-0000-0000-000000000000",
+                                   "index": 0, "product": "NVIDIA A100-SXM4-80GB",
+                                   "memoryMiB": 81920, "health": "Healthy"}
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+                                  pynvml.NVML_ERROR_LIBRARY_NOT_FOUND])
+def test_missing_driver_is_reported_not_raised_and_init_is_retried(code: int) -> None:
+    nvml = FakeNvml([FakeDevice("GPU-a")], init_error=code)
+    inv = Inventory(nvml)
+    d = inv.discover()
+    assert not d.available and d.gpus == ()
+    assert "not loaded" in d.reason or "not found" in d.reason
+    assert inv.sample() == []
+    nvml.init_error = None  # the driver finished loading
+    d = inv.discover()
+    assert d.available and [g.uuid for g in d.gpus] == ["GPU-a"]
+    assert nvml.init_calls == 2
+
+
+def test_missing_driver_is_logged_once_not_every_round(caplog: pytest.LogCaptureFixture) -> None:
+    inv = Inventory(FakeNvml(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    with caplog.at_level(logging.WARNING, logger="webhook.node.inventory"):
+        for _ in range(3):
+            inv.discover()
+    assert len([r for r in caplog.records if "no usable NVIDIA driver" in r.message]) == 1
+
+
+def test_zero_gpus_is_available_and_empty() -> None:
+    d = Inventory(FakeNvml([])).discover()
+    assert d.available and d.gpus == () and d.healthy == ()
+
+
+def test_a_gpu_whose_queries_fail_is_unhealthy() -> None:
+    nvml = two_a100s()
+    nvml.devices[1].fail["nvmlDeviceGetMemoryInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    d = Inventory(nvml).discover()
+    assert [g.health for g in d.gpus] == [HEALTHY, UNHEALTHY]
+    assert [g.uuid for g in d.healthy] == ["GPU-00000000-0000-0000-0000-000000000000"]
+
+
+def test_retired_pages_pending_or_failed_remap_is_unhealthy() -> None:
+    nvml = FakeNvml([FakeDevice("GPU-a", retired_pending=True),
+                     FakeDevice("GPU-b", remap_failure=True), FakeDevice("GPU-c")])
+    assert [g.health for g in Inventory(nvml).discover().gpus] == [UNHEALTHY, UNHEALTHY,
+                                                                    HEALTHY]
+
+
+def test_health_probes_a_gpu_does_not_support_do_not_count_against_it() -> None:
+    nvml = FakeNvml([FakeDevice("GPU-a", name="NVIDIA GeForce RTX 4090",
+                                health_probes_supported=False)])
+    assert Inventory(nvml).discover().gpus[0].health == HEALTHY
+
+
+def test_a_gpu_without_readable_uuid_is_left_out() -> None:
+    nvml = two_a100s()
+    nvml.devices[0].fail["nvmlDeviceGetUUID"] = pynvml.NVML_ERROR_UNKNOWN
+    d = Inventory(nvml).discover()
+    assert [(g.index, g.uuid) for g in d.gpus] == [(1, "GPU-11111111-1111-1111-1111-111111111111")]
+
+
+def test_count_failure_reports_unavailable() -> None:
+    nvml = two_a100s()
+    nvml.count_error = pynvml.NVML_ERROR_UNKNOWN
+    d = Inventory(nvml).discover()
+    assert not d.available and "cannot count GPUs" in d.reason
+
+
+def test_sample_reports_memory_and_utilisation_and_none_for_failed_queries() -> None:
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    nvml.devices[1].fail["nvmlDeviceGetUtilizationRates"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    s = inv.sample()
+    assert [(x.memory_used_bytes, x.memory_total_bytes, x.utilization_percent) for x in s] == [
+        (5 * GIB, 80 * GIB, 40), (1 * GIB, 80 * GIB, None)]
+
+
+def test_default_inventory_calls_the_pynvml_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = two_a100s()
+    for name in FUNCTIONS:
+        monkeypatch.setattr(pynvml, name, getattr(fake, name))
+    d = Inventory().discover()
+    assert len(d.gpus) == 2 and fake.init_calls == 1
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None,
+                    reason="this machine has an NVIDIA driver")
+def test_real_pynvml_without_driver_reports_library_not_found() -> None:
+    d = Inventory().discover()
+    assert not d.available and "NVML library not found" in d.reason

@@ -1,0 +1,182 @@
+"""The node agent's settings: its command-line flags and the frozen object built from them.
+
+``gpuslice agent`` is configured by flags only (the DaemonSet passes them). They are parsed
+once into :class:`AgentSettings`, validated, and never read again; a bad value raises
+:class:`~webhook.settings.SettingsError` naming the flag, which the CLI turns into exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from webhook import __version__, names
+from webhook.settings import SettingsError
+
+_QUALIFIED_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+_-]*$")
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Everything ``gpuslice agent`` is configured with."""
+
+    node_name: str = ""
+    """Name of the Node this agent runs on (flag --node-name, default env NODE_NAME)."""
+    library_source: str = "/opt/gpuslice/libgpuslice.so"
+    """The built interposer inside the agent image. Default /opt/gpuslice/libgpuslice.so."""
+    host_library_dir: str = names.HOST_LIBRARY_DIR
+    """Where the host's /usr/local/gpuslice is mounted in the agent. Default /usr/local/gpuslice."""
+    preload_target: str = names.HOST_LIBRARY_DIR
+    """Directory the library has inside GPU containers, written into ld.so.preload.
+    Default /usr/local/gpuslice."""
+    host_state_dir: str = names.HOST_STATE_DIR
+    """Where the host's per-container state dirs are mounted. Default /var/lib/gpuslice/containers."""
+    proc_root: str = "/proc"
+    """The host's /proc (hostPID, or mounted e.g. at /host/proc), to see which libraries running
+    processes map. Default /proc."""
+    metrics_host: str = "0.0.0.0"
+    """Listen address of the metrics server. Default 0.0.0.0."""
+    metrics_port: int = names.AGENT_METRICS_PORT
+    """TCP port of /metrics and /healthz (0 = any free port, for tests). Default 9400."""
+    interval: float = 60.0
+    """Seconds between re-asserting the install, the node publication and the cleanup. Default 60."""
+    cleanup_grace: float = 600.0
+    """Seconds a pod's state dir must be unmodified before it may be removed for a pod the API
+    does not list (covers the window before a new pod is visible). Default 600."""
+    split_count: int = 10
+    """Slices per physical GPU: nvidia.com/gpu capacity = healthy GPUs x this. Default 10."""
+    resource_gpu: str = "nvidia.com/gpu"
+    """Extended resource for the slice count. Default nvidia.com/gpu."""
+    resource_mem: str = "nvidia.com/gpumem"
+    """Extended resource for GPU memory in MiB. Default nvidia.com/gpumem."""
+    resource_cores: str = "nvidia.com/gpucores"
+    """Extended resource for compute in % of one GPU. Default nvidia.com/gpucores."""
+    kube_enabled: bool = True
+    """Talk to the API server (publish, cleanup). --no-kube: install and metrics only."""
+    kubeconfig: str | None = None
+    """Path to a kubeconfig; None uses the in-cluster service account. Default None."""
+    version: str = __version__
+    """Version in the installed library's file name, libgpuslice.so.<version>. Default the
+    package version."""
+    log_level: str = "INFO"
+    """Python logging level name. Default INFO."""
+    log_format: str = "text"
+    """"text" for humans, "json" for JSON lines. Default text."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def _fail(flag: str, value: Any, why: str) -> None:
+    raise SettingsError(f"agent {flag}: {why} (got {value!r})")
+
+
+def _validate(s: AgentSettings) -> None:
+    if s.kube_enabled and (not s.node_name or len(s.node_name) > 253
+                           or not _DNS_SUBDOMAIN.match(s.node_name)):
+        _fail("--node-name", s.node_name,
+              "must be the node's name (set --node-name or env NODE_NAME), or use --no-kube")
+    for flag, path in (("--library-source", s.library_source),
+                       ("--host-library-dir", s.host_library_dir),
+                       ("--preload-target", s.preload_target),
+                       ("--host-state-dir", s.host_state_dir),
+                       ("--proc-root", s.proc_root)):
+        if not isinstance(path, str) or not os.path.isabs(path) or "\n" in path:
+            _fail(flag, path, "must be an absolute path")
+    if not isinstance(s.metrics_port, int) or not 0 <= s.metrics_port <= 65535:
+        _fail("--metrics-port", s.metrics_port, "must be a TCP port 0-65535")
+    if not s.metrics_host:
+        _fail("--metrics-host", s.metrics_host, "must be a listen address")
+    if not isinstance(s.interval, (int, float)) or not 0 < s.interval <= 86400:
+        _fail("--interval", s.interval, "must be more than 0 and at most 86400 seconds")
+    if not isinstance(s.cleanup_grace, (int, float)) or s.cleanup_grace < 0:
+        _fail("--cleanup-grace", s.cleanup_grace, "must be >= 0 seconds")
+    if not isinstance(s.split_count, int) or not 1 <= s.split_count <= 1000:
+        _fail("--split-count", s.split_count, "must be an integer from 1 to 1000")
+    res = (s.resource_gpu, s.resource_mem, s.resource_cores)
+    for flag, value in zip(("--resource-gpu", "--resource-mem", "--resource-cores"), res):
+        if not _QUALIFIED_NAME.match(value) or len(value) > 253 or "/" not in value:
+            _fail(flag, value, "must be a domain-prefixed resource name such as nvidia.com/gpu")
+    if len(set(res)) != 3:
+        _fail("--resource-*", res, "the three resource names must differ")
+    if not _VERSION.match(s.version) or len(s.version) > 64:
+        _fail("version", s.version, "must be a version string such as 0.1.0")
+    if s.log_level.upper() not in _LEVELS:
+        _fail("--log-level", s.log_level, f"must be one of {', '.join(_LEVELS)}")
+    if s.log_format not in ("text", "json"):
+        _fail("--log-format", s.log_format, 'must be "text" or "json"')
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the agent's flags to the ``gpuslice agent`` subcommand parser."""
+    d = AgentSettings.__dataclass_fields__
+    p.add_argument("--node-name", default=None,
+                   help="this node's name (default: env NODE_NAME)")
+    p.add_argument("--library-source", default=d["library_source"].default,
+                   help="the built libgpuslice.so in the image (default %(default)s)")
+    p.add_argument("--host-library-dir", default=d["host_library_dir"].default,
+                   help="host /usr/local/gpuslice as mounted here (default %(default)s)")
+    p.add_argument("--preload-target", default=d["preload_target"].default,
+                   help="library dir inside GPU containers, for ld.so.preload "
+                        "(default %(default)s)")
+    p.add_argument("--host-state-dir", default=d["host_state_dir"].default,
+                   help="host per-container state dirs as mounted here (default %(default)s)")
+    p.add_argument("--proc-root", default=d["proc_root"].default,
+                   help="the host's /proc (hostPID or a mount like /host/proc; "
+                        "default %(default)s)")
+    p.add_argument("--metrics-host", default=d["metrics_host"].default,
+                   help="metrics listen address (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=d["metrics_port"].default,
+                   help="metrics port for /metrics and /healthz (default %(default)s)")
+    p.add_argument("--interval", type=float, default=d["interval"].default,
+                   help="seconds between re-asserts (default %(default)s)")
+    p.add_argument("--cleanup-grace", type=float, default=d["cleanup_grace"].default,
+                   help="seconds before an unlisted pod's state dir may go (default %(default)s)")
+    p.add_argument("--split-count", type=int, default=d["split_count"].default,
+                   help="slices per GPU (default %(default)s)")
+    p.add_argument("--resource-gpu", default=d["resource_gpu"].default)
+    p.add_argument("--resource-mem", default=d["resource_mem"].default)
+    p.add_argument("--resource-cores", default=d["resource_cores"].default)
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig path (default: in-cluster)")
+    p.add_argument("--no-kube", action="store_true",
+                   help="no API server: install the library and serve metrics only")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+
+
+def settings_from_args(args: argparse.Namespace) -> AgentSettings:
+    """Build the validated settings from parsed ``gpuslice agent`` flags."""
+    node_name = args.node_name if args.node_name is not None else os.environ.get("NODE_NAME", "")
+    try:
+        return AgentSettings(
+            node_name=node_name,
+            library_source=args.library_source,
+            host_library_dir=args.host_library_dir,
+            preload_target=args.preload_target,
+            host_state_dir=args.host_state_dir,
+            proc_root=args.proc_root,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+            interval=args.interval,
+            cleanup_grace=args.cleanup_grace,
+            split_count=args.split_count,
+            resource_gpu=args.resource_gpu,
+            resource_mem=args.resource_mem,
+            resource_cores=args.resource_cores,
+            kube_enabled=not args.no_kube,
+            kubeconfig=args.kubeconfig,
+            log_level=args.log_level,
+            log_format=args.log_format,
+        )
+    except TypeError as exc:  # pragma: no cover - argparse gives the declared types
+        raise SettingsError(str(exc)) from exc
+

@@ -1,0 +1,264 @@
+"""Installs the interposer library on the host, atomically and versioned, and garbage-collects
+old versions that nothing uses any more.
+
+Layout in the host library dir (``/usr/local/gpuslice``):
+
+- ``libgpuslice.so.<version>``: the library. If a file of that name already exists with
+  different bytes (a rebuilt image with an unchanged version), it is never touched: the new
+  build goes to ``libgpuslice.so.<version>-<first 8 hex of its SHA-256>`` instead. An existing
+  file with identical bytes (under either name) is reused, so restarts do not churn.
+- ``ld.so.preload``: one line, ``<preload-target>/<file name>``. GPU containers bind-mount this
+  file as ``/etc/ld.so.preload``. A file bind mount pins the inode, so replacing the file by
+  rename leaves every running container on the version it started with (one container never
+  mixes library versions on its shared region) while new containers get the new one.
+
+Every write is a temp file in the same directory, ``fsync``, ``rename``, then ``fsync`` of the
+directory: a reader sees the old file or the new one, never a partial one.
+
+Removal: an old ``libgpuslice.so.*`` goes only when no process maps it (``<proc>/*/maps``,
+matched by device and inode, and by file name) and no running mount namespace's
+``/etc/ld.so.preload`` names it (read through ``<proc>/<pid>/root``; a container whose
+entrypoint is static would otherwise lose its library before its next dynamic process). If any
+process cannot be inspected, nothing is removed that round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LIB_STEM = "libgpuslice.so"
+PRELOAD_NAME = "ld.so.preload"
+TMP_PREFIX = ".gpuslice-tmp-"
+STALE_TMP_SECONDS = 600.0
+_ELF_MAGIC = b"\x7fELF"
+_MAPS_LINE = re.compile(
+    r"^\S+\s+\S+\s+\S+\s+(?P<major>[0-9a-fA-F]+):(?P<minor>[0-9a-fA-F]+)\s+(?P<ino>\d+)\s+"
+    r"(?P<path>.*)$")
+
+
+class InstallError(Exception):
+    """The library could not be read or installed; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    """What :func:`install` did."""
+
+    library: Path
+    """Host path of the library that ld.so.preload now names."""
+    preload_line: str
+    """The line in ld.so.preload (the path inside GPU containers)."""
+    library_written: bool
+    """True when the library file was newly written (False: an identical file was reused)."""
+    preload_written: bool
+    """True when ld.so.preload changed."""
+
+
+def read_library(path: str | Path) -> bytes:
+    """The built library's bytes; :class:`InstallError` if absent or not an ELF file."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InstallError(f"cannot read the library {path}: {exc.strerror}") from exc
+    if not data.startswith(_ELF_MAGIC):
+        raise InstallError(f"{path} is not an ELF shared library")
+    return data
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _same_content(path: Path, data: bytes, digest: str) -> bool:
+    try:
+        if path.stat().st_size != len(data):
+            return False
+        return _digest(path.read_bytes()) == digest
+    except OSError:
+        return False
+
+
+def atomic_write(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to ``path`` so readers see the old or the new file, never a partial one."""
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def install(data: bytes, host_dir: str | Path, preload_target: str, version: str) -> InstallResult:
+    """Install ``data`` as the current library and point ld.so.preload at it (idempotent)."""
+    host = Path(host_dir)
+    digest = _digest(data)
+    plain = host / f"{LIB_STEM}.{version}"
+    hashed = host / f"{LIB_STEM}.{version}-{digest[:8]}"
+    try:
+        host.mkdir(parents=True, exist_ok=True)
+        written = False
+        if _same_content(plain, data, digest):
+            target = plain
+        elif _same_content(hashed, data, digest):
+            target = hashed
+        else:
+            target = hashed if plain.exists() else plain
+            if target.exists():
+                raise InstallError(f"{target} exists with other content; refusing to overwrite")
+            atomic_write(target, data, 0o755)
+            written = True
+            logger.info("library installed", extra={"path": str(target), "sha256": digest})
+        line = f"{preload_target.rstrip('/')}/{target.name}"
+        preload = host / PRELOAD_NAME
+        want = (line + "\n").encode()
+        try:
+            current = preload.read_bytes()
+        except FileNotFoundError:
+            current = None
+        preload_written = current != want
+        if preload_written:
+            atomic_write(preload, want, 0o644)
+            logger.info("ld.so.preload updated", extra={"path": str(preload), "line": line})
+    except OSError as exc:
+        raise InstallError(f"cannot install into {host}: {exc}") from exc
+    return InstallResult(target, line, written, preload_written)
+
+
+@dataclass
+class ProcScan:
+    """What running processes use, from one pass over ``<proc>``."""
+
+    mapped_inodes: set[tuple[int, int]] = field(default_factory=set)
+    """(st_dev, st_ino) of every mapped file whose path contains libgpuslice."""
+    mapped_names: set[str] = field(default_factory=set)
+    """Base names of those files."""
+    preloaded_names: set[str] = field(default_factory=set)
+    """Base names of libgpuslice files named by some mount namespace's /etc/ld.so.preload."""
+    processes: int = 0
+    complete: bool = True
+    """False when some process could not be inspected (then nothing may be removed)."""
+
+
+def scan_proc(proc_root: str | Path) -> ProcScan:
+    """Which libgpuslice files running processes map or will preload."""
+    scan = ProcScan()
+    proc = Path(proc_root)
+    seen_ns: set[str] = set()
+    try:
+        pids = [e.name for e in os.scandir(proc) if e.name.isdigit()]
+    except OSError as exc:
+        logger.warning("cannot list processes", extra={"proc": str(proc), "error": str(exc)})
+        scan.complete = False
+        return scan
+    for pid in pids:
+        base = proc / pid
+        try:
+            maps = (base / "maps").read_text(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # exited meanwhile
+        except OSError:
+            scan.complete = False
+            continue
+        scan.processes += 1
+        for line in maps.splitlines():
+            if LIB_STEM not in line:
+                continue
+            m = _MAPS_LINE.match(line)
+            if not m:
+                continue
+            dev = os.makedev(int(m["major"], 16), int(m["minor"], 16))
+            scan.mapped_inodes.add((dev, int(m["ino"])))
+            scan.mapped_names.add(os.path.basename(m["path"].removesuffix(" (deleted)")))
+        try:
+            ns = os.readlink(base / "ns" / "mnt")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        except OSError:
+            scan.complete = False
+            continue
+        if ns in seen_ns:
+            continue
+        seen_ns.add(ns)
+        try:
+            text = (base / "root" / "etc" / PRELOAD_NAME).read_text(errors="replace")
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+            continue
+        except OSError:
+            scan.complete = False
+            continue
+        for token in re.split(r"[\s:]+", text):
+            if LIB_STEM in token:
+                scan.preloaded_names.add(os.path.basename(token))
+    return scan
+
+
+def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
+                  now: float | None = None) -> list[str]:
+    """Remove old library versions nothing uses and stale temp files; return what went."""
+    host = Path(host_dir)
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    candidates: list[Path] = []
+    try:
+        entries = list(os.scandir(host))
+    except OSError as exc:
+        logger.warning("cannot list the library dir", extra={"dir": str(host), "error": str(exc)})
+        return removed
+    for entry in entries:
+        path = host / entry.name
+        if entry.name.startswith(TMP_PREFIX):
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+                    path.unlink()
+                    removed.append(entry.name)
+            except OSError:
+                pass
+        elif entry.name.startswith(LIB_STEM + ".") and entry.name != current.name \
+                and entry.is_file(follow_symlinks=False):
+            candidates.append(path)
+    if not candidates:
+        return removed
+    scan = scan_proc(proc_root)
+    if not scan.complete:
+        logger.warning("some processes could not be inspected; old libraries kept",
+                       extra={"proc": str(proc_root)})
+        return removed
+    for path in candidates:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if ((st.st_dev, st.st_ino) in scan.mapped_inodes or path.name in scan.mapped_names
+                or path.name in scan.preloaded_names):
+            continue
+        try:
+            path.unlink()
+        except OSError as exc:
+            logger.warning("cannot remove old library", extra={"path": str(path),
+                                                               "error": str(exc)})
+            continue
+        removed.append(path.name)
+        logger.info("old library removed", extra={"path": str(path)})
+    return removed

@@ -1,0 +1,237 @@
+"""GPU discovery and sampling through NVML (pynvml): what the node has and how it is doing.
+
+:class:`Inventory` wraps an NVML module (``pynvml`` by default; tests pass a fake with the same
+functions and the real ``pynvml`` error classes). It never raises for a node without the driver
+or without GPUs: :meth:`Inventory.discover` then reports :class:`Discovery` with
+``available=False`` and a reason, and retries ``nvmlInit`` on the next call.
+
+Health: a GPU is ``Unhealthy`` when any of its identity/memory queries fails, when NVML says it
+has retired pages pending (a reset is needed), or when row remapping failed; probes a GPU does
+not support (consumer cards) do not count against it. A GPU whose handle or UUID cannot be read
+cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pynvml
+
+logger = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+_UNAVAILABLE = (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded,
+                pynvml.NVMLError_NoPermission, pynvml.NVMLError_LibRmVersionMismatch)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU as published in the node annotation ``gpuslice.io/gpus``."""
+
+    uuid: str
+    index: int
+    product: str
+    memory_mib: int
+    health: str
+
+    @property
+    def healthy(self) -> bool:
+        return self.health == HEALTHY
+
+    def to_json(self) -> dict[str, Any]:
+        """The annotation entry: ``{"uuid","index","product","memoryMiB","health"}``."""
+        return {"uuid": self.uuid, "index": self.index, "product": self.product,
+                "memoryMiB": self.memory_mib, "health": self.health}
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """A point-in-time reading of one GPU for the metrics (None where NVML had no answer)."""
+
+    gpu: Gpu
+    memory_used_bytes: int | None
+    memory_total_bytes: int | None
+    utilization_percent: int | None
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """The result of one discovery: the GPUs, or why NVML could not be used."""
+
+    available: bool
+    gpus: tuple[Gpu, ...] = ()
+    reason: str = ""
+    driver_version: str = ""
+
+    @property
+    def healthy(self) -> tuple[Gpu, ...]:
+        return tuple(g for g in self.gpus if g.healthy)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class Inventory:
+    """Discovers GPUs and samples them; safe to call from the event loop and a scrape thread."""
+
+    def __init__(self, nvml: ModuleType | Any = pynvml) -> None:
+        self._nvml = nvml
+        self._lock = threading.Lock()
+        self._initialised = False
+        self._last: Discovery = Discovery(available=False, reason="not discovered yet")
+        self._logged_state: tuple[Any, ...] = ()
+
+    @property
+    def last(self) -> Discovery:
+        """The latest discovery result (no NVML call)."""
+        return self._last
+
+    def _ensure_init(self) -> str:
+        """Initialise NVML if needed; return "" on success or the reason it is unavailable."""
+        if self._initialised:
+            return ""
+        try:
+            self._nvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            kind = ("NVIDIA driver not loaded" if isinstance(exc, pynvml.NVMLError_DriverNotLoaded)
+                    else "NVML library not found" if isinstance(exc, pynvml.NVMLError_LibraryNotFound)
+                    else "NVML initialisation failed")
+            return f"{kind}: {exc}"
+        except OSError as exc:
+            return f"NVML library could not be loaded: {exc}"
+        self._initialised = True
+        return ""
+
+    def discover(self) -> Discovery:
+        """Query NVML for every GPU. Never raises; ``available=False`` says why."""
+        with self._lock:
+            result = self._discover_locked()
+            self._last = result
+        state = (result.available, result.reason, len(result.gpus), len(result.healthy))
+        if state != self._logged_state:
+            self._logged_state = state
+            if not result.available:
+                logger.warning("no usable NVIDIA driver on this node; publishing zero GPUs and "
+                               "retrying every interval", extra={"reason": result.reason})
+            elif not result.gpus:
+                logger.warning("NVIDIA driver loaded but no GPUs found; publishing zero GPUs",
+                               extra={"driver": result.driver_version})
+            else:
+                logger.info("GPUs discovered", extra={
+                    "gpus": len(result.gpus), "healthy": len(result.healthy),
+                    "driver": result.driver_version})
+        return result
+
+    def _discover_locked(self) -> Discovery:
+        reason = self._ensure_init()
+        if reason:
+            return Discovery(available=False, reason=reason)
+        nvml = self._nvml
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError as exc:
+            if isinstance(exc, _UNAVAILABLE):
+                self._shutdown_locked()
+            return Discovery(available=False, reason=f"cannot count GPUs: {exc}")
+        try:
+            driver = _text(nvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError:
+            driver = ""
+        gpus: list[Gpu] = []
+        for index in range(count):
+            gpu = self._describe(index)
+            if gpu is not None:
+                gpus.append(gpu)
+        return Discovery(available=True, gpus=tuple(gpus), driver_version=driver)
+
+    def _describe(self, index: int) -> Gpu | None:
+        nvml = self._nvml
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        except pynvml.NVMLError as exc:
+            logger.warning("GPU cannot be addressed; left out", extra={"index": index,
+                                                                       "error": str(exc)})
+            return None
+        health = HEALTHY
+        product = ""
+        memory_mib = 0
+        try:
+            product = _text(nvml.nvmlDeviceGetName(handle))
+            memory_mib = int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB
+        except pynvml.NVMLError as exc:
+            health = UNHEALTHY
+            logger.warning("GPU query failed; marked unhealthy",
+                           extra={"index": index, "uuid": uuid, "error": str(exc)})
+        if health == HEALTHY:
+            why = self._health_problem(handle)
+            if why:
+                health = UNHEALTHY
+                logger.warning("GPU unhealthy", extra={"index": index, "uuid": uuid,
+                                                       "reason": why})
+        return Gpu(uuid=uuid, index=index, product=product, memory_mib=memory_mib, health=health)
+
+    def _health_problem(self, handle: Any) -> str:
+        nvml = self._nvml
+        try:
+            if int(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)) == \
+                    pynvml.NVML_FEATURE_ENABLED:
+                return "retired pages pending (reset needed)"
+        except pynvml.NVMLError_NotSupported:
+            pass
+        except pynvml.NVMLError as exc:
+            return f"retired-pages query failed: {exc}"
+        try:
+            _corr, _unc, _pending, failure = nvml.nvmlDeviceGetRemappedRows(handle)
+            if failure:
+                return "row remapping failed"
+        except pynvml.NVMLError_NotSupported:
+            pass
+        except pynvml.NVMLError as exc:
+            return f"remapped-rows query failed: {exc}"
+        return ""
+
+    def sample(self) -> list[GpuSample]:
+        """Memory and utilisation of the last discovered GPUs (empty without NVML)."""
+        with self._lock:
+            if not self._initialised or not self._last.available:
+                return []
+            out = []
+            for gpu in self._last.gpus:
+                used = total = util = None
+                try:
+                    handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+                except pynvml.NVMLError:
+                    out.append(GpuSample(gpu, None, None, None))
+                    continue
+                try:
+                    mem = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+                    used, total = int(mem.used), int(mem.total)
+                except pynvml.NVMLError:
+                    pass
+                try:
+                    util = int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                except pynvml.NVMLError:
+                    pass
+                out.append(GpuSample(gpu, used, total, util))
+            return out
+
+    def _shutdown_locked(self) -> None:
+        if self._initialised:
+            try:
+                self._nvml.nvmlShutdown()
+            except pynvml.NVMLError:
+                pass
+            self._initialised = False
+
+    def close(self) -> None:
+        """Release NVML."""
+        with self._lock:
+            self._shutdown_locked()

@@ -1,0 +1,212 @@
+"""The node agent's main loop: metrics server, then discover/install/publish/clean up rounds.
+
+Start the metrics server, then loop. Each round, and again every ``--interval``:
+
+1. discover the GPUs (a node without driver or GPUs is logged once and publishes zeros);
+2. install the library and ld.so.preload (idempotent), then remove old versions nothing uses;
+3. publish the annotation, labels and extended resources, but only once the library is in
+   place, so no GPU pod is scheduled onto a node that cannot isolate it;
+4. remove the state dirs of pods the API server no longer has on the node.
+
+An API or install failure shortens the wait to an exponential backoff with jitter (1 s
+doubling, capped at the interval) instead of ending the process; metrics keep being served
+throughout. SIGTERM/SIGINT stop the loop and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+from kubernetes_asyncio import client, config
+
+from webhook.node import cleanup, install
+from webhook.node.config import AgentSettings
+from webhook.node.inventory import Inventory
+from webhook.node.metrics import AgentCollector, AgentStatus, make_registry, metrics_app
+from webhook.node.publish import Publisher
+
+logger = logging.getLogger(__name__)
+
+API_ERRORS = (client.ApiException, aiohttp.ClientError, TimeoutError, OSError, ValueError)
+"""What a call to the API server may raise: HTTP errors, connection errors, timeouts, and
+bodies that do not decode."""
+
+
+class Backoff:
+    """Exponential backoff with equal jitter: the n-th delay is in [d/2, d], d = base x 2^n."""
+
+    def __init__(self, base: float = 1.0, cap: float = 60.0,
+                 rng: Callable[[], float] = random.random) -> None:
+        self.base, self.cap, self._rng = base, cap, rng
+        self.failures = 0
+
+    def next(self) -> float:
+        d = min(self.cap, self.base * (2 ** min(self.failures, 30)))
+        self.failures += 1
+        return d / 2 + self._rng() * d / 2
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+def _api_error(exc: BaseException) -> str:
+    status = getattr(exc, "status", None)
+    reason = getattr(exc, "reason", None)
+    return f"HTTP {status} {reason}" if status else f"{type(exc).__name__}: {exc}"
+
+
+class Agent:
+    """One node's agent. ``start`` serves metrics; ``step`` runs one round; ``run`` loops."""
+
+    def __init__(self, settings: AgentSettings, library: bytes, *,
+                 inventory: Inventory | None = None,
+                 api_client: client.ApiClient | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.library = library
+        self.inventory = inventory or Inventory()
+        self.api_client = api_client
+        self.publisher = Publisher(api_client, settings) if api_client is not None else None
+        self.status = AgentStatus()
+        self.collector = AgentCollector(self.inventory, settings.host_state_dir, self.status)
+        self.registry = make_registry(self.collector)
+        self.backoff = Backoff(cap=max(settings.interval, 1.0))
+        self.installed: install.InstallResult | None = None
+        self.metrics_port = 0
+        self._clock = clock
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        """Start serving /metrics and /healthz."""
+        self._runner = web.AppRunner(metrics_app(self.registry), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.settings.metrics_host, self.settings.metrics_port)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.metrics_port = sockets[0].getsockname()[1] if sockets else self.settings.metrics_port
+        logger.info("metrics served", extra={"host": self.settings.metrics_host,
+                                             "port": self.metrics_port})
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.inventory.close()
+
+    def _install(self) -> bool:
+        s = self.settings
+        try:
+            result = install.install(self.library, s.host_library_dir, s.preload_target,
+                                     s.version)
+        except install.InstallError as exc:
+            logger.error("library install failed; GPUs are not published until it succeeds",
+                         extra={"error": str(exc)})
+            return False
+        self.installed = result
+        self.status.library = result.library.name
+        removed = install.remove_unused(s.host_library_dir, result.library, s.proc_root)
+        self.status.libraries_removed += sum(1 for n in removed
+                                             if n.startswith(install.LIB_STEM))
+        return True
+
+    async def step(self) -> float:
+        """One round of discover, install, publish, clean up; return seconds until the next."""
+        ok = True
+        discovery = await asyncio.to_thread(self.inventory.discover)
+        installed = await asyncio.to_thread(self._install)
+        ok = ok and installed
+        if self.publisher is not None and installed:
+            try:
+                outcome = await self.publisher.publish(discovery)
+            except API_ERRORS as exc:
+                ok = False
+                self.status.publish_errors += 1
+                logger.warning("publishing the node's GPUs failed; will retry",
+                               extra={"node": self.settings.node_name,
+                                      "error": _api_error(exc)})
+            else:
+                self.status.last_publish_success = self._clock()
+                if outcome.metadata_patched or outcome.status_patched:
+                    logger.info("node GPUs published", extra={
+                        "node": self.settings.node_name, "gpus": len(discovery.gpus),
+                        "healthy": len(discovery.healthy),
+                        "metadata": outcome.metadata_patched,
+                        "resources": outcome.status_patched})
+        if self.publisher is not None:
+            ok = await self._cleanup() and ok
+        if ok:
+            self.backoff.reset()
+            return self.settings.interval
+        return min(self.backoff.next(), self.settings.interval)
+
+    async def _cleanup(self) -> bool:
+        assert self.publisher is not None
+        try:
+            live = await self.publisher.live_pod_uids()
+        except API_ERRORS as exc:
+            logger.warning("listing the node's pods failed; no state dir removed",
+                           extra={"node": self.settings.node_name, "error": _api_error(exc)})
+            return False
+        removed = await asyncio.to_thread(cleanup.remove_stale, self.settings.host_state_dir,
+                                          live, self.settings.cleanup_grace, self._clock())
+        self.status.cleanup_removed += len(removed)
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Round after round until ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                delay = await self.step()
+            except Exception:  # a bug must not end the DaemonSet pod's metrics either
+                logger.exception("agent round failed")
+                delay = min(self.backoff.next(), self.settings.interval)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+
+
+async def _api_client(settings: AgentSettings) -> client.ApiClient:
+    conf = client.Configuration()
+    if settings.kubeconfig:
+        await config.load_kube_config(config_file=settings.kubeconfig, client_configuration=conf)
+    else:
+        config.load_incluster_config(client_configuration=conf)
+    return client.ApiClient(conf)
+
+
+async def main(settings: AgentSettings, library: bytes) -> int:
+    api: client.ApiClient | None = None
+    if settings.kube_enabled:
+        try:
+            api = await _api_client(settings)
+        except (config.ConfigException, OSError) as exc:
+            logger.error("no Kubernetes API configuration; pass --kubeconfig, run in-cluster, "
+                         "or use --no-kube", extra={"error": str(exc)})
+            return 2
+    agent = Agent(settings, library, api_client=api)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+        logger.info("agent started", extra={"node": settings.node_name,
+                                            "kube": settings.kube_enabled,
+                                            "interval": settings.interval})
+        await agent.run(stop)
+    finally:
+        await agent.close()
+        if api is not None:
+            await api.close()
+    logger.info("agent stopped")
+    return 0
+

@@ -1,0 +1,224 @@
+"""The agent's Prometheus metrics: per GPU from NVML, per container from the region files.
+
+A custom collector on its own registry computes everything at scrape time (no background
+polling): it samples NVML through the :class:`~webhook.node.inventory.Inventory` and reads
+every ``<host-state-dir>/<pod-uid>/<container>/region`` with
+:func:`webhook.node.region.read_region`. A corrupt or truncated region file is skipped,
+counted in ``gpuslice_region_errors_total`` and logged once until it reads cleanly again.
+
+Per container and device (labels ``namespace``, ``pod``, ``container``, ``uuid``): memory used
+and limit, compute limit (%), the busy-time counter the interposer keeps, and the measured
+compute share (% of the GPU's time over the interval since the previous scrape; absent on the
+first scrape of a region). The scrape runs in a worker thread so a slow NVML call cannot stall
+the agent's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from webhook import __version__
+from webhook.node.inventory import Inventory
+from webhook.node.region import Region, RegionError, read_region
+
+logger = logging.getLogger(__name__)
+
+REGION_NAME = "region"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_GPU_LABELS = ["uuid", "index", "product"]
+_CTR_LABELS = ["namespace", "pod", "container", "uuid"]
+
+
+@dataclass
+class AgentStatus:
+    """Facts the agent's loop records for the metrics (written by one task, read by scrapes)."""
+
+    library: str = ""
+    publish_errors: int = 0
+    last_publish_success: float = 0.0
+    cleanup_removed: int = 0
+    libraries_removed: int = 0
+
+
+def _labels(region: Region, region_path: Path) -> tuple[str, str, str]:
+    """namespace, pod, container; the dir names stand in where the region has no identity."""
+    return (region.namespace or "",
+            region.pod_name or region.pod_uid or region_path.parent.parent.name,
+            region.container or region_path.parent.name)
+
+
+class AgentCollector(Collector):
+    """Collects the node's GPU and container metrics at scrape time."""
+
+    def __init__(self, inventory: Inventory, state_dir: str | Path, status: AgentStatus,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._inventory = inventory
+        self._state_dir = Path(state_dir)
+        self._status = status
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._region_errors = 0
+        self._bad_files: set[Path] = set()
+        self._busy: dict[tuple[Path, str], tuple[int, float]] = {}
+
+    @property
+    def region_errors(self) -> int:
+        return self._region_errors
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            yield from self._collect_gpus()
+            yield from self._collect_containers()
+            yield from self._collect_agent()
+
+    def _collect_gpus(self) -> Iterator[Metric]:
+        discovery = self._inventory.last
+        up = GaugeMetricFamily("gpuslice_nvml_available",
+                               "1 when NVML works on this node, 0 without driver or library")
+        up.add_metric([], 1 if discovery.available else 0)
+        yield up
+        healthy = GaugeMetricFamily("gpuslice_gpu_healthy", "1 healthy, 0 unhealthy",
+                                    labels=_GPU_LABELS)
+        used = GaugeMetricFamily("gpuslice_gpu_memory_used_bytes",
+                                 "GPU memory in use (all processes)", labels=_GPU_LABELS)
+        total = GaugeMetricFamily("gpuslice_gpu_memory_total_bytes", "GPU memory size",
+                                  labels=_GPU_LABELS)
+        util = GaugeMetricFamily("gpuslice_gpu_utilization_percent",
+                                 "GPU utilisation over NVML's last sample period",
+                                 labels=_GPU_LABELS)
+        for s in self._inventory.sample():
+            lab = [s.gpu.uuid, str(s.gpu.index), s.gpu.product]
+            healthy.add_metric(lab, 1 if s.gpu.healthy else 0)
+            if s.memory_used_bytes is not None:
+                used.add_metric(lab, s.memory_used_bytes)
+            if s.memory_total_bytes is not None:
+                total.add_metric(lab, s.memory_total_bytes)
+            if s.utilization_percent is not None:
+                util.add_metric(lab, s.utilization_percent)
+        yield from (healthy, used, total, util)
+
+    def _region_paths(self) -> list[Path]:
+        try:
+            return sorted(p for p in self._state_dir.glob(f"*/*/{REGION_NAME}") if p.is_file())
+        except OSError:
+            return []
+
+    def _read(self, path: Path) -> Region | None:
+        try:
+            region = read_region(path)
+        except FileNotFoundError:
+            return None
+        except (RegionError, OSError) as exc:
+            self._region_errors += 1
+            if path not in self._bad_files:
+                self._bad_files.add(path)
+                logger.warning("unreadable region file skipped",
+                               extra={"path": str(path), "error": str(exc)})
+            return None
+        self._bad_files.discard(path)
+        return region
+
+    def _collect_containers(self) -> Iterator[Metric]:
+        used = GaugeMetricFamily("gpuslice_container_memory_used_bytes",
+                                 "GPU memory the container's processes hold on the device",
+                                 labels=_CTR_LABELS)
+        limit = GaugeMetricFamily("gpuslice_container_memory_limit_bytes",
+                                  "the container's GPU memory cap on the device",
+                                  labels=_CTR_LABELS)
+        sm = GaugeMetricFamily("gpuslice_container_compute_limit_percent",
+                               "the container's compute cap on the device (100 = none)",
+                               labels=_CTR_LABELS)
+        busy = CounterMetricFamily("gpuslice_container_busy_seconds",
+                                   "time the container kept the device busy",
+                                   labels=_CTR_LABELS)
+        share = GaugeMetricFamily("gpuslice_container_compute_share_percent",
+                                  "measured share of the device's time since the last scrape",
+                                  labels=_CTR_LABELS)
+        now = self._clock()
+        seen: set[tuple[Path, str]] = set()
+        paths = self._region_paths()
+        for path in paths:
+            region = self._read(path)
+            if region is None:
+                continue
+            ns, pod, ctr = _labels(region, path)
+            for dev in region.devices:
+                if not dev.uuid:
+                    continue
+                lab = [ns, pod, ctr, dev.uuid]
+                used.add_metric(lab, max(0, dev.used_bytes))
+                limit.add_metric(lab, dev.limit_bytes)
+                sm.add_metric(lab, dev.sm_limit if 0 < dev.sm_limit <= 100 else 100)
+                busy.add_metric(lab, dev.busy_ns / 1e9)
+                key = (path, dev.uuid)
+                seen.add(key)
+                prev = self._busy.get(key)
+                self._busy[key] = (dev.busy_ns, now)
+                if prev is not None and now > prev[1] and dev.busy_ns >= prev[0]:
+                    pct = (dev.busy_ns - prev[0]) / 1e9 / (now - prev[1]) * 100.0
+                    share.add_metric(lab, min(pct, 100.0))
+        for key in list(self._busy):
+            if key not in seen:
+                del self._busy[key]
+        live = set(paths)
+        self._bad_files &= live
+        errors = CounterMetricFamily("gpuslice_region_errors",
+                                     "region files that could not be read (corrupt, truncated)")
+        errors.add_metric([], self._region_errors)
+        yield from (used, limit, sm, busy, share, errors)
+
+    def _collect_agent(self) -> Iterator[Metric]:
+        st = self._status
+        info = GaugeMetricFamily("gpuslice_agent_info", "agent version and installed library",
+                                 labels=["version", "library"])
+        info.add_metric([__version__, st.library], 1)
+        perr = CounterMetricFamily("gpuslice_agent_publish_errors",
+                                   "failed attempts to publish the node's GPUs")
+        perr.add_metric([], st.publish_errors)
+        last = GaugeMetricFamily("gpuslice_agent_last_publish_success_timestamp_seconds",
+                                 "Unix time of the last successful publication (0 = never)")
+        last.add_metric([], st.last_publish_success)
+        removed = CounterMetricFamily("gpuslice_agent_state_dirs_removed",
+                                      "state dirs of departed pods removed")
+        removed.add_metric([], st.cleanup_removed)
+        libs = CounterMetricFamily("gpuslice_agent_libraries_removed",
+                                   "unused old library versions removed")
+        libs.add_metric([], st.libraries_removed)
+        yield from (info, perr, last, removed, libs)
+
+
+def make_registry(collector: AgentCollector) -> CollectorRegistry:
+    """A registry holding only the agent's collector (no process/platform defaults)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def metrics_app(registry: CollectorRegistry) -> web.Application:
+    """The aiohttp app serving ``/metrics`` and ``/healthz``."""
+
+    async def metrics(_request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    return app

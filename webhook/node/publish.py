@@ -1,0 +1,146 @@
+"""Publishes the node's GPUs to the API server: annotation, labels and extended resources.
+
+What is published (DESIGN.md §4), computed by the pure :func:`desired_state`:
+
+- annotation ``gpuslice.io/gpus``: compact JSON list of ``{"uuid","index","product",
+  "memoryMiB","health"}``, every addressable GPU, healthy or not (the extender skips unhealthy
+  ones);
+- labels describing the hardware: ``gpuslice.io/gpu.product`` (product of the lowest-index GPU,
+  sanitised to a label value; removed when there is no GPU), ``gpuslice.io/gpu.count`` (GPUs
+  found) and ``gpuslice.io/gpu.memory`` (the smallest per-GPU memory in MiB);
+- extended resources in ``status.capacity`` and ``status.allocatable``, counting healthy GPUs
+  only: gpu = healthy x split count, gpumem = their total MiB, gpucores = 100 x healthy. A node
+  without driver or GPUs publishes zeros, so nothing is scheduled onto it.
+
+:class:`Publisher` reads the node first and sends only what differs, as JSON merge patches
+(``application/merge-patch+json``; keys with ``/`` need no escaping there): one on the node for
+metadata, one on ``nodes/{name}/status`` for the resources. Errors propagate to the caller,
+which retries with backoff.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes_asyncio import client
+
+from webhook import names
+from webhook.node.config import AgentSettings
+from webhook.node.inventory import Discovery
+
+MERGE_PATCH = "application/merge-patch+json"
+TIMEOUT = 30
+"""Seconds any one API request may take."""
+_LABEL_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a valid label value: invalid runs become ``-``, at most 63 characters,
+    starting and ending alphanumeric ("NVIDIA A100-SXM4-80GB" -> "NVIDIA-A100-SXM4-80GB")."""
+    value = _LABEL_BAD.sub("-", text.strip())[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What the node object should carry."""
+
+    annotation: str
+    labels: Mapping[str, str | None]
+    """Label values; None means the label must be absent."""
+    resources: Mapping[str, str]
+    """Extended resource name -> quantity, for both capacity and allocatable."""
+
+
+def desired_state(discovery: Discovery, settings: AgentSettings) -> NodeState:
+    """The annotation, labels and resources for ``discovery`` (pure)."""
+    gpus = sorted(discovery.gpus, key=lambda g: g.index) if discovery.available else []
+    healthy = [g for g in gpus if g.healthy]
+    annotation = json.dumps([g.to_json() for g in gpus], separators=(",", ":"))
+    product = label_value(gpus[0].product) if gpus else ""
+    labels: dict[str, str | None] = {
+        names.LABEL_GPU_PRODUCT: product or None,
+        names.LABEL_GPU_COUNT: str(len(gpus)),
+        names.LABEL_GPU_MEMORY: str(min((g.memory_mib for g in gpus), default=0)),
+    }
+    resources = {
+        settings.resource_gpu: str(len(healthy) * settings.split_count),
+        settings.resource_mem: str(sum(g.memory_mib for g in healthy)),
+        settings.resource_cores: str(100 * len(healthy)),
+    }
+    return NodeState(annotation, labels, resources)
+
+
+def metadata_patch(annotations: Mapping[str, str] | None, labels: Mapping[str, str] | None,
+                   want: NodeState) -> dict[str, Any] | None:
+    """The merge patch that brings the node's metadata to ``want``; None if it already is."""
+    annotations = annotations or {}
+    labels = labels or {}
+    meta: dict[str, Any] = {}
+    if annotations.get(names.ANN_NODE_GPUS) != want.annotation:
+        meta["annotations"] = {names.ANN_NODE_GPUS: want.annotation}
+    changed = {k: v for k, v in want.labels.items() if labels.get(k) != v}
+    if changed:
+        meta["labels"] = changed
+    return {"metadata": meta} if meta else None
+
+
+def status_patch(capacity: Mapping[str, str] | None, allocatable: Mapping[str, str] | None,
+                 want: NodeState) -> dict[str, Any] | None:
+    """The merge patch for ``nodes/{name}/status``; None if capacity and allocatable match."""
+    capacity = capacity or {}
+    allocatable = allocatable or {}
+    if all(capacity.get(k) == v and allocatable.get(k) == v for k, v in want.resources.items()):
+        return None
+    return {"status": {"capacity": dict(want.resources), "allocatable": dict(want.resources)}}
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """Which of the two patches were sent."""
+
+    metadata_patched: bool
+    status_patched: bool
+
+
+class Publisher:
+    """Talks to the API server for one node."""
+
+    def __init__(self, api_client: client.ApiClient, settings: AgentSettings) -> None:
+        self._api = client.CoreV1Api(api_client)
+        self._settings = settings
+        self._node = settings.node_name
+
+    async def publish(self, discovery: Discovery) -> PublishOutcome:
+        """Bring the node's annotation, labels and resources to the discovered state."""
+        want = desired_state(discovery, self._settings)
+        node = await self._api.read_node(self._node, _request_timeout=TIMEOUT)
+        meta = metadata_patch(node.metadata.annotations, node.metadata.labels, want)
+        if meta is not None:
+            await self._api.patch_node(self._node, meta, _content_type=MERGE_PATCH,
+                                          _request_timeout=TIMEOUT)
+        status = node.status or client.V1NodeStatus()
+        spatch = status_patch(status.capacity, status.allocatable, want)
+        if spatch is not None:
+            await self._api.patch_node_status(self._node, spatch, _content_type=MERGE_PATCH,
+                                          _request_timeout=TIMEOUT)
+        return PublishOutcome(meta is not None, spatch is not None)
+
+    async def live_pod_uids(self) -> set[str]:
+        """UIDs of every pod the API server has on this node (all pages; raises on error)."""
+        uids: set[str] = set()
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"field_selector": f"spec.nodeName={self._node}",
+                                      "limit": 500, "_request_timeout": TIMEOUT}
+            if token:
+                kwargs["_continue"] = token
+            pods = await self._api.list_pod_for_all_namespaces(**kwargs)
+            uids.update(p.metadata.uid for p in pods.items if p.metadata and p.metadata.uid)
+            token = pods.metadata._continue if pods.metadata else None
+            if not token:
+                return uids
