@@ -1,0 +1,106 @@
+"""Wire formats of kube-scheduler's extender protocol (k8s.io/kube-scheduler/extender/v1).
+
+The Go structs carry no JSON tags, so the JSON keys are the Go field names (PascalCase). The
+scheduler decodes case-insensitively, but we always answer with the exact names. With
+``nodeCacheCapable: true`` the scheduler sends ``NodeNames`` (not ``Nodes``) and reads
+``NodeNames`` back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+MIN_PRIORITY = 0
+"""MinExtenderPriority."""
+MAX_PRIORITY = 10
+"""MaxExtenderPriority."""
+
+
+class ExtenderArgs(TypedDict, total=False):
+    """Filter and prioritize request: the pod and the candidate nodes."""
+
+    Pod: dict[str, Any]
+    Nodes: dict[str, Any] | None
+    NodeNames: list[str] | None
+
+
+class ExtenderFilterResult(TypedDict):
+    """Filter answer: nodes that fit, and a reason per node that does not."""
+
+    NodeNames: list[str]
+    FailedNodes: dict[str, str]
+    FailedAndUnresolvableNodes: dict[str, str]
+    Error: str
+
+
+class HostPriority(TypedDict):
+    """One node's score, 0 (worst) to 10 (best)."""
+
+    Host: str
+    Score: int
+
+
+HostPriorityList = list[HostPriority]
+
+
+class ExtenderBindingArgs(TypedDict):
+    """Bind request: the pod chosen for a node."""
+
+    PodName: str
+    PodNamespace: str
+    PodUID: str
+    Node: str
+
+
+class ExtenderBindingResult(TypedDict):
+    """Bind answer: an empty Error means success."""
+
+    Error: str
+
+
+class WireError(ValueError):
+    """A request body that is not the extender wire format (answered with HTTP 400)."""
+
+
+def candidate_names(args: dict[str, Any]) -> list[str]:
+    """The candidate node names of ExtenderArgs: ``NodeNames``, else the names in ``Nodes``."""
+    names = args.get("NodeNames")
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise WireError("NodeNames must be a list of strings")
+        return names
+    nodes = args.get("Nodes")
+    if isinstance(nodes, dict):
+        items = nodes.get("items") or []
+        if not isinstance(items, list):
+            raise WireError("Nodes.items must be a list")
+        return [str(((n or {}).get("metadata") or {}).get("name", "")) for n in items]
+    if nodes is None:
+        return []
+    raise WireError("Nodes must be a NodeList object")
+
+
+def extender_pod(args: Any) -> dict[str, Any]:
+    """The ``Pod`` of ExtenderArgs, checked to be an object with metadata."""
+    if not isinstance(args, dict):
+        raise WireError("ExtenderArgs must be a JSON object")
+    pod = args.get("Pod")
+    if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
+        raise WireError("ExtenderArgs.Pod must be a Pod object with metadata")
+    if not isinstance(pod.get("spec"), dict):
+        raise WireError("ExtenderArgs.Pod.spec must be an object")
+    return pod
+
+
+def binding_args(body: Any) -> ExtenderBindingArgs:
+    """Validate an ExtenderBindingArgs body."""
+    if not isinstance(body, dict):
+        raise WireError("ExtenderBindingArgs must be a JSON object")
+    out: dict[str, str] = {}
+    for key in ("PodName", "PodNamespace", "PodUID", "Node"):
+        value = body.get(key)
+        if not isinstance(value, str) or not value:
+            raise WireError(f"ExtenderBindingArgs.{key} must be a non-empty string")
+        out[key] = value
+    return ExtenderBindingArgs(PodName=out["PodName"], PodNamespace=out["PodNamespace"],
+                               PodUID=out["PodUID"], Node=out["Node"])

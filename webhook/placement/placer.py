@@ -1,0 +1,238 @@
+"""The extender's verbs as plain methods: filter, prioritize, bind, over the watched state.
+
+:class:`Placer` owns the :class:`ClusterState`, the watches that feed it and the API client
+used to bind. Filter and prioritize are synchronous and pure over the state; bind reserves
+the chosen GPUs in the state (atomically, on the event loop, no lock), then creates the
+Binding with the device annotations, and releases the reservation if the API server refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio import client
+
+from webhook import names
+from webhook.placement.fit import NoFit, place
+from webhook.placement.model import (
+    ExtenderBindingArgs,
+    ExtenderBindingResult,
+    ExtenderFilterResult,
+    HostPriority,
+    candidate_names,
+    extender_pod,
+)
+from webhook.placement.request import PodRequest, RequestError, pod_request
+from webhook.placement.state import ClusterState
+from webhook.placement.sync import ApiStatusError, ClusterSync, read_json
+from webhook.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_POD_CACHE = 4096
+
+
+class Placer:
+    """Per-GPU placement for kube-scheduler; stored on the app at ``PLACEMENT_KEY``."""
+
+    def __init__(self, settings: Settings, state: ClusterState | None = None,
+                 api: client.ApiClient | None = None, *, bind_timeout_s: float = 3.0,
+                 resync_s: float = 300.0) -> None:
+        self.settings = settings
+        self.state = state or ClusterState(settings)
+        self.bind_timeout_s = bind_timeout_s
+        self.resync_s = resync_s
+        self.core: client.CoreV1Api | None = None
+        self.sync: ClusterSync | None = None
+        self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._inflight: set[str] = set()
+        if api is not None:
+            self.attach(api)
+
+    # ----- lifecycle and the interface the webhook uses -----
+    def attach(self, api: client.ApiClient) -> None:
+        """Use ``api`` for the watches and the binds."""
+        self.core = client.CoreV1Api(api)
+        self.sync = ClusterSync(self.state, api, resync_s=self.resync_s)
+
+    def start(self) -> None:
+        if self.sync is not None:
+            self.sync.start()
+
+    async def stop(self) -> None:
+        if self.sync is not None:
+            await self.sync.stop()
+
+    def ready(self) -> bool:
+        """True once the initial list of nodes and pods is in; always when the API is off."""
+        if not self.settings.kube_enabled and self.sync is None:
+            return True
+        return self.sync is not None and self.sync.ready.is_set()
+
+    def largest_gpu_memory_mib(self) -> int | None:
+        """The largest GPU memory (MiB) of any known node; None when no inventory is known."""
+        return self.state.largest_gpu_memory_mib()
+
+    # ----- filter / prioritize -----
+    def _remember(self, pod: dict[str, Any]) -> None:
+        uid = (pod.get("metadata") or {}).get("uid")
+        if uid:
+            self._pods[str(uid)] = pod
+            self._pods.move_to_end(str(uid))
+            while len(self._pods) > _POD_CACHE:
+                self._pods.popitem(last=False)
+
+    def filter(self, args: Any) -> ExtenderFilterResult:
+        pod = extender_pod(args)
+        candidates = candidate_names(args)
+        self._remember(pod)
+        out = ExtenderFilterResult(NodeNames=[], FailedNodes={}, FailedAndUnresolvableNodes={},
+                                   Error="")
+        if not self.ready():
+            out["Error"] = "gpuslice: placement is still reading the cluster state; retry"
+            return out
+        try:
+            req = pod_request(pod, self.settings)
+        except RequestError as exc:
+            out["FailedAndUnresolvableNodes"] = {n: f"gpuslice: {exc}" for n in candidates}
+            return out
+        if not req.wants_gpus:
+            out["NodeNames"] = list(candidates)
+            return out
+        for name in candidates:
+            node = self.state.node(name)
+            if node is None or node.inventory_error:
+                why = node.inventory_error if node is not None else "node not known"
+                out["FailedAndUnresolvableNodes"][name] = f"gpuslice: {why}"
+                continue
+            result = place(req, node.gpus, node.usage, self.settings.split_count)
+            if isinstance(result, NoFit):
+                target = "FailedAndUnresolvableNodes" if result.unresolvable else "FailedNodes"
+                out[target][name] = result.reason  # type: ignore[literal-required]
+            else:
+                out["NodeNames"].append(name)
+        return out
+
+    def prioritize(self, args: Any) -> list[HostPriority]:
+        pod = extender_pod(args)
+        candidates = candidate_names(args)
+        self._remember(pod)
+        try:
+            req = pod_request(pod, self.settings)
+        except RequestError:
+            req = None
+        scores: list[HostPriority] = []
+        for name in candidates:
+            node = self.state.node(name)
+            score = 0
+            if req is not None and req.wants_gpus and node is not None and node.gpus:
+                result = place(req, node.gpus, node.usage, self.settings.split_count)
+                score = 0 if isinstance(result, NoFit) else result.score
+            scores.append(HostPriority(Host=name, Score=score))
+        return scores
+
+    # ----- bind -----
+    async def _pod(self, args: ExtenderBindingArgs) -> dict[str, Any]:
+        pod = self._pods.get(args["PodUID"])
+        if pod is None:
+            if self.core is None:
+                raise LookupError("pod was never seen by filter and the Kubernetes API is off")
+            pod = await read_json(await self.core.read_namespaced_pod(
+                args["PodName"], args["PodNamespace"], _preload_content=False,
+                _request_timeout=self.bind_timeout_s))
+        if (pod.get("metadata") or {}).get("uid") != args["PodUID"]:
+            raise LookupError("the pod with this name has a different UID (recreated?)")
+        return pod
+
+    async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
+        uid, node_name = args["PodUID"], args["Node"]
+        where = {"pod": f"{args['PodNamespace']}/{args['PodName']}", "node": node_name}
+        if self.core is None:
+            return ExtenderBindingResult(Error="gpuslice: bind needs the Kubernetes API "
+                                               "(kube_enabled is false)")
+        if uid in self._inflight:
+            return ExtenderBindingResult(Error="gpuslice: a bind of this pod is in progress")
+        self._inflight.add(uid)
+        try:
+            try:
+                pod = await self._pod(args)
+                req = pod_request(pod, self.settings)
+            except (LookupError, RequestError, ApiStatusError) as exc:
+                return ExtenderBindingResult(Error=f"gpuslice: cannot bind: {exc}")
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                return ExtenderBindingResult(Error=f"gpuslice: cannot read the pod: {exc!r}")
+            return await self._bind(args, req, where)
+        finally:
+            self._inflight.discard(uid)
+
+    async def _bind(self, args: ExtenderBindingArgs, req: PodRequest,
+                    where: dict[str, str]) -> ExtenderBindingResult:
+        uid, node_name = args["PodUID"], args["Node"]
+        annotations: dict[str, str] = {}
+        if req.wants_gpus:
+            # From here to reserve() there is no await: choose-and-reserve is atomic.
+            existing = self.state.allocs.get(uid)
+            if existing is not None and not existing.assumed:
+                return ExtenderBindingResult(
+                    Error=f"gpuslice: pod already holds GPUs on node {existing.node}")
+            self.state.release(uid)  # a reservation left by an earlier, undecided attempt
+            node = self.state.node(node_name)
+            if node is None or node.inventory_error:
+                why = node.inventory_error if node is not None else "node not known"
+                return ExtenderBindingResult(Error=f"gpuslice: {why}")
+            result = place(req, node.gpus, node.usage, self.settings.split_count)
+            if isinstance(result, NoFit):
+                return ExtenderBindingResult(Error=result.reason)
+            self.state.reserve(uid, args["PodNamespace"], args["PodName"], node_name, req,
+                               result.assignment)
+            annotations = {names.devices_annotation(c): ",".join(uuids)
+                           for c, uuids in result.assignment.items()}
+        body = {"apiVersion": "v1", "kind": "Binding",
+                "metadata": {"name": args["PodName"], "namespace": args["PodNamespace"],
+                             "uid": uid, "annotations": annotations},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node_name}}
+        assert self.core is not None
+        try:
+            # _preload_content=False: the API server answers a Status, which the generated
+            # client fails to deserialise as V1Binding (a known client issue).
+            await read_json(await self.core.create_namespaced_pod_binding(
+                args["PodName"], args["PodNamespace"], body, _preload_content=False,
+                _request_timeout=self.bind_timeout_s))
+        except ApiStatusError as exc:
+            self.state.release(uid)
+            logger.warning("bind refused", extra=where | {"status": exc.status,
+                                                         "error": exc.message})
+            return ExtenderBindingResult(Error=f"gpuslice: bind refused by the API server "
+                                               f"({exc.status}): {exc.message}")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return await self._undecided(args, annotations, where, exc)
+        logger.info("pod bound", extra=where | {"devices": annotations})
+        return ExtenderBindingResult(Error="")
+
+    async def _undecided(self, args: ExtenderBindingArgs, annotations: dict[str, str],
+                         where: dict[str, str], exc: BaseException) -> ExtenderBindingResult:
+        """The Binding request got no answer: look at the pod to learn whether it happened."""
+        uid = args["PodUID"]
+        assert self.core is not None
+        try:
+            pod = await read_json(await self.core.read_namespaced_pod(
+                args["PodName"], args["PodNamespace"], _preload_content=False,
+                _request_timeout=self.bind_timeout_s))
+        except (TimeoutError, ApiStatusError, aiohttp.ClientError):
+            # Unknown: keep the reservation; the watch, a resync or the next bind settles it.
+            logger.warning("bind outcome unknown", extra=where | {"error": repr(exc)})
+            return ExtenderBindingResult(Error=f"gpuslice: bind request failed: {exc!r}")
+        bound_here = (pod.get("spec") or {}).get("nodeName") == args["Node"]
+        mine = (pod.get("metadata") or {}).get("uid") == uid
+        annotated = all(((pod.get("metadata") or {}).get("annotations") or {}).get(k) == v
+                        for k, v in annotations.items())
+        if mine and bound_here and annotated:
+            self.state.apply_pod(pod)
+            logger.info("pod bound", extra=where | {"devices": annotations, "late": True})
+            return ExtenderBindingResult(Error="")
+        self.state.release(uid)
+        return ExtenderBindingResult(Error=f"gpuslice: bind request failed: {exc!r}")
+

@@ -1,0 +1,191 @@
+"""What a pod asks of the GPUs: per-container slices and the pod's placement preferences.
+
+Pure parsing of a Pod object (as JSON) into :class:`PodRequest`, with DESIGN.md §1's rules:
+
+* ``gpu`` = number of distinct GPUs; ``gpumem`` (MiB) or ``gpumem-percentage`` per GPU;
+  ``gpucores`` (% of compute) per GPU; 100 cores = the GPU is exclusive to the container.
+* ``gpumem``/``gpucores`` without ``gpu`` mean one GPU; ``gpu`` alone means whole, exclusive
+  GPUs (100% memory, 100 cores). No memory given (only ``gpu`` and ``gpucores``) means 100% of
+  the memory, no cores given means 0 (no compute share reserved, no throttling), as in HAMi.
+* Values come from ``resources.limits`` (falling back to ``requests``, which must equal them).
+* Init containers run one at a time before the app containers; restartable init containers
+  (``restartPolicy: Always``, native sidecars) keep running beside everything declared after
+  them. :func:`webhook.placement.fit.pod_demand` turns that into per-GPU demand.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any, Literal
+
+from webhook import names
+from webhook.settings import Settings
+
+Kind = Literal["app", "init", "sidecar"]
+POLICIES = ("binpack", "spread")
+
+
+class RequestError(ValueError):
+    """The pod's GPU requests or placement annotations are invalid; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerRequest:
+    """One container's GPU slice: ``count`` distinct GPUs, each with this memory and compute."""
+
+    name: str
+    kind: Kind
+    order: int
+    """Position in ``containers`` (app) or ``initContainers`` (init, sidecar)."""
+    count: int
+    mem_mib: int | None
+    """MiB per GPU, or None when the request is a percentage."""
+    mem_percent: int | None
+    """% of each GPU's memory, or None when the request is in MiB."""
+    cores: int
+    """% of each GPU's compute, 0-100; 100 means exclusive."""
+
+    @property
+    def exclusive(self) -> bool:
+        return self.cores >= 100
+
+    def memory_on(self, gpu_memory_mib: int) -> int:
+        """MiB this container takes on a GPU with ``gpu_memory_mib`` of memory."""
+        if self.mem_mib is not None:
+            return self.mem_mib
+        return gpu_memory_mib * (self.mem_percent or 0) // 100
+
+    def describe(self) -> str:
+        mem = f"{self.mem_mib} MiB" if self.mem_mib is not None else f"{self.mem_percent}% memory"
+        gpus = "1 GPU" if self.count == 1 else f"{self.count} distinct GPUs"
+        return f"{gpus} with {mem} and {self.cores}% compute"
+
+
+@dataclass(frozen=True, slots=True)
+class PodRequest:
+    """Every GPU-requesting container of a pod, and how the pod wants to be placed."""
+
+    containers: tuple[ContainerRequest, ...]
+    policy: str
+    include_types: tuple[str, ...] = ()
+    exclude_types: tuple[str, ...] = ()
+    include_uuids: tuple[str, ...] = ()
+    exclude_uuids: tuple[str, ...] = ()
+
+    @property
+    def wants_gpus(self) -> bool:
+        return bool(self.containers)
+
+    def shape_key(self) -> tuple[Any, ...]:
+        """A hashable key: two pods with equal keys fit and score identically."""
+        return (self.containers and tuple((c.kind, c.order, c.count, c.mem_mib, c.mem_percent,
+                                           c.cores) for c in self.containers),
+                self.policy, self.include_types, self.exclude_types, self.include_uuids,
+                self.exclude_uuids)
+
+
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+_SUFFIX = {None: 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+           "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def _whole(value: Any, what: str) -> int:
+    """A Kubernetes quantity that must be a whole, non-negative number."""
+    if isinstance(value, bool):
+        raise RequestError(f"{what}: {value!r} is not a quantity")
+    if isinstance(value, int):
+        number = Decimal(value)
+    else:
+        match = _QUANTITY.match(str(value).strip())
+        if not match:
+            raise RequestError(f"{what}: {value!r} is not a quantity")
+        try:
+            number = Decimal(match.group(1)) * _SUFFIX[match.group(2)]
+        except InvalidOperation as exc:
+            raise RequestError(f"{what}: {value!r} is not a quantity") from exc
+    if number < 0 or number != number.to_integral_value():
+        raise RequestError(f"{what}: {value!r} must be a whole, non-negative number")
+    return int(number)
+
+
+def container_request(container: dict[str, Any], kind: Kind, order: int,
+                      settings: Settings) -> ContainerRequest | None:
+    """Parse one container's GPU resources; None when it asks for no GPU."""
+    name = str(container.get("name") or "")
+    resources = container.get("resources") or {}
+    limits = dict(resources.get("requests") or {})
+    limits.update(resources.get("limits") or {})
+    gpu_raw = limits.get(settings.resource_gpu)
+    mem_raw = limits.get(settings.resource_mem)
+    pct_raw = limits.get(settings.resource_mem_percent)
+    cores_raw = limits.get(settings.resource_cores)
+    if gpu_raw is None and mem_raw is None and pct_raw is None and cores_raw is None:
+        return None
+    where = f"container {name!r}"
+    count = 1 if gpu_raw is None else _whole(gpu_raw, f"{where}: {settings.resource_gpu}")
+    if count == 0:
+        return None
+    if mem_raw is not None and pct_raw is not None:
+        raise RequestError(f"{where}: set either {settings.resource_mem} or "
+                           f"{settings.resource_mem_percent}, not both")
+    mem_mib: int | None = None
+    mem_percent: int | None = None
+    if mem_raw is not None:
+        mem_mib = _whole(mem_raw, f"{where}: {settings.resource_mem}")
+        if mem_mib < 1:
+            raise RequestError(f"{where}: {settings.resource_mem} must be at least 1 MiB")
+    elif pct_raw is not None:
+        mem_percent = _whole(pct_raw, f"{where}: {settings.resource_mem_percent}")
+        if not 1 <= mem_percent <= 100:
+            raise RequestError(f"{where}: {settings.resource_mem_percent} must be 1-100")
+    if cores_raw is not None:
+        cores = _whole(cores_raw, f"{where}: {settings.resource_cores}")
+        if not 0 <= cores <= 100:
+            raise RequestError(f"{where}: {settings.resource_cores} must be 0-100")
+    else:
+        cores = 100 if (gpu_raw is not None and mem_raw is None and pct_raw is None) else 0
+    if mem_mib is None and mem_percent is None:
+        mem_percent = 100
+    return ContainerRequest(name, kind, order, count, mem_mib, mem_percent, cores)
+
+
+def _csv(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return tuple(sorted({p.strip().lower() for p in str(value).split(",") if p.strip()}))
+
+
+def _either(annotations: dict[str, Any], ours: str, hami: str) -> tuple[str, ...]:
+    return tuple(sorted(set(_csv(annotations.get(ours))) | set(_csv(annotations.get(hami)))))
+
+
+def pod_request(pod: dict[str, Any], settings: Settings) -> PodRequest:
+    """Parse a pod's GPU requests and placement annotations (raises :class:`RequestError`)."""
+    spec = pod.get("spec") or {}
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    containers: list[ContainerRequest] = []
+    for i, c in enumerate(spec.get("initContainers") or []):
+        kind: Kind = "sidecar" if (c or {}).get("restartPolicy") == "Always" else "init"
+        req = container_request(c or {}, kind, i, settings)
+        if req is not None:
+            containers.append(req)
+    for i, c in enumerate(spec.get("containers") or []):
+        req = container_request(c or {}, "app", i, settings)
+        if req is not None:
+            containers.append(req)
+    policy_raw = annotations.get(names.ANN_PLACEMENT) or annotations.get(names.HAMI_POLICY)
+    policy = str(policy_raw).strip().lower() if policy_raw else settings.default_policy
+    if policy not in POLICIES:
+        key = names.ANN_PLACEMENT if annotations.get(names.ANN_PLACEMENT) else names.HAMI_POLICY
+        raise RequestError(f"annotation {key}: {policy_raw!r} is not one of binpack, spread")
+    return PodRequest(
+        containers=tuple(containers), policy=policy,
+        include_types=_either(annotations, names.ANN_GPU_TYPE, names.HAMI_USE_GPUTYPE),
+        exclude_types=_either(annotations, names.ANN_AVOID_GPU_TYPE, names.HAMI_NOUSE_GPUTYPE),
+        include_uuids=_either(annotations, names.ANN_GPU_UUID, names.HAMI_USE_GPUUUID),
+        exclude_uuids=_either(annotations, names.ANN_AVOID_GPU_UUID, names.HAMI_NOUSE_GPUUUID),
+    )

@@ -1,0 +1,247 @@
+"""The cluster as the extender sees it: each node's GPUs and what every pod holds on them.
+
+Fed by the watches (:mod:`webhook.placement.sync`) with raw Node and Pod JSON, and by binds
+with *assumed* allocations: a bind reserves its GPUs here before it calls the API server, so a
+concurrent bind for the same node sees them taken. An assumed allocation becomes confirmed
+when the watch shows the pod bound with its device annotations, and is dropped if the bind
+fails. Everything here is synchronous and runs on the event loop, so a check-and-reserve
+between two ``await`` points is atomic without a lock.
+
+Counted pods: bound (``spec.nodeName``), not ``Succeeded``/``Failed``, with at least one
+``gpuslice.io/devices.<container>`` annotation. Deleted or finished pods release their GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from webhook import names
+from webhook.placement.fit import pod_demand
+from webhook.placement.inventory import Gpu, InventoryError, Usage, parse_inventory
+from webhook.placement.request import ContainerRequest, PodRequest, RequestError, pod_request
+from webhook.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_TERMINAL = ("Succeeded", "Failed")
+
+
+@dataclass
+class NodeState:
+    """One node: its GPUs, what is taken on each, and a version that changes with either."""
+
+    name: str
+    gpus: tuple[Gpu, ...] = ()
+    inventory_error: str | None = "node not seen yet"
+    usage: dict[str, Usage] = field(default_factory=dict)
+    pods: set[str] = field(default_factory=set)
+    version: int = 0
+
+    def memory_of(self) -> dict[str, int]:
+        return {g.uuid: g.memory_mib for g in self.gpus}
+
+
+@dataclass
+class PodAlloc:
+    """The GPUs a pod holds on a node."""
+
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    request: PodRequest
+    assignment: dict[str, tuple[str, ...]]
+    demand: dict[str, Usage]
+    assumed: bool = False
+    """True from the bind's reservation until the watch shows the pod bound."""
+    reserved_at: float = 0.0
+
+
+def assignment_from_pod(pod: dict[str, Any], req: PodRequest) -> dict[str, tuple[str, ...]]:
+    """Container name → UUIDs, read from the pod's device annotations."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    out: dict[str, tuple[str, ...]] = {}
+    for c in req.containers:
+        value = annotations.get(names.devices_annotation(c.name))
+        if value:
+            out[c.name] = tuple(u.strip() for u in str(value).split(",") if u.strip())
+    return out
+
+
+def _whole_gpu_request(pod: dict[str, Any]) -> PodRequest:
+    """For a pod whose requests cannot be read: every annotated container holds its GPUs whole."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    spec = pod.get("spec") or {}
+    containers = []
+    for kind, key in (("init", "initContainers"), ("app", "containers")):
+        for i, c in enumerate(spec.get(key) or []):
+            value = annotations.get(names.devices_annotation(str((c or {}).get("name", ""))))
+            if value:
+                containers.append(ContainerRequest(str(c.get("name")), kind, i,  # type: ignore[arg-type]
+                                                   len(str(value).split(",")), None, 100, 100))
+    return PodRequest(tuple(containers), "binpack")
+
+
+class ClusterState:
+    """Nodes and pod allocations; all mutation goes through these methods."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.nodes: dict[str, NodeState] = {}
+        self.allocs: dict[str, PodAlloc] = {}
+        self._version = 0
+
+    # ----- reads -----
+    def node(self, name: str) -> NodeState | None:
+        return self.nodes.get(name)
+
+    def largest_gpu_memory_mib(self) -> int | None:
+        sizes = [g.memory_mib for n in self.nodes.values() for g in n.gpus]
+        return max(sizes) if sizes else None
+
+    # ----- nodes -----
+    def _node(self, name: str) -> NodeState:
+        node = self.nodes.get(name)
+        if node is None:
+            node = self.nodes[name] = NodeState(name)
+        return node
+
+    def _bump(self, node: NodeState) -> None:
+        self._version += 1
+        node.version = self._version
+
+    def apply_node(self, obj: dict[str, Any]) -> None:
+        """A node was added or changed: re-read its GPU inventory."""
+        meta = obj.get("metadata") or {}
+        node = self._node(str(meta.get("name")))
+        raw = (meta.get("annotations") or {}).get(names.ANN_NODE_GPUS)
+        try:
+            gpus, error = parse_inventory(raw), None
+        except InventoryError as exc:
+            gpus, error = (), str(exc)
+        if gpus == node.gpus and error == node.inventory_error:
+            return
+        if error and raw is not None:
+            logger.warning("bad node GPU inventory", extra={"node": node.name, "error": error})
+        node.gpus, node.inventory_error = gpus, error
+        self._recount(node)
+
+    def delete_node(self, name: str) -> None:
+        node = self.nodes.get(name)
+        if node is None:
+            return
+        if node.pods:  # pods still point at it; keep their usage, forget the GPUs
+            node.gpus, node.inventory_error = (), "node was deleted"
+            self._recount(node)
+        else:
+            del self.nodes[name]
+
+    def replace_nodes(self, objs: Iterable[dict[str, Any]]) -> None:
+        """A full list of nodes (initial sync or resync)."""
+        seen = set()
+        for obj in objs:
+            seen.add(str((obj.get("metadata") or {}).get("name")))
+            self.apply_node(obj)
+        for name in [n for n, s in self.nodes.items() if n not in seen and s.gpus]:
+            self.delete_node(name)
+
+    def _recount(self, node: NodeState) -> None:
+        """Recompute the node's usage from its pods (percentages depend on the GPUs)."""
+        node.usage = {}
+        memory = node.memory_of()
+        for uid in node.pods:
+            alloc = self.allocs[uid]
+            alloc.demand = pod_demand(alloc.request, alloc.assignment, memory)
+            for uuid, d in alloc.demand.items():
+                node.usage.setdefault(uuid, Usage()).add(d)
+        self._bump(node)
+
+    # ----- allocations -----
+    def _add(self, alloc: PodAlloc) -> None:
+        node = self._node(alloc.node)
+        alloc.demand = pod_demand(alloc.request, alloc.assignment, node.memory_of())
+        self.allocs[alloc.uid] = alloc
+        node.pods.add(alloc.uid)
+        for uuid, d in alloc.demand.items():
+            node.usage.setdefault(uuid, Usage()).add(d)
+        self._bump(node)
+
+    def _remove(self, uid: str) -> PodAlloc | None:
+        alloc = self.allocs.pop(uid, None)
+        if alloc is None:
+            return None
+        node = self.nodes.get(alloc.node)
+        if node is not None:
+            node.pods.discard(uid)
+            for uuid, d in alloc.demand.items():
+                u = node.usage.get(uuid)
+                if u is not None:
+                    u.add(d, -1)
+                    if u.is_zero():
+                        del node.usage[uuid]
+            self._bump(node)
+        return alloc
+
+    def reserve(self, uid: str, namespace: str, name: str, node: str, req: PodRequest,
+                assignment: dict[str, tuple[str, ...]]) -> PodAlloc:
+        """Hold ``assignment`` for a pod being bound (an assumed allocation)."""
+        alloc = PodAlloc(uid, namespace, name, node, req, assignment, {}, assumed=True,
+                         reserved_at=time.monotonic())
+        self._remove(uid)
+        self._add(alloc)
+        return alloc
+
+    def release(self, uid: str) -> None:
+        """Drop a reservation whose bind failed."""
+        alloc = self.allocs.get(uid)
+        if alloc is not None and alloc.assumed:
+            self._remove(uid)
+
+    def apply_pod(self, obj: dict[str, Any]) -> None:
+        """A pod was added or changed."""
+        meta = obj.get("metadata") or {}
+        uid = str(meta.get("uid") or "")
+        node = (obj.get("spec") or {}).get("nodeName")
+        phase = (obj.get("status") or {}).get("phase")
+        annotations = meta.get("annotations") or {}
+        has_devices = any(k.startswith(names.ANN_DEVICES_PREFIX) for k in annotations)
+        current = self.allocs.get(uid)
+        if not node or phase in _TERMINAL or not has_devices:
+            if current is not None and not (current.assumed and not node and phase not in _TERMINAL):
+                self._remove(uid)
+            return
+        try:
+            req = pod_request(obj, self.settings)
+        except RequestError as exc:
+            logger.warning("bound pod has unreadable GPU requests; counting its GPUs as whole",
+                           extra={"pod": f"{meta.get('namespace')}/{meta.get('name')}",
+                                  "error": str(exc)})
+            req = _whole_gpu_request(obj)
+        assignment = assignment_from_pod(obj, req)
+        if not assignment:  # annotated containers that request no GPU: count them whole
+            req = _whole_gpu_request(obj)
+            assignment = assignment_from_pod(obj, req)
+        if current is not None and not current.assumed and current.node == node \
+                and current.assignment == assignment:
+            return
+        self._remove(uid)
+        self._add(PodAlloc(uid, str(meta.get("namespace") or ""), str(meta.get("name") or ""),
+                           str(node), req, assignment, {}))
+
+    def delete_pod(self, obj: dict[str, Any]) -> None:
+        self._remove(str((obj.get("metadata") or {}).get("uid") or ""))
+
+    def replace_pods(self, objs: Iterable[dict[str, Any]], listed_at: float) -> None:
+        """A full list of pods; allocations of pods absent from it are dropped, except
+        reservations made after the list was requested (their pods may not show yet)."""
+        seen: set[str] = set()
+        for obj in objs:
+            seen.add(str((obj.get("metadata") or {}).get("uid") or ""))
+            self.apply_pod(obj)
+        for uid, alloc in list(self.allocs.items()):
+            if uid not in seen and not (alloc.assumed and alloc.reserved_at >= listed_at):
+                self._remove(uid)

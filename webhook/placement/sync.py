@@ -1,0 +1,165 @@
+"""Keeps :class:`ClusterState` current from the API server: list, then watch, then resync.
+
+One loop per resource (nodes, pods), each: list (raw JSON, no model deserialisation), replace
+the state's view, watch from the list's ``resourceVersion`` and apply events; a watch that
+ends is resumed from the last seen version, a ``410 Gone`` or any error leads to a fresh list
+(after a capped back-off), and every ``resync_s`` the loop lists again anyway. ``ready`` is
+set once both resources have been listed, so a restarted extender answers only after it has
+rebuilt every allocation from the pods' device annotations.
+
+Pods are watched without a field selector: a pod that finishes must be seen as MODIFIED (the
+API server reports a pod leaving a selector as DELETED, but not every server does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio import client
+
+from webhook.placement.state import ClusterState
+
+logger = logging.getLogger(__name__)
+
+
+class ResourceExpired(Exception):
+    """The watch's resourceVersion is too old (410): list again."""
+
+
+class ApiStatusError(Exception):
+    """The API server answered with a non-2xx status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+async def read_json(resp: Any) -> Any:
+    """Body of a raw (``_preload_content=False``) response; raises on a non-2xx status."""
+    try:
+        body = await resp.read()
+    finally:
+        resp.release()
+    if not 200 <= resp.status <= 299:
+        message = body.decode(errors="replace")
+        try:
+            message = json.loads(body).get("message", message)
+        except (ValueError, AttributeError):
+            pass
+        raise ApiStatusError(resp.status, message)
+    return json.loads(body) if body else None
+
+
+class ClusterSync:
+    """The list/watch loops of nodes and pods."""
+
+    def __init__(self, state: ClusterState, api: client.ApiClient, *, resync_s: float = 300.0,
+                 watch_timeout_s: int = 240, backoff_max_s: float = 30.0) -> None:
+        self.state = state
+        self.core = client.CoreV1Api(api)
+        self.resync_s = resync_s
+        self.watch_timeout_s = watch_timeout_s
+        self.backoff_max_s = backoff_max_s
+        self._listed: set[str] = set()
+        self.ready = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._loop("nodes", self.core.list_node, self._on_nodes,
+                                           self._on_node_event), name="gpuslice-watch-nodes"),
+            asyncio.create_task(self._loop("pods", self.core.list_pod_for_all_namespaces,
+                                           self._on_pods, self._on_pod_event),
+                                name="gpuslice-watch-pods"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    # ----- state updates -----
+    def _on_nodes(self, items: list[dict[str, Any]], listed_at: float) -> None:
+        self.state.replace_nodes(items)
+
+    def _on_pods(self, items: list[dict[str, Any]], listed_at: float) -> None:
+        self.state.replace_pods(items, listed_at)
+
+    def _on_node_event(self, kind: str, obj: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            self.state.delete_node(str((obj.get("metadata") or {}).get("name")))
+        else:
+            self.state.apply_node(obj)
+
+    def _on_pod_event(self, kind: str, obj: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            self.state.delete_pod(obj)
+        else:
+            self.state.apply_pod(obj)
+
+    # ----- the loop -----
+    async def _loop(self, what: str, lister: Callable[..., Awaitable[Any]],
+                    on_list: Callable[[list[dict[str, Any]], float], None],
+                    on_event: Callable[[str, dict[str, Any]], None]) -> None:
+        backoff = 0.5
+        while True:
+            try:
+                listed_at = time.monotonic()
+                body = await read_json(await lister(_preload_content=False,
+                                                    _request_timeout=60))
+                rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
+                on_list(list(body.get("items") or []), listed_at)
+                logger.info("listed", extra={"resource": what, "count": len(body.get("items") or [])})
+                self._listed.add(what)
+                if self._listed >= {"nodes", "pods"}:
+                    self.ready.set()
+                backoff = 0.5
+                while time.monotonic() - listed_at < self.resync_s:
+                    rv = await self._watch(lister, rv, on_event)
+            except asyncio.CancelledError:
+                raise
+            except ResourceExpired:
+                logger.info("watch expired; listing again", extra={"resource": what})
+            except Exception as exc:  # noqa: BLE001 - any failure: back off, then list again
+                logger.warning("list/watch failed; retrying",
+                               extra={"resource": what, "error": repr(exc), "retry_s": backoff})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+    async def _watch(self, lister: Callable[..., Awaitable[Any]], rv: str,
+                     on_event: Callable[[str, dict[str, Any]], None]) -> str:
+        """One watch request from ``rv``; returns the last resourceVersion seen."""
+        resp = await lister(watch=True, resource_version=rv, allow_watch_bookmarks=True,
+                            timeout_seconds=self.watch_timeout_s, _preload_content=False,
+                            _request_timeout=aiohttp.ClientTimeout(
+                                sock_connect=30, sock_read=self.watch_timeout_s + 30))
+        try:
+            if resp.status == 410:
+                raise ResourceExpired("watch resourceVersion too old")
+            if not 200 <= resp.status <= 299:
+                await read_json(resp)
+            while True:
+                line = await resp.content.readline()
+                if not line:
+                    return rv
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise ResourceExpired(obj.get("message", ""))
+                    raise ApiStatusError(int(obj.get("code") or 500), obj.get("message", ""))
+                rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    on_event(kind, obj)
+        finally:
+            resp.release()
