@@ -1,0 +1,331 @@
+"""The pod mutation of DESIGN.md §2 as a pure function: pod + settings -> new pod or denial.
+
+:func:`mutate_pod` never changes its input and does no I/O. The new pod shares every part it
+does not change with the input (copy on write), so the HTTP edge can diff the two cheaply with
+``jsonpatch.make_patch``. Applying the mutation to its own output changes nothing.
+
+Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``):
+
+* Our env names, and per-device overrides ``CUDA_DEVICE_{MEMORY,SM}_LIMIT_<i>`` and any other
+  ``GPUSLICE_*`` name, are reserved: user values are dropped with a warning (they could lift the
+  caps). Ours go first in ``env`` so user variables may refer to them with ``$(NAME)``.
+* User mounts at our mount paths or with our volume names are replaced (warning); user
+  ``gpuslice.io/devices.*`` annotations are removed (warning): only the scheduler assigns GPUs.
+* Conflicting user ``nodeSelector[gpu]``, ``schedulerName`` or ``runtimeClassName`` are
+  overwritten with a warning: without them the pod would not get its GPUs.
+* Denied: privileged GPU containers and GPU containers adding ``SYS_ADMIN`` (or ``ALL``)
+  capabilities (they can see every GPU or undo the library mount), ``spec.nodeName`` preset
+  on a GPU pod (it would bypass the GPU scheduler), invalid placement annotations.
+* Ephemeral containers are left alone (they cannot exist at CREATE).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from webhook import __version__, names
+from webhook.admission.requests import GpuRequest, read_request
+from webhook.settings import Settings
+
+NEVER_MUTATED_NAMESPACES = frozenset({"kube-system"})
+VOLUME_LIBRARY = "gpuslice-lib"
+VOLUME_PRELOAD = "gpuslice-preload"
+VOLUME_STATE = "gpuslice-state"
+_OUR_VOLUMES = (VOLUME_LIBRARY, VOLUME_PRELOAD, VOLUME_STATE)
+_OUR_MOUNT_PATHS = (names.HOST_LIBRARY_DIR, names.CONTAINER_PRELOAD_FILE,
+                    names.CONTAINER_STATE_DIR)
+_OUR_ENV = frozenset({
+    names.ENV_POD_UID, names.ENV_POD_NAME, names.ENV_POD_NAMESPACE, names.ENV_CONTAINER,
+    names.ENV_MEMORY_LIMIT, names.ENV_MEMORY_PERCENT, names.ENV_SM_LIMIT,
+    names.ENV_SHARED_CACHE, names.ENV_VISIBLE_DEVICES,
+})
+_RESERVED_ENV = re.compile(rf"^(GPUSLICE_.*|({names.ENV_MEMORY_LIMIT}|{names.ENV_SM_LIMIT})_[0-9]+)$")
+_POLICY_ANNOTATIONS = (names.ANN_PLACEMENT, names.HAMI_POLICY)
+_POLICIES = ("binpack", "spread")
+_DEFAULT_SCHEDULER = "default-scheduler"
+
+
+class BadObject(ValueError):
+    """The object is not shaped like a Pod (or pod template); the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    """One reason the pod is refused; ``container`` is None for pod-level reasons."""
+
+    container: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return f'container "{self.container}": {self.reason}' if self.container else self.reason
+
+
+@dataclass(frozen=True, slots=True)
+class MutationResult:
+    """The new pod (the input object itself when unchanged) or the reasons it is denied."""
+
+    pod: dict[str, Any] | None
+    denials: tuple[Denial, ...] = ()
+    warnings: tuple[str, ...] = ()
+    changed: bool = False
+
+    @property
+    def allowed(self) -> bool:
+        return not self.denials
+
+    @property
+    def message(self) -> str:
+        return "; ".join(str(d) for d in self.denials)
+
+
+@dataclass(slots=True)
+class _Work:
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, text: str) -> None:
+        if text not in self.warnings:
+            self.warnings.append(text)
+
+
+def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None = None,
+               max_gpu_memory_mib: int | None = None) -> MutationResult:
+    """Apply DESIGN.md §2 to a Pod (or a pod template: ``metadata`` + ``spec``).
+
+    ``namespace`` is the request's namespace (a pod being created may not carry one);
+    ``max_gpu_memory_mib`` is the largest GPU in the cluster, when known. Raises
+    :class:`BadObject` when the object is not shaped like a pod.
+    """
+    spec, metadata = _shape(pod)
+    ns = namespace or metadata.get("namespace")
+    if ns in NEVER_MUTATED_NAMESPACES or ns == settings.release_namespace:
+        return MutationResult(pod)
+
+    denials: list[Denial] = []
+    gpu_containers: dict[tuple[str, int], GpuRequest] = {}
+    for kind in ("initContainers", "containers"):
+        for index, container in enumerate(spec.get(kind) or ()):
+            reasons: list[str] = []
+            request = read_request(container, settings, max_gpu_memory_mib, reasons)
+            if request is not None or reasons:
+                reasons.extend(_security_reasons(container))
+            if reasons:
+                denials.extend(Denial(container["name"], r) for r in reasons)
+            elif request is not None:
+                gpu_containers[(kind, index)] = request
+    if not gpu_containers and not denials:
+        return MutationResult(pod)
+
+    pod_reasons = _pod_reasons(spec, metadata)
+    if pod_reasons or denials:
+        return MutationResult(None, tuple(Denial(None, r) for r in pod_reasons) + tuple(denials))
+
+    work = _Work()
+    new_spec = dict(spec)
+    for kind in ("initContainers", "containers"):
+        if any(k == kind for k, _ in gpu_containers):
+            new_spec[kind] = [
+                _mutate_container(c, gpu_containers[(kind, i)], settings, work)
+                if (kind, i) in gpu_containers else c
+                for i, c in enumerate(spec[kind])]
+    _mutate_pod_spec(new_spec, settings, work)
+    new_pod = dict(pod)
+    new_pod["spec"] = new_spec
+    new_pod["metadata"] = _mutate_metadata(metadata, work)
+    return MutationResult(new_pod, warnings=tuple(work.warnings), changed=True)
+
+
+def _shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    if not isinstance(pod, dict):
+        raise BadObject("the object must be a JSON/YAML mapping")
+    spec, metadata = pod.get("spec"), pod.get("metadata")
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise BadObject("metadata must be an object")
+    if not isinstance(metadata.get("annotations") or {}, dict):
+        raise BadObject("metadata.annotations must be an object")
+    if not isinstance(spec, dict):
+        raise BadObject("spec must be an object")
+    for kind in ("initContainers", "containers"):
+        containers = spec.get(kind)
+        if containers is None:
+            continue
+        if not isinstance(containers, list):
+            raise BadObject(f"spec.{kind} must be a list")
+        for i, c in enumerate(containers):
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+                raise BadObject(f"spec.{kind}[{i}] must be an object with a string name")
+            for key in ("env", "volumeMounts"):
+                if not isinstance(c.get(key) or [], list):
+                    raise BadObject(f"spec.{kind}[{i}].{key} must be a list")
+    for key, kind in (("volumes", list), ("tolerations", list), ("nodeSelector", dict)):
+        if not isinstance(spec.get(key) or kind(), kind):
+            raise BadObject(f"spec.{key} must be a{'n object' if kind is dict else ' list'}")
+    return spec, metadata
+
+
+def _security_reasons(container: dict[str, Any]) -> list[str]:
+    context = container.get("securityContext") or {}
+    if not isinstance(context, dict):
+        return []
+    reasons = []
+    if context.get("privileged") is True:
+        reasons.append("privileged containers see every GPU of the node, so they cannot get a "
+                       "GPU slice; remove securityContext.privileged")
+    caps = context.get("capabilities") or {}
+    added = caps.get("add") if isinstance(caps, dict) else None
+    if isinstance(added, list) and {"SYS_ADMIN", "CAP_SYS_ADMIN", "ALL"} & {
+            str(a).upper() for a in added}:
+        reasons.append("a GPU container may not add the SYS_ADMIN capability (it could undo "
+                       "the GPU limits); remove it from securityContext.capabilities.add")
+    return reasons
+
+
+def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
+    reasons = []
+    if spec.get("nodeName"):
+        reasons.append("spec.nodeName is set, which bypasses the GPU scheduler that assigns "
+                       "the GPUs; remove spec.nodeName (use a nodeSelector to pick nodes)")
+    annotations = metadata.get("annotations") or {}
+    for key in _POLICY_ANNOTATIONS:
+        value = annotations.get(key)
+        if value is not None and str(value).strip().lower() not in _POLICIES:
+            reasons.append(f"annotation {key} is {value!r}; use binpack or spread")
+    return reasons
+
+
+def _env_for(name: str, request: GpuRequest) -> list[dict[str, Any]]:
+    def field_ref(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
+
+    env: list[dict[str, Any]] = [
+        {"name": names.ENV_POD_UID, "valueFrom": field_ref("metadata.uid")},
+        {"name": names.ENV_POD_NAME, "valueFrom": field_ref("metadata.name")},
+        {"name": names.ENV_POD_NAMESPACE, "valueFrom": field_ref("metadata.namespace")},
+        {"name": names.ENV_CONTAINER, "value": name},
+    ]
+    if request.memory_mib is not None:
+        env.append({"name": names.ENV_MEMORY_LIMIT, "value": f"{request.memory_mib}m"})
+    else:
+        env.append({"name": names.ENV_MEMORY_PERCENT, "value": str(request.memory_percent)})
+    if request.cores is not None:
+        env.append({"name": names.ENV_SM_LIMIT, "value": str(request.cores)})
+    env.append({"name": names.ENV_SHARED_CACHE, "value": names.REGION_FILE})
+    devices = names.devices_annotation(name)
+    env.append({"name": names.ENV_VISIBLE_DEVICES,
+                "valueFrom": field_ref(f"metadata.annotations['{devices}']")})
+    return env
+
+
+def _mounts_for(name: str) -> list[dict[str, Any]]:
+    return [
+        {"name": VOLUME_LIBRARY, "mountPath": names.HOST_LIBRARY_DIR, "readOnly": True},
+        {"name": VOLUME_PRELOAD, "mountPath": names.CONTAINER_PRELOAD_FILE, "readOnly": True},
+        {"name": VOLUME_STATE, "mountPath": names.CONTAINER_STATE_DIR,
+         "subPathExpr": f"$({names.ENV_POD_UID})/{name}"},
+    ]
+
+
+def _volumes() -> list[dict[str, Any]]:
+    return [
+        {"name": VOLUME_LIBRARY,
+         "hostPath": {"path": names.HOST_LIBRARY_DIR, "type": "Directory"}},
+        {"name": VOLUME_PRELOAD,
+         "hostPath": {"path": names.HOST_PRELOAD_FILE, "type": "File"}},
+        {"name": VOLUME_STATE,
+         "hostPath": {"path": names.HOST_STATE_DIR, "type": "DirectoryOrCreate"}},
+    ]
+
+
+def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: Settings,
+                      work: _Work) -> dict[str, Any]:
+    name = container["name"]
+    new = dict(container)
+    if not request.count_given:
+        resources = dict(container.get("resources") or {})
+        resources["limits"] = {**(resources.get("limits") or {}), settings.resource_gpu: "1"}
+        new["resources"] = resources
+
+    ours = _env_for(name, request)
+    wanted = {e["name"]: e for e in ours}
+    kept = []
+    for entry in container.get("env") or ():
+        env_name = entry.get("name") if isinstance(entry, dict) else None
+        if isinstance(env_name, str) and (env_name in _OUR_ENV or _RESERVED_ENV.match(env_name)):
+            if entry != wanted.get(env_name):
+                verb = "replaced" if env_name in wanted else "removed"
+                work.warn(f'container "{name}": env {env_name} is managed by gpuslice; '
+                          f"the value in the pod was {verb}")
+            continue
+        kept.append(entry)
+    new["env"] = ours + kept
+
+    mounts = _mounts_for(name)
+    kept = []
+    for mount in container.get("volumeMounts") or ():
+        if isinstance(mount, dict) and (
+                mount.get("name") in _OUR_VOLUMES
+                or str(mount.get("mountPath", "")).rstrip("/") in _OUR_MOUNT_PATHS):
+            if mount not in mounts:
+                work.warn(f'container "{name}": volumeMount {mount.get("name")} at '
+                          f'{mount.get("mountPath")} conflicts with gpuslice and was replaced')
+            continue
+        kept.append(mount)
+    new["volumeMounts"] = kept + mounts
+    return new
+
+
+def _mutate_pod_spec(spec: dict[str, Any], settings: Settings, work: _Work) -> None:
+    ours = _volumes()
+    volumes = []
+    for volume in spec.get("volumes") or ():
+        if isinstance(volume, dict) and volume.get("name") in _OUR_VOLUMES:
+            if volume not in ours:
+                work.warn(f"volume {volume['name']} is reserved by gpuslice and was replaced")
+            continue
+        volumes.append(volume)
+    spec["volumes"] = volumes + ours
+
+    selector = dict(spec.get("nodeSelector") or {})
+    for key, value in settings.node_selector.items():
+        if selector.get(key, value) != value:
+            work.warn(f"nodeSelector {key}={selector[key]} was changed to {key}={value}, "
+                      f"the label of gpuslice GPU nodes")
+        selector[key] = value
+    spec["nodeSelector"] = selector
+
+    current = spec.get("schedulerName")
+    if current not in (None, _DEFAULT_SCHEDULER, settings.scheduler_name):
+        work.warn(f"schedulerName {current} was changed to {settings.scheduler_name}, "
+                  f"which assigns the GPUs")
+    spec["schedulerName"] = settings.scheduler_name
+
+    if settings.runtime_class_name is not None:
+        current = spec.get("runtimeClassName")
+        if current not in (None, settings.runtime_class_name):
+            work.warn(f"runtimeClassName {current} was changed to "
+                      f"{settings.runtime_class_name}, needed for GPU access")
+        spec["runtimeClassName"] = settings.runtime_class_name
+
+    if settings.tolerations:
+        tolerations = list(spec.get("tolerations") or ())
+        for toleration in settings.tolerations:
+            wanted = dict(toleration)
+            if wanted not in tolerations:
+                tolerations.append(wanted)
+        spec["tolerations"] = tolerations
+
+
+def _mutate_metadata(metadata: dict[str, Any], work: _Work) -> dict[str, Any]:
+    new = dict(metadata)
+    annotations = {}
+    for key, value in (metadata.get("annotations") or {}).items():
+        if isinstance(key, str) and key.startswith(names.ANN_DEVICES_PREFIX):
+            work.warn(f"annotation {key} is set by the gpuslice scheduler and was removed")
+            continue
+        annotations[key] = value
+    annotations[names.ANN_MUTATED] = __version__
+    new["annotations"] = annotations
+    return new
