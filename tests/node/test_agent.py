@@ -1,0 +1,248 @@
+"""The agent's loop against the fake API server and fake NVML: rounds, outages, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pynvml
+import pytest
+from fakekube import FakeKube
+from node.fakenvml import FakeNvml, two_a100s
+
+from webhook.node.config import AgentSettings
+from webhook.node.inventory import Inventory
+from webhook.node.loop import Agent, Backoff
+
+NODE = "gpu-node-1"
+LIB = b"\x7fELF" + b"interposer" * 50
+
+
+def _node() -> dict:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+            "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}}}
+
+
+def _settings(tmp_path: Path, **kw) -> AgentSettings:
+    (tmp_path / "proc").mkdir(exist_ok=True)
+    (tmp_path / "state").mkdir(exist_ok=True)
+    base = {"node_name": NODE, "host_library_dir": str(tmp_path / "lib"),
+            "host_state_dir": str(tmp_path / "state"), "proc_root": str(tmp_path / "proc"),
+            "metrics_host": "127.0.0.1", "metrics_port": 0, "interval": 30.0,
+            "cleanup_grace": 60.0}
+    base.update(kw)
+    return AgentSettings(**base)
+
+
+def _old_pod_dir(state: Path, uid: str) -> Path:
+    d = state / uid / "main"
+    d.mkdir(parents=True)
+    old = time.time() - 3600
+    os.utime(d, (old, old))
+    os.utime(d.parent, (old, old))
+    return d.parent
+
+
+async def _scrape(port: int) -> str:
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
+async def test_one_round_installs_publishes_and_removes_departed_pod_dirs(
+        tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        live = kube.put({"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"name": "p", "namespace": "ml"},
+                         "spec": {"nodeName": NODE, "containers": []}})["metadata"]["uid"]
+        kept = _old_pod_dir(tmp_path / "state", live)
+        gone = _old_pod_dir(tmp_path / "state", str(uuid.uuid4()))
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            delay = await agent.step()
+        assert delay == settings.interval
+        assert (tmp_path / "lib" / "ld.so.preload").read_text() == \
+            "/usr/local/gpuslice/libgpuslice.so.0.1.0\n"
+        node = kube.get("nodes", NODE)
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "20"
+        assert node["status"]["allocatable"]["nvidia.com/gpumem"] == "163840"
+        assert node["metadata"]["labels"]["gpuslice.io/gpu.count"] == "2"
+        assert kept.exists() and not gone.exists()
+        assert agent.status.cleanup_removed == 1
+
+
+async def test_nothing_is_published_until_the_library_is_installed(tmp_path: Path) -> None:
+    blocker = tmp_path / "lib"
+    blocker.write_text("a file where the library dir should be")
+    settings = _settings(tmp_path)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            delay = await agent.step()
+            assert delay < settings.interval
+            assert kube.requests_to("PATCH", "/nodes/") == []
+            blocker.unlink()
+            assert await agent.step() == settings.interval
+        assert kube.get("nodes", NODE)["status"]["capacity"]["nvidia.com/gpu"] == "20"
+
+
+async def test_api_outage_backs_off_keeps_serving_metrics_then_recovers(tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        departed = _old_pod_dir(tmp_path / "state", str(uuid.uuid4()))
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            agent.backoff = Backoff(base=1.0, cap=settings.interval, rng=lambda: 1.0)
+            await agent.start()
+            try:
+                kube.down = True
+                delays = [await agent.step() for _ in range(4)]
+                assert delays == [1.0, 2.0, 4.0, 8.0]
+                assert departed.exists()  # a failed pod list removes nothing
+                text = await _scrape(agent.metrics_port)
+                assert "gpuslice_agent_publish_errors_total 4.0" in text
+                assert "gpuslice_gpu_memory_total_bytes{" in text
+                assert agent.status.last_publish_success == 0
+                kube.down = False
+                assert await agent.step() == settings.interval
+                assert agent.backoff.failures == 0
+                assert kube.get("nodes", NODE)["status"]["capacity"]["nvidia.com/gpu"] == "20"
+                assert not departed.exists()
+                assert "gpuslice_agent_last_publish_success_timestamp_seconds 0.0" \
+                    not in await _scrape(agent.metrics_port)
+            finally:
+                await agent.close()
+
+
+async def test_status_patch_rejected_is_retried_next_round(tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        kube.fail("PATCH", r"/nodes/gpu-node-1/status$", 500)
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            assert await agent.step() < settings.interval
+            assert "nvidia.com/gpu" not in kube.get("nodes", NODE)["status"]["capacity"]
+            assert await agent.step() == settings.interval
+        assert kube.get("nodes", NODE)["status"]["capacity"]["nvidia.com/gpu"] == "20"
+
+
+async def test_the_loop_reasserts_resources_after_the_node_is_recreated(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, interval=0.1)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            stop = asyncio.Event()
+            task = asyncio.create_task(agent.run(stop))
+
+            async def published() -> None:
+                while "nvidia.com/gpu" not in (kube.get("nodes", NODE) or {}).get(
+                        "status", {}).get("capacity", {}):
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(published(), 5)
+            kube.delete("nodes", NODE)
+            kube.put(_node())  # re-registered by kubelet without our resources
+            await asyncio.wait_for(published(), 5)
+            stop.set()
+            await asyncio.wait_for(task, 5)
+        node = kube.get("nodes", NODE)
+        assert node["metadata"]["annotations"]["gpuslice.io/gpus"].startswith('[{"uuid":"GPU-0')
+
+
+async def test_a_node_without_driver_publishes_zero_and_picks_gpus_up_later(
+        tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    nvml = two_a100s()
+    nvml.init_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(nvml), api_client=api)
+            await agent.start()
+            try:
+                assert await agent.step() == settings.interval  # no crash, no fast loop
+                node = kube.get("nodes", NODE)
+                assert node["status"]["capacity"]["nvidia.com/gpu"] == "0"
+                assert node["metadata"]["annotations"]["gpuslice.io/gpus"] == "[]"
+                assert "gpuslice_nvml_available 0.0" in await _scrape(agent.metrics_port)
+                nvml.init_error = None
+                await agent.step()
+                assert kube.get("nodes", NODE)["status"]["capacity"]["nvidia.com/gpu"] == "20"
+            finally:
+                await agent.close()
+
+
+async def test_no_kube_mode_installs_and_serves_metrics_without_api_calls(
+        tmp_path: Path) -> None:
+    settings = _settings(tmp_path, kube_enabled=False, node_name="")
+    agent = Agent(settings, LIB, inventory=Inventory(FakeNvml([])))
+    await agent.start()
+    try:
+        assert await agent.step() == settings.interval
+        assert (tmp_path / "lib" / "libgpuslice.so.0.1.0").read_bytes() == LIB
+        async with aiohttp.ClientSession() as s, \
+                s.get(f"http://127.0.0.1:{agent.metrics_port}/healthz") as r:
+            assert r.status == 200
+        assert 'gpuslice_agent_info{library="libgpuslice.so.0.1.0"' in \
+            await _scrape(agent.metrics_port)
+    finally:
+        await agent.close()
+
+
+def test_backoff_doubles_with_jitter_and_is_capped() -> None:
+    b = Backoff(base=1.0, cap=10.0, rng=lambda: 0.0)
+    assert [b.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    b = Backoff(base=1.0, cap=10.0, rng=lambda: 1.0)
+    assert [b.next() for _ in range(6)] == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    b.reset()
+    assert b.next() == 1.0
+
+
+def test_cli_agent_exits_2_when_the_image_has_no_library(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    from webhook.cli import main
+    rc = main(["agent", "--no-kube", "--library-source", str(tmp_path / "absent.so"),
+               "--host-library-dir", str(tmp_path / "lib")])
+    assert rc == 2
+    assert "no usable library" in capsys.readouterr().err
+    assert not (tmp_path / "lib").exists()
+
+
+@pytest.mark.skipif(not (Path(__file__).parents[2] / "webhook/node/region.py").exists(),
+                    reason="webhook/node/region.py (the region reader) is not in the tree yet")
+def test_agent_process_installs_serves_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+    src = tmp_path / "libgpuslice.so"
+    src.write_bytes(LIB)
+    (tmp_path / "state").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "webhook", "agent", "--no-kube", "--library-source", str(src),
+         "--host-library-dir", str(tmp_path / "lib"), "--host-state-dir", str(tmp_path / "state"),
+         "--proc-root", str(tmp_path / "proc"), "--metrics-host", "127.0.0.1",
+         "--metrics-port", "0", "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 20
+        while not (tmp_path / "lib" / "ld.so.preload").exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.time() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert '"msg": "agent stopped"' in err

@@ -1,0 +1,61 @@
+"""State-dir garbage collection: departed pods only, after a grace period, UID-named dirs only."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from webhook.node.cleanup import remove_stale, stale_pod_dirs
+
+NOW = 1_700_000_000.0
+GRACE = 600.0
+
+
+def _pod_dir(root: Path, age: float, containers: tuple[str, ...] = ("main",)) -> str:
+    uid = str(uuid.uuid4())
+    d = root / uid
+    for c in containers:
+        (d / c).mkdir(parents=True)
+        (d / c / "region").write_bytes(b"\0" * 64)
+        os.utime(d / c, (NOW - age, NOW - age))
+    os.utime(d, (NOW - age, NOW - age))
+    return uid
+
+
+def test_dirs_of_departed_pods_are_removed_after_the_grace_period(tmp_path: Path) -> None:
+    gone = _pod_dir(tmp_path, age=3600)
+    live = _pod_dir(tmp_path, age=3600)
+    assert remove_stale(tmp_path, {live}, GRACE, NOW) == [gone]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live]
+
+
+def test_a_young_dir_of_a_pod_the_api_does_not_list_yet_is_kept(tmp_path: Path) -> None:
+    young = _pod_dir(tmp_path, age=30)
+    assert stale_pod_dirs(tmp_path, set(), GRACE, NOW) == []
+    assert (tmp_path / young).is_dir()
+
+
+def test_a_container_started_recently_keeps_an_old_pod_dir(tmp_path: Path) -> None:
+    uid = _pod_dir(tmp_path, age=3600)
+    (tmp_path / uid / "sidecar").mkdir()
+    os.utime(tmp_path / uid / "sidecar", (NOW - 10, NOW - 10))
+    os.utime(tmp_path / uid, (NOW - 3600, NOW - 3600))
+    assert stale_pod_dirs(tmp_path, set(), GRACE, NOW) == []
+
+
+def test_names_that_are_not_pod_uids_and_symlinks_are_never_touched(tmp_path: Path) -> None:
+    (tmp_path / "lost+found").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    target = tmp_path.parent / "elsewhere"
+    target.mkdir(exist_ok=True)
+    link = tmp_path / str(uuid.uuid4())
+    os.symlink(target, link)
+    for p in (tmp_path / "lost+found", tmp_path / "notes.txt"):
+        os.utime(p, (NOW - 9999, NOW - 9999))
+    assert remove_stale(tmp_path, set(), GRACE, NOW) == []
+    assert (tmp_path / "lost+found").exists() and link.is_symlink() and target.exists()
+
+
+def test_a_missing_state_dir_removes_nothing(tmp_path: Path) -> None:
+    assert remove_stale(tmp_path / "absent", set(), GRACE, NOW) == []

@@ -1,0 +1,173 @@
+"""Library install: atomic, versioned, never overwriting a library in use; old versions GC'd
+only when no process maps them and no container's ld.so.preload names them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from webhook.node import install
+from webhook.node.install import InstallError, remove_unused, scan_proc
+
+LIB_V1 = b"\x7fELF" + b"build-one" * 100
+LIB_V1_REBUILT = b"\x7fELF" + b"build-two" * 100
+TARGET = "/usr/local/gpuslice"
+
+
+def _maps_line(path: Path, shown_as: str) -> str:
+    st = path.stat()
+    return (f"7f0000000000-7f0000001000 r-xp 00000000 {os.major(st.st_dev):02x}:"
+            f"{os.minor(st.st_dev):02x} {st.st_ino}    {shown_as}\n")
+
+
+def _proc(tmp_path: Path) -> Path:
+    proc = tmp_path / "proc"
+    proc.mkdir(exist_ok=True)
+    return proc
+
+
+def _process(proc: Path, pid: int, maps: str = "", mnt_ns: str | None = None,
+             preload: str | None = None) -> None:
+    d = proc / str(pid)
+    (d / "ns").mkdir(parents=True)
+    (d / "maps").write_text(maps)
+    os.symlink(mnt_ns or f"mnt:[{4026530000 + pid}]", d / "ns" / "mnt")
+    if preload is not None:
+        (d / "root" / "etc").mkdir(parents=True)
+        (d / "root" / "etc" / "ld.so.preload").write_text(preload)
+
+
+def test_install_writes_the_versioned_library_and_the_preload_line(tmp_path: Path) -> None:
+    r = install.install(LIB_V1, tmp_path, TARGET, "0.1.0")
+    assert r.library == tmp_path / "libgpuslice.so.0.1.0"
+    assert r.library.read_bytes() == LIB_V1
+    assert r.library.stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "ld.so.preload").read_text() == "/usr/local/gpuslice/libgpuslice.so.0.1.0\n"
+    assert r.library_written and r.preload_written
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_install_again_rewrites_nothing(tmp_path: Path) -> None:
+    first = install.install(LIB_V1, tmp_path, TARGET, "0.1.0")
+    ino = (first.library.stat().st_ino, (tmp_path / "ld.so.preload").stat().st_ino)
+    again = install.install(LIB_V1, tmp_path, TARGET, "0.1.0")
+    assert not again.library_written and not again.preload_written
+    assert (again.library.stat().st_ino, (tmp_path / "ld.so.preload").stat().st_ino) == ino
+
+
+def test_same_version_with_other_bytes_never_overwrites_and_gets_a_hash_name(
+        tmp_path: Path) -> None:
+    old = install.install(LIB_V1, tmp_path, TARGET, "0.1.0").library
+    with old.open("rb") as mapped_elsewhere:
+        r = install.install(LIB_V1_REBUILT, tmp_path, TARGET, "0.1.0")
+        assert old.read_bytes() == LIB_V1  # the name still holds the old build
+        assert mapped_elsewhere.read() == LIB_V1
+    sha8 = install._digest(LIB_V1_REBUILT)[:8]
+    assert r.library.name == f"libgpuslice.so.0.1.0-{sha8}"
+    assert r.library.read_bytes() == LIB_V1_REBUILT
+    assert (tmp_path / "ld.so.preload").read_text() == f"{TARGET}/libgpuslice.so.0.1.0-{sha8}\n"
+    # restarting with the rebuilt image reuses the hashed file instead of churning
+    again = install.install(LIB_V1_REBUILT, tmp_path, TARGET, "0.1.0")
+    assert again.library == r.library and not again.library_written
+
+
+def test_preload_is_replaced_by_rename_so_running_containers_keep_their_version(
+        tmp_path: Path) -> None:
+    install.install(LIB_V1, tmp_path, TARGET, "0.1.0")
+    # a container's bind mount of ld.so.preload holds the old inode open
+    with (tmp_path / "ld.so.preload").open() as container_view:
+        install.install(LIB_V1_REBUILT, tmp_path, TARGET, "0.2.0")
+        assert container_view.read() == f"{TARGET}/libgpuslice.so.0.1.0\n"
+    assert (tmp_path / "ld.so.preload").read_text() == f"{TARGET}/libgpuslice.so.0.2.0\n"
+
+
+def test_a_failed_write_leaves_the_old_file_whole_and_no_temp_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    install.install(LIB_V1, tmp_path, TARGET, "0.1.0")
+
+    def broken_rename(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", broken_rename)
+    with pytest.raises(InstallError, match="No space left"):
+        install.install(LIB_V1_REBUILT, tmp_path, TARGET, "0.2.0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ld.so.preload",
+                                                          "libgpuslice.so.0.1.0"]
+    assert (tmp_path / "ld.so.preload").read_text() == f"{TARGET}/libgpuslice.so.0.1.0\n"
+
+
+def test_read_library_rejects_missing_and_non_elf_files(tmp_path: Path) -> None:
+    with pytest.raises(InstallError, match="cannot read"):
+        install.read_library(tmp_path / "absent.so")
+    (tmp_path / "text.so").write_text("not a library")
+    with pytest.raises(InstallError, match="not an ELF"):
+        install.read_library(tmp_path / "text.so")
+    (tmp_path / "ok.so").write_bytes(LIB_V1)
+    assert install.read_library(tmp_path / "ok.so") == LIB_V1
+
+
+def test_old_version_no_process_uses_is_removed_current_kept(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    _process(proc, 1, maps="7f00-7f01 r-xp 00000000 08:01 99 /usr/lib/libc.so.6\n")
+    assert remove_unused(lib, cur, proc) == [old.name]
+    assert sorted(p.name for p in lib.iterdir()) == ["ld.so.preload", cur.name]
+
+
+def test_old_version_mapped_by_a_process_is_kept_matched_by_inode(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    # the container sees the file under another path: only device and inode identify it
+    _process(proc, 4242, maps=_maps_line(old, "/usr/local/gpuslice/libgpuslice.so.renamed"))
+    assert remove_unused(lib, cur, proc) == []
+    assert old.exists()
+    scan = scan_proc(proc)
+    assert scan.processes == 1 and (old.stat().st_dev, old.stat().st_ino) in scan.mapped_inodes
+
+
+def test_old_version_named_by_a_containers_preload_is_kept(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    # a static entrypoint maps nothing, but its container's pinned /etc/ld.so.preload names 0.1.0
+    _process(proc, 7, maps="", preload=f"{TARGET}/{old.name}\n")
+    assert remove_unused(lib, cur, proc) == []
+    assert old.exists()
+
+
+def test_nothing_is_removed_when_a_process_cannot_be_inspected(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    (proc / "2" / "maps").mkdir(parents=True)  # reading it fails with an error other than ENOENT
+    assert not scan_proc(proc).complete
+    assert remove_unused(lib, cur, proc) == []
+    assert old.exists()
+
+
+def test_exited_processes_are_skipped_not_fatal(tmp_path: Path) -> None:
+    proc = _proc(tmp_path)
+    (proc / "3").mkdir()  # the process exited between listing and reading
+    scan = scan_proc(proc)
+    assert scan.complete and scan.processes == 0
+
+
+def test_stale_temp_files_are_removed_and_fresh_ones_kept(tmp_path: Path) -> None:
+    cur = install.install(LIB_V1, tmp_path, TARGET, "0.1.0").library
+    stale = tmp_path / (install.TMP_PREFIX + "old")
+    fresh = tmp_path / (install.TMP_PREFIX + "new")
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"x")
+    now = fresh.stat().st_mtime + 5
+    os.utime(stale, (now - 3600, now - 3600))
+    assert remove_unused(tmp_path, cur, _proc(tmp_path), now=now) == [stale.name]
+    assert fresh.exists()

@@ -1,0 +1,151 @@
+"""The agent's metrics: per GPU from NVML, per container from region files (incl. bad ones)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from node.fakenvml import GIB, FakeNvml, two_a100s
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from webhook import __version__
+from webhook.node.inventory import Inventory
+from webhook.node.metrics import AgentCollector, AgentStatus, make_registry
+from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
+
+UID1 = "0f0e0d0c-0b0a-0908-0706-050403020100"
+UID2 = "11111111-2222-3333-4444-555555555555"
+GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
+GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
+
+
+def write_region(state: Path, uid: str, pod: str, ns: str, ctr: str,
+                 devices: list[tuple[int, str, int, int, int, int]]) -> Path:
+    slots = tuple(DeviceSlot(index=i, uuid=u, limit_bytes=lim, used_bytes=used, sm_limit=sm,
+                             busy_ns=busy) for i, u, lim, used, sm, busy in devices)
+    region = Region(pod_uid=uid, pod_name=pod, namespace=ns, container=ctr, devices=slots,
+                    processes=(ProcessUsage(pid=100, used_bytes=tuple(d[3] for d in devices)),))
+    path = state / uid / ctr / "region"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(encode_region(region))
+    return path
+
+
+def samples(registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def ctr_labels(ns: str, pod: str, ctr: str, uuid: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"namespace": ns, "pod": pod, "container": ctr, "uuid": uuid}.items()))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(state: Path, nvml: FakeNvml | None = None, clock: Clock | None = None):
+    inv = Inventory(nvml or two_a100s())
+    inv.discover()
+    collector = AgentCollector(inv, state, AgentStatus(library="libgpuslice.so.0.1.0"),
+                               clock=clock or Clock())
+    return collector, make_registry(collector)
+
+
+def test_gpu_metrics_come_from_nvml(tmp_path: Path) -> None:
+    _, reg = make(tmp_path)
+    s = samples(reg)
+    lab0 = (("index", "0"), ("product", "NVIDIA A100-SXM4-80GB"), ("uuid", GPU0))
+    assert s[("gpuslice_gpu_memory_used_bytes", lab0)] == 5 * GIB
+    assert s[("gpuslice_gpu_memory_total_bytes", lab0)] == 80 * GIB
+    assert s[("gpuslice_gpu_utilization_percent", lab0)] == 40
+    assert s[("gpuslice_gpu_healthy", lab0)] == 1
+    assert s[("gpuslice_nvml_available", ())] == 1
+
+
+def test_container_metrics_per_device_from_region_files(tmp_path: Path) -> None:
+    write_region(tmp_path, UID1, "trainer-0", "ml", "main",
+                 [(0, GPU0, 10 * GIB, 3 * GIB, 30, 0), (1, GPU1, 10 * GIB, 1 * GIB, 0, 0)])
+    write_region(tmp_path, UID2, "web", "serving", "app", [(0, GPU0, 4 * GIB, 0, 100, 0)])
+    _, reg = make(tmp_path)
+    s = samples(reg)
+    m = ctr_labels("ml", "trainer-0", "main", GPU0)
+    assert s[("gpuslice_container_memory_used_bytes", m)] == 3 * GIB
+    assert s[("gpuslice_container_memory_limit_bytes", m)] == 10 * GIB
+    assert s[("gpuslice_container_compute_limit_percent", m)] == 30
+    m1 = ctr_labels("ml", "trainer-0", "main", GPU1)
+    assert s[("gpuslice_container_memory_used_bytes", m1)] == 1 * GIB
+    assert s[("gpuslice_container_compute_limit_percent", m1)] == 100  # 0 = not throttled
+    w = ctr_labels("serving", "web", "app", GPU0)
+    assert s[("gpuslice_container_memory_limit_bytes", w)] == 4 * GIB
+    assert s[("gpuslice_region_errors_total", ())] == 0
+
+
+def test_measured_share_is_the_busy_time_rate_between_scrapes(tmp_path: Path) -> None:
+    clock = Clock()
+    write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 5_000_000_000)])
+    _, reg = make(tmp_path, clock=clock)
+    lab = ctr_labels("ns", "p", "c", GPU0)
+    first = samples(reg)
+    assert ("gpuslice_container_compute_share_percent", lab) not in first  # no interval yet
+    assert first[("gpuslice_container_busy_seconds_total", lab)] == 5.0
+    clock.t += 10.0  # 10 s later the container had the GPU busy for 3 s more: 30%
+    write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 8_000_000_000)])
+    assert samples(reg)[("gpuslice_container_compute_share_percent", lab)] == pytest.approx(30.0)
+    clock.t += 10.0  # container restarted: the counter went back, no bogus rate
+    write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 1_000_000_000)])
+    assert ("gpuslice_container_compute_share_percent", lab) not in samples(reg)
+
+
+def test_corrupt_and_truncated_regions_are_skipped_counted_and_logged_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 0)])
+    bad = tmp_path / UID2 / "c" / "region"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"\x00garbage" * 10)
+    truncated = tmp_path / "22222222-2222-3333-4444-555555555555" / "c" / "region"
+    truncated.parent.mkdir(parents=True)
+    truncated.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    _, reg = make(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="webhook.node.metrics"):
+        first = samples(reg)
+        second = samples(reg)
+    assert first[("gpuslice_region_errors_total", ())] == 2
+    assert second[("gpuslice_region_errors_total", ())] == 4
+    assert first[("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", "c", GPU0))] \
+        == GIB
+    logged = [r for r in caplog.records if r.message == "unreadable region file skipped"]
+    assert sorted(r.path for r in logged) == sorted([str(bad), str(truncated)])
+
+
+def test_container_without_region_file_yet_is_not_an_error(tmp_path: Path) -> None:
+    (tmp_path / UID1 / "c").mkdir(parents=True)
+    _, reg = make(tmp_path)
+    s = samples(reg)
+    assert s[("gpuslice_region_errors_total", ())] == 0
+    assert not any(name.startswith("gpuslice_container_") for name, _ in s)
+
+
+def test_without_driver_metrics_say_nvml_unavailable_and_still_render(tmp_path: Path) -> None:
+    import pynvml
+    write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 0)])
+    _, reg = make(tmp_path, FakeNvml(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    s = samples(reg)
+    assert s[("gpuslice_nvml_available", ())] == 0
+    assert not any(name.startswith("gpuslice_gpu_memory") for name, _ in s)
+    assert s[("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", "c", GPU0))] == GIB
+
+
+def test_agent_status_metrics(tmp_path: Path) -> None:
+    _, reg = make(tmp_path)
+    s = samples(reg)
+    assert s[("gpuslice_agent_info", (("library", "libgpuslice.so.0.1.0"),
+                                      ("version", __version__)))] == 1
+    assert s[("gpuslice_agent_publish_errors_total", ())] == 0

@@ -1,0 +1,151 @@
+"""Publishing the node's GPUs: the exact patch bodies and content types on the wire."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fakekube import FakeKube
+from kubeschema import assert_valid
+
+from webhook.node.config import AgentSettings
+from webhook.node.inventory import HEALTHY, UNHEALTHY, Discovery, Gpu
+from webhook.node.publish import (
+    MERGE_PATCH,
+    Publisher,
+    desired_state,
+    label_value,
+    metadata_patch,
+    status_patch,
+)
+
+SETTINGS = AgentSettings(node_name="gpu-node-1")
+A = Gpu("GPU-aaaa", 0, "NVIDIA A100-SXM4-80GB", 81920, HEALTHY)
+B = Gpu("GPU-bbbb", 1, "NVIDIA A100-SXM4-80GB", 81920, UNHEALTHY)
+TWO = Discovery(available=True, gpus=(A, B), driver_version="550")
+ANNOTATION = ('[{"uuid":"GPU-aaaa","index":0,"product":"NVIDIA A100-SXM4-80GB",'
+              '"memoryMiB":81920,"health":"Healthy"},'
+              '{"uuid":"GPU-bbbb","index":1,"product":"NVIDIA A100-SXM4-80GB",'
+              '"memoryMiB":81920,"health":"Unhealthy"}]')
+
+
+def _node(name: str = "gpu-node-1") -> dict:
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"gpu": "on"}},
+            "status": {"capacity": {"cpu": "32", "memory": "256Gi", "pods": "110"},
+                       "allocatable": {"cpu": "31", "memory": "250Gi", "pods": "110"}}}
+
+
+@pytest.mark.parametrize(("product", "label"), [
+    ("NVIDIA A100-SXM4-80GB", "NVIDIA-A100-SXM4-80GB"),
+    ("Tesla V100-SXM2-16GB", "Tesla-V100-SXM2-16GB"),
+    ("NVIDIA GeForce RTX 4090 (rev a1)", "NVIDIA-GeForce-RTX-4090-rev-a1"),
+    ("  --weird/name__  ", "weird-name"),
+    ("x" * 80, "x" * 63),
+    ("", ""),
+])
+def test_label_value_makes_product_names_valid_label_values(product: str, label: str) -> None:
+    assert label_value(product) == label
+
+
+def test_resources_count_only_healthy_gpus_annotation_lists_all() -> None:
+    want = desired_state(TWO, SETTINGS)
+    assert want.annotation == ANNOTATION
+    assert json.loads(want.annotation)[1]["health"] == "Unhealthy"
+    assert want.labels == {"gpuslice.io/gpu.product": "NVIDIA-A100-SXM4-80GB",
+                           "gpuslice.io/gpu.count": "2", "gpuslice.io/gpu.memory": "81920"}
+    assert want.resources == {"nvidia.com/gpu": "10", "nvidia.com/gpumem": "81920",
+                              "nvidia.com/gpucores": "100"}
+
+
+def test_resource_names_and_split_count_follow_the_settings() -> None:
+    s = AgentSettings(node_name="n", split_count=4, resource_gpu="example.com/vgpu",
+                      resource_mem="example.com/vmem", resource_cores="example.com/vcores")
+    assert desired_state(Discovery(True, (A,)), s).resources == {
+        "example.com/vgpu": "4", "example.com/vmem": "81920", "example.com/vcores": "100"}
+
+
+@pytest.mark.parametrize("discovery", [Discovery(available=False, reason="driver not loaded"),
+                                       Discovery(available=True, gpus=())])
+def test_a_node_without_driver_or_gpus_publishes_zeros_and_no_product(
+        discovery: Discovery) -> None:
+    want = desired_state(discovery, SETTINGS)
+    assert want.annotation == "[]"
+    assert want.labels == {"gpuslice.io/gpu.product": None, "gpuslice.io/gpu.count": "0",
+                           "gpuslice.io/gpu.memory": "0"}
+    assert set(want.resources.values()) == {"0"}
+    patch = metadata_patch({}, {"gpuslice.io/gpu.product": "old"}, want)
+    assert patch is not None and patch["metadata"]["labels"]["gpuslice.io/gpu.product"] is None
+
+
+def test_no_patch_when_the_node_already_carries_everything() -> None:
+    want = desired_state(TWO, SETTINGS)
+    labels = {k: v for k, v in want.labels.items() if v is not None}
+    assert metadata_patch({"gpuslice.io/gpus": ANNOTATION}, labels, want) is None
+    assert status_patch(dict(want.resources), dict(want.resources), want) is None
+    assert status_patch(dict(want.resources), {}, want) is not None
+
+
+async def test_publish_sends_exact_merge_patches_to_node_and_status() -> None:
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            outcome = await Publisher(api, SETTINGS).publish(TWO)
+        assert outcome.metadata_patched and outcome.status_patched
+        meta = kube.requests_to("PATCH", r"^/api/v1/nodes/gpu-node-1$")
+        status = kube.requests_to("PATCH", r"^/api/v1/nodes/gpu-node-1/status$")
+        assert len(meta) == len(status) == 1
+        assert meta[0].content_type == status[0].content_type == MERGE_PATCH
+        assert meta[0].body == {"metadata": {
+            "annotations": {"gpuslice.io/gpus": ANNOTATION},
+            "labels": {"gpuslice.io/gpu.product": "NVIDIA-A100-SXM4-80GB",
+                       "gpuslice.io/gpu.count": "2", "gpuslice.io/gpu.memory": "81920"}}}
+        res = {"nvidia.com/gpu": "10", "nvidia.com/gpumem": "81920", "nvidia.com/gpucores": "100"}
+        assert status[0].body == {"status": {"capacity": res, "allocatable": res}}
+        node = kube.get("nodes", "gpu-node-1")
+        assert node["status"]["capacity"]["cpu"] == "32"  # kubelet's resources untouched
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "10"
+        assert node["metadata"]["labels"]["gpu"] == "on"
+        assert_valid(node)
+
+
+async def test_second_publish_reads_and_sends_no_patch() -> None:
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            pub = Publisher(api, SETTINGS)
+            await pub.publish(TWO)
+            n = len(kube.requests)
+            outcome = await pub.publish(TWO)
+        assert not outcome.metadata_patched and not outcome.status_patched
+        assert [(r.method, r.path) for r in kube.requests[n:]] == [
+            ("GET", "/api/v1/nodes/gpu-node-1")]
+
+
+async def test_publish_reasserts_after_the_node_object_is_recreated() -> None:
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            pub = Publisher(api, SETTINGS)
+            await pub.publish(TWO)
+            kube.delete("nodes", "gpu-node-1")
+            kube.put(_node())  # kubelet re-registers: no capacity, no annotation
+            outcome = await pub.publish(TWO)
+        assert outcome.metadata_patched and outcome.status_patched
+        node = kube.get("nodes", "gpu-node-1")
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "10"
+        assert node["metadata"]["annotations"]["gpuslice.io/gpus"] == ANNOTATION
+
+
+async def test_live_pod_uids_lists_this_nodes_pods_only() -> None:
+    async with FakeKube() as kube:
+        mine = kube.put({"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"name": "a", "namespace": "ml"},
+                         "spec": {"nodeName": "gpu-node-1", "containers": []}})
+        kube.put({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "b"},
+                  "spec": {"nodeName": "other", "containers": []}})
+        async with kube.api_client() as api:
+            uids = await Publisher(api, SETTINGS).live_pod_uids()
+        assert uids == {mine["metadata"]["uid"]}
+        req = kube.requests_to("GET", r"^/api/v1/pods$")[0]
+        assert req.query["fieldSelector"] == "spec.nodeName=gpu-node-1"
