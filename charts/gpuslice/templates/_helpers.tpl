@@ -1,0 +1,127 @@
+{{/*
+Names, labels and derived values shared by the templates.
+*/}}
+
+{{- define "gpuslice.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Object-name prefix. Kept short (<= 40 chars) so "<fullname>-scheduler-lease" etc. stay valid.
+*/}}
+{{- define "gpuslice.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpuslice.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "gpuslice.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpuslice
+{{- end -}}
+
+{{/* Selector labels of one component: include "gpuslice.selectorLabels" (list . "webhook") */}}
+{{- define "gpuslice.selectorLabels" -}}
+{{- $ctx := index . 0 -}}
+app.kubernetes.io/name: {{ include "gpuslice.name" $ctx }}
+app.kubernetes.io/instance: {{ $ctx.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "gpuslice.serviceName" -}}
+{{- include "gpuslice.fullname" . -}}
+{{- end -}}
+
+{{- define "gpuslice.webhookConfigName" -}}
+{{- include "gpuslice.fullname" . -}}
+{{- end -}}
+
+{{- define "gpuslice.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "gpuslice.fullname" .)) .Values.tls.secretName -}}
+{{- end -}}
+
+{{- define "gpuslice.webhookServiceAccount" -}}
+{{- include "gpuslice.fullname" . -}}
+{{- end -}}
+
+{{- define "gpuslice.agentServiceAccount" -}}
+{{- printf "%s-agent" (include "gpuslice.fullname" .) -}}
+{{- end -}}
+
+{{- define "gpuslice.leaseName" -}}
+{{- default .Values.scheduler.name .Values.scheduler.leaseName -}}
+{{- end -}}
+
+{{/* Where the service, the bootstrap and the scheduler find ca.crt / tls.crt / tls.key. */}}
+{{- define "gpuslice.certDir" -}}
+/etc/gpuslice/tls
+{{- end -}}
+
+{{- define "gpuslice.webhookImage" -}}
+{{- printf "%s:%s" .Values.webhook.image.repository (default .Chart.AppVersion .Values.webhook.image.tag) -}}
+{{- end -}}
+
+{{- define "gpuslice.agentImage" -}}
+{{- printf "%s:%s" .Values.agent.image.repository (default .Chart.AppVersion .Values.agent.image.tag) -}}
+{{- end -}}
+
+{{/*
+kube-scheduler image: the given tag, else the cluster's own version without a vendor suffix
+(v1.30.4-eks-a737599 -> v1.30.4), which registry.k8s.io publishes for every release.
+*/}}
+{{- define "gpuslice.schedulerImage" -}}
+{{- $tag := .Values.scheduler.image.tag -}}
+{{- if not $tag -}}
+{{- $tag = regexFind "^v[0-9]+\\.[0-9]+\\.[0-9]+" .Capabilities.KubeVersion.Version -}}
+{{- if not $tag -}}
+{{- fail (printf "scheduler.image.tag: cannot derive it from the cluster version %q; set it" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- end -}}
+{{- printf "%s:%s" .Values.scheduler.image.repository $tag -}}
+{{- end -}}
+
+{{/* "true" when the MutatingWebhookConfiguration carries matchConditions. */}}
+{{- define "gpuslice.matchConditions" -}}
+{{- if eq .Values.webhook.matchConditions "enabled" -}}
+true
+{{- else if eq .Values.webhook.matchConditions "auto" -}}
+{{- if semverCompare ">=1.28.0-0" .Capabilities.KubeVersion.Version -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The four GPU resource names as a CEL list literal. */}}
+{{- define "gpuslice.resourceNamesCEL" -}}
+{{- $r := .Values.resourceNames -}}
+[{{ list $r.gpu $r.memory $r.memoryPercentage $r.cores | join "', '" | printf "'%s'" }}]
+{{- end -}}
+
+{{/* Checks across values that the JSON schema cannot express. */}}
+{{- define "gpuslice.validate" -}}
+{{- $r := .Values.resourceNames -}}
+{{- if ne (len (uniq (list $r.gpu $r.memory $r.memoryPercentage $r.cores))) 4 -}}
+{{- fail "resourceNames: the four resource names must differ" -}}
+{{- end -}}
+{{- if and (eq .Values.tls.mode "cert-manager") .Values.tls.certManager.issuerRef (not .Values.tls.certManager.issuerRef.name) -}}
+{{- fail "tls.certManager.issuerRef: needs a name (or leave issuerRef empty for a self-signed CA)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* securityContext of the webhook pod's containers (Pod Security "restricted"). */}}
+{{- define "gpuslice.restrictedContainer" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}

@@ -1,0 +1,367 @@
+"""TLS bootstrap for ``tls_mode: secret``: the service's own CA and certificate, kept in a Secret.
+
+On start (:func:`ensure_tls`, also run by the chart's init container as
+``python -m webhook.bootstrap --config FILE``) and then periodically (:func:`rotation_loop`):
+
+1. read Secret ``tls_secret_name`` in ``release_namespace``; create a CA and a serving
+   certificate when it is absent, renew the serving certificate (same CA, so clients that
+   trust the CA keep working) when it expires within 30 days or is unusable, and make a new CA
+   only when the CA itself is expiring or broken (``ca.crt`` then carries the old CA too while it
+   is valid). Two replicas racing to create it converge: the loser of the 409 uses the winner's;
+   updates use the resourceVersion read, so a conflicting rotation is re-read, never clobbered;
+2. write ``ca.crt``, ``tls.crt`` and ``tls.key`` into ``cert_dir`` atomically (only when they
+   changed; the server reloads changed files, the kube-scheduler container reads ``ca.crt``);
+3. set ``caBundle`` of every webhook in MutatingWebhookConfiguration ``webhook_config_name``
+   with a JSON patch guarded by ``test`` operations (no request when it is already right).
+
+The decisions are the pure :func:`assess`/:func:`renew`; the API calls retry transient errors
+(connection failures, 429, 5xx) with backoff until a deadline. Certificates come from
+:mod:`webhook.tls`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import datetime as dt
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import ConfigException
+
+from webhook.settings import Settings, SettingsError, load_settings
+from webhook.tls import CA_CERT, TLS_CERT, TLS_KEY, issue_serving_cert, new_ca, write_atomic
+
+logger = logging.getLogger(__name__)
+
+RENEW_BEFORE = dt.timedelta(days=30)
+SERVING_DAYS = 365
+CHECK_INTERVAL_S = 600.0
+RETRY_INTERVAL_S = 30.0
+TRANSIENT = {429, 500, 502, 503, 504}
+CA_KEY = "ca.key"
+T = TypeVar("T")
+
+
+class BootstrapError(RuntimeError):
+    """The certificates could not be put in place; the message says why and what to check."""
+
+
+@dataclass(frozen=True)
+class Material:
+    """What the Secret holds: ``ca_bundle`` is the current CA first, then a previous one."""
+
+    ca_bundle: bytes
+    ca_key: bytes
+    tls_crt: bytes
+    tls_key: bytes
+
+    def secret_data(self) -> dict[str, str]:
+        raw = {CA_CERT: self.ca_bundle, CA_KEY: self.ca_key, TLS_CERT: self.tls_crt,
+               TLS_KEY: self.tls_key}
+        return {k: base64.b64encode(v).decode() for k, v in raw.items()}
+
+    @classmethod
+    def from_secret_data(cls, data: dict[str, str] | None) -> Material | None:
+        try:
+            raw = {k: base64.b64decode(v, validate=True) for k, v in (data or {}).items()}
+            return cls(raw[CA_CERT], raw[CA_KEY], raw[TLS_CERT], raw[TLS_KEY])
+        except (KeyError, ValueError, TypeError):
+            return None
+
+
+def assess(m: Material | None, namespace: str, service: str, now: dt.datetime) -> str:
+    """``"ok"``, ``"renew-serving"`` (the CA is fine) or ``"new-ca"`` (none, or unusable)."""
+    if m is None:
+        return "new-ca"
+    try:
+        cas = x509.load_pem_x509_certificates(m.ca_bundle)
+        ca_key = serialization.load_pem_private_key(m.ca_key, password=None)
+    except ValueError:
+        return "new-ca"
+    ca = cas[0]
+    if _spki(ca_key.public_key()) != _spki(ca.public_key()) \
+            or ca.not_valid_after_utc - now < RENEW_BEFORE:
+        return "new-ca"
+    try:
+        cert = x509.load_pem_x509_certificate(m.tls_crt)
+        key = serialization.load_pem_private_key(m.tls_key, password=None)
+        cert.verify_directly_issued_by(ca)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, TypeError, x509.InvalidSignature, x509.ExtensionNotFound):
+        return "renew-serving"
+    if _spki(key.public_key()) != _spki(cert.public_key()) \
+            or f"{service}.{namespace}.svc" not in names.get_values_for_type(x509.DNSName) \
+            or cert.not_valid_after_utc - now < RENEW_BEFORE:
+        return "renew-serving"
+    return "ok"
+
+
+def renew(m: Material | None, decision: str, namespace: str, service: str,
+          now: dt.datetime) -> Material:
+    """New material for ``decision`` (from :func:`assess`); ``"ok"`` returns ``m`` unchanged."""
+    if decision == "ok" and m is not None:
+        return m
+    if decision == "renew-serving" and m is not None:
+        ca_pem = x509.load_pem_x509_certificates(m.ca_bundle)[0].public_bytes(
+            serialization.Encoding.PEM)
+        crt, key = issue_serving_cert(ca_pem, m.ca_key, namespace, service, SERVING_DAYS)
+        return Material(m.ca_bundle, m.ca_key, crt, key)
+    ca_crt, ca_key = new_ca(common_name=f"gpuslice CA ({namespace}/{service})")
+    crt, key = issue_serving_cert(ca_crt, ca_key, namespace, service, SERVING_DAYS)
+    return Material(ca_crt + _still_valid_cas(m, now), ca_key, crt, key)
+
+
+def _still_valid_cas(m: Material | None, now: dt.datetime) -> bytes:
+    """The old CA(s) of ``m`` that have not expired, so peers not yet rotated stay trusted."""
+    try:
+        old = x509.load_pem_x509_certificates(m.ca_bundle) if m is not None else []
+    except ValueError:
+        return b""
+    return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in old[:1]
+                    if c.not_valid_after_utc > now)
+
+
+def _spki(public_key: Any) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.DER,
+                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def write_files(cert_dir: str | Path, m: Material) -> bool:
+    """Write ca.crt, tls.key, tls.crt into ``cert_dir`` where they differ; True if any did."""
+    d = Path(cert_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    changed = False
+    for name, data, mode in ((CA_CERT, m.ca_bundle, 0o644), (TLS_KEY, m.tls_key, 0o600),
+                             (TLS_CERT, m.tls_crt, 0o644)):
+        path = d / name
+        try:
+            if path.read_bytes() == data:
+                continue
+        except OSError:
+            pass
+        write_atomic(path, data, mode)
+        changed = True
+    return changed
+
+
+async def _call(op: Callable[[], Awaitable[T]], what: str, deadline: float,
+                backoff: float) -> T:
+    """Run one API call, retrying transient failures with backoff until ``deadline``."""
+    loop = asyncio.get_running_loop()
+    delay = backoff
+    while True:
+        try:
+            return await op()
+        except ApiException as exc:
+            if exc.status not in TRANSIENT or loop.time() + delay > deadline:
+                raise
+            error = f"HTTP {exc.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if loop.time() + delay > deadline:
+                raise BootstrapError(f"cannot reach the API server to {what}: {exc}") from exc
+            error = str(exc) or type(exc).__name__
+        logger.warning("API call failed; retrying", extra={"call": what, "error": error,
+                                                           "retry_in_s": delay})
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 30.0)
+
+
+def _explain(exc: ApiException, what: str) -> BootstrapError:
+    hint = {401: " (the service account token was rejected)",
+            403: " (check the chart's RBAC: Role <release>-tls and ClusterRole "
+                 "<release>-webhook)"}.get(exc.status or 0, "")
+    return BootstrapError(f"cannot {what}: HTTP {exc.status} {exc.reason}{hint}")
+
+
+async def _settle_secret(core: client.CoreV1Api, settings: Settings, namespace: str,
+                         deadline: float, backoff: float) -> Material:
+    """Read, create or rotate the Secret until it holds usable material; return it."""
+    name = settings.tls_secret_name
+    what = f"read or write Secret {namespace}/{name}"
+    for _ in range(5):
+        try:
+            secret: Any = await _call(lambda: core.read_namespaced_secret(name, namespace),
+                                      what, deadline, backoff)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise _explain(exc, what) from exc
+            secret = None
+        now = dt.datetime.now(dt.UTC)
+        current = Material.from_secret_data(secret.data) if secret is not None else None
+        decision = assess(current, namespace, settings.service_name, now)
+        if decision == "ok" and current is not None:
+            return current
+        fresh = renew(current, decision, namespace, settings.service_name, now)
+        version = secret.metadata.resource_version if secret is not None else None
+        manifest = _secret_manifest(name, namespace, fresh, version)
+        try:
+            if secret is None:
+                await _call(partial(core.create_namespaced_secret, namespace, manifest),
+                            what, deadline, backoff)
+            else:
+                await _call(partial(core.replace_namespaced_secret, name, namespace, manifest),
+                            what, deadline, backoff)
+        except ApiException as exc:
+            if exc.status == 409:  # another replica created or rotated it first: use theirs
+                logger.info("TLS Secret changed concurrently; re-reading",
+                            extra={"secret": f"{namespace}/{name}"})
+                continue
+            raise _explain(exc, what) from exc
+        logger.info("TLS Secret written", extra={"secret": f"{namespace}/{name}",
+                                                 "action": decision})
+        return fresh
+    raise BootstrapError(f"Secret {namespace}/{name} kept changing under us; giving up")
+
+
+def _secret_manifest(name: str, namespace: str, m: Material,
+                     resource_version: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace,
+                            "labels": {"app.kubernetes.io/name": "gpuslice",
+                                       "app.kubernetes.io/managed-by": "gpuslice"}}
+    if resource_version is not None:
+        meta["resourceVersion"] = resource_version
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta,
+            "type": "kubernetes.io/tls", "data": m.secret_data()}
+
+
+async def _patch_ca_bundle(admission: client.AdmissionregistrationV1Api, name: str,
+                           bundle: bytes, deadline: float, backoff: float) -> bool:
+    """Set every webhook's caBundle; False when the configuration does not exist."""
+    want = base64.b64encode(bundle).decode()
+    what = f"patch the caBundle of MutatingWebhookConfiguration {name}"
+    for _ in range(5):
+        try:
+            mwc: Any = await _call(lambda: admission.read_mutating_webhook_configuration(name),
+                                   what, deadline, backoff)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise _explain(exc, what) from exc
+        ops: list[dict[str, Any]] = []
+        for i, hook in enumerate(mwc.webhooks or []):
+            if hook.client_config.ca_bundle != want:
+                ops += [{"op": "test", "path": f"/webhooks/{i}/name", "value": hook.name},
+                        {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle",
+                         "value": want}]
+        if not ops:
+            return True
+        try:
+            await _call(partial(admission.patch_mutating_webhook_configuration, name, ops),
+                        what, deadline, backoff)
+        except ApiException as exc:
+            if exc.status in (409, 422):  # the list changed between read and patch: re-read
+                continue
+            raise _explain(exc, what) from exc
+        logger.info("webhook caBundle set", extra={"webhook_configuration": name,
+                                                   "webhooks": len(ops) // 2})
+        return True
+    raise BootstrapError(f"{what}: it kept changing under us; giving up")
+
+
+async def _api_client(settings: Settings) -> client.ApiClient:
+    conf = client.Configuration()
+    try:
+        if settings.kubeconfig:
+            await config.load_kube_config(config_file=settings.kubeconfig,
+                                          client_configuration=conf)
+        else:
+            config.load_incluster_config(client_configuration=conf)
+    except (ConfigException, OSError) as exc:
+        raise BootstrapError(f"no Kubernetes API access configured: {exc}") from exc
+    return client.ApiClient(conf)
+
+
+def _namespace(settings: Settings) -> str:
+    pod_ns = os.environ.get("POD_NAMESPACE")
+    if pod_ns and pod_ns != settings.release_namespace:
+        raise BootstrapError(f"release_namespace is {settings.release_namespace!r} but this pod "
+                             f"runs in {pod_ns!r}; the Service and its Secret live in the "
+                             "release namespace: set release_namespace to the pod's namespace")
+    return settings.release_namespace
+
+
+async def reconcile(settings: Settings, api: client.ApiClient | None = None, *,
+                    deadline_s: float = 120.0, backoff_s: float = 1.0) -> bool:
+    """One pass of steps 1-3; True when the webhook configuration's caBundle is set."""
+    namespace = _namespace(settings)
+    deadline = asyncio.get_running_loop().time() + deadline_s
+    own = api is None
+    api = api or await _api_client(settings)
+    try:
+        material = await _settle_secret(client.CoreV1Api(api), settings, namespace, deadline,
+                                        backoff_s)
+        if write_files(settings.cert_dir, material):
+            logger.info("certificate files written", extra={"dir": settings.cert_dir})
+        patched = await _patch_ca_bundle(client.AdmissionregistrationV1Api(api),
+                                         settings.webhook_config_name, material.ca_bundle,
+                                         deadline, backoff_s)
+        if not patched:
+            logger.warning("webhook configuration not found; caBundle not set yet",
+                           extra={"webhook_configuration": settings.webhook_config_name})
+        return patched
+    finally:
+        if own:
+            await api.close()
+
+
+async def ensure_tls(settings: Settings, api: client.ApiClient | None = None, *,
+                     deadline_s: float = 120.0, backoff_s: float = 1.0) -> None:
+    """Put usable certificates in the Secret and ``cert_dir`` and set the caBundle, or raise
+    :class:`BootstrapError`."""
+    await reconcile(settings, api, deadline_s=deadline_s, backoff_s=backoff_s)
+
+
+async def rotation_loop(settings: Settings, api: client.ApiClient | None = None, *,
+                        interval_s: float = CHECK_INTERVAL_S,
+                        retry_s: float = RETRY_INTERVAL_S) -> None:
+    """Re-run :func:`reconcile` every ``interval_s`` (``retry_s`` after a failure or while the
+    webhook configuration is missing) until cancelled; errors are logged, never raised."""
+    delay = interval_s
+    while True:
+        await asyncio.sleep(delay)
+        try:
+            done = await reconcile(settings, api, deadline_s=min(120.0, retry_s * 4))
+        except (BootstrapError, ApiException) as exc:
+            logger.error("certificate check failed; will retry", extra={"error": str(exc)})
+            done = False
+        delay = interval_s if done else retry_s
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m webhook.bootstrap --config FILE``: one :func:`ensure_tls`, for init containers."""
+    from webhook.logs import setup_logging
+
+    parser = argparse.ArgumentParser(prog="python -m webhook.bootstrap",
+                                     description=main.__doc__)
+    parser.add_argument("--config", metavar="FILE", help="gpuslice settings file")
+    parser.add_argument("--kubeconfig", help="kubeconfig path (default: in-cluster)")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args.config, {"kubeconfig": args.kubeconfig})
+    except SettingsError as exc:
+        print(f"gpuslice bootstrap: configuration error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_format)
+    try:
+        asyncio.run(ensure_tls(settings))
+    except BootstrapError as exc:
+        logger.error("TLS bootstrap failed", extra={"error": str(exc)})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
