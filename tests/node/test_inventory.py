@@ -112,3 +112,13 @@ def test_default_inventory_calls_the_pynvml_module(monkeypatch: pytest.MonkeyPat
 def test_real_pynvml_without_driver_reports_library_not_found() -> None:
     d = Inventory().discover()
     assert not d.available and "NVML library not found" in d.reason
+
+
+def test_an_unhealthy_gpu_keeps_its_last_known_product_and_memory() -> None:
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    nvml.devices[1].fail["nvmlDeviceGetMemoryInfo"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    gpu = inv.discover().gpus[1]
+    assert (gpu.health, gpu.product, gpu.memory_mib) == (UNHEALTHY, "NVIDIA A100-SXM4-80GB",
+                                                         81920)

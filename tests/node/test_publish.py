@@ -149,3 +149,18 @@ async def test_live_pod_uids_lists_this_nodes_pods_only() -> None:
         assert uids == {mine["metadata"]["uid"]}
         req = kube.requests_to("GET", r"^/api/v1/pods$")[0]
         assert req.query["fieldSelector"] == "spec.nodeName=gpu-node-1"
+
+
+def test_the_extenders_reader_accepts_the_published_annotation() -> None:
+    from webhook.placement.inventory import parse_inventory
+    gpus = parse_inventory(desired_state(TWO, SETTINGS).annotation)
+    assert [(g.uuid, g.index, g.memory_mib, g.healthy) for g in gpus] == [
+        ("GPU-aaaa", 0, 81920, True), ("GPU-bbbb", 1, 81920, False)]
+
+
+def test_a_gpu_whose_memory_was_never_readable_is_left_out_of_the_annotation() -> None:
+    from webhook.placement.inventory import parse_inventory
+    lost = Gpu("GPU-cccc", 2, "", 0, UNHEALTHY)
+    want = desired_state(Discovery(True, (A, lost)), SETTINGS)
+    assert [g.uuid for g in parse_inventory(want.annotation)] == ["GPU-aaaa"]
+    assert want.labels["gpuslice.io/gpu.count"] == "1"

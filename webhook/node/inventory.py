@@ -5,7 +5,8 @@ functions and the real ``pynvml`` error classes). It never raises for a node wit
 or without GPUs: :meth:`Inventory.discover` then reports :class:`Discovery` with
 ``available=False`` and a reason, and retries ``nvmlInit`` on the next call.
 
-Health: a GPU is ``Unhealthy`` when any of its identity/memory queries fails, when NVML says it
+Health: a GPU is ``Unhealthy`` when any of its name/memory queries fails (its product and
+memory are then the last ones read, or empty and 0 if never read), when NVML says it
 has retired pages pending (a reset is needed), or when row remapping failed; probes a GPU does
 not support (consumer cards) do not count against it. A GPU whose handle or UUID cannot be read
 cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged).
@@ -87,6 +88,7 @@ class Inventory:
         self._initialised = False
         self._last: Discovery = Discovery(available=False, reason="not discovered yet")
         self._logged_state: tuple[Any, ...] = ()
+        self._known: dict[str, tuple[str, int]] = {}
 
     @property
     def last(self) -> Discovery:
@@ -161,11 +163,11 @@ class Inventory:
                                                                        "error": str(exc)})
             return None
         health = HEALTHY
-        product = ""
-        memory_mib = 0
+        product, memory_mib = self._known.get(uuid, ("", 0))
         try:
             product = _text(nvml.nvmlDeviceGetName(handle))
             memory_mib = int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB
+            self._known[uuid] = (product, memory_mib)
         except pynvml.NVMLError as exc:
             health = UNHEALTHY
             logger.warning("GPU query failed; marked unhealthy",

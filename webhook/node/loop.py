@@ -89,9 +89,8 @@ class Agent:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.metrics_host, self.settings.metrics_port)
         await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.metrics_port = sockets[0].getsockname()[1] if sockets else self.settings.metrics_port
+        addresses = self._runner.addresses
+        self.metrics_port = int(addresses[0][1]) if addresses else self.settings.metrics_port
         logger.info("metrics served", extra={"host": self.settings.metrics_host,
                                              "port": self.metrics_port})
 

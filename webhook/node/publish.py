@@ -3,8 +3,8 @@
 What is published (DESIGN.md §4), computed by the pure :func:`desired_state`:
 
 - annotation ``gpuslice.io/gpus``: compact JSON list of ``{"uuid","index","product",
-  "memoryMiB","health"}``, every addressable GPU, healthy or not (the extender skips unhealthy
-  ones);
+  "memoryMiB","health"}``, every GPU healthy or not (the extender skips unhealthy ones), except
+  one whose memory size was never readable (the extender needs ``memoryMiB`` > 0);
 - labels describing the hardware: ``gpuslice.io/gpu.product`` (product of the lowest-index GPU,
   sanitised to a label value; removed when there is no GPU), ``gpuslice.io/gpu.count`` (GPUs
   found) and ``gpuslice.io/gpu.memory`` (the smallest per-GPU memory in MiB);
@@ -58,7 +58,8 @@ class NodeState:
 
 def desired_state(discovery: Discovery, settings: AgentSettings) -> NodeState:
     """The annotation, labels and resources for ``discovery`` (pure)."""
-    gpus = sorted(discovery.gpus, key=lambda g: g.index) if discovery.available else []
+    gpus = sorted((g for g in discovery.gpus if g.memory_mib > 0), key=lambda g: g.index) \
+        if discovery.available else []
     healthy = [g for g in gpus if g.healthy]
     annotation = json.dumps([g.to_json() for g in gpus], separators=(",", ":"))
     product = label_value(gpus[0].product) if gpus else ""
@@ -120,14 +121,16 @@ class Publisher:
         want = desired_state(discovery, self._settings)
         node = await self._api.read_node(self._node, _request_timeout=TIMEOUT)
         meta = metadata_patch(node.metadata.annotations, node.metadata.labels, want)
+        # The generated client accepts _content_type at run time (its **kwargs), though its
+        # signature does not declare it; without it a dict body goes as strategic-merge.
         if meta is not None:
-            await self._api.patch_node(self._node, meta, _content_type=MERGE_PATCH,
-                                          _request_timeout=TIMEOUT)
+            await self._api.patch_node(  # type: ignore[call-arg]
+                self._node, meta, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
         status = node.status or client.V1NodeStatus()
         spatch = status_patch(status.capacity, status.allocatable, want)
         if spatch is not None:
-            await self._api.patch_node_status(self._node, spatch, _content_type=MERGE_PATCH,
-                                          _request_timeout=TIMEOUT)
+            await self._api.patch_node_status(  # type: ignore[call-arg]
+                self._node, spatch, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
         return PublishOutcome(meta is not None, spatch is not None)
 
     async def live_pod_uids(self) -> set[str]:
