@@ -100,6 +100,9 @@ def _choose(c: ContainerRequest, gpus: list[Gpu], used: Mapping[str, Usage], pol
             fitting.append(g)
         else:
             reasons[why] = reasons.get(why, 0) + 1
+    if len(gpus) < c.count:
+        return (), (f"gpuslice: container {c.name!r} needs {c.describe()}; the node has "
+                    f"{len(gpus)} usable GPU{'s' if len(gpus) != 1 else ''}")
     if len(fitting) < c.count:
         # No per-node counts: kube-scheduler groups identical reasons across nodes.
         detail = ", ".join(sorted(reasons))

@@ -8,7 +8,7 @@ scheduler decodes case-insensitively, but we always answer with the exact names.
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 MIN_PRIORITY = 0
 """MinExtenderPriority."""
@@ -31,6 +31,8 @@ class ExtenderFilterResult(TypedDict):
     FailedNodes: dict[str, str]
     FailedAndUnresolvableNodes: dict[str, str]
     Error: str
+    Nodes: NotRequired[dict[str, Any]]
+    """Only when the request carried ``Nodes`` instead of ``NodeNames``."""
 
 
 class HostPriority(TypedDict):

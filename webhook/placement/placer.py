@@ -98,10 +98,10 @@ class Placer:
             req = pod_request(pod, self.settings)
         except RequestError as exc:
             out["FailedAndUnresolvableNodes"] = {n: f"gpuslice: {exc}" for n in candidates}
-            return out
+            return self._with_nodes(args, out)
         if not req.wants_gpus:
             out["NodeNames"] = list(candidates)
-            return out
+            return self._with_nodes(args, out)
         for name in candidates:
             node = self.state.node(name)
             if node is None or node.inventory_error:
@@ -114,6 +114,17 @@ class Placer:
                 out[target][name] = result.reason  # type: ignore[literal-required]
             else:
                 out["NodeNames"].append(name)
+        return self._with_nodes(args, out)
+
+    @staticmethod
+    def _with_nodes(args: Any, out: ExtenderFilterResult) -> ExtenderFilterResult:
+        """Without nodeCacheCapable the scheduler sends and reads full ``Nodes``."""
+        nodes = args.get("Nodes")
+        if args.get("NodeNames") is None and isinstance(nodes, dict):
+            keep = set(out["NodeNames"])
+            out["Nodes"] = {"apiVersion": "v1", "kind": "NodeList", "metadata": {},
+                            "items": [n for n in nodes.get("items") or []
+                                      if ((n or {}).get("metadata") or {}).get("name") in keep]}
         return out
 
     def prioritize(self, args: Any) -> list[HostPriority]:

@@ -1,0 +1,182 @@
+"""Watch and bind against the in-process fake API server, through the real client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fakekube import FakeKube
+from placement.kubeobjects import eventually, gpu_node, gpu_pod
+
+from webhook.placement.inventory import Usage
+
+HEADLINE = {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "10240", "nvidia.com/gpucores": "30"}
+A10 = [("GPU-a0", 24576), ("GPU-a1", 24576)]
+
+
+def usage(ext: Any, node: str) -> dict[str, Usage]:
+    state = ext.placer.state.node(node)
+    return {} if state is None else dict(state.usage)
+
+
+async def test_state_is_rebuilt_from_node_inventory_and_pod_device_annotations(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    kube.put(gpu_pod("a", {"nvidia.com/gpumem": "4000", "nvidia.com/gpucores": "20"},
+                     node="n1", devices="GPU-a1", phase="Running"))
+    kube.put(gpu_pod("done", {"nvidia.com/gpumem": "9000"}, node="n1", devices="GPU-a0",
+                     phase="Succeeded"))
+    ext = await extender()
+    assert ext.placer.ready()
+    assert ext.placer.largest_gpu_memory_mib() == 24576
+    assert usage(ext, "n1") == {"GPU-a1": Usage(4000, 20, 1, 0)}
+
+
+async def test_headline_pod_is_bound_with_device_annotations_in_the_binding(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("trainer", HEADLINE))
+    ext = await extender()
+    filtered = await ext.post("filter", {"Pod": pod, "NodeNames": ["n1"]})
+    assert filtered["NodeNames"] == ["n1"]
+    assert await ext.bind(pod, "n1") == ""
+    bound = kube.get("pods", "trainer")
+    assert bound["spec"]["nodeName"] == "n1"
+    assert bound["metadata"]["annotations"]["gpuslice.io/devices.main"] == "GPU-a0,GPU-a1"
+    (req,) = kube.requests_to("POST", "/pods/trainer/binding$")
+    assert req.body["kind"] == "Binding"
+    assert req.body["target"] == {"apiVersion": "v1", "kind": "Node", "name": "n1"}
+    assert req.body["metadata"]["annotations"] == {"gpuslice.io/devices.main": "GPU-a0,GPU-a1"}
+    assert req.body["metadata"]["uid"] == pod["metadata"]["uid"]
+    uid = pod["metadata"]["uid"]
+    await eventually(lambda: not ext.placer.state.allocs[uid].assumed)
+    assert usage(ext, "n1") == {"GPU-a0": Usage(10240, 30, 1, 0),
+                                "GPU-a1": Usage(10240, 30, 1, 0)}
+
+
+async def test_bind_reads_the_pod_when_filter_never_saw_it(kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    assert await ext.bind(pod, "n1") == ""
+    assert kube.requests_to("GET", "/namespaces/default/pods/p$")
+    assert kube.get("pods", "p")["metadata"]["annotations"]["gpuslice.io/devices.main"] == "GPU-a0"
+
+
+async def test_bind_of_a_pod_without_gpus_binds_without_annotations(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("web", {"cpu": "1"}))
+    ext = await extender()
+    assert await ext.bind(pod, "n1") == ""
+    (req,) = kube.requests_to("POST", "/binding$")
+    assert req.body["metadata"]["annotations"] == {}
+    assert kube.get("pods", "web")["spec"]["nodeName"] == "n1"
+
+
+async def _refused_bind(kube: FakeKube, ext: Any, pod: dict[str, Any], status: int) -> None:
+    error = await ext.bind(pod, "n1")
+    assert f"({status})" in error and error.startswith("gpuslice: bind refused")
+    assert pod["metadata"]["uid"] not in ext.placer.state.allocs
+    assert usage(ext, "n1") == {}
+
+
+async def test_bind_conflict_409_releases_the_reservation(kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    kube.put(gpu_node("n2", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    await ext.post("filter", {"Pod": pod, "NodeNames": ["n1"]})
+    kube.put(pod | {"spec": pod["spec"] | {"nodeName": "n2"}})  # someone else bound it
+    await _refused_bind(kube, ext, pod, 409)
+
+
+async def test_bind_of_a_deleted_pod_404_releases_the_reservation(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    await ext.post("filter", {"Pod": pod, "NodeNames": ["n1"]})
+    kube.delete("pods", "p")
+    await _refused_bind(kube, ext, pod, 404)
+
+
+async def test_bind_server_error_500_releases_and_a_retry_succeeds(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", [("GPU-a0", 24576)]))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "20000"}))
+    ext = await extender()
+    kube.fail("POST", "/binding$", 500)
+    await _refused_bind(kube, ext, pod, 500)
+    assert await ext.bind(pod, "n1") == ""  # the GPU was released, so the retry fits
+
+
+async def test_bind_that_no_longer_fits_is_refused_before_calling_the_api(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", [("GPU-a0", 24576)]))
+    first = kube.put(gpu_pod("first", {"nvidia.com/gpumem": "20000"}))
+    second = kube.put(gpu_pod("second", {"nvidia.com/gpumem": "20000"}))
+    ext = await extender()
+    assert await ext.bind(first, "n1") == ""
+    error = await ext.bind(second, "n1")
+    assert "too little free memory" in error
+    assert len(kube.requests_to("POST", "/binding$")) == 1
+
+
+async def test_deleted_and_finished_pods_release_their_gpus(kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    a = kube.put(gpu_pod("a", {"nvidia.com/gpumem": "1000"}, node="n1", devices="GPU-a0",
+                         phase="Running"))
+    b = kube.put(gpu_pod("b", {"nvidia.com/gpumem": "2000"}, node="n1", devices="GPU-a1",
+                         phase="Running"))
+    c = kube.put(gpu_pod("c", {"nvidia.com/gpumem": "3000"}, node="n1", devices="GPU-a1",
+                         phase="Running"))
+    ext = await extender()
+    assert usage(ext, "n1") == {"GPU-a0": Usage(1000, 0, 1, 0), "GPU-a1": Usage(5000, 0, 2, 0)}
+    kube.delete("pods", "a")
+    kube.put(b | {"status": {"phase": "Succeeded"}})
+    kube.put(c | {"status": {"phase": "Failed"}})
+    await eventually(lambda: usage(ext, "n1") == {})
+    assert not ext.placer.state.allocs
+    del a
+
+
+async def test_inventory_changes_are_watched(kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    assert (await ext.post("filter", {"Pod": pod, "NodeNames": ["n1"]}))["NodeNames"] == ["n1"]
+    kube.put(gpu_node("n1", A10, unhealthy=("GPU-a1",)))
+    await eventually(lambda: not ext.placer.state.node("n1").gpus[1].healthy)
+    out = await ext.post("filter", {"Pod": pod, "NodeNames": ["n1"]})
+    assert out["FailedAndUnresolvableNodes"]["n1"].endswith(
+        "the node has 1 usable GPU [unhealthy GPUs skipped]")
+
+
+async def test_restarted_extender_rebuilds_the_same_state(kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    kube.put(gpu_node("n2", A10))
+    first = await extender()
+    pods = [kube.put(gpu_pod(f"p{i}", {"nvidia.com/gpumem": str(1000 * (i + 1)),
+                                       "nvidia.com/gpucores": "10"})) for i in range(6)]
+    for i, pod in enumerate(pods):
+        assert await first.bind(pod, f"n{1 + i % 2}") == ""
+    await eventually(lambda: not any(a.assumed for a in first.placer.state.allocs.values()))
+    before = {n: usage(first, n) for n in ("n1", "n2")}
+    await first.stop()
+    second = await extender()
+    assert {n: usage(second, n) for n in ("n1", "n2")} == before
+    assert sum(u.slices for u in before["n1"].values()) == 3
+
+
+async def test_watch_recovers_from_compaction_and_an_api_outage(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    ext = await extender()
+    ext.placer.sync.backoff_max_s = 0.05
+    kube.down = True
+    kube.put(gpu_pod("a", {"nvidia.com/gpumem": "1000"}, node="n1", devices="GPU-a0",
+                     phase="Running"))
+    kube.compact()
+    await eventually(lambda: len(kube.requests_to("GET", "/pods$")) >= 3)
+    kube.down = False
+    await eventually(lambda: usage(ext, "n1") == {"GPU-a0": Usage(1000, 0, 1, 0)})

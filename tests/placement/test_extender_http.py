@@ -1,0 +1,96 @@
+"""The extender's HTTP verbs, with golden JSON (tests/placement/golden/*.json).
+
+Each golden file holds the request kube-scheduler sends and the exact answer expected, run
+against the small cluster in golden/cluster.json loaded into the placement state.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from webhook.placement.extender import PLACEMENT_KEY, setup
+from webhook.placement.state import ClusterState
+from webhook.settings import Settings
+
+GOLDEN = Path(__file__).parent / "golden"
+CASES = sorted(p.stem for p in GOLDEN.glob("*.json") if p.stem != "cluster")
+
+
+def cluster_state(settings: Settings) -> ClusterState:
+    cluster = json.loads((GOLDEN / "cluster.json").read_text())
+    state = ClusterState(settings)
+    state.replace_nodes(cluster["nodes"])
+    state.replace_pods(cluster["pods"], listed_at=0.0)
+    return state
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any) -> Any:
+    settings = Settings()
+    app = web.Application()
+    setup(app, settings, state=cluster_state(settings))
+    return await aiohttp_client(app)
+
+
+@pytest.mark.parametrize("name", CASES)
+async def test_golden_exchange(client: Any, name: str) -> None:
+    case = json.loads((GOLDEN / f"{name}.json").read_text())
+    resp = await client.post(case["path"], json=case["request"])
+    assert resp.status == case["status"]
+    assert resp.content_type == "application/json"
+    assert await resp.json() == case["response"]
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/scheduler/filter", b"{not json", "not valid JSON"),
+    ("/scheduler/filter", b"[]", "ExtenderArgs must be a JSON object"),
+    ("/scheduler/filter", b'{"NodeNames": ["a"]}', "ExtenderArgs.Pod must be a Pod object"),
+    ("/scheduler/filter", b'{"Pod": {"metadata": {}, "spec": {}}, "NodeNames": "a"}',
+     "NodeNames must be a list of strings"),
+    ("/scheduler/prioritize", b'{"Pod": {"metadata": {}}}', "Pod.spec must be an object"),
+    ("/scheduler/bind", b'{"PodName": "p", "PodNamespace": "ns", "Node": "n"}',
+     "ExtenderBindingArgs.PodUID must be a non-empty string"),
+])
+async def test_malformed_extender_request_gets_400(client: Any, path: str, body: bytes,
+                                                    message: str) -> None:
+    resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    assert message in await resp.text()
+
+
+async def test_get_on_a_verb_is_405(client: Any) -> None:
+    resp = await client.get("/scheduler/filter")
+    assert resp.status == 405
+
+
+async def test_placement_object_reports_largest_gpu_and_ready_without_api(client: Any) -> None:
+    placer = client.app[PLACEMENT_KEY]
+    assert placer.ready() is True
+    assert placer.largest_gpu_memory_mib() == 81920
+
+
+async def test_largest_gpu_memory_is_none_before_any_inventory() -> None:
+    app = web.Application()
+    setup(app, Settings())
+    assert app[PLACEMENT_KEY].largest_gpu_memory_mib() is None
+
+
+async def test_filter_fails_softly_while_state_is_syncing(aiohttp_client: Any) -> None:
+    settings = Settings(kube_enabled=True)
+    app = web.Application()
+    placer = setup(app, settings)
+    app.on_startup.clear()  # no API here: the watches never start, the placer stays unsynced
+    app.on_cleanup.clear()
+    client = await aiohttp_client(app)
+    assert placer.ready() is False
+    case = json.loads((GOLDEN / "filter_headline.json").read_text())
+    resp = await client.post("/scheduler/filter", json=case["request"])
+    body = await resp.json()
+    assert resp.status == 200
+    assert body["NodeNames"] == [] and "still reading the cluster state" in body["Error"]
+
