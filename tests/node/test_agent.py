@@ -221,8 +221,6 @@ def test_cli_agent_exits_2_when_the_image_has_no_library(tmp_path: Path,
     assert not (tmp_path / "lib").exists()
 
 
-@pytest.mark.skipif(not (Path(__file__).parents[2] / "webhook/node/region.py").exists(),
-                    reason="webhook/node/region.py (the region reader) is not in the tree yet")
 def test_agent_process_installs_serves_and_exits_0_on_sigterm(tmp_path: Path) -> None:
     src = tmp_path / "libgpuslice.so"
     src.write_bytes(LIB)

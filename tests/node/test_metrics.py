@@ -149,3 +149,17 @@ def test_agent_status_metrics(tmp_path: Path) -> None:
     assert s[("gpuslice_agent_info", (("library", "libgpuslice.so.0.1.0"),
                                       ("version", __version__)))] == 1
     assert s[("gpuslice_agent_publish_errors_total", ())] == 0
+
+
+def test_a_region_file_vanishing_mid_scrape_is_not_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from webhook.node import metrics
+    from webhook.node.region import RegionError
+    write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 0)])
+
+    def vanished(path: object) -> None:
+        raise RegionError("cannot read region") from FileNotFoundError(2, "gone")
+
+    monkeypatch.setattr(metrics, "read_region", vanished)
+    _, reg = make(tmp_path)
+    assert samples(reg)[("gpuslice_region_errors_total", ())] == 0

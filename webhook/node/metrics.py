@@ -120,9 +120,9 @@ class AgentCollector(Collector):
     def _read(self, path: Path) -> Region | None:
         try:
             region = read_region(path)
-        except FileNotFoundError:
-            return None
         except (RegionError, OSError) as exc:
+            if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
+                return None  # the container or pod went away between listing and reading
             self._region_errors += 1
             if path not in self._bad_files:
                 self._bad_files.add(path)
@@ -137,7 +137,7 @@ class AgentCollector(Collector):
                                  "GPU memory the container's processes hold on the device",
                                  labels=_CTR_LABELS)
         limit = GaugeMetricFamily("gpuslice_container_memory_limit_bytes",
-                                  "the container's GPU memory cap on the device",
+                                  "the container's GPU memory cap on the device (0 = no cap)",
                                   labels=_CTR_LABELS)
         sm = GaugeMetricFamily("gpuslice_container_compute_limit_percent",
                                "the container's compute cap on the device (100 = none)",
