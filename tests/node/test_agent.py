@@ -125,6 +125,20 @@ async def test_api_outage_backs_off_keeps_serving_metrics_then_recovers(tmp_path
                 await agent.close()
 
 
+async def test_an_unreachable_api_server_is_retried_not_fatal(tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    async with FakeKube() as kube:
+        api = kube.api_client()
+    # the server is gone now: connections are refused
+    try:
+        agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+        assert await agent.step() < settings.interval
+        assert agent.status.publish_errors == 1
+        assert (tmp_path / "lib" / "ld.so.preload").exists()  # the install does not wait on it
+    finally:
+        await api.close()
+
+
 async def test_status_patch_rejected_is_retried_next_round(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
     async with FakeKube() as kube:

@@ -149,7 +149,8 @@ def test_nothing_is_removed_when_a_process_cannot_be_inspected(tmp_path: Path) -
     proc = _proc(tmp_path)
     _process(proc, 1)
     (proc / "2" / "maps").mkdir(parents=True)  # reading it fails with an error other than ENOENT
-    assert not scan_proc(proc).complete
+    scan = scan_proc(proc)
+    assert not scan.complete and scan.first_error.startswith(str(proc / "2" / "maps"))
     assert remove_unused(lib, cur, proc) == []
     assert old.exists()
 

@@ -159,6 +159,13 @@ class ProcScan:
     processes: int = 0
     complete: bool = True
     """False when some process could not be inspected (then nothing may be removed)."""
+    first_error: str = ""
+    """The first inspection failure, for the log (e.g. EACCES under an AppArmor profile)."""
+
+    def fail(self, where: Path, exc: OSError) -> None:
+        if self.complete:
+            self.first_error = f"{where}: {exc.strerror or exc}"
+        self.complete = False
 
 
 def scan_proc(proc_root: str | Path) -> ProcScan:
@@ -169,8 +176,7 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
     try:
         pids = [e.name for e in os.scandir(proc) if e.name.isdigit()]
     except OSError as exc:
-        logger.warning("cannot list processes", extra={"proc": str(proc), "error": str(exc)})
-        scan.complete = False
+        scan.fail(proc, exc)
         return scan
     for pid in pids:
         base = proc / pid
@@ -178,8 +184,8 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
             maps = (base / "maps").read_text(errors="replace")
         except (FileNotFoundError, ProcessLookupError):
             continue  # exited meanwhile
-        except OSError:
-            scan.complete = False
+        except OSError as exc:
+            scan.fail(base / "maps", exc)
             continue
         scan.processes += 1
         for line in maps.splitlines():
@@ -195,8 +201,8 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
             ns = os.readlink(base / "ns" / "mnt")
         except (FileNotFoundError, ProcessLookupError):
             continue
-        except OSError:
-            scan.complete = False
+        except OSError as exc:
+            scan.fail(base / "ns" / "mnt", exc)
             continue
         if ns in seen_ns:
             continue
@@ -205,8 +211,8 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
             text = (base / "root" / "etc" / PRELOAD_NAME).read_text(errors="replace")
         except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
             continue
-        except OSError:
-            scan.complete = False
+        except OSError as exc:
+            scan.fail(base / "root", exc)
             continue
         for token in re.split(r"[\s:]+", text):
             if LIB_STEM in token:
@@ -242,8 +248,9 @@ def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
         return removed
     scan = scan_proc(proc_root)
     if not scan.complete:
-        logger.warning("some processes could not be inspected; old libraries kept",
-                       extra={"proc": str(proc_root)})
+        logger.warning("some processes could not be inspected; old libraries kept (the agent "
+                       "needs the host's /proc, SYS_PTRACE and no AppArmor confinement)",
+                       extra={"proc": str(proc_root), "error": scan.first_error})
         return removed
     for path in candidates:
         try:
