@@ -17,7 +17,8 @@ def random_limits(rng: random.Random) -> dict[str, str]:
     kind = rng.random()
     if kind < 0.05:
         return {"nvidia.com/gpu": "1"}  # a whole, exclusive GPU
-    limits = {"nvidia.com/gpucores": str(rng.choice([0, 10, 25, 30, 50]))}
+    cores = rng.choice([0, 10, 25, 30, 50])
+    limits = {"nvidia.com/gpucores": str(cores)} if cores else {}
     if kind < 0.25:
         limits["nvidia.com/gpumem-percentage"] = str(rng.choice([10, 25, 50]))
     else:
@@ -39,7 +40,7 @@ def truth(kube: FakeKube) -> dict[str, dict[str, int]]:
         assert len(devices) == len(set(devices)) == int(limits.get("nvidia.com/gpu", "1"))
         for uuid in devices:
             whole = set(limits) == {"nvidia.com/gpu"}
-            cores = 100 if whole else int(limits["nvidia.com/gpucores"])
+            cores = 100 if whole else int(limits.get("nvidia.com/gpucores", 0))
             if "nvidia.com/gpumem" in limits:
                 mem = int(limits["nvidia.com/gpumem"])
             else:

@@ -55,15 +55,15 @@ def test_container_request_follows_the_resource_rules(limits: dict[str, Any],
 
 
 BAD = [
-    ({"nvidia.com/gpumem": "1.5"}, "whole"),
-    ({"nvidia.com/gpumem": "-1"}, "whole"),
+    ({"nvidia.com/gpumem": "1.5"}, "must be a whole number"),
+    ({"nvidia.com/gpumem": "-1"}, "must not be negative"),
     ({"nvidia.com/gpumem": "lots"}, "not a quantity"),
-    ({"nvidia.com/gpumem": "0"}, "at least 1 MiB"),
-    ({"nvidia.com/gpumem-percentage": "0"}, "1-100"),
-    ({"nvidia.com/gpumem-percentage": "101"}, "1-100"),
-    ({"nvidia.com/gpucores": "101"}, "0-100"),
-    ({"nvidia.com/gpumem": "1", "nvidia.com/gpumem-percentage": "5"}, "not both"),
-    ({"nvidia.com/gpu": "500m"}, "whole"),
+    ({"nvidia.com/gpumem": "0"}, "must be at least 1"),
+    ({"nvidia.com/gpumem-percentage": "0"}, "percentage from 1 to 100"),
+    ({"nvidia.com/gpumem-percentage": "101"}, "percentage from 1 to 100"),
+    ({"nvidia.com/gpucores": "101"}, "percentage from 1 to 100"),
+    ({"nvidia.com/gpumem": "1", "nvidia.com/gpumem-percentage": "5"}, "both set"),
+    ({"nvidia.com/gpu": "500m"}, "whole number"),
 ]
 
 
@@ -74,8 +74,14 @@ def test_invalid_requests_raise_a_clear_error(limits: dict[str, Any], message: s
     assert "container 'c'" in str(info.value)
 
 
-def test_requests_are_read_when_limits_are_absent() -> None:
-    (c,) = pod_request(pod(None, requests={"nvidia.com/gpumem": "100"}), S).containers
+def test_requests_without_limits_are_an_error_as_in_the_webhook() -> None:
+    with pytest.raises(RequestError, match="put GPU resources in limits"):
+        pod_request(pod(None, requests={"nvidia.com/gpumem": "100"}), S)
+
+
+def test_requests_equal_to_limits_are_accepted() -> None:
+    (c,) = pod_request(pod({"nvidia.com/gpumem": "100"},
+                           requests={"nvidia.com/gpumem": "100"}), S).containers
     assert c.mem_mib == 100
 
 

@@ -1,13 +1,14 @@
 """What a pod asks of the GPUs: per-container slices and the pod's placement preferences.
 
-Pure parsing of a Pod object (as JSON) into :class:`PodRequest`, with DESIGN.md §1's rules:
+Pure parsing of a Pod object (as JSON) into :class:`PodRequest`. Each container is read by the
+webhook's own reader (:mod:`webhook.admission.requests`), so both apply DESIGN.md §1 alike:
 
 * ``gpu`` = number of distinct GPUs; ``gpumem`` (MiB) or ``gpumem-percentage`` per GPU;
   ``gpucores`` (% of compute) per GPU; 100 cores = the GPU is exclusive to the container.
 * ``gpumem``/``gpucores`` without ``gpu`` mean one GPU; ``gpu`` alone means whole, exclusive
   GPUs (100% memory, 100 cores). No memory given (only ``gpu`` and ``gpucores``) means 100% of
   the memory, no cores given means 0 (no compute share reserved, no throttling), as in HAMi.
-* Values come from ``resources.limits`` (falling back to ``requests``, which must equal them).
+* Values come from ``resources.limits``; ``requests``, if given, must equal them.
 * Init containers run one at a time before the app containers; restartable init containers
   (``restartPolicy: Always``, native sidecars) keep running beside everything declared after
   them. :func:`webhook.placement.fit.pod_demand` turns that into per-GPU demand.
@@ -15,12 +16,11 @@ Pure parsing of a Pod object (as JSON) into :class:`PodRequest`, with DESIGN.md 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
 from webhook import names
+from webhook.admission.requests import read_request
 from webhook.settings import Settings
 
 Kind = Literal["app", "init", "sidecar"]
@@ -86,70 +86,22 @@ class PodRequest:
                 self.exclude_uuids)
 
 
-_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
-_SUFFIX = {None: 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
-           "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-
-
-def _whole(value: Any, what: str) -> int:
-    """A Kubernetes quantity that must be a whole, non-negative number."""
-    if isinstance(value, bool):
-        raise RequestError(f"{what}: {value!r} is not a quantity")
-    if isinstance(value, int):
-        number = Decimal(value)
-    else:
-        match = _QUANTITY.match(str(value).strip())
-        if not match:
-            raise RequestError(f"{what}: {value!r} is not a quantity")
-        try:
-            number = Decimal(match.group(1)) * _SUFFIX[match.group(2)]
-        except InvalidOperation as exc:
-            raise RequestError(f"{what}: {value!r} is not a quantity") from exc
-    if number < 0 or number != number.to_integral_value():
-        raise RequestError(f"{what}: {value!r} must be a whole, non-negative number")
-    return int(number)
-
-
 def container_request(container: dict[str, Any], kind: Kind, order: int,
                       settings: Settings) -> ContainerRequest | None:
-    """Parse one container's GPU resources; None when it asks for no GPU."""
+    """Parse one container's GPU resources; None when it asks for no GPU.
+
+    The rules are the webhook's (:func:`webhook.admission.requests.read_request`), so the
+    extender and the webhook can never disagree on what a container asks for.
+    """
     name = str(container.get("name") or "")
-    resources = container.get("resources") or {}
-    limits = dict(resources.get("requests") or {})
-    limits.update(resources.get("limits") or {})
-    gpu_raw = limits.get(settings.resource_gpu)
-    mem_raw = limits.get(settings.resource_mem)
-    pct_raw = limits.get(settings.resource_mem_percent)
-    cores_raw = limits.get(settings.resource_cores)
-    if gpu_raw is None and mem_raw is None and pct_raw is None and cores_raw is None:
+    reasons: list[str] = []
+    req = read_request(container, settings, None, reasons)
+    if reasons:
+        raise RequestError(f"container {name!r}: " + "; ".join(reasons))
+    if req is None:
         return None
-    where = f"container {name!r}"
-    count = 1 if gpu_raw is None else _whole(gpu_raw, f"{where}: {settings.resource_gpu}")
-    if count == 0:
-        return None
-    if mem_raw is not None and pct_raw is not None:
-        raise RequestError(f"{where}: set either {settings.resource_mem} or "
-                           f"{settings.resource_mem_percent}, not both")
-    mem_mib: int | None = None
-    mem_percent: int | None = None
-    if mem_raw is not None:
-        mem_mib = _whole(mem_raw, f"{where}: {settings.resource_mem}")
-        if mem_mib < 1:
-            raise RequestError(f"{where}: {settings.resource_mem} must be at least 1 MiB")
-    elif pct_raw is not None:
-        mem_percent = _whole(pct_raw, f"{where}: {settings.resource_mem_percent}")
-        if not 1 <= mem_percent <= 100:
-            raise RequestError(f"{where}: {settings.resource_mem_percent} must be 1-100")
-    if cores_raw is not None:
-        cores = _whole(cores_raw, f"{where}: {settings.resource_cores}")
-        if not 0 <= cores <= 100:
-            raise RequestError(f"{where}: {settings.resource_cores} must be 0-100")
-    else:
-        cores = 100 if (gpu_raw is not None and mem_raw is None and pct_raw is None) else 0
-    if mem_mib is None and mem_percent is None:
-        mem_percent = 100
-    return ContainerRequest(name, kind, order, count, mem_mib, mem_percent, cores)
+    return ContainerRequest(name, kind, order, req.count, req.memory_mib, req.memory_percent,
+                            req.cores or 0)
 
 
 def _csv(value: Any) -> tuple[str, ...]:
