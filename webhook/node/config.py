@@ -143,9 +143,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds before an unlisted pod's state dir may go (default %(default)s)")
     p.add_argument("--split-count", type=int, default=d["split_count"].default,
                    help="slices per GPU (default %(default)s)")
-    p.add_argument("--resource-gpu", default=d["resource_gpu"].default)
-    p.add_argument("--resource-mem", default=d["resource_mem"].default)
-    p.add_argument("--resource-cores", default=d["resource_cores"].default)
+    p.add_argument("--resource-gpu", default=d["resource_gpu"].default,
+                   help="extended resource for slices (default %(default)s)")
+    p.add_argument("--resource-mem", default=d["resource_mem"].default,
+                   help="extended resource for GPU memory in MiB (default %(default)s)")
+    p.add_argument("--resource-cores", default=d["resource_cores"].default,
+                   help="extended resource for compute %% (default %(default)s)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig path (default: in-cluster)")
     p.add_argument("--no-kube", action="store_true",
                    help="no API server: install the library and serve metrics only")
