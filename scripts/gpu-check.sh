@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Real-GPU checks of the interposer (issue 3) in under 5 minutes: builds
+# interposer/build/libgpuslice.so, runs the opt-in GPU tests (pytest tests/gpu --gpu: PyTorch,
+# CuPy, JAX, nvidia-smi, driver-API benchmarks) and prints one summary table, a row per check,
+# PASS/FAIL against the target beside HAMi-core's figures from the issue.
+#
+#   bash scripts/gpu-check.sh        (from anywhere; PYTHON=... picks the interpreter)
+#
+# With $OUT set, also writes $OUT/gpu-check.json (rows, versions, raw measurements) and
+# $OUT/gpu-check.log. Every workload runs in its own child process with a timeout bounded by
+# one deadline, so a hang costs that check only. Exit status: 0 when no check failed or
+# errored (on a machine without a GPU every check skips and the status is 0), else 1.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+
+PY=${PYTHON:-python3}
+budget=${GPUCHECK_BUDGET_S:-285}   # seconds for the whole script, build included
+start=$(date +%s)
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpucheck.XXXXXX") || exit 1
+outdir=${OUT:-$work}
+mkdir -p "$outdir"
+export GPUCHECK_WORK="$work" GPUCHECK_RESULTS="$work/results.jsonl"
+export GPUCHECK_DEADLINE=$((start + budget - 15))   # children end by then; the rest: summary
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMORY_SHARED_CACHE
+
+main() {
+  echo "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), work dir $work"
+  echo "== build: make -s -C interposer all"
+  if make -s -C interposer all; then
+    ls -l interposer/build/libgpuslice.so
+  else
+    echo "build FAILED: the checks that need the library will show ERROR"
+  fi
+  echo "== GPU"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,memory.used --format=csv
+  else
+    echo "nvidia-smi not found: no GPU here, every check will be skipped"
+  fi
+  echo "== tests: $PY -m pytest tests/gpu --gpu"
+  local left=$((start + budget - 8 - $(date +%s)))
+  if [ "$left" -gt 20 ]; then
+    timeout --kill-after=5 "$left" "$PY" -m pytest tests/gpu --gpu -p no:cacheprovider -q \
+      --tb=short
+    echo "pytest exit status $? after $(( $(date +%s) - start )) s"
+  else
+    echo "no time left for the tests"
+  fi
+  echo "== summary ($(( $(date +%s) - start )) s)"
+  "$PY" tests/gpu/summary.py "$GPUCHECK_RESULTS" --json "$outdir/gpu-check.json"
+}
+
+main 2>&1 | tee "$outdir/gpu-check.log"
+status=${PIPESTATUS[0]}
+if [ -n "${OUT:-}" ]; then
+  rm -rf "$work"
+else
+  echo "results: $work/gpu-check.json, log: $work/gpu-check.log"
+fi
+exit "$status"

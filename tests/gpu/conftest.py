@@ -1,0 +1,92 @@
+"""Fixtures of the real-GPU checks (opt-in with ``--gpu``; run by scripts/gpu-check.sh).
+
+Session fixtures: the real NVML (skips every test where there is no NVIDIA GPU), the built
+interposer, the ``gpubench`` driver-API tool compiled here with gcc, and the shared fill
+runs. Each test's outcome goes to the results file so that the summary can give a failing
+check its reason.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
+import native
+from fills import Fills
+from nvmlwatch import Nvml
+
+# Memory checks first (they matter most), the long compute checks last.
+ORDER = ("test_memory", "test_views", "test_processes", "test_usage", "test_overhead",
+         "test_compute")
+_state = {"recording": False}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _state["recording"] = bool(config.getoption("--gpu", default=False))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    slots = [i for i, item in enumerate(items) if Path(str(item.fspath)).parent == here]
+
+    def rank(item: pytest.Item) -> int:
+        stem = Path(str(item.fspath)).stem
+        return ORDER.index(stem) if stem in ORDER else len(ORDER)
+
+    ordered = sorted((items[i] for i in slots), key=rank)
+    for slot, item in zip(slots, ordered, strict=True):
+        items[slot] = item
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not _state["recording"] or "tests/gpu/" not in report.nodeid.replace("\\", "/"):
+        return
+    if report.when != "call" and report.outcome == "passed":
+        return
+    if report.skipped and isinstance(report.longrepr, tuple):
+        message = str(report.longrepr[2]).removeprefix("Skipped: ")
+    else:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = crash.message if crash is not None else str(report.longrepr or "")
+    harness.record_test(report.nodeid, report.outcome, message.strip()[:400])
+
+
+@pytest.fixture(scope="session")
+def nvml() -> Nvml:
+    try:
+        import pynvml
+    except ImportError as exc:
+        pytest.skip(f"needs a real GPU: pynvml missing ({exc})")
+    try:
+        found = Nvml()
+    except (pynvml.NVMLError, RuntimeError, OSError) as exc:
+        pytest.skip(f"needs a real GPU: NVML unavailable ({type(exc).__name__}: {exc})")
+    harness.record_env("gpu", found.describe())
+    return found
+
+
+@pytest.fixture(scope="session")
+def lib(nvml: Nvml) -> Path:
+    if not harness.LIB.is_file():
+        pytest.fail(f"{harness.LIB} missing: the build failed (make -C interposer all)")
+    return harness.LIB
+
+
+@pytest.fixture(scope="session")
+def gpubench(nvml: Nvml) -> Path:
+    try:
+        path, how = native.build_gpubench(harness.WORK / "gpubench")
+    except native.BuildError as exc:
+        pytest.fail(f"gpubench did not build: {exc}")
+    harness.record_env("gpubench", {"path": str(path), "build": how})
+    return path
+
+
+@pytest.fixture(scope="session")
+def fills(nvml: Nvml, lib: Path) -> Fills:
+    return Fills(nvml)

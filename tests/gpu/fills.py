@@ -1,0 +1,86 @@
+"""Fill-to-OOM runs of PyTorch, CuPy and JAX under a 10 GiB cap, and their context footprints.
+
+A fill run preloads the library with ``CUDA_DEVICE_MEMORY_LIMIT=10g`` and allocates chunks
+(largest first, small ones last) until the framework raises its out-of-memory error, while
+the parent watches the child's real usage through NVML. Several checks read the same run,
+so each variant runs once per session (:class:`Fills`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import harness
+from harness import MIB, ChildError
+from nvmlwatch import Nvml, Poller
+
+JAX_BASE = {"JAX_PLATFORMS": "cuda", "TF_CPP_MIN_LOG_LEVEL": "2"}
+# What makes JAX use the whole slice: no up-front pool (default 75% of the reported total)
+# and one driver allocation per buffer, so the cap is the only limit.
+JAX_PLATFORM = {**JAX_BASE, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+
+# variant: (framework, chunk sizes in MiB largest first, extra env, child timeout in s).
+# PyTorch serves 1-10 MiB requests from 20 MiB segments, hence 12 then 1 MiB at the end.
+VARIANTS: dict[str, tuple[str, str, dict[str, str], float]] = {
+    "torch": ("torch", "256,64,12,1", {}, 90),
+    "cupy": ("cupy", "256,64,16,4,1", {}, 60),
+    "jax": ("jax", "256,64,16,4,1", JAX_PLATFORM, 120),
+    "jax-default": ("jax", "256,64,16,4,1", JAX_BASE, 120),
+}
+
+# Every capped run watched from outside: the evidence of the outside-usage check.
+OUTSIDE: list[dict[str, Any]] = []
+
+
+def watched(poll: Poller) -> dict[str, Any]:
+    """Keep a capped run's outside maximum for the outside-usage check."""
+    summary = poll.summary()
+    OUTSIDE.append(summary)
+    return summary
+
+
+class Fills:
+    """Runs each variant's capped fill and footprint probe at most once per session."""
+
+    def __init__(self, nvml: Nvml) -> None:
+        self.nvml = nvml
+        self._fills: dict[str, dict[str, Any] | ChildError] = {}
+        self._probes: dict[str, dict[str, Any] | ChildError] = {}
+
+    def fill(self, variant: str) -> dict[str, Any]:
+        """The capped fill's RESULT plus ``outside`` (the NVML watch of the child)."""
+        return _once(self._fills, variant, lambda: self._run_fill(variant))
+
+    def footprint(self, variant: str) -> dict[str, Any]:
+        """The context footprint without the library: NVML usage less the framework's pool."""
+        return _once(self._probes, variant, lambda: self._run_probe(variant))
+
+    def _run_fill(self, variant: str) -> dict[str, Any]:
+        framework, chunks, extra, timeout = VARIANTS[variant]
+        env = harness.capped_env(harness.new_region(f"fill-{variant}"), extra=extra)
+        with Poller(self.nvml, f"fill-{variant}") as poll:
+            result = harness.run(harness.workload("fill", framework, chunks), env, timeout, poll)
+        result["outside"] = watched(poll)
+        return result
+
+    def _run_probe(self, variant: str) -> dict[str, Any]:
+        framework, _, extra, timeout = VARIANTS[variant]
+        with Poller(self.nvml, f"probe-{variant}") as poll:
+            result = harness.run(harness.workload("probe", framework),
+                                 harness.plain_env(extra), timeout, poll)
+        return {"footprint_mib": round((poll.max_bytes - result["reserved"]) / MIB, 1),
+                "nvml_mib": round(poll.max_mib, 1), "pool_mib": round(result["reserved"] / MIB, 1),
+                "method": poll.method, "init_s": result["init_s"]}
+
+
+def _once(cache: dict[str, Any], key: str, make: Any) -> dict[str, Any]:
+    if key not in cache:
+        try:
+            cache[key] = make()
+        except ChildError as exc:
+            cache[key] = exc
+    value = cache[key]
+    if isinstance(value, ChildError):
+        raise ChildError(str(value))
+    return value

@@ -1,0 +1,233 @@
+"""Plumbing for the real-GPU checks: child processes, their environments, the time budget,
+and the results file that ``summary.py`` turns into the table of scripts/gpu-check.sh.
+
+Every GPU workload runs in its own child process with a timeout bounded by the run's
+deadline (``GPUCHECK_DEADLINE``, seconds since the epoch), so one hang cannot eat the budget.
+Children print their measurements as one line ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nvmlwatch import Poller
+
+MIB = 1 << 20
+GIB = 1 << 30
+CAP_MIB = 10240
+CAP_ENV = "10g"
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+# GPUCHECK_LIB: run the same checks against another build (or HAMi-core's libvgpu.so).
+LIB = Path(os.environ.get("GPUCHECK_LIB") or REPO / "interposer" / "build" / "libgpuslice.so")
+WORKLOAD = HERE / "work.py"
+WORK = Path(os.environ.get("GPUCHECK_WORK") or Path(tempfile.gettempdir()) / "gpucheck")
+RESULTS = Path(os.environ.get("GPUCHECK_RESULTS") or WORK / "results.jsonl")
+
+# Variables that would change what the library or the frameworks do; children start clean.
+_CLEARED_PREFIXES = ("CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT", "GPUSLICE_",
+                     "XLA_PYTHON_CLIENT_")
+_CLEARED = ("LD_PRELOAD", "CUDA_DEVICE_MEMORY_SHARED_CACHE", "LIBCUDA_LOG_LEVEL",
+            "PYTORCH_CUDA_ALLOC_CONF", "CUPY_GPU_MEMORY_LIMIT")
+
+
+class ChildError(Exception):
+    """A child workload failed, timed out or printed no result."""
+
+
+def time_left() -> float:
+    return float(os.environ.get("GPUCHECK_DEADLINE", "inf")) - time.time()
+
+
+def budget(want: float) -> float:
+    """A child's timeout: ``want`` seconds, less if the run's deadline is nearer."""
+    left = time_left() - 3
+    if left < 5:
+        pytest.skip("time budget used up: not run")
+    return min(want, left)
+
+
+def plain_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child without the library."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _CLEARED and not k.startswith(_CLEARED_PREFIXES)}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def new_region(name: str) -> Path:
+    """A fresh region-file path: one per simulated container."""
+    folder = WORK / "regions"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{name}-{uuid.uuid4().hex[:8]}.cache"
+
+
+def capped_env(region: Path, mem: str | None = CAP_ENV, sm: int | None = None,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process in a gpuslice container: the library preloaded."""
+    env = plain_env(extra)
+    env["LD_PRELOAD"] = str(LIB)
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(region)
+    if mem is not None:
+        env["CUDA_DEVICE_MEMORY_LIMIT"] = mem
+    if sm is not None:
+        env["CUDA_DEVICE_SM_LIMIT"] = str(sm)
+    if os.environ.get("GPUCHECK_LOG_LEVEL"):
+        env["LIBCUDA_LOG_LEVEL"] = os.environ["GPUCHECK_LOG_LEVEL"]
+    return env
+
+
+def parse_result(stdout: str) -> dict[str, Any]:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise ChildError("no RESULT line in the output")
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    kept = [ln for ln in text.strip().splitlines() if ln.strip()][-lines:]
+    return " | ".join(kept)[-600:]
+
+
+def run(args: list[str], env: dict[str, str], timeout: float,
+        poller: Poller | None = None) -> dict[str, Any]:
+    """Run a child to completion and return its RESULT; ChildError on any failure."""
+    limit = budget(timeout)
+    proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    if poller is not None:
+        poller.add(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        what = " ".join(Path(a).name for a in args[1:3])
+        raise ChildError(f"{what} timed out after {limit:.0f}s: {_tail(err)}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        raise ChildError(f"exit status {proc.returncode}: {_tail(err)}")
+    try:
+        return parse_result(out)
+    except (ChildError, ValueError) as exc:
+        raise ChildError(f"{exc}: {_tail(out + err)}") from None
+
+
+def workload(*args: str) -> list[str]:
+    """The command line of a Python workload in work.py."""
+    return [sys.executable, str(WORKLOAD), *args]
+
+
+class Server:
+    """A ``gpubench serve`` child driven line by line (one process of a container)."""
+
+    def __init__(self, gpubench: Path, env: dict[str, str], poller: Poller | None = None,
+                 timeout: float = 20) -> None:
+        self.proc = subprocess.Popen([str(gpubench), "serve"], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        if poller is not None:
+            poller.add(self.proc.pid)
+        ready = self._next(timeout)
+        if not ready.startswith("ready"):
+            self.kill()
+            raise ChildError(f"gpubench serve did not start: {ready}")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def _next(self, timeout: float) -> str:
+        try:
+            line = self._lines.get(timeout=budget(timeout))
+        except queue.Empty:
+            self.kill()
+            raise ChildError(f"gpubench serve gave no answer in {timeout:.0f}s") from None
+        if line is None:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise ChildError(f"gpubench serve exited ({self.proc.wait()}): {_tail(err)}")
+        return line
+
+    def send(self, command: str) -> None:
+        """Send one command without waiting (see :meth:`receive`)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self, timeout: float = 20) -> str:
+        return self._next(timeout)
+
+    def ask(self, command: str, timeout: float = 20) -> str:
+        self.send(command)
+        return self._next(timeout)
+
+    def alloc(self, nbytes: int) -> str:
+        """'ok <idx>' or 'err <code> <name>'."""
+        return self.ask(f"alloc {nbytes}")
+
+    def quit(self, timeout: float = 20) -> int:
+        self.ask("quit")
+        return self.proc.wait(timeout=budget(timeout))
+
+    def kill(self) -> None:
+        """SIGKILL (no cleanup runs in the child), then reap."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def retry_alloc(server: Server, nbytes: int, within: float) -> tuple[str, float]:
+    """Ask for ``nbytes`` until granted or ``within`` seconds pass: (last answer, seconds)."""
+    start = time.monotonic()
+    answer = server.alloc(nbytes)
+    while not answer.startswith("ok") and time.monotonic() - start < within:
+        time.sleep(0.05)
+        answer = server.alloc(nbytes)
+    return answer, time.monotonic() - start
+
+
+def record(check: str, value: str, ok: bool | None, **data: Any) -> None:
+    """Append one measured row to the results file (``ok`` None: informational)."""
+    _append({"kind": "check", "check": check, "value": value, "ok": ok, "data": data,
+             "time": time.time()})
+
+
+def record_test(nodeid: str, outcome: str, message: str) -> None:
+    """Append a test's outcome (the reason a check without a row failed or was skipped)."""
+    _append({"kind": "test", "nodeid": nodeid, "outcome": outcome, "message": message})
+
+
+def record_env(name: str, data: dict[str, Any]) -> None:
+    """Append a fact about the machine or the tools (GPU, driver, how gpubench was built)."""
+    _append({"kind": "env", "name": name, "data": data})
+
+
+def _append(line: dict[str, Any]) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with RESULTS.open("a") as f:
+        f.write(json.dumps(line, default=str) + "\n")
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -1,0 +1,299 @@
+/*
+ * gpubench: a small CUDA driver-API program for the real-GPU checks (tests/gpu).
+ *
+ * It needs no CUDA headers or toolkit: the few driver entry points it uses are declared
+ * below (their ABI has been stable since CUDA 4) and it is built with gcc alone, either
+ * linked against the machine's libcuda.so.1 (direct symbol calls) or, with
+ * -DGPUBENCH_DLOPEN, resolving them through dlopen + dlsym.  The empty kernel is PTX
+ * that the driver compiles at load time, so no nvcc is needed either.
+ *
+ *   gpubench info                         cuMemGetInfo / cuDeviceTotalMem as the process sees them
+ *   gpubench serve                        line protocol on stdin: alloc BYTES | free IDX | info | quit
+ *   gpubench launch LAUNCHES REPS BATCH   empty-kernel launch cost (CPU call cost and saturated)
+ *   gpubench allocfree BYTES PAIRS REPS   cuMemAlloc + cuMemFree pair cost
+ *
+ * Benchmarks print one line "RESULT {json}"; errors go to stderr with exit status 2.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUstream_st *CUstream;
+typedef unsigned long long CUdeviceptr;
+
+/* name, return type, parameters: the only driver calls this program makes. */
+#define DRIVER_CALLS(X)                                                                  \
+    X(CUresult, cuInit, (unsigned int flags))                                            \
+    X(CUresult, cuDeviceGet, (CUdevice * dev, int ordinal))                              \
+    X(CUresult, cuDeviceGetName, (char *name, int len, CUdevice dev))                    \
+    X(CUresult, cuDeviceTotalMem_v2, (size_t * bytes, CUdevice dev))                     \
+    X(CUresult, cuDevicePrimaryCtxRetain, (CUcontext * ctx, CUdevice dev))               \
+    X(CUresult, cuCtxSetCurrent, (CUcontext ctx))                                        \
+    X(CUresult, cuCtxSynchronize, (void))                                                \
+    X(CUresult, cuMemGetInfo_v2, (size_t * free_bytes, size_t * total_bytes))            \
+    X(CUresult, cuMemAlloc_v2, (CUdeviceptr * ptr, size_t bytes))                        \
+    X(CUresult, cuMemFree_v2, (CUdeviceptr ptr))                                         \
+    X(CUresult, cuModuleLoadData, (CUmodule * mod, const void *image))                   \
+    X(CUresult, cuModuleGetFunction, (CUfunction * fn, CUmodule mod, const char *name))  \
+    X(CUresult, cuLaunchKernel,                                                          \
+      (CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,   \
+       unsigned bz, unsigned shared, CUstream stream, void **params, void **extra))      \
+    X(CUresult, cuGetErrorName, (CUresult err, const char **name))
+
+#ifdef GPUBENCH_DLOPEN
+#define DECLARE(ret, name, params) static ret(*p_##name) params;
+DRIVER_CALLS(DECLARE)
+#define CALL(name) p_##name
+static void resolve_driver(void)
+{
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (lib == NULL) {
+        fprintf(stderr, "ERROR dlopen libcuda.so.1: %s\n", dlerror());
+        exit(2);
+    }
+#define RESOLVE(ret, name, params)                                  \
+    p_##name = (ret(*) params)dlsym(lib, #name);                    \
+    if (p_##name == NULL) {                                         \
+        fprintf(stderr, "ERROR dlsym %s: not found\n", #name);      \
+        exit(2);                                                    \
+    }
+    DRIVER_CALLS(RESOLVE)
+}
+#else
+#define DECLARE(ret, name, params) extern ret name params;
+DRIVER_CALLS(DECLARE)
+#define CALL(name) name
+static void resolve_driver(void) {}
+#endif
+
+static const char EMPTY_PTX[] =
+    ".version 6.0\n"
+    ".target sm_50\n"
+    ".address_size 64\n"
+    ".visible .entry gpubench_empty()\n"
+    "{\n"
+    "\tret;\n"
+    "}\n";
+
+static const char *error_name(CUresult err)
+{
+    const char *name = NULL;
+    if (CALL(cuGetErrorName)(err, &name) != 0 || name == NULL)
+        return "CUDA_ERROR_UNKNOWN_CODE";
+    return name;
+}
+
+static void check(CUresult err, const char *what)
+{
+    if (err != 0) {
+        fprintf(stderr, "ERROR %s %d %s\n", what, err, error_name(err));
+        exit(2);
+    }
+}
+
+static double now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+static int compare_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *values, int n)
+{
+    qsort(values, (size_t)n, sizeof(double), compare_double);
+    return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2.0;
+}
+
+static void print_list(const char *key, const double *values, int n)
+{
+    printf("\"%s\": [", key);
+    for (int i = 0; i < n; i++)
+        printf("%s%.1f", i ? ", " : "", values[i]);
+    printf("]");
+}
+
+static CUdevice open_device(void)
+{
+    CUdevice dev;
+    CUcontext ctx;
+    resolve_driver();
+    check(CALL(cuInit)(0), "cuInit");
+    check(CALL(cuDeviceGet)(&dev, 0), "cuDeviceGet");
+    check(CALL(cuDevicePrimaryCtxRetain)(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    check(CALL(cuCtxSetCurrent)(ctx), "cuCtxSetCurrent");
+    return dev;
+}
+
+static int cmd_info(void)
+{
+    CUdevice dev = open_device();
+    size_t free_bytes = 0, total_bytes = 0, device_total = 0;
+    char name[128] = {0};
+    check(CALL(cuMemGetInfo_v2)(&free_bytes, &total_bytes), "cuMemGetInfo_v2");
+    check(CALL(cuDeviceTotalMem_v2)(&device_total, dev), "cuDeviceTotalMem_v2");
+    check(CALL(cuDeviceGetName)(name, (int)sizeof(name) - 1, dev), "cuDeviceGetName");
+    printf("RESULT {\"free\": %zu, \"total\": %zu, \"device_total\": %zu, \"name\": \"%s\"}\n",
+           free_bytes, total_bytes, device_total, name);
+    return 0;
+}
+
+enum { MAX_HELD = 4096 };
+
+static int cmd_serve(void)
+{
+    static CUdeviceptr held[MAX_HELD];
+    char line[256];
+    int count = 0;
+    open_device();
+    printf("ready %d\n", (int)getpid());
+    fflush(stdout);
+    while (fgets(line, sizeof(line), stdin) != NULL) {
+        unsigned long long arg = 0;
+        size_t free_bytes = 0, total_bytes = 0;
+        if (sscanf(line, "alloc %llu", &arg) == 1) {
+            CUdeviceptr ptr = 0;
+            CUresult err = count < MAX_HELD ? CALL(cuMemAlloc_v2)(&ptr, (size_t)arg) : 2;
+            if (err == 0) {
+                held[count] = ptr;
+                printf("ok %d\n", count++);
+            } else {
+                printf("err %d %s\n", err, error_name(err));
+            }
+        } else if (sscanf(line, "free %llu", &arg) == 1) {
+            CUresult err = 1;
+            if (arg < (unsigned long long)count && held[arg] != 0) {
+                err = CALL(cuMemFree_v2)(held[arg]);
+                held[arg] = 0;
+            }
+            if (err == 0)
+                printf("ok\n");
+            else
+                printf("err %d %s\n", err, error_name(err));
+        } else if (strncmp(line, "info", 4) == 0) {
+            CUresult err = CALL(cuMemGetInfo_v2)(&free_bytes, &total_bytes);
+            if (err == 0)
+                printf("info %zu %zu\n", free_bytes, total_bytes);
+            else
+                printf("err %d %s\n", err, error_name(err));
+        } else if (strncmp(line, "quit", 4) == 0) {
+            printf("bye\n");
+            fflush(stdout);
+            return 0; /* allocations are left for the exit path to return */
+        } else {
+            printf("err -1 bad-command\n");
+        }
+        fflush(stdout);
+    }
+    return 0;
+}
+
+static int cmd_launch(int launches, int reps, int batch)
+{
+    CUmodule mod;
+    CUfunction fn;
+    double cpu[64], sat[64];
+    open_device();
+    check(CALL(cuModuleLoadData)(&mod, EMPTY_PTX), "cuModuleLoadData");
+    check(CALL(cuModuleGetFunction)(&fn, mod, "gpubench_empty"), "cuModuleGetFunction");
+    if (reps > 64)
+        reps = 64;
+    for (int i = 0; i < 2000; i++)
+        check(CALL(cuLaunchKernel)(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL), "cuLaunchKernel");
+    check(CALL(cuCtxSynchronize)(), "cuCtxSynchronize");
+    for (int r = 0; r < reps; r++) {
+        /* CPU call cost: batches small enough never to fill the launch queue. */
+        double spent = 0;
+        for (int done = 0; done < launches; done += batch) {
+            double t0 = now_ns();
+            for (int i = 0; i < batch; i++)
+                check(CALL(cuLaunchKernel)(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL),
+                      "cuLaunchKernel");
+            spent += now_ns() - t0;
+            check(CALL(cuCtxSynchronize)(), "cuCtxSynchronize");
+        }
+        cpu[r] = spent / launches;
+        /* Saturated: a flood of launches, queue full, until the GPU has run them all. */
+        double t0 = now_ns();
+        for (int i = 0; i < launches; i++)
+            check(CALL(cuLaunchKernel)(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL),
+                  "cuLaunchKernel");
+        check(CALL(cuCtxSynchronize)(), "cuCtxSynchronize");
+        sat[r] = (now_ns() - t0) / launches;
+    }
+    printf("RESULT {");
+    print_list("cpu_ns_reps", cpu, reps);
+    printf(", ");
+    print_list("sat_ns_reps", sat, reps);
+    double cpu_med = median(cpu, reps), sat_med = median(sat, reps);
+    printf(", \"cpu_ns\": %.1f, \"sat_ns\": %.1f}\n", cpu_med, sat_med);
+    return 0;
+}
+
+static int cmd_allocfree(size_t bytes, int pairs, int reps)
+{
+    double per_pair[64];
+    CUdeviceptr ptr;
+    open_device();
+    if (reps > 64)
+        reps = 64;
+    for (int i = 0; i < 200; i++) {
+        check(CALL(cuMemAlloc_v2)(&ptr, bytes), "cuMemAlloc_v2");
+        check(CALL(cuMemFree_v2)(ptr), "cuMemFree_v2");
+    }
+    for (int r = 0; r < reps; r++) {
+        double t0 = now_ns();
+        for (int i = 0; i < pairs; i++) {
+            check(CALL(cuMemAlloc_v2)(&ptr, bytes), "cuMemAlloc_v2");
+            check(CALL(cuMemFree_v2)(ptr), "cuMemFree_v2");
+        }
+        per_pair[r] = (now_ns() - t0) / pairs;
+    }
+    printf("RESULT {");
+    print_list("pair_ns_reps", per_pair, reps);
+    printf(", \"pair_ns\": %.1f}\n", median(per_pair, reps));
+    return 0;
+}
+
+static int usage(void)
+{
+    fprintf(stderr, "usage: gpubench info | serve | launch LAUNCHES REPS BATCH | "
+                    "allocfree BYTES PAIRS REPS\n");
+    return 64;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 2 && strcmp(argv[1], "info") == 0)
+        return cmd_info();
+    if (argc == 2 && strcmp(argv[1], "serve") == 0)
+        return cmd_serve();
+    if (argc == 5 && strcmp(argv[1], "launch") == 0) {
+        int launches = atoi(argv[2]), reps = atoi(argv[3]), batch = atoi(argv[4]);
+        if (launches <= 0 || reps <= 0 || batch <= 0 || launches % batch != 0)
+            return usage();
+        return cmd_launch(launches, reps, batch);
+    }
+    if (argc == 5 && strcmp(argv[1], "allocfree") == 0) {
+        long long bytes = atoll(argv[2]);
+        int pairs = atoi(argv[3]), reps = atoi(argv[4]);
+        if (bytes <= 0 || pairs <= 0 || reps <= 0)
+            return usage();
+        return cmd_allocfree((size_t)bytes, pairs, reps);
+    }
+    return usage();
+}

@@ -1,0 +1,121 @@
+"""Watch real GPU memory use from outside the container, through NVML, with no preload.
+
+The parent test process never loads the interposer, so what NVML tells it is the truth the
+cap is judged against: per process (``nvmlDeviceGetComputeRunningProcesses``) where the
+driver reports processes, else the device's used memory above the level seen before the
+children started.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Self
+
+MIB = 1 << 20
+
+
+class Nvml:
+    """The real NVML of device 0 (raises when there is no NVIDIA driver or GPU)."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self._nv = pynvml
+        self.error = pynvml.NVMLError
+        pynvml.nvmlInit()
+        if pynvml.nvmlDeviceGetCount() < 1:
+            raise RuntimeError("NVML sees no GPU")
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.name = _text(pynvml.nvmlDeviceGetName(self.handle))
+        self.uuid = _text(pynvml.nvmlDeviceGetUUID(self.handle))
+        self.driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        self.total = int(pynvml.nvmlDeviceGetMemoryInfo(self.handle).total)
+
+    def device_used(self) -> int:
+        """Bytes in use on the whole device."""
+        return int(self._nv.nvmlDeviceGetMemoryInfo(self.handle).used)
+
+    def pids_used(self, pids: set[int]) -> int | None:
+        """Bytes NVML charges to ``pids`` together; None when none of them is listed."""
+        found, total = False, 0
+        for proc in self._nv.nvmlDeviceGetComputeRunningProcesses(self.handle):
+            if proc.pid in pids and proc.usedGpuMemory is not None:
+                found = True
+                total += int(proc.usedGpuMemory)
+        return total if found else None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "uuid": self.uuid, "driver": self.driver,
+                "total_mib": self.total // MIB}
+
+
+class Poller:
+    """Polls the usage of a set of child pids in a thread; keeps the maxima.
+
+    Use as a context manager; add each child's pid with :meth:`add` as it starts.
+    """
+
+    def __init__(self, nvml: Nvml, label: str, interval: float = 0.002) -> None:
+        self.nvml, self.label, self.interval = nvml, label, interval
+        self.pids: set[int] = set()
+        self.baseline = nvml.device_used()
+        self.max_pid_bytes: int | None = None
+        self.max_device_delta = 0
+        self.samples = 0
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"poll-{label}", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def add(self, pid: int) -> None:
+        self.pids = self.pids | {pid}
+
+    def sample(self) -> None:
+        """Take one sample now (also called by the thread)."""
+        try:
+            used = self.nvml.pids_used(self.pids) if self.pids else None
+            delta = self.nvml.device_used() - self.baseline
+        except self.nvml.error:  # a transient NVML error must not kill the watch
+            self.errors += 1
+            return
+        if used is not None:
+            self.max_pid_bytes = max(self.max_pid_bytes or 0, used)
+        self.max_device_delta = max(self.max_device_delta, delta)
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    @property
+    def method(self) -> str:
+        return "per-process" if self.max_pid_bytes is not None else "device-delta"
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest usage seen: per process when NVML lists them, else the device delta."""
+        if self.max_pid_bytes is not None:
+            return self.max_pid_bytes
+        return self.max_device_delta
+
+    @property
+    def max_mib(self) -> float:
+        return self.max_bytes / MIB
+
+    def summary(self) -> dict[str, Any]:
+        return {"label": self.label, "max_mib": round(self.max_mib, 1), "method": self.method,
+                "max_device_delta_mib": round(self.max_device_delta / MIB, 1),
+                "samples": self.samples, "errors": self.errors}
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

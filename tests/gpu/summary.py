@@ -1,0 +1,159 @@
+"""Print the summary table of scripts/gpu-check.sh from the results file the GPU tests wrote,
+beside HAMi-core's figures from issue 3, and write everything as JSON.
+
+    python3 tests/gpu/summary.py RESULTS.jsonl [--json OUT.json]
+
+Each row is one check. A row whose test recorded a measurement is PASS / FAIL (INFO when it
+has no target); a row without one is SKIP (no GPU) or ERROR with the test's reason. Exit
+status 1 when any row is FAIL or ERROR, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# (check id, what, target, HAMi-core as measured in issue 3, the test that measures it)
+ROWS: list[tuple[str, str, str, str, str]] = [
+    ("outside_usage", "1 usage seen from outside (NVML), max", "<= 10,240 MiB",
+     "10,306 MiB at OOM", "test_outside_usage_never_exceeds_cap"),
+    ("oom_torch", "1 over cap: torch OOM error, frees return", "OOM error; exact", "-",
+     "test_torch_oom_is_catchable_and_frees_return_the_budget"),
+    ("largest_torch", "2 largest allocation, PyTorch", "footprint <= ctx+64", "9.47 GiB",
+     "test_largest_allocation_within_context_footprint_of_cap[torch]"),
+    ("largest_cupy", "2 largest allocation, CuPy", "footprint <= ctx+64", "9.47 GiB",
+     "test_largest_allocation_within_context_footprint_of_cap[cupy]"),
+    ("largest_jax", "2 largest allocation, JAX (platform alloc.)", "footprint <= ctx+64",
+     "9.47 GiB", "test_largest_allocation_within_context_footprint_of_cap[jax]"),
+    ("jax_default", "2 JAX default env (75% prealloc.)", "pool inside cap", "-",
+     "test_jax_default_environment_preallocates_inside_cap"),
+    ("process_views", "3 in-process views (cuMemGetInfo, torch, NVML)", "total = cap",
+     "-", "test_process_views_report_cap_and_usage"),
+    ("memory_percent", "3 GPUSLICE_MEMORY_PERCENT=10", "10% of real total", "-",
+     "test_memory_percent_resolves_against_real_total"),
+    ("smi_view", "3 in-container nvidia-smi total / used", "10,240 / usage",
+     "10,240 MiB / usage", "test_nvidia_smi_in_container_shows_cap_and_usage"),
+    ("two_procs", "4 two processes, one cap (6+6 GiB)", "2nd refused, then ok",
+     "2nd refused", "test_second_process_cannot_exceed_shared_cap"),
+    ("race", "4 four processes racing, 3 GiB each", "outside <= cap", "-",
+     "test_racing_processes_stay_under_shared_cap"),
+    ("sm_50", "5 bf16 matmul at SM limit 50%", "45-55%", "~100% (no limit)",
+     "test_sm_limit_caps_matmul_throughput[50]"),
+    ("sm_30", "5 bf16 matmul at SM limit 30%", "25-35%", "~100% (no limit)",
+     "test_sm_limit_caps_matmul_throughput[30]"),
+    ("sm_10", "5 bf16 matmul at SM limit 10%", "5-15%", "~100% (no limit)",
+     "test_sm_limit_caps_matmul_throughput[10]"),
+    ("launch_cost", "6 empty-kernel launch, lib vs none", "<= 1.05x", "-",
+     "test_launch_cost_with_library_unlimited_within_5_percent"),
+    ("torch_tiny", "6 torch tiny ops, lib vs none", "<= 1.05x", "-",
+     "test_torch_tiny_ops_with_library_unlimited_within_5_percent"),
+    ("alloc_free", "7 1 MiB cuMemAlloc+cuMemFree vs none", "<= +2 us", "+5 to +11 us",
+     "test_alloc_free_pair_with_library_within_2us"),
+]
+PACKAGES = ("torch", "cupy-cuda13x", "cupy-cuda12x", "jax", "jaxlib", "jax-cuda13-plugin",
+            "nvidia-ml-py", "pytest")
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    lines = []
+    for raw in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(raw))
+        except ValueError:
+            continue
+    return lines
+
+
+def build_rows(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    checks = {ln["check"]: ln for ln in lines if ln.get("kind") == "check"}
+    tests = [ln for ln in lines if ln.get("kind") == "test"]
+    rows = []
+    for check, what, target, hami, test in ROWS:
+        outcome = next((t for t in reversed(tests) if t["nodeid"].endswith("::" + test)), None)
+        row = {"check": check, "what": what, "target": target, "hami": hami, "test": test}
+        if check in checks:
+            rec = checks[check]
+            status = {True: "PASS", False: "FAIL", None: "INFO"}[rec["ok"]]
+            if status == "PASS" and outcome is not None and outcome["outcome"] == "failed":
+                status = "FAIL"
+            row.update(status=status, value=rec["value"], data=rec.get("data", {}))
+        elif outcome is None:
+            row.update(status="ERROR", value="not run (see the log)")
+        elif outcome["outcome"] == "skipped" and "budget" not in outcome["message"]:
+            row.update(status="SKIP", value=outcome["message"])
+        else:
+            row.update(status="ERROR", value=outcome["message"] or outcome["outcome"])
+        rows.append(row)
+    return rows
+
+
+def versions(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    found["python"] = sys.version.split()[0]
+    for ln in lines:
+        if ln.get("kind") == "env":
+            found[ln["name"]] = ln["data"]
+    return found
+
+
+def _cut(text: str, width: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "~"
+
+
+def render(rows: list[dict[str, Any]], found: dict[str, Any]) -> str:
+    widths = (5, 46, 64, 20, 18)
+    head = ("", "check (issue 3 row)", "gpuslice, measured", "target", "HAMi-core (issue)")
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    for r in rows:
+        cells = (r["status"], r["what"], r["value"], r["target"], r["hami"])
+        out.append("  ".join(_cut(c, w).ljust(w) for c, w in zip(cells, widths, strict=True))
+                   .rstrip())
+    gpu = found.get("gpu", {})
+    if gpu:
+        out.append(f"GPU: {gpu.get('name')} {gpu.get('total_mib')} MiB, driver "
+                   f"{gpu.get('driver')}, {gpu.get('uuid')}")
+    out.append("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()
+                                        if isinstance(v, str)))
+    feet = [f"{r['check'].removeprefix('largest_')} {r['data']['context']['footprint_mib']:,.0f}"
+            f" MiB (slice footprint {r['data']['footprint_mib']:,.0f})"
+            for r in rows if r["check"].startswith("largest_") and "data" in r
+            and "context" in r["data"]]
+    if feet:
+        out.append("context footprints without the library (NVML): " + "; ".join(feet))
+    counts = {s: sum(r["status"] == s for r in rows) for s in
+              ("PASS", "FAIL", "ERROR", "SKIP", "INFO")}
+    out.append("result: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--json", type=Path, help="write rows, versions and raw records here")
+    args = parser.parse_args()
+    lines = load(args.results)
+    rows = build_rows(lines)
+    found = versions(lines)
+    print(render(rows, found))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "versions": found, "records": lines},
+                                        indent=1, default=str))
+    return 1 if any(r["status"] in ("FAIL", "ERROR") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Real GPU, memory cap: the largest allocation PyTorch, CuPy and JAX get under a 10 GiB cap,
+against the context's own footprint; PyTorch's OOM and frees; JAX's default environment."""
+
+from __future__ import annotations
+
+import pytest
+from fills import Fills
+from harness import CAP_MIB, MIB, record
+
+pytestmark = pytest.mark.gpu
+
+SLACK_MIB = 64
+
+
+@pytest.mark.parametrize("variant", ["torch", "cupy", "jax"])
+def test_largest_allocation_within_context_footprint_of_cap(variant: str, fills: Fills) -> None:
+    context = fills.footprint(variant)
+    fill = fills.fill(variant)
+    largest = fill["peak"]["allocated"] / MIB
+    footprint = CAP_MIB - largest
+    allowed = context["footprint_mib"] + SLACK_MIB
+    ok = (bool(fill["ooms"]) and not fill["guard_hit"] and largest <= CAP_MIB
+          and footprint <= allowed)
+    record(f"largest_{variant}",
+           f"{largest:,.0f} MiB; footprint {footprint:,.0f} (context {context['footprint_mib']:,.0f})",
+           ok, largest_mib=largest, footprint_mib=footprint, context=context,
+           reserved_mib=fill["peak"]["reserved"] / MIB, ooms=fill["ooms"],
+           outside=fill["outside"], view=fill["peak"]["view"], nvml_inside=fill["peak"]["nvml"],
+           init_s=fill["init_s"])
+    assert not fill["guard_hit"], f"{largest:,.0f} MiB allocated without an OOM: no cap"
+    assert fill["ooms"], "the fill ended without an out-of-memory error"
+    assert largest <= CAP_MIB, f"{largest:,.0f} MiB allocated under a {CAP_MIB} MiB cap"
+    assert footprint <= allowed, (
+        f"cap - largest = {footprint:,.0f} MiB > context {context['footprint_mib']:,.0f}"
+        f" + {SLACK_MIB} MiB")
+
+
+def test_jax_default_environment_preallocates_inside_cap(fills: Fills) -> None:
+    """Unconfigured JAX preallocates a share of the total it is told: the cap, not the GPU."""
+    fill = fills.fill("jax-default")
+    largest = fill["peak"]["allocated"] / MIB
+    limit = fill["peak"]["view"].get("bytes_limit", 0) / MIB
+    outside = fill["outside"]["max_mib"]
+    ok = bool(fill["ooms"]) and not fill["guard_hit"] and 0 < limit <= CAP_MIB
+    ok = ok and outside <= CAP_MIB
+    record("jax_default", f"pool {limit:,.0f} MiB; got {largest:,.0f} MiB; outside {outside:,.0f}",
+           ok, largest_mib=largest, pool_limit_mib=limit, outside=fill["outside"],
+           view=fill["peak"]["view"], ooms=fill["ooms"])
+    assert not fill["guard_hit"] and fill["ooms"], "JAX filled past the cap without an OOM"
+    assert 0 < limit <= CAP_MIB, f"JAX's pool limit {limit:,.0f} MiB is not inside the cap"
+    assert outside <= CAP_MIB, f"{outside:,.0f} MiB seen from outside > {CAP_MIB} MiB"
+
+
+def test_torch_oom_is_catchable_and_frees_return_the_budget(fills: Fills) -> None:
+    fill = fills.fill("torch")
+    before, after = fill["before"], fill["after"]
+    used_before = (before["total"] - before["free"]) / MIB
+    used_after = (after["view"]["total"] - after["view"]["free"]) / MIB
+    kinds = sorted({oom["type"] for oom in fill["ooms"]})
+    ok = (kinds == ["OutOfMemoryError"] and after["alloc_1gib_ok"]
+          and abs(used_after - used_before) <= 4)
+    record("oom_torch",
+           f"{'/'.join(kinds) or 'no OOM'}; 1 GiB after: {after['alloc_1gib_ok']}; "
+           f"used {used_before:,.0f} -> {used_after:,.0f} MiB",
+           ok, ooms=fill["ooms"], used_before_mib=used_before, used_after_mib=used_after,
+           after=after)
+    assert kinds == ["OutOfMemoryError"], f"expected torch.cuda.OutOfMemoryError, got {kinds}"
+    assert after["alloc_1gib_ok"], after.get("alloc_1gib_error")
+    assert abs(used_after - used_before) <= 4, (
+        f"after freeing everything the slice shows {used_after:,.0f} MiB used, "
+        f"{used_before:,.0f} before the fill")

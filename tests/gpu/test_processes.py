@@ -1,0 +1,91 @@
+"""Real GPU, one cap shared by the processes of a container (one region file): a second
+process is refused what the first holds, gets it once the first is SIGKILLed or exits, and
+processes racing for the slice never take more than the cap together."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import harness
+import pytest
+from fills import watched
+from harness import CAP_MIB, GIB, MIB, Server, record, retry_alloc
+from nvmlwatch import Nvml, Poller
+
+pytestmark = pytest.mark.gpu
+
+OOM = "err 2 "  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+def _granted(answer: str) -> bool:
+    return answer.startswith("ok")
+
+
+def test_second_process_cannot_exceed_shared_cap(nvml: Nvml, gpubench: Path, lib: Path) -> None:
+    env = harness.capped_env(harness.new_region("two"))
+    ask = 6 * GIB
+    steps: dict[str, object] = {}
+    servers: list[Server] = []
+    with Poller(nvml, "two-processes") as poll:
+        try:
+            first = Server(gpubench, env, poll)
+            servers.append(first)
+            steps["first takes 6 GiB"] = first.alloc(ask)
+            second = Server(gpubench, env, poll)
+            servers.append(second)
+            steps["second asks 6 GiB"] = second.alloc(ask)
+            steps["second's cuMemGetInfo"] = second.ask("info")
+            first.kill()
+            answer, took = retry_alloc(second, ask, within=5.0)
+            steps["second after SIGKILL of first"], steps["reclaim_kill_s"] = answer, took
+            if _granted(answer):
+                second.ask(f"free {answer.split()[1]}")
+            third = Server(gpubench, env, poll)
+            servers.append(third)
+            steps["third takes 6 GiB"] = third.alloc(ask)
+            steps["third exits holding it"] = third.quit()
+            answer, took = retry_alloc(second, ask, within=5.0)
+            steps["second after exit of third"], steps["reclaim_exit_s"] = answer, took
+        finally:
+            for server in servers:
+                server.kill()
+    outside = watched(poll)
+    ok = (_granted(str(steps["first takes 6 GiB"]))
+          and str(steps["second asks 6 GiB"]).startswith(OOM)
+          and _granted(str(steps["second after SIGKILL of first"]))
+          and _granted(str(steps["third takes 6 GiB"]))
+          and _granted(str(steps["second after exit of third"]))
+          and outside["max_mib"] <= CAP_MIB)
+    refused = str(steps["second asks 6 GiB"]).split()[-1]
+    record("two_procs",
+           f"2nd: {refused}; after SIGKILL granted in {float(steps['reclaim_kill_s']):.2f} s, "
+           f"after exit in {float(steps['reclaim_exit_s']):.2f} s; outside "
+           f"{outside['max_mib']:,.0f} MiB", ok, steps=steps, outside=outside)
+    assert ok, f"steps: {steps}; outside max {outside['max_mib']:,.0f} MiB"
+
+
+def test_racing_processes_stay_under_shared_cap(nvml: Nvml, gpubench: Path, lib: Path) -> None:
+    env = harness.capped_env(harness.new_region("race"))
+    ask = 3 * GIB
+    with Poller(nvml, "race-4x3GiB") as poll:
+        servers: list[Server] = []
+        try:
+            for _ in range(4):
+                servers.append(Server(gpubench, env, poll))
+            for server in servers:  # all four requests in flight at once
+                server.send(f"alloc {ask}")
+            answers = [server.receive() for server in servers]
+            time.sleep(0.3)
+            poll.sample()
+        finally:
+            for server in servers:
+                server.kill()
+    outside = watched(poll)
+    granted = sum(_granted(a) for a in answers)
+    refused_right = all(_granted(a) or a.startswith(OOM) for a in answers)
+    ok = (outside["max_mib"] <= CAP_MIB and 1 <= granted and granted * ask <= CAP_MIB * MIB
+          and refused_right)
+    record("race", f"{granted}/4 granted 3 GiB; outside {outside['max_mib']:,.0f} MiB", ok,
+           answers=answers, outside=outside)
+    assert ok, f"answers {answers}; outside max {outside['max_mib']:,.0f} MiB"

@@ -1,0 +1,22 @@
+"""Real GPU, the cap as the outside world sees it: NVML in a process without the library,
+watching every capped run of the session (fills to OOM, nvidia-smi holder, two processes)."""
+
+from __future__ import annotations
+
+import pytest
+from fills import OUTSIDE, Fills
+from harness import CAP_MIB, record
+
+pytestmark = pytest.mark.gpu
+
+
+def test_outside_usage_never_exceeds_cap(fills: Fills) -> None:
+    fills.fill("torch")  # the reference run: 256 MiB chunks to OOM, then small ones
+    runs = list(OUTSIDE)
+    worst = max(runs, key=lambda run: run["max_mib"])
+    by_run = {run["label"]: run["max_mib"] for run in runs}
+    ok = worst["max_mib"] <= CAP_MIB
+    record("outside_usage",
+           f"{worst['max_mib']:,.0f} MiB max ({worst['label']}; {len(runs)} runs, "
+           f"{worst['method']})", ok, worst=worst, runs=runs)
+    assert ok, f"usage seen from outside reached {worst['max_mib']:,.0f} MiB: {by_run}"

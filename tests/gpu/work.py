@@ -1,0 +1,277 @@
+"""GPU workloads for the real-GPU checks, each run as its own child process.
+
+    work.py probe FRAMEWORK            initialise the framework, allocate a token, hold
+    work.py fill FRAMEWORK CHUNKS      allocate chunks (MiB, largest first) until OOM, report
+    work.py matmul SECONDS             bf16 matmul throughput (and tiny-op launch cost)
+
+FRAMEWORK is torch, cupy or jax. Each prints one line ``RESULT {json}``. The parent decides
+whether the interposer is preloaded; this file imports only the framework it is asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+class Framework:
+    """What the fill needs of a framework; subclasses wrap torch, cupy, jax."""
+
+    def alloc(self, nbytes: int) -> Any:
+        raise NotImplementedError
+
+    def is_oom(self, exc: Exception) -> bool:
+        raise NotImplementedError
+
+    def reserved(self, allocated: int) -> int:
+        """Bytes the framework holds from the driver (its pool), given ``allocated``."""
+        raise NotImplementedError
+
+    def release(self, chunks: list[Any]) -> None:
+        """Drop ``chunks`` and hand the memory back to the driver."""
+        raise NotImplementedError
+
+    def view(self) -> dict[str, Any]:
+        """The memory view the framework reports (the interposer's, when preloaded)."""
+        raise NotImplementedError
+
+    def prepare(self, sizes: list[int]) -> None:
+        """Make the first allocation of each size need no more device memory than itself."""
+
+
+class Torch(Framework):
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.token = torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+
+    def alloc(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, device="cuda")
+
+    def is_oom(self, exc: Exception) -> bool:
+        return isinstance(exc, self.torch.cuda.OutOfMemoryError)
+
+    def reserved(self, allocated: int) -> int:
+        return int(self.torch.cuda.memory_reserved())
+
+    def release(self, chunks: list[Any]) -> None:
+        chunks.clear()
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()
+
+    def view(self) -> dict[str, Any]:
+        free, total = self.torch.cuda.mem_get_info()
+        return {"free": free, "total": total}
+
+
+class Cupy(Framework):
+    def __init__(self) -> None:
+        import cupy
+
+        self.cupy = cupy
+        self.pool = cupy.get_default_memory_pool()
+        self.token = cupy.zeros(1)
+        cupy.cuda.Device().synchronize()
+
+    def alloc(self, nbytes: int) -> Any:
+        return self.cupy.empty(nbytes, dtype=self.cupy.uint8)
+
+    def is_oom(self, exc: Exception) -> bool:
+        return isinstance(exc, self.cupy.cuda.memory.OutOfMemoryError)
+
+    def reserved(self, allocated: int) -> int:
+        return int(self.pool.total_bytes())
+
+    def release(self, chunks: list[Any]) -> None:
+        chunks.clear()
+        self.pool.free_all_blocks()
+
+    def view(self) -> dict[str, Any]:
+        free, total = self.cupy.cuda.runtime.memGetInfo()
+        return {"free": free, "total": total}
+
+
+class Jax(Framework):
+    def __init__(self) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        self.jax, self.jnp = jax, jnp
+        self.device = jax.devices()[0]
+        self.token = jnp.zeros(1).block_until_ready()
+
+    def alloc(self, nbytes: int) -> Any:
+        return self.jnp.zeros((nbytes,), dtype=self.jnp.uint8).block_until_ready()
+
+    def is_oom(self, exc: Exception) -> bool:
+        text = str(exc)
+        return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+    def prepare(self, sizes: list[int]) -> None:
+        for nbytes in sizes:  # compile each shape's program now, not at the cap
+            self.alloc(nbytes).delete()
+
+    def reserved(self, allocated: int) -> int:
+        stats = self.device.memory_stats() or {}
+        return int(stats.get("pool_bytes") or allocated)
+
+    def release(self, chunks: list[Any]) -> None:
+        for chunk in chunks:
+            chunk.delete()
+        chunks.clear()
+
+    def view(self) -> dict[str, Any]:
+        stats = self.device.memory_stats() or {}
+        keys = ("bytes_in_use", "bytes_limit", "bytes_reserved", "pool_bytes",
+                "peak_bytes_in_use", "largest_free_block_bytes")
+        return {k: stats[k] for k in keys if k in stats}
+
+
+FRAMEWORKS: dict[str, type[Framework]] = {"torch": Torch, "cupy": Cupy, "jax": Jax}
+
+
+def nvml_view() -> dict[str, Any]:
+    """Device 0 as NVML shows it inside this process (the interposer's view if preloaded)."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        return {"error": f"ImportError: {exc}"}
+    try:
+        pynvml.nvmlInit()
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except pynvml.NVMLError as exc:  # reported, not fatal: the check decides
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"total": int(info.total), "used": int(info.used), "free": int(info.free)}
+
+
+def start(name: str) -> tuple[Framework, float]:
+    t0 = time.monotonic()
+    fw = FRAMEWORKS[name]()
+    return fw, time.monotonic() - t0
+
+
+def cmd_probe(args: argparse.Namespace) -> dict[str, Any]:
+    fw, init_s = start(args.framework)
+    result = {"reserved": fw.reserved(0), "init_s": round(init_s, 2), "view": fw.view()}
+    time.sleep(args.hold)
+    return result
+
+
+def cmd_fill(args: argparse.Namespace) -> dict[str, Any]:
+    fw, init_s = start(args.framework)
+    sizes = [int(c) for c in args.chunks.split(",")]
+    fw.prepare([mib * MIB for mib in sizes])
+    view_before = fw.view()
+    chunks: list[Any] = []
+    allocated, ooms, guard_hit = 0, [], False
+    for mib in sizes:
+        while not guard_hit:
+            if allocated + mib * MIB > args.guard_mib * MIB:
+                guard_hit = True
+                break
+            try:
+                chunks.append(fw.alloc(mib * MIB))
+            except Exception as exc:
+                if not fw.is_oom(exc):
+                    raise
+                first = (str(exc).strip().splitlines() or [""])[0]
+                ooms.append({"chunk_mib": mib, "type": type(exc).__name__, "message": first[:300]})
+                break
+            allocated += mib * MIB
+    peak = {"allocated": allocated, "reserved": fw.reserved(allocated), "view": fw.view(),
+            "nvml": nvml_view(), "chunks": len(chunks)}
+    time.sleep(args.hold)  # hold the peak so the outside watch surely sees it
+    fw.release(chunks)
+    after = {"view": fw.view()}
+    try:  # the program keeps running after OOM and the freed budget is usable again
+        fw.release([fw.alloc(GIB)])
+        after["alloc_1gib_ok"] = True
+    except Exception as exc:  # noqa: BLE001 - any failure here is the finding, reported
+        after["alloc_1gib_ok"] = False
+        after["alloc_1gib_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return {"framework": args.framework, "init_s": round(init_s, 2), "before": view_before,
+            "peak": peak, "ooms": ooms, "guard_hit": guard_hit, "after": after}
+
+
+def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    result: dict[str, Any] = {}
+    if args.tiny:
+        x = torch.zeros(1, device="cuda")
+        for _ in range(1000):
+            x.add_(1)
+        torch.cuda.synchronize()
+        reps = []
+        for _ in range(args.tiny_reps):
+            t0 = time.perf_counter()
+            for _ in range(args.tiny):
+                x.add_(1)
+            torch.cuda.synchronize()
+            reps.append((time.perf_counter() - t0) / args.tiny * 1e9)
+        result["tiny_ns_reps"] = [round(r, 1) for r in reps]
+        result["tiny_ns"] = statistics.median(reps)
+    n = args.size
+    a = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+
+    def burst(k: int = 4) -> None:
+        for _ in range(k):
+            torch.mm(a, b, out=c)
+        torch.cuda.synchronize()
+
+    end = time.perf_counter() + args.warmup
+    while time.perf_counter() < end:
+        burst()
+    iters, windows = 0, []
+    t0 = last = time.perf_counter()
+    last_iters = 0
+    while True:
+        burst()
+        iters += 4
+        now = time.perf_counter()
+        if now - last >= 1.0:
+            windows.append(round(2 * n**3 * (iters - last_iters) / (now - last) / 1e12, 1))
+            last, last_iters = now, iters
+        if now - t0 >= args.seconds:
+            break
+    elapsed = time.perf_counter() - t0
+    result.update(iters=iters, seconds=round(elapsed, 3),
+                  tflops=2 * n**3 * iters / elapsed / 1e12, windows_tflops=windows)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    probe = sub.add_parser("probe")
+    probe.add_argument("framework", choices=sorted(FRAMEWORKS))
+    probe.add_argument("--hold", type=float, default=0.4)
+    fill = sub.add_parser("fill")
+    fill.add_argument("framework", choices=sorted(FRAMEWORKS))
+    fill.add_argument("chunks", help="chunk sizes in MiB, largest first: 256,64,12,1")
+    fill.add_argument("--guard-mib", type=int, default=12288,
+                      help="stop without OOM past this much (a cap that does not hold)")
+    fill.add_argument("--hold", type=float, default=0.4)
+    mm = sub.add_parser("matmul")
+    mm.add_argument("seconds", type=float)
+    mm.add_argument("--warmup", type=float, default=1.5)
+    mm.add_argument("--size", type=int, default=8192)
+    mm.add_argument("--tiny", type=int, default=0, help="tiny ops per rep (0: skip)")
+    mm.add_argument("--tiny-reps", type=int, default=5)
+    args = parser.parse_args()
+    run = {"probe": cmd_probe, "fill": cmd_fill, "matmul": cmd_matmul}[args.cmd]
+    print("RESULT " + json.dumps(run(args), default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()
