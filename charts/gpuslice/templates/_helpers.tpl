@@ -94,6 +94,9 @@ kube-scheduler image: the given tag, else the cluster's own version without a ve
 {{/* "true" when the MutatingWebhookConfiguration carries matchConditions. */}}
 {{- define "gpuslice.matchConditions" -}}
 {{- if eq .Values.webhook.matchConditions "enabled" -}}
+{{- if semverCompare "<1.27.0-0" .Capabilities.KubeVersion.Version -}}
+{{- fail (printf "webhook.matchConditions=enabled needs Kubernetes >= 1.27 (beta, on by default, from 1.28); this cluster is %s: use auto or disabled" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
 true
 {{- else if eq .Values.webhook.matchConditions "auto" -}}
 {{- if semverCompare ">=1.28.0-0" .Capabilities.KubeVersion.Version -}}true{{- end -}}
