@@ -1,0 +1,99 @@
+"""values.schema.json covers every value and rejects bad ones: `helm template` fails with a
+message naming the value; cross-value mistakes fail in the templates with a message too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "gpuslice"
+
+
+def _leaves(values: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(values, dict) and values:
+        return [leaf for k, v in values.items() for leaf in _leaves(v, path + (k,))]
+    return [path]
+
+
+def _schema_node(schema: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
+    """The schema of the value at ``path``; a free-form map covers everything below it."""
+    node = schema
+    for key in path:
+        props = node.get("properties")
+        if props is None and node.get("type") == "object":
+            return node
+        if props is None or key not in props:
+            return None
+        node = props[key]
+    return node
+
+
+def test_schema_declares_every_value_with_a_type_and_forbids_unknown_keys() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for leaf in _leaves(values):
+        node = _schema_node(schema, leaf)
+        assert node is not None, f"values.schema.json does not declare {'.'.join(leaf)}"
+        assert "type" in node, f"{'.'.join(leaf)} has no type in the schema"
+
+    def closed(node: dict[str, Any], where: str) -> None:
+        if "properties" in node:
+            assert node.get("additionalProperties") is False, f"{where} accepts unknown keys"
+            for key, child in node["properties"].items():
+                closed(child, f"{where}.{key}")
+
+    closed(schema, "values")
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"splitCount": 0}, "/splitCount"),
+    ({"splitCount": "ten"}, "/splitCount"),
+    ({"namespaceMode": "everything"}, "/namespaceMode"),
+    ({"defaultPolicy": "random"}, "/defaultPolicy"),
+    ({"resourceNames": {"gpu": "gpu"}}, "/resourceNames/gpu"),
+    ({"nodeLabel": {"value": True}}, "/nodeLabel/value"),
+    ({"nodeLabel": {"key": "bad key"}}, "/nodeLabel/key"),
+    ({"tls": {"mode": "none"}}, "/tls/mode"),
+    ({"webhook": {"failurePolicy": "Maybe"}}, "/webhook/failurePolicy"),
+    ({"webhook": {"timeoutSeconds": 31}}, "/webhook/timeoutSeconds"),
+    ({"webhook": {"matchConditions": "yes"}}, "/webhook/matchConditions"),
+    ({"webhook": {"replicaz": 2}}, "replicaz"),
+    ({"webhook": {"excludedNamespaces": ["Not_A_Namespace"]}}, "/webhook/excludedNamespaces"),
+    ({"gpuPods": {"tolerations": [{"operator": "Sometimes"}]}}, "/gpuPods/tolerations"),
+    ({"gpuPods": {"runtimeClassName": "NVIDIA"}}, "/gpuPods/runtimeClassName"),
+    ({"scheduler": {"extender": {"httpTimeout": "ten seconds"}}}, "/scheduler/extender"),
+    ({"scheduler": {"name": ""}}, "/scheduler/name"),
+    ({"agent": {"interval": 0}}, "/agent/interval"),
+    ({"maxGpuMemoryMiB": -1}, "/maxGpuMemoryMiB"),
+    ({"logLevel": "verbose"}, "/logLevel"),
+    ({"surprise": 1}, "surprise"),
+])
+def test_schema_rejects_bad_values_naming_them(values: dict[str, Any], message: str,
+                                               render_raw: Any) -> None:
+    code, _, err = render_raw(values)
+    assert code != 0
+    assert "schema" in err and message in err, err
+
+
+@pytest.mark.parametrize(("values", "kube_version", "message"), [
+    ({"resourceNames": {"memory": "nvidia.com/gpu"}}, "1.30.0",
+     "resourceNames: the four resource names must differ"),
+    ({"tls": {"mode": "cert-manager", "certManager": {"issuerRef": {"kind": "ClusterIssuer"}}}},
+     "1.30.0", "tls.certManager.issuerRef: needs a name"),
+    ({"webhook": {"matchConditions": "enabled"}}, "1.25.0",
+     "webhook.matchConditions=enabled needs Kubernetes >= 1.27"),
+])
+def test_inconsistent_values_fail_with_a_message(values: dict[str, Any], kube_version: str,
+                                                 message: str, render_raw: Any) -> None:
+    code, _, err = render_raw(values, kube_version)
+    assert code != 0
+    assert message in err, err
+
+
+def test_chart_refuses_kubernetes_older_than_1_25(render_raw: Any) -> None:
+    code, _, err = render_raw({}, "1.24.9")
+    assert code != 0 and "kubeVersion" in err, err

@@ -1,0 +1,379 @@
+"""The rendered chart is wired together: the CLI accepts every flag the chart passes, the config
+file loads as Settings, the scheduler's KubeSchedulerConfiguration points at the extender with
+the right TLS, the webhook configuration selects the right pods, and cert-manager objects refer
+to each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from webhook import cli, names
+from webhook.node.config import settings_from_args as agent_settings_from_args
+from webhook.settings import Settings, load_settings
+from webhook.tls import service_names
+
+NS = "gpuslice-system"
+CUSTOM = {"resourceNames": {"gpu": "example.com/vgpu", "memory": "example.com/vgpu-mem",
+                            "memoryPercentage": "example.com/vgpu-mem-pct",
+                            "cores": "example.com/vgpu-cores"},
+          "nodeLabel": {"key": "example.com/gpu-sharing", "value": "enabled"},
+          "splitCount": 4, "defaultPolicy": "spread", "maxGpuMemoryMiB": 81920,
+          "namespaceMode": "opt-in", "logLevel": "DEBUG",
+          "gpuPods": {"runtimeClassName": "nvidia", "tolerations": [
+              {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+          "scheduler": {"name": "shared-gpu"}, "webhook": {"port": 9443}}
+
+# Fields of kubescheduler.config.k8s.io/v1 (k8s.io/kube-scheduler/config/v1 types.go). The
+# kube-scheduler decodes its config strictly: an unknown or misspelt field stops it at start.
+KSC_FIELDS = {"apiVersion", "kind", "parallelism", "leaderElection", "clientConnection",
+              "healthzBindAddress", "metricsBindAddress", "enableProfiling",
+              "enableContentionProfiling", "percentageOfNodesToScore", "podInitialBackoffSeconds",
+              "podMaxBackoffSeconds", "profiles", "extenders", "delayCacheUntilActive"}
+LEADER_FIELDS = {"leaderElect", "leaseDuration", "renewDeadline", "retryPeriod", "resourceLock",
+                 "resourceName", "resourceNamespace"}
+PROFILE_FIELDS = {"schedulerName", "percentageOfNodesToScore", "plugins", "pluginConfig"}
+EXTENDER_FIELDS = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight",
+                   "bindVerb", "enableHTTPS", "tlsConfig", "httpTimeout", "nodeCacheCapable",
+                   "managedResources", "ignorable"}
+TLS_FIELDS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData",
+              "caData"}
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+
+
+def _volume(workload: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == name)
+
+
+# ----- the service: its config file and command line -----
+
+@pytest.mark.parametrize("values", [{}, CUSTOM], ids=["defaults", "custom"])
+def test_service_config_loads_as_settings_matching_the_values(
+        values: dict[str, Any], render: Any, tmp_path: Path) -> None:
+    rendered = render(values)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(rendered.config("gpuslice-config")))
+    s = load_settings(config)
+    r = {"gpu": "nvidia.com/gpu", "memory": "nvidia.com/gpumem",
+            "memoryPercentage": "nvidia.com/gpumem-percentage",
+            "cores": "nvidia.com/gpucores", **values.get("resourceNames", {})}
+    assert s.resource_names == (r["gpu"], r["memory"], r["memoryPercentage"], r["cores"])
+    assert s.node_selector == ({"example.com/gpu-sharing": "enabled"} if values
+                               else {"gpu": "on"})
+    assert s.split_count == values.get("splitCount", 10)
+    assert s.default_policy == values.get("defaultPolicy", "binpack")
+    assert s.max_gpu_memory_mib == values.get("maxGpuMemoryMiB")
+    assert s.namespace_mode == values.get("namespaceMode", "opt-out")
+    assert s.runtime_class_name == (values.get("gpuPods", {}).get("runtimeClassName") or None)
+    assert list(s.tolerations) == values.get("gpuPods", {}).get("tolerations", [])
+    assert s.scheduler_name == values.get("scheduler", {}).get("name", "gpuslice-scheduler")
+    assert s.release_namespace == NS
+    assert (s.kube_enabled, s.placement_enabled, s.log_format) == (True, True, "json")
+    assert s.service_name == rendered.one("Service", "gpuslice")["metadata"]["name"]
+    assert s.webhook_config_name == \
+        rendered.one("MutatingWebhookConfiguration")["metadata"]["name"]
+
+
+@pytest.mark.parametrize("mode", ["secret", "cert-manager"])
+def test_serve_command_line_parses_and_matches_the_pod(mode: str, render: Any,
+                                                       tmp_path: Path) -> None:
+    rendered = render({"tls": {"mode": mode}})
+    deployment = rendered.one("Deployment", "gpuslice")
+    container = rendered.container(deployment, "webhook")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(rendered.config("gpuslice-config")))
+    args = [str(config) if a == "/etc/gpuslice/config.yaml" else a for a in container["args"]]
+    assert "/etc/gpuslice/config.yaml" in _mounts(container)
+    s: Settings = cli.settings_from_args(cli.build_parser().parse_args(args))
+    assert args[0] == "serve"
+    assert s.tls_mode == ("secret" if mode == "secret" else "files")
+    assert s.kube_enabled is True
+    assert container["ports"][0]["containerPort"] == s.port
+    certs = _mounts(container)[s.cert_dir]
+    assert certs["readOnly"] is (mode != "secret")  # the service rotates files in secret mode
+    volume = _volume(deployment, certs["name"])
+    if mode == "secret":
+        assert "emptyDir" in volume
+        role = rendered.one("Role", "gpuslice-tls")
+        assert role["metadata"]["namespace"] == s.release_namespace
+        assert [s.tls_secret_name] in [r.get("resourceNames") for r in role["rules"]]
+    else:
+        assert volume["secret"]["secretName"] == s.tls_secret_name
+        cert = rendered.one("Certificate", "gpuslice")
+        assert cert["spec"]["secretName"] == s.tls_secret_name
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    probes = (container["readinessProbe"]["httpGet"], container["livenessProbe"]["httpGet"])
+    assert [(p["path"], p["scheme"], p["port"]) for p in probes] == \
+        [("/readyz", "HTTPS", "https"), ("/healthz", "HTTPS", "https")]
+
+
+def test_tls_bootstrap_init_container_runs_the_bootstrap_module_with_the_same_config(
+        render: Any) -> None:
+    rendered = render()
+    deployment = rendered.one("Deployment", "gpuslice")
+    init = rendered.container(deployment, "tls-bootstrap", init=True)
+    webhook = rendered.container(deployment, "webhook")
+    assert init["command"] == ["python", "-m", "webhook.bootstrap"]
+    assert init["args"] == ["--config", "/etc/gpuslice/config.yaml"]
+    assert init["image"] == webhook["image"]  # test_bootstrap runs this exact command
+    cert_dir = rendered.config("gpuslice-config")["cert_dir"]
+    assert _mounts(init)[cert_dir]["name"] == _mounts(webhook)[cert_dir]["name"]
+    cm = render({"tls": {"mode": "cert-manager"}}).one("Deployment", "gpuslice")
+    assert "initContainers" not in cm["spec"]["template"]["spec"]
+
+
+def test_webhook_pod_is_non_root_with_a_read_only_root_filesystem(render: Any) -> None:
+    spec = render().one("Deployment", "gpuslice")["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] == 10001  # the image's user
+    for c in spec["containers"] + spec["initContainers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+
+
+# ----- the agent -----
+
+@pytest.mark.parametrize("values", [{}, CUSTOM], ids=["defaults", "custom"])
+def test_agent_command_line_parses_and_matches_the_mounts(values: dict[str, Any],
+                                                          render: Any) -> None:
+    rendered = render(values)
+    ds = rendered.one("DaemonSet", "gpuslice-agent")
+    container = rendered.container(ds, "agent")
+    args = [a.replace("$(NODE_NAME)", "gpu-node-1") for a in container["args"]]
+    s = agent_settings_from_args(cli.build_parser().parse_args(args))
+    assert s.node_name == "gpu-node-1"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    r = values.get("resourceNames", {})
+    assert (s.resource_gpu, s.resource_mem, s.resource_cores) == (
+        r.get("gpu", "nvidia.com/gpu"), r.get("memory", "nvidia.com/gpumem"),
+        r.get("cores", "nvidia.com/gpucores"))
+    assert s.split_count == values.get("splitCount", 10)
+    assert s.log_format == "json" and s.kube_enabled
+    assert s.preload_target == names.HOST_LIBRARY_DIR
+    assert s.library_source == "/opt/gpuslice/libgpuslice.so"  # COPY target of the image
+    mounts = _mounts(container)
+    for in_pod, host in ((s.host_library_dir, names.HOST_LIBRARY_DIR),
+                         (s.host_state_dir, names.HOST_STATE_DIR), (s.proc_root, "/proc")):
+        assert _volume(ds, mounts[in_pod]["name"])["hostPath"]["path"] == host
+    assert mounts[s.proc_root]["readOnly"] is True
+    assert container["ports"][0]["containerPort"] == s.metrics_port == 9400
+    spec = ds["spec"]["template"]["spec"]
+    label = values.get("nodeLabel", {"key": "gpu", "value": "on"})
+    assert spec["nodeSelector"] == {label["key"]: label["value"]}
+
+
+def test_agent_runs_on_every_tainted_gpu_node_with_node_critical_priority(render: Any) -> None:
+    spec = render().one("DaemonSet", "gpuslice-agent")["spec"]["template"]["spec"]
+    assert spec["tolerations"] == [{"operator": "Exists"}]
+    assert spec["priorityClassName"] == "system-node-critical"
+    sc = spec["containers"][0]["securityContext"]
+    assert sc["privileged"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    privileged = render({"agent": {"privileged": True, "runtimeClassName": "nvidia"}})
+    spec = privileged.one("DaemonSet", "gpuslice-agent")["spec"]["template"]["spec"]
+    assert spec["containers"][0]["securityContext"]["privileged"] is True
+    assert spec["runtimeClassName"] == "nvidia"
+
+
+# ----- the kube-scheduler container -----
+
+@pytest.mark.parametrize("values", [{}, CUSTOM], ids=["defaults", "custom"])
+def test_scheduler_configuration_calls_the_extender_in_the_same_pod(values: dict[str, Any],
+                                                                    render: Any) -> None:
+    rendered = render(values)
+    ksc = rendered.config("gpuslice-scheduler")
+    settings = rendered.config("gpuslice-config")
+    assert ksc["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert ksc["kind"] == "KubeSchedulerConfiguration"
+    assert set(ksc) <= KSC_FIELDS
+    assert set(ksc["leaderElection"]) <= LEADER_FIELDS
+    assert ksc["leaderElection"]["leaderElect"] is True
+    assert ksc["leaderElection"]["resourceNamespace"] == NS
+    assert [p["schedulerName"] for p in ksc["profiles"]] == [settings["scheduler_name"]]
+    assert all(set(p) <= PROFILE_FIELDS for p in ksc["profiles"])
+
+    [ext] = ksc["extenders"]
+    assert set(ext) <= EXTENDER_FIELDS and set(ext["tlsConfig"]) <= TLS_FIELDS
+    assert ext["urlPrefix"] == f"https://127.0.0.1:{settings['port']}/scheduler"
+    assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == \
+        ("filter", "prioritize", "bind")
+    assert ext["enableHTTPS"] is True and ext["nodeCacheCapable"] is True
+    assert ext["ignorable"] is False and ext["weight"] >= 1
+    assert ext["tlsConfig"]["insecure"] is False
+    assert ext["tlsConfig"]["serverName"] in service_names(NS, settings["service_name"])
+    assert ext["tlsConfig"]["caFile"] == f"{settings['cert_dir']}/ca.crt"
+    managed = {m["name"]: m["ignoredByScheduler"] for m in ext["managedResources"]}
+    assert managed == {settings["resource_gpu"]: False, settings["resource_mem"]: False,
+                       settings["resource_cores"]: False,
+                       settings["resource_mem_percent"]: True}
+
+
+def test_scheduler_container_reads_the_config_and_the_ca_it_names(render: Any) -> None:
+    rendered = render()
+    deployment = rendered.one("Deployment", "gpuslice")
+    scheduler = rendered.container(deployment, "kube-scheduler")
+    ksc = rendered.config("gpuslice-scheduler")
+    assert scheduler["command"][0] == "kube-scheduler"
+    [config_flag] = [a for a in scheduler["command"] if a.startswith("--config=")]
+    config_path = Path(config_flag.split("=", 1)[1])
+    mounts = _mounts(scheduler)
+    assert _volume(deployment, mounts[str(config_path.parent)]["name"])["configMap"]["name"] \
+        == "gpuslice-scheduler"
+    ca_dir = str(Path(ksc["extenders"][0]["tlsConfig"]["caFile"]).parent)
+    assert mounts[ca_dir]["readOnly"] is True
+    webhook = rendered.container(deployment, "webhook")
+    assert _mounts(webhook)[ca_dir]["name"] == mounts[ca_dir]["name"]  # the same volume
+    lease_role = rendered.one("Role", "gpuslice-scheduler-lease")
+    assert [ksc["leaderElection"]["resourceName"]] in \
+        [r.get("resourceNames") for r in lease_role["rules"]]
+
+
+@pytest.mark.parametrize(("kube_version", "tag", "image"), [
+    ("1.30.0", "", "registry.k8s.io/kube-scheduler:v1.30.0"),
+    ("v1.31.4-eks-a737599", "", "registry.k8s.io/kube-scheduler:v1.31.4"),
+    ("v1.29.8+k3s1", "", "registry.k8s.io/kube-scheduler:v1.29.8"),
+    ("1.30.0", "v1.30.2", "registry.k8s.io/kube-scheduler:v1.30.2"),
+])
+def test_scheduler_image_follows_the_cluster_version_unless_set(
+        kube_version: str, tag: str, image: str, render: Any) -> None:
+    rendered = render({"scheduler": {"image": {"tag": tag}}} if tag else {}, kube_version)
+    deployment = rendered.one("Deployment", "gpuslice")
+    assert rendered.container(deployment, "kube-scheduler")["image"] == image
+
+
+# ----- the MutatingWebhookConfiguration -----
+
+@pytest.mark.parametrize("namespace", [NS, "gpu-ops"])
+def test_webhook_never_mutates_kube_system_or_the_release_namespace(namespace: str,
+                                                                    render: Any) -> None:
+    for mode, operator, value in (("opt-out", "NotIn", "disabled"), ("opt-in", "In", "enabled")):
+        mwc = render({"namespaceMode": mode, "webhook": {"excludedNamespaces": ["ci"]}},
+                     namespace=namespace).one("MutatingWebhookConfiguration")
+        [hook] = mwc["webhooks"]
+        exprs = {e["key"]: e for e in hook["namespaceSelector"]["matchExpressions"]}
+        assert exprs["kubernetes.io/metadata.name"]["operator"] == "NotIn"
+        assert set(exprs["kubernetes.io/metadata.name"]["values"]) == \
+            {"kube-system", namespace, "ci"}
+        toggle = exprs[names.LABEL_NAMESPACE_WEBHOOK]
+        assert (toggle["operator"], toggle["values"]) == (operator, [value])
+
+
+def test_webhook_admission_settings(render: Any) -> None:
+    rendered = render()
+    [hook] = rendered.one("MutatingWebhookConfiguration")["webhooks"]
+    assert hook["admissionReviewVersions"] == ["v1"] and hook["sideEffects"] == "None"
+    assert hook["failurePolicy"] == "Fail" and hook["reinvocationPolicy"] == "IfNeeded"
+    assert hook["timeoutSeconds"] == 10
+    assert hook["rules"] == [{"operations": ["CREATE"], "apiGroups": [""],
+                              "apiVersions": ["v1"], "resources": ["pods"],
+                              "scope": "Namespaced"}]
+    ref = hook["clientConfig"]["service"]
+    service = rendered.one("Service", ref["name"])
+    assert ref["namespace"] == service["metadata"]["namespace"] and ref["path"] == "/mutate"
+    [port] = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]]
+    webhook = rendered.container(rendered.one("Deployment", "gpuslice"), "webhook")
+    assert port["targetPort"] in [p["name"] for p in webhook["ports"]]
+    assert service["spec"]["selector"].items() <= \
+        rendered.one("Deployment", "gpuslice")["spec"]["template"]["metadata"]["labels"].items()
+    assert "caBundle" not in hook["clientConfig"]  # set by the bootstrap at first start
+
+
+@pytest.mark.parametrize(("kube_version", "setting", "present"), [
+    ("1.25.0", "auto", False), ("1.27.9", "auto", False), ("1.28.0", "auto", True),
+    ("1.37.0", "auto", True), ("1.30.0", "disabled", False), ("1.27.0", "enabled", True),
+])
+def test_match_conditions_only_where_the_cluster_supports_them(
+        kube_version: str, setting: str, present: bool, render: Any) -> None:
+    values = {"webhook": {"matchConditions": setting}}
+    [hook] = render(values, kube_version).one("MutatingWebhookConfiguration")["webhooks"]
+    assert ("matchConditions" in hook) is present
+
+
+@pytest.mark.parametrize("values", [{}, CUSTOM], ids=["defaults", "custom"])
+def test_match_condition_names_every_gpu_resource_for_containers_and_init_containers(
+        values: dict[str, Any], render: Any) -> None:
+    rendered = render(values)
+    settings = rendered.config("gpuslice-config")
+    [hook] = rendered.one("MutatingWebhookConfiguration")["webhooks"]
+    [cond] = hook["matchConditions"]
+    expr = cond["expression"]
+    listed = "[" + ", ".join(f"'{settings[k]}'" for k in (
+        "resource_gpu", "resource_mem", "resource_mem_percent", "resource_cores")) + "]"
+    assert expr.count(listed) == 2
+    assert "object.spec.containers.exists(c, " in expr
+    assert "has(object.spec.initContainers) && object.spec.initContainers.exists(c, " in expr
+    assert expr.count("has(c.resources) && has(c.resources.limits)") == 2
+
+
+def test_existing_ca_bundle_is_kept_by_an_upgrade_render(render: Any) -> None:
+    """helm upgrade re-renders the webhook configuration; `lookup` keeps the bootstrap's
+    caBundle (offline renders have no cluster, so there is none to keep here)."""
+    template = (Path(__file__).resolve().parents[2] / "charts/gpuslice/templates"
+                / "mutatingwebhook.yaml").read_text()
+    assert 'lookup "admissionregistration.k8s.io/v1" "MutatingWebhookConfiguration"' in template
+    assert "caBundle: {{ . }}" in template
+
+
+# ----- cert-manager -----
+
+@pytest.mark.parametrize("issuer", [None, {"name": "corp-ca", "kind": "ClusterIssuer"}])
+def test_cert_manager_objects_refer_to_each_other(issuer: dict[str, Any] | None,
+                                                  render: Any) -> None:
+    cm: dict[str, Any] = {"mode": "cert-manager"}
+    if issuer:
+        cm["certManager"] = {"issuerRef": issuer}
+    rendered = render({"tls": cm})
+    mwc = rendered.one("MutatingWebhookConfiguration")
+    cert = rendered.one("Certificate", "gpuslice")
+    assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        f"{cert['metadata']['namespace']}/{cert['metadata']['name']}"
+    assert "caBundle" not in mwc["webhooks"][0]["clientConfig"]
+    ksc = rendered.config("gpuslice-scheduler")
+    assert ksc["extenders"][0]["tlsConfig"]["serverName"] in cert["spec"]["dnsNames"]
+    assert set(cert["spec"]["dnsNames"]) <= set(service_names(NS, "gpuslice"))
+    assert "server auth" in cert["spec"]["usages"]
+    ref = cert["spec"]["issuerRef"]
+    if issuer:
+        assert ref == {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+        assert rendered.all("Issuer") == []
+    else:
+        ca_issuer = rendered.one("Issuer", ref["name"])
+        ca_cert = rendered.one("Certificate", "gpuslice-ca")
+        assert ca_issuer["spec"]["ca"]["secretName"] == ca_cert["spec"]["secretName"]
+        assert ca_cert["spec"]["isCA"] is True
+        rendered.one("Issuer", ca_cert["spec"]["issuerRef"]["name"])  # the self-signed root
+
+
+def test_service_monitors_select_the_metrics_services(render: Any) -> None:
+    rendered = render({"metrics": {"serviceMonitor": {"enabled": True,
+                                                      "labels": {"release": "prom"}}}})
+    for sm_name, svc_name in (("gpuslice-webhook", "gpuslice"),
+                              ("gpuslice-agent", "gpuslice-agent-metrics")):
+        sm = rendered.one("ServiceMonitor", sm_name)
+        svc = rendered.one("Service", svc_name)
+        assert sm["metadata"]["labels"]["release"] == "prom"
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        ports = {p["name"] for p in svc["spec"]["ports"]}
+        assert {e["port"] for e in sm["spec"]["endpoints"]} <= ports
+    tls = rendered.one("ServiceMonitor", "gpuslice-webhook")["spec"]["endpoints"][0]["tlsConfig"]
+    assert tls["ca"]["secret"]["key"] == "ca.crt"
+    assert tls["serverName"] in service_names(NS, "gpuslice")
+
+
+def test_config_changes_roll_the_webhook_pods(render: Any) -> None:
+    def checksums(values: dict[str, Any]) -> dict[str, str]:
+        meta = render(values).one("Deployment", "gpuslice")["spec"]["template"]["metadata"]
+        return {k: v for k, v in meta["annotations"].items() if k.startswith("checksum/")}
+
+    base = checksums({})
+    assert checksums({"splitCount": 3})["checksum/config"] != base["checksum/config"]
+    assert checksums({"scheduler": {"extender": {"weight": 3}}})["checksum/scheduler"] != \
+        base["checksum/scheduler"]
