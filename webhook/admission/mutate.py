@@ -42,6 +42,7 @@ _OUR_ENV = frozenset({
     names.ENV_SHARED_CACHE, names.ENV_VISIBLE_DEVICES,
 })
 _RESERVED_ENV = re.compile(rf"^(GPUSLICE_.*|({names.ENV_MEMORY_LIMIT}|{names.ENV_SM_LIMIT})_[0-9]+)$")
+_RESERVED_PREFIXES = ("GPUSLICE_", "CUDA_DEVICE_")
 _POLICY_ANNOTATIONS = (names.ANN_PLACEMENT, names.HAMI_POLICY)
 _POLICIES = ("binpack", "spread")
 _DEFAULT_SCHEDULER = "default-scheduler"
@@ -253,7 +254,8 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: 
     kept = []
     for entry in container.get("env") or ():
         env_name = entry.get("name") if isinstance(entry, dict) else None
-        if isinstance(env_name, str) and (env_name in _OUR_ENV or _RESERVED_ENV.match(env_name)):
+        if isinstance(env_name, str) and (env_name in _OUR_ENV or (
+                env_name.startswith(_RESERVED_PREFIXES) and _RESERVED_ENV.match(env_name))):
             if entry != wanted.get(env_name):
                 verb = "replaced" if env_name in wanted else "removed"
                 work.warn(f'container "{name}": env {env_name} is managed by gpuslice; '

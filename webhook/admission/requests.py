@@ -123,6 +123,8 @@ def read_request(container: dict[str, Any], settings: Settings,
 def _whole(table: dict[str, Any], name: str, where: str, reasons: list[str],
            hint: str) -> int | None:
     raw = table[name]
+    if type(raw) is str and raw.isascii() and raw.isdigit():  # the common case, e.g. "8000"
+        return int(raw)
     try:
         value = parse_quantity(raw)
     except QuantityError as exc:

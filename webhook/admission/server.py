@@ -14,13 +14,12 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
-import jsonpatch
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from webhook.admission import review
+from webhook.admission.diff import pod_patch
 from webhook.admission.mutate import BadObject, mutate_pod
 from webhook.settings import Settings
 
@@ -50,7 +49,7 @@ def _error(status: int, code: str, message: str) -> web.Response:
 
 
 def _review(answer: review.AdmissionReview) -> web.Response:
-    return web.Response(body=json.dumps(answer, separators=(",", ":")).encode(),
+    return web.Response(body=review.encode_json(answer).encode(),
                         content_type="application/json")
 
 
@@ -63,7 +62,8 @@ class MutateHandler:
         self.metrics = metrics
         self.max_gpu_memory = max_gpu_memory
 
-    async def __call__(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.Response:
+        """The aiohttp handler (a coroutine function, so aiohttp calls it directly)."""
         start = time.perf_counter()
         outcome, response = await self._handle(request)
         self.metrics.by_outcome[outcome].inc()
@@ -114,7 +114,7 @@ class MutateHandler:
             return "denied", _review(review.denied(uid, result.message, warnings))
         if not result.changed or result.pod is None:
             return "allowed_unchanged", _review(review.allowed(uid, None, warnings))
-        patch: list[dict[str, Any]] = jsonpatch.make_patch(pod, result.pod).patch
+        patch = pod_patch(pod, result.pod)
         if not patch:
             return "allowed_unchanged", _review(review.allowed(uid, None, warnings))
         if logger.isEnabledFor(logging.DEBUG):
