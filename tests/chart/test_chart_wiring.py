@@ -313,6 +313,41 @@ def test_match_condition_names_every_gpu_resource_for_containers_and_init_contai
     assert expr.count("has(c.resources) && has(c.resources.limits)") == 2
 
 
+def _pod(containers: list[dict[str, Any]],
+         init: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"containers": containers}
+    if init is not None:
+        spec["initContainers"] = init
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": spec}
+
+
+def _limits(**limits: str) -> dict[str, Any]:
+    return {"name": "c", "image": "x", "resources": {"limits": limits}}
+
+
+@pytest.mark.parametrize(("pod", "sent"), [
+    (_pod([{"name": "c", "image": "x"}]), False),
+    (_pod([{"name": "c", "image": "x", "resources": {}}]), False),
+    (_pod([_limits(cpu="1")]), False),
+    (_pod([_limits(**{"amd.com/gpu": "1"})]), False),
+    (_pod([_limits(**{"nvidia.com/gpu": "1"})]), True),
+    (_pod([{"name": "a", "image": "x"}, _limits(**{"nvidia.com/gpumem": "1024"})]), True),
+    (_pod([_limits(**{"nvidia.com/gpumem-percentage": "50"})]), True),
+    (_pod([{"name": "c", "image": "x"}], [_limits(**{"nvidia.com/gpucores": "30"})]), True),
+    (_pod([{"name": "c", "image": "x"}], [_limits(cpu="1")]), False),
+], ids=["bare", "empty-resources", "cpu", "other-vendor", "gpu-limit", "second-container-gpumem",
+        "percentage", "init-container", "init-container-cpu"])
+def test_match_condition_selects_exactly_the_gpu_pods(pod: dict[str, Any], sent: bool,
+                                                      render: Any) -> None:
+    """Evaluated with cel-python (a CEL implementation; the API server uses cel-go)."""
+    celpy = pytest.importorskip("celpy", reason="cel-python not installed (pip install "
+                                "cel-python) to evaluate the CEL expression")
+    [hook] = render().one("MutatingWebhookConfiguration")["webhooks"]
+    env = celpy.Environment()
+    program = env.program(env.compile(hook["matchConditions"][0]["expression"]))
+    assert bool(program.evaluate({"object": celpy.json_to_cel(pod)})) is sent
+
+
 def test_existing_ca_bundle_is_kept_by_an_upgrade_render(render: Any) -> None:
     """helm upgrade re-renders the webhook configuration; `lookup` keeps the bootstrap's
     caBundle (offline renders have no cluster, so there is none to keep here)."""
