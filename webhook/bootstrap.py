@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -100,7 +101,7 @@ def assess(m: Material | None, namespace: str, service: str, now: dt.datetime) -
         key = serialization.load_pem_private_key(m.tls_key, password=None)
         cert.verify_directly_issued_by(ca)
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except (ValueError, TypeError, x509.InvalidSignature, x509.ExtensionNotFound):
+    except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
         return "renew-serving"
     if _spki(key.public_key()) != _spki(cert.public_key()) \
             or f"{service}.{namespace}.svc" not in names.get_values_for_type(x509.DNSName) \
@@ -209,10 +210,12 @@ async def _settle_secret(core: client.CoreV1Api, settings: Settings, namespace: 
         manifest = _secret_manifest(name, namespace, fresh, version)
         try:
             if secret is None:
-                await _call(partial(core.create_namespaced_secret, namespace, manifest),
+                await _call(partial(core.create_namespaced_secret, namespace,
+                                    manifest),  # type: ignore[arg-type]
                             what, deadline, backoff)
             else:
-                await _call(partial(core.replace_namespaced_secret, name, namespace, manifest),
+                await _call(partial(core.replace_namespaced_secret, name, namespace,
+                                    manifest),  # type: ignore[arg-type]
                             what, deadline, backoff)
         except ApiException as exc:
             if exc.status == 409:  # another replica created or rotated it first: use theirs

@@ -184,13 +184,18 @@ async def test_expiring_ca_is_replaced_and_the_old_ca_stays_in_the_bundle(
         assert patches[0].body[1]["value"] == base64.b64encode(data["ca.crt"]).decode()
 
 
-@pytest.mark.parametrize("broken", ["garbage", "other-service", "missing-key"])
+@pytest.mark.parametrize("broken", ["garbage", "other-service", "missing-key",
+                                    "signed-by-another-ca", "key-does-not-match"])
 async def test_unusable_secret_content_is_replaced(tmp_path: Path, broken: str) -> None:
-    good = material()
+    good, other = material(), material()
     if broken == "garbage":
         bad = Material(b"not a cert", good.ca_key, good.tls_crt, good.tls_key)
     elif broken == "other-service":
         bad = material(service="someone-else")
+    elif broken == "signed-by-another-ca":
+        bad = Material(good.ca_bundle, good.ca_key, other.tls_crt, other.tls_key)
+    elif broken == "key-does-not-match":
+        bad = Material(good.ca_bundle, good.ca_key, good.tls_crt, other.tls_key)
     else:
         bad = good
     async with FakeKube() as kube:
@@ -208,8 +213,9 @@ async def test_unusable_secret_content_is_replaced(tmp_path: Path, broken: str) 
             kube.get("secrets", SECRET, NS)["data"]), NS, SERVICE,  # type: ignore[index]
             dt.datetime.now(dt.UTC)) == "ok"
         assert (tmp_path / "tls.crt").read_bytes() == data["tls.crt"]
-        if broken == "other-service":
+        if broken in ("other-service", "signed-by-another-ca", "key-does-not-match"):
             assert data["ca.crt"] == bad.ca_bundle  # the CA was fine: only the cert is new
+            assert data["tls.crt"] != bad.tls_crt
 
 
 async def test_conflicting_rotation_is_reread_not_clobbered(tmp_path: Path) -> None:
