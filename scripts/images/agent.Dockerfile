@@ -10,16 +10,19 @@
 # ld.so.preload entries it cannot load, and the container would run without its caps.
 
 ARG LIB_BUILDER=rockylinux:8
-ARG MAKE_TARGETS=all
+ARG MAKE_TARGETS=lib
 
 FROM ${LIB_BUILDER} AS library
 ARG MAKE_TARGETS
-RUN dnf install -y --setopt=install_weak_deps=False gcc make libasan libubsan \
+RUN dnf install -y --setopt=install_weak_deps=False gcc make binutils \
     && dnf clean all
 WORKDIR /src
 COPY interposer ./interposer
+# Fail the build if the library needs a glibc symbol version newer than 2.28 (built on
+# glibc 2.36 it needs 2.34: dlopen, pthread_once, pthread_mutex_consistent, ...).
 RUN make -C interposer ${MAKE_TARGETS} \
-    && test -f interposer/build/libgpuslice.so
+    && test -f interposer/build/libgpuslice.so \
+    && ! objdump -T interposer/build/libgpuslice.so | grep -E 'GLIBC_2\.(29|[3-9][0-9])'
 
 FROM python:3.11-slim AS wheels
 WORKDIR /src

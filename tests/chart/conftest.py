@@ -62,7 +62,30 @@ class Rendered:
         return found[0]
 
     def config(self, configmap: str, key: str = "config.yaml") -> dict[str, Any]:
-        return yaml.safe_load(self.one("ConfigMap", configmap)["data"][key])
+        [doc] = load_all(self.one("ConfigMap", configmap)["data"][key])
+        return doc
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A YAML loader that refuses duplicate mapping keys, as the API server's decoder does
+    (PyYAML would silently keep the last one)."""
+
+
+def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    keys = [loader.construct_object(k, deep=True) for k, _ in node.value]
+    duplicates = sorted({str(k) for k in keys if keys.count(k) > 1})
+    if duplicates:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"duplicate keys {duplicates}", node.start_mark)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+def load_all(text: str) -> list[dict[str, Any]]:
+    """The documents of ``text`` (empty ones dropped); duplicate keys are an error."""
+    return [d for d in yaml.load_all(text, Loader=_StrictLoader) if d]
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -100,7 +123,7 @@ def render(values: dict[str, Any] | None = None, kube_version: str = "1.30.0",
            namespace: str = NAMESPACE, release: str = RELEASE) -> Rendered:
     code, out, err = render_raw(values, kube_version, namespace, release)
     assert code == 0, f"helm template failed:\n{err}"
-    return Rendered([o for o in yaml.safe_load_all(out) if o], kube_version)
+    return Rendered(load_all(out), kube_version)
 
 
 @pytest.fixture(scope="session")
@@ -118,3 +141,9 @@ def render_fixture() -> Any:
 def render_raw_fixture() -> Any:
     """``render_raw(...) -> (exit code, stdout, stderr)``, for renders that must fail."""
     return render_raw
+
+
+@pytest.fixture(scope="session", name="load_yaml")
+def load_yaml_fixture() -> Any:
+    """The strict multi-document loader every render goes through."""
+    return load_all

@@ -143,3 +143,11 @@ def test_notes_tell_the_operator_the_next_steps(helm_run: Any) -> None:
                                "resourceNames": {"gpu": "example.com/vgpu"}})
     assert "kubectl label namespace <namespace> gpuslice.io/webhook=enabled" in opt_in
     assert "get certificate gpuslice" in opt_in and "example.com/vgpu: 2" in opt_in
+
+
+def test_renders_are_parsed_refusing_duplicate_keys(load_yaml: Any) -> None:
+    """Every render goes through this loader, so no rendered object repeats a key (the API
+    server rejects such manifests; PyYAML alone would keep the last value silently)."""
+    assert load_yaml("a: 1\n---\nb: {c: 2}\n") == [{"a": 1}, {"b": {"c": 2}}]
+    with pytest.raises(Exception, match="duplicate keys"):
+        load_yaml("metadata:\n  labels:\n    app: x\n    app: y\n")

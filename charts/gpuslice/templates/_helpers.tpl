@@ -39,6 +39,13 @@ app.kubernetes.io/instance: {{ $ctx.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
+{{/* Labels of a component's pods: its selector labels plus the version. */}}
+{{- define "gpuslice.podLabels" -}}
+{{ include "gpuslice.selectorLabels" . }}
+app.kubernetes.io/version: {{ (index . 0).Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: gpuslice
+{{- end -}}
+
 {{- define "gpuslice.serviceName" -}}
 {{- include "gpuslice.fullname" . -}}
 {{- end -}}
