@@ -6,6 +6,8 @@ import asyncio
 import base64
 import datetime as dt
 import os
+import socket
+import ssl
 import stat
 import sys
 from pathlib import Path
@@ -335,3 +337,62 @@ def test_init_container_command_rejects_a_bad_config(tmp_path: Path,
     config.write_text("split_count: 0\n")
     assert bootstrap.main(["--config", str(config)]) == 2
     assert "split_count" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _https_get(port: int, path: str, cafile: Path, server_name: str) -> bytes:
+    """GET over TLS verified like the kube-scheduler's extender client: CA file + serverName."""
+    context = ssl.create_default_context(cafile=str(cafile))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context,
+                                                   server_hostname=server_name)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: {server_name}\r\nConnection: close\r\n\r\n"
+                 .encode())
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+async def test_serve_in_secret_mode_answers_the_way_the_scheduler_calls_it(
+        tmp_path: Path) -> None:
+    """`gpuslice serve --tls-mode secret` (the chart's webhook container): the certificate it
+    serves verifies against the Secret's ca.crt for serverName <service>.<ns>.svc on
+    127.0.0.1, which is the chart's extender tlsConfig."""
+    async with FakeKube() as kube:
+        kube.put(webhook_configuration())
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}))
+        port = _free_port()
+        config = tmp_path / "config.yaml"
+        config.write_text(yaml.safe_dump({
+            "release_namespace": NS, "service_name": SERVICE, "tls_secret_name": SECRET,
+            "webhook_config_name": MWC, "cert_dir": str(tmp_path / "certs"), "port": port,
+            "host": "127.0.0.1", "log_format": "json"}))
+        env = {k: v for k, v in os.environ.items() if k != "POD_NAMESPACE"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "webhook", "serve", "--config", str(config), "--kube",
+            "--tls-mode", "secret", "--kubeconfig", str(kubeconfig), env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            answer = b""
+            for _ in range(150):
+                try:
+                    answer = await _https_get(port, "/healthz", tmp_path / "certs" / "ca.crt",
+                                              f"{SERVICE}.{NS}.svc")
+                    break
+                except (OSError, ssl.SSLError):
+                    await asyncio.sleep(0.1)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert (tmp_path / "certs" / "ca.crt").read_bytes() == secret_data(kube)["ca.crt"]
+        finally:
+            proc.terminate()
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, out.decode()
