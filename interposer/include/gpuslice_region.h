@@ -22,7 +22,10 @@
  *    (the agent) may see a value that is being changed, never a torn 64-bit
  *    field.
  *  - `magic` is written last when a region is initialised; a reader that sees
- *    the magic sees an initialised region.
+ *    the magic sees an initialised region.  Initialisation happens under an
+ *    flock(2) of the file, so two processes starting at once agree.
+ *  - A region written during an earlier boot (boot_id differs) is reset on
+ *    open: its processes are gone, and its mutex may still look held.
  */
 #ifndef GPUSLICE_REGION_H
 #define GPUSLICE_REGION_H
@@ -77,7 +80,8 @@ struct gpuslice_region {
     uint32_t max_procs;            /* GPUSLICE_MAX_PROCS */
     uint32_t device_count;         /* slots in use: devices[0 .. device_count) */
     uint32_t flags;                /* reserved, 0 */
-    uint64_t reserved0[4];
+    uint8_t boot_id[16];           /* kernel boot id at initialisation: a region from an earlier boot is reset */
+    uint64_t reserved0[2];
     union {
         pthread_mutex_t mutex;     /* robust, process-shared */
         uint8_t bytes[GPUSLICE_LOCK_BYTES];

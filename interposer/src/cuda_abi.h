@@ -1,0 +1,127 @@
+/*
+ * cuda_abi.h - the few CUDA driver and NVML types the interposer uses.
+ *
+ * Declared here rather than taken from cuda.h / nvml.h so that the library
+ * builds with gcc alone, with or without a CUDA toolkit.  Only types whose
+ * layout we read are spelled out; the rest are opaque pointers.  When cuda.h
+ * is present, tests/abi_check.c compares these declarations with it
+ * (offsets, sizes, enum values).
+ */
+#ifndef GPUSLICE_CUDA_ABI_H
+#define GPUSLICE_CUDA_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- CUDA driver API ---------------------------------------------------- */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef uint64_t cuuint64_t;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef struct CUarray_st *CUarray;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct CUexecAffinityParam_st CUexecAffinityParam; /* only passed through */
+typedef struct CUctxCreateParams_st CUctxCreateParams;     /* only passed through */
+typedef struct CUlaunchAttribute_st CUlaunchAttribute;     /* only passed through */
+typedef int CUdriverProcAddressQueryResult;
+typedef int CUmemPool_attribute;
+typedef int CUarray_format;
+typedef int CUstreamCaptureStatus;
+
+typedef struct CUuuid_st {
+    char bytes[16];
+} CUuuid;
+
+typedef struct CUDA_ARRAY_DESCRIPTOR_st {
+    size_t Width;
+    size_t Height;
+    CUarray_format Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR;
+
+typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
+    size_t Width;
+    size_t Height;
+    size_t Depth;
+    CUarray_format Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
+
+typedef struct CUmemLocation_st {
+    int type;
+    int id;
+} CUmemLocation;
+
+/* Leading fields of CUmemAllocationProp (we only read these). */
+typedef struct CUmemAllocationProp_st {
+    int type;
+    int requestedHandleTypes;
+    CUmemLocation location;
+} CUmemAllocationProp;
+
+typedef struct CUlaunchConfig_st {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_INVALID_DEVICE 101
+#define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_NOT_FOUND 500
+#define CUDA_ERROR_NOT_READY 600
+#define CUDA_ERROR_NOT_SUPPORTED 801
+
+#define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM (1ULL << 1)
+#define CU_GET_PROC_ADDRESS_SUCCESS 0
+
+#define CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT 5
+#define CU_MEMPOOL_ATTR_USED_MEM_CURRENT 7
+
+#define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CU_STREAM_CAPTURE_STATUS_NONE 0
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
+#define CU_EVENT_DEFAULT 0u
+
+/* ---- NVML ----------------------------------------------------------------- */
+
+typedef int nvmlReturn_t;
+typedef struct nvmlDevice_st *nvmlDevice_t;
+
+typedef struct nvmlMemory_st {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+typedef struct nvmlMemory_v2_st {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+
+#define NVML_SUCCESS 0
+#define NVML_ERROR_UNINITIALIZED 1
+#define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_FUNCTION_NOT_FOUND 13
+#define NVML_DEVICE_UUID_V2_BUFFER_SIZE 96
+
+#endif /* GPUSLICE_CUDA_ABI_H */

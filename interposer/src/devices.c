@@ -1,0 +1,443 @@
+/*
+ * devices.c - device discovery, contexts and the memory views.
+ *
+ * Discovery (once per process, on cuInit or the first hook that needs it):
+ * the container's devices are NVML's list (NVML ignores CUDA_VISIBLE_DEVICES,
+ * so its order is the container's device index); each CUDA ordinal is mapped
+ * to its device by UUID, so caps follow the device whatever order or subset
+ * CUDA_VISIBLE_DEVICES gives.  Without NVML, the CUDA devices are used, with
+ * the index taken from an integer CUDA_VISIBLE_DEVICES entry if there is one.
+ *
+ * Contexts: creating a context costs device memory that no allocation call
+ * shows.  Its size is measured (NVML used memory before and after) and
+ * charged; the last measurement, kept in the region, is reserved up front, so
+ * a context that would not fit is refused with CUDA_ERROR_OUT_OF_MEMORY.
+ * Destroying a context returns its footprint and everything allocated in it.
+ *
+ * Views: cuMemGetInfo / cuDeviceTotalMem report total = the cap, used = the
+ * container's usage, free = cap - used clamped at 0 (and never more than the
+ * device really has free).
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpuslice.h"
+
+#define GS_MAX_CUDA_DEVS 64
+#define NO_READING UINT64_MAX
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static int g_ready;
+static int g_ndev;
+static int g_slot_of[GS_MAX_CUDA_DEVS];
+static nvmlDevice_t g_nvml_of[GS_MAX_CUDA_DEVS];
+static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+static CUcontext g_primary_ctx[GS_MAX_CUDA_DEVS];
+
+void gs_uuid_format(const CUuuid *u, char *out, size_t len)
+{
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    snprintf(out, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+             b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+/* Container index of CUDA ordinal i when NVML is not there: CUDA_VISIBLE_DEVICES=2,0 maps 0->2, 1->0. */
+static unsigned visible_index(int ordinal)
+{
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    for (int i = 0; v && *v; i++) {
+        char *end = NULL;
+        long idx = strtol(v, &end, 10);
+        if (i == ordinal) return (end != v && (*end == ',' || *end == '\0') && idx >= 0) ? (unsigned)idx
+                                                                                         : (unsigned)ordinal;
+        v = strchr(v, ',');
+        if (v) v++;
+    }
+    return (unsigned)ordinal;
+}
+
+static int cuda_uuid(CUdevice dev, char *out, size_t len)
+{
+    CUuuid u;
+    CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
+    if (gs_cuda.cuDeviceGetUuid_v2) rc = gs_cuda.cuDeviceGetUuid_v2(&u, dev);
+    if (rc != CUDA_SUCCESS && gs_cuda.cuDeviceGetUuid) rc = gs_cuda.cuDeviceGetUuid(&u, dev);
+    if (rc != CUDA_SUCCESS) return -1;
+    gs_uuid_format(&u, out, len);
+    return 0;
+}
+
+/* The container's devices as NVML lists them; limits are filled in by the caller. */
+static unsigned nvml_enumerate(struct gs_devcfg *devs, nvmlDevice_t *handles)
+{
+    unsigned count = 0, n = 0;
+    gs_nvml_init();
+    if (!gs_nvml.nvmlInit_v2 || !gs_nvml.nvmlDeviceGetCount_v2 || !gs_nvml.nvmlDeviceGetHandleByIndex_v2 ||
+        !gs_nvml.nvmlDeviceGetUUID || gs_nvml.nvmlInit_v2() != NVML_SUCCESS ||
+        gs_nvml.nvmlDeviceGetCount_v2(&count) != NVML_SUCCESS)
+        return 0;
+    if (count > GPUSLICE_MAX_DEVICES) count = GPUSLICE_MAX_DEVICES;
+    for (unsigned i = 0; i < count; i++) {
+        nvmlDevice_t h;
+        char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+        nvmlMemory_t mem;
+        if (gs_nvml.nvmlDeviceGetHandleByIndex_v2(i, &h) != NVML_SUCCESS ||
+            gs_nvml.nvmlDeviceGetUUID(h, uuid, sizeof(uuid)) != NVML_SUCCESS)
+            continue;
+        memset(&devs[n], 0, sizeof(devs[n]));
+        size_t len = strnlen(uuid, sizeof(devs[n].uuid) - 1);
+        memcpy(devs[n].uuid, uuid, len);
+        devs[n].uuid[len] = '\0';
+        devs[n].index = i;
+        if (gs_nvml.nvmlDeviceGetMemoryInfo && gs_nvml.nvmlDeviceGetMemoryInfo(h, &mem) == NVML_SUCCESS)
+            devs[n].total = mem.total;
+        handles[n] = h;
+        n++;
+    }
+    return n;
+}
+
+static void fill_limits(struct gs_devcfg *devs, unsigned n)
+{
+    for (unsigned k = 0; k < n; k++) {
+        devs[k].limit = gs_env_memory_limit(devs[k].index, devs[k].total);
+        devs[k].sm_limit = gs_env_sm_limit(devs[k].index);
+        GS_INFO("device %u %s: total %llu, cap %llu, sm limit %u", devs[k].index, devs[k].uuid,
+                (unsigned long long)devs[k].total, (unsigned long long)devs[k].limit, devs[k].sm_limit);
+    }
+}
+
+static void discover(void)
+{
+    static struct gs_devcfg cuda_devs[GS_MAX_CUDA_DEVS], devs[GPUSLICE_MAX_DEVICES];
+    static nvmlDevice_t nvml_handles[GPUSLICE_MAX_DEVICES];
+    int ncuda = 0;
+    unsigned n = 0;
+
+    gs_cuda_init();
+    if (gs_cuda.cuInit && gs_cuda.cuDeviceGetCount && gs_cuda.cuDeviceGet && gs_cuda.cuInit(0) == CUDA_SUCCESS &&
+        gs_cuda.cuDeviceGetCount(&ncuda) == CUDA_SUCCESS) {
+        if (ncuda > GS_MAX_CUDA_DEVS) ncuda = GS_MAX_CUDA_DEVS;
+        for (int i = 0; i < ncuda; i++) {
+            CUdevice dev;
+            size_t total = 0;
+            memset(&cuda_devs[i], 0, sizeof(cuda_devs[i]));
+            if (gs_cuda.cuDeviceGet(&dev, i) != CUDA_SUCCESS ||
+                cuda_uuid(dev, cuda_devs[i].uuid, sizeof(cuda_devs[i].uuid)) != 0)
+                continue;
+            if (gs_cuda.cuDeviceTotalMem_v2 && gs_cuda.cuDeviceTotalMem_v2(&total, dev) == CUDA_SUCCESS)
+                cuda_devs[i].total = total;
+            cuda_devs[i].index = visible_index(i);
+        }
+    } else {
+        ncuda = 0;
+    }
+
+    unsigned nnvml = nvml_enumerate(devs, nvml_handles);
+    n = nnvml;
+    /* CUDA devices NVML does not list (or no NVML at all). */
+    for (int i = 0; i < ncuda && n < GPUSLICE_MAX_DEVICES; i++) {
+        int known = !cuda_devs[i].uuid[0];
+        for (unsigned k = 0; k < n && !known; k++) known = strcmp(devs[k].uuid, cuda_devs[i].uuid) == 0;
+        if (known) continue;
+        devs[n] = cuda_devs[i];
+        if (nnvml) devs[n].index = nnvml + (unsigned)i;
+        nvml_handles[n] = NULL;
+        n++;
+    }
+    for (unsigned k = 0; k < n; k++) {
+        for (int i = 0; i < ncuda && !devs[k].total; i++)
+            if (strcmp(devs[k].uuid, cuda_devs[i].uuid) == 0) devs[k].total = cuda_devs[i].total;
+    }
+    fill_limits(devs, n);
+
+    gs_region_sync(devs, n, 1);
+
+    for (int i = 0; i < GS_MAX_CUDA_DEVS; i++) g_slot_of[i] = -1;
+    for (int i = 0; i < ncuda; i++) {
+        g_slot_of[i] = gs_region_slot_by_uuid(cuda_devs[i].uuid);
+        for (unsigned k = 0; k < n; k++)
+            if (strcmp(devs[k].uuid, cuda_devs[i].uuid) == 0) g_nvml_of[i] = nvml_handles[k];
+    }
+    g_ndev = ncuda;
+    gs_launch_configure();
+    __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
+}
+
+void gs_devices_ready(void)
+{
+    if (GS_LIKELY(__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE))) return;
+    pthread_once(&g_once, discover);
+}
+
+/* NVML-only processes (nvidia-smi): the region's devices, without registering. */
+static pthread_once_t g_view_once = PTHREAD_ONCE_INIT;
+
+static void view_setup(void)
+{
+    static struct gs_devcfg devs[GPUSLICE_MAX_DEVICES];
+    static nvmlDevice_t handles[GPUSLICE_MAX_DEVICES];
+    if (__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE)) return;
+    unsigned n = nvml_enumerate(devs, handles);
+    fill_limits(devs, n);
+    gs_region_sync(devs, n, 0);
+}
+
+void gs_devices_view_ready(void)
+{
+    if (__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE)) return;
+    pthread_once(&g_view_once, view_setup);
+}
+
+int gs_nvml_slot(nvmlDevice_t device)
+{
+    char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    if (!gs_nvml.nvmlDeviceGetUUID || gs_nvml.nvmlDeviceGetUUID(device, uuid, sizeof(uuid)) != NVML_SUCCESS)
+        return -1;
+    return gs_region_slot_by_uuid(uuid);
+}
+
+int gs_dev_slot(CUdevice dev)
+{
+    gs_devices_ready();
+    return dev >= 0 && dev < g_ndev ? g_slot_of[dev] : -1;
+}
+
+int gs_current_slot(CUcontext *ctx)
+{
+    CUcontext c = NULL;
+    CUdevice dev;
+    if (ctx) *ctx = NULL;
+    if (!gs_cuda.cuCtxGetCurrent || !gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetCurrent(&c) != CUDA_SUCCESS ||
+        !c || gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS)
+        return -1;
+    if (ctx) *ctx = c;
+    return gs_dev_slot(dev);
+}
+
+/* ---- contexts ------------------------------------------------------------- */
+
+static uint64_t nvml_used(CUdevice dev)
+{
+    nvmlMemory_t m;
+    if (dev < 0 || dev >= g_ndev || !g_nvml_of[dev] || !gs_nvml.nvmlDeviceGetMemoryInfo ||
+        gs_nvml.nvmlDeviceGetMemoryInfo(g_nvml_of[dev], &m) != NVML_SUCCESS)
+        return NO_READING;
+    return m.used;
+}
+
+struct ctx_charge {
+    int slot;
+    uint64_t reserved;
+    uint64_t before;
+};
+
+static CUresult charge_begin(CUdevice dev, struct ctx_charge *c)
+{
+    c->slot = gs_dev_slot(dev);
+    c->reserved = 0;
+    c->before = NO_READING;
+    if (c->slot < 0) return CUDA_SUCCESS;
+    uint64_t estimate = __atomic_load_n(&gs_region->devices[c->slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
+    if (gs_reserve(c->slot, estimate) != 0) {
+        GS_WARN("context refused: its footprint (%llu bytes) exceeds the remaining cap",
+                (unsigned long long)estimate);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    c->reserved = estimate;
+    c->before = nvml_used(dev);
+    return CUDA_SUCCESS;
+}
+
+/* Returns the bytes the new context stays charged with. */
+static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
+{
+    if (c->slot < 0) return 0;
+    if (rc != CUDA_SUCCESS) {
+        gs_budget_release(c->slot, c->reserved);
+        return 0;
+    }
+    uint64_t after = nvml_used(dev);
+    if (c->before == NO_READING || after == NO_READING || after <= c->before) return c->reserved;
+    uint64_t measured = after - c->before;
+    __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
+    if (measured > c->reserved)
+        gs_budget_force(c->slot, measured - c->reserved);
+    else
+        gs_budget_release(c->slot, c->reserved - measured);
+    GS_DEBUG("context on device %d: footprint %llu bytes", (int)dev, (unsigned long long)measured);
+    return measured;
+}
+
+static void record_ctx(CUcontext ctx, int slot, uint64_t bytes)
+{
+    struct gs_alloc rec = {.size = bytes, .slot = slot}, old;
+    if (gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old) == 1) gs_budget_release(old.slot, old.size);
+}
+
+static void release_ctx(CUcontext ctx)
+{
+    struct gs_alloc rec;
+    gs_forget_ctx(ctx);
+    if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) gs_budget_release(rec.slot, rec.size);
+}
+
+GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDevicePrimaryCtxRetain) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    gs_devices_ready();
+    unsigned flags = 0;
+    int active = 1;
+    if (dev < 0 || dev >= g_ndev || !gs_cuda.cuDevicePrimaryCtxGetState ||
+        gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
+        return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
+    pthread_mutex_lock(&g_ctx_mu);
+    struct ctx_charge c;
+    CUresult rc = charge_begin(dev, &c);
+    if (rc == CUDA_SUCCESS) {
+        rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
+        uint64_t bytes = charge_end(dev, &c, rc);
+        if (rc == CUDA_SUCCESS) {
+            g_primary_ctx[dev] = *pctx;
+            record_ctx(*pctx, c.slot, bytes);
+        }
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+static void primary_maybe_gone(CUdevice dev)
+{
+    unsigned flags = 0;
+    int active = 1;
+    if (dev < 0 || dev >= g_ndev || !g_primary_ctx[dev] || !gs_cuda.cuDevicePrimaryCtxGetState ||
+        gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
+        return;
+    release_ctx(g_primary_ctx[dev]);
+    gs_launch_forget_ctx(g_primary_ctx[dev]);
+    g_primary_ctx[dev] = NULL;
+}
+
+GS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDevicePrimaryCtxRelease_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&g_ctx_mu);
+    CUresult rc = gs_cuda.cuDevicePrimaryCtxRelease_v2(dev);
+    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDevicePrimaryCtxReset_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&g_ctx_mu);
+    CUresult rc = gs_cuda.cuDevicePrimaryCtxReset_v2(dev);
+    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+#define GS_CTX_CREATE(call)                                                 \
+    do {                                                                    \
+        if (!pctx) return CUDA_ERROR_INVALID_VALUE;                         \
+        gs_devices_ready();                                                 \
+        pthread_mutex_lock(&g_ctx_mu);                                      \
+        struct ctx_charge c;                                                \
+        CUresult rc = charge_begin(dev, &c);                                \
+        if (rc == CUDA_SUCCESS) {                                           \
+            rc = (call);                                                    \
+            uint64_t bytes = charge_end(dev, &c, rc);                       \
+            if (rc == CUDA_SUCCESS) record_ctx(*pctx, c.slot, bytes);       \
+        }                                                                   \
+        pthread_mutex_unlock(&g_ctx_mu);                                    \
+        return rc;                                                          \
+    } while (0)
+
+GS_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    GS_CTX_CREATE(gs_cuda.cuCtxCreate_v2(pctx, flags, dev));
+}
+
+GS_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                                  unsigned int flags, CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxCreate_v3) return CUDA_ERROR_NOT_SUPPORTED;
+    GS_CTX_CREATE(gs_cuda.cuCtxCreate_v3(pctx, paramsArray, numParams, flags, dev));
+}
+
+GS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
+                                  CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxCreate_v4) return CUDA_ERROR_NOT_SUPPORTED;
+    GS_CTX_CREATE(gs_cuda.cuCtxCreate_v4(pctx, ctxCreateParams, flags, dev));
+}
+
+GS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxDestroy_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuCtxDestroy_v2(ctx);
+    if (rc == CUDA_SUCCESS && ctx) {
+        release_ctx(ctx);
+        gs_launch_forget_ctx(ctx);
+    }
+    return rc;
+}
+
+GS_EXPORT CUresult cuInit(unsigned int flags)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuInit) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuInit(flags);
+    if (rc == CUDA_SUCCESS) gs_devices_ready();
+    return rc;
+}
+
+/* ---- views ---------------------------------------------------------------- */
+
+GS_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemGetInfo_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!free || !total) return CUDA_ERROR_INVALID_VALUE;
+    size_t real_free = 0, real_total = 0;
+    CUresult rc = gs_cuda.cuMemGetInfo_v2(&real_free, &real_total);
+    if (rc != CUDA_SUCCESS) return rc;
+    *free = real_free;
+    *total = real_total;
+    gs_devices_ready();
+    int slot = gs_current_slot(NULL);
+    uint64_t limit = gs_slot_limit(slot);
+    if (slot < 0 || !limit) return CUDA_SUCCESS;
+    gs_region_reclaim_soon();
+    if (limit > real_total) limit = real_total;
+    uint64_t used = gs_slot_used(slot);
+    uint64_t avail = used >= limit ? 0 : limit - used;
+    *total = (size_t)limit;
+    *free = (size_t)(avail < real_free ? avail : real_free);
+    return CUDA_SUCCESS;
+}
+
+GS_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDeviceTotalMem_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = gs_cuda.cuDeviceTotalMem_v2(bytes, dev);
+    if (rc != CUDA_SUCCESS) return rc;
+    uint64_t limit = gs_slot_limit(gs_dev_slot(dev));
+    if (limit && limit < *bytes) *bytes = (size_t)limit;
+    return CUDA_SUCCESS;
+}

@@ -1,0 +1,172 @@
+/*
+ * gpuslice.h - declarations shared by the interposer's source files.
+ *
+ * Families: log.c (logging), real.c (real functions, dlsym), procaddr.c
+ * (cuGetProcAddress), config.c (environment), devices.c (device discovery,
+ * contexts, the memory views), region.c (the shared region and the budget),
+ * allocmap.c (what this process holds), memory.c / pool.c (allocation hooks),
+ * launch.c (the compute throttle), nvml.c (NVML views).
+ */
+#ifndef GPUSLICE_INTERNAL_H
+#define GPUSLICE_INTERNAL_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#include "cuda_abi.h"
+#include "hooks.h"
+#include "gpuslice_region.h"
+
+#define GS_EXPORT __attribute__((visibility("default")))
+#define GS_LIKELY(x) __builtin_expect(!!(x), 1)
+#define GS_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define GS_VERSION "0.1.0"
+
+/* ---- log.c ---------------------------------------------------------------- */
+
+enum { GS_LOG_ERROR = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3 };
+extern int gs_log_level;
+void gs_log_init(void);
+void gs_log_write(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define GS_LOG(lvl, ...)                                        \
+    do {                                                        \
+        if ((lvl) <= gs_log_level) gs_log_write((lvl), __VA_ARGS__); \
+    } while (0)
+#define GS_ERROR(...) GS_LOG(GS_LOG_ERROR, __VA_ARGS__)
+#define GS_WARN(...) GS_LOG(GS_LOG_WARN, __VA_ARGS__)
+#define GS_INFO(...) GS_LOG(GS_LOG_INFO, __VA_ARGS__)
+#define GS_DEBUG(...) GS_LOG(GS_LOG_DEBUG, __VA_ARGS__)
+
+/* ---- real.c: typed real functions ---------------------------------------- */
+
+#define GS_TYPEDEF_CUDA(name, ret, params, base, ver, pt) typedef ret(*name##_fn) params;
+#define GS_TYPEDEF_REAL(name, ret, params) typedef ret(*name##_fn) params;
+GS_CUDA_HOOKS(GS_TYPEDEF_CUDA)
+GS_CUDA_REALS(GS_TYPEDEF_REAL)
+GS_NVML_HOOKS(GS_TYPEDEF_REAL)
+GS_NVML_REALS(GS_TYPEDEF_REAL)
+
+#define GS_MEMBER_CUDA(name, ret, params, base, ver, pt) name##_fn name;
+#define GS_MEMBER_REAL(name, ret, params) name##_fn name;
+struct gs_cuda_real {
+    GS_CUDA_HOOKS(GS_MEMBER_CUDA)
+    GS_CUDA_REALS(GS_MEMBER_REAL)
+};
+struct gs_nvml_real {
+    GS_NVML_HOOKS(GS_MEMBER_REAL)
+    GS_NVML_REALS(GS_MEMBER_REAL)
+};
+
+extern struct gs_cuda_real gs_cuda;
+extern struct gs_nvml_real gs_nvml;
+extern int gs_cuda_resolved; /* atomic: 1 once resolution ran */
+extern int gs_nvml_resolved;
+void gs_cuda_resolve(void);
+void gs_nvml_resolve(void);
+
+/* Resolve the real libcuda once; cheap after the first call. */
+static inline void gs_cuda_init(void)
+{
+    if (GS_UNLIKELY(!__atomic_load_n(&gs_cuda_resolved, __ATOMIC_ACQUIRE))) gs_cuda_resolve();
+}
+static inline void gs_nvml_init(void)
+{
+    if (GS_UNLIKELY(!__atomic_load_n(&gs_nvml_resolved, __ATOMIC_ACQUIRE))) gs_nvml_resolve();
+}
+
+/* The real dlsym (never ours). */
+void *gs_real_dlsym(void *handle, const char *name);
+
+/* Hook table lookups (real.c). */
+struct gs_hook {
+    const char *name;
+    const char *base;
+    int min_version;
+    int per_thread;
+    void *hook;
+    void **real;
+};
+extern const struct gs_hook gs_cuda_hooks[];
+extern const size_t gs_cuda_hook_count;
+void *gs_hook_by_name(const char *name);
+void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cuuint64_t flags);
+
+/* ---- config.c ------------------------------------------------------------- */
+
+int gs_parse_size(const char *text, uint64_t *out);
+uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total);
+unsigned gs_env_sm_limit(unsigned container_index);
+const char *gs_env_region_path(char *buf, size_t len);
+void gs_copy_env(char *dst, size_t len, const char *name);
+
+/* ---- devices.c ------------------------------------------------------------ */
+
+/* One device of the container, as configured by this process's environment. */
+struct gs_devcfg {
+    char uuid[GPUSLICE_UUID_LEN];
+    unsigned index;      /* container index (NVML order) */
+    uint64_t total;      /* real total bytes */
+    uint64_t limit;      /* 0 = none */
+    unsigned sm_limit;   /* 0 = none */
+};
+
+void gs_devices_ready(void);         /* discovery + region, once (CUDA processes) */
+void gs_devices_view_ready(void);    /* region devices for NVML-only processes (no registration) */
+int gs_dev_slot(CUdevice dev);       /* region slot of a CUDA ordinal, -1 if unknown */
+int gs_current_slot(CUcontext *ctx); /* slot of the current context's device, -1 if none */
+void gs_uuid_format(const CUuuid *uuid, char *out, size_t len);
+int gs_nvml_slot(nvmlDevice_t device); /* region slot of an NVML handle, -1 if unknown */
+
+/* ---- region.c ------------------------------------------------------------- */
+
+extern struct gpuslice_region *gs_region; /* NULL until opened */
+int gs_region_open(void);
+void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register);
+int gs_region_slot_by_uuid(const char *uuid);
+int gs_budget_reserve(int slot, uint64_t bytes);  /* 0 = reserved, -1 = over the cap */
+void gs_budget_release(int slot, uint64_t bytes);
+void gs_budget_force(int slot, uint64_t bytes);   /* charge without checking the cap */
+uint64_t gs_slot_used(int slot);
+uint64_t gs_slot_limit(int slot);                 /* 0 = none */
+void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim */
+void gs_region_after_fork_child(void);
+
+/* ---- allocmap.c ----------------------------------------------------------- */
+
+enum gs_kind { GS_KIND_DPTR = 1, GS_KIND_POOLPTR, GS_KIND_ARRAY, GS_KIND_MIPMAP, GS_KIND_VMM, GS_KIND_CTX };
+struct gs_alloc {
+    uint64_t size;   /* bytes charged (for GS_KIND_POOLPTR: bytes in use; the pool holds the charge) */
+    uint64_t aux;    /* pool handle for GS_KIND_POOLPTR */
+    uint64_t ctx;    /* the context that owns it: destroying the context frees it */
+    int slot;
+};
+/* 0 = recorded, 1 = replaced a stale record (returned in *replaced), -1 = out of memory */
+int gs_am_put(int kind, uint64_t key, const struct gs_alloc *rec, struct gs_alloc *replaced);
+int gs_am_take(int kind, uint64_t key, struct gs_alloc *out);      /* 0 found (and removed) */
+/* Remove every record owned by ctx; fn is called for each, without locks held. */
+void gs_am_drop_ctx(uint64_t ctx, void (*fn)(int kind, uint64_t key, const struct gs_alloc *rec));
+void gs_am_lock(void);
+void gs_am_unlock(void);
+void gs_am_after_fork_child(void);
+
+/* ---- memory.c / pool.c ---------------------------------------------------- */
+
+uint64_t gs_charge_size(uint64_t bytes);
+int gs_reserve(int slot, uint64_t bytes);  /* budget reserve; on refusal trims pool charges and retries */
+void gs_forget_ctx(CUcontext ctx);         /* a context was destroyed: release what it held */
+void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
+void gs_pools_reconcile_all(void);
+void gs_pools_after_fork_child(void);
+
+/* ---- launch.c ------------------------------------------------------------- */
+
+void gs_launch_configure(void);       /* after device discovery: is any SM limit set? */
+void gs_launch_forget_ctx(CUcontext ctx);
+void gs_launch_after_fork_child(void);
+
+/* ---- misc ----------------------------------------------------------------- */
+
+uint64_t gs_now_ns(void);             /* CLOCK_MONOTONIC */
+void gs_sleep_ns(uint64_t ns);
+
+#endif /* GPUSLICE_INTERNAL_H */

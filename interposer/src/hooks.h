@@ -1,0 +1,123 @@
+/*
+ * hooks.h - the one table of intercepted functions.
+ *
+ * GS_CUDA_HOOKS(X): X(name, ret, params, base, min_version, per_thread)
+ *   name         the libcuda export we replace (and the hook's own name)
+ *   base         the name cuGetProcAddress is asked for (cuMemAlloc for cuMemAlloc_v2)
+ *   min_version  the cudaVersion from which cuGetProcAddress(base) means this variant
+ *   per_thread   1 for the _ptsz variant (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+ * GS_NVML_HOOKS(N): N(name, ret, params)
+ * GS_CUDA_REALS(R) / GS_NVML_REALS(R): R(name, ret, params) - real functions we call
+ *   but do not replace.
+ *
+ * From these lists come the typed real-function pointers (real.c), the dlsym and
+ * cuGetProcAddress lookup tables (real.c, procaddr.c) and the linker's export
+ * list (exports.map.in).  Adding a hook is one line here plus its body.
+ * This file must stay free of declarations: exports.map.in preprocesses it.
+ */
+#ifndef GPUSLICE_HOOKS_H
+#define GPUSLICE_HOOKS_H
+
+#define GS_LAUNCH_PARAMS                                                                  \
+    (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,   \
+     unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,              \
+     unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
+#define GS_COOP_PARAMS                                                                    \
+    (CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,   \
+     unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,              \
+     unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
+
+#define GS_CUDA_HOOKS(X)                                                                                   \
+    X(cuInit, CUresult, (unsigned int flags), cuInit, 2000, 0)                                             \
+    X(cuGetProcAddress, CUresult,                                                                          \
+      (const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags), cuGetProcAddress, 11030, 0)     \
+    X(cuGetProcAddress_v2, CUresult,                                                                       \
+      (const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,                                  \
+       CUdriverProcAddressQueryResult *symbolStatus), cuGetProcAddress, 12000, 0)                          \
+    X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *pctx, CUdevice dev), cuDevicePrimaryCtxRetain, 7000, 0) \
+    X(cuDevicePrimaryCtxRelease_v2, CUresult, (CUdevice dev), cuDevicePrimaryCtxRelease, 11000, 0)         \
+    X(cuDevicePrimaryCtxReset_v2, CUresult, (CUdevice dev), cuDevicePrimaryCtxReset, 11000, 0)             \
+    X(cuCtxCreate_v2, CUresult, (CUcontext *pctx, unsigned int flags, CUdevice dev), cuCtxCreate, 3020, 0) \
+    X(cuCtxCreate_v3, CUresult,                                                                            \
+      (CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams, unsigned int flags, CUdevice dev), \
+      cuCtxCreate, 11040, 0)                                                                               \
+    X(cuCtxCreate_v4, CUresult,                                                                            \
+      (CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags, CUdevice dev),             \
+      cuCtxCreate, 12050, 0)                                                                               \
+    X(cuCtxDestroy_v2, CUresult, (CUcontext ctx), cuCtxDestroy, 4000, 0)                                   \
+    X(cuMemGetInfo_v2, CUresult, (size_t *free, size_t *total), cuMemGetInfo, 3020, 0)                     \
+    X(cuDeviceTotalMem_v2, CUresult, (size_t *bytes, CUdevice dev), cuDeviceTotalMem, 3020, 0)             \
+    X(cuMemAlloc_v2, CUresult, (CUdeviceptr *dptr, size_t bytesize), cuMemAlloc, 3020, 0)                  \
+    X(cuMemAllocPitch_v2, CUresult,                                                                        \
+      (CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height, unsigned int ElementSizeBytes), \
+      cuMemAllocPitch, 3020, 0)                                                                            \
+    X(cuMemAllocManaged, CUresult, (CUdeviceptr *dptr, size_t bytesize, unsigned int flags),               \
+      cuMemAllocManaged, 6000, 0)                                                                          \
+    X(cuMemFree_v2, CUresult, (CUdeviceptr dptr), cuMemFree, 3020, 0)                                      \
+    X(cuMemAllocAsync, CUresult, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream),                   \
+      cuMemAllocAsync, 11020, 0)                                                                           \
+    X(cuMemAllocAsync_ptsz, CUresult, (CUdeviceptr *dptr, size_t bytesize, CUstream hStream),              \
+      cuMemAllocAsync, 11020, 1)                                                                           \
+    X(cuMemAllocFromPoolAsync, CUresult,                                                                   \
+      (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream), cuMemAllocFromPoolAsync, 11020, 0) \
+    X(cuMemAllocFromPoolAsync_ptsz, CUresult,                                                              \
+      (CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream), cuMemAllocFromPoolAsync, 11020, 1) \
+    X(cuMemFreeAsync, CUresult, (CUdeviceptr dptr, CUstream hStream), cuMemFreeAsync, 11020, 0)            \
+    X(cuMemFreeAsync_ptsz, CUresult, (CUdeviceptr dptr, CUstream hStream), cuMemFreeAsync, 11020, 1)       \
+    X(cuMemPoolTrimTo, CUresult, (CUmemoryPool pool, size_t minBytesToKeep), cuMemPoolTrimTo, 11020, 0)    \
+    X(cuMemPoolDestroy, CUresult, (CUmemoryPool pool), cuMemPoolDestroy, 11020, 0)                         \
+    X(cuMemCreate, CUresult,                                                                               \
+      (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,                 \
+       unsigned long long flags), cuMemCreate, 10020, 0)                                                   \
+    X(cuMemRelease, CUresult, (CUmemGenericAllocationHandle handle), cuMemRelease, 10020, 0)               \
+    X(cuArrayCreate_v2, CUresult, (CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray),         \
+      cuArrayCreate, 3020, 0)                                                                              \
+    X(cuArray3DCreate_v2, CUresult, (CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray),     \
+      cuArray3DCreate, 3020, 0)                                                                            \
+    X(cuArrayDestroy, CUresult, (CUarray hArray), cuArrayDestroy, 2000, 0)                                 \
+    X(cuMipmappedArrayCreate, CUresult,                                                                    \
+      (CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,                      \
+       unsigned int numMipmapLevels), cuMipmappedArrayCreate, 5000, 0)                                     \
+    X(cuMipmappedArrayDestroy, CUresult, (CUmipmappedArray hMipmappedArray), cuMipmappedArrayDestroy, 5000, 0) \
+    X(cuLaunchKernel, CUresult, GS_LAUNCH_PARAMS, cuLaunchKernel, 4000, 0)                                 \
+    X(cuLaunchKernel_ptsz, CUresult, GS_LAUNCH_PARAMS, cuLaunchKernel, 7000, 1)                            \
+    X(cuLaunchKernelEx, CUresult,                                                                          \
+      (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra), cuLaunchKernelEx, 11060, 0) \
+    X(cuLaunchKernelEx_ptsz, CUresult,                                                                     \
+      (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra), cuLaunchKernelEx, 11060, 1) \
+    X(cuLaunchCooperativeKernel, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 0)             \
+    X(cuLaunchCooperativeKernel_ptsz, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 1)        \
+    X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
+    X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1)
+
+#define GS_CUDA_REALS(R)                                                                      \
+    R(cuDriverGetVersion, CUresult, (int *version))                                           \
+    R(cuDeviceGetCount, CUresult, (int *count))                                               \
+    R(cuDeviceGet, CUresult, (CUdevice *device, int ordinal))                                 \
+    R(cuDeviceGetUuid, CUresult, (CUuuid *uuid, CUdevice dev))                                \
+    R(cuDeviceGetUuid_v2, CUresult, (CUuuid *uuid, CUdevice dev))                             \
+    R(cuCtxGetDevice, CUresult, (CUdevice *device))                                           \
+    R(cuCtxGetCurrent, CUresult, (CUcontext *pctx))                                           \
+    R(cuDevicePrimaryCtxGetState, CUresult, (CUdevice dev, unsigned int *flags, int *active)) \
+    R(cuDeviceGetMemPool, CUresult, (CUmemoryPool *pool, CUdevice dev))                       \
+    R(cuMemPoolGetAttribute, CUresult, (CUmemoryPool pool, CUmemPool_attribute attr, void *value)) \
+    R(cuEventCreate, CUresult, (CUevent *phEvent, unsigned int flags))                        \
+    R(cuEventRecord, CUresult, (CUevent hEvent, CUstream hStream))                            \
+    R(cuEventQuery, CUresult, (CUevent hEvent))                                               \
+    R(cuEventElapsedTime, CUresult, (float *ms, CUevent hStart, CUevent hEnd))                \
+    R(cuEventElapsedTime_v2, CUresult, (float *ms, CUevent hStart, CUevent hEnd))             \
+    R(cuEventDestroy_v2, CUresult, (CUevent hEvent))                                          \
+    R(cuStreamIsCapturing, CUresult, (CUstream hStream, CUstreamCaptureStatus *status))
+
+#define GS_NVML_HOOKS(N)                                                                      \
+    N(nvmlDeviceGetMemoryInfo, nvmlReturn_t, (nvmlDevice_t device, nvmlMemory_t *memory))     \
+    N(nvmlDeviceGetMemoryInfo_v2, nvmlReturn_t, (nvmlDevice_t device, nvmlMemory_v2_t *memory))
+
+#define GS_NVML_REALS(R)                                                                      \
+    R(nvmlInit_v2, nvmlReturn_t, (void))                                                      \
+    R(nvmlDeviceGetCount_v2, nvmlReturn_t, (unsigned int *count))                             \
+    R(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int index, nvmlDevice_t *device)) \
+    R(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t device, char *uuid, unsigned int length)) \
+    R(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t device, unsigned int *index))
+
+#endif /* GPUSLICE_HOOKS_H */

@@ -1,0 +1,394 @@
+/*
+ * launch.c - the compute limit: CUDA_DEVICE_SM_LIMIT=C gives the container C%
+ * of the GPU's time, enforced in the launch path.
+ *
+ * Measure, then pace.  Each throttled launch records a CUDA event after the
+ * kernel on its stream (and one before it when the stream was idle), so the
+ * time between consecutive completed events is the GPU time the stream's
+ * kernels took.  Completed intervals are debited from a budget shared by all
+ * processes of the container through the region: a virtual clock vt per
+ * device, advanced by busy_ns * 100 / C.  A launch waits until vt <= now, and
+ * vt never lags now by more than GS_BURST_NS (idle time buys at most that much
+ * credit).  Over any long window GPU time / wall time therefore tends to C%,
+ * for a few huge kernels (each one is debited in full when it ends, and the
+ * next waits it off) as for floods of tiny ones (debited in batches).
+ *
+ * Work launched but not yet measured is bounded: at most GS_RING events per
+ * stream, and about GS_QUEUE_NS of estimated GPU time (one kernel while the
+ * per-launch estimate is unknown), so the GPU cannot run far ahead of the
+ * budget.
+ *
+ * Without a limit the launch path is two atomic loads and the real call.
+ * Streams being captured into a graph are not touched (event queries would
+ * invalidate the capture); the graph is paced when it is launched.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+
+#include "gpuslice.h"
+
+#define GS_BURST_NS 100000000ull  /* idle credit: at most 100 ms of wall time */
+#define GS_QUEUE_NS 20000000ull   /* unmeasured work in flight per stream */
+#define GS_RING 64
+#define GS_STREAMS 256
+#define GS_POLL_NS 100000ull
+
+enum { THROTTLE_UNKNOWN = 0, THROTTLE_OFF = 1, THROTTLE_ON = 2 };
+static int g_state;
+
+struct tstream {
+    uint64_t key;       /* stream handle (per-thread default stream: mixed with the thread id) */
+    CUcontext ctx;
+    int slot;
+    int head, count;    /* ring[head .. head+count) recorded, not yet measured */
+    CUevent ring[GS_RING];
+    unsigned launches[GS_RING]; /* launches covered by each event */
+    CUevent mark;       /* the last measured event: start of the next interval */
+    CUevent spare[GS_RING + 2];
+    int nspare;
+    unsigned pending_launches;
+    uint64_t per_launch_ns; /* running estimate of one launch's GPU time; 0 = unknown */
+    uint64_t last_use;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct tstream g_streams[GS_STREAMS];
+static uint64_t g_tick;
+
+void gs_launch_configure(void)
+{
+    int on = 0;
+    struct gpuslice_region *r = gs_region;
+    for (unsigned d = 0; r && d < __atomic_load_n(&r->device_count, __ATOMIC_RELAXED); d++) {
+        unsigned sm = __atomic_load_n(&r->devices[d].sm_limit, __ATOMIC_RELAXED);
+        if (sm > 0 && sm < 100) on = 1;
+    }
+    __atomic_store_n(&g_state, on ? THROTTLE_ON : THROTTLE_OFF, __ATOMIC_RELEASE);
+    if (on) GS_INFO("compute limit active");
+}
+
+/* ---- the shared budget ---------------------------------------------------- */
+
+static void debit(int slot, uint64_t busy_ns)
+{
+    struct gpuslice_device *d = &gs_region->devices[slot];
+    unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&d->busy_ns, busy_ns, __ATOMIC_RELAXED);
+    if (!sm || sm >= 100) return;
+    uint64_t cost = busy_ns * 100 / sm, now = gs_now_ns();
+    uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
+    uint64_t old = __atomic_load_n(&d->throttle_vt_ns, __ATOMIC_RELAXED), next;
+    do {
+        next = (old > floor ? old : floor) + cost;
+    } while (!__atomic_compare_exchange_n(&d->throttle_vt_ns, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+}
+
+static void wait_for_budget(int slot)
+{
+    uint64_t *vt = &gs_region->devices[slot].throttle_vt_ns;
+    for (;;) {
+        uint64_t v = __atomic_load_n(vt, __ATOMIC_RELAXED), now = gs_now_ns();
+        if (v <= now) return;
+        uint64_t wait = v - now;
+        gs_sleep_ns(wait > 50000000ull ? 50000000ull : wait);
+    }
+}
+
+/* ---- per-stream measurement ----------------------------------------------- */
+
+static CUevent take_event(struct tstream *s)
+{
+    CUevent e = NULL;
+    if (s->nspare) return s->spare[--s->nspare];
+    if (gs_cuda.cuEventCreate(&e, CU_EVENT_DEFAULT) != CUDA_SUCCESS) return NULL;
+    return e;
+}
+
+static void give_event(struct tstream *s, CUevent e)
+{
+    if (!e) return;
+    if (s->nspare < (int)(sizeof(s->spare) / sizeof(s->spare[0])))
+        s->spare[s->nspare++] = e;
+    else if (gs_cuda.cuEventDestroy_v2)
+        gs_cuda.cuEventDestroy_v2(e);
+}
+
+static void reset_stream(struct tstream *s)
+{
+    /* events of a dead context are gone with it: just forget them */
+    memset(s, 0, sizeof(*s));
+}
+
+static cuEventElapsedTime_fn elapsed_fn(void)
+{
+    return gs_cuda.cuEventElapsedTime ? gs_cuda.cuEventElapsedTime : gs_cuda.cuEventElapsedTime_v2;
+}
+
+/* Debit every completed interval of s. */
+static void measure_locked(struct tstream *s)
+{
+    cuEventElapsedTime_fn elapsed = elapsed_fn();
+    while (s->count) {
+        CUevent e = s->ring[s->head];
+        CUresult q = gs_cuda.cuEventQuery(e);
+        if (q == CUDA_ERROR_NOT_READY) return;
+        if (q != CUDA_SUCCESS) {
+            reset_stream(s);
+            return;
+        }
+        float ms = 0;
+        if (s->mark && elapsed && elapsed(&ms, s->mark, e) == CUDA_SUCCESS && ms > 0) {
+            uint64_t ns = (uint64_t)((double)ms * 1e6);
+            unsigned n = s->launches[s->head] ? s->launches[s->head] : 1;
+            uint64_t each = ns / n;
+            s->per_launch_ns = s->per_launch_ns ? (s->per_launch_ns * 3 + each) / 4 : each;
+            debit(s->slot, ns);
+        }
+        give_event(s, s->mark);
+        s->mark = e;
+        s->head = (s->head + 1) % GS_RING;
+        s->count--;
+    }
+}
+
+static struct tstream *stream_get_locked(uint64_t key, CUcontext ctx, int slot)
+{
+    struct tstream *empty = NULL, *idle = NULL;
+    for (int i = 0; i < GS_STREAMS; i++) {
+        struct tstream *s = &g_streams[i];
+        if (!s->last_use) {
+            if (!empty) empty = s;
+        } else if (s->key == key && s->ctx == ctx) {
+            s->last_use = ++g_tick;
+            return s;
+        } else if (!s->count && (!idle || s->last_use < idle->last_use)) {
+            idle = s;
+        }
+    }
+    struct tstream *s = empty ? empty : idle;
+    if (!s) return NULL; /* every entry has work in flight: launch unmeasured */
+    if (s == idle && gs_cuda.cuEventDestroy_v2) { /* recycle the least recently used idle entry */
+        for (int i = 0; i < s->nspare; i++) gs_cuda.cuEventDestroy_v2(s->spare[i]);
+        if (s->mark) gs_cuda.cuEventDestroy_v2(s->mark);
+    }
+    memset(s, 0, sizeof(*s));
+    s->key = key;
+    s->ctx = ctx;
+    s->slot = slot;
+    s->last_use = ++g_tick;
+    return s;
+}
+
+static int over_queue(const struct tstream *s)
+{
+    if (s->count >= GS_RING) return 1;
+    if (!s->count) return 0;
+    if (!s->per_launch_ns) return 1; /* unknown cost: one measured launch first */
+    return (uint64_t)s->pending_launches * s->per_launch_ns >= GS_QUEUE_NS;
+}
+
+typedef CUresult (*launch_thunk)(const void *args);
+
+static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
+{
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
+    CUstream es = (per_thread && !stream) ? CU_STREAM_PER_THREAD : stream;
+    CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (slot < 0 || !__atomic_load_n(&gs_region->devices[slot].sm_limit, __ATOMIC_RELAXED) ||
+        !gs_cuda.cuEventCreate || !gs_cuda.cuEventRecord || !gs_cuda.cuEventQuery || !elapsed_fn() ||
+        (gs_cuda.cuStreamIsCapturing && gs_cuda.cuStreamIsCapturing(es, &cap) == CUDA_SUCCESS &&
+         cap != CU_STREAM_CAPTURE_STATUS_NONE))
+        return launch(args);
+    uint64_t key = (uint64_t)(uintptr_t)es;
+    if (es == CU_STREAM_PER_THREAD) key ^= (uint64_t)syscall(SYS_gettid) << 8;
+
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < GS_STREAMS; i++)
+        if (g_streams[i].count) measure_locked(&g_streams[i]);
+    pthread_mutex_unlock(&g_mu);
+    wait_for_budget(slot);
+
+    pthread_mutex_lock(&g_mu);
+    struct tstream *s = stream_get_locked(key, ctx, slot);
+    while (s && over_queue(s)) {
+        CUevent oldest = s->ring[s->head];
+        pthread_mutex_unlock(&g_mu);
+        while (gs_cuda.cuEventQuery(oldest) == CUDA_ERROR_NOT_READY) gs_sleep_ns(GS_POLL_NS);
+        wait_for_budget(slot);
+        pthread_mutex_lock(&g_mu);
+        s = stream_get_locked(key, ctx, slot);
+        if (s) measure_locked(s);
+    }
+    if (s && !s->count) {
+        /* the stream is idle: start a new interval here, so idle time is not counted */
+        CUevent start = take_event(s);
+        if (start && gs_cuda.cuEventRecord(start, es) == CUDA_SUCCESS) {
+            give_event(s, s->mark);
+            s->mark = start;
+        } else {
+            give_event(s, start);
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+
+    CUresult rc = launch(args);
+    if (rc != CUDA_SUCCESS) return rc;
+
+    pthread_mutex_lock(&g_mu);
+    s = stream_get_locked(key, ctx, slot);
+    if (s) {
+        CUevent end = take_event(s);
+        if (end && gs_cuda.cuEventRecord(end, es) == CUDA_SUCCESS) {
+            int tail = (s->head + s->count) % GS_RING;
+            s->ring[tail] = end;
+            s->launches[tail] = 1;
+            s->count++;
+            s->pending_launches = (unsigned)s->count;
+        } else {
+            give_event(s, end);
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+static inline int throttle_on(void)
+{
+    int st = __atomic_load_n(&g_state, __ATOMIC_ACQUIRE);
+    if (GS_LIKELY(st == THROTTLE_OFF)) return 0;
+    if (st == THROTTLE_UNKNOWN) {
+        gs_devices_ready();
+        st = __atomic_load_n(&g_state, __ATOMIC_ACQUIRE);
+    }
+    return st == THROTTLE_ON && gs_region;
+}
+
+void gs_launch_forget_ctx(CUcontext ctx)
+{
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < GS_STREAMS; i++)
+        if (g_streams[i].last_use && g_streams[i].ctx == ctx) reset_stream(&g_streams[i]);
+    pthread_mutex_unlock(&g_mu);
+}
+
+void gs_launch_after_fork_child(void)
+{
+    pthread_mutex_init(&g_mu, NULL);
+    memset(g_streams, 0, sizeof(g_streams));
+}
+
+/* ---- the hooks ------------------------------------------------------------ */
+
+struct kernel_args {
+    const void *real;
+    CUfunction f;
+    unsigned gx, gy, gz, bx, by, bz, shmem;
+    CUstream stream;
+    void **params, **extra;
+};
+
+static CUresult call_kernel(const void *p)
+{
+    const struct kernel_args *a = p;
+    return ((cuLaunchKernel_fn)a->real)(a->f, a->gx, a->gy, a->gz, a->bx, a->by, a->bz, a->shmem, a->stream,
+                                        a->params, a->extra);
+}
+
+static CUresult call_coop(const void *p)
+{
+    const struct kernel_args *a = p;
+    return ((cuLaunchCooperativeKernel_fn)a->real)(a->f, a->gx, a->gy, a->gz, a->bx, a->by, a->bz, a->shmem,
+                                                   a->stream, a->params);
+}
+
+struct ex_args {
+    const void *real;
+    const CUlaunchConfig *config;
+    CUfunction f;
+    void **params, **extra;
+};
+
+static CUresult call_ex(const void *p)
+{
+    const struct ex_args *a = p;
+    return ((cuLaunchKernelEx_fn)a->real)(a->config, a->f, a->params, a->extra);
+}
+
+struct graph_args {
+    const void *real;
+    CUgraphExec exec;
+    CUstream stream;
+};
+
+static CUresult call_graph(const void *p)
+{
+    const struct graph_args *a = p;
+    return ((cuGraphLaunch_fn)a->real)(a->exec, a->stream);
+}
+
+#define GS_KERNEL_HOOK(name, pt, thunk)                                                                       \
+    GS_EXPORT CUresult name(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, \
+                            unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,           \
+                            unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra) \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (GS_UNLIKELY(!gs_cuda.name)) return CUDA_ERROR_NOT_SUPPORTED;                                      \
+        if (GS_LIKELY(!throttle_on()))                                                                        \
+            return gs_cuda.name(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,             \
+                                sharedMemBytes, hStream, kernelParams, extra);                                \
+        struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
+                                blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra};          \
+        return throttled(hStream, pt, thunk, &a);                                                             \
+    }
+
+GS_KERNEL_HOOK(cuLaunchKernel, 0, call_kernel)
+GS_KERNEL_HOOK(cuLaunchKernel_ptsz, 1, call_kernel)
+
+#define GS_COOP_HOOK(name, pt)                                                                                \
+    GS_EXPORT CUresult name(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, \
+                            unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,           \
+                            unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)               \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (GS_UNLIKELY(!gs_cuda.name)) return CUDA_ERROR_NOT_SUPPORTED;                                      \
+        if (GS_LIKELY(!throttle_on()))                                                                        \
+            return gs_cuda.name(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,             \
+                                sharedMemBytes, hStream, kernelParams);                                       \
+        struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
+                                blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, NULL};           \
+        return throttled(hStream, pt, call_coop, &a);                                                         \
+    }
+
+GS_COOP_HOOK(cuLaunchCooperativeKernel, 0)
+GS_COOP_HOOK(cuLaunchCooperativeKernel_ptsz, 1)
+
+#define GS_EX_HOOK(name, pt)                                                                                  \
+    GS_EXPORT CUresult name(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)    \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (GS_UNLIKELY(!gs_cuda.name)) return CUDA_ERROR_NOT_SUPPORTED;                                      \
+        if (GS_LIKELY(!throttle_on()) || !config) return gs_cuda.name(config, f, kernelParams, extra);        \
+        struct ex_args a = {(const void *)gs_cuda.name, config, f, kernelParams, extra};                      \
+        return throttled(config->hStream, pt, call_ex, &a);                                                   \
+    }
+
+GS_EX_HOOK(cuLaunchKernelEx, 0)
+GS_EX_HOOK(cuLaunchKernelEx_ptsz, 1)
+
+#define GS_GRAPH_HOOK(name, pt)                                                                               \
+    GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (GS_UNLIKELY(!gs_cuda.name)) return CUDA_ERROR_NOT_SUPPORTED;                                      \
+        if (GS_LIKELY(!throttle_on())) return gs_cuda.name(hGraphExec, hStream);                              \
+        struct graph_args a = {(const void *)gs_cuda.name, hGraphExec, hStream};                              \
+        return throttled(hStream, pt, call_graph, &a);                                                        \
+    }
+
+GS_GRAPH_HOOK(cuGraphLaunch, 0)
+GS_GRAPH_HOOK(cuGraphLaunch_ptsz, 1)

@@ -1,0 +1,97 @@
+/*
+ * log.c - logging (one write(2) per line, "gpuslice:" prefix, stderr), the
+ * library constructor, fork handling, the version export and time helpers.
+ *
+ * LIBCUDA_LOG_LEVEL: 0 errors, 1 warnings (default), 2 info, 3+ debug.
+ * The constructor only reads the log level: no dlopen, no files, so programs
+ * that never touch CUDA (shells, ls, python) do not notice the library.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpuslice.h"
+
+int gs_log_level = GS_LOG_WARN;
+
+static const char *const level_names[] = {"error", "warning", "info", "debug"};
+
+void gs_log_init(void)
+{
+    const char *v = getenv("LIBCUDA_LOG_LEVEL");
+    if (v && *v) {
+        char *end = NULL;
+        long lvl = strtol(v, &end, 10);
+        if (end && *end == '\0' && lvl >= 0) gs_log_level = lvl > GS_LOG_DEBUG ? GS_LOG_DEBUG : (int)lvl;
+    }
+}
+
+void gs_log_write(int level, const char *fmt, ...)
+{
+    char buf[512];
+    int saved = errno;
+    int n = snprintf(buf, sizeof(buf), "gpuslice: [%d] %s: ", (int)getpid(),
+                     level_names[level < 0 ? 0 : level > GS_LOG_DEBUG ? GS_LOG_DEBUG : level]);
+    if (n < 0) n = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    int m = vsnprintf(buf + n, sizeof(buf) - (size_t)n - 1, fmt, ap);
+    va_end(ap);
+    size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
+    if (len > sizeof(buf) - 2) len = sizeof(buf) - 2;
+    buf[len++] = '\n';
+    ssize_t w = write(STDERR_FILENO, buf, len);
+    (void)w;
+    errno = saved;
+}
+
+GS_EXPORT const char *gpuslice_version(void)
+{
+    return GS_VERSION;
+}
+
+uint64_t gs_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void gs_sleep_ns(uint64_t ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull), .tv_nsec = (long)(ns % 1000000000ull)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static void fork_prepare(void)
+{
+    gs_am_lock();
+}
+
+static void fork_parent(void)
+{
+    gs_am_unlock();
+}
+
+static void fork_child(void)
+{
+    /* The child holds none of the parent's device memory (a CUDA context does
+     * not survive fork) and must register as a process of its own. */
+    gs_am_after_fork_child();
+    gs_pools_after_fork_child();
+    gs_launch_after_fork_child();
+    gs_region_after_fork_child();
+}
+
+__attribute__((constructor)) static void gs_constructor(void)
+{
+    gs_log_init();
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}

@@ -1,0 +1,322 @@
+/*
+ * memory.c - device memory allocation hooks: plain, pitch, managed, VMM,
+ * arrays and mipmapped arrays.  (Stream-ordered and pool allocations: pool.c.)
+ *
+ * Every hook follows reserve -> call -> commit/rollback: the bytes are
+ * reserved on the shared budget first (atomic across the container's
+ * processes), then the driver is called; on failure the reservation is
+ * returned, on success the allocation is recorded so its free returns
+ * exactly what it charged.  Out-parameters are read only after success.
+ * Over the cap the caller gets CUDA_ERROR_OUT_OF_MEMORY and nothing changes.
+ */
+#define _GNU_SOURCE
+#include <string.h>
+
+#include "gpuslice.h"
+
+#define MIB (1ull << 20)
+
+/* What an allocation of `bytes` costs: the driver hands out large
+ * allocations in 2 MiB pages and small ones from shared pages. */
+uint64_t gs_charge_size(uint64_t bytes)
+{
+    if (bytes > UINT64_MAX - 2 * MIB) return UINT64_MAX;
+    if (bytes <= MIB) return (bytes + 511) & ~511ull;
+    return (bytes + 2 * MIB - 1) & ~(2 * MIB - 1);
+}
+
+int gs_reserve(int slot, uint64_t bytes)
+{
+    if (gs_budget_reserve(slot, bytes) == 0) return 0;
+    gs_pools_reconcile_all(); /* pools may hold charges for memory they have released */
+    return gs_budget_reserve(slot, bytes);
+}
+
+/* Record a successful allocation; -1 if it cannot be tracked (the caller undoes it). */
+static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx)
+{
+    struct gs_alloc rec = {.size = charge, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
+    int rc = gs_am_put(kind, key, &rec, &old);
+    if (rc == 1) gs_budget_release(old.slot, old.size);
+    return rc < 0 ? -1 : 0;
+}
+
+static void drop_one(int kind, uint64_t key, const struct gs_alloc *rec)
+{
+    (void)key;
+    if (kind == GS_KIND_POOLPTR)
+        gs_pool_drop_ptr(rec->aux, rec->size);
+    else
+        gs_budget_release(rec->slot, rec->size);
+}
+
+void gs_forget_ctx(CUcontext ctx)
+{
+    gs_am_drop_ctx((uint64_t)(uintptr_t)ctx, drop_one);
+}
+
+static CUresult over_cap(int slot, uint64_t bytes)
+{
+    GS_INFO("allocation of %llu bytes refused: device slot %d has %llu of %llu bytes in use",
+            (unsigned long long)bytes, slot, (unsigned long long)gs_slot_used(slot),
+            (unsigned long long)gs_slot_limit(slot));
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* ---- linear allocations --------------------------------------------------- */
+
+GS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemAlloc_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    gs_devices_ready();
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
+    if (slot < 0 || !bytesize) return gs_cuda.cuMemAlloc_v2(dptr, bytesize);
+    uint64_t charge = gs_charge_size(bytesize);
+    if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
+    CUresult rc = gs_cuda.cuMemAlloc_v2(dptr, bytesize);
+    if (rc != CUDA_SUCCESS) {
+        gs_budget_release(slot, charge);
+        return rc;
+    }
+    if (record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) {
+        if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(*dptr);
+        gs_budget_release(slot, charge);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
+}
+
+GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemAllocManaged) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    gs_devices_ready();
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
+    if (slot < 0 || !bytesize) return gs_cuda.cuMemAllocManaged(dptr, bytesize, flags);
+    /* Managed memory may live on the device: charge it there, as HAMi does. */
+    uint64_t charge = gs_charge_size(bytesize);
+    if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
+    CUresult rc = gs_cuda.cuMemAllocManaged(dptr, bytesize, flags);
+    if (rc != CUDA_SUCCESS) {
+        gs_budget_release(slot, charge);
+        return rc;
+    }
+    if (record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) {
+        if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(*dptr);
+        gs_budget_release(slot, charge);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
+}
+
+GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                                      unsigned int ElementSizeBytes)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemAllocPitch_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!dptr || !pPitch) return CUDA_ERROR_INVALID_VALUE;
+    gs_devices_ready();
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
+    uint64_t row = ((uint64_t)WidthInBytes + 511) & ~511ull;
+    if (slot < 0 || !WidthInBytes || !Height || WidthInBytes > UINT64_MAX / 2 || row > UINT64_MAX / Height)
+        return gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    uint64_t charge = gs_charge_size(row * Height); /* the pitch is not known before the call */
+    if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
+    CUresult rc = gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    if (rc != CUDA_SUCCESS) {
+        gs_budget_release(slot, charge);
+        return rc;
+    }
+    uint64_t actual = *pPitch <= UINT64_MAX / Height ? gs_charge_size((uint64_t)*pPitch * Height) : UINT64_MAX;
+    int ok = 1;
+    if (actual > charge) {
+        ok = gs_reserve(slot, actual - charge) == 0;
+        if (ok) charge = actual;
+    } else if (actual < charge) {
+        gs_budget_release(slot, charge - actual);
+        charge = actual;
+    }
+    if (!ok || record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) {
+        if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(*dptr);
+        gs_budget_release(slot, charge);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
+}
+
+GS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemFree_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    struct gs_alloc rec;
+    int kind = GS_KIND_DPTR;
+    if (gs_am_take(kind, dptr, &rec) != 0) {
+        kind = GS_KIND_POOLPTR; /* cuMemFree also frees stream-ordered allocations */
+        if (gs_am_take(kind, dptr, &rec) != 0) return gs_cuda.cuMemFree_v2(dptr);
+    }
+    CUresult rc = gs_cuda.cuMemFree_v2(dptr);
+    if (rc == CUDA_SUCCESS) {
+        drop_one(kind, dptr, &rec);
+    } else {
+        struct gs_alloc old;
+        gs_am_put(kind, dptr, &rec, &old);
+    }
+    return rc;
+}
+
+/* ---- virtual memory management -------------------------------------------- */
+
+GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                               unsigned long long flags)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemCreate) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!handle || !prop) return CUDA_ERROR_INVALID_VALUE;
+    gs_devices_ready();
+    int slot = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(prop->location.id) : -1;
+    if (slot < 0 || !size) return gs_cuda.cuMemCreate(handle, size, prop, flags);
+    uint64_t charge = gs_charge_size(size);
+    if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
+    CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
+    if (rc != CUDA_SUCCESS) {
+        gs_budget_release(slot, charge);
+        return rc;
+    }
+    /* Physical memory belongs to the process, not to a context. */
+    if (record(GS_KIND_VMM, *handle, slot, charge, NULL) != 0) {
+        if (gs_cuda.cuMemRelease) gs_cuda.cuMemRelease(*handle);
+        gs_budget_release(slot, charge);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
+}
+
+GS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemRelease) return CUDA_ERROR_NOT_SUPPORTED;
+    struct gs_alloc rec, old;
+    if (gs_am_take(GS_KIND_VMM, handle, &rec) != 0) return gs_cuda.cuMemRelease(handle);
+    CUresult rc = gs_cuda.cuMemRelease(handle);
+    if (rc == CUDA_SUCCESS)
+        gs_budget_release(rec.slot, rec.size);
+    else
+        gs_am_put(GS_KIND_VMM, handle, &rec, &old);
+    return rc;
+}
+
+/* ---- arrays --------------------------------------------------------------- */
+
+/* Bytes per element: the listed formats exactly, any other (block-compressed,
+ * YUV, ...) at 4 bytes per channel, which is never less than it needs. */
+static uint64_t element_bytes(CUarray_format format, unsigned channels)
+{
+    uint64_t per;
+    switch (format) {
+    case 0x01: case 0x08: per = 1; break;            /* (un)signed int8 */
+    case 0x02: case 0x09: case 0x10: per = 2; break; /* (un)signed int16, half */
+    case 0x03: case 0x0a: case 0x20: per = 4; break; /* (un)signed int32, float */
+    default: per = 4; break;
+    }
+    return per * (channels ? channels : 1);
+}
+
+static uint64_t mul_sat(uint64_t a, uint64_t b)
+{
+    return b && a > UINT64_MAX / b ? UINT64_MAX : a * b;
+}
+
+static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned ch)
+{
+    return mul_sat(mul_sat(mul_sat(w ? w : 1, h ? h : 1), d ? d : 1), element_bytes(f, ch));
+}
+
+#define GS_ARRAY_CREATE(kind, bytes, call, destroy)                                  \
+    do {                                                                              \
+        gs_devices_ready();                                                           \
+        CUcontext ctx;                                                                \
+        int slot = gs_current_slot(&ctx);                                             \
+        if (slot < 0) return (call);                                                  \
+        uint64_t charge = gs_charge_size(bytes);                                      \
+        if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);             \
+        CUresult rc = (call);                                                         \
+        if (rc != CUDA_SUCCESS) {                                                     \
+            gs_budget_release(slot, charge);                                          \
+            return rc;                                                                \
+        }                                                                             \
+        if (record(kind, (uint64_t)(uintptr_t)*pHandle, slot, charge, ctx) != 0) {    \
+            if (destroy) (destroy)(*pHandle);                                         \
+            gs_budget_release(slot, charge);                                          \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                          \
+        }                                                                             \
+        return CUDA_SUCCESS;                                                          \
+    } while (0)
+
+GS_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuArrayCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_ARRAY_DESCRIPTOR *a = pAllocateArray;
+    GS_ARRAY_CREATE(GS_KIND_ARRAY, array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels),
+                    gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray), gs_cuda.cuArrayDestroy);
+}
+
+GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuArray3DCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_ARRAY3D_DESCRIPTOR *a = pAllocateArray;
+    GS_ARRAY_CREATE(GS_KIND_ARRAY, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
+                    gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray), gs_cuda.cuArrayDestroy);
+}
+
+GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,
+                                          unsigned int numMipmapLevels)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMipmappedArrayCreate) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!pHandle || !pMipmappedArrayDesc) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_ARRAY3D_DESCRIPTOR *a = pMipmappedArrayDesc;
+    uint64_t bytes = 0;
+    for (unsigned l = 0; l < numMipmapLevels && l < 64; l++) {
+        size_t w = a->Width >> l, h = a->Height >> l, d = a->Depth >> l;
+        uint64_t level = array_bytes(w ? w : 1, h ? h : 1, d ? d : 1, a->Format, a->NumChannels);
+        bytes = bytes > UINT64_MAX - level ? UINT64_MAX : bytes + level;
+    }
+    GS_ARRAY_CREATE(GS_KIND_MIPMAP, bytes, gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels),
+                    gs_cuda.cuMipmappedArrayDestroy);
+}
+
+#define GS_ARRAY_DESTROY(kind, handle, call)                                          \
+    do {                                                                              \
+        struct gs_alloc rec, old;                                                     \
+        if (gs_am_take(kind, (uint64_t)(uintptr_t)(handle), &rec) != 0) return (call); \
+        CUresult rc = (call);                                                         \
+        if (rc == CUDA_SUCCESS)                                                       \
+            gs_budget_release(rec.slot, rec.size);                                    \
+        else                                                                          \
+            gs_am_put(kind, (uint64_t)(uintptr_t)(handle), &rec, &old);               \
+        return rc;                                                                    \
+    } while (0)
+
+GS_EXPORT CUresult cuArrayDestroy(CUarray hArray)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuArrayDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    GS_ARRAY_DESTROY(GS_KIND_ARRAY, hArray, gs_cuda.cuArrayDestroy(hArray));
+}
+
+GS_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMipmappedArrayDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    GS_ARRAY_DESTROY(GS_KIND_MIPMAP, hMipmappedArray, gs_cuda.cuMipmappedArrayDestroy(hMipmappedArray));
+}

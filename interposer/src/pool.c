@@ -1,0 +1,263 @@
+/*
+ * pool.c - stream-ordered allocations and memory pools.
+ *
+ * A pool keeps memory after cuMemFreeAsync and releases it later (at a
+ * synchronisation past its release threshold, or on cuMemPoolTrimTo), so what
+ * it costs the device is its reserved memory, not what is in use.  Each pool
+ * this process allocates from is therefore charged max(reserved, in use):
+ *  - before cuMemAllocAsync / cuMemAllocFromPoolAsync the part of the request
+ *    the pool's charge does not already cover is reserved;
+ *  - after it, the pool's CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT is read and
+ *    the charge follows it; if the pool grew past the cap, the allocation is
+ *    undone and the caller gets CUDA_ERROR_OUT_OF_MEMORY;
+ *  - frees, trims, a refused reservation anywhere, and pool destruction bring
+ *    the charge back down to what the pool still reserves.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <string.h>
+
+#include "gpuslice.h"
+
+#define GS_MAX_POOLS 64
+
+struct pool_rec {
+    uint64_t pool;    /* CUmemoryPool handle; 0 = free entry */
+    int slot;
+    int destroyed;
+    uint64_t live;    /* bytes allocated from it and not freed */
+    uint64_t charged; /* bytes charged to the budget for it */
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct pool_rec g_pools[GS_MAX_POOLS];
+
+static struct pool_rec *find_locked(uint64_t pool, int slot, int create)
+{
+    struct pool_rec *empty = NULL;
+    for (int i = 0; i < GS_MAX_POOLS; i++) {
+        if (g_pools[i].pool == pool) return &g_pools[i];
+        if (!g_pools[i].pool && !empty) empty = &g_pools[i];
+    }
+    if (!create || !empty) return NULL;
+    memset(empty, 0, sizeof(*empty));
+    empty->pool = pool;
+    empty->slot = slot;
+    return empty;
+}
+
+/* Bring the charge to max(reserved, live).  May reserve more only if `grow`;
+ * returns -1 if that reservation was refused. */
+static int reconcile_locked(struct pool_rec *p, int grow)
+{
+    cuuint64_t reserved = 0;
+    uint64_t target = p->live;
+    if (!p->destroyed && gs_cuda.cuMemPoolGetAttribute &&
+        gs_cuda.cuMemPoolGetAttribute((CUmemoryPool)(uintptr_t)p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                                      &reserved) == CUDA_SUCCESS &&
+        reserved > target)
+        target = reserved;
+    if (target > p->charged) {
+        if (!grow) return 0;
+        if (gs_budget_reserve(p->slot, target - p->charged) != 0) return -1;
+        p->charged = target;
+    } else if (target < p->charged) {
+        gs_budget_release(p->slot, p->charged - target);
+        p->charged = target;
+    }
+    if (p->destroyed && !p->live) {
+        gs_budget_release(p->slot, p->charged);
+        memset(p, 0, sizeof(*p));
+    }
+    return 0;
+}
+
+static void reconcile_all_locked(void)
+{
+    for (int i = 0; i < GS_MAX_POOLS; i++)
+        if (g_pools[i].pool) reconcile_locked(&g_pools[i], 0);
+}
+
+void gs_pools_reconcile_all(void)
+{
+    pthread_mutex_lock(&g_mu);
+    reconcile_all_locked();
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* gs_reserve for callers holding g_mu. */
+static int reserve_locked(int slot, uint64_t bytes)
+{
+    if (gs_budget_reserve(slot, bytes) == 0) return 0;
+    reconcile_all_locked();
+    return gs_budget_reserve(slot, bytes);
+}
+
+void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes)
+{
+    pthread_mutex_lock(&g_mu);
+    struct pool_rec *p = find_locked(pool, -1, 0);
+    if (p) {
+        p->live = p->live > bytes ? p->live - bytes : 0;
+        reconcile_locked(p, 0);
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+void gs_pools_after_fork_child(void)
+{
+    pthread_mutex_init(&g_mu, NULL);
+    memset(g_pools, 0, sizeof(g_pools));
+}
+
+typedef CUresult (*alloc_call)(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream,
+                               const void *real);
+
+static CUresult call_alloc_async(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream,
+                                 const void *real)
+{
+    (void)pool;
+    return ((cuMemAllocAsync_fn)real)(dptr, bytesize, stream);
+}
+
+static CUresult call_alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream,
+                                     const void *real)
+{
+    return ((cuMemAllocFromPoolAsync_fn)real)(dptr, bytesize, pool, stream);
+}
+
+static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
+                           size_t bytesize, CUmemoryPool pool, CUstream stream)
+{
+    if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    gs_devices_ready();
+    CUcontext ctx;
+    CUdevice dev;
+    int slot = gs_current_slot(&ctx);
+    if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool && gs_cuda.cuCtxGetDevice &&
+        gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
+        gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync uses the device's current pool */
+    if (slot < 0 || !pool || !bytesize) return call(dptr, bytesize, pool, stream, real);
+
+    uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
+    pthread_mutex_lock(&g_mu);
+    struct pool_rec *p = find_locked(key, slot, 1);
+    if (!p) {
+        pthread_mutex_unlock(&g_mu);
+        GS_ERROR("more than %d memory pools in one process: allocation refused", GS_MAX_POOLS);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    /* reserve the part of the request the pool's charge does not cover yet */
+    uint64_t extra = p->live + want > p->charged ? p->live + want - p->charged : 0;
+    if (reserve_locked(p->slot, extra) != 0) {
+        pthread_mutex_unlock(&g_mu);
+        GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    p->charged += extra;
+    pthread_mutex_unlock(&g_mu);
+
+    CUresult rc = call(dptr, bytesize, pool, stream, real);
+    struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
+    pthread_mutex_lock(&g_mu);
+    p = find_locked(key, slot, 1);
+    if (rc == CUDA_SUCCESS) p->live += bytesize;
+    int grown = reconcile_locked(p, rc == CUDA_SUCCESS);
+    pthread_mutex_unlock(&g_mu);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (grown == 0 && gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) >= 0) return CUDA_SUCCESS;
+    /* the pool grew past the cap (or the pointer cannot be tracked): undo */
+    if (free_real) free_real(*dptr, stream);
+    if (gs_cuda.cuMemPoolTrimTo) gs_cuda.cuMemPoolTrimTo(pool, 0);
+    gs_pool_drop_ptr(key, bytesize);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+GS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    gs_cuda_init();
+    return pool_alloc(call_alloc_async, (const void *)gs_cuda.cuMemAllocAsync, gs_cuda.cuMemFreeAsync, dptr,
+                      bytesize, NULL, hStream);
+}
+
+GS_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    gs_cuda_init();
+    return pool_alloc(call_alloc_async, (const void *)gs_cuda.cuMemAllocAsync_ptsz, gs_cuda.cuMemFreeAsync_ptsz,
+                      dptr, bytesize, NULL, hStream);
+}
+
+GS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
+{
+    gs_cuda_init();
+    if (!pool) return gs_cuda.cuMemAllocFromPoolAsync ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_SUPPORTED;
+    return pool_alloc(call_alloc_from_pool, (const void *)gs_cuda.cuMemAllocFromPoolAsync, gs_cuda.cuMemFreeAsync,
+                      dptr, bytesize, pool, hStream);
+}
+
+GS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                                CUstream hStream)
+{
+    gs_cuda_init();
+    if (!pool) return gs_cuda.cuMemAllocFromPoolAsync_ptsz ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_SUPPORTED;
+    return pool_alloc(call_alloc_from_pool, (const void *)gs_cuda.cuMemAllocFromPoolAsync_ptsz,
+                      gs_cuda.cuMemFreeAsync_ptsz, dptr, bytesize, pool, hStream);
+}
+
+static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream stream)
+{
+    if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    struct gs_alloc rec, old;
+    int kind = GS_KIND_POOLPTR;
+    if (gs_am_take(kind, dptr, &rec) != 0) {
+        kind = GS_KIND_DPTR;
+        if (gs_am_take(kind, dptr, &rec) != 0) return real(dptr, stream);
+    }
+    CUresult rc = real(dptr, stream);
+    if (rc != CUDA_SUCCESS)
+        gs_am_put(kind, dptr, &rec, &old);
+    else if (kind == GS_KIND_POOLPTR)
+        gs_pool_drop_ptr(rec.aux, rec.size);
+    else
+        gs_budget_release(rec.slot, rec.size);
+    return rc;
+}
+
+GS_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+    gs_cuda_init();
+    return pool_free(gs_cuda.cuMemFreeAsync, dptr, hStream);
+}
+
+GS_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+{
+    gs_cuda_init();
+    return pool_free(gs_cuda.cuMemFreeAsync_ptsz, dptr, hStream);
+}
+
+GS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemPoolTrimTo) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuMemPoolTrimTo(pool, minBytesToKeep);
+    if (rc == CUDA_SUCCESS) gs_pool_drop_ptr((uint64_t)(uintptr_t)pool, 0);
+    return rc;
+}
+
+GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemPoolDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
+    if (rc == CUDA_SUCCESS) {
+        pthread_mutex_lock(&g_mu);
+        struct pool_rec *p = find_locked((uint64_t)(uintptr_t)pool, -1, 0);
+        if (p) {
+            p->destroyed = 1; /* what is still allocated from it stays charged until freed */
+            reconcile_locked(p, 0);
+        }
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}

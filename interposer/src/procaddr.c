@@ -1,0 +1,70 @@
+/*
+ * procaddr.c - cuGetProcAddress and cuGetProcAddress_v2.
+ *
+ * The CUDA runtime (and PyTorch, CuPy, JAX through it) finds every driver
+ * function with cuGetProcAddress(symbol, &pfn, cudaVersion, flags).  We ask
+ * the real driver first, so it alone decides which variant (_v2, _ptsz, ...)
+ * the caller gets and whether the symbol exists at that version.  Then:
+ *  1. if the pointer it returned is one of the real functions we hook, the
+ *     caller gets our hook for exactly that function (same ABI by identity);
+ *  2. otherwise, if the driver handed out an address that is not an export
+ *     (possible in principle), the hook is chosen by name: the entry whose
+ *     base name is `symbol`, per-thread flag matches `flags`, and whose
+ *     min_version is the highest one <= cudaVersion.
+ * Anything else is returned untouched.
+ */
+#define _GNU_SOURCE
+#include <string.h>
+
+#include "gpuslice.h"
+
+void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cuuint64_t flags)
+{
+    if (!real) return real;
+    for (size_t i = 0; i < gs_cuda_hook_count; i++) {
+        const struct gs_hook *h = &gs_cuda_hooks[i];
+        if (*h->real && *h->real == real) return h->hook;
+    }
+    if (!symbol) return real;
+    int per_thread = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    const struct gs_hook *best = NULL;
+    for (size_t i = 0; i < gs_cuda_hook_count; i++) {
+        const struct gs_hook *h = &gs_cuda_hooks[i];
+        if (strcmp(h->base, symbol) != 0 || h->min_version > cuda_version) continue;
+        if (h->per_thread != per_thread) {
+            /* A per-thread request for a function without a _ptsz variant
+             * gets the plain one, as the driver does. */
+            int has_variant = 0;
+            for (size_t j = 0; j < gs_cuda_hook_count; j++)
+                if (strcmp(gs_cuda_hooks[j].base, symbol) == 0 && gs_cuda_hooks[j].per_thread)
+                    has_variant = 1;
+            if (has_variant || h->per_thread) continue;
+        }
+        if (!best || h->min_version > best->min_version) best = h;
+    }
+    if (best) {
+        GS_DEBUG("cuGetProcAddress(%s, %d): driver address not an export, hooked by name as %s", symbol,
+                 cuda_version, best->name);
+        return best->hook;
+    }
+    return real;
+}
+
+GS_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuGetProcAddress) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuGetProcAddress(symbol, pfn, cudaVersion, flags);
+    if (rc == CUDA_SUCCESS && pfn && *pfn) *pfn = gs_cuda_hook_for_real(symbol, *pfn, cudaVersion, flags);
+    return rc;
+}
+
+GS_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                                       CUdriverProcAddressQueryResult *symbolStatus)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuGetProcAddress_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
+    if (rc == CUDA_SUCCESS && pfn && *pfn) *pfn = gs_cuda_hook_for_real(symbol, *pfn, cudaVersion, flags);
+    return rc;
+}

@@ -1,0 +1,175 @@
+/*
+ * real.c - the real functions and the dlsym override.
+ *
+ * The real libcuda / libnvidia-ml are dlopen'ed on first use (never from the
+ * constructor) by their standard sonames, or from GPUSLICE_REAL_LIBCUDA /
+ * GPUSLICE_REAL_LIBNVML (paths, for tests).  If the program already reached a
+ * library through dlsym, the file it came from is preferred.  Every real
+ * function is resolved once, under pthread_once, into typed pointers; a
+ * missing one stays NULL and its hook answers CUDA_ERROR_NOT_SUPPORTED or
+ * NVML_ERROR_FUNCTION_NOT_FOUND instead of calling through NULL.
+ *
+ * dlsym is overridden for the exact names in hooks.h only.  RTLD_NEXT lookups
+ * of other names are forwarded as a tail call, so glibc still sees the
+ * original caller's return address and searches after the right object.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpuslice.h"
+
+struct gs_cuda_real gs_cuda;
+struct gs_nvml_real gs_nvml;
+int gs_cuda_resolved;
+int gs_nvml_resolved;
+
+typedef void *(*dlsym_fn)(void *, const char *);
+static dlsym_fn real_dlsym_ptr;
+
+static dlsym_fn find_real_dlsym(void)
+{
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
+    dlsym_fn f = __atomic_load_n(&real_dlsym_ptr, __ATOMIC_ACQUIRE);
+    if (GS_LIKELY(f != NULL)) return f;
+    for (size_t i = 0; i < sizeof(versions) / sizeof(versions[0]) && !f; i++)
+        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+    if (f) __atomic_store_n(&real_dlsym_ptr, f, __ATOMIC_RELEASE);
+    return f;
+}
+
+void *gs_real_dlsym(void *handle, const char *name)
+{
+    dlsym_fn f = find_real_dlsym();
+    return f ? f(handle, name) : NULL;
+}
+
+/* ---- the hook table ------------------------------------------------------- */
+
+#define GS_DECLARE_CUDA(name, ret, params, base, ver, pt) GS_EXPORT ret name params;
+#define GS_DECLARE_NVML(name, ret, params) GS_EXPORT ret name params;
+GS_CUDA_HOOKS(GS_DECLARE_CUDA)
+GS_NVML_HOOKS(GS_DECLARE_NVML)
+
+#define GS_ENTRY_CUDA(name, ret, params, base, ver, pt) \
+    {#name, #base, ver, pt, (void *)name, (void **)&gs_cuda.name},
+const struct gs_hook gs_cuda_hooks[] = {GS_CUDA_HOOKS(GS_ENTRY_CUDA)};
+const size_t gs_cuda_hook_count = sizeof(gs_cuda_hooks) / sizeof(gs_cuda_hooks[0]);
+
+#define GS_ENTRY_NVML(name, ret, params) {#name, #name, 0, 0, (void *)name, (void **)&gs_nvml.name},
+static const struct gs_hook nvml_hooks[] = {GS_NVML_HOOKS(GS_ENTRY_NVML)};
+
+void *gs_hook_by_name(const char *name)
+{
+    if (name[0] == 'c' && name[1] == 'u') {
+        for (size_t i = 0; i < gs_cuda_hook_count; i++)
+            if (strcmp(gs_cuda_hooks[i].name, name) == 0) return gs_cuda_hooks[i].hook;
+    } else if (strncmp(name, "nvml", 4) == 0) {
+        for (size_t i = 0; i < sizeof(nvml_hooks) / sizeof(nvml_hooks[0]); i++)
+            if (strcmp(nvml_hooks[i].name, name) == 0) return nvml_hooks[i].hook;
+    }
+    return NULL;
+}
+
+/* ---- resolution ----------------------------------------------------------- */
+
+static char cuda_seen_path[4096]; /* the libcuda the program itself resolved through dlsym */
+static char nvml_seen_path[4096];
+
+static void *open_library(const char *env, const char *seen, const char *soname)
+{
+    const char *override = getenv(env);
+    const char *path = override && *override ? override : seen[0] ? seen : soname;
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h && path != soname) h = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
+    if (!h) GS_INFO("cannot load %s: %s", path, dlerror());
+    return h;
+}
+
+static void resolve_cuda(void)
+{
+    void *h = open_library("GPUSLICE_REAL_LIBCUDA", cuda_seen_path, "libcuda.so.1");
+    if (h) {
+#define GS_RESOLVE_CUDA(name, ret, params, base, ver, pt) gs_cuda.name = (name##_fn)gs_real_dlsym(h, #name);
+#define GS_RESOLVE_CUDA_REAL(name, ret, params) gs_cuda.name = (name##_fn)gs_real_dlsym(h, #name);
+        GS_CUDA_HOOKS(GS_RESOLVE_CUDA)
+        GS_CUDA_REALS(GS_RESOLVE_CUDA_REAL)
+        /* Our hooks must never be taken for the real thing (a library that
+         * re-exports our symbols would make us call ourselves). */
+        for (size_t i = 0; i < gs_cuda_hook_count; i++)
+            if (*gs_cuda_hooks[i].real == gs_cuda_hooks[i].hook) *gs_cuda_hooks[i].real = NULL;
+    }
+    __atomic_store_n(&gs_cuda_resolved, 1, __ATOMIC_RELEASE);
+}
+
+static void resolve_nvml(void)
+{
+    void *h = open_library("GPUSLICE_REAL_LIBNVML", nvml_seen_path, "libnvidia-ml.so.1");
+    if (h) {
+#define GS_RESOLVE_NVML(name, ret, params) gs_nvml.name = (name##_fn)gs_real_dlsym(h, #name);
+        GS_NVML_HOOKS(GS_RESOLVE_NVML)
+        GS_NVML_REALS(GS_RESOLVE_NVML)
+        if ((void *)gs_nvml.nvmlDeviceGetMemoryInfo == (void *)nvmlDeviceGetMemoryInfo)
+            gs_nvml.nvmlDeviceGetMemoryInfo = NULL;
+        if ((void *)gs_nvml.nvmlDeviceGetMemoryInfo_v2 == (void *)nvmlDeviceGetMemoryInfo_v2)
+            gs_nvml.nvmlDeviceGetMemoryInfo_v2 = NULL;
+    }
+    __atomic_store_n(&gs_nvml_resolved, 1, __ATOMIC_RELEASE);
+}
+
+static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
+static pthread_once_t nvml_once = PTHREAD_ONCE_INIT;
+
+void gs_cuda_resolve(void)
+{
+    pthread_once(&cuda_once, resolve_cuda);
+}
+
+void gs_nvml_resolve(void)
+{
+    pthread_once(&nvml_once, resolve_nvml);
+}
+
+/* Remember which file a program's libcuda / libnvidia-ml symbols come from. */
+static void note_library(const char *name, void *real)
+{
+    char *dst = name[0] == 'c' ? cuda_seen_path : nvml_seen_path;
+    int *resolved = name[0] == 'c' ? &gs_cuda_resolved : &gs_nvml_resolved;
+    Dl_info info;
+    if (dst[0] || __atomic_load_n(resolved, __ATOMIC_ACQUIRE)) return;
+    if (dladdr(real, &info) && info.dli_fname && info.dli_fname[0] == '/') {
+        size_t n = strlen(info.dli_fname);
+        if (n < sizeof(cuda_seen_path)) memcpy(dst, info.dli_fname, n + 1);
+    }
+}
+
+#define NOT_HOOKED ((void *)-1)
+
+/* dlsym's answer for a hooked name, or NOT_HOOKED.  Kept out of dlsym itself
+ * so that dlsym needs no stack frame and its forwarding stays a tail call. */
+__attribute__((noinline)) static void *hooked_dlsym(void *handle, const char *name)
+{
+    void *hook = gs_hook_by_name(name);
+    if (!hook) return NOT_HOOKED;
+    if (handle == RTLD_NEXT) return hook;
+    void *real = gs_real_dlsym(handle, name);
+    if (!real || real == hook) return real;
+    if (handle != RTLD_DEFAULT) note_library(name, real);
+    return hook;
+}
+
+GS_EXPORT void *dlsym(void *handle, const char *name)
+{
+    /* glibc declares name nonnull; callers still pass NULL sometimes */
+    const char *n = name;
+    __asm__("" : "+r"(n));
+    if (n && ((n[0] == 'c' && n[1] == 'u') || n[0] == 'n')) {
+        void *r = hooked_dlsym(handle, n);
+        if (r != NOT_HOOKED) return r;
+    }
+    dlsym_fn f = find_real_dlsym();
+    if (GS_UNLIKELY(!f)) return NULL;
+    return f(handle, name); /* tail call: glibc sees the caller's return address */
+}

@@ -1,0 +1,426 @@
+/*
+ * region.c - the container's shared region and its memory budget.
+ *
+ * The region file (gpuslice_region.h) is mapped MAP_SHARED by every CUDA
+ * process of the container.  Usage changes only under its robust,
+ * process-shared mutex, which keeps device.used_bytes == sum of the live
+ * processes' used_bytes.  A process killed while holding the mutex leaves it
+ * EOWNERDEAD: the next locker reclaims dead processes and recomputes every
+ * sum from the process entries, so no state can stay half-updated.
+ *
+ * Dead processes (pid gone, pid reused, or another pid namespace = an
+ * earlier incarnation of the container) are reclaimed when a process
+ * registers, when a reservation would exceed the cap, and (rate-limited)
+ * when a memory view is asked for.
+ *
+ * If the file cannot be used, the process falls back to a private anonymous
+ * region: its own caps still hold, without sharing.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "gpuslice.h"
+
+#define LD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define ST(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+
+struct gpuslice_region *gs_region;
+static struct gpuslice_proc *g_me;
+static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t g_last_reclaim_ns;
+
+/* ---- process identity ----------------------------------------------------- */
+
+static uint64_t pidns_inode(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+/* Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); 0 if unknown. */
+static uint64_t proc_start_time(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    if (!p) return 0;
+    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+static void read_boot_id(uint8_t out[16])
+{
+    char buf[64];
+    memset(out, 0, 16);
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) return;
+    buf[n] = '\0';
+    int k = 0;
+    for (ssize_t i = 0; i + 1 < n && k < 16; i++) {
+        unsigned v;
+        if (buf[i] == '-') continue;
+        if (sscanf(buf + i, "%2x", &v) != 1) break;
+        out[k++] = (uint8_t)v;
+        i++;
+    }
+}
+
+/* ---- opening -------------------------------------------------------------- */
+
+static void init_mutex(pthread_mutex_t *m)
+{
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(m, &attr);
+    pthread_mutexattr_destroy(&attr);
+}
+
+static void init_region(struct gpuslice_region *r, const uint8_t boot_id[16])
+{
+    memset(r, 0, sizeof(*r));
+    r->version = GPUSLICE_REGION_VERSION;
+    r->size = (uint32_t)sizeof(*r);
+    r->max_devices = GPUSLICE_MAX_DEVICES;
+    r->max_procs = GPUSLICE_MAX_PROCS;
+    memcpy(r->boot_id, boot_id, 16);
+    init_mutex(&r->lock.mutex);
+    __atomic_store_n(&r->magic, GPUSLICE_REGION_MAGIC, __ATOMIC_RELEASE);
+}
+
+static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16])
+{
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) {
+        GS_WARN("cannot open region %s (%s): caps apply to this process alone", path, strerror(errno));
+        return NULL;
+    }
+    (void)fchmod(fd, 0666); /* every user of the container shares it; fails harmlessly if not ours */
+    while (flock(fd, LOCK_EX) != 0 && errno == EINTR) {
+    }
+    struct gpuslice_region *r = NULL;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && (st.st_size >= (off_t)sizeof(*r) || ftruncate(fd, sizeof(*r)) == 0)) {
+        void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) r = p;
+    }
+    if (!r) {
+        GS_WARN("cannot map region %s (%s): caps apply to this process alone", path, strerror(errno));
+    } else if (__atomic_load_n(&r->magic, __ATOMIC_ACQUIRE) != GPUSLICE_REGION_MAGIC) {
+        init_region(r, boot_id);
+    } else if (r->version != GPUSLICE_REGION_VERSION || r->size != sizeof(*r)) {
+        GS_ERROR("region %s has version %u size %u, this library writes version %u: caps apply to this "
+                 "process alone", path, r->version, r->size, GPUSLICE_REGION_VERSION);
+        munmap(r, sizeof(*r));
+        r = NULL;
+    } else if (memcmp(r->boot_id, boot_id, 16) != 0) {
+        GS_INFO("region %s is from an earlier boot: reset", path);
+        init_region(r, boot_id);
+    }
+    flock(fd, LOCK_UN);
+    close(fd);
+    return r;
+}
+
+int gs_region_open(void)
+{
+    if (__atomic_load_n(&gs_region, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&g_open_mu);
+    if (!gs_region) {
+        char path[4096];
+        uint8_t boot_id[16];
+        read_boot_id(boot_id);
+        struct gpuslice_region *r = map_file(gs_env_region_path(path, sizeof(path)), boot_id);
+        if (!r) {
+            void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+            if (p != MAP_FAILED) {
+                r = p;
+                init_region(r, boot_id);
+            }
+        }
+        __atomic_store_n(&gs_region, r, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&g_open_mu);
+    return gs_region ? 0 : -1;
+}
+
+/* ---- locking and reclaim -------------------------------------------------- */
+
+static int proc_alive(const struct gpuslice_proc *p, uint64_t my_ns)
+{
+    if (p->pidns != my_ns) return 0; /* an earlier incarnation of the container */
+    if (kill(p->pid, 0) != 0 && errno == ESRCH) return 0;
+    uint64_t start = proc_start_time(p->pid);
+    return !(start && p->start_time && start != p->start_time); /* else the pid was reused */
+}
+
+static void reclaim_dead_locked(void)
+{
+    struct gpuslice_region *r = gs_region;
+    uint64_t my_ns = pidns_inode();
+    unsigned n = LD(&r->device_count);
+    for (unsigned i = 0; i < GPUSLICE_MAX_PROCS; i++) {
+        struct gpuslice_proc *p = &r->procs[i];
+        if (LD(&p->state) != GPUSLICE_PROC_LIVE || p == g_me || proc_alive(p, my_ns)) continue;
+        for (unsigned d = 0; d < n && d < GPUSLICE_MAX_DEVICES; d++) {
+            uint64_t u = LD(&p->used_bytes[d]), du = LD(&r->devices[d].used_bytes);
+            if (u) GS_INFO("reclaimed %llu bytes of dead process %d", (unsigned long long)u, (int)p->pid);
+            ST(&r->devices[d].used_bytes, du > u ? du - u : 0);
+        }
+        ST(&p->state, GPUSLICE_PROC_FREE);
+        memset(p->used_bytes, 0, sizeof(p->used_bytes));
+        ST(&p->pid, 0);
+    }
+}
+
+/* After a holder died: drop the dead, then recompute each sum from the entries. */
+static void repair_locked(void)
+{
+    struct gpuslice_region *r = gs_region;
+    reclaim_dead_locked();
+    for (unsigned d = 0; d < GPUSLICE_MAX_DEVICES; d++) {
+        uint64_t sum = 0;
+        for (unsigned i = 0; i < GPUSLICE_MAX_PROCS; i++)
+            if (LD(&r->procs[i].state) == GPUSLICE_PROC_LIVE) sum += LD(&r->procs[i].used_bytes[d]);
+        ST(&r->devices[d].used_bytes, sum);
+    }
+}
+
+static int region_lock(void)
+{
+    pthread_mutex_t *m = &gs_region->lock.mutex;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int rc = pthread_mutex_lock(m);
+        if (rc == 0) return 0;
+        if (rc == EOWNERDEAD) {
+            GS_WARN("a process died holding the region lock: repairing the region");
+            repair_locked();
+            pthread_mutex_consistent(m);
+            return 0;
+        }
+        if (rc != ENOTRECOVERABLE) {
+            GS_ERROR("cannot lock the region: %s", strerror(rc));
+            return -1;
+        }
+        GS_ERROR("region lock not recoverable: reinitialising it");
+        init_mutex(m);
+    }
+    return -1;
+}
+
+static void region_unlock(void)
+{
+    pthread_mutex_unlock(&gs_region->lock.mutex);
+}
+
+static int register_locked(void)
+{
+    struct gpuslice_region *r = gs_region;
+    for (int pass = 0; pass < 2 && !g_me; pass++) {
+        if (pass) reclaim_dead_locked();
+        for (unsigned i = 0; i < GPUSLICE_MAX_PROCS; i++) {
+            struct gpuslice_proc *p = &r->procs[i];
+            if (LD(&p->state) != GPUSLICE_PROC_FREE) continue;
+            memset(p->used_bytes, 0, sizeof(p->used_bytes));
+            p->pid = (int32_t)getpid();
+            p->pidns = pidns_inode();
+            p->start_time = proc_start_time(getpid());
+            ST(&p->state, GPUSLICE_PROC_LIVE);
+            g_me = p;
+            break;
+        }
+    }
+    if (!g_me) GS_ERROR("region has no free process slot (%d in use)", GPUSLICE_MAX_PROCS);
+    return g_me ? 0 : -1;
+}
+
+/* ---- devices -------------------------------------------------------------- */
+
+int gs_region_slot_by_uuid(const char *uuid)
+{
+    struct gpuslice_region *r = __atomic_load_n(&gs_region, __ATOMIC_ACQUIRE);
+    if (!r || !uuid || !uuid[0]) return -1;
+    unsigned n = LD(&r->device_count);
+    for (unsigned d = 0; d < n && d < GPUSLICE_MAX_DEVICES; d++)
+        if (strncmp(r->devices[d].uuid, uuid, GPUSLICE_UUID_LEN) == 0) return (int)d;
+    return -1;
+}
+
+static void write_slot(struct gpuslice_device *s, const struct gs_devcfg *c)
+{
+    if (strncmp(s->uuid, c->uuid, GPUSLICE_UUID_LEN) != 0) {
+        memset(s, 0, sizeof(*s));
+        memcpy(s->uuid, c->uuid, GPUSLICE_UUID_LEN);
+    }
+    ST(&s->limit_bytes, c->limit);
+    ST(&s->total_bytes, c->total);
+    ST(&s->sm_limit, c->sm_limit);
+    ST(&s->index, c->index);
+    ST(&s->used_bytes, 0);
+    ST(&s->throttle_vt_ns, 0);
+}
+
+void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register)
+{
+    if (gs_region_open() != 0 || region_lock() != 0) return;
+    struct gpuslice_region *r = gs_region;
+    reclaim_dead_locked();
+    int idle = 1;
+    for (unsigned i = 0; i < GPUSLICE_MAX_PROCS && idle; i++)
+        if (LD(&r->procs[i].state) == GPUSLICE_PROC_LIVE) idle = 0;
+    if (n > GPUSLICE_MAX_DEVICES) n = GPUSLICE_MAX_DEVICES;
+    if (idle) {
+        /* Nobody else is attached: this process's environment defines the container. */
+        gs_copy_env(r->pod_uid, sizeof(r->pod_uid), "GPUSLICE_POD_UID");
+        gs_copy_env(r->pod_name, sizeof(r->pod_name), "GPUSLICE_POD_NAME");
+        gs_copy_env(r->pod_namespace, sizeof(r->pod_namespace), "GPUSLICE_POD_NAMESPACE");
+        gs_copy_env(r->container, sizeof(r->container), "GPUSLICE_CONTAINER");
+        for (unsigned i = 0; i < n; i++) {
+            /* keep a slot's measured figures when its device stays in place */
+            unsigned j = i;
+            for (unsigned k = 0; k < GPUSLICE_MAX_DEVICES; k++)
+                if (strncmp(r->devices[k].uuid, devs[i].uuid, GPUSLICE_UUID_LEN) == 0) j = k;
+            if (j != i) {
+                struct gpuslice_device tmp = r->devices[i];
+                r->devices[i] = r->devices[j];
+                r->devices[j] = tmp;
+            }
+            write_slot(&r->devices[i], &devs[i]);
+        }
+        for (unsigned i = n; i < GPUSLICE_MAX_DEVICES; i++) memset(&r->devices[i], 0, sizeof(r->devices[i]));
+        ST(&r->device_count, n);
+    } else {
+        /* Others are attached: the region's limits stand; add devices it lacks. */
+        for (unsigned i = 0; i < n; i++) {
+            unsigned count = LD(&r->device_count);
+            if (gs_region_slot_by_uuid(devs[i].uuid) >= 0 || count >= GPUSLICE_MAX_DEVICES) continue;
+            memset(&r->devices[count], 0, sizeof(r->devices[count]));
+            write_slot(&r->devices[count], &devs[i]);
+            ST(&r->device_count, count + 1);
+        }
+    }
+    if (do_register && !g_me) register_locked();
+    region_unlock();
+}
+
+/* ---- the budget ----------------------------------------------------------- */
+
+static int valid_slot(int slot)
+{
+    return gs_region && slot >= 0 && (unsigned)slot < LD(&gs_region->device_count);
+}
+
+static void charge_locked(int slot, uint64_t bytes)
+{
+    struct gpuslice_device *d = &gs_region->devices[slot];
+    ST(&d->used_bytes, LD(&d->used_bytes) + bytes);
+    ST(&g_me->used_bytes[slot], LD(&g_me->used_bytes[slot]) + bytes);
+}
+
+int gs_budget_reserve(int slot, uint64_t bytes)
+{
+    if (!bytes || !valid_slot(slot)) return 0;
+    if (region_lock() != 0) return -1;
+    if (!g_me && register_locked() != 0) {
+        region_unlock();
+        return -1;
+    }
+    struct gpuslice_device *d = &gs_region->devices[slot];
+    uint64_t limit = LD(&d->limit_bytes);
+    for (int pass = 0; limit && pass < 2; pass++) {
+        if (pass) reclaim_dead_locked();
+        uint64_t used = LD(&d->used_bytes);
+        if (used <= limit && bytes <= limit - used) break;
+        if (pass) {
+            region_unlock();
+            GS_DEBUG("reservation of %llu bytes refused: %llu of %llu used", (unsigned long long)bytes,
+                     (unsigned long long)used, (unsigned long long)limit);
+            return -1;
+        }
+    }
+    charge_locked(slot, bytes);
+    region_unlock();
+    return 0;
+}
+
+void gs_budget_force(int slot, uint64_t bytes)
+{
+    if (!bytes || !valid_slot(slot) || region_lock() != 0) return;
+    if (g_me || register_locked() == 0) charge_locked(slot, bytes);
+    region_unlock();
+}
+
+void gs_budget_release(int slot, uint64_t bytes)
+{
+    if (!bytes || !valid_slot(slot) || region_lock() != 0) return;
+    if (g_me) {
+        struct gpuslice_device *d = &gs_region->devices[slot];
+        uint64_t mine = LD(&g_me->used_bytes[slot]), du = LD(&d->used_bytes);
+        uint64_t x = bytes < mine ? bytes : mine;
+        ST(&g_me->used_bytes[slot], mine - x);
+        ST(&d->used_bytes, du > x ? du - x : 0);
+    }
+    region_unlock();
+}
+
+uint64_t gs_slot_used(int slot)
+{
+    return valid_slot(slot) ? LD(&gs_region->devices[slot].used_bytes) : 0;
+}
+
+uint64_t gs_slot_limit(int slot)
+{
+    return valid_slot(slot) ? LD(&gs_region->devices[slot].limit_bytes) : 0;
+}
+
+void gs_region_reclaim_soon(void)
+{
+    uint64_t now = gs_now_ns();
+    if (!gs_region || now - __atomic_load_n(&g_last_reclaim_ns, __ATOMIC_RELAXED) < 250000000ull) return;
+    __atomic_store_n(&g_last_reclaim_ns, now, __ATOMIC_RELAXED);
+    if (region_lock() != 0) return;
+    reclaim_dead_locked();
+    region_unlock();
+}
+
+void gs_region_after_fork_child(void)
+{
+    g_me = NULL; /* the child registers as itself on its first charge */
+    g_last_reclaim_ns = 0;
+}
+
+__attribute__((destructor)) static void region_detach(void)
+{
+    if (!gs_region || !g_me || region_lock() != 0) return;
+    struct gpuslice_region *r = gs_region;
+    unsigned n = LD(&r->device_count);
+    for (unsigned d = 0; d < n && d < GPUSLICE_MAX_DEVICES; d++) {
+        uint64_t u = LD(&g_me->used_bytes[d]), du = LD(&r->devices[d].used_bytes);
+        ST(&r->devices[d].used_bytes, du > u ? du - u : 0);
+    }
+    memset(g_me->used_bytes, 0, sizeof(g_me->used_bytes));
+    ST(&g_me->state, GPUSLICE_PROC_FREE);
+    ST(&g_me->pid, 0);
+    g_me = NULL;
+    region_unlock();
+}

@@ -1,0 +1,760 @@
+/*
+ * fakecuda.c - a fake libcuda.so.1 for testing libgpuslice without a GPU.
+ *
+ * It models what the interposer depends on: devices (FAKE_CUDA_DEVICES,
+ * honouring CUDA_VISIBLE_DEVICES like the real driver), contexts with a
+ * footprint, physical memory that runs out, allocations of every kind, memory
+ * pools that keep freed memory until trimmed, cuGetProcAddress with versioned
+ * and per-thread variants, and a GPU timeline: each kernel takes
+ * FAKE_CUDA_KERNEL_US microseconds of (real, monotonic) time after the
+ * previous work on its stream, and events complete when the stream reaches them.
+ *
+ * Knobs (besides fakestate.h):
+ *   FAKE_CUDA_KERNEL_US      kernel duration, default 10
+ *   FAKE_CUDA_POOL_CHUNK     pool growth granularity, default 32m
+ *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
+ *                            call, default 1; code default 2 = out of memory)
+ *   FAKE_CUDA_SLEEP          "name:ms" sleep inside that call
+ *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
+ *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
+ * Built with -Bsymbolic, so its internal calls never reach the interposer.
+ */
+#include "fakestate.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <time.h>
+
+#include "cuda_abi.h"
+
+#define API __attribute__((visibility("default")))
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static struct fake_dev devs[FAKE_MAX_DEVS];
+static int ndevs;
+static int visible[FAKE_MAX_DEVS]; /* ordinal -> physical index */
+static int nvisible;
+static int initialized;
+static uint64_t kernel_ns = 10000, pool_chunk = 32ull << 20, ctx_bytes;
+static uint64_t local_used[FAKE_MAX_DEVS]; /* this process's physical usage */
+static uint64_t kernel_total_ns;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_until(uint64_t t)
+{
+    uint64_t n = now_ns();
+    if (t > n) {
+        struct timespec ts = {(time_t)((t - n) / 1000000000ull), (long)((t - n) % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* ---- failure injection ---------------------------------------------------- */
+
+static int fail_check(const char *name)
+{
+    static struct {
+        char name[64];
+        unsigned calls;
+    } counters[64];
+    const char *spec = getenv("FAKE_CUDA_SLEEP");
+    size_t nl = strlen(name);
+    if (spec && strncmp(spec, name, nl) == 0 && spec[nl] == ':') {
+        const char *mark = getenv("FAKE_CUDA_SLEEP_MARK");
+        if (mark) close(open(mark, O_CREAT | O_WRONLY | O_CLOEXEC, 0644));
+        struct timespec ts = {0, 0};
+        long ms = atol(spec + nl + 1);
+        ts.tv_sec = ms / 1000;
+        ts.tv_nsec = (ms % 1000) * 1000000L;
+        nanosleep(&ts, NULL);
+    }
+    spec = getenv("FAKE_CUDA_FAIL");
+    for (const char *p = spec; p && *p;) {
+        if (strncmp(p, name, nl) == 0 && (p[nl] == ':' || p[nl] == ',' || p[nl] == '\0')) {
+            unsigned nth = 1;
+            int code = CUDA_ERROR_OUT_OF_MEMORY;
+            if (p[nl] == ':') {
+                char *end;
+                nth = (unsigned)strtoul(p + nl + 1, &end, 10);
+                if (*end == ':') code = (int)strtol(end + 1, NULL, 10);
+            }
+            unsigned calls = 0;
+            for (int i = 0; i < 64; i++) {
+                if (!counters[i].name[0]) snprintf(counters[i].name, sizeof(counters[i].name), "%s", name);
+                if (strcmp(counters[i].name, name) == 0) {
+                    calls = ++counters[i].calls;
+                    break;
+                }
+            }
+            if (nth == 0 || calls == nth) return code;
+            return 0;
+        }
+        p = strchr(p, ',');
+        if (p) p++;
+    }
+    return 0;
+}
+
+#define FAIL_POINT(name)                     \
+    do {                                     \
+        int fc_ = fail_check(name);          \
+        if (fc_) return fc_;                 \
+    } while (0)
+
+/* ---- physical memory ------------------------------------------------------ */
+
+static int phys_slot(void)
+{
+    static int slot = -1;
+    static pid_t owner;
+    struct fake_phys *m = fake_phys_map();
+    if (!m) return -1;
+    if (slot >= 0 && owner == getpid()) return slot;
+    for (int i = 0; i < FAKE_MAX_PROCS; i++) {
+        int32_t pid = m->procs[i].pid;
+        if (pid <= 0 || (kill(pid, 0) != 0 && pid != getpid())) {
+            if (__atomic_compare_exchange_n(&m->procs[i].pid, &pid, getpid(), 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_RELAXED)) {
+                memset(m->procs[i].used, 0, sizeof(m->procs[i].used));
+                slot = i;
+                owner = getpid();
+                return slot;
+            }
+        }
+    }
+    return -1;
+}
+
+static int phys_add(int pdev, uint64_t bytes)
+{
+    struct fake_phys *m = fake_phys_map();
+    uint64_t used = m ? fake_phys_used(pdev) : local_used[pdev];
+    if (used + bytes > devs[pdev].total) return CUDA_ERROR_OUT_OF_MEMORY;
+    local_used[pdev] += bytes;
+    int s = phys_slot();
+    if (s >= 0) __atomic_add_fetch(&m->procs[s].used[pdev], bytes, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+
+static void phys_sub(int pdev, uint64_t bytes)
+{
+    struct fake_phys *m = fake_phys_map();
+    local_used[pdev] -= bytes < local_used[pdev] ? bytes : local_used[pdev];
+    int s = phys_slot();
+    if (s >= 0) __atomic_sub_fetch(&m->procs[s].used[pdev], bytes, __ATOMIC_RELAXED);
+}
+
+/* ---- devices and contexts ------------------------------------------------- */
+
+struct fake_ctx {
+    int pdev;
+    int primary;
+    int refs;
+};
+static struct fake_ctx primaries[FAKE_MAX_DEVS];
+static __thread struct fake_ctx *current;
+
+static void setup(void)
+{
+    ndevs = fake_devices(devs);
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    if (!cvd) {
+        for (int i = 0; i < ndevs; i++) visible[nvisible++] = i;
+    } else {
+        for (const char *p = cvd; *p && nvisible < ndevs;) {
+            int found = -1;
+            if (isdigit((unsigned char)*p)) {
+                int idx = atoi(p);
+                if (idx < ndevs) found = idx;
+            } else {
+                size_t len = strcspn(p, ",");
+                for (int i = 0; i < ndevs; i++)
+                    if (strncmp(devs[i].uuid, p, len) == 0) found = i;
+            }
+            if (found < 0) break; /* like the driver: stop at the first invalid entry */
+            visible[nvisible++] = found;
+            p = strchr(p, ',');
+            if (!p) break;
+            p++;
+        }
+    }
+    const char *v = getenv("FAKE_CUDA_KERNEL_US");
+    if (v) kernel_ns = (uint64_t)(atof(v) * 1000.0);
+    v = getenv("FAKE_CUDA_POOL_CHUNK");
+    if (v) pool_chunk = fake_size(v);
+    v = getenv("FAKE_CUDA_CTX_BYTES");
+    if (v) ctx_bytes = fake_size(v);
+}
+
+API CUresult cuInit(unsigned int flags)
+{
+    FAIL_POINT("cuInit");
+    if (flags) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    if (!initialized) setup();
+    initialized = 1;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+#define NEED_INIT()                                          \
+    do {                                                     \
+        if (!initialized) return CUDA_ERROR_NOT_INITIALIZED; \
+    } while (0)
+
+API CUresult cuDriverGetVersion(int *v)
+{
+    if (!v) return CUDA_ERROR_INVALID_VALUE;
+    *v = 13000;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetCount(int *n)
+{
+    NEED_INIT();
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    *n = nvisible;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGet(CUdevice *d, int ordinal)
+{
+    NEED_INIT();
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal < 0 || ordinal >= nvisible) return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+
+#define CHECK_DEV(d)                                                           \
+    do {                                                                       \
+        NEED_INIT();                                                           \
+        if ((d) < 0 || (d) >= nvisible) return CUDA_ERROR_INVALID_DEVICE;      \
+    } while (0)
+
+API CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d)
+{
+    CHECK_DEV(d);
+    if (!u) return CUDA_ERROR_INVALID_VALUE;
+    const char *s = devs[visible[d]].uuid;
+    if (strncmp(s, "GPU-", 4) == 0) s += 4;
+    int k = 0;
+    for (; *s && k < 16; s++) {
+        unsigned v;
+        if (*s == '-') continue;
+        if (sscanf(s, "%2x", &v) != 1) break;
+        u->bytes[k++] = (char)v;
+        s++;
+    }
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d)
+{
+    return cuDeviceGetUuid(u, d);
+}
+
+API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
+{
+    CHECK_DEV(d);
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    *bytes = devs[visible[d]].total;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetName(char *name, int len, CUdevice d)
+{
+    CHECK_DEV(d);
+    if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+    snprintf(name, (size_t)len, "Fake GPU %d", visible[d]);
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_new(struct fake_ctx *c, int ordinal)
+{
+    int rc = phys_add(visible[ordinal], ctx_bytes);
+    if (rc) return rc;
+    c->pdev = visible[ordinal];
+    c->refs = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d)
+{
+    FAIL_POINT("cuDevicePrimaryCtxRetain");
+    CHECK_DEV(d);
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    struct fake_ctx *c = &primaries[d];
+    CUresult rc = CUDA_SUCCESS;
+    if (c->refs)
+        c->refs++;
+    else
+        rc = ctx_new(c, d);
+    c->primary = 1;
+    pthread_mutex_unlock(&mu);
+    if (rc == CUDA_SUCCESS) *pctx = (CUcontext)c;
+    return rc;
+}
+
+API CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *active)
+{
+    CHECK_DEV(d);
+    if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
+    *flags = 0;
+    *active = primaries[d].refs > 0;
+    return CUDA_SUCCESS;
+}
+
+static void ctx_drop(struct fake_ctx *c);
+
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
+{
+    CHECK_DEV(d);
+    pthread_mutex_lock(&mu);
+    struct fake_ctx *c = &primaries[d];
+    CUresult rc = CUDA_SUCCESS;
+    if (!c->refs)
+        rc = CUDA_ERROR_INVALID_CONTEXT;
+    else if (--c->refs == 0)
+        ctx_drop(c);
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
+{
+    CHECK_DEV(d);
+    pthread_mutex_lock(&mu);
+    if (primaries[d].refs) {
+        primaries[d].refs = 0;
+        ctx_drop(&primaries[d]);
+    }
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_create(CUcontext *pctx, CUdevice d)
+{
+    FAIL_POINT("cuCtxCreate");
+    CHECK_DEV(d);
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    struct fake_ctx *c = calloc(1, sizeof(*c));
+    pthread_mutex_lock(&mu);
+    CUresult rc = ctx_new(c, d);
+    pthread_mutex_unlock(&mu);
+    if (rc) {
+        free(c);
+        return rc;
+    }
+    current = c;
+    *pctx = (CUcontext)c;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice d)
+{
+    (void)flags;
+    return ctx_create(pctx, d);
+}
+
+API CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *p, int n, unsigned int flags, CUdevice d)
+{
+    (void)p, (void)n, (void)flags;
+    return ctx_create(pctx, d);
+}
+
+API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p, unsigned int flags, CUdevice d)
+{
+    (void)p, (void)flags;
+    return ctx_create(pctx, d);
+}
+
+API CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    struct fake_ctx *c = (struct fake_ctx *)ctx;
+    if (!c || c->primary) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    ctx_drop(c);
+    pthread_mutex_unlock(&mu);
+    if (current == c) current = NULL;
+    free(c);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    current = (struct fake_ctx *)ctx;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    *pctx = (CUcontext)current;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxGetDevice(CUdevice *d)
+{
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    if (!current || (current->primary && !current->refs)) return CUDA_ERROR_INVALID_CONTEXT;
+    for (int i = 0; i < nvisible; i++)
+        if (visible[i] == current->pdev) *d = i;
+    return CUDA_SUCCESS;
+}
+
+#define NEED_CTX()                                                                         \
+    do {                                                                                   \
+        if (!current || (current->primary && !current->refs)) return CUDA_ERROR_INVALID_CONTEXT; \
+    } while (0)
+
+/* ---- allocations ---------------------------------------------------------- */
+
+enum { K_DPTR = 1, K_POOL, K_ARRAY, K_MIPMAP, K_VMM };
+struct fake_alloc {
+    uint64_t handle;
+    uint64_t size;
+    int pdev;
+    int kind;
+    struct fake_ctx *ctx;
+    struct fake_pool *pool;
+};
+struct fake_pool {
+    int pdev;
+    int destroyed;
+    uint64_t reserved, used;
+};
+#define MAX_ALLOCS 8192
+static struct fake_alloc allocs[MAX_ALLOCS];
+static uint64_t next_handle = 0x7f0000000000ull;
+static struct fake_pool default_pools[FAKE_MAX_DEVS];
+
+static CUresult alloc_new(int kind, uint64_t size, int pdev, struct fake_pool *pool, void *handle, int charge)
+{
+    pthread_mutex_lock(&mu);
+    int slot = -1;
+    for (int i = 0; i < MAX_ALLOCS && slot < 0; i++)
+        if (!allocs[i].kind) slot = i;
+    CUresult rc = slot < 0 ? CUDA_ERROR_OUT_OF_MEMORY : charge ? phys_add(pdev, size) : CUDA_SUCCESS;
+    if (rc == CUDA_SUCCESS) {
+        allocs[slot] = (struct fake_alloc){next_handle, size, pdev, kind, current, pool};
+        memcpy(handle, &next_handle, sizeof(next_handle)); /* CUdeviceptr, CUarray, ... are 8 bytes */
+        next_handle += (size + 0xfffff) & ~0xfffffull;
+        next_handle += 0x100000;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+static struct fake_alloc *alloc_find(int kind, uint64_t handle)
+{
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].kind == kind && allocs[i].handle == handle) return &allocs[i];
+    return NULL;
+}
+
+static CUresult alloc_free(int kind, uint64_t handle)
+{
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(kind, handle);
+    if (!a && kind == K_DPTR) a = alloc_find(K_POOL, handle);
+    if (!a) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (a->kind == K_POOL)
+        a->pool->used -= a->size;
+    else
+        phys_sub(a->pdev, a->size);
+    memset(a, 0, sizeof(*a));
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+/* Everything a dying context owned goes with it (called with mu held). */
+static void ctx_drop(struct fake_ctx *c)
+{
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (!allocs[i].kind || allocs[i].ctx != c || allocs[i].kind == K_VMM) continue;
+        if (allocs[i].kind == K_POOL)
+            allocs[i].pool->used -= allocs[i].size;
+        else
+            phys_sub(allocs[i].pdev, allocs[i].size);
+        memset(&allocs[i], 0, sizeof(allocs[i]));
+    }
+    phys_sub(c->pdev, ctx_bytes);
+}
+
+API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
+{
+    FAIL_POINT("cuMemAlloc_v2");
+    NEED_CTX();
+    if (!dptr || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_new(K_DPTR, bytes, current->pdev, NULL, dptr, 1);
+}
+
+API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags)
+{
+    (void)flags;
+    FAIL_POINT("cuMemAllocManaged");
+    NEED_CTX();
+    if (!dptr || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_new(K_DPTR, bytes, current->pdev, NULL, dptr, 1);
+}
+
+API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w, size_t h, unsigned int elem)
+{
+    FAIL_POINT("cuMemAllocPitch_v2");
+    NEED_CTX();
+    if (!dptr || !pitch || !w || !h || (elem != 4 && elem != 8 && elem != 16)) return CUDA_ERROR_INVALID_VALUE;
+    size_t p = (w + 511) & ~(size_t)511;
+    CUresult rc = alloc_new(K_DPTR, p * h, current->pdev, NULL, dptr, 1);
+    if (rc == CUDA_SUCCESS) *pitch = p;
+    return rc;
+}
+
+API CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    FAIL_POINT("cuMemFree_v2");
+    return alloc_free(K_DPTR, dptr);
+}
+
+API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
+{
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_DPTR, dptr);
+    if (a) {
+        if (base) *base = a->handle;
+        if (size) *size = a->size;
+    }
+    pthread_mutex_unlock(&mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
+{
+    FAIL_POINT("cuMemGetInfo_v2");
+    NEED_CTX();
+    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t used = fake_phys_map() ? fake_phys_used(current->pdev) : local_used[current->pdev];
+    *total = devs[current->pdev].total;
+    *free_bytes = used < *total ? *total - used : 0;
+    return CUDA_SUCCESS;
+}
+
+/* VMM */
+API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                         unsigned long long flags)
+{
+    (void)flags;
+    FAIL_POINT("cuMemCreate");
+    NEED_INIT();
+    if (!handle || !prop || !size || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+        prop->location.id < 0 || prop->location.id >= nvisible || size % (2u << 20))
+        return CUDA_ERROR_INVALID_VALUE;
+    return alloc_new(K_VMM, size, visible[prop->location.id], NULL, handle, 1);
+}
+
+API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    FAIL_POINT("cuMemRelease");
+    return alloc_free(K_VMM, handle);
+}
+
+API CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop, int option)
+{
+    (void)prop, (void)option;
+    if (!g) return CUDA_ERROR_INVALID_VALUE;
+    *g = 2u << 20;
+    return CUDA_SUCCESS;
+}
+
+/* Arrays */
+static uint64_t elem_bytes(int format, unsigned ch)
+{
+    uint64_t per = (format == 1 || format == 8) ? 1 : (format == 2 || format == 9 || format == 0x10) ? 2 : 4;
+    return per * (ch ? ch : 1);
+}
+
+API CUresult cuArrayCreate_v2(CUarray *h, const CUDA_ARRAY_DESCRIPTOR *d)
+{
+    FAIL_POINT("cuArrayCreate_v2");
+    NEED_CTX();
+    if (!h || !d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t bytes = (uint64_t)d->Width * (d->Height ? d->Height : 1) * elem_bytes(d->Format, d->NumChannels);
+    return alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
+}
+
+API CUresult cuArray3DCreate_v2(CUarray *h, const CUDA_ARRAY3D_DESCRIPTOR *d)
+{
+    FAIL_POINT("cuArray3DCreate_v2");
+    NEED_CTX();
+    if (!h || !d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t bytes = (uint64_t)d->Width * (d->Height ? d->Height : 1) * (d->Depth ? d->Depth : 1) *
+                     elem_bytes(d->Format, d->NumChannels);
+    return alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
+}
+
+API CUresult cuArrayDestroy(CUarray h)
+{
+    FAIL_POINT("cuArrayDestroy");
+    return alloc_free(K_ARRAY, (uint64_t)(uintptr_t)h);
+}
+
+API CUresult cuMipmappedArrayCreate(CUmipmappedArray *h, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels)
+{
+    FAIL_POINT("cuMipmappedArrayCreate");
+    NEED_CTX();
+    if (!h || !d || !d->Width || !levels) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t bytes = 0;
+    for (unsigned l = 0; l < levels; l++) {
+        uint64_t w = d->Width >> l, hh = d->Height >> l, dd = d->Depth >> l;
+        bytes += (w ? w : 1) * (hh ? hh : 1) * (dd ? dd : 1) * elem_bytes(d->Format, d->NumChannels);
+    }
+    return alloc_new(K_MIPMAP, bytes, current->pdev, NULL, h, 1);
+}
+
+API CUresult cuMipmappedArrayDestroy(CUmipmappedArray h)
+{
+    FAIL_POINT("cuMipmappedArrayDestroy");
+    return alloc_free(K_MIPMAP, (uint64_t)(uintptr_t)h);
+}
+
+/* Pools */
+API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
+{
+    CHECK_DEV(d);
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    default_pools[visible[d]].pdev = visible[d];
+    *pool = (CUmemoryPool)&default_pools[visible[d]];
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
+{
+    return cuDeviceGetMemPool(pool, d);
+}
+
+API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
+{
+    NEED_INIT();
+    if (!pool || !props) return CUDA_ERROR_INVALID_VALUE;
+    const CUmemLocation *loc = (const CUmemLocation *)((const char *)props + 8);
+    if (loc->id < 0 || loc->id >= nvisible) return CUDA_ERROR_INVALID_DEVICE;
+    struct fake_pool *p = calloc(1, sizeof(*p));
+    p->pdev = visible[loc->id];
+    *pool = (CUmemoryPool)p;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    struct fake_pool *p = (struct fake_pool *)pool;
+    if (!p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    phys_sub(p->pdev, p->reserved - p->used);
+    p->reserved = p->used;
+    p->destroyed = 1;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
+{
+    struct fake_pool *p = (struct fake_pool *)pool;
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    uint64_t floor = (p->used + pool_chunk - 1) / pool_chunk * pool_chunk;
+    uint64_t k = (keep + pool_chunk - 1) / pool_chunk * pool_chunk;
+    uint64_t target = floor > k ? floor : k;
+    if (target < p->reserved) {
+        phys_sub(p->pdev, p->reserved - target);
+        p->reserved = target;
+    }
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    struct fake_pool *p = (struct fake_pool *)pool;
+    if (!p || !value || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
+    if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        *(cuuint64_t *)value = p->reserved;
+    else if (attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        *(cuuint64_t *)value = p->used;
+    else
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return CUDA_SUCCESS;
+}
+
+static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, struct fake_pool *p)
+{
+    if (!dptr || !bytes || !p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult rc = CUDA_SUCCESS;
+    if (p->used + bytes > p->reserved) {
+        uint64_t target = (p->used + bytes + pool_chunk - 1) / pool_chunk * pool_chunk;
+        rc = phys_add(p->pdev, target - p->reserved);
+        if (rc == CUDA_SUCCESS) p->reserved = target;
+    }
+    if (rc == CUDA_SUCCESS) p->used += bytes;
+    pthread_mutex_unlock(&mu);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = alloc_new(K_POOL, bytes, p->pdev, p, dptr, 0);
+    if (rc != CUDA_SUCCESS) {
+        pthread_mutex_lock(&mu);
+        p->used -= bytes;
+        pthread_mutex_unlock(&mu);
+    }
+    return rc;
+}
+
+API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s)
+{
+    (void)s;
+    FAIL_POINT("cuMemAllocFromPoolAsync");
+    NEED_CTX();
+    return pool_alloc(dptr, bytes, (struct fake_pool *)pool);
+}
+
+API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s)
+{
+    return cuMemAllocFromPoolAsync(dptr, bytes, pool, s);
+}
+
+API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s)
+{
+    (void)s;
+    FAIL_POINT("cuMemAllocAsync");
+    NEED_CTX();
+    default_pools[current->pdev].pdev = current->pdev;
+    return pool_alloc(dptr, bytes, &default_pools[current->pdev]);
+}
+
+API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUstream s)
+{
+    return cuMemAllocAsync(dptr, bytes, s);
+}
+
+API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s)
+{
+    (void)s;
+    FAIL_POINT("cuMemFreeAsync");
+    return alloc_free(K_DPTR, dptr);
+}
+
+API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s)
+{
+    return cuMemFreeAsync(dptr, s);
+}
+
+#include "fakelaunch.h"

@@ -1,0 +1,330 @@
+/*
+ * fakelaunch.h - the fake driver's GPU timeline (streams, events, kernels,
+ * graphs, capture) and cuGetProcAddress.  Included by fakecuda.c only.
+ */
+
+struct fake_stream {
+    uint64_t tail; /* when the last queued work finishes */
+    int capturing;
+};
+struct fake_event {
+    int recorded;
+    uint64_t t;
+};
+static struct fake_stream legacy_stream;
+static __thread struct fake_stream ptds_stream;
+
+static struct fake_stream *stream_of(CUstream s, int ptsz)
+{
+    if (s == NULL) return ptsz ? &ptds_stream : &legacy_stream;
+    if (s == (CUstream)0x1) return &legacy_stream;
+    if (s == CU_STREAM_PER_THREAD) return &ptds_stream;
+    return (struct fake_stream *)s;
+}
+
+API CUresult cuStreamCreate(CUstream *s, unsigned int flags)
+{
+    (void)flags;
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    *s = (CUstream)calloc(1, sizeof(struct fake_stream));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamDestroy_v2(CUstream s)
+{
+    if (!s || s == (CUstream)0x1 || s == CU_STREAM_PER_THREAD) return CUDA_ERROR_INVALID_VALUE;
+    free(s);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamSynchronize(CUstream s)
+{
+    sleep_until(__atomic_load_n(&stream_of(s, 0)->tail, __ATOMIC_ACQUIRE));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamSynchronize_ptsz(CUstream s)
+{
+    sleep_until(__atomic_load_n(&stream_of(s, 1)->tail, __ATOMIC_ACQUIRE));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
+{
+    (void)mode;
+    stream_of(s, 0)->capturing = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamEndCapture(CUstream s, void **graph)
+{
+    stream_of(s, 0)->capturing = 0;
+    if (graph) *graph = NULL;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st)
+{
+    if (!st) return CUDA_ERROR_INVALID_VALUE;
+    *st = stream_of(s, 0)->capturing ? 1 : 0;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamIsCapturing_ptsz(CUstream s, CUstreamCaptureStatus *st)
+{
+    if (!st) return CUDA_ERROR_INVALID_VALUE;
+    *st = stream_of(s, 1)->capturing ? 1 : 0;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventCreate(CUevent *e, unsigned int flags)
+{
+    (void)flags;
+    if (!e) return CUDA_ERROR_INVALID_VALUE;
+    *e = (CUevent)calloc(1, sizeof(struct fake_event));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventDestroy_v2(CUevent e)
+{
+    if (!e) return CUDA_ERROR_INVALID_VALUE;
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+static CUresult event_record(CUevent e, CUstream s, int ptsz)
+{
+    struct fake_event *ev = (struct fake_event *)e;
+    if (!ev) return CUDA_ERROR_INVALID_VALUE;
+    struct fake_stream *st = stream_of(s, ptsz);
+    uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
+    ev->t = tail > n ? tail : n;
+    ev->recorded = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventRecord(CUevent e, CUstream s)
+{
+    return event_record(e, s, 0);
+}
+
+API CUresult cuEventRecord_ptsz(CUevent e, CUstream s)
+{
+    return event_record(e, s, 1);
+}
+
+API CUresult cuEventQuery(CUevent e)
+{
+    struct fake_event *ev = (struct fake_event *)e;
+    if (!ev) return CUDA_ERROR_INVALID_VALUE;
+    return !ev->recorded || now_ns() >= ev->t ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+API CUresult cuEventSynchronize(CUevent e)
+{
+    struct fake_event *ev = (struct fake_event *)e;
+    if (!ev) return CUDA_ERROR_INVALID_VALUE;
+    if (ev->recorded) sleep_until(ev->t);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
+{
+    struct fake_event *x = (struct fake_event *)a, *y = (struct fake_event *)b;
+    if (!ms || !x || !y || !x->recorded || !y->recorded) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t n = now_ns();
+    if (n < x->t || n < y->t) return CUDA_ERROR_NOT_READY;
+    *ms = (float)(((double)y->t - (double)x->t) / 1e6);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b)
+{
+    return cuEventElapsedTime(ms, a, b);
+}
+
+API CUresult cuCtxSynchronize(void)
+{
+    sleep_until(__atomic_load_n(&legacy_stream.tail, __ATOMIC_ACQUIRE));
+    sleep_until(__atomic_load_n(&ptds_stream.tail, __ATOMIC_ACQUIRE));
+    return CUDA_SUCCESS;
+}
+
+/* Run `count` kernels on the stream's timeline. */
+static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
+{
+    NEED_CTX();
+    struct fake_stream *st = stream_of(s, ptsz);
+    uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
+    __atomic_store_n(&st->tail, (tail > n ? tail : n) + count * kernel_ns, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&kernel_total_ns, count * kernel_ns, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+
+#define FAKE_LAUNCH_PARAMS                                                                                     \
+    CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,          \
+        unsigned int bz, unsigned int shmem, CUstream s
+
+API CUresult cuLaunchKernel(FAKE_LAUNCH_PARAMS, void **params, void **extra)
+{
+    (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params, (void)extra;
+    FAIL_POINT("cuLaunchKernel");
+    return f ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuLaunchKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params, void **extra)
+{
+    (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params, (void)extra;
+    return f ? enqueue(s, 1, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuLaunchCooperativeKernel(FAKE_LAUNCH_PARAMS, void **params)
+{
+    (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params;
+    return f ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuLaunchCooperativeKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params)
+{
+    (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params;
+    return f ? enqueue(s, 1, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **params, void **extra)
+{
+    (void)params, (void)extra;
+    return c && f ? enqueue(c->hStream, 0, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **params, void **extra)
+{
+    (void)params, (void)extra;
+    return c && f ? enqueue(c->hStream, 1, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* A fake graph "executable" is the number of kernels it runs. */
+API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
+{
+    return g ? enqueue(s, 0, (uint64_t)(uintptr_t)g) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
+{
+    return g ? enqueue(s, 1, (uint64_t)(uintptr_t)g) : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Test-only introspection. */
+API uint64_t fake_cuda_kernel_ns(void)
+{
+    return __atomic_load_n(&kernel_total_ns, __ATOMIC_RELAXED);
+}
+
+API uint64_t fake_cuda_local_used(int pdev)
+{
+    return pdev >= 0 && pdev < FAKE_MAX_DEVS ? local_used[pdev] : 0;
+}
+
+/* ---- cuGetProcAddress ----------------------------------------------------- */
+
+#define FAKE_FUNCS(X)                                                                                          \
+    X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetUuid_v2) \
+    X(cuDeviceTotalMem_v2) X(cuDeviceGetName) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxGetState)          \
+    X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset_v2) X(cuCtxCreate_v2) X(cuCtxCreate_v3)           \
+    X(cuCtxCreate_v4) X(cuCtxDestroy_v2) X(cuCtxSetCurrent) X(cuCtxGetCurrent) X(cuCtxGetDevice)                \
+    X(cuCtxSynchronize) X(cuMemAlloc_v2) X(cuMemAllocManaged) X(cuMemAllocPitch_v2) X(cuMemFree_v2)             \
+    X(cuMemGetAddressRange_v2) X(cuMemGetInfo_v2) X(cuMemCreate) X(cuMemRelease)                                \
+    X(cuMemGetAllocationGranularity) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy)                \
+    X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) X(cuDeviceGetMemPool) X(cuDeviceGetDefaultMemPool)    \
+    X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute)                          \
+    X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)       \
+    X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
+    X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
+    X(cuStreamIsCapturing_ptsz) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz)    \
+    X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuLaunchKernel)      \
+    X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx)   \
+    X(cuLaunchKernelEx_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2)
+
+API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
+API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);
+
+#define FAKE_ENTRY(name) {#name, (void *)name},
+static const struct {
+    const char *name;
+    void *fn;
+} funcs[] = {FAKE_FUNCS(FAKE_ENTRY)};
+
+/* Trampolines: addresses that are not the exports (FAKE_CUDA_PROCADDR_TRAMPOLINE=1). */
+static CUresult tramp_cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, n); }
+static CUresult tramp_cuMemFree_v2(CUdeviceptr p) { return cuMemFree_v2(p); }
+static CUresult tramp_cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
+
+/* base name, first cudaVersion of the variant, the variant's export */
+static const struct {
+    const char *base;
+    int version;
+    const char *name;
+} versions[] = {
+    {"cuMemAlloc", 3020, "cuMemAlloc_v2"},           {"cuMemAllocPitch", 3020, "cuMemAllocPitch_v2"},
+    {"cuMemFree", 3020, "cuMemFree_v2"},             {"cuMemGetInfo", 3020, "cuMemGetInfo_v2"},
+    {"cuDeviceTotalMem", 3020, "cuDeviceTotalMem_v2"}, {"cuMemGetAddressRange", 3020, "cuMemGetAddressRange_v2"},
+    {"cuCtxCreate", 3020, "cuCtxCreate_v2"},         {"cuCtxCreate", 11040, "cuCtxCreate_v3"},
+    {"cuCtxCreate", 12050, "cuCtxCreate_v4"},        {"cuCtxDestroy", 4000, "cuCtxDestroy_v2"},
+    {"cuDevicePrimaryCtxRelease", 11000, "cuDevicePrimaryCtxRelease_v2"},
+    {"cuDevicePrimaryCtxReset", 11000, "cuDevicePrimaryCtxReset_v2"},
+    {"cuArrayCreate", 3020, "cuArrayCreate_v2"},     {"cuArray3DCreate", 3020, "cuArray3DCreate_v2"},
+    {"cuGetProcAddress", 12000, "cuGetProcAddress_v2"}, {"cuDeviceGetUuid", 11040, "cuDeviceGetUuid_v2"},
+    {"cuEventDestroy", 4000, "cuEventDestroy_v2"},   {"cuStreamDestroy", 4000, "cuStreamDestroy_v2"},
+    {"cuStreamBeginCapture", 10010, "cuStreamBeginCapture_v2"},
+};
+
+static void *func_by_name(const char *name)
+{
+    if (getenv("FAKE_CUDA_PROCADDR_TRAMPOLINE")) {
+        if (!strcmp(name, "cuMemAlloc_v2")) return (void *)tramp_cuMemAlloc_v2;
+        if (!strcmp(name, "cuMemFree_v2")) return (void *)tramp_cuMemFree_v2;
+        if (!strcmp(name, "cuMemGetInfo_v2")) return (void *)tramp_cuMemGetInfo_v2;
+    }
+    for (size_t i = 0; i < sizeof(funcs) / sizeof(funcs[0]); i++)
+        if (!strcmp(funcs[i].name, name)) return funcs[i].fn;
+    return NULL;
+}
+
+static CUresult proc_address(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status)
+{
+    if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+    char name[160];
+    int best = -1, too_new = 0;
+    *pfn = NULL;
+    for (size_t i = 0; i < sizeof(versions) / sizeof(versions[0]); i++) {
+        if (strcmp(versions[i].base, symbol) != 0) continue;
+        if (versions[i].version > version) {
+            too_new = 1;
+            continue;
+        }
+        if (best < 0 || versions[i].version > versions[best].version) best = (int)i;
+    }
+    snprintf(name, sizeof(name), "%s", best >= 0 ? versions[best].name : symbol);
+    if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) {
+        char pt[200];
+        snprintf(pt, sizeof(pt), "%s_ptsz", name);
+        if (func_by_name(pt) && strlen(pt) < sizeof(name)) memcpy(name, pt, strlen(pt) + 1);
+    }
+    void *fn = func_by_name(name);
+    if (!fn) {
+        if (status) *status = too_new ? 2 : 1;
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    *pfn = fn;
+    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags)
+{
+    return proc_address(symbol, pfn, version, flags, NULL);
+}
+
+API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status)
+{
+    return proc_address(symbol, pfn, version, flags, status);
+}

@@ -1,0 +1,141 @@
+/*
+ * fakenvml.c - a fake libnvidia-ml.so.1: the machine's devices from
+ * FAKE_CUDA_DEVICES (all of them, in order, ignoring CUDA_VISIBLE_DEVICES as
+ * NVML does), with used memory = FAKE_NVML_BASE_USED + what the live
+ * processes hold according to FAKE_CUDA_STATE.
+ */
+#include "fakestate.h"
+
+#include <stdio.h>
+
+#include "cuda_abi.h"
+
+#define API __attribute__((visibility("default")))
+
+static struct fake_dev devs[FAKE_MAX_DEVS];
+static int ndevs = -1;
+static int refs;
+
+API nvmlReturn_t nvmlInit_v2(void)
+{
+    if (ndevs < 0) ndevs = fake_devices(devs);
+    refs++;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlInit(void) { return nvmlInit_v2(); }
+API nvmlReturn_t nvmlInitWithFlags(unsigned int flags) { (void)flags; return nvmlInit_v2(); }
+
+API nvmlReturn_t nvmlShutdown(void)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    refs--;
+    return NVML_SUCCESS;
+}
+
+API const char *nvmlErrorString(nvmlReturn_t rc)
+{
+    return rc == NVML_SUCCESS ? "Success" : "Fake NVML error";
+}
+
+API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (!n) return NVML_ERROR_INVALID_ARGUMENT;
+    *n = (unsigned)ndevs;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetCount(unsigned int *n) { return nvmlDeviceGetCount_v2(n); }
+
+API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int i, nvmlDevice_t *d)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (!d || i >= (unsigned)ndevs) return NVML_ERROR_INVALID_ARGUMENT;
+    *d = (nvmlDevice_t)&devs[i];
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int i, nvmlDevice_t *d)
+{
+    return nvmlDeviceGetHandleByIndex_v2(i, d);
+}
+
+static int index_of(nvmlDevice_t d)
+{
+    for (int i = 0; i < ndevs; i++)
+        if ((nvmlDevice_t)&devs[i] == d) return i;
+    return -1;
+}
+
+API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *d)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (!uuid || !d) return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < ndevs; i++)
+        if (!strcmp(devs[i].uuid, uuid)) {
+            *d = (nvmlDevice_t)&devs[i];
+            return NVML_SUCCESS;
+        }
+    return 6; /* NVML_ERROR_NOT_FOUND */
+}
+
+API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t d, char *uuid, unsigned int len)
+{
+    int i = index_of(d);
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (i < 0 || !uuid) return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(devs[i].uuid) >= len) return 7; /* NVML_ERROR_INSUFFICIENT_SIZE */
+    strcpy(uuid, devs[i].uuid);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index)
+{
+    int i = index_of(d);
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (i < 0 || !index) return NVML_ERROR_INVALID_ARGUMENT;
+    *index = (unsigned)i;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int len)
+{
+    int i = index_of(d);
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (i < 0 || !name || !len) return NVML_ERROR_INVALID_ARGUMENT;
+    snprintf(name, len, "Fake GPU %d", i);
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t usage(nvmlDevice_t d, unsigned long long *total, unsigned long long *used)
+{
+    int i = index_of(d);
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (i < 0) return NVML_ERROR_INVALID_ARGUMENT;
+    const char *base = getenv("FAKE_NVML_BASE_USED");
+    *total = devs[i].total;
+    *used = fake_phys_used(i) + (base ? fake_size(base) : 0);
+    if (*used > *total) *used = *total;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m)
+{
+    if (!m) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t rc = usage(d, &m->total, &m->used);
+    if (rc == NVML_SUCCESS) m->free = m->total - m->used;
+    return rc;
+}
+
+API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
+{
+    if (!m) return NVML_ERROR_INVALID_ARGUMENT;
+    if (m->version != ((2u << 24) | (unsigned)sizeof(nvmlMemory_v2_t))) return 25; /* VERSION_MISMATCH */
+    nvmlReturn_t rc = usage(d, &m->total, &m->used);
+    if (rc == NVML_SUCCESS) {
+        m->reserved = 5u << 20;
+        m->free = m->total - m->used;
+    }
+    return rc;
+}

@@ -1,0 +1,405 @@
+/*
+ * gsprobe - drives the CUDA driver API the way a program would, through one
+ * of the paths a program takes, and prints one line per command for pytest.
+ *
+ *   gsprobe [--api direct|dlsym|procaddr|procaddr1|ptsz] COMMAND [ARGS]...
+ *
+ * direct     calls the exported symbols (the program links libcuda)
+ * dlsym      dlopen("libcuda.so.1") + dlsym for every function
+ * procaddr   cuGetProcAddress_v2(base name, 13000, default flags)
+ * procaddr1  cuGetProcAddress (v1) with cudaVersion 12000
+ * ptsz       cuGetProcAddress_v2 with the per-thread default stream flag
+ *
+ * Every command prints "<command> <CUresult> [values...]".  Allocations get
+ * ids 0, 1, 2... in order; `free ID` frees one with the matching call.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_abi.h"
+
+#define FN(name, ret, params) typedef ret(*name##_t) params;
+#define API_FUNCS(X)                                                                                         \
+    X(cuInit, CUresult, (unsigned))                                                                          \
+    X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *, CUdevice))                                           \
+    X(cuDevicePrimaryCtxRelease_v2, CUresult, (CUdevice))                                                    \
+    X(cuDevicePrimaryCtxReset_v2, CUresult, (CUdevice))                                                      \
+    X(cuCtxCreate_v2, CUresult, (CUcontext *, unsigned, CUdevice))                                           \
+    X(cuCtxDestroy_v2, CUresult, (CUcontext))                                                                \
+    X(cuCtxSetCurrent, CUresult, (CUcontext))                                                                \
+    X(cuMemAlloc_v2, CUresult, (CUdeviceptr *, size_t))                                                      \
+    X(cuMemAllocManaged, CUresult, (CUdeviceptr *, size_t, unsigned))                                        \
+    X(cuMemAllocPitch_v2, CUresult, (CUdeviceptr *, size_t *, size_t, size_t, unsigned))                     \
+    X(cuMemFree_v2, CUresult, (CUdeviceptr))                                                                 \
+    X(cuMemAllocAsync, CUresult, (CUdeviceptr *, size_t, CUstream))                                          \
+    X(cuMemAllocFromPoolAsync, CUresult, (CUdeviceptr *, size_t, CUmemoryPool, CUstream))                    \
+    X(cuMemFreeAsync, CUresult, (CUdeviceptr, CUstream))                                                     \
+    X(cuMemPoolCreate, CUresult, (CUmemoryPool *, const void *))                                             \
+    X(cuMemPoolTrimTo, CUresult, (CUmemoryPool, size_t))                                                     \
+    X(cuMemPoolDestroy, CUresult, (CUmemoryPool))                                                            \
+    X(cuDeviceGetMemPool, CUresult, (CUmemoryPool *, CUdevice))                                              \
+    X(cuMemCreate, CUresult, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
+    X(cuMemRelease, CUresult, (CUmemGenericAllocationHandle))                                                \
+    X(cuArrayCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *))                                \
+    X(cuArray3DCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                            \
+    X(cuArrayDestroy, CUresult, (CUarray))                                                                   \
+    X(cuMipmappedArrayCreate, CUresult, (CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned))     \
+    X(cuMipmappedArrayDestroy, CUresult, (CUmipmappedArray))                                                 \
+    X(cuMemGetInfo_v2, CUresult, (size_t *, size_t *))                                                       \
+    X(cuDeviceTotalMem_v2, CUresult, (size_t *, CUdevice))                                                   \
+    X(cuLaunchKernel, CUresult, (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,     \
+                                 unsigned, CUstream, void **, void **))                                      \
+    X(cuLaunchKernelEx, CUresult, (const CUlaunchConfig *, CUfunction, void **, void **))                    \
+    X(cuLaunchCooperativeKernel, CUresult, (CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,    \
+                                            unsigned, unsigned, CUstream, void **))                          \
+    X(cuGraphLaunch, CUresult, (CUgraphExec, CUstream))                                                      \
+    X(cuStreamBeginCapture_v2, CUresult, (CUstream, int))                                                    \
+    X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
+    X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
+    X(cuCtxSynchronize, CUresult, (void))
+API_FUNCS(FN)
+typedef CUresult (*getproc2_t)(const char *, void **, int, cuuint64_t, int *);
+typedef CUresult (*getproc1_t)(const char *, void **, int, cuuint64_t);
+typedef nvmlReturn_t (*nvml_init_t)(void);
+typedef nvmlReturn_t (*nvml_handle_t)(unsigned, nvmlDevice_t *);
+typedef nvmlReturn_t (*nvml_mem_t)(nvmlDevice_t, nvmlMemory_t *);
+typedef nvmlReturn_t (*nvml_mem2_t)(nvmlDevice_t, nvmlMemory_v2_t *);
+
+#define MEMBER(name, ret, params) name##_t name;
+static struct {
+    API_FUNCS(MEMBER)
+} api;
+
+/* The symbols, for --api direct (the program links libcuda.so.1). */
+#define DECLARE(name, ret, params) ret name params;
+API_FUNCS(DECLARE)
+nvmlReturn_t nvmlInit_v2(void);
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned, nvmlDevice_t *);
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t, nvmlMemory_t *);
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t, nvmlMemory_v2_t *);
+
+static const char *mode = "direct";
+static void *libcuda;
+
+/* The base name and cudaVersion a runtime would ask cuGetProcAddress for. */
+static void *by_procaddr(const char *name)
+{
+    static getproc2_t gp2;
+    static getproc1_t gp1;
+    if (!gp2) gp2 = (getproc2_t)dlsym(libcuda, "cuGetProcAddress_v2");
+    if (!gp1) gp1 = (getproc1_t)dlsym(libcuda, "cuGetProcAddress");
+    char base[128];
+    snprintf(base, sizeof(base), "%s", name);
+    char *suffix = strstr(base, "_v2");
+    if (suffix && suffix[3] == '\0') *suffix = '\0';
+    int version = strcmp(base, "cuCtxCreate") == 0 ? 3020 : 13000; /* we call the _v2 ABI */
+    cuuint64_t flags = strcmp(mode, "ptsz") == 0 ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : 0;
+    void *fn = NULL;
+    int status = -1;
+    if (strcmp(mode, "procaddr1") == 0)
+        gp1(base, &fn, version > 12000 ? 12000 : version, flags);
+    else
+        gp2(base, &fn, version, flags, &status);
+    return fn;
+}
+
+static void load_api(void)
+{
+    libcuda = dlopen("libcuda.so.1", RTLD_NOW);
+    if (strcmp(mode, "direct") == 0) {
+#define DIRECT(name, ret, params) api.name = name;
+        API_FUNCS(DIRECT)
+    } else if (strcmp(mode, "dlsym") == 0) {
+#define VIA_DLSYM(name, ret, params) api.name = (name##_t)dlsym(libcuda, #name);
+        API_FUNCS(VIA_DLSYM)
+    } else {
+#define VIA_PROC(name, ret, params) api.name = (name##_t)by_procaddr(#name);
+        API_FUNCS(VIA_PROC)
+    }
+}
+
+/* ---- allocations ---------------------------------------------------------- */
+
+enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP };
+static struct {
+    int kind;
+    uint64_t handle;
+} allocs[4096];
+static int nallocs;
+static CUmemoryPool user_pool;
+static CUcontext ctxs[64];
+static int nctx;
+
+static void remember(const char *what, CUresult rc, int kind, uint64_t handle)
+{
+    if (rc == CUDA_SUCCESS) {
+        allocs[nallocs].kind = kind;
+        allocs[nallocs].handle = handle;
+        printf("%s %d %d\n", what, rc, nallocs++);
+    } else {
+        printf("%s %d -1\n", what, rc);
+    }
+}
+
+static uint64_t size_arg(const char *s)
+{
+    char *end;
+    uint64_t v = strtoull(s, &end, 10);
+    if (*end == 'k') v <<= 10;
+    if (*end == 'm') v <<= 20;
+    if (*end == 'g') v <<= 30;
+    return v;
+}
+
+static CUmemoryPool get_user_pool(void)
+{
+    if (!user_pool) {
+        struct {
+            int allocType, handleTypes;
+            CUmemLocation location;
+            char rest[64];
+        } props = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}, {0}};
+        api.cuMemPoolCreate(&user_pool, &props);
+    }
+    return user_pool;
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Launch for `seconds` of wall time; report the GPU time the fake ran. */
+static void bench(double seconds, const char *kind)
+{
+    typedef uint64_t (*kns_t)(void);
+    kns_t kernel_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_ns");
+    CUfunction f = (CUfunction)0x1234;
+    CUstream s = NULL;
+    CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+    uint64_t k0 = kernel_ns(), t0 = now_ns(), end = t0 + (uint64_t)(seconds * 1e9), n = 0;
+    CUresult rc = CUDA_SUCCESS;
+    while (rc == CUDA_SUCCESS && now_ns() < end) {
+        if (!strcmp(kind, "ex"))
+            rc = api.cuLaunchKernelEx(&cfg, f, NULL, NULL);
+        else if (!strcmp(kind, "coop"))
+            rc = api.cuLaunchCooperativeKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL);
+        else if (!strcmp(kind, "graph"))
+            rc = api.cuGraphLaunch((CUgraphExec)(uintptr_t)4, s);
+        else
+            rc = api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        n++;
+    }
+    api.cuCtxSynchronize();
+    uint64_t wall = now_ns() - t0;
+    printf("bench %d %llu %llu %llu\n", rc, (unsigned long long)n, (unsigned long long)(kernel_ns() - k0),
+           (unsigned long long)wall);
+}
+
+static nvmlDevice_t nvml_device(unsigned index)
+{
+    static nvml_handle_t by_index;
+    nvmlDevice_t d = NULL;
+    if (!by_index) {
+        void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+        ((nvml_init_t)dlsym(h, "nvmlInit_v2"))();
+        by_index = (nvml_handle_t)dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    }
+    by_index(index, &d);
+    return d;
+}
+
+static nvml_mem_t nvml_mem(void)
+{
+    if (strcmp(mode, "direct") == 0) return nvmlDeviceGetMemoryInfo;
+    return (nvml_mem_t)dlsym(dlopen("libnvidia-ml.so.1", RTLD_NOW), "nvmlDeviceGetMemoryInfo");
+}
+
+static nvml_mem2_t nvml_mem2(void)
+{
+    if (strcmp(mode, "direct") == 0) return nvmlDeviceGetMemoryInfo_v2;
+    return (nvml_mem2_t)dlsym(dlopen("libnvidia-ml.so.1", RTLD_NOW), "nvmlDeviceGetMemoryInfo_v2");
+}
+
+int main(int argc, char **argv)
+{
+    int i = 1;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (i + 1 < argc && strcmp(argv[i], "--api") == 0) {
+        mode = argv[i + 1];
+        i += 2;
+    }
+    load_api();
+    while (i < argc) {
+        const char *c = argv[i++];
+#define ARG(k) (i + (k) < argc ? argv[i + (k)] : "0")
+        if (!strcmp(c, "init")) {
+            printf("init %d\n", api.cuInit(0));
+        } else if (!strcmp(c, "ctx")) {
+            CUcontext ctx = NULL;
+            CUresult rc = api.cuDevicePrimaryCtxRetain(&ctx, atoi(ARG(0)));
+            if (rc == CUDA_SUCCESS) api.cuCtxSetCurrent(ctx);
+            printf("ctx %d\n", rc);
+            i += 1;
+        } else if (!strcmp(c, "release")) {
+            printf("release %d\n", api.cuDevicePrimaryCtxRelease_v2(atoi(ARG(0))));
+            i += 1;
+        } else if (!strcmp(c, "reset")) {
+            printf("reset %d\n", api.cuDevicePrimaryCtxReset_v2(atoi(ARG(0))));
+            i += 1;
+        } else if (!strcmp(c, "ctxcreate")) {
+            CUcontext ctx = NULL;
+            CUresult rc = api.cuCtxCreate_v2(&ctx, 0, atoi(ARG(0)));
+            if (rc == CUDA_SUCCESS) ctxs[nctx] = ctx;
+            printf("ctxcreate %d %d\n", rc, rc == CUDA_SUCCESS ? nctx++ : -1);
+            i += 1;
+        } else if (!strcmp(c, "ctxdestroy")) {
+            printf("ctxdestroy %d\n", api.cuCtxDestroy_v2(ctxs[atoi(ARG(0))]));
+            i += 1;
+        } else if (!strcmp(c, "alloc") || !strcmp(c, "managed")) {
+            CUdeviceptr p = 0;
+            CUresult rc = !strcmp(c, "alloc") ? api.cuMemAlloc_v2(&p, size_arg(ARG(0)))
+                                              : api.cuMemAllocManaged(&p, size_arg(ARG(0)), 1);
+            remember(c, rc, A_DPTR, p);
+            i += 1;
+        } else if (!strcmp(c, "pitch")) {
+            CUdeviceptr p = 0;
+            size_t pitch = 0;
+            CUresult rc = api.cuMemAllocPitch_v2(&p, &pitch, size_arg(ARG(0)), size_arg(ARG(1)), 4);
+            remember("pitch", rc, A_DPTR, p);
+            i += 2;
+        } else if (!strcmp(c, "async") || !strcmp(c, "pool")) {
+            CUdeviceptr p = 0;
+            CUresult rc = !strcmp(c, "async")
+                              ? api.cuMemAllocAsync(&p, size_arg(ARG(0)), NULL)
+                              : api.cuMemAllocFromPoolAsync(&p, size_arg(ARG(0)), get_user_pool(), NULL);
+            remember(c, rc, A_POOL, p);
+            i += 1;
+        } else if (!strcmp(c, "vmm")) {
+            CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, atoi(ARG(1))}};
+            CUmemGenericAllocationHandle h = 0;
+            remember("vmm", api.cuMemCreate(&h, size_arg(ARG(0)), &prop, 0), A_VMM, h);
+            i += 2;
+        } else if (!strcmp(c, "array")) {
+            CUDA_ARRAY_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0x20, 4};
+            CUarray a = NULL;
+            remember("array", api.cuArrayCreate_v2(&a, &d), A_ARRAY, (uint64_t)(uintptr_t)a);
+            i += 2;
+        } else if (!strcmp(c, "array3d")) {
+            CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), size_arg(ARG(2)), 0x01, 1, 0};
+            CUarray a = NULL;
+            remember("array3d", api.cuArray3DCreate_v2(&a, &d), A_ARRAY, (uint64_t)(uintptr_t)a);
+            i += 3;
+        } else if (!strcmp(c, "mipmap")) {
+            CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0, 0x10, 2, 0};
+            CUmipmappedArray m = NULL;
+            remember("mipmap", api.cuMipmappedArrayCreate(&m, &d, (unsigned)atoi(ARG(2))), A_MIPMAP,
+                     (uint64_t)(uintptr_t)m);
+            i += 3;
+        } else if (!strcmp(c, "free") || !strcmp(c, "freesync")) {
+            int id = atoi(ARG(0));
+            uint64_t h = allocs[id].handle;
+            CUresult rc;
+            switch (allocs[id].kind) {
+            case A_POOL: rc = !strcmp(c, "free") ? api.cuMemFreeAsync(h, NULL) : api.cuMemFree_v2(h); break;
+            case A_VMM: rc = api.cuMemRelease(h); break;
+            case A_ARRAY: rc = api.cuArrayDestroy((CUarray)(uintptr_t)h); break;
+            case A_MIPMAP: rc = api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h); break;
+            default: rc = api.cuMemFree_v2(h); break;
+            }
+            printf("%s %d\n", c, rc);
+            i += 1;
+        } else if (!strcmp(c, "trim") || !strcmp(c, "trimdefault")) {
+            CUmemoryPool p = user_pool;
+            if (!strcmp(c, "trimdefault")) api.cuDeviceGetMemPool(&p, 0);
+            printf("%s %d\n", c, api.cuMemPoolTrimTo(p, size_arg(ARG(0))));
+            i += 1;
+        } else if (!strcmp(c, "pooldestroy")) {
+            printf("pooldestroy %d\n", api.cuMemPoolDestroy(user_pool));
+        } else if (!strcmp(c, "meminfo")) {
+            size_t fr = 0, tot = 0;
+            CUresult rc = api.cuMemGetInfo_v2(&fr, &tot);
+            printf("meminfo %d %zu %zu\n", rc, fr, tot);
+        } else if (!strcmp(c, "totalmem")) {
+            size_t tot = 0;
+            CUresult rc = api.cuDeviceTotalMem_v2(&tot, atoi(ARG(0)));
+            printf("totalmem %d %zu\n", rc, tot);
+            i += 1;
+        } else if (!strcmp(c, "nvml")) {
+            nvmlMemory_t m = {0, 0, 0};
+            nvmlReturn_t rc = nvml_mem()(nvml_device((unsigned)atoi(ARG(0))), &m);
+            printf("nvml %d %llu %llu %llu\n", rc, m.total, m.used, m.free);
+            i += 1;
+        } else if (!strcmp(c, "nvml2")) {
+            nvmlMemory_v2_t m = {(2u << 24) | (unsigned)sizeof(nvmlMemory_v2_t), 0, 0, 0, 0};
+            nvmlReturn_t rc = nvml_mem2()(nvml_device((unsigned)atoi(ARG(0))), &m);
+            printf("nvml2 %d %llu %llu %llu %llu\n", rc, m.total, m.reserved, m.used, m.free);
+            i += 1;
+        } else if (!strcmp(c, "nullargs")) {
+            printf("nullargs %d %d %d %d %d %d %d %d\n", api.cuMemAlloc_v2(NULL, 1 << 20),
+                   api.cuMemGetInfo_v2(NULL, NULL), api.cuDeviceTotalMem_v2(NULL, 0),
+                   api.cuMemAllocPitch_v2(NULL, NULL, 16, 16, 4), api.cuDevicePrimaryCtxRetain(NULL, 0),
+                   api.cuMemAllocAsync(NULL, 16, NULL), api.cuMemCreate(NULL, 2 << 20, NULL, 0),
+                   api.cuArrayCreate_v2(NULL, NULL));
+        } else if (!strcmp(c, "nvmlnull")) {
+            printf("nvmlnull %d %d\n", nvml_mem()(nvml_device(0), NULL), nvml_mem2()(nvml_device(0), NULL));
+        } else if (!strcmp(c, "launch")) {
+            CUresult rc = CUDA_SUCCESS;
+            for (int n = atoi(ARG(0)); n > 0 && rc == CUDA_SUCCESS; n--)
+                rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            printf("launch %d\n", rc);
+            i += 1;
+        } else if (!strcmp(c, "bench")) {
+            bench(atof(ARG(0)), ARG(1));
+            i += 2;
+        } else if (!strcmp(c, "capture")) {
+            /* launches on a capturing stream must pass straight through */
+            CUstream s = NULL;
+            api.cuStreamCreate(&s, 0);
+            api.cuStreamBeginCapture_v2(s, 0);
+            CUresult rc = CUDA_SUCCESS;
+            uint64_t t0 = now_ns();
+            for (int n = atoi(ARG(0)); n > 0 && rc == CUDA_SUCCESS; n--)
+                rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+            api.cuStreamEndCapture(s, NULL);
+            printf("capture %d %llu\n", rc, (unsigned long long)(now_ns() - t0));
+            i += 1;
+        } else if (!strcmp(c, "sleep")) {
+            usleep((useconds_t)atoi(ARG(0)) * 1000);
+            printf("sleep 0\n");
+            i += 1;
+        } else if (!strcmp(c, "touch")) {
+            fclose(fopen(ARG(0), "w"));
+            printf("touch 0\n");
+            i += 1;
+        } else if (!strcmp(c, "waitfile")) {
+            struct stat st;
+            int n = 0;
+            while (stat(ARG(0), &st) != 0 && n++ < 2000) usleep(5000);
+            printf("waitfile %d\n", n <= 2000 ? 0 : 1);
+            i += 1;
+        } else if (!strcmp(c, "fork")) {
+            pid_t pid = fork();
+            if (pid == 0) continue; /* the child runs the rest */
+            int status = 0;
+            waitpid(pid, &status, 0);
+            printf("fork %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+        } else if (!strcmp(c, "exit")) {
+            fflush(stdout);
+            _exit(atoi(ARG(0)));
+        } else {
+            fprintf(stderr, "gsprobe: unknown command %s\n", c);
+            return 2;
+        }
+    }
+    return 0;
+}
