@@ -140,19 +140,26 @@ async def start_https(app: web.Application, host: str, port: int) -> web.AppRunn
     return runner
 
 
-async def serve(settings: Settings) -> int:
-    """Prepare the certificates for the TLS mode and serve until SIGTERM/SIGINT."""
+async def prepare_tls(settings: Settings) -> bool:
+    """Make sure ``cert_dir`` holds the serving certificate the TLS mode promises."""
     if settings.tls_mode == "dev":
         try:
             ensure_dev_certs(settings.cert_dir, settings.release_namespace, settings.service_name)
         except OSError as exc:
             logger.error("cannot create development certificates",
                          extra={"dir": settings.cert_dir, "error": str(exc)})
-            return 1
+            return False
     elif settings.tls_mode == "secret":
         from webhook.bootstrap import ensure_tls
 
         await ensure_tls(settings)
+    return True
+
+
+async def serve(settings: Settings) -> int:
+    """Prepare the certificates for the TLS mode and serve until SIGTERM/SIGINT."""
+    if not await prepare_tls(settings):
+        return 1
     app = create_app(settings)
     if not app[CERTS_KEY].loaded:
         logger.error("no usable serving certificate; expected tls.crt and tls.key",

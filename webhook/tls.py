@@ -177,6 +177,7 @@ class CertStore:
         self.context.minimum_version = ssl.TLSVersion.TLSv1_2
         self.info: CertInfo | None = None
         self._signature: tuple[int, ...] | None = None
+        self._failed: tuple[int, ...] | None = None
 
     @property
     def loaded(self) -> bool:
@@ -192,12 +193,13 @@ class CertStore:
     def reload_if_changed(self) -> bool:
         """Load the pair if the files changed since the last load; True when a new one is live."""
         signature = self._stat()
-        if signature is None or signature == self._signature:
+        if signature is None or signature in (self._signature, self._failed):
             return False
         try:
             cert_pem, key_pem = self.cert_file.read_bytes(), self.key_file.read_bytes()
             info = self._load(cert_pem, key_pem)
         except (OSError, ValueError, ssl.SSLError) as exc:
+            self._failed = signature  # retried when the files change again
             logger.error("serving certificate not loaded; keeping the previous one",
                          extra={"cert": str(self.cert_file), "error": str(exc)})
             return False

@@ -12,8 +12,7 @@ with ``jsonpatch.apply_patch`` that the patch turns the received object into the
 (table cases and random documents).
 
 Lists: the common head and tail (same object, or equal scalars) are kept; what is between is
-diffed item by item when both sides have the same number of objects, otherwise removed and
-added. That matches what the mutation does to lists (prepend env, append mounts and volumes,
+diffed item by item when both sides have the same length, otherwise removed and added. That matches what the mutation does to lists (prepend env, append mounts and volumes,
 drop reserved entries) with short patches.
 """
 
@@ -69,9 +68,7 @@ def _diff_lists(a: list[Any], b: list[Any], path: str, ops: list[Op]) -> None:
     while tail < shorter - head and _same(a[-1 - tail], b[-1 - tail]):
         tail += 1
     old, new = a[head:len(a) - tail], b[head:len(b) - tail]
-    if len(old) == len(new) and all(
-            isinstance(x, dict) and isinstance(y, dict) or isinstance(x, list)
-            and isinstance(y, list) for x, y in zip(old, new)):
+    if len(old) == len(new):
         for i, (x, y) in enumerate(zip(old, new)):
             _diff(x, y, f"{path}/{head + i}", ops)
         return

@@ -43,7 +43,6 @@ _OUR_ENV = frozenset({
 })
 _RESERVED_ENV = re.compile(rf"^(GPUSLICE_.*|({names.ENV_MEMORY_LIMIT}|{names.ENV_SM_LIMIT})_[0-9]+)$")
 _RESERVED_PREFIXES = ("GPUSLICE_", "CUDA_DEVICE_")
-_POLICY_ANNOTATIONS = (names.ANN_PLACEMENT, names.HAMI_POLICY)
 _POLICIES = ("binpack", "spread")
 _DEFAULT_SCHEDULER = "default-scheduler"
 
@@ -190,10 +189,11 @@ def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
         reasons.append("spec.nodeName is set, which bypasses the GPU scheduler that assigns "
                        "the GPUs; remove spec.nodeName (use a nodeSelector to pick nodes)")
     annotations = metadata.get("annotations") or {}
-    for key in _POLICY_ANNOTATIONS:
-        value = annotations.get(key)
-        if value is not None and str(value).strip().lower() not in _POLICIES:
-            reasons.append(f"annotation {key} is {value!r}; use binpack or spread")
+    # Ours wins over HAMi's, as in the extender; empty means the default policy.
+    key = names.ANN_PLACEMENT if annotations.get(names.ANN_PLACEMENT) else names.HAMI_POLICY
+    value = annotations.get(key)
+    if value and str(value).strip().lower() not in _POLICIES:
+        reasons.append(f"annotation {key} is {value!r}; use binpack or spread")
     return reasons
 
 

@@ -82,9 +82,7 @@ def read_request(container: dict[str, Any], settings: Settings,
     gpu_name, mem_name, pct_name, cores_name = names
     count = values.get(gpu_name)
     mem, pct, cores = values.get(mem_name), values.get(pct_name), values.get(cores_name)
-    if reasons:
-        return None
-
+    # The checks below look at every value that parsed, so all problems are reported at once.
     slicing = mem is not None or pct is not None or cores is not None
     if count == 0:
         if slicing:
@@ -100,8 +98,8 @@ def read_request(container: dict[str, Any], settings: Settings,
         if mem < 1:
             reasons.append(f"{mem_name} must be at least 1 (MiB per GPU)")
         elif mem > MAX_SANE_MEMORY_MIB:
-            reasons.append(f"{mem_name} is {limits[mem_name]} MiB, more than any GPU has; "
-                           f"it counts MiB, e.g. 8000 for about 8 GB")
+            reasons.append(f"{mem_name} is {limits[mem_name]} (= {mem} MiB), more than any GPU "
+                           f"has; it counts MiB, e.g. 8000 for about 8 GB")
         elif max_gpu_memory_mib is not None and mem > max_gpu_memory_mib:
             reasons.append(f"{mem_name} is {mem} MiB but the largest GPU in the cluster has "
                            f"{max_gpu_memory_mib} MiB; ask for less or use {pct_name}")

@@ -45,7 +45,7 @@ class AdmissionMetrics:
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.Response(status=status, content_type="application/json",
-                        text=json.dumps({"error": code, "message": message}))
+                        body=json.dumps({"error": code, "message": message}).encode())
 
 
 def _review(answer: review.AdmissionReview) -> web.Response:

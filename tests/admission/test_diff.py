@@ -1,0 +1,104 @@
+"""The mutation's JSON patch: applied to the received object it always gives the mutated one.
+
+``pod_patch`` skips subtrees shared (same object) between the two documents, so the property
+tests build the second document the way the mutation does: by copying along changed paths and
+sharing the rest, then also check unrelated documents.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import jsonpatch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from webhook.admission.diff import pod_patch
+
+KEYS = st.sampled_from(["a", "b", "x/y", "t~0", "~", "/", "", "env", "0", "metadata", "k~1/"])
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, 1.5]),
+                    st.text(max_size=4))
+JSON = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=5), st.dictionaries(KEYS, inner, max_size=5)), max_leaves=25)
+
+
+def _edit(doc: Any, data: st.DataObject, depth: int = 0) -> Any:
+    """A copy-on-write edit of ``doc``: changed parts are new objects, the rest is shared."""
+    choice = data.draw(st.integers(0, 4))
+    if isinstance(doc, dict) and doc and choice < 3:
+        new = dict(doc)
+        key = data.draw(st.sampled_from(sorted(doc)))
+        if choice == 0:
+            del new[key]
+        else:
+            new[key] = _edit(doc[key], data, depth + 1)
+        if data.draw(st.booleans()):
+            new[data.draw(KEYS)] = data.draw(JSON)
+        return new
+    if isinstance(doc, list) and choice < 3:
+        new_list = list(doc)
+        op = data.draw(st.integers(0, 3))
+        if op == 0 or not new_list:
+            new_list.insert(data.draw(st.integers(0, len(new_list))), data.draw(JSON))
+        elif op == 1:
+            del new_list[data.draw(st.integers(0, len(new_list) - 1))]
+        elif op == 2:
+            i = data.draw(st.integers(0, len(new_list) - 1))
+            new_list[i] = _edit(new_list[i], data, depth + 1)
+        else:
+            new_list = [data.draw(JSON)] * data.draw(st.integers(0, 2)) + new_list
+        return new_list
+    if choice == 3:
+        return copy.deepcopy(doc)  # equal content, no sharing
+    return data.draw(JSON)
+
+
+def _check(a: Any, b: Any) -> None:
+    before = copy.deepcopy(a)
+    patch = json.loads(json.dumps(pod_patch(a, b)))
+    assert a == before
+    assert jsonpatch.apply_patch(a, patch) == b
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON, st.data())
+def test_patch_of_copy_on_write_edit_rebuilds_the_result(doc: Any, data: st.DataObject) -> None:
+    edited = doc
+    for _ in range(data.draw(st.integers(1, 3))):
+        edited = _edit(edited, data)
+    _check(doc, edited)
+
+
+@settings(max_examples=150, deadline=None)
+@given(JSON, JSON)
+def test_patch_between_unrelated_documents_rebuilds_the_second(a: Any, b: Any) -> None:
+    _check(a, b)
+
+
+def test_identical_objects_give_an_empty_patch() -> None:
+    pod = {"metadata": {"annotations": {"a/b": "1"}}, "spec": {"containers": [{"name": "c"}]}}
+    assert pod_patch(pod, pod) == []
+    assert pod_patch(pod, copy.deepcopy(pod)) == []
+
+
+def test_keys_with_slash_and_tilde_are_escaped() -> None:
+    a = {"metadata": {"annotations": {"x": "1"}}}
+    b = {"metadata": {"annotations": {"x": "1", "gpuslice.io/mutated": "v", "a~b": "c"}}}
+    assert pod_patch(a, b) == [
+        {"op": "add", "path": "/metadata/annotations/gpuslice.io~1mutated", "value": "v"},
+        {"op": "add", "path": "/metadata/annotations/a~0b", "value": "c"},
+    ]
+
+
+def test_json_types_are_told_apart() -> None:
+    assert pod_patch({"a": 1}, {"a": True}) == [{"op": "replace", "path": "/a", "value": True}]
+    assert pod_patch([1], [1.0]) == [{"op": "replace", "path": "/0", "value": 1.0}]
+
+
+def test_prepended_items_are_added_in_front_of_shared_ones() -> None:
+    user = [{"name": "A"}, {"name": "B"}]
+    ours = [{"name": "X"}]
+    assert pod_patch({"env": user}, {"env": ours + user}) == [
+        {"op": "add", "path": "/env/0", "value": {"name": "X"}}]

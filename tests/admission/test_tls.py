@@ -1,0 +1,154 @@
+"""Development certificates and the serving certificate's reload without a restart."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import ssl
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from webhook.service import CERTS_KEY, create_app
+from webhook.settings import Settings
+from webhook.tls import (
+    CA_CERT,
+    CA_KEY,
+    TLS_CERT,
+    TLS_KEY,
+    cmd_certs,
+    ensure_dev_certs,
+    issue_serving_cert,
+    new_ca,
+    write_atomic,
+)
+
+
+def _cert(path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def test_dev_certs_name_the_service_in_every_form_and_loopback(tmp_path: Path) -> None:
+    assert ensure_dev_certs(tmp_path, "gpu-ns", "hook", days=30)
+    cert, ca = _cert(tmp_path / TLS_CERT), _cert(tmp_path / CA_CERT)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == [
+        "hook", "hook.gpu-ns", "hook.gpu-ns.svc", "hook.gpu-ns.svc.cluster.local", "localhost"]
+    assert ipaddress.ip_address("127.0.0.1") in sans.get_values_for_type(x509.IPAddress)
+    assert cert.issuer == ca.subject
+    cert.verify_directly_issued_by(ca)
+    assert ExtendedKeyUsageOID.SERVER_AUTH in cert.extensions.get_extension_for_class(
+        x509.ExtendedKeyUsage).value
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    days = (cert.not_valid_after_utc - cert.not_valid_before_utc).days
+    assert 29 <= days <= 30
+    assert (tmp_path / TLS_KEY).stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / CA_KEY).stat().st_mode & 0o777 == 0o600
+
+
+def test_existing_certs_are_kept_and_an_existing_ca_is_reused(tmp_path: Path) -> None:
+    ensure_dev_certs(tmp_path, "ns", "svc")
+    first = (tmp_path / TLS_CERT).read_bytes()
+    assert not ensure_dev_certs(tmp_path, "ns", "svc")
+    assert (tmp_path / TLS_CERT).read_bytes() == first
+    ca = (tmp_path / CA_CERT).read_bytes()
+    (tmp_path / TLS_CERT).unlink()
+    assert ensure_dev_certs(tmp_path, "ns", "svc")
+    assert (tmp_path / CA_CERT).read_bytes() == ca
+    _cert(tmp_path / TLS_CERT).verify_directly_issued_by(_cert(tmp_path / CA_CERT))
+    assert ensure_dev_certs(tmp_path, "ns", "svc", force=True)
+    assert (tmp_path / CA_CERT).read_bytes() != ca
+
+
+def test_gpuslice_certs_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = argparse.Namespace(dir=str(tmp_path / "c"), namespace="prod", service="gs", days=10,
+                              force=False)
+    assert cmd_certs(args) == 0
+    assert "gs.prod.svc" in capsys.readouterr().out
+    serial = _cert(tmp_path / "c" / TLS_CERT).serial_number
+    assert cmd_certs(args) == 0 and "keeping them" in capsys.readouterr().out
+    assert cmd_certs(argparse.Namespace(**{**vars(args), "force": True})) == 0
+    assert _cert(tmp_path / "c" / TLS_CERT).serial_number != serial
+    assert cmd_certs(argparse.Namespace(**{**vars(args), "days": 0})) == 2
+
+
+def _peer_serial(server: Any) -> int:
+    async def handshake() -> int:
+        _reader, writer = await asyncio.open_connection("127.0.0.1", server.port,
+                                                        ssl=server.ssl)
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        return x509.load_der_x509_certificate(der).serial_number
+
+    return asyncio.run(handshake())
+
+
+def _replace_serving_cert(cert_dir: Path) -> int:
+    cert, key = issue_serving_cert((cert_dir / CA_CERT).read_bytes(),
+                                   (cert_dir / CA_KEY).read_bytes(), "gpuslice-system",
+                                   "gpuslice")
+    write_atomic(cert_dir / TLS_KEY, key, 0o600)
+    write_atomic(cert_dir / TLS_CERT, cert)
+    return x509.load_pem_x509_certificate(cert).serial_number
+
+
+def _wait_for_serial(server: Any, serial: int) -> int:
+    deadline = time.monotonic() + 10
+    seen = _peer_serial(server)
+    while seen != serial and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen = _peer_serial(server)
+    return seen
+
+
+def test_new_connections_get_the_replaced_certificate_without_restart(
+        tmp_path: Path, make_server: Any) -> None:
+    ensure_dev_certs(tmp_path, "gpuslice-system", "gpuslice")
+    first = _cert(tmp_path / TLS_CERT).serial_number
+    server = make_server(Settings(cert_dir=str(tmp_path), tls_mode="files",
+                                  placement_enabled=False), cert_reload_interval=0.05)
+    assert _peer_serial(server) == first
+    second = _replace_serving_cert(tmp_path)
+    assert _wait_for_serial(server, second) == second
+    assert server.app[CERTS_KEY].info.serial == second  # type: ignore[union-attr]
+    assert server.request("GET", "/readyz")[0] == 200
+
+    # A pair that does not match is refused; the server keeps the last good certificate.
+    _, other_key = new_ca()
+    write_atomic(tmp_path / TLS_KEY, other_key, 0o600)
+    os.utime(tmp_path / TLS_CERT)
+    time.sleep(0.3)
+    assert _peer_serial(server) == second
+    third = _replace_serving_cert(tmp_path)
+    assert _wait_for_serial(server, third) == third
+
+
+async def test_readyz_is_503_until_a_certificate_appears(tmp_path: Path) -> None:
+    settings = Settings(cert_dir=str(tmp_path), tls_mode="files", placement_enabled=False)
+    app = create_app(settings, cert_reload_interval=0.05)
+    async with TestClient(TestServer(app)) as client:  # plain HTTP: only readiness is tested
+        resp = await client.get("/readyz")
+        assert resp.status == 503
+        assert (await resp.json())["problems"] == [
+            f"no serving certificate loaded from {tmp_path}"]
+        ensure_dev_certs(tmp_path, "ns", "svc")
+        for _ in range(100):
+            resp = await client.get("/readyz")
+            if resp.status == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert resp.status == 200
+
+
+def test_cert_store_context_serves_tls_1_2_or_newer(tmp_path: Path) -> None:
+    ensure_dev_certs(tmp_path, "ns", "svc")
+    app = create_app(Settings(cert_dir=str(tmp_path), placement_enabled=False))
+    store: Any = app[CERTS_KEY]
+    assert store.loaded and store.context.minimum_version == ssl.TLSVersion.TLSv1_2
