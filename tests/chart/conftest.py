@@ -18,13 +18,6 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes_validate import utils as _kv_utils
-
-# kubernetes-validate re-reads and re-parses its JSON schema files on every call (~25 ms each);
-# the chart tests validate hundreds of objects, so parse each file once. The parsed schemas are
-# only read, never changed, by the validator.
-if not hasattr(_kv_utils.schema_contents, "cache_info"):
-    _kv_utils.schema_contents = functools.lru_cache(maxsize=None)(_kv_utils.schema_contents)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gpuslice"
