@@ -24,10 +24,30 @@ export GPUCHECK_DEADLINE=$((start + budget - 15))   # children end by then; the 
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMORY_SHARED_CACHE
 
+# The release library alone, with gcc, should a machine lack make (mirrors the Makefile's lib).
+build_without_make() {
+  (cd interposer && mkdir -p build &&
+    gcc -E -P -Isrc -x c src/exports.map.in -o build/exports.map &&
+    gcc -std=gnu11 -O2 -fPIC -pthread -fvisibility=hidden -Iinclude -Isrc -shared \
+      -Wl,--version-script=build/exports.map -Wl,-z,now -Wl,-soname,libgpuslice.so \
+      src/*.c -ldl -o build/libgpuslice.so)
+}
+
+build() {
+  if ! command -v make >/dev/null 2>&1; then
+    echo "make not found: building the release library with gcc alone"
+    build_without_make
+    return
+  fi
+  make -s -C interposer all && return 0
+  echo "make all FAILED; building the release library alone (make lib)"
+  make -s -C interposer lib
+}
+
 main() {
   echo "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), work dir $work"
   echo "== build: make -s -C interposer all"
-  if make -s -C interposer all; then
+  if build; then
     ls -l interposer/build/libgpuslice.so
   else
     echo "build FAILED: the checks that need the library will show ERROR"

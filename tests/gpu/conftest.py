@@ -8,17 +8,13 @@ check its reason.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import harness
-import native
-from fills import Fills
-from nvmlwatch import Nvml
+from gpu import gpubench as bench
+from gpu import harness
+from gpu.fills import Fills
+from gpu.nvmlwatch import Nvml
 
 # Memory checks first (they matter most), the long compute checks last.
 ORDER = ("test_memory", "test_views", "test_processes", "test_usage", "test_overhead",
@@ -80,8 +76,8 @@ def lib(nvml: Nvml) -> Path:
 @pytest.fixture(scope="session")
 def gpubench(nvml: Nvml) -> Path:
     try:
-        path, how = native.build_gpubench(harness.WORK / "gpubench")
-    except native.BuildError as exc:
+        path, how = bench.build_gpubench(harness.WORK / "gpubench")
+    except bench.BuildError as exc:
         pytest.fail(f"gpubench did not build: {exc}")
     harness.record_env("gpubench", {"path": str(path), "build": how})
     return path

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import harness
-from harness import MIB, ChildError
-from nvmlwatch import Nvml, Poller
+from gpu import harness
+from gpu.harness import MIB, ChildError
+from gpu.nvmlwatch import Nvml, Poller
 
 JAX_BASE = {"JAX_PLATFORMS": "cuda", "TF_CPP_MIN_LOG_LEVEL": "2"}
 # What makes JAX use the whole slice: no up-front pool (default 75% of the reported total)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nvmlwatch import Poller
+from gpu.nvmlwatch import Poller
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -64,6 +64,8 @@ class Poller:
         self.max_device_delta = 0
         self.samples = 0
         self.errors = 0
+        self.phase = "run"  # a test may name phases; the maximum of each is kept
+        self.phase_max: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"poll-{label}", daemon=True)
 
@@ -89,6 +91,8 @@ class Poller:
         if used is not None:
             self.max_pid_bytes = max(self.max_pid_bytes or 0, used)
         self.max_device_delta = max(self.max_device_delta, delta)
+        value = used if used is not None else delta
+        self.phase_max[self.phase] = max(self.phase_max.get(self.phase, 0), value)
         self.samples += 1
 
     def _run(self) -> None:
@@ -114,7 +118,8 @@ class Poller:
     def summary(self) -> dict[str, Any]:
         return {"label": self.label, "max_mib": round(self.max_mib, 1), "method": self.method,
                 "max_device_delta_mib": round(self.max_device_delta / MIB, 1),
-                "samples": self.samples, "errors": self.errors}
+                "samples": self.samples, "errors": self.errors,
+                "phases_mib": {k: round(v / MIB, 1) for k, v in self.phase_max.items()}}
 
 
 def _text(value: str | bytes) -> str:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import harness
 import pytest
-from harness import record
+from gpu import harness
+from gpu.harness import record
 
 pytestmark = pytest.mark.gpu
 

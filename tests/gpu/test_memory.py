@@ -4,8 +4,8 @@ against the context's own footprint; PyTorch's OOM and frees; JAX's default envi
 from __future__ import annotations
 
 import pytest
-from fills import Fills
-from harness import CAP_MIB, MIB, record
+from gpu.fills import Fills
+from gpu.harness import CAP_MIB, MIB, record
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,8 @@ def test_largest_allocation_within_context_footprint_of_cap(variant: str, fills:
     ok = (bool(fill["ooms"]) and not fill["guard_hit"] and largest <= CAP_MIB
           and footprint <= allowed)
     record(f"largest_{variant}",
-           f"{largest:,.0f} MiB; footprint {footprint:,.0f} (context {context['footprint_mib']:,.0f})",
+           f"{largest:,.0f} MiB ({largest / 1024:.2f} GiB); footprint {footprint:,.0f} "
+           f"(context {context['footprint_mib']:,.0f})",
            ok, largest_mib=largest, footprint_mib=footprint, context=context,
            reserved_mib=fill["peak"]["reserved"] / MIB, ooms=fill["ooms"],
            outside=fill["outside"], view=fill["peak"]["view"], nvml_inside=fill["peak"]["nvml"],

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import harness
 import pytest
-from harness import median, record
+from gpu import harness
+from gpu.harness import median, record
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,8 @@ ROUNDS = 5
 def _alternate(args: list[str], timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """ROUNDS runs each without and with the library, alternating which goes first."""
     with_lib_env = harness.capped_env(harness.new_region("overhead"))
-    plain, with_lib = [], []
+    plain: list[dict[str, Any]] = []
+    with_lib: list[dict[str, Any]] = []
     for round_no in range(ROUNDS):
         order = [("plain", harness.plain_env()), ("lib", with_lib_env)]
         for name, env in order if round_no % 2 == 0 else order[::-1]:

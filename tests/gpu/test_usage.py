@@ -4,8 +4,8 @@ watching every capped run of the session (fills to OOM, nvidia-smi holder, two p
 from __future__ import annotations
 
 import pytest
-from fills import OUTSIDE, Fills
-from harness import CAP_MIB, record
+from gpu.fills import OUTSIDE, Fills
+from gpu.harness import CAP_MIB, record
 
 pytestmark = pytest.mark.gpu
 

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import harness
 import pytest
-from fills import Fills, watched
-from harness import CAP_MIB, GIB, MIB, Server, record
-from nvmlwatch import Nvml, Poller
+from gpu import harness
+from gpu.fills import Fills, watched
+from gpu.harness import CAP_MIB, GIB, MIB, Server, record
+from gpu.nvmlwatch import Nvml, Poller
 
 pytestmark = pytest.mark.gpu
 

@@ -190,7 +190,7 @@ def cmd_fill(args: argparse.Namespace) -> dict[str, Any]:
             "nvml": nvml_view(), "chunks": len(chunks)}
     time.sleep(args.hold)  # hold the peak so the outside watch surely sees it
     fw.release(chunks)
-    after = {"view": fw.view()}
+    after: dict[str, Any] = {"view": fw.view()}
     try:  # the program keeps running after OOM and the freed budget is usable again
         fw.release([fw.alloc(GIB)])
         after["alloc_1gib_ok"] = True

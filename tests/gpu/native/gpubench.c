@@ -75,14 +75,11 @@ DRIVER_CALLS(DECLARE)
 static void resolve_driver(void) {}
 #endif
 
-static const char EMPTY_PTX[] =
-    ".version 6.0\n"
-    ".target sm_50\n"
-    ".address_size 64\n"
-    ".visible .entry gpubench_empty()\n"
-    "{\n"
-    "\tret;\n"
-    "}\n";
+/* The empty kernel, for the oldest target CUDA 13 supports, then for Hopper itself. */
+#define EMPTY_PTX(version, target)                                                       \
+    ".version " version "\n.target " target "\n.address_size 64\n"                       \
+    ".visible .entry gpubench_empty()\n{\n\tret;\n}\n"
+static const char *const EMPTY_PTXS[] = {EMPTY_PTX("7.0", "sm_75"), EMPTY_PTX("7.8", "sm_90")};
 
 static const char *error_name(CUresult err)
 {
@@ -208,7 +205,10 @@ static int cmd_launch(int launches, int reps, int batch)
     CUfunction fn;
     double cpu[64], sat[64];
     open_device();
-    check(CALL(cuModuleLoadData)(&mod, EMPTY_PTX), "cuModuleLoadData");
+    CUresult loaded = 1;
+    for (size_t i = 0; loaded != 0 && i < sizeof(EMPTY_PTXS) / sizeof(EMPTY_PTXS[0]); i++)
+        loaded = CALL(cuModuleLoadData)(&mod, EMPTY_PTXS[i]);
+    check(loaded, "cuModuleLoadData");
     check(CALL(cuModuleGetFunction)(&fn, mod, "gpubench_empty"), "cuModuleGetFunction");
     if (reps > 64)
         reps = 64;
