@@ -10,6 +10,11 @@
 # $OUT/gpu-check.log. Every workload runs in its own child process with a timeout bounded by
 # one deadline, so a hang costs that check only. Exit status: 0 when no check failed or
 # errored (on a machine without a GPU every check skips and the status is 0), else 1.
+#
+# Knobs: GPUCHECK_BUDGET_S (default 285: seconds for everything), GPUCHECK_PYTEST_ARGS
+# (extra pytest words, e.g. "-k memory" to rerun a part; rows not run then show ERROR),
+# GPUCHECK_LIB (check another build of the library), GPUCHECK_LOG_LEVEL (LIBCUDA_LOG_LEVEL of
+# the capped children).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 
@@ -61,8 +66,9 @@ main() {
   echo "== tests: $PY -m pytest tests/gpu --gpu"
   local left=$((start + budget - 8 - $(date +%s)))
   if [ "$left" -gt 20 ]; then
+    # shellcheck disable=SC2086  # GPUCHECK_PYTEST_ARGS is a list of words on purpose
     timeout --kill-after=5 "$left" "$PY" -m pytest tests/gpu --gpu -p no:cacheprovider -q \
-      --tb=short
+      --tb=short ${GPUCHECK_PYTEST_ARGS:-}
     echo "pytest exit status $? after $(( $(date +%s) - start )) s"
   else
     echo "no time left for the tests"

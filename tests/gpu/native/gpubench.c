@@ -8,7 +8,7 @@
  * that the driver compiles at load time, so no nvcc is needed either.
  *
  *   gpubench info                         cuMemGetInfo / cuDeviceTotalMem as the process sees them
- *   gpubench serve                        line protocol on stdin: alloc BYTES | free IDX | info | quit
+ *   gpubench serve                        stdin lines: alloc BYTES | free IDX | info | quit
  *   gpubench launch LAUNCHES REPS BATCH   empty-kernel launch cost (CPU call cost and saturated)
  *   gpubench allocfree BYTES PAIRS REPS   cuMemAlloc + cuMemFree pair cost
  *
