@@ -38,7 +38,7 @@ RESULTS = Path(os.environ.get("GPUCHECK_RESULTS") or WORK / "results.jsonl")
 
 # Variables that would change what the library or the frameworks do; children start clean.
 _CLEARED_PREFIXES = ("CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT", "GPUSLICE_",
-                     "XLA_PYTHON_CLIENT_")
+                     "XLA_PYTHON_CLIENT_", "XLA_CLIENT_")
 _CLEARED = ("LD_PRELOAD", "CUDA_DEVICE_MEMORY_SHARED_CACHE", "LIBCUDA_LOG_LEVEL",
             "PYTORCH_CUDA_ALLOC_CONF", "CUPY_GPU_MEMORY_LIMIT")
 

@@ -29,7 +29,7 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_largest_allocation_within_context_footprint_of_cap[cupy]"),
     ("largest_jax", "2 largest allocation, JAX (platform alloc.)", "footprint <= ctx+64",
      "9.47 GiB", "test_largest_allocation_within_context_footprint_of_cap[jax]"),
-    ("jax_default", "2 JAX default env (75% prealloc.)", "pool inside cap", "-",
+    ("jax_default", "2 JAX default env (BFC pool)", "pool inside cap", "-",
      "test_jax_default_environment_preallocates_inside_cap"),
     ("process_views", "3 in-process views (cuMemGetInfo, torch, NVML)", "total = cap",
      "-", "test_process_views_report_cap_and_usage"),

@@ -1,0 +1,76 @@
+"""The GPU check's own tooling, without a GPU: the summary's rows and exit status, the
+gpubench build with gcc alone, and the workload script's command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gpu import gpubench, summary
+
+HERE = Path(__file__).resolve().parent
+
+
+def _write(path: Path, lines: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _row(rows: list[dict[str, object]], check: str) -> dict[str, object]:
+    return next(r for r in rows if r["check"] == check)
+
+
+def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
+    base = "tests/gpu/test_x.py::"
+    lines = [
+        {"kind": "check", "check": "outside_usage", "value": "10,100 MiB", "ok": True},
+        {"kind": "check", "check": "smi_view", "value": "10,240 / 9,000", "ok": False},
+        {"kind": "test", "nodeid": base + "test_second_process_cannot_exceed_shared_cap",
+         "outcome": "failed", "message": "ChildError: gpubench serve exited"},
+        {"kind": "test", "nodeid": base + "test_racing_processes_stay_under_shared_cap",
+         "outcome": "skipped", "message": "needs a real GPU: NVML unavailable"},
+        {"kind": "test", "nodeid": base + "test_sm_limit_caps_matmul_throughput[10]",
+         "outcome": "skipped", "message": "time budget used up: not run"},
+    ]
+    rows = summary.build_rows(lines)
+    assert _row(rows, "outside_usage")["status"] == "PASS"
+    assert _row(rows, "smi_view")["status"] == "FAIL"
+    assert _row(rows, "two_procs")["status"] == "ERROR"
+    assert _row(rows, "two_procs")["value"] == "ChildError: gpubench serve exited"
+    assert _row(rows, "race")["status"] == "SKIP"
+    assert _row(rows, "sm_10")["status"] == "ERROR"
+    assert _row(rows, "alloc_free")["value"] == "not run (see the log)"
+
+
+@pytest.mark.parametrize(("lines", "status"), [
+    ([], 1),
+    ([{"kind": "test", "nodeid": f"t.py::{row[4]}", "outcome": "skipped",
+       "message": "needs a real GPU"} for row in summary.ROWS], 0),
+    ([{"kind": "check", "check": row[0], "value": "v", "ok": True} for row in summary.ROWS], 0),
+])
+def test_summary_exit_status_is_zero_only_without_failures(
+        tmp_path: Path, lines: list[dict[str, object]], status: int) -> None:
+    results = _write(tmp_path / "results.jsonl", lines)
+    out = tmp_path / "out" / "gpu-check.json"
+    done = subprocess.run([sys.executable, str(HERE / "summary.py"), str(results), "--json",
+                           str(out)], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == status, done.stdout + done.stderr
+    assert len(json.loads(out.read_text())["rows"]) == len(summary.ROWS)
+    assert "HAMi-core" in done.stdout
+
+
+def test_gpubench_builds_with_gcc_alone(tmp_path: Path) -> None:
+    path, how = gpubench.build_gpubench(tmp_path / "gpubench")
+    done = subprocess.run([str(path)], check=False, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 64, how
+    assert "usage: gpubench" in done.stderr
+
+
+def test_workload_command_line_needs_no_framework() -> None:
+    done = subprocess.run([sys.executable, str(HERE / "work.py"), "fill", "--help"],
+                          check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "chunk sizes in MiB" in done.stdout
