@@ -27,6 +27,7 @@ mkdir -p "$outdir"
 export GPUCHECK_WORK="$work" GPUCHECK_RESULTS="$work/results.jsonl"
 export GPUCHECK_DEADLINE=$((start + budget - 15))   # children end by then; the rest: summary
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PATH="$PATH:/usr/local/nvidia/bin:/usr/local/cuda/bin"
 unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMORY_SHARED_CACHE
 
 # The release library alone, with gcc, should a machine lack make (mirrors the Makefile's lib).

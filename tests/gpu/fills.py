@@ -23,10 +23,10 @@ JAX_PLATFORM = {**JAX_BASE, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
 # variant: (framework, chunk sizes in MiB largest first, extra env, child timeout in s).
 # PyTorch serves 1-10 MiB requests from 20 MiB segments, hence 12 then 1 MiB at the end.
 VARIANTS: dict[str, tuple[str, str, dict[str, str], float]] = {
-    "torch": ("torch", "256,64,12,1", {}, 90),
-    "cupy": ("cupy", "256,64,16,4,1", {}, 60),
-    "jax": ("jax", "256,64,16,4,1", JAX_PLATFORM, 120),
-    "jax-default": ("jax", "256,64,16,4,1", JAX_BASE, 120),
+    "torch": ("torch", "256,64,12,1", {}, 60),
+    "cupy": ("cupy", "256,64,16,4,1", {}, 45),
+    "jax": ("jax", "256,64,16,4,1", JAX_PLATFORM, 75),
+    "jax-default": ("jax", "256,64,16,4,1", JAX_BASE, 75),
 }
 
 # Every capped run watched from outside: the evidence of the outside-usage check.

@@ -19,7 +19,7 @@ POINTS = 5
 
 def _matmul(env: dict[str, str], tiny: bool) -> dict[str, Any]:
     args = ["matmul", SECONDS] + (["--tiny", "20000"] if tiny else [])
-    return harness.run(harness.workload(*args), env, 60)
+    return harness.run(harness.workload(*args), env, 45)
 
 
 @pytest.fixture(scope="module")
