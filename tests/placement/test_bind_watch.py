@@ -180,3 +180,57 @@ async def test_watch_recovers_from_compaction_and_an_api_outage(
     await eventually(lambda: len(kube.requests_to("GET", "/pods$")) >= 3)
     kube.down = False
     await eventually(lambda: usage(ext, "n1") == {"GPU-a0": Usage(1000, 0, 1, 0)})
+
+
+async def test_lost_bind_answer_is_settled_by_reading_the_pod(
+        kube: FakeKube, extender: Any) -> None:
+    """The Binding reached the API server but its answer was lost: the bind still succeeds."""
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    real = ext.placer.core.create_namespaced_pod_binding
+
+    async def answer_lost(*args: Any, **kwargs: Any) -> Any:
+        resp = await real(*args, **kwargs)
+        resp.release()
+        raise TimeoutError
+
+    ext.placer.core.create_namespaced_pod_binding = answer_lost
+    assert await ext.bind(pod, "n1") == ""
+    assert kube.get("pods", "p")["spec"]["nodeName"] == "n1"
+    assert usage(ext, "n1") == {"GPU-a0": Usage(1000, 0, 1, 0)}
+
+
+async def test_bind_that_never_reached_the_api_server_releases(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+
+    async def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise TimeoutError
+
+    ext.placer.core.create_namespaced_pod_binding = unreachable
+    error = await ext.bind(pod, "n1")
+    assert error.startswith("gpuslice: bind request failed")
+    assert not kube.get("pods", "p")["spec"].get("nodeName")
+    assert usage(ext, "n1") == {}
+
+
+async def test_initial_list_failure_is_retried_until_ready(kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    kube.fail("GET", "/api/v1/pods$", 500, times=2)
+    ext = await extender()
+    assert ext.placer.ready()
+    assert len(kube.requests_to("GET", "/api/v1/pods$")) >= 3
+
+
+async def test_bind_of_a_recreated_pod_with_another_uid_is_refused(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    stale = pod | {"metadata": pod["metadata"] | {"uid": "an-older-uid"}}
+    error = await ext.bind(stale, "n1")
+    assert "different UID" in error
+    assert not kube.requests_to("POST", "/binding$")

@@ -15,13 +15,12 @@ maximum over its phases, never the sum.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from webhook.placement.inventory import Gpu, Usage
 from webhook.placement.request import ContainerRequest, PodRequest
-
-_EMPTY = Usage()
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +45,10 @@ class NoFit:
 
 def eligible_gpus(req: PodRequest, gpus: Sequence[Gpu]) -> tuple[list[Gpu], str]:
     """The GPUs the pod may use (healthy, filters matched) and a note on what was left out."""
-    out: list[Gpu] = []
+    if not (req.include_types or req.exclude_types or req.include_uuids or req.exclude_uuids):
+        out = [g for g in gpus if g.healthy]
+        return out, "" if len(out) == len(gpus) else "unhealthy GPUs skipped"
+    out = []
     unhealthy = by_type = by_uuid = 0
     for g in gpus:
         if not g.healthy:
@@ -68,49 +70,51 @@ def eligible_gpus(req: PodRequest, gpus: Sequence[Gpu]) -> tuple[list[Gpu], str]
     return out, ", ".join(notes)
 
 
-def _refusal(c: ContainerRequest, g: Gpu, u: Usage, split_count: int) -> str | None:
-    """None when ``c`` fits one slice on ``g`` with ``u`` taken, else the short reason."""
-    if u.exclusive:
-        return "held exclusively"
-    if c.exclusive and u.slices:
-        return "not empty (exclusive request)"
-    if u.slices >= split_count:
-        return f"at the split limit of {split_count}"
-    if u.mem + c.memory_on(g.memory_mib) > g.memory_mib:
-        return "too little free memory"
-    if u.cores + c.cores > 100:
-        return "too little free compute"
-    return None
-
-
-def _order_key(policy: str, c: ContainerRequest, g: Gpu, u: Usage) -> tuple[float, ...]:
-    if policy == "spread":
-        return (u.mem / g.memory_mib, u.slices, u.cores, g.index)
-    # binpack: best fit, the GPU with the least memory left after this slice first
-    return (g.memory_mib - u.mem - c.memory_on(g.memory_mib), -u.slices, -u.cores, g.index)
-
-
 def _choose(c: ContainerRequest, gpus: list[Gpu], used: Mapping[str, Usage], policy: str,
-            split_count: int) -> tuple[tuple[str, ...], str | None]:
-    fitting: list[Gpu] = []
-    reasons: dict[str, int] = {}
-    for g in gpus:
-        why = _refusal(c, g, used.get(g.uuid, _EMPTY), split_count)
-        if why is None:
-            fitting.append(g)
-        else:
-            reasons[why] = reasons.get(why, 0) + 1
+            split_count: int) -> tuple[list[Gpu], str | None]:
+    """Pick ``c.count`` distinct GPUs for ``c`` in policy order, or say why there are too few.
+
+    The hot path of filter and prioritize (once per node per pod): one pass that both tests
+    each GPU (DESIGN.md §3, in the order of the reasons given) and orders the fitting ones.
+    """
     if len(gpus) < c.count:
-        return (), (f"gpuslice: container {c.name!r} needs {c.describe()}; the node has "
+        return [], (f"gpuslice: container {c.name!r} needs {c.describe()}; the node has "
                     f"{len(gpus)} usable GPU{'s' if len(gpus) != 1 else ''}")
+    spread = policy == "spread"
+    cores, exclusive, fixed, pct = c.cores, c.exclusive, c.mem_mib, c.mem_percent or 0
+    fitting: list[tuple[tuple[float, ...], int, Gpu]] = []
+    refused: set[str] = set()
+    for i, g in enumerate(gpus):
+        u = used.get(g.uuid)
+        total = g.memory_mib
+        need = fixed if fixed is not None else total * pct // 100
+        if u is None:
+            taken = slices = busy = held = 0
+        else:
+            taken, slices, busy, held = u.mem, u.slices, u.cores, u.exclusive
+        if held:
+            refused.add("held exclusively")
+        elif exclusive and slices:
+            refused.add("not empty (exclusive request)")
+        elif slices >= split_count:
+            refused.add(f"at the split limit of {split_count}")
+        elif taken + need > total:
+            refused.add("too little free memory")
+        elif busy + cores > 100:
+            refused.add("too little free compute")
+        elif spread:
+            fitting.append(((taken / total, slices, busy, g.index), i, g))
+        else:  # binpack: best fit, the GPU with the least memory left after this slice first
+            fitting.append(((total - taken - need, -slices, -busy, g.index), i, g))
     if len(fitting) < c.count:
         # No per-node counts: kube-scheduler groups identical reasons across nodes.
-        detail = ", ".join(sorted(reasons))
-        return (), (f"gpuslice: container {c.name!r} needs {c.describe()}; not enough GPUs "
+        detail = ", ".join(sorted(refused))
+        return [], (f"gpuslice: container {c.name!r} needs {c.describe()}; not enough GPUs "
                     f"with room" + (f" ({detail})" if detail else ""))
-    if len(fitting) > c.count:
-        fitting.sort(key=lambda g: _order_key(policy, c, g, used.get(g.uuid, _EMPTY)))
-    return tuple(g.uuid for g in fitting[:c.count]), None
+    if c.count == 1:
+        return [min(fitting)[2]], None
+    fitting.sort()
+    return [g for _, _, g in fitting[:c.count]], None
 
 
 def _slice(c: ContainerRequest, memory_mib: int) -> Usage:
@@ -147,45 +151,67 @@ def node_score(policy: str, gpus: Sequence[Gpu], usage: Mapping[str, Usage],
     healthy GPUs once the pod's demand is added."""
     total_mem = used_mem = used_cores = n = 0
     for g in gpus:
-        if not g.healthy:
-            continue
-        n += 1
-        total_mem += g.memory_mib
-        u, d = usage.get(g.uuid, _EMPTY), demand.get(g.uuid, _EMPTY)
-        used_mem += min(g.memory_mib, u.mem + d.mem)
-        used_cores += min(100, u.cores + d.cores)
+        if g.healthy:
+            n += 1
+            total_mem += g.memory_mib
+            u = usage.get(g.uuid)
+            if u is not None:
+                used_mem += u.mem
+                used_cores += u.cores
+    for d in demand.values():
+        used_mem += d.mem
+        used_cores += d.cores
     if not n:
         return 0
-    fullness = max(used_mem / total_mem, used_cores / (100 * n))
+    fullness = min(1.0, max(used_mem / total_mem, used_cores / (100 * n)))
     score = round(10 * fullness)
     return score if policy == "binpack" else 10 - score
 
 
-def _try(req: PodRequest, gpus: list[Gpu], usage: Mapping[str, Usage],
-         split_count: int) -> tuple[dict[str, tuple[str, ...]], str | None]:
+def _try(req: PodRequest, gpus: list[Gpu], usage: Mapping[str, Usage], split_count: int,
+         memory_of: Mapping[str, int]) -> tuple[dict[str, tuple[str, ...]], str | None]:
+    running = [c for c in req.containers if c.kind != "init"]
+    if len(running) > 1:
+        running.sort(key=lambda c: (-c.count, -c.cores, -(c.mem_mib or 0),
+                                    -(c.mem_percent or 0)))
+    inits = [c for c in req.containers if c.kind == "init"]
     assignment: dict[str, tuple[str, ...]] = {}
-    memory_of = {g.uuid: g.memory_mib for g in gpus}
-    running = sorted((c for c in req.containers if c.kind != "init"),
-                     key=lambda c: (-c.count, -c.cores, -(c.mem_mib or 0), -(c.mem_percent or 0)))
-    work = {uuid: u.copy() for uuid, u in usage.items() if uuid in memory_of}
-    for c in running:
+    work = usage
+    for i, c in enumerate(running):
         chosen, why = _choose(c, gpus, work, req.policy, split_count)
         if why:
             return assignment, why
-        assignment[c.name] = chosen
-        for uuid in chosen:
-            work.setdefault(uuid, Usage()).add(_slice(c, memory_of[uuid]))
-    for init in (c for c in req.containers if c.kind == "init"):
-        base = {uuid: u.copy() for uuid, u in usage.items() if uuid in memory_of}
+        assignment[c.name] = tuple(g.uuid for g in chosen)
+        if i + 1 < len(running):  # later containers of this pod see this one's slices
+            work = _plus(work, assignment[c.name], c, memory_of)
+    for init in inits:
+        base = usage
         for c in running:
             if c.kind == "sidecar" and c.order < init.order:
-                for uuid in assignment[c.name]:
-                    base.setdefault(uuid, Usage()).add(_slice(c, memory_of[uuid]))
+                base = _plus(base, assignment[c.name], c, memory_of)
         chosen, why = _choose(init, gpus, base, req.policy, split_count)
         if why:
             return assignment, why
-        assignment[init.name] = chosen
+        assignment[init.name] = tuple(g.uuid for g in chosen)
     return assignment, None
+
+
+def _plus(usage: Mapping[str, Usage], uuids: Sequence[str], c: ContainerRequest,
+          memory_of: Mapping[str, int]) -> dict[str, Usage]:
+    """A copy of ``usage`` with one slice of ``c`` added on each of ``uuids`` (copy on write)."""
+    out = dict(usage)
+    for uuid in uuids:
+        u = out[uuid].copy() if uuid in out else Usage()
+        u.add(_slice(c, memory_of[uuid]))
+        out[uuid] = u
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _fails_when_empty(req: PodRequest, gpus: tuple[Gpu, ...], split_count: int) -> bool:
+    """Whether the pod would not fit even on these GPUs empty (preemption cannot help)."""
+    return _try(req, list(gpus), {}, split_count, {g.uuid: g.memory_mib for g in gpus})[1] \
+        is not None
 
 
 def place(req: PodRequest, gpus: Sequence[Gpu], usage: Mapping[str, Usage],
@@ -196,9 +222,20 @@ def place(req: PodRequest, gpus: Sequence[Gpu], usage: Mapping[str, Usage],
     if not usable:
         return NoFit("gpuslice: no usable GPU on this node" + (f" ({note})" if note else ""),
                      unresolvable=True)
-    assignment, why = _try(req, usable, usage, split_count)
+    if len(req.containers) == 1 and req.containers[0].kind == "app":
+        # The common pod, one GPU container: no phases, no intra-pod sharing to track.
+        c = req.containers[0]
+        chosen, why = _choose(c, usable, usage, req.policy, split_count)
+        if why:
+            unresolvable = _fails_when_empty(req, tuple(usable), split_count) if usage else True
+            return NoFit(why + suffix, unresolvable=unresolvable)
+        demand = {g.uuid: _slice(c, g.memory_mib) for g in chosen}
+        return Placement({c.name: tuple(g.uuid for g in chosen)}, demand,
+                         node_score(req.policy, gpus, usage, demand))
+    memory_of = {g.uuid: g.memory_mib for g in usable}
+    assignment, why = _try(req, usable, usage, split_count, memory_of)
     if why:
-        _, empty_why = _try(req, usable, {}, split_count) if usage else (None, why)
-        return NoFit(why + suffix, unresolvable=bool(empty_why))
-    demand = pod_demand(req, assignment, {g.uuid: g.memory_mib for g in usable})
+        unresolvable = _fails_when_empty(req, tuple(usable), split_count) if usage else True
+        return NoFit(why + suffix, unresolvable=unresolvable)
+    demand = pod_demand(req, assignment, memory_of)
     return Placement(assignment, demand, node_score(req.policy, gpus, usage, demand))

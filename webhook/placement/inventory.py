@@ -68,6 +68,7 @@ def parse_inventory(raw: Any) -> tuple[Gpu, ...]:
         raise InventoryError("gpuslice.io/gpus must be a JSON list")
     gpus: list[Gpu] = []
     seen: set[str] = set()
+    indexes: set[int] = set()
     for i, item in enumerate(data):
         if not isinstance(item, dict):
             raise InventoryError(f"gpuslice.io/gpus[{i}] must be an object")
@@ -85,7 +86,10 @@ def parse_inventory(raw: Any) -> tuple[Gpu, ...]:
             raise InventoryError(f"gpuslice.io/gpus[{i}].product must be a string")
         if health not in ("Healthy", "Unhealthy"):
             raise InventoryError(f"gpuslice.io/gpus[{i}].health must be Healthy or Unhealthy")
+        if index in indexes:
+            raise InventoryError(f"gpuslice.io/gpus lists index {index} twice")
         seen.add(uuid)
+        indexes.add(index)
         gpus.append(Gpu(uuid, index, product, memory, health == "Healthy"))
     gpus.sort(key=lambda g: g.index)
     return tuple(gpus)

@@ -16,7 +16,7 @@ import aiohttp
 from kubernetes_asyncio import client
 
 from webhook import names
-from webhook.placement.fit import NoFit, place
+from webhook.placement.fit import NoFit, Placement, place
 from webhook.placement.model import (
     ExtenderBindingArgs,
     ExtenderBindingResult,
@@ -26,13 +26,16 @@ from webhook.placement.model import (
     extender_pod,
 )
 from webhook.placement.request import PodRequest, RequestError, pod_request
-from webhook.placement.state import ClusterState
+from webhook.placement.state import ClusterState, NodeState
 from webhook.placement.sync import ApiStatusError, ClusterSync, read_json
 from webhook.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+Fit = Placement | NoFit
+
 _POD_CACHE = 4096
+_RESULT_CACHE = 4
 
 
 class Placer:
@@ -48,6 +51,7 @@ class Placer:
         self.core: client.CoreV1Api | None = None
         self.sync: ClusterSync | None = None
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._results: OrderedDict[PodRequest, dict[str, tuple[int, Fit]]] = OrderedDict()
         self._inflight: set[str] = set()
         if api is not None:
             self.attach(api)
@@ -78,12 +82,34 @@ class Placer:
 
     # ----- filter / prioritize -----
     def _remember(self, pod: dict[str, Any]) -> None:
-        uid = (pod.get("metadata") or {}).get("uid")
+        """Keep the pod for bind, which gets only its name and UID."""
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
         if uid:
-            self._pods[str(uid)] = pod
-            self._pods.move_to_end(str(uid))
+            self._pods[uid] = pod
+            self._pods.move_to_end(uid)
             while len(self._pods) > _POD_CACHE:
                 self._pods.popitem(last=False)
+
+    def _place(self, req: PodRequest, node: NodeState) -> Fit:
+        """``place()`` on a node, reused while the node's version is unchanged.
+
+        ``place`` is pure and a node's version changes with its GPUs or their usage, so a
+        result stays right for every pod with the same request: prioritize and bind reuse
+        filter's work, and the replicas of a workload reuse each other's on unchanged nodes.
+        """
+        per_node = self._results.get(req)
+        if per_node is not None:
+            hit = per_node.get(node.name)
+            if hit is not None and hit[0] == node.version:
+                return hit[1]
+        result = place(req, node.gpus, node.usage, self.settings.split_count)
+        if per_node is None:
+            per_node = self._results[req] = {}
+            while len(self._results) > _RESULT_CACHE:
+                self._results.popitem(last=False)
+        self._results.move_to_end(req)
+        per_node[node.name] = (node.version, result)
+        return result
 
     def filter(self, args: Any) -> ExtenderFilterResult:
         pod = extender_pod(args)
@@ -108,7 +134,7 @@ class Placer:
                 why = node.inventory_error if node is not None else "node not known"
                 out["FailedAndUnresolvableNodes"][name] = f"gpuslice: {why}"
                 continue
-            result = place(req, node.gpus, node.usage, self.settings.split_count)
+            result = self._place(req, node)
             if isinstance(result, NoFit):
                 target = "FailedAndUnresolvableNodes" if result.unresolvable else "FailedNodes"
                 out[target][name] = result.reason  # type: ignore[literal-required]
@@ -140,7 +166,7 @@ class Placer:
             node = self.state.node(name)
             score = 0
             if req is not None and req.wants_gpus and node is not None and node.gpus:
-                result = place(req, node.gpus, node.usage, self.settings.split_count)
+                result = self._place(req, node)
                 score = 0 if isinstance(result, NoFit) else result.score
             scores.append(HostPriority(Host=name, Score=score))
         return scores
@@ -194,7 +220,7 @@ class Placer:
             if node is None or node.inventory_error:
                 why = node.inventory_error if node is not None else "node not known"
                 return ExtenderBindingResult(Error=f"gpuslice: {why}")
-            result = place(req, node.gpus, node.usage, self.settings.split_count)
+            result = self._place(req, node)
             if isinstance(result, NoFit):
                 return ExtenderBindingResult(Error=result.reason)
             self.state.reserve(uid, args["PodNamespace"], args["PodName"], node_name, req,

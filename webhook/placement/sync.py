@@ -14,6 +14,7 @@ API server reports a pod leaving a selector as DELETED, but not every server doe
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -116,8 +117,17 @@ class ClusterSync:
                 body = await read_json(await lister(_preload_content=False,
                                                     _request_timeout=60))
                 rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
-                on_list(list(body.get("items") or []), listed_at)
-                logger.info("listed", extra={"resource": what, "count": len(body.get("items") or [])})
+                items = list(body.get("items") or [])
+                on_list(items, listed_at)
+                count = len(items)
+                del body, items
+                # The state just built is long-lived: move it (and everything else alive)
+                # out of the cyclic collector's generations, so full collections do not
+                # rescan tens of thousands of allocations and stall filter calls (measured:
+                # 100-300 ms pauses at 16k pods). The state holds no reference cycles, so
+                # nothing frozen that is later dropped is leaked: reference counting frees it.
+                gc.freeze()
+                logger.info("listed", extra={"resource": what, "count": count})
                 self._listed.add(what)
                 if self._listed >= {"nodes", "pods"}:
                     self.ready.set()

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Latency of the extender's filter + prioritize for one pod over 1,000 nodes.
+
+Builds a placement state of N nodes × 8 GPUs (mixed models), half-filled with real pods
+(device annotations, as the watch would deliver them), then times, for a few hundred pods of
+mixed shapes:
+
+* ``pure``: ``Placer.filter`` + ``Placer.prioritize`` called directly (the pure functions
+  over the state, no HTTP, no JSON);
+* ``http``: ``POST /scheduler/filter`` then ``POST /scheduler/prioritize`` through the aiohttp
+  handlers in-process (JSON encode/decode of a 1,000-name ExtenderArgs included), as
+  kube-scheduler calls them.
+
+kube-scheduler's extender timeout defaults to 5 s; the target is p99 < 50 ms per pair.
+
+Usage: ``.venv/bin/python scripts/bench_extender.py [--nodes 1000] [--pods 300] [--seed 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from webhook.placement.extender import setup
+from webhook.placement.fit import Placement, place
+from webhook.placement.inventory import Gpu, inventory_json
+from webhook.placement.placer import Placer
+from webhook.placement.request import pod_request
+from webhook.placement.state import ClusterState
+from webhook.settings import Settings
+
+MODELS = [("NVIDIA H100 80GB HBM3", 81920), ("NVIDIA H200 141GB", 143360),
+          ("NVIDIA L4 24GB", 24576), ("NVIDIA L40S 48GB", 49152)]
+SHAPES = [
+    {"nvidia.com/gpumem": "4096", "nvidia.com/gpucores": "10"},
+    {"nvidia.com/gpumem": "8192", "nvidia.com/gpucores": "20"},
+    {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "10240", "nvidia.com/gpucores": "30"},
+    {"nvidia.com/gpumem": "20480", "nvidia.com/gpucores": "40"},
+    {"nvidia.com/gpumem-percentage": "50", "nvidia.com/gpucores": "50"},
+    {"nvidia.com/gpu": "1"},
+    {"nvidia.com/gpu": "4", "nvidia.com/gpumem": "40960", "nvidia.com/gpucores": "60"},
+]
+
+
+def pod(name: str, limits: dict[str, str], annotations: dict[str, str] | None = None,
+        node: str | None = None, container: str = "main") -> dict[str, Any]:
+    spec: dict[str, Any] = {"containers": [{"name": container, "image": "cuda",
+                                            "resources": {"limits": limits}}]}
+    if node:
+        spec["nodeName"] = node
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "bench", "uid": f"uid-{name}",
+                         "annotations": annotations or {}},
+            "spec": spec, "status": {"phase": "Running" if node else "Pending"}}
+
+
+def build_state(nodes: int, fill: float, rng: random.Random, settings: Settings
+                ) -> tuple[ClusterState, list[str]]:
+    state = ClusterState(settings)
+    names = []
+    for i in range(nodes):
+        product, mib = rng.choice(MODELS)
+        gpus = [Gpu(f"GPU-{i}-{j}", j, product, mib, True) for j in range(8)]
+        name = f"node-{i:04d}"
+        names.append(name)
+        state.apply_node({"metadata": {"name": name,
+                                       "annotations": {"gpuslice.io/gpus": inventory_json(gpus)}}})
+    # Fill with real pods, placed by the real code, until ~fill of the memory is taken.
+    total = sum(g.memory_mib for n in state.nodes.values() for g in n.gpus)
+    used, k = 0, 0
+    while used < fill * total and k < 100 * nodes:
+        limits = rng.choice(SHAPES[:5])
+        name = rng.choice(names)
+        node = state.node(name)
+        assert node is not None
+        result = place(pod_request(pod("x", limits), settings), node.gpus, node.usage,
+                       settings.split_count)
+        k += 1
+        if not isinstance(result, Placement):
+            continue
+        ann = {"gpuslice.io/devices.main": ",".join(result.assignment["main"])}
+        state.apply_pod(pod(f"fill-{k}", limits, ann, name))
+        used += sum(d.mem for d in result.demand.values())
+    return state, names
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def report(label: str, times: list[float]) -> None:
+    ms = [t * 1000 for t in times]
+    print(f"| {label:<46} | {statistics.median(ms):7.2f} | {pct(ms, 0.99):7.2f} | "
+          f"{max(ms):7.2f} |")
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    settings = Settings()
+    t0 = time.perf_counter()
+    state, names = build_state(args.nodes, args.fill, rng, settings)
+    gc.freeze()  # as ClusterSync does after every full list of the cluster
+    taken = sum(u.mem for n in state.nodes.values() for u in n.usage.values())
+    total = sum(g.memory_mib for n in state.nodes.values() for g in n.gpus)
+    print(f"state: {args.nodes} nodes x 8 GPUs, {len(state.allocs)} pods, "
+          f"{100 * taken / total:.0f}% of GPU memory taken "
+          f"(built in {time.perf_counter() - t0:.1f}s); {args.pods} pods timed")
+    # Every timed pod has its own container name, so no result computed for an earlier pod
+    # can be reused: each one is evaluated from scratch on every node (the cold path).
+    pods = [pod(f"p{i}", SHAPES[i % len(SHAPES)],
+                {"gpuslice.io/placement": "spread"} if i % 3 == 0 else None, container=f"c{i}")
+            for i in range(args.pods)]
+    placer = Placer(settings, state)
+
+    pure: list[float] = []
+    pure_cpu: list[float] = []
+    feasible = 0
+    for p in pods:
+        args_ = {"Pod": p, "NodeNames": names}
+        start, cpu = time.perf_counter(), time.thread_time()
+        filtered = placer.filter(args_)
+        placer.prioritize({"Pod": p, "NodeNames": filtered["NodeNames"]})
+        pure.append(time.perf_counter() - start)
+        pure_cpu.append(time.thread_time() - cpu)
+        feasible += len(filtered["NodeNames"])
+
+    # Replicas: pods of one request, each bound (reserved) on its best node before the next
+    # comes, as a Deployment's pods are scheduled; only the changed node is evaluated again.
+    replicas: list[float] = []
+    for i in range(args.pods):
+        p = pod(f"r{i}", SHAPES[1])
+        start = time.perf_counter()
+        filtered = placer.filter({"Pod": p, "NodeNames": names})
+        scores = placer.prioritize({"Pod": p, "NodeNames": filtered["NodeNames"]})
+        replicas.append(time.perf_counter() - start)
+        best = max(scores, key=lambda h: h["Score"])["Host"]
+        node = state.node(best)
+        assert node is not None
+        result = place(pod_request(p, settings), node.gpus, node.usage, settings.split_count)
+        assert isinstance(result, Placement)
+        state.reserve(f"uid-r{i}", "bench", f"r{i}", best, pod_request(p, settings),
+                      result.assignment)
+
+    handler_time: list[float] = []
+
+    @web.middleware
+    async def timed(request: web.Request, handler: Any) -> web.StreamResponse:
+        start = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            handler_time.append(time.perf_counter() - start)
+
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[timed])
+    setup(app, settings, state=state)
+    http: list[float] = []
+    server: list[float] = []
+    bodies = [json.dumps({"Pod": p, "NodeNames": names}).encode() for p in pods]
+    headers = {"Content-Type": "application/json"}
+    async with TestClient(TestServer(app)) as client:
+        for body, p in zip(bodies, pods):
+            start = time.perf_counter()
+            resp = await client.post("/scheduler/filter", data=body, headers=headers)
+            filtered = json.loads(await resp.read())
+            resp = await client.post("/scheduler/prioritize", data=json.dumps(
+                {"Pod": p, "NodeNames": filtered["NodeNames"]}).encode(), headers=headers)
+            await resp.read()
+            http.append(time.perf_counter() - start)
+            server.append(handler_time[-2] + handler_time[-1])
+
+    print(f"mean feasible nodes per pod: {feasible / len(pods):.0f} of {args.nodes}; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"| {'filter + prioritize, one pod, ' + str(args.nodes) + ' nodes':<46} | p50 ms  "
+          f"| p99 ms  | max ms  |")
+    print(f"| {'-' * 46} | ------- | ------- | ------- |")
+    report("pure (Placer.filter + prioritize)", pure)
+    report("pure, CPU time of the thread", pure_cpu)
+    report("pure, replicas of one request (warm)", replicas)
+    report("http: in the handlers (decode, verbs, encode)", server)
+    report("http: round trip, client in the same process", http)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--pods", type=int, default=300)
+    p.add_argument("--fill", type=float, default=0.5,
+                   help="share of GPU memory taken before timing (default 0.5)")
+    p.add_argument("--seed", type=int, default=1)
+    return asyncio.run(main_async(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
