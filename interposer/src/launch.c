@@ -31,7 +31,7 @@
 
 #include "gpuslice.h"
 
-#define GS_BURST_NS 100000000ull  /* idle credit: at most 100 ms of wall time */
+#define GS_BURST_NS 50000000ull   /* idle credit: at most 50 ms of wall time */
 #define GS_QUEUE_NS 20000000ull   /* unmeasured work in flight per stream */
 #define GS_RING 64
 #define GS_STREAMS 256
@@ -50,7 +50,6 @@ struct tstream {
     CUevent mark;       /* the last measured event: start of the next interval */
     CUevent spare[GS_RING + 2];
     int nspare;
-    unsigned pending_launches;
     uint64_t per_launch_ns; /* running estimate of one launch's GPU time; 0 = unknown */
     uint64_t last_use;
 };
@@ -85,6 +84,11 @@ static void debit(int slot, uint64_t busy_ns)
     do {
         next = (old > floor ? old : floor) + cost;
     } while (!__atomic_compare_exchange_n(&d->throttle_vt_ns, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+}
+
+static int budget_owed(int slot)
+{
+    return __atomic_load_n(&gs_region->devices[slot].throttle_vt_ns, __ATOMIC_RELAXED) > gs_now_ns();
 }
 
 static void wait_for_budget(int slot)
@@ -147,6 +151,7 @@ static void measure_locked(struct tstream *s)
             uint64_t each = ns / n;
             s->per_launch_ns = s->per_launch_ns ? (s->per_launch_ns * 3 + each) / 4 : each;
             debit(s->slot, ns);
+            GS_DEBUG("debit %llu ns (%u launches)", (unsigned long long)ns, n);
         }
         give_event(s, s->mark);
         s->mark = e;
@@ -188,7 +193,7 @@ static int over_queue(const struct tstream *s)
     if (s->count >= GS_RING) return 1;
     if (!s->count) return 0;
     if (!s->per_launch_ns) return 1; /* unknown cost: one measured launch first */
-    return (uint64_t)s->pending_launches * s->per_launch_ns >= GS_QUEUE_NS;
+    return (uint64_t)s->count * s->per_launch_ns >= GS_QUEUE_NS;
 }
 
 typedef CUresult (*launch_thunk)(const void *args);
@@ -210,19 +215,22 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     pthread_mutex_lock(&g_mu);
     for (int i = 0; i < GS_STREAMS; i++)
         if (g_streams[i].count) measure_locked(&g_streams[i]);
-    pthread_mutex_unlock(&g_mu);
-    wait_for_budget(slot);
-
-    pthread_mutex_lock(&g_mu);
-    struct tstream *s = stream_get_locked(key, ctx, slot);
-    while (s && over_queue(s)) {
-        CUevent oldest = s->ring[s->head];
-        pthread_mutex_unlock(&g_mu);
-        while (gs_cuda.cuEventQuery(oldest) == CUDA_ERROR_NOT_READY) gs_sleep_ns(GS_POLL_NS);
-        wait_for_budget(slot);
-        pthread_mutex_lock(&g_mu);
+    struct tstream *s;
+    for (;;) {
+        /* launch only when the budget is paid and the queue is short, both at once */
         s = stream_get_locked(key, ctx, slot);
         if (s) measure_locked(s);
+        if (s && over_queue(s)) {
+            CUevent oldest = s->ring[s->head];
+            pthread_mutex_unlock(&g_mu);
+            while (gs_cuda.cuEventQuery(oldest) == CUDA_ERROR_NOT_READY) gs_sleep_ns(GS_POLL_NS);
+        } else if (budget_owed(slot)) {
+            pthread_mutex_unlock(&g_mu);
+            wait_for_budget(slot);
+        } else {
+            break;
+        }
+        pthread_mutex_lock(&g_mu);
     }
     if (s && !s->count) {
         /* the stream is idle: start a new interval here, so idle time is not counted */
@@ -248,7 +256,6 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             s->ring[tail] = end;
             s->launches[tail] = 1;
             s->count++;
-            s->pending_launches = (unsigned)s->count;
         } else {
             give_event(s, end);
         }

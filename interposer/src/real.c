@@ -27,9 +27,13 @@ int gs_cuda_resolved;
 int gs_nvml_resolved;
 
 typedef void *(*dlsym_fn)(void *, const char *);
+
+/* dlsym is called by sanitizer runtimes before they are initialised: the
+ * dlsym path itself must not be instrumented. */
+#define GS_NO_SANITIZE __attribute__((no_sanitize_address, no_sanitize("undefined")))
 static dlsym_fn real_dlsym_ptr;
 
-static dlsym_fn find_real_dlsym(void)
+GS_NO_SANITIZE static dlsym_fn find_real_dlsym(void)
 {
     static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
     dlsym_fn f = __atomic_load_n(&real_dlsym_ptr, __ATOMIC_ACQUIRE);
@@ -40,7 +44,7 @@ static dlsym_fn find_real_dlsym(void)
     return f;
 }
 
-void *gs_real_dlsym(void *handle, const char *name)
+GS_NO_SANITIZE void *gs_real_dlsym(void *handle, const char *name)
 {
     dlsym_fn f = find_real_dlsym();
     return f ? f(handle, name) : NULL;
@@ -61,7 +65,7 @@ const size_t gs_cuda_hook_count = sizeof(gs_cuda_hooks) / sizeof(gs_cuda_hooks[0
 #define GS_ENTRY_NVML(name, ret, params) {#name, #name, 0, 0, (void *)name, (void **)&gs_nvml.name},
 static const struct gs_hook nvml_hooks[] = {GS_NVML_HOOKS(GS_ENTRY_NVML)};
 
-void *gs_hook_by_name(const char *name)
+GS_NO_SANITIZE void *gs_hook_by_name(const char *name)
 {
     if (name[0] == 'c' && name[1] == 'u') {
         for (size_t i = 0; i < gs_cuda_hook_count; i++)
@@ -133,7 +137,7 @@ void gs_nvml_resolve(void)
 }
 
 /* Remember which file a program's libcuda / libnvidia-ml symbols come from. */
-static void note_library(const char *name, void *real)
+GS_NO_SANITIZE static void note_library(const char *name, void *real)
 {
     char *dst = name[0] == 'c' ? cuda_seen_path : nvml_seen_path;
     int *resolved = name[0] == 'c' ? &gs_cuda_resolved : &gs_nvml_resolved;
@@ -149,7 +153,7 @@ static void note_library(const char *name, void *real)
 
 /* dlsym's answer for a hooked name, or NOT_HOOKED.  Kept out of dlsym itself
  * so that dlsym needs no stack frame and its forwarding stays a tail call. */
-__attribute__((noinline)) static void *hooked_dlsym(void *handle, const char *name)
+GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle, const char *name)
 {
     void *hook = gs_hook_by_name(name);
     if (!hook) return NOT_HOOKED;
@@ -160,7 +164,7 @@ __attribute__((noinline)) static void *hooked_dlsym(void *handle, const char *na
     return hook;
 }
 
-GS_EXPORT void *dlsym(void *handle, const char *name)
+GS_NO_SANITIZE GS_EXPORT void *dlsym(void *handle, const char *name)
 {
     /* glibc declares name nonnull; callers still pass NULL sometimes */
     const char *n = name;

@@ -287,23 +287,26 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "vmm")) {
             CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, atoi(ARG(1))}};
             CUmemGenericAllocationHandle h = 0;
-            remember("vmm", api.cuMemCreate(&h, size_arg(ARG(0)), &prop, 0), A_VMM, h);
+            CUresult rc = api.cuMemCreate(&h, size_arg(ARG(0)), &prop, 0);
+            remember("vmm", rc, A_VMM, h);
             i += 2;
         } else if (!strcmp(c, "array")) {
             CUDA_ARRAY_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0x20, 4};
             CUarray a = NULL;
-            remember("array", api.cuArrayCreate_v2(&a, &d), A_ARRAY, (uint64_t)(uintptr_t)a);
+            CUresult rc = api.cuArrayCreate_v2(&a, &d);
+            remember("array", rc, A_ARRAY, (uint64_t)(uintptr_t)a);
             i += 2;
         } else if (!strcmp(c, "array3d")) {
             CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), size_arg(ARG(2)), 0x01, 1, 0};
             CUarray a = NULL;
-            remember("array3d", api.cuArray3DCreate_v2(&a, &d), A_ARRAY, (uint64_t)(uintptr_t)a);
+            CUresult rc = api.cuArray3DCreate_v2(&a, &d);
+            remember("array3d", rc, A_ARRAY, (uint64_t)(uintptr_t)a);
             i += 3;
         } else if (!strcmp(c, "mipmap")) {
             CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0, 0x10, 2, 0};
             CUmipmappedArray m = NULL;
-            remember("mipmap", api.cuMipmappedArrayCreate(&m, &d, (unsigned)atoi(ARG(2))), A_MIPMAP,
-                     (uint64_t)(uintptr_t)m);
+            CUresult rc = api.cuMipmappedArrayCreate(&m, &d, (unsigned)atoi(ARG(2)));
+            remember("mipmap", rc, A_MIPMAP, (uint64_t)(uintptr_t)m);
             i += 3;
         } else if (!strcmp(c, "free") || !strcmp(c, "freesync")) {
             int id = atoi(ARG(0));

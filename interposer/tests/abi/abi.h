@@ -1,0 +1,40 @@
+/*
+ * abi.h - facts about the CUDA ABI that src/cuda_abi.h restates: sizes,
+ * offsets and constants.  abi_cuda.c evaluates them against the toolkit's
+ * cuda.h, abi_ours.c against our declarations; main() compares the two.
+ */
+#ifndef GPUSLICE_ABI_H
+#define GPUSLICE_ABI_H
+
+#include <stddef.h>
+
+#define ABI_FACTS(F)                                                   \
+    F(sizeof(CUresult)) F(sizeof(CUdevice)) F(sizeof(CUdeviceptr))     \
+    F(sizeof(CUmemGenericAllocationHandle)) F(sizeof(CUuuid))          \
+    F(sizeof(CUDA_ARRAY_DESCRIPTOR)) F(offsetof(CUDA_ARRAY_DESCRIPTOR, Height)) \
+    F(offsetof(CUDA_ARRAY_DESCRIPTOR, Format)) F(offsetof(CUDA_ARRAY_DESCRIPTOR, NumChannels)) \
+    F(sizeof(CUDA_ARRAY3D_DESCRIPTOR)) F(offsetof(CUDA_ARRAY3D_DESCRIPTOR, Depth)) \
+    F(offsetof(CUDA_ARRAY3D_DESCRIPTOR, Format)) F(offsetof(CUDA_ARRAY3D_DESCRIPTOR, NumChannels)) \
+    F(offsetof(CUDA_ARRAY3D_DESCRIPTOR, Flags))                        \
+    F(offsetof(CUmemAllocationProp, type)) F(offsetof(CUmemAllocationProp, location)) \
+    F(offsetof(CUmemAllocationProp, location.type)) F(offsetof(CUmemAllocationProp, location.id)) \
+    F(sizeof(CUlaunchConfig)) F(offsetof(CUlaunchConfig, sharedMemBytes)) \
+    F(offsetof(CUlaunchConfig, hStream)) F(offsetof(CUlaunchConfig, numAttrs)) \
+    F(CUDA_SUCCESS) F(CUDA_ERROR_INVALID_VALUE) F(CUDA_ERROR_OUT_OF_MEMORY) \
+    F(CUDA_ERROR_NOT_INITIALIZED) F(CUDA_ERROR_INVALID_DEVICE) F(CUDA_ERROR_INVALID_CONTEXT) \
+    F(CUDA_ERROR_NOT_FOUND) F(CUDA_ERROR_NOT_READY) F(CUDA_ERROR_NOT_SUPPORTED) \
+    F(CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) F(CU_GET_PROC_ADDRESS_SUCCESS) \
+    F(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) F(CU_MEMPOOL_ATTR_USED_MEM_CURRENT) \
+    F(CU_MEM_LOCATION_TYPE_DEVICE) F(CU_STREAM_CAPTURE_STATUS_NONE) F((long)CU_STREAM_PER_THREAD) \
+    F(CU_EVENT_DEFAULT)
+
+struct abi_fact {
+    const char *expr;
+    long value;
+};
+extern const struct abi_fact abi_cuda[];
+extern const int abi_cuda_count;
+
+#define ABI_ENTRY(x) {#x, (long)(x)},
+
+#endif
