@@ -27,19 +27,44 @@ ID_LEN = 64
 LOCK_BYTES = 64
 PROC_LIVE = 1
 
-# struct gpuslice_region
-HEADER = struct.Struct("<QIIIIII32x")  # magic version size max_devices max_procs device_count flags
-LOCK_OFFSET = 64
-POD_UID_OFFSET = 128
-POD_NAME_OFFSET = POD_UID_OFFSET + ID_LEN
-NAMESPACE_OFFSET = POD_NAME_OFFSET + POD_NAME_LEN
-CONTAINER_OFFSET = NAMESPACE_OFFSET + ID_LEN
-DEVICES_OFFSET = CONTAINER_OFFSET + ID_LEN
-# struct gpuslice_device: uuid limit used total busy vt ctx_footprint sm_limit index reserved[2]
-DEVICE = struct.Struct(f"<{UUID_LEN}sQQQQQQII8x")
+# The C structs, field by field: (name, struct format).  Padding fields start with "_".
+HEADER_FIELDS = (
+    ("magic", "Q"), ("version", "I"), ("size", "I"), ("max_devices", "I"), ("max_procs", "I"),
+    ("device_count", "I"), ("flags", "I"), ("boot_id", "16s"), ("_reserved0", "16x"),
+    ("lock", f"{LOCK_BYTES}x"), ("pod_uid", f"{ID_LEN}s"), ("pod_name", f"{POD_NAME_LEN}s"),
+    ("pod_namespace", f"{ID_LEN}s"), ("container", f"{ID_LEN}s"),
+)
+DEVICE_FIELDS = (
+    ("uuid", f"{UUID_LEN}s"), ("limit_bytes", "Q"), ("used_bytes", "Q"), ("total_bytes", "Q"),
+    ("busy_ns", "Q"), ("throttle_vt_ns", "Q"), ("ctx_footprint_bytes", "Q"), ("sm_limit", "I"),
+    ("index", "I"), ("_reserved", "8x"),
+)
+PROC_FIELDS = (
+    ("pid", "i"), ("state", "I"), ("pidns", "Q"), ("start_time", "Q"),
+    ("used_bytes", f"{MAX_DEVICES}Q"), ("_reserved", "8x"),
+)
+
+
+def _struct(fields: tuple[tuple[str, str], ...]) -> struct.Struct:
+    return struct.Struct("<" + "".join(fmt for _, fmt in fields))
+
+
+def field_layout(fields: tuple[tuple[str, str], ...]) -> dict[str, tuple[int, int]]:
+    """``{field: (offset, size)}`` of a field table, padding fields left out."""
+    layout, offset = {}, 0
+    for name, fmt in fields:
+        size = struct.calcsize("<" + fmt)
+        if not name.startswith("_"):
+            layout[name] = (offset, size)
+        offset += size
+    return layout
+
+
+HEADER = _struct(HEADER_FIELDS)
+DEVICE = _struct(DEVICE_FIELDS)
+PROC = _struct(PROC_FIELDS)
+DEVICES_OFFSET = HEADER.size
 PROCS_OFFSET = DEVICES_OFFSET + MAX_DEVICES * DEVICE.size
-# struct gpuslice_proc: pid state pidns start_time used[16] reserved
-PROC = struct.Struct(f"<iIQQ{MAX_DEVICES}Q8x")
 REGION_SIZE = PROCS_OFFSET + MAX_PROCS * PROC.size
 
 
@@ -100,7 +125,8 @@ def parse_region(data: bytes) -> Region:
     """Parse the bytes of a region file (see :func:`read_region`)."""
     if len(data) < REGION_SIZE:
         raise RegionError(f"region is truncated: {len(data)} bytes, need {REGION_SIZE}")
-    magic, version, size, max_devices, max_procs, count, _flags = HEADER.unpack_from(data, 0)
+    (magic, version, size, max_devices, max_procs, count, _flags, _boot, pod_uid, pod_name,
+     namespace, container) = HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise RegionError(f"bad magic {magic:#x}")
     if version != VERSION:
@@ -128,10 +154,10 @@ def parse_region(data: bytes) -> Region:
             raise RegionError(f"process slot {i}: live with pid {pid}")
         processes.append(ProcessUsage(pid=pid, used_bytes=tuple(used[:count])))
     return Region(
-        pod_uid=_text(data[POD_UID_OFFSET:POD_UID_OFFSET + ID_LEN], "pod_uid"),
-        pod_name=_text(data[POD_NAME_OFFSET:POD_NAME_OFFSET + POD_NAME_LEN], "pod_name"),
-        namespace=_text(data[NAMESPACE_OFFSET:NAMESPACE_OFFSET + ID_LEN], "namespace"),
-        container=_text(data[CONTAINER_OFFSET:CONTAINER_OFFSET + ID_LEN], "container"),
+        pod_uid=_text(pod_uid, "pod_uid"),
+        pod_name=_text(pod_name, "pod_name"),
+        namespace=_text(namespace, "namespace"),
+        container=_text(container, "container"),
         devices=tuple(devices),
         processes=tuple(processes),
     )
@@ -162,14 +188,11 @@ def _encode(region: Region) -> bytes:
         raise RegionError(f"more than {MAX_PROCS} processes")
     buf = bytearray(REGION_SIZE)
     HEADER.pack_into(buf, 0, MAGIC, VERSION, REGION_SIZE, MAX_DEVICES, MAX_PROCS,
-                     len(region.devices), 0)
-    buf[POD_UID_OFFSET:POD_UID_OFFSET + ID_LEN] = _encode_text(region.pod_uid, ID_LEN, "pod_uid")
-    buf[POD_NAME_OFFSET:POD_NAME_OFFSET + POD_NAME_LEN] = _encode_text(
-        region.pod_name, POD_NAME_LEN, "pod_name")
-    buf[NAMESPACE_OFFSET:NAMESPACE_OFFSET + ID_LEN] = _encode_text(
-        region.namespace, ID_LEN, "namespace")
-    buf[CONTAINER_OFFSET:CONTAINER_OFFSET + ID_LEN] = _encode_text(
-        region.container, ID_LEN, "container")
+                     len(region.devices), 0, bytes(16),
+                     _encode_text(region.pod_uid, ID_LEN, "pod_uid"),
+                     _encode_text(region.pod_name, POD_NAME_LEN, "pod_name"),
+                     _encode_text(region.namespace, ID_LEN, "namespace"),
+                     _encode_text(region.container, ID_LEN, "container"))
     for i, dev in enumerate(region.devices):
         if not 0 <= dev.sm_limit <= 100:
             raise RegionError(f"device {i}: sm_limit {dev.sm_limit} out of range")
