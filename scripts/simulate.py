@@ -230,9 +230,9 @@ def simulate(policy: str, args: argparse.Namespace) -> Result:
     for i in range(args.arrivals):
         now += rng.expovariate(rate)
         while departures and departures[0][0] <= now:
-            _, _, node, demand, sums = heapq.heappop(departures)
-            n = nodes[node]
-            for uuid, d in demand.items():
+            _, _, gone, held, sums = heapq.heappop(departures)
+            n = nodes[gone]
+            for uuid, d in held.items():
                 n.usage[uuid].add(d, -1)
                 if n.usage[uuid].is_zero():
                     del n.usage[uuid]
@@ -240,8 +240,8 @@ def simulate(policy: str, args: argparse.Namespace) -> Result:
             n.sum_cores -= sums[1]
             n.sum_slices -= sums[2]
             for s in range(len(reqs)):
-                cache.pop((node, s), None)
-            index.touch(node)
+                cache.pop((gone, s), None)
+            index.touch(gone)
         shape = rng.choices(range(len(reqs)), weights=weights)[0]
         result.arrivals += 1
         node = index.best(shape, rng)

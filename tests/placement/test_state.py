@@ -10,10 +10,16 @@ from placement.kubeobjects import gpu_node, gpu_pod
 
 from webhook.placement.inventory import InventoryError, Usage, parse_inventory
 from webhook.placement.request import pod_request
-from webhook.placement.state import ClusterState
+from webhook.placement.state import ClusterState, NodeState
 from webhook.settings import Settings
 
 S = Settings()
+
+
+def node(state: ClusterState, name: str) -> NodeState:
+    found = state.node(name)
+    assert found is not None
+    return found
 
 
 def gpu(uuid: str = "GPU-0", **over: Any) -> dict[str, Any]:
@@ -46,11 +52,11 @@ def test_inventory_is_sorted_by_index() -> None:
 
 def test_node_with_bad_inventory_offers_no_gpus_and_says_why() -> None:
     state = ClusterState(S)
-    node = gpu_node("n1", [("GPU-0", 1000)])
-    node["metadata"]["annotations"]["gpuslice.io/gpus"] = "[oops"
-    state.apply_node(node)
-    assert state.node("n1").gpus == ()
-    assert "not valid JSON" in state.node("n1").inventory_error
+    bad = gpu_node("n1", [("GPU-0", 1000)])
+    bad["metadata"]["annotations"]["gpuslice.io/gpus"] = "[oops"
+    state.apply_node(bad)
+    assert node(state, "n1").gpus == ()
+    assert "not valid JSON" in node(state, "n1").inventory_error
 
 
 def test_percentage_allocations_are_recounted_when_the_inventory_arrives_late() -> None:
@@ -59,9 +65,9 @@ def test_percentage_allocations_are_recounted_when_the_inventory_arrives_late() 
                   phase="Running")
     pod["metadata"]["uid"] = "uid-a"
     state.apply_pod(pod)  # the pod is seen before its node
-    assert state.node("n1").usage == {"GPU-0": Usage(0, 0, 1, 0)}
+    assert node(state, "n1").usage == {"GPU-0": Usage(0, 0, 1, 0)}
     state.apply_node(gpu_node("n1", [("GPU-0", 24576)]))
-    assert state.node("n1").usage == {"GPU-0": Usage(12288, 0, 1, 0)}
+    assert node(state, "n1").usage == {"GPU-0": Usage(12288, 0, 1, 0)}
 
 
 def test_pod_with_unreadable_requests_holds_its_gpus_whole() -> None:
@@ -71,7 +77,7 @@ def test_pod_with_unreadable_requests_holds_its_gpus_whole() -> None:
                   phase="Running")
     pod["metadata"]["uid"] = "uid-a"
     state.apply_pod(pod)
-    assert state.node("n1").usage == {"GPU-0": Usage(24576, 100, 1, 1)}
+    assert node(state, "n1").usage == {"GPU-0": Usage(24576, 100, 1, 1)}
 
 
 def test_pod_without_device_annotations_holds_nothing() -> None:
@@ -92,7 +98,7 @@ def test_long_container_names_use_the_shared_annotation_key() -> None:
     from webhook.names import devices_annotation
     pod["metadata"]["annotations"] = {devices_annotation(name): "GPU-0"}
     state.apply_pod(pod)
-    assert state.node("n1").usage == {"GPU-0": Usage(100, 0, 1, 0)}
+    assert node(state, "n1").usage == {"GPU-0": Usage(100, 0, 1, 0)}
 
 
 def _reserve(state: ClusterState, uid: str) -> None:
@@ -110,7 +116,7 @@ def test_relist_keeps_reservations_newer_than_the_list_and_drops_stale_ones() ->
     state.allocs["new"].reserved_at = listed_at + 1.0  # reserved while the list was in flight
     state.replace_pods([], listed_at)
     assert set(state.allocs) == {"new"}
-    assert state.node("n1").usage == {"GPU-0": Usage(100, 0, 1, 0)}
+    assert node(state, "n1").usage == {"GPU-0": Usage(100, 0, 1, 0)}
 
 
 def test_unbound_update_of_a_reserved_pod_keeps_the_reservation() -> None:
@@ -122,7 +128,7 @@ def test_unbound_update_of_a_reserved_pod_keeps_the_reservation() -> None:
     state.apply_pod(pending)  # e.g. a status update racing the bind
     assert state.allocs["p"].assumed
     state.release("p")
-    assert state.allocs == {} and state.node("n1").usage == {}
+    assert state.allocs == {} and node(state, "n1").usage == {}
 
 
 def test_deleted_node_keeps_the_usage_of_its_pods_until_they_go() -> None:
@@ -133,6 +139,6 @@ def test_deleted_node_keeps_the_usage_of_its_pods_until_they_go() -> None:
     pod["metadata"]["uid"] = "uid-a"
     state.apply_pod(pod)
     state.delete_node("n1")
-    assert state.node("n1").gpus == () and state.node("n1").usage
+    assert node(state, "n1").gpus == () and node(state, "n1").usage
     state.delete_pod(pod)
-    assert state.node("n1").usage == {}
+    assert node(state, "n1").usage == {}

@@ -227,10 +227,12 @@ class Placer:
                                result.assignment)
             annotations = {names.devices_annotation(c): ",".join(uuids)
                            for c, uuids in result.assignment.items()}
-        body = {"apiVersion": "v1", "kind": "Binding",
-                "metadata": {"name": args["PodName"], "namespace": args["PodNamespace"],
-                             "uid": uid, "annotations": annotations},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": node_name}}
+        # metadata.uid makes the API server refuse the bind if the pod was recreated.
+        body = client.V1Binding(
+            api_version="v1", kind="Binding",
+            metadata=client.V1ObjectMeta(name=args["PodName"], namespace=args["PodNamespace"],
+                                         uid=uid, annotations=annotations),
+            target=client.V1ObjectReference(api_version="v1", kind="Node", name=node_name))
         assert self.core is not None
         try:
             # _preload_content=False: the API server answers a Status, which the generated

@@ -59,6 +59,8 @@ class PodAlloc:
     assumed: bool = False
     """True from the bind's reservation until the watch shows the pod bound."""
     reserved_at: float = 0.0
+    resource_version: str = ""
+    """Of the pod object last applied (confirmed allocations only)."""
 
 
 def assignment_from_pod(pod: dict[str, Any], req: PodRequest) -> dict[str, tuple[str, ...]]:
@@ -214,6 +216,9 @@ class ClusterState:
             if current is not None and not (current.assumed and not node and phase not in _TERMINAL):
                 self._remove(uid)
             return
+        rv = str(meta.get("resourceVersion") or "")
+        if current is not None and not current.assumed and rv and current.resource_version == rv:
+            return  # unchanged (a resync lists every pod again)
         try:
             req = pod_request(obj, self.settings)
         except RequestError as exc:
@@ -227,10 +232,11 @@ class ClusterState:
             assignment = assignment_from_pod(obj, req)
         if current is not None and not current.assumed and current.node == node \
                 and current.assignment == assignment:
+            current.resource_version = rv
             return
         self._remove(uid)
         self._add(PodAlloc(uid, str(meta.get("namespace") or ""), str(meta.get("name") or ""),
-                           str(node), req, assignment, {}))
+                           str(node), req, assignment, {}, resource_version=rv))
 
     def delete_pod(self, obj: dict[str, Any]) -> None:
         self._remove(str((obj.get("metadata") or {}).get("uid") or ""))

@@ -1,6 +1,7 @@
 """Keeps :class:`ClusterState` current from the API server: list, then watch, then resync.
 
-One loop per resource (nodes, pods), each: list (raw JSON, no model deserialisation), replace
+One loop per resource (nodes, pods), each: list (raw JSON, no model deserialisation, in pages
+of ``page_size`` with ``continue`` tokens), replace
 the state's view, watch from the list's ``resourceVersion`` and apply events; a watch that
 ends is resumed from the last seen version, a ``410 Gone`` or any error leads to a fresh list
 (after a capped back-off), and every ``resync_s`` the loop lists again anyway. ``ready`` is
@@ -62,12 +63,14 @@ class ClusterSync:
     """The list/watch loops of nodes and pods."""
 
     def __init__(self, state: ClusterState, api: client.ApiClient, *, resync_s: float = 300.0,
-                 watch_timeout_s: int = 240, backoff_max_s: float = 30.0) -> None:
+                 watch_timeout_s: int = 240, backoff_max_s: float = 30.0,
+                 page_size: int = 500) -> None:
         self.state = state
         self.core = client.CoreV1Api(api)
         self.resync_s = resync_s
         self.watch_timeout_s = watch_timeout_s
         self.backoff_max_s = backoff_max_s
+        self.page_size = page_size
         self._listed: set[str] = set()
         self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -114,13 +117,10 @@ class ClusterSync:
         while True:
             try:
                 listed_at = time.monotonic()
-                body = await read_json(await lister(_preload_content=False,
-                                                    _request_timeout=60))
-                rv = str((body.get("metadata") or {}).get("resourceVersion") or "")
-                items = list(body.get("items") or [])
+                rv, items = await self._list(lister)
                 on_list(items, listed_at)
                 count = len(items)
-                del body, items
+                del items
                 # The state just built is long-lived: move it (and everything else alive)
                 # out of the cyclic collector's generations, so full collections do not
                 # rescan tens of thousands of allocations and stall filter calls (measured:
@@ -143,6 +143,19 @@ class ClusterSync:
                                extra={"resource": what, "error": repr(exc), "retry_s": backoff})
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
+
+    async def _list(self, lister: Callable[..., Awaitable[Any]]) -> tuple[str, list[Any]]:
+        """All objects, in pages of ``page_size``; returns (resourceVersion, items)."""
+        items: list[Any] = []
+        token = ""
+        while True:
+            page = await read_json(await lister(limit=self.page_size, _continue=token or None,
+                                                _preload_content=False, _request_timeout=60))
+            items.extend(page.get("items") or [])
+            meta = page.get("metadata") or {}
+            token = meta.get("continue") or ""
+            if not token:
+                return str(meta.get("resourceVersion") or ""), items
 
     async def _watch(self, lister: Callable[..., Awaitable[Any]], rv: str,
                      on_event: Callable[[str, dict[str, Any]], None]) -> str:
