@@ -160,9 +160,11 @@ def _shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             for key in ("env", "volumeMounts"):
                 if not isinstance(c.get(key) or [], list):
                     raise BadObject(f"spec.{kind}[{i}].{key} must be a list")
-    for key, kind in (("volumes", list), ("tolerations", list), ("nodeSelector", dict)):
-        if not isinstance(spec.get(key) or kind(), kind):
-            raise BadObject(f"spec.{key} must be a{'n object' if kind is dict else ' list'}")
+    for key in ("volumes", "tolerations"):
+        if not isinstance(spec.get(key) or [], list):
+            raise BadObject(f"spec.{key} must be a list")
+    if not isinstance(spec.get("nodeSelector") or {}, dict):
+        raise BadObject("spec.nodeSelector must be an object")
     return spec, metadata
 
 
@@ -197,10 +199,12 @@ def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def _env_for(name: str, request: GpuRequest) -> list[dict[str, Any]]:
-    def field_ref(path: str) -> dict[str, Any]:
-        return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
+def _field_ref(path: str) -> dict[str, Any]:
+    return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
 
+
+def _env_for(name: str, request: GpuRequest) -> list[dict[str, Any]]:
+    field_ref = _field_ref
     env: list[dict[str, Any]] = [
         {"name": names.ENV_POD_UID, "valueFrom": field_ref("metadata.uid")},
         {"name": names.ENV_POD_NAME, "valueFrom": field_ref("metadata.name")},

@@ -49,8 +49,13 @@ class Finding:
     error: str | None = None
 
 
+def _metadata(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
 def _label(obj: dict[str, Any], doc: int) -> str:
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    meta = _metadata(obj)
     name = meta.get("name") or (f"{meta['generateName']}*" if meta.get("generateName")
                                 else f"(document {doc})")
     return f"{obj.get('kind', 'object')}/{name}"
@@ -72,8 +77,7 @@ def _mutate_object(obj: Any, source: str, doc: int, settings: Settings,
     else:
         return obj
     label = _label(obj, doc)
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-    namespace = meta.get("namespace")
+    namespace = _metadata(obj).get("namespace")
     try:
         target = _get(obj, path)
         result = mutate_pod(target, settings, namespace=namespace,

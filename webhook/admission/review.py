@@ -14,7 +14,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 API_VERSION = "admission.k8s.io/v1"
 KIND = "AdmissionReview"
-PATCH_TYPE = "JSONPatch"
+PATCH_TYPE: Literal["JSONPatch"] = "JSONPatch"
 # Reviews and patches are trees built here or by json.loads: no cycles to look for.
 encode_json = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 

@@ -72,7 +72,8 @@ class MutateHandler:
 
     async def _handle(self, request: web.Request) -> tuple[str, web.Response]:
         limit = self.settings.max_body_bytes
-        if request.content_type not in _JSON_TYPES:
+        if request.headers.get("Content-Type") != "application/json" \
+                and request.content_type not in _JSON_TYPES:
             return "bad_request", _error(
                 400, "bad_request",
                 f"Content-Type must be application/json, got {request.content_type!r}")
