@@ -187,8 +187,9 @@ def simulate(policy: str, args: argparse.Namespace) -> Result:
     rng = random.Random(args.seed)
     settings = Settings(split_count=args.split)
     nodes = make_cluster(args.nodes, rng)
-    base = [shape_request(limits, settings) for _, limits, _ in SHAPES]
-    weights = [w / sum(s[2] for s in SHAPES) for _, _, w in SHAPES]
+    shapes = [sh for sh in SHAPES if sh[0] not in args.exclude]
+    base = [shape_request(limits, settings) for _, limits, _ in shapes]
+    weights = [w / sum(sh[2] for sh in shapes) for _, _, w in shapes]
     per_gpu = policy != "node-sum"
     reqs = [PodRequest(r.containers, policy if per_gpu else "binpack") for r in base]
     result = Result(policy)
@@ -289,11 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", type=int, default=10, help="split count (default 10)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--policies", default="binpack,spread,node-sum")
+    p.add_argument("--exclude", default="", type=lambda v: set(filter(None, v.split(","))),
+                   help="pod shapes to leave out, by name (e.g. '8 whole GPUs')")
     args = p.parse_args(argv)
+    unknown = args.exclude - {sh[0] for sh in SHAPES}
+    if unknown:
+        p.error(f"unknown shapes {sorted(unknown)}; known: {[sh[0] for sh in SHAPES]}")
     print(f"cluster: {args.nodes} nodes x {GPUS_PER_NODE} GPUs "
           f"({', '.join(f'{int(m[2] * 100)}% {m[1] // 1024} GiB' for m in MODELS)}), "
           f"split {args.split}, {args.arrivals} arrivals, offered load {args.load}x, "
-          f"seed {args.seed}")
+          f"seed {args.seed}" + (f", without {sorted(args.exclude)}" if args.exclude else ""))
     rows: list[list[Any]] = []
     for policy in args.policies.split(","):
         r = simulate(policy, args)

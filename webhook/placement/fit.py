@@ -208,10 +208,11 @@ def _plus(usage: Mapping[str, Usage], uuids: Sequence[str], c: ContainerRequest,
 
 
 @functools.lru_cache(maxsize=4096)
-def _fails_when_empty(req: PodRequest, gpus: tuple[Gpu, ...], split_count: int) -> bool:
-    """Whether the pod would not fit even on these GPUs empty (preemption cannot help)."""
-    return _try(req, list(gpus), {}, split_count, {g.uuid: g.memory_mib for g in gpus})[1] \
-        is not None
+def _fails_when_empty(req: PodRequest, memories: tuple[int, ...], split_count: int) -> bool:
+    """Whether the pod would not fit even on empty GPUs of these sizes (the usable GPUs of a
+    node: preemption cannot help). Keyed by sizes alone, so nodes of one model share it."""
+    gpus = [Gpu(str(i), i, "", m, True) for i, m in enumerate(memories)]
+    return _try(req, gpus, {}, split_count, {g.uuid: g.memory_mib for g in gpus})[1] is not None
 
 
 def place(req: PodRequest, gpus: Sequence[Gpu], usage: Mapping[str, Usage],
@@ -227,7 +228,8 @@ def place(req: PodRequest, gpus: Sequence[Gpu], usage: Mapping[str, Usage],
         c = req.containers[0]
         chosen, why = _choose(c, usable, usage, req.policy, split_count)
         if why:
-            unresolvable = _fails_when_empty(req, tuple(usable), split_count) if usage else True
+            unresolvable = _fails_when_empty(req, tuple(g.memory_mib for g in usable),
+                                             split_count) if usage else True
             return NoFit(why + suffix, unresolvable=unresolvable)
         demand = {g.uuid: _slice(c, g.memory_mib) for g in chosen}
         return Placement({c.name: tuple(g.uuid for g in chosen)}, demand,
@@ -235,7 +237,8 @@ def place(req: PodRequest, gpus: Sequence[Gpu], usage: Mapping[str, Usage],
     memory_of = {g.uuid: g.memory_mib for g in usable}
     assignment, why = _try(req, usable, usage, split_count, memory_of)
     if why:
-        unresolvable = _fails_when_empty(req, tuple(usable), split_count) if usage else True
+        unresolvable = _fails_when_empty(req, tuple(g.memory_mib for g in usable),
+                                             split_count) if usage else True
         return NoFit(why + suffix, unresolvable=unresolvable)
     demand = pod_demand(req, assignment, memory_of)
     return Placement(assignment, demand, node_score(req.policy, gpus, usage, demand))

@@ -90,24 +90,28 @@ class Placer:
             while len(self._pods) > _POD_CACHE:
                 self._pods.popitem(last=False)
 
-    def _place(self, req: PodRequest, node: NodeState) -> Fit:
-        """``place()`` on a node, reused while the node's version is unchanged.
+    def _results_for(self, req: PodRequest) -> dict[str, tuple[int, Fit]]:
+        """The cached ``place()`` results of ``req`` by node: (node version, result).
 
         ``place`` is pure and a node's version changes with its GPUs or their usage, so a
         result stays right for every pod with the same request: prioritize and bind reuse
         filter's work, and the replicas of a workload reuse each other's on unchanged nodes.
         """
         per_node = self._results.get(req)
-        if per_node is not None:
-            hit = per_node.get(node.name)
-            if hit is not None and hit[0] == node.version:
-                return hit[1]
-        result = place(req, node.gpus, node.usage, self.settings.split_count)
         if per_node is None:
             per_node = self._results[req] = {}
             while len(self._results) > _RESULT_CACHE:
                 self._results.popitem(last=False)
-        self._results.move_to_end(req)
+        else:
+            self._results.move_to_end(req)
+        return per_node
+
+    def _place(self, req: PodRequest, node: NodeState,
+               per_node: dict[str, tuple[int, Fit]]) -> Fit:
+        hit = per_node.get(node.name)
+        if hit is not None and hit[0] == node.version:
+            return hit[1]
+        result = place(req, node.gpus, node.usage, self.settings.split_count)
         per_node[node.name] = (node.version, result)
         return result
 
@@ -128,13 +132,14 @@ class Placer:
         if not req.wants_gpus:
             out["NodeNames"] = list(candidates)
             return self._with_nodes(args, out)
+        per_node = self._results_for(req)
         for name in candidates:
             node = self.state.node(name)
             if node is None or node.inventory_error:
                 why = node.inventory_error if node is not None else "node not known"
                 out["FailedAndUnresolvableNodes"][name] = f"gpuslice: {why}"
                 continue
-            result = self._place(req, node)
+            result = self._place(req, node, per_node)
             if isinstance(result, NoFit):
                 target = "FailedAndUnresolvableNodes" if result.unresolvable else "FailedNodes"
                 out[target][name] = result.reason  # type: ignore[literal-required]
@@ -162,11 +167,12 @@ class Placer:
         except RequestError:
             req = None
         scores: list[HostPriority] = []
+        per_node = self._results_for(req) if req is not None else {}
         for name in candidates:
             node = self.state.node(name)
             score = 0
             if req is not None and req.wants_gpus and node is not None and node.gpus:
-                result = self._place(req, node)
+                result = self._place(req, node, per_node)
                 score = 0 if isinstance(result, NoFit) else result.score
             scores.append(HostPriority(Host=name, Score=score))
         return scores
@@ -220,7 +226,7 @@ class Placer:
             if node is None or node.inventory_error:
                 why = node.inventory_error if node is not None else "node not known"
                 return ExtenderBindingResult(Error=f"gpuslice: {why}")
-            result = self._place(req, node)
+            result = self._place(req, node, self._results_for(req))
             if isinstance(result, NoFit):
                 return ExtenderBindingResult(Error=result.reason)
             self.state.reserve(uid, args["PodNamespace"], args["PodName"], node_name, req,
