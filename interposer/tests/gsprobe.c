@@ -86,6 +86,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t, nvmlMemory_t *);
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t, nvmlMemory_v2_t *);
 
 static const char *mode = "direct";
+static int is_child;
 static void *libcuda;
 
 /* The base name and cudaVersion a runtime would ask cuGetProcAddress for. */
@@ -392,10 +393,15 @@ int main(int argc, char **argv)
             i += 1;
         } else if (!strcmp(c, "fork")) {
             pid_t pid = fork();
-            if (pid == 0) continue; /* the child runs the rest */
+            if (pid == 0) { /* the child runs the rest */
+                is_child = 1;
+                continue;
+            }
             int status = 0;
             waitpid(pid, &status, 0);
             printf("fork %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+        } else if (!strcmp(c, "childexit")) {
+            if (is_child) exit(0); /* a normal exit: atexit handlers and destructors run */
         } else if (!strcmp(c, "exit")) {
             fflush(stdout);
             _exit(atoi(ARG(0)));

@@ -490,6 +490,11 @@ static void ctx_drop(struct fake_ctx *c)
             phys_sub(allocs[i].pdev, allocs[i].size);
         memset(&allocs[i], 0, sizeof(allocs[i]));
     }
+    if (c->primary) { /* the device's default pool goes with its primary context */
+        struct fake_pool *p = &default_pools[c->pdev];
+        phys_sub(c->pdev, p->reserved - p->used);
+        p->reserved = p->used;
+    }
     phys_sub(c->pdev, ctx_bytes);
 }
 

@@ -1,0 +1,198 @@
+"""Fixtures for the interposer tests: build once, then run C probes under LD_PRELOAD.
+
+Every probe runs against the fake driver and NVML (``interposer/tests/fake``), with the
+release library or the ASan/UBSan one (``variant``). Under ASan, ``libasan.so`` is preloaded
+first so the instrumented interposer can load into uninstrumented programs; a sanitizer report
+on stderr fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from webhook.node.region import Region, read_region
+
+ROOT = Path(__file__).resolve().parents[2]
+INTERPOSER = ROOT / "interposer"
+BUILD = INTERPOSER / "build"
+GIB = 1 << 30
+MIB = 1 << 20
+UUID_A = "GPU-aaaaaaaa-0000-1111-2222-333333333333"
+UUID_B = "GPU-bbbbbbbb-0000-1111-2222-333333333333"
+SANITIZER_MARKS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
+CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY = 0, 1, 2
+CUDA_ERROR_NOT_SUPPORTED = 801
+NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_FUNCTION_NOT_FOUND = 2, 13
+
+
+def charge(nbytes: int) -> int:
+    """What the interposer charges for an allocation (mirror of gs_charge_size)."""
+    if nbytes <= MIB:
+        return (nbytes + 511) // 512 * 512
+    return (nbytes + 2 * MIB - 1) // (2 * MIB) * (2 * MIB)
+
+
+@pytest.fixture(scope="session")
+def built() -> Path:
+    """``make -C interposer all`` once per session (incremental, seconds when up to date)."""
+    proc = subprocess.run(["make", "-s", "-C", str(INTERPOSER), "all"], check=False,
+                          capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return BUILD
+
+
+@dataclass
+class Result:
+    """One probe run: ``lines`` are ``(command, rc, values)`` in output order."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    lines: list[tuple[str, int, list[int]]] = field(default_factory=list)
+
+    def of(self, command: str) -> list[tuple[int, list[int]]]:
+        return [(rc, vals) for cmd, rc, vals in self.lines if cmd == command]
+
+    def rc(self, command: str, nth: int = 0) -> int:
+        return self.of(command)[nth][0]
+
+    def values(self, command: str, nth: int = 0) -> list[int]:
+        return self.of(command)[nth][1]
+
+
+def parse(stdout: str) -> list[tuple[str, int, list[int]]]:
+    lines = []
+    for raw in stdout.splitlines():
+        parts = raw.split()
+        if len(parts) >= 2 and parts[1].lstrip("-").isdigit():
+            lines.append((parts[0], int(parts[1]), [int(p) for p in parts[2:]]))
+    return lines
+
+
+class Lab:
+    """A container's worth of processes sharing one region, on a fake machine."""
+
+    UUID_A = UUID_A
+    UUID_B = UUID_B
+    charge = staticmethod(charge)
+
+    def __init__(self, tmp: Path, variant: str) -> None:
+        self.tmp = tmp
+        self.variant = variant
+        self.build = BUILD
+        self.region_path = tmp / "region"
+        self.base = {k: v for k, v in os.environ.items()
+                     if not k.startswith(("CUDA_", "GPUSLICE_", "FAKE_", "LIBCUDA_", "LD_", "ASAN",
+                                          "UBSAN"))}
+        self.base.update({
+            "LD_LIBRARY_PATH": str(BUILD / "fake"),
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(self.region_path),
+            "FAKE_CUDA_STATE": str(tmp / "fakestate"),
+            "FAKE_CUDA_DEVICES": f"{UUID_A}=16g",
+            "LIBCUDA_LOG_LEVEL": "1",
+        })
+        if variant == "asan":
+            libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
+                                     text=True, check=True).stdout.strip()
+            self.base["LD_PRELOAD"] = f"{libasan}:{BUILD / 'asan' / 'libgpuslice.so'}"
+            self.base["ASAN_OPTIONS"] = "detect_leaks=0:halt_on_error=1"
+            self.base["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
+        else:
+            self.base["LD_PRELOAD"] = str(BUILD / "libgpuslice.so")
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def env(self, **extra: str | None) -> dict[str, str]:
+        env = dict(self.base)
+        for key, value in extra.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
+    def command(self, *cmds: str, api: str = "direct") -> list[str]:
+        return [str(BUILD / "tests" / "gsprobe"), "--api", api, *cmds]
+
+    def run(self, *cmds: str, api: str = "direct", env: dict[str, str] | None = None,
+            timeout: float = 60, **extra: str | None) -> Result:
+        proc = subprocess.run(self.command(*cmds, api=api), check=False,
+                              env=env or self.env(**extra),
+                              capture_output=True, text=True, timeout=timeout)
+        self.check_sanitizers(proc.stderr)
+        return Result(proc.returncode, proc.stdout, proc.stderr, parse(proc.stdout))
+
+    def run_program(self, argv: list[str], timeout: float = 60,
+                    **extra: str | None) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(argv, check=False, env=self.env(**extra), capture_output=True,
+                              text=True,
+                              timeout=timeout)
+        self.check_sanitizers(proc.stderr)
+        return proc
+
+    def start(self, *cmds: str, api: str = "direct", **extra: str | None
+              ) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(self.command(*cmds, api=api), env=self.env(**extra),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def finish(self, proc: subprocess.Popen[str], timeout: float = 60) -> Result:
+        out, err = proc.communicate(timeout=timeout)
+        self.check_sanitizers(err)
+        return Result(proc.returncode, out, err, parse(out))
+
+    @staticmethod
+    def check_sanitizers(stderr: str) -> None:
+        for mark in SANITIZER_MARKS:
+            assert mark not in stderr, stderr
+
+    def region(self) -> Region:
+        return read_region(self.region_path)
+
+    def used(self, slot: int = 0) -> int:
+        return self.region().devices[slot].used_bytes
+
+    def wait_for(self, path: Path, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            assert time.monotonic() < deadline, f"{path} never appeared"
+            time.sleep(0.005)
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+@pytest.fixture(params=["release", "asan"])
+def lab(request: pytest.FixtureRequest, built: Path, tmp_path: Path) -> Iterator[Lab]:
+    """A fresh fake machine and region, with the release or the ASan/UBSan library."""
+    lab = Lab(tmp_path, request.param)
+    yield lab
+    lab.cleanup()
+
+
+@pytest.fixture
+def release_lab(built: Path, tmp_path: Path) -> Iterator[Lab]:
+    """Like ``lab``, release build only (timing-sensitive or slow tests)."""
+    lab = Lab(tmp_path, "release")
+    yield lab
+    lab.cleanup()
+
+
+@pytest.fixture
+def asan_lab(built: Path, tmp_path: Path) -> Iterator[Lab]:
+    """Like ``lab``, ASan/UBSan build only."""
+    lab = Lab(tmp_path, "asan")
+    yield lab
+    lab.cleanup()

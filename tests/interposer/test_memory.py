@@ -1,0 +1,171 @@
+"""Every way a program takes device memory is charged to the container and returned on free.
+
+Runs the C probe against the fake driver with the release and the ASan/UBSan library.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+MIB = 1 << 20
+GIB = 1 << 30
+OOM = 2
+NOT_READY_CTX = "ctx"
+
+# (probe command and arguments, bytes the interposer charges for it)
+ALLOCATIONS = {
+    "alloc": (["alloc", "300m"], 300 * MIB),
+    "managed": (["managed", "300m"], 300 * MIB),
+    "pitch": (["pitch", "1000", "3000"], 1024 * 3000),          # pitch 1024 x 3000 rows
+    "vmm": (["vmm", "300m", "0"], 300 * MIB),
+    "array": (["array", "1024", "1024"], 16 * MIB),          # float4: 16 bytes per element
+    "array3d": (["array3d", "256", "256", "64"], 4 * MIB),   # uint8, 1 channel
+    "mipmap": (["mipmap", "1024", "1024", "3"], 4 * MIB + 2 * MIB),  # half2: 4 B, levels 4+1+0.25 MiB
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ALLOCATIONS))
+def test_each_allocation_api_is_charged_and_its_free_returns_it_exactly(lab, kind):
+    cmd, expected = ALLOCATIONS[kind]
+    res = lab.run("init", "ctx", "0", *cmd, "sleep", "0", "free", "0", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc(cmd[0]) == 0, res.stdout + res.stderr
+    assert res.rc("free") == 0
+    free_after, total = res.values("meminfo")
+    assert total == GIB
+    assert free_after == GIB  # everything returned
+    # and while it was held, exactly `expected` was charged: rerun without the free
+    res = lab.run("init", "ctx", "0", *cmd, "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.values("meminfo") == [GIB - lab.charge(expected), GIB]
+
+
+def test_allocation_over_the_cap_fails_with_out_of_memory_and_charges_nothing(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "700m", "alloc", "400m", "meminfo", "alloc", "300m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM, 0]
+    assert res.values("meminfo") == [GIB - 700 * MIB, GIB]
+
+
+@pytest.mark.parametrize("kind", ["alloc", "managed", "pitch", "vmm", "array", "array3d", "mipmap",
+                                  "async", "pool"])
+def test_every_allocation_api_is_refused_over_the_cap(lab, kind):
+    cmd = {"async": ["async", "2g"], "pool": ["pool", "2g"], "vmm": ["vmm", "2g", "0"],
+           "pitch": ["pitch", "65536", "32768"], "array": ["array", "16384", "16384"],
+           "array3d": ["array3d", "2048", "2048", "512"],
+           "mipmap": ["mipmap", "16384", "16384", "4"]}.get(kind, [kind, "2g"])
+    res = lab.run("init", "ctx", "0", *cmd, "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc(cmd[0]) == OOM
+    assert res.values("meminfo") == [GIB, GIB]
+    assert lab.used() == 0
+
+
+@pytest.mark.parametrize("fail", ["cuMemAlloc_v2", "cuMemCreate", "cuArrayCreate_v2",
+                                  "cuMemAllocFromPoolAsync"])
+def test_a_failing_driver_call_rolls_the_reservation_back(lab, fail):
+    cmd = {"cuMemAlloc_v2": ["alloc", "100m"], "cuMemCreate": ["vmm", "100m", "0"],
+           "cuArrayCreate_v2": ["array", "64", "64"],
+           "cuMemAllocFromPoolAsync": ["pool", "100m"]}[fail]
+    res = lab.run("init", "ctx", "0", *cmd, "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL=f"{fail}:1:999")
+    assert res.rc(cmd[0]) == 999  # the driver's own error comes back
+    assert res.values("meminfo") == [GIB, GIB]
+
+
+def test_a_failing_free_keeps_the_charge(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "100m", "free", "0", "meminfo", "free", "0",
+                  "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_FAIL="cuMemFree_v2:1:700")
+    assert [rc for rc, _ in res.of("free")] == [700, 0]
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB - 100 * MIB, GIB], [GIB, GIB]]
+
+
+def test_pool_allocations_charge_what_the_pool_reserves_until_trimmed(lab):
+    # the fake pool grows in 32 MiB chunks and keeps freed memory until trimmed
+    res = lab.run("init", "ctx", "0", "pool", "10m", "meminfo", "free", "0", "meminfo", "trim", "0",
+                  "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    infos = [vals[0] for _, vals in res.of("meminfo")]
+    assert infos == [GIB - 32 * MIB, GIB - 32 * MIB, GIB]
+
+
+def test_pool_memory_cached_after_free_is_reused_within_the_cap(lab):
+    # 900 MiB of a 1 GiB cap: the pool reserves 928 MiB (32 MiB chunks); after the free the pool
+    # still holds it, and the next 900 MiB comes from that cache without a second charge
+    res = lab.run("init", "ctx", "0", "async", "900m", "free", "0", "async", "900m", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("async")] == [0, 0]
+    assert res.values("meminfo")[0] == GIB - 928 * MIB
+
+
+def test_a_refused_allocation_first_trims_pool_charges_that_were_released(lab):
+    # the default pool holds 512 MiB after its free; trimming it releases the physical memory, and
+    # a plain allocation that needs the room then succeeds
+    res = lab.run("init", "ctx", "0", "async", "512m", "free", "0", "trimdefault", "0",
+                  "alloc", "900m", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo")[0] == GIB - 900 * MIB
+
+
+def test_pool_growth_past_the_cap_is_undone(lab):
+    # 990 MiB fits the cap as requested, but the pool would reserve 992 MiB + 32 of rounding
+    res = lab.run("init", "ctx", "0", "alloc", "40m", "pool", "970m", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_CHUNK="64m")
+    assert res.rc("pool") == OOM
+    assert res.values("meminfo")[0] == GIB - 40 * MIB
+
+
+def test_destroying_a_pool_returns_its_charge(lab):
+    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "pooldestroy", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("pooldestroy") == 0
+    assert res.values("meminfo") == [GIB, GIB]
+
+
+def test_cumemfree_on_a_stream_ordered_allocation_returns_it(lab):
+    res = lab.run("init", "ctx", "0", "pool", "64m", "freesync", "0", "trim", "0", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("freesync") == 0
+    assert res.values("meminfo") == [GIB, GIB]
+
+
+def test_the_context_footprint_is_measured_and_charged(lab):
+    res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="300m")
+    assert res.values("meminfo") == [GIB - 300 * MIB, GIB]
+
+
+def test_a_context_that_does_not_fit_is_refused(lab):
+    # the first process measures the footprint (300 MiB) and holds 800 MiB: a second context
+    # (reserved at the measured size before it is created) cannot fit in the remaining 0 bytes
+    holder = lab.start("init", "ctx", "0", "alloc", "724m", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="1g",
+                       FAKE_CUDA_CTX_BYTES="300m")
+    lab.wait_for(lab.tmp / "held")
+    res = lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="300m")
+    assert res.rc("ctx") == OOM
+    (lab.tmp / "go").touch()
+    assert lab.finish(holder).rc("alloc") == 0
+
+
+def test_destroying_a_context_returns_its_footprint_and_its_allocations(lab):
+    res = lab.run("init", "ctxcreate", "0", "alloc", "200m", "array", "256", "256", "ctxdestroy",
+                  "0", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("ctxdestroy") == 0
+    # only the primary context that replaced it remains charged
+    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
+
+
+def test_resetting_the_primary_context_returns_everything_it_held(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "200m", "async", "100m", "reset", "0", "ctx", "0",
+                  "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m")
+    assert res.rc("reset") == 0
+    assert res.values("meminfo") == [GIB - 50 * MIB, GIB]
+
+
+def test_physical_usage_seen_from_outside_never_exceeds_the_cap(lab):
+    # fill the cap every way at once; the fake NVML in an uncapped process sees the device
+    res = lab.run("init", "ctx", "0", "alloc", "300m", "async", "100m", "vmm", "200m", "0",
+                  "array", "1024", "1024", "alloc", "400m", "alloc", "100m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="150m")
+    assert OOM in [rc for rc, _ in res.of("alloc")]
+    outside = lab.run("nvml", "0", LD_PRELOAD=None)
+    assert outside.values("nvml")[1] <= GIB

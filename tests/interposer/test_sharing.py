@@ -1,0 +1,151 @@
+"""One budget per container: several processes, races, SIGKILL at bad moments, fork."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
+
+MIB = 1 << 20
+GIB = 1 << 30
+OOM = 2
+
+
+def test_second_process_cannot_exceed_shared_cap(lab):
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="10g")
+    lab.wait_for(lab.tmp / "held")
+    res = lab.run("init", "ctx", "0", "alloc", "5g", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]
+    (lab.tmp / "go").touch()
+    assert lab.finish(holder).rc("alloc") == 0
+
+
+def test_many_processes_race_for_the_last_gib_and_exactly_one_wins(lab):
+    n = 6
+    holder = lab.start("init", "ctx", "0", "alloc", "9g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="10g")
+    lab.wait_for(lab.tmp / "held")
+    go = lab.tmp / "go"
+    racers = [lab.start("init", "ctx", "0", "touch", str(lab.tmp / f"ready{i}"), "waitfile",
+                        str(go), "alloc", "1g", "touch", str(lab.tmp / f"done{i}"), "waitfile",
+                        str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="10g")
+              for i in range(n)]
+    for i in range(n):
+        lab.wait_for(lab.tmp / f"ready{i}")
+    go.touch()
+    for i in range(n):
+        lab.wait_for(lab.tmp / f"done{i}")
+    assert lab.used() == 10 * GIB
+    (lab.tmp / "end").touch()
+    outcomes = [lab.finish(p).rc("alloc") for p in racers]
+    assert sorted(outcomes) == [0] + [OOM] * (n - 1)
+    lab.finish(holder)
+    assert lab.used() == 0
+
+
+def test_a_process_killed_mid_allocation_returns_its_usage(lab):
+    mark = lab.tmp / "inside"
+    victim = lab.start("init", "ctx", "0", "alloc", "2g", "alloc", "7g",
+                       CUDA_DEVICE_MEMORY_LIMIT="10g", FAKE_CUDA_SLEEP="cuMemAlloc_v2:60000",
+                       FAKE_CUDA_SLEEP_MARK=str(mark))
+    lab.wait_for(mark)  # inside the driver call, with its reservation made
+    assert lab.used() >= 2 * GIB
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    res = lab.run("init", "ctx", "0", "alloc", "10g", CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert res.rc("alloc") == 0  # the dead process's reservation was reclaimed
+    assert lab.used() == 0
+
+
+def test_a_process_killed_holding_the_lock_blocks_nobody(lab):
+    lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="4g")  # create the region
+    ready = lab.tmp / "locked"
+    holder = subprocess.Popen([str(lab.build / "tests" / "lockhold"), str(lab.region_path),
+                               str(ready)])
+    lab.procs.append(holder)
+    lab.wait_for(ready)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=10)
+    res = lab.run("init", "ctx", "0", "alloc", "4g", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="4g",
+                  timeout=30)
+    assert "died holding the region lock" in res.stderr
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo") == [0, 4 * GIB]
+
+
+def test_a_half_done_update_by_a_killed_lock_holder_is_repaired(lab):
+    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), "meminfo", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    lab.wait_for(lab.tmp / "held")
+    ready = lab.tmp / "locked"
+    holder = subprocess.Popen([str(lab.build / "tests" / "lockhold"), str(lab.region_path),
+                               str(ready), "torn"])
+    lab.procs.append(holder)
+    lab.wait_for(ready)
+    assert lab.used() == 2 * GIB  # 1 GiB real + 1 GiB written by the half-done update
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=10)
+    res = lab.run("init", "ctx", "0", "alloc", "3g", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.rc("alloc") == 0  # 1 GiB (keeper) + 3 GiB: the phantom gigabyte is gone
+    assert "died holding the region lock" in res.stderr
+    (lab.tmp / "go").touch()
+    assert lab.finish(keeper).values("meminfo") == [3 * GIB, 4 * GIB]
+
+
+def test_a_process_that_exits_returns_its_usage(lab):
+    lab.run("init", "ctx", "0", "alloc", "3g", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert lab.used() == 0
+    assert lab.region().processes == ()
+
+
+def test_a_process_that_exits_without_cleanup_is_reclaimed(lab):
+    lab.run("init", "ctx", "0", "alloc", "3g", "exit", "0", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert lab.used() == 3 * GIB  # _exit skipped the library's destructor
+    res = lab.run("init", "ctx", "0", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.rc("alloc") == 0
+
+
+def test_usage_recorded_by_an_earlier_container_incarnation_is_reclaimed(lab):
+    # a live pid (ours) recorded under another pid namespace: a previous container's process
+    lab.region_path.write_bytes(encode_region(Region(
+        pod_uid="u", pod_name="p", namespace="n", container="c",
+        devices=(DeviceSlot(index=0, uuid=lab.UUID_A, limit_bytes=4 * GIB, used_bytes=3 * GIB,
+                            sm_limit=0, busy_ns=0),),
+        processes=(ProcessUsage(pid=os.getpid(), used_bytes=(3 * GIB,)),))))
+    res = lab.run("init", "ctx", "0", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.rc("alloc") == 0
+
+
+def test_fork_child_charges_its_own_usage_and_parent_keeps_its_own(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "1g", "fork", "alloc", "2g", "touch",
+                  str(lab.tmp / "x"), CUDA_DEVICE_MEMORY_LIMIT="4g")
+    # child: allocates 2 GiB, exits (returning them); parent: then also allocates 2 GiB
+    assert [rc for rc, _ in res.of("alloc")] == [0, 0, 0]
+    assert res.of("fork") == [(0, [])]
+    assert lab.used() == 0
+
+
+def test_fork_child_usage_is_separate_from_the_parents(lab):
+    child_ready, parent_go = lab.tmp / "child", lab.tmp / "parent"
+    proc = lab.start("init", "ctx", "0", "alloc", "1g", "fork", "alloc", "2g", "touch",
+                     str(child_ready), "waitfile", str(parent_go), CUDA_DEVICE_MEMORY_LIMIT="4g")
+    lab.wait_for(child_ready)
+    region = lab.region()
+    usage = sorted(p.used_bytes[0] for p in region.processes)
+    assert usage == [GIB, 2 * GIB]  # two processes, each with its own usage
+    parent_go.touch()
+    lab.finish(proc)
+
+
+def test_a_forked_child_that_exits_does_not_return_the_parents_usage(lab):
+    proc = lab.start("init", "ctx", "0", "alloc", "1g", "fork", "childexit", "touch",
+                     str(lab.tmp / "after"), "waitfile", str(lab.tmp / "go"),
+                     CUDA_DEVICE_MEMORY_LIMIT="4g")
+    lab.wait_for(lab.tmp / "after")  # the child has exited normally (destructors ran)
+    assert lab.used() == GIB
+    assert [p.used_bytes[0] for p in lab.region().processes] == [GIB]
+    (lab.tmp / "go").touch()
+    assert lab.finish(proc).of("fork") == [(0, [])]

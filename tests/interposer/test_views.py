@@ -1,0 +1,156 @@
+"""What the container is told: cuMemGetInfo, cuDeviceTotalMem and NVML show the slice.
+
+Also the device index <-> UUID mapping (CUDA_VISIBLE_DEVICES reorders and subsets) and the
+environment's limit syntax.
+"""
+
+from __future__ import annotations
+
+from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
+
+MIB = 1 << 20
+GIB = 1 << 30
+NVML_ERROR_INVALID_ARGUMENT = 2
+
+
+def test_views_report_the_cap_as_total_and_the_containers_usage_as_used(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "1g", "meminfo", "totalmem", "0", "nvml", "0",
+                  "nvml2", "0", CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert res.values("meminfo") == [9 * GIB, 10 * GIB]
+    assert res.values("totalmem") == [10 * GIB]
+    total, used, free = res.values("nvml")
+    assert (total, used, free) == (10 * GIB, GIB, 9 * GIB)
+    assert res.values("nvml2") == [10 * GIB, 0, GIB, 9 * GIB]  # total reserved used free
+
+
+def test_usage_of_every_process_of_the_container_is_in_the_view(lab):
+    holder = lab.start("init", "ctx", "0", "alloc", "3g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="10g")
+    lab.wait_for(lab.tmp / "held")
+    res = lab.run("init", "ctx", "0", "alloc", "1g", "meminfo", "nvml", "0",
+                  CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert res.values("meminfo") == [6 * GIB, 10 * GIB]
+    assert res.values("nvml")[1] == 4 * GIB
+    (lab.tmp / "go").touch()
+    lab.finish(holder)
+
+
+def test_nvidia_smi_like_process_without_cuda_sees_the_slice(lab):
+    holder = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="10g")
+    lab.wait_for(lab.tmp / "held")
+    # NVML only, through dlsym on a dlopen'ed libnvidia-ml (as nvidia-smi does)
+    res = lab.run("nvml", "0", "nvml2", "0", api="dlsym", CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert res.values("nvml") == [10 * GIB, 2 * GIB, 8 * GIB]
+    assert res.values("nvml2") == [10 * GIB, 0, 2 * GIB, 8 * GIB]
+    (lab.tmp / "go").touch()
+    lab.finish(holder)
+    # it did not register itself as a process of the container
+    assert [p.pid for p in lab.region().processes] == []
+
+
+def test_views_never_underflow_when_usage_exceeds_the_cap(lab):
+    # a region whose usage is above its cap (e.g. a context charged after the fact)
+    lab.region_path.write_bytes(encode_region(Region(
+        pod_uid="u", pod_name="p", namespace="n", container="c",
+        devices=(DeviceSlot(index=0, uuid=lab.UUID_A, limit_bytes=GIB, used_bytes=3 * GIB,
+                            sm_limit=0, busy_ns=0),),
+        processes=(ProcessUsage(pid=1, used_bytes=(3 * GIB,)),))))
+    # pid 1 lives in another pid namespace than ours only on a host; in a sandbox it may be ours:
+    # the views must hold in either case
+    res = lab.run("init", "ctx", "0", "meminfo", "nvml", "0", "nvml2", "0",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    free, total = res.values("meminfo")
+    assert total == GIB and 0 <= free <= GIB
+    total, used, free = res.values("nvml")
+    assert total == GIB and used <= total and free == total - used
+    total, _reserved, used, free = res.values("nvml2")
+    assert total == GIB and used <= total and free == total - used
+
+
+def test_free_memory_is_never_more_than_the_device_really_has(lab):
+    # another tenant (no library) holds 15 GiB of the 16 GiB device
+    other = lab.start("init", "ctx", "0", "alloc", "15g", "touch", str(lab.tmp / "held"),
+                      "waitfile", str(lab.tmp / "go"), LD_PRELOAD=None)
+    lab.wait_for(lab.tmp / "held")
+    res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert res.values("meminfo") == [GIB, 10 * GIB]
+    (lab.tmp / "go").touch()
+    lab.finish(other)
+
+
+def test_no_limit_leaves_the_views_as_the_driver_reports_them(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "1g", "meminfo", "totalmem", "0", "nvml", "0")
+    assert res.values("meminfo") == [15 * GIB, 16 * GIB]
+    assert res.values("totalmem") == [16 * GIB]
+    assert res.values("nvml")[0] == 16 * GIB
+
+
+def test_memory_percent_resolves_against_the_devices_real_total(lab):
+    res = lab.run("init", "ctx", "0", "meminfo", "nvml", "0", GPUSLICE_MEMORY_PERCENT="25",
+                  FAKE_CUDA_DEVICES=f"{lab.UUID_A}=80g")
+    assert res.values("meminfo") == [20 * GIB, 20 * GIB]
+    assert res.values("nvml")[0] == 20 * GIB
+
+
+def test_limit_suffixes_follow_hami_syntax(lab):
+    for value, expected in [("2048m", 2 * GIB), ("3g", 3 * GIB), ("1048576k", GIB),
+                            (str(5 * GIB), 5 * GIB)]:
+        res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT=value)
+        assert res.values("meminfo")[1] == expected, value
+
+
+def test_an_unparsable_limit_is_reported_and_ignored(lab):
+    res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="lots")
+    assert res.values("meminfo")[1] == 16 * GIB
+    assert "gpuslice:" in res.stderr and "CUDA_DEVICE_MEMORY_LIMIT" in res.stderr
+
+
+def two_gpus(lab) -> dict[str, str]:
+    return {"FAKE_CUDA_DEVICES": f"{lab.UUID_A}=16g,{lab.UUID_B}=16g",
+            "CUDA_DEVICE_MEMORY_LIMIT_0": "2g", "CUDA_DEVICE_MEMORY_LIMIT_1": "5g"}
+
+
+def test_per_device_limits_follow_the_device_when_cuda_visible_devices_reorders(lab):
+    env = two_gpus(lab)
+    plain = lab.run("init", "ctx", "0", "meminfo", "ctx", "1", "meminfo", "totalmem", "0",
+                    "totalmem", "1", **env)
+    assert [v[1] for _, v in plain.of("meminfo")] == [2 * GIB, 5 * GIB]
+    swapped = lab.run("init", "ctx", "0", "meminfo", "ctx", "1", "meminfo", "totalmem", "0",
+                      "totalmem", "1", CUDA_VISIBLE_DEVICES="1,0", **env)
+    assert [v[1] for _, v in swapped.of("meminfo")] == [5 * GIB, 2 * GIB]
+    assert [v[0] for _, v in swapped.of("totalmem")] == [5 * GIB, 2 * GIB]
+
+
+def test_a_subset_of_devices_charges_the_right_device(lab):
+    env = two_gpus(lab)
+    holder = lab.start("init", "ctx", "0", "alloc", "1g", "totalmem", "0", "touch",
+                       str(lab.tmp / "held"), "waitfile", str(lab.tmp / "go"),
+                       CUDA_VISIBLE_DEVICES="1", **env)
+    lab.wait_for(lab.tmp / "held")
+    by_uuid = {d.uuid: d for d in lab.region().devices}
+    assert by_uuid[lab.UUID_B].used_bytes == GIB and by_uuid[lab.UUID_B].limit_bytes == 5 * GIB
+    assert by_uuid[lab.UUID_A].used_bytes == 0 and by_uuid[lab.UUID_A].limit_bytes == 2 * GIB
+    # processes with different CUDA_VISIBLE_DEVICES share the same per-device budget
+    other = lab.run("init", "ctx", "0", "meminfo", "ctx", "1", "meminfo", **env)
+    assert [v for _, v in other.of("meminfo")] == [[2 * GIB, 2 * GIB], [4 * GIB, 5 * GIB]]
+    (lab.tmp / "go").touch()
+    assert lab.finish(holder).values("totalmem") == [5 * GIB]
+
+
+def test_nvml_null_out_parameter_is_an_invalid_argument_not_a_crash(lab):
+    res = lab.run("nvmlnull", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.of("nvmlnull") == [(NVML_ERROR_INVALID_ARGUMENT, [NVML_ERROR_INVALID_ARGUMENT])]
+
+
+def test_the_region_carries_the_containers_identity_and_limits(lab):
+    lab.run("init", "ctx", "0", "alloc", "1g", "sleep", "0", CUDA_DEVICE_MEMORY_LIMIT="4g",
+            CUDA_DEVICE_SM_LIMIT="30", GPUSLICE_POD_UID="0b7f-uid", GPUSLICE_POD_NAME="trainer-0",
+            GPUSLICE_POD_NAMESPACE="ml", GPUSLICE_CONTAINER="main")
+    region = lab.region()
+    assert (region.pod_uid, region.pod_name, region.namespace, region.container) == (
+        "0b7f-uid", "trainer-0", "ml", "main")
+    dev = region.devices[0]
+    assert (dev.index, dev.uuid, dev.limit_bytes, dev.sm_limit) == (0, lab.UUID_A, 4 * GIB, 30)
+    assert region.processes == ()  # the process exited and returned its usage
+    assert dev.used_bytes == 0
