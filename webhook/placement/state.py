@@ -110,6 +110,7 @@ class ClusterState:
         node = self.nodes.get(name)
         if node is None:
             node = self.nodes[name] = NodeState(name)
+            self._bump(node)  # versions are never reused, even by a node recreated by name
         return node
 
     def _bump(self, node: NodeState) -> None:

@@ -133,7 +133,10 @@ class ClusterSync:
                     self.ready.set()
                 backoff = 0.5
                 while time.monotonic() - listed_at < self.resync_s:
+                    started = time.monotonic()
                     rv = await self._watch(lister, rv, on_event)
+                    if time.monotonic() - started < 1.0:  # a server that ends watches at once
+                        await asyncio.sleep(1.0)
             except asyncio.CancelledError:
                 raise
             except ResourceExpired:
