@@ -94,3 +94,23 @@ async def test_filter_fails_softly_while_state_is_syncing(aiohttp_client: Any) -
     assert resp.status == 200
     assert body["NodeNames"] == [] and "still reading the cluster state" in body["Error"]
 
+
+
+async def test_filter_never_answers_from_a_stale_result(client: Any) -> None:
+    """Results are reused per request and node version: a change on the node shows at once."""
+    case = json.loads((GOLDEN / "filter_headline.json").read_text())
+    first = await (await client.post("/scheduler/filter", json=case["request"])).json()
+    assert "gpu-a" in first["NodeNames"]
+    state = client.app[PLACEMENT_KEY].state
+    other = {"metadata": {"name": "x", "namespace": "team", "uid": "uid-x",
+                          "annotations": {"gpuslice.io/devices.c": "GPU-a1"}},
+             "spec": {"nodeName": "gpu-a", "containers": [{"name": "c", "resources": {
+                 "limits": {"nvidia.com/gpumem": "20000"}}}]},
+             "status": {"phase": "Running"}}
+    state.apply_pod(other)
+    second = await (await client.post("/scheduler/filter", json=case["request"])).json()
+    assert "gpu-a" not in second["NodeNames"]
+    assert "too little free memory" in second["FailedNodes"]["gpu-a"]
+    state.delete_pod(other)
+    third = await (await client.post("/scheduler/filter", json=case["request"])).json()
+    assert third == first
