@@ -56,7 +56,7 @@ def test_node_with_bad_inventory_offers_no_gpus_and_says_why() -> None:
     bad["metadata"]["annotations"]["gpuslice.io/gpus"] = "[oops"
     state.apply_node(bad)
     assert node(state, "n1").gpus == ()
-    assert "not valid JSON" in node(state, "n1").inventory_error
+    assert "not valid JSON" in (node(state, "n1").inventory_error or "")
 
 
 def test_percentage_allocations_are_recounted_when_the_inventory_arrives_late() -> None:
