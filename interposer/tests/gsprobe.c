@@ -206,6 +206,45 @@ static void bench(double seconds, const char *kind)
            (unsigned long long)wall);
 }
 
+/* Real GPUs only: `count` cuMemAlloc+cuMemFree pairs of `size` bytes; ns per pair. */
+static void allocbench(long count, uint64_t size)
+{
+    CUresult rc = CUDA_SUCCESS;
+    CUdeviceptr p;
+    for (int warm = 0; warm < 100 && rc == CUDA_SUCCESS; warm++)
+        if ((rc = api.cuMemAlloc_v2(&p, size)) == CUDA_SUCCESS) rc = api.cuMemFree_v2(p);
+    uint64_t t0 = now_ns();
+    for (long n = 0; n < count && rc == CUDA_SUCCESS; n++)
+        if ((rc = api.cuMemAlloc_v2(&p, size)) == CUDA_SUCCESS) rc = api.cuMemFree_v2(p);
+    printf("allocbench %d %llu\n", rc, (unsigned long long)((now_ns() - t0) / (uint64_t)count));
+}
+
+/* Real GPUs only: launch an empty kernel (PTX, JIT-compiled by the driver) `count`
+ * times; ns per launch, the GPU drained at the end. */
+static void launchbench(long count)
+{
+    static const char ptx[] = ".version 7.0\n.target sm_50\n.address_size 64\n"
+                              ".visible .entry gs_noop()\n{\n ret;\n}\n";
+    typedef CUresult (*load_t)(void **, const void *);
+    typedef CUresult (*getfn_t)(CUfunction *, void *, const char *);
+    load_t load = (load_t)dlsym(libcuda, "cuModuleLoadData");
+    getfn_t getfn = (getfn_t)dlsym(libcuda, "cuModuleGetFunction");
+    void *mod = NULL;
+    CUfunction f = NULL;
+    CUresult rc = load && getfn ? load(&mod, ptx) : CUDA_ERROR_NOT_SUPPORTED;
+    if (rc == CUDA_SUCCESS) rc = getfn(&f, mod, "gs_noop");
+    for (int warm = 0; warm < 1000 && rc == CUDA_SUCCESS; warm++)
+        rc = api.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+    api.cuCtxSynchronize();
+    uint64_t t0 = now_ns();
+    for (long n = 0; n < count && rc == CUDA_SUCCESS; n++)
+        rc = api.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+    uint64_t launched = now_ns() - t0;
+    api.cuCtxSynchronize();
+    printf("launchbench %d %llu %llu\n", rc, (unsigned long long)(launched / (uint64_t)count),
+           (unsigned long long)((now_ns() - t0) / (uint64_t)count));
+}
+
 static nvmlDevice_t nvml_device(unsigned index)
 {
     static nvml_handle_t by_index;
@@ -365,6 +404,12 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bench")) {
             bench(atof(ARG(0)), ARG(1));
             i += 2;
+        } else if (!strcmp(c, "allocbench")) {
+            allocbench(atol(ARG(0)), size_arg(ARG(1)));
+            i += 2;
+        } else if (!strcmp(c, "launchbench")) {
+            launchbench(atol(ARG(0)));
+            i += 1;
         } else if (!strcmp(c, "capture")) {
             /* launches on a capturing stream must pass straight through */
             CUstream s = NULL;
