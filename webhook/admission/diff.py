@@ -62,10 +62,11 @@ def _diff(a: Any, b: Any, path: str, ops: list[Op]) -> None:
 def _diff_lists(a: list[Any], b: list[Any], path: str, ops: list[Op]) -> None:
     head = 0
     shorter = min(len(a), len(b))
-    while head < shorter and _same(a[head], b[head]):
+    while head < shorter and (a[head] is b[head] or _same(a[head], b[head])):
         head += 1
     tail = 0
-    while tail < shorter - head and _same(a[-1 - tail], b[-1 - tail]):
+    while tail < shorter - head and (a[-1 - tail] is b[-1 - tail]
+                                     or _same(a[-1 - tail], b[-1 - tail])):
         tail += 1
     old, new = a[head:len(a) - tail], b[head:len(b) - tail]
     if len(old) == len(new):

@@ -1,8 +1,10 @@
 """The pod mutation of DESIGN.md §2 as a pure function: pod + settings -> new pod or denial.
 
 :func:`mutate_pod` never changes its input and does no I/O. The new pod shares every part it
-does not change with the input (copy on write), so the HTTP edge can diff the two cheaply with
-``jsonpatch.make_patch``. Applying the mutation to its own output changes nothing.
+does not change with the input (copy on write), so the HTTP edge can diff the two cheaply
+(:mod:`webhook.admission.diff`), and holds our env entries, mounts and volumes as shared,
+read-only :class:`~webhook.admission.encode.Fragment` dicts: treat results as read-only
+(``copy.deepcopy`` gives plain dicts). Applying the mutation to its own output changes nothing.
 
 Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``):
 
@@ -21,11 +23,14 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from webhook import __version__, names
+from webhook.admission.encode import Fragment
 from webhook.admission.requests import GpuRequest, read_request
 from webhook.settings import Settings
 
@@ -51,8 +56,7 @@ class BadObject(ValueError):
     """The object is not shaped like a Pod (or pod template); the message names the field."""
 
 
-@dataclass(frozen=True, slots=True)
-class Denial:
+class Denial(NamedTuple):
     """One reason the pod is refused; ``container`` is None for pod-level reasons."""
 
     container: str | None
@@ -62,8 +66,7 @@ class Denial:
         return f'container "{self.container}": {self.reason}' if self.container else self.reason
 
 
-@dataclass(frozen=True, slots=True)
-class MutationResult:
+class MutationResult(NamedTuple):
     """The new pod (the input object itself when unchanged) or the reasons it is denied."""
 
     pod: dict[str, Any] | None
@@ -80,9 +83,13 @@ class MutationResult:
         return "; ".join(str(d) for d in self.denials)
 
 
-@dataclass(slots=True)
 class _Work:
-    warnings: list[str] = field(default_factory=list)
+    """Warnings collected while mutating, each once."""
+
+    __slots__ = ("warnings",)
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
 
     def warn(self, text: str) -> None:
         if text not in self.warnings:
@@ -121,14 +128,14 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     if pod_reasons or denials:
         return MutationResult(None, tuple(Denial(None, r) for r in pod_reasons) + tuple(denials))
 
+    _check_gpu_pod_shape(spec, list(gpu_containers))
     work = _Work()
     new_spec = dict(spec)
-    for kind in ("initContainers", "containers"):
-        if any(k == kind for k, _ in gpu_containers):
-            new_spec[kind] = [
-                _mutate_container(c, gpu_containers[(kind, i)], settings, work)
-                if (kind, i) in gpu_containers else c
-                for i, c in enumerate(spec[kind])]
+    for kind in {k for k, _ in gpu_containers}:
+        new_spec[kind] = [
+            _mutate_container(c, gpu_containers[(kind, i)], settings, work)
+            if (kind, i) in gpu_containers else c
+            for i, c in enumerate(spec[kind])]
     _mutate_pod_spec(new_spec, settings, work)
     new_pod = dict(pod)
     new_pod["spec"] = new_spec
@@ -157,15 +164,20 @@ def _shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         for i, c in enumerate(containers):
             if not isinstance(c, dict) or not isinstance(c.get("name"), str):
                 raise BadObject(f"spec.{kind}[{i}] must be an object with a string name")
-            for key in ("env", "volumeMounts"):
-                if not isinstance(c.get(key) or [], list):
-                    raise BadObject(f"spec.{kind}[{i}].{key} must be a list")
+    return spec, metadata
+
+
+def _check_gpu_pod_shape(spec: dict[str, Any], containers: list[tuple[str, int]]) -> None:
+    """The parts a GPU pod's mutation rewrites must have their Kubernetes types."""
+    for kind, i in containers:
+        for key in ("env", "volumeMounts"):
+            if not isinstance(spec[kind][i].get(key) or [], list):
+                raise BadObject(f"spec.{kind}[{i}].{key} must be a list")
     for key in ("volumes", "tolerations"):
         if not isinstance(spec.get(key) or [], list):
             raise BadObject(f"spec.{key} must be a list")
     if not isinstance(spec.get("nodeSelector") or {}, dict):
         raise BadObject("spec.nodeSelector must be an object")
-    return spec, metadata
 
 
 def _security_reasons(container: dict[str, Any]) -> list[str]:
@@ -199,49 +211,52 @@ def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def _field_ref(path: str) -> dict[str, Any]:
-    return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
+def _field_ref(path: str) -> Fragment:
+    return Fragment(fieldRef=Fragment(apiVersion="v1", fieldPath=path))
 
 
-def _env_for(name: str, request: GpuRequest) -> list[dict[str, Any]]:
-    field_ref = _field_ref
-    env: list[dict[str, Any]] = [
-        {"name": names.ENV_POD_UID, "valueFrom": field_ref("metadata.uid")},
-        {"name": names.ENV_POD_NAME, "valueFrom": field_ref("metadata.name")},
-        {"name": names.ENV_POD_NAMESPACE, "valueFrom": field_ref("metadata.namespace")},
-        {"name": names.ENV_CONTAINER, "value": name},
+class _ContainerParts(NamedTuple):
+    env: tuple[Fragment, ...]
+    env_by_name: Mapping[str, Fragment]
+    mounts: tuple[Fragment, ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def _container_parts(name: str, request: GpuRequest) -> _ContainerParts:
+    """Our env entries and mounts for one container: built once, shared, read-only."""
+    env = [
+        Fragment(name=names.ENV_POD_UID, valueFrom=_field_ref("metadata.uid")),
+        Fragment(name=names.ENV_POD_NAME, valueFrom=_field_ref("metadata.name")),
+        Fragment(name=names.ENV_POD_NAMESPACE, valueFrom=_field_ref("metadata.namespace")),
+        Fragment(name=names.ENV_CONTAINER, value=name),
     ]
     if request.memory_mib is not None:
-        env.append({"name": names.ENV_MEMORY_LIMIT, "value": f"{request.memory_mib}m"})
+        env.append(Fragment(name=names.ENV_MEMORY_LIMIT, value=f"{request.memory_mib}m"))
     else:
-        env.append({"name": names.ENV_MEMORY_PERCENT, "value": str(request.memory_percent)})
+        env.append(Fragment(name=names.ENV_MEMORY_PERCENT, value=str(request.memory_percent)))
     if request.cores is not None:
-        env.append({"name": names.ENV_SM_LIMIT, "value": str(request.cores)})
-    env.append({"name": names.ENV_SHARED_CACHE, "value": names.REGION_FILE})
+        env.append(Fragment(name=names.ENV_SM_LIMIT, value=str(request.cores)))
+    env.append(Fragment(name=names.ENV_SHARED_CACHE, value=names.REGION_FILE))
     devices = names.devices_annotation(name)
-    env.append({"name": names.ENV_VISIBLE_DEVICES,
-                "valueFrom": field_ref(f"metadata.annotations['{devices}']")})
-    return env
+    env.append(Fragment(name=names.ENV_VISIBLE_DEVICES,
+                        valueFrom=_field_ref(f"metadata.annotations['{devices}']")))
+    mounts = (
+        Fragment(name=VOLUME_LIBRARY, mountPath=names.HOST_LIBRARY_DIR, readOnly=True),
+        Fragment(name=VOLUME_PRELOAD, mountPath=names.CONTAINER_PRELOAD_FILE, readOnly=True),
+        Fragment(name=VOLUME_STATE, mountPath=names.CONTAINER_STATE_DIR,
+                 subPathExpr=f"$({names.ENV_POD_UID})/{name}"),
+    )
+    return _ContainerParts(tuple(env), MappingProxyType({e["name"]: e for e in env}), mounts)
 
 
-def _mounts_for(name: str) -> list[dict[str, Any]]:
-    return [
-        {"name": VOLUME_LIBRARY, "mountPath": names.HOST_LIBRARY_DIR, "readOnly": True},
-        {"name": VOLUME_PRELOAD, "mountPath": names.CONTAINER_PRELOAD_FILE, "readOnly": True},
-        {"name": VOLUME_STATE, "mountPath": names.CONTAINER_STATE_DIR,
-         "subPathExpr": f"$({names.ENV_POD_UID})/{name}"},
-    ]
-
-
-def _volumes() -> list[dict[str, Any]]:
-    return [
-        {"name": VOLUME_LIBRARY,
-         "hostPath": {"path": names.HOST_LIBRARY_DIR, "type": "Directory"}},
-        {"name": VOLUME_PRELOAD,
-         "hostPath": {"path": names.HOST_PRELOAD_FILE, "type": "File"}},
-        {"name": VOLUME_STATE,
-         "hostPath": {"path": names.HOST_STATE_DIR, "type": "DirectoryOrCreate"}},
-    ]
+_VOLUMES = (
+    Fragment(name=VOLUME_LIBRARY,
+             hostPath=Fragment(path=names.HOST_LIBRARY_DIR, type="Directory")),
+    Fragment(name=VOLUME_PRELOAD,
+             hostPath=Fragment(path=names.HOST_PRELOAD_FILE, type="File")),
+    Fragment(name=VOLUME_STATE,
+             hostPath=Fragment(path=names.HOST_STATE_DIR, type="DirectoryOrCreate")),
+)
 
 
 def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: Settings,
@@ -253,8 +268,8 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: 
         resources["limits"] = {**(resources.get("limits") or {}), settings.resource_gpu: "1"}
         new["resources"] = resources
 
-    ours = _env_for(name, request)
-    wanted = {e["name"]: e for e in ours}
+    parts = _container_parts(name, request)
+    wanted = parts.env_by_name
     kept = []
     for entry in container.get("env") or ():
         env_name = entry.get("name") if isinstance(entry, dict) else None
@@ -266,9 +281,9 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: 
                           f"the value in the pod was {verb}")
             continue
         kept.append(entry)
-    new["env"] = ours + kept
+    new["env"] = [*parts.env, *kept]
 
-    mounts = _mounts_for(name)
+    mounts = parts.mounts
     kept = []
     for mount in container.get("volumeMounts") or ():
         if isinstance(mount, dict) and (
@@ -279,12 +294,12 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: 
                           f'{mount.get("mountPath")} conflicts with gpuslice and was replaced')
             continue
         kept.append(mount)
-    new["volumeMounts"] = kept + mounts
+    new["volumeMounts"] = [*kept, *mounts]
     return new
 
 
 def _mutate_pod_spec(spec: dict[str, Any], settings: Settings, work: _Work) -> None:
-    ours = _volumes()
+    ours = _VOLUMES
     volumes = []
     for volume in spec.get("volumes") or ():
         if isinstance(volume, dict) and volume.get("name") in _OUR_VOLUMES:
@@ -292,7 +307,7 @@ def _mutate_pod_spec(spec: dict[str, Any], settings: Settings, work: _Work) -> N
                 work.warn(f"volume {volume['name']} is reserved by gpuslice and was replaced")
             continue
         volumes.append(volume)
-    spec["volumes"] = volumes + ours
+    spec["volumes"] = [*volumes, *ours]
 
     selector = dict(spec.get("nodeSelector") or {})
     for key, value in settings.node_selector.items():

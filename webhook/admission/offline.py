@@ -20,8 +20,16 @@ from typing import Any
 
 import yaml
 
+from webhook.admission.encode import Fragment
 from webhook.admission.mutate import BadObject, MutationResult, mutate_pod
 from webhook.settings import Settings
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML that also writes the mutation's shared read-only fragments as mappings."""
+
+
+_Dumper.add_representer(Fragment, yaml.SafeDumper.represent_dict)
 
 # Where each workload kind keeps its pod template.
 TEMPLATE_PATHS: dict[str, tuple[str, ...]] = {
@@ -159,7 +167,7 @@ def cmd_mutate(args: argparse.Namespace) -> int:
     except InputError as exc:
         print(f"gpuslice mutate: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True))
+    sys.stdout.write(yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, explicit_start=True))
     for f in findings:
         for warning in (f.result.warnings if f.result is not None else ()):
             print(f"{f.source}: {f.label}: warning: {warning}", file=sys.stderr)

@@ -17,8 +17,7 @@ Problems come back as plain sentences (``reasons``) for the caller to attach to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from webhook.admission.quantity import QuantityError, parse_quantity
 from webhook.settings import Settings
@@ -30,8 +29,7 @@ MAX_SANE_MEMORY_MIB = 1 << 22
 """4 TiB: no GPU has this much memory; larger gpumem values are unit mistakes."""
 
 
-@dataclass(frozen=True, slots=True)
-class GpuRequest:
+class GpuRequest(NamedTuple):
     """What one container asks of each of its GPUs, with the defaults applied."""
 
     count: int
@@ -61,7 +59,7 @@ def read_request(container: dict[str, Any], settings: Settings,
         reasons.append("resources.limits and resources.requests must be objects")
         return None
     names = settings.resource_names
-    if not any(n in limits or n in requests for n in names):
+    if not (limits.keys() & names or requests and requests.keys() & names):
         return None
 
     values: dict[str, int] = {}

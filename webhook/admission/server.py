@@ -48,9 +48,12 @@ def _error(status: int, code: str, message: str) -> web.Response:
                         body=json.dumps({"error": code, "message": message}).encode())
 
 
+def _json(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="application/json")
+
+
 def _review(answer: review.AdmissionReview) -> web.Response:
-    return web.Response(body=review.encode_json(answer).encode(),
-                        content_type="application/json")
+    return _json(review.encode_json(answer).encode())
 
 
 class MutateHandler:
@@ -104,7 +107,7 @@ class MutateHandler:
     def _decide(self, admission: review.AdmissionRequest) -> tuple[str, web.Response]:
         uid = admission["uid"]
         if not review.is_pod_create(admission):
-            return "allowed_unchanged", _review(review.allowed(uid))
+            return "allowed_unchanged", _json(review.encode_allowed(uid))
         pod = review.pod_object(admission)
         max_mem = self.settings.max_gpu_memory_mib or self._cluster_max_memory()
         result = mutate_pod(pod, self.settings, namespace=admission.get("namespace"),
@@ -113,14 +116,11 @@ class MutateHandler:
         if not result.allowed:
             logger.info("pod denied", extra={"uid": uid, "reason": result.message})
             return "denied", _review(review.denied(uid, result.message, warnings))
-        if not result.changed or result.pod is None:
-            return "allowed_unchanged", _review(review.allowed(uid, None, warnings))
-        patch = pod_patch(pod, result.pod)
-        if not patch:
-            return "allowed_unchanged", _review(review.allowed(uid, None, warnings))
+        patch = pod_patch(pod, result.pod) if result.changed else None
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("pod mutated", extra={"uid": uid, "ops": len(patch)})
-        return "allowed_patched", _review(review.allowed(uid, patch, warnings))
+            logger.debug("pod admitted", extra={"uid": uid, "ops": len(patch or ())})
+        return ("allowed_patched" if patch else "allowed_unchanged",
+                _json(review.encode_allowed(uid, patch, warnings)))
 
 
     def _cluster_max_memory(self) -> int | None:
