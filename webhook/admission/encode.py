@@ -62,17 +62,17 @@ def _string(text: str) -> str:
 def encode_patch(ops: list[dict[str, Any]]) -> str:
     """Compact JSON of a list of JSON-patch operations, splicing fragment texts."""
     parts = []
+    append = parts.append
     for op in ops:
-        name = op.get("op")
-        if name not in _SIMPLE_OPS or not isinstance(op.get("path"), str) or not (
-                op.keys() <= {"op", "path", "value"}):
-            parts.append(encode_json(op))
-            continue
-        path = _string(op["path"])
-        if "value" not in op:
-            parts.append(f'{{"op":"{name}","path":{path}}}')
-            continue
-        value = op["value"]
-        text = value.json if type(value) is Fragment else encode_json(value)
-        parts.append(f'{{"op":"{name}","path":{path},"value":{text}}}')
+        name, path = op.get("op"), op.get("path")
+        size = len(op)
+        if name not in _SIMPLE_OPS or type(path) is not str or not (
+                size == 3 and "value" in op or size == 2):
+            append(encode_json(op))
+        elif size == 2:
+            append(f'{{"op":"{name}","path":{_string(path)}}}')
+        else:
+            value = op["value"]
+            text = value.json if type(value) is Fragment else encode_json(value)
+            append(f'{{"op":"{name}","path":{_string(path)},"value":{text}}}')
     return "[" + ",".join(parts) + "]"
