@@ -1,5 +1,5 @@
 /*
- * devices.c - device discovery, contexts and the memory views.
+ * devices.c - device discovery and the memory views.
  *
  * Discovery (once per process, on cuInit or the first hook that needs it):
  * the container's devices are NVML's list (NVML ignores CUDA_VISIBLE_DEVICES,
@@ -8,11 +8,7 @@
  * CUDA_VISIBLE_DEVICES gives.  Without NVML, the CUDA devices are used, with
  * the index taken from an integer CUDA_VISIBLE_DEVICES entry if there is one.
  *
- * Contexts: creating a context costs device memory that no allocation call
- * shows.  Its size is measured (NVML used memory before and after) and
- * charged; the last measurement, kept in the region, is reserved up front, so
- * a context that would not fit is refused with CUDA_ERROR_OUT_OF_MEMORY.
- * Destroying a context returns its footprint and everything allocated in it.
+ * (Contexts and their footprint: context.c.)
  *
  * Views: cuMemGetInfo / cuDeviceTotalMem report total = the cap, used = the
  * container's usage, free = cap - used clamped at 0 (and never more than the
@@ -26,16 +22,12 @@
 
 #include "gpuslice.h"
 
-#define GS_MAX_CUDA_DEVS 64
-#define NO_READING UINT64_MAX
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static int g_ready;
 static int g_ndev;
 static int g_slot_of[GS_MAX_CUDA_DEVS];
 static nvmlDevice_t g_nvml_of[GS_MAX_CUDA_DEVS];
-static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
-static CUcontext g_primary_ctx[GS_MAX_CUDA_DEVS];
 
 void gs_uuid_format(const CUuuid *u, char *out, size_t len)
 {
@@ -218,182 +210,15 @@ int gs_current_slot(CUcontext *ctx)
     return gs_dev_slot(dev);
 }
 
-/* ---- contexts ------------------------------------------------------------- */
-
-static uint64_t nvml_used(CUdevice dev)
+nvmlDevice_t gs_dev_nvml(CUdevice dev)
 {
-    nvmlMemory_t m;
-    if (dev < 0 || dev >= g_ndev || !g_nvml_of[dev] || !gs_nvml.nvmlDeviceGetMemoryInfo ||
-        gs_nvml.nvmlDeviceGetMemoryInfo(g_nvml_of[dev], &m) != NVML_SUCCESS)
-        return NO_READING;
-    return m.used;
+    return dev >= 0 && dev < g_ndev ? g_nvml_of[dev] : NULL;
 }
 
-struct ctx_charge {
-    int slot;
-    uint64_t reserved;
-    uint64_t before;
-};
-
-static CUresult charge_begin(CUdevice dev, struct ctx_charge *c)
+int gs_dev_count(void)
 {
-    c->slot = gs_dev_slot(dev);
-    c->reserved = 0;
-    c->before = NO_READING;
-    if (c->slot < 0) return CUDA_SUCCESS;
-    uint64_t estimate = __atomic_load_n(&gs_region->devices[c->slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
-    if (gs_reserve(c->slot, estimate) != 0) {
-        GS_WARN("context refused: its footprint (%llu bytes) exceeds the remaining cap",
-                (unsigned long long)estimate);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    c->reserved = estimate;
-    c->before = nvml_used(dev);
-    return CUDA_SUCCESS;
-}
-
-/* Returns the bytes the new context stays charged with. */
-static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
-{
-    if (c->slot < 0) return 0;
-    if (rc != CUDA_SUCCESS) {
-        gs_budget_release(c->slot, c->reserved);
-        return 0;
-    }
-    uint64_t after = nvml_used(dev);
-    if (c->before == NO_READING || after == NO_READING || after <= c->before) return c->reserved;
-    uint64_t measured = after - c->before;
-    __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
-    if (measured > c->reserved)
-        gs_budget_force(c->slot, measured - c->reserved);
-    else
-        gs_budget_release(c->slot, c->reserved - measured);
-    GS_DEBUG("context on device %d: footprint %llu bytes", (int)dev, (unsigned long long)measured);
-    return measured;
-}
-
-static void record_ctx(CUcontext ctx, int slot, uint64_t bytes)
-{
-    struct gs_alloc rec = {.size = bytes, .slot = slot}, old;
-    if (gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old) == 1) gs_budget_release(old.slot, old.size);
-}
-
-static void release_ctx(CUcontext ctx)
-{
-    struct gs_alloc rec;
-    gs_forget_ctx(ctx);
-    if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) gs_budget_release(rec.slot, rec.size);
-}
-
-GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxRetain) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     gs_devices_ready();
-    unsigned flags = 0;
-    int active = 1;
-    if (dev < 0 || dev >= g_ndev || !gs_cuda.cuDevicePrimaryCtxGetState ||
-        gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
-        return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
-    pthread_mutex_lock(&g_ctx_mu);
-    struct ctx_charge c;
-    CUresult rc = charge_begin(dev, &c);
-    if (rc == CUDA_SUCCESS) {
-        rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
-        uint64_t bytes = charge_end(dev, &c, rc);
-        if (rc == CUDA_SUCCESS) {
-            g_primary_ctx[dev] = *pctx;
-            record_ctx(*pctx, c.slot, bytes);
-        }
-    }
-    pthread_mutex_unlock(&g_ctx_mu);
-    return rc;
-}
-
-static void primary_maybe_gone(CUdevice dev)
-{
-    unsigned flags = 0;
-    int active = 1;
-    if (dev < 0 || dev >= g_ndev || !g_primary_ctx[dev] || !gs_cuda.cuDevicePrimaryCtxGetState ||
-        gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
-        return;
-    release_ctx(g_primary_ctx[dev]);
-    gs_launch_forget_ctx(g_primary_ctx[dev]);
-    g_primary_ctx[dev] = NULL;
-}
-
-GS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxRelease_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    pthread_mutex_lock(&g_ctx_mu);
-    CUresult rc = gs_cuda.cuDevicePrimaryCtxRelease_v2(dev);
-    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
-    pthread_mutex_unlock(&g_ctx_mu);
-    return rc;
-}
-
-GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxReset_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    pthread_mutex_lock(&g_ctx_mu);
-    CUresult rc = gs_cuda.cuDevicePrimaryCtxReset_v2(dev);
-    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
-    pthread_mutex_unlock(&g_ctx_mu);
-    return rc;
-}
-
-#define GS_CTX_CREATE(call)                                                 \
-    do {                                                                    \
-        if (!pctx) return CUDA_ERROR_INVALID_VALUE;                         \
-        gs_devices_ready();                                                 \
-        pthread_mutex_lock(&g_ctx_mu);                                      \
-        struct ctx_charge c;                                                \
-        CUresult rc = charge_begin(dev, &c);                                \
-        if (rc == CUDA_SUCCESS) {                                           \
-            rc = (call);                                                    \
-            uint64_t bytes = charge_end(dev, &c, rc);                       \
-            if (rc == CUDA_SUCCESS) record_ctx(*pctx, c.slot, bytes);       \
-        }                                                                   \
-        pthread_mutex_unlock(&g_ctx_mu);                                    \
-        return rc;                                                          \
-    } while (0)
-
-GS_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuCtxCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    GS_CTX_CREATE(gs_cuda.cuCtxCreate_v2(pctx, flags, dev));
-}
-
-GS_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
-                                  unsigned int flags, CUdevice dev)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuCtxCreate_v3) return CUDA_ERROR_NOT_SUPPORTED;
-    GS_CTX_CREATE(gs_cuda.cuCtxCreate_v3(pctx, paramsArray, numParams, flags, dev));
-}
-
-GS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
-                                  CUdevice dev)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuCtxCreate_v4) return CUDA_ERROR_NOT_SUPPORTED;
-    GS_CTX_CREATE(gs_cuda.cuCtxCreate_v4(pctx, ctxCreateParams, flags, dev));
-}
-
-GS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuCtxDestroy_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = gs_cuda.cuCtxDestroy_v2(ctx);
-    if (rc == CUDA_SUCCESS && ctx) {
-        release_ctx(ctx);
-        gs_launch_forget_ctx(ctx);
-    }
-    return rc;
+    return g_ndev;
 }
 
 GS_EXPORT CUresult cuInit(unsigned int flags)
@@ -418,9 +243,11 @@ GS_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
     *free = real_free;
     *total = real_total;
     gs_devices_ready();
-    int slot = gs_current_slot(NULL);
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
     uint64_t limit = gs_slot_limit(slot);
     if (slot < 0 || !limit) return CUDA_SUCCESS;
+    gs_footprint_refresh(ctx);
     gs_region_reclaim_soon();
     if (limit > real_total) limit = real_total;
     uint64_t used = gs_slot_used(slot);

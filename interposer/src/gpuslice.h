@@ -116,6 +116,15 @@ int gs_dev_slot(CUdevice dev);       /* region slot of a CUDA ordinal, -1 if unk
 int gs_current_slot(CUcontext *ctx); /* slot of the current context's device, -1 if none */
 void gs_uuid_format(const CUuuid *uuid, char *out, size_t len);
 int gs_nvml_slot(nvmlDevice_t device); /* region slot of an NVML handle, -1 if unknown */
+nvmlDevice_t gs_dev_nvml(CUdevice dev);  /* NVML handle of a CUDA ordinal, NULL if unknown */
+int gs_dev_count(void);
+#define GS_MAX_CUDA_DEVS 64
+
+/* ---- context.c ------------------------------------------------------------ */
+
+/* Charge memory the process holds that no hook saw (lazily loaded modules, ...),
+ * measured by NVML for this process; rate-limited. */
+void gs_footprint_refresh(CUcontext ctx);
 
 /* ---- region.c ------------------------------------------------------------- */
 
@@ -128,6 +137,7 @@ void gs_budget_release(int slot, uint64_t bytes);
 void gs_budget_force(int slot, uint64_t bytes);   /* charge without checking the cap */
 uint64_t gs_slot_used(int slot);
 uint64_t gs_slot_limit(int slot);                 /* 0 = none */
+uint64_t gs_slot_mine(int slot);                  /* this process's charge on the slot */
 void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim */
 void gs_region_after_fork_child(void);
 

@@ -118,6 +118,8 @@
     R(nvmlDeviceGetCount_v2, nvmlReturn_t, (unsigned int *count))                             \
     R(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int index, nvmlDevice_t *device)) \
     R(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t device, char *uuid, unsigned int length)) \
-    R(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t device, unsigned int *index))
+    R(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t device, unsigned int *index))            \
+    R(nvmlDeviceGetComputeRunningProcesses_v3, nvmlReturn_t,                                  \
+      (nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_t *infos))
 
 #endif /* GPUSLICE_HOOKS_H */

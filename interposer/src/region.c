@@ -388,6 +388,11 @@ uint64_t gs_slot_used(int slot)
     return valid_slot(slot) ? LD(&gs_region->devices[slot].used_bytes) : 0;
 }
 
+uint64_t gs_slot_mine(int slot)
+{
+    return valid_slot(slot) && g_me ? LD(&g_me->used_bytes[slot]) : 0;
+}
+
 uint64_t gs_slot_limit(int slot)
 {
     return valid_slot(slot) ? LD(&gs_region->devices[slot].limit_bytes) : 0;

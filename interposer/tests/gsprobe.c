@@ -404,6 +404,11 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bench")) {
             bench(atof(ARG(0)), ARG(1));
             i += 2;
+        } else if (!strcmp(c, "module")) {
+            typedef CUresult (*module_t)(uint64_t);
+            module_t load = (module_t)dlsym(libcuda, "fake_cuda_module_load");
+            printf("module %d\n", load ? load(size_arg(ARG(0))) : CUDA_ERROR_NOT_SUPPORTED);
+            i += 1;
         } else if (!strcmp(c, "allocbench")) {
             allocbench(atol(ARG(0)), size_arg(ARG(1)));
             i += 2;

@@ -169,3 +169,16 @@ def test_physical_usage_seen_from_outside_never_exceeds_the_cap(lab):
     assert OOM in [rc for rc, _ in res.of("alloc")]
     outside = lab.run("nvml", "0", LD_PRELOAD=None)
     assert outside.values("nvml")[1] <= GIB
+
+
+@pytest.mark.parametrize("pid_offset", ["0", "100000"], ids=["same-pid-namespace", "container"])
+def test_memory_the_context_takes_later_is_charged_before_the_next_allocation(lab, pid_offset):
+    # the fake driver grows the context by 300 MiB behind the interposer's back (like a lazily
+    # loaded module); NVML's per-process usage reveals it, also when NVML reports host pids
+    res = lab.run("init", "ctx", "0", "module", "300m", "alloc", "700m", "alloc", "600m", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_NVML_PID_OFFSET=pid_offset)
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]
+    assert res.values("meminfo") == [GIB - 400 * MIB - 600 * MIB, GIB]
+    outside = lab.run("nvml", "0", LD_PRELOAD=None)
+    assert outside.values("nvml")[1] == 0  # and all of it returned at exit

@@ -157,6 +157,7 @@ struct fake_ctx {
     int pdev;
     int primary;
     int refs;
+    uint64_t modules; /* memory taken by (lazily loaded) modules */
 };
 static struct fake_ctx primaries[FAKE_MAX_DEVS];
 static __thread struct fake_ctx *current;
@@ -495,7 +496,20 @@ static void ctx_drop(struct fake_ctx *c)
         phys_sub(c->pdev, p->reserved - p->used);
         p->reserved = p->used;
     }
-    phys_sub(c->pdev, ctx_bytes);
+    phys_sub(c->pdev, ctx_bytes + c->modules);
+    c->modules = 0;
+}
+
+/* Test-only: the context grows by `bytes` without any API call the interposer sees,
+ * as when the driver loads a module at a kernel's first launch. */
+API CUresult fake_cuda_module_load(uint64_t bytes)
+{
+    NEED_CTX();
+    pthread_mutex_lock(&mu);
+    CUresult rc = phys_add(current->pdev, bytes);
+    if (rc == CUDA_SUCCESS) current->modules += bytes;
+    pthread_mutex_unlock(&mu);
+    return rc;
 }
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)

@@ -139,3 +139,30 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
     }
     return rc;
 }
+
+/* Processes holding memory on a device, as the driver sees them (pids shifted by
+ * FAKE_NVML_PID_OFFSET to play a container's pid namespace). */
+API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count,
+                                                         nvmlProcessInfo_t *infos)
+{
+    int i = index_of(d);
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (i < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
+    struct fake_phys *m = fake_phys_map();
+    const char *off = getenv("FAKE_NVML_PID_OFFSET");
+    unsigned n = 0;
+    for (int p = 0; m && p < FAKE_MAX_PROCS; p++) {
+        int32_t pid = m->procs[p].pid;
+        uint64_t used = m->procs[p].used[i];
+        if (pid <= 0 || !used || kill(pid, 0) != 0) continue;
+        if (infos && n < *count) {
+            infos[n].pid = (unsigned)pid + (unsigned)(off ? atoi(off) : 0);
+            infos[n].usedGpuMemory = used;
+            infos[n].gpuInstanceId = infos[n].computeInstanceId = 0xffffffffu;
+        }
+        n++;
+    }
+    nvmlReturn_t rc = n > *count ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    *count = n;
+    return rc;
+}

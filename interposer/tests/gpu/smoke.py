@@ -179,6 +179,62 @@ for _ in range(600):
     time.sleep(0.05)
 """
 
+TORCH_COMPUTE_THEN_FILL = r"""
+import os, sys, time, torch
+marker, go = sys.argv[1], sys.argv[2]
+a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+b = (a @ a).float().softmax(-1).sum()
+x = torch.randn(8, 64, 128, 128, device="cuda")
+y = torch.nn.functional.conv2d(x, torch.randn(64, 64, 3, 3, device="cuda"), padding=1)
+torch.cuda.synchronize()
+del a, x, y
+time.sleep(0.6)
+chunks, allocated = [], 0
+for size in (256 << 20, 64 << 20, 8 << 20, 2 << 20):
+    while True:
+        try:
+            chunks.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            allocated += size
+        except torch.cuda.OutOfMemoryError:
+            break
+print("allocated", allocated, flush=True)
+open(marker, "w").close()
+for _ in range(600):
+    if os.path.exists(go):
+        break
+    time.sleep(0.05)
+"""
+
+CUPY_FILL = r"""
+import cupy
+chunks, allocated = [], 0
+print("meminfo", *cupy.cuda.runtime.memGetInfo(), flush=True)
+for size in (256 << 20, 16 << 20, 2 << 20):
+    while True:
+        try:
+            chunks.append(cupy.empty(size, dtype=cupy.uint8))
+            allocated += size
+        except cupy.cuda.memory.OutOfMemoryError:
+            break
+print("allocated", allocated, flush=True)
+"""
+
+JAX_FILL = r"""
+import jax, jax.numpy as jnp
+print("devices", jax.devices(), flush=True)
+chunks, allocated = [], 0
+for n in (1 << 28, 1 << 24, 1 << 20):
+    while True:
+        try:
+            chunks.append(jnp.ones((n,), dtype=jnp.float32).block_until_ready())
+            allocated += 4 * n
+        except Exception as exc:
+            last = type(exc).__name__
+            break
+print("allocated", allocated, last, flush=True)
+print("stats", {k: v for k, v in jax.devices()[0].memory_stats().items() if "limit" in k or "peak" in k})
+"""
+
 TORCH_SECOND = r"""
 import torch
 try:
@@ -239,6 +295,46 @@ def torch_memory() -> None:
     out("torch.ctx_footprint_measured_MiB", round(ctx_fp / MIB, 1))
 
 
+def fill_and_watch(name: str, source: str, env: dict[str, str], args: list[str]) -> None:
+    """Run a fill script; report its peak real usage from outside and what it got."""
+    pynvml, h = nvml()
+    baseline = pynvml.nvmlDeviceGetMemoryInfo(h).used
+    script = WORK / f"{name}.py"
+    script.write_text(source)
+    child = subprocess.Popen([sys.executable, str(script), *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, peak_proc = 0, 0
+    marker = Path(args[0]) if args else None
+    deadline = time.monotonic() + 240
+    while child.poll() is None and time.monotonic() < deadline:
+        peak = max(peak, pynvml.nvmlDeviceGetMemoryInfo(h).used - baseline)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == child.pid and p.usedGpuMemory:
+                peak_proc = max(peak_proc, p.usedGpuMemory)
+        if marker and marker.exists():
+            time.sleep(0.3)
+            peak = max(peak, pynvml.nvmlDeviceGetMemoryInfo(h).used - baseline)
+            Path(args[1]).touch()
+            marker = None
+        time.sleep(0.02)
+    stdout, stderr = child.communicate(timeout=60)
+    out(f"{name}.outside_device_used_delta_peak_MiB", peak // MIB)
+    out(f"{name}.outside_process_used_peak_MiB", peak_proc // MIB)
+    for line in stdout.splitlines():
+        out(f"{name}.{line.split()[0]}", " ".join(line.split()[1:])[:300])
+    if child.returncode:
+        out(f"{name}.stderr", stderr[-600:].replace("\n", " | "))
+
+
+@section
+def frameworks() -> None:
+    env = env_with(WORK / "fw-region", CUDA_DEVICE_MEMORY_LIMIT="10240m")
+    fill_and_watch("torch_compute", TORCH_COMPUTE_THEN_FILL, env,
+                   [str(WORK / "tc-filled"), str(WORK / "tc-go")])
+    fill_and_watch("cupy", CUPY_FILL, env_with(WORK / "cupy-region", CUDA_DEVICE_MEMORY_LIMIT="10240m"), [])
+    fill_and_watch("jax", JAX_FILL, env_with(WORK / "jax-region", CUDA_DEVICE_MEMORY_LIMIT="10240m"), [])
+
+
 TORCH_MATMUL = r"""
 import sys, time, torch
 n, seconds = 8192, float(sys.argv[1])
@@ -269,9 +365,22 @@ def throttle() -> None:
     for limit in (10, 30, 50):
         runs.append((f"sm{limit}", env_with(WORK / f"t{limit}", CUDA_DEVICE_SM_LIMIT=str(limit)), 6.0))
     results = {}
+    pynvml, h = nvml()
     for label, env, seconds in runs:
-        res = subprocess.run(check=False, args=[sys.executable, str(script), str(seconds)], env=env,
-                             capture_output=True, text=True, timeout=180)
+        child = subprocess.Popen([sys.executable, str(script), str(seconds)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        clocks, power, util = [], [], []
+        while child.poll() is None:
+            clocks.append(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+            power.append(pynvml.nvmlDeviceGetPowerUsage(h) / 1000)
+            util.append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            time.sleep(0.1)
+        stdout, stderr = child.communicate()
+        res = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+        busy = [c for c, u in zip(clocks, util) if u > 0]
+        out(f"throttle.{label}.sm_clock_MHz_median_busy", sorted(busy)[len(busy) // 2] if busy else 0)
+        out(f"throttle.{label}.power_W_max", round(max(power), 0) if power else 0)
+        out(f"throttle.{label}.nvml_util_mean", round(sum(util[-30:]) / max(1, len(util[-30:])), 1))
         line = [ln for ln in res.stdout.splitlines() if ln.startswith("tflops")]
         results[label] = float(line[0].split()[1]) if line else None
         out(f"throttle.{label}.tflops", results[label] if line else res.stderr[-300:])
@@ -284,8 +393,10 @@ def throttle() -> None:
 if __name__ == "__main__":
     out("python", sys.version.split()[0])
     procaddr_identity()
-    physical_granularity()
+    if os.environ.get("GS_SMOKE_GRANULARITY") == "1":
+        physical_granularity()
     overhead()
     torch_memory()
+    frameworks()
     throttle()
     print(json.dumps({"done": True}))
