@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kubeschema import assert_valid
 
 from webhook.admission.mutate import mutate_pod
-from webhook.admission.offline import TEMPLATE_PATHS
+from webhook.admission.offline import TEMPLATE_PATHS, Finding, mutate_documents
 from webhook.cli import main
 from webhook.settings import Settings
 
@@ -200,3 +202,29 @@ def test_unreadable_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     for command in ("check", "mutate"):
         code, _, err = _run(capsys, command, "-f", str(path))
         assert code == 2 and message in err and str(path) in err
+
+
+ANY = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=6),
+              st.sampled_from(["Pod", "Deployment", "CronJob", "1", "0.5", "nvidia.com/gpu"])),
+    lambda x: st.lists(x, max_size=3) | st.dictionaries(
+        st.sampled_from(["kind", "spec", "metadata", "template", "jobTemplate", "containers",
+                         "initContainers", "name", "resources", "limits", "requests",
+                         "nvidia.com/gpu", "nvidia.com/gpumem", "env", "namespace", "items",
+                         "annotations", "volumes", "volumeMounts", "securityContext"]),
+        x, max_size=4), max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(ANY, max_size=3))
+def test_random_documents_never_crash_the_offline_tools(docs: list[Any]) -> None:
+    path_docs: list[Any] = []
+    for doc in docs:
+        if isinstance(doc, dict):
+            doc.setdefault("kind", "Pod")
+        path_docs.append(doc)
+    findings: list[Finding] = []
+    out = mutate_documents(path_docs, "<test>", Settings(), findings)
+    assert len(out) == len([d for d in path_docs if d is not None])
+    for finding in findings:
+        assert finding.error is not None or finding.result is not None

@@ -131,7 +131,7 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     _check_gpu_pod_shape(spec, list(gpu_containers))
     work = _Work()
     new_spec = dict(spec)
-    for kind in {k for k, _ in gpu_containers}:
+    for kind in dict.fromkeys(k for k, _ in gpu_containers):  # init containers first
         new_spec[kind] = [
             _mutate_container(c, gpu_containers[(kind, i)], settings, work)
             if (kind, i) in gpu_containers else c
@@ -153,6 +153,8 @@ def _shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise BadObject("metadata must be an object")
     if not isinstance(metadata.get("annotations") or {}, dict):
         raise BadObject("metadata.annotations must be an object")
+    if not isinstance(metadata.get("namespace") or "", str):
+        raise BadObject("metadata.namespace must be a string")
     if not isinstance(spec, dict):
         raise BadObject("spec must be an object")
     for kind in ("initContainers", "containers"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,9 @@ def _mutate_object(obj: Any, source: str, doc: int, settings: Settings,
     if not isinstance(obj, dict):
         return obj
     kind = obj.get("kind")
-    if isinstance(kind, str) and kind.endswith("List") and isinstance(obj.get("items"), list):
+    if not isinstance(kind, str):
+        return obj
+    if kind.endswith("List") and isinstance(obj.get("items"), list):
         return {**obj, "items": [_mutate_object(item, source, doc, settings, findings)
                                  for item in obj["items"]]}
     if kind == "Pod":
@@ -126,9 +128,16 @@ def _documents(source: str) -> Iterator[Any]:
     except UnicodeDecodeError as exc:
         raise InputError(f"{source}: not UTF-8 text: {exc}") from None
     try:
-        yield from (d for d in yaml.safe_load_all(text) if d is not None)
+        yield from yaml.safe_load_all(text)
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: not valid YAML/JSON: {exc}") from None
+
+
+def mutate_documents(docs: Iterable[Any], source: str, settings: Settings,
+                     findings: list[Finding]) -> list[Any]:
+    """Mutate the pods in ``docs`` (from ``source``), appending a finding for each pod seen."""
+    return [_mutate_object(obj, source, n, settings, findings)
+            for n, obj in enumerate(docs, start=1) if obj is not None]
 
 
 def process(sources: list[str], settings: Settings) -> tuple[list[Any], list[Finding]]:
@@ -136,8 +145,7 @@ def process(sources: list[str], settings: Settings) -> tuple[list[Any], list[Fin
     out: list[Any] = []
     findings: list[Finding] = []
     for source in sources:
-        for doc, obj in enumerate(_documents(source), start=1):
-            out.append(_mutate_object(obj, source, doc, settings, findings))
+        out += mutate_documents(_documents(source), source, settings, findings)
     return out, findings
 
 
