@@ -213,3 +213,14 @@ def test_serve_in_files_mode_without_certificates_exits_1(tmp_path: Path) -> Non
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert "no usable serving certificate" in err
+
+
+async def test_the_real_extender_is_wired_in_when_placement_is_enabled(tmp_path: Path) -> None:
+    pytest.importorskip("webhook.placement.extender")
+    ensure_dev_certs(tmp_path, "ns", "svc")
+    app = create_app(Settings(cert_dir=str(tmp_path)))  # placement on, Kubernetes API off
+    async with TestClient(TestServer(app)) as client:
+        assert (await client.get("/readyz")).status == 200
+        assert (await client.post("/scheduler/filter", json={})).status != 404
+        resp = await client.post("/mutate", json=_review({"nvidia.com/gpumem": "1000"}))
+        assert (await resp.json())["response"]["allowed"] is True
