@@ -60,7 +60,7 @@ def _container(name: str, limits: dict[str, str], n_env: int) -> dict:
 
 
 def make_pod(i: int) -> dict:
-    shapes = [
+    shapes: list[list[dict[str, str]]] = [
         [{"nvidia.com/gpumem": "8000"}],
         [{"nvidia.com/gpu": "2", "nvidia.com/gpumem-percentage": "50",
           "nvidia.com/gpucores": "30"}],

@@ -47,4 +47,4 @@ def test_denial_carries_code_reason_and_message() -> None:
       "subResource": "binding"}, False),
 ])
 def test_only_the_create_of_a_pod_itself_is_mutated(request_: Any, is_create: bool) -> None:
-    assert review.is_pod_create({"uid": "u", **request_}) is is_create
+    assert review.is_pod_create({"uid": "u", **request_}) is is_create  # type: ignore[typeddict-item]

@@ -61,7 +61,7 @@ def _string(text: str) -> str:
 
 def encode_patch(ops: list[dict[str, Any]]) -> str:
     """Compact JSON of a list of JSON-patch operations, splicing fragment texts."""
-    parts = []
+    parts: list[str] = []
     append = parts.append
     for op in ops:
         name, path = op.get("op"), op.get("path")

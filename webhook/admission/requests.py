@@ -32,7 +32,8 @@ MAX_SANE_MEMORY_MIB = 1 << 22
 class GpuRequest(NamedTuple):
     """What one container asks of each of its GPUs, with the defaults applied."""
 
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, on purpose: the API name
+    """Number of distinct GPUs (slices); the extender reads it too."""
     memory_mib: int | None
     """MiB per GPU, or None when the memory is a percentage."""
     memory_percent: int | None
