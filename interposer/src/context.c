@@ -10,10 +10,10 @@
  * A context grows afterwards (modules are loaded lazily at first launch, the
  * driver's own buffers).  NVML reports each process's real usage by host pid;
  * the host pid is ours when pid namespaces agree, or else the one pid that
- * appeared in the device's process list while our context was created.  At
- * most every GS_SAMPLE_NS, an allocation compares that real usage with what
- * the process is charged and charges the difference to the current context,
- * so later allocations see the cap as it really stands.
+ * appeared in the device's process list while our context was created.  A
+ * sampler thread compares that real usage with what the process is charged
+ * every GS_SAMPLE_NS and charges the difference to the device's latest
+ * context, so later allocations see the cap as it really stands.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -23,14 +23,17 @@
 #include "gpuslice.h"
 
 #define NO_READING UINT64_MAX
-#define GS_SAMPLE_NS 500000000ull /* at most two process-list queries a second */
+#define GS_SAMPLE_NS 500000000ull /* two process-list queries a second, off the hot path */
 #define GS_SLACK (2ull << 20)     /* differences below this are noise */
 #define GS_MAX_PIDS 256
 
 static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
 static CUcontext g_primary_ctx[GS_MAX_CUDA_DEVS];
 static unsigned g_host_pid[GS_MAX_CUDA_DEVS];
-static uint64_t g_next_sample;
+static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where the sampler charges what it finds */
+static int g_sampler_started;
+
+static void start_sampler(void);
 
 /* The device's process list (pid, bytes); -1 if NVML cannot say. */
 static int list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap)
@@ -109,6 +112,7 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
         return 0;
     }
     if (c->nprocs >= 0) learn_host_pid(dev, c->procs, c->nprocs);
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_host_pid[dev]) start_sampler();
     uint64_t after = nvml_used(dev);
     if (c->before == NO_READING || after == NO_READING || after <= c->before) return c->reserved;
     uint64_t measured = after - c->before;
@@ -125,11 +129,14 @@ static void record_ctx(CUcontext ctx, int slot, uint64_t bytes, CUdevice dev)
 {
     struct gs_alloc rec = {.size = bytes, .slot = slot, .aux = (uint64_t)dev}, old;
     if (gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old) == 1) gs_budget_release(old.slot, old.size);
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) __atomic_store_n(&g_dev_ctx[dev], ctx, __ATOMIC_RELEASE);
 }
 
 static void release_ctx(CUcontext ctx)
 {
     struct gs_alloc rec;
+    for (int d = 0; d < GS_MAX_CUDA_DEVS; d++)
+        if (g_dev_ctx[d] == ctx) __atomic_store_n(&g_dev_ctx[d], NULL, __ATOMIC_RELEASE);
     gs_forget_ctx(ctx);
     if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) gs_budget_release(rec.slot, rec.size);
 }
@@ -246,33 +253,71 @@ GS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
 }
 
 
-void gs_footprint_refresh(CUcontext ctx)
+/* ---- the sampler ---------------------------------------------------------- */
+
+/* Compare NVML's view of this process with its charge on each device; charge
+ * the difference to the device's latest context.  A sample is used only if no
+ * charge changed while NVML was asked (allocations in flight would skew it). */
+static void sample_once(void)
 {
     static nvmlProcessInfo_t procs[GS_MAX_PIDS];
-    uint64_t now = gs_now_ns();
-    if (!ctx || now < __atomic_load_n(&g_next_sample, __ATOMIC_RELAXED)) return;
-    pthread_mutex_lock(&g_ctx_mu);
-    if (now < g_next_sample) {
-        pthread_mutex_unlock(&g_ctx_mu);
-        return;
-    }
-    __atomic_store_n(&g_next_sample, now + GS_SAMPLE_NS, __ATOMIC_RELAXED);
-    struct gs_alloc rec, old;
-    if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) {
-        CUdevice dev = (CUdevice)rec.aux;
-        int n = dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_host_pid[dev] ? list_processes(dev, procs, GS_MAX_PIDS)
-                                                                       : -1;
+    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS; dev++) {
+        CUcontext ctx = __atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE);
+        unsigned host_pid = __atomic_load_n(&g_host_pid[dev], __ATOMIC_RELAXED);
+        int slot = gs_dev_slot(dev);
+        if (!ctx || !host_pid || slot < 0) continue;
+        uint64_t seq = gs_charge_seq(), mine = gs_slot_mine(slot);
+        int n = list_processes(dev, procs, GS_MAX_PIDS);
+        if (gs_charge_seq() != seq) continue;
         for (int i = 0; i < n; i++) {
-            if (procs[i].pid != g_host_pid[dev]) continue;
-            uint64_t real = procs[i].usedGpuMemory, mine = gs_slot_mine(rec.slot);
-            if (real > mine + GS_SLACK) {
+            if (procs[i].pid != host_pid || procs[i].usedGpuMemory <= mine + GS_SLACK) continue;
+            uint64_t extra = procs[i].usedGpuMemory - mine;
+            struct gs_alloc rec, old;
+            pthread_mutex_lock(&g_ctx_mu);
+            if (g_dev_ctx[dev] == ctx && gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) {
                 GS_INFO("charging %llu bytes the process holds beyond its allocations (modules, driver)",
-                        (unsigned long long)(real - mine));
-                gs_budget_force(rec.slot, real - mine);
-                rec.size += real - mine;
+                        (unsigned long long)extra);
+                gs_budget_force(rec.slot, extra);
+                rec.size += extra;
+                gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old);
             }
+            pthread_mutex_unlock(&g_ctx_mu);
         }
-        gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old);
     }
-    pthread_mutex_unlock(&g_ctx_mu);
+}
+
+static void *sampler(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        gs_sleep_ns(GS_SAMPLE_NS);
+        sample_once();
+    }
+    return NULL;
+}
+
+/* Started once a host pid is known; the NVML query (milliseconds) stays off
+ * the program's own threads. */
+static void start_sampler(void)
+{
+    if (__atomic_exchange_n(&g_sampler_started, 1, __ATOMIC_ACQ_REL)) return;
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 64 * 1024);
+    if (pthread_create(&t, &attr, sampler, NULL) != 0) {
+        GS_WARN("cannot start the memory sampler: memory beyond allocations is not charged");
+        __atomic_store_n(&g_sampler_started, 0, __ATOMIC_RELEASE);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+void gs_context_after_fork_child(void)
+{
+    pthread_mutex_init(&g_ctx_mu, NULL);
+    memset(g_primary_ctx, 0, sizeof(g_primary_ctx));
+    memset(g_dev_ctx, 0, sizeof(g_dev_ctx));
+    memset(g_host_pid, 0, sizeof(g_host_pid));
+    g_sampler_started = 0; /* threads do not survive fork */
 }

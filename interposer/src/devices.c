@@ -247,7 +247,6 @@ GS_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
     int slot = gs_current_slot(&ctx);
     uint64_t limit = gs_slot_limit(slot);
     if (slot < 0 || !limit) return CUDA_SUCCESS;
-    gs_footprint_refresh(ctx);
     gs_region_reclaim_soon();
     if (limit > real_total) limit = real_total;
     uint64_t used = gs_slot_used(slot);

@@ -122,9 +122,7 @@ int gs_dev_count(void);
 
 /* ---- context.c ------------------------------------------------------------ */
 
-/* Charge memory the process holds that no hook saw (lazily loaded modules, ...),
- * measured by NVML for this process; rate-limited. */
-void gs_footprint_refresh(CUcontext ctx);
+void gs_context_after_fork_child(void);
 
 /* ---- region.c ------------------------------------------------------------- */
 
@@ -138,6 +136,7 @@ void gs_budget_force(int slot, uint64_t bytes);   /* charge without checking the
 uint64_t gs_slot_used(int slot);
 uint64_t gs_slot_limit(int slot);                 /* 0 = none */
 uint64_t gs_slot_mine(int slot);                  /* this process's charge on the slot */
+uint64_t gs_charge_seq(void);                     /* changes whenever this process's charge does */
 void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim */
 void gs_region_after_fork_child(void);
 

@@ -74,7 +74,6 @@ GS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
     if (slot < 0 || !bytesize) return gs_cuda.cuMemAlloc_v2(dptr, bytesize);
-    gs_footprint_refresh(ctx);
     uint64_t charge = gs_charge_size(bytesize);
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     CUresult rc = gs_cuda.cuMemAlloc_v2(dptr, bytesize);
@@ -99,7 +98,6 @@ GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
     if (slot < 0 || !bytesize) return gs_cuda.cuMemAllocManaged(dptr, bytesize, flags);
-    gs_footprint_refresh(ctx);
     /* Managed memory may live on the device: charge it there, as HAMi does. */
     uint64_t charge = gs_charge_size(bytesize);
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
@@ -128,7 +126,6 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
     uint64_t row = ((uint64_t)WidthInBytes + 511) & ~511ull;
     if (slot < 0 || !WidthInBytes || !Height || WidthInBytes > UINT64_MAX / 2 || row > UINT64_MAX / Height)
         return gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    gs_footprint_refresh(ctx);
     uint64_t charge = gs_charge_size(row * Height); /* the pitch is not known before the call */
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     CUresult rc = gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
@@ -246,7 +243,6 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
         CUcontext ctx;                                                                \
         int slot = gs_current_slot(&ctx);                                             \
         if (slot < 0) return (call);                                                  \
-        gs_footprint_refresh(ctx);                                                    \
         uint64_t charge = gs_charge_size(bytes);                                      \
         if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);             \
         CUresult rc = (call);                                                         \

@@ -139,7 +139,6 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
         gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync uses the device's current pool */
     if (slot < 0 || !pool || !bytesize) return call(dptr, bytesize, pool, stream, real);
-    gs_footprint_refresh(ctx);
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
     pthread_mutex_lock(&g_mu);

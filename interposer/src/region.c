@@ -38,6 +38,12 @@ struct gpuslice_region *gs_region;
 static struct gpuslice_proc *g_me;
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_last_reclaim_ns;
+static uint64_t g_charge_seq;
+
+uint64_t gs_charge_seq(void)
+{
+    return __atomic_load_n(&g_charge_seq, __ATOMIC_ACQUIRE);
+}
 
 /* ---- process identity ----------------------------------------------------- */
 
@@ -335,6 +341,7 @@ static void charge_locked(int slot, uint64_t bytes)
     struct gpuslice_device *d = &gs_region->devices[slot];
     ST(&d->used_bytes, LD(&d->used_bytes) + bytes);
     ST(&g_me->used_bytes[slot], LD(&g_me->used_bytes[slot]) + bytes);
+    __atomic_add_fetch(&g_charge_seq, 1, __ATOMIC_ACQ_REL);
 }
 
 int gs_budget_reserve(int slot, uint64_t bytes)
@@ -379,6 +386,7 @@ void gs_budget_release(int slot, uint64_t bytes)
         uint64_t x = bytes < mine ? bytes : mine;
         ST(&g_me->used_bytes[slot], mine - x);
         ST(&d->used_bytes, du > x ? du - x : 0);
+        __atomic_add_fetch(&g_charge_seq, 1, __ATOMIC_ACQ_REL);
     }
     region_unlock();
 }

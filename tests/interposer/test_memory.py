@@ -174,8 +174,10 @@ def test_physical_usage_seen_from_outside_never_exceeds_the_cap(lab):
 @pytest.mark.parametrize("pid_offset", ["0", "100000"], ids=["same-pid-namespace", "container"])
 def test_memory_the_context_takes_later_is_charged_before_the_next_allocation(lab, pid_offset):
     # the fake driver grows the context by 300 MiB behind the interposer's back (like a lazily
-    # loaded module); NVML's per-process usage reveals it, also when NVML reports host pids
-    res = lab.run("init", "ctx", "0", "module", "300m", "alloc", "700m", "alloc", "600m", "meminfo",
+    # loaded module); the library's sampler (every 0.5 s) finds it in NVML's per-process usage,
+    # also when NVML reports host pids of another pid namespace
+    res = lab.run("init", "ctx", "0", "module", "300m", "sleep", "1200", "alloc", "700m", "alloc",
+                  "600m", "meminfo",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                   FAKE_NVML_PID_OFFSET=pid_offset)
     assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]

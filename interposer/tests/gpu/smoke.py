@@ -299,7 +299,7 @@ def fill_and_watch(name: str, source: str, env: dict[str, str], args: list[str])
     """Run a fill script; report its peak real usage from outside and what it got."""
     pynvml, h = nvml()
     baseline = pynvml.nvmlDeviceGetMemoryInfo(h).used
-    script = WORK / f"{name}.py"
+    script = WORK / f"fill_{name}.py"  # never the name of the module it imports
     script.write_text(source)
     child = subprocess.Popen([sys.executable, str(script), *args], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
