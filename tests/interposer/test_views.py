@@ -154,3 +154,11 @@ def test_the_region_carries_the_containers_identity_and_limits(lab):
     assert (dev.index, dev.uuid, dev.limit_bytes, dev.sm_limit) == (0, lab.UUID_A, 4 * GIB, 30)
     assert region.processes == ()  # the process exited and returned its usage
     assert dev.used_bytes == 0
+
+
+def test_without_nvml_an_integer_cuda_visible_devices_still_picks_the_right_limit(lab):
+    minimal = str(lab.build / "fake" / "minimal" / "libcuda.so.1")  # an "NVML" without symbols
+    res = lab.run("init", "ctx", "0", "meminfo", CUDA_VISIBLE_DEVICES="1",
+                  GPUSLICE_REAL_LIBNVML=minimal, **two_gpus(lab))
+    assert res.values("meminfo") == [5 * GIB, 5 * GIB]
+    assert [d.uuid for d in lab.region().devices] == [lab.UUID_B]

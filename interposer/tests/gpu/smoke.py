@@ -344,6 +344,7 @@ c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
 for _ in range(5):
     torch.matmul(a, b, out=c)
 torch.cuda.synchronize()
+print("t0", time.monotonic(), flush=True)
 t0 = time.perf_counter(); iters = 0
 while time.perf_counter() - t0 < seconds:
     for _ in range(4):
@@ -352,6 +353,7 @@ while time.perf_counter() - t0 < seconds:
     torch.cuda.synchronize() if iters % 64 == 0 else None
 torch.cuda.synchronize()
 dt = time.perf_counter() - t0
+print("t1", time.monotonic(), flush=True)
 print("tflops", 2 * n ** 3 * iters / dt / 1e12, flush=True)
 """
 
@@ -369,18 +371,23 @@ def throttle() -> None:
     for label, env, seconds in runs:
         child = subprocess.Popen([sys.executable, str(script), str(seconds)], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        clocks, power, util = [], [], []
+        clocks, power, util, stamps = [], [], [], []
         while child.poll() is None:
             clocks.append(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
             power.append(pynvml.nvmlDeviceGetPowerUsage(h) / 1000)
             util.append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            stamps.append(time.monotonic())
             time.sleep(0.1)
         stdout, stderr = child.communicate()
         res = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
         busy = [c for c, u in zip(clocks, util) if u > 0]
         out(f"throttle.{label}.sm_clock_MHz_median_busy", sorted(busy)[len(busy) // 2] if busy else 0)
         out(f"throttle.{label}.power_W_max", round(max(power), 0) if power else 0)
-        out(f"throttle.{label}.nvml_util_mean", round(sum(util[-30:]) / max(1, len(util[-30:])), 1))
+        marks = {ln.split()[0]: float(ln.split()[1]) for ln in res.stdout.splitlines()
+                 if ln.startswith(("t0", "t1"))}
+        window = [u for u, t in zip(util, stamps) if marks and marks["t0"] + 1.0 <= t <= marks.get("t1", 0)]
+        out(f"throttle.{label}.nvml_util_mean_in_window",
+            round(sum(window) / len(window), 1) if window else "n/a")
         line = [ln for ln in res.stdout.splitlines() if ln.startswith("tflops")]
         results[label] = float(line[0].split()[1]) if line else None
         out(f"throttle.{label}.tflops", results[label] if line else res.stderr[-300:])
@@ -392,11 +399,8 @@ def throttle() -> None:
 
 if __name__ == "__main__":
     out("python", sys.version.split()[0])
-    procaddr_identity()
-    if os.environ.get("GS_SMOKE_GRANULARITY") == "1":
-        physical_granularity()
-    overhead()
-    torch_memory()
-    frameworks()
-    throttle()
+    wanted = os.environ.get("GS_SMOKE_SECTIONS", "procaddr_identity,overhead,torch_memory,"
+                                                  "frameworks,throttle").split(",")
+    for name in wanted:
+        globals()[name]()
     print(json.dumps({"done": True}))

@@ -15,7 +15,7 @@ gcc -O2 -Iinterposer/src -Iinterposer/include interposer/tests/gsprobe.c -o /tmp
   -L"$libdir" -l:libcuda.so.1 -l:libnvidia-ml.so.1 -ldl && echo "probe.built=yes ($libdir)"
 interposer/build/tests/abi_check | sed 's/^/abi_check=/'
 LD_PRELOAD=$PWD/interposer/build/libgpuslice.so ls / >/dev/null && echo "ls_under_preload=ok"
-timeout 300 python3 interposer/tests/gpu/smoke.py
+timeout 300 python3 interposer/tests/gpu/smoke.py  # GS_SMOKE_SECTIONS=throttle,... to run a few
 if [ "${GS_SMOKE_PYTEST:-1}" = 1 ]; then
   PYTHONPATH=$PWD timeout 240 python3 -m pytest -q -p no:cacheprovider tests/interposer 2>&1 | tail -4
 fi
