@@ -150,9 +150,13 @@ async def prepare_tls(settings: Settings) -> bool:
                          extra={"dir": settings.cert_dir, "error": str(exc)})
             return False
     elif settings.tls_mode == "secret":
-        from webhook.bootstrap import ensure_tls
+        from webhook.bootstrap import BootstrapError, ensure_tls
 
-        await ensure_tls(settings)
+        try:
+            await ensure_tls(settings)
+        except BootstrapError as exc:
+            logger.error("TLS bootstrap failed", extra={"error": str(exc)})
+            return False
     return True
 
 

@@ -134,6 +134,7 @@ async def test_secret_mode_bootstraps_then_rotates_in_the_background(
 
     module.ensure_tls = ensure_tls  # type: ignore[attr-defined]
     module.rotation_loop = rotation_loop  # type: ignore[attr-defined]
+    module.BootstrapError = RuntimeError  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "webhook.bootstrap", module)
     settings = Settings(cert_dir=str(tmp_path), tls_mode="secret", placement_enabled=False)
     assert await prepare_tls(settings)
@@ -143,6 +144,21 @@ async def test_secret_mode_bootstraps_then_rotates_in_the_background(
         await asyncio.sleep(0.01)
         assert (await client.get("/readyz")).status == 200
     assert events == ["ensure_tls", "rotation started", "rotation stopped"]
+
+
+async def test_failed_secret_bootstrap_stops_start_up_with_a_logged_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from webhook import bootstrap
+
+    async def ensure_tls(settings: Settings) -> None:
+        raise bootstrap.BootstrapError("forbidden: cannot create secrets (check the RBAC)")
+
+    monkeypatch.setattr(bootstrap, "ensure_tls", ensure_tls)
+    settings = Settings(cert_dir=str(tmp_path), tls_mode="secret", placement_enabled=False)
+    assert not await prepare_tls(settings)
+    assert [r.error for r in caplog.records if r.msg == "TLS bootstrap failed"] == [
+        "forbidden: cannot create secrets (check the RBAC)"]
 
 
 async def test_dev_mode_creates_missing_certs_and_files_mode_does_not(tmp_path: Path) -> None:
