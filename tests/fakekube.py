@@ -28,8 +28,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, Self
 
 import jsonpatch
 from aiohttp import web
@@ -162,7 +162,7 @@ class FakeKube:
         self.url = ""
 
     # ----- lifecycle -----
-    async def __aenter__(self) -> "FakeKube":
+    async def __aenter__(self) -> Self:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, handle_signals=False)
@@ -256,7 +256,7 @@ class FakeKube:
         if new:
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("creationTimestamp",
-                            datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                            datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
     def _emit(self, kind: str, plural: str, obj: dict[str, Any]) -> None:
         rv = int(obj["metadata"]["resourceVersion"])
@@ -494,7 +494,7 @@ class FakeKube:
                     break
                 try:
                     event = await asyncio.wait_for(w.queue.get(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
                 if event is None or self.down:
                     break

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
+from fakekube import FakeKube
 from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
-
-from fakekube import FakeKube
 
 
 def _pod(name: str, node: str | None = None, phase: str = "Pending") -> dict:
