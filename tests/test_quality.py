@@ -11,5 +11,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_ruff_finds_nothing_in_package_tests_and_scripts() -> None:
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "webhook", "tests", "scripts"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr
