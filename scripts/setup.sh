@@ -6,13 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-if ! command -v gcc >/dev/null || ! command -v make >/dev/null || ! "$PY" -m venv --help >/dev/null 2>&1; then
+if ! command -v gcc >/dev/null || ! command -v make >/dev/null || ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc make python3-venv >/dev/null
   else
     echo "setup: need gcc, make and python3-venv (apt-get install gcc make python3-venv)" >&2
     exit 1
   fi
+fi
+
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup: gpuslice needs Python >= 3.11 ($PY is $("$PY" -V 2>&1)); set PYTHON=python3.11" >&2
+  exit 1
 fi
 
 stamp=.venv/.gpuslice-installed
