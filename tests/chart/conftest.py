@@ -2,6 +2,11 @@
 
 ``render(values, kube_version)`` runs ``helm template`` once per distinct input (cached) and
 returns a :class:`Rendered` with the objects; ``helm_run(args)`` runs any helm command.
+
+``helm template`` sees no cluster: its ``.Capabilities.APIVersions`` hold group/versions only, no
+kinds. ``render`` therefore passes, as ``--api-versions``, the kinds the chart asks about that a
+default-configured cluster of ``kube_version`` serves (:func:`served_api_versions`), so a render
+shows what ``helm install`` on that cluster would create; ``api_versions=`` overrides them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,20 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gpuslice"
 RELEASE, NAMESPACE = "gpuslice", "gpuslice-system"
 
+# ValidatingAdmissionPolicy (the annotation guard): v1 is GA and served by default from 1.30;
+# v1beta1 exists in 1.28-1.29 but is served only with the feature gate and the beta API on.
+VAP_V1 = ("admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy",
+          "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding")
+VAP_V1BETA1 = ("admissionregistration.k8s.io/v1beta1/ValidatingAdmissionPolicy",
+               "admissionregistration.k8s.io/v1beta1/ValidatingAdmissionPolicyBinding")
+
+
+def served_api_versions(kube_version: str) -> tuple[str, ...]:
+    """The group/version/kind entries the chart checks that a default-configured cluster of
+    ``kube_version`` ("1.30.0", "v1.29.3") serves."""
+    major, minor = (int(p) for p in kube_version.lstrip("v").split(".")[:2])
+    return VAP_V1 if (major, minor) >= (1, 30) else ()
+
 
 def helm_binary() -> str | None:
     local = ROOT / ".tools" / "helm"
@@ -37,6 +56,7 @@ class Rendered:
 
     objects: list[dict[str, Any]]
     kube_version: str
+    api_versions: tuple[str, ...] = ()
 
     def all(self, kind: str) -> list[dict[str, Any]]:
         return [o for o in self.objects if o["kind"] == kind]
@@ -93,30 +113,38 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 @functools.cache
-def _render_cached(values_json: str, kube_version: str, namespace: str,
-                   release: str) -> tuple[int, str, str]:
+def _render_cached(values_json: str, kube_version: str, namespace: str, release: str,
+                   api_versions: tuple[str, ...]) -> tuple[int, str, str]:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(values_json)  # JSON is YAML
     try:
         proc = _run(["template", release, str(CHART), "--namespace", namespace,
-                     "--kube-version", kube_version, "-f", f.name])
+                     "--kube-version", kube_version, "-f", f.name,
+                     *(arg for v in api_versions for arg in ("--api-versions", v))])
     finally:
         os.unlink(f.name)
     return proc.returncode, proc.stdout, proc.stderr
 
 
 def render_raw(values: dict[str, Any] | None = None, kube_version: str = "1.30.0",
-               namespace: str = NAMESPACE, release: str = RELEASE) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``helm template`` with ``values``."""
+               namespace: str = NAMESPACE, release: str = RELEASE,
+               api_versions: tuple[str, ...] | None = None) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``helm template`` with ``values``; ``api_versions``
+    defaults to :func:`served_api_versions` of ``kube_version``."""
+    if api_versions is None:
+        api_versions = served_api_versions(kube_version)
     return _render_cached(json.dumps(values or {}, sort_keys=True), kube_version, namespace,
-                          release)
+                          release, tuple(api_versions))
 
 
 def render(values: dict[str, Any] | None = None, kube_version: str = "1.30.0",
-           namespace: str = NAMESPACE, release: str = RELEASE) -> Rendered:
-    code, out, err = render_raw(values, kube_version, namespace, release)
+           namespace: str = NAMESPACE, release: str = RELEASE,
+           api_versions: tuple[str, ...] | None = None) -> Rendered:
+    if api_versions is None:
+        api_versions = served_api_versions(kube_version)
+    code, out, err = render_raw(values, kube_version, namespace, release, api_versions)
     assert code == 0, f"helm template failed:\n{err}"
-    return Rendered(load_all(out), kube_version)
+    return Rendered(load_all(out), kube_version, tuple(api_versions))
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +154,8 @@ def helm_run() -> Any:
 
 @pytest.fixture(scope="session", name="render")
 def render_fixture() -> Any:
-    """``render(values=None, kube_version="1.30.0", namespace=..., release=...) -> Rendered``."""
+    """``render(values=None, kube_version="1.30.0", namespace=..., release=...,
+    api_versions=None) -> Rendered``."""
     return render
 
 
@@ -134,6 +163,13 @@ def render_fixture() -> Any:
 def render_raw_fixture() -> Any:
     """``render_raw(...) -> (exit code, stdout, stderr)``, for renders that must fail."""
     return render_raw
+
+
+@pytest.fixture(scope="session", name="vap_api_versions")
+def vap_api_versions_fixture() -> dict[str, tuple[str, ...]]:
+    """``--api-versions`` entries of a cluster serving ValidatingAdmissionPolicy in v1, in
+    v1beta1, or in both."""
+    return {"v1": VAP_V1, "v1beta1": VAP_V1BETA1, "both": VAP_V1 + VAP_V1BETA1}
 
 
 @pytest.fixture(scope="session", name="load_yaml")

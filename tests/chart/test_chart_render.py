@@ -45,6 +45,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "placement knobs": {"splitCount": 4, "defaultPolicy": "spread", "maxGpuMemoryMiB": 81920,
                         "logLevel": "DEBUG"},
     "RBAC managed elsewhere": {"rbac": {"create": False}},
+    "annotation guard off": {"annotationGuard": {"enabled": False}},
 }
 # Rendered for the oldest supported release, one with matchConditions on by default, newest.
 KUBE_VERSIONS = (kubeschema.OLDEST, "1.28.0", kubeschema.NEWEST)
@@ -100,11 +101,14 @@ def test_defaults_render_the_expected_objects(render: Any) -> None:
         "RoleBinding/gpuslice-scheduler-lease",
         "DaemonSet/gpuslice-agent", "ServiceAccount/gpuslice-agent",
         "ClusterRole/gpuslice-agent", "ClusterRoleBinding/gpuslice-agent",
-        "Service/gpuslice-agent-metrics"])
+        "Service/gpuslice-agent-metrics",
+        "ValidatingAdmissionPolicy/gpuslice-annotation-guard",
+        "ValidatingAdmissionPolicyBinding/gpuslice-annotation-guard"])
 
 
 def test_namespaced_objects_go_to_the_release_namespace(render: Any) -> None:
-    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration"}
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
+                      "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     for obj in render(namespace="gpu-ops").objects:
         ns = obj["metadata"].get("namespace")
         if obj["kind"] in cluster_scoped:
@@ -118,8 +122,8 @@ def test_namespaced_objects_go_to_the_release_namespace(render: Any) -> None:
 def test_release_name_prefixes_cluster_scoped_names(render: Any) -> None:
     rendered = render(release="team-a")
     names = {o["metadata"]["name"] for o in rendered.objects
-             if o["kind"] in ("ClusterRole", "ClusterRoleBinding",
-                              "MutatingWebhookConfiguration")}
+             if o["kind"] in ("ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
+                              "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")}
     assert names and all(n.startswith("team-a-gpuslice") for n in names)
 
 

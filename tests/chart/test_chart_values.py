@@ -70,6 +70,8 @@ def test_schema_declares_every_value_with_a_type_and_forbids_unknown_keys() -> N
     ({"agent": {"interval": 0}}, "/agent/interval"),
     ({"maxGpuMemoryMiB": -1}, "/maxGpuMemoryMiB"),
     ({"logLevel": "verbose"}, "/logLevel"),
+    ({"annotationGuard": {"enabled": "yes"}}, "/annotationGuard/enabled"),
+    ({"annotationGuard": {"enable": True}}, "enable"),
     ({"surprise": 1}, "surprise"),
 ])
 def test_schema_rejects_bad_values_naming_them(values: dict[str, Any], message: str,

@@ -135,3 +135,20 @@ runAsNonRoot: true
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/*
+apiVersion of the annotation guard's ValidatingAdmissionPolicy and its binding, from what the
+cluster serves: admissionregistration.k8s.io/v1 (GA, on by default from 1.30), else v1beta1
+(1.28-1.29, only where the feature gate and the beta API are turned on), else empty: no guard.
+`helm install` reads this from the API server; `helm template` needs
+--api-versions admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy (or .../v1beta1/...).
+*/}}
+{{- define "gpuslice.annotationGuardAPI" -}}
+{{- if .Values.annotationGuard.enabled -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}
+admissionregistration.k8s.io/v1
+{{- else if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1beta1/ValidatingAdmissionPolicy" -}}
+admissionregistration.k8s.io/v1beta1
+{{- end -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,307 @@
+"""The annotation guard: a ValidatingAdmissionPolicy that keeps the ``gpuslice.io/devices.*``
+pod annotations (the GPUs the extender assigned at bind time) as the extender wrote them.
+
+Rendered in the API version the cluster serves (v1, v1beta1 or none) and valid against that
+version's schema; its CEL is evaluated with cel-python (the API server uses cel-go) on pods
+before and after CREATEs and UPDATEs, the way the API server applies a policy: matchConditions
+first, then the variables, then the validations."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+from typing import Any
+
+import kubeschema
+import pytest
+
+from webhook import names
+from webhook.admission.mutate import mutate_pod
+from webhook.settings import Settings
+
+celpy = pytest.importorskip("celpy", reason="cel-python not installed (pip install cel-python) "
+                            "to evaluate the policy's CEL")
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "gpuslice"
+NAMESPACE = "gpuslice-system"  # the render fixture's default
+POLICY, BINDING = "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"
+NAME = "gpuslice-annotation-guard"
+MESSAGE = ("gpuslice.io/devices.* annotations are set by the gpuslice scheduler at bind time "
+           "and cannot be changed")
+GPUSLICE_SA = f"system:serviceaccount:{NAMESPACE}:gpuslice"
+TENANT = "system:serviceaccount:team-a:default"
+DEV_C = names.devices_annotation("c")
+DEV_D = names.devices_annotation("d")
+
+
+def _guard(rendered: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    policies, bindings = rendered.all(POLICY), rendered.all(BINDING)
+    if not policies and not bindings:
+        return None
+    assert len(policies) == len(bindings) == 1, "the policy and its binding come together"
+    return policies[0], bindings[0]
+
+
+# ----- which API version, and valid against that version's schema -----
+
+# (Kubernetes version, what it serves beyond its defaults, the guard's apiVersion)
+@pytest.mark.parametrize(("kube_version", "served", "expected"), [
+    (kubeschema.OLDEST, None, None),
+    ("1.28.0", None, None),  # the beta API is off by default
+    ("1.29.0", "v1beta1", "admissionregistration.k8s.io/v1beta1"),
+    ("1.30.0", None, "admissionregistration.k8s.io/v1"),
+    ("1.31.0", "both", "admissionregistration.k8s.io/v1"),
+    (kubeschema.NEWEST, None, "admissionregistration.k8s.io/v1"),
+], ids=["1.25", "1.28", "1.29-beta-on", "1.30", "1.31-both-served", "newest"])
+def test_guard_uses_the_api_version_the_cluster_serves_and_validates_against_it(
+        kube_version: str, served: str | None, expected: str | None, render: Any,
+        vap_api_versions: dict[str, tuple[str, ...]]) -> None:
+    api_versions = vap_api_versions[served] if served else None
+    guard = _guard(render({}, kube_version, api_versions=api_versions))
+    if expected is None:
+        assert guard is None
+        return
+    assert guard is not None
+    policy, binding = guard
+    assert policy["apiVersion"] == binding["apiVersion"] == expected
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"] == NAME
+    # v1beta1 is gone from the newest schema: beta objects are checked against 1.28 and 1.29.
+    versions = (("1.28.0", kube_version) if expected.endswith("v1beta1")
+                else (kube_version, kubeschema.NEWEST))
+    for obj in guard:
+        kubeschema.assert_valid(obj, tuple(dict.fromkeys(versions)))
+
+
+def test_guard_is_not_installed_when_disabled(render: Any) -> None:
+    assert _guard(render({"annotationGuard": {"enabled": False}}, "1.30.0")) is None
+
+
+# ----- what it matches -----
+
+@pytest.mark.parametrize("namespace", [NAMESPACE, "gpu-ops"])
+def test_guard_denies_on_pod_creates_and_updates_outside_kube_system_and_the_release_namespace(
+        namespace: str, render: Any) -> None:
+    # excludedNamespaces are not mutated but stay guarded: the extender counts every namespace.
+    guard = _guard(render({"webhook": {"excludedNamespaces": ["ci"]}}, namespace=namespace))
+    assert guard is not None
+    policy, binding = guard
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    constraints = policy["spec"]["matchConstraints"]
+    assert constraints["resourceRules"] == [{
+        "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+        "resources": ["pods", "pods/status"], "scope": "Namespaced"}]
+    assert constraints["namespaceSelector"] == {"matchExpressions": [{
+        "key": "kubernetes.io/metadata.name", "operator": "NotIn",
+        "values": ["kube-system", namespace]}]}
+
+
+def test_extender_binding_is_not_matched_so_binds_are_never_denied(render: Any) -> None:
+    """POST pods/<name>/binding is admitted as a CREATE of the pods/binding subresource; the
+    registry then merges the Binding's annotations into the stored pod without a pods UPDATE
+    admission. The policy must not match the subresource (nor a wildcard covering it)."""
+    guard = _guard(render())
+    assert guard is not None
+    resources = {r for rule in guard[0]["spec"]["matchConstraints"]["resourceRules"]
+                 for r in rule["resources"]}
+    assert not resources & {"pods/binding", "pods/*", "*/*", "*"}
+
+
+def test_guard_names_the_contract_prefix_and_says_why(render: Any) -> None:
+    guard = _guard(render())
+    assert guard is not None
+    spec = guard[0]["spec"]
+    [validation] = spec["validations"]
+    assert validation["message"] == MESSAGE and validation["reason"] == "Forbidden"
+    for variable in spec["variables"]:
+        assert f"startsWith('{names.ANN_DEVICES_PREFIX}')" in variable["expression"]
+
+
+# ----- the CEL, evaluated -----
+
+@functools.cache
+def _program(expression: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(expression))
+
+
+def _eval(expression: str, activation: dict[str, Any]) -> Any:
+    """The value of ``expression``; an evaluation error fails the test (with failurePolicy
+    Fail the API server would deny the request, kubelet's status updates included)."""
+    try:
+        result = _program(expression).evaluate(activation)
+    except celpy.CELEvalError as exc:
+        pytest.fail(f"CEL error in {expression!r}: {exc}")
+    assert not isinstance(result, celpy.CELEvalError), f"CEL error in {expression!r}: {result}"
+    return result
+
+
+def admission(policy: dict[str, Any], operation: str, obj: dict[str, Any],
+              old: dict[str, Any] | None = None, username: str = TENANT) -> str | None:
+    """What the policy answers: None (admitted, or not matched) or the denial message."""
+    request = {"operation": operation, "userInfo": {"username": username}}
+    base = {"object": celpy.json_to_cel(obj), "oldObject": celpy.json_to_cel(old),
+            "request": celpy.json_to_cel(request)}
+    spec = policy["spec"]
+    if not all(bool(_eval(c["expression"], base)) for c in spec.get("matchConditions", [])):
+        return None
+    variables: dict[Any, Any] = {}
+    for variable in spec.get("variables", []):
+        activation = {**base, "variables": celpy.celtypes.MapType(variables)}
+        variables[celpy.celtypes.StringType(variable["name"])] = \
+            _eval(variable["expression"], activation)
+    activation = {**base, "variables": celpy.celtypes.MapType(variables)}
+    for validation in spec["validations"]:
+        if not bool(_eval(validation["expression"], activation)):
+            return str(validation["message"])
+    return None
+
+
+def _pod(annotations: dict[str, str] | None = None, node: str | None = "gpu-1",
+         labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "train", "namespace": "team-a", "uid": "u-1"}
+    if annotations is not None:
+        meta["annotations"] = annotations
+    if labels is not None:
+        meta["labels"] = labels
+    spec: dict[str, Any] = {"containers": [{"name": "c", "image": "cuda"},
+                                           {"name": "d", "image": "cuda"}]}
+    if node:
+        spec["nodeName"] = node
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def policy(render: Any) -> dict[str, Any]:
+    guard = _guard(render())
+    assert guard is not None
+    return guard[0]
+
+
+BOUND = {DEV_C: "GPU-a", DEV_D: "GPU-b,GPU-c", "team": "ml"}
+
+# (operation, old annotations, new annotations, username, denied)
+CASES: dict[str, tuple[str, Any, Any, str, bool]] = {
+    "create without annotations": ("CREATE", None, None, TENANT, False),
+    "create with unrelated annotations": ("CREATE", None, {"team": "ml"}, TENANT, False),
+    "create with other gpuslice annotations": (
+        "CREATE", None, {names.ANN_MUTATED: "0.1.0", "gpuslice.io/placement": "spread",
+                         "gpuslice.io/devicesx": "GPU-a", "example.com/devices.c": "GPU-a"},
+        TENANT, False),
+    "create carrying a device assignment": ("CREATE", None, {DEV_C: "GPU-a"}, TENANT, True),
+    "update of an unrelated annotation": (
+        "UPDATE", BOUND, {**BOUND, "team": "vision"}, TENANT, False),
+    "update adding an unrelated annotation": (
+        "UPDATE", BOUND, {**BOUND, "note": "x"}, TENANT, False),
+    "update leaving everything as is": ("UPDATE", BOUND, dict(BOUND), TENANT, False),
+    "update of a pod without annotations": ("UPDATE", None, None, TENANT, False),
+    "update adding a device assignment": (
+        "UPDATE", {"team": "ml"}, {"team": "ml", DEV_C: "GPU-a"}, TENANT, True),
+    "update adding one to a pod without annotations": (
+        "UPDATE", None, {DEV_C: "GPU-a"}, TENANT, True),
+    "update adding a second container's assignment": (
+        "UPDATE", {DEV_C: "GPU-a"}, {DEV_C: "GPU-a", DEV_D: "GPU-b"}, TENANT, True),
+    "update changing an assignment (kubectl annotate --overwrite)": (
+        "UPDATE", BOUND, {**BOUND, DEV_C: "GPU-other"}, TENANT, True),
+    "update swapping two containers' assignments": (
+        "UPDATE", BOUND, {**BOUND, DEV_C: BOUND[DEV_D], DEV_D: BOUND[DEV_C]}, TENANT, True),
+    "update removing an assignment": (
+        "UPDATE", BOUND, {k: v for k, v in BOUND.items() if k != DEV_D}, TENANT, True),
+    "update removing every annotation": ("UPDATE", BOUND, None, TENANT, True),
+    "kubelet status update of a bound pod": (
+        "UPDATE", BOUND, dict(BOUND), "system:node:gpu-1", False),
+    "gpuslice's own service account changing an assignment": (
+        "UPDATE", BOUND, {**BOUND, DEV_C: "GPU-z"}, GPUSLICE_SA, False),
+    "the agent's service account changing an assignment": (
+        "UPDATE", BOUND, {**BOUND, DEV_C: "GPU-z"},
+        f"system:serviceaccount:{NAMESPACE}:gpuslice-agent", True),
+    "a kube-system controller changing an assignment": (
+        "UPDATE", BOUND, {**BOUND, DEV_C: "GPU-z"},
+        "system:serviceaccount:kube-system:generic-garbage-collector", True),
+}
+
+
+def test_old_object_is_read_only_on_update(policy: dict[str, Any]) -> None:
+    """oldObject is null on CREATE, and cel-go errors on a field of null (an error denies the
+    request: failurePolicy Fail). cel-python's has() answers false instead, so the evaluations
+    below cannot catch a missing guard: every expression reading oldObject must start with it."""
+    spec = policy["spec"]
+    expressions = [e["expression"] for e in
+                   spec.get("matchConditions", []) + spec["variables"] + spec["validations"]]
+    readers = [e for e in expressions if "oldObject" in e]
+    assert readers
+    for expression in readers:
+        assert expression.startswith("request.operation == 'UPDATE' && "), expression
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_policy_denies_exactly_the_changes_to_device_assignments(
+        case: str, policy: dict[str, Any]) -> None:
+    operation, old, new, username, denied = CASES[case]
+    old_pod = _pod(old) if operation == "UPDATE" else None
+    answer = admission(policy, operation, _pod(new, node=None if old_pod is None else "gpu-1"),
+                       old_pod, username)
+    assert answer == (MESSAGE if denied else None)
+
+
+def test_label_change_on_a_bound_pod_is_admitted(policy: dict[str, Any]) -> None:
+    old = _pod(BOUND, labels={"app": "train"})
+    assert admission(policy, "UPDATE", _pod(BOUND, labels={"app": "train", "v": "2"}),
+                     old) is None
+
+
+def test_pod_with_forged_devices_is_admitted_after_the_webhook_strips_them(
+        policy: dict[str, Any]) -> None:
+    """Mutating admission (the webhook) runs before validating admission (the policy): a GPU
+    pod created with a forged assignment reaches the policy without it and is admitted; a pod
+    the webhook does not touch (no GPU request) keeps it and is denied."""
+    forged = {"metadata": {"name": "p", "namespace": "team-a",
+                           "annotations": {DEV_C: "GPU-victim", "team": "ml"}},
+              "spec": {"containers": [{"name": "c", "image": "cuda", "resources": {
+                  "limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}}}]}}
+    result = mutate_pod(forged, Settings())
+    assert result.allowed and result.pod is not None
+    assert DEV_C not in result.pod["metadata"]["annotations"]
+    assert admission(policy, "CREATE", result.pod) is None
+    assert admission(policy, "CREATE", forged) == MESSAGE
+
+    cpu_only = {"metadata": forged["metadata"],
+                "spec": {"containers": [{"name": "c", "image": "busybox"}]}}
+    assert mutate_pod(cpu_only, Settings()).pod is cpu_only  # not a GPU pod: left alone
+    assert admission(policy, "CREATE", cpu_only) == MESSAGE
+
+
+# ----- NOTES.txt -----
+
+def _notes(helm_run: Any, load_yaml: Any, tmp_path: Path, api_versions: tuple[str, ...],
+           values: list[str]) -> str:
+    """NOTES.txt rendered by ``helm template`` (which, unlike ``helm install --dry-run``,
+    takes --api-versions): a copy of the chart renders it into a ConfigMap through ``tpl``."""
+    chart = tmp_path / "gpuslice"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "NOTES.txt").rename(chart / "notes-src.txt")
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
+        "  notes: {{ tpl (.Files.Get \"notes-src.txt\") . | toJson }}\n")
+    proc = helm_run(["template", "gpuslice", str(chart), "--namespace", NAMESPACE,
+                     "--kube-version", "1.30.0", "--show-only", "templates/zz-notes.yaml",
+                     *(a for v in values for a in ("--set", v)),
+                     *(a for v in api_versions for a in ("--api-versions", v))])
+    assert proc.returncode == 0, proc.stderr
+    [configmap] = load_yaml(proc.stdout)
+    return str(configmap["data"]["notes"])
+
+
+def test_notes_say_whether_the_guard_is_installed(
+        tmp_path: Path, helm_run: Any, load_yaml: Any,
+        vap_api_versions: dict[str, tuple[str, ...]]) -> None:
+    v1 = vap_api_versions["v1"]
+    installed = _notes(helm_run, load_yaml, tmp_path / "a", v1, [])
+    assert f"kubectl get validatingadmissionpolicy {NAME}" in installed
+    assert "WARNING" not in installed
+    missing = _notes(helm_run, load_yaml, tmp_path / "b", (), [])
+    assert "WARNING: no annotation guard was installed" in missing
+    assert "--api-versions admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" in missing
+    disabled = _notes(helm_run, load_yaml, tmp_path / "c", v1, ["annotationGuard.enabled=false"])
+    assert "WARNING: annotationGuard.enabled=false" in disabled
