@@ -5,10 +5,22 @@
  * container, NVML order, which CUDA_VISIBLE_DEVICES does not change):
  *   CUDA_DEVICE_MEMORY_LIMIT_<i>, else CUDA_DEVICE_MEMORY_LIMIT (HAMi-core
  *   syntax: a number of bytes with an optional k/m/g/t suffix, binary units),
- *   else GPUSLICE_MEMORY_PERCENT (1..100) of the device's real total.
+ *   else GPUSLICE_MEMORY_PERCENT (1..100) of the device's real total (NVML's
+ *   total, the figure the node agent publishes; cuDeviceTotalMem without NVML).
  * Compute: CUDA_DEVICE_SM_LIMIT_<i>, else CUDA_DEVICE_SM_LIMIT (percent of
  *   GPU time; 0, 100 or more = no limit).
  * Region file: CUDA_DEVICE_MEMORY_SHARED_CACHE, else /tmp/gpuslice-<uid>.region.
+ * GPUSLICE_RECONCILE_MARGIN: see reconcile.c (size syntax, default 256m).
+ *
+ * Webhook-managed containers (GPUSLICE_POD_UID set): the webhook writes the
+ * un-indexed names as explicit env entries, which win over anything a tenant
+ * injects through envFrom, but it cannot strip envFrom.  So in that mode
+ * whatever could only loosen the slice is ignored, with one warning: the
+ * indexed CUDA_DEVICE_MEMORY_LIMIT_<i> / CUDA_DEVICE_SM_LIMIT_<i>, a
+ * GPUSLICE_RECONCILE_MARGIN below the default, and GPUSLICE_REAL_LIBCUDA /
+ * GPUSLICE_REAL_LIBNVML (real.c); and where both CUDA_DEVICE_MEMORY_LIMIT and
+ * GPUSLICE_MEMORY_PERCENT are set (the webhook writes one of them), the
+ * smaller cap applies.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -45,38 +57,80 @@ int gs_parse_size(const char *text, uint64_t *out)
     return 0;
 }
 
+int gs_env_managed(void)
+{
+    const char *v = getenv("GPUSLICE_POD_UID");
+    return v && *v;
+}
+
+static int g_warned_indexed, g_warned_both;
+
 static const char *env_indexed(const char *name, unsigned index, char *buf, size_t len)
 {
     snprintf(buf, len, "%s_%u", name, index);
     const char *v = getenv(buf);
-    if (v && *v) return v;
+    if (v && *v) {
+        if (!gs_env_managed()) return v;
+        if (!__atomic_exchange_n(&g_warned_indexed, 1, __ATOMIC_RELAXED))
+            GS_WARN("ignoring %s and every other per-device CUDA_DEVICE_*_LIMIT_<i>: GPUSLICE_POD_UID is set, "
+                    "so the limits are the ones the webhook wrote", buf);
+    }
     v = getenv(name);
     return v && *v ? v : NULL;
+}
+
+/* GPUSLICE_MEMORY_PERCENT of total; 0 = not set, invalid or unresolvable. */
+static uint64_t env_percent_cap(uint64_t total)
+{
+    const char *v = getenv("GPUSLICE_MEMORY_PERCENT");
+    if (!v || !*v) return 0;
+    char *end = NULL;
+    long pct = strtol(v, &end, 10);
+    if (!end || *end != '\0' || pct < 1 || pct > 100) {
+        GS_ERROR("ignoring GPUSLICE_MEMORY_PERCENT value '%s' (expected 1..100)", v);
+        return 0;
+    }
+    if (!total) {
+        GS_WARN("GPUSLICE_MEMORY_PERCENT=%ld: the device's total is unknown, no cap applied", pct);
+        return 0;
+    }
+    return total / 100 * (uint64_t)pct + total % 100 * (uint64_t)pct / 100;
 }
 
 uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total)
 {
     char key[96];
+    uint64_t limit = 0;
     const char *v = env_indexed("CUDA_DEVICE_MEMORY_LIMIT", container_index, key, sizeof(key));
-    if (v) {
-        uint64_t bytes;
-        if (gs_parse_size(v, &bytes) == 0) return bytes;
+    if (v && gs_parse_size(v, &limit) != 0) {
         GS_ERROR("ignoring CUDA_DEVICE_MEMORY_LIMIT value '%s' (expected e.g. 10240m or 10g)", v);
+        limit = 0;
     }
-    v = getenv("GPUSLICE_MEMORY_PERCENT");
-    if (v && *v) {
-        char *end = NULL;
-        long pct = strtol(v, &end, 10);
-        if (end && *end == '\0' && pct >= 1 && pct <= 100) {
-            if (!total) {
-                GS_WARN("GPUSLICE_MEMORY_PERCENT=%ld: the device's total is unknown, no cap applied", pct);
-                return 0;
-            }
-            return total / 100 * (uint64_t)pct + total % 100 * (uint64_t)pct / 100;
-        }
-        GS_ERROR("ignoring GPUSLICE_MEMORY_PERCENT value '%s' (expected 1..100)", v);
+    if (limit && !gs_env_managed()) return limit; /* HAMi-core: the byte limit wins */
+    uint64_t pct = env_percent_cap(total);
+    if (limit && pct) {
+        if (!__atomic_exchange_n(&g_warned_both, 1, __ATOMIC_RELAXED))
+            GS_WARN("both CUDA_DEVICE_MEMORY_LIMIT and GPUSLICE_MEMORY_PERCENT are set with GPUSLICE_POD_UID: "
+                    "the smaller cap applies");
+        return limit < pct ? limit : pct;
     }
-    return 0;
+    return limit ? limit : pct;
+}
+
+uint64_t gs_env_reconcile_margin(void)
+{
+    const char *v = getenv("GPUSLICE_RECONCILE_MARGIN");
+    uint64_t m;
+    if (!v || !*v) return GS_DEFAULT_MARGIN;
+    if (gs_parse_size(v, &m) != 0) {
+        GS_ERROR("ignoring GPUSLICE_RECONCILE_MARGIN value '%s' (expected e.g. 256m)", v);
+        return GS_DEFAULT_MARGIN;
+    }
+    if (m < GS_DEFAULT_MARGIN && gs_env_managed()) {
+        GS_WARN("ignoring GPUSLICE_RECONCILE_MARGIN=%s below the default: GPUSLICE_POD_UID is set", v);
+        return GS_DEFAULT_MARGIN;
+    }
+    return m;
 }
 
 unsigned gs_env_sm_limit(unsigned container_index)

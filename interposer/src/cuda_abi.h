@@ -28,6 +28,9 @@ typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUlib_st *CUlibrary;
+typedef struct CUkern_st *CUkernel;
 typedef struct CUexecAffinityParam_st CUexecAffinityParam; /* only passed through */
 typedef struct CUctxCreateParams_st CUctxCreateParams;     /* only passed through */
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;     /* only passed through */
@@ -35,6 +38,8 @@ typedef int CUdriverProcAddressQueryResult;
 typedef int CUmemPool_attribute;
 typedef int CUarray_format;
 typedef int CUstreamCaptureStatus;
+typedef int CUjit_option;    /* enums: only passed through, by pointer */
+typedef int CUlibraryOption;
 
 typedef struct CUuuid_st {
     char bytes[16];

@@ -145,6 +145,7 @@ static void discover(void)
             if (strcmp(devs[k].uuid, cuda_devs[i].uuid) == 0) devs[k].total = cuda_devs[i].total;
     }
     fill_limits(devs, n);
+    gs_reconcile_margin = gs_env_reconcile_margin();
 
     gs_region_sync(devs, n, 1);
 

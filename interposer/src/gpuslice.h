@@ -3,9 +3,10 @@
  *
  * Families: log.c (logging), real.c (real functions, dlsym), procaddr.c
  * (cuGetProcAddress), config.c (environment), devices.c (device discovery,
- * contexts, the memory views), region.c (the shared region and the budget),
- * allocmap.c (what this process holds), memory.c / pool.c (allocation hooks),
- * launch.c (the compute throttle), nvml.c (NVML views).
+ * the memory views), context.c (contexts), reconcile.c (memory held beyond
+ * allocations), module.c (module loads), region.c (the shared region and the
+ * budget), allocmap.c (what this process holds), memory.c / pool.c
+ * (allocation hooks), launch.c (the compute throttle), nvml.c (NVML views).
  */
 #ifndef GPUSLICE_INTERNAL_H
 #define GPUSLICE_INTERNAL_H
@@ -94,6 +95,8 @@ void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cu
 /* ---- config.c ------------------------------------------------------------- */
 
 int gs_parse_size(const char *text, uint64_t *out);
+int gs_env_managed(void);            /* GPUSLICE_POD_UID set: the webhook wrote the environment */
+uint64_t gs_env_reconcile_margin(void);
 uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total);
 unsigned gs_env_sm_limit(unsigned container_index);
 const char *gs_env_region_path(char *buf, size_t len);
@@ -122,7 +125,25 @@ int gs_dev_count(void);
 
 /* ---- context.c ------------------------------------------------------------ */
 
+void gs_ctx_lock(void);              /* context records and what reconcile.c charges to them */
+void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);
+
+/* ---- reconcile.c ---------------------------------------------------------- */
+
+#define GS_MAX_PIDS 256
+#define GS_DEFAULT_MARGIN (256ull << 20)
+extern uint64_t gs_reconcile_margin;  /* GPUSLICE_RECONCILE_MARGIN; 0 = reconcile in the background only */
+int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap); /* -1 if NVML cannot say */
+void gs_learn_host_pid(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore);
+int gs_host_pid_known(CUdevice dev);
+int gs_near_cap(int slot, uint64_t bytes);      /* would `bytes` more bring usage within the margin of the cap? */
+uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
+void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
+void gs_reconcile_after_load(void);             /* a module or library was loaded */
+void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
+void gs_reconcile_forget_ctx(CUcontext ctx);
+void gs_reconcile_after_fork_child(void);
 
 /* ---- region.c ------------------------------------------------------------- */
 
@@ -161,7 +182,9 @@ void gs_am_after_fork_child(void);
 /* ---- memory.c / pool.c ---------------------------------------------------- */
 
 uint64_t gs_charge_size(uint64_t bytes);
-int gs_reserve(int slot, uint64_t bytes);  /* budget reserve; on refusal trims pool charges and retries */
+/* Budget reserve; near the cap reconciles first; on refusal trims pool charges and retries. */
+int gs_reserve(int slot, uint64_t bytes);
+int gs_reserve_raw(int slot, uint64_t bytes); /* the same without the reconcile (context lock held) */
 void gs_forget_ctx(CUcontext ctx);         /* a context was destroyed: release what it held */
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
 void gs_pools_reconcile_all(void);

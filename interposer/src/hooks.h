@@ -88,7 +88,26 @@
     X(cuLaunchCooperativeKernel, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 0)             \
     X(cuLaunchCooperativeKernel_ptsz, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 1)        \
     X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
-    X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1)
+    X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1) \
+    X(cuModuleLoad, CUresult, (CUmodule *module, const char *fname), cuModuleLoad, 2000, 0)                \
+    X(cuModuleLoadData, CUresult, (CUmodule *module, const void *image), cuModuleLoadData, 2000, 0)        \
+    X(cuModuleLoadDataEx, CUresult,                                                                        \
+      (CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options,                \
+       void **optionValues), cuModuleLoadDataEx, 2010, 0)                                                  \
+    X(cuModuleLoadFatBinary, CUresult, (CUmodule *module, const void *fatCubin), cuModuleLoadFatBinary, 2000, 0) \
+    X(cuModuleGetFunction, CUresult, (CUfunction *hfunc, CUmodule hmod, const char *name),                 \
+      cuModuleGetFunction, 2000, 0)                                                                        \
+    X(cuLibraryLoadData, CUresult,                                                                         \
+      (CUlibrary *library, const void *code, CUjit_option *jitOptions, void **jitOptionsValues,            \
+       unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,            \
+       unsigned int numLibraryOptions), cuLibraryLoadData, 12000, 0)                                       \
+    X(cuLibraryLoadFromFile, CUresult,                                                                     \
+      (CUlibrary *library, const char *fileName, CUjit_option *jitOptions, void **jitOptionsValues,        \
+       unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,            \
+       unsigned int numLibraryOptions), cuLibraryLoadFromFile, 12000, 0)                                   \
+    X(cuLibraryGetKernel, CUresult, (CUkernel *pKernel, CUlibrary library, const char *name),              \
+      cuLibraryGetKernel, 12000, 0)                                                                        \
+    X(cuKernelGetFunction, CUresult, (CUfunction *pFunc, CUkernel kernel), cuKernelGetFunction, 12000, 0)
 
 #define GS_CUDA_REALS(R)                                                                      \
     R(cuDriverGetVersion, CUresult, (int *version))                                           \

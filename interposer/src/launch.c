@@ -18,7 +18,8 @@
  * per-launch estimate is unknown), so the GPU cannot run far ahead of the
  * budget.
  *
- * Without a limit the launch path is two atomic loads and the real call.
+ * Without a limit the launch path is one atomic load, one pointer load and a
+ * tail call into the real function (the hooks at the end of this file).
  * Streams being captured into a graph are not touched (event queries would
  * invalidate the capture); the graph is paced when it is launched.
  */
@@ -338,63 +339,93 @@ static CUresult call_graph(const void *p)
     return ((cuGraphLaunch_fn)a->real)(a->exec, a->stream);
 }
 
+/* Each hook is a fast path and a slow one.  With no compute limit the state is
+ * THROTTLE_OFF, which is set only after the real functions are resolved, so
+ * the fast path is one atomic load, one pointer load and a tail call: no
+ * stack frame, no lock, no region access, no clock.  Everything else (first
+ * call, a missing real function, a limit) goes to the out-of-line slow path. */
+#define GS_FAST(name, args)                                                                                   \
+    do {                                                                                                      \
+        name##_fn real_;                                                                                      \
+        if (GS_LIKELY(__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) == THROTTLE_OFF) &&                         \
+            GS_LIKELY((real_ = gs_cuda.name) != NULL))                                                        \
+            return real_ args;                                                                                \
+    } while (0)
+
+#define GS_KERNEL_ARGS (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, \
+                        kernelParams, extra)
 #define GS_KERNEL_HOOK(name, pt, thunk)                                                                       \
-    GS_EXPORT CUresult name(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, \
-                            unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,           \
-                            unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra) \
+    static __attribute__((noinline)) CUresult name##_slow GS_LAUNCH_PARAMS                                    \
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
-        if (GS_UNLIKELY(!gs_cuda.name)) return CUDA_ERROR_NOT_SUPPORTED;                                      \
-        if (GS_LIKELY(!throttle_on()))                                                                        \
-            return gs_cuda.name(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,             \
-                                sharedMemBytes, hStream, kernelParams, extra);                                \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        if (!throttle_on()) return gs_cuda.name GS_KERNEL_ARGS;                                               \
         struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
                                 blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra};          \
         return throttled(hStream, pt, thunk, &a);                                                             \
+    }                                                                                                         \
+    GS_EXPORT CUresult name GS_LAUNCH_PARAMS                                                                  \
+    {                                                                                                         \
+        GS_FAST(name, GS_KERNEL_ARGS);                                                                        \
+        return name##_slow GS_KERNEL_ARGS;                                                                    \
     }
 
 GS_KERNEL_HOOK(cuLaunchKernel, 0, call_kernel)
 GS_KERNEL_HOOK(cuLaunchKernel_ptsz, 1, call_kernel)
 
+#define GS_COOP_ARGS (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, \
+                      kernelParams)
 #define GS_COOP_HOOK(name, pt)                                                                                \
-    GS_EXPORT CUresult name(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ, \
-                            unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,           \
-                            unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)               \
+    static __attribute__((noinline)) CUresult name##_slow GS_COOP_PARAMS                                      \
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
-        if (GS_UNLIKELY(!gs_cuda.name)) return CUDA_ERROR_NOT_SUPPORTED;                                      \
-        if (GS_LIKELY(!throttle_on()))                                                                        \
-            return gs_cuda.name(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,             \
-                                sharedMemBytes, hStream, kernelParams);                                       \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        if (!throttle_on()) return gs_cuda.name GS_COOP_ARGS;                                                 \
         struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
                                 blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, NULL};           \
         return throttled(hStream, pt, call_coop, &a);                                                         \
+    }                                                                                                         \
+    GS_EXPORT CUresult name GS_COOP_PARAMS                                                                    \
+    {                                                                                                         \
+        GS_FAST(name, GS_COOP_ARGS);                                                                          \
+        return name##_slow GS_COOP_ARGS;                                                                      \
     }
 
 GS_COOP_HOOK(cuLaunchCooperativeKernel, 0)
 GS_COOP_HOOK(cuLaunchCooperativeKernel_ptsz, 1)
 
 #define GS_EX_HOOK(name, pt)                                                                                  \
-    GS_EXPORT CUresult name(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)    \
+    static __attribute__((noinline)) CUresult name##_slow(const CUlaunchConfig *config, CUfunction f,        \
+                                                          void **kernelParams, void **extra)                  \
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
-        if (GS_UNLIKELY(!gs_cuda.name)) return CUDA_ERROR_NOT_SUPPORTED;                                      \
-        if (GS_LIKELY(!throttle_on()) || !config) return gs_cuda.name(config, f, kernelParams, extra);        \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        if (!throttle_on() || !config) return gs_cuda.name(config, f, kernelParams, extra);                   \
         struct ex_args a = {(const void *)gs_cuda.name, config, f, kernelParams, extra};                      \
         return throttled(config->hStream, pt, call_ex, &a);                                                   \
+    }                                                                                                         \
+    GS_EXPORT CUresult name(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)    \
+    {                                                                                                         \
+        GS_FAST(name, (config, f, kernelParams, extra));                                                      \
+        return name##_slow(config, f, kernelParams, extra);                                                   \
     }
 
 GS_EX_HOOK(cuLaunchKernelEx, 0)
 GS_EX_HOOK(cuLaunchKernelEx_ptsz, 1)
 
 #define GS_GRAPH_HOOK(name, pt)                                                                               \
-    GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \
+    static __attribute__((noinline)) CUresult name##_slow(CUgraphExec hGraphExec, CUstream hStream)           \
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
-        if (GS_UNLIKELY(!gs_cuda.name)) return CUDA_ERROR_NOT_SUPPORTED;                                      \
-        if (GS_LIKELY(!throttle_on())) return gs_cuda.name(hGraphExec, hStream);                              \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        if (!throttle_on()) return gs_cuda.name(hGraphExec, hStream);                                         \
         struct graph_args a = {(const void *)gs_cuda.name, hGraphExec, hStream};                              \
         return throttled(hStream, pt, call_graph, &a);                                                        \
+    }                                                                                                         \
+    GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \
+    {                                                                                                         \
+        GS_FAST(name, (hGraphExec, hStream));                                                                 \
+        return name##_slow(hGraphExec, hStream);                                                              \
     }
 
 GS_GRAPH_HOOK(cuGraphLaunch, 0)

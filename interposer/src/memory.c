@@ -25,11 +25,18 @@ uint64_t gs_charge_size(uint64_t bytes)
     return (bytes + 2 * MIB - 1) & ~(2 * MIB - 1);
 }
 
-int gs_reserve(int slot, uint64_t bytes)
+int gs_reserve_raw(int slot, uint64_t bytes)
 {
     if (gs_budget_reserve(slot, bytes) == 0) return 0;
     gs_pools_reconcile_all(); /* pools may hold charges for memory they have released */
     return gs_budget_reserve(slot, bytes);
+}
+
+int gs_reserve(int slot, uint64_t bytes)
+{
+    /* the last allocations before the cap see what the process really holds */
+    if (GS_UNLIKELY(gs_near_cap(slot, bytes))) gs_reconcile_slot(slot);
+    return gs_reserve_raw(slot, bytes);
 }
 
 /* Record a successful allocation; -1 if it cannot be tracked (the caller undoes it). */

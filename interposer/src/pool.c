@@ -141,6 +141,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     if (slot < 0 || !pool || !bytesize) return call(dptr, bytesize, pool, stream, real);
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
+    if (GS_UNLIKELY(gs_near_cap(slot, want))) gs_reconcile_slot(slot); /* before g_mu: lock order */
     pthread_mutex_lock(&g_mu);
     struct pool_rec *p = find_locked(key, slot, 1);
     if (!p) {

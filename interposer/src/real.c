@@ -3,11 +3,12 @@
  *
  * The real libcuda / libnvidia-ml are dlopen'ed on first use (never from the
  * constructor) by their standard sonames, or from GPUSLICE_REAL_LIBCUDA /
- * GPUSLICE_REAL_LIBNVML (paths, for tests).  If the program already reached a
- * library through dlsym, the file it came from is preferred.  Every real
- * function is resolved once, under pthread_once, into typed pointers; a
- * missing one stays NULL and its hook answers CUDA_ERROR_NOT_SUPPORTED or
- * NVML_ERROR_FUNCTION_NOT_FOUND instead of calling through NULL.
+ * GPUSLICE_REAL_LIBNVML (paths, for tests; ignored when GPUSLICE_POD_UID is
+ * set).  If the program already reached a library through dlsym, the file it
+ * came from is preferred.  Every real function is resolved once, under
+ * pthread_once, into typed pointers; a missing one stays NULL and its hook
+ * answers CUDA_ERROR_NOT_SUPPORTED or NVML_ERROR_FUNCTION_NOT_FOUND instead
+ * of calling through NULL.
  *
  * dlsym is overridden for the exact names in hooks.h only.  RTLD_NEXT lookups
  * of other names are forwarded as a tail call, so glibc still sees the
@@ -85,6 +86,10 @@ static char nvml_seen_path[4096];
 static void *open_library(const char *env, const char *seen, const char *soname)
 {
     const char *override = getenv(env);
+    if (override && *override && gs_env_managed()) {
+        GS_WARN("ignoring %s: GPUSLICE_POD_UID is set, the driver's own library is used", env);
+        override = NULL;
+    }
     const char *path = override && *override ? override : seen[0] ? seen : soname;
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h && path != soname) h = dlopen(soname, RTLD_NOW | RTLD_LOCAL);

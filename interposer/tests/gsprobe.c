@@ -63,7 +63,13 @@
     X(cuStreamBeginCapture_v2, CUresult, (CUstream, int))                                                    \
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
-    X(cuCtxSynchronize, CUresult, (void))
+    X(cuCtxSynchronize, CUresult, (void))                                                                    \
+    X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                \
+    X(cuModuleGetFunction, CUresult, (CUfunction *, CUmodule, const char *))                                 \
+    X(cuLibraryLoadData, CUresult, (CUlibrary *, const void *, CUjit_option *, void **, unsigned,             \
+                                    CUlibraryOption *, void **, unsigned))                                   \
+    X(cuLibraryGetKernel, CUresult, (CUkernel *, CUlibrary, const char *))                                   \
+    X(cuKernelGetFunction, CUresult, (CUfunction *, CUkernel))
 API_FUNCS(FN)
 typedef CUresult (*getproc2_t)(const char *, void **, int, cuuint64_t, int *);
 typedef CUresult (*getproc1_t)(const char *, void **, int, cuuint64_t);
@@ -135,6 +141,9 @@ static struct {
 } allocs[4096];
 static int nallocs;
 static CUmemoryPool user_pool;
+static CUmodule user_module;
+static CUlibrary user_library;
+static CUfunction user_function;
 static CUcontext ctxs[64];
 static int nctx;
 
@@ -400,6 +409,44 @@ int main(int argc, char **argv)
             for (int n = atoi(ARG(0)); n > 0 && rc == CUDA_SUCCESS; n--)
                 rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
             printf("launch %d\n", rc);
+            i += 1;
+        } else if (!strcmp(c, "launchk")) {
+            /* one launch of kernel number K (distinct functions load their code separately) */
+            CUfunction f = (CUfunction)(uintptr_t)(0x100000 + 16 * (uint64_t)atoi(ARG(0)));
+            printf("launchk %d\n", api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
+            i += 1;
+        } else if (!strcmp(c, "modload")) {
+            printf("modload %d\n", api.cuModuleLoadData(&user_module, "fake image"));
+        } else if (!strcmp(c, "getfunc")) {
+            printf("getfunc %d\n", api.cuModuleGetFunction(&user_function, user_module, "k"));
+        } else if (!strcmp(c, "libload")) {
+            printf("libload %d\n", api.cuLibraryLoadData(&user_library, "fake image", NULL, NULL, 0, NULL, NULL, 0));
+        } else if (!strcmp(c, "libkernel")) {
+            CUkernel k = NULL;
+            CUresult rc = api.cuLibraryGetKernel(&k, user_library, "k");
+            if (rc == CUDA_SUCCESS) rc = api.cuKernelGetFunction(&user_function, k);
+            printf("libkernel %d\n", rc);
+        } else if (!strcmp(c, "launchfn")) {
+            printf("launchfn %d\n", api.cuLaunchKernel(user_function, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
+        } else if (!strcmp(c, "nvmlqueries")) {
+            typedef unsigned long (*count_t)(void);
+            count_t count = (count_t)dlsym(dlopen("libnvidia-ml.so.1", RTLD_NOW), "fake_nvml_process_queries");
+            printf("nvmlqueries %d %lu\n", count ? 0 : 1, count ? count() : 0);
+        } else if (!strcmp(c, "fill")) {
+            /* allocate SIZE chunks until one is refused: "fill <last rc> <chunks granted>" */
+            uint64_t size = size_arg(ARG(0));
+            CUresult rc = CUDA_SUCCESS;
+            int granted = 0;
+            while (rc == CUDA_SUCCESS && nallocs < (int)(sizeof(allocs) / sizeof(allocs[0]))) {
+                CUdeviceptr p = 0;
+                rc = api.cuMemAlloc_v2(&p, size);
+                if (rc == CUDA_SUCCESS) {
+                    allocs[nallocs].kind = A_DPTR;
+                    allocs[nallocs++].handle = p;
+                    granted++;
+                }
+            }
+            printf("fill %d %d\n", rc, granted);
             i += 1;
         } else if (!strcmp(c, "bench")) {
             bench(atof(ARG(0)), ARG(1));

@@ -17,6 +17,11 @@
  *   FAKE_CUDA_SLEEP          "name:ms" sleep inside that call
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
+ *   FAKE_CUDA_MODULE_BYTES   device memory each module or library load takes (default 0)
+ *   FAKE_CUDA_LAUNCH_BYTES   device memory the first launch of each distinct function
+ *                            takes, as when code is loaded lazily (default 0)
+ * Memory taken by modules and launches belongs to the current context and is
+ * visible to the fake NVML (per process), never to an allocation call.
  * Built with -Bsymbolic, so its internal calls never reach the interposer.
  */
 #include "fakestate.h"
@@ -36,7 +41,7 @@ static int ndevs;
 static int visible[FAKE_MAX_DEVS]; /* ordinal -> physical index */
 static int nvisible;
 static int initialized;
-static uint64_t kernel_ns = 10000, pool_chunk = 32ull << 20, ctx_bytes;
+static uint64_t kernel_ns = 10000, pool_chunk = 32ull << 20, ctx_bytes, module_bytes, launch_bytes;
 static uint64_t local_used[FAKE_MAX_DEVS]; /* this process's physical usage */
 static uint64_t kernel_total_ns;
 
@@ -192,6 +197,10 @@ static void setup(void)
     if (v) pool_chunk = fake_size(v);
     v = getenv("FAKE_CUDA_CTX_BYTES");
     if (v) ctx_bytes = fake_size(v);
+    v = getenv("FAKE_CUDA_MODULE_BYTES");
+    if (v) module_bytes = fake_size(v);
+    v = getenv("FAKE_CUDA_LAUNCH_BYTES");
+    if (v) launch_bytes = fake_size(v);
 }
 
 API CUresult cuInit(unsigned int flags)
@@ -508,6 +517,144 @@ API CUresult fake_cuda_module_load(uint64_t bytes)
     pthread_mutex_lock(&mu);
     CUresult rc = phys_add(current->pdev, bytes);
     if (rc == CUDA_SUCCESS) current->modules += bytes;
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* ---- modules and libraries ------------------------------------------------ */
+
+struct fake_module {
+    struct fake_ctx *ctx;
+    uint64_t bytes;
+};
+
+/* The current context takes `bytes` more for code (under mu). */
+static CUresult code_grow_locked(uint64_t bytes)
+{
+    CUresult rc = phys_add(current->pdev, bytes);
+    if (rc == CUDA_SUCCESS) current->modules += bytes;
+    return rc;
+}
+
+static CUresult module_new(void *out)
+{
+    NEED_CTX();
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult rc = code_grow_locked(module_bytes);
+    pthread_mutex_unlock(&mu);
+    if (rc != CUDA_SUCCESS) return rc;
+    struct fake_module *m = calloc(1, sizeof(*m));
+    m->ctx = current;
+    m->bytes = module_bytes;
+    memcpy(out, &m, sizeof(m));
+    return CUDA_SUCCESS;
+}
+
+static CUresult module_drop(void *handle)
+{
+    struct fake_module *m = handle;
+    if (!m) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    uint64_t b = m->bytes < m->ctx->modules ? m->bytes : m->ctx->modules;
+    m->ctx->modules -= b;
+    phys_sub(m->ctx->pdev, b);
+    pthread_mutex_unlock(&mu);
+    free(m);
+    return CUDA_SUCCESS;
+}
+
+/* Distinct function / kernel handles (never dereferenced). */
+static void *code_handle(void)
+{
+    static uint64_t next = 0x200000;
+    return (void *)(uintptr_t)__atomic_add_fetch(&next, 16, __ATOMIC_RELAXED);
+}
+
+API CUresult cuModuleLoad(CUmodule *m, const char *fname)
+{
+    FAIL_POINT("cuModuleLoad");
+    return fname ? module_new(m) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuModuleLoadData(CUmodule *m, const void *image)
+{
+    FAIL_POINT("cuModuleLoadData");
+    return image ? module_new(m) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned int n, CUjit_option *o, void **v)
+{
+    (void)n, (void)o, (void)v;
+    return cuModuleLoadData(m, image);
+}
+
+API CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin)
+{
+    return cuModuleLoadData(m, fatbin);
+}
+
+API CUresult cuModuleUnload(CUmodule m)
+{
+    return module_drop(m);
+}
+
+API CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
+{
+    FAIL_POINT("cuModuleGetFunction");
+    if (!f || !m || !name) return CUDA_ERROR_INVALID_VALUE;
+    *f = (CUfunction)code_handle();
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuLibraryLoadData(CUlibrary *l, const void *code, CUjit_option *jo, void **jv, unsigned int nj,
+                               CUlibraryOption *lo, void **lv, unsigned int nl)
+{
+    (void)jo, (void)jv, (void)nj, (void)lo, (void)lv, (void)nl;
+    FAIL_POINT("cuLibraryLoadData");
+    return code ? module_new(l) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuLibraryLoadFromFile(CUlibrary *l, const char *file, CUjit_option *jo, void **jv, unsigned int nj,
+                                   CUlibraryOption *lo, void **lv, unsigned int nl)
+{
+    return cuLibraryLoadData(l, file, jo, jv, nj, lo, lv, nl);
+}
+
+API CUresult cuLibraryUnload(CUlibrary l)
+{
+    return module_drop(l);
+}
+
+API CUresult cuLibraryGetKernel(CUkernel *k, CUlibrary l, const char *name)
+{
+    if (!k || !l || !name) return CUDA_ERROR_INVALID_VALUE;
+    *k = (CUkernel)code_handle();
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuKernelGetFunction(CUfunction *f, CUkernel k)
+{
+    if (!f || !k) return CUDA_ERROR_INVALID_VALUE;
+    *f = (CUfunction)k;
+    return CUDA_SUCCESS;
+}
+
+/* The first launch of a function loads its code (lazy loading). */
+static CUresult lazy_code(CUfunction f)
+{
+    static CUfunction seen[1024];
+    static int nseen;
+    if (!launch_bytes || !f) return CUDA_SUCCESS;
+    NEED_CTX();
+    pthread_mutex_lock(&mu);
+    CUresult rc = CUDA_SUCCESS;
+    int known = 0;
+    for (int i = 0; i < nseen && !known; i++) known = seen[i] == f;
+    if (!known) {
+        rc = code_grow_locked(launch_bytes);
+        if (rc == CUDA_SUCCESS && nseen < 1024) seen[nseen++] = f;
+    }
     pthread_mutex_unlock(&mu);
     return rc;
 }

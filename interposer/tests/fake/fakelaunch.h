@@ -171,12 +171,16 @@ API CUresult cuLaunchKernel(FAKE_LAUNCH_PARAMS, void **params, void **extra)
 {
     (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params, (void)extra;
     FAIL_POINT("cuLaunchKernel");
+    CUresult rc = lazy_code(f);
+    if (rc != CUDA_SUCCESS) return rc;
     return f ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
 API CUresult cuLaunchKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params, void **extra)
 {
     (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params, (void)extra;
+    CUresult rc = lazy_code(f);
+    if (rc != CUDA_SUCCESS) return rc;
     return f ? enqueue(s, 1, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -195,6 +199,8 @@ API CUresult cuLaunchCooperativeKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params)
 API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **params, void **extra)
 {
     (void)params, (void)extra;
+    CUresult rc = lazy_code(f);
+    if (rc != CUDA_SUCCESS) return rc;
     return c && f ? enqueue(c->hStream, 0, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -244,7 +250,10 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuStreamIsCapturing_ptsz) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz)    \
     X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuLaunchKernel)      \
     X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx)   \
-    X(cuLaunchKernelEx_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2)
+    X(cuLaunchKernelEx_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2)  \
+    X(cuModuleLoad) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary) X(cuModuleUnload)       \
+    X(cuModuleGetFunction) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)                    \
+    X(cuLibraryGetKernel) X(cuKernelGetFunction)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);

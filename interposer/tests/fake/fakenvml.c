@@ -2,7 +2,8 @@
  * fakenvml.c - a fake libnvidia-ml.so.1: the machine's devices from
  * FAKE_CUDA_DEVICES (all of them, in order, ignoring CUDA_VISIBLE_DEVICES as
  * NVML does), with used memory = FAKE_NVML_BASE_USED + what the live
- * processes hold according to FAKE_CUDA_STATE.
+ * processes hold according to FAKE_CUDA_STATE, and a total FAKE_NVML_TOTAL_EXTRA
+ * above the driver's (default 0).
  */
 #include "fakestate.h"
 
@@ -113,8 +114,8 @@ static nvmlReturn_t usage(nvmlDevice_t d, unsigned long long *total, unsigned lo
     int i = index_of(d);
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (i < 0) return NVML_ERROR_INVALID_ARGUMENT;
-    const char *base = getenv("FAKE_NVML_BASE_USED");
-    *total = devs[i].total;
+    const char *base = getenv("FAKE_NVML_BASE_USED"), *extra = getenv("FAKE_NVML_TOTAL_EXTRA");
+    *total = devs[i].total + (extra ? fake_size(extra) : 0); /* the H200: NVML 615 MiB more than CUDA */
     *used = fake_phys_used(i) + (base ? fake_size(base) : 0);
     if (*used > *total) *used = *total;
     return NVML_SUCCESS;
@@ -142,10 +143,19 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
 
 /* Processes holding memory on a device, as the driver sees them (pids shifted by
  * FAKE_NVML_PID_OFFSET to play a container's pid namespace). */
+static unsigned long process_queries;
+
+/* Test-only: how many process-list queries this process made. */
+API unsigned long fake_nvml_process_queries(void)
+{
+    return __atomic_load_n(&process_queries, __ATOMIC_RELAXED);
+}
+
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count,
                                                          nvmlProcessInfo_t *infos)
 {
     int i = index_of(d);
+    __atomic_add_fetch(&process_queries, 1, __ATOMIC_RELAXED);
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (i < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     struct fake_phys *m = fake_phys_map();

@@ -1,0 +1,251 @@
+/*
+ * reconcile.c - charging what a process holds on a device beyond its
+ * allocations: modules loaded lazily (at a kernel's first launch), the
+ * driver's own buffers.
+ *
+ * NVML reports each process's real usage by host pid; the host pid is ours
+ * when pid namespaces agree, or else the one pid that appeared in the
+ * device's process list while our context was created.  Whatever NVML shows
+ * beyond the process's charge is charged to the device's latest context:
+ *
+ *  - synchronously, before any reservation that would bring the container's
+ *    usage within GPUSLICE_RECONCILE_MARGIN (default 256 MiB) of the cap or
+ *    past it, so the last allocations before the cap always see the real
+ *    usage;
+ *  - right after a module or library load: synchronously near the cap,
+ *    otherwise by waking the sampler;
+ *  - by a sampler thread every 500 ms (100 ms while near the cap), which
+ *    keeps the views and the agent's figures close to the truth.
+ *
+ * The process-list query costs ~20 us on an H200: it never runs on the
+ * allocation path far from the cap, and never on the launch path.  A query
+ * is used only if no charge of this process changed while NVML was asked (an
+ * allocation completing meanwhile would be counted twice).
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpuslice.h"
+
+#define GS_SAMPLE_NS 500000000ull     /* far from the cap */
+#define GS_SAMPLE_NEAR_NS 100000000ull /* within the margin of the cap */
+#define GS_SAMPLE_MIN_NS 10000000ull  /* a woken sampler still waits this long after its last query */
+#define GS_SLACK (2ull << 20)         /* differences below this are noise */
+#define GS_ATTEMPTS 3
+
+uint64_t gs_reconcile_margin = GS_DEFAULT_MARGIN;
+
+static unsigned g_host_pid[GS_MAX_CUDA_DEVS];
+static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charged */
+static nvmlProcessInfo_t g_procs[GS_MAX_PIDS]; /* under the context lock */
+
+static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_wake_cv;
+static int g_woken;
+static int g_sampler_started;
+
+/* ---- NVML's process list and our host pid --------------------------------- */
+
+int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap)
+{
+    nvmlDevice_t h = gs_dev_nvml(dev);
+    unsigned count = cap;
+    gs_nvml_init();
+    if (!h || !gs_nvml.nvmlDeviceGetComputeRunningProcesses_v3 ||
+        gs_nvml.nvmlDeviceGetComputeRunningProcesses_v3(h, &count, out) != NVML_SUCCESS)
+        return -1;
+    return (int)count;
+}
+
+void gs_learn_host_pid(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore)
+{
+    static nvmlProcessInfo_t after[GS_MAX_PIDS]; /* under the context lock */
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
+    int n = gs_list_processes(dev, after, GS_MAX_PIDS);
+    unsigned fresh = 0, nfresh = 0;
+    for (int i = 0; i < n; i++) {
+        if (after[i].pid == (unsigned)getpid()) { /* same pid namespace as the driver */
+            __atomic_store_n(&g_host_pid[dev], after[i].pid, __ATOMIC_RELAXED);
+            return;
+        }
+        int seen = 0;
+        for (int k = 0; k < nbefore && !seen; k++) seen = before[k].pid == after[i].pid;
+        if (!seen) {
+            fresh = after[i].pid;
+            nfresh++;
+        }
+    }
+    if (nfresh == 1) __atomic_store_n(&g_host_pid[dev], fresh, __ATOMIC_RELAXED);
+}
+
+int gs_host_pid_known(CUdevice dev)
+{
+    return dev >= 0 && dev < GS_MAX_CUDA_DEVS && __atomic_load_n(&g_host_pid[dev], __ATOMIC_RELAXED);
+}
+
+/* ---- the reconcile -------------------------------------------------------- */
+
+int gs_near_cap(int slot, uint64_t bytes)
+{
+    uint64_t limit = gs_slot_limit(slot), margin = gs_reconcile_margin;
+    if (!limit || !margin) return 0;
+    uint64_t used = gs_slot_used(slot);
+    return used >= limit || bytes >= limit - used || limit - used - bytes < margin;
+}
+
+static void charge_ctx(CUcontext ctx, uint64_t extra)
+{
+    struct gs_alloc rec, old;
+    if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) != 0) return;
+    GS_INFO("charging %llu bytes the process holds beyond its allocations (modules, driver)",
+            (unsigned long long)extra);
+    gs_budget_force(rec.slot, extra);
+    rec.size += extra;
+    gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old);
+}
+
+uint64_t gs_reconcile_dev_locked(CUdevice dev)
+{
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_dev_ctx[dev]) return 0;
+    int slot = gs_dev_slot(dev);
+    if (slot < 0) return 0;
+    for (int attempt = 0; attempt < GS_ATTEMPTS; attempt++) {
+        uint64_t seq = gs_charge_seq(), mine = gs_slot_mine(slot);
+        int n = gs_list_processes(dev, g_procs, GS_MAX_PIDS);
+        if (n < 0) return 0;
+        if (gs_charge_seq() != seq) continue;
+        unsigned pid = g_host_pid[dev];
+        for (int i = 0; i < n && !pid; i++)
+            if (g_procs[i].pid == (unsigned)getpid()) pid = g_procs[i].pid;
+        if (!pid) return 0;
+        __atomic_store_n(&g_host_pid[dev], pid, __ATOMIC_RELAXED);
+        for (int i = 0; i < n; i++) {
+            if (g_procs[i].pid != pid) continue;
+            if (g_procs[i].usedGpuMemory <= mine + GS_SLACK) return 0;
+            uint64_t extra = g_procs[i].usedGpuMemory - mine;
+            charge_ctx(g_dev_ctx[dev], extra);
+            return extra;
+        }
+        return 0;
+    }
+    GS_DEBUG("reconcile of device %d skipped: allocations kept changing", (int)dev);
+    return 0;
+}
+
+void gs_reconcile_slot(int slot)
+{
+    int n = gs_dev_count();
+    for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++) {
+        if (gs_dev_slot(dev) != slot || !__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
+        gs_ctx_lock();
+        gs_reconcile_dev_locked(dev);
+        gs_ctx_unlock();
+    }
+}
+
+/* Devices this process has a context on; 1 if any of them is near its cap. */
+static int any_near_cap(void)
+{
+    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS; dev++)
+        if (__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE) && gs_near_cap(gs_dev_slot(dev), 0)) return 1;
+    return 0;
+}
+
+static void reconcile_all(void)
+{
+    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS; dev++) {
+        if (!__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
+        gs_ctx_lock();
+        gs_reconcile_dev_locked(dev);
+        gs_ctx_unlock();
+    }
+}
+
+void gs_reconcile_after_load(void)
+{
+    if (any_near_cap()) {
+        reconcile_all();
+        return;
+    }
+    pthread_mutex_lock(&g_wake_mu);
+    g_woken = 1;
+    if (g_sampler_started) pthread_cond_signal(&g_wake_cv);
+    pthread_mutex_unlock(&g_wake_mu);
+}
+
+/* ---- contexts to charge --------------------------------------------------- */
+
+static void start_sampler(void);
+
+void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx)
+{
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
+    __atomic_store_n(&g_dev_ctx[dev], ctx, __ATOMIC_RELEASE);
+    if (gs_host_pid_known(dev)) start_sampler();
+}
+
+void gs_reconcile_forget_ctx(CUcontext ctx)
+{
+    for (int d = 0; d < GS_MAX_CUDA_DEVS; d++)
+        if (g_dev_ctx[d] == ctx) __atomic_store_n(&g_dev_ctx[d], NULL, __ATOMIC_RELEASE);
+}
+
+/* ---- the sampler ---------------------------------------------------------- */
+
+static void *sampler(void *arg)
+{
+    (void)arg;
+    uint64_t last = gs_now_ns();
+    for (;;) {
+        pthread_mutex_lock(&g_wake_mu);
+        for (;;) {
+            uint64_t now = gs_now_ns(), due = last + (any_near_cap() ? GS_SAMPLE_NEAR_NS : GS_SAMPLE_NS);
+            if (g_woken && last + GS_SAMPLE_MIN_NS < due) due = last + GS_SAMPLE_MIN_NS;
+            if (now >= due) break;
+            struct timespec ts = {.tv_sec = (time_t)(due / 1000000000ull), .tv_nsec = (long)(due % 1000000000ull)};
+            pthread_cond_timedwait(&g_wake_cv, &g_wake_mu, &ts);
+        }
+        g_woken = 0;
+        pthread_mutex_unlock(&g_wake_mu);
+        reconcile_all();
+        last = gs_now_ns();
+    }
+    return NULL;
+}
+
+/* Started once a host pid is known: the NVML query stays off the program's threads. */
+static void start_sampler(void)
+{
+    if (__atomic_load_n(&g_sampler_started, __ATOMIC_ACQUIRE)) return;
+    pthread_mutex_lock(&g_wake_mu);
+    if (!g_sampler_started) {
+        pthread_condattr_t ca;
+        pthread_condattr_init(&ca);
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        pthread_cond_init(&g_wake_cv, &ca);
+        pthread_condattr_destroy(&ca);
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 64 * 1024);
+        if (pthread_create(&t, &attr, sampler, NULL) == 0)
+            __atomic_store_n(&g_sampler_started, 1, __ATOMIC_RELEASE);
+        else
+            GS_WARN("cannot start the memory sampler: memory beyond allocations is charged near the cap only");
+        pthread_attr_destroy(&attr);
+    }
+    pthread_mutex_unlock(&g_wake_mu);
+}
+
+void gs_reconcile_after_fork_child(void)
+{
+    pthread_mutex_init(&g_wake_mu, NULL);
+    memset(g_dev_ctx, 0, sizeof(g_dev_ctx));
+    memset(g_host_pid, 0, sizeof(g_host_pid));
+    g_woken = 0;
+    g_sampler_started = 0; /* threads do not survive fork */
+}
