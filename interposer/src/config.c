@@ -104,9 +104,10 @@ uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total)
     const char *v = env_indexed("CUDA_DEVICE_MEMORY_LIMIT", container_index, key, sizeof(key));
     if (v && gs_parse_size(v, &limit) != 0) {
         GS_ERROR("ignoring CUDA_DEVICE_MEMORY_LIMIT value '%s' (expected e.g. 10240m or 10g)", v);
+        v = NULL;
         limit = 0;
     }
-    if (limit && !gs_env_managed()) return limit; /* HAMi-core: the byte limit wins */
+    if (v && !gs_env_managed()) return limit; /* HAMi-core: the byte limit wins (0 = none) */
     uint64_t pct = env_percent_cap(total);
     if (limit && pct) {
         if (!__atomic_exchange_n(&g_warned_both, 1, __ATOMIC_RELAXED))

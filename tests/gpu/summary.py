@@ -33,7 +33,7 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_jax_default_environment_preallocates_inside_cap"),
     ("process_views", "3 in-process views (cuMemGetInfo, torch, NVML)", "total = cap",
      "-", "test_process_views_report_cap_and_usage"),
-    ("memory_percent", "3 GPUSLICE_MEMORY_PERCENT=10", "10% of real total", "-",
+    ("memory_percent", "3 GPUSLICE_MEMORY_PERCENT=10", "10% of NVML total", "-",
      "test_memory_percent_resolves_against_real_total"),
     ("smi_view", "3 in-container nvidia-smi total / used", "10,240 / usage",
      "10,240 MiB / usage", "test_nvidia_smi_in_container_shows_cap_and_usage"),

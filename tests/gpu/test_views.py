@@ -48,16 +48,21 @@ def test_process_views_report_cap_and_usage(nvml: Nvml, gpubench: Path, fills: F
     assert not failed, f"views off: {failed} (info={info}, torch={peak['view']}, nvml={inside})"
 
 
-def test_memory_percent_resolves_against_real_total(gpubench: Path, lib: Path) -> None:
+def test_memory_percent_resolves_against_real_total(nvml: Nvml, gpubench: Path,
+                                                    lib: Path) -> None:
+    # The percentage resolves against NVML's total (143,771 MiB on an H200), not
+    # cuDeviceTotalMem's (143,156 MiB): the node agent publishes NVML's total as memoryMiB and
+    # the extender resolves gpumem-percentage against it, so the library must agree with them.
     real = harness.run([str(gpubench), "info"], harness.plain_env(), 30)
     env = harness.capped_env(harness.new_region("percent"), mem=None,
                              extra={"GPUSLICE_MEMORY_PERCENT": "10"})
     capped = harness.run([str(gpubench), "info"], env, 30)
-    expected = real["device_total"] * 10 / 100 / MIB
+    expected = nvml.total * 10 / 100 / MIB
     got = capped["total"] / MIB
     ok = abs(got - expected) <= 2
-    record("memory_percent", f"{got:,.0f} MiB of {real['device_total'] / MIB:,.0f} (10%)", ok,
-           expected_mib=expected, got_mib=got, real=real, capped=capped)
+    record("memory_percent", f"{got:,.0f} MiB of NVML's {nvml.total / MIB:,.0f} (10%)", ok,
+           expected_mib=expected, got_mib=got, nvml_total_mib=nvml.total / MIB, real=real,
+           capped=capped)
     assert ok, f"GPUSLICE_MEMORY_PERCENT=10 gave {got:,.1f} MiB, expected {expected:,.1f}"
 
 

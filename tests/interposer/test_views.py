@@ -93,6 +93,24 @@ def test_memory_percent_resolves_against_the_devices_real_total(lab):
     assert res.values("nvml")[0] == 20 * GIB
 
 
+def test_memory_percent_resolves_against_nvmls_total_like_the_node_inventory(lab):
+    # on an H200 NVML's total (143,771 MiB) is 615 MiB above cuDeviceTotalMem's (143,156); the
+    # agent publishes NVML's and the extender resolves gpumem-percentage against it
+    res = lab.run("init", "ctx", "0", "meminfo", "nvml", "0", GPUSLICE_MEMORY_PERCENT="10",
+                  FAKE_CUDA_DEVICES=f"{lab.UUID_A}=80g", FAKE_NVML_TOTAL_EXTRA="615m")
+    cap = (80 * GIB + 615 * MIB) // 10
+    assert res.values("meminfo") == [cap, cap]
+    assert res.values("nvml")[0] == cap
+
+
+def test_memory_percent_falls_back_to_the_drivers_total_without_nvml(lab):
+    minimal = str(lab.build / "fake" / "minimal" / "libcuda.so.1")  # an "NVML" without symbols
+    res = lab.run("init", "ctx", "0", "meminfo", GPUSLICE_MEMORY_PERCENT="10",
+                  GPUSLICE_REAL_LIBNVML=minimal, FAKE_CUDA_DEVICES=f"{lab.UUID_A}=80g",
+                  FAKE_NVML_TOTAL_EXTRA="615m")
+    assert res.values("meminfo") == [8 * GIB, 8 * GIB]
+
+
 def test_limit_suffixes_follow_hami_syntax(lab):
     for value, expected in [("2048m", 2 * GIB), ("3g", 3 * GIB), ("1048576k", GIB),
                             (str(5 * GIB), 5 * GIB)]:
