@@ -137,7 +137,6 @@ extern uint64_t gs_reconcile_margin;  /* GPUSLICE_RECONCILE_MARGIN; 0 = reconcil
 int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap); /* -1 if NVML cannot say */
 void gs_learn_host_pid(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore);
 int gs_host_pid_known(CUdevice dev);
-int gs_near_cap(int slot, uint64_t bytes);      /* would `bytes` more bring usage within the margin of the cap? */
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
@@ -161,6 +160,20 @@ uint64_t gs_charge_seq(void);                     /* changes whenever this proce
 void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim */
 void gs_region_after_fork_child(void);
 
+/* Would `bytes` more bring the slot's usage within gs_reconcile_margin of its
+ * cap, or past it?  Inline on the allocation path: a few loads, no lock.
+ * Slots past device_count are zeroed, so their limit reads as none. */
+static inline int gs_near_cap(int slot, uint64_t bytes)
+{
+    struct gpuslice_region *r = __atomic_load_n(&gs_region, __ATOMIC_ACQUIRE);
+    uint64_t margin = gs_reconcile_margin;
+    if (!r || slot < 0 || slot >= GPUSLICE_MAX_DEVICES || !margin) return 0;
+    uint64_t limit = __atomic_load_n(&r->devices[slot].limit_bytes, __ATOMIC_RELAXED);
+    if (!limit) return 0;
+    uint64_t used = __atomic_load_n(&r->devices[slot].used_bytes, __ATOMIC_RELAXED);
+    return used >= limit || bytes >= limit - used || limit - used - bytes < margin;
+}
+
 /* ---- allocmap.c ----------------------------------------------------------- */
 
 enum gs_kind { GS_KIND_DPTR = 1, GS_KIND_POOLPTR, GS_KIND_ARRAY, GS_KIND_MIPMAP, GS_KIND_VMM, GS_KIND_CTX };
@@ -182,9 +195,18 @@ void gs_am_after_fork_child(void);
 /* ---- memory.c / pool.c ---------------------------------------------------- */
 
 uint64_t gs_charge_size(uint64_t bytes);
-/* Budget reserve; near the cap reconciles first; on refusal trims pool charges and retries. */
-int gs_reserve(int slot, uint64_t bytes);
-int gs_reserve_raw(int slot, uint64_t bytes); /* the same without the reconcile (context lock held) */
+/* Budget reserve; on refusal trims pool charges and retries.  gs_reserve
+ * first reconciles near the cap (gs_near_cap); gs_reserve_raw does not (for
+ * callers holding the context lock). */
+int gs_reserve_raw(int slot, uint64_t bytes);
+
+static inline int gs_reserve(int slot, uint64_t bytes)
+{
+    /* the last allocations before the cap see what the process really holds */
+    if (GS_UNLIKELY(gs_near_cap(slot, bytes))) gs_reconcile_slot(slot);
+    return gs_reserve_raw(slot, bytes);
+}
+
 void gs_forget_ctx(CUcontext ctx);         /* a context was destroyed: release what it held */
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
 void gs_pools_reconcile_all(void);

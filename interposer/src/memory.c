@@ -32,12 +32,6 @@ int gs_reserve_raw(int slot, uint64_t bytes)
     return gs_budget_reserve(slot, bytes);
 }
 
-int gs_reserve(int slot, uint64_t bytes)
-{
-    /* the last allocations before the cap see what the process really holds */
-    if (GS_UNLIKELY(gs_near_cap(slot, bytes))) gs_reconcile_slot(slot);
-    return gs_reserve_raw(slot, bytes);
-}
 
 /* Record a successful allocation; -1 if it cannot be tracked (the caller undoes it). */
 static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx)

@@ -88,14 +88,6 @@ int gs_host_pid_known(CUdevice dev)
 
 /* ---- the reconcile -------------------------------------------------------- */
 
-int gs_near_cap(int slot, uint64_t bytes)
-{
-    uint64_t limit = gs_slot_limit(slot), margin = gs_reconcile_margin;
-    if (!limit || !margin) return 0;
-    uint64_t used = gs_slot_used(slot);
-    return used >= limit || bytes >= limit - used || limit - used - bytes < margin;
-}
-
 static void charge_ctx(CUcontext ctx, uint64_t extra)
 {
     struct gs_alloc rec, old;
