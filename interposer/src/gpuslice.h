@@ -157,6 +157,18 @@ uint64_t gs_slot_used(int slot);
 uint64_t gs_slot_limit(int slot);                 /* 0 = none */
 uint64_t gs_slot_mine(int slot);                  /* this process's charge on the slot */
 uint64_t gs_charge_seq(void);                     /* changes whenever this process's charge does */
+/* Operations during which the device may hold more for this process than it
+ * is charged (a pool growing by whole chunks, a pitch wider than reserved)
+ * bracket that window, so a reconcile never counts it as untracked memory. */
+extern int gs_unsettled;
+static inline void gs_unsettled_begin(void)
+{
+    __atomic_add_fetch(&gs_unsettled, 1, __ATOMIC_SEQ_CST);
+}
+static inline void gs_unsettled_end(void)
+{
+    __atomic_sub_fetch(&gs_unsettled, 1, __ATOMIC_SEQ_CST);
+}
 void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim */
 void gs_region_after_fork_child(void);
 

@@ -129,15 +129,17 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
         return gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     uint64_t charge = gs_charge_size(row * Height); /* the pitch is not known before the call */
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
+    gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
     CUresult rc = gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     if (rc != CUDA_SUCCESS) {
+        gs_unsettled_end();
         gs_budget_release(slot, charge);
         return rc;
     }
     uint64_t actual = *pPitch <= UINT64_MAX / Height ? gs_charge_size((uint64_t)*pPitch * Height) : UINT64_MAX;
     int ok = 1;
     if (actual > charge) {
-        ok = gs_reserve(slot, actual - charge) == 0;
+        ok = gs_reserve_raw(slot, actual - charge) == 0; /* reconciled above */
         if (ok) charge = actual;
     } else if (actual < charge) {
         gs_budget_release(slot, charge - actual);
@@ -146,8 +148,10 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
     if (!ok || record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) {
         if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(*dptr);
         gs_budget_release(slot, charge);
+        gs_unsettled_end();
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    gs_unsettled_end();
     return CUDA_SUCCESS;
 }
 

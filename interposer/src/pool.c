@@ -159,6 +159,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     p->charged += extra;
     pthread_mutex_unlock(&g_mu);
 
+    gs_unsettled_begin(); /* the pool may grow by more than was reserved until reconcile_locked */
     CUresult rc = call(dptr, bytesize, pool, stream, real);
     struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
     pthread_mutex_lock(&g_mu);
@@ -166,13 +167,19 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     if (rc == CUDA_SUCCESS) p->live += bytesize;
     int grown = reconcile_locked(p, rc == CUDA_SUCCESS);
     pthread_mutex_unlock(&g_mu);
-    if (rc != CUDA_SUCCESS) return rc;
-    if (grown == 0 && gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) >= 0) return CUDA_SUCCESS;
-    /* the pool grew past the cap (or the pointer cannot be tracked): undo */
-    if (free_real) free_real(*dptr, stream);
-    if (gs_cuda.cuMemPoolTrimTo) gs_cuda.cuMemPoolTrimTo(pool, 0);
-    gs_pool_drop_ptr(key, bytesize);
-    return CUDA_ERROR_OUT_OF_MEMORY;
+    if (rc == CUDA_SUCCESS && grown == 0 && gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) >= 0) {
+        gs_unsettled_end();
+        return CUDA_SUCCESS;
+    }
+    if (rc == CUDA_SUCCESS) {
+        /* the pool grew past the cap (or the pointer cannot be tracked): undo */
+        if (free_real) free_real(*dptr, stream);
+        if (gs_cuda.cuMemPoolTrimTo) gs_cuda.cuMemPoolTrimTo(pool, 0);
+        gs_pool_drop_ptr(key, bytesize);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    gs_unsettled_end();
+    return rc;
 }
 
 GS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)

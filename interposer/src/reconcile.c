@@ -14,13 +14,16 @@
  *    usage;
  *  - right after a module or library load: synchronously near the cap,
  *    otherwise by waking the sampler;
- *  - by a sampler thread every 500 ms (100 ms while near the cap), which
- *    keeps the views and the agent's figures close to the truth.
+ *  - by a sampler thread every 500 ms (100 ms while near the cap; the first
+ *    reservation near the cap wakes it to notice), which keeps the views and
+ *    the agent's figures close to the truth, also for growth that no
+ *    allocation follows.
  *
  * The process-list query costs ~20 us on an H200: it never runs on the
  * allocation path far from the cap, and never on the launch path.  A query
  * is used only if no charge of this process changed while NVML was asked (an
- * allocation completing meanwhile would be counted twice).
+ * allocation completing meanwhile would be counted twice) and no operation
+ * was between growing the device and settling its charge (gs_unsettled).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -46,6 +49,7 @@ static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_wake_cv;
 static int g_woken;
 static int g_sampler_started;
+static int g_sampler_far; /* the sampler sleeps the long interval: nudge it once near the cap */
 
 /* ---- NVML's process list and our host pid --------------------------------- */
 
@@ -105,10 +109,12 @@ uint64_t gs_reconcile_dev_locked(CUdevice dev)
     int slot = gs_dev_slot(dev);
     if (slot < 0) return 0;
     for (int attempt = 0; attempt < GS_ATTEMPTS; attempt++) {
-        uint64_t seq = gs_charge_seq(), mine = gs_slot_mine(slot);
+        uint64_t seq = gs_charge_seq();
+        int unsettled = __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
+        uint64_t mine = gs_slot_mine(slot);
         int n = gs_list_processes(dev, g_procs, GS_MAX_PIDS);
         if (n < 0) return 0;
-        if (gs_charge_seq() != seq) continue;
+        if (unsettled || __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST) || gs_charge_seq() != seq) continue;
         unsigned pid = g_host_pid[dev];
         for (int i = 0; i < n && !pid; i++)
             if (g_procs[i].pid == (unsigned)getpid()) pid = g_procs[i].pid;
@@ -127,6 +133,16 @@ uint64_t gs_reconcile_dev_locked(CUdevice dev)
     return 0;
 }
 
+/* Near the cap the sampler runs more often; one that sleeps the long interval
+ * is woken to notice (it reconciles only when its shorter interval is due). */
+static void nudge_sampler(void)
+{
+    if (!__atomic_load_n(&g_sampler_far, __ATOMIC_RELAXED)) return;
+    pthread_mutex_lock(&g_wake_mu);
+    if (g_sampler_started) pthread_cond_signal(&g_wake_cv);
+    pthread_mutex_unlock(&g_wake_mu);
+}
+
 void gs_reconcile_slot(int slot)
 {
     int n = gs_dev_count();
@@ -136,6 +152,7 @@ void gs_reconcile_slot(int slot)
         gs_reconcile_dev_locked(dev);
         gs_ctx_unlock();
     }
+    nudge_sampler();
 }
 
 /* Devices this process has a context on; 1 if any of them is near its cap. */
@@ -194,8 +211,10 @@ static void *sampler(void *arg)
     for (;;) {
         pthread_mutex_lock(&g_wake_mu);
         for (;;) {
-            uint64_t now = gs_now_ns(), due = last + (any_near_cap() ? GS_SAMPLE_NEAR_NS : GS_SAMPLE_NS);
+            int near = any_near_cap();
+            uint64_t now = gs_now_ns(), due = last + (near ? GS_SAMPLE_NEAR_NS : GS_SAMPLE_NS);
             if (g_woken && last + GS_SAMPLE_MIN_NS < due) due = last + GS_SAMPLE_MIN_NS;
+            __atomic_store_n(&g_sampler_far, !near && !g_woken, __ATOMIC_RELAXED);
             if (now >= due) break;
             struct timespec ts = {.tv_sec = (time_t)(due / 1000000000ull), .tv_nsec = (long)(due % 1000000000ull)};
             pthread_cond_timedwait(&g_wake_cv, &g_wake_mu, &ts);
@@ -239,5 +258,6 @@ void gs_reconcile_after_fork_child(void)
     memset(g_dev_ctx, 0, sizeof(g_dev_ctx));
     memset(g_host_pid, 0, sizeof(g_host_pid));
     g_woken = 0;
+    g_sampler_far = 0;
     g_sampler_started = 0; /* threads do not survive fork */
 }

@@ -39,6 +39,7 @@ static struct gpuslice_proc *g_me;
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_last_reclaim_ns;
 static uint64_t g_charge_seq;
+int gs_unsettled;
 
 uint64_t gs_charge_seq(void)
 {

@@ -70,6 +70,14 @@ def test_growth_after_the_last_allocation_exceeds_the_cap_by_at_most_that_growth
     assert region == outside
 
 
+def test_growth_no_allocation_follows_is_charged_by_the_sampler_within_its_near_cap_interval(lab):
+    # near the cap the sampler runs every 100 ms (the first near-cap reservation wakes it from
+    # its 500 ms sleep): 300 ms after the last growth the region carries the real usage
+    _, outside, region = held(lab, *FILL, "launchk", "2", "sleep", "300", **ENV)
+    assert outside == GIB + GROWTH
+    assert region == outside
+
+
 @pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
 @pytest.mark.parametrize("load", [["modload"], ["libload", "libkernel"]], ids=["module", "library"])
 def test_a_load_near_the_cap_is_charged_right_after_it(lab, api, load):
@@ -106,3 +114,29 @@ def test_allocations_far_from_the_cap_never_query_nvml(lab):
     before, after_far, after_near = (vals[0] for _, vals in res.of("nvmlqueries"))
     assert after_far == before  # 50 allocations, no process-list query
     assert after_near == before + 1  # the one within the margin of the cap asked once
+
+
+def test_a_pool_growing_by_a_whole_chunk_is_not_counted_as_untracked_memory(lab):
+    # the fake pool grows by 32 MiB for a 1 MiB allocation, and the charge follows only when the
+    # pool's reserved size has been read; that read sleeps 300 ms here, while the sampler (every
+    # 100 ms near the cap) reconciles: it must not charge the chunk a second time
+    _, outside, region = held(lab, "init", "ctx", "0", "alloc", "700m", "async", "1m",
+                              CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                              FAKE_CUDA_SLEEP="cuMemPoolGetAttribute:300")
+    assert outside == (100 + 700 + 32) * MIB
+    assert region == outside
+
+
+def test_concurrent_allocations_and_code_loads_never_count_memory_twice(lab):
+    # four threads allocating and freeing near the cap (plain and pool), one loading modules and
+    # launching their kernels: afterwards the charge equals what the driver holds, less at most
+    # the 2 MiB the reconcile treats as noise, and never more (a pool that grew by a whole chunk
+    # before its charge caught up must not be counted as untracked memory too)
+    for _ in range(3):
+        proc = lab.run_program([str(lab.build / "tests" / "stress"), "400"],
+                               CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                               FAKE_CUDA_MODULE_BYTES="256k", FAKE_CUDA_LAUNCH_BYTES="256k")
+        assert proc.returncode == 0, proc.stderr
+        _, errors, charged, physical = proc.stdout.split()
+        assert int(errors) == 0
+        assert 0 <= int(physical) - int(charged) <= 2 * MIB, proc.stdout

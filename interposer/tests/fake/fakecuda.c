@@ -851,6 +851,7 @@ API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
 
 API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
 {
+    FAIL_POINT("cuMemPoolGetAttribute");
     struct fake_pool *p = (struct fake_pool *)pool;
     if (!p || !value || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
     if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
