@@ -259,5 +259,6 @@ void gs_reconcile_after_fork_child(void)
     memset(g_host_pid, 0, sizeof(g_host_pid));
     g_woken = 0;
     g_sampler_far = 0;
+    gs_unsettled = 0; /* operations of other threads died with them */
     g_sampler_started = 0; /* threads do not survive fork */
 }
