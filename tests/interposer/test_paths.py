@@ -106,13 +106,18 @@ def test_the_library_reports_its_version(built):
 
 
 def test_our_cuda_declarations_match_the_toolkit_headers(built):
+    # struct layouts and constants compared at run time; every CUDA hook's signature compiled
+    # against cuda.h's own declaration (a mismatch would not have built)
     checker = built / "tests" / "abi_check"
     if not checker.exists():
         pytest.skip("no CUDA headers on this machine: the ABI check was not built")
     out = subprocess.run([str(checker)], check=False, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stdout
-    assert out.stdout.startswith("ok ")
+    match = re.fullmatch(r"ok \d+ facts, (\d+) hook signatures", out.stdout.strip())
+    assert match, out.stdout
+    cuda_hooks = {name for name in hook_names(built) if name.startswith("cu")}
+    assert int(match.group(1)) == len(cuda_hooks)
 
 
 def test_our_nvml_memory_structs_match_pynvml(built):

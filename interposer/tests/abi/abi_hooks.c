@@ -1,0 +1,18 @@
+/*
+ * abi_hooks.c - every hook's signature in src/hooks.h, declared again after the
+ * toolkit's cuda.h: a parameter or return type that differs from the driver's
+ * own declaration is a "conflicting types" compile error, so abi_check does not
+ * build.  (__CUDA_API_VERSION_INTERNAL turns off cuda.h's renaming macros, such
+ * as cuGetProcAddress -> cuGetProcAddress_v2, which would hide the real names.)
+ */
+#define __CUDA_API_VERSION_INTERNAL 1
+#include <cuda.h>
+
+#include "hooks.h"
+
+#define ABI_DECLARE(name, ret, params, base, ver, pt) ret CUDAAPI name params;
+GS_CUDA_HOOKS(ABI_DECLARE)
+
+/* Referenced by abi_check, so this object is always linked into it. */
+#define ABI_COUNT(name, ret, params, base, ver, pt) +1
+const int abi_hooks_checked = 0 GS_CUDA_HOOKS(ABI_COUNT);
