@@ -11,7 +11,9 @@
 # one deadline, so a hang costs that check only. Exit status: 0 when no check failed or
 # errored (on a machine without a GPU every check skips and the status is 0), else 1.
 #
-# Knobs: GPUCHECK_BUDGET_S (default 285: seconds for everything), GPUCHECK_PYTEST_ARGS
+# Knobs: GPUCHECK_TESTS (default tests/gpu: the test files or node ids to run, e.g.
+# "tests/gpu/test_compute.py" to run only the SM-limit rows; rows not run then show ERROR),
+# GPUCHECK_BUDGET_S (default 285: seconds for everything), GPUCHECK_PYTEST_ARGS
 # (extra pytest words, e.g. "-k memory" to rerun a part; rows not run then show ERROR),
 # GPUCHECK_LIB (check another build of the library), GPUCHECK_LOG_LEVEL (LIBCUDA_LOG_LEVEL of
 # the capped children).
@@ -68,7 +70,8 @@ main() {
   local left=$((start + budget - 8 - $(date +%s)))
   if [ "$left" -gt 20 ]; then
     # shellcheck disable=SC2086  # GPUCHECK_PYTEST_ARGS is a list of words on purpose
-    timeout --kill-after=5 "$left" "$PY" -m pytest tests/gpu --gpu -p no:cacheprovider -q \
+    # shellcheck disable=SC2086  # GPUCHECK_TESTS is a list of paths on purpose
+    timeout --kill-after=5 "$left" "$PY" -m pytest ${GPUCHECK_TESTS:-tests/gpu} --gpu -p no:cacheprovider -q \
       --tb=short ${GPUCHECK_PYTEST_ARGS:-}
     echo "pytest exit status $? after $(( $(date +%s) - start )) s"
   else
