@@ -64,6 +64,44 @@ static CUresult over_cap(int slot, uint64_t bytes)
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* The tail of reserve -> call -> commit/rollback, shared by every hook here.
+ * rollback: the driver refused, so the reservation goes back and the caller
+ * gets the driver's error.  commit: the driver succeeded and `key` (read from
+ * its out-parameter only then) is recorded; if it cannot be tracked, discard
+ * frees it again (with the driver's own free for `kind`), then returns the
+ * reservation, and the caller gets CUDA_ERROR_OUT_OF_MEMORY. */
+static inline CUresult rollback(CUresult rc, int slot, uint64_t charge)
+{
+    gs_budget_release(slot, charge);
+    return rc;
+}
+
+static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
+{
+    switch (kind) {
+    case GS_KIND_DPTR:
+        if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(key);
+        break;
+    case GS_KIND_VMM:
+        if (gs_cuda.cuMemRelease) gs_cuda.cuMemRelease(key);
+        break;
+    case GS_KIND_ARRAY:
+        if (gs_cuda.cuArrayDestroy) gs_cuda.cuArrayDestroy((CUarray)(uintptr_t)key);
+        break;
+    case GS_KIND_MIPMAP:
+        if (gs_cuda.cuMipmappedArrayDestroy) gs_cuda.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)key);
+        break;
+    }
+    gs_budget_release(slot, charge);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+static inline CUresult commit(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx)
+{
+    if (GS_LIKELY(record(kind, key, slot, charge, ctx) == 0)) return CUDA_SUCCESS;
+    return discard(kind, key, slot, charge);
+}
+
 /* ---- linear allocations --------------------------------------------------- */
 
 GS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
@@ -78,16 +116,8 @@ GS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     uint64_t charge = gs_charge_size(bytesize);
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     CUresult rc = gs_cuda.cuMemAlloc_v2(dptr, bytesize);
-    if (rc != CUDA_SUCCESS) {
-        gs_budget_release(slot, charge);
-        return rc;
-    }
-    if (record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) {
-        if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(*dptr);
-        gs_budget_release(slot, charge);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    return CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);
+    return commit(GS_KIND_DPTR, *dptr, slot, charge, ctx);
 }
 
 GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
@@ -103,16 +133,8 @@ GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     uint64_t charge = gs_charge_size(bytesize);
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     CUresult rc = gs_cuda.cuMemAllocManaged(dptr, bytesize, flags);
-    if (rc != CUDA_SUCCESS) {
-        gs_budget_release(slot, charge);
-        return rc;
-    }
-    if (record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) {
-        if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(*dptr);
-        gs_budget_release(slot, charge);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    return CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);
+    return commit(GS_KIND_DPTR, *dptr, slot, charge, ctx);
 }
 
 GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
@@ -133,8 +155,7 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
     CUresult rc = gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     if (rc != CUDA_SUCCESS) {
         gs_unsettled_end();
-        gs_budget_release(slot, charge);
-        return rc;
+        return rollback(rc, slot, charge);
     }
     uint64_t actual = *pPitch <= UINT64_MAX / Height ? gs_charge_size((uint64_t)*pPitch * Height) : UINT64_MAX;
     int ok = 1;
@@ -145,14 +166,9 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
         gs_budget_release(slot, charge - actual);
         charge = actual;
     }
-    if (!ok || record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) {
-        if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(*dptr);
-        gs_budget_release(slot, charge);
-        gs_unsettled_end();
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
+    rc = ok ? commit(GS_KIND_DPTR, *dptr, slot, charge, ctx) : discard(GS_KIND_DPTR, *dptr, slot, charge);
     gs_unsettled_end();
-    return CUDA_SUCCESS;
+    return rc;
 }
 
 GS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
@@ -189,17 +205,8 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     uint64_t charge = gs_charge_size(size);
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
-    if (rc != CUDA_SUCCESS) {
-        gs_budget_release(slot, charge);
-        return rc;
-    }
-    /* Physical memory belongs to the process, not to a context. */
-    if (record(GS_KIND_VMM, *handle, slot, charge, NULL) != 0) {
-        if (gs_cuda.cuMemRelease) gs_cuda.cuMemRelease(*handle);
-        gs_budget_release(slot, charge);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    return CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);
+    return commit(GS_KIND_VMM, *handle, slot, charge, NULL); /* physical memory belongs to the process */
 }
 
 GS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
@@ -242,7 +249,7 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
     return mul_sat(mul_sat(mul_sat(w ? w : 1, h ? h : 1), d ? d : 1), element_bytes(f, ch));
 }
 
-#define GS_ARRAY_CREATE(kind, bytes, call, destroy)                                  \
+#define GS_ARRAY_CREATE(kind, bytes, call)                                            \
     do {                                                                              \
         gs_devices_ready();                                                           \
         CUcontext ctx;                                                                \
@@ -251,16 +258,8 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
         uint64_t charge = gs_charge_size(bytes);                                      \
         if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);             \
         CUresult rc = (call);                                                         \
-        if (rc != CUDA_SUCCESS) {                                                     \
-            gs_budget_release(slot, charge);                                          \
-            return rc;                                                                \
-        }                                                                             \
-        if (record(kind, (uint64_t)(uintptr_t)*pHandle, slot, charge, ctx) != 0) {    \
-            if (destroy) (destroy)(*pHandle);                                         \
-            gs_budget_release(slot, charge);                                          \
-            return CUDA_ERROR_OUT_OF_MEMORY;                                          \
-        }                                                                             \
-        return CUDA_SUCCESS;                                                          \
+        if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);                    \
+        return commit(kind, (uint64_t)(uintptr_t)*pHandle, slot, charge, ctx);        \
     } while (0)
 
 GS_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)
@@ -270,7 +269,7 @@ GS_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTO
     if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
     const CUDA_ARRAY_DESCRIPTOR *a = pAllocateArray;
     GS_ARRAY_CREATE(GS_KIND_ARRAY, array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels),
-                    gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray), gs_cuda.cuArrayDestroy);
+                    gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray));
 }
 
 GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray)
@@ -280,7 +279,7 @@ GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCR
     if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
     const CUDA_ARRAY3D_DESCRIPTOR *a = pAllocateArray;
     GS_ARRAY_CREATE(GS_KIND_ARRAY, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
-                    gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray), gs_cuda.cuArrayDestroy);
+                    gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray));
 }
 
 GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,
@@ -296,8 +295,7 @@ GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
         uint64_t level = array_bytes(w ? w : 1, h ? h : 1, d ? d : 1, a->Format, a->NumChannels);
         bytes = bytes > UINT64_MAX - level ? UINT64_MAX : bytes + level;
     }
-    GS_ARRAY_CREATE(GS_KIND_MIPMAP, bytes, gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels),
-                    gs_cuda.cuMipmappedArrayDestroy);
+    GS_ARRAY_CREATE(GS_KIND_MIPMAP, bytes, gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels));
 }
 
 #define GS_ARRAY_DESTROY(kind, handle, call)                                          \
