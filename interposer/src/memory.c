@@ -64,12 +64,11 @@ static CUresult over_cap(int slot, uint64_t bytes)
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-/* The tail of reserve -> call -> commit/rollback, shared by every hook here.
- * rollback: the driver refused, so the reservation goes back and the caller
- * gets the driver's error.  commit: the driver succeeded and `key` (read from
- * its out-parameter only then) is recorded; if it cannot be tracked, discard
- * frees it again (with the driver's own free for `kind`), then returns the
- * reservation, and the caller gets CUDA_ERROR_OUT_OF_MEMORY. */
+/* The tail of reserve -> call -> commit/rollback.  rollback: the driver
+ * failed; the reservation goes back and the caller gets the driver's error.
+ * After success the handle from the out-parameter is recorded; if it cannot
+ * be tracked, discard frees the allocation with the driver's free for `kind`,
+ * returns the reservation and answers CUDA_ERROR_OUT_OF_MEMORY. */
 static inline CUresult rollback(CUresult rc, int slot, uint64_t charge)
 {
     gs_budget_release(slot, charge);
@@ -96,11 +95,26 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-static inline CUresult commit(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx)
-{
-    if (GS_LIKELY(record(kind, key, slot, charge, ctx) == 0)) return CUDA_SUCCESS;
-    return discard(kind, key, slot, charge);
-}
+/* The rest of an allocation hook after its own checks: `call` goes straight
+ * to the driver when the current context has no slot or `pass` holds;
+ * otherwise the charge for `bytes` is reserved, `call` made, and the
+ * reservation rolled back or the handle in `*out` recorded as `kind`.  `*out`
+ * is read again for discard rather than kept across record(): one instruction
+ * fewer on the success path. */
+#define GS_CHARGED_ALLOC(kind, out, pass, bytes, call)                                \
+    do {                                                                              \
+        gs_devices_ready();                                                           \
+        CUcontext ctx;                                                                \
+        int slot = gs_current_slot(&ctx);                                             \
+        if (slot < 0 || (pass)) return (call);                                        \
+        uint64_t charge = gs_charge_size(bytes);                                      \
+        if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);             \
+        CUresult rc = (call);                                                         \
+        if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);                    \
+        if (record(kind, (uint64_t)(uintptr_t)*(out), slot, charge, ctx) != 0)        \
+            return discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);          \
+        return CUDA_SUCCESS;                                                          \
+    } while (0)
 
 /* ---- linear allocations --------------------------------------------------- */
 
@@ -109,15 +123,7 @@ GS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     gs_cuda_init();
     if (!gs_cuda.cuMemAlloc_v2) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    gs_devices_ready();
-    CUcontext ctx;
-    int slot = gs_current_slot(&ctx);
-    if (slot < 0 || !bytesize) return gs_cuda.cuMemAlloc_v2(dptr, bytesize);
-    uint64_t charge = gs_charge_size(bytesize);
-    if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
-    CUresult rc = gs_cuda.cuMemAlloc_v2(dptr, bytesize);
-    if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);
-    return commit(GS_KIND_DPTR, *dptr, slot, charge, ctx);
+    GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAlloc_v2(dptr, bytesize));
 }
 
 GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
@@ -125,16 +131,8 @@ GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     gs_cuda_init();
     if (!gs_cuda.cuMemAllocManaged) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    gs_devices_ready();
-    CUcontext ctx;
-    int slot = gs_current_slot(&ctx);
-    if (slot < 0 || !bytesize) return gs_cuda.cuMemAllocManaged(dptr, bytesize, flags);
     /* Managed memory may live on the device: charge it there, as HAMi does. */
-    uint64_t charge = gs_charge_size(bytesize);
-    if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
-    CUresult rc = gs_cuda.cuMemAllocManaged(dptr, bytesize, flags);
-    if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);
-    return commit(GS_KIND_DPTR, *dptr, slot, charge, ctx);
+    GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAllocManaged(dptr, bytesize, flags));
 }
 
 GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
@@ -166,7 +164,7 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
         gs_budget_release(slot, charge - actual);
         charge = actual;
     }
-    rc = ok ? commit(GS_KIND_DPTR, *dptr, slot, charge, ctx) : discard(GS_KIND_DPTR, *dptr, slot, charge);
+    if (!ok || record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) rc = discard(GS_KIND_DPTR, *dptr, slot, charge);
     gs_unsettled_end();
     return rc;
 }
@@ -206,7 +204,9 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
     if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);
-    return commit(GS_KIND_VMM, *handle, slot, charge, NULL); /* physical memory belongs to the process */
+    /* Physical memory belongs to the process, not to a context. */
+    if (record(GS_KIND_VMM, *handle, slot, charge, NULL) != 0) return discard(GS_KIND_VMM, *handle, slot, charge);
+    return CUDA_SUCCESS;
 }
 
 GS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
@@ -249,27 +249,14 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
     return mul_sat(mul_sat(mul_sat(w ? w : 1, h ? h : 1), d ? d : 1), element_bytes(f, ch));
 }
 
-#define GS_ARRAY_CREATE(kind, bytes, call)                                            \
-    do {                                                                              \
-        gs_devices_ready();                                                           \
-        CUcontext ctx;                                                                \
-        int slot = gs_current_slot(&ctx);                                             \
-        if (slot < 0) return (call);                                                  \
-        uint64_t charge = gs_charge_size(bytes);                                      \
-        if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);             \
-        CUresult rc = (call);                                                         \
-        if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);                    \
-        return commit(kind, (uint64_t)(uintptr_t)*pHandle, slot, charge, ctx);        \
-    } while (0)
-
 GS_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)
 {
     gs_cuda_init();
     if (!gs_cuda.cuArrayCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
     const CUDA_ARRAY_DESCRIPTOR *a = pAllocateArray;
-    GS_ARRAY_CREATE(GS_KIND_ARRAY, array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels),
-                    gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray));
+    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0, array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels),
+                     gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray));
 }
 
 GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray)
@@ -278,8 +265,8 @@ GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCR
     if (!gs_cuda.cuArray3DCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
     const CUDA_ARRAY3D_DESCRIPTOR *a = pAllocateArray;
-    GS_ARRAY_CREATE(GS_KIND_ARRAY, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
-                    gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray));
+    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
+                     gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray));
 }
 
 GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,
@@ -295,7 +282,8 @@ GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
         uint64_t level = array_bytes(w ? w : 1, h ? h : 1, d ? d : 1, a->Format, a->NumChannels);
         bytes = bytes > UINT64_MAX - level ? UINT64_MAX : bytes + level;
     }
-    GS_ARRAY_CREATE(GS_KIND_MIPMAP, bytes, gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels));
+    GS_CHARGED_ALLOC(GS_KIND_MIPMAP, pHandle, 0, bytes,
+                     gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels));
 }
 
 #define GS_ARRAY_DESTROY(kind, handle, call)                                          \
