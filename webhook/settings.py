@@ -24,6 +24,11 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
+def is_qualified_name(value: object) -> bool:
+    """True for a Kubernetes qualified name (``[prefix/]name``), e.g. ``nvidia.com/gpu``."""
+    return isinstance(value, str) and len(value) <= 253 and bool(_QUALIFIED_NAME.match(value))
+
+
 class SettingsError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
@@ -123,7 +128,7 @@ def _validate(s: Settings) -> None:
     for f in ("resource_gpu", "resource_mem", "resource_mem_percent", "resource_cores",
               "node_label_key"):
         v = getattr(s, f)
-        if not isinstance(v, str) or not _QUALIFIED_NAME.match(v) or len(v) > 253:
+        if not is_qualified_name(v):
             _fail(f, v, "must be a qualified Kubernetes name such as nvidia.com/gpu")
     if len(set(names)) != 4:
         _fail("resource_*", names, "the four resource names must differ")

@@ -14,12 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from webhook import __version__, names
-from webhook.settings import SettingsError
+from webhook.settings import SettingsError, is_qualified_name
 
-_QUALIFIED_NAME = re.compile(
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
-)
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+_-]*$")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -104,7 +100,7 @@ def _validate(s: AgentSettings) -> None:
         _fail("--split-count", s.split_count, "must be an integer from 1 to 1000")
     res = (s.resource_gpu, s.resource_mem, s.resource_cores)
     for flag, value in zip(("--resource-gpu", "--resource-mem", "--resource-cores"), res):
-        if not _QUALIFIED_NAME.match(value) or len(value) > 253 or "/" not in value:
+        if not is_qualified_name(value) or "/" not in value:
             _fail(flag, value, "must be a domain-prefixed resource name such as nvidia.com/gpu")
     if len(set(res)) != 3:
         _fail("--resource-*", res, "the three resource names must differ")
