@@ -160,21 +160,25 @@ def problems(findings: list[Finding]) -> list[str]:
     return lines
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def _process_args(args: argparse.Namespace, verb: str) -> tuple[list[Any], list[Finding]] | None:
+    """Settings from the command line, then :func:`process` on ``-f``; None after an input error."""
     from webhook.cli import settings_from_args
 
-    return settings_from_args(args)
+    settings = settings_from_args(args)
+    sources = args.filename if isinstance(args.filename, list) else [args.filename]
+    try:
+        return process(sources, settings)
+    except InputError as exc:
+        print(f"gpuslice {verb}: {exc}", file=sys.stderr)
+        return None
 
 
 def cmd_mutate(args: argparse.Namespace) -> int:
     """``gpuslice mutate -f FILE``: print the mutated manifest."""
-    settings = _settings(args)
-    sources = args.filename if isinstance(args.filename, list) else [args.filename]
-    try:
-        docs, findings = process(sources, settings)
-    except InputError as exc:
-        print(f"gpuslice mutate: {exc}", file=sys.stderr)
+    processed = _process_args(args, "mutate")
+    if processed is None:
         return 2
+    docs, findings = processed
     sys.stdout.write(yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, explicit_start=True))
     for f in findings:
         for warning in (f.result.warnings if f.result is not None else ()):
@@ -187,13 +191,10 @@ def cmd_mutate(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """``gpuslice check -f FILE...``: list every denial; exit 1 if any."""
-    settings = _settings(args)
-    sources = args.filename if isinstance(args.filename, list) else [args.filename]
-    try:
-        _, findings = process(sources, settings)
-    except InputError as exc:
-        print(f"gpuslice check: {exc}", file=sys.stderr)
+    processed = _process_args(args, "check")
+    if processed is None:
         return 2
+    _, findings = processed
     lines = problems(findings)
     for line in lines:
         print(line)
