@@ -59,7 +59,8 @@ struct gpuslice_device {
     uint64_t ctx_footprint_bytes;  /* last measured footprint of one CUDA context on this device */
     uint32_t sm_limit;             /* % of GPU time, 1..99; 0 = no compute limit */
     uint32_t index;                /* the device's index inside the container (NVML order) */
-    uint32_t reserved[2];
+    uint32_t sm_scale_milli;       /* compute charge per ns of GPU time, in 1/1000 (clock compensation); 0 = 1000 */
+    uint32_t idle_power_mw;        /* lowest power seen with the GPU idle (0 = not seen yet) */
 };
 
 /* One process of the container that uses CUDA. */

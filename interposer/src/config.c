@@ -11,6 +11,8 @@
  *   GPU time; 0, 100 or more = no limit).
  * Region file: CUDA_DEVICE_MEMORY_SHARED_CACHE, else /tmp/gpuslice-<uid>.region.
  * GPUSLICE_RECONCILE_MARGIN: see reconcile.c (size syntax, default 256m).
+ * GPUSLICE_SM_LIMIT_MODE: "throughput" (default: GPU time is charged with the
+ *   clock compensation of launch.c) or "time" (plain share of GPU time).
  *
  * Webhook-managed containers (GPUSLICE_POD_UID set): the webhook writes the
  * un-indexed names as explicit env entries, which win over anything a tenant
@@ -18,7 +20,7 @@
  * whatever could only loosen the slice is ignored, with one warning: the
  * indexed CUDA_DEVICE_MEMORY_LIMIT_<i> / CUDA_DEVICE_SM_LIMIT_<i>, a
  * GPUSLICE_RECONCILE_MARGIN below the default, and GPUSLICE_REAL_LIBCUDA /
- * GPUSLICE_REAL_LIBNVML (real.c); and where both CUDA_DEVICE_MEMORY_LIMIT and
+ * GPUSLICE_REAL_LIBNVML (real.c), GPUSLICE_SM_LIMIT_MODE=time; and where both CUDA_DEVICE_MEMORY_LIMIT and
  * GPUSLICE_MEMORY_PERCENT are set (the webhook writes one of them), the
  * smaller cap applies.
  */
@@ -146,6 +148,21 @@ unsigned gs_env_sm_limit(unsigned container_index)
         return 0;
     }
     return pct >= 100 ? 0 : (unsigned)pct;
+}
+
+int gs_env_sm_time_mode(void)
+{
+    const char *v = getenv("GPUSLICE_SM_LIMIT_MODE");
+    if (!v || !*v || !strcmp(v, "throughput")) return 0;
+    if (strcmp(v, "time") != 0) {
+        GS_ERROR("ignoring GPUSLICE_SM_LIMIT_MODE value '%s' (expected throughput or time)", v);
+        return 0;
+    }
+    if (gs_env_managed()) {
+        GS_WARN("ignoring GPUSLICE_SM_LIMIT_MODE=time: GPUSLICE_POD_UID is set");
+        return 0;
+    }
+    return 1;
 }
 
 const char *gs_env_region_path(char *buf, size_t len)

@@ -129,6 +129,11 @@ typedef struct nvmlProcessInfo_st {
     unsigned int computeInstanceId;
 } nvmlProcessInfo_t;
 
+typedef struct nvmlUtilization_st {
+    unsigned int gpu;    /* % of the sample period during which one or more kernels ran */
+    unsigned int memory; /* % of it during which device memory was read or written */
+} nvmlUtilization_t;
+
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2

@@ -99,6 +99,7 @@ int gs_env_managed(void);            /* GPUSLICE_POD_UID set: the webhook wrote 
 uint64_t gs_env_reconcile_margin(void);
 uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total);
 unsigned gs_env_sm_limit(unsigned container_index);
+int gs_env_sm_time_mode(void);       /* GPUSLICE_SM_LIMIT_MODE=time: no clock compensation */
 const char *gs_env_region_path(char *buf, size_t len);
 void gs_copy_env(char *dst, size_t len, const char *name);
 
@@ -227,6 +228,9 @@ void gs_pools_after_fork_child(void);
 /* ---- launch.c ------------------------------------------------------------- */
 
 void gs_launch_configure(void);       /* after device discovery: is any SM limit set? */
+int gs_launch_wants_sampler(void);    /* a limit with clock compensation: the sampler must run */
+void gs_launch_sample(void);          /* sampler thread: power and utilisation -> clock compensation */
+unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, double util_pct);
 void gs_launch_forget_ctx(CUcontext ctx);
 void gs_launch_after_fork_child(void);
 

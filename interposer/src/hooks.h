@@ -139,6 +139,9 @@
     R(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t device, char *uuid, unsigned int length)) \
     R(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t device, unsigned int *index))            \
     R(nvmlDeviceGetComputeRunningProcesses_v3, nvmlReturn_t,                                  \
-      (nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_t *infos))
+      (nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_t *infos))                   \
+    R(nvmlDeviceGetPowerUsage, nvmlReturn_t, (nvmlDevice_t device, unsigned int *power))      \
+    R(nvmlDeviceGetEnforcedPowerLimit, nvmlReturn_t, (nvmlDevice_t device, unsigned int *limit)) \
+    R(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t device, nvmlUtilization_t *utilization))
 
 #endif /* GPUSLICE_HOOKS_H */

@@ -22,6 +22,22 @@
  * tail call into the real function (the hooks at the end of this file).
  * Streams being captured into a graph are not touched (event queries would
  * invalidate the capture); the graph is paced when it is launched.
+ *
+ * Clock compensation (GPUSLICE_SM_LIMIT_MODE=throughput, the default).  A GPU
+ * that the container leaves idle most of the time has power to spare, so the
+ * container's kernels run at a higher clock than the same kernels would
+ * under full load (H200, bf16 matmul: ~1950 MHz throttled to 30%, ~1515 MHz
+ * power-capped at 100%), and C% of the time delivers more than C% of the
+ * throughput.  The sampler estimates how much faster: with idle power P0,
+ * power limit L, board power P and utilisation u (all from NVML), the GPU
+ * fully busy with the current kernels would draw P0 + (P - P0) / u at the
+ * present clock; if that exceeds L the clock would fall until it fits, and
+ * dynamic power goes as about the cube of the clock (voltage follows the
+ * clock), so the clock now is s = cbrt(((P - P0) / u) / (L - P0)) times the
+ * full-load one.  GPU time is debited times s (per device, shared through the
+ * region, from smoothed readings, 1 <= s <= 1.75).  A GPU already at its power limit gives
+ * s = 1, and so does work that would not reach the limit even at full load
+ * (memory-bound kernels), where time share and throughput share agree.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -37,9 +53,14 @@
 #define GS_RING 64
 #define GS_STREAMS 256
 #define GS_POLL_NS 100000ull
+#define GS_SCALE_MAX_MILLI 1750u  /* clock compensation: at most 1.75 x */
+#define GS_UTIL_MIN 5u            /* below this utilisation (%) the power estimate is noise */
+#define GS_WINDOW 4               /* samples the estimate averages (2 s at the sampler's 500 ms) */
+#define GS_IDLE_SAMPLES 2         /* consecutive samples at 0% utilisation before power counts as idle */
 
 enum { THROTTLE_UNKNOWN = 0, THROTTLE_OFF = 1, THROTTLE_ON = 2 };
 static int g_state;
+static int g_time_mode; /* GPUSLICE_SM_LIMIT_MODE=time: no clock compensation */
 
 struct tstream {
     uint64_t key;       /* stream handle (per-thread default stream: mixed with the thread id) */
@@ -67,8 +88,104 @@ void gs_launch_configure(void)
         unsigned sm = __atomic_load_n(&r->devices[d].sm_limit, __ATOMIC_RELAXED);
         if (sm > 0 && sm < 100) on = 1;
     }
+    g_time_mode = on && gs_env_sm_time_mode();
     __atomic_store_n(&g_state, on ? THROTTLE_ON : THROTTLE_OFF, __ATOMIC_RELEASE);
-    if (on) GS_INFO("compute limit active");
+    if (on) GS_INFO("compute limit active (%s)", g_time_mode ? "time share" : "throughput, clock compensated");
+}
+
+/* ---- clock compensation --------------------------------------------------- */
+
+static double cube_root(double r)
+{
+    double x = r > 1 ? 1 + (r - 1) / 3 : 1;
+    for (int i = 0; i < 40; i++) x = (2 * x + r / (x * x)) / 3;
+    return x;
+}
+
+/* s in 1/1000 (1000..GS_SCALE_MAX_MILLI), or 0 when the readings say nothing
+ * (too little utilisation, no power limit). */
+unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, double util_pct)
+{
+    if (!(limit_mw > idle_mw) || !(util_pct >= GS_UTIL_MIN) || util_pct > 100) return 0;
+    if (power_mw <= idle_mw) return 1000;
+    double busy = (power_mw - idle_mw) * 100.0 / util_pct; /* dynamic power at full duty */
+    double ratio = busy / (limit_mw - idle_mw);
+    if (ratio <= 1) return 1000;
+    double s = cube_root(ratio) * 1000.0;
+    return s >= GS_SCALE_MAX_MILLI ? GS_SCALE_MAX_MILLI : (unsigned)(s + 0.5);
+}
+
+int gs_launch_wants_sampler(void)
+{
+    return __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) == THROTTLE_ON && !g_time_mode;
+}
+
+static void lower_idle_power(struct gpuslice_device *d, unsigned mw)
+{
+    unsigned old = __atomic_load_n(&d->idle_power_mw, __ATOMIC_RELAXED);
+    while ((!old || mw < old) &&
+           !__atomic_compare_exchange_n(&d->idle_power_mw, &old, mw, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
+/* Sampler thread: one NVML reading per limited device.  Power and
+ * utilisation are summed over the last GS_WINDOW useful samples and divided
+ * once (the ratio of two noisy readings, taken sample by sample, is biased
+ * upward, and power is averaged over a longer window than utilisation), then
+ * give the device's sm_scale_milli (shared by the container's processes). */
+void gs_launch_sample(void)
+{
+    /* sampler thread only */
+    static int idle_run[GPUSLICE_MAX_DEVICES];
+    static unsigned util_prev[GPUSLICE_MAX_DEVICES];
+    static unsigned win_power[GPUSLICE_MAX_DEVICES][GS_WINDOW], win_util[GPUSLICE_MAX_DEVICES][GS_WINDOW];
+    static unsigned win_next[GPUSLICE_MAX_DEVICES];
+    struct gpuslice_region *r = gs_region;
+    if (!r || !gs_launch_wants_sampler()) return;
+    gs_nvml_init();
+    if (!gs_nvml.nvmlDeviceGetPowerUsage || !gs_nvml.nvmlDeviceGetEnforcedPowerLimit ||
+        !gs_nvml.nvmlDeviceGetUtilizationRates)
+        return;
+    int done[GPUSLICE_MAX_DEVICES] = {0};
+    int n = gs_dev_count();
+    for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++) {
+        int slot = gs_dev_slot(dev);
+        nvmlDevice_t h = gs_dev_nvml(dev);
+        if (slot < 0 || slot >= GPUSLICE_MAX_DEVICES || done[slot] || !h) continue;
+        done[slot] = 1;
+        struct gpuslice_device *d = &r->devices[slot];
+        unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
+        unsigned power = 0, limit = 0;
+        nvmlUtilization_t util = {0, 0};
+        if (!sm || sm >= 100 || gs_nvml.nvmlDeviceGetPowerUsage(h, &power) != NVML_SUCCESS ||
+            gs_nvml.nvmlDeviceGetEnforcedPowerLimit(h, &limit) != NVML_SUCCESS ||
+            gs_nvml.nvmlDeviceGetUtilizationRates(h, &util) != NVML_SUCCESS || util.gpu > 100)
+            continue;
+        /* board power is averaged over about a second: only a second idle sample in a row is idle power */
+        idle_run[slot] = util.gpu ? 0 : idle_run[slot] + 1;
+        if (idle_run[slot] >= GS_IDLE_SAMPLES && power) lower_idle_power(d, power);
+        unsigned was = util_prev[slot];
+        util_prev[slot] = util.gpu;
+        /* idle or nearly: nothing to learn, keep the last scale; just after idle, power
+         * (averaged over a longer window than utilisation) still reads low: wait a sample */
+        if (util.gpu < GS_UTIL_MIN || was < GS_UTIL_MIN) continue;
+        unsigned k = win_next[slot]++ % GS_WINDOW;
+        win_power[slot][k] = power;
+        win_util[slot][k] = util.gpu;
+        double power_sum = 0, util_sum = 0;
+        for (int i = 0; i < GS_WINDOW; i++) {
+            power_sum += win_power[slot][i];
+            util_sum += win_util[slot][i];
+        }
+        unsigned used = win_next[slot] < GS_WINDOW ? win_next[slot] : GS_WINDOW;
+        unsigned idle = __atomic_load_n(&d->idle_power_mw, __ATOMIC_RELAXED);
+        if (!idle || idle >= limit) idle = limit / 8; /* not seen yet: typical idle draw */
+        unsigned s = gs_power_scale_milli(power_sum / used, limit, idle, util_sum / used);
+        if (!s) continue;
+        __atomic_store_n(&d->sm_scale_milli, s, __ATOMIC_RELAXED);
+        GS_DEBUG("device slot %d: power %u/%u mW (idle %u), utilisation %u%% -> clock scale %u/1000", slot, power,
+                 limit, idle, util.gpu, s);
+    }
 }
 
 /* ---- the shared budget ---------------------------------------------------- */
@@ -79,7 +196,9 @@ static void debit(int slot, uint64_t busy_ns)
     unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
     __atomic_add_fetch(&d->busy_ns, busy_ns, __ATOMIC_RELAXED);
     if (!sm || sm >= 100) return;
-    uint64_t cost = busy_ns * 100 / sm, now = gs_now_ns();
+    unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
+    if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
+    uint64_t cost = busy_ns * scale / (10ull * sm), now = gs_now_ns();
     uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
     uint64_t old = __atomic_load_n(&d->throttle_vt_ns, __ATOMIC_RELAXED), next;
     do {

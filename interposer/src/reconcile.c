@@ -19,6 +19,9 @@
  *    the agent's figures close to the truth, also for growth that no
  *    allocation follows.
  *
+ * The same thread samples power and utilisation for the compute limit's
+ * clock compensation (launch.c).
+ *
  * The process-list query costs ~20 us on an H200: it never runs on the
  * allocation path far from the cap, and never on the launch path.  A query
  * is used only if no charge of this process changed while NVML was asked (an
@@ -193,7 +196,7 @@ void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx)
 {
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
     __atomic_store_n(&g_dev_ctx[dev], ctx, __ATOMIC_RELEASE);
-    if (gs_host_pid_known(dev)) start_sampler();
+    if (gs_host_pid_known(dev) || gs_launch_wants_sampler()) start_sampler();
 }
 
 void gs_reconcile_forget_ctx(CUcontext ctx)
@@ -222,12 +225,14 @@ static void *sampler(void *arg)
         g_woken = 0;
         pthread_mutex_unlock(&g_wake_mu);
         reconcile_all();
+        gs_launch_sample(); /* clock compensation of the compute limit (launch.c), if one applies */
         last = gs_now_ns();
     }
     return NULL;
 }
 
-/* Started once a host pid is known: the NVML query stays off the program's threads. */
+/* Started once a host pid is known, or a compute limit needs clock
+ * compensation: the NVML queries stay off the program's threads. */
 static void start_sampler(void)
 {
     if (__atomic_load_n(&g_sampler_started, __ATOMIC_ACQUIRE)) return;
@@ -246,7 +251,8 @@ static void start_sampler(void)
         if (pthread_create(&t, &attr, sampler, NULL) == 0)
             __atomic_store_n(&g_sampler_started, 1, __ATOMIC_RELEASE);
         else
-            GS_WARN("cannot start the memory sampler: memory beyond allocations is charged near the cap only");
+            GS_WARN("cannot start the sampler thread: memory beyond allocations is charged near the cap only, "
+                    "and the compute limit is not clock compensated");
         pthread_attr_destroy(&attr);
     }
     pthread_mutex_unlock(&g_wake_mu);

@@ -27,6 +27,7 @@ static void layout(void)
     printf("device %zu\n", sizeof(D));
     FIELD(D, uuid) FIELD(D, limit_bytes) FIELD(D, used_bytes) FIELD(D, total_bytes) FIELD(D, busy_ns)
     FIELD(D, throttle_vt_ns) FIELD(D, ctx_footprint_bytes) FIELD(D, sm_limit) FIELD(D, index)
+    FIELD(D, sm_scale_milli) FIELD(D, idle_power_mw)
     printf("proc %zu\n", sizeof(P));
     FIELD(P, pid) FIELD(P, state) FIELD(P, pidns) FIELD(P, start_time) FIELD(P, used_bytes)
     printf("constant MAGIC %llu\nconstant VERSION %u\nconstant MAX_DEVICES %d\nconstant MAX_PROCS %d\n",
@@ -60,6 +61,8 @@ static int write_region(const char *path)
         r.devices[d].busy_ns = 123456789ull * (uint64_t)(d + 1);
         r.devices[d].sm_limit = 30 + (uint32_t)d;
         r.devices[d].index = (uint32_t)(d + 2);
+        r.devices[d].sm_scale_milli = 1000 + 100 * (uint32_t)d;
+        r.devices[d].idle_power_mw = 90000;
     }
     r.procs[5].pid = 4242;
     r.procs[5].state = GPUSLICE_PROC_LIVE;
@@ -82,8 +85,9 @@ static int read_region(const char *path)
            r.device_count);
     printf("identity %s|%s|%s|%s\n", r.pod_uid, r.pod_name, r.pod_namespace, r.container);
     for (unsigned d = 0; d < r.device_count && d < GPUSLICE_MAX_DEVICES; d++)
-        printf("device %s %" PRIu64 " %" PRIu64 " %u %" PRIu64 " %u\n", r.devices[d].uuid, r.devices[d].limit_bytes,
-               r.devices[d].used_bytes, r.devices[d].sm_limit, r.devices[d].busy_ns, r.devices[d].index);
+        printf("device %s %" PRIu64 " %" PRIu64 " %u %" PRIu64 " %u %u\n", r.devices[d].uuid,
+               r.devices[d].limit_bytes, r.devices[d].used_bytes, r.devices[d].sm_limit, r.devices[d].busy_ns,
+               r.devices[d].index, r.devices[d].sm_scale_milli);
     for (int i = 0; i < GPUSLICE_MAX_PROCS; i++)
         if (r.procs[i].state == GPUSLICE_PROC_LIVE)
             printf("proc %d %" PRIu64 " %" PRIu64 "\n", r.procs[i].pid, r.procs[i].used_bytes[0],

@@ -70,7 +70,8 @@ def test_a_region_written_by_c_is_read_by_python(built, tmp_path):
     assert region.devices == tuple(
         DeviceSlot(index=d + 2, uuid=f"GPU-{d:08d}-aaaa-bbbb-cccc-dddddddddddd",
                    limit_bytes=10 * GIB + d, used_bytes=3 * GIB + d, sm_limit=30 + d,
-                   busy_ns=123456789 * (d + 1))
+                   busy_ns=123456789 * (d + 1), sm_scale_milli=1000 + 100 * d,
+                   idle_power_mw=90000)
         for d in range(2))
     assert region.processes == (ProcessUsage(pid=4242, used_bytes=(GIB, 2 * GIB)),)
 
@@ -80,7 +81,7 @@ def test_a_region_written_by_python_is_read_by_c(built, tmp_path):
     path.write_bytes(encode_region(Region(
         pod_uid="uid-1", pod_name="web-7", namespace="prod", container="app",
         devices=(DeviceSlot(index=0, uuid="GPU-x", limit_bytes=5 * GIB, used_bytes=GIB,
-                            sm_limit=25, busy_ns=99),
+                            sm_limit=25, busy_ns=99, sm_scale_milli=1314),
                  DeviceSlot(index=3, uuid="GPU-y", limit_bytes=0, used_bytes=7, sm_limit=0,
                             busy_ns=0)),
         processes=(ProcessUsage(pid=11, used_bytes=(GIB, 7)),))))
@@ -89,8 +90,8 @@ def test_a_region_written_by_python_is_read_by_c(built, tmp_path):
     assert out == [
         f"magic 1 version 1 size {mirror.REGION_SIZE} count 2",
         "identity uid-1|web-7|prod|app",
-        f"device GPU-x {5 * GIB} {GIB} 25 99 0",
-        "device GPU-y 0 7 0 0 3",
+        f"device GPU-x {5 * GIB} {GIB} 25 99 0 1314",
+        "device GPU-y 0 7 0 0 3 0",
         f"proc 11 {GIB} 7",
     ]
 

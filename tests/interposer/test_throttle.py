@@ -80,3 +80,106 @@ def test_launches_on_a_capturing_stream_pass_straight_through(release_lab):
     assert rc == 0
     # 200 kernels of 10 ms at 10% would take 20 s if paced; captured, nothing waits
     assert elapsed_ns < 1e9
+
+
+# ---- clock compensation (GPUSLICE_SM_LIMIT_MODE=throughput, the default) --------------------
+#
+# The fake NVML plays a GPU with a 700 W limit whose board power is idle + utilisation x the
+# kernels' full-duty draw. With 1360 W of dynamic draw at 30% duty (the H200's bf16 matmul at
+# boost clock, about), full duty would need 2.3x the power headroom, so the clock under full
+# load would be cbrt(2.3) ~ 1.31x lower: GPU time is charged that many times over.
+
+H200ISH = {"FAKE_NVML_POWER_LIMIT_MW": "700000", "FAKE_NVML_IDLE_MW": "100000",
+           "FAKE_NVML_DYNAMIC_MW": "1360000"}
+
+
+def expected_scale(power_mw: float, limit_mw: float, idle_mw: float, util: float) -> float:
+    """The model of launch.c, written independently: cube root of full-duty power over headroom."""
+    ratio = (power_mw - idle_mw) * 100 / util / (limit_mw - idle_mw)
+    return min(max(ratio, 1.0) ** (1 / 3), 1.75)
+
+
+def steady_share(lab, limit: int, **env: str) -> tuple[float, int]:
+    """Share of wall time over 2 s after 1.5 s of warm-up (the estimate settles), and the scale."""
+    res = lab.run("init", "ctx", "0", "bench", "1.5", "kernel", "bench", "2", "kernel",
+                  CUDA_DEVICE_SM_LIMIT=str(limit), FAKE_CUDA_KERNEL_US="2000", **env)
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[1]
+    assert rc == 0 and launches > 0, res.stdout + res.stderr
+    return 100.0 * kernel_ns / wall_ns, lab.region().devices[0].sm_scale_milli
+
+
+def test_boosted_kernels_are_charged_at_the_full_load_clock(release_lab):
+    got, scale = steady_share(release_lab, 30, **H200ISH)
+    # The steady state: the share is 30 / s, and s follows from the power at that share. Idle
+    # power was not seen (busy from the start), so the library assumes limit / 8.
+    want = 1.0
+    for _ in range(50):
+        util = 30 / want
+        want = expected_scale(100_000 + util / 100 * 1_360_000, 700_000, 87_500, util)
+    # the fake's utilisation windows are coarse (the throttle paces in 20 ms batches): +-0.07
+    assert abs(scale / 1000 - want) <= 0.07, f"scale {scale}, model {want:.3f}"
+    assert abs(got - 30 / want) <= 2.0, f"time share {got:.1f}%, want {30 / want:.1f}%"
+
+
+def test_work_that_fits_the_power_limit_at_full_duty_gets_its_plain_time_share(release_lab):
+    got, scale = steady_share(release_lab, 30, **{**H200ISH, "FAKE_NVML_DYNAMIC_MW": "500000"})
+    assert scale == 1000
+    assert abs(got - 30) <= TOLERANCE
+
+
+def test_time_mode_turns_the_compensation_off(release_lab):
+    got, scale = steady_share(release_lab, 30, GPUSLICE_SM_LIMIT_MODE="time", **H200ISH)
+    assert scale == 0
+    assert abs(got - 30) <= TOLERANCE
+
+
+def test_managed_containers_ignore_time_mode(release_lab):
+    res = release_lab.run("init", "ctx", "0", "bench", "2", "kernel", CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="2000", GPUSLICE_POD_UID="uid-1",
+                          GPUSLICE_SM_LIMIT_MODE="time", **H200ISH)
+    assert "ignoring GPUSLICE_SM_LIMIT_MODE=time" in res.stderr
+    assert release_lab.region().devices[0].sm_scale_milli > 1200
+
+
+def test_a_bad_mode_is_reported_and_the_default_applies(release_lab):
+    res = release_lab.run("init", "ctx", "0", "bench", "2", "kernel", CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="2000", GPUSLICE_SM_LIMIT_MODE="fast", **H200ISH)
+    assert "ignoring GPUSLICE_SM_LIMIT_MODE value 'fast'" in res.stderr
+    assert release_lab.region().devices[0].sm_scale_milli > 1200
+
+
+@pytest.mark.parametrize(("power", "util", "want"), [
+    (508_000, 30, None),   # boosted at 30% duty
+    (700_000, 50, None),   # at the limit at half duty: full duty would need twice the headroom
+    (700_000, 100, 1000),  # fully busy at the limit: already the full-load clock
+    (300_000, 90, 1000),   # memory-bound: full duty stays under the limit
+    (700_000, 5, 1750),    # implausible: clamped
+    (600_000, 3, 0),       # too little utilisation to say anything: no estimate
+])
+def test_scale_from_fixed_readings(release_lab, power, util, want):
+    release_lab.run("init", "ctx", "0", "sleep", "1300", CUDA_DEVICE_SM_LIMIT="30",
+                    FAKE_NVML_POWER_LIMIT_MW="700000", FAKE_NVML_POWER_MW=str(power),
+                    FAKE_NVML_UTIL=str(util))
+    if want is None:
+        want = round(1000 * expected_scale(power, 700_000, 87_500, util))
+    assert abs(release_lab.region().devices[0].sm_scale_milli - want) <= 2
+
+
+def test_idle_power_is_learned_from_idle_samples(release_lab):
+    release_lab.run("init", "ctx", "0", "sleep", "1700", CUDA_DEVICE_SM_LIMIT="30",
+                    FAKE_NVML_POWER_LIMIT_MW="700000", FAKE_NVML_IDLE_MW="90000")
+    dev = release_lab.region().devices[0]
+    assert dev.idle_power_mw == 90_000
+    assert dev.sm_scale_milli == 0  # nothing ran: no estimate
+
+
+def test_without_power_readings_the_plain_time_share_applies(release_lab):
+    got, scale = steady_share(release_lab, 30)  # the fake NVML reports no power by default
+    assert scale == 0
+    assert abs(got - 30) <= TOLERANCE
+
+
+def test_clock_compensation_under_asan(asan_lab):
+    got, scale = steady_share(asan_lab, 30, **H200ISH)
+    assert 1250 <= scale <= 1450
+    assert 19 <= got <= 26

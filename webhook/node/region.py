@@ -37,7 +37,7 @@ HEADER_FIELDS = (
 DEVICE_FIELDS = (
     ("uuid", f"{UUID_LEN}s"), ("limit_bytes", "Q"), ("used_bytes", "Q"), ("total_bytes", "Q"),
     ("busy_ns", "Q"), ("throttle_vt_ns", "Q"), ("ctx_footprint_bytes", "Q"), ("sm_limit", "I"),
-    ("index", "I"), ("_reserved", "8x"),
+    ("index", "I"), ("sm_scale_milli", "I"), ("idle_power_mw", "I"),
 )
 PROC_FIELDS = (
     ("pid", "i"), ("state", "I"), ("pidns", "Q"), ("start_time", "Q"),
@@ -74,7 +74,12 @@ class RegionError(Exception):
 
 @dataclass(frozen=True)
 class DeviceSlot:
-    """One GPU of the container. ``limit_bytes`` 0 means no cap; ``sm_limit`` 0 no compute limit."""
+    """One GPU of the container. ``limit_bytes`` 0 means no cap; ``sm_limit`` 0 no compute limit.
+
+    ``sm_scale_milli`` is the compute limit's clock compensation in 1/1000 (GPU time is charged
+    this many times over; 0 = not estimated, i.e. 1000); ``idle_power_mw`` the lowest board power
+    the library saw with the GPU idle (0 = not seen), which that estimate starts from.
+    """
 
     index: int
     uuid: str
@@ -82,6 +87,8 @@ class DeviceSlot:
     used_bytes: int
     sm_limit: int
     busy_ns: int
+    sm_scale_milli: int = 0
+    idle_power_mw: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,13 +145,14 @@ def parse_region(data: bytes) -> Region:
         raise RegionError(f"device_count {count} exceeds {MAX_DEVICES}")
     devices = []
     for i in range(count):
-        uuid, limit, used, _total, busy, _vt, _ctx, sm, index = DEVICE.unpack_from(
+        uuid, limit, used, _total, busy, _vt, _ctx, sm, index, scale, idle = DEVICE.unpack_from(
             data, DEVICES_OFFSET + i * DEVICE.size)
         if sm > 100:
             raise RegionError(f"device {i}: sm_limit {sm} out of range")
         devices.append(DeviceSlot(index=index, uuid=_text(uuid, f"device {i} uuid"),
                                   limit_bytes=limit, used_bytes=used, sm_limit=sm,
-                                  busy_ns=busy))
+                                  busy_ns=busy, sm_scale_milli=scale,
+                                  idle_power_mw=idle))
     processes = []
     for i in range(MAX_PROCS):
         pid, state, _ns, _start, *used = PROC.unpack_from(data, PROCS_OFFSET + i * PROC.size)
@@ -198,7 +206,8 @@ def _encode(region: Region) -> bytes:
             raise RegionError(f"device {i}: sm_limit {dev.sm_limit} out of range")
         DEVICE.pack_into(buf, DEVICES_OFFSET + i * DEVICE.size,
                          _encode_text(dev.uuid, UUID_LEN, "uuid"), dev.limit_bytes,
-                         dev.used_bytes, 0, dev.busy_ns, 0, 0, dev.sm_limit, dev.index)
+                         dev.used_bytes, 0, dev.busy_ns, 0, 0, dev.sm_limit, dev.index,
+                         dev.sm_scale_milli, dev.idle_power_mw)
     for i, proc in enumerate(region.processes):
         if len(proc.used_bytes) > MAX_DEVICES:
             raise RegionError(f"process {proc.pid}: more than {MAX_DEVICES} usage values")

@@ -7,7 +7,9 @@
  */
 #include "fakestate.h"
 
+#include <dlfcn.h>
 #include <stdio.h>
+#include <time.h>
 
 #include "cuda_abi.h"
 
@@ -175,4 +177,76 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
     nvmlReturn_t rc = n > *count ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
     *count = n;
     return rc;
+}
+
+/* ---- power and utilisation ------------------------------------------------
+ * Off (NVML_ERROR_NOT_SUPPORTED) unless FAKE_NVML_POWER_LIMIT_MW is set.  Then:
+ * utilisation = FAKE_NVML_UTIL (%) if set, else the share of wall time the
+ * fake driver ran this process's kernels since the previous query (windows of
+ * at least 100 ms, as a real GPU's sample period); board power =
+ * FAKE_NVML_IDLE_MW + utilisation x FAKE_NVML_DYNAMIC_MW (the kernels' draw at
+ * full duty, at whatever clock the test plays), at most the limit;
+ * FAKE_NVML_POWER_MW overrides it. */
+typedef uint64_t (*fake_kernel_ns_fn)(void);
+static uint64_t win_t0, win_k0;
+static unsigned win_util;
+
+static unsigned env_uint(const char *name, unsigned dflt)
+{
+    const char *v = getenv(name);
+    return v && *v ? (unsigned)strtoul(v, NULL, 10) : dflt;
+}
+
+static int power_on(nvmlDevice_t d)
+{
+    return refs && index_of(d) >= 0 && env_uint("FAKE_NVML_POWER_LIMIT_MW", 0) > 0;
+}
+
+static unsigned utilisation(void)
+{
+    const char *fixed = getenv("FAKE_NVML_UTIL");
+    if (fixed && *fixed) return env_uint("FAKE_NVML_UTIL", 0);
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    fake_kernel_ns_fn kernel_ns = cuda ? (fake_kernel_ns_fn)dlsym(cuda, "fake_cuda_kernel_ns") : NULL;
+    if (cuda) dlclose(cuda);
+    if (!kernel_ns) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t t = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec, k = kernel_ns();
+    if (win_t0 && t - win_t0 < 100000000ull) return win_util;
+    if (win_t0) {
+        uint64_t busy = k - win_k0, pct = busy * 100 / (t - win_t0);
+        win_util = pct > 100 ? 100 : (unsigned)pct;
+    }
+    win_t0 = t;
+    win_k0 = k;
+    return win_util;
+}
+
+API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
+{
+    if (!power_on(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (!u) return NVML_ERROR_INVALID_ARGUMENT;
+    u->gpu = utilisation();
+    u->memory = u->gpu / 2;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t d, unsigned int *limit)
+{
+    if (!power_on(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (!limit) return NVML_ERROR_INVALID_ARGUMENT;
+    *limit = env_uint("FAKE_NVML_POWER_LIMIT_MW", 0);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
+{
+    if (!power_on(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (!power) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned limit = env_uint("FAKE_NVML_POWER_LIMIT_MW", 0);
+    uint64_t p = env_uint("FAKE_NVML_IDLE_MW", limit / 7) +
+                 (uint64_t)win_util * env_uint("FAKE_NVML_DYNAMIC_MW", 0) / 100;
+    *power = env_uint("FAKE_NVML_POWER_MW", p < limit ? (unsigned)p : limit);
+    return NVML_SUCCESS;
 }
