@@ -71,7 +71,8 @@ main() {
   if [ "$left" -gt 20 ]; then
     # shellcheck disable=SC2086  # GPUCHECK_PYTEST_ARGS is a list of words on purpose
     # shellcheck disable=SC2086  # GPUCHECK_TESTS is a list of paths on purpose
-    timeout --kill-after=5 "$left" "$PY" -m pytest ${GPUCHECK_TESTS:-tests/gpu} --gpu -p no:cacheprovider -q \
+    # the repository root on the path: tests/gpu reads regions with webhook.node.region
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout --kill-after=5 "$left" "$PY" -m pytest ${GPUCHECK_TESTS:-tests/gpu} --gpu -p no:cacheprovider -q \
       --tb=short ${GPUCHECK_PYTEST_ARGS:-}
     echo "pytest exit status $? after $(( $(date +%s) - start )) s"
   else

@@ -122,5 +122,50 @@ class Poller:
                 "phases_mib": {k: round(v / MIB, 1) for k, v in self.phase_max.items()}}
 
 
+class ClockWatch:
+    """Samples the SM clock, board power and utilisation in a thread (context manager).
+
+    The compute rows report them: a throttled tenant on an otherwise idle GPU runs at a higher
+    clock than the same work under full load, which is what the clock compensation is for.
+    """
+
+    def __init__(self, nvml: Nvml, interval: float = 0.1) -> None:
+        self.nvml, self.interval = nvml, interval
+        self.samples: list[tuple[int, float, int]] = []  # (MHz, W, util %)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="clockwatch", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        nv, h = self.nvml._nv, self.nvml.handle
+        while not self._stop.is_set():
+            try:
+                self.samples.append((int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                                     nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                                     int(nv.nvmlDeviceGetUtilizationRates(h).gpu)))
+            except self.nvml.error:
+                pass
+            time.sleep(self.interval)
+
+    def summary(self) -> dict[str, Any]:
+        busy = [s for s in self.samples if s[2] > 0]
+        if not busy:
+            return {"samples": len(self.samples)}
+
+        def mid(values: list[float]) -> float:
+            return sorted(values)[len(values) // 2]
+
+        return {"samples": len(self.samples), "sm_mhz_busy": mid([s[0] for s in busy]),
+                "power_w_busy": round(mid([s[1] for s in busy]), 1),
+                "util_pct_mean": round(sum(s[2] for s in self.samples) / len(self.samples), 1)}
+
+
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value

@@ -229,7 +229,8 @@ def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
             torch.mm(a, b, out=c)
         torch.cuda.synchronize()
 
-    end = time.perf_counter() + args.warmup
+    started = time.perf_counter()
+    end = started + args.warmup
     while time.perf_counter() < end:
         burst()
     iters, windows = 0, []
@@ -246,7 +247,8 @@ def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
             break
     elapsed = time.perf_counter() - t0
     result.update(iters=iters, seconds=round(elapsed, 3),
-                  tflops=2 * n**3 * iters / elapsed / 1e12, windows_tflops=windows)
+                  tflops=2 * n**3 * iters / elapsed / 1e12, windows_tflops=windows,
+                  matmul_wall_s=round(time.perf_counter() - started, 3))
     return result
 
 
