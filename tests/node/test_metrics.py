@@ -22,9 +22,10 @@ GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
 
 
 def write_region(state: Path, uid: str, pod: str, ns: str, ctr: str,
-                 devices: list[tuple[int, str, int, int, int, int]]) -> Path:
+                 devices: list[tuple[int, str, int, int, int, int]], scale: int = 0) -> Path:
     slots = tuple(DeviceSlot(index=i, uuid=u, limit_bytes=lim, used_bytes=used, sm_limit=sm,
-                             busy_ns=busy) for i, u, lim, used, sm, busy in devices)
+                             busy_ns=busy, sm_scale_milli=scale)
+                  for i, u, lim, used, sm, busy in devices)
     region = Region(pod_uid=uid, pod_name=pod, namespace=ns, container=ctr, devices=slots,
                     processes=(ProcessUsage(pid=100, used_bytes=tuple(d[3] for d in devices)),))
     path = state / uid / ctr / "region"
@@ -102,6 +103,16 @@ def test_measured_share_is_the_busy_time_rate_between_scrapes(tmp_path: Path) ->
     clock.t += 10.0  # container restarted: the counter went back, no bogus rate
     write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 1_000_000_000)])
     assert ("gpuslice_container_compute_share_percent", lab) not in samples(reg)
+
+
+def test_clock_scale_is_exported_for_limited_devices_only(tmp_path: Path) -> None:
+    write_region(tmp_path, UID1, "p", "ns", "c",
+                 [(0, GPU0, GIB, 0, 30, 0), (1, GPU1, GIB, 0, 0, 0)], scale=1314)
+    write_region(tmp_path, UID2, "q", "ns", "c", [(0, GPU0, GIB, 0, 50, 0)])  # not estimated yet
+    s = samples(make(tmp_path)[1])
+    assert s[("gpuslice_container_compute_clock_scale", ctr_labels("ns", "p", "c", GPU0))] == 1.314
+    assert ("gpuslice_container_compute_clock_scale", ctr_labels("ns", "p", "c", GPU1)) not in s
+    assert s[("gpuslice_container_compute_clock_scale", ctr_labels("ns", "q", "c", GPU0))] == 1.0
 
 
 def test_corrupt_and_truncated_regions_are_skipped_counted_and_logged_once(

@@ -148,6 +148,10 @@ class AgentCollector(Collector):
         share = GaugeMetricFamily("gpuslice_container_compute_share_percent",
                                   "measured share of the device's time since the last scrape",
                                   labels=_CTR_LABELS)
+        scale = GaugeMetricFamily("gpuslice_container_compute_clock_scale",
+                                  "clock compensation of the compute limit: GPU time is charged "
+                                  "this many times over (1 = plain time share)",
+                                  labels=_CTR_LABELS)
         now = self._clock()
         seen: set[tuple[Path, str]] = set()
         paths = self._region_paths()
@@ -164,6 +168,8 @@ class AgentCollector(Collector):
                 limit.add_metric(lab, dev.limit_bytes)
                 sm.add_metric(lab, dev.sm_limit if 0 < dev.sm_limit <= 100 else 100)
                 busy.add_metric(lab, dev.busy_ns / 1e9)
+                if 0 < dev.sm_limit < 100:
+                    scale.add_metric(lab, dev.sm_scale_milli / 1000 if dev.sm_scale_milli else 1.0)
                 key = (path, dev.uuid)
                 seen.add(key)
                 prev = self._busy.get(key)
@@ -179,7 +185,7 @@ class AgentCollector(Collector):
         errors = CounterMetricFamily("gpuslice_region_errors",
                                      "region files that could not be read (corrupt, truncated)")
         errors.add_metric([], self._region_errors)
-        yield from (used, limit, sm, busy, share, errors)
+        yield from (used, limit, sm, busy, share, scale, errors)
 
     def _collect_agent(self) -> Iterator[Metric]:
         st = self._status
