@@ -50,7 +50,33 @@ class Nvml:
                 "total_mib": self.total // MIB}
 
 
-class Poller:
+class _Sampling:
+    """Calls :meth:`sample` every ``interval`` seconds in a thread, as a context manager."""
+
+    interval: float
+
+    def __init__(self, name: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+
+class Poller(_Sampling):
     """Polls the usage of a set of child pids in a thread; keeps the maxima.
 
     Use as a context manager; add each child's pid with :meth:`add` as it starts.
@@ -66,16 +92,7 @@ class Poller:
         self.errors = 0
         self.phase = "run"  # a test may name phases; the maximum of each is kept
         self.phase_max: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"poll-{label}", daemon=True)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        super().__init__(f"poll-{label}")
 
     def add(self, pid: int) -> None:
         self.pids = self.pids | {pid}
@@ -94,11 +111,6 @@ class Poller:
         value = used if used is not None else delta
         self.phase_max[self.phase] = max(self.phase_max.get(self.phase, 0), value)
         self.samples += 1
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            time.sleep(self.interval)
 
     @property
     def method(self) -> str:
@@ -122,7 +134,7 @@ class Poller:
                 "phases_mib": {k: round(v / MIB, 1) for k, v in self.phase_max.items()}}
 
 
-class ClockWatch:
+class ClockWatch(_Sampling):
     """Samples the SM clock, board power and utilisation in a thread (context manager).
 
     The compute rows report them: a throttled tenant on an otherwise idle GPU runs at a higher
@@ -132,27 +144,16 @@ class ClockWatch:
     def __init__(self, nvml: Nvml, interval: float = 0.1) -> None:
         self.nvml, self.interval = nvml, interval
         self.samples: list[tuple[int, float, int]] = []  # (MHz, W, util %)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="clockwatch", daemon=True)
+        super().__init__("clockwatch")
 
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
+    def sample(self) -> None:
         nv, h = self.nvml._nv, self.nvml.handle
-        while not self._stop.is_set():
-            try:
-                self.samples.append((int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
-                                     nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                                     int(nv.nvmlDeviceGetUtilizationRates(h).gpu)))
-            except self.nvml.error:
-                pass
-            time.sleep(self.interval)
+        try:
+            self.samples.append((int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                                 nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                                 int(nv.nvmlDeviceGetUtilizationRates(h).gpu)))
+        except self.nvml.error:
+            pass
 
     def summary(self) -> dict[str, Any]:
         busy = [s for s in self.samples if s[2] > 0]
