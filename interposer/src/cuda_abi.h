@@ -25,6 +25,8 @@ typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
@@ -38,6 +40,10 @@ typedef int CUdriverProcAddressQueryResult;
 typedef int CUmemPool_attribute;
 typedef int CUarray_format;
 typedef int CUstreamCaptureStatus;
+typedef int CUgraphNodeType;
+typedef int CUgraphMem_attribute;
+typedef int CUgraphInstantiateResult;
+typedef struct CUmemAccessDesc_st CUmemAccessDesc; /* only passed through */
 typedef int CUjit_option;    /* enums: only passed through, by pointer */
 typedef int CUlibraryOption;
 
@@ -73,6 +79,32 @@ typedef struct CUmemAllocationProp_st {
     CUmemLocation location;
 } CUmemAllocationProp;
 
+/* Written whole by cuGraphMemAllocNodeGetParams: the full layout. */
+typedef struct CUmemPoolProps_st {
+    int allocType;
+    int handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+} CUmemPoolProps;
+
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v1_st {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st {
+    cuuint64_t flags;
+    CUstream hUploadStream;
+    CUgraphNode hErrNode_out;
+    CUgraphInstantiateResult result_out;
+} CUDA_GRAPH_INSTANTIATE_PARAMS;
+
 typedef struct CUlaunchConfig_st {
     unsigned int gridDimX, gridDimY, gridDimZ;
     unsigned int blockDimX, blockDimY, blockDimZ;
@@ -97,6 +129,11 @@ typedef struct CUlaunchConfig_st {
 
 #define CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT 5
 #define CU_MEMPOOL_ATTR_USED_MEM_CURRENT 7
+#define CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT 0
+#define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
+#define CU_GRAPH_NODE_TYPE_GRAPH 4
+#define CU_GRAPH_NODE_TYPE_MEM_ALLOC 10
+#define CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD 2
 
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_STREAM_CAPTURE_STATUS_NONE 0

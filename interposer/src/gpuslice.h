@@ -6,7 +6,8 @@
  * the memory views), context.c (contexts), reconcile.c (memory held beyond
  * allocations), module.c (module loads), region.c (the shared region and the
  * budget), allocmap.c (what this process holds), memory.c / pool.c
- * (allocation hooks), launch.c (the compute throttle), nvml.c (NVML views).
+ * (allocation hooks), graphmem.c (graphs' allocation nodes), launch.c (the
+ * compute throttle), nvml.c (NVML views).
  */
 #ifndef GPUSLICE_INTERNAL_H
 #define GPUSLICE_INTERNAL_H
@@ -189,7 +190,7 @@ static inline int gs_near_cap(int slot, uint64_t bytes)
 
 /* ---- allocmap.c ----------------------------------------------------------- */
 
-enum gs_kind { GS_KIND_DPTR = 1, GS_KIND_POOLPTR, GS_KIND_ARRAY, GS_KIND_MIPMAP, GS_KIND_VMM, GS_KIND_CTX };
+enum gs_kind { GS_KIND_DPTR = 1, GS_KIND_POOLPTR, GS_KIND_ARRAY, GS_KIND_MIPMAP, GS_KIND_VMM, GS_KIND_CTX, GS_KIND_GRAPHMEM };
 struct gs_alloc {
     uint64_t size;   /* bytes charged (for GS_KIND_POOLPTR: bytes in use; the pool holds the charge) */
     uint64_t aux;    /* pool handle for GS_KIND_POOLPTR */
@@ -224,6 +225,22 @@ void gs_forget_ctx(CUcontext ctx);         /* a context was destroyed: release w
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
 void gs_pools_reconcile_all(void);
 void gs_pools_after_fork_child(void);
+
+/* ---- graphmem.c ----------------------------------------------------------- */
+
+#define GS_GRAPH_DEVS 4
+struct gs_graph_need {            /* a graph's allocation nodes, per device */
+    int n;
+    CUdevice dev[GS_GRAPH_DEVS];
+    uint64_t bytes[GS_GRAPH_DEVS];
+    uint64_t ran[GS_GRAPH_DEVS];  /* graph pool size after its last launch; 0 = never launched */
+};
+extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (atomic) */
+/* 0 = not such a graph; 1 = reserved[] taken, the charge unsettled until gs_graphmem_after;
+ * -1 = over the cap (nothing taken) */
+int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *reserved);
+void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const uint64_t *reserved, int ran);
+void gs_graphmem_after_fork_child(void);
 
 /* ---- launch.c ------------------------------------------------------------- */
 

@@ -89,6 +89,21 @@
     X(cuLaunchCooperativeKernel_ptsz, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 1)        \
     X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
     X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1) \
+    X(cuGraphInstantiate_v2, CUresult,                                                                     \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize), \
+      cuGraphInstantiate, 11000, 0)                                                                        \
+    X(cuGraphInstantiateWithFlags, CUresult,                                                               \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags), cuGraphInstantiateWithFlags, 11040, 0) \
+    X(cuGraphInstantiateWithParams, CUresult,                                                              \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams),        \
+      cuGraphInstantiateWithParams, 12000, 0)                                                              \
+    X(cuGraphInstantiateWithParams_ptsz, CUresult,                                                         \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams),        \
+      cuGraphInstantiateWithParams, 12000, 1)                                                              \
+    X(cuGraphUpload, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphUpload, 11010, 0)        \
+    X(cuGraphUpload_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphUpload, 11010, 1)   \
+    X(cuGraphExecDestroy, CUresult, (CUgraphExec hGraphExec), cuGraphExecDestroy, 10000, 0)                \
+    X(cuDeviceGraphMemTrim, CUresult, (CUdevice device), cuDeviceGraphMemTrim, 11040, 0)                   \
     X(cuModuleLoad, CUresult, (CUmodule *module, const char *fname), cuModuleLoad, 2000, 0)                \
     X(cuModuleLoadData, CUresult, (CUmodule *module, const void *image), cuModuleLoadData, 2000, 0)        \
     X(cuModuleLoadDataEx, CUresult,                                                                        \
@@ -126,7 +141,12 @@
     R(cuEventElapsedTime, CUresult, (float *ms, CUevent hStart, CUevent hEnd))                \
     R(cuEventElapsedTime_v2, CUresult, (float *ms, CUevent hStart, CUevent hEnd))             \
     R(cuEventDestroy_v2, CUresult, (CUevent hEvent))                                          \
-    R(cuStreamIsCapturing, CUresult, (CUstream hStream, CUstreamCaptureStatus *status))
+    R(cuStreamIsCapturing, CUresult, (CUstream hStream, CUstreamCaptureStatus *status))      \
+    R(cuGraphGetNodes, CUresult, (CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes))      \
+    R(cuGraphNodeGetType, CUresult, (CUgraphNode hNode, CUgraphNodeType *type))               \
+    R(cuGraphMemAllocNodeGetParams, CUresult, (CUgraphNode hNode, CUDA_MEM_ALLOC_NODE_PARAMS *params_out)) \
+    R(cuGraphChildGraphNodeGetGraph, CUresult, (CUgraphNode hNode, CUgraph *phGraph))         \
+    R(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice device, CUgraphMem_attribute attr, void *value))
 
 #define GS_NVML_HOOKS(N)                                                                      \
     N(nvmlDeviceGetMemoryInfo, nvmlReturn_t, (nvmlDevice_t device, nvmlMemory_t *memory))     \

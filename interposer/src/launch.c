@@ -532,18 +532,32 @@ GS_COOP_HOOK(cuLaunchCooperativeKernel_ptsz, 1)
 GS_EX_HOOK(cuLaunchKernelEx, 0)
 GS_EX_HOOK(cuLaunchKernelEx_ptsz, 1)
 
+/* Graph launches also pay for the graph's allocation nodes (graphmem.c): the
+ * fast path holds only while no executable graph has any. */
 #define GS_GRAPH_HOOK(name, pt)                                                                               \
     static __attribute__((noinline)) CUresult name##_slow(CUgraphExec hGraphExec, CUstream hStream)           \
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
-        if (!throttle_on()) return gs_cuda.name(hGraphExec, hStream);                                         \
-        struct graph_args a = {(const void *)gs_cuda.name, hGraphExec, hStream};                              \
-        return throttled(hStream, pt, call_graph, &a);                                                        \
+        struct gs_graph_need need;                                                                            \
+        uint64_t reserved[GS_GRAPH_DEVS];                                                                     \
+        int mem = __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE)                                      \
+                      ? gs_graphmem_before(hGraphExec, &need, reserved) : 0;                                  \
+        if (mem < 0) return CUDA_ERROR_OUT_OF_MEMORY;                                                         \
+        CUresult rc;                                                                                          \
+        if (!throttle_on()) {                                                                                 \
+            rc = gs_cuda.name(hGraphExec, hStream);                                                           \
+        } else {                                                                                              \
+            struct graph_args a = {(const void *)gs_cuda.name, hGraphExec, hStream};                          \
+            rc = throttled(hStream, pt, call_graph, &a);                                                      \
+        }                                                                                                     \
+        if (mem) gs_graphmem_after(hGraphExec, &need, reserved, rc == CUDA_SUCCESS);                          \
+        return rc;                                                                                            \
     }                                                                                                         \
     GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \
     {                                                                                                         \
-        GS_FAST(name, (hGraphExec, hStream));                                                                 \
+        if (GS_LIKELY(!__atomic_load_n(&gs_graph_mem_execs, __ATOMIC_RELAXED)))                               \
+            GS_FAST(name, (hGraphExec, hStream));                                                             \
         return name##_slow(hGraphExec, hStream);                                                              \
     }
 

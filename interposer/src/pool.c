@@ -12,6 +12,8 @@
  *    undone and the caller gets CUDA_ERROR_OUT_OF_MEMORY;
  *  - frees, trims, a refused reservation anywhere, and pool destruction bring
  *    the charge back down to what the pool still reserves.
+ * Allocations on a stream being captured into a graph are graph nodes, not
+ * memory: they pass through uncharged (graphmem.c charges graphs).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -126,12 +128,23 @@ static CUresult call_alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemor
     return ((cuMemAllocFromPoolAsync_fn)real)(dptr, bytesize, pool, stream);
 }
 
+/* A stream being captured into a graph: the allocation becomes a graph node
+ * and takes memory only when the graph runs (graphmem.c charges it then). */
+static int capturing(CUstream stream, int per_thread)
+{
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUstream s = per_thread && !stream ? CU_STREAM_PER_THREAD : stream;
+    return gs_cuda.cuStreamIsCapturing && gs_cuda.cuStreamIsCapturing(s, &st) == CUDA_SUCCESS &&
+           st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
 static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
-                           size_t bytesize, CUmemoryPool pool, CUstream stream)
+                           size_t bytesize, CUmemoryPool pool, CUstream stream, int per_thread)
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
     gs_devices_ready();
+    if (capturing(stream, per_thread)) return call(dptr, bytesize, pool, stream, real);
     CUcontext ctx;
     CUdevice dev;
     int slot = gs_current_slot(&ctx);
@@ -186,14 +199,14 @@ GS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream 
 {
     gs_cuda_init();
     return pool_alloc(call_alloc_async, (const void *)gs_cuda.cuMemAllocAsync, gs_cuda.cuMemFreeAsync, dptr,
-                      bytesize, NULL, hStream);
+                      bytesize, NULL, hStream, 0);
 }
 
 GS_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     gs_cuda_init();
     return pool_alloc(call_alloc_async, (const void *)gs_cuda.cuMemAllocAsync_ptsz, gs_cuda.cuMemFreeAsync_ptsz,
-                      dptr, bytesize, NULL, hStream);
+                      dptr, bytesize, NULL, hStream, 1);
 }
 
 GS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
@@ -201,7 +214,7 @@ GS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, C
     gs_cuda_init();
     if (!pool) return gs_cuda.cuMemAllocFromPoolAsync ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_SUPPORTED;
     return pool_alloc(call_alloc_from_pool, (const void *)gs_cuda.cuMemAllocFromPoolAsync, gs_cuda.cuMemFreeAsync,
-                      dptr, bytesize, pool, hStream);
+                      dptr, bytesize, pool, hStream, 0);
 }
 
 GS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
@@ -210,7 +223,7 @@ GS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
     gs_cuda_init();
     if (!pool) return gs_cuda.cuMemAllocFromPoolAsync_ptsz ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_SUPPORTED;
     return pool_alloc(call_alloc_from_pool, (const void *)gs_cuda.cuMemAllocFromPoolAsync_ptsz,
-                      gs_cuda.cuMemFreeAsync_ptsz, dptr, bytesize, pool, hStream);
+                      gs_cuda.cuMemFreeAsync_ptsz, dptr, bytesize, pool, hStream, 1);
 }
 
 static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream stream)

@@ -69,7 +69,16 @@
     X(cuLibraryLoadData, CUresult, (CUlibrary *, const void *, CUjit_option *, void **, unsigned,             \
                                     CUlibraryOption *, void **, unsigned))                                   \
     X(cuLibraryGetKernel, CUresult, (CUkernel *, CUlibrary, const char *))                                   \
-    X(cuKernelGetFunction, CUresult, (CUfunction *, CUkernel))
+    X(cuKernelGetFunction, CUresult, (CUfunction *, CUkernel))                                              \
+    X(cuGraphCreate, CUresult, (CUgraph *, unsigned))                                                        \
+    X(cuGraphAddMemAllocNode, CUresult, (CUgraphNode *, CUgraph, const CUgraphNode *, size_t,                \
+                                         CUDA_MEM_ALLOC_NODE_PARAMS *))                                      \
+    X(cuGraphAddChildGraphNode, CUresult, (CUgraphNode *, CUgraph, const CUgraphNode *, size_t, CUgraph))    \
+    X(cuGraphInstantiateWithFlags, CUresult, (CUgraphExec *, CUgraph, unsigned long long))                   \
+    X(cuGraphInstantiateWithParams, CUresult, (CUgraphExec *, CUgraph, CUDA_GRAPH_INSTANTIATE_PARAMS *))      \
+    X(cuGraphUpload, CUresult, (CUgraphExec, CUstream))                                                      \
+    X(cuGraphExecDestroy, CUresult, (CUgraphExec))                                                           \
+    X(cuDeviceGraphMemTrim, CUresult, (CUdevice))
 API_FUNCS(FN)
 typedef CUresult (*getproc2_t)(const char *, void **, int, cuuint64_t, int *);
 typedef CUresult (*getproc1_t)(const char *, void **, int, cuuint64_t);
@@ -92,6 +101,8 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t, nvmlMemory_t *);
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t, nvmlMemory_v2_t *);
 
 static const char *mode = "direct";
+static CUgraph graph;      /* the graph commands' current graph and executable */
+static CUgraphExec gexec;
 static int is_child;
 static void *libcuda;
 
@@ -474,6 +485,66 @@ int main(int argc, char **argv)
             api.cuStreamEndCapture(s, NULL);
             printf("capture %d %llu\n", rc, (unsigned long long)(now_ns() - t0));
             i += 1;
+        } else if (!strcmp(c, "gcapture")) {
+            /* capture SIZE allocated and freed on a stream, as a runtime's cudaMallocAsync would */
+            static CUstream cs;
+            if (!cs) api.cuStreamCreate(&cs, 0);
+            CUdeviceptr p = 0;
+            api.cuStreamBeginCapture_v2(cs, 0);
+            CUresult rc = api.cuMemAllocAsync(&p, size_arg(ARG(0)), cs);
+            if (rc == CUDA_SUCCESS) rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, cs, NULL, NULL);
+            if (rc == CUDA_SUCCESS) rc = api.cuMemFreeAsync(p, cs);
+            CUresult end = api.cuStreamEndCapture(cs, (void **)&graph);
+            printf("gcapture %d\n", rc != CUDA_SUCCESS ? rc : end);
+            i += 1;
+        } else if (!strcmp(c, "gnode")) {
+            /* an allocation node of SIZE on device DEV, added to the current graph */
+            CUDA_MEM_ALLOC_NODE_PARAMS prm;
+            memset(&prm, 0, sizeof(prm));
+            prm.poolProps.allocType = 1;
+            prm.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            prm.poolProps.location.id = atoi(ARG(1));
+            prm.bytesize = size_arg(ARG(0));
+            CUgraphNode node = NULL;
+            CUresult rc = graph ? CUDA_SUCCESS : api.cuGraphCreate(&graph, 0);
+            if (rc == CUDA_SUCCESS) rc = api.cuGraphAddMemAllocNode(&node, graph, NULL, 0, &prm);
+            printf("gnode %d\n", rc);
+            i += 2;
+        } else if (!strcmp(c, "gchild")) {
+            /* the current graph becomes a child node of a new one */
+            CUgraph parent = NULL;
+            CUgraphNode node = NULL;
+            CUresult rc = api.cuGraphCreate(&parent, 0);
+            if (rc == CUDA_SUCCESS) rc = api.cuGraphAddChildGraphNode(&node, parent, NULL, 0, graph);
+            if (rc == CUDA_SUCCESS) graph = parent;
+            printf("gchild %d\n", rc);
+        } else if (!strcmp(c, "ginst")) {
+            /* instantiate the current graph: flags | upload (WithParams + upload flag) */
+            CUresult rc;
+            if (!strcmp(ARG(0), "upload")) {
+                CUDA_GRAPH_INSTANTIATE_PARAMS prm = {.flags = CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD};
+                rc = api.cuGraphInstantiateWithParams(&gexec, graph, &prm);
+            } else {
+                rc = api.cuGraphInstantiateWithFlags(&gexec, graph, 0);
+            }
+            printf("ginst %d\n", rc);
+            i += 1;
+        } else if (!strcmp(c, "glaunch")) {
+            CUresult rc = api.cuGraphLaunch(gexec, NULL);
+            if (rc == CUDA_SUCCESS) api.cuCtxSynchronize();
+            printf("glaunch %d\n", rc);
+        } else if (!strcmp(c, "gupload")) {
+            printf("gupload %d\n", api.cuGraphUpload(gexec, NULL));
+        } else if (!strcmp(c, "gtrim")) {
+            printf("gtrim %d\n", api.cuDeviceGraphMemTrim(0));
+        } else if (!strcmp(c, "gdestroy")) {
+            printf("gdestroy %d\n", api.cuGraphExecDestroy(gexec));
+            gexec = NULL;
+        } else if (!strcmp(c, "phys")) {
+            /* what the fake driver holds for this process on physical device 0 */
+            typedef uint64_t (*local_t)(int);
+            local_t local = (local_t)dlsym(libcuda, "fake_cuda_local_used");
+            printf("phys 0 %llu\n", local ? (unsigned long long)local(0) : 0ull);
         } else if (!strcmp(c, "sleep")) {
             usleep((useconds_t)atoi(ARG(0)) * 1000);
             printf("sleep 0\n");

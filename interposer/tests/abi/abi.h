@@ -26,7 +26,14 @@
     F(CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) F(CU_GET_PROC_ADDRESS_SUCCESS) \
     F(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) F(CU_MEMPOOL_ATTR_USED_MEM_CURRENT) \
     F(CU_MEM_LOCATION_TYPE_DEVICE) F(CU_STREAM_CAPTURE_STATUS_NONE) F((long)CU_STREAM_PER_THREAD) \
-    F(CU_EVENT_DEFAULT) F(sizeof(CUjit_option)) F(sizeof(CUlibraryOption))
+    F(CU_EVENT_DEFAULT) F(sizeof(CUjit_option)) F(sizeof(CUlibraryOption))  \
+    F(sizeof(CUmemPoolProps)) F(offsetof(CUmemPoolProps, location)) F(offsetof(CUmemPoolProps, usage)) \
+    F(sizeof(CUDA_MEM_ALLOC_NODE_PARAMS)) F(offsetof(CUDA_MEM_ALLOC_NODE_PARAMS, bytesize)) \
+    F(offsetof(CUDA_MEM_ALLOC_NODE_PARAMS, dptr)) F(sizeof(CUDA_GRAPH_INSTANTIATE_PARAMS)) \
+    F(offsetof(CUDA_GRAPH_INSTANTIATE_PARAMS, hUploadStream)) \
+    F(offsetof(CUDA_GRAPH_INSTANTIATE_PARAMS, result_out)) F(sizeof(CUgraphNodeType)) \
+    F(CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT) F(CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT) \
+    F(CU_GRAPH_NODE_TYPE_GRAPH) F(CU_GRAPH_NODE_TYPE_MEM_ALLOC) F(CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)
 
 struct abi_fact {
     const char *expr;

@@ -43,6 +43,7 @@ static int nvisible;
 static int initialized;
 static uint64_t kernel_ns = 10000, pool_chunk = 32ull << 20, ctx_bytes, module_bytes, launch_bytes;
 static uint64_t local_used[FAKE_MAX_DEVS]; /* this process's physical usage */
+static uint64_t graph_reserved[FAKE_MAX_DEVS]; /* each device's graph memory pool (fakegraph.h) */
 static uint64_t kernel_total_ns;
 
 static uint64_t now_ns(void)
@@ -504,6 +505,8 @@ static void ctx_drop(struct fake_ctx *c)
         struct fake_pool *p = &default_pools[c->pdev];
         phys_sub(c->pdev, p->reserved - p->used);
         p->reserved = p->used;
+        phys_sub(c->pdev, graph_reserved[c->pdev]); /* and so does its graph memory */
+        graph_reserved[c->pdev] = 0;
     }
     phys_sub(c->pdev, ctx_bytes + c->modules);
     c->modules = 0;
@@ -898,30 +901,46 @@ API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUmem
     return cuMemAllocFromPoolAsync(dptr, bytes, pool, s);
 }
 
-API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s)
+/* fakegraph.h: on a capturing stream these make graph nodes instead */
+static int fake_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t bytes, CUresult *rc);
+static int fake_capture_free(CUstream s, int ptsz, CUresult *rc);
+
+static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUstream s, int ptsz)
 {
-    (void)s;
     FAIL_POINT("cuMemAllocAsync");
     NEED_CTX();
+    CUresult rc;
+    if (fake_capture_alloc(s, ptsz, dptr, bytes, &rc)) return rc;
     default_pools[current->pdev].pdev = current->pdev;
     return pool_alloc(dptr, bytes, &default_pools[current->pdev]);
 }
 
+API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s)
+{
+    return alloc_async(dptr, bytes, s, 0);
+}
+
 API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUstream s)
 {
-    return cuMemAllocAsync(dptr, bytes, s);
+    return alloc_async(dptr, bytes, s, 1);
+}
+
+static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
+{
+    FAIL_POINT("cuMemFreeAsync");
+    CUresult rc;
+    if (fake_capture_free(s, ptsz, &rc)) return rc;
+    return alloc_free(K_DPTR, dptr);
 }
 
 API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s)
 {
-    (void)s;
-    FAIL_POINT("cuMemFreeAsync");
-    return alloc_free(K_DPTR, dptr);
+    return free_async(dptr, s, 0);
 }
 
 API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s)
 {
-    return cuMemFreeAsync(dptr, s);
+    return free_async(dptr, s, 1);
 }
 
 #include "fakelaunch.h"

@@ -3,9 +3,14 @@
  * graphs, capture) and cuGetProcAddress.  Included by fakecuda.c only.
  */
 
+struct fake_graph;
+static struct fake_graph *fake_graph_new(void);
+static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc);
+
 struct fake_stream {
     uint64_t tail; /* when the last queued work finishes */
     int capturing;
+    struct fake_graph *graph; /* being captured */
 };
 struct fake_event {
     int recorded;
@@ -52,14 +57,21 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s)
 API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
 {
     (void)mode;
-    stream_of(s, 0)->capturing = 1;
+    struct fake_stream *st = stream_of(s, 0);
+    st->capturing = 1;
+    st->graph = fake_graph_new();
     return CUDA_SUCCESS;
 }
 
 API CUresult cuStreamEndCapture(CUstream s, void **graph)
 {
-    stream_of(s, 0)->capturing = 0;
-    if (graph) *graph = NULL;
+    struct fake_stream *st = stream_of(s, 0);
+    st->capturing = 0;
+    if (graph)
+        *graph = st->graph;
+    else
+        free(st->graph);
+    st->graph = NULL;
     return CUDA_SUCCESS;
 }
 
@@ -210,14 +222,19 @@ API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void *
     return c && f ? enqueue(c->hStream, 1, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
-/* A fake graph "executable" is the number of kernels it runs. */
+/* A fake graph "executable" is the number of kernels it runs, or one made
+ * by cuGraphInstantiate* (fakegraph.h). */
 API CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
 {
+    CUresult rc;
+    if (fake_gexec_launch(g, s, 0, &rc)) return rc;
     return g ? enqueue(s, 0, (uint64_t)(uintptr_t)g) : CUDA_ERROR_INVALID_VALUE;
 }
 
 API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
 {
+    CUresult rc;
+    if (fake_gexec_launch(g, s, 1, &rc)) return rc;
     return g ? enqueue(s, 1, (uint64_t)(uintptr_t)g) : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -231,6 +248,8 @@ API uint64_t fake_cuda_local_used(int pdev)
 {
     return pdev >= 0 && pdev < FAKE_MAX_DEVS ? local_used[pdev] : 0;
 }
+
+#include "fakegraph.h"
 
 /* ---- cuGetProcAddress ----------------------------------------------------- */
 
@@ -253,7 +272,11 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuLaunchKernelEx_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2)  \
     X(cuModuleLoad) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary) X(cuModuleUnload)       \
     X(cuModuleGetFunction) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)                    \
-    X(cuLibraryGetKernel) X(cuKernelGetFunction)
+    X(cuLibraryGetKernel) X(cuKernelGetFunction) X(cuGraphCreate) X(cuGraphDestroy) X(cuGraphAddMemAllocNode)   \
+    X(cuGraphAddChildGraphNode) X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)        \
+    X(cuGraphChildGraphNodeGetGraph) X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2)                   \
+    X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
+    X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);
@@ -286,6 +309,7 @@ static const struct {
     {"cuGetProcAddress", 12000, "cuGetProcAddress_v2"}, {"cuDeviceGetUuid", 11040, "cuDeviceGetUuid_v2"},
     {"cuEventDestroy", 4000, "cuEventDestroy_v2"},   {"cuStreamDestroy", 4000, "cuStreamDestroy_v2"},
     {"cuStreamBeginCapture", 10010, "cuStreamBeginCapture_v2"},
+    {"cuGraphInstantiate", 11000, "cuGraphInstantiate_v2"}, {"cuGraphInstantiate", 12000, "cuGraphInstantiateWithFlags"},
 };
 
 static void *func_by_name(const char *name)

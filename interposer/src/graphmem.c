@@ -1,0 +1,378 @@
+/*
+ * graphmem.c - memory of CUDA graphs' allocation nodes.
+ *
+ * A graph's memory allocation nodes (cuGraphAddMemAllocNode, or
+ * cuMemAllocAsync captured on a stream) take no memory when they are made:
+ * the driver maps physical memory into the device's graph memory pool when
+ * an executable graph is uploaded or launched, and keeps it there (reserved,
+ * reused by later launches) until cuDeviceGraphMemTrim or the context goes.
+ * So, per device:
+ *  - captured cuMemAllocAsync / cuMemAllocFromPoolAsync are passed through
+ *    uncharged (pool.c): they are nodes, not memory;
+ *  - cuGraphInstantiate* sums the graph's allocation nodes per device (child
+ *    graphs included), and remembers executable graphs that have any;
+ *  - before such a graph is uploaded or launched, the part of its
+ *    allocations the graph pool cannot already hold, used + need - reserved
+ *    (CU_GRAPH_MEM_ATTR_*), is reserved on the budget; over the cap the call
+ *    returns CUDA_ERROR_OUT_OF_MEMORY and nothing runs.  `need` is the sum of
+ *    the nodes, an upper bound (the driver lets nodes with disjoint lifetimes
+ *    share memory); once the graph has run, a pool at least as large as it
+ *    was after that run needs nothing more, so replays near the cap go on;
+ *  - after it, and after cuDeviceGraphMemTrim, the device's graph charge
+ *    follows CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT (the reservation is
+ *    settled to what the pool really holds; nodes with disjoint lifetimes
+ *    share memory, so it is usually less).
+ * The charge is kept in the allocation map under the context that was
+ * current, so destroying or resetting that context returns it.
+ *
+ * Graph launches of graphs without allocation nodes keep the launch fast
+ * path (launch.c): it checks gs_graph_mem_execs, which stays 0 until a graph
+ * with allocation nodes is instantiated.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpuslice.h"
+
+#define GS_MAX_GEXECS 1024
+#define GS_GRAPH_DEPTH 8
+
+int gs_graph_mem_execs;
+
+struct gexec {
+    CUgraphExec exec;
+    struct gs_graph_need need; /* need.ran[i]: the pool's size after its last launch (0 = never) */
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* the table and every settle */
+static struct gexec g_execs[GS_MAX_GEXECS];
+static int g_n;
+
+/* ---- what a graph allocates ------------------------------------------------ */
+
+static void need_add(struct gs_graph_need *need, CUdevice dev, uint64_t bytes)
+{
+    for (int i = 0; i < need->n; i++) {
+        if (need->dev[i] == dev) {
+            need->bytes[i] += bytes;
+            return;
+        }
+    }
+    if (need->n < GS_GRAPH_DEVS) {
+        need->dev[need->n] = dev;
+        need->bytes[need->n++] = bytes;
+    } else {
+        need->bytes[GS_GRAPH_DEVS - 1] += bytes; /* more devices than tracked: charge the last one */
+    }
+}
+
+static void walk(CUgraph graph, CUdevice here, struct gs_graph_need *need, int depth)
+{
+    size_t n = 0;
+    if (!graph || depth > GS_GRAPH_DEPTH || gs_cuda.cuGraphGetNodes(graph, NULL, &n) != CUDA_SUCCESS || !n) return;
+    CUgraphNode *nodes = calloc(n, sizeof(*nodes));
+    if (!nodes) return;
+    if (gs_cuda.cuGraphGetNodes(graph, nodes, &n) == CUDA_SUCCESS) {
+        for (size_t i = 0; i < n; i++) {
+            CUgraphNodeType type = 0;
+            if (gs_cuda.cuGraphNodeGetType(nodes[i], &type) != CUDA_SUCCESS) continue;
+            if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
+                CUDA_MEM_ALLOC_NODE_PARAMS p;
+                memset(&p, 0, sizeof(p));
+                if (gs_cuda.cuGraphMemAllocNodeGetParams(nodes[i], &p) != CUDA_SUCCESS || !p.bytesize) continue;
+                CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
+                                                                                        : here;
+                need_add(need, dev, gs_charge_size(p.bytesize));
+            } else if (type == CU_GRAPH_NODE_TYPE_GRAPH && gs_cuda.cuGraphChildGraphNodeGetGraph) {
+                CUgraph child = NULL;
+                if (gs_cuda.cuGraphChildGraphNodeGetGraph(nodes[i], &child) == CUDA_SUCCESS)
+                    walk(child, here, need, depth + 1);
+            }
+        }
+    }
+    free(nodes);
+}
+
+/* The graph's allocations per device; n = 0 when it has none or cannot be read. */
+static void graph_need(CUgraph graph, struct gs_graph_need *need)
+{
+    memset(need, 0, sizeof(*need));
+    CUdevice here = 0;
+    if (!gs_cuda.cuGraphGetNodes || !gs_cuda.cuGraphNodeGetType || !gs_cuda.cuGraphMemAllocNodeGetParams ||
+        !gs_cuda.cuDeviceGetGraphMemAttribute)
+        return;
+    if (!gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetDevice(&here) != CUDA_SUCCESS) here = 0;
+    walk(graph, here, need, 0);
+}
+
+/* ---- the executable graphs that allocate ----------------------------------- */
+
+static void remember(CUgraphExec exec, const struct gs_graph_need *need)
+{
+    pthread_mutex_lock(&g_mu);
+    int i = 0;
+    while (i < g_n && g_execs[i].exec != exec) i++;
+    if (i == g_n && g_n < GS_MAX_GEXECS) g_n++;
+    if (i < g_n) {
+        g_execs[i].exec = exec;
+        g_execs[i].need = *need;
+        __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
+    } else {
+        GS_WARN("more than %d graphs with allocation nodes: later ones are charged by the NVML reconcile only",
+                GS_MAX_GEXECS);
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+static void forget(CUgraphExec exec)
+{
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < g_n; i++) {
+        if (g_execs[i].exec == exec) {
+            g_execs[i] = g_execs[--g_n];
+            __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+}
+
+static int lookup(CUgraphExec exec, struct gs_graph_need *need)
+{
+    int found = 0;
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < g_n && !found; i++) {
+        if (g_execs[i].exec == exec) {
+            *need = g_execs[i].need;
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return found;
+}
+
+/* ---- the charge ------------------------------------------------------------ */
+
+static int graph_attr(CUdevice dev, int attr, uint64_t *value)
+{
+    cuuint64_t v = 0;
+    if (!gs_cuda.cuDeviceGetGraphMemAttribute || gs_cuda.cuDeviceGetGraphMemAttribute(dev, attr, &v) != CUDA_SUCCESS)
+        return -1;
+    *value = v;
+    return 0;
+}
+
+/* Bring the device's graph charge to the pool's reserved memory; `reserved`
+ * bytes were already taken from the budget for it (by gs_graphmem_before). */
+static uint64_t settle(CUdevice dev, uint64_t reserved)
+{
+    int slot = gs_dev_slot(dev);
+    if (slot < 0) return 0;
+    CUcontext ctx = NULL;
+    if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
+    pthread_mutex_lock(&g_mu);
+    struct gs_alloc rec = {0}, old;
+    if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) != 0) {
+        rec.slot = slot;
+        rec.ctx = (uint64_t)(uintptr_t)ctx;
+    }
+    uint64_t charged = rec.size + reserved, target = charged;
+    if (graph_attr(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &target) != 0) target = charged;
+    if (target > charged)
+        gs_budget_force(rec.slot, target - charged); /* grew past the reservation: charged all the same */
+    else if (target < charged)
+        gs_budget_release(rec.slot, charged - target);
+    rec.size = target;
+    if (target) gs_am_put(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec, &old);
+    pthread_mutex_unlock(&g_mu);
+    return target;
+}
+
+/* Reserve what the pool cannot hold of `need`; 0 = done, -1 = over the cap (nothing kept). */
+static int reserve(const struct gs_graph_need *need, uint64_t *reserved)
+{
+    for (int i = 0; i < need->n; i++) {
+        uint64_t used = 0, held = 0, extra = 0;
+        int slot = gs_dev_slot(need->dev[i]);
+        reserved[i] = 0;
+        if (slot < 0 || graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
+            graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0)
+            continue;
+        /* it ran before in a pool no smaller than now: it maps nothing new */
+        if (need->ran[i] && held >= need->ran[i]) continue;
+        if (used + need->bytes[i] > held) extra = used + need->bytes[i] - held;
+        if (extra && gs_reserve(slot, extra) != 0) {
+            for (int k = 0; k < i; k++)
+                if (reserved[k]) gs_budget_release(gs_dev_slot(need->dev[k]), reserved[k]);
+            GS_INFO("graph launch refused: its %llu bytes of allocations would exceed the cap",
+                    (unsigned long long)need->bytes[i]);
+            return -1;
+        }
+        reserved[i] = extra;
+    }
+    return 0;
+}
+
+int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *reserved)
+{
+    if (!lookup(exec, need)) return 0;
+    if (reserve(need, reserved) != 0) return -1;
+    gs_unsettled_begin(); /* the driver maps before settle() charges it: no reconcile in between */
+    return 1;
+}
+
+void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const uint64_t *reserved, int ran)
+{
+    uint64_t held[GS_GRAPH_DEVS] = {0};
+    for (int i = 0; i < need->n; i++) held[i] = settle(need->dev[i], reserved[i]);
+    gs_unsettled_end();
+    if (!ran || !exec) return;
+    pthread_mutex_lock(&g_mu);
+    for (int k = 0; k < g_n; k++)
+        if (g_execs[k].exec == exec)
+            for (int i = 0; i < need->n; i++) g_execs[k].need.ran[i] = held[i];
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* ---- the hooks ------------------------------------------------------------- */
+
+typedef CUresult (*instantiate_thunk)(const void *args);
+
+struct inst_args {
+    const void *real;
+    CUgraphExec *exec;
+    CUgraph graph;
+    unsigned long long flags;
+    CUDA_GRAPH_INSTANTIATE_PARAMS *params;
+    CUgraphNode *err;
+    char *log;
+    size_t logsize;
+};
+
+static CUresult call_with_flags(const void *p)
+{
+    const struct inst_args *a = p;
+    return ((cuGraphInstantiateWithFlags_fn)a->real)(a->exec, a->graph, a->flags);
+}
+
+static CUresult call_with_params(const void *p)
+{
+    const struct inst_args *a = p;
+    return ((cuGraphInstantiateWithParams_fn)a->real)(a->exec, a->graph, a->params);
+}
+
+static CUresult call_v2(const void *p)
+{
+    const struct inst_args *a = p;
+    return ((cuGraphInstantiate_v2_fn)a->real)(a->exec, a->graph, a->err, a->log, a->logsize);
+}
+
+static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, int uploads)
+{
+    if (!a->real) return CUDA_ERROR_NOT_SUPPORTED;
+    gs_devices_ready();
+    struct gs_graph_need need;
+    uint64_t reserved[GS_GRAPH_DEVS] = {0};
+    graph_need(a->graph, &need);
+    if (!need.n) return call(a);
+    if (uploads) { /* mapped while instantiating */
+        if (reserve(&need, reserved) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+        gs_unsettled_begin();
+    }
+    CUresult rc = call(a);
+    int made = rc == CUDA_SUCCESS && a->exec;
+    if (made) remember(*a->exec, &need);
+    if (uploads) gs_graphmem_after(made ? *a->exec : NULL, &need, reserved, made);
+    return rc;
+}
+
+GS_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags)
+{
+    gs_cuda_init();
+    struct inst_args a = {.real = (const void *)gs_cuda.cuGraphInstantiateWithFlags, .exec = phGraphExec,
+                          .graph = hGraph, .flags = flags};
+    return instantiate(call_with_flags, &a, 0);
+}
+
+GS_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                         char *logBuffer, size_t bufferSize)
+{
+    gs_cuda_init();
+    struct inst_args a = {.real = (const void *)gs_cuda.cuGraphInstantiate_v2, .exec = phGraphExec,
+                          .graph = hGraph, .err = phErrorNode, .log = logBuffer, .logsize = bufferSize};
+    return instantiate(call_v2, &a, 0);
+}
+
+static CUresult with_params(const void *real, CUgraphExec *phGraphExec, CUgraph hGraph,
+                            CUDA_GRAPH_INSTANTIATE_PARAMS *params)
+{
+    struct inst_args a = {.real = real, .exec = phGraphExec, .graph = hGraph, .params = params};
+    return instantiate(call_with_params, &a, params && (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD));
+}
+
+GS_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
+{
+    gs_cuda_init();
+    return with_params((const void *)gs_cuda.cuGraphInstantiateWithParams, phGraphExec, hGraph, instantiateParams);
+}
+
+GS_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                     CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams)
+{
+    gs_cuda_init();
+    return with_params((const void *)gs_cuda.cuGraphInstantiateWithParams_ptsz, phGraphExec, hGraph,
+                       instantiateParams);
+}
+
+static CUresult upload(cuGraphUpload_fn real, CUgraphExec exec, CUstream stream)
+{
+    if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    struct gs_graph_need need;
+    uint64_t reserved[GS_GRAPH_DEVS];
+    int tracked = gs_graphmem_before(exec, &need, reserved);
+    if (tracked < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(exec, stream);
+    if (tracked) gs_graphmem_after(exec, &need, reserved, rc == CUDA_SUCCESS);
+    return rc;
+}
+
+GS_EXPORT CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream)
+{
+    gs_cuda_init();
+    return upload(gs_cuda.cuGraphUpload, hGraphExec, hStream);
+}
+
+GS_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    gs_cuda_init();
+    return upload(gs_cuda.cuGraphUpload_ptsz, hGraphExec, hStream);
+}
+
+GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuGraphExecDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
+    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE)) forget(hGraphExec);
+    return rc;
+}
+
+GS_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDeviceGraphMemTrim) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuDeviceGraphMemTrim(device);
+    if (rc == CUDA_SUCCESS && gs_cuda.cuDeviceGetGraphMemAttribute) {
+        gs_devices_ready();
+        settle(device, 0);
+    }
+    return rc;
+}
+
+void gs_graphmem_after_fork_child(void)
+{
+    pthread_mutex_init(&g_mu, NULL);
+}

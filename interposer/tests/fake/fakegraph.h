@@ -1,0 +1,322 @@
+/*
+ * fakegraph.h - the fake driver's graphs with memory allocation nodes.
+ * Included by fakecuda.c after fakelaunch.h.
+ *
+ * A graph is a list of nodes: kernels, memory allocations (captured
+ * cuMemAllocAsync or cuGraphAddMemAllocNode), frees, child graphs.  An
+ * executable graph that allocates needs, per device, the sum of its
+ * allocation nodes times FAKE_CUDA_GRAPH_SHARE % (default 100: a real driver
+ * lets nodes with disjoint lifetimes share memory, so the footprint is often
+ * less than the sum); uploading or launching it maps what the device's graph
+ * pool does not hold yet (physical memory, as NVML sees it).  The pool keeps
+ * it until cuDeviceGraphMemTrim or the primary context goes.  Allocation
+ * nodes are taken to be freed inside their graph, so USED_MEM_CURRENT reads 0.
+ * The executables of fakelaunch.h (small integers = kernel counts) still work.
+ */
+
+#define FAKE_GRAPH_MAGIC 0x4752415048ull /* "GRAPH" */
+#define FAKE_MAX_NODES 64
+
+struct fake_node {
+    CUgraphNodeType type;
+    uint64_t bytes;  /* MEM_ALLOC */
+    int ordinal;     /* MEM_ALLOC: the CUDA device */
+    CUdeviceptr dptr;
+    struct fake_graph *child; /* GRAPH */
+};
+struct fake_graph {
+    uint64_t magic;
+    int n;
+    struct fake_node nodes[FAKE_MAX_NODES];
+};
+struct fake_gexec {
+    uint64_t magic;
+    uint64_t kernels;
+    uint64_t need[FAKE_MAX_DEVS]; /* per physical device */
+};
+
+static struct fake_graph *fake_graph_new(void)
+{
+    struct fake_graph *g = calloc(1, sizeof(*g));
+    if (g) g->magic = FAKE_GRAPH_MAGIC;
+    return g;
+}
+
+static struct fake_node *node_add(struct fake_graph *g, CUgraphNodeType type)
+{
+    if (!g || g->magic != FAKE_GRAPH_MAGIC || g->n >= FAKE_MAX_NODES) return NULL;
+    struct fake_node *n = &g->nodes[g->n++];
+    memset(n, 0, sizeof(*n));
+    n->type = type;
+    return n;
+}
+
+static int ordinal_of(int pdev)
+{
+    for (int i = 0; i < nvisible; i++)
+        if (visible[i] == pdev) return i;
+    return 0;
+}
+
+static CUdeviceptr graph_address(uint64_t bytes)
+{
+    pthread_mutex_lock(&mu);
+    CUdeviceptr p = next_handle;
+    next_handle += ((bytes + 0xfffff) & ~0xfffffull) + 0x100000;
+    pthread_mutex_unlock(&mu);
+    return p;
+}
+
+/* cuMemAllocAsync / cuMemFreeAsync on a capturing stream: a node, no memory. */
+static int fake_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t bytes, CUresult *rc)
+{
+    struct fake_stream *st = stream_of(s, ptsz);
+    if (!st->capturing) return 0;
+    struct fake_node *n = node_add(st->graph, CU_GRAPH_NODE_TYPE_MEM_ALLOC);
+    if (!n || !dptr || !bytes) {
+        *rc = CUDA_ERROR_INVALID_VALUE;
+        return 1;
+    }
+    n->bytes = bytes;
+    n->ordinal = ordinal_of(current->pdev);
+    n->dptr = *dptr = graph_address(bytes);
+    *rc = CUDA_SUCCESS;
+    return 1;
+}
+
+static int fake_capture_free(CUstream s, int ptsz, CUresult *rc)
+{
+    struct fake_stream *st = stream_of(s, ptsz);
+    if (!st->capturing) return 0;
+    *rc = node_add(st->graph, 11 /* CU_GRAPH_NODE_TYPE_MEM_FREE */) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return 1;
+}
+
+static struct fake_graph *graph_of(CUgraph g)
+{
+    struct fake_graph *fg = (struct fake_graph *)g;
+    return fg && fg->magic == FAKE_GRAPH_MAGIC ? fg : NULL;
+}
+
+static struct fake_node *node_of(CUgraphNode n)
+{
+    return (struct fake_node *)n;
+}
+
+API CUresult cuGraphCreate(CUgraph *g, unsigned int flags)
+{
+    (void)flags;
+    if (!g) return CUDA_ERROR_INVALID_VALUE;
+    *g = (CUgraph)fake_graph_new();
+    return *g ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+API CUresult cuGraphDestroy(CUgraph g)
+{
+    struct fake_graph *fg = graph_of(g);
+    if (!fg) return CUDA_ERROR_INVALID_VALUE;
+    fg->magic = 0;
+    free(fg);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                                    CUDA_MEM_ALLOC_NODE_PARAMS *params)
+{
+    (void)deps, (void)ndeps;
+    if (!node || !params || !params->bytesize) return CUDA_ERROR_INVALID_VALUE;
+    struct fake_node *n = node_add(graph_of(g), CU_GRAPH_NODE_TYPE_MEM_ALLOC);
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    n->bytes = params->bytesize;
+    n->ordinal = params->poolProps.location.id;
+    n->dptr = params->dptr = graph_address(params->bytesize);
+    *node = (CUgraphNode)n;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphAddChildGraphNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                                      CUgraph child)
+{
+    (void)deps, (void)ndeps;
+    if (!node || !graph_of(child)) return CUDA_ERROR_INVALID_VALUE;
+    struct fake_node *n = node_add(graph_of(g), CU_GRAPH_NODE_TYPE_GRAPH);
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    n->child = graph_of(child);
+    *node = (CUgraphNode)n;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *count)
+{
+    FAIL_POINT("cuGraphGetNodes");
+    struct fake_graph *fg = graph_of(g);
+    if (!fg || !count) return CUDA_ERROR_INVALID_VALUE;
+    if (nodes)
+        for (size_t i = 0; i < *count && i < (size_t)fg->n; i++) nodes[i] = (CUgraphNode)&fg->nodes[i];
+    *count = (size_t)fg->n;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphNodeGetType(CUgraphNode n, CUgraphNodeType *type)
+{
+    if (!n || !type) return CUDA_ERROR_INVALID_VALUE;
+    *type = node_of(n)->type;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, CUDA_MEM_ALLOC_NODE_PARAMS *p)
+{
+    if (!n || !p || node_of(n)->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_INVALID_VALUE;
+    memset(p, 0, sizeof(*p));
+    p->poolProps.allocType = 1;
+    p->poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p->poolProps.location.id = node_of(n)->ordinal;
+    p->bytesize = node_of(n)->bytes;
+    p->dptr = node_of(n)->dptr;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode n, CUgraph *g)
+{
+    if (!n || !g || node_of(n)->type != CU_GRAPH_NODE_TYPE_GRAPH) return CUDA_ERROR_INVALID_VALUE;
+    *g = (CUgraph)node_of(n)->child;
+    return CUDA_SUCCESS;
+}
+
+static void exec_sum(struct fake_gexec *e, const struct fake_graph *g, int depth)
+{
+    for (int i = 0; g && depth < 8 && i < g->n; i++) {
+        const struct fake_node *n = &g->nodes[i];
+        if (n->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && n->ordinal >= 0 && n->ordinal < nvisible)
+            e->need[visible[n->ordinal]] += n->bytes;
+        else if (n->type == CU_GRAPH_NODE_TYPE_GRAPH)
+            exec_sum(e, n->child, depth + 1);
+    }
+}
+
+/* Map what the graph pool does not hold yet of e's footprint. */
+static CUresult gexec_map(struct fake_gexec *e)
+{
+    const char *share = getenv("FAKE_CUDA_GRAPH_SHARE");
+    uint64_t pct = share && *share ? strtoull(share, NULL, 10) : 100;
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&mu);
+    for (int d = 0; d < FAKE_MAX_DEVS && rc == CUDA_SUCCESS; d++) {
+        uint64_t footprint = e->need[d] * pct / 100;
+        if (footprint <= graph_reserved[d]) continue;
+        rc = phys_add(d, footprint - graph_reserved[d]);
+        if (rc == CUDA_SUCCESS) graph_reserved[d] = footprint;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload)
+{
+    FAIL_POINT("cuGraphInstantiate");
+    struct fake_graph *fg = graph_of(g);
+    if (!exec || !fg) return CUDA_ERROR_INVALID_VALUE;
+    struct fake_gexec *e = calloc(1, sizeof(*e));
+    if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
+    e->magic = FAKE_GRAPH_MAGIC;
+    e->kernels = 1;
+    exec_sum(e, fg, 0);
+    CUresult rc = upload ? gexec_map(e) : CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS) {
+        free(e);
+        return rc;
+    }
+    *exec = (CUgraphExec)e;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph g, unsigned long long flags)
+{
+    (void)flags;
+    return instantiate(exec, g, 0);
+}
+
+API CUresult cuGraphInstantiate_v2(CUgraphExec *exec, CUgraph g, CUgraphNode *err, char *log, size_t size)
+{
+    (void)err, (void)log, (void)size;
+    return instantiate(exec, g, 0);
+}
+
+API CUresult cuGraphInstantiateWithParams(CUgraphExec *exec, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = instantiate(exec, g, (p->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) != 0);
+    p->result_out = rc == CUDA_SUCCESS ? 0 : 1;
+    return rc;
+}
+
+API CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *exec, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    return cuGraphInstantiateWithParams(exec, g, p);
+}
+
+static struct fake_gexec *gexec_of(CUgraphExec g)
+{
+    struct fake_gexec *e = (struct fake_gexec *)g;
+    return (uintptr_t)g > 0x10000 && e->magic == FAKE_GRAPH_MAGIC ? e : NULL;
+}
+
+/* cuGraphLaunch of an executable made here; 0 if g is fakelaunch.h's kind. */
+static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc)
+{
+    struct fake_gexec *e = gexec_of(g);
+    if (!e) return 0;
+    *rc = gexec_map(e);
+    if (*rc == CUDA_SUCCESS) *rc = enqueue(s, ptsz, e->kernels);
+    return 1;
+}
+
+API CUresult cuGraphUpload(CUgraphExec g, CUstream s)
+{
+    (void)s;
+    struct fake_gexec *e = gexec_of(g);
+    return e ? gexec_map(e) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuGraphUpload_ptsz(CUgraphExec g, CUstream s)
+{
+    return cuGraphUpload(g, s);
+}
+
+API CUresult cuGraphExecDestroy(CUgraphExec g)
+{
+    struct fake_gexec *e = gexec_of(g);
+    if (!e) return CUDA_ERROR_INVALID_VALUE;
+    e->magic = 0;
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGraphMemTrim(CUdevice d)
+{
+    if (d < 0 || d >= nvisible) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    phys_sub(visible[d], graph_reserved[visible[d]]);
+    graph_reserved[visible[d]] = 0;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, CUgraphMem_attribute attr, void *value)
+{
+    FAIL_POINT("cuDeviceGetGraphMemAttribute");
+    if (d < 0 || d >= nvisible) return CUDA_ERROR_INVALID_DEVICE;
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    switch (attr) {
+    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT:
+    case 1: /* USED_MEM_HIGH */
+        *(cuuint64_t *)value = 0;
+        return CUDA_SUCCESS;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT:
+    case 3: /* RESERVED_MEM_HIGH */
+        *(cuuint64_t *)value = graph_reserved[visible[d]];
+        return CUDA_SUCCESS;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+}

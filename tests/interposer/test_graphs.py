@@ -1,0 +1,136 @@
+"""CUDA graphs' memory allocation nodes: charged when the graph maps them, not when captured.
+
+The fake driver's graphs (``interposer/tests/fake/fakegraph.h``) map the sum of their
+allocation nodes (times FAKE_CUDA_GRAPH_SHARE %) into a per-device graph pool at upload or
+launch, keep it until cuDeviceGraphMemTrim, and report the pool through
+cuDeviceGetGraphMemAttribute, as the real driver does. ``phys`` prints what the fake driver
+really holds for the process: the charge must follow it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+GIB = 1 << 30
+MIB = 1 << 20
+OOM = 2
+CAP = {"CUDA_DEVICE_MEMORY_LIMIT": "1g"}
+
+
+def free_seen(res) -> list[int]:
+    return [vals[0] for _, vals in res.of("meminfo")]
+
+
+def phys(res) -> list[int]:
+    return [vals[0] for _, vals in res.of("phys")]
+
+
+def test_capturing_an_allocation_takes_no_budget(lab):
+    # 2 GiB against a 1 GiB cap: capturing only records the node (refusing it here would break
+    # graphs that never run, or run after other memory is freed)
+    res = lab.run("init", "ctx", "0", "gcapture", "2g", "meminfo", "phys", **CAP)
+    assert res.rc("gcapture") == 0
+    assert free_seen(res) == [GIB]
+    assert phys(res) == [0]
+
+
+@pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
+def test_a_graph_launch_charges_what_it_maps_and_a_trim_returns_it(lab, api):
+    res = lab.run("init", "ctx", "0", "gcapture", "600m", "ginst", "flags", "meminfo", "glaunch",
+                  "meminfo", "phys", "glaunch", "meminfo", "gtrim", "meminfo", "phys", api=api, **CAP)
+    assert [res.rc(c) for c in ("gcapture", "ginst", "glaunch", "gtrim")] == [0, 0, 0, 0]
+    assert free_seen(res) == [GIB, GIB - 600 * MIB, GIB - 600 * MIB, GIB]  # a replay maps nothing
+    assert phys(res) == [600 * MIB, 0]
+
+
+def test_a_graph_that_does_not_fit_is_refused_before_it_maps_anything(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "gcapture", "600m", "ginst", "flags",
+                  "glaunch", "meminfo", "phys", "free", "0", "glaunch", "meminfo", **CAP)
+    assert [rc for rc, _ in res.of("glaunch")] == [OOM, 0]  # fits once the plain 600 MiB is freed
+    assert free_seen(res) == [GIB - 600 * MIB, GIB - 600 * MIB]
+    assert phys(res) == [600 * MIB]  # the refused launch mapped nothing
+
+
+def test_the_charge_settles_to_what_the_pool_really_holds(lab):
+    # two 400 MiB nodes whose lifetimes do not overlap share memory: 400 MiB mapped, not 800
+    res = lab.run("init", "ctx", "0", "gnode", "400m", "0", "gnode", "400m", "0", "ginst", "flags",
+                  "glaunch", "meminfo", "phys", **CAP, FAKE_CUDA_GRAPH_SHARE="50")
+    assert res.rc("glaunch") == 0
+    assert free_seen(res) == [GIB - 400 * MIB]
+    assert phys(res) == [400 * MIB]
+
+
+def test_a_graph_that_ran_is_replayed_near_the_cap(lab):
+    # its 800 MiB of nodes map 400 MiB. With 500 MiB allocated after the first launch, the
+    # nodes' sum would not fit (900 used + 800 - 400 held > 1024), but a graph that ran in a pool
+    # no smaller than now maps nothing new: the replays go on
+    res = lab.run("init", "ctx", "0", "gnode", "400m", "0", "gnode", "400m", "0", "ginst", "flags",
+                  "glaunch", "alloc", "500m", "glaunch", "glaunch", "meminfo", **CAP,
+                  FAKE_CUDA_GRAPH_SHARE="50")
+    assert [rc for rc, _ in res.of("glaunch")] == [0, 0, 0]
+    assert free_seen(res) == [GIB - 900 * MIB]
+
+
+def test_allocations_in_child_graphs_count(lab):
+    res = lab.run("init", "ctx", "0", "gnode", "300m", "0", "gchild", "ginst", "flags", "glaunch",
+                  "meminfo", **CAP)
+    assert res.rc("glaunch") == 0
+    assert free_seen(res) == [GIB - 300 * MIB]
+
+
+def test_instantiate_with_upload_maps_and_charges_at_once(lab):
+    res = lab.run("init", "ctx", "0", "gcapture", "600m", "ginst", "upload", "meminfo", "phys",
+                  **CAP)
+    assert res.rc("ginst") == 0
+    assert free_seen(res) == [GIB - 600 * MIB]
+    assert phys(res) == [600 * MIB]
+
+
+def test_instantiate_with_upload_over_the_cap_is_refused(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "gcapture", "600m", "ginst", "upload",
+                  "meminfo", "phys", **CAP)
+    assert res.rc("ginst") == OOM
+    assert free_seen(res) == [GIB - 600 * MIB]
+    assert phys(res) == [600 * MIB]
+
+
+def test_cuGraphUpload_charges_like_a_launch(lab):
+    res = lab.run("init", "ctx", "0", "gcapture", "300m", "ginst", "flags", "gupload", "meminfo",
+                  "glaunch", "meminfo", **CAP)
+    assert res.rc("gupload") == 0 and res.rc("glaunch") == 0
+    assert free_seen(res) == [GIB - 300 * MIB, GIB - 300 * MIB]
+
+
+def test_resetting_the_context_returns_graph_memory(lab):
+    res = lab.run("init", "ctx", "0", "gcapture", "600m", "ginst", "flags", "glaunch", "reset", "0",
+                  "phys", **CAP)
+    assert res.rc("reset") == 0
+    assert phys(res) == [0]
+    assert lab.used() == 0
+
+
+def test_destroying_the_executable_keeps_the_pool_charged_until_trimmed(lab):
+    res = lab.run("init", "ctx", "0", "gcapture", "200m", "ginst", "flags", "glaunch", "gdestroy",
+                  "meminfo", "gtrim", "meminfo", **CAP)
+    assert res.rc("gdestroy") == 0
+    assert free_seen(res) == [GIB - 200 * MIB, GIB]
+
+
+def test_failing_graph_queries_leave_the_graph_uncharged_not_broken(release_lab):
+    # the driver cannot list the graph's nodes: the graph still instantiates and runs, and the
+    # NVML reconcile is what would see its memory
+    res = release_lab.run("init", "ctx", "0", "gcapture", "300m", "ginst", "flags", "glaunch",
+                          "meminfo", **CAP, FAKE_CUDA_FAIL="cuGraphGetNodes")
+    assert res.rc("ginst") == 0 and res.rc("glaunch") == 0
+    assert free_seen(res) == [GIB]
+
+
+def test_graph_memory_is_not_counted_twice_by_the_near_cap_reconcile(lab):
+    # 600 MiB of graph pool, then an allocation within the reconcile margin of the cap: NVML's
+    # per-process figure includes the graph pool, which is already charged
+    res = lab.run("init", "ctx", "0", "gcapture", "600m", "ginst", "flags", "glaunch", "alloc",
+                  "300m", "nvmlqueries", "meminfo", "phys", **CAP)
+    assert res.rc("alloc") == 0
+    assert res.values("nvmlqueries")[0] >= 1  # the reconcile did ask
+    assert free_seen(res) == [GIB - 900 * MIB]
+    assert phys(res) == [900 * MIB]
