@@ -23,6 +23,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "10,306 MiB at OOM", "test_outside_usage_never_exceeds_cap"),
     ("oom_torch", "1 over cap: torch OOM error, frees return", "OOM error; exact", "-",
      "test_torch_oom_is_catchable_and_frees_return_the_budget"),
+    ("graph_memory", "1 CUDA graph allocations (launch, trim)", "charged; over cap refused",
+     "-", "test_graph_allocations_are_charged_when_launched_and_refused_over_cap"),
     ("largest_torch", "2 largest allocation, PyTorch", "footprint <= ctx+64", "9.47 GiB",
      "test_largest_allocation_within_context_footprint_of_cap[torch]"),
     ("largest_cupy", "2 largest allocation, CuPy", "footprint <= ctx+64", "9.47 GiB",

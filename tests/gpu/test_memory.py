@@ -1,11 +1,16 @@
 """Real GPU, memory cap: the largest allocation PyTorch, CuPy and JAX get under a 10 GiB cap,
-against the context's own footprint; PyTorch's OOM and frees; JAX's default environment."""
+against the context's own footprint; PyTorch's OOM and frees; JAX's default environment; a
+CUDA graph's allocation nodes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from gpu import harness
 from gpu.fills import Fills
 from gpu.harness import CAP_MIB, MIB, record
+from gpu.nvmlwatch import Nvml, Poller
 
 pytestmark = pytest.mark.gpu
 
@@ -72,3 +77,30 @@ def test_torch_oom_is_catchable_and_frees_return_the_budget(fills: Fills) -> Non
     assert abs(used_after - used_before) <= 4, (
         f"after freeing everything the slice shows {used_after:,.0f} MiB used, "
         f"{used_before:,.0f} before the fill")
+
+
+GRAPH_MIB = 2048
+
+
+def test_graph_allocations_are_charged_when_launched_and_refused_over_cap(
+        nvml: Nvml, gpubench: Path, lib: Path) -> None:
+    """A captured cuMemAllocAsync graph: charged at launch, kept until trimmed, refused over."""
+    env = harness.capped_env(harness.new_region("graph"))
+    with Poller(nvml, "graph") as poller:
+        got = harness.run([str(gpubench), "graph", str(GRAPH_MIB)], env, 60, poller=poller)
+    outside = poller.summary()
+    grew = got["used_after_launch"] - got["used_before"]
+    checks = {
+        "launch ok": got["launch_rc"] == 0 and got["again_rc"] == 0,
+        "nothing at instantiate": abs(got["used_after_instantiate"] - got["used_before"]) <= 2,
+        f"launch charges {GRAPH_MIB} MiB": GRAPH_MIB <= grew <= GRAPH_MIB + SLACK_MIB,
+        "replay charges nothing more": abs(got["used_after_replay"] - got["used_after_launch"]) <= 2,
+        "trim returns it": abs(got["used_after_trim"] - got["used_before"]) <= 2,
+        "over the cap refused": got["big_rc"] == 2,
+        "outside <= cap": outside["max_mib"] <= CAP_MIB,
+    }
+    failed = [name for name, good in checks.items() if not good]
+    record("graph_memory", f"+{grew:,.0f} MiB at launch, big graph rc {got['big_rc']}, outside "
+           f"{outside['max_mib']:,.0f}" + (f"; wrong: {failed}" if failed else ""), not failed,
+           checks=checks, result=got, outside=outside)
+    assert not failed, f"graph memory: {failed} ({got})"

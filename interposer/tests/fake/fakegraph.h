@@ -320,3 +320,18 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, CUgraphMem_attribute attr,
         return CUDA_ERROR_INVALID_VALUE;
     }
 }
+
+/* For tests/gpu/native/gpubench.c, run against the fake driver. */
+API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s)
+{
+    (void)v, (void)s;
+    return p && n ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuGetErrorName(CUresult err, const char **name)
+{
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    *name = err == CUDA_SUCCESS ? "CUDA_SUCCESS" : err == CUDA_ERROR_OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
+                                                                                 : "CUDA_ERROR_FAKE";
+    return CUDA_SUCCESS;
+}

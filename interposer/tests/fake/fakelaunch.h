@@ -276,7 +276,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuGraphAddChildGraphNode) X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)        \
     X(cuGraphChildGraphNodeGetGraph) X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2)                   \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
-    X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute)
+    X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuGetErrorName)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);

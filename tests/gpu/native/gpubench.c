@@ -11,6 +11,10 @@
  *   gpubench serve                        stdin lines: alloc BYTES | free IDX | info | quit
  *   gpubench launch LAUNCHES REPS BATCH   empty-kernel launch cost (CPU call cost and saturated)
  *   gpubench allocfree BYTES PAIRS REPS   cuMemAlloc + cuMemFree pair cost
+ *   gpubench graph MIB                    a captured graph that allocates MIB (cuMemAllocAsync,
+ *                                         memset, cuMemFreeAsync): memory seen before and after
+ *                                         instantiate, launch and cuDeviceGraphMemTrim, then a
+ *                                         graph of 1 GiB more than the view's free memory
  *
  * Benchmarks print one line "RESULT {json}"; errors go to stderr with exit status 2.
  */
@@ -29,6 +33,8 @@ typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef unsigned long long CUdeviceptr;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
 
 /* name, return type, parameters: the only driver calls this program makes. */
 #define DRIVER_CALLS(X)                                                                  \
@@ -47,6 +53,18 @@ typedef unsigned long long CUdeviceptr;
     X(CUresult, cuLaunchKernel,                                                          \
       (CUfunction fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,   \
        unsigned bz, unsigned shared, CUstream stream, void **params, void **extra))      \
+    X(CUresult, cuStreamCreate, (CUstream * stream, unsigned int flags))                 \
+    X(CUresult, cuStreamSynchronize, (CUstream stream))                                  \
+    X(CUresult, cuStreamBeginCapture_v2, (CUstream stream, int mode))                    \
+    X(CUresult, cuStreamEndCapture, (CUstream stream, CUgraph * graph))                  \
+    X(CUresult, cuMemAllocAsync, (CUdeviceptr * ptr, size_t bytes, CUstream stream))     \
+    X(CUresult, cuMemFreeAsync, (CUdeviceptr ptr, CUstream stream))                      \
+    X(CUresult, cuMemsetD8Async, (CUdeviceptr ptr, unsigned char v, size_t n, CUstream s)) \
+    X(CUresult, cuGraphInstantiateWithFlags, (CUgraphExec * exec, CUgraph g, unsigned long long f)) \
+    X(CUresult, cuGraphLaunch, (CUgraphExec exec, CUstream stream))                      \
+    X(CUresult, cuGraphExecDestroy, (CUgraphExec exec))                                  \
+    X(CUresult, cuGraphDestroy, (CUgraph g))                                             \
+    X(CUresult, cuDeviceGraphMemTrim, (CUdevice dev))                                    \
     X(CUresult, cuGetErrorName, (CUresult err, const char **name))
 
 #ifdef GPUBENCH_DLOPEN
@@ -269,10 +287,65 @@ static int cmd_allocfree(size_t bytes, int pairs, int reps)
     return 0;
 }
 
+static double used_mib(void)
+{
+    size_t free_bytes = 0, total = 0;
+    check(CALL(cuMemGetInfo_v2)(&free_bytes, &total), "cuMemGetInfo_v2");
+    return (double)(total - free_bytes) / (1 << 20);
+}
+
+/* Capture alloc + memset + free of `bytes`, instantiate, launch: the launch's result. */
+static CUresult graph_run(CUstream s, size_t bytes, double *after_inst, double *after_launch)
+{
+    CUgraph g = NULL;
+    CUgraphExec e = NULL;
+    CUdeviceptr p = 0;
+    check(CALL(cuStreamBeginCapture_v2)(s, 2 /* relaxed */), "cuStreamBeginCapture_v2");
+    CUresult rc = CALL(cuMemAllocAsync)(&p, bytes, s);
+    if (rc == 0) rc = CALL(cuMemsetD8Async)(p, 1, bytes, s);
+    if (rc == 0) rc = CALL(cuMemFreeAsync)(p, s);
+    CUresult end = CALL(cuStreamEndCapture)(s, &g);
+    check(rc ? rc : end, "capture");
+    check(CALL(cuGraphInstantiateWithFlags)(&e, g, 0), "cuGraphInstantiateWithFlags");
+    if (after_inst) *after_inst = used_mib();
+    rc = CALL(cuGraphLaunch)(e, s);
+    if (rc == 0) check(CALL(cuStreamSynchronize)(s), "cuStreamSynchronize");
+    if (after_launch) *after_launch = used_mib();
+    CALL(cuGraphExecDestroy)(e);
+    CALL(cuGraphDestroy)(g);
+    return rc;
+}
+
+static int cmd_graph(size_t mib)
+{
+    CUdevice dev = open_device();
+    CUstream s = NULL;
+    check(CALL(cuStreamCreate)(&s, 1 /* non-blocking */), "cuStreamCreate");
+    double before = used_mib(), inst = 0, launched = 0;
+    CUresult rc = graph_run(s, mib << 20, &inst, &launched);
+    CUresult again = graph_run(s, mib << 20, NULL, NULL);
+    double replayed = used_mib();
+    check(CALL(cuDeviceGraphMemTrim)(dev), "cuDeviceGraphMemTrim");
+    double trimmed = used_mib();
+    size_t free_bytes = 0, total = 0;
+    check(CALL(cuMemGetInfo_v2)(&free_bytes, &total), "cuMemGetInfo_v2");
+    size_t big = free_bytes + ((size_t)1 << 30);
+    double big_after = 0;
+    CUresult big_rc = graph_run(s, big, NULL, &big_after);
+    CALL(cuDeviceGraphMemTrim)(dev);
+    printf("RESULT {\"launch_rc\": %d, \"again_rc\": %d, \"big_rc\": %d, \"big_mib\": %.1f, "
+           "\"used_before\": %.1f, \"used_after_instantiate\": %.1f, \"used_after_launch\": %.1f, "
+           "\"used_after_replay\": %.1f, \"used_after_trim\": %.1f, \"used_after_big\": %.1f, "
+           "\"total_mib\": %.1f}\n",
+           rc, again, big_rc, (double)big / (1 << 20), before, inst, launched, replayed, trimmed, big_after,
+           (double)total / (1 << 20));
+    return 0;
+}
+
 static int usage(void)
 {
     fprintf(stderr, "usage: gpubench info | serve | launch LAUNCHES REPS BATCH | "
-                    "allocfree BYTES PAIRS REPS\n");
+                    "allocfree BYTES PAIRS REPS | graph MIB\n");
     return 64;
 }
 
@@ -294,6 +367,12 @@ int main(int argc, char **argv)
         if (bytes <= 0 || pairs <= 0 || reps <= 0)
             return usage();
         return cmd_allocfree((size_t)bytes, pairs, reps);
+    }
+    if (argc == 3 && strcmp(argv[1], "graph") == 0) {
+        long long mib = atoll(argv[2]);
+        if (mib <= 0)
+            return usage();
+        return cmd_graph((size_t)mib);
     }
     return usage();
 }
