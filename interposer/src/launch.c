@@ -56,6 +56,7 @@
 #define GS_SCALE_MAX_MILLI 1750u  /* clock compensation: at most 1.75 x */
 #define GS_UTIL_MIN 5u            /* below this utilisation (%) the power estimate is noise */
 #define GS_WINDOW 4               /* samples the estimate averages (2 s at the sampler's 500 ms) */
+#define GS_WARMUP_SAMPLES 2       /* busy samples after idle not used (power is a 1 s average) */
 #define GS_IDLE_SAMPLES 2         /* consecutive samples at 0% utilisation before power counts as idle */
 
 enum { THROTTLE_UNKNOWN = 0, THROTTLE_OFF = 1, THROTTLE_ON = 2 };
@@ -137,7 +138,7 @@ void gs_launch_sample(void)
 {
     /* sampler thread only */
     static int idle_run[GPUSLICE_MAX_DEVICES];
-    static unsigned util_prev[GPUSLICE_MAX_DEVICES];
+    static unsigned busy_run[GPUSLICE_MAX_DEVICES];
     static unsigned win_power[GPUSLICE_MAX_DEVICES][GS_WINDOW], win_util[GPUSLICE_MAX_DEVICES][GS_WINDOW];
     static unsigned win_next[GPUSLICE_MAX_DEVICES];
     struct gpuslice_region *r = gs_region;
@@ -164,11 +165,11 @@ void gs_launch_sample(void)
         /* board power is averaged over about a second: only a second idle sample in a row is idle power */
         idle_run[slot] = util.gpu ? 0 : idle_run[slot] + 1;
         if (idle_run[slot] >= GS_IDLE_SAMPLES && power) lower_idle_power(d, power);
-        unsigned was = util_prev[slot];
-        util_prev[slot] = util.gpu;
-        /* idle or nearly: nothing to learn, keep the last scale; just after idle, power
-         * (averaged over a longer window than utilisation) still reads low: wait a sample */
-        if (util.gpu < GS_UTIL_MIN || was < GS_UTIL_MIN) continue;
+        /* idle or nearly: nothing to learn, keep the last scale.  Just after idle, power
+         * (averaged over a second, twice the sampling interval) still reads part of the idle
+         * time: the first GS_WARMUP_SAMPLES busy samples are not used */
+        busy_run[slot] = util.gpu < GS_UTIL_MIN ? 0 : busy_run[slot] + 1;
+        if (busy_run[slot] <= GS_WARMUP_SAMPLES) continue;
         unsigned k = win_next[slot]++ % GS_WINDOW;
         win_power[slot][k] = power;
         win_util[slot][k] = util.gpu;

@@ -27,6 +27,7 @@
 #include "fakestate.h"
 
 #include <dlfcn.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <time.h>
@@ -44,6 +45,20 @@ static int initialized;
 static uint64_t kernel_ns = 10000, pool_chunk = 32ull << 20, ctx_bytes, module_bytes, launch_bytes;
 static uint64_t local_used[FAKE_MAX_DEVS]; /* this process's physical usage */
 static uint64_t graph_reserved[FAKE_MAX_DEVS]; /* each device's graph memory pool (fakegraph.h) */
+
+/* A clock that follows the power limit, when FAKE_GPU_EXPONENT is set: the GPU
+ * runs at FAKE_GPU_MAX_MHZ (1980) unless its kernels, at the utilisation of the
+ * last 50 ms, would draw more than the limit, FAKE_NVML_IDLE_MW +
+ * u x FAKE_NVML_DYNAMIC_MW x (f / max)^exponent <= FAKE_NVML_POWER_LIMIT_MW;
+ * then it runs at the clock where they fit.  Kernels take FAKE_CUDA_KERNEL_US
+ * at the maximum clock and proportionally longer below it, unless
+ * FAKE_GPU_MEMBOUND=1 (their time does not depend on the clock).  The fake
+ * NVML reads the clock to report the power. */
+static double clk_exp, clk_max = 1980, clk_limit, clk_idle, clk_dyn;
+static int clk_membound;
+static double clk_mhz = 1980;
+static uint64_t clk_t0, clk_busy0;
+static double clk_energy; /* dynamic energy of the kernels queued so far, mW x ns */
 static uint64_t kernel_total_ns;
 
 static uint64_t now_ns(void)
@@ -202,6 +217,63 @@ static void setup(void)
     if (v) module_bytes = fake_size(v);
     v = getenv("FAKE_CUDA_LAUNCH_BYTES");
     if (v) launch_bytes = fake_size(v);
+    v = getenv("FAKE_GPU_EXPONENT");
+    if (v && *v) {
+        clk_exp = atof(v);
+        if ((v = getenv("FAKE_GPU_MAX_MHZ"))) clk_max = atof(v);
+        clk_mhz = clk_max;
+        clk_limit = (v = getenv("FAKE_NVML_POWER_LIMIT_MW")) ? atof(v) : 700000;
+        clk_idle = (v = getenv("FAKE_NVML_IDLE_MW")) ? atof(v) : clk_limit / 7;
+        clk_dyn = (v = getenv("FAKE_NVML_DYNAMIC_MW")) ? atof(v) : 0;
+        clk_membound = (v = getenv("FAKE_GPU_MEMBOUND")) && atoi(v);
+    }
+}
+
+/* The clock for work queued now (clock model on), from the last 50 ms. */
+static double clock_now(uint64_t now)
+{
+    if (!clk_exp) return clk_max;
+    pthread_mutex_lock(&mu);
+    uint64_t busy = __atomic_load_n(&kernel_total_ns, __ATOMIC_RELAXED);
+    if (!clk_t0) {
+        clk_t0 = now;
+        clk_busy0 = busy;
+    } else if (now - clk_t0 >= 50000000ull || busy - clk_busy0 >= 50000000ull) {
+        /* work queued faster than time passes keeps the GPU fully busy */
+        double span = (double)(now - clk_t0), queued = (double)(busy - clk_busy0);
+        double u = queued >= span ? 1 : queued / span;
+        double f = clk_max;
+        if (u > 0 && clk_dyn > 0 && clk_idle + u * clk_dyn > clk_limit)
+            f = clk_max * pow((clk_limit - clk_idle) / (u * clk_dyn), 1.0 / clk_exp);
+        clk_mhz = f;
+        clk_t0 = now;
+        clk_busy0 = busy;
+    }
+    double f = clk_mhz;
+    pthread_mutex_unlock(&mu);
+    return f;
+}
+
+/* Test-only: the fake GPU's clock (MHz), and the dynamic energy of the kernels
+ * queued so far (mW x ns), from which the fake NVML averages board power. */
+API double fake_cuda_clock_mhz(void)
+{
+    return clk_mhz;
+}
+
+API double fake_cuda_energy(void)
+{
+    pthread_mutex_lock(&mu);
+    double e = clk_energy;
+    pthread_mutex_unlock(&mu);
+    return e;
+}
+
+static void add_energy(uint64_t busy_ns, double mhz)
+{
+    pthread_mutex_lock(&mu);
+    clk_energy += (double)busy_ns * clk_dyn * pow(mhz / clk_max, clk_exp);
+    pthread_mutex_unlock(&mu);
 }
 
 API CUresult cuInit(unsigned int flags)

@@ -169,9 +169,14 @@ static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
     struct fake_stream *st = stream_of(s, ptsz);
     uint64_t tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
     if (tail > 1024 * kernel_ns) sleep_until(tail - 1024 * kernel_ns); /* the launch queue is full */
-    uint64_t n = now_ns();
-    __atomic_store_n(&st->tail, (tail > n ? tail : n) + count * kernel_ns, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&kernel_total_ns, count * kernel_ns, __ATOMIC_RELAXED);
+    uint64_t n = now_ns(), each = kernel_ns;
+    if (clk_exp) {
+        double mhz = clock_now(n);
+        if (!clk_membound) each = (uint64_t)((double)kernel_ns * clk_max / mhz);
+        add_energy(count * each, mhz);
+    }
+    __atomic_store_n(&st->tail, (tail > n ? tail : n) + count * each, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&kernel_total_ns, count * each, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
 }
 

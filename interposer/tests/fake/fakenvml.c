@@ -240,13 +240,37 @@ API nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t d, unsigned int *l
     return NVML_SUCCESS;
 }
 
+/* With the clock model (FAKE_GPU_EXPONENT): idle + the kernels' dynamic energy
+ * over the time since the previous reading (at least 100 ms), as a board's
+ * averaged power; otherwise idle + utilisation x FAKE_NVML_DYNAMIC_MW. */
+static double energy_t0, energy_e0;
+static unsigned energy_last;
+
+static unsigned clock_model_power(unsigned idle, unsigned limit)
+{
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    double (*energy)(void) = cuda ? (double (*)(void))dlsym(cuda, "fake_cuda_energy") : NULL;
+    if (cuda) dlclose(cuda);
+    if (!energy) return idle;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double t = (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec, e = energy();
+    if (energy_t0 && t - energy_t0 < 1e8) return energy_last;
+    double p = energy_t0 ? idle + (e - energy_e0) / (t - energy_t0) : idle;
+    energy_t0 = t;
+    energy_e0 = e;
+    energy_last = p < limit ? (unsigned)p : limit;
+    return energy_last;
+}
+
 API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
 {
     if (!power_on(d)) return NVML_ERROR_NOT_SUPPORTED;
     if (!power) return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned limit = env_uint("FAKE_NVML_POWER_LIMIT_MW", 0);
-    uint64_t p = env_uint("FAKE_NVML_IDLE_MW", limit / 7) +
-                 (uint64_t)win_util * env_uint("FAKE_NVML_DYNAMIC_MW", 0) / 100;
+    unsigned limit = env_uint("FAKE_NVML_POWER_LIMIT_MW", 0), idle = env_uint("FAKE_NVML_IDLE_MW", limit / 7);
+    const char *exponent = getenv("FAKE_GPU_EXPONENT");
+    uint64_t p = exponent && *exponent ? clock_model_power(idle, limit)
+                                       : idle + (uint64_t)win_util * env_uint("FAKE_NVML_DYNAMIC_MW", 0) / 100;
     *power = env_uint("FAKE_NVML_POWER_MW", p < limit ? (unsigned)p : limit);
     return NVML_SUCCESS;
 }
