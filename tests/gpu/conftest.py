@@ -16,10 +16,11 @@ from gpu import harness
 from gpu.fills import Fills
 from gpu.nvmlwatch import Nvml
 
-# The checks behind issue 3's open rows first (memory, outside usage, compute, launch cost), so
-# that a run cut short by its time budget loses rows that already passed on the H200.
-ORDER = ("test_memory", "test_views", "test_usage", "test_compute", "test_overhead",
-         "test_processes")
+# Memory checks first (they matter most; test_usage sums the outside watch of every capped run
+# before it, the processes' included), then compute, whose rows are open, then the launch and
+# alloc costs.
+ORDER = ("test_memory", "test_views", "test_processes", "test_usage", "test_compute",
+         "test_overhead")
 _state = {"recording": False}
 
 
