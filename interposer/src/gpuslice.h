@@ -226,6 +226,23 @@ void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
 void gs_pools_reconcile_all(void);
 void gs_pools_after_fork_child(void);
 
+/* ---- streams ------------------------------------------------------------- */
+
+/* The stream a call on `stream` really uses: the per-thread default stream for
+ * a _ptsz call on stream 0. */
+static inline CUstream gs_effective_stream(CUstream stream, int per_thread)
+{
+    return per_thread && !stream ? CU_STREAM_PER_THREAD : stream;
+}
+
+/* Is the stream being captured into a graph?  (0 when the driver cannot say.) */
+static inline int gs_stream_capturing(CUstream stream)
+{
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    return gs_cuda.cuStreamIsCapturing && gs_cuda.cuStreamIsCapturing(stream, &st) == CUDA_SUCCESS &&
+           st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
 /* ---- graphmem.c ----------------------------------------------------------- */
 
 #define GS_GRAPH_DEVS 4

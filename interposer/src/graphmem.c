@@ -109,13 +109,20 @@ static void graph_need(CUgraph graph, struct gs_graph_need *need)
 
 /* ---- the executable graphs that allocate ----------------------------------- */
 
+/* Index of exec in the table, or -1; caller holds g_mu. */
+static int find_locked(CUgraphExec exec)
+{
+    for (int i = 0; i < g_n; i++)
+        if (g_execs[i].exec == exec) return i;
+    return -1;
+}
+
 static void remember(CUgraphExec exec, const struct gs_graph_need *need)
 {
     pthread_mutex_lock(&g_mu);
-    int i = 0;
-    while (i < g_n && g_execs[i].exec != exec) i++;
-    if (i == g_n && g_n < GS_MAX_GEXECS) g_n++;
-    if (i < g_n) {
+    int i = find_locked(exec);
+    if (i < 0 && g_n < GS_MAX_GEXECS) i = g_n++;
+    if (i >= 0) {
         g_execs[i].exec = exec;
         g_execs[i].need = *need;
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
@@ -129,28 +136,21 @@ static void remember(CUgraphExec exec, const struct gs_graph_need *need)
 static void forget(CUgraphExec exec)
 {
     pthread_mutex_lock(&g_mu);
-    for (int i = 0; i < g_n; i++) {
-        if (g_execs[i].exec == exec) {
-            g_execs[i] = g_execs[--g_n];
-            __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
-            break;
-        }
+    int i = find_locked(exec);
+    if (i >= 0) {
+        g_execs[i] = g_execs[--g_n];
+        __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&g_mu);
 }
 
 static int lookup(CUgraphExec exec, struct gs_graph_need *need)
 {
-    int found = 0;
     pthread_mutex_lock(&g_mu);
-    for (int i = 0; i < g_n && !found; i++) {
-        if (g_execs[i].exec == exec) {
-            *need = g_execs[i].need;
-            found = 1;
-        }
-    }
+    int i = find_locked(exec);
+    if (i >= 0) *need = g_execs[i].need;
     pthread_mutex_unlock(&g_mu);
-    return found;
+    return i >= 0;
 }
 
 /* ---- the charge ------------------------------------------------------------ */
@@ -230,9 +230,8 @@ void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const
     gs_unsettled_end();
     if (!ran || !exec) return;
     pthread_mutex_lock(&g_mu);
-    for (int k = 0; k < g_n; k++)
-        if (g_execs[k].exec == exec)
-            for (int i = 0; i < need->n; i++) g_execs[k].need.ran[i] = held[i];
+    int k = find_locked(exec);
+    for (int i = 0; k >= 0 && i < need->n; i++) g_execs[k].need.ran[i] = held[i];
     pthread_mutex_unlock(&g_mu);
 }
 

@@ -323,12 +323,10 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
 {
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
-    CUstream es = (per_thread && !stream) ? CU_STREAM_PER_THREAD : stream;
-    CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUstream es = gs_effective_stream(stream, per_thread);
     if (slot < 0 || !__atomic_load_n(&gs_region->devices[slot].sm_limit, __ATOMIC_RELAXED) ||
         !gs_cuda.cuEventCreate || !gs_cuda.cuEventRecord || !gs_cuda.cuEventQuery || !elapsed_fn() ||
-        (gs_cuda.cuStreamIsCapturing && gs_cuda.cuStreamIsCapturing(es, &cap) == CUDA_SUCCESS &&
-         cap != CU_STREAM_CAPTURE_STATUS_NONE))
+        gs_stream_capturing(es))
         return launch(args);
     uint64_t key = (uint64_t)(uintptr_t)es;
     if (es == CU_STREAM_PER_THREAD) key ^= (uint64_t)syscall(SYS_gettid) << 8;

@@ -128,30 +128,22 @@ static CUresult call_alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemor
     return ((cuMemAllocFromPoolAsync_fn)real)(dptr, bytesize, pool, stream);
 }
 
-/* A stream being captured into a graph: the allocation becomes a graph node
- * and takes memory only when the graph runs (graphmem.c charges it then). */
-static int capturing(CUstream stream, int per_thread)
-{
-    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUstream s = per_thread && !stream ? CU_STREAM_PER_THREAD : stream;
-    return gs_cuda.cuStreamIsCapturing && gs_cuda.cuStreamIsCapturing(s, &st) == CUDA_SUCCESS &&
-           st != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
 static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
                            size_t bytesize, CUmemoryPool pool, CUstream stream, int per_thread)
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
     gs_devices_ready();
-    if (capturing(stream, per_thread)) return call(dptr, bytesize, pool, stream, real);
     CUcontext ctx;
     CUdevice dev;
     int slot = gs_current_slot(&ctx);
     if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool && gs_cuda.cuCtxGetDevice &&
         gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
         gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync uses the device's current pool */
-    if (slot < 0 || !pool || !bytesize) return call(dptr, bytesize, pool, stream, real);
+    /* on a stream being captured into a graph the allocation is a graph node: it takes
+     * memory only when the graph runs, and graphmem.c charges it then */
+    if (slot < 0 || !pool || !bytesize || gs_stream_capturing(gs_effective_stream(stream, per_thread)))
+        return call(dptr, bytesize, pool, stream, real);
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
     if (GS_UNLIKELY(gs_near_cap(slot, want))) gs_reconcile_slot(slot); /* before g_mu: lock order */

@@ -99,12 +99,19 @@ def expected_scale(power_mw: float, limit_mw: float, idle_mw: float, util: float
     return min(max(ratio, 1.0) ** (1 / 3), 1.75)
 
 
-def steady_share(lab, limit: int, **env: str) -> tuple[float, int]:
-    """Share of wall time over 2 s after 2.5 s of warm-up (the estimate settles), and the scale."""
+def settled_bench(lab, limit: int, **env: str) -> tuple[int, int, int]:
+    """(launches, kernel ns, wall ns) over 2 s, after 2.5 s for the clock estimate to settle."""
+    env.setdefault("FAKE_CUDA_KERNEL_US", "2000")
     res = lab.run("init", "ctx", "0", "bench", "2.5", "kernel", "bench", "2", "kernel",
-                  CUDA_DEVICE_SM_LIMIT=str(limit), FAKE_CUDA_KERNEL_US="2000", **env)
+                  CUDA_DEVICE_SM_LIMIT=str(limit), **env)
     rc, (launches, kernel_ns, wall_ns) = res.of("bench")[1]
     assert rc == 0 and launches > 0, res.stdout + res.stderr
+    return launches, kernel_ns, wall_ns
+
+
+def steady_share(lab, limit: int, **env: str) -> tuple[float, int]:
+    """Share of wall time once the estimate has settled, and the scale."""
+    _launches, kernel_ns, wall_ns = settled_bench(lab, limit, **env)
     return 100.0 * kernel_ns / wall_ns, lab.region().devices[0].sm_scale_milli
 
 
@@ -209,14 +216,11 @@ def full_load_rate(exponent: float = 3.0, dynamic_mw: float = 1_433_000,
 
 def throughput_share(lab, limit: int, exponent: float = 3.0, memory_bound: bool = False,
                      **env: str) -> float:
-    """% of the full-load throughput over 2 s, after 2.5 s for the estimate to settle."""
+    """% of the full-load throughput once the estimate has settled."""
     env = {**CLOCKED, "FAKE_GPU_EXPONENT": str(exponent), **env}
     if memory_bound:
         env["FAKE_GPU_MEMBOUND"] = "1"
-    res = lab.run("init", "ctx", "0", "bench", "2.5", "kernel", "bench", "2", "kernel",
-                  CUDA_DEVICE_SM_LIMIT=str(limit), **env)
-    rc, (launches, _kernel_ns, wall_ns) = res.of("bench")[1]
-    assert rc == 0 and launches > 0, res.stdout + res.stderr
+    launches, _kernel_ns, wall_ns = settled_bench(lab, limit, **env)
     rate = launches / (wall_ns / 1e9)
     return 100.0 * rate / full_load_rate(exponent, float(env["FAKE_NVML_DYNAMIC_MW"]), memory_bound)
 
