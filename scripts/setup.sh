@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian machine with Python >= 3.11 and gcc:
 # a virtualenv in .venv with gpuslice and its test extras, the real helm binary in .tools/,
-# and the interposer (release, ASan/UBSan, and the fake CUDA/NVML test doubles).
+# and the interposer (release, ASan/UBSan, ThreadSanitizer, and the fake CUDA/NVML test doubles).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,18 @@ if ! command -v gcc >/dev/null || ! command -v make >/dev/null || ! "$PY" -c 'im
     exit 1
   fi
 fi
+
+# The sanitizer runtimes come with gcc on Debian (libgcc-*-dev depends on them); check anyway.
+for rt in libasan.so libtsan.so; do
+  if [ ! -e "$(gcc -print-file-name=$rt)" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libasan8 libtsan2 libubsan1 >/dev/null
+    else
+      echo "setup: gcc lacks $rt (apt-get install libasan8 libtsan2 libubsan1)" >&2
+      exit 1
+    fi
+  fi
+done
 
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "setup: gpuslice needs Python >= 3.11 ($PY is $("$PY" -V 2>&1)); set PYTHON=python3.11" >&2

@@ -168,7 +168,7 @@ static int any_near_cap(void)
 
 static void reconcile_all(void)
 {
-    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS; dev++) {
+    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS && !__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE); dev++) {
         if (!__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
         gs_ctx_lock();
         gs_reconcile_dev_locked(dev);
@@ -224,8 +224,10 @@ static void *sampler(void *arg)
         }
         g_woken = 0;
         pthread_mutex_unlock(&g_wake_mu);
+        if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) break; /* NVML may be gone: stop */
         reconcile_all();
-        gs_launch_sample(); /* clock compensation of the compute limit (launch.c), if one applies */
+        if (!__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE))
+            gs_launch_sample(); /* clock compensation of the compute limit (launch.c), if one applies */
         last = gs_now_ns();
     }
     return NULL;

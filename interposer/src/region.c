@@ -36,6 +36,7 @@
 
 struct gpuslice_region *gs_region;
 static struct gpuslice_proc *g_me;
+int gs_exiting;
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_last_reclaim_ns;
 static uint64_t g_charge_seq;
@@ -243,6 +244,9 @@ static void region_unlock(void)
 static int register_locked(void)
 {
     struct gpuslice_region *r = gs_region;
+    /* After the exit detach a charge would leave a live-looking slot behind
+     * (another thread still running, the sampler): refuse it. */
+    if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) return -1;
     for (int pass = 0; pass < 2 && !g_me; pass++) {
         if (pass) reclaim_dead_locked();
         for (unsigned i = 0; i < GPUSLICE_MAX_PROCS; i++) {
@@ -253,7 +257,7 @@ static int register_locked(void)
             p->pidns = pidns_inode();
             p->start_time = proc_start_time(getpid());
             ST(&p->state, GPUSLICE_PROC_LIVE);
-            g_me = p;
+            __atomic_store_n(&g_me, p, __ATOMIC_RELEASE);
             break;
         }
     }
@@ -399,7 +403,10 @@ uint64_t gs_slot_used(int slot)
 
 uint64_t gs_slot_mine(int slot)
 {
-    return valid_slot(slot) && g_me ? LD(&g_me->used_bytes[slot]) : 0;
+    /* Lock-free reader (the sampler): g_me may be cleared meanwhile by the
+     * destructor at exit; the slot it pointed to stays mapped. */
+    struct gpuslice_proc *me = __atomic_load_n(&g_me, __ATOMIC_ACQUIRE);
+    return valid_slot(slot) && me ? LD(&me->used_bytes[slot]) : 0;
 }
 
 uint64_t gs_slot_limit(int slot)
@@ -419,12 +426,13 @@ void gs_region_reclaim_soon(void)
 
 void gs_region_after_fork_child(void)
 {
-    g_me = NULL; /* the child registers as itself on its first charge */
+    __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE); /* the child registers as itself on its first charge */
     g_last_reclaim_ns = 0;
 }
 
 __attribute__((destructor)) static void region_detach(void)
 {
+    __atomic_store_n(&gs_exiting, 1, __ATOMIC_RELEASE);
     if (!gs_region || !g_me || region_lock() != 0) return;
     struct gpuslice_region *r = gs_region;
     unsigned n = LD(&r->device_count);
@@ -435,6 +443,6 @@ __attribute__((destructor)) static void region_detach(void)
     memset(g_me->used_bytes, 0, sizeof(g_me->used_bytes));
     ST(&g_me->state, GPUSLICE_PROC_FREE);
     ST(&g_me->pid, 0);
-    g_me = NULL;
+    __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE);
     region_unlock();
 }

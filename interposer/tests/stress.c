@@ -1,7 +1,10 @@
 /*
  * stress - threads allocating and freeing near the cap (plain and stream-ordered) while others
- * load modules and launch new kernels (memory the hooks do not see), so the synchronous
- * reconcile, the sampler and the allocation hooks all run at once.  Links the fake driver.
+ * load modules and launch new kernels (memory the hooks do not see), launch kernels on their
+ * own streams and on the per-thread default stream (throttled when CUDA_DEVICE_SM_LIMIT is
+ * set), and capture, instantiate, launch and trim graphs that allocate, so the synchronous
+ * reconcile, the sampler, the throttle, the graph-memory charge and the allocation hooks all
+ * run at once.  Links the fake driver.
  *
  *   stress ITERATIONS
  *
@@ -33,6 +36,17 @@ CUresult cuModuleLoadData(CUmodule *, const void *);
 CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                         void **, void **);
+CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             CUstream, void **, void **);
+CUresult cuStreamCreate(CUstream *, unsigned);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuStreamBeginCapture_v2(CUstream, int);
+CUresult cuStreamEndCapture(CUstream, CUgraph *);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuGraphExecDestroy(CUgraphExec);
+CUresult cuGraphDestroy(CUgraph);
+CUresult cuDeviceGraphMemTrim(CUdevice);
 uint64_t fake_cuda_local_used(int pdev);
 
 static CUcontext ctx;
@@ -74,6 +88,50 @@ static void *loader(void *arg)
     return NULL;
 }
 
+/* Kernels on a stream of its own (arg 0) or on the per-thread default stream (arg 1). */
+static void *launcher(void *arg)
+{
+    int per_thread = arg != NULL;
+    cuCtxSetCurrent(ctx);
+    CUstream s = NULL;
+    if (!per_thread) count(cuStreamCreate(&s, 0));
+    CUfunction f = (CUfunction)(uintptr_t)(per_thread ? 0x5151 : 0x5150);
+    for (int i = 0; i < iterations; i++)
+        count(per_thread ? cuLaunchKernel_ptsz(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL)
+                         : cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL));
+    count(cuStreamSynchronize(s));
+    return NULL;
+}
+
+/* Graphs that allocate 4 MiB (captured cuMemAllocAsync), launched twice each; the graph pool
+ * is trimmed now and then and at the end. */
+static void *grapher(void *arg)
+{
+    (void)arg;
+    cuCtxSetCurrent(ctx);
+    CUstream s = NULL;
+    count(cuStreamCreate(&s, 0));
+    for (int i = 0; i < iterations / 8; i++) {
+        CUgraph g = NULL;
+        CUgraphExec e = NULL;
+        CUdeviceptr p = 0;
+        count(cuStreamBeginCapture_v2(s, 2 /* relaxed */));
+        CUresult rc = cuMemAllocAsync(&p, 4u << 20, s);
+        count(rc);
+        if (rc == CUDA_SUCCESS) count(cuMemFreeAsync(p, s));
+        count(cuStreamEndCapture(s, &g));
+        if (g && cuGraphInstantiateWithFlags(&e, g, 0) == CUDA_SUCCESS) {
+            for (int k = 0; k < 2; k++) count(cuGraphLaunch(e, s));
+            count(cuStreamSynchronize(s));
+            count(cuGraphExecDestroy(e));
+        }
+        if (g) count(cuGraphDestroy(g));
+        if (i % 8 == 7) count(cuDeviceGraphMemTrim(0));
+    }
+    count(cuDeviceGraphMemTrim(0));
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     iterations = argc > 1 ? atoi(argv[1]) : 200;
@@ -81,10 +139,13 @@ int main(int argc, char **argv)
     cuCtxSetCurrent(ctx);
     CUdeviceptr base = 0;
     count(cuMemAlloc_v2(&base, 700u << 20)); /* start near the cap */
-    pthread_t t[5];
+    pthread_t t[8];
     for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, allocator, (void *)(uintptr_t)(i + 1));
     pthread_create(&t[4], NULL, loader, NULL);
-    for (int i = 0; i < 5; i++) pthread_join(t[i], NULL);
+    pthread_create(&t[5], NULL, launcher, NULL);
+    pthread_create(&t[6], NULL, launcher, (void *)1);
+    pthread_create(&t[7], NULL, grapher, NULL);
+    for (int i = 0; i < 8; i++) pthread_join(t[i], NULL);
     CUdeviceptr last = 0;
     CUresult rc = cuMemAlloc_v2(&last, 1u << 20); /* near the cap: reconciles, alone */
     count(rc);

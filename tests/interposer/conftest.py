@@ -1,9 +1,9 @@
 """Fixtures for the interposer tests: build once, then run C probes under LD_PRELOAD.
 
 Every probe runs against the fake driver and NVML (``interposer/tests/fake``), with the
-release library or the ASan/UBSan one (``variant``). Under ASan, ``libasan.so`` is preloaded
-first so the instrumented interposer can load into uninstrumented programs; a sanitizer report
-on stderr fails the test.
+release library, the ASan/UBSan one or the ThreadSanitizer one (``variant``). Under a
+sanitizer its runtime (``libasan.so``, ``libtsan.so``) is preloaded first so the instrumented
+interposer can load into uninstrumented programs; a sanitizer report on stderr fails the test.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ GIB = 1 << 30
 MIB = 1 << 20
 UUID_A = "GPU-aaaaaaaa-0000-1111-2222-333333333333"
 UUID_B = "GPU-bbbbbbbb-0000-1111-2222-333333333333"
-SANITIZER_MARKS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
+SANITIZER_MARKS = ("ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer",
+                   "WARNING: ThreadSanitizer")
 CUDA_SUCCESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY = 0, 1, 2
 CUDA_ERROR_NOT_SUPPORTED = 801
 NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_FUNCTION_NOT_FOUND = 2, 13
@@ -48,6 +49,12 @@ def built() -> Path:
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return BUILD
+
+
+def runtime(name: str) -> str:
+    """Path of gcc's sanitizer runtime ``name`` (preloaded before the instrumented library)."""
+    return subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 @dataclass
@@ -101,11 +108,13 @@ class Lab:
             "LIBCUDA_LOG_LEVEL": "1",
         })
         if variant == "asan":
-            libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
-                                     text=True, check=True).stdout.strip()
-            self.base["LD_PRELOAD"] = f"{libasan}:{BUILD / 'asan' / 'libgpuslice.so'}"
+            self.base["LD_PRELOAD"] = f"{runtime('libasan.so')}:{BUILD / 'asan' / 'libgpuslice.so'}"
             self.base["ASAN_OPTIONS"] = "detect_leaks=0:halt_on_error=1"
             self.base["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1"
+        elif variant == "tsan":
+            self.base["LD_PRELOAD"] = f"{runtime('libtsan.so')}:{BUILD / 'tsan' / 'libgpuslice.so'}"
+            # signal-unsafe calls are the test programs' own (SIGKILL tests), not the library's
+            self.base["TSAN_OPTIONS"] = "report_signal_unsafe=0"
         else:
             self.base["LD_PRELOAD"] = str(BUILD / "libgpuslice.so")
         self.procs: list[subprocess.Popen[str]] = []
@@ -137,6 +146,18 @@ class Lab:
                               timeout=timeout)
         self.check_sanitizers(proc.stderr)
         return proc
+
+    def stress(self, iterations: int = 400, **extra: str | None) -> tuple[int, int, int]:
+        """``tests/stress.c``: threads allocating near a 1 GiB cap, loading code, launching on
+        several streams and running graphs that allocate, all at once.  Returns (calls that
+        failed with anything but out-of-memory, the region's charge, what the fake driver
+        holds for the process) once every thread has freed what it allocated."""
+        env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m",
+               "FAKE_CUDA_MODULE_BYTES": "256k", "FAKE_CUDA_LAUNCH_BYTES": "256k", **extra}
+        proc = self.run_program([str(self.build / "tests" / "stress"), str(iterations)], **env)
+        assert proc.returncode == 0, proc.stderr
+        _, errors, charged, physical = proc.stdout.split()
+        return int(errors), int(charged), int(physical)
 
     def start(self, *cmds: str, api: str = "direct", **extra: str | None
               ) -> subprocess.Popen[str]:
@@ -194,5 +215,13 @@ def release_lab(built: Path, tmp_path: Path) -> Iterator[Lab]:
 def asan_lab(built: Path, tmp_path: Path) -> Iterator[Lab]:
     """Like ``lab``, ASan/UBSan build only."""
     lab = Lab(tmp_path, "asan")
+    yield lab
+    lab.cleanup()
+
+
+@pytest.fixture
+def tsan_lab(built: Path, tmp_path: Path) -> Iterator[Lab]:
+    """Like ``lab``, ThreadSanitizer build (threads of one process racing)."""
+    lab = Lab(tmp_path, "tsan")
     yield lab
     lab.cleanup()

@@ -129,14 +129,11 @@ def test_a_pool_growing_by_a_whole_chunk_is_not_counted_as_untracked_memory(lab)
 
 def test_concurrent_allocations_and_code_loads_never_count_memory_twice(lab):
     # four threads allocating and freeing near the cap (plain and pool), one loading modules and
-    # launching their kernels: afterwards the charge equals what the driver holds, less at most
-    # the 2 MiB the reconcile treats as noise, and never more (a pool that grew by a whole chunk
-    # before its charge caught up must not be counted as untracked memory too)
+    # launching their kernels, two launching on streams, one running graphs that allocate:
+    # afterwards the charge equals what the driver holds, less at most the 2 MiB the reconcile
+    # treats as noise, and never more (a pool that grew by a whole chunk before its charge
+    # caught up must not be counted as untracked memory too)
     for _ in range(3):
-        proc = lab.run_program([str(lab.build / "tests" / "stress"), "400"],
-                               CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                               FAKE_CUDA_MODULE_BYTES="256k", FAKE_CUDA_LAUNCH_BYTES="256k")
-        assert proc.returncode == 0, proc.stderr
-        _, errors, charged, physical = proc.stdout.split()
-        assert int(errors) == 0
-        assert 0 <= int(physical) - int(charged) <= 2 * MIB, proc.stdout
+        errors, charged, physical = lab.stress(400)
+        assert errors == 0
+        assert 0 <= physical - charged <= 2 * MIB, (charged, physical)

@@ -101,6 +101,17 @@ def test_a_process_that_exits_returns_its_usage(lab):
     assert lab.region().processes == ()
 
 
+def test_a_process_whose_driver_tears_down_slowly_at_exit_leaves_nothing_behind(lab):
+    # A real driver destroys its contexts after the library has returned the process's usage,
+    # while the sampler thread (running here for the compute limit) still wakes every 500 ms
+    # and NVML still lists the process's memory.  Taking that for growth outside the hooks
+    # left a live-looking slot charging 1 GiB after the process was gone.
+    lab.run("init", "ctx", "0", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="4g",
+            CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_SLEEP="exit:1200")
+    assert lab.region().processes == ()
+    assert lab.used() == 0
+
+
 def test_a_process_that_exits_without_cleanup_is_reclaimed(lab):
     lab.run("init", "ctx", "0", "alloc", "3g", "exit", "0", CUDA_DEVICE_MEMORY_LIMIT="4g")
     assert lab.used() == 3 * GIB  # _exit skipped the library's destructor

@@ -14,7 +14,9 @@
  *   FAKE_CUDA_POOL_CHUNK     pool growth granularity, default 32m
  *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
  *                            call, default 1; code default 2 = out of memory)
- *   FAKE_CUDA_SLEEP          "name:ms" sleep inside that call
+ *   FAKE_CUDA_SLEEP          "name:ms" sleep inside that call; "exit:ms" sleeps in the
+ *                            library's destructor, as a real driver tearing down its
+ *                            contexts at process exit does
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
  *   FAKE_CUDA_MODULE_BYTES   device memory each module or library load takes (default 0)
@@ -128,6 +130,11 @@ static int fail_check(const char *name)
         int fc_ = fail_check(name);          \
         if (fc_) return fc_;                 \
     } while (0)
+
+__attribute__((destructor)) static void fake_teardown(void)
+{
+    fail_check("exit");
+}
 
 /* ---- physical memory ------------------------------------------------------ */
 

@@ -1,0 +1,35 @@
+"""Threads of one process racing through the library, under ThreadSanitizer.
+
+The ASan/UBSan build finds memory errors; this build finds data races between the program's
+threads and the library's own sampler thread.  ``tests/stress.c`` runs allocations and frees
+near the cap (plain and stream-ordered), code loads, launches on two streams and on the
+per-thread default stream, and graphs that allocate, all at once, so the allocation hooks, the
+near-cap reconcile, the throttle, the graph-memory charge and the sampler (NVML process list,
+power and utilisation) meet.  A TSan report on stderr fails the test (``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+MIB = 1 << 20
+POWER_MODEL = {"FAKE_GPU_EXPONENT": "3", "FAKE_NVML_POWER_LIMIT_MW": "700000",
+               "FAKE_NVML_IDLE_MW": "90000", "FAKE_NVML_DYNAMIC_MW": "900000"}
+
+
+@pytest.mark.parametrize("sm_limit", ["0", "30"], ids=["unthrottled", "throttled"])
+def test_threads_allocating_loading_launching_and_running_graphs_race_on_nothing(tsan_lab,
+                                                                                  sm_limit):
+    errors, charged, physical = tsan_lab.stress(200, CUDA_DEVICE_SM_LIMIT=sm_limit,
+                                                **POWER_MODEL)
+    assert errors == 0
+    assert 0 <= physical - charged <= 2 * MIB, (charged, physical)
+
+
+def test_exit_while_the_sampler_is_awake_races_on_nothing(tsan_lab):
+    # the library's destructor returns the usage while the sampler may be reconciling; the
+    # driver's slow teardown keeps the process (and NVML's view of it) alive meanwhile
+    tsan_lab.run("init", "ctx", "0", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="4g",
+                 CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_SLEEP="exit:700", **POWER_MODEL)
+    assert tsan_lab.region().processes == ()
+    assert tsan_lab.used() == 0
