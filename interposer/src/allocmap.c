@@ -98,18 +98,16 @@ int gs_am_put(int kind, uint64_t key, const struct gs_alloc *rec, struct gs_allo
     return rc;
 }
 
-int gs_am_take(int kind, uint64_t key, struct gs_alloc *out)
+static void copy_out(const struct slot_entry *e, struct gs_alloc *out)
 {
-    pthread_mutex_lock(&g_mu);
-    struct slot_entry *e = find_locked(kind, key);
-    if (!e) {
-        pthread_mutex_unlock(&g_mu);
-        return -1;
-    }
     out->size = e->size;
     out->aux = e->aux;
     out->ctx = e->aux2_ctx;
     out->slot = e->slot;
+}
+
+static void remove_locked(struct slot_entry *e)
+{
     /* backward-shift deletion keeps every probe chain unbroken */
     size_t hole = (size_t)(e - g_tab), mask = g_cap - 1;
     for (size_t j = (hole + 1) & mask; g_tab[j].kind; j = (j + 1) & mask) {
@@ -121,8 +119,63 @@ int gs_am_take(int kind, uint64_t key, struct gs_alloc *out)
     }
     memset(&g_tab[hole], 0, sizeof(g_tab[hole]));
     g_len--;
+}
+
+int gs_am_take(int kind, uint64_t key, struct gs_alloc *out)
+{
+    pthread_mutex_lock(&g_mu);
+    struct slot_entry *e = find_locked(kind, key);
+    if (e) {
+        copy_out(e, out);
+        remove_locked(e);
+    }
     pthread_mutex_unlock(&g_mu);
-    return 0;
+    return e ? 0 : -1;
+}
+
+int gs_am_update(int kind, uint64_t key, int (*fn)(struct gs_alloc *rec, void *arg), void *arg,
+                 struct gs_alloc *out)
+{
+    pthread_mutex_lock(&g_mu);
+    struct slot_entry *e = find_locked(kind, key);
+    int rc = -1;
+    if (e) {
+        copy_out(e, out);
+        rc = fn(out, arg);
+        if (rc == 1) {
+            remove_locked(e);
+        } else if (rc == 0) {
+            e->size = out->size;
+            e->aux = out->aux;
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+size_t gs_am_take_range(int kind, uint64_t lo, uint64_t hi, uint64_t *keys, struct gs_alloc *out, size_t max)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&g_mu);
+    /* Contiguous records first (key + size is the next key), the common case;
+     * the whole table only if they leave part of the range uncovered. */
+    uint64_t at = lo;
+    struct slot_entry *e;
+    while (n < max && at < hi && (e = find_locked(kind, at)) != NULL) {
+        keys[n] = at;
+        copy_out(e, &out[n++]);
+        at += e->size ? e->size : 1;
+        remove_locked(e);
+    }
+    for (size_t i = 0; at < hi && i < g_cap && n < max; i++) {
+        if (g_tab[i].kind != kind || g_tab[i].key < at || g_tab[i].key >= hi) continue;
+        keys[n] = g_tab[i].key;
+        copy_out(&g_tab[i], &out[n++]);
+        remove_locked(&g_tab[i]);
+        i--; /* the shift may have moved another entry into this place */
+    }
+    pthread_mutex_unlock(&g_mu);
+    return n;
 }
 
 void gs_am_drop_ctx(uint64_t ctx, void (*fn)(int kind, uint64_t key, const struct gs_alloc *rec))

@@ -194,16 +194,28 @@ static inline int gs_near_cap(int slot, uint64_t bytes)
 
 /* ---- allocmap.c ----------------------------------------------------------- */
 
-enum gs_kind { GS_KIND_DPTR = 1, GS_KIND_POOLPTR, GS_KIND_ARRAY, GS_KIND_MIPMAP, GS_KIND_VMM, GS_KIND_CTX, GS_KIND_GRAPHMEM };
+enum gs_kind {
+    GS_KIND_DPTR = 1, GS_KIND_POOLPTR, GS_KIND_ARRAY, GS_KIND_MIPMAP, GS_KIND_VMM, GS_KIND_CTX, GS_KIND_GRAPHMEM,
+    GS_KIND_VMAP /* a mapping of a GS_KIND_VMM handle, keyed by its address; charges nothing itself */
+};
 struct gs_alloc {
-    uint64_t size;   /* bytes charged (for GS_KIND_POOLPTR: bytes in use; the pool holds the charge) */
-    uint64_t aux;    /* pool handle for GS_KIND_POOLPTR */
+    uint64_t size;   /* bytes charged (for GS_KIND_POOLPTR: bytes in use; the pool holds the charge;
+                        for GS_KIND_VMAP: bytes mapped) */
+    uint64_t aux;    /* pool handle for GS_KIND_POOLPTR; references << 32 | mappings for GS_KIND_VMM;
+                        the handle for GS_KIND_VMAP */
     uint64_t ctx;    /* the context that owns it: destroying the context frees it */
     int slot;
 };
 /* 0 = recorded, 1 = replaced a stale record (returned in *replaced), -1 = out of memory */
 int gs_am_put(int kind, uint64_t key, const struct gs_alloc *rec, struct gs_alloc *replaced);
 int gs_am_take(int kind, uint64_t key, struct gs_alloc *out);      /* 0 found (and removed) */
+/* Change a record in place under the table's lock: fn edits *rec (size, aux) and returns 0 to
+ * keep it, 1 to remove it, or another value to leave it as it was; -1 if there is none.
+ * *out is the record as fn left it. */
+int gs_am_update(int kind, uint64_t key, int (*fn)(struct gs_alloc *rec, void *arg), void *arg,
+                 struct gs_alloc *out);
+/* Remove up to max records of `kind` whose keys lie in [lo, hi); returns how many. */
+size_t gs_am_take_range(int kind, uint64_t lo, uint64_t hi, uint64_t *keys, struct gs_alloc *out, size_t max);
 /* Remove every record owned by ctx; fn is called for each, without locks held. */
 void gs_am_drop_ctx(uint64_t ctx, void (*fn)(int kind, uint64_t key, const struct gs_alloc *rec));
 void gs_am_lock(void);

@@ -70,6 +70,12 @@
       (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,                 \
        unsigned long long flags), cuMemCreate, 10020, 0)                                                   \
     X(cuMemRelease, CUresult, (CUmemGenericAllocationHandle handle), cuMemRelease, 10020, 0)               \
+    X(cuMemMap, CUresult,                                                                                  \
+      (CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,                   \
+       unsigned long long flags), cuMemMap, 10020, 0)                                                      \
+    X(cuMemUnmap, CUresult, (CUdeviceptr ptr, size_t size), cuMemUnmap, 10020, 0)                          \
+    X(cuMemRetainAllocationHandle, CUresult, (CUmemGenericAllocationHandle *handle, void *addr),           \
+      cuMemRetainAllocationHandle, 11000, 0)                                                               \
     X(cuArrayCreate_v2, CUresult, (CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray),         \
       cuArrayCreate, 3020, 0)                                                                              \
     X(cuArray3DCreate_v2, CUresult, (CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray),     \

@@ -15,6 +15,7 @@
 #include "gpuslice.h"
 
 #define MIB (1ull << 20)
+#define VMM_REF (1ull << 32) /* one handle reference in a GS_KIND_VMM record's aux */
 
 /* What an allocation of `bytes` costs: the driver hands out large
  * allocations in 2 MiB pages and small ones from shared pages. */
@@ -45,6 +46,7 @@ static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext c
 static void drop_one(int kind, uint64_t key, const struct gs_alloc *rec)
 {
     (void)key;
+    if (kind == GS_KIND_VMAP) return; /* never owned by a context; charges nothing */
     if (kind == GS_KIND_POOLPTR)
         gs_pool_drop_ptr(rec->aux, rec->size);
     else
@@ -204,22 +206,122 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
     if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);
-    /* Physical memory belongs to the process, not to a context. */
-    if (record(GS_KIND_VMM, *handle, slot, charge, NULL) != 0) return discard(GS_KIND_VMM, *handle, slot, charge);
+    /* Physical memory belongs to the process, not to a context: one reference, no mapping. */
+    struct gs_alloc rec = {.size = charge, .slot = slot, .aux = VMM_REF}, old;
+    int put = gs_am_put(GS_KIND_VMM, *handle, &rec, &old);
+    if (put < 0) return discard(GS_KIND_VMM, *handle, slot, charge);
+    if (put == 1) gs_budget_release(old.slot, old.size);
     return CUDA_SUCCESS;
+}
+
+/* A VMM allocation lives while a handle to it is unreleased or a mapping of
+ * it remains: the driver frees it when both are gone, whatever the order.
+ * Releasing the handle right after cuMemMap is the documented idiom (the
+ * mapping keeps the memory), so the charge stays until the last of the
+ * references (cuMemCreate, cuMemRetainAllocationHandle) is released and the
+ * last mapping (cuMemMap) is unmapped.  Each is counted in the handle's
+ * record; each mapping is recorded by address, so cuMemUnmap finds the
+ * handles of the range it unmaps. */
+static int vmm_adjust(struct gs_alloc *rec, void *arg)
+{
+    int64_t delta = *(const int64_t *)arg;
+    uint64_t refs = rec->aux >> 32, maps = rec->aux & 0xffffffffull;
+    if (delta == -(int64_t)VMM_REF && !refs) return 2; /* nothing to release: the driver says so */
+    if (delta == -1 && !maps) return 2;
+    rec->aux += (uint64_t)delta;
+    return rec->aux == 0 ? 1 : 0;
+}
+
+/* Apply delta (±VMM_REF, ±1) to the handle's counts.  Returns 1 when that was
+ * the last of both (the record, in *rec, is gone: its charge is to return),
+ * 0 when counted, 2 when there was nothing to take away, -1 if not ours. */
+static int vmm_count(CUmemGenericAllocationHandle handle, int64_t delta, struct gs_alloc *rec)
+{
+    return gs_am_update(GS_KIND_VMM, handle, vmm_adjust, &delta, rec);
+}
+
+/* Undo a count taken before a driver call that failed. */
+static void vmm_uncount(CUmemGenericAllocationHandle handle, int64_t delta, int how, const struct gs_alloc *rec)
+{
+    struct gs_alloc again, old;
+    if (how == 1) {
+        struct gs_alloc back = *rec;
+        back.aux = (uint64_t)(-delta);
+        gs_am_put(GS_KIND_VMM, handle, &back, &old);
+    } else if (how == 0) {
+        vmm_count(handle, -delta, &again);
+    }
 }
 
 GS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemRelease) return CUDA_ERROR_NOT_SUPPORTED;
-    struct gs_alloc rec, old;
-    if (gs_am_take(GS_KIND_VMM, handle, &rec) != 0) return gs_cuda.cuMemRelease(handle);
+    struct gs_alloc rec;
+    int how = vmm_count(handle, -(int64_t)VMM_REF, &rec);
     CUresult rc = gs_cuda.cuMemRelease(handle);
-    if (rc == CUDA_SUCCESS)
+    if (rc != CUDA_SUCCESS)
+        vmm_uncount(handle, -(int64_t)VMM_REF, how, &rec);
+    else if (how == 1)
         gs_budget_release(rec.slot, rec.size);
-    else
-        gs_am_put(GS_KIND_VMM, handle, &rec, &old);
+    return rc;
+}
+
+GS_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemRetainAllocationHandle) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuMemRetainAllocationHandle(handle, addr);
+    struct gs_alloc rec;
+    if (rc == CUDA_SUCCESS && handle) vmm_count(*handle, (int64_t)VMM_REF, &rec);
+    return rc;
+}
+
+GS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                            unsigned long long flags)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemMap) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuMemMap(ptr, size, offset, handle, flags);
+    struct gs_alloc rec, old;
+    if (rc != CUDA_SUCCESS || vmm_count(handle, 1, &rec) != 0) return rc;
+    struct gs_alloc map = {.size = size ? size : 1, .aux = handle, .slot = rec.slot};
+    int put = gs_am_put(GS_KIND_VMAP, ptr, &map, &old);
+    if (put == 1) { /* a mapping we missed the unmap of: its handle loses it now */
+        if (vmm_count(old.aux, -1, &rec) == 1) gs_budget_release(rec.slot, rec.size);
+    } else if (put < 0) {
+        /* cannot remember the mapping: count it as gone, which at worst
+         * returns the charge early, as releasing the handle used to */
+        if (vmm_count(handle, -1, &rec) == 1) gs_budget_release(rec.slot, rec.size);
+        GS_WARN("cannot track a mapping of %llu bytes: its memory is charged only while its handle lives",
+                (unsigned long long)size);
+    }
+    return rc;
+}
+
+#define GS_UNMAP_BATCH 256
+
+GS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemUnmap) return CUDA_ERROR_NOT_SUPPORTED;
+    uint64_t keys[GS_UNMAP_BATCH];
+    struct gs_alloc maps[GS_UNMAP_BATCH];
+    uint64_t end = size > UINT64_MAX - ptr ? UINT64_MAX : ptr + size;
+    size_t n = gs_am_take_range(GS_KIND_VMAP, ptr, end, keys, maps, GS_UNMAP_BATCH);
+    CUresult rc = gs_cuda.cuMemUnmap(ptr, size);
+    struct gs_alloc rec, old;
+    for (;;) {
+        for (size_t i = 0; i < n; i++) {
+            if (rc != CUDA_SUCCESS)
+                gs_am_put(GS_KIND_VMAP, keys[i], &maps[i], &old);
+            else if (vmm_count(maps[i].aux, -1, &rec) == 1)
+                gs_budget_release(rec.slot, rec.size);
+        }
+        /* a range of more mappings than one batch: the rest after the call */
+        if (rc != CUDA_SUCCESS || n < GS_UNMAP_BATCH) break;
+        n = gs_am_take_range(GS_KIND_VMAP, ptr, end, keys, maps, GS_UNMAP_BATCH);
+    }
     return rc;
 }
 

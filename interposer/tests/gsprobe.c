@@ -47,6 +47,10 @@
     X(cuDeviceGetMemPool, CUresult, (CUmemoryPool *, CUdevice))                                              \
     X(cuMemCreate, CUresult, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
     X(cuMemRelease, CUresult, (CUmemGenericAllocationHandle))                                                \
+    X(cuMemAddressReserve, CUresult, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))       \
+    X(cuMemMap, CUresult, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))   \
+    X(cuMemUnmap, CUresult, (CUdeviceptr, size_t))                                                           \
+    X(cuMemRetainAllocationHandle, CUresult, (CUmemGenericAllocationHandle *, void *))                       \
     X(cuArrayCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *))                                \
     X(cuArray3DCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                            \
     X(cuArrayDestroy, CUresult, (CUarray))                                                                   \
@@ -149,7 +153,11 @@ enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP };
 static struct {
     int kind;
     uint64_t handle;
+    uint64_t size;   /* A_VMM */
+    CUdeviceptr va;  /* A_VMM: where vmap mapped it */
 } allocs[4096];
+static CUdeviceptr vrange;  /* vmapall: one reservation, every VMM allocation mapped in turn */
+static uint64_t vrange_size;
 static int nallocs;
 static CUmemoryPool user_pool;
 static CUmodule user_module;
@@ -348,8 +356,43 @@ int main(int argc, char **argv)
             CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, atoi(ARG(1))}};
             CUmemGenericAllocationHandle h = 0;
             CUresult rc = api.cuMemCreate(&h, size_arg(ARG(0)), &prop, 0);
+            if (rc == CUDA_SUCCESS) allocs[nallocs].size = size_arg(ARG(0));
             remember("vmm", rc, A_VMM, h);
             i += 2;
+        } else if (!strcmp(c, "vmap")) {
+            /* map VMM allocation ID at an address of its own */
+            int id = atoi(ARG(0));
+            CUresult rc = api.cuMemAddressReserve(&allocs[id].va, allocs[id].size, 0, 0, 0);
+            if (rc == CUDA_SUCCESS) rc = api.cuMemMap(allocs[id].va, allocs[id].size, 0, allocs[id].handle, 0);
+            printf("vmap %d\n", rc);
+            i += 1;
+        } else if (!strcmp(c, "vunmap")) {
+            int id = atoi(ARG(0));
+            printf("vunmap %d\n", api.cuMemUnmap(allocs[id].va, allocs[id].size));
+            i += 1;
+        } else if (!strcmp(c, "vretain")) {
+            /* a second reference to the allocation mapped at ID's address (released by "free ID") */
+            int id = atoi(ARG(0));
+            CUmemGenericAllocationHandle h = 0;
+            CUresult rc = api.cuMemRetainAllocationHandle(&h, (void *)(uintptr_t)(allocs[id].va + 4096));
+            printf("vretain %d %d\n", rc, rc == CUDA_SUCCESS && h == allocs[id].handle);
+            i += 1;
+        } else if (!strcmp(c, "vmapall")) {
+            /* every VMM allocation so far, back to back in one reservation */
+            vrange_size = 0;
+            for (int k = 0; k < nallocs; k++)
+                if (allocs[k].kind == A_VMM) vrange_size += allocs[k].size;
+            CUresult rc = api.cuMemAddressReserve(&vrange, vrange_size, 0, 0, 0);
+            CUdeviceptr at = vrange;
+            for (int k = 0; k < nallocs && rc == CUDA_SUCCESS; k++) {
+                if (allocs[k].kind != A_VMM) continue;
+                rc = api.cuMemMap(at, allocs[k].size, 0, allocs[k].handle, 0);
+                allocs[k].va = at;
+                at += allocs[k].size;
+            }
+            printf("vmapall %d\n", rc);
+        } else if (!strcmp(c, "vunmapall")) {
+            printf("vunmapall %d\n", api.cuMemUnmap(vrange, vrange_size));
         } else if (!strcmp(c, "array")) {
             CUDA_ARRAY_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0x20, 4};
             CUarray a = NULL;

@@ -2,9 +2,9 @@
  * stress - threads allocating and freeing near the cap (plain and stream-ordered) while others
  * load modules and launch new kernels (memory the hooks do not see), launch kernels on their
  * own streams and on the per-thread default stream (throttled when CUDA_DEVICE_SM_LIMIT is
- * set), and capture, instantiate, launch and trim graphs that allocate, so the synchronous
- * reconcile, the sampler, the throttle, the graph-memory charge and the allocation hooks all
- * run at once.  Links the fake driver.
+ * set), capture, instantiate, launch and trim graphs that allocate, and map and unmap VMM
+ * allocations in every order of release and unmap, so the synchronous reconcile, the
+ * sampler, the throttle, the graph-memory charge and the allocation hooks all run at once.  Links the fake driver.
  *
  *   stress ITERATIONS
  *
@@ -47,6 +47,13 @@ CUresult cuGraphLaunch(CUgraphExec, CUstream);
 CUresult cuGraphExecDestroy(CUgraphExec);
 CUresult cuGraphDestroy(CUgraph);
 CUresult cuDeviceGraphMemTrim(CUdevice);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+CUresult cuMemRelease(CUmemGenericAllocationHandle);
+CUresult cuMemAddressReserve(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuMemAddressFree(CUdeviceptr, size_t);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *, void *);
 uint64_t fake_cuda_local_used(int pdev);
 
 static CUcontext ctx;
@@ -132,6 +139,43 @@ static void *grapher(void *arg)
     return NULL;
 }
 
+/* VMM allocations released while mapped (freed by the unmap), or unmapped first, or with a
+ * retained second reference (NCCL's order). */
+static void *mapper(void *arg)
+{
+    (void)arg;
+    unsigned seed = 99;
+    CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
+    for (int i = 0; i < iterations / 2; i++) {
+        size_t size = (size_t)(1 + rand_r(&seed) % 8) << 21;
+        CUmemGenericAllocationHandle h = 0, again = 0;
+        CUdeviceptr va = 0;
+        CUresult rc = cuMemCreate(&h, size, &prop, 0);
+        count(rc);
+        if (rc != CUDA_SUCCESS) continue;
+        count(cuMemAddressReserve(&va, size, 0, 0, 0));
+        count(cuMemMap(va, size, 0, h, 0));
+        switch (i % 3) {
+        case 0:
+            count(cuMemRelease(h));
+            count(cuMemUnmap(va, size));
+            break;
+        case 1:
+            count(cuMemUnmap(va, size));
+            count(cuMemRelease(h));
+            break;
+        default:
+            count(cuMemRetainAllocationHandle(&again, (void *)(uintptr_t)va));
+            count(cuMemRelease(again));
+            count(cuMemUnmap(va, size));
+            count(cuMemRelease(h));
+            break;
+        }
+        count(cuMemAddressFree(va, size));
+    }
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     iterations = argc > 1 ? atoi(argv[1]) : 200;
@@ -139,13 +183,14 @@ int main(int argc, char **argv)
     cuCtxSetCurrent(ctx);
     CUdeviceptr base = 0;
     count(cuMemAlloc_v2(&base, 700u << 20)); /* start near the cap */
-    pthread_t t[8];
+    pthread_t t[9];
     for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, allocator, (void *)(uintptr_t)(i + 1));
     pthread_create(&t[4], NULL, loader, NULL);
     pthread_create(&t[5], NULL, launcher, NULL);
     pthread_create(&t[6], NULL, launcher, (void *)1);
     pthread_create(&t[7], NULL, grapher, NULL);
-    for (int i = 0; i < 8; i++) pthread_join(t[i], NULL);
+    pthread_create(&t[8], NULL, mapper, NULL);
+    for (int i = 0; i < 9; i++) pthread_join(t[i], NULL);
     CUdeviceptr last = 0;
     CUresult rc = cuMemAlloc_v2(&last, 1u << 20); /* near the cap: reconciles, alone */
     count(rc);

@@ -184,3 +184,76 @@ def test_memory_the_context_takes_later_is_charged_before_the_next_allocation(la
     assert res.values("meminfo") == [GIB - 400 * MIB - 600 * MIB, GIB]
     outside = lab.run("nvml", "0", LD_PRELOAD=None)
     assert outside.values("nvml")[1] == 0  # and all of it returned at exit
+
+
+# ---- VMM: an allocation lives while a handle reference or a mapping of it remains ----------
+
+def test_a_vmm_handle_released_while_mapped_stays_charged_until_unmapped(lab):
+    # the documented idiom: cuMemCreate, cuMemMap, cuMemRelease at once; the mapping keeps the
+    # memory, so the charge stays and a second allocation past the cap is refused
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vmap", "0", "free", "0", "meminfo",
+                  "vmm", "600m", "0", "phys", "vunmap", "0", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert (res.rc("vmap"), res.rc("free"), res.rc("vunmap")) == (0, 0, 0)
+    assert res.values("meminfo", 0) == [GIB - 600 * MIB, GIB]
+    assert res.rc("vmm", 1) == OOM
+    assert res.values("phys", 0) == [600 * MIB]
+    assert res.values("meminfo", 1) == [GIB, GIB]  # unmapped: the driver freed it, so do we
+    assert res.values("phys", 1) == [0]
+
+
+def test_a_vmm_allocation_unmapped_first_stays_charged_until_released(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vmap", "0", "vunmap", "0", "meminfo",
+                  "phys", "free", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.values("meminfo", 0) == [GIB - 600 * MIB, GIB]
+    assert res.values("phys") == [600 * MIB]
+    assert res.values("meminfo", 1) == [GIB, GIB]
+
+
+def test_a_retained_vmm_handle_keeps_the_charge_until_every_reference_is_released(lab):
+    # NCCL frees with cuMemRetainAllocationHandle + cuMemRelease + cuMemUnmap + cuMemRelease
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vmap", "0", "vretain", "0", "free", "0",
+                  "meminfo", "vunmap", "0", "meminfo", "phys", "free", "0", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.of("vretain") == [(0, [1])]  # the same handle, one more reference
+    assert [rc for rc, _ in res.of("free")] == [0, 0]
+    used = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    assert used == [600 * MIB, 600 * MIB, 0]
+    assert [vals for _, vals in res.of("phys")] == [[600 * MIB], [0]]
+
+
+def test_one_unmap_over_back_to_back_mappings_returns_each_of_them(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "200m", "0", "vmm", "100m", "0", "vmm", "300m", "0",
+                  "vmapall", "free", "0", "free", "1", "free", "2", "meminfo", "vunmapall",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert (res.rc("vmapall"), res.rc("vunmapall")) == (0, 0)
+    assert res.values("meminfo", 0) == [GIB - 600 * MIB, GIB]
+    assert res.values("meminfo", 1) == [GIB, GIB]
+    assert res.values("phys") == [0]
+
+
+def test_a_failing_unmap_keeps_the_mapping_and_its_charge(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vmap", "0", "free", "0", "vunmap", "0",
+                  "meminfo", "vunmap", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuMemUnmap:1:700")
+    assert [rc for rc, _ in res.of("vunmap")] == [700, 0]
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB - 600 * MIB, GIB], [GIB, GIB]]
+
+
+def test_a_failing_release_of_a_mapped_handle_keeps_its_reference(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "300m", "0", "vmap", "0", "free", "0", "vunmap", "0",
+                  "meminfo", "free", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuMemRelease:1:700")
+    assert [rc for rc, _ in res.of("free")] == [700, 0]
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB - 300 * MIB, GIB], [GIB, GIB]]
+
+
+@pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
+def test_create_map_release_in_a_loop_cannot_pass_the_cap(lab, api):
+    cmds = ["init", "ctx", "0"]
+    for i in range(4):
+        cmds += ["vmm", "300m", "0", "vmap", str(i), "free", str(i)]
+    res = lab.run(*cmds, "phys", "meminfo", api=api, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("vmm")] == [0, 0, 0, OOM]
+    assert res.values("phys") == [900 * MIB]
+    assert res.values("meminfo") == [GIB - 900 * MIB, GIB]

@@ -516,6 +516,7 @@ struct fake_alloc {
     int kind;
     struct fake_ctx *ctx;
     struct fake_pool *pool;
+    unsigned refs, maps; /* K_VMM: unreleased handle references, mappings */
 };
 struct fake_pool {
     int pdev;
@@ -535,7 +536,7 @@ static CUresult alloc_new(int kind, uint64_t size, int pdev, struct fake_pool *p
         if (!allocs[i].kind) slot = i;
     CUresult rc = slot < 0 ? CUDA_ERROR_OUT_OF_MEMORY : charge ? phys_add(pdev, size) : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS) {
-        allocs[slot] = (struct fake_alloc){next_handle, size, pdev, kind, current, pool};
+        allocs[slot] = (struct fake_alloc){next_handle, size, pdev, kind, current, pool, kind == K_VMM, 0};
         memcpy(handle, &next_handle, sizeof(next_handle)); /* CUdeviceptr, CUarray, ... are 8 bytes */
         next_handle += (size + 0xfffff) & ~0xfffffull;
         next_handle += 0x100000;
@@ -808,13 +809,126 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, cons
     if (!handle || !prop || !size || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
         prop->location.id < 0 || prop->location.id >= nvisible || size % (2u << 20))
         return CUDA_ERROR_INVALID_VALUE;
-    return alloc_new(K_VMM, size, visible[prop->location.id], NULL, handle, 1);
+    return alloc_new(K_VMM, size, visible[prop->location.id], NULL, handle, 1); /* one reference */
+}
+
+/* A VMM allocation is freed once its handle references (cuMemCreate,
+ * cuMemRetainAllocationHandle) are all released and its mappings all unmapped,
+ * in either order, as the real driver documents. */
+#define MAX_VMAPS 1024
+static struct {
+    uint64_t va, size, handle;
+} vmaps[MAX_VMAPS];
+static uint64_t next_va = 0x600000000000ull;
+
+static void vmm_maybe_free(struct fake_alloc *a) /* mu held */
+{
+    if (a->refs || a->maps) return;
+    phys_sub(a->pdev, a->size);
+    memset(a, 0, sizeof(*a));
 }
 
 API CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     FAIL_POINT("cuMemRelease");
-    return alloc_free(K_VMM, handle);
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_VMM, handle);
+    CUresult rc = a && a->refs ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (rc == CUDA_SUCCESS) {
+        a->refs--;
+        vmm_maybe_free(a);
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+API CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                 unsigned long long flags)
+{
+    (void)alignment, (void)addr, (void)flags;
+    if (!ptr || !size || size % (2u << 20)) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    *ptr = next_va;
+    next_va += size + (2u << 20);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    return ptr && size ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                      unsigned long long flags)
+{
+    (void)flags;
+    FAIL_POINT("cuMemMap");
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_VMM, handle);
+    CUresult rc = a && a->refs && size && offset + size <= a->size ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    int slot = -1;
+    for (int i = 0; i < MAX_VMAPS && rc == CUDA_SUCCESS; i++) {
+        if (!vmaps[i].size) {
+            if (slot < 0) slot = i;
+        } else if (ptr < vmaps[i].va + vmaps[i].size && vmaps[i].va < ptr + size) {
+            rc = CUDA_ERROR_INVALID_VALUE; /* overlaps a mapping */
+        }
+    }
+    if (rc == CUDA_SUCCESS && slot < 0) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    if (rc == CUDA_SUCCESS) {
+        vmaps[slot].va = ptr;
+        vmaps[slot].size = size;
+        vmaps[slot].handle = handle;
+        a->maps++;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* Unmaps every mapping that starts inside [ptr, ptr + size). */
+API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    FAIL_POINT("cuMemUnmap");
+    pthread_mutex_lock(&mu);
+    int found = 0;
+    for (int i = 0; i < MAX_VMAPS; i++) {
+        if (!vmaps[i].size || vmaps[i].va < ptr || vmaps[i].va >= ptr + size) continue;
+        struct fake_alloc *a = alloc_find(K_VMM, vmaps[i].handle);
+        memset(&vmaps[i], 0, sizeof(vmaps[i]));
+        found++;
+        if (a) {
+            a->maps--;
+            vmm_maybe_free(a);
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count)
+{
+    return ptr && size && desc && count ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr)
+{
+    FAIL_POINT("cuMemRetainAllocationHandle");
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t va = (uint64_t)(uintptr_t)addr;
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_VMAPS && rc != CUDA_SUCCESS; i++) {
+        if (!vmaps[i].size || va < vmaps[i].va || va >= vmaps[i].va + vmaps[i].size) continue;
+        struct fake_alloc *a = alloc_find(K_VMM, vmaps[i].handle);
+        if (a) {
+            a->refs++;
+            *handle = a->handle;
+            rc = CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
 }
 
 API CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop, int option)
