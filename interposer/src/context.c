@@ -1,8 +1,12 @@
 /*
  * context.c - contexts and their footprint.
  *
- * Creating a context costs device memory.  Its size is measured (NVML used
- * memory of the device before and after) and charged; the last measurement,
+ * Creating a context costs device memory.  Its size is measured and charged:
+ * the growth of the process's own usage in NVML's process list, or, where
+ * that list cannot say (no per-process figures, host pid unknown), the
+ * growth of the device's used memory, which also counts what other
+ * processes allocated meanwhile (limited to the largest process that started
+ * with ours, when several did).  The last measurement,
  * kept in the region, is reserved up front, so a context that would not fit
  * is refused with CUDA_ERROR_OUT_OF_MEMORY.  Destroying a context returns its
  * footprint and everything allocated in it.
@@ -66,7 +70,7 @@ static CUresult charge_begin(CUdevice dev, struct ctx_charge *c)
     }
     c->reserved = estimate;
     c->before = nvml_used(dev);
-    if (!gs_host_pid_known(dev)) c->nprocs = gs_list_processes(dev, c->procs, GS_MAX_PIDS);
+    c->nprocs = gs_list_processes(dev, c->procs, GS_MAX_PIDS);
     return CUDA_SUCCESS;
 }
 
@@ -78,10 +82,15 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
         gs_budget_release(c->slot, c->reserved);
         return 0;
     }
-    if (c->nprocs >= 0) gs_learn_host_pid(dev, c->procs, c->nprocs);
-    uint64_t after = nvml_used(dev);
-    if (c->before == NO_READING || after == NO_READING || after <= c->before) return c->reserved;
-    uint64_t measured = after - c->before;
+    uint64_t bound, measured = gs_ctx_growth(dev, c->procs, c->nprocs, &bound);
+    if (measured == NO_READING) {
+        /* the device's growth: other tenants' allocations meanwhile count too */
+        uint64_t after = nvml_used(dev);
+        if (c->before == NO_READING || after == NO_READING || after <= c->before) return c->reserved;
+        measured = after - c->before;
+        if (bound < measured) measured = bound;
+    }
+    if (!measured) return c->reserved;
     __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
     if (measured > c->reserved)
         gs_budget_force(c->slot, measured - c->reserved);

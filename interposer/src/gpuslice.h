@@ -137,7 +137,12 @@ void gs_context_after_fork_child(void);
 #define GS_DEFAULT_MARGIN (256ull << 20)
 extern uint64_t gs_reconcile_margin;  /* GPUSLICE_RECONCILE_MARGIN; 0 = reconcile in the background only */
 int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap); /* -1 if NVML cannot say */
-void gs_learn_host_pid(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore);
+/* After a context was created: learns the process's host pid (ours, or the one pid new in
+ * NVML's list since `before`) and returns how much the process's own usage grew, or
+ * UINT64_MAX when NVML cannot say; then *bound is, when known, what the process holds at
+ * most (the largest of the processes new in the list), else UINT64_MAX.  Caller holds
+ * gs_ctx_lock. */
+uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound);
 int gs_host_pid_known(CUdevice dev);
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */

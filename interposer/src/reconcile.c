@@ -67,25 +67,48 @@ int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap)
     return (int)count;
 }
 
-void gs_learn_host_pid(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore)
+/* NVML_VALUE_NOT_AVAILABLE: no per-process figure (e.g. under WDDM) */
+#define GS_NO_VALUE 0xffffffffffffffffull
+
+static uint64_t used_by(const nvmlProcessInfo_t *procs, int n, unsigned pid)
+{
+    for (int i = 0; i < n; i++)
+        if (procs[i].pid == pid) return procs[i].usedGpuMemory;
+    return 0;
+}
+
+uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound)
 {
     static nvmlProcessInfo_t after[GS_MAX_PIDS]; /* under the context lock */
-    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
+    *bound = GS_NO_VALUE;
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || nbefore < 0) return GS_NO_VALUE;
     int n = gs_list_processes(dev, after, GS_MAX_PIDS);
-    unsigned fresh = 0, nfresh = 0;
-    for (int i = 0; i < n; i++) {
+    unsigned pid = __atomic_load_n(&g_host_pid[dev], __ATOMIC_RELAXED), fresh = 0, nfresh = 0;
+    uint64_t most = 0;
+    for (int i = 0; i < n && !pid; i++) {
         if (after[i].pid == (unsigned)getpid()) { /* same pid namespace as the driver */
-            __atomic_store_n(&g_host_pid[dev], after[i].pid, __ATOMIC_RELAXED);
-            return;
+            pid = after[i].pid;
+            break;
         }
         int seen = 0;
         for (int k = 0; k < nbefore && !seen; k++) seen = before[k].pid == after[i].pid;
         if (!seen) {
             fresh = after[i].pid;
             nfresh++;
+            if (after[i].usedGpuMemory > most) most = after[i].usedGpuMemory;
         }
     }
-    if (nfresh == 1) __atomic_store_n(&g_host_pid[dev], fresh, __ATOMIC_RELAXED);
+    if (!pid && nfresh == 1) pid = fresh; /* the one process that appeared with our context */
+    if (!pid) {
+        /* several processes started with ours: it is one of them, so it holds no more than
+         * the largest (unless NVML gives no figures) */
+        if (nfresh) *bound = most;
+        return GS_NO_VALUE;
+    }
+    __atomic_store_n(&g_host_pid[dev], pid, __ATOMIC_RELAXED);
+    uint64_t was = used_by(before, nbefore, pid), now = used_by(after, n, pid);
+    if (was == GS_NO_VALUE || now == GS_NO_VALUE || now < was) return GS_NO_VALUE;
+    return now - was;
 }
 
 int gs_host_pid_known(CUdevice dev)
@@ -125,7 +148,7 @@ uint64_t gs_reconcile_dev_locked(CUdevice dev)
         __atomic_store_n(&g_host_pid[dev], pid, __ATOMIC_RELAXED);
         for (int i = 0; i < n; i++) {
             if (g_procs[i].pid != pid) continue;
-            if (g_procs[i].usedGpuMemory <= mine + GS_SLACK) return 0;
+            if (g_procs[i].usedGpuMemory == GS_NO_VALUE || g_procs[i].usedGpuMemory <= mine + GS_SLACK) return 0;
             uint64_t extra = g_procs[i].usedGpuMemory - mine;
             charge_ctx(g_dev_ctx[dev], extra);
             return extra;

@@ -132,6 +132,32 @@ def test_the_context_footprint_is_measured_and_charged(lab):
     assert res.values("meminfo") == [GIB - 300 * MIB, GIB]
 
 
+@pytest.mark.parametrize("pid_offset", ["0", "100000"], ids=["same-pid-ns", "container-pid-ns"])
+def test_another_tenant_allocating_while_our_context_is_created_is_not_charged_to_it(lab,
+                                                                                     pid_offset):
+    # another container's running process takes 2 GiB while our context is being created: the
+    # device's used memory grows by 2.1 GiB, our process's own usage by the 100 MiB footprint
+    # (the device-wide figure, charged before, refused every allocation under a 1 GiB cap)
+    tmp = lab.tmp
+    other = lab.start("init", "ctx", "0", "touch", str(tmp / "ready"), "waitfile", str(tmp / "take"),
+                      "alloc", "2g", "touch", str(tmp / "held"), "waitfile", str(tmp / "go"),
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET=pid_offset)
+    lab.wait_for(tmp / "ready")
+    ours = lab.start("init", "ctx", "0", "meminfo", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                     FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET=pid_offset,
+                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:500",
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"))
+    lab.wait_for(tmp / "creating")
+    (tmp / "take").touch()
+    lab.wait_for(tmp / "held")
+    res = lab.finish(ours)
+    (tmp / "go").touch()
+    assert lab.finish(other).rc("alloc") == 0
+    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
+    assert res.rc("alloc") == 0
+
+
 def test_a_context_that_does_not_fit_is_refused(lab):
     # the first process measures the footprint (300 MiB) and holds 800 MiB: a second context
     # (reserved at the measured size before it is created) cannot fit in the remaining 0 bytes
