@@ -46,6 +46,7 @@ typedef int CUgraphInstantiateResult;
 typedef struct CUmemAccessDesc_st CUmemAccessDesc; /* only passed through */
 typedef int CUjit_option;    /* enums: only passed through, by pointer */
 typedef int CUlibraryOption;
+typedef int CUlimit;
 
 typedef struct CUuuid_st {
     char bytes[16];

@@ -111,6 +111,7 @@
     X(cuGraphExecDestroy, CUresult, (CUgraphExec hGraphExec), cuGraphExecDestroy, 10000, 0)                \
     X(cuDeviceGraphMemTrim, CUresult, (CUdevice device), cuDeviceGraphMemTrim, 11040, 0)                   \
     X(cuModuleLoad, CUresult, (CUmodule *module, const char *fname), cuModuleLoad, 2000, 0)                \
+    X(cuCtxSetLimit, CUresult, (CUlimit limit, size_t value), cuCtxSetLimit, 3010, 0)                      \
     X(cuModuleLoadData, CUresult, (CUmodule *module, const void *image), cuModuleLoadData, 2000, 0)        \
     X(cuModuleLoadDataEx, CUresult,                                                                        \
       (CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options,                \

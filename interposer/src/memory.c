@@ -361,13 +361,17 @@ GS_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTO
                      gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray));
 }
 
+/* Sparse arrays and arrays with deferred mapping get no memory at creation:
+ * it comes later from cuMemCreate allocations mapped into them (charged there). */
+#define GS_ARRAY_NO_BACKING (0x40 /* CUDA_ARRAY3D_SPARSE */ | 0x80 /* CUDA_ARRAY3D_DEFERRED_MAPPING */)
+
 GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray)
 {
     gs_cuda_init();
     if (!gs_cuda.cuArray3DCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
     const CUDA_ARRAY3D_DESCRIPTOR *a = pAllocateArray;
-    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
+    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
                      gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray));
 }
 
@@ -384,7 +388,7 @@ GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
         uint64_t level = array_bytes(w ? w : 1, h ? h : 1, d ? d : 1, a->Format, a->NumChannels);
         bytes = bytes > UINT64_MAX - level ? UINT64_MAX : bytes + level;
     }
-    GS_CHARGED_ALLOC(GS_KIND_MIPMAP, pHandle, 0, bytes,
+    GS_CHARGED_ALLOC(GS_KIND_MIPMAP, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0, bytes,
                      gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels));
 }
 

@@ -1,9 +1,11 @@
 /*
  * module.c - module and library loads: cuModuleLoad*, cuLibraryLoad*, and the
  * calls that load a function's code when loading is lazy
- * (cuModuleGetFunction, cuLibraryGetKernel, cuKernelGetFunction).
+ * (cuModuleGetFunction, cuLibraryGetKernel, cuKernelGetFunction); and
+ * cuCtxSetLimit, whose stack size, printf FIFO and malloc heap limits
+ * reserve device memory (the stack for every thread the device can run).
  *
- * Code takes device memory no allocation hook sees.  After each of these
+ * Code and those reserves take device memory no allocation hook sees.  After each of these
  * calls succeeds, what the process really holds is reconciled with its
  * charge (reconcile.c): at once when a device is near its cap, otherwise by
  * waking the background sampler, so the caller pays for an NVML query only
@@ -44,3 +46,4 @@ GS_LOAD_HOOK(cuLibraryLoadFromFile,
               libraryOptionValues, numLibraryOptions))
 GS_LOAD_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name))
 GS_LOAD_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel))
+GS_LOAD_HOOK(cuCtxSetLimit, (CUlimit limit, size_t value), (limit, value))

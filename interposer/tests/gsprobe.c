@@ -69,6 +69,7 @@
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
     X(cuCtxSynchronize, CUresult, (void))                                                                    \
     X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                \
+    X(cuCtxSetLimit, CUresult, (int, size_t))                                                                \
     X(cuModuleGetFunction, CUresult, (CUfunction *, CUmodule, const char *))                                 \
     X(cuLibraryLoadData, CUresult, (CUlibrary *, const void *, CUjit_option *, void **, unsigned,             \
                                     CUlibraryOption *, void **, unsigned))                                   \
@@ -399,11 +400,13 @@ int main(int argc, char **argv)
             CUresult rc = api.cuArrayCreate_v2(&a, &d);
             remember("array", rc, A_ARRAY, (uint64_t)(uintptr_t)a);
             i += 2;
-        } else if (!strcmp(c, "array3d")) {
-            CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), size_arg(ARG(2)), 0x01, 1, 0};
+        } else if (!strcmp(c, "array3d") || !strcmp(c, "sparse3d")) {
+            /* sparse3d: CUDA_ARRAY3D_SPARSE, no memory until pages are mapped into it */
+            CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), size_arg(ARG(2)), 0x01, 1,
+                                         !strcmp(c, "sparse3d") ? 0x40 : 0};
             CUarray a = NULL;
             CUresult rc = api.cuArray3DCreate_v2(&a, &d);
-            remember("array3d", rc, A_ARRAY, (uint64_t)(uintptr_t)a);
+            remember(c, rc, A_ARRAY, (uint64_t)(uintptr_t)a);
             i += 3;
         } else if (!strcmp(c, "mipmap")) {
             CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0, 0x10, 2, 0};
@@ -469,6 +472,10 @@ int main(int argc, char **argv)
             CUfunction f = (CUfunction)(uintptr_t)(0x100000 + 16 * (uint64_t)atoi(ARG(0)));
             printf("launchk %d\n", api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
             i += 1;
+        } else if (!strcmp(c, "setlimit")) {
+            /* setlimit LIMIT VALUE: 0 stack size per thread, 1 printf FIFO, 2 malloc heap */
+            printf("setlimit %d\n", api.cuCtxSetLimit(atoi(ARG(0)), (size_t)size_arg(ARG(1))));
+            i += 2;
         } else if (!strcmp(c, "modload")) {
             printf("modload %d\n", api.cuModuleLoadData(&user_module, "fake image"));
         } else if (!strcmp(c, "getfunc")) {

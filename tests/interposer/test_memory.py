@@ -39,6 +39,15 @@ def test_each_allocation_api_is_charged_and_its_free_returns_it_exactly(lab, kin
     assert res.values("meminfo") == [GIB - lab.charge(expected), GIB]
 
 
+def test_a_sparse_array_is_not_charged_for_memory_it_does_not_have(lab):
+    # its pages come later from cuMemCreate allocations (charged there) mapped into it
+    res = lab.run("init", "ctx", "0", "sparse3d", "2048", "2048", "512", "meminfo", "phys", "free", "0",
+                  "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("sparse3d") == 0 and res.rc("free") == 0
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB, GIB], [GIB, GIB]]
+    assert res.values("phys") == [0]
+
+
 def test_allocation_over_the_cap_fails_with_out_of_memory_and_charges_nothing(lab):
     res = lab.run("init", "ctx", "0", "alloc", "700m", "alloc", "400m", "meminfo", "alloc", "300m",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")

@@ -79,8 +79,11 @@ def test_growth_no_allocation_follows_is_charged_by_the_sampler_within_its_near_
 
 
 @pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
-@pytest.mark.parametrize("load", [["modload"], ["libload", "libkernel"]], ids=["module", "library"])
+@pytest.mark.parametrize("load", [["modload"], ["libload", "libkernel"], ["setlimit", "0", "50k"],
+                                  ["setlimit", "2", "50m"]],
+                         ids=["module", "library", "stack-limit", "malloc-heap-limit"])
 def test_a_load_near_the_cap_is_charged_right_after_it(lab, api, load):
+    # (a stack limit of 50 KiB per thread, times the fake device's 1024 threads, is 50 MiB)
     res = lab.run("init", "ctx", "0", "alloc", "800m", *load, "meminfo", api=api,
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                   FAKE_CUDA_MODULE_BYTES="50m")

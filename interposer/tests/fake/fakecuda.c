@@ -22,6 +22,9 @@
  *   FAKE_CUDA_MODULE_BYTES   device memory each module or library load takes (default 0)
  *   FAKE_CUDA_LAUNCH_BYTES   device memory the first launch of each distinct function
  *                            takes, as when code is loaded lazily (default 0)
+ *   FAKE_CUDA_STACK_THREADS  threads the device runs at once: cuCtxSetLimit's stack size
+ *                            reserves that many stacks (default 1024); its printf FIFO and
+ *                            malloc heap limits reserve their size
  * Memory taken by modules and launches belongs to the current context and is
  * visible to the fake NVML (per process), never to an allocation call.
  * Built with -Bsymbolic, so its internal calls never reach the interposer.
@@ -185,7 +188,8 @@ struct fake_ctx {
     int pdev;
     int primary;
     int refs;
-    uint64_t modules; /* memory taken by (lazily loaded) modules */
+    uint64_t modules; /* memory taken by (lazily loaded) modules and by limits */
+    uint64_t limits[3]; /* what cuCtxSetLimit reserved: stacks, printf FIFO, malloc heap */
 };
 static struct fake_ctx primaries[FAKE_MAX_DEVS];
 static __thread struct fake_ctx *current;
@@ -590,6 +594,7 @@ static void ctx_drop(struct fake_ctx *c)
     }
     phys_sub(c->pdev, ctx_bytes + c->modules);
     c->modules = 0;
+    memset(c->limits, 0, sizeof(c->limits));
 }
 
 /* Test-only: the context grows by `bytes` without any API call the interposer sees,
@@ -616,6 +621,25 @@ static CUresult code_grow_locked(uint64_t bytes)
 {
     CUresult rc = phys_add(current->pdev, bytes);
     if (rc == CUDA_SUCCESS) current->modules += bytes;
+    return rc;
+}
+
+/* cuCtxSetLimit: the context reserves the stacks, the printf FIFO and the malloc heap. */
+API CUresult cuCtxSetLimit(int limit, size_t value)
+{
+    FAIL_POINT("cuCtxSetLimit");
+    NEED_CTX();
+    if (limit < 0 || limit > 2) return CUDA_ERROR_INVALID_VALUE;
+    const char *threads = getenv("FAKE_CUDA_STACK_THREADS");
+    uint64_t want = limit == 0 ? (uint64_t)value * (threads ? strtoull(threads, NULL, 10) : 1024) : value;
+    pthread_mutex_lock(&mu);
+    CUresult rc = CUDA_SUCCESS;
+    uint64_t *held = &current->limits[limit];
+    if (want > *held) {
+        rc = code_grow_locked(want - *held);
+        if (rc == CUDA_SUCCESS) *held = want;
+    }
+    pthread_mutex_unlock(&mu);
     return rc;
 }
 
@@ -962,6 +986,7 @@ API CUresult cuArray3DCreate_v2(CUarray *h, const CUDA_ARRAY3D_DESCRIPTOR *d)
     if (!h || !d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
     uint64_t bytes = (uint64_t)d->Width * (d->Height ? d->Height : 1) * (d->Depth ? d->Depth : 1) *
                      elem_bytes(d->Format, d->NumChannels);
+    if (d->Flags & 0xc0) bytes = 0; /* sparse or deferred mapping: memory comes from cuMemMapArrayAsync */
     return alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
 }
 
@@ -981,6 +1006,7 @@ API CUresult cuMipmappedArrayCreate(CUmipmappedArray *h, const CUDA_ARRAY3D_DESC
         uint64_t w = d->Width >> l, hh = d->Height >> l, dd = d->Depth >> l;
         bytes += (w ? w : 1) * (hh ? hh : 1) * (dd ? dd : 1) * elem_bytes(d->Format, d->NumChannels);
     }
+    if (d->Flags & 0xc0) bytes = 0;
     return alloc_new(K_MIPMAP, bytes, current->pdev, NULL, h, 1);
 }
 
