@@ -144,6 +144,7 @@ int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap); /* -1
  * gs_ctx_lock. */
 uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound);
 int gs_host_pid_known(CUdevice dev);
+void gs_sampler_start(void); /* the background thread (reconcile.c), if not running yet */
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
 void gs_reconcile_after_load(void);             /* a module or library was loaded */

@@ -10,8 +10,12 @@
  *  - after it, the pool's CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT is read and
  *    the charge follows it; if the pool grew past the cap, the allocation is
  *    undone and the caller gets CUDA_ERROR_OUT_OF_MEMORY;
- *  - frees, trims, a refused reservation anywhere, and pool destruction bring
- *    the charge back down to what the pool still reserves.
+ *  - frees, trims, a refused reservation anywhere, pool destruction, and the
+ *    sampler thread every 500 ms bring the charge back down to what the pool
+ *    still reserves (a pool at the driver's default release threshold, 0,
+ *    gives its memory back at the next synchronisation, which no hook sees);
+ *    never while an allocation from that pool is between its reservation and
+ *    its settling (the reservation would go, and another process take it).
  * Allocations on a stream being captured into a graph are graph nodes, not
  * memory: they pass through uncharged (graphmem.c charges graphs).
  */
@@ -29,6 +33,7 @@ struct pool_rec {
     int destroyed;
     uint64_t live;    /* bytes allocated from it and not freed */
     uint64_t charged; /* bytes charged to the budget for it */
+    int busy;         /* allocations from it between their reservation and reconcile */
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -63,7 +68,7 @@ static int reconcile_locked(struct pool_rec *p, int grow)
         if (!grow) return 0;
         if (gs_budget_reserve(p->slot, target - p->charged) != 0) return -1;
         p->charged = target;
-    } else if (target < p->charged) {
+    } else if (target < p->charged && !p->busy) {
         gs_budget_release(p->slot, p->charged - target);
         p->charged = target;
     }
@@ -162,13 +167,16 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     p->charged += extra;
+    p->busy++;
     pthread_mutex_unlock(&g_mu);
+    gs_sampler_start(); /* it returns what pools give back at synchronisations (one load once running) */
 
     gs_unsettled_begin(); /* the pool may grow by more than was reserved until reconcile_locked */
     CUresult rc = call(dptr, bytesize, pool, stream, real);
     struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
     pthread_mutex_lock(&g_mu);
     p = find_locked(key, slot, 1);
+    p->busy--;
     if (rc == CUDA_SUCCESS) p->live += bytesize;
     int grown = reconcile_locked(p, rc == CUDA_SUCCESS);
     pthread_mutex_unlock(&g_mu);

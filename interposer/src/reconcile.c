@@ -249,15 +249,22 @@ static void *sampler(void *arg)
         pthread_mutex_unlock(&g_wake_mu);
         if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) break; /* NVML may be gone: stop */
         reconcile_all();
-        if (!__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE))
-            gs_launch_sample(); /* clock compensation of the compute limit (launch.c), if one applies */
+        if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) break;
+        gs_pools_reconcile_all(); /* what pools gave back at synchronisations (pool.c) */
+        gs_launch_sample();       /* clock compensation of the compute limit (launch.c), if one applies */
         last = gs_now_ns();
     }
     return NULL;
 }
 
-/* Started once a host pid is known, or a compute limit needs clock
- * compensation: the NVML queries stay off the program's threads. */
+void gs_sampler_start(void)
+{
+    start_sampler();
+}
+
+/* Started once a host pid is known, a compute limit needs clock
+ * compensation, or a memory pool is charged: the NVML and pool queries stay
+ * off the program's threads. */
 static void start_sampler(void)
 {
     if (__atomic_load_n(&g_sampler_started, __ATOMIC_ACQUIRE)) return;

@@ -472,6 +472,8 @@ int main(int argc, char **argv)
             CUfunction f = (CUfunction)(uintptr_t)(0x100000 + 16 * (uint64_t)atoi(ARG(0)));
             printf("launchk %d\n", api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
             i += 1;
+        } else if (!strcmp(c, "sync")) {
+            printf("sync %d\n", api.cuCtxSynchronize());
         } else if (!strcmp(c, "setlimit")) {
             /* setlimit LIMIT VALUE: 0 stack size per thread, 1 printf FIFO, 2 malloc heap */
             printf("setlimit %d\n", api.cuCtxSetLimit(atoi(ARG(0)), (size_t)size_arg(ARG(1))));

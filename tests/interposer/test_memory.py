@@ -5,6 +5,8 @@ Runs the C probe against the fake driver with the release and the ASan/UBSan lib
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 MIB = 1 << 20
@@ -93,6 +95,30 @@ def test_pool_allocations_charge_what_the_pool_reserves_until_trimmed(lab):
                   "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g")
     infos = [vals[0] for _, vals in res.of("meminfo")]
     assert infos == [GIB - 32 * MIB, GIB - 32 * MIB, GIB]
+
+
+def test_memory_a_pool_gives_back_at_a_synchronisation_is_uncharged_within_a_sampler_period(lab):
+    # at the driver's default release threshold (0) a pool returns what it does not use at the
+    # next synchronisation, which no hook sees: the sampler (500 ms) brings the charge down
+    # (before, a process idle after cuMemFreeAsync + synchronise stayed charged for it)
+    res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "sync", "phys", "meminfo",
+                  "sleep", "900", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_POOL_RELEASE="1")
+    assert res.values("phys") == [0]
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB - 608 * MIB, GIB], [GIB, GIB]]
+
+
+def test_a_pool_allocation_in_flight_keeps_its_reservation_while_the_sampler_runs(lab):
+    # the sampler reconciles pools every 500 ms; one whose allocation is inside the driver has
+    # not grown yet, and returning its reservation then would let another process take it
+    mark = lab.tmp / "allocating"
+    first = lab.start("init", "ctx", "0", "async", "600m", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                      FAKE_CUDA_SLEEP="cuMemAllocAsync:1500", FAKE_CUDA_SLEEP_MARK=str(mark))
+    lab.wait_for(mark)
+    time.sleep(0.8)  # past the sampler's first round
+    second = lab.run("init", "ctx", "0", "alloc", "500m", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert second.rc("alloc") == OOM
+    assert lab.finish(first).rc("async") == 0
 
 
 def test_pool_memory_cached_after_free_is_reused_within_the_cap(lab):

@@ -12,6 +12,9 @@
  * Knobs (besides fakestate.h):
  *   FAKE_CUDA_KERNEL_US      kernel duration, default 10
  *   FAKE_CUDA_POOL_CHUNK     pool growth granularity, default 32m
+ *   FAKE_CUDA_POOL_RELEASE=1 pools have the driver's default release threshold (0): every
+ *                            stream, event or context synchronisation gives back what they
+ *                            do not use (otherwise they keep it until trimmed)
  *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
  *                            call, default 1; code default 2 = out of memory)
  *   FAKE_CUDA_SLEEP          "name:ms" sleep inside that call; "exit:ms" sleeps in the
@@ -531,6 +534,8 @@ struct fake_pool {
 static struct fake_alloc allocs[MAX_ALLOCS];
 static uint64_t next_handle = 0x7f0000000000ull;
 static struct fake_pool default_pools[FAKE_MAX_DEVS];
+static struct fake_pool *user_pools[64];
+static int nuser_pools;
 
 static CUresult alloc_new(int kind, uint64_t size, int pdev, struct fake_pool *pool, void *handle, int charge)
 {
@@ -1040,6 +1045,9 @@ API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
     struct fake_pool *p = calloc(1, sizeof(*p));
     p->pdev = visible[loc->id];
     *pool = (CUmemoryPool)p;
+    pthread_mutex_lock(&mu);
+    if (nuser_pools < 64) user_pools[nuser_pools++] = p;
+    pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }
 
@@ -1160,6 +1168,20 @@ API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s)
 API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s)
 {
     return free_async(dptr, s, 1);
+}
+
+/* A synchronisation with FAKE_CUDA_POOL_RELEASE=1: every pool trims to what it uses. */
+static void pools_release_at_sync(void)
+{
+    static int on = -1;
+    if (on < 0) on = getenv("FAKE_CUDA_POOL_RELEASE") != NULL;
+    if (!on) return;
+    for (int d = 0; d < FAKE_MAX_DEVS; d++) cuMemPoolTrimTo((CUmemoryPool)&default_pools[d], 0);
+    pthread_mutex_lock(&mu);
+    int n = nuser_pools;
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < n; i++)
+        if (!user_pools[i]->destroyed) cuMemPoolTrimTo((CUmemoryPool)user_pools[i], 0);
 }
 
 #include "fakelaunch.h"

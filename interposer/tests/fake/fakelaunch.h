@@ -45,12 +45,14 @@ API CUresult cuStreamDestroy_v2(CUstream s)
 API CUresult cuStreamSynchronize(CUstream s)
 {
     sleep_until(__atomic_load_n(&stream_of(s, 0)->tail, __ATOMIC_ACQUIRE));
+    pools_release_at_sync();
     return CUDA_SUCCESS;
 }
 
 API CUresult cuStreamSynchronize_ptsz(CUstream s)
 {
     sleep_until(__atomic_load_n(&stream_of(s, 1)->tail, __ATOMIC_ACQUIRE));
+    pools_release_at_sync();
     return CUDA_SUCCESS;
 }
 
@@ -137,6 +139,7 @@ API CUresult cuEventSynchronize(CUevent e)
     struct fake_event *ev = (struct fake_event *)e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
     if (ev->recorded) sleep_until(ev->t);
+    pools_release_at_sync();
     return CUDA_SUCCESS;
 }
 
@@ -159,6 +162,7 @@ API CUresult cuCtxSynchronize(void)
 {
     sleep_until(__atomic_load_n(&legacy_stream.tail, __ATOMIC_ACQUIRE));
     sleep_until(__atomic_load_n(&ptds_stream.tail, __ATOMIC_ACQUIRE));
+    pools_release_at_sync();
     return CUDA_SUCCESS;
 }
 
