@@ -24,6 +24,9 @@ JAX_PLATFORM = {**JAX_BASE, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
 # PyTorch serves 1-10 MiB requests from 20 MiB segments, hence 12 then 1 MiB at the end.
 VARIANTS: dict[str, tuple[str, str, dict[str, str], float]] = {
     "torch": ("torch", "256,64,12,1", {}, 60),
+    # expandable segments: cuMemCreate + cuMemMap per 20 MiB page (the VMM hooks)
+    "torch-expandable": ("torch", "256,64,12,1",
+                         {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, 60),
     "cupy": ("cupy", "256,64,16,4,1", {}, 45),
     "jax": ("jax", "256,64,16,4,1", JAX_PLATFORM, 75),
     "jax-default": ("jax", "256,64,16,4,1", JAX_BASE, 75),
