@@ -33,6 +33,8 @@ CASES = {
                                        {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
     "1 MiB alloc+free, near cap": (["alloc", "800m"], lambda n: ["allocbench", str(n), "1m"],
                                    {"CUDA_DEVICE_MEMORY_LIMIT": "1g"}),
+    "2 MiB VMM page create+map+release+unmap": ([], lambda n: ["vmmbench", str(n), "2m"],
+                                                {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
 }
 
 

@@ -248,6 +248,24 @@ static void allocbench(long count, uint64_t size)
     printf("allocbench %d %llu\n", rc, (unsigned long long)((now_ns() - t0) / (uint64_t)count));
 }
 
+/* PyTorch's expandable segments, page by page: create, map, release the handle (the mapping
+ * keeps the memory), then unmap; ns per page. */
+static void vmmbench(long count, uint64_t size)
+{
+    CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
+    CUdeviceptr va = 0;
+    CUresult rc = api.cuMemAddressReserve(&va, size, 0, 0, 0);
+    uint64_t t0 = 0;
+    for (long n = -100; n < count && rc == CUDA_SUCCESS; n++) { /* 100 warm-up rounds */
+        if (n == 0) t0 = now_ns();
+        CUmemGenericAllocationHandle h = 0;
+        if ((rc = api.cuMemCreate(&h, size, &prop, 0)) != CUDA_SUCCESS) break;
+        if ((rc = api.cuMemMap(va, size, 0, h, 0)) == CUDA_SUCCESS) rc = api.cuMemRelease(h);
+        if (rc == CUDA_SUCCESS) rc = api.cuMemUnmap(va, size);
+    }
+    printf("vmmbench %d %llu\n", rc, (unsigned long long)(count > 0 ? (now_ns() - t0) / (uint64_t)count : 0));
+}
+
 /* Real GPUs only: launch an empty kernel (PTX, JIT-compiled by the driver) `count`
  * times; ns per launch, the GPU drained at the end. */
 static void launchbench(long count)
@@ -521,6 +539,9 @@ int main(int argc, char **argv)
             i += 1;
         } else if (!strcmp(c, "allocbench")) {
             allocbench(atol(ARG(0)), size_arg(ARG(1)));
+            i += 2;
+        } else if (!strcmp(c, "vmmbench")) {
+            vmmbench(atol(ARG(0)), size_arg(ARG(1)));
             i += 2;
         } else if (!strcmp(c, "launchbench")) {
             launchbench(atol(ARG(0)));
