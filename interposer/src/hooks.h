@@ -66,6 +66,8 @@
     X(cuMemFreeAsync_ptsz, CUresult, (CUdeviceptr dptr, CUstream hStream), cuMemFreeAsync, 11020, 1)       \
     X(cuMemPoolTrimTo, CUresult, (CUmemoryPool pool, size_t minBytesToKeep), cuMemPoolTrimTo, 11020, 0)    \
     X(cuMemPoolDestroy, CUresult, (CUmemoryPool pool), cuMemPoolDestroy, 11020, 0)                         \
+    X(cuMemPoolCreate, CUresult, (CUmemoryPool *pool, const CUmemPoolProps *poolProps), cuMemPoolCreate,   \
+      11020, 0)                                                                                            \
     X(cuMemCreate, CUresult,                                                                               \
       (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,                 \
        unsigned long long flags), cuMemCreate, 10020, 0)                                                   \

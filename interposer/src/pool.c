@@ -18,6 +18,8 @@
  *    its settling (the reservation would go, and another process take it).
  * Allocations on a stream being captured into a graph are graph nodes, not
  * memory: they pass through uncharged (graphmem.c charges graphs).
+ * A pool this process created (cuMemPoolCreate) is charged to its own device,
+ * whichever context allocates from it; a pool of host memory is not charged.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -39,6 +41,45 @@ struct pool_rec {
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct pool_rec g_pools[GS_MAX_POOLS];
 
+/* Where the pools this process created keep their memory. */
+struct pool_where {
+    uint64_t pool; /* 0 = free entry */
+    CUmemLocation location;
+};
+static struct pool_where g_where[GS_MAX_POOLS];
+
+/* 1 and *loc if the pool was created here; under g_mu. */
+static int where_locked(uint64_t pool, CUmemLocation *loc)
+{
+    for (int i = 0; i < GS_MAX_POOLS; i++)
+        if (g_where[i].pool == pool) {
+            *loc = g_where[i].location;
+            return 1;
+        }
+    return 0;
+}
+
+GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemPoolCreate) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuMemPoolCreate(pool, poolProps);
+    if (rc != CUDA_SUCCESS || !pool || !poolProps) return rc;
+    uint64_t key = (uint64_t)(uintptr_t)*pool;
+    pthread_mutex_lock(&g_mu);
+    struct pool_where *w = NULL;
+    for (int i = 0; i < GS_MAX_POOLS && !w; i++)
+        if (g_where[i].pool == key) w = &g_where[i];
+    for (int i = 0; i < GS_MAX_POOLS && !w; i++)
+        if (!g_where[i].pool) w = &g_where[i];
+    if (w) {
+        w->pool = key;
+        w->location = poolProps->location;
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (!w) GS_WARN("more than %d memory pools: a new one is charged to the allocating context's device", GS_MAX_POOLS);
+    return rc;
+}
 static struct pool_rec *find_locked(uint64_t pool, int slot, int create)
 {
     struct pool_rec *empty = NULL;
@@ -115,6 +156,7 @@ void gs_pools_after_fork_child(void)
 {
     pthread_mutex_init(&g_mu, NULL);
     memset(g_pools, 0, sizeof(g_pools));
+    memset(g_where, 0, sizeof(g_where));
 }
 
 typedef CUresult (*alloc_call)(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream,
@@ -145,6 +187,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool && gs_cuda.cuCtxGetDevice &&
         gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
         gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync uses the device's current pool */
+    CUmemLocation loc;
+    pthread_mutex_lock(&g_mu);
+    int known = pool && where_locked((uint64_t)(uintptr_t)pool, &loc);
+    pthread_mutex_unlock(&g_mu);
+    if (known) slot = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(loc.id) : -1; /* -1: host memory */
     /* on a stream being captured into a graph the allocation is a graph node: it takes
      * memory only when the graph runs, and graphmem.c charges it then */
     if (slot < 0 || !pool || !bytesize || gs_stream_capturing(gs_effective_stream(stream, per_thread)))
@@ -278,6 +325,8 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
             p->destroyed = 1; /* what is still allocated from it stays charged until freed */
             reconcile_locked(p, 0);
         }
+        for (int i = 0; i < GS_MAX_POOLS; i++)
+            if (g_where[i].pool == (uint64_t)(uintptr_t)pool) memset(&g_where[i], 0, sizeof(g_where[i]));
         pthread_mutex_unlock(&g_mu);
     }
     return rc;

@@ -188,16 +188,21 @@ static uint64_t size_arg(const char *s)
     return v;
 }
 
+/* The pool "pool" allocates from; "mkpool TYPE ID" makes it at a location of its own
+ * (TYPE 1 device ID, 2 host), otherwise it is made on device 0. */
+static CUresult make_user_pool(int type, int id)
+{
+    struct {
+        int allocType, handleTypes;
+        CUmemLocation location;
+        char rest[64];
+    } props = {1, 0, {type, id}, {0}};
+    return api.cuMemPoolCreate(&user_pool, &props);
+}
+
 static CUmemoryPool get_user_pool(void)
 {
-    if (!user_pool) {
-        struct {
-            int allocType, handleTypes;
-            CUmemLocation location;
-            char rest[64];
-        } props = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}, {0}};
-        api.cuMemPoolCreate(&user_pool, &props);
-    }
+    if (!user_pool) make_user_pool(CU_MEM_LOCATION_TYPE_DEVICE, 0);
     return user_pool;
 }
 
@@ -490,6 +495,9 @@ int main(int argc, char **argv)
             CUfunction f = (CUfunction)(uintptr_t)(0x100000 + 16 * (uint64_t)atoi(ARG(0)));
             printf("launchk %d\n", api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
             i += 1;
+        } else if (!strcmp(c, "mkpool")) {
+            printf("mkpool %d\n", make_user_pool(atoi(ARG(0)), atoi(ARG(1))));
+            i += 2;
         } else if (!strcmp(c, "sync")) {
             printf("sync %d\n", api.cuCtxSynchronize());
         } else if (!strcmp(c, "setlimit")) {

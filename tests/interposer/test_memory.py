@@ -121,6 +121,30 @@ def test_a_pool_allocation_in_flight_keeps_its_reservation_while_the_sampler_run
     assert lab.finish(first).rc("async") == 0
 
 
+def test_a_pool_of_host_memory_is_not_charged(lab):
+    res = lab.run("init", "ctx", "0", "mkpool", "2", "0", "pool", "600m", "pool", "600m", "meminfo",
+                  "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("mkpool") == 0 and [rc for rc, _ in res.of("pool")] == [0, 0]
+    assert res.values("meminfo") == [GIB, GIB]
+    assert res.values("phys") == [0]
+
+
+def test_a_pool_on_another_device_is_charged_to_that_device(lab):
+    # context on device 0, pool on device 1: its memory is device 1's, and so is its cap
+    held, go = lab.tmp / "held", lab.tmp / "go"
+    proc = lab.start("init", "ctx", "0", "mkpool", "1", "1", "pool", "600m", "pool", "600m",
+                     "meminfo", "touch", str(held), "waitfile", str(go),
+                     CUDA_DEVICE_MEMORY_LIMIT="1g",
+                     FAKE_CUDA_DEVICES=f"{lab.UUID_A}=16g,{lab.UUID_B}=16g")
+    lab.wait_for(held)
+    by_uuid = {d.uuid: d for d in lab.region().devices}
+    go.touch()
+    res = lab.finish(proc)
+    assert [rc for rc, _ in res.of("pool")] == [0, OOM]
+    assert res.values("meminfo") == [GIB, GIB]  # device 0's view
+    assert (by_uuid[lab.UUID_A].used_bytes, by_uuid[lab.UUID_B].used_bytes) == (0, 608 * MIB)
+
+
 def test_pool_memory_cached_after_free_is_reused_within_the_cap(lab):
     # 900 MiB of a 1 GiB cap: the pool reserves 928 MiB (32 MiB chunks); after the free the pool
     # still holds it, and the next 900 MiB comes from that cache without a second charge

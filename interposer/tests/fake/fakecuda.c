@@ -168,6 +168,7 @@ static int phys_slot(void)
 
 static int phys_add(int pdev, uint64_t bytes)
 {
+    if (pdev < 0) return CUDA_SUCCESS; /* host memory (a host pool) */
     struct fake_phys *m = fake_phys_map();
     uint64_t used = m ? fake_phys_used(pdev) : local_used[pdev];
     if (used + bytes > devs[pdev].total) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -179,6 +180,7 @@ static int phys_add(int pdev, uint64_t bytes)
 
 static void phys_sub(int pdev, uint64_t bytes)
 {
+    if (pdev < 0) return;
     struct fake_phys *m = fake_phys_map();
     local_used[pdev] -= bytes < local_used[pdev] ? bytes : local_used[pdev];
     int s = phys_slot();
@@ -1041,9 +1043,10 @@ API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
     NEED_INIT();
     if (!pool || !props) return CUDA_ERROR_INVALID_VALUE;
     const CUmemLocation *loc = (const CUmemLocation *)((const char *)props + 8);
-    if (loc->id < 0 || loc->id >= nvisible) return CUDA_ERROR_INVALID_DEVICE;
+    int host = loc->type != CU_MEM_LOCATION_TYPE_DEVICE; /* CU_MEM_LOCATION_TYPE_HOST*: pinned host memory */
+    if (!host && (loc->id < 0 || loc->id >= nvisible)) return CUDA_ERROR_INVALID_DEVICE;
     struct fake_pool *p = calloc(1, sizeof(*p));
-    p->pdev = visible[loc->id];
+    p->pdev = host ? -1 : visible[loc->id];
     *pool = (CUmemoryPool)p;
     pthread_mutex_lock(&mu);
     if (nuser_pools < 64) user_pools[nuser_pools++] = p;
