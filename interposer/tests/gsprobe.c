@@ -477,11 +477,12 @@ int main(int argc, char **argv)
             printf("nvml2 %d %llu %llu %llu %llu\n", rc, m.total, m.reserved, m.used, m.free);
             i += 1;
         } else if (!strcmp(c, "nullargs")) {
-            printf("nullargs %d %d %d %d %d %d %d %d\n", api.cuMemAlloc_v2(NULL, 1 << 20),
+            printf("nullargs %d %d %d %d %d %d %d %d %d %d\n", api.cuMemAlloc_v2(NULL, 1 << 20),
                    api.cuMemGetInfo_v2(NULL, NULL), api.cuDeviceTotalMem_v2(NULL, 0),
                    api.cuMemAllocPitch_v2(NULL, NULL, 16, 16, 4), api.cuDevicePrimaryCtxRetain(NULL, 0),
                    api.cuMemAllocAsync(NULL, 16, NULL), api.cuMemCreate(NULL, 2 << 20, NULL, 0),
-                   api.cuArrayCreate_v2(NULL, NULL));
+                   api.cuArrayCreate_v2(NULL, NULL), api.cuMemRetainAllocationHandle(NULL, (void *)4096),
+                   api.cuMemPoolCreate(NULL, NULL));
         } else if (!strcmp(c, "nvmlnull")) {
             printf("nvmlnull %d %d\n", nvml_mem()(nvml_device(0), NULL), nvml_mem2()(nvml_device(0), NULL));
         } else if (!strcmp(c, "launch")) {

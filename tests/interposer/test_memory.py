@@ -342,3 +342,15 @@ def test_create_map_release_in_a_loop_cannot_pass_the_cap(lab, api):
     assert [rc for rc, _ in res.of("vmm")] == [0, 0, 0, OOM]
     assert res.values("phys") == [900 * MIB]
     assert res.values("meminfo") == [GIB - 900 * MIB, GIB]
+
+
+def test_a_failing_map_or_retain_counts_nothing(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "300m", "0", "vmap", "0", "free", "0", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_FAIL="cuMemMap:1:700")
+    assert res.rc("vmap") == 700 and res.rc("free") == 0
+    assert res.values("meminfo") == [GIB, GIB]  # never mapped: released, and freed
+    res = lab.run("init", "ctx", "0", "vmm", "300m", "0", "vmap", "0", "vretain", "0", "free", "0",
+                  "vunmap", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuMemRetainAllocationHandle:1:700")
+    assert res.of("vretain") == [(700, [0])]
+    assert res.values("meminfo") == [GIB, GIB]  # no second reference to wait for

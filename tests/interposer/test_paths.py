@@ -42,7 +42,7 @@ def test_null_out_parameters_are_invalid_values_not_crashes(lab):
     for api in ("direct", "procaddr"):
         res = lab.run("init", "ctx", "0", "nullargs", api=api, CUDA_DEVICE_MEMORY_LIMIT="1g")
         assert res.returncode == 0
-        assert res.of("nullargs") == [(CUDA_ERROR_INVALID_VALUE, [CUDA_ERROR_INVALID_VALUE] * 7)]
+        assert res.of("nullargs") == [(CUDA_ERROR_INVALID_VALUE, [CUDA_ERROR_INVALID_VALUE] * 9)]
 
 
 def test_missing_real_functions_answer_not_supported(lab):
