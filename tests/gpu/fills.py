@@ -11,8 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from gpu import harness
-from gpu.harness import MIB, ChildError
+from gpu.harness import CAP_MIB, MIB, ChildError, record
 from gpu.nvmlwatch import Nvml, Poller
+
+# What a fill may fall short of the cap by, beyond the context's own footprint.
+SLACK_MIB = 64
 
 JAX_BASE = {"JAX_PLATFORMS": "cuda", "TF_CPP_MIN_LOG_LEVEL": "2"}
 # What makes JAX use the whole slice: no up-front pool (default 75% of the reported total)
@@ -58,6 +61,31 @@ class Fills:
     def footprint(self, variant: str) -> dict[str, Any]:
         """The context footprint without the library: NVML usage less the framework's pool."""
         return _once(self._probes, variant, lambda: self._run_probe(variant))
+
+    def check_largest(self, variant: str) -> dict[str, Any]:
+        """Fill `variant` to OOM; record and check the largest total against the context footprint
+        (one context probe per framework: the allocator's settings do not change the context)."""
+        context = self.footprint(variant.split("-")[0])
+        fill = self.fill(variant)
+        largest = fill["peak"]["allocated"] / MIB
+        footprint = CAP_MIB - largest
+        allowed = context["footprint_mib"] + SLACK_MIB
+        ok = (bool(fill["ooms"]) and not fill["guard_hit"] and largest <= CAP_MIB
+              and footprint <= allowed)
+        record(f"largest_{variant.replace('-', '_')}",
+               f"{largest:,.0f} MiB ({largest / 1024:.2f} GiB); footprint {footprint:,.0f} "
+               f"(context {context['footprint_mib']:,.0f})",
+               ok, largest_mib=largest, footprint_mib=footprint, context=context,
+               reserved_mib=fill["peak"]["reserved"] / MIB, ooms=fill["ooms"],
+               outside=fill["outside"], view=fill["peak"]["view"], nvml_inside=fill["peak"]["nvml"],
+               init_s=fill["init_s"])
+        assert not fill["guard_hit"], f"{largest:,.0f} MiB allocated without an OOM: no cap"
+        assert fill["ooms"], "the fill ended without an out-of-memory error"
+        assert largest <= CAP_MIB, f"{largest:,.0f} MiB allocated under a {CAP_MIB} MiB cap"
+        assert footprint <= allowed, (
+            f"cap - largest = {footprint:,.0f} MiB > context {context['footprint_mib']:,.0f}"
+            f" + {SLACK_MIB} MiB")
+        return fill
 
     def _run_fill(self, variant: str) -> dict[str, Any]:
         framework, chunks, extra, timeout = VARIANTS[variant]

@@ -29,7 +29,7 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_largest_allocation_within_context_footprint_of_cap[torch]"),
     ("largest_torch_expandable", "2 largest allocation, PyTorch expandable segm.",
      "footprint <= ctx+64", "-",
-     "test_largest_allocation_within_context_footprint_of_cap[torch-expandable]"),
+     "test_largest_allocation_with_expandable_segments"),
     ("largest_cupy", "2 largest allocation, CuPy", "footprint <= ctx+64", "9.47 GiB",
      "test_largest_allocation_within_context_footprint_of_cap[cupy]"),
     ("largest_jax", "2 largest allocation, JAX (platform alloc.)", "footprint <= ctx+64",

@@ -8,38 +8,17 @@ from pathlib import Path
 
 import pytest
 from gpu import harness
-from gpu.fills import Fills
+from gpu.fills import SLACK_MIB, Fills
 from gpu.harness import CAP_MIB, MIB, record
 from gpu.nvmlwatch import Nvml, Poller
 
 pytestmark = pytest.mark.gpu
 
-SLACK_MIB = 64
 
 
-@pytest.mark.parametrize("variant", ["torch", "torch-expandable", "cupy", "jax"])
+@pytest.mark.parametrize("variant", ["torch", "cupy", "jax"])
 def test_largest_allocation_within_context_footprint_of_cap(variant: str, fills: Fills) -> None:
-    # one context probe per framework: the allocator's settings do not change the context
-    context = fills.footprint(variant.split("-")[0])
-    fill = fills.fill(variant)
-    largest = fill["peak"]["allocated"] / MIB
-    footprint = CAP_MIB - largest
-    allowed = context["footprint_mib"] + SLACK_MIB
-    ok = (bool(fill["ooms"]) and not fill["guard_hit"] and largest <= CAP_MIB
-          and footprint <= allowed)
-    record(f"largest_{variant.replace('-', '_')}",
-           f"{largest:,.0f} MiB ({largest / 1024:.2f} GiB); footprint {footprint:,.0f} "
-           f"(context {context['footprint_mib']:,.0f})",
-           ok, largest_mib=largest, footprint_mib=footprint, context=context,
-           reserved_mib=fill["peak"]["reserved"] / MIB, ooms=fill["ooms"],
-           outside=fill["outside"], view=fill["peak"]["view"], nvml_inside=fill["peak"]["nvml"],
-           init_s=fill["init_s"])
-    assert not fill["guard_hit"], f"{largest:,.0f} MiB allocated without an OOM: no cap"
-    assert fill["ooms"], "the fill ended without an out-of-memory error"
-    assert largest <= CAP_MIB, f"{largest:,.0f} MiB allocated under a {CAP_MIB} MiB cap"
-    assert footprint <= allowed, (
-        f"cap - largest = {footprint:,.0f} MiB > context {context['footprint_mib']:,.0f}"
-        f" + {SLACK_MIB} MiB")
+    fills.check_largest(variant)
 
 
 def test_jax_default_environment_preallocates_inside_cap(fills: Fills) -> None:
