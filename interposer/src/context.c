@@ -164,12 +164,18 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
     return rc;
 }
 
+/* A reset destroys every allocation and event of the primary context, whether
+ * or not the driver then reports the context active. */
 GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
     gs_cuda_init();
     if (!gs_cuda.cuDevicePrimaryCtxReset_v2) return CUDA_ERROR_NOT_SUPPORTED;
     pthread_mutex_lock(&g_ctx_mu);
     CUresult rc = gs_cuda.cuDevicePrimaryCtxReset_v2(dev);
+    if (rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_primary_ctx[dev]) {
+        gs_forget_ctx(g_primary_ctx[dev]);
+        gs_launch_forget_ctx(g_primary_ctx[dev]);
+    }
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
     pthread_mutex_unlock(&g_ctx_mu);
     return rc;

@@ -239,11 +239,15 @@ def test_destroying_a_context_returns_its_footprint_and_its_allocations(lab):
     assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
 
 
-def test_resetting_the_primary_context_returns_everything_it_held(lab):
+@pytest.mark.parametrize("stays_active", [None, "1"], ids=["released", "stays-active"])
+def test_resetting_the_primary_context_returns_everything_it_held(lab, stays_active):
+    # whether or not the driver still reports the emptied context active afterwards
     res = lab.run("init", "ctx", "0", "alloc", "200m", "async", "100m", "reset", "0", "ctx", "0",
-                  "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m")
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_RESET_ACTIVE=stays_active)
     assert res.rc("reset") == 0
     assert res.values("meminfo") == [GIB - 50 * MIB, GIB]
+    assert res.values("phys") == [50 * MIB]
 
 
 def test_physical_usage_seen_from_outside_never_exceeds_the_cap(lab):

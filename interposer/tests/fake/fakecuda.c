@@ -25,6 +25,8 @@
  *   FAKE_CUDA_MODULE_BYTES   device memory each module or library load takes (default 0)
  *   FAKE_CUDA_LAUNCH_BYTES   device memory the first launch of each distinct function
  *                            takes, as when code is loaded lazily (default 0)
+ *   FAKE_CUDA_RESET_ACTIVE=1 cuDevicePrimaryCtxReset empties the primary context but leaves
+ *                            it active (retained), instead of releasing it
  *   FAKE_CUDA_STACK_THREADS  threads the device runs at once: cuCtxSetLimit's stack size
  *                            reserves that many stacks (default 1024); its printf FIFO and
  *                            malloc heap limits reserve their size
@@ -433,8 +435,11 @@ API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
     CHECK_DEV(d);
     pthread_mutex_lock(&mu);
     if (primaries[d].refs) {
-        primaries[d].refs = 0;
         ctx_drop(&primaries[d]);
+        if (getenv("FAKE_CUDA_RESET_ACTIVE")) /* a driver that keeps the (emptied) context active */
+            phys_add(primaries[d].pdev, ctx_bytes);
+        else
+            primaries[d].refs = 0;
     }
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
