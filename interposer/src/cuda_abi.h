@@ -121,6 +121,9 @@ typedef struct CUlaunchConfig_st {
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define CUDA_ERROR_INVALID_DEVICE 101
 #define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_DEINITIALIZED 4
+#define CUDA_ERROR_INVALID_HANDLE 400
+#define CUDA_ERROR_CONTEXT_IS_DESTROYED 709
 #define CUDA_ERROR_NOT_FOUND 500
 #define CUDA_ERROR_NOT_READY 600
 #define CUDA_ERROR_NOT_SUPPORTED 801
@@ -139,6 +142,7 @@ typedef struct CUlaunchConfig_st {
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_STREAM_CAPTURE_STATUS_NONE 0
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
+#define CU_STREAM_LEGACY ((CUstream)0x1)
 #define CU_EVENT_DEFAULT 0u
 
 /* ---- NVML ----------------------------------------------------------------- */

@@ -97,6 +97,10 @@
     X(cuLaunchCooperativeKernel_ptsz, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 1)        \
     X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
     X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1) \
+    X(cuCtxSynchronize, CUresult, (void), cuCtxSynchronize, 2000, 0)                                       \
+    X(cuStreamSynchronize, CUresult, (CUstream hStream), cuStreamSynchronize, 2000, 0)                     \
+    X(cuStreamSynchronize_ptsz, CUresult, (CUstream hStream), cuStreamSynchronize, 7000, 1)                \
+    X(cuEventSynchronize, CUresult, (CUevent hEvent), cuEventSynchronize, 2000, 0)                         \
     X(cuGraphInstantiate_v2, CUresult,                                                                     \
       (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize), \
       cuGraphInstantiate, 11000, 0)                                                                        \

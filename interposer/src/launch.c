@@ -14,9 +14,17 @@
  * next waits it off) as for floods of tiny ones (debited in batches).
  *
  * Work launched but not yet measured is bounded: at most GS_RING events per
- * stream, and about GS_QUEUE_NS of estimated GPU time (one kernel while the
+ * stream (past that the newest event is recorded again, so it covers more
+ * launches), and about GS_QUEUE_NS of estimated GPU time (one kernel while the
  * per-launch estimate is unknown), so the GPU cannot run far ahead of the
- * budget.
+ * budget.  A launch waits for that queue at most GS_QUEUE_WAIT_NS: a program
+ * whose queued kernel waits for the host (a stream wait on a flag the host
+ * sets after its next launch) must not deadlock; what runs ahead is debited
+ * when it completes all the same.  Synchronisations (cuCtxSynchronize,
+ * cuStreamSynchronize, cuEventSynchronize) measure what completed, so the
+ * last work before a process exits is charged too.  An interval is never
+ * charged more than the host time since its first event was recorded (a
+ * failed record cannot turn idle time into GPU time).
  *
  * Without a limit the launch path is one atomic load, one pointer load and a
  * tail call into the real function (the hooks at the end of this file).
@@ -50,6 +58,7 @@
 
 #define GS_BURST_NS 50000000ull   /* idle credit: at most 50 ms of wall time */
 #define GS_QUEUE_NS 20000000ull   /* unmeasured work in flight per stream */
+#define GS_QUEUE_WAIT_NS 50000000ull /* the longest a launch waits for that queue */
 #define GS_RING 64
 #define GS_STREAMS 256
 #define GS_POLL_NS 100000ull
@@ -70,7 +79,9 @@ struct tstream {
     int head, count;    /* ring[head .. head+count) recorded, not yet measured */
     CUevent ring[GS_RING];
     unsigned launches[GS_RING]; /* launches covered by each event */
+    uint64_t rec_ns[GS_RING];   /* host time each was (last) recorded */
     CUevent mark;       /* the last measured event: start of the next interval */
+    uint64_t mark_ns;   /* host time it was recorded: the interval cannot be longer than since */
     CUevent spare[GS_RING + 2];
     int nspare;
     uint64_t per_launch_ns; /* running estimate of one launch's GPU time; 0 = unknown */
@@ -248,6 +259,26 @@ static void reset_stream(struct tstream *s)
     memset(s, 0, sizeof(*s));
 }
 
+/* A query failed on a live context (a sticky error, ...): destroy the
+ * stream's events and start over, keeping the entry. */
+static void restart_stream(struct tstream *s)
+{
+    if (gs_cuda.cuEventDestroy_v2) {
+        for (int i = 0; i < s->count; i++) gs_cuda.cuEventDestroy_v2(s->ring[(s->head + i) % GS_RING]);
+        for (int i = 0; i < s->nspare; i++) gs_cuda.cuEventDestroy_v2(s->spare[i]);
+        if (s->mark) gs_cuda.cuEventDestroy_v2(s->mark);
+    }
+    s->head = s->count = s->nspare = 0;
+    s->mark = NULL;
+    s->per_launch_ns = 0;
+}
+
+static int context_gone(CUresult rc)
+{
+    return rc == CUDA_ERROR_CONTEXT_IS_DESTROYED || rc == CUDA_ERROR_INVALID_CONTEXT ||
+           rc == CUDA_ERROR_INVALID_HANDLE || rc == CUDA_ERROR_DEINITIALIZED;
+}
+
 static cuEventElapsedTime_fn elapsed_fn(void)
 {
     return gs_cuda.cuEventElapsedTime ? gs_cuda.cuEventElapsedTime : gs_cuda.cuEventElapsedTime_v2;
@@ -256,29 +287,59 @@ static cuEventElapsedTime_fn elapsed_fn(void)
 /* Debit every completed interval of s. */
 static void measure_locked(struct tstream *s)
 {
+    static int warned;
     cuEventElapsedTime_fn elapsed = elapsed_fn();
     while (s->count) {
         CUevent e = s->ring[s->head];
         CUresult q = gs_cuda.cuEventQuery(e);
         if (q == CUDA_ERROR_NOT_READY) return;
         if (q != CUDA_SUCCESS) {
-            reset_stream(s);
+            if (context_gone(q)) {
+                reset_stream(s);
+            } else {
+                if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
+                    GS_WARN("compute limit: cuEventQuery failed (%d); the stream's measurement starts over", q);
+                restart_stream(s);
+            }
             return;
         }
         float ms = 0;
-        if (s->mark && elapsed && elapsed(&ms, s->mark, e) == CUDA_SUCCESS && ms > 0) {
-            uint64_t ns = (uint64_t)((double)ms * 1e6);
+        CUresult er = s->mark && elapsed ? elapsed(&ms, s->mark, e) : CUDA_ERROR_NOT_READY;
+        if (er == CUDA_SUCCESS && ms > 0) {
+            uint64_t ns = (uint64_t)((double)ms * 1e6), now = gs_now_ns();
+            uint64_t host = now > s->mark_ns ? now - s->mark_ns : 0;
+            if (ns > host) ns = host; /* never more than the wall time since its start was recorded */
             unsigned n = s->launches[s->head] ? s->launches[s->head] : 1;
             uint64_t each = ns / n;
             s->per_launch_ns = s->per_launch_ns ? (s->per_launch_ns * 3 + each) / 4 : each;
             debit(s->slot, ns);
             GS_DEBUG("debit %llu ns (%u launches)", (unsigned long long)ns, n);
+        } else if (er != CUDA_SUCCESS && er != CUDA_ERROR_NOT_READY &&
+                   !__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
+            GS_WARN("compute limit: cuEventElapsedTime failed (%d); GPU time goes unmeasured", er);
         }
         give_event(s, s->mark);
         s->mark = e;
+        s->mark_ns = s->rec_ns[s->head];
         s->head = (s->head + 1) % GS_RING;
         s->count--;
     }
+}
+
+static void measure_all_locked(void)
+{
+    for (int i = 0; i < GS_STREAMS; i++)
+        if (g_streams[i].count) measure_locked(&g_streams[i]);
+}
+
+/* After a synchronisation: charge what completed (the last work of a process
+ * is charged before it exits, not only at its next launch). */
+void gs_launch_after_sync(void)
+{
+    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON) return;
+    pthread_mutex_lock(&g_mu);
+    measure_all_locked();
+    pthread_mutex_unlock(&g_mu);
 }
 
 static struct tstream *stream_get_locked(uint64_t key, CUcontext ctx, int slot)
@@ -328,21 +389,23 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
         !gs_cuda.cuEventCreate || !gs_cuda.cuEventRecord || !gs_cuda.cuEventQuery || !elapsed_fn() ||
         gs_stream_capturing(es))
         return launch(args);
-    uint64_t key = (uint64_t)(uintptr_t)es;
+    uint64_t key = es == CU_STREAM_LEGACY ? 0 : (uint64_t)(uintptr_t)es; /* NULL is the legacy stream too */
     if (es == CU_STREAM_PER_THREAD) key ^= (uint64_t)syscall(SYS_gettid) << 8;
 
     pthread_mutex_lock(&g_mu);
-    for (int i = 0; i < GS_STREAMS; i++)
-        if (g_streams[i].count) measure_locked(&g_streams[i]);
+    measure_all_locked();
     struct tstream *s;
+    uint64_t queue_until = 0;
     for (;;) {
-        /* launch only when the budget is paid and the queue is short, both at once */
+        /* launch only when the budget is paid and the queue is short, both at once; the queue
+         * is waited for at most GS_QUEUE_WAIT_NS (its head may wait for the host) */
         s = stream_get_locked(key, ctx, slot);
         if (s) measure_locked(s);
-        if (s && over_queue(s)) {
-            CUevent oldest = s->ring[s->head];
+        uint64_t now = gs_now_ns();
+        if (s && over_queue(s) && (!queue_until || now < queue_until)) {
+            if (!queue_until) queue_until = now + GS_QUEUE_WAIT_NS;
             pthread_mutex_unlock(&g_mu);
-            while (gs_cuda.cuEventQuery(oldest) == CUDA_ERROR_NOT_READY) gs_sleep_ns(GS_POLL_NS);
+            gs_sleep_ns(GS_POLL_NS);
         } else if (budget_owed(slot)) {
             pthread_mutex_unlock(&g_mu);
             wait_for_budget(slot);
@@ -352,11 +415,14 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
         pthread_mutex_lock(&g_mu);
     }
     if (s && !s->count) {
-        /* the stream is idle: start a new interval here, so idle time is not counted */
+        /* the stream is idle: start a new interval here, so idle time is not counted; if that
+         * fails, no interval starts before the next measured event */
         CUevent start = take_event(s);
+        give_event(s, s->mark);
+        s->mark = NULL;
         if (start && gs_cuda.cuEventRecord(start, es) == CUDA_SUCCESS) {
-            give_event(s, s->mark);
             s->mark = start;
+            s->mark_ns = gs_now_ns();
         } else {
             give_event(s, start);
         }
@@ -368,12 +434,21 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
 
     pthread_mutex_lock(&g_mu);
     s = stream_get_locked(key, ctx, slot);
-    if (s) {
+    if (s && s->count >= GS_RING) {
+        /* the ring is full (the queue wait timed out): the newest event covers this launch too */
+        int tail = (s->head + s->count - 1) % GS_RING;
+        if (gs_cuda.cuEventRecord(s->ring[tail], es) == CUDA_SUCCESS) {
+            s->launches[tail]++;
+            s->rec_ns[tail] = gs_now_ns();
+            GS_DEBUG("event ring full: the newest event now covers %u launches", s->launches[tail]);
+        }
+    } else if (s) {
         CUevent end = take_event(s);
         if (end && gs_cuda.cuEventRecord(end, es) == CUDA_SUCCESS) {
             int tail = (s->head + s->count) % GS_RING;
             s->ring[tail] = end;
             s->launches[tail] = 1;
+            s->rec_ns[tail] = gs_now_ns();
             s->count++;
         } else {
             give_event(s, end);
@@ -562,3 +637,25 @@ GS_EX_HOOK(cuLaunchKernelEx_ptsz, 1)
 
 GS_GRAPH_HOOK(cuGraphLaunch, 0)
 GS_GRAPH_HOOK(cuGraphLaunch_ptsz, 1)
+
+/* Synchronisations: with no compute limit a tail call; with one, what
+ * completed is measured afterwards (gs_launch_after_sync). */
+#define GS_SYNC_HOOK(name, params, args)                                                                      \
+    static __attribute__((noinline)) CUresult name##_slow params                                            \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        CUresult rc = gs_cuda.name args;                                                                      \
+        if (throttle_on()) gs_launch_after_sync();                                                            \
+        return rc;                                                                                            \
+    }                                                                                                         \
+    GS_EXPORT CUresult name params                                                                            \
+    {                                                                                                         \
+        GS_FAST(name, args);                                                                                  \
+        return name##_slow args;                                                                              \
+    }
+
+GS_SYNC_HOOK(cuCtxSynchronize, (void), ())
+GS_SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), (hStream))
+GS_SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream))
+GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))

@@ -499,6 +499,10 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "mkpool")) {
             printf("mkpool %d\n", make_user_pool(atoi(ARG(0)), atoi(ARG(1))));
             i += 2;
+        } else if (!strcmp(c, "events")) {
+            typedef long (*live_t)(void);
+            live_t live = (live_t)dlsym(libcuda, "fake_cuda_live_events");
+            printf("events 0 %ld\n", live ? live() : -1L);
         } else if (!strcmp(c, "sync")) {
             printf("sync %d\n", api.cuCtxSynchronize());
         } else if (!strcmp(c, "setlimit")) {

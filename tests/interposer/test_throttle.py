@@ -7,6 +7,8 @@ the library a launch loop keeps the fake GPU 100% busy.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 TOLERANCE = 5.0  # percentage points
@@ -255,3 +257,57 @@ def test_memory_bound_work_over_the_power_limit_is_under_delivered(release_lab):
     # that does not speed them up: ~22% instead of 30.
     got = throughput_share(release_lab, 30, memory_bound=True)
     assert 18 <= got <= 26, f"{got:.1f}%"
+
+
+# ---- robustness of the measurement ----------------------------------------------------------
+
+def test_a_launch_waits_for_a_kernel_of_unknown_cost_only_so_long(lab):
+    # the second launch waits for the first kernel to learn its cost, but at most 50 ms: a kernel
+    # that waits for the host (a stream wait on a flag set after the next launch) must not
+    # deadlock the program; before, the second launch returned only when the 2 s kernel ended
+    start = time.monotonic()
+    res = lab.run("init", "ctx", "0", "launch", "2", CUDA_DEVICE_SM_LIMIT="50",
+                  FAKE_CUDA_KERNEL_US="2000000")
+    assert res.rc("launch") == 0
+    assert time.monotonic() - start < 1.0
+
+
+def test_the_last_work_of_a_process_is_charged_at_its_synchronisation(release_lab):
+    # one 100 ms kernel per process, then a synchronisation and exit: each is charged (before,
+    # work was measured only at the next launch, which never came: such processes ran unlimited)
+    lab = release_lab
+    for _ in range(4):
+        res = lab.run("init", "ctx", "0", "launch", "1", "sync", CUDA_DEVICE_SM_LIMIT="50",
+                      FAKE_CUDA_KERNEL_US="100000")
+        assert (res.rc("launch"), res.rc("sync")) == (0, 0)
+    busy_ms = lab.region().devices[0].busy_ns / 1e6
+    assert 380 <= busy_ms <= 420, f"{busy_ms:.0f} ms of GPU time charged for 400 ms"
+
+
+def test_a_failed_event_record_does_not_charge_idle_time(lab):
+    # the third record (the start of the second launch's interval) fails: before, the interval
+    # ran from the first launch's end event and charged the second of idle time between them
+    res = lab.run("init", "ctx", "0", "launch", "1", "sleep", "1000", "launch", "1", "sync",
+                  "launch", "1", "sync", CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_FAIL="cuEventRecord:3:999")
+    assert [rc for rc, _ in res.of("launch")] == [0, 0, 0]
+    busy_ms = lab.region().devices[0].busy_ns / 1e6
+    assert busy_ms < 50, f"{busy_ms:.0f} ms charged for two 10 us kernels"
+
+
+def test_failing_event_queries_leak_no_events(lab):
+    res = lab.run("init", "ctx", "0", "launch", "2000", "events", CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_KERNEL_US="1", FAKE_CUDA_FAIL="cuEventQuery:0:999")
+    assert res.rc("launch") == 0
+    assert res.values("events")[0] <= 3 * 64, res.values("events")
+
+
+def test_a_full_event_ring_makes_its_newest_event_cover_more_launches(release_lab):
+    # 5 s kernels: each launch waits 50 ms for the queue, so the host runs ahead of the GPU and
+    # the 64-event ring is full after 3.2 s; the 6 launches after that re-record its newest event
+    # (no event leaks, no launch refused)
+    res = release_lab.run("init", "ctx", "0", "launch", "70", "events", CUDA_DEVICE_SM_LIMIT="99",
+                          FAKE_CUDA_KERNEL_US="5000000", LIBCUDA_LOG_LEVEL="3")
+    assert res.rc("launch") == 0
+    assert "the newest event now covers 7 launches" in res.stderr
+    assert res.values("events")[0] <= 64 + 2 + 66

@@ -91,11 +91,14 @@ API CUresult cuStreamIsCapturing_ptsz(CUstream s, CUstreamCaptureStatus *st)
     return CUDA_SUCCESS;
 }
 
+static long live_events;
+
 API CUresult cuEventCreate(CUevent *e, unsigned int flags)
 {
     (void)flags;
     if (!e) return CUDA_ERROR_INVALID_VALUE;
     *e = (CUevent)calloc(1, sizeof(struct fake_event));
+    __atomic_add_fetch(&live_events, 1, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
 }
 
@@ -103,11 +106,19 @@ API CUresult cuEventDestroy_v2(CUevent e)
 {
     if (!e) return CUDA_ERROR_INVALID_VALUE;
     free(e);
+    __atomic_sub_fetch(&live_events, 1, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
+}
+
+/* Events created and not destroyed (tests: nothing leaks). */
+API long fake_cuda_live_events(void)
+{
+    return __atomic_load_n(&live_events, __ATOMIC_RELAXED);
 }
 
 static CUresult event_record(CUevent e, CUstream s, int ptsz)
 {
+    FAIL_POINT("cuEventRecord");
     struct fake_event *ev = (struct fake_event *)e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
     struct fake_stream *st = stream_of(s, ptsz);
@@ -129,6 +140,7 @@ API CUresult cuEventRecord_ptsz(CUevent e, CUstream s)
 
 API CUresult cuEventQuery(CUevent e)
 {
+    FAIL_POINT("cuEventQuery");
     struct fake_event *ev = (struct fake_event *)e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
     return !ev->recorded || now_ns() >= ev->t ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
@@ -145,6 +157,7 @@ API CUresult cuEventSynchronize(CUevent e)
 
 API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
 {
+    FAIL_POINT("cuEventElapsedTime");
     struct fake_event *x = (struct fake_event *)a, *y = (struct fake_event *)b;
     if (!ms || !x || !y || !x->recorded || !y->recorded) return CUDA_ERROR_INVALID_VALUE;
     uint64_t n = now_ns();
