@@ -47,6 +47,10 @@ typedef struct CUmemAccessDesc_st CUmemAccessDesc; /* only passed through */
 typedef int CUjit_option;    /* enums: only passed through, by pointer */
 typedef int CUlibraryOption;
 typedef int CUlimit;
+typedef int CUstreamCaptureMode;
+typedef struct CUgraphEdgeData_st CUgraphEdgeData; /* only passed through */
+#define CU_STREAM_CAPTURE_MODE_GLOBAL 0
+#define CU_STREAM_CAPTURE_MODE_RELAXED 2
 
 typedef struct CUuuid_st {
     char bytes[16];

@@ -288,7 +288,8 @@ int gs_launch_wants_sampler(void);    /* a limit with clock compensation: the sa
 void gs_launch_sample(void);          /* sampler thread: power and utilisation -> clock compensation */
 unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, double util_pct);
 void gs_launch_forget_ctx(CUcontext ctx);
-void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */
+void gs_launch_after_sync(void);
+int gs_capture_global(void);          /* a thread captures in global mode: driver queries would invalidate it */      /* a synchronisation returned: measure what completed */
 void gs_launch_after_fork_child(void);
 
 /* ---- misc ----------------------------------------------------------------- */

@@ -98,6 +98,20 @@
     X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
     X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1) \
     X(cuCtxSynchronize, CUresult, (void), cuCtxSynchronize, 2000, 0)                                       \
+    X(cuStreamBeginCapture_v2, CUresult, (CUstream hStream, CUstreamCaptureMode mode), cuStreamBeginCapture, \
+      10010, 0)                                                                                            \
+    X(cuStreamBeginCapture_v2_ptsz, CUresult, (CUstream hStream, CUstreamCaptureMode mode),                \
+      cuStreamBeginCapture, 10010, 1)                                                                      \
+    X(cuStreamBeginCaptureToGraph, CUresult,                                                               \
+      (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,                                   \
+       const CUgraphEdgeData *dependencyData, size_t numDependencies, CUstreamCaptureMode mode),           \
+      cuStreamBeginCaptureToGraph, 12030, 0)                                                               \
+    X(cuStreamBeginCaptureToGraph_ptsz, CUresult,                                                          \
+      (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,                                  \
+       const CUgraphEdgeData *dependencyData, size_t numDependencies, CUstreamCaptureMode mode),           \
+      cuStreamBeginCaptureToGraph, 12030, 1)                                                               \
+    X(cuStreamEndCapture, CUresult, (CUstream hStream, CUgraph *phGraph), cuStreamEndCapture, 10000, 0)    \
+    X(cuStreamEndCapture_ptsz, CUresult, (CUstream hStream, CUgraph *phGraph), cuStreamEndCapture, 10000, 1) \
     X(cuStreamSynchronize, CUresult, (CUstream hStream), cuStreamSynchronize, 2000, 0)                     \
     X(cuStreamSynchronize_ptsz, CUresult, (CUstream hStream), cuStreamSynchronize, 7000, 1)                \
     X(cuEventSynchronize, CUresult, (CUevent hEvent), cuEventSynchronize, 2000, 0)                         \

@@ -29,7 +29,11 @@
  * Without a limit the launch path is one atomic load, one pointer load and a
  * tail call into the real function (the hooks at the end of this file).
  * Streams being captured into a graph are not touched (event queries would
- * invalidate the capture); the graph is paced when it is launched.
+ * invalidate the capture); the graph is paced when it is launched.  While
+ * any thread captures in global mode, or this thread in any mode but
+ * relaxed, the driver forbids event queries in the whole process (they would
+ * invalidate that capture): launches then pass through unmeasured
+ * (cuStreamBeginCapture* and cuStreamEndCapture* are hooked to know).
  *
  * Clock compensation (GPUSLICE_SM_LIMIT_MODE=throughput, the default).  A GPU
  * that the container leaves idle most of the time has power to spare, so the
@@ -334,9 +338,11 @@ static void measure_all_locked(void)
 
 /* After a synchronisation: charge what completed (the last work of a process
  * is charged before it exits, not only at its next launch). */
+static int capture_forbids_queries(void);
+
 void gs_launch_after_sync(void)
 {
-    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON) return;
+    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || capture_forbids_queries()) return;
     pthread_mutex_lock(&g_mu);
     measure_all_locked();
     pthread_mutex_unlock(&g_mu);
@@ -378,6 +384,71 @@ static int over_queue(const struct tstream *s)
     return (uint64_t)s->count * s->per_launch_ns >= GS_QUEUE_NS;
 }
 
+/* ---- stream captures ------------------------------------------------------- */
+
+#define GS_CAPTURES 64
+static pthread_mutex_t g_cap_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    uint64_t key; /* 0 = free */
+    int mode;
+} g_caps[GS_CAPTURES];
+static int g_global_captures;          /* captures in global mode, any thread (atomic) */
+static __thread int t_strict_captures; /* this thread's captures not in relaxed mode */
+
+static uint64_t stream_key(CUstream es)
+{
+    uint64_t key = es == CU_STREAM_LEGACY ? 0 : (uint64_t)(uintptr_t)es; /* NULL is the legacy stream too */
+    if (es == CU_STREAM_PER_THREAD) key ^= (uint64_t)syscall(SYS_gettid) << 8;
+    return key;
+}
+
+/* Would an event query now invalidate a capture? */
+static int capture_forbids_queries(void)
+{
+    return __atomic_load_n(&g_global_captures, __ATOMIC_ACQUIRE) || t_strict_captures;
+}
+
+static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode mode)
+{
+    uint64_t key = stream_key(gs_effective_stream(stream, per_thread));
+    pthread_mutex_lock(&g_cap_mu);
+    int i = 0;
+    while (i < GS_CAPTURES && g_caps[i].key) i++;
+    if (i < GS_CAPTURES) {
+        g_caps[i].key = key;
+        g_caps[i].mode = mode;
+    }
+    pthread_mutex_unlock(&g_cap_mu);
+    if (i == GS_CAPTURES) {
+        GS_WARN("more than %d stream captures at once: the throttle may invalidate one", GS_CAPTURES);
+        return;
+    }
+    if (mode == CU_STREAM_CAPTURE_MODE_GLOBAL) __atomic_add_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
+    if (mode != CU_STREAM_CAPTURE_MODE_RELAXED) t_strict_captures++;
+}
+
+static void capture_ended(CUstream stream, int per_thread)
+{
+    CUstream es = gs_effective_stream(stream, per_thread);
+    if (gs_stream_capturing(es)) return; /* the end was refused: the capture goes on */
+    uint64_t key = stream_key(es);
+    int mode = -1;
+    pthread_mutex_lock(&g_cap_mu);
+    for (int i = 0; i < GS_CAPTURES && mode < 0; i++)
+        if (g_caps[i].key == key) {
+            mode = g_caps[i].mode;
+            g_caps[i].key = 0;
+        }
+    pthread_mutex_unlock(&g_cap_mu);
+    if (mode == CU_STREAM_CAPTURE_MODE_GLOBAL) __atomic_sub_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
+    if (mode >= 0 && mode != CU_STREAM_CAPTURE_MODE_RELAXED && t_strict_captures > 0) t_strict_captures--;
+}
+
+int gs_capture_global(void)
+{
+    return __atomic_load_n(&g_global_captures, __ATOMIC_ACQUIRE) != 0;
+}
+
 typedef CUresult (*launch_thunk)(const void *args);
 
 static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
@@ -387,10 +458,9 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     CUstream es = gs_effective_stream(stream, per_thread);
     if (slot < 0 || !__atomic_load_n(&gs_region->devices[slot].sm_limit, __ATOMIC_RELAXED) ||
         !gs_cuda.cuEventCreate || !gs_cuda.cuEventRecord || !gs_cuda.cuEventQuery || !elapsed_fn() ||
-        gs_stream_capturing(es))
+        capture_forbids_queries() || gs_stream_capturing(es))
         return launch(args);
-    uint64_t key = es == CU_STREAM_LEGACY ? 0 : (uint64_t)(uintptr_t)es; /* NULL is the legacy stream too */
-    if (es == CU_STREAM_PER_THREAD) key ^= (uint64_t)syscall(SYS_gettid) << 8;
+    uint64_t key = stream_key(es);
 
     pthread_mutex_lock(&g_mu);
     measure_all_locked();
@@ -659,3 +729,36 @@ GS_SYNC_HOOK(cuCtxSynchronize, (void), ())
 GS_SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))
+
+/* Stream captures: counted, so that the throttle knows when event queries are forbidden. */
+#define GS_CAPTURE_BEGIN_HOOK(name, pt, params, args)                                                         \
+    GS_EXPORT CUresult name params                                                                            \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        CUresult rc = gs_cuda.name args;                                                                      \
+        if (rc == CUDA_SUCCESS) capture_begun(hStream, pt, mode);                                             \
+        return rc;                                                                                            \
+    }
+#define GS_TO_GRAPH_PARAMS                                                                                    \
+    (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData, \
+     size_t numDependencies, CUstreamCaptureMode mode)
+#define GS_TO_GRAPH_ARGS (hStream, hGraph, dependencies, dependencyData, numDependencies, mode)
+
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_v2, 0, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_v2_ptsz, 1, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCaptureToGraph, 0, GS_TO_GRAPH_PARAMS, GS_TO_GRAPH_ARGS)
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCaptureToGraph_ptsz, 1, GS_TO_GRAPH_PARAMS, GS_TO_GRAPH_ARGS)
+
+#define GS_CAPTURE_END_HOOK(name, pt)                                                                         \
+    GS_EXPORT CUresult name(CUstream hStream, CUgraph *phGraph)                                               \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        CUresult rc = gs_cuda.name(hStream, phGraph);                                                         \
+        capture_ended(hStream, pt);                                                                           \
+        return rc;                                                                                            \
+    }
+
+GS_CAPTURE_END_HOOK(cuStreamEndCapture, 0)
+GS_CAPTURE_END_HOOK(cuStreamEndCapture_ptsz, 1)

@@ -250,7 +250,8 @@ static void *sampler(void *arg)
         if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) break; /* NVML may be gone: stop */
         reconcile_all();
         if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) break;
-        gs_pools_reconcile_all(); /* what pools gave back at synchronisations (pool.c) */
+        if (!gs_capture_global()) /* a global-mode capture forbids driver queries in every thread */
+            gs_pools_reconcile_all(); /* what pools gave back at synchronisations (pool.c) */
         gs_launch_sample();       /* clock compensation of the compute limit (launch.c), if one applies */
         last = gs_now_ns();
     }

@@ -15,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,6 +254,39 @@ static void allocbench(long count, uint64_t size)
     printf("allocbench %d %llu\n", rc, (unsigned long long)((now_ns() - t0) / (uint64_t)count));
 }
 
+/* captureother N: this thread captures a stream in global mode while another thread launches N
+ * kernels on a stream of its own; prints the capture's end and the other thread's launches. */
+static CUcontext capture_ctx;
+static CUresult other_rc;
+static int other_n;
+
+static void *other_launcher(void *arg)
+{
+    (void)arg;
+    CUstream y = NULL;
+    api.cuCtxSetCurrent(capture_ctx);
+    api.cuStreamCreate(&y, 0);
+    other_rc = CUDA_SUCCESS;
+    for (int n = 0; n < other_n && other_rc == CUDA_SUCCESS; n++)
+        other_rc = api.cuLaunchKernel((CUfunction)0x4321, 1, 1, 1, 1, 1, 1, 0, y, NULL, NULL);
+    return NULL;
+}
+
+static void capture_other(int n)
+{
+    CUstream x = NULL;
+    void *g = NULL;
+    api.cuStreamCreate(&x, 0);
+    CUresult rc = api.cuStreamBeginCapture_v2(x, 0 /* global */);
+    if (rc == CUDA_SUCCESS) rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, x, NULL, NULL);
+    other_n = n;
+    pthread_t t;
+    pthread_create(&t, NULL, other_launcher, NULL);
+    pthread_join(t, NULL);
+    CUresult end = api.cuStreamEndCapture(x, &g);
+    printf("captureother %d %d %d\n", rc, end, other_rc);
+}
+
 /* PyTorch's expandable segments, page by page: create, map, release the handle (the mapping
  * keeps the memory), then unmap; ns per page. */
 static void vmmbench(long count, uint64_t size)
@@ -340,6 +374,7 @@ int main(int argc, char **argv)
             CUcontext ctx = NULL;
             CUresult rc = api.cuDevicePrimaryCtxRetain(&ctx, atoi(ARG(0)));
             if (rc == CUDA_SUCCESS) api.cuCtxSetCurrent(ctx);
+            if (rc == CUDA_SUCCESS) capture_ctx = ctx;
             printf("ctx %d\n", rc);
             i += 1;
         } else if (!strcmp(c, "release")) {
@@ -553,6 +588,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "allocbench")) {
             allocbench(atol(ARG(0)), size_arg(ARG(1)));
             i += 2;
+        } else if (!strcmp(c, "captureother")) {
+            capture_other(atoi(ARG(0)));
+            i += 1;
         } else if (!strcmp(c, "vmmbench")) {
             vmmbench(atol(ARG(0)), size_arg(ARG(1)));
             i += 2;

@@ -311,3 +311,13 @@ def test_a_full_event_ring_makes_its_newest_event_cover_more_launches(release_la
     assert res.rc("launch") == 0
     assert "the newest event now covers 7 launches" in res.stderr
     assert res.values("events")[0] <= 64 + 2 + 66
+
+
+@pytest.mark.parametrize("sm_limit", ["30", None], ids=["limited", "no-limit"])
+def test_a_global_capture_in_one_thread_is_not_invalidated_by_launches_in_another(lab, sm_limit):
+    # in global capture mode the driver forbids event queries in every thread, and one would
+    # invalidate the capture (PyTorch's CUDA graphs capture in global mode): while a capture is
+    # on, other threads' launches pass through unmeasured
+    res = lab.run("init", "ctx", "0", "captureother", "50", CUDA_DEVICE_SM_LIMIT=sm_limit,
+                  FAKE_CUDA_CAPTURE_STRICT="1")
+    assert res.of("captureother") == [(0, [0, 0])]

@@ -10,6 +10,7 @@ static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc);
 struct fake_stream {
     uint64_t tail; /* when the last queued work finishes */
     int capturing;
+    int capture_mode;
     struct fake_graph *graph; /* being captured */
 };
 struct fake_event {
@@ -56,18 +57,44 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s)
     return CUDA_SUCCESS;
 }
 
+/* FAKE_CUDA_CAPTURE_STRICT=1: as the real driver, a capture in global mode
+ * (0) forbids potentially unsafe calls in every thread: cuEventQuery then
+ * fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900) and invalidates the
+ * capture, whose cuStreamEndCapture returns CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901). */
+static int global_captures, capture_invalidated;
+
+static int capture_forbids(void)
+{
+    static int strict = -1;
+    if (strict < 0) strict = getenv("FAKE_CUDA_CAPTURE_STRICT") != NULL;
+    if (!strict || !__atomic_load_n(&global_captures, __ATOMIC_ACQUIRE)) return 0;
+    __atomic_store_n(&capture_invalidated, 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
 API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
 {
-    (void)mode;
     struct fake_stream *st = stream_of(s, 0);
     st->capturing = 1;
+    st->capture_mode = mode;
     st->graph = fake_graph_new();
+    if (mode == 0) __atomic_add_fetch(&global_captures, 1, __ATOMIC_ACQ_REL);
     return CUDA_SUCCESS;
 }
 
 API CUresult cuStreamEndCapture(CUstream s, void **graph)
 {
     struct fake_stream *st = stream_of(s, 0);
+    int invalidated = 0;
+    if (st->capturing && st->capture_mode == 0 && !__atomic_sub_fetch(&global_captures, 1, __ATOMIC_ACQ_REL))
+        invalidated = __atomic_exchange_n(&capture_invalidated, 0, __ATOMIC_ACQ_REL);
+    if (invalidated) {
+        st->capturing = 0;
+        free(st->graph);
+        st->graph = NULL;
+        if (graph) *graph = NULL;
+        return 901; /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */
+    }
     st->capturing = 0;
     if (graph)
         *graph = st->graph;
@@ -141,6 +168,7 @@ API CUresult cuEventRecord_ptsz(CUevent e, CUstream s)
 API CUresult cuEventQuery(CUevent e)
 {
     FAIL_POINT("cuEventQuery");
+    if (capture_forbids()) return 900; /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
     struct fake_event *ev = (struct fake_event *)e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
     return !ev->recorded || now_ns() >= ev->t ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
