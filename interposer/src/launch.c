@@ -5,7 +5,12 @@
  * Measure, then pace.  Each throttled launch records a CUDA event after the
  * kernel on its stream (and one before it when the stream was idle), so the
  * time between consecutive completed events is the GPU time the stream's
- * kernels took.  Completed intervals are debited from a budget shared by all
+ * kernels took, or waited: a kernel queued behind another stream's counts
+ * from its start event.  So the intervals of a context's streams are placed
+ * on one timeline (each event's time after a reference event of that
+ * context, re-based every GS_EPOCH_NS) and only their union is debited: N
+ * streams whose kernels run one after another are charged their total, not
+ * N(N+1)/2 kernels' worth.  Completed intervals are debited from a budget shared by all
  * processes of the container through the region: a virtual clock vt per
  * device, advanced by busy_ns * 100 / C.  A launch waits until vt <= now, and
  * vt never lags now by more than GS_BURST_NS (idle time buys at most that much
@@ -63,6 +68,9 @@
 #define GS_BURST_NS 50000000ull   /* idle credit: at most 50 ms of wall time */
 #define GS_QUEUE_NS 20000000ull   /* unmeasured work in flight per stream */
 #define GS_QUEUE_WAIT_NS 50000000ull /* the longest a launch waits for that queue */
+#define GS_EPOCH_NS 5000000000ull /* a context's reference event is renewed this often */
+#define GS_TIMELINES 16           /* contexts with a timeline */
+#define GS_SEGMENTS 32            /* disjoint busy segments a timeline remembers */
 #define GS_RING 64
 #define GS_STREAMS 256
 #define GS_POLL_NS 100000ull
@@ -92,8 +100,22 @@ struct tstream {
     uint64_t last_use;
 };
 
+/* One context's timeline: event times in ms after `epoch`, and the union of
+ * the intervals debited so far as disjoint segments (oldest first; when full,
+ * the two oldest merge, so a late interval inside that gap counts as covered). */
+struct tline {
+    CUcontext ctx;        /* NULL = free */
+    CUevent epoch;        /* completed reference event, or NULL */
+    CUevent pending;      /* a newer reference recorded, not yet known complete */
+    uint64_t epoch_ns;    /* host time the epoch was recorded */
+    uint64_t pending_ns;  /* host time the pending one was recorded */
+    int nseg;
+    double seg[GS_SEGMENTS][2];
+};
+
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct tstream g_streams[GS_STREAMS];
+static struct tline g_lines[GS_TIMELINES];
 static uint64_t g_tick;
 
 void gs_launch_configure(void)
@@ -288,6 +310,132 @@ static cuEventElapsedTime_fn elapsed_fn(void)
     return gs_cuda.cuEventElapsedTime ? gs_cuda.cuEventElapsedTime : gs_cuda.cuEventElapsedTime_v2;
 }
 
+/* ---- a context's timeline ------------------------------------------------- */
+
+static struct tline *line_get_locked(CUcontext ctx, int create)
+{
+    struct tline *free_line = NULL;
+    for (int i = 0; i < GS_TIMELINES; i++) {
+        if (g_lines[i].ctx == ctx) return &g_lines[i];
+        if (!g_lines[i].ctx && !free_line) free_line = &g_lines[i];
+    }
+    if (!create || !free_line) return NULL;
+    memset(free_line, 0, sizeof(*free_line));
+    free_line->ctx = ctx;
+    return free_line;
+}
+
+static void line_drop_events(struct tline *t, int destroy)
+{
+    if (destroy && gs_cuda.cuEventDestroy_v2) {
+        if (t->epoch) gs_cuda.cuEventDestroy_v2(t->epoch);
+        if (t->pending) gs_cuda.cuEventDestroy_v2(t->pending);
+    }
+    t->epoch = t->pending = NULL;
+    t->nseg = 0;
+}
+
+/* Is any stream of the context still waiting to be measured? */
+static int ctx_busy_locked(CUcontext ctx)
+{
+    for (int i = 0; i < GS_STREAMS; i++)
+        if (g_streams[i].count && g_streams[i].ctx == ctx) return 1;
+    return 0;
+}
+
+/* Record a reference event on es when the context has none, or a newer one
+ * when it is GS_EPOCH_NS old (float milliseconds lose precision far from
+ * it).  Before a new interval on an idle stream (`idle`) with nothing of the
+ * context in flight, a stale timeline simply starts afresh. */
+static void line_reference_locked(CUcontext ctx, CUstream es, uint64_t now, int idle)
+{
+    struct tline *t = line_get_locked(ctx, 1);
+    if (!t || t->pending) return;
+    int stale = t->epoch && now - t->epoch_ns > GS_EPOCH_NS;
+    if (t->epoch && !stale) return;
+    if (stale && idle && !ctx_busy_locked(ctx)) line_drop_events(t, 1);
+    CUevent e = NULL;
+    if (gs_cuda.cuEventCreate(&e, CU_EVENT_DEFAULT) != CUDA_SUCCESS || !e) return;
+    if (gs_cuda.cuEventRecord(e, es) != CUDA_SUCCESS) {
+        gs_cuda.cuEventDestroy_v2(e);
+        return;
+    }
+    t->pending = e;
+    t->pending_ns = now;
+}
+
+/* Promote a completed pending reference: segment times shift by its offset. */
+static void line_settle_locked(struct tline *t, cuEventElapsedTime_fn elapsed)
+{
+    if (!t->pending || gs_cuda.cuEventQuery(t->pending) != CUDA_SUCCESS) return;
+    if (t->epoch) {
+        float off = 0;
+        if (elapsed(&off, t->epoch, t->pending) != CUDA_SUCCESS) {
+            line_drop_events(t, 1); /* cannot relate the two: start over */
+            return;
+        }
+        for (int i = 0; i < t->nseg; i++) {
+            t->seg[i][0] -= off;
+            t->seg[i][1] -= off;
+        }
+        GS_DEBUG("timeline re-based by %.3f ms", off);
+        gs_cuda.cuEventDestroy_v2(t->epoch);
+    } else {
+        t->nseg = 0;
+        GS_DEBUG("timeline started");
+    }
+    t->epoch = t->pending;
+    t->epoch_ns = t->pending_ns;
+    t->pending = NULL;
+}
+
+/* Add [a, b] (ms after the epoch) to the union; returns the part not yet covered. */
+static double line_add(struct tline *t, double a, double b)
+{
+    if (b <= a) return 0;
+    double overlap = 0, lo = a, hi = b;
+    int keep = 0;
+    for (int i = 0; i < t->nseg; i++) {
+        double s0 = t->seg[i][0], s1 = t->seg[i][1];
+        double o = (s1 < b ? s1 : b) - (s0 > a ? s0 : a);
+        if (o > 0) overlap += o;
+        if (s1 < a || s0 > b) { /* disjoint: kept */
+            t->seg[keep][0] = s0;
+            t->seg[keep][1] = s1;
+            keep++;
+        } else { /* touching or overlapping: merged into the new segment */
+            if (s0 < lo) lo = s0;
+            if (s1 > hi) hi = s1;
+        }
+    }
+    int at = 0; /* keep the segments in order */
+    while (at < keep && t->seg[at][0] < lo) at++;
+    memmove(&t->seg[at + 1], &t->seg[at], (size_t)(keep - at) * sizeof(t->seg[0]));
+    t->seg[at][0] = lo;
+    t->seg[at][1] = hi;
+    t->nseg = keep + 1;
+    if (t->nseg == GS_SEGMENTS) { /* full: the two oldest become one */
+        t->seg[0][1] = t->seg[1][1];
+        memmove(&t->seg[1], &t->seg[2], (size_t)(GS_SEGMENTS - 2) * sizeof(t->seg[0]));
+        t->nseg--;
+    }
+    double fresh = (b - a) - overlap;
+    return fresh > 0 ? fresh : 0;
+}
+
+/* The part of the interval [mark, e] (plain length ms) not already debited
+ * for another stream of the context; ms itself without a timeline. */
+static double line_credit_locked(CUcontext ctx, CUevent mark, CUevent e, double ms, cuEventElapsedTime_fn elapsed)
+{
+    struct tline *t = line_get_locked(ctx, 0);
+    if (!t) return ms;
+    line_settle_locked(t, elapsed);
+    float a = 0, b = 0;
+    if (!t->epoch || elapsed(&a, t->epoch, mark) != CUDA_SUCCESS || elapsed(&b, t->epoch, e) != CUDA_SUCCESS)
+        return ms;
+    return line_add(t, a, b);
+}
+
 /* Debit every completed interval of s. */
 static void measure_locked(struct tstream *s)
 {
@@ -316,8 +464,11 @@ static void measure_locked(struct tstream *s)
             unsigned n = s->launches[s->head] ? s->launches[s->head] : 1;
             uint64_t each = ns / n;
             s->per_launch_ns = s->per_launch_ns ? (s->per_launch_ns * 3 + each) / 4 : each;
-            debit(s->slot, ns);
-            GS_DEBUG("debit %llu ns (%u launches)", (unsigned long long)ns, n);
+            double fresh = line_credit_locked(s->ctx, s->mark, e, ms, elapsed);
+            uint64_t charge = (uint64_t)(fresh * 1e6);
+            if (charge > ns) charge = ns;
+            debit(s->slot, charge);
+            GS_DEBUG("debit %llu ns of %llu (%u launches)", (unsigned long long)charge, (unsigned long long)ns, n);
         } else if (er != CUDA_SUCCESS && er != CUDA_ERROR_NOT_READY &&
                    !__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
             GS_WARN("compute limit: cuEventElapsedTime failed (%d); GPU time goes unmeasured", er);
@@ -487,6 +638,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     if (s && !s->count) {
         /* the stream is idle: start a new interval here, so idle time is not counted; if that
          * fails, no interval starts before the next measured event */
+        line_reference_locked(ctx, es, gs_now_ns(), 1);
         CUevent start = take_event(s);
         give_event(s, s->mark);
         s->mark = NULL;
@@ -520,6 +672,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             s->launches[tail] = 1;
             s->rec_ns[tail] = gs_now_ns();
             s->count++;
+            line_reference_locked(ctx, es, s->rec_ns[tail], 0);
         } else {
             give_event(s, end);
         }
@@ -544,6 +697,8 @@ void gs_launch_forget_ctx(CUcontext ctx)
     pthread_mutex_lock(&g_mu);
     for (int i = 0; i < GS_STREAMS; i++)
         if (g_streams[i].last_use && g_streams[i].ctx == ctx) reset_stream(&g_streams[i]);
+    struct tline *t = line_get_locked(ctx, 0);
+    if (t) memset(t, 0, sizeof(*t)); /* its events went with the context */
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -551,6 +706,7 @@ void gs_launch_after_fork_child(void)
 {
     pthread_mutex_init(&g_mu, NULL);
     memset(g_streams, 0, sizeof(g_streams));
+    memset(g_lines, 0, sizeof(g_lines));
 }
 
 /* ---- the hooks ------------------------------------------------------------ */

@@ -69,6 +69,7 @@
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
     X(cuCtxSynchronize, CUresult, (void))                                                                    \
+    X(cuStreamSynchronize, CUresult, (CUstream))                                                             \
     X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                \
     X(cuCtxSetLimit, CUresult, (int, size_t))                                                                \
     X(cuModuleGetFunction, CUresult, (CUfunction *, CUmodule, const char *))                                 \
@@ -254,9 +255,53 @@ static void allocbench(long count, uint64_t size)
     printf("allocbench %d %llu\n", rc, (unsigned long long)((now_ns() - t0) / (uint64_t)count));
 }
 
+/* mbench SECONDS N: N threads, each launching on a stream of its own as fast as it can; like
+ * bench, prints launches, the fake GPU's kernel time and the wall time. */
+static CUcontext capture_ctx; /* the context "ctx" made current: other threads use it too */
+
+struct mbench_arg {
+    uint64_t end, launches;
+    CUresult rc;
+};
+
+static void *mbench_thread(void *p)
+{
+    struct mbench_arg *a = p;
+    CUstream s = NULL;
+    api.cuCtxSetCurrent(capture_ctx);
+    a->rc = api.cuStreamCreate(&s, 0);
+    while (a->rc == CUDA_SUCCESS && now_ns() < a->end) {
+        a->rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        a->launches++;
+    }
+    api.cuStreamSynchronize(s);
+    return NULL;
+}
+
+static void mbench(double seconds, int n)
+{
+    typedef uint64_t (*kns_t)(void);
+    kns_t kernel_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_ns");
+    struct mbench_arg args[16];
+    pthread_t t[16];
+    if (n > 16) n = 16;
+    uint64_t k0 = kernel_ns(), t0 = now_ns(), launches = 0;
+    CUresult rc = CUDA_SUCCESS;
+    for (int i = 0; i < n; i++) {
+        args[i] = (struct mbench_arg){t0 + (uint64_t)(seconds * 1e9), 0, CUDA_SUCCESS};
+        pthread_create(&t[i], NULL, mbench_thread, &args[i]);
+    }
+    for (int i = 0; i < n; i++) {
+        pthread_join(t[i], NULL);
+        launches += args[i].launches;
+        if (args[i].rc != CUDA_SUCCESS) rc = args[i].rc;
+    }
+    printf("mbench %d %llu %llu %llu\n", rc, (unsigned long long)launches, (unsigned long long)(kernel_ns() - k0),
+           (unsigned long long)(now_ns() - t0));
+}
+
 /* captureother N: this thread captures a stream in global mode while another thread launches N
  * kernels on a stream of its own; prints the capture's end and the other thread's launches. */
-static CUcontext capture_ctx;
 static CUresult other_rc;
 static int other_n;
 
@@ -587,6 +632,9 @@ int main(int argc, char **argv)
             i += 1;
         } else if (!strcmp(c, "allocbench")) {
             allocbench(atol(ARG(0)), size_arg(ARG(1)));
+            i += 2;
+        } else if (!strcmp(c, "mbench")) {
+            mbench(atof(ARG(0)), atoi(ARG(1)));
             i += 2;
         } else if (!strcmp(c, "captureother")) {
             capture_other(atoi(ARG(0)));

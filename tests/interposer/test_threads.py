@@ -33,3 +33,9 @@ def test_exit_while_the_sampler_is_awake_races_on_nothing(tsan_lab):
                  CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_SLEEP="exit:700", **POWER_MODEL)
     assert tsan_lab.region().processes == ()
     assert tsan_lab.used() == 0
+
+
+def test_threads_launching_on_streams_of_their_own_race_on_nothing(tsan_lab):
+    res = tsan_lab.run("init", "ctx", "0", "mbench", "1", "4", CUDA_DEVICE_SM_LIMIT="30",
+                       FAKE_CUDA_SERIAL="1", FAKE_CUDA_KERNEL_US="500")
+    assert res.rc("mbench") == 0

@@ -208,9 +208,17 @@ API CUresult cuCtxSynchronize(void)
 }
 
 /* Run `count` kernels on the stream's timeline. */
+/* FAKE_CUDA_SERIAL=1: the process's kernels run one at a time across all its streams (as
+ * kernels that fill the GPU do), so a kernel may wait for another stream's before it starts;
+ * otherwise every stream has the GPU to itself. */
+static uint64_t serial_tail;
+static pthread_mutex_t serial_mu = PTHREAD_MUTEX_INITIALIZER;
+
 static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
 {
     NEED_CTX();
+    static int serial = -1;
+    if (serial < 0) serial = getenv("FAKE_CUDA_SERIAL") != NULL;
     struct fake_stream *st = stream_of(s, ptsz);
     uint64_t tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
     if (tail > 1024 * kernel_ns) sleep_until(tail - 1024 * kernel_ns); /* the launch queue is full */
@@ -219,6 +227,16 @@ static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
         double mhz = clock_now(n);
         if (!clk_membound) each = (uint64_t)((double)kernel_ns * clk_max / mhz);
         add_energy(count * each, mhz);
+    }
+    if (serial) {
+        pthread_mutex_lock(&serial_mu);
+        uint64_t start = tail > n ? tail : n;
+        if (serial_tail > start) start = serial_tail;
+        serial_tail = start + count * each;
+        __atomic_store_n(&st->tail, serial_tail, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&serial_mu);
+        __atomic_add_fetch(&kernel_total_ns, count * each, __ATOMIC_RELAXED);
+        return CUDA_SUCCESS;
     }
     __atomic_store_n(&st->tail, (tail > n ? tail : n) + count * each, __ATOMIC_RELEASE);
     __atomic_add_fetch(&kernel_total_ns, count * each, __ATOMIC_RELAXED);
