@@ -9,18 +9,21 @@ check its reason.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gpu import gpubench as bench
 from gpu import harness
+from gpu.compute import matmul
 from gpu.fills import Fills
 from gpu.nvmlwatch import Nvml
 
 # Memory checks first (they matter most; test_usage sums the outside watch of every capped run
 # before it, the processes' included), then compute, whose rows are open, then the launch and
-# alloc costs.
+# alloc costs; the newest rows last (PyTorch expandable segments, a busy co-tenant), so a short
+# time budget loses them first.
 ORDER = ("test_memory", "test_views", "test_processes", "test_usage", "test_compute",
-         "test_overhead")
+         "test_overhead", "test_vmm", "test_cotenant")
 _state = {"recording": False}
 
 
@@ -88,3 +91,9 @@ def gpubench(nvml: Nvml) -> Path:
 @pytest.fixture(scope="session")
 def fills(nvml: Nvml, lib: Path) -> Fills:
     return Fills(nvml)
+
+
+@pytest.fixture(scope="session")
+def baseline(nvml: Nvml) -> dict[str, Any]:
+    """The bf16 matmul (and tiny ops) with no library: 100% (test_compute, test_cotenant)."""
+    return matmul(nvml, harness.plain_env(), tiny=True)

@@ -54,6 +54,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_sm_limit_caps_matmul_throughput[10]"),
     ("sm_30_time", "5 same at 30%, time share (no clock comp.)", "informational", "-",
      "test_sm_limit_time_mode_for_comparison"),
+    ("sm_30_cotenant", "5 same at 30%, another tenant busy", "informational", "-",
+     "test_sm_limit_beside_a_busy_tenant"),
     ("launch_cost", "6 empty-kernel launch, lib vs none", "<= 1.05x", "-",
      "test_launch_cost_with_library_unlimited_within_5_percent"),
     ("torch_tiny", "6 torch tiny ops, lib vs none", "<= 1.05x", "-",
