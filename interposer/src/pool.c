@@ -48,6 +48,20 @@ struct pool_where {
 };
 static struct pool_where g_where[GS_MAX_POOLS];
 
+static struct pool_rec *find_locked(uint64_t pool, int slot, int create)
+{
+    struct pool_rec *empty = NULL;
+    for (int i = 0; i < GS_MAX_POOLS; i++) {
+        if (g_pools[i].pool == pool) return &g_pools[i];
+        if (!g_pools[i].pool && !empty) empty = &g_pools[i];
+    }
+    if (!create || !empty) return NULL;
+    memset(empty, 0, sizeof(*empty));
+    empty->pool = pool;
+    empty->slot = slot;
+    return empty;
+}
+
 /* 1 and *loc if the pool was created here; under g_mu. */
 static int where_locked(uint64_t pool, CUmemLocation *loc)
 {
@@ -76,22 +90,13 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
         w->pool = key;
         w->location = poolProps->location;
     }
+    /* a destroyed pool's handle handed out again: the new pool's reserved memory counts
+     * (what the old one still has allocated stays in the record: charged, on the safe side) */
+    struct pool_rec *old = find_locked(key, -1, 0);
+    if (old) old->destroyed = 0;
     pthread_mutex_unlock(&g_mu);
     if (!w) GS_WARN("more than %d memory pools: a new one is charged to the allocating context's device", GS_MAX_POOLS);
     return rc;
-}
-static struct pool_rec *find_locked(uint64_t pool, int slot, int create)
-{
-    struct pool_rec *empty = NULL;
-    for (int i = 0; i < GS_MAX_POOLS; i++) {
-        if (g_pools[i].pool == pool) return &g_pools[i];
-        if (!g_pools[i].pool && !empty) empty = &g_pools[i];
-    }
-    if (!create || !empty) return NULL;
-    memset(empty, 0, sizeof(*empty));
-    empty->pool = pool;
-    empty->slot = slot;
-    return empty;
 }
 
 /* Bring the charge to max(reserved, live).  May reserve more only if `grow`;
