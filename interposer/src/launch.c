@@ -487,10 +487,10 @@ static void measure_all_locked(void)
         if (g_streams[i].count) measure_locked(&g_streams[i]);
 }
 
-/* After a synchronisation: charge what completed (the last work of a process
- * is charged before it exits, not only at its next launch). */
 static int capture_forbids_queries(void);
 
+/* After a synchronisation: charge what completed (the last work of a process
+ * is charged before it exits, not only at its next launch). */
 void gs_launch_after_sync(void)
 {
     if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || capture_forbids_queries()) return;
