@@ -37,6 +37,7 @@ int gs_parse_size(const char *text, uint64_t *out)
 {
     const char *p = text;
     uint64_t v = 0;
+    while (p && isspace((unsigned char)*p)) p++; /* " 2g" from a YAML value is still 2g */
     if (!p || !isdigit((unsigned char)*p)) return -1;
     while (isdigit((unsigned char)*p)) {
         uint64_t d = (uint64_t)(*p - '0');
@@ -51,8 +52,9 @@ int gs_parse_size(const char *text, uint64_t *out)
     case 'm': shift = 20; p++; break;
     case 'g': shift = 30; p++; break;
     case 't': shift = 40; p++; break;
-    default: return -1;
+    default: if (!isspace((unsigned char)*p)) return -1;
     }
+    while (isspace((unsigned char)*p)) p++;
     if (*p != '\0') return -1;
     if (shift && v > (UINT64_MAX >> shift)) return -1;
     *out = v << shift;
@@ -86,14 +88,13 @@ static uint64_t env_percent_cap(uint64_t total)
 {
     const char *v = getenv("GPUSLICE_MEMORY_PERCENT");
     if (!v || !*v) return 0;
-    char *end = NULL;
-    long pct = strtol(v, &end, 10);
-    if (!end || *end != '\0' || pct < 1 || pct > 100) {
+    uint64_t pct = 0; /* the same syntax as the sizes, without a suffix */
+    if (gs_parse_size(v, &pct) != 0 || pct < 1 || pct > 100) {
         GS_ERROR("ignoring GPUSLICE_MEMORY_PERCENT value '%s' (expected 1..100)", v);
         return 0;
     }
     if (!total) {
-        GS_WARN("GPUSLICE_MEMORY_PERCENT=%ld: the device's total is unknown, no cap applied", pct);
+        GS_WARN("GPUSLICE_MEMORY_PERCENT=%llu: the device's total is unknown, no cap applied", (unsigned long long)pct);
         return 0;
     }
     return total / 100 * (uint64_t)pct + total % 100 * (uint64_t)pct / 100;
@@ -105,9 +106,13 @@ uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total)
     uint64_t limit = 0;
     const char *v = env_indexed("CUDA_DEVICE_MEMORY_LIMIT", container_index, key, sizeof(key));
     if (v && gs_parse_size(v, &limit) != 0) {
-        GS_ERROR("ignoring CUDA_DEVICE_MEMORY_LIMIT value '%s' (expected e.g. 10240m or 10g)", v);
-        v = NULL;
-        limit = 0;
+        /* an unreadable per-device value must not lift the container-wide cap */
+        const char *all = getenv("CUDA_DEVICE_MEMORY_LIMIT");
+        int indexed = v != all;
+        GS_ERROR("ignoring %s value '%s' (expected e.g. 10240m or 10g)%s", indexed ? key : "CUDA_DEVICE_MEMORY_LIMIT",
+                 v, indexed && all && *all ? "; CUDA_DEVICE_MEMORY_LIMIT applies" : "");
+        v = indexed && all && *all && gs_parse_size(all, &limit) == 0 ? all : NULL;
+        if (!v) limit = 0;
     }
     if (v && !gs_env_managed()) return limit; /* HAMi-core: the byte limit wins (0 = none) */
     uint64_t pct = env_percent_cap(total);

@@ -3,7 +3,9 @@
  *
  * nvmlDeviceGetMemoryInfo and _v2 report, for a device with a cap:
  * total = the cap (at most the real total), used = the container's usage from
- * the region (at most total), free = total - used, reserved = 0.  Devices
+ * the region (at most total), free = total - used but never more than the
+ * device really has free (other containers' usage counts there, as in
+ * cuMemGetInfo), reserved = 0.  Devices
  * without a cap are reported as the driver does.  A process that only uses
  * NVML (nvidia-smi) reads the region without registering in it.
  *
@@ -34,11 +36,11 @@ GS_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t
     if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t rc = gs_nvml.nvmlDeviceGetMemoryInfo(device, memory);
     if (rc != NVML_SUCCESS) return rc;
-    unsigned long long total = memory->total, used = 0;
+    unsigned long long total = memory->total, used = 0, real_free = memory->free;
     if (capped(device, &total, &used)) {
         memory->total = total;
         memory->used = used;
-        memory->free = total - used;
+        memory->free = total - used < real_free ? total - used : real_free;
     }
     return NVML_SUCCESS;
 }
@@ -50,12 +52,12 @@ GS_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemor
     if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t rc = gs_nvml.nvmlDeviceGetMemoryInfo_v2(device, memory);
     if (rc != NVML_SUCCESS) return rc;
-    unsigned long long total = memory->total, used = 0;
+    unsigned long long total = memory->total, used = 0, real_free = memory->free;
     if (capped(device, &total, &used)) {
         memory->total = total;
         memory->reserved = 0;
         memory->used = used;
-        memory->free = total - used;
+        memory->free = total - used < real_free ? total - used : real_free;
     }
     return NVML_SUCCESS;
 }

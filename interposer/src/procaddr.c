@@ -10,7 +10,8 @@
  *  2. otherwise, if the driver handed out an address that is not an export
  *     (possible in principle), the hook is chosen by name: the entry whose
  *     base name is `symbol`, per-thread flag matches `flags`, and whose
- *     min_version is the highest one <= cudaVersion.
+ *     min_version is the highest one <= cudaVersion (cuGraphInstantiate from
+ *     12.0 on being cuGraphInstantiateWithFlags).
  * Anything else is returned untouched.
  */
 #define _GNU_SOURCE
@@ -26,6 +27,9 @@ void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cu
         if (*h->real && *h->real == real) return h->hook;
     }
     if (!symbol) return real;
+    /* From CUDA 12.0 the name cuGraphInstantiate means cuGraphInstantiateWithFlags (cuda.h
+     * renames it): another signature than the cuGraphInstantiate_v2 its base name suggests. */
+    if (strcmp(symbol, "cuGraphInstantiate") == 0 && cuda_version >= 12000) symbol = "cuGraphInstantiateWithFlags";
     int per_thread = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
     const struct gs_hook *best = NULL;
     for (size_t i = 0; i < gs_cuda_hook_count; i++) {

@@ -156,16 +156,37 @@ GS_NO_SANITIZE static void note_library(const char *name, void *real)
 
 #define NOT_HOOKED ((void *)-1)
 
+/* Is `fn` a function of the driver (libcuda.so*, libnvidia-ml.so*, or the
+ * library GPUSLICE_REAL_* names)? */
+GS_NO_SANITIZE static int from_driver(void *fn, const char *name)
+{
+    Dl_info info;
+    if (!dladdr(fn, &info) || !info.dli_fname) return 0;
+    const char *base = strrchr(info.dli_fname, '/');
+    base = base ? base + 1 : info.dli_fname;
+    if (strncmp(base, name[0] == 'c' ? "libcuda.so" : "libnvidia-ml.so", name[0] == 'c' ? 10 : 15) == 0)
+        return 1;
+    const char *override = getenv(name[0] == 'c' ? "GPUSLICE_REAL_LIBCUDA" : "GPUSLICE_REAL_LIBNVML");
+    return override && *override && strcmp(override, info.dli_fname) == 0;
+}
+
 /* dlsym's answer for a hooked name, or NOT_HOOKED.  Kept out of dlsym itself
- * so that dlsym needs no stack frame and its forwarding stays a tail call. */
+ * so that dlsym needs no stack frame and its forwarding stays a tail call.
+ * The hook stands in for the driver's function only: a same-named function
+ * of another library (a stub, a mock, a tracer) is returned as it is, and
+ * where the driver's is not to be found the answer is NULL, as without us.
+ * RTLD_DEFAULT finds our own export first: whether the driver is there is
+ * asked as RTLD_NEXT from this library (which also answers RTLD_NEXT: a
+ * library before us wrapping the function gets our hook, not itself). */
 GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle, const char *name)
 {
     void *hook = gs_hook_by_name(name);
     if (!hook) return NOT_HOOKED;
-    if (handle == RTLD_NEXT) return hook;
-    void *real = gs_real_dlsym(handle, name);
-    if (!real || real == hook) return real;
-    if (handle != RTLD_DEFAULT) note_library(name, real);
+    void *real = handle == RTLD_NEXT ? hook : gs_real_dlsym(handle, name);
+    if (real == hook && (handle == RTLD_NEXT || handle == RTLD_DEFAULT)) real = gs_real_dlsym(RTLD_NEXT, name);
+    if (!real) return NULL;
+    if (real == hook || !from_driver(real, name)) return real;
+    if (handle != RTLD_DEFAULT && handle != RTLD_NEXT) note_library(name, real);
     return hook;
 }
 

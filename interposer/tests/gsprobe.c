@@ -636,6 +636,15 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "mbench")) {
             mbench(atof(ARG(0)), atoi(ARG(1)));
             i += 2;
+        } else if (!strcmp(c, "procaddr")) {
+            /* procaddr SYMBOL VERSION EXPORT: is what cuGetProcAddress_v2 hands out the export
+             * EXPORT as the process sees it (the interposer's hook)? */
+            typedef CUresult (*gp_t)(const char *, void **, int, cuuint64_t, int *);
+            gp_t gp = (gp_t)dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2");
+            void *fn = NULL;
+            CUresult rc = gp ? gp(ARG(0), &fn, atoi(ARG(1)), 0, NULL) : CUDA_ERROR_NOT_SUPPORTED;
+            printf("procaddr %d %d\n", rc, fn && fn == dlsym(RTLD_DEFAULT, ARG(2)));
+            i += 3;
         } else if (!strcmp(c, "captureother")) {
             capture_other(atoi(ARG(0)));
             i += 1;

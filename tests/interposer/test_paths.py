@@ -62,6 +62,31 @@ def test_dlsym_rtld_next_still_finds_the_next_definition(lab):
     assert out.stdout.strip() == "b"
 
 
+def test_a_tracer_preloaded_before_the_library_reaches_the_driver_through_it(lab):
+    # the tracer wraps cuMemAlloc_v2 and forwards with dlsym(RTLD_NEXT): it must get our hook
+    # (which charges and calls the driver), not its own function back (endless recursion
+    # before: the hook table took the first definition of the name, the tracer's)
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgstracer.so"))
+    res = lab.run("init", "ctx", "0", "alloc", "100m", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  LD_PRELOAD=":".join(preload))
+    assert res.rc("alloc") == 0, res.stdout + res.stderr
+    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]  # charged
+    assert "tracer 1" in res.stderr
+
+
+def test_dlsym_answers_for_driver_names_only_when_the_driver_is_there(lab):
+    # a program without libcuda: RTLD_DEFAULT / RTLD_NEXT find no cuInit (before, our exports
+    # were found), and a stub library's own cuInit is what dlsym on its handle returns (before,
+    # our hook, which then took the stub for the driver)
+    stub = lab.build / "tests" / "libgscudastub.so"
+    plain = subprocess.run([str(lab.build / "tests" / "nocuda"), str(stub)], check=False,
+                           capture_output=True, text=True, timeout=60)
+    under = lab.run_program([str(lab.build / "tests" / "nocuda"), str(stub)])
+    assert plain.stdout.strip() == "nocuda 0 0 999"
+    assert under.stdout.strip() == plain.stdout.strip(), under.stderr
+
+
 @pytest.mark.parametrize("argv", [["ls", "/"], ["sh", "-c", "echo hello; echo $((6*7))"],
                                   [sys.executable, "-c", "import json; print(json.dumps([1]))"]])
 def test_programs_that_never_touch_cuda_do_not_notice_the_library(lab, argv):
@@ -134,3 +159,13 @@ def test_our_nvml_memory_structs_match_pynvml(built):
         for fname, _ in ctype._fields_:
             f = getattr(ctype, fname)
             assert ours[f"{struct_name}.{fname}"] == (f.offset, f.size), (struct_name, fname)
+
+
+@pytest.mark.parametrize(("version", "export"), [(11040, "cuGraphInstantiate_v2"),
+                                                 (12080, "cuGraphInstantiateWithFlags")])
+def test_a_trampolined_graph_instantiate_gets_the_hook_of_the_same_signature(lab, version, export):
+    # from CUDA 12.0 the name means cuGraphInstantiateWithFlags (3 arguments, not 5): a driver
+    # handing out a trampoline for it got the 5-argument hook before
+    res = lab.run("init", "procaddr", "cuGraphInstantiate", str(version), export,
+                  FAKE_CUDA_PROCADDR_TRAMPOLINE="1")
+    assert res.of("procaddr") == [(0, [1])]

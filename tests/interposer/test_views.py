@@ -6,6 +6,8 @@ environment's limit syntax.
 
 from __future__ import annotations
 
+import pytest
+
 from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
 
 MIB = 1 << 20
@@ -180,3 +182,34 @@ def test_without_nvml_an_integer_cuda_visible_devices_still_picks_the_right_limi
                   GPUSLICE_REAL_LIBNVML=minimal, **two_gpus(lab))
     assert res.values("meminfo") == [5 * GIB, 5 * GIB]
     assert [d.uuid for d in lab.region().devices] == [lab.UUID_B]
+
+
+def test_nvml_never_reports_more_free_than_the_device_has(lab):
+    # another container holds 13 GiB of the 16 GiB device: our 8 GiB cap with 1 GiB used leaves
+    # 7 GiB by the cap, but only 2 GiB are free on the device (cuMemGetInfo said so; NVML said
+    # 7 GiB before)
+    other = lab.start("init", "ctx", "0", "alloc", "13g", "touch", str(lab.tmp / "held"),
+                      "waitfile", str(lab.tmp / "go"),
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(lab.tmp / "other-region"))
+    lab.wait_for(lab.tmp / "held")
+    res = lab.run("init", "ctx", "0", "alloc", "1g", "meminfo", "nvml", "0", "nvml2", "0",
+                  CUDA_DEVICE_MEMORY_LIMIT="8g")
+    (lab.tmp / "go").touch()
+    assert lab.finish(other).rc("alloc") == 0
+    free = res.values("meminfo")[0]
+    assert free == 2 * GIB
+    assert res.values("nvml") == [8 * GIB, GIB, free]
+    assert res.values("nvml2")[0] == 8 * GIB and res.values("nvml2")[-1] == free
+
+
+@pytest.mark.parametrize(("env", "cap"), [
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "2g", "CUDA_DEVICE_MEMORY_LIMIT_0": "2gb"}, 2),  # bad per-device
+    ({"CUDA_DEVICE_MEMORY_LIMIT": " 2g "}, 2),                                     # YAML spacing
+    ({"GPUSLICE_MEMORY_PERCENT": " 25"}, 4),
+    ({"GPUSLICE_MEMORY_PERCENT": "+25"}, 16),                                      # rejected
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "2 g"}, 16),                                     # rejected
+], ids=["bad-indexed-falls-back", "spaces-trimmed", "percent-spaces", "percent-sign", "inner-space"])
+def test_limit_values_are_read_strictly_and_a_bad_per_device_one_keeps_the_container_cap(lab, env,
+                                                                                        cap):
+    res = lab.run("init", "ctx", "0", "meminfo", **env)
+    assert res.values("meminfo")[1] == cap * GIB, res.stderr

@@ -360,6 +360,10 @@ static const struct {
 static CUresult tramp_cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, n); }
 static CUresult tramp_cuMemFree_v2(CUdeviceptr p) { return cuMemFree_v2(p); }
 static CUresult tramp_cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
+static CUresult tramp_cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags)
+{
+    return cuGraphInstantiateWithFlags(e, g, flags);
+}
 
 /* base name, first cudaVersion of the variant, the variant's export */
 static const struct {
@@ -387,6 +391,7 @@ static void *func_by_name(const char *name)
         if (!strcmp(name, "cuMemAlloc_v2")) return (void *)tramp_cuMemAlloc_v2;
         if (!strcmp(name, "cuMemFree_v2")) return (void *)tramp_cuMemFree_v2;
         if (!strcmp(name, "cuMemGetInfo_v2")) return (void *)tramp_cuMemGetInfo_v2;
+        if (!strcmp(name, "cuGraphInstantiateWithFlags")) return (void *)tramp_cuGraphInstantiateWithFlags;
     }
     for (size_t i = 0; i < sizeof(funcs) / sizeof(funcs[0]); i++)
         if (!strcmp(funcs[i].name, name)) return funcs[i].fn;
