@@ -36,6 +36,7 @@
 
 struct gpuslice_region *gs_region;
 static struct gpuslice_proc *g_me;
+static int32_t g_my_pid; /* the pid g_me was registered with */
 int gs_exiting;
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_last_reclaim_ns;
@@ -55,10 +56,12 @@ static uint64_t pidns_inode(void)
     return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-/* Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); 0 if unknown. */
-static uint64_t proc_start_time(pid_t pid)
+/* Field 22 of /proc/<pid>/stat (start time in clock ticks since boot), 0 if
+ * unknown; *state gets field 3 ('Z' for a zombie), or 0. */
+static uint64_t proc_stat(pid_t pid, char *state)
 {
     char path[64], buf[1024];
+    *state = 0;
     snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0;
@@ -68,8 +71,15 @@ static uint64_t proc_start_time(pid_t pid)
     buf[n] = '\0';
     char *p = strrchr(buf, ')');
     if (!p) return 0;
+    if (p[1] == ' ' && p[2]) *state = p[2];
     for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
     return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+static uint64_t proc_start_time(pid_t pid)
+{
+    char state;
+    return proc_stat(pid, &state);
 }
 
 static void read_boot_id(uint8_t out[16])
@@ -128,12 +138,29 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
     }
     struct gpuslice_region *r = NULL;
     struct stat st;
-    if (fstat(fd, &st) == 0 && (st.st_size >= (off_t)sizeof(*r) || ftruncate(fd, sizeof(*r)) == 0)) {
+    /* An older library's region (a node upgraded under a running pod): its processes keep the
+     * old file, mapped; this one starts a new file (a newer library's is left alone). */
+    struct {
+        uint64_t magic;
+        uint32_t version;
+    } head;
+    if (pread(fd, &head, sizeof(head), 0) == (ssize_t)sizeof(head) && head.magic == GPUSLICE_REGION_MAGIC &&
+        head.version < GPUSLICE_REGION_VERSION && unlink(path) == 0) {
+        GS_WARN("region %s was written by an older library (version %u): replaced", path, head.version);
+        flock(fd, LOCK_UN);
+        close(fd);
+        return map_file(path, boot_id);
+    }
+    /* blocks allocated now, not at the first store (a full disk would kill the process with SIGBUS) */
+    int grown = fstat(fd, &st) == 0 &&
+                (st.st_size >= (off_t)sizeof(*r) || posix_fallocate(fd, 0, sizeof(*r)) == 0);
+    if (grown) {
         void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (p != MAP_FAILED) r = p;
     }
     if (!r) {
-        GS_WARN("cannot map region %s (%s): caps apply to this process alone", path, strerror(errno));
+        GS_WARN("cannot map region %s (%s): caps apply to this process alone", path,
+                grown ? strerror(errno) : "no space for it");
     } else if (__atomic_load_n(&r->magic, __ATOMIC_ACQUIRE) != GPUSLICE_REGION_MAGIC) {
         init_region(r, boot_id);
     } else if (r->version != GPUSLICE_REGION_VERSION || r->size != sizeof(*r)) {
@@ -178,7 +205,10 @@ static int proc_alive(const struct gpuslice_proc *p, uint64_t my_ns)
 {
     if (p->pidns != my_ns) return 0; /* an earlier incarnation of the container */
     if (kill(p->pid, 0) != 0 && errno == ESRCH) return 0;
-    uint64_t start = proc_start_time(p->pid);
+    char state;
+    uint64_t start = proc_stat(p->pid, &state);
+    if (state == 'Z' || state == 'X') return 0; /* killed, not yet reaped: its memory is gone */
+    if (p->pid == getpid() && p != g_me && start == p->start_time) return 0; /* ours before an exec */
     return !(start && p->start_time && start != p->start_time); /* else the pid was reused */
 }
 
@@ -241,6 +271,18 @@ static void region_unlock(void)
     pthread_mutex_unlock(&gs_region->lock.mutex);
 }
 
+/* g_me, unless another process reclaimed our slot meanwhile (it took us for
+ * dead: a pid namespace it cannot see into) and it may be someone else's now;
+ * then we have no slot, and register again at the next charge. */
+static struct gpuslice_proc *me_locked(void)
+{
+    if (g_me && (LD(&g_me->state) != GPUSLICE_PROC_LIVE || LD(&g_me->pid) != g_my_pid)) {
+        GS_WARN("this process's usage was reclaimed by another process: registering again");
+        __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE);
+    }
+    return g_me;
+}
+
 static int register_locked(void)
 {
     struct gpuslice_region *r = gs_region;
@@ -248,7 +290,12 @@ static int register_locked(void)
      * (another thread still running, the sampler): refuse it. */
     if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) return -1;
     for (int pass = 0; pass < 2 && !g_me; pass++) {
-        if (pass) reclaim_dead_locked();
+        /* pass 0 too when a slot of our pid is live: this program replaced it by exec, and
+         * the old image's memory went with its address space */
+        int mine = 0;
+        for (unsigned i = 0; i < GPUSLICE_MAX_PROCS && !pass && !mine; i++)
+            mine = LD(&r->procs[i].state) == GPUSLICE_PROC_LIVE && LD(&r->procs[i].pid) == (int32_t)getpid();
+        if (pass || mine) reclaim_dead_locked();
         for (unsigned i = 0; i < GPUSLICE_MAX_PROCS; i++) {
             struct gpuslice_proc *p = &r->procs[i];
             if (LD(&p->state) != GPUSLICE_PROC_FREE) continue;
@@ -257,6 +304,7 @@ static int register_locked(void)
             p->pidns = pidns_inode();
             p->start_time = proc_start_time(getpid());
             ST(&p->state, GPUSLICE_PROC_LIVE);
+            g_my_pid = p->pid;
             __atomic_store_n(&g_me, p, __ATOMIC_RELEASE);
             break;
         }
@@ -330,7 +378,7 @@ void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register)
             ST(&r->device_count, count + 1);
         }
     }
-    if (do_register && !g_me) register_locked();
+    if (do_register && !me_locked()) register_locked();
     region_unlock();
 }
 
@@ -341,11 +389,16 @@ static int valid_slot(int slot)
     return gs_region && slot >= 0 && (unsigned)slot < LD(&gs_region->device_count);
 }
 
+static uint64_t add_sat(uint64_t a, uint64_t b)
+{
+    return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
+
 static void charge_locked(int slot, uint64_t bytes)
 {
     struct gpuslice_device *d = &gs_region->devices[slot];
-    ST(&d->used_bytes, LD(&d->used_bytes) + bytes);
-    ST(&g_me->used_bytes[slot], LD(&g_me->used_bytes[slot]) + bytes);
+    ST(&d->used_bytes, add_sat(LD(&d->used_bytes), bytes));
+    ST(&g_me->used_bytes[slot], add_sat(LD(&g_me->used_bytes[slot]), bytes));
     __atomic_add_fetch(&g_charge_seq, 1, __ATOMIC_ACQ_REL);
 }
 
@@ -353,12 +406,16 @@ int gs_budget_reserve(int slot, uint64_t bytes)
 {
     if (!bytes || !valid_slot(slot)) return 0;
     if (region_lock() != 0) return -1;
-    if (!g_me && register_locked() != 0) {
+    if (!me_locked() && register_locked() != 0) {
         region_unlock();
         return -1;
     }
     struct gpuslice_device *d = &gs_region->devices[slot];
     uint64_t limit = LD(&d->limit_bytes);
+    if (bytes > UINT64_MAX - LD(&d->used_bytes)) { /* no device has it; the sum would wrap */
+        region_unlock();
+        return -1;
+    }
     for (int pass = 0; limit && pass < 2; pass++) {
         if (pass) reclaim_dead_locked();
         uint64_t used = LD(&d->used_bytes);
@@ -378,14 +435,14 @@ int gs_budget_reserve(int slot, uint64_t bytes)
 void gs_budget_force(int slot, uint64_t bytes)
 {
     if (!bytes || !valid_slot(slot) || region_lock() != 0) return;
-    if (g_me || register_locked() == 0) charge_locked(slot, bytes);
+    if (me_locked() || register_locked() == 0) charge_locked(slot, bytes);
     region_unlock();
 }
 
 void gs_budget_release(int slot, uint64_t bytes)
 {
     if (!bytes || !valid_slot(slot) || region_lock() != 0) return;
-    if (g_me) {
+    if (me_locked()) {
         struct gpuslice_device *d = &gs_region->devices[slot];
         uint64_t mine = LD(&g_me->used_bytes[slot]), du = LD(&d->used_bytes);
         uint64_t x = bytes < mine ? bytes : mine;
@@ -426,6 +483,7 @@ void gs_region_reclaim_soon(void)
 
 void gs_region_after_fork_child(void)
 {
+    pthread_mutex_init(&g_open_mu, NULL); /* another thread may have held it at the fork */
     __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE); /* the child registers as itself on its first charge */
     g_last_reclaim_ns = 0;
 }
@@ -434,6 +492,10 @@ __attribute__((destructor)) static void region_detach(void)
 {
     __atomic_store_n(&gs_exiting, 1, __ATOMIC_RELEASE);
     if (!gs_region || !g_me || region_lock() != 0) return;
+    if (!me_locked()) { /* our slot was reclaimed: it may be someone else's now */
+        region_unlock();
+        return;
+    }
     struct gpuslice_region *r = gs_region;
     unsigned n = LD(&r->device_count);
     for (unsigned d = 0; d < n && d < GPUSLICE_MAX_DEVICES; d++) {

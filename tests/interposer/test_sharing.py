@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
 
@@ -160,3 +161,79 @@ def test_a_forked_child_that_exits_does_not_return_the_parents_usage(lab):
     assert [p.used_bytes[0] for p in lab.region().processes] == [GIB]
     (lab.tmp / "go").touch()
     assert lab.finish(proc).of("fork") == [(0, [])]
+
+
+def test_a_killed_process_not_yet_reaped_returns_its_usage(lab):
+    # a zombie (SIGKILLed, its parent has not waited yet: the OOM killer, a shell that never
+    # reaps) holds no memory; it was counted alive before and kept its 6 GiB
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g")
+    lab.wait_for(lab.tmp / "held")
+    os.kill(holder.pid, signal.SIGKILL)
+    for _ in range(200):  # until the kernel has made it a zombie (not reaped: no wait yet)
+        with open(f"/proc/{holder.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.01)
+    res = lab.run("init", "ctx", "0", "alloc", "6g", CUDA_DEVICE_MEMORY_LIMIT="8g")
+    holder.wait()
+    assert res.rc("alloc") == 0
+
+
+def test_a_process_that_execs_returns_what_its_old_image_held(lab):
+    # exec replaces the program in the same process (same pid and start time): the old image's
+    # slot stayed charged before, next to the new one's
+    res = lab.run("init", "ctx", "0", "alloc", "4g", "reexec", "init", "ctx", "0", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="8g")
+    assert res.values("meminfo") == [8 * GIB, 8 * GIB]
+
+
+def test_a_failed_huge_allocation_on_an_uncapped_device_leaves_the_usage_right(lab):
+    holder = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"))
+    lab.wait_for(lab.tmp / "held")
+    res = lab.run("init", "ctx", "0", "alloc", str(2**64 - 1))
+    used = lab.used()
+    (lab.tmp / "go").touch()
+    lab.finish(holder)
+    assert res.rc("alloc") == OOM
+    assert used == GIB  # a reservation the sum cannot hold is refused; it wrapped to 0 before
+
+
+def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab):
+    # a version-0 region (an older layout): processes fell back to private regions, so every
+    # process got the whole cap; now the file is started afresh and shared
+    lab.run("init", CUDA_DEVICE_MEMORY_LIMIT="8g")  # a valid region, to age
+    stale = bytearray(lab.region_path.read_bytes())
+    stale[8:12] = (0).to_bytes(4, "little")
+    lab.region_path.unlink()
+    lab.region_path.write_bytes(bytes(stale))
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g")
+    lab.wait_for(lab.tmp / "held")
+    res = lab.run("init", "ctx", "0", "alloc", "6g", CUDA_DEVICE_MEMORY_LIMIT="8g")
+    (lab.tmp / "go").touch()
+    lab.finish(holder)
+    assert res.rc("alloc") == OOM
+
+
+def test_a_process_whose_slot_was_reclaimed_never_writes_into_someone_elses(lab):
+    # another process took this one for dead and reset the region (a pid namespace it cannot
+    # see into does that); a new process then registered in the same slot.  The first one's
+    # free and exit must not touch the newcomer's usage (they decremented it before)
+    holder = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), "free", "0",
+                       CUDA_DEVICE_MEMORY_LIMIT="8g")
+    lab.wait_for(lab.tmp / "held")
+    lab.region_path.write_bytes(encode_region(Region(
+        pod_uid="u", pod_name="p", namespace="n", container="c", devices=(), processes=())))
+    newcomer = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held2"),
+                         "waitfile", str(lab.tmp / "go2"), CUDA_DEVICE_MEMORY_LIMIT="8g")
+    lab.wait_for(lab.tmp / "held2")
+    (lab.tmp / "go").touch()
+    assert lab.finish(holder).rc("free") == 0
+    region = lab.region()
+    (lab.tmp / "go2").touch()
+    lab.finish(newcomer)
+    assert [p.used_bytes[0] for p in region.processes] == [2 * GIB]
+    assert region.devices[0].used_bytes == 2 * GIB
