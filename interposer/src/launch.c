@@ -335,25 +335,14 @@ static void line_drop_events(struct tline *t, int destroy)
     t->nseg = 0;
 }
 
-/* Is any stream of the context still waiting to be measured? */
-static int ctx_busy_locked(CUcontext ctx)
-{
-    for (int i = 0; i < GS_STREAMS; i++)
-        if (g_streams[i].count && g_streams[i].ctx == ctx) return 1;
-    return 0;
-}
-
 /* Record a reference event on es when the context has none, or a newer one
- * when it is GS_EPOCH_NS old (float milliseconds lose precision far from
- * it).  Before a new interval on an idle stream (`idle`) with nothing of the
- * context in flight, a stale timeline simply starts afresh. */
-static void line_reference_locked(CUcontext ctx, CUstream es, uint64_t now, int idle)
+ * when it is GS_EPOCH_NS old (float milliseconds lose precision far from it;
+ * after a long idle only the old segments, in the past, shift imprecisely). */
+static void line_reference_locked(CUcontext ctx, CUstream es, uint64_t now)
 {
     struct tline *t = line_get_locked(ctx, 1);
     if (!t || t->pending) return;
-    int stale = t->epoch && now - t->epoch_ns > GS_EPOCH_NS;
-    if (t->epoch && !stale) return;
-    if (stale && idle && !ctx_busy_locked(ctx)) line_drop_events(t, 1);
+    if (t->epoch && now - t->epoch_ns <= GS_EPOCH_NS) return;
     CUevent e = NULL;
     if (gs_cuda.cuEventCreate(&e, CU_EVENT_DEFAULT) != CUDA_SUCCESS || !e) return;
     if (gs_cuda.cuEventRecord(e, es) != CUDA_SUCCESS) {
@@ -638,7 +627,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     if (s && !s->count) {
         /* the stream is idle: start a new interval here, so idle time is not counted; if that
          * fails, no interval starts before the next measured event */
-        line_reference_locked(ctx, es, gs_now_ns(), 1);
+        line_reference_locked(ctx, es, gs_now_ns());
         CUevent start = take_event(s);
         give_event(s, s->mark);
         s->mark = NULL;
@@ -672,7 +661,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             s->launches[tail] = 1;
             s->rec_ns[tail] = gs_now_ns();
             s->count++;
-            line_reference_locked(ctx, es, s->rec_ns[tail], 0);
+            line_reference_locked(ctx, es, s->rec_ns[tail]);
         } else {
             give_event(s, end);
         }
