@@ -102,7 +102,7 @@ def test_memory_a_pool_gives_back_at_a_synchronisation_is_uncharged_within_a_sam
     # next synchronisation, which no hook sees: the sampler (500 ms) brings the charge down
     # (before, a process idle after cuMemFreeAsync + synchronise stayed charged for it)
     res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "sync", "phys", "meminfo",
-                  "sleep", "900", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  "sleep", "1500", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
                   FAKE_CUDA_POOL_RELEASE="1")
     assert res.values("phys") == [0]
     assert [vals for _, vals in res.of("meminfo")] == [[GIB - 608 * MIB, GIB], [GIB, GIB]]
