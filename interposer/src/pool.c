@@ -47,6 +47,7 @@ struct pool_where {
     CUmemLocation location;
 };
 static struct pool_where g_where[GS_MAX_POOLS];
+static int g_where_any; /* atomic: 1 once a pool was created here (else no lookup is needed) */
 
 static struct pool_rec *find_locked(uint64_t pool, int slot, int create)
 {
@@ -89,6 +90,7 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
     if (w) {
         w->pool = key;
         w->location = poolProps->location;
+        __atomic_store_n(&g_where_any, 1, __ATOMIC_RELEASE);
     }
     /* a destroyed pool's handle handed out again: the new pool's reserved memory counts
      * (what the old one still has allocated stays in the record: charged, on the safe side) */
@@ -193,9 +195,12 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
         gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync uses the device's current pool */
     CUmemLocation loc;
-    pthread_mutex_lock(&g_mu);
-    int known = pool && where_locked((uint64_t)(uintptr_t)pool, &loc);
-    pthread_mutex_unlock(&g_mu);
+    int known = 0;
+    if (pool && __atomic_load_n(&g_where_any, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&g_mu);
+        known = where_locked((uint64_t)(uintptr_t)pool, &loc);
+        pthread_mutex_unlock(&g_mu);
+    }
     if (known) slot = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(loc.id) : -1; /* -1: host memory */
     /* on a stream being captured into a graph the allocation is a graph node: it takes
      * memory only when the graph runs, and graphmem.c charges it then */
