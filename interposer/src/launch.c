@@ -504,10 +504,7 @@ static struct tstream *stream_get_locked(uint64_t key, CUcontext ctx, int slot)
     }
     struct tstream *s = empty ? empty : idle;
     if (!s) return NULL; /* every entry has work in flight: launch unmeasured */
-    if (s == idle && gs_cuda.cuEventDestroy_v2) { /* recycle the least recently used idle entry */
-        for (int i = 0; i < s->nspare; i++) gs_cuda.cuEventDestroy_v2(s->spare[i]);
-        if (s->mark) gs_cuda.cuEventDestroy_v2(s->mark);
-    }
+    if (s == idle) restart_stream(s); /* recycle the least recently used idle entry: its events go */
     memset(s, 0, sizeof(*s));
     s->key = key;
     s->ctx = ctx;
