@@ -180,10 +180,20 @@ typedef struct nvmlUtilization_st {
     unsigned int memory; /* % of it during which device memory was read or written */
 } nvmlUtilization_t;
 
+typedef struct nvmlProcessUtilizationSample_st {
+    unsigned int pid;
+    unsigned long long timeStamp; /* CPU time, us */
+    unsigned int smUtil;          /* % of the sample period during which the process's kernels ran */
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+} nvmlProcessUtilizationSample_t;
+
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_FUNCTION_NOT_FOUND 13
 #define NVML_DEVICE_UUID_V2_BUFFER_SIZE 96

@@ -144,6 +144,7 @@ int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap); /* -1
  * gs_ctx_lock. */
 uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound);
 int gs_host_pid_known(CUdevice dev);
+unsigned gs_host_pid(CUdevice dev); /* the process's pid in NVML's lists, 0 if not known yet */
 void gs_sampler_start(void); /* the background thread (reconcile.c), if not running yet */
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
@@ -291,6 +292,16 @@ void gs_launch_forget_ctx(CUcontext ctx);
 void gs_launch_after_sync(void);
 int gs_capture_global(void);          /* a thread captures in global mode: driver queries would invalidate it */      /* a synchronisation returned: measure what completed */
 void gs_launch_after_fork_child(void);
+
+/* ---- slices.c ------------------------------------------------------------- */
+
+/* Per region slot, this process only: the share of measured GPU time that is its own beside
+ * other processes' time slices (1/1000; 0 or 1000 = all), and what it measured so far. */
+extern unsigned gs_slice_milli[GPUSLICE_MAX_DEVICES];
+extern uint64_t gs_slice_measured_ns[GPUSLICE_MAX_DEVICES];
+int gs_slices_enabled(void);           /* GPUSLICE_SM_TIMESLICE_CORRECTION is not off */
+void gs_slices_sample(void);           /* sampler thread: per-process utilisation -> gs_slice_milli */
+void gs_slices_after_fork_child(void);
 
 /* ---- misc ----------------------------------------------------------------- */
 

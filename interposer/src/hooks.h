@@ -189,6 +189,9 @@
       (nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_t *infos))                   \
     R(nvmlDeviceGetPowerUsage, nvmlReturn_t, (nvmlDevice_t device, unsigned int *power))      \
     R(nvmlDeviceGetEnforcedPowerLimit, nvmlReturn_t, (nvmlDevice_t device, unsigned int *limit)) \
-    R(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t device, nvmlUtilization_t *utilization))
+    R(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t device, nvmlUtilization_t *utilization)) \
+    R(nvmlDeviceGetProcessUtilization, nvmlReturn_t,                                          \
+      (nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization, unsigned int *processSamplesCount, \
+       unsigned long long lastSeenTimeStamp))
 
 #endif /* GPUSLICE_HOOKS_H */

@@ -155,7 +155,7 @@ unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, 
 
 int gs_launch_wants_sampler(void)
 {
-    return __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) == THROTTLE_ON && !g_time_mode;
+    return __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) == THROTTLE_ON && (!g_time_mode || gs_slices_enabled());
 }
 
 static void lower_idle_power(struct gpuslice_device *d, unsigned mw)
@@ -179,7 +179,7 @@ void gs_launch_sample(void)
     static unsigned win_power[GPUSLICE_MAX_DEVICES][GS_WINDOW], win_util[GPUSLICE_MAX_DEVICES][GS_WINDOW];
     static unsigned win_next[GPUSLICE_MAX_DEVICES];
     struct gpuslice_region *r = gs_region;
-    if (!r || !gs_launch_wants_sampler()) return;
+    if (!r || !gs_launch_wants_sampler() || g_time_mode) return;
     gs_nvml_init();
     if (!gs_nvml.nvmlDeviceGetPowerUsage || !gs_nvml.nvmlDeviceGetEnforcedPowerLimit ||
         !gs_nvml.nvmlDeviceGetUtilizationRates)
@@ -234,9 +234,12 @@ static void debit(int slot, uint64_t busy_ns)
     unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
     __atomic_add_fetch(&d->busy_ns, busy_ns, __ATOMIC_RELAXED);
     if (!sm || sm >= 100) return;
+    __atomic_add_fetch(&gs_slice_measured_ns[slot], busy_ns, __ATOMIC_RELAXED);
     unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
     if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
-    uint64_t cost = busy_ns * scale / (10ull * sm), now = gs_now_ns();
+    unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED); /* slices.c */
+    if (!own || own > 1000) own = 1000;
+    uint64_t cost = busy_ns * scale * own / (10000ull * sm), now = gs_now_ns();
     uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
     uint64_t old = __atomic_load_n(&d->throttle_vt_ns, __ATOMIC_RELAXED), next;
     do {
@@ -693,6 +696,7 @@ void gs_launch_after_fork_child(void)
     pthread_mutex_init(&g_mu, NULL);
     memset(g_streams, 0, sizeof(g_streams));
     memset(g_lines, 0, sizeof(g_lines));
+    gs_slices_after_fork_child();
 }
 
 /* ---- the hooks ------------------------------------------------------------ */

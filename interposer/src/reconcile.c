@@ -113,7 +113,12 @@ uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefor
 
 int gs_host_pid_known(CUdevice dev)
 {
-    return dev >= 0 && dev < GS_MAX_CUDA_DEVS && __atomic_load_n(&g_host_pid[dev], __ATOMIC_RELAXED);
+    return gs_host_pid(dev) != 0;
+}
+
+unsigned gs_host_pid(CUdevice dev)
+{
+    return dev >= 0 && dev < GS_MAX_CUDA_DEVS ? __atomic_load_n(&g_host_pid[dev], __ATOMIC_RELAXED) : 0;
 }
 
 /* ---- the reconcile -------------------------------------------------------- */
@@ -253,6 +258,7 @@ static void *sampler(void *arg)
         if (!gs_capture_global()) /* a global-mode capture forbids driver queries in every thread */
             gs_pools_reconcile_all(); /* what pools gave back at synchronisations (pool.c) */
         gs_launch_sample();       /* clock compensation of the compute limit (launch.c), if one applies */
+        gs_slices_sample();       /* other processes' time slices (slices.c), if a limit applies */
         last = gs_now_ns();
     }
     return NULL;

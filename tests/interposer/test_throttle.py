@@ -338,3 +338,86 @@ def test_streams_whose_kernels_wait_for_each_other_are_charged_their_union(relea
     got = 100.0 * kernel_ns / wall_ns
     assert abs(got - limit) <= TOLERANCE, f"{streams} streams: {got:.1f}%"
     assert ("timeline re-based" in res.stderr) == (seconds > 5)
+
+
+# ---- beside another process: its time slices are not ours ----------------------------------
+#
+# FAKE_GPU_COTENANT_SLICE_US: another process keeps the fake GPU busy and the GPU time-slices
+# between the two (2 ms each, as without MPS), so an interval between two of our events also
+# holds the other's slices.  Measured as is, the limit gives half the share; the library
+# charges only the share NVML's per-process utilisation gives the process (slices.c).  The
+# share is kernel time / wall time of this process once the correction has settled.
+
+COTENANT = {"FAKE_GPU_COTENANT_SLICE_US": "2000"}
+
+
+def settled_share(lab, limit: int, runs: tuple[str, ...] = ("2", "2"), **env: str) -> float:
+    """Share (%) over the last of several back-to-back benches."""
+    env.setdefault("FAKE_CUDA_KERNEL_US", "1000")
+    cmds = [part for seconds in runs for part in ("bench", seconds, "kernel")]
+    res = lab.run("init", "ctx", "0", *cmds, CUDA_DEVICE_SM_LIMIT=str(limit), **env)
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[-1]
+    assert rc == 0 and launches > 0, res.stdout + res.stderr
+    return 100.0 * kernel_ns / wall_ns
+
+
+@pytest.mark.parametrize(("limit", "kernel_us"), [(30, 1000), (10, 5000), (50, 300)])
+def test_beside_a_busy_process_the_container_gets_its_share(release_lab, limit, kernel_us):
+    got = settled_share(release_lab, limit, FAKE_CUDA_KERNEL_US=str(kernel_us), **COTENANT)
+    assert abs(got - limit) <= TOLERANCE, f"limit {limit}%: {got:.1f}% beside a busy process"
+
+
+def test_charging_the_other_process_slices_halves_the_share(release_lab):
+    # what the events measure uncorrected (and what the library did before): ~15% for 30
+    got = settled_share(release_lab, 30, GPUSLICE_SM_TIMESLICE_CORRECTION="off", **COTENANT)
+    assert 12 <= got <= 19, f"{got:.1f}%"
+
+
+@pytest.mark.parametrize("driver", ["off", "mps", "device"])
+def test_per_process_figures_that_are_no_split_of_time_change_nothing(release_lab, driver):
+    # off: NVML cannot say; mps: every kernel is the server's, none is ours; device: each
+    # process reported at the device's utilisation (the shares overlap, so they are not slices)
+    got = settled_share(release_lab, 30, FAKE_NVML_PROC_UTIL=driver, **COTENANT)
+    assert 12 <= got <= 19, f"{driver}: {got:.1f}%"
+
+
+def test_the_correction_ends_when_the_other_process_leaves(release_lab):
+    # it leaves 2.5 s into the run; after a transition second the plain limit holds again
+    got = settled_share(release_lab, 30, ("2.5", "1", "2"), FAKE_GPU_COTENANT_MS="2500",
+                        **COTENANT)
+    assert abs(got - 30) <= TOLERANCE, f"{got:.1f}% after the other process left"
+
+
+def test_alone_on_the_gpu_nothing_is_corrected(release_lab):
+    res = release_lab.run("init", "ctx", "0", "bench", "1.5", "kernel", CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="1000", LIBCUDA_LOG_LEVEL="4")
+    assert "time-slice factor" not in res.stderr
+    assert "device slot 0: ours" not in res.stderr  # no other process: nothing to learn
+
+
+def test_in_a_container_pid_namespace_the_host_pid_is_used(release_lab):
+    # NVML's pids are the host's; ours is learnt when the context appears in its process list
+    got = settled_share(release_lab, 30, FAKE_NVML_PID_OFFSET="100000", FAKE_CUDA_CTX_BYTES="64m",
+                        **COTENANT)
+    assert abs(got - 30) <= TOLERANCE, f"{got:.1f}%"
+
+
+def test_an_unknown_host_pid_corrects_nothing(release_lab):
+    # another pid namespace and no memory in NVML's list to learn ours from: getpid() matches
+    # no sample, so nothing is learnt
+    got = settled_share(release_lab, 30, FAKE_NVML_PID_OFFSET="100000", **COTENANT)
+    assert 12 <= got <= 19, f"{got:.1f}%"
+
+
+def test_the_correction_holds_in_time_mode_and_under_asan(asan_lab):
+    got = settled_share(asan_lab, 30, GPUSLICE_SM_LIMIT_MODE="time", **COTENANT)
+    assert abs(got - 30) <= TOLERANCE, f"{got:.1f}%"
+
+
+def test_a_bad_correction_value_is_reported_and_the_correction_stays_on(release_lab):
+    res = release_lab.run("init", "ctx", "0", "bench", "2", "kernel", "bench", "2", "kernel",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000",
+                          GPUSLICE_SM_TIMESLICE_CORRECTION="maybe", **COTENANT)
+    assert "ignoring GPUSLICE_SM_TIMESLICE_CORRECTION value 'maybe'" in res.stderr
+    _rc, (_launches, kernel_ns, wall_ns) = res.of("bench")[-1]
+    assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE

@@ -71,6 +71,17 @@ static uint64_t clk_t0, clk_busy0;
 static double clk_energy; /* dynamic energy of the kernels queued so far, mW x ns */
 static uint64_t kernel_total_ns;
 
+/* FAKE_GPU_COTENANT_SLICE_US=T: another process (no library) keeps this GPU busy,
+ * and the GPU time-slices between it and this process as without MPS: this
+ * process's work runs only in its slices, [2kT, 2kT + T) from the first launch,
+ * the other's fill the rest, so a kernel longer than what is left of a slice
+ * is switched out and finishes a slice later, and an event is reached only
+ * while this process runs.  The process's kernels run one at a time (all its
+ * streams share its slices).  The fake NVML reports both processes' shares
+ * (nvmlDeviceGetProcessUtilization).  With FAKE_GPU_COTENANT_MS the other
+ * process leaves that long after the first launch. */
+static uint64_t cot_slice_ns, cot_base, cot_for_ns; /* FAKE_GPU_COTENANT_MS: it leaves after that long */
+
 static uint64_t now_ns(void)
 {
     struct timespec ts;
@@ -235,6 +246,10 @@ static void setup(void)
     if (v) module_bytes = fake_size(v);
     v = getenv("FAKE_CUDA_LAUNCH_BYTES");
     if (v) launch_bytes = fake_size(v);
+    v = getenv("FAKE_GPU_COTENANT_SLICE_US");
+    if (v && *v) cot_slice_ns = (uint64_t)(atof(v) * 1000.0);
+    v = getenv("FAKE_GPU_COTENANT_MS");
+    if (v && *v) cot_for_ns = (uint64_t)(atof(v) * 1e6);
     v = getenv("FAKE_GPU_EXPONENT");
     if (v && *v) {
         clk_exp = atof(v);

@@ -143,6 +143,41 @@ API long fake_cuda_live_events(void)
     return __atomic_load_n(&live_events, __ATOMIC_RELAXED);
 }
 
+/* Whether the co-tenant still runs at time t (before the first launch: it will). */
+static int cotenant_at(uint64_t t)
+{
+    uint64_t base = __atomic_load_n(&cot_base, __ATOMIC_ACQUIRE);
+    return cot_slice_ns && (!base || !cot_for_ns || t < base + cot_for_ns);
+}
+
+/* Test-only: whether the co-tenant runs now (the fake NVML reports its share). */
+API int fake_cuda_cotenant(void)
+{
+    return cotenant_at(now_ns());
+}
+
+/* With a co-tenant: the earliest time from t on at which this process runs. */
+static uint64_t own_slice(uint64_t t)
+{
+    uint64_t base = __atomic_load_n(&cot_base, __ATOMIC_ACQUIRE);
+    if (!cot_slice_ns || !base || t < base || !cotenant_at(t)) return t;
+    uint64_t p = (t - base) % (2 * cot_slice_ns);
+    return p < cot_slice_ns ? t : t + 2 * cot_slice_ns - p;
+}
+
+/* With a co-tenant: when `work` ns of this process's kernels started at t finish. */
+static uint64_t run_sliced(uint64_t t, uint64_t work)
+{
+    for (t = own_slice(t); work;) {
+        if (!cotenant_at(t)) return t + work; /* it left: the GPU is ours */
+        uint64_t room = cot_slice_ns - (t - cot_base) % (2 * cot_slice_ns);
+        if (work <= room) return t + work;
+        work -= room;
+        t += room + cot_slice_ns; /* switched out for the other's slice */
+    }
+    return t;
+}
+
 static CUresult event_record(CUevent e, CUstream s, int ptsz)
 {
     FAIL_POINT("cuEventRecord");
@@ -150,7 +185,7 @@ static CUresult event_record(CUevent e, CUstream s, int ptsz)
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
     struct fake_stream *st = stream_of(s, ptsz);
     uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
-    ev->t = tail > n ? tail : n;
+    ev->t = tail > n ? tail : own_slice(n);
     ev->recorded = 1;
     return CUDA_SUCCESS;
 }
@@ -228,11 +263,12 @@ static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
         if (!clk_membound) each = (uint64_t)((double)kernel_ns * clk_max / mhz);
         add_energy(count * each, mhz);
     }
-    if (serial) {
+    if (serial || cot_slice_ns) {
         pthread_mutex_lock(&serial_mu);
         uint64_t start = tail > n ? tail : n;
         if (serial_tail > start) start = serial_tail;
-        serial_tail = start + count * each;
+        if (cot_slice_ns && !cot_base) __atomic_store_n(&cot_base, n, __ATOMIC_RELEASE);
+        serial_tail = cot_slice_ns ? run_sliced(start, count * each) : start + count * each;
         __atomic_store_n(&st->tail, serial_tail, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&serial_mu);
         __atomic_add_fetch(&kernel_total_ns, count * each, __ATOMIC_RELAXED);

@@ -202,17 +202,38 @@ static int power_on(nvmlDevice_t d)
     return refs && index_of(d) >= 0 && env_uint("FAKE_NVML_POWER_LIMIT_MW", 0) > 0;
 }
 
+static int cotenant(void)
+{
+    const char *v = getenv("FAKE_GPU_COTENANT_SLICE_US");
+    if (!v || !*v) return 0;
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    int (*active)(void) = cuda ? (int (*)(void))dlsym(cuda, "fake_cuda_cotenant") : NULL;
+    if (cuda) dlclose(cuda);
+    return active ? active() : 1;
+}
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Kernel time the fake driver queued for this process so far (0 without it). */
+static uint64_t kernel_time(void)
+{
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    fake_kernel_ns_fn kernel_ns = cuda ? (fake_kernel_ns_fn)dlsym(cuda, "fake_cuda_kernel_ns") : NULL;
+    if (cuda) dlclose(cuda);
+    return kernel_ns ? kernel_ns() : 0;
+}
+
 static unsigned utilisation(void)
 {
     const char *fixed = getenv("FAKE_NVML_UTIL");
     if (fixed && *fixed) return env_uint("FAKE_NVML_UTIL", 0);
-    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    fake_kernel_ns_fn kernel_ns = cuda ? (fake_kernel_ns_fn)dlsym(cuda, "fake_cuda_kernel_ns") : NULL;
-    if (cuda) dlclose(cuda);
-    if (!kernel_ns) return 0;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t t = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec, k = kernel_ns();
+    if (cotenant()) return 100; /* the other process keeps the GPU busy */
+    uint64_t t = mono_ns(), k = kernel_time();
     if (win_t0 && t - win_t0 < 100000000ull) return win_util;
     if (win_t0) {
         uint64_t busy = k - win_k0, pct = busy * 100 / (t - win_t0);
@@ -225,7 +246,7 @@ static unsigned utilisation(void)
 
 API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
 {
-    if (!power_on(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (!power_on(d) && !(refs && index_of(d) >= 0 && cotenant())) return NVML_ERROR_NOT_SUPPORTED;
     if (!u) return NVML_ERROR_INVALID_ARGUMENT;
     u->gpu = utilisation();
     u->memory = u->gpu / 2;
@@ -272,5 +293,63 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
     uint64_t p = exponent && *exponent ? clock_model_power(idle, limit)
                                        : idle + (uint64_t)win_util * env_uint("FAKE_NVML_DYNAMIC_MW", 0) / 100;
     *power = env_uint("FAKE_NVML_POWER_MW", p < limit ? (unsigned)p : limit);
+    return NVML_SUCCESS;
+}
+
+/* ---- per-process utilisation ----------------------------------------------
+ * One sample per process that ran in the last sample period (at least 100 ms,
+ * taken when asked): this process's share of the period from the fake driver's
+ * kernel time (its pid shifted by FAKE_NVML_PID_OFFSET) and, with a co-tenant
+ * (FAKE_GPU_COTENANT_SLICE_US), the rest for pid FAKE_GPU_COTENANT_PID
+ * (default 999999).  FAKE_NVML_PROC_UTIL plays other drivers: "off" (not
+ * supported), "mps" (everything attributed to the co-tenant's pid, as an MPS
+ * server would be), "device" (every process reported at the device's
+ * utilisation: not a split of time). */
+static uint64_t proc_t0, proc_k0, proc_stamp;
+static unsigned proc_ours, proc_theirs;
+
+API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *out,
+                                                 unsigned int *count, unsigned long long last_seen)
+{
+    const char *mode = getenv("FAKE_NVML_PROC_UTIL");
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (index_of(d) < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
+    if (mode && !strcmp(mode, "off")) return NVML_ERROR_NOT_SUPPORTED;
+    uint64_t t = mono_ns(), k = kernel_time();
+    if (!proc_t0 || t - proc_t0 >= 100000000ull) {
+        if (proc_t0) {
+            uint64_t pct = (k - proc_k0) * 100 / (t - proc_t0);
+            proc_ours = pct > 100 ? 100 : (unsigned)pct;
+            proc_theirs = cotenant() ? 100 - proc_ours : 0;
+            struct timespec rt;
+            clock_gettime(CLOCK_REALTIME, &rt);
+            proc_stamp = (uint64_t)rt.tv_sec * 1000000ull + (uint64_t)rt.tv_nsec / 1000;
+        }
+        proc_t0 = t;
+        proc_k0 = k;
+    }
+    nvmlProcessUtilizationSample_t s[2];
+    unsigned n = 0, other = env_uint("FAKE_GPU_COTENANT_PID", 999999);
+    const char *off = getenv("FAKE_NVML_PID_OFFSET");
+    unsigned ours = proc_ours, theirs = proc_theirs;
+    if (mode && !strcmp(mode, "mps")) {
+        theirs += ours;
+        ours = 0;
+    } else if (mode && !strcmp(mode, "device")) {
+        ours = theirs = ours ? 100 : 0;
+        if (!cotenant()) theirs = 0;
+    }
+    if (proc_stamp > last_seen) {
+        if (ours) s[n++] = (nvmlProcessUtilizationSample_t){(unsigned)getpid() + (unsigned)(off ? atoi(off) : 0),
+                                                            proc_stamp, ours, ours / 2, 0, 0};
+        if (theirs) s[n++] = (nvmlProcessUtilizationSample_t){other, proc_stamp, theirs, theirs / 2, 0, 0};
+    }
+    if (!n) return NVML_ERROR_NOT_FOUND;
+    if (!out || *count < n) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    memcpy(out, s, n * sizeof(s[0]));
+    *count = n;
     return NVML_SUCCESS;
 }
