@@ -54,7 +54,7 @@ struct gpuslice_device {
     uint64_t limit_bytes;          /* the cap; 0 = no cap (the device's total) */
     uint64_t used_bytes;           /* sum of every live process's used_bytes[slot] */
     uint64_t total_bytes;          /* the device's real total memory */
-    uint64_t busy_ns;              /* GPU time the throttle measured for the container (0 = not measured) */
+    uint64_t busy_ns;              /* GPU time the throttle measured for the container, other processes' slices removed (0 = not measured) */
     uint64_t throttle_vt_ns;       /* throttle's virtual time (CLOCK_MONOTONIC ns): launches wait until now >= vt */
     uint64_t ctx_footprint_bytes;  /* last measured footprint of one CUDA context on this device */
     uint32_t sm_limit;             /* % of GPU time, 1..99; 0 = no compute limit */

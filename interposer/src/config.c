@@ -13,6 +13,7 @@
  * GPUSLICE_RECONCILE_MARGIN: see reconcile.c (size syntax, default 256m).
  * GPUSLICE_SM_LIMIT_MODE: "throughput" (default: GPU time is charged with the
  *   clock compensation of launch.c) or "time" (plain share of GPU time).
+ * GPUSLICE_SM_TIMESLICE_CORRECTION: "nvml" (default) or "off", read by slices.c.
  *
  * Webhook-managed containers (GPUSLICE_POD_UID set): the webhook writes the
  * un-indexed names as explicit env entries, which win over anything a tenant

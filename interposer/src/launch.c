@@ -232,13 +232,14 @@ static void debit(int slot, uint64_t busy_ns)
 {
     struct gpuslice_device *d = &gs_region->devices[slot];
     unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&d->busy_ns, busy_ns, __ATOMIC_RELAXED);
-    if (!sm || sm >= 100) return;
+    /* the process's own share of the measured time: other processes' slices removed (slices.c) */
+    unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
+    if (!own || own > 1000) own = 1000;
     __atomic_add_fetch(&gs_slice_measured_ns[slot], busy_ns, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&d->busy_ns, busy_ns * own / 1000, __ATOMIC_RELAXED);
+    if (!sm || sm >= 100) return;
     unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
     if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
-    unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED); /* slices.c */
-    if (!own || own > 1000) own = 1000;
     uint64_t cost = busy_ns * scale * own / (10000ull * sm), now = gs_now_ns();
     uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
     uint64_t old = __atomic_load_n(&d->throttle_vt_ns, __ATOMIC_RELAXED), next;

@@ -14,8 +14,8 @@ from webhook.node.region import RegionError, read_region
 SECONDS = "5"
 
 
-def matmul(nvml: Nvml, env: dict[str, str], tiny: bool) -> dict[str, Any]:
-    args = ["matmul", SECONDS] + (["--tiny", "20000"] if tiny else [])
+def matmul(nvml: Nvml, env: dict[str, str], tiny: bool, warmup: float = 1.5) -> dict[str, Any]:
+    args = ["matmul", SECONDS, "--warmup", str(warmup)] + (["--tiny", "20000"] if tiny else [])
     with ClockWatch(nvml) as watch:
         result = harness.run(harness.workload(*args), env, 45)
     result["clock"] = watch.summary()

@@ -367,6 +367,19 @@ def test_beside_a_busy_process_the_container_gets_its_share(release_lab, limit, 
     assert abs(got - limit) <= TOLERANCE, f"limit {limit}%: {got:.1f}% beside a busy process"
 
 
+@pytest.mark.parametrize("mode", ["nvml", "off"])
+def test_the_agent_sees_the_container_own_gpu_time(release_lab, mode):
+    # the region's busy time (the agent's busy-seconds and measured-share metrics) is the
+    # container's own GPU time: uncorrected it would be twice what its kernels ran
+    res = release_lab.run("init", "ctx", "0", "bench", "4", "kernel", CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="1000", GPUSLICE_SM_TIMESLICE_CORRECTION=mode,
+                          **COTENANT)
+    _rc, (_launches, kernel_ns, _wall_ns) = res.of("bench")[0]
+    ratio = release_lab.region().devices[0].busy_ns / kernel_ns
+    # corrected from ~1 s on (the first ticks learn): ~1.2; uncorrected: ~2
+    assert (ratio <= 1.35) if mode == "nvml" else (ratio >= 1.7), f"busy / kernel time {ratio:.2f}"
+
+
 def test_charging_the_other_process_slices_halves_the_share(release_lab):
     # what the events measure uncorrected (and what the library did before): ~15% for 30
     got = settled_share(release_lab, 30, GPUSLICE_SM_TIMESLICE_CORRECTION="off", **COTENANT)
@@ -390,7 +403,7 @@ def test_the_correction_ends_when_the_other_process_leaves(release_lab):
 
 def test_alone_on_the_gpu_nothing_is_corrected(release_lab):
     res = release_lab.run("init", "ctx", "0", "bench", "1.5", "kernel", CUDA_DEVICE_SM_LIMIT="30",
-                          FAKE_CUDA_KERNEL_US="1000", LIBCUDA_LOG_LEVEL="4")
+                          FAKE_CUDA_KERNEL_US="1000", LIBCUDA_LOG_LEVEL="3")
     assert "time-slice factor" not in res.stderr
     assert "device slot 0: ours" not in res.stderr  # no other process: nothing to learn
 
