@@ -292,6 +292,12 @@ void gs_launch_forget_ctx(CUcontext ctx);
 void gs_launch_after_sync(void);
 int gs_capture_global(void);          /* a thread captures in global mode: driver queries would invalidate it */      /* a synchronisation returned: measure what completed */
 void gs_launch_after_fork_child(void);
+struct gs_limited_dev {
+    CUdevice dev;
+    int slot;
+    nvmlDevice_t nvml;
+};
+int gs_limited_devices(struct gs_limited_dev *out); /* slots with a compute limit, each once */
 
 /* ---- slices.c ------------------------------------------------------------- */
 

@@ -131,6 +131,24 @@ void gs_launch_configure(void)
     if (on) GS_INFO("compute limit active (%s)", g_time_mode ? "time share" : "throughput, clock compensated");
 }
 
+/* Each region slot with a compute limit once, with a CUDA ordinal of it and its NVML handle
+ * (slots NVML does not know are left out); returns how many. */
+int gs_limited_devices(struct gs_limited_dev *out)
+{
+    struct gpuslice_region *r = gs_region;
+    int done[GPUSLICE_MAX_DEVICES] = {0}, k = 0;
+    int n = gs_dev_count();
+    for (CUdevice dev = 0; r && dev < n && dev < GS_MAX_CUDA_DEVS; dev++) {
+        int slot = gs_dev_slot(dev);
+        nvmlDevice_t h = gs_dev_nvml(dev);
+        if (slot < 0 || slot >= GPUSLICE_MAX_DEVICES || done[slot] || !h) continue;
+        done[slot] = 1;
+        unsigned sm = __atomic_load_n(&r->devices[slot].sm_limit, __ATOMIC_RELAXED);
+        if (sm && sm < 100) out[k++] = (struct gs_limited_dev){dev, slot, h};
+    }
+    return k;
+}
+
 /* ---- clock compensation --------------------------------------------------- */
 
 static double cube_root(double r)
@@ -184,18 +202,15 @@ void gs_launch_sample(void)
     if (!gs_nvml.nvmlDeviceGetPowerUsage || !gs_nvml.nvmlDeviceGetEnforcedPowerLimit ||
         !gs_nvml.nvmlDeviceGetUtilizationRates)
         return;
-    int done[GPUSLICE_MAX_DEVICES] = {0};
-    int n = gs_dev_count();
-    for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++) {
-        int slot = gs_dev_slot(dev);
-        nvmlDevice_t h = gs_dev_nvml(dev);
-        if (slot < 0 || slot >= GPUSLICE_MAX_DEVICES || done[slot] || !h) continue;
-        done[slot] = 1;
+    struct gs_limited_dev lim[GPUSLICE_MAX_DEVICES];
+    int nlim = gs_limited_devices(lim);
+    for (int l = 0; l < nlim; l++) {
+        int slot = lim[l].slot;
+        nvmlDevice_t h = lim[l].nvml;
         struct gpuslice_device *d = &r->devices[slot];
-        unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
         unsigned power = 0, limit = 0;
         nvmlUtilization_t util = {0, 0};
-        if (!sm || sm >= 100 || gs_nvml.nvmlDeviceGetPowerUsage(h, &power) != NVML_SUCCESS ||
+        if (gs_nvml.nvmlDeviceGetPowerUsage(h, &power) != NVML_SUCCESS ||
             gs_nvml.nvmlDeviceGetEnforcedPowerLimit(h, &limit) != NVML_SUCCESS ||
             gs_nvml.nvmlDeviceGetUtilizationRates(h, &util) != NVML_SUCCESS || util.gpu > 100)
             continue;

@@ -173,20 +173,12 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
 /* Sampler thread, every tick while a compute limit applies. */
 void gs_slices_sample(void)
 {
-    struct gpuslice_region *r = gs_region;
-    if (!r || !gs_slices_enabled()) return;
+    if (!gs_region || !gs_slices_enabled()) return;
     gs_nvml_init();
     if (!gs_nvml.nvmlDeviceGetProcessUtilization) return;
-    int done[GPUSLICE_MAX_DEVICES] = {0};
-    int n = gs_dev_count();
-    for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++) {
-        int slot = gs_dev_slot(dev);
-        nvmlDevice_t h = gs_dev_nvml(dev);
-        if (slot < 0 || slot >= GPUSLICE_MAX_DEVICES || done[slot] || !h) continue;
-        done[slot] = 1;
-        unsigned sm = __atomic_load_n(&r->devices[slot].sm_limit, __ATOMIC_RELAXED);
-        if (sm && sm < 100) sample_slot(dev, slot, h);
-    }
+    struct gs_limited_dev lim[GPUSLICE_MAX_DEVICES];
+    int n = gs_limited_devices(lim);
+    for (int i = 0; i < n; i++) sample_slot(lim[i].dev, lim[i].slot, lim[i].nvml);
 }
 
 void gs_slices_after_fork_child(void)
