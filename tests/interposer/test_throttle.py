@@ -434,3 +434,35 @@ def test_a_bad_correction_value_is_reported_and_the_correction_stays_on(release_
     assert "ignoring GPUSLICE_SM_TIMESLICE_CORRECTION value 'maybe'" in res.stderr
     _rc, (_launches, kernel_ns, wall_ns) = res.of("bench")[-1]
     assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
+
+
+# FAKE_GPU_SHARED: the processes of the test share one fake GPU that runs one kernel at a time,
+# in the order they were queued (the state file holds its timeline), and the fake NVML reports
+# each process's share.  Processes of one container wake for the same budget and launch
+# together, so each one's intervals also hold the other's kernels.
+
+def shared_gpu_total(lab, processes: int, **env: str) -> float:
+    """Sum of the processes' shares once the correction has settled."""
+    env = {"CUDA_DEVICE_SM_LIMIT": "30", "FAKE_CUDA_KERNEL_US": "1000", "FAKE_GPU_SHARED": "1",
+           **env}
+    lab.run("init", **env)  # the region, with the limit
+    procs = [lab.start("init", "ctx", "0", "bench", "2", "kernel", "bench", "3", "kernel", **env)
+             for _ in range(processes)]
+    total = 0.0
+    for proc in procs:
+        rc, (launches, kernel_ns, wall_ns) = lab.finish(proc).of("bench")[1]
+        assert rc == 0 and launches > 0
+        total += 100.0 * kernel_ns / wall_ns
+    return total
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_processes_of_a_container_on_one_gpu_do_not_charge_each_other(release_lab, processes):
+    got = shared_gpu_total(release_lab, processes)
+    assert abs(got - 30) <= TOLERANCE, f"{processes} processes together: {got:.1f}%"
+
+
+def test_uncorrected_processes_of_a_container_charge_each_other(release_lab):
+    # measured before the correction: 19.7% for two processes, 16.0% for three
+    got = shared_gpu_total(release_lab, 3, GPUSLICE_SM_TIMESLICE_CORRECTION="off")
+    assert got <= 22, f"{got:.1f}%"

@@ -263,6 +263,25 @@ static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
         if (!clk_membound) each = (uint64_t)((double)kernel_ns * clk_max / mhz);
         add_energy(count * each, mhz);
     }
+    static int shared = -1;
+    if (shared < 0) shared = fake_gpu_shared() && fake_phys_map();
+    if (shared) {
+        /* one GPU for every process of the state file: after whatever any of them queued */
+        struct fake_phys *m = fake_phys_map();
+        int me = phys_slot();
+        pthread_mutex_lock(&serial_mu);
+        uint64_t start = tail > n ? tail : n, g = __atomic_load_n(&m->gpu_tail, __ATOMIC_ACQUIRE), end;
+        if (serial_tail > start) start = serial_tail;
+        do {
+            end = (start > g ? start : g) + count * each;
+        } while (!__atomic_compare_exchange_n(&m->gpu_tail, &g, end, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+        serial_tail = end;
+        __atomic_store_n(&st->tail, end, __ATOMIC_RELEASE);
+        pthread_mutex_unlock(&serial_mu);
+        if (me >= 0) __atomic_add_fetch(&m->procs[me].kernel_ns, count * each, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&kernel_total_ns, count * each, __ATOMIC_RELAXED);
+        return CUDA_SUCCESS;
+    }
     if (serial || cot_slice_ns) {
         pthread_mutex_lock(&serial_mu);
         uint64_t start = tail > n ? tail : n;

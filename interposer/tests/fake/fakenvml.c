@@ -190,6 +190,7 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
 typedef uint64_t (*fake_kernel_ns_fn)(void);
 static uint64_t win_t0, win_k0;
 static unsigned win_util;
+static unsigned proc_device; /* the device's utilisation in the last per-process sample period */
 
 static unsigned env_uint(const char *name, unsigned dflt)
 {
@@ -233,6 +234,7 @@ static unsigned utilisation(void)
     const char *fixed = getenv("FAKE_NVML_UTIL");
     if (fixed && *fixed) return env_uint("FAKE_NVML_UTIL", 0);
     if (cotenant()) return 100; /* the other process keeps the GPU busy */
+    if (fake_gpu_shared() && fake_phys_map()) return proc_device; /* every process's share, summed */
     uint64_t t = mono_ns(), k = kernel_time();
     if (win_t0 && t - win_t0 < 100000000ull) return win_util;
     if (win_t0) {
@@ -246,7 +248,8 @@ static unsigned utilisation(void)
 
 API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
 {
-    if (!power_on(d) && !(refs && index_of(d) >= 0 && cotenant())) return NVML_ERROR_NOT_SUPPORTED;
+    if (!power_on(d) && !(refs && index_of(d) >= 0 && (cotenant() || fake_gpu_shared())))
+        return NVML_ERROR_NOT_SUPPORTED;
     if (!u) return NVML_ERROR_INVALID_ARGUMENT;
     u->gpu = utilisation();
     u->memory = u->gpu / 2;
@@ -298,15 +301,72 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
 
 /* ---- per-process utilisation ----------------------------------------------
  * One sample per process that ran in the last sample period (at least 100 ms,
- * taken when asked): this process's share of the period from the fake driver's
- * kernel time (its pid shifted by FAKE_NVML_PID_OFFSET) and, with a co-tenant
- * (FAKE_GPU_COTENANT_SLICE_US), the rest for pid FAKE_GPU_COTENANT_PID
- * (default 999999).  FAKE_NVML_PROC_UTIL plays other drivers: "off" (not
- * supported), "mps" (everything attributed to the co-tenant's pid, as an MPS
- * server would be), "device" (every process reported at the device's
- * utilisation: not a split of time). */
+ * taken when asked), with the share of the period its kernels ran:
+ *  - with FAKE_GPU_SHARED, every process of the state file (from the kernel
+ *    time each queued; the device's utilisation is their sum);
+ *  - else this process (from the fake driver's kernel time) and, with a
+ *    co-tenant (FAKE_GPU_COTENANT_SLICE_US), the rest for pid
+ *    FAKE_GPU_COTENANT_PID (default 999999).
+ * Pids are shifted by FAKE_NVML_PID_OFFSET.  FAKE_NVML_PROC_UTIL plays other
+ * drivers: "off" (not supported), "mps" (everything attributed to the
+ * co-tenant's pid, as an MPS server would be), "device" (every process
+ * reported at the device's utilisation: not a split of time). */
+#define PROC_SAMPLES 16
 static uint64_t proc_t0, proc_k0, proc_stamp;
-static unsigned proc_ours, proc_theirs;
+static uint64_t proc_prev[FAKE_MAX_PROCS];
+static int32_t proc_prev_pid[FAKE_MAX_PROCS];
+static nvmlProcessUtilizationSample_t proc_s[PROC_SAMPLES];
+static unsigned proc_n;
+
+static void proc_sample(unsigned pid, unsigned pct)
+{
+    if (pct && proc_n < PROC_SAMPLES) proc_s[proc_n++] = (nvmlProcessUtilizationSample_t){pid, proc_stamp, pct, pct / 2, 0, 0};
+}
+
+static unsigned pct_of(uint64_t busy, uint64_t span)
+{
+    uint64_t pct = busy * 100 / span;
+    return pct > 100 ? 100 : (unsigned)pct;
+}
+
+/* A new sample period: every process's share of it. */
+static void proc_window(uint64_t t, uint64_t k)
+{
+    const char *mode = getenv("FAKE_NVML_PROC_UTIL"), *off = getenv("FAKE_NVML_PID_OFFSET");
+    unsigned shift = (unsigned)(off ? atoi(off) : 0), other = env_uint("FAKE_GPU_COTENANT_PID", 999999);
+    struct fake_phys *m = fake_gpu_shared() ? fake_phys_map() : NULL;
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    uint64_t span = t - proc_t0;
+    proc_stamp = (uint64_t)rt.tv_sec * 1000000ull + (uint64_t)rt.tv_nsec / 1000;
+    proc_n = 0;
+    unsigned mine = pct_of(k - proc_k0, span), theirs = 0, total = 0;
+    if (m) {
+        for (int i = 0; i < FAKE_MAX_PROCS; i++) {
+            int32_t pid = __atomic_load_n(&m->procs[i].pid, __ATOMIC_ACQUIRE);
+            uint64_t kn = __atomic_load_n(&m->procs[i].kernel_ns, __ATOMIC_RELAXED);
+            unsigned pct = pid > 0 && pid == proc_prev_pid[i] && kn >= proc_prev[i] ? pct_of(kn - proc_prev[i], span) : 0;
+            proc_prev[i] = kn;
+            proc_prev_pid[i] = pid;
+            if (pid <= 0 || !pct) continue;
+            total += pct;
+            proc_sample((unsigned)pid + shift, pct);
+        }
+        proc_device = total > 100 ? 100 : total;
+        return;
+    }
+    if (cotenant()) theirs = 100 - mine;
+    if (mode && !strcmp(mode, "mps")) {
+        theirs += mine;
+        mine = 0;
+    } else if (mode && !strcmp(mode, "device")) {
+        mine = mine ? 100 : 0;
+        theirs = cotenant() ? mine : 0;
+    }
+    proc_sample((unsigned)getpid() + shift, mine);
+    proc_sample(other, theirs);
+    proc_device = cotenant() ? 100 : mine;
+}
 
 API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *out,
                                                  unsigned int *count, unsigned long long last_seen)
@@ -317,39 +377,17 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     if (mode && !strcmp(mode, "off")) return NVML_ERROR_NOT_SUPPORTED;
     uint64_t t = mono_ns(), k = kernel_time();
     if (!proc_t0 || t - proc_t0 >= 100000000ull) {
-        if (proc_t0) {
-            uint64_t pct = (k - proc_k0) * 100 / (t - proc_t0);
-            proc_ours = pct > 100 ? 100 : (unsigned)pct;
-            proc_theirs = cotenant() ? 100 - proc_ours : 0;
-            struct timespec rt;
-            clock_gettime(CLOCK_REALTIME, &rt);
-            proc_stamp = (uint64_t)rt.tv_sec * 1000000ull + (uint64_t)rt.tv_nsec / 1000;
-        }
+        if (proc_t0) proc_window(t, k);
         proc_t0 = t;
         proc_k0 = k;
     }
-    nvmlProcessUtilizationSample_t s[2];
-    unsigned n = 0, other = env_uint("FAKE_GPU_COTENANT_PID", 999999);
-    const char *off = getenv("FAKE_NVML_PID_OFFSET");
-    unsigned ours = proc_ours, theirs = proc_theirs;
-    if (mode && !strcmp(mode, "mps")) {
-        theirs += ours;
-        ours = 0;
-    } else if (mode && !strcmp(mode, "device")) {
-        ours = theirs = ours ? 100 : 0;
-        if (!cotenant()) theirs = 0;
-    }
-    if (proc_stamp > last_seen) {
-        if (ours) s[n++] = (nvmlProcessUtilizationSample_t){(unsigned)getpid() + (unsigned)(off ? atoi(off) : 0),
-                                                            proc_stamp, ours, ours / 2, 0, 0};
-        if (theirs) s[n++] = (nvmlProcessUtilizationSample_t){other, proc_stamp, theirs, theirs / 2, 0, 0};
-    }
+    unsigned n = proc_stamp > last_seen ? proc_n : 0;
     if (!n) return NVML_ERROR_NOT_FOUND;
     if (!out || *count < n) {
         *count = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
-    memcpy(out, s, n * sizeof(s[0]));
+    memcpy(out, proc_s, n * sizeof(proc_s[0]));
     *count = n;
     return NVML_SUCCESS;
 }

@@ -71,8 +71,18 @@ struct fake_phys {
         int32_t pid;
         int32_t pad;
         uint64_t used[FAKE_MAX_DEVS];
+        uint64_t kernel_ns; /* kernel time queued so far (FAKE_GPU_SHARED) */
     } procs[FAKE_MAX_PROCS];
+    uint64_t gpu_tail; /* FAKE_GPU_SHARED: when the last queued kernel of any process ends */
 };
+
+/* FAKE_GPU_SHARED=1 (with FAKE_CUDA_STATE): the processes sharing the state file share one
+ * GPU that runs one kernel at a time, in the order they were queued. */
+static int fake_gpu_shared(void)
+{
+    const char *v = getenv("FAKE_GPU_SHARED");
+    return v && *v == '1';
+}
 
 static struct fake_phys *fake_phys_map(void)
 {
