@@ -39,3 +39,12 @@ def test_threads_launching_on_streams_of_their_own_race_on_nothing(tsan_lab):
     res = tsan_lab.run("init", "ctx", "0", "mbench", "1", "4", CUDA_DEVICE_SM_LIMIT="30",
                        FAKE_CUDA_SERIAL="1", FAKE_CUDA_KERNEL_US="500")
     assert res.rc("mbench") == 0
+
+
+def test_launching_threads_and_the_time_slice_correction_race_on_nothing(tsan_lab):
+    # beside a busy co-tenant the sampler changes the factor that every debit reads
+    res = tsan_lab.run("init", "ctx", "0", "mbench", "2.5", "4", CUDA_DEVICE_SM_LIMIT="30",
+                       FAKE_GPU_COTENANT_SLICE_US="2000", FAKE_CUDA_KERNEL_US="500",
+                       LIBCUDA_LOG_LEVEL="3")
+    assert res.rc("mbench") == 0
+    assert "time-slice factor" in res.stderr  # the correction did run
