@@ -58,6 +58,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_sm_limit_beside_a_busy_tenant"),
     ("sm_30_cotenant_raw", "5 same, its time slices charged (correction off)", "informational",
      "-", "test_sm_limit_beside_a_busy_tenant"),
+    ("sm_30_two_procs", "5 same, two processes of one container", "25-35% together", "-",
+     "test_sm_limit_shared_by_two_processes"),
     ("launch_cost", "6 empty-kernel launch, lib vs none", "<= 1.05x", "-",
      "test_launch_cost_with_library_unlimited_within_5_percent"),
     ("torch_tiny", "6 torch tiny ops, lib vs none", "<= 1.05x", "-",

@@ -61,3 +61,33 @@ def test_sm_limit_beside_a_busy_tenant(nvml: Nvml, baseline: dict[str, Any], lib
                percent=got["pct"], throttle=got["throttle"], ours=got["ours"], baseline=baseline,
                seconds=SECONDS)
     assert 25 <= runs["nvml"]["pct"] <= 35, f"{runs['nvml']['pct']:.1f}% beside a busy tenant"
+
+
+def test_sm_limit_shared_by_two_processes(nvml: Nvml, baseline: dict[str, Any], lib: Path) -> None:
+    """Two processes of one container (one region) at 30%, side by side: together 30% of the
+    solo throughput.  They wait for the same budget and launch together, so without the
+    correction each one's intervals also hold the other's kernels (on the fake GPU: 19.7%)."""
+    region = harness.new_region("two-procs")
+    env = harness.capped_env(region, sm=30)
+    args = harness.workload("matmul", SECONDS, "--warmup", "3")
+    procs = [subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=harness.REPO)
+             for _ in range(2)]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=harness.budget(RUN_S + 15))
+            assert proc.returncode == 0, err[-400:]
+            results.append(harness.parse_result(out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    each = [100 * r["tflops"] / baseline["tflops"] for r in results]
+    pct = sum(each)
+    ok = 25 <= pct <= 35
+    record("sm_30_two_procs", f"{pct:.1f}% of solo together ({each[0]:.1f} + {each[1]:.1f})", ok,
+           percent=pct, results=results, baseline=baseline,
+           throttle=throttle_view(region, results[0]))
+    assert ok, f"{pct:.1f}% for two processes at 30%"
