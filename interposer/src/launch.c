@@ -255,7 +255,7 @@ static void debit(int slot, uint64_t busy_ns)
     if (!sm || sm >= 100) return;
     unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
     if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
-    uint64_t cost = busy_ns * scale * own / (10000ull * sm), now = gs_now_ns();
+    uint64_t cost = busy_ns * own / 1000 * scale / (10ull * sm), now = gs_now_ns(); /* no overflow for 200 days */
     uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
     uint64_t old = __atomic_load_n(&d->throttle_vt_ns, __ATOMIC_RELAXED), next;
     do {

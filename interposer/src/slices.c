@@ -12,24 +12,31 @@
  * half its share.
  *
  * NVML's per-process utilisation (nvmlDeviceGetProcessUtilization: for each
- * process that ran in the last sample period, the share of the period its
- * kernels ran) tells the process's real share.  Every sampler tick (500 ms)
- * each process compares it with the share its events measured over the tick
- * and, while another process also ran, charges its measured time times
- * real / measured (averaged over the last GS_SLICE_WINDOW ticks), each
+ * process that ran in the last sample period, 1/6 to 1 s depending on the
+ * GPU, the share of it its kernels ran) tells the process's real share.  At
+ * every sampler tick (500 ms) that brings new samples, each process compares
+ * its own share with the share its events measured since the previous new
+ * samples and, while another process also ran, charges its measured time
+ * times real / measured (over the last GS_SLICE_WINDOW such ticks), each
  * process for itself.  Guards, since the figure is a driver's estimate:
  *
  *  - only while another process had a sample of at least GS_SLICE_OTHERS %:
  *    alone on the GPU, nothing is corrected (the factor returns to 1 at the
- *    first tick without another process);
+ *    first samples without another process, or after GS_SLICE_SILENCE_NS
+ *    without new samples); a tick without new samples changes nothing;
  *  - only if the processes' shares add up to no more than the device's
  *    utilisation (+ GS_SLICE_SLACK): time slices are disjoint, so figures
  *    that overlap (MPS, or a driver reporting something else) say nothing
  *    about slices;
- *  - no sample for this process (under MPS every kernel is the server's):
- *    nothing is learnt;
- *  - the time removed is at most the others' share (only their slices can be
- *    inside our intervals), and the factor is at least GS_SLICE_MIN_MILLI.
+ *  - no sample for this process (under MPS every kernel is the server's), or
+ *    one above what its events measured (not its pid): nothing is learnt;
+ *  - taking turns with n busy processes, an interval holds at most n of
+ *    their slices per slice of ours, and no more than their time: the real
+ *    share is at least measured / (1 + n) and measured - theirs (NVML's
+ *    truncation to whole percents is rounded back), and the factor is at
+ *    least GS_SLICE_MIN_MILLI;
+ *  - a factor applies only once two ticks with GS_SLICE_LEARN % measured
+ *    between them are in the window (one short burst is too coarse).
  *
  * GPUSLICE_SM_TIMESLICE_CORRECTION=off charges event time as measured.
  */
@@ -45,7 +52,9 @@
 #define GS_SLICE_SLACK 10u       /* % the processes' shares may exceed the device's utilisation */
 #define GS_SLICE_MEASURED 5u     /* % of the tick our events must have measured to learn anything */
 #define GS_SLICE_MIN_MILLI 250u  /* the factor never goes below 1/4 (four busy processes) */
-#define GS_SLICE_SAMPLES 64
+#define GS_SLICE_SAMPLES 1024    /* some drivers always report room for 100 */
+#define GS_SLICE_SILENCE_NS 2000000000ull /* no new sample this long: nobody ran */
+#define GS_SLICE_LEARN 20.0      /* measured % summed over the window before a factor applies */
 
 unsigned gs_slice_milli[GPUSLICE_MAX_DEVICES];     /* 0 or 1000 = no correction */
 uint64_t gs_slice_measured_ns[GPUSLICE_MAX_DEVICES]; /* this process's debits, uncorrected */
@@ -53,25 +62,26 @@ uint64_t gs_slice_measured_ns[GPUSLICE_MAX_DEVICES]; /* this process's debits, u
 static int g_off = -1;
 
 static struct slice_state {
-    uint64_t t_ns, measured_ns; /* at the previous tick */
+    uint64_t t_ns, measured_ns; /* at the tick that last brought new samples */
+    uint64_t seen_ns;           /* when new samples last came */
     unsigned long long last_seen; /* NVML timestamp of the newest sample used */
-    double real[GS_SLICE_WINDOW], meas[GS_SLICE_WINDOW];
+    double ours[GS_SLICE_WINDOW], meas[GS_SLICE_WINDOW], others[GS_SLICE_WINDOW]; /* % per tick */
+    unsigned busy[GS_SLICE_WINDOW];                 /* other processes that ran */
     unsigned next, filled;
     int announced;
 } g_st[GPUSLICE_MAX_DEVICES]; /* sampler thread only */
 
 int gs_slices_enabled(void)
 {
-    if (g_off < 0) {
+    int off = __atomic_load_n(&g_off, __ATOMIC_RELAXED);
+    if (off < 0) {
         const char *v = getenv("GPUSLICE_SM_TIMESLICE_CORRECTION");
-        int off = 0;
-        if (v && *v && strcmp(v, "nvml") != 0) {
-            off = !strcmp(v, "off");
-            if (!off) GS_ERROR("ignoring GPUSLICE_SM_TIMESLICE_CORRECTION value '%s' (expected nvml or off)", v);
-        }
-        __atomic_store_n(&g_off, off, __ATOMIC_RELAXED);
+        int bad = v && *v && strcmp(v, "nvml") != 0 && strcmp(v, "off") != 0, unset = -1;
+        off = v && !strcmp(v, "off");
+        if (__atomic_compare_exchange_n(&g_off, &unset, off, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED) && bad)
+            GS_ERROR("ignoring GPUSLICE_SM_TIMESLICE_CORRECTION value '%s' (expected nvml or off)", v);
     }
-    return !g_off;
+    return !off;
 }
 
 static void set_factor(int slot, struct slice_state *st, unsigned milli)
@@ -91,83 +101,104 @@ static void forget(int slot, struct slice_state *st)
     set_factor(slot, st, 1000);
 }
 
-/* Shares (%) in the samples: this process's (-1 without a sample) and the sum of the
- * others' (a process with several samples counts with their average). */
-static void shares(const nvmlProcessUtilizationSample_t *s, unsigned n, unsigned pid, int *ours,
-                   unsigned *others, unsigned long long *newest)
+/* What the new samples say: this process's share (%, -1 without a sample), the sum of the
+ * others' (a process with several samples counts with their average) and how many of them
+ * ran; samples not newer than *newest are old news (some drivers return them again).
+ * Returns how many samples were new. */
+static unsigned shares(const nvmlProcessUtilizationSample_t *s, unsigned n, unsigned pid, int *ours,
+                       unsigned *others, unsigned *busy, unsigned long long *newest)
 {
-    unsigned our_sum = 0, our_n = 0;
-    *others = 0;
+    unsigned our_sum = 0, our_n = 0, fresh = 0;
+    unsigned long long seen = *newest;
+    *others = *busy = 0;
     for (unsigned i = 0; i < n; i++) {
+        if (s[i].timeStamp <= seen || s[i].smUtil > 100) continue;
+        fresh++;
         if (s[i].timeStamp > *newest) *newest = s[i].timeStamp;
-        if (s[i].smUtil > 100) continue;
         if (s[i].pid == pid) {
             our_sum += s[i].smUtil;
             our_n++;
             continue;
         }
         int first = 1;
-        for (unsigned k = 0; k < i && first; k++) first = s[k].pid != s[i].pid;
+        for (unsigned k = 0; k < i && first; k++) first = !(s[k].pid == s[i].pid && s[k].timeStamp > seen && s[k].smUtil <= 100);
         if (!first) continue;
         unsigned sum = 0, cnt = 0;
         for (unsigned k = i; k < n; k++)
-            if (s[k].pid == s[i].pid && s[k].smUtil <= 100) sum += s[k].smUtil, cnt++;
+            if (s[k].pid == s[i].pid && s[k].timeStamp > seen && s[k].smUtil <= 100) sum += s[k].smUtil, cnt++;
         *others += sum / cnt;
+        if (sum) ++*busy; /* any process that ran can hold slices inside our intervals */
     }
     *ours = our_n ? (int)(our_sum / our_n) : -1;
+    return fresh;
 }
 
 static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
 {
+    static nvmlProcessUtilizationSample_t buf[GS_SLICE_SAMPLES]; /* sampler thread only */
     struct slice_state *st = &g_st[slot];
     uint64_t now = gs_now_ns(), measured = __atomic_load_n(&gs_slice_measured_ns[slot], __ATOMIC_RELAXED);
-    uint64_t dt = now - st->t_ns, dm = measured - st->measured_ns;
-    int first = !st->t_ns;
-    st->t_ns = now;
-    st->measured_ns = measured;
+    if (!st->t_ns) { /* the first tick: where measuring starts */
+        st->t_ns = st->seen_ns = now;
+        st->measured_ns = measured;
+    }
     unsigned pid = gs_host_pid(dev);
     if (!pid) pid = (unsigned)getpid(); /* not learnt (yet): right in the driver's pid namespace */
-    nvmlProcessUtilizationSample_t s[GS_SLICE_SAMPLES];
     unsigned n = GS_SLICE_SAMPLES;
-    unsigned long long newest = st->last_seen;
-    nvmlReturn_t rc = gs_nvml.nvmlDeviceGetProcessUtilization(h, s, &n, st->last_seen);
-    if (rc == NVML_ERROR_NOT_FOUND) {
-        n = 0; /* no process ran since the last samples */
-    } else if (rc != NVML_SUCCESS) {
-        return; /* keep what was learnt; NOT_SUPPORTED and the like never change it */
-    }
+    nvmlReturn_t rc = gs_nvml.nvmlDeviceGetProcessUtilization(h, buf, &n, st->last_seen);
+    if (rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_FOUND) return; /* NOT_SUPPORTED and the like: keep what was learnt */
     if (n > GS_SLICE_SAMPLES) n = GS_SLICE_SAMPLES;
-    int ours;
-    unsigned others;
-    shares(s, n, pid, &ours, &others, &newest);
+    int ours = -1;
+    unsigned others = 0, busy = 0;
+    unsigned long long newest = st->last_seen;
+    if (rc != NVML_SUCCESS || !shares(buf, n, pid, &ours, &others, &busy, &newest)) {
+        /* nothing new: drivers sample every 1/6 to 1 s.  Only a long silence means nobody ran */
+        if (now - st->seen_ns >= GS_SLICE_SILENCE_NS) forget(slot, st);
+        return;
+    }
+    /* the new samples cover the time since the last ones: measure over the same span */
+    uint64_t dt = now - st->t_ns, dm = measured - st->measured_ns;
     st->last_seen = newest;
-    if (first || !dt) return;
+    st->t_ns = st->seen_ns = now;
+    st->measured_ns = measured;
+    if (!dt) return;
     if (others < GS_SLICE_OTHERS) {
         forget(slot, st); /* alone (again): event time is our time */
         return;
     }
     double measured_pct = (double)dm * 100.0 / (double)dt;
-    if (ours < 0 || measured_pct < GS_SLICE_MEASURED) return; /* nothing to learn from */
+    if (measured_pct > 100) measured_pct = 100;
+    /* nothing to learn from; or a share our events cannot have produced (not our pid) */
+    if (ours < 0 || measured_pct < GS_SLICE_MEASURED || ours > measured_pct + GS_SLICE_SLACK) return;
     nvmlUtilization_t util = {0, 0};
     if (!gs_nvml.nvmlDeviceGetUtilizationRates || gs_nvml.nvmlDeviceGetUtilizationRates(h, &util) != NVML_SUCCESS ||
         util.gpu > 100 || (unsigned)ours + others > util.gpu + GS_SLICE_SLACK) {
         forget(slot, st); /* the shares are not a split of the device's time */
         return;
     }
-    if (measured_pct > 100) measured_pct = 100;
-    double real = ours, floor = measured_pct - others;
-    if (real < floor) real = floor; /* only the others' slices can be inside our intervals */
-    if (real > measured_pct) real = measured_pct;
     unsigned k = st->next++ % GS_SLICE_WINDOW;
-    st->real[k] = real;
+    st->ours[k] = ours + 0.5; /* NVML truncates to whole percents */
     st->meas[k] = measured_pct;
+    st->others[k] = others;
+    st->busy[k] = busy;
     if (st->filled < GS_SLICE_WINDOW) st->filled++;
-    double rs = 0, ms = 0;
-    for (unsigned i = 0; i < st->filled; i++) rs += st->real[i], ms += st->meas[i];
+    GS_DEBUG("device slot %d: ours %d%%, others %u%% (%u ran), device %u%%, measured %.1f%%", slot, ours, others,
+             busy, util.gpu, measured_pct);
+    double rs = 0, ms = 0, os = 0;
+    unsigned most = 0;
+    for (unsigned i = 0; i < st->filled; i++) {
+        rs += st->ours[i], ms += st->meas[i], os += st->others[i];
+        if (st->busy[i] > most) most = st->busy[i];
+    }
+    if (st->filled < 2 || ms < GS_SLICE_LEARN) return; /* one short burst is too coarse to act on */
+    /* taking turns with `most` other processes, an interval holds at most that many of their
+     * slices per slice of ours, and no more than their time (bounds on the window's sums, so
+     * that one tick's noise is not clipped one way only) */
+    if (rs < ms / (1 + most)) rs = ms / (1 + most);
+    if (rs < ms - os) rs = ms - os;
+    if (rs > ms) rs = ms;
     double f = rs * 1000.0 / ms;
     set_factor(slot, st, f < GS_SLICE_MIN_MILLI ? GS_SLICE_MIN_MILLI : f > 1000 ? 1000 : (unsigned)(f + 0.5));
-    GS_DEBUG("device slot %d: ours %d%%, others %u%%, device %u%%, measured %.1f%%", slot, ours, others,
-             util.gpu, measured_pct);
 }
 
 /* Sampler thread, every tick while a compute limit applies. */

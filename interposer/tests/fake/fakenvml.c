@@ -310,7 +310,12 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
  * Pids are shifted by FAKE_NVML_PID_OFFSET.  FAKE_NVML_PROC_UTIL plays other
  * drivers: "off" (not supported), "mps" (everything attributed to the
  * co-tenant's pid, as an MPS server would be), "device" (every process
- * reported at the device's utilisation: not a split of time). */
+ * reported at the device's utilisation: not a split of time).  And:
+ * FAKE_NVML_PROC_PERIOD_MS, the sample period (default 100; a query within
+ * it after the last sample finds nothing new: NVML_ERROR_NOT_FOUND);
+ * FAKE_NVML_PROC_BIAS, this process's share as reported, in % of the true one
+ * (default 100); FAKE_NVML_PROC_ROOM, the buffer entries the call insists on
+ * (some drivers always ask for 100). */
 #define PROC_SAMPLES 16
 static uint64_t proc_t0, proc_k0, proc_stamp;
 static uint64_t proc_prev[FAKE_MAX_PROCS];
@@ -341,6 +346,7 @@ static void proc_window(uint64_t t, uint64_t k)
     proc_stamp = (uint64_t)rt.tv_sec * 1000000ull + (uint64_t)rt.tv_nsec / 1000;
     proc_n = 0;
     unsigned mine = pct_of(k - proc_k0, span), theirs = 0, total = 0;
+    mine = mine * env_uint("FAKE_NVML_PROC_BIAS", 100) / 100;
     if (m) {
         for (int i = 0; i < FAKE_MAX_PROCS; i++) {
             int32_t pid = __atomic_load_n(&m->procs[i].pid, __ATOMIC_ACQUIRE);
@@ -376,17 +382,17 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     if (index_of(d) < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     if (mode && !strcmp(mode, "off")) return NVML_ERROR_NOT_SUPPORTED;
     uint64_t t = mono_ns(), k = kernel_time();
-    if (!proc_t0 || t - proc_t0 >= 100000000ull) {
+    if (!proc_t0 || t - proc_t0 >= env_uint("FAKE_NVML_PROC_PERIOD_MS", 100) * 1000000ull) {
         if (proc_t0) proc_window(t, k);
         proc_t0 = t;
         proc_k0 = k;
     }
-    unsigned n = proc_stamp > last_seen ? proc_n : 0;
-    if (!n) return NVML_ERROR_NOT_FOUND;
-    if (!out || *count < n) {
-        *count = n;
+    unsigned n = proc_stamp > last_seen ? proc_n : 0, room = env_uint("FAKE_NVML_PROC_ROOM", 0);
+    if (!out || *count < n || *count < room) {
+        *count = n > room ? n : room;
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
+    if (!n) return NVML_ERROR_NOT_FOUND;
     memcpy(out, proc_s, n * sizeof(proc_s[0]));
     *count = n;
     return NVML_SUCCESS;
