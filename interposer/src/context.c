@@ -50,6 +50,7 @@ struct ctx_charge {
     int slot;
     uint64_t reserved;
     uint64_t before;
+    uint64_t mine; /* what the process was charged on the device once the estimate was reserved */
     int nprocs;
     nvmlProcessInfo_t procs[GS_MAX_PIDS];
 };
@@ -69,6 +70,7 @@ static CUresult charge_begin(CUdevice dev, struct ctx_charge *c)
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     c->reserved = estimate;
+    c->mine = gs_slot_mine(c->slot);
     c->before = nvml_used(dev);
     c->nprocs = gs_list_processes(dev, c->procs, GS_MAX_PIDS);
     return CUDA_SUCCESS;
@@ -90,8 +92,16 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
         measured = after - c->before;
         if (bound < measured) measured = bound;
     }
+    /* what other threads allocated (or freed) meanwhile grew (or shrank) the process too, and
+     * is charged by its own records */
+    uint64_t mine = gs_slot_mine(c->slot);
+    if (mine != c->mine) {
+        if (mine > c->mine && measured <= mine - c->mine) return c->reserved;
+        measured = mine > c->mine ? measured - (mine - c->mine) : measured + (c->mine - mine);
+    }
     if (!measured) return c->reserved;
-    __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
+    if (mine == c->mine) /* a clean measurement: the estimate for the container's next contexts */
+        __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
     if (measured > c->reserved)
         gs_budget_force(c->slot, measured - c->reserved);
     else
@@ -127,6 +137,12 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
         return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
     pthread_mutex_lock(&g_ctx_mu);
+    if (gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active) {
+        /* another thread created it meanwhile: this is one more reference */
+        CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
+        pthread_mutex_unlock(&g_ctx_mu);
+        return rc;
+    }
     struct ctx_charge c;
     CUresult rc = charge_begin(dev, &c);
     if (rc == CUDA_SUCCESS) {

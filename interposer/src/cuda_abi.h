@@ -47,6 +47,12 @@ typedef struct CUmemAccessDesc_st CUmemAccessDesc; /* only passed through */
 typedef int CUjit_option;    /* enums: only passed through, by pointer */
 typedef int CUlibraryOption;
 typedef int CUlimit;
+#define CU_LIMIT_STACK_SIZE 0x00
+#define CU_LIMIT_PRINTF_FIFO_SIZE 0x01
+#define CU_LIMIT_MALLOC_HEAP_SIZE 0x02
+typedef int CUdevice_attribute;
+#define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
+#define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
 typedef int CUstreamCaptureMode;
 typedef struct CUgraphEdgeData_st CUgraphEdgeData; /* only passed through */
 #define CU_STREAM_CAPTURE_MODE_GLOBAL 0
@@ -142,6 +148,8 @@ typedef struct CUlaunchConfig_st {
 #define CU_GRAPH_NODE_TYPE_GRAPH 4
 #define CU_GRAPH_NODE_TYPE_MEM_ALLOC 10
 #define CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD 2
+#define CUDA_GRAPH_INSTANTIATE_SUCCESS 0
+#define CUDA_GRAPH_INSTANTIATE_ERROR 1
 
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_STREAM_CAPTURE_STATUS_NONE 0

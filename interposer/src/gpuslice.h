@@ -149,6 +149,7 @@ void gs_sampler_start(void); /* the background thread (reconcile.c), if not runn
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
+void gs_ctx_keep_reserved(CUcontext ctx, int slot, uint64_t bytes); /* a reservation joins ctx's charge */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
 void gs_reconcile_forget_ctx(CUcontext ctx);
 void gs_reconcile_after_fork_child(void);

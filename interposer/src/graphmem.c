@@ -308,7 +308,10 @@ static CUresult with_params(const void *real, CUgraphExec *phGraphExec, CUgraph 
                             CUDA_GRAPH_INSTANTIATE_PARAMS *params)
 {
     struct inst_args a = {.real = real, .exec = phGraphExec, .graph = hGraph, .params = params};
-    return instantiate(call_with_params, &a, params && (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD));
+    CUresult rc = instantiate(call_with_params, &a, params && (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD));
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY && params && params->result_out == CUDA_GRAPH_INSTANTIATE_SUCCESS)
+        params->result_out = CUDA_GRAPH_INSTANTIATE_ERROR; /* refused before the driver could say */
+    return rc;
 }
 
 GS_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,

@@ -158,6 +158,8 @@
     R(cuDeviceGetUuid, CUresult, (CUuuid *uuid, CUdevice dev))                                \
     R(cuDeviceGetUuid_v2, CUresult, (CUuuid *uuid, CUdevice dev))                             \
     R(cuCtxGetDevice, CUresult, (CUdevice *device))                                           \
+    R(cuCtxGetLimit, CUresult, (size_t *pvalue, CUlimit limit))                               \
+    R(cuDeviceGetAttribute, CUresult, (int *pi, CUdevice_attribute attrib, CUdevice dev))     \
     R(cuCtxGetCurrent, CUresult, (CUcontext *pctx))                                           \
     R(cuDevicePrimaryCtxGetState, CUresult, (CUdevice dev, unsigned int *flags, int *active)) \
     R(cuDeviceGetMemPool, CUresult, (CUmemoryPool *pool, CUdevice dev))                       \

@@ -764,6 +764,21 @@ static CUresult call_graph(const void *p)
     return ((cuGraphLaunch_fn)a->real)(a->exec, a->stream);
 }
 
+/* A graph with allocation nodes: its memory is reserved right before the driver call and
+ * settled right after (graphmem.c), so the reconcile is kept waiting only that long, never
+ * while the throttle waits for the budget. */
+static CUresult call_graph_mem(const void *p)
+{
+    const struct graph_args *a = p;
+    struct gs_graph_need need;
+    uint64_t reserved[GS_GRAPH_DEVS];
+    int mem = gs_graphmem_before(a->exec, &need, reserved);
+    if (mem < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = call_graph(p);
+    if (mem) gs_graphmem_after(a->exec, &need, reserved, rc == CUDA_SUCCESS);
+    return rc;
+}
+
 /* Each hook is a fast path and a slow one.  With no compute limit the state is
  * THROTTLE_OFF, which is set only after the real functions are resolved, so
  * the fast path is one atomic load, one pointer load and a tail call: no
@@ -845,20 +860,9 @@ GS_EX_HOOK(cuLaunchKernelEx_ptsz, 1)
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
-        struct gs_graph_need need;                                                                            \
-        uint64_t reserved[GS_GRAPH_DEVS];                                                                     \
-        int mem = __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE)                                      \
-                      ? gs_graphmem_before(hGraphExec, &need, reserved) : 0;                                  \
-        if (mem < 0) return CUDA_ERROR_OUT_OF_MEMORY;                                                         \
-        CUresult rc;                                                                                          \
-        if (!throttle_on()) {                                                                                 \
-            rc = gs_cuda.name(hGraphExec, hStream);                                                           \
-        } else {                                                                                              \
-            struct graph_args a = {(const void *)gs_cuda.name, hGraphExec, hStream};                          \
-            rc = throttled(hStream, pt, call_graph, &a);                                                      \
-        }                                                                                                     \
-        if (mem) gs_graphmem_after(hGraphExec, &need, reserved, rc == CUDA_SUCCESS);                          \
-        return rc;                                                                                            \
+        struct graph_args a = {(const void *)gs_cuda.name, hGraphExec, hStream};                              \
+        launch_thunk call = __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) ? call_graph_mem : call_graph; \
+        return throttle_on() ? throttled(hStream, pt, call, &a) : call(&a);                                   \
     }                                                                                                         \
     GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \
     {                                                                                                         \

@@ -44,8 +44,12 @@
 
 uint64_t gs_reconcile_margin = GS_DEFAULT_MARGIN;
 
+#define GS_DEV_CTXS 8 /* live contexts remembered per device, newest last */
+
 static unsigned g_host_pid[GS_MAX_CUDA_DEVS];
-static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charged */
+static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charged: the newest live one */
+static CUcontext g_dev_ctxs[GS_MAX_CUDA_DEVS][GS_DEV_CTXS]; /* under the context lock */
+static int g_dev_nctx[GS_MAX_CUDA_DEVS];
 static nvmlProcessInfo_t g_procs[GS_MAX_PIDS]; /* under the context lock */
 
 static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -134,6 +138,19 @@ static void charge_ctx(CUcontext ctx, uint64_t extra)
     gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old);
 }
 
+void gs_ctx_keep_reserved(CUcontext ctx, int slot, uint64_t bytes)
+{
+    struct gs_alloc rec, old;
+    gs_ctx_lock();
+    if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) {
+        rec.size += bytes;
+        gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old);
+    } else {
+        gs_budget_release(slot, bytes); /* a context we never saw created: the sampler charges what NVML shows */
+    }
+    gs_ctx_unlock();
+}
+
 uint64_t gs_reconcile_dev_locked(CUdevice dev)
 {
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_dev_ctx[dev]) return 0;
@@ -220,17 +237,34 @@ void gs_reconcile_after_load(void)
 
 static void start_sampler(void);
 
+static void drop_dev_ctx(int d, CUcontext ctx)
+{
+    int k = 0;
+    for (int i = 0; i < g_dev_nctx[d]; i++)
+        if (g_dev_ctxs[d][i] != ctx) g_dev_ctxs[d][k++] = g_dev_ctxs[d][i];
+    g_dev_nctx[d] = k;
+}
+
+/* Caller holds the context lock (both below). */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx)
 {
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
+    drop_dev_ctx(dev, ctx);
+    if (g_dev_nctx[dev] == GS_DEV_CTXS) drop_dev_ctx(dev, g_dev_ctxs[dev][0]); /* the oldest goes */
+    g_dev_ctxs[dev][g_dev_nctx[dev]++] = ctx;
     __atomic_store_n(&g_dev_ctx[dev], ctx, __ATOMIC_RELEASE);
     if (gs_host_pid_known(dev) || gs_launch_wants_sampler()) start_sampler();
 }
 
+/* A context went: what is found is charged to the newest one left on its device. */
 void gs_reconcile_forget_ctx(CUcontext ctx)
 {
-    for (int d = 0; d < GS_MAX_CUDA_DEVS; d++)
-        if (g_dev_ctx[d] == ctx) __atomic_store_n(&g_dev_ctx[d], NULL, __ATOMIC_RELEASE);
+    for (int d = 0; d < GS_MAX_CUDA_DEVS; d++) {
+        drop_dev_ctx(d, ctx);
+        if (g_dev_ctx[d] == ctx)
+            __atomic_store_n(&g_dev_ctx[d], g_dev_nctx[d] ? g_dev_ctxs[d][g_dev_nctx[d] - 1] : NULL,
+                             __ATOMIC_RELEASE);
+    }
 }
 
 /* ---- the sampler ---------------------------------------------------------- */
@@ -301,6 +335,7 @@ void gs_reconcile_after_fork_child(void)
 {
     pthread_mutex_init(&g_wake_mu, NULL);
     memset(g_dev_ctx, 0, sizeof(g_dev_ctx));
+    memset(g_dev_nctx, 0, sizeof(g_dev_nctx));
     memset(g_host_pid, 0, sizeof(g_host_pid));
     g_woken = 0;
     g_sampler_far = 0;

@@ -332,6 +332,52 @@ static void capture_other(int n)
     printf("captureother %d %d %d\n", rc, end, other_rc);
 }
 
+/* One background thread at a time ("bgalloc", "bgretain"), its result printed at "join". */
+static struct {
+    pthread_t thread;
+    int running;
+    char what[16];
+    long ms;
+    uint64_t size;
+    CUresult rc;
+} bg;
+
+static void *bg_main(void *p)
+{
+    (void)p;
+    if (!strcmp(bg.what, "bgalloc")) {
+        CUdeviceptr d = 0;
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuMemAlloc_v2(&d, bg.size);
+    } else if (!strcmp(bg.what, "bgglaunch")) {
+        api.cuCtxSetCurrent(capture_ctx);
+        bg.rc = CUDA_SUCCESS;
+        for (long n = 0; n < bg.ms && bg.rc == CUDA_SUCCESS; n++) bg.rc = api.cuGraphLaunch(gexec, NULL);
+    } else {
+        CUcontext c = NULL;
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuDevicePrimaryCtxRetain(&c, 0);
+    }
+    return NULL;
+}
+
+static void bg_start(const char *what, long ms, uint64_t size)
+{
+    snprintf(bg.what, sizeof(bg.what), "%s", what);
+    bg.ms = ms;
+    bg.size = size;
+    bg.running = pthread_create(&bg.thread, NULL, bg_main, NULL) == 0;
+}
+
+static void bg_join(void)
+{
+    if (!bg.running) return;
+    pthread_join(bg.thread, NULL);
+    bg.running = 0;
+    printf("%s %d\n", bg.what, bg.rc);
+}
+
 /* PyTorch's expandable segments, page by page: create, map, release the handle (the mapping
  * keeps the memory), then unmap; ns per page. */
 static void vmmbench(long count, uint64_t size)
@@ -702,13 +748,12 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "ginst")) {
             /* instantiate the current graph: flags | upload (WithParams + upload flag) */
             CUresult rc;
-            if (!strcmp(ARG(0), "upload")) {
-                CUDA_GRAPH_INSTANTIATE_PARAMS prm = {.flags = CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD};
+            CUDA_GRAPH_INSTANTIATE_PARAMS prm = {.flags = CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD};
+            if (!strcmp(ARG(0), "upload"))
                 rc = api.cuGraphInstantiateWithParams(&gexec, graph, &prm);
-            } else {
+            else
                 rc = api.cuGraphInstantiateWithFlags(&gexec, graph, 0);
-            }
-            printf("ginst %d\n", rc);
+            printf("ginst %d %d\n", rc, (int)prm.result_out); /* result_out: WithParams only */
             i += 1;
         } else if (!strcmp(c, "glaunch")) {
             CUresult rc = api.cuGraphLaunch(gexec, NULL);
@@ -726,6 +771,20 @@ int main(int argc, char **argv)
             typedef uint64_t (*local_t)(int);
             local_t local = (local_t)dlsym(libcuda, "fake_cuda_local_used");
             printf("phys 0 %llu\n", local ? (unsigned long long)local(0) : 0ull);
+        } else if (!strcmp(c, "bgalloc")) {
+            /* bgalloc SIZE MS: a thread, in the context "ctx" made current, allocates SIZE after MS */
+            bg_start("bgalloc", atol(ARG(1)), size_arg(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgretain")) {
+            /* bgretain MS: a thread retains device 0's primary context after MS */
+            bg_start("bgretain", atol(ARG(0)), 0);
+            i += 1;
+        } else if (!strcmp(c, "bgglaunch")) {
+            /* bgglaunch N: a thread launches the instantiated graph N times */
+            bg_start("bgglaunch", atol(ARG(0)), 0);
+            i += 1;
+        } else if (!strcmp(c, "join")) {
+            bg_join();
         } else if (!strcmp(c, "sleep")) {
             usleep((useconds_t)atoi(ARG(0)) * 1000);
             printf("sleep 0\n");

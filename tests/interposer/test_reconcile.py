@@ -91,6 +91,38 @@ def test_a_load_near_the_cap_is_charged_right_after_it(lab, api, load):
     assert view_used(res) == 950 * MIB
 
 
+@pytest.mark.parametrize("limit", [["0", "1m"], ["1", "300m"], ["2", "3g"]],
+                         ids=["stack", "printf-fifo", "malloc-heap"])
+def test_a_limit_that_would_pass_the_cap_is_refused(lab, limit):
+    # cuCtxSetLimit's growth is known beforehand (a 1 MiB stack x the fake device's 1024
+    # threads is 1 GiB): it is refused as the driver would be, and nothing is taken.  Before,
+    # the call went through and the process held 3.9 GiB under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "alloc", "800m", "setlimit", *limit, "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("setlimit") == OOM
+    assert view_used(res) == 900 * MIB
+    assert res.of("phys")[0][1][0] == 900 * MIB
+
+
+def test_a_limit_is_charged_once_and_stays_with_its_context(lab):
+    # far from the cap: charged at the call (not only when the sampler comes), not charged
+    # again by the sampler, and returned with the context (the primary one then takes 100 MiB)
+    res = lab.run("init", "ctxcreate", "0", "setlimit", "2", "200m", "meminfo", "sleep", "700",
+                  "meminfo", "ctxdestroy", "0", "ctx", "0", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="8g", FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("setlimit") == 0
+    used = [vals[1] - vals[0] for _rc, vals in res.of("meminfo")]
+    assert used == [300 * MIB, 300 * MIB, 100 * MIB], res.stdout
+
+
+def test_a_failed_limit_returns_its_reservation(lab):
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "200m", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="8g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_FAIL="cuCtxSetLimit:1")
+    assert res.rc("setlimit") != 0
+    assert view_used(res) == 100 * MIB
+
+
 def test_lazily_loaded_code_of_a_module_kernel_is_charged_before_the_next_allocation(lab):
     res = lab.run("init", "ctx", "0", "alloc", "700m", "modload", "getfunc", "launchfn", "alloc",
                   "150m", "alloc", "100m", "meminfo",
@@ -140,3 +172,59 @@ def test_concurrent_allocations_and_code_loads_never_count_memory_twice(lab):
         errors, charged, physical = lab.stress(400)
         assert errors == 0
         assert 0 <= physical - charged <= 2 * MIB, (charged, physical)
+
+
+# ---- contexts and reconcile, after a review of context.c / reconcile.c / graphmem.c --------
+
+def test_allocations_of_other_threads_while_a_context_is_created_are_not_its_footprint(lab):
+    # another thread allocates 500 MiB while a context is being created: the process's growth
+    # holds both, and was all charged to the context (1200 MiB charged for 700 held) and kept
+    # as the container's footprint estimate (600 MiB for a 100 MiB context)
+    res = lab.run("init", "ctx", "0", "bgalloc", "500m", "100", "ctxcreate", "0", "join",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_SLEEP="cuCtxCreate:300")
+    assert res.rc("bgalloc") == 0 and res.rc("ctxcreate") == 0
+    assert view_used(res) == res.of("phys")[0][1][0] == 700 * MIB
+    # the next process's context reserves the container's estimate: 100 MiB fits under 300
+    later = lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="300m", FAKE_CUDA_CTX_BYTES="100m")
+    assert later.rc("ctx") == 0, later.stderr
+
+
+def test_two_threads_retaining_the_primary_context_at_once_both_get_it(lab):
+    # the second thread found it inactive before the first had made it, and reserved a second
+    # footprint: refused under a cap that holds one
+    lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="150m", FAKE_CUDA_CTX_BYTES="100m")
+    res = lab.run("init", "bgretain", "50", "ctx", "0", "join", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="150m", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:300")
+    assert res.rc("ctx") == 0 and res.rc("bgretain") == 0
+    assert "context refused" not in res.stderr
+    assert view_used(res) == 100 * MIB
+
+
+def test_growth_is_still_charged_after_the_newest_context_is_destroyed(lab):
+    # destroying the newest context stopped the reconcile of its device although the primary
+    # one lived on: code loaded after that took the process to 1100 MiB under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctxdestroy", "0", "ctx", "0",
+                  "alloc", "500m", "module", "300m", "alloc", "200m", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+    assert view_used(res) == res.of("phys")[0][1][0] == 900 * MIB
+
+
+def test_graph_launches_waiting_for_the_compute_budget_do_not_stop_the_reconcile(lab):
+    # a throttled graph launch held the reconcile off while it waited for the budget: with a
+    # thread launching graphs, code loaded near the cap went uncharged (1054 MiB under 1 GiB)
+    res = lab.run("init", "ctx", "0", "gcapture", "4m", "ginst", "flags", "glaunch",
+                  "bgglaunch", "40", "sleep", "300", "alloc", "600m", "module", "250m",
+                  "alloc", "100m", "join", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", CUDA_DEVICE_SM_LIMIT="10",
+                  FAKE_CUDA_KERNEL_US="20000")
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+    assert res.of("phys")[0][1][0] <= GIB
+
+
+def test_a_refused_instantiation_with_upload_says_so_in_result_out(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "900m", "gcapture", "200m", "ginst", "upload",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m")
+    assert res.of("ginst") == [(OOM, [1])]  # CUDA_GRAPH_INSTANTIATE_ERROR

@@ -652,14 +652,43 @@ static CUresult code_grow_locked(uint64_t bytes)
     return rc;
 }
 
+static uint64_t stack_threads(void)
+{
+    const char *v = getenv("FAKE_CUDA_STACK_THREADS");
+    uint64_t n = v ? strtoull(v, NULL, 10) : 1024;
+    return n ? n : 1;
+}
+
+/* The threads the device runs at once, as SMs x threads per SM (8 SMs when they divide). */
+API CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
+{
+    if (!pi || dev < 0 || dev >= nvisible) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t threads = stack_threads(), sms = threads % 8 ? 1 : 8;
+    switch (attrib) {
+    case 16: *pi = (int)sms; return CUDA_SUCCESS;           /* MULTIPROCESSOR_COUNT */
+    case 39: *pi = (int)(threads / sms); return CUDA_SUCCESS; /* MAX_THREADS_PER_MULTIPROCESSOR */
+    default: *pi = 0; return CUDA_SUCCESS;
+    }
+}
+
+API CUresult cuCtxGetLimit(size_t *value, int limit)
+{
+    NEED_CTX();
+    if (!value || limit < 0 || limit > 2) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    uint64_t held = current->limits[limit];
+    pthread_mutex_unlock(&mu);
+    *value = (size_t)(limit == 0 ? held / stack_threads() : held);
+    return CUDA_SUCCESS;
+}
+
 /* cuCtxSetLimit: the context reserves the stacks, the printf FIFO and the malloc heap. */
 API CUresult cuCtxSetLimit(int limit, size_t value)
 {
     FAIL_POINT("cuCtxSetLimit");
     NEED_CTX();
     if (limit < 0 || limit > 2) return CUDA_ERROR_INVALID_VALUE;
-    const char *threads = getenv("FAKE_CUDA_STACK_THREADS");
-    uint64_t want = limit == 0 ? (uint64_t)value * (threads ? strtoull(threads, NULL, 10) : 1024) : value;
+    uint64_t want = limit == 0 ? (uint64_t)value * stack_threads() : value;
     pthread_mutex_lock(&mu);
     CUresult rc = CUDA_SUCCESS;
     uint64_t *held = &current->limits[limit];
