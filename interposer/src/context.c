@@ -120,9 +120,15 @@ static void record_ctx(CUcontext ctx, int slot, uint64_t bytes, CUdevice dev)
 static void release_ctx(CUcontext ctx)
 {
     struct gs_alloc rec;
-    gs_reconcile_forget_ctx(ctx);
     gs_forget_ctx(ctx);
+    gs_graphmem_forget_ctx(ctx);
     if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) gs_budget_release(rec.slot, rec.size);
+    gs_reconcile_forget_ctx(ctx); /* last: it measures what is left */
+}
+
+CUcontext gs_primary_ctx(CUdevice dev)
+{
+    return dev >= 0 && dev < GS_MAX_CUDA_DEVS ? __atomic_load_n(&g_primary_ctx[dev], __ATOMIC_ACQUIRE) : NULL;
 }
 
 GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
@@ -149,7 +155,7 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
         uint64_t bytes = charge_end(dev, &c, rc);
         if (rc == CUDA_SUCCESS) {
-            g_primary_ctx[dev] = *pctx;
+            __atomic_store_n(&g_primary_ctx[dev], *pctx, __ATOMIC_RELEASE);
             record_ctx(*pctx, c.slot, bytes, dev);
         }
     }
@@ -166,7 +172,7 @@ static void primary_maybe_gone(CUdevice dev)
         return;
     release_ctx(g_primary_ctx[dev]);
     gs_launch_forget_ctx(g_primary_ctx[dev]);
-    g_primary_ctx[dev] = NULL;
+    __atomic_store_n(&g_primary_ctx[dev], NULL, __ATOMIC_RELEASE);
 }
 
 GS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
@@ -191,8 +197,10 @@ GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
     if (rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_primary_ctx[dev]) {
         gs_forget_ctx(g_primary_ctx[dev]);
         gs_launch_forget_ctx(g_primary_ctx[dev]);
+        gs_graphmem_forget_ctx(g_primary_ctx[dev]);
     }
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
+    if (rc == CUDA_SUCCESS) gs_reconcile_ctx_reset(dev); /* its code and buffers went */
     pthread_mutex_unlock(&g_ctx_mu);
     return rc;
 }

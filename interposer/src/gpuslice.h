@@ -130,6 +130,7 @@ int gs_dev_count(void);
 void gs_ctx_lock(void);              /* context records and what reconcile.c charges to them */
 void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);
+CUcontext gs_primary_ctx(CUdevice dev); /* the device's primary context if retained, else NULL */
 
 /* ---- reconcile.c ---------------------------------------------------------- */
 
@@ -151,7 +152,8 @@ void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
 void gs_ctx_keep_reserved(CUcontext ctx, int slot, uint64_t bytes); /* a reservation joins ctx's charge */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
-void gs_reconcile_forget_ctx(CUcontext ctx);
+void gs_reconcile_forget_ctx(CUcontext ctx);  /* caller holds gs_ctx_lock (both) */
+void gs_reconcile_ctx_reset(CUdevice dev);
 void gs_reconcile_after_fork_child(void);
 
 /* ---- region.c ------------------------------------------------------------- */
@@ -282,6 +284,7 @@ extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (at
 int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *reserved);
 void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const uint64_t *reserved, int ran);
 void gs_graphmem_after_fork_child(void);
+void gs_graphmem_forget_ctx(CUcontext ctx); /* its executable graphs went with it */
 
 /* ---- launch.c ------------------------------------------------------------- */
 

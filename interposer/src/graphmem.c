@@ -43,6 +43,7 @@ int gs_graph_mem_execs;
 
 struct gexec {
     CUgraphExec exec;
+    CUcontext ctx;             /* it was instantiated in: goes with it */
     struct gs_graph_need need; /* need.ran[i]: the pool's size after its last launch (0 = never) */
 };
 
@@ -119,11 +120,14 @@ static int find_locked(CUgraphExec exec)
 
 static void remember(CUgraphExec exec, const struct gs_graph_need *need)
 {
+    CUcontext ctx = NULL;
+    if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
     pthread_mutex_lock(&g_mu);
     int i = find_locked(exec);
     if (i < 0 && g_n < GS_MAX_GEXECS) i = g_n++;
     if (i >= 0) {
         g_execs[i].exec = exec;
+        g_execs[i].ctx = ctx;
         g_execs[i].need = *need;
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     } else {
@@ -141,6 +145,20 @@ static void forget(CUgraphExec exec)
         g_execs[i] = g_execs[--g_n];
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     }
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* A context went: its executable graphs went with it (the driver may hand their handles
+ * out again, for graphs that allocate nothing). */
+void gs_graphmem_forget_ctx(CUcontext ctx)
+{
+    pthread_mutex_lock(&g_mu);
+    for (int i = 0; i < g_n;)
+        if (g_execs[i].ctx == ctx)
+            g_execs[i] = g_execs[--g_n];
+        else
+            i++;
+    __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -170,8 +188,9 @@ static uint64_t settle(CUdevice dev, uint64_t reserved)
 {
     int slot = gs_dev_slot(dev);
     if (slot < 0) return 0;
-    CUcontext ctx = NULL;
-    if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
+    /* the device's graph pool outlives other contexts: its charge goes with the primary one */
+    CUcontext ctx = gs_primary_ctx(dev);
+    if (!ctx && gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
     pthread_mutex_lock(&g_mu);
     struct gs_alloc rec = {0}, old;
     if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) != 0) {

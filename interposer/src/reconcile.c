@@ -50,6 +50,11 @@ static unsigned g_host_pid[GS_MAX_CUDA_DEVS];
 static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charged: the newest live one */
 static CUcontext g_dev_ctxs[GS_MAX_CUDA_DEVS][GS_DEV_CTXS]; /* under the context lock */
 static int g_dev_nctx[GS_MAX_CUDA_DEVS];
+/* What the reconcile charged on each device beyond the records, and to which slot; under the
+ * context lock.  It is not any one context's: when a context goes it is dropped and measured
+ * again (the memory may have gone with it, or may belong to a context that lives on). */
+static uint64_t g_untracked[GS_MAX_CUDA_DEVS];
+static int g_untracked_slot[GS_MAX_CUDA_DEVS];
 static nvmlProcessInfo_t g_procs[GS_MAX_PIDS]; /* under the context lock */
 
 static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -127,15 +132,26 @@ unsigned gs_host_pid(CUdevice dev)
 
 /* ---- the reconcile -------------------------------------------------------- */
 
-static void charge_ctx(CUcontext ctx, uint64_t extra)
+static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
 {
-    struct gs_alloc rec, old;
-    if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) != 0) return;
     GS_INFO("charging %llu bytes the process holds beyond its allocations (modules, driver)",
             (unsigned long long)extra);
-    gs_budget_force(rec.slot, extra);
-    rec.size += extra;
-    gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old);
+    if (g_untracked[dev] && g_untracked_slot[dev] != slot) { /* cannot happen: a device keeps its slot */
+        gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
+        g_untracked[dev] = 0;
+    }
+    gs_budget_force(slot, extra);
+    g_untracked[dev] += extra;
+    g_untracked_slot[dev] = slot;
+}
+
+/* A context of the device went (or was reset): what was charged beyond the records is
+ * measured again, if a context is left to measure. */
+static void rebase_untracked(CUdevice dev)
+{
+    if (g_untracked[dev]) gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
+    g_untracked[dev] = 0;
+    gs_reconcile_dev_locked(dev);
 }
 
 void gs_ctx_keep_reserved(CUcontext ctx, int slot, uint64_t bytes)
@@ -172,7 +188,7 @@ uint64_t gs_reconcile_dev_locked(CUdevice dev)
             if (g_procs[i].pid != pid) continue;
             if (g_procs[i].usedGpuMemory == GS_NO_VALUE || g_procs[i].usedGpuMemory <= mine + GS_SLACK) return 0;
             uint64_t extra = g_procs[i].usedGpuMemory - mine;
-            charge_ctx(g_dev_ctx[dev], extra);
+            charge_untracked(dev, slot, extra);
             return extra;
         }
         return 0;
@@ -256,15 +272,23 @@ void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx)
     if (gs_host_pid_known(dev) || gs_launch_wants_sampler()) start_sampler();
 }
 
-/* A context went: what is found is charged to the newest one left on its device. */
+/* A context went: reconcile goes on with the newest one left on its device, after measuring
+ * again what was charged beyond the records. */
 void gs_reconcile_forget_ctx(CUcontext ctx)
 {
     for (int d = 0; d < GS_MAX_CUDA_DEVS; d++) {
+        int had = g_dev_nctx[d];
         drop_dev_ctx(d, ctx);
         if (g_dev_ctx[d] == ctx)
             __atomic_store_n(&g_dev_ctx[d], g_dev_nctx[d] ? g_dev_ctxs[d][g_dev_nctx[d] - 1] : NULL,
                              __ATOMIC_RELEASE);
+        if (g_dev_nctx[d] != had) rebase_untracked(d);
     }
+}
+
+void gs_reconcile_ctx_reset(CUdevice dev)
+{
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) rebase_untracked(dev);
 }
 
 /* ---- the sampler ---------------------------------------------------------- */
@@ -336,6 +360,7 @@ void gs_reconcile_after_fork_child(void)
     pthread_mutex_init(&g_wake_mu, NULL);
     memset(g_dev_ctx, 0, sizeof(g_dev_ctx));
     memset(g_dev_nctx, 0, sizeof(g_dev_nctx));
+    memset(g_untracked, 0, sizeof(g_untracked)); /* the parent's, returned with its slot */
     memset(g_host_pid, 0, sizeof(g_host_pid));
     g_woken = 0;
     g_sampler_far = 0;

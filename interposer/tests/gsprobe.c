@@ -480,6 +480,10 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) ctxs[nctx] = ctx;
             printf("ctxcreate %d %d\n", rc, rc == CUDA_SUCCESS ? nctx++ : -1);
             i += 1;
+        } else if (!strcmp(c, "ctxset")) {
+            /* ctxset N: make the Nth context "ctxcreate" made current */
+            printf("ctxset %d\n", api.cuCtxSetCurrent(ctxs[atoi(ARG(0))]));
+            i += 1;
         } else if (!strcmp(c, "ctxdestroy")) {
             printf("ctxdestroy %d\n", api.cuCtxDestroy_v2(ctxs[atoi(ARG(0))]));
             i += 1;

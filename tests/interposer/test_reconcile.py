@@ -228,3 +228,25 @@ def test_a_refused_instantiation_with_upload_says_so_in_result_out(lab):
     res = lab.run("init", "ctx", "0", "alloc", "900m", "gcapture", "200m", "ginst", "upload",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m")
     assert res.of("ginst") == [(OOM, [1])]  # CUDA_GRAPH_INSTANTIATE_ERROR
+
+
+def test_growth_charged_beside_a_context_is_returned_when_the_context_holding_it_goes(lab):
+    # code loaded in the primary context was charged to the newest context; resetting the
+    # primary one freed the code but left the charge: 324 MiB of a 1 GiB cap unusable
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "module", "300m",
+                  "sleep", "700", "meminfo", "reset", "0", "ctxset", "0", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    before, after = [vals[1] - vals[0] for _rc, vals in res.of("meminfo")]
+    assert before == 500 * MIB  # two contexts and the code
+    assert after == res.of("phys")[0][1][0] == 100 * MIB  # the created context alone
+
+
+def test_the_graph_pool_charge_outlives_a_context_other_than_the_primary(lab):
+    # the device's graph memory pool stays when the context that first launched a graph goes;
+    # its charge went with that context, and the next allocation took the process past the cap
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "gcapture", "600m", "ginst", "flags",
+                  "glaunch", "ctxdestroy", "0", "ctx", "0", "alloc", "600m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("glaunch") == 0 and res.rc("ctxdestroy") == 0
+    assert res.rc("alloc") == OOM
+    assert res.of("phys")[0][1][0] <= GIB
