@@ -124,9 +124,18 @@ def run(args: list[str], env: dict[str, str], timeout: float,
     if proc.returncode != 0:
         raise ChildError(f"exit status {proc.returncode}: {_tail(err)}")
     try:
-        return parse_result(out)
+        result = parse_result(out)
     except (ChildError, ValueError) as exc:
         raise ChildError(f"{exc}: {_tail(out + err)}") from None
+    lib_log = library_log(err)
+    if lib_log:
+        result.setdefault("library_log", lib_log)
+    return result
+
+
+def library_log(stderr: str, lines: int = 8) -> list[str]:
+    """The library's last log lines (``gpuslice:``) in a child's stderr."""
+    return [ln for ln in stderr.splitlines() if ln.startswith("gpuslice:")][-lines:]
 
 
 def workload(*args: str) -> list[str]:

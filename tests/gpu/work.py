@@ -233,6 +233,9 @@ def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
     end = started + args.warmup
     while time.perf_counter() < end:
         burst()
+    while args.start_at and time.time() < args.start_at:  # processes side by side: one window
+        burst()
+    result["measure_start_epoch"] = round(time.time(), 3)
     iters, windows = 0, []
     t0 = last = time.perf_counter()
     last_iters = 0
@@ -267,6 +270,8 @@ def main() -> None:
     mm = sub.add_parser("matmul")
     mm.add_argument("seconds", type=float)
     mm.add_argument("--warmup", type=float, default=1.5)
+    mm.add_argument("--start-at", type=float, default=0.0,
+                    help="warm up until this time (epoch s) too, so side-by-side runs share a window")
     mm.add_argument("--size", type=int, default=8192)
     mm.add_argument("--tiny", type=int, default=0, help="tiny ops per rep (0: skip)")
     mm.add_argument("--tiny-reps", type=int, default=5)
