@@ -51,6 +51,7 @@ struct ctx_charge {
     uint64_t reserved;
     uint64_t before;
     uint64_t mine; /* what the process was charged on the device once the estimate was reserved */
+    int busy;      /* allocations or frees were inside the driver when the measurement began */
     int nprocs;
     nvmlProcessInfo_t procs[GS_MAX_PIDS];
 };
@@ -70,6 +71,7 @@ static CUresult charge_begin(CUdevice dev, struct ctx_charge *c)
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     c->reserved = estimate;
+    c->busy = __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) + __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
     c->mine = gs_slot_mine(c->slot);
     c->before = nvml_used(dev);
     c->nprocs = gs_list_processes(dev, c->procs, GS_MAX_PIDS);
@@ -93,7 +95,11 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
         if (bound < measured) measured = bound;
     }
     /* what other threads allocated (or freed) meanwhile grew (or shrank) the process too, and
-     * is charged by its own records */
+     * is charged by its own records; one that was inside the driver as the measurement began
+     * or ended cannot be told apart: then the estimate stands (the reconcile adds what it
+     * misses) */
+    if (c->busy || __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) || __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST))
+        return c->reserved;
     uint64_t mine = gs_slot_mine(c->slot);
     if (mine != c->mine) {
         if (mine > c->mine && measured <= mine - c->mine) return c->reserved;
@@ -122,6 +128,7 @@ static void release_ctx(CUcontext ctx)
     struct gs_alloc rec;
     gs_forget_ctx(ctx);
     gs_graphmem_forget_ctx(ctx);
+    gs_limits_forget_ctx(ctx);
     if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) gs_budget_release(rec.slot, rec.size);
     gs_reconcile_forget_ctx(ctx); /* last: it measures what is left */
 }
@@ -139,13 +146,14 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     gs_devices_ready();
     unsigned flags = 0;
     int active = 1;
-    if (dev < 0 || dev >= gs_dev_count() || dev >= GS_MAX_CUDA_DEVS || !gs_cuda.cuDevicePrimaryCtxGetState ||
-        gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
+    if (dev < 0 || dev >= gs_dev_count() || dev >= GS_MAX_CUDA_DEVS || !gs_cuda.cuDevicePrimaryCtxGetState)
         return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
+    /* the state is read under the lock that releases and resets take too: an active context
+     * cannot go between the check and the retain (which would then create one uncharged), and
+     * one that another thread is creating is found active, not created twice */
     pthread_mutex_lock(&g_ctx_mu);
     if (gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active) {
-        /* another thread created it meanwhile: this is one more reference */
-        CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
+        CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev); /* one more reference */
         pthread_mutex_unlock(&g_ctx_mu);
         return rc;
     }
@@ -198,6 +206,7 @@ GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
         gs_forget_ctx(g_primary_ctx[dev]);
         gs_launch_forget_ctx(g_primary_ctx[dev]);
         gs_graphmem_forget_ctx(g_primary_ctx[dev]);
+        gs_limits_forget_ctx(g_primary_ctx[dev]); /* the reset context starts with the defaults */
     }
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
     if (rc == CUDA_SUCCESS) gs_reconcile_ctx_reset(dev); /* its code and buffers went */

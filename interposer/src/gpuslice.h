@@ -150,7 +150,6 @@ void gs_sampler_start(void); /* the background thread (reconcile.c), if not runn
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
-void gs_ctx_keep_reserved(CUcontext ctx, int slot, uint64_t bytes); /* a reservation joins ctx's charge */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
 void gs_reconcile_forget_ctx(CUcontext ctx);  /* caller holds gs_ctx_lock (both) */
 void gs_reconcile_ctx_reset(CUdevice dev);
@@ -184,6 +183,19 @@ static inline void gs_unsettled_begin(void)
 static inline void gs_unsettled_end(void)
 {
     __atomic_sub_fetch(&gs_unsettled, 1, __ATOMIC_SEQ_CST);
+}
+/* Allocations and frees inside the driver, charged (or uncharged) before NVML can show them:
+ * a measurement across one is not clean (a context's footprint, re-measuring what the process
+ * holds beyond its records when a context goes).  The main paths only (cuMemAlloc, managed,
+ * pitch, arrays, cuMemCreate, cuMemFree); the reconcile that adds growth does not wait for it. */
+extern int gs_inflight;
+static inline void gs_inflight_begin(void)
+{
+    __atomic_add_fetch(&gs_inflight, 1, __ATOMIC_SEQ_CST);
+}
+static inline void gs_inflight_end(void)
+{
+    __atomic_sub_fetch(&gs_inflight, 1, __ATOMIC_SEQ_CST);
 }
 void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim */
 void gs_region_after_fork_child(void);
@@ -285,6 +297,9 @@ int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *r
 void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const uint64_t *reserved, int ran);
 void gs_graphmem_after_fork_child(void);
 void gs_graphmem_forget_ctx(CUcontext ctx); /* its executable graphs went with it */
+void gs_limits_forget_ctx(CUcontext ctx);   /* module.c: the limits set in it are returned */
+void gs_limits_after_fork_child(void);
+void gs_graphmem_resettle(CUdevice dev, int contexts_left); /* a context of dev went or was reset */
 
 /* ---- launch.c ------------------------------------------------------------- */
 

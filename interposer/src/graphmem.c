@@ -188,15 +188,11 @@ static uint64_t settle(CUdevice dev, uint64_t reserved)
 {
     int slot = gs_dev_slot(dev);
     if (slot < 0) return 0;
-    /* the device's graph pool outlives other contexts: its charge goes with the primary one */
-    CUcontext ctx = gs_primary_ctx(dev);
-    if (!ctx && gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
+    /* the charge is the device's, not a context's (the pool outlives the contexts that used
+     * it): it follows the pool's size here, and gs_graphmem_resettle when a context goes */
     pthread_mutex_lock(&g_mu);
     struct gs_alloc rec = {0}, old;
-    if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) != 0) {
-        rec.slot = slot;
-        rec.ctx = (uint64_t)(uintptr_t)ctx;
-    }
+    if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) != 0) rec.slot = slot;
     uint64_t charged = rec.size + reserved, target = charged;
     if (graph_attr(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &target) != 0) target = charged;
     if (target > charged)
@@ -207,6 +203,25 @@ static uint64_t settle(CUdevice dev, uint64_t reserved)
     if (target) gs_am_put(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec, &old);
     pthread_mutex_unlock(&g_mu);
     return target;
+}
+
+/* A context of dev went or was reset: the pool may have shrunk or gone with it.  With no
+ * context of the process left on the device it is gone. */
+void gs_graphmem_resettle(CUdevice dev, int contexts_left)
+{
+    struct gs_alloc rec, old;
+    if (dev < 0) return;
+    if (contexts_left) {
+        pthread_mutex_lock(&g_mu);
+        int have = gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) == 0;
+        if (have) gs_am_put(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec, &old);
+        pthread_mutex_unlock(&g_mu);
+        if (have) settle(dev, 0);
+        return;
+    }
+    pthread_mutex_lock(&g_mu);
+    if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) == 0) gs_budget_release(rec.slot, rec.size);
+    pthread_mutex_unlock(&g_mu);
 }
 
 /* Reserve what the pool cannot hold of `need`; 0 = done, -1 = over the cap (nothing kept). */

@@ -111,11 +111,14 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         if (slot < 0 || (pass)) return (call);                                        \
         uint64_t charge = gs_charge_size(bytes);                                      \
         if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);             \
+        gs_inflight_begin();                                                          \
         CUresult rc = (call);                                                         \
-        if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);                    \
-        if (record(kind, (uint64_t)(uintptr_t)*(out), slot, charge, ctx) != 0)        \
-            return discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);          \
-        return CUDA_SUCCESS;                                                          \
+        if (rc != CUDA_SUCCESS)                                                       \
+            rc = rollback(rc, slot, charge);                                          \
+        else if (record(kind, (uint64_t)(uintptr_t)*(out), slot, charge, ctx) != 0)   \
+            rc = discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);            \
+        gs_inflight_end();                                                            \
+        return rc;                                                                    \
     } while (0)
 
 /* ---- linear allocations --------------------------------------------------- */
@@ -152,8 +155,10 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
     uint64_t charge = gs_charge_size(row * Height); /* the pitch is not known before the call */
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
+    gs_inflight_begin();
     CUresult rc = gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     if (rc != CUDA_SUCCESS) {
+        gs_inflight_end();
         gs_unsettled_end();
         return rollback(rc, slot, charge);
     }
@@ -167,6 +172,7 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
         charge = actual;
     }
     if (!ok || record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) rc = discard(GS_KIND_DPTR, *dptr, slot, charge);
+    gs_inflight_end();
     gs_unsettled_end();
     return rc;
 }
@@ -181,6 +187,7 @@ GS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
         kind = GS_KIND_POOLPTR; /* cuMemFree also frees stream-ordered allocations */
         if (gs_am_take(kind, dptr, &rec) != 0) return gs_cuda.cuMemFree_v2(dptr);
     }
+    gs_inflight_begin();
     CUresult rc = gs_cuda.cuMemFree_v2(dptr);
     if (rc == CUDA_SUCCESS) {
         drop_one(kind, dptr, &rec);
@@ -188,6 +195,7 @@ GS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
         struct gs_alloc old;
         gs_am_put(kind, dptr, &rec, &old);
     }
+    gs_inflight_end();
     return rc;
 }
 
@@ -204,14 +212,21 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     if (slot < 0 || !size) return gs_cuda.cuMemCreate(handle, size, prop, flags);
     uint64_t charge = gs_charge_size(size);
     if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
+    gs_inflight_begin();
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
-    if (rc != CUDA_SUCCESS) return rollback(rc, slot, charge);
-    /* Physical memory belongs to the process, not to a context: one reference, no mapping. */
-    struct gs_alloc rec = {.size = charge, .slot = slot, .aux = VMM_REF}, old;
-    int put = gs_am_put(GS_KIND_VMM, *handle, &rec, &old);
-    if (put < 0) return discard(GS_KIND_VMM, *handle, slot, charge);
-    if (put == 1) gs_budget_release(old.slot, old.size);
-    return CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS) {
+        rc = rollback(rc, slot, charge);
+    } else {
+        /* Physical memory belongs to the process, not to a context: one reference, no mapping. */
+        struct gs_alloc rec = {.size = charge, .slot = slot, .aux = VMM_REF}, old;
+        int put = gs_am_put(GS_KIND_VMM, *handle, &rec, &old);
+        if (put < 0)
+            rc = discard(GS_KIND_VMM, *handle, slot, charge);
+        else if (put == 1)
+            gs_budget_release(old.slot, old.size);
+    }
+    gs_inflight_end();
+    return rc;
 }
 
 /* A VMM allocation lives while a handle to it is unreleased or a mapping of

@@ -10,12 +10,15 @@
  * charge (reconcile.c): at once when a device is near its cap, otherwise by
  * waking the background sampler, so the caller pays for an NVML query only
  * near the cap.  Loads are not refused: their size is unknown beforehand.
- * A limit's growth is known beforehand (the new value less the current one;
- * for the stack, per thread, times the threads the device runs at once): it is
- * reserved before the call and refused with CUDA_ERROR_OUT_OF_MEMORY past the
- * cap, as the driver documents, and then stays charged to the context.
+ * A limit's growth is known beforehand (the new value less the one the context
+ * started with; for the stack, per thread, times the threads the device runs
+ * at once): it is reserved before the call and refused with
+ * CUDA_ERROR_OUT_OF_MEMORY past the cap, as the driver documents.
  */
 #define _GNU_SOURCE
+#include <pthread.h>
+#include <string.h>
+
 #include "gpuslice.h"
 
 #define GS_LOAD_HOOK(name, params, args)                          \
@@ -50,16 +53,26 @@ GS_LOAD_HOOK(cuLibraryLoadFromFile,
               libraryOptionValues, numLibraryOptions))
 GS_LOAD_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name))
 GS_LOAD_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel))
-/* Device memory that setting `limit` to `value` adds in the current context (0: none, or
- * the driver cannot say; UINT64_MAX: more than can be counted). */
-static uint64_t limit_growth(CUlimit limit, size_t value)
+/* Limits set per context: what each is charged beyond the value the context started with
+ * (that part is in its measured footprint).  A lowered limit returns its charge (the driver
+ * frees it; if it keeps it, the reconcile charges it again), and a context that goes or is
+ * reset returns all of it (gs_limits_forget_ctx). */
+#define GS_LIMIT_CTXS 32
+#define GS_LIMITS 3 /* CU_LIMIT_STACK_SIZE, CU_LIMIT_PRINTF_FIFO_SIZE, CU_LIMIT_MALLOC_HEAP_SIZE */
+static pthread_mutex_t g_lim_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    CUcontext ctx; /* NULL = free */
+    int slot;
+    size_t base[GS_LIMITS];      /* the value when first seen */
+    int known[GS_LIMITS];
+    uint64_t charged[GS_LIMITS]; /* bytes */
+} g_lim[GS_LIMIT_CTXS];
+
+/* Bytes per unit of `limit`: the stack is per thread, for every thread the device runs at once;
+ * 0 if the driver cannot say. */
+static uint64_t limit_unit(CUlimit limit)
 {
-    size_t old = 0;
-    if (limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE || !gs_cuda.cuCtxGetLimit ||
-        gs_cuda.cuCtxGetLimit(&old, limit) != CUDA_SUCCESS || value <= old)
-        return 0;
-    uint64_t grow = (uint64_t)(value - old);
-    if (limit != CU_LIMIT_STACK_SIZE) return grow;
+    if (limit != CU_LIMIT_STACK_SIZE) return 1;
     CUdevice dev;
     int sms = 0, per_sm = 0;
     if (!gs_cuda.cuCtxGetDevice || !gs_cuda.cuDeviceGetAttribute || gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS ||
@@ -68,8 +81,35 @@ static uint64_t limit_growth(CUlimit limit, size_t value)
             CUDA_SUCCESS ||
         sms <= 0 || per_sm <= 0)
         return 0;
-    uint64_t threads = (uint64_t)sms * (uint64_t)per_sm;
-    return grow > UINT64_MAX / threads ? UINT64_MAX : grow * threads;
+    return (uint64_t)sms * (uint64_t)per_sm;
+}
+
+/* The limit's entry for ctx (made if need be), or -1; caller holds g_lim_mu. */
+static int lim_entry_locked(CUcontext ctx, int slot)
+{
+    int free_at = -1;
+    for (int i = 0; i < GS_LIMIT_CTXS; i++) {
+        if (g_lim[i].ctx == ctx) return i;
+        if (!g_lim[i].ctx && free_at < 0) free_at = i;
+    }
+    if (free_at >= 0) {
+        memset(&g_lim[free_at], 0, sizeof(g_lim[free_at]));
+        g_lim[free_at].ctx = ctx;
+        g_lim[free_at].slot = slot;
+    }
+    return free_at;
+}
+
+void gs_limits_forget_ctx(CUcontext ctx)
+{
+    pthread_mutex_lock(&g_lim_mu);
+    for (int i = 0; i < GS_LIMIT_CTXS; i++) {
+        if (g_lim[i].ctx != ctx) continue;
+        for (int l = 0; l < GS_LIMITS; l++)
+            if (g_lim[i].charged[l]) gs_budget_release(g_lim[i].slot, g_lim[i].charged[l]);
+        memset(&g_lim[i], 0, sizeof(g_lim[i]));
+    }
+    pthread_mutex_unlock(&g_lim_mu);
 }
 
 GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
@@ -78,20 +118,56 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     if (!gs_cuda.cuCtxSetLimit) return CUDA_ERROR_NOT_SUPPORTED;
     gs_devices_ready();
     CUcontext ctx;
-    int slot = gs_current_slot(&ctx);
-    uint64_t grow = slot >= 0 ? limit_growth(limit, value) : 0;
-    if (grow && gs_reserve(slot, grow) != 0) {
+    int slot = gs_current_slot(&ctx), e = -1;
+    uint64_t unit = slot >= 0 && limit >= 0 && limit < GS_LIMITS ? limit_unit(limit) : 0;
+    uint64_t target = 0, was = 0;
+    if (unit && gs_cuda.cuCtxGetLimit) {
+        pthread_mutex_lock(&g_lim_mu);
+        e = lim_entry_locked(ctx, slot);
+        if (e >= 0 && !g_lim[e].known[limit]) {
+            size_t now = 0;
+            if (gs_cuda.cuCtxGetLimit(&now, limit) == CUDA_SUCCESS) {
+                g_lim[e].base[limit] = now;
+                g_lim[e].known[limit] = 1;
+            }
+        }
+        if (e >= 0 && g_lim[e].known[limit]) {
+            uint64_t over = value > g_lim[e].base[limit] ? (uint64_t)(value - g_lim[e].base[limit]) : 0;
+            target = over > UINT64_MAX / unit ? UINT64_MAX : over * unit;
+            was = g_lim[e].charged[limit];
+            if (target > was) g_lim[e].charged[limit] = target; /* claimed; undone below on failure */
+        } else {
+            e = -1; /* no room, or the driver cannot say: the reconcile charges it afterwards */
+        }
+        pthread_mutex_unlock(&g_lim_mu);
+    }
+    if (e >= 0 && target > was && gs_reserve(slot, target - was) != 0) {
+        pthread_mutex_lock(&g_lim_mu);
+        if (g_lim[e].ctx == ctx && g_lim[e].charged[limit] == target) g_lim[e].charged[limit] = was;
+        pthread_mutex_unlock(&g_lim_mu);
         GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
-                value, (unsigned long long)grow);
+                value, (unsigned long long)(target - was));
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
-    if (grow) {
-        if (rc == CUDA_SUCCESS)
-            gs_ctx_keep_reserved(ctx, slot, grow);
-        else
-            gs_budget_release(slot, grow);
+    if (e >= 0 && target != was) {
+        pthread_mutex_lock(&g_lim_mu);
+        int mine = g_lim[e].ctx == ctx;
+        if (rc != CUDA_SUCCESS && target > was) { /* the reservation goes back */
+            if (mine && g_lim[e].charged[limit] == target) g_lim[e].charged[limit] = was;
+            gs_budget_release(slot, target - was);
+        } else if (rc == CUDA_SUCCESS && target < was && mine) { /* lowered: returned */
+            g_lim[e].charged[limit] = target;
+            gs_budget_release(slot, was - target);
+        }
+        pthread_mutex_unlock(&g_lim_mu);
     }
     if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
     return rc;
+}
+
+void gs_limits_after_fork_child(void)
+{
+    pthread_mutex_init(&g_lim_mu, NULL);
+    memset(g_lim, 0, sizeof(g_lim));
 }

@@ -44,7 +44,7 @@
 
 uint64_t gs_reconcile_margin = GS_DEFAULT_MARGIN;
 
-#define GS_DEV_CTXS 8 /* live contexts remembered per device, newest last */
+#define GS_DEV_CTXS 64 /* live contexts remembered per device, newest last */
 
 static unsigned g_host_pid[GS_MAX_CUDA_DEVS];
 static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charged: the newest live one */
@@ -55,6 +55,7 @@ static int g_dev_nctx[GS_MAX_CUDA_DEVS];
  * again (the memory may have gone with it, or may belong to a context that lives on). */
 static uint64_t g_untracked[GS_MAX_CUDA_DEVS];
 static int g_untracked_slot[GS_MAX_CUDA_DEVS];
+static int g_rebase[GS_MAX_CUDA_DEVS]; /* a context went and no clean reading came since */
 static nvmlProcessInfo_t g_procs[GS_MAX_PIDS]; /* under the context lock */
 
 static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -145,56 +146,73 @@ static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
     g_untracked_slot[dev] = slot;
 }
 
-/* A context of the device went (or was reset): what was charged beyond the records is
- * measured again, if a context is left to measure. */
-static void rebase_untracked(CUdevice dev)
+/* One reading of what the process holds on dev beyond its charge.  Adding (rebase 0): the
+ * growth is charged.  Rebasing (rebase 1, after a context went): what was charged beyond the
+ * records is set to what NVML shows beyond them now, down as well as up, and only from a
+ * reading no allocation or free crossed; a reading that cannot be had leaves the old charge
+ * and the device marked, for the sampler to try again.  Returns the bytes added. */
+static uint64_t reconcile_locked(CUdevice dev, int rebase)
 {
-    if (g_untracked[dev]) gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
-    g_untracked[dev] = 0;
-    gs_reconcile_dev_locked(dev);
-}
-
-void gs_ctx_keep_reserved(CUcontext ctx, int slot, uint64_t bytes)
-{
-    struct gs_alloc rec, old;
-    gs_ctx_lock();
-    if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) {
-        rec.size += bytes;
-        gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &old);
-    } else {
-        gs_budget_release(slot, bytes); /* a context we never saw created: the sampler charges what NVML shows */
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_dev_ctx[dev]) {
+        if (rebase && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_untracked[dev]) { /* no context left */
+            gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
+            g_untracked[dev] = 0;
+        }
+        if (rebase && dev >= 0 && dev < GS_MAX_CUDA_DEVS) g_rebase[dev] = 0;
+        return 0;
     }
-    gs_ctx_unlock();
-}
-
-uint64_t gs_reconcile_dev_locked(CUdevice dev)
-{
-    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_dev_ctx[dev]) return 0;
     int slot = gs_dev_slot(dev);
     if (slot < 0) return 0;
+    if (rebase) g_rebase[dev] = 1; /* until a clean reading */
     for (int attempt = 0; attempt < GS_ATTEMPTS; attempt++) {
         uint64_t seq = gs_charge_seq();
-        int unsettled = __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
+        int busy = __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST) +
+                   (rebase ? __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) : 0);
         uint64_t mine = gs_slot_mine(slot);
         int n = gs_list_processes(dev, g_procs, GS_MAX_PIDS);
         if (n < 0) return 0;
-        if (unsettled || __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST) || gs_charge_seq() != seq) continue;
+        busy += __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST) +
+                (rebase ? __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) : 0);
+        if (busy || gs_charge_seq() != seq) continue;
         unsigned pid = g_host_pid[dev];
         for (int i = 0; i < n && !pid; i++)
             if (g_procs[i].pid == (unsigned)getpid()) pid = g_procs[i].pid;
         if (!pid) return 0;
         __atomic_store_n(&g_host_pid[dev], pid, __ATOMIC_RELAXED);
-        for (int i = 0; i < n; i++) {
-            if (g_procs[i].pid != pid) continue;
-            if (g_procs[i].usedGpuMemory == GS_NO_VALUE || g_procs[i].usedGpuMemory <= mine + GS_SLACK) return 0;
-            uint64_t extra = g_procs[i].usedGpuMemory - mine;
-            charge_untracked(dev, slot, extra);
-            return extra;
+        uint64_t held = used_by(g_procs, n, pid);
+        if (held == GS_NO_VALUE) return 0;
+        if (rebase) {
+            g_rebase[dev] = 0;
+            uint64_t was = g_untracked[dev], others = mine > was ? mine - was : 0; /* the records' charges */
+            uint64_t want = held > others + GS_SLACK ? held - others : 0;
+            if (want < was) {
+                gs_budget_release(g_untracked_slot[dev], was - want);
+                g_untracked[dev] = want;
+                return 0;
+            }
+            if (want > was) charge_untracked(dev, slot, want - was);
+            return want - was;
         }
-        return 0;
+        if (held <= mine + GS_SLACK) return 0;
+        charge_untracked(dev, slot, held - mine);
+        return held - mine;
     }
     GS_DEBUG("reconcile of device %d skipped: allocations kept changing", (int)dev);
     return 0;
+}
+
+uint64_t gs_reconcile_dev_locked(CUdevice dev)
+{
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_rebase[dev]) return reconcile_locked(dev, 1);
+    return reconcile_locked(dev, 0);
+}
+
+/* A context of the device went (or was reset): what was charged beyond the records is
+ * measured again. */
+static void rebase_untracked(CUdevice dev)
+{
+    gs_graphmem_resettle(dev, g_dev_nctx[dev] > 0); /* the records first: the graph pool's */
+    reconcile_locked(dev, 1);
 }
 
 /* Near the cap the sampler runs more often; one that sleeps the long interval
@@ -361,9 +379,11 @@ void gs_reconcile_after_fork_child(void)
     memset(g_dev_ctx, 0, sizeof(g_dev_ctx));
     memset(g_dev_nctx, 0, sizeof(g_dev_nctx));
     memset(g_untracked, 0, sizeof(g_untracked)); /* the parent's, returned with its slot */
+    memset(g_rebase, 0, sizeof(g_rebase));
     memset(g_host_pid, 0, sizeof(g_host_pid));
     g_woken = 0;
     g_sampler_far = 0;
     gs_unsettled = 0; /* operations of other threads died with them */
+    gs_inflight = 0;
     g_sampler_started = 0; /* threads do not survive fork */
 }

@@ -42,6 +42,7 @@ static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_last_reclaim_ns;
 static uint64_t g_charge_seq;
 int gs_unsettled;
+int gs_inflight;
 
 uint64_t gs_charge_seq(void)
 {

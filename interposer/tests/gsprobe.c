@@ -345,11 +345,13 @@ static struct {
 static void *bg_main(void *p)
 {
     (void)p;
-    if (!strcmp(bg.what, "bgalloc")) {
+    if (!strcmp(bg.what, "bgalloc") || !strcmp(bg.what, "bgpitch")) {
         CUdeviceptr d = 0;
+        size_t pitch = 0;
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
-        bg.rc = api.cuMemAlloc_v2(&d, bg.size);
+        bg.rc = !strcmp(bg.what, "bgalloc") ? api.cuMemAlloc_v2(&d, bg.size)
+                                            : api.cuMemAllocPitch_v2(&d, &pitch, bg.size, 1, 4);
     } else if (!strcmp(bg.what, "bgglaunch")) {
         api.cuCtxSetCurrent(capture_ctx);
         bg.rc = CUDA_SUCCESS;
@@ -778,6 +780,10 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgalloc")) {
             /* bgalloc SIZE MS: a thread, in the context "ctx" made current, allocates SIZE after MS */
             bg_start("bgalloc", atol(ARG(1)), size_arg(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgpitch")) {
+            /* bgpitch WIDTH MS: the same with a pitched allocation of one row */
+            bg_start("bgpitch", atol(ARG(1)), size_arg(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgretain")) {
             /* bgretain MS: a thread retains device 0's primary context after MS */

@@ -17,7 +17,7 @@
  *                            do not use (otherwise they keep it until trimmed)
  *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
  *                            call, default 1; code default 2 = out of memory)
- *   FAKE_CUDA_SLEEP          "name:ms" sleep inside that call; "exit:ms" sleeps in the
+ *   FAKE_CUDA_SLEEP          "name:ms[,name:ms]" sleep inside those calls; "exit:ms" sleeps in the
  *                            library's destructor, as a real driver tearing down its
  *                            contexts at process exit does
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
@@ -29,7 +29,8 @@
  *                            it active (retained), instead of releasing it
  *   FAKE_CUDA_STACK_THREADS  threads the device runs at once: cuCtxSetLimit's stack size
  *                            reserves that many stacks (default 1024); its printf FIFO and
- *                            malloc heap limits reserve their size
+ *                            malloc heap limits reserve their size; with
+ *                            FAKE_CUDA_LIMIT_SHRINK=1 a lowered limit frees the difference
  * Memory taken by modules and launches belongs to the current context and is
  * visible to the fake NVML (per process), never to an allocation call.
  * Built with -Bsymbolic, so its internal calls never reach the interposer.
@@ -106,16 +107,18 @@ static int fail_check(const char *name)
         char name[64];
         unsigned calls;
     } counters[64];
-    const char *spec = getenv("FAKE_CUDA_SLEEP");
+    const char *spec = getenv("FAKE_CUDA_SLEEP"); /* "name:ms[,name:ms...]" */
     size_t nl = strlen(name);
-    if (spec && strncmp(spec, name, nl) == 0 && spec[nl] == ':') {
+    for (const char *p = spec; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
+        if (strncmp(p, name, nl) != 0 || p[nl] != ':') continue;
         const char *mark = getenv("FAKE_CUDA_SLEEP_MARK");
         if (mark) close(open(mark, O_CREAT | O_WRONLY | O_CLOEXEC, 0644));
         struct timespec ts = {0, 0};
-        long ms = atol(spec + nl + 1);
+        long ms = atol(p + nl + 1);
         ts.tv_sec = ms / 1000;
         ts.tv_nsec = (ms % 1000) * 1000000L;
         nanosleep(&ts, NULL);
+        break;
     }
     spec = getenv("FAKE_CUDA_FAIL");
     for (const char *p = spec; p && *p;) {
@@ -695,6 +698,10 @@ API CUresult cuCtxSetLimit(int limit, size_t value)
     if (want > *held) {
         rc = code_grow_locked(want - *held);
         if (rc == CUDA_SUCCESS) *held = want;
+    } else if (want < *held && getenv("FAKE_CUDA_LIMIT_SHRINK")) { /* a lowered limit is freed */
+        phys_sub(current->pdev, *held - want);
+        current->modules -= *held - want;
+        *held = want;
     }
     pthread_mutex_unlock(&mu);
     return rc;
