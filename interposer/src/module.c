@@ -57,9 +57,11 @@ GS_LOAD_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, 
  * (that part is in its measured footprint).  A lowered limit returns its charge (the driver
  * frees it; if it keeps it, the reconcile charges it again), and a context that goes or is
  * reset returns all of it (gs_limits_forget_ctx). */
-#define GS_LIMIT_CTXS 32
+#define GS_LIMIT_CTXS 64
 #define GS_LIMITS 3 /* CU_LIMIT_STACK_SIZE, CU_LIMIT_PRINTF_FIFO_SIZE, CU_LIMIT_MALLOC_HEAP_SIZE */
-static pthread_mutex_t g_lim_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t g_lim_mu = PTHREAD_MUTEX_INITIALIZER;  /* the table */
+static pthread_mutex_t g_set_mu = PTHREAD_MUTEX_INITIALIZER;  /* one cuCtxSetLimit at a time: taken before
+                                                                  anything gs_reserve may take, never under them */
 static struct {
     CUcontext ctx; /* NULL = free */
     int slot;
@@ -84,15 +86,15 @@ static uint64_t limit_unit(CUlimit limit)
     return (uint64_t)sms * (uint64_t)per_sm;
 }
 
-/* The limit's entry for ctx (made if need be), or -1; caller holds g_lim_mu. */
-static int lim_entry_locked(CUcontext ctx, int slot)
+/* The limit's entry for ctx (made if `make`), or -1; caller holds g_lim_mu. */
+static int lim_entry_locked(CUcontext ctx, int slot, int make)
 {
     int free_at = -1;
     for (int i = 0; i < GS_LIMIT_CTXS; i++) {
         if (g_lim[i].ctx == ctx) return i;
         if (!g_lim[i].ctx && free_at < 0) free_at = i;
     }
-    if (free_at >= 0) {
+    if (free_at >= 0 && make) {
         memset(&g_lim[free_at], 0, sizeof(g_lim[free_at]));
         g_lim[free_at].ctx = ctx;
         g_lim[free_at].slot = slot;
@@ -112,62 +114,71 @@ void gs_limits_forget_ctx(CUcontext ctx)
     pthread_mutex_unlock(&g_lim_mu);
 }
 
+/* What is set now, in bytes beyond `base`; UINT64_MAX past counting. */
+static uint64_t limit_bytes(size_t value, size_t base, uint64_t unit)
+{
+    uint64_t over = value > base ? (uint64_t)(value - base) : 0;
+    return over > UINT64_MAX / unit ? UINT64_MAX : over * unit;
+}
+
 GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxSetLimit) return CUDA_ERROR_NOT_SUPPORTED;
     gs_devices_ready();
     CUcontext ctx;
-    int slot = gs_current_slot(&ctx), e = -1;
+    int slot = gs_current_slot(&ctx);
     uint64_t unit = slot >= 0 && limit >= 0 && limit < GS_LIMITS ? limit_unit(limit) : 0;
-    uint64_t target = 0, was = 0;
-    if (unit && gs_cuda.cuCtxGetLimit) {
-        pthread_mutex_lock(&g_lim_mu);
-        e = lim_entry_locked(ctx, slot);
-        if (e >= 0 && !g_lim[e].known[limit]) {
-            size_t now = 0;
-            if (gs_cuda.cuCtxGetLimit(&now, limit) == CUDA_SUCCESS) {
-                g_lim[e].base[limit] = now;
-                g_lim[e].known[limit] = 1;
-            }
-        }
-        if (e >= 0 && g_lim[e].known[limit]) {
-            uint64_t over = value > g_lim[e].base[limit] ? (uint64_t)(value - g_lim[e].base[limit]) : 0;
-            target = over > UINT64_MAX / unit ? UINT64_MAX : over * unit;
-            was = g_lim[e].charged[limit];
-            if (target > was) g_lim[e].charged[limit] = target; /* claimed; undone below on failure */
-        } else {
-            e = -1; /* no room, or the driver cannot say: the reconcile charges it afterwards */
-        }
-        pthread_mutex_unlock(&g_lim_mu);
+    size_t now = 0;
+    if (!unit || !gs_cuda.cuCtxGetLimit || gs_cuda.cuCtxGetLimit(&now, limit) != CUDA_SUCCESS) {
+        CUresult rc = gs_cuda.cuCtxSetLimit(limit, value); /* the driver cannot say: reconciled afterwards */
+        if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
+        return rc;
     }
-    if (e >= 0 && target > was && gs_reserve(slot, target - was) != 0) {
-        pthread_mutex_lock(&g_lim_mu);
-        if (g_lim[e].ctx == ctx && g_lim[e].charged[limit] == target) g_lim[e].charged[limit] = was;
-        pthread_mutex_unlock(&g_lim_mu);
+    pthread_mutex_lock(&g_set_mu);
+    pthread_mutex_lock(&g_lim_mu);
+    int e = lim_entry_locked(ctx, slot, value > now);
+    if (e >= 0 && !g_lim[e].known[limit]) {
+        g_lim[e].base[limit] = now;
+        g_lim[e].known[limit] = 1;
+    }
+    /* with an entry, the charge follows the value; without one (nothing to charge, or no room)
+     * the growth over the current value is only checked against the cap, and the reconcile
+     * charges it afterwards */
+    uint64_t was = e >= 0 ? g_lim[e].charged[limit] : 0;
+    uint64_t target = e >= 0 ? limit_bytes(value, g_lim[e].base[limit], unit) : limit_bytes(value, now, unit);
+    pthread_mutex_unlock(&g_lim_mu);
+    if (target > was && gs_reserve(slot, target - was) != 0) {
+        pthread_mutex_unlock(&g_set_mu);
         GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
                 value, (unsigned long long)(target - was));
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
-    if (e >= 0 && target != was) {
-        pthread_mutex_lock(&g_lim_mu);
-        int mine = g_lim[e].ctx == ctx;
-        if (rc != CUDA_SUCCESS && target > was) { /* the reservation goes back */
-            if (mine && g_lim[e].charged[limit] == target) g_lim[e].charged[limit] = was;
-            gs_budget_release(slot, target - was);
-        } else if (rc == CUDA_SUCCESS && target < was && mine) { /* lowered: returned */
-            g_lim[e].charged[limit] = target;
-            gs_budget_release(slot, was - target);
-        }
-        pthread_mutex_unlock(&g_lim_mu);
+    pthread_mutex_lock(&g_lim_mu);
+    int kept = e >= 0 && g_lim[e].ctx == ctx; /* not forgotten meanwhile (the context went) */
+    if (rc == CUDA_SUCCESS && kept) {
+        g_lim[e].charged[limit] = target;
+        if (target < was) gs_budget_release(slot, was - target); /* lowered */
+    } else if (target > was) {
+        gs_budget_release(slot, target - was); /* failed, or nothing to keep it in */
     }
-    if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
+    pthread_mutex_unlock(&g_lim_mu);
+    pthread_mutex_unlock(&g_set_mu);
+    if (rc == CUDA_SUCCESS) {
+        CUdevice dev;
+        /* a driver that kept a lowered limit's memory had it charged as untracked since: now
+         * charged again here, the untracked part is measured again */
+        if (target > was && gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
+            gs_reconcile_mark_rebase(dev);
+        gs_reconcile_after_load();
+    }
     return rc;
 }
 
 void gs_limits_after_fork_child(void)
 {
     pthread_mutex_init(&g_lim_mu, NULL);
+    pthread_mutex_init(&g_set_mu, NULL);
     memset(g_lim, 0, sizeof(g_lim));
 }

@@ -147,10 +147,11 @@ static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
 }
 
 /* One reading of what the process holds on dev beyond its charge.  Adding (rebase 0): the
- * growth is charged.  Rebasing (rebase 1, after a context went): what was charged beyond the
- * records is set to what NVML shows beyond them now, down as well as up, and only from a
- * reading no allocation or free crossed; a reading that cannot be had leaves the old charge
- * and the device marked, for the sampler to try again.  Returns the bytes added. */
+ * growth is charged.  Rebasing (rebase 1, after a context went or a limit was raised): what
+ * was charged beyond the records is set to what NVML shows beyond them now, down as well as
+ * up, but down only from a reading no allocation or free crossed; until one comes the device
+ * stays marked (growth is still added meanwhile), for the sampler to try again.  Returns the
+ * bytes added. */
 static uint64_t reconcile_locked(CUdevice dev, int rebase)
 {
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_dev_ctx[dev]) {
@@ -166,14 +167,17 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
     if (rebase) g_rebase[dev] = 1; /* until a clean reading */
     for (int attempt = 0; attempt < GS_ATTEMPTS; attempt++) {
         uint64_t seq = gs_charge_seq();
-        int busy = __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST) +
-                   (rebase ? __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) : 0);
+        int unsettled = __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
+        int inflight = __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST);
         uint64_t mine = gs_slot_mine(slot);
         int n = gs_list_processes(dev, g_procs, GS_MAX_PIDS);
         if (n < 0) return 0;
-        busy += __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST) +
-                (rebase ? __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) : 0);
-        if (busy || gs_charge_seq() != seq) continue;
+        unsettled += __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
+        inflight += __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST);
+        if (unsettled || gs_charge_seq() != seq) continue;
+        /* an allocation or free inside the driver is charged before NVML shows it: such a
+         * reading can still show growth (added below) but cannot lower the charge */
+        int down = rebase && !inflight;
         unsigned pid = g_host_pid[dev];
         for (int i = 0; i < n && !pid; i++)
             if (g_procs[i].pid == (unsigned)getpid()) pid = g_procs[i].pid;
@@ -181,7 +185,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         __atomic_store_n(&g_host_pid[dev], pid, __ATOMIC_RELAXED);
         uint64_t held = used_by(g_procs, n, pid);
         if (held == GS_NO_VALUE) return 0;
-        if (rebase) {
+        if (down) {
             g_rebase[dev] = 0;
             uint64_t was = g_untracked[dev], others = mine > was ? mine - was : 0; /* the records' charges */
             uint64_t want = held > others + GS_SLACK ? held - others : 0;
@@ -307,6 +311,14 @@ void gs_reconcile_forget_ctx(CUcontext ctx)
 void gs_reconcile_ctx_reset(CUdevice dev)
 {
     if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) rebase_untracked(dev);
+}
+
+void gs_reconcile_mark_rebase(CUdevice dev)
+{
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
+    gs_ctx_lock();
+    g_rebase[dev] = 1;
+    gs_ctx_unlock();
 }
 
 /* ---- the sampler ---------------------------------------------------------- */

@@ -166,7 +166,7 @@ static CUmemoryPool user_pool;
 static CUmodule user_module;
 static CUlibrary user_library;
 static CUfunction user_function;
-static CUcontext ctxs[64];
+static CUcontext ctxs[128];
 static int nctx;
 
 static void remember(const char *what, CUresult rc, int kind, uint64_t handle)
@@ -352,6 +352,10 @@ static void *bg_main(void *p)
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = !strcmp(bg.what, "bgalloc") ? api.cuMemAlloc_v2(&d, bg.size)
                                             : api.cuMemAllocPitch_v2(&d, &pitch, bg.size, 1, 4);
+    } else if (!strcmp(bg.what, "bgsetlimit")) {
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuCtxSetLimit(2, bg.size);
     } else if (!strcmp(bg.what, "bgglaunch")) {
         api.cuCtxSetCurrent(capture_ctx);
         bg.rc = CUDA_SUCCESS;
@@ -479,8 +483,8 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "ctxcreate")) {
             CUcontext ctx = NULL;
             CUresult rc = api.cuCtxCreate_v2(&ctx, 0, atoi(ARG(0)));
-            if (rc == CUDA_SUCCESS) ctxs[nctx] = ctx;
-            printf("ctxcreate %d %d\n", rc, rc == CUDA_SUCCESS ? nctx++ : -1);
+            if (rc == CUDA_SUCCESS && nctx < 128) ctxs[nctx] = ctx;
+            printf("ctxcreate %d %d\n", rc, rc == CUDA_SUCCESS && nctx < 128 ? nctx++ : -1);
             i += 1;
         } else if (!strcmp(c, "ctxset")) {
             /* ctxset N: make the Nth context "ctxcreate" made current */
@@ -784,6 +788,10 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgpitch")) {
             /* bgpitch WIDTH MS: the same with a pitched allocation of one row */
             bg_start("bgpitch", atol(ARG(1)), size_arg(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgsetlimit")) {
+            /* bgsetlimit SIZE MS: a thread, in the context "ctx" made current, sets the malloc heap */
+            bg_start("bgsetlimit", atol(ARG(1)), size_arg(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgretain")) {
             /* bgretain MS: a thread retains device 0's primary context after MS */

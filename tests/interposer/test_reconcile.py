@@ -326,3 +326,46 @@ def test_many_contexts_come_and_go_and_the_device_is_still_reconciled(lab):
                   FAKE_CUDA_MODULE_BYTES="0")
     assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
     assert view_used(res) == res.of("phys")[0][1][0] == 700 * MIB
+
+
+# ---- a third review ------------------------------------------------------------------------
+
+def test_growth_is_charged_while_a_re_measurement_waits_for_a_clean_reading(lab):
+    # after a context went with an allocation in the driver, the pending re-measurement made
+    # every reconcile wait for a clean reading, so code loaded meanwhile went uncharged
+    # (1110 MiB held under a 1 GiB cap)
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "bgalloc", "10m", "0",
+                  "sleep", "50", "ctxdestroy", "0", "module", "300m", "alloc", "700m", "join",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_SLEEP="cuMemAlloc_v2:1500")
+    assert res.rc("alloc") == OOM
+    assert res.of("phys")[0][1][0] <= GIB
+
+
+def test_two_threads_setting_limits_at_once_cannot_pass_the_cap(lab):
+    # each claimed its target before reserving it; the second reserved only the difference
+    # and the first did not roll back: 1132 MiB held under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "async", "2m", "bgsetlimit", "950m", "0", "sleep", "100",
+                  "setlimit", "2", "1000m", "join", "sleep", "700", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_SLEEP="cuMemPoolGetAttribute:400")
+    assert res.rc("setlimit") == OOM and res.rc("bgsetlimit") == OOM
+    assert view_used(res) == res.of("phys")[0][1][0] <= GIB
+
+
+def test_limits_of_more_contexts_than_the_table_holds_are_still_checked(lab):
+    # with the per-context table full a limit went through unchecked (2 GiB under 1 GiB)
+    cmds = [w for n in range(66) for w in ("ctxcreate", "0", "ctxset", str(n), "setlimit", "2", "1m")]
+    res = lab.run("init", "ctx", "0", *cmds, "setlimit", "2", "2g", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="1m", timeout=120)
+    assert res.of("setlimit")[-1][0] == OOM
+    assert res.of("phys")[0][1][0] <= GIB
+
+
+def test_a_limit_lowered_and_raised_on_a_driver_that_keeps_the_memory_is_charged_once(lab):
+    # the lowered limit's memory, kept by the driver, was charged by the reconcile, and the
+    # raise charged it again: 692 MiB for 400 held
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "300m", "setlimit", "2", "8m", "sleep", "700",
+                  "setlimit", "2", "300m", "sleep", "700", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert view_used(res) == res.of("phys")[0][1][0] == 400 * MIB
