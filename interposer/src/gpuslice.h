@@ -153,7 +153,6 @@ void gs_reconcile_after_load(void);             /* a module or library was loade
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
 void gs_reconcile_forget_ctx(CUcontext ctx);  /* caller holds gs_ctx_lock (both) */
 void gs_reconcile_ctx_reset(CUdevice dev);
-void gs_reconcile_mark_rebase(CUdevice dev); /* what is charged beyond the records may now be too much */
 void gs_reconcile_after_fork_child(void);
 
 /* ---- region.c ------------------------------------------------------------- */

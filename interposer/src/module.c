@@ -53,10 +53,14 @@ GS_LOAD_HOOK(cuLibraryLoadFromFile,
               libraryOptionValues, numLibraryOptions))
 GS_LOAD_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name))
 GS_LOAD_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel))
-/* Limits set per context: what each is charged beyond the value the context started with
- * (that part is in its measured footprint).  A lowered limit returns its charge (the driver
- * frees it; if it keeps it, the reconcile charges it again), and a context that goes or is
- * reset returns all of it (gs_limits_forget_ctx). */
+/* Limits set per context: each is charged for the most it was set to beyond the value the
+ * context started with (that part is in its measured footprint), until the context goes or is
+ * reset (gs_limits_forget_ctx).  A lowered limit keeps its charge: whether the driver frees
+ * the difference is not known, and where NVML cannot tell, nothing would charge it again.  A
+ * call is counted in flight (gs_inflight) from its reservation until its charge is settled, so
+ * no measurement takes its reservation for memory the driver has not shown yet.  Past
+ * GS_LIMIT_CTXS contexts with limits, growth over the current value is reserved and kept
+ * until the process exits. */
 #define GS_LIMIT_CTXS 64
 #define GS_LIMITS 3 /* CU_LIMIT_STACK_SIZE, CU_LIMIT_PRINTF_FIFO_SIZE, CU_LIMIT_MALLOC_HEAP_SIZE */
 static pthread_mutex_t g_lim_mu = PTHREAD_MUTEX_INITIALIZER;  /* the table */
@@ -137,42 +141,40 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     }
     pthread_mutex_lock(&g_set_mu);
     pthread_mutex_lock(&g_lim_mu);
-    int e = lim_entry_locked(ctx, slot, value > now);
+    int e = lim_entry_locked(ctx, slot, 1);
     if (e >= 0 && !g_lim[e].known[limit]) {
         g_lim[e].base[limit] = now;
         g_lim[e].known[limit] = 1;
     }
-    /* with an entry, the charge follows the value; without one (nothing to charge, or no room)
-     * the growth over the current value is only checked against the cap, and the reconcile
-     * charges it afterwards */
+    /* with an entry, the charge is the most the limit was set to; without one (no room), the
+     * growth over the current value, kept */
     uint64_t was = e >= 0 ? g_lim[e].charged[limit] : 0;
     uint64_t target = e >= 0 ? limit_bytes(value, g_lim[e].base[limit], unit) : limit_bytes(value, now, unit);
     pthread_mutex_unlock(&g_lim_mu);
-    if (target > was && gs_reserve(slot, target - was) != 0) {
-        pthread_mutex_unlock(&g_set_mu);
-        GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
-                value, (unsigned long long)(target - was));
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t grow = target > was ? target - was : 0;
+    if (grow) {
+        if (gs_reserve(slot, grow) != 0) {
+            pthread_mutex_unlock(&g_set_mu);
+            GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
+                    value, (unsigned long long)grow);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        gs_inflight_begin();
     }
     CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
-    pthread_mutex_lock(&g_lim_mu);
-    int kept = e >= 0 && g_lim[e].ctx == ctx; /* not forgotten meanwhile (the context went) */
-    if (rc == CUDA_SUCCESS && kept) {
-        g_lim[e].charged[limit] = target;
-        if (target < was) gs_budget_release(slot, was - target); /* lowered */
-    } else if (target > was) {
-        gs_budget_release(slot, target - was); /* failed, or nothing to keep it in */
+    if (grow) {
+        pthread_mutex_lock(&g_lim_mu);
+        if (rc != CUDA_SUCCESS)
+            gs_budget_release(slot, grow);
+        else if (e >= 0 && g_lim[e].ctx == ctx)
+            g_lim[e].charged[limit] = target;
+        else if (e >= 0)
+            gs_budget_release(slot, grow); /* the context went meanwhile, and its limits with it */
+        pthread_mutex_unlock(&g_lim_mu);
+        gs_inflight_end();
     }
-    pthread_mutex_unlock(&g_lim_mu);
     pthread_mutex_unlock(&g_set_mu);
-    if (rc == CUDA_SUCCESS) {
-        CUdevice dev;
-        /* a driver that kept a lowered limit's memory had it charged as untracked since: now
-         * charged again here, the untracked part is measured again */
-        if (target > was && gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
-            gs_reconcile_mark_rebase(dev);
-        gs_reconcile_after_load();
-    }
+    if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
     return rc;
 }
 

@@ -147,7 +147,7 @@ static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
 }
 
 /* One reading of what the process holds on dev beyond its charge.  Adding (rebase 0): the
- * growth is charged.  Rebasing (rebase 1, after a context went or a limit was raised): what
+ * growth is charged.  Rebasing (rebase 1, after a context went or was reset): what
  * was charged beyond the records is set to what NVML shows beyond them now, down as well as
  * up, but down only from a reading no allocation or free crossed; until one comes the device
  * stays marked (growth is still added meanwhile), for the sampler to try again.  Returns the
@@ -311,14 +311,6 @@ void gs_reconcile_forget_ctx(CUcontext ctx)
 void gs_reconcile_ctx_reset(CUdevice dev)
 {
     if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) rebase_untracked(dev);
-}
-
-void gs_reconcile_mark_rebase(CUdevice dev)
-{
-    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
-    gs_ctx_lock();
-    g_rebase[dev] = 1;
-    gs_ctx_unlock();
 }
 
 /* ---- the sampler ---------------------------------------------------------- */

@@ -255,8 +255,8 @@ def test_the_graph_pool_charge_outlives_a_context_other_than_the_primary(lab):
 # ---- a second review of the same code ------------------------------------------------------
 
 def test_a_limit_lowered_and_raised_again_is_charged_once(lab):
-    # lowering a limit returned nothing, so every raise after a lower was charged again:
-    # 400 -> 692 -> 984 MiB charged while the process held 400
+    # every raise after a lower was charged again: 400 -> 692 -> 984 MiB charged while the
+    # process held 400 (a limit is charged for the most it was set to)
     res = lab.run("init", "ctx", "0", *(["setlimit", "2", "300m", "setlimit", "2", "8m"] * 2),
                   "setlimit", "2", "300m", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
                   FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_LIMIT_SHRINK="1")
@@ -369,3 +369,66 @@ def test_a_limit_lowered_and_raised_on_a_driver_that_keeps_the_memory_is_charged
                   "setlimit", "2", "300m", "sleep", "700", "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
     assert view_used(res) == res.of("phys")[0][1][0] == 400 * MIB
+
+
+# ---- a fourth review -----------------------------------------------------------------------
+
+def no_nvml(lab) -> dict[str, str]:
+    """A "real" NVML without any NVML function: nothing can be measured."""
+    return {"GPUSLICE_REAL_LIBNVML": str(lab.build / "fake" / "minimal" / "libcuda.so.1")}
+
+
+def test_a_limit_inside_the_driver_is_not_taken_for_memory_when_a_context_goes(lab):
+    # the re-measurement after a context went counted the limit's reservation, which NVML did
+    # not show yet, as a record and lowered the untracked charge by it: 1300 MiB held under 1 GiB
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "module", "300m", "sleep", "700",
+                  "bgsetlimit", "300m", "0", "sleep", "100", "ctxdestroy", "0", "alloc", "600m",
+                  "join", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_SLEEP="cuCtxSetLimit:400")
+    assert res.rc("bgsetlimit") == 0 and res.rc("alloc") == OOM
+    assert view_used(res) == res.of("phys")[0][1][0] == 700 * MIB
+
+
+def test_a_limit_set_while_a_context_is_created_is_not_its_footprint(lab):
+    res = lab.run("init", "ctx", "0", "bgsetlimit", "500m", "0", "sleep", "50", "ctxcreate", "0",
+                  "join", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_SLEEP="cuCtxSetLimit:200,cuCtxCreate:300")
+    assert res.rc("bgsetlimit") == 0 and res.rc("ctxcreate") == 0
+    assert view_used(res) == res.of("phys")[0][1][0] == 700 * MIB
+    later = lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="300m", FAKE_CUDA_CTX_BYTES="100m")
+    assert later.rc("ctx") == 0, later.stderr
+
+
+def test_a_limit_first_lowered_then_raised_is_charged_from_its_start(lab):
+    # the context starts with a 100 MiB heap (in its footprint); lowered first, the raise was
+    # charged from the lowered value: 450 MiB for 400 held
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "50m", "setlimit", "2", "300m", "sleep", "700",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="200m",
+                  FAKE_CUDA_HEAP_DEFAULT="100m", FAKE_CUDA_LIMIT_SHRINK="1")
+    assert view_used(res) == res.of("phys")[0][1][0] == 400 * MIB
+
+
+def test_without_nvml_a_lowered_limit_keeps_its_charge(lab):
+    # nothing can see that the driver kept the memory: returning the charge let an allocation
+    # take the process to 1400 MiB under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "500m", "setlimit", "2", "8m", "alloc", "800m",
+                  "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m", **no_nvml(lab))
+    assert res.rc("alloc") == OOM
+    assert res.of("phys")[0][1][0] <= GIB
+
+
+def test_without_nvml_limits_past_the_table_stay_charged(lab):
+    cmds = [w for n in range(66) for w in ("ctxcreate", "0", "ctxset", str(n), "setlimit", "2", "1m")]
+    res = lab.run("init", "ctx", "0", *cmds, "setlimit", "2", "800m", "alloc", "600m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="1m", timeout=120, **no_nvml(lab))
+    assert res.of("setlimit")[-1][0] == 0 and res.rc("alloc") == OOM
+    assert res.of("phys")[0][1][0] <= GIB
+
+
+def test_raising_a_lowered_limit_back_needs_no_new_room(lab):
+    # the raise back reserved again before anything re-measured: refused with 900 MiB held
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "300m", "setlimit", "2", "8m", "sleep", "700",
+                  "alloc", "500m", "setlimit", "2", "300m", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert [rc for rc, _ in res.of("setlimit")] == [0, 0, 0]
+    assert view_used(res) == res.of("phys")[0][1][0] == 900 * MIB

@@ -210,6 +210,7 @@ struct fake_ctx {
     int pdev;
     int primary;
     int refs;
+    uint64_t base;    /* the context's own memory, less its default heap */
     uint64_t modules; /* memory taken by (lazily loaded) modules and by limits */
     uint64_t limits[3]; /* what cuCtxSetLimit reserved: stacks, printf FIFO, malloc heap */
 };
@@ -397,12 +398,25 @@ API CUresult cuDeviceGetName(char *name, int len, CUdevice d)
     return CUDA_SUCCESS;
 }
 
+/* FAKE_CUDA_HEAP_DEFAULT: a new context's malloc heap limit, part of FAKE_CUDA_CTX_BYTES
+ * (a real context starts with an 8 MiB heap); default 0. */
+static void ctx_fill(struct fake_ctx *c)
+{
+    const char *v = getenv("FAKE_CUDA_HEAP_DEFAULT");
+    uint64_t heap = v ? fake_size(v) : 0;
+    if (heap > ctx_bytes) heap = ctx_bytes;
+    c->base = ctx_bytes - heap;
+    c->modules = heap;
+    c->limits[2] = heap;
+}
+
 static CUresult ctx_new(struct fake_ctx *c, int ordinal)
 {
     int rc = phys_add(visible[ordinal], ctx_bytes);
     if (rc) return rc;
     c->pdev = visible[ordinal];
     c->refs = 1;
+    ctx_fill(c);
     return CUDA_SUCCESS;
 }
 
@@ -455,9 +469,10 @@ API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
     pthread_mutex_lock(&mu);
     if (primaries[d].refs) {
         ctx_drop(&primaries[d]);
-        if (getenv("FAKE_CUDA_RESET_ACTIVE")) /* a driver that keeps the (emptied) context active */
+        if (getenv("FAKE_CUDA_RESET_ACTIVE")) { /* a driver that keeps the (emptied) context active */
             phys_add(primaries[d].pdev, ctx_bytes);
-        else
+            ctx_fill(&primaries[d]);
+        } else
             primaries[d].refs = 0;
     }
     pthread_mutex_unlock(&mu);
@@ -623,8 +638,8 @@ static void ctx_drop(struct fake_ctx *c)
         phys_sub(c->pdev, graph_reserved[c->pdev]); /* and so does its graph memory */
         graph_reserved[c->pdev] = 0;
     }
-    phys_sub(c->pdev, ctx_bytes + c->modules);
-    c->modules = 0;
+    phys_sub(c->pdev, c->base + c->modules);
+    c->base = c->modules = 0;
     memset(c->limits, 0, sizeof(c->limits));
 }
 
