@@ -90,15 +90,16 @@ static uint64_t limit_unit(CUlimit limit)
     return (uint64_t)sms * (uint64_t)per_sm;
 }
 
-/* The limit's entry for ctx (made if `make`), or -1; caller holds g_lim_mu. */
-static int lim_entry_locked(CUcontext ctx, int slot, int make)
+/* The limit's entry for ctx (made if need be), or -1 when the table is full; caller holds
+ * g_lim_mu. */
+static int lim_entry_locked(CUcontext ctx, int slot)
 {
     int free_at = -1;
     for (int i = 0; i < GS_LIMIT_CTXS; i++) {
         if (g_lim[i].ctx == ctx) return i;
         if (!g_lim[i].ctx && free_at < 0) free_at = i;
     }
-    if (free_at >= 0 && make) {
+    if (free_at >= 0) {
         memset(&g_lim[free_at], 0, sizeof(g_lim[free_at]));
         g_lim[free_at].ctx = ctx;
         g_lim[free_at].slot = slot;
@@ -141,7 +142,7 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     }
     pthread_mutex_lock(&g_set_mu);
     pthread_mutex_lock(&g_lim_mu);
-    int e = lim_entry_locked(ctx, slot, 1);
+    int e = lim_entry_locked(ctx, slot);
     if (e >= 0 && !g_lim[e].known[limit]) {
         g_lim[e].base[limit] = now;
         g_lim[e].known[limit] = 1;
