@@ -110,8 +110,11 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         int slot = gs_current_slot(&ctx);                                             \
         if (slot < 0 || (pass)) return (call);                                        \
         uint64_t charge = gs_charge_size(bytes);                                      \
-        if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);             \
-        gs_inflight_begin();                                                          \
+        gs_inflight_begin(); /* before the charge changes: no clean reading between */ \
+        if (gs_reserve(slot, charge) != 0) {                                          \
+            gs_inflight_end();                                                        \
+            return over_cap(slot, charge);                                            \
+        }                                                                             \
         CUresult rc = (call);                                                         \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
@@ -153,9 +156,12 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
     if (slot < 0 || !WidthInBytes || !Height || WidthInBytes > UINT64_MAX / 2 || row > UINT64_MAX / Height)
         return gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     uint64_t charge = gs_charge_size(row * Height); /* the pitch is not known before the call */
-    if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
-    gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
     gs_inflight_begin();
+    if (gs_reserve(slot, charge) != 0) {
+        gs_inflight_end();
+        return over_cap(slot, charge);
+    }
+    gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
     CUresult rc = gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     if (rc != CUDA_SUCCESS) {
         gs_inflight_end();
@@ -211,8 +217,11 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     int slot = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(prop->location.id) : -1;
     if (slot < 0 || !size) return gs_cuda.cuMemCreate(handle, size, prop, flags);
     uint64_t charge = gs_charge_size(size);
-    if (gs_reserve(slot, charge) != 0) return over_cap(slot, charge);
     gs_inflight_begin();
+    if (gs_reserve(slot, charge) != 0) {
+        gs_inflight_end();
+        return over_cap(slot, charge);
+    }
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
     if (rc != CUDA_SUCCESS) {
         rc = rollback(rc, slot, charge);

@@ -17,6 +17,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpuslice.h"
@@ -58,21 +59,23 @@ GS_LOAD_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, 
  * reset (gs_limits_forget_ctx).  A lowered limit keeps its charge: whether the driver frees
  * the difference is not known, and where NVML cannot tell, nothing would charge it again.  A
  * call is counted in flight (gs_inflight) from its reservation until its charge is settled, so
- * no measurement takes its reservation for memory the driver has not shown yet.  Past
- * GS_LIMIT_CTXS contexts with limits, growth over the current value is reserved and kept
- * until the process exits. */
-#define GS_LIMIT_CTXS 64
+ * no measurement takes its reservation for memory the driver has not shown yet.  Should no
+ * memory be left for the table, growth over the current value is reserved and kept until
+ * the process exits. */
+#define GS_LIMIT_CTXS 16 /* entries at first; the table doubles when full */
 #define GS_LIMITS 3 /* CU_LIMIT_STACK_SIZE, CU_LIMIT_PRINTF_FIFO_SIZE, CU_LIMIT_MALLOC_HEAP_SIZE */
 static pthread_mutex_t g_lim_mu = PTHREAD_MUTEX_INITIALIZER;  /* the table */
 static pthread_mutex_t g_set_mu = PTHREAD_MUTEX_INITIALIZER;  /* one cuCtxSetLimit at a time: taken before
                                                                   anything gs_reserve may take, never under them */
-static struct {
+struct gs_limits {
     CUcontext ctx; /* NULL = free */
     int slot;
     size_t base[GS_LIMITS];      /* the value when first seen */
     int known[GS_LIMITS];
     uint64_t charged[GS_LIMITS]; /* bytes */
-} g_lim[GS_LIMIT_CTXS];
+};
+static struct gs_limits *g_lim; /* under g_lim_mu */
+static int g_nlim;
 
 /* Bytes per unit of `limit`: the stack is per thread, for every thread the device runs at once;
  * 0 if the driver cannot say. */
@@ -90,14 +93,23 @@ static uint64_t limit_unit(CUlimit limit)
     return (uint64_t)sms * (uint64_t)per_sm;
 }
 
-/* The limit's entry for ctx (made if need be), or -1 when the table is full; caller holds
- * g_lim_mu. */
+/* The limit's entry for ctx (made if need be), or -1 when no memory is left for one; caller
+ * holds g_lim_mu. */
 static int lim_entry_locked(CUcontext ctx, int slot)
 {
     int free_at = -1;
-    for (int i = 0; i < GS_LIMIT_CTXS; i++) {
+    for (int i = 0; i < g_nlim; i++) {
         if (g_lim[i].ctx == ctx) return i;
         if (!g_lim[i].ctx && free_at < 0) free_at = i;
+    }
+    if (free_at < 0) {
+        int n = g_nlim ? 2 * g_nlim : GS_LIMIT_CTXS;
+        struct gs_limits *t = realloc(g_lim, (size_t)n * sizeof(*t));
+        if (!t) return -1;
+        memset(t + g_nlim, 0, (size_t)(n - g_nlim) * sizeof(*t));
+        free_at = g_nlim;
+        g_lim = t;
+        g_nlim = n;
     }
     if (free_at >= 0) {
         memset(&g_lim[free_at], 0, sizeof(g_lim[free_at]));
@@ -110,7 +122,7 @@ static int lim_entry_locked(CUcontext ctx, int slot)
 void gs_limits_forget_ctx(CUcontext ctx)
 {
     pthread_mutex_lock(&g_lim_mu);
-    for (int i = 0; i < GS_LIMIT_CTXS; i++) {
+    for (int i = 0; i < g_nlim; i++) {
         if (g_lim[i].ctx != ctx) continue;
         for (int l = 0; l < GS_LIMITS; l++)
             if (g_lim[i].charged[l]) gs_budget_release(g_lim[i].slot, g_lim[i].charged[l]);
@@ -154,13 +166,14 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     pthread_mutex_unlock(&g_lim_mu);
     uint64_t grow = target > was ? target - was : 0;
     if (grow) {
+        gs_inflight_begin(); /* before the charge changes: no clean reading between */
         if (gs_reserve(slot, grow) != 0) {
+            gs_inflight_end();
             pthread_mutex_unlock(&g_set_mu);
             GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
                     value, (unsigned long long)grow);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
-        gs_inflight_begin();
     }
     CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
     if (grow) {
@@ -183,5 +196,5 @@ void gs_limits_after_fork_child(void)
 {
     pthread_mutex_init(&g_lim_mu, NULL);
     pthread_mutex_init(&g_set_mu, NULL);
-    memset(g_lim, 0, sizeof(g_lim));
+    if (g_lim) memset(g_lim, 0, (size_t)g_nlim * sizeof(*g_lim));
 }

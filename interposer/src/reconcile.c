@@ -30,6 +30,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -44,12 +45,12 @@
 
 uint64_t gs_reconcile_margin = GS_DEFAULT_MARGIN;
 
-#define GS_DEV_CTXS 64 /* live contexts remembered per device, newest last */
+#define GS_DEV_CTXS 8 /* live contexts remembered per device at first; the list grows */
 
 static unsigned g_host_pid[GS_MAX_CUDA_DEVS];
 static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charged: the newest live one */
-static CUcontext g_dev_ctxs[GS_MAX_CUDA_DEVS][GS_DEV_CTXS]; /* under the context lock */
-static int g_dev_nctx[GS_MAX_CUDA_DEVS];
+static CUcontext *g_dev_ctxs[GS_MAX_CUDA_DEVS]; /* the device's live contexts, newest last; under the context lock */
+static int g_dev_nctx[GS_MAX_CUDA_DEVS], g_dev_cap[GS_MAX_CUDA_DEVS];
 /* What the reconcile charged on each device beyond the records, and to which slot; under the
  * context lock.  It is not any one context's: when a context goes it is dropped and measured
  * again (the memory may have gone with it, or may belong to a context that lives on). */
@@ -288,7 +289,18 @@ void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx)
 {
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
     drop_dev_ctx(dev, ctx);
-    if (g_dev_nctx[dev] == GS_DEV_CTXS) drop_dev_ctx(dev, g_dev_ctxs[dev][0]); /* the oldest goes */
+    if (g_dev_nctx[dev] == g_dev_cap[dev]) {
+        int cap = g_dev_cap[dev] ? 2 * g_dev_cap[dev] : GS_DEV_CTXS;
+        CUcontext *t = realloc(g_dev_ctxs[dev], (size_t)cap * sizeof(*t));
+        if (t) {
+            g_dev_ctxs[dev] = t;
+            g_dev_cap[dev] = cap;
+        } else if (g_dev_nctx[dev]) {
+            drop_dev_ctx(dev, g_dev_ctxs[dev][0]); /* no memory: the oldest is forgotten */
+        } else {
+            return;
+        }
+    }
     g_dev_ctxs[dev][g_dev_nctx[dev]++] = ctx;
     __atomic_store_n(&g_dev_ctx[dev], ctx, __ATOMIC_RELEASE);
     if (gs_host_pid_known(dev) || gs_launch_wants_sampler()) start_sampler();

@@ -416,3 +416,30 @@ def test_raising_a_lowered_limit_back_needs_no_new_room(lab):
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
     assert [rc for rc, _ in res.of("setlimit")] == [0, 0, 0]
     assert view_used(res) == res.of("phys")[0][1][0] == 900 * MIB
+
+
+# ---- a fifth review -------------------------------------------------------------------------
+
+def test_an_old_context_left_after_many_newer_ones_go_is_still_reconciled(lab):
+    # only the 64 newest contexts of a device were remembered: with 65, destroying the 64 newer
+    # ones made the device look context-less, and code loaded in the first went uncharged
+    # (1101 MiB held under a 1 GiB cap)
+    cmds = ["ctxcreate", "0"] * 65 + [w for n in range(1, 65) for w in ("ctxdestroy", str(n))]
+    res = lab.run("init", *cmds, "ctxset", "0", "module", "300m", "alloc", "400m", "alloc", "400m",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="1m",
+                  timeout=120)
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+    assert view_used(res) == res.of("phys")[0][1][0] == 701 * MIB
+
+
+def test_limits_of_many_contexts_are_each_charged_once(lab):
+    # past a fixed table of 64 contexts, every raise of a limit was charged again and never
+    # returned: 1013 MiB charged while the process held 137
+    cmds = [w for n in range(64) for w in ("ctxcreate", "0", "ctxset", str(n), "setlimit", "2", "1m")]
+    cycles = ["setlimit", "2", "300m", "setlimit", "2", "8m"] * 3
+    res = lab.run("init", *cmds, "ctxcreate", "0", "ctxset", "64", *cycles, "sleep", "700",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="1m",
+                  FAKE_CUDA_LIMIT_SHRINK="1", timeout=120)
+    assert all(rc == 0 for rc, _ in res.of("setlimit"))
+    # the 65th context's heap keeps its 300 MiB high-water charge (lowered, the fake freed it)
+    assert view_used(res) <= res.of("phys")[0][1][0] + 300 * MIB
