@@ -133,10 +133,6 @@ static void release_ctx(CUcontext ctx)
     gs_reconcile_forget_ctx(ctx); /* last: it measures what is left */
 }
 
-CUcontext gs_primary_ctx(CUdevice dev)
-{
-    return dev >= 0 && dev < GS_MAX_CUDA_DEVS ? __atomic_load_n(&g_primary_ctx[dev], __ATOMIC_ACQUIRE) : NULL;
-}
 
 GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
@@ -163,7 +159,7 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
         uint64_t bytes = charge_end(dev, &c, rc);
         if (rc == CUDA_SUCCESS) {
-            __atomic_store_n(&g_primary_ctx[dev], *pctx, __ATOMIC_RELEASE);
+            g_primary_ctx[dev] = *pctx;
             record_ctx(*pctx, c.slot, bytes, dev);
         }
     }
@@ -180,7 +176,7 @@ static void primary_maybe_gone(CUdevice dev)
         return;
     release_ctx(g_primary_ctx[dev]);
     gs_launch_forget_ctx(g_primary_ctx[dev]);
-    __atomic_store_n(&g_primary_ctx[dev], NULL, __ATOMIC_RELEASE);
+    g_primary_ctx[dev] = NULL;
 }
 
 GS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)

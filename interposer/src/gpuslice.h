@@ -130,7 +130,6 @@ int gs_dev_count(void);
 void gs_ctx_lock(void);              /* context records and what reconcile.c charges to them */
 void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);
-CUcontext gs_primary_ctx(CUdevice dev); /* the device's primary context if retained, else NULL */
 
 /* ---- reconcile.c ---------------------------------------------------------- */
 
