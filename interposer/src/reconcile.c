@@ -155,12 +155,11 @@ static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
  * bytes added. */
 static uint64_t reconcile_locked(CUdevice dev, int rebase)
 {
-    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_dev_ctx[dev]) {
-        if (rebase && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_untracked[dev]) { /* no context left */
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return 0;
+    if (!g_dev_ctx[dev]) {
+        if (rebase && g_untracked[dev]) /* no context left: what it held went with it */
             gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
-            g_untracked[dev] = 0;
-        }
-        if (rebase && dev >= 0 && dev < GS_MAX_CUDA_DEVS) g_rebase[dev] = 0;
+        if (rebase) g_untracked[dev] = g_rebase[dev] = 0;
         return 0;
     }
     int slot = gs_dev_slot(dev);
