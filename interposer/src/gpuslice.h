@@ -293,6 +293,8 @@ extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (at
 /* 0 = not such a graph; 1 = reserved[] taken, the charge unsettled until gs_graphmem_after;
  * -1 = over the cap (nothing taken) */
 int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *reserved);
+/* Would the launch's memory fit now? -1 = no (nothing kept); for refusing before the throttle waits. */
+int gs_graphmem_check(CUgraphExec exec);
 void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const uint64_t *reserved, int ran);
 void gs_graphmem_after_fork_child(void);
 void gs_graphmem_forget_ctx(CUcontext ctx); /* its executable graphs went with it */

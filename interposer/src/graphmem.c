@@ -257,6 +257,17 @@ int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *r
     return 1;
 }
 
+int gs_graphmem_check(CUgraphExec exec)
+{
+    struct gs_graph_need need;
+    uint64_t reserved[GS_GRAPH_DEVS];
+    if (!lookup(exec, &need)) return 0;
+    if (reserve(&need, reserved) != 0) return -1;
+    for (int i = 0; i < need.n; i++)
+        if (reserved[i]) gs_budget_release(gs_dev_slot(need.dev[i]), reserved[i]);
+    return 0;
+}
+
 void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const uint64_t *reserved, int ran)
 {
     uint64_t held[GS_GRAPH_DEVS] = {0};

@@ -861,8 +861,11 @@ GS_EX_HOOK(cuLaunchKernelEx_ptsz, 1)
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
         struct graph_args a = {(const void *)gs_cuda.name, hGraphExec, hStream};                              \
-        launch_thunk call = __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) ? call_graph_mem : call_graph; \
-        return throttle_on() ? throttled(hStream, pt, call, &a) : call(&a);                                   \
+        int mem = __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) != 0;                                 \
+        if (!throttle_on()) return mem ? call_graph_mem(&a) : call_graph(&a);                                 \
+        /* refused at once, not after waiting for the compute budget */                                      \
+        if (mem && gs_graphmem_check(hGraphExec) != 0) return CUDA_ERROR_OUT_OF_MEMORY;                       \
+        return throttled(hStream, pt, mem ? call_graph_mem : call_graph, &a);                                 \
     }                                                                                                         \
     GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \
     {                                                                                                         \

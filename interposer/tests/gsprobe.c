@@ -368,6 +368,8 @@ static void *bg_main(void *p)
     return NULL;
 }
 
+static struct timespec mark_ts;
+
 static void bg_start(const char *what, long ms, uint64_t size)
 {
     snprintf(bg.what, sizeof(bg.what), "%s", what);
@@ -803,6 +805,14 @@ int main(int argc, char **argv)
             i += 1;
         } else if (!strcmp(c, "join")) {
             bg_join();
+        } else if (!strcmp(c, "mark")) {
+            /* mark ... since: the milliseconds between the two */
+            clock_gettime(CLOCK_MONOTONIC, &mark_ts);
+            printf("mark 0\n");
+        } else if (!strcmp(c, "since")) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            printf("since 0 %ld\n", (long)((ts.tv_sec - mark_ts.tv_sec) * 1000 + (ts.tv_nsec - mark_ts.tv_nsec) / 1000000));
         } else if (!strcmp(c, "sleep")) {
             usleep((useconds_t)atoi(ARG(0)) * 1000);
             printf("sleep 0\n");

@@ -134,3 +134,14 @@ def test_graph_memory_is_not_counted_twice_by_the_near_cap_reconcile(lab):
     assert res.values("nvmlqueries")[0] >= 1  # the reconcile did ask
     assert free_seen(res) == [GIB - 900 * MIB]
     assert phys(res) == [900 * MIB]
+
+
+def test_a_graph_that_does_not_fit_is_refused_without_waiting_for_the_compute_budget(lab):
+    # under a compute limit, a graph launch over the memory cap first waited for the budget
+    # its predecessors ran up (here about 450 ms), then was refused anyway
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "gcapture", "600m", "ginst", "flags",
+                  "launch", "20", "sync", "mark", "glaunch", "since", "meminfo", **CAP,
+                  CUDA_DEVICE_SM_LIMIT="10", FAKE_CUDA_KERNEL_US="50000")
+    assert res.rc("glaunch") == OOM
+    assert res.of("since")[0][1][0] < 150
+    assert free_seen(res) == [GIB - 600 * MIB]
