@@ -161,6 +161,8 @@
     R(cuCtxGetLimit, CUresult, (size_t *pvalue, CUlimit limit))                               \
     R(cuDeviceGetAttribute, CUresult, (int *pi, CUdevice_attribute attrib, CUdevice dev))     \
     R(cuCtxGetCurrent, CUresult, (CUcontext *pctx))                                           \
+    R(cuCtxSetCurrent, CUresult, (CUcontext ctx))                                             \
+    R(cuStreamGetCtx, CUresult, (CUstream hStream, CUcontext *pctx))                          \
     R(cuDevicePrimaryCtxGetState, CUresult, (CUdevice dev, unsigned int *flags, int *active)) \
     R(cuDeviceGetMemPool, CUresult, (CUmemoryPool *pool, CUdevice dev))                       \
     R(cuMemPoolGetAttribute, CUresult, (CUmemoryPool pool, CUmemPool_attribute attr, void *value)) \

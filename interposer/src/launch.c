@@ -607,15 +607,51 @@ int gs_capture_global(void)
 
 typedef CUresult (*launch_thunk)(const void *args);
 
+/* A context-less kernel (a CUkernel) runs in the context of its stream, which need not be the
+ * current one.  Its events must be made in that context (the driver records an event only on
+ * a stream of its own context) and its time belongs to that context's device: the throttle's
+ * bookkeeping runs with the stream's context current, the launch itself with the caller's. */
+struct ctx_switch {
+    int on;
+    CUcontext home, there;
+};
+
+static void switch_to(const struct ctx_switch *sw, int there)
+{
+    if (sw->on) gs_cuda.cuCtxSetCurrent(there ? sw->there : sw->home);
+}
+
+/* The slot (and context) a launch on es is measured in, -1 if none. */
+static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
+{
+    int slot = gs_current_slot(ctx);
+    CUcontext there = NULL;
+    sw->on = 0;
+    if (!es || es == CU_STREAM_LEGACY || es == CU_STREAM_PER_THREAD || !gs_cuda.cuStreamGetCtx ||
+        !gs_cuda.cuCtxSetCurrent || gs_cuda.cuStreamGetCtx(es, &there) != CUDA_SUCCESS || !there ||
+        there == *ctx)
+        return slot;
+    if (gs_cuda.cuCtxSetCurrent(there) != CUDA_SUCCESS) return -1; /* launched unmeasured */
+    sw->on = 1;
+    sw->home = *ctx;
+    sw->there = there;
+    slot = gs_current_slot(ctx);
+    if (slot < 0) switch_to(sw, 0), sw->on = 0;
+    return slot;
+}
+
 static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
 {
     CUcontext ctx;
-    int slot = gs_current_slot(&ctx);
+    struct ctx_switch sw = {0, NULL, NULL};
     CUstream es = gs_effective_stream(stream, per_thread);
+    int slot = launch_slot(es, &ctx, &sw);
     if (slot < 0 || !__atomic_load_n(&gs_region->devices[slot].sm_limit, __ATOMIC_RELAXED) ||
         !gs_cuda.cuEventCreate || !gs_cuda.cuEventRecord || !gs_cuda.cuEventQuery || !elapsed_fn() ||
-        capture_forbids_queries() || gs_stream_capturing(es))
+        capture_forbids_queries() || gs_stream_capturing(es)) {
+        switch_to(&sw, 0);
         return launch(args);
+    }
     uint64_t key = stream_key(es);
 
     pthread_mutex_lock(&g_mu);
@@ -656,8 +692,10 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     }
     pthread_mutex_unlock(&g_mu);
 
+    switch_to(&sw, 0);
     CUresult rc = launch(args);
     if (rc != CUDA_SUCCESS) return rc;
+    switch_to(&sw, 1);
 
     pthread_mutex_lock(&g_mu);
     s = stream_get_locked(key, ctx, slot);
@@ -683,6 +721,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
         }
     }
     pthread_mutex_unlock(&g_mu);
+    switch_to(&sw, 0);
     return rc;
 }
 

@@ -35,6 +35,7 @@
     X(cuCtxCreate_v2, CUresult, (CUcontext *, unsigned, CUdevice))                                           \
     X(cuCtxDestroy_v2, CUresult, (CUcontext))                                                                \
     X(cuCtxSetCurrent, CUresult, (CUcontext))                                                                \
+    X(cuCtxGetCurrent, CUresult, (CUcontext *))                                                              \
     X(cuMemAlloc_v2, CUresult, (CUdeviceptr *, size_t))                                                      \
     X(cuMemAllocManaged, CUresult, (CUdeviceptr *, size_t, unsigned))                                        \
     X(cuMemAllocPitch_v2, CUresult, (CUdeviceptr *, size_t *, size_t, size_t, unsigned))                     \
@@ -242,6 +243,39 @@ static void bench(double seconds, const char *kind)
            (unsigned long long)wall);
 }
 
+static CUcontext capture_ctx; /* the context "ctx" made current: other threads use it too */
+
+/* Like bench, with a context-less kernel (CUkernel) launched on a stream of device DEV's
+ * primary context while the current context stays the one "ctx" made (the kernel runs in its
+ * stream's context). */
+static void xbench(double seconds, int dev)
+{
+    typedef uint64_t (*kns_t)(void);
+    kns_t kernel_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_ns");
+    CUcontext home = capture_ctx, there = NULL;
+    CUstream s = NULL;
+    CUlibrary lib = NULL;
+    CUkernel k = NULL;
+    CUresult rc = api.cuDevicePrimaryCtxRetain(&there, dev);
+    if (rc == CUDA_SUCCESS) rc = api.cuCtxSetCurrent(there);
+    if (rc == CUDA_SUCCESS) rc = api.cuStreamCreate(&s, 0);
+    if (rc == CUDA_SUCCESS) rc = api.cuLibraryLoadData(&lib, "fake image", NULL, NULL, 0, NULL, NULL, 0);
+    if (rc == CUDA_SUCCESS) rc = api.cuLibraryGetKernel(&k, lib, "k");
+    api.cuCtxSetCurrent(home);
+    uint64_t k0 = kernel_ns(), t0 = now_ns(), end = t0 + (uint64_t)(seconds * 1e9), n = 0;
+    while (rc == CUDA_SUCCESS && now_ns() < end) {
+        rc = api.cuLaunchKernel((CUfunction)k, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        n++;
+    }
+    if (s) api.cuStreamSynchronize(s);
+    uint64_t wall = now_ns() - t0;
+    CUcontext after = NULL;
+    api.cuCtxGetCurrent(&after);
+    /* the last field: whether the caller's context is still the current one */
+    printf("xbench %d %llu %llu %llu %d\n", rc, (unsigned long long)n, (unsigned long long)(kernel_ns() - k0),
+           (unsigned long long)wall, after == home);
+}
+
 /* Real GPUs only: `count` cuMemAlloc+cuMemFree pairs of `size` bytes; ns per pair. */
 static void allocbench(long count, uint64_t size)
 {
@@ -257,7 +291,6 @@ static void allocbench(long count, uint64_t size)
 
 /* mbench SECONDS N: N threads, each launching on a stream of its own as fast as it can; like
  * bench, prints launches, the fake GPU's kernel time and the wall time. */
-static CUcontext capture_ctx; /* the context "ctx" made current: other threads use it too */
 
 struct mbench_arg {
     uint64_t end, launches;
@@ -682,6 +715,9 @@ int main(int argc, char **argv)
             i += 1;
         } else if (!strcmp(c, "bench")) {
             bench(atof(ARG(0)), ARG(1));
+            i += 2;
+        } else if (!strcmp(c, "xbench")) {
+            xbench(atof(ARG(0)), atoi(ARG(1)));
             i += 2;
         } else if (!strcmp(c, "module")) {
             typedef CUresult (*module_t)(uint64_t);

@@ -498,3 +498,22 @@ def test_uncorrected_processes_of_a_container_charge_each_other(release_lab):
     # measured before the correction: 19.7% for two processes, 16.0% for three
     got = shared_gpu_total(release_lab, 3, GPUSLICE_SM_TIMESLICE_CORRECTION="off")
     assert got <= 22, f"{got:.1f}%"
+
+
+TWO_GPUS = {"FAKE_CUDA_DEVICES": "GPU-aaaaaaaa-0000-1111-2222-333333333333=16g,"
+                                 "GPU-bbbbbbbb-0000-1111-2222-333333333333=16g"}
+
+
+@pytest.mark.parametrize("limits", [{"CUDA_DEVICE_SM_LIMIT_1": "30"}, {"CUDA_DEVICE_SM_LIMIT": "30"}],
+                         ids=["only_its_device", "every_device"])
+def test_a_context_less_kernel_on_another_contexts_stream_is_throttled_in_that_context(lab, limits):
+    # a CUkernel runs in its stream's context: launched on device 1's stream while device 0's
+    # context was current, it was charged to device 0 (no limit there) or, its events made in
+    # the wrong context, not measured at all: 100 % of device 1 either way
+    res = lab.run("init", "ctx", "0", "xbench", "1.5", "1", **TWO_GPUS, **limits,
+                  FAKE_CUDA_KERNEL_US="1000")
+    rc, (launches, kernel_ns, wall_ns, home_kept) = res.of("xbench")[0]
+    assert rc == 0 and launches > 0
+    assert home_kept == 1  # the caller's context is current again
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"

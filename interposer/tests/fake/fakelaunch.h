@@ -9,11 +9,13 @@ static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc);
 
 struct fake_stream {
     uint64_t tail; /* when the last queued work finishes */
+    struct fake_ctx *ctx; /* current when it was created */
     int capturing;
     int capture_mode;
     struct fake_graph *graph; /* being captured */
 };
 struct fake_event {
+    struct fake_ctx *ctx; /* current when it was created */
     int recorded;
     uint64_t t;
 };
@@ -32,7 +34,24 @@ API CUresult cuStreamCreate(CUstream *s, unsigned int flags)
 {
     (void)flags;
     if (!s) return CUDA_ERROR_INVALID_VALUE;
-    *s = (CUstream)calloc(1, sizeof(struct fake_stream));
+    struct fake_stream *st = calloc(1, sizeof(*st));
+    st->ctx = current;
+    *s = (CUstream)st;
+    return CUDA_SUCCESS;
+}
+
+static int special_stream(CUstream s)
+{
+    return s == NULL || s == (CUstream)0x1 || s == CU_STREAM_PER_THREAD;
+}
+
+/* The context a stream belongs to: the current one for the special handles. */
+API CUresult cuStreamGetCtx(CUstream s, CUcontext *pctx)
+{
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    struct fake_ctx *c = special_stream(s) ? current : stream_of(s, 0)->ctx;
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    *pctx = (CUcontext)c;
     return CUDA_SUCCESS;
 }
 
@@ -124,7 +143,9 @@ API CUresult cuEventCreate(CUevent *e, unsigned int flags)
 {
     (void)flags;
     if (!e) return CUDA_ERROR_INVALID_VALUE;
-    *e = (CUevent)calloc(1, sizeof(struct fake_event));
+    struct fake_event *ev = calloc(1, sizeof(*ev));
+    ev->ctx = current;
+    *e = (CUevent)ev;
     __atomic_add_fetch(&live_events, 1, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
 }
@@ -184,6 +205,8 @@ static CUresult event_record(CUevent e, CUstream s, int ptsz)
     struct fake_event *ev = (struct fake_event *)e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
     struct fake_stream *st = stream_of(s, ptsz);
+    /* as the real driver: an event is recorded only on a stream of its own context */
+    if (!special_stream(s) && st->ctx && ev->ctx && st->ctx != ev->ctx) return CUDA_ERROR_INVALID_HANDLE;
     uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
     ev->t = tail > n ? tail : own_slice(n);
     ev->recorded = 1;
@@ -388,7 +411,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) X(cuDeviceGetMemPool) X(cuDeviceGetDefaultMemPool)    \
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute)                          \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)       \
-    X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
+    X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamGetCtx) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
     X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
     X(cuStreamIsCapturing_ptsz) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz)    \
     X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuLaunchKernel)      \
