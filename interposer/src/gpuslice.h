@@ -287,7 +287,10 @@ struct gs_graph_need {            /* a graph's allocation nodes, per device */
     int n;
     CUdevice dev[GS_GRAPH_DEVS];
     uint64_t bytes[GS_GRAPH_DEVS];
-    uint64_t ran[GS_GRAPH_DEVS];  /* graph pool size after its last launch; 0 = never launched */
+    uint64_t ran[GS_GRAPH_DEVS];  /* at most what its last launch needed beyond the pool's live
+                                   * allocations (the pool's size after it, less those before it);
+                                   * 0 = never launched */
+    uint64_t live[GS_GRAPH_DEVS]; /* scratch: the pool's live allocations before this launch */
 };
 extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (atomic) */
 /* 0 = not such a graph; 1 = reserved[] taken, the charge unsettled until gs_graphmem_after;

@@ -44,7 +44,7 @@ int gs_graph_mem_execs;
 struct gexec {
     CUgraphExec exec;
     CUcontext ctx;             /* it was instantiated in: goes with it */
-    struct gs_graph_need need; /* need.ran[i]: the pool's size after its last launch (0 = never) */
+    struct gs_graph_need need; /* need.ran[i]: what its last launch needed at most (0 = never) */
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* the table and every settle */
@@ -225,18 +225,23 @@ void gs_graphmem_resettle(CUdevice dev, int contexts_left)
 }
 
 /* Reserve what the pool cannot hold of `need`; 0 = done, -1 = over the cap (nothing kept). */
-static int reserve(const struct gs_graph_need *need, uint64_t *reserved)
+static int reserve(struct gs_graph_need *need, uint64_t *reserved)
 {
     for (int i = 0; i < need->n; i++) {
         uint64_t used = 0, held = 0, extra = 0;
         int slot = gs_dev_slot(need->dev[i]);
         reserved[i] = 0;
+        need->live[i] = 0;
         if (slot < 0 || graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
             graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0)
             continue;
-        /* it ran before in a pool no smaller than now: it maps nothing new */
-        if (need->ran[i] && held >= need->ran[i]) continue;
-        if (used + need->bytes[i] > held) extra = used + need->bytes[i] - held;
+        need->live[i] = used;
+        /* the sum of its nodes, or less if it ran before: then it needed no more than the pool
+         * held after that run beyond the allocations alive before it (nodes with disjoint
+         * lifetimes share memory); both beside the allocations alive now */
+        uint64_t want = need->bytes[i];
+        if (need->ran[i] && need->ran[i] < want) want = need->ran[i];
+        if (used + want > held) extra = used + want - held;
         if (extra && gs_reserve(slot, extra) != 0) {
             for (int k = 0; k < i; k++)
                 if (reserved[k]) gs_budget_release(gs_dev_slot(need->dev[k]), reserved[k]);
@@ -274,9 +279,17 @@ void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const
     for (int i = 0; i < need->n; i++) held[i] = settle(need->dev[i], reserved[i]);
     gs_unsettled_end();
     if (!ran || !exec) return;
+    uint64_t ran_need[GS_GRAPH_DEVS] = {0};
+    for (int i = 0; i < need->n; i++) {
+        /* the pool held its need beside what lived before it; if some of that was freed
+         * meanwhile, the run may have used the space: then only the pool's size bounds it */
+        uint64_t after = 0, base = need->live[i];
+        if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &after) != 0 || after < base) base = 0;
+        ran_need[i] = held[i] > base + 1 ? held[i] - base : 1; /* never 0 once it ran: 0 means never */
+    }
     pthread_mutex_lock(&g_mu);
     int k = find_locked(exec);
-    for (int i = 0; k >= 0 && i < need->n; i++) g_execs[k].need.ran[i] = held[i];
+    for (int i = 0; k >= 0 && i < need->n; i++) g_execs[k].need.ran[i] = ran_need[i];
     pthread_mutex_unlock(&g_mu);
 }
 

@@ -809,6 +809,12 @@ int main(int argc, char **argv)
             printf("glaunch %d\n", rc);
         } else if (!strcmp(c, "gupload")) {
             printf("gupload %d\n", api.cuGraphUpload(gexec, NULL));
+        } else if (!strcmp(c, "gkeep")) {
+            /* gkeep SIZE: another graph's allocation, not freed in its graph, lives in the pool */
+            typedef CUresult (*keep_t)(uint64_t);
+            keep_t keep = (keep_t)dlsym(libcuda, "fake_cuda_graph_keep");
+            printf("gkeep %d\n", keep ? keep(size_arg(ARG(0))) : CUDA_ERROR_NOT_SUPPORTED);
+            i += 1;
         } else if (!strcmp(c, "gtrim")) {
             printf("gtrim %d\n", api.cuDeviceGraphMemTrim(0));
         } else if (!strcmp(c, "gdestroy")) {

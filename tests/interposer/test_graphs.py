@@ -71,6 +71,28 @@ def test_a_graph_that_ran_is_replayed_near_the_cap(lab):
     assert free_seen(res) == [GIB - 900 * MIB]
 
 
+def test_a_replay_beside_other_graphs_live_allocations_is_reserved_again(lab):
+    # another graph's allocation left alive in the pool takes the space this graph used: its
+    # replay maps its 600 MiB again. The replay shortcut looked only at the pool's size and
+    # let it map past the cap: 1450 MiB held under 1 GiB
+    res = lab.run("init", "ctx", "0", "gcapture", "600m", "ginst", "flags", "glaunch",
+                  "gkeep", "500m", "alloc", "250m", "glaunch", "meminfo", "phys", **CAP)
+    assert [rc for rc, _ in res.of("glaunch")] == [0, OOM]
+    assert phys(res) == [850 * MIB]  # the kept 500 MiB lives in the pool; the replay mapped nothing
+    assert free_seen(res) == [GIB - 850 * MIB]
+
+
+def test_a_replay_after_a_trim_is_judged_by_what_it_needed(lab):
+    # after a trim the replay maps again; it is judged by what its last run needed (400 MiB of
+    # its 800 MiB of nodes), so it fits beside 500 MiB where the nodes' sum would not
+    res = lab.run("init", "ctx", "0", "gnode", "400m", "0", "gnode", "400m", "0", "ginst", "flags",
+                  "glaunch", "gtrim", "alloc", "500m", "glaunch", "meminfo", "phys", **CAP,
+                  FAKE_CUDA_GRAPH_SHARE="50")
+    assert [rc for rc, _ in res.of("glaunch")] == [0, 0]
+    assert phys(res) == [900 * MIB]
+    assert free_seen(res) == [GIB - 900 * MIB]
+
+
 def test_allocations_in_child_graphs_count(lab):
     res = lab.run("init", "ctx", "0", "gnode", "300m", "0", "gchild", "ginst", "flags", "glaunch",
                   "meminfo", **CAP)

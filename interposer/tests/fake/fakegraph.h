@@ -10,7 +10,8 @@
  * less than the sum); uploading or launching it maps what the device's graph
  * pool does not hold yet (physical memory, as NVML sees it).  The pool keeps
  * it until cuDeviceGraphMemTrim or the primary context goes.  Allocation
- * nodes are taken to be freed inside their graph, so USED_MEM_CURRENT reads 0.
+ * nodes are taken to be freed inside their graph, so USED_MEM_CURRENT reads 0,
+ * unless a test says another graph kept some (fake_cuda_graph_keep).
  * The executables of fakelaunch.h (small integers = kernel counts) still work.
  */
 
@@ -34,6 +35,26 @@ struct fake_gexec {
     uint64_t kernels;
     uint64_t need[FAKE_MAX_DEVS]; /* per physical device */
 };
+
+/* Allocations of other graphs that their graphs did not free: alive in the pool, which a
+ * launch must hold beside its own nodes (cuDeviceGetGraphMemAttribute's USED_MEM_CURRENT). */
+static uint64_t graph_used_kept[FAKE_MAX_DEVS];
+
+/* Test-only: such an allocation of `bytes` in device 0's graph pool (mapped if the pool is
+ * smaller). */
+API CUresult fake_cuda_graph_keep(uint64_t bytes)
+{
+    pthread_mutex_lock(&mu);
+    int d = visible[0];
+    graph_used_kept[d] += bytes;
+    CUresult rc = CUDA_SUCCESS;
+    if (graph_used_kept[d] > graph_reserved[d]) {
+        rc = phys_add(d, graph_used_kept[d] - graph_reserved[d]);
+        if (rc == CUDA_SUCCESS) graph_reserved[d] = graph_used_kept[d];
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
 
 static struct fake_graph *fake_graph_new(void)
 {
@@ -203,6 +224,7 @@ static CUresult gexec_map(struct fake_gexec *e)
     pthread_mutex_lock(&mu);
     for (int d = 0; d < FAKE_MAX_DEVS && rc == CUDA_SUCCESS; d++) {
         uint64_t footprint = e->need[d] * pct / 100;
+        if (footprint) footprint += graph_used_kept[d]; /* beside what other graphs keep */
         if (footprint <= graph_reserved[d]) continue;
         rc = phys_add(d, footprint - graph_reserved[d]);
         if (rc == CUDA_SUCCESS) graph_reserved[d] = footprint;
@@ -296,8 +318,9 @@ API CUresult cuDeviceGraphMemTrim(CUdevice d)
 {
     if (d < 0 || d >= nvisible) return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&mu);
-    phys_sub(visible[d], graph_reserved[visible[d]]);
-    graph_reserved[visible[d]] = 0;
+    int p = visible[d];
+    phys_sub(p, graph_reserved[p] - graph_used_kept[p]); /* what lives stays */
+    graph_reserved[p] = graph_used_kept[p];
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }
@@ -310,7 +333,7 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, CUgraphMem_attribute attr,
     switch (attr) {
     case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT:
     case 1: /* USED_MEM_HIGH */
-        *(cuuint64_t *)value = 0;
+        *(cuuint64_t *)value = graph_used_kept[visible[d]];
         return CUDA_SUCCESS;
     case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT:
     case 3: /* RESERVED_MEM_HIGH */
