@@ -211,6 +211,37 @@ int gs_current_slot(CUcontext *ctx)
     return gs_dev_slot(dev);
 }
 
+CUcontext gs_stream_ctx(CUstream es)
+{
+    CUcontext c = NULL;
+    if (!es || es == CU_STREAM_LEGACY || es == CU_STREAM_PER_THREAD || !gs_cuda.cuStreamGetCtx ||
+        gs_cuda.cuStreamGetCtx(es, &c) != CUDA_SUCCESS)
+        return NULL;
+    return c;
+}
+
+int gs_stream_device(CUstream es, CUcontext *ctx, CUdevice *dev)
+{
+    CUcontext cur = NULL, there;
+    *ctx = NULL;
+    if (!gs_cuda.cuCtxGetCurrent || !gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetCurrent(&cur) != CUDA_SUCCESS)
+        cur = NULL;
+    there = gs_stream_ctx(es);
+    if (!there) there = cur;
+    if (!there) return -1;
+    CUresult rc;
+    if (there == cur) {
+        rc = gs_cuda.cuCtxGetDevice(dev);
+    } else { /* the driver tells a context's device only for the current one */
+        if (!gs_cuda.cuCtxSetCurrent || gs_cuda.cuCtxSetCurrent(there) != CUDA_SUCCESS) return -1;
+        rc = gs_cuda.cuCtxGetDevice(dev);
+        gs_cuda.cuCtxSetCurrent(cur);
+    }
+    if (rc != CUDA_SUCCESS) return -1;
+    *ctx = there;
+    return 0;
+}
+
 nvmlDevice_t gs_dev_nvml(CUdevice dev)
 {
     return dev >= 0 && dev < g_ndev ? g_nvml_of[dev] : NULL;

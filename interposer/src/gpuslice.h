@@ -119,6 +119,12 @@ void gs_devices_ready(void);         /* discovery + region, once (CUDA processes
 void gs_devices_view_ready(void);    /* region devices for NVML-only processes (no registration) */
 int gs_dev_slot(CUdevice dev);       /* region slot of a CUDA ordinal, -1 if unknown */
 int gs_current_slot(CUcontext *ctx); /* slot of the current context's device, -1 if none */
+/* The context a stream of the program's belongs to; NULL for the special handles (NULL, legacy,
+ * per-thread: the current context's) or if the driver cannot say. */
+CUcontext gs_stream_ctx(CUstream es);
+/* The context and device whose work a stream carries (the current ones for the special
+ * handles); 0, or -1 if unknown. */
+int gs_stream_device(CUstream es, CUcontext *ctx, CUdevice *dev);
 void gs_uuid_format(const CUuuid *uuid, char *out, size_t len);
 int gs_nvml_slot(nvmlDevice_t device); /* region slot of an NVML handle, -1 if unknown */
 nvmlDevice_t gs_dev_nvml(CUdevice dev);  /* NVML handle of a CUDA ordinal, NULL if unknown */

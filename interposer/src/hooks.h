@@ -165,6 +165,7 @@
     R(cuStreamGetCtx, CUresult, (CUstream hStream, CUcontext *pctx))                          \
     R(cuDevicePrimaryCtxGetState, CUresult, (CUdevice dev, unsigned int *flags, int *active)) \
     R(cuDeviceGetMemPool, CUresult, (CUmemoryPool *pool, CUdevice dev))                       \
+    R(cuDeviceGetDefaultMemPool, CUresult, (CUmemoryPool *pool_out, CUdevice dev))            \
     R(cuMemPoolGetAttribute, CUresult, (CUmemoryPool pool, CUmemPool_attribute attr, void *value)) \
     R(cuEventCreate, CUresult, (CUevent *phEvent, unsigned int flags))                        \
     R(cuEventRecord, CUresult, (CUevent hEvent, CUstream hStream))                            \

@@ -625,12 +625,9 @@ static void switch_to(const struct ctx_switch *sw, int there)
 static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
 {
     int slot = gs_current_slot(ctx);
-    CUcontext there = NULL;
+    CUcontext there = gs_stream_ctx(es);
     sw->on = 0;
-    if (!es || es == CU_STREAM_LEGACY || es == CU_STREAM_PER_THREAD || !gs_cuda.cuStreamGetCtx ||
-        !gs_cuda.cuCtxSetCurrent || gs_cuda.cuStreamGetCtx(es, &there) != CUDA_SUCCESS || !there ||
-        there == *ctx)
-        return slot;
+    if (!there || there == *ctx || !gs_cuda.cuCtxSetCurrent) return slot;
     if (gs_cuda.cuCtxSetCurrent(there) != CUDA_SUCCESS) return -1; /* launched unmeasured */
     sw->on = 1;
     sw->home = *ctx;

@@ -18,8 +18,11 @@
  *    its settling (the reservation would go, and another process take it).
  * Allocations on a stream being captured into a graph are graph nodes, not
  * memory: they pass through uncharged (graphmem.c charges graphs).
- * A pool this process created (cuMemPoolCreate) is charged to its own device,
- * whichever context allocates from it; a pool of host memory is not charged.
+ * A pool is charged to the device it keeps its memory on, whichever context
+ * allocates from it: its own location for a pool this process created
+ * (cuMemPoolCreate), the device whose default pool it is otherwise; a pool of
+ * host memory is not charged.  cuMemAllocAsync takes its memory from the
+ * current pool of the stream's device, which need not be the current context's.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -35,19 +38,19 @@ struct pool_rec {
     int destroyed;
     uint64_t live;    /* bytes allocated from it and not freed */
     uint64_t charged; /* bytes charged to the budget for it */
+    uint64_t pending; /* bytes requested by allocations inside the driver */
     int busy;         /* allocations from it between their reservation and reconcile */
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct pool_rec g_pools[GS_MAX_POOLS];
 
-/* Where the pools this process created keep their memory. */
+/* Where pools keep their memory: those this process created, and devices' default pools. */
 struct pool_where {
     uint64_t pool; /* 0 = free entry */
     CUmemLocation location;
 };
 static struct pool_where g_where[GS_MAX_POOLS];
-static int g_where_any; /* atomic: 1 once a pool was created here (else no lookup is needed) */
 
 static struct pool_rec *find_locked(uint64_t pool, int slot, int create)
 {
@@ -63,15 +66,44 @@ static struct pool_rec *find_locked(uint64_t pool, int slot, int create)
     return empty;
 }
 
-/* 1 and *loc if the pool was created here; under g_mu. */
-static int where_locked(uint64_t pool, CUmemLocation *loc)
+static struct pool_where *where_entry_locked(uint64_t pool)
 {
+    struct pool_where *w = NULL;
+    for (int i = 0; i < GS_MAX_POOLS && !w; i++)
+        if (g_where[i].pool == pool) w = &g_where[i];
+    for (int i = 0; i < GS_MAX_POOLS && !w; i++)
+        if (!g_where[i].pool) w = &g_where[i];
+    return w;
+}
+
+/* 1 and *loc if the pool's location is known: created here, or a device's default pool (the
+ * pool cuMemAllocAsync uses unless cuDeviceSetMemPool made another current). */
+static int pool_location(uint64_t pool, CUmemLocation *loc)
+{
+    pthread_mutex_lock(&g_mu);
     for (int i = 0; i < GS_MAX_POOLS; i++)
         if (g_where[i].pool == pool) {
             *loc = g_where[i].location;
+            pthread_mutex_unlock(&g_mu);
             return 1;
         }
-    return 0;
+    pthread_mutex_unlock(&g_mu);
+    int n = gs_dev_count(), found = -1;
+    for (int d = 0; d < n && found < 0 && gs_cuda.cuDeviceGetDefaultMemPool; d++) {
+        CUmemoryPool p = NULL;
+        if (gs_cuda.cuDeviceGetDefaultMemPool(&p, d) == CUDA_SUCCESS && (uint64_t)(uintptr_t)p == pool) found = d;
+    }
+    if (found < 0) return 0;
+    loc->type = CU_MEM_LOCATION_TYPE_DEVICE;
+    loc->id = found;
+    pthread_mutex_lock(&g_mu);
+    struct pool_where *w = where_entry_locked(pool);
+    if (w) {
+        w->pool = pool;
+        w->location = *loc;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return 1;
 }
 
 GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps)
@@ -82,22 +114,17 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
     if (rc != CUDA_SUCCESS || !pool || !poolProps) return rc;
     uint64_t key = (uint64_t)(uintptr_t)*pool;
     pthread_mutex_lock(&g_mu);
-    struct pool_where *w = NULL;
-    for (int i = 0; i < GS_MAX_POOLS && !w; i++)
-        if (g_where[i].pool == key) w = &g_where[i];
-    for (int i = 0; i < GS_MAX_POOLS && !w; i++)
-        if (!g_where[i].pool) w = &g_where[i];
+    struct pool_where *w = where_entry_locked(key);
     if (w) {
         w->pool = key;
         w->location = poolProps->location;
-        __atomic_store_n(&g_where_any, 1, __ATOMIC_RELEASE);
     }
     /* a destroyed pool's handle handed out again: the new pool's reserved memory counts
      * (what the old one still has allocated stays in the record: charged, on the safe side) */
     struct pool_rec *old = find_locked(key, -1, 0);
     if (old) old->destroyed = 0;
     pthread_mutex_unlock(&g_mu);
-    if (!w) GS_WARN("more than %d memory pools: a new one is charged to the allocating context's device", GS_MAX_POOLS);
+    if (!w) GS_WARN("more than %d memory pools: a new one is charged to the allocating stream's device", GS_MAX_POOLS);
     return rc;
 }
 
@@ -107,11 +134,15 @@ static int reconcile_locked(struct pool_rec *p, int grow)
 {
     cuuint64_t reserved = 0;
     uint64_t target = p->live;
-    if (!p->destroyed && gs_cuda.cuMemPoolGetAttribute &&
-        gs_cuda.cuMemPoolGetAttribute((CUmemoryPool)(uintptr_t)p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
-                                      &reserved) == CUDA_SUCCESS &&
-        reserved > target)
-        target = reserved;
+    if (!p->destroyed) {
+        if (gs_cuda.cuMemPoolGetAttribute &&
+            gs_cuda.cuMemPoolGetAttribute((CUmemoryPool)(uintptr_t)p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                                          &reserved) == CUDA_SUCCESS) {
+            if (reserved > target) target = reserved;
+        } else if (p->charged > target) {
+            target = p->charged; /* the pool's size is unknown: it may still hold what was charged */
+        }
+    }
     if (target > p->charged) {
         if (!grow) return 0;
         if (gs_budget_reserve(p->slot, target - p->charged) != 0) return -1;
@@ -120,7 +151,7 @@ static int reconcile_locked(struct pool_rec *p, int grow)
         gs_budget_release(p->slot, p->charged - target);
         p->charged = target;
     }
-    if (p->destroyed && !p->live) {
+    if (p->destroyed && !p->live && !p->busy) {
         gs_budget_release(p->slot, p->charged);
         memset(p, 0, sizeof(*p));
     }
@@ -190,21 +221,16 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     gs_devices_ready();
     CUcontext ctx;
     CUdevice dev;
-    int slot = gs_current_slot(&ctx);
-    if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool && gs_cuda.cuCtxGetDevice &&
-        gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
-        gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync uses the device's current pool */
+    CUstream es = gs_effective_stream(stream, per_thread);
+    int slot = gs_stream_device(es, &ctx, &dev) == 0 ? gs_dev_slot(dev) : -1;
+    if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool)
+        gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync: the stream's device's current pool */
     CUmemLocation loc;
-    int known = 0;
-    if (pool && __atomic_load_n(&g_where_any, __ATOMIC_ACQUIRE)) {
-        pthread_mutex_lock(&g_mu);
-        known = where_locked((uint64_t)(uintptr_t)pool, &loc);
-        pthread_mutex_unlock(&g_mu);
-    }
-    if (known) slot = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(loc.id) : -1; /* -1: host memory */
+    if (pool && pool_location((uint64_t)(uintptr_t)pool, &loc))
+        slot = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(loc.id) : -1; /* -1: host memory */
     /* on a stream being captured into a graph the allocation is a graph node: it takes
      * memory only when the graph runs, and graphmem.c charges it then */
-    if (slot < 0 || !pool || !bytesize || gs_stream_capturing(gs_effective_stream(stream, per_thread)))
+    if (slot < 0 || !pool || !bytesize || gs_stream_capturing(es))
         return call(dptr, bytesize, pool, stream, real);
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
@@ -216,14 +242,17 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         GS_ERROR("more than %d memory pools in one process: allocation refused", GS_MAX_POOLS);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    /* reserve the part of the request the pool's charge does not cover yet */
-    uint64_t extra = p->live + want > p->charged ? p->live + want - p->charged : 0;
+    /* reserve the part of the request the pool's charge does not cover yet (beside the other
+     * allocations from it still inside the driver) */
+    uint64_t need = p->live + p->pending + want;
+    uint64_t extra = need > p->charged ? need - p->charged : 0;
     if (reserve_locked(p->slot, extra) != 0) {
         pthread_mutex_unlock(&g_mu);
         GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     p->charged += extra;
+    p->pending += want;
     p->busy++;
     pthread_mutex_unlock(&g_mu);
     gs_sampler_start(); /* it returns what pools give back at synchronisations (one load once running) */
@@ -232,12 +261,18 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     CUresult rc = call(dptr, bytesize, pool, stream, real);
     struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
     pthread_mutex_lock(&g_mu);
-    p = find_locked(key, slot, 1);
-    p->busy--;
-    if (rc == CUDA_SUCCESS) p->live += bytesize;
-    int grown = reconcile_locked(p, rc == CUDA_SUCCESS);
+    p = find_locked(key, slot, 0); /* kept while busy */
+    int grown = -1;
+    if (p) {
+        p->busy--;
+        p->pending -= want;
+        if (rc == CUDA_SUCCESS) p->live += bytesize;
+        grown = reconcile_locked(p, rc == CUDA_SUCCESS);
+    }
     pthread_mutex_unlock(&g_mu);
-    if (rc == CUDA_SUCCESS && grown == 0 && gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) >= 0) {
+    int put = rc == CUDA_SUCCESS && grown == 0 ? gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) : -1;
+    if (put >= 0) {
+        if (put == 1) gs_pool_drop_ptr(old.aux, old.size); /* a record the driver's reuse made stale */
         gs_unsettled_end();
         return CUDA_SUCCESS;
     }

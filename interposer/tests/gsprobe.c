@@ -385,6 +385,11 @@ static void *bg_main(void *p)
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = !strcmp(bg.what, "bgalloc") ? api.cuMemAlloc_v2(&d, bg.size)
                                             : api.cuMemAllocPitch_v2(&d, &pitch, bg.size, 1, 4);
+    } else if (!strcmp(bg.what, "bgasync")) {
+        CUdeviceptr d = 0;
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuMemAllocAsync(&d, bg.size, NULL);
     } else if (!strcmp(bg.what, "bgsetlimit")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -547,6 +552,28 @@ int main(int argc, char **argv)
                               : api.cuMemAllocFromPoolAsync(&p, size_arg(ARG(0)), get_user_pool(), NULL);
             remember(c, rc, A_POOL, p);
             i += 1;
+        } else if (!strcmp(c, "devpool")) {
+            /* devpool D SIZE: cuMemAllocFromPoolAsync from device D's current pool */
+            CUmemoryPool dp = NULL;
+            CUdeviceptr p = 0;
+            CUresult rc = api.cuDeviceGetMemPool(&dp, atoi(ARG(0)));
+            if (rc == CUDA_SUCCESS) rc = api.cuMemAllocFromPoolAsync(&p, size_arg(ARG(1)), dp, NULL);
+            remember(c, rc, A_POOL, p);
+            i += 2;
+        } else if (!strcmp(c, "xasync")) {
+            /* xasync D SIZE: cuMemAllocAsync on a stream of device D's primary context, the
+             * current context staying what it is */
+            CUcontext home = NULL, there = NULL;
+            CUstream st = NULL;
+            CUdeviceptr p = 0;
+            api.cuCtxGetCurrent(&home);
+            CUresult rc = api.cuDevicePrimaryCtxRetain(&there, atoi(ARG(0)));
+            if (rc == CUDA_SUCCESS) rc = api.cuCtxSetCurrent(there);
+            if (rc == CUDA_SUCCESS) rc = api.cuStreamCreate(&st, 0);
+            api.cuCtxSetCurrent(home);
+            if (rc == CUDA_SUCCESS) rc = api.cuMemAllocAsync(&p, size_arg(ARG(1)), st);
+            remember(c, rc, A_POOL, p);
+            i += 2;
         } else if (!strcmp(c, "vmm")) {
             CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, atoi(ARG(1))}};
             CUmemGenericAllocationHandle h = 0;
@@ -820,6 +847,12 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "gdestroy")) {
             printf("gdestroy %d\n", api.cuGraphExecDestroy(gexec));
             gexec = NULL;
+        } else if (!strcmp(c, "physd")) {
+            /* physd D: what the fake driver holds for this process on physical device D */
+            typedef uint64_t (*local_t)(int);
+            local_t local = (local_t)dlsym(libcuda, "fake_cuda_local_used");
+            printf("physd 0 %llu\n", local ? (unsigned long long)local(atoi(ARG(0))) : 0ull);
+            i += 1;
         } else if (!strcmp(c, "phys")) {
             /* what the fake driver holds for this process on physical device 0 */
             typedef uint64_t (*local_t)(int);
@@ -832,6 +865,10 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgpitch")) {
             /* bgpitch WIDTH MS: the same with a pitched allocation of one row */
             bg_start("bgpitch", atol(ARG(1)), size_arg(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgasync")) {
+            /* bgasync SIZE MS: a thread, in the context "ctx" made current, allocates from the pool */
+            bg_start("bgasync", atol(ARG(1)), size_arg(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgsetlimit")) {
             /* bgsetlimit SIZE MS: a thread, in the context "ctx" made current, sets the malloc heap */

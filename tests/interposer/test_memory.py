@@ -145,6 +145,58 @@ def test_a_pool_on_another_device_is_charged_to_that_device(lab):
     assert (by_uuid[lab.UUID_A].used_bytes, by_uuid[lab.UUID_B].used_bytes) == (0, 608 * MIB)
 
 
+TWO_GPUS = {"FAKE_CUDA_DEVICES": "GPU-aaaaaaaa-0000-1111-2222-333333333333=16g,"
+                                 "GPU-bbbbbbbb-0000-1111-2222-333333333333=16g"}
+
+
+def region_used_and_phys(lab, *cmds: str, **env: str) -> tuple[dict[str, int], list[int]]:
+    """Run cmds, then read the region's charge per device while the process still holds its
+    memory; returns it with the probe's physd values (devices 0 and 1)."""
+    held, go = lab.tmp / "held", lab.tmp / "go"
+    proc = lab.start("init", *cmds, "physd", "0", "physd", "1", "touch", str(held),
+                     "waitfile", str(go), **TWO_GPUS, **env)
+    lab.wait_for(held)
+    used = {d.uuid: d.used_bytes for d in lab.region().devices}
+    go.touch()
+    res = lab.finish(proc)
+    return used, [vals[0] for _, vals in res.of("physd")], res
+
+
+@pytest.mark.parametrize("how", [["devpool", "1", "3g"], ["xasync", "1", "3g"]],
+                         ids=["device_1s_pool", "stream_of_device_1"])
+def test_a_stream_ordered_allocation_on_another_device_is_charged_to_that_device(lab, how):
+    # from device 1's default pool, or on a stream of device 1, while device 0's context is
+    # current: the memory is device 1's. It was charged to device 0, so device 1 then took a
+    # plain 3 GiB beside it: 6 GiB under a 4 GiB cap
+    used, phys, res = region_used_and_phys(lab, "ctx", "0", *how, "ctx", "1", "alloc", "3g",
+                                           CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.rc(how[0]) == 0 and res.rc("alloc") == OOM
+    assert phys == [0, 3 * GIB]
+    assert used == {lab.UUID_A: 0, lab.UUID_B: 3 * GIB}
+
+
+def test_a_failed_pool_query_keeps_the_pools_charge(lab):
+    # the pool keeps 608 MiB after the free; with its size unknown, the charge was dropped to
+    # what was allocated (0) and a 900 MiB allocation passed: 1508 MiB under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_FAIL="cuMemPoolGetAttribute:3:999")
+    assert res.rc("async") == 0 and res.rc("alloc") == OOM
+    assert res.values("phys") == [608 * MIB]
+
+
+def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab):
+    # two threads allocate 500 MiB from one pool at once: the second reserved only what the
+    # pool's charge lacked, which the first had just reserved, so 500 MiB stood for 1000
+    mark = lab.tmp / "allocating"
+    proc = lab.start("init", "ctx", "0", "bgasync", "500m", "0", "sleep", "100", "async", "500m",
+                     "join", CUDA_DEVICE_MEMORY_LIMIT="2g",
+                     FAKE_CUDA_SLEEP="cuMemAllocAsync:1500", FAKE_CUDA_SLEEP_MARK=str(mark))
+    lab.wait_for(mark)
+    time.sleep(0.5)
+    assert lab.used() == 1000 * MIB
+    assert lab.finish(proc).rc("async") == 0
+
+
 def test_pool_memory_cached_after_free_is_reused_within_the_cap(lab):
     # 900 MiB of a 1 GiB cap: the pool reserves 928 MiB (32 MiB chunks); after the free the pool
     # still holds it, and the next 900 MiB comes from that cache without a second charge

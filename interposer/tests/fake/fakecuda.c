@@ -1207,14 +1207,17 @@ API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUmem
 static int fake_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t bytes, CUresult *rc);
 static int fake_capture_free(CUstream s, int ptsz, CUresult *rc);
 
+static struct fake_ctx *stream_ctx(CUstream s); /* fakelaunch.h */
+
 static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUstream s, int ptsz)
 {
     FAIL_POINT("cuMemAllocAsync");
     NEED_CTX();
     CUresult rc;
     if (fake_capture_alloc(s, ptsz, dptr, bytes, &rc)) return rc;
-    default_pools[current->pdev].pdev = current->pdev;
-    return pool_alloc(dptr, bytes, &default_pools[current->pdev]);
+    int pdev = stream_ctx(s)->pdev; /* as the driver: the current pool of the stream's device */
+    default_pools[pdev].pdev = pdev;
+    return pool_alloc(dptr, bytes, &default_pools[pdev]);
 }
 
 API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s)

@@ -46,10 +46,15 @@ static int special_stream(CUstream s)
 }
 
 /* The context a stream belongs to: the current one for the special handles. */
+static struct fake_ctx *stream_ctx(CUstream s)
+{
+    return special_stream(s) || !stream_of(s, 0)->ctx ? current : stream_of(s, 0)->ctx;
+}
+
 API CUresult cuStreamGetCtx(CUstream s, CUcontext *pctx)
 {
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    struct fake_ctx *c = special_stream(s) ? current : stream_of(s, 0)->ctx;
+    struct fake_ctx *c = stream_ctx(s);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     *pctx = (CUcontext)c;
     return CUDA_SUCCESS;
