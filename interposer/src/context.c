@@ -52,6 +52,7 @@ struct ctx_charge {
     uint64_t before;
     uint64_t mine; /* what the process was charged on the device once the estimate was reserved */
     int busy;      /* allocations or frees were inside the driver when the measurement began */
+    int first;     /* the process's first context on the device */
     int nprocs;
     nvmlProcessInfo_t procs[GS_MAX_PIDS];
 };
@@ -72,6 +73,7 @@ static CUresult charge_begin(CUdevice dev, struct ctx_charge *c)
     }
     c->reserved = estimate;
     c->busy = __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) + __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
+    c->first = gs_reconcile_dev_contexts(dev) == 0;
     c->mine = gs_slot_mine(c->slot);
     c->before = nvml_used(dev);
     c->nprocs = gs_list_processes(dev, c->procs, GS_MAX_PIDS);
@@ -106,7 +108,10 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
         measured = mine > c->mine ? measured - (mine - c->mine) : measured + (c->mine - mine);
     }
     if (!measured) return c->reserved;
-    if (mine == c->mine) /* a clean measurement: the estimate for the container's next contexts */
+    /* a clean measurement of a process's first context on the device: the estimate for the
+     * container's next contexts.  Not from a later one: code another thread's kernels load
+     * lazily into a context of the device meanwhile passes no hook and would count */
+    if (mine == c->mine && c->first)
         __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
     if (measured > c->reserved)
         gs_budget_force(c->slot, measured - c->reserved);

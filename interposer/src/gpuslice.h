@@ -156,6 +156,8 @@ uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; ret
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
+int gs_reconcile_dev_contexts(CUdevice dev); /* contexts of the process on dev; under the context lock */
+void gs_reconcile_remeasure(CUdevice dev);   /* the next clean reading may lower what was charged beyond the records */
 void gs_reconcile_forget_ctx(CUcontext ctx);  /* caller holds gs_ctx_lock (both) */
 void gs_reconcile_ctx_reset(CUdevice dev);
 void gs_reconcile_after_fork_child(void);
@@ -308,6 +310,9 @@ void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const
 void gs_graphmem_after_fork_child(void);
 void gs_graphmem_forget_ctx(CUcontext ctx); /* its executable graphs went with it */
 void gs_limits_forget_ctx(CUcontext ctx);   /* module.c: the limits set in it are returned */
+/* Lower the charges of limits set above their current value on `slot` by up to `bytes`
+ * (returned to the budget); returns the bytes taken. */
+uint64_t gs_limits_take_slack(int slot, uint64_t bytes);
 void gs_limits_after_fork_child(void);
 void gs_graphmem_resettle(CUdevice dev, int contexts_left); /* a context of dev went or was reset */
 

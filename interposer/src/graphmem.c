@@ -195,8 +195,12 @@ static uint64_t settle(CUdevice dev, uint64_t reserved)
     if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) != 0) rec.slot = slot;
     uint64_t charged = rec.size + reserved, target = charged;
     if (graph_attr(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &target) != 0) target = charged;
-    if (target > charged)
+    if (target > charged) {
         gs_budget_force(rec.slot, target - charged); /* grew past the reservation: charged all the same */
+        /* the reconcile may have charged that pool memory already, as growth no hook saw: the
+         * next clean reading takes the overlap out of it */
+        gs_reconcile_remeasure(dev);
+    }
     else if (target < charged)
         gs_budget_release(rec.slot, charged - target);
     rec.size = target;

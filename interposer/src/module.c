@@ -73,6 +73,7 @@ struct gs_limits {
     size_t base[GS_LIMITS];      /* the value when first seen */
     int known[GS_LIMITS];
     uint64_t charged[GS_LIMITS]; /* bytes */
+    uint64_t current[GS_LIMITS]; /* bytes the value set last takes */
 };
 static struct gs_limits *g_lim; /* under g_lim_mu */
 static int g_nlim;
@@ -131,6 +132,24 @@ void gs_limits_forget_ctx(CUcontext ctx)
     pthread_mutex_unlock(&g_lim_mu);
 }
 
+uint64_t gs_limits_take_slack(int slot, uint64_t bytes)
+{
+    uint64_t taken = 0;
+    pthread_mutex_lock(&g_lim_mu);
+    for (int i = 0; i < g_nlim && taken < bytes; i++) {
+        if (!g_lim[i].ctx || g_lim[i].slot != slot) continue;
+        for (int l = 0; l < GS_LIMITS && taken < bytes; l++) {
+            uint64_t slack = g_lim[i].charged[l] > g_lim[i].current[l] ? g_lim[i].charged[l] - g_lim[i].current[l] : 0;
+            uint64_t take = slack < bytes - taken ? slack : bytes - taken;
+            g_lim[i].charged[l] -= take;
+            taken += take;
+        }
+    }
+    if (taken) gs_budget_release(slot, taken);
+    pthread_mutex_unlock(&g_lim_mu);
+    return taken;
+}
+
 /* What is set now, in bytes beyond `base`; UINT64_MAX past counting. */
 static uint64_t limit_bytes(size_t value, size_t base, uint64_t unit)
 {
@@ -165,28 +184,27 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     uint64_t target = e >= 0 ? limit_bytes(value, g_lim[e].base[limit], unit) : limit_bytes(value, now, unit);
     pthread_mutex_unlock(&g_lim_mu);
     uint64_t grow = target > was ? target - was : 0;
-    if (grow) {
-        gs_inflight_begin(); /* before the charge changes: no clean reading between */
-        if (gs_reserve(slot, grow) != 0) {
-            gs_inflight_end();
-            pthread_mutex_unlock(&g_set_mu);
-            GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
-                    value, (unsigned long long)grow);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
+    /* in flight for the whole call, before the charge changes: no reading that could lower a
+     * charge (or take a limit's slack) falls between the driver's change and ours */
+    gs_inflight_begin();
+    if (grow && gs_reserve(slot, grow) != 0) {
+        gs_inflight_end();
+        pthread_mutex_unlock(&g_set_mu);
+        GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
+                value, (unsigned long long)grow);
+        return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
-    if (grow) {
-        pthread_mutex_lock(&g_lim_mu);
-        if (rc != CUDA_SUCCESS)
-            gs_budget_release(slot, grow);
-        else if (e >= 0 && g_lim[e].ctx == ctx)
-            g_lim[e].charged[limit] = target;
-        else if (e >= 0)
-            gs_budget_release(slot, grow); /* the context went meanwhile, and its limits with it */
-        pthread_mutex_unlock(&g_lim_mu);
-        gs_inflight_end();
-    }
+    pthread_mutex_lock(&g_lim_mu);
+    int mine = e >= 0 && g_lim[e].ctx == ctx;
+    if (rc == CUDA_SUCCESS && mine) {
+        if (grow) g_lim[e].charged[limit] = target;
+        g_lim[e].current[limit] = target;
+    } else if (grow && (rc != CUDA_SUCCESS || e >= 0)) {
+        gs_budget_release(slot, grow); /* failed, or the context went meanwhile and its limits with it */
+    }                                  /* (with no entry, the growth stays charged until the exit) */
+    pthread_mutex_unlock(&g_lim_mu);
+    gs_inflight_end();
     pthread_mutex_unlock(&g_set_mu);
     if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
     return rc;

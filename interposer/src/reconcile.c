@@ -159,12 +159,15 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
     if (!g_dev_ctx[dev]) {
         if (rebase && g_untracked[dev]) /* no context left: what it held went with it */
             gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
-        if (rebase) g_untracked[dev] = g_rebase[dev] = 0;
+        if (rebase) {
+            g_untracked[dev] = 0;
+            __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
+        }
         return 0;
     }
     int slot = gs_dev_slot(dev);
     if (slot < 0) return 0;
-    if (rebase) g_rebase[dev] = 1; /* until a clean reading */
+    if (rebase) __atomic_store_n(&g_rebase[dev], 1, __ATOMIC_RELAXED); /* until a clean reading */
     for (int attempt = 0; attempt < GS_ATTEMPTS; attempt++) {
         uint64_t seq = gs_charge_seq();
         int unsettled = __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
@@ -186,12 +189,17 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         uint64_t held = used_by(g_procs, n, pid);
         if (held == GS_NO_VALUE) return 0;
         if (down) {
-            g_rebase[dev] = 0;
+            __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
             uint64_t was = g_untracked[dev], others = mine > was ? mine - was : 0; /* the records' charges */
             uint64_t want = held > others + GS_SLACK ? held - others : 0;
             if (want < was) {
-                gs_budget_release(g_untracked_slot[dev], was - want);
-                g_untracked[dev] = want;
+                /* the records may charge more than the driver holds: limits lowered on a driver
+                 * that freed the difference are charged for their highest value.  That part
+                 * goes first (a raise then reserves again); only the rest was untracked */
+                uint64_t drop = was - want;
+                drop -= gs_limits_take_slack(slot, drop);
+                if (drop) gs_budget_release(g_untracked_slot[dev], drop);
+                g_untracked[dev] = was - drop;
                 return 0;
             }
             if (want > was) charge_untracked(dev, slot, want - was);
@@ -207,7 +215,8 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
 
 uint64_t gs_reconcile_dev_locked(CUdevice dev)
 {
-    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_rebase[dev]) return reconcile_locked(dev, 1);
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS && __atomic_load_n(&g_rebase[dev], __ATOMIC_RELAXED))
+        return reconcile_locked(dev, 1);
     return reconcile_locked(dev, 0);
 }
 
@@ -281,6 +290,16 @@ static void drop_dev_ctx(int d, CUcontext ctx)
     for (int i = 0; i < g_dev_nctx[d]; i++)
         if (g_dev_ctxs[d][i] != ctx) g_dev_ctxs[d][k++] = g_dev_ctxs[d][i];
     g_dev_nctx[d] = k;
+}
+
+int gs_reconcile_dev_contexts(CUdevice dev)
+{
+    return dev >= 0 && dev < GS_MAX_CUDA_DEVS ? g_dev_nctx[dev] : 0;
+}
+
+void gs_reconcile_remeasure(CUdevice dev)
+{
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) __atomic_store_n(&g_rebase[dev], 1, __ATOMIC_RELAXED);
 }
 
 /* Caller holds the context lock (both below). */

@@ -390,6 +390,12 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuMemAllocAsync(&d, bg.size, NULL);
+    } else if (!strcmp(bg.what, "bgmodule")) {
+        typedef CUresult (*module_t)(uint64_t);
+        module_t load = (module_t)dlsym(libcuda, "fake_cuda_module_load");
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = load ? load(bg.size) : CUDA_ERROR_NOT_SUPPORTED;
     } else if (!strcmp(bg.what, "bgsetlimit")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -869,6 +875,10 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgasync")) {
             /* bgasync SIZE MS: a thread, in the context "ctx" made current, allocates from the pool */
             bg_start("bgasync", atol(ARG(1)), size_arg(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgmodule")) {
+            /* bgmodule SIZE MS: a thread, in the context "ctx" made current, loads code lazily */
+            bg_start("bgmodule", atol(ARG(1)), size_arg(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgsetlimit")) {
             /* bgsetlimit SIZE MS: a thread, in the context "ctx" made current, sets the malloc heap */

@@ -443,3 +443,43 @@ def test_limits_of_many_contexts_are_each_charged_once(lab):
     assert all(rc == 0 for rc, _ in res.of("setlimit"))
     # the 65th context's heap keeps its 300 MiB high-water charge (lowered, the fake freed it)
     assert view_used(res) <= res.of("phys")[0][1][0] + 300 * MIB
+
+
+def test_re_measuring_after_a_context_goes_leaves_a_lowered_limit_to_be_reserved_again(lab):
+    # a driver that frees a lowered limit's memory: the re-measurement took that slack of the
+    # limit's charge for code loaded earlier and returned the code's charge, so raising the
+    # limit again reserved nothing: 1280 MiB held under a 1 GiB cap
+    res = lab.run("init", "ctxcreate", "0", "ctx", "0", "module", "300m", "sleep", "700",
+                  "setlimit", "2", "300m", "setlimit", "2", "8m", "ctxdestroy", "0",
+                  "alloc", "580m", "setlimit", "2", "300m", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_LIMIT_SHRINK="1")
+    assert res.rc("alloc") == 0
+    assert [rc for rc, _ in res.of("setlimit")] == [0, 0, OOM]
+    assert res.of("phys")[0][1][0] <= GIB
+    assert view_used(res) == res.of("phys")[0][1][0]
+
+
+def test_graph_pool_memory_charged_as_growth_is_not_charged_twice(lab):
+    # the last context went, and the pool's charge with it, while the driver kept the pool; the
+    # sampler charged it as growth no hook saw, and the next launch charged it again (1300 MiB
+    # for 700 held, for good). The launch now has the next clean reading take the overlap out
+    res = lab.run("init", "ctxcreate", "0", "ctxset", "0", "gcapture", "600m", "ginst", "flags",
+                  "glaunch", "ctxdestroy", "0", "ctxcreate", "0", "ctxset", "1", "sleep", "700",
+                  "gcapture", "100m", "ginst", "flags", "glaunch", "sleep", "700", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_CTX_BYTES="100m")
+    assert [rc for rc, _ in res.of("glaunch")] == [0, 0]
+    assert view_used(res) == res.of("phys")[0][1][0] == 700 * MIB
+
+
+def test_code_loaded_during_a_later_contexts_creation_does_not_become_the_estimate(lab):
+    # another thread's kernels load code lazily while a second context of the device is made:
+    # that growth was stored as the container's context footprint (400 MiB for 100), and
+    # refused every later context under a cap that holds one
+    lab.run("init", "ctx", "0", "bgmodule", "300m", "100", "ctxcreate", "0", "join",
+            CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_CTX_BYTES="100m",
+            FAKE_CUDA_SLEEP="cuCtxCreate:300")
+    res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="300m",
+                  FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("ctx") == 0
+    assert view_used(res) == 100 * MIB
