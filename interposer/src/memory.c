@@ -103,7 +103,7 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
  * reservation rolled back or the handle in `*out` recorded as `kind`.  `*out`
  * is read again for discard rather than kept across record(): one instruction
  * fewer on the success path. */
-#define GS_CHARGED_ALLOC(kind, out, pass, bytes, call)                                \
+#define GS_CHARGED_ALLOC(kind, out, pass, bytes, call, probe)                         \
     do {                                                                              \
         gs_devices_ready();                                                           \
         CUcontext ctx;                                                                \
@@ -115,7 +115,10 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
             gs_inflight_end();                                                        \
             return over_cap(slot, charge);                                            \
         }                                                                             \
+        int probe_ = (probe) && GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) && \
+                     gs_pid_probe_begin(charge);                                      \
         CUresult rc = (call);                                                         \
+        if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge);                     \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
         else if (record(kind, (uint64_t)(uintptr_t)*(out), slot, charge, ctx) != 0)   \
@@ -131,7 +134,7 @@ GS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     gs_cuda_init();
     if (!gs_cuda.cuMemAlloc_v2) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAlloc_v2(dptr, bytesize));
+    GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAlloc_v2(dptr, bytesize), 1);
 }
 
 GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
@@ -140,7 +143,7 @@ GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     if (!gs_cuda.cuMemAllocManaged) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
     /* Managed memory may live on the device: charge it there, as HAMi does. */
-    GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAllocManaged(dptr, bytesize, flags));
+    GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAllocManaged(dptr, bytesize, flags), 0);
 }
 
 GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
@@ -382,7 +385,7 @@ GS_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTO
     if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
     const CUDA_ARRAY_DESCRIPTOR *a = pAllocateArray;
     GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0, array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels),
-                     gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray));
+                     gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray), 0);
 }
 
 /* Sparse arrays and arrays with deferred mapping get no memory at creation:
@@ -396,7 +399,7 @@ GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCR
     if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
     const CUDA_ARRAY3D_DESCRIPTOR *a = pAllocateArray;
     GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
-                     gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray));
+                     gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray), 0);
 }
 
 GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,
@@ -413,7 +416,7 @@ GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
         bytes = bytes > UINT64_MAX - level ? UINT64_MAX : bytes + level;
     }
     GS_CHARGED_ALLOC(GS_KIND_MIPMAP, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0, bytes,
-                     gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels));
+                     gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels), 0);
 }
 
 #define GS_ARRAY_DESTROY(kind, handle, call)                                          \

@@ -88,6 +88,76 @@ static uint64_t used_by(const nvmlProcessInfo_t *procs, int n, unsigned pid)
     return 0;
 }
 
+/* The host pid is the process's, the same on every device: once learnt it holds for all. */
+static void learn_pid(unsigned pid)
+{
+    for (int d = 0; d < GS_MAX_CUDA_DEVS; d++) __atomic_store_n(&g_host_pid[d], pid, __ATOMIC_RELAXED);
+    __atomic_store_n(&gs_pid_unknown, 0, __ATOMIC_RELAXED);
+}
+
+/* ---- learning the host pid from an allocation ------------------------------
+ * Inside a container's pid namespace getpid() is not NVML's pid.  It is learnt at the first
+ * context when exactly one process appears in NVML's list with it; when several appear at
+ * once (processes of the container, or another tenant, starting together) it is learnt from
+ * the process's own allocations instead: while gs_pid_unknown, an allocation of at least
+ * GS_PROBE_MIN bytes reads NVML's list before and after the driver call, and a pid that
+ * alone grew by about that much is a candidate; the same candidate from two allocations is
+ * ours.  At most GS_PROBE_TRIES allocations pay for the two readings. */
+#define GS_PROBE_MIN (2ull << 20)
+#define GS_PROBE_PAD (4ull << 20) /* page rounding and the driver's bookkeeping */
+#define GS_PROBE_TRIES 32
+int gs_pid_unknown;
+static pthread_mutex_t g_probe_mu = PTHREAD_MUTEX_INITIALIZER;
+static nvmlProcessInfo_t g_probe_before[GS_MAX_PIDS], g_probe_after[GS_MAX_PIDS]; /* under g_probe_mu */
+static int g_probe_n, g_probe_tries;
+static CUdevice g_probe_dev;
+static unsigned g_probe_candidate;
+
+int gs_pid_probe_begin(uint64_t bytes)
+{
+    CUdevice dev;
+    if (bytes < GS_PROBE_MIN || pthread_mutex_trylock(&g_probe_mu) != 0) return 0;
+    if (!__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED) || !gs_cuda.cuCtxGetDevice ||
+        gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0 || dev >= GS_MAX_CUDA_DEVS ||
+        (g_probe_n = gs_list_processes(dev, g_probe_before, GS_MAX_PIDS)) < 0) {
+        pthread_mutex_unlock(&g_probe_mu);
+        return 0;
+    }
+    g_probe_dev = dev;
+    return 1;
+}
+
+void gs_pid_probe_end(int ok, uint64_t bytes)
+{
+    int n = ok ? gs_list_processes(g_probe_dev, g_probe_after, GS_MAX_PIDS) : -1;
+    unsigned found = 0, matches = 0;
+    for (int i = 0; i < n; i++) {
+        uint64_t now = g_probe_after[i].usedGpuMemory, was = 0;
+        if (now == GS_NO_VALUE) continue;
+        for (int k = 0; k < g_probe_n; k++)
+            if (g_probe_before[k].pid == g_probe_after[i].pid) was = g_probe_before[k].usedGpuMemory;
+        if (was == GS_NO_VALUE || now < was) continue;
+        if (now - was >= bytes && now - was <= bytes + GS_PROBE_PAD) {
+            found = g_probe_after[i].pid;
+            matches++;
+        }
+    }
+    if (n >= 0) {
+        if (matches != 1) {
+            found = 0;
+        } else if (found == g_probe_candidate) {
+            GS_INFO("host pid %u learnt from the process's allocations", found);
+            learn_pid(found);
+        }
+        g_probe_candidate = found;
+        if (++g_probe_tries >= GS_PROBE_TRIES && __atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) {
+            __atomic_store_n(&gs_pid_unknown, 0, __ATOMIC_RELAXED);
+            GS_INFO("host pid not learnt: growth no hook sees is not charged, time slices not corrected");
+        }
+    }
+    pthread_mutex_unlock(&g_probe_mu);
+}
+
 uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound)
 {
     static nvmlProcessInfo_t after[GS_MAX_PIDS]; /* under the context lock */
@@ -110,13 +180,15 @@ uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefor
         }
     }
     if (!pid && nfresh == 1) pid = fresh; /* the one process that appeared with our context */
+    if (!pid && n >= 0 && __atomic_load_n(&g_probe_tries, __ATOMIC_RELAXED) < GS_PROBE_TRIES)
+        __atomic_store_n(&gs_pid_unknown, 1, __ATOMIC_RELAXED); /* learnt from allocations instead */
     if (!pid) {
         /* several processes started with ours: it is one of them, so it holds no more than
          * the largest (unless NVML gives no figures) */
         if (nfresh) *bound = most;
         return GS_NO_VALUE;
     }
-    __atomic_store_n(&g_host_pid[dev], pid, __ATOMIC_RELAXED);
+    if (!__atomic_load_n(&g_host_pid[dev], __ATOMIC_RELAXED)) learn_pid(pid);
     uint64_t was = used_by(before, nbefore, pid), now = used_by(after, n, pid);
     if (was == GS_NO_VALUE || now == GS_NO_VALUE || now < was) return GS_NO_VALUE;
     return now - was;
@@ -185,7 +257,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         for (int i = 0; i < n && !pid; i++)
             if (g_procs[i].pid == (unsigned)getpid()) pid = g_procs[i].pid;
         if (!pid) return 0;
-        __atomic_store_n(&g_host_pid[dev], pid, __ATOMIC_RELAXED);
+        if (!g_host_pid[dev]) learn_pid(pid);
         uint64_t held = used_by(g_procs, n, pid);
         if (held == GS_NO_VALUE) return 0;
         if (down) {
@@ -415,6 +487,10 @@ void gs_reconcile_after_fork_child(void)
     memset(g_untracked, 0, sizeof(g_untracked)); /* the parent's, returned with its slot */
     memset(g_rebase, 0, sizeof(g_rebase));
     memset(g_host_pid, 0, sizeof(g_host_pid));
+    pthread_mutex_init(&g_probe_mu, NULL);
+    g_probe_tries = 0;
+    g_probe_candidate = 0;
+    gs_pid_unknown = 0; /* the child's first context learns it again */
     g_woken = 0;
     g_sampler_far = 0;
     gs_unsettled = 0; /* operations of other threads died with them */

@@ -23,7 +23,8 @@
  *  - only while another process had a sample of at least GS_SLICE_OTHERS %:
  *    alone on the GPU, nothing is corrected (the factor returns to 1 at the
  *    first samples without another process, or after GS_SLICE_SILENCE_NS
- *    without new samples); a tick without new samples changes nothing;
+ *    without new samples, or of failing queries); a tick without new
+ *    samples changes nothing;
  *  - only if the processes' shares add up to no more than the device's
  *    utilisation (+ GS_SLICE_SLACK): time slices are disjoint, so figures
  *    that overlap (MPS, or a driver reporting something else) say nothing
@@ -34,7 +35,7 @@
  *    their slices per slice of ours, and no more than their time: the real
  *    share is at least measured / (1 + n) and measured - theirs (NVML's
  *    truncation to whole percents is rounded back), and the factor is at
- *    least GS_SLICE_MIN_MILLI;
+ *    least GS_SLICE_MIN_MILLI (a bound for garbage, not for crowds);
  *  - a factor applies only once two ticks with GS_SLICE_LEARN % measured
  *    between them are in the window (one short burst is too coarse).
  *
@@ -51,7 +52,7 @@
 #define GS_SLICE_OTHERS 5u       /* % another process must have run to count as a co-tenant */
 #define GS_SLICE_SLACK 10u       /* % the processes' shares may exceed the device's utilisation */
 #define GS_SLICE_MEASURED 5u     /* % of the tick our events must have measured to learn anything */
-#define GS_SLICE_MIN_MILLI 250u  /* the factor never goes below 1/4 (four busy processes) */
+#define GS_SLICE_MIN_MILLI 62u   /* the factor never goes below 1/16 (the 1/(1+n) bound does the work) */
 #define GS_SLICE_SAMPLES 1024    /* some drivers always report room for 100 */
 #define GS_SLICE_SILENCE_NS 2000000000ull /* no new sample this long: nobody ran */
 #define GS_SLICE_LEARN 20.0      /* measured % summed over the window before a factor applies */
@@ -101,6 +102,16 @@ static void forget(int slot, struct slice_state *st)
     set_factor(slot, st, 1000);
 }
 
+/* Nothing came for GS_SLICE_SILENCE_NS: nobody ran, or NVML stopped answering.  The next
+ * reading starts afresh (NVML's timestamps are wall-clock time: one from before the clock
+ * was set back would otherwise hide every newer sample). */
+static void silence(int slot, struct slice_state *st)
+{
+    forget(slot, st);
+    st->last_seen = 0;
+    st->t_ns = 0;
+}
+
 /* What the new samples say: this process's share (%, -1 without a sample), the sum of the
  * others' (a process with several samples counts with their average) and how many of them
  * ran; samples not newer than *newest are old news (some drivers return them again).
@@ -146,14 +157,18 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     if (!pid) pid = (unsigned)getpid(); /* not learnt (yet): right in the driver's pid namespace */
     unsigned n = GS_SLICE_SAMPLES;
     nvmlReturn_t rc = gs_nvml.nvmlDeviceGetProcessUtilization(h, buf, &n, st->last_seen);
-    if (rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_FOUND) return; /* NOT_SUPPORTED and the like: keep what was learnt */
+    if (rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_FOUND) {
+        /* NOT_SUPPORTED and the like: no news, which stands for a while only */
+        if (now - st->seen_ns >= GS_SLICE_SILENCE_NS) silence(slot, st);
+        return;
+    }
     if (n > GS_SLICE_SAMPLES) n = GS_SLICE_SAMPLES;
     int ours = -1;
     unsigned others = 0, busy = 0;
     unsigned long long newest = st->last_seen;
     if (rc != NVML_SUCCESS || !shares(buf, n, pid, &ours, &others, &busy, &newest)) {
         /* nothing new: drivers sample every 1/6 to 1 s.  Only a long silence means nobody ran */
-        if (now - st->seen_ns >= GS_SLICE_SILENCE_NS) forget(slot, st);
+        if (now - st->seen_ns >= GS_SLICE_SILENCE_NS) silence(slot, st);
         return;
     }
     /* the new samples cover the time since the last ones: measure over the same span */

@@ -430,6 +430,27 @@ def test_the_correction_ends_when_the_other_process_leaves(release_lab):
     assert abs(got - 30) <= TOLERANCE, f"{got:.1f}% after the other process left"
 
 
+@pytest.mark.parametrize("others", [5, 7])
+def test_beside_many_busy_processes_the_container_gets_its_share(release_lab, others):
+    # n busy processes taking turns: a fixed floor of 1/4 on the factor charged (1 + n) / 4
+    # times too much, 6.5-7.7% and 4.7-5.0% at a 10% limit
+    got = settled_share(release_lab, 10, ("2", "3"), FAKE_GPU_COTENANTS=str(others), **COTENANT)
+    assert abs(got - 10) <= 2.5, f"{got:.1f}% beside {others} busy processes"
+
+
+def test_a_factor_is_dropped_when_nvml_stops_answering(release_lab):
+    # the per-process query fails from 1.6 s on while the other process leaves at 2.5 s: the
+    # factor learnt beside it stayed for good (60% at a 30% limit, alone)
+    res = release_lab.run("init", "ctx", "0", "bench", "2.5", "kernel", "bench", "1", "kernel",
+                          "bench", "4", "kernel", CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="1000", FAKE_GPU_COTENANT_MS="2500",
+                          FAKE_NVML_PROC_FAIL_AFTER_MS="1600", LIBCUDA_LOG_LEVEL="3", **COTENANT)
+    _rc, (_launches, kernel_ns, wall_ns) = res.of("bench")[-1]
+    got = 100.0 * kernel_ns / wall_ns
+    assert got <= 30 + TOLERANCE, f"{got:.1f}% alone after NVML stopped answering"
+    assert "time-slice factor 1000/1000" in res.stderr
+
+
 def test_alone_on_the_gpu_nothing_is_corrected(release_lab):
     res = release_lab.run("init", "ctx", "0", "bench", "1.5", "kernel", CUDA_DEVICE_SM_LIMIT="30",
                           FAKE_CUDA_KERNEL_US="1000", LIBCUDA_LOG_LEVEL="3")

@@ -80,8 +80,10 @@ static uint64_t kernel_total_ns;
  * while this process runs.  The process's kernels run one at a time (all its
  * streams share its slices).  The fake NVML reports both processes' shares
  * (nvmlDeviceGetProcessUtilization).  With FAKE_GPU_COTENANT_MS the other
- * process leaves that long after the first launch. */
+ * process leaves that long after the first launch.  FAKE_GPU_COTENANTS=n: n
+ * busy processes take their slices in turn after each of ours. */
 static uint64_t cot_slice_ns, cot_base, cot_for_ns; /* FAKE_GPU_COTENANT_MS: it leaves after that long */
+static uint64_t cot_n = 1;
 
 static uint64_t now_ns(void)
 {
@@ -253,6 +255,8 @@ static void setup(void)
     if (v) launch_bytes = fake_size(v);
     v = getenv("FAKE_GPU_COTENANT_SLICE_US");
     if (v && *v) cot_slice_ns = (uint64_t)(atof(v) * 1000.0);
+    v = getenv("FAKE_GPU_COTENANTS");
+    if (v && *v && strtoull(v, NULL, 10) > 0) cot_n = strtoull(v, NULL, 10);
     v = getenv("FAKE_GPU_COTENANT_MS");
     if (v && *v) cot_for_ns = (uint64_t)(atof(v) * 1e6);
     v = getenv("FAKE_GPU_EXPONENT");

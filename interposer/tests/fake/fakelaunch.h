@@ -187,8 +187,8 @@ static uint64_t own_slice(uint64_t t)
 {
     uint64_t base = __atomic_load_n(&cot_base, __ATOMIC_ACQUIRE);
     if (!cot_slice_ns || !base || t < base || !cotenant_at(t)) return t;
-    uint64_t p = (t - base) % (2 * cot_slice_ns);
-    return p < cot_slice_ns ? t : t + 2 * cot_slice_ns - p;
+    uint64_t round = (1 + cot_n) * cot_slice_ns, p = (t - base) % round;
+    return p < cot_slice_ns ? t : t + round - p;
 }
 
 /* With a co-tenant: when `work` ns of this process's kernels started at t finish. */
@@ -196,10 +196,10 @@ static uint64_t run_sliced(uint64_t t, uint64_t work)
 {
     for (t = own_slice(t); work;) {
         if (!cotenant_at(t)) return t + work; /* it left: the GPU is ours */
-        uint64_t room = cot_slice_ns - (t - cot_base) % (2 * cot_slice_ns);
+        uint64_t room = cot_slice_ns - (t - cot_base) % ((1 + cot_n) * cot_slice_ns);
         if (work <= room) return t + work;
         work -= room;
-        t += room + cot_slice_ns; /* switched out for the other's slice */
+        t += room + cot_n * cot_slice_ns; /* switched out for the others' slices */
     }
     return t;
 }

@@ -306,7 +306,8 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
  *    time each queued; the device's utilisation is their sum);
  *  - else this process (from the fake driver's kernel time) and, with a
  *    co-tenant (FAKE_GPU_COTENANT_SLICE_US), the rest for pid
- *    FAKE_GPU_COTENANT_PID (default 999999).
+ *    FAKE_GPU_COTENANT_PID (default 999999), split evenly among the next
+ *    pids when there are FAKE_GPU_COTENANTS of them.
  * Pids are shifted by FAKE_NVML_PID_OFFSET.  FAKE_NVML_PROC_UTIL plays other
  * drivers: "off" (not supported), "mps" (everything attributed to the
  * co-tenant's pid, as an MPS server would be), "device" (every process
@@ -315,7 +316,8 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
  * it after the last sample finds nothing new: NVML_ERROR_NOT_FOUND);
  * FAKE_NVML_PROC_BIAS, this process's share as reported, in % of the true one
  * (default 100); FAKE_NVML_PROC_ROOM, the buffer entries the call insists on
- * (some drivers always ask for 100). */
+ * (some drivers always ask for 100); FAKE_NVML_PROC_FAIL_AFTER_MS, the query
+ * fails (NVML_ERROR_UNKNOWN) from that long after the first one on. */
 #define PROC_SAMPLES 16
 static uint64_t proc_t0, proc_k0, proc_stamp;
 static uint64_t proc_prev[FAKE_MAX_PROCS];
@@ -370,7 +372,9 @@ static void proc_window(uint64_t t, uint64_t k)
         theirs = cotenant() ? mine : 0;
     }
     proc_sample((unsigned)getpid() + shift, mine);
-    proc_sample(other, theirs);
+    unsigned n = env_uint("FAKE_GPU_COTENANTS", 1);
+    if (!n) n = 1;
+    for (unsigned i = 0; i < n; i++) proc_sample(other + i, theirs / n);
     proc_device = cotenant() ? 100 : mine;
 }
 
@@ -382,6 +386,10 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     if (index_of(d) < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     if (mode && !strcmp(mode, "off")) return NVML_ERROR_NOT_SUPPORTED;
     uint64_t t = mono_ns(), k = kernel_time();
+    static uint64_t first;
+    if (!first) first = t;
+    unsigned fail_after = env_uint("FAKE_NVML_PROC_FAIL_AFTER_MS", 0);
+    if (fail_after && t - first >= fail_after * 1000000ull) return (nvmlReturn_t)999; /* NVML_ERROR_UNKNOWN */
     if (!proc_t0 || t - proc_t0 >= env_uint("FAKE_NVML_PROC_PERIOD_MS", 100) * 1000000ull) {
         if (proc_t0) proc_window(t, k);
         proc_t0 = t;
