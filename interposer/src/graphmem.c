@@ -428,11 +428,13 @@ GS_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
 {
     gs_cuda_init();
     if (!gs_cuda.cuDeviceGraphMemTrim) return CUDA_ERROR_NOT_SUPPORTED;
+    gs_inflight_begin(); /* the pool shrinks before its charge follows */
     CUresult rc = gs_cuda.cuDeviceGraphMemTrim(device);
     if (rc == CUDA_SUCCESS && gs_cuda.cuDeviceGetGraphMemAttribute) {
         gs_devices_ready();
         settle(device, 0);
     }
+    gs_inflight_end();
     return rc;
 }
 

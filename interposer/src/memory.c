@@ -285,12 +285,14 @@ GS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     gs_cuda_init();
     if (!gs_cuda.cuMemRelease) return CUDA_ERROR_NOT_SUPPORTED;
     struct gs_alloc rec;
+    gs_inflight_begin(); /* the memory may go before its charge */
     int how = vmm_count(handle, -(int64_t)VMM_REF, &rec);
     CUresult rc = gs_cuda.cuMemRelease(handle);
     if (rc != CUDA_SUCCESS)
         vmm_uncount(handle, -(int64_t)VMM_REF, how, &rec);
     else if (how == 1)
         gs_budget_release(rec.slot, rec.size);
+    gs_inflight_end();
     return rc;
 }
 
@@ -335,6 +337,7 @@ GS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     uint64_t keys[GS_UNMAP_BATCH];
     struct gs_alloc maps[GS_UNMAP_BATCH];
     uint64_t end = size > UINT64_MAX - ptr ? UINT64_MAX : ptr + size;
+    gs_inflight_begin(); /* the last mapping of a released handle frees its memory */
     size_t n = gs_am_take_range(GS_KIND_VMAP, ptr, end, keys, maps, GS_UNMAP_BATCH);
     CUresult rc = gs_cuda.cuMemUnmap(ptr, size);
     struct gs_alloc rec, old;
@@ -349,6 +352,7 @@ GS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         if (rc != CUDA_SUCCESS || n < GS_UNMAP_BATCH) break;
         n = gs_am_take_range(GS_KIND_VMAP, ptr, end, keys, maps, GS_UNMAP_BATCH);
     }
+    gs_inflight_end();
     return rc;
 }
 
@@ -423,11 +427,13 @@ GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
     do {                                                                              \
         struct gs_alloc rec, old;                                                     \
         if (gs_am_take(kind, (uint64_t)(uintptr_t)(handle), &rec) != 0) return (call); \
+        gs_inflight_begin(); /* freed before its charge goes: no reading may lower */ \
         CUresult rc = (call);                                                         \
         if (rc == CUDA_SUCCESS)                                                       \
             gs_budget_release(rec.slot, rec.size);                                    \
         else                                                                          \
             gs_am_put(kind, (uint64_t)(uintptr_t)(handle), &rec, &old);               \
+        gs_inflight_end();                                                            \
         return rc;                                                                    \
     } while (0)
 

@@ -353,8 +353,10 @@ GS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemPoolTrimTo) return CUDA_ERROR_NOT_SUPPORTED;
+    gs_inflight_begin(); /* memory goes back before the pool's charge follows */
     CUresult rc = gs_cuda.cuMemPoolTrimTo(pool, minBytesToKeep);
     if (rc == CUDA_SUCCESS) gs_pool_drop_ptr((uint64_t)(uintptr_t)pool, 0);
+    gs_inflight_end();
     return rc;
 }
 
@@ -362,6 +364,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemPoolDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    gs_inflight_begin();
     CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
     if (rc == CUDA_SUCCESS) {
         pthread_mutex_lock(&g_mu);
@@ -374,5 +377,6 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
             if (g_where[i].pool == (uint64_t)(uintptr_t)pool) memset(&g_where[i], 0, sizeof(g_where[i]));
         pthread_mutex_unlock(&g_mu);
     }
+    gs_inflight_end();
     return rc;
 }

@@ -483,3 +483,15 @@ def test_code_loaded_during_a_later_contexts_creation_does_not_become_the_estima
                   FAKE_CUDA_CTX_BYTES="100m")
     assert res.rc("ctx") == 0
     assert view_used(res) == 100 * MIB
+
+
+def test_a_free_inside_the_driver_does_not_lower_the_untracked_charge(lab):
+    # a re-measurement while an array's memory was gone but its charge not yet returned took
+    # the difference for untracked memory that went: 144 MiB charged for 400 held afterwards
+    res = lab.run("init", "ctxcreate", "0", "ctx", "0", "module", "300m", "sleep", "700",
+                  "array", "4096", "4096", "bgarrayfree", "0", "0", "sleep", "200",
+                  "ctxdestroy", "0", "join", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_SLEEP="cuArrayDestroyAfter:800")
+    assert res.rc("bgarrayfree") == 0
+    assert view_used(res) == res.of("phys")[0][1][0] == 400 * MIB

@@ -1076,7 +1076,9 @@ API CUresult cuArray3DCreate_v2(CUarray *h, const CUDA_ARRAY3D_DESCRIPTOR *d)
 API CUresult cuArrayDestroy(CUarray h)
 {
     FAIL_POINT("cuArrayDestroy");
-    return alloc_free(K_ARRAY, (uint64_t)(uintptr_t)h);
+    CUresult rc = alloc_free(K_ARRAY, (uint64_t)(uintptr_t)h);
+    (void)fail_check("cuArrayDestroyAfter"); /* FAKE_CUDA_SLEEP: still inside, the memory gone */
+    return rc;
 }
 
 API CUresult cuMipmappedArrayCreate(CUmipmappedArray *h, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels)
