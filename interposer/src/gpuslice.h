@@ -151,9 +151,10 @@ int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap); /* -1
 uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound);
 int gs_host_pid_known(CUdevice dev);
 extern int gs_pid_unknown; /* atomic: allocations may teach the host pid (reconcile.c) */
-/* Around an allocation of `bytes` while gs_pid_unknown: begin returns 1 if it read NVML's list
- * (then end must follow, with whether the allocation succeeded). */
-int gs_pid_probe_begin(uint64_t bytes);
+/* Around an allocation of `bytes` on dev (-1: the current context's) while gs_pid_unknown:
+ * begin returns 1 if it read NVML's list (then end must follow, with whether the allocation
+ * succeeded). */
+int gs_pid_probe_begin(CUdevice dev, uint64_t bytes);
 void gs_pid_probe_end(int ok, uint64_t bytes);
 unsigned gs_host_pid(CUdevice dev); /* the process's pid in NVML's lists, 0 if not known yet */
 void gs_sampler_start(void); /* the background thread (reconcile.c), if not running yet */

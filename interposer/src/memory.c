@@ -116,7 +116,7 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
             return over_cap(slot, charge);                                            \
         }                                                                             \
         int probe_ = (probe) && GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) && \
-                     gs_pid_probe_begin(charge);                                      \
+                     gs_pid_probe_begin(-1, charge);                                  \
         CUresult rc = (call);                                                         \
         if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge);                     \
         if (rc != CUDA_SUCCESS)                                                       \
@@ -225,7 +225,10 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
         gs_inflight_end();
         return over_cap(slot, charge);
     }
+    int probe = GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) &&
+                gs_pid_probe_begin(prop->location.id, charge);
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
+    if (probe) gs_pid_probe_end(rc == CUDA_SUCCESS, charge);
     if (rc != CUDA_SUCCESS) {
         rc = rollback(rc, slot, charge);
     } else {

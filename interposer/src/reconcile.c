@@ -99,7 +99,8 @@ static void learn_pid(unsigned pid)
  * Inside a container's pid namespace getpid() is not NVML's pid.  It is learnt at the first
  * context when exactly one process appears in NVML's list with it; when several appear at
  * once (processes of the container, or another tenant, starting together) it is learnt from
- * the process's own allocations instead: while gs_pid_unknown, an allocation of at least
+ * the process's own allocations instead (cuMemAlloc, cuMemCreate): while gs_pid_unknown, an
+ * allocation of at least
  * GS_PROBE_MIN bytes reads NVML's list before and after the driver call, and a pid that
  * alone grew by about that much is a candidate; the same candidate from two allocations is
  * ours.  At most GS_PROBE_TRIES allocations pay for the two readings. */
@@ -113,12 +114,12 @@ static int g_probe_n, g_probe_tries;
 static CUdevice g_probe_dev;
 static unsigned g_probe_candidate;
 
-int gs_pid_probe_begin(uint64_t bytes)
+int gs_pid_probe_begin(CUdevice dev, uint64_t bytes)
 {
-    CUdevice dev;
     if (bytes < GS_PROBE_MIN || pthread_mutex_trylock(&g_probe_mu) != 0) return 0;
-    if (!__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED) || !gs_cuda.cuCtxGetDevice ||
-        gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0 || dev >= GS_MAX_CUDA_DEVS ||
+    if (!__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED) ||
+        (dev < 0 && (!gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS)) || dev < 0 ||
+        dev >= GS_MAX_CUDA_DEVS ||
         (g_probe_n = gs_list_processes(dev, g_probe_before, GS_MAX_PIDS)) < 0) {
         pthread_mutex_unlock(&g_probe_mu);
         return 0;
