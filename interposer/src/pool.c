@@ -223,6 +223,8 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     CUdevice dev;
     CUstream es = gs_effective_stream(stream, per_thread);
     int slot = gs_stream_device(es, &ctx, &dev) == 0 ? gs_dev_slot(dev) : -1;
+    if (slot < 0 && gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
+        slot = gs_current_slot(&ctx); /* the stream's device unknown: charged to the current one */
     if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool)
         gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync: the stream's device's current pool */
     CUmemLocation loc;

@@ -95,6 +95,8 @@ static void learn_pid(unsigned pid)
     __atomic_store_n(&gs_pid_unknown, 0, __ATOMIC_RELAXED);
 }
 
+static void start_sampler(void);
+
 /* ---- learning the host pid from an allocation ------------------------------
  * Inside a container's pid namespace getpid() is not NVML's pid.  It is learnt at the first
  * context when exactly one process appears in NVML's list with it; when several appear at
@@ -113,11 +115,18 @@ static nvmlProcessInfo_t g_probe_before[GS_MAX_PIDS], g_probe_after[GS_MAX_PIDS]
 static int g_probe_n, g_probe_tries;
 static CUdevice g_probe_dev;
 static unsigned g_probe_candidate;
+static uint64_t g_probe_seq;
+
+/* nothing else of ours between reservation and record: only this allocation in flight */
+static int probe_alone(void)
+{
+    return __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) == 1 && !__atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
+}
 
 int gs_pid_probe_begin(CUdevice dev, uint64_t bytes)
 {
     if (bytes < GS_PROBE_MIN || pthread_mutex_trylock(&g_probe_mu) != 0) return 0;
-    if (!__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED) ||
+    if (!__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED) || !probe_alone() ||
         (dev < 0 && (!gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS)) || dev < 0 ||
         dev >= GS_MAX_CUDA_DEVS ||
         (g_probe_n = gs_list_processes(dev, g_probe_before, GS_MAX_PIDS)) < 0) {
@@ -125,20 +134,24 @@ int gs_pid_probe_begin(CUdevice dev, uint64_t bytes)
         return 0;
     }
     g_probe_dev = dev;
+    g_probe_seq = gs_charge_seq();
     return 1;
 }
 
 void gs_pid_probe_end(int ok, uint64_t bytes)
 {
+    int alone = probe_alone();
     int n = ok ? gs_list_processes(g_probe_dev, g_probe_after, GS_MAX_PIDS) : -1;
     unsigned found = 0, matches = 0;
+    int learnt = 0;
+    if (!alone || !probe_alone() || gs_charge_seq() != g_probe_seq) matches = 2; /* another op of ours crossed the window */
     for (int i = 0; i < n; i++) {
         uint64_t now = g_probe_after[i].usedGpuMemory, was = 0;
         if (now == GS_NO_VALUE) continue;
         for (int k = 0; k < g_probe_n; k++)
             if (g_probe_before[k].pid == g_probe_after[i].pid) was = g_probe_before[k].usedGpuMemory;
         if (was == GS_NO_VALUE || now < was) continue;
-        if (now - was >= bytes && now - was <= bytes + GS_PROBE_PAD) {
+        if (now - was >= bytes && now - was <= bytes + GS_PROBE_PAD && matches < 2) {
             found = g_probe_after[i].pid;
             matches++;
         }
@@ -149,6 +162,7 @@ void gs_pid_probe_end(int ok, uint64_t bytes)
         } else if (found == g_probe_candidate) {
             GS_INFO("host pid %u learnt from the process's allocations", found);
             learn_pid(found);
+            learnt = 1;
         }
         g_probe_candidate = found;
         if (++g_probe_tries >= GS_PROBE_TRIES && __atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) {
@@ -157,6 +171,7 @@ void gs_pid_probe_end(int ok, uint64_t bytes)
         }
     }
     pthread_mutex_unlock(&g_probe_mu);
+    if (learnt) start_sampler(); /* what no hook sees is charged from now on */
 }
 
 uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound)

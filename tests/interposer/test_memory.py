@@ -429,3 +429,44 @@ def test_a_failing_map_or_retain_counts_nothing(lab):
                   FAKE_CUDA_FAIL="cuMemRetainAllocationHandle:1:700")
     assert res.of("vretain") == [(700, [0])]
     assert res.values("meminfo") == [GIB, GIB]  # no second reference to wait for
+
+
+def test_the_pid_is_not_learnt_from_an_allocation_another_of_ours_crossed(lab):
+    # while our probe read NVML's list around a VMM allocation, another thread of ours
+    # allocated too, so our pid grew by twice the size; a co-tenant's pid that grew by the same
+    # size at that moment was the one match, twice, and was learnt: 1156 MiB under a 1 GiB cap
+    tmp = lab.tmp
+    f1, f2 = str(tmp / "f1"), str(tmp / "f2")
+    ours = lab.start("init", "ctx", "0",
+                     "touch", f1, "bgalloc", "64m", "100", "vmm", "64m", "0", "join",
+                     "touch", f2, "bgalloc", "64m", "100", "vmm", "64m", "0", "join",
+                     CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                     FAKE_NVML_PID_OFFSET="100000", LIBCUDA_LOG_LEVEL="2",
+                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400,cuMemCreate:400",
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"))
+    lab.wait_for(tmp / "creating")
+    other = lab.start("init", "ctx", "0", "waitfile", f1, "sleep", "150", "alloc", "64m",
+                      "waitfile", f2, "sleep", "150", "alloc", "64m", "sleep", "1000",
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
+    res = lab.finish(ours)
+    lab.finish(other)
+    assert "learnt from the process's allocations" not in res.stderr
+
+
+def test_the_sampler_charges_growth_once_the_pid_is_learnt_from_allocations(lab):
+    # the sampler started only with a pid known at the context: learnt later, growth no hook
+    # sees was charged only near the cap (196 MiB charged for 496 held)
+    tmp = lab.tmp
+    ours = lab.start("init", "ctx", "0", "alloc", "64m", "alloc", "32m", "module", "300m",
+                     "sleep", "1500", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="4g",
+                     FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000",
+                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"))
+    lab.wait_for(tmp / "creating")
+    other = lab.start("init", "ctx", "0", "sleep", "2500",
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
+    res = lab.finish(ours)
+    lab.finish(other)
+    assert 4 * GIB - res.values("meminfo")[0] == res.values("phys")[0] == 496 * MIB
