@@ -327,6 +327,24 @@ def test_memory_the_context_takes_later_is_charged_before_the_next_allocation(la
     assert outside.values("nvml")[1] == 0  # and all of it returned at exit
 
 
+def started_beside_another(lab, *cmds: str, **env: str):
+    """Run ``init ctx 0 cmds`` in a container's pid namespace while another tenant's process
+    makes its context during ours: two pids appear with our context, so ours is not learnt
+    from it."""
+    tmp = lab.tmp
+    ours = lab.start("init", "ctx", "0", *cmds, FAKE_CUDA_CTX_BYTES="100m",
+                     FAKE_NVML_PID_OFFSET="100000",
+                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
+    lab.wait_for(tmp / "creating")
+    other = lab.start("init", "ctx", "0", "sleep", "2500",
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
+    res = lab.finish(ours)
+    lab.finish(other)
+    return res
+
+
 @pytest.mark.parametrize("allocs", [["alloc", "64m", "alloc", "32m"], ["vmm", "64m", "0", "vmm", "32m", "0"]],
                          ids=["cuMemAlloc", "cuMemCreate"])
 def test_a_process_whose_context_started_beside_another_learns_its_pid_from_its_allocations(lab,
@@ -334,19 +352,8 @@ def test_a_process_whose_context_started_beside_another_learns_its_pid_from_its_
     # in a container's pid namespace NVML's pid is learnt as the one process that appeared with
     # the context; another process's context made meanwhile left two, and it was never learnt:
     # code loaded later went uncharged for good (here 1.2 GiB held under a 1 GiB cap)
-    tmp = lab.tmp
-    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m",
-           "FAKE_NVML_PID_OFFSET": "100000"}
-    ours = lab.start("init", "ctx", "0", *allocs, "module", "300m",
-                     "sleep", "800", "alloc", "700m", "meminfo", "phys", **env,
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"))
-    lab.wait_for(tmp / "creating")
-    other = lab.start("init", "ctx", "0", "sleep", "2500",
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
-                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
-    res = lab.finish(ours)
-    lab.finish(other)
+    res = started_beside_another(lab, *allocs, "module", "300m", "sleep", "800", "alloc", "700m",
+                                 "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
     assert res.rc("alloc", len(res.of("alloc")) - 1) == OOM  # 100 + 96 + 300 + 700 would pass the cap
     assert res.values("phys")[0] == 496 * MIB
     assert res.values("meminfo") == [GIB - 496 * MIB, GIB]
@@ -457,16 +464,6 @@ def test_the_pid_is_not_learnt_from_an_allocation_another_of_ours_crossed(lab):
 def test_the_sampler_charges_growth_once_the_pid_is_learnt_from_allocations(lab):
     # the sampler started only with a pid known at the context: learnt later, growth no hook
     # sees was charged only near the cap (196 MiB charged for 496 held)
-    tmp = lab.tmp
-    ours = lab.start("init", "ctx", "0", "alloc", "64m", "alloc", "32m", "module", "300m",
-                     "sleep", "1500", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="4g",
-                     FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"))
-    lab.wait_for(tmp / "creating")
-    other = lab.start("init", "ctx", "0", "sleep", "2500",
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
-                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
-    res = lab.finish(ours)
-    lab.finish(other)
+    res = started_beside_another(lab, "alloc", "64m", "alloc", "32m", "module", "300m", "sleep",
+                                 "1500", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="4g")
     assert 4 * GIB - res.values("meminfo")[0] == res.values("phys")[0] == 496 * MIB
