@@ -627,7 +627,7 @@ static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
     int slot = gs_current_slot(ctx);
     CUcontext there = gs_stream_ctx(es), home = NULL;
     sw->on = 0;
-    if (!there || there == *ctx || !gs_cuda.cuCtxSetCurrent) return slot;
+    if (!there || there == *ctx || !gs_cuda.cuCtxSetCurrent || !gs_cuda.cuCtxGetCurrent) return slot;
     /* the caller's context as it is, even one the driver no longer gives a device for */
     if (gs_cuda.cuCtxGetCurrent(&home) != CUDA_SUCCESS || !home || there == home) return slot;
     if (gs_cuda.cuCtxSetCurrent(there) != CUDA_SUCCESS) return -1; /* launched unmeasured */
@@ -635,7 +635,10 @@ static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
     sw->home = home;
     sw->there = there;
     slot = gs_current_slot(ctx);
-    if (slot < 0) switch_to(sw, 0), sw->on = 0;
+    if (slot < 0) {
+        switch_to(sw, 0);
+        sw->on = 0;
+    }
     return slot;
 }
 
