@@ -112,11 +112,9 @@ static int lim_entry_locked(CUcontext ctx, int slot)
         g_lim = t;
         g_nlim = n;
     }
-    if (free_at >= 0) {
-        memset(&g_lim[free_at], 0, sizeof(g_lim[free_at]));
-        g_lim[free_at].ctx = ctx;
-        g_lim[free_at].slot = slot;
-    }
+    memset(&g_lim[free_at], 0, sizeof(g_lim[free_at]));
+    g_lim[free_at].ctx = ctx;
+    g_lim[free_at].slot = slot;
     return free_at;
 }
 
