@@ -229,13 +229,19 @@ int gs_stream_device(CUstream es, CUcontext *ctx, CUdevice *dev)
     there = gs_stream_ctx(es);
     if (!there) there = cur;
     if (!there) return -1;
-    CUresult rc;
+    CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
     if (there == cur) {
         rc = gs_cuda.cuCtxGetDevice(dev);
-    } else { /* the driver tells a context's device only for the current one */
-        if (!gs_cuda.cuCtxSetCurrent || gs_cuda.cuCtxSetCurrent(there) != CUDA_SUCCESS) return -1;
-        rc = gs_cuda.cuCtxGetDevice(dev);
-        gs_cuda.cuCtxSetCurrent(cur);
+    } else {
+        /* a context's device without making it current: CUDA 13 asks the context, 12.8 the
+         * stream; older drivers tell the device of the current context only */
+        if (gs_cuda.cuCtxGetDevice_v2) rc = gs_cuda.cuCtxGetDevice_v2(dev, there);
+        if (rc != CUDA_SUCCESS && gs_cuda.cuStreamGetDevice) rc = gs_cuda.cuStreamGetDevice(es, dev);
+        if (rc != CUDA_SUCCESS) {
+            if (!gs_cuda.cuCtxSetCurrent || gs_cuda.cuCtxSetCurrent(there) != CUDA_SUCCESS) return -1;
+            rc = gs_cuda.cuCtxGetDevice(dev);
+            gs_cuda.cuCtxSetCurrent(cur);
+        }
     }
     if (rc != CUDA_SUCCESS) return -1;
     *ctx = there;

@@ -163,6 +163,8 @@
     R(cuCtxGetCurrent, CUresult, (CUcontext *pctx))                                           \
     R(cuCtxSetCurrent, CUresult, (CUcontext ctx))                                             \
     R(cuStreamGetCtx, CUresult, (CUstream hStream, CUcontext *pctx))                          \
+    R(cuStreamGetDevice, CUresult, (CUstream hStream, CUdevice *device))                      \
+    R(cuCtxGetDevice_v2, CUresult, (CUdevice *device, CUcontext ctx))                         \
     R(cuDevicePrimaryCtxGetState, CUresult, (CUdevice dev, unsigned int *flags, int *active)) \
     R(cuDeviceGetMemPool, CUresult, (CUmemoryPool *pool, CUdevice dev))                       \
     R(cuDeviceGetDefaultMemPool, CUresult, (CUmemoryPool *pool_out, CUdevice dev))            \

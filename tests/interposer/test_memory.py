@@ -162,17 +162,40 @@ def region_used_and_phys(lab, *cmds: str, **env: str) -> tuple[dict[str, int], l
     return used, [vals[0] for _, vals in res.of("physd")], res
 
 
+# the stream's device is read from the context (CUDA 13), from the stream (12.8), or, before
+# that, by making the stream's context current for a moment
+DRIVERS = pytest.mark.parametrize("driver", ["13000", "12080", "12040"])
+
+
+@DRIVERS
 @pytest.mark.parametrize("how", [["devpool", "1", "3g"], ["xasync", "1", "3g"]],
                          ids=["device_1s_pool", "stream_of_device_1"])
-def test_a_stream_ordered_allocation_on_another_device_is_charged_to_that_device(lab, how):
+def test_a_stream_ordered_allocation_on_another_device_is_charged_to_that_device(lab, how, driver):
     # from device 1's default pool, or on a stream of device 1, while device 0's context is
     # current: the memory is device 1's. It was charged to device 0, so device 1 then took a
     # plain 3 GiB beside it: 6 GiB under a 4 GiB cap
     used, phys, res = region_used_and_phys(lab, "ctx", "0", *how, "ctx", "1", "alloc", "3g",
-                                           CUDA_DEVICE_MEMORY_LIMIT="4g")
+                                           CUDA_DEVICE_MEMORY_LIMIT="4g",
+                                           FAKE_CUDA_DRIVER_VERSION=driver)
     assert res.rc(how[0]) == 0 and res.rc("alloc") == OOM
     assert phys == [0, 3 * GIB]
     assert used == {lab.UUID_A: 0, lab.UUID_B: 3 * GIB}
+
+
+@DRIVERS
+def test_the_device_of_another_contexts_stream_is_found_when_its_context_cannot_be_made_current(
+        lab, driver):
+    # the 4th cuCtxSetCurrent of the process fails: the first one of ours where the library
+    # switches to read the stream's device (the probe made three). Drivers that tell a
+    # context's or a stream's device need no switch; an older one charges the current device
+    # rather than nothing (the allocation went uncharged: its 3 GiB beside any other)
+    used, phys, res = region_used_and_phys(lab, "ctx", "0", "xasync", "1", "3g",
+                                           CUDA_DEVICE_MEMORY_LIMIT="4g",
+                                           FAKE_CUDA_DRIVER_VERSION=driver,
+                                           FAKE_CUDA_FAIL="cuCtxSetCurrent:4:201")
+    assert res.rc("xasync") == 0 and phys == [0, 3 * GIB]
+    where = lab.UUID_A if driver == "12040" else lab.UUID_B
+    assert used == {lab.UUID_A: 0, lab.UUID_B: 0, where: 3 * GIB}
 
 
 def test_a_failed_pool_query_keeps_the_pools_charge(lab):

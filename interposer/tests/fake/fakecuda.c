@@ -22,6 +22,9 @@
  *                            contexts at process exit does
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
+ *   FAKE_CUDA_DRIVER_VERSION  what cuDriverGetVersion says (default 13000); calls newer than
+ *                            that (cuCtxGetDevice_v2 13.0, cuStreamGetDevice 12.8) answer
+ *                            CUDA_ERROR_NOT_SUPPORTED
  *   FAKE_CUDA_MODULE_BYTES   device memory each module or library load takes (default 0)
  *   FAKE_CUDA_LAUNCH_BYTES   device memory the first launch of each distinct function
  *                            takes, as when code is loaded lazily (default 0)
@@ -334,10 +337,18 @@ API CUresult cuInit(unsigned int flags)
         if (!initialized) return CUDA_ERROR_NOT_INITIALIZED; \
     } while (0)
 
+/* FAKE_CUDA_DRIVER_VERSION (default 13000): what cuDriverGetVersion says; the calls a driver
+ * of that version lacks answer CUDA_ERROR_NOT_SUPPORTED */
+static int driver_version(void)
+{
+    const char *v = getenv("FAKE_CUDA_DRIVER_VERSION");
+    return v ? atoi(v) : 13000;
+}
+
 API CUresult cuDriverGetVersion(int *v)
 {
     if (!v) return CUDA_ERROR_INVALID_VALUE;
-    *v = 13000;
+    *v = driver_version();
     return CUDA_SUCCESS;
 }
 
@@ -533,6 +544,7 @@ API CUresult cuCtxDestroy_v2(CUcontext ctx)
 
 API CUresult cuCtxSetCurrent(CUcontext ctx)
 {
+    FAIL_POINT("cuCtxSetCurrent");
     current = (struct fake_ctx *)ctx;
     return CUDA_SUCCESS;
 }
@@ -550,6 +562,19 @@ API CUresult cuCtxGetDevice(CUdevice *d)
     if (!current || (current->primary && !current->refs)) return CUDA_ERROR_INVALID_CONTEXT;
     for (int i = 0; i < nvisible; i++)
         if (visible[i] == current->pdev) *d = i;
+    return CUDA_SUCCESS;
+}
+
+/* CUDA 13: the device of any context, NULL meaning the current one */
+API CUresult cuCtxGetDevice_v2(CUdevice *d, CUcontext ctx)
+{
+    if (driver_version() < 13000) return CUDA_ERROR_NOT_SUPPORTED;
+    FAIL_POINT("cuCtxGetDevice_v2");
+    struct fake_ctx *c = ctx ? (struct fake_ctx *)ctx : current;
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    if (!c || (c->primary && !c->refs)) return CUDA_ERROR_INVALID_CONTEXT;
+    for (int i = 0; i < nvisible; i++)
+        if (visible[i] == c->pdev) *d = i;
     return CUDA_SUCCESS;
 }
 

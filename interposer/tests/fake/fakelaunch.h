@@ -60,6 +60,19 @@ API CUresult cuStreamGetCtx(CUstream s, CUcontext *pctx)
     return CUDA_SUCCESS;
 }
 
+/* CUDA 12.8: the device of a stream's context */
+API CUresult cuStreamGetDevice(CUstream s, CUdevice *d)
+{
+    if (driver_version() < 12080) return CUDA_ERROR_NOT_SUPPORTED;
+    FAIL_POINT("cuStreamGetDevice");
+    struct fake_ctx *c = stream_ctx(s);
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    for (int i = 0; i < nvisible; i++)
+        if (visible[i] == c->pdev) *d = i;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuStreamDestroy_v2(CUstream s)
 {
     if (!s || s == (CUstream)0x1 || s == CU_STREAM_PER_THREAD) return CUDA_ERROR_INVALID_VALUE;
