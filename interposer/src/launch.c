@@ -298,6 +298,13 @@ static void give_event(struct tstream *s, CUevent e)
         gs_cuda.cuEventDestroy_v2(e);
 }
 
+/* An event the driver would not record (made in another context, a sticky error): destroyed,
+ * never reused, or every later launch on the stream would fail to record it. */
+static void drop_event(CUevent e)
+{
+    if (e && gs_cuda.cuEventDestroy_v2) gs_cuda.cuEventDestroy_v2(e);
+}
+
 static void reset_stream(struct tstream *s)
 {
     /* events of a dead context are gone with it: just forget them */
@@ -616,9 +623,9 @@ struct ctx_switch {
     CUcontext home, there;
 };
 
-static void switch_to(const struct ctx_switch *sw, int there)
+static int switch_to(const struct ctx_switch *sw, int there)
 {
-    if (sw->on) gs_cuda.cuCtxSetCurrent(there ? sw->there : sw->home);
+    return !sw->on || gs_cuda.cuCtxSetCurrent(there ? sw->there : sw->home) == CUDA_SUCCESS ? 0 : -1;
 }
 
 /* The slot (and context) a launch on es is measured in, -1 if none. */
@@ -689,7 +696,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             s->mark = start;
             s->mark_ns = gs_now_ns();
         } else {
-            give_event(s, start);
+            drop_event(start);
         }
     }
     pthread_mutex_unlock(&g_mu);
@@ -697,7 +704,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     switch_to(&sw, 0);
     CUresult rc = launch(args);
     if (rc != CUDA_SUCCESS) return rc;
-    switch_to(&sw, 1);
+    if (switch_to(&sw, 1) != 0) return rc; /* the stream's context is gone: this launch unmeasured */
 
     pthread_mutex_lock(&g_mu);
     s = stream_get_locked(key, ctx, slot);
@@ -719,11 +726,11 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             s->count++;
             line_reference_locked(ctx, es, s->rec_ns[tail]);
         } else {
-            give_event(s, end);
+            drop_event(end);
         }
     }
     pthread_mutex_unlock(&g_mu);
-    switch_to(&sw, 0);
+    if (switch_to(&sw, 0) != 0) GS_ERROR("cuCtxSetCurrent failed: the caller's context could not be restored");
     return rc;
 }
 

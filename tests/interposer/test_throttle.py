@@ -538,3 +538,16 @@ def test_a_context_less_kernel_on_another_contexts_stream_is_throttled_in_that_c
     assert home_kept == 1  # the caller's context is current again
     got = 100.0 * kernel_ns / wall_ns
     assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"
+
+
+def test_a_failed_switch_to_the_streams_context_leaves_one_launch_unmeasured(lab):
+    # the 6th cuCtxSetCurrent of the process (the probe made three, the first launch two) fails
+    # as the library returns to the stream's context after the first launch: its end event was
+    # then made in the caller's context, the driver would not record it, and it went back to
+    # the stream's spare events, so no later launch was measured either: 100 %
+    res = lab.run("init", "ctx", "0", "xbench", "1.5", "1", **TWO_GPUS, CUDA_DEVICE_SM_LIMIT_1="30",
+                  FAKE_CUDA_KERNEL_US="1000", FAKE_CUDA_FAIL="cuCtxSetCurrent:6:201")
+    rc, (launches, kernel_ns, wall_ns, home_kept) = res.of("xbench")[0]
+    assert rc == 0 and launches > 0 and home_kept == 1
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"
