@@ -10,6 +10,7 @@
  * Over the cap the caller gets CUDA_ERROR_OUT_OF_MEMORY and nothing changes.
  */
 #define _GNU_SOURCE
+#include <stdlib.h>
 #include <string.h>
 
 #include "gpuslice.h"
@@ -333,15 +334,47 @@ GS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGe
 
 #define GS_UNMAP_BATCH 256
 
+/* The records of every mapping in [ptr, end), taken before the unmap (after it, another thread
+ * may already have mapped new memory there): in *keys and *maps, the stack's batch or, for more
+ * mappings than one batch holds, arrays from the heap.  Returns how many; *more is set when
+ * the heap could not hold them all and the rest are still to take. */
+static size_t take_mappings(uint64_t ptr, uint64_t end, uint64_t **keys, struct gs_alloc **maps, int *more)
+{
+    size_t n = gs_am_take_range(GS_KIND_VMAP, ptr, end, *keys, *maps, GS_UNMAP_BATCH), cap = GS_UNMAP_BATCH;
+    *more = 0;
+    while (n == cap) {
+        uint64_t *k = malloc(2 * cap * sizeof(*k));
+        struct gs_alloc *m = malloc(2 * cap * sizeof(*m));
+        if (!k || !m) {
+            free(k);
+            free(m);
+            *more = 1;
+            break;
+        }
+        memcpy(k, *keys, n * sizeof(*k));
+        memcpy(m, *maps, n * sizeof(*m));
+        if (cap > GS_UNMAP_BATCH) {
+            free(*keys);
+            free(*maps);
+        }
+        *keys = k;
+        *maps = m;
+        cap *= 2;
+        n += gs_am_take_range(GS_KIND_VMAP, ptr, end, k + n, m + n, cap - n);
+    }
+    return n;
+}
+
 GS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemUnmap) return CUDA_ERROR_NOT_SUPPORTED;
-    uint64_t keys[GS_UNMAP_BATCH];
-    struct gs_alloc maps[GS_UNMAP_BATCH];
+    uint64_t batch_keys[GS_UNMAP_BATCH], *keys = batch_keys;
+    struct gs_alloc batch_maps[GS_UNMAP_BATCH], *maps = batch_maps;
     uint64_t end = size > UINT64_MAX - ptr ? UINT64_MAX : ptr + size;
+    int more;
     gs_inflight_begin(); /* the last mapping of a released handle frees its memory */
-    size_t n = gs_am_take_range(GS_KIND_VMAP, ptr, end, keys, maps, GS_UNMAP_BATCH);
+    size_t n = take_mappings(ptr, end, &keys, &maps, &more);
     CUresult rc = gs_cuda.cuMemUnmap(ptr, size);
     struct gs_alloc rec, old;
     for (;;) {
@@ -351,9 +384,20 @@ GS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
             else if (vmm_count(maps[i].aux, -1, &rec) == 1)
                 gs_budget_release(rec.slot, rec.size);
         }
-        /* a range of more mappings than one batch: the rest after the call */
-        if (rc != CUDA_SUCCESS || n < GS_UNMAP_BATCH) break;
-        n = gs_am_take_range(GS_KIND_VMAP, ptr, end, keys, maps, GS_UNMAP_BATCH);
+        /* out of memory for the records: the rest after the call */
+        if (rc != CUDA_SUCCESS || !more) break;
+        n = gs_am_take_range(GS_KIND_VMAP, ptr, end, batch_keys, batch_maps, GS_UNMAP_BATCH);
+        if (keys != batch_keys) {
+            free(keys);
+            free(maps);
+            keys = batch_keys;
+            maps = batch_maps;
+        }
+        more = n == GS_UNMAP_BATCH;
+    }
+    if (keys != batch_keys) {
+        free(keys);
+        free(maps);
     }
     gs_inflight_end();
     return rc;

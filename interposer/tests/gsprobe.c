@@ -404,6 +404,15 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuCtxSetLimit(2, bg.size);
+    } else if (!strcmp(bg.what, "bgvremap")) {
+        /* new memory mapped at the start of the "vmapall" range, its handle released */
+        CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
+        CUmemGenericAllocationHandle h = 0;
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuMemCreate(&h, bg.size, &prop, 0);
+        if (bg.rc == CUDA_SUCCESS) bg.rc = api.cuMemMap(vrange, bg.size, 0, h, 0);
+        if (h) api.cuMemRelease(h);
     } else if (!strcmp(bg.what, "bgglaunch")) {
         api.cuCtxSetCurrent(capture_ctx);
         bg.rc = CUDA_SUCCESS;
@@ -896,6 +905,10 @@ int main(int argc, char **argv)
             /* bgretain MS: a thread retains device 0's primary context after MS */
             bg_start("bgretain", atol(ARG(0)), 0);
             i += 1;
+        } else if (!strcmp(c, "bgvremap")) {
+            /* bgvremap SIZE MS: a thread maps new memory at the start of the vmapall range after MS */
+            bg_start("bgvremap", atol(ARG(1)), size_arg(ARG(0)));
+            i += 2;
         } else if (!strcmp(c, "bgglaunch")) {
             /* bgglaunch N: a thread launches the instantiated graph N times */
             bg_start("bgglaunch", atol(ARG(0)), 0);

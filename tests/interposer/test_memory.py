@@ -428,6 +428,36 @@ def test_one_unmap_over_back_to_back_mappings_returns_each_of_them(lab):
     assert res.values("phys") == [0]
 
 
+def test_one_unmap_over_more_mappings_than_a_batch_returns_each_of_them(lab):
+    # 300 mappings of 2 MiB, their handles released: a failed unmap keeps every one charged,
+    # the next returns them all (the records are all taken before the driver's call, so a
+    # mapping another thread makes in the range meanwhile is not taken for one of them)
+    n = 300
+    cmds = [c for _ in range(n) for c in ("vmm", "2m", "0")] + ["vmapall"]
+    cmds += [c for i in range(n) for c in ("free", str(i))]
+    res = lab.run("init", "ctx", "0", *cmds, "meminfo", "vunmapall", "meminfo", "vunmapall",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuMemUnmap:1:700")
+    assert res.rc("vmapall") == 0 and [rc for rc, _ in res.of("vunmapall")] == [700, 0]
+    assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 2 * n * MIB] * 2 + [GIB]
+    assert res.values("phys") == [0]
+
+
+def test_memory_mapped_into_a_range_while_it_is_unmapped_stays_charged(lab):
+    # another thread maps 2 MiB at the range's start while the unmap of its 300 mappings is
+    # still inside the driver: the records past the first 256 were taken after the call, the
+    # new mapping's among them, and its charge went while it was mapped
+    n = 300
+    cmds = [c for _ in range(n) for c in ("vmm", "2m", "0")] + ["vmapall"]
+    cmds += [c for i in range(n) for c in ("free", str(i))]
+    res = lab.run("init", "ctx", "0", *cmds, "bgvremap", "2m", "300", "vunmapall", "join",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_SLEEP="cuMemUnmapAfter:1000")
+    assert res.rc("vunmapall") == 0 and res.rc("bgvremap") == 0
+    assert res.values("meminfo")[0] == GIB - 2 * MIB
+    assert res.values("phys") == [2 * MIB]
+
+
 @pytest.mark.parametrize("fail, command", [("cuMemUnmap", "vunmap"), ("cuMemRelease", "free")])
 def test_a_failing_unmap_or_release_changes_no_count(lab, fail, command):
     # the failed call keeps its mapping or reference: the charge stays until it succeeds

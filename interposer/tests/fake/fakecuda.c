@@ -1035,6 +1035,7 @@ API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         }
     }
     pthread_mutex_unlock(&mu);
+    (void)fail_check("cuMemUnmapAfter"); /* FAKE_CUDA_SLEEP: still inside, the range unmapped */
     return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
