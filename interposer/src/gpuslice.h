@@ -153,9 +153,11 @@ int gs_host_pid_known(CUdevice dev);
 extern int gs_pid_unknown; /* atomic: allocations may teach the host pid (reconcile.c) */
 /* Around an allocation of `bytes` on dev (-1: the current context's) while gs_pid_unknown:
  * begin returns 1 if it read NVML's list (then end must follow, with whether the allocation
- * succeeded). */
-int gs_pid_probe_begin(CUdevice dev, uint64_t bytes);
-void gs_pid_probe_end(int ok, uint64_t bytes);
+ * succeeded and the bytes it took).  bytes 0 at begin: not known until the call returns (a
+ * pool's growth); end with ok 0 then counts nothing.  `unsettled` is how many gs_unsettled
+ * marks are the caller's own. */
+int gs_pid_probe_begin(CUdevice dev, uint64_t bytes, int unsettled);
+void gs_pid_probe_end(int ok, uint64_t bytes, int unsettled);
 unsigned gs_host_pid(CUdevice dev); /* the process's pid in NVML's lists, 0 if not known yet */
 void gs_sampler_start(void); /* the background thread (reconcile.c), if not running yet */
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */

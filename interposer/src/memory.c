@@ -117,9 +117,9 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
             return over_cap(slot, charge);                                            \
         }                                                                             \
         int probe_ = (probe) && GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) && \
-                     gs_pid_probe_begin(-1, charge);                                  \
+                     gs_pid_probe_begin(-1, charge, 0);                                  \
         CUresult rc = (call);                                                         \
-        if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge);                     \
+        if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);                     \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
         else if (record(kind, (uint64_t)(uintptr_t)*(out), slot, charge, ctx) != 0)   \
@@ -227,9 +227,9 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
         return over_cap(slot, charge);
     }
     int probe = GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) &&
-                gs_pid_probe_begin(prop->location.id, charge);
+                gs_pid_probe_begin(prop->location.id, charge, 0);
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
-    if (probe) gs_pid_probe_end(rc == CUDA_SUCCESS, charge);
+    if (probe) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);
     if (rc != CUDA_SUCCESS) {
         rc = rollback(rc, slot, charge);
     } else {

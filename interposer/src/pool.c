@@ -158,6 +158,22 @@ static int reconcile_locked(struct pool_rec *p, int grow)
     return 0;
 }
 
+static int pool_reserved(CUmemoryPool pool, cuuint64_t *bytes)
+{
+    return gs_cuda.cuMemPoolGetAttribute &&
+           gs_cuda.cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, bytes) == CUDA_SUCCESS;
+}
+
+/* 1 if an allocation of `bytes` cannot come from what the pool holds free, so the driver must
+ * grow it (a probe for the host pid can see that growth); *reserved is the pool's size. */
+static int pool_must_grow(CUmemoryPool pool, size_t bytes, cuuint64_t *reserved)
+{
+    cuuint64_t used = 0;
+    return pool_reserved(pool, reserved) &&
+           gs_cuda.cuMemPoolGetAttribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &used) == CUDA_SUCCESS &&
+           used <= *reserved && *reserved - used < bytes;
+}
+
 static void reconcile_all_locked(void)
 {
     for (int i = 0; i < GS_MAX_POOLS; i++)
@@ -228,8 +244,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool)
         gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync: the stream's device's current pool */
     CUmemLocation loc;
-    if (pool && pool_location((uint64_t)(uintptr_t)pool, &loc))
+    CUdevice mem_dev = slot >= 0 ? dev : -1; /* the device whose memory it takes */
+    if (pool && pool_location((uint64_t)(uintptr_t)pool, &loc)) {
         slot = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(loc.id) : -1; /* -1: host memory */
+        mem_dev = loc.id;
+    }
     /* on a stream being captured into a graph the allocation is a graph node: it takes
      * memory only when the graph runs, and graphmem.c charges it then */
     if (slot < 0 || !pool || !bytesize || gs_stream_capturing(es))
@@ -260,7 +279,19 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     gs_sampler_start(); /* it returns what pools give back at synchronisations (one load once running) */
 
     gs_unsettled_begin(); /* the pool may grow by more than was reserved until reconcile_locked */
+    cuuint64_t was = 0;
+    int probe = GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) && pool_must_grow(pool, bytesize, &was);
+    if (probe) {
+        gs_inflight_begin();
+        if (!(probe = gs_pid_probe_begin(mem_dev, 0, 1))) gs_inflight_end();
+    }
     CUresult rc = call(dptr, bytesize, pool, stream, real);
+    if (probe) {
+        cuuint64_t now = 0;
+        int grew = rc == CUDA_SUCCESS && pool_reserved(pool, &now) && now > was;
+        gs_pid_probe_end(grew, grew ? now - was : 0, 1);
+        gs_inflight_end();
+    }
     struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
     pthread_mutex_lock(&g_mu);
     p = find_locked(key, slot, 0); /* kept while busy */

@@ -101,11 +101,11 @@ static void start_sampler(void);
  * Inside a container's pid namespace getpid() is not NVML's pid.  It is learnt at the first
  * context when exactly one process appears in NVML's list with it; when several appear at
  * once (processes of the container, or another tenant, starting together) it is learnt from
- * the process's own allocations instead (cuMemAlloc, cuMemCreate): while gs_pid_unknown, an
- * allocation of at least
- * GS_PROBE_MIN bytes reads NVML's list before and after the driver call, and a pid that
- * alone grew by about that much is a candidate; the same candidate from two allocations is
- * ours.  At most GS_PROBE_TRIES allocations pay for the two readings. */
+ * the process's own allocations instead (cuMemAlloc, cuMemCreate, and stream-ordered ones that
+ * grow their pool): while gs_pid_unknown, an allocation that takes at least GS_PROBE_MIN bytes
+ * reads NVML's list before and after the driver call, and a pid that alone grew by about that
+ * much is a candidate; the same candidate from two allocations is ours.  At most
+ * GS_PROBE_TRIES allocations pay for the two readings. */
 #define GS_PROBE_MIN (2ull << 20)
 #define GS_PROBE_PAD (4ull << 20) /* page rounding and the driver's bookkeeping */
 #define GS_PROBE_TRIES 32
@@ -118,15 +118,16 @@ static unsigned g_probe_candidate;
 static uint64_t g_probe_seq;
 
 /* nothing else of ours between reservation and record: only this allocation in flight */
-static int probe_alone(void)
+static int probe_alone(int unsettled)
 {
-    return __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) == 1 && !__atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
+    return __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) == 1 &&
+           __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST) == unsettled;
 }
 
-int gs_pid_probe_begin(CUdevice dev, uint64_t bytes)
+int gs_pid_probe_begin(CUdevice dev, uint64_t bytes, int unsettled)
 {
-    if (bytes < GS_PROBE_MIN || pthread_mutex_trylock(&g_probe_mu) != 0) return 0;
-    if (!__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED) || !probe_alone() ||
+    if ((bytes && bytes < GS_PROBE_MIN) || pthread_mutex_trylock(&g_probe_mu) != 0) return 0;
+    if (!__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED) || !probe_alone(unsettled) ||
         (dev < 0 && (!gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS)) || dev < 0 ||
         dev >= GS_MAX_CUDA_DEVS ||
         (g_probe_n = gs_list_processes(dev, g_probe_before, GS_MAX_PIDS)) < 0) {
@@ -138,13 +139,14 @@ int gs_pid_probe_begin(CUdevice dev, uint64_t bytes)
     return 1;
 }
 
-void gs_pid_probe_end(int ok, uint64_t bytes)
+void gs_pid_probe_end(int ok, uint64_t bytes, int unsettled)
 {
-    int alone = probe_alone();
-    int n = ok ? gs_list_processes(g_probe_dev, g_probe_after, GS_MAX_PIDS) : -1;
+    int alone = probe_alone(unsettled);
+    int n = ok && bytes >= GS_PROBE_MIN ? gs_list_processes(g_probe_dev, g_probe_after, GS_MAX_PIDS) : -1;
     unsigned found = 0, matches = 0;
     int learnt = 0;
-    if (!alone || !probe_alone() || gs_charge_seq() != g_probe_seq) matches = 2; /* another op of ours crossed the window */
+    if (!alone || !probe_alone(unsettled) || gs_charge_seq() != g_probe_seq)
+        matches = 2; /* another op of ours crossed the window */
     for (int i = 0; i < n; i++) {
         uint64_t now = g_probe_after[i].usedGpuMemory, was = 0;
         if (now == GS_NO_VALUE) continue;

@@ -368,8 +368,9 @@ def started_beside_another(lab, *cmds: str, **env: str):
     return res
 
 
-@pytest.mark.parametrize("allocs", [["alloc", "64m", "alloc", "32m"], ["vmm", "64m", "0", "vmm", "32m", "0"]],
-                         ids=["cuMemAlloc", "cuMemCreate"])
+@pytest.mark.parametrize("allocs", [["alloc", "64m", "alloc", "32m"], ["vmm", "64m", "0", "vmm", "32m", "0"],
+                                    ["async", "64m", "async", "32m"]],
+                         ids=["cuMemAlloc", "cuMemCreate", "cuMemAllocAsync"])
 def test_a_process_whose_context_started_beside_another_learns_its_pid_from_its_allocations(lab,
                                                                                           allocs):
     # in a container's pid namespace NVML's pid is learnt as the one process that appeared with
@@ -380,6 +381,17 @@ def test_a_process_whose_context_started_beside_another_learns_its_pid_from_its_
     assert res.rc("alloc", len(res.of("alloc")) - 1) == OOM  # 100 + 96 + 300 + 700 would pass the cap
     assert res.values("phys")[0] == 496 * MIB
     assert res.values("meminfo") == [GIB - 496 * MIB, GIB]
+
+
+def test_stream_ordered_allocations_the_pool_holds_room_for_do_not_read_nvml(lab):
+    # while the pid is unknown only an allocation that grows its pool is a probe: 40 more from
+    # the room the first one left read NVML's list no more than the first one did
+    cmds = [c for i in range(1, 41) for c in ("async", "2m", "free", str(i))]
+    res = started_beside_another(lab, "async", "64m", "free", "0", "nvmlqueries", *cmds,
+                                 "nvmlqueries", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    first, last = (vals[0] for _, vals in res.of("nvmlqueries"))
+    assert [rc for rc, _ in res.of("async")] == [0] * 41
+    assert last - first <= 2, (first, last)  # a reconcile may; a probe per allocation: 40 times
 
 
 # ---- VMM: an allocation lives while a handle reference or a mapping of it remains ----------
