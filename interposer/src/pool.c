@@ -360,6 +360,7 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
         kind = GS_KIND_DPTR;
         if (gs_am_take(kind, dptr, &rec) != 0) return real(dptr, stream);
     }
+    gs_inflight_begin(); /* a cuMemAlloc pointer's memory goes before its charge */
     CUresult rc = real(dptr, stream);
     if (rc != CUDA_SUCCESS)
         gs_am_put(kind, dptr, &rec, &old);
@@ -367,6 +368,7 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
         gs_pool_drop_ptr(rec.aux, rec.size);
     else
         gs_budget_release(rec.slot, rec.size);
+    gs_inflight_end();
     return rc;
 }
 

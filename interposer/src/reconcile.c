@@ -259,6 +259,10 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
     if (slot < 0) return 0;
     if (rebase) __atomic_store_n(&g_rebase[dev], 1, __ATOMIC_RELAXED); /* until a clean reading */
     for (int attempt = 0; attempt < GS_ATTEMPTS; attempt++) {
+        /* pools' charges for memory they gave back at a synchronisation (no hook sees it) go
+         * first: else that memory, gone from NVML's figure but still charged to its pool,
+         * would be taken off the untracked charge too, and then off the pool's */
+        if (rebase && !gs_capture_global()) gs_pools_reconcile_all();
         uint64_t seq = gs_charge_seq();
         int unsettled = __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
         int inflight = __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST);

@@ -77,6 +77,22 @@ static uint64_t proc_stat(pid_t pid, char *state)
     return p ? strtoull(p + 1, NULL, 10) : 0;
 }
 
+/* How many threads /proc says the process has (0 if unknown): a zombie thread-group leader
+ * with others still running is a live process whose main() ended with pthread_exit. */
+static int proc_threads(pid_t pid)
+{
+    char path[64], buf[2048];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = '\0';
+    const char *t = strstr(buf, "\nThreads:");
+    return t ? atoi(t + 9) : 0;
+}
+
 static uint64_t proc_start_time(pid_t pid)
 {
     char state;
@@ -208,7 +224,8 @@ static int proc_alive(const struct gpuslice_proc *p, uint64_t my_ns)
     if (kill(p->pid, 0) != 0 && errno == ESRCH) return 0;
     char state;
     uint64_t start = proc_stat(p->pid, &state);
-    if (state == 'Z' || state == 'X') return 0; /* killed, not yet reaped: its memory is gone */
+    /* killed (or ended), not yet reaped: its memory is gone; unless other threads still run */
+    if (state == 'X' || (state == 'Z' && proc_threads(p->pid) <= 1)) return 0;
     if (p->pid == getpid() && p != g_me && start == p->start_time) return 0; /* ours before an exec */
     return !(start && p->start_time && start != p->start_time); /* else the pid was reused */
 }

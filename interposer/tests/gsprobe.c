@@ -394,6 +394,10 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuArrayDestroy((CUarray)(uintptr_t)allocs[bg.size].handle);
+    } else if (!strcmp(bg.what, "bgfreeasync")) {
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuMemFreeAsync(allocs[bg.size].handle, NULL);
     } else if (!strcmp(bg.what, "bgmodule")) {
         typedef CUresult (*module_t)(uint64_t);
         module_t load = (module_t)dlsym(libcuda, "fake_cuda_module_load");
@@ -892,6 +896,10 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgarrayfree")) {
             /* bgarrayfree ID MS: a thread destroys the array of allocation ID after MS */
             bg_start("bgarrayfree", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgfreeasync")) {
+            /* bgfreeasync ID MS: a thread frees allocation ID with cuMemFreeAsync after MS */
+            bg_start("bgfreeasync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgmodule")) {
             /* bgmodule SIZE MS: a thread, in the context "ctx" made current, loads code lazily */

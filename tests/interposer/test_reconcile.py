@@ -11,6 +11,8 @@ the library while the capped probe holds its memory.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 MIB = 1 << 20
@@ -485,13 +487,43 @@ def test_code_loaded_during_a_later_contexts_creation_does_not_become_the_estima
     assert view_used(res) == 100 * MIB
 
 
-def test_a_free_inside_the_driver_does_not_lower_the_untracked_charge(lab):
-    # a re-measurement while an array's memory was gone but its charge not yet returned took
-    # the difference for untracked memory that went: 144 MiB charged for 400 held afterwards
+@pytest.mark.parametrize("alloc, free, sleep", [
+    (["array", "4096", "4096"], "bgarrayfree", "cuArrayDestroyAfter:800"),
+    (["alloc", "256m"], "bgfreeasync", "cuMemFreeAsyncAfter:800")],
+    ids=["cuArrayDestroy", "cuMemFreeAsync_of_cuMemAlloc"])
+def test_a_free_inside_the_driver_does_not_lower_the_untracked_charge(lab, alloc, free, sleep):
+    # a re-measurement while the memory was gone but its charge not yet returned took the
+    # difference for untracked memory that went: 144 MiB charged for 400 held afterwards
     res = lab.run("init", "ctxcreate", "0", "ctx", "0", "module", "300m", "sleep", "700",
-                  "array", "4096", "4096", "bgarrayfree", "0", "0", "sleep", "200",
+                  *alloc, free, "0", "0", "sleep", "200",
                   "ctxdestroy", "0", "join", "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_CUDA_SLEEP="cuArrayDestroyAfter:800")
-    assert res.rc("bgarrayfree") == 0
+                  FAKE_CUDA_SLEEP=sleep)
+    assert res.rc(free) == 0
     assert view_used(res) == res.of("phys")[0][1][0] == 400 * MIB
+
+
+def test_pool_memory_given_back_at_a_sync_is_not_uncharged_twice_when_a_context_goes(lab):
+    # the pool gives its 200 MiB back at the synchronisation, unseen by any hook; the context
+    # going then re-measured the untracked charge with the pool's stale charge still counted,
+    # lowered it by those 200 MiB, and the sampler then returned the pool's charge as well:
+    # 176 MiB charged for 400 MiB held, and another process's 700 MiB passed a 1 GiB cap
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m",
+           "FAKE_CUDA_POOL_RELEASE": "1"}
+    first = lab.start("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "module", "300m",
+                      "sleep", "700", "async", "200m", "free", "0", "sync", "ctxdestroy", "0",
+                      "touch", str(lab.tmp / "held1"), "waitfile", str(lab.tmp / "go"), "phys",
+                      **env)
+    lab.wait_for(lab.tmp / "held1")
+    deadline = time.monotonic() + 3
+    while lab.used() > 400 * MIB and time.monotonic() < deadline:
+        time.sleep(0.005)  # until the sampler has returned the pool's charge
+    time.sleep(0.6)
+    second = lab.start("init", "ctx", "0", "alloc", "700m", "touch", str(lab.tmp / "held2"),
+                       "waitfile", str(lab.tmp / "go"), **env)
+    lab.wait_for(lab.tmp / "held2")
+    outside = lab.run("nvml", "0", LD_PRELOAD=None).values("nvml")[1]
+    (lab.tmp / "go").touch()
+    one, two = lab.finish(first), lab.finish(second)
+    assert one.values("phys") == [400 * MIB]
+    assert two.rc("alloc") == OOM and outside <= GIB, outside // MIB

@@ -180,6 +180,30 @@ def test_a_killed_process_not_yet_reaped_returns_its_usage(lab):
     assert res.rc("alloc") == 0
 
 
+def test_a_process_whose_main_thread_ended_keeps_its_charge(lab):
+    # main() ends with pthread_exit while a worker thread holds 700 MiB: the process lives,
+    # but /proc shows its leader as a zombie, and it was taken for dead: another process's
+    # 700 MiB passed the 1 GiB cap (1400 MiB from outside)
+    ready, stop = lab.tmp / "ready", lab.tmp / "stop"
+    proc = subprocess.Popen([str(lab.build / "tests" / "mainexit"), "700", str(ready), str(stop)],
+                            env=lab.env(CUDA_DEVICE_MEMORY_LIMIT="1g"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lab.procs.append(proc)
+    lab.wait_for(ready)
+    for _ in range(200):  # until only the worker runs
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.01)
+    res = lab.run("init", "ctx", "0", "alloc", "700m", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    used = lab.used()
+    stop.touch()
+    out, err = proc.communicate(timeout=30)
+    lab.check_sanitizers(err)
+    assert res.rc("alloc") == OOM and used == 700 * MIB
+    assert "free 0" in out
+
+
 def test_a_process_that_execs_returns_what_its_old_image_held(lab):
     # exec replaces the program in the same process (same pid and start time): the old image's
     # slot stayed charged before, next to the new one's

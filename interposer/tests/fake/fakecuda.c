@@ -1267,7 +1267,9 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
     FAIL_POINT("cuMemFreeAsync");
     CUresult rc;
     if (fake_capture_free(s, ptsz, &rc)) return rc;
-    return alloc_free(K_DPTR, dptr);
+    rc = alloc_free(K_DPTR, dptr);
+    (void)fail_check("cuMemFreeAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the memory gone */
+    return rc;
 }
 
 API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s)
