@@ -88,12 +88,13 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
         gs_budget_release(c->slot, c->reserved);
         return 0;
     }
-    uint64_t bound, measured = gs_ctx_growth(dev, c->procs, c->nprocs, &bound);
+    uint64_t bound, others, measured = gs_ctx_growth(dev, c->procs, c->nprocs, c->first, &bound, &others);
     if (measured == NO_READING) {
-        /* the device's growth: other tenants' allocations meanwhile count too */
+        /* the device's growth: other tenants' allocations meanwhile count too, less what
+         * processes that cannot be ours hold */
         uint64_t after = nvml_used(dev);
-        if (c->before == NO_READING || after == NO_READING || after <= c->before) return c->reserved;
-        measured = after - c->before;
+        if (c->before == NO_READING || after == NO_READING || after <= c->before + others) return c->reserved;
+        measured = after - c->before - others;
         if (bound < measured) measured = bound;
     }
     /* what other threads allocated (or freed) meanwhile grew (or shrank) the process too, and

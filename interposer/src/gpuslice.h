@@ -143,12 +143,14 @@ void gs_context_after_fork_child(void);
 #define GS_DEFAULT_MARGIN (256ull << 20)
 extern uint64_t gs_reconcile_margin;  /* GPUSLICE_RECONCILE_MARGIN; 0 = reconcile in the background only */
 int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap); /* -1 if NVML cannot say */
-/* After a context was created: learns the process's host pid (ours, or the one pid new in
- * NVML's list since `before`) and returns how much the process's own usage grew, or
- * UINT64_MAX when NVML cannot say; then *bound is, when known, what the process holds at
- * most (the largest of the processes new in the list), else UINT64_MAX.  Caller holds
- * gs_ctx_lock. */
-uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound);
+/* After a context was created: learns the process's host pid (ours, or, for the process's
+ * first context on dev, the one pid new in NVML's list since `before`) and returns how much
+ * the process's own usage grew, or UINT64_MAX when NVML cannot say; then *bound is, when
+ * known, what the process holds at most (the largest of the processes new in the list), else
+ * UINT64_MAX, and *others what processes new in the list hold that cannot be ours (a later
+ * context's: the process was in the list before).  Caller holds gs_ctx_lock. */
+uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, int first, uint64_t *bound,
+                       uint64_t *others);
 int gs_host_pid_known(CUdevice dev);
 extern int gs_pid_unknown; /* atomic: allocations may teach the host pid (reconcile.c) */
 /* Around an allocation of `bytes` on dev (-1: the current context's) while gs_pid_unknown:

@@ -176,10 +176,12 @@ void gs_pid_probe_end(int ok, uint64_t bytes, int unsettled)
     if (learnt) start_sampler(); /* what no hook sees is charged from now on */
 }
 
-uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, uint64_t *bound)
+uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefore, int first, uint64_t *bound,
+                       uint64_t *others)
 {
     static nvmlProcessInfo_t after[GS_MAX_PIDS]; /* under the context lock */
     *bound = GS_NO_VALUE;
+    *others = 0;
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || nbefore < 0) return GS_NO_VALUE;
     int n = gs_list_processes(dev, after, GS_MAX_PIDS);
     unsigned pid = __atomic_load_n(&g_host_pid[dev], __ATOMIC_RELAXED), fresh = 0, nfresh = 0;
@@ -195,9 +197,14 @@ uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefor
             fresh = after[i].pid;
             nfresh++;
             if (after[i].usedGpuMemory > most) most = after[i].usedGpuMemory;
+            if (after[i].usedGpuMemory != GS_NO_VALUE) *others += after[i].usedGpuMemory;
         }
     }
-    if (!pid && nfresh == 1) pid = fresh; /* the one process that appeared with our context */
+    /* the one process that appeared with our first context on the device is ours; with a
+     * later one we were in the list already, and those that appeared are others' */
+    if (first) *others = 0;
+    else nfresh = 0;
+    if (!pid && nfresh == 1) pid = fresh;
     if (!pid && n >= 0 && __atomic_load_n(&g_probe_tries, __ATOMIC_RELAXED) < GS_PROBE_TRIES)
         __atomic_store_n(&gs_pid_unknown, 1, __ATOMIC_RELAXED); /* learnt from allocations instead */
     if (!pid) {

@@ -383,6 +383,30 @@ def test_a_process_whose_context_started_beside_another_learns_its_pid_from_its_
     assert res.values("meminfo") == [GIB - 496 * MIB, GIB]
 
 
+def test_a_later_context_does_not_take_a_tenant_that_appeared_meanwhile_for_itself(lab):
+    # the pid was not learnt at the first context (made beside another tenant's); a second
+    # context on the device then saw one new pid, another tenant's starting meanwhile, and
+    # took it for ours: that tenant's 600 MiB was charged to the container (800 MiB for the
+    # 200 it held) and a 500 MiB allocation was refused under a 1 GiB cap
+    tmp, created = lab.tmp, lab.tmp / "first-context"
+    common = {"FAKE_CUDA_CTX_BYTES": "100m", "FAKE_NVML_PID_OFFSET": "100000"}
+    ours = lab.start("init", "ctx", "0", "sleep", "700", "touch", str(created), "ctxcreate", "0",
+                     "sleep", "1500", "alloc", "500m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400,cuCtxCreate:400",
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **common)
+    lab.wait_for(tmp / "creating")
+    beside = lab.start("init", "ctx", "0", "sleep", "4000",
+                       CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "r1"), **common)
+    meanwhile = lab.start("init", "waitfile", str(created), "sleep", "100", "ctx", "0", "alloc",
+                          "600m", "sleep", "4000", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "r2"),
+                          **common)
+    res = lab.finish(ours)
+    lab.finish(beside)
+    lab.finish(meanwhile)
+    assert res.rc("alloc") == 0
+    assert res.values("phys") == [700 * MIB]
+
+
 def test_stream_ordered_allocations_the_pool_holds_room_for_do_not_read_nvml(lab):
     # while the pid is unknown only an allocation that grows its pool is a probe: 40 more from
     # the room the first one left read NVML's list no more than the first one did
