@@ -510,7 +510,7 @@ void gs_launch_after_sync(void)
 {
     if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || capture_forbids_queries()) return;
     pthread_mutex_lock(&g_mu);
-    measure_all_locked();
+    if (!capture_forbids_queries()) measure_all_locked(); /* a global capture's begin holds g_mu */
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -664,10 +664,19 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     uint64_t key = stream_key(es);
 
     pthread_mutex_lock(&g_mu);
-    measure_all_locked();
     struct tstream *s;
     uint64_t queue_until = 0;
+    int measured_all = 0;
     for (;;) {
+        /* a global capture begun meanwhile (its begin holds g_mu) forbids every query from
+         * now on: launched unmeasured */
+        if (capture_forbids_queries()) {
+            pthread_mutex_unlock(&g_mu);
+            switch_to(&sw, 0);
+            return launch(args);
+        }
+        if (!measured_all) measure_all_locked();
+        measured_all = 1;
         /* launch only when the budget is paid and the queue is short, both at once; the queue
          * is waited for at most GS_QUEUE_WAIT_NS (its head may wait for the host) */
         s = stream_get_locked(key, ctx, slot);
@@ -953,8 +962,13 @@ GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        /* a global capture forbids event queries in every thread: none may be running as it   \
+         * begins (the throttle queries under g_mu, and looks at the count after taking it) */ \
+        int global = mode == CU_STREAM_CAPTURE_MODE_GLOBAL;                                                   \
+        if (global) pthread_mutex_lock(&g_mu);                                                                \
         CUresult rc = gs_cuda.name args;                                                                      \
         if (rc == CUDA_SUCCESS) capture_begun(hStream, pt, mode);                                             \
+        if (global) pthread_mutex_unlock(&g_mu);                                                              \
         return rc;                                                                                            \
     }
 #define GS_TO_GRAPH_PARAMS                                                                                    \

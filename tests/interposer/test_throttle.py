@@ -551,3 +551,15 @@ def test_a_failed_switch_to_the_streams_context_leaves_one_launch_unmeasured(lab
     assert rc == 0 and launches > 0 and home_kept == 1
     got = 100.0 * kernel_ns / wall_ns
     assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"
+
+
+def test_a_launch_waiting_for_budget_does_not_invalidate_a_global_capture(release_lab):
+    # another thread's launch that passed the capture check before a global-mode capture began
+    # (PyTorch's default for CUDA graphs) then woke from its budget wait and queried its
+    # events: the driver invalidated the capture, 16 of 20 at a 10 % limit
+    proc = release_lab.run_program([str(release_lab.build / "tests" / "capturerace"), "20", "30"],
+                                   CUDA_DEVICE_SM_LIMIT="10", FAKE_CUDA_CAPTURE_STRICT="1",
+                                   FAKE_CUDA_KERNEL_US="10000")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["captures", "20", "invalidated", "0", "launcherrors", "0"], \
+        proc.stdout + proc.stderr
