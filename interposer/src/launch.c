@@ -97,6 +97,7 @@ struct tstream {
     CUevent spare[GS_RING + 2];
     int nspare;
     uint64_t per_launch_ns; /* running estimate of one launch's GPU time; 0 = unknown */
+    uint64_t advance_ns; /* GPU time debited before it was measured (a queue wait gave up) */
     uint64_t last_use;
 };
 
@@ -322,7 +323,7 @@ static void restart_stream(struct tstream *s)
     }
     s->head = s->count = s->nspare = 0;
     s->mark = NULL;
-    s->per_launch_ns = 0;
+    s->per_launch_ns = s->advance_ns = 0;
 }
 
 static int context_gone(CUresult rc)
@@ -482,7 +483,9 @@ static void measure_locked(struct tstream *s)
             double fresh = line_credit_locked(s->ctx, s->mark, e, ms, elapsed);
             uint64_t charge = (uint64_t)(fresh * 1e6);
             if (charge > ns) charge = ns;
-            debit(s->slot, charge);
+            uint64_t paid = charge < s->advance_ns ? charge : s->advance_ns; /* debited in advance */
+            s->advance_ns -= paid;
+            debit(s->slot, charge - paid);
             GS_DEBUG("debit %llu ns of %llu (%u launches)", (unsigned long long)charge, (unsigned long long)ns, n);
         } else if (er != CUDA_SUCCESS && er != CUDA_ERROR_NOT_READY &&
                    !__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
@@ -492,7 +495,7 @@ static void measure_locked(struct tstream *s)
         s->mark = e;
         s->mark_ns = s->rec_ns[s->head];
         s->head = (s->head + 1) % GS_RING;
-        s->count--;
+        if (!--s->count) s->advance_ns = 0; /* all measured: what was advanced beyond it is dropped */
     }
 }
 
@@ -666,7 +669,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     pthread_mutex_lock(&g_mu);
     struct tstream *s;
     uint64_t queue_until = 0;
-    int measured_all = 0;
+    int measured_all = 0, advanced = 0;
     for (;;) {
         /* a global capture begun meanwhile (its begin holds g_mu) forbids every query from
          * now on: launched unmeasured */
@@ -686,6 +689,18 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             if (!queue_until) queue_until = now + GS_QUEUE_WAIT_NS;
             pthread_mutex_unlock(&g_mu);
             gs_sleep_ns(GS_POLL_NS);
+        } else if (s && over_queue(s) && !advanced) {
+            /* the queue's head has run longer than the wait (a kernel longer than it, or one
+             * waiting for the host): what it can have taken since its interval began is
+             * debited now, once, and settled when it is measured; else kernels longer than
+             * the wait would each pass it unpaid, at 100 % */
+            advanced = 1;
+            uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0;
+            if (s->mark_ns && ran > s->advance_ns) {
+                debit(slot, ran - s->advance_ns);
+                s->advance_ns = ran;
+            }
+            pthread_mutex_unlock(&g_mu);
         } else if (budget_owed(slot)) {
             pthread_mutex_unlock(&g_mu);
             wait_for_budget(slot);

@@ -563,3 +563,16 @@ def test_a_launch_waiting_for_budget_does_not_invalidate_a_global_capture(releas
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["captures", "20", "invalidated", "0", "launcherrors", "0"], \
         proc.stdout + proc.stderr
+
+
+def test_kernels_longer_than_the_queue_wait_are_paced(release_lab):
+    # 400 ms kernels, far longer than the 50 ms a launch waits for its stream's queue: each
+    # launch gave up waiting with the kernels before it still unmeasured, so unpaid, and all
+    # six (2.4 s of GPU time) were admitted within 300 ms, then ran back to back at 100 %
+    # (10 kernels of 500 ms: admitted in 451 ms).  Paced at 30 %, the sixth starts once the
+    # five before it are paid for: after about 6.7 s (less the burst allowance)
+    res = release_lab.run("init", "ctx", "0", "mark", "launch", "6", "since", "sync", "since",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="400000")
+    admitted = res.values("since", 0)[0]
+    assert res.rc("launch") == 0 and res.rc("sync") == 0
+    assert admitted >= 4500, admitted
