@@ -691,11 +691,13 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             gs_sleep_ns(GS_POLL_NS);
         } else if (s && over_queue(s) && !advanced) {
             /* the queue's head has run longer than the wait (a kernel longer than it, or one
-             * waiting for the host): what it can have taken since its interval began is
-             * debited now, once, and settled when it is measured; else kernels longer than
-             * the wait would each pass it unpaid, at 100 % */
+             * waiting for the host or another stream): what it can have taken since its
+             * interval began, and no more than the queued work's estimate, is debited now,
+             * once, and settled when it is measured; else kernels longer than the wait would
+             * each pass it unpaid, at 100 % */
             advanced = 1;
-            uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0;
+            uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = (uint64_t)s->count * s->per_launch_ns;
+            if (s->per_launch_ns && ran > queued) ran = queued;
             if (s->mark_ns && ran > s->advance_ns) {
                 debit(slot, ran - s->advance_ns);
                 s->advance_ns = ran;
