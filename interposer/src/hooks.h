@@ -98,6 +98,8 @@
     X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
     X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1) \
     X(cuCtxSynchronize, CUresult, (void), cuCtxSynchronize, 2000, 0)                                       \
+    X(cuStreamBeginCapture, CUresult, (CUstream hStream), cuStreamBeginCapture, 10000, 0)                  \
+    X(cuStreamBeginCapture_ptsz, CUresult, (CUstream hStream), cuStreamBeginCapture, 10000, 1)             \
     X(cuStreamBeginCapture_v2, CUresult, (CUstream hStream, CUstreamCaptureMode mode), cuStreamBeginCapture, \
       10010, 0)                                                                                            \
     X(cuStreamBeginCapture_v2_ptsz, CUresult, (CUstream hStream, CUstreamCaptureMode mode),                \

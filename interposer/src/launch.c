@@ -974,17 +974,18 @@ GS_SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))
 
 /* Stream captures: counted, so that the throttle knows when event queries are forbidden. */
-#define GS_CAPTURE_BEGIN_HOOK(name, pt, params, args)                                                         \
+#define GS_CAPTURE_BEGIN_HOOK(name, pt, mode_of, params, args)                                                \
     GS_EXPORT CUresult name params                                                                            \
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
         /* a global capture forbids event queries in every thread: none may be running as it   \
          * begins (the throttle queries under g_mu, and looks at the count after taking it) */ \
-        int global = mode == CU_STREAM_CAPTURE_MODE_GLOBAL;                                                   \
+        CUstreamCaptureMode mode_ = (mode_of);                                                                \
+        int global = mode_ == CU_STREAM_CAPTURE_MODE_GLOBAL;                                                  \
         if (global) pthread_mutex_lock(&g_mu);                                                                \
         CUresult rc = gs_cuda.name args;                                                                      \
-        if (rc == CUDA_SUCCESS) capture_begun(hStream, pt, mode);                                             \
+        if (rc == CUDA_SUCCESS) capture_begun(hStream, pt, mode_);                                            \
         if (global) pthread_mutex_unlock(&g_mu);                                                              \
         return rc;                                                                                            \
     }
@@ -993,10 +994,15 @@ GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))
      size_t numDependencies, CUstreamCaptureMode mode)
 #define GS_TO_GRAPH_ARGS (hStream, hGraph, dependencies, dependencyData, numDependencies, mode)
 
-GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_v2, 0, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode))
-GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_v2_ptsz, 1, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode))
-GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCaptureToGraph, 0, GS_TO_GRAPH_PARAMS, GS_TO_GRAPH_ARGS)
-GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCaptureToGraph_ptsz, 1, GS_TO_GRAPH_PARAMS, GS_TO_GRAPH_ARGS)
+/* the first cuStreamBeginCapture (CUDA 10.0, still exported for old binaries) always captures in
+ * global mode */
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture, 0, CU_STREAM_CAPTURE_MODE_GLOBAL, (CUstream hStream), (hStream))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_ptsz, 1, CU_STREAM_CAPTURE_MODE_GLOBAL, (CUstream hStream), (hStream))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_v2, 0, mode, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_v2_ptsz, 1, mode, (CUstream hStream, CUstreamCaptureMode mode),
+                      (hStream, mode))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCaptureToGraph, 0, mode, GS_TO_GRAPH_PARAMS, GS_TO_GRAPH_ARGS)
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCaptureToGraph_ptsz, 1, mode, GS_TO_GRAPH_PARAMS, GS_TO_GRAPH_ARGS)
 
 #define GS_CAPTURE_END_HOOK(name, pt)                                                                         \
     GS_EXPORT CUresult name(CUstream hStream, CUgraph *phGraph)                                               \

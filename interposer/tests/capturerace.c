@@ -5,8 +5,9 @@
  * capture has begun: in global mode the driver forbids that in every thread, and the capture
  * is invalidated.
  *
- *   capturerace ROUNDS HOLD_MS
- * prints "captures ROUNDS invalidated N launcherrors M".
+ *   capturerace ROUNDS HOLD_MS [v1]
+ * prints "captures ROUNDS invalidated N launcherrors M".  With v1 the captures begin with
+ * CUDA 10.0's cuStreamBeginCapture (global mode, no mode argument), as old binaries do.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -21,6 +22,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev);
 CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuStreamCreate(CUstream *stream, unsigned flags);
 CUresult cuStreamSynchronize(CUstream stream);
+CUresult cuStreamBeginCapture(CUstream stream);
 CUresult cuStreamBeginCapture_v2(CUstream stream, CUstreamCaptureMode mode);
 CUresult cuStreamEndCapture(CUstream stream, CUgraph *graph);
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
@@ -57,6 +59,7 @@ int main(int argc, char **argv)
         return 2;
     }
     int rounds = atoi(argv[1]), hold_ms = atoi(argv[2]), invalidated = 0;
+    int v1 = argc > 3 && argv[3][0] == 'v' && argv[3][1] == '1';
     if (cuInit(0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&ctx, 0) != CUDA_SUCCESS) return 1;
     cuCtxSetCurrent(ctx);
     pthread_t thread;
@@ -66,7 +69,8 @@ int main(int argc, char **argv)
         CUstream stream = NULL;
         CUgraph graph = NULL;
         cuStreamCreate(&stream, 0);
-        CUresult begun = cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+        CUresult begun = v1 ? cuStreamBeginCapture(stream)
+                            : cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
         launch(stream);
         usleep((useconds_t)hold_ms * 1000);
         CUresult ended = cuStreamEndCapture(stream, &graph);

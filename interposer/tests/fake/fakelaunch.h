@@ -119,6 +119,12 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
     return CUDA_SUCCESS;
 }
 
+/* CUDA 10.0's capture: always global */
+API CUresult cuStreamBeginCapture(CUstream s)
+{
+    return cuStreamBeginCapture_v2(s, 0);
+}
+
 API CUresult cuStreamEndCapture(CUstream s, void **graph)
 {
     struct fake_stream *st = stream_of(s, 0);
@@ -430,7 +436,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute)                          \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)       \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamGetCtx) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
-    X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
+    X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
     X(cuStreamIsCapturing_ptsz) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz)    \
     X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuLaunchKernel)      \
     X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx)   \
