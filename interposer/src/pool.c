@@ -134,7 +134,9 @@ static int reconcile_locked(struct pool_rec *p, int grow)
 {
     cuuint64_t reserved = 0;
     uint64_t target = p->live;
-    if (!p->destroyed) {
+    if (p->destroyed && p->live) {
+        target = p->charged; /* the driver keeps a destroyed pool until its last allocation goes */
+    } else if (!p->destroyed) {
         if (gs_cuda.cuMemPoolGetAttribute &&
             gs_cuda.cuMemPoolGetAttribute((CUmemoryPool)(uintptr_t)p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
                                           &reserved) == CUDA_SUCCESS) {
@@ -405,7 +407,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         pthread_mutex_lock(&g_mu);
         struct pool_rec *p = find_locked((uint64_t)(uintptr_t)pool, -1, 0);
         if (p) {
-            p->destroyed = 1; /* what is still allocated from it stays charged until freed */
+            p->destroyed = 1; /* charged as it is until its last allocation is freed */
             reconcile_locked(p, 0);
         }
         for (int i = 0; i < GS_MAX_POOLS; i++)

@@ -253,6 +253,17 @@ def test_destroying_a_pool_returns_its_charge(lab):
     assert res.values("meminfo") == [GIB, GIB]
 
 
+def test_a_pool_destroyed_with_allocations_outstanding_stays_charged_until_the_last_is_freed(lab):
+    # the driver keeps a destroyed pool's memory (224 MiB: two 100 MiB allocations in 32 MiB
+    # chunks) until its last allocation is freed; its charge dropped to the 100 MiB still
+    # allocated, 124 MiB held uncharged
+    res = lab.run("init", "ctx", "0", "pool", "100m", "pool", "100m", "free", "0", "pooldestroy",
+                  "meminfo", "phys", "free", "1", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("free")] == [0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [224 * MIB, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [224 * MIB, 0]
+
+
 def test_cumemfree_on_a_stream_ordered_allocation_returns_it(lab):
     res = lab.run("init", "ctx", "0", "pool", "64m", "freesync", "0", "trim", "0", "meminfo",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")

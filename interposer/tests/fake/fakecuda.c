@@ -605,6 +605,18 @@ static struct fake_alloc allocs[MAX_ALLOCS];
 static uint64_t next_handle = 0x7f0000000000ull;
 static struct fake_pool default_pools[FAKE_MAX_DEVS];
 static struct fake_pool *user_pools[64];
+
+/* An allocation of `bytes` from the pool is freed (called with mu held).  A destroyed pool
+ * keeps all it reserved while allocations from it are outstanding and gives it all back with
+ * the last one, as the driver documents for cuMemPoolDestroy. */
+static void pool_give(struct fake_pool *p, uint64_t bytes)
+{
+    p->used -= bytes;
+    if (p->destroyed && !p->used) {
+        phys_sub(p->pdev, p->reserved);
+        p->reserved = 0;
+    }
+}
 static int nuser_pools;
 
 static CUresult alloc_new(int kind, uint64_t size, int pdev, struct fake_pool *pool, void *handle, int charge)
@@ -641,7 +653,7 @@ static CUresult alloc_free(int kind, uint64_t handle)
         return CUDA_ERROR_INVALID_VALUE;
     }
     if (a->kind == K_POOL)
-        a->pool->used -= a->size;
+        pool_give(a->pool, a->size);
     else
         phys_sub(a->pdev, a->size);
     memset(a, 0, sizeof(*a));
@@ -655,7 +667,7 @@ static void ctx_drop(struct fake_ctx *c)
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (!allocs[i].kind || allocs[i].ctx != c || allocs[i].kind == K_VMM) continue;
         if (allocs[i].kind == K_POOL)
-            allocs[i].pool->used -= allocs[i].size;
+            pool_give(allocs[i].pool, allocs[i].size);
         else
             phys_sub(allocs[i].pdev, allocs[i].size);
         memset(&allocs[i], 0, sizeof(allocs[i]));
@@ -1163,9 +1175,8 @@ API CUresult cuMemPoolDestroy(CUmemoryPool pool)
     struct fake_pool *p = (struct fake_pool *)pool;
     if (!p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
-    phys_sub(p->pdev, p->reserved - p->used);
-    p->reserved = p->used;
     p->destroyed = 1;
+    pool_give(p, 0); /* all of it at once, now or when its last allocation is freed */
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
 }
