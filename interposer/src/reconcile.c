@@ -395,7 +395,7 @@ static void drop_dev_ctx(int d, CUcontext ctx)
 
 int gs_reconcile_dev_contexts(CUdevice dev)
 {
-    return dev >= 0 && dev < GS_MAX_CUDA_DEVS ? g_dev_nctx[dev] : 0;
+    return dev >= 0 && dev < GS_MAX_CUDA_DEVS ? __atomic_load_n(&g_dev_nctx[dev], __ATOMIC_RELAXED) : 0;
 }
 
 void gs_reconcile_remeasure(CUdevice dev)

@@ -20,8 +20,10 @@
  * times real / measured (over the last GS_SLICE_WINDOW such ticks), each
  * process for itself.  Guards, since the figure is a driver's estimate:
  *
- *  - only while another process had a sample of at least GS_SLICE_OTHERS %:
- *    alone on the GPU, nothing is corrected (the factor returns to 1 at the
+ *  - only while another process had a sample of at least GS_SLICE_OTHERS %, or
+ *    the process has several contexts on the device (they take turns too, and
+ *    one context's intervals hold the others' kernels): alone on the GPU, in
+ *    one context, nothing is corrected (the factor returns to 1 at the
  *    first samples without another process, or after GS_SLICE_SILENCE_NS
  *    without new samples, or of failing queries); a tick without new
  *    samples changes nothing;
@@ -31,9 +33,10 @@
  *    about slices;
  *  - no sample for this process (under MPS every kernel is the server's), or
  *    one above what its events measured (not its pid): nothing is learnt;
- *  - taking turns with n busy processes, an interval holds at most n of
- *    their slices per slice of ours, and no more than their time: the real
- *    share is at least measured / (1 + n) and measured - theirs (NVML's
+ *  - taking turns with n busy processes (and our own other contexts), an
+ *    interval holds at most n of their slices per slice of ours, and no more
+ *    than their time: the real share is at least measured / (1 + n) and
+ *    measured / k - theirs with k contexts of ours on the device (NVML's
  *    truncation to whole percents is rounded back), and the factor is at
  *    least GS_SLICE_MIN_MILLI (a bound for garbage, not for crowds);
  *  - a factor applies only once two ticks with GS_SLICE_LEARN % measured
@@ -90,8 +93,8 @@ static void set_factor(int slot, struct slice_state *st, unsigned milli)
     unsigned old = __atomic_exchange_n(&gs_slice_milli[slot], milli, __ATOMIC_RELAXED);
     if (milli < 1000 && !st->announced) {
         st->announced = 1;
-        GS_INFO("compute limit: other processes run on device slot %d; their time slices are not charged "
-                "(charging %u/1000 of the measured GPU time)", slot, milli);
+        GS_INFO("compute limit: other processes (or other contexts of this one) run on device slot %d; their "
+                "time slices are not charged (charging %u/1000 of the measured GPU time)", slot, milli);
     }
     if ((old ? old : 1000) != milli) GS_DEBUG("device slot %d: time-slice factor %u/1000", slot, milli);
 }
@@ -177,8 +180,12 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     st->t_ns = st->seen_ns = now;
     st->measured_ns = measured;
     if (!dt) return;
-    if (others < GS_SLICE_OTHERS) {
-        forget(slot, st); /* alone (again): event time is our time */
+    /* the process's own contexts on the device take turns as processes do: with several, an
+     * interval of one holds the others' kernels too */
+    int ctxs = gs_reconcile_dev_contexts(dev);
+    unsigned turns = busy + (ctxs > 1 ? (unsigned)ctxs - 1 : 0);
+    if (others < GS_SLICE_OTHERS && ctxs < 2) {
+        forget(slot, st); /* alone (again), in one context: event time is our time */
         return;
     }
     double measured_pct = (double)dm * 100.0 / (double)dt;
@@ -195,7 +202,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     st->ours[k] = ours + 0.5; /* NVML truncates to whole percents */
     st->meas[k] = measured_pct;
     st->others[k] = others;
-    st->busy[k] = busy;
+    st->busy[k] = turns;
     if (st->filled < GS_SLICE_WINDOW) st->filled++;
     GS_DEBUG("device slot %d: ours %d%%, others %u%% (%u ran), device %u%%, measured %.1f%%", slot, ours, others,
              busy, util.gpu, measured_pct);
@@ -210,7 +217,10 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
      * slices per slice of ours, and no more than their time (bounds on the window's sums, so
      * that one tick's noise is not clipped one way only) */
     if (rs < ms / (1 + most)) rs = ms / (1 + most);
-    if (rs < ms - os) rs = ms - os;
+    /* their time is all an interval can hold beyond ours; with k contexts of our own, each
+     * context's intervals can also hold the others' kernels, counted in our share */
+    double own = ctxs > 1 ? ctxs : 1;
+    if (rs < ms / own - os) rs = ms / own - os;
     if (rs > ms) rs = ms;
     double f = rs * 1000.0 / ms;
     set_factor(slot, st, f < GS_SLICE_MIN_MILLI ? GS_SLICE_MIN_MILLI : f > 1000 ? 1000 : (unsigned)(f + 0.5));

@@ -295,14 +295,16 @@ static void allocbench(long count, uint64_t size)
 struct mbench_arg {
     uint64_t end, launches;
     CUresult rc;
+    int own_ctx; /* the thread makes a context of its own (cuCtxCreate) */
 };
 
 static void *mbench_thread(void *p)
 {
     struct mbench_arg *a = p;
     CUstream s = NULL;
-    api.cuCtxSetCurrent(capture_ctx);
-    a->rc = api.cuStreamCreate(&s, 0);
+    CUcontext c = NULL;
+    a->rc = a->own_ctx ? api.cuCtxCreate_v2(&c, 0, 0) : api.cuCtxSetCurrent(capture_ctx);
+    if (a->rc == CUDA_SUCCESS) a->rc = api.cuStreamCreate(&s, 0);
     while (a->rc == CUDA_SUCCESS && now_ns() < a->end) {
         a->rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
         a->launches++;
@@ -311,7 +313,7 @@ static void *mbench_thread(void *p)
     return NULL;
 }
 
-static void mbench(double seconds, int n)
+static void mbench(double seconds, int n, int own_ctx)
 {
     typedef uint64_t (*kns_t)(void);
     kns_t kernel_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_ns");
@@ -321,7 +323,7 @@ static void mbench(double seconds, int n)
     uint64_t k0 = kernel_ns(), t0 = now_ns(), launches = 0;
     CUresult rc = CUDA_SUCCESS;
     for (int i = 0; i < n; i++) {
-        args[i] = (struct mbench_arg){t0 + (uint64_t)(seconds * 1e9), 0, CUDA_SUCCESS};
+        args[i] = (struct mbench_arg){t0 + (uint64_t)(seconds * 1e9), 0, CUDA_SUCCESS, own_ctx};
         pthread_create(&t[i], NULL, mbench_thread, &args[i]);
     }
     for (int i = 0; i < n; i++) {
@@ -329,7 +331,7 @@ static void mbench(double seconds, int n)
         launches += args[i].launches;
         if (args[i].rc != CUDA_SUCCESS) rc = args[i].rc;
     }
-    printf("mbench %d %llu %llu %llu\n", rc, (unsigned long long)launches, (unsigned long long)(kernel_ns() - k0),
+    printf("%s %d %llu %llu %llu\n", own_ctx ? "mbenchctx" : "mbench", rc, (unsigned long long)launches, (unsigned long long)(kernel_ns() - k0),
            (unsigned long long)(now_ns() - t0));
 }
 
@@ -777,8 +779,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "allocbench")) {
             allocbench(atol(ARG(0)), size_arg(ARG(1)));
             i += 2;
-        } else if (!strcmp(c, "mbench")) {
-            mbench(atof(ARG(0)), atoi(ARG(1)));
+        } else if (!strcmp(c, "mbench") || !strcmp(c, "mbenchctx")) {
+            /* mbenchctx: each thread in a context of its own on device 0 */
+            mbench(atof(ARG(0)), atoi(ARG(1)), !strcmp(c, "mbenchctx"));
             i += 2;
         } else if (!strcmp(c, "procaddr")) {
             /* procaddr SYMBOL VERSION EXPORT: is what cuGetProcAddress_v2 hands out the export

@@ -180,7 +180,8 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
 }
 
 /* ---- power and utilisation ------------------------------------------------
- * Off (NVML_ERROR_NOT_SUPPORTED) unless FAKE_NVML_POWER_LIMIT_MW is set.  Then:
+ * Off (NVML_ERROR_NOT_SUPPORTED) unless FAKE_NVML_POWER_LIMIT_MW is set (utilisation also
+ * with a co-tenant, a shared GPU, or FAKE_NVML_UTIL_RATES=1).  Then:
  * utilisation = FAKE_NVML_UTIL (%) if set, else the share of wall time the
  * fake driver ran this process's kernels since the previous query (windows of
  * at least 100 ms, as a real GPU's sample period); board power =
@@ -248,7 +249,7 @@ static unsigned utilisation(void)
 
 API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
 {
-    if (!power_on(d) && !(refs && index_of(d) >= 0 && (cotenant() || fake_gpu_shared())))
+    if (!power_on(d) && !(refs && index_of(d) >= 0 && (cotenant() || fake_gpu_shared() || env_uint("FAKE_NVML_UTIL_RATES", 0))))
         return NVML_ERROR_NOT_SUPPORTED;
     if (!u) return NVML_ERROR_INVALID_ARGUMENT;
     u->gpu = utilisation();
