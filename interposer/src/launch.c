@@ -323,6 +323,7 @@ static void restart_stream(struct tstream *s)
     }
     s->head = s->count = s->nspare = 0;
     s->mark = NULL;
+    s->mark_ns = 0;
     s->per_launch_ns = s->advance_ns = 0;
 }
 
@@ -718,6 +719,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
         CUevent start = take_event(s);
         give_event(s, s->mark);
         s->mark = NULL;
+        s->mark_ns = 0; /* no interval: nothing to advance against until one starts */
         if (start && gs_cuda.cuEventRecord(start, es) == CUDA_SUCCESS) {
             s->mark = start;
             s->mark_ns = gs_now_ns();
