@@ -58,11 +58,14 @@ static uint64_t pidns_inode(void)
 }
 
 /* Field 22 of /proc/<pid>/stat (start time in clock ticks since boot), 0 if
- * unknown; *state gets field 3 ('Z' for a zombie), or 0. */
-static uint64_t proc_stat(pid_t pid, char *state)
+ * unknown; *state gets field 3 ('Z' for a zombie), or 0; *threads (if not
+ * NULL) field 20, the number of threads, or 0.  The command name (field 2) is
+ * skipped to its last ')': it may hold spaces and parentheses. */
+static uint64_t proc_stat(pid_t pid, char *state, int *threads)
 {
     char path[64], buf[1024];
     *state = 0;
+    if (threads) *threads = 0;
     snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0;
@@ -73,30 +76,17 @@ static uint64_t proc_stat(pid_t pid, char *state)
     char *p = strrchr(buf, ')');
     if (!p) return 0;
     if (p[1] == ' ' && p[2]) *state = p[2];
-    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    for (int field = 2; field < 22 && p; field++) {
+        p = strchr(p + 1, ' ');
+        if (field == 19 && p && threads) *threads = atoi(p + 1);
+    }
     return p ? strtoull(p + 1, NULL, 10) : 0;
-}
-
-/* How many threads /proc says the process has (0 if unknown): a zombie thread-group leader
- * with others still running is a live process whose main() ended with pthread_exit. */
-static int proc_threads(pid_t pid)
-{
-    char path[64], buf[2048];
-    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
-    ssize_t n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0) return 0;
-    buf[n] = '\0';
-    const char *t = strstr(buf, "\nThreads:");
-    return t ? atoi(t + 9) : 0;
 }
 
 static uint64_t proc_start_time(pid_t pid)
 {
     char state;
-    return proc_stat(pid, &state);
+    return proc_stat(pid, &state, NULL);
 }
 
 static void read_boot_id(uint8_t out[16])
@@ -223,9 +213,11 @@ static int proc_alive(const struct gpuslice_proc *p, uint64_t my_ns)
     if (p->pidns != my_ns) return 0; /* an earlier incarnation of the container */
     if (kill(p->pid, 0) != 0 && errno == ESRCH) return 0;
     char state;
-    uint64_t start = proc_stat(p->pid, &state);
-    /* killed (or ended), not yet reaped: its memory is gone; unless other threads still run */
-    if (state == 'X' || (state == 'Z' && proc_threads(p->pid) <= 1)) return 0;
+    int threads;
+    uint64_t start = proc_stat(p->pid, &state, &threads);
+    /* killed (or ended), not yet reaped: its memory is gone; unless other threads still run (a
+     * zombie thread-group leader whose main() ended with pthread_exit is a live process) */
+    if (state == 'X' || (state == 'Z' && threads <= 1)) return 0;
     if (p->pid == getpid() && p != g_me && start == p->start_time) return 0; /* ours before an exec */
     return !(start && p->start_time && start != p->start_time); /* else the pid was reused */
 }
