@@ -185,25 +185,37 @@ static void primary_maybe_gone(CUdevice dev)
     g_primary_ctx[dev] = NULL;
 }
 
-GS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+typedef CUresult (*dev_fn)(CUdevice);
+
+static CUresult primary_release(dev_fn release, CUdevice dev)
 {
-    gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxRelease_v2) return CUDA_ERROR_NOT_SUPPORTED;
     pthread_mutex_lock(&g_ctx_mu);
-    CUresult rc = gs_cuda.cuDevicePrimaryCtxRelease_v2(dev);
+    CUresult rc = release(dev);
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
     pthread_mutex_unlock(&g_ctx_mu);
     return rc;
 }
 
-/* A reset destroys every allocation and event of the primary context, whether
- * or not the driver then reports the context active. */
-GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+GS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
     gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxReset_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!gs_cuda.cuDevicePrimaryCtxRelease_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    return primary_release(gs_cuda.cuDevicePrimaryCtxRelease_v2, dev);
+}
+
+GS_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) /* CUDA 7.0's, same semantics */
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDevicePrimaryCtxRelease) return CUDA_ERROR_NOT_SUPPORTED;
+    return primary_release(gs_cuda.cuDevicePrimaryCtxRelease, dev);
+}
+
+/* A reset destroys every allocation and event of the primary context, whether
+ * or not the driver then reports the context active. */
+static CUresult primary_reset(dev_fn reset, CUdevice dev)
+{
     pthread_mutex_lock(&g_ctx_mu);
-    CUresult rc = gs_cuda.cuDevicePrimaryCtxReset_v2(dev);
+    CUresult rc = reset(dev);
     if (rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_primary_ctx[dev]) {
         gs_forget_ctx(g_primary_ctx[dev]);
         gs_launch_forget_ctx(g_primary_ctx[dev]);
@@ -214,6 +226,20 @@ GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
     if (rc == CUDA_SUCCESS) gs_reconcile_ctx_reset(dev); /* its code and buffers went */
     pthread_mutex_unlock(&g_ctx_mu);
     return rc;
+}
+
+GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDevicePrimaryCtxReset_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    return primary_reset(gs_cuda.cuDevicePrimaryCtxReset_v2, dev);
+}
+
+GS_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev) /* CUDA 7.0's, same semantics */
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDevicePrimaryCtxReset) return CUDA_ERROR_NOT_SUPPORTED;
+    return primary_reset(gs_cuda.cuDevicePrimaryCtxReset, dev);
 }
 
 #define GS_CTX_CREATE(call)                                                 \
@@ -239,6 +265,13 @@ GS_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice 
     GS_CTX_CREATE(gs_cuda.cuCtxCreate_v2(pctx, flags, dev));
 }
 
+GS_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) /* CUDA 2.x's */
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxCreate) return CUDA_ERROR_NOT_SUPPORTED;
+    GS_CTX_CREATE(gs_cuda.cuCtxCreate(pctx, flags, dev));
+}
+
 GS_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
                                   unsigned int flags, CUdevice dev)
 {
@@ -255,16 +288,28 @@ GS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateP
     GS_CTX_CREATE(gs_cuda.cuCtxCreate_v4(pctx, ctxCreateParams, flags, dev));
 }
 
-GS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+static CUresult ctx_destroy(CUresult (*destroy)(CUcontext), CUcontext ctx)
 {
-    gs_cuda_init();
-    if (!gs_cuda.cuCtxDestroy_v2) return CUDA_ERROR_NOT_SUPPORTED;
     pthread_mutex_lock(&g_ctx_mu); /* a reconcile may be charging this context */
-    CUresult rc = gs_cuda.cuCtxDestroy_v2(ctx);
+    CUresult rc = destroy(ctx);
     if (rc == CUDA_SUCCESS && ctx) release_ctx(ctx);
     pthread_mutex_unlock(&g_ctx_mu);
     if (rc == CUDA_SUCCESS && ctx) gs_launch_forget_ctx(ctx);
     return rc;
+}
+
+GS_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxDestroy_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    return ctx_destroy(gs_cuda.cuCtxDestroy_v2, ctx);
+}
+
+GS_EXPORT CUresult cuCtxDestroy(CUcontext ctx) /* CUDA 2.x's, same semantics */
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    return ctx_destroy(gs_cuda.cuCtxDestroy, ctx);
 }
 
 

@@ -305,3 +305,35 @@ GS_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
     if (limit && limit < *bytes) *bytes = (size_t)limit;
     return CUDA_SUCCESS;
 }
+
+/* CUDA 2.x's 32-bit views: the driver answers first (its errors are the caller's), then the
+ * capped figures replace its own, saturated at 4 GiB - 1 rather than wrapped */
+static unsigned int sat32(size_t v)
+{
+    return v > 0xffffffffu ? 0xffffffffu : (unsigned int)v;
+}
+
+GS_EXPORT CUresult cuMemGetInfo(unsigned int *free, unsigned int *total)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemGetInfo) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!free || !total) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = gs_cuda.cuMemGetInfo(free, total);
+    size_t f, t;
+    if (rc == CUDA_SUCCESS && cuMemGetInfo_v2(&f, &t) == CUDA_SUCCESS) {
+        *free = sat32(f);
+        *total = sat32(t);
+    }
+    return rc;
+}
+
+GS_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDeviceTotalMem) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = gs_cuda.cuDeviceTotalMem(bytes, dev);
+    size_t t;
+    if (rc == CUDA_SUCCESS && cuDeviceTotalMem_v2(&t, dev) == CUDA_SUCCESS) *bytes = sat32(t);
+    return rc;
+}

@@ -13,6 +13,9 @@
  * From these lists come the typed real-function pointers (real.c), the dlsym and
  * cuGetProcAddress lookup tables (real.c, procaddr.c) and the linker's export
  * list (exports.map.in).  Adding a hook is one line here plus its body.
+ * The CUDA 2.x entry points (cuMemAlloc with 32-bit pointers and sizes, ...)
+ * are hooked beside their successors: the driver still exports them, and a
+ * program reaches them by dlsym("cuMemAlloc") or an old cudaVersion.
  * This file must stay free of declarations: exports.map.in preprocesses it.
  */
 #ifndef GPUSLICE_HOOKS_H
@@ -37,6 +40,10 @@
     X(cuDevicePrimaryCtxRetain, CUresult, (CUcontext *pctx, CUdevice dev), cuDevicePrimaryCtxRetain, 7000, 0) \
     X(cuDevicePrimaryCtxRelease_v2, CUresult, (CUdevice dev), cuDevicePrimaryCtxRelease, 11000, 0)         \
     X(cuDevicePrimaryCtxReset_v2, CUresult, (CUdevice dev), cuDevicePrimaryCtxReset, 11000, 0)             \
+    X(cuDevicePrimaryCtxRelease, CUresult, (CUdevice dev), cuDevicePrimaryCtxRelease, 7000, 0)             \
+    X(cuDevicePrimaryCtxReset, CUresult, (CUdevice dev), cuDevicePrimaryCtxReset, 7000, 0)                 \
+    X(cuCtxCreate, CUresult, (CUcontext *pctx, unsigned int flags, CUdevice dev), cuCtxCreate, 2000, 0)    \
+    X(cuCtxDestroy, CUresult, (CUcontext ctx), cuCtxDestroy, 2000, 0)                                      \
     X(cuCtxCreate_v2, CUresult, (CUcontext *pctx, unsigned int flags, CUdevice dev), cuCtxCreate, 3020, 0) \
     X(cuCtxCreate_v3, CUresult,                                                                            \
       (CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams, unsigned int flags, CUdevice dev), \
@@ -47,6 +54,13 @@
     X(cuCtxDestroy_v2, CUresult, (CUcontext ctx), cuCtxDestroy, 4000, 0)                                   \
     X(cuMemGetInfo_v2, CUresult, (size_t *free, size_t *total), cuMemGetInfo, 3020, 0)                     \
     X(cuDeviceTotalMem_v2, CUresult, (size_t *bytes, CUdevice dev), cuDeviceTotalMem, 3020, 0)             \
+    X(cuMemGetInfo, CUresult, (unsigned int *free, unsigned int *total), cuMemGetInfo, 2000, 0)            \
+    X(cuDeviceTotalMem, CUresult, (unsigned int *bytes, CUdevice dev), cuDeviceTotalMem, 2000, 0)          \
+    X(cuMemAlloc, CUresult, (unsigned int *dptr, unsigned int bytesize), cuMemAlloc, 2000, 0)              \
+    X(cuMemAllocPitch, CUresult,                                                                           \
+      (unsigned int *dptr, unsigned int *pPitch, unsigned int WidthInBytes, unsigned int Height,           \
+       unsigned int ElementSizeBytes), cuMemAllocPitch, 2000, 0)                                           \
+    X(cuMemFree, CUresult, (unsigned int dptr), cuMemFree, 2000, 0)                                        \
     X(cuMemAlloc_v2, CUresult, (CUdeviceptr *dptr, size_t bytesize), cuMemAlloc, 3020, 0)                  \
     X(cuMemAllocPitch_v2, CUresult,                                                                        \
       (CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height, unsigned int ElementSizeBytes), \
@@ -82,6 +96,10 @@
       cuArrayCreate, 3020, 0)                                                                              \
     X(cuArray3DCreate_v2, CUresult, (CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray),     \
       cuArray3DCreate, 3020, 0)                                                                            \
+    X(cuArrayCreate, CUresult, (CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *pAllocateArray),         \
+      cuArrayCreate, 2000, 0)                                                                              \
+    X(cuArray3DCreate, CUresult, (CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *pAllocateArray),     \
+      cuArray3DCreate, 2000, 0)                                                                            \
     X(cuArrayDestroy, CUresult, (CUarray hArray), cuArrayDestroy, 2000, 0)                                 \
     X(cuMipmappedArrayCreate, CUresult,                                                                    \
       (CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,                      \

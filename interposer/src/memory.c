@@ -1,6 +1,7 @@
 /*
  * memory.c - device memory allocation hooks: plain, pitch, managed, VMM,
- * arrays and mipmapped arrays.  (Stream-ordered and pool allocations: pool.c.)
+ * arrays and mipmapped arrays, and CUDA 2.x's 32-bit entry points for them.
+ * (Stream-ordered and pool allocations: pool.c.)
  *
  * Every hook follows reserve -> call -> commit/rollback: the bytes are
  * reserved on the shared budget first (atomic across the container's
@@ -138,6 +139,15 @@ GS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAlloc_v2(dptr, bytesize), 1);
 }
 
+/* CUDA 2.x: a 32-bit pointer and size; the same memory, freed by either cuMemFree */
+GS_EXPORT CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytesize)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemAlloc) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAlloc(dptr, bytesize), 1);
+}
+
 GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
 {
     gs_cuda_init();
@@ -147,18 +157,29 @@ GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAllocManaged(dptr, bytesize, flags), 0);
 }
 
-GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
-                                      unsigned int ElementSizeBytes)
+/* The driver's pitch allocation, through the CUDA 2.x entry point (32-bit
+ * pointer, pitch and sizes) when `v1`. */
+static CUresult real_pitch(int v1, CUdeviceptr *dptr, size_t *pitch, size_t w, size_t h, unsigned int elem)
 {
-    gs_cuda_init();
-    if (!gs_cuda.cuMemAllocPitch_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!dptr || !pPitch) return CUDA_ERROR_INVALID_VALUE;
+    if (!v1) return gs_cuda.cuMemAllocPitch_v2(dptr, pitch, w, h, elem);
+    unsigned int d = 0, p = 0;
+    CUresult rc = gs_cuda.cuMemAllocPitch(&d, &p, (unsigned int)w, (unsigned int)h, elem);
+    if (rc == CUDA_SUCCESS) {
+        *dptr = d;
+        *pitch = p;
+    }
+    return rc;
+}
+
+static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                            unsigned int ElementSizeBytes)
+{
     gs_devices_ready();
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
     uint64_t row = ((uint64_t)WidthInBytes + 511) & ~511ull;
     if (slot < 0 || !WidthInBytes || !Height || WidthInBytes > UINT64_MAX / 2 || row > UINT64_MAX / Height)
-        return gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+        return real_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     uint64_t charge = gs_charge_size(row * Height); /* the pitch is not known before the call */
     gs_inflight_begin();
     if (gs_reserve(slot, charge) != 0) {
@@ -166,7 +187,7 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
         return over_cap(slot, charge);
     }
     gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
-    CUresult rc = gs_cuda.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    CUresult rc = real_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     if (rc != CUDA_SUCCESS) {
         gs_inflight_end();
         gs_unsettled_end();
@@ -187,18 +208,47 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
     return rc;
 }
 
-GS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
+                                      unsigned int ElementSizeBytes)
 {
     gs_cuda_init();
-    if (!gs_cuda.cuMemFree_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!gs_cuda.cuMemAllocPitch_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!dptr || !pPitch) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_pitch(0, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+}
+
+GS_EXPORT CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
+                                   unsigned int Height, unsigned int ElementSizeBytes)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemAllocPitch) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!dptr || !pPitch) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr d = 0;
+    size_t p = 0;
+    CUresult rc = alloc_pitch(1, &d, &p, WidthInBytes, Height, ElementSizeBytes);
+    if (rc == CUDA_SUCCESS) {
+        *dptr = (unsigned int)d;
+        *pPitch = (unsigned int)p;
+    }
+    return rc;
+}
+
+/* The driver's free, through the CUDA 2.x entry point when `v1` */
+static CUresult real_free(int v1, CUdeviceptr dptr)
+{
+    return v1 ? gs_cuda.cuMemFree((unsigned int)dptr) : gs_cuda.cuMemFree_v2(dptr);
+}
+
+static CUresult free_dptr(int v1, CUdeviceptr dptr)
+{
     struct gs_alloc rec;
     int kind = GS_KIND_DPTR;
     if (gs_am_take(kind, dptr, &rec) != 0) {
         kind = GS_KIND_POOLPTR; /* cuMemFree also frees stream-ordered allocations */
-        if (gs_am_take(kind, dptr, &rec) != 0) return gs_cuda.cuMemFree_v2(dptr);
+        if (gs_am_take(kind, dptr, &rec) != 0) return real_free(v1, dptr);
     }
     gs_inflight_begin();
-    CUresult rc = gs_cuda.cuMemFree_v2(dptr);
+    CUresult rc = real_free(v1, dptr);
     if (rc == CUDA_SUCCESS) {
         drop_one(kind, dptr, &rec);
     } else {
@@ -207,6 +257,20 @@ GS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     }
     gs_inflight_end();
     return rc;
+}
+
+GS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemFree_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    return free_dptr(0, dptr);
+}
+
+GS_EXPORT CUresult cuMemFree(unsigned int dptr)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemFree) return CUDA_ERROR_NOT_SUPPORTED;
+    return free_dptr(1, dptr);
 }
 
 /* ---- virtual memory management -------------------------------------------- */
@@ -451,6 +515,27 @@ GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCR
     const CUDA_ARRAY3D_DESCRIPTOR *a = pAllocateArray;
     GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
                      gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray), 0);
+}
+
+GS_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *pAllocateArray)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuArrayCreate) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_ARRAY_DESCRIPTOR_v1 *a = pAllocateArray;
+    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0, array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels),
+                     gs_cuda.cuArrayCreate(pHandle, pAllocateArray), 0);
+}
+
+GS_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *pAllocateArray)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuArray3DCreate) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_ARRAY3D_DESCRIPTOR_v1 *a = pAllocateArray;
+    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0,
+                     array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
+                     gs_cuda.cuArray3DCreate(pHandle, pAllocateArray), 0);
 }
 
 GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,

@@ -88,6 +88,22 @@
     X(cuGraphExecDestroy, CUresult, (CUgraphExec))                                                           \
     X(cuDeviceGraphMemTrim, CUresult, (CUdevice))
 API_FUNCS(FN)
+/* CUDA 2.x's entry points (and 7.0's primary-context release and reset), with the
+ * cudaVersion cuGetProcAddress hands them out for; used after the "legacy" command */
+#define API1_FUNCS(X)                                                                                        \
+    X(cuMemAlloc, CUresult, (unsigned *, unsigned), 2000)                                                    \
+    X(cuMemAllocPitch, CUresult, (unsigned *, unsigned *, unsigned, unsigned, unsigned), 2000)               \
+    X(cuMemFree, CUresult, (unsigned), 2000)                                                                 \
+    X(cuMemGetInfo, CUresult, (unsigned *, unsigned *), 2000)                                                \
+    X(cuDeviceTotalMem, CUresult, (unsigned *, CUdevice), 2000)                                              \
+    X(cuArrayCreate, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR_v1 *), 2000)                          \
+    X(cuArray3DCreate, CUresult, (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR_v1 *), 2000)                      \
+    X(cuCtxCreate, CUresult, (CUcontext *, unsigned, CUdevice), 2000)                                        \
+    X(cuCtxDestroy, CUresult, (CUcontext), 2000)                                                             \
+    X(cuDevicePrimaryCtxRelease, CUresult, (CUdevice), 7000)                                                 \
+    X(cuDevicePrimaryCtxReset, CUresult, (CUdevice), 7000)
+#define FN1(name, ret, params, version) typedef ret(*name##_t) params;
+API1_FUNCS(FN1)
 typedef CUresult (*getproc2_t)(const char *, void **, int, cuuint64_t, int *);
 typedef CUresult (*getproc1_t)(const char *, void **, int, cuuint64_t);
 typedef nvmlReturn_t (*nvml_init_t)(void);
@@ -99,10 +115,17 @@ typedef nvmlReturn_t (*nvml_mem2_t)(nvmlDevice_t, nvmlMemory_v2_t *);
 static struct {
     API_FUNCS(MEMBER)
 } api;
+#define MEMBER1(name, ret, params, version) name##_t name;
+static struct {
+    API1_FUNCS(MEMBER1)
+} api1;
+static int legacy; /* the "legacy" command: allocations, views and contexts through api1 */
 
 /* The symbols, for --api direct (the program links libcuda.so.1). */
 #define DECLARE(name, ret, params) ret name params;
 API_FUNCS(DECLARE)
+#define DECLARE1(name, ret, params, version) ret name params;
+API1_FUNCS(DECLARE1)
 nvmlReturn_t nvmlInit_v2(void);
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned, nvmlDevice_t *);
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t, nvmlMemory_t *);
@@ -114,8 +137,9 @@ static CUgraphExec gexec;
 static int is_child;
 static void *libcuda;
 
-/* The base name and cudaVersion a runtime would ask cuGetProcAddress for. */
-static void *by_procaddr(const char *name)
+/* The base name and cudaVersion a runtime would ask cuGetProcAddress for (`version`
+ * if not 0). */
+static void *by_procaddr(const char *name, int version)
 {
     static getproc2_t gp2;
     static getproc1_t gp1;
@@ -125,7 +149,7 @@ static void *by_procaddr(const char *name)
     snprintf(base, sizeof(base), "%s", name);
     char *suffix = strstr(base, "_v2");
     if (suffix && suffix[3] == '\0') *suffix = '\0';
-    int version = strcmp(base, "cuCtxCreate") == 0 ? 3020 : 13000; /* we call the _v2 ABI */
+    if (!version) version = strcmp(base, "cuCtxCreate") == 0 ? 3020 : 13000; /* we call the _v2 ABI */
     cuuint64_t flags = strcmp(mode, "ptsz") == 0 ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : 0;
     void *fn = NULL;
     int status = -1;
@@ -142,12 +166,18 @@ static void load_api(void)
     if (strcmp(mode, "direct") == 0) {
 #define DIRECT(name, ret, params) api.name = name;
         API_FUNCS(DIRECT)
+#define DIRECT1(name, ret, params, version) api1.name = name;
+        API1_FUNCS(DIRECT1)
     } else if (strcmp(mode, "dlsym") == 0) {
 #define VIA_DLSYM(name, ret, params) api.name = (name##_t)dlsym(libcuda, #name);
         API_FUNCS(VIA_DLSYM)
+#define VIA_DLSYM1(name, ret, params, version) api1.name = (name##_t)dlsym(libcuda, #name);
+        API1_FUNCS(VIA_DLSYM1)
     } else {
-#define VIA_PROC(name, ret, params) api.name = (name##_t)by_procaddr(#name);
+#define VIA_PROC(name, ret, params) api.name = (name##_t)by_procaddr(#name, 0);
         API_FUNCS(VIA_PROC)
+#define VIA_PROC1(name, ret, params, version) api1.name = (name##_t)by_procaddr(#name, version);
+        API1_FUNCS(VIA_PROC1)
     }
 }
 
@@ -530,7 +560,12 @@ int main(int argc, char **argv)
     while (i < argc) {
         const char *c = argv[i++];
 #define ARG(k) (i + (k) < argc ? argv[i + (k)] : "0")
-        if (!strcmp(c, "init")) {
+        if (!strcmp(c, "legacy")) {
+            /* legacy 1|0: the commands below that have a CUDA 2.x entry point use it */
+            legacy = atoi(ARG(0));
+            printf("legacy 0\n");
+            i += 1;
+        } else if (!strcmp(c, "init")) {
             printf("init %d\n", api.cuInit(0));
         } else if (!strcmp(c, "ctx")) {
             CUcontext ctx = NULL;
@@ -540,14 +575,16 @@ int main(int argc, char **argv)
             printf("ctx %d\n", rc);
             i += 1;
         } else if (!strcmp(c, "release")) {
-            printf("release %d\n", api.cuDevicePrimaryCtxRelease_v2(atoi(ARG(0))));
+            int d = atoi(ARG(0));
+            printf("release %d\n", legacy ? api1.cuDevicePrimaryCtxRelease(d) : api.cuDevicePrimaryCtxRelease_v2(d));
             i += 1;
         } else if (!strcmp(c, "reset")) {
-            printf("reset %d\n", api.cuDevicePrimaryCtxReset_v2(atoi(ARG(0))));
+            int d = atoi(ARG(0));
+            printf("reset %d\n", legacy ? api1.cuDevicePrimaryCtxReset(d) : api.cuDevicePrimaryCtxReset_v2(d));
             i += 1;
         } else if (!strcmp(c, "ctxcreate")) {
             CUcontext ctx = NULL;
-            CUresult rc = api.cuCtxCreate_v2(&ctx, 0, atoi(ARG(0)));
+            CUresult rc = legacy ? api1.cuCtxCreate(&ctx, 0, atoi(ARG(0))) : api.cuCtxCreate_v2(&ctx, 0, atoi(ARG(0)));
             if (rc == CUDA_SUCCESS && nctx < 128) ctxs[nctx] = ctx;
             printf("ctxcreate %d %d\n", rc, rc == CUDA_SUCCESS && nctx < 128 ? nctx++ : -1);
             i += 1;
@@ -556,18 +593,33 @@ int main(int argc, char **argv)
             printf("ctxset %d\n", api.cuCtxSetCurrent(ctxs[atoi(ARG(0))]));
             i += 1;
         } else if (!strcmp(c, "ctxdestroy")) {
-            printf("ctxdestroy %d\n", api.cuCtxDestroy_v2(ctxs[atoi(ARG(0))]));
+            CUcontext ctx = ctxs[atoi(ARG(0))];
+            printf("ctxdestroy %d\n", legacy ? api1.cuCtxDestroy(ctx) : api.cuCtxDestroy_v2(ctx));
             i += 1;
         } else if (!strcmp(c, "alloc") || !strcmp(c, "managed")) {
             CUdeviceptr p = 0;
-            CUresult rc = !strcmp(c, "alloc") ? api.cuMemAlloc_v2(&p, size_arg(ARG(0)))
-                                              : api.cuMemAllocManaged(&p, size_arg(ARG(0)), 1);
+            unsigned p32 = 0;
+            CUresult rc;
+            if (legacy && !strcmp(c, "alloc")) {
+                rc = api1.cuMemAlloc(&p32, (unsigned)size_arg(ARG(0)));
+                p = p32;
+            } else {
+                rc = !strcmp(c, "alloc") ? api.cuMemAlloc_v2(&p, size_arg(ARG(0)))
+                                         : api.cuMemAllocManaged(&p, size_arg(ARG(0)), 1);
+            }
             remember(c, rc, A_DPTR, p);
             i += 1;
         } else if (!strcmp(c, "pitch")) {
             CUdeviceptr p = 0;
             size_t pitch = 0;
-            CUresult rc = api.cuMemAllocPitch_v2(&p, &pitch, size_arg(ARG(0)), size_arg(ARG(1)), 4);
+            CUresult rc;
+            if (legacy) {
+                unsigned p32 = 0, pitch32 = 0;
+                rc = api1.cuMemAllocPitch(&p32, &pitch32, (unsigned)size_arg(ARG(0)), (unsigned)size_arg(ARG(1)), 4);
+                p = p32;
+            } else {
+                rc = api.cuMemAllocPitch_v2(&p, &pitch, size_arg(ARG(0)), size_arg(ARG(1)), 4);
+            }
             remember("pitch", rc, A_DPTR, p);
             i += 2;
         } else if (!strcmp(c, "async") || !strcmp(c, "pool")) {
@@ -642,16 +694,19 @@ int main(int argc, char **argv)
             printf("vunmapall %d\n", api.cuMemUnmap(vrange, vrange_size));
         } else if (!strcmp(c, "array")) {
             CUDA_ARRAY_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0x20, 4};
+            CUDA_ARRAY_DESCRIPTOR_v1 d1 = {(unsigned)d.Width, (unsigned)d.Height, d.Format, d.NumChannels};
             CUarray a = NULL;
-            CUresult rc = api.cuArrayCreate_v2(&a, &d);
+            CUresult rc = legacy ? api1.cuArrayCreate(&a, &d1) : api.cuArrayCreate_v2(&a, &d);
             remember("array", rc, A_ARRAY, (uint64_t)(uintptr_t)a);
             i += 2;
         } else if (!strcmp(c, "array3d") || !strcmp(c, "sparse3d")) {
             /* sparse3d: CUDA_ARRAY3D_SPARSE, no memory until pages are mapped into it */
             CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), size_arg(ARG(2)), 0x01, 1,
                                          !strcmp(c, "sparse3d") ? 0x40 : 0};
+            CUDA_ARRAY3D_DESCRIPTOR_v1 d1 = {(unsigned)d.Width, (unsigned)d.Height, (unsigned)d.Depth, d.Format,
+                                             d.NumChannels, d.Flags};
             CUarray a = NULL;
-            CUresult rc = api.cuArray3DCreate_v2(&a, &d);
+            CUresult rc = legacy ? api1.cuArray3DCreate(&a, &d1) : api.cuArray3DCreate_v2(&a, &d);
             remember(c, rc, A_ARRAY, (uint64_t)(uintptr_t)a);
             i += 3;
         } else if (!strcmp(c, "mipmap")) {
@@ -669,7 +724,7 @@ int main(int argc, char **argv)
             case A_VMM: rc = api.cuMemRelease(h); break;
             case A_ARRAY: rc = api.cuArrayDestroy((CUarray)(uintptr_t)h); break;
             case A_MIPMAP: rc = api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h); break;
-            default: rc = api.cuMemFree_v2(h); break;
+            default: rc = legacy ? api1.cuMemFree((unsigned)h) : api.cuMemFree_v2(h); break;
             }
             printf("%s %d\n", c, rc);
             i += 1;
@@ -682,11 +737,15 @@ int main(int argc, char **argv)
             printf("pooldestroy %d\n", api.cuMemPoolDestroy(user_pool));
         } else if (!strcmp(c, "meminfo")) {
             size_t fr = 0, tot = 0;
-            CUresult rc = api.cuMemGetInfo_v2(&fr, &tot);
+            unsigned fr32 = 0, tot32 = 0;
+            CUresult rc = legacy ? api1.cuMemGetInfo(&fr32, &tot32) : api.cuMemGetInfo_v2(&fr, &tot);
+            if (legacy) fr = fr32, tot = tot32;
             printf("meminfo %d %zu %zu\n", rc, fr, tot);
         } else if (!strcmp(c, "totalmem")) {
             size_t tot = 0;
-            CUresult rc = api.cuDeviceTotalMem_v2(&tot, atoi(ARG(0)));
+            unsigned tot32 = 0;
+            CUresult rc = legacy ? api1.cuDeviceTotalMem(&tot32, atoi(ARG(0))) : api.cuDeviceTotalMem_v2(&tot, atoi(ARG(0)));
+            if (legacy) tot = tot32;
             printf("totalmem %d %zu\n", rc, tot);
             i += 1;
         } else if (!strcmp(c, "nvml")) {
@@ -706,6 +765,10 @@ int main(int argc, char **argv)
                    api.cuMemAllocAsync(NULL, 16, NULL), api.cuMemCreate(NULL, 2 << 20, NULL, 0),
                    api.cuArrayCreate_v2(NULL, NULL), api.cuMemRetainAllocationHandle(NULL, (void *)4096),
                    api.cuMemPoolCreate(NULL, NULL));
+        } else if (!strcmp(c, "nullargs1")) {
+            printf("nullargs1 %d %d %d %d %d %d %d\n", api1.cuMemAlloc(NULL, 1 << 20), api1.cuMemGetInfo(NULL, NULL),
+                   api1.cuDeviceTotalMem(NULL, 0), api1.cuMemAllocPitch(NULL, NULL, 16, 16, 4),
+                   api1.cuArrayCreate(NULL, NULL), api1.cuArray3DCreate(NULL, NULL), api1.cuCtxCreate(NULL, 0, 0));
         } else if (!strcmp(c, "nvmlnull")) {
             printf("nvmlnull %d %d\n", nvml_mem()(nvml_device(0), NULL), nvml_mem2()(nvml_device(0), NULL));
         } else if (!strcmp(c, "launch")) {

@@ -29,6 +29,42 @@ def test_each_interposition_path_enforces_the_cap_and_the_view(lab, api):
     assert res.values("totalmem") == [GIB]
 
 
+@pytest.mark.parametrize("api", APIS)
+def test_the_cuda_2_entry_points_are_charged_and_show_the_capped_view(lab, api):
+    # the driver still exports CUDA 2.x's cuMemAlloc, cuMemGetInfo, ... (32-bit pointers and
+    # sizes): dlsym("cuMemAlloc") and cuGetProcAddress at an old cudaVersion hand them out.
+    # Unhooked, two 600 MiB allocations passed a 1 GiB cap and the view showed the device
+    # (saturated at 4 GiB).  Frees through either generation's cuMemFree return the charge.
+    res = lab.run("legacy", "1", "init", "ctx", "0", "alloc", "600m", "alloc", "600m",
+                  "pitch", "1000", "3000", "array", "1024", "1024", "array3d", "256", "256", "64",
+                  "meminfo", "totalmem", "0", "free", "0", "free", "1", "legacy", "0", "free", "2",
+                  "free", "3", "legacy", "1", "meminfo", "nullargs1", api=api,
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+    assert res.rc("pitch") == res.rc("array") == res.rc("array3d") == 0
+    assert [rc for rc, _ in res.of("free")] == [0] * 4
+    # pitch 1024 x 3000 rows (4 MiB in 2 MiB pages), float4 1024 x 1024, uint8 256 x 256 x 64
+    held = 600 * MIB + 4 * MIB + 16 * MIB + 4 * MIB
+    infos = [vals for _, vals in res.of("meminfo")]
+    assert infos == [[GIB - held, GIB], [GIB, GIB]]
+    assert res.values("totalmem") == [GIB]
+    assert res.of("nullargs1") == [(CUDA_ERROR_INVALID_VALUE, [CUDA_ERROR_INVALID_VALUE] * 6)]
+
+
+def test_the_older_context_entry_points_charge_and_return_what_a_context_held(lab):
+    # cuCtxCreate / cuCtxDestroy (CUDA 2.x) and cuDevicePrimaryCtxRelease / _Reset (7.0):
+    # the footprint of a created context is charged; destroying it, releasing the primary
+    # context's last reference or resetting it returns it and what was allocated in it
+    res = lab.run("legacy", "1", "init", "ctxcreate", "0", "meminfo", "alloc", "200m",
+                  "ctxdestroy", "0", "ctx", "0", "alloc", "200m", "release", "0", "ctx", "0",
+                  "alloc", "300m", "reset", "0", "ctx", "0", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert [rc for rc, _ in res.of("alloc")] == [0, 0, 0]
+    assert res.rc("ctxdestroy") == res.rc("release") == res.rc("reset") == 0
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB - 100 * MIB, GIB]] * 2
+    assert res.values("phys") == [100 * MIB]
+
+
 def test_driver_addresses_that_are_not_exports_are_hooked_by_name(lab):
     # the fake hands out trampolines for cuMemAlloc_v2 / cuMemFree_v2 / cuMemGetInfo_v2
     res = lab.run("init", "ctx", "0", "alloc", "600m", "alloc", "600m", "free", "0", "meminfo",
@@ -55,6 +91,13 @@ def test_missing_real_functions_answer_not_supported(lab):
         assert res.rc(cmd) == CUDA_ERROR_NOT_SUPPORTED, cmd
     assert res.rc("nvml") == NVML_ERROR_FUNCTION_NOT_FOUND
     assert res.rc("nvml2") == NVML_ERROR_FUNCTION_NOT_FOUND
+    # and CUDA 2.x's entry points
+    res = lab.run("legacy", "1", "alloc", "1m", "free", "0", "meminfo", "totalmem", "0", "pitch", "64", "64",
+                  "array", "16", "16", "ctxcreate", "0", "release", "0", "reset", "0",
+                  GPUSLICE_REAL_LIBCUDA=minimal, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.returncode == 0
+    for cmd in ("alloc", "meminfo", "totalmem", "pitch", "array", "ctxcreate", "release", "reset"):
+        assert res.rc(cmd) == CUDA_ERROR_NOT_SUPPORTED, cmd
 
 
 def test_dlsym_rtld_next_still_finds_the_next_definition(lab):

@@ -16,6 +16,10 @@
     F(sizeof(CUDA_ARRAY3D_DESCRIPTOR)) F(offsetof(CUDA_ARRAY3D_DESCRIPTOR, Depth)) \
     F(offsetof(CUDA_ARRAY3D_DESCRIPTOR, Format)) F(offsetof(CUDA_ARRAY3D_DESCRIPTOR, NumChannels)) \
     F(offsetof(CUDA_ARRAY3D_DESCRIPTOR, Flags))                        \
+    F(sizeof(CUDA_ARRAY_DESCRIPTOR_v1)) F(offsetof(CUDA_ARRAY_DESCRIPTOR_v1, Format)) \
+    F(offsetof(CUDA_ARRAY_DESCRIPTOR_v1, NumChannels)) F(sizeof(CUDA_ARRAY3D_DESCRIPTOR_v1)) \
+    F(offsetof(CUDA_ARRAY3D_DESCRIPTOR_v1, Depth)) F(offsetof(CUDA_ARRAY3D_DESCRIPTOR_v1, Format)) \
+    F(offsetof(CUDA_ARRAY3D_DESCRIPTOR_v1, Flags))                     \
     F(offsetof(CUmemAllocationProp, type)) F(offsetof(CUmemAllocationProp, location)) \
     F(offsetof(CUmemAllocationProp, location.type)) F(offsetof(CUmemAllocationProp, location.id)) \
     F(sizeof(CUlaunchConfig)) F(offsetof(CUlaunchConfig, sharedMemBytes)) \

@@ -1,4 +1,7 @@
-/* The ABI facts as the CUDA toolkit's cuda.h states them. */
+/* The ABI facts as the CUDA toolkit's cuda.h states them.  (Its CUDA 2.x
+ * declarations, such as CUDA_ARRAY_DESCRIPTOR_v1, are there for the driver's
+ * own build only: __CUDA_API_VERSION_INTERNAL.) */
+#define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
 
 #include "abi.h"

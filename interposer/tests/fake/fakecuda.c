@@ -542,6 +542,29 @@ API CUresult cuCtxDestroy_v2(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
+/* the entry points before CUDA 4.0 (cuCtxDestroy, cuCtxCreate) and 11.0 (primary release/reset) */
+API CUresult cuCtxDestroy(CUcontext ctx)
+{
+    FAIL_POINT("cuCtxDestroy");
+    return cuCtxDestroy_v2(ctx);
+}
+
+API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice d)
+{
+    FAIL_POINT("cuCtxCreate");
+    return cuCtxCreate_v2(pctx, flags, d);
+}
+
+API CUresult cuDevicePrimaryCtxRelease(CUdevice d)
+{
+    return cuDevicePrimaryCtxRelease_v2(d);
+}
+
+API CUresult cuDevicePrimaryCtxReset(CUdevice d)
+{
+    return cuDevicePrimaryCtxReset_v2(d);
+}
+
 API CUresult cuCtxSetCurrent(CUcontext ctx)
 {
     FAIL_POINT("cuCtxSetCurrent");
@@ -619,21 +642,36 @@ static void pool_give(struct fake_pool *p, uint64_t bytes)
 }
 static int nuser_pools;
 
-static CUresult alloc_new(int kind, uint64_t size, int pdev, struct fake_pool *pool, void *handle, int charge)
+static uint64_t next_low = 0x10000000ull; /* CUDA 2.x's 32-bit pointers come from below 4 GiB */
+
+static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *pool, void *handle, int charge,
+                         int low)
 {
     pthread_mutex_lock(&mu);
+    uint64_t *next = low ? &next_low : &next_handle;
     int slot = -1;
     for (int i = 0; i < MAX_ALLOCS && slot < 0; i++)
         if (!allocs[i].kind) slot = i;
-    CUresult rc = slot < 0 ? CUDA_ERROR_OUT_OF_MEMORY : charge ? phys_add(pdev, size) : CUDA_SUCCESS;
+    CUresult rc = slot < 0 || (low && size > 0xffffffffull - *next) ? CUDA_ERROR_OUT_OF_MEMORY
+                  : charge ? phys_add(pdev, size) : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS) {
-        allocs[slot] = (struct fake_alloc){next_handle, size, pdev, kind, current, pool, kind == K_VMM, 0};
-        memcpy(handle, &next_handle, sizeof(next_handle)); /* CUdeviceptr, CUarray, ... are 8 bytes */
-        next_handle += (size + 0xfffff) & ~0xfffffull;
-        next_handle += 0x100000;
+        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, current, pool, kind == K_VMM, 0};
+        if (low) {
+            unsigned int h = (unsigned int)*next;
+            memcpy(handle, &h, sizeof(h));
+        } else {
+            memcpy(handle, next, sizeof(*next)); /* CUdeviceptr, CUarray, ... are 8 bytes */
+        }
+        *next += (size + 0xfffff) & ~0xfffffull;
+        *next += 0x100000;
     }
     pthread_mutex_unlock(&mu);
     return rc;
+}
+
+static CUresult alloc_new(int kind, uint64_t size, int pdev, struct fake_pool *pool, void *handle, int charge)
+{
+    return alloc_at(kind, size, pdev, pool, handle, charge, 0);
 }
 
 static struct fake_alloc *alloc_find(int kind, uint64_t handle)
@@ -894,6 +932,64 @@ API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
     return alloc_new(K_DPTR, bytes, current->pdev, NULL, dptr, 1);
 }
 
+/* CUDA 2.x's entry points: 32-bit pointers, sizes and views (saturated) */
+API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total);
+
+API CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytes)
+{
+    FAIL_POINT("cuMemAlloc");
+    NEED_CTX();
+    if (!dptr || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_at(K_DPTR, bytes, current->pdev, NULL, dptr, 1, 1);
+}
+
+API CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pitch, unsigned int w, unsigned int h,
+                             unsigned int elem)
+{
+    FAIL_POINT("cuMemAllocPitch");
+    NEED_CTX();
+    if (!dptr || !pitch || !w || !h || (elem != 4 && elem != 8 && elem != 16)) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t p = ((uint64_t)w + 511) & ~(uint64_t)511;
+    if (p > 0xffffffffu) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = alloc_at(K_DPTR, p * h, current->pdev, NULL, dptr, 1, 1);
+    if (rc == CUDA_SUCCESS) *pitch = (unsigned int)p;
+    return rc;
+}
+
+API CUresult cuMemFree(unsigned int dptr)
+{
+    FAIL_POINT("cuMemFree");
+    return alloc_free(K_DPTR, dptr);
+}
+
+static unsigned int sat32(size_t v)
+{
+    return v > 0xffffffffu ? 0xffffffffu : (unsigned int)v;
+}
+
+API CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total)
+{
+    FAIL_POINT("cuMemGetInfo");
+    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+    size_t f = 0, t = 0;
+    CUresult rc = cuMemGetInfo_v2(&f, &t);
+    if (rc == CUDA_SUCCESS) {
+        *free_bytes = sat32(f);
+        *total = sat32(t);
+    }
+    return rc;
+}
+
+API CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice d)
+{
+    FAIL_POINT("cuDeviceTotalMem");
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    size_t t = 0;
+    CUresult rc = cuDeviceTotalMem_v2(&t, d);
+    if (rc == CUDA_SUCCESS) *bytes = sat32(t);
+    return rc;
+}
+
 API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags)
 {
     (void)flags;
@@ -1109,6 +1205,22 @@ API CUresult cuArray3DCreate_v2(CUarray *h, const CUDA_ARRAY3D_DESCRIPTOR *d)
                      elem_bytes(d->Format, d->NumChannels);
     if (d->Flags & 0xc0) bytes = 0; /* sparse or deferred mapping: memory comes from cuMemMapArrayAsync */
     return alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
+}
+
+API CUresult cuArrayCreate(CUarray *h, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
+{
+    FAIL_POINT("cuArrayCreate");
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    CUDA_ARRAY_DESCRIPTOR d2 = {d->Width, d->Height, d->Format, d->NumChannels};
+    return cuArrayCreate_v2(h, &d2);
+}
+
+API CUresult cuArray3DCreate(CUarray *h, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
+{
+    FAIL_POINT("cuArray3DCreate");
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    CUDA_ARRAY3D_DESCRIPTOR d2 = {d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags};
+    return cuArray3DCreate_v2(h, &d2);
 }
 
 API CUresult cuArrayDestroy(CUarray h)
