@@ -113,6 +113,10 @@
       (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra), cuLaunchKernelEx, 11060, 1) \
     X(cuLaunchCooperativeKernel, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 0)             \
     X(cuLaunchCooperativeKernel_ptsz, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 1)        \
+    X(cuLaunch, CUresult, (CUfunction f), cuLaunch, 2000, 0)                                               \
+    X(cuLaunchGrid, CUresult, (CUfunction f, int grid_width, int grid_height), cuLaunchGrid, 2000, 0)      \
+    X(cuLaunchGridAsync, CUresult, (CUfunction f, int grid_width, int grid_height, CUstream hStream),      \
+      cuLaunchGridAsync, 2000, 0)                                                                          \
     X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
     X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1) \
     X(cuCtxSynchronize, CUresult, (void), cuCtxSynchronize, 2000, 0)                                       \

@@ -929,6 +929,58 @@ GS_COOP_HOOK(cuLaunchCooperativeKernel_ptsz, 1)
 GS_EX_HOOK(cuLaunchKernelEx, 0)
 GS_EX_HOOK(cuLaunchKernelEx_ptsz, 1)
 
+/* CUDA 2.x's launches (parameters from cuParamSet*, block shape from cuFuncSetBlockShape),
+ * which the driver still exports though cuda.h no longer declares them: on the legacy
+ * stream, or on a stream for cuLaunchGridAsync */
+enum { GRID_ONE, GRID_SYNC, GRID_ASYNC };
+
+struct grid_args {
+    const void *real;
+    CUfunction f;
+    int w, h, how;
+    CUstream stream;
+};
+
+static CUresult call_grid(const void *p)
+{
+    const struct grid_args *a = p;
+    switch (a->how) {
+    case GRID_ONE: return ((cuLaunch_fn)a->real)(a->f);
+    case GRID_SYNC: return ((cuLaunchGrid_fn)a->real)(a->f, a->w, a->h);
+    default: return ((cuLaunchGridAsync_fn)a->real)(a->f, a->w, a->h, a->stream);
+    }
+}
+
+static __attribute__((noinline)) CUresult grid_slow(int how, CUfunction f, int w, int h, CUstream hStream)
+{
+    gs_cuda_init();
+    const void *real = how == GRID_ONE    ? (const void *)gs_cuda.cuLaunch
+                       : how == GRID_SYNC ? (const void *)gs_cuda.cuLaunchGrid
+                                          : (const void *)gs_cuda.cuLaunchGridAsync;
+    if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    struct grid_args a = {real, f, w, h, how, hStream};
+    if (!throttle_on()) return call_grid(&a);
+    return throttled(hStream, 0, call_grid, &a);
+}
+
+GS_EXPORT CUresult cuLaunch(CUfunction f)
+{
+    GS_FAST(cuLaunch, (f));
+    return grid_slow(GRID_ONE, f, 1, 1, NULL);
+}
+
+GS_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
+{
+    GS_FAST(cuLaunchGrid, (f, grid_width, grid_height));
+    return grid_slow(GRID_SYNC, f, grid_width, grid_height, NULL);
+}
+
+GS_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
+{
+    GS_FAST(cuLaunchGridAsync, (f, grid_width, grid_height, hStream));
+    return grid_slow(GRID_ASYNC, f, grid_width, grid_height, hStream);
+}
+
 /* Graph launches also pay for the graph's allocation nodes (graphmem.c): the
  * fast path holds only while no executable graph has any. */
 #define GS_GRAPH_HOOK(name, pt)                                                                               \

@@ -101,7 +101,10 @@ API_FUNCS(FN)
     X(cuCtxCreate, CUresult, (CUcontext *, unsigned, CUdevice), 2000)                                        \
     X(cuCtxDestroy, CUresult, (CUcontext), 2000)                                                             \
     X(cuDevicePrimaryCtxRelease, CUresult, (CUdevice), 7000)                                                 \
-    X(cuDevicePrimaryCtxReset, CUresult, (CUdevice), 7000)
+    X(cuDevicePrimaryCtxReset, CUresult, (CUdevice), 7000)                                                   \
+    X(cuLaunch, CUresult, (CUfunction), 2000)                                                                \
+    X(cuLaunchGrid, CUresult, (CUfunction, int, int), 2000)                                                  \
+    X(cuLaunchGridAsync, CUresult, (CUfunction, int, int, CUstream), 2000)
 #define FN1(name, ret, params, version) typedef ret(*name##_t) params;
 API1_FUNCS(FN1)
 typedef CUresult (*getproc2_t)(const char *, void **, int, cuuint64_t, int *);
@@ -263,6 +266,12 @@ static void bench(double seconds, const char *kind)
             rc = api.cuLaunchCooperativeKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL);
         else if (!strcmp(kind, "graph"))
             rc = api.cuGraphLaunch((CUgraphExec)(uintptr_t)4, s);
+        else if (!strcmp(kind, "launch1")) /* CUDA 2.x's launches */
+            rc = api1.cuLaunch(f);
+        else if (!strcmp(kind, "grid"))
+            rc = api1.cuLaunchGrid(f, 1, 1);
+        else if (!strcmp(kind, "gridasync"))
+            rc = api1.cuLaunchGridAsync(f, 1, 1, s);
         else
             rc = api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
         n++;

@@ -35,6 +35,17 @@ def test_every_launch_api_is_throttled(release_lab, kind):
     assert abs(got - 30) <= TOLERANCE, f"{kind}: measured {got:.1f}%"
 
 
+@pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
+@pytest.mark.parametrize("kind", ["launch1", "grid", "gridasync"])
+def test_the_cuda_2_launches_are_throttled(release_lab, kind, api):
+    # cuLaunch, cuLaunchGrid, cuLaunchGridAsync: cuda.h no longer declares them, the driver
+    # still exports them (and cuGetProcAddress hands them out at cudaVersion 2000); unhooked,
+    # they ran at 100 % under a 30 % limit
+    got = share(release_lab, 1.5, kind, api=api, CUDA_DEVICE_SM_LIMIT="30",
+                FAKE_CUDA_KERNEL_US="1000")
+    assert abs(got - 30) <= TOLERANCE, f"{kind} via {api}: measured {got:.1f}%"
+
+
 def test_per_thread_default_stream_launches_are_throttled(release_lab):
     got = share(release_lab, 1.5, api="ptsz", CUDA_DEVICE_SM_LIMIT="30",
                 FAKE_CUDA_KERNEL_US="1000")

@@ -366,6 +366,31 @@ API CUresult cuLaunchKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params, void **extra
     return f ? enqueue(s, 1, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
+/* CUDA 2.x's launches: the legacy stream, or a stream for cuLaunchGridAsync */
+API CUresult cuLaunch(CUfunction f)
+{
+    FAIL_POINT("cuLaunch");
+    CUresult rc = lazy_code(f);
+    if (rc != CUDA_SUCCESS) return rc;
+    return f ? enqueue(NULL, 0, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuLaunchGrid(CUfunction f, int w, int h)
+{
+    FAIL_POINT("cuLaunchGrid");
+    CUresult rc = lazy_code(f);
+    if (rc != CUDA_SUCCESS) return rc;
+    return f && w > 0 && h > 0 ? enqueue(NULL, 0, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
+{
+    FAIL_POINT("cuLaunchGridAsync");
+    CUresult rc = lazy_code(f);
+    if (rc != CUDA_SUCCESS) return rc;
+    return f && w > 0 && h > 0 ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;
+}
+
 API CUresult cuLaunchCooperativeKernel(FAKE_LAUNCH_PARAMS, void **params)
 {
     (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params;
@@ -449,7 +474,8 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
     X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuGetErrorName)       \
     X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemFree) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)          \
-    X(cuArray3DCreate) X(cuCtxCreate) X(cuCtxDestroy) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset)
+    X(cuArray3DCreate) X(cuCtxCreate) X(cuCtxDestroy) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset) \
+    X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);
