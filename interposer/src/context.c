@@ -17,6 +17,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -26,6 +27,15 @@
 
 static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
 static CUcontext g_primary_ctx[GS_MAX_CUDA_DEVS];
+
+/* Created contexts with usage counts beyond their creation's (deprecated cuCtxAttach): the
+ * cuCtxDetach that takes the count to zero destroys the context.  Under g_ctx_mu. */
+struct attached {
+    CUcontext ctx;
+    unsigned n;
+};
+static struct attached *g_attached;
+static size_t g_nattached, g_attached_cap;
 
 void gs_ctx_lock(void)
 {
@@ -129,9 +139,22 @@ static void record_ctx(CUcontext ctx, int slot, uint64_t bytes, CUdevice dev)
     gs_reconcile_track_ctx(dev, ctx);
 }
 
+static struct attached *find_attached(CUcontext ctx)
+{
+    for (size_t i = 0; i < g_nattached; i++)
+        if (g_attached[i].ctx == ctx) return &g_attached[i];
+    return NULL;
+}
+
+static void forget_attached(struct attached *a)
+{
+    if (a) *a = g_attached[--g_nattached];
+}
+
 static void release_ctx(CUcontext ctx)
 {
     struct gs_alloc rec;
+    forget_attached(find_attached(ctx)); /* destroyed whatever its usage count */
     gs_forget_ctx(ctx);
     gs_graphmem_forget_ctx(ctx);
     gs_limits_forget_ctx(ctx);
@@ -312,9 +335,78 @@ GS_EXPORT CUresult cuCtxDestroy(CUcontext ctx) /* CUDA 2.x's, same semantics */
     return ctx_destroy(gs_cuda.cuCtxDestroy, ctx);
 }
 
+static int primary_dev_of(CUcontext ctx)
+{
+    for (int d = 0; d < GS_MAX_CUDA_DEVS; d++)
+        if (ctx && g_primary_ctx[d] == ctx) return d;
+    return -1;
+}
+
+/* CUDA 2.x's usage counts (deprecated, still exported): one more use of the current context.
+ * A count that cannot be kept undoes the attach: a later detach would be taken for the
+ * context's end, and its charge returned while it lives. */
+GS_EXPORT CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxAttach) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_ctx_mu);
+    CUresult rc = gs_cuda.cuCtxAttach(pctx, flags);
+    CUcontext ctx = rc == CUDA_SUCCESS ? *pctx : NULL;
+    if (ctx && primary_dev_of(ctx) < 0) {
+        struct attached *a = find_attached(ctx);
+        if (!a && g_nattached == g_attached_cap) {
+            size_t cap = g_attached_cap ? 2 * g_attached_cap : 8;
+            struct attached *grown = realloc(g_attached, cap * sizeof(*grown));
+            if (grown) {
+                g_attached = grown;
+                g_attached_cap = cap;
+            }
+        }
+        if (!a && g_nattached < g_attached_cap) {
+            a = &g_attached[g_nattached++];
+            *a = (struct attached){ctx, 0};
+        }
+        if (a) {
+            a->n++;
+        } else {
+            if (gs_cuda.cuCtxDetach) gs_cuda.cuCtxDetach(ctx);
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    return rc;
+}
+
+/* One use less; the last destroys a created context (as cuCtxDestroy), and a primary
+ * context's may leave it inactive (as a release) */
+GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuCtxDetach) return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&g_ctx_mu);
+    CUresult rc = gs_cuda.cuCtxDetach(ctx);
+    int gone = 0;
+    if (rc == CUDA_SUCCESS && ctx) {
+        int dev = primary_dev_of(ctx);
+        struct attached *a = find_attached(ctx);
+        if (dev >= 0) {
+            primary_maybe_gone(dev);
+        } else if (a) {
+            if (!--a->n) forget_attached(a);
+        } else {
+            release_ctx(ctx);
+            gone = 1;
+        }
+    }
+    pthread_mutex_unlock(&g_ctx_mu);
+    if (gone) gs_launch_forget_ctx(ctx);
+    return rc;
+}
 
 void gs_context_after_fork_child(void)
 {
     pthread_mutex_init(&g_ctx_mu, NULL);
     memset(g_primary_ctx, 0, sizeof(g_primary_ctx));
+    g_nattached = 0; /* the parent's contexts are not the child's */
 }

@@ -44,6 +44,8 @@
     X(cuDevicePrimaryCtxReset, CUresult, (CUdevice dev), cuDevicePrimaryCtxReset, 7000, 0)                 \
     X(cuCtxCreate, CUresult, (CUcontext *pctx, unsigned int flags, CUdevice dev), cuCtxCreate, 2000, 0)    \
     X(cuCtxDestroy, CUresult, (CUcontext ctx), cuCtxDestroy, 2000, 0)                                      \
+    X(cuCtxAttach, CUresult, (CUcontext *pctx, unsigned int flags), cuCtxAttach, 2000, 0)                  \
+    X(cuCtxDetach, CUresult, (CUcontext ctx), cuCtxDetach, 2000, 0)                                        \
     X(cuCtxCreate_v2, CUresult, (CUcontext *pctx, unsigned int flags, CUdevice dev), cuCtxCreate, 3020, 0) \
     X(cuCtxCreate_v3, CUresult,                                                                            \
       (CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams, unsigned int flags, CUdevice dev), \

@@ -102,6 +102,8 @@ API_FUNCS(FN)
     X(cuCtxDestroy, CUresult, (CUcontext), 2000)                                                             \
     X(cuDevicePrimaryCtxRelease, CUresult, (CUdevice), 7000)                                                 \
     X(cuDevicePrimaryCtxReset, CUresult, (CUdevice), 7000)                                                   \
+    X(cuCtxAttach, CUresult, (CUcontext *, unsigned), 2000)                                                  \
+    X(cuCtxDetach, CUresult, (CUcontext), 2000)                                                              \
     X(cuLaunch, CUresult, (CUfunction), 2000)                                                                \
     X(cuLaunchGrid, CUresult, (CUfunction, int, int), 2000)                                                  \
     X(cuLaunchGridAsync, CUresult, (CUfunction, int, int, CUstream), 2000)
@@ -600,6 +602,17 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "ctxset")) {
             /* ctxset N: make the Nth context "ctxcreate" made current */
             printf("ctxset %d\n", api.cuCtxSetCurrent(ctxs[atoi(ARG(0))]));
+            i += 1;
+        } else if (!strcmp(c, "attach")) {
+            /* attach: one more use of the current context (CUDA 2.x) */
+            CUcontext ctx = NULL;
+            printf("attach %d\n", api1.cuCtxAttach(&ctx, 0));
+        } else if (!strcmp(c, "detach")) {
+            /* detach N: one use less of the Nth context "ctxcreate" made (-1: the current one) */
+            int n = atoi(ARG(0));
+            CUcontext ctx = NULL;
+            if (n < 0) api.cuCtxGetCurrent(&ctx);
+            printf("detach %d\n", api1.cuCtxDetach(n < 0 ? ctx : ctxs[n]));
             i += 1;
         } else if (!strcmp(c, "ctxdestroy")) {
             CUcontext ctx = ctxs[atoi(ARG(0))];

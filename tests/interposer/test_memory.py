@@ -325,6 +325,22 @@ def test_destroying_a_context_returns_its_footprint_and_its_allocations(lab):
     assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
 
 
+def test_the_last_detach_of_a_context_returns_what_it_held(lab):
+    # CUDA 2.x's usage counts (cuCtxAttach / cuCtxDetach, deprecated, still exported): the
+    # detach that takes a created context's count to zero destroys it.  Unhooked, its
+    # footprint and 500 MiB stayed charged and the next 800 MiB were refused under 1 GiB
+    res = lab.run("init", "ctxcreate", "0", "alloc", "500m", "attach", "meminfo", "detach", "0",
+                  "meminfo", "detach", "0", "ctx", "0", "meminfo", "alloc", "800m",
+                  "attach", "detach", "-1", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m")
+    assert [rc for rc, _ in res.of("detach")] == [0, 0, 0]
+    infos = [vals for _, vals in res.of("meminfo")]
+    # still used after the first detach; gone after the second; a primary context's detach
+    # is one reference less, its allocations stay
+    assert infos == [[GIB - 600 * MIB, GIB]] * 2 + [[GIB - 100 * MIB, GIB], [GIB - 900 * MIB, GIB]]
+    assert [rc for rc, _ in res.of("alloc")] == [0, 0]
+
+
 @pytest.mark.parametrize("stays_active", [None, "1"], ids=["released", "stays-active"])
 def test_resetting_the_primary_context_returns_everything_it_held(lab, stays_active):
     # whether or not the driver still reports the emptied context active afterwards

@@ -215,6 +215,7 @@ struct fake_ctx {
     int pdev;
     int primary;
     int refs;
+    int attached;     /* a created context's uses beyond its creation (cuCtxAttach) */
     uint64_t base;    /* the context's own memory, less its default heap */
     uint64_t modules; /* memory taken by (lazily loaded) modules and by limits */
     uint64_t limits[3]; /* what cuCtxSetLimit reserved: stacks, printf FIFO, malloc heap */
@@ -553,6 +554,37 @@ API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice d)
 {
     FAIL_POINT("cuCtxCreate");
     return cuCtxCreate_v2(pctx, flags, d);
+}
+
+/* CUDA 2.x's usage counts: the current context gets one more use; the last cuCtxDetach of a
+ * created context destroys it, a primary context's is a release */
+API CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)
+{
+    FAIL_POINT("cuCtxAttach");
+    if (!pctx || flags) return CUDA_ERROR_INVALID_VALUE;
+    if (!current) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    if (current->primary)
+        current->refs++;
+    else
+        current->attached++;
+    pthread_mutex_unlock(&mu);
+    *pctx = (CUcontext)current;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d);
+
+API CUresult cuCtxDetach(CUcontext ctx)
+{
+    FAIL_POINT("cuCtxDetach");
+    struct fake_ctx *c = (struct fake_ctx *)ctx;
+    if (!c || c != current) return CUDA_ERROR_INVALID_CONTEXT;
+    if (c->primary) return cuDevicePrimaryCtxRelease_v2(c->pdev);
+    pthread_mutex_lock(&mu);
+    int last = c->attached-- == 0;
+    pthread_mutex_unlock(&mu);
+    return last ? cuCtxDestroy_v2(ctx) : CUDA_SUCCESS;
 }
 
 API CUresult cuDevicePrimaryCtxRelease(CUdevice d)
