@@ -219,20 +219,6 @@ static CUresult primary_release(dev_fn release, CUdevice dev)
     return rc;
 }
 
-GS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxRelease_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    return primary_release(gs_cuda.cuDevicePrimaryCtxRelease_v2, dev);
-}
-
-GS_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) /* CUDA 7.0's, same semantics */
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxRelease) return CUDA_ERROR_NOT_SUPPORTED;
-    return primary_release(gs_cuda.cuDevicePrimaryCtxRelease, dev);
-}
-
 /* A reset destroys every allocation and event of the primary context, whether
  * or not the driver then reports the context active. */
 static CUresult primary_reset(dev_fn reset, CUdevice dev)
@@ -251,19 +237,18 @@ static CUresult primary_reset(dev_fn reset, CUdevice dev)
     return rc;
 }
 
-GS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxReset_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    return primary_reset(gs_cuda.cuDevicePrimaryCtxReset_v2, dev);
-}
-
-GS_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev) /* CUDA 7.0's, same semantics */
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuDevicePrimaryCtxReset) return CUDA_ERROR_NOT_SUPPORTED;
-    return primary_reset(gs_cuda.cuDevicePrimaryCtxReset, dev);
-}
+/* The hooks of both generations (7.0's and 11.0's, same semantics) */
+#define GS_PRIMARY_HOOK(name, impl)                                 \
+    GS_EXPORT CUresult name(CUdevice dev)                           \
+    {                                                               \
+        gs_cuda_init();                                             \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;         \
+        return impl(gs_cuda.name, dev);                             \
+    }
+GS_PRIMARY_HOOK(cuDevicePrimaryCtxRelease_v2, primary_release)
+GS_PRIMARY_HOOK(cuDevicePrimaryCtxRelease, primary_release)
+GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset_v2, primary_reset)
+GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset, primary_reset)
 
 #define GS_CTX_CREATE(call)                                                 \
     do {                                                                    \

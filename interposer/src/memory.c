@@ -493,50 +493,26 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
     return mul_sat(mul_sat(mul_sat(w ? w : 1, h ? h : 1), d ? d : 1), element_bytes(f, ch));
 }
 
-GS_EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuArrayCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
-    const CUDA_ARRAY_DESCRIPTOR *a = pAllocateArray;
-    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0, array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels),
-                     gs_cuda.cuArrayCreate_v2(pHandle, pAllocateArray), 0);
-}
-
 /* Sparse arrays and arrays with deferred mapping get no memory at creation:
  * it comes later from cuMemCreate allocations mapped into them (charged there). */
 #define GS_ARRAY_NO_BACKING (0x40 /* CUDA_ARRAY3D_SPARSE */ | 0x80 /* CUDA_ARRAY3D_DEFERRED_MAPPING */)
 
-GS_EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuArray3DCreate_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
-    const CUDA_ARRAY3D_DESCRIPTOR *a = pAllocateArray;
-    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0, array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
-                     gs_cuda.cuArray3DCreate_v2(pHandle, pAllocateArray), 0);
-}
-
-GS_EXPORT CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *pAllocateArray)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuArrayCreate) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
-    const CUDA_ARRAY_DESCRIPTOR_v1 *a = pAllocateArray;
-    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0, array_bytes(a->Width, a->Height, 1, a->Format, a->NumChannels),
-                     gs_cuda.cuArrayCreate(pHandle, pAllocateArray), 0);
-}
-
-GS_EXPORT CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *pAllocateArray)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuArray3DCreate) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;
-    const CUDA_ARRAY3D_DESCRIPTOR_v1 *a = pAllocateArray;
-    GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0,
-                     array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels),
-                     gs_cuda.cuArray3DCreate(pHandle, pAllocateArray), 0);
-}
+/* The 2D and 3D creations of both generations (CUDA 2.x's descriptors have 32-bit sizes) */
+#define GS_ARRAY_HOOK(name, desc_t, depth, pass)                                                          \
+    GS_EXPORT CUresult name(CUarray *pHandle, const desc_t *pAllocateArray)                               \
+    {                                                                                                     \
+        gs_cuda_init();                                                                                   \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                               \
+        if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;                                 \
+        const desc_t *a = pAllocateArray;                                                                 \
+        GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, (pass),                                                  \
+                         array_bytes(a->Width, a->Height, (depth), a->Format, a->NumChannels),            \
+                         gs_cuda.name(pHandle, pAllocateArray), 0);                                       \
+    }
+GS_ARRAY_HOOK(cuArrayCreate_v2, CUDA_ARRAY_DESCRIPTOR, 1, 0)
+GS_ARRAY_HOOK(cuArrayCreate, CUDA_ARRAY_DESCRIPTOR_v1, 1, 0)
+GS_ARRAY_HOOK(cuArray3DCreate_v2, CUDA_ARRAY3D_DESCRIPTOR, a->Depth, (a->Flags & GS_ARRAY_NO_BACKING) != 0)
+GS_ARRAY_HOOK(cuArray3DCreate, CUDA_ARRAY3D_DESCRIPTOR_v1, a->Depth, (a->Flags & GS_ARRAY_NO_BACKING) != 0)
 
 GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,
                                           unsigned int numMipmapLevels)
