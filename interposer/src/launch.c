@@ -514,7 +514,7 @@ void gs_launch_after_sync(void)
 {
     if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || capture_forbids_queries()) return;
     pthread_mutex_lock(&g_mu);
-    if (!capture_forbids_queries()) measure_all_locked(); /* a global capture's begin holds g_mu */
+    if (!capture_forbids_queries()) measure_all_locked(); /* a global capture may have begun meanwhile */
     pthread_mutex_unlock(&g_mu);
 }
 
@@ -575,22 +575,36 @@ static int capture_forbids_queries(void)
     return __atomic_load_n(&g_global_captures, __ATOMIC_ACQUIRE) || t_strict_captures;
 }
 
-static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode mode)
+/* A global capture is counted before it begins (capture_announce), the others once begun. */
+static void capture_announce(void)
 {
-    uint64_t key = stream_key(gs_effective_stream(stream, per_thread));
-    pthread_mutex_lock(&g_cap_mu);
-    int i = 0;
-    while (i < GS_CAPTURES && g_caps[i].key) i++;
-    if (i < GS_CAPTURES) {
-        g_caps[i].key = key;
-        g_caps[i].mode = mode;
+    /* under g_mu: no thread is querying events as the count goes up, and any that takes the
+     * lock later sees it (the throttle queries under g_mu and looks at the count first) */
+    pthread_mutex_lock(&g_mu);
+    __atomic_add_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
+    pthread_mutex_unlock(&g_mu);
+}
+
+static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode mode, CUresult rc)
+{
+    int i = GS_CAPTURES;
+    if (rc == CUDA_SUCCESS) {
+        uint64_t key = stream_key(gs_effective_stream(stream, per_thread));
+        pthread_mutex_lock(&g_cap_mu);
+        i = 0;
+        while (i < GS_CAPTURES && g_caps[i].key) i++;
+        if (i < GS_CAPTURES) {
+            g_caps[i].key = key;
+            g_caps[i].mode = mode;
+        }
+        pthread_mutex_unlock(&g_cap_mu);
+        if (i == GS_CAPTURES)
+            GS_WARN("more than %d stream captures at once: the throttle may invalidate one", GS_CAPTURES);
     }
-    pthread_mutex_unlock(&g_cap_mu);
-    if (i == GS_CAPTURES) {
-        GS_WARN("more than %d stream captures at once: the throttle may invalidate one", GS_CAPTURES);
+    if (i == GS_CAPTURES) { /* not begun, or not recorded: its end will not be seen */
+        if (mode == CU_STREAM_CAPTURE_MODE_GLOBAL) __atomic_sub_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
         return;
     }
-    if (mode == CU_STREAM_CAPTURE_MODE_GLOBAL) __atomic_add_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
     if (mode != CU_STREAM_CAPTURE_MODE_RELAXED) t_strict_captures++;
 }
 
@@ -672,8 +686,8 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     uint64_t queue_until = 0;
     int measured_all = 0, advanced = 0;
     for (;;) {
-        /* a global capture begun meanwhile (its begin holds g_mu) forbids every query from
-         * now on: launched unmeasured */
+        /* a global capture begun meanwhile (counted under g_mu before it begins) forbids
+         * every query from now on: launched unmeasured */
         if (capture_forbids_queries()) {
             pthread_mutex_unlock(&g_mu);
             switch_to(&sw, 0);
@@ -1034,13 +1048,12 @@ GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
         /* a global capture forbids event queries in every thread: none may be running as it   \
-         * begins (the throttle queries under g_mu, and looks at the count after taking it) */ \
+         * begins, so it is counted before the call (no lock is held across the call: a        \
+         * profiler's callback inside it may reach the throttle) */                             \
         CUstreamCaptureMode mode_ = (mode_of);                                                                \
-        int global = mode_ == CU_STREAM_CAPTURE_MODE_GLOBAL;                                                  \
-        if (global) pthread_mutex_lock(&g_mu);                                                                \
+        if (mode_ == CU_STREAM_CAPTURE_MODE_GLOBAL) capture_announce();                                       \
         CUresult rc = gs_cuda.name args;                                                                      \
-        if (rc == CUDA_SUCCESS) capture_begun(hStream, pt, mode_);                                            \
-        if (global) pthread_mutex_unlock(&g_mu);                                                              \
+        capture_begun(hStream, pt, mode_, rc);                                                                \
         return rc;                                                                                            \
     }
 #define GS_TO_GRAPH_PARAMS                                                                                    \

@@ -324,6 +324,29 @@ def test_a_full_event_ring_makes_its_newest_event_cover_more_launches(release_la
     assert res.values("events")[0] <= 64 + 2 + 66
 
 
+def test_a_global_capture_that_fails_to_begin_leaves_the_throttle_on(release_lab):
+    # a global capture is counted before the driver is called (event queries stop in every
+    # thread); a refused begin must take the count back, or every later launch passes
+    # unmeasured (100 % with the decrement removed)
+    res = release_lab.run("init", "ctx", "0", "capture", "1", "bench", "1.5", "kernel",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000",
+                          FAKE_CUDA_FAIL="cuStreamBeginCapture_v2:1:999")
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[0]
+    assert rc == 0 and launches > 0
+    assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
+
+
+def test_a_launch_from_inside_a_global_capture_begin_does_not_deadlock(lab):
+    # a profiler's API callback may launch (or synchronise) inside cuStreamBeginCapture: the
+    # begin held the throttle's lock across the driver call, and the launch waited for it in
+    # the same thread forever
+    res = lab.run("init", "ctx", "0", "capture", "1", "bench", "1", "kernel", timeout=30,
+                  CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000",
+                  FAKE_CUDA_CAPTURE_REENTER="1")
+    assert res.rc("capture") == 0
+    assert res.rc("bench") == 0
+
+
 @pytest.mark.parametrize("sm_limit", ["30", None], ids=["limited", "no-limit"])
 def test_a_global_capture_in_one_thread_is_not_invalidated_by_launches_in_another(lab, sm_limit):
     # in global capture mode the driver forbids event queries in every thread, and one would
