@@ -84,3 +84,28 @@ def test_graph_allocations_are_charged_when_launched_and_refused_over_cap(
            f"{outside['max_mib']:,.0f}" + (f"; wrong: {failed}" if failed else ""), not failed,
            checks=checks, result=got, outside=outside)
     assert not failed, f"graph memory: {failed} ({got})"
+
+
+def test_cuda_2_entry_points_are_charged(gpubench: Path) -> None:
+    # cuMemAlloc / cuMemFree / cuMemGetInfo of CUDA 2.x (32-bit), found by dlsym as an old
+    # program would: whatever the driver does with them, nothing passes a 2 GiB cap and the
+    # process's view counts what they hold
+    cap = 2048 * MIB
+    env = harness.capped_env(harness.new_region("legacy"), mem="2048m")
+    res = harness.run([str(gpubench), "legacy", "1024"], env, 60)
+    if not res["exported"]:
+        record("legacy_entry_points", "not exported by this driver", None, result=res)
+        pytest.skip("the driver does not export CUDA 2.x's cuMemAlloc")
+    held = res["held"] - res["before"]
+    checks = {
+        "1 GiB charged (or refused by the driver)": res["alloc_rc"] != 0 or held >= 1024 * MIB,
+        "3 GiB past the cap refused": res["big_rc"] != 0,
+        "view within the cap": res["with_big"] <= cap,
+        "32-bit view within the cap": res["info_rc"] != 0 or res["total32"] <= cap,
+        "frees return it": res["after"] <= res["before"],
+    }
+    failed = [name for name, good in checks.items() if not good]
+    record("legacy_entry_points",
+           f"alloc rc {res['alloc_rc']} (32-bit pointer {res['ptr']:#x}), 3 GiB rc {res['big_rc']}"
+           + (f"; wrong: {failed}" if failed else ""), not failed, checks=checks, result=res)
+    assert not failed, f"{failed}: {res}"

@@ -11,6 +11,9 @@
  *   gpubench serve                        stdin lines: alloc BYTES | free IDX | info | quit
  *   gpubench launch LAUNCHES REPS BATCH   empty-kernel launch cost (CPU call cost and saturated)
  *   gpubench allocfree BYTES PAIRS REPS   cuMemAlloc + cuMemFree pair cost
+ *   gpubench legacy MIB                   CUDA 2.x's cuMemAlloc / cuMemFree / cuMemGetInfo (32-bit,
+ *                                         found by dlsym): MIB allocated, then 3 GiB, then freed;
+ *                                         what each returned and what cuMemGetInfo_v2 saw
  *   gpubench graph MIB                    a captured graph that allocates MIB (cuMemAllocAsync,
  *                                         memset, cuMemFreeAsync): memory seen before and after
  *                                         instantiate, launch and cuDeviceGraphMemTrim, then a
@@ -342,10 +345,51 @@ static int cmd_graph(size_t mib)
     return 0;
 }
 
+/* CUDA 2.x's memory entry points, which cuda.h no longer declares for 64-bit programs but the
+ * driver still exports: looked up by name, so the build never depends on them */
+typedef CUresult (*alloc32_fn)(unsigned int *ptr, unsigned int bytes);
+typedef CUresult (*free32_fn)(unsigned int ptr);
+typedef CUresult (*info32_fn)(unsigned int *free_bytes, unsigned int *total_bytes);
+
+static size_t view_used(void)
+{
+    size_t free_bytes = 0, total_bytes = 0;
+    check(CALL(cuMemGetInfo_v2)(&free_bytes, &total_bytes), "cuMemGetInfo_v2");
+    return total_bytes - free_bytes;
+}
+
+static int cmd_legacy(size_t mib)
+{
+    open_device();
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    alloc32_fn alloc32 = lib ? (alloc32_fn)dlsym(lib, "cuMemAlloc") : NULL;
+    free32_fn free32 = lib ? (free32_fn)dlsym(lib, "cuMemFree") : NULL;
+    info32_fn info32 = lib ? (info32_fn)dlsym(lib, "cuMemGetInfo") : NULL;
+    if (!alloc32 || !free32 || !info32) {
+        printf("RESULT {\"exported\": false}\n");
+        return 0;
+    }
+    unsigned int ptr = 0, big_ptr = 0, free32_bytes = 0, total32 = 0;
+    size_t before = view_used();
+    CUresult rc = alloc32(&ptr, (unsigned int)(mib << 20));
+    size_t held = view_used();
+    CUresult big_rc = alloc32(&big_ptr, 3u << 30);
+    size_t with_big = view_used();
+    CUresult info_rc = info32(&free32_bytes, &total32);
+    CUresult free_rc = rc == 0 ? free32(ptr) : -1;
+    CUresult big_free_rc = big_rc == 0 ? free32(big_ptr) : -1;
+    size_t after = view_used();
+    printf("RESULT {\"exported\": true, \"alloc_rc\": %d, \"ptr\": %u, \"before\": %zu, \"held\": %zu, "
+           "\"big_rc\": %d, \"with_big\": %zu, \"info_rc\": %d, \"free32\": %u, \"total32\": %u, "
+           "\"free_rc\": %d, \"big_free_rc\": %d, \"after\": %zu}\n",
+           rc, ptr, before, held, big_rc, with_big, info_rc, free32_bytes, total32, free_rc, big_free_rc, after);
+    return 0;
+}
+
 static int usage(void)
 {
     fprintf(stderr, "usage: gpubench info | serve | launch LAUNCHES REPS BATCH | "
-                    "allocfree BYTES PAIRS REPS | graph MIB\n");
+                    "allocfree BYTES PAIRS REPS | legacy MIB | graph MIB\n");
     return 64;
 }
 
@@ -367,6 +411,12 @@ int main(int argc, char **argv)
         if (bytes <= 0 || pairs <= 0 || reps <= 0)
             return usage();
         return cmd_allocfree((size_t)bytes, pairs, reps);
+    }
+    if (argc == 3 && strcmp(argv[1], "legacy") == 0) {
+        long long mib = atoll(argv[2]);
+        if (mib <= 0 || mib >= 4096)
+            return usage();
+        return cmd_legacy((size_t)mib);
     }
     if (argc == 3 && strcmp(argv[1], "graph") == 0) {
         long long mib = atoll(argv[2]);
