@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +214,20 @@ def test_a_trampolined_graph_instantiate_gets_the_hook_of_the_same_signature(lab
     res = lab.run("init", "procaddr", "cuGraphInstantiate", str(version), export,
                   FAKE_CUDA_PROCADDR_TRAMPOLINE="1")
     assert res.of("procaddr") == [(0, [1])]
+
+
+def test_the_gpu_checks_legacy_probe_sees_the_cap_on_the_fake_driver(lab, tmp_path):
+    # tests/gpu's gpubench reaches CUDA 2.x's entry points by dlsym as an old program would;
+    # its GPU check relies on this run's shape
+    source = Path(__file__).resolve().parents[1] / "gpu" / "native" / "gpubench.c"
+    binary = tmp_path / "gpubench"
+    subprocess.run(["gcc", "-DGPUBENCH_DLOPEN", "-O1", "-Wall", "-Werror", "-std=gnu11", "-o",
+                    str(binary), str(source), "-ldl"], check=True)
+    done = lab.run_program([str(binary), "legacy", "1024"], CUDA_DEVICE_MEMORY_LIMIT="2g")
+    assert done.returncode == 0, done.stderr
+    res = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert res["exported"] and res["alloc_rc"] == 0 and res["free_rc"] == 0
+    assert res["held"] - res["before"] == GIB
+    assert res["big_rc"] == OOM and res["with_big"] == GIB
+    assert (res["free32"], res["total32"]) == (GIB, 2 * GIB)
+    assert res["after"] == res["before"]
