@@ -270,6 +270,23 @@ GS_EXPORT CUresult cuInit(unsigned int flags)
 
 /* ---- views ---------------------------------------------------------------- */
 
+/* The driver's figures for the current context, *free and *total, replaced by the cap and
+ * the container's usage where a cap applies */
+static void cap_view(size_t *free, size_t *total)
+{
+    gs_devices_ready();
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
+    uint64_t limit = gs_slot_limit(slot);
+    if (slot < 0 || !limit) return;
+    gs_region_reclaim_soon();
+    if (limit > *total) limit = *total;
+    uint64_t used = gs_slot_used(slot);
+    uint64_t avail = used >= limit ? 0 : limit - used;
+    *total = (size_t)limit;
+    if (avail < *free) *free = (size_t)avail;
+}
+
 GS_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
 {
     gs_cuda_init();
@@ -278,19 +295,9 @@ GS_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
     size_t real_free = 0, real_total = 0;
     CUresult rc = gs_cuda.cuMemGetInfo_v2(&real_free, &real_total);
     if (rc != CUDA_SUCCESS) return rc;
+    cap_view(&real_free, &real_total);
     *free = real_free;
     *total = real_total;
-    gs_devices_ready();
-    CUcontext ctx;
-    int slot = gs_current_slot(&ctx);
-    uint64_t limit = gs_slot_limit(slot);
-    if (slot < 0 || !limit) return CUDA_SUCCESS;
-    gs_region_reclaim_soon();
-    if (limit > real_total) limit = real_total;
-    uint64_t used = gs_slot_used(slot);
-    uint64_t avail = used >= limit ? 0 : limit - used;
-    *total = (size_t)limit;
-    *free = (size_t)(avail < real_free ? avail : real_free);
     return CUDA_SUCCESS;
 }
 
@@ -307,7 +314,10 @@ GS_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 }
 
 /* CUDA 2.x's 32-bit views: the driver answers first (its errors are the caller's), then the
- * capped figures replace its own, saturated at 4 GiB - 1 rather than wrapped */
+ * capped figures replace its own, saturated at 4 GiB - 1 rather than wrapped.  The full-width
+ * figures come from the 3.2 entry points where the driver answers them; in a context made by
+ * CUDA 2.x's cuCtxCreate it may refuse them ("a 3010 context with 3020 API calls"), and the
+ * cap is applied to its 32-bit figures instead. */
 static unsigned int sat32(size_t v)
 {
     return v > 0xffffffffu ? 0xffffffffu : (unsigned int)v;
@@ -319,12 +329,13 @@ GS_EXPORT CUresult cuMemGetInfo(unsigned int *free, unsigned int *total)
     if (!gs_cuda.cuMemGetInfo) return CUDA_ERROR_NOT_SUPPORTED;
     if (!free || !total) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = gs_cuda.cuMemGetInfo(free, total);
-    size_t f, t;
-    if (rc == CUDA_SUCCESS && cuMemGetInfo_v2(&f, &t) == CUDA_SUCCESS) {
-        *free = sat32(f);
-        *total = sat32(t);
-    }
-    return rc;
+    if (rc != CUDA_SUCCESS) return rc;
+    size_t f = *free, t = *total;
+    if (gs_cuda.cuMemGetInfo_v2 && gs_cuda.cuMemGetInfo_v2(&f, &t) != CUDA_SUCCESS) f = *free, t = *total;
+    cap_view(&f, &t);
+    *free = sat32(f);
+    *total = sat32(t);
+    return CUDA_SUCCESS;
 }
 
 GS_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
@@ -333,7 +344,11 @@ GS_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
     if (!gs_cuda.cuDeviceTotalMem) return CUDA_ERROR_NOT_SUPPORTED;
     if (!bytes) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = gs_cuda.cuDeviceTotalMem(bytes, dev);
-    size_t t;
-    if (rc == CUDA_SUCCESS && cuDeviceTotalMem_v2(&t, dev) == CUDA_SUCCESS) *bytes = sat32(t);
-    return rc;
+    if (rc != CUDA_SUCCESS) return rc;
+    size_t t = *bytes;
+    if (gs_cuda.cuDeviceTotalMem_v2 && gs_cuda.cuDeviceTotalMem_v2(&t, dev) != CUDA_SUCCESS) t = *bytes;
+    uint64_t limit = gs_slot_limit(gs_dev_slot(dev));
+    if (limit && limit < t) t = (size_t)limit;
+    *bytes = sat32(t);
+    return CUDA_SUCCESS;
 }

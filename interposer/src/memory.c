@@ -79,11 +79,18 @@ static inline CUresult rollback(CUresult rc, int slot, uint64_t charge)
     return rc;
 }
 
+/* For discard only: an allocation of CUDA 2.x's entry points, freed by its own cuMemFree (the
+ * driver may refuse to mix generations); recorded as GS_KIND_DPTR */
+#define DPTR32 (-1)
+
 static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
 {
     switch (kind) {
     case GS_KIND_DPTR:
         if (gs_cuda.cuMemFree_v2) gs_cuda.cuMemFree_v2(key);
+        break;
+    case DPTR32:
+        if (gs_cuda.cuMemFree) gs_cuda.cuMemFree((unsigned int)key);
         break;
     case GS_KIND_VMM:
         if (gs_cuda.cuMemRelease) gs_cuda.cuMemRelease(key);
@@ -102,7 +109,8 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
 /* The rest of an allocation hook after its own checks: `call` goes straight
  * to the driver when the current context has no slot or `pass` holds;
  * otherwise the charge for `bytes` is reserved, `call` made, and the
- * reservation rolled back or the handle in `*out` recorded as `kind`.  `*out`
+ * reservation rolled back or the handle in `*out` recorded as `kind` (DPTR32:
+ * as GS_KIND_DPTR).  `*out`
  * is read again for discard rather than kept across record(): one instruction
  * fewer on the success path. */
 #define GS_CHARGED_ALLOC(kind, out, pass, bytes, call, probe)                         \
@@ -123,7 +131,7 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);                     \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
-        else if (record(kind, (uint64_t)(uintptr_t)*(out), slot, charge, ctx) != 0)   \
+        else if (record((kind) == DPTR32 ? GS_KIND_DPTR : (kind), (uint64_t)(uintptr_t)*(out), slot, charge, ctx) != 0) \
             rc = discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);            \
         gs_inflight_end();                                                            \
         return rc;                                                                    \
@@ -139,13 +147,15 @@ GS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAlloc_v2(dptr, bytesize), 1);
 }
 
-/* CUDA 2.x: a 32-bit pointer and size; the same memory, freed by either cuMemFree */
+/* CUDA 2.x: a 32-bit pointer and size.  Its record is the plain allocations' (either
+ * generation's cuMemFree hook finds it; whether the driver frees it through the other
+ * generation's entry point is the driver's to say) */
 GS_EXPORT CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytesize)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemAlloc) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAlloc(dptr, bytesize), 1);
+    GS_CHARGED_ALLOC(DPTR32, dptr, !bytesize, bytesize, gs_cuda.cuMemAlloc(dptr, bytesize), 1);
 }
 
 GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
@@ -202,7 +212,8 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         gs_budget_release(slot, charge - actual);
         charge = actual;
     }
-    if (!ok || record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0) rc = discard(GS_KIND_DPTR, *dptr, slot, charge);
+    if (!ok || record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0)
+        rc = discard(v1 ? DPTR32 : GS_KIND_DPTR, *dptr, slot, charge);
     gs_inflight_end();
     gs_unsettled_end();
     return rc;

@@ -574,7 +574,7 @@ int main(int argc, char **argv)
         if (!strcmp(c, "legacy")) {
             /* legacy 1|0: the commands below that have a CUDA 2.x entry point use it */
             legacy = atoi(ARG(0));
-            printf("legacy 0\n");
+            printf("legacy 0 %d\n", legacy);
             i += 1;
         } else if (!strcmp(c, "init")) {
             printf("init %d\n", api.cuInit(0));

@@ -36,11 +36,12 @@ def test_the_cuda_2_entry_points_are_charged_and_show_the_capped_view(lab, api):
     # the driver still exports CUDA 2.x's cuMemAlloc, cuMemGetInfo, ... (32-bit pointers and
     # sizes): dlsym("cuMemAlloc") and cuGetProcAddress at an old cudaVersion hand them out.
     # Unhooked, two 600 MiB allocations passed a 1 GiB cap and the view showed the device
-    # (saturated at 4 GiB).  Frees through either generation's cuMemFree return the charge.
+    # (saturated at 4 GiB).  cuMemFree_v2 finds a CUDA 2.x allocation's record too (the fake
+    # driver frees it either way; a real one may insist on its own generation).
     res = lab.run("legacy", "1", "init", "ctx", "0", "alloc", "600m", "alloc", "600m",
                   "pitch", "1000", "3000", "array", "1024", "1024", "array3d", "256", "256", "64",
-                  "meminfo", "totalmem", "0", "free", "0", "free", "1", "legacy", "0", "free", "2",
-                  "free", "3", "legacy", "1", "meminfo", "nullargs1", api=api,
+                  "meminfo", "totalmem", "0", "legacy", "0", "free", "0", "legacy", "1",
+                  "free", "1", "free", "2", "free", "3", "meminfo", "nullargs1", api=api,
                   CUDA_DEVICE_MEMORY_LIMIT="1g")
     assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
     assert res.rc("pitch") == res.rc("array") == res.rc("array3d") == 0
@@ -51,6 +52,45 @@ def test_the_cuda_2_entry_points_are_charged_and_show_the_capped_view(lab, api):
     assert infos == [[GIB - held, GIB], [GIB, GIB]]
     assert res.values("totalmem") == [GIB]
     assert res.of("nullargs1") == [(CUDA_ERROR_INVALID_VALUE, [CUDA_ERROR_INVALID_VALUE] * 6)]
+
+
+def test_the_cuda_2_views_saturate_rather_than_wrap(lab):
+    # an 8 GiB cap does not fit in 32 bits: 4 GiB - 1, as the driver's own 32-bit figures
+    # (a plain cast showed 0 bytes free of 0)
+    res = lab.run("legacy", "1", "init", "ctx", "0", "meminfo", "totalmem", "0",
+                  CUDA_DEVICE_MEMORY_LIMIT="8g")
+    assert res.values("meminfo") == [0xFFFFFFFF, 0xFFFFFFFF]
+    assert res.values("totalmem") == [0xFFFFFFFF]
+
+
+def test_a_context_of_cuda_2_gets_the_cap_without_the_later_entry_points(lab):
+    # FAKE_CUDA_API_VERSIONS: as cuda.h warns, a context made by CUDA 2.x's cuCtxCreate (a
+    # "3010 context") refuses 3.2's calls and CUDA 2.x's calls fail in any other.  The 32-bit
+    # view took its figures from cuMemGetInfo_v2 and showed the device's when it failed
+    res = lab.run("legacy", "1", "init", "ctxcreate", "0", "alloc", "600m", "alloc", "600m",
+                  "meminfo", "totalmem", "0", "free", "0", "meminfo", "ctxdestroy", "0",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_API_VERSIONS="1",
+                  FAKE_CUDA_CTX_BYTES="100m")
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB - 700 * MIB, GIB],
+                                                       [GIB - 100 * MIB, GIB]]
+    assert res.values("totalmem") == [GIB]
+    assert res.rc("free") == res.rc("ctxdestroy") == 0
+
+
+@pytest.mark.parametrize("legacy", ["0", "1"], ids=["v2", "cuda-2"])
+def test_a_pitch_wider_than_reserved_past_the_cap_is_freed_with_its_own_generation(lab, legacy):
+    # the driver's pitch (4 KiB here) is known only after the call; past the cap the
+    # allocation is freed again and refused.  A CUDA 2.x allocation was freed with
+    # cuMemFree_v2, which its 3010 context refuses: 39 MiB stayed allocated past the cap
+    ctx = ["ctxcreate", "0"] if legacy == "1" else ["ctx", "0"]
+    res = lab.run("legacy", legacy, "init", *ctx, "alloc", "1000m", "pitch", "1000", "10000",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1130m", FAKE_CUDA_API_VERSIONS="1",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_PITCH_ALIGN="4096")
+    assert res.rc("alloc") == 0
+    assert res.rc("pitch") == OOM
+    assert res.values("phys") == [1100 * MIB]
+    assert res.values("meminfo") == [30 * MIB, 1130 * MIB]
 
 
 def test_the_older_context_entry_points_charge_and_return_what_a_context_held(lab):
@@ -95,10 +135,12 @@ def test_missing_real_functions_answer_not_supported(lab):
     assert res.rc("nvml2") == NVML_ERROR_FUNCTION_NOT_FOUND
     # and CUDA 2.x's entry points
     res = lab.run("legacy", "1", "alloc", "1m", "free", "0", "meminfo", "totalmem", "0", "pitch", "64", "64",
-                  "array", "16", "16", "ctxcreate", "0", "release", "0", "reset", "0",
+                  "array", "16", "16", "array3d", "16", "16", "16", "ctxcreate", "0", "attach",
+                  "detach", "-1", "ctxdestroy", "0", "release", "0", "reset", "0",
                   GPUSLICE_REAL_LIBCUDA=minimal, CUDA_DEVICE_MEMORY_LIMIT="1g")
     assert res.returncode == 0
-    for cmd in ("alloc", "meminfo", "totalmem", "pitch", "array", "ctxcreate", "release", "reset"):
+    for cmd in ("alloc", "meminfo", "totalmem", "pitch", "array", "array3d", "ctxcreate", "attach",
+                "detach", "ctxdestroy", "release", "reset"):
         assert res.rc(cmd) == CUDA_ERROR_NOT_SUPPORTED, cmd
 
 

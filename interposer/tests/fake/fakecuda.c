@@ -216,6 +216,7 @@ struct fake_ctx {
     int primary;
     int refs;
     int attached;     /* a created context's uses beyond its creation (cuCtxAttach) */
+    int api1;         /* made by CUDA 2.x's cuCtxCreate: a "3010 context" */
     uint64_t base;    /* the context's own memory, less its default heap */
     uint64_t modules; /* memory taken by (lazily loaded) modules and by limits */
     uint64_t limits[3]; /* what cuCtxSetLimit reserved: stacks, printf FIFO, malloc heap */
@@ -553,7 +554,9 @@ API CUresult cuCtxDestroy(CUcontext ctx)
 API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice d)
 {
     FAIL_POINT("cuCtxCreate");
-    return cuCtxCreate_v2(pctx, flags, d);
+    CUresult rc = cuCtxCreate_v2(pctx, flags, d);
+    if (rc == CUDA_SUCCESS) ((struct fake_ctx *)*pctx)->api1 = 1;
+    return rc;
 }
 
 /* CUDA 2.x's usage counts: the current context gets one more use; the last cuCtxDetach of a
@@ -637,6 +640,23 @@ API CUresult cuCtxGetDevice_v2(CUdevice *d, CUcontext ctx)
     do {                                                                                   \
         if (!current || (current->primary && !current->refs)) return CUDA_ERROR_INVALID_CONTEXT; \
     } while (0)
+
+/* FAKE_CUDA_API_VERSIONS: cuda.h's CUDA_ERROR_INVALID_CONTEXT for "a user mixes different API
+ * versions (i.e. 3010 context with 3020 API calls)": in a context made by CUDA 2.x's
+ * cuCtxCreate the memory calls of 3.2 and later fail, and CUDA 2.x's fail in any other */
+#define NEED_API(v1)                                                                       \
+    do {                                                                                   \
+        NEED_CTX();                                                                        \
+        if (getenv("FAKE_CUDA_API_VERSIONS") && current->api1 != (v1)) return CUDA_ERROR_INVALID_CONTEXT; \
+    } while (0)
+
+/* The pitch of a row of w bytes: FAKE_CUDA_PITCH_ALIGN (default 512) */
+static uint64_t pitch_of(uint64_t w)
+{
+    const char *v = getenv("FAKE_CUDA_PITCH_ALIGN");
+    uint64_t align = v && atoll(v) > 0 ? (uint64_t)atoll(v) : 512;
+    return (w + align - 1) / align * align;
+}
 
 /* ---- allocations ---------------------------------------------------------- */
 
@@ -959,18 +979,16 @@ static CUresult lazy_code(CUfunction f)
 API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
 {
     FAIL_POINT("cuMemAlloc_v2");
-    NEED_CTX();
+    NEED_API(0);
     if (!dptr || !bytes) return CUDA_ERROR_INVALID_VALUE;
     return alloc_new(K_DPTR, bytes, current->pdev, NULL, dptr, 1);
 }
 
 /* CUDA 2.x's entry points: 32-bit pointers, sizes and views (saturated) */
-API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total);
-
 API CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytes)
 {
     FAIL_POINT("cuMemAlloc");
-    NEED_CTX();
+    NEED_API(1);
     if (!dptr || !bytes) return CUDA_ERROR_INVALID_VALUE;
     return alloc_at(K_DPTR, bytes, current->pdev, NULL, dptr, 1, 1);
 }
@@ -979,9 +997,9 @@ API CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pitch, unsigned i
                              unsigned int elem)
 {
     FAIL_POINT("cuMemAllocPitch");
-    NEED_CTX();
+    NEED_API(1);
     if (!dptr || !pitch || !w || !h || (elem != 4 && elem != 8 && elem != 16)) return CUDA_ERROR_INVALID_VALUE;
-    uint64_t p = ((uint64_t)w + 511) & ~(uint64_t)511;
+    uint64_t p = pitch_of(w);
     if (p > 0xffffffffu) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = alloc_at(K_DPTR, p * h, current->pdev, NULL, dptr, 1, 1);
     if (rc == CUDA_SUCCESS) *pitch = (unsigned int)p;
@@ -991,6 +1009,7 @@ API CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pitch, unsigned i
 API CUresult cuMemFree(unsigned int dptr)
 {
     FAIL_POINT("cuMemFree");
+    if (current && !current->api1 && getenv("FAKE_CUDA_API_VERSIONS")) return CUDA_ERROR_INVALID_CONTEXT;
     return alloc_free(K_DPTR, dptr);
 }
 
@@ -999,17 +1018,23 @@ static unsigned int sat32(size_t v)
     return v > 0xffffffffu ? 0xffffffffu : (unsigned int)v;
 }
 
+static void mem_info(size_t *free_bytes, size_t *total)
+{
+    uint64_t used = fake_phys_map() ? fake_phys_used(current->pdev) : local_used[current->pdev];
+    *total = devs[current->pdev].total;
+    *free_bytes = used < *total ? *total - used : 0;
+}
+
 API CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total)
 {
     FAIL_POINT("cuMemGetInfo");
+    NEED_API(1);
     if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
     size_t f = 0, t = 0;
-    CUresult rc = cuMemGetInfo_v2(&f, &t);
-    if (rc == CUDA_SUCCESS) {
-        *free_bytes = sat32(f);
-        *total = sat32(t);
-    }
-    return rc;
+    mem_info(&f, &t);
+    *free_bytes = sat32(f);
+    *total = sat32(t);
+    return CUDA_SUCCESS;
 }
 
 API CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice d)
@@ -1034,9 +1059,9 @@ API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int fla
 API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w, size_t h, unsigned int elem)
 {
     FAIL_POINT("cuMemAllocPitch_v2");
-    NEED_CTX();
+    NEED_API(0);
     if (!dptr || !pitch || !w || !h || (elem != 4 && elem != 8 && elem != 16)) return CUDA_ERROR_INVALID_VALUE;
-    size_t p = (w + 511) & ~(size_t)511;
+    size_t p = pitch_of(w);
     CUresult rc = alloc_new(K_DPTR, p * h, current->pdev, NULL, dptr, 1);
     if (rc == CUDA_SUCCESS) *pitch = p;
     return rc;
@@ -1045,6 +1070,7 @@ API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w, size
 API CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     FAIL_POINT("cuMemFree_v2");
+    if (current && current->api1 && getenv("FAKE_CUDA_API_VERSIONS")) return CUDA_ERROR_INVALID_CONTEXT;
     return alloc_free(K_DPTR, dptr);
 }
 
@@ -1063,11 +1089,9 @@ API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevicept
 API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 {
     FAIL_POINT("cuMemGetInfo_v2");
-    NEED_CTX();
+    NEED_API(0);
     if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
-    uint64_t used = fake_phys_map() ? fake_phys_used(current->pdev) : local_used[current->pdev];
-    *total = devs[current->pdev].total;
-    *free_bytes = used < *total ? *total - used : 0;
+    mem_info(free_bytes, total);
     return CUDA_SUCCESS;
 }
 
