@@ -258,18 +258,29 @@ def test_a_trampolined_graph_instantiate_gets_the_hook_of_the_same_signature(lab
     assert res.of("procaddr") == [(0, [1])]
 
 
-def test_the_gpu_checks_legacy_probe_sees_the_cap_on_the_fake_driver(lab, tmp_path):
-    # tests/gpu's gpubench reaches CUDA 2.x's entry points by dlsym as an old program would;
-    # its GPU check relies on this run's shape
+@pytest.mark.parametrize("versions", [None, "1"], ids=["mixing", "strict-versions"])
+def test_the_gpu_checks_legacy_probe_sees_the_cap_on_the_fake_driver(lab, tmp_path, versions):
+    # tests/gpu's gpubench reaches CUDA 2.x's entry points by dlsym as an old program would,
+    # in the primary context and in one of CUDA 2.x's cuCtxCreate; its GPU check relies on
+    # this run's shape.  With strict versions the primary context refuses them (201)
     source = Path(__file__).resolve().parents[1] / "gpu" / "native" / "gpubench.c"
     binary = tmp_path / "gpubench"
     subprocess.run(["gcc", "-DGPUBENCH_DLOPEN", "-O1", "-Wall", "-Werror", "-std=gnu11", "-o",
                     str(binary), str(source), "-ldl"], check=True)
-    done = lab.run_program([str(binary), "legacy", "1024"], CUDA_DEVICE_MEMORY_LIMIT="2g")
+    done = lab.run_program([str(binary), "legacy", "1024"], CUDA_DEVICE_MEMORY_LIMIT="2g",
+                           FAKE_CUDA_API_VERSIONS=versions)
     assert done.returncode == 0, done.stderr
     res = json.loads(done.stdout.split("RESULT ", 1)[1])
-    assert res["exported"] and res["alloc_rc"] == 0 and res["free_rc"] == 0
-    assert res["held"] - res["before"] == GIB
-    assert res["big_rc"] == OOM and res["with_big"] == GIB
-    assert (res["free32"], res["total32"]) == (GIB, 2 * GIB)
+    assert res["exported"] and res["big_rc"] == OOM
+    if versions:
+        assert res["alloc_rc"] == res["info_rc"] == 201 and res["held"] == res["before"]
+    else:
+        assert res["alloc_rc"] == 0 and res["free_rc"] == 0
+        assert res["held"] - res["before"] == GIB and res["with_big"] == GIB
+        assert (res["free32"], res["total32"]) == (GIB, 2 * GIB)
     assert res["after"] == res["before"]
+    assert (res["primary_api"], res["old_api"]) == (3020, 3010)
+    assert res["create_rc"] == res["old_alloc_rc"] == res["old_info_rc"] == res["destroy_rc"] == 0
+    assert (res["old_free32"], res["old_total32"]) == (2 * GIB - 64 * MIB, 2 * GIB)
+    # the v1 pointer freed by cuMemFree_v2, or (refused in a 3010 context) by cuMemFree
+    assert (res["v2_free_rc"], res["v1_free_rc"]) == ((201, 0) if versions else (0, -1))

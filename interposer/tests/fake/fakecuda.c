@@ -559,6 +559,16 @@ API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice d)
     return rc;
 }
 
+/* The API version a context was made with: 3010 by CUDA 2.x's cuCtxCreate, 3020 otherwise */
+API CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
+{
+    struct fake_ctx *c = ctx ? (struct fake_ctx *)ctx : current;
+    if (!version) return CUDA_ERROR_INVALID_VALUE;
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    *version = c->api1 ? 3010 : 3020;
+    return CUDA_SUCCESS;
+}
+
 /* CUDA 2.x's usage counts: the current context gets one more use; the last cuCtxDetach of a
  * created context destroys it, a primary context's is a release */
 API CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)

@@ -483,7 +483,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuGetErrorName)       \
     X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemFree) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)          \
     X(cuArray3DCreate) X(cuCtxCreate) X(cuCtxDestroy) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset) \
-    X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach)
+    X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach) X(cuCtxGetApiVersion)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);

@@ -350,6 +350,10 @@ static int cmd_graph(size_t mib)
 typedef CUresult (*alloc32_fn)(unsigned int *ptr, unsigned int bytes);
 typedef CUresult (*free32_fn)(unsigned int ptr);
 typedef CUresult (*info32_fn)(unsigned int *free_bytes, unsigned int *total_bytes);
+typedef CUresult (*ctx_create32_fn)(CUcontext *ctx, unsigned int flags, CUdevice dev);
+typedef CUresult (*ctx_destroy32_fn)(CUcontext ctx);
+typedef CUresult (*api_version_fn)(CUcontext ctx, unsigned int *version);
+typedef CUresult (*get_current_fn)(CUcontext *ctx);
 
 static size_t view_used(void)
 {
@@ -379,10 +383,43 @@ static int cmd_legacy(size_t mib)
     CUresult free_rc = rc == 0 ? free32(ptr) : -1;
     CUresult big_free_rc = big_rc == 0 ? free32(big_ptr) : -1;
     size_t after = view_used();
+    /* facts for the record: the primary context's API version, and in a context made by
+     * CUDA 2.x's cuCtxCreate its version, a 64 MiB 32-bit allocation, the 32-bit view, and
+     * whether 3.2's cuMemGetInfo_v2 and cuMemFree_v2 are accepted there */
+    ctx_create32_fn create32 = (ctx_create32_fn)dlsym(lib, "cuCtxCreate");
+    ctx_destroy32_fn destroy32 = (ctx_destroy32_fn)dlsym(lib, "cuCtxDestroy");
+    api_version_fn api_version = (api_version_fn)dlsym(lib, "cuCtxGetApiVersion");
+    get_current_fn get_current = (get_current_fn)dlsym(lib, "cuCtxGetCurrent");
+    CUcontext primary = NULL, old_ctx = NULL;
+    unsigned int primary_api = 0, old_api = 0, old_ptr = 0, old_free = 0, old_total = 0;
+    CUresult create_rc = -1, old_alloc_rc = -1, old_info_rc = -1, v2_info_rc = -1, v2_free_rc = -1,
+             v1_free_rc = -1, destroy_rc = -1;
+    size_t v2_free = 0, v2_total = 0;
+    if (get_current && api_version && get_current(&primary) == 0) api_version(primary, &primary_api);
+    if (create32 && destroy32 && api_version) {
+        create_rc = create32(&old_ctx, 0, 0);
+        if (create_rc == 0) {
+            api_version(old_ctx, &old_api);
+            old_alloc_rc = alloc32(&old_ptr, 64u << 20);
+            old_info_rc = info32(&old_free, &old_total);
+            v2_info_rc = CALL(cuMemGetInfo_v2)(&v2_free, &v2_total);
+            if (old_alloc_rc == 0) {
+                v2_free_rc = CALL(cuMemFree_v2)(old_ptr);
+                if (v2_free_rc != 0) v1_free_rc = free32(old_ptr);
+            }
+            destroy_rc = destroy32(old_ctx);
+            CALL(cuCtxSetCurrent)(primary);
+        }
+    }
     printf("RESULT {\"exported\": true, \"alloc_rc\": %d, \"ptr\": %u, \"before\": %zu, \"held\": %zu, "
            "\"big_rc\": %d, \"with_big\": %zu, \"info_rc\": %d, \"free32\": %u, \"total32\": %u, "
-           "\"free_rc\": %d, \"big_free_rc\": %d, \"after\": %zu}\n",
-           rc, ptr, before, held, big_rc, with_big, info_rc, free32_bytes, total32, free_rc, big_free_rc, after);
+           "\"free_rc\": %d, \"big_free_rc\": %d, \"after\": %zu, \"primary_api\": %u, "
+           "\"create_rc\": %d, \"old_api\": %u, \"old_alloc_rc\": %d, \"old_ptr\": %u, "
+           "\"old_info_rc\": %d, \"old_free32\": %u, \"old_total32\": %u, \"v2_info_rc\": %d, "
+           "\"v2_free_rc\": %d, \"v1_free_rc\": %d, \"destroy_rc\": %d}\n",
+           rc, ptr, before, held, big_rc, with_big, info_rc, free32_bytes, total32, free_rc, big_free_rc, after,
+           primary_api, create_rc, old_api, old_alloc_rc, old_ptr, old_info_rc, old_free, old_total, v2_info_rc,
+           v2_free_rc, v1_free_rc, destroy_rc);
     return 0;
 }
 
