@@ -244,24 +244,51 @@ void gs_launch_sample(void)
 
 /* ---- the shared budget ---------------------------------------------------- */
 
-static void debit(int slot, uint64_t busy_ns)
+/* GPU time measured for the process on the device: the figures the slices correction and the
+ * agent's metrics read (other processes' slices removed, slices.c) */
+static void account(int slot, uint64_t busy_ns)
 {
-    struct gpuslice_device *d = &gs_region->devices[slot];
-    unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
-    /* the process's own share of the measured time: other processes' slices removed (slices.c) */
     unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
     if (!own || own > 1000) own = 1000;
     __atomic_add_fetch(&gs_slice_measured_ns[slot], busy_ns, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&d->busy_ns, busy_ns * own / 1000, __ATOMIC_RELAXED);
-    if (!sm || sm >= 100) return;
+    __atomic_add_fetch(&gs_region->devices[slot].busy_ns, busy_ns * own / 1000, __ATOMIC_RELAXED);
+}
+
+/* What busy_ns of GPU time costs on the shared virtual clock: busy × s × 100 / C, with the
+ * process's own share of it; 0 without a limit */
+static uint64_t clock_cost(int slot, uint64_t busy_ns)
+{
+    struct gpuslice_device *d = &gs_region->devices[slot];
+    unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
+    if (!sm || sm >= 100) return 0;
+    unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
+    if (!own || own > 1000) own = 1000;
     unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
     if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
-    uint64_t cost = busy_ns * own / 1000 * scale / (10ull * sm), now = gs_now_ns(); /* no overflow for 200 days */
+    return busy_ns * own / 1000 * scale / (10ull * sm); /* no overflow for 200 days */
+}
+
+static void clock_add(int slot, uint64_t cost)
+{
+    if (!cost) return;
+    uint64_t *vt = &gs_region->devices[slot].throttle_vt_ns, now = gs_now_ns();
     uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
-    uint64_t old = __atomic_load_n(&d->throttle_vt_ns, __ATOMIC_RELAXED), next;
+    uint64_t old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
     do {
         next = (old > floor ? old : floor) + cost;
-    } while (!__atomic_compare_exchange_n(&d->throttle_vt_ns, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    } while (!__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+}
+
+/* Gives back what was paid in advance for time the measurement did not find (a clock already
+ * below the burst floor keeps only what the floor allows at the next debit) */
+static void clock_refund(int slot, uint64_t cost)
+{
+    if (!cost) return;
+    uint64_t *vt = &gs_region->devices[slot].throttle_vt_ns;
+    uint64_t old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
+    do {
+        next = old > cost ? old - cost : 0;
+    } while (!__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
 }
 
 static int budget_owed(int slot)
@@ -484,9 +511,16 @@ static void measure_locked(struct tstream *s)
             double fresh = line_credit_locked(s->ctx, s->mark, e, ms, elapsed);
             uint64_t charge = (uint64_t)(fresh * 1e6);
             if (charge > ns) charge = ns;
-            uint64_t paid = charge < s->advance_ns ? charge : s->advance_ns; /* debited in advance */
-            s->advance_ns -= paid;
-            debit(s->slot, charge - paid);
+            /* an advance paid for the interval's length in host time, so it is settled against
+             * the interval's length (ns); what the interval is charged is what the merged
+             * timeline leaves of it, and the difference is paid or given back */
+            uint64_t settled = ns < s->advance_ns ? ns : s->advance_ns;
+            s->advance_ns -= settled;
+            account(s->slot, charge);
+            if (charge >= settled)
+                clock_add(s->slot, clock_cost(s->slot, charge - settled));
+            else
+                clock_refund(s->slot, clock_cost(s->slot, settled - charge));
             GS_DEBUG("debit %llu ns of %llu (%u launches)", (unsigned long long)charge, (unsigned long long)ns, n);
         } else if (er != CUDA_SUCCESS && er != CUDA_ERROR_NOT_READY &&
                    !__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
@@ -496,7 +530,13 @@ static void measure_locked(struct tstream *s)
         s->mark = e;
         s->mark_ns = s->rec_ns[s->head];
         s->head = (s->head + 1) % GS_RING;
-        if (!--s->count) s->advance_ns = 0; /* all measured: what was advanced beyond it is dropped */
+        if (!--s->count) {
+            /* all measured: what was paid in advance beyond it (time the stream's work spent
+             * waiting for other streams or the host, or that the merged timeline found
+             * already charged) is given back */
+            clock_refund(s->slot, clock_cost(s->slot, s->advance_ns));
+            s->advance_ns = 0;
+        }
     }
 }
 
@@ -714,7 +754,8 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = (uint64_t)s->count * s->per_launch_ns;
             if (s->per_launch_ns && ran > queued) ran = queued;
             if (s->mark_ns && ran > s->advance_ns) {
-                debit(slot, ran - s->advance_ns);
+                clock_add(slot, clock_cost(slot, ran - s->advance_ns)); /* the budget only: the
+                                                                          * measurement accounts */
                 s->advance_ns = ran;
             }
             pthread_mutex_unlock(&g_mu);
