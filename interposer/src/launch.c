@@ -98,6 +98,7 @@ struct tstream {
     int nspare;
     uint64_t per_launch_ns; /* running estimate of one launch's GPU time; 0 = unknown */
     uint64_t advance_ns; /* GPU time debited before it was measured (a queue wait gave up) */
+    uint64_t advance_cost; /* what that cost on the clock: settled and given back at most */
     uint64_t last_use;
 };
 
@@ -351,7 +352,7 @@ static void restart_stream(struct tstream *s)
     s->head = s->count = s->nspare = 0;
     s->mark = NULL;
     s->mark_ns = 0;
-    s->per_launch_ns = s->advance_ns = 0;
+    s->per_launch_ns = s->advance_ns = s->advance_cost = 0;
 }
 
 static int context_gone(CUresult rc)
@@ -513,14 +514,18 @@ static void measure_locked(struct tstream *s)
             if (charge > ns) charge = ns;
             /* an advance paid for the interval's length in host time, so it is settled against
              * the interval's length (ns); what the interval is charged is what the merged
-             * timeline leaves of it, and the difference is paid or given back */
+             * timeline leaves of it, and the difference is paid, or given back (never more
+             * than the settled part of the advance cost the clock) */
             uint64_t settled = ns < s->advance_ns ? ns : s->advance_ns;
+            uint64_t paid = s->advance_ns ? (uint64_t)((unsigned __int128)s->advance_cost * settled / s->advance_ns) : 0;
             s->advance_ns -= settled;
+            s->advance_cost -= paid;
             account(s->slot, charge);
-            if (charge >= settled)
-                clock_add(s->slot, clock_cost(s->slot, charge - settled));
+            uint64_t cost = clock_cost(s->slot, charge);
+            if (cost >= paid)
+                clock_add(s->slot, cost - paid);
             else
-                clock_refund(s->slot, clock_cost(s->slot, settled - charge));
+                clock_refund(s->slot, paid - cost);
             GS_DEBUG("debit %llu ns of %llu (%u launches)", (unsigned long long)charge, (unsigned long long)ns, n);
         } else if (er != CUDA_SUCCESS && er != CUDA_ERROR_NOT_READY &&
                    !__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
@@ -534,8 +539,8 @@ static void measure_locked(struct tstream *s)
             /* all measured: what was paid in advance beyond it (time the stream's work spent
              * waiting for other streams or the host, or that the merged timeline found
              * already charged) is given back */
-            clock_refund(s->slot, clock_cost(s->slot, s->advance_ns));
-            s->advance_ns = 0;
+            clock_refund(s->slot, s->advance_cost);
+            s->advance_ns = s->advance_cost = 0;
         }
     }
 }
@@ -754,8 +759,9 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = (uint64_t)s->count * s->per_launch_ns;
             if (s->per_launch_ns && ran > queued) ran = queued;
             if (s->mark_ns && ran > s->advance_ns) {
-                clock_add(slot, clock_cost(slot, ran - s->advance_ns)); /* the budget only: the
-                                                                          * measurement accounts */
+                uint64_t cost = clock_cost(slot, ran - s->advance_ns);
+                clock_add(slot, cost); /* the budget only: the measurement accounts */
+                s->advance_cost += cost;
                 s->advance_ns = ran;
             }
             pthread_mutex_unlock(&g_mu);
