@@ -97,7 +97,6 @@ struct tstream {
     CUevent spare[GS_RING + 2];
     int nspare;
     uint64_t per_launch_ns; /* running estimate of one launch's GPU time; 0 = unknown */
-    uint64_t per_launch_charge_ns; /* the same of its charge: less where streams wait for each other */
     uint64_t advance_ns; /* GPU time debited before it was measured (a queue wait gave up) */
     uint64_t advance_cost; /* what that cost on the clock: settled and given back at most */
     uint64_t last_use;
@@ -353,7 +352,7 @@ static void restart_stream(struct tstream *s)
     s->head = s->count = s->nspare = 0;
     s->mark = NULL;
     s->mark_ns = 0;
-    s->per_launch_ns = s->per_launch_charge_ns = s->advance_ns = s->advance_cost = 0;
+    s->per_launch_ns = s->advance_ns = s->advance_cost = 0;
 }
 
 static int context_gone(CUresult rc)
@@ -513,9 +512,6 @@ static void measure_locked(struct tstream *s)
             double fresh = line_credit_locked(s->ctx, s->mark, e, ms, elapsed);
             uint64_t charge = (uint64_t)(fresh * 1e6);
             if (charge > ns) charge = ns;
-            uint64_t charged_each = charge / n;
-            s->per_launch_charge_ns = s->per_launch_charge_ns ? (s->per_launch_charge_ns * 3 + charged_each) / 4
-                                                              : charged_each;
             /* an advance paid for the interval's length in host time, so it is settled against
              * the interval's length (ns); what the interval is charged is what the merged
              * timeline leaves of it, and the difference is paid, or given back (never more
@@ -760,10 +756,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
              * once, and settled when it is measured; else kernels longer than the wait would
              * each pass it unpaid, at 100 % */
             advanced = 1;
-            uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0;
-            /* at most what the queued work is expected to be charged: an interval of a stream
-             * whose kernels wait for other streams' is longer than its charge */
-            uint64_t queued = (uint64_t)s->count * s->per_launch_charge_ns;
+            uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = (uint64_t)s->count * s->per_launch_ns;
             if (s->per_launch_ns && ran > queued) ran = queued;
             if (s->mark_ns && ran > s->advance_ns) {
                 uint64_t cost = clock_cost(slot, ran - s->advance_ns);
