@@ -25,7 +25,11 @@
 
 #define NO_READING UINT64_MAX
 
-static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+/* Recursive: the driver may call back into the process from inside a context call (a
+ * profiler's resource callback on "context created" or "destroy starting"), and a callback
+ * that creates or destroys a context of its own takes the lock again in the same thread. */
+static pthread_mutex_t g_ctx_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+static __thread unsigned t_ctx_depth; /* how many times this thread holds g_ctx_mu */
 static CUcontext g_primary_ctx[GS_MAX_CUDA_DEVS];
 
 /* Created contexts with usage counts beyond their creation's (deprecated cuCtxAttach): the
@@ -37,14 +41,30 @@ struct attached {
 static struct attached *g_attached;
 static size_t g_nattached, g_attached_cap;
 
-void gs_ctx_lock(void)
+static void ctx_lock(void)
 {
     pthread_mutex_lock(&g_ctx_mu);
+    t_ctx_depth++;
+}
+
+static void ctx_unlock(void)
+{
+    t_ctx_depth--;
+    pthread_mutex_unlock(&g_ctx_mu);
+}
+
+int gs_ctx_lock(void)
+{
+    /* inside a context call of this thread the call is measuring the process: a reconcile
+     * now would see its half-made context, and the call measures again when it returns */
+    if (t_ctx_depth) return -1;
+    ctx_lock();
+    return 0;
 }
 
 void gs_ctx_unlock(void)
 {
-    pthread_mutex_unlock(&g_ctx_mu);
+    ctx_unlock();
 }
 
 static uint64_t nvml_used(CUdevice dev)
@@ -176,10 +196,10 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     /* the state is read under the lock that releases and resets take too: an active context
      * cannot go between the check and the retain (which would then create one uncharged), and
      * one that another thread is creating is found active, not created twice */
-    pthread_mutex_lock(&g_ctx_mu);
+    ctx_lock();
     if (gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active) {
         CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev); /* one more reference */
-        pthread_mutex_unlock(&g_ctx_mu);
+        ctx_unlock();
         return rc;
     }
     struct ctx_charge c;
@@ -192,7 +212,7 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
             record_ctx(*pctx, c.slot, bytes, dev);
         }
     }
-    pthread_mutex_unlock(&g_ctx_mu);
+    ctx_unlock();
     return rc;
 }
 
@@ -212,10 +232,10 @@ typedef CUresult (*dev_fn)(CUdevice);
 
 static CUresult primary_release(dev_fn release, CUdevice dev)
 {
-    pthread_mutex_lock(&g_ctx_mu);
+    ctx_lock();
     CUresult rc = release(dev);
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
-    pthread_mutex_unlock(&g_ctx_mu);
+    ctx_unlock();
     return rc;
 }
 
@@ -223,7 +243,7 @@ static CUresult primary_release(dev_fn release, CUdevice dev)
  * or not the driver then reports the context active. */
 static CUresult primary_reset(dev_fn reset, CUdevice dev)
 {
-    pthread_mutex_lock(&g_ctx_mu);
+    ctx_lock();
     CUresult rc = reset(dev);
     if (rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_primary_ctx[dev]) {
         gs_forget_ctx(g_primary_ctx[dev]);
@@ -233,7 +253,7 @@ static CUresult primary_reset(dev_fn reset, CUdevice dev)
     }
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
     if (rc == CUDA_SUCCESS) gs_reconcile_ctx_reset(dev); /* its code and buffers went */
-    pthread_mutex_unlock(&g_ctx_mu);
+    ctx_unlock();
     return rc;
 }
 
@@ -254,7 +274,7 @@ GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset, primary_reset)
     do {                                                                    \
         if (!pctx) return CUDA_ERROR_INVALID_VALUE;                         \
         gs_devices_ready();                                                 \
-        pthread_mutex_lock(&g_ctx_mu);                                      \
+        ctx_lock();                                      \
         struct ctx_charge c;                                                \
         CUresult rc = charge_begin(dev, &c);                                \
         if (rc == CUDA_SUCCESS) {                                           \
@@ -262,7 +282,7 @@ GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset, primary_reset)
             uint64_t bytes = charge_end(dev, &c, rc);                       \
             if (rc == CUDA_SUCCESS) record_ctx(*pctx, c.slot, bytes, dev);       \
         }                                                                   \
-        pthread_mutex_unlock(&g_ctx_mu);                                    \
+        ctx_unlock();                                    \
         return rc;                                                          \
     } while (0)
 
@@ -298,10 +318,10 @@ GS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateP
 
 static CUresult ctx_destroy(CUresult (*destroy)(CUcontext), CUcontext ctx)
 {
-    pthread_mutex_lock(&g_ctx_mu); /* a reconcile may be charging this context */
+    ctx_lock(); /* a reconcile may be charging this context */
     CUresult rc = destroy(ctx);
     if (rc == CUDA_SUCCESS && ctx) release_ctx(ctx);
-    pthread_mutex_unlock(&g_ctx_mu);
+    ctx_unlock();
     if (rc == CUDA_SUCCESS && ctx) gs_launch_forget_ctx(ctx);
     return rc;
 }
@@ -335,7 +355,7 @@ GS_EXPORT CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)
     gs_cuda_init();
     if (!gs_cuda.cuCtxAttach) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&g_ctx_mu);
+    ctx_lock();
     CUresult rc = gs_cuda.cuCtxAttach(pctx, flags);
     CUcontext ctx = rc == CUDA_SUCCESS ? *pctx : NULL;
     if (ctx && primary_dev_of(ctx) < 0) {
@@ -359,7 +379,7 @@ GS_EXPORT CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)
             rc = CUDA_ERROR_OUT_OF_MEMORY;
         }
     }
-    pthread_mutex_unlock(&g_ctx_mu);
+    ctx_unlock();
     return rc;
 }
 
@@ -369,7 +389,7 @@ GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxDetach) return CUDA_ERROR_NOT_SUPPORTED;
-    pthread_mutex_lock(&g_ctx_mu);
+    ctx_lock();
     CUresult rc = gs_cuda.cuCtxDetach(ctx);
     int gone = 0;
     if (rc == CUDA_SUCCESS && ctx) {
@@ -384,14 +404,19 @@ GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
             gone = 1;
         }
     }
-    pthread_mutex_unlock(&g_ctx_mu);
+    ctx_unlock();
     if (gone) gs_launch_forget_ctx(ctx);
     return rc;
 }
 
 void gs_context_after_fork_child(void)
 {
-    pthread_mutex_init(&g_ctx_mu, NULL);
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
+    pthread_mutex_init(&g_ctx_mu, &a);
+    pthread_mutexattr_destroy(&a);
+    t_ctx_depth = 0;
     memset(g_primary_ctx, 0, sizeof(g_primary_ctx));
     g_nattached = 0; /* the parent's contexts are not the child's */
 }

@@ -133,7 +133,9 @@ int gs_dev_count(void);
 
 /* ---- context.c ------------------------------------------------------------ */
 
-void gs_ctx_lock(void);              /* context records and what reconcile.c charges to them */
+/* Context records and what reconcile.c charges to them: 0 = taken; -1 = not taken, this thread
+ * is inside a context call already (the driver called back: that call measures the process) */
+int gs_ctx_lock(void);
 void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);
 

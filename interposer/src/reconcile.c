@@ -344,7 +344,7 @@ void gs_reconcile_slot(int slot)
     int n = gs_dev_count();
     for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++) {
         if (gs_dev_slot(dev) != slot || !__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
-        gs_ctx_lock();
+        if (gs_ctx_lock() != 0) return;
         gs_reconcile_dev_locked(dev);
         gs_ctx_unlock();
     }
@@ -363,7 +363,7 @@ static void reconcile_all(void)
 {
     for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS && !__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE); dev++) {
         if (!__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
-        gs_ctx_lock();
+        if (gs_ctx_lock() != 0) return;
         gs_reconcile_dev_locked(dev);
         gs_ctx_unlock();
     }

@@ -5,6 +5,7 @@ Runs the C probe against the fake driver with the release and the ASan/UBSan lib
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -350,6 +351,39 @@ def test_resetting_the_primary_context_returns_everything_it_held(lab, stays_act
     assert res.rc("reset") == 0
     assert res.values("meminfo") == [GIB - 50 * MIB, GIB]
     assert res.values("phys") == [50 * MIB]
+
+
+@pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
+def test_a_driver_callback_inside_a_context_call_may_allocate_load_or_make_contexts(lab, callback):
+    # a profiler's resource callback (CUPTI: context created, destroy starting) runs inside
+    # the driver's context call and may call the API itself.  The context hooks held their
+    # lock across that call: an allocation or a module load near the cap (which reconciles
+    # under that lock) or another context's creation waited for its own thread forever, at
+    # every one of these calls (the fake calls back at each creation and destruction)
+    res = lab.run("init", "ctxcreate", "0", "ctx", "0", "ctxcreate", "0", "ctxdestroy", "1",
+                  "release", "0", "ctx", "0", "reset", "0", "ctxdestroy", "0", "ctx", "0",
+                  "meminfo", "phys", timeout=30, CUDA_DEVICE_MEMORY_LIMIT="512m",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_CTX_CALLBACK=callback,
+                  FAKE_CUDA_CTX_CALLBACK_BYTES="150m")
+    assert res.returncode == 0
+    calls = re.findall(rf"fake: (\S+) callback {callback} (-?\d+) (-?\d+)", res.stderr)
+    assert len(calls) == 9 and all(rc == rc2 == "0" for _, rc, rc2 in calls), res.stderr
+    assert all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
+    assert res.values("meminfo") == [512 * MIB - 100 * MIB, 512 * MIB]  # the primary context
+    assert res.values("phys") == [100 * MIB]
+
+
+def test_memory_a_driver_callback_keeps_is_charged_once_beside_the_context(lab):
+    # the callback's allocation is made while the context's own footprint is being measured:
+    # it is charged as an allocation, not again as part of the footprint
+    res = lab.run("init", "ctx", "0", "meminfo", "ctxcreate", "0", "meminfo", "ctxdestroy", "0",
+                  "ctx", "0", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_CTX_CALLBACK="keep",
+                  FAKE_CUDA_CTX_CALLBACK_BYTES="150m")
+    used = [GIB - free for _, (free, _total) in res.of("meminfo")]
+    # the primary context with the callback's 150 MiB; a created one with its own; gone with it
+    assert used == [250 * MIB, 500 * MIB, 250 * MIB], res.stderr
+    assert res.values("phys") == [250 * MIB]
 
 
 def test_physical_usage_seen_from_outside_never_exceeds_the_cap(lab):

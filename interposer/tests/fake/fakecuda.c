@@ -427,6 +427,49 @@ static void ctx_fill(struct fake_ctx *c)
     c->limits[2] = heap;
 }
 
+/* FAKE_CUDA_CTX_CALLBACK=alloc|keep|load|ctx: a profiler's resource callback (CUPTI's
+ * "context created" and "context destroy starting") that calls the driver's exported API from
+ * inside the call, with the context concerned current: it allocates
+ * FAKE_CUDA_CTX_CALLBACK_BYTES (default 1m) and frees it (keep: keeps it), loads and unloads a
+ * module, or creates and destroys a context of its own (whose own calls do not call back).
+ * Each result goes to stderr. */
+static __thread int in_callback;
+
+static void ctx_callback(struct fake_ctx *c, const char *event)
+{
+    const char *what = getenv("FAKE_CUDA_CTX_CALLBACK");
+    if (!what || in_callback) return;
+    in_callback = 1;
+    struct fake_ctx *was = current;
+    current = c;
+    int rc = -1, rc2 = -1;
+    if (!strcmp(what, "alloc") || !strcmp(what, "keep")) {
+        CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+        CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))dlsym(RTLD_DEFAULT, "cuMemFree_v2");
+        const char *v = getenv("FAKE_CUDA_CTX_CALLBACK_BYTES");
+        CUdeviceptr p = 0;
+        rc = alloc(&p, v ? fake_size(v) : 1 << 20);
+        if (rc == CUDA_SUCCESS) rc2 = what[0] == 'k' ? 0 : release(p);
+    } else if (!strcmp(what, "load")) {
+        CUresult (*load)(CUmodule *, const void *) = (CUresult(*)(CUmodule *, const void *))dlsym(RTLD_DEFAULT, "cuModuleLoadData");
+        CUresult (*unload)(CUmodule) = (CUresult(*)(CUmodule))dlsym(RTLD_DEFAULT, "cuModuleUnload");
+        CUmodule m = NULL;
+        rc = load(&m, "image");
+        if (rc == CUDA_SUCCESS) rc2 = unload(m);
+    } else if (!strcmp(what, "ctx")) {
+        CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))dlsym(RTLD_DEFAULT, "cuCtxCreate_v2");
+        CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))dlsym(RTLD_DEFAULT, "cuCtxDestroy_v2");
+        CUcontext n = NULL;
+        int ordinal = 0;
+        while (ordinal < nvisible - 1 && visible[ordinal] != c->pdev) ordinal++;
+        rc = create(&n, 0, ordinal);
+        if (rc == CUDA_SUCCESS) rc2 = destroy(n);
+    }
+    current = was;
+    fprintf(stderr, "fake: %s callback %s %d %d\n", event, what, rc, rc2);
+    in_callback = 0;
+}
+
 static CUresult ctx_new(struct fake_ctx *c, int ordinal)
 {
     int rc = phys_add(visible[ordinal], ctx_bytes);
@@ -449,8 +492,10 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice d)
         c->refs++;
     else
         rc = ctx_new(c, d);
+    int created = rc == CUDA_SUCCESS && c->refs == 1;
     c->primary = 1;
     pthread_mutex_unlock(&mu);
+    if (created) ctx_callback(c, "created");
     if (rc == CUDA_SUCCESS) *pctx = (CUcontext)c;
     return rc;
 }
@@ -469,6 +514,7 @@ static void ctx_drop(struct fake_ctx *c);
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
 {
     CHECK_DEV(d);
+    if (primaries[d].refs == 1) ctx_callback(&primaries[d], "destroy-starting");
     pthread_mutex_lock(&mu);
     struct fake_ctx *c = &primaries[d];
     CUresult rc = CUDA_SUCCESS;
@@ -483,6 +529,7 @@ API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
 API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
 {
     CHECK_DEV(d);
+    if (primaries[d].refs) ctx_callback(&primaries[d], "destroy-starting");
     pthread_mutex_lock(&mu);
     if (primaries[d].refs) {
         ctx_drop(&primaries[d]);
@@ -510,6 +557,7 @@ static CUresult ctx_create(CUcontext *pctx, CUdevice d)
         return rc;
     }
     current = c;
+    ctx_callback(c, "created");
     *pctx = (CUcontext)c;
     return CUDA_SUCCESS;
 }
@@ -536,6 +584,7 @@ API CUresult cuCtxDestroy_v2(CUcontext ctx)
 {
     struct fake_ctx *c = (struct fake_ctx *)ctx;
     if (!c || c->primary) return CUDA_ERROR_INVALID_CONTEXT;
+    ctx_callback(c, "destroy-starting");
     pthread_mutex_lock(&mu);
     ctx_drop(c);
     pthread_mutex_unlock(&mu);
