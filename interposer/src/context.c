@@ -416,7 +416,8 @@ void gs_context_after_fork_child(void)
     pthread_mutexattr_settype(&a, PTHREAD_MUTEX_RECURSIVE);
     pthread_mutex_init(&g_ctx_mu, &a);
     pthread_mutexattr_destroy(&a);
-    t_ctx_depth = 0;
+    /* forked inside a context call (a driver callback's): the child returns through it */
+    for (unsigned i = 0; i < t_ctx_depth; i++) pthread_mutex_lock(&g_ctx_mu);
     memset(g_primary_ctx, 0, sizeof(g_primary_ctx));
     g_nattached = 0; /* the parent's contexts are not the child's */
 }

@@ -102,8 +102,14 @@ static void fill_limits(struct gs_devcfg *devs, unsigned n)
     }
 }
 
+/* This thread is discovering the devices: a driver callback inside one of discover()'s calls
+ * (a profiler's) that reaches a hook finds no device yet and passes through (pthread_once
+ * would wait for its own thread) */
+static __thread int t_discovering;
+
 static void discover(void)
 {
+    t_discovering = 1;
     static struct gs_devcfg cuda_devs[GS_MAX_CUDA_DEVS], devs[GPUSLICE_MAX_DEVICES];
     static nvmlDevice_t nvml_handles[GPUSLICE_MAX_DEVICES];
     int ncuda = 0;
@@ -158,11 +164,12 @@ static void discover(void)
     g_ndev = ncuda;
     gs_launch_configure();
     __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
+    t_discovering = 0;
 }
 
 void gs_devices_ready(void)
 {
-    if (GS_LIKELY(__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE))) return;
+    if (GS_LIKELY(__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE)) || t_discovering) return;
     pthread_once(&g_once, discover);
 }
 

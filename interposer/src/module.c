@@ -155,10 +155,15 @@ static uint64_t limit_bytes(size_t value, size_t base, uint64_t unit)
     return over > UINT64_MAX / unit ? UINT64_MAX : over * unit;
 }
 
+/* This thread is inside the hook's driver call: a driver callback's own cuCtxSetLimit (a
+ * profiler's) passes straight through, and the reconcile charges what it took */
+static __thread int t_setting;
+
 GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxSetLimit) return CUDA_ERROR_NOT_SUPPORTED;
+    if (t_setting) return gs_cuda.cuCtxSetLimit(limit, value);
     gs_devices_ready();
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
@@ -169,6 +174,10 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
         if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
         return rc;
     }
+    /* near the cap, reconciled before g_set_mu (the order is the context lock, then g_set_mu: a
+     * driver callback inside a context call of another thread may set a limit); the growth
+     * over the current value stands for what is reserved below */
+    if (GS_UNLIKELY(gs_near_cap(slot, limit_bytes(value, now, unit)))) gs_reconcile_slot(slot);
     pthread_mutex_lock(&g_set_mu);
     pthread_mutex_lock(&g_lim_mu);
     int e = lim_entry_locked(ctx, slot);
@@ -185,14 +194,16 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     /* in flight for the whole call, before the charge changes: no reading that could lower a
      * charge (or take a limit's slack) falls between the driver's change and ours */
     gs_inflight_begin();
-    if (grow && gs_reserve(slot, grow) != 0) {
+    if (grow && gs_reserve_raw(slot, grow) != 0) {
         gs_inflight_end();
         pthread_mutex_unlock(&g_set_mu);
         GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
                 value, (unsigned long long)grow);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    t_setting = 1;
     CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
+    t_setting = 0;
     pthread_mutex_lock(&g_lim_mu);
     int mine = e >= 0 && g_lim[e].ctx == ctx;
     if (rc == CUDA_SUCCESS && mine) {

@@ -373,6 +373,38 @@ def test_a_driver_callback_inside_a_context_call_may_allocate_load_or_make_conte
     assert res.values("phys") == [100 * MIB]
 
 
+def test_a_driver_callback_setting_a_limit_inside_a_context_call_does_not_deadlock_another_thread(lab):
+    # thread A creates a context (holding the context lock), and the driver's callback inside
+    # sets the malloc heap; meanwhile thread B, near the cap, set a limit: it held the limit
+    # lock and waited for the context lock to reconcile, while A waited for the limit lock
+    res = lab.run("init", "ctx", "0", "alloc", "700m", "bgsetlimit", "8m", "100", "ctxcreate", "0",
+                  "join", "meminfo", "phys", timeout=30, CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_CTX_CALLBACK="setlimit",
+                  FAKE_CUDA_CTX_CALLBACK_BYTES="4m", FAKE_CUDA_SLEEP="cuCtxCreate:300")
+    assert res.returncode == 0 and all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
+    assert res.stderr.count("fake: created callback setlimit 0 0") == 2
+    free, total = res.values("meminfo")
+    assert total - free == res.values("phys")[0]  # 2 contexts, 700 MiB, both heaps: all charged
+
+
+@pytest.mark.parametrize(("callback", "commands"), [
+    ("cuDeviceGet:totalmem", ["ctx", "0", "meminfo"]),
+    ("cuCtxSetLimit:setlimit", ["ctx", "0", "setlimit", "2", "64m", "meminfo", "phys"]),
+], ids=["during-device-discovery", "inside-a-limit-change"])
+def test_a_driver_api_callback_calling_back_into_a_hook_does_not_deadlock(lab, callback, commands):
+    # a profiler's API callback inside one of the driver calls the library makes: inside the
+    # device discovery (cuDeviceGet), a cuDeviceTotalMem waited for the discovery of its own
+    # thread; inside cuCtxSetLimit, another cuCtxSetLimit for the limit lock its thread held.
+    # The nested call passes through (no device known yet; the reconcile charges the limit)
+    res = lab.run("init", *commands, timeout=30, CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_API_CALLBACK=callback)
+    assert res.returncode == 0 and all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
+    assert re.search(r"fake: api callback \S+ \S+ 0\n", res.stderr), res.stderr
+    if "phys" in commands:  # the outer 64 MiB heap is charged, the nested 1 MiB FIFO not yet
+        free, total = res.values("meminfo")
+        assert 0 <= res.values("phys")[0] - (total - free) <= 2 * MIB
+
+
 def test_memory_a_driver_callback_keeps_is_charged_once_beside_the_context(lab):
     # the callback's allocation is made while the context's own footprint is being measured:
     # it is charged as an allocation, not again as part of the footprint

@@ -362,9 +362,40 @@ API CUresult cuDeviceGetCount(int *n)
     return CUDA_SUCCESS;
 }
 
+/* FAKE_CUDA_API_CALLBACK="fn:action[,fn:action]": a profiler's API callback on entry to fn
+ * that calls the driver's exported API itself (so through the interposer): totalmem
+ * (cuDeviceTotalMem_v2 of device 0) or setlimit (cuCtxSetLimit of the printf FIFO to 1 MiB).
+ * Never from inside another callback.  Each result goes to stderr. */
+static __thread int in_callback;
+
+static void api_callback(const char *fn)
+{
+    const char *spec = getenv("FAKE_CUDA_API_CALLBACK");
+    size_t nl = strlen(fn);
+    if (!spec || in_callback) return;
+    for (const char *p = spec; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
+        if (strncmp(p, fn, nl) != 0 || p[nl] != ':') continue;
+        const char *what = p + nl + 1;
+        int rc = -1;
+        in_callback = 1;
+        if (!strncmp(what, "totalmem", 8)) {
+            CUresult (*total)(size_t *, CUdevice) = (CUresult(*)(size_t *, CUdevice))dlsym(RTLD_DEFAULT, "cuDeviceTotalMem_v2");
+            size_t bytes = 0;
+            rc = total(&bytes, 0);
+        } else if (!strncmp(what, "setlimit", 8)) {
+            CUresult (*set)(int, size_t) = (CUresult(*)(int, size_t))dlsym(RTLD_DEFAULT, "cuCtxSetLimit");
+            rc = set(1, 1 << 20);
+        }
+        in_callback = 0;
+        fprintf(stderr, "fake: api callback %s %.8s %d\n", fn, what, rc);
+        return;
+    }
+}
+
 API CUresult cuDeviceGet(CUdevice *d, int ordinal)
 {
     NEED_INIT();
+    api_callback("cuDeviceGet");
     if (!d) return CUDA_ERROR_INVALID_VALUE;
     if (ordinal < 0 || ordinal >= nvisible) return CUDA_ERROR_INVALID_DEVICE;
     *d = ordinal;
@@ -427,14 +458,13 @@ static void ctx_fill(struct fake_ctx *c)
     c->limits[2] = heap;
 }
 
-/* FAKE_CUDA_CTX_CALLBACK=alloc|keep|load|ctx: a profiler's resource callback (CUPTI's
+/* FAKE_CUDA_CTX_CALLBACK=alloc|keep|load|setlimit|ctx: a profiler's resource callback (CUPTI's
  * "context created" and "context destroy starting") that calls the driver's exported API from
  * inside the call, with the context concerned current: it allocates
  * FAKE_CUDA_CTX_CALLBACK_BYTES (default 1m) and frees it (keep: keeps it), loads and unloads a
- * module, or creates and destroys a context of its own (whose own calls do not call back).
+ * module, sets the malloc heap to that size, or creates and destroys a context of its own
+ * (whose own calls do not call back).
  * Each result goes to stderr. */
-static __thread int in_callback;
-
 static void ctx_callback(struct fake_ctx *c, const char *event)
 {
     const char *what = getenv("FAKE_CUDA_CTX_CALLBACK");
@@ -456,6 +486,11 @@ static void ctx_callback(struct fake_ctx *c, const char *event)
         CUmodule m = NULL;
         rc = load(&m, "image");
         if (rc == CUDA_SUCCESS) rc2 = unload(m);
+    } else if (!strcmp(what, "setlimit")) { /* the malloc heap */
+        CUresult (*set)(int, size_t) = (CUresult(*)(int, size_t))dlsym(RTLD_DEFAULT, "cuCtxSetLimit");
+        const char *v = getenv("FAKE_CUDA_CTX_CALLBACK_BYTES");
+        rc = set(2, v ? fake_size(v) : 1 << 20);
+        rc2 = 0;
     } else if (!strcmp(what, "ctx")) {
         CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))dlsym(RTLD_DEFAULT, "cuCtxCreate_v2");
         CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))dlsym(RTLD_DEFAULT, "cuCtxDestroy_v2");
@@ -895,6 +930,7 @@ API CUresult cuCtxSetLimit(int limit, size_t value)
 {
     FAIL_POINT("cuCtxSetLimit");
     NEED_CTX();
+    api_callback("cuCtxSetLimit");
     if (limit < 0 || limit > 2) return CUDA_ERROR_INVALID_VALUE;
     uint64_t want = limit == 0 ? (uint64_t)value * stack_threads() : value;
     pthread_mutex_lock(&mu);
