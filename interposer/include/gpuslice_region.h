@@ -35,7 +35,7 @@
 #include <stdint.h>
 
 #define GPUSLICE_REGION_MAGIC 0x4543494c53555047ULL /* "GPUSLICE" read as a little-endian u64 */
-#define GPUSLICE_REGION_VERSION 1u
+#define GPUSLICE_REGION_VERSION 2u /* 2: host_pid and measured_ns per process */
 
 #define GPUSLICE_MAX_DEVICES 16
 #define GPUSLICE_MAX_PROCS 1024
@@ -70,7 +70,10 @@ struct gpuslice_proc {
     uint64_t pidns;                /* inode of /proc/self/ns/pid: another namespace = a dead container incarnation */
     uint64_t start_time;           /* field 22 of /proc/<pid>/stat: detects pid reuse */
     uint64_t used_bytes[GPUSLICE_MAX_DEVICES]; /* per device slot */
-    uint64_t reserved;
+    uint32_t host_pid;             /* its pid in NVML's process lists (the host's); 0 = not known */
+    uint32_t reserved;
+    uint64_t measured_ns[GPUSLICE_MAX_DEVICES]; /* GPU time its launches' events measured per device slot,
+                                                   other processes' slices included (written by it alone) */
 };
 
 struct gpuslice_region {
@@ -97,11 +100,11 @@ struct gpuslice_region {
 
 _Static_assert(sizeof(pthread_mutex_t) <= GPUSLICE_LOCK_BYTES, "mutex does not fit the lock area");
 _Static_assert(sizeof(struct gpuslice_device) == 128, "device slot size");
-_Static_assert(sizeof(struct gpuslice_proc) == 160, "process slot size");
+_Static_assert(sizeof(struct gpuslice_proc) == 288, "process slot size");
 _Static_assert(offsetof(struct gpuslice_region, lock) == 64, "lock offset");
 _Static_assert(offsetof(struct gpuslice_region, pod_uid) == 128, "identity offset");
 _Static_assert(offsetof(struct gpuslice_region, devices) == 576, "devices offset");
 _Static_assert(offsetof(struct gpuslice_region, procs) == 2624, "procs offset");
-_Static_assert(sizeof(struct gpuslice_region) == 2624 + 160 * GPUSLICE_MAX_PROCS, "region size");
+_Static_assert(sizeof(struct gpuslice_region) == 2624 + 288 * GPUSLICE_MAX_PROCS, "region size");
 
 #endif /* GPUSLICE_REGION_H */

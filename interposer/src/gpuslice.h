@@ -185,6 +185,9 @@ void gs_budget_release(int slot, uint64_t bytes);
 void gs_budget_force(int slot, uint64_t bytes);   /* charge without checking the cap */
 uint64_t gs_slot_used(int slot);
 uint64_t gs_slot_limit(int slot);                 /* 0 = none */
+/* Lock-free notes in this process's slot, for the container's other processes (slices.c) */
+void gs_region_note_measured(int slot, uint64_t total_ns); /* GPU time measured on the slot so far */
+void gs_region_note_host_pid(unsigned pid);                /* the pid NVML lists this process under */
 uint64_t gs_slot_mine(int slot);                  /* this process's charge on the slot */
 uint64_t gs_charge_seq(void);                     /* changes whenever this process's charge does */
 /* Set when the process exits (the library's destructor returned its usage):

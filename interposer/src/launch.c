@@ -251,7 +251,7 @@ static void account(int slot, uint64_t busy_ns)
 {
     unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
     if (!own || own > 1000) own = 1000;
-    __atomic_add_fetch(&gs_slice_measured_ns[slot], busy_ns, __ATOMIC_RELAXED);
+    gs_region_note_measured(slot, __atomic_add_fetch(&gs_slice_measured_ns[slot], busy_ns, __ATOMIC_RELAXED));
     __atomic_add_fetch(&gs_region->devices[slot].busy_ns, busy_ns * own / 1000, __ATOMIC_RELAXED);
 }
 

@@ -310,6 +310,8 @@ static int register_locked(void)
             struct gpuslice_proc *p = &r->procs[i];
             if (LD(&p->state) != GPUSLICE_PROC_FREE) continue;
             memset(p->used_bytes, 0, sizeof(p->used_bytes));
+            memset(p->measured_ns, 0, sizeof(p->measured_ns));
+            ST(&p->host_pid, 0);
             p->pid = (int32_t)getpid();
             p->pidns = pidns_inode();
             p->start_time = proc_start_time(getpid());
@@ -476,6 +478,27 @@ uint64_t gs_slot_mine(int slot)
     return valid_slot(slot) && me ? LD(&me->used_bytes[slot]) : 0;
 }
 
+/* Our own process slot for the lock-free notes below, or NULL: not registered, or the slot was
+ * reclaimed (it may be someone else's now) */
+static struct gpuslice_proc *me_unlocked(void)
+{
+    struct gpuslice_proc *me = __atomic_load_n(&g_me, __ATOMIC_ACQUIRE);
+    if (!me || LD(&me->state) != GPUSLICE_PROC_LIVE || LD(&me->pid) != g_my_pid) return NULL;
+    return me;
+}
+
+void gs_region_note_measured(int slot, uint64_t total_ns)
+{
+    struct gpuslice_proc *me = me_unlocked();
+    if (me && valid_slot(slot)) ST(&me->measured_ns[slot], total_ns);
+}
+
+void gs_region_note_host_pid(unsigned pid)
+{
+    struct gpuslice_proc *me = me_unlocked();
+    if (me && LD(&me->host_pid) != pid) ST(&me->host_pid, pid);
+}
+
 uint64_t gs_slot_limit(int slot)
 {
     return valid_slot(slot) ? LD(&gs_region->devices[slot].limit_bytes) : 0;
@@ -513,6 +536,8 @@ __attribute__((destructor)) static void region_detach(void)
         ST(&r->devices[d].used_bytes, du > u ? du - u : 0);
     }
     memset(g_me->used_bytes, 0, sizeof(g_me->used_bytes));
+    memset(g_me->measured_ns, 0, sizeof(g_me->measured_ns));
+    ST(&g_me->host_pid, 0);
     ST(&g_me->state, GPUSLICE_PROC_FREE);
     ST(&g_me->pid, 0);
     __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE);

@@ -15,15 +15,22 @@
  * process that ran in the last sample period, 1/6 to 1 s depending on the
  * GPU, the share of it its kernels ran) tells the process's real share.  At
  * every sampler tick (500 ms) that brings new samples, each process compares
- * its own share with the share its events measured since the previous new
+ * the real share with the share the events measured since the previous new
  * samples and, while another process also ran, charges its measured time
- * times real / measured (over the last GS_SLICE_WINDOW such ticks), each
- * process for itself.  Guards, since the figure is a driver's estimate:
+ * times real / measured (over the last GS_SLICE_WINDOW such ticks).  Both
+ * are summed over the container's processes that measured meanwhile (the
+ * team): each one publishes its host pid and its measured time in its region
+ * slot, so all of them learn one factor, from figures large enough to mean
+ * something (six processes sharing 30 % have about 5 % each, in whole
+ * percents, and alone mostly fell under the thresholds below).  A team
+ * member whose host pid never matched a sample counts as uncorrected (real =
+ * measured: its pid may be another namespace's).  Guards, since the figure
+ * is a driver's estimate:
  *
  *  - only while another process had a sample of at least GS_SLICE_OTHERS %, or
- *    the process has several contexts on the device (they take turns too, and
- *    one context's intervals hold the others' kernels): alone on the GPU, in
- *    one context, nothing is corrected (the factor returns to 1 at the
+ *    the team or the process's own contexts on the device are several (they
+ *    take turns too, and one's intervals hold the others' kernels): alone on
+ *    the GPU, in one context, nothing is corrected (the factor returns to 1 at the
  *    first samples without another process, or after GS_SLICE_SILENCE_NS
  *    without new samples, or of failing queries); a tick without new
  *    samples changes nothing;
@@ -33,10 +40,11 @@
  *    about slices;
  *  - no sample for this process (under MPS every kernel is the server's), or
  *    one above what its events measured (not its pid): nothing is learnt;
- *  - taking turns with n busy processes (and our own other contexts), an
+ *  - taking turns with n busy processes (the team's and our own other contexts
+ *    included), an
  *    interval holds at most n of their slices per slice of ours, and no more
  *    than their time: the real share is at least measured / (1 + n) and
- *    measured / k - theirs with k contexts of ours on the device (NVML's
+ *    measured / k - theirs with k contexts and team members of ours (NVML's
  *    truncation to whole percents is rounded back), and the factor is at
  *    least GS_SLICE_MIN_MILLI (a bound for garbage, not for crowds);
  *  - a factor applies only once two ticks with GS_SLICE_LEARN % measured
@@ -70,7 +78,8 @@ static struct slice_state {
     uint64_t seen_ns;           /* when new samples last came */
     unsigned long long last_seen; /* NVML timestamp of the newest sample used */
     double ours[GS_SLICE_WINDOW], meas[GS_SLICE_WINDOW], others[GS_SLICE_WINDOW]; /* % per tick */
-    unsigned busy[GS_SLICE_WINDOW];                 /* other processes that ran */
+    unsigned busy[GS_SLICE_WINDOW];                 /* processes (and contexts) that took turns with ours */
+    unsigned mates[GS_SLICE_WINDOW];                /* of them, the container's (and this process's) */
     unsigned next, filled;
     int announced;
 } g_st[GPUSLICE_MAX_DEVICES]; /* sampler thread only */
@@ -115,35 +124,98 @@ static void silence(int slot, struct slice_state *st)
     st->t_ns = 0;
 }
 
-/* What the new samples say: this process's share (%, -1 without a sample), the sum of the
- * others' (a process with several samples counts with their average) and how many of them
- * ran; samples not newer than *newest are old news (some drivers return them again).
- * Returns how many samples were new. */
-static unsigned shares(const nvmlProcessUtilizationSample_t *s, unsigned n, unsigned pid, int *ours,
-                       unsigned *others, unsigned *busy, unsigned long long *newest)
+/* The container's other processes measuring on the device since the previous tick (through
+ * the region: each one's host pid and measured GPU time).  Sampler thread only. */
+struct peer_seen {
+    int32_t pid;
+    uint64_t start, meas;
+    unsigned confirmed; /* the host pid it published had a sample of ours to match */
+};
+static struct peer_seen *g_seen[GPUSLICE_MAX_DEVICES]; /* per region process slot, calloc'd */
+static struct team {
+    unsigned n;
+    unsigned pid[GPUSLICE_MAX_PROCS]; /* host pid, 0 = not known */
+    uint64_t dm[GPUSLICE_MAX_PROCS];  /* measured since the tick that last brought new samples */
+    int share[GPUSLICE_MAX_PROCS];    /* its NVML share, -1 = no sample */
+    int confirmed[GPUSLICE_MAX_PROCS]; /* its host pid matched a sample before */
+    unsigned idx[GPUSLICE_MAX_PROCS]; /* its region slot */
+    uint64_t cur[GPUSLICE_MAX_PROCS]; /* its figure now */
+} g_team;
+
+/* The figures the next differences start from: the ones just read */
+static void commit_team(int slot, const struct team *t)
 {
-    unsigned our_sum = 0, our_n = 0, fresh = 0;
+    for (unsigned j = 0; j < t->n; j++) {
+        struct peer_seen *seen = &g_seen[slot][t->idx[j]];
+        seen->meas = t->cur[j];
+        if (t->share[j] >= 0) seen->confirmed = t->pid[j];
+    }
+}
+
+static void scan_team(int slot, struct team *t)
+{
+    struct gpuslice_region *r = gs_region;
+    t->n = 0;
+    if (!g_seen[slot] && !(g_seen[slot] = calloc(GPUSLICE_MAX_PROCS, sizeof(struct peer_seen)))) return;
+    int32_t me = (int32_t)getpid();
+    for (unsigned i = 0; i < GPUSLICE_MAX_PROCS; i++) {
+        struct gpuslice_proc *p = &r->procs[i];
+        struct peer_seen *seen = &g_seen[slot][i];
+        int32_t pid = __atomic_load_n(&p->pid, __ATOMIC_RELAXED);
+        if (__atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != GPUSLICE_PROC_LIVE || pid <= 0 || pid == me) {
+            seen->pid = 0;
+            continue;
+        }
+        uint64_t start = __atomic_load_n(&p->start_time, __ATOMIC_RELAXED);
+        uint64_t meas = __atomic_load_n(&p->measured_ns[slot], __ATOMIC_RELAXED);
+        if (seen->pid != pid || seen->start != start) { /* first seen: its figure covers its whole life */
+            *seen = (struct peer_seen){pid, start, meas, 0};
+            continue;
+        }
+        if (meas <= seen->meas) continue;
+        t->pid[t->n] = __atomic_load_n(&p->host_pid, __ATOMIC_RELAXED);
+        t->dm[t->n] = meas - seen->meas;
+        t->share[t->n] = -1;
+        t->confirmed[t->n] = seen->confirmed == t->pid[t->n] && t->pid[t->n];
+        t->idx[t->n] = i;
+        t->cur[t->n++] = meas;
+    }
+}
+
+/* What the new samples say: this process's share (%, -1 without a sample), each team member's
+ * (t->share), the sum of everyone else's (a process with several samples counts with their
+ * average) and how many of them ran; samples not newer than *newest are old news (some drivers
+ * return them again).  Returns how many samples were new. */
+static unsigned shares(const nvmlProcessUtilizationSample_t *s, unsigned n, unsigned pid, struct team *t,
+                       int *ours, unsigned *others, unsigned *busy, unsigned long long *newest)
+{
+    unsigned fresh = 0;
     unsigned long long seen = *newest;
     *others = *busy = 0;
+    *ours = -1;
     for (unsigned i = 0; i < n; i++) {
         if (s[i].timeStamp <= seen || s[i].smUtil > 100) continue;
         fresh++;
         if (s[i].timeStamp > *newest) *newest = s[i].timeStamp;
-        if (s[i].pid == pid) {
-            our_sum += s[i].smUtil;
-            our_n++;
-            continue;
-        }
         int first = 1;
         for (unsigned k = 0; k < i && first; k++) first = !(s[k].pid == s[i].pid && s[k].timeStamp > seen && s[k].smUtil <= 100);
         if (!first) continue;
         unsigned sum = 0, cnt = 0;
         for (unsigned k = i; k < n; k++)
             if (s[k].pid == s[i].pid && s[k].timeStamp > seen && s[k].smUtil <= 100) sum += s[k].smUtil, cnt++;
+        if (s[i].pid == pid) {
+            *ours = (int)(sum / cnt);
+            continue;
+        }
+        unsigned j = 0;
+        while (j < t->n && (!t->pid[j] || t->pid[j] != s[i].pid)) j++;
+        if (j < t->n) {
+            t->share[j] = (int)(sum / cnt);
+            continue;
+        }
         *others += sum / cnt;
         if (sum) ++*busy; /* any process that ran can hold slices inside our intervals */
     }
-    *ours = our_n ? (int)(our_sum / our_n) : -1;
     return fresh;
 }
 
@@ -152,12 +224,17 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     static nvmlProcessUtilizationSample_t buf[GS_SLICE_SAMPLES]; /* sampler thread only */
     struct slice_state *st = &g_st[slot];
     uint64_t now = gs_now_ns(), measured = __atomic_load_n(&gs_slice_measured_ns[slot], __ATOMIC_RELAXED);
+    struct team *team = &g_team;
+    scan_team(slot, team);
     if (!st->t_ns) { /* the first tick: where measuring starts */
         st->t_ns = st->seen_ns = now;
         st->measured_ns = measured;
+        commit_team(slot, team);
+        team->n = 0;
     }
     unsigned pid = gs_host_pid(dev);
     if (!pid) pid = (unsigned)getpid(); /* not learnt (yet): right in the driver's pid namespace */
+    gs_region_note_host_pid(pid);
     unsigned n = GS_SLICE_SAMPLES;
     nvmlReturn_t rc = gs_nvml.nvmlDeviceGetProcessUtilization(h, buf, &n, st->last_seen);
     if (rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_FOUND) {
@@ -169,7 +246,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     int ours = -1;
     unsigned others = 0, busy = 0;
     unsigned long long newest = st->last_seen;
-    if (rc != NVML_SUCCESS || !shares(buf, n, pid, &ours, &others, &busy, &newest)) {
+    if (rc != NVML_SUCCESS || !shares(buf, n, pid, team, &ours, &others, &busy, &newest)) {
         /* nothing new: drivers sample every 1/6 to 1 s.  Only a long silence means nobody ran */
         if (now - st->seen_ns >= GS_SLICE_SILENCE_NS) silence(slot, st);
         return;
@@ -179,47 +256,73 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     st->last_seen = newest;
     st->t_ns = st->seen_ns = now;
     st->measured_ns = measured;
+    commit_team(slot, team);
     if (!dt) return;
     /* the process's own contexts on the device take turns as processes do: with several, an
-     * interval of one holds the others' kernels too */
+     * interval of one holds the others' kernels too; so do the container's other processes
+     * that measured meanwhile (the team): the correction is learnt for all of them together,
+     * from their summed shares and measurements (one process's share of a crowded GPU is a few
+     * whole percents, too coarse alone) */
     int ctxs = gs_reconcile_dev_contexts(dev);
-    unsigned turns = busy + (ctxs > 1 ? (unsigned)ctxs - 1 : 0);
-    if (others < GS_SLICE_OTHERS && ctxs < 2) {
+    unsigned mates = team->n + (ctxs > 1 ? (unsigned)ctxs - 1 : 0);
+    unsigned turns = busy + mates;
+    if (others < GS_SLICE_OTHERS && !mates) {
         forget(slot, st); /* alone (again), in one context: event time is our time */
         return;
     }
     double measured_pct = (double)dm * 100.0 / (double)dt;
     if (measured_pct > 100) measured_pct = 100;
     /* nothing to learn from; or a share our events cannot have produced (not our pid) */
-    if (ours < 0 || measured_pct < GS_SLICE_MEASURED || ours > measured_pct + GS_SLICE_SLACK) return;
+    if (ours < 0 || ours > measured_pct + GS_SLICE_SLACK) return;
+    /* a team member with a share its events cannot have produced (not its pid), or without a
+     * sample while its pid has never matched one (unknown, or not the host's), counts as
+     * uncorrected: real = measured; one whose pid did match before ran under 1 % (NVML lists
+     * a process that ran, in whole percents) */
+    double real = ours + 0.5, team_meas = 0; /* NVML truncates to whole percents */
+    unsigned listed = (unsigned)ours;
+    for (unsigned j = 0; j < team->n; j++) {
+        double mj = (double)team->dm[j] * 100.0 / (double)dt;
+        if (mj > 100) mj = 100;
+        team_meas += mj;
+        int sj = team->share[j];
+        if (sj > mj + GS_SLICE_SLACK || (sj < 0 && !team->confirmed[j]))
+            real += mj;
+        else
+            real += (sj < 0 ? 0 : sj) + 0.5 < mj ? (sj < 0 ? 0 : sj) + 0.5 : mj;
+        if (sj > 0) listed += (unsigned)sj;
+    }
+    if (measured_pct + team_meas < GS_SLICE_MEASURED) return;
     nvmlUtilization_t util = {0, 0};
     if (!gs_nvml.nvmlDeviceGetUtilizationRates || gs_nvml.nvmlDeviceGetUtilizationRates(h, &util) != NVML_SUCCESS ||
-        util.gpu > 100 || (unsigned)ours + others > util.gpu + GS_SLICE_SLACK) {
+        util.gpu > 100 || listed + others > util.gpu + GS_SLICE_SLACK) {
         forget(slot, st); /* the shares are not a split of the device's time */
         return;
     }
     unsigned k = st->next++ % GS_SLICE_WINDOW;
-    st->ours[k] = ours + 0.5; /* NVML truncates to whole percents */
-    st->meas[k] = measured_pct;
+    st->ours[k] = real;
+    st->meas[k] = measured_pct + team_meas;
     st->others[k] = others;
     st->busy[k] = turns;
+    st->mates[k] = mates;
     if (st->filled < GS_SLICE_WINDOW) st->filled++;
-    GS_DEBUG("device slot %d: ours %d%%, others %u%% (%u ran), device %u%%, measured %.1f%%", slot, ours, others,
-             busy, util.gpu, measured_pct);
+    GS_DEBUG("device slot %d: ours %d%%, others %u%% (%u ran), device %u%%, measured %.1f%%; with %u other "
+             "processes of the container: %.1f%% of %.1f%% measured", slot, ours, others, busy, util.gpu,
+             measured_pct, team->n, real, measured_pct + team_meas);
     double rs = 0, ms = 0, os = 0;
-    unsigned most = 0;
+    unsigned most = 0, most_mates = 0;
     for (unsigned i = 0; i < st->filled; i++) {
         rs += st->ours[i], ms += st->meas[i], os += st->others[i];
         if (st->busy[i] > most) most = st->busy[i];
+        if (st->mates[i] > most_mates) most_mates = st->mates[i];
     }
     if (st->filled < 2 || ms < GS_SLICE_LEARN) return; /* one short burst is too coarse to act on */
     /* taking turns with `most` other processes, an interval holds at most that many of their
      * slices per slice of ours, and no more than their time (bounds on the window's sums, so
      * that one tick's noise is not clipped one way only) */
     if (rs < ms / (1 + most)) rs = ms / (1 + most);
-    /* their time is all an interval can hold beyond ours; with k contexts of our own, each
-     * context's intervals can also hold the others' kernels, counted in our share */
-    double own = ctxs > 1 ? ctxs : 1;
+    /* their time is all an interval can hold beyond ours; with k contexts (or processes) of
+     * our own, each one's intervals can also hold the others' kernels, counted in our share */
+    double own = 1 + most_mates;
     if (rs < ms / own - os) rs = ms / own - os;
     if (rs > ms) rs = ms;
     double f = rs * 1000.0 / ms;

@@ -29,7 +29,8 @@ static void layout(void)
     FIELD(D, throttle_vt_ns) FIELD(D, ctx_footprint_bytes) FIELD(D, sm_limit) FIELD(D, index)
     FIELD(D, sm_scale_milli) FIELD(D, idle_power_mw)
     printf("proc %zu\n", sizeof(P));
-    FIELD(P, pid) FIELD(P, state) FIELD(P, pidns) FIELD(P, start_time) FIELD(P, used_bytes)
+    FIELD(P, pid) FIELD(P, state) FIELD(P, pidns) FIELD(P, start_time) FIELD(P, used_bytes) FIELD(P, host_pid)
+    FIELD(P, measured_ns)
     printf("constant MAGIC %llu\nconstant VERSION %u\nconstant MAX_DEVICES %d\nconstant MAX_PROCS %d\n",
            (unsigned long long)GPUSLICE_REGION_MAGIC, GPUSLICE_REGION_VERSION, GPUSLICE_MAX_DEVICES,
            GPUSLICE_MAX_PROCS);

@@ -88,7 +88,7 @@ def test_a_region_written_by_python_is_read_by_c(built, tmp_path):
     out = subprocess.run([str(built / "tests" / "region_layout"), "read", str(path)],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == [
-        f"magic 1 version 1 size {mirror.REGION_SIZE} count 2",
+        f"magic 1 version {mirror.VERSION} size {mirror.REGION_SIZE} count 2",
         "identity uid-1|web-7|prod|app",
         f"device GPU-x {5 * GIB} {GIB} 25 99 0 1314",
         "device GPU-y 0 7 0 0 3 0",
@@ -119,10 +119,32 @@ def test_round_trip_through_the_encoder():
     assert encode_region(parse_region(data)) == data
 
 
+def as_version_1(data: bytes) -> bytes:
+    """The same region in version 1's layout (process slots without host_pid / measured_ns)."""
+    size = mirror.PROCS_OFFSET + mirror.MAX_PROCS * mirror.PROC_V1.size
+    out = bytearray(data[:mirror.PROCS_OFFSET]) + bytearray(size - mirror.PROCS_OFFSET)
+    out[8:16] = (1).to_bytes(4, "little") + size.to_bytes(4, "little")
+    for i in range(mirror.MAX_PROCS):
+        pid, state, ns, start, *rest = mirror.PROC.unpack_from(
+            data, mirror.PROCS_OFFSET + i * mirror.PROC.size)
+        mirror.PROC_V1.pack_into(out, mirror.PROCS_OFFSET + i * mirror.PROC_V1.size, pid, state,
+                                 ns, start, *rest[:mirror.MAX_DEVICES])
+    return bytes(out)
+
+
+def test_a_version_1_region_of_a_container_started_before_an_upgrade_is_still_read():
+    old = as_version_1(sample())
+    assert len(old) < mirror.REGION_SIZE
+    assert parse_region(old) == parse_region(sample())
+    with pytest.raises(RegionError, match="truncated"):
+        parse_region(old[:-1])
+
+
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda b: b[:1000], "truncated"),
     (lambda b: b"\0" * 8 + b[8:], "bad magic"),
-    (lambda b: b[:8] + (2).to_bytes(4, "little") + b[12:], "version"),
+    (lambda b: b[:8] + (3).to_bytes(4, "little") + b[12:], "version"),
+    (lambda b: b[:8] + (0).to_bytes(4, "little") + b[12:], "version"),
     (lambda b: b[:12] + (99).to_bytes(4, "little") + b[16:], "geometry"),
     (lambda b: b[:24] + (17).to_bytes(4, "little") + b[28:], "device_count"),
     (lambda b: b[:128] + b"x" * 64 + b[192:], "NUL"),

@@ -7,6 +7,9 @@ import signal
 import subprocess
 import time
 
+import pytest
+
+from webhook.node import region as mirror
 from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
 
 MIB = 1 << 20
@@ -224,12 +227,18 @@ def test_a_failed_huge_allocation_on_an_uncapped_device_leaves_the_usage_right(l
     assert used == GIB  # a reservation the sum cannot hold is refused; it wrapped to 0 before
 
 
-def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab):
+@pytest.mark.parametrize("version", [0, 1])
+def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab, version):
     # a version-0 region (an older layout): processes fell back to private regions, so every
-    # process got the whole cap; now the file is started afresh and shared
+    # process got the whole cap; now the file is started afresh and shared.  Version 1 is the
+    # layout before process slots held a host pid and measured time: a smaller file
     lab.run("init", CUDA_DEVICE_MEMORY_LIMIT="8g")  # a valid region, to age
     stale = bytearray(lab.region_path.read_bytes())
-    stale[8:12] = (0).to_bytes(4, "little")
+    if version == 1:
+        size = mirror.PROCS_OFFSET + mirror.MAX_PROCS * mirror.PROC_V1.size
+        stale = stale[:size]
+        stale[12:16] = size.to_bytes(4, "little")
+    stale[8:12] = version.to_bytes(4, "little")
     lab.region_path.unlink()
     lab.region_path.write_bytes(bytes(stale))
     holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),

@@ -530,12 +530,12 @@ def test_a_bad_correction_value_is_reported_and_the_correction_stays_on(release_
 # each process's share.  Processes of one container wake for the same budget and launch
 # together, so each one's intervals also hold the other's kernels.
 
-def shared_gpu_total(lab, processes: int, **env: str) -> float:
-    """Sum of the processes' shares once the correction has settled."""
+def shared_gpu_total(lab, processes: int, settle: str = "2", **env: str) -> float:
+    """Sum of the processes' shares over 4 s once the correction has settled."""
     env = {"CUDA_DEVICE_SM_LIMIT": "30", "FAKE_CUDA_KERNEL_US": "1000", "FAKE_GPU_SHARED": "1",
            **env}
     lab.run("init", **env)  # the region, with the limit
-    procs = [lab.start("init", "ctx", "0", "bench", "2", "kernel", "bench", "4", "kernel", **env)
+    procs = [lab.start("init", "ctx", "0", "bench", settle, "kernel", "bench", "4", "kernel", **env)
              for _ in range(processes)]
     total = 0.0
     for proc in procs:
@@ -552,6 +552,16 @@ def test_processes_of_a_container_on_one_gpu_do_not_charge_each_other(release_la
     # (22-31% seen across runs); uncorrected they get 16%
     got = shared_gpu_total(release_lab, processes)
     assert abs(got - 30) <= tolerance, f"{processes} processes together: {got:.1f}%"
+
+
+def test_many_processes_of_a_container_on_one_gpu_learn_the_correction_together(release_lab):
+    # six processes: each one's share of the GPU is a few whole percents, and alone each one
+    # learnt from too few ticks (most under the 5 % measured threshold) or too coarse figures:
+    # 12-20 % together.  Learnt from the container's summed shares and measurements (each
+    # process publishes its host pid and its measured time in the region), the factor takes
+    # about 6 s to settle (the GPU gets busier as it falls); settled, 29.1-30.4 % seen
+    got = shared_gpu_total(release_lab, 6, settle="6")
+    assert abs(got - 30) <= 7.0, f"6 processes together: {got:.1f}%"
 
 
 def test_uncorrected_processes_of_a_container_charge_each_other(release_lab):

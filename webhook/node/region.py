@@ -2,8 +2,10 @@
 
 The interposer (``interposer/include/gpuslice_region.h``) keeps one region per container: the
 pod/container identity, per GPU the cap, the usage summed over the container's processes, the
-compute limit and the GPU time the throttle measured, and per process its usage per GPU. The
-agent reads it for metrics; it never writes it. ``tests/interposer/test_region_layout.py``
+compute limit and the GPU time the throttle measured, and per process its usage per GPU (and,
+from version 2, its host pid and the GPU time its launches measured, which the processes of the
+container read for the compute limit's time-slice correction; the agent does not). The agent
+reads it for metrics; it never writes it. Version 1 regions are still read. ``tests/interposer/test_region_layout.py``
 checks that every offset and size below matches the C header.
 
 The reader takes no lock: a field that a process is changing may be read mid-change (each
@@ -18,7 +20,8 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = 0x4543494C53555047  # b"GPUSLICE" as a little-endian u64
-VERSION = 1
+VERSION = 2
+OLDEST_VERSION = 1  # version 1 (process slots without host_pid / measured_ns) is still read
 MAX_DEVICES = 16
 MAX_PROCS = 1024
 UUID_LEN = 64
@@ -41,8 +44,12 @@ DEVICE_FIELDS = (
 )
 PROC_FIELDS = (
     ("pid", "i"), ("state", "I"), ("pidns", "Q"), ("start_time", "Q"),
-    ("used_bytes", f"{MAX_DEVICES}Q"), ("_reserved", "8x"),
+    ("used_bytes", f"{MAX_DEVICES}Q"), ("host_pid", "I"), ("_reserved", "4x"),
+    ("measured_ns", f"{MAX_DEVICES}Q"),
 )
+# Version 1: the same up to used_bytes, then 8 reserved bytes (regions of containers started
+# before an upgrade of the node)
+PROC_FIELDS_V1 = PROC_FIELDS[:5] + (("_reserved", "8x"),)
 
 
 def _struct(fields: tuple[tuple[str, str], ...]) -> struct.Struct:
@@ -63,9 +70,12 @@ def field_layout(fields: tuple[tuple[str, str], ...]) -> dict[str, tuple[int, in
 HEADER = _struct(HEADER_FIELDS)
 DEVICE = _struct(DEVICE_FIELDS)
 PROC = _struct(PROC_FIELDS)
+PROC_V1 = _struct(PROC_FIELDS_V1)
 DEVICES_OFFSET = HEADER.size
 PROCS_OFFSET = DEVICES_OFFSET + MAX_DEVICES * DEVICE.size
 REGION_SIZE = PROCS_OFFSET + MAX_PROCS * PROC.size
+_SIZES = {1: PROCS_OFFSET + MAX_PROCS * PROC_V1.size, VERSION: REGION_SIZE}
+_PROCS = {1: PROC_V1, VERSION: PROC}
 
 
 class RegionError(Exception):
@@ -130,15 +140,19 @@ def _encode_text(value: str, size: int, what: str) -> bytes:
 
 def parse_region(data: bytes) -> Region:
     """Parse the bytes of a region file (see :func:`read_region`)."""
-    if len(data) < REGION_SIZE:
+    if len(data) < HEADER.size:
         raise RegionError(f"region is truncated: {len(data)} bytes, need {REGION_SIZE}")
     (magic, version, size, max_devices, max_procs, count, _flags, _boot, pod_uid, pod_name,
      namespace, container) = HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise RegionError(f"bad magic {magic:#x}")
-    if version != VERSION:
-        raise RegionError(f"unsupported region version {version} (this reader knows {VERSION})")
-    if (size, max_devices, max_procs) != (REGION_SIZE, MAX_DEVICES, MAX_PROCS):
+    if version not in _SIZES:
+        raise RegionError(f"unsupported region version {version} (this reader knows "
+                          f"{OLDEST_VERSION} to {VERSION})")
+    need, proc_struct = _SIZES[version], _PROCS[version]
+    if len(data) < need:
+        raise RegionError(f"region is truncated: {len(data)} bytes, need {need}")
+    if (size, max_devices, max_procs) != (need, MAX_DEVICES, MAX_PROCS):
         raise RegionError(f"inconsistent geometry size={size} devices={max_devices} "
                           f"procs={max_procs}")
     if count > MAX_DEVICES:
@@ -155,7 +169,9 @@ def parse_region(data: bytes) -> Region:
                                   idle_power_mw=idle))
     processes = []
     for i in range(MAX_PROCS):
-        pid, state, _ns, _start, *used = PROC.unpack_from(data, PROCS_OFFSET + i * PROC.size)
+        pid, state, _ns, _start, *rest = proc_struct.unpack_from(
+            data, PROCS_OFFSET + i * proc_struct.size)
+        used = rest[:MAX_DEVICES]
         if state != PROC_LIVE:
             continue
         if pid <= 0:
@@ -212,5 +228,6 @@ def _encode(region: Region) -> bytes:
         if len(proc.used_bytes) > MAX_DEVICES:
             raise RegionError(f"process {proc.pid}: more than {MAX_DEVICES} usage values")
         used = list(proc.used_bytes) + [0] * (MAX_DEVICES - len(proc.used_bytes))
-        PROC.pack_into(buf, PROCS_OFFSET + i * PROC.size, proc.pid, PROC_LIVE, 0, 0, *used)
+        PROC.pack_into(buf, PROCS_OFFSET + i * PROC.size, proc.pid, PROC_LIVE, 0, 0, *used, 0,
+                       *[0] * MAX_DEVICES)
     return bytes(buf)
