@@ -310,7 +310,10 @@ static int register_locked(void)
             struct gpuslice_proc *p = &r->procs[i];
             if (LD(&p->state) != GPUSLICE_PROC_FREE) continue;
             memset(p->used_bytes, 0, sizeof(p->used_bytes));
-            memset(p->measured_ns, 0, sizeof(p->measured_ns));
+            /* the GPU time measured so far: a process registering again (its slot was
+             * reclaimed) must not show its whole life as the others' next difference */
+            for (unsigned d = 0; d < GPUSLICE_MAX_DEVICES; d++)
+                ST(&p->measured_ns[d], __atomic_load_n(&gs_slice_measured_ns[d], __ATOMIC_RELAXED));
             ST(&p->host_pid, 0);
             p->pid = (int32_t)getpid();
             p->pidns = pidns_inode();
@@ -487,6 +490,9 @@ static struct gpuslice_proc *me_unlocked(void)
     return me;
 }
 
+/* A slot reclaimed and given to another process between the check and the store gets our
+ * figure once: its readers take a figure lower than before as a new start (slices.c), and its
+ * owner's next note corrects it */
 void gs_region_note_measured(int slot, uint64_t total_ns)
 {
     struct gpuslice_proc *me = me_unlocked();

@@ -124,8 +124,8 @@ static void silence(int slot, struct slice_state *st)
     st->t_ns = 0;
 }
 
-/* The container's other processes measuring on the device since the previous tick (through
- * the region: each one's host pid and measured GPU time).  Sampler thread only. */
+/* The container's other live processes (through the region: each one's host pid and the GPU
+ * time it measured on the device).  Sampler thread only. */
 struct peer_seen {
     int32_t pid;
     uint64_t start, meas;
@@ -135,7 +135,7 @@ static struct peer_seen *g_seen[GPUSLICE_MAX_DEVICES]; /* per region process slo
 static struct team {
     unsigned n;
     unsigned pid[GPUSLICE_MAX_PROCS]; /* host pid, 0 = not known */
-    uint64_t dm[GPUSLICE_MAX_PROCS];  /* measured since the tick that last brought new samples */
+    uint64_t dm[GPUSLICE_MAX_PROCS];  /* measured since the tick that last brought new samples (may be 0) */
     int share[GPUSLICE_MAX_PROCS];    /* its NVML share, -1 = no sample */
     int confirmed[GPUSLICE_MAX_PROCS]; /* its host pid matched a sample before */
     unsigned idx[GPUSLICE_MAX_PROCS]; /* its region slot */
@@ -168,11 +168,12 @@ static void scan_team(int slot, struct team *t)
         }
         uint64_t start = __atomic_load_n(&p->start_time, __ATOMIC_RELAXED);
         uint64_t meas = __atomic_load_n(&p->measured_ns[slot], __ATOMIC_RELAXED);
-        if (seen->pid != pid || seen->start != start) { /* first seen: its figure covers its whole life */
-            *seen = (struct peer_seen){pid, start, meas, 0};
-            continue;
-        }
-        if (meas <= seen->meas) continue;
+        /* first seen: its figure covers its whole life; lower than before: our figure, written
+         * as the slot changed hands (see gs_region_note_measured) */
+        if (seen->pid != pid || seen->start != start || meas < seen->meas)
+            *seen = (struct peer_seen){pid, start, meas, seen->pid == pid && seen->start == start ? seen->confirmed : 0};
+        /* its samples are matched even when its measurement has not moved: a sample may come
+         * a tick before or after the time it measures */
         t->pid[t->n] = __atomic_load_n(&p->host_pid, __ATOMIC_RELAXED);
         t->dm[t->n] = meas - seen->meas;
         t->share[t->n] = -1;
@@ -264,7 +265,9 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
      * from their summed shares and measurements (one process's share of a crowded GPU is a few
      * whole percents, too coarse alone) */
     int ctxs = gs_reconcile_dev_contexts(dev);
-    unsigned mates = team->n + (ctxs > 1 ? (unsigned)ctxs - 1 : 0);
+    unsigned measuring = 0;
+    for (unsigned j = 0; j < team->n; j++) measuring += team->dm[j] > 0;
+    unsigned mates = measuring + (ctxs > 1 ? (unsigned)ctxs - 1 : 0);
     unsigned turns = busy + mates;
     if (others < GS_SLICE_OTHERS && !mates) {
         forget(slot, st); /* alone (again), in one context: event time is our time */
@@ -274,10 +277,13 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     if (measured_pct > 100) measured_pct = 100;
     /* nothing to learn from; or a share our events cannot have produced (not our pid) */
     if (ours < 0 || ours > measured_pct + GS_SLICE_SLACK) return;
-    /* a team member with a share its events cannot have produced (not its pid), or without a
-     * sample while its pid has never matched one (unknown, or not the host's), counts as
-     * uncorrected: real = measured; one whose pid did match before ran under 1 % (NVML lists
-     * a process that ran, in whole percents) */
+    /* each team member's sample counts as it is, measured or not this tick (a sample and the
+     * time it measures may fall in neighbouring ticks: the window's sums pair them), rounded
+     * back from whole percents.  A member that measured without a sample: under 1 % if its
+     * pid matched samples before (NVML lists a process that ran); else counted uncorrected,
+     * real = measured (its pid unknown, or not the host's).  A pid matched by someone else's
+     * sample only errs high, which is the strict side (the real share is capped by the
+     * measured one over the window) */
     double real = ours + 0.5, team_meas = 0; /* NVML truncates to whole percents */
     unsigned listed = (unsigned)ours;
     for (unsigned j = 0; j < team->n; j++) {
@@ -285,11 +291,10 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
         if (mj > 100) mj = 100;
         team_meas += mj;
         int sj = team->share[j];
-        if (sj > mj + GS_SLICE_SLACK || (sj < 0 && !team->confirmed[j]))
-            real += mj;
-        else
-            real += (sj < 0 ? 0 : sj) + 0.5 < mj ? (sj < 0 ? 0 : sj) + 0.5 : mj;
-        if (sj > 0) listed += (unsigned)sj;
+        if (sj >= 0)
+            real += sj + 0.5, listed += (unsigned)sj;
+        else if (mj > 0)
+            real += team->confirmed[j] ? (mj < 0.5 ? mj : 0.5) : mj;
     }
     if (measured_pct + team_meas < GS_SLICE_MEASURED) return;
     nvmlUtilization_t util = {0, 0};
@@ -307,7 +312,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     if (st->filled < GS_SLICE_WINDOW) st->filled++;
     GS_DEBUG("device slot %d: ours %d%%, others %u%% (%u ran), device %u%%, measured %.1f%%; with %u other "
              "processes of the container: %.1f%% of %.1f%% measured", slot, ours, others, busy, util.gpu,
-             measured_pct, team->n, real, measured_pct + team_meas);
+             measured_pct, measuring, real, measured_pct + team_meas);
     double rs = 0, ms = 0, os = 0;
     unsigned most = 0, most_mates = 0;
     for (unsigned i = 0; i < st->filled; i++) {

@@ -69,6 +69,9 @@ static int write_region(const char *path)
     r.procs[5].state = GPUSLICE_PROC_LIVE;
     r.procs[5].used_bytes[0] = 1ull << 30;
     r.procs[5].used_bytes[1] = 2ull << 30;
+    r.procs[5].host_pid = 3000000;
+    r.procs[5].measured_ns[0] = 5000000000ull;
+    r.procs[5].measured_ns[1] = 7;
     r.procs[9].pid = 77; /* free slot with a stale pid: not a process */
     r.procs[9].state = GPUSLICE_PROC_FREE;
     FILE *f = fopen(path, "wb");
@@ -91,8 +94,9 @@ static int read_region(const char *path)
                r.devices[d].index, r.devices[d].sm_scale_milli);
     for (int i = 0; i < GPUSLICE_MAX_PROCS; i++)
         if (r.procs[i].state == GPUSLICE_PROC_LIVE)
-            printf("proc %d %" PRIu64 " %" PRIu64 "\n", r.procs[i].pid, r.procs[i].used_bytes[0],
-                   r.procs[i].used_bytes[1]);
+            printf("proc %d %" PRIu64 " %" PRIu64 " %u %" PRIu64 " %" PRIu64 "\n", r.procs[i].pid,
+                   r.procs[i].used_bytes[0], r.procs[i].used_bytes[1], r.procs[i].host_pid,
+                   r.procs[i].measured_ns[0], r.procs[i].measured_ns[1]);
     return 0;
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 
@@ -73,7 +74,8 @@ def test_a_region_written_by_c_is_read_by_python(built, tmp_path):
                    busy_ns=123456789 * (d + 1), sm_scale_milli=1000 + 100 * d,
                    idle_power_mw=90000)
         for d in range(2))
-    assert region.processes == (ProcessUsage(pid=4242, used_bytes=(GIB, 2 * GIB)),)
+    assert region.processes == (ProcessUsage(pid=4242, used_bytes=(GIB, 2 * GIB), host_pid=3000000,
+                                             measured_ns=(5_000_000_000, 7)),)
 
 
 def test_a_region_written_by_python_is_read_by_c(built, tmp_path):
@@ -84,7 +86,8 @@ def test_a_region_written_by_python_is_read_by_c(built, tmp_path):
                             sm_limit=25, busy_ns=99, sm_scale_milli=1314),
                  DeviceSlot(index=3, uuid="GPU-y", limit_bytes=0, used_bytes=7, sm_limit=0,
                             busy_ns=0)),
-        processes=(ProcessUsage(pid=11, used_bytes=(GIB, 7)),))))
+        processes=(ProcessUsage(pid=11, used_bytes=(GIB, 7), host_pid=4_000_000,
+                                measured_ns=(123, 1 << 40)),))))
     out = subprocess.run([str(built / "tests" / "region_layout"), "read", str(path)],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == [
@@ -92,7 +95,7 @@ def test_a_region_written_by_python_is_read_by_c(built, tmp_path):
         "identity uid-1|web-7|prod|app",
         f"device GPU-x {5 * GIB} {GIB} 25 99 0 1314",
         "device GPU-y 0 7 0 0 3 0",
-        f"proc 11 {GIB} 7",
+        f"proc 11 {GIB} 7 4000000 123 {1 << 40}",
     ]
 
 
@@ -110,7 +113,7 @@ def sample() -> bytes:
         pod_uid="u", pod_name="p", namespace="n", container="c",
         devices=(DeviceSlot(index=0, uuid="GPU-1", limit_bytes=GIB, used_bytes=1, sm_limit=30,
                             busy_ns=5),),
-        processes=(ProcessUsage(pid=7, used_bytes=(1,)),)))
+        processes=(ProcessUsage(pid=7, used_bytes=(1,), host_pid=8, measured_ns=(9,)),)))
 
 
 def test_round_trip_through_the_encoder():
@@ -135,7 +138,9 @@ def as_version_1(data: bytes) -> bytes:
 def test_a_version_1_region_of_a_container_started_before_an_upgrade_is_still_read():
     old = as_version_1(sample())
     assert len(old) < mirror.REGION_SIZE
-    assert parse_region(old) == parse_region(sample())
+    new = parse_region(sample())
+    assert parse_region(old) == dataclasses.replace(new, processes=tuple(
+        dataclasses.replace(p, host_pid=0, measured_ns=()) for p in new.processes))
     with pytest.raises(RegionError, match="truncated"):
         parse_region(old[:-1])
 

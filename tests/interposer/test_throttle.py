@@ -7,9 +7,14 @@ the library a launch loop keeps the fake GPU 100% busy.
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
+
+from webhook.node.region import DeviceSlot, Region, encode_region
+
+GIB = 1 << 30
 
 TOLERANCE = 5.0  # percentage points
 
@@ -562,6 +567,66 @@ def test_many_processes_of_a_container_on_one_gpu_learn_the_correction_together(
     # about 6 s to settle (the GPU gets busier as it falls); settled, 29.1-30.4 % seen
     got = shared_gpu_total(release_lab, 6, settle="6")
     assert abs(got - 30) <= 7.0, f"6 processes together: {got:.1f}%"
+
+
+def slicesim(built, scenario: str) -> list[int]:
+    """``tests/slicesim.c``: slices.c alone, fed scripted figures tick by tick; the factors."""
+    out = subprocess.run([str(built / "tests" / "slicesim"), scenario], capture_output=True,
+                         text=True, check=True).stdout
+    return [int(line.split()[3]) for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("scenario", ["apart", "lag", "jitter", "rejoin"])
+def test_processes_of_a_container_that_never_overlap_are_not_corrected(built, scenario):
+    # two processes of one container whose kernels never overlap: each measures what it ran,
+    # and NVML agrees (apart); or NVML's samples come a tick after the time they cover (lag:
+    # a member that had measured without a sample counted as ~0 and its late sample as another
+    # tenant's: factor 630, the container charged 63 % of its time); or NVML's two figures
+    # move opposite ways by 5 points (jitter: each member clipped to its measurement per tick,
+    # 942); or the other process registers again in another slot (rejoin)
+    factors = slicesim(built, scenario)
+    assert min(factors[5:]) == 1000, factors
+    assert min(factors) >= 880, factors
+
+
+def test_a_crowd_of_processes_of_a_container_learns_one_factor(built):
+    # six processes each measuring 15 % where they ran 4-6 %: 1/3, rounded up to the strict
+    # side by the half percent NVML's truncation is taken to have lost
+    factors = slicesim(built, "crowd")
+    assert all(333 <= f <= 380 for f in factors[4:]), factors
+
+
+def test_a_process_of_the_container_with_an_unknown_host_pid_counts_uncorrected(built):
+    # its samples carry a pid we cannot tell from another tenant's: real = measured for it
+    # (15 of 15), ours 5.5 of 15 (rounded back): (15 + 5.5) / 30
+    factors = slicesim(built, "unknown")
+    assert factors[4:] == [683] * (len(factors) - 4), factors
+
+
+def test_a_process_registering_again_publishes_what_it_measured_so_far(release_lab):
+    # another process took this one for dead and reset the region; registering again at its
+    # next charge, it writes the GPU time it measured in its life, not 0 (its next debit would
+    # otherwise show that whole life to the others as one tick's time)
+    lab = release_lab
+    held, go, again = lab.tmp / "held", lab.tmp / "go", lab.tmp / "again"
+    holder = lab.start("init", "ctx", "0", "bench", "1", "kernel", "touch", str(held),
+                       "waitfile", str(go), "alloc", "1m", "touch", str(again), "sleep", "300",
+                       CUDA_DEVICE_SM_LIMIT="30", CUDA_DEVICE_MEMORY_LIMIT="8g",
+                       FAKE_CUDA_KERNEL_US="1000")
+    lab.wait_for(held)
+    before = [p for p in lab.region().processes if p.pid == holder.pid]
+    lab.region_path.write_bytes(encode_region(Region(
+        pod_uid="u", pod_name="p", namespace="n", container="c", processes=(),
+        devices=(DeviceSlot(index=0, uuid=lab.UUID_A, limit_bytes=8 * GIB, used_bytes=0,
+                            sm_limit=30, busy_ns=0),))))
+    (go).touch()
+    lab.wait_for(again)
+    after = [p for p in lab.region().processes if p.pid == holder.pid]
+    lab.finish(holder)
+    assert len(before) == len(after) == 1
+    assert before[0].host_pid == holder.pid  # no pid namespace here: its own pid
+    assert before[0].measured_ns[0] > 0.2e9  # 1 s at 30 %, less the first launches
+    assert after[0].measured_ns[0] >= before[0].measured_ns[0]
 
 
 def test_uncorrected_processes_of_a_container_charge_each_other(release_lab):

@@ -103,10 +103,16 @@ class DeviceSlot:
 
 @dataclass(frozen=True)
 class ProcessUsage:
-    """A live process of the container and its usage per device slot (same order as devices)."""
+    """A live process of the container and its usage per device slot (same order as devices).
+
+    ``host_pid`` is the pid NVML lists it under (0 = not known, or a version-1 region);
+    ``measured_ns`` the GPU time its launches measured per device slot (empty in version 1).
+    """
 
     pid: int
     used_bytes: tuple[int, ...]
+    host_pid: int = 0
+    measured_ns: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,7 +147,7 @@ def _encode_text(value: str, size: int, what: str) -> bytes:
 def parse_region(data: bytes) -> Region:
     """Parse the bytes of a region file (see :func:`read_region`)."""
     if len(data) < HEADER.size:
-        raise RegionError(f"region is truncated: {len(data)} bytes, need {REGION_SIZE}")
+        raise RegionError(f"region is truncated: {len(data)} bytes, less than its header")
     (magic, version, size, max_devices, max_procs, count, _flags, _boot, pod_uid, pod_name,
      namespace, container) = HEADER.unpack_from(data, 0)
     if magic != MAGIC:
@@ -172,11 +178,14 @@ def parse_region(data: bytes) -> Region:
         pid, state, _ns, _start, *rest = proc_struct.unpack_from(
             data, PROCS_OFFSET + i * proc_struct.size)
         used = rest[:MAX_DEVICES]
+        host_pid, measured = (rest[MAX_DEVICES], tuple(rest[MAX_DEVICES + 1:][:count])) \
+            if version >= 2 else (0, ())
         if state != PROC_LIVE:
             continue
         if pid <= 0:
             raise RegionError(f"process slot {i}: live with pid {pid}")
-        processes.append(ProcessUsage(pid=pid, used_bytes=tuple(used[:count])))
+        processes.append(ProcessUsage(pid=pid, used_bytes=tuple(used[:count]), host_pid=host_pid,
+                                      measured_ns=measured))
     return Region(
         pod_uid=_text(pod_uid, "pod_uid"),
         pod_name=_text(pod_name, "pod_name"),
@@ -227,7 +236,10 @@ def _encode(region: Region) -> bytes:
     for i, proc in enumerate(region.processes):
         if len(proc.used_bytes) > MAX_DEVICES:
             raise RegionError(f"process {proc.pid}: more than {MAX_DEVICES} usage values")
+        if len(proc.measured_ns) > MAX_DEVICES:
+            raise RegionError(f"process {proc.pid}: more than {MAX_DEVICES} measured values")
         used = list(proc.used_bytes) + [0] * (MAX_DEVICES - len(proc.used_bytes))
-        PROC.pack_into(buf, PROCS_OFFSET + i * PROC.size, proc.pid, PROC_LIVE, 0, 0, *used, 0,
-                       *[0] * MAX_DEVICES)
+        measured = list(proc.measured_ns) + [0] * (MAX_DEVICES - len(proc.measured_ns))
+        PROC.pack_into(buf, PROCS_OFFSET + i * PROC.size, proc.pid, PROC_LIVE, 0, 0, *used,
+                       proc.host_pid, *measured)
     return bytes(buf)
