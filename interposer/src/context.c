@@ -55,8 +55,11 @@ static void ctx_unlock(void)
 
 int gs_ctx_lock(void)
 {
-    /* inside a context call of this thread the call is measuring the process: a reconcile
-     * now would see its half-made context, and the call measures again when it returns */
+    /* inside a context call of this thread (a driver callback) the call is measuring the
+     * process: an allocation's or a load's reconcile would see its half-made context and is
+     * skipped (the call measures when it returns).  A nested context call itself takes the
+     * lock again and may reconcile near the cap; the outer call's measurement then subtracts
+     * what that charged (charge_end: the process's charge moved meanwhile) */
     if (t_ctx_depth) return -1;
     ctx_lock();
     return 0;

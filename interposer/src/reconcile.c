@@ -344,7 +344,7 @@ void gs_reconcile_slot(int slot)
     int n = gs_dev_count();
     for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++) {
         if (gs_dev_slot(dev) != slot || !__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
-        if (gs_ctx_lock() != 0) return;
+        if (gs_ctx_lock() != 0) break; /* inside a context call: the sampler still looks soon */
         gs_reconcile_dev_locked(dev);
         gs_ctx_unlock();
     }
@@ -359,22 +359,21 @@ static int any_near_cap(void)
     return 0;
 }
 
-static void reconcile_all(void)
+/* 0 if skipped: this thread is inside a context call (a driver callback) */
+static int reconcile_all(void)
 {
     for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS && !__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE); dev++) {
         if (!__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
-        if (gs_ctx_lock() != 0) return;
+        if (gs_ctx_lock() != 0) return 0;
         gs_reconcile_dev_locked(dev);
         gs_ctx_unlock();
     }
+    return 1;
 }
 
 void gs_reconcile_after_load(void)
 {
-    if (any_near_cap()) {
-        reconcile_all();
-        return;
-    }
+    if (any_near_cap() && reconcile_all()) return; /* else the sampler looks soon */
     pthread_mutex_lock(&g_wake_mu);
     g_woken = 1;
     if (g_sampler_started) pthread_cond_signal(&g_wake_cv);
