@@ -116,6 +116,22 @@ struct tline {
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+/* This thread holds g_mu: the driver may call back into the process from inside the event
+ * calls made under it (a profiler's API callback), and a launch or synchronisation from
+ * there passes through unmeasured rather than wait for its own thread */
+static __thread int t_in_mu;
+
+static void mu_lock(void)
+{
+    pthread_mutex_lock(&g_mu);
+    t_in_mu = 1;
+}
+
+static void mu_unlock(void)
+{
+    t_in_mu = 0;
+    pthread_mutex_unlock(&g_mu);
+}
 static struct tstream g_streams[GS_STREAMS];
 static struct tline g_lines[GS_TIMELINES];
 static uint64_t g_tick;
@@ -557,10 +573,10 @@ static int capture_forbids_queries(void);
  * is charged before it exits, not only at its next launch). */
 void gs_launch_after_sync(void)
 {
-    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || capture_forbids_queries()) return;
-    pthread_mutex_lock(&g_mu);
+    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || capture_forbids_queries() || t_in_mu) return;
+    mu_lock();
     if (!capture_forbids_queries()) measure_all_locked(); /* a global capture may have begun meanwhile */
-    pthread_mutex_unlock(&g_mu);
+    mu_unlock();
 }
 
 static struct tstream *stream_get_locked(uint64_t key, CUcontext ctx, int slot)
@@ -625,9 +641,13 @@ static void capture_announce(void)
 {
     /* under g_mu: no thread is querying events as the count goes up, and any that takes the
      * lock later sees it (the throttle queries under g_mu and looks at the count first) */
-    pthread_mutex_lock(&g_mu);
+    if (t_in_mu) { /* from a driver callback inside this thread's event calls: it holds g_mu */
+        __atomic_add_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
+        return;
+    }
+    mu_lock();
     __atomic_add_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
-    pthread_mutex_unlock(&g_mu);
+    mu_unlock();
 }
 
 static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode mode, CUresult rc)
@@ -714,6 +734,7 @@ static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
 
 static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
 {
+    if (t_in_mu) return launch(args); /* a driver callback inside this thread's event calls */
     CUcontext ctx;
     struct ctx_switch sw = {0, NULL, NULL};
     CUstream es = gs_effective_stream(stream, per_thread);
@@ -726,7 +747,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
     }
     uint64_t key = stream_key(es);
 
-    pthread_mutex_lock(&g_mu);
+    mu_lock();
     struct tstream *s;
     uint64_t queue_until = 0;
     int measured_all = 0, advanced = 0;
@@ -734,7 +755,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
         /* a global capture begun meanwhile (counted under g_mu before it begins) forbids
          * every query from now on: launched unmeasured */
         if (capture_forbids_queries()) {
-            pthread_mutex_unlock(&g_mu);
+            mu_unlock();
             switch_to(&sw, 0);
             return launch(args);
         }
@@ -747,7 +768,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
         uint64_t now = gs_now_ns();
         if (s && over_queue(s) && (!queue_until || now < queue_until)) {
             if (!queue_until) queue_until = now + GS_QUEUE_WAIT_NS;
-            pthread_mutex_unlock(&g_mu);
+            mu_unlock();
             gs_sleep_ns(GS_POLL_NS);
         } else if (s && over_queue(s) && !advanced) {
             /* the queue's head has run longer than the wait (a kernel longer than it, or one
@@ -764,14 +785,14 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
                 s->advance_cost += cost;
                 s->advance_ns = ran;
             }
-            pthread_mutex_unlock(&g_mu);
+            mu_unlock();
         } else if (budget_owed(slot)) {
-            pthread_mutex_unlock(&g_mu);
+            mu_unlock();
             wait_for_budget(slot);
         } else {
             break;
         }
-        pthread_mutex_lock(&g_mu);
+        mu_lock();
     }
     if (s && !s->count) {
         /* the stream is idle: start a new interval here, so idle time is not counted; if that
@@ -788,14 +809,14 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             drop_event(start);
         }
     }
-    pthread_mutex_unlock(&g_mu);
+    mu_unlock();
 
     switch_to(&sw, 0);
     CUresult rc = launch(args);
     if (rc != CUDA_SUCCESS) return rc;
     if (switch_to(&sw, 1) != 0) return rc; /* the stream's context is gone: this launch unmeasured */
 
-    pthread_mutex_lock(&g_mu);
+    mu_lock();
     s = stream_get_locked(key, ctx, slot);
     if (s && s->count >= GS_RING) {
         /* the ring is full (the queue wait timed out): the newest event covers this launch too */
@@ -818,7 +839,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             drop_event(end);
         }
     }
-    pthread_mutex_unlock(&g_mu);
+    mu_unlock();
     if (switch_to(&sw, 0) != 0) GS_ERROR("cuCtxSetCurrent failed: the caller's context could not be restored");
     return rc;
 }
@@ -836,12 +857,12 @@ static inline int throttle_on(void)
 
 void gs_launch_forget_ctx(CUcontext ctx)
 {
-    pthread_mutex_lock(&g_mu);
+    mu_lock();
     for (int i = 0; i < GS_STREAMS; i++)
         if (g_streams[i].last_use && g_streams[i].ctx == ctx) reset_stream(&g_streams[i]);
     struct tline *t = line_get_locked(ctx, 0);
     if (t) memset(t, 0, sizeof(*t)); /* its events went with the context */
-    pthread_mutex_unlock(&g_mu);
+    mu_unlock();
 }
 
 void gs_launch_after_fork_child(void)

@@ -7,6 +7,7 @@ the library a launch loop keeps the fake GPU 100% busy.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 
@@ -350,6 +351,21 @@ def test_a_launch_from_inside_a_global_capture_begin_does_not_deadlock(lab):
                   FAKE_CUDA_CAPTURE_REENTER="1")
     assert res.rc("capture") == 0
     assert res.rc("bench") == 0
+
+
+@pytest.mark.parametrize("callback", ["cuEventRecord:sync", "cuEventQuery:sync",
+                                      "cuEventRecord:launch", "cuEventQuery:launch"])
+def test_a_driver_callback_inside_the_throttles_event_calls_does_not_deadlock(lab, callback):
+    # a profiler's API callback on the events the throttle records and queries under its lock
+    # that synchronises or launches: the nested hook waited for that lock in the same thread.
+    # It passes through now, unmeasured (so nested launches are not charged: 34-64 % here)
+    res = lab.run("init", "ctx", "0", "bench", "1", "kernel", timeout=30, CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_KERNEL_US="1000", FAKE_CUDA_API_CALLBACK=callback)
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[0]
+    assert rc == 0 and launches > 0
+    assert re.search(r"fake: api callbacks [1-9]", res.stderr), res.stderr
+    if callback.endswith("sync"):  # no work of its own: the share holds
+        assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
 
 
 @pytest.mark.parametrize("sm_limit", ["30", None], ids=["limited", "no-limit"])

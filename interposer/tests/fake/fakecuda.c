@@ -364,9 +364,16 @@ API CUresult cuDeviceGetCount(int *n)
 
 /* FAKE_CUDA_API_CALLBACK="fn:action[,fn:action]": a profiler's API callback on entry to fn
  * that calls the driver's exported API itself (so through the interposer): totalmem
- * (cuDeviceTotalMem_v2 of device 0) or setlimit (cuCtxSetLimit of the printf FIFO to 1 MiB).
- * Never from inside another callback.  Each result goes to stderr. */
+ * (cuDeviceTotalMem_v2 of device 0), setlimit (cuCtxSetLimit of the printf FIFO to 1 MiB),
+ * sync (cuCtxSynchronize) or launch (an empty kernel on the legacy stream).  Never from inside
+ * another callback.  The first result per action goes to stderr, and how many ran at exit. */
 static __thread int in_callback;
+static unsigned api_callbacks;
+
+__attribute__((destructor)) static void api_callbacks_report(void)
+{
+    if (api_callbacks) fprintf(stderr, "fake: api callbacks %u\n", api_callbacks);
+}
 
 static void api_callback(const char *fn)
 {
@@ -385,9 +392,20 @@ static void api_callback(const char *fn)
         } else if (!strncmp(what, "setlimit", 8)) {
             CUresult (*set)(int, size_t) = (CUresult(*)(int, size_t))dlsym(RTLD_DEFAULT, "cuCtxSetLimit");
             rc = set(1, 1 << 20);
+        } else if (!strncmp(what, "sync", 4)) {
+            CUresult (*sync)(void) = (CUresult(*)(void))dlsym(RTLD_DEFAULT, "cuCtxSynchronize");
+            rc = sync();
+        } else if (!strncmp(what, "launch", 6)) {
+            typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                         unsigned, CUstream, void **, void **);
+            launch_t launch = (launch_t)dlsym(RTLD_DEFAULT, "cuLaunchKernel");
+            rc = launch((CUfunction)0x99, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
         }
         in_callback = 0;
-        fprintf(stderr, "fake: api callback %s %.8s %d\n", fn, what, rc);
+        static int reported;
+        if (!__atomic_exchange_n(&reported, 1, __ATOMIC_RELAXED))
+            fprintf(stderr, "fake: api callback %s %.8s %d\n", fn, what, rc);
+        __atomic_add_fetch(&api_callbacks, 1, __ATOMIC_RELAXED);
         return;
     }
 }

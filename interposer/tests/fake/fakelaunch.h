@@ -247,6 +247,7 @@ static CUresult event_record(CUevent e, CUstream s, int ptsz)
 
 API CUresult cuEventRecord(CUevent e, CUstream s)
 {
+    api_callback("cuEventRecord");
     return event_record(e, s, 0);
 }
 
@@ -258,6 +259,7 @@ API CUresult cuEventRecord_ptsz(CUevent e, CUstream s)
 API CUresult cuEventQuery(CUevent e)
 {
     FAIL_POINT("cuEventQuery");
+    api_callback("cuEventQuery");
     if (capture_forbids()) return 900; /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
     struct fake_event *ev = (struct fake_event *)e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
