@@ -53,6 +53,19 @@ static void ctx_unlock(void)
     pthread_mutex_unlock(&g_ctx_mu);
 }
 
+unsigned gs_ctx_enter(void)
+{
+    ctx_lock();
+    return t_ctx_depth;
+}
+
+void gs_ctx_leave(void)
+{
+    ctx_unlock();
+}
+
+__thread unsigned gs_t_held;
+
 int gs_ctx_lock(void)
 {
     /* inside a context call of this thread (a driver callback) the call is measuring the
@@ -60,7 +73,7 @@ int gs_ctx_lock(void)
      * skipped (the call measures when it returns).  A nested context call itself takes the
      * lock again and may reconcile near the cap; the outer call's measurement then subtracts
      * what that charged (charge_end: the process's charge moved meanwhile) */
-    if (t_ctx_depth) return -1;
+    if (t_ctx_depth || gs_t_held) return -1;
     ctx_lock();
     return 0;
 }
@@ -186,11 +199,47 @@ static void release_ctx(CUcontext ctx)
 }
 
 
+/* Primary contexts retained from inside the device discovery (a driver callback there): no
+ * device is known yet, so they pass through, and are taken over once it is done */
+#define GS_EARLY 8
+static struct {
+    CUcontext ctx;
+    CUdevice dev;
+} g_early[GS_EARLY];
+static int g_nearly;
+
+void gs_context_after_discovery(void)
+{
+    ctx_lock();
+    for (int i = 0; i < g_nearly; i++) {
+        CUdevice dev = g_early[i].dev;
+        int slot = gs_dev_slot(dev);
+        if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || g_primary_ctx[dev] || slot < 0) continue;
+        /* the container's footprint estimate, forced (it exists already); the reconcile
+         * charges what it really took beyond that */
+        uint64_t bytes = __atomic_load_n(&gs_region->devices[slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
+        gs_budget_force(slot, bytes);
+        g_primary_ctx[dev] = g_early[i].ctx;
+        record_ctx(g_early[i].ctx, slot, bytes, dev);
+        gs_reconcile_dev_locked(dev); /* what the process holds beyond its records, now */
+        GS_INFO("a primary context retained during the device discovery is charged from now on");
+    }
+    g_nearly = 0;
+    ctx_unlock();
+}
+
 GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     gs_cuda_init();
     if (!gs_cuda.cuDevicePrimaryCtxRetain) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    if (gs_devices_discovering()) {
+        CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
+        ctx_lock();
+        if (rc == CUDA_SUCCESS && g_nearly < GS_EARLY) g_early[g_nearly++] = (__typeof__(g_early[0])){*pctx, dev};
+        ctx_unlock();
+        return rc;
+    }
     gs_devices_ready();
     unsigned flags = 0;
     int active = 1;
@@ -219,16 +268,20 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     return rc;
 }
 
-static void primary_maybe_gone(CUdevice dev)
+/* The primary context if it went (its records released; the throttle's are for the caller to
+ * forget once the context lock is released: the throttle's lock is taken before the context
+ * lock, by a driver callback inside its event calls that allocates near the cap), or NULL */
+static CUcontext primary_maybe_gone(CUdevice dev)
 {
     unsigned flags = 0;
     int active = 1;
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_primary_ctx[dev] || !gs_cuda.cuDevicePrimaryCtxGetState ||
         gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
-        return;
-    release_ctx(g_primary_ctx[dev]);
-    gs_launch_forget_ctx(g_primary_ctx[dev]);
+        return NULL;
+    CUcontext gone = g_primary_ctx[dev];
+    release_ctx(gone);
     g_primary_ctx[dev] = NULL;
+    return gone;
 }
 
 typedef CUresult (*dev_fn)(CUdevice);
@@ -237,8 +290,9 @@ static CUresult primary_release(dev_fn release, CUdevice dev)
 {
     ctx_lock();
     CUresult rc = release(dev);
-    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
+    CUcontext gone = rc == CUDA_SUCCESS ? primary_maybe_gone(dev) : NULL;
     ctx_unlock();
+    if (gone) gs_launch_forget_ctx(gone);
     return rc;
 }
 
@@ -248,15 +302,16 @@ static CUresult primary_reset(dev_fn reset, CUdevice dev)
 {
     ctx_lock();
     CUresult rc = reset(dev);
-    if (rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_primary_ctx[dev]) {
+    CUcontext was = rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS ? g_primary_ctx[dev] : NULL;
+    if (was) {
         gs_forget_ctx(g_primary_ctx[dev]);
-        gs_launch_forget_ctx(g_primary_ctx[dev]);
         gs_graphmem_forget_ctx(g_primary_ctx[dev]);
         gs_limits_forget_ctx(g_primary_ctx[dev]); /* the reset context starts with the defaults */
     }
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
     if (rc == CUDA_SUCCESS) gs_reconcile_ctx_reset(dev); /* its code and buffers went */
     ctx_unlock();
+    if (was) gs_launch_forget_ctx(was); /* its events went, gone or not */
     return rc;
 }
 
@@ -394,21 +449,21 @@ GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
     if (!gs_cuda.cuCtxDetach) return CUDA_ERROR_NOT_SUPPORTED;
     ctx_lock();
     CUresult rc = gs_cuda.cuCtxDetach(ctx);
-    int gone = 0;
+    CUcontext gone = NULL;
     if (rc == CUDA_SUCCESS && ctx) {
         int dev = primary_dev_of(ctx);
         struct attached *a = find_attached(ctx);
         if (dev >= 0) {
-            primary_maybe_gone(dev);
+            gone = primary_maybe_gone(dev);
         } else if (a) {
             if (!--a->n) forget_attached(a);
         } else {
             release_ctx(ctx);
-            gone = 1;
+            gone = ctx;
         }
     }
     ctx_unlock();
-    if (gone) gs_launch_forget_ctx(ctx);
+    if (gone) gs_launch_forget_ctx(gone);
     return rc;
 }
 
@@ -422,5 +477,6 @@ void gs_context_after_fork_child(void)
     /* forked inside a context call (a driver callback's): the child returns through it */
     for (unsigned i = 0; i < t_ctx_depth; i++) pthread_mutex_lock(&g_ctx_mu);
     memset(g_primary_ctx, 0, sizeof(g_primary_ctx));
+    g_nearly = 0;
     g_nattached = 0; /* the parent's contexts are not the child's */
 }

@@ -165,6 +165,12 @@ static void discover(void)
     gs_launch_configure();
     __atomic_store_n(&g_ready, 1, __ATOMIC_RELEASE);
     t_discovering = 0;
+    gs_context_after_discovery();
+}
+
+int gs_devices_discovering(void)
+{
+    return t_discovering;
 }
 
 void gs_devices_ready(void)

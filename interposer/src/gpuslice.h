@@ -116,6 +116,8 @@ struct gs_devcfg {
 };
 
 void gs_devices_ready(void);         /* discovery + region, once (CUDA processes) */
+int gs_devices_discovering(void);    /* this thread is inside the discovery (a driver callback there) */
+void gs_context_after_discovery(void); /* takes over primary contexts retained during it */
 void gs_devices_view_ready(void);    /* region devices for NVML-only processes (no registration) */
 int gs_dev_slot(CUdevice dev);       /* region slot of a CUDA ordinal, -1 if unknown */
 int gs_current_slot(CUcontext *ctx); /* slot of the current context's device, -1 if none */
@@ -136,6 +138,13 @@ int gs_dev_count(void);
 /* Context records and what reconcile.c charges to them: 0 = taken; -1 = not taken, this thread
  * is inside a context call already (the driver called back: that call measures the process) */
 int gs_ctx_lock(void);
+/* Always taken (recursively): returns how many times this thread holds it now */
+unsigned gs_ctx_enter(void);
+void gs_ctx_leave(void);
+/* Locks of the library this thread holds across a driver call (the throttle's, a limit change's):
+ * a driver callback from inside that call skips the near-cap reconcile (gs_ctx_lock returns -1),
+ * which would take the context lock after them, the wrong order */
+extern __thread unsigned gs_t_held;
 void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);
 
@@ -165,6 +174,7 @@ void gs_pid_probe_end(int ok, uint64_t bytes, int unsettled);
 unsigned gs_host_pid(CUdevice dev); /* the process's pid in NVML's lists, 0 if not known yet */
 void gs_sampler_start(void); /* the background thread (reconcile.c), if not running yet */
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
+void gs_reconcile_slot_held(int slot);          /* gs_reconcile_slot, the caller holding the context lock */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);

@@ -120,15 +120,24 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
  * calls made under it (a profiler's API callback), and a launch or synchronisation from
  * there passes through unmeasured rather than wait for its own thread */
 static __thread int t_in_mu;
+/* Contexts a driver callback destroyed meanwhile (under g_mu): forgotten as it is released */
+#define GS_FORGET_PENDING 16
+static CUcontext g_forget[GS_FORGET_PENDING];
+static int g_nforget;
+
+static void forget_ctx_locked(CUcontext ctx);
 
 static void mu_lock(void)
 {
     pthread_mutex_lock(&g_mu);
     t_in_mu = 1;
+    gs_t_held++;
 }
 
 static void mu_unlock(void)
 {
+    while (g_nforget) forget_ctx_locked(g_forget[--g_nforget]);
+    gs_t_held--;
     t_in_mu = 0;
     pthread_mutex_unlock(&g_mu);
 }
@@ -855,19 +864,33 @@ static inline int throttle_on(void)
     return st == THROTTLE_ON && gs_region;
 }
 
-void gs_launch_forget_ctx(CUcontext ctx)
+static void forget_ctx_locked(CUcontext ctx)
 {
-    mu_lock();
     for (int i = 0; i < GS_STREAMS; i++)
         if (g_streams[i].last_use && g_streams[i].ctx == ctx) reset_stream(&g_streams[i]);
     struct tline *t = line_get_locked(ctx, 0);
     if (t) memset(t, 0, sizeof(*t)); /* its events went with the context */
+}
+
+void gs_launch_forget_ctx(CUcontext ctx)
+{
+    if (t_in_mu) { /* a driver callback inside this thread's event calls: the caller's entries stay valid */
+        if (g_nforget < GS_FORGET_PENDING)
+            g_forget[g_nforget++] = ctx;
+        else
+            GS_WARN("compute limit: too many contexts destroyed at once: a stream's measurement ends at its "
+                    "next query");
+        return;
+    }
+    mu_lock();
+    forget_ctx_locked(ctx);
     mu_unlock();
 }
 
 void gs_launch_after_fork_child(void)
 {
     pthread_mutex_init(&g_mu, NULL);
+    g_nforget = 0;
     memset(g_streams, 0, sizeof(g_streams));
     memset(g_lines, 0, sizeof(g_lines));
     gs_slices_after_fork_child();

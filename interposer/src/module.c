@@ -155,15 +155,14 @@ static uint64_t limit_bytes(size_t value, size_t base, uint64_t unit)
     return over > UINT64_MAX / unit ? UINT64_MAX : over * unit;
 }
 
-/* This thread is inside the hook's driver call: a driver callback's own cuCtxSetLimit (a
- * profiler's) passes straight through, and the reconcile charges what it took */
+/* This thread is inside the hook's driver call, holding g_set_mu: a driver callback's own
+ * cuCtxSetLimit (a profiler's) is accounted without taking it again */
 static __thread int t_setting;
 
 GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxSetLimit) return CUDA_ERROR_NOT_SUPPORTED;
-    if (t_setting) return gs_cuda.cuCtxSetLimit(limit, value);
     gs_devices_ready();
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
@@ -174,11 +173,15 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
         if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
         return rc;
     }
-    /* near the cap, reconciled before g_set_mu (the order is the context lock, then g_set_mu: a
-     * driver callback inside a context call of another thread may set a limit); the growth
-     * over the current value stands for what is reserved below */
-    if (GS_UNLIKELY(gs_near_cap(slot, limit_bytes(value, now, unit)))) gs_reconcile_slot(slot);
-    pthread_mutex_lock(&g_set_mu);
+    /* the context lock first, then g_set_mu: a driver callback inside this call may make a
+     * context or allocate near the cap (which takes the context lock), and one inside another
+     * thread's context call may set a limit.  Near the cap, reconciled first (not from inside
+     * another context call: that one measures when it returns); the growth over the current
+     * value stands for what is reserved below */
+    unsigned depth = gs_ctx_enter();
+    if (depth == 1 && GS_UNLIKELY(gs_near_cap(slot, limit_bytes(value, now, unit)))) gs_reconcile_slot_held(slot);
+    int nested = t_setting;
+    if (!nested) pthread_mutex_lock(&g_set_mu);
     pthread_mutex_lock(&g_lim_mu);
     int e = lim_entry_locked(ctx, slot);
     if (e >= 0 && !g_lim[e].known[limit]) {
@@ -194,27 +197,27 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     /* in flight for the whole call, before the charge changes: no reading that could lower a
      * charge (or take a limit's slack) falls between the driver's change and ours */
     gs_inflight_begin();
+    CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
     if (grow && gs_reserve_raw(slot, grow) != 0) {
-        gs_inflight_end();
-        pthread_mutex_unlock(&g_set_mu);
         GS_INFO("cuCtxSetLimit(%d, %zu) refused: it would take %llu more bytes than the cap leaves", (int)limit,
                 value, (unsigned long long)grow);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+        t_setting++;
+        rc = gs_cuda.cuCtxSetLimit(limit, value);
+        t_setting--;
+        pthread_mutex_lock(&g_lim_mu);
+        int mine = e >= 0 && g_lim[e].ctx == ctx;
+        if (rc == CUDA_SUCCESS && mine) {
+            if (grow) g_lim[e].charged[limit] = target;
+            g_lim[e].current[limit] = target;
+        } else if (grow && (rc != CUDA_SUCCESS || e >= 0)) {
+            gs_budget_release(slot, grow); /* failed, or the context went meanwhile and its limits with it */
+        }                                  /* (with no entry, the growth stays charged until the exit) */
+        pthread_mutex_unlock(&g_lim_mu);
     }
-    t_setting = 1;
-    CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
-    t_setting = 0;
-    pthread_mutex_lock(&g_lim_mu);
-    int mine = e >= 0 && g_lim[e].ctx == ctx;
-    if (rc == CUDA_SUCCESS && mine) {
-        if (grow) g_lim[e].charged[limit] = target;
-        g_lim[e].current[limit] = target;
-    } else if (grow && (rc != CUDA_SUCCESS || e >= 0)) {
-        gs_budget_release(slot, grow); /* failed, or the context went meanwhile and its limits with it */
-    }                                  /* (with no entry, the growth stays charged until the exit) */
-    pthread_mutex_unlock(&g_lim_mu);
     gs_inflight_end();
-    pthread_mutex_unlock(&g_set_mu);
+    if (!nested) pthread_mutex_unlock(&g_set_mu);
+    gs_ctx_leave();
     if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
     return rc;
 }

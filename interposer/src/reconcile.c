@@ -339,6 +339,15 @@ static void nudge_sampler(void)
     pthread_mutex_unlock(&g_wake_mu);
 }
 
+void gs_reconcile_slot_held(int slot)
+{
+    int n = gs_dev_count();
+    for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++)
+        if (gs_dev_slot(dev) == slot && __atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE))
+            gs_reconcile_dev_locked(dev);
+    nudge_sampler();
+}
+
 void gs_reconcile_slot(int slot)
 {
     int n = gs_dev_count();

@@ -405,6 +405,45 @@ def test_a_driver_api_callback_calling_back_into_a_hook_does_not_deadlock(lab, c
         assert 0 <= res.values("phys")[0] - (total - free) <= 2 * MIB
 
 
+def test_a_context_made_by_a_callback_inside_a_limit_change_does_not_deadlock_another_thread(lab):
+    # thread B sets a limit and the driver's callback inside makes a context; thread A makes a
+    # context and the callback inside sets a limit: B held the limit lock and waited for the
+    # context lock, A the other way round.  cuCtxSetLimit now takes the context lock first
+    res = lab.run("init", "ctx", "0", "alloc", "500m", "bgsetlimit", "8m", "0", "sleep", "50",
+                  "ctxcreate", "0", "join", "meminfo", "phys", timeout=30,
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_SLEEP="cuCtxSetLimit:300,cuCtxCreate:300",
+                  FAKE_CUDA_API_CALLBACK="cuCtxSetLimit:ctx", FAKE_CUDA_CTX_CALLBACK="setlimit",
+                  FAKE_CUDA_CTX_CALLBACK_BYTES="4m")
+    assert res.returncode == 0 and all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
+    assert "fake: api callback cuCtxSetLimit ctx 0" in res.stderr
+    free, total = res.values("meminfo")
+    assert total - free == res.values("phys")[0]
+
+
+def test_a_primary_context_retained_by_a_callback_during_the_device_discovery_is_charged(lab):
+    # retained from inside the discovery, it passed through (no device known yet) and was
+    # never charged nor reconciled: 100 MiB held, 0 charged
+    res = lab.run("init", "ctx", "0", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_API_CALLBACK="cuDeviceGet:retain")
+    assert "fake: api callback cuDeviceGet retain 0" in res.stderr
+    free, total = res.values("meminfo")
+    assert total - free == res.values("phys")[0] == 100 * MIB
+
+
+def test_a_limit_a_callback_sets_inside_a_limit_change_is_accounted(lab):
+    # the nested cuCtxSetLimit (the printf FIFO, inside the heap's change) passed through: the
+    # reconcile did not see it below the cap's margin, and a later change of the same limit
+    # would have reserved it again; 172 MiB charged for 264 held
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "64m", "setlimit", "1", "100m", "meminfo",
+                  "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_API_CALLBACK="cuCtxSetLimit:setlimit",
+                  FAKE_CUDA_API_CALLBACK_BYTES="100m")
+    assert [rc for rc, _ in res.of("setlimit")] == [0, 0]
+    free, total = res.values("meminfo")
+    assert total - free == res.values("phys")[0] == 264 * MIB
+
+
 def test_memory_a_driver_callback_keeps_is_charged_once_beside_the_context(lab):
     # the callback's allocation is made while the context's own footprint is being measured:
     # it is charged as an allocation, not again as part of the footprint

@@ -16,6 +16,7 @@ import pytest
 from webhook.node.region import DeviceSlot, Region, encode_region
 
 GIB = 1 << 30
+CUDA_ERROR_INVALID_CONTEXT = 201
 
 TOLERANCE = 5.0  # percentage points
 
@@ -366,6 +367,35 @@ def test_a_driver_callback_inside_the_throttles_event_calls_does_not_deadlock(la
     assert re.search(r"fake: api callbacks [1-9]", res.stderr), res.stderr
     if callback.endswith("sync"):  # no work of its own: the share holds
         assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
+
+
+def test_a_context_a_callback_destroys_inside_the_throttles_event_calls_is_forgotten_later(lab):
+    # the callback makes and destroys a context: its forgetting took the throttle's lock that
+    # the thread held (hung); it is done as the lock is released
+    res = lab.run("init", "ctx", "0", "bench", "1", "kernel", timeout=30, CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_KERNEL_US="1000", FAKE_CUDA_API_CALLBACK="cuEventQuery:ctx",
+                  FAKE_CUDA_CTX_BYTES="10m")
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[0]
+    assert rc == 0 and launches > 0
+    assert "fake: api callback cuEventQuery ctx 0" in res.stderr
+    assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
+
+
+def test_a_callback_allocating_inside_the_throttles_event_calls_and_a_release_do_not_deadlock(lab):
+    # a thread launching graphs, whose callback allocates near the cap inside the throttle's
+    # event queries (it held the throttle's lock and waited for the context lock to
+    # reconcile), while the main thread releases the primary context (it held the context lock
+    # and waited for the throttle's to forget the context): hung.  The reconcile is skipped
+    # under the throttle's lock, and the release forgets after the context lock
+    res = lab.run("init", "ctx", "0", "alloc", "800m", "gcapture", "4m", "ginst", "flags",
+                  "glaunch", "bgglaunch", "100", "sleep", "100", "release", "0", "join",
+                  timeout=30, CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  CUDA_DEVICE_SM_LIMIT="10", FAKE_CUDA_KERNEL_US="5000",
+                  FAKE_CUDA_API_CALLBACK="cuEventQuery:alloc", FAKE_CUDA_API_CALLBACK_BYTES="10m",
+                  FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRelease:600")
+    assert res.rc("release") == 0
+    assert res.rc("bgglaunch") in (0, CUDA_ERROR_INVALID_CONTEXT)  # its context went meanwhile
+    assert "fake: api callback cuEventQuery alloc 0" in res.stderr
 
 
 @pytest.mark.parametrize("sm_limit", ["30", None], ids=["limited", "no-limit"])

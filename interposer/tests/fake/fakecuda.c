@@ -364,7 +364,9 @@ API CUresult cuDeviceGetCount(int *n)
 
 /* FAKE_CUDA_API_CALLBACK="fn:action[,fn:action]": a profiler's API callback on entry to fn
  * that calls the driver's exported API itself (so through the interposer): totalmem
- * (cuDeviceTotalMem_v2 of device 0), setlimit (cuCtxSetLimit of the printf FIFO to 1 MiB),
+ * (cuDeviceTotalMem_v2 of device 0), setlimit (cuCtxSetLimit of the printf FIFO to
+ * FAKE_CUDA_API_CALLBACK_BYTES, default 1m), alloc (that much, freed again), ctx (a context of
+ * its own, created and destroyed), retain (device 0's primary context, once per process),
  * sync (cuCtxSynchronize) or launch (an empty kernel on the legacy stream).  Never from inside
  * another callback.  The first result per action goes to stderr, and how many ran at exit. */
 static __thread int in_callback;
@@ -382,16 +384,37 @@ static void api_callback(const char *fn)
     if (!spec || in_callback) return;
     for (const char *p = spec; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
         if (strncmp(p, fn, nl) != 0 || p[nl] != ':') continue;
-        const char *what = p + nl + 1;
+        const char *what = p + nl + 1, *v = getenv("FAKE_CUDA_API_CALLBACK_BYTES");
+        size_t bytes = v ? (size_t)fake_size(v) : 1 << 20;
         int rc = -1;
         in_callback = 1;
         if (!strncmp(what, "totalmem", 8)) {
             CUresult (*total)(size_t *, CUdevice) = (CUresult(*)(size_t *, CUdevice))dlsym(RTLD_DEFAULT, "cuDeviceTotalMem_v2");
-            size_t bytes = 0;
-            rc = total(&bytes, 0);
+            size_t total_bytes = 0;
+            rc = total(&total_bytes, 0);
         } else if (!strncmp(what, "setlimit", 8)) {
             CUresult (*set)(int, size_t) = (CUresult(*)(int, size_t))dlsym(RTLD_DEFAULT, "cuCtxSetLimit");
-            rc = set(1, 1 << 20);
+            rc = set(1, bytes);
+        } else if (!strncmp(what, "alloc", 5)) {
+            CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+            CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))dlsym(RTLD_DEFAULT, "cuMemFree_v2");
+            CUdeviceptr d = 0;
+            rc = alloc(&d, bytes);
+            if (rc == CUDA_SUCCESS) release(d);
+            if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0; /* refused near the cap: an answer */
+        } else if (!strncmp(what, "ctx", 3)) {
+            CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))dlsym(RTLD_DEFAULT, "cuCtxCreate_v2");
+            CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))dlsym(RTLD_DEFAULT, "cuCtxDestroy_v2");
+            struct fake_ctx *was = current;
+            CUcontext c = NULL;
+            rc = create(&c, 0, 0);
+            if (rc == CUDA_SUCCESS) rc = destroy(c);
+            current = was;
+        } else if (!strncmp(what, "retain", 6)) {
+            CUresult (*retain)(CUcontext *, CUdevice) = (CUresult(*)(CUcontext *, CUdevice))dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain");
+            static int retained;
+            CUcontext c = NULL;
+            rc = __atomic_exchange_n(&retained, 1, __ATOMIC_RELAXED) ? 0 : retain(&c, 0);
         } else if (!strncmp(what, "sync", 4)) {
             CUresult (*sync)(void) = (CUresult(*)(void))dlsym(RTLD_DEFAULT, "cuCtxSynchronize");
             rc = sync();
@@ -566,6 +589,7 @@ static void ctx_drop(struct fake_ctx *c);
 
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
 {
+    FAIL_POINT("cuDevicePrimaryCtxRelease");
     CHECK_DEV(d);
     if (primaries[d].refs == 1) ctx_callback(&primaries[d], "destroy-starting");
     pthread_mutex_lock(&mu);
