@@ -196,6 +196,7 @@ static void release_ctx(CUcontext ctx)
     gs_limits_forget_ctx(ctx);
     if (gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) gs_budget_release(rec.slot, rec.size);
     gs_reconcile_forget_ctx(ctx); /* last: it measures what is left */
+    gs_launch_forget_ctx(ctx);    /* under the context lock: a new context cannot take its handle first */
 }
 
 
@@ -214,7 +215,11 @@ void gs_context_after_discovery(void)
     for (int i = 0; i < g_nearly; i++) {
         CUdevice dev = g_early[i].dev;
         int slot = gs_dev_slot(dev);
-        if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || g_primary_ctx[dev] || slot < 0) continue;
+        unsigned flags = 0;
+        int active = 0;
+        if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || g_primary_ctx[dev] || slot < 0 || !gs_cuda.cuDevicePrimaryCtxGetState ||
+            gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active)
+            continue; /* released again meanwhile */
         /* the container's footprint estimate, forced (it exists already); the reconcile
          * charges what it really took beyond that */
         uint64_t bytes = __atomic_load_n(&gs_region->devices[slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
@@ -233,6 +238,7 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     gs_cuda_init();
     if (!gs_cuda.cuDevicePrimaryCtxRetain) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    if (gs_t_held) return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev); /* a driver callback: see gs_t_held */
     if (gs_devices_discovering()) {
         CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
         ctx_lock();
@@ -268,31 +274,26 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     return rc;
 }
 
-/* The primary context if it went (its records released; the throttle's are for the caller to
- * forget once the context lock is released: the throttle's lock is taken before the context
- * lock, by a driver callback inside its event calls that allocates near the cap), or NULL */
-static CUcontext primary_maybe_gone(CUdevice dev)
+static void primary_maybe_gone(CUdevice dev)
 {
     unsigned flags = 0;
     int active = 1;
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_primary_ctx[dev] || !gs_cuda.cuDevicePrimaryCtxGetState ||
         gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
-        return NULL;
-    CUcontext gone = g_primary_ctx[dev];
-    release_ctx(gone);
+        return;
+    release_ctx(g_primary_ctx[dev]);
     g_primary_ctx[dev] = NULL;
-    return gone;
 }
 
 typedef CUresult (*dev_fn)(CUdevice);
 
 static CUresult primary_release(dev_fn release, CUdevice dev)
 {
+    if (gs_t_held) return release(dev); /* a driver callback under a lock of ours: see gs_t_held */
     ctx_lock();
     CUresult rc = release(dev);
-    CUcontext gone = rc == CUDA_SUCCESS ? primary_maybe_gone(dev) : NULL;
+    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
     ctx_unlock();
-    if (gone) gs_launch_forget_ctx(gone);
     return rc;
 }
 
@@ -300,18 +301,18 @@ static CUresult primary_release(dev_fn release, CUdevice dev)
  * or not the driver then reports the context active. */
 static CUresult primary_reset(dev_fn reset, CUdevice dev)
 {
+    if (gs_t_held) return reset(dev); /* a driver callback under a lock of ours: see gs_t_held */
     ctx_lock();
     CUresult rc = reset(dev);
-    CUcontext was = rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS ? g_primary_ctx[dev] : NULL;
-    if (was) {
+    if (rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_primary_ctx[dev]) {
         gs_forget_ctx(g_primary_ctx[dev]);
+        gs_launch_forget_ctx(g_primary_ctx[dev]);
         gs_graphmem_forget_ctx(g_primary_ctx[dev]);
         gs_limits_forget_ctx(g_primary_ctx[dev]); /* the reset context starts with the defaults */
     }
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
     if (rc == CUDA_SUCCESS) gs_reconcile_ctx_reset(dev); /* its code and buffers went */
     ctx_unlock();
-    if (was) gs_launch_forget_ctx(was); /* its events went, gone or not */
     return rc;
 }
 
@@ -331,6 +332,7 @@ GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset, primary_reset)
 #define GS_CTX_CREATE(call)                                                 \
     do {                                                                    \
         if (!pctx) return CUDA_ERROR_INVALID_VALUE;                         \
+        if (gs_t_held) return (call); /* a driver callback: see gs_t_held */ \
         gs_devices_ready();                                                 \
         ctx_lock();                                      \
         struct ctx_charge c;                                                \
@@ -376,11 +378,11 @@ GS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateP
 
 static CUresult ctx_destroy(CUresult (*destroy)(CUcontext), CUcontext ctx)
 {
+    if (gs_t_held) return destroy(ctx); /* a driver callback under a lock of ours: see gs_t_held */
     ctx_lock(); /* a reconcile may be charging this context */
     CUresult rc = destroy(ctx);
     if (rc == CUDA_SUCCESS && ctx) release_ctx(ctx);
     ctx_unlock();
-    if (rc == CUDA_SUCCESS && ctx) gs_launch_forget_ctx(ctx);
     return rc;
 }
 
@@ -413,6 +415,7 @@ GS_EXPORT CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)
     gs_cuda_init();
     if (!gs_cuda.cuCtxAttach) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    if (gs_t_held) return gs_cuda.cuCtxAttach(pctx, flags); /* a driver callback: see gs_t_held */
     ctx_lock();
     CUresult rc = gs_cuda.cuCtxAttach(pctx, flags);
     CUcontext ctx = rc == CUDA_SUCCESS ? *pctx : NULL;
@@ -447,23 +450,20 @@ GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxDetach) return CUDA_ERROR_NOT_SUPPORTED;
+    if (gs_t_held) return gs_cuda.cuCtxDetach(ctx); /* a driver callback: see gs_t_held */
     ctx_lock();
     CUresult rc = gs_cuda.cuCtxDetach(ctx);
-    CUcontext gone = NULL;
     if (rc == CUDA_SUCCESS && ctx) {
         int dev = primary_dev_of(ctx);
         struct attached *a = find_attached(ctx);
-        if (dev >= 0) {
-            gone = primary_maybe_gone(dev);
-        } else if (a) {
+        if (dev >= 0)
+            primary_maybe_gone(dev);
+        else if (a) {
             if (!--a->n) forget_attached(a);
-        } else {
+        } else
             release_ctx(ctx);
-            gone = ctx;
-        }
     }
     ctx_unlock();
-    if (gone) gs_launch_forget_ctx(gone);
     return rc;
 }
 

@@ -141,10 +141,22 @@ int gs_ctx_lock(void);
 /* Always taken (recursively): returns how many times this thread holds it now */
 unsigned gs_ctx_enter(void);
 void gs_ctx_leave(void);
-/* Locks of the library this thread holds across a driver call (the throttle's, a limit change's):
- * a driver callback from inside that call skips the near-cap reconcile (gs_ctx_lock returns -1),
- * which would take the context lock after them, the wrong order */
+/* Locks of the library other than the context lock that this thread holds, some across driver
+ * calls (the throttle's, a limit change's, the pools', the graph memory's).  A hook reached from
+ * a driver callback meanwhile never waits for the context lock (the context hooks pass straight
+ * through, the near-cap reconcile is skipped: gs_ctx_lock returns -1) nor for the throttle's
+ * (launches and synchronisations pass through unmeasured): the order is the context lock first */
 extern __thread unsigned gs_t_held;
+static inline void gs_held_lock(pthread_mutex_t *m)
+{
+    pthread_mutex_lock(m);
+    gs_t_held++;
+}
+static inline void gs_held_unlock(pthread_mutex_t *m)
+{
+    gs_t_held--;
+    pthread_mutex_unlock(m);
+}
 void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);
 

@@ -122,7 +122,7 @@ static void remember(CUgraphExec exec, const struct gs_graph_need *need)
 {
     CUcontext ctx = NULL;
     if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     int i = find_locked(exec);
     if (i < 0 && g_n < GS_MAX_GEXECS) i = g_n++;
     if (i >= 0) {
@@ -134,40 +134,40 @@ static void remember(CUgraphExec exec, const struct gs_graph_need *need)
         GS_WARN("more than %d graphs with allocation nodes: later ones are charged by the NVML reconcile only",
                 GS_MAX_GEXECS);
     }
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
 }
 
 static void forget(CUgraphExec exec)
 {
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     int i = find_locked(exec);
     if (i >= 0) {
         g_execs[i] = g_execs[--g_n];
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     }
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
 }
 
 /* A context went: its executable graphs went with it (the driver may hand their handles
  * out again, for graphs that allocate nothing). */
 void gs_graphmem_forget_ctx(CUcontext ctx)
 {
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     for (int i = 0; i < g_n;)
         if (g_execs[i].ctx == ctx)
             g_execs[i] = g_execs[--g_n];
         else
             i++;
     __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
 }
 
 static int lookup(CUgraphExec exec, struct gs_graph_need *need)
 {
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     int i = find_locked(exec);
     if (i >= 0) *need = g_execs[i].need;
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
     return i >= 0;
 }
 
@@ -190,7 +190,7 @@ static uint64_t settle(CUdevice dev, uint64_t reserved)
     if (slot < 0) return 0;
     /* the charge is the device's, not a context's (the pool outlives the contexts that used
      * it): it follows the pool's size here, and gs_graphmem_resettle when a context goes */
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     struct gs_alloc rec = {0}, old;
     if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) != 0) rec.slot = slot;
     uint64_t charged = rec.size + reserved, target = charged;
@@ -205,7 +205,7 @@ static uint64_t settle(CUdevice dev, uint64_t reserved)
         gs_budget_release(rec.slot, charged - target);
     rec.size = target;
     if (target) gs_am_put(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec, &old);
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
     return target;
 }
 
@@ -216,16 +216,16 @@ void gs_graphmem_resettle(CUdevice dev, int contexts_left)
     struct gs_alloc rec, old;
     if (dev < 0) return;
     if (contexts_left) {
-        pthread_mutex_lock(&g_mu);
+        gs_held_lock(&g_mu);
         int have = gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) == 0;
         if (have) gs_am_put(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec, &old);
-        pthread_mutex_unlock(&g_mu);
+        gs_held_unlock(&g_mu);
         if (have) settle(dev, 0);
         return;
     }
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) == 0) gs_budget_release(rec.slot, rec.size);
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
 }
 
 /* Reserve what the pool cannot hold of `need`; 0 = done, -1 = over the cap (nothing kept). */
@@ -291,10 +291,10 @@ void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const
         if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &after) != 0 || after < base) base = 0;
         ran_need[i] = held[i] > base + 1 ? held[i] - base : 1; /* never 0 once it ran: 0 means never */
     }
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     int k = find_locked(exec);
     for (int i = 0; k >= 0 && i < need->n; i++) g_execs[k].need.ran[i] = ran_need[i];
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
 }
 
 /* ---- the hooks ------------------------------------------------------------- */

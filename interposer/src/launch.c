@@ -116,30 +116,17 @@ struct tline {
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-/* This thread holds g_mu: the driver may call back into the process from inside the event
+/* g_mu counts in gs_t_held: the driver may call back into the process from inside the event
  * calls made under it (a profiler's API callback), and a launch or synchronisation from
  * there passes through unmeasured rather than wait for its own thread */
-static __thread int t_in_mu;
-/* Contexts a driver callback destroyed meanwhile (under g_mu): forgotten as it is released */
-#define GS_FORGET_PENDING 16
-static CUcontext g_forget[GS_FORGET_PENDING];
-static int g_nforget;
-
-static void forget_ctx_locked(CUcontext ctx);
-
 static void mu_lock(void)
 {
-    pthread_mutex_lock(&g_mu);
-    t_in_mu = 1;
-    gs_t_held++;
+    gs_held_lock(&g_mu);
 }
 
 static void mu_unlock(void)
 {
-    while (g_nforget) forget_ctx_locked(g_forget[--g_nforget]);
-    gs_t_held--;
-    t_in_mu = 0;
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
 }
 static struct tstream g_streams[GS_STREAMS];
 static struct tline g_lines[GS_TIMELINES];
@@ -582,7 +569,7 @@ static int capture_forbids_queries(void);
  * is charged before it exits, not only at its next launch). */
 void gs_launch_after_sync(void)
 {
-    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || capture_forbids_queries() || t_in_mu) return;
+    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || capture_forbids_queries() || gs_t_held) return;
     mu_lock();
     if (!capture_forbids_queries()) measure_all_locked(); /* a global capture may have begun meanwhile */
     mu_unlock();
@@ -650,7 +637,7 @@ static void capture_announce(void)
 {
     /* under g_mu: no thread is querying events as the count goes up, and any that takes the
      * lock later sees it (the throttle queries under g_mu and looks at the count first) */
-    if (t_in_mu) { /* from a driver callback inside this thread's event calls: it holds g_mu */
+    if (gs_t_held) { /* a driver callback under a lock of ours (maybe g_mu itself): none is waited for */
         __atomic_add_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
         return;
     }
@@ -743,7 +730,7 @@ static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
 
 static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
 {
-    if (t_in_mu) return launch(args); /* a driver callback inside this thread's event calls */
+    if (gs_t_held) return launch(args); /* a driver callback under a lock of ours (maybe g_mu) */
     CUcontext ctx;
     struct ctx_switch sw = {0, NULL, NULL};
     CUstream es = gs_effective_stream(stream, per_thread);
@@ -874,14 +861,6 @@ static void forget_ctx_locked(CUcontext ctx)
 
 void gs_launch_forget_ctx(CUcontext ctx)
 {
-    if (t_in_mu) { /* a driver callback inside this thread's event calls: the caller's entries stay valid */
-        if (g_nforget < GS_FORGET_PENDING)
-            g_forget[g_nforget++] = ctx;
-        else
-            GS_WARN("compute limit: too many contexts destroyed at once: a stream's measurement ends at its "
-                    "next query");
-        return;
-    }
     mu_lock();
     forget_ctx_locked(ctx);
     mu_unlock();
@@ -890,7 +869,6 @@ void gs_launch_forget_ctx(CUcontext ctx)
 void gs_launch_after_fork_child(void)
 {
     pthread_mutex_init(&g_mu, NULL);
-    g_nforget = 0;
     memset(g_streams, 0, sizeof(g_streams));
     memset(g_lines, 0, sizeof(g_lines));
     gs_slices_after_fork_child();

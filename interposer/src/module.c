@@ -163,6 +163,10 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxSetLimit) return CUDA_ERROR_NOT_SUPPORTED;
+    /* a driver callback under another lock of ours: it must not wait for the context lock (see
+     * gs_t_held); the reconcile charges what the change took.  Under our own g_set_mu (a
+     * callback inside this hook's driver call) it is accounted without taking that again */
+    if (gs_t_held && !t_setting) return gs_cuda.cuCtxSetLimit(limit, value);
     gs_devices_ready();
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
@@ -181,7 +185,7 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     unsigned depth = gs_ctx_enter();
     if (depth == 1 && GS_UNLIKELY(gs_near_cap(slot, limit_bytes(value, now, unit)))) gs_reconcile_slot_held(slot);
     int nested = t_setting;
-    if (!nested) pthread_mutex_lock(&g_set_mu);
+    if (!nested) gs_held_lock(&g_set_mu);
     pthread_mutex_lock(&g_lim_mu);
     int e = lim_entry_locked(ctx, slot);
     if (e >= 0 && !g_lim[e].known[limit]) {
@@ -207,7 +211,14 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
         t_setting--;
         pthread_mutex_lock(&g_lim_mu);
         int mine = e >= 0 && g_lim[e].ctx == ctx;
-        if (rc == CUDA_SUCCESS && mine) {
+        /* a callback inside the driver call may have set the same limit (accounted by its own
+         * hook from the same `was`): the charge is the larger of the two, reserved once */
+        uint64_t inner = mine ? g_lim[e].charged[limit] : was;
+        if (rc == CUDA_SUCCESS && mine && inner > was) {
+            if (grow) gs_budget_release(slot, (target < inner ? target : inner) - was);
+            if (target > inner) g_lim[e].charged[limit] = target;
+            g_lim[e].current[limit] = target;
+        } else if (rc == CUDA_SUCCESS && mine) {
             if (grow) g_lim[e].charged[limit] = target;
             g_lim[e].current[limit] = target;
         } else if (grow && (rc != CUDA_SUCCESS || e >= 0)) {
@@ -216,7 +227,7 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
         pthread_mutex_unlock(&g_lim_mu);
     }
     gs_inflight_end();
-    if (!nested) pthread_mutex_unlock(&g_set_mu);
+    if (!nested) gs_held_unlock(&g_set_mu);
     gs_ctx_leave();
     if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
     return rc;

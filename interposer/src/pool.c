@@ -80,14 +80,14 @@ static struct pool_where *where_entry_locked(uint64_t pool)
  * pool cuMemAllocAsync uses unless cuDeviceSetMemPool made another current). */
 static int pool_location(uint64_t pool, CUmemLocation *loc)
 {
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     for (int i = 0; i < GS_MAX_POOLS; i++)
         if (g_where[i].pool == pool) {
             *loc = g_where[i].location;
-            pthread_mutex_unlock(&g_mu);
+            gs_held_unlock(&g_mu);
             return 1;
         }
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
     int n = gs_dev_count(), found = -1;
     for (int d = 0; d < n && found < 0 && gs_cuda.cuDeviceGetDefaultMemPool; d++) {
         CUmemoryPool p = NULL;
@@ -96,13 +96,13 @@ static int pool_location(uint64_t pool, CUmemLocation *loc)
     if (found < 0) return 0;
     loc->type = CU_MEM_LOCATION_TYPE_DEVICE;
     loc->id = found;
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     struct pool_where *w = where_entry_locked(pool);
     if (w) {
         w->pool = pool;
         w->location = *loc;
     }
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
     return 1;
 }
 
@@ -113,7 +113,7 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
     CUresult rc = gs_cuda.cuMemPoolCreate(pool, poolProps);
     if (rc != CUDA_SUCCESS || !pool || !poolProps) return rc;
     uint64_t key = (uint64_t)(uintptr_t)*pool;
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     struct pool_where *w = where_entry_locked(key);
     if (w) {
         w->pool = key;
@@ -123,7 +123,7 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
      * (what the old one still has allocated stays in the record: charged, on the safe side) */
     struct pool_rec *old = find_locked(key, -1, 0);
     if (old) old->destroyed = 0;
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
     if (!w) GS_WARN("more than %d memory pools: a new one is charged to the allocating stream's device", GS_MAX_POOLS);
     return rc;
 }
@@ -184,9 +184,9 @@ static void reconcile_all_locked(void)
 
 void gs_pools_reconcile_all(void)
 {
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     reconcile_all_locked();
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
 }
 
 /* gs_reserve for callers holding g_mu. */
@@ -199,13 +199,13 @@ static int reserve_locked(int slot, uint64_t bytes)
 
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes)
 {
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     struct pool_rec *p = find_locked(pool, -1, 0);
     if (p) {
         p->live = p->live > bytes ? p->live - bytes : 0;
         reconcile_locked(p, 0);
     }
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
 }
 
 void gs_pools_after_fork_child(void)
@@ -258,10 +258,10 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
     if (GS_UNLIKELY(gs_near_cap(slot, want))) gs_reconcile_slot(slot); /* before g_mu: lock order */
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     struct pool_rec *p = find_locked(key, slot, 1);
     if (!p) {
-        pthread_mutex_unlock(&g_mu);
+        gs_held_unlock(&g_mu);
         GS_ERROR("more than %d memory pools in one process: allocation refused", GS_MAX_POOLS);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -270,14 +270,14 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     uint64_t need = p->live + p->pending + want;
     uint64_t extra = need > p->charged ? need - p->charged : 0;
     if (reserve_locked(p->slot, extra) != 0) {
-        pthread_mutex_unlock(&g_mu);
+        gs_held_unlock(&g_mu);
         GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     p->charged += extra;
     p->pending += want;
     p->busy++;
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
     gs_sampler_start(); /* it returns what pools give back at synchronisations (one load once running) */
 
     gs_unsettled_begin(); /* the pool may grow by more than was reserved until reconcile_locked */
@@ -295,7 +295,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         gs_inflight_end();
     }
     struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
-    pthread_mutex_lock(&g_mu);
+    gs_held_lock(&g_mu);
     p = find_locked(key, slot, 0); /* kept while busy */
     int grown = -1;
     if (p) {
@@ -304,7 +304,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         if (rc == CUDA_SUCCESS) p->live += bytesize;
         grown = reconcile_locked(p, rc == CUDA_SUCCESS);
     }
-    pthread_mutex_unlock(&g_mu);
+    gs_held_unlock(&g_mu);
     int put = rc == CUDA_SUCCESS && grown == 0 ? gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) : -1;
     if (put >= 0) {
         if (put == 1) gs_pool_drop_ptr(old.aux, old.size); /* a record the driver's reuse made stale */
@@ -404,7 +404,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     gs_inflight_begin();
     CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
     if (rc == CUDA_SUCCESS) {
-        pthread_mutex_lock(&g_mu);
+        gs_held_lock(&g_mu);
         struct pool_rec *p = find_locked((uint64_t)(uintptr_t)pool, -1, 0);
         if (p) {
             p->destroyed = 1; /* charged as it is until its last allocation is freed */
@@ -412,7 +412,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         }
         for (int i = 0; i < GS_MAX_POOLS; i++)
             if (g_where[i].pool == (uint64_t)(uintptr_t)pool) memset(&g_where[i], 0, sizeof(g_where[i]));
-        pthread_mutex_unlock(&g_mu);
+        gs_held_unlock(&g_mu);
     }
     gs_inflight_end();
     return rc;

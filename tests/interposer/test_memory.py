@@ -444,6 +444,23 @@ def test_a_limit_a_callback_sets_inside_a_limit_change_is_accounted(lab):
     assert total - free == res.values("phys")[0] == 264 * MIB
 
 
+@pytest.mark.parametrize(("outer", "inner"), [("50m", "100m"), ("100m", "50m")])
+def test_the_same_limit_set_by_a_callback_inside_its_own_change_is_charged_once(lab, outer,
+                                                                                 inner):
+    # both changes reserved their growth from the same starting charge and the outer one then
+    # wrote its own: 250 MiB charged for 200 held, and 100 MiB stayed charged after the
+    # context went
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "setlimit", "1", outer, "meminfo", "phys",
+                  "ctxdestroy", "0", "ctx", "0", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_API_CALLBACK="cuCtxSetLimit:setlimit",
+                  FAKE_CUDA_API_CALLBACK_BYTES=inner)
+    assert res.rc("setlimit") == 0
+    for k in range(2):
+        free, total = res.values("meminfo", k)
+        assert total - free == res.values("phys", k)[0], res.stdout
+    assert res.values("phys", 0)[0] == 300 * MIB
+
+
 def test_memory_a_driver_callback_keeps_is_charged_once_beside_the_context(lab):
     # the callback's allocation is made while the context's own footprint is being measured:
     # it is charged as an allocation, not again as part of the footprint

@@ -381,6 +381,22 @@ def test_a_context_a_callback_destroys_inside_the_throttles_event_calls_is_forgo
     assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
 
 
+def test_a_callback_syncing_inside_a_limit_change_and_one_retaining_inside_a_launch_do_not_deadlock(
+        lab):
+    # thread B changes a limit (holding the context lock) and its callback synchronises (it
+    # waited for the throttle's lock); thread A launches (holding the throttle's lock) and its
+    # callback retains the primary context (it waited for the context lock): hung.  A hook
+    # reached from a callback under a lock of ours never waits for the context lock now
+    res = lab.run("init", "ctx", "0", "bgsetlimit", "8m", "50", "sleep", "100", "bench", "1",
+                  "kernel", "join", timeout=30, CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_KERNEL_US="1000",
+                  FAKE_CUDA_API_CALLBACK="cuCtxSetLimit:sync,cuEventQuery:retain",
+                  FAKE_CUDA_SLEEP="cuCtxSetLimit:300")
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[0]
+    assert rc == 0 and launches > 0 and res.rc("bgsetlimit") == 0
+    assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
+
+
 def test_a_callback_allocating_inside_the_throttles_event_calls_and_a_release_do_not_deadlock(lab):
     # a thread launching graphs, whose callback allocates near the cap inside the throttle's
     # event queries (it held the throttle's lock and waited for the context lock to
