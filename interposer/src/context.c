@@ -41,10 +41,14 @@ struct attached {
 static struct attached *g_attached;
 static size_t g_nattached, g_attached_cap;
 
+static void drain_locked(void);
+
 static void ctx_lock(void)
 {
     pthread_mutex_lock(&g_ctx_mu);
-    t_ctx_depth++;
+    /* context calls that passed through earlier (from driver callbacks) are booked first, in
+     * their order: before any later call on a context that may have the same handle */
+    if (!t_ctx_depth++ && !gs_t_held && __atomic_load_n(&gs_ctx_pending, __ATOMIC_ACQUIRE)) drain_locked();
 }
 
 static void ctx_unlock(void)
@@ -200,36 +204,98 @@ static void release_ctx(CUcontext ctx)
 }
 
 
-/* Primary contexts retained from inside the device discovery (a driver callback there): no
- * device is known yet, so they pass through, and are taken over once it is done */
-#define GS_EARLY 8
-static struct {
+/* Context calls that passed straight through, from a driver callback inside the device
+ * discovery (no device known yet) or under another lock of ours (see gs_t_held): the driver
+ * did them, and their bookkeeping waits here until the context lock can be taken, in order.
+ * The queue's own lock is never held across anything else. */
+enum pending_op { OP_RETAIN, OP_CREATE, OP_RELEASE, OP_RESET, OP_DESTROY, OP_ATTACH, OP_DETACH };
+#define GS_PENDING 32
+static pthread_mutex_t g_pend_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct pending {
+    enum pending_op op;
     CUcontext ctx;
     CUdevice dev;
-} g_early[GS_EARLY];
-static int g_nearly;
+} g_pend[GS_PENDING];
+static int g_npend;
+int gs_ctx_pending;
+
+static void defer(enum pending_op op, CUcontext ctx, CUdevice dev)
+{
+    pthread_mutex_lock(&g_pend_mu);
+    if (g_npend < GS_PENDING) {
+        g_pend[g_npend++] = (struct pending){op, ctx, dev};
+        __atomic_store_n(&gs_ctx_pending, 1, __ATOMIC_RELEASE);
+    } else {
+        GS_WARN("too many context calls from driver callbacks at once: one is not booked");
+    }
+    pthread_mutex_unlock(&g_pend_mu);
+}
+
+/* A context that exists already: the container's footprint estimate, forced, and what the
+ * process holds beyond its records, reconciled now */
+static void adopt_locked(CUcontext ctx, CUdevice dev, int primary)
+{
+    int slot = gs_dev_slot(dev);
+    unsigned flags = 0;
+    int active = 0;
+    struct gs_alloc rec;
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || slot < 0) return;
+    if (primary && (g_primary_ctx[dev] == ctx || !gs_cuda.cuDevicePrimaryCtxGetState ||
+                    gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active))
+        return; /* known, or released again meanwhile */
+    if (!primary && gs_am_take(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec) == 0) {
+        gs_am_put(GS_KIND_CTX, (uint64_t)(uintptr_t)ctx, &rec, &rec); /* known already */
+        return;
+    }
+    uint64_t bytes = __atomic_load_n(&gs_region->devices[slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
+    gs_budget_force(slot, bytes);
+    if (primary) g_primary_ctx[dev] = ctx;
+    record_ctx(ctx, slot, bytes, dev);
+    gs_reconcile_dev_locked(dev);
+    GS_INFO("a context made from a driver callback is charged from now on");
+}
+
+static void primary_maybe_gone(CUdevice dev);
+static void reset_done_locked(CUdevice dev);
+static int attach_locked(CUcontext ctx);
+static void detach_locked(CUcontext ctx);
+
+static void drain_locked(void)
+{
+    struct pending ops[GS_PENDING];
+    pthread_mutex_lock(&g_pend_mu);
+    int n = g_npend;
+    memcpy(ops, g_pend, (size_t)n * sizeof(ops[0]));
+    g_npend = 0;
+    __atomic_store_n(&gs_ctx_pending, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g_pend_mu);
+    for (int i = 0; i < n; i++) {
+        switch (ops[i].op) {
+        case OP_RETAIN: adopt_locked(ops[i].ctx, ops[i].dev, 1); break;
+        case OP_CREATE: adopt_locked(ops[i].ctx, ops[i].dev, 0); break;
+        case OP_RELEASE: primary_maybe_gone(ops[i].dev); break;
+        case OP_RESET: reset_done_locked(ops[i].dev); break;
+        case OP_DESTROY: release_ctx(ops[i].ctx); break;
+        case OP_ATTACH:
+            if (attach_locked(ops[i].ctx) != 0) GS_WARN("a context's usage count could not be kept");
+            break;
+        case OP_DETACH: detach_locked(ops[i].ctx); break;
+        }
+    }
+}
+
+/* After another lock of ours was released: booked now if the context lock is free (a launch
+ * must not wait for a context creation in progress), else by whoever takes it next */
+void gs_context_drain(void)
+{
+    if (pthread_mutex_trylock(&g_ctx_mu) != 0) return;
+    if (!t_ctx_depth++ && !gs_t_held) drain_locked();
+    ctx_unlock();
+}
 
 void gs_context_after_discovery(void)
 {
-    ctx_lock();
-    for (int i = 0; i < g_nearly; i++) {
-        CUdevice dev = g_early[i].dev;
-        int slot = gs_dev_slot(dev);
-        unsigned flags = 0;
-        int active = 0;
-        if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || g_primary_ctx[dev] || slot < 0 || !gs_cuda.cuDevicePrimaryCtxGetState ||
-            gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active)
-            continue; /* released again meanwhile */
-        /* the container's footprint estimate, forced (it exists already); the reconcile
-         * charges what it really took beyond that */
-        uint64_t bytes = __atomic_load_n(&gs_region->devices[slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
-        gs_budget_force(slot, bytes);
-        g_primary_ctx[dev] = g_early[i].ctx;
-        record_ctx(g_early[i].ctx, slot, bytes, dev);
-        gs_reconcile_dev_locked(dev); /* what the process holds beyond its records, now */
-        GS_INFO("a primary context retained during the device discovery is charged from now on");
-    }
-    g_nearly = 0;
+    ctx_lock(); /* drains */
     ctx_unlock();
 }
 
@@ -238,12 +304,9 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     gs_cuda_init();
     if (!gs_cuda.cuDevicePrimaryCtxRetain) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    if (gs_t_held) return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev); /* a driver callback: see gs_t_held */
-    if (gs_devices_discovering()) {
+    if (gs_t_held || gs_devices_discovering()) { /* a driver callback: booked later (see defer) */
         CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
-        ctx_lock();
-        if (rc == CUDA_SUCCESS && g_nearly < GS_EARLY) g_early[g_nearly++] = (__typeof__(g_early[0])){*pctx, dev};
-        ctx_unlock();
+        if (rc == CUDA_SUCCESS) defer(OP_RETAIN, *pctx, dev);
         return rc;
     }
     gs_devices_ready();
@@ -289,7 +352,11 @@ typedef CUresult (*dev_fn)(CUdevice);
 
 static CUresult primary_release(dev_fn release, CUdevice dev)
 {
-    if (gs_t_held) return release(dev); /* a driver callback under a lock of ours: see gs_t_held */
+    if (gs_t_held) { /* a driver callback under a lock of ours: booked later (see defer) */
+        CUresult rc = release(dev);
+        if (rc == CUDA_SUCCESS) defer(OP_RELEASE, NULL, dev);
+        return rc;
+    }
     ctx_lock();
     CUresult rc = release(dev);
     if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
@@ -301,19 +368,28 @@ static CUresult primary_release(dev_fn release, CUdevice dev)
  * or not the driver then reports the context active. */
 static CUresult primary_reset(dev_fn reset, CUdevice dev)
 {
-    if (gs_t_held) return reset(dev); /* a driver callback under a lock of ours: see gs_t_held */
+    if (gs_t_held) { /* a driver callback under a lock of ours: booked later (see defer) */
+        CUresult rc = reset(dev);
+        if (rc == CUDA_SUCCESS) defer(OP_RESET, NULL, dev);
+        return rc;
+    }
     ctx_lock();
     CUresult rc = reset(dev);
-    if (rc == CUDA_SUCCESS && dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_primary_ctx[dev]) {
+    if (rc == CUDA_SUCCESS) reset_done_locked(dev);
+    ctx_unlock();
+    return rc;
+}
+
+static void reset_done_locked(CUdevice dev)
+{
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS && g_primary_ctx[dev]) {
         gs_forget_ctx(g_primary_ctx[dev]);
         gs_launch_forget_ctx(g_primary_ctx[dev]);
         gs_graphmem_forget_ctx(g_primary_ctx[dev]);
         gs_limits_forget_ctx(g_primary_ctx[dev]); /* the reset context starts with the defaults */
     }
-    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
-    if (rc == CUDA_SUCCESS) gs_reconcile_ctx_reset(dev); /* its code and buffers went */
-    ctx_unlock();
-    return rc;
+    primary_maybe_gone(dev);
+    gs_reconcile_ctx_reset(dev); /* its code and buffers went */
 }
 
 /* The hooks of both generations (7.0's and 11.0's, same semantics) */
@@ -332,7 +408,11 @@ GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset, primary_reset)
 #define GS_CTX_CREATE(call)                                                 \
     do {                                                                    \
         if (!pctx) return CUDA_ERROR_INVALID_VALUE;                         \
-        if (gs_t_held) return (call); /* a driver callback: see gs_t_held */ \
+        if (gs_t_held) { /* a driver callback: booked later (see defer) */  \
+            CUresult prc = (call);                                          \
+            if (prc == CUDA_SUCCESS) defer(OP_CREATE, *pctx, dev);          \
+            return prc;                                                     \
+        }                                                                   \
         gs_devices_ready();                                                 \
         ctx_lock();                                      \
         struct ctx_charge c;                                                \
@@ -378,7 +458,11 @@ GS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateP
 
 static CUresult ctx_destroy(CUresult (*destroy)(CUcontext), CUcontext ctx)
 {
-    if (gs_t_held) return destroy(ctx); /* a driver callback under a lock of ours: see gs_t_held */
+    if (gs_t_held) { /* a driver callback under a lock of ours: booked later (see defer) */
+        CUresult rc = destroy(ctx);
+        if (rc == CUDA_SUCCESS && ctx) defer(OP_DESTROY, ctx, -1);
+        return rc;
+    }
     ctx_lock(); /* a reconcile may be charging this context */
     CUresult rc = destroy(ctx);
     if (rc == CUDA_SUCCESS && ctx) release_ctx(ctx);
@@ -410,59 +494,75 @@ static int primary_dev_of(CUcontext ctx)
 /* CUDA 2.x's usage counts (deprecated, still exported): one more use of the current context.
  * A count that cannot be kept undoes the attach: a later detach would be taken for the
  * context's end, and its charge returned while it lives. */
+/* One more use of a created context counted: 0, or -1 if the count cannot be kept */
+static int attach_locked(CUcontext ctx)
+{
+    if (!ctx || primary_dev_of(ctx) >= 0) return 0;
+    struct attached *a = find_attached(ctx);
+    if (!a && g_nattached == g_attached_cap) {
+        size_t cap = g_attached_cap ? 2 * g_attached_cap : 8;
+        struct attached *grown = realloc(g_attached, cap * sizeof(*grown));
+        if (grown) {
+            g_attached = grown;
+            g_attached_cap = cap;
+        }
+    }
+    if (!a && g_nattached < g_attached_cap) {
+        a = &g_attached[g_nattached++];
+        *a = (struct attached){ctx, 0};
+    }
+    if (!a) return -1;
+    a->n++;
+    return 0;
+}
+
 GS_EXPORT CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxAttach) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    if (gs_t_held) return gs_cuda.cuCtxAttach(pctx, flags); /* a driver callback: see gs_t_held */
+    if (gs_t_held) { /* a driver callback: booked later (see defer) */
+        CUresult rc = gs_cuda.cuCtxAttach(pctx, flags);
+        if (rc == CUDA_SUCCESS) defer(OP_ATTACH, *pctx, -1);
+        return rc;
+    }
     ctx_lock();
     CUresult rc = gs_cuda.cuCtxAttach(pctx, flags);
-    CUcontext ctx = rc == CUDA_SUCCESS ? *pctx : NULL;
-    if (ctx && primary_dev_of(ctx) < 0) {
-        struct attached *a = find_attached(ctx);
-        if (!a && g_nattached == g_attached_cap) {
-            size_t cap = g_attached_cap ? 2 * g_attached_cap : 8;
-            struct attached *grown = realloc(g_attached, cap * sizeof(*grown));
-            if (grown) {
-                g_attached = grown;
-                g_attached_cap = cap;
-            }
-        }
-        if (!a && g_nattached < g_attached_cap) {
-            a = &g_attached[g_nattached++];
-            *a = (struct attached){ctx, 0};
-        }
-        if (a) {
-            a->n++;
-        } else {
-            if (gs_cuda.cuCtxDetach) gs_cuda.cuCtxDetach(ctx);
-            rc = CUDA_ERROR_OUT_OF_MEMORY;
-        }
+    if (rc == CUDA_SUCCESS && attach_locked(*pctx) != 0) {
+        if (gs_cuda.cuCtxDetach) gs_cuda.cuCtxDetach(*pctx);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
     ctx_unlock();
     return rc;
 }
 
-/* One use less; the last destroys a created context (as cuCtxDestroy), and a primary
- * context's may leave it inactive (as a release) */
+/* One use less, done by the driver: the last destroys a created context (as cuCtxDestroy),
+ * and a primary context's may leave it inactive (as a release) */
+static void detach_locked(CUcontext ctx)
+{
+    if (!ctx) return;
+    int dev = primary_dev_of(ctx);
+    struct attached *a = find_attached(ctx);
+    if (dev >= 0)
+        primary_maybe_gone(dev);
+    else if (a) {
+        if (!--a->n) forget_attached(a);
+    } else
+        release_ctx(ctx);
+}
+
 GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxDetach) return CUDA_ERROR_NOT_SUPPORTED;
-    if (gs_t_held) return gs_cuda.cuCtxDetach(ctx); /* a driver callback: see gs_t_held */
+    if (gs_t_held) { /* a driver callback: booked later (see defer) */
+        CUresult rc = gs_cuda.cuCtxDetach(ctx);
+        if (rc == CUDA_SUCCESS) defer(OP_DETACH, ctx, -1);
+        return rc;
+    }
     ctx_lock();
     CUresult rc = gs_cuda.cuCtxDetach(ctx);
-    if (rc == CUDA_SUCCESS && ctx) {
-        int dev = primary_dev_of(ctx);
-        struct attached *a = find_attached(ctx);
-        if (dev >= 0)
-            primary_maybe_gone(dev);
-        else if (a) {
-            if (!--a->n) forget_attached(a);
-        } else
-            release_ctx(ctx);
-    }
+    if (rc == CUDA_SUCCESS) detach_locked(ctx);
     ctx_unlock();
     return rc;
 }
@@ -477,6 +577,8 @@ void gs_context_after_fork_child(void)
     /* forked inside a context call (a driver callback's): the child returns through it */
     for (unsigned i = 0; i < t_ctx_depth; i++) pthread_mutex_lock(&g_ctx_mu);
     memset(g_primary_ctx, 0, sizeof(g_primary_ctx));
-    g_nearly = 0;
+    g_npend = 0;
+    gs_ctx_pending = 0;
+    pthread_mutex_init(&g_pend_mu, NULL);
     g_nattached = 0; /* the parent's contexts are not the child's */
 }

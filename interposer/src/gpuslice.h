@@ -152,10 +152,12 @@ static inline void gs_held_lock(pthread_mutex_t *m)
     pthread_mutex_lock(m);
     gs_t_held++;
 }
+extern int gs_ctx_pending;  /* context calls from driver callbacks wait to be booked */
+void gs_context_drain(void); /* books them (takes the context lock) */
 static inline void gs_held_unlock(pthread_mutex_t *m)
 {
-    gs_t_held--;
     pthread_mutex_unlock(m);
+    if (!--gs_t_held && GS_UNLIKELY(__atomic_load_n(&gs_ctx_pending, __ATOMIC_ACQUIRE))) gs_context_drain();
 }
 void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);

@@ -31,7 +31,9 @@ uint64_t gs_charge_size(uint64_t bytes)
 int gs_reserve_raw(int slot, uint64_t bytes)
 {
     if (gs_budget_reserve(slot, bytes) == 0) return 0;
-    gs_pools_reconcile_all(); /* pools may hold charges for memory they have released */
+    /* pools may hold charges for memory they have released; not from a driver callback under
+     * a lock of ours (the pools' own, or one after it: see gs_t_held) */
+    if (!gs_t_held) gs_pools_reconcile_all();
     return gs_budget_reserve(slot, bytes);
 }
 

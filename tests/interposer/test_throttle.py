@@ -369,16 +369,35 @@ def test_a_driver_callback_inside_the_throttles_event_calls_does_not_deadlock(la
         assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
 
 
-def test_a_context_a_callback_destroys_inside_the_throttles_event_calls_is_forgotten_later(lab):
-    # the callback makes and destroys a context: its forgetting took the throttle's lock that
-    # the thread held (hung); it is done as the lock is released
-    res = lab.run("init", "ctx", "0", "bench", "1", "kernel", timeout=30, CUDA_DEVICE_SM_LIMIT="30",
-                  FAKE_CUDA_KERNEL_US="1000", FAKE_CUDA_API_CALLBACK="cuEventQuery:ctx",
-                  FAKE_CUDA_CTX_BYTES="10m")
+def test_a_context_a_callback_makes_inside_the_throttles_event_calls_is_booked_afterwards(lab):
+    # the callback makes and destroys a context: forgetting it in the throttle took the
+    # throttle's lock that the thread held (hung).  Context calls from a callback under a lock
+    # of ours pass straight through and are booked, in order, once the lock is released
+    res = lab.run("init", "ctx", "0", "bench", "1", "kernel", "meminfo", "phys", timeout=30,
+                  CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000",
+                  FAKE_CUDA_API_CALLBACK="cuEventQuery:ctx", FAKE_CUDA_CTX_BYTES="10m")
     rc, (launches, kernel_ns, wall_ns) = res.of("bench")[0]
     assert rc == 0 and launches > 0
     assert "fake: api callback cuEventQuery ctx 0" in res.stderr
     assert abs(100.0 * kernel_ns / wall_ns - 30) <= TOLERANCE
+    free, total = res.values("meminfo")
+    assert total - free == res.values("phys")[0] == 10 * (1 << 20)
+
+
+def test_a_primary_context_a_callback_retains_inside_the_throttles_event_calls_is_charged(lab):
+    # retained from a callback under the throttle's lock, it passed through unbooked: once the
+    # created context (whose memory the reconcile had counted) went, 100 MiB were held and 0
+    # charged, for good (a later retain finds it active and charges nothing)
+    res = lab.run("init", "ctxcreate", "0", "bench", "0.5", "kernel", "meminfo", "phys",
+                  "ctxdestroy", "0", "ctx", "0", "meminfo", "phys", timeout=30,
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000",
+                  FAKE_CUDA_API_CALLBACK="cuEventQuery:retain")
+    assert "fake: api callback cuEventQuery retain 0" in res.stderr
+    for k in range(2):
+        free, total = res.values("meminfo", k)
+        assert total - free == res.values("phys", k)[0], res.stdout
+    assert res.values("phys", 1)[0] == 100 * (1 << 20)
 
 
 def test_a_callback_syncing_inside_a_limit_change_and_one_retaining_inside_a_launch_do_not_deadlock(
