@@ -53,6 +53,7 @@ static void ctx_lock(void)
 
 static void ctx_unlock(void)
 {
+    if (t_ctx_depth == 1 && !gs_t_held && __atomic_load_n(&gs_ctx_pending, __ATOMIC_ACQUIRE)) drain_locked();
     t_ctx_depth--;
     pthread_mutex_unlock(&g_ctx_mu);
 }
@@ -248,6 +249,7 @@ static void adopt_locked(CUcontext ctx, CUdevice dev, int primary)
         return;
     }
     uint64_t bytes = __atomic_load_n(&gs_region->devices[slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
+    if (primary && g_primary_ctx[dev]) release_ctx(g_primary_ctx[dev]); /* released and made again meanwhile */
     gs_budget_force(slot, bytes);
     if (primary) g_primary_ctx[dev] = ctx;
     record_ctx(ctx, slot, bytes, dev);
@@ -262,6 +264,9 @@ static void detach_locked(CUcontext ctx);
 
 static void drain_locked(void)
 {
+    /* not before the devices are known (the discovery books what came during it at its end:
+     * a thread holding the context lock would wait for it in gs_dev_slot) */
+    if (!gs_devices_known()) return;
     struct pending ops[GS_PENDING];
     pthread_mutex_lock(&g_pend_mu);
     int n = g_npend;
@@ -295,6 +300,7 @@ void gs_context_drain(void)
 
 void gs_context_after_discovery(void)
 {
+    if (!__atomic_load_n(&gs_ctx_pending, __ATOMIC_ACQUIRE)) return;
     ctx_lock(); /* drains */
     ctx_unlock();
 }

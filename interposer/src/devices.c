@@ -168,6 +168,11 @@ static void discover(void)
     gs_context_after_discovery();
 }
 
+int gs_devices_known(void)
+{
+    return __atomic_load_n(&g_ready, __ATOMIC_ACQUIRE);
+}
+
 int gs_devices_discovering(void)
 {
     return t_discovering;

@@ -117,6 +117,7 @@ struct gs_devcfg {
 
 void gs_devices_ready(void);         /* discovery + region, once (CUDA processes) */
 int gs_devices_discovering(void);    /* this thread is inside the discovery (a driver callback there) */
+int gs_devices_known(void);          /* the discovery is done */
 void gs_context_after_discovery(void); /* takes over primary contexts retained during it */
 void gs_devices_view_ready(void);    /* region devices for NVML-only processes (no registration) */
 int gs_dev_slot(CUdevice dev);       /* region slot of a CUDA ordinal, -1 if unknown */
@@ -142,7 +143,8 @@ int gs_ctx_lock(void);
 unsigned gs_ctx_enter(void);
 void gs_ctx_leave(void);
 /* Locks of the library other than the context lock that this thread holds, some across driver
- * calls (the throttle's, a limit change's, the pools', the graph memory's).  A hook reached from
+ * calls (the throttle's, the pools', the graph memory's; a limit change's is taken after the
+ * context lock, so a callback there re-enters the context lock it holds).  A hook reached from
  * a driver callback meanwhile never waits for the context lock (the context hooks pass straight
  * through, the near-cap reconcile is skipped: gs_ctx_lock returns -1) nor for the throttle's
  * (launches and synchronisations pass through unmeasured): the order is the context lock first */

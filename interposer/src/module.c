@@ -164,9 +164,10 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     gs_cuda_init();
     if (!gs_cuda.cuCtxSetLimit) return CUDA_ERROR_NOT_SUPPORTED;
     /* a driver callback under another lock of ours: it must not wait for the context lock (see
-     * gs_t_held); the reconcile charges what the change took.  Under our own g_set_mu (a
-     * callback inside this hook's driver call) it is accounted without taking that again */
-    if (gs_t_held && !t_setting) return gs_cuda.cuCtxSetLimit(limit, value);
+     * gs_t_held); the reconcile charges what the change took.  Inside this hook's own driver
+     * call (t_setting) it is accounted without taking g_set_mu again: this thread holds it, and
+     * the context lock before it */
+    if (gs_t_held) return gs_cuda.cuCtxSetLimit(limit, value);
     gs_devices_ready();
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
@@ -185,7 +186,7 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     unsigned depth = gs_ctx_enter();
     if (depth == 1 && GS_UNLIKELY(gs_near_cap(slot, limit_bytes(value, now, unit)))) gs_reconcile_slot_held(slot);
     int nested = t_setting;
-    if (!nested) gs_held_lock(&g_set_mu);
+    if (!nested) pthread_mutex_lock(&g_set_mu); /* after the context lock, which this thread holds */
     pthread_mutex_lock(&g_lim_mu);
     int e = lim_entry_locked(ctx, slot);
     if (e >= 0 && !g_lim[e].known[limit]) {
@@ -227,7 +228,7 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
         pthread_mutex_unlock(&g_lim_mu);
     }
     gs_inflight_end();
-    if (!nested) gs_held_unlock(&g_set_mu);
+    if (!nested) pthread_mutex_unlock(&g_set_mu);
     gs_ctx_leave();
     if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
     return rc;

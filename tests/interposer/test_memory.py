@@ -461,6 +461,18 @@ def test_the_same_limit_set_by_a_callback_inside_its_own_change_is_charged_once(
     assert res.values("phys", 0)[0] == 300 * MIB
 
 
+def test_a_limit_change_refused_at_first_trims_the_pools_and_fits(lab):
+    # 512 MiB freed into a stream-ordered pool that gave it back to the driver at the
+    # synchronisation: the pool's charge is trimmed when a reservation does not fit, so the
+    # 700 MiB heap fits under 1 GiB.  Refused for a while (a lock-order guard skipped the trim
+    # inside every limit change, not only inside driver callbacks)
+    res = lab.run("init", "ctx", "0", "async", "512m", "free", "0", "sync", "setlimit", "2", "700m",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_RELEASE="1")
+    assert res.rc("setlimit") == 0
+    free, total = res.values("meminfo")
+    assert total - free == res.values("phys")[0] == 700 * MIB
+
+
 def test_memory_a_driver_callback_keeps_is_charged_once_beside_the_context(lab):
     # the callback's allocation is made while the context's own footprint is being measured:
     # it is charged as an allocation, not again as part of the footprint
