@@ -558,8 +558,10 @@ def test_the_correction_ends_when_the_other_process_leaves(release_lab):
 @pytest.mark.parametrize("others", [5, 7])
 def test_beside_many_busy_processes_the_container_gets_its_share(release_lab, others):
     # n busy processes taking turns: a fixed floor of 1/4 on the factor charged (1 + n) / 4
-    # times too much, 6.5-7.7% and 4.7-5.0% at a 10% limit
-    got = settled_share(release_lab, 10, ("2", "3"), FAKE_GPU_COTENANTS=str(others), **COTENANT)
+    # times too much, 6.5-7.7% and 4.7-5.0% at a 10% limit.  Now 9.2-9.4% (6 runs each before
+    # and after the container-level correction); one CI run measured 7.3% over a 3 s window
+    # on a loaded machine, so the settled window is 5 s
+    got = settled_share(release_lab, 10, ("2", "5"), FAKE_GPU_COTENANTS=str(others), **COTENANT)
     assert abs(got - 10) <= 2.5, f"{got:.1f}% beside {others} busy processes"
 
 
