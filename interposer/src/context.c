@@ -64,11 +64,6 @@ unsigned gs_ctx_enter(void)
     return t_ctx_depth;
 }
 
-void gs_ctx_leave(void)
-{
-    ctx_unlock();
-}
-
 __thread unsigned gs_t_held;
 
 int gs_ctx_lock(void)

@@ -139,9 +139,9 @@ int gs_dev_count(void);
 /* Context records and what reconcile.c charges to them: 0 = taken; -1 = not taken, this thread
  * is inside a context call already (the driver called back: that call measures the process) */
 int gs_ctx_lock(void);
-/* Always taken (recursively): returns how many times this thread holds it now */
+/* Always taken (recursively): returns how many times this thread holds it now; released with
+ * gs_ctx_unlock */
 unsigned gs_ctx_enter(void);
-void gs_ctx_leave(void);
 /* Locks of the library other than the context lock that this thread holds, some across driver
  * calls (the throttle's, the pools', the graph memory's; a limit change's is taken after the
  * context lock, so a callback there re-enters the context lock it holds).  A hook reached from

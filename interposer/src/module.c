@@ -229,7 +229,7 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     }
     gs_inflight_end();
     if (!nested) pthread_mutex_unlock(&g_set_mu);
-    gs_ctx_leave();
+    gs_ctx_unlock();
     if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
     return rc;
 }

@@ -350,14 +350,12 @@ void gs_reconcile_slot_held(int slot)
 
 void gs_reconcile_slot(int slot)
 {
-    int n = gs_dev_count();
-    for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++) {
-        if (gs_dev_slot(dev) != slot || !__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
-        if (gs_ctx_lock() != 0) break; /* inside a context call: the sampler still looks soon */
-        gs_reconcile_dev_locked(dev);
-        gs_ctx_unlock();
+    if (gs_ctx_lock() != 0) { /* inside a context call or a callback: the sampler looks soon */
+        nudge_sampler();
+        return;
     }
-    nudge_sampler();
+    gs_reconcile_slot_held(slot);
+    gs_ctx_unlock();
 }
 
 /* Devices this process has a context on; 1 if any of them is near its cap. */
