@@ -99,6 +99,7 @@ typedef struct CUmemLocation_st {
     int type;
     int id;
 } CUmemLocation;
+typedef int CUmemAllocationType;
 
 /* Leading fields of CUmemAllocationProp (we only read these). */
 typedef struct CUmemAllocationProp_st {
@@ -168,7 +169,11 @@ typedef struct CUlaunchConfig_st {
 #define CUDA_GRAPH_INSTANTIATE_SUCCESS 0
 #define CUDA_GRAPH_INSTANTIATE_ERROR 1
 
+#define CU_MEM_LOCATION_TYPE_NONE 0
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
+#define CU_MEM_LOCATION_TYPE_HOST 2
+#define CU_MEM_ALLOCATION_TYPE_PINNED 1
+#define CU_MEM_ALLOCATION_TYPE_MANAGED 2
 #define CU_STREAM_CAPTURE_STATUS_NONE 0
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
 #define CU_STREAM_LEGACY ((CUstream)0x1)

@@ -84,6 +84,11 @@
     X(cuMemPoolDestroy, CUresult, (CUmemoryPool pool), cuMemPoolDestroy, 11020, 0)                         \
     X(cuMemPoolCreate, CUresult, (CUmemoryPool *pool, const CUmemPoolProps *poolProps), cuMemPoolCreate,   \
       11020, 0)                                                                                            \
+    X(cuMemGetDefaultMemPool, CUresult,                                                                    \
+      (CUmemoryPool *pool_out, CUmemLocation *location, CUmemAllocationType type), cuMemGetDefaultMemPool, \
+      13000, 0)                                                                                            \
+    X(cuMemGetMemPool, CUresult, (CUmemoryPool *pool, CUmemLocation *location, CUmemAllocationType type),  \
+      cuMemGetMemPool, 13000, 0)                                                                           \
     X(cuMemCreate, CUresult,                                                                               \
       (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,                 \
        unsigned long long flags), cuMemCreate, 10020, 0)                                                   \

@@ -20,9 +20,13 @@
  * memory: they pass through uncharged (graphmem.c charges graphs).
  * A pool is charged to the device it keeps its memory on, whichever context
  * allocates from it: its own location for a pool this process created
- * (cuMemPoolCreate), the device whose default pool it is otherwise; a pool of
- * host memory is not charged.  cuMemAllocAsync takes its memory from the
- * current pool of the stream's device, which need not be the current context's.
+ * (cuMemPoolCreate) or was handed for a location (CUDA 13's cuMemGetDefaultMemPool
+ * and cuMemGetMemPool), the device whose default pool it is otherwise; a pool of
+ * pinned host memory is not charged.  A managed pool (CUDA 13) with no device for
+ * its location is charged to the device of the stream that first allocates from
+ * it, as cuMemAllocManaged is to the current one.  cuMemAllocAsync takes its
+ * memory from the current pool of the stream's device, which need not be the
+ * current context's.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -45,10 +49,12 @@ struct pool_rec {
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct pool_rec g_pools[GS_MAX_POOLS];
 
-/* Where pools keep their memory: those this process created, and devices' default pools. */
+/* Where pools keep their memory: those this process created, devices' default pools, and
+ * the pools cuMemGetDefaultMemPool / cuMemGetMemPool returned (a location's, host ones too). */
 struct pool_where {
     uint64_t pool; /* 0 = free entry */
     CUmemLocation location;
+    int managed; /* CU_MEM_ALLOCATION_TYPE_MANAGED: its location is only a preference */
 };
 static struct pool_where g_where[GS_MAX_POOLS];
 
@@ -76,34 +82,78 @@ static struct pool_where *where_entry_locked(uint64_t pool)
     return w;
 }
 
-/* 1 and *loc if the pool's location is known: created here, or a device's default pool (the
- * pool cuMemAllocAsync uses unless cuDeviceSetMemPool made another current). */
-static int pool_location(uint64_t pool, CUmemLocation *loc)
+/* 0 if the table is full */
+static int remember_where(uint64_t pool, const CUmemLocation *loc, int managed)
 {
-    gs_held_lock(&g_mu);
-    for (int i = 0; i < GS_MAX_POOLS; i++)
-        if (g_where[i].pool == pool) {
-            *loc = g_where[i].location;
-            gs_held_unlock(&g_mu);
-            return 1;
-        }
-    gs_held_unlock(&g_mu);
-    int n = gs_dev_count(), found = -1;
-    for (int d = 0; d < n && found < 0 && gs_cuda.cuDeviceGetDefaultMemPool; d++) {
-        CUmemoryPool p = NULL;
-        if (gs_cuda.cuDeviceGetDefaultMemPool(&p, d) == CUDA_SUCCESS && (uint64_t)(uintptr_t)p == pool) found = d;
-    }
-    if (found < 0) return 0;
-    loc->type = CU_MEM_LOCATION_TYPE_DEVICE;
-    loc->id = found;
     gs_held_lock(&g_mu);
     struct pool_where *w = where_entry_locked(pool);
     if (w) {
         w->pool = pool;
         w->location = *loc;
+        w->managed = managed;
     }
     gs_held_unlock(&g_mu);
+    return w != NULL;
+}
+
+/* A pool no hook saw made or handed out: a device's default pool (cuDeviceGetDefaultMemPool is
+ * not hooked; cuDeviceGetMemPool returns a device's pool), asked for here. */
+static int default_pool_location(uint64_t pool, CUmemLocation *loc, int *managed)
+{
+    int n = gs_dev_count();
+    for (int d = 0; d < n && gs_cuda.cuDeviceGetDefaultMemPool; d++) {
+        CUmemoryPool p = NULL;
+        if (gs_cuda.cuDeviceGetDefaultMemPool(&p, d) == CUDA_SUCCESS && (uint64_t)(uintptr_t)p == pool) {
+            loc->type = CU_MEM_LOCATION_TYPE_DEVICE;
+            loc->id = d;
+            *managed = 0;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* 1 and *loc if the pool's location is known: created here, handed out by cuMemGetDefaultMemPool
+ * or cuMemGetMemPool, or a default pool (a device's is the one cuMemAllocAsync uses unless
+ * cuDeviceSetMemPool / cuMemSetMemPool made another current). */
+static int pool_location(uint64_t pool, CUmemLocation *loc, int *managed)
+{
+    gs_held_lock(&g_mu);
+    for (int i = 0; i < GS_MAX_POOLS; i++)
+        if (g_where[i].pool == pool) {
+            *loc = g_where[i].location;
+            *managed = g_where[i].managed;
+            gs_held_unlock(&g_mu);
+            return 1;
+        }
+    gs_held_unlock(&g_mu);
+    if (!default_pool_location(pool, loc, managed)) return 0;
+    remember_where(pool, loc, *managed);
     return 1;
+}
+
+/* cuMemGetDefaultMemPool and cuMemGetMemPool (CUDA 13): a pool for a location and allocation
+ * type; remembered, so that a host pool's allocations are not charged to a device */
+static CUresult remember_location_pool(CUresult rc, CUmemoryPool *pool, const CUmemLocation *location,
+                                       CUmemAllocationType type)
+{
+    if (rc != CUDA_SUCCESS || !pool || !*pool || !location) return rc;
+    remember_where((uint64_t)(uintptr_t)*pool, location, type == CU_MEM_ALLOCATION_TYPE_MANAGED);
+    return rc;
+}
+
+GS_EXPORT CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool_out, CUmemLocation *location, CUmemAllocationType type)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemGetDefaultMemPool) return CUDA_ERROR_NOT_SUPPORTED;
+    return remember_location_pool(gs_cuda.cuMemGetDefaultMemPool(pool_out, location, type), pool_out, location, type);
+}
+
+GS_EXPORT CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *location, CUmemAllocationType type)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemGetMemPool) return CUDA_ERROR_NOT_SUPPORTED;
+    return remember_location_pool(gs_cuda.cuMemGetMemPool(pool, location, type), pool, location, type);
 }
 
 GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps)
@@ -113,18 +163,14 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
     CUresult rc = gs_cuda.cuMemPoolCreate(pool, poolProps);
     if (rc != CUDA_SUCCESS || !pool || !poolProps) return rc;
     uint64_t key = (uint64_t)(uintptr_t)*pool;
-    gs_held_lock(&g_mu);
-    struct pool_where *w = where_entry_locked(key);
-    if (w) {
-        w->pool = key;
-        w->location = poolProps->location;
-    }
+    if (!remember_where(key, &poolProps->location, poolProps->allocType == CU_MEM_ALLOCATION_TYPE_MANAGED))
+        GS_WARN("more than %d memory pools: a new one is charged to the allocating stream's device", GS_MAX_POOLS);
     /* a destroyed pool's handle handed out again: the new pool's reserved memory counts
      * (what the old one still has allocated stays in the record: charged, on the safe side) */
+    gs_held_lock(&g_mu);
     struct pool_rec *old = find_locked(key, -1, 0);
     if (old) old->destroyed = 0;
     gs_held_unlock(&g_mu);
-    if (!w) GS_WARN("more than %d memory pools: a new one is charged to the allocating stream's device", GS_MAX_POOLS);
     return rc;
 }
 
@@ -246,11 +292,15 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool)
         gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync: the stream's device's current pool */
     CUmemLocation loc;
+    int managed = 0;
     CUdevice mem_dev = slot >= 0 ? dev : -1; /* the device whose memory it takes */
-    if (pool && pool_location((uint64_t)(uintptr_t)pool, &loc)) {
+    if (pool && pool_location((uint64_t)(uintptr_t)pool, &loc, &managed) &&
+        (!managed || loc.type == CU_MEM_LOCATION_TYPE_DEVICE)) {
         slot = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(loc.id) : -1; /* -1: host memory */
         mem_dev = loc.id;
     }
+    /* else managed memory without a device of its own: charged to the stream's device, like
+     * cuMemAllocManaged's to the current one (it may all migrate there) */
     /* on a stream being captured into a graph the allocation is a graph node: it takes
      * memory only when the graph runs, and graphmem.c charges it then */
     if (slot < 0 || !pool || !bytesize || gs_stream_capturing(es))

@@ -47,6 +47,8 @@
     X(cuMemPoolTrimTo, CUresult, (CUmemoryPool, size_t))                                                     \
     X(cuMemPoolDestroy, CUresult, (CUmemoryPool))                                                            \
     X(cuDeviceGetMemPool, CUresult, (CUmemoryPool *, CUdevice))                                              \
+    X(cuMemGetDefaultMemPool, CUresult, (CUmemoryPool *, CUmemLocation *, CUmemAllocationType))               \
+    X(cuMemGetMemPool, CUresult, (CUmemoryPool *, CUmemLocation *, CUmemAllocationType))                      \
     X(cuMemCreate, CUresult, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
     X(cuMemRelease, CUresult, (CUmemGenericAllocationHandle))                                                \
     X(cuMemAddressReserve, CUresult, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))       \
@@ -227,15 +229,22 @@ static uint64_t size_arg(const char *s)
 }
 
 /* The pool "pool" allocates from; "mkpool TYPE ID" makes it at a location of its own
- * (TYPE 1 device ID, 2 host), otherwise it is made on device 0. */
-static CUresult make_user_pool(int type, int id)
+ * (TYPE 1 device ID, 2 host), "mkmanaged TYPE ID" a managed pool (TYPE 0: no preferred
+ * location), "defpool"/"curpool TYPE ALLOC" takes a location's default or current pool
+ * (ALLOC 1 pinned, 2 managed); otherwise it is made on device 0. */
+static CUresult make_user_pool_of(int alloc_type, int type, int id)
 {
     struct {
         int allocType, handleTypes;
         CUmemLocation location;
         char rest[64];
-    } props = {1, 0, {type, id}, {0}};
+    } props = {alloc_type, 0, {type, id}, {0}};
     return api.cuMemPoolCreate(&user_pool, &props);
+}
+
+static CUresult make_user_pool(int type, int id)
+{
+    return make_user_pool_of(CU_MEM_ALLOCATION_TYPE_PINNED, type, id);
 }
 
 static CUmemoryPool get_user_pool(void)
@@ -806,6 +815,16 @@ int main(int argc, char **argv)
             i += 1;
         } else if (!strcmp(c, "mkpool")) {
             printf("mkpool %d\n", make_user_pool(atoi(ARG(0)), atoi(ARG(1))));
+            i += 2;
+        } else if (!strcmp(c, "mkmanaged")) {
+            printf("mkmanaged %d\n", make_user_pool_of(CU_MEM_ALLOCATION_TYPE_MANAGED, atoi(ARG(0)), atoi(ARG(1))));
+            i += 2;
+        } else if (!strcmp(c, "defpool") || !strcmp(c, "curpool")) {
+            CUmemLocation loc = {atoi(ARG(0)), 0};
+            CUmemAllocationType type = atoi(ARG(1));
+            CUresult (*get)(CUmemoryPool *, CUmemLocation *, CUmemAllocationType) =
+                !strcmp(c, "defpool") ? api.cuMemGetDefaultMemPool : api.cuMemGetMemPool;
+            printf("%s %d\n", c, get ? get(&user_pool, &loc, type) : CUDA_ERROR_NOT_FOUND);
             i += 2;
         } else if (!strcmp(c, "events")) {
             typedef long (*live_t)(void);

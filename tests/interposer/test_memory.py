@@ -130,6 +130,56 @@ def test_a_pool_of_host_memory_is_not_charged(lab):
     assert res.values("phys") == [0]
 
 
+@pytest.mark.parametrize("api", ["direct", "procaddr"])
+@pytest.mark.parametrize("get", ["defpool", "curpool"])
+def test_the_host_s_pool_from_cuda_13_s_pool_getters_is_not_charged(lab, get, api):
+    # cuMemGetDefaultMemPool / cuMemGetMemPool (CUDA 13) hand out a host location's pinned
+    # pool: its allocations are host memory (before, an unknown pool was charged to the
+    # stream's device: 600 MiB of host memory refused the second allocation under 1 GiB)
+    res = lab.run("init", "ctx", "0", get, "2", "1", "pool", "600m", "pool", "600m", "meminfo", "phys",
+                  api=api, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc(get) == 0 and [rc for rc, _ in res.of("pool")] == [0, 0]
+    assert res.values("meminfo") == [GIB, GIB]
+    assert res.values("phys") == [0]
+
+
+def test_a_device_s_pool_from_cuda_13_s_pool_getter_is_charged_to_its_device(lab):
+    res = lab.run("init", "ctx", "0", "defpool", "1", "1", "pool", "600m", "pool", "600m", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("defpool") == 0 and [rc for rc, _ in res.of("pool")] == [0, OOM]
+    assert res.values("meminfo") == [GIB - 608 * MIB, GIB]
+
+
+@pytest.mark.parametrize("how", [("mkmanaged", "0", "0"), ("mkmanaged", "2", "0"), ("defpool", "0", "2")],
+                         ids=["managed-pool-no-location", "managed-pool-host", "default-managed-pool"])
+def test_a_managed_pool_without_a_device_is_charged_to_the_allocating_stream_s_device(lab, how):
+    # managed memory may all migrate to the device, so it is charged like cuMemAllocManaged
+    # (before, a managed pool whose location is not a device counted as host memory: 1.2 GiB
+    # of managed memory under a 1 GiB cap)
+    held, go = lab.tmp / "held", lab.tmp / "go"
+    proc = lab.start("init", "ctx", "1", *how, "pool", "600m", "pool", "600m", "meminfo",
+                     "touch", str(held), "waitfile", str(go),
+                     CUDA_DEVICE_MEMORY_LIMIT="1g", **TWO_GPUS)
+    lab.wait_for(held)
+    by_uuid = {d.uuid: d.used_bytes for d in lab.region().devices}
+    go.touch()
+    res = lab.finish(proc)
+    assert res.rc(how[0]) == 0 and [rc for rc, _ in res.of("pool")] == [0, OOM]
+    assert res.values("meminfo") == [GIB - 608 * MIB, GIB]
+    assert by_uuid == {lab.UUID_A: 0, lab.UUID_B: 608 * MIB}
+
+
+def test_a_managed_pool_on_a_device_is_charged_to_that_device(lab):
+    held, go = lab.tmp / "held", lab.tmp / "go"
+    proc = lab.start("init", "ctx", "0", "mkmanaged", "1", "1", "pool", "600m", "touch", str(held),
+                     "waitfile", str(go), CUDA_DEVICE_MEMORY_LIMIT="1g", **TWO_GPUS)
+    lab.wait_for(held)
+    by_uuid = {d.uuid: d.used_bytes for d in lab.region().devices}
+    go.touch()
+    assert lab.finish(proc).rc("pool") == 0
+    assert by_uuid == {lab.UUID_A: 0, lab.UUID_B: 608 * MIB}
+
+
 def test_a_pool_on_another_device_is_charged_to_that_device(lab):
     # context on device 0, pool on device 1: its memory is device 1's, and so is its cap
     held, go = lab.tmp / "held", lab.tmp / "go"

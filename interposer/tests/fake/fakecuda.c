@@ -807,14 +807,16 @@ struct fake_alloc {
     unsigned refs, maps; /* K_VMM: unreleased handle references, mappings */
 };
 struct fake_pool {
-    int pdev;
+    int pdev; /* -1: host memory; FAKE_POOL_FOLLOWS: managed, on the first allocating context's device */
     int destroyed;
     uint64_t reserved, used;
 };
 #define MAX_ALLOCS 8192
 static struct fake_alloc allocs[MAX_ALLOCS];
 static uint64_t next_handle = 0x7f0000000000ull;
+#define FAKE_POOL_FOLLOWS (-2)
 static struct fake_pool default_pools[FAKE_MAX_DEVS];
+static struct fake_pool host_pool = {.pdev = -1}, managed_pool = {.pdev = FAKE_POOL_FOLLOWS};
 static struct fake_pool *user_pools[64];
 
 /* An allocation of `bytes` from the pool is freed (called with mu held).  A destroyed pool
@@ -1459,15 +1461,40 @@ API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
     return cuDeviceGetMemPool(pool, d);
 }
 
+/* CUDA 13: a location's default pool for an allocation type (PINNED: a device's or the host's;
+ * MANAGED: one pool whatever the location, its memory on the device that allocates first) */
+API CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type)
+{
+    NEED_INIT();
+    FAIL_POINT("cuMemGetDefaultMemPool");
+    if (!pool || !loc) return CUDA_ERROR_INVALID_VALUE;
+    if (type == CU_MEM_ALLOCATION_TYPE_MANAGED) {
+        *pool = (CUmemoryPool)&managed_pool;
+        return CUDA_SUCCESS;
+    }
+    if (type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
+    if (loc->type == CU_MEM_LOCATION_TYPE_DEVICE) return cuDeviceGetMemPool(pool, loc->id);
+    if (loc->type < CU_MEM_LOCATION_TYPE_HOST || loc->type > 4) return CUDA_ERROR_INVALID_VALUE;
+    *pool = (CUmemoryPool)&host_pool; /* HOST, HOST_NUMA, HOST_NUMA_CURRENT */
+    return CUDA_SUCCESS;
+}
+
+/* no cuMemSetMemPool here: a location's current pool is its default one */
+API CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type)
+{
+    return cuMemGetDefaultMemPool(pool, loc, type);
+}
+
 API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
 {
     NEED_INIT();
     if (!pool || !props) return CUDA_ERROR_INVALID_VALUE;
+    int managed = *(const int *)props == CU_MEM_ALLOCATION_TYPE_MANAGED;
     const CUmemLocation *loc = (const CUmemLocation *)((const char *)props + 8);
     int host = loc->type != CU_MEM_LOCATION_TYPE_DEVICE; /* CU_MEM_LOCATION_TYPE_HOST*: pinned host memory */
     if (!host && (loc->id < 0 || loc->id >= nvisible)) return CUDA_ERROR_INVALID_DEVICE;
     struct fake_pool *p = calloc(1, sizeof(*p));
-    p->pdev = host ? -1 : visible[loc->id];
+    p->pdev = !host ? visible[loc->id] : managed ? FAKE_POOL_FOLLOWS : -1;
     *pool = (CUmemoryPool)p;
     pthread_mutex_lock(&mu);
     if (nuser_pools < 64) user_pools[nuser_pools++] = p;
@@ -1520,6 +1547,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, struct fake_pool *p)
 {
     if (!dptr || !bytes || !p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
+    if (p->pdev == FAKE_POOL_FOLLOWS) p->pdev = current->pdev;
     CUresult rc = CUDA_SUCCESS;
     if (p->used + bytes > p->reserved) {
         uint64_t target = (p->used + bytes + pool_chunk - 1) / pool_chunk * pool_chunk;
@@ -1605,6 +1633,8 @@ static void pools_release_at_sync(void)
     if (on < 0) on = getenv("FAKE_CUDA_POOL_RELEASE") != NULL;
     if (!on) return;
     for (int d = 0; d < FAKE_MAX_DEVS; d++) cuMemPoolTrimTo((CUmemoryPool)&default_pools[d], 0);
+    cuMemPoolTrimTo((CUmemoryPool)&host_pool, 0);
+    cuMemPoolTrimTo((CUmemoryPool)&managed_pool, 0);
     pthread_mutex_lock(&mu);
     int n = nuser_pools;
     pthread_mutex_unlock(&mu);

@@ -468,6 +468,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap)      \
     X(cuMemSetAccess) X(cuMemRetainAllocationHandle) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy)                \
     X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) X(cuDeviceGetMemPool) X(cuDeviceGetDefaultMemPool)    \
+    X(cuMemGetDefaultMemPool) X(cuMemGetMemPool)                                                               \
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute)                          \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)       \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamGetCtx) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
@@ -523,6 +524,7 @@ static const struct {
     {"cuEventDestroy", 4000, "cuEventDestroy_v2"},   {"cuStreamDestroy", 4000, "cuStreamDestroy_v2"},
     {"cuStreamBeginCapture", 10010, "cuStreamBeginCapture_v2"},
     {"cuGraphInstantiate", 11000, "cuGraphInstantiate_v2"}, {"cuGraphInstantiate", 12000, "cuGraphInstantiateWithFlags"},
+    {"cuMemGetDefaultMemPool", 13000, "cuMemGetDefaultMemPool"}, {"cuMemGetMemPool", 13000, "cuMemGetMemPool"},
 };
 
 static void *func_by_name(const char *name)
