@@ -120,6 +120,9 @@
       (const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra), cuLaunchKernelEx, 11060, 1) \
     X(cuLaunchCooperativeKernel, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 0)             \
     X(cuLaunchCooperativeKernel_ptsz, CUresult, GS_COOP_PARAMS, cuLaunchCooperativeKernel, 9000, 1)        \
+    X(cuLaunchCooperativeKernelMultiDevice, CUresult,                                                      \
+      (CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices, unsigned int flags),                 \
+      cuLaunchCooperativeKernelMultiDevice, 9000, 0)                                                       \
     X(cuLaunch, CUresult, (CUfunction f), cuLaunch, 2000, 0)                                               \
     X(cuLaunchGrid, CUresult, (CUfunction f, int grid_width, int grid_height), cuLaunchGrid, 2000, 0)      \
     X(cuLaunchGridAsync, CUresult, (CUfunction f, int grid_width, int grid_height, CUstream hStream),      \

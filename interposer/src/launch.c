@@ -538,7 +538,8 @@ static void measure_locked(struct tstream *s)
                 clock_add(s->slot, cost - paid);
             else
                 clock_refund(s->slot, paid - cost);
-            GS_DEBUG("debit %llu ns of %llu (%u launches)", (unsigned long long)charge, (unsigned long long)ns, n);
+            GS_DEBUG("debit %llu ns of %llu (%u launches) on device slot %d", (unsigned long long)charge, (unsigned long long)ns, n,
+                     s->slot);
         } else if (er != CUDA_SUCCESS && er != CUDA_ERROR_NOT_READY &&
                    !__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
             GS_WARN("compute limit: cuEventElapsedTime failed (%d); GPU time goes unmeasured", er);
@@ -728,20 +729,30 @@ static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
     return slot;
 }
 
-static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
-{
-    if (gs_t_held) return launch(args); /* a driver callback under a lock of ours (maybe g_mu) */
+/* A launch being measured: its stream, the slot and context it is measured in. */
+struct measured {
+    int slot;
     CUcontext ctx;
-    struct ctx_switch sw = {0, NULL, NULL};
-    CUstream es = gs_effective_stream(stream, per_thread);
-    int slot = launch_slot(es, &ctx, &sw);
+    CUstream es;
+    uint64_t key;
+    struct ctx_switch sw;
+};
+
+/* Waits until a launch on the stream may go: returns 1 with g_mu held and the stream's context
+ * current, or 0 if the launch goes unmeasured (the caller's context current, g_mu free). */
+static int admit_locked(CUstream stream, int per_thread, struct measured *m)
+{
+    m->sw.on = 0;
+    m->es = gs_effective_stream(stream, per_thread);
+    m->slot = launch_slot(m->es, &m->ctx, &m->sw);
+    int slot = m->slot;
     if (slot < 0 || !__atomic_load_n(&gs_region->devices[slot].sm_limit, __ATOMIC_RELAXED) ||
         !gs_cuda.cuEventCreate || !gs_cuda.cuEventRecord || !gs_cuda.cuEventQuery || !elapsed_fn() ||
-        capture_forbids_queries() || gs_stream_capturing(es)) {
-        switch_to(&sw, 0);
-        return launch(args);
+        capture_forbids_queries() || gs_stream_capturing(m->es)) {
+        switch_to(&m->sw, 0);
+        return 0;
     }
-    uint64_t key = stream_key(es);
+    m->key = stream_key(m->es);
 
     mu_lock();
     struct tstream *s;
@@ -752,14 +763,14 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
          * every query from now on: launched unmeasured */
         if (capture_forbids_queries()) {
             mu_unlock();
-            switch_to(&sw, 0);
-            return launch(args);
+            switch_to(&m->sw, 0);
+            return 0;
         }
         if (!measured_all) measure_all_locked();
         measured_all = 1;
         /* launch only when the budget is paid and the queue is short, both at once; the queue
          * is waited for at most GS_QUEUE_WAIT_NS (its head may wait for the host) */
-        s = stream_get_locked(key, ctx, slot);
+        s = stream_get_locked(m->key, m->ctx, slot);
         if (s) measure_locked(s);
         uint64_t now = gs_now_ns();
         if (s && over_queue(s) && (!queue_until || now < queue_until)) {
@@ -786,57 +797,73 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
             mu_unlock();
             wait_for_budget(slot);
         } else {
-            break;
+            return 1;
         }
         mu_lock();
     }
-    if (s && !s->count) {
-        /* the stream is idle: start a new interval here, so idle time is not counted; if that
-         * fails, no interval starts before the next measured event */
-        line_reference_locked(ctx, es, gs_now_ns());
-        CUevent start = take_event(s);
-        give_event(s, s->mark);
-        s->mark = NULL;
-        s->mark_ns = 0; /* no interval: nothing to advance against until one starts */
-        if (start && gs_cuda.cuEventRecord(start, es) == CUDA_SUCCESS) {
-            s->mark = start;
-            s->mark_ns = gs_now_ns();
-        } else {
-            drop_event(start);
-        }
+}
+
+/* Right before the launch (g_mu held, the stream's context current): an idle stream starts a
+ * new interval here, so idle time is not counted; if that fails, no interval starts before the
+ * next measured event. */
+static void begin_locked(const struct measured *m)
+{
+    struct tstream *s = stream_get_locked(m->key, m->ctx, m->slot);
+    if (!s || s->count) return;
+    line_reference_locked(m->ctx, m->es, gs_now_ns());
+    CUevent start = take_event(s);
+    give_event(s, s->mark);
+    s->mark = NULL;
+    s->mark_ns = 0; /* no interval: nothing to advance against until one starts */
+    if (start && gs_cuda.cuEventRecord(start, m->es) == CUDA_SUCCESS) {
+        s->mark = start;
+        s->mark_ns = gs_now_ns();
+    } else {
+        drop_event(start);
     }
-    mu_unlock();
+}
 
-    switch_to(&sw, 0);
-    CUresult rc = launch(args);
-    if (rc != CUDA_SUCCESS) return rc;
-    if (switch_to(&sw, 1) != 0) return rc; /* the stream's context is gone: this launch unmeasured */
-
+/* After a launch that succeeded: the event that ends it (the caller's context current). */
+static void record_end(const struct measured *m)
+{
+    if (switch_to(&m->sw, 1) != 0) return; /* the stream's context is gone: this launch unmeasured */
     mu_lock();
-    s = stream_get_locked(key, ctx, slot);
+    struct tstream *s = stream_get_locked(m->key, m->ctx, m->slot);
     if (s && s->count >= GS_RING) {
         /* the ring is full (the queue wait timed out): the newest event covers this launch too */
         int tail = (s->head + s->count - 1) % GS_RING;
-        if (gs_cuda.cuEventRecord(s->ring[tail], es) == CUDA_SUCCESS) {
+        if (gs_cuda.cuEventRecord(s->ring[tail], m->es) == CUDA_SUCCESS) {
             s->launches[tail]++;
             s->rec_ns[tail] = gs_now_ns();
             GS_DEBUG("event ring full: the newest event now covers %u launches", s->launches[tail]);
         }
     } else if (s) {
         CUevent end = take_event(s);
-        if (end && gs_cuda.cuEventRecord(end, es) == CUDA_SUCCESS) {
+        if (end && gs_cuda.cuEventRecord(end, m->es) == CUDA_SUCCESS) {
             int tail = (s->head + s->count) % GS_RING;
             s->ring[tail] = end;
             s->launches[tail] = 1;
             s->rec_ns[tail] = gs_now_ns();
             s->count++;
-            line_reference_locked(ctx, es, s->rec_ns[tail]);
+            line_reference_locked(m->ctx, m->es, s->rec_ns[tail]);
         } else {
             drop_event(end);
         }
     }
     mu_unlock();
-    if (switch_to(&sw, 0) != 0) GS_ERROR("cuCtxSetCurrent failed: the caller's context could not be restored");
+    if (switch_to(&m->sw, 0) != 0) GS_ERROR("cuCtxSetCurrent failed: the caller's context could not be restored");
+}
+
+static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
+{
+    if (gs_t_held) return launch(args); /* a driver callback under a lock of ours (maybe g_mu) */
+    struct measured m;
+    if (!admit_locked(stream, per_thread, &m)) return launch(args);
+    begin_locked(&m);
+    mu_unlock();
+    switch_to(&m.sw, 0);
+    CUresult rc = launch(args);
+    if (rc == CUDA_SUCCESS) record_end(&m);
     return rc;
 }
 
@@ -992,6 +1019,48 @@ GS_KERNEL_HOOK(cuLaunchKernel_ptsz, 1, call_kernel)
 
 GS_COOP_HOOK(cuLaunchCooperativeKernel, 0)
 GS_COOP_HOOK(cuLaunchCooperativeKernel_ptsz, 1)
+
+/* cuLaunchCooperativeKernelMultiDevice (deprecated, still exported): one kernel per device,
+ * each on a stream of its own, queued by one driver call.  Every stream waits for its
+ * device's budget first; then the idle ones start their intervals, the call is made, and
+ * each stream's end event is recorded.  (Nested throttled() calls, one per stream, let the
+ * first stream's interval span the later ones' waits: 17 % per device at 30 %.) */
+static __attribute__((noinline)) CUresult multi_slow(CUDA_LAUNCH_PARAMS *list, unsigned n, unsigned flags)
+{
+    gs_cuda_init();
+    cuLaunchCooperativeKernelMultiDevice_fn real = gs_cuda.cuLaunchCooperativeKernelMultiDevice;
+    if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    /* one entry per device: a longer list is the driver's to refuse */
+    if (gs_t_held || !throttle_on() || !list || n > GPUSLICE_MAX_DEVICES) return real(list, n, flags);
+    struct measured m[GPUSLICE_MAX_DEVICES];
+    int on[GPUSLICE_MAX_DEVICES];
+    for (unsigned i = 0; i < n; i++)
+        if ((on[i] = admit_locked(list[i].hStream, 0, &m[i]))) {
+            mu_unlock();
+            switch_to(&m[i].sw, 0);
+        }
+    for (unsigned i = 0; i < n; i++)
+        if (on[i] && switch_to(&m[i].sw, 1) == 0) {
+            mu_lock();
+            /* what ran while the later streams waited: else a stream whose work ended meanwhile
+             * would not start a new interval, and its next one would span the wait */
+            measure_all_locked();
+            begin_locked(&m[i]);
+            mu_unlock();
+            switch_to(&m[i].sw, 0);
+        }
+    CUresult rc = real(list, n, flags);
+    for (unsigned i = 0; i < n && rc == CUDA_SUCCESS; i++)
+        if (on[i]) record_end(&m[i]);
+    return rc;
+}
+
+GS_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *launchParamsList, unsigned int numDevices,
+                                                        unsigned int flags)
+{
+    GS_FAST(cuLaunchCooperativeKernelMultiDevice, (launchParamsList, numDevices, flags));
+    return multi_slow(launchParamsList, numDevices, flags);
+}
 
 #define GS_EX_HOOK(name, pt)                                                                                  \
     static __attribute__((noinline)) CUresult name##_slow(const CUlaunchConfig *config, CUfunction f,        \

@@ -71,6 +71,7 @@
     X(cuStreamBeginCapture_v2, CUresult, (CUstream, int))                                                    \
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
+    X(cuLaunchCooperativeKernelMultiDevice, CUresult, (CUDA_LAUNCH_PARAMS *, unsigned, unsigned))            \
     X(cuCtxSynchronize, CUresult, (void))                                                                    \
     X(cuStreamSynchronize, CUresult, (CUstream))                                                             \
     X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                \
@@ -260,6 +261,24 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* The "multi" benches' launch list: a stream of the current context, and for "multi2" one
+ * of device 1's primary context too (the current context stays). */
+static CUresult multi_list(const char *kind, CUfunction f, CUDA_LAUNCH_PARAMS *list, unsigned *n)
+{
+    CUDA_LAUNCH_PARAMS one = {f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL};
+    CUcontext home = NULL, there = NULL;
+    list[0] = list[1] = one;
+    *n = !strcmp(kind, "multi2") ? 2 : 1;
+    CUresult rc = api.cuStreamCreate(&list[0].hStream, 0);
+    if (rc != CUDA_SUCCESS || *n == 1) return rc;
+    if ((rc = api.cuCtxGetCurrent(&home)) != CUDA_SUCCESS || (rc = api.cuDevicePrimaryCtxRetain(&there, 1)) != CUDA_SUCCESS ||
+        (rc = api.cuCtxSetCurrent(there)) != CUDA_SUCCESS)
+        return rc;
+    rc = api.cuStreamCreate(&list[1].hStream, 0);
+    CUresult back = api.cuCtxSetCurrent(home);
+    return rc != CUDA_SUCCESS ? rc : back;
+}
+
 /* Launch for `seconds` of wall time; report the GPU time the fake ran. */
 static void bench(double seconds, const char *kind)
 {
@@ -268,8 +287,10 @@ static void bench(double seconds, const char *kind)
     CUfunction f = (CUfunction)0x1234;
     CUstream s = NULL;
     CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+    CUDA_LAUNCH_PARAMS list[2];
+    unsigned nlist = 0;
+    CUresult rc = !strncmp(kind, "multi", 5) ? multi_list(kind, f, list, &nlist) : CUDA_SUCCESS;
     uint64_t k0 = kernel_ns(), t0 = now_ns(), end = t0 + (uint64_t)(seconds * 1e9), n = 0;
-    CUresult rc = CUDA_SUCCESS;
     while (rc == CUDA_SUCCESS && now_ns() < end) {
         if (!strcmp(kind, "ex"))
             rc = api.cuLaunchKernelEx(&cfg, f, NULL, NULL);
@@ -277,6 +298,8 @@ static void bench(double seconds, const char *kind)
             rc = api.cuLaunchCooperativeKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL);
         else if (!strcmp(kind, "graph"))
             rc = api.cuGraphLaunch((CUgraphExec)(uintptr_t)4, s);
+        else if (nlist)
+            rc = api.cuLaunchCooperativeKernelMultiDevice(list, nlist, 0);
         else if (!strcmp(kind, "launch1")) /* CUDA 2.x's launches */
             rc = api1.cuLaunch(f);
         else if (!strcmp(kind, "grid"))
@@ -816,6 +839,13 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "mkpool")) {
             printf("mkpool %d\n", make_user_pool(atoi(ARG(0)), atoi(ARG(1))));
             i += 2;
+        } else if (!strcmp(c, "multibad")) {
+            /* cuLaunchCooperativeKernelMultiDevice refused by the driver: no list, a NULL stream,
+             * more entries than devices */
+            CUDA_LAUNCH_PARAMS list[64] = {{(CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL}};
+            printf("multibad %d %d %d\n", api.cuLaunchCooperativeKernelMultiDevice(NULL, 1, 0),
+                   api.cuLaunchCooperativeKernelMultiDevice(list, 1, 0),
+                   api.cuLaunchCooperativeKernelMultiDevice(list, 64, 0));
         } else if (!strcmp(c, "mkmanaged")) {
             printf("mkmanaged %d\n", make_user_pool_of(CU_MEM_ALLOCATION_TYPE_MANAGED, atoi(ARG(0)), atoi(ARG(1))));
             i += 2;

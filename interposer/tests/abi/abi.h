@@ -24,6 +24,8 @@
     F(offsetof(CUmemAllocationProp, location.type)) F(offsetof(CUmemAllocationProp, location.id)) \
     F(sizeof(CUlaunchConfig)) F(offsetof(CUlaunchConfig, sharedMemBytes)) \
     F(offsetof(CUlaunchConfig, hStream)) F(offsetof(CUlaunchConfig, numAttrs)) \
+    F(sizeof(CUDA_LAUNCH_PARAMS)) F(offsetof(CUDA_LAUNCH_PARAMS, sharedMemBytes))  \
+    F(offsetof(CUDA_LAUNCH_PARAMS, hStream)) F(offsetof(CUDA_LAUNCH_PARAMS, kernelParams)) \
     F(CUDA_SUCCESS) F(CUDA_ERROR_INVALID_VALUE) F(CUDA_ERROR_OUT_OF_MEMORY) \
     F(CUDA_ERROR_NOT_INITIALIZED) F(CUDA_ERROR_INVALID_DEVICE) F(CUDA_ERROR_INVALID_CONTEXT) \
     F(CUDA_ERROR_NOT_FOUND) F(CUDA_ERROR_NOT_READY) F(CUDA_ERROR_NOT_SUPPORTED) \

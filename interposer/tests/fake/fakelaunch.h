@@ -413,6 +413,25 @@ API CUresult cuLaunchCooperativeKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params)
     return f ? enqueue(s, 1, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
+/* One kernel per device, each on a stream of its own (never a special handle), all queued
+ * by one call; the devices must differ. */
+API CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *list, unsigned int n, unsigned int flags)
+{
+    (void)flags;
+    NEED_CTX();
+    if (!list || !n || n > (unsigned)nvisible) return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned i = 0; i < n; i++) {
+        if (!list[i].function || special_stream(list[i].hStream)) return CUDA_ERROR_INVALID_VALUE;
+        for (unsigned j = 0; j < i; j++)
+            if (stream_ctx(list[j].hStream)->pdev == stream_ctx(list[i].hStream)->pdev) return CUDA_ERROR_INVALID_DEVICE;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        CUresult rc = enqueue(list[i].hStream, 0, 1);
+        if (rc != CUDA_SUCCESS) return rc;
+    }
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **params, void **extra)
 {
     (void)params, (void)extra;
@@ -476,6 +495,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuStreamIsCapturing_ptsz) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz)    \
     X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuLaunchKernel)      \
     X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx)   \
+    X(cuLaunchCooperativeKernelMultiDevice)                                                                    \
     X(cuLaunchKernelEx_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2)  \
     X(cuModuleLoad) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary) X(cuModuleUnload)       \
     X(cuModuleGetFunction) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)                    \
