@@ -103,14 +103,17 @@ struct ctx_charge {
     nvmlProcessInfo_t procs[GS_MAX_PIDS];
 };
 
-static CUresult charge_begin(CUdevice dev, struct ctx_charge *c)
+/* `estimate`: the container's footprint estimate is reserved first (a context that does not fit
+ * is refused); else what the measurement finds is charged afterwards. */
+static CUresult charge_begin(CUdevice dev, struct ctx_charge *c, int estimate_first)
 {
     c->nprocs = -1;
     c->slot = gs_dev_slot(dev);
     c->reserved = 0;
     c->before = NO_READING;
     if (c->slot < 0) return CUDA_SUCCESS;
-    uint64_t estimate = __atomic_load_n(&gs_region->devices[c->slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
+    uint64_t estimate =
+        estimate_first ? __atomic_load_n(&gs_region->devices[c->slot].ctx_footprint_bytes, __ATOMIC_RELAXED) : 0;
     if (gs_near_cap(c->slot, estimate)) gs_reconcile_dev_locked(dev); /* another context of ours may have grown */
     if (gs_reserve_raw(c->slot, estimate) != 0) {
         GS_WARN("context refused: its footprint (%llu bytes) exceeds the remaining cap",
@@ -300,6 +303,29 @@ void gs_context_after_discovery(void)
     ctx_unlock();
 }
 
+/* The primary context retained under the context lock; charged if it is made here. */
+static CUresult primary_retain_locked(CUcontext *pctx, CUdevice dev)
+{
+    unsigned flags = 0;
+    int active = 1;
+    /* the state is read under the lock that releases and resets take too: an active context
+     * cannot go between the check and the retain (which would then create one uncharged), and
+     * one that another thread is creating is found active, not created twice */
+    if (gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
+        return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev); /* one more reference */
+    struct ctx_charge c;
+    CUresult rc = charge_begin(dev, &c, 1);
+    if (rc == CUDA_SUCCESS) {
+        rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
+        uint64_t bytes = charge_end(dev, &c, rc);
+        if (rc == CUDA_SUCCESS) {
+            g_primary_ctx[dev] = *pctx;
+            record_ctx(*pctx, c.slot, bytes, dev);
+        }
+    }
+    return rc;
+}
+
 GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     gs_cuda_init();
@@ -311,29 +337,10 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         return rc;
     }
     gs_devices_ready();
-    unsigned flags = 0;
-    int active = 1;
     if (dev < 0 || dev >= gs_dev_count() || dev >= GS_MAX_CUDA_DEVS || !gs_cuda.cuDevicePrimaryCtxGetState)
         return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
-    /* the state is read under the lock that releases and resets take too: an active context
-     * cannot go between the check and the retain (which would then create one uncharged), and
-     * one that another thread is creating is found active, not created twice */
     ctx_lock();
-    if (gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active) {
-        CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev); /* one more reference */
-        ctx_unlock();
-        return rc;
-    }
-    struct ctx_charge c;
-    CUresult rc = charge_begin(dev, &c);
-    if (rc == CUDA_SUCCESS) {
-        rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
-        uint64_t bytes = charge_end(dev, &c, rc);
-        if (rc == CUDA_SUCCESS) {
-            g_primary_ctx[dev] = *pctx;
-            record_ctx(*pctx, c.slot, bytes, dev);
-        }
-    }
+    CUresult rc = primary_retain_locked(pctx, dev);
     ctx_unlock();
     return rc;
 }
@@ -417,7 +424,7 @@ GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset, primary_reset)
         gs_devices_ready();                                                 \
         ctx_lock();                                      \
         struct ctx_charge c;                                                \
-        CUresult rc = charge_begin(dev, &c);                                \
+        CUresult rc = charge_begin(dev, &c, 1);                             \
         if (rc == CUDA_SUCCESS) {                                           \
             rc = (call);                                                    \
             uint64_t bytes = charge_end(dev, &c, rc);                       \
@@ -483,6 +490,109 @@ GS_EXPORT CUresult cuCtxDestroy(CUcontext ctx) /* CUDA 2.x's, same semantics */
     gs_cuda_init();
     if (!gs_cuda.cuCtxDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     return ctx_destroy(gs_cuda.cuCtxDestroy, ctx);
+}
+
+/* ---- green contexts (CUDA 12.4+) -------------------------------------------------
+ * cuGreenCtxCreate retains the device's primary context (making it if it is not active) and
+ * gives part of the GPU's SMs a context of its own; its CUcontext (cuCtxFromGreenCtx) shares
+ * the primary context's memory and lifetime.  Here the primary context is retained first
+ * through the primary hook's own path (charged if made), the green context's footprint is
+ * measured like a context's and charged (not refused: no estimate is reserved first), and
+ * allocations made in it are keyed by the primary context (gs_ctx_canonical), which frees
+ * them.  cuGreenCtxDestroy returns the footprint and the primary context's reference. */
+#define GS_GREENS 64
+static struct green {
+    CUgreenCtx g;     /* NULL: free entry (under the context lock) */
+    CUcontext as_ctx; /* read without the lock by gs_ctx_canonical: written last, cleared first */
+    CUcontext primary;
+    CUdevice dev;
+    int slot;
+    uint64_t bytes;
+} g_greens[GS_GREENS];
+static int g_ngreens; /* entries in use; read without the lock */
+
+CUcontext gs_ctx_canonical(CUcontext ctx)
+{
+    if (GS_LIKELY(!__atomic_load_n(&g_ngreens, __ATOMIC_ACQUIRE)) || !ctx) return ctx;
+    for (int i = 0; i < GS_GREENS; i++)
+        if (__atomic_load_n(&g_greens[i].as_ctx, __ATOMIC_ACQUIRE) == ctx) {
+            CUcontext p = __atomic_load_n(&g_greens[i].primary, __ATOMIC_RELAXED);
+            return p ? p : ctx;
+        }
+    return ctx;
+}
+
+static void green_put_locked(CUgreenCtx g, CUcontext as_ctx, CUcontext primary, CUdevice dev, int slot, uint64_t bytes)
+{
+    for (int i = 0; i < GS_GREENS; i++)
+        if (!g_greens[i].g) {
+            struct green *e = &g_greens[i];
+            e->g = g;
+            e->dev = dev;
+            e->slot = slot;
+            e->bytes = bytes;
+            __atomic_store_n(&e->primary, primary, __ATOMIC_RELAXED);
+            __atomic_store_n(&e->as_ctx, as_ctx, __ATOMIC_RELEASE);
+            __atomic_add_fetch(&g_ngreens, 1, __ATOMIC_RELEASE);
+            return;
+        }
+    GS_WARN("more than %d green contexts: a new one's footprint stays charged after it goes", GS_GREENS);
+}
+
+GS_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags)
+{
+    gs_cuda_init();
+    cuGreenCtxCreate_fn real = gs_cuda.cuGreenCtxCreate;
+    if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    /* from a driver callback: passed through (the reconcile charges what it misses) */
+    if (!phCtx || gs_t_held || gs_devices_discovering()) return real(phCtx, desc, dev, flags);
+    gs_devices_ready();
+    if (dev < 0 || dev >= gs_dev_count() || dev >= GS_MAX_CUDA_DEVS || gs_dev_slot(dev) < 0 ||
+        !gs_cuda.cuDevicePrimaryCtxGetState || !gs_cuda.cuDevicePrimaryCtxRetain ||
+        !gs_cuda.cuDevicePrimaryCtxRelease_v2 || !gs_cuda.cuCtxFromGreenCtx)
+        return real(phCtx, desc, dev, flags);
+    ctx_lock();
+    CUcontext primary = NULL;
+    CUresult rc = primary_retain_locked(&primary, dev);
+    if (rc == CUDA_SUCCESS) {
+        struct ctx_charge c;
+        charge_begin(dev, &c, 0);
+        rc = real(phCtx, desc, dev, flags);
+        uint64_t bytes = charge_end(dev, &c, rc);
+        CUcontext as_ctx = NULL;
+        if (rc == CUDA_SUCCESS) {
+            if (gs_cuda.cuCtxFromGreenCtx(&as_ctx, *phCtx) != CUDA_SUCCESS) as_ctx = NULL;
+            green_put_locked(*phCtx, as_ctx, primary, dev, c.slot, bytes);
+        }
+        /* this hook's reference goes (the green context holds its own): a primary context
+         * made here for a creation that failed goes with it */
+        if (gs_cuda.cuDevicePrimaryCtxRelease_v2(dev) == CUDA_SUCCESS) primary_maybe_gone(dev);
+    }
+    ctx_unlock();
+    return rc;
+}
+
+GS_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuGreenCtxDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    if (gs_t_held) return gs_cuda.cuGreenCtxDestroy(hCtx); /* a driver callback: its footprint stays charged */
+    ctx_lock();
+    CUresult rc = gs_cuda.cuGreenCtxDestroy(hCtx);
+    for (int i = 0; i < GS_GREENS && rc == CUDA_SUCCESS && hCtx; i++) {
+        struct green *e = &g_greens[i];
+        if (e->g != hCtx) continue;
+        __atomic_store_n(&e->as_ctx, NULL, __ATOMIC_RELEASE);
+        __atomic_sub_fetch(&g_ngreens, 1, __ATOMIC_RELEASE);
+        if (e->slot >= 0) gs_budget_release(e->slot, e->bytes);
+        CUdevice dev = e->dev;
+        __atomic_store_n(&e->primary, NULL, __ATOMIC_RELAXED); /* a reader may still hold the entry */
+        e->g = NULL;
+        primary_maybe_gone(dev); /* its reference to the primary context went */
+        break;
+    }
+    ctx_unlock();
+    return rc;
 }
 
 static int primary_dev_of(CUcontext ctx)

@@ -28,6 +28,8 @@ typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef struct CUgreenCtx_st *CUgreenCtx;
+typedef struct CUdevResourceDesc_st *CUdevResourceDesc;
 typedef struct CUarray_st *CUarray;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUmod_st *CUmodule;

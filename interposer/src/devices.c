@@ -225,7 +225,7 @@ int gs_current_slot(CUcontext *ctx)
     if (!gs_cuda.cuCtxGetCurrent || !gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetCurrent(&c) != CUDA_SUCCESS ||
         !c || gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS)
         return -1;
-    if (ctx) *ctx = c;
+    if (ctx) *ctx = gs_ctx_canonical(c);
     return gs_dev_slot(dev);
 }
 
@@ -262,7 +262,7 @@ int gs_stream_device(CUstream es, CUcontext *ctx, CUdevice *dev)
         }
     }
     if (rc != CUDA_SUCCESS) return -1;
-    *ctx = there;
+    *ctx = gs_ctx_canonical(there);
     return 0;
 }
 

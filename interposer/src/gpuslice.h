@@ -122,6 +122,9 @@ void gs_context_after_discovery(void); /* takes over primary contexts retained d
 void gs_devices_view_ready(void);    /* region devices for NVML-only processes (no registration) */
 int gs_dev_slot(CUdevice dev);       /* region slot of a CUDA ordinal, -1 if unknown */
 int gs_current_slot(CUcontext *ctx); /* slot of the current context's device, -1 if none */
+/* A green context's CUcontext (cuCtxFromGreenCtx) stands for its device's primary context, whose
+ * memory it shares: records and measurements key it by the primary; other contexts unchanged. */
+CUcontext gs_ctx_canonical(CUcontext ctx);
 /* The context a stream of the program's belongs to; NULL for the special handles (NULL, legacy,
  * per-thread: the current context's) or if the driver cannot say. */
 CUcontext gs_stream_ctx(CUstream es);

@@ -54,6 +54,10 @@
       (CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags, CUdevice dev),             \
       cuCtxCreate, 12050, 0)                                                                               \
     X(cuCtxDestroy_v2, CUresult, (CUcontext ctx), cuCtxDestroy, 4000, 0)                                   \
+    X(cuGreenCtxCreate, CUresult,                                                                          \
+      (CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags), cuGreenCtxCreate, 12040,  \
+      0)                                                                                                   \
+    X(cuGreenCtxDestroy, CUresult, (CUgreenCtx hCtx), cuGreenCtxDestroy, 12040, 0)                         \
     X(cuMemGetInfo_v2, CUresult, (size_t *free, size_t *total), cuMemGetInfo, 3020, 0)                     \
     X(cuDeviceTotalMem_v2, CUresult, (size_t *bytes, CUdevice dev), cuDeviceTotalMem, 3020, 0)             \
     X(cuMemGetInfo, CUresult, (unsigned int *free, unsigned int *total), cuMemGetInfo, 2000, 0)            \
@@ -200,6 +204,7 @@
     R(cuStreamGetDevice, CUresult, (CUstream hStream, CUdevice *device))                      \
     R(cuCtxGetDevice_v2, CUresult, (CUdevice *device, CUcontext ctx))                         \
     R(cuDevicePrimaryCtxGetState, CUresult, (CUdevice dev, unsigned int *flags, int *active)) \
+    R(cuCtxFromGreenCtx, CUresult, (CUcontext *pContext, CUgreenCtx hCtx))                   \
     R(cuDeviceGetMemPool, CUresult, (CUmemoryPool *pool, CUdevice dev))                       \
     R(cuDeviceGetDefaultMemPool, CUresult, (CUmemoryPool *pool_out, CUdevice dev))            \
     R(cuMemPoolGetAttribute, CUresult, (CUmemoryPool pool, CUmemPool_attribute attr, void *value)) \

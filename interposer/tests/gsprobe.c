@@ -72,6 +72,9 @@
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
     X(cuLaunchCooperativeKernelMultiDevice, CUresult, (CUDA_LAUNCH_PARAMS *, unsigned, unsigned))            \
+    X(cuGreenCtxCreate, CUresult, (CUgreenCtx *, CUdevResourceDesc, CUdevice, unsigned))                     \
+    X(cuGreenCtxDestroy, CUresult, (CUgreenCtx))                                                             \
+    X(cuCtxFromGreenCtx, CUresult, (CUcontext *, CUgreenCtx))                                                \
     X(cuCtxSynchronize, CUresult, (void))                                                                    \
     X(cuStreamSynchronize, CUresult, (CUstream))                                                             \
     X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                \
@@ -202,6 +205,7 @@ static CUdeviceptr vrange;  /* vmapall: one reservation, every VMM allocation ma
 static uint64_t vrange_size;
 static int nallocs;
 static CUmemoryPool user_pool;
+static CUgreenCtx greenctx; /* the "green" command's */
 static CUmodule user_module;
 static CUlibrary user_library;
 static CUfunction user_function;
@@ -839,6 +843,17 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "mkpool")) {
             printf("mkpool %d\n", make_user_pool(atoi(ARG(0)), atoi(ARG(1))));
             i += 2;
+        } else if (!strcmp(c, "green")) {
+            /* green D: a green context on device D (the descriptor is the fake's to ignore) */
+            printf("green %d\n", api.cuGreenCtxCreate(&greenctx, (CUdevResourceDesc)(uintptr_t)1, atoi(ARG(0)), 1));
+            i += 1;
+        } else if (!strcmp(c, "greencur")) {
+            /* the green context's CUcontext made current */
+            CUcontext gc = NULL;
+            CUresult rc = api.cuCtxFromGreenCtx(&gc, greenctx);
+            printf("greencur %d\n", rc == CUDA_SUCCESS ? api.cuCtxSetCurrent(gc) : rc);
+        } else if (!strcmp(c, "greendestroy")) {
+            printf("greendestroy %d\n", api.cuGreenCtxDestroy(greenctx));
         } else if (!strcmp(c, "multibad")) {
             /* cuLaunchCooperativeKernelMultiDevice refused by the driver: no list, a NULL stream,
              * more entries than devices */

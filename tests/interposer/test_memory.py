@@ -367,6 +367,48 @@ def test_a_context_that_does_not_fit_is_refused(lab):
     assert lab.finish(holder).rc("alloc") == 0
 
 
+def used_after_each(lab, steps: list[str], **env: str) -> list[int]:
+    """Run the steps (each a space-separated command) in one process; the container's charge on
+    device 0 after each, in MiB."""
+    cmds: list[str] = []
+    for i, step in enumerate(steps):
+        cmds += [*step.split(), "touch", str(lab.tmp / f"step{i}"), "waitfile", str(lab.tmp / f"go{i}")]
+    proc = lab.start("init", *cmds, **env)
+    used = []
+    for i in range(len(steps)):
+        lab.wait_for(lab.tmp / f"step{i}")
+        used.append(lab.used() // MIB)
+        (lab.tmp / f"go{i}").touch()
+    res = lab.finish(proc)
+    assert all(rc == 0 for _cmd, rc, _vals in res.lines if _cmd not in ("touch", "waitfile")), res.stdout
+    return used
+
+
+GREEN = {"CUDA_DEVICE_MEMORY_LIMIT": "2g", "FAKE_CUDA_CTX_BYTES": "300m", "FAKE_CUDA_GREEN_BYTES": "8m"}
+
+
+def test_a_green_context_charges_the_primary_context_it_makes_and_its_own_footprint(lab):
+    # cuGreenCtxCreate retains the primary context (making it if inactive) inside the driver;
+    # unhooked, neither was charged (0 MiB for 308 held), memory allocated in the green
+    # context stayed charged after the primary context went (200 MiB), and the primary
+    # context's charge went before its last reference (the green one's)
+    assert used_after_each(lab, ["green 0", "ctx 0", "alloc 100m", "greencur", "alloc 100m", "greendestroy",
+                                 "release 0"], **GREEN) == [308, 308, 408, 408, 508, 500, 0]
+
+
+def test_a_green_context_holds_the_primary_context_until_it_goes(lab):
+    # before: 300 MiB stayed charged after the green context, the last reference, went
+    assert used_after_each(lab, ["ctx 0", "green 0", "release 0", "greendestroy"], **GREEN) == [300, 308, 308, 0]
+
+
+def test_a_green_context_the_driver_refuses_leaves_nothing_charged(lab):
+    res = lab.run("init", "green", "0", "phys", CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_CTX_BYTES="300m",
+                  FAKE_CUDA_FAIL="cuGreenCtxCreate")
+    assert res.rc("green") != 0
+    assert res.values("phys") == [0]  # the primary context made for it went too
+    assert lab.used() == 0
+
+
 def test_destroying_a_context_returns_its_footprint_and_its_allocations(lab):
     res = lab.run("init", "ctxcreate", "0", "alloc", "200m", "array", "256", "256", "ctxdestroy",
                   "0", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",

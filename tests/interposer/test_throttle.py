@@ -54,6 +54,16 @@ def test_a_multi_device_cooperative_launch_is_throttled_on_each_device(release_l
     assert 2 * (30 - 2 * TOLERANCE) <= got <= 2 * (30 + TOLERANCE), f"two devices: measured {got:.1f}%"
 
 
+def test_launches_in_a_green_context_are_throttled(release_lab):
+    # a green context's CUcontext is measured as its device's primary context
+    res = release_lab.run("init", "ctx", "0", "green", "0", "greencur", "bench", "1.5", "kernel",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000")
+    rc, (_launches, kernel_ns, wall_ns) = res.of("bench")[0]
+    assert rc == 0 and res.rc("greencur") == 0
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"
+
+
 @pytest.mark.parametrize("limit", [None, "30"])
 def test_a_multi_device_launch_the_driver_refuses_returns_its_error(lab, limit):
     # no list, a NULL stream, more entries than devices: the driver's CUDA_ERROR_INVALID_VALUE,

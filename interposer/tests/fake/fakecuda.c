@@ -220,6 +220,7 @@ struct fake_ctx {
     uint64_t base;    /* the context's own memory, less its default heap */
     uint64_t modules; /* memory taken by (lazily loaded) modules and by limits */
     uint64_t limits[3]; /* what cuCtxSetLimit reserved: stacks, printf FIFO, malloc heap */
+    struct fake_ctx *owner; /* a green context's: its device's primary, which owns its allocations */
 };
 static struct fake_ctx primaries[FAKE_MAX_DEVS];
 static __thread struct fake_ctx *current;
@@ -585,6 +586,73 @@ API CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *ac
     return CUDA_SUCCESS;
 }
 
+/* Green contexts: each retains its device's primary context and holds FAKE_CUDA_GREEN_BYTES
+ * (default 8m) of its own; the CUcontext standing for it (cuCtxFromGreenCtx) is its fake_ctx,
+ * owned by the primary context (what is allocated in it is the primary's). */
+#define FAKE_GREENS 16
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d);
+static struct fake_green {
+    struct fake_ctx ctx;
+    int dev; /* ordinal */
+} greens[FAKE_GREENS];
+
+API CUresult cuGreenCtxCreate(void **ph, void *desc, CUdevice d, unsigned int flags)
+{
+    (void)flags;
+    NEED_INIT();
+    FAIL_POINT("cuGreenCtxCreate");
+    CHECK_DEV(d);
+    if (!ph || !desc) return CUDA_ERROR_INVALID_VALUE;
+    const char *v = getenv("FAKE_CUDA_GREEN_BYTES");
+    uint64_t bytes = v ? fake_size(v) : 8ull << 20;
+    CUcontext primary;
+    CUresult rc = cuDevicePrimaryCtxRetain(&primary, d);
+    if (rc != CUDA_SUCCESS) return rc;
+    pthread_mutex_lock(&mu);
+    struct fake_green *g = NULL;
+    for (int i = 0; i < FAKE_GREENS && !g; i++)
+        if (!greens[i].ctx.refs) g = &greens[i];
+    rc = !g ? CUDA_ERROR_OUT_OF_MEMORY : phys_add(visible[d], bytes);
+    if (rc == CUDA_SUCCESS) {
+        memset(g, 0, sizeof(*g));
+        g->ctx.pdev = visible[d];
+        g->ctx.refs = 1;
+        g->ctx.base = bytes;
+        g->ctx.owner = (struct fake_ctx *)primary;
+        g->dev = d;
+        *ph = g;
+    }
+    pthread_mutex_unlock(&mu);
+    if (rc != CUDA_SUCCESS) cuDevicePrimaryCtxRelease_v2(d);
+    return rc;
+}
+
+API CUresult cuCtxFromGreenCtx(CUcontext *pctx, void *h)
+{
+    struct fake_green *g = h;
+    if (!pctx || !g) return CUDA_ERROR_INVALID_VALUE;
+    if (!g->ctx.refs) return CUDA_ERROR_INVALID_CONTEXT;
+    *pctx = (CUcontext)&g->ctx;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGreenCtxDestroy(void *h)
+{
+    struct fake_green *g = h;
+    if (!g) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    int live = g->ctx.refs > 0;
+    if (live) {
+        phys_sub(g->ctx.pdev, g->ctx.base);
+        g->ctx.refs = 0;
+        g->ctx.base = 0;
+    }
+    pthread_mutex_unlock(&mu);
+    if (!live) return CUDA_ERROR_INVALID_CONTEXT;
+    if (current == &g->ctx) current = NULL;
+    return cuDevicePrimaryCtxRelease_v2(g->dev);
+}
+
 static void ctx_drop(struct fake_ctx *c);
 
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
@@ -845,7 +913,8 @@ static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *po
     CUresult rc = slot < 0 || (low && size > 0xffffffffull - *next) ? CUDA_ERROR_OUT_OF_MEMORY
                   : charge ? phys_add(pdev, size) : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS) {
-        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, current, pool, kind == K_VMM, 0};
+        struct fake_ctx *own = current && current->owner ? current->owner : current;
+        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0};
         if (low) {
             unsigned int h = (unsigned int)*next;
             memcpy(handle, &h, sizeof(h));
