@@ -1031,7 +1031,8 @@ static __attribute__((noinline)) CUresult multi_slow(CUDA_LAUNCH_PARAMS *list, u
     cuLaunchCooperativeKernelMultiDevice_fn real = gs_cuda.cuLaunchCooperativeKernelMultiDevice;
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     /* one entry per device: a longer list is the driver's to refuse */
-    if (gs_t_held || !throttle_on() || !list || n > GPUSLICE_MAX_DEVICES) return real(list, n, flags);
+    if (gs_t_held || !throttle_on() || !list || n > GPUSLICE_MAX_DEVICES || n > (unsigned)gs_dev_count())
+        return real(list, n, flags);
     struct measured m[GPUSLICE_MAX_DEVICES];
     int on[GPUSLICE_MAX_DEVICES];
     for (unsigned i = 0; i < n; i++)
