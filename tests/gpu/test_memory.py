@@ -114,3 +114,36 @@ def test_cuda_2_entry_points_are_charged(gpubench: Path) -> None:
            f"cuMemGetInfo_v2 rc {res['v2_info_rc']}, cuMemFree_v2 rc {res['v2_free_rc']}"
            + (f"; wrong: {failed}" if failed else ""), not failed, checks=checks, result=res)
     assert not failed, f"{failed}: {res}"
+
+
+GREEN_MIB = 2048
+
+
+def test_green_context_is_charged(nvml: Nvml, gpubench: Path, lib: Path) -> None:
+    """A green context (CUDA 12.4+) as the process's first context: the driver makes the primary
+    context inside cuGreenCtxCreate. Both footprints are charged, memory allocated in it is
+    charged and capped, and destroying it returns what it held."""
+    env = harness.capped_env(harness.new_region("green"))
+    with Poller(nvml, "green") as poller:
+        got = harness.run([str(gpubench), "green", str(GREEN_MIB)], env, 60, poller=poller)
+    if not got["exported"] or got["create_rc"] != 0:
+        why = "not exported" if not got["exported"] else f"cuGreenCtxCreate rc {got['create_rc']}"
+        record("green_ctx", why, None, result=got)
+        pytest.skip(f"no green context on this driver or GPU: {why}")
+    outside = poller.summary()
+    made, held = got["used_made"], got["used_held"]
+    own = made - got["used_after"]  # the primary context is made again at the end
+    checks = {
+        "the primary context made inside it is charged": made >= 256,
+        f"{GREEN_MIB} MiB in it charged": GREEN_MIB <= held - made <= GREEN_MIB + SLACK_MIB,
+        "over the cap refused": got["big_rc"] == 2,
+        "view within the cap": got["used_with_big"] <= CAP_MIB,
+        "frees return it": abs(got["used_freed"] - made) <= 2,
+        "destroyed": got["destroy_rc"] == 0,
+        "outside <= cap": outside["max_mib"] <= CAP_MIB,
+    }
+    failed = [name for name, good in checks.items() if not good]
+    record("green_ctx", f"{made:,.0f} MiB at creation (its own {own:,.0f}), +{held - made:,.0f} MiB "
+           f"allocated, outside {outside['max_mib']:,.0f}" + (f"; wrong: {failed}" if failed else ""),
+           not failed, checks=checks, result=got, outside=outside)
+    assert not failed, f"green context: {failed} ({got})"

@@ -5,14 +5,18 @@ Runs the C probe against the fake driver with the release and the ASan/UBSan lib
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 MIB = 1 << 20
 GIB = 1 << 30
 OOM = 2
+GPUBENCH = Path(__file__).resolve().parents[1] / "gpu" / "native" / "gpubench.c"
 NOT_READY_CTX = "ctx"
 
 # (probe command and arguments, bytes the interposer charges for it)
@@ -407,6 +411,21 @@ def test_a_green_context_the_driver_refuses_leaves_nothing_charged(lab):
     assert res.rc("green") != 0
     assert res.values("phys") == [0]  # the primary context made for it went too
     assert lab.used() == 0
+
+
+def test_the_gpu_check_s_green_context_program_runs_on_the_fake_driver(lab, tmp_path):
+    # scripts/gpu-check.sh's green-context row (tests/gpu/test_memory.py) runs `gpubench green`
+    # on the H200; here the same program, built as it is there, against the fake driver
+    exe = tmp_path / "gpubench"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-DGPUBENCH_DLOPEN",
+                    str(GPUBENCH), "-o", str(exe), "-ldl"],
+                   check=True)
+    out = subprocess.run([str(exe), "green", "512"], env=lab.env(**GREEN), capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    got = json.loads(out.split("RESULT ", 1)[1])
+    assert got["create_rc"] == 0 and got["alloc_rc"] == 0 and got["destroy_rc"] == 0, got
+    assert (got["used_made"], got["used_held"], got["used_freed"], got["used_after"]) == (308, 820, 308, 300)
+    assert got["big_rc"] == OOM and got["used_with_big"] == 820
 
 
 def test_destroying_a_context_returns_its_footprint_and_its_allocations(lab):

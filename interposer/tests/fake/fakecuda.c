@@ -627,6 +627,25 @@ API CUresult cuGreenCtxCreate(void **ph, void *desc, CUdevice d, unsigned int fl
     return rc;
 }
 
+/* The SM resource of a device (an opaque 144-byte CUdevResource here: its type first) and a
+ * descriptor of it; the fake partitions nothing. */
+API CUresult cuDeviceGetDevResource(CUdevice d, void *res, int type)
+{
+    NEED_INIT();
+    CHECK_DEV(d);
+    if (!res || type != 1) return CUDA_ERROR_INVALID_VALUE;
+    memset(res, 0, 144);
+    *(int *)res = type;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevResourceGenerateDesc(void **desc, void *res, unsigned int n)
+{
+    if (!desc || !res || !n) return CUDA_ERROR_INVALID_VALUE;
+    *desc = res;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuCtxFromGreenCtx(CUcontext *pctx, void *h)
 {
     struct fake_green *g = h;

@@ -18,6 +18,11 @@
  *                                         memset, cuMemFreeAsync): memory seen before and after
  *                                         instantiate, launch and cuDeviceGraphMemTrim, then a
  *                                         graph of 1 GiB more than the view's free memory
+ *   gpubench green MIB                    a green context (CUDA 12.4+, found by dlsym) as the
+ *                                         process's first context, so the driver makes the
+ *                                         primary context inside it: the view after it, after
+ *                                         MIB allocated in it and after 1 GiB more than the
+ *                                         view's free memory, then after it is destroyed
  *
  * Benchmarks print one line "RESULT {json}"; errors go to stderr with exit status 2.
  */
@@ -423,10 +428,71 @@ static int cmd_legacy(size_t mib)
     return 0;
 }
 
+/* Green contexts: the entry points and the one struct this program passes whole (opaque:
+ * cuda.h's CUdevResource is 144 bytes on CUDA 13.0; the buffer leaves room for more). */
+typedef struct CUgreenCtx_st *CUgreenCtx;
+typedef struct CUdevResourceDesc_st *CUdevResourceDesc;
+typedef CUresult (*get_resource_fn)(CUdevice dev, void *resource, int type);
+typedef CUresult (*generate_desc_fn)(CUdevResourceDesc *desc, void *resources, unsigned int n);
+typedef CUresult (*green_create_fn)(CUgreenCtx *green, CUdevResourceDesc desc, CUdevice dev, unsigned int flags);
+typedef CUresult (*green_ctx_fn)(CUcontext *ctx, CUgreenCtx green);
+typedef CUresult (*green_destroy_fn)(CUgreenCtx green);
+
+static int cmd_green(size_t mib)
+{
+    resolve_driver();
+    check(CALL(cuInit)(0), "cuInit");
+    CUdevice dev;
+    check(CALL(cuDeviceGet)(&dev, 0), "cuDeviceGet");
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    get_resource_fn get_resource = lib ? (get_resource_fn)dlsym(lib, "cuDeviceGetDevResource") : NULL;
+    generate_desc_fn generate_desc = lib ? (generate_desc_fn)dlsym(lib, "cuDevResourceGenerateDesc") : NULL;
+    green_create_fn create = lib ? (green_create_fn)dlsym(lib, "cuGreenCtxCreate") : NULL;
+    green_ctx_fn as_ctx = lib ? (green_ctx_fn)dlsym(lib, "cuCtxFromGreenCtx") : NULL;
+    green_destroy_fn destroy = lib ? (green_destroy_fn)dlsym(lib, "cuGreenCtxDestroy") : NULL;
+    if (!get_resource || !generate_desc || !create || !as_ctx || !destroy) {
+        printf("RESULT {\"exported\": false}\n");
+        return 0;
+    }
+    static unsigned long long resource[512]; /* CU_DEV_RESOURCE_TYPE_SM: every SM of the device */
+    CUdevResourceDesc desc = NULL;
+    CUgreenCtx green = NULL;
+    CUcontext ctx = NULL;
+    CUresult rc = get_resource(dev, resource, 1);
+    if (rc == 0) rc = generate_desc(&desc, resource, 1);
+    if (rc == 0) rc = create(&green, desc, dev, 1 /* CU_GREEN_CTX_DEFAULT_STREAM */);
+    if (rc == 0) rc = as_ctx(&ctx, green);
+    if (rc == 0) rc = CALL(cuCtxSetCurrent)(ctx);
+    if (rc != 0) {
+        printf("RESULT {\"exported\": true, \"create_rc\": %d}\n", rc);
+        return 0;
+    }
+    size_t free_bytes = 0, total = 0;
+    double made = used_mib();
+    CUdeviceptr p = 0, big = 0;
+    CUresult alloc_rc = CALL(cuMemAlloc_v2)(&p, mib << 20);
+    double held = used_mib();
+    check(CALL(cuMemGetInfo_v2)(&free_bytes, &total), "cuMemGetInfo_v2");
+    CUresult big_rc = CALL(cuMemAlloc_v2)(&big, free_bytes + ((size_t)1 << 30));
+    double with_big = used_mib();
+    if (big_rc == 0) CALL(cuMemFree_v2)(big);
+    if (alloc_rc == 0) CALL(cuMemFree_v2)(p);
+    double freed = used_mib();
+    CALL(cuCtxSetCurrent)(NULL);
+    CUresult destroy_rc = destroy(green);
+    open_device(); /* the primary context made again: what the view holds then */
+    double after = used_mib();
+    printf("RESULT {\"exported\": true, \"create_rc\": 0, \"used_made\": %.1f, \"alloc_rc\": %d, "
+           "\"used_held\": %.1f, \"big_rc\": %d, \"used_with_big\": %.1f, \"used_freed\": %.1f, "
+           "\"destroy_rc\": %d, \"used_after\": %.1f, \"total_mib\": %.1f}\n",
+           made, alloc_rc, held, big_rc, with_big, freed, destroy_rc, after, (double)total / (1 << 20));
+    return 0;
+}
+
 static int usage(void)
 {
     fprintf(stderr, "usage: gpubench info | serve | launch LAUNCHES REPS BATCH | "
-                    "allocfree BYTES PAIRS REPS | legacy MIB | graph MIB\n");
+                    "allocfree BYTES PAIRS REPS | legacy MIB | graph MIB | green MIB\n");
     return 64;
 }
 
@@ -460,6 +526,12 @@ int main(int argc, char **argv)
         if (mib <= 0)
             return usage();
         return cmd_graph((size_t)mib);
+    }
+    if (argc == 3 && strcmp(argv[1], "green") == 0) {
+        long long mib = atoll(argv[2]);
+        if (mib <= 0)
+            return usage();
+        return cmd_green((size_t)mib);
     }
     return usage();
 }
