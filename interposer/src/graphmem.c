@@ -333,6 +333,11 @@ static CUresult call_v2(const void *p)
 static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, int uploads)
 {
     if (!a->real) return CUDA_ERROR_NOT_SUPPORTED;
+    /* a driver callback while this thread holds a lock of ours across a driver call (g_mu,
+     * inside a graph-memory attribute query, say): nothing here waits for g_mu.  Passed through:
+     * such a graph's memory is charged by the NVML reconcile only, and its executable's
+     * destruction, uploads, launches and trims from there pass through too */
+    if (gs_t_held) return call(a);
     gs_devices_ready();
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS] = {0};
@@ -394,6 +399,7 @@ GS_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, C
 static CUresult upload(cuGraphUpload_fn real, CUgraphExec exec, CUstream stream)
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    if (gs_t_held) return real(exec, stream); /* see instantiate */
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS];
     int tracked = gs_graphmem_before(exec, &need, reserved);
@@ -420,7 +426,8 @@ GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
     gs_cuda_init();
     if (!gs_cuda.cuGraphExecDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
-    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE)) forget(hGraphExec);
+    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !gs_t_held)
+        forget(hGraphExec); /* under gs_t_held (see instantiate) its entry stays, replaced if the handle comes back */
     return rc;
 }
 
@@ -430,7 +437,7 @@ GS_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
     if (!gs_cuda.cuDeviceGraphMemTrim) return CUDA_ERROR_NOT_SUPPORTED;
     gs_inflight_begin(); /* the pool shrinks before its charge follows */
     CUresult rc = gs_cuda.cuDeviceGraphMemTrim(device);
-    if (rc == CUDA_SUCCESS && gs_cuda.cuDeviceGetGraphMemAttribute) {
+    if (rc == CUDA_SUCCESS && gs_cuda.cuDeviceGetGraphMemAttribute && !gs_t_held) { /* see instantiate */
         gs_devices_ready();
         settle(device, 0);
     }

@@ -137,7 +137,7 @@ static int pool_location(uint64_t pool, CUmemLocation *loc, int *managed)
 static CUresult remember_location_pool(CUresult rc, CUmemoryPool *pool, const CUmemLocation *location,
                                        CUmemAllocationType type)
 {
-    if (rc != CUDA_SUCCESS || !pool || !*pool || !location) return rc;
+    if (rc != CUDA_SUCCESS || !pool || !*pool || !location || gs_t_held) return rc; /* gs_t_held: see pool_alloc */
     remember_where((uint64_t)(uintptr_t)*pool, location, type == CU_MEM_ALLOCATION_TYPE_MANAGED);
     return rc;
 }
@@ -161,7 +161,7 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
     gs_cuda_init();
     if (!gs_cuda.cuMemPoolCreate) return CUDA_ERROR_NOT_SUPPORTED;
     CUresult rc = gs_cuda.cuMemPoolCreate(pool, poolProps);
-    if (rc != CUDA_SUCCESS || !pool || !poolProps) return rc;
+    if (rc != CUDA_SUCCESS || !pool || !poolProps || gs_t_held) return rc; /* gs_t_held: see pool_alloc */
     uint64_t key = (uint64_t)(uintptr_t)*pool;
     if (!remember_where(key, &poolProps->location, poolProps->allocType == CU_MEM_ALLOCATION_TYPE_MANAGED))
         GS_WARN("more than %d memory pools: a new one is charged to the allocating stream's device", GS_MAX_POOLS);
@@ -282,6 +282,12 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    /* a driver callback while this thread holds a lock of ours across a driver call (this
+     * file's, inside a pool's attribute query, say): g_mu may be ours, so nothing here waits
+     * for it.  Passed through uncharged: the pool's growth is charged at its next reconcile;
+     * frees, trims and destruction from there pass through too (a freed pointer's record
+     * stays until its address is reused, on the safe side) */
+    if (gs_t_held) return call(dptr, bytesize, pool, stream, real);
     gs_devices_ready();
     CUcontext ctx;
     CUdevice dev;
@@ -406,6 +412,7 @@ GS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
 static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream stream)
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    if (gs_t_held) return real(dptr, stream); /* see pool_alloc */
     struct gs_alloc rec, old;
     int kind = GS_KIND_POOLPTR;
     if (gs_am_take(kind, dptr, &rec) != 0) {
@@ -442,7 +449,7 @@ GS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
     if (!gs_cuda.cuMemPoolTrimTo) return CUDA_ERROR_NOT_SUPPORTED;
     gs_inflight_begin(); /* memory goes back before the pool's charge follows */
     CUresult rc = gs_cuda.cuMemPoolTrimTo(pool, minBytesToKeep);
-    if (rc == CUDA_SUCCESS) gs_pool_drop_ptr((uint64_t)(uintptr_t)pool, 0);
+    if (rc == CUDA_SUCCESS && !gs_t_held) gs_pool_drop_ptr((uint64_t)(uintptr_t)pool, 0); /* else the sampler's */
     gs_inflight_end();
     return rc;
 }
@@ -451,6 +458,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemPoolDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    if (gs_t_held) return gs_cuda.cuMemPoolDestroy(pool); /* see pool_alloc: its charge stays */
     gs_inflight_begin();
     CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
     if (rc == CUDA_SUCCESS) {

@@ -516,6 +516,24 @@ def test_a_driver_api_callback_calling_back_into_a_hook_does_not_deadlock(lab, c
         assert 0 <= res.values("phys")[0] - (total - free) <= 2 * MIB
 
 
+@pytest.mark.parametrize(("callback", "commands"), [
+    ("cuMemPoolGetAttribute:async", ["ctx", "0", "async", "100m", "free", "0", "phys", "meminfo"]),
+    ("cuDeviceGetGraphMemAttribute:graph",
+     ["ctx", "0", "gcapture", "600m", "ginst", "flags", "glaunch", "gtrim", "phys", "meminfo"]),
+], ids=["pool-allocation-inside-a-pool-query", "graph-launch-inside-a-graph-memory-query"])
+def test_a_callback_under_the_pool_or_graph_memory_lock_does_not_deadlock(lab, callback, commands):
+    # the pools' and the graph memory's locks are held across the driver's attribute queries:
+    # a profiler's callback there that allocated from a pool (200 MiB) or launched a graph with
+    # allocation nodes waited for its own thread (both hung).  They pass through uncharged, and
+    # the pool's or the graph memory's next reading charges what they left
+    res = lab.run("init", *commands, timeout=30, CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_API_CALLBACK=callback, FAKE_CUDA_API_CALLBACK_BYTES="200m")
+    assert res.returncode == 0 and all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
+    assert re.search(r"fake: api callback \S+ \S+ 0\n", res.stderr), res.stderr
+    free, total = res.values("meminfo")
+    assert total - free == res.values("phys")[0] > 0
+
+
 def test_a_context_made_by_a_callback_inside_a_limit_change_does_not_deadlock_another_thread(lab):
     # thread B sets a limit and the driver's callback inside makes a context; thread A makes a
     # context and the callback inside sets a limit: B held the limit lock and waited for the

@@ -368,7 +368,9 @@ API CUresult cuDeviceGetCount(int *n)
  * (cuDeviceTotalMem_v2 of device 0), setlimit (cuCtxSetLimit of the printf FIFO to
  * FAKE_CUDA_API_CALLBACK_BYTES, default 1m), alloc (that much, freed again), ctx (a context of
  * its own, created and destroyed), retain (device 0's primary context, once per process),
- * sync (cuCtxSynchronize) or launch (an empty kernel on the legacy stream).  Never from inside
+ * sync (cuCtxSynchronize), launch (an empty kernel on the legacy stream), async (a stream-ordered
+ * allocation of that size, freed again) or graph (the newest executable graph launched on the
+ * legacy stream).  Never from inside
  * another callback.  The first result per action goes to stderr, and how many ran at exit. */
 static __thread int in_callback;
 static unsigned api_callbacks;
@@ -377,6 +379,8 @@ __attribute__((destructor)) static void api_callbacks_report(void)
 {
     if (api_callbacks) fprintf(stderr, "fake: api callbacks %u\n", api_callbacks);
 }
+
+static void *last_gexec; /* fakegraph.h: the newest executable graph (the "graph" action launches it) */
 
 static void api_callback(const char *fn)
 {
@@ -419,6 +423,17 @@ static void api_callback(const char *fn)
         } else if (!strncmp(what, "sync", 4)) {
             CUresult (*sync)(void) = (CUresult(*)(void))dlsym(RTLD_DEFAULT, "cuCtxSynchronize");
             rc = sync();
+        } else if (!strncmp(what, "async", 5)) {
+            CUresult (*alloc)(CUdeviceptr *, size_t, CUstream) = (CUresult(*)(CUdeviceptr *, size_t, CUstream))dlsym(RTLD_DEFAULT, "cuMemAllocAsync");
+            CUresult (*release)(CUdeviceptr, CUstream) = (CUresult(*)(CUdeviceptr, CUstream))dlsym(RTLD_DEFAULT, "cuMemFreeAsync");
+            CUdeviceptr d = 0;
+            rc = alloc(&d, bytes, NULL);
+            if (rc == CUDA_SUCCESS) release(d, NULL);
+            if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0;
+        } else if (!strncmp(what, "graph", 5)) {
+            CUresult (*launch)(void *, CUstream) = (CUresult(*)(void *, CUstream))dlsym(RTLD_DEFAULT, "cuGraphLaunch");
+            rc = last_gexec ? launch(last_gexec, NULL) : CUDA_ERROR_NOT_FOUND;
+            if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0;
         } else if (!strncmp(what, "launch", 6)) {
             typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                          unsigned, CUstream, void **, void **);
@@ -1620,6 +1635,7 @@ API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
 API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
 {
     FAIL_POINT("cuMemPoolGetAttribute");
+    api_callback("cuMemPoolGetAttribute");
     struct fake_pool *p = (struct fake_pool *)pool;
     if (!p || !value || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
     if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)

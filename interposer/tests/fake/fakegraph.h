@@ -249,6 +249,7 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload)
         return rc;
     }
     *exec = (CUgraphExec)e;
+    last_gexec = e;
     return CUDA_SUCCESS;
 }
 
@@ -309,6 +310,7 @@ API CUresult cuGraphExecDestroy(CUgraphExec g)
 {
     struct fake_gexec *e = gexec_of(g);
     if (!e) return CUDA_ERROR_INVALID_VALUE;
+    if (last_gexec == e) last_gexec = NULL;
     e->magic = 0;
     free(e);
     return CUDA_SUCCESS;
@@ -328,6 +330,7 @@ API CUresult cuDeviceGraphMemTrim(CUdevice d)
 API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, CUgraphMem_attribute attr, void *value)
 {
     FAIL_POINT("cuDeviceGetGraphMemAttribute");
+    api_callback("cuDeviceGetGraphMemAttribute");
     if (d < 0 || d >= nvisible) return CUDA_ERROR_INVALID_DEVICE;
     if (!value) return CUDA_ERROR_INVALID_VALUE;
     switch (attr) {
