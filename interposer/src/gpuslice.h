@@ -311,6 +311,8 @@ static inline int gs_reserve(int slot, uint64_t bytes)
 }
 
 void gs_forget_ctx(CUcontext ctx);         /* a context was destroyed: release what it held */
+int gs_pool_lock_mine(void);     /* this thread holds the pools' lock (a driver callback inside) */
+int gs_graphmem_lock_mine(void); /* this thread holds the graph memory's lock */
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
 void gs_pools_reconcile_all(void);
 void gs_pools_after_fork_child(void);

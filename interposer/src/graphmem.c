@@ -48,6 +48,24 @@ struct gexec {
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* the table and every settle */
+static __thread int t_mine; /* this thread holds g_mu (a driver callback may reach us inside) */
+
+static void mu_lock(void)
+{
+    gs_held_lock(&g_mu);
+    t_mine++;
+}
+
+static void mu_unlock(void)
+{
+    t_mine--;
+    gs_held_unlock(&g_mu);
+}
+
+int gs_graphmem_lock_mine(void)
+{
+    return t_mine;
+}
 static struct gexec g_execs[GS_MAX_GEXECS];
 static int g_n;
 
@@ -122,7 +140,7 @@ static void remember(CUgraphExec exec, const struct gs_graph_need *need)
 {
     CUcontext ctx = NULL;
     if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
-    gs_held_lock(&g_mu);
+    mu_lock();
     int i = find_locked(exec);
     if (i < 0 && g_n < GS_MAX_GEXECS) i = g_n++;
     if (i >= 0) {
@@ -134,40 +152,40 @@ static void remember(CUgraphExec exec, const struct gs_graph_need *need)
         GS_WARN("more than %d graphs with allocation nodes: later ones are charged by the NVML reconcile only",
                 GS_MAX_GEXECS);
     }
-    gs_held_unlock(&g_mu);
+    mu_unlock();
 }
 
 static void forget(CUgraphExec exec)
 {
-    gs_held_lock(&g_mu);
+    mu_lock();
     int i = find_locked(exec);
     if (i >= 0) {
         g_execs[i] = g_execs[--g_n];
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     }
-    gs_held_unlock(&g_mu);
+    mu_unlock();
 }
 
 /* A context went: its executable graphs went with it (the driver may hand their handles
  * out again, for graphs that allocate nothing). */
 void gs_graphmem_forget_ctx(CUcontext ctx)
 {
-    gs_held_lock(&g_mu);
+    mu_lock();
     for (int i = 0; i < g_n;)
         if (g_execs[i].ctx == ctx)
             g_execs[i] = g_execs[--g_n];
         else
             i++;
     __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
-    gs_held_unlock(&g_mu);
+    mu_unlock();
 }
 
 static int lookup(CUgraphExec exec, struct gs_graph_need *need)
 {
-    gs_held_lock(&g_mu);
+    mu_lock();
     int i = find_locked(exec);
     if (i >= 0) *need = g_execs[i].need;
-    gs_held_unlock(&g_mu);
+    mu_unlock();
     return i >= 0;
 }
 
@@ -190,7 +208,7 @@ static uint64_t settle(CUdevice dev, uint64_t reserved)
     if (slot < 0) return 0;
     /* the charge is the device's, not a context's (the pool outlives the contexts that used
      * it): it follows the pool's size here, and gs_graphmem_resettle when a context goes */
-    gs_held_lock(&g_mu);
+    mu_lock();
     struct gs_alloc rec = {0}, old;
     if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) != 0) rec.slot = slot;
     uint64_t charged = rec.size + reserved, target = charged;
@@ -205,7 +223,7 @@ static uint64_t settle(CUdevice dev, uint64_t reserved)
         gs_budget_release(rec.slot, charged - target);
     rec.size = target;
     if (target) gs_am_put(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec, &old);
-    gs_held_unlock(&g_mu);
+    mu_unlock();
     return target;
 }
 
@@ -216,16 +234,16 @@ void gs_graphmem_resettle(CUdevice dev, int contexts_left)
     struct gs_alloc rec, old;
     if (dev < 0) return;
     if (contexts_left) {
-        gs_held_lock(&g_mu);
+        mu_lock();
         int have = gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) == 0;
         if (have) gs_am_put(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec, &old);
-        gs_held_unlock(&g_mu);
+        mu_unlock();
         if (have) settle(dev, 0);
         return;
     }
-    gs_held_lock(&g_mu);
+    mu_lock();
     if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) == 0) gs_budget_release(rec.slot, rec.size);
-    gs_held_unlock(&g_mu);
+    mu_unlock();
 }
 
 /* Reserve what the pool cannot hold of `need`; 0 = done, -1 = over the cap (nothing kept). */
@@ -291,10 +309,10 @@ void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const
         if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &after) != 0 || after < base) base = 0;
         ran_need[i] = held[i] > base + 1 ? held[i] - base : 1; /* never 0 once it ran: 0 means never */
     }
-    gs_held_lock(&g_mu);
+    mu_lock();
     int k = find_locked(exec);
     for (int i = 0; k >= 0 && i < need->n; i++) g_execs[k].need.ran[i] = ran_need[i];
-    gs_held_unlock(&g_mu);
+    mu_unlock();
 }
 
 /* ---- the hooks ------------------------------------------------------------- */
@@ -333,11 +351,11 @@ static CUresult call_v2(const void *p)
 static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, int uploads)
 {
     if (!a->real) return CUDA_ERROR_NOT_SUPPORTED;
-    /* a driver callback while this thread holds a lock of ours across a driver call (g_mu,
-     * inside a graph-memory attribute query, say): nothing here waits for g_mu.  Passed through:
-     * such a graph's memory is charged by the NVML reconcile only, and its executable's
-     * destruction, uploads, launches and trims from there pass through too */
-    if (gs_t_held) return call(a);
+    /* a driver callback while this thread holds g_mu across a driver call (a graph-memory
+     * attribute query): nothing here waits for g_mu.  Passed through: such a graph's memory is
+     * charged by the NVML reconcile only, and its executable's destruction, uploads, launches
+     * and trims from there pass through too */
+    if (t_mine) return call(a);
     gs_devices_ready();
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS] = {0};
@@ -399,7 +417,7 @@ GS_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, C
 static CUresult upload(cuGraphUpload_fn real, CUgraphExec exec, CUstream stream)
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
-    if (gs_t_held) return real(exec, stream); /* see instantiate */
+    if (t_mine) return real(exec, stream); /* see instantiate */
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS];
     int tracked = gs_graphmem_before(exec, &need, reserved);
@@ -426,8 +444,8 @@ GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
     gs_cuda_init();
     if (!gs_cuda.cuGraphExecDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
-    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !gs_t_held)
-        forget(hGraphExec); /* under gs_t_held (see instantiate) its entry stays, replaced if the handle comes back */
+    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !t_mine)
+        forget(hGraphExec); /* else (see instantiate) its entry stays, replaced if the handle comes back */
     return rc;
 }
 
@@ -437,7 +455,7 @@ GS_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
     if (!gs_cuda.cuDeviceGraphMemTrim) return CUDA_ERROR_NOT_SUPPORTED;
     gs_inflight_begin(); /* the pool shrinks before its charge follows */
     CUresult rc = gs_cuda.cuDeviceGraphMemTrim(device);
-    if (rc == CUDA_SUCCESS && gs_cuda.cuDeviceGetGraphMemAttribute && !gs_t_held) { /* see instantiate */
+    if (rc == CUDA_SUCCESS && gs_cuda.cuDeviceGetGraphMemAttribute && !t_mine) { /* see instantiate */
         gs_devices_ready();
         settle(device, 0);
     }

@@ -956,7 +956,7 @@ static CUresult call_graph(const void *p)
 static CUresult call_graph_mem(const void *p)
 {
     const struct graph_args *a = p;
-    if (gs_t_held) return call_graph(p); /* a driver callback under a lock of ours: see graphmem.c */
+    if (gs_graphmem_lock_mine()) return call_graph(p); /* a driver callback under its lock: see graphmem.c */
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS];
     int mem = gs_graphmem_before(a->exec, &need, reserved);

@@ -258,7 +258,7 @@ static CUresult free_dptr(int v1, CUdeviceptr dptr)
     int kind = GS_KIND_DPTR;
     if (gs_am_take(kind, dptr, &rec) != 0) {
         kind = GS_KIND_POOLPTR; /* cuMemFree also frees stream-ordered allocations */
-        if (gs_t_held) return real_free(v1, dptr); /* its pool's lock may be ours: see pool.c's pool_alloc */
+        if (gs_pool_lock_mine()) return real_free(v1, dptr); /* its pool's lock is ours: see pool.c's pool_alloc */
         if (gs_am_take(kind, dptr, &rec) != 0) return real_free(v1, dptr);
     }
     gs_inflight_begin();

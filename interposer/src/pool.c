@@ -47,6 +47,24 @@ struct pool_rec {
 };
 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static __thread int t_mine; /* this thread holds g_mu (a driver callback may reach us inside) */
+
+static void mu_lock(void)
+{
+    gs_held_lock(&g_mu);
+    t_mine++;
+}
+
+static void mu_unlock(void)
+{
+    t_mine--;
+    gs_held_unlock(&g_mu);
+}
+
+int gs_pool_lock_mine(void)
+{
+    return t_mine;
+}
 static struct pool_rec g_pools[GS_MAX_POOLS];
 
 /* Where pools keep their memory: those this process created, devices' default pools, and
@@ -85,14 +103,14 @@ static struct pool_where *where_entry_locked(uint64_t pool)
 /* 0 if the table is full */
 static int remember_where(uint64_t pool, const CUmemLocation *loc, int managed)
 {
-    gs_held_lock(&g_mu);
+    mu_lock();
     struct pool_where *w = where_entry_locked(pool);
     if (w) {
         w->pool = pool;
         w->location = *loc;
         w->managed = managed;
     }
-    gs_held_unlock(&g_mu);
+    mu_unlock();
     return w != NULL;
 }
 
@@ -118,15 +136,15 @@ static int default_pool_location(uint64_t pool, CUmemLocation *loc, int *managed
  * cuDeviceSetMemPool / cuMemSetMemPool made another current). */
 static int pool_location(uint64_t pool, CUmemLocation *loc, int *managed)
 {
-    gs_held_lock(&g_mu);
+    mu_lock();
     for (int i = 0; i < GS_MAX_POOLS; i++)
         if (g_where[i].pool == pool) {
             *loc = g_where[i].location;
             *managed = g_where[i].managed;
-            gs_held_unlock(&g_mu);
+            mu_unlock();
             return 1;
         }
-    gs_held_unlock(&g_mu);
+    mu_unlock();
     if (!default_pool_location(pool, loc, managed)) return 0;
     remember_where(pool, loc, *managed);
     return 1;
@@ -137,7 +155,7 @@ static int pool_location(uint64_t pool, CUmemLocation *loc, int *managed)
 static CUresult remember_location_pool(CUresult rc, CUmemoryPool *pool, const CUmemLocation *location,
                                        CUmemAllocationType type)
 {
-    if (rc != CUDA_SUCCESS || !pool || !*pool || !location || gs_t_held) return rc; /* gs_t_held: see pool_alloc */
+    if (rc != CUDA_SUCCESS || !pool || !*pool || !location || t_mine) return rc; /* t_mine: see pool_alloc */
     remember_where((uint64_t)(uintptr_t)*pool, location, type == CU_MEM_ALLOCATION_TYPE_MANAGED);
     return rc;
 }
@@ -161,16 +179,16 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
     gs_cuda_init();
     if (!gs_cuda.cuMemPoolCreate) return CUDA_ERROR_NOT_SUPPORTED;
     CUresult rc = gs_cuda.cuMemPoolCreate(pool, poolProps);
-    if (rc != CUDA_SUCCESS || !pool || !poolProps || gs_t_held) return rc; /* gs_t_held: see pool_alloc */
+    if (rc != CUDA_SUCCESS || !pool || !poolProps || t_mine) return rc; /* t_mine: see pool_alloc */
     uint64_t key = (uint64_t)(uintptr_t)*pool;
     if (!remember_where(key, &poolProps->location, poolProps->allocType == CU_MEM_ALLOCATION_TYPE_MANAGED))
         GS_WARN("more than %d memory pools: a new one is charged to the allocating stream's device", GS_MAX_POOLS);
     /* a destroyed pool's handle handed out again: the new pool's reserved memory counts
      * (what the old one still has allocated stays in the record: charged, on the safe side) */
-    gs_held_lock(&g_mu);
+    mu_lock();
     struct pool_rec *old = find_locked(key, -1, 0);
     if (old) old->destroyed = 0;
-    gs_held_unlock(&g_mu);
+    mu_unlock();
     return rc;
 }
 
@@ -230,9 +248,9 @@ static void reconcile_all_locked(void)
 
 void gs_pools_reconcile_all(void)
 {
-    gs_held_lock(&g_mu);
+    mu_lock();
     reconcile_all_locked();
-    gs_held_unlock(&g_mu);
+    mu_unlock();
 }
 
 /* gs_reserve for callers holding g_mu. */
@@ -245,13 +263,13 @@ static int reserve_locked(int slot, uint64_t bytes)
 
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes)
 {
-    gs_held_lock(&g_mu);
+    mu_lock();
     struct pool_rec *p = find_locked(pool, -1, 0);
     if (p) {
         p->live = p->live > bytes ? p->live - bytes : 0;
         reconcile_locked(p, 0);
     }
-    gs_held_unlock(&g_mu);
+    mu_unlock();
 }
 
 void gs_pools_after_fork_child(void)
@@ -282,12 +300,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    /* a driver callback while this thread holds a lock of ours across a driver call (this
-     * file's, inside a pool's attribute query, say): g_mu may be ours, so nothing here waits
-     * for it.  Passed through uncharged: the pool's growth is charged at its next reconcile;
-     * frees, trims and destruction from there pass through too (a freed pointer's record
-     * stays until its address is reused, on the safe side) */
-    if (gs_t_held) return call(dptr, bytesize, pool, stream, real);
+    /* a driver callback while this thread holds g_mu across a driver call (a pool's attribute
+     * query): nothing here waits for g_mu.  Passed through uncharged: the pool's growth is
+     * charged at its next reconcile; frees, trims and destruction from there pass through too
+     * (a freed pointer's record stays until its address is reused, on the safe side) */
+    if (t_mine) return call(dptr, bytesize, pool, stream, real);
     gs_devices_ready();
     CUcontext ctx;
     CUdevice dev;
@@ -314,10 +331,10 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
     if (GS_UNLIKELY(gs_near_cap(slot, want))) gs_reconcile_slot(slot); /* before g_mu: lock order */
-    gs_held_lock(&g_mu);
+    mu_lock();
     struct pool_rec *p = find_locked(key, slot, 1);
     if (!p) {
-        gs_held_unlock(&g_mu);
+        mu_unlock();
         GS_ERROR("more than %d memory pools in one process: allocation refused", GS_MAX_POOLS);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -326,14 +343,14 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     uint64_t need = p->live + p->pending + want;
     uint64_t extra = need > p->charged ? need - p->charged : 0;
     if (reserve_locked(p->slot, extra) != 0) {
-        gs_held_unlock(&g_mu);
+        mu_unlock();
         GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     p->charged += extra;
     p->pending += want;
     p->busy++;
-    gs_held_unlock(&g_mu);
+    mu_unlock();
     gs_sampler_start(); /* it returns what pools give back at synchronisations (one load once running) */
 
     gs_unsettled_begin(); /* the pool may grow by more than was reserved until reconcile_locked */
@@ -351,7 +368,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         gs_inflight_end();
     }
     struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
-    gs_held_lock(&g_mu);
+    mu_lock();
     p = find_locked(key, slot, 0); /* kept while busy */
     int grown = -1;
     if (p) {
@@ -360,7 +377,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         if (rc == CUDA_SUCCESS) p->live += bytesize;
         grown = reconcile_locked(p, rc == CUDA_SUCCESS);
     }
-    gs_held_unlock(&g_mu);
+    mu_unlock();
     int put = rc == CUDA_SUCCESS && grown == 0 ? gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) : -1;
     if (put >= 0) {
         if (put == 1) gs_pool_drop_ptr(old.aux, old.size); /* a record the driver's reuse made stale */
@@ -412,7 +429,7 @@ GS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
 static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream stream)
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
-    if (gs_t_held) return real(dptr, stream); /* see pool_alloc */
+    if (t_mine) return real(dptr, stream); /* see pool_alloc */
     struct gs_alloc rec, old;
     int kind = GS_KIND_POOLPTR;
     if (gs_am_take(kind, dptr, &rec) != 0) {
@@ -449,7 +466,7 @@ GS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
     if (!gs_cuda.cuMemPoolTrimTo) return CUDA_ERROR_NOT_SUPPORTED;
     gs_inflight_begin(); /* memory goes back before the pool's charge follows */
     CUresult rc = gs_cuda.cuMemPoolTrimTo(pool, minBytesToKeep);
-    if (rc == CUDA_SUCCESS && !gs_t_held) gs_pool_drop_ptr((uint64_t)(uintptr_t)pool, 0); /* else the sampler's */
+    if (rc == CUDA_SUCCESS && !t_mine) gs_pool_drop_ptr((uint64_t)(uintptr_t)pool, 0); /* else the sampler's */
     gs_inflight_end();
     return rc;
 }
@@ -458,11 +475,11 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemPoolDestroy) return CUDA_ERROR_NOT_SUPPORTED;
-    if (gs_t_held) return gs_cuda.cuMemPoolDestroy(pool); /* see pool_alloc: its charge stays */
+    if (t_mine) return gs_cuda.cuMemPoolDestroy(pool); /* see pool_alloc: its charge stays */
     gs_inflight_begin();
     CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
     if (rc == CUDA_SUCCESS) {
-        gs_held_lock(&g_mu);
+        mu_lock();
         struct pool_rec *p = find_locked((uint64_t)(uintptr_t)pool, -1, 0);
         if (p) {
             p->destroyed = 1; /* charged as it is until its last allocation is freed */
@@ -470,7 +487,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         }
         for (int i = 0; i < GS_MAX_POOLS; i++)
             if (g_where[i].pool == (uint64_t)(uintptr_t)pool) memset(&g_where[i], 0, sizeof(g_where[i]));
-        gs_held_unlock(&g_mu);
+        mu_unlock();
     }
     gs_inflight_end();
     return rc;
