@@ -164,6 +164,27 @@ static inline void gs_held_unlock(pthread_mutex_t *m)
     pthread_mutex_unlock(m);
     if (!--gs_t_held && GS_UNLIKELY(__atomic_load_n(&gs_ctx_pending, __ATOMIC_ACQUIRE))) gs_context_drain();
 }
+
+/* A file's lock held across driver calls (pools, graph memory): static g_mu, mu_lock() and
+ * mu_unlock(), and `mine`(), nonzero while this thread holds it, for a driver callback reached
+ * inside (which must not wait for it). */
+#define GS_OWNED_LOCK(mine)                                                                   \
+    static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;                                  \
+    static __thread int t_mine;                                                               \
+    static void mu_lock(void)                                                                 \
+    {                                                                                         \
+        gs_held_lock(&g_mu);                                                                  \
+        t_mine++;                                                                             \
+    }                                                                                         \
+    static void mu_unlock(void)                                                               \
+    {                                                                                         \
+        t_mine--;                                                                             \
+        gs_held_unlock(&g_mu);                                                                \
+    }                                                                                         \
+    int mine(void)                                                                            \
+    {                                                                                         \
+        return t_mine;                                                                        \
+    }
 void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);
 

@@ -47,25 +47,7 @@ struct gexec {
     struct gs_graph_need need; /* need.ran[i]: what its last launch needed at most (0 = never) */
 };
 
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER; /* the table and every settle */
-static __thread int t_mine; /* this thread holds g_mu (a driver callback may reach us inside) */
-
-static void mu_lock(void)
-{
-    gs_held_lock(&g_mu);
-    t_mine++;
-}
-
-static void mu_unlock(void)
-{
-    t_mine--;
-    gs_held_unlock(&g_mu);
-}
-
-int gs_graphmem_lock_mine(void)
-{
-    return t_mine;
-}
+GS_OWNED_LOCK(gs_graphmem_lock_mine) /* the table and every settle */
 static struct gexec g_execs[GS_MAX_GEXECS];
 static int g_n;
 

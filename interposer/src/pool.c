@@ -46,25 +46,7 @@ struct pool_rec {
     int busy;         /* allocations from it between their reservation and reconcile */
 };
 
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static __thread int t_mine; /* this thread holds g_mu (a driver callback may reach us inside) */
-
-static void mu_lock(void)
-{
-    gs_held_lock(&g_mu);
-    t_mine++;
-}
-
-static void mu_unlock(void)
-{
-    t_mine--;
-    gs_held_unlock(&g_mu);
-}
-
-int gs_pool_lock_mine(void)
-{
-    return t_mine;
-}
+GS_OWNED_LOCK(gs_pool_lock_mine)
 static struct pool_rec g_pools[GS_MAX_POOLS];
 
 /* Where pools keep their memory: those this process created, devices' default pools, and
