@@ -498,8 +498,9 @@ GS_EXPORT CUresult cuCtxDestroy(CUcontext ctx) /* CUDA 2.x's, same semantics */
  * the primary context's memory and lifetime.  Here the primary context is retained first
  * through the primary hook's own path (charged if made), the green context's footprint is
  * measured like a context's and charged (not refused: no estimate is reserved first), and
- * allocations made in it are keyed by the primary context (gs_ctx_canonical), which frees
- * them.  cuGreenCtxDestroy returns the footprint and the primary context's reference. */
+ * allocations and graphs made in it are keyed by the primary context (gs_ctx_canonical), which
+ * frees them; the throttle measures it as a context of its own (its events are its own).
+ * cuGreenCtxDestroy returns the footprint and the primary context's reference. */
 #define GS_GREENS 64
 static struct green {
     CUgreenCtx g;     /* NULL: free entry (under the context lock) */
@@ -582,6 +583,7 @@ GS_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     for (int i = 0; i < GS_GREENS && rc == CUDA_SUCCESS && hCtx; i++) {
         struct green *e = &g_greens[i];
         if (e->g != hCtx) continue;
+        if (e->as_ctx) gs_launch_forget_ctx(e->as_ctx); /* the throttle measures it as a context of its own */
         __atomic_store_n(&e->as_ctx, NULL, __ATOMIC_RELEASE);
         __atomic_sub_fetch(&g_ngreens, 1, __ATOMIC_RELEASE);
         if (e->slot >= 0) gs_budget_release(e->slot, e->bytes);

@@ -217,7 +217,7 @@ int gs_dev_slot(CUdevice dev)
     return dev >= 0 && dev < g_ndev ? g_slot_of[dev] : -1;
 }
 
-int gs_current_slot(CUcontext *ctx)
+int gs_current_slot_raw(CUcontext *ctx)
 {
     CUcontext c = NULL;
     CUdevice dev;
@@ -225,8 +225,15 @@ int gs_current_slot(CUcontext *ctx)
     if (!gs_cuda.cuCtxGetCurrent || !gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetCurrent(&c) != CUDA_SUCCESS ||
         !c || gs_cuda.cuCtxGetDevice(&dev) != CUDA_SUCCESS)
         return -1;
-    if (ctx) *ctx = gs_ctx_canonical(c);
+    if (ctx) *ctx = c;
     return gs_dev_slot(dev);
+}
+
+int gs_current_slot(CUcontext *ctx)
+{
+    int slot = gs_current_slot_raw(ctx);
+    if (ctx) *ctx = gs_ctx_canonical(*ctx);
+    return slot;
 }
 
 CUcontext gs_stream_ctx(CUstream es)

@@ -122,6 +122,9 @@ void gs_context_after_discovery(void); /* takes over primary contexts retained d
 void gs_devices_view_ready(void);    /* region devices for NVML-only processes (no registration) */
 int gs_dev_slot(CUdevice dev);       /* region slot of a CUDA ordinal, -1 if unknown */
 int gs_current_slot(CUcontext *ctx); /* slot of the current context's device, -1 if none */
+/* The same with the current context as the driver has it (a green context's own CUcontext): for
+ * the throttle, whose events belong to the context they are made in. */
+int gs_current_slot_raw(CUcontext *ctx);
 /* A green context's CUcontext (cuCtxFromGreenCtx) stands for its device's primary context, whose
  * memory it shares: records and measurements key it by the primary; other contexts unchanged. */
 CUcontext gs_ctx_canonical(CUcontext ctx);
@@ -166,9 +169,9 @@ static inline void gs_held_unlock(pthread_mutex_t *m)
 }
 
 /* A file's lock held across driver calls (pools, graph memory): static g_mu, mu_lock() and
- * mu_unlock(), and `mine`(), nonzero while this thread holds it, for a driver callback reached
+ * mu_unlock(), and t_mine, nonzero while this thread holds it, for a driver callback reached
  * inside (which must not wait for it). */
-#define GS_OWNED_LOCK(mine)                                                                   \
+#define GS_OWNED_LOCK()                                                                       \
     static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;                                  \
     static __thread int t_mine;                                                               \
     static void mu_lock(void)                                                                 \
@@ -180,10 +183,6 @@ static inline void gs_held_unlock(pthread_mutex_t *m)
     {                                                                                         \
         t_mine--;                                                                             \
         gs_held_unlock(&g_mu);                                                                \
-    }                                                                                         \
-    int mine(void)                                                                            \
-    {                                                                                         \
-        return t_mine;                                                                        \
     }
 void gs_ctx_unlock(void);
 void gs_context_after_fork_child(void);
@@ -333,7 +332,11 @@ static inline int gs_reserve(int slot, uint64_t bytes)
 
 void gs_forget_ctx(CUcontext ctx);         /* a context was destroyed: release what it held */
 int gs_pool_lock_mine(void);     /* this thread holds the pools' lock (a driver callback inside) */
-int gs_graphmem_lock_mine(void); /* this thread holds the graph memory's lock */
+/* A graph hook must pass through: this thread holds the graph memory's lock or the pools'.
+ * The locks held across driver calls are taken in one order: context, throttle, graph
+ * memory, pools (a driver callback under the graph memory's lock may allocate from a pool;
+ * under the pools' lock no graph hook takes the graph memory's). */
+int gs_graphmem_passthrough(void);
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
 void gs_pools_reconcile_all(void);
 void gs_pools_after_fork_child(void);

@@ -47,7 +47,12 @@ struct gexec {
     struct gs_graph_need need; /* need.ran[i]: what its last launch needed at most (0 = never) */
 };
 
-GS_OWNED_LOCK(gs_graphmem_lock_mine) /* the table and every settle */
+GS_OWNED_LOCK() /* the table and every settle */
+
+int gs_graphmem_passthrough(void)
+{
+    return t_mine || gs_pool_lock_mine();
+}
 static struct gexec g_execs[GS_MAX_GEXECS];
 static int g_n;
 
@@ -122,6 +127,7 @@ static void remember(CUgraphExec exec, const struct gs_graph_need *need)
 {
     CUcontext ctx = NULL;
     if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
+    ctx = gs_ctx_canonical(ctx); /* a green context's graphs go with the primary context */
     mu_lock();
     int i = find_locked(exec);
     if (i < 0 && g_n < GS_MAX_GEXECS) i = g_n++;
@@ -334,10 +340,11 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
 {
     if (!a->real) return CUDA_ERROR_NOT_SUPPORTED;
     /* a driver callback while this thread holds g_mu across a driver call (a graph-memory
-     * attribute query): nothing here waits for g_mu.  Passed through: such a graph's memory is
-     * charged by the NVML reconcile only, and its executable's destruction, uploads, launches
-     * and trims from there pass through too */
-    if (t_mine) return call(a);
+     * attribute query), or the pools' lock (a pool's: the lock order puts g_mu first): nothing
+     * here waits for g_mu.  Passed through: such a graph's memory is charged by the NVML
+     * reconcile only, and its executable's destruction, uploads, launches and trims from there
+     * pass through too */
+    if (gs_graphmem_passthrough()) return call(a);
     gs_devices_ready();
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS] = {0};
@@ -399,7 +406,7 @@ GS_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, C
 static CUresult upload(cuGraphUpload_fn real, CUgraphExec exec, CUstream stream)
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
-    if (t_mine) return real(exec, stream); /* see instantiate */
+    if (gs_graphmem_passthrough()) return real(exec, stream); /* see instantiate */
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS];
     int tracked = gs_graphmem_before(exec, &need, reserved);
@@ -426,7 +433,7 @@ GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
     gs_cuda_init();
     if (!gs_cuda.cuGraphExecDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
-    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !t_mine)
+    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !gs_graphmem_passthrough())
         forget(hGraphExec); /* else (see instantiate) its entry stays, replaced if the handle comes back */
     return rc;
 }
@@ -437,7 +444,7 @@ GS_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
     if (!gs_cuda.cuDeviceGraphMemTrim) return CUDA_ERROR_NOT_SUPPORTED;
     gs_inflight_begin(); /* the pool shrinks before its charge follows */
     CUresult rc = gs_cuda.cuDeviceGraphMemTrim(device);
-    if (rc == CUDA_SUCCESS && gs_cuda.cuDeviceGetGraphMemAttribute && !t_mine) { /* see instantiate */
+    if (rc == CUDA_SUCCESS && gs_cuda.cuDeviceGetGraphMemAttribute && !gs_graphmem_passthrough()) { /* see instantiate */
         gs_devices_ready();
         settle(device, 0);
     }

@@ -711,7 +711,7 @@ static int switch_to(const struct ctx_switch *sw, int there)
 /* The slot (and context) a launch on es is measured in, -1 if none. */
 static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
 {
-    int slot = gs_current_slot(ctx);
+    int slot = gs_current_slot_raw(ctx); /* raw: green contexts measured as contexts of their own */
     CUcontext there = gs_stream_ctx(es), home = NULL;
     sw->on = 0;
     if (!there || there == *ctx || !gs_cuda.cuCtxSetCurrent || !gs_cuda.cuCtxGetCurrent) return slot;
@@ -721,7 +721,7 @@ static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
     sw->on = 1;
     sw->home = home;
     sw->there = there;
-    slot = gs_current_slot(ctx);
+    slot = gs_current_slot_raw(ctx);
     if (slot < 0) {
         switch_to(sw, 0);
         sw->on = 0;
@@ -956,7 +956,7 @@ static CUresult call_graph(const void *p)
 static CUresult call_graph_mem(const void *p)
 {
     const struct graph_args *a = p;
-    if (gs_graphmem_lock_mine()) return call_graph(p); /* a driver callback under its lock: see graphmem.c */
+    if (gs_graphmem_passthrough()) return call_graph(p); /* a driver callback under its lock: see graphmem.c */
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS];
     int mem = gs_graphmem_before(a->exec, &need, reserved);

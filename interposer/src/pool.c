@@ -46,7 +46,13 @@ struct pool_rec {
     int busy;         /* allocations from it between their reservation and reconcile */
 };
 
-GS_OWNED_LOCK(gs_pool_lock_mine)
+GS_OWNED_LOCK()
+
+int gs_pool_lock_mine(void)
+{
+    return t_mine;
+}
+
 static struct pool_rec g_pools[GS_MAX_POOLS];
 
 /* Where pools keep their memory: those this process created, devices' default pools, and

@@ -852,6 +852,9 @@ int main(int argc, char **argv)
             CUcontext gc = NULL;
             CUresult rc = api.cuCtxFromGreenCtx(&gc, greenctx);
             printf("greencur %d\n", rc == CUDA_SUCCESS ? api.cuCtxSetCurrent(gc) : rc);
+        } else if (!strcmp(c, "capcur")) {
+            /* the current context becomes the one other threads and xbench come back to */
+            printf("capcur %d\n", api.cuCtxGetCurrent(&capture_ctx));
         } else if (!strcmp(c, "greendestroy")) {
             printf("greendestroy %d\n", api.cuGreenCtxDestroy(greenctx));
         } else if (!strcmp(c, "multibad")) {

@@ -534,6 +534,21 @@ def test_a_callback_under_the_pool_or_graph_memory_lock_does_not_deadlock(lab, c
     assert total - free == res.values("phys")[0] > 0
 
 
+def test_callbacks_under_the_pool_and_graph_memory_locks_in_two_threads_do_not_deadlock(lab):
+    # the sampler thread's pool query calls back and launches a graph (pools' lock, then the
+    # graph memory's) while the program's graph launch settles and its query calls back and
+    # allocates from a pool (the other order): both threads hung (review helper-38).  Graph
+    # hooks now pass through under either lock
+    res = lab.run("init", "ctx", "0", "gcapture", "100m", "ginst", "flags", "glaunch", "glaunch", "glaunch",
+                  "meminfo", "phys", timeout=30, CUDA_DEVICE_MEMORY_LIMIT="4g",
+                  FAKE_CUDA_API_CALLBACK="cuMemPoolGetAttribute:graph,cuDeviceGetGraphMemAttribute:async",
+                  FAKE_CUDA_API_CALLBACK_BYTES="10m",
+                  FAKE_CUDA_SLEEP="cuMemPoolGetAttribute:200,cuDeviceGetGraphMemAttribute:200")
+    assert res.returncode == 0 and all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
+    free, total = res.values("meminfo")
+    assert total - free >= 100 * MIB
+
+
 def test_a_context_made_by_a_callback_inside_a_limit_change_does_not_deadlock_another_thread(lab):
     # thread B sets a limit and the driver's callback inside makes a context; thread A makes a
     # context and the callback inside sets a limit: B held the limit lock and waited for the

@@ -54,6 +54,21 @@ def test_a_multi_device_cooperative_launch_is_throttled_on_each_device(release_l
     assert 2 * (30 - 2 * TOLERANCE) <= got <= 2 * (30 + TOLERANCE), f"two devices: measured {got:.1f}%"
 
 
+@pytest.mark.parametrize("green", [False, True], ids=["primary-current", "green-current"])
+def test_a_launch_on_a_primary_context_stream_from_a_green_context_is_throttled(release_lab, green):
+    # with a green context current, a context-less kernel on a stream of the primary context:
+    # keyed by the primary context for memory, the green context looked like the stream's own,
+    # so the throttle did not switch to it, its events could not be recorded there, and the
+    # launches ran at 100 % under 30 % (review helper-38)
+    pre = ["green", "0", "greencur", "capcur"] if green else []
+    res = release_lab.run("init", "ctx", "0", *pre, "xbench", "1.5", "0", CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="1000")
+    rc, (_launches, kernel_ns, wall_ns, _home) = res.of("xbench")[0]
+    assert rc == 0
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"
+
+
 def test_launches_in_a_green_context_are_throttled(release_lab):
     # a green context's CUcontext is measured as its device's primary context
     res = release_lab.run("init", "ctx", "0", "green", "0", "greencur", "bench", "1.5", "kernel",
