@@ -557,7 +557,7 @@ GS_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, C
     CUresult rc = primary_retain_locked(&primary, dev);
     if (rc == CUDA_SUCCESS) {
         struct ctx_charge c;
-        charge_begin(dev, &c, 0);
+        (void)charge_begin(dev, &c, 0); /* reserves nothing: cannot refuse */
         rc = real(phCtx, desc, dev, flags);
         uint64_t bytes = charge_end(dev, &c, rc);
         CUcontext as_ctx = NULL;

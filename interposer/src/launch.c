@@ -538,8 +538,8 @@ static void measure_locked(struct tstream *s)
                 clock_add(s->slot, cost - paid);
             else
                 clock_refund(s->slot, paid - cost);
-            GS_DEBUG("debit %llu ns of %llu (%u launches) on device slot %d", (unsigned long long)charge, (unsigned long long)ns, n,
-                     s->slot);
+            GS_DEBUG("debit %llu ns of %llu (%u launches) on device slot %d", (unsigned long long)charge,
+                     (unsigned long long)ns, n, s->slot);
         } else if (er != CUDA_SUCCESS && er != CUDA_ERROR_NOT_READY &&
                    !__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED)) {
             GS_WARN("compute limit: cuEventElapsedTime failed (%d); GPU time goes unmeasured", er);
