@@ -37,7 +37,8 @@ build_without_make() {
   (cd interposer && mkdir -p build &&
     gcc -E -P -Isrc -x c src/exports.map.in -o build/exports.map &&
     gcc -std=gnu11 -O2 -fPIC -pthread -fvisibility=hidden -Iinclude -Isrc -shared \
-      -Wl,--version-script=build/exports.map -Wl,-z,now -Wl,-soname,libgpuslice.so \
+      -Wl,--version-script=build/exports.map -Wl,-z,lazy -Wl,-z,relro -Wl,-Bsymbolic-functions \
+      -Wl,-soname,libgpuslice.so \
       src/*.c -ldl -o build/libgpuslice.so)
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -183,6 +184,19 @@ def test_programs_that_never_touch_cuda_do_not_notice_the_library(lab, argv):
     assert under.stdout == plain.stdout
     assert "gpuslice" not in under.stderr
     assert not lab.region_path.exists()  # no region, no files
+
+
+def test_a_program_without_cuda_binds_only_what_the_library_runs_at_load(built):
+    # loaded into every process of the container: its libc imports are bound on first call
+    # (-z lazy), not all ~70 at each exec (66,000 instructions per /bin/true, callgrind)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LD_DEBUG": "bindings",
+           "LD_PRELOAD": str(built / "libgpuslice.so")}
+    proc = subprocess.run(["/bin/true"], check=True, env=env, capture_output=True, text=True,
+                          timeout=60)
+    ours = re.findall(r"binding file \S*libgpuslice\.so \[0\] to \S+ \[0\]: normal symbol `(\w+)'",
+                      proc.stderr)
+    assert "getenv" in ours  # the constructor's, bound as it runs
+    assert len(ours) <= 8, ours
 
 
 def test_a_program_without_cuda_never_loads_libcuda(lab):

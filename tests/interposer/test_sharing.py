@@ -50,6 +50,58 @@ def test_many_processes_race_for_the_last_gib_and_exactly_one_wins(lab):
     assert lab.used() == 0
 
 
+def test_a_storm_of_processes_fills_the_cap_exactly_and_never_past_it(lab):
+    # Started at once, every process attaches, makes a 20 MiB context and asks for 64 MiB
+    # under a cap that holds all contexts and half the allocations; each holds what it got.
+    n, ctx, size = 24, 20 * MIB, 64 * MIB
+    cap = n * ctx + n // 2 * size
+    storm = [lab.start("init", "ctx", "0", "alloc", "64m", "touch", str(lab.tmp / f"done{i}"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT=str(cap),
+                       FAKE_CUDA_CTX_BYTES="20m")
+             for i in range(n)]
+    for i in range(n):
+        lab.wait_for(lab.tmp / f"done{i}", timeout=60)
+    used = lab.used()
+    (lab.tmp / "end").touch()
+    results = [lab.finish(p) for p in storm]
+    contexts = sum(r.rc("ctx") == 0 for r in results)
+    allocations = sum(r.rc("alloc") == 0 for r in results)
+    assert used == contexts * ctx + allocations * size <= cap
+    # usage only grew during the storm: whatever was refused did not fit at the end either
+    if allocations < n:
+        assert cap - used < size
+    if contexts < n:
+        assert cap - used < ctx
+    assert lab.used() == 0 and lab.region().processes == ()
+
+
+def test_a_dead_process_beside_a_live_one_is_reclaimed_before_a_refusal_and_a_view(lab):
+    # a process attaching beside a live one stops checking there; the dead after it are
+    # reclaimed where they matter
+    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "kept"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g")
+    lab.wait_for(lab.tmp / "kept")
+    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g")
+    lab.wait_for(lab.tmp / "held")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    assert lab.used() == 3 * GIB
+    view = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert view.values("meminfo") == [3 * GIB, 4 * GIB]
+    assert lab.used() == GIB
+    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held2"),
+                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g")
+    lab.wait_for(lab.tmp / "held2")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    res = lab.run("init", "ctx", "0", "alloc", "2600m", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.rc("alloc") == 0
+    (lab.tmp / "end").touch()
+    lab.finish(keeper)
+    assert lab.used() == 0
+
+
 def test_a_process_killed_mid_allocation_returns_its_usage(lab):
     mark = lab.tmp / "inside"
     victim = lab.start("init", "ctx", "0", "alloc", "2g", "alloc", "7g",
