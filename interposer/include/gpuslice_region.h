@@ -85,7 +85,8 @@ struct gpuslice_region {
     uint32_t device_count;         /* slots in use: devices[0 .. device_count) */
     uint32_t flags;                /* reserved, 0 */
     uint8_t boot_id[16];           /* kernel boot id at initialisation: a region from an earlier boot is reset */
-    uint64_t reserved0[2];
+    uint64_t reclaimed_ns;         /* CLOCK_MONOTONIC ns of the last sweep for dead processes, by any process */
+    uint64_t reserved0;
     union {
         pthread_mutex_t mutex;     /* robust, process-shared */
         uint8_t bytes[GPUSLICE_LOCK_BYTES];

@@ -269,6 +269,7 @@ static inline void gs_inflight_end(void)
     __atomic_sub_fetch(&gs_inflight, 1, __ATOMIC_SEQ_CST);
 }
 void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim */
+void gs_region_sweep(void);                       /* the sampler's: one per container every 2 s */
 void gs_region_after_fork_child(void);
 
 /* Would `bytes` more bring the slot's usage within gs_reconcile_margin of its

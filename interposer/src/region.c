@@ -40,6 +40,7 @@ static int32_t g_my_pid; /* the pid g_me was registered with */
 int gs_exiting;
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_last_reclaim_ns;
+#define GS_SWEEP_NS 2000000000ull /* the sampler's sweep for dead processes, per container */
 static uint64_t g_charge_seq;
 int gs_unsettled;
 int gs_inflight;
@@ -540,6 +541,23 @@ void gs_region_reclaim_soon(void)
     uint64_t now = gs_now_ns();
     if (!gs_region || now - __atomic_load_n(&g_last_reclaim_ns, __ATOMIC_RELAXED) < 250000000ull) return;
     __atomic_store_n(&g_last_reclaim_ns, now, __ATOMIC_RELAXED);
+    if (region_lock() != 0) return;
+    reclaim_dead_locked(-1);
+    region_unlock();
+}
+
+/* The sampler's sweep: every few seconds one process of the container, whichever claims the
+ * region's clock first, reclaims the dead, so that a killed process's memory leaves the
+ * container's figures (the agent's metrics read them) while the others run on, not only at the
+ * next refusal or view.  One sweep per container, however many processes sample. */
+void gs_region_sweep(void)
+{
+    struct gpuslice_region *r = __atomic_load_n(&gs_region, __ATOMIC_ACQUIRE);
+    if (!r || !me_unlocked()) return;
+    uint64_t now = gs_now_ns(), last = LD(&r->reclaimed_ns);
+    if (last <= now && now - last < GS_SWEEP_NS) return;
+    if (!__atomic_compare_exchange_n(&r->reclaimed_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+        return; /* another process sweeps */
     if (region_lock() != 0) return;
     reclaim_dead_locked(-1);
     region_unlock();

@@ -22,7 +22,7 @@ static void layout(void)
 {
     printf("region %zu\n", sizeof(R));
     FIELD(R, magic) FIELD(R, version) FIELD(R, size) FIELD(R, max_devices) FIELD(R, max_procs)
-    FIELD(R, device_count) FIELD(R, flags) FIELD(R, boot_id) FIELD(R, lock) FIELD(R, pod_uid)
+    FIELD(R, device_count) FIELD(R, flags) FIELD(R, boot_id) FIELD(R, reclaimed_ns) FIELD(R, lock) FIELD(R, pod_uid)
     FIELD(R, pod_name) FIELD(R, pod_namespace) FIELD(R, container) FIELD(R, devices) FIELD(R, procs)
     printf("device %zu\n", sizeof(D));
     FIELD(D, uuid) FIELD(D, limit_bytes) FIELD(D, used_bytes) FIELD(D, total_bytes) FIELD(D, busy_ns)

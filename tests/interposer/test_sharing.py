@@ -102,6 +102,30 @@ def test_a_dead_process_beside_a_live_one_is_reclaimed_before_a_refusal_and_a_vi
     assert lab.used() == 0
 
 
+def test_a_killed_processs_memory_leaves_the_containers_figures_while_the_others_run(lab):
+    # nobody attaches, allocates or looks: the sampler of a live process sweeps (one sweep per
+    # container every 2 s, whichever process claims it), so the region the agent reads for its
+    # metrics drops the dead process's memory.  (The sampler runs once NVML lists the process,
+    # here from its 100 MiB context, as a real context's.)
+    ctx = 100 * MIB
+    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "kept"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g", FAKE_CUDA_CTX_BYTES="100m")
+    lab.wait_for(lab.tmp / "kept")
+    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g", FAKE_CUDA_CTX_BYTES="100m")
+    lab.wait_for(lab.tmp / "held")
+    assert lab.used() == 3 * GIB + 2 * ctx
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    deadline = time.monotonic() + 8
+    while lab.used() != GIB + ctx and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lab.used() == GIB + ctx
+    assert [p.pid for p in lab.region().processes] == [keeper.pid]
+    (lab.tmp / "end").touch()
+    lab.finish(keeper)
+
+
 def test_a_process_killed_mid_allocation_returns_its_usage(lab):
     mark = lab.tmp / "inside"
     victim = lab.start("init", "ctx", "0", "alloc", "2g", "alloc", "7g",

@@ -33,7 +33,8 @@ PROC_LIVE = 1
 # The C structs, field by field: (name, struct format).  Padding fields start with "_".
 HEADER_FIELDS = (
     ("magic", "Q"), ("version", "I"), ("size", "I"), ("max_devices", "I"), ("max_procs", "I"),
-    ("device_count", "I"), ("flags", "I"), ("boot_id", "16s"), ("_reserved0", "16x"),
+    ("device_count", "I"), ("flags", "I"), ("boot_id", "16s"), ("reclaimed_ns", "Q"),
+    ("_reserved0", "8x"),
     ("lock", f"{LOCK_BYTES}x"), ("pod_uid", f"{ID_LEN}s"), ("pod_name", f"{POD_NAME_LEN}s"),
     ("pod_namespace", f"{ID_LEN}s"), ("container", f"{ID_LEN}s"),
 )
@@ -148,8 +149,8 @@ def parse_region(data: bytes) -> Region:
     """Parse the bytes of a region file (see :func:`read_region`)."""
     if len(data) < HEADER.size:
         raise RegionError(f"region is truncated: {len(data)} bytes, less than its header")
-    (magic, version, size, max_devices, max_procs, count, _flags, _boot, pod_uid, pod_name,
-     namespace, container) = HEADER.unpack_from(data, 0)
+    (magic, version, size, max_devices, max_procs, count, _flags, _boot, _reclaimed, pod_uid,
+     pod_name, namespace, container) = HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise RegionError(f"bad magic {magic:#x}")
     if version not in _SIZES:
@@ -221,7 +222,7 @@ def _encode(region: Region) -> bytes:
         raise RegionError(f"more than {MAX_PROCS} processes")
     buf = bytearray(REGION_SIZE)
     HEADER.pack_into(buf, 0, MAGIC, VERSION, REGION_SIZE, MAX_DEVICES, MAX_PROCS,
-                     len(region.devices), 0, bytes(16),
+                     len(region.devices), 0, bytes(16), 0,
                      _encode_text(region.pod_uid, ID_LEN, "pod_uid"),
                      _encode_text(region.pod_name, POD_NAME_LEN, "pod_name"),
                      _encode_text(region.namespace, ID_LEN, "namespace"),
