@@ -98,6 +98,7 @@ struct ctx_charge {
     uint64_t before;
     uint64_t mine; /* what the process was charged on the device once the estimate was reserved */
     int busy;      /* allocations or frees were inside the driver when the measurement began */
+    int over;      /* made, but its measured footprint does not fit the cap: to be undone */
     int first;     /* the process's first context on the device */
     int nprocs;
     nvmlProcessInfo_t procs[GS_MAX_PIDS];
@@ -108,6 +109,7 @@ struct ctx_charge {
 static CUresult charge_begin(CUdevice dev, struct ctx_charge *c, int estimate_first)
 {
     c->nprocs = -1;
+    c->over = 0;
     c->slot = gs_dev_slot(dev);
     c->reserved = 0;
     c->before = NO_READING;
@@ -163,10 +165,18 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
      * lazily into a context of the device meanwhile passes no hook and would count */
     if (mine == c->mine && c->first)
         __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
-    if (measured > c->reserved)
-        gs_budget_force(c->slot, measured - c->reserved);
-    else
-        gs_budget_release(c->slot, c->reserved - measured);
+    /* more than was reserved (nothing is, before the container's first clean measurement; a
+     * few processes making their first contexts at once all reserve nothing): the rest must
+     * fit, or the context is undone by the caller.  Forced, it took a container 128 MiB past
+     * its cap while others filled it */
+    if (measured > c->reserved && gs_reserve_raw(c->slot, measured - c->reserved) != 0) {
+        GS_WARN("context refused: its footprint (%llu bytes) exceeds the remaining cap",
+                (unsigned long long)measured);
+        gs_budget_release(c->slot, c->reserved);
+        c->over = 1;
+        return 0;
+    }
+    if (measured < c->reserved) gs_budget_release(c->slot, c->reserved - measured);
     GS_DEBUG("context on device %d: footprint %llu bytes", (int)dev, (unsigned long long)measured);
     return measured;
 }
@@ -318,7 +328,14 @@ static CUresult primary_retain_locked(CUcontext *pctx, CUdevice dev)
     if (rc == CUDA_SUCCESS) {
         rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
         uint64_t bytes = charge_end(dev, &c, rc);
-        if (rc == CUDA_SUCCESS) {
+        if (rc == CUDA_SUCCESS && c.over) {
+            /* ours is its only reference (it was inactive under this lock): it goes */
+            CUresult (*release)(CUdevice) = gs_cuda.cuDevicePrimaryCtxRelease_v2 ? gs_cuda.cuDevicePrimaryCtxRelease_v2
+                                                                                  : gs_cuda.cuDevicePrimaryCtxRelease;
+            if (release) release(dev);
+            *pctx = NULL;
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        } else if (rc == CUDA_SUCCESS) {
             g_primary_ctx[dev] = *pctx;
             record_ctx(*pctx, c.slot, bytes, dev);
         }
@@ -413,6 +430,14 @@ GS_PRIMARY_HOOK(cuDevicePrimaryCtxRelease, primary_release)
 GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset_v2, primary_reset)
 GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset, primary_reset)
 
+/* A context just made whose footprint does not fit: destroyed (which also pops it from the
+ * calling thread's stack, where creation pushed it). */
+static void undo_create(CUcontext ctx)
+{
+    CUresult (*destroy)(CUcontext) = gs_cuda.cuCtxDestroy_v2 ? gs_cuda.cuCtxDestroy_v2 : gs_cuda.cuCtxDestroy;
+    if (destroy && destroy(ctx) != CUDA_SUCCESS) GS_WARN("a context refused for the cap could not be destroyed");
+}
+
 #define GS_CTX_CREATE(call)                                                 \
     do {                                                                    \
         if (!pctx) return CUDA_ERROR_INVALID_VALUE;                         \
@@ -428,7 +453,13 @@ GS_PRIMARY_HOOK(cuDevicePrimaryCtxReset, primary_reset)
         if (rc == CUDA_SUCCESS) {                                           \
             rc = (call);                                                    \
             uint64_t bytes = charge_end(dev, &c, rc);                       \
-            if (rc == CUDA_SUCCESS) record_ctx(*pctx, c.slot, bytes, dev);       \
+            if (rc == CUDA_SUCCESS && c.over) {                             \
+                undo_create(*pctx);                                         \
+                *pctx = NULL;                                               \
+                rc = CUDA_ERROR_OUT_OF_MEMORY;                              \
+            } else if (rc == CUDA_SUCCESS) {                                \
+                record_ctx(*pctx, c.slot, bytes, dev);                      \
+            }                                                               \
         }                                                                   \
         ctx_unlock();                                    \
         return rc;                                                          \
@@ -557,11 +588,15 @@ GS_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, C
     CUresult rc = primary_retain_locked(&primary, dev);
     if (rc == CUDA_SUCCESS) {
         struct ctx_charge c;
-        (void)charge_begin(dev, &c, 0); /* reserves nothing: cannot refuse */
+        (void)charge_begin(dev, &c, 0); /* reserves nothing: cannot refuse (charge_end can) */
         rc = real(phCtx, desc, dev, flags);
         uint64_t bytes = charge_end(dev, &c, rc);
         CUcontext as_ctx = NULL;
-        if (rc == CUDA_SUCCESS) {
+        if (rc == CUDA_SUCCESS && c.over) { /* its footprint does not fit */
+            if (gs_cuda.cuGreenCtxDestroy) gs_cuda.cuGreenCtxDestroy(*phCtx);
+            *phCtx = NULL;
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        } else if (rc == CUDA_SUCCESS) {
             if (gs_cuda.cuCtxFromGreenCtx(&as_ctx, *phCtx) != CUDA_SUCCESS) as_ctx = NULL;
             green_put_locked(*phCtx, as_ctx, primary, dev, c.slot, bytes);
         }

@@ -75,6 +75,40 @@ def test_a_storm_of_processes_fills_the_cap_exactly_and_never_past_it(lab):
     assert lab.used() == 0 and lab.region().processes == ()
 
 
+@pytest.mark.parametrize(("make", "inside", "before"), [
+    (("ctx", "0"), "cuDevicePrimaryCtxRetain", ()),
+    (("ctxcreate", "0"), "cuCtxCreate", ()),
+    (("green", "0"), "cuGreenCtxCreate", ("ctx", "0")),
+], ids=["primary", "created", "green"])
+def test_a_context_whose_footprint_no_longer_fits_once_made_is_undone(lab, make, inside, before):
+    # Nothing is reserved for a container's first context (no footprint measured yet) nor for
+    # a green one: while it is being made, another process fills the cap.  Its footprint was
+    # forced past the cap (found by review: 128 MiB over with 8 processes); now the context
+    # is destroyed and the call answers CUDA_ERROR_OUT_OF_MEMORY, the caller's memory as it was.
+    ctx = 20 * MIB
+    mark = lab.tmp / "inside"
+    slow = lab.start("init", *before, *make, "phys", "touch", str(lab.tmp / "made"), "waitfile",
+                     str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="20m",
+                     FAKE_CUDA_SLEEP=f"{inside}:1500", FAKE_CUDA_SLEEP_MARK=str(mark))
+    lab.wait_for(mark)
+    held = lab.used()  # the green context's primary context, made before
+    fill = GIB - held - ctx
+    filler = lab.start("init", "ctx", "0", "alloc", str(fill), "touch", str(lab.tmp / "full"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="1g",
+                       FAKE_CUDA_CTX_BYTES="20m")
+    lab.wait_for(lab.tmp / "full")
+    assert lab.used() == GIB
+    lab.wait_for(lab.tmp / "made")
+    assert lab.used() == GIB
+    (lab.tmp / "end").touch()
+    res, full = lab.finish(slow), lab.finish(filler)
+    assert full.rc("alloc") == 0
+    assert res.rc(make[0]) == OOM
+    assert res.values("phys") == [held]  # the context went with its refusal
+    assert "exceeds the remaining cap" in res.stderr
+    assert lab.used() == 0
+
+
 def test_a_dead_process_beside_a_live_one_is_reclaimed_before_a_refusal_and_a_view(lab):
     # a process attaching beside a live one stops checking there; the dead after it are
     # reclaimed where they matter
@@ -121,6 +155,28 @@ def test_a_killed_processs_memory_leaves_the_containers_figures_while_the_others
     while lab.used() != GIB + ctx and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lab.used() == GIB + ctx
+    assert [p.pid for p in lab.region().processes] == [keeper.pid]
+    (lab.tmp / "end").touch()
+    lab.finish(keeper)
+
+
+def test_a_process_attaching_sweeps_the_dead_when_the_containers_sweep_is_due(lab):
+    # no sampler runs here (NVML never lists these processes: their contexts take nothing), so
+    # only an attach, a refusal or a view can notice the dead; an attach stops checking at the
+    # first live process, then sweeps if nobody of the container did in the last 2 s
+    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "kept"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g")
+    lab.wait_for(lab.tmp / "kept")
+    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g")
+    lab.wait_for(lab.tmp / "held")
+    swept = time.monotonic()  # the victim's attach swept (it found the keeper)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    time.sleep(max(0.0, swept + 2.2 - time.monotonic()))
+    assert lab.used() == 3 * GIB
+    lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert lab.used() == GIB
     assert [p.pid for p in lab.region().processes] == [keeper.pid]
     (lab.tmp / "end").touch()
     lab.finish(keeper)
