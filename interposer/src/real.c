@@ -170,6 +170,18 @@ GS_NO_SANITIZE static int from_driver(void *fn, const char *name)
     return override && *override && strcmp(override, info.dli_fname) == 0;
 }
 
+/* Is `addr` code of the driver's libraries (either of them)? */
+GS_NO_SANITIZE static int in_driver(void *addr)
+{
+    Dl_info info;
+    if (!dladdr(addr, &info) || !info.dli_fname) return 0;
+    const char *base = strrchr(info.dli_fname, '/');
+    base = base ? base + 1 : info.dli_fname;
+    if (strncmp(base, "libcuda.so", 10) == 0 || strncmp(base, "libnvidia-ml.so", 15) == 0) return 1;
+    const char *cuda = getenv("GPUSLICE_REAL_LIBCUDA"), *nvml = getenv("GPUSLICE_REAL_LIBNVML");
+    return (cuda && *cuda && strcmp(cuda, info.dli_fname) == 0) || (nvml && *nvml && strcmp(nvml, info.dli_fname) == 0);
+}
+
 /* dlsym's answer for a hooked name, or NOT_HOOKED.  Kept out of dlsym itself
  * so that dlsym needs no stack frame and its forwarding stays a tail call.
  * The hook stands in for the driver's function only: a same-named function
@@ -177,15 +189,19 @@ GS_NO_SANITIZE static int from_driver(void *fn, const char *name)
  * where the driver's is not to be found the answer is NULL, as without us.
  * RTLD_DEFAULT finds our own export first: whether the driver is there is
  * asked as RTLD_NEXT from this library (which also answers RTLD_NEXT: a
- * library before us wrapping the function gets our hook, not itself). */
-GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle, const char *name)
+ * library before us wrapping the function gets our hook, not itself).  The
+ * driver's own lookups (`caller` is its code) get its functions: a driver
+ * library that finds the functions of the driver it loads through dlsym, as
+ * WSL2's libcuda does, was handed our hook, which calls that library, which
+ * called the hook again until the stack ran out. */
+GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle, const char *name, void *caller)
 {
     void *hook = gs_hook_by_name(name);
     if (!hook) return NOT_HOOKED;
     void *real = handle == RTLD_NEXT ? hook : gs_real_dlsym(handle, name);
     if (real == hook && (handle == RTLD_NEXT || handle == RTLD_DEFAULT)) real = gs_real_dlsym(RTLD_NEXT, name);
     if (!real) return NULL;
-    if (real == hook || !from_driver(real, name)) return real;
+    if (real == hook || !from_driver(real, name) || in_driver(caller)) return real;
     if (handle != RTLD_DEFAULT && handle != RTLD_NEXT) note_library(name, real);
     return hook;
 }
@@ -196,7 +212,7 @@ GS_NO_SANITIZE GS_EXPORT void *dlsym(void *handle, const char *name)
     const char *n = name;
     __asm__("" : "+r"(n));
     if (n && ((n[0] == 'c' && n[1] == 'u') || n[0] == 'n')) {
-        void *r = hooked_dlsym(handle, n);
+        void *r = hooked_dlsym(handle, n, __builtin_return_address(0));
         if (r != NOT_HOOKED) return r;
     }
     dlsym_fn f = find_real_dlsym();

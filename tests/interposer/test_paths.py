@@ -186,6 +186,20 @@ def test_programs_that_never_touch_cuda_do_not_notice_the_library(lab, argv):
     assert not lab.region_path.exists()  # no region, no files
 
 
+@pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
+def test_a_driver_that_looks_up_its_own_functions_through_dlsym_gets_them(lab, api):
+    # build/shim/libcuda.so.1 finds cuInit and cuMemAlloc_v2 of the driver it loads through
+    # dlsym, as WSL2's libcuda does.  Handed our hooks, it called itself through them until
+    # the stack ran out (SIGSEGV); the driver's own lookups now get the driver's functions,
+    # and the program's still get the hooks: the allocation is charged once.
+    path = f"{lab.build / 'shim'}:{lab.build / 'fake'}"
+    res = lab.run("init", "ctx", "0", "alloc", "100m", "meminfo", api=api, LD_LIBRARY_PATH=path,
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", timeout=30)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.rc("init") == 0 and res.rc("alloc") == 0
+    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
+
+
 def test_a_program_without_cuda_binds_only_what_the_library_runs_at_load(built):
     # loaded into every process of the container: its libc imports are bound on first call
     # (-z lazy), not all ~70 at each exec (66,000 instructions per /bin/true, callgrind)
