@@ -48,6 +48,9 @@
 
 #include "cuda_abi.h"
 
+/* the driver's API as a profiler's callback (the program's code) finds it: fakecb.c */
+void *fake_api(const char *name);
+
 #define API __attribute__((visibility("default")))
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -394,50 +397,50 @@ static void api_callback(const char *fn)
         int rc = -1;
         in_callback = 1;
         if (!strncmp(what, "totalmem", 8)) {
-            CUresult (*total)(size_t *, CUdevice) = (CUresult(*)(size_t *, CUdevice))dlsym(RTLD_DEFAULT, "cuDeviceTotalMem_v2");
+            CUresult (*total)(size_t *, CUdevice) = (CUresult(*)(size_t *, CUdevice))fake_api("cuDeviceTotalMem_v2");
             size_t total_bytes = 0;
             rc = total(&total_bytes, 0);
         } else if (!strncmp(what, "setlimit", 8)) {
-            CUresult (*set)(int, size_t) = (CUresult(*)(int, size_t))dlsym(RTLD_DEFAULT, "cuCtxSetLimit");
+            CUresult (*set)(int, size_t) = (CUresult(*)(int, size_t))fake_api("cuCtxSetLimit");
             rc = set(1, bytes);
         } else if (!strncmp(what, "alloc", 5)) {
-            CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
-            CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))dlsym(RTLD_DEFAULT, "cuMemFree_v2");
+            CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))fake_api("cuMemAlloc_v2");
+            CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))fake_api("cuMemFree_v2");
             CUdeviceptr d = 0;
             rc = alloc(&d, bytes);
             if (rc == CUDA_SUCCESS) release(d);
             if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0; /* refused near the cap: an answer */
         } else if (!strncmp(what, "ctx", 3)) {
-            CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))dlsym(RTLD_DEFAULT, "cuCtxCreate_v2");
-            CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))dlsym(RTLD_DEFAULT, "cuCtxDestroy_v2");
+            CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))fake_api("cuCtxCreate_v2");
+            CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))fake_api("cuCtxDestroy_v2");
             struct fake_ctx *was = current;
             CUcontext c = NULL;
             rc = create(&c, 0, 0);
             if (rc == CUDA_SUCCESS) rc = destroy(c);
             current = was;
         } else if (!strncmp(what, "retain", 6)) {
-            CUresult (*retain)(CUcontext *, CUdevice) = (CUresult(*)(CUcontext *, CUdevice))dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain");
+            CUresult (*retain)(CUcontext *, CUdevice) = (CUresult(*)(CUcontext *, CUdevice))fake_api("cuDevicePrimaryCtxRetain");
             static int retained;
             CUcontext c = NULL;
             rc = __atomic_exchange_n(&retained, 1, __ATOMIC_RELAXED) ? 0 : retain(&c, 0);
         } else if (!strncmp(what, "sync", 4)) {
-            CUresult (*sync)(void) = (CUresult(*)(void))dlsym(RTLD_DEFAULT, "cuCtxSynchronize");
+            CUresult (*sync)(void) = (CUresult(*)(void))fake_api("cuCtxSynchronize");
             rc = sync();
         } else if (!strncmp(what, "async", 5)) {
-            CUresult (*alloc)(CUdeviceptr *, size_t, CUstream) = (CUresult(*)(CUdeviceptr *, size_t, CUstream))dlsym(RTLD_DEFAULT, "cuMemAllocAsync");
-            CUresult (*release)(CUdeviceptr, CUstream) = (CUresult(*)(CUdeviceptr, CUstream))dlsym(RTLD_DEFAULT, "cuMemFreeAsync");
+            CUresult (*alloc)(CUdeviceptr *, size_t, CUstream) = (CUresult(*)(CUdeviceptr *, size_t, CUstream))fake_api("cuMemAllocAsync");
+            CUresult (*release)(CUdeviceptr, CUstream) = (CUresult(*)(CUdeviceptr, CUstream))fake_api("cuMemFreeAsync");
             CUdeviceptr d = 0;
             rc = alloc(&d, bytes, NULL);
             if (rc == CUDA_SUCCESS) release(d, NULL);
             if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0;
         } else if (!strncmp(what, "graph", 5)) {
-            CUresult (*launch)(void *, CUstream) = (CUresult(*)(void *, CUstream))dlsym(RTLD_DEFAULT, "cuGraphLaunch");
+            CUresult (*launch)(void *, CUstream) = (CUresult(*)(void *, CUstream))fake_api("cuGraphLaunch");
             rc = last_gexec ? launch(last_gexec, NULL) : CUDA_ERROR_NOT_FOUND;
             if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0;
         } else if (!strncmp(what, "launch", 6)) {
             typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                          unsigned, CUstream, void **, void **);
-            launch_t launch = (launch_t)dlsym(RTLD_DEFAULT, "cuLaunchKernel");
+            launch_t launch = (launch_t)fake_api("cuLaunchKernel");
             rc = launch((CUfunction)0x99, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
         }
         in_callback = 0;
@@ -531,26 +534,26 @@ static void ctx_callback(struct fake_ctx *c, const char *event)
     current = c;
     int rc = -1, rc2 = -1;
     if (!strcmp(what, "alloc") || !strcmp(what, "keep")) {
-        CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
-        CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))dlsym(RTLD_DEFAULT, "cuMemFree_v2");
+        CUresult (*alloc)(CUdeviceptr *, size_t) = (CUresult(*)(CUdeviceptr *, size_t))fake_api("cuMemAlloc_v2");
+        CUresult (*release)(CUdeviceptr) = (CUresult(*)(CUdeviceptr))fake_api("cuMemFree_v2");
         const char *v = getenv("FAKE_CUDA_CTX_CALLBACK_BYTES");
         CUdeviceptr p = 0;
         rc = alloc(&p, v ? fake_size(v) : 1 << 20);
         if (rc == CUDA_SUCCESS) rc2 = what[0] == 'k' ? 0 : release(p);
     } else if (!strcmp(what, "load")) {
-        CUresult (*load)(CUmodule *, const void *) = (CUresult(*)(CUmodule *, const void *))dlsym(RTLD_DEFAULT, "cuModuleLoadData");
-        CUresult (*unload)(CUmodule) = (CUresult(*)(CUmodule))dlsym(RTLD_DEFAULT, "cuModuleUnload");
+        CUresult (*load)(CUmodule *, const void *) = (CUresult(*)(CUmodule *, const void *))fake_api("cuModuleLoadData");
+        CUresult (*unload)(CUmodule) = (CUresult(*)(CUmodule))fake_api("cuModuleUnload");
         CUmodule m = NULL;
         rc = load(&m, "image");
         if (rc == CUDA_SUCCESS) rc2 = unload(m);
     } else if (!strcmp(what, "setlimit")) { /* the malloc heap */
-        CUresult (*set)(int, size_t) = (CUresult(*)(int, size_t))dlsym(RTLD_DEFAULT, "cuCtxSetLimit");
+        CUresult (*set)(int, size_t) = (CUresult(*)(int, size_t))fake_api("cuCtxSetLimit");
         const char *v = getenv("FAKE_CUDA_CTX_CALLBACK_BYTES");
         rc = set(2, v ? fake_size(v) : 1 << 20);
         rc2 = 0;
     } else if (!strcmp(what, "ctx")) {
-        CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))dlsym(RTLD_DEFAULT, "cuCtxCreate_v2");
-        CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))dlsym(RTLD_DEFAULT, "cuCtxDestroy_v2");
+        CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))fake_api("cuCtxCreate_v2");
+        CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))fake_api("cuCtxDestroy_v2");
         CUcontext n = NULL;
         int ordinal = 0;
         while (ordinal < nvisible - 1 && visible[ordinal] != c->pdev) ordinal++;
