@@ -75,6 +75,23 @@ def test_a_storm_of_processes_fills_the_cap_exactly_and_never_past_it(lab):
     assert lab.used() == 0 and lab.region().processes == ()
 
 
+def start_keeper(lab, **env: str) -> subprocess.Popen[str]:
+    """A process holding 1 GiB under a 4 GiB cap until ``end`` appears."""
+    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "kept"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g", **env)
+    lab.wait_for(lab.tmp / "kept")
+    return keeper
+
+
+def kill_a_holder(lab, mark: str, **env: str) -> None:
+    """A process that attaches after the keeper, takes 2 GiB and is SIGKILLed holding them."""
+    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / mark),
+                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g", **env)
+    lab.wait_for(lab.tmp / mark)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+
+
 @pytest.mark.parametrize(("make", "inside", "before"), [
     (("ctx", "0"), "cuDevicePrimaryCtxRetain", ()),
     (("ctxcreate", "0"), "cuCtxCreate", ()),
@@ -112,23 +129,13 @@ def test_a_context_whose_footprint_no_longer_fits_once_made_is_undone(lab, make,
 def test_a_dead_process_beside_a_live_one_is_reclaimed_before_a_refusal_and_a_view(lab):
     # a process attaching beside a live one stops checking there; the dead after it are
     # reclaimed where they matter
-    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "kept"),
-                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g")
-    lab.wait_for(lab.tmp / "kept")
-    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held"),
-                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g")
-    lab.wait_for(lab.tmp / "held")
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=10)
+    keeper = start_keeper(lab)
+    kill_a_holder(lab, "held")
     assert lab.used() == 3 * GIB
     view = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="4g")
     assert view.values("meminfo") == [3 * GIB, 4 * GIB]
     assert lab.used() == GIB
-    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held2"),
-                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g")
-    lab.wait_for(lab.tmp / "held2")
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=10)
+    kill_a_holder(lab, "held2")
     res = lab.run("init", "ctx", "0", "alloc", "2600m", CUDA_DEVICE_MEMORY_LIMIT="4g")
     assert res.rc("alloc") == 0
     (lab.tmp / "end").touch()
@@ -142,15 +149,8 @@ def test_a_killed_processs_memory_leaves_the_containers_figures_while_the_others
     # metrics drops the dead process's memory.  (The sampler runs once NVML lists the process,
     # here from its 100 MiB context, as a real context's.)
     ctx = 100 * MIB
-    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "kept"),
-                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g", FAKE_CUDA_CTX_BYTES="100m")
-    lab.wait_for(lab.tmp / "kept")
-    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held"),
-                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g", FAKE_CUDA_CTX_BYTES="100m")
-    lab.wait_for(lab.tmp / "held")
-    assert lab.used() == 3 * GIB + 2 * ctx
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=10)
+    keeper = start_keeper(lab, FAKE_CUDA_CTX_BYTES="100m")
+    kill_a_holder(lab, "held", FAKE_CUDA_CTX_BYTES="100m")
     deadline = time.monotonic() + 8
     while lab.used() != GIB + ctx and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -164,15 +164,9 @@ def test_a_process_attaching_sweeps_the_dead_when_the_containers_sweep_is_due(la
     # no sampler runs here (NVML never lists these processes: their contexts take nothing), so
     # only an attach, a refusal or a view can notice the dead; an attach stops checking at the
     # first live process, then sweeps if nobody of the container did in the last 2 s
-    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "kept"),
-                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g")
-    lab.wait_for(lab.tmp / "kept")
-    victim = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "held"),
-                       "waitfile", str(lab.tmp / "never"), CUDA_DEVICE_MEMORY_LIMIT="4g")
-    lab.wait_for(lab.tmp / "held")
-    swept = time.monotonic()  # the victim's attach swept (it found the keeper)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=10)
+    keeper = start_keeper(lab)
+    kill_a_holder(lab, "held")
+    swept = time.monotonic()  # the victim's attach swept before (it found the keeper)
     time.sleep(max(0.0, swept + 2.2 - time.monotonic()))
     assert lab.used() == 3 * GIB
     lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="4g")
