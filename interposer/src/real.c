@@ -156,30 +156,24 @@ GS_NO_SANITIZE static void note_library(const char *name, void *real)
 
 #define NOT_HOOKED ((void *)-1)
 
-/* Is `fn` a function of the driver (libcuda.so*, libnvidia-ml.so*, or the
- * library GPUSLICE_REAL_* names)? */
-GS_NO_SANITIZE static int from_driver(void *fn, const char *name)
-{
-    Dl_info info;
-    if (!dladdr(fn, &info) || !info.dli_fname) return 0;
-    const char *base = strrchr(info.dli_fname, '/');
-    base = base ? base + 1 : info.dli_fname;
-    if (strncmp(base, name[0] == 'c' ? "libcuda.so" : "libnvidia-ml.so", name[0] == 'c' ? 10 : 15) == 0)
-        return 1;
-    const char *override = getenv(name[0] == 'c' ? "GPUSLICE_REAL_LIBCUDA" : "GPUSLICE_REAL_LIBNVML");
-    return override && *override && strcmp(override, info.dli_fname) == 0;
-}
-
-/* Is `addr` code of the driver's libraries (either of them)? */
-GS_NO_SANITIZE static int in_driver(void *addr)
+/* Is `addr` in one of the driver's files: libcuda.so* / the file GPUSLICE_REAL_LIBCUDA names
+ * (cuda), libnvidia-ml.so* / GPUSLICE_REAL_LIBNVML (nvml)? */
+GS_NO_SANITIZE static int in_driver_files(void *addr, int cuda, int nvml)
 {
     Dl_info info;
     if (!dladdr(addr, &info) || !info.dli_fname) return 0;
     const char *base = strrchr(info.dli_fname, '/');
     base = base ? base + 1 : info.dli_fname;
-    if (strncmp(base, "libcuda.so", 10) == 0 || strncmp(base, "libnvidia-ml.so", 15) == 0) return 1;
-    const char *cuda = getenv("GPUSLICE_REAL_LIBCUDA"), *nvml = getenv("GPUSLICE_REAL_LIBNVML");
-    return (cuda && *cuda && strcmp(cuda, info.dli_fname) == 0) || (nvml && *nvml && strcmp(nvml, info.dli_fname) == 0);
+    if ((cuda && strncmp(base, "libcuda.so", 10) == 0) || (nvml && strncmp(base, "libnvidia-ml.so", 15) == 0))
+        return 1;
+    const char *c = cuda ? getenv("GPUSLICE_REAL_LIBCUDA") : NULL, *n = nvml ? getenv("GPUSLICE_REAL_LIBNVML") : NULL;
+    return (c && *c && strcmp(c, info.dli_fname) == 0) || (n && *n && strcmp(n, info.dli_fname) == 0);
+}
+
+/* Is `fn` the driver's function of that name (libcuda's for cu*, NVML's for nvml*)? */
+GS_NO_SANITIZE static int from_driver(void *fn, const char *name)
+{
+    return in_driver_files(fn, name[0] == 'c', name[0] != 'c');
 }
 
 /* dlsym's answer for a hooked name, or NOT_HOOKED.  Kept out of dlsym itself
@@ -201,7 +195,7 @@ GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle,
     void *real = handle == RTLD_NEXT ? hook : gs_real_dlsym(handle, name);
     if (real == hook && (handle == RTLD_NEXT || handle == RTLD_DEFAULT)) real = gs_real_dlsym(RTLD_NEXT, name);
     if (!real) return NULL;
-    if (real == hook || !from_driver(real, name) || in_driver(caller)) return real;
+    if (real == hook || !from_driver(real, name) || in_driver_files(caller, 1, 1)) return real;
     if (handle != RTLD_DEFAULT && handle != RTLD_NEXT) note_library(name, real);
     return hook;
 }
