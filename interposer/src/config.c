@@ -1,5 +1,6 @@
 /*
- * config.c - the environment, read once at device discovery (never on a hot path).
+ * config.c - the environment and the limits file, read once at device discovery (never on a
+ * hot path).
  *
  * Memory cap of the container's device i (i = the device's index inside the
  * container, NVML order, which CUDA_VISIBLE_DEVICES does not change):
@@ -15,7 +16,18 @@
  *   clock compensation of launch.c) or "time" (plain share of GPU time).
  * GPUSLICE_SM_TIMESLICE_CORRECTION: "nvml" (default) or "off", read by slices.c.
  *
- * Webhook-managed containers (GPUSLICE_POD_UID set): the webhook writes the
+ * The limits file (/etc/gpuslice/limits): the webhook also writes the limit
+ * names above and the region path as NAME=VALUE lines into a pod annotation,
+ * which kubelet mounts read-only at that path (a downwardAPI volume, a subPath
+ * snapshot taken at container start).  Where that file exists, those names are
+ * read from it alone and the environment's values are ignored (one warning if
+ * they differ): a tenant's shell cannot start a process with other limits or
+ * another region.  A file that cannot be read or names no usable memory limit
+ * grants no device memory (fail closed, with an error naming the annotation).
+ * GPUSLICE_LIMITS_FILE names another file only where /etc/gpuslice/limits does
+ * not exist (tests; a container without the mount gains nothing from it).
+ *
+ * Webhook-managed containers (the limits file or GPUSLICE_POD_UID): the webhook writes the
  * un-indexed names as explicit env entries, which win over anything a tenant
  * injects through envFrom, but it cannot strip envFrom.  So in that mode
  * whatever could only loosen the slice is ignored, with one warning: the
@@ -27,9 +39,13 @@
  */
 #define _GNU_SOURCE
 #include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "gpuslice.h"
@@ -62,33 +78,184 @@ int gs_parse_size(const char *text, uint64_t *out)
     return 0;
 }
 
+/* ---- the limits file ---------------------------------------------------- */
+
+#define GS_LIMITS_FILE "/etc/gpuslice/limits"
+#define LIMITS_MAX 16
+
+static struct {
+    int active; /* the file decides the limits (it exists, or GPUSLICE_LIMITS_FILE named one) */
+    int broken; /* it could not be read */
+    unsigned n;
+    char path[256];
+    struct {
+        char name[48];
+        char value[208];
+    } e[LIMITS_MAX];
+} g_lim;
+static pthread_once_t g_lim_once = PTHREAD_ONCE_INIT;
+
+/* The names the file decides: the limits (indexed or not) and the region path. */
+static int is_limit_name(const char *name, size_t len)
+{
+    static const char *const exact[] = {"CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT",
+                                        "GPUSLICE_MEMORY_PERCENT", "CUDA_DEVICE_MEMORY_SHARED_CACHE"};
+    for (unsigned i = 0; i < sizeof(exact) / sizeof(exact[0]); i++) {
+        size_t k = strlen(exact[i]);
+        if (len == k && !memcmp(name, exact[i], k)) return 1;
+        if (i < 2 && len > k + 1 && !memcmp(name, exact[i], k) && name[k] == '_') {
+            size_t d = k + 1;
+            while (d < len && isdigit((unsigned char)name[d])) d++;
+            if (d == len) return 1;
+        }
+    }
+    return 0;
+}
+
+static const char *file_value(const char *name)
+{
+    for (unsigned i = 0; i < g_lim.n; i++)
+        if (!strcmp(g_lim.e[i].name, name)) return g_lim.e[i].value;
+    return NULL;
+}
+
+static void parse_limits(char *text)
+{
+    unsigned line = 0;
+    for (char *next, *s = text; s; s = next) {
+        next = strchr(s, '\n');
+        if (next) *next++ = '\0';
+        line++;
+        while (isspace((unsigned char)*s)) s++;
+        size_t len = strlen(s);
+        while (len && isspace((unsigned char)s[len - 1])) s[--len] = '\0';
+        if (!*s || *s == '#') continue;
+        char *eq = strchr(s, '=');
+        size_t nlen = eq ? (size_t)(eq - s) : 0;
+        while (nlen && isspace((unsigned char)s[nlen - 1])) nlen--;
+        const char *value = eq ? eq + 1 : "";
+        while (isspace((unsigned char)*value)) value++;
+        if (!eq || !is_limit_name(s, nlen) || nlen >= sizeof(g_lim.e[0].name) ||
+            strlen(value) >= sizeof(g_lim.e[0].value)) {
+            GS_ERROR("%s line %u: ignoring '%.80s' (expected NAME=VALUE with NAME one of CUDA_DEVICE_MEMORY_LIMIT, "
+                     "GPUSLICE_MEMORY_PERCENT, CUDA_DEVICE_SM_LIMIT, CUDA_DEVICE_MEMORY_SHARED_CACHE)",
+                     g_lim.path, line, s);
+            continue;
+        }
+        s[nlen] = '\0';
+        unsigned i = 0;
+        while (i < g_lim.n && strcmp(g_lim.e[i].name, s) != 0) i++;
+        if (i == LIMITS_MAX) {
+            GS_ERROR("%s line %u: ignoring %s: more than %u names", g_lim.path, line, s, LIMITS_MAX);
+            continue;
+        }
+        if (i == g_lim.n) g_lim.n++; /* a name given twice: the last line wins, as in a shell */
+        memcpy(g_lim.e[i].name, s, nlen + 1);
+        memcpy(g_lim.e[i].value, value, strlen(value) + 1);
+    }
+}
+
+/* The environment's values the file overrides: said once, so nobody wonders why an
+ * exported limit has no effect. */
+static void warn_overridden_env(void)
+{
+    for (char **ep = environ; ep && *ep; ep++) {
+        const char *eq = strchr(*ep, '=');
+        if (!eq || !is_limit_name(*ep, (size_t)(eq - *ep)) || !eq[1]) continue;
+        char name[48];
+        size_t nlen = (size_t)(eq - *ep);
+        if (nlen >= sizeof(name)) continue;
+        memcpy(name, *ep, nlen);
+        name[nlen] = '\0';
+        const char *mine = file_value(name);
+        if (mine && !strcmp(mine, eq + 1)) continue;
+        GS_WARN("ignoring %s=%.64s from the environment (and any other limit set there): the container's limits "
+                "come from %s",
+                name, eq + 1, g_lim.path);
+        return;
+    }
+}
+
+static void load_limits(void)
+{
+    const char *path = GS_LIMITS_FILE;
+    struct stat st;
+    if (lstat(path, &st) != 0 && errno == ENOENT) {
+        path = getenv("GPUSLICE_LIMITS_FILE");
+        if (!path || !*path) return;
+    }
+    g_lim.active = 1;
+    snprintf(g_lim.path, sizeof(g_lim.path), "%s", path);
+    char text[4096];
+    ssize_t got = -1;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        size_t have = 0;
+        while (have < sizeof(text) - 1) {
+            ssize_t r = read(fd, text + have, sizeof(text) - 1 - have);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) {
+                got = r < 0 ? -1 : (ssize_t)have;
+                break;
+            }
+            have += (size_t)r;
+            got = (ssize_t)have;
+        }
+        int err = errno;
+        close(fd);
+        errno = err;
+    }
+    if (got < 0) {
+        g_lim.broken = 1;
+        GS_ERROR("cannot read the container's limits from %s: %s", path, strerror(errno));
+        return;
+    }
+    text[got] = '\0';
+    parse_limits(text);
+    GS_INFO("limits from %s: %u names", path, g_lim.n);
+    warn_overridden_env();
+}
+
+static int limits_from_file(void)
+{
+    pthread_once(&g_lim_once, load_limits);
+    return g_lim.active;
+}
+
+/* A limit name's value: from the limits file where there is one, else from the environment. */
+static const char *limit_value(const char *name)
+{
+    const char *v = limits_from_file() ? file_value(name) : getenv(name);
+    return v && *v ? v : NULL;
+}
+
 int gs_env_managed(void)
 {
+    if (limits_from_file()) return 1;
     const char *v = getenv("GPUSLICE_POD_UID");
     return v && *v;
 }
 
-static int g_warned_indexed, g_warned_both;
+static int g_warned_indexed, g_warned_both, g_warned_none;
 
 static const char *env_indexed(const char *name, unsigned index, char *buf, size_t len)
 {
     snprintf(buf, len, "%s_%u", name, index);
-    const char *v = getenv(buf);
-    if (v && *v) {
-        if (!gs_env_managed()) return v;
+    const char *v = limit_value(buf);
+    if (v) {
+        if (limits_from_file() || !gs_env_managed()) return v; /* the file is the webhook's own */
         if (!__atomic_exchange_n(&g_warned_indexed, 1, __ATOMIC_RELAXED))
             GS_WARN("ignoring %s and every other per-device CUDA_DEVICE_*_LIMIT_<i>: GPUSLICE_POD_UID is set, "
                     "so the limits are the ones the webhook wrote", buf);
     }
-    v = getenv(name);
-    return v && *v ? v : NULL;
+    return limit_value(name);
 }
 
 /* GPUSLICE_MEMORY_PERCENT of total; 0 = not set, invalid or unresolvable. */
 static uint64_t env_percent_cap(uint64_t total)
 {
-    const char *v = getenv("GPUSLICE_MEMORY_PERCENT");
-    if (!v || !*v) return 0;
+    const char *v = limit_value("GPUSLICE_MEMORY_PERCENT");
+    if (!v) return 0;
     uint64_t pct = 0; /* the same syntax as the sizes, without a suffix */
     if (gs_parse_size(v, &pct) != 0 || pct < 1 || pct > 100) {
         GS_ERROR("ignoring GPUSLICE_MEMORY_PERCENT value '%s' (expected 1..100)", v);
@@ -108,22 +275,32 @@ uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total)
     const char *v = env_indexed("CUDA_DEVICE_MEMORY_LIMIT", container_index, key, sizeof(key));
     if (v && gs_parse_size(v, &limit) != 0) {
         /* an unreadable per-device value must not lift the container-wide cap */
-        const char *all = getenv("CUDA_DEVICE_MEMORY_LIMIT");
+        const char *all = limit_value("CUDA_DEVICE_MEMORY_LIMIT");
         int indexed = v != all;
         GS_ERROR("ignoring %s value '%s' (expected e.g. 10240m or 10g)%s", indexed ? key : "CUDA_DEVICE_MEMORY_LIMIT",
-                 v, indexed && all && *all ? "; CUDA_DEVICE_MEMORY_LIMIT applies" : "");
-        v = indexed && all && *all && gs_parse_size(all, &limit) == 0 ? all : NULL;
+                 v, indexed && all ? "; CUDA_DEVICE_MEMORY_LIMIT applies" : "");
+        v = indexed && all && gs_parse_size(all, &limit) == 0 ? all : NULL;
         if (!v) limit = 0;
     }
     if (v && !gs_env_managed()) return limit; /* HAMi-core: the byte limit wins (0 = none) */
     uint64_t pct = env_percent_cap(total);
     if (limit && pct) {
         if (!__atomic_exchange_n(&g_warned_both, 1, __ATOMIC_RELAXED))
-            GS_WARN("both CUDA_DEVICE_MEMORY_LIMIT and GPUSLICE_MEMORY_PERCENT are set with GPUSLICE_POD_UID: "
-                    "the smaller cap applies");
+            GS_WARN("both CUDA_DEVICE_MEMORY_LIMIT and GPUSLICE_MEMORY_PERCENT are set for a webhook-managed "
+                    "container: the smaller cap applies");
         return limit < pct ? limit : pct;
     }
-    return limit ? limit : pct;
+    uint64_t cap = limit ? limit : pct;
+    if (!cap && limits_from_file()) {
+        /* The webhook always writes a memory limit: without one the file was tampered with or
+         * its annotation is gone.  Grant nothing rather than the whole device. */
+        if (!__atomic_exchange_n(&g_warned_none, 1, __ATOMIC_RELAXED))
+            GS_ERROR("%s %s no usable memory limit (CUDA_DEVICE_MEMORY_LIMIT or GPUSLICE_MEMORY_PERCENT; is the "
+                     "pod's gpuslice.io/limits.<container> annotation missing?): no device memory is granted",
+                     g_lim.path, g_lim.broken ? "could not be read, so it gives" : "gives");
+        return GS_CAP_NOTHING;
+    }
+    return cap;
 }
 
 uint64_t gs_env_reconcile_margin(void)
@@ -173,8 +350,8 @@ int gs_env_sm_time_mode(void)
 
 const char *gs_env_region_path(char *buf, size_t len)
 {
-    const char *v = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
-    if (v && *v) {
+    const char *v = limit_value("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    if (v) {
         snprintf(buf, len, "%s", v);
     } else {
         snprintf(buf, len, "/tmp/gpuslice-%u.region", (unsigned)getuid());

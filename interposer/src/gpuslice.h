@@ -96,7 +96,7 @@ void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cu
 /* ---- config.c ------------------------------------------------------------- */
 
 int gs_parse_size(const char *text, uint64_t *out);
-int gs_env_managed(void);            /* GPUSLICE_POD_UID set: the webhook wrote the environment */
+int gs_env_managed(void);            /* the limits file or GPUSLICE_POD_UID: the webhook set the limits */
 uint64_t gs_env_reconcile_margin(void);
 uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total);
 unsigned gs_env_sm_limit(unsigned container_index);
@@ -191,6 +191,8 @@ void gs_context_after_fork_child(void);
 
 #define GS_MAX_PIDS 256
 #define GS_DEFAULT_MARGIN (256ull << 20)
+/* The cap where the limits file gives none: one byte, so no context or allocation fits. */
+#define GS_CAP_NOTHING 1ull
 extern uint64_t gs_reconcile_margin;  /* GPUSLICE_RECONCILE_MARGIN; 0 = reconcile in the background only */
 int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap); /* -1 if NVML cannot say */
 /* After a context was created: learns the process's host pid (ours, or, for the process's

@@ -1,0 +1,173 @@
+"""The limits file: limits a tenant's shell cannot change.
+
+The webhook writes each GPU container's limits and region path into a pod annotation that
+kubelet mounts read-only at ``/etc/gpuslice/limits``. Where that file exists the library reads
+those names from it alone: a process started with other limits in its environment, or with
+another region, still gets the container's slice. Here the file is named by
+``GPUSLICE_LIMITS_FILE`` (honoured only where ``/etc/gpuslice/limits`` does not exist), except in
+the test that mounts one at the real path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+GIB = 1 << 30
+MIB = 1 << 20
+CUDA_ERROR_OUT_OF_MEMORY = 2
+# what a tenant's shell might export to lift its slice
+LIFTING = {"CUDA_DEVICE_MEMORY_LIMIT": "12g", "CUDA_DEVICE_MEMORY_LIMIT_0": "14g",
+           "CUDA_DEVICE_SM_LIMIT": "100", "CUDA_DEVICE_SM_LIMIT_0": "100",
+           "GPUSLICE_MEMORY_PERCENT": "100"}
+
+
+def limits(lab, text: str) -> dict[str, str]:
+    """The env naming a limits file of ``text`` plus the lab's region (as the webhook writes)."""
+    path = lab.tmp / "limits"
+    path.write_text(f"{text}CUDA_DEVICE_MEMORY_SHARED_CACHE={lab.region_path}\n")
+    return {"GPUSLICE_LIMITS_FILE": str(path)}
+
+
+def lines(res, level: str, word: str) -> list[str]:
+    return [ln for ln in res.stderr.splitlines() if f"{level}:" in ln and word in ln]
+
+
+def test_the_file_decides_whatever_the_environment_says(lab):
+    # the tenant's process is the first one: it would define the container's limits from its
+    # environment, and it points the region elsewhere to get a budget of its own
+    elsewhere = lab.tmp / "elsewhere.region"
+    env = limits(lab, "CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_SM_LIMIT=30\n")
+    res = lab.run("init", "ctx", "0", "meminfo", "nvml", "0", "alloc", "2g", "alloc", "512m",
+                  CUDA_DEVICE_MEMORY_SHARED_CACHE=str(elsewhere), **LIFTING, **env)
+    assert res.values("meminfo")[1] == GIB
+    assert res.values("nvml")[0] == GIB
+    assert res.rc("alloc", 0) == CUDA_ERROR_OUT_OF_MEMORY and res.rc("alloc", 1) == 0
+    region = lab.region()
+    assert region.devices[0].limit_bytes == GIB and region.devices[0].sm_limit == 30
+    assert not elsewhere.exists()
+    assert len(lines(res, "warning", "from the environment")) == 1, res.stderr
+
+
+def test_a_second_process_with_lifted_env_shares_the_files_budget(lab):
+    env = limits(lab, "CUDA_DEVICE_MEMORY_LIMIT=1g\n")
+    ready = lab.tmp / "ready"
+    keeper = lab.start("init", "ctx", "0", "alloc", "768m", "touch", str(ready), "sleep", "30000",
+                       **env)
+    lab.wait_for(ready)
+    res = lab.run("init", "ctx", "0", "alloc", "512m", "alloc", "128m",
+                  CUDA_DEVICE_MEMORY_SHARED_CACHE=str(lab.tmp / "mine.region"), **LIFTING, **env)
+    assert [res.rc("alloc", 0), res.rc("alloc", 1)] == [CUDA_ERROR_OUT_OF_MEMORY, 0]
+    keeper.kill()
+    keeper.wait(timeout=10)
+
+
+def test_a_percentage_in_the_file_resolves_against_the_device(lab):
+    env = limits(lab, "GPUSLICE_MEMORY_PERCENT=25\n")
+    res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="12g", **env)
+    assert res.values("meminfo")[1] == 4 * GIB  # of the fake's 16 GiB; the env's 12g is ignored
+
+
+def test_the_file_is_read_like_the_environment(lab):
+    # comments, blank lines, spaces around the names and values, CRLF, a name given twice
+    # (the last wins), the per-device names, and an unknown name (an error, the rest applies)
+    env = limits(lab, "# written by the gpuslice webhook\r\n\n  CUDA_DEVICE_MEMORY_LIMIT = 4g \r\n"
+                      "CUDA_DEVICE_MEMORY_LIMIT_0=3g\nCUDA_DEVICE_SM_LIMIT=50\n"
+                      "CUDA_DEVICE_SM_LIMIT=20\nLD_PRELOAD=/tmp/x.so\n")
+    res = lab.run("init", "ctx", "0", "meminfo", **env)
+    assert res.values("meminfo")[1] == 3 * GIB  # the file's own per-device name is trusted
+    assert lab.region().devices[0].sm_limit == 20
+    assert len(lines(res, "error", "line 7: ignoring 'LD_PRELOAD=/tmp/x.so'")) == 1, res.stderr
+    assert not lines(res, "warning", "from the environment")
+
+
+@pytest.mark.parametrize("text", ["", "CUDA_DEVICE_SM_LIMIT=30\n", "CUDA_DEVICE_MEMORY_LIMIT=lots\n",
+                                  "GPUSLICE_MEMORY_PERCENT=0\n", "CUDA_DEVICE_MEMORY_LIMIT=0\n"],
+                         ids=["empty", "no-memory-name", "bad-size", "bad-percent", "zero"])
+def test_a_file_without_a_usable_memory_limit_grants_nothing(lab, text):
+    # an empty file is what kubelet writes when the annotation is missing: the whole device
+    # must not become the slice
+    env = limits(lab, text)
+    res = lab.run("init", "ctx", "0", "alloc", "1m", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="8g",
+                  FAKE_CUDA_CTX_BYTES="100m", **env)
+    assert res.rc("init") == 0
+    assert res.rc("ctx") == CUDA_ERROR_OUT_OF_MEMORY  # not even a context fits
+    assert res.rc("alloc") != 0
+    assert lab.region().devices[0].limit_bytes == 1
+    assert len(lines(res, "error", "no device memory is granted")) == 1, res.stderr
+
+
+@pytest.fixture
+def default_region() -> Iterator[Path]:
+    """The region path used where no file names one (removed afterwards if a test made it)."""
+    path = Path(f"/tmp/gpuslice-{os.getuid()}.region")
+    existed = path.exists()
+    yield path
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_an_unreadable_file_grants_nothing(lab, kind, default_region):
+    # nor does the environment's region path count: the region is the default one
+    path = lab.tmp / "limits.d"
+    if kind == "directory":
+        path.mkdir()
+    res = lab.run("init", "ctx", "0", "meminfo", GPUSLICE_LIMITS_FILE=str(path),
+                  CUDA_DEVICE_MEMORY_LIMIT="8g", FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("ctx") == CUDA_ERROR_OUT_OF_MEMORY
+    assert not lab.region_path.exists() and default_region.exists()
+    assert len(lines(res, "error", f"cannot read the container's limits from {path}")) == 1
+    assert len(lines(res, "error", "could not be read")) == 1, res.stderr
+
+
+def test_without_a_file_the_environment_still_decides(lab):
+    res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="3g")
+    assert res.values("meminfo")[1] == 3 * GIB
+    assert not lines(res, "info", "limits from")
+
+
+def test_processes_that_never_touch_cuda_do_not_read_the_file(release_lab):
+    # the file is read at device discovery, never at exec
+    env = limits(release_lab, "CUDA_DEVICE_MEMORY_LIMIT=1g\n")
+    proc = release_lab.run_program(["/bin/true"], LIBCUDA_LOG_LEVEL="4", **env)
+    assert proc.returncode == 0 and "limits from" not in proc.stderr
+
+
+def _overlay_etc(tmp: Path, text: str) -> list[str] | None:
+    """A command prefix running its command in a mount namespace where /etc also holds
+    gpuslice/limits (an overlay over the real /etc); None where that cannot be done here."""
+    unshare = shutil.which("unshare")
+    if not unshare:
+        return None
+    upper, work = tmp / "etc-upper", tmp / "etc-work"
+    (upper / "gpuslice").mkdir(parents=True)
+    work.mkdir()
+    (upper / "gpuslice" / "limits").write_text(text)
+    script = ('mount -t overlay overlay -o "lowerdir=/etc,upperdir=$1,workdir=$2" /etc '
+              '&& shift 2 && exec "$@"')
+    prefix = [unshare, "--mount", "sh", "-c", script, "sh", str(upper), str(work)]
+    probe = subprocess.run([*prefix, "cat", "/etc/gpuslice/limits"], capture_output=True,
+                           text=True, check=False)
+    return prefix if probe.returncode == 0 and probe.stdout == text else None
+
+
+def test_the_real_path_wins_over_any_file_the_environment_names(lab):
+    region = lab.region_path
+    prefix = _overlay_etc(lab.tmp, f"CUDA_DEVICE_MEMORY_LIMIT=2g\nCUDA_DEVICE_MEMORY_SHARED_CACHE={region}\n")
+    if prefix is None:
+        pytest.skip("cannot mount over /etc in a private mount namespace here (needs root)")
+    env = lab.env(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(lab.tmp / "mine.region"), LIBCUDA_LOG_LEVEL="3",
+                  **LIFTING, **limits(lab, "CUDA_DEVICE_MEMORY_LIMIT=15g\n"))
+    proc = subprocess.run([*prefix, *lab.command("init", "ctx", "0", "meminfo")], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    lab.check_sanitizers(proc.stderr)
+    assert proc.returncode == 0, proc.stderr
+    assert f"meminfo 0 {2 * GIB} {2 * GIB}" in proc.stdout
+    assert "limits from /etc/gpuslice/limits: 2 names" in proc.stderr
+    assert lab.region().devices[0].limit_bytes == 2 * GIB
