@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from webhook.cli import main
-from webhook.names import devices_annotation
+from webhook.names import devices_annotation, limits_annotation
 from webhook.settings import Settings, SettingsError, load_settings, settings_from_mapping
 
 
@@ -72,3 +74,21 @@ def test_devices_annotation_key_is_shortened_past_63_characters() -> None:
     assert name_part.startswith("devices." + "c" * 46 + "-")
     assert devices_annotation("c" * 55) == "gpuslice.io/devices." + "c" * 55
     assert devices_annotation(long) != devices_annotation(long + "x")
+
+
+def test_limits_annotation_key_is_shortened_past_63_characters_like_the_devices_key() -> None:
+    assert limits_annotation("main") == "gpuslice.io/limits.main"
+    assert limits_annotation("main") != devices_annotation("main")
+    # "limits." is one character shorter than "devices.": 56 characters still fit.
+    assert limits_annotation("c" * 56) == "gpuslice.io/limits." + "c" * 56
+    assert devices_annotation("c" * 56) != "gpuslice.io/devices." + "c" * 56
+    for long in ("c" * 57, "c" * 63, "0-very-long-container-name-that-hits-the-dns-label-limit-abcdef"):
+        key = limits_annotation(long)
+        name_part = key.split("/", 1)[1]
+        assert len(name_part) <= 63
+        digest = hashlib.sha256(long.encode()).hexdigest()[:8]
+        assert name_part == f"limits.{long[:46]}-{digest}"
+        # The same shortened name as the devices key, under its own prefix.
+        assert devices_annotation(long) == f"gpuslice.io/devices.{long[:46]}-{digest}"
+        assert key != devices_annotation(long)
+    assert limits_annotation("c" * 60) != limits_annotation("c" * 61)

@@ -1,8 +1,8 @@
 """Names fixed by the contract between the parts (DESIGN.md): annotation keys, env vars, paths.
 
 One place for every string that the webhook, the extender, the agent and the interposer must
-agree on. The device-annotation key helper is the single implementation both the webhook and
-the extender use.
+agree on. The per-container annotation keys (devices, limits) come from one helper, the single
+implementation the webhook and the extender use.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ PREFIX = "gpuslice.io/"
 # Pod annotations written by gpuslice.
 ANN_MUTATED = PREFIX + "mutated"
 ANN_DEVICES_PREFIX = PREFIX + "devices."
+ANN_LIMITS_PREFIX = PREFIX + "limits."
 
 # Node annotation and labels published by the agent.
 ANN_NODE_GPUS = PREFIX + "gpus"
@@ -54,13 +55,28 @@ CONTAINER_PRELOAD_FILE = "/etc/ld.so.preload"
 HOST_STATE_DIR = "/var/lib/gpuslice/containers"
 CONTAINER_STATE_DIR = "/var/run/gpuslice"
 REGION_FILE = CONTAINER_STATE_DIR + "/region"
+LIMITS_FILE = "/etc/gpuslice/limits"
+"""The container's limits (``NAME=VALUE`` lines), a read-only snapshot of its limits annotation
+that kubelet writes at container start; the interposer prefers it to the env."""
 
 # Ports and HTTP paths.
 WEBHOOK_PORT = 8443
 AGENT_METRICS_PORT = 9400
 
 _MAX_NAME_PART = 63
-_DEVICES_NAME_PREFIX = "devices."
+_HASHED_NAME_CHARS = 46
+
+
+def _container_key(key_prefix: str, container_name: str) -> str:
+    """``<key_prefix><name>`` (``key_prefix`` is ``gpuslice.io/<word>.``), its name part (after
+    the ``/``) shortened where longer than 63 characters to
+    ``<word>.<first 46 chars of name>-<first 8 hex of sha256(name)>``."""
+    word = key_prefix.removeprefix(PREFIX)
+    name_part = word + container_name
+    if len(name_part) > _MAX_NAME_PART:
+        digest = hashlib.sha256(container_name.encode()).hexdigest()[:8]
+        name_part = f"{word}{container_name[:_HASHED_NAME_CHARS]}-{digest}"
+    return PREFIX + name_part
 
 
 def devices_annotation(container_name: str) -> str:
@@ -69,8 +85,13 @@ def devices_annotation(container_name: str) -> str:
     The name part of an annotation key may have at most 63 characters. Where
     ``devices.<name>`` is longer, the key is ``devices.<first 46 chars>-<8 hex of sha256(name)>``.
     """
-    name_part = _DEVICES_NAME_PREFIX + container_name
-    if len(name_part) > _MAX_NAME_PART:
-        digest = hashlib.sha256(container_name.encode()).hexdigest()[:8]
-        name_part = f"{_DEVICES_NAME_PREFIX}{container_name[:46]}-{digest}"
-    return PREFIX + name_part
+    return _container_key(ANN_DEVICES_PREFIX, container_name)
+
+
+def limits_annotation(container_name: str) -> str:
+    """Return the pod annotation key holding ``container_name``'s limits (``LIMITS_FILE``).
+
+    Shortened like :func:`devices_annotation`: ``limits.<first 46 chars>-<8 hex of sha256>``
+    where ``limits.<name>`` would be longer than 63 characters.
+    """
+    return _container_key(ANN_LIMITS_PREFIX, container_name)

@@ -29,8 +29,11 @@ ENV_NAME = st.sampled_from([names.ENV_VISIBLE_DEVICES, names.ENV_MEMORY_LIMIT,
                             "PATH"])
 ENV = st.fixed_dictionaries({"name": ENV_NAME, "value": st.sampled_from(["1", "all", "x"])})
 MOUNT = st.fixed_dictionaries({
-    "name": st.sampled_from(["data", "gpuslice-lib", "cfg"]),
-    "mountPath": st.sampled_from(["/data", "/etc/ld.so.preload", "/var/run/gpuslice", "/x"])})
+    "name": st.sampled_from(["data", "gpuslice-lib", "cfg", "gpuslice-limits"]),
+    "mountPath": st.sampled_from(["/data", "/etc/ld.so.preload", "/var/run/gpuslice", "/x",
+                                  "/etc/gpuslice/limits"])})
+LIMIT_LINES = (names.ENV_MEMORY_LIMIT, names.ENV_MEMORY_PERCENT, names.ENV_SM_LIMIT,
+               names.ENV_SHARED_CACHE)
 
 
 def _container(name: str, limits: dict[str, Any], requests: dict[str, Any],
@@ -72,8 +75,11 @@ POD = st.builds(
     containers(["main", "side", "a" * 63]).filter(bool),
     containers(["init", "x-1", "b" * 63]),
     st.dictionaries(st.sampled_from([names.ANN_PLACEMENT, "a/b~c",
-                                     names.devices_annotation("main")]),
-                    st.sampled_from(["spread", "binpack", "GPU-1", "x"]), max_size=2),
+                                     names.devices_annotation("main"),
+                                     names.limits_annotation("main"),
+                                     names.limits_annotation("gone")]),
+                    st.sampled_from(["spread", "binpack", "GPU-1", "x",
+                                     "CUDA_DEVICE_MEMORY_LIMIT=80g\n"]), max_size=3),
     st.dictionaries(st.sampled_from(["gpu", "zone"]), st.sampled_from(["on", "off"]),
                     max_size=2),
     st.sampled_from([None] * 7 + ["node-1"]),
@@ -100,16 +106,28 @@ def test_mutation_is_pure_idempotent_and_its_patch_rebuilds_it(pod: dict[str, An
     assert again.pod == mutated and again.warnings == ()
     assert pod_patch(mutated, again.pod) == []
     assert mutated["metadata"]["annotations"][names.ANN_MUTATED]
-    assert not any(k.startswith(names.ANN_DEVICES_PREFIX)
-                   for k in mutated["metadata"]["annotations"])
-    for container in mutated["spec"]["containers"] + mutated["spec"].get("initContainers", []):
+    annotations = mutated["metadata"]["annotations"]
+    assert not any(k.startswith(names.ANN_DEVICES_PREFIX) for k in annotations)
+    gpu_names = []
+    for container in mutated["spec"].get("initContainers", []) + mutated["spec"]["containers"]:
         env = [e["name"] for e in container.get("env", ())]
         if names.ENV_CONTAINER not in env:
             continue  # not a GPU container: left as the user wrote it
+        gpu_names.append(container["name"])
         ours = [n for n in env if n.startswith(("GPUSLICE_", "CUDA_DEVICE_")) or n in (
             names.ENV_VISIBLE_DEVICES,)]
         assert len(ours) == len(set(ours)), "each of our env names at most once"
         paths = [m["mountPath"] for m in container.get("volumeMounts", ())]
         assert len(paths) == len(set(paths)), "no mount path twice"
+        assert {"name": "gpuslice-limits", "mountPath": names.LIMITS_FILE,
+                "subPath": container["name"], "readOnly": True} in container["volumeMounts"]
+        # The limits file says what the env says, line for line.
+        lines = [f"{e['name']}={e['value']}\n" for e in container["env"]
+                 if e["name"] in LIMIT_LINES]
+        assert annotations[names.limits_annotation(container["name"])] == "".join(lines)
+    assert sorted(k for k in annotations if k.startswith(names.ANN_LIMITS_PREFIX)) == sorted(
+        names.limits_annotation(n) for n in gpu_names)
     volumes = [v["name"] for v in mutated["spec"]["volumes"]]
     assert len(volumes) == len(set(volumes))
+    [limits] = [v for v in mutated["spec"]["volumes"] if v["name"] == "gpuslice-limits"]
+    assert [i["path"] for i in limits["downwardAPI"]["items"]] == gpu_names

@@ -99,6 +99,9 @@ def test_mutate_prints_every_document_with_pods_and_templates_mutated(
     deployment = result[1 + list(TEMPLATE_PATHS).index("Deployment")]
     limits = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits == {"nvidia.com/gpumem": "4000", "nvidia.com/gpu": "1"}
+    # The limits annotations are printed as literal blocks, a line of the file a line.
+    assert ("    gpuslice.io/limits.main: |\n      CUDA_DEVICE_MEMORY_LIMIT=4000m\n"
+            "      CUDA_DEVICE_MEMORY_SHARED_CACHE=/var/run/gpuslice/region\n") in out
 
 
 def test_mutate_reads_stdin_json_and_list_kinds(monkeypatch: pytest.MonkeyPatch,

@@ -1,5 +1,7 @@
 """The annotation guard: a ValidatingAdmissionPolicy that keeps the ``gpuslice.io/devices.*``
-pod annotations (the GPUs the extender assigned at bind time) as the extender wrote them.
+pod annotations (the GPUs the extender assigned at bind time) as the extender wrote them, and
+the ``gpuslice.io/limits.*`` annotations (each GPU container's limits file, written by the
+webhook at pod creation) as the webhook wrote them.
 
 Rendered in the API version the cluster serves (v1, v1beta1 or none) and valid against that
 version's schema; its CEL is evaluated with cel-python (the API server uses cel-go) on pods
@@ -8,6 +10,7 @@ first, then the variables, then the validations."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import shutil
 from pathlib import Path
@@ -29,10 +32,14 @@ POLICY, BINDING = "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding
 NAME = "gpuslice-annotation-guard"
 MESSAGE = ("gpuslice.io/devices.* annotations are set by the gpuslice scheduler at bind time "
            "and cannot be changed")
+LIMITS_MESSAGE = ("gpuslice.io/limits.* annotations are written by the gpuslice webhook at pod "
+                  "creation and cannot be changed")
 GPUSLICE_SA = f"system:serviceaccount:{NAMESPACE}:gpuslice"
 TENANT = "system:serviceaccount:team-a:default"
 DEV_C = names.devices_annotation("c")
 DEV_D = names.devices_annotation("d")
+LIM_C = names.limits_annotation("c")
+LIM_D = names.limits_annotation("d")
 
 
 def _guard(rendered: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -108,14 +115,19 @@ def test_extender_binding_is_not_matched_so_binds_are_never_denied(render: Any) 
     assert not resources & {"pods/binding", "pods/*", "*/*", "*"}
 
 
-def test_guard_names_the_contract_prefix_and_says_why(render: Any) -> None:
+def test_guard_names_the_contract_prefixes_and_says_why(render: Any) -> None:
     guard = _guard(render())
     assert guard is not None
     spec = guard[0]["spec"]
-    [validation] = spec["validations"]
-    assert validation["message"] == MESSAGE and validation["reason"] == "Forbidden"
+    devices, limits = spec["validations"]
+    assert devices["message"] == MESSAGE and limits["message"] == LIMITS_MESSAGE
+    assert devices["reason"] == limits["reason"] == "Forbidden"
+    prefixes = [f"startsWith('{prefix}')" for prefix in (names.ANN_DEVICES_PREFIX,
+                                                         names.ANN_LIMITS_PREFIX)]
     for variable in spec["variables"]:
-        assert f"startsWith('{names.ANN_DEVICES_PREFIX}')" in variable["expression"]
+        assert sum(p in variable["expression"] for p in prefixes) == 1, variable
+    for prefix in prefixes:
+        assert sum(prefix in v["expression"] for v in spec["variables"]) == 2
 
 
 # ----- the CEL, evaluated -----
@@ -243,6 +255,90 @@ def test_policy_denies_exactly_the_changes_to_device_assignments(
     answer = admission(policy, operation, _pod(new, node=None if old_pod is None else "gpu-1"),
                        old_pod, username)
     assert answer == (MESSAGE if denied else None)
+
+
+LIMITS_C = ("CUDA_DEVICE_MEMORY_LIMIT=1000m\nCUDA_DEVICE_SM_LIMIT=20\n"
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE=/var/run/gpuslice/region\n")
+LIMITS_D = "GPUSLICE_MEMORY_PERCENT=25\nCUDA_DEVICE_MEMORY_SHARED_CACHE=/var/run/gpuslice/region\n"
+RAISED = "CUDA_DEVICE_MEMORY_LIMIT=80000m\nCUDA_DEVICE_MEMORY_SHARED_CACHE=/var/run/gpuslice/region\n"
+MUTATED = {names.ANN_MUTATED: "0.1.0", LIM_C: LIMITS_C, LIM_D: LIMITS_D, "team": "ml"}
+RUNNING = {**MUTATED, DEV_C: "GPU-a", DEV_D: "GPU-b"}  # mutated, then bound
+
+# (operation, old annotations, new annotations, username, the answer)
+LIMITS_CASES: dict[str, tuple[str, Any, Any, str, str | None]] = {
+    "create of a mutated pod (the webhook wrote them)": ("CREATE", None, MUTATED, TENANT, None),
+    "create carrying any limits annotation (e.g. an offline-mutated template)": (
+        "CREATE", None, {LIM_C: RAISED, names.limits_annotation("x"): "y"}, TENANT, None),
+    "create carrying limits and a device assignment": (
+        "CREATE", None, {**MUTATED, DEV_C: "GPU-a"}, TENANT, MESSAGE),
+    "update of an unrelated annotation": (
+        "UPDATE", RUNNING, {**RUNNING, "team": "vision"}, TENANT, None),
+    "update of a look-alike key outside the prefix": (
+        "UPDATE", {**RUNNING, "gpuslice.io/limitsx": "a"},
+        {**RUNNING, "gpuslice.io/limitsx": "b"}, TENANT, None),
+    "update leaving everything as is": ("UPDATE", RUNNING, dict(RUNNING), TENANT, None),
+    "update raising a limit (kubectl annotate --overwrite)": (
+        "UPDATE", RUNNING, {**RUNNING, LIM_C: RAISED}, TENANT, LIMITS_MESSAGE),
+    "update dropping only the trailing newline": (
+        "UPDATE", RUNNING, {**RUNNING, LIM_C: LIMITS_C.rstrip()}, TENANT, LIMITS_MESSAGE),
+    "update swapping two containers' limits": (
+        "UPDATE", RUNNING, {**RUNNING, LIM_C: LIMITS_D, LIM_D: LIMITS_C}, TENANT, LIMITS_MESSAGE),
+    "update removing a limits annotation": (
+        "UPDATE", RUNNING, {k: v for k, v in RUNNING.items() if k != LIM_C}, TENANT,
+        LIMITS_MESSAGE),
+    "update adding a limits annotation for another name": (
+        "UPDATE", RUNNING, {**RUNNING, names.limits_annotation("e"): RAISED}, TENANT,
+        LIMITS_MESSAGE),
+    "update adding one to a pod that had none": (
+        "UPDATE", {"team": "ml"}, {"team": "ml", LIM_C: RAISED}, TENANT, LIMITS_MESSAGE),
+    "update adding one to a pod without annotations": (
+        "UPDATE", None, {LIM_C: RAISED}, TENANT, LIMITS_MESSAGE),
+    "kubelet status update of a running pod": (
+        "UPDATE", RUNNING, dict(RUNNING), "system:node:gpu-1", None),
+    "gpuslice's own service account changing a limit": (
+        "UPDATE", RUNNING, {**RUNNING, LIM_C: RAISED}, GPUSLICE_SA, None),
+    "the agent's service account changing a limit": (
+        "UPDATE", RUNNING, {**RUNNING, LIM_C: RAISED},
+        f"system:serviceaccount:{NAMESPACE}:gpuslice-agent", LIMITS_MESSAGE),
+}
+
+
+@pytest.mark.parametrize("case", list(LIMITS_CASES))
+def test_policy_denies_changes_to_limits_after_creation(case: str, policy: dict[str, Any]) -> None:
+    operation, old, new, username, answer = LIMITS_CASES[case]
+    old_pod = _pod(old) if operation == "UPDATE" else None
+    assert admission(policy, operation, _pod(new, node=None if old_pod is None else "gpu-1"),
+                     old_pod, username) == answer
+
+
+def test_mutated_gpu_pod_is_created_and_its_limits_then_kept(policy: dict[str, Any]) -> None:
+    """The webhook's output passes the guard at CREATE (mutating admission runs first); once
+    the pod exists, a tenant can neither raise nor drop the limits it was given."""
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "p", "namespace": "team-a", "annotations": {"team": "ml"}},
+           "spec": {"containers": [{"name": "c", "image": "cuda", "resources": {
+               "limits": {"nvidia.com/gpumem": "1024", "nvidia.com/gpucores": "30"}}}]}}
+    result = mutate_pod(pod, Settings())
+    assert result.allowed and result.pod is not None
+    created = copy.deepcopy(result.pod)
+    assert created["metadata"]["annotations"][LIM_C] == (
+        "CUDA_DEVICE_MEMORY_LIMIT=1024m\nCUDA_DEVICE_SM_LIMIT=30\n"
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE=/var/run/gpuslice/region\n")
+    assert admission(policy, "CREATE", created) is None
+
+    bound = copy.deepcopy(created)
+    bound["metadata"]["annotations"][DEV_C] = "GPU-a"  # merged from the extender's Binding
+    bound["spec"]["nodeName"] = "gpu-1"
+    raised = copy.deepcopy(bound)
+    raised["metadata"]["annotations"][LIM_C] = RAISED
+    assert admission(policy, "UPDATE", raised, bound) == LIMITS_MESSAGE
+    assert admission(policy, "UPDATE", raised, bound, GPUSLICE_SA) is None
+    dropped = copy.deepcopy(bound)
+    del dropped["metadata"]["annotations"][LIM_C]
+    assert admission(policy, "UPDATE", dropped, bound) == LIMITS_MESSAGE
+    relabelled = copy.deepcopy(bound)
+    relabelled["metadata"]["annotations"]["team"] = "vision"
+    assert admission(policy, "UPDATE", relabelled, bound) is None
 
 
 def test_label_change_on_a_bound_pod_is_admitted(policy: dict[str, Any]) -> None:

@@ -171,3 +171,31 @@ def test_the_real_path_wins_over_any_file_the_environment_names(lab):
     assert f"meminfo 0 {2 * GIB} {2 * GIB}" in proc.stdout
     assert "limits from /etc/gpuslice/limits: 2 names" in proc.stderr
     assert lab.region().devices[0].limit_bytes == 2 * GIB
+
+
+def test_the_webhooks_limits_file_as_kubelet_writes_it(lab):
+    # The whole path: the webhook's mutation, the file kubelet makes of it (mount -> volume item
+    # -> annotation), and the library reading it under a tenant's lifted environment.
+    from webhook.admission.mutate import mutate_pod
+    from webhook.settings import settings_from_mapping
+
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "train"},
+           "spec": {"containers": [{"name": "trainer", "image": "pytorch", "resources": {
+               "limits": {"nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"}}}]}}
+    mutated = mutate_pod(pod, settings_from_mapping({})).pod
+    container = mutated["spec"]["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/etc/gpuslice/limits")
+    assert mount["readOnly"] is True
+    volume = next(v for v in mutated["spec"]["volumes"] if v["name"] == mount["name"])
+    item = next(i for i in volume["downwardAPI"]["items"] if i["path"] == mount["subPath"])
+    key = item["fieldRef"]["fieldPath"].removeprefix("metadata.annotations['").removesuffix("']")
+    text = mutated["metadata"]["annotations"][key]
+    # the container's /var/run/gpuslice is the lab's directory
+    path = lab.tmp / "limits"
+    path.write_text(text.replace("/var/run/gpuslice/region", str(lab.region_path)))
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env["CUDA_DEVICE_MEMORY_LIMIT"] == "3000m"  # the env says the same as the file
+    env.update(LIFTING, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(lab.tmp / "mine.region"))
+    res = lab.run("init", "ctx", "0", "meminfo", GPUSLICE_LIMITS_FILE=str(path), **env)
+    assert res.values("meminfo")[1] == 3000 * MIB
+    assert lab.region().devices[0].sm_limit == 30

@@ -11,13 +11,24 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
 * Our env names, and per-device overrides ``CUDA_DEVICE_{MEMORY,SM}_LIMIT_<i>`` and any other
   ``GPUSLICE_*`` name, are reserved: user values are dropped with a warning (they could lift the
   caps). Ours go first in ``env`` so user variables may refer to them with ``$(NAME)``.
+* The limits file: each GPU container also gets its limit env entries (memory or memory
+  percentage, compute when set, the shared cache path) as ``NAME=VALUE`` lines in the pod
+  annotation ``gpuslice.io/limits.<name>`` (key shortened like the devices key), which a
+  downward API volume ``gpuslice-limits`` (mode 0444, one file per GPU container, named after
+  it) puts read-only at ``/etc/gpuslice/limits`` through a ``subPath`` mount: kubelet writes it
+  at container start, so unlike the env a tenant cannot override it, and the interposer reads
+  it first. The chart's annotation guard denies later changes to these annotations.
 * User mounts at our mount paths or with our volume names are replaced (warning); user
   ``gpuslice.io/devices.*`` annotations are removed (warning): only the scheduler assigns GPUs.
+  User ``gpuslice.io/limits.*`` annotations are replaced by ours, or removed where no GPU
+  container owns the key (warning where the value differed).
 * Conflicting user ``nodeSelector[gpu]``, ``schedulerName`` or ``runtimeClassName`` are
   overwritten with a warning: without them the pod would not get its GPUs.
 * Denied: privileged GPU containers and GPU containers adding ``SYS_ADMIN`` (or ``ALL``)
   capabilities (they can see every GPU or undo the library mount), ``spec.nodeName`` preset
-  on a GPU pod (it would bypass the GPU scheduler), invalid placement annotations.
+  on a GPU pod (it would bypass the GPU scheduler), invalid placement annotations, two GPU
+  containers whose devices or limits keys coincide (a name spelling out another's shortened
+  key: one container would get the other's GPUs and limits).
 * Ephemeral containers are left alone (they cannot exist at CREATE).
 """
 
@@ -38,9 +49,10 @@ NEVER_MUTATED_NAMESPACES = frozenset({"kube-system"})
 VOLUME_LIBRARY = "gpuslice-lib"
 VOLUME_PRELOAD = "gpuslice-preload"
 VOLUME_STATE = "gpuslice-state"
-_OUR_VOLUMES = (VOLUME_LIBRARY, VOLUME_PRELOAD, VOLUME_STATE)
+VOLUME_LIMITS = "gpuslice-limits"
+_OUR_VOLUMES = (VOLUME_LIBRARY, VOLUME_PRELOAD, VOLUME_STATE, VOLUME_LIMITS)
 _OUR_MOUNT_PATHS = (names.HOST_LIBRARY_DIR, names.CONTAINER_PRELOAD_FILE,
-                    names.CONTAINER_STATE_DIR)
+                    names.CONTAINER_STATE_DIR, names.LIMITS_FILE)
 _OUR_ENV = frozenset({
     names.ENV_POD_UID, names.ENV_POD_NAME, names.ENV_POD_NAMESPACE, names.ENV_CONTAINER,
     names.ENV_MEMORY_LIMIT, names.ENV_MEMORY_PERCENT, names.ENV_SM_LIMIT,
@@ -124,22 +136,25 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     if not gpu_containers and not denials:
         return MutationResult(pod)
 
-    pod_reasons = _pod_reasons(spec, metadata)
+    pod_reasons = _pod_reasons(spec, metadata) + _key_collisions(spec, gpu_containers)
     if pod_reasons or denials:
         return MutationResult(None, tuple(Denial(None, r) for r in pod_reasons) + tuple(denials))
 
     _check_gpu_pod_shape(spec, list(gpu_containers))
+    # In spec order, init containers first (as gpu_containers was filled).
+    parts = {(kind, i): _container_parts(spec[kind][i]["name"], request)
+             for (kind, i), request in gpu_containers.items()}
     work = _Work()
     new_spec = dict(spec)
-    for kind in dict.fromkeys(k for k, _ in gpu_containers):  # init containers first
+    for kind in dict.fromkeys(k for k, _ in gpu_containers):
         new_spec[kind] = [
-            _mutate_container(c, gpu_containers[(kind, i)], settings, work)
+            _mutate_container(c, gpu_containers[(kind, i)], parts[(kind, i)], settings, work)
             if (kind, i) in gpu_containers else c
             for i, c in enumerate(spec[kind])]
-    _mutate_pod_spec(new_spec, settings, work)
+    _mutate_pod_spec(new_spec, list(parts.values()), settings, work)
     new_pod = dict(pod)
     new_pod["spec"] = new_spec
-    new_pod["metadata"] = _mutate_metadata(metadata, work)
+    new_pod["metadata"] = _mutate_metadata(metadata, list(parts.values()), work)
     return MutationResult(new_pod, warnings=tuple(work.warnings), changed=True)
 
 
@@ -213,6 +228,23 @@ def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
     return reasons
 
 
+def _key_collisions(spec: dict[str, Any], containers: Mapping[tuple[str, int], Any]) -> list[str]:
+    """Two GPU containers whose annotation keys are one key (a name that spells out another,
+    longer one's shortened form) would share GPUs and limits: one could use the other's."""
+    reasons = []
+    owners: dict[str, str] = {}
+    for kind, i in containers:
+        name = spec[kind][i]["name"]
+        for key in (names.devices_annotation(name), names.limits_annotation(name)):
+            other = owners.setdefault(key, name)
+            if other != name:  # the same name twice is the API server's to refuse
+                reasons.append(f'containers "{other}" and "{name}" would share the annotation '
+                               f"{key} (long names are shortened to 46 characters and a "
+                               f"hash); rename one")
+                break
+    return reasons
+
+
 def _field_ref(path: str) -> Fragment:
     return Fragment(fieldRef=Fragment(apiVersion="v1", fieldPath=path))
 
@@ -221,34 +253,52 @@ class _ContainerParts(NamedTuple):
     env: tuple[Fragment, ...]
     env_by_name: Mapping[str, Fragment]
     mounts: tuple[Fragment, ...]
+    limits_key: str
+    """The pod annotation holding the limits file (``names.limits_annotation``)."""
+    limits: str
+    """Its value: the limit env entries as ``NAME=VALUE`` lines."""
+    limits_item: Fragment
+    """The container's file in the limits volume: the annotation, at ``path: <name>``."""
 
 
 @functools.lru_cache(maxsize=4096)
 def _container_parts(name: str, request: GpuRequest) -> _ContainerParts:
-    """Our env entries and mounts for one container: built once, shared, read-only."""
-    env = [
+    """Our env entries, mounts and limits annotation for one container: built once, shared,
+    read-only."""
+    identity = [
         Fragment(name=names.ENV_POD_UID, valueFrom=_field_ref("metadata.uid")),
         Fragment(name=names.ENV_POD_NAME, valueFrom=_field_ref("metadata.name")),
         Fragment(name=names.ENV_POD_NAMESPACE, valueFrom=_field_ref("metadata.namespace")),
         Fragment(name=names.ENV_CONTAINER, value=name),
     ]
+    # The limits: env entries and, the same entries, lines of the limits file.
+    limits = []
     if request.memory_mib is not None:
-        env.append(Fragment(name=names.ENV_MEMORY_LIMIT, value=f"{request.memory_mib}m"))
+        limits.append(Fragment(name=names.ENV_MEMORY_LIMIT, value=f"{request.memory_mib}m"))
     else:
-        env.append(Fragment(name=names.ENV_MEMORY_PERCENT, value=str(request.memory_percent)))
+        limits.append(Fragment(name=names.ENV_MEMORY_PERCENT,
+                               value=str(request.memory_percent)))
     if request.cores is not None:
-        env.append(Fragment(name=names.ENV_SM_LIMIT, value=str(request.cores)))
-    env.append(Fragment(name=names.ENV_SHARED_CACHE, value=names.REGION_FILE))
+        limits.append(Fragment(name=names.ENV_SM_LIMIT, value=str(request.cores)))
+    limits.append(Fragment(name=names.ENV_SHARED_CACHE, value=names.REGION_FILE))
     devices = names.devices_annotation(name)
-    env.append(Fragment(name=names.ENV_VISIBLE_DEVICES,
-                        valueFrom=_field_ref(f"metadata.annotations['{devices}']")))
+    env = (*identity, *limits, Fragment(
+        name=names.ENV_VISIBLE_DEVICES, valueFrom=_field_ref(f"metadata.annotations['{devices}']")))
     mounts = (
         Fragment(name=VOLUME_LIBRARY, mountPath=names.HOST_LIBRARY_DIR, readOnly=True),
         Fragment(name=VOLUME_PRELOAD, mountPath=names.CONTAINER_PRELOAD_FILE, readOnly=True),
         Fragment(name=VOLUME_STATE, mountPath=names.CONTAINER_STATE_DIR,
                  subPathExpr=f"$({names.ENV_POD_UID})/{name}"),
+        # subPath: a snapshot taken at container start, which later annotation edits (denied
+        # by the chart's annotation guard anyway) do not reach.
+        Fragment(name=VOLUME_LIMITS, mountPath=names.LIMITS_FILE, subPath=name, readOnly=True),
     )
-    return _ContainerParts(tuple(env), MappingProxyType({e["name"]: e for e in env}), mounts)
+    limits_key = names.limits_annotation(name)
+    return _ContainerParts(
+        env, MappingProxyType({e["name"]: e for e in env}), mounts, limits_key,
+        "".join(f"{e['name']}={e['value']}\n" for e in limits),
+        Fragment(path=name, fieldRef=Fragment(
+            apiVersion="v1", fieldPath=f"metadata.annotations['{limits_key}']")))
 
 
 _VOLUMES = (
@@ -260,9 +310,17 @@ _VOLUMES = (
              hostPath=Fragment(path=names.HOST_STATE_DIR, type="DirectoryOrCreate")),
 )
 
+_LIMITS_FILE_MODE = 0o444
 
-def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: Settings,
-                      work: _Work) -> dict[str, Any]:
+
+def _limits_volume(parts: list[_ContainerParts]) -> dict[str, Any]:
+    """The downward API volume with each GPU container's limits file (named after it)."""
+    return {"name": VOLUME_LIMITS, "downwardAPI": {
+        "defaultMode": _LIMITS_FILE_MODE, "items": [p.limits_item for p in parts]}}
+
+
+def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _ContainerParts,
+                      settings: Settings, work: _Work) -> dict[str, Any]:
     name = container["name"]
     new = dict(container)
     if not request.count_given:
@@ -270,7 +328,6 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: 
         resources["limits"] = {**(resources.get("limits") or {}), settings.resource_gpu: "1"}
         new["resources"] = resources
 
-    parts = _container_parts(name, request)
     wanted = parts.env_by_name
     kept = []
     for entry in container.get("env") or ():
@@ -300,8 +357,9 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, settings: 
     return new
 
 
-def _mutate_pod_spec(spec: dict[str, Any], settings: Settings, work: _Work) -> None:
-    ours = _VOLUMES
+def _mutate_pod_spec(spec: dict[str, Any], parts: list[_ContainerParts], settings: Settings,
+                     work: _Work) -> None:
+    ours = (*_VOLUMES, _limits_volume(parts))
     volumes = []
     for volume in spec.get("volumes") or ():
         if isinstance(volume, dict) and volume.get("name") in _OUR_VOLUMES:
@@ -341,14 +399,23 @@ def _mutate_pod_spec(spec: dict[str, Any], settings: Settings, work: _Work) -> N
         spec["tolerations"] = tolerations
 
 
-def _mutate_metadata(metadata: dict[str, Any], work: _Work) -> dict[str, Any]:
+def _mutate_metadata(metadata: dict[str, Any], parts: list[_ContainerParts],
+                     work: _Work) -> dict[str, Any]:
     new = dict(metadata)
+    limits = {p.limits_key: p.limits for p in parts}
     annotations = {}
     for key, value in (metadata.get("annotations") or {}).items():
         if isinstance(key, str) and key.startswith(names.ANN_DEVICES_PREFIX):
             work.warn(f"annotation {key} is set by the gpuslice scheduler and was removed")
             continue
+        if isinstance(key, str) and key.startswith(names.ANN_LIMITS_PREFIX):
+            if value != limits.get(key):
+                verb = "replaced" if key in limits else "removed"
+                work.warn(f"annotation {key} is managed by gpuslice; the value in the pod "
+                          f"was {verb}")
+            continue
         annotations[key] = value
+    annotations.update(limits)
     annotations[names.ANN_MUTATED] = __version__
     new["annotations"] = annotations
     return new

@@ -29,7 +29,15 @@ class _Dumper(yaml.SafeDumper):
     """Safe YAML that also writes the mutation's shared read-only fragments as mappings."""
 
 
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    # Multi-line values (the gpuslice.io/limits.* annotations) as literal blocks, one line a
+    # line; PyYAML still quotes a value that a block cannot hold exactly.
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
 _Dumper.add_representer(Fragment, yaml.SafeDumper.represent_dict)
+_Dumper.add_representer(str, _represent_str)
 
 # Where each workload kind keeps its pod template.
 TEMPLATE_PATHS: dict[str, tuple[str, ...]] = {
