@@ -1,4 +1,5 @@
-"""State-dir garbage collection: departed pods only, after a grace period, UID-named dirs only."""
+"""State dirs: opened to every container user; garbage collection of departed pods only, after a
+grace period, UID-named dirs only."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import uuid
 from pathlib import Path
 
-from webhook.node.cleanup import remove_stale, stale_pod_dirs
+from webhook.node.cleanup import remove_stale, share_state_dirs, stale_pod_dirs
 
 NOW = 1_700_000_000.0
 GRACE = 600.0
@@ -59,3 +60,49 @@ def test_names_that_are_not_pod_uids_and_symlinks_are_never_touched(tmp_path: Pa
 
 def test_a_missing_state_dir_removes_nothing(tmp_path: Path) -> None:
     assert remove_stale(tmp_path / "absent", set(), GRACE, NOW) == []
+
+
+def _mode(path: Path) -> int:
+    return path.lstat().st_mode & 0o7777
+
+
+def test_state_dirs_are_opened_to_every_container_user(tmp_path: Path) -> None:
+    # kubelet made a pod's dirs with the root's mode before the agent ran (0755: root only)
+    root = tmp_path / "containers"
+    root.mkdir(mode=0o755)
+    uid = _pod_dir(root, age=0, containers=("main", "sidecar"))
+    for d in (root, root / uid, root / uid / "main", root / uid / "sidecar"):
+        d.chmod(0o755)
+    region = root / uid / "main" / "region"
+    region.chmod(0o600)
+    before = os.stat(root / uid).st_mtime
+    changed = share_state_dirs(root)
+    assert changed == [".", uid, f"{uid}/main", f"{uid}/sidecar"]
+    assert _mode(root) == 0o1777
+    assert [_mode(root / uid / c) for c in ("", "main", "sidecar")] == [0o777] * 3
+    assert _mode(region) == 0o600  # files are the library's (it makes regions 0666)
+    assert os.stat(root / uid).st_mtime == before  # the garbage collector's clock is untouched
+    assert share_state_dirs(root) == []  # nothing left to do next round
+
+
+def test_a_missing_state_root_is_created_shared(tmp_path: Path) -> None:
+    root = tmp_path / "var" / "lib" / "gpuslice" / "containers"
+    assert share_state_dirs(root) == ["."]
+    assert _mode(root) == 0o1777
+
+
+def test_opening_up_never_follows_symlinks_or_touches_other_names(tmp_path: Path) -> None:
+    root = tmp_path / "containers"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o700)
+    outside.chmod(0o700)
+    (root / str(uuid.uuid4())).symlink_to(outside)
+    pod = root / str(uuid.uuid4())
+    pod.mkdir()
+    (pod / "main").symlink_to(outside)
+    (root / "not-a-uid").mkdir(mode=0o700)
+    (root / "not-a-uid").chmod(0o700)
+    changed = share_state_dirs(root)
+    assert _mode(outside) == 0o700 and _mode(root / "not-a-uid") == 0o700
+    assert changed == [".", pod.name]

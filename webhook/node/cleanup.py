@@ -1,4 +1,11 @@
-"""Garbage-collects the per-container state dirs of pods that are no longer on this node.
+"""The per-container state dirs: writable by every user of the container, removed after the pod.
+
+Every container user must be able to create the container's region file, or each process of a
+non-root container falls back to a region of its own (a budget of its own, and no metrics).
+Kubelet creates a container's dir ``<pod-uid>/<container>`` (the webhook's ``subPathExpr``)
+with the mode of the hostPath volume's root, so :func:`share_state_dirs` keeps that root
+``1777`` (like ``/tmp``) and opens up, to ``0777``, dirs made before it was (a node where the
+first GPU pod started before the agent). Run every round; it touches only what is not so yet.
 
 The host keeps one dir per pod, ``/var/lib/gpuslice/containers/<pod-uid>/``, with one sub-dir
 per container holding its region file. A pod dir is removed only when all of these hold:
@@ -24,6 +31,44 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+ROOT_MODE = 0o1777
+DIR_MODE = 0o777
+_NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_up(path: Path, mode: int) -> bool:
+    """Give the directory ``path`` (never a symlink) ``mode``; True if it had another."""
+    fd = os.open(path, _NOFOLLOW_DIR)
+    try:
+        if os.fstat(fd).st_mode & 0o7777 == mode:
+            return False
+        os.fchmod(fd, mode)
+        return True
+    finally:
+        os.close(fd)
+
+
+def share_state_dirs(state_dir: str | Path) -> list[str]:
+    """Create the state root if missing and give it and the pod and container dirs under it
+    their shared modes; return the paths changed (relative to the root, the root as ``.``)."""
+    root = Path(state_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    changed = ["."] if _open_up(root, ROOT_MODE) else []
+    for pod in sorted(os.scandir(root), key=lambda e: e.name):
+        if not POD_UID.match(pod.name) or not pod.is_dir(follow_symlinks=False):
+            continue
+        try:
+            dirs = [Path(pod.path)] + sorted(
+                Path(c.path) for c in os.scandir(pod.path) if c.is_dir(follow_symlinks=False))
+            for path in dirs:
+                if _open_up(path, DIR_MODE):
+                    changed.append(str(path.relative_to(root)))
+        except OSError as exc:  # a pod dir removed meanwhile, or not ours to change
+            logger.warning("cannot open up state dir", extra={"path": pod.path,
+                                                              "error": str(exc)})
+    return changed
 
 
 def _last_change(path: Path) -> float:

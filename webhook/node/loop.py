@@ -4,6 +4,7 @@ Start the metrics server, then loop. Each round, and again every ``--interval``:
 
 1. discover the GPUs (a node without driver or GPUs is logged once and publishes zeros);
 2. install the library and ld.so.preload (idempotent), then remove old versions nothing uses;
+   make the state dirs writable by every container user (``cleanup.share_state_dirs``);
 3. publish the annotation, labels and extended resources, but only once the library is in
    place, so no GPU pod is scheduled onto a node that cannot isolate it;
 4. remove the state dirs of pods the API server no longer has on the node.
@@ -116,12 +117,27 @@ class Agent:
                                              if n.startswith(install.LIB_STEM))
         return True
 
+    def _share_state_dirs(self) -> bool:
+        try:
+            changed = cleanup.share_state_dirs(self.settings.host_state_dir)
+        except OSError as exc:
+            logger.error("cannot prepare the state dirs; non-root containers may get a budget "
+                         "per process", extra={"path": self.settings.host_state_dir,
+                                               "error": str(exc)})
+            return False
+        if changed:
+            logger.info("state dirs opened to every container user",
+                        extra={"path": self.settings.host_state_dir, "dirs": changed[:20],
+                               "count": len(changed)})
+        return True
+
     async def step(self) -> float:
         """One round of discover, install, publish, clean up; return seconds until the next."""
         ok = True
         discovery = await asyncio.to_thread(self.inventory.discover)
         installed = await asyncio.to_thread(self._install)
-        ok = ok and installed
+        shared = await asyncio.to_thread(self._share_state_dirs)
+        ok = ok and installed and shared
         if self.publisher is not None and installed:
             try:
                 outcome = await self.publisher.publish(discovery)

@@ -1,0 +1,71 @@
+"""A non-root container: its processes share one budget once the agent has opened its state dir.
+
+Kubelet creates a container's state dir (the webhook's ``subPathExpr``) with the mode of the
+hostPath root, root-owned. Where that is 0755, a non-root process cannot create the region
+file and each process falls back to a region of its own: a whole cap per process. The agent's
+``share_state_dirs`` makes the root 1777 and opens up dirs made before it ran.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from webhook.node.cleanup import share_state_dirs
+
+NOBODY = 65534
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+@pytest.fixture
+def shared_base() -> Iterator[Path]:
+    """A directory every user can reach (pytest's tmp_path is the test user's alone)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run processes as another user")
+    base = Path(tempfile.mkdtemp(prefix="gpuslice-nonroot-", dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_non_root_processes_share_one_budget_once_the_agent_opened_the_state_dir(
+        lab, shared_base):
+    root = shared_base / "containers"
+    container_dir = root / str(uuid.uuid4()) / "main"
+    container_dir.mkdir(parents=True)
+    for d in (root, container_dir.parent, container_dir):
+        d.chmod(0o755)  # as kubelet made them under a 0755 root
+    scratch = shared_base / "scratch"  # the fake driver's state, the ready mark
+    scratch.mkdir()
+    scratch.chmod(0o777)
+    region = container_dir / "region"
+    env = lab.env(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region), FAKE_CUDA_STATE=str(scratch / "fake"),
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+
+    def start(*cmds: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(lab.command(*cmds), env=env, user=NOBODY, group=NOBODY,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lab.procs.append(proc)
+        return proc
+
+    alone = lab.finish(start("init", "ctx", "0", "alloc", "768m"))
+    assert alone.rc("alloc") == 0
+    assert "cannot open region" in alone.stderr and not region.exists()
+
+    share_state_dirs(root)
+    ready = scratch / "ready"
+    keeper = start("init", "ctx", "0", "alloc", "768m", "touch", str(ready), "sleep", "30000")
+    lab.wait_for(ready)
+    second = lab.finish(start("init", "ctx", "0", "alloc", "512m", "alloc", "128m"))
+    assert [second.rc("alloc", 0), second.rc("alloc", 1)] == [CUDA_ERROR_OUT_OF_MEMORY, 0]
+    assert "cannot open region" not in second.stderr
+    assert region.stat().st_uid == NOBODY
+    keeper.kill()
+    keeper.wait(timeout=10)
