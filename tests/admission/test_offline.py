@@ -193,6 +193,24 @@ def test_check_reports_objects_that_are_not_pod_shaped(
                                 f"{path}: Pod/p: spec.containers must be a list"]
 
 
+def test_a_namespace_that_is_not_a_string_is_reported_not_a_crash(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # found by the random-documents test: an empty list passed the shape check as "no
+    # namespace" and then failed as a set member
+    gpu = {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpumem": "1000"}}}
+    path = tmp_path / "ns.yaml"
+    path.write_text(yaml.safe_dump_all([
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": []},
+         "spec": {"containers": [gpu]}},
+        {"apiVersion": "apps/v1", "kind": "Deployment",
+         "metadata": {"name": "d", "namespace": ["ml"]},
+         "spec": {"template": {"metadata": {}, "spec": {"containers": [gpu]}}}}]))
+    code, out, _ = _run(capsys, "check", "-f", str(path))
+    assert code == 1
+    assert [line.split(": ", 2)[2] for line in out.splitlines()] == [
+        "metadata.namespace must be a string", "spec.template: metadata.namespace must be a string"]
+
+
 @pytest.mark.parametrize(("content", "message"), [
     (None, "cannot read"),
     ("a: [unclosed\n", "not valid YAML/JSON"),

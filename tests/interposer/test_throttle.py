@@ -696,8 +696,10 @@ def test_many_processes_of_a_container_on_one_gpu_learn_the_correction_together(
     # learnt from too few ticks (most under the 5 % measured threshold) or too coarse figures:
     # 12-20 % together.  Learnt from the container's summed shares and measurements (each
     # process publishes its host pid and its measured time in the region), the factor takes
-    # about 6 s to settle (the GPU gets busier as it falls); settled, 29.1-30.4 % seen
-    got = shared_gpu_total(release_lab, 6, settle="6")
+    # about 6 s to settle (the GPU gets busier as it falls); settled, 29.1-30.4 % seen.  With
+    # the CPUs busy (six processes and a CPU hog on 2 cores) 6 s failed 2 runs in 6 at
+    # 19.7-22.8 %, the library of before the limits file too; 9 s passed 6 in 6
+    got = shared_gpu_total(release_lab, 6, settle="9")
     assert abs(got - 30) <= 7.0, f"6 processes together: {got:.1f}%"
 
 

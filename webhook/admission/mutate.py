@@ -118,6 +118,8 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     """
     spec, metadata = _shape(pod)
     ns = namespace or metadata.get("namespace")
+    if ns is not None and not isinstance(ns, str):  # a workload's namespace, for a template
+        raise BadObject("metadata.namespace must be a string")
     if ns in NEVER_MUTATED_NAMESPACES or ns == settings.release_namespace:
         return MutationResult(pod)
 
@@ -168,7 +170,7 @@ def _shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise BadObject("metadata must be an object")
     if not isinstance(metadata.get("annotations") or {}, dict):
         raise BadObject("metadata.annotations must be an object")
-    if not isinstance(metadata.get("namespace") or "", str):
+    if not isinstance(metadata.get("namespace", ""), str | None):
         raise BadObject("metadata.namespace must be a string")
     if not isinstance(spec, dict):
         raise BadObject("spec must be an object")
