@@ -141,7 +141,14 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
 {
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     if (fd < 0) {
-        GS_WARN("cannot open region %s (%s): caps apply to this process alone", path, strerror(errno));
+        int err = errno;
+        if (gs_env_managed()) /* a pod's processes would each get a whole cap: say why, loudly */
+            GS_ERROR("cannot open region %s as uid %u (%s): caps apply to this process alone, not shared with the "
+                     "container's other processes (the gpuslice node agent makes the state directories writable "
+                     "for every user: is it running on this node?)",
+                     path, (unsigned)geteuid(), strerror(err));
+        else
+            GS_WARN("cannot open region %s (%s): caps apply to this process alone", path, strerror(err));
         return NULL;
     }
     (void)fchmod(fd, 0666); /* every user of the container shares it; fails harmlessly if not ours */

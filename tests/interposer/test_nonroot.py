@@ -47,7 +47,7 @@ def test_non_root_processes_share_one_budget_once_the_agent_opened_the_state_dir
     scratch.chmod(0o777)
     region = container_dir / "region"
     env = lab.env(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region), FAKE_CUDA_STATE=str(scratch / "fake"),
-                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", GPUSLICE_POD_UID="0b7f-uid")
 
     def start(*cmds: str) -> subprocess.Popen[str]:
         proc = subprocess.Popen(lab.command(*cmds), env=env, user=NOBODY, group=NOBODY,
@@ -57,7 +57,9 @@ def test_non_root_processes_share_one_budget_once_the_agent_opened_the_state_dir
 
     alone = lab.finish(start("init", "ctx", "0", "alloc", "768m"))
     assert alone.rc("alloc") == 0
-    assert "cannot open region" in alone.stderr and not region.exists()
+    assert not region.exists()
+    assert f"error: cannot open region {region} as uid {NOBODY} (Permission denied)" in alone.stderr
+    assert "node agent" in alone.stderr
 
     share_state_dirs(root)
     ready = scratch / "ready"
