@@ -104,6 +104,22 @@ struct ctx_charge {
     nvmlProcessInfo_t procs[GS_MAX_PIDS];
 };
 
+/* Why a context is refused, in the units a pod's limits are written in.  A footprint larger
+ * than the whole cap can never fit: CUDA cannot start in this container, so that is an error
+ * that says what to raise. */
+static void refused(int slot, uint64_t footprint)
+{
+    unsigned long long cap = gs_slot_limit(slot) >> 20, used = gs_slot_used(slot) >> 20, need = footprint >> 20;
+    if (footprint > gs_slot_limit(slot))
+        GS_ERROR("a CUDA context needs %llu MiB on this device, more than the container's whole cap of %llu MiB: "
+                 "CUDA cannot start here; raise the memory limit (nvidia.com/gpumem) above the context's size",
+                 need, cap);
+    else
+        GS_WARN("context refused: its footprint (%llu MiB) does not fit in what is left of the cap "
+                "(%llu of %llu MiB in use by the container)",
+                need, used, cap);
+}
+
 /* `estimate`: the container's footprint estimate is reserved first (a context that does not fit
  * is refused); else what the measurement finds is charged afterwards. */
 static CUresult charge_begin(CUdevice dev, struct ctx_charge *c, int estimate_first)
@@ -118,8 +134,7 @@ static CUresult charge_begin(CUdevice dev, struct ctx_charge *c, int estimate_fi
         estimate_first ? __atomic_load_n(&gs_region->devices[c->slot].ctx_footprint_bytes, __ATOMIC_RELAXED) : 0;
     if (gs_near_cap(c->slot, estimate)) gs_reconcile_dev_locked(dev); /* another context of ours may have grown */
     if (gs_reserve_raw(c->slot, estimate) != 0) {
-        GS_WARN("context refused: its footprint (%llu bytes) exceeds the remaining cap",
-                (unsigned long long)estimate);
+        refused(c->slot, estimate);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     c->reserved = estimate;
@@ -170,9 +185,8 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
      * fit, or the context is undone by the caller.  Forced, it took a container 128 MiB past
      * its cap while others filled it */
     if (measured > c->reserved && gs_reserve_raw(c->slot, measured - c->reserved) != 0) {
-        GS_WARN("context refused: its footprint (%llu bytes) exceeds the remaining cap",
-                (unsigned long long)measured);
         gs_budget_release(c->slot, c->reserved);
+        refused(c->slot, measured);
         c->over = 1;
         return 0;
     }

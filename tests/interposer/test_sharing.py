@@ -122,8 +122,22 @@ def test_a_context_whose_footprint_no_longer_fits_once_made_is_undone(lab, make,
     assert full.rc("alloc") == 0
     assert res.rc(make[0]) == OOM
     assert res.values("phys") == [held]  # the context went with its refusal
-    assert "exceeds the remaining cap" in res.stderr
+    assert "does not fit in what is left of the cap" in res.stderr
     assert lab.used() == 0
+
+
+def test_a_cap_smaller_than_one_context_says_what_to_raise(lab):
+    # 256 MiB against a 600 MiB context (PyTorch's takes 524 MiB on an H200): CUDA cannot start,
+    # first from the measurement, then, for the next process, from the container's estimate
+    for _ in range(2):
+        res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="256m",
+                      FAKE_CUDA_CTX_BYTES="600m")
+        assert res.rc("ctx") == OOM
+        errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
+        assert errors == [ln for ln in errors if "a CUDA context needs 600 MiB on this device, more "
+                          "than the container's whole cap of 256 MiB" in ln and "nvidia.com/gpumem" in ln]
+        assert len(errors) == 1, res.stderr
+        assert lab.used() == 0
 
 
 def test_a_dead_process_beside_a_live_one_is_reclaimed_before_a_refusal_and_a_view(lab):
