@@ -22,8 +22,12 @@
  * snapshot taken at container start).  Where that file exists, those names are
  * read from it alone and the environment's values are ignored (one warning if
  * they differ): a tenant's shell cannot start a process with other limits or
- * another region.  A file that cannot be read or names no usable memory limit
+ * another region.  The file is the webhook's, so anything the webhook would not
+ * write (a line that is not NAME=VALUE, a value its reader would skip, a NUL, more
+ * than 4 KiB or 16 names, no region path, no memory limit) makes it untrusted: a
+ * dropped line could be the one that limits.  An untrusted or unreadable file
  * grants no device memory (fail closed, with an error naming the annotation).
+ * Unknown names are skipped with an error (a newer webhook's).
  * GPUSLICE_LIMITS_FILE names another file only where /etc/gpuslice/limits does
  * not exist (tests; a container without the mount gains nothing from it).
  *
@@ -42,6 +46,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,8 +89,8 @@ int gs_parse_size(const char *text, uint64_t *out)
 #define LIMITS_MAX 16
 
 static struct {
-    int active; /* the file decides the limits (it exists, or GPUSLICE_LIMITS_FILE named one) */
-    int broken; /* it could not be read */
+    int active;     /* the file decides the limits (it exists, or GPUSLICE_LIMITS_FILE named one) */
+    char broken[160]; /* why it cannot be trusted ("" = it can): then no memory is granted */
     unsigned n;
     char path[256];
     struct {
@@ -119,6 +124,17 @@ static const char *file_value(const char *name)
     return NULL;
 }
 
+/* The webhook writes this file: anything it would not write means tampering or a bug, and a
+ * dropped line could be the one that limits (a per-device cap, the region path). */
+__attribute__((format(printf, 1, 2))) static void distrust(const char *fmt, ...)
+{
+    if (g_lim.broken[0]) return; /* the first reason is the one to fix */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_lim.broken, sizeof(g_lim.broken), fmt, ap);
+    va_end(ap);
+}
+
 static void parse_limits(char *text)
 {
     unsigned line = 0;
@@ -131,28 +147,63 @@ static void parse_limits(char *text)
         while (len && isspace((unsigned char)s[len - 1])) s[--len] = '\0';
         if (!*s || *s == '#') continue;
         char *eq = strchr(s, '=');
-        size_t nlen = eq ? (size_t)(eq - s) : 0;
+        if (!eq) {
+            distrust("line %u is not NAME=VALUE", line);
+            continue;
+        }
+        size_t nlen = (size_t)(eq - s);
         while (nlen && isspace((unsigned char)s[nlen - 1])) nlen--;
-        const char *value = eq ? eq + 1 : "";
+        const char *value = eq + 1;
         while (isspace((unsigned char)*value)) value++;
-        if (!eq || !is_limit_name(s, nlen) || nlen >= sizeof(g_lim.e[0].name) ||
-            strlen(value) >= sizeof(g_lim.e[0].value)) {
-            GS_ERROR("%s line %u: ignoring '%.80s' (expected NAME=VALUE with NAME one of CUDA_DEVICE_MEMORY_LIMIT, "
-                     "GPUSLICE_MEMORY_PERCENT, CUDA_DEVICE_SM_LIMIT, CUDA_DEVICE_MEMORY_SHARED_CACHE)",
-                     g_lim.path, line, s);
+        if (!is_limit_name(s, nlen)) {
+            /* a name a newer webhook may write: skipped, the rest applies */
+            GS_ERROR("%s line %u: ignoring '%.*s' (not one of CUDA_DEVICE_MEMORY_LIMIT[_<i>], GPUSLICE_MEMORY_PERCENT, "
+                     "CUDA_DEVICE_SM_LIMIT[_<i>], CUDA_DEVICE_MEMORY_SHARED_CACHE)",
+                     g_lim.path, line, (int)(nlen < 64 ? nlen : 64), s);
+            continue;
+        }
+        if (nlen >= sizeof(g_lim.e[0].name) || strlen(value) >= sizeof(g_lim.e[0].value)) {
+            distrust("line %u is too long", line);
             continue;
         }
         s[nlen] = '\0';
         unsigned i = 0;
         while (i < g_lim.n && strcmp(g_lim.e[i].name, s) != 0) i++;
         if (i == LIMITS_MAX) {
-            GS_ERROR("%s line %u: ignoring %s: more than %u names", g_lim.path, line, s, LIMITS_MAX);
+            distrust("more than %u names", LIMITS_MAX);
             continue;
         }
         if (i == g_lim.n) g_lim.n++; /* a name given twice: the last line wins, as in a shell */
         memcpy(g_lim.e[i].name, s, nlen + 1);
         memcpy(g_lim.e[i].value, value, strlen(value) + 1);
     }
+}
+
+/* Every value the way its reader will take it: one the reader would skip (and fall back to no
+ * limit) must not reach it. */
+static void check_values(void)
+{
+    for (unsigned i = 0; i < g_lim.n && !g_lim.broken[0]; i++) {
+        const char *name = g_lim.e[i].name, *v = g_lim.e[i].value;
+        uint64_t n = 0;
+        char *end = NULL;
+        int ok;
+        if (!strncmp(name, "CUDA_DEVICE_MEMORY_LIMIT", 24)) {
+            ok = gs_parse_size(v, &n) == 0 && n > 0;
+        } else if (!strcmp(name, "GPUSLICE_MEMORY_PERCENT")) {
+            ok = gs_parse_size(v, &n) == 0 && n >= 1 && n <= 100;
+        } else if (!strncmp(name, "CUDA_DEVICE_SM_LIMIT", 20)) {
+            long pct = strtol(v, &end, 10);
+            ok = *v && end && *end == '\0' && pct >= 0 && pct <= 100;
+        } else {
+            ok = v[0] == '/';
+        }
+        if (!ok) distrust("%s has the value '%.40s'", name, v);
+    }
+    if (!g_lim.broken[0] && !file_value("CUDA_DEVICE_MEMORY_SHARED_CACHE"))
+        distrust("it names no region (CUDA_DEVICE_MEMORY_SHARED_CACHE)");
+    if (!g_lim.broken[0] && !file_value("CUDA_DEVICE_MEMORY_LIMIT") && !file_value("GPUSLICE_MEMORY_PERCENT"))
+        distrust("it names no memory limit (CUDA_DEVICE_MEMORY_LIMIT or GPUSLICE_MEMORY_PERCENT)");
 }
 
 /* The environment's values the file overrides: said once, so nobody wonders why an
@@ -176,6 +227,8 @@ static void warn_overridden_env(void)
     }
 }
 
+#define LIMITS_FILE_MAX 4096
+
 static void load_limits(void)
 {
     const char *path = GS_LIMITS_FILE;
@@ -186,33 +239,33 @@ static void load_limits(void)
     }
     g_lim.active = 1;
     snprintf(g_lim.path, sizeof(g_lim.path), "%s", path);
-    char text[4096];
-    ssize_t got = -1;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-        size_t have = 0;
-        while (have < sizeof(text) - 1) {
-            ssize_t r = read(fd, text + have, sizeof(text) - 1 - have);
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) {
-                got = r < 0 ? -1 : (ssize_t)have;
-                break;
-            }
-            have += (size_t)r;
-            got = (ssize_t)have;
-        }
-        int err = errno;
-        close(fd);
-        errno = err;
+    char text[LIMITS_FILE_MAX + 1];
+    size_t have = 0;
+    int err = 0, fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) err = errno;
+    while (fd >= 0 && have < sizeof(text)) { /* one byte past the most a file may hold: too long */
+        ssize_t r = read(fd, text + have, sizeof(text) - have);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) err = errno;
+        if (r <= 0) break;
+        have += (size_t)r;
     }
-    if (got < 0) {
-        g_lim.broken = 1;
-        GS_ERROR("cannot read the container's limits from %s: %s", path, strerror(errno));
-        return;
+    if (fd >= 0) close(fd);
+    if (err) {
+        distrust("it cannot be read (%s)", strerror(err));
+    } else if (have > LIMITS_FILE_MAX) {
+        distrust("it is longer than %u bytes", LIMITS_FILE_MAX);
+    } else if (memchr(text, '\0', have)) {
+        distrust("it holds a NUL byte");
+    } else {
+        text[have] = '\0';
+        parse_limits(text);
+        check_values();
     }
-    text[got] = '\0';
-    parse_limits(text);
-    GS_INFO("limits from %s: %u names", path, g_lim.n);
+    if (g_lim.broken[0])
+        GS_ERROR("the container's limits file %s cannot be trusted: %s", path, g_lim.broken);
+    else
+        GS_INFO("limits from %s: %u names", path, g_lim.n);
     warn_overridden_env();
 }
 
@@ -291,13 +344,14 @@ uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total)
         return limit < pct ? limit : pct;
     }
     uint64_t cap = limit ? limit : pct;
-    if (!cap && limits_from_file()) {
-        /* The webhook always writes a memory limit: without one the file was tampered with or
-         * its annotation is gone.  Grant nothing rather than the whole device. */
+    if (limits_from_file() && (g_lim.broken[0] || !cap)) {
+        /* The webhook always writes a usable memory limit: without one the file was tampered
+         * with or its annotation is gone (kubelet then writes an empty file).  Grant nothing
+         * rather than the whole device. */
         if (!__atomic_exchange_n(&g_warned_none, 1, __ATOMIC_RELAXED))
-            GS_ERROR("%s %s no usable memory limit (CUDA_DEVICE_MEMORY_LIMIT or GPUSLICE_MEMORY_PERCENT; is the "
-                     "pod's gpuslice.io/limits.<container> annotation missing?): no device memory is granted",
-                     g_lim.path, g_lim.broken ? "could not be read, so it gives" : "gives");
+            GS_ERROR("%s gives no usable memory limit (%s; is the pod's gpuslice.io/limits.<container> annotation "
+                     "missing?): no device memory is granted",
+                     g_lim.path, g_lim.broken[0] ? g_lim.broken : "none resolves");
         return GS_CAP_NOTHING;
     }
     return cap;

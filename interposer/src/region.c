@@ -137,21 +137,36 @@ static void init_region(struct gpuslice_region *r, const uint8_t boot_id[16])
     __atomic_store_n(&r->magic, GPUSLICE_REGION_MAGIC, __ATOMIC_RELEASE);
 }
 
+/* A webhook-managed process without the container's region grants no memory (write_slot): with
+ * a region of its own each process would get a whole cap, and a tenant who can break the
+ * shared file (a symlink or a directory planted at its path) would multiply the budget. */
+static int g_private_managed;
+
 static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16])
 {
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    /* Never through a symlink, and only a plain file of its own: the state dir is writable by
+     * every user of the container, and a root process that followed a link planted there
+     * would make the link's target world-writable and overwrite it. */
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
+    struct stat own;
+    if (fd >= 0 && (fstat(fd, &own) != 0 || !S_ISREG(own.st_mode) || own.st_nlink != 1)) {
+        close(fd);
+        fd = -1;
+        errno = EPERM;
+    }
     if (fd < 0) {
         int err = errno;
-        if (gs_env_managed()) /* a pod's processes would each get a whole cap: say why, loudly */
-            GS_ERROR("cannot open region %s as uid %u (%s): caps apply to this process alone, not shared with the "
-                     "container's other processes (the gpuslice node agent makes the state directories writable "
-                     "for every user: is it running on this node?)",
-                     path, (unsigned)geteuid(), strerror(err));
+        const char *why = err == ELOOP ? "a symbolic link" : err == EPERM ? "not a plain file" : strerror(err);
+        if (gs_env_managed()) /* a pod's processes would each get a whole cap: grant nothing */
+            GS_ERROR("cannot use region %s as uid %u (%s): no device memory is granted to this process (the "
+                     "container's processes must share one region; the gpuslice node agent makes the state "
+                     "directories writable for every user: is it running on this node?)",
+                     path, (unsigned)geteuid(), why);
         else
-            GS_WARN("cannot open region %s (%s): caps apply to this process alone", path, strerror(err));
+            GS_WARN("cannot use region %s (%s): caps apply to this process alone", path, why);
         return NULL;
     }
-    (void)fchmod(fd, 0666); /* every user of the container shares it; fails harmlessly if not ours */
+    if (own.st_uid == geteuid()) (void)fchmod(fd, 0666); /* every user of the container shares it */
     while (flock(fd, LOCK_EX) != 0 && errno == EINTR) {
     }
     struct gpuslice_region *r = NULL;
@@ -177,13 +192,14 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
         if (p != MAP_FAILED) r = p;
     }
     if (!r) {
-        GS_WARN("cannot map region %s (%s): caps apply to this process alone", path,
-                grown ? strerror(errno) : "no space for it");
+        GS_WARN("cannot map region %s (%s): %s", path, grown ? strerror(errno) : "no space for it",
+                gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone");
     } else if (__atomic_load_n(&r->magic, __ATOMIC_ACQUIRE) != GPUSLICE_REGION_MAGIC) {
         init_region(r, boot_id);
     } else if (r->version != GPUSLICE_REGION_VERSION || r->size != sizeof(*r)) {
-        GS_ERROR("region %s has version %u size %u, this library writes version %u: caps apply to this "
-                 "process alone", path, r->version, r->size, GPUSLICE_REGION_VERSION);
+        GS_ERROR("region %s has version %u size %u, this library writes version %u: %s", path, r->version, r->size,
+                 GPUSLICE_REGION_VERSION,
+                 gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone");
         munmap(r, sizeof(*r));
         r = NULL;
     } else if (memcmp(r->boot_id, boot_id, 16) != 0) {
@@ -205,6 +221,7 @@ int gs_region_open(void)
         read_boot_id(boot_id);
         struct gpuslice_region *r = map_file(gs_env_region_path(path, sizeof(path)), boot_id);
         if (!r) {
+            g_private_managed = gs_env_managed();
             void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
             if (p != MAP_FAILED) {
                 r = p;
@@ -405,7 +422,7 @@ static void write_slot(struct gpuslice_device *s, const struct gs_devcfg *c)
         memset(s, 0, sizeof(*s));
         memcpy(s->uuid, c->uuid, GPUSLICE_UUID_LEN);
     }
-    ST(&s->limit_bytes, c->limit);
+    ST(&s->limit_bytes, g_private_managed ? GS_CAP_NOTHING : c->limit);
     ST(&s->total_bytes, c->total);
     ST(&s->sm_limit, c->sm_limit);
     ST(&s->index, c->index);

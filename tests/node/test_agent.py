@@ -80,7 +80,7 @@ async def test_one_round_installs_publishes_and_removes_departed_pod_dirs(
         assert agent.status.cleanup_removed == 1
         # every container user can make the region file (kubelet gives new dirs the root's mode)
         assert (tmp_path / "state").stat().st_mode & 0o7777 == 0o1777
-        assert (kept / "main").stat().st_mode & 0o7777 == 0o777
+        assert (kept / "main").stat().st_mode & 0o7777 == 0o1777
 
 
 async def test_nothing_is_published_until_the_library_is_installed(tmp_path: Path) -> None:

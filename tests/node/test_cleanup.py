@@ -79,7 +79,7 @@ def test_state_dirs_are_opened_to_every_container_user(tmp_path: Path) -> None:
     changed = share_state_dirs(root)
     assert changed == [".", uid, f"{uid}/main", f"{uid}/sidecar"]
     assert _mode(root) == 0o1777
-    assert [_mode(root / uid / c) for c in ("", "main", "sidecar")] == [0o777] * 3
+    assert [_mode(root / uid / c) for c in ("", "main", "sidecar")] == [0o1777] * 3
     assert _mode(region) == 0o600  # files are the library's (it makes regions 0666)
     assert os.stat(root / uid).st_mtime == before  # the garbage collector's clock is untouched
     assert share_state_dirs(root) == []  # nothing left to do next round
@@ -106,3 +106,14 @@ def test_opening_up_never_follows_symlinks_or_touches_other_names(tmp_path: Path
     changed = share_state_dirs(root)
     assert _mode(outside) == 0o700 and _mode(root / "not-a-uid") == 0o700
     assert changed == [".", pod.name]
+
+
+def test_a_symlinked_state_root_is_resolved_once(tmp_path: Path) -> None:
+    # an admin may keep the state on another disk; it failed every round with ENOTDIR (review)
+    real = tmp_path / "disk" / "containers"
+    real.mkdir(parents=True, mode=0o755)
+    uid = _pod_dir(real, age=0)
+    link = tmp_path / "containers"
+    link.symlink_to(real)
+    assert share_state_dirs(link) == [".", uid, f"{uid}/main"]
+    assert _mode(real) == 0o1777 and _mode(real / uid / "main") == 0o1777

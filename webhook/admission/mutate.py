@@ -35,6 +35,7 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
 from __future__ import annotations
 
 import functools
+import posixpath
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -321,6 +322,13 @@ def _limits_volume(parts: list[_ContainerParts]) -> dict[str, Any]:
         "defaultMode": _LIMITS_FILE_MODE, "items": [p.limits_item for p in parts]}}
 
 
+def _normal_path(path: str) -> str:
+    """``path`` as the runtime resolves it: ``/etc//gpuslice/./limits/`` is our mount path too
+    (one a runtime mounted after ours would cover the limits file)."""
+    norm = posixpath.normpath(path)
+    return "/" + norm.lstrip("/") if norm.startswith("/") else norm
+
+
 def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _ContainerParts,
                       settings: Settings, work: _Work) -> dict[str, Any]:
     name = container["name"]
@@ -349,7 +357,7 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
     for mount in container.get("volumeMounts") or ():
         if isinstance(mount, dict) and (
                 mount.get("name") in _OUR_VOLUMES
-                or str(mount.get("mountPath", "")).rstrip("/") in _OUR_MOUNT_PATHS):
+                or _normal_path(str(mount.get("mountPath", ""))) in _OUR_MOUNT_PATHS):
             if mount not in mounts:
                 work.warn(f'container "{name}": volumeMount {mount.get("name")} at '
                           f'{mount.get("mountPath")} conflicts with gpuslice and was replaced')
@@ -410,6 +418,8 @@ def _mutate_metadata(metadata: dict[str, Any], parts: list[_ContainerParts],
         if isinstance(key, str) and key.startswith(names.ANN_DEVICES_PREFIX):
             work.warn(f"annotation {key} is set by the gpuslice scheduler and was removed")
             continue
+        if key == names.ANN_MUTATED:
+            continue  # set last, so a second mutation keeps the annotations' order
         if isinstance(key, str) and key.startswith(names.ANN_LIMITS_PREFIX):
             if value != limits.get(key):
                 verb = "replaced" if key in limits else "removed"

@@ -3,9 +3,12 @@
 Every container user must be able to create the container's region file, or each process of a
 non-root container falls back to a region of its own (a budget of its own, and no metrics).
 Kubelet creates a container's dir ``<pod-uid>/<container>`` (the webhook's ``subPathExpr``)
-with the mode of the hostPath volume's root, so :func:`share_state_dirs` keeps that root
-``1777`` (like ``/tmp``) and opens up, to ``0777``, dirs made before it was (a node where the
-first GPU pod started before the agent). Run every round; it touches only what is not so yet.
+with the permission bits of the hostPath volume's root (not its sticky bit), so
+:func:`share_state_dirs` keeps that root ``1777`` and gives pod and container dirs ``1777``
+too, like ``/tmp``: every user may create the region file, and none may remove or replace
+another user's (the library also refuses a region path that is a symlink or not a plain file
+of its own). Run every round; it touches only what is not so yet. A symlinked root (an admin's
+choice) is resolved once; nothing below it is followed.
 
 The host keeps one dir per pod, ``/var/lib/gpuslice/containers/<pod-uid>/``, with one sub-dir
 per container holding its region file. A pod dir is removed only when all of these hold:
@@ -34,7 +37,7 @@ POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
 
 
 ROOT_MODE = 0o1777
-DIR_MODE = 0o777
+DIR_MODE = 0o1777
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -53,8 +56,8 @@ def _open_up(path: Path, mode: int) -> bool:
 def share_state_dirs(state_dir: str | Path) -> list[str]:
     """Create the state root if missing and give it and the pod and container dirs under it
     their shared modes; return the paths changed (relative to the root, the root as ``.``)."""
-    root = Path(state_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    root = Path(os.path.realpath(state_dir))
     changed = ["."] if _open_up(root, ROOT_MODE) else []
     for pod in sorted(os.scandir(root), key=lambda e: e.name):
         if not POD_UID.match(pod.name) or not pod.is_dir(follow_symlinks=False):
