@@ -215,7 +215,10 @@ void gs_am_unlock(void)
 
 void gs_am_after_fork_child(void)
 {
-    pthread_mutex_init(&g_mu, NULL);
+    /* the fork's prepare handler took it in this (the forking) thread: released, not
+     * re-initialised, so a thread checker does not take it for still held (a lock-order
+     * report against the context lock in a child, found by review) */
+    pthread_mutex_unlock(&g_mu);
     if (g_tab) memset(g_tab, 0, g_cap * sizeof(struct slot_entry));
     g_len = 0;
 }

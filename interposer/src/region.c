@@ -660,7 +660,11 @@ void gs_region_after_fork_child(void)
 __attribute__((destructor)) static void region_detach(void)
 {
     __atomic_store_n(&gs_exiting, 1, __ATOMIC_RELEASE);
-    if (!gs_region || !g_me || region_lock() != 0) return;
+    /* another thread may be attaching right now (discovery): the pointers are read as they are
+     * written, atomically */
+    if (!__atomic_load_n(&gs_region, __ATOMIC_ACQUIRE) || !__atomic_load_n(&g_me, __ATOMIC_ACQUIRE) ||
+        region_lock() != 0)
+        return;
     if (!me_locked()) { /* our slot was reclaimed: it may be someone else's now */
         region_unlock();
         return;
