@@ -42,6 +42,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "-", "test_process_views_report_cap_and_usage"),
     ("memory_percent", "3 GPUSLICE_MEMORY_PERCENT=10", "10% of NVML total", "-",
      "test_memory_percent_resolves_against_real_total"),
+    ("limits_file", "3 limits file vs 40 GiB in the env", "total = cap", "-",
+     "test_the_limits_file_wins_over_a_lifted_environment"),
     ("smi_view", "3 in-container nvidia-smi total / used", "10,240 / usage",
      "10,240 MiB / usage", "test_nvidia_smi_in_container_shows_cap_and_usage"),
     ("two_procs", "4 two processes, one cap (6+6 GiB)", "2nd refused, then ok",

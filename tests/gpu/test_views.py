@@ -120,3 +120,21 @@ def test_nvidia_smi_in_container_shows_cap_and_usage(nvml: Nvml, gpubench: Path,
            not problems, samples=samples, usage_mib=usage, problems=problems,
            table=table.splitlines()[:24])
     assert not problems, "; ".join(problems)
+
+
+def test_the_limits_file_wins_over_a_lifted_environment(nvml: Nvml, gpubench: Path,
+                                                         lib: Path) -> None:
+    # What the webhook mounts at /etc/gpuslice/limits (named here by GPUSLICE_LIMITS_FILE,
+    # honoured only where that path does not exist): a tenant's shell that exports a bigger
+    # cap and another region still gets the file's slice.
+    region = harness.new_region("limitsfile")
+    limits = region.with_suffix(".limits")
+    limits.write_text(f"CUDA_DEVICE_MEMORY_LIMIT={CAP_MIB}m\n"
+                      f"CUDA_DEVICE_MEMORY_SHARED_CACHE={region}\n")
+    env = harness.capped_env(harness.new_region("lifted"), mem=f"{4 * CAP_MIB}m",
+                             extra={"GPUSLICE_LIMITS_FILE": str(limits)})
+    got = harness.run([str(gpubench), "info"], env, 30)
+    ok = got["total"] == CAP_MIB * MIB and got["device_total"] == CAP_MIB * MIB
+    record("limits_file", f"{got['total'] / MIB:,.0f} MiB with {4 * CAP_MIB} MiB in the env", ok,
+           info=got)
+    assert ok, f"the limits file's {CAP_MIB} MiB did not win: {got}"
