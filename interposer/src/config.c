@@ -282,6 +282,11 @@ static const char *limit_value(const char *name)
     return v && *v ? v : NULL;
 }
 
+int gs_limits_from_file(void)
+{
+    return limits_from_file();
+}
+
 int gs_env_managed(void)
 {
     if (limits_from_file()) return 1;

@@ -97,6 +97,7 @@ void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cu
 
 int gs_parse_size(const char *text, uint64_t *out);
 int gs_env_managed(void);            /* the limits file or GPUSLICE_POD_UID: the webhook set the limits */
+int gs_limits_from_file(void);       /* the read-only limits file decides (config.c) */
 uint64_t gs_env_reconcile_margin(void);
 uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total);
 unsigned gs_env_sm_limit(unsigned container_index);
@@ -277,12 +278,25 @@ void gs_region_after_fork_child(void);
 /* Would `bytes` more bring the slot's usage within gs_reconcile_margin of its
  * cap, or past it?  Inline on the allocation path: a few loads, no lock.
  * Slots past device_count are zeroed, so their limit reads as none. */
+/* This process's own cap per region slot where the limits file decides (0 = none): the region
+ * file is writable by every process of the container, so the cap written there is only taken
+ * up to this one.  Set at attach, read on the allocation path. */
+extern uint64_t gs_own_cap[GPUSLICE_MAX_DEVICES];
+
+/* The cap that holds on a region slot: the region's, within this process's own. */
+static inline uint64_t gs_cap_of(int slot, uint64_t region_limit)
+{
+    uint64_t own = __atomic_load_n(&gs_own_cap[slot], __ATOMIC_RELAXED);
+    if (!own) return region_limit;
+    return region_limit && region_limit < own ? region_limit : own;
+}
+
 static inline int gs_near_cap(int slot, uint64_t bytes)
 {
     struct gpuslice_region *r = __atomic_load_n(&gs_region, __ATOMIC_ACQUIRE);
     uint64_t margin = gs_reconcile_margin;
     if (!r || slot < 0 || slot >= GPUSLICE_MAX_DEVICES || !margin) return 0;
-    uint64_t limit = __atomic_load_n(&r->devices[slot].limit_bytes, __ATOMIC_RELAXED);
+    uint64_t limit = gs_cap_of(slot, __atomic_load_n(&r->devices[slot].limit_bytes, __ATOMIC_RELAXED));
     if (!limit) return 0;
     uint64_t used = __atomic_load_n(&r->devices[slot].used_bytes, __ATOMIC_RELAXED);
     return used >= limit || bytes >= limit - used || limit - used - bytes < margin;

@@ -141,6 +141,7 @@ static void init_region(struct gpuslice_region *r, const uint8_t boot_id[16])
  * a region of its own each process would get a whole cap, and a tenant who can break the
  * shared file (a symlink or a directory planted at its path) would multiply the budget. */
 static int g_private_managed;
+uint64_t gs_own_cap[GPUSLICE_MAX_DEVICES];
 
 static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16])
 {
@@ -469,6 +470,11 @@ void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register)
             ST(&r->device_count, count + 1);
         }
     }
+    if (gs_limits_from_file()) /* every process read the same file: its cap holds whatever the region says */
+        for (unsigned i = 0; i < n; i++) {
+            int slot = gs_region_slot_by_uuid(devs[i].uuid);
+            if (slot >= 0) __atomic_store_n(&gs_own_cap[slot], g_private_managed ? GS_CAP_NOTHING : devs[i].limit, __ATOMIC_RELAXED);
+        }
     if (do_register && !me_locked()) register_locked();
     region_unlock();
     /* the dead beyond the first live one: one process of the container every 2 s */
@@ -504,7 +510,7 @@ int gs_budget_reserve(int slot, uint64_t bytes)
         return -1;
     }
     struct gpuslice_device *d = &gs_region->devices[slot];
-    uint64_t limit = LD(&d->limit_bytes);
+    uint64_t limit = gs_cap_of(slot, LD(&d->limit_bytes));
     if (bytes > UINT64_MAX - LD(&d->used_bytes)) { /* no device has it; the sum would wrap */
         region_unlock();
         return -1;
@@ -585,7 +591,7 @@ void gs_region_note_host_pid(unsigned pid)
 
 uint64_t gs_slot_limit(int slot)
 {
-    return valid_slot(slot) ? LD(&gs_region->devices[slot].limit_bytes) : 0;
+    return valid_slot(slot) ? gs_cap_of(slot, LD(&gs_region->devices[slot].limit_bytes)) : 0;
 }
 
 /* Reclaim the dead, their /proc entries read without the region's lock: a process that checked

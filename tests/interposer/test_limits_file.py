@@ -224,3 +224,24 @@ def test_the_webhooks_limits_file_as_kubelet_writes_it(lab):
     res = lab.run("init", "ctx", "0", "meminfo", GPUSLICE_LIMITS_FILE=str(path), **env)
     assert res.values("meminfo")[1] == 3000 * MIB
     assert lab.region().devices[0].sm_limit == 30
+
+
+def test_a_cap_written_into_the_region_is_taken_only_up_to_the_files(lab):
+    # The region file is writable by every process of the container: one raised the cap in it
+    # to 15 GiB, and a new process took the region's cap (found by review).  Where the file
+    # decides, each process holds to its own.
+    from webhook.node import region as mirror
+
+    env = limits(lab, "CUDA_DEVICE_MEMORY_LIMIT=1g\n")
+    ready = lab.tmp / "ready"
+    keeper = lab.start("init", "ctx", "0", "touch", str(ready), "sleep", "30000", **env)
+    lab.wait_for(ready)
+    with open(lab.region_path, "r+b") as f:  # what a tenant's process can do
+        f.seek(mirror.DEVICES_OFFSET + mirror.UUID_LEN)
+        f.write((15 * GIB).to_bytes(8, "little"))
+    assert lab.region().devices[0].limit_bytes == 15 * GIB
+    res = lab.run("init", "ctx", "0", "meminfo", "nvml", "0", "alloc", "2g", "alloc", "512m", **env)
+    assert res.values("meminfo")[1] == GIB and res.values("nvml")[0] == GIB
+    assert [res.rc("alloc", 0), res.rc("alloc", 1)] == [CUDA_ERROR_OUT_OF_MEMORY, 0]
+    keeper.kill()
+    keeper.wait(timeout=10)
