@@ -109,8 +109,9 @@ struct ctx_charge {
  * that says what to raise. */
 static void refused(int slot, uint64_t footprint)
 {
-    unsigned long long cap = gs_slot_limit(slot) >> 20, used = gs_slot_used(slot) >> 20, need = footprint >> 20;
-    if (footprint > gs_slot_limit(slot))
+    uint64_t limit = gs_slot_limit(slot);
+    unsigned long long cap = limit >> 20, used = gs_slot_used(slot) >> 20, need = footprint >> 20;
+    if (footprint > limit)
         GS_ERROR("a CUDA context needs %llu MiB on this device, more than the container's whole cap of %llu MiB: "
                  "CUDA cannot start here; raise the memory limit (nvidia.com/gpumem) above the context's size",
                  need, cap);

@@ -275,9 +275,6 @@ void gs_region_reclaim_soon(void);                /* rate-limited dead-process r
 void gs_region_sweep(void);                       /* the sampler's: one per container every 2 s */
 void gs_region_after_fork_child(void);
 
-/* Would `bytes` more bring the slot's usage within gs_reconcile_margin of its
- * cap, or past it?  Inline on the allocation path: a few loads, no lock.
- * Slots past device_count are zeroed, so their limit reads as none. */
 /* This process's own cap per region slot where the limits file decides (0 = none): the region
  * file is writable by every process of the container, so the cap written there is only taken
  * up to this one.  Set at attach, read on the allocation path. */
@@ -291,6 +288,9 @@ static inline uint64_t gs_cap_of(int slot, uint64_t region_limit)
     return region_limit && region_limit < own ? region_limit : own;
 }
 
+/* Would `bytes` more bring the slot's usage within gs_reconcile_margin of its
+ * cap, or past it?  Inline on the allocation path: a few loads, no lock.
+ * Slots past device_count are zeroed, so their limit reads as none. */
 static inline int gs_near_cap(int slot, uint64_t bytes)
 {
     struct gpuslice_region *r = __atomic_load_n(&gs_region, __ATOMIC_ACQUIRE);

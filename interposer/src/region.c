@@ -143,6 +143,12 @@ static void init_region(struct gpuslice_region *r, const uint8_t boot_id[16])
 static int g_private_managed;
 uint64_t gs_own_cap[GPUSLICE_MAX_DEVICES];
 
+/* What a process without the container's shared region gets, for the messages that say so. */
+static const char *private_effect(void)
+{
+    return gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone";
+}
+
 static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16])
 {
     /* Never through a symlink, and only a plain file of its own: the state dir is writable by
@@ -164,7 +170,7 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
                      "directories writable for every user: is it running on this node?)",
                      path, (unsigned)geteuid(), why);
         else
-            GS_WARN("cannot use region %s (%s): caps apply to this process alone", path, why);
+            GS_WARN("cannot use region %s (%s): %s", path, why, private_effect());
         return NULL;
     }
     if (own.st_uid == geteuid()) (void)fchmod(fd, 0666); /* every user of the container shares it */
@@ -193,14 +199,12 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
         if (p != MAP_FAILED) r = p;
     }
     if (!r) {
-        GS_WARN("cannot map region %s (%s): %s", path, grown ? strerror(errno) : "no space for it",
-                gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone");
+        GS_WARN("cannot map region %s (%s): %s", path, grown ? strerror(errno) : "no space for it", private_effect());
     } else if (__atomic_load_n(&r->magic, __ATOMIC_ACQUIRE) != GPUSLICE_REGION_MAGIC) {
         init_region(r, boot_id);
     } else if (r->version != GPUSLICE_REGION_VERSION || r->size != sizeof(*r)) {
         GS_ERROR("region %s has version %u size %u, this library writes version %u: %s", path, r->version, r->size,
-                 GPUSLICE_REGION_VERSION,
-                 gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone");
+                 GPUSLICE_REGION_VERSION, private_effect());
         munmap(r, sizeof(*r));
         r = NULL;
     } else if (memcmp(r->boot_id, boot_id, 16) != 0) {
@@ -473,7 +477,7 @@ void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register)
     if (gs_limits_from_file()) /* every process read the same file: its cap holds whatever the region says */
         for (unsigned i = 0; i < n; i++) {
             int slot = gs_region_slot_by_uuid(devs[i].uuid);
-            if (slot >= 0) __atomic_store_n(&gs_own_cap[slot], g_private_managed ? GS_CAP_NOTHING : devs[i].limit, __ATOMIC_RELAXED);
+            if (slot >= 0) __atomic_store_n(&gs_own_cap[slot], devs[i].limit, __ATOMIC_RELAXED);
         }
     if (do_register && !me_locked()) register_locked();
     region_unlock();

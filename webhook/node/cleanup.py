@@ -36,18 +36,17 @@ logger = logging.getLogger(__name__)
 POD_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
-ROOT_MODE = 0o1777
-DIR_MODE = 0o1777
+SHARED_MODE = 0o1777
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _open_up(path: Path, mode: int) -> bool:
-    """Give the directory ``path`` (never a symlink) ``mode``; True if it had another."""
+def _open_up(path: Path) -> bool:
+    """Give the directory ``path`` (never a symlink) ``SHARED_MODE``; True if it had another."""
     fd = os.open(path, _NOFOLLOW_DIR)
     try:
-        if os.fstat(fd).st_mode & 0o7777 == mode:
+        if os.fstat(fd).st_mode & 0o7777 == SHARED_MODE:
             return False
-        os.fchmod(fd, mode)
+        os.fchmod(fd, SHARED_MODE)
         return True
     finally:
         os.close(fd)
@@ -55,10 +54,10 @@ def _open_up(path: Path, mode: int) -> bool:
 
 def share_state_dirs(state_dir: str | Path) -> list[str]:
     """Create the state root if missing and give it and the pod and container dirs under it
-    their shared modes; return the paths changed (relative to the root, the root as ``.``)."""
+    ``SHARED_MODE``; return the paths changed (relative to the root, the root as ``.``)."""
     Path(state_dir).mkdir(parents=True, exist_ok=True)
     root = Path(os.path.realpath(state_dir))
-    changed = ["."] if _open_up(root, ROOT_MODE) else []
+    changed = ["."] if _open_up(root) else []
     for pod in sorted(os.scandir(root), key=lambda e: e.name):
         if not POD_UID.match(pod.name) or not pod.is_dir(follow_symlinks=False):
             continue
@@ -66,7 +65,7 @@ def share_state_dirs(state_dir: str | Path) -> list[str]:
             dirs = [Path(pod.path)] + sorted(
                 Path(c.path) for c in os.scandir(pod.path) if c.is_dir(follow_symlinks=False))
             for path in dirs:
-                if _open_up(path, DIR_MODE):
+                if _open_up(path):
                     changed.append(str(path.relative_to(root)))
         except OSError as exc:  # a pod dir removed meanwhile, or not ours to change
             logger.warning("cannot open up state dir", extra={"path": pod.path,
