@@ -6,8 +6,8 @@ objects in memory and implements what gpuslice uses, with the API server's seman
 they matter to callers:
 
 * core/v1 ``nodes`` (and the ``status`` subresource: status changes through the main resource
-  are ignored, other changes through ``status`` are ignored), ``pods`` (``binding``
-  subresource, field selectors on ``spec.nodeName``/``status.phase``/``metadata.name``),
+  are ignored, other changes through ``status`` are ignored), ``pods`` (``binding`` and
+  ``eviction`` subresources, field selectors on ``spec.nodeName``/``status.phase``/``metadata.name``),
   ``secrets``, ``configmaps``, ``namespaces``, ``events``;
   ``admissionregistration.k8s.io/v1`` ``mutatingwebhookconfigurations``; and any other plural
   under a group path, generically.
@@ -334,6 +334,8 @@ class FakeKube:
         key = (plural, None if plural in CLUSTER_SCOPED else ns, name)
         if sub == "binding" and plural == "pods" and method == "POST":
             return web.json_response(self._bind(key, body), status=201)
+        if sub == "eviction" and plural == "pods" and method == "POST":
+            return web.json_response(self._evict(key, body), status=201)
         if sub not in (None, "status"):
             raise ApiError(404, f"unknown subresource {sub}")
         current = self.objects.get(key)
@@ -460,6 +462,18 @@ class FakeKube:
         self._stamp(pod, new=False)
         self.objects[key] = pod
         self._emit("MODIFIED", "pods", pod)
+        return status_object(201, "", "")
+
+    def _evict(self, key: tuple[str, str | None, str], body: Any) -> dict[str, Any]:
+        """The Eviction API without disruption budgets (inject a 429 with :meth:`fail` for one
+        that refuses): the pod is deleted."""
+        if not isinstance(body, dict) or body.get("kind") != "Eviction":
+            raise ApiError(400, "an eviction needs an Eviction object")
+        if (body.get("metadata") or {}).get("name") != key[2]:
+            raise ApiError(400, "name in URL does not match name in Eviction object")
+        if key not in self.objects:
+            raise ApiError(404, f'pods "{key[2]}" not found', "NotFound")
+        self.delete("pods", key[2], key[1])
         return status_object(201, "", "")
 
     async def _watch(self, request: web.Request, plural: str,

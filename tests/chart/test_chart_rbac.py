@@ -61,12 +61,24 @@ def test_scheduler_gets_the_stock_scheduler_roles_and_its_own_lease(render: Any)
         (("coordination.k8s.io",), ("leases",), ("create",), ())}
 
 
-def test_agent_rules_touch_only_nodes_and_list_pods(render: Any) -> None:
-    assert _rules(render().one("ClusterRole", "gpuslice-agent")) == {
-        (("",), ("nodes",), ("get", "patch"), ()),
-        (("",), ("nodes/status",), ("patch",), ()),
-        (("",), ("pods",), ("list",), ()),
-    }
+_AGENT_BASE = {
+    (("",), ("nodes",), ("get", "patch"), ()),
+    (("",), ("nodes/status",), ("patch",), ()),
+    (("",), ("pods",), ("list",), ()),
+}
+_EVENTS = (("",), ("events",), ("create",), ())
+_EVICT = (("",), ("pods/eviction",), ("create",), ())
+
+
+@pytest.mark.parametrize("audit, extra", [
+    ({}, {_EVENTS}),  # the outside check records Warning Events
+    ({"overLimitAction": "evict"}, {_EVENTS, _EVICT}),
+    ({"interval": 0, "overLimitAction": "evict"}, set()),  # the check is off
+], ids=["default", "evict", "off"])
+def test_agent_rules_touch_only_nodes_and_list_pods_plus_what_the_check_needs(
+        audit: dict[str, Any], extra: set[Any], render: Any) -> None:
+    rendered = render({"agent": {"audit": audit}})
+    assert _rules(rendered.one("ClusterRole", "gpuslice-agent")) == _AGENT_BASE | extra
 
 
 def test_each_component_runs_as_its_own_service_account(render: Any) -> None:

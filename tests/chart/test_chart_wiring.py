@@ -25,7 +25,9 @@ CUSTOM = {"resourceNames": {"gpu": "example.com/vgpu", "memory": "example.com/vg
           "namespaceMode": "opt-in", "logLevel": "DEBUG",
           "gpuPods": {"runtimeClassName": "nvidia", "tolerations": [
               {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
-          "scheduler": {"name": "shared-gpu"}, "webhook": {"port": 9443}}
+          "scheduler": {"name": "shared-gpu"}, "webhook": {"port": 9443},
+          "agent": {"hostPID": True, "audit": {"interval": 2.5, "toleranceMiB": 64,
+                                               "overLimitAction": "evict", "overLimitRounds": 5}}}
 
 # Fields of kubescheduler.config.k8s.io/v1 (k8s.io/kube-scheduler/config/v1 types.go). The
 # kube-scheduler decodes its config strictly: an unknown or misspelt field stops it at start.
@@ -165,6 +167,13 @@ def test_agent_command_line_parses_and_matches_the_mounts(values: dict[str, Any]
                          (s.host_state_dir, names.HOST_STATE_DIR), (s.proc_root, "/proc")):
         assert _volume(ds, mounts[in_pod]["name"])["hostPath"]["path"] == host
     assert mounts[s.proc_root]["readOnly"] is True
+    audit = {"interval": 10, "toleranceMiB": 0, "overLimitAction": "none", "overLimitRounds": 3,
+             **values.get("agent", {}).get("audit", {})}
+    assert (s.audit_interval, s.over_limit_tolerance_mib, s.over_limit_action,
+            s.over_limit_rounds) == (audit["interval"], audit["toleranceMiB"],
+                                     audit["overLimitAction"], audit["overLimitRounds"])
+    assert ds["spec"]["template"]["spec"].get("hostPID", False) is \
+        values.get("agent", {}).get("hostPID", False)
     assert container["ports"][0]["containerPort"] == s.metrics_port == 9400
     spec = ds["spec"]["template"]["spec"]
     label = values.get("nodeLabel", {"key": "gpu", "value": "on"})

@@ -25,6 +25,11 @@ class FakeDevice:
     retired_pending: bool = False
     remap_failure: bool = False
     health_probes_supported: bool = True
+    processes: dict[int, int | None] = field(default_factory=dict)
+    """Compute processes: host pid -> bytes held (None: NVML cannot say)."""
+    graphics: dict[int, int | None] = field(default_factory=dict)
+    """Graphics processes, likewise; ``graphics_supported=False`` makes that query NOT_SUPPORTED."""
+    graphics_supported: bool = True
     fail: dict[str, int] = field(default_factory=dict)
     """NVML function name -> NVML error code it raises for this device."""
 
@@ -93,6 +98,21 @@ class FakeNvml:
     def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
         d = self._dev(handle, "nvmlDeviceGetUtilizationRates")
         return SimpleNamespace(gpu=d.util, memory=0)
+
+    @staticmethod
+    def _process_list(held: dict[int, int | None]) -> list[Any]:
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
+                                computeInstanceId=0xFFFFFFFF) for pid, used in held.items()]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        return self._process_list(self._dev(handle, "nvmlDeviceGetComputeRunningProcesses")
+                                  .processes)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[Any]:
+        d = self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses")
+        if not d.graphics_supported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self._process_list(d.graphics)
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
         d = self._dev(handle, "nvmlDeviceGetRetiredPagesPendingStatus")

@@ -53,6 +53,8 @@ def test_defaults_are_the_documented_paths_and_names(monkeypatch: pytest.MonkeyP
     assert (s.resource_gpu, s.resource_mem, s.resource_cores) == (
         "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores")
     assert s.proc_root == "/proc" and s.kubeconfig is None
+    assert (s.audit_interval, s.over_limit_tolerance_mib, s.over_limit_action,
+            s.over_limit_rounds) == (10.0, 0, "none", 3)
 
 
 def test_node_name_flag_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,10 +80,20 @@ def test_missing_node_name_is_an_error_unless_no_kube(monkeypatch: pytest.Monkey
     (["--log-level", "LOUD"], "--log-level"),
     (["--node-name", "Not_A_Node"], "--node-name"),
     (["--cleanup-grace", "-1"], "--cleanup-grace"),
+    (["--audit-interval", "-1"], "--audit-interval"),
+    (["--over-limit-tolerance-mib", "-5"], "--over-limit-tolerance-mib"),
+    (["--over-limit-rounds", "0"], "--over-limit-rounds"),
 ])
 def test_bad_values_are_rejected_naming_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(SettingsError, match=flag):
         settings_from_args(_parse(["--node-name", "n1", *argv]))
+
+
+def test_an_unknown_over_limit_action_is_refused() -> None:
+    with pytest.raises(SettingsError, match="--over-limit-action"):
+        AgentSettings(node_name="n1", over_limit_action="kill")
+    with pytest.raises(SystemExit):
+        _parse(["--over-limit-action", "kill"])
 
 
 def test_cli_reports_bad_agent_flags_as_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

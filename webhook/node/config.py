@@ -19,6 +19,7 @@ from webhook.settings import SettingsError, is_qualified_name
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+_-]*$")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+OVER_LIMIT_ACTIONS = ("none", "evict")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,16 @@ class AgentSettings:
     cleanup_grace: float = 600.0
     """Seconds a pod's state dir must be unmodified before it may be removed for a pod the API
     does not list (covers the window before a new pod is visible). Default 600."""
+    audit_interval: float = 10.0
+    """Seconds between outside memory checks: each gpuslice container's GPU memory as NVML sees
+    its processes hold it, against its cap (``webhook.node.audit``); 0 = off. Default 10."""
+    over_limit_tolerance_mib: int = 0
+    """MiB a container may hold past its cap before the check reports it. Default 0."""
+    over_limit_action: str = "none"
+    """What the check does about a container over its cap, beyond the metric, the log and a
+    Warning Event: "none", or "evict" its pod (Eviction API). Default none."""
+    over_limit_rounds: int = 3
+    """Consecutive checks a container must be over its cap before its pod is evicted. Default 3."""
     split_count: int = 10
     """Slices per physical GPU: nvidia.com/gpu capacity = healthy GPUs x this. Default 10."""
     resource_gpu: str = "nvidia.com/gpu"
@@ -96,6 +107,15 @@ def _validate(s: AgentSettings) -> None:
         _fail("--interval", s.interval, "must be more than 0 and at most 86400 seconds")
     if not isinstance(s.cleanup_grace, (int, float)) or s.cleanup_grace < 0:
         _fail("--cleanup-grace", s.cleanup_grace, "must be >= 0 seconds")
+    if not isinstance(s.audit_interval, (int, float)) or not 0 <= s.audit_interval <= 86400:
+        _fail("--audit-interval", s.audit_interval, "must be 0 (off) to 86400 seconds")
+    if not isinstance(s.over_limit_tolerance_mib, int) or s.over_limit_tolerance_mib < 0:
+        _fail("--over-limit-tolerance-mib", s.over_limit_tolerance_mib, "must be >= 0")
+    if s.over_limit_action not in OVER_LIMIT_ACTIONS:
+        _fail("--over-limit-action", s.over_limit_action,
+              f"must be one of {', '.join(OVER_LIMIT_ACTIONS)}")
+    if not isinstance(s.over_limit_rounds, int) or not 1 <= s.over_limit_rounds <= 1000:
+        _fail("--over-limit-rounds", s.over_limit_rounds, "must be an integer from 1 to 1000")
     if not isinstance(s.split_count, int) or not 1 <= s.split_count <= 1000:
         _fail("--split-count", s.split_count, "must be an integer from 1 to 1000")
     res = (s.resource_gpu, s.resource_mem, s.resource_cores)
@@ -137,6 +157,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between re-asserts (default %(default)s)")
     p.add_argument("--cleanup-grace", type=float, default=d["cleanup_grace"].default,
                    help="seconds before an unlisted pod's state dir may go (default %(default)s)")
+    p.add_argument("--audit-interval", type=float, default=d["audit_interval"].default,
+                   help="seconds between outside memory checks, 0 = off (default %(default)s)")
+    p.add_argument("--over-limit-tolerance-mib", type=int,
+                   default=d["over_limit_tolerance_mib"].default,
+                   help="MiB past its cap before a container is reported (default %(default)s)")
+    p.add_argument("--over-limit-action", choices=OVER_LIMIT_ACTIONS,
+                   default=d["over_limit_action"].default,
+                   help="none, or evict the pod of a container over its cap "
+                        "(default %(default)s)")
+    p.add_argument("--over-limit-rounds", type=int, default=d["over_limit_rounds"].default,
+                   help="consecutive checks over the cap before an eviction "
+                        "(default %(default)s)")
     p.add_argument("--split-count", type=int, default=d["split_count"].default,
                    help="slices per GPU (default %(default)s)")
     p.add_argument("--resource-gpu", default=d["resource_gpu"].default,
@@ -167,6 +199,10 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
             metrics_port=args.metrics_port,
             interval=args.interval,
             cleanup_grace=args.cleanup_grace,
+            audit_interval=args.audit_interval,
+            over_limit_tolerance_mib=args.over_limit_tolerance_mib,
+            over_limit_action=args.over_limit_action,
+            over_limit_rounds=args.over_limit_rounds,
             split_count=args.split_count,
             resource_gpu=args.resource_gpu,
             resource_mem=args.resource_mem,

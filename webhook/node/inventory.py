@@ -62,6 +62,16 @@ class GpuSample:
 
 
 @dataclass(frozen=True)
+class GpuProcesses:
+    """The processes holding memory on one GPU, by host pid (``None`` where NVML cannot say how
+    much), and the GPU's total; ``processes`` is ``None`` when the list could not be read."""
+
+    gpu: Gpu
+    total_bytes: int | None
+    processes: dict[int, int | None] | None
+
+
+@dataclass(frozen=True)
 class Discovery:
     """The result of one discovery: the GPUs, or why NVML could not be used."""
 
@@ -224,6 +234,37 @@ class Inventory:
                     pass
                 out.append(GpuSample(gpu, used, total, util))
             return out
+
+    def processes(self) -> list[GpuProcesses]:
+        """Per GPU of the last discovery: NVML's compute and graphics processes (host pids) and
+        the memory each holds (empty without NVML)."""
+        with self._lock:
+            if not self._initialised or not self._last.available:
+                return []
+            return [self._processes_locked(gpu) for gpu in self._last.gpus]
+
+    def _processes_locked(self, gpu: Gpu) -> GpuProcesses:
+        nvml = self._nvml
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+            total: int | None = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        except pynvml.NVMLError:
+            return GpuProcesses(gpu, None, None)
+        held: dict[int, int | None] = {}
+        for query in (nvml.nvmlDeviceGetComputeRunningProcesses,
+                      nvml.nvmlDeviceGetGraphicsRunningProcesses):
+            try:
+                found = query(handle)
+            except pynvml.NVMLError_NotSupported:
+                continue
+            except pynvml.NVMLError:
+                return GpuProcesses(gpu, total, None)
+            for p in found:
+                # one process in both lists reports its memory twice: keep the larger figure
+                used = None if p.usedGpuMemory is None else int(p.usedGpuMemory)
+                before = held.get(int(p.pid))
+                held[int(p.pid)] = used if before is None else max(before, used or 0)
+        return GpuProcesses(gpu, total, held)
 
     def _shutdown_locked(self) -> None:
         if self._initialised:

@@ -9,6 +9,9 @@ Start the metrics server, then loop. Each round, and again every ``--interval``:
    place, so no GPU pod is scheduled onto a node that cannot isolate it;
 4. remove the state dirs of pods the API server no longer has on the node.
 
+Beside the rounds, every ``--audit-interval``: the outside memory check
+(:mod:`webhook.node.audit`), each container's GPU memory as NVML sees it against its cap.
+
 An API or install failure shortens the wait to an exponential backoff with jitter (1 s
 doubling, capped at the interval) instead of ending the process; metrics keep being served
 throughout. SIGTERM/SIGINT stop the loop and the process exits 0.
@@ -17,28 +20,24 @@ throughout. SIGTERM/SIGINT stop the loop and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import signal
 import time
 from collections.abc import Callable
 
-import aiohttp
 from aiohttp import web
 from kubernetes_asyncio import client, config
 
 from webhook.node import cleanup, install
+from webhook.node.audit import MIB, Auditor
 from webhook.node.config import AgentSettings
 from webhook.node.inventory import Inventory
 from webhook.node.metrics import AgentCollector, AgentStatus, make_registry, metrics_app
-from webhook.node.publish import Publisher
+from webhook.node.publish import API_ERRORS, Publisher, api_error
 
 logger = logging.getLogger(__name__)
-
-API_ERRORS = (client.ApiException, aiohttp.ClientError, TimeoutError, OSError, ValueError)
-"""What a call to the API server may raise: HTTP errors, connection errors, timeouts, and
-bodies that do not decode."""
-
 
 class Backoff:
     """Exponential backoff with equal jitter: the n-th delay is in [d/2, d], d = base x 2^n."""
@@ -57,12 +56,6 @@ class Backoff:
         self.failures = 0
 
 
-def _api_error(exc: BaseException) -> str:
-    status = getattr(exc, "status", None)
-    reason = getattr(exc, "reason", None)
-    return f"HTTP {status} {reason}" if status else f"{type(exc).__name__}: {exc}"
-
-
 class Agent:
     """One node's agent. ``start`` serves metrics; ``step`` runs one round; ``run`` loops."""
 
@@ -76,7 +69,15 @@ class Agent:
         self.api_client = api_client
         self.publisher = Publisher(api_client, settings) if api_client is not None else None
         self.status = AgentStatus()
-        self.collector = AgentCollector(self.inventory, settings.host_state_dir, self.status)
+        self.auditor = Auditor(
+            self.inventory, settings.proc_root,
+            list_pods=self.publisher.node_pods if self.publisher is not None else None,
+            api_client=api_client, node_name=settings.node_name,
+            tolerance_bytes=settings.over_limit_tolerance_mib * MIB,
+            action=settings.over_limit_action, rounds=settings.over_limit_rounds,
+        ) if settings.audit_interval > 0 else None
+        self.collector = AgentCollector(self.inventory, settings.host_state_dir, self.status,
+                                        auditor=self.auditor)
         self.registry = make_registry(self.collector)
         self.backoff = Backoff(cap=max(settings.interval, 1.0))
         self.installed: install.InstallResult | None = None
@@ -146,7 +147,7 @@ class Agent:
                 self.status.publish_errors += 1
                 logger.warning("publishing the node's GPUs failed; will retry",
                                extra={"node": self.settings.node_name,
-                                      "error": _api_error(exc)})
+                                      "error": api_error(exc)})
             else:
                 self.status.last_publish_success = self._clock()
                 if outcome.metadata_patched or outcome.status_patched:
@@ -168,15 +169,47 @@ class Agent:
             live = await self.publisher.live_pod_uids()
         except API_ERRORS as exc:
             logger.warning("listing the node's pods failed; no state dir removed",
-                           extra={"node": self.settings.node_name, "error": _api_error(exc)})
+                           extra={"node": self.settings.node_name, "error": api_error(exc)})
             return False
         removed = await asyncio.to_thread(cleanup.remove_stale, self.settings.host_state_dir,
                                           live, self.settings.cleanup_grace, self._clock())
         self.status.cleanup_removed += len(removed)
         return True
 
+    async def audit(self) -> None:
+        """One outside memory check (``webhook.node.audit``); a failure is logged, not raised."""
+        if self.auditor is None:
+            return
+        try:
+            await self.auditor.check()
+        except Exception:  # a bug must not end the checks, nor the agent
+            self.auditor.errors += 1
+            logger.exception("outside memory check failed")
+        else:
+            self.status.last_audit = self._clock()
+
+    async def _audit_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.audit()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.settings.audit_interval)
+            except TimeoutError:
+                pass
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Round after round until ``stop`` is set."""
+        """Round after round until ``stop`` is set; the outside memory checks beside them, at
+        their own interval."""
+        audits = asyncio.create_task(self._audit_loop(stop)) if self.auditor else None
+        try:
+            await self._rounds(stop)
+        finally:
+            if audits is not None:
+                if not stop.is_set():
+                    audits.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await audits
+
+    async def _rounds(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 delay = await self.step()

@@ -9,7 +9,9 @@ counted in ``gpuslice_region_errors_total`` and logged once until it reads clean
 Per container and device (labels ``namespace``, ``pod``, ``container``, ``uuid``): memory used
 and limit, compute limit (%), the busy-time counter the interposer keeps, and the measured
 compute share (% of the GPU's time over the interval since the previous scrape; absent on the
-first scrape of a region). The scrape runs in a worker thread so a slow NVML call cannot stall
+first scrape of a region). From the outside memory check (:mod:`webhook.node.audit`, its last
+result): per container and device, the memory NVML sees its processes hold and whether that is
+over its cap; per GPU, what processes of no gpuslice container hold. The scrape runs in a worker thread so a slow NVML call cannot stall
 the agent's event loop.
 """
 
@@ -29,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from webhook import __version__
+from webhook.node.audit import Auditor
 from webhook.node.inventory import Inventory
 from webhook.node.region import Region, RegionError, read_region
 
@@ -49,6 +52,7 @@ class AgentStatus:
     last_publish_success: float = 0.0
     cleanup_removed: int = 0
     libraries_removed: int = 0
+    last_audit: float = 0.0
 
 
 def _labels(region: Region, region_path: Path) -> tuple[str, str, str]:
@@ -62,8 +66,10 @@ class AgentCollector(Collector):
     """Collects the node's GPU and container metrics at scrape time."""
 
     def __init__(self, inventory: Inventory, state_dir: str | Path, status: AgentStatus,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 auditor: Auditor | None = None) -> None:
         self._inventory = inventory
+        self._auditor = auditor
         self._state_dir = Path(state_dir)
         self._status = status
         self._clock = clock
@@ -83,6 +89,7 @@ class AgentCollector(Collector):
         with self._lock:
             yield from self._collect_gpus()
             yield from self._collect_containers()
+            yield from self._collect_audit()
             yield from self._collect_agent()
 
     def _collect_gpus(self) -> Iterator[Metric]:
@@ -186,6 +193,44 @@ class AgentCollector(Collector):
                                      "region files that could not be read (corrupt, truncated)")
         errors.add_metric([], self._region_errors)
         yield from (used, limit, sm, busy, share, scale, errors)
+
+    def _collect_audit(self) -> Iterator[Metric]:
+        auditor = self._auditor
+        if auditor is None:
+            return
+        report = auditor.last
+        seen = GaugeMetricFamily("gpuslice_container_memory_observed_bytes",
+                                 "GPU memory the container's processes hold on the device as "
+                                 "NVML sees them (the outside check)", labels=_CTR_LABELS)
+        over = GaugeMetricFamily("gpuslice_container_memory_over_limit",
+                                 "1 when the outside check saw the container hold more than its "
+                                 "cap (plus the tolerance) on the device", labels=_CTR_LABELS)
+        for h in report.holdings:
+            t = h.tracked
+            lab = [t.namespace, t.pod, t.container, h.uuid]
+            seen.add_metric(lab, h.used_bytes)
+            over.add_metric(lab, 1 if h.over(auditor.tolerance) else 0)
+        other = GaugeMetricFamily("gpuslice_gpu_memory_unattributed_bytes",
+                                  "GPU memory held by processes of no gpuslice container (other "
+                                  "pods, the host)", labels=["uuid"])
+        for uuid, size in sorted(report.unattributed.items()):
+            other.add_metric([uuid], size)
+        complete = GaugeMetricFamily("gpuslice_agent_audit_complete",
+                                     "1 when the last outside check placed every GPU process")
+        complete.add_metric([], 1 if report.complete else 0)
+        last = GaugeMetricFamily("gpuslice_agent_last_audit_timestamp_seconds",
+                                 "Unix time of the last outside check (0 = never)")
+        last.add_metric([], self._status.last_audit)
+        errors = CounterMetricFamily("gpuslice_agent_audit_errors",
+                                     "outside checks, Events or evictions that failed")
+        errors.add_metric([], auditor.errors)
+        events = CounterMetricFamily("gpuslice_agent_over_limit_events",
+                                     "containers found over their cap (one per episode)")
+        events.add_metric([], auditor.episodes)
+        evictions = CounterMetricFamily("gpuslice_agent_evictions",
+                                        "pods evicted for a container over its cap")
+        evictions.add_metric([], auditor.evictions)
+        yield from (seen, over, other, complete, last, errors, events, evictions)
 
     def _collect_agent(self) -> Iterator[Metric]:
         st = self._status

@@ -26,11 +26,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from kubernetes_asyncio import client
 
 from webhook import names
 from webhook.node.config import AgentSettings
 from webhook.node.inventory import Discovery
+
+API_ERRORS = (client.ApiException, aiohttp.ClientError, TimeoutError, OSError, ValueError)
+"""What a call to the API server may raise: HTTP errors, connection errors, timeouts, and
+bodies that do not decode."""
+
+
+def api_error(exc: BaseException) -> str:
+    """One line for the log: ``HTTP <status> <reason>``, else the exception's type and text."""
+    status = getattr(exc, "status", None)
+    reason = getattr(exc, "reason", None)
+    return f"HTTP {status} {reason}" if status else f"{type(exc).__name__}: {exc}"
 
 MERGE_PATCH = "application/merge-patch+json"
 TIMEOUT = 30
@@ -135,7 +147,11 @@ class Publisher:
 
     async def live_pod_uids(self) -> set[str]:
         """UIDs of every pod the API server has on this node (all pages; raises on error)."""
-        uids: set[str] = set()
+        return {p.metadata.uid for p in await self.node_pods() if p.metadata and p.metadata.uid}
+
+    async def node_pods(self) -> list[client.V1Pod]:
+        """Every pod the API server has on this node (all pages; raises on error)."""
+        out: list[client.V1Pod] = []
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"field_selector": f"spec.nodeName={self._node}",
@@ -143,7 +159,7 @@ class Publisher:
             if token:
                 kwargs["_continue"] = token
             pods = await self._api.list_pod_for_all_namespaces(**kwargs)
-            uids.update(p.metadata.uid for p in pods.items if p.metadata and p.metadata.uid)
+            out.extend(pods.items)
             token = pods.metadata._continue if pods.metadata else None
             if not token:
-                return uids
+                return out

@@ -1,0 +1,484 @@
+"""The outside memory check (webhook.node.audit): NVML's per-process figures, placed into
+containers by their cgroups and the pod list of the fake API server, against the caps the
+webhook wrote; metrics, the Warning Event, the eviction (and a refused one), outages."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from fakekube import FakeKube
+from kubernetes_asyncio import client
+from kubeschema import assert_valid
+from node.fakenvml import GIB, MIB, FakeDevice, FakeNvml
+from node.test_metrics import ctr_labels, samples, write_region
+
+from webhook import names
+from webhook.admission.mutate import mutate_pod
+from webhook.node.audit import (
+    Auditor,
+    Cap,
+    cap_from,
+    parse_size,
+    pod_and_container,
+    tracked_containers,
+)
+from webhook.node.config import AgentSettings
+from webhook.node.inventory import Inventory
+from webhook.node.loop import Agent
+from webhook.node.metrics import AgentCollector, AgentStatus, make_registry
+from webhook.settings import Settings
+
+NODE = "gpu-node-1"
+GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
+GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
+
+
+def cid(name: str) -> str:
+    """A 64-hex container ID, as runtimes make them."""
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+def systemd_cgroup(pod_uid: str, ident: str, qos: str = "burstable", sub: str = "") -> str:
+    """A cgroup v2 /proc/<pid>/cgroup line as containerd with the systemd driver writes it, seen
+    from another cgroup namespace (the agent's): relative, starting with ``..``."""
+    return (f"0::/../../kubepods-{qos}.slice/kubepods-{qos}-pod{pod_uid.replace('-', '_')}.slice/"
+            f"cri-containerd-{ident}.scope{sub}\n")
+
+
+# ---- parsing -----------------------------------------------------------------------------
+
+UID = "0f0e0d0c-0b0a-0908-0706-050403020100"
+
+
+@pytest.mark.parametrize("text, want", [
+    # containerd, systemd driver, cgroup v2, from the host's cgroup namespace
+    ((f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
+      f"{UID.replace('-', '_')}.slice/cri-containerd-{cid('a')}.scope\n"), (UID, cid("a"))),
+    # the same seen from the agent's own cgroup namespace
+    (systemd_cgroup(UID, cid("a")), (UID, cid("a"))),
+    # a guaranteed pod: no QoS slice
+    (f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/crio-{cid('b')}.scope\n",
+     (UID, cid("b"))),
+    # cgroupfs driver, cgroup v1 (several hierarchies; the first that names one is taken)
+    ((f"12:pids:/\n11:memory:/kubepods/besteffort/pod{UID}/{cid('c')}\n"
+      f"10:cpu,cpuacct:/kubepods/besteffort/pod{UID}/{cid('c')}\n"), (UID, cid("c"))),
+    (f"0::/kubepods/burstable/pod{UID}/docker-{cid('d')}.scope\n", (UID, cid("d"))),
+    # a sub-cgroup the container made itself, even one named after another container's ID
+    (systemd_cgroup(UID, cid("a"), sub=f"/{cid('victim')}/x"), (UID, cid("a"))),
+    # a host process, a pod-level process, garbage
+    ("0::/system.slice/containerd.service\n", None),
+    (f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice\n", None),
+    (f"0::/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/not-an-id.scope\n", None),
+    ("", None), ("garbage\n\x00\n", None),
+])
+def test_the_cgroup_names_the_pod_and_container(text: str, want: tuple[str, str] | None) -> None:
+    assert pod_and_container(text) == want
+
+
+@pytest.mark.parametrize("text, want", [
+    ("10240m", 10240 * MIB), ("2g", 2 * GIB), ("2G", 2 * GIB), (" 512K ", 512 * 1024),
+    ("1t", 1 << 40), ("4096", 4096), ("", None), ("10 GiB", None), ("-1m", None), ("1.5g", None),
+])
+def test_sizes_read_like_the_interposer(text: str, want: int | None) -> None:
+    assert parse_size(text) == want
+
+
+def test_a_percentage_cap_rounds_like_the_interposer() -> None:
+    total = 143_771 * MIB + 123  # an H200's NVML total, plus an odd remainder
+    # config.c env_percent_cap: total / 100 * pct + total % 100 * pct / 100
+    assert Cap(percent=25).on(total) == total // 100 * 25 + total % 100 * 25 // 100
+    assert Cap(percent=100).on(total) == total
+    assert Cap(percent=25).on(None) is None and Cap(percent=25).on(0) is None
+    assert Cap(limit_bytes=5).on(None) == 5
+    assert cap_from({"CUDA_DEVICE_MEMORY_LIMIT": "1024m"}) == Cap(limit_bytes=GIB)
+    assert cap_from({"GPUSLICE_MEMORY_PERCENT": "30"}) == Cap(percent=30)
+    assert cap_from({"GPUSLICE_MEMORY_PERCENT": "0"}) is None
+    assert cap_from({"GPUSLICE_MEMORY_PERCENT": "101"}) is None
+    assert cap_from({"CUDA_DEVICE_MEMORY_LIMIT": "lots"}) is None
+    assert cap_from({"CUDA_DEVICE_SM_LIMIT": "30"}) is None
+
+
+# ---- pods --------------------------------------------------------------------------------
+
+def gpu_pod(name: str, containers: dict[str, dict[str, Any]], *, namespace: str = "ml",
+            uid: str | None = None, started: bool = True) -> dict[str, Any]:
+    """A pod as the webhook admits it (its real mutation) and kubelet reports it running;
+    ``containers``: name -> resource limits."""
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": namespace, "uid": uid or str(uuid.uuid4())},
+           "spec": {"containers": [{"name": c, "image": "cuda", "resources": {"limits": lim}}
+                                   for c, lim in containers.items()]}}
+    mutated = copy.deepcopy(mutate_pod(pod, Settings()).pod)
+    mutated["spec"]["nodeName"] = NODE
+    if started:
+        mutated["status"] = {"phase": "Running", "containerStatuses": [
+            {"name": c, "containerID": f"containerd://{cid(name + '/' + c)}", "ready": True,
+             "restartCount": 0, "image": "cuda", "imageID": "", "started": True}
+            for c in containers]}
+    return mutated
+
+
+async def as_models(*pods: dict[str, Any]) -> list[client.V1Pod]:
+    """The pods as the client reads them from the API server."""
+    async with client.ApiClient() as api:
+        return [api.deserialize(_Resp(p), "V1Pod") for p in pods]
+
+
+class _Resp:
+    def __init__(self, obj: Any) -> None:
+        self.data = json.dumps(obj)
+
+
+async def test_tracked_containers_come_from_the_limits_annotation_and_the_pod_status() -> None:
+    pod = gpu_pod("train", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240"},
+                            "b": {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25"}})
+    pod["spec"]["containers"].append({"name": "sidecar", "image": "busybox"})
+    pod["status"]["containerStatuses"].append(
+        {"name": "sidecar", "containerID": f"containerd://{cid('side')}", "ready": True,
+         "restartCount": 0, "image": "busybox", "imageID": ""})
+    got = tracked_containers(await as_models(pod))
+    assert set(got) == {cid("train/a"), cid("train/b")}  # the sidecar has no cap
+    a, b = got[cid("train/a")], got[cid("train/b")]
+    assert (a.namespace, a.pod, a.pod_uid, a.container) == ("ml", "train", pod["metadata"]["uid"], "a")
+    assert a.cap == Cap(limit_bytes=10240 * MIB) and b.cap == Cap(percent=25)
+
+
+async def test_pods_admitted_before_the_limits_annotation_use_the_spec_env() -> None:
+    pod = gpu_pod("old", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "2048"}})
+    del pod["metadata"]["annotations"][names.limits_annotation("a")]
+    assert tracked_containers(await as_models(pod))[cid("old/a")].cap == Cap(limit_bytes=2 * GIB)
+
+
+async def test_pods_not_ours_or_not_started_are_not_tracked() -> None:
+    ours = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    foreign = gpu_pod("hami", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    del foreign["metadata"]["annotations"][names.ANN_MUTATED]  # env that looks like ours
+    pending = gpu_pod("q", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}},
+                      started=False)
+    waiting = gpu_pod("w", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    del waiting["status"]["containerStatuses"][0]["containerID"]
+    got = tracked_containers(await as_models(ours, foreign, pending, waiting))
+    assert set(got) == {cid("p/a")}
+
+
+# ---- the check ---------------------------------------------------------------------------
+
+class Node:
+    """A fake node: NVML devices with processes, a host /proc with their cgroups."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.proc = tmp_path / "proc"
+        self.proc.mkdir(exist_ok=True)
+        self.nvml = FakeNvml([FakeDevice(GPU0, total=80 * GIB), FakeDevice(GPU1, total=80 * GIB)])
+        self.inventory = Inventory(self.nvml)
+        self.inventory.discover()
+
+    def run(self, pid: int, cgroup: str, held: dict[int, int | None]) -> None:
+        """Process ``pid`` in ``cgroup`` holding ``held[gpu index]`` bytes."""
+        d = self.proc / str(pid)
+        d.mkdir(exist_ok=True)
+        (d / "cgroup").write_text(cgroup)
+        for index, used in held.items():
+            self.nvml.devices[index].processes[pid] = used
+
+    def run_in(self, pod: dict[str, Any], container: str, pid: int,
+               held: dict[int, int | None]) -> None:
+        self.run(pid, systemd_cgroup(pod["metadata"]["uid"],
+                                     cid(pod["metadata"]["name"] + "/" + container)), held)
+
+    def stop(self, pid: int) -> None:
+        for dev in self.nvml.devices:
+            dev.processes.pop(pid, None)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _auditor(node: Node, api: Any, **kw: Any) -> Auditor:
+    from webhook.node.publish import Publisher
+    pub = Publisher(api, AgentSettings(node_name=NODE))
+    return Auditor(node.inventory, node.proc, list_pods=pub.node_pods, api_client=api,
+                   node_name=NODE, **kw)
+
+
+def _lists(kube: FakeKube) -> int:
+    return len(kube.requests_to("GET", r"/api/v1/pods$"))
+
+
+async def test_each_container_is_measured_per_gpu_and_the_rest_is_unattributed(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    train = gpu_pod("train", {"a": {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "10240"}})
+    serve = gpu_pod("serve", {"s": {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "10"}},
+                    namespace="web")
+    node.run_in(train, "a", 1001, {0: 3 * GIB, 1: 1 * GIB})
+    node.run_in(train, "a", 1002, {0: 2 * GIB})
+    node.run_in(serve, "s", 2001, {1: 7 * GIB})
+    node.run(3001, "0::/system.slice/xorg.service\n", {0: 512 * MIB})  # the host's own
+    node.run(3002, systemd_cgroup(str(uuid.uuid4()), cid("other")), {1: 256 * MIB})
+    node.nvml.devices[0].processes[3003] = 64 * MIB  # listed by NVML, gone from /proc
+    async with FakeKube() as kube:
+        kube.put(train)
+        kube.put(serve)
+        async with kube.api_client() as api:
+            auditor = _auditor(node, api)
+            report = await auditor.check()
+            got = {(h.tracked.pod, h.uuid): (h.used_bytes, h.cap_bytes, h.pids)
+                   for h in report.holdings}
+            assert got == {
+                ("train", GPU0): (5 * GIB, 10 * GIB, (1001, 1002)),
+                ("train", GPU1): (1 * GIB, 10 * GIB, (1001,)),
+                ("serve", GPU1): (7 * GIB, 8 * GIB, (2001,)),  # 10 % of 80 GiB
+            }
+            assert dict(report.unattributed) == {GPU0: 512 * MIB + 64 * MIB, GPU1: 256 * MIB}
+            assert report.complete and not any(h.over(0) for h in report.holdings)
+            assert kube.requests_to("POST", "/events") == []
+            # steady state: the containers are mapped and the others remembered, no more lists
+            lists = _lists(kube)
+            for _ in range(3):
+                await auditor.check()
+            assert _lists(kube) == lists == 1
+
+
+async def test_a_tampered_region_does_not_hide_memory_from_the_outside_check(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The tenant rewrote its region file (0 used) and holds 12 GiB under a 10 GiB cap: the
+    region's figures say nothing is wrong, NVML and the cgroups do."""
+    node = Node(tmp_path)
+    state = tmp_path / "state"
+    pod = gpu_pod("sneaky", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240"}})
+    node.run_in(pod, "a", 4242, {0: 12 * GIB})
+    async with FakeKube() as kube:
+        pod = kube.put(pod)
+        write_region(state, pod["metadata"]["uid"], "sneaky", "ml", "a",
+                     [(0, GPU0, 10 * GIB, 0, 100, 0)])
+        async with kube.api_client() as api:
+            auditor = _auditor(node, api)
+            with caplog.at_level(logging.WARNING, logger="webhook.node.audit"):
+                await auditor.check()
+                await auditor.check()
+            registry = make_registry(AgentCollector(node.inventory, state, AgentStatus(),
+                                                    auditor=auditor))
+            got = samples(registry)
+            lab = ctr_labels("ml", "sneaky", "a", GPU0)
+            assert got[("gpuslice_container_memory_used_bytes", lab)] == 0  # the region lies
+            assert got[("gpuslice_container_memory_observed_bytes", lab)] == 12 * GIB
+            assert got[("gpuslice_container_memory_over_limit", lab)] == 1
+            assert got[("gpuslice_agent_over_limit_events_total", ())] == 1
+            assert got[("gpuslice_agent_evictions_total", ())] == 0
+            # logged and recorded once per episode, with the figures; not evicted (action none)
+            warned = [r for r in caplog.records if "more GPU memory than its cap" in r.message]
+            assert len(warned) == 1
+            assert (warned[0].used_mib, warned[0].cap_mib, warned[0].pids) == (12288, 10240, [4242])
+            events = [o for (p, _, _), o in kube.objects.items() if p == "events"]
+            assert len(events) == 1
+            ev = events[0]
+            assert (ev["reason"], ev["type"], ev["involvedObject"]["uid"]) == \
+                ("GPUMemoryOverLimit", "Warning", pod["metadata"]["uid"])
+            assert "12288 MiB" in ev["message"] and "10240 MiB" in ev["message"]
+            assert ev["involvedObject"]["fieldPath"] == "spec.containers{a}"
+            emitted = {k: v for k, v in ev.items() if k not in ("metadata",)}
+            emitted["metadata"] = {"name": ev["metadata"]["name"], "namespace": "ml"}
+            assert_valid(emitted)
+            assert kube.get("pods", "sneaky", "ml") is not None
+            # back under the cap: the episode ends; over again: a new one
+            node.nvml.devices[0].processes[4242] = 9 * GIB
+            await auditor.check()
+            assert samples(registry)[("gpuslice_container_memory_over_limit", lab)] == 0
+            node.nvml.devices[0].processes[4242] = 11 * GIB
+            await auditor.check()
+            assert auditor.episodes == 2 and auditor.events == 2
+
+
+async def test_evict_after_the_rounds_a_refusal_is_retried_and_only_once(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("hog", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096"}})
+    node.run_in(pod, "a", 5000, {0: 5 * GIB})
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = _auditor(node, api, action="evict", rounds=2)
+            await auditor.check()
+            assert kube.requests_to("POST", "/eviction") == []  # one check is not enough
+            kube.fail("POST", r"/pods/hog/eviction$", 429,
+                      message="Cannot evict pod as it would violate the pod's disruption budget.")
+            await auditor.check()
+            assert kube.get("pods", "hog", "ml") is not None and auditor.errors == 1
+            await auditor.check()  # retried
+            posts = kube.requests_to("POST", r"/namespaces/ml/pods/hog/eviction$")
+            assert len(posts) == 2 and kube.get("pods", "hog", "ml") is None
+            assert auditor.evictions == 1
+            body = posts[-1].body
+            assert (body["apiVersion"], body["kind"], body["metadata"]["name"]) == \
+                ("policy/v1", "Eviction", "hog")
+            assert_valid(body)
+            # the processes linger while the pod terminates: no second eviction
+            await auditor.check()
+            assert len(kube.requests_to("POST", "/eviction")) == 2
+
+
+async def test_the_tolerance_and_an_unknown_figure(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    node.run_in(pod, "a", 10, {0: 1024 * MIB + 100 * MIB})
+    node.run_in(pod, "a", 11, {0: None})  # NVML cannot say (counted as 0, listed)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = _auditor(node, api, tolerance_bytes=128 * MIB)
+            (h,) = (await auditor.check()).holdings
+            assert (h.used_bytes, h.pids, h.unknown_pids) == (1124 * MIB, (10, 11), (11,))
+            assert not h.over(auditor.tolerance) and h.over(0)
+            assert auditor.episodes == 0
+
+
+async def test_a_cgroup_naming_another_pods_container_is_not_believed(tmp_path: Path) -> None:
+    """A process whose cgroup pairs a container ID with another pod's UID is nobody's."""
+    node = Node(tmp_path)
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    node.run(20, systemd_cgroup(str(uuid.uuid4()), cid("p/a")), {0: 2 * GIB})
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            report = await _auditor(node, api).check()
+            assert report.holdings == () and report.unattributed[GPU0] == 2 * GIB
+
+
+async def test_new_containers_are_looked_up_unknown_ones_after_a_while(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    clock = Clock()
+    node.run(30, systemd_cgroup(str(uuid.uuid4()), cid("stranger")), {0: GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        auditor = _auditor(node, api, clock=clock)
+        await auditor.check()
+        await auditor.check()
+        assert _lists(kube) == 1
+        # a new gpuslice container starts: looked up at once
+        pod = gpu_pod("late", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+        kube.put(pod)
+        node.run_in(pod, "a", 31, {0: 2 * GIB})
+        report = await auditor.check()
+        assert _lists(kube) == 2 and [h.tracked.pod for h in report.holdings] == ["late"]
+        # the stranger is asked about again only after UNKNOWN_TTL
+        await auditor.check()
+        assert _lists(kube) == 2
+        clock.t += 61
+        await auditor.check()
+        assert _lists(kube) == 3
+        # a container whose processes all ended is forgotten, then looked up again
+        node.stop(31)
+        await auditor.check()
+        node.run_in(pod, "a", 32, {0: 2 * GIB})
+        assert len((await auditor.check()).holdings) == 1 and _lists(kube) == 4
+
+
+async def test_api_outage_and_nvml_failure_leave_the_check_incomplete_not_broken(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096"}})
+    node.run_in(pod, "a", 40, {0: 2 * GIB, 1: 2 * GIB})
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = _auditor(node, api)
+            kube.down = True
+            report = await auditor.check()
+            assert not report.complete and report.holdings == () and auditor.errors == 1
+            kube.down = False
+            node.nvml.devices[1].fail["nvmlDeviceGetComputeRunningProcesses"] = \
+                pynvml.NVML_ERROR_UNKNOWN
+            report = await auditor.check()
+            assert not report.complete
+            assert [(h.uuid, h.used_bytes) for h in report.holdings] == [(GPU0, 2 * GIB)]
+            del node.nvml.devices[1].fail["nvmlDeviceGetComputeRunningProcesses"]
+            node.nvml.devices[1].graphics_supported = False  # consumer cards: not a failure
+            report = await auditor.check()
+            assert report.complete and len(report.holdings) == 2
+            # the Event cannot be written: counted, the check goes on
+            kube.fail("POST", "/events", 403)
+            node.nvml.devices[0].processes[40] = 5 * GIB
+            report = await auditor.check()
+            assert report.holdings[0].over(0) and auditor.errors == 2 and auditor.events == 0
+
+
+async def test_pids_of_another_namespace_are_explained_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A driver that translates pids into the agent's own namespace lists others' as 0."""
+    node = Node(tmp_path)
+    node.nvml.devices[0].processes[0] = GIB
+    async with FakeKube() as kube, kube.api_client() as api:
+        auditor = _auditor(node, api)
+        with caplog.at_level(logging.WARNING, logger="webhook.node.audit"):
+            for _ in range(3):
+                report = await auditor.check()
+        assert report.unattributed[GPU0] == GIB
+        assert [r.message for r in caplog.records].count(
+            next(r.message for r in caplog.records if "pid 0" in r.message)) == 1
+        assert "agent.hostPID" in caplog.records[0].message
+
+
+async def test_graphics_and_compute_lists_are_one_process(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("viz", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    node.run_in(pod, "a", 50, {0: 700 * MIB})
+    node.nvml.devices[0].graphics[50] = 700 * MIB
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            (h,) = (await _auditor(node, api).check()).holdings
+            assert h.used_bytes == 700 * MIB
+
+
+async def test_the_agent_runs_the_check_beside_its_rounds_and_serves_it(tmp_path: Path) -> None:
+    import asyncio
+
+    from node.test_agent import LIB, _node, _scrape, _settings
+    node = Node(tmp_path)
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    node.run_in(pod, "a", 60, {0: 3 * GIB})
+    settings = _settings(tmp_path, proc_root=str(node.proc), audit_interval=0.05,
+                         over_limit_action="evict", over_limit_rounds=2)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        kube.put(pod)
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=node.inventory, api_client=api)
+            await agent.start()
+            stop = asyncio.Event()
+            task = asyncio.create_task(agent.run(stop))
+            try:
+                for _ in range(200):
+                    if kube.get("pods", "p", "ml") is None:
+                        break
+                    await asyncio.sleep(0.02)
+                text = await _scrape(agent.metrics_port)
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 5)
+                await agent.close()
+    assert kube.get("pods", "p", "ml") is None
+    assert 'gpuslice_container_memory_observed_bytes{container="a",namespace="ml",pod="p"' in text
+    assert "gpuslice_agent_evictions_total 1.0" in text
+    assert agent.status.last_audit > 0
+
+
+def test_the_check_is_off_at_interval_zero(tmp_path: Path) -> None:
+    from node.test_agent import LIB, _settings
+    agent = Agent(_settings(tmp_path, audit_interval=0), LIB, inventory=Node(tmp_path).inventory)
+    assert agent.auditor is None
+    assert "gpuslice_container_memory_observed_bytes" not in \
+        {k[0] for k in samples(agent.registry)}

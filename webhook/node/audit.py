@@ -1,0 +1,392 @@
+"""The outside check: what each gpuslice container really holds on each GPU, against its cap.
+
+The interposer keeps a container under its cap from inside, with its accounting in the
+container's region file, which every process of the container can write (and delete). A
+tenant that rewrites that file, or runs CUDA code the preloaded library never sees (its own
+dynamic loader, say), is not stopped by it. This check rests on nothing the container can
+change:
+
+- NVML's per-process figures (compute and graphics processes) give each host pid's memory on
+  each GPU (:meth:`~webhook.node.inventory.Inventory.processes`);
+- ``<proc>/<pid>/cgroup`` names the pid's pod and container: the runtime's cgroup for a
+  container is ``.../<pod dir>/<container dir>``, the pod dir holding ``pod<uid>`` and the
+  container dir the runtime's 64-hex ID (``cri-containerd-<id>.scope``, ``crio-<id>.scope``,
+  ``docker-<id>.scope`` or ``<id>``), whatever the cgroup driver and however deep a process
+  made its own sub-cgroups below it (only the first match is taken, so a sub-cgroup named after
+  another container's ID does not move the process there);
+- the pod's status maps the container ID to its name (and the pod UID must agree with the
+  cgroup's), and the pod's limits annotation ``gpuslice.io/limits.<container>`` (or, for pods
+  admitted before it existed, the container's env in the pod spec) gives the cap: the webhook
+  wrote both and the chart's annotation guard denies changing them.
+
+Each check yields one :class:`Holding` per container and GPU: the bytes NVML sees it hold
+against its cap (a percentage resolved against the GPU's NVML total, as the interposer does).
+One over ``cap + tolerance`` is reported in metrics, logged with its figures once per episode,
+and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a pod over for
+``--over-limit-rounds`` consecutive checks is evicted through the Eviction API (so
+PodDisruptionBudgets hold: a refused eviction is retried at the next check).
+
+The pod list is read only when a process belongs to a container the check has not mapped yet
+(a container ID maps to one pod container for ever); IDs found in no gpuslice pod are
+remembered for ``UNKNOWN_TTL`` seconds, so processes of other pods or of the host cost no
+list per check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kubernetes_asyncio import client
+
+from webhook import names
+from webhook.node.config import OVER_LIMIT_ACTIONS
+from webhook.node.inventory import GpuProcesses, Inventory
+from webhook.node.publish import API_ERRORS, api_error
+
+logger = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+UNKNOWN_TTL = 60.0
+"""Seconds a container ID found in no gpuslice pod is not looked up again (a new container's
+ID reaches its pod's status within a few seconds of its start)."""
+EVENT_REASON = "GPUMemoryOverLimit"
+COMPONENT = "gpuslice-agent"
+
+_POD_DIR = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
+                      r"(?:\.slice)?$")
+_CONTAINER_DIR = re.compile(r"^(?:[a-z][a-z0-9-]*-)?([0-9a-f]{64})(?:\.scope)?$")
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)\s*$", re.IGNORECASE)
+_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
+
+
+def pod_and_container(cgroup_text: str) -> tuple[str, str] | None:
+    """The pod UID and container ID a ``/proc/<pid>/cgroup`` file names, or None (a host
+    process, a pod sandbox's own processes)."""
+    for line in cgroup_text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        dirs = [d for d in parts[2].split("/") if d and d != ".."]
+        for i, d in enumerate(dirs[:-1]):
+            pod = _POD_DIR.search(d)
+            if pod:
+                ctr = _CONTAINER_DIR.match(dirs[i + 1])
+                if ctr:
+                    return pod.group(1).replace("_", "-"), ctr.group(1)
+                break
+    return None
+
+
+def parse_size(text: str) -> int | None:
+    """A size as the interposer reads it (``10240m``, ``2g``, bytes without a suffix)."""
+    m = _SIZE.match(text)
+    return int(m.group(1)) << _SHIFT[m.group(2).lower()] if m else None
+
+
+@dataclass(frozen=True)
+class Cap:
+    """A container's memory cap per GPU: ``limit_bytes``, or ``percent`` of the GPU's total."""
+
+    limit_bytes: int | None = None
+    percent: int | None = None
+
+    def on(self, total: int | None) -> int | None:
+        """The cap in bytes on a GPU of NVML total ``total`` (None where it cannot be said)."""
+        if self.limit_bytes is not None:
+            return self.limit_bytes
+        if self.percent is None or not total:
+            return None
+        # the interposer's rounding (config.c env_percent_cap)
+        return total // 100 * self.percent + total % 100 * self.percent // 100
+
+
+def cap_from(values: Mapping[str, str]) -> Cap | None:
+    """The cap the limits (``NAME=VALUE`` pairs) give, or None when they give none."""
+    size = values.get(names.ENV_MEMORY_LIMIT)
+    if size is not None and (n := parse_size(size)):
+        return Cap(limit_bytes=n)
+    pct = values.get(names.ENV_MEMORY_PERCENT)
+    if pct is not None and (p := parse_size(pct)) and 1 <= p <= 100:
+        return Cap(percent=p)
+    return None
+
+
+def _limits_text(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """One gpuslice container: who it is and its cap."""
+
+    namespace: str
+    pod: str
+    pod_uid: str
+    container: str
+    cap: Cap
+
+
+def _container_id(raw: str | None) -> str | None:
+    """``containerd://<id>`` (any runtime prefix) -> ``<id>``."""
+    if not raw:
+        return None
+    ident = raw.rsplit("://", 1)[-1]
+    return ident if _CONTAINER_DIR.match(ident) else None
+
+
+def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
+    """Container ID -> :class:`Tracked` for every started container of a gpuslice pod that has
+    a memory cap (the webhook's limits annotation, else its env in the pod spec)."""
+    out: dict[str, Tracked] = {}
+    for pod in pods:
+        meta, spec, status = pod.metadata, pod.spec, pod.status
+        annotations = (meta.annotations if meta else None) or {}
+        if not meta or not spec or not status or names.ANN_MUTATED not in annotations:
+            continue
+        env_of = {c.name: {e.name: e.value for e in (c.env or []) if e.value is not None}
+                  for c in [*(spec.containers or []), *(spec.init_containers or [])]}
+        for st in [*(status.container_statuses or []), *(status.init_container_statuses or [])]:
+            ident = _container_id(st.container_id)
+            if ident is None:
+                continue
+            text = annotations.get(names.limits_annotation(st.name))
+            cap = cap_from(_limits_text(text) if text is not None else env_of.get(st.name, {}))
+            if cap is not None:
+                out[ident] = Tracked(meta.namespace or "", meta.name or "", meta.uid or "",
+                                     st.name, cap)
+    return out
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one container holds on one GPU, as NVML sees it."""
+
+    tracked: Tracked
+    container_id: str
+    uuid: str
+    used_bytes: int
+    cap_bytes: int | None
+    pids: tuple[int, ...]
+    unknown_pids: tuple[int, ...] = ()
+    """Processes NVML could not give a figure for (counted as 0)."""
+
+    def over(self, tolerance: int) -> bool:
+        return self.cap_bytes is not None and self.used_bytes > self.cap_bytes + tolerance
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """One check: per container and GPU, and what no gpuslice container holds per GPU."""
+
+    holdings: tuple[Holding, ...] = ()
+    unattributed: Mapping[str, int] = field(default_factory=dict)
+    complete: bool = False
+    """Every GPU's process list was read and every process placed or found not ours."""
+
+
+@dataclass
+class _Episode:
+    rounds: int = 0
+    evicted: bool = False
+
+
+class Auditor:
+    """Checks the node's gpuslice containers against their caps, one :meth:`check` at a time.
+
+    ``list_pods`` returns the pods on this node (None: no API server, nothing is tracked);
+    ``api_client`` (None: no Events, no evictions) is used for the Event and the eviction.
+    """
+
+    def __init__(self, inventory: Inventory, proc_root: str | Path, *,
+                 list_pods: Callable[[], Awaitable[list[client.V1Pod]]] | None,
+                 api_client: client.ApiClient | None = None, node_name: str = "",
+                 tolerance_bytes: int = 0, action: str = "none", rounds: int = 3,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if action not in OVER_LIMIT_ACTIONS:
+            raise ValueError(f"over-limit action must be one of {OVER_LIMIT_ACTIONS}: {action!r}")
+        self._inventory = inventory
+        self._proc = Path(proc_root)
+        self._list_pods = list_pods
+        self._api = client.CoreV1Api(api_client) if api_client is not None else None
+        self._node = node_name
+        self.tolerance = tolerance_bytes
+        self.action = action
+        self.rounds = max(1, rounds)
+        self._clock = clock
+        self._known: dict[str, Tracked] = {}
+        self._unknown: dict[str, float] = {}
+        self._episodes: dict[tuple[str, str], _Episode] = {}
+        self.last = AuditReport()
+        self._warned_pid0 = False
+        self.errors = 0
+        self.evictions = 0
+        self.episodes = 0
+        self.events = 0
+
+    def _cgroup(self, pid: int) -> tuple[str, str] | None:
+        try:
+            text = (self._proc / str(pid) / "cgroup").read_text(errors="replace")
+        except OSError:
+            return None  # gone since NVML listed it, or never ours to read
+        return pod_and_container(text)
+
+    async def _refresh(self, wanted: set[str]) -> bool:
+        """Learn the containers in ``wanted`` not mapped yet; False if the pod list failed."""
+        now = self._clock()
+        for ident in [i for i, t in self._unknown.items() if now - t >= UNKNOWN_TTL]:
+            del self._unknown[ident]
+        missing = wanted - self._known.keys() - self._unknown.keys()
+        if not missing or self._list_pods is None:
+            return True
+        try:
+            pods = await self._list_pods()
+        except API_ERRORS as exc:  # an outage: judge what is mapped, the rest next time
+            self.errors += 1
+            logger.warning("the outside memory check cannot list the node's pods; containers "
+                           "it has not seen before are not checked this time",
+                           extra={"error": api_error(exc)})
+            return False
+        self._known.update(tracked_containers(pods))
+        for ident in missing - self._known.keys():
+            self._unknown[ident] = now
+        return True
+
+    async def check(self) -> AuditReport:
+        """Read NVML's processes, place them, compare with the caps, act; return the report."""
+        gpus: list[GpuProcesses] = await asyncio.to_thread(self._inventory.processes)
+        places = await asyncio.to_thread(self._places, gpus)
+        complete = await self._refresh({c for _, c in places.values()})
+        complete = complete and all(g.processes is not None for g in gpus)
+        held: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
+        unattributed: dict[str, int] = {}
+        for g in gpus:
+            unattributed[g.gpu.uuid] = 0
+            for pid, used in (g.processes or {}).items():
+                place = places.get(pid)
+                tracked = self._known.get(place[1]) if place else None
+                if place is None or tracked is None or tracked.pod_uid != place[0]:
+                    unattributed[g.gpu.uuid] += used or 0
+                    continue
+                pids, unknown, size = held.setdefault((place[1], g.gpu.uuid), ([], [], [0]))
+                pids.append(pid)
+                if used is None:
+                    unknown.append(pid)
+                size[0] += used or 0
+        totals = {g.gpu.uuid: g.total_bytes for g in gpus}
+        holdings = tuple(
+            Holding(self._known[ident], ident, uuid, size[0],
+                    self._known[ident].cap.on(totals.get(uuid)), tuple(sorted(pids)),
+                    tuple(sorted(unknown)))
+            for (ident, uuid), (pids, unknown, size) in sorted(held.items()))
+        self._forget(places)
+        report = AuditReport(holdings, unattributed, complete)
+        self.last = report
+        await self._act(report)
+        return report
+
+    def _places(self, gpus: list[GpuProcesses]) -> dict[int, tuple[str, str]]:
+        pids = {pid for g in gpus for pid in (g.processes or {})}
+        if 0 in pids and not self._warned_pid0:
+            self._warned_pid0 = True
+            logger.warning("NVML lists GPU processes as pid 0: this driver gives process IDs of "
+                           "the caller's PID namespace, so the outside memory check cannot place "
+                           "them; run the agent with hostPID (chart value agent.hostPID: true)")
+        return {pid: place for pid in pids if (place := self._cgroup(pid)) is not None}
+
+    def _forget(self, places: Mapping[int, tuple[str, str]]) -> None:
+        """Drop mapped containers no process of which holds GPU memory any more (a container ID
+        is never reused, so one seen again is simply looked up again)."""
+        live = {c for _, c in places.values()}
+        for ident in [i for i in self._known if i not in live]:
+            del self._known[ident]
+
+    async def _act(self, report: AuditReport) -> None:
+        over_now: set[tuple[str, str]] = set()
+        for h in report.holdings:
+            key = (h.container_id, h.uuid)
+            if not h.over(self.tolerance):
+                continue
+            over_now.add(key)
+            ep = self._episodes.setdefault(key, _Episode())
+            ep.rounds += 1
+            t = h.tracked
+            if ep.rounds == 1:
+                self.episodes += 1
+                logger.warning("container holds more GPU memory than its cap (seen from outside, "
+                               "by NVML)", extra={
+                                   "namespace": t.namespace, "pod": t.pod,
+                                   "container": t.container, "gpu": h.uuid,
+                                   "used_mib": h.used_bytes // MIB,
+                                   "cap_mib": (h.cap_bytes or 0) // MIB, "pids": list(h.pids),
+                                   "action": self.action})
+                await self._event(h)
+            if self.action == "evict" and ep.rounds >= self.rounds and not ep.evicted:
+                ep.evicted = await self._evict(h)
+        for key in [k for k in self._episodes if k not in over_now]:
+            del self._episodes[key]
+
+    def _message(self, h: Holding) -> str:
+        t = h.tracked
+        what = (f"evicting after {self.rounds} checks over it" if self.action == "evict"
+                else "not acted on (--over-limit-action none)")
+        return (f"container {t.container} holds {h.used_bytes // MIB} MiB on GPU {h.uuid} "
+                f"(NVML, pids {', '.join(map(str, h.pids))}), over its cap of "
+                f"{(h.cap_bytes or 0) // MIB} MiB; {what}")
+
+    async def _event(self, h: Holding) -> None:
+        if self._api is None:
+            return
+        t = h.tracked
+        now = datetime.now(UTC)
+        body = client.CoreV1Event(
+            api_version="v1", kind="Event", metadata=client.V1ObjectMeta(name=f"{t.pod}.{secrets.token_hex(8)}",
+                                         namespace=t.namespace),
+            involved_object=client.V1ObjectReference(
+                api_version="v1", kind="Pod", name=t.pod, namespace=t.namespace, uid=t.pod_uid,
+                field_path=f"spec.containers{{{t.container}}}"),
+            reason=EVENT_REASON, message=self._message(h)[:1024], type="Warning",
+            source=client.V1EventSource(component=COMPONENT, host=self._node or None),
+            reporting_component=COMPONENT, reporting_instance=self._node or COMPONENT,
+            first_timestamp=now, last_timestamp=now, count=1)
+        try:
+            await self._api.create_namespaced_event(t.namespace, body)
+        except API_ERRORS as exc:  # the Event is a courtesy: the metric and the log stand
+            self.errors += 1
+            logger.warning("cannot record the over-limit Event", extra={
+                "namespace": t.namespace, "pod": t.pod,
+                "error": api_error(exc)})
+        else:
+            self.events += 1
+
+    async def _evict(self, h: Holding) -> bool:
+        """Ask for the pod's eviction; True once the API server took it (or the pod is gone)."""
+        if self._api is None:
+            return False
+        t = h.tracked
+        body = client.V1Eviction(api_version="policy/v1", kind="Eviction",
+                                 metadata=client.V1ObjectMeta(name=t.pod, namespace=t.namespace))
+        try:
+            await self._api.create_namespaced_pod_eviction(t.pod, t.namespace, body)
+        except API_ERRORS as exc:
+            if getattr(exc, "status", None) == 404:
+                return True  # gone already
+            self.errors += 1
+            logger.warning("eviction refused or failed (a PodDisruptionBudget answers 429); "
+                           "retried at the next check", extra={
+                               "namespace": t.namespace, "pod": t.pod,
+                               "error": api_error(exc)})
+            return False
+        self.evictions += 1
+        logger.warning("pod evicted: a container held more GPU memory than its cap", extra={
+            "namespace": t.namespace, "pod": t.pod, "container": t.container, "gpu": h.uuid,
+            "used_mib": h.used_bytes // MIB, "cap_mib": (h.cap_bytes or 0) // MIB})
+        return True
+
