@@ -50,6 +50,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "2nd refused", "test_second_process_cannot_exceed_shared_cap"),
     ("race", "4 four processes racing, 3 GiB each", "outside <= cap", "-",
      "test_racing_processes_stay_under_shared_cap"),
+    ("outside_check", "4 agent's check: NVML per process (1+2 GiB)", "each pid, >= its alloc",
+     "-", "test_the_agents_outside_check_sees_each_process"),
     ("sm_50", "5 bf16 matmul at SM limit 50%", "45-55%", "~100% (no limit)",
      "test_sm_limit_caps_matmul_throughput[50]"),
     ("sm_30", "5 bf16 matmul at SM limit 30%", "25-35%", "~100% (no limit)",

@@ -96,3 +96,33 @@ def test_racing_processes_stay_under_shared_cap(nvml: Nvml, gpubench: Path, lib:
     record("race", f"{granted}/4 granted 3 GiB; outside {outside['max_mib']:,.0f} MiB", ok,
            answers=answers, outside=outside)
     assert ok, f"answers {answers}; outside max {outside['max_mib']:,.0f} MiB"
+
+
+def test_the_agents_outside_check_sees_each_process(gpubench: Path, lib: Path) -> None:
+    """The agent's outside memory check (webhook/node/audit.py) starts from NVML's per-process
+    list as the agent reads it (Inventory.processes): each process of a container is listed
+    under its pid with at least what it allocated. Where the pids NVML gives are not the ones
+    this pid namespace knows, the row says so (the agent then needs hostPID)."""
+    from webhook.node.inventory import Inventory
+    env = harness.capped_env(harness.new_region("outside"))
+    asks = (1 * GIB, 2 * GIB)
+    inv = Inventory()
+    servers: list[Server] = []
+    try:
+        inv.discover()
+        for ask in asks:
+            server = Server(gpubench, env)
+            servers.append(server)
+            assert _granted(server.alloc(ask)), "the allocation under the cap was refused"
+        listed = {pid: used for g in inv.processes() for pid, used in (g.processes or {}).items()}
+    finally:
+        for server in servers:
+            server.kill()
+        inv.close()
+    ours = [s.proc.pid for s in servers]
+    seen = {pid: listed.get(pid) for pid in ours}
+    ok = all(seen[pid] is not None and seen[pid] >= ask for pid, ask in zip(ours, asks))
+    value = (", ".join(f"{(seen[p] or 0) / MIB:,.0f} MiB" for p in ours) if ok
+             else f"pids {ours} not listed as such; NVML lists {sorted(listed)}")
+    record("outside_check", value, ok, ours=ours, listed={str(k): v for k, v in listed.items()})
+    assert ok, value

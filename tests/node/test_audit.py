@@ -331,6 +331,19 @@ async def test_evict_after_the_rounds_a_refusal_is_retried_and_only_once(
             assert len(kube.requests_to("POST", "/eviction")) == 2
 
 
+async def test_a_pod_over_on_two_gpus_is_evicted_once(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("wide", {"a": {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "1024"}})
+    node.run_in(pod, "a", 7000, {0: 2 * GIB, 1: 2 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, action="evict", rounds=1)
+        report = await auditor.check()
+        assert len(report.holdings) == 2 and all(h.over(0) for h in report.holdings)
+        assert len(kube.requests_to("POST", "/eviction")) == 1 and auditor.evictions == 1
+        assert auditor.events == 2  # one per container and GPU
+
+
 async def test_the_tolerance_and_an_unknown_figure(tmp_path: Path) -> None:
     node = Node(tmp_path)
     pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
@@ -426,9 +439,8 @@ async def test_pids_of_another_namespace_are_explained_once(
             for _ in range(3):
                 report = await auditor.check()
         assert report.unattributed[GPU0] == GIB
-        assert [r.message for r in caplog.records].count(
-            next(r.message for r in caplog.records if "pid 0" in r.message)) == 1
-        assert "agent.hostPID" in caplog.records[0].message
+        warned = [r.message for r in caplog.records if r.name == "webhook.node.audit"]
+        assert len(warned) == 1 and "pid 0" in warned[0] and "agent.hostPID" in warned[0]
 
 
 async def test_graphics_and_compute_lists_are_one_process(tmp_path: Path) -> None:

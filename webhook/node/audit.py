@@ -310,6 +310,7 @@ class Auditor:
 
     async def _act(self, report: AuditReport) -> None:
         over_now: set[tuple[str, str]] = set()
+        evicted: set[str] = set()  # pods asked for this time (a container over on two GPUs)
         for h in report.holdings:
             key = (h.container_id, h.uuid)
             if not h.over(self.tolerance):
@@ -329,7 +330,9 @@ class Auditor:
                                    "action": self.action})
                 await self._event(h)
             if self.action == "evict" and ep.rounds >= self.rounds and not ep.evicted:
-                ep.evicted = await self._evict(h)
+                ep.evicted = t.pod_uid in evicted or await self._evict(h)
+                if ep.evicted:
+                    evicted.add(t.pod_uid)
         for key in [k for k in self._episodes if k not in over_now]:
             del self._episodes[key]
 
