@@ -86,6 +86,7 @@ def test_the_cgroup_names_the_pod_and_container(text: str, want: tuple[str, str]
 @pytest.mark.parametrize("text, want", [
     ("10240m", 10240 * MIB), ("2g", 2 * GIB), ("2G", 2 * GIB), (" 512K ", 512 * 1024),
     ("1t", 1 << 40), ("4096", 4096), ("", None), ("10 GiB", None), ("-1m", None), ("1.5g", None),
+    ("10 m", None), ("\u0661\u0662m", None),  # as the interposer: no space, ASCII digits only
 ])
 def test_sizes_read_like_the_interposer(text: str, want: int | None) -> None:
     assert parse_size(text) == want
@@ -149,6 +150,19 @@ async def test_tracked_containers_come_from_the_limits_annotation_and_the_pod_st
     a, b = got[cid("train/a")], got[cid("train/b")]
     assert (a.namespace, a.pod, a.pod_uid, a.container) == ("ml", "train", pod["metadata"]["uid"], "a")
     assert a.cap == Cap(limit_bytes=10240 * MIB) and b.cap == Cap(percent=25)
+    assert a.field_path == "spec.containers{a}"
+
+
+async def test_an_init_container_is_tracked_and_named_as_one() -> None:
+    pod = gpu_pod("prep", {"main": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    spec = pod["spec"]
+    spec["initContainers"] = [spec["containers"].pop(0)]
+    spec["containers"] = [{"name": "app", "image": "busybox"}]
+    st = pod["status"]
+    st["initContainerStatuses"] = st.pop("containerStatuses")
+    (t,) = tracked_containers(await as_models(pod)).values()
+    assert (t.container, t.field_path, t.cap) == ("main", "spec.initContainers{main}",
+                                                  Cap(limit_bytes=GIB))
 
 
 async def test_pods_admitted_before_the_limits_annotation_use_the_spec_env() -> None:

@@ -63,7 +63,7 @@ COMPONENT = "gpuslice-agent"
 _POD_DIR = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
                       r"(?:\.slice)?$")
 _CONTAINER_DIR = re.compile(r"^(?:[a-z][a-z0-9-]*-)?([0-9a-f]{64})(?:\.scope)?$")
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([0-9]+)([kmgt]?)\s*$", re.IGNORECASE)
 _SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
 
 
@@ -132,6 +132,8 @@ class Tracked:
     pod_uid: str
     container: str
     cap: Cap
+    field_path: str = ""
+    """The container in the pod: ``spec.containers{name}`` or ``spec.initContainers{name}``."""
 
 
 def _container_id(raw: str | None) -> str | None:
@@ -153,6 +155,7 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
             continue
         env_of = {c.name: {e.name: e.value for e in (c.env or []) if e.value is not None}
                   for c in [*(spec.containers or []), *(spec.init_containers or [])]}
+        inits = {c.name for c in spec.init_containers or []}
         for st in [*(status.container_statuses or []), *(status.init_container_statuses or [])]:
             ident = _container_id(st.container_id)
             if ident is None:
@@ -160,8 +163,9 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
             text = annotations.get(names.limits_annotation(st.name))
             cap = cap_from(_limits_text(text) if text is not None else env_of.get(st.name, {}))
             if cap is not None:
+                kind = "initContainers" if st.name in inits else "containers"
                 out[ident] = Tracked(meta.namespace or "", meta.name or "", meta.uid or "",
-                                     st.name, cap)
+                                     st.name, cap, f"spec.{kind}{{{st.name}}}")
     return out
 
 
@@ -350,11 +354,11 @@ class Auditor:
         t = h.tracked
         now = datetime.now(UTC)
         body = client.CoreV1Event(
-            api_version="v1", kind="Event", metadata=client.V1ObjectMeta(name=f"{t.pod}.{secrets.token_hex(8)}",
+            api_version="v1", kind="Event", metadata=client.V1ObjectMeta(name=f"{t.pod[:236]}.{secrets.token_hex(8)}",
                                          namespace=t.namespace),
             involved_object=client.V1ObjectReference(
                 api_version="v1", kind="Pod", name=t.pod, namespace=t.namespace, uid=t.pod_uid,
-                field_path=f"spec.containers{{{t.container}}}"),
+                field_path=t.field_path or None),
             reason=EVENT_REASON, message=self._message(h)[:1024], type="Warning",
             source=client.V1EventSource(component=COMPONENT, host=self._node or None),
             reporting_component=COMPONENT, reporting_instance=self._node or COMPONENT,
