@@ -508,3 +508,27 @@ def test_the_check_is_off_at_interval_zero(tmp_path: Path) -> None:
     assert agent.auditor is None
     assert "gpuslice_container_memory_observed_bytes" not in \
         {k[0] for k in samples(agent.registry)}
+
+
+async def test_a_missing_graphics_query_is_no_gap_a_missing_compute_query_is(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    node.run_in(pod, "a", 80, {0: GIB, 1: GIB})
+    node.nvml.devices[0].fail["nvmlDeviceGetGraphicsRunningProcesses"] = \
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND  # an old driver
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api)
+        assert (await auditor.check()).complete
+        # what pynvml raises there for its unversioned call (not an NVMLError)
+        mismatch = pynvml.NVMLLibraryMismatchError("Unversioned function called")
+
+        def missing(_handle: int) -> list[Any]:
+            raise mismatch
+        node.nvml.nvmlDeviceGetGraphicsRunningProcesses = missing  # type: ignore[method-assign]
+        assert (await auditor.check()).complete
+        node.nvml.devices[1].fail["nvmlDeviceGetComputeRunningProcesses"] = \
+            pynvml.NVML_ERROR_NOT_SUPPORTED
+        report = await auditor.check()
+        assert not report.complete and [h.uuid for h in report.holdings] == [GPU0]

@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 MIB = 1024 * 1024
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
+_NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
+                  pynvml.NVMLLibraryMismatchError)
+"""A query this GPU or driver does not have (pynvml turns a missing versioned symbol behind an
+unversioned call into NVMLLibraryMismatchError, which is not an NVMLError)."""
 _UNAVAILABLE = (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded,
                 pynvml.NVMLError_NoPermission, pynvml.NVMLError_LibRmVersionMismatch)
 
@@ -251,12 +255,14 @@ class Inventory:
         except pynvml.NVMLError:
             return GpuProcesses(gpu, None, None)
         held: dict[int, int | None] = {}
-        for query in (nvml.nvmlDeviceGetComputeRunningProcesses,
-                      nvml.nvmlDeviceGetGraphicsRunningProcesses):
+        for query, optional in ((nvml.nvmlDeviceGetComputeRunningProcesses, False),
+                                (nvml.nvmlDeviceGetGraphicsRunningProcesses, True)):
             try:
                 found = query(handle)
-            except pynvml.NVMLError_NotSupported:
-                continue
+            except _NO_SUCH_QUERY:
+                if optional:  # a compute-only board or driver has no graphics list
+                    continue
+                return GpuProcesses(gpu, total, None)
             except pynvml.NVMLError:
                 return GpuProcesses(gpu, total, None)
             for p in found:

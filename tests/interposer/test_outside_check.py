@@ -1,0 +1,111 @@
+"""The agent's outside memory check against the real library on the fake driver: a tenant
+that deletes its container's region file gets a second budget from the library (a known limit,
+interposer/README.md), and the agent's check, reading the fake NVML through the real pynvml,
+sees the container hold more than its cap and says so.
+
+The check runs in a child process (the agent's side: pynvml loads the fake
+``libnvidia-ml.so.1`` from ``LD_LIBRARY_PATH``, the library is not preloaded), with a /proc
+tree holding the cgroups kubelet would give the container's processes and the pod as the
+API server lists it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 1 << 30
+
+POD_UID = str(uuid.uuid4())
+CONTAINER_ID = hashlib.sha256(b"train/main").hexdigest()
+
+AGENT_SIDE = textwrap.dedent("""
+    import asyncio, json, sys
+    from kubernetes_asyncio import client
+    from webhook.node.audit import Auditor
+    from webhook.node.inventory import Inventory
+
+    class Body:
+        def __init__(self, text):
+            self.data = text
+
+    async def main(proc_root, pod_file):
+        async with client.ApiClient() as api:
+            pods = [api.deserialize(Body(open(pod_file).read()), "V1Pod")]
+        async def list_pods():
+            return pods
+        inv = Inventory()
+        d = inv.discover()
+        assert d.available, d.reason
+        report = await Auditor(inv, proc_root, list_pods=list_pods).check()
+        inv.close()
+        print(json.dumps({"complete": report.complete, "unattributed": report.unattributed,
+                          "holdings": [[h.tracked.container, h.uuid, h.used_bytes, h.cap_bytes,
+                                        list(h.pids)] for h in report.holdings]}))
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+
+def _pod() -> dict:
+    from webhook.admission.mutate import mutate_pod
+    from webhook.settings import Settings
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "train", "namespace": "ml", "uid": POD_UID},
+           "spec": {"containers": [{"name": "main", "image": "cuda", "resources": {"limits": {
+               "nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240"}}}]}}
+    out = mutate_pod(pod, Settings()).pod
+    out["status"] = {"phase": "Running", "containerStatuses": [
+        {"name": "main", "containerID": f"containerd://{CONTAINER_ID}", "ready": True,
+         "restartCount": 0, "image": "cuda", "imageID": ""}]}
+    return out
+
+
+def _agent_check(lab, pids: list[int]) -> dict:
+    proc = lab.tmp / "hostproc"
+    for pid in pids:  # kubelet's cgroup for the container, seen from the agent's namespace
+        (proc / str(pid)).mkdir(parents=True, exist_ok=True)
+        (proc / str(pid) / "cgroup").write_text(
+            f"0::/../../kubepods-burstable.slice/kubepods-burstable-pod"
+            f"{POD_UID.replace('-', '_')}.slice/cri-containerd-{CONTAINER_ID}.scope\n")
+    pod_file = lab.tmp / "pod.json"
+    pod_file.write_text(json.dumps(_pod()))
+    env = {k: v for k, v in lab.env().items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
+    env["LD_LIBRARY_PATH"] = str(lab.build / "fake")
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", AGENT_SIDE, str(proc), str(pod_file)],
+                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_a_deleted_region_gives_a_second_budget_which_the_outside_check_reports(release_lab):
+    lab = release_lab
+    first = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held1"),
+                      "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="10g")
+    lab.wait_for(lab.tmp / "held1")
+    under = _agent_check(lab, [first.pid])
+    assert under["complete"]
+    ((ctr, uuid_, used, cap, pids),) = under["holdings"]
+    assert (ctr, uuid_, cap, pids) == ("main", lab.UUID_A, 10 * GIB, [first.pid])
+    assert 6 * GIB <= used <= 10 * GIB
+
+    # the tenant deletes the region while the first process holds 6 GiB: the next process
+    # makes a fresh one and gets a whole cap of its own (what the library cannot stop)
+    lab.region_path.unlink()
+    second = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held2"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="10g")
+    lab.wait_for(lab.tmp / "held2")
+    assert lab.used() < 7 * GIB  # the new region counts only the second process
+
+    over = _agent_check(lab, [first.pid, second.pid])
+    ((ctr, uuid_, used, cap, pids),) = over["holdings"]
+    assert sorted(pids) == sorted([first.pid, second.pid]) and used >= 12 * GIB > cap
+    (lab.tmp / "go").touch()
+    assert lab.finish(first).rc("alloc") == 0 and lab.finish(second).rc("alloc") == 0
