@@ -367,8 +367,10 @@ async def test_the_tolerance_and_an_unknown_figure(tmp_path: Path) -> None:
         kube.put(pod)
         async with kube.api_client() as api:
             auditor = _auditor(node, api, tolerance_bytes=128 * MIB)
-            (h,) = (await auditor.check()).holdings
+            report = await auditor.check()
+            (h,) = report.holdings
             assert (h.used_bytes, h.pids, h.unknown_pids) == (1124 * MIB, (10, 11), (11,))
+            assert not report.complete  # a figure is missing
             assert not h.over(auditor.tolerance) and h.over(0)
             assert auditor.episodes == 0
 

@@ -193,7 +193,8 @@ class AuditReport:
     holdings: tuple[Holding, ...] = ()
     unattributed: Mapping[str, int] = field(default_factory=dict)
     complete: bool = False
-    """Every GPU's process list was read and every process placed or found not ours."""
+    """Every GPU's process list was read, every process placed or found not ours, and NVML gave
+    a figure for every process of a gpuslice container."""
 
 
 @dataclass
@@ -291,6 +292,7 @@ class Auditor:
                     tuple(sorted(unknown)))
             for (ident, uuid), (pids, unknown, size) in sorted(held.items()))
         self._forget(places)
+        complete = complete and not any(h.unknown_pids for h in holdings)
         report = AuditReport(holdings, unattributed, complete)
         self.last = report
         await self._act(report)
@@ -331,6 +333,7 @@ class Auditor:
                                    "container": t.container, "gpu": h.uuid,
                                    "used_mib": h.used_bytes // MIB,
                                    "cap_mib": (h.cap_bytes or 0) // MIB, "pids": list(h.pids),
+                                   "pids_without_figure": list(h.unknown_pids),
                                    "action": self.action})
                 await self._event(h)
             if self.action == "evict" and ep.rounds >= self.rounds and not ep.evicted:
