@@ -534,3 +534,25 @@ async def test_a_missing_graphics_query_is_no_gap_a_missing_compute_query_is(
             pynvml.NVML_ERROR_NOT_SUPPORTED
         report = await auditor.check()
         assert not report.complete and [h.uuid for h in report.holdings] == [GPU0]
+
+
+async def test_memory_on_a_gpu_not_assigned_to_the_container_is_a_breach(
+        tmp_path: Path) -> None:
+    """The bind's device annotation names the container's GPUs; any memory on another one (a
+    runtime that exposed every GPU, say) is reported whatever the cap and the tolerance."""
+    node = Node(tmp_path)
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240"}})
+    pod["metadata"]["annotations"][names.devices_annotation("a")] = f" {GPU0} "
+    node.run_in(pod, "a", 90, {0: 2 * GIB, 1: 300 * MIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, tolerance_bytes=512 * MIB)
+        report = await auditor.check()
+        got = {h.uuid: (h.assigned, h.cap_bytes, h.over(auditor.tolerance))
+               for h in report.holdings}
+        assert got == {GPU0: (True, 10 * GIB, False), GPU1: (False, 0, True)}
+        (event,) = [o for (p, _, _), o in kube.objects.items() if p == "events"]
+        assert f"300 MiB on GPU {GPU1}" in event["message"]
+        assert f"a GPU not assigned to it (it has {GPU0})" in event["message"]
+        (t,) = tracked_containers(await as_models(pod)).values()
+        assert t.gpus == frozenset({GPU0})

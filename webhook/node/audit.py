@@ -20,7 +20,9 @@ change:
   wrote both and the chart's annotation guard denies changing them.
 
 Each check yields one :class:`Holding` per container and GPU: the bytes NVML sees it hold
-against its cap (a percentage resolved against the GPU's NVML total, as the interposer does).
+against its cap (a percentage resolved against the GPU's NVML total, as the interposer does;
+on a GPU the bind did not assign to it, ``gpuslice.io/devices.<container>``, the cap is 0 and
+the tolerance does not apply: any memory there is a breach of its isolation).
 One over ``cap + tolerance`` is reported in metrics, logged with its figures once per episode,
 and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a pod over for
 ``--over-limit-rounds`` consecutive checks is evicted through the Eviction API (so
@@ -134,6 +136,14 @@ class Tracked:
     cap: Cap
     field_path: str = ""
     """The container in the pod: ``spec.containers{name}`` or ``spec.initContainers{name}``."""
+    gpus: frozenset[str] | None = None
+    """The GPUs assigned to it (``gpuslice.io/devices.<name>``); None where not annotated."""
+
+    def cap_on(self, uuid: str, total: int | None) -> int | None:
+        """The cap on GPU ``uuid``: none at all (0) on a GPU not assigned to the container."""
+        if self.gpus is not None and uuid not in self.gpus:
+            return 0
+        return self.cap.on(total)
 
 
 def _container_id(raw: str | None) -> str | None:
@@ -164,8 +174,11 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
             cap = cap_from(_limits_text(text) if text is not None else env_of.get(st.name, {}))
             if cap is not None:
                 kind = "initContainers" if st.name in inits else "containers"
+                devices = annotations.get(names.devices_annotation(st.name))
+                gpus = frozenset(u.strip() for u in devices.split(",") if u.strip()) \
+                    if devices else None
                 out[ident] = Tracked(meta.namespace or "", meta.name or "", meta.uid or "",
-                                     st.name, cap, f"spec.{kind}{{{st.name}}}")
+                                     st.name, cap, f"spec.{kind}{{{st.name}}}", gpus)
     return out
 
 
@@ -182,7 +195,14 @@ class Holding:
     unknown_pids: tuple[int, ...] = ()
     """Processes NVML could not give a figure for (counted as 0)."""
 
+    @property
+    def assigned(self) -> bool:
+        """False for a GPU the container was not given (a breach of its isolation)."""
+        return self.tracked.gpus is None or self.uuid in self.tracked.gpus
+
     def over(self, tolerance: int) -> bool:
+        if not self.assigned:
+            return self.used_bytes > 0
         return self.cap_bytes is not None and self.used_bytes > self.cap_bytes + tolerance
 
 
@@ -288,7 +308,7 @@ class Auditor:
         totals = {g.gpu.uuid: g.total_bytes for g in gpus}
         holdings = tuple(
             Holding(self._known[ident], ident, uuid, size[0],
-                    self._known[ident].cap.on(totals.get(uuid)), tuple(sorted(pids)),
+                    self._known[ident].cap_on(uuid, totals.get(uuid)), tuple(sorted(pids)),
                     tuple(sorted(unknown)))
             for (ident, uuid), (pids, unknown, size) in sorted(held.items()))
         self._forget(places)
@@ -334,6 +354,7 @@ class Auditor:
                                    "used_mib": h.used_bytes // MIB,
                                    "cap_mib": (h.cap_bytes or 0) // MIB, "pids": list(h.pids),
                                    "pids_without_figure": list(h.unknown_pids),
+                                   "assigned": h.assigned,
                                    "action": self.action})
                 await self._event(h)
             if self.action == "evict" and ep.rounds >= self.rounds and not ep.evicted:
@@ -347,9 +368,10 @@ class Auditor:
         t = h.tracked
         what = (f"evicting after {self.rounds} checks over it" if self.action == "evict"
                 else "not acted on (--over-limit-action none)")
+        over = (f"over its cap of {(h.cap_bytes or 0) // MIB} MiB" if h.assigned else
+                f"a GPU not assigned to it (it has {', '.join(sorted(t.gpus or ()))})")
         return (f"container {t.container} holds {h.used_bytes // MIB} MiB on GPU {h.uuid} "
-                f"(NVML, pids {', '.join(map(str, h.pids))}), over its cap of "
-                f"{(h.cap_bytes or 0) // MIB} MiB; {what}")
+                f"(NVML, pids {', '.join(map(str, h.pids))}), {over}; {what}")
 
     async def _event(self, h: Holding) -> None:
         if self._api is None:
