@@ -466,13 +466,18 @@ class FakeKube:
 
     def _evict(self, key: tuple[str, str | None, str], body: Any) -> dict[str, Any]:
         """The Eviction API without disruption budgets (inject a 429 with :meth:`fail` for one
-        that refuses): the pod is deleted."""
+        that refuses): the pod is deleted, unless ``deleteOptions.preconditions.uid`` names
+        another pod (409)."""
         if not isinstance(body, dict) or body.get("kind") != "Eviction":
             raise ApiError(400, "an eviction needs an Eviction object")
         if (body.get("metadata") or {}).get("name") != key[2]:
             raise ApiError(400, "name in URL does not match name in Eviction object")
         if key not in self.objects:
             raise ApiError(404, f'pods "{key[2]}" not found', "NotFound")
+        uid = ((body.get("deleteOptions") or {}).get("preconditions") or {}).get("uid")
+        if uid and uid != self.objects[key]["metadata"]["uid"]:
+            raise ApiError(409, f"Precondition failed: UID in precondition: {uid}, UID in "
+                           f"object meta: {self.objects[key]['metadata']['uid']}", "Conflict")
         self.delete("pods", key[2], key[1])
         return status_object(201, "", "")
 

@@ -30,6 +30,8 @@ class FakeDevice:
     graphics: dict[int, int | None] = field(default_factory=dict)
     """Graphics processes, likewise; ``graphics_supported=False`` makes that query NOT_SUPPORTED."""
     graphics_supported: bool = True
+    mps: dict[int, int | None] = field(default_factory=dict)
+    """MPS client processes, likewise."""
     fail: dict[str, int] = field(default_factory=dict)
     """NVML function name -> NVML error code it raises for this device."""
 
@@ -113,6 +115,10 @@ class FakeNvml:
         if not d.graphics_supported:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return self._process_list(d.graphics)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: int) -> list[Any]:
+        return self._process_list(self._dev(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
+                                  .mps)
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
         d = self._dev(handle, "nvmlDeviceGetRetiredPagesPendingStatus")

@@ -308,10 +308,18 @@ async def test_a_tampered_region_does_not_hide_memory_from_the_outside_check(
             emitted["metadata"] = {"name": ev["metadata"]["name"], "namespace": "ml"}
             assert_valid(emitted)
             assert kube.get("pods", "sneaky", "ml") is not None
-            # back under the cap: the episode ends; over again: a new one
+            # under the cap for fewer checks than the rounds (3): the same episode goes on
             node.nvml.devices[0].processes[4242] = 9 * GIB
-            await auditor.check()
+            for _ in range(2):
+                await auditor.check()
             assert samples(registry)[("gpuslice_container_memory_over_limit", lab)] == 0
+            node.nvml.devices[0].processes[4242] = 11 * GIB
+            await auditor.check()
+            assert auditor.episodes == 1 and auditor.events == 1
+            # under for three checks in a row: it ends; over again: a new one, a new Event
+            node.nvml.devices[0].processes[4242] = 9 * GIB
+            for _ in range(3):
+                await auditor.check()
             node.nvml.devices[0].processes[4242] = 11 * GIB
             await auditor.check()
             assert auditor.episodes == 2 and auditor.events == 2
@@ -556,3 +564,117 @@ async def test_memory_on_a_gpu_not_assigned_to_the_container_is_a_breach(
         assert f"a GPU not assigned to it (it has {GPU0})" in event["message"]
         (t,) = tracked_containers(await as_models(pod)).values()
         assert t.gpus == frozenset({GPU0})
+
+
+async def test_a_new_pod_under_the_evicted_ones_name_is_not_evicted(tmp_path: Path) -> None:
+    """A StatefulSet's db-0 went over, was deleted and made again (a new UID) while the old
+    process lingers: the eviction carries the old UID as its precondition."""
+    node = Node(tmp_path)
+    old = gpu_pod("db-0", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    node.run_in(old, "a", 95, {0: 3 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(old)
+        auditor = _auditor(node, api, action="evict", rounds=2)
+        await auditor.check()
+        kube.delete("pods", "db-0", "ml")
+        new = gpu_pod("db-0", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+        new["status"]["containerStatuses"][0]["containerID"] = f"containerd://{cid('db-0/a/2')}"
+        kube.put(new)
+        await auditor.check()
+        (post,) = kube.requests_to("POST", "/pods/db-0/eviction$")
+        assert post.body["deleteOptions"]["preconditions"]["uid"] == old["metadata"]["uid"]
+        assert_valid(post.body)
+        assert kube.get("pods", "db-0", "ml")["metadata"]["uid"] == new["metadata"]["uid"]
+        await auditor.check()  # the 409 settled it: not asked again
+        assert len(kube.requests_to("POST", "/eviction$")) == 1 and auditor.evictions == 0
+
+
+async def test_a_container_whose_id_is_not_in_its_pods_status_yet_is_looked_up_again(
+        tmp_path: Path) -> None:
+    """kubelet writes a started container's ID into the status a little later; a check in
+    between is incomplete and the next one finds the container (not UNKNOWN_TTL later)."""
+    node = Node(tmp_path)
+    pod = gpu_pod("fresh", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    reported = copy.deepcopy(pod["status"])
+    del pod["status"]["containerStatuses"][0]["containerID"]
+    node.run_in(pod, "a", 96, {0: 8 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api)
+        report = await auditor.check()
+        assert report.holdings == () and not report.complete
+        pod["status"] = reported
+        kube.put(pod)
+        report = await auditor.check()
+        assert [h.used_bytes for h in report.holdings] == [8 * GIB] and report.complete
+        assert _lists(kube) == 2
+
+
+async def test_a_container_that_dips_under_its_cap_now_and_then_is_still_evicted(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("flap", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    node.run_in(pod, "a", 97, {0: 4 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, action="evict", rounds=3)
+        for used in (4 * GIB, 512 * MIB, 4 * GIB, 512 * MIB, 4 * GIB):
+            node.nvml.devices[0].processes[97] = used
+            await auditor.check()
+        assert auditor.evictions == 1 and auditor.events == 1
+        assert kube.get("pods", "flap", "ml") is None
+
+
+async def test_mps_clients_are_counted(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("mps", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    node.run_in(pod, "a", 98, {})
+    node.nvml.devices[0].mps[98] = 2 * GIB
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        (h,) = (await _auditor(node, api).check()).holdings
+        assert h.used_bytes == 2 * GIB and h.over(0)
+
+
+async def test_a_restarted_container_beside_its_old_instance_is_one_series(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = gpu_pod("r", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096"}})
+    node.run_in(pod, "a", 100, {0: 1 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api)
+        await auditor.check()
+        # restarted: a new ID in the status, the old instance's process not gone yet
+        pod["status"]["containerStatuses"][0]["containerID"] = f"containerd://{cid('r/a/2')}"
+        pod["status"]["containerStatuses"][0]["restartCount"] = 1
+        kube.put(pod)
+        node.run(101, systemd_cgroup(pod["metadata"]["uid"], cid("r/a/2")), {0: 2 * GIB})
+        assert len((await auditor.check()).holdings) == 2
+        registry = make_registry(AgentCollector(node.inventory, tmp_path, AgentStatus(),
+                                                auditor=auditor))
+        got = {k: v for k, v in samples(registry).items()
+               if k[0] == "gpuslice_container_memory_observed_bytes"}
+        assert got == {("gpuslice_container_memory_observed_bytes",
+                        ctr_labels("ml", "r", "a", GPU0)): 3 * GIB}
+
+
+async def test_stopping_the_agent_does_not_wait_for_a_hung_check(tmp_path: Path) -> None:
+    import asyncio
+
+    from node.test_agent import LIB, _settings
+    node = Node(tmp_path)
+    agent = Agent(_settings(tmp_path, audit_interval=0.01), LIB, inventory=node.inventory)
+    assert agent.auditor is not None
+    entered = asyncio.Event()
+
+    async def hung() -> None:  # an API server that accepted the request and never answers
+        entered.set()
+        await asyncio.Event().wait()
+    agent.auditor.check = hung  # type: ignore[method-assign, assignment]
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    await asyncio.wait_for(entered.wait(), 5)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    await agent.close()

@@ -24,14 +24,19 @@ against its cap (a percentage resolved against the GPU's NVML total, as the inte
 on a GPU the bind did not assign to it, ``gpuslice.io/devices.<container>``, the cap is 0 and
 the tolerance does not apply: any memory there is a breach of its isolation).
 One over ``cap + tolerance`` is reported in metrics, logged with its figures once per episode,
-and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a pod over for
-``--over-limit-rounds`` consecutive checks is evicted through the Eviction API (so
-PodDisruptionBudgets hold: a refused eviction is retried at the next check).
+and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a pod found over
+in ``--over-limit-rounds`` checks of one episode is evicted through the Eviction API (so
+PodDisruptionBudgets hold: a refused eviction is retried at the next check; the pod's UID is
+its precondition, so a pod made since under the same name is not evicted). An episode ends
+after as many checks in a row under the cap, so dipping under now and then does not evade it.
 
 The pod list is read only when a process belongs to a container the check has not mapped yet
 (a container ID maps to one pod container for ever); IDs found in no gpuslice pod are
 remembered for ``UNKNOWN_TTL`` seconds, so processes of other pods or of the host cost no
-list per check.
+list per check; an ID its listed pod has not reported yet (kubelet writes it a moment after
+the container starts) is looked up again at the next check. Static pods are not checked (the
+webhook does not admit them as GPU pods). A pid reused between NVML's list and the cgroup read
+could put one check's figure on another container; an eviction needs several checks.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from kubernetes_asyncio import client
 from webhook import names
 from webhook.node.config import OVER_LIMIT_ACTIONS
 from webhook.node.inventory import GpuProcesses, Inventory
-from webhook.node.publish import API_ERRORS, api_error
+from webhook.node.publish import API_ERRORS, TIMEOUT, api_error
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +225,9 @@ class AuditReport:
 @dataclass
 class _Episode:
     rounds: int = 0
+    """Checks that found the container over its cap on the GPU, since the episode began."""
+    under: int = 0
+    """Checks since then in a row that did not (the episode ends at ``Auditor.rounds``)."""
     evicted: bool = False
 
 
@@ -263,12 +271,14 @@ class Auditor:
             return None  # gone since NVML listed it, or never ours to read
         return pod_and_container(text)
 
-    async def _refresh(self, wanted: set[str]) -> bool:
-        """Learn the containers in ``wanted`` not mapped yet; False if the pod list failed."""
+    async def _refresh(self, wanted: Mapping[str, str]) -> bool:
+        """Learn the containers in ``wanted`` (container ID -> its cgroup's pod UID) not mapped
+        yet; False if some could not be (the pod list failed, or a listed pod has not reported
+        a container ID yet)."""
         now = self._clock()
         for ident in [i for i, t in self._unknown.items() if now - t >= UNKNOWN_TTL]:
             del self._unknown[ident]
-        missing = wanted - self._known.keys() - self._unknown.keys()
+        missing = wanted.keys() - self._known.keys() - self._unknown.keys()
         if not missing or self._list_pods is None:
             return True
         try:
@@ -280,15 +290,26 @@ class Auditor:
                            extra={"error": api_error(exc)})
             return False
         self._known.update(tracked_containers(pods))
+        # A container runs before kubelet writes its ID into its pod's status: an ID of a listed
+        # pod that no status names yet is looked up again at the next check, not remembered
+        # as not ours (that hid new and restarted containers for UNKNOWN_TTL).
+        listed = {p.metadata.uid for p in pods if p.metadata and p.metadata.uid}
+        reported = {_container_id(st.container_id) for p in pods if p.status
+                    for st in [*(p.status.container_statuses or []),
+                               *(p.status.init_container_statuses or [])]}
+        lagging = False
         for ident in missing - self._known.keys():
-            self._unknown[ident] = now
-        return True
+            if wanted[ident] in listed and ident not in reported:
+                lagging = True
+            else:
+                self._unknown[ident] = now
+        return not lagging
 
     async def check(self) -> AuditReport:
         """Read NVML's processes, place them, compare with the caps, act; return the report."""
         gpus: list[GpuProcesses] = await asyncio.to_thread(self._inventory.processes)
         places = await asyncio.to_thread(self._places, gpus)
-        complete = await self._refresh({c for _, c in places.values()})
+        complete = await self._refresh({c: pod for pod, c in places.values()})
         complete = complete and all(g.processes is not None for g in gpus)
         held: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
         unattributed: dict[str, int] = {}
@@ -315,7 +336,7 @@ class Auditor:
         complete = complete and not any(h.unknown_pids for h in holdings)
         report = AuditReport(holdings, unattributed, complete)
         self.last = report
-        await self._act(report)
+        await self._act(report, {g.gpu.uuid for g in gpus if g.processes is None})
         return report
 
     def _places(self, gpus: list[GpuProcesses]) -> dict[int, tuple[str, str]]:
@@ -334,7 +355,10 @@ class Auditor:
         for ident in [i for i in self._known if i not in live]:
             del self._known[ident]
 
-    async def _act(self, report: AuditReport) -> None:
+    async def _act(self, report: AuditReport, unread: set[str]) -> None:
+        """Start, continue or end each container's over-the-cap episode per GPU; an episode
+        ends after ``rounds`` checks in a row under the cap (so one that dips under now and
+        then is still evicted), and a GPU whose list could not be read changes nothing."""
         over_now: set[tuple[str, str]] = set()
         evicted: set[str] = set()  # pods asked for this time (a container over on two GPUs)
         for h in report.holdings:
@@ -344,6 +368,7 @@ class Auditor:
             over_now.add(key)
             ep = self._episodes.setdefault(key, _Episode())
             ep.rounds += 1
+            ep.under = 0
             t = h.tracked
             if ep.rounds == 1:
                 self.episodes += 1
@@ -361,8 +386,12 @@ class Auditor:
                 ep.evicted = t.pod_uid in evicted or await self._evict(h)
                 if ep.evicted:
                     evicted.add(t.pod_uid)
-        for key in [k for k in self._episodes if k not in over_now]:
-            del self._episodes[key]
+        for key, ep in list(self._episodes.items()):
+            if key in over_now or key[1] in unread:
+                continue
+            ep.under += 1
+            if ep.under >= self.rounds:
+                del self._episodes[key]
 
     def _message(self, h: Holding) -> str:
         t = h.tracked
@@ -389,7 +418,7 @@ class Auditor:
             reporting_component=COMPONENT, reporting_instance=self._node or COMPONENT,
             first_timestamp=now, last_timestamp=now, count=1)
         try:
-            await self._api.create_namespaced_event(t.namespace, body)
+            await self._api.create_namespaced_event(t.namespace, body, _request_timeout=TIMEOUT)
         except API_ERRORS as exc:  # the Event is a courtesy: the metric and the log stand
             self.errors += 1
             logger.warning("cannot record the over-limit Event", extra={
@@ -403,13 +432,19 @@ class Auditor:
         if self._api is None:
             return False
         t = h.tracked
-        body = client.V1Eviction(api_version="policy/v1", kind="Eviction",
-                                 metadata=client.V1ObjectMeta(name=t.pod, namespace=t.namespace))
+        # the UID precondition: a pod made since under the same name (a StatefulSet's) is not
+        # the one that went over
+        body = client.V1Eviction(
+            api_version="policy/v1", kind="Eviction",
+            metadata=client.V1ObjectMeta(name=t.pod, namespace=t.namespace),
+            delete_options=client.V1DeleteOptions(
+                preconditions=client.V1Preconditions(uid=t.pod_uid)))
         try:
-            await self._api.create_namespaced_pod_eviction(t.pod, t.namespace, body)
+            await self._api.create_namespaced_pod_eviction(t.pod, t.namespace, body,
+                                                           _request_timeout=TIMEOUT)
         except API_ERRORS as exc:
-            if getattr(exc, "status", None) == 404:
-                return True  # gone already
+            if getattr(exc, "status", None) in (404, 409):
+                return True  # gone already, or only another pod has the name now
             self.errors += 1
             logger.warning("eviction refused or failed (a PodDisruptionBudget answers 429); "
                            "retried at the next check", extra={

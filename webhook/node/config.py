@@ -58,7 +58,8 @@ class AgentSettings:
     """What the check does about a container over its cap, beyond the metric, the log and a
     Warning Event: "none", or "evict" its pod (Eviction API). Default none."""
     over_limit_rounds: int = 3
-    """Consecutive checks a container must be over its cap before its pod is evicted. Default 3."""
+    """Checks a container must be found over its cap in one episode before its pod is evicted;
+    the episode ends after as many checks in a row under it. Default 3."""
     split_count: int = 10
     """Slices per physical GPU: nvidia.com/gpu capacity = healthy GPUs x this. Default 10."""
     resource_gpu: str = "nvidia.com/gpu"
@@ -167,7 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="none, or evict the pod of a container over its cap "
                         "(default %(default)s)")
     p.add_argument("--over-limit-rounds", type=int, default=d["over_limit_rounds"].default,
-                   help="consecutive checks over the cap before an eviction "
+                   help="checks over the cap (in one episode) before an eviction "
                         "(default %(default)s)")
     p.add_argument("--split-count", type=int, default=d["split_count"].default,
                    help="slices per GPU (default %(default)s)")

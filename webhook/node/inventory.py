@@ -240,8 +240,8 @@ class Inventory:
             return out
 
     def processes(self) -> list[GpuProcesses]:
-        """Per GPU of the last discovery: NVML's compute and graphics processes (host pids) and
-        the memory each holds (empty without NVML)."""
+        """Per GPU of the last discovery: NVML's compute, graphics and MPS client processes (host
+        pids) and the memory each holds (empty without NVML)."""
         with self._lock:
             if not self._initialised or not self._last.available:
                 return []
@@ -256,11 +256,12 @@ class Inventory:
             return GpuProcesses(gpu, None, None)
         held: dict[int, int | None] = {}
         for query, optional in ((nvml.nvmlDeviceGetComputeRunningProcesses, False),
-                                (nvml.nvmlDeviceGetGraphicsRunningProcesses, True)):
+                                (nvml.nvmlDeviceGetGraphicsRunningProcesses, True),
+                                (nvml.nvmlDeviceGetMPSComputeRunningProcesses, True)):
             try:
                 found = query(handle)
             except _NO_SUCH_QUERY:
-                if optional:  # a compute-only board or driver has no graphics list
+                if optional:  # a board or driver without graphics or MPS lists
                     continue
                 return GpuProcesses(gpu, total, None)
             except pynvml.NVMLError:

@@ -204,8 +204,7 @@ class Agent:
             await self._rounds(stop)
         finally:
             if audits is not None:
-                if not stop.is_set():
-                    audits.cancel()
+                audits.cancel()  # a check waiting on the API server must not hold up SIGTERM
                 with contextlib.suppress(asyncio.CancelledError):
                     await audits
 

@@ -205,11 +205,17 @@ class AgentCollector(Collector):
         over = GaugeMetricFamily("gpuslice_container_memory_over_limit",
                                  "1 when the outside check saw the container hold more than its "
                                  "cap (plus the tolerance) on the device", labels=_CTR_LABELS)
+        # one series per label set: a container restarted while a process of its old instance
+        # still holds memory has two IDs under one name
+        by_label: dict[tuple[str, str, str, str], tuple[int, bool]] = {}
         for h in report.holdings:
             t = h.tracked
-            lab = [t.namespace, t.pod, t.container, h.uuid]
-            seen.add_metric(lab, h.used_bytes)
-            over.add_metric(lab, 1 if h.over(auditor.tolerance) else 0)
+            key = (t.namespace, t.pod, t.container, h.uuid)
+            size, was_over = by_label.get(key, (0, False))
+            by_label[key] = (size + h.used_bytes, was_over or h.over(auditor.tolerance))
+        for key, (size, is_over) in by_label.items():
+            seen.add_metric(list(key), size)
+            over.add_metric(list(key), 1 if is_over else 0)
         other = GaugeMetricFamily("gpuslice_gpu_memory_unattributed_bytes",
                                   "GPU memory held by processes of no gpuslice container (other "
                                   "pods, the host)", labels=["uuid"])
