@@ -608,6 +608,15 @@ async def test_a_container_whose_id_is_not_in_its_pods_status_yet_is_looked_up_a
         report = await auditor.check()
         assert [h.used_bytes for h in report.holdings] == [8 * GIB] and report.complete
         assert _lists(kube) == 2
+        # a debug container (no cap) using the GPU: reported, so not ours, not asked again
+        pod["status"]["ephemeralContainerStatuses"] = [
+            {"name": "debug", "containerID": f"containerd://{cid('debug')}", "ready": False,
+             "restartCount": 0, "image": "cuda", "imageID": ""}]
+        kube.put(pod)
+        node.run(99, systemd_cgroup(pod["metadata"]["uid"], cid("debug")), {0: GIB})
+        for _ in range(3):
+            report = await auditor.check()
+        assert report.complete and report.unattributed[GPU0] == GIB and _lists(kube) == 3
 
 
 async def test_a_container_that_dips_under_its_cap_now_and_then_is_still_evicted(

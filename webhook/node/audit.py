@@ -296,7 +296,8 @@ class Auditor:
         listed = {p.metadata.uid for p in pods if p.metadata and p.metadata.uid}
         reported = {_container_id(st.container_id) for p in pods if p.status
                     for st in [*(p.status.container_statuses or []),
-                               *(p.status.init_container_statuses or [])]}
+                               *(p.status.init_container_statuses or []),
+                               *(p.status.ephemeral_container_statuses or [])]}
         lagging = False
         for ident in missing - self._known.keys():
             if wanted[ident] in listed and ident not in reported:
