@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from node.fakenvml import GIB, FakeDevice, FakeNvml
-from node.test_audit import as_models, cid, gpu_pod, systemd_cgroup
+from node.test_audit import as_models, cid, one_gpu, systemd_cgroup
 
 from webhook.node.audit import Auditor
 from webhook.node.inventory import Inventory
@@ -43,7 +43,7 @@ async def bench(pods: int, procs: int, rounds: int) -> None:
     listed = []
     pid = 1000
     for p in range(pods):
-        pod = gpu_pod(f"p{p}", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "8192"}})
+        pod = one_gpu(f"p{p}", 8192)
         listed.append(pod)
         for _ in range(procs):
             (proc / str(pid)).mkdir()

@@ -127,6 +127,11 @@ def gpu_pod(name: str, containers: dict[str, dict[str, Any]], *, namespace: str 
     return mutated
 
 
+def one_gpu(name: str, mib: int) -> dict[str, Any]:
+    """A pod with one container ``a`` of one GPU capped at ``mib`` MiB."""
+    return gpu_pod(name, {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": str(mib)}})
+
+
 async def as_models(*pods: dict[str, Any]) -> list[client.V1Pod]:
     """The pods as the client reads them from the API server."""
     async with client.ApiClient() as api:
@@ -166,18 +171,18 @@ async def test_an_init_container_is_tracked_and_named_as_one() -> None:
 
 
 async def test_pods_admitted_before_the_limits_annotation_use_the_spec_env() -> None:
-    pod = gpu_pod("old", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "2048"}})
+    pod = one_gpu("old", 2048)
     del pod["metadata"]["annotations"][names.limits_annotation("a")]
     assert tracked_containers(await as_models(pod))[cid("old/a")].cap == Cap(limit_bytes=2 * GIB)
 
 
 async def test_pods_not_ours_or_not_started_are_not_tracked() -> None:
-    ours = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
-    foreign = gpu_pod("hami", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    ours = one_gpu("p", 1024)
+    foreign = one_gpu("hami", 1024)
     del foreign["metadata"]["annotations"][names.ANN_MUTATED]  # env that looks like ours
     pending = gpu_pod("q", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}},
                       started=False)
-    waiting = gpu_pod("w", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    waiting = one_gpu("w", 1024)
     del waiting["status"]["containerStatuses"][0]["containerID"]
     got = tracked_containers(await as_models(ours, foreign, pending, waiting))
     assert set(got) == {cid("p/a")}
@@ -273,7 +278,7 @@ async def test_a_tampered_region_does_not_hide_memory_from_the_outside_check(
     region's figures say nothing is wrong, NVML and the cgroups do."""
     node = Node(tmp_path)
     state = tmp_path / "state"
-    pod = gpu_pod("sneaky", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240"}})
+    pod = one_gpu("sneaky", 10240)
     node.run_in(pod, "a", 4242, {0: 12 * GIB})
     async with FakeKube() as kube:
         pod = kube.put(pod)
@@ -328,7 +333,7 @@ async def test_a_tampered_region_does_not_hide_memory_from_the_outside_check(
 async def test_evict_after_the_rounds_a_refusal_is_retried_and_only_once(
         tmp_path: Path) -> None:
     node = Node(tmp_path)
-    pod = gpu_pod("hog", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096"}})
+    pod = one_gpu("hog", 4096)
     node.run_in(pod, "a", 5000, {0: 5 * GIB})
     async with FakeKube() as kube:
         kube.put(pod)
@@ -368,7 +373,7 @@ async def test_a_pod_over_on_two_gpus_is_evicted_once(tmp_path: Path) -> None:
 
 async def test_the_tolerance_and_an_unknown_figure(tmp_path: Path) -> None:
     node = Node(tmp_path)
-    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    pod = one_gpu("p", 1024)
     node.run_in(pod, "a", 10, {0: 1024 * MIB + 100 * MIB})
     node.run_in(pod, "a", 11, {0: None})  # NVML cannot say (counted as 0, listed)
     async with FakeKube() as kube:
@@ -386,7 +391,7 @@ async def test_the_tolerance_and_an_unknown_figure(tmp_path: Path) -> None:
 async def test_a_cgroup_naming_another_pods_container_is_not_believed(tmp_path: Path) -> None:
     """A process whose cgroup pairs a container ID with another pod's UID is nobody's."""
     node = Node(tmp_path)
-    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    pod = one_gpu("p", 1024)
     node.run(20, systemd_cgroup(str(uuid.uuid4()), cid("p/a")), {0: 2 * GIB})
     async with FakeKube() as kube:
         kube.put(pod)
@@ -405,7 +410,7 @@ async def test_new_containers_are_looked_up_unknown_ones_after_a_while(tmp_path:
         await auditor.check()
         assert _lists(kube) == 1
         # a new gpuslice container starts: looked up at once
-        pod = gpu_pod("late", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+        pod = one_gpu("late", 1024)
         kube.put(pod)
         node.run_in(pod, "a", 31, {0: 2 * GIB})
         report = await auditor.check()
@@ -426,7 +431,7 @@ async def test_new_containers_are_looked_up_unknown_ones_after_a_while(tmp_path:
 async def test_api_outage_and_nvml_failure_leave_the_check_incomplete_not_broken(
         tmp_path: Path) -> None:
     node = Node(tmp_path)
-    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096"}})
+    pod = one_gpu("p", 4096)
     node.run_in(pod, "a", 40, {0: 2 * GIB, 1: 2 * GIB})
     async with FakeKube() as kube:
         kube.put(pod)
@@ -469,7 +474,7 @@ async def test_pids_of_another_namespace_are_explained_once(
 
 async def test_graphics_and_compute_lists_are_one_process(tmp_path: Path) -> None:
     node = Node(tmp_path)
-    pod = gpu_pod("viz", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    pod = one_gpu("viz", 1024)
     node.run_in(pod, "a", 50, {0: 700 * MIB})
     node.nvml.devices[0].graphics[50] = 700 * MIB
     async with FakeKube() as kube:
@@ -484,7 +489,7 @@ async def test_the_agent_runs_the_check_beside_its_rounds_and_serves_it(tmp_path
 
     from node.test_agent import LIB, _node, _scrape, _settings
     node = Node(tmp_path)
-    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    pod = one_gpu("p", 1024)
     node.run_in(pod, "a", 60, {0: 3 * GIB})
     settings = _settings(tmp_path, proc_root=str(node.proc), audit_interval=0.05,
                          over_limit_action="evict", over_limit_rounds=2)
@@ -523,7 +528,7 @@ def test_the_check_is_off_at_interval_zero(tmp_path: Path) -> None:
 async def test_a_missing_graphics_query_is_no_gap_a_missing_compute_query_is(
         tmp_path: Path) -> None:
     node = Node(tmp_path)
-    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    pod = one_gpu("p", 1024)
     node.run_in(pod, "a", 80, {0: GIB, 1: GIB})
     node.nvml.devices[0].fail["nvmlDeviceGetGraphicsRunningProcesses"] = \
         pynvml.NVML_ERROR_FUNCTION_NOT_FOUND  # an old driver
@@ -549,7 +554,7 @@ async def test_memory_on_a_gpu_not_assigned_to_the_container_is_a_breach(
     """The bind's device annotation names the container's GPUs; any memory on another one (a
     runtime that exposed every GPU, say) is reported whatever the cap and the tolerance."""
     node = Node(tmp_path)
-    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240"}})
+    pod = one_gpu("p", 10240)
     pod["metadata"]["annotations"][names.devices_annotation("a")] = f" {GPU0} "
     node.run_in(pod, "a", 90, {0: 2 * GIB, 1: 300 * MIB})
     async with FakeKube() as kube, kube.api_client() as api:
@@ -570,14 +575,14 @@ async def test_a_new_pod_under_the_evicted_ones_name_is_not_evicted(tmp_path: Pa
     """A StatefulSet's db-0 went over, was deleted and made again (a new UID) while the old
     process lingers: the eviction carries the old UID as its precondition."""
     node = Node(tmp_path)
-    old = gpu_pod("db-0", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    old = one_gpu("db-0", 1024)
     node.run_in(old, "a", 95, {0: 3 * GIB})
     async with FakeKube() as kube, kube.api_client() as api:
         kube.put(old)
         auditor = _auditor(node, api, action="evict", rounds=2)
         await auditor.check()
         kube.delete("pods", "db-0", "ml")
-        new = gpu_pod("db-0", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+        new = one_gpu("db-0", 1024)
         new["status"]["containerStatuses"][0]["containerID"] = f"containerd://{cid('db-0/a/2')}"
         kube.put(new)
         await auditor.check()
@@ -594,7 +599,7 @@ async def test_a_container_whose_id_is_not_in_its_pods_status_yet_is_looked_up_a
     """kubelet writes a started container's ID into the status a little later; a check in
     between is incomplete and the next one finds the container (not UNKNOWN_TTL later)."""
     node = Node(tmp_path)
-    pod = gpu_pod("fresh", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    pod = one_gpu("fresh", 1024)
     reported = copy.deepcopy(pod["status"])
     del pod["status"]["containerStatuses"][0]["containerID"]
     node.run_in(pod, "a", 96, {0: 8 * GIB})
@@ -622,7 +627,7 @@ async def test_a_container_whose_id_is_not_in_its_pods_status_yet_is_looked_up_a
 async def test_a_container_that_dips_under_its_cap_now_and_then_is_still_evicted(
         tmp_path: Path) -> None:
     node = Node(tmp_path)
-    pod = gpu_pod("flap", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    pod = one_gpu("flap", 1024)
     node.run_in(pod, "a", 97, {0: 4 * GIB})
     async with FakeKube() as kube, kube.api_client() as api:
         kube.put(pod)
@@ -636,7 +641,7 @@ async def test_a_container_that_dips_under_its_cap_now_and_then_is_still_evicted
 
 async def test_mps_clients_are_counted(tmp_path: Path) -> None:
     node = Node(tmp_path)
-    pod = gpu_pod("mps", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}})
+    pod = one_gpu("mps", 1024)
     node.run_in(pod, "a", 98, {})
     node.nvml.devices[0].mps[98] = 2 * GIB
     async with FakeKube() as kube, kube.api_client() as api:
@@ -648,7 +653,7 @@ async def test_mps_clients_are_counted(tmp_path: Path) -> None:
 async def test_a_restarted_container_beside_its_old_instance_is_one_series(
         tmp_path: Path) -> None:
     node = Node(tmp_path)
-    pod = gpu_pod("r", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096"}})
+    pod = one_gpu("r", 4096)
     node.run_in(pod, "a", 100, {0: 1 * GIB})
     async with FakeKube() as kube, kube.api_client() as api:
         kube.put(pod)

@@ -221,41 +221,40 @@ class AgentCollector(Collector):
                                   "pods, the host)", labels=["uuid"])
         for uuid, size in sorted(report.unattributed.items()):
             other.add_metric([uuid], size)
-        complete = GaugeMetricFamily("gpuslice_agent_audit_complete",
-                                     "1 when the last outside check placed every GPU process")
-        complete.add_metric([], 1 if report.complete else 0)
-        last = GaugeMetricFamily("gpuslice_agent_last_audit_timestamp_seconds",
-                                 "Unix time of the last outside check (0 = never)")
-        last.add_metric([], self._status.last_audit)
-        errors = CounterMetricFamily("gpuslice_agent_audit_errors",
-                                     "outside checks, Events or evictions that failed")
-        errors.add_metric([], auditor.errors)
-        events = CounterMetricFamily("gpuslice_agent_over_limit_events",
-                                     "containers found over their cap (one per episode)")
-        events.add_metric([], auditor.episodes)
-        evictions = CounterMetricFamily("gpuslice_agent_evictions",
-                                        "pods evicted for a container over its cap")
-        evictions.add_metric([], auditor.evictions)
-        yield from (seen, over, other, complete, last, errors, events, evictions)
+        yield from (seen, over, other)
+        yield GaugeMetricFamily("gpuslice_agent_audit_complete",
+                                "1 when the last outside check placed and measured every GPU "
+                                "process", value=1 if report.complete else 0)
+        yield GaugeMetricFamily("gpuslice_agent_last_audit_timestamp_seconds",
+                                "Unix time of the last outside check (0 = never)",
+                                value=self._status.last_audit)
+        yield CounterMetricFamily("gpuslice_agent_audit_errors",
+                                  "outside checks, Events or evictions that failed",
+                                  value=auditor.errors)
+        yield CounterMetricFamily("gpuslice_agent_over_limit_events",
+                                  "containers found over their cap (one per episode)",
+                                  value=auditor.episodes)
+        yield CounterMetricFamily("gpuslice_agent_evictions",
+                                  "pods evicted for a container over its cap",
+                                  value=auditor.evictions)
 
     def _collect_agent(self) -> Iterator[Metric]:
         st = self._status
         info = GaugeMetricFamily("gpuslice_agent_info", "agent version and installed library",
                                  labels=["version", "library"])
         info.add_metric([__version__, st.library], 1)
-        perr = CounterMetricFamily("gpuslice_agent_publish_errors",
-                                   "failed attempts to publish the node's GPUs")
-        perr.add_metric([], st.publish_errors)
-        last = GaugeMetricFamily("gpuslice_agent_last_publish_success_timestamp_seconds",
-                                 "Unix time of the last successful publication (0 = never)")
-        last.add_metric([], st.last_publish_success)
-        removed = CounterMetricFamily("gpuslice_agent_state_dirs_removed",
-                                      "state dirs of departed pods removed")
-        removed.add_metric([], st.cleanup_removed)
-        libs = CounterMetricFamily("gpuslice_agent_libraries_removed",
-                                   "unused old library versions removed")
-        libs.add_metric([], st.libraries_removed)
-        yield from (info, perr, last, removed, libs)
+        yield info
+        yield CounterMetricFamily("gpuslice_agent_publish_errors",
+                                  "failed attempts to publish the node's GPUs",
+                                  value=st.publish_errors)
+        yield GaugeMetricFamily("gpuslice_agent_last_publish_success_timestamp_seconds",
+                                "Unix time of the last successful publication (0 = never)",
+                                value=st.last_publish_success)
+        yield CounterMetricFamily("gpuslice_agent_state_dirs_removed",
+                                  "state dirs of departed pods removed", value=st.cleanup_removed)
+        yield CounterMetricFamily("gpuslice_agent_libraries_removed",
+                                  "unused old library versions removed",
+                                  value=st.libraries_removed)
 
 
 def make_registry(collector: AgentCollector) -> CollectorRegistry:
