@@ -47,6 +47,10 @@ class FakeNvml:
         self.initialised = False
         self.init_calls = 0
         self.count_error: int | None = None
+        self.absent: set[str] = set()
+        """Versioned symbols this driver lacks (``nvmlDeviceGetComputeRunningProcesses_v3``: a
+        driver before about 510): pynvml's unversioned call for a missing ``_v3`` raises
+        NVMLLibraryMismatchError, a missing versioned one NVML_ERROR_FUNCTION_NOT_FOUND."""
 
     # --- library ---
     def nvmlInit(self) -> None:
@@ -106,19 +110,51 @@ class FakeNvml:
         return [SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
                                 computeInstanceId=0xFFFFFFFF) for pid, used in held.items()]
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
-        return self._process_list(self._dev(handle, "nvmlDeviceGetComputeRunningProcesses")
-                                  .processes)
+    def _symbol(self, name: str) -> None:
+        if name in self.absent:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
 
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[Any]:
-        d = self._dev(handle, "nvmlDeviceGetGraphicsRunningProcesses")
+    def _unversioned(self, name: str) -> None:
+        if f"{name}_v3" in self.absent:
+            raise pynvml.NVMLLibraryMismatchError("Unversioned function called and the pyNVML "
+                                                  "version does not match the NVML lib version.")
+
+    # a failure set in FakeDevice.fail under the unversioned name fails every version
+    def _compute(self, handle: int, fn: str) -> list[Any]:
+        return self._process_list(self._dev(handle, fn).processes)
+
+    def _graphics(self, handle: int, fn: str) -> list[Any]:
+        d = self._dev(handle, fn)
         if not d.graphics_supported:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return self._process_list(d.graphics)
 
+    def _mps(self, handle: int, fn: str) -> list[Any]:
+        return self._process_list(self._dev(handle, fn).mps)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        self._unversioned("nvmlDeviceGetComputeRunningProcesses")
+        return self._compute(handle, "nvmlDeviceGetComputeRunningProcesses")
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: int) -> list[Any]:
+        self._symbol("nvmlDeviceGetComputeRunningProcesses_v2")
+        return self._compute(handle, "nvmlDeviceGetComputeRunningProcesses")
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[Any]:
+        self._unversioned("nvmlDeviceGetGraphicsRunningProcesses")
+        return self._graphics(handle, "nvmlDeviceGetGraphicsRunningProcesses")
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v2(self, handle: int) -> list[Any]:
+        self._symbol("nvmlDeviceGetGraphicsRunningProcesses_v2")
+        return self._graphics(handle, "nvmlDeviceGetGraphicsRunningProcesses")
+
     def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: int) -> list[Any]:
-        return self._process_list(self._dev(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
-                                  .mps)
+        self._unversioned("nvmlDeviceGetMPSComputeRunningProcesses")
+        return self._mps(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
+
+    def nvmlDeviceGetMPSComputeRunningProcesses_v2(self, handle: int) -> list[Any]:
+        self._symbol("nvmlDeviceGetMPSComputeRunningProcesses_v2")
+        return self._mps(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
         d = self._dev(handle, "nvmlDeviceGetRetiredPagesPendingStatus")

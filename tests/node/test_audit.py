@@ -549,6 +549,30 @@ async def test_a_missing_graphics_query_is_no_gap_a_missing_compute_query_is(
         assert not report.complete and [h.uuid for h in report.holdings] == [GPU0]
 
 
+async def test_a_driver_before_v3_process_lists_is_judged_through_v2(tmp_path: Path) -> None:
+    """A driver before about 510 has no ``_v3`` process queries, behind pynvml's unversioned
+    call: the check asks for ``_v2`` (same entries) and judges the GPU; a driver with neither
+    leaves it unjudged."""
+    node = Node(tmp_path)
+    pod = one_gpu("p", 1024)
+    node.run_in(pod, "a", 80, {0: 2 * GIB})
+    node.nvml.devices[0].graphics[81] = 512 * MIB  # a graphics context in the same container
+    node.nvml.devices[0].mps[82] = 0
+    node.nvml.absent = {f"nvmlDeviceGet{kind}RunningProcesses_v3"
+                        for kind in ("Compute", "Graphics", "MPSCompute")}
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api)
+        report = await auditor.check()
+        assert report.complete
+        (h,) = report.holdings
+        assert (h.uuid, h.used_bytes, h.pids, h.over(0)) == (GPU0, 2 * GIB, (80,), True)
+        assert report.unattributed == {GPU0: 512 * MIB, GPU1: 0}
+        node.nvml.absent |= {"nvmlDeviceGetComputeRunningProcesses_v2"}
+        report = await auditor.check()
+        assert not report.complete and report.holdings == ()
+
+
 async def test_memory_on_a_gpu_not_assigned_to_the_container_is_a_breach(
         tmp_path: Path) -> None:
     """The bind's device annotation names the container's GPUs; any memory on another one (a

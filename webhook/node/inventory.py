@@ -255,16 +255,14 @@ class Inventory:
         except pynvml.NVMLError:
             return GpuProcesses(gpu, None, None)
         held: dict[int, int | None] = {}
-        for query, optional in ((nvml.nvmlDeviceGetComputeRunningProcesses, False),
-                                (nvml.nvmlDeviceGetGraphicsRunningProcesses, True),
-                                (nvml.nvmlDeviceGetMPSComputeRunningProcesses, True)):
+        for kind, optional in (("Compute", False), ("Graphics", True), ("MPSCompute", True)):
             try:
-                found = query(handle)
-            except _NO_SUCH_QUERY:
+                found = self._process_list(kind, handle)
+            except pynvml.NVMLError:
+                return GpuProcesses(gpu, total, None)
+            if found is None:
                 if optional:  # a board or driver without graphics or MPS lists
                     continue
-                return GpuProcesses(gpu, total, None)
-            except pynvml.NVMLError:
                 return GpuProcesses(gpu, total, None)
             for p in found:
                 # one process in both lists reports its memory twice: keep the larger figure
@@ -272,6 +270,22 @@ class Inventory:
                 before = held.get(int(p.pid))
                 held[int(p.pid)] = used if before is None else max(before, used or 0)
         return GpuProcesses(gpu, total, held)
+
+    def _process_list(self, kind: str, handle: Any) -> list[Any] | None:
+        """NVML's ``kind`` process list of a GPU, None if the driver has no such query (a failing
+        one raises its NVMLError). pynvml's unversioned query asks for ``_v3``; drivers older
+        than that symbol (R450 to about R510) have ``_v2``, with the same entries."""
+        names = [f"nvmlDeviceGet{kind}RunningProcesses", f"nvmlDeviceGet{kind}RunningProcesses_v2"]
+        for name in names:
+            query = getattr(self._nvml, name, None)
+            if query is None:
+                continue
+            try:
+                found = list(query(handle))
+            except _NO_SUCH_QUERY:
+                continue
+            return found
+        return None
 
     def _shutdown_locked(self) -> None:
         if self._initialised:
