@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Cost of the agent's outside memory check (webhook/node/audit.py) on a busy node.
 
-A fake node (the agent tests' fake NVML, a /proc tree of cgroup files) with P pods of one GPU
-container each, K processes per container spread over 8 GPUs, all admitted by the real webhook
-mutation and listed as the API server would. Times ``Auditor.check`` side by side:
+A fake node (the agent tests' fake NVML, a /proc tree of cgroup and stat files) with P pods of
+one GPU container each, K processes per container spread over 8 GPUs, all admitted by the real
+webhook mutation and listed as the API server would. Times ``Auditor.check`` side by side:
 
 * ``first``: a check that maps every container (reads the pod list once);
-* ``steady``: the checks after it (cgroups read again, no pod list);
+* ``steady``: the checks after it (cgroups and start times read again, no pod list);
 
 and counts the pod lists. The check runs every ``agent.audit.interval`` (10 s) off every hot
 path; what matters is that it stays a small fraction of a core and costs the API server
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from node.fakenvml import GIB, FakeDevice, FakeNvml
-from node.test_audit import as_models, cid, one_gpu, systemd_cgroup
+from node.test_audit import as_models, cid, one_gpu, stat_line, systemd_cgroup
 
 from webhook.node.audit import Auditor
 from webhook.node.inventory import Inventory
@@ -49,6 +49,7 @@ async def bench(pods: int, procs: int, rounds: int) -> None:
             (proc / str(pid)).mkdir()
             (proc / str(pid) / "cgroup").write_text(
                 systemd_cgroup(pod["metadata"]["uid"], cid(f"p{p}/a")))
+            (proc / str(pid) / "stat").write_text(stat_line(pid, 1))
             nvml.devices[p % 8].processes[pid] = GIB
             pid += 1
     models = await as_models(*listed)

@@ -74,6 +74,8 @@ def _agent_check(lab, pids: list[int]) -> dict:
         (proc / str(pid) / "cgroup").write_text(
             f"0::/../../kubepods-burstable.slice/kubepods-burstable-pod"
             f"{POD_UID.replace('-', '_')}.slice/cri-containerd-{CONTAINER_ID}.scope\n")
+        # the real process's start time: the check reads it to tell a reused pid
+        (proc / str(pid) / "stat").write_text(Path(f"/proc/{pid}/stat").read_text())
     pod_file = lab.tmp / "pod.json"
     pod_file.write_text(json.dumps(_pod()))
     env = {k: v for k, v in lab.env().items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}

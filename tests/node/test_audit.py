@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,11 @@ from webhook.admission.mutate import mutate_pod
 from webhook.node.audit import (
     Auditor,
     Cap,
+    boot_ticks,
     cap_from,
     parse_size,
     pod_and_container,
+    start_ticks,
     tracked_containers,
 )
 from webhook.node.config import AgentSettings
@@ -188,6 +191,23 @@ async def test_pods_not_ours_or_not_started_are_not_tracked() -> None:
     assert set(got) == {cid("p/a")}
 
 
+def stat_line(pid: int, started: int, comm: str = "python3") -> str:
+    """A ``/proc/<pid>/stat`` line: fields 4 to 21 are filler, 22 the start time."""
+    return f"{pid} ({comm}) S 1 {pid} {pid} 0 -1 4194560 " + "0 " * 12 + f"{started} 1000 20 0\n"
+
+
+@pytest.mark.parametrize("comm", ["python3", "a b", "x) S 9 (y", ")"])
+def test_the_start_time_is_read_past_any_command_name(comm: str) -> None:
+    assert start_ticks(stat_line(7, 123456, comm)) == 123456
+    assert start_ticks(f"7 ({comm}) S 1") is None and start_ticks("") is None
+
+
+def test_the_boot_clock_counts_in_proc_ticks() -> None:
+    """The running test started before now, in the same ticks its stat says."""
+    mine = start_ticks(Path(f"/proc/{os.getpid()}/stat").read_text())
+    assert mine is not None and 0 < mine < boot_ticks()
+
+
 # ---- the check ---------------------------------------------------------------------------
 
 class Node:
@@ -200,18 +220,21 @@ class Node:
         self.inventory = Inventory(self.nvml)
         self.inventory.discover()
 
-    def run(self, pid: int, cgroup: str, held: dict[int, int | None]) -> None:
-        """Process ``pid`` in ``cgroup`` holding ``held[gpu index]`` bytes."""
+    def run(self, pid: int, cgroup: str, held: dict[int, int | None], started: int = 1) -> None:
+        """Process ``pid`` in ``cgroup`` holding ``held[gpu index]`` bytes, started ``started``
+        ticks after boot."""
         d = self.proc / str(pid)
         d.mkdir(exist_ok=True)
         (d / "cgroup").write_text(cgroup)
+        (d / "stat").write_text(stat_line(pid, started))
         for index, used in held.items():
             self.nvml.devices[index].processes[pid] = used
 
     def run_in(self, pod: dict[str, Any], container: str, pid: int,
-               held: dict[int, int | None]) -> None:
+               held: dict[int, int | None], started: int = 1) -> None:
         self.run(pid, systemd_cgroup(pod["metadata"]["uid"],
-                                     cid(pod["metadata"]["name"] + "/" + container)), held)
+                                     cid(pod["metadata"]["name"] + "/" + container)), held,
+                 started)
 
     def stop(self, pid: int) -> None:
         for dev in self.nvml.devices:
@@ -547,6 +570,35 @@ async def test_a_missing_graphics_query_is_no_gap_a_missing_compute_query_is(
             pynvml.NVML_ERROR_NOT_SUPPORTED
         report = await auditor.check()
         assert not report.complete and [h.uuid for h in report.holdings] == [GPU0]
+
+
+async def test_a_pid_reused_since_nvmls_list_is_not_placed(tmp_path: Path) -> None:
+    """NVML listed pid 70 of container p/a; before its cgroup was read the process ended and
+    pid 70 went to a process of another gpuslice container. The stat read after the cgroup
+    says that process started after the list: its container is not charged the listed figure,
+    and the check says it is incomplete."""
+    node = Node(tmp_path)
+    small, other = one_gpu("p", 10240), one_gpu("q", 1024)
+    node.run_in(small, "a", 70, {0: 4 * GIB})
+    node.run_in(other, "a", 71, {0: 512 * MIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(small)
+        kube.put(other)
+        auditor = _auditor(node, api, boot_clock=lambda: 5000)
+        report = await auditor.check()
+        assert report.complete and {h.tracked.pod: h.used_bytes for h in report.holdings} == \
+            {"p": 4 * GIB, "q": 512 * MIB}
+        # the reuse: pid 70 is now a process of q/a started at tick 5000, after the list
+        node.run_in(other, "a", 70, {}, started=5000)
+        report = await auditor.check()
+        assert not report.complete
+        assert {h.tracked.pod: (h.used_bytes, h.pids) for h in report.holdings} == \
+            {"q": (512 * MIB, (71,))}
+        assert report.unattributed == {GPU0: 0, GPU1: 0}
+        assert not [o for (p, _, _), o in kube.objects.items() if p == "events"]
+        # a stat that cannot be parsed is not believed either
+        (node.proc / "70" / "stat").write_text("70 (python3) S")
+        assert not (await auditor.check()).complete
 
 
 async def test_a_driver_before_v3_process_lists_is_judged_through_v2(tmp_path: Path) -> None:

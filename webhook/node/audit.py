@@ -36,13 +36,16 @@ remembered for ``UNKNOWN_TTL`` seconds, so processes of other pods or of the hos
 list per check; an ID its listed pod has not reported yet (kubelet writes it a moment after
 the container starts) is looked up again at the next check. Static pods are not checked (the
 webhook does not admit them as GPU pods). A pid reused between NVML's list and the cgroup read
-could put one check's figure on another container; an eviction needs several checks.
+is not placed: after the cgroup, ``<proc>/<pid>/stat`` gives the start time of the process that
+holds the pid now, and one started after the list was taken is not the process NVML listed
+(that check is then incomplete).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import secrets
 import time
@@ -70,6 +73,27 @@ COMPONENT = "gpuslice-agent"
 _POD_DIR = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
                       r"(?:\.slice)?$")
 _CONTAINER_DIR = re.compile(r"^(?:[a-z][a-z0-9-]*-)?([0-9a-f]{64})(?:\.scope)?$")
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def boot_ticks() -> int:
+    """Now, in the clock ticks since boot that ``/proc/<pid>/stat`` gives start times in."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _TICKS)
+
+
+def start_ticks(stat_text: str) -> int | None:
+    """The start time (ticks since boot) in a ``/proc/<pid>/stat`` line, or None. The command
+    name, in parentheses, may hold spaces and parentheses: the fields after its last ``)``
+    count from the state (field 3); the start time is field 22."""
+    fields = stat_text[stat_text.rfind(")") + 1:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+_REUSED = ("", "")
+"""What the cgroup read answers for a pid reused since NVML's list."""
 _SIZE = re.compile(r"^\s*([0-9]+)([kmgt]?)\s*$", re.IGNORECASE)
 _SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
 
@@ -242,7 +266,8 @@ class Auditor:
                  list_pods: Callable[[], Awaitable[list[client.V1Pod]]] | None,
                  api_client: client.ApiClient | None = None, node_name: str = "",
                  tolerance_bytes: int = 0, action: str = "none", rounds: int = 3,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 boot_clock: Callable[[], int] = boot_ticks) -> None:
         if action not in OVER_LIMIT_ACTIONS:
             raise ValueError(f"over-limit action must be one of {OVER_LIMIT_ACTIONS}: {action!r}")
         self._inventory = inventory
@@ -254,6 +279,7 @@ class Auditor:
         self.action = action
         self.rounds = max(1, rounds)
         self._clock = clock
+        self._boot_clock = boot_clock
         self._known: dict[str, Tracked] = {}
         self._unknown: dict[str, float] = {}
         self._episodes: dict[tuple[str, str], _Episode] = {}
@@ -264,11 +290,20 @@ class Auditor:
         self.episodes = 0
         self.events = 0
 
-    def _cgroup(self, pid: int) -> tuple[str, str] | None:
+    def _cgroup(self, pid: int, listed: int) -> tuple[str, str] | None:
+        """The pod UID and container ID of ``pid`` (None: not a container's, or gone); _REUSED if
+        the pid is held by a process started at or after ``listed`` (boot ticks before NVML's
+        list was taken): the listed process ended and the pid was reused."""
+        d = self._proc / str(pid)
         try:
-            text = (self._proc / str(pid) / "cgroup").read_text(errors="replace")
+            text = (d / "cgroup").read_text(errors="replace")
+            # read second: a process that holds the pid now and started before the list is the
+            # one NVML listed, and so was the one whose cgroup was read (pids are unique)
+            started = start_ticks((d / "stat").read_text(errors="replace"))
         except OSError:
             return None  # gone since NVML listed it, or never ours to read
+        if started is None or started >= listed:
+            return _REUSED
         return pod_and_container(text)
 
     async def _refresh(self, wanted: Mapping[str, str]) -> bool:
@@ -308,15 +343,18 @@ class Auditor:
 
     async def check(self) -> AuditReport:
         """Read NVML's processes, place them, compare with the caps, act; return the report."""
+        listed = self._boot_clock()
         gpus: list[GpuProcesses] = await asyncio.to_thread(self._inventory.processes)
-        places = await asyncio.to_thread(self._places, gpus)
+        places, reused = await asyncio.to_thread(self._places, gpus, listed)
         complete = await self._refresh({c: pod for pod, c in places.values()})
-        complete = complete and all(g.processes is not None for g in gpus)
+        complete = complete and not reused and all(g.processes is not None for g in gpus)
         held: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
         unattributed: dict[str, int] = {}
         for g in gpus:
             unattributed[g.gpu.uuid] = 0
             for pid, used in (g.processes or {}).items():
+                if pid in reused:  # the listed process is gone: its figure is nobody's now
+                    continue
                 place = places.get(pid)
                 tracked = self._known.get(place[1]) if place else None
                 if place is None or tracked is None or tracked.pod_uid != place[0]:
@@ -340,14 +378,25 @@ class Auditor:
         await self._act(report, {g.gpu.uuid for g in gpus if g.processes is None})
         return report
 
-    def _places(self, gpus: list[GpuProcesses]) -> dict[int, tuple[str, str]]:
+    def _places(self, gpus: list[GpuProcesses],
+                listed: int) -> tuple[dict[int, tuple[str, str]], set[int]]:
+        """Each listed pid's pod UID and container ID (where it is a container's), and the pids
+        reused since the list."""
         pids = {pid for g in gpus for pid in (g.processes or {})}
         if 0 in pids and not self._warned_pid0:
             self._warned_pid0 = True
             logger.warning("NVML lists GPU processes as pid 0: this driver gives process IDs of "
                            "the caller's PID namespace, so the outside memory check cannot place "
                            "them; run the agent with hostPID (chart value agent.hostPID: true)")
-        return {pid: place for pid in pids if (place := self._cgroup(pid)) is not None}
+        places: dict[int, tuple[str, str]] = {}
+        reused: set[int] = set()
+        for pid in pids:
+            place = self._cgroup(pid, listed)
+            if place is _REUSED:
+                reused.add(pid)
+            elif place is not None:
+                places[pid] = place
+        return places, reused
 
     def _forget(self, places: Mapping[int, tuple[str, str]]) -> None:
         """Drop mapped containers no process of which holds GPU memory any more (a container ID
