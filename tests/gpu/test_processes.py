@@ -98,6 +98,64 @@ def test_racing_processes_stay_under_shared_cap(nvml: Nvml, gpubench: Path, lib:
     assert ok, f"answers {answers}; outside max {outside['max_mib']:,.0f} MiB"
 
 
+def _region_used(region: Path) -> int:
+    from webhook.node.region import read_region
+    return read_region(region).devices[0].used_bytes
+
+
+def test_memory_shared_through_cuda_ipc_is_charged_once(nvml: Nvml, gpubench: Path,
+                                                        lib: Path) -> None:
+    """Programs share GPU memory between the processes of a container through CUDA IPC
+    (torch.multiprocessing's CUDA tensors, producer/consumer pipelines): the importer maps the
+    exporter's allocation, which the exporter's budget already holds. The library does not
+    hook the IPC calls, but its reconcile charges whatever NVML says a process holds beyond its
+    records; if the driver counts the mapping for the importer too, the container pays twice
+    (and the agent's outside check, which sums NVML per process, sees it twice). Measured: NVML
+    for the importer and the region's charge across the open, then whether the importer still
+    gets what the cap has left."""
+    region = harness.new_region("ipc")
+    env = harness.capped_env(region)
+    shared = 2 * GIB
+    steps: dict[str, Any] = {}
+    servers: list[Server] = []
+    try:
+        exporter = Server(gpubench, env)
+        servers.append(exporter)
+        importer = Server(gpubench, env)
+        servers.append(importer)
+        steps["export alloc"] = exporter.alloc(shared)
+        assert _granted(steps["export alloc"]), steps
+        handle = exporter.ask("ipcget 0")
+        assert handle.startswith("ipc "), handle
+        time.sleep(1.2)  # the samplers' reconciles (every 500 ms) settle both processes
+        pids = {"exporter": exporter.proc.pid, "importer": importer.proc.pid}
+        before = {k: nvml.pids_used({pid}) for k, pid in pids.items()}
+        steps["region before"] = region_before = _region_used(region)
+        steps["import"] = importer.ask(f"ipcopen {handle.split()[1]}")
+        assert _granted(steps["import"]), steps
+        time.sleep(1.5)
+        after = {k: nvml.pids_used({pid}) for k, pid in pids.items()}
+        steps["region after"] = region_after = _region_used(region)
+        steps["importer view"] = importer.ask("info")
+        # what the cap has left by the exporter's charge alone, less a margin for noise
+        left = CAP_MIB * MIB - region_before - 256 * MIB
+        steps["importer asks what is left"] = importer.alloc(left)
+        steps["close"] = importer.ask(f"free {steps['import'].split()[1]}")
+    finally:
+        for server in servers:
+            server.kill()
+    grew = None if before["importer"] is None or after["importer"] is None else \
+        after["importer"] - before["importer"]
+    charged = region_after - region_before
+    ok = charged < 64 * MIB and _granted(str(steps["importer asks what is left"]))
+    nvml_text = "not listed here" if grew is None else f"{grew / MIB:+,.0f} MiB"
+    rest = "granted" if _granted(str(steps["importer asks what is left"])) else "refused"
+    record("ipc_import", f"importer NVML {nvml_text}, region {charged / MIB:+,.0f} MiB for "
+           f"2,048 MiB shared; rest of cap {rest}", ok, steps=steps, nvml_before=before,
+           nvml_after=after)
+    assert ok, steps
+
+
 def test_the_agents_outside_check_sees_each_process(gpubench: Path, lib: Path) -> None:
     """The agent's outside memory check (webhook/node/audit.py) starts from NVML's per-process
     list as the agent reads it (Inventory.processes): each process of a container is listed

@@ -8,7 +8,10 @@
  * that the driver compiles at load time, so no nvcc is needed either.
  *
  *   gpubench info                         cuMemGetInfo / cuDeviceTotalMem as the process sees them
- *   gpubench serve                        stdin lines: alloc BYTES | free IDX | info | quit
+ *   gpubench serve                        stdin lines: alloc BYTES | free IDX | info | quit |
+ *                                         ipcget IDX (prints "ipc HEX", the CUDA IPC handle of
+ *                                         allocation IDX) | ipcopen HEX (maps another process's
+ *                                         allocation: "ok IDX"; free IDX closes it)
  *   gpubench launch LAUNCHES REPS BATCH   empty-kernel launch cost (CPU call cost and saturated)
  *   gpubench allocfree BYTES PAIRS REPS   cuMemAlloc + cuMemFree pair cost
  *   gpubench legacy MIB                   CUDA 2.x's cuMemAlloc / cuMemFree / cuMemGetInfo (32-bit,
@@ -43,6 +46,9 @@ typedef struct CUstream_st *CUstream;
 typedef unsigned long long CUdeviceptr;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
 
 /* name, return type, parameters: the only driver calls this program makes. */
 #define DRIVER_CALLS(X)                                                                  \
@@ -73,6 +79,9 @@ typedef struct CUgraphExec_st *CUgraphExec;
     X(CUresult, cuGraphExecDestroy, (CUgraphExec exec))                                  \
     X(CUresult, cuGraphDestroy, (CUgraph g))                                             \
     X(CUresult, cuDeviceGraphMemTrim, (CUdevice dev))                                    \
+    X(CUresult, cuIpcGetMemHandle, (CUipcMemHandle * handle, CUdeviceptr ptr))           \
+    X(CUresult, cuIpcOpenMemHandle_v2, (CUdeviceptr * ptr, CUipcMemHandle handle, unsigned flags)) \
+    X(CUresult, cuIpcCloseMemHandle, (CUdeviceptr ptr))                                  \
     X(CUresult, cuGetErrorName, (CUresult err, const char **name))
 
 #ifdef GPUBENCH_DLOPEN
@@ -177,10 +186,38 @@ static int cmd_info(void)
 
 enum { MAX_HELD = 4096 };
 
+/* "ipc HEX" for allocation ptr: the handle as 128 hex digits */
+static void print_ipc(CUdeviceptr ptr)
+{
+    CUipcMemHandle handle;
+    CUresult err = CALL(cuIpcGetMemHandle)(&handle, ptr);
+    if (err != 0) {
+        printf("err %d %s\n", err, error_name(err));
+        return;
+    }
+    printf("ipc ");
+    for (size_t i = 0; i < sizeof(handle.reserved); i++)
+        printf("%02x", (unsigned char)handle.reserved[i]);
+    printf("\n");
+}
+
+/* 128 hex digits back into a handle; 0 on malformed text */
+static int parse_ipc(const char *hex, CUipcMemHandle *handle)
+{
+    for (size_t i = 0; i < sizeof(handle->reserved); i++) {
+        unsigned byte;
+        if (sscanf(hex + 2 * i, "%2x", &byte) != 1)
+            return 0;
+        handle->reserved[i] = (char)byte;
+    }
+    return 1;
+}
+
 static int cmd_serve(void)
 {
     static CUdeviceptr held[MAX_HELD];
-    char line[256];
+    static char imported[MAX_HELD];
+    char line[512], hex[160];
     int count = 0;
     open_device();
     printf("ready %d\n", (int)getpid());
@@ -200,13 +237,31 @@ static int cmd_serve(void)
         } else if (sscanf(line, "free %llu", &arg) == 1) {
             CUresult err = 1;
             if (arg < (unsigned long long)count && held[arg] != 0) {
-                err = CALL(cuMemFree_v2)(held[arg]);
+                err = imported[arg] ? CALL(cuIpcCloseMemHandle)(held[arg]) : CALL(cuMemFree_v2)(held[arg]);
                 held[arg] = 0;
             }
             if (err == 0)
                 printf("ok\n");
             else
                 printf("err %d %s\n", err, error_name(err));
+        } else if (sscanf(line, "ipcget %llu", &arg) == 1) {
+            if (arg < (unsigned long long)count && held[arg] != 0 && !imported[arg])
+                print_ipc(held[arg]);
+            else
+                printf("err 1 CUDA_ERROR_INVALID_VALUE\n");
+        } else if (sscanf(line, "ipcopen %159s", hex) == 1) {
+            CUipcMemHandle handle;
+            CUdeviceptr ptr = 0;
+            CUresult err = 1; /* CUDA_ERROR_INVALID_VALUE */
+            if (strlen(hex) == 2 * sizeof(handle.reserved) && parse_ipc(hex, &handle) && count < MAX_HELD)
+                err = CALL(cuIpcOpenMemHandle_v2)(&ptr, handle, 1 /* lazy peer access */);
+            if (err == 0) {
+                held[count] = ptr;
+                imported[count] = 1;
+                printf("ok %d\n", count++);
+            } else {
+                printf("err %d %s\n", err, error_name(err));
+            }
         } else if (strncmp(line, "info", 4) == 0) {
             CUresult err = CALL(cuMemGetInfo_v2)(&free_bytes, &total_bytes);
             if (err == 0)
