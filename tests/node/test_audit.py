@@ -647,6 +647,36 @@ async def test_memory_on_a_gpu_not_assigned_to_the_container_is_a_breach(
         assert t.gpus == frozenset({GPU0})
 
 
+async def test_a_container_that_requested_no_gpu_but_holds_memory_is_a_breach(
+        tmp_path: Path) -> None:
+    """The webhook gives a GPU pod's other containers NVIDIA_VISIBLE_DEVICES=none; one that
+    still holds GPU memory (a runtime that ignored it, a device node mounted by hand) is
+    reported whatever the tolerance. A sidecar of a pod admitted before (no such env) is not
+    judged: its memory is unattributed."""
+    node = Node(tmp_path)
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}, "side": {}})
+    side = next(c for c in pod["spec"]["containers"] if c["name"] == "side")
+    assert side["env"] == [{"name": names.ENV_VISIBLE_DEVICES, "value": names.NO_GPUS}]
+    node.run_in(pod, "a", 60, {0: 512 * MIB})
+    node.run_in(pod, "side", 61, {1: 300 * MIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, tolerance_bytes=512 * MIB)
+        report = await auditor.check()
+        got = {(h.tracked.container, h.uuid): (h.cap_bytes, h.over(auditor.tolerance))
+               for h in report.holdings}
+        assert got == {("a", GPU0): (GIB, False), ("side", GPU1): (0, True)}
+        (event,) = [o for (p, _, _), o in kube.objects.items() if p == "events"]
+        assert event["involvedObject"]["fieldPath"] == "spec.containers{side}"
+        assert "container side holds 300 MiB on GPU" in event["message"]
+        assert "although it requested no GPU" in event["message"]
+        assert_valid(event)
+    old = copy.deepcopy(pod)
+    del next(c for c in old["spec"]["containers"] if c["name"] == "side")["env"]
+    assert set(tracked_containers(await as_models(old)).values()) == \
+        {t for t in tracked_containers(await as_models(pod)).values() if t.container == "a"}
+
+
 async def test_a_new_pod_under_the_evicted_ones_name_is_not_evicted(tmp_path: Path) -> None:
     """A StatefulSet's db-0 went over, was deleted and made again (a new UID) while the old
     process lingers: the eviction carries the old UID as its precondition."""

@@ -29,6 +29,13 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   on a GPU pod (it would bypass the GPU scheduler), invalid placement annotations, two GPU
   containers whose devices or limits keys coincide (a name spelling out another's shortened
   key: one container would get the other's GPUs and limits).
+* The other containers of a GPU pod (init, sidecar or app containers that request no GPU
+  resource) get ``NVIDIA_VISIBLE_DEVICES=none``, a user value replaced with a warning. CUDA
+  images set ``NVIDIA_VISIBLE_DEVICES=all`` themselves, and under the NVIDIA runtime (the
+  runtime class the pod may be given, or the node's default) such a container would see every
+  GPU of the node, without the library or a cap. ``none`` keeps the driver's libraries in the
+  container (programs linked against them still start) but no GPU. A container asking for any
+  other ``nvidia.com/`` resource (a MIG slice of another device plugin, say) is left alone.
 * Ephemeral containers are left alone (they cannot exist at CREATE).
 """
 
@@ -61,6 +68,8 @@ _OUR_ENV = frozenset({
 })
 _RESERVED_ENV = re.compile(rf"^(GPUSLICE_.*|({names.ENV_MEMORY_LIMIT}|{names.ENV_SM_LIMIT})_[0-9]+)$")
 _RESERVED_PREFIXES = ("GPUSLICE_", "CUDA_DEVICE_")
+_NO_GPUS_ENV = Fragment(name=names.ENV_VISIBLE_DEVICES, value=names.NO_GPUS)
+_NVIDIA_RESOURCES = "nvidia.com/"
 _POLICIES = ("binpack", "spread")
 _DEFAULT_SCHEDULER = "default-scheduler"
 
@@ -154,6 +163,12 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
             _mutate_container(c, gpu_containers[(kind, i)], parts[(kind, i)], settings, work)
             if (kind, i) in gpu_containers else c
             for i, c in enumerate(spec[kind])]
+    for kind in ("initContainers", "containers"):
+        if spec.get(kind):
+            new_spec[kind] = [
+                c if (kind, i) in gpu_containers or _asks_for_nvidia(c, settings)
+                else _without_gpus(c, work)
+                for i, c in enumerate(new_spec.get(kind, spec[kind]))]
     _mutate_pod_spec(new_spec, list(parts.values()), settings, work)
     new_pod = dict(pod)
     new_pod["spec"] = new_spec
@@ -364,6 +379,37 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
             continue
         kept.append(mount)
     new["volumeMounts"] = [*kept, *mounts]
+    return new
+
+
+def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
+    """Whether a container that requests no slice names another device plugin's NVIDIA
+    resource (``nvidia.com/mig-1g.10gb``, say): that plugin gives it its devices."""
+    resources = container.get("resources")
+    if not isinstance(resources, dict):
+        return False
+    return any(isinstance(amounts, dict) and any(
+        isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
+        for k in amounts) for amounts in (resources.get("limits"), resources.get("requests")))
+
+
+def _without_gpus(container: dict[str, Any], work: _Work) -> dict[str, Any]:
+    """A container of a GPU pod that requests no GPU: ``NVIDIA_VISIBLE_DEVICES=none`` first in
+    its env, replacing any value of its own."""
+    env = container.get("env") or ()
+    kept: list[Any] = []
+    theirs: list[Any] = []
+    for e in env:
+        (theirs if isinstance(e, dict) and e.get("name") == names.ENV_VISIBLE_DEVICES
+         else kept).append(e)
+    if any(e != _NO_GPUS_ENV for e in theirs):
+        work.warn(f'container "{container["name"]}" requests no GPU: its env '
+                  f"{names.ENV_VISIBLE_DEVICES} was set to {names.NO_GPUS} (a container of a GPU pod "
+                  f"sees only the GPUs it requests)")
+    if env and env[0] == _NO_GPUS_ENV and len(kept) == len(env) - 1:
+        return container  # mutated before: nothing to change
+    new = dict(container)
+    new["env"] = [_NO_GPUS_ENV, *kept]
     return new
 
 

@@ -22,7 +22,8 @@ change:
 Each check yields one :class:`Holding` per container and GPU: the bytes NVML sees it hold
 against its cap (a percentage resolved against the GPU's NVML total, as the interposer does;
 on a GPU the bind did not assign to it, ``gpuslice.io/devices.<container>``, the cap is 0 and
-the tolerance does not apply: any memory there is a breach of its isolation).
+the tolerance does not apply: any memory there is a breach of its isolation; so it is for the
+pod's containers that requested no GPU, which the webhook gave ``NVIDIA_VISIBLE_DEVICES=none``).
 One over ``cap + tolerance`` is reported in metrics, logged with its figures once per episode,
 and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a pod found over
 in ``--over-limit-rounds`` checks of one episode is evicted through the Eviction API (so
@@ -185,7 +186,8 @@ def _container_id(raw: str | None) -> str | None:
 
 def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
     """Container ID -> :class:`Tracked` for every started container of a gpuslice pod that has
-    a memory cap (the webhook's limits annotation, else its env in the pod spec)."""
+    a memory cap (the webhook's limits annotation, else its env in the pod spec), and for the
+    pod's containers the webhook gave no GPU (``NVIDIA_VISIBLE_DEVICES=none``: no GPU, cap 0)."""
     out: dict[str, Tracked] = {}
     for pod in pods:
         meta, spec, status = pod.metadata, pod.spec, pod.status
@@ -200,14 +202,21 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
             if ident is None:
                 continue
             text = annotations.get(names.limits_annotation(st.name))
-            cap = cap_from(_limits_text(text) if text is not None else env_of.get(st.name, {}))
-            if cap is not None:
-                kind = "initContainers" if st.name in inits else "containers"
+            env = env_of.get(st.name, {})
+            cap = cap_from(_limits_text(text) if text is not None else env)
+            gpus: frozenset[str] | None = None
+            if cap is None:
+                if env.get(names.ENV_VISIBLE_DEVICES) != names.NO_GPUS:
+                    continue
+                # a container the webhook gave no GPU: any GPU memory it holds is a breach
+                cap, gpus = Cap(limit_bytes=0), frozenset()
+            else:
                 devices = annotations.get(names.devices_annotation(st.name))
-                gpus = frozenset(u.strip() for u in devices.split(",") if u.strip()) \
-                    if devices else None
-                out[ident] = Tracked(meta.namespace or "", meta.name or "", meta.uid or "",
-                                     st.name, cap, f"spec.{kind}{{{st.name}}}", gpus)
+                if devices:
+                    gpus = frozenset(u.strip() for u in devices.split(",") if u.strip())
+            kind = "initContainers" if st.name in inits else "containers"
+            out[ident] = Tracked(meta.namespace or "", meta.name or "", meta.uid or "",
+                                 st.name, cap, f"spec.{kind}{{{st.name}}}", gpus)
     return out
 
 
@@ -447,8 +456,12 @@ class Auditor:
         t = h.tracked
         what = (f"evicting after {self.rounds} checks over it" if self.action == "evict"
                 else "not acted on (--over-limit-action none)")
-        over = (f"over its cap of {(h.cap_bytes or 0) // MIB} MiB" if h.assigned else
-                f"a GPU not assigned to it (it has {', '.join(sorted(t.gpus or ()))})")
+        if h.assigned:
+            over = f"over its cap of {(h.cap_bytes or 0) // MIB} MiB"
+        elif t.gpus:
+            over = f"a GPU not assigned to it (it has {', '.join(sorted(t.gpus))})"
+        else:
+            over = "although it requested no GPU"
         return (f"container {t.container} holds {h.used_bytes // MIB} MiB on GPU {h.uuid} "
                 f"(NVML, pids {', '.join(map(str, h.pids))}), {over}; {what}")
 
