@@ -106,6 +106,18 @@ def test_gpu_pod_gets_a_base64_json_patch_that_builds_the_mutated_pod(
     assert response["warnings"] == list(expected.warnings) and response["warnings"]
 
 
+@pytest.mark.parametrize("env", [{"A": "b"}, 5, "abc"])
+def test_a_sidecars_env_that_is_not_a_list_is_400_not_an_error(
+        server: Any, make_review: Any, make_gpu_pod: Any, env: Any) -> None:
+    """The other containers of a GPU pod are rewritten too (NVIDIA_VISIBLE_DEVICES=none): an
+    env there that is not a list is a bad object, like one of a GPU container."""
+    pod = make_gpu_pod(limits={"nvidia.com/gpumem": "8000"})
+    pod["spec"]["containers"].append({"name": "side", "image": "x", "env": env})
+    status, answer = server.post_review(make_review(pod))
+    assert status == 400 and answer["error"] == "bad_request"
+    assert "spec.containers[1].env must be a list" in answer["message"]
+
+
 def test_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413(server: Any) -> None:
     status, _, data = server.request("POST", "/mutate", b" " * LIMIT,
                                      {"Content-Type": "application/json"})

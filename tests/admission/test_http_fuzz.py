@@ -35,7 +35,10 @@ BASE_POD: dict[str, Any] = {
                         "securityContext": {"privileged": False},
                         "resources": {"limits": {"nvidia.com/gpu": "1",
                                                  "nvidia.com/gpucores": "50"},
-                                      "requests": {"nvidia.com/gpu": "1"}}}],
+                                      "requests": {"nvidia.com/gpu": "1"}}},
+                       {"name": "side", "image": "x",
+                        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+                        "resources": {"limits": {"cpu": "1"}}}],
         "volumes": [{"name": "v", "emptyDir": {}}],
         "nodeSelector": {"x": "y"}, "tolerations": [],
     },
@@ -70,6 +73,12 @@ PATHS = [
      "nvidia.com/gpumem-percentage"),
     ("request", "object", "spec", "containers", 0, "resources", "requests"),
     ("request", "object", "spec", "containers", 0, "resources", "requests", "nvidia.com/gpu"),
+    ("request", "object", "spec", "containers", 1),
+    ("request", "object", "spec", "containers", 1, "env"),
+    ("request", "object", "spec", "containers", 1, "env", 0),
+    ("request", "object", "spec", "containers", 1, "env", 0, "name"),
+    ("request", "object", "spec", "containers", 1, "resources"),
+    ("request", "object", "spec", "containers", 1, "resources", "limits"),
 ]
 
 

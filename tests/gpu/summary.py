@@ -52,7 +52,7 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_racing_processes_stay_under_shared_cap"),
     ("outside_check", "4 agent's check: NVML per process (1+2 GiB)", "each pid, >= its alloc",
      "-", "test_the_agents_outside_check_sees_each_process"),
-    ("ipc_import", "4 CUDA IPC: 2 GiB shared by 2 processes", "charged once", "-",
+    ("ipc_import", "4 CUDA IPC: 2 GiB shared by 2 processes", "once: region, NVML", "-",
      "test_memory_shared_through_cuda_ipc_is_charged_once"),
     ("sm_50", "5 bf16 matmul at SM limit 50%", "45-55%", "~100% (no limit)",
      "test_sm_limit_caps_matmul_throughput[50]"),

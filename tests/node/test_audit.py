@@ -677,6 +677,22 @@ async def test_a_container_that_requested_no_gpu_but_holds_memory_is_a_breach(
         {t for t in tracked_containers(await as_models(pod)).values() if t.container == "a"}
 
 
+async def test_a_sidecar_cannot_claim_a_cap_of_its_own_nor_is_another_plugins_gpu_judged() -> None:
+    """A sidecar the webhook gave no GPU keeps any CUDA_DEVICE_MEMORY_LIMIT it wrote (the
+    webhook strips those from GPU containers only): it still counts as cap 0 on no GPU. A
+    container that names another device plugin's nvidia.com/ resource (left alone by the
+    webhook) and says NVIDIA_VISIBLE_DEVICES=none itself is not judged: that plugin may give it
+    a device through a list the env does not decide."""
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}, "side": {},
+                        "mig": {"nvidia.com/mig-1g.10gb": "1"}})
+    by_name = {c["name"]: c for c in pod["spec"]["containers"]}
+    by_name["side"]["env"].append({"name": names.ENV_MEMORY_LIMIT, "value": "100g"})
+    assert "env" not in by_name["mig"]  # the webhook left it alone
+    by_name["mig"]["env"] = [{"name": names.ENV_VISIBLE_DEVICES, "value": names.NO_GPUS}]
+    got = {t.container: (t.cap, t.gpus) for t in tracked_containers(await as_models(pod)).values()}
+    assert got == {"a": (Cap(limit_bytes=GIB), None), "side": (Cap(limit_bytes=0), frozenset())}
+
+
 async def test_a_new_pod_under_the_evicted_ones_name_is_not_evicted(tmp_path: Path) -> None:
     """A StatefulSet's db-0 went over, was deleted and made again (a new UID) while the old
     process lingers: the eviction carries the old UID as its precondition."""

@@ -203,11 +203,16 @@ def _shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _check_gpu_pod_shape(spec: dict[str, Any], containers: list[tuple[str, int]]) -> None:
-    """The parts a GPU pod's mutation rewrites must have their Kubernetes types."""
+    """The parts a GPU pod's mutation rewrites must have their Kubernetes types: every
+    container's env (the others get NVIDIA_VISIBLE_DEVICES too) and the GPU containers'
+    mounts."""
+    for kind in ("initContainers", "containers"):
+        for i, container in enumerate(spec.get(kind) or ()):
+            if not isinstance(container.get("env") or [], list):
+                raise BadObject(f"spec.{kind}[{i}].env must be a list")
     for kind, i in containers:
-        for key in ("env", "volumeMounts"):
-            if not isinstance(spec[kind][i].get(key) or [], list):
-                raise BadObject(f"spec.{kind}[{i}].{key} must be a list")
+        if not isinstance(spec[kind][i].get("volumeMounts") or [], list):
+            raise BadObject(f"spec.{kind}[{i}].volumeMounts must be a list")
     for key in ("volumes", "tolerations"):
         if not isinstance(spec.get(key) or [], list):
             raise BadObject(f"spec.{key} must be a list")
@@ -404,8 +409,8 @@ def _without_gpus(container: dict[str, Any], work: _Work) -> dict[str, Any]:
          else kept).append(e)
     if any(e != _NO_GPUS_ENV for e in theirs):
         work.warn(f'container "{container["name"]}" requests no GPU: its env '
-                  f"{names.ENV_VISIBLE_DEVICES} was set to {names.NO_GPUS} (a container of a GPU pod "
-                  f"sees only the GPUs it requests)")
+                  f"{names.ENV_VISIBLE_DEVICES} was set to {names.NO_GPUS} (a container of a "
+                  f"GPU pod sees only the GPUs it requests)")
     if env and env[0] == _NO_GPUS_ENV and len(kept) == len(env) - 1:
         return container  # mutated before: nothing to change
     new = dict(container)

@@ -184,6 +184,15 @@ def _container_id(raw: str | None) -> str | None:
     return ident if _CONTAINER_DIR.match(ident) else None
 
 
+def _names_nvidia_resource(container: client.V1Container) -> bool:
+    """Whether a container's limits or requests name an ``nvidia.com/`` resource (ours or
+    another device plugin's)."""
+    res = container.resources
+    return res is not None and any(k.startswith("nvidia.com/")
+                                   for amounts in (res.limits, res.requests)
+                                   for k in amounts or {})
+
+
 def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
     """Container ID -> :class:`Tracked` for every started container of a gpuslice pod that has
     a memory cap (the webhook's limits annotation, else its env in the pod spec), and for the
@@ -194,8 +203,10 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
         annotations = (meta.annotations if meta else None) or {}
         if not meta or not spec or not status or names.ANN_MUTATED not in annotations:
             continue
+        containers = [*(spec.containers or []), *(spec.init_containers or [])]
         env_of = {c.name: {e.name: e.value for e in (c.env or []) if e.value is not None}
-                  for c in [*(spec.containers or []), *(spec.init_containers or [])]}
+                  for c in containers}
+        other_plugin = {c.name for c in containers if _names_nvidia_resource(c)}
         inits = {c.name for c in spec.init_containers or []}
         for st in [*(status.container_statuses or []), *(status.init_container_statuses or [])]:
             ident = _container_id(st.container_id)
@@ -203,14 +214,19 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
                 continue
             text = annotations.get(names.limits_annotation(st.name))
             env = env_of.get(st.name, {})
-            cap = cap_from(_limits_text(text) if text is not None else env)
             gpus: frozenset[str] | None = None
-            if cap is None:
-                if env.get(names.ENV_VISIBLE_DEVICES) != names.NO_GPUS:
-                    continue
+            if text is None and env.get(names.ENV_VISIBLE_DEVICES) == names.NO_GPUS:
                 # a container the webhook gave no GPU: any GPU memory it holds is a breach
-                cap, gpus = Cap(limit_bytes=0), frozenset()
+                # (whatever cap its own env claims), unless another device plugin gave it one
+                if st.name in other_plugin:
+                    continue
+                cap = Cap(limit_bytes=0)
+                gpus = frozenset()
             else:
+                found = cap_from(_limits_text(text) if text is not None else env)
+                if found is None:
+                    continue
+                cap = found
                 devices = annotations.get(names.devices_annotation(st.name))
                 if devices:
                     gpus = frozenset(u.strip() for u in devices.split(",") if u.strip())
