@@ -286,6 +286,28 @@ def test_a_trampolined_graph_instantiate_gets_the_hook_of_the_same_signature(lab
     assert res.of("procaddr") == [(0, [1])]
 
 
+def test_the_gpu_checks_serve_protocol_runs_on_the_fake_driver(lab, tmp_path):
+    # tests/gpu drives `gpubench serve` line by line (harness.Server): allocations under and
+    # over the cap, the capped view, and the IPC commands, which a driver without the IPC
+    # calls (this fake) answers with CUDA_ERROR_NOT_FOUND (500) instead of stopping
+    source = Path(__file__).resolve().parents[1] / "gpu" / "native" / "gpubench.c"
+    binary = tmp_path / "gpubench"
+    subprocess.run(["gcc", "-DGPUBENCH_DLOPEN", "-O1", "-Wall", "-Werror", "-std=gnu11", "-o",
+                    str(binary), str(source), "-ldl"], check=True)
+    script = "alloc 536870912\nipcget 0\nipcopen 00\nalloc 2147483648\ninfo\nfree 0\nfree 0\nquit\n"
+    done = subprocess.run([str(binary), "serve"], input=script, env=lab.env(
+        CUDA_DEVICE_MEMORY_LIMIT="1g"), capture_output=True, text=True, timeout=60, check=False)
+    lab.check_sanitizers(done.stderr)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("ready ") and lines[1] == "ok 0"
+    assert lines[2].startswith("err 500 ") and lines[3].startswith("err 500 ")
+    assert lines[4].startswith(f"err {OOM} ")
+    free, total = map(int, lines[5].split()[1:])
+    assert (free, total) == (GIB // 2, GIB)  # the fake's context takes nothing by default
+    assert lines[6] == "ok" and lines[7].startswith("err 1 ") and lines[8:] == ["bye"]
+
+
 @pytest.mark.parametrize("versions", [None, "1"], ids=["mixing", "strict-versions"])
 def test_the_gpu_checks_legacy_probe_sees_the_cap_on_the_fake_driver(lab, tmp_path, versions):
     # tests/gpu's gpubench reaches CUDA 2.x's entry points by dlsym as an old program would,
