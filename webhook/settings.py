@@ -63,6 +63,12 @@ class Settings:
     only namespaces labelled gpuslice.io/webhook=enabled."""
     release_namespace: str = "gpuslice-system"
     """Namespace gpuslice runs in; never mutated (nor is kube-system)."""
+    hide_gpus_from_pods_without_gpus: bool = False
+    """Also give every container of pods that request no GPU ``NVIDIA_VISIBLE_DEVICES=none``
+    (the containers of GPU pods that request none always get it). Where the NVIDIA runtime is
+    the nodes' default, a pod from a CUDA image otherwise sees every GPU of its node, uncapped.
+    Default false: GPU infrastructure pods (the GPU Operator's, DCGM exporters) would lose their
+    GPUs unless their namespaces are excluded from the webhook."""
 
     # --- placement ---
     split_count: int = 10
@@ -161,7 +167,7 @@ def _validate(s: Settings) -> None:
         _fail("split_count", s.split_count, "must be an integer from 1 to 1000")
     if s.default_policy not in ("binpack", "spread"):
         _fail("default_policy", s.default_policy, 'must be "binpack" or "spread"')
-    for f in ("placement_enabled", "kube_enabled"):
+    for f in ("placement_enabled", "kube_enabled", "hide_gpus_from_pods_without_gpus"):
         if not isinstance(getattr(s, f), bool):
             _fail(f, getattr(s, f), "must be true or false")
     if s.max_gpu_memory_mib is not None and (

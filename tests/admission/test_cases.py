@@ -40,8 +40,12 @@ CASES = _cases()
 
 
 def _with_version(pod: dict[str, Any]) -> dict[str, Any]:
+    """The expected pod with ``$VERSION`` resolved (a pod that requests no GPU, changed only
+    by ``hide_gpus_from_pods_without_gpus``, carries no mark)."""
     pod = copy.deepcopy(pod)
-    annotations = pod["metadata"]["annotations"]
+    annotations = pod["metadata"].get("annotations")
+    if annotations is None:
+        return pod
     assert annotations[names.ANN_MUTATED] == "$VERSION"
     annotations[names.ANN_MUTATED] = __version__
     return pod

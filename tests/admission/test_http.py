@@ -118,6 +118,27 @@ def test_a_sidecars_env_that_is_not_a_list_is_400_not_an_error(
     assert "spec.containers[1].env must be a list" in answer["message"]
 
 
+def test_with_hide_gpus_a_pod_without_gpus_gets_a_patch_and_by_default_none(
+        server: Any, make_server: Any, make_review: Any, module_certs: Path) -> None:
+    """hide_gpus_from_pods_without_gpus over HTTP: a CUDA image's pod that requests no GPU is
+    patched (NVIDIA_VISIBLE_DEVICES=none, with the warning); by default it is admitted as is."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cpu"}, "spec": {
+        "containers": [{"name": "app", "image": "nvidia/cuda",
+                        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}}
+    status, answer = server.post_review(make_review(pod))
+    assert status == 200 and answer["response"]["allowed"] and "patch" not in answer["response"]
+    hiding = make_server(Settings(cert_dir=str(module_certs), tls_mode="files",
+                                  placement_enabled=False, hide_gpus_from_pods_without_gpus=True))
+    status, answer = hiding.post_review(make_review(pod))
+    response = answer["response"]
+    assert status == 200 and response["allowed"] and response["patchType"] == "JSONPatch"
+    patched = jsonpatch.apply_patch(pod, json.loads(base64.b64decode(response["patch"])))
+    assert patched["spec"]["containers"][0]["env"] == [
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
+    assert patched["metadata"] == pod["metadata"]  # not marked as a gpuslice pod
+    assert len(response["warnings"]) == 1 and "requests no GPU" in response["warnings"][0]
+
+
 def test_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413(server: Any) -> None:
     status, _, data = server.request("POST", "/mutate", b" " * LIMIT,
                                      {"Content-Type": "application/json"})

@@ -46,6 +46,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
                         "logLevel": "DEBUG"},
     "RBAC managed elsewhere": {"rbac": {"create": False}},
     "annotation guard off": {"annotationGuard": {"enabled": False}},
+    "pods without GPUs see none": {"podsWithoutGpus": {"hideGpus": True}},
 }
 # Rendered for the oldest supported release, one with matchConditions on by default, newest.
 KUBE_VERSIONS = (kubeschema.OLDEST, "1.28.0", kubeschema.NEWEST)

@@ -75,6 +75,8 @@ def test_schema_declares_every_value_with_a_type_and_forbids_unknown_keys() -> N
     ({"maxGpuMemoryMiB": -1}, "/maxGpuMemoryMiB"),
     ({"logLevel": "verbose"}, "/logLevel"),
     ({"annotationGuard": {"enabled": "yes"}}, "/annotationGuard/enabled"),
+    ({"podsWithoutGpus": {"hideGpus": "yes"}}, "/podsWithoutGpus/hideGpus"),
+    ({"podsWithoutGpus": {"failurePolicy": "Maybe"}}, "/podsWithoutGpus/failurePolicy"),
     ({"annotationGuard": {"enable": True}}, "enable"),
     ({"surprise": 1}, "surprise"),
 ])

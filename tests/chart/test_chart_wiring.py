@@ -357,6 +357,45 @@ def test_match_condition_selects_exactly_the_gpu_pods(pod: dict[str, Any], sent:
     assert bool(program.evaluate({"object": celpy.json_to_cel(pod)})) is sent
 
 
+@pytest.mark.parametrize(("kube_version", "entries"), [("1.31.0", 2), ("1.25.0", 1)])
+def test_hiding_gpus_from_pods_without_gpus_adds_an_entry_for_exactly_those_pods(
+        kube_version: str, entries: int, render: Any, tmp_path: Path) -> None:
+    """podsWithoutGpus.hideGpus: the setting reaches the service; where matchConditions split
+    the pods, a second entry (failurePolicy Ignore) receives exactly the pods the first does
+    not; without them the one entry already receives every pod."""
+    rendered = render({"podsWithoutGpus": {"hideGpus": True}}, kube_version)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(rendered.config("gpuslice-config")))
+    assert load_settings(config).hide_gpus_from_pods_without_gpus is True
+    hooks = rendered.one("MutatingWebhookConfiguration")["webhooks"]
+    assert [h["name"] for h in hooks] == ["pods.gpuslice.io", "pods-without-gpus.gpuslice.io"][
+        :entries]
+    assert [h["failurePolicy"] for h in hooks] == ["Fail", "Ignore"][:entries]
+    if entries == 1:
+        assert "matchConditions" not in hooks[0]
+        return
+    gpu, other = hooks
+    assert {k: v for k, v in gpu.items() if k not in ("name", "failurePolicy", "matchConditions")} \
+        == {k: v for k, v in other.items() if k not in ("name", "failurePolicy", "matchConditions")}
+    celpy = pytest.importorskip("celpy", reason="cel-python not installed")
+    env = celpy.Environment()
+    sends = [env.program(env.compile(h["matchConditions"][0]["expression"])) for h in hooks]
+    for pod in [_pod([{"name": "c", "image": "x"}]), _pod([_limits(cpu="1")]),
+                _pod([_limits(**{"nvidia.com/gpu": "1"})]),
+                _pod([{"name": "c", "image": "x"}], [_limits(**{"nvidia.com/gpucores": "30"})]),
+                _pod([_limits(**{"nvidia.com/mig-1g.10gb": "1"})])]:
+        got = [bool(p.evaluate({"object": celpy.json_to_cel(pod)})) for p in sends]
+        assert got in ([True, False], [False, True]), pod
+
+
+def test_pods_without_gpus_are_left_alone_by_default(render: Any, tmp_path: Path) -> None:
+    rendered = render()
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(rendered.config("gpuslice-config")))
+    assert load_settings(config).hide_gpus_from_pods_without_gpus is False
+    assert len(rendered.one("MutatingWebhookConfiguration")["webhooks"]) == 1
+
+
 def test_existing_ca_bundle_is_kept_by_an_upgrade_render(render: Any) -> None:
     """helm upgrade re-renders the webhook configuration; `lookup` keeps the bootstrap's
     caBundle (offline renders have no cluster, so there is none to keep here)."""

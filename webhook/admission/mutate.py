@@ -36,6 +36,8 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   GPU of the node, without the library or a cap. ``none`` keeps the driver's libraries in the
   container (programs linked against them still start) but no GPU. A container asking for any
   other ``nvidia.com/`` resource (a MIG slice of another device plugin, say) is left alone.
+  With ``hide_gpus_from_pods_without_gpus`` the containers of pods that request no GPU get the
+  same (and nothing else: such a pod is not marked as a gpuslice pod).
 * Ephemeral containers are left alone (they cannot exist at CREATE).
 """
 
@@ -146,6 +148,8 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
             elif request is not None:
                 gpu_containers[(kind, index)] = request
     if not gpu_containers and not denials:
+        if settings.hide_gpus_from_pods_without_gpus:
+            return _hide_gpus(pod, spec, settings)
         return MutationResult(pod)
 
     pod_reasons = _pod_reasons(spec, metadata) + _key_collisions(spec, gpu_containers)
@@ -206,10 +210,7 @@ def _check_gpu_pod_shape(spec: dict[str, Any], containers: list[tuple[str, int]]
     """The parts a GPU pod's mutation rewrites must have their Kubernetes types: every
     container's env (the others get NVIDIA_VISIBLE_DEVICES too) and the GPU containers'
     mounts."""
-    for kind in ("initContainers", "containers"):
-        for i, container in enumerate(spec.get(kind) or ()):
-            if not isinstance(container.get("env") or [], list):
-                raise BadObject(f"spec.{kind}[{i}].env must be a list")
+    _check_env_lists(spec)
     for kind, i in containers:
         if not isinstance(spec[kind][i].get("volumeMounts") or [], list):
             raise BadObject(f"spec.{kind}[{i}].volumeMounts must be a list")
@@ -218,6 +219,13 @@ def _check_gpu_pod_shape(spec: dict[str, Any], containers: list[tuple[str, int]]
             raise BadObject(f"spec.{key} must be a list")
     if not isinstance(spec.get("nodeSelector") or {}, dict):
         raise BadObject("spec.nodeSelector must be an object")
+
+
+def _check_env_lists(spec: dict[str, Any]) -> None:
+    for kind in ("initContainers", "containers"):
+        for i, container in enumerate(spec.get(kind) or ()):
+            if not isinstance(container.get("env") or [], list):
+                raise BadObject(f"spec.{kind}[{i}].env must be a list")
 
 
 def _security_reasons(container: dict[str, Any]) -> list[str]:
@@ -387,6 +395,26 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
     return new
 
 
+def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) -> MutationResult:
+    """A pod that requests no GPU, with ``hide_gpus_from_pods_without_gpus``: every container
+    that names no NVIDIA resource gets ``NVIDIA_VISIBLE_DEVICES=none`` (nothing else changes,
+    and the pod is not marked as a gpuslice pod)."""
+    _check_env_lists(spec)
+    work = _Work()
+    new_spec = dict(spec)
+    changed = False
+    for kind in ("initContainers", "containers"):
+        if spec.get(kind):
+            new_spec[kind] = [c if _asks_for_nvidia(c, settings) else _without_gpus(c, work)
+                              for c in spec[kind]]
+            changed = changed or any(a is not b for a, b in zip(new_spec[kind], spec[kind]))
+    if not changed:
+        return MutationResult(pod)  # mutated before, or nothing to hide
+    new_pod = dict(pod)
+    new_pod["spec"] = new_spec
+    return MutationResult(new_pod, warnings=tuple(work.warnings), changed=True)
+
+
 def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
     """Whether a container that requests no slice names another device plugin's NVIDIA
     resource (``nvidia.com/mig-1g.10gb``, say): that plugin gives it its devices."""
@@ -409,8 +437,8 @@ def _without_gpus(container: dict[str, Any], work: _Work) -> dict[str, Any]:
          else kept).append(e)
     if any(e != _NO_GPUS_ENV for e in theirs):
         work.warn(f'container "{container["name"]}" requests no GPU: its env '
-                  f"{names.ENV_VISIBLE_DEVICES} was set to {names.NO_GPUS} (a container of a "
-                  f"GPU pod sees only the GPUs it requests)")
+                  f"{names.ENV_VISIBLE_DEVICES} was set to {names.NO_GPUS} (a container sees only "
+                  f"the GPUs it requests)")
     if env and env[0] == _NO_GPUS_ENV and len(kept) == len(env) - 1:
         return container  # mutated before: nothing to change
     new = dict(container)
