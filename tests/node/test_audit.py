@@ -689,6 +689,12 @@ async def test_a_sidecar_cannot_claim_a_cap_of_its_own_nor_is_another_plugins_gp
     by_name["side"]["env"].append({"name": names.ENV_MEMORY_LIMIT, "value": "100g"})
     assert "env" not in by_name["mig"]  # the webhook left it alone
     by_name["mig"]["env"] = [{"name": names.ENV_VISIBLE_DEVICES, "value": names.NO_GPUS}]
+    # likewise a container given a device through a resource claim (DRA)
+    pod["spec"]["containers"].append({"name": "dra", "image": "cuda", "env": by_name["mig"]["env"],
+                                      "resources": {"claims": [{"name": "gpu"}]}})
+    pod["status"]["containerStatuses"].append(
+        {"name": "dra", "containerID": f"containerd://{cid('p/dra')}", "ready": True,
+         "restartCount": 0, "image": "cuda", "imageID": ""})
     got = {t.container: (t.cap, t.gpus) for t in tracked_containers(await as_models(pod)).values()}
     assert got == {"a": (Cap(limit_bytes=GIB), None), "side": (Cap(limit_bytes=0), frozenset())}
 

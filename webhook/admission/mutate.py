@@ -35,7 +35,8 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   runtime class the pod may be given, or the node's default) such a container would see every
   GPU of the node, without the library or a cap. ``none`` keeps the driver's libraries in the
   container (programs linked against them still start) but no GPU. A container asking for any
-  other ``nvidia.com/`` resource (a MIG slice of another device plugin, say) is left alone.
+  other ``nvidia.com/`` resource (a MIG slice of another device plugin, say) or using resource
+  claims (DRA) is left alone.
   With ``hide_gpus_from_pods_without_gpus`` the containers of pods that request no GPU get the
   same (and nothing else: such a pod is not marked as a gpuslice pod).
 * Ephemeral containers are left alone (they cannot exist at CREATE).
@@ -416,11 +417,14 @@ def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) ->
 
 
 def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
-    """Whether a container that requests no slice names another device plugin's NVIDIA
-    resource (``nvidia.com/mig-1g.10gb``, say): that plugin gives it its devices."""
+    """Whether a container that requests no slice may get devices another way: it names
+    another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say) or uses resource
+    claims (DRA)."""
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return False
+    if resources.get("claims"):
+        return True
     return any(isinstance(amounts, dict) and any(
         isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
         for k in amounts) for amounts in (resources.get("limits"), resources.get("requests")))

@@ -186,11 +186,11 @@ def _container_id(raw: str | None) -> str | None:
 
 def _names_nvidia_resource(container: client.V1Container) -> bool:
     """Whether a container's limits or requests name an ``nvidia.com/`` resource (ours or
-    another device plugin's)."""
+    another device plugin's), or it uses resource claims (DRA): it may get a GPU that way."""
     res = container.resources
-    return res is not None and any(k.startswith("nvidia.com/")
-                                   for amounts in (res.limits, res.requests)
-                                   for k in amounts or {})
+    return res is not None and (bool(res.claims) or any(
+        k.startswith("nvidia.com/") for amounts in (res.limits, res.requests)
+        for k in amounts or {}))
 
 
 def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
