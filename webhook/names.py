@@ -48,8 +48,9 @@ ENV_SM_LIMIT = "CUDA_DEVICE_SM_LIMIT"
 ENV_SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 NO_GPUS = "none"
-"""``NVIDIA_VISIBLE_DEVICES`` of a GPU pod's containers that request no GPU: the driver's
-libraries, no device."""
+"""``NVIDIA_VISIBLE_DEVICES`` the webhook gives containers that request no GPU (those of GPU
+pods; with ``hide_gpus_from_pods_without_gpus`` those of every pod): the driver's libraries, no
+device."""
 
 # Paths.
 HOST_LIBRARY_DIR = "/usr/local/gpuslice"

@@ -431,8 +431,8 @@ def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
 
 
 def _without_gpus(container: dict[str, Any], work: _Work) -> dict[str, Any]:
-    """A container of a GPU pod that requests no GPU: ``NVIDIA_VISIBLE_DEVICES=none`` first in
-    its env, replacing any value of its own."""
+    """A container that requests no GPU: ``NVIDIA_VISIBLE_DEVICES=none`` first in its env,
+    replacing any value of its own (the same container back where that is already so)."""
     env = container.get("env") or ()
     kept: list[Any] = []
     theirs: list[Any] = []
