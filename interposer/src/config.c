@@ -241,8 +241,14 @@ static void load_limits(void)
     snprintf(g_lim.path, sizeof(g_lim.path), "%s", path);
     char text[LIMITS_FILE_MAX + 1];
     size_t have = 0;
-    int err = 0, fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* not blocking: a FIFO planted where GPUSLICE_LIMITS_FILE points would hang the process */
+    int err = 0, fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) err = errno;
+    if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
+        close(fd);
+        fd = -1;
+        err = EINVAL;
+    }
     while (fd >= 0 && have < sizeof(text)) { /* one byte past the most a file may hold: too long */
         ssize_t r = read(fd, text + have, sizeof(text) - have);
         if (r < 0 && errno == EINTR) continue;
@@ -251,7 +257,9 @@ static void load_limits(void)
         have += (size_t)r;
     }
     if (fd >= 0) close(fd);
-    if (err) {
+    if (err == EINVAL) {
+        distrust("it is not a plain file");
+    } else if (err) {
         distrust("it cannot be read (%s)", strerror(err));
     } else if (have > LIMITS_FILE_MAX) {
         distrust("it is longer than %u bytes", LIMITS_FILE_MAX);

@@ -229,6 +229,13 @@ void gs_reconcile_after_fork_child(void);
 /* ---- region.c ------------------------------------------------------------- */
 
 extern struct gpuslice_region *gs_region; /* NULL until opened */
+/* The region's device count, within its table: every process of the container can write the
+ * file, and a count past the table would index beyond it */
+static inline unsigned gs_region_devices(const struct gpuslice_region *r)
+{
+    unsigned n = __atomic_load_n(&r->device_count, __ATOMIC_RELAXED);
+    return n < GPUSLICE_MAX_DEVICES ? n : GPUSLICE_MAX_DEVICES;
+}
 int gs_region_open(void);
 void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register);
 int gs_region_slot_by_uuid(const char *uuid);

@@ -66,6 +66,9 @@
 #include "gpuslice.h"
 
 #define GS_BURST_NS 50000000ull   /* idle credit: at most 50 ms of wall time */
+/* A clock further ahead than this was written over (any process of the container can write the
+ * region): a day is what an 864 s kernel costs at a 1 % limit */
+#define GS_AHEAD_MAX_NS (86400ull * 1000000000ull)
 #define GS_QUEUE_NS 20000000ull   /* unmeasured work in flight per stream */
 #define GS_QUEUE_WAIT_NS 50000000ull /* the longest a launch waits for that queue */
 #define GS_EPOCH_NS 5000000000ull /* a context's reference event is renewed this often */
@@ -136,7 +139,7 @@ void gs_launch_configure(void)
 {
     int on = 0;
     struct gpuslice_region *r = gs_region;
-    for (unsigned d = 0; r && d < __atomic_load_n(&r->device_count, __ATOMIC_RELAXED); d++) {
+    for (unsigned d = 0; r && d < gs_region_devices(r); d++) {
         unsigned sm = __atomic_load_n(&r->devices[d].sm_limit, __ATOMIC_RELAXED);
         if (sm > 0 && sm < 100) on = 1;
     }
@@ -288,7 +291,8 @@ static void clock_add(int slot, uint64_t cost)
     uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
     uint64_t old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
     do {
-        next = (old > floor ? old : floor) + cost;
+        next = old > floor ? old : floor;
+        next = next > UINT64_MAX - cost ? UINT64_MAX : next + cost; /* a clock written over (the file is the container's) */
     } while (!__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
 }
 
@@ -316,6 +320,12 @@ static void wait_for_budget(int slot)
         uint64_t v = __atomic_load_n(vt, __ATOMIC_RELAXED), now = gs_now_ns();
         if (v <= now) return;
         uint64_t wait = v - now;
+        if (GS_UNLIKELY(wait > GS_AHEAD_MAX_NS)) {
+            if (__atomic_compare_exchange_n(vt, &v, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                GS_WARN("the compute limit's clock was %llu s ahead (the region was written over): reset",
+                        (unsigned long long)(wait / 1000000000ull));
+            continue;
+        }
         gs_sleep_ns(wait > 50000000ull ? 50000000ull : wait);
     }
 }

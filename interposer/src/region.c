@@ -256,6 +256,7 @@ static struct ident ident_of(const struct gpuslice_proc *p)
 static int ident_alive(struct ident id, int mine, uint64_t my_ns)
 {
     if (id.pidns != my_ns) return 0; /* an earlier incarnation of the container */
+    if (id.pid <= 0) return 0;       /* no process's (kill() would ask for a process group) */
     if (kill(id.pid, 0) != 0 && errno == ESRCH) return 0;
     char state;
     int threads;
@@ -276,8 +277,8 @@ static int proc_alive(const struct gpuslice_proc *p, uint64_t my_ns)
 static void reclaim_slot_locked(struct gpuslice_proc *p)
 {
     struct gpuslice_region *r = gs_region;
-    unsigned n = LD(&r->device_count);
-    for (unsigned d = 0; d < n && d < GPUSLICE_MAX_DEVICES; d++) {
+    unsigned n = gs_region_devices(r);
+    for (unsigned d = 0; d < n; d++) {
         uint64_t u = LD(&p->used_bytes[d]), du = LD(&r->devices[d].used_bytes);
         if (u) GS_INFO("reclaimed %llu bytes of dead process %d", (unsigned long long)u, (int)p->pid);
         ST(&r->devices[d].used_bytes, du > u ? du - u : 0);
@@ -345,11 +346,12 @@ static int region_lock(void)
             pthread_mutex_consistent(m);
             return 0;
         }
-        if (rc != ENOTRECOVERABLE) {
+        if (rc != ENOTRECOVERABLE && rc != EINVAL) {
             GS_ERROR("cannot lock the region: %s", strerror(rc));
             return -1;
         }
-        GS_ERROR("region lock not recoverable: reinitialising it");
+        /* EINVAL: the lock's bytes are damaged (the file was written over) */
+        GS_ERROR("region lock %s: reinitialising it", rc == EINVAL ? "damaged" : "not recoverable");
         init_mutex(m);
     }
     return -1;
@@ -415,8 +417,8 @@ int gs_region_slot_by_uuid(const char *uuid)
 {
     struct gpuslice_region *r = __atomic_load_n(&gs_region, __ATOMIC_ACQUIRE);
     if (!r || !uuid || !uuid[0]) return -1;
-    unsigned n = LD(&r->device_count);
-    for (unsigned d = 0; d < n && d < GPUSLICE_MAX_DEVICES; d++)
+    unsigned n = gs_region_devices(r);
+    for (unsigned d = 0; d < n; d++)
         if (strncmp(r->devices[d].uuid, uuid, GPUSLICE_UUID_LEN) == 0) return (int)d;
     return -1;
 }
@@ -438,9 +440,11 @@ static void write_slot(struct gpuslice_device *s, const struct gs_devcfg *c)
 static int claim_sweep(void);
 static void sweep_dead(void);
 
-void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register)
+/* -1: the region's lock cannot be taken, or its device table (full of other devices) cannot
+ * take one of this process's devices; the process is not registered then */
+static int sync_locked(const struct gs_devcfg *devs, unsigned n, int do_register)
 {
-    if (gs_region_open() != 0 || region_lock() != 0) return;
+    if (region_lock() != 0) return -1;
     struct gpuslice_region *r = gs_region;
     int idle = !attached_locked();
     if (n > GPUSLICE_MAX_DEVICES) n = GPUSLICE_MAX_DEVICES;
@@ -467,29 +471,61 @@ void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register)
     } else {
         /* Others are attached: the region's limits stand; add devices it lacks. */
         for (unsigned i = 0; i < n; i++) {
-            unsigned count = LD(&r->device_count);
+            unsigned count = gs_region_devices(r);
             if (gs_region_slot_by_uuid(devs[i].uuid) >= 0 || count >= GPUSLICE_MAX_DEVICES) continue;
             memset(&r->devices[count], 0, sizeof(r->devices[count]));
             write_slot(&r->devices[count], &devs[i]);
             ST(&r->device_count, count + 1);
         }
     }
-    if (gs_limits_from_file()) /* every process read the same file: its cap holds whatever the region says */
-        for (unsigned i = 0; i < n; i++) {
-            int slot = gs_region_slot_by_uuid(devs[i].uuid);
-            if (slot >= 0) __atomic_store_n(&gs_own_cap[slot], devs[i].limit, __ATOMIC_RELAXED);
+    for (unsigned i = 0; i < n; i++) {
+        int slot = gs_region_slot_by_uuid(devs[i].uuid);
+        if (slot < 0) { /* its allocations would pass uncharged */
+            region_unlock();
+            GS_ERROR("region has no room for device %s: its %u device slots hold other devices", devs[i].uuid,
+                     GPUSLICE_MAX_DEVICES);
+            return -1;
         }
+        if (gs_limits_from_file()) /* every process read the same file: its cap holds whatever the region says */
+            __atomic_store_n(&gs_own_cap[slot], devs[i].limit, __ATOMIC_RELAXED);
+    }
     if (do_register && !me_locked()) register_locked();
     region_unlock();
     /* the dead beyond the first live one: one process of the container every 2 s */
     if (!idle && claim_sweep()) sweep_dead();
+    return 0;
+}
+
+/* A region of this process's own, as when the file cannot be used (gs_region_open).  The shared
+ * one stays mapped: another thread may be reading it. */
+static void go_private(void)
+{
+    pthread_mutex_lock(&g_open_mu);
+    void *p = mmap(NULL, sizeof(*gs_region), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) {
+        g_private_managed = gs_env_managed();
+        init_region(p, gs_region->boot_id);
+        __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE);
+        __atomic_store_n(&gs_region, (struct gpuslice_region *)p, __ATOMIC_RELEASE);
+        GS_ERROR("the container's region cannot be used: %s", private_effect());
+    }
+    pthread_mutex_unlock(&g_open_mu);
+}
+
+void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register)
+{
+    if (gs_region_open() != 0 || sync_locked(devs, n, do_register) == 0) return;
+    /* The file is damaged (every process of the container can write it): a device left without a
+     * slot would be used without a cap */
+    go_private();
+    if (sync_locked(devs, n, do_register) != 0) GS_ERROR("this process's own region cannot be used either");
 }
 
 /* ---- the budget ----------------------------------------------------------- */
 
 static int valid_slot(int slot)
 {
-    return gs_region && slot >= 0 && (unsigned)slot < LD(&gs_region->device_count);
+    return gs_region && slot >= 0 && (unsigned)slot < gs_region_devices(gs_region);
 }
 
 static uint64_t add_sat(uint64_t a, uint64_t b)
@@ -680,8 +716,8 @@ __attribute__((destructor)) static void region_detach(void)
         return;
     }
     struct gpuslice_region *r = gs_region;
-    unsigned n = LD(&r->device_count);
-    for (unsigned d = 0; d < n && d < GPUSLICE_MAX_DEVICES; d++) {
+    unsigned n = gs_region_devices(r);
+    for (unsigned d = 0; d < n; d++) {
         uint64_t u = LD(&g_me->used_bytes[d]), du = LD(&r->devices[d].used_bytes);
         ST(&r->devices[d].used_bytes, du > u ? du - u : 0);
     }

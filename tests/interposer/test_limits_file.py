@@ -146,8 +146,8 @@ def test_an_unreadable_file_grants_nothing(lab, kind, default_region):
                   CUDA_DEVICE_MEMORY_LIMIT="8g", FAKE_CUDA_CTX_BYTES="100m")
     assert res.rc("ctx") == CUDA_ERROR_OUT_OF_MEMORY
     assert not lab.region_path.exists() and default_region.exists()
-    reason = "Is a directory" if kind == "directory" else "No such file or directory"
-    assert len(lines(res, "error", f"limits file {path} cannot be trusted: it cannot be read ({reason})")) == 1
+    reason = "is not a plain file" if kind == "directory" else "cannot be read (No such file or directory)"
+    assert len(lines(res, "error", f"limits file {path} cannot be trusted: it {reason}")) == 1
     assert len(lines(res, "error", "no device memory is granted")) == 1, res.stderr
 
 
