@@ -60,7 +60,8 @@ def pod(name: str, limits: dict[str, str], annotations: dict[str, str] | None = 
         spec["nodeName"] = node
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "bench", "uid": f"uid-{name}",
-                         "annotations": annotations or {}},
+                         # the webhook's mark: the extender places no GPU pod without it
+                         "annotations": {"gpuslice.io/mutated": "0.1.0"} | (annotations or {})},
             "spec": spec, "status": {"phase": "Running" if node else "Pending"}}
 
 

@@ -29,12 +29,13 @@ class Extender:
         self.http: Any = None
         self.api: Any = None
 
-    async def start(self) -> Extender:
+    async def start(self, wait_ready: bool = True) -> Extender:
         self.api = self.kube.api_client()
         app = web.Application()
         setup(app, self.settings, api_client=self.api)
         self.http = await self._factory(app)
-        await asyncio.wait_for(self.placer.sync.ready.wait(), 5)  # type: ignore[union-attr]
+        if wait_ready:
+            await asyncio.wait_for(self.placer.sync.ready.wait(), 5)  # type: ignore[union-attr]
         return self
 
     async def stop(self) -> None:
@@ -63,13 +64,14 @@ class Extender:
 
 @pytest.fixture
 async def extender(kube: FakeKube, aiohttp_client: Any) -> AsyncIterator[Callable[..., Any]]:
-    """``await extender(**settings)`` starts an extender app against ``kube``."""
+    """``await extender(**settings)`` starts an extender app against ``kube`` and waits until
+    it has listed the cluster (``wait_ready=False``: returns at once)."""
     started: list[Extender] = []
 
-    async def start(**overrides: Any) -> Extender:
+    async def start(wait_ready: bool = True, **overrides: Any) -> Extender:
         ext = Extender(kube, aiohttp_client, Settings(kube_enabled=True, **overrides))
         started.append(ext)
-        return await ext.start()
+        return await ext.start(wait_ready)
 
     yield start
     for ext in started:

@@ -22,10 +22,14 @@ def gpu_node(name: str, gpus: list[tuple[str, int]], product: str = "NVIDIA A100
 
 def gpu_pod(name: str, limits: dict[str, str], *, container: str = "main",
             node: str | None = None, devices: str | None = None, namespace: str = "default",
-            phase: str = "Pending", annotations: dict[str, str] | None = None
-            ) -> dict[str, Any]:
-    """A Pod with one GPU container; bound to ``node`` with ``devices`` when given."""
-    ann = dict(annotations or {})
+            phase: str = "Pending", annotations: dict[str, str] | None = None,
+            mutated: bool = True) -> dict[str, Any]:
+    """A Pod with one GPU container; bound to ``node`` with ``devices`` when given.
+
+    ``mutated``: it carries the webhook's ``gpuslice.io/mutated`` mark, as every pod the
+    webhook admitted does (the extender places no GPU pod without it)."""
+    ann = {"gpuslice.io/mutated": "0.1.0"} if mutated else {}
+    ann.update(annotations or {})
     if devices is not None:
         ann[f"gpuslice.io/devices.{container}"] = devices
     spec: dict[str, Any] = {"schedulerName": "gpuslice-scheduler",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import pytest
 from fakekube import FakeKube
+from kubernetes_asyncio import client
 from placement.kubeobjects import eventually, gpu_node, gpu_pod
 
 from webhook.placement.inventory import Usage
@@ -65,7 +68,7 @@ async def test_bind_reads_the_pod_when_filter_never_saw_it(kube: FakeKube, exten
 async def test_bind_of_a_pod_without_gpus_binds_without_annotations(
         kube: FakeKube, extender: Any) -> None:
     kube.put(gpu_node("n1", A10))
-    pod = kube.put(gpu_pod("web", {"cpu": "1"}))
+    pod = kube.put(gpu_pod("web", {"cpu": "1"}, mutated=False))  # the webhook let it be
     ext = await extender()
     assert await ext.bind(pod, "n1") == ""
     (req,) = kube.requests_to("POST", "/binding$")
@@ -100,14 +103,20 @@ async def test_bind_of_a_deleted_pod_404_releases_the_reservation(
     await _refused_bind(kube, ext, pod, 404)
 
 
-async def test_bind_server_error_500_releases_and_a_retry_succeeds(
+async def test_bind_server_error_500_keeps_the_reservation_and_a_retry_replaces_it(
         kube: FakeKube, extender: Any) -> None:
+    """A 5xx may come after the write (an etcd timeout): the GPU stays reserved for the pod."""
     kube.put(gpu_node("n1", [("GPU-a0", 24576)]))
     pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "20000"}))
     ext = await extender()
     kube.fail("POST", "/binding$", 500)
-    await _refused_bind(kube, ext, pod, 500)
-    assert await ext.bind(pod, "n1") == ""  # the GPU was released, so the retry fits
+    error = await ext.bind(pod, "n1")
+    assert error.startswith("gpuslice: bind refused by the API server (500)")
+    kept = ext.placer.state.allocs[pod["metadata"]["uid"]]
+    assert kept.assumed and kept.expires_at is not None
+    assert usage(ext, "n1") == {"GPU-a0": Usage(20000, 0, 1, 0)}
+    assert await ext.bind(pod, "n1") == ""  # the retry takes the reservation's place
+    assert usage(ext, "n1") == {"GPU-a0": Usage(20000, 0, 1, 0)}
 
 
 async def test_bind_that_no_longer_fits_is_refused_before_calling_the_api(
@@ -201,22 +210,6 @@ async def test_lost_bind_answer_is_settled_by_reading_the_pod(
     assert usage(ext, "n1") == {"GPU-a0": Usage(1000, 0, 1, 0)}
 
 
-async def test_bind_that_never_reached_the_api_server_releases(
-        kube: FakeKube, extender: Any) -> None:
-    kube.put(gpu_node("n1", A10))
-    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
-    ext = await extender()
-
-    async def unreachable(*args: Any, **kwargs: Any) -> Any:
-        raise TimeoutError
-
-    ext.placer.core.create_namespaced_pod_binding = unreachable
-    error = await ext.bind(pod, "n1")
-    assert error.startswith("gpuslice: bind request failed")
-    assert not kube.get("pods", "p")["spec"].get("nodeName")
-    assert usage(ext, "n1") == {}
-
-
 async def test_initial_list_failure_is_retried_until_ready(kube: FakeKube, extender: Any) -> None:
     kube.put(gpu_node("n1", A10))
     kube.fail("GET", "/api/v1/pods$", 500, times=2)
@@ -234,3 +227,53 @@ async def test_bind_of_a_recreated_pod_with_another_uid_is_refused(
     error = await ext.bind(stale, "n1")
     assert "different UID" in error
     assert not kube.requests_to("POST", "/binding$")
+
+
+async def test_bind_before_the_pod_list_is_in_asks_the_scheduler_to_retry(
+        kube: FakeKube, extender: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted extender does not yet know what the bound pods hold: it binds no GPU pod."""
+    kube.put(gpu_node("n1", [("GPU-a0", 10000)]))
+    kube.put(gpu_pod("old", {"nvidia.com/gpumem": "6000"}, node="n1", devices="GPU-a0",
+                     phase="Running"))
+    new = kube.put(gpu_pod("new", {"nvidia.com/gpumem": "6000"}))
+    web = kube.put(gpu_pod("web", {"cpu": "1"}, mutated=False))
+    listed = asyncio.Event()
+    list_pods = client.CoreV1Api.list_pod_for_all_namespaces
+
+    async def slow_list(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("watch"):
+            await listed.wait()  # a large cluster: the pod list takes a while
+        return await list_pods(self, *args, **kwargs)
+
+    monkeypatch.setattr(client.CoreV1Api, "list_pod_for_all_namespaces", slow_list)
+    ext = await extender(wait_ready=False)
+    await eventually(lambda: bool(ext.placer.state.node("n1") and
+                                  ext.placer.state.node("n1").gpus))
+    assert not ext.placer.ready()
+    assert await ext.bind(new, "n1") == ("gpuslice: placement is still reading the cluster "
+                                         "state; retry")
+    assert await ext.bind(web, "n1") == ""  # a pod without GPUs needs no state
+    assert [r.path for r in kube.requests_to("POST", "/binding$")] == [
+        "/api/v1/namespaces/default/pods/web/binding"]
+    listed.set()
+    await eventually(ext.placer.ready)
+    assert "too little free memory" in await ext.bind(new, "n1")
+    assert usage(ext, "n1") == {"GPU-a0": Usage(6000, 0, 1, 0)}
+
+
+async def test_gpu_pod_the_webhook_never_mutated_is_not_placed(
+        kube: FakeKube, extender: Any) -> None:
+    """Without the webhook's mark the pod has no interposer: its slice would not be enforced."""
+    kube.put(gpu_node("n1", A10))
+    kube.put(gpu_node("n2", A10))
+    pod = kube.put(gpu_pod("raw", {"nvidia.com/gpumem": "1000"}, mutated=False))
+    ext = await extender()
+    out = await ext.post("filter", {"Pod": pod, "NodeNames": ["n1", "n2"]})
+    reason = out["FailedAndUnresolvableNodes"]["n1"]
+    assert out["NodeNames"] == [] and out["FailedAndUnresolvableNodes"] == {"n1": reason,
+                                                                          "n2": reason}
+    assert reason.startswith("gpuslice: pod was not admitted by the gpuslice webhook (no "
+                             "gpuslice.io/mutated annotation)")
+    assert await ext.bind(pod, "n1") == reason
+    assert not kube.requests_to("POST", "/binding$")
+    assert not ext.placer.state.allocs

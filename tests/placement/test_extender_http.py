@@ -46,6 +46,23 @@ async def test_golden_exchange(client: Any, name: str) -> None:
     assert await resp.json() == case["response"]
 
 
+def _args(pod: Any = None, **fields: Any) -> bytes:
+    """ExtenderArgs for one GPU container (or ``pod``), on node gpu-a unless ``fields`` say."""
+    pod = pod if pod is not None else {
+        "metadata": {"name": "p", "uid": "u", "annotations": {"gpuslice.io/mutated": "0.1.0"}},
+        "spec": {"containers": [{"name": "c", "resources": {
+            "limits": {"nvidia.com/gpumem": "1000"}}}]}}
+    return json.dumps({"Pod": pod} | (fields or {"NodeNames": ["gpu-a"]})).encode()
+
+
+def _pod(metadata: Any = None, spec: Any = None) -> dict[str, Any]:
+    return {"metadata": {} if metadata is None else metadata,
+            "spec": {"containers": []} if spec is None else spec}
+
+
+_BIND = {"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "n"}
+
+
 @pytest.mark.parametrize("path,body,message", [
     ("/scheduler/filter", b"{not json", "not valid JSON"),
     ("/scheduler/filter", b"[]", "ExtenderArgs must be a JSON object"),
@@ -55,6 +72,44 @@ async def test_golden_exchange(client: Any, name: str) -> None:
     ("/scheduler/prioritize", b'{"Pod": {"metadata": {}}}', "Pod.spec must be an object"),
     ("/scheduler/bind", b'{"PodName": "p", "PodNamespace": "ns", "Node": "n"}',
      "ExtenderBindingArgs.PodUID must be a non-empty string"),
+    # Nodes (without nodeCacheCapable) whose items are not Node objects.
+    ("/scheduler/filter", _args(Nodes={"items": ["gpu-a"]}),
+     "Nodes.items[0] must be a Node object with a metadata.name string"),
+    ("/scheduler/filter", _args(Nodes={"items": [{"metadata": "gpu-a"}]}),
+     "Nodes.items[0] must be a Node object"),
+    ("/scheduler/prioritize", _args(Nodes={"items": [{"metadata": {"name": "a"}}, 3]}),
+     "Nodes.items[1] must be a Node object"),
+    ("/scheduler/prioritize", _args(Nodes={"items": [{"metadata": {"name": 7}}]}),
+     "Nodes.items[0] must be a Node object with a metadata.name string"),
+    # A Pod whose containers, annotations or identity have the wrong types.
+    ("/scheduler/filter", _args(_pod(spec={"containers": {"c": {}}})),
+     "ExtenderArgs.Pod.spec.containers must be a list"),
+    ("/scheduler/filter", _args(_pod(spec={"containers": ["c"]})),
+     "ExtenderArgs.Pod.spec.containers[0] must be an object with a string name"),
+    ("/scheduler/filter", _args(_pod(spec={"initContainers": [{"restartPolicy": "Always"}]})),
+     "ExtenderArgs.Pod.spec.initContainers[0] must be an object with a string name"),
+    ("/scheduler/prioritize", _args(_pod(spec={"containers": "abc"})),
+     "ExtenderArgs.Pod.spec.containers must be a list"),
+    ("/scheduler/prioritize", _args(_pod(spec={"initContainers": [None]})),
+     "ExtenderArgs.Pod.spec.initContainers[0] must be an object"),
+    ("/scheduler/filter", _args(_pod({"annotations": "gpu"})),
+     "ExtenderArgs.Pod.metadata.annotations must be an object"),
+    ("/scheduler/prioritize", _args(_pod({"annotations": ["gpuslice.io/mutated"]})),
+     "ExtenderArgs.Pod.metadata.annotations must be an object"),
+    ("/scheduler/filter", _args(_pod({"annotations": {"gpuslice.io/placement": 5}})),
+     "ExtenderArgs.Pod.metadata.annotations values must be strings"),
+    ("/scheduler/filter", _args(_pod({"uid": ["u"]})),
+     "ExtenderArgs.Pod.metadata.uid must be a string"),
+    ("/scheduler/prioritize", _args(_pod({"namespace": 1})),
+     "ExtenderArgs.Pod.metadata.namespace must be a string"),
+    # Bind args that are not ExtenderBindingArgs.
+    ("/scheduler/bind", b"[]", "ExtenderBindingArgs must be a JSON object"),
+    ("/scheduler/bind", json.dumps(_BIND | {"PodUID": 5}).encode(),
+     "ExtenderBindingArgs.PodUID must be a non-empty string"),
+    ("/scheduler/bind", json.dumps(_BIND | {"Node": ""}).encode(),
+     "ExtenderBindingArgs.Node must be a non-empty string"),
+    ("/scheduler/bind", json.dumps(_BIND | {"PodName": {"name": "p"}}).encode(),
+     "ExtenderBindingArgs.PodName must be a non-empty string"),
 ])
 async def test_malformed_extender_request_gets_400(client: Any, path: str, body: bytes,
                                                     message: str) -> None:

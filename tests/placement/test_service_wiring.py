@@ -13,7 +13,8 @@ from webhook.settings import Settings
 async def test_service_serves_the_extender_verbs(aiohttp_client: Any, tmp_path: Path) -> None:
     app = create_app(Settings(cert_dir=str(tmp_path)))
     client = await aiohttp_client(app)
-    pod = {"metadata": {"name": "p", "uid": "u"},
+    pod = {"metadata": {"name": "p", "uid": "u",
+                        "annotations": {"gpuslice.io/mutated": "0.1.0"}},
            "spec": {"containers": [{"name": "c", "resources": {
                "limits": {"nvidia.com/gpumem": "100"}}}]}}
     resp = await client.post("/scheduler/filter", json={"Pod": pod, "NodeNames": ["n1"]})

@@ -142,3 +142,27 @@ def test_deleted_node_keeps_the_usage_of_its_pods_until_they_go() -> None:
     assert node(state, "n1").gpus == () and node(state, "n1").usage
     state.delete_pod(pod)
     assert node(state, "n1").usage == {}
+
+
+def test_undecided_reservation_is_kept_until_its_deadline_then_dropped() -> None:
+    state = ClusterState(S)
+    state.apply_node(gpu_node("n1", [("GPU-0", 24576)]))
+    _reserve(state, "p")
+    state.keep_until("p", 100.0)
+    assert state.expire(99.9) == 0 and state.allocs["p"].expires_at == 100.0
+    assert node(state, "n1").usage == {"GPU-0": Usage(100, 0, 1, 0)}
+    assert state.expire(100.0) == 1
+    assert state.allocs == {} and node(state, "n1").usage == {}
+
+
+def test_undecided_reservation_confirmed_by_the_watch_no_longer_expires() -> None:
+    state = ClusterState(S)
+    state.apply_node(gpu_node("n1", [("GPU-0", 24576)]))
+    _reserve(state, "p")
+    state.keep_until("p", 100.0)
+    bound = gpu_pod("p", {"nvidia.com/gpumem": "100"}, node="n1", devices="GPU-0")
+    bound["metadata"]["uid"] = "p"
+    state.apply_pod(bound)  # the late Binding, seen by the watch: counted once
+    assert not state.allocs["p"].assumed and state.allocs["p"].expires_at is None
+    assert state.expire(1e9) == 0
+    assert node(state, "n1").usage == {"GPU-0": Usage(100, 0, 1, 0)}

@@ -129,7 +129,7 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     ``max_gpu_memory_mib`` is the largest GPU in the cluster, when known. Raises
     :class:`BadObject` when the object is not shaped like a pod.
     """
-    spec, metadata = _shape(pod)
+    spec, metadata = pod_shape(pod)
     ns = namespace or metadata.get("namespace")
     if ns is not None and not isinstance(ns, str):  # a workload's namespace, for a template
         raise BadObject("metadata.namespace must be a string")
@@ -181,7 +181,9 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     return MutationResult(new_pod, warnings=tuple(work.warnings), changed=True)
 
 
-def _shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def pod_shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pod's spec and metadata, checked to be shaped as this module and the extender read
+    them (the containers listed by name, the annotations); :class:`BadObject` says what is not."""
     if not isinstance(pod, dict):
         raise BadObject("the object must be a JSON/YAML mapping")
     spec, metadata = pod.get("spec"), pod.get("metadata")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+from webhook.admission.mutate import BadObject, pod_shape
+
 MIN_PRIORITY = 0
 """MinExtenderPriority."""
 MAX_PRIORITY = 10
@@ -76,14 +78,25 @@ def candidate_names(args: dict[str, Any]) -> list[str]:
         items = nodes.get("items") or []
         if not isinstance(items, list):
             raise WireError("Nodes.items must be a list")
-        return [str(((n or {}).get("metadata") or {}).get("name", "")) for n in items]
+        out = []
+        for i, node in enumerate(items):
+            meta = node.get("metadata") if isinstance(node, dict) else None
+            if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+                raise WireError(f"Nodes.items[{i}] must be a Node object with a "
+                                f"metadata.name string")
+            out.append(meta["name"])
+        return out
     if nodes is None:
         return []
     raise WireError("Nodes must be a NodeList object")
 
 
 def extender_pod(args: Any) -> dict[str, Any]:
-    """The ``Pod`` of ExtenderArgs, checked to be an object with metadata."""
+    """The ``Pod`` of ExtenderArgs, checked to be shaped as the placement code reads it.
+
+    The containers, annotations and identity fields get the webhook's shape checks
+    (:func:`webhook.admission.mutate.pod_shape`): the placement code reads a pod only after this.
+    """
     if not isinstance(args, dict):
         raise WireError("ExtenderArgs must be a JSON object")
     pod = args.get("Pod")
@@ -91,6 +104,16 @@ def extender_pod(args: Any) -> dict[str, Any]:
         raise WireError("ExtenderArgs.Pod must be a Pod object with metadata")
     if not isinstance(pod.get("spec"), dict):
         raise WireError("ExtenderArgs.Pod.spec must be an object")
+    try:
+        _, metadata = pod_shape(pod)
+    except BadObject as exc:
+        raise WireError(f"ExtenderArgs.Pod.{exc}") from exc
+    for key in ("name", "namespace", "uid"):
+        if not isinstance(metadata.get(key), str | None):
+            raise WireError(f"ExtenderArgs.Pod.metadata.{key} must be a string")
+    annotations = metadata.get("annotations") or {}
+    if not all(isinstance(v, str) for v in annotations.values()):
+        raise WireError("ExtenderArgs.Pod.metadata.annotations values must be strings")
     return pod
 
 

@@ -4,11 +4,22 @@
 used to bind. Filter and prioritize are synchronous and pure over the state; bind reserves
 the chosen GPUs in the state (atomically, on the event loop, no lock), then creates the
 Binding with the device annotations, and releases the reservation if the API server refuses.
+
+A Binding that gets no answer (a timeout, a dropped connection, a 5xx) may still be applied
+by the API server, so its reservation is kept, like kube-scheduler's assumed pods: the watch
+settles it (the pod bound: its real allocation replaces the reservation; deleted or bound
+elsewhere: dropped), a retried bind of the same pod replaces it, and after ``assume_ttl_s``
+it is released. A read of the pod right after the failure settles it at once when the pod
+is bound (what it holds replaces the reservation), gone (404) or recreated (another UID).
+
+Only pods the webhook admitted (``gpuslice.io/mutated``) are given GPUs: another GPU pod
+would run without the interposer, so without its caps.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -25,7 +36,13 @@ from webhook.placement.model import (
     candidate_names,
     extender_pod,
 )
-from webhook.placement.request import PodRequest, RequestError, pod_request
+from webhook.placement.request import (
+    NOT_ADMITTED,
+    PodRequest,
+    RequestError,
+    admitted,
+    pod_request,
+)
 from webhook.placement.state import ClusterState, NodeState
 from webhook.placement.sync import ApiStatusError, ClusterSync, read_json
 from webhook.settings import Settings
@@ -36,6 +53,7 @@ Fit = Placement | NoFit
 
 _POD_CACHE = 4096
 _RESULT_CACHE = 4
+NOT_READY = "gpuslice: placement is still reading the cluster state; retry"
 
 
 class Placer:
@@ -43,11 +61,17 @@ class Placer:
 
     def __init__(self, settings: Settings, state: ClusterState | None = None,
                  api: client.ApiClient | None = None, *, bind_timeout_s: float = 3.0,
-                 resync_s: float = 300.0) -> None:
+                 resync_s: float = 300.0, assume_ttl_s: float = 60.0) -> None:
         self.settings = settings
         self.state = state or ClusterState(settings)
         self.bind_timeout_s = bind_timeout_s
+        """Seconds a call to the API server made by bind may take."""
         self.resync_s = resync_s
+        """Seconds between full lists of nodes and pods."""
+        self.assume_ttl_s = assume_ttl_s
+        """Seconds the reservation of a bind with an unknown outcome is kept, unless the watch
+        or a retried bind settles it first: the API server's default request timeout (60 s),
+        after which it no longer applies the Binding."""
         self.core: client.CoreV1Api | None = None
         self.sync: ClusterSync | None = None
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -122,7 +146,7 @@ class Placer:
         out = ExtenderFilterResult(NodeNames=[], FailedNodes={}, FailedAndUnresolvableNodes={},
                                    Error="")
         if not self.ready():
-            out["Error"] = "gpuslice: placement is still reading the cluster state; retry"
+            out["Error"] = NOT_READY
             return out
         try:
             req = pod_request(pod, self.settings)
@@ -132,6 +156,10 @@ class Placer:
         if not req.wants_gpus:
             out["NodeNames"] = list(candidates)
             return self._with_nodes(args, out)
+        if not admitted(pod):
+            out["FailedAndUnresolvableNodes"] = {n: NOT_ADMITTED for n in candidates}
+            return self._with_nodes(args, out)
+        self.state.expire(time.monotonic())
         per_node = self._results_for(req)
         for name in candidates:
             node = self.state.node(name)
@@ -168,6 +196,8 @@ class Placer:
             req = None
         scores: list[HostPriority] = []
         per_node = self._results_for(req) if req is not None else {}
+        if req is not None and req.wants_gpus:
+            self.state.expire(time.monotonic())
         for name in candidates:
             node = self.state.node(name)
             score = 0
@@ -207,6 +237,12 @@ class Placer:
                 return ExtenderBindingResult(Error=f"gpuslice: cannot bind: {exc}")
             except (TimeoutError, aiohttp.ClientError) as exc:
                 return ExtenderBindingResult(Error=f"gpuslice: cannot read the pod: {exc!r}")
+            if req.wants_gpus:
+                # Before the first list the state lacks the GPUs other pods hold.
+                if not self.ready():
+                    return ExtenderBindingResult(Error=NOT_READY)
+                if not admitted(pod):
+                    return ExtenderBindingResult(Error=NOT_ADMITTED)
             return await self._bind(args, req, where)
         finally:
             self._inflight.discard(uid)
@@ -217,11 +253,14 @@ class Placer:
         annotations: dict[str, str] = {}
         if req.wants_gpus:
             # From here to reserve() there is no await: choose-and-reserve is atomic.
+            self.state.expire(time.monotonic())
             existing = self.state.allocs.get(uid)
             if existing is not None and not existing.assumed:
                 return ExtenderBindingResult(
                     Error=f"gpuslice: pod already holds GPUs on node {existing.node}")
-            self.state.release(uid)  # a reservation left by an earlier, undecided attempt
+            # A retry replaces the reservation of an earlier, undecided attempt: only one of
+            # the two Bindings can be applied, and a 409 below settles which from the pod.
+            self.state.release(uid)
             node = self.state.node(node_name)
             if node is None or node.inventory_error:
                 why = node.inventory_error if node is not None else "node not known"
@@ -247,37 +286,59 @@ class Placer:
                 args["PodName"], args["PodNamespace"], body, _preload_content=False,
                 _request_timeout=self.bind_timeout_s))
         except ApiStatusError as exc:
-            self.state.release(uid)
             logger.warning("bind refused", extra=where | {"status": exc.status,
                                                          "error": exc.message})
-            return ExtenderBindingResult(Error=f"gpuslice: bind refused by the API server "
-                                               f"({exc.status}): {exc.message}")
+            error = f"gpuslice: bind refused by the API server ({exc.status}): {exc.message}"
+            # A 5xx may come after the write (an etcd timeout); a 409 may mean that an earlier
+            # attempt of ours was applied. Either way the pod tells what holds.
+            if annotations and (exc.status >= 500 or exc.status == 409):
+                return await self._undecided(args, annotations, where, error)
+            self.state.release(uid)
+            return ExtenderBindingResult(Error=error)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return await self._undecided(args, annotations, where, exc)
+            return await self._undecided(args, annotations, where,
+                                         f"gpuslice: bind request failed: {exc!r}")
         logger.info("pod bound", extra=where | {"devices": annotations})
         return ExtenderBindingResult(Error="")
 
     async def _undecided(self, args: ExtenderBindingArgs, annotations: dict[str, str],
-                         where: dict[str, str], exc: BaseException) -> ExtenderBindingResult:
-        """The Binding request got no answer: look at the pod to learn whether it happened."""
+                         where: dict[str, str], error: str) -> ExtenderBindingResult:
+        """The Binding may or may not be applied: read the pod to learn what holds.
+
+        Bound here with our devices: the bind succeeded. Bound otherwise (elsewhere, or by
+        another attempt): what it holds replaces the reservation. Gone (404) or recreated
+        (another UID): the reservation is released. Still unbound, or the read failed: the API
+        server may yet apply the Binding, so the reservation is kept for ``assume_ttl_s``.
+        """
         uid = args["PodUID"]
         assert self.core is not None
+        pod: dict[str, Any] | None = None
         try:
             pod = await read_json(await self.core.read_namespaced_pod(
                 args["PodName"], args["PodNamespace"], _preload_content=False,
                 _request_timeout=self.bind_timeout_s))
-        except (TimeoutError, ApiStatusError, aiohttp.ClientError):
-            # Unknown: keep the reservation; the watch, a resync or the next bind settles it.
-            logger.warning("bind outcome unknown", extra=where | {"error": repr(exc)})
-            return ExtenderBindingResult(Error=f"gpuslice: bind request failed: {exc!r}")
-        bound_here = (pod.get("spec") or {}).get("nodeName") == args["Node"]
-        mine = (pod.get("metadata") or {}).get("uid") == uid
-        annotated = all(((pod.get("metadata") or {}).get("annotations") or {}).get(k) == v
-                        for k, v in annotations.items())
-        if mine and bound_here and annotated:
-            self.state.apply_pod(pod)
-            logger.info("pod bound", extra=where | {"devices": annotations, "late": True})
-            return ExtenderBindingResult(Error="")
-        self.state.release(uid)
-        return ExtenderBindingResult(Error=f"gpuslice: bind request failed: {exc!r}")
-
+        except ApiStatusError as exc:
+            if exc.status == 404:
+                self.state.release(uid)
+                return ExtenderBindingResult(Error=error)
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        if isinstance(pod, dict):
+            meta = pod.get("metadata") or {}
+            if meta.get("uid") != uid:
+                self.state.release(uid)
+                return ExtenderBindingResult(Error=error)
+            bound_to = (pod.get("spec") or {}).get("nodeName")
+            if bound_to:
+                self.state.apply_pod(pod)  # replaces (or drops) the reservation
+                annotated = all((meta.get("annotations") or {}).get(k) == v
+                                for k, v in annotations.items())
+                if bound_to == args["Node"] and annotated:
+                    logger.info("pod bound", extra=where | {"devices": annotations,
+                                                            "late": True})
+                    return ExtenderBindingResult(Error="")
+                return ExtenderBindingResult(Error=error)
+        self.state.keep_until(uid, time.monotonic() + self.assume_ttl_s)
+        logger.warning("bind outcome unknown", extra=where | {
+            "error": error, "reservation_kept_s": self.assume_ttl_s if annotations else 0})
+        return ExtenderBindingResult(Error=error)

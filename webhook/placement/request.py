@@ -25,6 +25,10 @@ from webhook.settings import Settings
 
 Kind = Literal["app", "init", "sidecar"]
 POLICIES = ("binpack", "spread")
+NOT_ADMITTED = (f"gpuslice: pod was not admitted by the gpuslice webhook (no {names.ANN_MUTATED} "
+                f"annotation): its GPU limits would not be enforced; recreate it in a namespace "
+                f"the webhook serves")
+"""Why a GPU pod the webhook never mutated is not placed (filter and bind)."""
 
 
 class RequestError(ValueError):
@@ -112,6 +116,16 @@ def _csv(value: Any) -> tuple[str, ...]:
 
 def _either(annotations: dict[str, Any], ours: str, hami: str) -> tuple[str, ...]:
     return tuple(sorted(set(_csv(annotations.get(ours))) | set(_csv(annotations.get(hami)))))
+
+
+def admitted(pod: dict[str, Any]) -> bool:
+    """The webhook mutated the pod: it carries the interposer and its caps.
+
+    A GPU pod without the mark (its namespace opted out, ``schedulerName`` set by hand, or
+    created while the webhook was down with ``failurePolicy: Ignore``) would use its slice
+    unchecked, so the extender does not place it.
+    """
+    return bool(((pod.get("metadata") or {}).get("annotations") or {}).get(names.ANN_MUTATED))
 
 
 def pod_request(pod: dict[str, Any], settings: Settings) -> PodRequest:

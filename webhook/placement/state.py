@@ -4,8 +4,11 @@ Fed by the watches (:mod:`webhook.placement.sync`) with raw Node and Pod JSON, a
 with *assumed* allocations: a bind reserves its GPUs here before it calls the API server, so a
 concurrent bind for the same node sees them taken. An assumed allocation becomes confirmed
 when the watch shows the pod bound with its device annotations, and is dropped if the bind
-fails. Everything here is synchronous and runs on the event loop, so a check-and-reserve
-between two ``await`` points is atomic without a lock.
+fails. A bind whose outcome is unknown (no answer: the API server may still apply it) keeps
+its reservation until a deadline (:meth:`ClusterState.keep_until`); the watch settles it
+before that, or :meth:`ClusterState.expire` drops it after. Everything here is synchronous
+and runs on the event loop, so a check-and-reserve between two ``await`` points is atomic
+without a lock.
 
 Counted pods: bound (``spec.nodeName``), not ``Succeeded``/``Failed``, with at least one
 ``gpuslice.io/devices.<container>`` annotation. Deleted or finished pods release their GPUs.
@@ -59,6 +62,9 @@ class PodAlloc:
     assumed: bool = False
     """True from the bind's reservation until the watch shows the pod bound."""
     reserved_at: float = 0.0
+    expires_at: float | None = None
+    """Monotonic time after which an assumed allocation whose bind is undecided is dropped;
+    None while its bind is in flight or once the API server accepted it."""
     resource_version: str = ""
     """Of the pod object last applied (confirmed allocations only)."""
 
@@ -95,6 +101,8 @@ class ClusterState:
         self.settings = settings
         self.nodes: dict[str, NodeState] = {}
         self.allocs: dict[str, PodAlloc] = {}
+        self._expiring: dict[str, float] = {}
+        """UID → deadline of the assumed allocations with an ``expires_at``."""
         self._version = 0
 
     # ----- reads -----
@@ -174,6 +182,7 @@ class ClusterState:
         self._bump(node)
 
     def _remove(self, uid: str) -> PodAlloc | None:
+        self._expiring.pop(uid, None)
         alloc = self.allocs.pop(uid, None)
         if alloc is None:
             return None
@@ -203,6 +212,27 @@ class ClusterState:
         alloc = self.allocs.get(uid)
         if alloc is not None and alloc.assumed:
             self._remove(uid)
+
+    def keep_until(self, uid: str, deadline: float) -> None:
+        """Keep the reservation of a bind with an unknown outcome until ``deadline``
+        (monotonic): the watch confirms it (the pod bound with these devices) or drops it (the
+        pod deleted, bound elsewhere, finished) before, or :meth:`expire` drops it after."""
+        alloc = self.allocs.get(uid)
+        if alloc is not None and alloc.assumed:
+            alloc.expires_at = self._expiring[uid] = deadline
+
+    def expire(self, now: float) -> int:
+        """Drop the undecided reservations whose deadline has passed; returns how many."""
+        if not self._expiring:
+            return 0
+        gone = [uid for uid, deadline in self._expiring.items() if deadline <= now]
+        for uid in gone:
+            alloc = self._remove(uid)
+            if alloc is not None:
+                logger.warning("undecided bind expired; its reservation is released",
+                               extra={"pod": f"{alloc.namespace}/{alloc.name}",
+                                      "node": alloc.node})
+        return len(gone)
 
     def apply_pod(self, obj: dict[str, Any]) -> None:
         """A pod was added or changed."""

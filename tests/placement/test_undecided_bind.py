@@ -1,0 +1,181 @@
+"""Binds whose outcome is unknown: the API server may apply the Binding after we gave up.
+
+The Binding calls are intercepted on the extender's client; everything else goes to the fake
+API server. An undecided reservation must block the GPU until the watch, a retry or its
+expiry settles it, and must never be counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from fakekube import FakeKube
+from placement.kubeobjects import eventually, gpu_node, gpu_pod
+
+from webhook.placement.inventory import Usage
+
+SMALL = [("GPU-0", 10000)]
+SIX_GIB = {"nvidia.com/gpumem": "6000"}
+
+Binder = Callable[..., Awaitable[Any]]
+
+
+def usage(ext: Any, node: str) -> dict[str, Usage]:
+    state = ext.placer.state.node(node)
+    return {} if state is None else dict(state.usage)
+
+
+def bound_pods(kube: FakeKube, node: str) -> list[str]:
+    return sorted(p["metadata"]["name"] for (plural, _, _), p in kube.objects.items()
+                  if plural == "pods" and p["spec"].get("nodeName") == node)
+
+
+def intercept_binds(ext: Any, answer: Callable[[Binder, tuple[Any, ...], dict[str, Any]],
+                                               Awaitable[Any]]) -> None:
+    """Route the extender's Binding calls through ``answer(real, args, kwargs)``."""
+    real = ext.placer.core.create_namespaced_pod_binding
+
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        return await answer(real, args, kwargs)
+
+    ext.placer.core.create_namespaced_pod_binding = call
+
+
+def never_sent(ext: Any) -> None:
+    async def answer(real: Binder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise TimeoutError
+
+    intercept_binds(ext, answer)
+
+
+@pytest.mark.parametrize("reread_fails", [False, True], ids=["pod-unbound", "reread-fails"])
+async def test_binding_applied_after_our_timeout_is_never_double_booked(
+        kube: FakeKube, extender: Any, reread_fails: bool) -> None:
+    kube.put(gpu_node("n1", SMALL))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    b = kube.put(gpu_pod("b", SIX_GIB))
+    ext = await extender()
+    etcd_done = asyncio.Event()
+    landed: list[asyncio.Task[None]] = []
+
+    async def slow_etcd(real: Binder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        async def later() -> None:
+            await etcd_done.wait()
+            (await real(*args, **kwargs)).release()
+
+        landed.append(asyncio.create_task(later()))
+        if reread_fails:
+            kube.fail("GET", "/namespaces/default/pods/a$", 500)
+        raise TimeoutError  # our bind_timeout_s passed; the API server still holds the write
+
+    intercept_binds(ext, slow_etcd)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    uid_a = a["metadata"]["uid"]
+    assert ext.placer.state.allocs[uid_a].assumed
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}
+
+    # While a's Binding is undecided, its 6000 MiB are taken: b fits nowhere.
+    out = await ext.post("filter", {"Pod": b, "NodeNames": ["n1"]})
+    assert "too little free memory" in out["FailedNodes"]["n1"]
+    assert "too little free memory" in await ext.bind(b, "n1")
+
+    etcd_done.set()  # the write lands; the watch shows a bound
+    await landed[0]
+    await eventually(lambda: not ext.placer.state.allocs[uid_a].assumed)
+    assert bound_pods(kube, "n1") == ["a"]
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}
+    assert list(ext.placer.state.allocs) == [uid_a]
+
+
+async def test_undecided_reservation_is_released_after_its_expiry(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", SMALL))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    b = kube.put(gpu_pod("b", SIX_GIB))
+    ext = await extender()
+    ext.placer.assume_ttl_s = 1.0
+    never_sent(ext)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}
+    out = await ext.post("filter", {"Pod": b, "NodeNames": ["n1"]})
+    assert out["NodeNames"] == []
+
+    await asyncio.sleep(1.05)  # nothing settled it: not the watch, not a retry
+    out = await ext.post("filter", {"Pod": b, "NodeNames": ["n1"]})
+    assert out["NodeNames"] == ["n1"]
+    assert usage(ext, "n1") == {} and not ext.placer.state.allocs
+
+
+async def test_retried_bind_of_the_same_pod_replaces_its_undecided_reservation(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", SMALL))
+    kube.put(gpu_node("n2", [("GPU-b0", 10000)]))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    ext = await extender()
+    real = ext.placer.core.create_namespaced_pod_binding
+    never_sent(ext)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+
+    ext.placer.core.create_namespaced_pod_binding = real
+    assert await ext.bind(a, "n2") == ""  # kube-scheduler's retry, elsewhere this time
+    assert usage(ext, "n1") == {}
+    assert usage(ext, "n2") == {"GPU-b0": Usage(6000, 0, 1, 0)}
+    uid = a["metadata"]["uid"]
+    await eventually(lambda: not ext.placer.state.allocs[uid].assumed)
+    assert usage(ext, "n2") == {"GPU-b0": Usage(6000, 0, 1, 0)}
+    assert ext.placer.state.allocs[uid].expires_at is None
+
+
+async def test_retry_refused_because_the_first_attempt_landed_counts_the_first(
+        kube: FakeKube, extender: Any) -> None:
+    """The retry replaced the reservation, then the first Binding won: the 409 is settled
+    from the pod at once, before the watch, so the GPU is never free in between."""
+    kube.put(gpu_node("n1", SMALL))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    b = kube.put(gpu_pod("b", SIX_GIB))
+    ext = await extender()
+    held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    async def first_lands_late(real: Binder, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> Any:
+        if not held:
+            held.append((args, kwargs))
+            raise TimeoutError
+        (await real(*held[0][0], **held[0][1])).release()  # the first write lands now
+        return await real(*args, **kwargs)  # 409: the pod is already assigned
+
+    intercept_binds(ext, first_lands_late)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    await ext.placer.sync.stop()  # the watch lags behind
+    assert await ext.bind(a, "n1") == ""  # bound, with the devices this bind chose
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}
+    assert not ext.placer.state.allocs[a["metadata"]["uid"]].assumed
+    assert "too little free memory" in await ext.bind(b, "n1")
+
+
+@pytest.mark.parametrize("fate", ["deleted", "recreated", "bound-elsewhere"])
+async def test_undecided_bind_is_settled_at_once_when_the_pod_says_so(
+        kube: FakeKube, extender: Any, fate: str) -> None:
+    kube.put(gpu_node("n1", SMALL))
+    kube.put(gpu_node("n2", [("GPU-b0", 10000)]))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    ext = await extender()
+
+    async def meanwhile(real: Binder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if fate == "bound-elsewhere":  # by another extender replica, say
+            kube.put(gpu_pod("a", SIX_GIB, node="n2", devices="GPU-b0"))
+        else:
+            kube.delete("pods", "a")
+        if fate == "recreated":
+            kube.put(gpu_pod("a", SIX_GIB))
+        raise TimeoutError
+
+    await ext.placer.sync.stop()  # only the bind's own read of the pod settles it
+    intercept_binds(ext, meanwhile)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    assert usage(ext, "n1") == {}
+    expected = {"GPU-b0": Usage(6000, 0, 1, 0)} if fate == "bound-elsewhere" else {}
+    assert usage(ext, "n2") == expected
