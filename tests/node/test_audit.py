@@ -315,7 +315,7 @@ async def test_a_tampered_region_does_not_hide_memory_from_the_outside_check(
             registry = make_registry(AgentCollector(node.inventory, state, AgentStatus(),
                                                     auditor=auditor))
             got = samples(registry)
-            lab = ctr_labels("ml", "sneaky", "a", GPU0)
+            lab = ctr_labels("ml", "sneaky", pod["metadata"]["uid"], "a", GPU0)
             assert got[("gpuslice_container_memory_used_bytes", lab)] == 0  # the region lies
             assert got[("gpuslice_container_memory_observed_bytes", lab)] == 12 * GIB
             assert got[("gpuslice_container_memory_over_limit", lab)] == 1
@@ -798,7 +798,7 @@ async def test_a_restarted_container_beside_its_old_instance_is_one_series(
         got = {k: v for k, v in samples(registry).items()
                if k[0] == "gpuslice_container_memory_observed_bytes"}
         assert got == {("gpuslice_container_memory_observed_bytes",
-                        ctr_labels("ml", "r", "a", GPU0)): 3 * GIB}
+                        ctr_labels("ml", "r", pod["metadata"]["uid"], "a", GPU0)): 3 * GIB}
 
 
 async def test_stopping_the_agent_does_not_wait_for_a_hung_check(tmp_path: Path) -> None:

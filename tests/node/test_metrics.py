@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,9 @@ def samples(registry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def ctr_labels(ns: str, pod: str, ctr: str, uuid: str) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted({"namespace": ns, "pod": pod, "container": ctr, "uuid": uuid}.items()))
+def ctr_labels(ns: str, pod: str, uid: str, ctr: str, uuid: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"namespace": ns, "pod": pod, "pod_uid": uid, "container": ctr,
+                         "uuid": uuid}.items()))
 
 
 class Clock:
@@ -77,14 +79,14 @@ def test_container_metrics_per_device_from_region_files(tmp_path: Path) -> None:
     write_region(tmp_path, UID2, "web", "serving", "app", [(0, GPU0, 4 * GIB, 0, 100, 0)])
     _, reg = make(tmp_path)
     s = samples(reg)
-    m = ctr_labels("ml", "trainer-0", "main", GPU0)
+    m = ctr_labels("ml", "trainer-0", UID1, "main", GPU0)
     assert s[("gpuslice_container_memory_used_bytes", m)] == 3 * GIB
     assert s[("gpuslice_container_memory_limit_bytes", m)] == 10 * GIB
     assert s[("gpuslice_container_compute_limit_percent", m)] == 30
-    m1 = ctr_labels("ml", "trainer-0", "main", GPU1)
+    m1 = ctr_labels("ml", "trainer-0", UID1, "main", GPU1)
     assert s[("gpuslice_container_memory_used_bytes", m1)] == 1 * GIB
     assert s[("gpuslice_container_compute_limit_percent", m1)] == 100  # 0 = not throttled
-    w = ctr_labels("serving", "web", "app", GPU0)
+    w = ctr_labels("serving", "web", UID2, "app", GPU0)
     assert s[("gpuslice_container_memory_limit_bytes", w)] == 4 * GIB
     assert s[("gpuslice_region_errors_total", ())] == 0
 
@@ -93,7 +95,7 @@ def test_measured_share_is_the_busy_time_rate_between_scrapes(tmp_path: Path) ->
     clock = Clock()
     write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 5_000_000_000)])
     _, reg = make(tmp_path, clock=clock)
-    lab = ctr_labels("ns", "p", "c", GPU0)
+    lab = ctr_labels("ns", "p", UID1, "c", GPU0)
     first = samples(reg)
     assert ("gpuslice_container_compute_share_percent", lab) not in first  # no interval yet
     assert first[("gpuslice_container_busy_seconds_total", lab)] == 5.0
@@ -110,9 +112,9 @@ def test_clock_scale_is_exported_for_limited_devices_only(tmp_path: Path) -> Non
                  [(0, GPU0, GIB, 0, 30, 0), (1, GPU1, GIB, 0, 0, 0)], scale=1314)
     write_region(tmp_path, UID2, "q", "ns", "c", [(0, GPU0, GIB, 0, 50, 0)])  # not estimated yet
     s = samples(make(tmp_path)[1])
-    assert s[("gpuslice_container_compute_clock_scale", ctr_labels("ns", "p", "c", GPU0))] == 1.314
-    assert ("gpuslice_container_compute_clock_scale", ctr_labels("ns", "p", "c", GPU1)) not in s
-    assert s[("gpuslice_container_compute_clock_scale", ctr_labels("ns", "q", "c", GPU0))] == 1.0
+    assert s[("gpuslice_container_compute_clock_scale", ctr_labels("ns", "p", UID1, "c", GPU0))] == 1.314
+    assert ("gpuslice_container_compute_clock_scale", ctr_labels("ns", "p", UID1, "c", GPU1)) not in s
+    assert s[("gpuslice_container_compute_clock_scale", ctr_labels("ns", "q", UID2, "c", GPU0))] == 1.0
 
 
 def test_corrupt_and_truncated_regions_are_skipped_counted_and_logged_once(
@@ -130,7 +132,7 @@ def test_corrupt_and_truncated_regions_are_skipped_counted_and_logged_once(
         second = samples(reg)
     assert first[("gpuslice_region_errors_total", ())] == 2
     assert second[("gpuslice_region_errors_total", ())] == 4
-    assert first[("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", "c", GPU0))] \
+    assert first[("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", UID1, "c", GPU0))] \
         == GIB
     logged = [r for r in caplog.records if r.message == "unreadable region file skipped"]
     assert sorted(r.path for r in logged) == sorted([str(bad), str(truncated)])
@@ -151,7 +153,7 @@ def test_without_driver_metrics_say_nvml_unavailable_and_still_render(tmp_path: 
     s = samples(reg)
     assert s[("gpuslice_nvml_available", ())] == 0
     assert not any(name.startswith("gpuslice_gpu_memory") for name, _ in s)
-    assert s[("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", "c", GPU0))] == GIB
+    assert s[("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", UID1, "c", GPU0))] == GIB
 
 
 def test_agent_status_metrics(tmp_path: Path) -> None:
@@ -174,3 +176,43 @@ def test_a_region_file_vanishing_mid_scrape_is_not_an_error(
     monkeypatch.setattr(metrics, "read_region", vanished)
     _, reg = make(tmp_path)
     assert samples(reg)[("gpuslice_region_errors_total", ())] == 0
+
+
+@pytest.mark.parametrize("claims", ["another pod", "another container"])
+def test_a_region_claiming_another_identity_is_labelled_by_its_directory(
+        tmp_path: Path, claims: str) -> None:
+    # every process of a container can write its region: the names in it are believed only
+    # where its pod UID and container are those of the dirs kubelet made for the container
+    path = write_region(tmp_path, UID1, "victim", "prod", "c", [(0, GPU0, GIB, 0, 30, 0)])
+    fake_uid, fake_ctr = (UID2, "c") if claims == "another pod" else (UID1, "other")
+    path.write_bytes(encode_region(Region(
+        pod_uid=fake_uid, pod_name="victim", namespace="prod", container=fake_ctr,
+        devices=(DeviceSlot(index=0, uuid=GPU0, limit_bytes=GIB, used_bytes=0, sm_limit=30,
+                            busy_ns=0),),
+        processes=())))
+    _, reg = make(tmp_path)
+    s = samples(reg)
+    assert s[("gpuslice_container_memory_limit_bytes", ctr_labels("", UID1, UID1, "c", GPU0))] \
+        == GIB
+    assert not [k for k in s if ("namespace", "prod") in k[1]]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_region_path_that_is_not_a_plain_file_is_not_followed_or_waited_on(
+        tmp_path: Path, kind: str) -> None:
+    from webhook.node.region import RegionError, read_region
+    elsewhere = write_region(tmp_path / "elsewhere", UID2, "q", "ns", "c",
+                             [(0, GPU0, GIB, 0, 30, 0)])
+    path = tmp_path / "state" / UID1 / "c" / "region"
+    path.parent.mkdir(parents=True)
+    if kind == "symlink":
+        path.symlink_to(elsewhere)  # the agent reads as root: the link's target is not the region
+    else:
+        os.mkfifo(path)  # opening it would wait for a writer
+    with pytest.raises(RegionError, match="a symbolic link" if kind == "symlink" else
+                       "not a plain file"):
+        read_region(path)
+    _, reg = make(tmp_path / "state")
+    s = samples(reg)
+    assert not [k for k in s if k[0] == "gpuslice_container_memory_limit_bytes"]
+    assert s[("gpuslice_region_errors_total", ())] == (1 if kind == "symlink" else 0)

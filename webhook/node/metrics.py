@@ -6,7 +6,10 @@ every ``<host-state-dir>/<pod-uid>/<container>/region`` with
 :func:`webhook.node.region.read_region`. A corrupt or truncated region file is skipped,
 counted in ``gpuslice_region_errors_total`` and logged once until it reads cleanly again.
 
-Per container and device (labels ``namespace``, ``pod``, ``container``, ``uuid``): memory used
+Per container and device (labels ``namespace``, ``pod``, ``pod_uid``, ``container``, ``uuid``;
+the pod UID and container are the state dir's names, which the container cannot choose; the
+namespace and pod name are the region's, which its processes write, and are used only when the
+region's own pod UID and container match the dir's): memory used
 and limit, compute limit (%), the busy-time counter the interposer keeps, and the measured
 compute share (% of the GPU's time over the interval since the previous scrape; absent on the
 first scrape of a region). From the outside memory check (:mod:`webhook.node.audit`, its last
@@ -40,7 +43,7 @@ logger = logging.getLogger(__name__)
 REGION_NAME = "region"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _GPU_LABELS = ["uuid", "index", "product"]
-_CTR_LABELS = ["namespace", "pod", "container", "uuid"]
+_CTR_LABELS = ["namespace", "pod", "pod_uid", "container", "uuid"]
 
 
 @dataclass
@@ -55,11 +58,14 @@ class AgentStatus:
     last_audit: float = 0.0
 
 
-def _labels(region: Region, region_path: Path) -> tuple[str, str, str]:
-    """namespace, pod, container; the dir names stand in where the region has no identity."""
-    return (region.namespace or "",
-            region.pod_name or region.pod_uid or region_path.parent.parent.name,
-            region.container or region_path.parent.name)
+def _labels(region: Region, region_path: Path) -> tuple[str, str, str, str]:
+    """namespace, pod, pod UID, container. The UID and container are the dirs' (kubelet makes
+    them for the container's mount); the names are the region's only where its identity is the
+    dirs': every process of the container can write the region, and could claim another pod."""
+    uid, ctr = region_path.parent.parent.name, region_path.parent.name
+    if region.pod_uid == uid and region.container == ctr:
+        return region.namespace, region.pod_name or uid, uid, ctr
+    return "", uid, uid, ctr
 
 
 class AgentCollector(Collector):
@@ -166,11 +172,11 @@ class AgentCollector(Collector):
             region = self._read(path)
             if region is None:
                 continue
-            ns, pod, ctr = _labels(region, path)
+            ns, pod, uid, ctr = _labels(region, path)
             for dev in region.devices:
                 if not dev.uuid:
                     continue
-                lab = [ns, pod, ctr, dev.uuid]
+                lab = [ns, pod, uid, ctr, dev.uuid]
                 used.add_metric(lab, max(0, dev.used_bytes))
                 limit.add_metric(lab, dev.limit_bytes)
                 sm.add_metric(lab, dev.sm_limit if 0 < dev.sm_limit <= 100 else 100)
@@ -207,10 +213,10 @@ class AgentCollector(Collector):
                                  "cap (plus the tolerance) on the device", labels=_CTR_LABELS)
         # one series per label set: a container restarted while a process of its old instance
         # still holds memory has two IDs under one name
-        by_label: dict[tuple[str, str, str, str], tuple[int, bool]] = {}
+        by_label: dict[tuple[str, str, str, str, str], tuple[int, bool]] = {}
         for h in report.holdings:
             t = h.tracked
-            key = (t.namespace, t.pod, t.container, h.uuid)
+            key = (t.namespace, t.pod, t.pod_uid, t.container, h.uuid)
             size, was_over = by_label.get(key, (0, False))
             by_label[key] = (size + h.used_bytes, was_over or h.over(auditor.tolerance))
         for key, (size, is_over) in by_label.items():
