@@ -78,6 +78,8 @@ async def test_one_round_installs_publishes_and_removes_departed_pod_dirs(
         assert node["metadata"]["labels"]["gpuslice.io/gpu.count"] == "2"
         assert kept.exists() and not gone.exists()
         assert agent.status.cleanup_removed == 1
+        # the metrics name the pods' state dirs after the API server's list, not their regions
+        assert agent.collector.pod_names == {live: ("ml", "p")}
         # every container user can make the region file (kubelet gives new dirs the root's mode)
         assert (tmp_path / "state").stat().st_mode & 0o7777 == 0o1777
         assert (kept / "main").stat().st_mode & 0o7777 == 0o1777

@@ -117,3 +117,51 @@ def test_a_symlinked_state_root_is_resolved_once(tmp_path: Path) -> None:
     link.symlink_to(real)
     assert share_state_dirs(link) == [".", uid, f"{uid}/main"]
     assert _mode(real) == 0o1777 and _mode(real / uid / "main") == 0o1777
+
+
+def test_a_tree_deeper_than_pythons_recursion_is_removed_and_keeps_no_other_dir(
+        tmp_path: Path) -> None:
+    # a tenant's `mkdir d; cd d` loop: shutil.rmtree recursed per level and stopped the round
+    deep = _pod_dir(tmp_path, age=3600)
+    later = _pod_dir(tmp_path, age=3600)
+    fd = os.open(tmp_path / deep / "main", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1500):
+            os.mkdir("d", dir_fd=fd)
+            (Path(f"/proc/self/fd/{fd}") / "d" / "f").write_bytes(b"x")
+            down = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = down
+    finally:
+        os.close(fd)
+    for uid in (deep, later):
+        os.utime(tmp_path / uid, (NOW - 3600, NOW - 3600))
+        os.utime(tmp_path / uid / "main", (NOW - 3600, NOW - 3600))
+    assert remove_stale(tmp_path, set(), GRACE, NOW) == sorted([deep, later])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_links_inside_a_departed_pods_dir_are_removed_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path.parent / f"outside-{uuid.uuid4()}"
+    (outside / "keep").mkdir(parents=True)
+    (outside / "keep" / "file").write_text("host data")
+    root = tmp_path / "state"
+    root.mkdir()
+    uid = _pod_dir(root, age=3600)
+    (root / uid / "main" / "to-dir").symlink_to(outside / "keep")
+    (root / uid / "main" / "to-file").symlink_to(outside / "keep" / "file")
+    os.mkfifo(root / uid / "main" / "fifo")
+    os.utime(root / uid / "main", (NOW - 3600, NOW - 3600))
+    assert remove_stale(root, set(), GRACE, NOW) == [uid]
+    assert (outside / "keep" / "file").read_text() == "host data"
+
+
+def test_a_mtime_set_in_the_future_does_not_keep_a_dir_forever(tmp_path: Path) -> None:
+    # `touch -d 2100-01-01 /var/run/gpuslice` from inside the container: ctime stays the
+    # time of the change, which no one can set
+    uid = _pod_dir(tmp_path, age=0)
+    future = 4_102_444_800.0  # 2100-01-01
+    os.utime(tmp_path / uid, (future, future))
+    os.utime(tmp_path / uid / "main", (future, future))
+    a_year_on = os.stat(tmp_path / uid).st_ctime + 365 * 86400
+    assert remove_stale(tmp_path, set(), GRACE, a_year_on) == [uid]

@@ -172,3 +172,47 @@ def test_stale_temp_files_are_removed_and_fresh_ones_kept(tmp_path: Path) -> Non
     os.utime(stale, (now - 3600, now - 3600))
     assert remove_unused(tmp_path, cur, _proc(tmp_path), now=now) == [stale.name]
     assert fresh.exists()
+
+
+def _scan_in_time(proc: Path, seconds: float = 10.0) -> install.ProcScan:
+    """scan_proc in a thread: a scan that blocks fails the test instead of hanging it."""
+    import threading
+    out: list[install.ProcScan] = []
+    worker = threading.Thread(target=lambda: out.append(scan_proc(proc)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert out, "scan_proc blocked"
+    return out[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "endless", "directory", "loop"])
+def test_a_containers_preload_that_is_no_plain_file_names_nothing_and_hangs_nothing(
+        tmp_path: Path, kind: str) -> None:
+    # any container on the node owns its /etc: the agent reads it through /proc/<pid>/root
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    _process(proc, 7)
+    etc = proc / "7" / "root" / "etc"
+    etc.mkdir(parents=True)
+    preload = etc / "ld.so.preload"
+    if kind == "fifo":
+        os.mkfifo(preload)  # opening it for reading would wait for a writer
+    elif kind == "endless":
+        preload.symlink_to("/dev/zero")  # reading it to the end would never end
+    elif kind == "directory":
+        preload.mkdir()
+    else:
+        preload.symlink_to(preload)
+    scan = _scan_in_time(proc)
+    assert scan.complete and scan.processes == 1 and not scan.preloaded_names
+    assert remove_unused(lib, cur, proc) == [old.name]  # ld.so preloads nothing from it either
+
+
+def test_a_huge_preload_file_is_read_in_part(tmp_path: Path) -> None:
+    proc = _proc(tmp_path)
+    name = f"{TARGET}/libgpuslice.so.0.1.0"
+    _process(proc, 7, preload=name + "\n" + "x" * (8 << 20) + f"\n{TARGET}/libgpuslice.so.9\n")
+    scan = _scan_in_time(proc)
+    assert scan.preloaded_names == {"libgpuslice.so.0.1.0"}  # the first 64 KiB only

@@ -216,3 +216,37 @@ def test_a_region_path_that_is_not_a_plain_file_is_not_followed_or_waited_on(
     s = samples(reg)
     assert not [k for k in s if k[0] == "gpuslice_container_memory_limit_bytes"]
     assert s[("gpuslice_region_errors_total", ())] == (1 if kind == "symlink" else 0)
+
+
+def test_names_come_from_the_api_servers_list_not_from_the_region(tmp_path: Path) -> None:
+    # the region is the container's to write: it claims to be kube-system's coredns
+    write_region(tmp_path, UID1, "coredns-5d78c9869d-abcde", "kube-system", "c",
+                 [(0, GPU0, GIB, 0, 30, 0)])
+    write_region(tmp_path, UID2, "web", "serving", "app", [(0, GPU0, GIB, 0, 30, 0)])
+    collector, reg = make(tmp_path)
+    collector.pod_names = {UID1: ("ml", "trainer-0")}  # the agent's last list of the node's pods
+    s = samples(reg)
+    assert s[("gpuslice_container_memory_limit_bytes",
+              ctr_labels("ml", "trainer-0", UID1, "c", GPU0))] == GIB
+    assert not [k for k in s if ("namespace", "kube-system") in k[1]]
+    # a pod not listed yet keeps its region's names (its identity is its dirs')
+    assert s[("gpuslice_container_memory_limit_bytes",
+              ctr_labels("serving", "web", UID2, "app", GPU0))] == GIB
+
+
+def test_files_that_are_not_plain_are_never_opened(tmp_path: Path) -> None:
+    from webhook.node.files import NotPlainFile, read_plain_file
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), (Path("/dev/null"), "a character device"),
+                       (tmp_path, "a directory")):
+        with pytest.raises(NotPlainFile, match=kind):
+            read_plain_file(path, 10)
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"0123456789")
+    link = tmp_path / "link"
+    link.symlink_to(plain)
+    assert read_plain_file(plain, 4) == b"0123"
+    assert read_plain_file(link, 100) == b"0123456789"
+    with pytest.raises(NotPlainFile, match="a symbolic link"):
+        read_plain_file(link, 100, follow=False)

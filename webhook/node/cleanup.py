@@ -17,8 +17,14 @@ per container holding its region file. A pod dir is removed only when all of the
   nothing: an outage must never look like "no pods");
 - its name is a pod UID (so a misconfigured ``--host-state-dir`` cannot wipe unrelated files);
 - no pod on the node has that UID;
-- it has not been modified for ``grace`` seconds, which covers a pod whose dir the kubelet
-  created before the API server lists the pod on this node.
+- it has not changed for ``grace`` seconds, which covers a pod whose dir the kubelet
+  created before the API server lists the pod on this node. A change's time is the earlier of
+  ``mtime`` and ``ctime``: a tenant can set its dir's ``mtime`` to any date (``touch -d``), but
+  not ``ctime``, which the kernel sets to the time of the change.
+
+The tree is removed without recursion and without following symbolic links: a tenant may have
+left anything in it (a thousand nested dirs would exhaust Python's recursion in
+``shutil.rmtree``), and a failure with one pod dir never keeps the others.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
+import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -74,17 +80,22 @@ def share_state_dirs(state_dir: str | Path) -> list[str]:
 
 
 def _last_change(path: Path) -> float:
-    """Newest mtime of the pod dir and its direct sub-dirs (containers starting later count)."""
-    newest = path.lstat().st_mtime
+    """Newest change of the pod dir and its direct sub-dirs (containers starting later count)."""
+    newest = _changed(path.lstat())
     try:
         for entry in os.scandir(path):
             try:
-                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+                newest = max(newest, _changed(entry.stat(follow_symlinks=False)))
             except OSError:
                 pass
     except OSError:
         pass
     return newest
+
+
+def _changed(st: os.stat_result) -> float:
+    """When an inode last changed, as far as its owner cannot postpone it."""
+    return min(st.st_mtime, st.st_ctime)
 
 
 def stale_pod_dirs(state_dir: str | Path, live_uids: Iterable[str], grace: float,
@@ -119,11 +130,50 @@ def remove_stale(state_dir: str | Path, live_uids: Iterable[str], grace: float,
     removed: list[str] = []
     for path in stale_pod_dirs(state_dir, live_uids, grace, now):
         try:
-            shutil.rmtree(path)
-        except OSError as exc:
+            remove_tree(path)
+        except OSError as exc:  # one pod dir must not keep the others
             logger.warning("cannot remove state dir", extra={"path": str(path),
-                                                             "error": str(exc)})
+                                                             "error": repr(exc)})
             continue
         removed.append(path.name)
         logger.info("state dir of a departed pod removed", extra={"pod_uid": path.name})
     return removed
+
+
+def remove_tree(path: str | Path) -> None:
+    """``rm -r`` of the directory ``path``, never following a symbolic link, holding one
+    directory open at a time and using no recursion, however deep the tree."""
+    fd = os.open(path, _NOFOLLOW_DIR)
+    names: list[str] = []  # the path from ``path`` down to the directory ``fd`` is
+    try:
+        while True:
+            child = _empty_but_one(fd)
+            if child is not None:  # go down into the first sub-directory
+                down = os.open(child, _NOFOLLOW_DIR, dir_fd=fd)
+                os.close(fd)
+                fd, names = down, names + [child]
+                continue
+            if not names:
+                break
+            up = os.open("..", _NOFOLLOW_DIR, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            os.rmdir(names.pop(), dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+def _empty_but_one(fd: int) -> str | None:
+    """Remove every non-directory in the directory ``fd``; return a sub-directory's name, or
+    None once it is empty."""
+    while True:
+        removed = False
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if stat.S_ISDIR(entry.stat(follow_symlinks=False).st_mode):
+                    return entry.name
+                os.unlink(entry.name, dir_fd=fd)
+                removed = True
+        if not removed:  # a listing changed while it was read may have skipped some
+            return None

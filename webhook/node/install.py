@@ -24,6 +24,7 @@ process cannot be inspected, nothing is removed that round.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -33,10 +34,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from webhook.node.files import NotPlainFile, read_plain_file
+
 logger = logging.getLogger(__name__)
 
 LIB_STEM = "libgpuslice.so"
 PRELOAD_NAME = "ld.so.preload"
+PRELOAD_READ_LIMIT = 1 << 16
+"""Bytes of a container's ld.so.preload read (a real one names a library or two)."""
 TMP_PREFIX = ".gpuslice-tmp-"
 STALE_TMP_SECONDS = 600.0
 _ELF_MAGIC = b"\x7fELF"
@@ -207,11 +212,16 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
         if ns in seen_ns:
             continue
         seen_ns.add(ns)
+        # The container's own file: a FIFO, device, loop or endless file there must neither
+        # hang nor exhaust the agent. ld.so reads no such file either: it names nothing.
         try:
-            text = (base / "root" / "etc" / PRELOAD_NAME).read_text(errors="replace")
-        except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+            text = read_plain_file(base / "root" / "etc" / PRELOAD_NAME,
+                                   PRELOAD_READ_LIMIT).decode(errors="replace")
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError, NotPlainFile):
             continue
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                continue
             scan.fail(base / "root", exc)
             continue
         for token in re.split(r"[\s:]+", text):

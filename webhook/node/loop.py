@@ -166,11 +166,15 @@ class Agent:
     async def _cleanup(self) -> bool:
         assert self.publisher is not None
         try:
-            live = await self.publisher.live_pod_uids()
+            pods = await self.publisher.node_pods()
         except API_ERRORS as exc:
             logger.warning("listing the node's pods failed; no state dir removed",
                            extra={"node": self.settings.node_name, "error": api_error(exc)})
             return False
+        names = {p.metadata.uid: (p.metadata.namespace or "", p.metadata.name or "")
+                 for p in pods if p.metadata and p.metadata.uid}
+        self.collector.pod_names = names  # the metrics' names for the pods' state dirs
+        live = set(names)
         removed = await asyncio.to_thread(cleanup.remove_stale, self.settings.host_state_dir,
                                           live, self.settings.cleanup_grace, self._clock())
         self.status.cleanup_removed += len(removed)

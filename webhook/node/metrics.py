@@ -8,8 +8,9 @@ counted in ``gpuslice_region_errors_total`` and logged once until it reads clean
 
 Per container and device (labels ``namespace``, ``pod``, ``pod_uid``, ``container``, ``uuid``;
 the pod UID and container are the state dir's names, which the container cannot choose; the
-namespace and pod name are the region's, which its processes write, and are used only when the
-region's own pod UID and container match the dir's): memory used
+namespace and pod name are the API server's for that UID, from the agent's last list of the
+node's pods, and the region's, which the container's processes write, only for a pod not listed
+yet and only where the region's pod UID and container are the dir's): memory used
 and limit, compute limit (%), the busy-time counter the interposer keeps, and the measured
 compute share (% of the GPU's time over the interval since the previous scrape; absent on the
 first scrape of a region). From the outside memory check (:mod:`webhook.node.audit`, its last
@@ -24,7 +25,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,11 +59,17 @@ class AgentStatus:
     last_audit: float = 0.0
 
 
-def _labels(region: Region, region_path: Path) -> tuple[str, str, str, str]:
+def _labels(region: Region, region_path: Path,
+            pod_names: Mapping[str, tuple[str, str]]) -> tuple[str, str, str, str]:
     """namespace, pod, pod UID, container. The UID and container are the dirs' (kubelet makes
-    them for the container's mount); the names are the region's only where its identity is the
-    dirs': every process of the container can write the region, and could claim another pod."""
+    them for the container's mount), the names the API server's (``pod_names``: UID →
+    namespace, name). Every process of the container can write the region, and could claim
+    another pod's names there: they stand in only for a pod not listed yet whose region's
+    identity is the dirs'."""
     uid, ctr = region_path.parent.parent.name, region_path.parent.name
+    listed = pod_names.get(uid)
+    if listed is not None:
+        return listed[0], listed[1], uid, ctr
     if region.pod_uid == uid and region.container == ctr:
         return region.namespace, region.pod_name or uid, uid, ctr
     return "", uid, uid, ctr
@@ -83,6 +90,9 @@ class AgentCollector(Collector):
         self._region_errors = 0
         self._bad_files: set[Path] = set()
         self._busy: dict[tuple[Path, str], tuple[int, float]] = {}
+        self.pod_names: Mapping[str, tuple[str, str]] = {}
+        """Pod UID → (namespace, name) of the pods on the node, as the API server last listed
+        them (the agent's round replaces it whole)."""
 
     @property
     def region_errors(self) -> int:
@@ -172,7 +182,7 @@ class AgentCollector(Collector):
             region = self._read(path)
             if region is None:
                 continue
-            ns, pod, uid, ctr = _labels(region, path)
+            ns, pod, uid, ctr = _labels(region, path, self.pod_names)
             for dev in region.devices:
                 if not dev.uuid:
                     continue

@@ -15,11 +15,11 @@ The reader takes no lock: a field that a process is changing may be read mid-cha
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import struct
 from dataclasses import dataclass
+
+from webhook.node.files import NotPlainFile, read_plain_file
 
 MAGIC = 0x4543494C53555047  # b"GPUSLICE" as a little-endian u64
 VERSION = 2
@@ -202,22 +202,14 @@ def parse_region(data: bytes) -> Region:
 def read_region(path: str | os.PathLike[str]) -> Region:
     """Read and parse the region file at ``path``; :class:`RegionError` if it is not one.
 
-    The file lies in a directory its container can write: a symbolic link planted there is not
-    followed and a FIFO is not waited on (the agent reads every container's region)."""
+    The file lies in a directory its container can write: a symbolic link, FIFO or device node
+    planted there is neither followed nor opened (:func:`webhook.node.files.read_plain_file`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
-        raise RegionError(f"cannot read region {os.fspath(path)!r}: {why}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RegionError(f"region {os.fspath(path)!r} is not a plain file")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(REGION_SIZE)
+        data = read_plain_file(path, REGION_SIZE, follow=False)
+    except NotPlainFile as exc:
+        raise RegionError(f"region {exc}") from exc
     except OSError as exc:
         raise RegionError(f"cannot read region {os.fspath(path)!r}: {exc.strerror}") from exc
-    finally:
-        os.close(fd)
     return parse_region(data)
 
 
