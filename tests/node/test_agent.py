@@ -263,3 +263,36 @@ def test_agent_process_installs_serves_and_exits_0_on_sigterm(tmp_path: Path) ->
             proc.kill()
     assert proc.returncode == 0, err
     assert '"msg": "agent stopped"' in err
+
+
+async def test_healthz_fails_when_no_round_ends_so_the_probe_restarts_a_stuck_agent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from webhook.node import loop
+    agent = Agent(_settings(tmp_path, kube_enabled=False, node_name=""), LIB,
+                  inventory=Inventory(two_a100s()))
+    await agent.start()
+    try:
+        url = f"http://127.0.0.1:{agent.metrics_port}/healthz"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url) as r:
+                assert (r.status, await r.text()) == (200, "ok\n")
+            # a round stuck in a call that never returns: 5 intervals of 30 s, at least 300 s
+            now = time.monotonic()
+            monkeypatch.setattr(loop.time, "monotonic", lambda: now + 301)
+            async with s.get(url) as r:
+                assert r.status == 503
+                assert "no agent round has ended for 301 s" in await r.text()
+            # once a round ends, it is healthy again
+            stop = asyncio.Event()
+            step = agent.step
+
+            async def last_round() -> float:
+                stop.set()
+                return await step()
+
+            monkeypatch.setattr(agent, "step", last_round)
+            await agent.run(stop)
+            async with s.get(url) as r:
+                assert r.status == 200
+    finally:
+        await agent.close()

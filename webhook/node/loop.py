@@ -39,6 +39,9 @@ from webhook.node.publish import API_ERRORS, Publisher, api_error
 
 logger = logging.getLogger(__name__)
 
+STALL_MIN_S = 300.0
+"""The least time without an ended round after which /healthz fails (see ``Agent.stalled``)."""
+
 class Backoff:
     """Exponential backoff with equal jitter: the n-th delay is in [d/2, d], d = base x 2^n."""
 
@@ -84,10 +87,11 @@ class Agent:
         self.metrics_port = 0
         self._clock = clock
         self._runner: web.AppRunner | None = None
+        self._round_done = time.monotonic()  # the start counts: the first round is under way
 
     async def start(self) -> None:
         """Start serving /metrics and /healthz."""
-        self._runner = web.AppRunner(metrics_app(self.registry), access_log=None)
+        self._runner = web.AppRunner(metrics_app(self.registry, self.stalled), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.metrics_host, self.settings.metrics_port)
         await site.start()
@@ -212,6 +216,13 @@ class Agent:
                 with contextlib.suppress(asyncio.CancelledError):
                     await audits
 
+    def stalled(self) -> str | None:
+        """Why the agent is not healthy: no round has ended (well or not) for five intervals
+        and at least five minutes, e.g. a call that never returns; None when healthy."""
+        limit = max(5 * self.settings.interval, STALL_MIN_S)
+        quiet = time.monotonic() - self._round_done
+        return f"no agent round has ended for {quiet:.0f} s" if quiet > limit else None
+
     async def _rounds(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
@@ -219,6 +230,7 @@ class Agent:
             except Exception:  # a bug must not end the DaemonSet pod's metrics either
                 logger.exception("agent round failed")
                 delay = min(self.backoff.next(), self.settings.interval)
+            self._round_done = time.monotonic()
             try:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
             except TimeoutError:

@@ -280,14 +280,19 @@ def make_registry(collector: AgentCollector) -> CollectorRegistry:
     return registry
 
 
-def metrics_app(registry: CollectorRegistry) -> web.Application:
-    """The aiohttp app serving ``/metrics`` and ``/healthz``."""
+def metrics_app(registry: CollectorRegistry,
+                stalled: Callable[[], str | None] = lambda: None) -> web.Application:
+    """The aiohttp app serving ``/metrics`` and ``/healthz``; ``/healthz`` answers 503 with
+    what ``stalled`` says while it says something (the liveness probe then restarts the agent)."""
 
     async def metrics(_request: web.Request) -> web.Response:
         body = await asyncio.to_thread(generate_latest, registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def healthz(_request: web.Request) -> web.Response:
+        why = stalled()
+        if why:
+            return web.Response(status=503, text=f"{why}\n")
         return web.Response(text="ok\n")
 
     app = web.Application()
