@@ -43,7 +43,8 @@ LIM_D = names.limits_annotation("d")
 
 
 def _guard(rendered: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    policies, bindings = rendered.all(POLICY), rendered.all(BINDING)
+    policies = [p for p in rendered.all(POLICY) if p["metadata"]["name"].endswith(NAME)]
+    bindings = [b for b in rendered.all(BINDING) if b["metadata"]["name"].endswith(NAME)]
     if not policies and not bindings:
         return None
     assert len(policies) == len(bindings) == 1, "the policy and its binding come together"

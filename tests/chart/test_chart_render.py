@@ -104,7 +104,9 @@ def test_defaults_render_the_expected_objects(render: Any) -> None:
         "ClusterRole/gpuslice-agent", "ClusterRoleBinding/gpuslice-agent",
         "Service/gpuslice-agent-metrics",
         "ValidatingAdmissionPolicy/gpuslice-annotation-guard",
-        "ValidatingAdmissionPolicyBinding/gpuslice-annotation-guard"])
+        "ValidatingAdmissionPolicyBinding/gpuslice-annotation-guard",
+        "ValidatingAdmissionPolicy/gpuslice-agent-own-node",
+        "ValidatingAdmissionPolicyBinding/gpuslice-agent-own-node"])
 
 
 def test_namespaced_objects_go_to_the_release_namespace(render: Any) -> None:
