@@ -37,7 +37,6 @@
 #include "gpuslice.h"
 
 #define GS_MAX_GEXECS 1024
-#define GS_GRAPH_DEPTH 8
 
 int gs_graph_mem_execs;
 
@@ -74,31 +73,50 @@ static void need_add(struct gs_graph_need *need, CUdevice dev, uint64_t bytes)
     }
 }
 
-static void walk(CUgraph graph, CUdevice here, struct gs_graph_need *need, int depth)
+/* Every graph below `root` (child graph nodes, however deeply nested: a depth limit would leave
+ * the allocations past it uncharged), from a stack of its own rather than by recursion. */
+static void walk(CUgraph root, CUdevice here, struct gs_graph_need *need)
 {
-    size_t n = 0;
-    if (!graph || depth > GS_GRAPH_DEPTH || gs_cuda.cuGraphGetNodes(graph, NULL, &n) != CUDA_SUCCESS || !n) return;
-    CUgraphNode *nodes = calloc(n, sizeof(*nodes));
-    if (!nodes) return;
-    if (gs_cuda.cuGraphGetNodes(graph, nodes, &n) == CUDA_SUCCESS) {
-        for (size_t i = 0; i < n; i++) {
-            CUgraphNodeType type = 0;
-            if (gs_cuda.cuGraphNodeGetType(nodes[i], &type) != CUDA_SUCCESS) continue;
-            if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
-                CUDA_MEM_ALLOC_NODE_PARAMS p;
-                memset(&p, 0, sizeof(p));
-                if (gs_cuda.cuGraphMemAllocNodeGetParams(nodes[i], &p) != CUDA_SUCCESS || !p.bytesize) continue;
-                CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
-                                                                                        : here;
-                need_add(need, dev, gs_charge_size(p.bytesize));
-            } else if (type == CU_GRAPH_NODE_TYPE_GRAPH && gs_cuda.cuGraphChildGraphNodeGetGraph) {
-                CUgraph child = NULL;
-                if (gs_cuda.cuGraphChildGraphNodeGetGraph(nodes[i], &child) == CUDA_SUCCESS)
-                    walk(child, here, need, depth + 1);
+    size_t cap = 16, top = 0;
+    CUgraph *stack = malloc(cap * sizeof(*stack));
+    if (!stack || !root) {
+        free(stack);
+        return;
+    }
+    stack[top++] = root;
+    while (top) {
+        CUgraph graph = stack[--top];
+        size_t n = 0;
+        if (gs_cuda.cuGraphGetNodes(graph, NULL, &n) != CUDA_SUCCESS || !n) continue;
+        CUgraphNode *nodes = calloc(n, sizeof(*nodes));
+        if (!nodes) continue;
+        if (gs_cuda.cuGraphGetNodes(graph, nodes, &n) == CUDA_SUCCESS) {
+            for (size_t i = 0; i < n; i++) {
+                CUgraphNodeType type = 0;
+                if (gs_cuda.cuGraphNodeGetType(nodes[i], &type) != CUDA_SUCCESS) continue;
+                if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
+                    CUDA_MEM_ALLOC_NODE_PARAMS p;
+                    memset(&p, 0, sizeof(p));
+                    if (gs_cuda.cuGraphMemAllocNodeGetParams(nodes[i], &p) != CUDA_SUCCESS || !p.bytesize) continue;
+                    CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
+                                                                                            : here;
+                    need_add(need, dev, gs_charge_size(p.bytesize));
+                } else if (type == CU_GRAPH_NODE_TYPE_GRAPH && gs_cuda.cuGraphChildGraphNodeGetGraph) {
+                    CUgraph child = NULL;
+                    if (gs_cuda.cuGraphChildGraphNodeGetGraph(nodes[i], &child) != CUDA_SUCCESS || !child) continue;
+                    if (top == cap) {
+                        CUgraph *more = realloc(stack, 2 * cap * sizeof(*stack));
+                        if (!more) continue; /* out of host memory: that child goes uncounted */
+                        stack = more;
+                        cap *= 2;
+                    }
+                    stack[top++] = child;
+                }
             }
         }
+        free(nodes);
     }
-    free(nodes);
+    free(stack);
 }
 
 /* The graph's allocations per device; n = 0 when it has none or cannot be read. */
@@ -110,7 +128,7 @@ static void graph_need(CUgraph graph, struct gs_graph_need *need)
         !gs_cuda.cuDeviceGetGraphMemAttribute)
         return;
     if (!gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetDevice(&here) != CUDA_SUCCESS) here = 0;
-    walk(graph, here, need, 0);
+    walk(graph, here, need);
 }
 
 /* ---- the executable graphs that allocate ----------------------------------- */
@@ -367,6 +385,16 @@ GS_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph
     struct inst_args a = {.real = (const void *)gs_cuda.cuGraphInstantiateWithFlags, .exec = phGraphExec,
                           .graph = hGraph, .flags = flags};
     return instantiate(call_with_flags, &a, 0);
+}
+
+/* CUDA 10.0's, which the driver still exports (dlsym, or cuGetProcAddress at 10.x): _v2's arguments */
+GS_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                      char *logBuffer, size_t bufferSize)
+{
+    gs_cuda_init();
+    struct inst_args a = {.real = (const void *)gs_cuda.cuGraphInstantiate, .exec = phGraphExec,
+                          .graph = hGraph, .err = phErrorNode, .log = logBuffer, .logsize = bufferSize};
+    return instantiate(call_v2, &a, 0);
 }
 
 GS_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,

@@ -153,6 +153,9 @@
     X(cuStreamSynchronize, CUresult, (CUstream hStream), cuStreamSynchronize, 2000, 0)                     \
     X(cuStreamSynchronize_ptsz, CUresult, (CUstream hStream), cuStreamSynchronize, 7000, 1)                \
     X(cuEventSynchronize, CUresult, (CUevent hEvent), cuEventSynchronize, 2000, 0)                         \
+    X(cuGraphInstantiate, CUresult,                                                                        \
+      (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize), \
+      cuGraphInstantiate, 10000, 0)                                                                        \
     X(cuGraphInstantiate_v2, CUresult,                                                                     \
       (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize), \
       cuGraphInstantiate, 11000, 0)                                                                        \

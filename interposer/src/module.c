@@ -159,6 +159,35 @@ static uint64_t limit_bytes(size_t value, size_t base, uint64_t unit)
  * cuCtxSetLimit (a profiler's) is accounted without taking it again */
 static __thread int t_setting;
 
+/* A limit whose memory is not known beforehand: the device runtime's (its synchronisation depth
+ * and pending launch count set memory aside in amounts the driver does not document), and any
+ * limit the driver cannot report.  Raised under a cap, this process's memory is measured at once
+ * (not only near the cap): past the cap, the old value is set again and the call refused with
+ * CUDA_ERROR_OUT_OF_MEMORY, as for the limits reserved beforehand.  A driver that sets the
+ * memory aside later (at a launch) is charged by the reconcile then, and not refused. */
+static CUresult set_then_measure(CUcontext ctx, int slot, CUlimit limit, size_t value)
+{
+    size_t was = 0;
+    int judged = ctx && slot >= 0 && gs_slot_limit(slot) && gs_cuda.cuCtxGetLimit &&
+                 gs_cuda.cuCtxGetLimit(&was, limit) == CUDA_SUCCESS && value > was;
+    CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!judged) {
+        gs_reconcile_after_load();
+        return rc;
+    }
+    gs_reconcile_slot(slot);
+    uint64_t cap = gs_slot_limit(slot), used = gs_slot_used(slot);
+    if (!cap || used <= cap) return rc;
+    GS_INFO("cuCtxSetLimit(%d, %zu) refused: the container would hold %llu bytes of its %llu", (int)limit, value,
+            (unsigned long long)used, (unsigned long long)cap);
+    gs_cuda.cuCtxSetLimit(limit, was);
+    CUdevice dev;
+    if (gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS) gs_reconcile_remeasure(dev);
+    gs_reconcile_slot(slot); /* what the old value gives back */
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
 {
     gs_cuda_init();
@@ -173,11 +202,8 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     int slot = gs_current_slot(&ctx);
     uint64_t unit = slot >= 0 && limit >= 0 && limit < GS_LIMITS ? limit_unit(limit) : 0;
     size_t now = 0;
-    if (!unit || !gs_cuda.cuCtxGetLimit || gs_cuda.cuCtxGetLimit(&now, limit) != CUDA_SUCCESS) {
-        CUresult rc = gs_cuda.cuCtxSetLimit(limit, value); /* the driver cannot say: reconciled afterwards */
-        if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
-        return rc;
-    }
+    if (!unit || !gs_cuda.cuCtxGetLimit || gs_cuda.cuCtxGetLimit(&now, limit) != CUDA_SUCCESS)
+        return set_then_measure(ctx, slot, limit, value);
     /* the context lock first, then g_set_mu: a driver callback inside this call may make a
      * context or allocate near the cap (which takes the context lock), and one inside another
      * thread's context call may set a limit.  Near the cap, reconciled first (not from inside

@@ -7,7 +7,10 @@
  * the caller gets and whether the symbol exists at that version.  Then:
  *  1. if the pointer it returned is one of the real functions we hook, the
  *     caller gets our hook for exactly that function (same ABI by identity);
- *  2. otherwise, if the driver handed out an address that is not an export
+ *  2. if it is an export we do not hook (cuCtxSynchronize_v2 for cuCtxSynchronize
+ *     at 13.0, a later _vN of a hooked function), it is returned untouched: a
+ *     hook chosen by name would have another signature;
+ *  3. otherwise, if the driver handed out an address that is not an export
  *     (possible in principle), the hook is chosen by name: the entry whose
  *     base name is `symbol`, per-thread flag matches `flags`, and whose
  *     min_version is the highest one <= cudaVersion (cuGraphInstantiate from
@@ -15,6 +18,7 @@
  * Anything else is returned untouched.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <string.h>
 
 #include "gpuslice.h"
@@ -27,6 +31,8 @@ void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cu
         if (*h->real && *h->real == real) return h->hook;
     }
     if (!symbol) return real;
+    Dl_info info;
+    if (dladdr(real, &info) && info.dli_sname && info.dli_saddr == real) return real;
     /* From CUDA 12.0 the name cuGraphInstantiate means cuGraphInstantiateWithFlags (cuda.h
      * renames it): another signature than the cuGraphInstantiate_v2 its base name suggests. */
     if (strcmp(symbol, "cuGraphInstantiate") == 0 && cuda_version >= 12000) symbol = "cuGraphInstantiateWithFlags";

@@ -112,7 +112,8 @@ API_FUNCS(FN)
     X(cuCtxDetach, CUresult, (CUcontext), 2000)                                                              \
     X(cuLaunch, CUresult, (CUfunction), 2000)                                                                \
     X(cuLaunchGrid, CUresult, (CUfunction, int, int), 2000)                                                  \
-    X(cuLaunchGridAsync, CUresult, (CUfunction, int, int, CUstream), 2000)
+    X(cuLaunchGridAsync, CUresult, (CUfunction, int, int, CUstream), 2000)                                  \
+    X(cuGraphInstantiate, CUresult, (CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t), 10000)
 #define FN1(name, ret, params, version) typedef ret(*name##_t) params;
 API1_FUNCS(FN1)
 typedef CUresult (*getproc2_t)(const char *, void **, int, cuuint64_t, int *);
@@ -1008,6 +1009,20 @@ int main(int argc, char **argv)
                 rc = api.cuGraphInstantiateWithFlags(&gexec, graph, 0);
             printf("ginst %d %d\n", rc, (int)prm.result_out); /* result_out: WithParams only */
             i += 1;
+        } else if (!strcmp(c, "ginst10")) {
+            /* CUDA 10.0's cuGraphInstantiate, still exported */
+            CUresult rc = api1.cuGraphInstantiate ? api1.cuGraphInstantiate(&gexec, graph, NULL, NULL, 0)
+                                                  : CUDA_ERROR_NOT_FOUND;
+            printf("ginst10 %d\n", rc);
+        } else if (!strcmp(c, "ctxsync13")) {
+            /* cuGetProcAddress("cuCtxSynchronize", 13000): the driver's cuCtxSynchronize_v2(ctx);
+             * prints rc and whether the caller got exactly that export */
+            typedef CUresult (*sync_v2_t)(CUcontext);
+            sync_v2_t fn = (sync_v2_t)by_procaddr("cuCtxSynchronize", 13000);
+            CUcontext cur = NULL;
+            api.cuCtxGetCurrent(&cur);
+            CUresult rc = fn ? fn(cur) : CUDA_ERROR_NOT_FOUND;
+            printf("ctxsync13 %d %d\n", rc, fn && (void *)fn == dlsym(libcuda, "cuCtxSynchronize_v2"));
         } else if (!strcmp(c, "glaunch")) {
             CUresult rc = api.cuGraphLaunch(gexec, NULL);
             if (rc == CUDA_SUCCESS) api.cuCtxSynchronize();

@@ -100,6 +100,26 @@ def test_allocations_in_child_graphs_count(lab):
     assert free_seen(res) == [GIB - 300 * MIB]
 
 
+def test_allocations_in_child_graphs_nested_past_any_depth_count(lab):
+    # the walk went 8 levels deep: a node wrapped 9 times was launched uncharged
+    res = lab.run("init", "ctx", "0", "gnode", "2g", "0", *["gchild"] * 12, "ginst", "flags",
+                  "glaunch", "meminfo", "phys", **CAP)
+    assert res.rc("glaunch") == OOM
+    assert free_seen(res) == [GIB] and phys(res) == [0]
+
+
+@pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr", "procaddr1"])
+def test_cuda_10s_graph_instantiate_is_hooked_too(lab, api):
+    # cuGraphInstantiate (CUDA 10.0) is still exported: reached by its name or cudaVersion 10.x
+    over = lab.run("init", "ctx", "0", "gnode", "2g", "0", "ginst10", "glaunch", "meminfo",
+                   "phys", api=api, **CAP)
+    assert over.rc("ginst10") == 0 and over.rc("glaunch") == OOM
+    assert free_seen(over) == [GIB] and phys(over) == [0]
+    fits = lab.run("init", "ctx", "0", "gnode", "600m", "0", "ginst10", "glaunch", "meminfo",
+                   api=api, **CAP)
+    assert fits.rc("glaunch") == 0 and free_seen(fits) == [GIB - 600 * MIB]
+
+
 def test_instantiate_with_upload_maps_and_charges_at_once(lab):
     res = lab.run("init", "ctx", "0", "gcapture", "600m", "ginst", "upload", "meminfo", "phys",
                   **CAP)

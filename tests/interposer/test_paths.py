@@ -286,6 +286,13 @@ def test_a_trampolined_graph_instantiate_gets_the_hook_of_the_same_signature(lab
     assert res.of("procaddr") == [(0, [1])]
 
 
+def test_an_export_the_library_does_not_hook_is_handed_out_as_the_driver_chose(lab):
+    # at 13.0 cuGetProcAddress("cuCtxSynchronize") is cuCtxSynchronize_v2(ctx): the hook of
+    # cuCtxSynchronize(void), chosen by name, dropped the context argument
+    res = lab.run("init", "ctx", "0", "ctxsync13", api="procaddr")
+    assert res.of("ctxsync13") == [(0, [1])]
+
+
 def test_the_gpu_checks_serve_protocol_runs_on_the_fake_driver(lab, tmp_path):
     # tests/gpu drives `gpubench serve` line by line (harness.Server): allocations under and
     # over the cap, the capped view, and the IPC commands, which a driver without the IPC

@@ -106,6 +106,31 @@ def test_a_limit_that_would_pass_the_cap_is_refused(lab, limit):
     assert res.of("phys")[0][1][0] == 900 * MIB
 
 
+@pytest.mark.parametrize("limit", ["3", "4"], ids=["sync-depth", "pending-launches"])
+def test_a_device_runtime_limit_past_the_cap_is_set_back_and_refused(lab, limit):
+    # the device runtime's limits set memory aside in amounts the driver does not document (the
+    # fake: 1 KiB per unit): measured right after the call; past the cap the old value is set
+    # again and the call refused. Before, it went through, charged afterwards: 1.2 GiB held
+    # under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "alloc", "800m", "setlimit", limit, "300k", "meminfo",
+                  "phys", "setlimit", limit, "50k", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_LIMIT_SHRINK="1")
+    assert [rc for rc, _ in res.of("setlimit")] == [OOM, 0]
+    assert res.of("phys")[0][1][0] == 900 * MIB
+    used = [vals[1] - vals[0] for _rc, vals in res.of("meminfo")]
+    assert used == [900 * MIB, 950 * MIB]
+
+
+def test_a_device_runtime_limit_whose_memory_the_driver_keeps_is_still_charged(lab):
+    # refused, but a driver that does not give the memory back when the limit is lowered keeps
+    # it charged: the container's next allocation is refused, its view shows no memory free
+    res = lab.run("init", "ctx", "0", "alloc", "800m", "setlimit", "4", "300k", "alloc", "50m",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("setlimit") == OOM and res.rc("alloc", 1) == OOM
+    assert res.of("phys")[0][1][0] == 1200 * MIB
+    assert res.values("meminfo") == [0, GIB]
+
+
 def test_a_limit_is_charged_once_and_stays_with_its_context(lab):
     # far from the cap: charged at the call (not only when the sampler comes), not charged
     # again by the sampler, and returned with the context (the primary one then takes 100 MiB)

@@ -222,7 +222,9 @@ struct fake_ctx {
     int api1;         /* made by CUDA 2.x's cuCtxCreate: a "3010 context" */
     uint64_t base;    /* the context's own memory, less its default heap */
     uint64_t modules; /* memory taken by (lazily loaded) modules and by limits */
-    uint64_t limits[3]; /* what cuCtxSetLimit reserved: stacks, printf FIFO, malloc heap */
+    uint64_t limits[5]; /* what cuCtxSetLimit reserved: stacks, printf FIFO, malloc heap, and the
+                         * device runtime's sync depth and pending launches (FAKE_CUDA_CDP_UNIT
+                         * bytes per unit, 1 KiB by default; the real sizes are not documented) */
     struct fake_ctx *owner; /* a green context's: its device's primary, which owns its allocations */
 };
 static struct fake_ctx primaries[FAKE_MAX_DEVS];
@@ -1064,14 +1066,22 @@ API CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
     }
 }
 
+/* Bytes the device runtime's limits (sync depth, pending launch count) take per unit. */
+static uint64_t cdp_unit(void)
+{
+    const char *v = getenv("FAKE_CUDA_CDP_UNIT");
+    uint64_t n = v ? fake_size(v) : 1024;
+    return n ? n : 1;
+}
+
 API CUresult cuCtxGetLimit(size_t *value, int limit)
 {
     NEED_CTX();
-    if (!value || limit < 0 || limit > 2) return CUDA_ERROR_INVALID_VALUE;
+    if (!value || limit < 0 || limit > 4) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     uint64_t held = current->limits[limit];
     pthread_mutex_unlock(&mu);
-    *value = (size_t)(limit == 0 ? held / stack_threads() : held);
+    *value = (size_t)(limit == 0 ? held / stack_threads() : limit >= 3 ? held / cdp_unit() : held);
     return CUDA_SUCCESS;
 }
 
@@ -1081,8 +1091,8 @@ API CUresult cuCtxSetLimit(int limit, size_t value)
     FAIL_POINT("cuCtxSetLimit");
     NEED_CTX();
     api_callback("cuCtxSetLimit");
-    if (limit < 0 || limit > 2) return CUDA_ERROR_INVALID_VALUE;
-    uint64_t want = limit == 0 ? (uint64_t)value * stack_threads() : value;
+    if (limit < 0 || limit > 4) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t want = limit == 0 ? (uint64_t)value * stack_threads() : limit >= 3 ? (uint64_t)value * cdp_unit() : value;
     pthread_mutex_lock(&mu);
     CUresult rc = CUDA_SUCCESS;
     uint64_t *held = &current->limits[limit];

@@ -206,7 +206,7 @@ API CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode n, CUgraph *g)
 
 static void exec_sum(struct fake_gexec *e, const struct fake_graph *g, int depth)
 {
-    for (int i = 0; g && depth < 8 && i < g->n; i++) {
+    for (int i = 0; g && depth < 64 && i < g->n; i++) {
         const struct fake_node *n = &g->nodes[i];
         if (n->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC && n->ordinal >= 0 && n->ordinal < nvisible)
             e->need[visible[n->ordinal]] += n->bytes;
@@ -256,6 +256,13 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload)
 API CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph g, unsigned long long flags)
 {
     (void)flags;
+    return instantiate(exec, g, 0);
+}
+
+/* CUDA 10.0's, which drivers still export */
+API CUresult cuGraphInstantiate(CUgraphExec *exec, CUgraph g, CUgraphNode *err, char *log, size_t size)
+{
+    (void)err, (void)log, (void)size;
     return instantiate(exec, g, 0);
 }
 

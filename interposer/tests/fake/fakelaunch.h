@@ -299,6 +299,13 @@ API CUresult cuCtxSynchronize(void)
     return CUDA_SUCCESS;
 }
 
+/* CUDA 13's: the context is an argument (this fake has one context's work per process) */
+API CUresult cuCtxSynchronize_v2(CUcontext ctx)
+{
+    if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    return cuCtxSynchronize();
+}
+
 /* Run `count` kernels on the stream's timeline. */
 /* FAKE_CUDA_SERIAL=1: the process's kernels run one at a time across all its streams (as
  * kernels that fill the GPU do), so a kernel may wait for another stream's before it starts;
@@ -503,6 +510,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuLibraryGetKernel) X(cuKernelGetFunction) X(cuGraphCreate) X(cuGraphDestroy) X(cuGraphAddMemAllocNode)   \
     X(cuGraphAddChildGraphNode) X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)        \
     X(cuGraphChildGraphNodeGetGraph) X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2)                   \
+    X(cuGraphInstantiate) X(cuCtxSynchronize_v2)                                                               \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
     X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuGetErrorName)       \
     X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemFree) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)          \
@@ -546,6 +554,7 @@ static const struct {
     {"cuStreamBeginCapture", 10010, "cuStreamBeginCapture_v2"},
     {"cuGraphInstantiate", 11000, "cuGraphInstantiate_v2"}, {"cuGraphInstantiate", 12000, "cuGraphInstantiateWithFlags"},
     {"cuMemGetDefaultMemPool", 13000, "cuMemGetDefaultMemPool"}, {"cuMemGetMemPool", 13000, "cuMemGetMemPool"},
+    {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"},
 };
 
 static void *func_by_name(const char *name)
