@@ -99,7 +99,8 @@ def test_guard_denies_on_pod_creates_and_updates_outside_kube_system_and_the_rel
     constraints = policy["spec"]["matchConstraints"]
     assert constraints["resourceRules"] == [{
         "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-        "resources": ["pods", "pods/status"], "scope": "Namespaced"}]
+        "resources": ["pods", "pods/status", "pods/ephemeralcontainers"],
+        "scope": "Namespaced"}]
     assert constraints["namespaceSelector"] == {"matchExpressions": [{
         "key": "kubernetes.io/metadata.name", "operator": "NotIn",
         "values": ["kube-system", namespace]}]}
@@ -120,7 +121,7 @@ def test_guard_names_the_contract_prefixes_and_says_why(render: Any) -> None:
     guard = _guard(render())
     assert guard is not None
     spec = guard[0]["spec"]
-    devices, limits = spec["validations"]
+    devices, limits, _ephemeral = spec["validations"]
     assert devices["message"] == MESSAGE and limits["message"] == LIMITS_MESSAGE
     assert devices["reason"] == limits["reason"] == "Forbidden"
     prefixes = [f"startsWith('{prefix}')" for prefix in (names.ANN_DEVICES_PREFIX,
@@ -151,9 +152,11 @@ def _eval(expression: str, activation: dict[str, Any]) -> Any:
 
 
 def admission(policy: dict[str, Any], operation: str, obj: dict[str, Any],
-              old: dict[str, Any] | None = None, username: str = TENANT) -> str | None:
+              old: dict[str, Any] | None = None, username: str = TENANT,
+              sub_resource: str = "") -> str | None:
     """What the policy answers: None (admitted, or not matched) or the denial message."""
-    request = {"operation": operation, "userInfo": {"username": username}}
+    request = {"operation": operation, "userInfo": {"username": username},
+               "subResource": sub_resource}
     base = {"object": celpy.json_to_cel(obj), "oldObject": celpy.json_to_cel(old),
             "request": celpy.json_to_cel(request)}
     spec = policy["spec"]
@@ -402,3 +405,43 @@ def test_notes_say_whether_the_guard_is_installed(
     assert "--api-versions admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" in missing
     disabled = _notes(helm_run, load_yaml, tmp_path / "c", v1, ["annotationGuard.enabled=false"])
     assert "WARNING: annotationGuard.enabled=false" in disabled
+
+
+# ----- ephemeral containers (kubectl debug) -----
+
+EPHEMERAL_MESSAGE = ("ephemeral containers cannot mount gpuslice's volumes (gpuslice-lib, "
+                     "gpuslice-preload, gpuslice-state, gpuslice-limits)")
+
+
+def _debugged(mounts: list[dict[str, Any]] | None) -> dict[str, Any]:
+    pod = _pod(RUNNING)
+    debug: dict[str, Any] = {"name": "debugger", "image": "busybox"}
+    if mounts is not None:
+        debug["volumeMounts"] = mounts
+    pod["spec"]["ephemeralContainers"] = [debug]
+    return pod
+
+
+@pytest.mark.parametrize(("mounts", "sub_resource", "denied"), [
+    (None, "ephemeralcontainers", False),
+    ([{"name": "data", "mountPath": "/data"}], "ephemeralcontainers", False),
+    ([{"name": "gpuslice-lib", "mountPath": "/lib-rw"}], "ephemeralcontainers", True),
+    ([{"name": "data", "mountPath": "/data"},
+      {"name": "gpuslice-state", "mountPath": "/all-regions"}], "ephemeralcontainers", True),
+    # a pod that has one already (added before the policy) keeps its other updates
+    ([{"name": "gpuslice-state", "mountPath": "/all-regions"}], "", False),
+    ([{"name": "gpuslice-state", "mountPath": "/all-regions"}], "status", False),
+], ids=["no-mounts", "other-volume", "library-dir", "state-dir", "pod-update", "status-update"])
+def test_ephemeral_containers_cannot_mount_gpuslices_volumes(
+        policy: dict[str, Any], mounts: list[dict[str, Any]] | None, sub_resource: str,
+        denied: bool) -> None:
+    answer = admission(policy, "UPDATE", _debugged(mounts), _pod(RUNNING),
+                       sub_resource=sub_resource)
+    assert answer == (EPHEMERAL_MESSAGE if denied else None)
+
+
+def test_the_guarded_volume_names_are_the_ones_the_webhook_adds(policy: dict[str, Any]) -> None:
+    from webhook.admission import mutate
+    expression = policy["spec"]["validations"][2]["expression"]
+    listed = expression[expression.index("[") + 1:expression.index("]")]
+    assert [n.strip(" '") for n in listed.split(",")] == list(mutate._OUR_VOLUMES)

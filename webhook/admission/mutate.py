@@ -171,8 +171,9 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     for kind in ("initContainers", "containers"):
         if spec.get(kind):
             new_spec[kind] = [
-                c if (kind, i) in gpu_containers or _asks_for_nvidia(c, settings)
-                else _without_gpus(c, work)
+                c if (kind, i) in gpu_containers
+                else _without_our_volumes(c if _asks_for_nvidia(c, settings)
+                                          else _without_gpus(c, work), work)
                 for i, c in enumerate(new_spec.get(kind, spec[kind]))]
     _mutate_pod_spec(new_spec, list(parts.values()), settings, work)
     new_pod = dict(pod)
@@ -211,12 +212,14 @@ def pod_shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _check_gpu_pod_shape(spec: dict[str, Any], containers: list[tuple[str, int]]) -> None:
     """The parts a GPU pod's mutation rewrites must have their Kubernetes types: every
-    container's env (the others get NVIDIA_VISIBLE_DEVICES too) and the GPU containers'
-    mounts."""
+    container's env (the others get NVIDIA_VISIBLE_DEVICES too) and mounts (the others lose any
+    of gpuslice's volumes)."""
+    del containers  # every container's parts are checked
     _check_env_lists(spec)
-    for kind, i in containers:
-        if not isinstance(spec[kind][i].get("volumeMounts") or [], list):
-            raise BadObject(f"spec.{kind}[{i}].volumeMounts must be a list")
+    for kind in ("initContainers", "containers"):
+        for i, container in enumerate(spec.get(kind) or ()):
+            if not isinstance(container.get("volumeMounts") or [], list):
+                raise BadObject(f"spec.{kind}[{i}].volumeMounts must be a list")
     for key in ("volumes", "tolerations"):
         if not isinstance(spec.get(key) or [], list):
             raise BadObject(f"spec.{key} must be a list")
@@ -449,6 +452,25 @@ def _without_gpus(container: dict[str, Any], work: _Work) -> dict[str, Any]:
         return container  # mutated before: nothing to change
     new = dict(container)
     new["env"] = [_NO_GPUS_ENV, *kept]
+    return new
+
+
+def _without_our_volumes(container: dict[str, Any], work: _Work) -> dict[str, Any]:
+    """A container that gets no GPU from gpuslice mounts none of its volumes: mounted whole,
+    they are the node's library dir (a writable mount could replace the library every GPU
+    container on the node loads) and every container's state dir (their region files)."""
+    mounts = container.get("volumeMounts") or ()
+    kept = [m for m in mounts if not (isinstance(m, dict) and m.get("name") in _OUR_VOLUMES)]
+    if len(kept) == len(mounts):
+        return container
+    for mount in mounts:
+        if mount not in kept:
+            work.warn(f'container "{container["name"]}" gets no GPU from gpuslice: its '
+                      f'volumeMount {mount["name"]} at {mount.get("mountPath")} was removed '
+                      f"(gpuslice's volumes are mounted only into the containers that request "
+                      f"its GPUs)")
+    new = dict(container)
+    new["volumeMounts"] = kept
     return new
 
 

@@ -152,3 +152,10 @@ admissionregistration.k8s.io/v1beta1
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The volumes the webhook adds to GPU pods (webhook/admission/mutate.py), as a CEL list.
+*/}}
+{{- define "gpuslice.volumeNames" -}}
+['gpuslice-lib', 'gpuslice-preload', 'gpuslice-state', 'gpuslice-limits']
+{{- end -}}
