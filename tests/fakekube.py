@@ -15,7 +15,9 @@ they matter to callers:
   (409 Conflict on a stale ``resourceVersion``), patch (merge, strategic-merge treated as merge,
   JSON patch; other content types get 415), delete, and watches (``?watch=true``: one JSON event
   per line from ``resourceVersion``; 410 Expired once compacted).
-* errors are real ``Status`` objects; :meth:`FakeKube.fail` injects them and
+* errors are real ``Status`` objects; :meth:`FakeKube.fail` injects them (on watches too:
+  as an HTTP error, or as the ``ERROR`` event a watch sends for an expired resourceVersion),
+  :meth:`FakeKube.end_watches` ends the open watches as their timeout does, and
   :attr:`FakeKube.down` makes every request a 503, for outage tests.
 """
 
@@ -66,6 +68,10 @@ class ApiError(Exception):
         self.code, self.message, self.reason = code, message, reason
 
 
+def _is_watch(method: str, query: Any) -> bool:
+    return method == "GET" and query.get("watch", "").lower() in ("true", "1")
+
+
 @dataclass
 class RecordedRequest:
     method: str
@@ -73,6 +79,11 @@ class RecordedRequest:
     query: dict[str, str]
     content_type: str
     body: Any
+
+    @property
+    def watch(self) -> bool:
+        """A watch (``?watch=true``) rather than a get or list."""
+        return _is_watch(self.method, self.query)
 
 
 @dataclass
@@ -82,6 +93,8 @@ class _Fault:
     status: int
     times: int
     message: str
+    watch: bool | None
+    as_event: bool
 
 
 @dataclass
@@ -174,8 +187,7 @@ class FakeKube:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for w in self._watchers:
-            w.queue.put_nowait(None)
+        self.end_watches()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -188,8 +200,17 @@ class FakeKube:
     def down(self, value: bool) -> None:
         self._down = value
         if value:
-            for w in self._watchers:
-                w.queue.put_nowait(None)
+            self.end_watches()
+
+    @property
+    def open_watches(self) -> list[str]:
+        """The resource (plural) of each watch being served now."""
+        return [w.plural for w in self._watchers]
+
+    def end_watches(self) -> None:
+        """End every open watch normally, as the API server does at its ``timeoutSeconds``."""
+        for w in self._watchers:
+            w.queue.put_nowait(None)
 
     def configuration(self) -> Any:
         from kubernetes_asyncio import client
@@ -232,9 +253,19 @@ class FakeKube:
         self._emit("DELETED", plural, obj)
 
     def fail(self, method: str, path_regex: str, status: int, times: int = 1,
-             message: str = "injected failure") -> None:
-        """Answer the next ``times`` matching requests with a ``status`` Status object."""
-        self._faults.append(_Fault(method.upper(), re.compile(path_regex), status, times, message))
+             message: str = "injected failure", *, watch: bool | None = None,
+             as_event: bool = False) -> None:
+        """Answer the next ``times`` matching requests with a ``status`` Status object.
+
+        ``watch``: match only watches (True) or only other requests (False); a list and a
+        watch share their path. ``as_event``: answer a watch as the API server reports an
+        expired resourceVersion (HTTP 200, then one ``ERROR`` event holding the Status, then
+        the end of the stream) instead of with an HTTP error.
+        """
+        if as_event and watch is not True:
+            raise ValueError("as_event applies to watches: pass watch=True")
+        self._faults.append(_Fault(method.upper(), re.compile(path_regex), status, times,
+                                   message, watch, as_event))
 
     def compact(self) -> None:
         """Forget the watch history: watches from an older resourceVersion get 410 Expired."""
@@ -306,10 +337,15 @@ class FakeKube:
         try:
             if self.down:
                 raise ApiError(503, "the API server is unavailable")
+            watching = _is_watch(request.method, request.query)
             for fault in self._faults:
                 if fault.times > 0 and fault.method in (request.method, "*") \
+                        and fault.watch in (None, watching) \
                         and fault.pattern.search(request.path):
                     fault.times -= 1
+                    if fault.as_event:
+                        return await self._error_event(request, status_object(
+                            fault.status, fault.message))
                     raise ApiError(fault.status, fault.message)
             if raw and not isinstance(body, (dict, list)):
                 raise ApiError(400, "the request body is not valid JSON")
@@ -324,7 +360,7 @@ class FakeKube:
         if plural not in CLUSTER_SCOPED and name is None and ns is None and method != "GET":
             raise ApiError(405, "the server does not allow this method on this path")
         if name is None:
-            if method == "GET" and q.get("watch", "").lower() in ("true", "1"):
+            if _is_watch(method, q):
                 return await self._watch(request, plural, ns)
             if method == "GET":
                 return web.json_response(self._list(gv, plural, ns, q))
@@ -481,15 +517,23 @@ class FakeKube:
         self.delete("pods", key[2], key[1])
         return status_object(201, "", "")
 
+    @staticmethod
+    async def _error_event(request: web.Request, status: dict[str, Any]) -> web.StreamResponse:
+        """A watch whose one event is an ``ERROR`` holding ``status`` (the HTTP status is 200)."""
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
+        return response
+
     async def _watch(self, request: web.Request, plural: str,
                      ns: str | None) -> web.StreamResponse:
         q = request.query
         w = _Watcher(plural, ns, q.get("fieldSelector", ""), q.get("labelSelector", ""))
         since = q.get("resourceVersion", "")
         if since and since != "0" and int(since) < self._compacted_rv:
-            initial = [{"type": "ERROR", "object": status_object(
-                410, f"too old resource version: {since} ({self._compacted_rv})", "Expired")}]
-        elif since and since != "0":
+            return await self._error_event(request, status_object(
+                410, f"too old resource version: {since} ({self._compacted_rv})", "Expired"))
+        if since and since != "0":
             initial = [copy.deepcopy(e) for rv, p, e in self._history
                        if rv > int(since) and p == plural
                        and self._watch_wants(w, plural, e["object"])]
@@ -503,8 +547,6 @@ class FakeKube:
         try:
             for event in initial:
                 await response.write(json.dumps(event).encode() + b"\n")
-            if initial and initial[0]["type"] == "ERROR":
-                return response
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout if timeout else None
             while True:

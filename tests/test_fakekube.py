@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from fakekube import FakeKube
@@ -136,3 +137,65 @@ async def test_create_conflict_and_replace_with_stale_version() -> None:
                 await v1.replace_namespaced_secret("s", "ns", stale)
             assert err.value.status == 409
             assert created.metadata.uid == kube.get("secrets", "s", "ns")["metadata"]["uid"]
+
+
+async def _first_watch_line(v1: client.CoreV1Api) -> tuple[int, dict]:
+    resp = await v1.list_pod_for_all_namespaces(watch=True, timeout_seconds=1,
+                                                _preload_content=False)
+    try:
+        line = await resp.content.readline()
+        return resp.status, json.loads(line) if line else {}
+    finally:
+        resp.release()
+
+
+async def test_injected_watch_failures_come_as_http_errors_or_as_error_events() -> None:
+    async with FakeKube() as kube:
+        kube.put(_pod("a"))
+        kube.fail("GET", "/api/v1/pods$", 410, watch=True, as_event=True,
+                  message="too old resource version")
+        kube.fail("GET", "/api/v1/pods$", 500, watch=True)
+        async with kube.api_client() as api:
+            v1 = client.CoreV1Api(api)
+            assert [p.metadata.name for p in
+                    (await v1.list_pod_for_all_namespaces()).items] == ["a"]  # lists unaffected
+            status, event = await _first_watch_line(v1)
+            assert status == 200 and event["type"] == "ERROR"
+            assert event["object"] | {"message": ""} == {
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": "", "reason": "Expired", "code": 410}
+            status, event = await _first_watch_line(v1)
+            assert status == 500 and event["reason"] == "InternalError"
+            status, event = await _first_watch_line(v1)
+            assert status == 200 and event["type"] == "ADDED"  # the faults are used up
+        assert [r.watch for r in kube.requests] == [False, True, True, True]
+        with pytest.raises(ValueError, match="watch=True"):
+            kube.fail("GET", "/pods$", 410, as_event=True)
+
+
+async def test_injected_list_failure_leaves_watches_alone() -> None:
+    async with FakeKube() as kube:
+        kube.put(_pod("a"))
+        kube.fail("GET", "/api/v1/pods$", 503, watch=False)
+        async with kube.api_client() as api:
+            v1 = client.CoreV1Api(api)
+            status, event = await _first_watch_line(v1)
+            assert status == 200 and event["type"] == "ADDED"
+            with pytest.raises(ApiException) as err:
+                await v1.list_pod_for_all_namespaces()
+            assert err.value.status == 503
+
+
+async def test_end_watches_ends_open_watches_as_their_timeout_does() -> None:
+    async with FakeKube() as kube, kube.api_client() as api:
+        v1 = client.CoreV1Api(api)
+        resp = await v1.list_pod_for_all_namespaces(watch=True, timeout_seconds=30,
+                                                    _preload_content=False)
+        for _ in range(100):
+            if kube.open_watches == ["pods"]:
+                break
+            await asyncio.sleep(0.01)
+        kube.end_watches()
+        assert await asyncio.wait_for(resp.content.read(), 5) == b""
+        assert resp.status == 200 and kube.open_watches == []
+        resp.release()

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import base64
 import datetime as dt
+import json
 import logging
 import os
 import sys
@@ -36,18 +37,27 @@ from typing import Any, TypeVar
 
 import aiohttp
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException
 
 from webhook.settings import Settings, SettingsError, load_settings
-from webhook.tls import CA_CERT, TLS_CERT, TLS_KEY, issue_serving_cert, new_ca, write_atomic
+from webhook.tls import (
+    CA_CERT,
+    RENEW_BEFORE,
+    TLS_CERT,
+    TLS_KEY,
+    issue_serving_cert,
+    new_ca,
+    service_names,
+    serving_problem,
+    usable_ca,
+    write_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
-RENEW_BEFORE = dt.timedelta(days=30)
 SERVING_DAYS = 365
 CHECK_INTERVAL_S = 600.0
 RETRY_INTERVAL_S = 30.0
@@ -87,25 +97,11 @@ def assess(m: Material | None, namespace: str, service: str, now: dt.datetime) -
     """``"ok"``, ``"renew-serving"`` (the CA is fine) or ``"new-ca"`` (none, or unusable)."""
     if m is None:
         return "new-ca"
-    try:
-        cas = x509.load_pem_x509_certificates(m.ca_bundle)
-        ca_key = serialization.load_pem_private_key(m.ca_key, password=None)
-    except ValueError:
+    ca = usable_ca(m.ca_bundle, m.ca_key, now)
+    if ca is None:
         return "new-ca"
-    ca = cas[0]
-    if _spki(ca_key.public_key()) != _spki(ca.public_key()) \
-            or ca.not_valid_after_utc - now < RENEW_BEFORE:
-        return "new-ca"
-    try:
-        cert = x509.load_pem_x509_certificate(m.tls_crt)
-        key = serialization.load_pem_private_key(m.tls_key, password=None)
-        cert.verify_directly_issued_by(ca)
-        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
-        return "renew-serving"
-    if _spki(key.public_key()) != _spki(cert.public_key()) \
-            or f"{service}.{namespace}.svc" not in names.get_values_for_type(x509.DNSName) \
-            or cert.not_valid_after_utc - now < RENEW_BEFORE:
+    if serving_problem(m.tls_crt, m.tls_key, ca, service_names(namespace, service), now,
+                       RENEW_BEFORE) is not None:
         return "renew-serving"
     return "ok"
 
@@ -133,11 +129,6 @@ def _still_valid_cas(m: Material | None, now: dt.datetime) -> bytes:
         return b""
     return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in old[:1]
                     if c.not_valid_after_utc > now)
-
-
-def _spki(public_key: Any) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.DER,
-                                   serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def write_files(cert_dir: str | Path, m: Material) -> bool:
@@ -181,10 +172,16 @@ async def _call(op: Callable[[], Awaitable[T]], what: str, deadline: float,
 
 
 def _explain(exc: ApiException, what: str) -> BootstrapError:
+    """The error for a refused call: its status, the API server's message, what to check."""
     hint = {401: " (the service account token was rejected)",
             403: " (check the chart's RBAC: Role <release>-tls and ClusterRole "
                  "<release>-webhook)"}.get(exc.status or 0, "")
-    return BootstrapError(f"cannot {what}: HTTP {exc.status} {exc.reason}{hint}")
+    try:
+        message = json.loads(exc.body).get("message") if exc.body else None
+    except (ValueError, TypeError, AttributeError):
+        message = None
+    said = f": {message}" if isinstance(message, str) and message else ""
+    return BootstrapError(f"cannot {what}: HTTP {exc.status} {exc.reason}{said}{hint}")
 
 
 async def _settle_secret(core: client.CoreV1Api, settings: Settings, namespace: str,
@@ -337,7 +334,7 @@ async def rotation_loop(settings: Settings, api: client.ApiClient | None = None,
         await asyncio.sleep(delay)
         try:
             done = await reconcile(settings, api, deadline_s=min(120.0, retry_s * 4))
-        except (BootstrapError, ApiException) as exc:
+        except (BootstrapError, ApiException, OSError) as exc:  # OSError: writing cert_dir
             logger.error("certificate check failed; will retry", extra={"error": str(exc)})
             done = False
         delay = interval_s if done else retry_s

@@ -3,12 +3,16 @@
 * :func:`new_ca` / :func:`issue_serving_cert` make PEM pairs with ``cryptography`` (ECDSA
   P-256); the serving certificate names ``<service>``, ``<service>.<ns>``, ``<service>.<ns>.svc``,
   ``<service>.<ns>.svc.cluster.local``, ``localhost``, ``127.0.0.1`` and ``::1``.
+* :func:`usable_ca` / :func:`serving_problem` tell whether a CA can still issue and whether a
+  serving pair can still serve (it loads, matches, is issued by the CA, names the service,
+  and is not about to expire); the secret-mode bootstrap decides with them too.
 * :func:`ensure_dev_certs` writes ``ca.crt``/``ca.key``/``tls.crt``/``tls.key`` into a
-  directory (atomically, keys 0600), reusing an existing CA; ``gpuslice certs`` is
-  :func:`cmd_certs`.
+  directory (atomically, keys 0600) unless a usable pair is there, reusing a usable CA;
+  ``gpuslice certs`` is :func:`cmd_certs`.
 * :class:`CertStore` owns the server's :class:`ssl.SSLContext`. It watches ``tls.crt`` and
-  ``tls.key`` and loads a changed, matching pair into the same context, so new handshakes get
-  the new certificate without a restart; a broken pair is logged and the old one kept.
+  ``tls.key`` and loads a changed, matching pair into a fresh context, to which the listener's
+  context hands every new handshake, so new connections get the new certificate without a
+  restart, whatever its key type; a broken pair is logged and the old one kept.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import ssl
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -33,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 CA_CERT, CA_KEY, TLS_CERT, TLS_KEY = "ca.crt", "ca.key", "tls.crt", "tls.key"
 CA_DAYS = 3650
+RENEW_BEFORE = dt.timedelta(days=30)
+"""A CA or serving certificate that expires sooner than this is replaced."""
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -100,6 +108,48 @@ def issue_serving_cert(ca_cert_pem: bytes, ca_key_pem: bytes, namespace: str, se
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
+def _spki(public_key: Any) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.DER,
+                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def usable_ca(cert_pem: bytes, key_pem: bytes, now: dt.datetime) -> x509.Certificate | None:
+    """The CA (the first certificate of ``cert_pem``) when ``key_pem`` is its key and it is
+    valid for longer than :data:`RENEW_BEFORE`; None otherwise."""
+    try:
+        ca = x509.load_pem_x509_certificates(cert_pem)[0]
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return None
+    if _spki(key.public_key()) != _spki(ca.public_key()) \
+            or ca.not_valid_after_utc - now < RENEW_BEFORE:
+        return None
+    return ca
+
+
+def serving_problem(cert_pem: bytes, key_pem: bytes, ca: x509.Certificate, names: list[str],
+                    now: dt.datetime, renew_before: dt.timedelta = RENEW_BEFORE) -> str | None:
+    """Why the pair cannot keep serving ``names`` for ``ca``; None when it can."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return "the certificate or its key cannot be read"
+    if _spki(key.public_key()) != _spki(cert.public_key()):
+        return "the key does not match the certificate"
+    try:
+        cert.verify_directly_issued_by(ca)
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+        return "the certificate was not issued by the CA for a DNS name"
+    missing = [n for n in names if n not in sans.get_values_for_type(x509.DNSName)]
+    if missing:
+        return f"the certificate does not name {', '.join(missing)}"
+    if cert.not_valid_after_utc - now < renew_before:
+        return f"the certificate expires on {cert.not_valid_after_utc.isoformat()}"
+    return None
+
+
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -113,27 +163,44 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         raise
 
 
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
 def ensure_dev_certs(directory: str | Path, namespace: str, service: str, days: int = 365,
                      force: bool = False) -> bool:
-    """Create the CA and serving certificate in ``directory`` unless present; True if written.
+    """Make sure ``directory`` holds a usable CA and serving pair; True if anything was written.
 
-    An existing CA (``ca.crt`` + ``ca.key``) is reused for a missing serving pair, so clients
-    that trust it keep working; ``force`` replaces everything.
+    The serving pair is kept while :func:`serving_problem` finds none (it expires within 30
+    days, or a third of ``days`` when that is shorter, so a short-lived pair is not renewed on
+    every start); otherwise it is issued again, by the existing CA (``ca.crt`` + ``ca.key``)
+    when that is usable, so clients that trust it keep working. ``force`` replaces everything.
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    if not force and all((d / n).exists() for n in (CA_CERT, TLS_CERT, TLS_KEY)):
+    now = dt.datetime.now(dt.UTC)
+    ca_pem, ca_key = (b"", b"") if force else (_read(d / CA_CERT), _read(d / CA_KEY))
+    try:
+        ca_cert: x509.Certificate | None = x509.load_pem_x509_certificates(ca_pem)[0]
+    except ValueError:
+        ca_cert = None
+    names = service_names(namespace, service)
+    renew_before = min(RENEW_BEFORE, dt.timedelta(days=days) / 3)
+    why = "forced" if force else "no CA certificate" if ca_cert is None else serving_problem(
+        _read(d / TLS_CERT), _read(d / TLS_KEY), ca_cert, names, now, renew_before)
+    if why is None:
         return False
-    if not force and (d / CA_CERT).exists() and (d / CA_KEY).exists():
-        ca_cert, ca_key = (d / CA_CERT).read_bytes(), (d / CA_KEY).read_bytes()
-    else:
-        ca_cert, ca_key = new_ca()
+    if usable_ca(ca_pem, ca_key, now) is None:
+        ca_pem, ca_key = new_ca()
         write_atomic(d / CA_KEY, ca_key, 0o600)
-        write_atomic(d / CA_CERT, ca_cert)
-    cert, key = issue_serving_cert(ca_cert, ca_key, namespace, service, days)
+        write_atomic(d / CA_CERT, ca_pem)
+    cert, key = issue_serving_cert(ca_pem, ca_key, namespace, service, days)
     write_atomic(d / TLS_KEY, key, 0o600)
     write_atomic(d / TLS_CERT, cert)
-    logger.info("development certificates written", extra={"dir": str(d)})
+    logger.info("development certificates written", extra={"dir": str(d), "reason": why})
     return True
 
 
@@ -166,15 +233,28 @@ class CertInfo:
     subject: str
 
 
+def _server_context() -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
 class CertStore:
-    """The server's SSL context, reloaded in place when ``tls.crt``/``tls.key`` change."""
+    """The server's SSL context, serving the pair loaded last from ``tls.crt``/``tls.key``.
+
+    Loading a pair into a context that holds one of another key type would keep both (one per
+    key type) and go on serving the old one to clients that accept either; so each pair gets a
+    fresh context, and the listener's context (:attr:`context`) switches every handshake to it
+    from its SNI callback, which OpenSSL runs for every ClientHello, with a server name or not.
+    """
 
     def __init__(self, cert_dir: str | Path, interval: float = 2.0) -> None:
         self.cert_file = Path(cert_dir) / TLS_CERT
         self.key_file = Path(cert_dir) / TLS_KEY
         self.interval = interval
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.context = _server_context()
+        self.context.sni_callback = self._use_current
+        self._current: ssl.SSLContext | None = None
         self.info: CertInfo | None = None
         self._signature: tuple[int, ...] | None = None
         self._failed: tuple[int, ...] | None = None
@@ -182,6 +262,11 @@ class CertStore:
     @property
     def loaded(self) -> bool:
         return self.info is not None
+
+    def _use_current(self, conn: ssl.SSLObject, server_name: str | None,
+                     listener: ssl.SSLContext) -> None:
+        if self._current is not None:
+            conn.context = self._current
 
     def _stat(self) -> tuple[int, ...] | None:
         try:
@@ -213,17 +298,16 @@ class CertStore:
     def _load(self, cert_pem: bytes, key_pem: bytes) -> CertInfo:
         cert = x509.load_pem_x509_certificate(cert_pem)
         key = serialization.load_pem_private_key(key_pem, password=None)
-        if key.public_key().public_bytes(
-                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        ) != cert.public_key().public_bytes(
-                serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
+        if _spki(key.public_key()) != _spki(cert.public_key()):
             raise ValueError("tls.key does not match tls.crt")
         # load_cert_chain takes paths: load the exact bytes checked above from a private copy.
+        context = _server_context()
         with tempfile.TemporaryDirectory(prefix="gpuslice-tls-") as tmp:
             cert_path, key_path = Path(tmp) / TLS_CERT, Path(tmp) / TLS_KEY
             write_atomic(key_path, key_pem, 0o600)
             write_atomic(cert_path, cert_pem)
-            self.context.load_cert_chain(cert_path, key_path)
+            context.load_cert_chain(cert_path, key_path)
+        self._current = context
         return CertInfo(cert.serial_number, cert.not_valid_after_utc, cert.subject.rfc4514_string())
 
     async def watch(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import ipaddress
 import os
 import ssl
@@ -14,7 +15,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from webhook.service import CERTS_KEY, create_app
 from webhook.settings import Settings
@@ -23,10 +26,13 @@ from webhook.tls import (
     CA_KEY,
     TLS_CERT,
     TLS_KEY,
+    CertStore,
     cmd_certs,
     ensure_dev_certs,
     issue_serving_cert,
     new_ca,
+    service_names,
+    serving_problem,
     write_atomic,
 )
 
@@ -79,15 +85,20 @@ def test_gpuslice_certs_command(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert cmd_certs(argparse.Namespace(**{**vars(args), "days": 0})) == 2
 
 
-def _peer_serial(server: Any) -> int:
-    async def handshake() -> int:
+def _peer_cert(server: Any) -> x509.Certificate:
+    """The certificate a new client connection (no SNI: an IP address) is served."""
+    async def handshake() -> x509.Certificate:
         _reader, writer = await asyncio.open_connection("127.0.0.1", server.port,
                                                         ssl=server.ssl)
         der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
         writer.close()
-        return x509.load_der_x509_certificate(der).serial_number
+        return x509.load_der_x509_certificate(der)
 
     return asyncio.run(handshake())
+
+
+def _peer_serial(server: Any) -> int:
+    return _peer_cert(server).serial_number
 
 
 def _replace_serving_cert(cert_dir: Path) -> int:
@@ -152,3 +163,114 @@ def test_cert_store_context_serves_tls_1_2_or_newer(tmp_path: Path) -> None:
     app = create_app(Settings(cert_dir=str(tmp_path), placement_enabled=False))
     store: Any = app[CERTS_KEY]
     assert store.loaded and store.context.minimum_version == ssl.TLSVersion.TLSv1_2
+
+
+def _rsa_serving_pair(cert_dir: Path) -> tuple[bytes, bytes]:
+    """An RSA serving pair issued by the directory's (ECDSA) CA, for the same names."""
+    ca_cert = _cert(cert_dir / CA_CERT)
+    ca_key: Any = serialization.load_pem_private_key((cert_dir / CA_KEY).read_bytes(), None)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = dt.datetime.now(dt.UTC)
+    sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rsa")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def _install(cert_dir: Path, kind: str) -> int:
+    """Put a new serving pair with a ``kind`` ("ec" or "rsa") key in place; its serial."""
+    if kind == "ec":
+        return _replace_serving_cert(cert_dir)
+    cert, key = _rsa_serving_pair(cert_dir)
+    write_atomic(cert_dir / TLS_KEY, key, 0o600)
+    write_atomic(cert_dir / TLS_CERT, cert)
+    return x509.load_pem_x509_certificate(cert).serial_number
+
+
+@pytest.mark.parametrize("first,then", [("ec", "rsa"), ("rsa", "ec")])
+def test_reloaded_pair_with_another_key_type_is_what_new_connections_get(
+        tmp_path: Path, make_server: Any, first: str, then: str) -> None:
+    """One context loaded with an ECDSA pair and then an RSA pair holds both and kept
+    serving the old ECDSA certificate to clients that accept either."""
+    ensure_dev_certs(tmp_path, "gpuslice-system", "gpuslice")
+    old = _install(tmp_path, first)
+    server = make_server(Settings(cert_dir=str(tmp_path), tls_mode="files",
+                                  placement_enabled=False), cert_reload_interval=0.05)
+    assert _peer_serial(server) == old
+    new = _install(tmp_path, then)
+    assert _wait_for_serial(server, new) == new
+    key_type = rsa.RSAPublicKey if then == "rsa" else ec.EllipticCurvePublicKey
+    assert isinstance(_peer_cert(server).public_key(), key_type)
+    assert server.request("GET", "/readyz")[0] == 200
+
+
+def _expired_pair(d: Path) -> tuple[bytes, bytes]:
+    return issue_serving_cert((d / CA_CERT).read_bytes(), (d / CA_KEY).read_bytes(), "ns",
+                              "svc", days=0)
+
+
+def _expiring_pair(d: Path) -> tuple[bytes, bytes]:
+    return issue_serving_cert((d / CA_CERT).read_bytes(), (d / CA_KEY).read_bytes(), "ns",
+                              "svc", days=20)
+
+
+def _mismatched_pair(d: Path) -> tuple[bytes, bytes]:
+    return (d / TLS_CERT).read_bytes(), new_ca()[1]
+
+
+def _half_written_pair(d: Path) -> tuple[bytes, bytes]:
+    return (d / TLS_CERT).read_bytes()[:100], (d / TLS_KEY).read_bytes()
+
+
+def _other_ca_pair(d: Path) -> tuple[bytes, bytes]:
+    return issue_serving_cert(*new_ca(), "ns", "svc")
+
+
+def _other_service_pair(d: Path) -> tuple[bytes, bytes]:
+    return issue_serving_cert((d / CA_CERT).read_bytes(), (d / CA_KEY).read_bytes(), "old-ns",
+                              "svc")
+
+
+@pytest.mark.parametrize("damage", [_expired_pair, _expiring_pair, _mismatched_pair,
+                                    _half_written_pair, _other_ca_pair, _other_service_pair],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_dev_certs_replace_a_serving_pair_that_cannot_serve_and_keep_the_ca(
+        tmp_path: Path, damage: Any) -> None:
+    ensure_dev_certs(tmp_path, "ns", "svc")
+    ca = (tmp_path / CA_CERT).read_bytes()
+    cert, key = damage(tmp_path)
+    write_atomic(tmp_path / TLS_KEY, key, 0o600)
+    write_atomic(tmp_path / TLS_CERT, cert)
+    assert ensure_dev_certs(tmp_path, "ns", "svc")
+    assert (tmp_path / CA_CERT).read_bytes() == ca  # clients that trust it keep working
+    assert serving_problem((tmp_path / TLS_CERT).read_bytes(), (tmp_path / TLS_KEY).read_bytes(),
+                           _cert(tmp_path / CA_CERT), service_names("ns", "svc"),
+                           dt.datetime.now(dt.UTC)) is None
+    assert CertStore(tmp_path).reload_if_changed()  # what `serve` then loads
+    assert not ensure_dev_certs(tmp_path, "ns", "svc")
+
+
+def test_dev_certs_for_another_service_name_the_new_service(tmp_path: Path) -> None:
+    ensure_dev_certs(tmp_path, "ns", "svc")
+    assert ensure_dev_certs(tmp_path, "prod", "hook")
+    sans = _cert(tmp_path / TLS_CERT).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert "hook.prod.svc" in sans.get_values_for_type(x509.DNSName)
+
+
+def test_dev_certs_replace_an_expiring_ca(tmp_path: Path) -> None:
+    ca, ca_key = new_ca(days=10)
+    write_atomic(tmp_path / CA_KEY, ca_key, 0o600)
+    write_atomic(tmp_path / CA_CERT, ca)
+    assert ensure_dev_certs(tmp_path, "ns", "svc")
+    assert (tmp_path / CA_CERT).read_bytes() != ca
+    _cert(tmp_path / TLS_CERT).verify_directly_issued_by(_cert(tmp_path / CA_CERT))
+    assert (_cert(tmp_path / CA_CERT).not_valid_after_utc - dt.datetime.now(dt.UTC)).days > 3000

@@ -252,6 +252,19 @@ async def test_forbidden_write_fails_with_an_rbac_hint(tmp_path: Path) -> None:
                 await bootstrap.ensure_tls(settings(tmp_path), api)
 
 
+async def test_forbidden_read_says_what_the_api_server_said(tmp_path: Path) -> None:
+    said = ('secrets "gpuslice-tls" is forbidden: User "system:serviceaccount:gpuslice-system:'
+            'gpuslice" cannot get resource "secrets" in the namespace "gpuslice-system"')
+    async with FakeKube() as kube:
+        kube.fail("GET", f"{SECRET_PATH}/{SECRET}$", 403, message=said)
+        async with kube.api_client() as api:
+            with pytest.raises(BootstrapError) as err:
+                await bootstrap.ensure_tls(settings(tmp_path), api)
+    assert str(err.value) == (
+        f"cannot read or write Secret {NS}/{SECRET}: HTTP 403 Forbidden: {said} (check the "
+        "chart's RBAC: Role <release>-tls and ClusterRole <release>-webhook)")
+
+
 async def test_api_outage_past_the_deadline_fails_clearly(tmp_path: Path) -> None:
     async with FakeKube() as kube:
         kube.down = True
@@ -303,6 +316,28 @@ async def test_rotation_loop_follows_another_replicas_rotation_and_survives_outa
         assert stored is not None
         assert stored["webhooks"][0]["clientConfig"]["caBundle"] == \
             base64.b64encode(rotated.ca_bundle).decode()
+
+
+async def test_rotation_loop_survives_a_cert_dir_it_cannot_write(tmp_path: Path) -> None:
+    """An OSError from writing the files is logged and retried, like an API failure."""
+    cert_dir = tmp_path / "certs"
+    cert_dir.write_text("a file where the directory should be")
+    async with FakeKube() as kube:
+        kube.put(webhook_configuration())
+        async with kube.api_client() as api:
+            task = asyncio.create_task(bootstrap.rotation_loop(
+                settings(cert_dir), api, interval_s=0.05, retry_s=0.05))
+            await asyncio.sleep(0.3)
+            assert not task.done()  # the failures did not end rotation
+            cert_dir.unlink()
+            for _ in range(100):
+                if (cert_dir / "tls.crt").exists():
+                    break
+                await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert (cert_dir / "tls.crt").read_bytes() == secret_data(kube)["tls.crt"]
 
 
 async def test_init_container_command_bootstraps_through_a_kubeconfig(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -166,3 +167,64 @@ def test_undecided_reservation_confirmed_by_the_watch_no_longer_expires() -> Non
     assert not state.allocs["p"].assumed and state.allocs["p"].expires_at is None
     assert state.expire(1e9) == 0
     assert node(state, "n1").usage == {"GPU-0": Usage(100, 0, 1, 0)}
+
+
+def _pod(uid: str, rv: str, node: str | None = "n1", mib: str = "6000",
+         phase: str = "Running") -> dict[str, Any]:
+    pod = gpu_pod(uid, {"nvidia.com/gpumem": mib}, node=node,
+                  devices="GPU-0" if node else None, phase=phase)
+    pod["metadata"] |= {"uid": uid, "resourceVersion": rv}
+    return pod
+
+
+def test_lagging_watch_event_older_than_the_bound_pod_is_ignored() -> None:
+    """The bind's read of the pod showed it bound (version 7); the watch then delivers an
+    older update (version 6, still unbound): the GPU stays taken."""
+    state = ClusterState(S)
+    state.apply_node(gpu_node("n1", [("GPU-0", 10000)]))
+    _reserve(state, "p")
+    state.apply_pod(_pod("p", "7"))
+    state.apply_pod(_pod("p", "6", node=None, phase="Pending"))
+    assert not state.allocs["p"].assumed
+    assert node(state, "n1").usage == {"GPU-0": Usage(6000, 0, 1, 0)}
+    state.apply_pod(_pod("p", "9", phase="Succeeded"))  # newer: applied
+    assert state.allocs == {} and node(state, "n1").usage == {}
+
+
+@pytest.mark.parametrize("in_snapshot", [True, False], ids=["unbound-in-list", "absent"])
+def test_relist_snapshot_older_than_a_confirmed_bind_keeps_it(in_snapshot: bool) -> None:
+    """A list is requested (version 5), the bind's answer is lost and its read of the pod
+    confirms it (version 7), then the list arrives with the pod unbound (or not yet created)."""
+    state = ClusterState(S)
+    state.apply_node(gpu_node("n1", [("GPU-0", 10000)]))
+    listed_at = time.monotonic()
+    _reserve(state, "p")
+    state.apply_pod(_pod("p", "7"))
+    snapshot = [_pod("p", "4", node=None, phase="Pending")] if in_snapshot else []
+    state.replace_pods(snapshot, listed_at, "5")
+    assert not state.allocs["p"].assumed
+    assert node(state, "n1").usage == {"GPU-0": Usage(6000, 0, 1, 0)}
+
+
+def test_relist_still_drops_pods_deleted_before_it() -> None:
+    state = ClusterState(S)
+    state.apply_node(gpu_node("n1", [("GPU-0", 10000)]))
+    state.apply_pod(_pod("gone", "3"))
+    state.apply_pod(_pod("done", "4"))
+    listed_at = time.monotonic()
+    state.replace_pods([_pod("done", "6", phase="Succeeded")], listed_at, "8")
+    assert state.allocs == {} and node(state, "n1").usage == {}
+
+
+def test_opaque_resource_versions_fall_back_to_when_the_list_was_requested() -> None:
+    """Versions that are not integers are never compared: what was applied after the list
+    was requested is kept, what was applied before it follows the list."""
+    state = ClusterState(S)
+    state.apply_node(gpu_node("n1", [("GPU-0", 24576)]))
+    state.apply_pod(_pod("before", "x1", mib="1000"))
+    listed_at = time.monotonic()
+    state.apply_pod(_pod("after", "x2", mib="2000"))
+    state.apply_pod(_pod("late", "x3", mib="3000"))
+    state.replace_pods([_pod("late", "x0", node=None, phase="Pending")], listed_at, "x9")
+    assert set(state.allocs) == {"after", "late"}
+    assert node(state, "n1").usage == {"GPU-0": Usage(5000, 0, 2, 0)}

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from fakekube import FakeKube
+from kubernetes_asyncio import client
 from placement.kubeobjects import eventually, gpu_node, gpu_pod
 
 from webhook.placement.inventory import Usage
@@ -179,3 +180,56 @@ async def test_undecided_bind_is_settled_at_once_when_the_pod_says_so(
     assert usage(ext, "n1") == {}
     expected = {"GPU-b0": Usage(6000, 0, 1, 0)} if fate == "bound-elsewhere" else {}
     assert usage(ext, "n2") == expected
+
+
+async def test_relist_taken_before_a_lost_bind_answer_never_frees_the_bound_gpu(
+        kube: FakeKube, extender: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relist's snapshot is taken (a unbound); a's bind lands but its answer is lost, and
+    the bind's read of the pod confirms it; then the older snapshot is applied. a's GPU must
+    stay taken throughout: b, which would not fit beside it, is refused."""
+    kube.put(gpu_node("n1", SMALL))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    b = kube.put(gpu_pod("b", SIX_GIB))
+    snapshot_taken, deliver = asyncio.Event(), asyncio.Event()
+    hold: list[bool] = []
+    list_pods = client.CoreV1Api.list_pod_for_all_namespaces
+
+    async def slow_list(self: Any, *args: Any, **kwargs: Any) -> Any:
+        resp = await list_pods(self, *args, **kwargs)
+        if hold and not kwargs.get("watch"):
+            hold.clear()
+            await resp.read()  # the snapshot is taken now, and arrives later
+            snapshot_taken.set()
+            await deliver.wait()
+        return resp
+
+    monkeypatch.setattr(client.CoreV1Api, "list_pod_for_all_namespaces", slow_list)
+    ext = await extender()
+    state = ext.placer.state
+    seen_after_list: list[tuple[dict[str, Usage], list[str]]] = []
+    replace_pods = state.replace_pods
+
+    def replace_and_look(*args: Any) -> None:
+        replace_pods(*args)
+        seen_after_list.append((usage(ext, "n1"),
+                                ext.placer.filter({"Pod": b, "NodeNames": ["n1"]})["NodeNames"]))
+
+    monkeypatch.setattr(state, "replace_pods", replace_and_look)
+    hold.append(True)
+    await eventually(lambda: "pods" in kube.open_watches)
+    kube.fail("GET", "/api/v1/pods$", 410, watch=True, as_event=True)  # the watch expires
+    kube.end_watches()
+    await asyncio.wait_for(snapshot_taken.wait(), 5)
+
+    async def answer_lost(real: Binder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        (await real(*args, **kwargs)).release()
+        raise TimeoutError
+
+    intercept_binds(ext, answer_lost)
+    assert await ext.bind(a, "n1") == ""
+    assert not state.allocs[a["metadata"]["uid"]].assumed  # confirmed by reading the pod
+    deliver.set()
+    await eventually(lambda: bool(seen_after_list))
+    assert seen_after_list[0] == ({"GPU-0": Usage(6000, 0, 1, 0)}, [])
+    assert "too little free memory" in await ext.bind(b, "n1")
+    assert bound_pods(kube, "n1") == ["a"]

@@ -12,6 +12,12 @@ without a lock.
 
 Counted pods: bound (``spec.nodeName``), not ``Succeeded``/``Failed``, with at least one
 ``gpuslice.io/devices.<container>`` annotation. Deleted or finished pods release their GPUs.
+
+Views of a pod arrive out of order: a bind's own read of the pod can be newer than a list
+snapshot taken before it, or than the events a lagging watch has yet to deliver. A pod object
+older than the one an allocation was last built from is ignored, and a full list keeps what
+was learnt after it was requested (:meth:`ClusterState.replace_pods`), so a stale view never
+frees GPUs that a newer one showed taken.
 """
 
 from __future__ import annotations
@@ -67,6 +73,20 @@ class PodAlloc:
     None while its bind is in flight or once the API server accepted it."""
     resource_version: str = ""
     """Of the pod object last applied (confirmed allocations only)."""
+    applied_at: float = 0.0
+    """When (monotonic) the pod object last applied came in (confirmed allocations only)."""
+
+
+def rv_newer(a: str, b: str) -> bool | None:
+    """Whether resourceVersion ``a`` is newer than ``b``; None when they cannot be compared.
+
+    The API contract makes resourceVersions opaque strings; every etcd-backed API server
+    issues them as increasing decimal integers (etcd revisions), so two of those are compared
+    as numbers. Anything else (empty, or another server's format) is not compared at all.
+    """
+    if a.isascii() and a.isdigit() and b.isascii() and b.isdigit():
+        return int(a) > int(b)
+    return None
 
 
 def assignment_from_pod(pod: dict[str, Any], req: PodRequest) -> dict[str, tuple[str, ...]]:
@@ -234,8 +254,20 @@ class ClusterState:
                                       "node": alloc.node})
         return len(gone)
 
-    def apply_pod(self, obj: dict[str, Any]) -> None:
-        """A pod was added or changed."""
+    def _stale(self, current: PodAlloc | None, rv: str, listed_at: float | None) -> bool:
+        """Whether a view of the pod (``rv``; from a list requested at ``listed_at``, or an
+        event when None) is older than what ``current`` was built from."""
+        if current is None or current.assumed:
+            return False
+        newer = rv_newer(current.resource_version, rv)
+        if newer is not None:
+            return newer
+        # Versions not comparable: a list requested before the allocation was last applied
+        # may predate it. Keeping it is the safe side; the watch or the next list settles it.
+        return listed_at is not None and current.applied_at >= listed_at
+
+    def apply_pod(self, obj: dict[str, Any], listed_at: float | None = None) -> None:
+        """A pod was added or changed (``listed_at``: part of a list requested then)."""
         meta = obj.get("metadata") or {}
         uid = str(meta.get("uid") or "")
         node = (obj.get("spec") or {}).get("nodeName")
@@ -243,11 +275,13 @@ class ClusterState:
         annotations = meta.get("annotations") or {}
         has_devices = any(k.startswith(names.ANN_DEVICES_PREFIX) for k in annotations)
         current = self.allocs.get(uid)
+        rv = str(meta.get("resourceVersion") or "")
+        if self._stale(current, rv, listed_at):
+            return  # an older view (a lagging watch, a list snapshot taken before a bind)
         if not node or phase in _TERMINAL or not has_devices:
             if current is not None and not (current.assumed and not node and phase not in _TERMINAL):
                 self._remove(uid)
             return
-        rv = str(meta.get("resourceVersion") or "")
         if current is not None and not current.assumed and rv and current.resource_version == rv:
             return  # unchanged (a resync lists every pod again)
         try:
@@ -263,22 +297,33 @@ class ClusterState:
             assignment = assignment_from_pod(obj, req)
         if current is not None and not current.assumed and current.node == node \
                 and current.assignment == assignment:
-            current.resource_version = rv
+            current.resource_version, current.applied_at = rv, time.monotonic()
             return
         self._remove(uid)
         self._add(PodAlloc(uid, str(meta.get("namespace") or ""), str(meta.get("name") or ""),
-                           str(node), req, assignment, {}, resource_version=rv))
+                           str(node), req, assignment, {}, resource_version=rv,
+                           applied_at=time.monotonic()))
 
     def delete_pod(self, obj: dict[str, Any]) -> None:
         self._remove(str((obj.get("metadata") or {}).get("uid") or ""))
 
-    def replace_pods(self, objs: Iterable[dict[str, Any]], listed_at: float) -> None:
-        """A full list of pods; allocations of pods absent from it are dropped, except
-        reservations made after the list was requested (their pods may not show yet)."""
+    def replace_pods(self, objs: Iterable[dict[str, Any]], listed_at: float,
+                     resource_version: str = "") -> None:
+        """A full list of pods, requested at ``listed_at`` (monotonic) and answered at
+        ``resource_version``. Allocations of pods absent from it are dropped, except those
+        learnt after the list: reservations made after it was requested, and pods seen bound
+        at a newer version (by a bind's read of the pod) than the list's; items older than
+        what an allocation was built from are ignored (:meth:`apply_pod`)."""
         seen: set[str] = set()
         for obj in objs:
             seen.add(str((obj.get("metadata") or {}).get("uid") or ""))
-            self.apply_pod(obj)
+            self.apply_pod(obj, listed_at)
         for uid, alloc in list(self.allocs.items()):
-            if uid not in seen and not (alloc.assumed and alloc.reserved_at >= listed_at):
+            if uid in seen:
+                continue
+            if alloc.assumed:
+                learnt_after = alloc.reserved_at >= listed_at
+            else:  # absent from the list: is the list the stale view?
+                learnt_after = self._stale(alloc, resource_version, listed_at)
+            if not learnt_after:
                 self._remove(uid)

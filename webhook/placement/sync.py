@@ -3,10 +3,18 @@
 One loop per resource (nodes, pods), each: list (raw JSON, no model deserialisation, in pages
 of ``page_size`` with ``continue`` tokens), replace
 the state's view, watch from the list's ``resourceVersion`` and apply events; a watch that
-ends is resumed from the last seen version, a ``410 Gone`` or any error leads to a fresh list
-(after a capped back-off), and every ``resync_s`` the loop lists again anyway. ``ready`` is
-set once both resources have been listed, so a restarted extender answers only after it has
-rebuilt every allocation from the pods' device annotations.
+ends is resumed from the last seen version, a ``410 Gone`` or any error leads to a fresh list,
+and every ``resync_s`` the loop lists again anyway. ``ready`` is set once both resources have
+been listed, so a restarted extender answers only after it has rebuilt every allocation from
+the pods' device annotations.
+
+Back-off, as client-go's reflector: before listing again after a failure the loop sleeps
+``backoff_s``, doubled after each failure up to ``backoff_max_s``; it goes back to
+``backoff_s`` only once the list/watch has run without failing for ``backoff_reset_s``. A
+``410`` (the watch's version was compacted) after such a healthy stretch is the normal end of
+a long watch and is listed again at once; a ``410`` soon after the list (a server that
+compacts faster than we list) backs off like any error, so a cluster-wide list is never
+repeated in a tight loop.
 
 Pods are watched without a field selector: a pod that finishes must be seen as MODIFIED (the
 API server reports a pod leaving a selector as DELETED, but not every server does).
@@ -63,13 +71,21 @@ class ClusterSync:
     """The list/watch loops of nodes and pods."""
 
     def __init__(self, state: ClusterState, api: client.ApiClient, *, resync_s: float = 300.0,
-                 watch_timeout_s: int = 240, backoff_max_s: float = 30.0,
+                 watch_timeout_s: int = 240, backoff_s: float = 0.5,
+                 backoff_max_s: float = 30.0, backoff_reset_s: float = 60.0,
                  page_size: int = 500) -> None:
         self.state = state
         self.core = client.CoreV1Api(api)
         self.resync_s = resync_s
+        """Seconds between full lists, failures or not."""
         self.watch_timeout_s = watch_timeout_s
+        """Seconds the API server keeps one watch open (it then ends it; we resume it)."""
+        self.backoff_s = backoff_s
+        """Seconds slept before listing again after the first failure."""
         self.backoff_max_s = backoff_max_s
+        """Cap (seconds) of the back-off, which doubles with each failure."""
+        self.backoff_reset_s = backoff_reset_s
+        """Seconds without a failure after which the back-off starts again at ``backoff_s``."""
         self.page_size = page_size
         self._listed: set[str] = set()
         self.ready = asyncio.Event()
@@ -91,11 +107,11 @@ class ClusterSync:
         self._tasks = []
 
     # ----- state updates -----
-    def _on_nodes(self, items: list[dict[str, Any]], listed_at: float) -> None:
+    def _on_nodes(self, items: list[dict[str, Any]], listed_at: float, rv: str) -> None:
         self.state.replace_nodes(items)
 
-    def _on_pods(self, items: list[dict[str, Any]], listed_at: float) -> None:
-        self.state.replace_pods(items, listed_at)
+    def _on_pods(self, items: list[dict[str, Any]], listed_at: float, rv: str) -> None:
+        self.state.replace_pods(items, listed_at, rv)
 
     def _on_node_event(self, kind: str, obj: dict[str, Any]) -> None:
         if kind == "DELETED":
@@ -111,14 +127,15 @@ class ClusterSync:
 
     # ----- the loop -----
     async def _loop(self, what: str, lister: Callable[..., Awaitable[Any]],
-                    on_list: Callable[[list[dict[str, Any]], float], None],
+                    on_list: Callable[[list[dict[str, Any]], float, str], None],
                     on_event: Callable[[str, dict[str, Any]], None]) -> None:
-        backoff = 0.5
+        backoff = self.backoff_s
+        healthy_since: float | None = None  # when the list that followed the last failure came in
         while True:
             try:
                 listed_at = time.monotonic()
                 rv, items = await self._list(lister)
-                on_list(items, listed_at)
+                on_list(items, listed_at, rv)
                 count = len(items)
                 del items
                 # The state just built is long-lived: move it (and everything else alive)
@@ -131,7 +148,8 @@ class ClusterSync:
                 self._listed.add(what)
                 if self._listed >= {"nodes", "pods"}:
                     self.ready.set()
-                backoff = 0.5
+                if healthy_since is None:
+                    healthy_since = time.monotonic()
                 while time.monotonic() - listed_at < self.resync_s:
                     started = time.monotonic()
                     rv = await self._watch(lister, rv, on_event)
@@ -139,11 +157,21 @@ class ClusterSync:
                         await asyncio.sleep(1.0)
             except asyncio.CancelledError:
                 raise
-            except ResourceExpired:
-                logger.info("watch expired; listing again", extra={"resource": what})
             except Exception as exc:  # noqa: BLE001 - any failure: back off, then list again
-                logger.warning("list/watch failed; retrying",
-                               extra={"resource": what, "error": repr(exc), "retry_s": backoff})
+                healthy = healthy_since is not None \
+                    and time.monotonic() - healthy_since >= self.backoff_reset_s
+                healthy_since = None
+                if healthy:
+                    backoff = self.backoff_s
+                if isinstance(exc, ResourceExpired) and healthy:
+                    logger.info("watch expired; listing again", extra={"resource": what})
+                    continue
+                if isinstance(exc, ResourceExpired):
+                    logger.warning("watch expired soon after the list; listing again after a "
+                                   "back-off", extra={"resource": what, "retry_s": backoff})
+                else:
+                    logger.warning("list/watch failed; retrying", extra={
+                        "resource": what, "error": repr(exc), "retry_s": backoff})
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_max_s)
 

@@ -1,0 +1,117 @@
+"""The list/watch loop against the fake API server: it resumes healthy watches without listing
+again, lists again at once when a long watch expires, and backs off, growing, when watches
+keep failing, so a cluster-wide list is never repeated in a tight loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from fakekube import FakeKube, RecordedRequest
+from placement.kubeobjects import eventually, gpu_node, gpu_pod
+
+from webhook.placement.inventory import Usage
+from webhook.placement.state import ClusterState
+from webhook.placement.sync import ClusterSync
+from webhook.settings import Settings
+
+PODS = "/api/v1/pods$"
+
+
+@asynccontextmanager
+async def running(kube: FakeKube, **knobs: Any) -> AsyncIterator[ClusterSync]:
+    """A started :class:`ClusterSync` (``knobs``: its back-off settings) that has listed."""
+    async with kube.api_client() as api:
+        sync = ClusterSync(ClusterState(Settings(kube_enabled=True)), api, **knobs)
+        sync.start()
+        try:
+            await asyncio.wait_for(sync.ready.wait(), 5)
+            yield sync
+        finally:
+            await sync.stop()
+
+
+def pod_lists(kube: FakeKube) -> list[RecordedRequest]:
+    return [r for r in kube.requests_to("GET", PODS) if not r.watch]
+
+
+def pod_watches(kube: FakeKube) -> list[RecordedRequest]:
+    return [r for r in kube.requests_to("GET", PODS) if r.watch]
+
+
+def pod_retry_delays(caplog: pytest.LogCaptureFixture) -> list[float]:
+    """The back-off (seconds) of each failed pod list/watch, from the loop's log."""
+    return [r.retry_s for r in caplog.records  # type: ignore[attr-defined]
+            if r.name == "webhook.placement.sync" and getattr(r, "resource", "") == "pods"
+            and hasattr(r, "retry_s")]
+
+
+async def test_watch_that_ends_at_its_timeout_is_resumed_without_listing_again(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    async with running(kube) as sync:
+        listed_rv = pod_lists(kube)[0]
+        kube.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "unrelated"}})
+        await eventually(lambda: "pods" in kube.open_watches)
+        kube.end_watches()  # what the API server does at the watch's timeoutSeconds
+        await eventually(lambda: len(pod_watches(kube)) == 2)
+        pod = kube.put(gpu_pod("a", {"nvidia.com/gpumem": "1000"}, node="n1", devices="GPU-0",
+                               phase="Running"))
+        await eventually(lambda: pod["metadata"]["uid"] in sync.state.allocs)
+        assert sync.state.nodes["n1"].usage == {"GPU-0": Usage(1000, 0, 1, 0)}
+        assert len(pod_lists(kube)) == 1 and listed_rv.query.get("limit") == "500"
+        first, resumed = pod_watches(kube)
+        assert resumed.query["resourceVersion"] == first.query["resourceVersion"]
+    assert pod_retry_delays(caplog) == []
+
+
+@pytest.mark.parametrize("status,as_event", [(410, True), (410, False), (500, False)],
+                         ids=["expired-event", "expired-http", "server-error"])
+async def test_watches_that_keep_failing_back_off_with_growing_delays(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture, status: int, as_event: bool) -> None:
+    """Every pod watch fails right after its list: an expired version (as an ERROR event or an
+    HTTP 410) or a server error. Each list is followed by a longer wait, up to the cap."""
+    caplog.set_level(logging.INFO, logger="webhook.placement.sync")
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    kube.fail("GET", PODS, status, times=10**6, watch=True, as_event=as_event)
+    async with running(kube, backoff_s=0.02, backoff_max_s=0.16, backoff_reset_s=60) as sync:
+        await asyncio.sleep(1.0)
+        assert sync.ready.is_set()
+    delays = pod_retry_delays(caplog)
+    relists = len(pod_lists(kube)) - 1
+    # Waits of 0.02, 0.04, 0.08, then 0.16 s: about 8 lists in the second. Without a growing
+    # back-off this was hundreds (410: no wait at all) or 50 (500: always the first step).
+    assert 4 <= relists <= 10
+    assert delays[:relists] == [0.02, 0.04, 0.08] + [0.16] * (relists - 3)
+
+
+async def test_expiry_after_a_healthy_watch_lists_again_at_once(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="webhook.placement.sync")
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    async with running(kube, backoff_s=30, backoff_reset_s=0.2):
+        await asyncio.sleep(0.3)  # healthy for longer than backoff_reset_s
+        kube.put({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "later"}})
+        kube.compact()
+        kube.end_watches()  # resumed from a compacted version: 410
+        await eventually(lambda: len(pod_lists(kube)) == 2, timeout=5)
+    assert pod_retry_delays(caplog) == []
+    assert any(r.getMessage() == "watch expired; listing again" for r in caplog.records)
+
+
+async def test_a_healthy_stretch_resets_the_back_off(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    async with running(kube, backoff_s=0.02, backoff_max_s=0.16, backoff_reset_s=0.5):
+        kube.fail("GET", PODS, 500, times=5, watch=True)
+        kube.end_watches()
+        await eventually(lambda: len(pod_lists(kube)) == 6)
+        await asyncio.sleep(0.8)  # the sixth list's watch stays open: healthy
+        kube.fail("GET", PODS, 500, times=1, watch=True)
+        kube.end_watches()
+        await eventually(lambda: len(pod_lists(kube)) == 7)
+    assert pod_retry_delays(caplog) == [0.02, 0.04, 0.08, 0.16, 0.16, 0.02]
