@@ -387,23 +387,30 @@ GS_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph
     return instantiate(call_with_flags, &a, 0);
 }
 
-/* CUDA 10.0's, which the driver still exports (dlsym, or cuGetProcAddress at 10.x): _v2's arguments */
+/* The 5-argument instantiations: CUDA 10.0's cuGraphInstantiate, which the driver still exports
+ * (dlsym, or cuGetProcAddress at 10.x), and its _v2 */
+static CUresult instantiate_5(const void *real, CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                              char *logBuffer, size_t bufferSize)
+{
+    struct inst_args a = {.real = real, .exec = phGraphExec, .graph = hGraph, .err = phErrorNode, .log = logBuffer,
+                          .logsize = bufferSize};
+    return instantiate(call_v2, &a, 0);
+}
+
 GS_EXPORT CUresult cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
                                       char *logBuffer, size_t bufferSize)
 {
     gs_cuda_init();
-    struct inst_args a = {.real = (const void *)gs_cuda.cuGraphInstantiate, .exec = phGraphExec,
-                          .graph = hGraph, .err = phErrorNode, .log = logBuffer, .logsize = bufferSize};
-    return instantiate(call_v2, &a, 0);
+    return instantiate_5((const void *)gs_cuda.cuGraphInstantiate, phGraphExec, hGraph, phErrorNode, logBuffer,
+                         bufferSize);
 }
 
 GS_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
                                          char *logBuffer, size_t bufferSize)
 {
     gs_cuda_init();
-    struct inst_args a = {.real = (const void *)gs_cuda.cuGraphInstantiate_v2, .exec = phGraphExec,
-                          .graph = hGraph, .err = phErrorNode, .log = logBuffer, .logsize = bufferSize};
-    return instantiate(call_v2, &a, 0);
+    return instantiate_5((const void *)gs_cuda.cuGraphInstantiate_v2, phGraphExec, hGraph, phErrorNode, logBuffer,
+                         bufferSize);
 }
 
 static CUresult with_params(const void *real, CUgraphExec *phGraphExec, CUgraph hGraph,

@@ -9,7 +9,7 @@ from typing import Any
 
 import kubeschema
 import pytest
-from chart.test_chart_annotation_guard import _eval, celpy
+from chart.test_chart_annotation_guard import policy_answer
 
 NAMESPACE = "gpuslice-system"  # the render fixture's default
 AGENT = f"system:serviceaccount:{NAMESPACE}:gpuslice-agent"
@@ -70,24 +70,9 @@ def answer(policy: dict[str, Any], node: str, username: str = AGENT,
                                "userInfo": {"username": username}}
     if extra is not None:
         request["userInfo"]["extra"] = extra
-    base = {"request": celpy.json_to_cel(request),
-            "object": celpy.json_to_cel({"metadata": {"name": node}}),
-            "oldObject": celpy.json_to_cel({"metadata": {"name": node}})}
-    spec = policy["spec"]
-    if not all(bool(_eval(c["expression"], base)) for c in spec["matchConditions"]):
-        return None
-    variables: dict[Any, Any] = {}
-    for variable in spec["variables"]:
-        activation = {**base, "variables": celpy.celtypes.MapType(variables)}
-        variables[celpy.celtypes.StringType(variable["name"])] = \
-            _eval(variable["expression"], activation)
-    activation = {**base, "variables": celpy.celtypes.MapType(variables)}
-    for validation in spec["validations"]:
-        if not bool(_eval(validation["expression"], activation)):
-            if "messageExpression" in validation:
-                return str(_eval(validation["messageExpression"], activation))
-            return " ".join(str(validation["message"]).split())
-    return None
+    node_object = {"metadata": {"name": node}}
+    denial = policy_answer(policy, request, node_object, node_object)
+    return None if denial is None else " ".join(denial.split())
 
 
 @pytest.fixture(scope="module")

@@ -157,6 +157,14 @@ def admission(policy: dict[str, Any], operation: str, obj: dict[str, Any],
     """What the policy answers: None (admitted, or not matched) or the denial message."""
     request = {"operation": operation, "userInfo": {"username": username},
                "subResource": sub_resource}
+    return policy_answer(policy, request, obj, old)
+
+
+def policy_answer(policy: dict[str, Any], request: dict[str, Any], obj: dict[str, Any],
+                  old: dict[str, Any] | None) -> str | None:
+    """A ValidatingAdmissionPolicy applied as the API server does: matchConditions, then the
+    variables in order, then the validations; None when admitted (or not matched), else the
+    first failing validation's message (its messageExpression's value where it has one)."""
     base = {"object": celpy.json_to_cel(obj), "oldObject": celpy.json_to_cel(old),
             "request": celpy.json_to_cel(request)}
     spec = policy["spec"]
@@ -170,6 +178,8 @@ def admission(policy: dict[str, Any], operation: str, obj: dict[str, Any],
     activation = {**base, "variables": celpy.celtypes.MapType(variables)}
     for validation in spec["validations"]:
         if not bool(_eval(validation["expression"], activation)):
+            if "messageExpression" in validation:
+                return str(_eval(validation["messageExpression"], activation))
             return str(validation["message"])
     return None
 
