@@ -363,6 +363,15 @@ def _normal_path(path: str) -> str:
     return "/" + norm.lstrip("/") if norm.startswith("/") else norm
 
 
+def _covers_ours(path: str) -> bool:
+    """A mount at one of our mount paths or below one: runtimes mount deeper paths after
+    shallower ones, so a mount at ``/usr/local/gpuslice/libgpuslice.so.<version>`` (a file of
+    the tenant's own, from an emptyDir or a ConfigMap) would replace the library the preload
+    names, and one below ``/var/run/gpuslice`` the region file. A mount above ours (``/etc``)
+    is mounted first and covered by ours."""
+    return any(path == ours or path.startswith(ours.rstrip("/") + "/") for ours in _OUR_MOUNT_PATHS)
+
+
 def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _ContainerParts,
                       settings: Settings, work: _Work) -> dict[str, Any]:
     name = container["name"]
@@ -391,7 +400,7 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
     for mount in container.get("volumeMounts") or ():
         if isinstance(mount, dict) and (
                 mount.get("name") in _OUR_VOLUMES
-                or _normal_path(str(mount.get("mountPath", ""))) in _OUR_MOUNT_PATHS):
+                or _covers_ours(_normal_path(str(mount.get("mountPath", ""))))):
             if mount not in mounts:
                 work.warn(f'container "{name}": volumeMount {mount.get("name")} at '
                           f'{mount.get("mountPath")} conflicts with gpuslice and was replaced')
