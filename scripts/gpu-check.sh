@@ -6,9 +6,10 @@
 #
 #   bash scripts/gpu-check.sh        (from anywhere; PYTHON=... picks the interpreter)
 #
-# With $OUT set, also writes $OUT/gpu-check.json (rows, versions, raw measurements) and
-# $OUT/gpu-check.log. Every workload runs in its own child process with a timeout bounded by
-# one deadline, so a hang costs that check only. Exit status: 0 when no check failed or
+# With $OUT set, also writes $OUT/gpu-check.json (rows, versions, raw measurements),
+# $OUT/gpu-check.log and $OUT/results.jsonl (each measurement as it is made). Every workload
+# runs in its own child process with a timeout bounded by one deadline, so a hang costs that
+# check only. Exit status: 0 when no check failed or
 # errored (on a machine without a GPU every check skips and the status is 0), else 1.
 #
 # Knobs: GPUCHECK_TESTS (default tests/gpu: the test files or node ids to run, e.g.
@@ -26,7 +27,9 @@ start=$(date +%s)
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpucheck.XXXXXX") || exit 1
 outdir=${OUT:-$work}
 mkdir -p "$outdir"
-export GPUCHECK_WORK="$work" GPUCHECK_RESULTS="$work/results.jsonl"
+# the measurements go where $OUT collects them as they are made: a run cut off from outside
+# (the device's time limit) still brings back every row measured so far
+export GPUCHECK_WORK="$work" GPUCHECK_RESULTS="$outdir/results.jsonl"
 export GPUCHECK_DEADLINE=$((start + budget - 15))   # children end by then; the rest: summary
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export PATH="$PATH:/usr/local/nvidia/bin:/usr/local/cuda/bin"

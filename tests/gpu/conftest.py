@@ -74,7 +74,7 @@ def nvml() -> Nvml:
 @pytest.fixture(scope="session")
 def lib(nvml: Nvml) -> Path:
     if not harness.LIB.is_file():
-        pytest.fail(f"{harness.LIB} missing: the build failed (make -C interposer all)")
+        pytest.fail(f"{harness.LIB} missing: the build failed (make -C interposer lib)")
     return harness.LIB
 
 

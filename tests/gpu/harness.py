@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,7 +115,10 @@ def run(args: list[str], env: dict[str, str], timeout: float,
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a child of the child (a compiler) holds the pipes
+            out, err = "", "(no output: a process the child started kept its pipes open)"
         what = " ".join(Path(a).name for a in args[1:3])
         raise ChildError(f"{what} timed out after {limit:.0f}s: {_tail(err)}") from None
     finally:
@@ -136,6 +140,32 @@ def run(args: list[str], env: dict[str, str], timeout: float,
 def library_log(stderr: str, lines: int = 8) -> list[str]:
     """The library's last log lines (``gpuslice:``) in a child's stderr."""
     return [ln for ln in stderr.splitlines() if ln.startswith("gpuslice:")][-lines:]
+
+
+def pinned(args: list[str]) -> list[str]:
+    """``args`` under ``taskset`` on one CPU this process may use (unchanged without taskset):
+    launch costs differ more between two processes on different cores than the hooks cost."""
+    taskset = shutil.which("taskset")
+    cpus = sorted(os.sched_getaffinity(0))
+    if taskset is None or len(cpus) < 2:
+        return args
+    return [taskset, "-c", str(cpus[len(cpus) // 2]), *args]
+
+
+def alternate(args: list[str], timeout: float, rounds: int, label: str
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``rounds`` pinned runs each without and with the library (10 GiB cap, no SM limit),
+    alternating which goes first; the i-th of each list form a pair."""
+    with_lib_env = capped_env(new_region(label))
+    plain: list[dict[str, Any]] = []
+    with_lib: list[dict[str, Any]] = []
+    args = pinned(args)
+    for round_no in range(rounds):
+        order = [("plain", plain_env()), ("lib", with_lib_env)]
+        for name, env in order if round_no % 2 == 0 else order[::-1]:
+            result = run(args, env, timeout)
+            (plain if name == "plain" else with_lib).append(result)
+    return plain, with_lib
 
 
 def workload(*args: str) -> list[str]:

@@ -25,6 +25,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_torch_oom_is_catchable_and_frees_return_the_budget"),
     ("graph_memory", "1 CUDA graph allocations (launch, trim)", "charged; over cap refused",
      "-", "test_graph_allocations_are_charged_when_launched_and_refused_over_cap"),
+    ("legacy_entry_points", "1 CUDA 2.x cuMemAlloc/cuMemGetInfo (2 GiB cap)",
+     "charged; 3 GiB refused", "-", "test_cuda_2_entry_points_are_charged"),
     ("green_ctx", "1 green context (CUDA 12.4+): footprints, cap", "charged; outside <= cap",
      "-", "test_green_context_is_charged"),
     ("largest_torch", "2 largest allocation, PyTorch", "footprint <= ctx+64", "9.47 GiB",

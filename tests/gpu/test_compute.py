@@ -17,22 +17,33 @@ from typing import Any
 import pytest
 from gpu import harness
 from gpu.compute import matmul, throttle_view
-from gpu.harness import record
+from gpu.harness import median, record
 from gpu.nvmlwatch import Nvml
 
 pytestmark = pytest.mark.gpu
 
 POINTS = 5
+LIMITED_WARMUP_S = 4.0
 
 
-def test_torch_tiny_ops_with_library_unlimited_within_5_percent(
-        nvml: Nvml, baseline: dict[str, Any], lib: Path) -> None:
-    unlimited = matmul(nvml, harness.capped_env(harness.new_region("tiny")), tiny=True)
-    ratio = unlimited["tiny_ns"] / baseline["tiny_ns"]
-    matmul_pct = 100 * unlimited["tflops"] / baseline["tflops"]
+TINY_ROUNDS = 3
+
+
+def test_torch_tiny_ops_with_library_unlimited_within_5_percent(lib: Path) -> None:
+    """PyTorch's own launch path (cuGetProcAddress) with the library and no limits: pinned,
+    alternating pairs of short runs, judged on the median pair's ratio (one pair of unpinned
+    processes differs by more than the hooks cost)."""
+    plain, with_lib = harness.alternate(
+        harness.workload("matmul", "1", "--warmup", "0.5", "--tiny", "20000"), 45, TINY_ROUNDS,
+        "tiny")
+    pairs = list(zip(plain, with_lib, strict=True))
+    ratio = median([w["tiny_ns"] / p["tiny_ns"] for p, w in pairs])
+    matmul_pct = median([100 * w["tflops"] / p["tflops"] for p, w in pairs])
+    plain_us = median([p["tiny_ns"] for p in plain]) / 1000
     ok = ratio <= 1.05
-    record("torch_tiny", f"{ratio:.3f}x ({baseline['tiny_ns'] / 1000:.2f} us/op plain); "
-           f"matmul {matmul_pct:.1f}%", ok, ratio=ratio, baseline=baseline, unlimited=unlimited)
+    record("torch_tiny", f"{ratio:.3f}x, median of {len(pairs)} pinned pairs ({plain_us:.2f} "
+           f"us/op plain); matmul {matmul_pct:.1f}%", ok, ratio=ratio, plain=plain,
+           with_lib=with_lib)
     assert ok, f"tiny torch ops cost {ratio:.3f}x with the library"
 
 
@@ -40,7 +51,10 @@ def _limited(nvml: Nvml, baseline: dict[str, Any], limit: int, mode: str | None
              ) -> tuple[float, str, dict[str, Any]]:
     region = harness.new_region(f"sm{limit}{mode or ''}")
     extra = {"GPUSLICE_SM_LIMIT_MODE": mode} if mode else None
-    limited = matmul(nvml, harness.capped_env(region, sm=limit, extra=extra), tiny=False)
+    # measured from 4 s on: the clock compensation applies from about 1.5 s into a workload and
+    # settles within about 2 s more; uncompensated seconds in the window read high
+    limited = matmul(nvml, harness.capped_env(region, sm=limit, extra=extra), tiny=False,
+                     warmup=LIMITED_WARMUP_S)
     view = throttle_view(region, limited)
     pct = 100 * limited["tflops"] / baseline["tflops"]
     clock, base_clock = limited["clock"], baseline["clock"]

@@ -8,10 +8,7 @@ median of each round's with/without pair rather than a ratio of medians."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 from gpu import harness
@@ -23,33 +20,9 @@ ROUNDS = 5
 LAUNCH_ROUNDS = 7
 
 
-def _pinned(args: list[str]) -> list[str]:
-    """``args`` under ``taskset`` on one CPU this process may use (unchanged without taskset)."""
-    taskset = shutil.which("taskset")
-    cpus = sorted(os.sched_getaffinity(0))
-    if taskset is None or len(cpus) < 2:
-        return args
-    return [taskset, "-c", str(cpus[len(cpus) // 2]), *args]
-
-
-def _alternate(args: list[str], timeout: float, rounds: int = ROUNDS
-               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``rounds`` runs each without and with the library, alternating which goes first."""
-    with_lib_env = harness.capped_env(harness.new_region("overhead"))
-    plain: list[dict[str, Any]] = []
-    with_lib: list[dict[str, Any]] = []
-    args = _pinned(args)
-    for round_no in range(rounds):
-        order = [("plain", harness.plain_env()), ("lib", with_lib_env)]
-        for name, env in order if round_no % 2 == 0 else order[::-1]:
-            result = harness.run(args, env, timeout)
-            (plain if name == "plain" else with_lib).append(result)
-    return plain, with_lib
-
-
 def test_launch_cost_with_library_unlimited_within_5_percent(gpubench: Path, lib: Path) -> None:
-    plain, with_lib = _alternate([str(gpubench), "launch", "20000", "5", "100"], 20,
-                                 LAUNCH_ROUNDS)
+    plain, with_lib = harness.alternate([str(gpubench), "launch", "20000", "5", "100"], 20,
+                                        LAUNCH_ROUNDS, "overhead")
     ratios = {}
     for key in ("cpu_ns", "sat_ns"):
         ratios[key] = median([w[key] / p[key] for p, w in zip(plain, with_lib, strict=True)])
@@ -62,7 +35,8 @@ def test_launch_cost_with_library_unlimited_within_5_percent(gpubench: Path, lib
 
 
 def test_alloc_free_pair_with_library_within_2us(gpubench: Path, lib: Path) -> None:
-    plain, with_lib = _alternate([str(gpubench), "allocfree", str(1 << 20), "3000", "5"], 20)
+    plain, with_lib = harness.alternate(
+        [str(gpubench), "allocfree", str(1 << 20), "3000", "5"], 20, ROUNDS, "overhead")
     base = median([r["pair_ns"] for r in plain])
     delta = median([r["pair_ns"] for r in with_lib]) - base
     ok = delta <= 2000

@@ -45,6 +45,16 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
     assert _row(rows, "alloc_free")["value"] == "not run (see the log)"
 
 
+def test_every_check_a_gpu_test_records_has_a_row() -> None:
+    # a check without a row never shows, and its failure does not count in the exit status
+    import re
+    recorded = {name for path in HERE.glob("*.py")
+                for name in re.findall(r'record\(\s*"([a-z0-9_]+)"', path.read_text())}
+    rows = {row[0] for row in summary.ROWS}
+    assert recorded - rows == set()
+    assert recorded >= {"legacy_entry_points", "outside_usage", "alloc_free"}
+
+
 @pytest.mark.parametrize(("lines", "status"), [
     ([], 1),
     ([{"kind": "test", "nodeid": f"t.py::{row[4]}", "outcome": "skipped",
