@@ -337,6 +337,9 @@ async def rotation_loop(settings: Settings, api: client.ApiClient | None = None,
         except (BootstrapError, ApiException, OSError) as exc:  # OSError: writing cert_dir
             logger.error("certificate check failed; will retry", extra={"error": str(exc)})
             done = False
+        except Exception:  # a bug must not end rotation for the life of the process
+            logger.exception("certificate check failed unexpectedly; will retry")
+            done = False
         delay = interval_s if done else retry_s
 
 

@@ -431,3 +431,28 @@ async def test_serve_in_secret_mode_answers_the_way_the_scheduler_calls_it(
             proc.terminate()
             out, _ = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0, out.decode()
+
+
+async def test_rotation_loop_survives_an_unexpected_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a check raises (a bug included) is logged and the check retried: rotation lasts
+    as long as the process."""
+    calls: list[int] = []
+
+    async def reconcile(*_args: object, **_kwargs: object) -> bool:
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("a bug")
+        return True
+
+    monkeypatch.setattr(bootstrap, "reconcile", reconcile)
+    task = asyncio.create_task(bootstrap.rotation_loop(
+        settings(tmp_path / "certs"), None, interval_s=0.05, retry_s=0.02))
+    for _ in range(200):
+        if len(calls) >= 4:
+            break
+        await asyncio.sleep(0.02)
+    assert not task.done() and len(calls) >= 4  # two failures, then checks at the interval
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
