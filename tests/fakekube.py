@@ -17,7 +17,8 @@ they matter to callers:
   per line from ``resourceVersion``; 410 Expired once compacted).
 * errors are real ``Status`` objects; :meth:`FakeKube.fail` injects them (on watches too:
   as an HTTP error, or as the ``ERROR`` event a watch sends for an expired resourceVersion),
-  :meth:`FakeKube.end_watches` ends the open watches as their timeout does, and
+  :meth:`FakeKube.end_watches` ends the open watches as their timeout does,
+  :meth:`FakeKube.drop_watches` cuts their connections in the middle of an event, and
   :attr:`FakeKube.down` makes every request a 503, for outage tests.
 """
 
@@ -68,6 +69,9 @@ class ApiError(Exception):
         self.code, self.message, self.reason = code, message, reason
 
 
+_DROP = "drop"  # a watcher's queue item: cut the connection mid-event
+
+
 def _is_watch(method: str, query: Any) -> bool:
     return method == "GET" and query.get("watch", "").lower() in ("true", "1")
 
@@ -103,7 +107,7 @@ class _Watcher:
     namespace: str | None
     field_selector: str
     label_selector: str
-    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[dict[str, Any] | str | None] = field(default_factory=asyncio.Queue)
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -211,6 +215,12 @@ class FakeKube:
         """End every open watch normally, as the API server does at its ``timeoutSeconds``."""
         for w in self._watchers:
             w.queue.put_nowait(None)
+
+    def drop_watches(self) -> None:
+        """Cut every open watch's connection in the middle of an event (half a line written,
+        then the connection closed), as a proxy or a restarting API server does."""
+        for w in self._watchers:
+            w.queue.put_nowait(_DROP)
 
     def configuration(self) -> Any:
         from kubernetes_asyncio import client
@@ -558,6 +568,11 @@ class FakeKube:
                 except TimeoutError:
                     break
                 if event is None or self.down:
+                    break
+                if event == _DROP:
+                    await response.write(b'{"type": "MODIFIED", "object": {"kind": "Po')
+                    if request.transport is not None:
+                        request.transport.close()
                     break
                 await response.write(json.dumps(event).encode() + b"\n")
         except (ConnectionResetError, asyncio.CancelledError):

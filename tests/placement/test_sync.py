@@ -115,3 +115,26 @@ async def test_a_healthy_stretch_resets_the_back_off(
         kube.end_watches()
         await eventually(lambda: len(pod_lists(kube)) == 7)
     assert pod_retry_delays(caplog) == [0.02, 0.04, 0.08, 0.16, 0.16, 0.02]
+
+
+async def test_a_watch_cut_inside_an_event_is_resumed_without_listing_again(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    # a proxy or a restarting API server cuts the stream: the loop listed the whole cluster
+    # again; the events after the last whole one are sent again from its resourceVersion
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    async with running(kube) as sync:
+        first = kube.put(gpu_pod("a", {"nvidia.com/gpumem": "1000"}, node="n1", devices="GPU-0",
+                                 phase="Running"))
+        await eventually(lambda: first["metadata"]["uid"] in sync.state.allocs)
+        await eventually(lambda: "pods" in kube.open_watches)
+        kube.drop_watches()
+        second = kube.put(gpu_pod("b", {"nvidia.com/gpumem": "2000"}, node="n1",
+                                  devices="GPU-0", phase="Running"))
+        await eventually(lambda: second["metadata"]["uid"] in sync.state.allocs)
+        assert sync.state.nodes["n1"].usage == {"GPU-0": Usage(3000, 0, 2, 0)}
+        assert len(pod_lists(kube)) == 1
+        watches = pod_watches(kube)
+        assert len(watches) >= 2
+        assert int(watches[-1].query["resourceVersion"]) >= int(
+            first["metadata"]["resourceVersion"])
+    assert pod_retry_delays(caplog) == []

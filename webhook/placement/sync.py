@@ -3,7 +3,8 @@
 One loop per resource (nodes, pods), each: list (raw JSON, no model deserialisation, in pages
 of ``page_size`` with ``continue`` tokens), replace
 the state's view, watch from the list's ``resourceVersion`` and apply events; a watch that
-ends is resumed from the last seen version, a ``410 Gone`` or any error leads to a fresh list,
+ends, or whose connection is cut (even inside an event), is resumed from the last event seen,
+a ``410 Gone`` or any other error leads to a fresh list,
 and every ``resync_s`` the loop lists again anyway. ``ready`` is set once both resources have
 been listed, so a restarted extender answers only after it has rebuilt every allocation from
 the pods' device annotations.
@@ -201,8 +202,16 @@ class ClusterSync:
             if not 200 <= resp.status <= 299:
                 await read_json(resp)
             while True:
-                line = await resp.content.readline()
-                if not line:
+                try:
+                    line = await resp.content.readline()
+                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                        ConnectionResetError) as exc:
+                    logger.info("watch connection dropped; resuming from the last event",
+                                extra={"error": repr(exc)})
+                    return rv
+                if not line or not line.endswith(b"\n"):
+                    # ended (at its timeout), or cut inside an event: resumed from the last
+                    # whole one, which the API server then sends again
                     return rv
                 if not line.strip():
                     continue
