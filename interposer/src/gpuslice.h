@@ -231,6 +231,12 @@ void gs_reconcile_after_fork_child(void);
 extern struct gpuslice_region *gs_region; /* NULL until opened */
 /* The region's device count, within its table: every process of the container can write the
  * file, and a count past the table would index beyond it */
+/* a + b, UINT64_MAX where the sum would wrap */
+static inline uint64_t gs_add_sat(uint64_t a, uint64_t b)
+{
+    return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
+
 static inline unsigned gs_region_devices(const struct gpuslice_region *r)
 {
     unsigned n = __atomic_load_n(&r->device_count, __ATOMIC_RELAXED);

@@ -291,8 +291,7 @@ static void clock_add(int slot, uint64_t cost)
     uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
     uint64_t old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
     do {
-        next = old > floor ? old : floor;
-        next = next > UINT64_MAX - cost ? UINT64_MAX : next + cost; /* a clock written over (the file is the container's) */
+        next = gs_add_sat(old > floor ? old : floor, cost); /* saturates: the file is the container's */
     } while (!__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
 }
 

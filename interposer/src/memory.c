@@ -449,7 +449,7 @@ GS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
     if (!gs_cuda.cuMemUnmap) return CUDA_ERROR_NOT_SUPPORTED;
     uint64_t batch_keys[GS_UNMAP_BATCH], *keys = batch_keys;
     struct gs_alloc batch_maps[GS_UNMAP_BATCH], *maps = batch_maps;
-    uint64_t end = size > UINT64_MAX - ptr ? UINT64_MAX : ptr + size;
+    uint64_t end = gs_add_sat(ptr, size);
     int more;
     gs_inflight_begin(); /* the last mapping of a released handle frees its memory */
     size_t n = take_mappings(ptr, end, &keys, &maps, &more);
@@ -539,7 +539,7 @@ GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
     for (unsigned l = 0; l < numMipmapLevels && l < 64; l++) {
         size_t w = a->Width >> l, h = a->Height >> l, d = a->Depth >> l;
         uint64_t level = array_bytes(w ? w : 1, h ? h : 1, d ? d : 1, a->Format, a->NumChannels);
-        bytes = bytes > UINT64_MAX - level ? UINT64_MAX : bytes + level;
+        bytes = gs_add_sat(bytes, level);
     }
     GS_CHARGED_ALLOC(GS_KIND_MIPMAP, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0, bytes,
                      gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels), 0);

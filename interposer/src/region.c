@@ -528,16 +528,11 @@ static int valid_slot(int slot)
     return gs_region && slot >= 0 && (unsigned)slot < gs_region_devices(gs_region);
 }
 
-static uint64_t add_sat(uint64_t a, uint64_t b)
-{
-    return a > UINT64_MAX - b ? UINT64_MAX : a + b;
-}
-
 static void charge_locked(int slot, uint64_t bytes)
 {
     struct gpuslice_device *d = &gs_region->devices[slot];
-    ST(&d->used_bytes, add_sat(LD(&d->used_bytes), bytes));
-    ST(&g_me->used_bytes[slot], add_sat(LD(&g_me->used_bytes[slot]), bytes));
+    ST(&d->used_bytes, gs_add_sat(LD(&d->used_bytes), bytes));
+    ST(&g_me->used_bytes[slot], gs_add_sat(LD(&g_me->used_bytes[slot]), bytes));
     __atomic_add_fetch(&g_charge_seq, 1, __ATOMIC_ACQ_REL);
 }
 
