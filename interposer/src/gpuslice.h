@@ -419,12 +419,18 @@ void gs_graphmem_resettle(CUdevice dev, int contexts_left); /* a context of dev 
 /* ---- launch.c ------------------------------------------------------------- */
 
 void gs_launch_configure(void);       /* after device discovery: is any SM limit set? */
-int gs_launch_wants_sampler(void);    /* a limit with clock compensation: the sampler must run */
+int gs_launch_wants_sampler(void);    /* a compute limit: the sampler must run */
 void gs_launch_sample(void);          /* sampler thread: power and utilisation -> clock compensation */
 unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, double util_pct);
 void gs_launch_forget_ctx(CUcontext ctx);
-void gs_launch_after_sync(void);
-int gs_capture_global(void);          /* a thread captures in global mode: driver queries would invalidate it */      /* a synchronisation returned: measure what completed */
+void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */
+int gs_capture_global(void);          /* a thread captures in global mode: driver queries would invalidate it */
+/* Per region slot: when a launch last went unmeasured because a capture forbade event queries
+ * (gs_now_ns, 0 = never); the sampler charges what NVML finds such launches ran */
+extern uint64_t gs_unmeasured_ns[GPUSLICE_MAX_DEVICES];
+extern uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES]; /* GPU time such launches paid in advance */
+void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since);
+void gs_launch_refund_unmeasured(int slot, uint64_t busy_ns);
 void gs_launch_after_fork_child(void);
 struct gs_limited_dev {
     CUdevice dev;

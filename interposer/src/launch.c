@@ -37,8 +37,10 @@
  * invalidate the capture); the graph is paced when it is launched.  While
  * any thread captures in global mode, or this thread in any mode but
  * relaxed, the driver forbids event queries in the whole process (they would
- * invalidate that capture): launches then pass through unmeasured
- * (cuStreamBeginCapture* and cuStreamEndCapture* are hooked to know).
+ * invalidate that capture): launches then go unmeasured (cuStreamBeginCapture*
+ * and cuStreamEndCapture* are hooked to know), but they still wait for the
+ * budget and pay the last measured launch's GPU time in advance, and the
+ * sampler settles that against NVML's per-process utilisation (slices.c).
  *
  * Clock compensation (GPUSLICE_SM_LIMIT_MODE=throughput, the default).  A GPU
  * that the container leaves idle most of the time has power to spare, so the
@@ -77,6 +79,9 @@
 #define GS_RING 64
 #define GS_STREAMS 256
 #define GS_POLL_NS 100000ull
+/* unmeasured time NVML found is charged from at most this long ago (a sampler tick with new samples
+ * and the sample period that can lag behind it) */
+#define GS_UNMEASURED_SPAN_NS 1500000000ull
 #define GS_SCALE_MAX_MILLI 1750u  /* clock compensation: at most 1.75 x */
 #define GS_UTIL_MIN 5u            /* below this utilisation (%) the power estimate is noise */
 #define GS_WINDOW 4               /* samples the estimate averages (2 s at the sampler's 500 ms) */
@@ -188,9 +193,11 @@ unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, 
     return s >= GS_SCALE_MAX_MILLI ? GS_SCALE_MAX_MILLI : (unsigned)(s + 0.5);
 }
 
+/* A limit: the sampler corrects for time slices (slices.c) and compensates the clock, and it
+ * charges launches that a capture kept from being measured (gs_launch_charge_unmeasured) */
 int gs_launch_wants_sampler(void)
 {
-    return __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) == THROTTLE_ON && (!g_time_mode || gs_slices_enabled());
+    return __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) == THROTTLE_ON;
 }
 
 static void lower_idle_power(struct gpuslice_device *d, unsigned mw)
@@ -262,10 +269,15 @@ void gs_launch_sample(void)
 
 /* GPU time measured for the process on the device: the figures the slices correction and the
  * agent's metrics read (other processes' slices removed, slices.c) */
-static void account(int slot, uint64_t busy_ns)
+static unsigned own_share(int slot)
 {
     unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
-    if (!own || own > 1000) own = 1000;
+    return !own || own > 1000 ? 1000 : own;
+}
+
+static void account(int slot, uint64_t busy_ns)
+{
+    unsigned own = own_share(slot);
     gs_region_note_measured(slot, __atomic_add_fetch(&gs_slice_measured_ns[slot], busy_ns, __ATOMIC_RELAXED));
     __atomic_add_fetch(&gs_region->devices[slot].busy_ns, busy_ns * own / 1000, __ATOMIC_RELAXED);
 }
@@ -277,8 +289,7 @@ static uint64_t clock_cost(int slot, uint64_t busy_ns)
     struct gpuslice_device *d = &gs_region->devices[slot];
     unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
     if (!sm || sm >= 100) return 0;
-    unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
-    if (!own || own > 1000) own = 1000;
+    unsigned own = own_share(slot);
     unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
     if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
     return busy_ns * own / 1000 * scale / (10ull * sm); /* no overflow for 200 days */
@@ -305,6 +316,53 @@ static void clock_refund(int slot, uint64_t cost)
     do {
         next = old > cost ? old - cost : 0;
     } while (!__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+}
+
+/* ---- launches a capture keeps from being measured -------------------------- */
+
+uint64_t gs_unmeasured_ns[GPUSLICE_MAX_DEVICES];
+uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES];
+static uint64_t g_launch_est_ns[GPUSLICE_MAX_DEVICES]; /* one launch's GPU time, as last measured */
+
+static uint64_t unmeasured_cost(struct gpuslice_device *d, uint64_t busy_ns)
+{
+    unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
+    if (!sm || sm >= 100) return 0;
+    unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
+    if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
+    return busy_ns * scale / (10ull * sm);
+}
+
+/* Sampler thread: busy_ns of GPU time that NVML's per-process utilisation found beyond what the
+ * events measured, while launches went unmeasured; it ran in [since, now].  Charged as the real
+ * share it is (no time-slice factor), and the clock's floor is where that time began, so that
+ * the idle credit is not taken again for time the process spent running. */
+void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since)
+{
+    struct gpuslice_device *d = &gs_region->devices[slot];
+    uint64_t cost = unmeasured_cost(d, busy_ns), now = gs_now_ns();
+    if (!cost) return;
+    if (since + GS_UNMEASURED_SPAN_NS < now) since = now - GS_UNMEASURED_SPAN_NS;
+    uint64_t floor = since > GS_BURST_NS ? since - GS_BURST_NS : 0;
+    uint64_t *vt = &d->throttle_vt_ns, old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
+    do {
+        next = gs_add_sat(old > floor ? old : floor, cost);
+    } while (!__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    __atomic_add_fetch(&d->busy_ns, busy_ns, __ATOMIC_RELAXED);
+    GS_DEBUG("device slot %d: %llu ns of unmeasured GPU time charged (NVML)", slot, (unsigned long long)busy_ns);
+}
+
+/* Sampler thread: launches paid busy_ns in advance that NVML did not find them running */
+void gs_launch_refund_unmeasured(int slot, uint64_t busy_ns)
+{
+    struct gpuslice_device *d = &gs_region->devices[slot];
+    uint64_t cost = unmeasured_cost(d, busy_ns), *vt = &d->throttle_vt_ns;
+    uint64_t old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
+    do {
+        next = old > cost ? old - cost : 0;
+    } while (cost && !__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    GS_DEBUG("device slot %d: %llu ns paid in advance for unmeasured launches given back (NVML)", slot,
+             (unsigned long long)busy_ns);
 }
 
 static int budget_owed(int slot)
@@ -530,6 +588,7 @@ static void measure_locked(struct tstream *s)
             unsigned n = s->launches[s->head] ? s->launches[s->head] : 1;
             uint64_t each = ns / n;
             s->per_launch_ns = s->per_launch_ns ? (s->per_launch_ns * 3 + each) / 4 : each;
+            __atomic_store_n(&g_launch_est_ns[s->slot], s->per_launch_ns * own_share(s->slot) / 1000, __ATOMIC_RELAXED);
             double fresh = line_credit_locked(s->ctx, s->mark, e, ms, elapsed);
             uint64_t charge = (uint64_t)(fresh * 1e6);
             if (charge > ns) charge = ns;
@@ -747,6 +806,22 @@ struct measured {
     struct ctx_switch sw;
 };
 
+/* A launch that a capture keeps from being measured (an event query would invalidate the capture)
+ * still waits for the budget, a wait on the host that no capture forbids; what it runs is
+ * charged by the sampler from NVML's per-process utilisation (slices.c) */
+static void pace_unmeasured(int slot)
+{
+    /* paid in advance at the last measured launch's GPU time, so that the queue cannot run far
+     * ahead of the budget before the sampler knows (settled then against what NVML found) */
+    uint64_t est = __atomic_load_n(&g_launch_est_ns[slot], __ATOMIC_RELAXED);
+    if (est) {
+        __atomic_add_fetch(&gs_unmeasured_prepaid_ns[slot], est, __ATOMIC_RELAXED);
+        clock_add(slot, unmeasured_cost(&gs_region->devices[slot], est));
+    }
+    __atomic_store_n(&gs_unmeasured_ns[slot], gs_now_ns(), __ATOMIC_RELAXED);
+    if (budget_owed(slot)) wait_for_budget(slot);
+}
+
 /* Waits until a launch on the stream may go: returns 1 with g_mu held and the stream's context
  * current, or 0 if the launch goes unmeasured (the caller's context current, g_mu free). */
 static int admit_locked(CUstream stream, int per_thread, struct measured *m)
@@ -757,7 +832,12 @@ static int admit_locked(CUstream stream, int per_thread, struct measured *m)
     int slot = m->slot;
     if (slot < 0 || !__atomic_load_n(&gs_region->devices[slot].sm_limit, __ATOMIC_RELAXED) ||
         !gs_cuda.cuEventCreate || !gs_cuda.cuEventRecord || !gs_cuda.cuEventQuery || !elapsed_fn() ||
-        capture_forbids_queries() || gs_stream_capturing(m->es)) {
+        gs_stream_capturing(m->es)) {
+        switch_to(&m->sw, 0);
+        return 0;
+    }
+    if (capture_forbids_queries()) {
+        pace_unmeasured(slot);
         switch_to(&m->sw, 0);
         return 0;
     }
@@ -772,6 +852,7 @@ static int admit_locked(CUstream stream, int per_thread, struct measured *m)
          * every query from now on: launched unmeasured */
         if (capture_forbids_queries()) {
             mu_unlock();
+            pace_unmeasured(slot);
             switch_to(&m->sw, 0);
             return 0;
         }
@@ -907,6 +988,9 @@ void gs_launch_after_fork_child(void)
     pthread_mutex_init(&g_mu, NULL);
     memset(g_streams, 0, sizeof(g_streams));
     memset(g_lines, 0, sizeof(g_lines));
+    memset(gs_unmeasured_ns, 0, sizeof(gs_unmeasured_ns));
+    memset(gs_unmeasured_prepaid_ns, 0, sizeof(gs_unmeasured_prepaid_ns));
+    memset(g_launch_est_ns, 0, sizeof(g_launch_est_ns));
     gs_slices_after_fork_child();
 }
 

@@ -51,6 +51,12 @@
  *    between them are in the window (one short burst is too coarse).
  *
  * GPUSLICE_SM_TIMESLICE_CORRECTION=off charges event time as measured.
+ *
+ * The same samples pay for launches that a capture kept from being measured
+ * (launch.c): while there are such launches, and until their queued work has
+ * drained, the process's share beyond what its events measured (and what the
+ * launches paid in advance) is charged to the clock, correction off or not
+ * (charge_unmeasured).
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -67,6 +73,8 @@
 #define GS_SLICE_SAMPLES 1024    /* some drivers always report room for 100 */
 #define GS_SLICE_SILENCE_NS 2000000000ull /* no new sample this long: nobody ran */
 #define GS_SLICE_LEARN 20.0      /* measured % summed over the window before a factor applies */
+#define GS_UNMEASURED_TAIL_NS 1000000000ull /* NVML's samples can lag an unmeasured launch this long */
+#define GS_UNMEASURED_NOISE 2.0  /* points of NVML's share beyond the measured time that are noise */
 
 unsigned gs_slice_milli[GPUSLICE_MAX_DEVICES];     /* 0 or 1000 = no correction */
 uint64_t gs_slice_measured_ns[GPUSLICE_MAX_DEVICES]; /* this process's debits, uncorrected */
@@ -82,6 +90,8 @@ static struct slice_state {
     unsigned mates[GS_SLICE_WINDOW];                /* of them, the container's (and this process's) */
     unsigned next, filled;
     int announced;
+    int unmeasured; /* launches went unmeasured: NVML's share beyond the measured time is charged */
+    uint64_t prepaid_ns; /* gs_unmeasured_prepaid_ns at the last span */
 } g_st[GPUSLICE_MAX_DEVICES]; /* sampler thread only */
 
 int gs_slices_enabled(void)
@@ -220,6 +230,40 @@ static unsigned shares(const nvmlProcessUtilizationSample_t *s, unsigned n, unsi
     return fresh;
 }
 
+/* Launches that a capture kept from being measured (launch.c): the process's NVML share of the
+ * span, beyond what its events measured (as charged: time-slice factor applied), is charged to
+ * the clock.  Their kernels run, and NVML reports them, for as long as they were queued: from
+ * such a launch on, until a span after the last one (and its tail: a sample period) shows no
+ * more than GS_UNMEASURED_NOISE points beyond the measured time, or no sample of ours at all.
+ * Returns whether the span was such a one (it teaches the time-slice correction nothing: its
+ * share is not the measured time's).  No sample for this process (its host pid unknown and not
+ * the driver's, or MPS): nothing is charged. */
+static int charge_unmeasured(int slot, struct slice_state *st, uint64_t since, uint64_t dt, uint64_t dm, int ours)
+{
+    uint64_t last = __atomic_load_n(&gs_unmeasured_ns[slot], __ATOMIC_RELAXED);
+    uint64_t prepaid = __atomic_load_n(&gs_unmeasured_prepaid_ns[slot], __ATOMIC_RELAXED);
+    uint64_t paid = prepaid - st->prepaid_ns; /* what the span's launches paid in advance */
+    st->prepaid_ns = prepaid;
+    int fresh = last && last + GS_UNMEASURED_TAIL_NS >= since;
+    if (fresh) st->unmeasured = 1;
+    if (!st->unmeasured) return 0;
+    double excess = 0;
+    if (ours >= 0) {
+        unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
+        if (!own || own > 1000) own = 1000;
+        double pct = ours >= 100 ? 100.0 : ours + 0.5; /* NVML truncates to whole percents */
+        excess = pct * (double)dt / 100.0 - (double)dm * own / 1000.0;
+        /* paid in advance: charged already; paid for what did not run, given back */
+        if (excess > (double)paid)
+            gs_launch_charge_unmeasured(slot, (uint64_t)(excess - (double)paid), since);
+        else if (paid)
+            gs_launch_refund_unmeasured(slot, paid - (uint64_t)(excess > 0 ? excess : 0));
+        excess -= (double)paid;
+    }
+    if (!fresh && excess <= GS_UNMEASURED_NOISE * (double)dt / 100.0) st->unmeasured = 0; /* drained */
+    return 1;
+}
+
 static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
 {
     static nvmlProcessUtilizationSample_t buf[GS_SLICE_SAMPLES]; /* sampler thread only */
@@ -253,12 +297,13 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
         return;
     }
     /* the new samples cover the time since the last ones: measure over the same span */
-    uint64_t dt = now - st->t_ns, dm = measured - st->measured_ns;
+    uint64_t since = st->t_ns, dt = now - st->t_ns, dm = measured - st->measured_ns;
     st->last_seen = newest;
     st->t_ns = st->seen_ns = now;
     st->measured_ns = measured;
     commit_team(slot, team);
     if (!dt) return;
+    if (charge_unmeasured(slot, st, since, dt, dm, ours) || !gs_slices_enabled()) return;
     /* the process's own contexts on the device take turns as processes do: with several, an
      * interval of one holds the others' kernels too; so do the container's other processes
      * that measured meanwhile (the team): the correction is learnt for all of them together,
@@ -337,7 +382,20 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
 /* Sampler thread, every tick while a compute limit applies. */
 void gs_slices_sample(void)
 {
-    if (!gs_region || !gs_slices_enabled()) return;
+    if (!gs_region) return;
+    if (!gs_slices_enabled()) { /* unmeasured launches are charged all the same */
+        uint64_t recent = 0, now = gs_now_ns();
+        int draining = 0;
+        for (int i = 0; i < GPUSLICE_MAX_DEVICES; i++) {
+            uint64_t t = __atomic_load_n(&gs_unmeasured_ns[i], __ATOMIC_RELAXED);
+            if (t > recent) recent = t;
+            draining |= g_st[i].unmeasured;
+        }
+        if (!draining && (!recent || recent + GS_UNMEASURED_TAIL_NS + GS_SLICE_SILENCE_NS < now)) {
+            memset(g_st, 0, sizeof(g_st)); /* the next ones start afresh */
+            return;
+        }
+    }
     gs_nvml_init();
     if (!gs_nvml.nvmlDeviceGetProcessUtilization) return;
     struct gs_limited_dev lim[GPUSLICE_MAX_DEVICES];

@@ -295,6 +295,7 @@ static void bench(double seconds, const char *kind)
     CUDA_LAUNCH_PARAMS list[2];
     unsigned nlist = 0;
     CUresult rc = !strncmp(kind, "multi", 5) ? multi_list(kind, f, list, &nlist) : CUDA_SUCCESS;
+    if (!strcmp(kind, "own")) rc = api.cuStreamCreate(&s, 1 /* CU_STREAM_NON_BLOCKING */);
     uint64_t k0 = kernel_ns(), t0 = now_ns(), end = t0 + (uint64_t)(seconds * 1e9), n = 0;
     while (rc == CUDA_SUCCESS && now_ns() < end) {
         if (!strcmp(kind, "ex"))
@@ -945,6 +946,24 @@ int main(int argc, char **argv)
             CUresult rc = gp ? gp(ARG(0), &fn, atoi(ARG(1)), 0, NULL) : CUDA_ERROR_NOT_SUPPORTED;
             printf("procaddr %d %d\n", rc, fn && fn == dlsym(RTLD_DEFAULT, ARG(2)));
             i += 3;
+        } else if (!strcmp(c, "ran")) {
+            /* the fake GPU's kernel time run so far (not merely queued), and the time */
+            typedef uint64_t (*kns_t)(void);
+            kns_t run_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_run_ns");
+            printf("ran 0 %llu %llu\n", (unsigned long long)(run_ns ? run_ns() : 0), (unsigned long long)now_ns());
+        } else if (!strcmp(c, "hold") || !strcmp(c, "unhold")) {
+            /* hold MODE: a capture begun on a stream of its own and left open (MODE 0 global,
+             * 1 thread-local, 2 relaxed); unhold: its end */
+            static CUstream hs;
+            if (!strcmp(c, "hold")) {
+                CUresult rc = hs ? CUDA_SUCCESS : api.cuStreamCreate(&hs, 1);
+                if (rc == CUDA_SUCCESS) rc = api.cuStreamBeginCapture_v2(hs, atoi(ARG(0)));
+                printf("hold %d\n", rc);
+                i += 1;
+            } else {
+                void *g = NULL;
+                printf("unhold %d\n", hs ? api.cuStreamEndCapture(hs, &g) : CUDA_ERROR_INVALID_VALUE);
+            }
         } else if (!strcmp(c, "captureother")) {
             capture_other(atoi(ARG(0)));
             i += 1;

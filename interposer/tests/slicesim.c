@@ -59,6 +59,24 @@ int gs_reconcile_dev_contexts(CUdevice dev)
     return 1;
 }
 
+/* launch.c's side of unmeasured launches: what the sampler charges, summed */
+uint64_t gs_unmeasured_ns[GPUSLICE_MAX_DEVICES];
+uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES];
+static uint64_t g_charged_ns, g_charged_since, g_refunded_ns;
+
+void gs_launch_refund_unmeasured(int slot, uint64_t busy_ns)
+{
+    (void)slot;
+    g_refunded_ns += busy_ns;
+}
+
+void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since)
+{
+    (void)slot;
+    g_charged_ns += busy_ns;
+    g_charged_since = since;
+}
+
 int gs_limited_devices(struct gs_limited_dev *out)
 {
     (void)out;
@@ -139,9 +157,13 @@ static unsigned tick(int t, double our_meas, int our_share, int n, const double 
         sample(g_team_pid[i], share[i]);
     }
     for (int i = 0; i < nother; i++) sample(9000 + (unsigned)i, other[i]);
+    uint64_t before = g_charged_ns, refunded = g_refunded_ns;
     sample_slot(0, 0, (nvmlDevice_t)1);
     unsigned f = gs_slice_milli[0] ? gs_slice_milli[0] : 1000;
-    printf("tick %d factor %u\n", t, f);
+    printf("tick %d factor %u charged_us %llu since_ms_ago %llu refunded_us %llu\n", t, f,
+           (unsigned long long)((g_charged_ns - before) / 1000),
+           (unsigned long long)(g_charged_ns > before ? (g_clock - g_charged_since) / 1000000 : 0),
+           (unsigned long long)((g_refunded_ns - refunded) / 1000));
     return f;
 }
 
@@ -207,8 +229,28 @@ int main(int argc, char **argv)
             int ss[2] = {t < 8 ? 15 : -1, t < 8 ? -1 : 15};
             tick(t, 15, 15, 2, mm, ss, 0, NULL);
         }
+    } else if (!strncmp(sc, "unmeasured", 10)) {
+        /* a capture keeps launches from being measured in ticks 4-9: NVML's share beyond what
+         * the events measured is charged (ticks 4-6 nothing measured, 7-9 part of it), and the
+         * second after (the samples can lag) too; ticks 0-3 and 10-15 are measured as usual.
+         * -cotenant: the events measure twice what runs (another process's slices).
+         * -prepaid: the launches paid 300 ms in advance each tick (one tick NVML found 20 %).
+         * -queued: the queued work runs on (NVML 40 % beyond the measured) to tick 13 */
+        int co = !strcmp(sc, "unmeasured-cotenant"), other[1] = {50};
+        int prepaid = !strcmp(sc, "unmeasured-prepaid"), queued = !strcmp(sc, "unmeasured-queued");
+        for (int t = 0; t < 16; t++) {
+            int blind = t >= 4 && t <= 9;
+            if (blind) gs_unmeasured_ns[0] = g_clock + 250000000ull; /* mid-tick */
+            if (blind && prepaid) gs_unmeasured_prepaid_ns[0] += 300000000ull;
+            double meas = blind ? (t < 7 ? 0 : 20) : 30;
+            int share = blind ? (t < 7 ? 100 : 50) : 30;
+            if (prepaid && t == 5) share = 20;
+            if (queued && t > 9 && t <= 13) share = 70;
+            if (co) meas *= 2, share = share > 50 ? 50 : share;
+            tick(t, meas, share, 0, NULL, NULL, co, other);
+        }
     } else {
-        fprintf(stderr, "usage: slicesim apart|lag|jitter|crowd|unknown|rejoin\n");
+        fprintf(stderr, "usage: slicesim apart|lag|jitter|crowd|unknown|rejoin|unmeasured[-cotenant]\n");
         return 2;
     }
     return 0;

@@ -14,8 +14,10 @@ from webhook.node.region import RegionError, read_region
 SECONDS = "5"
 
 
-def matmul(nvml: Nvml, env: dict[str, str], tiny: bool, warmup: float = 1.5) -> dict[str, Any]:
+def matmul(nvml: Nvml, env: dict[str, str], tiny: bool, warmup: float = 1.5,
+           extra: list[str] | None = None) -> dict[str, Any]:
     args = ["matmul", SECONDS, "--warmup", str(warmup)] + (["--tiny", "20000"] if tiny else [])
+    args += extra or []
     with ClockWatch(nvml) as watch:
         result = harness.run(harness.workload(*args), env, 45)
     result["clock"] = watch.summary()

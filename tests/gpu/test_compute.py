@@ -79,3 +79,19 @@ def test_sm_limit_time_mode_for_comparison(nvml: Nvml, baseline: dict[str, Any],
     pct, value, data = _limited(nvml, baseline, 30, "time")
     record("sm_30_time", value, None, **data)
     assert pct > 0
+
+
+def test_sm_limit_holds_beside_a_capture_held_open(nvml: Nvml, baseline: dict[str, Any],
+                                                   lib: Path) -> None:
+    """30% while another thread holds a global-mode graph capture open: launches cannot be
+    measured by events then (a query would invalidate the capture); they are paced and charged
+    from NVML's per-process utilisation.  The capture must end cleanly."""
+    region = harness.new_region("sm30capture")
+    limited = matmul(nvml, harness.capped_env(region, sm=30), tiny=False,
+                     warmup=LIMITED_WARMUP_S, extra=["--hold-capture"])
+    pct = 100 * limited["tflops"] / baseline["tflops"]
+    capture = limited.get("capture")
+    ok = abs(pct - 30) <= POINTS and capture == "ended"
+    record("sm_30_capture_held", f"{pct:.1f}%; capture {capture}", ok, percent=pct,
+           limited=limited, throttle=throttle_view(region, limited), baseline=baseline)
+    assert ok, f"beside a held-open capture: {pct:.1f}% at 30%, capture {capture}"

@@ -2,7 +2,8 @@
 
     work.py probe FRAMEWORK            initialise the framework, allocate a token, hold
     work.py fill FRAMEWORK CHUNKS      allocate chunks (MiB, largest first) until OOM, report
-    work.py matmul SECONDS             bf16 matmul throughput (and tiny-op launch cost)
+    work.py matmul SECONDS             bf16 matmul throughput (and tiny-op launch cost; or
+                                       beside a graph capture held open: --hold-capture)
 
 FRAMEWORK is torch, cupy or jax. Each prints one line ``RESULT {json}``. The parent decides
 whether the interposer is preloaded; this file imports only the framework it is asked for.
@@ -236,6 +237,10 @@ def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
     while args.start_at and time.time() < args.start_at:  # processes side by side: one window
         burst()
     result["measure_start_epoch"] = round(time.time(), 3)
+    if args.hold_capture:
+        result.update(beside_open_capture(a, b, c, args.seconds))
+        result["matmul_wall_s"] = round(time.perf_counter() - started, 3)
+        return result
     iters, windows = 0, []
     t0 = last = time.perf_counter()
     last_iters = 0
@@ -253,6 +258,60 @@ def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
                   tflops=2 * n**3 * iters / elapsed / 1e12, windows_tflops=windows,
                   matmul_wall_s=round(time.perf_counter() - started, 3))
     return result
+
+
+def beside_open_capture(a: Any, b: Any, c: Any, seconds: float) -> dict[str, Any]:
+    """Matmuls launched for ``seconds`` on a stream of their own while another thread holds a
+    global-mode graph capture open (PyTorch's default mode: no event query, no synchronisation
+    anywhere meanwhile).  Throughput counts until all of them have run, after the capture ends;
+    ``capture`` says whether it ended cleanly (the library must not invalidate it)."""
+    import threading
+
+    import torch
+
+    ready, release, out = threading.Event(), threading.Event(), {"capture": "not begun"}
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the stream's first matmul may allocate: not under capture
+        torch.mm(a, b, out=c)
+    torch.cuda.synchronize()
+
+    def holder() -> None:
+        try:
+            graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            x = torch.zeros(1, device="cuda")
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                graph.capture_begin()
+                try:
+                    x.add_(1)
+                    out["capture"] = "open"
+                    ready.set()
+                    release.wait(seconds + 60)
+                finally:
+                    graph.capture_end()
+            out["capture"] = "ended"
+        except Exception as exc:  # noqa: BLE001 - reported: an invalidated capture is the finding
+            out["capture"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    ready.wait(30)
+    iters = 0
+    t0 = time.perf_counter()
+    with torch.cuda.stream(stream):
+        while time.perf_counter() - t0 < seconds:
+            torch.mm(a, b, out=c)
+            iters += 1
+    launched_s = time.perf_counter() - t0
+    release.set()
+    thread.join(60)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    n = a.shape[0]
+    return {"iters": iters, "seconds": round(elapsed, 3), "launched_s": round(launched_s, 3),
+            "tflops": 2 * n**3 * iters / elapsed / 1e12, "capture": out["capture"]}
 
 
 def main() -> None:
@@ -275,6 +334,8 @@ def main() -> None:
     mm.add_argument("--size", type=int, default=8192)
     mm.add_argument("--tiny", type=int, default=0, help="tiny ops per rep (0: skip)")
     mm.add_argument("--tiny-reps", type=int, default=5)
+    mm.add_argument("--hold-capture", action="store_true",
+                    help="measure beside a graph capture held open in another thread")
     args = parser.parse_args()
     run = {"probe": cmd_probe, "fill": cmd_fill, "matmul": cmd_matmul}[args.cmd]
     print("RESULT " + json.dumps(run(args), default=str), flush=True)

@@ -492,6 +492,65 @@ def test_a_global_capture_in_one_thread_is_not_invalidated_by_launches_in_anothe
     assert res.of("captureother") == [(0, [0, 0])]
 
 
+# ---- launches a capture keeps from being measured ---------------------------------------------
+#
+# While a capture that forbids event queries is on (global mode in any thread, thread-local mode
+# in the launching one), launches cannot be measured.  They still wait for the budget, pay the
+# last measured launch's GPU time in advance, and the sampler charges what NVML's per-process
+# utilisation finds them running beyond that (slices.c).  Before, a program that began a global
+# capture on a stream of its own and never ended it ran at 100 % under a 30 % limit.
+
+
+def ran_share(res) -> float:
+    """Kernel time the fake GPU ran (not merely queued) between the first and last "ran", in %."""
+    (_, (ran0, t0)), (_, (ran1, t1)) = res.of("ran")[0], res.of("ran")[-1]
+    return 100.0 * (ran1 - ran0) / (t1 - t0)
+
+
+@pytest.mark.parametrize(("mode", "before"), [("0", ["bench", "1", "own"]), ("0", []), ("1", ["bench", "1", "own"])],
+                         ids=["global", "global-no-history", "thread-local"])
+def test_a_capture_held_open_does_not_lift_the_limit(release_lab, mode, before):
+    # 2 ms kernels on a stream of its own, a capture held open on another stream all along.  With
+    # no launch measured before, the first launches pay nothing in advance and fill the driver's
+    # queue (2 s on the fake): the share is taken after it
+    warm = ["bench", "2", "own"] if not before else []
+    res = release_lab.run("init", "ctx", "0", *before, "hold", mode, *warm, "ran", "bench", "4", "own", "ran",
+                          "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                          FAKE_CUDA_CAPTURE_STRICT="1")
+    assert res.rc("hold") == 0 and res.rc("unhold") == 0  # the capture was not invalidated
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
+
+
+def test_a_capture_held_open_beside_another_process_gets_its_share(release_lab):
+    # the events would count the co-tenant's slices; NVML's per-process figure does not
+    res = release_lab.run("init", "ctx", "0", "bench", "3", "own", "hold", "0", "ran", "bench", "4", "own", "ran",
+                          "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000",
+                          FAKE_CUDA_CAPTURE_STRICT="1", **COTENANT)
+    assert res.rc("unhold") == 0
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"beside a co-tenant: {got:.1f}%"
+
+
+def test_launches_under_a_capture_are_paced_by_the_advance_without_nvml(release_lab):
+    # no per-process figure (NVML without the call): the advance payment alone, at the last
+    # measured launch's GPU time, paces them (with no launch measured before, nothing would)
+    res = release_lab.run("init", "ctx", "0", "bench", "1", "own", "hold", "0", "ran", "bench", "4", "own",
+                          "ran", "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                          FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_PROC_UTIL="off")
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"without NVML's figure: {got:.1f}%"
+
+
+def test_launches_under_a_capture_are_charged_with_the_time_slice_correction_off(release_lab):
+    res = release_lab.run("init", "ctx", "0", "hold", "0", "bench", "2", "own", "ran", "bench", "4", "own", "ran",
+                          "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                          FAKE_CUDA_CAPTURE_STRICT="1", GPUSLICE_SM_TIMESLICE_CORRECTION="off",
+                          GPUSLICE_SM_LIMIT_MODE="time")
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"correction off: {got:.1f}%"
+
+
 @pytest.mark.parametrize(("streams", "seconds", "limit"), [(1, 2, 30), (4, 2, 30), (2, 6, 30)])
 def test_streams_whose_kernels_wait_for_each_other_are_charged_their_union(release_lab, streams,
                                                                            seconds, limit):
@@ -735,6 +794,59 @@ def test_a_process_of_the_container_with_an_unknown_host_pid_counts_uncorrected(
     # (15 of 15), ours 5.5 of 15 (rounded back): (15 + 5.5) / 30
     factors = slicesim(built, "unknown")
     assert factors[4:] == [683] * (len(factors) - 4), factors
+
+
+def slicesim_lines(built, scenario: str) -> list[dict[str, int]]:
+    out = subprocess.run([str(built / "tests" / "slicesim"), scenario], capture_output=True,
+                         text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        parts = line.split()
+        rows.append({parts[i]: int(parts[i + 1]) for i in range(2, len(parts), 2)})
+    return rows
+
+
+MS = 1000  # slicesim prints microseconds
+
+
+def test_unmeasured_launches_are_charged_what_nvml_finds_beyond_the_measured_time(built):
+    # ticks 4-6: nothing measured, NVML 100 % of 500 ms; 7-9: 20 % measured, NVML 50 % (+0.5
+    # for its truncation); the second after the last such launch (NVML lags) only the half
+    # point; then nothing.  The span charged starts where the tick's samples began
+    rows = slicesim_lines(built, "unmeasured")
+    charged = [r["charged_us"] for r in rows]
+    assert charged[:4] == [0] * 4
+    assert charged[4:7] == [500 * MS] * 3
+    assert charged[7:10] == [152500] * 3
+    assert all(c <= 2500 for c in charged[10:13]) and charged[13:] == [0] * 3, charged
+    assert all(r["since_ms_ago"] == 500 for r in rows if r["charged_us"])
+
+
+def test_unmeasured_launches_beside_another_process_are_charged_their_real_share(built):
+    # the events measure twice what runs (the co-tenant's slices): the learnt factor (about
+    # 1/2) applies to what they measured, not to NVML's share, and nothing is learnt meanwhile
+    rows = slicesim_lines(built, "unmeasured-cotenant")
+    factors = [r["factor"] for r in rows]
+    assert factors[3] < 600 and factors[4:10] == [factors[3]] * 6, factors
+    assert [r["charged_us"] for r in rows[4:7]] == [252500] * 3
+    measured_charged = 0.4 * 500 * MS * factors[3] / 1000
+    assert all(abs(r["charged_us"] - (252500 - measured_charged)) <= 1 for r in rows[7:10])
+
+
+def test_what_unmeasured_launches_paid_in_advance_is_settled_against_nvml(built):
+    # 300 ms paid in advance per tick: NVML's 100 % charges 200 more; its 20 % (tick 5) and
+    # 50 % beside 20 % measured (ticks 7-9) give back what did not run
+    rows = slicesim_lines(built, "unmeasured-prepaid")
+    assert [(r["charged_us"], r["refunded_us"]) for r in rows[4:10]] == [
+        (200 * MS, 0), (0, 197500), (200 * MS, 0), (0, 147500), (0, 147500), (0, 147500)]
+
+
+def test_queued_unmeasured_work_is_charged_until_it_drains(built):
+    # the last unmeasured launch is at tick 9, but its queued work runs (NVML 70 %, 30 measured)
+    # to tick 13: charged while it shows, not only for the second after the launch
+    rows = slicesim_lines(built, "unmeasured-queued")
+    assert [r["charged_us"] for r in rows[10:14]] == [202500] * 4
+    assert rows[14]["charged_us"] <= 2500 and rows[15]["charged_us"] == 0
 
 
 def test_a_process_registering_again_publishes_what_it_measured_so_far(release_lab):

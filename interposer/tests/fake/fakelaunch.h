@@ -306,6 +306,60 @@ API CUresult cuCtxSynchronize_v2(CUcontext ctx)
     return cuCtxSynchronize();
 }
 
+/* What the kernels queued so far have run by now, as NVML reports it (work as it runs, not as it
+ * is queued): the spans [start, end) of queued work not over yet, each with its kernel time
+ * (spread evenly over it), and the kernel time of those that are. */
+#define RUN_SPANS 4096
+static struct {
+    uint64_t start, end, ns;
+} run_span[RUN_SPANS];
+static unsigned run_n;
+static uint64_t run_done;
+static pthread_mutex_t run_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void run_fold_locked(uint64_t now)
+{
+    unsigned k = 0;
+    for (unsigned i = 0; i < run_n; i++) {
+        if (run_span[i].end <= now)
+            run_done += run_span[i].ns;
+        else
+            run_span[k++] = run_span[i];
+    }
+    run_n = k;
+}
+
+static void note_run(uint64_t start, uint64_t end, uint64_t ns)
+{
+    pthread_mutex_lock(&run_mu);
+    if (run_n && run_span[run_n - 1].end == start) { /* right after the last span: one span */
+        run_span[run_n - 1].end = end;
+        run_span[run_n - 1].ns += ns;
+    } else {
+        if (run_n == RUN_SPANS) run_fold_locked(now_ns());
+        if (run_n < RUN_SPANS)
+            run_span[run_n++] = (typeof(run_span[0])){start, end, ns};
+        else
+            run_done += ns; /* too many spans in flight: counted as run */
+    }
+    pthread_mutex_unlock(&run_mu);
+}
+
+/* Test-only (the fake NVML's utilisation): kernel time run by now. */
+API uint64_t fake_cuda_kernel_run_ns(void)
+{
+    pthread_mutex_lock(&run_mu);
+    uint64_t now = now_ns();
+    run_fold_locked(now);
+    uint64_t ran = run_done;
+    for (unsigned i = 0; i < run_n; i++)
+        if (run_span[i].start < now)
+            ran += (uint64_t)((double)run_span[i].ns * (double)(now - run_span[i].start) /
+                              (double)(run_span[i].end - run_span[i].start));
+    pthread_mutex_unlock(&run_mu);
+    return ran;
+}
+
 /* Run `count` kernels on the stream's timeline. */
 /* FAKE_CUDA_SERIAL=1: the process's kernels run one at a time across all its streams (as
  * kernels that fill the GPU do), so a kernel may wait for another stream's before it starts;
@@ -342,6 +396,7 @@ static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
         serial_tail = end;
         __atomic_store_n(&st->tail, end, __ATOMIC_RELEASE);
         pthread_mutex_unlock(&serial_mu);
+        note_run(end - count * each, end, count * each);
         if (me >= 0) __atomic_add_fetch(&m->procs[me].kernel_ns, count * each, __ATOMIC_RELAXED);
         __atomic_add_fetch(&kernel_total_ns, count * each, __ATOMIC_RELAXED);
         return CUDA_SUCCESS;
@@ -353,12 +408,16 @@ static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
         if (cot_slice_ns && !cot_base) __atomic_store_n(&cot_base, n, __ATOMIC_RELEASE);
         serial_tail = cot_slice_ns ? run_sliced(start, count * each) : start + count * each;
         __atomic_store_n(&st->tail, serial_tail, __ATOMIC_RELEASE);
+        uint64_t end = serial_tail;
         pthread_mutex_unlock(&serial_mu);
+        note_run(start, end, count * each);
         __atomic_add_fetch(&kernel_total_ns, count * each, __ATOMIC_RELAXED);
         return CUDA_SUCCESS;
     }
-    __atomic_store_n(&st->tail, (tail > n ? tail : n) + count * each, __ATOMIC_RELEASE);
+    uint64_t start = tail > n ? tail : n;
+    __atomic_store_n(&st->tail, start + count * each, __ATOMIC_RELEASE);
     __atomic_add_fetch(&kernel_total_ns, count * each, __ATOMIC_RELAXED);
+    note_run(start, start + count * each, count * each);
     return CUDA_SUCCESS;
 }
 

@@ -221,11 +221,12 @@ static uint64_t mono_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* Kernel time the fake driver queued for this process so far (0 without it). */
+/* Kernel time the fake driver ran for this process so far (0 without it): work counts as it
+ * runs, not as it is queued, as the real NVML's figures do. */
 static uint64_t kernel_time(void)
 {
     void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    fake_kernel_ns_fn kernel_ns = cuda ? (fake_kernel_ns_fn)dlsym(cuda, "fake_cuda_kernel_ns") : NULL;
+    fake_kernel_ns_fn kernel_ns = cuda ? (fake_kernel_ns_fn)dlsym(cuda, "fake_cuda_kernel_run_ns") : NULL;
     if (cuda) dlclose(cuda);
     return kernel_ns ? kernel_ns() : 0;
 }
