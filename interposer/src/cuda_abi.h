@@ -80,6 +80,41 @@ typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
     unsigned int Flags;
 } CUDA_ARRAY3D_DESCRIPTOR;
 
+/* cuMemMapArrayAsync: map (or unmap) a cuMemCreate allocation into a sparse array's tiles */
+#define CU_RESOURCE_TYPE_ARRAY 0x00
+#define CU_RESOURCE_TYPE_MIPMAPPED_ARRAY 0x01
+#define CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_SPARSE_LEVEL 0
+#define CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL 1
+#define CU_MEM_OPERATION_TYPE_MAP 1
+#define CU_MEM_OPERATION_TYPE_UNMAP 2
+#define CU_MEM_HANDLE_TYPE_GENERIC 0
+typedef int CUresourcetype;
+typedef int CUmemOperationType;
+typedef struct CUarrayMapInfo_st {
+    CUresourcetype resourceType;
+    union {
+        CUmipmappedArray mipmap;
+        CUarray array;
+    } resource;
+    int subresourceType;
+    union {
+        struct {
+            unsigned int level, layer, offsetX, offsetY, offsetZ, extentWidth, extentHeight, extentDepth;
+        } sparseLevel;
+        struct {
+            unsigned int layer;
+            unsigned long long offset, size;
+        } miptail;
+    } subresource;
+    CUmemOperationType memOperationType;
+    int memHandleType;
+    union {
+        CUmemGenericAllocationHandle memHandle;
+    } memHandle;
+    unsigned long long offset;
+    unsigned int deviceBitMask, flags, reserved[2];
+} CUarrayMapInfo;
+
 /* CUDA 2.x's descriptors, for the 32-bit entry points (cuArrayCreate, ...) */
 typedef struct CUDA_ARRAY_DESCRIPTOR_v1_st {
     unsigned int Width;

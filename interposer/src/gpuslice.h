@@ -319,13 +319,15 @@ static inline int gs_near_cap(int slot, uint64_t bytes)
 
 enum gs_kind {
     GS_KIND_DPTR = 1, GS_KIND_POOLPTR, GS_KIND_ARRAY, GS_KIND_MIPMAP, GS_KIND_VMM, GS_KIND_CTX, GS_KIND_GRAPHMEM,
-    GS_KIND_VMAP /* a mapping of a GS_KIND_VMM handle, keyed by its address; charges nothing itself */
+    GS_KIND_VMAP, /* a mapping of a GS_KIND_VMM handle, keyed by its address; charges nothing itself */
+    GS_KIND_AMAP  /* a mapping of a GS_KIND_VMM handle into a sparse array's tiles, keyed by the array and
+                     tiles; its ctx is the array; charges nothing itself */
 };
 struct gs_alloc {
     uint64_t size;   /* bytes charged (for GS_KIND_POOLPTR: bytes in use; the pool holds the charge;
                         for GS_KIND_VMAP: bytes mapped) */
     uint64_t aux;    /* pool handle for GS_KIND_POOLPTR; references << 32 | mappings for GS_KIND_VMM;
-                        the handle for GS_KIND_VMAP */
+                        the handle for GS_KIND_VMAP and GS_KIND_AMAP */
     uint64_t ctx;    /* the context that owns it: destroying the context frees it */
     int slot;
 };
@@ -428,9 +430,10 @@ int gs_capture_global(void);          /* a thread captures in global mode: drive
 /* Per region slot: when a launch last went unmeasured because a capture forbade event queries
  * (gs_now_ns, 0 = never); the sampler charges what NVML finds such launches ran */
 extern uint64_t gs_unmeasured_ns[GPUSLICE_MAX_DEVICES];
-extern uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES]; /* GPU time such launches paid in advance */
+extern uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES];   /* GPU time such launches paid in advance */
+extern uint64_t gs_unmeasured_prepaid_cost[GPUSLICE_MAX_DEVICES]; /* what it cost the clock */
 void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since);
-void gs_launch_refund_unmeasured(int slot, uint64_t busy_ns);
+void gs_launch_refund_unmeasured(int slot, uint64_t cost);
 void gs_launch_after_fork_child(void);
 struct gs_limited_dev {
     CUdevice dev;

@@ -103,6 +103,10 @@
     X(cuMemUnmap, CUresult, (CUdeviceptr ptr, size_t size), cuMemUnmap, 10020, 0)                          \
     X(cuMemRetainAllocationHandle, CUresult, (CUmemGenericAllocationHandle *handle, void *addr),           \
       cuMemRetainAllocationHandle, 11000, 0)                                                               \
+    X(cuMemMapArrayAsync, CUresult, (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream),   \
+      cuMemMapArrayAsync, 11010, 0)                                                                        \
+    X(cuMemMapArrayAsync_ptsz, CUresult, (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream), \
+      cuMemMapArrayAsync, 11010, 1)                                                                        \
     X(cuArrayCreate_v2, CUresult, (CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray),         \
       cuArrayCreate, 3020, 0)                                                                              \
     X(cuArray3DCreate_v2, CUresult, (CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pAllocateArray),     \

@@ -322,6 +322,7 @@ static void clock_refund(int slot, uint64_t cost)
 
 uint64_t gs_unmeasured_ns[GPUSLICE_MAX_DEVICES];
 uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES];
+uint64_t gs_unmeasured_prepaid_cost[GPUSLICE_MAX_DEVICES]; /* what those advances cost the clock */
 static uint64_t g_launch_est_ns[GPUSLICE_MAX_DEVICES]; /* one launch's GPU time, as last measured */
 
 static uint64_t unmeasured_cost(struct gpuslice_device *d, uint64_t busy_ns)
@@ -352,17 +353,17 @@ void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since)
     GS_DEBUG("device slot %d: %llu ns of unmeasured GPU time charged (NVML)", slot, (unsigned long long)busy_ns);
 }
 
-/* Sampler thread: launches paid busy_ns in advance that NVML did not find them running */
-void gs_launch_refund_unmeasured(int slot, uint64_t busy_ns)
+/* Sampler thread: launches paid in advance for GPU time NVML did not find them running; cost is
+ * what that advance cost the clock (as paid: the clock scale may have changed since) */
+void gs_launch_refund_unmeasured(int slot, uint64_t cost)
 {
-    struct gpuslice_device *d = &gs_region->devices[slot];
-    uint64_t cost = unmeasured_cost(d, busy_ns), *vt = &d->throttle_vt_ns;
+    uint64_t *vt = &gs_region->devices[slot].throttle_vt_ns;
     uint64_t old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
     do {
         next = old > cost ? old - cost : 0;
     } while (cost && !__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-    GS_DEBUG("device slot %d: %llu ns paid in advance for unmeasured launches given back (NVML)", slot,
-             (unsigned long long)busy_ns);
+    GS_DEBUG("device slot %d: %llu ns of clock paid in advance for unmeasured launches given back (NVML)", slot,
+             (unsigned long long)cost);
 }
 
 static int budget_owed(int slot)
@@ -809,14 +810,25 @@ struct measured {
 /* A launch that a capture keeps from being measured (an event query would invalidate the capture)
  * still waits for the budget, a wait on the host that no capture forbids; what it runs is
  * charged by the sampler from NVML's per-process utilisation (slices.c) */
-static void pace_unmeasured(int slot)
+static void pace_unmeasured(const struct measured *m, int locked)
 {
-    /* paid in advance at the last measured launch's GPU time, so that the queue cannot run far
-     * ahead of the budget before the sampler knows (settled then against what NVML found) */
-    uint64_t est = __atomic_load_n(&g_launch_est_ns[slot], __ATOMIC_RELAXED);
-    if (est) {
+    /* paid in advance at the stream's last measured launch's GPU time (else the device's), at
+     * most GS_QUEUE_NS, so that the queue cannot run far ahead of the budget before the sampler
+     * knows (settled then against what NVML found).  A stream's entry is looked up, not made */
+    int slot = m->slot;
+    uint64_t est = 0, key = stream_key(m->es);
+    if (!locked) mu_lock();
+    for (int i = 0; i < GS_STREAMS && !est; i++)
+        if (g_streams[i].last_use && g_streams[i].key == key && g_streams[i].ctx == m->ctx)
+            est = g_streams[i].per_launch_ns * own_share(slot) / 1000;
+    mu_unlock();
+    if (!est) est = __atomic_load_n(&g_launch_est_ns[slot], __ATOMIC_RELAXED);
+    if (est > GS_QUEUE_NS) est = GS_QUEUE_NS;
+    uint64_t cost = est ? unmeasured_cost(&gs_region->devices[slot], est) : 0;
+    if (cost) {
         __atomic_add_fetch(&gs_unmeasured_prepaid_ns[slot], est, __ATOMIC_RELAXED);
-        clock_add(slot, unmeasured_cost(&gs_region->devices[slot], est));
+        __atomic_add_fetch(&gs_unmeasured_prepaid_cost[slot], cost, __ATOMIC_RELAXED);
+        clock_add(slot, cost);
     }
     __atomic_store_n(&gs_unmeasured_ns[slot], gs_now_ns(), __ATOMIC_RELAXED);
     if (budget_owed(slot)) wait_for_budget(slot);
@@ -837,7 +849,7 @@ static int admit_locked(CUstream stream, int per_thread, struct measured *m)
         return 0;
     }
     if (capture_forbids_queries()) {
-        pace_unmeasured(slot);
+        pace_unmeasured(m, 0);
         switch_to(&m->sw, 0);
         return 0;
     }
@@ -851,8 +863,7 @@ static int admit_locked(CUstream stream, int per_thread, struct measured *m)
         /* a global capture begun meanwhile (counted under g_mu before it begins) forbids
          * every query from now on: launched unmeasured */
         if (capture_forbids_queries()) {
-            mu_unlock();
-            pace_unmeasured(slot);
+            pace_unmeasured(m, 1); /* unlocks */
             switch_to(&m->sw, 0);
             return 0;
         }
@@ -990,6 +1001,7 @@ void gs_launch_after_fork_child(void)
     memset(g_lines, 0, sizeof(g_lines));
     memset(gs_unmeasured_ns, 0, sizeof(gs_unmeasured_ns));
     memset(gs_unmeasured_prepaid_ns, 0, sizeof(gs_unmeasured_prepaid_ns));
+    memset(gs_unmeasured_prepaid_cost, 0, sizeof(gs_unmeasured_prepaid_cost));
     memset(g_launch_est_ns, 0, sizeof(g_launch_est_ns));
     gs_slices_after_fork_child();
 }

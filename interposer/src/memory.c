@@ -47,10 +47,17 @@ static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext c
     return rc < 0 ? -1 : 0;
 }
 
+static void drop_array_maps(uint64_t array);
+static void amap_lose(uint64_t handle);
+
 static void drop_one(int kind, uint64_t key, const struct gs_alloc *rec)
 {
-    (void)key;
     if (kind == GS_KIND_VMAP) return; /* never owned by a context; charges nothing */
+    if (kind == GS_KIND_AMAP) { /* owned by an array, which is never a context: not reached */
+        amap_lose(rec->aux);
+        return;
+    }
+    if (kind == GS_KIND_ARRAY || kind == GS_KIND_MIPMAP) drop_array_maps(key); /* the array went with it */
     if (kind == GS_KIND_POOLPTR)
         gs_pool_drop_ptr(rec->aux, rec->size);
     else
@@ -511,16 +518,18 @@ static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsi
  * it comes later from cuMemCreate allocations mapped into them (charged there). */
 #define GS_ARRAY_NO_BACKING (0x40 /* CUDA_ARRAY3D_SPARSE */ | 0x80 /* CUDA_ARRAY3D_DEFERRED_MAPPING */)
 
-/* The 2D and 3D creations of both generations (CUDA 2.x's descriptors have 32-bit sizes) */
-#define GS_ARRAY_HOOK(name, desc_t, depth, pass)                                                          \
+/* The 2D and 3D creations of both generations (CUDA 2.x's descriptors have 32-bit sizes).  An
+ * array without backing is recorded at no charge: its context's end finds it, and with it the
+ * mappings of its tiles */
+#define GS_ARRAY_HOOK(name, desc_t, depth, empty)                                                         \
     GS_EXPORT CUresult name(CUarray *pHandle, const desc_t *pAllocateArray)                               \
     {                                                                                                     \
         gs_cuda_init();                                                                                   \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                               \
         if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;                                 \
         const desc_t *a = pAllocateArray;                                                                 \
-        GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, (pass),                                                  \
-                         array_bytes(a->Width, a->Height, (depth), a->Format, a->NumChannels),            \
+        GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0,                                                       \
+                         (empty) ? 0 : array_bytes(a->Width, a->Height, (depth), a->Format, a->NumChannels), \
                          gs_cuda.name(pHandle, pAllocateArray), 0);                                       \
     }
 GS_ARRAY_HOOK(cuArrayCreate_v2, CUDA_ARRAY_DESCRIPTOR, 1, 0)
@@ -541,20 +550,25 @@ GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
         uint64_t level = array_bytes(w ? w : 1, h ? h : 1, d ? d : 1, a->Format, a->NumChannels);
         bytes = gs_add_sat(bytes, level);
     }
-    GS_CHARGED_ALLOC(GS_KIND_MIPMAP, pHandle, (a->Flags & GS_ARRAY_NO_BACKING) != 0, bytes,
+    if (a->Flags & GS_ARRAY_NO_BACKING) bytes = 0; /* recorded all the same (above) */
+    GS_CHARGED_ALLOC(GS_KIND_MIPMAP, pHandle, 0, bytes,
                      gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels), 0);
 }
 
+/* An array destroyed takes the mappings of its tiles with it (sparse arrays) */
 #define GS_ARRAY_DESTROY(kind, handle, call)                                          \
     do {                                                                              \
         struct gs_alloc rec, old;                                                     \
-        if (gs_am_take(kind, (uint64_t)(uintptr_t)(handle), &rec) != 0) return (call); \
+        uint64_t key_ = (uint64_t)(uintptr_t)(handle);                                \
+        int had_ = gs_am_take(kind, key_, &rec) == 0;                                 \
         gs_inflight_begin(); /* freed before its charge goes: no reading may lower */ \
         CUresult rc = (call);                                                         \
-        if (rc == CUDA_SUCCESS)                                                       \
-            gs_budget_release(rec.slot, rec.size);                                    \
-        else                                                                          \
-            gs_am_put(kind, (uint64_t)(uintptr_t)(handle), &rec, &old);               \
+        if (rc == CUDA_SUCCESS) {                                                     \
+            if (had_) gs_budget_release(rec.slot, rec.size);                          \
+            drop_array_maps(key_);                                                    \
+        } else if (had_) {                                                            \
+            gs_am_put(kind, key_, &rec, &old);                                        \
+        }                                                                             \
         gs_inflight_end();                                                            \
         return rc;                                                                    \
     } while (0)
@@ -571,4 +585,125 @@ GS_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
     gs_cuda_init();
     if (!gs_cuda.cuMipmappedArrayDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     GS_ARRAY_DESTROY(GS_KIND_MIPMAP, hMipmappedArray, gs_cuda.cuMipmappedArrayDestroy(hMipmappedArray));
+}
+
+/* ---- sparse arrays' tiles -------------------------------------------------- */
+
+/* cuMemMapArrayAsync maps cuMemCreate allocations into the tiles of sparse (or deferred-mapping)
+ * arrays.  Such a mapping keeps the allocation's memory as cuMemMap's does (a handle released
+ * while it lasts keeps its charge): it is counted in the handle's record like one, and recorded
+ * as GS_KIND_AMAP, keyed by the array and the subresource it covers, with the array as its
+ * owner (destroying the array, or the context that holds it, drops its mappings).  An unmap is
+ * matched to the mapping of exactly the same subresource; one that covers other tiles (part of
+ * a mapping, or several) matches none, and what it undoes stays charged until the array goes:
+ * the strict side.  The call is stream-ordered: mappings count from the call, and an unmap
+ * returns its charge at the call, as stream-ordered frees do. */
+static uint64_t amap_key(const CUarrayMapInfo *m)
+{
+    uint64_t h = 0x9e3779b97f4a7c15ull;
+#define GS_MIX(v) (h = (h ^ (uint64_t)(v)) * 0xff51afd7ed558ccdull, h ^= h >> 32)
+    GS_MIX(m->resourceType);
+    GS_MIX((uintptr_t)m->resource.array);
+    GS_MIX(m->subresourceType);
+    if (m->subresourceType == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL) {
+        GS_MIX(m->subresource.miptail.layer);
+        GS_MIX(m->subresource.miptail.offset);
+        GS_MIX(m->subresource.miptail.size);
+    } else {
+        const unsigned *f = &m->subresource.sparseLevel.level;
+        for (int i = 0; i < 8; i++) GS_MIX(f[i]);
+    }
+#undef GS_MIX
+    return h;
+}
+
+/* A mapping of the handle is gone: its charge returns if it was the handle's last reference */
+static void amap_lose(uint64_t handle)
+{
+    struct gs_alloc rec;
+    if (vmm_count(handle, -1, &rec) == 1) gs_budget_release(rec.slot, rec.size);
+}
+
+static void amap_dropped(int kind, uint64_t key, const struct gs_alloc *rec)
+{
+    (void)key;
+    if (kind == GS_KIND_AMAP) amap_lose(rec->aux);
+}
+
+static void drop_array_maps(uint64_t array)
+{
+    gs_am_drop_ctx(array, amap_dropped);
+}
+
+#define GS_AMAP_BATCH 32
+
+static CUresult map_array(cuMemMapArrayAsync_fn real, CUarrayMapInfo *list, unsigned count, CUstream stream)
+{
+    if (!list || !count) return real(list, count, stream);
+    struct gs_alloc batch[GS_AMAP_BATCH], *taken = batch;
+    signed char batch_had[GS_AMAP_BATCH], *had = batch_had;
+    if (count > GS_AMAP_BATCH) {
+        taken = malloc(count * sizeof(*taken));
+        had = malloc(count);
+        if (!taken || !had) { /* the unmaps are then matched after the call */
+            free(taken);
+            free(had);
+            taken = NULL;
+            had = NULL;
+        }
+    }
+    gs_inflight_begin(); /* an unmap of a released handle's last mapping frees its memory */
+    /* the unmaps' records are taken before the call: after it, another thread may already have
+     * mapped new memory there */
+    for (unsigned i = 0; had && i < count; i++)
+        had[i] = list[i].memOperationType == CU_MEM_OPERATION_TYPE_UNMAP &&
+                 gs_am_take(GS_KIND_AMAP, amap_key(&list[i]), &taken[i]) == 0;
+    CUresult rc = real(list, count, stream);
+    for (unsigned i = 0; i < count; i++) {
+        const CUarrayMapInfo *m = &list[i];
+        struct gs_alloc rec, old;
+        if (m->memOperationType == CU_MEM_OPERATION_TYPE_UNMAP) {
+            if (!had) {
+                if (rc == CUDA_SUCCESS && gs_am_take(GS_KIND_AMAP, amap_key(m), &rec) == 0) amap_lose(rec.aux);
+            } else if (had[i]) {
+                if (rc == CUDA_SUCCESS)
+                    amap_lose(taken[i].aux);
+                else
+                    gs_am_put(GS_KIND_AMAP, amap_key(m), &taken[i], &old);
+            }
+            continue;
+        }
+        if (rc != CUDA_SUCCESS || m->memOperationType != CU_MEM_OPERATION_TYPE_MAP ||
+            m->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC || vmm_count(m->memHandle.memHandle, 1, &rec) != 0)
+            continue; /* failed, or not a handle of ours */
+        struct gs_alloc map = {.size = 1, .aux = m->memHandle.memHandle,
+                               .ctx = (uint64_t)(uintptr_t)m->resource.array, .slot = rec.slot};
+        int put = gs_am_put(GS_KIND_AMAP, amap_key(m), &map, &old);
+        if (put == 1) { /* the same tiles mapped again: the mapping they had is gone */
+            amap_lose(old.aux);
+        } else if (put < 0) {
+            amap_lose(m->memHandle.memHandle); /* untracked: charged only while its handle lives */
+            GS_WARN("cannot track a mapping into a sparse array: its memory is charged only while its handle lives");
+        }
+    }
+    gs_inflight_end();
+    if (taken != batch) {
+        free(taken);
+        free(had);
+    }
+    return rc;
+}
+
+GS_EXPORT CUresult cuMemMapArrayAsync(CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemMapArrayAsync) return CUDA_ERROR_NOT_SUPPORTED;
+    return map_array(gs_cuda.cuMemMapArrayAsync, mapInfoList, count, hStream);
+}
+
+GS_EXPORT CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemMapArrayAsync_ptsz) return CUDA_ERROR_NOT_SUPPORTED;
+    return map_array(gs_cuda.cuMemMapArrayAsync_ptsz, mapInfoList, count, hStream);
 }

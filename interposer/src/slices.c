@@ -75,6 +75,7 @@
 #define GS_SLICE_LEARN 20.0      /* measured % summed over the window before a factor applies */
 #define GS_UNMEASURED_TAIL_NS 1000000000ull /* NVML's samples can lag an unmeasured launch this long */
 #define GS_UNMEASURED_NOISE 2.0  /* points of NVML's share beyond the measured time that are noise */
+#define GS_UNMEASURED_MAX_NS 30000000000ull /* a queue drains within this after the last such launch */
 
 unsigned gs_slice_milli[GPUSLICE_MAX_DEVICES];     /* 0 or 1000 = no correction */
 uint64_t gs_slice_measured_ns[GPUSLICE_MAX_DEVICES]; /* this process's debits, uncorrected */
@@ -91,7 +92,7 @@ static struct slice_state {
     unsigned next, filled;
     int announced;
     int unmeasured; /* launches went unmeasured: NVML's share beyond the measured time is charged */
-    uint64_t prepaid_ns; /* gs_unmeasured_prepaid_ns at the last span */
+    uint64_t prepaid_ns, prepaid_cost; /* gs_unmeasured_prepaid_ns, _cost at the last span's end */
 } g_st[GPUSLICE_MAX_DEVICES]; /* sampler thread only */
 
 int gs_slices_enabled(void)
@@ -242,8 +243,10 @@ static int charge_unmeasured(int slot, struct slice_state *st, uint64_t since, u
 {
     uint64_t last = __atomic_load_n(&gs_unmeasured_ns[slot], __ATOMIC_RELAXED);
     uint64_t prepaid = __atomic_load_n(&gs_unmeasured_prepaid_ns[slot], __ATOMIC_RELAXED);
-    uint64_t paid = prepaid - st->prepaid_ns; /* what the span's launches paid in advance */
+    uint64_t prepaid_cost = __atomic_load_n(&gs_unmeasured_prepaid_cost[slot], __ATOMIC_RELAXED);
+    uint64_t paid = prepaid - st->prepaid_ns, paid_cost = prepaid_cost - st->prepaid_cost; /* the span's */
     st->prepaid_ns = prepaid;
+    st->prepaid_cost = prepaid_cost;
     int fresh = last && last + GS_UNMEASURED_TAIL_NS >= since;
     if (fresh) st->unmeasured = 1;
     if (!st->unmeasured) return 0;
@@ -256,11 +259,15 @@ static int charge_unmeasured(int slot, struct slice_state *st, uint64_t since, u
         /* paid in advance: charged already; paid for what did not run, given back */
         if (excess > (double)paid)
             gs_launch_charge_unmeasured(slot, (uint64_t)(excess - (double)paid), since);
-        else if (paid)
-            gs_launch_refund_unmeasured(slot, paid - (uint64_t)(excess > 0 ? excess : 0));
+        else if (paid) /* at what the advance cost: the clock scale may have moved since */
+            gs_launch_refund_unmeasured(
+                slot, (uint64_t)((double)paid_cost * ((double)paid - (excess > 0 ? excess : 0)) / (double)paid));
         excess -= (double)paid;
     }
-    if (!fresh && excess <= GS_UNMEASURED_NOISE * (double)dt / 100.0) st->unmeasured = 0; /* drained */
+    /* drained; or so long after the last such launch that what NVML finds beyond the events is
+     * other work they miss (launches from driver callbacks), not a queue */
+    if (!fresh && (excess <= GS_UNMEASURED_NOISE * (double)dt / 100.0 || last + GS_UNMEASURED_MAX_NS < since))
+        st->unmeasured = 0;
     return 1;
 }
 
@@ -274,6 +281,9 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     if (!st->t_ns) { /* the first tick: where measuring starts */
         st->t_ns = st->seen_ns = now;
         st->measured_ns = measured;
+        /* advances paid before are not this span's (their work ran before it) */
+        st->prepaid_ns = __atomic_load_n(&gs_unmeasured_prepaid_ns[slot], __ATOMIC_RELAXED);
+        st->prepaid_cost = __atomic_load_n(&gs_unmeasured_prepaid_cost[slot], __ATOMIC_RELAXED);
         commit_team(slot, team);
         team->n = 0;
     }

@@ -55,6 +55,7 @@
     X(cuMemMap, CUresult, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))   \
     X(cuMemUnmap, CUresult, (CUdeviceptr, size_t))                                                           \
     X(cuMemRetainAllocationHandle, CUresult, (CUmemGenericAllocationHandle *, void *))                       \
+    X(cuMemMapArrayAsync, CUresult, (CUarrayMapInfo *, unsigned int, CUstream))                              \
     X(cuArrayCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *))                                \
     X(cuArray3DCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                            \
     X(cuArrayDestroy, CUresult, (CUarray))                                                                   \
@@ -752,6 +753,26 @@ int main(int argc, char **argv)
             printf("vmapall %d\n", rc);
         } else if (!strcmp(c, "vunmapall")) {
             printf("vunmapall %d\n", api.cuMemUnmap(vrange, vrange_size));
+        } else if (!strcmp(c, "amap") || !strcmp(c, "aunmap") || !strcmp(c, "aunmapwide")) {
+            /* amap ARRAY VMM X: map VMM allocation VMM into sparse array ARRAY's 64x64 tile at x = X
+             * (ids as "free" takes them); aunmap ARRAY X: unmap that tile; aunmapwide ARRAY X: unmap
+             * a region twice as wide from there (no mapping has exactly that extent) */
+            int map = !strcmp(c, "amap");
+            CUarrayMapInfo m;
+            memset(&m, 0, sizeof(m));
+            m.resourceType = CU_RESOURCE_TYPE_ARRAY;
+            m.resource.array = (CUarray)(uintptr_t)allocs[atoi(ARG(0))].handle;
+            m.subresourceType = CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_SPARSE_LEVEL;
+            m.subresource.sparseLevel.offsetX = (unsigned)atoi(ARG(map ? 2 : 1));
+            m.subresource.sparseLevel.extentWidth = !strcmp(c, "aunmapwide") ? 128 : 64;
+            m.subresource.sparseLevel.extentHeight = 64;
+            m.subresource.sparseLevel.extentDepth = 1;
+            m.memOperationType = map ? CU_MEM_OPERATION_TYPE_MAP : CU_MEM_OPERATION_TYPE_UNMAP;
+            m.memHandleType = CU_MEM_HANDLE_TYPE_GENERIC;
+            if (map) m.memHandle.memHandle = allocs[atoi(ARG(1))].handle;
+            m.deviceBitMask = 1;
+            printf("%s %d\n", c, api.cuMemMapArrayAsync(&m, 1, NULL));
+            i += map ? 3 : 2;
         } else if (!strcmp(c, "array")) {
             CUDA_ARRAY_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0x20, 4};
             CUDA_ARRAY_DESCRIPTOR_v1 d1 = {(unsigned)d.Width, (unsigned)d.Height, d.Format, d.NumChannels};

@@ -62,12 +62,13 @@ int gs_reconcile_dev_contexts(CUdevice dev)
 /* launch.c's side of unmeasured launches: what the sampler charges, summed */
 uint64_t gs_unmeasured_ns[GPUSLICE_MAX_DEVICES];
 uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES];
+uint64_t gs_unmeasured_prepaid_cost[GPUSLICE_MAX_DEVICES]; /* slicesim: cost = GPU time (no limit) */
 static uint64_t g_charged_ns, g_charged_since, g_refunded_ns;
 
-void gs_launch_refund_unmeasured(int slot, uint64_t busy_ns)
+void gs_launch_refund_unmeasured(int slot, uint64_t cost)
 {
     (void)slot;
-    g_refunded_ns += busy_ns;
+    g_refunded_ns += cost;
 }
 
 void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since)
@@ -241,7 +242,9 @@ int main(int argc, char **argv)
         for (int t = 0; t < 16; t++) {
             int blind = t >= 4 && t <= 9;
             if (blind) gs_unmeasured_ns[0] = g_clock + 250000000ull; /* mid-tick */
-            if (blind && prepaid) gs_unmeasured_prepaid_ns[0] += 300000000ull;
+            if (blind && prepaid) gs_unmeasured_prepaid_ns[0] += 300000000ull, gs_unmeasured_prepaid_cost[0] += 300000000ull;
+            if (t == 0 && prepaid) /* paid before the first tick: not the spans' to settle */
+                gs_unmeasured_prepaid_ns[0] = gs_unmeasured_prepaid_cost[0] = 5000000000ull;
             double meas = blind ? (t < 7 ? 0 : 20) : 30;
             int share = blind ? (t < 7 ? 100 : 50) : 30;
             if (prepaid && t == 5) share = 20;

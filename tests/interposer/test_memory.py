@@ -55,6 +55,76 @@ def test_a_sparse_array_is_not_charged_for_memory_it_does_not_have(lab):
     assert res.values("phys") == [0]
 
 
+SPARSE = ["sparse3d", "2048", "2048", "1"]  # id 0: a sparse array, its tiles mapped by "amap"
+
+
+def test_memory_mapped_into_a_sparse_array_stays_charged_while_mapped(lab):
+    # a 600 MiB allocation mapped into one tile of a sparse array (cuMemMapArrayAsync), its
+    # handle released: the mapping keeps the memory, so it keeps the charge and a second
+    # allocation past the cap is refused; the tile's unmap frees both.  cuMemMapArrayAsync was
+    # not hooked: the release returned the charge while the driver kept the memory
+    res = lab.run("init", "ctx", "0", *SPARSE, "vmm", "600m", "0", "amap", "0", "1", "0", "free", "1",
+                  "meminfo", "phys", "vmm", "600m", "0", "aunmap", "0", "0", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert (res.rc("amap"), res.rc("free"), res.rc("aunmap")) == (0, 0, 0)
+    assert res.values("meminfo", 0) == [GIB - 600 * MIB, GIB]
+    assert res.values("phys", 0) == [600 * MIB]
+    assert res.rc("vmm", 1) == OOM
+    assert res.values("meminfo", 1) == [GIB, GIB]
+    assert res.values("phys", 1) == [0]
+
+
+@pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
+def test_create_map_into_a_sparse_array_release_in_a_loop_cannot_pass_the_cap(lab, api):
+    # before: four 300 MiB allocations held by the array's tiles under a 1 GiB cap (1.2 GiB)
+    cmds = ["init", "ctx", "0", *SPARSE]
+    for i in range(4):
+        cmds += ["vmm", "300m", "0", "amap", "0", str(i + 1), str(64 * i), "free", str(i + 1)]
+    res = lab.run(*cmds, "phys", "meminfo", api=api, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("vmm")] == [0, 0, 0, OOM]
+    assert res.values("phys") == [900 * MIB]
+    assert res.values("meminfo") == [GIB - 900 * MIB, GIB]
+
+
+@pytest.mark.parametrize("end", [["free", "0"], ["ctxdestroy", "0", "ctx", "0"]],
+                         ids=["array-destroyed", "context-destroyed"])
+def test_destroying_a_sparse_array_returns_what_its_tiles_held(lab, end):
+    # the array (or the context that holds it) goes, and the mappings of its tiles with it
+    pre = ["ctxcreate", "0"] if end[0] == "ctxdestroy" else []
+    res = lab.run("init", "ctx", "0", *pre, *SPARSE, "vmm", "300m", "0", "vmm", "200m", "0",
+                  "amap", "0", "1", "0", "amap", "0", "2", "64", "free", "1", "free", "2", "meminfo",
+                  *end, "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("amap")] == [0, 0]
+    used = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    assert used == [500 * MIB, 0]
+    assert res.values("phys") == [0]
+
+
+def test_tiles_mapped_again_or_unmapped_in_part(lab):
+    # the same tile mapped again with another allocation: the driver's old mapping goes (its
+    # released handle's charge with it).  An unmap of a wider region than any mapping matches
+    # none: what it undid stays charged until the array goes (the strict side)
+    res = lab.run("init", "ctx", "0", *SPARSE, "vmm", "300m", "0", "vmm", "200m", "0",
+                  "amap", "0", "1", "0", "free", "1", "amap", "0", "2", "0", "free", "2", "meminfo",
+                  "aunmapwide", "0", "0", "meminfo", "free", "0", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    used = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    assert used == [200 * MIB, 200 * MIB, 0]
+    assert res.values("phys") == [0]
+
+
+def test_a_failing_array_mapping_counts_nothing(lab):
+    # a refused map leaves the handle unmapped (released: freed); a refused unmap keeps it
+    res = lab.run("init", "ctx", "0", *SPARSE, "vmm", "300m", "0", "amap", "0", "1", "0", "free", "1",
+                  "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_FAIL="cuMemMapArrayAsync:1:700")
+    assert res.rc("amap") == 700 and res.values("meminfo") == [GIB, GIB]
+    res = lab.run("init", "ctx", "0", *SPARSE, "vmm", "300m", "0", "amap", "0", "1", "0", "free", "1",
+                  "aunmap", "0", "0", "meminfo", "aunmap", "0", "0", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_FAIL="cuMemMapArrayAsync:2:700")
+    assert [rc for rc, _ in res.of("aunmap")] == [700, 0]
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB - 300 * MIB, GIB], [GIB, GIB]]
+
+
 def test_allocation_over_the_cap_fails_with_out_of_memory_and_charges_nothing(lab):
     res = lab.run("init", "ctx", "0", "alloc", "700m", "alloc", "400m", "meminfo", "alloc", "300m",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")

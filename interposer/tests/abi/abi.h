@@ -44,7 +44,14 @@
     F(CU_GRAPH_NODE_TYPE_GRAPH) F(CU_GRAPH_NODE_TYPE_MEM_ALLOC) F(CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) \
     F(CUDA_GRAPH_INSTANTIATE_SUCCESS) F(CUDA_GRAPH_INSTANTIATE_ERROR) F(CU_LIMIT_STACK_SIZE)        \
     F(CU_LIMIT_PRINTF_FIFO_SIZE) F(CU_LIMIT_MALLOC_HEAP_SIZE) F(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) \
-    F(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR) F(sizeof(CUlimit)) F(sizeof(CUdevice_attribute))
+    F(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR) F(sizeof(CUlimit)) F(sizeof(CUdevice_attribute)) \
+    F(sizeof(CUarrayMapInfo)) F(offsetof(CUarrayMapInfo, resource)) F(offsetof(CUarrayMapInfo, subresourceType)) \
+    F(offsetof(CUarrayMapInfo, subresource.sparseLevel.extentDepth)) F(offsetof(CUarrayMapInfo, subresource.miptail.size)) \
+    F(offsetof(CUarrayMapInfo, memOperationType)) F(offsetof(CUarrayMapInfo, memHandleType)) \
+    F(offsetof(CUarrayMapInfo, memHandle)) F(offsetof(CUarrayMapInfo, offset)) \
+    F(offsetof(CUarrayMapInfo, deviceBitMask)) F(CU_RESOURCE_TYPE_MIPMAPPED_ARRAY) \
+    F(CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL) F(CU_MEM_OPERATION_TYPE_MAP) F(CU_MEM_OPERATION_TYPE_UNMAP) \
+    F(CU_MEM_HANDLE_TYPE_GENERIC) F(sizeof(CUresourcetype)) F(sizeof(CUmemOperationType))
 
 struct abi_fact {
     const char *expr;

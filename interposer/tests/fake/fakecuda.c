@@ -979,10 +979,13 @@ static struct fake_alloc *alloc_find(int kind, uint64_t handle)
     return NULL;
 }
 
+static void amap_drop_array(uint64_t array);
+
 static CUresult alloc_free(int kind, uint64_t handle)
 {
     pthread_mutex_lock(&mu);
     struct fake_alloc *a = alloc_find(kind, handle);
+    if (a && (kind == K_ARRAY || kind == K_MIPMAP)) amap_drop_array(handle); /* its tiles' mappings go */
     if (!a && kind == K_DPTR) a = alloc_find(K_POOL, handle);
     if (!a) {
         pthread_mutex_unlock(&mu);
@@ -1002,6 +1005,7 @@ static void ctx_drop(struct fake_ctx *c)
 {
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (!allocs[i].kind || allocs[i].ctx != c || allocs[i].kind == K_VMM) continue;
+        if (allocs[i].kind == K_ARRAY || allocs[i].kind == K_MIPMAP) amap_drop_array(allocs[i].handle);
         if (allocs[i].kind == K_POOL)
             pool_give(allocs[i].pool, allocs[i].size);
         else
@@ -1435,6 +1439,113 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericA
     }
     pthread_mutex_unlock(&mu);
     return rc;
+}
+
+/* cuMemMapArrayAsync: tiles of sparse arrays backed by VMM allocations.  A mapping holds its
+ * allocation's memory like cuMemMap's; an unmap names the array and the tiles (the same
+ * subresource as a mapping undoes it; any other leaves the mappings, as a partial unmap of
+ * them would keep their memory); destroying the array drops its mappings. */
+#define MAX_AMAPS 1024
+static struct {
+    uint64_t array, handle;
+    int type;
+    unsigned v[8];
+    unsigned long long tail[2];
+} amaps[MAX_AMAPS];
+
+static void amap_fill(const CUarrayMapInfo *m, unsigned v[8], unsigned long long tail[2], int *type)
+{
+    memset(v, 0, 8 * sizeof(unsigned));
+    tail[0] = tail[1] = 0;
+    *type = m->subresourceType;
+    if (m->subresourceType == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL) {
+        v[0] = m->subresource.miptail.layer;
+        tail[0] = m->subresource.miptail.offset;
+        tail[1] = m->subresource.miptail.size;
+    } else {
+        memcpy(v, &m->subresource.sparseLevel, 8 * sizeof(unsigned));
+    }
+}
+
+static void amap_drop(int i) /* mu held */
+{
+    struct fake_alloc *a = alloc_find(K_VMM, amaps[i].handle);
+    memset(&amaps[i], 0, sizeof(amaps[i]));
+    if (a && a->maps) {
+        a->maps--;
+        vmm_maybe_free(a);
+    }
+}
+
+static void amap_drop_array(uint64_t array) /* mu held */
+{
+    for (int i = 0; i < MAX_AMAPS; i++)
+        if (amaps[i].array == array) amap_drop(i);
+}
+
+static CUresult map_array(CUarrayMapInfo *list, unsigned count)
+{
+    FAIL_POINT("cuMemMapArrayAsync");
+    if (!list || !count) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult rc = CUDA_SUCCESS;
+    for (unsigned k = 0; k < count && rc == CUDA_SUCCESS; k++) {
+        const CUarrayMapInfo *m = &list[k];
+        uint64_t array = (uint64_t)(uintptr_t)m->resource.array;
+        int kind = m->resourceType == CU_RESOURCE_TYPE_MIPMAPPED_ARRAY ? K_MIPMAP : K_ARRAY, type;
+        unsigned v[8];
+        unsigned long long tail[2];
+        amap_fill(m, v, tail, &type);
+        if (!alloc_find(kind, array)) {
+            rc = CUDA_ERROR_INVALID_VALUE;
+            break;
+        }
+        int at = -1, free_at = -1;
+        for (int i = 0; i < MAX_AMAPS; i++) {
+            if (!amaps[i].array) {
+                if (free_at < 0) free_at = i;
+            } else if (amaps[i].array == array && amaps[i].type == type && !memcmp(amaps[i].v, v, sizeof(v)) &&
+                       !memcmp(amaps[i].tail, tail, sizeof(tail))) {
+                at = i;
+            }
+        }
+        if (m->memOperationType == CU_MEM_OPERATION_TYPE_UNMAP) {
+            if (at >= 0) amap_drop(at);
+        } else if (m->memOperationType == CU_MEM_OPERATION_TYPE_MAP) {
+            struct fake_alloc *a = alloc_find(K_VMM, m->memHandle.memHandle);
+            if (!a || !a->refs || m->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC) {
+                rc = CUDA_ERROR_INVALID_VALUE;
+                break;
+            }
+            if (at >= 0) amap_drop(at), free_at = at; /* the tiles mapped again: the old mapping goes */
+            if (free_at < 0) {
+                rc = CUDA_ERROR_OUT_OF_MEMORY;
+                break;
+            }
+            amaps[free_at].array = array;
+            amaps[free_at].handle = m->memHandle.memHandle;
+            amaps[free_at].type = type;
+            memcpy(amaps[free_at].v, v, sizeof(v));
+            memcpy(amaps[free_at].tail, tail, sizeof(tail));
+            a->maps++;
+        } else {
+            rc = CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+API CUresult cuMemMapArrayAsync(CUarrayMapInfo *list, unsigned int count, CUstream s)
+{
+    (void)s;
+    return map_array(list, count);
+}
+
+API CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *list, unsigned int count, CUstream s)
+{
+    (void)s;
+    return map_array(list, count);
 }
 
 /* Unmaps every mapping that starts inside [ptr, ptr + size). */

@@ -551,7 +551,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuCtxSynchronize) X(cuCtxSetLimit) X(cuCtxGetLimit) X(cuDeviceGetAttribute) X(cuMemAlloc_v2) X(cuMemAllocManaged) X(cuMemAllocPitch_v2) X(cuMemFree_v2)             \
     X(cuMemGetAddressRange_v2) X(cuMemGetInfo_v2) X(cuMemCreate) X(cuMemRelease)                                \
     X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap)      \
-    X(cuMemSetAccess) X(cuMemRetainAllocationHandle) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy)                \
+    X(cuMemSetAccess) X(cuMemRetainAllocationHandle) X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy)                \
     X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) X(cuDeviceGetMemPool) X(cuDeviceGetDefaultMemPool)    \
     X(cuMemGetDefaultMemPool) X(cuMemGetMemPool)                                                               \
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute)                          \
