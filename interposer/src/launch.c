@@ -282,28 +282,38 @@ static void account(int slot, uint64_t busy_ns)
     __atomic_add_fetch(&gs_region->devices[slot].busy_ns, busy_ns * own / 1000, __ATOMIC_RELAXED);
 }
 
-/* What busy_ns of GPU time costs on the shared virtual clock: busy × s × 100 / C, with the
- * process's own share of it; 0 without a limit */
-static uint64_t clock_cost(int slot, uint64_t busy_ns)
+/* What busy_ns of the process's own GPU time costs on the shared virtual clock: busy × s × 100 / C;
+ * 0 without a limit */
+static uint64_t unmeasured_cost(struct gpuslice_device *d, uint64_t busy_ns)
 {
-    struct gpuslice_device *d = &gs_region->devices[slot];
     unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
     if (!sm || sm >= 100) return 0;
-    unsigned own = own_share(slot);
     unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
     if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
-    return busy_ns * own / 1000 * scale / (10ull * sm); /* no overflow for 200 days */
+    return busy_ns * scale / (10ull * sm); /* no overflow for 200 days */
 }
 
-static void clock_add(int slot, uint64_t cost)
+/* The same for busy_ns the events measured: the process's own share of it */
+static uint64_t clock_cost(int slot, uint64_t busy_ns)
+{
+    return unmeasured_cost(&gs_region->devices[slot], busy_ns * own_share(slot) / 1000);
+}
+
+/* Adds cost to the clock, which first catches up with `from` less the idle credit */
+static void clock_add_from(int slot, uint64_t cost, uint64_t from)
 {
     if (!cost) return;
-    uint64_t *vt = &gs_region->devices[slot].throttle_vt_ns, now = gs_now_ns();
-    uint64_t floor = now > GS_BURST_NS ? now - GS_BURST_NS : 0;
+    uint64_t *vt = &gs_region->devices[slot].throttle_vt_ns;
+    uint64_t floor = from > GS_BURST_NS ? from - GS_BURST_NS : 0;
     uint64_t old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
     do {
         next = gs_add_sat(old > floor ? old : floor, cost); /* saturates: the file is the container's */
     } while (!__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+}
+
+static void clock_add(int slot, uint64_t cost)
+{
+    clock_add_from(slot, cost, gs_now_ns());
 }
 
 /* Gives back what was paid in advance for time the measurement did not find (a clock already
@@ -325,15 +335,6 @@ uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES];
 uint64_t gs_unmeasured_prepaid_cost[GPUSLICE_MAX_DEVICES]; /* what those advances cost the clock */
 static uint64_t g_launch_est_ns[GPUSLICE_MAX_DEVICES]; /* one launch's GPU time, as last measured */
 
-static uint64_t unmeasured_cost(struct gpuslice_device *d, uint64_t busy_ns)
-{
-    unsigned sm = __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED);
-    if (!sm || sm >= 100) return 0;
-    unsigned scale = g_time_mode ? 0 : __atomic_load_n(&d->sm_scale_milli, __ATOMIC_RELAXED);
-    if (scale < 1000 || scale > GS_SCALE_MAX_MILLI) scale = 1000;
-    return busy_ns * scale / (10ull * sm);
-}
-
 /* Sampler thread: busy_ns of GPU time that NVML's per-process utilisation found beyond what the
  * events measured, while launches went unmeasured; it ran in [since, now].  Charged as the real
  * share it is (no time-slice factor), and the clock's floor is where that time began, so that
@@ -344,11 +345,7 @@ void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since)
     uint64_t cost = unmeasured_cost(d, busy_ns), now = gs_now_ns();
     if (!cost) return;
     if (since + GS_UNMEASURED_SPAN_NS < now) since = now - GS_UNMEASURED_SPAN_NS;
-    uint64_t floor = since > GS_BURST_NS ? since - GS_BURST_NS : 0;
-    uint64_t *vt = &d->throttle_vt_ns, old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
-    do {
-        next = gs_add_sat(old > floor ? old : floor, cost);
-    } while (!__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    clock_add_from(slot, cost, since);
     __atomic_add_fetch(&d->busy_ns, busy_ns, __ATOMIC_RELAXED);
     GS_DEBUG("device slot %d: %llu ns of unmeasured GPU time charged (NVML)", slot, (unsigned long long)busy_ns);
 }
@@ -357,11 +354,7 @@ void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since)
  * what that advance cost the clock (as paid: the clock scale may have changed since) */
 void gs_launch_refund_unmeasured(int slot, uint64_t cost)
 {
-    uint64_t *vt = &gs_region->devices[slot].throttle_vt_ns;
-    uint64_t old = __atomic_load_n(vt, __ATOMIC_RELAXED), next;
-    do {
-        next = old > cost ? old - cost : 0;
-    } while (cost && !__atomic_compare_exchange_n(vt, &old, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    clock_refund(slot, cost);
     GS_DEBUG("device slot %d: %llu ns of clock paid in advance for unmeasured launches given back (NVML)", slot,
              (unsigned long long)cost);
 }
