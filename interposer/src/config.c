@@ -15,6 +15,8 @@
  * GPUSLICE_SM_LIMIT_MODE: "throughput" (default: GPU time is charged with the
  *   clock compensation of launch.c) or "time" (plain share of GPU time).
  * GPUSLICE_SM_TIMESLICE_CORRECTION: "nvml" (default) or "off", read by slices.c.
+ * GPUSLICE_SM_LIMIT_GANG: "on" (default: a launch waits for the clocks of all the container's
+ *   devices under the same compute limit, launch.c) or "off" (its own device's only).
  *
  * The limits file (/etc/gpuslice/limits): the webhook also writes the limit
  * names above and the region path as NAME=VALUE lines into a pod annotation,
@@ -413,6 +415,17 @@ int gs_env_sm_time_mode(void)
         return 0;
     }
     return 1;
+}
+
+int gs_env_sm_gang(void)
+{
+    const char *v = getenv("GPUSLICE_SM_LIMIT_GANG");
+    if (!v || !*v || !strcmp(v, "on")) return 1;
+    if (strcmp(v, "off") != 0) {
+        GS_ERROR("ignoring GPUSLICE_SM_LIMIT_GANG value '%s' (expected on or off)", v);
+        return 1;
+    }
+    return 0;
 }
 
 const char *gs_env_region_path(char *buf, size_t len)

@@ -102,6 +102,7 @@ uint64_t gs_env_reconcile_margin(void);
 uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total);
 unsigned gs_env_sm_limit(unsigned container_index);
 int gs_env_sm_time_mode(void);       /* GPUSLICE_SM_LIMIT_MODE=time: no clock compensation */
+int gs_env_sm_gang(void);            /* GPUSLICE_SM_LIMIT_GANG: 0 = each device paced alone */
 const char *gs_env_region_path(char *buf, size_t len);
 void gs_copy_env(char *dst, size_t len, const char *name);
 

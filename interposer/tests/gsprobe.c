@@ -323,6 +323,28 @@ static void bench(double seconds, const char *kind)
            (unsigned long long)wall);
 }
 
+/* A tensor-parallel rank (the fake driver's collectives, fakelaunch.h): STEPS steps of K kernels
+ * and one collective across the ranks on a stream of its own, each step synchronised, as an
+ * inference server's decode loop is.  Prints the steps done, the GPU time (spins in collectives
+ * included) and the wall time. */
+static void tp(long steps, int k)
+{
+    typedef uint64_t (*kns_t)(void);
+    kns_t kernel_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_ns");
+    CUstream s = NULL;
+    CUresult rc = api.cuStreamCreate(&s, 1 /* CU_STREAM_NON_BLOCKING */);
+    uint64_t k0 = kernel_ns(), t0 = now_ns();
+    long done = 0;
+    for (; done < steps && rc == CUDA_SUCCESS; done += rc == CUDA_SUCCESS) {
+        for (int j = 0; j < k && rc == CUDA_SUCCESS; j++)
+            rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        if (rc == CUDA_SUCCESS) rc = api.cuLaunchKernel((CUfunction)0xC011EC7, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        if (rc == CUDA_SUCCESS) rc = api.cuStreamSynchronize(s);
+    }
+    printf("tp %d %ld %llu %llu\n", rc, done, (unsigned long long)(kernel_ns() - k0),
+           (unsigned long long)(now_ns() - t0));
+}
+
 static CUcontext capture_ctx; /* the context "ctx" made current: other threads use it too */
 
 /* Like bench, with a context-less kernel (CUkernel) launched on a stream of device DEV's
@@ -942,6 +964,9 @@ int main(int argc, char **argv)
             i += 1;
         } else if (!strcmp(c, "bench")) {
             bench(atof(ARG(0)), ARG(1));
+            i += 2;
+        } else if (!strcmp(c, "tp")) {
+            tp(atol(ARG(0)), atoi(ARG(1)));
             i += 2;
         } else if (!strcmp(c, "xbench")) {
             xbench(atof(ARG(0)), atoi(ARG(1)));

@@ -122,6 +122,63 @@ def test_processes_of_a_container_share_one_compute_budget(release_lab):
     assert abs(total - 30) <= TOLERANCE, f"two processes together: {total:.1f}%"
 
 
+# ---- ranks that synchronise across devices ----------------------------------------------------
+#
+# Tensor- or data-parallel ranks, one per GPU of the container, end each step in a collective
+# (the fake's: its kernel spins until every rank's has started, as NCCL's do).  Paced one device
+# at a time, the spin of a rank whose peer waits for its budget is charged as the GPU time it is;
+# the rank then waits (100/C - 1) times as long while the peer's next collective spins: under 50 %
+# the waits grow without end (25 steps in 38 s at 40 %, then a collective never met).  A launch
+# now waits for the furthest-ahead clock of the container's devices under the same limit.
+
+def multi_gpu(n: int) -> str:
+    return ",".join(f"GPU-{c * 8}-0000-1111-2222-333333333333=16g" for c in "abcdefgh"[:n])
+
+
+def run_ranks(lab, ranks: int, limit: str, steps: int, **env: str) -> list:
+    env = {"CUDA_DEVICE_SM_LIMIT": limit, "FAKE_CUDA_DEVICES": multi_gpu(ranks),
+           "FAKE_CUDA_RANKS": str(ranks), "FAKE_CUDA_COLLECTIVE_WAIT_MS": "3000", **env}
+    lab.run("init", **env)
+    procs = [lab.start("init", "ctx", str(r), "tp", str(steps), "4",
+                       FAKE_CUDA_KERNEL_US=str(1000 + 200 * r // (ranks - 1)), **env)
+             for r in range(ranks)]
+    return [lab.finish(p, timeout=120).of("tp")[0] for p in procs]
+
+
+@pytest.mark.parametrize(("ranks", "limit", "steps"), [(2, "40", 150), (2, "20", 80), (4, "40", 100)])
+def test_tensor_parallel_ranks_under_a_limit_keep_stepping(release_lab, ranks, limit, steps):
+    # 4 kernels of 1.0 to 1.2 ms per rank and step: at best a step takes 4 x 1.2 ms / C
+    ideal_s = steps * 4 * 1.2e-3 * 100 / int(limit)
+    for rank, (rc, (done, busy_ns, wall_ns)) in enumerate(run_ranks(release_lab, ranks, limit, steps)):
+        assert rc == 0 and done == steps, f"rank {rank}: {done} of {steps} steps, rc {rc}"
+        assert wall_ns / 1e9 <= 1.3 * ideal_s, f"rank {rank}: {wall_ns / 1e9:.2f} s for {ideal_s:.2f}"
+        share = 100.0 * busy_ns / wall_ns  # its device's time, spins included
+        assert share <= int(limit) + TOLERANCE, f"rank {rank}: {share:.1f}% at {limit}%"
+
+
+def test_ranks_paced_one_device_at_a_time_stall(release_lab):
+    # GPUSLICE_SM_LIMIT_GANG=off: the old pacing, kept as a switch for containers whose devices
+    # run unrelated work; with ranks that synchronise it stalls, which this shows
+    results = run_ranks(release_lab, 2, "40", 150, GPUSLICE_SM_LIMIT_GANG="off",
+                        FAKE_CUDA_COLLECTIVE_WAIT_MS="1500")
+    assert any(rc == 702 or done < 150 for rc, (done, _, _) in results), results
+
+
+@pytest.mark.parametrize("gang", ["on", "off"])
+def test_unrelated_work_on_two_devices_gets_the_limit_on_each(release_lab, gang):
+    # the gang does not cost unrelated processes their share: 20 ms kernels on one device, 50 us
+    # ones on the other, each at about 30 %
+    lab = release_lab
+    env = {"CUDA_DEVICE_SM_LIMIT": "30", "FAKE_CUDA_DEVICES": multi_gpu(2), "GPUSLICE_SM_LIMIT_GANG": gang}
+    lab.run("init", **env)
+    procs = [lab.start("init", "ctx", str(d), "bench", "3", "own", FAKE_CUDA_KERNEL_US=us, **env)
+             for d, us in ((0, "20000"), (1, "50"))]
+    for d, proc in enumerate(procs):
+        _rc, (_n, kernel_ns, wall_ns) = lab.finish(proc).of("bench")[0]
+        got = 100.0 * kernel_ns / wall_ns
+        assert abs(got - 30) <= TOLERANCE, f"device {d}, gang {gang}: {got:.1f}%"
+
+
 def test_without_a_limit_launches_are_not_slowed(release_lab):
     got = share(release_lab, 0.5, FAKE_CUDA_KERNEL_US="20")
     assert got > 95

@@ -181,6 +181,7 @@ static int phys_slot(void)
             if (__atomic_compare_exchange_n(&m->procs[i].pid, &pid, getpid(), 0, __ATOMIC_ACQ_REL,
                                             __ATOMIC_RELAXED)) {
                 memset(m->procs[i].used, 0, sizeof(m->procs[i].used));
+                __atomic_store_n(&m->coll[i].seq, 0, __ATOMIC_RELEASE);
                 __atomic_store_n(&m->procs[i].kernel_ns, 0, __ATOMIC_RELAXED);
                 slot = i;
                 owner = getpid();

@@ -421,6 +421,57 @@ static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
     return CUDA_SUCCESS;
 }
 
+/* FAKE_COLLECTIVE_FN launches a collective across the FAKE_CUDA_RANKS (default 2) live processes
+ * of the state file, each on a GPU of its own (tensor-parallel ranks, NCCL's all-reduce): its
+ * kernel starts after the stream's queued work and spins until the last rank's has started,
+ * then runs FAKE_CUDA_COLLECTIVE_US (default 100); the spin is GPU time like any other.  The
+ * launch returns once every rank has launched its own, so the host does not run ahead of it
+ * (the ranks of a step synchronise anyway); CUDA_ERROR_LAUNCH_TIMEOUT after
+ * FAKE_CUDA_COLLECTIVE_WAIT_MS (default 5000) without them. */
+#define FAKE_COLLECTIVE_FN ((CUfunction)0xC011EC7)
+
+static unsigned env_u(const char *name, unsigned dflt)
+{
+    const char *v = getenv(name);
+    return v && *v ? (unsigned)strtoul(v, NULL, 10) : dflt;
+}
+
+static CUresult collective(CUstream s, int ptsz)
+{
+    NEED_CTX();
+    struct fake_phys *m = fake_phys_map();
+    int me = phys_slot();
+    if (!m || me < 0) return CUDA_ERROR_NOT_SUPPORTED;
+    static uint32_t seq;
+    unsigned ranks = env_u("FAKE_CUDA_RANKS", 2);
+    uint64_t x = env_u("FAKE_CUDA_COLLECTIVE_US", 100) * 1000ull;
+    struct fake_stream *st = stream_of(s, ptsz);
+    uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE), start = tail > n ? tail : n;
+    uint64_t give_up = n + env_u("FAKE_CUDA_COLLECTIVE_WAIT_MS", 5000) * 1000000ull, last;
+    seq++;
+    __atomic_store_n(&m->coll[me].start[seq % 8], start, __ATOMIC_RELAXED);
+    __atomic_store_n(&m->coll[me].seq, seq, __ATOMIC_RELEASE);
+    for (;;) {
+        unsigned arrived = 0;
+        last = start;
+        for (int i = 0; i < FAKE_MAX_PROCS; i++) {
+            int32_t pid = __atomic_load_n(&m->procs[i].pid, __ATOMIC_ACQUIRE);
+            if (pid <= 0 || __atomic_load_n(&m->coll[i].seq, __ATOMIC_ACQUIRE) < seq) continue;
+            if (i != me && kill(pid, 0) != 0) continue;
+            arrived++;
+            uint64_t t = __atomic_load_n(&m->coll[i].start[seq % 8], __ATOMIC_RELAXED);
+            if (t > last) last = t;
+        }
+        if (arrived >= ranks) break;
+        if (now_ns() >= give_up) return (CUresult)702; /* CUDA_ERROR_LAUNCH_TIMEOUT */
+        sleep_until(now_ns() + 20000);
+    }
+    __atomic_store_n(&st->tail, last + x, __ATOMIC_RELEASE);
+    note_run(start, last + x, last + x - start);
+    __atomic_add_fetch(&kernel_total_ns, last + x - start, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+
 #define FAKE_LAUNCH_PARAMS                                                                                     \
     CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,          \
         unsigned int bz, unsigned int shmem, CUstream s
@@ -429,6 +480,7 @@ API CUresult cuLaunchKernel(FAKE_LAUNCH_PARAMS, void **params, void **extra)
 {
     (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params, (void)extra;
     FAIL_POINT("cuLaunchKernel");
+    if (f == FAKE_COLLECTIVE_FN) return collective(s, 0);
     CUresult rc = lazy_code(f);
     if (rc != CUDA_SUCCESS) return rc;
     return f ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;

@@ -74,6 +74,11 @@ struct fake_phys {
         uint64_t kernel_ns; /* kernel time queued so far (FAKE_GPU_SHARED) */
     } procs[FAKE_MAX_PROCS];
     uint64_t gpu_tail; /* FAKE_GPU_SHARED: when the last queued kernel of any process ends */
+    struct {
+        uint32_t seq;       /* the process's latest collective (fakelaunch.h), 0 = none */
+        uint32_t pad;
+        uint64_t start[8];  /* per collective number mod 8: when its kernel starts on the GPU */
+    } coll[FAKE_MAX_PROCS];
 };
 
 /* FAKE_GPU_SHARED=1 (with FAKE_CUDA_STATE): the processes sharing the state file share one
