@@ -371,19 +371,42 @@ void gs_launch_refund_unmeasured(int slot, uint64_t cost)
  * collective spins, and so on: under a limit below 50 % each wait is longer than the last by
  * that factor (two ranks of 1.0 and 1.2 ms kernels at 40 %: 25 steps in 38 s, then a
  * collective never met; test_throttle.py -k tensor_parallel) */
+static uint32_t g_gang_mask = ~0u; /* the slots live processes of the container have launched on */
+
 static uint64_t *gate_clock(int slot)
 {
     struct gpuslice_device *own = &gs_region->devices[slot];
     uint64_t *vt = &own->throttle_vt_ns;
     if (!g_gang) return vt;
     unsigned sm = __atomic_load_n(&own->sm_limit, __ATOMIC_RELAXED), n = gs_region_devices(gs_region);
+    uint32_t gang = __atomic_load_n(&g_gang_mask, __ATOMIC_RELAXED);
     uint64_t ahead = __atomic_load_n(vt, __ATOMIC_RELAXED);
     for (unsigned i = 0; i < n; i++) {
         struct gpuslice_device *d = &gs_region->devices[i];
         uint64_t v = __atomic_load_n(&d->throttle_vt_ns, __ATOMIC_RELAXED);
-        if (v > ahead && __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED) == sm) ahead = v, vt = &d->throttle_vt_ns;
+        if (v > ahead && (gang >> i & 1) && __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED) == sm)
+            ahead = v, vt = &d->throttle_vt_ns;
     }
     return vt;
+}
+
+/* Sampler thread: the gang is the devices that live processes of the container have measured
+ * work on.  A device whose last process went keeps the clock its work left ahead (its next
+ * process pays it), but that debt no longer holds the other devices' launches: one process
+ * ending with a 1 s kernel at 20 % held an unrelated one on another device for 4 s. */
+void gs_launch_gang_refresh(void)
+{
+    struct gpuslice_region *r = gs_region;
+    if (!r || !g_gang || !gs_launch_wants_sampler()) return;
+    unsigned n = gs_region_devices(r);
+    uint32_t gang = 0;
+    for (unsigned p = 0; p < GPUSLICE_MAX_PROCS; p++) {
+        struct gpuslice_proc *pr = &r->procs[p];
+        if (__atomic_load_n(&pr->state, __ATOMIC_ACQUIRE) != GPUSLICE_PROC_LIVE) continue;
+        for (unsigned i = 0; i < n; i++)
+            if (__atomic_load_n(&pr->measured_ns[i], __ATOMIC_RELAXED)) gang |= 1u << i;
+    }
+    __atomic_store_n(&g_gang_mask, gang, __ATOMIC_RELAXED);
 }
 
 static int budget_owed(int slot)

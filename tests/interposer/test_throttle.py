@@ -179,6 +179,22 @@ def test_unrelated_work_on_two_devices_gets_the_limit_on_each(release_lab, gang)
         assert abs(got - 30) <= TOLERANCE, f"device {d}, gang {gang}: {got:.1f}%"
 
 
+def test_a_device_whose_processes_went_no_longer_holds_the_others(release_lab):
+    # a process on device 1 ends after a 1 s kernel at 20 %, leaving its clock 4 s ahead: that
+    # debt is the device's, and held device 0's unrelated process for it (4.6 % over 6 s) until
+    # the sampler saw no live process on device 1 any more
+    lab = release_lab
+    env = {"CUDA_DEVICE_SM_LIMIT": "20", "FAKE_CUDA_DEVICES": multi_gpu(2)}
+    lab.run("init", **env)
+    steady = lab.start("init", "ctx", "0", "bench", "6", "own", FAKE_CUDA_KERNEL_US="1000", **env)
+    time.sleep(0.3)
+    res = lab.run("init", "ctx", "1", "bench", "0.001", "kernel", FAKE_CUDA_KERNEL_US="1000000", **env)
+    assert res.rc("bench") == 0
+    _rc, (_n, kernel_ns, wall_ns) = lab.finish(steady).of("bench")[0]
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 20) <= TOLERANCE, f"device 0 beside device 1's leftover debt: {got:.1f}%"
+
+
 def test_without_a_limit_launches_are_not_slowed(release_lab):
     got = share(release_lab, 0.5, FAKE_CUDA_KERNEL_US="20")
     assert got > 95
