@@ -394,6 +394,10 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
             continue
         kept.append(entry)
     new["env"] = [*parts.env, *kept]
+    # warned once: a container mutated before carries our limit already
+    if (request.cores is not None and request.cores < _GANG_MIN_CORES
+            and wanted[names.ENV_SM_LIMIT] not in (container.get("env") or ())):
+        _warn_ranks_apart(name, request, kept, work)
 
     mounts = parts.mounts
     kept = []
@@ -408,6 +412,34 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
         kept.append(mount)
     new["volumeMounts"] = [*kept, *mounts]
     return new
+
+
+# Below this compute limit, ranks that synchronise across devices stall unless they wait for
+# each other's budget, which the interposer does only within one container (its "gang").
+_GANG_MIN_CORES = 50
+# Env a distributed launcher sets on each pod of a job: the number of ranks (torch.distributed,
+# Kubeflow's PyTorchJob) or of nodes (PyTorchJob's elastic PET_NNODES).
+_RANK_ENV = {"WORLD_SIZE": False, "PET_NNODES": True}
+
+
+def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Work) -> None:
+    """A container under a compute limit below 50 % whose env says it is one rank of a job
+    spread over pods (more ranks than its GPUs, or more than one node) gets a warning: ranks in
+    different pods are paced apart, and their collectives can stall."""
+    for entry in env:
+        if not isinstance(entry, dict) or entry.get("name") not in _RANK_ENV:
+            continue
+        value = entry.get("value")
+        if not isinstance(value, str) or not value.strip().isdigit():
+            continue
+        nodes = _RANK_ENV[entry["name"]]
+        if int(value) > (1 if nodes else request.count):
+            work.warn(f'container "{name}": gpucores {request.cores} with {entry["name"]}={value.strip()} '
+                      f"looks like one rank of a job spread over pods; ranks in different pods are "
+                      f"paced apart, and under a compute limit below {_GANG_MIN_CORES} their "
+                      f"collectives can stall: give the job one pod with all its GPUs, gpucores of "
+                      f"{_GANG_MIN_CORES} or more, or none")
+            return
 
 
 def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) -> MutationResult:
