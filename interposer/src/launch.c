@@ -362,7 +362,7 @@ void gs_launch_refund_unmeasured(int slot, uint64_t cost)
 }
 
 /* The clock a launch on the slot waits for: the furthest ahead of those of the container's
- * devices under the same limit (its own alone with GPUSLICE_SM_LIMIT_GANG=off).  Each device's
+ * devices under a compute limit (its own alone with GPUSLICE_SM_LIMIT_GANG=off).  Each device's
  * clock is charged its own GPU time only, so each device stays within the limit; waiting for
  * all of them makes the container's processes wait together.  Paced one device at a time,
  * ranks that synchronise across devices (tensor or data parallel, NCCL) stall: one rank's
@@ -378,14 +378,14 @@ static uint64_t *gate_clock(int slot)
     struct gpuslice_device *own = &gs_region->devices[slot];
     uint64_t *vt = &own->throttle_vt_ns;
     if (!g_gang) return vt;
-    unsigned sm = __atomic_load_n(&own->sm_limit, __ATOMIC_RELAXED), n = gs_region_devices(gs_region);
+    unsigned n = gs_region_devices(gs_region);
     uint32_t gang = __atomic_load_n(&g_gang_mask, __ATOMIC_RELAXED);
     uint64_t ahead = __atomic_load_n(vt, __ATOMIC_RELAXED);
     for (unsigned i = 0; i < n; i++) {
         struct gpuslice_device *d = &gs_region->devices[i];
         uint64_t v = __atomic_load_n(&d->throttle_vt_ns, __ATOMIC_RELAXED);
-        if (v > ahead && (gang >> i & 1) && __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED) == sm)
-            ahead = v, vt = &d->throttle_vt_ns;
+        unsigned sm = v > ahead && (gang >> i & 1) ? __atomic_load_n(&d->sm_limit, __ATOMIC_RELAXED) : 0;
+        if (sm > 0 && sm < 100) ahead = v, vt = &d->throttle_vt_ns; /* each charged at its own limit */
     }
     return vt;
 }
