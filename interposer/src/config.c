@@ -16,7 +16,7 @@
  *   clock compensation of launch.c) or "time" (plain share of GPU time).
  * GPUSLICE_SM_TIMESLICE_CORRECTION: "nvml" (default) or "off", read by slices.c.
  * GPUSLICE_SM_LIMIT_GANG: "on" (default: a launch waits for the clocks of all the container's
- *   devices under the same compute limit, launch.c) or "off" (its own device's only).
+ *   devices under a compute limit that live processes use, launch.c) or "off" (its own only).
  *
  * The limits file (/etc/gpuslice/limits): the webhook also writes the limit
  * names above and the region path as NAME=VALUE lines into a pod annotation,

@@ -424,7 +424,7 @@ void gs_graphmem_resettle(CUdevice dev, int contexts_left); /* a context of dev 
 void gs_launch_configure(void);       /* after device discovery: is any SM limit set? */
 int gs_launch_wants_sampler(void);    /* a compute limit: the sampler must run */
 void gs_launch_sample(void);          /* sampler thread: power and utilisation -> clock compensation */
-void gs_launch_gang_refresh(void); /* sampler thread: the devices live processes launch on */
+void gs_launch_gang_refresh(void);   /* sampler thread: the devices live processes measured work on */
 unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, double util_pct);
 void gs_launch_forget_ctx(CUcontext ctx);
 void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */

@@ -91,7 +91,7 @@
 enum { THROTTLE_UNKNOWN = 0, THROTTLE_OFF = 1, THROTTLE_ON = 2 };
 static int g_state;
 static int g_time_mode; /* GPUSLICE_SM_LIMIT_MODE=time: no clock compensation */
-static int g_gang = 1;  /* GPUSLICE_SM_LIMIT_GANG: launches wait for every device's clock under the limit */
+static int g_gang = 1;  /* GPUSLICE_SM_LIMIT_GANG: launches wait for every limited device's clock */
 
 struct tstream {
     uint64_t key;       /* stream handle (per-thread default stream: mixed with the thread id) */
@@ -367,11 +367,13 @@ void gs_launch_refund_unmeasured(int slot, uint64_t cost)
  * all of them makes the container's processes wait together.  Paced one device at a time,
  * ranks that synchronise across devices (tensor or data parallel, NCCL) stall: one rank's
  * collective kernel spins while another waits for its device's budget, the spin is charged as
- * the GPU time it is, so that rank then waits (1/C - 1) times as long while the other's next
+ * the GPU time it is, so that rank then waits (100/C - 1) times as long while the other's next
  * collective spins, and so on: under a limit below 50 % each wait is longer than the last by
  * that factor (two ranks of 1.0 and 1.2 ms kernels at 40 %: 25 steps in 38 s, then a
  * collective never met; test_throttle.py -k tensor_parallel) */
-static uint32_t g_gang_mask = ~0u; /* the slots live processes of the container have launched on */
+/* the slots live processes of the container have measured work on (all until the sampler's
+ * first look: ranks not measured yet must not be left out) */
+static uint32_t g_gang_mask = ~0u;
 
 static uint64_t *gate_clock(int slot)
 {
