@@ -402,14 +402,22 @@ unsigned gs_env_sm_limit(unsigned container_index)
     return pct >= 100 ? 0 : (unsigned)pct;
 }
 
-int gs_env_sm_time_mode(void)
+/* An env switch with two words: 1 if it names `other`; 0 if unset, empty, `dflt` or anything
+ * else (that with an error naming both words) */
+static int env_switch(const char *name, const char *dflt, const char *other)
 {
-    const char *v = getenv("GPUSLICE_SM_LIMIT_MODE");
-    if (!v || !*v || !strcmp(v, "throughput")) return 0;
-    if (strcmp(v, "time") != 0) {
-        GS_ERROR("ignoring GPUSLICE_SM_LIMIT_MODE value '%s' (expected throughput or time)", v);
+    const char *v = getenv(name);
+    if (!v || !*v || !strcmp(v, dflt)) return 0;
+    if (strcmp(v, other) != 0) {
+        GS_ERROR("ignoring %s value '%s' (expected %s or %s)", name, v, dflt, other);
         return 0;
     }
+    return 1;
+}
+
+int gs_env_sm_time_mode(void)
+{
+    if (!env_switch("GPUSLICE_SM_LIMIT_MODE", "throughput", "time")) return 0;
     if (gs_env_managed()) {
         GS_WARN("ignoring GPUSLICE_SM_LIMIT_MODE=time: GPUSLICE_POD_UID is set");
         return 0;
@@ -419,13 +427,7 @@ int gs_env_sm_time_mode(void)
 
 int gs_env_sm_gang(void)
 {
-    const char *v = getenv("GPUSLICE_SM_LIMIT_GANG");
-    if (!v || !*v || !strcmp(v, "on")) return 1;
-    if (strcmp(v, "off") != 0) {
-        GS_ERROR("ignoring GPUSLICE_SM_LIMIT_GANG value '%s' (expected on or off)", v);
-        return 1;
-    }
-    return 0;
+    return !env_switch("GPUSLICE_SM_LIMIT_GANG", "on", "off");
 }
 
 const char *gs_env_region_path(char *buf, size_t len)

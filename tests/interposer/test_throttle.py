@@ -182,6 +182,13 @@ def test_a_debt_left_by_processes_that_went_is_paid_by_the_next(release_lab):
     assert took >= 8.5, f"3 x 1 s kernels at 20 % in {took:.2f} s"
 
 
+def test_a_bad_gang_value_is_reported_and_the_ranks_still_wait_together(release_lab):
+    for rc, (done, _busy, _wall) in run_ranks(release_lab, 2, "40", 60, GPUSLICE_SM_LIMIT_GANG="maybe"):
+        assert rc == 0 and done == 60
+    res = release_lab.run("init", CUDA_DEVICE_SM_LIMIT="40", GPUSLICE_SM_LIMIT_GANG="maybe")
+    assert "ignoring GPUSLICE_SM_LIMIT_GANG value 'maybe' (expected on or off)" in res.stderr
+
+
 def test_ranks_paced_one_device_at_a_time_stall(release_lab):
     # GPUSLICE_SM_LIMIT_GANG=off: the old pacing, kept as a switch for containers whose devices
     # run unrelated work; with ranks that synchronise it stalls, which this shows
