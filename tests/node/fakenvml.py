@@ -34,6 +34,8 @@ class FakeDevice:
     """MPS client processes, likewise."""
     fail: dict[str, int] = field(default_factory=dict)
     """NVML function name -> NVML error code it raises for this device."""
+    samples: list[tuple[int, int, int]] = field(default_factory=list)
+    """Per-process utilisation samples the driver keeps: (pid, timestamp µs, SM %)."""
 
 
 class FakeNvml:
@@ -47,6 +49,7 @@ class FakeNvml:
         self.initialised = False
         self.init_calls = 0
         self.count_error: int | None = None
+        self.empty_success = False
         self.absent: set[str] = set()
         """Versioned symbols this driver lacks (``nvmlDeviceGetComputeRunningProcesses_v3``: a
         driver before about 510): pynvml's unversioned call for a missing ``_v3`` raises
@@ -155,6 +158,17 @@ class FakeNvml:
     def nvmlDeviceGetMPSComputeRunningProcesses_v2(self, handle: int) -> list[Any]:
         self._symbol("nvmlDeviceGetMPSComputeRunningProcesses_v2")
         return self._mps(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
+
+    def nvmlDeviceGetProcessUtilization(self, handle: int, timeStamp: int) -> list[Any]:
+        """The samples newer than ``timeStamp``; none raises what the driver answers
+        (NVML_ERROR_NOT_FOUND), or with ``empty_success`` what pynvml makes of a driver that
+        answers success with none (an NVMLError of value 0)."""
+        d = self._dev(handle, "nvmlDeviceGetProcessUtilization")
+        found = [SimpleNamespace(pid=pid, timeStamp=ts, smUtil=pct, memUtil=0, encUtil=0,
+                                 decUtil=0) for pid, ts, pct in d.samples if ts > timeStamp]
+        if not found:
+            raise pynvml.NVMLError(0 if self.empty_success else pynvml.NVML_ERROR_NOT_FOUND)
+        return found
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
         d = self._dev(handle, "nvmlDeviceGetRetiredPagesPendingStatus")

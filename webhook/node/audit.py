@@ -58,6 +58,7 @@ from pathlib import Path
 from kubernetes_asyncio import client
 
 from webhook import names
+from webhook.node.compute import COVERED, ComputeSampler, ComputeShare
 from webhook.node.config import OVER_LIMIT_ACTIONS
 from webhook.node.inventory import GpuProcesses, Inventory
 from webhook.node.publish import API_ERRORS, TIMEOUT, api_error
@@ -69,6 +70,7 @@ UNKNOWN_TTL = 60.0
 """Seconds a container ID found in no gpuslice pod is not looked up again (a new container's
 ID reaches its pod's status within a few seconds of its start)."""
 EVENT_REASON = "GPUMemoryOverLimit"
+COMPUTE_EVENT_REASON = "GPUComputeOverLimit"
 COMPONENT = "gpuslice-agent"
 
 _POD_DIR = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
@@ -151,6 +153,13 @@ def cap_from(values: Mapping[str, str]) -> Cap | None:
     return None
 
 
+def cores_from(values: Mapping[str, str]) -> int | None:
+    """The compute limit (% of each GPU's time) the limits give, or None when they give none
+    (absent, 100, or not a number the interposer takes)."""
+    text = values.get(names.ENV_SM_LIMIT, "").strip()
+    return int(text) if text.isdigit() and 0 < int(text) < 100 else None
+
+
 def _limits_text(text: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
@@ -168,6 +177,8 @@ class Tracked:
     """The container in the pod: ``spec.containers{name}`` or ``spec.initContainers{name}``."""
     gpus: frozenset[str] | None = None
     """The GPUs assigned to it (``gpuslice.io/devices.<name>``); None where not annotated."""
+    cores: int | None = None
+    """Its compute limit (``CUDA_DEVICE_SM_LIMIT``, % of each GPU's time); None: none."""
 
     def cap_on(self, uuid: str, total: int | None) -> int | None:
         """The cap on GPU ``uuid``: none at all (0) on a GPU not assigned to the container."""
@@ -215,6 +226,7 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
             text = annotations.get(names.limits_annotation(st.name))
             env = env_of.get(st.name, {})
             gpus: frozenset[str] | None = None
+            cores: int | None = None
             if text is None and env.get(names.ENV_VISIBLE_DEVICES) == names.NO_GPUS:
                 # a container the webhook gave no GPU: any GPU memory it holds is a breach
                 # (whatever cap its own env claims), unless another device plugin gave it one
@@ -223,16 +235,18 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
                 cap = Cap(limit_bytes=0)
                 gpus = frozenset()
             else:
-                found = cap_from(_limits_text(text) if text is not None else env)
+                limits = _limits_text(text) if text is not None else env
+                found = cap_from(limits)
                 if found is None:
                     continue
                 cap = found
+                cores = cores_from(limits)
                 devices = annotations.get(names.devices_annotation(st.name))
                 if devices:
                     gpus = frozenset(u.strip() for u in devices.split(",") if u.strip())
             kind = "initContainers" if st.name in inits else "containers"
             out[ident] = Tracked(meta.namespace or "", meta.name or "", meta.uid or "",
-                                 st.name, cap, f"spec.{kind}{{{st.name}}}", gpus)
+                                 st.name, cap, f"spec.{kind}{{{st.name}}}", gpus, cores)
     return out
 
 
@@ -261,10 +275,32 @@ class Holding:
 
 
 @dataclass(frozen=True)
+class Load:
+    """One container's share of one GPU's time over the compute window, as NVML sees it."""
+
+    tracked: Tracked
+    container_id: str
+    uuid: str
+    percent: float
+    """Its processes' summed share of the GPU's time over the covered part of the window."""
+    limit: int
+    covered: float
+    """Seconds of the window NVML's samples cover."""
+    judged: bool
+    """The window is covered enough (``compute.COVERED``) for the share to be judged."""
+    pids: tuple[int, ...] = ()
+
+    def over(self, tolerance: float) -> bool:
+        return self.judged and self.percent > self.limit + tolerance
+
+
+@dataclass(frozen=True)
 class AuditReport:
     """One check: per container and GPU, and what no gpuslice container holds per GPU."""
 
     holdings: tuple[Holding, ...] = ()
+    loads: tuple[Load, ...] = ()
+    """Per container under a compute limit and GPU assigned to it: its share of the GPU."""
     unattributed: Mapping[str, int] = field(default_factory=dict)
     complete: bool = False
     """Every GPU's process list was read, every process placed or found not ours, and NVML gave
@@ -291,10 +327,14 @@ class Auditor:
                  list_pods: Callable[[], Awaitable[list[client.V1Pod]]] | None,
                  api_client: client.ApiClient | None = None, node_name: str = "",
                  tolerance_bytes: int = 0, action: str = "none", rounds: int = 3,
+                 compute_window: float = 0.0, compute_tolerance: float = 10.0,
+                 compute_action: str = "none",
                  clock: Callable[[], float] = time.monotonic,
                  boot_clock: Callable[[], int] = boot_ticks) -> None:
-        if action not in OVER_LIMIT_ACTIONS:
-            raise ValueError(f"over-limit action must be one of {OVER_LIMIT_ACTIONS}: {action!r}")
+        for what in (action, compute_action):
+            if what not in OVER_LIMIT_ACTIONS:
+                raise ValueError(f"over-limit action must be one of {OVER_LIMIT_ACTIONS}: "
+                                 f"{what!r}")
         self._inventory = inventory
         self._proc = Path(proc_root)
         self._list_pods = list_pods
@@ -303,11 +343,18 @@ class Auditor:
         self.tolerance = tolerance_bytes
         self.action = action
         self.rounds = max(1, rounds)
+        self.compute_tolerance = compute_tolerance
+        self.compute_action = compute_action
+        self.compute = ComputeSampler(inventory, self._place_now, compute_window,
+                                      clock=clock) if compute_window > 0 else None
+        """The outside compute check's sampler (None: off); the agent polls it every
+        ``compute.SAMPLE_INTERVAL`` seconds."""
         self._clock = clock
         self._boot_clock = boot_clock
         self._known: dict[str, Tracked] = {}
         self._unknown: dict[str, float] = {}
-        self._episodes: dict[tuple[str, str], _Episode] = {}
+        self._episodes: dict[tuple[str, str, str], _Episode] = {}
+        """("memory" or "compute", container ID, GPU UUID) -> its episode over the limit."""
         self.last = AuditReport()
         self._warned_pid0 = False
         self.errors = 0
@@ -330,6 +377,12 @@ class Auditor:
         if started is None or started >= listed:
             return _REUSED
         return pod_and_container(text)
+
+    def _place_now(self, pid: int) -> tuple[str, str] | None:
+        """The pod UID and container ID of a process NVML sampled just now (None: not a
+        container's, gone, or a pid reused since the query)."""
+        place = self._cgroup(pid, self._boot_clock())
+        return None if place is _REUSED else place
 
     async def _refresh(self, wanted: Mapping[str, str]) -> bool:
         """Learn the containers in ``wanted`` (container ID -> its cgroup's pod UID) not mapped
@@ -371,7 +424,10 @@ class Auditor:
         listed = self._boot_clock()
         gpus: list[GpuProcesses] = await asyncio.to_thread(self._inventory.processes)
         places, reused = await asyncio.to_thread(self._places, gpus, listed)
-        complete = await self._refresh({c: pod for pod, c in places.values()})
+        shares = self.compute.shares() if self.compute is not None else {}
+        wanted = {c: pod for pod, c in places.values()}
+        wanted.update({c: pod for pod, c, _ in shares})
+        complete = await self._refresh(wanted)
         complete = complete and not reused and all(g.processes is not None for g in gpus)
         held: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
         unattributed: dict[str, int] = {}
@@ -396,12 +452,38 @@ class Auditor:
                     self._known[ident].cap_on(uuid, totals.get(uuid)), tuple(sorted(pids)),
                     tuple(sorted(unknown)))
             for (ident, uuid), (pids, unknown, size) in sorted(held.items()))
-        self._forget(places)
+        loads = self._loads(holdings, shares)
+        self._forget(places, shares)
         complete = complete and not any(h.unknown_pids for h in holdings)
-        report = AuditReport(holdings, unattributed, complete)
+        report = AuditReport(holdings, loads, unattributed, complete)
         self.last = report
         await self._act(report, {g.gpu.uuid for g in gpus if g.processes is None})
         return report
+
+    def _loads(self, holdings: Iterable[Holding],
+               shares: Mapping[tuple[str, str, str], ComputeShare]) -> tuple[Load, ...]:
+        """Each container under a compute limit, on each GPU assigned to it where it ran or
+        holds memory, with its share of the GPU's time (0 where it had no sample)."""
+        if self.compute is None:
+            return ()
+        coverage = self.compute.coverage()
+        seen: dict[tuple[str, str], ComputeShare | None] = {}
+        for (pod, ident, uuid), share in shares.items():
+            t = self._known.get(ident)
+            if t is not None and t.pod_uid == pod:
+                seen[(ident, uuid)] = share
+        for h in holdings:
+            seen.setdefault((h.container_id, h.uuid), None)
+        out = []
+        for ident, uuid in sorted(seen):
+            t = self._known.get(ident)
+            got = seen[(ident, uuid)]
+            covered = coverage.get(uuid, 0.0)
+            if t is None or t.cores is None or (t.gpus is not None and uuid not in t.gpus):
+                continue  # no limit; or a GPU not its own: the memory check's breach
+            out.append(Load(t, ident, uuid, got.percent if got else 0.0, t.cores, covered,
+                            covered >= COVERED * self.compute.window, got.pids if got else ()))
+        return tuple(out)
 
     def _places(self, gpus: list[GpuProcesses],
                 listed: int) -> tuple[dict[int, tuple[str, str]], set[int]]:
@@ -423,53 +505,82 @@ class Auditor:
                 places[pid] = place
         return places, reused
 
-    def _forget(self, places: Mapping[int, tuple[str, str]]) -> None:
-        """Drop mapped containers no process of which holds GPU memory any more (a container ID
-        is never reused, so one seen again is simply looked up again)."""
-        live = {c for _, c in places.values()}
+    def _forget(self, places: Mapping[int, tuple[str, str]],
+                shares: Mapping[tuple[str, str, str], ComputeShare]) -> None:
+        """Drop mapped containers no process of which holds GPU memory any more or ran in the
+        compute window (a container ID is never reused, so one seen again is simply looked up
+        again)."""
+        live = {c for _, c in places.values()} | {c for _, c, _ in shares}
         for ident in [i for i in self._known if i not in live]:
             del self._known[ident]
 
     async def _act(self, report: AuditReport, unread: set[str]) -> None:
-        """Start, continue or end each container's over-the-cap episode per GPU; an episode
-        ends after ``rounds`` checks in a row under the cap (so one that dips under now and
-        then is still evicted), and a GPU whose list could not be read changes nothing."""
-        over_now: set[tuple[str, str]] = set()
+        """Start, continue or end each container's over-the-limit episodes per GPU (memory and
+        compute apart); an episode ends after ``rounds`` checks in a row under the limit (so one
+        that dips under now and then is still evicted), and a GPU whose list could not be read,
+        or a compute window not covered enough, changes nothing."""
+        findings: list[tuple[tuple[str, str, str], bool, Holding | Load]] = [
+            (("memory", h.container_id, h.uuid), h.over(self.tolerance), h)
+            for h in report.holdings]
+        findings += [(("compute", c.container_id, c.uuid), c.over(self.compute_tolerance), c)
+                     for c in report.loads if c.judged]
+        unjudged = {("compute", c.container_id, c.uuid) for c in report.loads if not c.judged}
+        over_now: set[tuple[str, str, str]] = set()
         evicted: set[str] = set()  # pods asked for this time (a container over on two GPUs)
-        for h in report.holdings:
-            key = (h.container_id, h.uuid)
-            if not h.over(self.tolerance):
+        for key, is_over, found in findings:
+            if not is_over:
                 continue
             over_now.add(key)
             ep = self._episodes.setdefault(key, _Episode())
             ep.rounds += 1
             ep.under = 0
-            t = h.tracked
             if ep.rounds == 1:
                 self.episodes += 1
-                logger.warning("container holds more GPU memory than its cap (seen from outside, "
-                               "by NVML)", extra={
-                                   "namespace": t.namespace, "pod": t.pod,
-                                   "container": t.container, "gpu": h.uuid,
-                                   "used_mib": h.used_bytes // MIB,
-                                   "cap_mib": (h.cap_bytes or 0) // MIB, "pids": list(h.pids),
-                                   "pids_without_figure": list(h.unknown_pids),
-                                   "assigned": h.assigned,
-                                   "action": self.action})
-                await self._event(h)
-            if self.action == "evict" and ep.rounds >= self.rounds and not ep.evicted:
-                ep.evicted = t.pod_uid in evicted or await self._evict(h)
+                self._log_over(found)
+                await self._event(found)
+            action = self.action if isinstance(found, Holding) else self.compute_action
+            pod_uid = found.tracked.pod_uid
+            if action == "evict" and ep.rounds >= self.rounds and not ep.evicted:
+                ep.evicted = pod_uid in evicted or await self._evict(found)
                 if ep.evicted:
-                    evicted.add(t.pod_uid)
+                    evicted.add(pod_uid)
         for key, ep in list(self._episodes.items()):
-            if key in over_now or key[1] in unread:
+            if key in over_now or key in unjudged or (key[0] == "memory" and key[2] in unread):
                 continue
             ep.under += 1
             if ep.under >= self.rounds:
                 del self._episodes[key]
 
-    def _message(self, h: Holding) -> str:
-        t = h.tracked
+    def _log_over(self, found: Holding | Load) -> None:
+        t = found.tracked
+        where = {"namespace": t.namespace, "pod": t.pod, "container": t.container,
+                 "gpu": found.uuid, "pids": list(found.pids)}
+        if isinstance(found, Holding):
+            logger.warning("container holds more GPU memory than its cap (seen from outside, "
+                           "by NVML)", extra={
+                               **where, "used_mib": found.used_bytes // MIB,
+                               "cap_mib": (found.cap_bytes or 0) // MIB,
+                               "pids_without_figure": list(found.unknown_pids),
+                               "assigned": found.assigned, "action": self.action})
+        else:
+            logger.warning("container uses more of the GPU's time than its compute limit (seen "
+                           "from outside, by NVML)", extra={
+                               **where, "percent": round(found.percent, 1),
+                               "limit_percent": found.limit,
+                               "window_s": round(found.covered, 1),
+                               "action": self.compute_action})
+
+    def _message(self, found: Holding | Load) -> str:
+        t = found.tracked
+        if isinstance(found, Load):
+            what = (f"evicting after {self.rounds} checks over it"
+                    if self.compute_action == "evict"
+                    else "not acted on (compute over-limit action none)")
+            return (f"container {t.container} used {found.percent:.0f} % of GPU {found.uuid}'s "
+                    f"time over the last {found.covered:.0f} s (NVML, pids "
+                    f"{', '.join(map(str, found.pids))}), over its compute limit of "
+                    f"{found.limit} % (nvidia.com/gpucores); {what}")
+        h = found
         what = (f"evicting after {self.rounds} checks over it" if self.action == "evict"
                 else "not acted on (--over-limit-action none)")
         if h.assigned:
@@ -481,18 +592,19 @@ class Auditor:
         return (f"container {t.container} holds {h.used_bytes // MIB} MiB on GPU {h.uuid} "
                 f"(NVML, pids {', '.join(map(str, h.pids))}), {over}; {what}")
 
-    async def _event(self, h: Holding) -> None:
+    async def _event(self, found: Holding | Load) -> None:
         if self._api is None:
             return
-        t = h.tracked
+        t = found.tracked
         now = datetime.now(UTC)
+        reason = EVENT_REASON if isinstance(found, Holding) else COMPUTE_EVENT_REASON
         body = client.CoreV1Event(
             api_version="v1", kind="Event", metadata=client.V1ObjectMeta(name=f"{t.pod[:236]}.{secrets.token_hex(8)}",
                                          namespace=t.namespace),
             involved_object=client.V1ObjectReference(
                 api_version="v1", kind="Pod", name=t.pod, namespace=t.namespace, uid=t.pod_uid,
                 field_path=t.field_path or None),
-            reason=EVENT_REASON, message=self._message(h)[:1024], type="Warning",
+            reason=reason, message=self._message(found)[:1024], type="Warning",
             source=client.V1EventSource(component=COMPONENT, host=self._node or None),
             reporting_component=COMPONENT, reporting_instance=self._node or COMPONENT,
             first_timestamp=now, last_timestamp=now, count=1)
@@ -506,11 +618,11 @@ class Auditor:
         else:
             self.events += 1
 
-    async def _evict(self, h: Holding) -> bool:
+    async def _evict(self, found: Holding | Load) -> bool:
         """Ask for the pod's eviction; True once the API server took it (or the pod is gone)."""
         if self._api is None:
             return False
-        t = h.tracked
+        t = found.tracked
         # the UID precondition: a pod made since under the same name (a StatefulSet's) is not
         # the one that went over
         body = client.V1Eviction(
@@ -531,8 +643,15 @@ class Auditor:
                                "error": api_error(exc)})
             return False
         self.evictions += 1
-        logger.warning("pod evicted: a container held more GPU memory than its cap", extra={
-            "namespace": t.namespace, "pod": t.pod, "container": t.container, "gpu": h.uuid,
-            "used_mib": h.used_bytes // MIB, "cap_mib": (h.cap_bytes or 0) // MIB})
+        where = {"namespace": t.namespace, "pod": t.pod, "container": t.container,
+                 "gpu": found.uuid}
+        if isinstance(found, Holding):
+            logger.warning("pod evicted: a container held more GPU memory than its cap", extra={
+                **where, "used_mib": found.used_bytes // MIB,
+                "cap_mib": (found.cap_bytes or 0) // MIB})
+        else:
+            logger.warning("pod evicted: a container used more of the GPU's time than its "
+                           "compute limit", extra={
+                               **where, "percent": round(found.percent, 1),
+                               "limit_percent": found.limit})
         return True
-

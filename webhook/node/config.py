@@ -60,6 +60,17 @@ class AgentSettings:
     over_limit_rounds: int = 3
     """Checks a container must be found over its cap in one episode before its pod is evicted;
     the episode ends after as many checks in a row under it. Default 3."""
+    compute_window: float = 60.0
+    """Seconds over which the outside compute check averages each container's share of each
+    GPU's time (NVML's per-process utilisation, sampled every second) against its compute limit;
+    0 = off (the check runs only with the memory check, ``audit_interval`` > 0). Default 60."""
+    compute_tolerance: float = 10.0
+    """Percentage points a container's share may exceed its compute limit by before the check
+    reports it. Default 10."""
+    compute_over_limit_action: str = "none"
+    """What the compute check does about a container over its limit, beyond the metric, the
+    log and a Warning Event: "none", or "evict" its pod once found over in
+    ``over_limit_rounds`` checks. Default none."""
     split_count: int = 10
     """Slices per physical GPU: nvidia.com/gpu capacity = healthy GPUs x this. Default 10."""
     resource_gpu: str = "nvidia.com/gpu"
@@ -117,6 +128,15 @@ def _validate(s: AgentSettings) -> None:
               f"must be one of {', '.join(OVER_LIMIT_ACTIONS)}")
     if not isinstance(s.over_limit_rounds, int) or not 1 <= s.over_limit_rounds <= 1000:
         _fail("--over-limit-rounds", s.over_limit_rounds, "must be an integer from 1 to 1000")
+    if not isinstance(s.compute_window, (int, float)) or not (
+            s.compute_window == 0 or 5 <= s.compute_window <= 3600):
+        _fail("--compute-window", s.compute_window, "must be 0 (off) or 5 to 3600 seconds")
+    if not isinstance(s.compute_tolerance, (int, float)) or not 0 <= s.compute_tolerance <= 100:
+        _fail("--compute-tolerance", s.compute_tolerance,
+              "must be 0 to 100 percentage points")
+    if s.compute_over_limit_action not in OVER_LIMIT_ACTIONS:
+        _fail("--compute-over-limit-action", s.compute_over_limit_action,
+              f"must be one of {', '.join(OVER_LIMIT_ACTIONS)}")
     if not isinstance(s.split_count, int) or not 1 <= s.split_count <= 1000:
         _fail("--split-count", s.split_count, "must be an integer from 1 to 1000")
     res = (s.resource_gpu, s.resource_mem, s.resource_cores)
@@ -170,6 +190,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--over-limit-rounds", type=int, default=d["over_limit_rounds"].default,
                    help="checks over the cap (in one episode) before an eviction "
                         "(default %(default)s)")
+    p.add_argument("--compute-window", type=float, default=d["compute_window"].default,
+                   help="seconds over which the outside compute check averages a container's "
+                        "share of a GPU's time, 0 = off (default %(default)s)")
+    p.add_argument("--compute-tolerance", type=float, default=d["compute_tolerance"].default,
+                   help="percentage points past its compute limit before a container is "
+                        "reported (default %(default)s)")
+    p.add_argument("--compute-over-limit-action", choices=OVER_LIMIT_ACTIONS,
+                   default=d["compute_over_limit_action"].default,
+                   help="none, or evict the pod of a container over its compute limit "
+                        "(default %(default)s)")
     p.add_argument("--split-count", type=int, default=d["split_count"].default,
                    help="slices per GPU (default %(default)s)")
     p.add_argument("--resource-gpu", default=d["resource_gpu"].default,
@@ -204,6 +234,9 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
             over_limit_tolerance_mib=args.over_limit_tolerance_mib,
             over_limit_action=args.over_limit_action,
             over_limit_rounds=args.over_limit_rounds,
+            compute_window=args.compute_window,
+            compute_tolerance=args.compute_tolerance,
+            compute_over_limit_action=args.compute_over_limit_action,
             split_count=args.split_count,
             resource_gpu=args.resource_gpu,
             resource_mem=args.resource_mem,

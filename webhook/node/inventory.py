@@ -76,6 +76,17 @@ class GpuProcesses:
 
 
 @dataclass(frozen=True)
+class GpuUtilisation:
+    """NVML's per-process utilisation samples of one GPU newer than the ``since`` asked for:
+    each pid's SM share (%, the average of its new samples), the newest sample's timestamp
+    (NVML's, µs), and ``samples`` None when the query failed or the GPU has none."""
+
+    gpu: Gpu
+    samples: dict[int, float] | None
+    newest: int
+
+
+@dataclass(frozen=True)
 class Discovery:
     """The result of one discovery: the GPUs, or why NVML could not be used."""
 
@@ -270,6 +281,42 @@ class Inventory:
                 before = held.get(int(p.pid))
                 held[int(p.pid)] = used if before is None else max(before, used or 0)
         return GpuProcesses(gpu, total, held)
+
+    def process_utilisation(self, since: dict[str, int]) -> list[GpuUtilisation]:
+        """Per GPU of the last discovery: NVML's per-process SM utilisation samples newer than
+        ``since[uuid]`` (µs, NVML's timestamps; 0 or absent: all the driver keeps), averaged per
+        pid (empty without NVML). The driver keeps one sample per process per sample period
+        (1/6 to 1 s) that had some utilisation in it; nothing new is ``{}``. Samples above 100 %
+        (some drivers report garbage for exited processes) are dropped."""
+        with self._lock:
+            if not self._initialised or not self._last.available:
+                return []
+            return [self._utilisation_locked(gpu, since.get(gpu.uuid, 0))
+                    for gpu in self._last.gpus]
+
+    def _utilisation_locked(self, gpu: Gpu, since: int) -> GpuUtilisation:
+        try:
+            handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+            found = list(self._nvml.nvmlDeviceGetProcessUtilization(handle, since))
+        except pynvml.NVMLError_NotFound:  # no sample since then: nothing ran, or no period ended
+            return GpuUtilisation(gpu, {}, since)
+        except pynvml.NVMLError as exc:
+            if exc.value == pynvml.NVML_SUCCESS:  # pynvml raises the driver's "none at all"
+                return GpuUtilisation(gpu, {}, since)
+            return GpuUtilisation(gpu, None, since)
+        except _NO_SUCH_QUERY:
+            return GpuUtilisation(gpu, None, since)
+        sums: dict[int, tuple[int, int]] = {}
+        newest = since
+        for s in found:
+            stamp, pct = int(s.timeStamp), int(s.smUtil)
+            if stamp <= since or pct > 100:  # old news some drivers return again; garbage
+                continue
+            newest = max(newest, stamp)
+            total, count = sums.get(int(s.pid), (0, 0))
+            sums[int(s.pid)] = (total + pct, count + 1)
+        return GpuUtilisation(gpu, {pid: total / count for pid, (total, count) in sums.items()},
+                              newest)
 
     def _process_list(self, kind: str, handle: Any) -> list[Any] | None:
         """NVML's ``kind`` process list of a GPU, None if the driver has no such query (a failing

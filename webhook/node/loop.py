@@ -9,8 +9,10 @@ Start the metrics server, then loop. Each round, and again every ``--interval``:
    place, so no GPU pod is scheduled onto a node that cannot isolate it;
 4. remove the state dirs of pods the API server no longer has on the node.
 
-Beside the rounds, every ``--audit-interval``: the outside memory check
-(:mod:`webhook.node.audit`), each container's GPU memory as NVML sees it against its cap.
+Beside the rounds, every ``--audit-interval``: the outside check (:mod:`webhook.node.audit`),
+each container's GPU memory as NVML sees it against its cap, and its share of each GPU's time
+over ``--compute-window`` against its compute limit (sampled every second,
+:mod:`webhook.node.compute`).
 
 An API or install failure shortens the wait to an exponential backoff with jitter (1 s
 doubling, capped at the interval) instead of ending the process; metrics keep being served
@@ -32,6 +34,7 @@ from kubernetes_asyncio import client, config
 
 from webhook.node import cleanup, install
 from webhook.node.audit import MIB, Auditor
+from webhook.node.compute import SAMPLE_INTERVAL
 from webhook.node.config import AgentSettings
 from webhook.node.inventory import Inventory
 from webhook.node.metrics import AgentCollector, AgentStatus, make_registry, metrics_app
@@ -78,6 +81,9 @@ class Agent:
             api_client=api_client, node_name=settings.node_name,
             tolerance_bytes=settings.over_limit_tolerance_mib * MIB,
             action=settings.over_limit_action, rounds=settings.over_limit_rounds,
+            compute_window=settings.compute_window,
+            compute_tolerance=settings.compute_tolerance,
+            compute_action=settings.compute_over_limit_action,
         ) if settings.audit_interval > 0 else None
         self.collector = AgentCollector(self.inventory, settings.host_state_dir, self.status,
                                         auditor=self.auditor)
@@ -204,17 +210,39 @@ class Agent:
             except TimeoutError:
                 pass
 
+    async def sample_compute(self) -> None:
+        """One poll of the outside compute check's sampler; a failure is logged, not raised."""
+        if self.auditor is None or self.auditor.compute is None:
+            return
+        try:
+            await asyncio.to_thread(self.auditor.compute.poll)
+        except Exception:  # a bug must not end the sampling, nor the agent
+            self.auditor.errors += 1
+            logger.exception("sampling the GPUs' per-process utilisation failed")
+
+    async def _sample_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.sample_compute()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=SAMPLE_INTERVAL)
+            except TimeoutError:
+                pass
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Round after round until ``stop`` is set; the outside memory checks beside them, at
-        their own interval."""
-        audits = asyncio.create_task(self._audit_loop(stop)) if self.auditor else None
+        """Round after round until ``stop`` is set; the outside checks beside them, at their
+        own intervals (the compute check's sampler every second)."""
+        beside = []
+        if self.auditor is not None:
+            beside.append(asyncio.create_task(self._audit_loop(stop)))
+            if self.auditor.compute is not None:
+                beside.append(asyncio.create_task(self._sample_loop(stop)))
         try:
             await self._rounds(stop)
         finally:
-            if audits is not None:
-                audits.cancel()  # a check waiting on the API server must not hold up SIGTERM
+            for task in beside:
+                task.cancel()  # a check waiting on the API server must not hold up SIGTERM
                 with contextlib.suppress(asyncio.CancelledError):
-                    await audits
+                    await task
 
     def stalled(self) -> str | None:
         """Why the agent is not healthy: no round has ended (well or not) for five intervals

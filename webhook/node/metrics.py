@@ -15,7 +15,9 @@ and limit, compute limit (%), the busy-time counter the interposer keeps, and th
 compute share (% of the GPU's time over the interval since the previous scrape; absent on the
 first scrape of a region). From the outside memory check (:mod:`webhook.node.audit`, its last
 result): per container and device, the memory NVML sees its processes hold and whether that is
-over its cap; per GPU, what processes of no gpuslice container hold. The scrape runs in a worker thread so a slow NVML call cannot stall
+over its cap; per container under a compute limit and device, its share of the device's time
+over the compute window as NVML sees it and whether that is over its limit; per GPU, what
+processes of no gpuslice container hold. The scrape runs in a worker thread so a slow NVML call cannot stall
 the agent's event loop.
 """
 
@@ -238,6 +240,7 @@ class AgentCollector(Collector):
         for uuid, size in sorted(report.unattributed.items()):
             other.add_metric([uuid], size)
         yield from (seen, over, other)
+        yield from self._collect_loads(auditor)
         yield GaugeMetricFamily("gpuslice_agent_audit_complete",
                                 "1 when the last outside check placed and measured every GPU "
                                 "process", value=1 if report.complete else 0)
@@ -248,11 +251,38 @@ class AgentCollector(Collector):
                                   "outside checks, Events or evictions that failed",
                                   value=auditor.errors)
         yield CounterMetricFamily("gpuslice_agent_over_limit_events",
-                                  "containers found over their cap (one per episode)",
+                                  "containers found over their memory cap or compute limit (one "
+                                  "per episode)",
                                   value=auditor.episodes)
         yield CounterMetricFamily("gpuslice_agent_evictions",
-                                  "pods evicted for a container over its cap",
+                                  "pods evicted for a container over its cap or compute limit",
                                   value=auditor.evictions)
+
+    @staticmethod
+    def _collect_loads(auditor: Auditor) -> Iterator[Metric]:
+        if auditor.compute is None:
+            return
+        seen = GaugeMetricFamily("gpuslice_container_compute_observed_percent",
+                                 "the container's share of the device's time over the compute "
+                                 "window as NVML sees its processes use it (the outside check)",
+                                 labels=_CTR_LABELS)
+        over = GaugeMetricFamily("gpuslice_container_compute_over_limit",
+                                 "1 when the outside check saw the container use more of the "
+                                 "device's time than its compute limit (plus the tolerance)",
+                                 labels=_CTR_LABELS)
+        by_label: dict[tuple[str, str, str, str, str], tuple[float, bool]] = {}
+        for c in auditor.last.loads:
+            t = c.tracked
+            key = (t.namespace, t.pod, t.pod_uid, t.container, c.uuid)
+            pct, was_over = by_label.get(key, (0.0, False))
+            by_label[key] = (pct + c.percent, was_over or c.over(auditor.compute_tolerance))
+        for key, (pct, is_over) in by_label.items():
+            seen.add_metric(list(key), round(pct, 2))
+            over.add_metric(list(key), 1 if is_over else 0)
+        yield from (seen, over)
+        yield CounterMetricFamily("gpuslice_agent_compute_sample_errors",
+                                  "NVML per-process utilisation queries that failed",
+                                  value=auditor.compute.failures)
 
     def _collect_agent(self) -> Iterator[Metric]:
         st = self._status

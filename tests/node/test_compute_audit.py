@@ -1,0 +1,456 @@
+"""The outside compute check (webhook.node.compute, webhook.node.audit): NVML's per-process
+utilisation, placed into containers by their cgroups as it is sampled, averaged over a sliding
+window and judged against the compute limit the webhook wrote; the metric, the Warning Event,
+the eviction, and NVML's failures and quirks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from fakekube import FakeKube
+from kubeschema import assert_valid
+from node.fakenvml import GIB, FakeDevice, FakeNvml
+from node.test_audit import GPU0, GPU1, NODE, Clock, Node, _auditor, gpu_pod
+from node.test_metrics import ctr_labels, samples
+
+from webhook.node.audit import Auditor, cores_from, tracked_containers
+from webhook.node.compute import SILENCE, ComputeSampler
+from webhook.node.config import AgentSettings, SettingsError, add_arguments, settings_from_args
+from webhook.node.inventory import Inventory
+from webhook.node.metrics import AgentCollector, AgentStatus, make_registry
+
+WINDOW = 20.0
+
+
+def cores_pod(name: str, cores: str | None, *, gpus: str = "1", mib: str = "4096",
+              namespace: str = "ml") -> dict[str, Any]:
+    """A pod with one container ``a`` of ``gpus`` GPUs, ``mib`` MiB each, ``cores`` % of each."""
+    limits = {"nvidia.com/gpu": gpus, "nvidia.com/gpumem": mib}
+    if cores is not None:
+        limits["nvidia.com/gpucores"] = cores
+    return gpu_pod(name, {"a": limits}, namespace=namespace)
+
+
+class Gpus:
+    """Drives the fake driver's per-process samples and the clock, one second at a time."""
+
+    def __init__(self, node: Node, clock: Clock) -> None:
+        self.node, self.clock = node, clock
+        self.stamp = 1_700_000_000_000_000  # µs, as NVML stamps its samples
+
+    def run(self, sampler: ComputeSampler, seconds: int, shares: dict[tuple[int, int], int]) -> None:
+        """``shares``: (GPU index, pid) -> its SM % in each second (0: no sample, as the driver
+        gives none for a process that did not run)."""
+        for _ in range(seconds):
+            self.clock.t += 1.0
+            self.stamp += 1_000_000
+            for (gpu, pid), pct in shares.items():
+                if pct:
+                    self.node.nvml.devices[gpu].samples.append((pid, self.stamp, pct))
+            sampler.poll()
+
+
+def compute_auditor(node: Node, api: Any, clock: Clock, **kw: Any) -> Auditor:
+    kw.setdefault("compute_window", WINDOW)
+    return _auditor(node, api, clock=clock, **kw)
+
+
+def loads(report: Any) -> dict[tuple[str, str], tuple[float, int, bool]]:
+    return {(c.tracked.pod, c.uuid): (round(c.percent, 1), c.limit, c.judged)
+            for c in report.loads}
+
+
+# ---- NVML's figures ---------------------------------------------------------------------
+
+def test_samples_newer_than_asked_are_averaged_per_pid_and_garbage_dropped() -> None:
+    nvml = FakeNvml([FakeDevice(GPU0, samples=[
+        (10, 100, 30), (10, 200, 40), (11, 150, 20), (12, 160, 4294967295), (13, 90, 50)])])
+    inv = Inventory(nvml)
+    inv.discover()
+    (u,) = inv.process_utilisation({GPU0: 100})
+    assert (u.samples, u.newest) == ({10: 40.0, 11: 20.0}, 200)
+    (u,) = inv.process_utilisation({})  # from the start: all the driver keeps
+    assert u.samples == {10: 35.0, 11: 20.0, 13: 50.0} and u.newest == 200
+
+
+def test_no_new_sample_is_nothing_new_and_a_failing_query_is_no_answer() -> None:
+    nvml = FakeNvml([FakeDevice(GPU0, samples=[(10, 100, 30)]), FakeDevice(GPU1)])
+    inv = Inventory(nvml)
+    inv.discover()
+    assert [(u.samples, u.newest) for u in inv.process_utilisation({GPU0: 100})] == \
+        [({}, 100), ({}, 0)]  # NVML_ERROR_NOT_FOUND
+    nvml.empty_success = True  # pynvml raises NVMLError(0) for a driver's "none, success"
+    assert [u.samples for u in inv.process_utilisation({GPU0: 100})] == [{}, {}]
+    nvml.devices[0].fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
+    nvml.devices[1].fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert [u.samples for u in inv.process_utilisation({})] == [None, None]
+    assert Inventory(FakeNvml()).process_utilisation({}) == []  # not discovered: nothing
+
+
+def test_the_compute_limit_comes_from_the_limits_the_webhook_wrote() -> None:
+    assert cores_from({"CUDA_DEVICE_SM_LIMIT": "30"}) == 30
+    for text in ("100", "0", "", "thirty", "-5", "150"):
+        assert cores_from({"CUDA_DEVICE_SM_LIMIT": text}) is None
+    assert cores_from({}) is None
+
+
+async def test_tracked_containers_carry_their_compute_limit() -> None:
+    from node.test_audit import as_models
+    got = tracked_containers(await as_models(cores_pod("a30", "30"), cores_pod("none", None),
+                                             cores_pod("whole", "100")))
+    assert {t.pod: t.cores for t in got.values()} == {"a30": 30, "none": None, "whole": None}
+
+
+# ---- the check --------------------------------------------------------------------------
+
+async def test_a_container_within_its_limit_passes_one_over_it_is_reported(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two containers at 30 % on one GPU: one paced (28 %), one that never loaded the library
+    (65 %), beside a host process. The region files are not read: NVML alone says it."""
+    node, clock = Node(tmp_path), Clock()
+    paced, rogue = cores_pod("paced", "30"), cores_pod("rogue", "30")
+    node.run_in(paced, "a", 1001, {0: 2 * GIB})
+    node.run_in(rogue, "a", 2001, {0: 2 * GIB})
+    node.run(3001, "0::/system.slice/xorg.service\n", {0: GIB})
+    gpus = Gpus(node, clock)
+    busy = {(0, 1001): 28, (0, 2001): 65, (0, 3001): 5}
+    async with FakeKube() as kube:
+        paced, rogue = kube.put(paced), kube.put(rogue)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock)
+            assert auditor.compute is not None
+            gpus.run(auditor.compute, 10, busy)
+            report = await auditor.check()
+            # half the window: figures, no verdict yet
+            assert loads(report) == {("paced", GPU0): (28.0, 30, False),
+                                     ("rogue", GPU0): (65.0, 30, False)}
+            assert auditor.episodes == 0
+            gpus.run(auditor.compute, 10, busy)
+            with caplog.at_level(logging.WARNING, logger="webhook.node.audit"):
+                report = await auditor.check()
+            assert loads(report) == {("paced", GPU0): (28.0, 30, True),
+                                     ("rogue", GPU0): (65.0, 30, True)}
+            assert [c.tracked.pod for c in report.loads if c.over(10)] == ["rogue"]
+            assert not any(h.over(0) for h in report.holdings)  # memory is fine
+            events = [o for (p, _, _), o in kube.objects.items() if p == "events"]
+            assert len(events) == 1
+            ev = events[0]
+            assert (ev["reason"], ev["type"], ev["involvedObject"]["uid"]) == \
+                ("GPUComputeOverLimit", "Warning", rogue["metadata"]["uid"])
+            assert "used 65 % of GPU" in ev["message"] and "compute limit of 30 %" in ev["message"]
+            assert "pids 2001" in ev["message"]
+            emitted = {k: v for k, v in ev.items() if k != "metadata"}
+            emitted["metadata"] = {"name": ev["metadata"]["name"], "namespace": "ml"}
+            assert_valid(emitted)
+            warned = [r for r in caplog.records if "compute limit" in r.message]
+            assert [(r.pod, r.percent, r.limit_percent, r.pids) for r in warned] == \
+                [("rogue", 65.0, 30, [2001])]
+            registry = make_registry(AgentCollector(node.inventory, tmp_path / "state",
+                                                    AgentStatus(), auditor=auditor))
+            got = samples(registry)
+            for pod, pct, over in ((paced, 28.0, 0), (rogue, 65.0, 1)):
+                lab = ctr_labels("ml", pod["metadata"]["name"], pod["metadata"]["uid"], "a", GPU0)
+                assert got[("gpuslice_container_compute_observed_percent", lab)] == pct
+                assert got[("gpuslice_container_compute_over_limit", lab)] == over
+            assert got[("gpuslice_agent_over_limit_events_total", ())] == 1
+            # not evicted (the compute action is none), and one Event per episode
+            gpus.run(auditor.compute, 10, busy)
+            await auditor.check()
+            assert kube.get("pods", "rogue", "ml") is not None and auditor.events == 1
+
+
+async def test_over_the_limit_for_the_rounds_is_evicted_under_the_compute_action(
+        tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("hog", "20")
+    node.run_in(pod, "a", 5000, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            # the memory action alone does not evict for compute
+            auditor = compute_auditor(node, api, clock, action="evict", rounds=2)
+            gpus.run(auditor.compute, 20, {(0, 5000): 90})
+            for _ in range(3):
+                await auditor.check()
+                gpus.run(auditor.compute, 10, {(0, 5000): 90})
+            assert kube.requests_to("POST", "/eviction") == [] and auditor.events == 1
+            auditor = compute_auditor(node, api, clock, compute_action="evict", rounds=2)
+            gpus.run(auditor.compute, 20, {(0, 5000): 90})
+            await auditor.check()
+            assert kube.requests_to("POST", "/eviction") == []  # one check is not enough
+            gpus.run(auditor.compute, 10, {(0, 5000): 90})
+            await auditor.check()
+            (post,) = kube.requests_to("POST", r"/namespaces/ml/pods/hog/eviction$")
+            assert_valid(post.body)
+            assert kube.get("pods", "hog", "ml") is None and auditor.evictions == 1
+
+
+@pytest.mark.parametrize(("pcts", "over"), [
+    ((38,), False),  # within the tolerance (10 points)
+    ((41,), True),
+    ((20, 21), True),  # two processes of the container: their shares add up
+])
+async def test_the_tolerance_and_a_containers_processes_summed(
+        tmp_path: Path, pcts: tuple[int, ...], over: bool) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("p", "30")
+    busy = {}
+    for i, pct in enumerate(pcts):
+        node.run_in(pod, "a", 100 + i, {0: GIB})
+        busy[(0, 100 + i)] = pct
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock)
+            gpus.run(auditor.compute, 20, busy)
+            (load,) = (await auditor.check()).loads
+            assert load.percent == pytest.approx(sum(pcts)) and load.over(10) is over
+            assert load.pids == tuple(sorted(100 + i for i in range(len(pcts))))
+            assert auditor.episodes == (1 if over else 0)
+
+
+async def test_a_burst_then_silence_is_averaged_over_the_window(tmp_path: Path) -> None:
+    """A long kernel paid for afterwards (the library's debts): 100 % for 5 s, then nothing
+    while the debt is paid. No sample comes while nothing runs: that time counts as idle."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("p", "30")
+    node.run_in(pod, "a", 77, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock)
+            gpus.run(auditor.compute, 5, {})  # the first answer starts the covered time
+            gpus.run(auditor.compute, 5, {(0, 77): 100})
+            gpus.run(auditor.compute, 15, {})
+            (load,) = (await auditor.check()).loads
+            # the last silent second or two (under SILENCE) are not covered yet
+            assert load.judged and WINDOW - SILENCE <= load.covered <= WINDOW
+            assert load.percent == pytest.approx(500 / load.covered) and not load.over(10)
+            # the burst leaves the window; a container that ran nothing reads 0
+            gpus.run(auditor.compute, 20, {})
+            (load,) = (await auditor.check()).loads
+            assert (load.percent, load.pids, load.judged) == (0.0, (), True)
+
+
+async def test_no_limit_no_load_and_a_gpu_not_assigned_is_the_memory_checks(
+        tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    free, whole = cores_pod("free", None), cores_pod("whole", "100")
+    stray = cores_pod("stray", "30")
+    stray["metadata"]["annotations"]["gpuslice.io/devices.a"] = GPU1
+    node.run_in(free, "a", 1, {0: GIB})
+    node.run_in(whole, "a", 2, {0: GIB})
+    node.run_in(stray, "a", 3, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        for p in (free, whole, stray):
+            kube.put(p)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock)
+            gpus.run(auditor.compute, 20, {(0, 1): 90, (0, 2): 90, (0, 3): 90})
+            report = await auditor.check()
+            assert report.loads == ()
+            # the stray's memory on a GPU not its own is the breach reported, once
+            assert [(h.tracked.pod, h.assigned) for h in report.holdings if h.over(0)] == \
+                [("stray", False)]
+            assert [r for r in kube.objects if r[0] == "events"] and auditor.episodes == 1
+
+
+async def test_a_failing_query_leaves_the_window_unjudged_and_the_episode_as_it_was(
+        tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("hog", "30")
+    node.run_in(pod, "a", 9, {0: GIB})
+    gpus = Gpus(node, clock)
+    fail = node.nvml.devices[0].fail
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, compute_action="evict", rounds=3)
+            gpus.run(auditor.compute, 20, {(0, 9): 80})
+            await auditor.check()
+            assert auditor.episodes == 1
+            fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
+            gpus.run(auditor.compute, 20, {(0, 9): 80})
+            for _ in range(4):  # more checks than the rounds: neither over nor under
+                (load,) = (await auditor.check()).loads
+                assert not load.judged and load.covered == 0.0
+            assert auditor.compute.failures == 20 and kube.get("pods", "hog", "ml") is not None
+            del fail["nvmlDeviceGetProcessUtilization"]
+            gpus.run(auditor.compute, 1, {})  # answers again: from here on, covered
+            gpus.run(auditor.compute, 16, {(0, 9): 80})
+            await auditor.check()
+            assert kube.get("pods", "hog", "ml") is not None  # the second round over
+            gpus.run(auditor.compute, 5, {(0, 9): 80})
+            await auditor.check()
+            assert kube.get("pods", "hog", "ml") is None and auditor.episodes == 1
+            registry = make_registry(AgentCollector(node.inventory, tmp_path / "state",
+                                                    AgentStatus(), auditor=auditor))
+            assert samples(registry)[("gpuslice_agent_compute_sample_errors_total", ())] == 20
+
+
+async def test_a_process_that_ended_before_the_check_still_counts(tmp_path: Path) -> None:
+    """Placed when sampled: a process that ran over the limit and exited (its /proc entry and
+    its memory gone) before the check is still its container's."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("short", "30")
+    node.run_in(pod, "a", 31, {0: GIB})
+    node.run_in(pod, "a", 32, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock)
+            gpus.run(auditor.compute, 20, {(0, 31): 70, (0, 32): 0})
+            node.stop(31)
+            for f in (node.proc / "31").iterdir():
+                f.unlink()
+            (node.proc / "31").rmdir()
+            (load,) = (await auditor.check()).loads
+            assert load.over(10) and load.pids == (31,)
+
+
+async def test_a_pid_reused_since_the_sample_is_not_placed(tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("p", "30")
+    node.run_in(pod, "a", 44, {0: GIB}, started=5000)  # started after the query: not the one
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, boot_clock=lambda: 4000)
+            gpus.run(auditor.compute, 20, {(0, 44): 90})
+            report = await auditor.check()
+            assert report.loads == ()
+
+
+async def test_gpus_come_and_go_and_the_window_slides(tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("two", "30", gpus="2")
+    node.run_in(pod, "a", 8, {0: GIB, 1: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock)
+            assert auditor.compute is not None
+            gpus.run(auditor.compute, 20, {(0, 8): 90, (1, 8): 20})
+            got = loads(await auditor.check())
+            assert got == {("two", GPU0): (90.0, 30, True), ("two", GPU1): (20.0, 30, True)}
+            gpus.run(auditor.compute, 10, {(0, 8): 10, (1, 8): 20})  # half the window at 10 %
+            got = loads(await auditor.check())
+            assert got[("two", GPU0)] == (50.0, 30, True)
+            node.nvml.devices.pop()  # GPU1 gone from the node
+            node.inventory.discover()
+            gpus.run(auditor.compute, 1, {(0, 8): 10})
+            assert set(auditor.compute.coverage()) == {GPU0}
+
+
+def test_the_sampler_needs_a_window() -> None:
+    with pytest.raises(ValueError, match="window"):
+        ComputeSampler(Inventory(FakeNvml()), lambda pid: None, 0)
+    auditor = Auditor(Inventory(FakeNvml()), "/proc", list_pods=None)
+    assert auditor.compute is None  # off unless asked for
+    with pytest.raises(ValueError, match="over-limit action"):
+        Auditor(Inventory(FakeNvml()), "/proc", list_pods=None, compute_action="kill")
+
+
+# ---- settings and the agent -------------------------------------------------------------
+
+def test_the_compute_settings_are_checked() -> None:
+    import argparse
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    s = settings_from_args(p.parse_args(["--node-name", NODE, "--compute-window", "30",
+                                         "--compute-tolerance", "5",
+                                         "--compute-over-limit-action", "evict"]))
+    assert (s.compute_window, s.compute_tolerance, s.compute_over_limit_action) == \
+        (30.0, 5.0, "evict")
+    d = AgentSettings(node_name=NODE)
+    assert (d.compute_window, d.compute_tolerance, d.compute_over_limit_action) == \
+        (60.0, 10.0, "none")
+    assert AgentSettings(node_name=NODE, compute_window=0).compute_window == 0
+    for bad, why in (({"compute_window": 2}, "--compute-window"),
+                     ({"compute_window": 7200}, "--compute-window"),
+                     ({"compute_tolerance": -1}, "--compute-tolerance"),
+                     ({"compute_over_limit_action": "kill"}, "--compute-over-limit-action")):
+        with pytest.raises(SettingsError, match=why):
+            AgentSettings(node_name=NODE, **bad)
+
+
+async def test_the_agent_samples_every_second_and_serves_the_share(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from node.test_agent import LIB, _node, _scrape, _settings
+
+    from webhook.node import loop
+    from webhook.node.loop import Agent
+    monkeypatch.setattr(loop, "SAMPLE_INTERVAL", 0.01)
+    node = Node(tmp_path)
+    pod = cores_pod("p", "30")
+    node.run_in(pod, "a", 60, {0: GIB})
+    settings = _settings(tmp_path, proc_root=str(node.proc), audit_interval=0.05,
+                         compute_window=5)
+    stamp = [1_000]
+
+    def utilisation(since: dict[str, int]) -> Any:
+        stamp[0] += 1  # a new sample at every query: the process is always busy
+        node.nvml.devices[0].samples.append((60, stamp[0], 80))
+        return real(since)
+
+    real = node.inventory.process_utilisation
+    monkeypatch.setattr(node.inventory, "process_utilisation", utilisation)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        kube.put(pod)
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=node.inventory, api_client=api)
+            assert agent.auditor is not None and agent.auditor.compute is not None
+            await agent.start()
+            stop = asyncio.Event()
+            task = asyncio.create_task(agent.run(stop))
+            try:
+                for _ in range(300):
+                    if any(c.percent for c in agent.auditor.last.loads):
+                        break
+                    await asyncio.sleep(0.02)
+                text = await _scrape(agent.metrics_port)
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 5)
+                await agent.close()
+    assert stamp[0] > 3  # polled again and again
+    assert 'gpuslice_container_compute_observed_percent{container="a",namespace="ml",pod="p"' \
+        in text and 'uuid="GPU-0' in text
+    (load,) = agent.auditor.last.loads
+    assert load.percent == pytest.approx(80.0) and load.tracked.pod == "p"
+
+
+async def test_a_sampler_bug_is_logged_and_the_agent_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from node.test_agent import LIB, _settings
+
+    from webhook.node.loop import Agent
+    node = Node(tmp_path)
+    agent = Agent(_settings(tmp_path, proc_root=str(node.proc)), LIB, inventory=node.inventory)
+    assert agent.auditor is not None and agent.auditor.compute is not None
+
+    def broken(since: dict[str, int]) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(node.inventory, "process_utilisation", broken)
+    with caplog.at_level(logging.ERROR, logger="webhook.node.loop"):
+        await agent.sample_compute()
+    assert agent.auditor.errors == 1
+    assert any("per-process utilisation failed" in r.message for r in caplog.records)
+    off = Agent(_settings(tmp_path, proc_root=str(node.proc), compute_window=0), LIB,
+                inventory=node.inventory)
+    assert off.auditor is not None and off.auditor.compute is None
+    await off.sample_compute()  # nothing to do
