@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of the agent's outside memory check (webhook/node/audit.py) on a busy node.
+"""Cost of the agent's outside checks (webhook/node/audit.py, compute.py) on a busy node.
 
 A fake node (the agent tests' fake NVML, a /proc tree of cgroup and stat files) with P pods of
 one GPU container each, K processes per container spread over 8 GPUs, all admitted by the real
@@ -8,9 +8,13 @@ webhook mutation and listed as the API server would. Times ``Auditor.check`` sid
 * ``first``: a check that maps every container (reads the pod list once);
 * ``steady``: the checks after it (cgroups and start times read again, no pod list);
 
-and counts the pod lists. The check runs every ``agent.audit.interval`` (10 s) off every hot
-path; what matters is that it stays a small fraction of a core and costs the API server
-nothing in steady state.
+* ``poll``: one poll of the outside compute check's sampler, every process sampled busy (each
+  one placed by its cgroup and start time as it is sampled);
+* ``steady+compute``: the steady check with the compute check on (a 60 s window of polls);
+
+and counts the pod lists. The check runs every ``agent.audit.interval`` (10 s) and the poll
+every second, off every hot path; what matters is that they stay a small fraction of a core and
+cost the API server nothing in steady state.
 
 Usage: ``.venv/bin/python scripts/bench_audit.py [--pods 80] [--procs 5] [--rounds 30]``.
 """
@@ -29,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from node.fakenvml import GIB, FakeDevice, FakeNvml
-from node.test_audit import as_models, cid, one_gpu, stat_line, systemd_cgroup
+from node.test_audit import as_models, cid, gpu_pod, stat_line, systemd_cgroup
 
 from webhook.node.audit import Auditor
 from webhook.node.inventory import Inventory
@@ -43,7 +47,8 @@ async def bench(pods: int, procs: int, rounds: int) -> None:
     listed = []
     pid = 1000
     for p in range(pods):
-        pod = one_gpu(f"p{p}", 8192)
+        pod = gpu_pod(f"p{p}", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "8192",
+                                      "nvidia.com/gpucores": "30"}})
         listed.append(pod)
         for _ in range(procs):
             (proc / str(pid)).mkdir()
@@ -76,6 +81,34 @@ async def bench(pods: int, procs: int, rounds: int) -> None:
           f"pod lists after the first: {lists - 1}")
     print(f"  at one check per 10 s: {steady / 10 * 100:.2f} % of a core; "
           f"{len(report.holdings)} containers judged")
+
+    # the compute check: every process busy, a sample each per second
+    clock = [0.0]
+    auditor = Auditor(inv, proc, list_pods=list_pods, compute_window=60,
+                      clock=lambda: clock[0])
+    assert auditor.compute is not None
+    stamp = 1
+    polls = []
+    for _ in range(61):
+        clock[0] += 1.0
+        stamp += 1_000_000
+        for dev in nvml.devices:
+            dev.samples = [(p, stamp, 5) for p in dev.processes]
+        t = time.perf_counter()
+        auditor.compute.poll()
+        polls.append(time.perf_counter() - t)
+    checks = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        report = await auditor.check()
+        checks.append(time.perf_counter() - t)
+    poll = statistics.median(polls[1:])
+    both = statistics.median(checks[1:])
+    judged = sum(1 for c in report.loads if c.judged)
+    print(f"  poll   {poll * 1e3:7.1f} ms median, {min(polls[1:]) * 1e3:.1f}-"
+          f"{max(polls[1:]) * 1e3:.1f} ms; at one poll per second: {poll * 100:.2f} % of a core")
+    print(f"  steady+compute {both * 1e3:7.1f} ms median; steady+compute/steady "
+          f"{both / steady:.2f}x; {judged} containers' compute judged")
 
 
 def main() -> None:

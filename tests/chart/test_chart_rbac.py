@@ -73,8 +73,10 @@ _EVICT = (("",), ("pods/eviction",), ("create",), ())
 @pytest.mark.parametrize("audit, extra", [
     ({}, {_EVENTS}),  # the outside check records Warning Events
     ({"overLimitAction": "evict"}, {_EVENTS, _EVICT}),
+    ({"compute": {"window": 60, "tolerancePercent": 10, "overLimitAction": "evict"}},
+     {_EVENTS, _EVICT}),  # the compute check evicts, the memory check does not
     ({"interval": 0, "overLimitAction": "evict"}, set()),  # the check is off
-], ids=["default", "evict", "off"])
+], ids=["default", "evict", "compute-evict", "off"])
 def test_agent_rules_touch_only_nodes_and_list_pods_plus_what_the_check_needs(
         audit: dict[str, Any], extra: set[Any], render: Any) -> None:
     rendered = render({"agent": {"audit": audit}})

@@ -27,7 +27,9 @@ CUSTOM = {"resourceNames": {"gpu": "example.com/vgpu", "memory": "example.com/vg
               {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
           "scheduler": {"name": "shared-gpu"}, "webhook": {"port": 9443},
           "agent": {"hostPID": True, "audit": {"interval": 2.5, "toleranceMiB": 64,
-                                               "overLimitAction": "evict", "overLimitRounds": 5}}}
+                                               "overLimitAction": "evict", "overLimitRounds": 5,
+                                               "compute": {"window": 120, "tolerancePercent": 5,
+                                                           "overLimitAction": "evict"}}}}
 
 # Fields of kubescheduler.config.k8s.io/v1 (k8s.io/kube-scheduler/config/v1 types.go). The
 # kube-scheduler decodes its config strictly: an unknown or misspelt field stops it at start.
@@ -172,6 +174,10 @@ def test_agent_command_line_parses_and_matches_the_mounts(values: dict[str, Any]
     assert (s.audit_interval, s.over_limit_tolerance_mib, s.over_limit_action,
             s.over_limit_rounds) == (audit["interval"], audit["toleranceMiB"],
                                      audit["overLimitAction"], audit["overLimitRounds"])
+    compute = {"window": 60, "tolerancePercent": 10, "overLimitAction": "none",
+               **audit.get("compute", {})}
+    assert (s.compute_window, s.compute_tolerance, s.compute_over_limit_action) == \
+        (compute["window"], compute["tolerancePercent"], compute["overLimitAction"])
     assert ds["spec"]["template"]["spec"].get("hostPID", False) is \
         values.get("agent", {}).get("hostPID", False)
     assert container["ports"][0]["containerPort"] == s.metrics_port == 9400

@@ -1,7 +1,9 @@
-"""The agent's outside memory check against the real library on the fake driver: a tenant
+"""The agent's outside checks against the real library on the fake driver. Memory: a tenant
 that deletes its container's region file gets a second budget from the library (a known limit,
 interposer/README.md), and the agent's check, reading the fake NVML through the real pynvml,
-sees the container hold more than its cap and says so.
+sees the container hold more than its cap and says so. Compute: a container that runs without
+the library is found over its compute limit from NVML's per-process utilisation, a paced one is
+not.
 
 The check runs in a child process (the agent's side: pynvml loads the fake
 ``libnvidia-ml.so.1`` from ``LD_LIBRARY_PATH``, the library is not preloaded), with a /proc
@@ -111,3 +113,92 @@ def test_a_deleted_region_gives_a_second_budget_which_the_outside_check_reports(
     assert sorted(pids) == sorted([first.pid, second.pid]) and used >= 12 * GIB > cap
     (lab.tmp / "go").touch()
     assert lab.finish(first).rc("alloc") == 0 and lab.finish(second).rc("alloc") == 0
+
+
+# ---- the outside compute check ----------------------------------------------------------
+
+COMPUTE_SIDE = textwrap.dedent("""
+    import asyncio, json, sys, time
+    from kubernetes_asyncio import client
+    from webhook.node.audit import Auditor
+    from webhook.node.inventory import Inventory
+
+    class Body:
+        def __init__(self, text):
+            self.data = text
+
+    async def main(proc_root, pod_file, seconds, window):
+        async with client.ApiClient() as api:
+            pods = [api.deserialize(Body(json.dumps(p)), "V1Pod")
+                    for p in json.load(open(pod_file))]
+        async def list_pods():
+            return pods
+        inv = Inventory()
+        assert inv.discover().available
+        auditor = Auditor(inv, proc_root, list_pods=list_pods, compute_window=window)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:  # the agent's sampler, every 250 ms here
+            auditor.compute.poll()
+            time.sleep(0.25)
+        report = await auditor.check()
+        inv.close()
+        print(json.dumps([[c.tracked.pod, round(c.percent, 1), c.limit, c.judged,
+                           c.over(auditor.compute_tolerance)] for c in report.loads]))
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])))
+""")
+
+
+def _cores_pod(name: str, cores: int) -> dict:
+    from webhook.admission.mutate import mutate_pod
+    from webhook.settings import Settings
+    ident = hashlib.sha256(f"{name}/main".encode()).hexdigest()
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": "ml", "uid": str(uuid.uuid4())},
+           "spec": {"containers": [{"name": "main", "image": "cuda", "resources": {"limits": {
+               "nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096",
+               "nvidia.com/gpucores": str(cores)}}}]}}
+    out = mutate_pod(pod, Settings()).pod
+    out["status"] = {"phase": "Running", "containerStatuses": [
+        {"name": "main", "containerID": f"containerd://{ident}", "ready": True,
+         "restartCount": 0, "image": "cuda", "imageID": ""}]}
+    return out
+
+
+def _compute_check(lab, env: dict[str, str], pod: dict, **extra: str | None) -> list:
+    """Run a container's process (``bench`` for 7 s) and, beside it, the agent's side: samples
+    every 250 ms for 6 s, then one check over a 4 s window. The loads it found."""
+    process = lab.start("init", "ctx", "0", "bench", "7", "kernel", **env, **extra)
+    ident = pod["status"]["containerStatuses"][0]["containerID"].split("//")[1]
+    proc = lab.tmp / f"hostproc-{pod['metadata']['name']}"
+    (proc / str(process.pid)).mkdir(parents=True)
+    (proc / str(process.pid) / "cgroup").write_text(
+        f"0::/../../kubepods-burstable.slice/kubepods-burstable-pod"
+        f"{pod['metadata']['uid'].replace('-', '_')}.slice/cri-containerd-{ident}.scope\n")
+    (proc / str(process.pid) / "stat").write_text(Path(f"/proc/{process.pid}/stat").read_text())
+    pod_file = lab.tmp / "pods.json"
+    pod_file.write_text(json.dumps([pod]))
+    side = {k: v for k, v in lab.env(**env).items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
+    side["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", COMPUTE_SIDE, str(proc), str(pod_file), "6", "4"],
+                         env=side, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert lab.finish(process).rc("bench") == 0
+    return json.loads(out.stdout)
+
+
+def test_the_outside_compute_check_sees_a_container_that_bypasses_the_library(release_lab):
+    """A container under a 30 % compute limit on the fake GPU, first with the library (paced),
+    then one that runs without it (its own loader, say) and takes the whole GPU. The agent's
+    side, reading the fake NVML's per-process utilisation through the real pynvml, finds the
+    second over its limit and not the first. (One after the other: the fake GPU runs queued
+    kernels first come, first served, so beside a process that keeps its queue full a paced
+    one would hardly run; a real GPU time-slices between them.)"""
+    lab = release_lab
+    env = {"CUDA_DEVICE_SM_LIMIT": "30", "FAKE_CUDA_KERNEL_US": "1000", "FAKE_GPU_SHARED": "1"}
+    lab.run("init", **env)
+    ((pod, pct, limit, judged, over),) = _compute_check(lab, env, _cores_pod("paced", 30))
+    assert (pod, limit, judged, over) == ("paced", 30, True, False) and 20 <= pct <= 40, pct
+    ((pod, pct, limit, judged, over),) = _compute_check(lab, env, _cores_pod("rogue", 30),
+                                                        LD_PRELOAD=None)
+    assert (pod, limit, judged, over) == ("rogue", 30, True, True) and pct >= 90, pct

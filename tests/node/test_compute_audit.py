@@ -356,7 +356,7 @@ async def test_gpus_come_and_go_and_the_window_slides(tmp_path: Path) -> None:
 
 def test_the_sampler_needs_a_window() -> None:
     with pytest.raises(ValueError, match="window"):
-        ComputeSampler(Inventory(FakeNvml()), lambda pid: None, 0)
+        ComputeSampler(Inventory(FakeNvml()), lambda pids: {}, 0)
     auditor = Auditor(Inventory(FakeNvml()), "/proc", list_pods=None)
     assert auditor.compute is None  # off unless asked for
     with pytest.raises(ValueError, match="over-limit action"):
@@ -454,3 +454,24 @@ async def test_a_sampler_bug_is_logged_and_the_agent_goes_on(
                 inventory=node.inventory)
     assert off.auditor is not None and off.auditor.compute is None
     await off.sample_compute()  # nothing to do
+
+
+async def test_a_pid_reused_between_polls_is_placed_again(tmp_path: Path) -> None:
+    """The sampler keeps each sampled pid's place while its start time stays the same; a pid
+    that another container's process took meanwhile (a new start time) is placed again."""
+    node, clock = Node(tmp_path), Clock()
+    first, second = cores_pod("first", "30"), cores_pod("second", "30")
+    node.run_in(first, "a", 70, {0: GIB}, started=10)
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(first)
+        kube.put(second)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, boot_clock=lambda: 10_000)
+            gpus.run(auditor.compute, 10, {(0, 70): 90})
+            node.run_in(second, "a", 70, {0: GIB}, started=20)  # the pid, reused
+            gpus.run(auditor.compute, 10, {(0, 70): 10})
+            # each over the window (19 s covered: the first poll only starts it)
+            got = loads(await auditor.check())
+            assert got == {("first", GPU0): (round(90 * 9 / 19, 1), 30, True),
+                           ("second", GPU0): (round(10 * 10 / 19, 1), 30, True)}

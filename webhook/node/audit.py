@@ -352,6 +352,8 @@ class Auditor:
         self._clock = clock
         self._boot_clock = boot_clock
         self._known: dict[str, Tracked] = {}
+        self._placed: dict[int, tuple[int, tuple[str, str] | None]] = {}
+        """The compute sampler's pids at its last call: start time and place."""
         self._unknown: dict[str, float] = {}
         self._episodes: dict[tuple[str, str, str], _Episode] = {}
         """("memory" or "compute", container ID, GPU UUID) -> its episode over the limit."""
@@ -378,11 +380,34 @@ class Auditor:
             return _REUSED
         return pod_and_container(text)
 
-    def _place_now(self, pid: int) -> tuple[str, str] | None:
-        """The pod UID and container ID of a process NVML sampled just now (None: not a
-        container's, gone, or a pid reused since the query)."""
-        place = self._cgroup(pid, self._boot_clock())
-        return None if place is _REUSED else place
+    def _place_now(self, pids: set[int]) -> dict[int, tuple[str, str]]:
+        """The pod UID and container ID of each process NVML sampled just now that is a
+        container's (not gone, nor a pid reused since the query). A pid placed at the previous
+        call whose start time has not changed keeps its place (one read, not two: the sampler
+        asks every second); the others are forgotten."""
+        listed = self._boot_clock()
+        out: dict[int, tuple[str, str]] = {}
+        cache: dict[int, tuple[int, tuple[str, str] | None]] = {}
+        for pid in pids:
+            try:
+                started = start_ticks((self._proc / str(pid) / "stat").read_text(errors="replace"))
+            except OSError:
+                continue  # gone, or never ours to read
+            if started is None or started >= listed:
+                continue  # reused since the query
+            known = self._placed.get(pid)
+            if known is not None and known[0] == started:
+                place = known[1]
+            else:
+                got = self._cgroup(pid, listed)
+                if got is _REUSED:
+                    continue
+                place = got
+            cache[pid] = (started, place)
+            if place is not None:
+                out[pid] = place
+        self._placed = cache
+        return out
 
     async def _refresh(self, wanted: Mapping[str, str]) -> bool:
         """Learn the containers in ``wanted`` (container ID -> its cgroup's pod UID) not mapped

@@ -77,12 +77,13 @@ class _Track:
 class ComputeSampler:
     """Polls NVML's per-process utilisation and keeps each GPU's spans over the window.
 
-    ``place(pid)`` names the container of a process that ran (None: not a container's, gone or
-    reused since the sample). :meth:`poll` runs in a worker thread, :meth:`shares` on the event
+    ``place(pids)`` names the containers of processes that ran (a pid it leaves out: not a
+    container's, gone or reused since the sample). :meth:`poll` runs in a worker thread, :meth:`shares` on the event
     loop: a lock keeps them apart.
     """
 
-    def __init__(self, inventory: Inventory, place: Callable[[int], Key | None], window: float,
+    def __init__(self, inventory: Inventory, place: Callable[[set[int]], dict[int, Key]],
+                 window: float,
                  *, clock: Callable[[], float] = time.monotonic) -> None:
         if window <= 0:
             raise ValueError(f"the compute window must be positive: {window!r}")
@@ -101,6 +102,8 @@ class ComputeSampler:
             since = {uuid: t.since for uuid, t in self._tracks.items()}
         found = self._inventory.process_utilisation(since)
         now = self._clock()
+        # placed now: a process that ran may end soon
+        places = self._place({pid for u in found for pid in u.samples or ()})
         spans: dict[str, _Span | None] = {}
         for u in found:
             if not u.samples:
@@ -108,7 +111,7 @@ class ComputeSampler:
             shares: dict[Key, float] = {}
             pids: dict[Key, set[int]] = {}
             for pid, pct in u.samples.items():
-                key = self._place(pid)  # read now: the process that ran may end soon
+                key = places.get(pid)
                 if key is not None:
                     shares[key] = min(100.0, shares.get(key, 0.0) + pct)
                     pids.setdefault(key, set()).add(pid)
