@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu import harness
-from gpu.nvmlwatch import ClockWatch, Nvml
+from gpu.nvmlwatch import ClockWatch, Nvml, ShareWatch
 
 from webhook.node.region import RegionError, read_region
 
@@ -18,9 +18,11 @@ def matmul(nvml: Nvml, env: dict[str, str], tiny: bool, warmup: float = 1.5,
            extra: list[str] | None = None) -> dict[str, Any]:
     args = ["matmul", SECONDS, "--warmup", str(warmup)] + (["--tiny", "20000"] if tiny else [])
     args += extra or []
-    with ClockWatch(nvml) as watch:
+    # the agent's outside compute check, over the measured seconds (the last of the run)
+    with ClockWatch(nvml) as watch, ShareWatch(float(SECONDS)) as shares:
         result = harness.run(harness.workload(*args), env, 45)
     result["clock"] = watch.summary()
+    result["nvml_share"] = shares.summary()
     return result
 
 

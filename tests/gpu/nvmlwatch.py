@@ -168,5 +168,36 @@ class ClockWatch(_Sampling):
                 "util_pct_mean": round(sum(s[2] for s in self.samples) / len(self.samples), 1)}
 
 
+class ShareWatch(_Sampling):
+    """The agent's outside compute check as it samples (``webhook.node.compute``), in a thread:
+    NVML's per-process utilisation every second, every process that ran counted as one
+    container's (the test runs one workload at a time), averaged over the last ``window``
+    seconds of the watch."""
+
+    def __init__(self, window: float) -> None:
+        from webhook.node.compute import SAMPLE_INTERVAL, ComputeSampler
+        from webhook.node.inventory import Inventory
+        self.interval = SAMPLE_INTERVAL
+        self.inventory = Inventory()
+        self.inventory.discover()
+        self.sampler = ComputeSampler(self.inventory, lambda pids: {p: ("gpu-check", "workload")
+                                                                     for p in pids}, window)
+        super().__init__("sharewatch")
+
+    def sample(self) -> None:
+        self.sampler.poll()
+
+    def summary(self) -> dict[str, Any]:
+        shares = self.sampler.shares()
+        self.inventory.close()
+        covered = max(self.sampler.coverage().values(), default=0.0)
+        if not shares:
+            return {"share_pct": 0.0 if covered else None, "covered_s": round(covered, 1),
+                    "failures": self.sampler.failures}
+        share = max(shares.values(), key=lambda s: s.percent)  # the first GPU: the tests'
+        return {"share_pct": round(share.percent, 1), "covered_s": round(share.covered, 1),
+                "pids": list(share.pids), "failures": self.sampler.failures}
+
+
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value

@@ -64,6 +64,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_sm_limit_caps_matmul_throughput[10]"),
     ("sm_30_time", "5 same at 30%, time share (no clock comp.)", "informational", "-",
      "test_sm_limit_time_mode_for_comparison"),
+    ("outside_compute", "5 agent's compute check: NVML share at 30%", "<= 40; unlimited > 40",
+     "-", "test_sm_limit_caps_matmul_throughput[30]"),
     ("sm_30_capture_held", "5 same at 30%, a graph capture held open", "25-35%; not invalid.",
      "-", "test_sm_limit_holds_beside_a_capture_held_open"),
     ("sm_30_cotenant", "5 same at 30%, another tenant busy", "25-35%", "-",

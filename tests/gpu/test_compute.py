@@ -70,7 +70,26 @@ def test_sm_limit_caps_matmul_throughput(limit: int, nvml: Nvml, baseline: dict[
     pct, value, data = _limited(nvml, baseline, limit, None)
     ok = abs(pct - limit) <= POINTS
     record(f"sm_{limit}", value, ok, **data)
+    if limit == 30:  # the agent's outside compute check on the same two runs
+        _outside_compute(data, baseline)
     assert ok, f"SM limit {limit}% gave {pct:.1f}% of the unlimited throughput"
+
+
+def _outside_compute(data: dict[str, Any], baseline: dict[str, Any]) -> None:
+    """What the agent's outside compute check reads (NVML's per-process utilisation, sampled as
+    the agent does, over the measured seconds) for the run at 30 % and the unlimited one: the
+    first must not be judged over its limit (30 + the default 10 points), the second must."""
+    limited = data["limited"].get("nvml_share", {}).get("share_pct")
+    plain = baseline.get("nvml_share", {}).get("share_pct")
+    time_share = data["throttle"].get("time_share_pct")
+    value = (f"NVML {limited}% at 30% (throttle's own {time_share}%); unlimited {plain}%")
+    if limited is None or plain is None:
+        record("outside_compute", value + " (no per-process figure)", None,
+               limited=data["limited"].get("nvml_share"), plain=baseline.get("nvml_share"))
+        return
+    ok = limited <= 40 and plain > 40
+    record("outside_compute", value, ok, limited=data["limited"].get("nvml_share"),
+           plain=baseline.get("nvml_share"))
 
 
 def test_sm_limit_time_mode_for_comparison(nvml: Nvml, baseline: dict[str, Any],
