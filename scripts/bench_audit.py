@@ -95,6 +95,7 @@ async def bench(pods: int, procs: int, rounds: int) -> None:
         stamp += 1_000_000
         for dev in nvml.devices:
             dev.samples = [(p, stamp, 5) for p in dev.processes]
+            dev.device_samples = [(stamp, min(100, 5 * len(dev.processes)))]
         if i % 2:  # every other poll without the places of the last one (each pid read twice)
             auditor._placed.clear()
         t = time.perf_counter()

@@ -188,9 +188,9 @@ class ShareWatch(_Sampling):
         self.sampler.poll()
 
     def summary(self) -> dict[str, Any]:
-        shares = self.sampler.shares()
+        shares, coverage = self.sampler.snapshot()
         self.inventory.close()
-        covered = max(self.sampler.coverage().values(), default=0.0)
+        covered = max(coverage.values(), default=0.0)
         if not shares:
             return {"share_pct": 0.0 if covered else None, "covered_s": round(covered, 1),
                     "failures": self.sampler.failures}

@@ -35,7 +35,11 @@ class FakeDevice:
     fail: dict[str, int] = field(default_factory=dict)
     """NVML function name -> NVML error code it raises for this device."""
     samples: list[tuple[int, int, int]] = field(default_factory=list)
-    """Per-process utilisation samples the driver keeps: (pid, timestamp µs, SM %)."""
+    """Per-process utilisation samples the driver keeps: (pid, timestamp µs, SM %), one per
+    process per sample period in which it ran."""
+    device_samples: list[tuple[int, int]] = field(default_factory=list)
+    """The device's utilisation samples (``nvmlDeviceGetSamples``): (timestamp µs, %), one per
+    sample period, idle ones included."""
 
 
 class FakeNvml:
@@ -169,6 +173,18 @@ class FakeNvml:
         if not found:
             raise pynvml.NVMLError(0 if self.empty_success else pynvml.NVML_ERROR_NOT_FOUND)
         return found
+
+    def nvmlDeviceGetSamples(self, handle: int, kind: int, timeStamp: int) -> tuple[int, list[Any]]:
+        """The device samples newer than ``timeStamp`` (GPU utilisation only), as pynvml returns
+        them: (value type, samples); none raises NVML_ERROR_NOT_FOUND."""
+        d = self._dev(handle, "nvmlDeviceGetSamples")
+        if kind != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        found = [SimpleNamespace(timeStamp=ts, sampleValue=SimpleNamespace(uiVal=pct))
+                 for ts, pct in d.device_samples if ts > timeStamp]
+        if not found:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, found
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
         d = self._dev(handle, "nvmlDeviceGetRetiredPagesPendingStatus")

@@ -36,28 +36,47 @@ def cores_pod(name: str, cores: str | None, *, gpus: str = "1", mib: str = "4096
     return gpu_pod(name, {"a": limits}, namespace=namespace)
 
 
+START_US = 1_700_000_000_000_000
+
+
 class Gpus:
-    """Drives the fake driver's per-process samples and the clock, one second at a time."""
+    """Drives the fake driver's samples and the clocks, one second (one sample period) at a
+    time: per process, a sample of its share in each period it ran; per device, a sample of
+    every period (the processes' shares summed)."""
 
     def __init__(self, node: Node, clock: Clock) -> None:
         self.node, self.clock = node, clock
-        self.stamp = 1_700_000_000_000_000  # µs, as NVML stamps its samples
+        self.stamp = START_US  # µs, as NVML stamps its samples (the wall clock)
+        self.second = 0
 
-    def run(self, sampler: ComputeSampler, seconds: int, shares: dict[tuple[int, int], int]) -> None:
-        """``shares``: (GPU index, pid) -> its SM % in each second (0: no sample, as the driver
-        gives none for a process that did not run)."""
+    def wall(self) -> float:
+        return self.stamp / 1e6
+
+    def run(self, sampler: ComputeSampler, seconds: int,
+            shares: dict[tuple[int, int], int | list[int]]) -> None:
+        """``shares``: (GPU index, pid) -> its SM % in each second, or a list of them taken in
+        turn (0: it did not run: no sample of it)."""
         for _ in range(seconds):
             self.clock.t += 1.0
             self.stamp += 1_000_000
+            busy = [0] * len(self.node.nvml.devices)
             for (gpu, pid), pct in shares.items():
-                if pct:
-                    self.node.nvml.devices[gpu].samples.append((pid, self.stamp, pct))
+                now = pct[self.second % len(pct)] if isinstance(pct, list) else pct
+                if now:
+                    self.node.nvml.devices[gpu].samples.append((pid, self.stamp, now))
+                    busy[gpu] += now
+            for dev, total in zip(self.node.nvml.devices, busy, strict=True):
+                dev.device_samples.append((self.stamp, min(100, total)))
+            self.second += 1
             sampler.poll()
 
 
-def compute_auditor(node: Node, api: Any, clock: Clock, **kw: Any) -> Auditor:
+def compute_auditor(node: Node, api: Any, clock: Clock, gpus: Gpus, **kw: Any) -> Auditor:
     kw.setdefault("compute_window", WINDOW)
-    return _auditor(node, api, clock=clock, **kw)
+    auditor = _auditor(node, api, clock=clock, **kw)
+    assert auditor.compute is not None
+    auditor.compute._wall = gpus.wall  # the fake driver's wall clock
+    return auditor
 
 
 def loads(report: Any) -> dict[tuple[str, str], tuple[float, int, bool]]:
@@ -67,28 +86,37 @@ def loads(report: Any) -> dict[tuple[str, str], tuple[float, int, bool]]:
 
 # ---- NVML's figures ---------------------------------------------------------------------
 
-def test_samples_newer_than_asked_are_averaged_per_pid_and_garbage_dropped() -> None:
+def test_samples_newer_than_asked_are_summed_per_pid_and_garbage_dropped() -> None:
     nvml = FakeNvml([FakeDevice(GPU0, samples=[
-        (10, 100, 30), (10, 200, 40), (11, 150, 20), (12, 160, 4294967295), (13, 90, 50)])])
+        (10, 100, 30), (10, 200, 40), (11, 150, 20), (12, 160, 4294967295), (13, 90, 50),
+        (14, 170, 10 ** 9)], device_samples=[(100, 50), (200, 30), (10 ** 13, 99)])])
     inv = Inventory(nvml)
     inv.discover()
-    (u,) = inv.process_utilisation({GPU0: 100})
-    assert (u.samples, u.newest) == ({10: 40.0, 11: 20.0}, 200)
-    (u,) = inv.process_utilisation({})  # from the start: all the driver keeps
-    assert u.samples == {10: 35.0, 11: 20.0, 13: 50.0} and u.newest == 200
+    (u,) = inv.process_utilisation({GPU0: (100, 100)}, wall_us=1000)
+    # a process's samples add up (one per period it ran in); over 100 %, or stamped far past
+    # the wall clock (garbage): dropped
+    assert (u.samples, u.newest, u.device, u.dev_newest) == ({10: 40.0, 11: 20.0}, 200, 30.0, 200)
+    (u,) = inv.process_utilisation({}, wall_us=1000)  # from the start: all the driver keeps
+    assert u.samples == {10: 70.0, 11: 20.0, 13: 50.0} and (u.device, u.dev_newest) == (40.0, 200)
 
 
 def test_no_new_sample_is_nothing_new_and_a_failing_query_is_no_answer() -> None:
-    nvml = FakeNvml([FakeDevice(GPU0, samples=[(10, 100, 30)]), FakeDevice(GPU1)])
+    nvml = FakeNvml([FakeDevice(GPU0, samples=[(10, 100, 30)], device_samples=[(100, 30)]),
+                     FakeDevice(GPU1, util=55)])
     inv = Inventory(nvml)
     inv.discover()
-    assert [(u.samples, u.newest) for u in inv.process_utilisation({GPU0: 100})] == \
-        [({}, 100), ({}, 0)]  # NVML_ERROR_NOT_FOUND
+    got = inv.process_utilisation({GPU0: (100, 100)})
+    assert [(u.samples, u.newest, u.device) for u in got] == [({}, 100, None), ({}, 0, None)]
     nvml.empty_success = True  # pynvml raises NVMLError(0) for a driver's "none, success"
-    assert [u.samples for u in inv.process_utilisation({GPU0: 100})] == [{}, {}]
+    assert [u.samples for u in inv.process_utilisation({GPU0: (100, 100)})] == [{}, {}]
+    # a driver without the device's sample buffer: the last period's utilisation, every time
+    nvml.devices[1].fail["nvmlDeviceGetSamples"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert [u.device for u in inv.process_utilisation({})] == [30.0, 55.0]
     nvml.devices[0].fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
-    nvml.devices[1].fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    nvml.devices[1].fail["nvmlDeviceGetUtilizationRates"] = pynvml.NVML_ERROR_UNKNOWN
     assert [u.samples for u in inv.process_utilisation({})] == [None, None]
+    nvml.devices[0].fail = {"nvmlDeviceGetSamples": pynvml.NVML_ERROR_GPU_IS_LOST}
+    assert inv.process_utilisation({})[0].samples is None
     assert Inventory(FakeNvml()).process_utilisation({}) == []  # not discovered: nothing
 
 
@@ -122,7 +150,7 @@ async def test_a_container_within_its_limit_passes_one_over_it_is_reported(
     async with FakeKube() as kube:
         paced, rogue = kube.put(paced), kube.put(rogue)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock)
+            auditor = compute_auditor(node, api, clock, gpus)
             assert auditor.compute is not None
             gpus.run(auditor.compute, 10, busy)
             report = await auditor.check()
@@ -174,13 +202,13 @@ async def test_over_the_limit_for_the_rounds_is_evicted_under_the_compute_action
         kube.put(pod)
         async with kube.api_client() as api:
             # the memory action alone does not evict for compute
-            auditor = compute_auditor(node, api, clock, action="evict", rounds=2)
+            auditor = compute_auditor(node, api, clock, gpus, action="evict", rounds=2)
             gpus.run(auditor.compute, 20, {(0, 5000): 90})
             for _ in range(3):
                 await auditor.check()
                 gpus.run(auditor.compute, 10, {(0, 5000): 90})
             assert kube.requests_to("POST", "/eviction") == [] and auditor.events == 1
-            auditor = compute_auditor(node, api, clock, compute_action="evict", rounds=2)
+            auditor = compute_auditor(node, api, clock, gpus, compute_action="evict", rounds=2)
             gpus.run(auditor.compute, 20, {(0, 5000): 90})
             await auditor.check()
             assert kube.requests_to("POST", "/eviction") == []  # one check is not enough
@@ -208,7 +236,7 @@ async def test_the_tolerance_and_a_containers_processes_summed(
     async with FakeKube() as kube:
         kube.put(pod)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock)
+            auditor = compute_auditor(node, api, clock, gpus)
             gpus.run(auditor.compute, 20, busy)
             (load,) = (await auditor.check()).loads
             assert load.percent == pytest.approx(sum(pcts)) and load.over(10) is over
@@ -226,7 +254,7 @@ async def test_a_burst_then_silence_is_averaged_over_the_window(tmp_path: Path) 
     async with FakeKube() as kube:
         kube.put(pod)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock)
+            auditor = compute_auditor(node, api, clock, gpus)
             gpus.run(auditor.compute, 5, {})  # the first answer starts the covered time
             gpus.run(auditor.compute, 5, {(0, 77): 100})
             gpus.run(auditor.compute, 15, {})
@@ -254,7 +282,7 @@ async def test_no_limit_no_load_and_a_gpu_not_assigned_is_the_memory_checks(
         for p in (free, whole, stray):
             kube.put(p)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock)
+            auditor = compute_auditor(node, api, clock, gpus)
             gpus.run(auditor.compute, 20, {(0, 1): 90, (0, 2): 90, (0, 3): 90})
             report = await auditor.check()
             assert report.loads == ()
@@ -274,7 +302,7 @@ async def test_a_failing_query_leaves_the_window_unjudged_and_the_episode_as_it_
     async with FakeKube() as kube:
         kube.put(pod)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, compute_action="evict", rounds=3)
+            auditor = compute_auditor(node, api, clock, gpus, compute_action="evict", rounds=3)
             gpus.run(auditor.compute, 20, {(0, 9): 80})
             await auditor.check()
             assert auditor.episodes == 1
@@ -308,7 +336,7 @@ async def test_a_process_that_ended_before_the_check_still_counts(tmp_path: Path
     async with FakeKube() as kube:
         kube.put(pod)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock)
+            auditor = compute_auditor(node, api, clock, gpus)
             gpus.run(auditor.compute, 20, {(0, 31): 70, (0, 32): 0})
             node.stop(31)
             for f in (node.proc / "31").iterdir():
@@ -326,7 +354,7 @@ async def test_a_pid_reused_since_the_sample_is_not_placed(tmp_path: Path) -> No
     async with FakeKube() as kube:
         kube.put(pod)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, boot_clock=lambda: 4000)
+            auditor = compute_auditor(node, api, clock, gpus, boot_clock=lambda: 4000)
             gpus.run(auditor.compute, 20, {(0, 44): 90})
             report = await auditor.check()
             assert report.loads == ()
@@ -340,7 +368,7 @@ async def test_gpus_come_and_go_and_the_window_slides(tmp_path: Path) -> None:
     async with FakeKube() as kube:
         kube.put(pod)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock)
+            auditor = compute_auditor(node, api, clock, gpus)
             assert auditor.compute is not None
             gpus.run(auditor.compute, 20, {(0, 8): 90, (1, 8): 20})
             got = loads(await auditor.check())
@@ -351,7 +379,7 @@ async def test_gpus_come_and_go_and_the_window_slides(tmp_path: Path) -> None:
             node.nvml.devices.pop()  # GPU1 gone from the node
             node.inventory.discover()
             gpus.run(auditor.compute, 1, {(0, 8): 10})
-            assert set(auditor.compute.coverage()) == {GPU0}
+            assert set(auditor.compute.snapshot()[1]) == {GPU0}
 
 
 def test_the_sampler_needs_a_window() -> None:
@@ -397,13 +425,14 @@ async def test_the_agent_samples_every_second_and_serves_the_share(
     pod = cores_pod("p", "30")
     node.run_in(pod, "a", 60, {0: GIB})
     settings = _settings(tmp_path, proc_root=str(node.proc), audit_interval=0.05,
-                         compute_window=5)
+                         compute_window=20)
     stamp = [1_000]
 
-    def utilisation(since: dict[str, int]) -> Any:
-        stamp[0] += 1  # a new sample at every query: the process is always busy
+    def utilisation(since: Any, wall_us: int) -> Any:
+        stamp[0] += 1  # a new period at every query, the process busy in it
         node.nvml.devices[0].samples.append((60, stamp[0], 80))
-        return real(since)
+        node.nvml.devices[0].device_samples.append((stamp[0], 80))
+        return real(since, wall_us)
 
     real = node.inventory.process_utilisation
     monkeypatch.setattr(node.inventory, "process_utilisation", utilisation)
@@ -442,7 +471,7 @@ async def test_a_sampler_bug_is_logged_and_the_agent_goes_on(
     agent = Agent(_settings(tmp_path, proc_root=str(node.proc)), LIB, inventory=node.inventory)
     assert agent.auditor is not None and agent.auditor.compute is not None
 
-    def broken(since: dict[str, int]) -> Any:
+    def broken(since: Any, wall_us: int) -> Any:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(node.inventory, "process_utilisation", broken)
@@ -467,7 +496,7 @@ async def test_a_pid_reused_between_polls_is_placed_again(tmp_path: Path) -> Non
         kube.put(first)
         kube.put(second)
         async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, boot_clock=lambda: 10_000)
+            auditor = compute_auditor(node, api, clock, gpus, boot_clock=lambda: 10_000)
             gpus.run(auditor.compute, 10, {(0, 70): 90})
             node.run_in(second, "a", 70, {0: GIB}, started=20)  # the pid, reused
             gpus.run(auditor.compute, 10, {(0, 70): 10})
@@ -475,3 +504,180 @@ async def test_a_pid_reused_between_polls_is_placed_again(tmp_path: Path) -> Non
             got = loads(await auditor.check())
             assert got == {("first", GPU0): (round(90 * 9 / 19, 1), 30, True),
                            ("second", GPU0): (round(10 * 10 / 19, 1), 30, True)}
+
+
+# ---- the driver's sample periods, and what can go wrong -----------------------------------
+
+@pytest.mark.parametrize(("limit", "pattern", "want"), [
+    # paced by running, then waiting it off: a sample only for the periods it ran in
+    ("30", [90, 0, 0], 30.0),
+    ("30", [60, 0], 30.0),
+    ("50", [100, 0], 50.0),
+    ("30", [100, 100, 0, 0, 0, 0, 0], 200 / 7),
+])
+async def test_a_container_paced_by_waiting_reads_its_time_share(
+        tmp_path: Path, limit: str, pattern: list[int], want: float) -> None:
+    """The library paces a kernel of K seconds by a wait of K x (100/C - 1): the driver gives
+    the process samples only for the periods it ran in, the device one for every period. Each
+    process sample taken for the whole time since the last one read 90 % for the first pattern
+    and 100 % for the third (both flagged)."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("paced", limit)
+    node.run_in(pod, "a", 21, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus, compute_window=42.0)
+            gpus.run(auditor.compute, 43, {(0, 21): pattern})
+            (load,) = (await auditor.check()).loads
+            assert load.judged and load.percent == pytest.approx(want, abs=1.0)
+            assert not load.over(10) and auditor.episodes == 0
+
+
+async def test_containers_taking_turns_each_read_their_own_share(tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    one, two = cores_pod("one", "30"), cores_pod("two", "40")
+    node.run_in(one, "a", 1, {0: GIB})
+    node.run_in(two, "a", 2, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(one)
+        kube.put(two)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus, compute_window=30.0)
+            gpus.run(auditor.compute, 31, {(0, 1): [90, 0, 0], (0, 2): [0, 60, 60]})
+            got = {c.tracked.pod: round(c.percent, 1) for c in (await auditor.check()).loads}
+            assert got == {"one": 30.0, "two": 40.0}
+
+
+async def test_several_periods_per_poll_are_weighed_by_their_samples(tmp_path: Path) -> None:
+    """A driver period shorter than the poll's second: a process that ran in two periods of
+    three weighs twice one that ran in one (their samples add up, not average)."""
+    node, clock = Node(tmp_path), Clock()
+    pods = [cores_pod("two-thirds", "30"), cores_pod("one-third", "30")]
+    for pid, pod in enumerate(pods, start=1):
+        node.run_in(pod, "a", pid, {0: GIB})
+    gpus = Gpus(node, clock)
+    dev = node.nvml.devices[0]
+    async with FakeKube() as kube:
+        for pod in pods:
+            kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus, compute_window=20.0)
+            assert auditor.compute is not None
+            for _ in range(21):
+                clock.t += 1.0
+                for third in range(3):
+                    gpus.stamp += 333_333
+                    dev.device_samples.append((gpus.stamp, 100))
+                    dev.samples.append((1 if third < 2 else 2, gpus.stamp, 100))
+                auditor.compute.poll()
+            got = {c.tracked.pod: round(c.percent, 1) for c in (await auditor.check()).loads}
+            assert got == {"two-thirds": pytest.approx(66.7, abs=0.1),
+                           "one-third": pytest.approx(33.3, abs=0.1)}
+
+
+async def test_without_the_device_sample_buffer_the_last_periods_figure_is_used(
+        tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("p", "30")
+    node.run_in(pod, "a", 5, {0: GIB})
+    dev = node.nvml.devices[0]
+    dev.fail["nvmlDeviceGetSamples"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    dev.util = 80
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus)
+            gpus.run(auditor.compute, 21, {(0, 5): 80})
+            (load,) = (await auditor.check()).loads
+            assert load.judged and load.percent == pytest.approx(80.0) and load.over(10)
+
+
+async def test_a_wall_clock_stepped_back_does_not_blind_the_check(tmp_path: Path) -> None:
+    """NVML stamps its samples with the wall clock: stepped back an hour, every sample is
+    older than the newest seen. The sampler starts again from the driver's buffer."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("p", "30")
+    node.run_in(pod, "a", 6, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus)
+            gpus.run(auditor.compute, 10, {(0, 6): 95})
+            gpus.stamp -= 3600 * 1_000_000
+            for dev in node.nvml.devices:  # what the driver keeps from before: gone
+                dev.samples.clear()
+                dev.device_samples.clear()
+            gpus.run(auditor.compute, 25, {(0, 6): 95})
+            (load,) = (await auditor.check()).loads
+            assert load.judged and load.percent == pytest.approx(95.0) and load.over(10)
+
+
+async def test_what_the_driver_kept_while_queries_failed_is_not_placed(tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("p", "30")
+    node.run_in(pod, "a", 7, {0: GIB})
+    gpus = Gpus(node, clock)
+    fail = node.nvml.devices[0].fail
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus)
+            gpus.run(auditor.compute, 2, {(0, 7): 10})
+            fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
+            gpus.run(auditor.compute, 10, {(0, 7): 95})  # kept by the driver, unread
+            del fail["nvmlDeviceGetProcessUtilization"]
+            gpus.run(auditor.compute, 20, {(0, 7): 10})
+            (load,) = (await auditor.check()).loads
+            assert load.judged and load.percent == pytest.approx(10.0)
+
+
+async def test_nvml_gone_for_a_while_changes_no_episode(tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("hog", "30")
+    node.run_in(pod, "a", 11, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus, compute_action="evict", rounds=3)
+            gpus.run(auditor.compute, 20, {(0, 11): 90})
+            await auditor.check()
+            assert auditor.episodes == 1
+            node.inventory.close()  # NVML unavailable: no GPU read at all
+            for _ in range(5):
+                gpus.run(auditor.compute, 1, {(0, 11): 90})
+                await auditor.check()
+            node.inventory.discover()
+            gpus.run(auditor.compute, 20, {(0, 11): 90})
+            await auditor.check()
+            assert kube.get("pods", "hog", "ml") is not None  # the second round over
+            await auditor.check()
+            assert kube.get("pods", "hog", "ml") is None and auditor.episodes == 1
+
+
+async def test_a_pod_over_its_memory_cap_and_compute_limit_is_evicted_once(
+        tmp_path: Path) -> None:
+    """The memory episode evicts first; the pod terminates for a while (the API server keeps it
+    and takes a second eviction of it): the compute episode, reaching its rounds later, does
+    not ask again."""
+    from fakekube import status_object
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("rogue", "30")
+    node.run_in(pod, "a", 900, {0: 8 * GIB})
+    gpus = Gpus(node, clock)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        kube._evict = lambda key, body: status_object(201, "", "")  # type: ignore[method-assign]
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus, action="evict",
+                                      compute_action="evict", rounds=2)
+            for _ in range(6):
+                gpus.run(auditor.compute, 10, {(0, 900): 95})
+                await auditor.check()
+            assert auditor.episodes == 2 and auditor.events == 2  # one memory, one compute
+            assert len(kube.requests_to("POST", "/eviction")) == 1 and auditor.evictions == 1

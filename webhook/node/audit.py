@@ -71,6 +71,9 @@ UNKNOWN_TTL = 60.0
 ID reaches its pod's status within a few seconds of its start)."""
 EVENT_REASON = "GPUMemoryOverLimit"
 COMPUTE_EVENT_REASON = "GPUComputeOverLimit"
+EVICTED_TTL = 600.0
+"""Seconds an evicted pod is not asked for again (its processes may hold the GPU while it
+terminates: up to its grace period)."""
 COMPONENT = "gpuslice-agent"
 
 _POD_DIR = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
@@ -157,7 +160,7 @@ def cores_from(values: Mapping[str, str]) -> int | None:
     """The compute limit (% of each GPU's time) the limits give, or None when they give none
     (absent, 100, or not a number the interposer takes)."""
     text = values.get(names.ENV_SM_LIMIT, "").strip()
-    return int(text) if text.isdigit() and 0 < int(text) < 100 else None
+    return int(text) if text.isascii() and text.isdigit() and 0 < int(text) < 100 else None
 
 
 def _limits_text(text: str) -> dict[str, str]:
@@ -352,6 +355,8 @@ class Auditor:
         self._clock = clock
         self._boot_clock = boot_clock
         self._known: dict[str, Tracked] = {}
+        self._evicted: dict[str, float] = {}
+        """Pods evicted (UID -> when), not asked for again while they terminate."""
         self._placed: dict[int, tuple[int, tuple[str, str] | None]] = {}
         """The compute sampler's pids at its last call: start time and place."""
         self._unknown: dict[str, float] = {}
@@ -406,7 +411,8 @@ class Auditor:
             cache[pid] = (started, place)
             if place is not None:
                 out[pid] = place
-        self._placed = cache
+        if pids:  # a poll with nothing sampled keeps them (a paced container has such seconds)
+            self._placed = cache
         return out
 
     async def _refresh(self, wanted: Mapping[str, str]) -> bool:
@@ -449,7 +455,7 @@ class Auditor:
         listed = self._boot_clock()
         gpus: list[GpuProcesses] = await asyncio.to_thread(self._inventory.processes)
         places, reused = await asyncio.to_thread(self._places, gpus, listed)
-        shares = self.compute.shares() if self.compute is not None else {}
+        shares, coverage = self.compute.snapshot() if self.compute is not None else ({}, {})
         wanted = {c: pod for pod, c in places.values()}
         wanted.update({c: pod for pod, c, _ in shares})
         complete = await self._refresh(wanted)
@@ -477,21 +483,21 @@ class Auditor:
                     self._known[ident].cap_on(uuid, totals.get(uuid)), tuple(sorted(pids)),
                     tuple(sorted(unknown)))
             for (ident, uuid), (pids, unknown, size) in sorted(held.items()))
-        loads = self._loads(holdings, shares)
+        loads = self._loads(holdings, shares, coverage)
         self._forget(places, shares)
         complete = complete and not any(h.unknown_pids for h in holdings)
         report = AuditReport(holdings, loads, unattributed, complete)
         self.last = report
-        await self._act(report, {g.gpu.uuid for g in gpus if g.processes is None})
+        await self._act(report, {g.gpu.uuid for g in gpus if g.processes is None}, blind=not gpus)
         return report
 
     def _loads(self, holdings: Iterable[Holding],
-               shares: Mapping[tuple[str, str, str], ComputeShare]) -> tuple[Load, ...]:
+               shares: Mapping[tuple[str, str, str], ComputeShare],
+               coverage: Mapping[str, float]) -> tuple[Load, ...]:
         """Each container under a compute limit, on each GPU assigned to it where it ran or
         holds memory, with its share of the GPU's time (0 where it had no sample)."""
         if self.compute is None:
             return ()
-        coverage = self.compute.coverage()
         seen: dict[tuple[str, str], ComputeShare | None] = {}
         for (pod, ident, uuid), share in shares.items():
             t = self._known.get(ident)
@@ -503,7 +509,7 @@ class Auditor:
         for ident, uuid in sorted(seen):
             t = self._known.get(ident)
             got = seen[(ident, uuid)]
-            covered = coverage.get(uuid, 0.0)
+            covered = got.covered if got else coverage.get(uuid, 0.0)
             if t is None or t.cores is None or (t.gpus is not None and uuid not in t.gpus):
                 continue  # no limit; or a GPU not its own: the memory check's breach
             out.append(Load(t, ident, uuid, got.percent if got else 0.0, t.cores, covered,
@@ -539,11 +545,19 @@ class Auditor:
         for ident in [i for i in self._known if i not in live]:
             del self._known[ident]
 
-    async def _act(self, report: AuditReport, unread: set[str]) -> None:
+    async def _act(self, report: AuditReport, unread: set[str], blind: bool = False) -> None:
         """Start, continue or end each container's over-the-limit episodes per GPU (memory and
         compute apart); an episode ends after ``rounds`` checks in a row under the limit (so one
         that dips under now and then is still evicted), and a GPU whose list could not be read,
-        or a compute window not covered enough, changes nothing."""
+        a compute window not covered enough, or a check that read no GPU at all (NVML
+        unavailable: ``blind``) changes nothing. A pod is asked for once: one evicted for one
+        episode (memory, compute, another GPU) is not evicted again for
+        ``EVICTED_TTL`` seconds (it may take that long to terminate)."""
+        now = self._clock()
+        for uid in [u for u, t in self._evicted.items() if now - t >= EVICTED_TTL]:
+            del self._evicted[uid]
+        if blind:  # the compute window holds only what was sampled before: not news
+            return
         findings: list[tuple[tuple[str, str, str], bool, Holding | Load]] = [
             (("memory", h.container_id, h.uuid), h.over(self.tolerance), h)
             for h in report.holdings]
@@ -551,7 +565,6 @@ class Auditor:
                      for c in report.loads if c.judged]
         unjudged = {("compute", c.container_id, c.uuid) for c in report.loads if not c.judged}
         over_now: set[tuple[str, str, str]] = set()
-        evicted: set[str] = set()  # pods asked for this time (a container over on two GPUs)
         for key, is_over, found in findings:
             if not is_over:
                 continue
@@ -566,9 +579,9 @@ class Auditor:
             action = self.action if isinstance(found, Holding) else self.compute_action
             pod_uid = found.tracked.pod_uid
             if action == "evict" and ep.rounds >= self.rounds and not ep.evicted:
-                ep.evicted = pod_uid in evicted or await self._evict(found)
+                ep.evicted = pod_uid in self._evicted or await self._evict(found)
                 if ep.evicted:
-                    evicted.add(pod_uid)
+                    self._evicted.setdefault(pod_uid, now)
         for key, ep in list(self._episodes.items()):
             if key in over_now or key in unjudged or (key[0] == "memory" and key[2] in unread):
                 continue

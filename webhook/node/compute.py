@@ -3,20 +3,28 @@ its processes use it, over a sliding window.
 
 The interposer paces a container's kernels to its ``CUDA_DEVICE_SM_LIMIT`` from inside, with
 its clock in the container's region file, which the container can write; a program that never
-loads the library is not paced at all. NVML's per-process utilisation
-(``nvmlDeviceGetProcessUtilization``) is measured by the driver, out of the container's reach:
-for each process that ran in a sample period (1/6 to 1 s), the share of the period its kernels
-ran. Asked with the newest timestamp it returned before, it gives each process's share since
-then.
+loads the library is not paced at all. NVML's utilisation samples are measured by the driver,
+out of the container's reach; each query asks for the samples newer than the last ones seen:
 
-Every :data:`SAMPLE_INTERVAL` :meth:`ComputeSampler.poll` asks once per GPU. New samples cover
-the time since the last new ones (a *span*): each pid is placed into its container then (by the
-auditor's cgroup read, while the process still lives), and the span records each container's
-summed share. A GPU with no new sample for :data:`SILENCE` seconds ran nothing of anyone's (the
-driver samples every second at most): that time is a span of zero shares. A failing query
-covers nothing. :meth:`ComputeSampler.shares` answers, per container and GPU, the time-weighted
-share over the last ``window`` seconds and how much of the window the spans cover; the auditor
-judges a share only over a window mostly covered (:data:`COVERED`).
+- the device's (``nvmlDeviceGetSamples``, GPU utilisation): one per driver sample period (1/6
+  to 1 s), idle periods included: the share of the period any kernel ran;
+- the processes' (``nvmlDeviceGetProcessUtilization``): one per process per period *in which
+  it ran*, the share of the period its kernels ran; none for the periods it did not.
+
+So the processes' samples alone cannot say how long a process was idle (a process paced to
+30 % by running 0.9 s and waiting 2.1 s has one sample of 90 % in three periods); the device's
+can. Every :data:`SAMPLE_INTERVAL` :meth:`ComputeSampler.poll` asks once per GPU. Each pid that
+ran is placed into its container then (the auditor's cgroup read, while the process lives) and
+its samples are added up. When the device has new periods, the time since the last *span*
+becomes one: each container's share of it is the device's utilisation over those periods times
+the container's part of all processes' samples (other containers', the host's, unplaced ones
+included). A driver without the device's sample buffer gives the last period's utilisation
+instead (``nvmlDeviceGetUtilizationRates``: a snapshot per poll, which a workload whose cycle
+matches the poll's can alias). A failing query covers nothing and starts the GPU again (what
+the driver kept meanwhile is not placed), and so does a GPU with no new period for
+:data:`SILENCE` seconds. :meth:`ComputeSampler.snapshot` answers, per container and GPU, the
+time-weighted share over the last ``window`` seconds and how much of the window the spans
+cover; the auditor judges a share only over a window mostly covered (:data:`COVERED`).
 
 The interposer keeps a container's share of the GPU's time at or under its limit over any
 stretch longer than its debts (a kernel's time at ``100 / C`` per unit), and its clock
@@ -26,18 +34,22 @@ paid for afterwards, does not look like a breach.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from webhook.node.inventory import Inventory
+from webhook.node.inventory import FUTURE_US, GpuUtilisation, Inventory
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL = 1.0
 """Seconds between NVML queries (the driver's sample period is 1/6 to 1 s)."""
 SILENCE = 3.0
-"""Seconds without a new sample after which the GPU's time counts as idle for every process."""
+"""Seconds without a new device sample period after which the time is not covered (drivers end
+a period every 1/6 to 1 s, busy or idle)."""
 COVERED = 0.75
 """The part of the window the spans must cover before a share is judged."""
 
@@ -68,93 +80,124 @@ class _Span:
 @dataclass
 class _Track:
     since: int = 0
-    """NVML timestamp (µs) of the newest sample seen: the next query asks for newer ones."""
+    """NVML timestamp (µs) of the newest per-process sample seen: the next query asks for
+    newer ones."""
+    dev_since: int = 0
+    """Likewise for the device's samples."""
     last: float | None = None
-    """When the covered time ends (the last new samples, silence or failure); None: not started."""
+    """When the covered time ends (the last span, or the start); None: not started, or started
+    again (after a failure: what the driver kept meanwhile is not placed)."""
+    weights: dict[Key, float] = field(default_factory=dict)
+    """Per-process samples summed per container since ``last`` (a span closes when the device
+    has a new period)."""
+    total: float = 0.0
+    """All processes' samples summed since ``last``, those of no container included."""
+    pids: dict[Key, set[int]] = field(default_factory=dict)
     spans: deque[_Span] = field(default_factory=deque)
+
+    def restart(self) -> None:
+        self.last = None
+        self.weights, self.total, self.pids = {}, 0.0, {}
 
 
 class ComputeSampler:
-    """Polls NVML's per-process utilisation and keeps each GPU's spans over the window.
+    """Polls NVML's utilisation samples and keeps each GPU's spans over the window.
 
     ``place(pids)`` names the containers of processes that ran (a pid it leaves out: not a
-    container's, gone or reused since the sample). :meth:`poll` runs in a worker thread, :meth:`shares` on the event
-    loop: a lock keeps them apart.
+    container's, gone or reused since the sample). :meth:`poll` runs in a worker thread,
+    :meth:`snapshot` on the event loop: a lock keeps them apart.
     """
 
     def __init__(self, inventory: Inventory, place: Callable[[set[int]], dict[int, Key]],
-                 window: float,
-                 *, clock: Callable[[], float] = time.monotonic) -> None:
+                 window: float, *, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         if window <= 0:
             raise ValueError(f"the compute window must be positive: {window!r}")
         self._inventory = inventory
         self._place = place
         self.window = window
         self._clock = clock
+        self._wall = wall
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}
         self.failures = 0
-        """Queries that failed (NVML errors, a GPU without the query)."""
+        """Queries that failed (NVML errors, a GPU without the queries)."""
+        self.unsupported: set[str] = set()
+        """GPUs whose last query failed (logged once each time one starts failing)."""
 
     def poll(self) -> None:
-        """One query per GPU; new samples become a span of each container's summed share."""
+        """One query per GPU: the processes' samples are placed into their containers and
+        added up; when the device has new sample periods, the time since the last span becomes
+        a span, each container's share of it the device's utilisation over those periods times
+        the container's part of all processes' samples."""
+        wall_us = int(self._wall() * 1e6)
         with self._lock:
-            since = {uuid: t.since for uuid, t in self._tracks.items()}
-        found = self._inventory.process_utilisation(since)
+            since = {}
+            for uuid, t in self._tracks.items():
+                if max(t.since, t.dev_since) > wall_us + FUTURE_US:  # the wall clock stepped back
+                    t.since = t.dev_since = 0
+                    t.restart()
+                since[uuid] = (t.since, t.dev_since)
+        found = self._inventory.process_utilisation(since, wall_us)
         now = self._clock()
         # placed now: a process that ran may end soon
         places = self._place({pid for u in found for pid in u.samples or ()})
-        spans: dict[str, _Span | None] = {}
-        for u in found:
-            if not u.samples:
-                continue
-            shares: dict[Key, float] = {}
-            pids: dict[Key, set[int]] = {}
-            for pid, pct in u.samples.items():
-                key = places.get(pid)
-                if key is not None:
-                    shares[key] = min(100.0, shares.get(key, 0.0) + pct)
-                    pids.setdefault(key, set()).add(pid)
-            spans[u.gpu.uuid] = _Span(now, 0.0, shares, pids)
         with self._lock:
+            if not found:  # NVML unavailable: nothing to tell, nothing forgotten
+                for track in self._tracks.values():
+                    track.restart()
+                return
             for gone in self._tracks.keys() - {u.gpu.uuid for u in found}:
                 del self._tracks[gone]
             for u in found:
                 track = self._tracks.setdefault(u.gpu.uuid, _Track())
-                self._advance(track, u.samples, u.newest, spans.get(u.gpu.uuid), now)
+                self._advance(track, u, places, now)
 
-    def _advance(self, track: _Track, samples: dict[int, float] | None, newest: int,
-                 span: _Span | None, now: float) -> None:
-        if samples is None:  # the query failed: this time is not covered
+    def _advance(self, track: _Track, u: GpuUtilisation, places: dict[int, Key],
+                 now: float) -> None:
+        if u.samples is None:  # a query failed: this time is not covered, nor what comes next
             self.failures += 1
+            if u.gpu.uuid not in self.unsupported:
+                self.unsupported.add(u.gpu.uuid)
+                logger.warning("NVML's utilisation samples cannot be read; the outside compute "
+                               "check does not judge this GPU meanwhile", extra={
+                                   "gpu": u.gpu.uuid})
+            track.restart()
+            return
+        self.unsupported.discard(u.gpu.uuid)
+        track.since, track.dev_since = u.newest, u.dev_newest
+        if track.last is None:  # the first answer: what the driver kept is from before us
             track.last = now
-        elif track.last is None:  # the first answer: what the driver kept is from before us
-            track.since, track.last = newest, now
-        elif span is not None:  # new samples: each process's share since the last ones
-            span.length = now - track.last
-            track.spans.append(span)
-            track.since, track.last = newest, now
-        elif now - track.last >= SILENCE:  # nobody ran
-            track.spans.append(_Span(now, now - track.last, {}, {}))
+            return
+        for pid, weight in u.samples.items():
+            track.total += weight
+            key = places.get(pid)
+            if key is not None:
+                track.weights[key] = track.weights.get(key, 0.0) + weight
+                track.pids.setdefault(key, set()).add(pid)
+        if u.device is not None:
+            part = u.device / track.total if track.total else 0.0
+            track.spans.append(_Span(now, now - track.last,
+                                     {k: w * part for k, w in track.weights.items()}, track.pids))
+            track.last = now
+            track.weights, track.total, track.pids = {}, 0.0, {}
+        elif now - track.last >= SILENCE:  # no period ended for that long: no figure
+            self.failures += 1
+            track.restart()
             track.last = now
         while track.spans and track.spans[0].end <= now - self.window:
             track.spans.popleft()
 
-    def coverage(self) -> dict[str, float]:
-        """Per GPU sampled: seconds of the window its spans cover."""
-        now = self._clock()
-        with self._lock:
-            return {uuid: sum(self._overlap(s, now) for s in t.spans)
-                    for uuid, t in self._tracks.items()}
-
-    def shares(self) -> dict[tuple[str, str, str], ComputeShare]:
+    def snapshot(self) -> tuple[dict[tuple[str, str, str], ComputeShare], dict[str, float]]:
         """(pod UID, container ID, GPU UUID) -> the container's share of the GPU over the
-        window, for every container that had a sample in it."""
+        window, for every container that had a sample in it; and per GPU sampled, the seconds
+        of the window its spans cover (both read at one time)."""
         now = self._clock()
         out: dict[tuple[str, str, str], ComputeShare] = {}
+        coverage: dict[str, float] = {}
         with self._lock:
             for uuid, track in self._tracks.items():
-                covered = sum(self._overlap(s, now) for s in track.spans)
+                covered = coverage[uuid] = sum(self._overlap(s, now) for s in track.spans)
                 if covered <= 0:
                     continue
                 busy: dict[Key, float] = {}
@@ -167,7 +210,7 @@ class ComputeSampler:
                 for key, total in busy.items():
                     out[(*key, uuid)] = ComputeShare(total / covered, covered,
                                                      tuple(sorted(pids[key])))
-        return out
+        return out, coverage
 
     def _overlap(self, span: _Span, now: float) -> float:
         start = max(span.end - span.length, now - self.window)

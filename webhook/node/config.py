@@ -129,8 +129,8 @@ def _validate(s: AgentSettings) -> None:
     if not isinstance(s.over_limit_rounds, int) or not 1 <= s.over_limit_rounds <= 1000:
         _fail("--over-limit-rounds", s.over_limit_rounds, "must be an integer from 1 to 1000")
     if not isinstance(s.compute_window, (int, float)) or not (
-            s.compute_window == 0 or 5 <= s.compute_window <= 3600):
-        _fail("--compute-window", s.compute_window, "must be 0 (off) or 5 to 3600 seconds")
+            s.compute_window == 0 or 20 <= s.compute_window <= 3600):
+        _fail("--compute-window", s.compute_window, "must be 0 (off) or 20 to 3600 seconds")
     if not isinstance(s.compute_tolerance, (int, float)) or not 0 <= s.compute_tolerance <= 100:
         _fail("--compute-tolerance", s.compute_tolerance,
               "must be 0 to 100 percentage points")

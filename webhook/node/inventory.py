@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -25,6 +27,9 @@ import pynvml
 logger = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+FUTURE_US = 5_000_000
+"""NVML samples stamped further than this past the wall clock are garbage (or the clock stepped
+back): dropped."""
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 _NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
@@ -77,13 +82,20 @@ class GpuProcesses:
 
 @dataclass(frozen=True)
 class GpuUtilisation:
-    """NVML's per-process utilisation samples of one GPU newer than the ``since`` asked for:
-    each pid's SM share (%, the average of its new samples), the newest sample's timestamp
-    (NVML's, µs), and ``samples`` None when the query failed or the GPU has none."""
+    """NVML's utilisation samples of one GPU newer than those asked for.
+
+    ``samples``: each pid's per-process SM samples summed (%; the driver gives one per process
+    per sample period in which it ran, none for the periods it did not), None when a query
+    failed or the GPU has none; ``newest``: their newest timestamp (NVML's, µs). ``device``: the
+    GPU's utilisation over its new sample periods (their mean, idle periods included; the last
+    period's figure where the driver keeps no samples), None where no period ended since
+    ``dev_newest``, the device samples' newest timestamp."""
 
     gpu: Gpu
     samples: dict[int, float] | None
     newest: int
+    device: float | None = None
+    dev_newest: int = 0
 
 
 @dataclass(frozen=True)
@@ -282,41 +294,68 @@ class Inventory:
                 held[int(p.pid)] = used if before is None else max(before, used or 0)
         return GpuProcesses(gpu, total, held)
 
-    def process_utilisation(self, since: dict[str, int]) -> list[GpuUtilisation]:
-        """Per GPU of the last discovery: NVML's per-process SM utilisation samples newer than
-        ``since[uuid]`` (µs, NVML's timestamps; 0 or absent: all the driver keeps), averaged per
-        pid (empty without NVML). The driver keeps one sample per process per sample period
-        (1/6 to 1 s) that had some utilisation in it; nothing new is ``{}``. Samples above 100 %
-        (some drivers report garbage for exited processes) are dropped."""
+    def process_utilisation(self, since: Mapping[str, tuple[int, int]],
+                            wall_us: int | None = None) -> list[GpuUtilisation]:
+        """Per GPU of the last discovery (empty without NVML): NVML's samples newer than
+        ``since[uuid]`` = (per-process timestamp, device timestamp), µs, NVML's (0: all the
+        driver keeps). Samples above 100 % or stamped more than :data:`FUTURE_US` past
+        ``wall_us`` (now; garbage some drivers return for exited processes) are dropped."""
+        limit = (int(time.time() * 1e6) if wall_us is None else wall_us) + FUTURE_US
         with self._lock:
             if not self._initialised or not self._last.available:
                 return []
-            return [self._utilisation_locked(gpu, since.get(gpu.uuid, 0))
+            return [self._utilisation_locked(gpu, *since.get(gpu.uuid, (0, 0)), limit)
                     for gpu in self._last.gpus]
 
-    def _utilisation_locked(self, gpu: Gpu, since: int) -> GpuUtilisation:
+    def _utilisation_locked(self, gpu: Gpu, since: int, dev_since: int,
+                            limit: int) -> GpuUtilisation:
+        nvml = self._nvml
+        failed = GpuUtilisation(gpu, None, since, None, dev_since)
         try:
-            handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu.index)
-            found = list(self._nvml.nvmlDeviceGetProcessUtilization(handle, since))
-        except pynvml.NVMLError_NotFound:  # no sample since then: nothing ran, or no period ended
-            return GpuUtilisation(gpu, {}, since)
+            handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+        except pynvml.NVMLError:
+            return failed
+        # the device: one sample per driver period, idle ones included
+        device: float | None = None
+        dev_newest = dev_since
+        try:
+            _kind, got = nvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES,
+                                                   dev_since)
+            values = [(int(x.timeStamp), int(x.sampleValue.uiVal)) for x in got]
+            values = [(t, v) for t, v in values if dev_since < t <= limit and v <= 100]
+            if values:
+                device = sum(v for _, v in values) / len(values)
+                dev_newest = max(t for t, _ in values)
+        except pynvml.NVMLError_NotFound:
+            pass  # no period ended since then
+        except _NO_SUCH_QUERY:  # no sample buffer: the utilisation of the last period, now
+            try:
+                device = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except pynvml.NVMLError:
+                return failed
         except pynvml.NVMLError as exc:
-            if exc.value == pynvml.NVML_SUCCESS:  # pynvml raises the driver's "none at all"
-                return GpuUtilisation(gpu, {}, since)
-            return GpuUtilisation(gpu, None, since)
-        except _NO_SUCH_QUERY:
-            return GpuUtilisation(gpu, None, since)
-        sums: dict[int, tuple[int, int]] = {}
+            if exc.value != pynvml.NVML_SUCCESS:  # pynvml's NVMLError(0): none, success
+                return failed
+        # the processes: a sample per process per period it ran in
+        sums: dict[int, float] = {}
         newest = since
-        for s in found:
-            stamp, pct = int(s.timeStamp), int(s.smUtil)
-            if stamp <= since or pct > 100:  # old news some drivers return again; garbage
+        try:
+            found = list(nvml.nvmlDeviceGetProcessUtilization(handle, since))
+        except pynvml.NVMLError_NotFound:
+            found = []
+        except pynvml.NVMLError as exc:
+            if exc.value != pynvml.NVML_SUCCESS:
+                return failed
+            found = []
+        except _NO_SUCH_QUERY:
+            return failed
+        for x in found:
+            stamp, pct = int(x.timeStamp), int(x.smUtil)
+            if not since < stamp <= limit or pct > 100:  # old news some drivers repeat; garbage
                 continue
             newest = max(newest, stamp)
-            total, count = sums.get(int(s.pid), (0, 0))
-            sums[int(s.pid)] = (total + pct, count + 1)
-        return GpuUtilisation(gpu, {pid: total / count for pid, (total, count) in sums.items()},
-                              newest)
+            sums[int(x.pid)] = sums.get(int(x.pid), 0.0) + pct
+        return GpuUtilisation(gpu, sums, newest, device, dev_newest)
 
     def _process_list(self, kind: str, handle: Any) -> list[Any] | None:
         """NVML's ``kind`` process list of a GPU, None if the driver has no such query (a failing

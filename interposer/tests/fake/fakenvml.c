@@ -380,6 +380,61 @@ static void proc_window(uint64_t t, uint64_t k)
     proc_device = cotenant() ? 100 : mine;
 }
 
+/* A sample period ends when asked at least FAKE_NVML_PROC_PERIOD_MS after the last one ended;
+ * 0 when the queries fail (FAKE_NVML_PROC_FAIL_AFTER_MS). */
+static int proc_advance(void)
+{
+    uint64_t t = mono_ns(), k = kernel_time();
+    static uint64_t first;
+    if (!first) first = t;
+    unsigned fail_after = env_uint("FAKE_NVML_PROC_FAIL_AFTER_MS", 0);
+    if (fail_after && t - first >= fail_after * 1000000ull) return 0;
+    if (!proc_t0 || t - proc_t0 >= env_uint("FAKE_NVML_PROC_PERIOD_MS", 100) * 1000000ull) {
+        if (proc_t0) proc_window(t, k);
+        proc_t0 = t;
+        proc_k0 = k;
+    }
+    return 1;
+}
+
+/* nvmlDeviceGetSamples for NVML_GPU_UTILIZATION_SAMPLES (1): the device's utilisation in the
+ * last sample period (the one the per-process samples cover), as an unsigned int; other kinds
+ * are not supported.  FAKE_NVML_DEVICE_SAMPLES=off plays a driver without the buffer. */
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    signed long long sllVal;
+} fake_nvml_value_t;
+typedef struct {
+    unsigned long long timeStamp;
+    fake_nvml_value_t sampleValue;
+} fake_nvml_sample_t;
+
+API nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t d, int type, unsigned long long last_seen, int *value_type,
+                                      unsigned int *count, fake_nvml_sample_t *out)
+{
+    const char *mode = getenv("FAKE_NVML_DEVICE_SAMPLES");
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (index_of(d) < 0 || !count || !value_type) return NVML_ERROR_INVALID_ARGUMENT;
+    if (type != 1 || (mode && !strcmp(mode, "off"))) return NVML_ERROR_NOT_SUPPORTED;
+    if (!proc_advance()) return (nvmlReturn_t)999; /* NVML_ERROR_UNKNOWN */
+    unsigned n = proc_stamp > last_seen ? 1 : 0;
+    *value_type = 1; /* NVML_VALUE_TYPE_UNSIGNED_INT */
+    if (!out) { /* the size to allocate */
+        *count = n;
+        return NVML_SUCCESS;
+    }
+    if (!n) return NVML_ERROR_NOT_FOUND;
+    if (*count < n) return NVML_ERROR_INSUFFICIENT_SIZE;
+    out[0].timeStamp = proc_stamp;
+    out[0].sampleValue.ullVal = 0;
+    out[0].sampleValue.uiVal = proc_device;
+    *count = n;
+    return NVML_SUCCESS;
+}
+
 API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *out,
                                                  unsigned int *count, unsigned long long last_seen)
 {
@@ -387,16 +442,7 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (index_of(d) < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     if (mode && !strcmp(mode, "off")) return NVML_ERROR_NOT_SUPPORTED;
-    uint64_t t = mono_ns(), k = kernel_time();
-    static uint64_t first;
-    if (!first) first = t;
-    unsigned fail_after = env_uint("FAKE_NVML_PROC_FAIL_AFTER_MS", 0);
-    if (fail_after && t - first >= fail_after * 1000000ull) return (nvmlReturn_t)999; /* NVML_ERROR_UNKNOWN */
-    if (!proc_t0 || t - proc_t0 >= env_uint("FAKE_NVML_PROC_PERIOD_MS", 100) * 1000000ull) {
-        if (proc_t0) proc_window(t, k);
-        proc_t0 = t;
-        proc_k0 = k;
-    }
+    if (!proc_advance()) return (nvmlReturn_t)999; /* NVML_ERROR_UNKNOWN */
     unsigned n = proc_stamp > last_seen ? proc_n : 0, room = env_uint("FAKE_NVML_PROC_ROOM", 0);
     if (!out || *count < n || *count < room) {
         *count = n > room ? n : room;
