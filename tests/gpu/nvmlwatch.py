@@ -170,9 +170,11 @@ class ClockWatch(_Sampling):
 
 class ShareWatch(_Sampling):
     """The agent's outside compute check as it samples (``webhook.node.compute``), in a thread:
-    NVML's per-process utilisation every second, every process that ran counted as one
-    container's (the test runs one workload at a time), averaged over the last ``window``
-    seconds of the watch."""
+    NVML's device and per-process utilisation samples every second, each process its own
+    "container", averaged over the last ``window`` seconds of the watch. Keeps the raw samples
+    of each poll too (what the real driver's streams look like: their periods, whether a
+    process has a sample for the periods it did not run in, how far apart the two streams show
+    up), for the record."""
 
     def __init__(self, window: float) -> None:
         from webhook.node.compute import SAMPLE_INTERVAL, ComputeSampler
@@ -180,23 +182,33 @@ class ShareWatch(_Sampling):
         self.interval = SAMPLE_INTERVAL
         self.inventory = Inventory()
         self.inventory.discover()
-        self.sampler = ComputeSampler(self.inventory, lambda pids: {p: ("gpu-check", "workload")
-                                                                     for p in pids}, window)
+        self.trace: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
+        real = self.inventory.process_utilisation
+
+        def traced(since: Any, wall_us: int) -> Any:
+            found = real(since, wall_us)
+            self.trace.append({"t": round(time.monotonic() - self.t0, 2), "gpus": [
+                {"device": u.device, "dev_newest": u.dev_newest, "samples": u.samples}
+                for u in found[:1]]})
+            return found
+
+        self.inventory.process_utilisation = traced  # type: ignore[method-assign,assignment]
+        self.sampler = ComputeSampler(self.inventory, lambda pids, _listed: {
+            p: ("pid", str(p)) for p in pids}, window)
         super().__init__("sharewatch")
 
     def sample(self) -> None:
         self.sampler.poll()
 
     def summary(self) -> dict[str, Any]:
-        shares, coverage = self.sampler.snapshot()
+        shares, coverage, _unplaced = self.sampler.snapshot()
         self.inventory.close()
         covered = max(coverage.values(), default=0.0)
-        if not shares:
-            return {"share_pct": 0.0 if covered else None, "covered_s": round(covered, 1),
-                    "failures": self.sampler.failures}
-        share = max(shares.values(), key=lambda s: s.percent)  # the first GPU: the tests'
-        return {"share_pct": round(share.percent, 1), "covered_s": round(share.covered, 1),
-                "pids": list(share.pids), "failures": self.sampler.failures}
+        per_pid = {key[1]: round(s.percent, 1) for key, s in shares.items()}
+        return {"share_pct": round(sum(per_pid.values()), 1) if covered else None,
+                "per_pid": per_pid, "covered_s": round(covered, 1),
+                "failures": self.sampler.failures, "trace": self.trace[-40:]}
 
 
 def _text(value: str | bytes) -> str:

@@ -34,6 +34,8 @@ class FakeDevice:
     """MPS client processes, likewise."""
     fail: dict[str, int] = field(default_factory=dict)
     """NVML function name -> NVML error code it raises for this device."""
+    fail_once: dict[str, int] = field(default_factory=dict)
+    """Likewise, for the next call only."""
     samples: list[tuple[int, int, int]] = field(default_factory=list)
     """Per-process utilisation samples the driver keeps: (pid, timestamp µs, SM %), one per
     process per sample period in which it ran."""
@@ -89,6 +91,8 @@ class FakeNvml:
         dev = self.devices[handle]
         if fn in dev.fail:
             raise pynvml.NVMLError(dev.fail[fn])
+        if fn in dev.fail_once:
+            raise pynvml.NVMLError(dev.fail_once.pop(fn))
         return dev
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> int:

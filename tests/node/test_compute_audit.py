@@ -44,10 +44,14 @@ class Gpus:
     time: per process, a sample of its share in each period it ran; per device, a sample of
     every period (the processes' shares summed)."""
 
-    def __init__(self, node: Node, clock: Clock) -> None:
+    def __init__(self, node: Node, clock: Clock, lag: int = 0) -> None:
         self.node, self.clock = node, clock
         self.stamp = START_US  # µs, as NVML stamps its samples (the wall clock)
         self.second = 0
+        self.lag = lag
+        """1: a period's process samples show up a poll after its device sample; -1: the
+        device sample a poll after the process samples."""
+        self._held: list[tuple[list[Any], tuple[Any, ...]]] = []
 
     def wall(self) -> float:
         return self.stamp / 1e6
@@ -60,15 +64,25 @@ class Gpus:
             self.clock.t += 1.0
             self.stamp += 1_000_000
             busy = [0] * len(self.node.nvml.devices)
+            held, self._held = self._held, []
+            for buffer, sample in held:  # what the driver shows a poll late
+                buffer.append(sample)
             for (gpu, pid), pct in shares.items():
                 now = pct[self.second % len(pct)] if isinstance(pct, list) else pct
                 if now:
-                    self.node.nvml.devices[gpu].samples.append((pid, self.stamp, now))
+                    self._show(self.node.nvml.devices[gpu].samples, (pid, self.stamp, now),
+                               self.lag > 0)
                     busy[gpu] += now
             for dev, total in zip(self.node.nvml.devices, busy, strict=True):
-                dev.device_samples.append((self.stamp, min(100, total)))
+                self._show(dev.device_samples, (self.stamp, min(100, total)), self.lag < 0)
             self.second += 1
             sampler.poll()
+
+    def _show(self, buffer: list[Any], sample: tuple[Any, ...], late: bool) -> None:
+        if late:
+            self._held.append((buffer, sample))
+        else:
+            buffer.append(sample)
 
 
 def compute_auditor(node: Node, api: Any, clock: Clock, gpus: Gpus, **kw: Any) -> Auditor:
@@ -86,18 +100,19 @@ def loads(report: Any) -> dict[tuple[str, str], tuple[float, int, bool]]:
 
 # ---- NVML's figures ---------------------------------------------------------------------
 
-def test_samples_newer_than_asked_are_summed_per_pid_and_garbage_dropped() -> None:
-    nvml = FakeNvml([FakeDevice(GPU0, samples=[
+def test_samples_newer_than_asked_and_not_garbage_with_the_processes_listed() -> None:
+    nvml = FakeNvml([FakeDevice(GPU0, processes={10: GIB, 99: GIB}, samples=[
         (10, 100, 30), (10, 200, 40), (11, 150, 20), (12, 160, 4294967295), (13, 90, 50),
         (14, 170, 10 ** 9)], device_samples=[(100, 50), (200, 30), (10 ** 13, 99)])])
     inv = Inventory(nvml)
     inv.discover()
     (u,) = inv.process_utilisation({GPU0: (100, 100)}, wall_us=1000)
-    # a process's samples add up (one per period it ran in); over 100 %, or stamped far past
-    # the wall clock (garbage): dropped
-    assert (u.samples, u.newest, u.device, u.dev_newest) == ({10: 40.0, 11: 20.0}, 200, 30.0, 200)
+    # over 100 %, or stamped far past the wall clock (garbage): dropped
+    assert (sorted(u.samples or []), u.newest, u.device, u.dev_newest) == \
+        ([(10, 200, 40), (11, 150, 20)], 200, 30.0, 200)
+    assert u.running == {10, 99}  # to place them while they live
     (u,) = inv.process_utilisation({}, wall_us=1000)  # from the start: all the driver keeps
-    assert u.samples == {10: 70.0, 11: 20.0, 13: 50.0} and (u.device, u.dev_newest) == (40.0, 200)
+    assert len(u.samples or []) == 4 and (u.device, u.dev_newest) == (40.0, 200)
 
 
 def test_no_new_sample_is_nothing_new_and_a_failing_query_is_no_answer() -> None:
@@ -106,9 +121,14 @@ def test_no_new_sample_is_nothing_new_and_a_failing_query_is_no_answer() -> None
     inv = Inventory(nvml)
     inv.discover()
     got = inv.process_utilisation({GPU0: (100, 100)})
-    assert [(u.samples, u.newest, u.device) for u in got] == [({}, 100, None), ({}, 0, None)]
+    assert [(u.samples, u.newest, u.device) for u in got] == [([], 100, None), ([], 0, None)]
     nvml.empty_success = True  # pynvml raises NVMLError(0) for a driver's "none, success"
-    assert [u.samples for u in inv.process_utilisation({GPU0: (100, 100)})] == [{}, {}]
+    assert [u.samples for u in inv.process_utilisation({GPU0: (100, 100)})] == [[], []]
+    # a sample between pynvml's sizing call and its read: asked again
+    nvml.devices[0].fail_once["nvmlDeviceGetProcessUtilization"] = \
+        pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+    nvml.devices[0].fail_once["nvmlDeviceGetSamples"] = pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+    assert inv.process_utilisation({})[0].samples == [(10, 100, 30)]
     # a driver without the device's sample buffer: the last period's utilisation, every time
     nvml.devices[1].fail["nvmlDeviceGetSamples"] = pynvml.NVML_ERROR_NOT_SUPPORTED
     assert [u.device for u in inv.process_utilisation({})] == [30.0, 55.0]
@@ -186,6 +206,8 @@ async def test_a_container_within_its_limit_passes_one_over_it_is_reported(
                 assert got[("gpuslice_container_compute_observed_percent", lab)] == pct
                 assert got[("gpuslice_container_compute_over_limit", lab)] == over
             assert got[("gpuslice_agent_over_limit_events_total", ())] == 1
+            # the host's process (no container)
+            assert got[("gpuslice_gpu_compute_unattributed_percent", (("uuid", GPU0),))] == 5.0
             # not evicted (the compute action is none), and one Event per episode
             gpus.run(auditor.compute, 10, busy)
             await auditor.check()
@@ -681,3 +703,89 @@ async def test_a_pod_over_its_memory_cap_and_compute_limit_is_evicted_once(
                 await auditor.check()
             assert auditor.episodes == 2 and auditor.events == 2  # one memory, one compute
             assert len(kube.requests_to("POST", "/eviction")) == 1 and auditor.evictions == 1
+
+
+@pytest.mark.parametrize("lag", [1, -1], ids=["process-samples-late", "device-samples-late"])
+async def test_streams_a_poll_apart_still_give_each_container_its_share(
+        tmp_path: Path, lag: int) -> None:
+    """The device's sample of a period and the processes' samples of it may show up in
+    different polls: split per poll, a container taking turns with another got the other's
+    busy time (15 % read 45 %), and a rogue alone running every other second read 0 %."""
+    node, clock = Node(tmp_path), Clock()
+    limited, other, rogue = cores_pod("limited", "30"), cores_pod("other", None), \
+        cores_pod("rogue", "30")
+    node.run_in(limited, "a", 1, {0: GIB})
+    node.run_in(other, "a", 2, {0: GIB})
+    node.run_in(rogue, "a", 3, {1: GIB})
+    gpus = Gpus(node, clock, lag=lag)
+    async with FakeKube() as kube:
+        for pod in (limited, other, rogue):
+            kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus, compute_window=30.0)
+            gpus.run(auditor.compute, 32, {(0, 1): [30, 0], (0, 2): [0, 90],
+                                           (1, 3): [100, 0]})
+            got = {c.tracked.pod: (round(c.percent), c.judged, c.over(10))
+                   for c in (await auditor.check()).loads}
+            assert got == {"limited": (15, True, False), "rogue": (50, True, True)}
+
+
+async def test_a_rogue_of_short_lived_processes_is_placed_while_they_live(
+        tmp_path: Path) -> None:
+    """A new process each second, gone before its sample shows up: placed while NVML lists it
+    (and its place kept a while after it ends), it is its container's."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("churn", "30")
+    gpus = Gpus(node, clock)
+    dev = node.nvml.devices[0]
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus)
+            assert auditor.compute is not None
+            node.run_in(pod, "a", 4000, {0: GIB})  # keeps the container mapped (memory)
+            for i in range(22):
+                clock.t += 1.0
+                gpus.stamp += 1_000_000
+                pid = 3000 + i
+                if i:  # the last one ended; its sample shows up now
+                    node.stop(pid - 1)
+                    for f in (node.proc / str(pid - 1)).iterdir():
+                        f.unlink()
+                    (node.proc / str(pid - 1)).rmdir()
+                    dev.samples.append((pid - 1, gpus.stamp - 500_000, 100))
+                    dev.device_samples.append((gpus.stamp, 100))
+                node.run_in(pod, "a", pid, {0: GIB})
+                auditor.compute.poll()
+            report = await auditor.check()
+            (load,) = report.loads
+            assert load.judged and load.percent == pytest.approx(100.0) and load.over(10)
+            assert report.compute_unattributed == {GPU0: 0.0}  # GPU1 gave no period
+
+
+async def test_a_gpu_that_gives_no_sample_period_is_not_judged_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("p", "30")
+    node.run_in(pod, "a", 8, {0: GIB})
+    gpus = Gpus(node, clock)
+    dev = node.nvml.devices[0]
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            auditor = compute_auditor(node, api, clock, gpus)
+            assert auditor.compute is not None
+            with caplog.at_level(logging.WARNING, logger="webhook.node.compute"):
+                for _ in range(25):  # process samples, never a device period
+                    clock.t += 1.0
+                    gpus.stamp += 1_000_000
+                    dev.samples.append((8, gpus.stamp, 95))
+                    auditor.compute.poll()
+            (load,) = (await auditor.check()).loads
+            assert not load.judged and load.covered == 0.0
+            warned = [r for r in caplog.records if "no utilisation sample period" in r.message]
+            assert len(warned) == 2  # once per GPU, not once per silence
+            assert auditor.compute.failures >= 2 * 7
+            gpus.run(auditor.compute, 21, {(0, 8): 95})  # the periods come (again)
+            (load,) = (await auditor.check()).loads
+            assert load.judged and load.over(10)

@@ -71,6 +71,8 @@ UNKNOWN_TTL = 60.0
 ID reaches its pod's status within a few seconds of its start)."""
 EVENT_REASON = "GPUMemoryOverLimit"
 COMPUTE_EVENT_REASON = "GPUComputeOverLimit"
+GONE_TTL = 10.0
+"""Seconds a process gone from /proc keeps its place for the compute sampler."""
 EVICTED_TTL = 600.0
 """Seconds an evicted pod is not asked for again (its processes may hold the GPU while it
 terminates: up to its grace period)."""
@@ -308,6 +310,9 @@ class AuditReport:
     complete: bool = False
     """Every GPU's process list was read, every process placed or found not ours, and NVML gave
     a figure for every process of a gpuslice container."""
+    compute_unattributed: Mapping[str, float] = field(default_factory=dict)
+    """Per GPU: the share of its time over the compute window of processes of no gpuslice
+    container (other pods, the host, processes gone before they were placed)."""
 
 
 @dataclass
@@ -348,8 +353,8 @@ class Auditor:
         self.rounds = max(1, rounds)
         self.compute_tolerance = compute_tolerance
         self.compute_action = compute_action
-        self.compute = ComputeSampler(inventory, self._place_now, compute_window,
-                                      clock=clock) if compute_window > 0 else None
+        self.compute = ComputeSampler(inventory, self._place_now, compute_window, clock=clock,
+                                      boot_clock=boot_clock) if compute_window > 0 else None
         """The outside compute check's sampler (None: off); the agent polls it every
         ``compute.SAMPLE_INTERVAL`` seconds."""
         self._clock = clock
@@ -357,8 +362,8 @@ class Auditor:
         self._known: dict[str, Tracked] = {}
         self._evicted: dict[str, float] = {}
         """Pods evicted (UID -> when), not asked for again while they terminate."""
-        self._placed: dict[int, tuple[int, tuple[str, str] | None]] = {}
-        """The compute sampler's pids at its last call: start time and place."""
+        self._placed: dict[int, tuple[int, tuple[str, str] | None, float]] = {}
+        """The compute sampler's pids: start time, place, when last seen alive."""
         self._unknown: dict[str, float] = {}
         self._episodes: dict[tuple[str, str, str], _Episode] = {}
         """("memory" or "compute", container ID, GPU UUID) -> its episode over the limit."""
@@ -385,22 +390,26 @@ class Auditor:
             return _REUSED
         return pod_and_container(text)
 
-    def _place_now(self, pids: set[int]) -> dict[int, tuple[str, str]]:
-        """The pod UID and container ID of each process NVML sampled just now that is a
-        container's (not gone, nor a pid reused since the query). A pid placed at the previous
-        call whose start time has not changed keeps its place (one read, not two: the sampler
-        asks every second); the others are forgotten."""
-        listed = self._boot_clock()
+    def _place_now(self, pids: set[int], listed: int) -> dict[int, tuple[str, str]]:
+        """The pod UID and container ID of each process the compute sampler asks about (the
+        processes that ran, and those NVML lists) that is a container's. ``listed``: boot ticks
+        taken before the query; a process started since is not the one sampled. A pid placed
+        before whose start time has not changed keeps its place (one read, not two: the sampler
+        asks every second); one gone keeps it for :data:`GONE_TTL` seconds (a process sampled
+        after it ended is still its container's)."""
+        now = self._clock()
         out: dict[int, tuple[str, str]] = {}
-        cache: dict[int, tuple[int, tuple[str, str] | None]] = {}
+        cache = {pid: known for pid, known in self._placed.items() if now - known[2] < GONE_TTL}
         for pid in pids:
+            known = cache.get(pid)
             try:
                 started = start_ticks((self._proc / str(pid) / "stat").read_text(errors="replace"))
-            except OSError:
-                continue  # gone, or never ours to read
+            except OSError:  # gone (or never ours to read): as it was placed, if lately
+                if known is not None and known[1] is not None:
+                    out[pid] = known[1]
+                continue
             if started is None or started >= listed:
                 continue  # reused since the query
-            known = self._placed.get(pid)
             if known is not None and known[0] == started:
                 place = known[1]
             else:
@@ -408,11 +417,10 @@ class Auditor:
                 if got is _REUSED:
                     continue
                 place = got
-            cache[pid] = (started, place)
+            cache[pid] = (started, place, now)
             if place is not None:
                 out[pid] = place
-        if pids:  # a poll with nothing sampled keeps them (a paced container has such seconds)
-            self._placed = cache
+        self._placed = cache
         return out
 
     async def _refresh(self, wanted: Mapping[str, str]) -> bool:
@@ -455,7 +463,8 @@ class Auditor:
         listed = self._boot_clock()
         gpus: list[GpuProcesses] = await asyncio.to_thread(self._inventory.processes)
         places, reused = await asyncio.to_thread(self._places, gpus, listed)
-        shares, coverage = self.compute.snapshot() if self.compute is not None else ({}, {})
+        shares, coverage, unplaced = (self.compute.snapshot() if self.compute is not None
+                                      else ({}, {}, {}))
         wanted = {c: pod for pod, c in places.values()}
         wanted.update({c: pod for pod, c, _ in shares})
         complete = await self._refresh(wanted)
@@ -486,7 +495,12 @@ class Auditor:
         loads = self._loads(holdings, shares, coverage)
         self._forget(places, shares)
         complete = complete and not any(h.unknown_pids for h in holdings)
-        report = AuditReport(holdings, loads, unattributed, complete)
+        others = dict(unplaced)  # and the processes of containers not ours
+        for (pod, ident, uuid), share in shares.items():
+            t = self._known.get(ident)
+            if t is None or t.pod_uid != pod:
+                others[uuid] = others.get(uuid, 0.0) + share.percent
+        report = AuditReport(holdings, loads, unattributed, complete, others)
         self.last = report
         await self._act(report, {g.gpu.uuid for g in gpus if g.processes is None}, blind=not gpus)
         return report

@@ -13,18 +13,30 @@ out of the container's reach; each query asks for the samples newer than the las
 
 So the processes' samples alone cannot say how long a process was idle (a process paced to
 30 % by running 0.9 s and waiting 2.1 s has one sample of 90 % in three periods); the device's
-can. Every :data:`SAMPLE_INTERVAL` :meth:`ComputeSampler.poll` asks once per GPU. Each pid that
-ran is placed into its container then (the auditor's cgroup read, while the process lives) and
-its samples are added up. When the device has new periods, the time since the last *span*
-becomes one: each container's share of it is the device's utilisation over those periods times
-the container's part of all processes' samples (other containers', the host's, unplaced ones
-included). A driver without the device's sample buffer gives the last period's utilisation
-instead (``nvmlDeviceGetUtilizationRates``: a snapshot per poll, which a workload whose cycle
-matches the poll's can alias). A failing query covers nothing and starts the GPU again (what
-the driver kept meanwhile is not placed), and so does a GPU with no new period for
-:data:`SILENCE` seconds. :meth:`ComputeSampler.snapshot` answers, per container and GPU, the
-time-weighted share over the last ``window`` seconds and how much of the window the spans
-cover; the auditor judges a share only over a window mostly covered (:data:`COVERED`).
+can. Every :data:`SAMPLE_INTERVAL` :meth:`ComputeSampler.poll` asks once per GPU (the
+processes' samples from :data:`LATE_US` before the newest seen, each counted once: drivers stamp
+each pid on its own schedule). Each pid that ran, and each that NVML lists, is placed into its
+container then (the auditor's cgroup read, while the process lives; a process gone keeps its
+place a while) and its samples are added up. When the device has new periods, the time since
+the last *span* becomes one, with the device's utilisation over them and the samples added up
+meanwhile. Over the window, a container's share is the device's utilisation over the covered
+time times the container's part of all processes' samples (other containers', the host's,
+unplaced ones included): one ratio for the window, not per span, since a process's sample of a
+period may show up a poll before or after the device's. A driver without the device's sample
+buffer gives the last period's utilisation instead (``nvmlDeviceGetUtilizationRates``: a
+snapshot per poll, which a workload whose cycle matches the poll's can alias). A failing query
+covers nothing and starts the GPU again (what the driver kept meanwhile is not placed), and so
+does a GPU with no new period for :data:`SILENCE` seconds (logged). :meth:`ComputeSampler.snapshot`
+answers, per container and GPU, the share over the last ``window`` seconds and how much of the
+window the spans cover; the auditor judges a share only over a window mostly covered
+(:data:`COVERED`).
+
+What this rests on, not yet measured on a real driver: that a process's samples weigh its time
+(one per period it ran in, as NVML's documentation says; a driver that gives one sample per
+process per query, its mean over the periods it ran in, weighs a process that ran one period
+in six as much as one that ran all six, when both ran); that ``smUtil`` is a share of time, not
+of SMs. Alone on a GPU a container reads the device's utilisation whatever the per-process
+semantics. ``scripts/gpu-check.sh`` records both streams raw.
 
 The interposer keeps a container's share of the GPU's time at or under its limit over any
 stretch longer than its debts (a kernel's time at ``100 / C`` per unit), and its clock
@@ -53,6 +65,10 @@ a period every 1/6 to 1 s, busy or idle)."""
 COVERED = 0.75
 """The part of the window the spans must cover before a share is judged."""
 
+LATE_US = 2_000_000
+"""How far before the newest per-process sample seen each query asks (µs): drivers stamp each
+pid's samples on its own schedule, so one can show up after a newer one of another pid's."""
+
 Key = tuple[str, str]
 """A container: (pod UID, container ID)."""
 
@@ -62,7 +78,8 @@ class ComputeShare:
     """One container's share of one GPU's time over the window."""
 
     percent: float
-    """Time-weighted share of the GPU (%, its processes summed) over the covered time."""
+    """The GPU's utilisation over the covered time times the container's part of all the
+    processes' samples in it (%, its processes together)."""
     covered: float
     """Seconds of the window the samples cover (the GPU's, not the container's)."""
     pids: tuple[int, ...]
@@ -73,27 +90,33 @@ class ComputeShare:
 class _Span:
     end: float
     length: float
-    shares: dict[Key, float]
+    busy: float
+    """The device's utilisation over the span's periods (%)."""
+    weights: dict[Key, float]
+    """Each container's processes' samples in the span, summed."""
+    total: float
+    """All processes' samples in the span, summed (those of no container included)."""
     pids: dict[Key, set[int]]
 
 
 @dataclass
 class _Track:
     since: int = 0
-    """NVML timestamp (µs) of the newest per-process sample seen: the next query asks for
-    newer ones."""
+    """NVML timestamp (µs) of the newest per-process sample seen."""
     dev_since: int = 0
-    """Likewise for the device's samples."""
+    """Likewise for the device's samples: the next query asks for newer ones."""
+    seen: set[tuple[int, int]] = field(default_factory=set)
+    """(pid, timestamp) of the per-process samples of the last :data:`LATE_US`: a query asks
+    that far back (a pid's sample can show up after a newer one of another pid's)."""
     last: float | None = None
     """When the covered time ends (the last span, or the start); None: not started, or started
     again (after a failure: what the driver kept meanwhile is not placed)."""
     weights: dict[Key, float] = field(default_factory=dict)
-    """Per-process samples summed per container since ``last`` (a span closes when the device
-    has a new period)."""
     total: float = 0.0
-    """All processes' samples summed since ``last``, those of no container included."""
     pids: dict[Key, set[int]] = field(default_factory=dict)
     spans: deque[_Span] = field(default_factory=deque)
+    silent: bool = False
+    """The device gave no period for :data:`SILENCE` seconds (logged once until it does)."""
 
     def restart(self) -> None:
         self.last = None
@@ -103,14 +126,17 @@ class _Track:
 class ComputeSampler:
     """Polls NVML's utilisation samples and keeps each GPU's spans over the window.
 
-    ``place(pids)`` names the containers of processes that ran (a pid it leaves out: not a
-    container's, gone or reused since the sample). :meth:`poll` runs in a worker thread,
-    :meth:`snapshot` on the event loop: a lock keeps them apart.
+    ``place(pids, listed)`` names the containers of the processes given (a pid it leaves out:
+    not a container's, or reused since ``listed``, boot ticks taken before the query).
+    :meth:`poll` runs in a worker thread, :meth:`snapshot` on the event loop: a lock keeps them
+    apart.
     """
 
-    def __init__(self, inventory: Inventory, place: Callable[[set[int]], dict[int, Key]],
-                 window: float, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, inventory: Inventory,
+                 place: Callable[[set[int], int], dict[int, Key]], window: float, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time,
+                 boot_clock: Callable[[], int] = lambda: 1 << 62) -> None:
         if window <= 0:
             raise ValueError(f"the compute window must be positive: {window!r}")
         self._inventory = inventory
@@ -118,30 +144,33 @@ class ComputeSampler:
         self.window = window
         self._clock = clock
         self._wall = wall
+        self._boot_clock = boot_clock
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}
         self.failures = 0
-        """Queries that failed (NVML errors, a GPU without the queries)."""
+        """Queries that failed (NVML errors, a GPU without the queries, no sample period)."""
         self.unsupported: set[str] = set()
         """GPUs whose last query failed (logged once each time one starts failing)."""
 
     def poll(self) -> None:
-        """One query per GPU: the processes' samples are placed into their containers and
-        added up; when the device has new sample periods, the time since the last span becomes
-        a span, each container's share of it the device's utilisation over those periods times
-        the container's part of all processes' samples."""
+        """One query per GPU: the processes' samples (and the processes NVML lists) are placed
+        into their containers and added up; when the device has new sample periods, the time
+        since the last span becomes one."""
         wall_us = int(self._wall() * 1e6)
         with self._lock:
             since = {}
             for uuid, t in self._tracks.items():
                 if max(t.since, t.dev_since) > wall_us + FUTURE_US:  # the wall clock stepped back
                     t.since = t.dev_since = 0
+                    t.seen = set()
                     t.restart()
-                since[uuid] = (t.since, t.dev_since)
+                since[uuid] = (max(0, t.since - LATE_US), t.dev_since)
+        listed = self._boot_clock()
         found = self._inventory.process_utilisation(since, wall_us)
         now = self._clock()
-        # placed now: a process that ran may end soon
-        places = self._place({pid for u in found for pid in u.samples or ()})
+        # placed now, and the listed ones while they live: a process that ran may end soon
+        places = self._place({pid for u in found
+                              for pid in (*(x[0] for x in u.samples or ()), *u.running)}, listed)
         with self._lock:
             if not found:  # NVML unavailable: nothing to tell, nothing forgotten
                 for track in self._tracks.values():
@@ -157,60 +186,87 @@ class ComputeSampler:
                  now: float) -> None:
         if u.samples is None:  # a query failed: this time is not covered, nor what comes next
             self.failures += 1
-            if u.gpu.uuid not in self.unsupported:
-                self.unsupported.add(u.gpu.uuid)
-                logger.warning("NVML's utilisation samples cannot be read; the outside compute "
-                               "check does not judge this GPU meanwhile", extra={
-                                   "gpu": u.gpu.uuid})
+            self._warn(u.gpu.uuid, "NVML's utilisation samples cannot be read")
             track.restart()
             return
         self.unsupported.discard(u.gpu.uuid)
-        track.since, track.dev_since = u.newest, u.dev_newest
+        fresh = [x for x in u.samples if (x[0], x[1]) not in track.seen]
+        track.since, track.dev_since = max(track.since, u.newest), u.dev_newest
+        track.seen = {(p, t) for p, t in track.seen | {(x[0], x[1]) for x in fresh}
+                      if t > track.since - LATE_US}
         if track.last is None:  # the first answer: what the driver kept is from before us
             track.last = now
             return
-        for pid, weight in u.samples.items():
-            track.total += weight
+        for pid, _stamp, pct in fresh:
+            track.total += pct
             key = places.get(pid)
             if key is not None:
-                track.weights[key] = track.weights.get(key, 0.0) + weight
+                track.weights[key] = track.weights.get(key, 0.0) + pct
                 track.pids.setdefault(key, set()).add(pid)
         if u.device is not None:
-            part = u.device / track.total if track.total else 0.0
-            track.spans.append(_Span(now, now - track.last,
-                                     {k: w * part for k, w in track.weights.items()}, track.pids))
+            track.spans.append(_Span(now, now - track.last, u.device, track.weights, track.total,
+                                     track.pids))
             track.last = now
             track.weights, track.total, track.pids = {}, 0.0, {}
+            track.silent = False
         elif now - track.last >= SILENCE:  # no period ended for that long: no figure
             self.failures += 1
+            if not track.silent:
+                track.silent = True
+                logger.warning("NVML gives no utilisation sample period for this GPU; the "
+                               "outside compute check does not judge it meanwhile",
+                               extra={"gpu": u.gpu.uuid, "seconds": SILENCE})
             track.restart()
             track.last = now
         while track.spans and track.spans[0].end <= now - self.window:
             track.spans.popleft()
 
-    def snapshot(self) -> tuple[dict[tuple[str, str, str], ComputeShare], dict[str, float]]:
-        """(pod UID, container ID, GPU UUID) -> the container's share of the GPU over the
-        window, for every container that had a sample in it; and per GPU sampled, the seconds
-        of the window its spans cover (both read at one time)."""
+    def _warn(self, uuid: str, what: str) -> None:
+        if uuid not in self.unsupported:
+            self.unsupported.add(uuid)
+            logger.warning(f"{what}; the outside compute check does not judge this GPU "
+                           "meanwhile", extra={"gpu": uuid})
+
+    def snapshot(self) -> tuple[dict[tuple[str, str, str], ComputeShare], dict[str, float],
+                                dict[str, float]]:
+        """Read at one time: (pod UID, container ID, GPU UUID) -> the container's share of the
+        GPU over the window, for every container that had a sample in it; per GPU sampled, the
+        seconds of the window its spans cover; and per GPU, the share of processes placed in no
+        container (other pods' not yet known, the host's, processes gone before placed).
+
+        A container's share is the GPU's utilisation over the covered time times the
+        container's part of all processes' samples over the window (one ratio for the window,
+        not per span: a process's sample may come a poll before or after the device's sample of
+        the same period)."""
         now = self._clock()
         out: dict[tuple[str, str, str], ComputeShare] = {}
         coverage: dict[str, float] = {}
+        unplaced: dict[str, float] = {}
         with self._lock:
             for uuid, track in self._tracks.items():
-                covered = coverage[uuid] = sum(self._overlap(s, now) for s in track.spans)
-                if covered <= 0:
-                    continue
-                busy: dict[Key, float] = {}
+                covered = busy = total = 0.0
+                weights: dict[Key, float] = {}
                 pids: dict[Key, set[int]] = {}
                 for s in track.spans:
                     part = self._overlap(s, now)
-                    for key, pct in s.shares.items():
-                        busy[key] = busy.get(key, 0.0) + pct * part
+                    if part <= 0:
+                        continue
+                    frac = part / s.length if s.length > 0 else 1.0
+                    covered += part
+                    busy += s.busy * part
+                    total += s.total * frac
+                    for key, w in s.weights.items():
+                        weights[key] = weights.get(key, 0.0) + w * frac
                         pids.setdefault(key, set()).update(s.pids.get(key, ()))
-                for key, total in busy.items():
-                    out[(*key, uuid)] = ComputeShare(total / covered, covered,
+                coverage[uuid] = covered
+                if covered <= 0:
+                    continue
+                util = busy / covered
+                unplaced[uuid] = util * (1 - sum(weights.values()) / total) if total else 0.0
+                for key, w in weights.items():
+                    out[(*key, uuid)] = ComputeShare(util * w / total, covered,
                                                      tuple(sorted(pids[key])))
-        return out, coverage
+        return out, coverage, unplaced
 
     def _overlap(self, span: _Span, now: float) -> float:
         start = max(span.end - span.length, now - self.window)

@@ -84,18 +84,20 @@ class GpuProcesses:
 class GpuUtilisation:
     """NVML's utilisation samples of one GPU newer than those asked for.
 
-    ``samples``: each pid's per-process SM samples summed (%; the driver gives one per process
-    per sample period in which it ran, none for the periods it did not), None when a query
-    failed or the GPU has none; ``newest``: their newest timestamp (NVML's, µs). ``device``: the
-    GPU's utilisation over its new sample periods (their mean, idle periods included; the last
-    period's figure where the driver keeps no samples), None where no period ended since
-    ``dev_newest``, the device samples' newest timestamp."""
+    ``samples``: the per-process SM samples, (pid, timestamp µs, %) (the driver gives one per
+    process that ran in a sample period), None when a query failed or the GPU has none;
+    ``newest``: their newest timestamp. ``device``: the GPU's utilisation over its new sample
+    periods (their mean, idle periods included; the last period's figure where the driver keeps
+    no samples), None where no period ended since ``dev_newest``, the device samples' newest
+    timestamp. ``running``: the processes NVML lists on the GPU now (to place them while they
+    live)."""
 
     gpu: Gpu
-    samples: dict[int, float] | None
+    samples: list[tuple[int, int, int]] | None
     newest: int
     device: float | None = None
     dev_newest: int = 0
+    running: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -298,8 +300,9 @@ class Inventory:
                             wall_us: int | None = None) -> list[GpuUtilisation]:
         """Per GPU of the last discovery (empty without NVML): NVML's samples newer than
         ``since[uuid]`` = (per-process timestamp, device timestamp), µs, NVML's (0: all the
-        driver keeps). Samples above 100 % or stamped more than :data:`FUTURE_US` past
-        ``wall_us`` (now; garbage some drivers return for exited processes) are dropped."""
+        driver keeps), and the processes listed now. Samples above 100 % or stamped more than
+        :data:`FUTURE_US` past ``wall_us`` (now; garbage some drivers return for exited
+        processes) are dropped."""
         limit = (int(time.time() * 1e6) if wall_us is None else wall_us) + FUTURE_US
         with self._lock:
             if not self._initialised or not self._last.available:
@@ -319,8 +322,10 @@ class Inventory:
         device: float | None = None
         dev_newest = dev_since
         try:
-            _kind, got = nvml.nvmlDeviceGetSamples(handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES,
-                                                   dev_since)
+            kind, got = self._twice(nvml.nvmlDeviceGetSamples, handle,
+                                    pynvml.NVML_GPU_UTILIZATION_SAMPLES, dev_since)
+            if kind != pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                return failed
             values = [(int(x.timeStamp), int(x.sampleValue.uiVal)) for x in got]
             values = [(t, v) for t, v in values if dev_since < t <= limit and v <= 100]
             if values:
@@ -336,11 +341,9 @@ class Inventory:
         except pynvml.NVMLError as exc:
             if exc.value != pynvml.NVML_SUCCESS:  # pynvml's NVMLError(0): none, success
                 return failed
-        # the processes: a sample per process per period it ran in
-        sums: dict[int, float] = {}
-        newest = since
+        # the processes: a sample per process that ran in a period
         try:
-            found = list(nvml.nvmlDeviceGetProcessUtilization(handle, since))
+            found = list(self._twice(nvml.nvmlDeviceGetProcessUtilization, handle, since))
         except pynvml.NVMLError_NotFound:
             found = []
         except pynvml.NVMLError as exc:
@@ -349,13 +352,21 @@ class Inventory:
             found = []
         except _NO_SUCH_QUERY:
             return failed
-        for x in found:
-            stamp, pct = int(x.timeStamp), int(x.smUtil)
-            if not since < stamp <= limit or pct > 100:  # old news some drivers repeat; garbage
-                continue
-            newest = max(newest, stamp)
-            sums[int(x.pid)] = sums.get(int(x.pid), 0.0) + pct
-        return GpuUtilisation(gpu, sums, newest, device, dev_newest)
+        samples = [(int(x.pid), int(x.timeStamp), int(x.smUtil)) for x in found]
+        # old news some drivers repeat; garbage (over 100 %, stamped in the future)
+        samples = [x for x in samples if since < x[1] <= limit and x[2] <= 100]
+        newest = max([since, *(x[1] for x in samples)])
+        listed = self._processes_locked(gpu).processes or {}
+        return GpuUtilisation(gpu, samples, newest, device, dev_newest, frozenset(listed))
+
+    @staticmethod
+    def _twice(query: Any, *args: Any) -> Any:
+        """pynvml sizes its buffer with a first call: a sample that came between the two calls
+        makes the second one INSUFFICIENT_SIZE. Asked again once."""
+        try:
+            return query(*args)
+        except pynvml.NVMLError_InsufficientSize:
+            return query(*args)
 
     def _process_list(self, kind: str, handle: Any) -> list[Any] | None:
         """NVML's ``kind`` process list of a GPU, None if the driver has no such query (a failing

@@ -279,7 +279,13 @@ class AgentCollector(Collector):
         for key, (pct, is_over) in by_label.items():
             seen.add_metric(list(key), round(pct, 2))
             over.add_metric(list(key), 1 if is_over else 0)
-        yield from (seen, over)
+        other = GaugeMetricFamily("gpuslice_gpu_compute_unattributed_percent",
+                                  "share of the device's time over the compute window used by "
+                                  "processes of no gpuslice container (other pods, the host, "
+                                  "processes gone before they were placed)", labels=["uuid"])
+        for uuid, pct in sorted(auditor.last.compute_unattributed.items()):
+            other.add_metric([uuid], round(pct, 2))
+        yield from (seen, over, other)
         yield CounterMetricFamily("gpuslice_agent_compute_sample_errors",
                                   "NVML per-process utilisation queries that failed",
                                   value=auditor.compute.failures)
