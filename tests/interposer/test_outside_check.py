@@ -21,6 +21,8 @@ import textwrap
 import uuid
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
@@ -187,7 +189,9 @@ def _compute_check(lab, env: dict[str, str], pod: dict, **extra: str | None) -> 
     return json.loads(out.stdout)
 
 
-def test_the_outside_compute_check_sees_a_container_that_bypasses_the_library(release_lab):
+@pytest.mark.parametrize("device_samples", ["on", "off"])
+def test_the_outside_compute_check_sees_a_container_that_bypasses_the_library(release_lab,
+                                                                              device_samples):
     """A container under a 30 % compute limit on the fake GPU, first with the library (paced),
     then one that runs without it (its own loader, say) and takes the whole GPU. The agent's
     side, reading the fake NVML's per-process utilisation through the real pynvml, finds the
@@ -195,7 +199,9 @@ def test_the_outside_compute_check_sees_a_container_that_bypasses_the_library(re
     kernels first come, first served, so beside a process that keeps its queue full a paced
     one would hardly run; a real GPU time-slices between them.)"""
     lab = release_lab
-    env = {"CUDA_DEVICE_SM_LIMIT": "30", "FAKE_CUDA_KERNEL_US": "1000", "FAKE_GPU_SHARED": "1"}
+    # off: a driver without the device's sample buffer (the last period's utilisation instead)
+    env = {"CUDA_DEVICE_SM_LIMIT": "30", "FAKE_CUDA_KERNEL_US": "1000", "FAKE_GPU_SHARED": "1",
+           "FAKE_NVML_DEVICE_SAMPLES": device_samples}
     lab.run("init", **env)
     ((pod, pct, limit, judged, over),) = _compute_check(lab, env, _cores_pod("paced", 30))
     assert (pod, limit, judged, over) == ("paced", 30, True, False) and 20 <= pct <= 40, pct
