@@ -6,7 +6,9 @@ the eviction, and NVML's failures and quirks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,17 @@ class Gpus:
             self._held.append((buffer, sample))
         else:
             buffer.append(sample)
+
+
+@contextlib.asynccontextmanager
+async def served(node: Node, clock: Clock, gpus: Gpus, *pods: dict[str, Any],
+                 **kw: Any) -> AsyncIterator[tuple[FakeKube, Auditor]]:
+    """The fake API server with ``pods``, and an auditor with the compute check (``kw``)."""
+    async with FakeKube() as kube:
+        for pod in pods:
+            kube.put(pod)
+        async with kube.api_client() as api:
+            yield kube, compute_auditor(node, api, clock, gpus, **kw)
 
 
 def compute_auditor(node: Node, api: Any, clock: Clock, gpus: Gpus, **kw: Any) -> Auditor:
@@ -255,15 +268,12 @@ async def test_the_tolerance_and_a_containers_processes_summed(
         node.run_in(pod, "a", 100 + i, {0: GIB})
         busy[(0, 100 + i)] = pct
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            gpus.run(auditor.compute, 20, busy)
-            (load,) = (await auditor.check()).loads
-            assert load.percent == pytest.approx(sum(pcts)) and load.over(10) is over
-            assert load.pids == tuple(sorted(100 + i for i in range(len(pcts))))
-            assert auditor.episodes == (1 if over else 0)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        gpus.run(auditor.compute, 20, busy)
+        (load,) = (await auditor.check()).loads
+        assert load.percent == pytest.approx(sum(pcts)) and load.over(10) is over
+        assert load.pids == tuple(sorted(100 + i for i in range(len(pcts))))
+        assert auditor.episodes == (1 if over else 0)
 
 
 async def test_a_burst_then_silence_is_averaged_over_the_window(tmp_path: Path) -> None:
@@ -273,21 +283,18 @@ async def test_a_burst_then_silence_is_averaged_over_the_window(tmp_path: Path) 
     pod = cores_pod("p", "30")
     node.run_in(pod, "a", 77, {0: GIB})
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            gpus.run(auditor.compute, 5, {})  # the first answer starts the covered time
-            gpus.run(auditor.compute, 5, {(0, 77): 100})
-            gpus.run(auditor.compute, 15, {})
-            (load,) = (await auditor.check()).loads
-            # the last silent second or two (under SILENCE) are not covered yet
-            assert load.judged and WINDOW - SILENCE <= load.covered <= WINDOW
-            assert load.percent == pytest.approx(500 / load.covered) and not load.over(10)
-            # the burst leaves the window; a container that ran nothing reads 0
-            gpus.run(auditor.compute, 20, {})
-            (load,) = (await auditor.check()).loads
-            assert (load.percent, load.pids, load.judged) == (0.0, (), True)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        gpus.run(auditor.compute, 5, {})  # the first answer starts the covered time
+        gpus.run(auditor.compute, 5, {(0, 77): 100})
+        gpus.run(auditor.compute, 15, {})
+        (load,) = (await auditor.check()).loads
+        # the last silent second or two (under SILENCE) are not covered yet
+        assert load.judged and WINDOW - SILENCE <= load.covered <= WINDOW
+        assert load.percent == pytest.approx(500 / load.covered) and not load.over(10)
+        # the burst leaves the window; a container that ran nothing reads 0
+        gpus.run(auditor.compute, 20, {})
+        (load,) = (await auditor.check()).loads
+        assert (load.percent, load.pids, load.judged) == (0.0, (), True)
 
 
 async def test_no_limit_no_load_and_a_gpu_not_assigned_is_the_memory_checks(
@@ -300,18 +307,14 @@ async def test_no_limit_no_load_and_a_gpu_not_assigned_is_the_memory_checks(
     node.run_in(whole, "a", 2, {0: GIB})
     node.run_in(stray, "a", 3, {0: GIB})
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        for p in (free, whole, stray):
-            kube.put(p)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            gpus.run(auditor.compute, 20, {(0, 1): 90, (0, 2): 90, (0, 3): 90})
-            report = await auditor.check()
-            assert report.loads == ()
-            # the stray's memory on a GPU not its own is the breach reported, once
-            assert [(h.tracked.pod, h.assigned) for h in report.holdings if h.over(0)] == \
-                [("stray", False)]
-            assert [r for r in kube.objects if r[0] == "events"] and auditor.episodes == 1
+    async with served(node, clock, gpus, free, whole, stray) as (kube, auditor):
+        gpus.run(auditor.compute, 20, {(0, 1): 90, (0, 2): 90, (0, 3): 90})
+        report = await auditor.check()
+        assert report.loads == ()
+        # the stray's memory on a GPU not its own is the breach reported, once
+        assert [(h.tracked.pod, h.assigned) for h in report.holdings if h.over(0)] == \
+            [("stray", False)]
+        assert [r for r in kube.objects if r[0] == "events"] and auditor.episodes == 1
 
 
 async def test_a_failing_query_leaves_the_window_unjudged_and_the_episode_as_it_was(
@@ -321,30 +324,27 @@ async def test_a_failing_query_leaves_the_window_unjudged_and_the_episode_as_it_
     node.run_in(pod, "a", 9, {0: GIB})
     gpus = Gpus(node, clock)
     fail = node.nvml.devices[0].fail
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus, compute_action="evict", rounds=3)
-            gpus.run(auditor.compute, 20, {(0, 9): 80})
-            await auditor.check()
-            assert auditor.episodes == 1
-            fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
-            gpus.run(auditor.compute, 20, {(0, 9): 80})
-            for _ in range(4):  # more checks than the rounds: neither over nor under
-                (load,) = (await auditor.check()).loads
-                assert not load.judged and load.covered == 0.0
-            assert auditor.compute.failures == 20 and kube.get("pods", "hog", "ml") is not None
-            del fail["nvmlDeviceGetProcessUtilization"]
-            gpus.run(auditor.compute, 1, {})  # answers again: from here on, covered
-            gpus.run(auditor.compute, 16, {(0, 9): 80})
-            await auditor.check()
-            assert kube.get("pods", "hog", "ml") is not None  # the second round over
-            gpus.run(auditor.compute, 5, {(0, 9): 80})
-            await auditor.check()
-            assert kube.get("pods", "hog", "ml") is None and auditor.episodes == 1
-            registry = make_registry(AgentCollector(node.inventory, tmp_path / "state",
-                                                    AgentStatus(), auditor=auditor))
-            assert samples(registry)[("gpuslice_agent_compute_sample_errors_total", ())] == 20
+    async with served(node, clock, gpus, pod, compute_action="evict", rounds=3) as (kube, auditor):
+        gpus.run(auditor.compute, 20, {(0, 9): 80})
+        await auditor.check()
+        assert auditor.episodes == 1
+        fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
+        gpus.run(auditor.compute, 20, {(0, 9): 80})
+        for _ in range(4):  # more checks than the rounds: neither over nor under
+            (load,) = (await auditor.check()).loads
+            assert not load.judged and load.covered == 0.0
+        assert auditor.compute.failures == 20 and kube.get("pods", "hog", "ml") is not None
+        del fail["nvmlDeviceGetProcessUtilization"]
+        gpus.run(auditor.compute, 1, {})  # answers again: from here on, covered
+        gpus.run(auditor.compute, 16, {(0, 9): 80})
+        await auditor.check()
+        assert kube.get("pods", "hog", "ml") is not None  # the second round over
+        gpus.run(auditor.compute, 5, {(0, 9): 80})
+        await auditor.check()
+        assert kube.get("pods", "hog", "ml") is None and auditor.episodes == 1
+        registry = make_registry(AgentCollector(node.inventory, tmp_path / "state",
+                                                AgentStatus(), auditor=auditor))
+        assert samples(registry)[("gpuslice_agent_compute_sample_errors_total", ())] == 20
 
 
 async def test_a_process_that_ended_before_the_check_still_counts(tmp_path: Path) -> None:
@@ -355,17 +355,14 @@ async def test_a_process_that_ended_before_the_check_still_counts(tmp_path: Path
     node.run_in(pod, "a", 31, {0: GIB})
     node.run_in(pod, "a", 32, {0: GIB})
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            gpus.run(auditor.compute, 20, {(0, 31): 70, (0, 32): 0})
-            node.stop(31)
-            for f in (node.proc / "31").iterdir():
-                f.unlink()
-            (node.proc / "31").rmdir()
-            (load,) = (await auditor.check()).loads
-            assert load.over(10) and load.pids == (31,)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        gpus.run(auditor.compute, 20, {(0, 31): 70, (0, 32): 0})
+        node.stop(31)
+        for f in (node.proc / "31").iterdir():
+            f.unlink()
+        (node.proc / "31").rmdir()
+        (load,) = (await auditor.check()).loads
+        assert load.over(10) and load.pids == (31,)
 
 
 async def test_a_pid_reused_since_the_sample_is_not_placed(tmp_path: Path) -> None:
@@ -373,13 +370,10 @@ async def test_a_pid_reused_since_the_sample_is_not_placed(tmp_path: Path) -> No
     pod = cores_pod("p", "30")
     node.run_in(pod, "a", 44, {0: GIB}, started=5000)  # started after the query: not the one
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus, boot_clock=lambda: 4000)
-            gpus.run(auditor.compute, 20, {(0, 44): 90})
-            report = await auditor.check()
-            assert report.loads == ()
+    async with served(node, clock, gpus, pod, boot_clock=lambda: 4000) as (_kube, auditor):
+        gpus.run(auditor.compute, 20, {(0, 44): 90})
+        report = await auditor.check()
+        assert report.loads == ()
 
 
 async def test_gpus_come_and_go_and_the_window_slides(tmp_path: Path) -> None:
@@ -387,21 +381,18 @@ async def test_gpus_come_and_go_and_the_window_slides(tmp_path: Path) -> None:
     pod = cores_pod("two", "30", gpus="2")
     node.run_in(pod, "a", 8, {0: GIB, 1: GIB})
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            assert auditor.compute is not None
-            gpus.run(auditor.compute, 20, {(0, 8): 90, (1, 8): 20})
-            got = loads(await auditor.check())
-            assert got == {("two", GPU0): (90.0, 30, True), ("two", GPU1): (20.0, 30, True)}
-            gpus.run(auditor.compute, 10, {(0, 8): 10, (1, 8): 20})  # half the window at 10 %
-            got = loads(await auditor.check())
-            assert got[("two", GPU0)] == (50.0, 30, True)
-            node.nvml.devices.pop()  # GPU1 gone from the node
-            node.inventory.discover()
-            gpus.run(auditor.compute, 1, {(0, 8): 10})
-            assert set(auditor.compute.snapshot()[1]) == {GPU0}
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        assert auditor.compute is not None
+        gpus.run(auditor.compute, 20, {(0, 8): 90, (1, 8): 20})
+        got = loads(await auditor.check())
+        assert got == {("two", GPU0): (90.0, 30, True), ("two", GPU1): (20.0, 30, True)}
+        gpus.run(auditor.compute, 10, {(0, 8): 10, (1, 8): 20})  # half the window at 10 %
+        got = loads(await auditor.check())
+        assert got[("two", GPU0)] == (50.0, 30, True)
+        node.nvml.devices.pop()  # GPU1 gone from the node
+        node.inventory.discover()
+        gpus.run(auditor.compute, 1, {(0, 8): 10})
+        assert set(auditor.compute.snapshot()[1]) == {GPU0}
 
 
 def test_the_sampler_needs_a_window() -> None:
@@ -514,18 +505,15 @@ async def test_a_pid_reused_between_polls_is_placed_again(tmp_path: Path) -> Non
     first, second = cores_pod("first", "30"), cores_pod("second", "30")
     node.run_in(first, "a", 70, {0: GIB}, started=10)
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(first)
-        kube.put(second)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus, boot_clock=lambda: 10_000)
-            gpus.run(auditor.compute, 10, {(0, 70): 90})
-            node.run_in(second, "a", 70, {0: GIB}, started=20)  # the pid, reused
-            gpus.run(auditor.compute, 10, {(0, 70): 10})
-            # each over the window (19 s covered: the first poll only starts it)
-            got = loads(await auditor.check())
-            assert got == {("first", GPU0): (round(90 * 9 / 19, 1), 30, True),
-                           ("second", GPU0): (round(10 * 10 / 19, 1), 30, True)}
+    async with served(node, clock, gpus, first, second,
+                      boot_clock=lambda: 10_000) as (_kube, auditor):
+        gpus.run(auditor.compute, 10, {(0, 70): 90})
+        node.run_in(second, "a", 70, {0: GIB}, started=20)  # the pid, reused
+        gpus.run(auditor.compute, 10, {(0, 70): 10})
+        # each over the window (19 s covered: the first poll only starts it)
+        got = loads(await auditor.check())
+        assert got == {("first", GPU0): (round(90 * 9 / 19, 1), 30, True),
+                       ("second", GPU0): (round(10 * 10 / 19, 1), 30, True)}
 
 
 # ---- the driver's sample periods, and what can go wrong -----------------------------------
@@ -547,14 +535,11 @@ async def test_a_container_paced_by_waiting_reads_its_time_share(
     pod = cores_pod("paced", limit)
     node.run_in(pod, "a", 21, {0: GIB})
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus, compute_window=42.0)
-            gpus.run(auditor.compute, 43, {(0, 21): pattern})
-            (load,) = (await auditor.check()).loads
-            assert load.judged and load.percent == pytest.approx(want, abs=1.0)
-            assert not load.over(10) and auditor.episodes == 0
+    async with served(node, clock, gpus, pod, compute_window=42.0) as (_kube, auditor):
+        gpus.run(auditor.compute, 43, {(0, 21): pattern})
+        (load,) = (await auditor.check()).loads
+        assert load.judged and load.percent == pytest.approx(want, abs=1.0)
+        assert not load.over(10) and auditor.episodes == 0
 
 
 async def test_containers_taking_turns_each_read_their_own_share(tmp_path: Path) -> None:
@@ -563,14 +548,10 @@ async def test_containers_taking_turns_each_read_their_own_share(tmp_path: Path)
     node.run_in(one, "a", 1, {0: GIB})
     node.run_in(two, "a", 2, {0: GIB})
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(one)
-        kube.put(two)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus, compute_window=30.0)
-            gpus.run(auditor.compute, 31, {(0, 1): [90, 0, 0], (0, 2): [0, 60, 60]})
-            got = {c.tracked.pod: round(c.percent, 1) for c in (await auditor.check()).loads}
-            assert got == {"one": 30.0, "two": 40.0}
+    async with served(node, clock, gpus, one, two, compute_window=30.0) as (_kube, auditor):
+        gpus.run(auditor.compute, 31, {(0, 1): [90, 0, 0], (0, 2): [0, 60, 60]})
+        got = {c.tracked.pod: round(c.percent, 1) for c in (await auditor.check()).loads}
+        assert got == {"one": 30.0, "two": 40.0}
 
 
 async def test_several_periods_per_poll_are_weighed_by_their_samples(tmp_path: Path) -> None:
@@ -582,22 +563,18 @@ async def test_several_periods_per_poll_are_weighed_by_their_samples(tmp_path: P
         node.run_in(pod, "a", pid, {0: GIB})
     gpus = Gpus(node, clock)
     dev = node.nvml.devices[0]
-    async with FakeKube() as kube:
-        for pod in pods:
-            kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus, compute_window=20.0)
-            assert auditor.compute is not None
-            for _ in range(21):
-                clock.t += 1.0
-                for third in range(3):
-                    gpus.stamp += 333_333
-                    dev.device_samples.append((gpus.stamp, 100))
-                    dev.samples.append((1 if third < 2 else 2, gpus.stamp, 100))
-                auditor.compute.poll()
-            got = {c.tracked.pod: round(c.percent, 1) for c in (await auditor.check()).loads}
-            assert got == {"two-thirds": pytest.approx(66.7, abs=0.1),
-                           "one-third": pytest.approx(33.3, abs=0.1)}
+    async with served(node, clock, gpus, *pods, compute_window=20.0) as (_kube, auditor):
+        assert auditor.compute is not None
+        for _ in range(21):
+            clock.t += 1.0
+            for third in range(3):
+                gpus.stamp += 333_333
+                dev.device_samples.append((gpus.stamp, 100))
+                dev.samples.append((1 if third < 2 else 2, gpus.stamp, 100))
+            auditor.compute.poll()
+        got = {c.tracked.pod: round(c.percent, 1) for c in (await auditor.check()).loads}
+        assert got == {"two-thirds": pytest.approx(66.7, abs=0.1),
+                       "one-third": pytest.approx(33.3, abs=0.1)}
 
 
 async def test_without_the_device_sample_buffer_the_last_periods_figure_is_used(
@@ -609,13 +586,10 @@ async def test_without_the_device_sample_buffer_the_last_periods_figure_is_used(
     dev.fail["nvmlDeviceGetSamples"] = pynvml.NVML_ERROR_NOT_SUPPORTED
     dev.util = 80
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            gpus.run(auditor.compute, 21, {(0, 5): 80})
-            (load,) = (await auditor.check()).loads
-            assert load.judged and load.percent == pytest.approx(80.0) and load.over(10)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        gpus.run(auditor.compute, 21, {(0, 5): 80})
+        (load,) = (await auditor.check()).loads
+        assert load.judged and load.percent == pytest.approx(80.0) and load.over(10)
 
 
 async def test_a_wall_clock_stepped_back_does_not_blind_the_check(tmp_path: Path) -> None:
@@ -625,18 +599,15 @@ async def test_a_wall_clock_stepped_back_does_not_blind_the_check(tmp_path: Path
     pod = cores_pod("p", "30")
     node.run_in(pod, "a", 6, {0: GIB})
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            gpus.run(auditor.compute, 10, {(0, 6): 95})
-            gpus.stamp -= 3600 * 1_000_000
-            for dev in node.nvml.devices:  # what the driver keeps from before: gone
-                dev.samples.clear()
-                dev.device_samples.clear()
-            gpus.run(auditor.compute, 25, {(0, 6): 95})
-            (load,) = (await auditor.check()).loads
-            assert load.judged and load.percent == pytest.approx(95.0) and load.over(10)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        gpus.run(auditor.compute, 10, {(0, 6): 95})
+        gpus.stamp -= 3600 * 1_000_000
+        for dev in node.nvml.devices:  # what the driver keeps from before: gone
+            dev.samples.clear()
+            dev.device_samples.clear()
+        gpus.run(auditor.compute, 25, {(0, 6): 95})
+        (load,) = (await auditor.check()).loads
+        assert load.judged and load.percent == pytest.approx(95.0) and load.over(10)
 
 
 async def test_what_the_driver_kept_while_queries_failed_is_not_placed(tmp_path: Path) -> None:
@@ -645,17 +616,14 @@ async def test_what_the_driver_kept_while_queries_failed_is_not_placed(tmp_path:
     node.run_in(pod, "a", 7, {0: GIB})
     gpus = Gpus(node, clock)
     fail = node.nvml.devices[0].fail
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            gpus.run(auditor.compute, 2, {(0, 7): 10})
-            fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
-            gpus.run(auditor.compute, 10, {(0, 7): 95})  # kept by the driver, unread
-            del fail["nvmlDeviceGetProcessUtilization"]
-            gpus.run(auditor.compute, 20, {(0, 7): 10})
-            (load,) = (await auditor.check()).loads
-            assert load.judged and load.percent == pytest.approx(10.0)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        gpus.run(auditor.compute, 2, {(0, 7): 10})
+        fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
+        gpus.run(auditor.compute, 10, {(0, 7): 95})  # kept by the driver, unread
+        del fail["nvmlDeviceGetProcessUtilization"]
+        gpus.run(auditor.compute, 20, {(0, 7): 10})
+        (load,) = (await auditor.check()).loads
+        assert load.judged and load.percent == pytest.approx(10.0)
 
 
 async def test_nvml_gone_for_a_while_changes_no_episode(tmp_path: Path) -> None:
@@ -663,23 +631,20 @@ async def test_nvml_gone_for_a_while_changes_no_episode(tmp_path: Path) -> None:
     pod = cores_pod("hog", "30")
     node.run_in(pod, "a", 11, {0: GIB})
     gpus = Gpus(node, clock)
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus, compute_action="evict", rounds=3)
-            gpus.run(auditor.compute, 20, {(0, 11): 90})
+    async with served(node, clock, gpus, pod, compute_action="evict", rounds=3) as (kube, auditor):
+        gpus.run(auditor.compute, 20, {(0, 11): 90})
+        await auditor.check()
+        assert auditor.episodes == 1
+        node.inventory.close()  # NVML unavailable: no GPU read at all
+        for _ in range(5):
+            gpus.run(auditor.compute, 1, {(0, 11): 90})
             await auditor.check()
-            assert auditor.episodes == 1
-            node.inventory.close()  # NVML unavailable: no GPU read at all
-            for _ in range(5):
-                gpus.run(auditor.compute, 1, {(0, 11): 90})
-                await auditor.check()
-            node.inventory.discover()
-            gpus.run(auditor.compute, 20, {(0, 11): 90})
-            await auditor.check()
-            assert kube.get("pods", "hog", "ml") is not None  # the second round over
-            await auditor.check()
-            assert kube.get("pods", "hog", "ml") is None and auditor.episodes == 1
+        node.inventory.discover()
+        gpus.run(auditor.compute, 20, {(0, 11): 90})
+        await auditor.check()
+        assert kube.get("pods", "hog", "ml") is not None  # the second round over
+        await auditor.check()
+        assert kube.get("pods", "hog", "ml") is None and auditor.episodes == 1
 
 
 async def test_a_pod_over_its_memory_cap_and_compute_limit_is_evicted_once(
@@ -718,16 +683,13 @@ async def test_streams_a_poll_apart_still_give_each_container_its_share(
     node.run_in(other, "a", 2, {0: GIB})
     node.run_in(rogue, "a", 3, {1: GIB})
     gpus = Gpus(node, clock, lag=lag)
-    async with FakeKube() as kube:
-        for pod in (limited, other, rogue):
-            kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus, compute_window=30.0)
-            gpus.run(auditor.compute, 32, {(0, 1): [30, 0], (0, 2): [0, 90],
-                                           (1, 3): [100, 0]})
-            got = {c.tracked.pod: (round(c.percent), c.judged, c.over(10))
-                   for c in (await auditor.check()).loads}
-            assert got == {"limited": (15, True, False), "rogue": (50, True, True)}
+    async with served(node, clock, gpus, limited, other, rogue,
+                      compute_window=30.0) as (_kube, auditor):
+        gpus.run(auditor.compute, 32, {(0, 1): [30, 0], (0, 2): [0, 90],
+                                       (1, 3): [100, 0]})
+        got = {c.tracked.pod: (round(c.percent), c.judged, c.over(10))
+               for c in (await auditor.check()).loads}
+        assert got == {"limited": (15, True, False), "rogue": (50, True, True)}
 
 
 async def test_a_rogue_of_short_lived_processes_is_placed_while_they_live(
@@ -738,29 +700,26 @@ async def test_a_rogue_of_short_lived_processes_is_placed_while_they_live(
     pod = cores_pod("churn", "30")
     gpus = Gpus(node, clock)
     dev = node.nvml.devices[0]
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            assert auditor.compute is not None
-            node.run_in(pod, "a", 4000, {0: GIB})  # keeps the container mapped (memory)
-            for i in range(22):
-                clock.t += 1.0
-                gpus.stamp += 1_000_000
-                pid = 3000 + i
-                if i:  # the last one ended; its sample shows up now
-                    node.stop(pid - 1)
-                    for f in (node.proc / str(pid - 1)).iterdir():
-                        f.unlink()
-                    (node.proc / str(pid - 1)).rmdir()
-                    dev.samples.append((pid - 1, gpus.stamp - 500_000, 100))
-                    dev.device_samples.append((gpus.stamp, 100))
-                node.run_in(pod, "a", pid, {0: GIB})
-                auditor.compute.poll()
-            report = await auditor.check()
-            (load,) = report.loads
-            assert load.judged and load.percent == pytest.approx(100.0) and load.over(10)
-            assert report.compute_unattributed == {GPU0: 0.0}  # GPU1 gave no period
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        assert auditor.compute is not None
+        node.run_in(pod, "a", 4000, {0: GIB})  # keeps the container mapped (memory)
+        for i in range(22):
+            clock.t += 1.0
+            gpus.stamp += 1_000_000
+            pid = 3000 + i
+            if i:  # the last one ended; its sample shows up now
+                node.stop(pid - 1)
+                for f in (node.proc / str(pid - 1)).iterdir():
+                    f.unlink()
+                (node.proc / str(pid - 1)).rmdir()
+                dev.samples.append((pid - 1, gpus.stamp - 500_000, 100))
+                dev.device_samples.append((gpus.stamp, 100))
+            node.run_in(pod, "a", pid, {0: GIB})
+            auditor.compute.poll()
+        report = await auditor.check()
+        (load,) = report.loads
+        assert load.judged and load.percent == pytest.approx(100.0) and load.over(10)
+        assert report.compute_unattributed == {GPU0: 0.0}  # GPU1 gave no period
 
 
 async def test_a_gpu_that_gives_no_sample_period_is_not_judged_and_says_so(
@@ -770,22 +729,19 @@ async def test_a_gpu_that_gives_no_sample_period_is_not_judged_and_says_so(
     node.run_in(pod, "a", 8, {0: GIB})
     gpus = Gpus(node, clock)
     dev = node.nvml.devices[0]
-    async with FakeKube() as kube:
-        kube.put(pod)
-        async with kube.api_client() as api:
-            auditor = compute_auditor(node, api, clock, gpus)
-            assert auditor.compute is not None
-            with caplog.at_level(logging.WARNING, logger="webhook.node.compute"):
-                for _ in range(25):  # process samples, never a device period
-                    clock.t += 1.0
-                    gpus.stamp += 1_000_000
-                    dev.samples.append((8, gpus.stamp, 95))
-                    auditor.compute.poll()
-            (load,) = (await auditor.check()).loads
-            assert not load.judged and load.covered == 0.0
-            warned = [r for r in caplog.records if "no utilisation sample period" in r.message]
-            assert len(warned) == 2  # once per GPU, not once per silence
-            assert auditor.compute.failures >= 2 * 7
-            gpus.run(auditor.compute, 21, {(0, 8): 95})  # the periods come (again)
-            (load,) = (await auditor.check()).loads
-            assert load.judged and load.over(10)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        assert auditor.compute is not None
+        with caplog.at_level(logging.WARNING, logger="webhook.node.compute"):
+            for _ in range(25):  # process samples, never a device period
+                clock.t += 1.0
+                gpus.stamp += 1_000_000
+                dev.samples.append((8, gpus.stamp, 95))
+                auditor.compute.poll()
+        (load,) = (await auditor.check()).loads
+        assert not load.judged and load.covered == 0.0
+        warned = [r for r in caplog.records if "no utilisation sample period" in r.message]
+        assert len(warned) == 2  # once per GPU, not once per silence
+        assert auditor.compute.failures >= 2 * 7
+        gpus.run(auditor.compute, 21, {(0, 8): 95})  # the periods come (again)
+        (load,) = (await auditor.check()).loads
+        assert load.judged and load.over(10)

@@ -13,12 +13,12 @@ node's pods, and the region's, which the container's processes write, only for a
 yet and only where the region's pod UID and container are the dir's): memory used
 and limit, compute limit (%), the busy-time counter the interposer keeps, and the measured
 compute share (% of the GPU's time over the interval since the previous scrape; absent on the
-first scrape of a region). From the outside memory check (:mod:`webhook.node.audit`, its last
+first scrape of a region). From the outside checks (:mod:`webhook.node.audit`, their last
 result): per container and device, the memory NVML sees its processes hold and whether that is
 over its cap; per container under a compute limit and device, its share of the device's time
 over the compute window as NVML sees it and whether that is over its limit; per GPU, what
-processes of no gpuslice container hold. The scrape runs in a worker thread so a slow NVML call cannot stall
-the agent's event loop.
+processes of no gpuslice container hold and the share of its time they used. The scrape runs
+in a worker thread so a slow NVML call cannot stall the agent's event loop.
 """
 
 from __future__ import annotations
