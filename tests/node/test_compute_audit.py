@@ -218,6 +218,7 @@ async def test_a_container_within_its_limit_passes_one_over_it_is_reported(
                 lab = ctr_labels("ml", pod["metadata"]["name"], pod["metadata"]["uid"], "a", GPU0)
                 assert got[("gpuslice_container_compute_observed_percent", lab)] == pct
                 assert got[("gpuslice_container_compute_over_limit", lab)] == over
+                assert got[("gpuslice_container_compute_judged", lab)] == 1
             assert got[("gpuslice_agent_over_limit_events_total", ())] == 1
             # the host's process (no container)
             assert got[("gpuslice_gpu_compute_unattributed_percent", (("uuid", GPU0),))] == 5.0

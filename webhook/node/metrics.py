@@ -270,22 +270,28 @@ class AgentCollector(Collector):
                                  "1 when the outside check saw the container use more of the "
                                  "device's time than its compute limit (plus the tolerance)",
                                  labels=_CTR_LABELS)
-        by_label: dict[tuple[str, str, str, str, str], tuple[float, bool]] = {}
+        judged = GaugeMetricFamily("gpuslice_container_compute_judged",
+                                   "1 when NVML's samples cover enough of the compute window for "
+                                   "the observed share to be judged (0: a figure, no verdict)",
+                                   labels=_CTR_LABELS)
+        by_label: dict[tuple[str, str, str, str, str], tuple[float, bool, bool]] = {}
         for c in auditor.last.loads:
             t = c.tracked
             key = (t.namespace, t.pod, t.pod_uid, t.container, c.uuid)
-            pct, was_over = by_label.get(key, (0.0, False))
-            by_label[key] = (pct + c.percent, was_over or c.over(auditor.compute_tolerance))
-        for key, (pct, is_over) in by_label.items():
+            pct, was_over, was_judged = by_label.get(key, (0.0, False, False))
+            by_label[key] = (pct + c.percent, was_over or c.over(auditor.compute_tolerance),
+                             was_judged or c.judged)
+        for key, (pct, is_over, is_judged) in by_label.items():
             seen.add_metric(list(key), round(pct, 2))
             over.add_metric(list(key), 1 if is_over else 0)
+            judged.add_metric(list(key), 1 if is_judged else 0)
         other = GaugeMetricFamily("gpuslice_gpu_compute_unattributed_percent",
                                   "share of the device's time over the compute window used by "
                                   "processes of no gpuslice container (other pods, the host, "
                                   "processes gone before they were placed)", labels=["uuid"])
         for uuid, pct in sorted(auditor.last.compute_unattributed.items()):
             other.add_metric([uuid], round(pct, 2))
-        yield from (seen, over, other)
+        yield from (seen, over, judged, other)
         yield CounterMetricFamily("gpuslice_agent_compute_sample_errors",
                                   "NVML per-process utilisation queries that failed",
                                   value=auditor.compute.failures)
