@@ -194,7 +194,7 @@ class ShareWatch(_Sampling):
             return found
 
         self.inventory.process_utilisation = traced  # type: ignore[method-assign,assignment]
-        self.sampler = ComputeSampler(self.inventory, lambda pids, _listed: {
+        self.sampler = ComputeSampler(self.inventory, lambda pids, _listed, _wall: {
             p: ("pid", str(p)) for p in pids}, window)
         super().__init__("sharewatch")
 

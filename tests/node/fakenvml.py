@@ -56,6 +56,8 @@ class FakeNvml:
         self.init_calls = 0
         self.count_error: int | None = None
         self.empty_success = False
+        self.value_type = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+        """The value type nvmlDeviceGetSamples says its samples hold."""
         self.absent: set[str] = set()
         """Versioned symbols this driver lacks (``nvmlDeviceGetComputeRunningProcesses_v3``: a
         driver before about 510): pynvml's unversioned call for a missing ``_v3`` raises
@@ -188,7 +190,7 @@ class FakeNvml:
                  for ts, pct in d.device_samples if ts > timeStamp]
         if not found:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
-        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, found
+        return self.value_type, found
 
     def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int) -> int:
         d = self._dev(handle, "nvmlDeviceGetRetiredPagesPendingStatus")

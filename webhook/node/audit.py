@@ -73,6 +73,9 @@ EVENT_REASON = "GPUMemoryOverLimit"
 COMPUTE_EVENT_REASON = "GPUComputeOverLimit"
 GONE_TTL = 10.0
 """Seconds a process gone from /proc keeps its place for the compute sampler."""
+GONE_LATE_US = 2_000_000
+"""How long after a gone process was last seen alive its samples may be stamped (µs, NVML's
+wall clock): its last periods'; later ones are another process's under its pid."""
 EVICTED_TTL = 600.0
 """Seconds an evicted pod is not asked for again (its processes may hold the GPU while it
 terminates: up to its grace period)."""
@@ -362,8 +365,9 @@ class Auditor:
         self._known: dict[str, Tracked] = {}
         self._evicted: dict[str, float] = {}
         """Pods evicted (UID -> when), not asked for again while they terminate."""
-        self._placed: dict[int, tuple[int, tuple[str, str] | None, float]] = {}
-        """The compute sampler's pids: start time, place, when last seen alive."""
+        self._placed: dict[int, tuple[int, tuple[str, str] | None, float, int]] = {}
+        """The compute sampler's pids: start time, place, when last seen alive (monotonic, and
+        NVML's wall-clock µs)."""
         self._unknown: dict[str, float] = {}
         self._episodes: dict[tuple[str, str, str], _Episode] = {}
         """("memory" or "compute", container ID, GPU UUID) -> its episode over the limit."""
@@ -390,26 +394,30 @@ class Auditor:
             return _REUSED
         return pod_and_container(text)
 
-    def _place_now(self, pids: set[int], listed: int) -> dict[int, tuple[str, str]]:
-        """The pod UID and container ID of each process the compute sampler asks about (the
-        processes that ran, and those NVML lists) that is a container's. ``listed``: boot ticks
-        taken before the query; a process started since is not the one sampled. A pid placed
-        before whose start time has not changed keeps its place (one read, not two: the sampler
-        asks every second); one gone keeps it for :data:`GONE_TTL` seconds (a process sampled
-        after it ended is still its container's)."""
+    def _place_now(self, stamps: dict[int, int], listed: int,
+                   wall_us: int) -> dict[int, tuple[str, str]]:
+        """The pod UID and container ID of each process the compute sampler asks about (pid ->
+        its newest sample's NVML timestamp, 0 for one only listed) that is a container's.
+        ``listed``: boot ticks taken before the query; a process started since is not the one
+        sampled. A pid placed before whose start time has not changed keeps its place (one
+        read, not two: the sampler asks every second). One gone (or whose pid a newer process
+        holds) keeps it for samples stamped at most :data:`GONE_LATE_US` after it was last seen
+        alive, for :data:`GONE_TTL` seconds: a process sampled after it ended is still its
+        container's, a later process under its pid is not."""
         now = self._clock()
         out: dict[int, tuple[str, str]] = {}
         cache = {pid: known for pid, known in self._placed.items() if now - known[2] < GONE_TTL}
-        for pid in pids:
+        for pid, stamp in stamps.items():
             known = cache.get(pid)
             try:
                 started = start_ticks((self._proc / str(pid) / "stat").read_text(errors="replace"))
-            except OSError:  # gone (or never ours to read): as it was placed, if lately
-                if known is not None and known[1] is not None:
-                    out[pid] = known[1]
+            except OSError:
+                started = None  # gone (or never ours to read)
+            if started is None or started >= listed:  # gone, or its pid reused since the query
+                if known is not None and known[1] is not None and 0 < stamp <= known[3] + \
+                        GONE_LATE_US:
+                    out[pid] = known[1]  # as it was placed while it lived
                 continue
-            if started is None or started >= listed:
-                continue  # reused since the query
             if known is not None and known[0] == started:
                 place = known[1]
             else:
@@ -417,7 +425,7 @@ class Auditor:
                 if got is _REUSED:
                     continue
                 place = got
-            cache[pid] = (started, place, now)
+            cache[pid] = (started, place, now, wall_us)
             if place is not None:
                 out[pid] = place
         self._placed = cache

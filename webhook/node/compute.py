@@ -17,12 +17,14 @@ can. Every :data:`SAMPLE_INTERVAL` :meth:`ComputeSampler.poll` asks once per GPU
 processes' samples from :data:`LATE_US` before the newest seen, each counted once: drivers stamp
 each pid on its own schedule). Each pid that ran, and each that NVML lists, is placed into its
 container then (the auditor's cgroup read, while the process lives; a process gone keeps its
-place a while) and its samples are added up. When the device has new periods, the time since
+place for its samples of its last periods; one that lives less than a poll may never be placed
+and counts as no container's) and its samples are added up. When the device has new periods, the time since
 the last *span* becomes one, with the device's utilisation over them and the samples added up
 meanwhile. Over the window, a container's share is the device's utilisation over the covered
 time times the container's part of all processes' samples (other containers', the host's,
 unplaced ones included): one ratio for the window, not per span, since a process's sample of a
-period may show up a poll before or after the device's. A driver without the device's sample
+period may show up a poll before or after the device's. A GPU busy with no process sample to
+split its time by is not judged. A driver without the device's sample
 buffer gives the last period's utilisation instead (``nvmlDeviceGetUtilizationRates``: a
 snapshot per poll, which a workload whose cycle matches the poll's can alias). A failing query
 covers nothing and starts the GPU again (what the driver kept meanwhile is not placed), and so
@@ -65,6 +67,8 @@ a period every 1/6 to 1 s, busy or idle)."""
 COVERED = 0.75
 """The part of the window the spans must cover before a share is judged."""
 
+STEP_US = 1_000_000
+"""A wall clock behind the last poll's by more than this (µs) stepped back."""
 LATE_US = 2_000_000
 """How far before the newest per-process sample seen each query asks (µs): drivers stamp each
 pid's samples on its own schedule, so one can show up after a newer one of another pid's."""
@@ -126,14 +130,15 @@ class _Track:
 class ComputeSampler:
     """Polls NVML's utilisation samples and keeps each GPU's spans over the window.
 
-    ``place(pids, listed)`` names the containers of the processes given (a pid it leaves out:
-    not a container's, or reused since ``listed``, boot ticks taken before the query).
+    ``place(stamps, listed, wall_us)`` names the containers of the processes given (pid -> its
+    newest sample's timestamp, 0 for one only listed); a pid it leaves out is not a
+    container's, or was reused since ``listed`` (boot ticks taken before the query).
     :meth:`poll` runs in a worker thread, :meth:`snapshot` on the event loop: a lock keeps them
     apart.
     """
 
     def __init__(self, inventory: Inventory,
-                 place: Callable[[set[int], int], dict[int, Key]], window: float, *,
+                 place: Callable[[dict[int, int], int, int], dict[int, Key]], window: float, *,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time,
                  boot_clock: Callable[[], int] = lambda: 1 << 62) -> None:
@@ -147,6 +152,7 @@ class ComputeSampler:
         self._boot_clock = boot_clock
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}
+        self._last_wall = 0
         self.failures = 0
         """Queries that failed (NVML errors, a GPU without the queries, no sample period)."""
         self.unsupported: set[str] = set()
@@ -157,10 +163,13 @@ class ComputeSampler:
         into their containers and added up; when the device has new sample periods, the time
         since the last span becomes one."""
         wall_us = int(self._wall() * 1e6)
+        stepped = wall_us < self._last_wall - STEP_US
+        self._last_wall = wall_us
         with self._lock:
             since = {}
             for uuid, t in self._tracks.items():
-                if max(t.since, t.dev_since) > wall_us + FUTURE_US:  # the wall clock stepped back
+                # the wall clock (NVML's stamps) stepped back: start again from what it keeps
+                if stepped or max(t.since, t.dev_since) > wall_us + FUTURE_US:
                     t.since = t.dev_since = 0
                     t.seen = set()
                     t.restart()
@@ -169,8 +178,13 @@ class ComputeSampler:
         found = self._inventory.process_utilisation(since, wall_us)
         now = self._clock()
         # placed now, and the listed ones while they live: a process that ran may end soon
-        places = self._place({pid for u in found
-                              for pid in (*(x[0] for x in u.samples or ()), *u.running)}, listed)
+        stamps: dict[int, int] = {}
+        for u in found:
+            for pid, stamp, _pct in u.samples or ():
+                stamps[pid] = max(stamps.get(pid, 0), stamp)
+            for pid in u.running:
+                stamps.setdefault(pid, 0)
+        places = self._place(stamps, listed, wall_us)
         with self._lock:
             if not found:  # NVML unavailable: nothing to tell, nothing forgotten
                 for track in self._tracks.values():
@@ -190,7 +204,8 @@ class ComputeSampler:
             track.restart()
             return
         self.unsupported.discard(u.gpu.uuid)
-        fresh = [x for x in u.samples if (x[0], x[1]) not in track.seen]
+        fresh = [x for x in {(x[0], x[1]): x for x in u.samples}.values()
+                 if (x[0], x[1]) not in track.seen]
         track.since, track.dev_since = max(track.since, u.newest), u.dev_newest
         track.seen = {(p, t) for p, t in track.seen | {(x[0], x[1]) for x in fresh}
                       if t > track.since - LATE_US}
@@ -203,7 +218,7 @@ class ComputeSampler:
             if key is not None:
                 track.weights[key] = track.weights.get(key, 0.0) + pct
                 track.pids.setdefault(key, set()).add(pid)
-        if u.device is not None:
+        if u.device is not None and now > track.last:
             track.spans.append(_Span(now, now - track.last, u.device, track.weights, track.total,
                                      track.pids))
             track.last = now
@@ -262,7 +277,13 @@ class ComputeSampler:
                 if covered <= 0:
                     continue
                 util = busy / covered
-                unplaced[uuid] = util * (1 - sum(weights.values()) / total) if total else 0.0
+                if total <= 0:  # no process's sample to split the time by (or all read 0 %)
+                    unplaced[uuid] = util
+                    if util > 0:  # busy, but whose: not judged
+                        coverage[uuid] = 0.0
+                        continue
+                    total = 1.0  # idle: every container's share is 0
+                unplaced[uuid] = max(0.0, util * (1 - sum(weights.values()) / total))
                 for key, w in weights.items():
                     out[(*key, uuid)] = ComputeShare(util * w / total, covered,
                                                      tuple(sorted(pids[key])))
