@@ -878,3 +878,23 @@ async def test_a_wall_clock_stepped_back_a_little_is_no_silence(
         assert auditor.compute.failures == 0
         (load,) = (await auditor.check()).loads
         assert load.judged and load.percent == pytest.approx(20.0)
+
+
+async def test_a_bug_in_the_compute_window_leaves_the_memory_check_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("p", "30", mib="1024")
+    node.run_in(pod, "a", 3, {0: 4 * GIB})
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        assert auditor.compute is not None
+
+        def broken() -> Any:
+            raise ZeroDivisionError("float division by zero")
+
+        monkeypatch.setattr(auditor.compute, "snapshot", broken)
+        with caplog.at_level(logging.ERROR, logger="webhook.node.audit"):
+            report = await auditor.check()
+        (held,) = report.holdings
+        assert held.over(0) and not any(c.judged for c in report.loads) and auditor.errors == 1
+        assert any("compute check failed" in r.message for r in caplog.records)
