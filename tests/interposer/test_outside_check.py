@@ -207,4 +207,6 @@ def test_the_outside_compute_check_sees_a_container_that_bypasses_the_library(re
     assert (pod, limit, judged, over) == ("paced", 30, True, False) and 20 <= pct <= 40, pct
     ((pod, pct, limit, judged, over),) = _compute_check(lab, env, _cores_pod("rogue", 30),
                                                         LD_PRELOAD=None)
-    assert (pod, limit, judged, over) == ("rogue", 30, True, True) and pct >= 90, pct
+    # about 99.7 % on a quiet machine; 89.9 % seen in CI (the fake GPU is fed by a process
+    # sharing 2 cores with the test): well over the limit and its tolerance either way
+    assert (pod, limit, judged, over) == ("rogue", 30, True, True) and pct >= 60, pct
