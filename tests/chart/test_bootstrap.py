@@ -304,8 +304,12 @@ async def test_rotation_loop_follows_another_replicas_rotation_and_survives_outa
             kube.down = False
             rotated = material()  # what another replica stored (a whole new CA)
             put_secret(kube, rotated)
-            for _ in range(100):
-                if (tmp_path / "tls.crt").read_bytes() == rotated.tls_crt:
+            bundle = base64.b64encode(rotated.ca_bundle).decode()
+            for _ in range(100):  # the files are written first, then the caBundle patched
+                now = kube.get("mutatingwebhookconfigurations", MWC)
+                assert now is not None
+                if (tmp_path / "tls.crt").read_bytes() == rotated.tls_crt and \
+                        now["webhooks"][0]["clientConfig"]["caBundle"] == bundle:
                     break
                 await asyncio.sleep(0.05)
             task.cancel()
