@@ -25,6 +25,9 @@ class FakeDevice:
     retired_pending: bool = False
     remap_failure: bool = False
     health_probes_supported: bool = True
+    mig: tuple[int, int] | None = (0, 0)
+    """MIG mode (current, pending); None: the GPU has no MIG (NOT_SUPPORTED)."""
+    compute_mode: int = pynvml.NVML_COMPUTEMODE_DEFAULT
     processes: dict[int, int | None] = field(default_factory=dict)
     """Compute processes: host pid -> bytes held (None: NVML cannot say)."""
     graphics: dict[int, int | None] = field(default_factory=dict)
@@ -197,6 +200,15 @@ class FakeNvml:
         if not d.health_probes_supported:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return pynvml.NVML_FEATURE_ENABLED if d.retired_pending else pynvml.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetMigMode(self, handle: int) -> list[int]:
+        d = self._dev(handle, "nvmlDeviceGetMigMode")
+        if d.mig is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return list(d.mig)
+
+    def nvmlDeviceGetComputeMode(self, handle: int) -> int:
+        return self._dev(handle, "nvmlDeviceGetComputeMode").compute_mode
 
     def nvmlDeviceGetRemappedRows(self, handle: int) -> tuple[int, int, int, int]:
         d = self._dev(handle, "nvmlDeviceGetRemappedRows")

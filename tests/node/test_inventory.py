@@ -69,6 +69,79 @@ def test_retired_pages_pending_or_failed_remap_is_unhealthy() -> None:
                                                                     HEALTHY]
 
 
+@pytest.mark.parametrize(("device", "says"), [
+    (FakeDevice("GPU-a", mig=(1, 1)), "MIG mode is enabled"),
+    (FakeDevice("GPU-a", compute_mode=pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS),
+     "EXCLUSIVE_PROCESS (one process at a time"),
+    (FakeDevice("GPU-a", compute_mode=pynvml.NVML_COMPUTEMODE_PROHIBITED), "PROHIBITED"),
+    (FakeDevice("GPU-a", compute_mode=pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD),
+     "EXCLUSIVE_THREAD"),
+])
+def test_a_gpu_pods_cannot_share_is_unhealthy_and_says_what_to_change(
+        device: FakeDevice, says: str) -> None:
+    # a pod placed on a MIG-mode GPU finds no CUDA device; on an exclusive one every pod after
+    # the first fails to create its context: nothing may be placed there
+    nvml = FakeNvml([FakeDevice("GPU-ok"), device])
+    gpus = Inventory(nvml).discover().gpus
+    assert [g.health for g in gpus] == [HEALTHY, UNHEALTHY]
+    assert gpus[0].problem == ""
+    assert says in gpus[1].problem and "nvidia-smi -i 1 " in gpus[1].problem
+    assert "problem" not in gpus[1].to_json()  # the annotation's fields are DESIGN.md's
+
+
+@pytest.mark.parametrize("mig", [None, (0, 0), (0, 1)])
+def test_a_gpu_without_mig_or_with_mig_only_pending_is_healthy(
+        mig: tuple[int, int] | None) -> None:
+    # pending (enabled at the next reset) changes nothing yet: the next round after the reset
+    # sees it enabled
+    assert Inventory(FakeNvml([FakeDevice("GPU-a", mig=mig)])).discover().gpus[0].healthy
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_NOT_SUPPORTED,
+                                  pynvml.NVML_ERROR_FUNCTION_NOT_FOUND])
+def test_probes_a_gpu_or_driver_lacks_do_not_count_against_it(code: int) -> None:
+    # nvmlDeviceGetRemappedRows came with driver 450; MIG with the A100
+    dev = FakeDevice("GPU-a", fail={fn: code for fn in (
+        "nvmlDeviceGetMigMode", "nvmlDeviceGetComputeMode",
+        "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetRemappedRows")})
+    assert Inventory(FakeNvml([dev])).discover().gpus[0].healthy
+
+
+@pytest.mark.parametrize("fn", ["nvmlDeviceGetMigMode", "nvmlDeviceGetComputeMode"])
+def test_a_failing_mode_query_is_unhealthy(fn: str) -> None:
+    dev = FakeDevice("GPU-a", fail={fn: pynvml.NVML_ERROR_GPU_IS_LOST})
+    gpu = Inventory(FakeNvml([dev])).discover().gpus[0]
+    assert not gpu.healthy and "query failed" in gpu.problem
+
+
+def test_an_unhealthy_gpu_is_logged_when_its_problem_changes_not_every_round(
+        caplog: pytest.LogCaptureFixture) -> None:
+    nvml = FakeNvml([FakeDevice("GPU-a", mig=(1, 1))])
+    inv = Inventory(nvml)
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+
+    def logged() -> list[str]:
+        got = [r.getMessage() for r in caplog.records if "GPU" in r.getMessage()
+               and r.getMessage() != "GPUs discovered"]
+        caplog.clear()
+        return got
+
+    for _ in range(3):
+        inv.discover()
+    assert logged() == ["GPU unhealthy; nothing is placed on it"]
+    nvml.devices[0].compute_mode = pynvml.NVML_COMPUTEMODE_PROHIBITED
+    inv.discover()
+    assert logged() == []  # still MIG: the first problem found is the one told
+    nvml.devices[0].mig = (0, 0)
+    inv.discover()
+    inv.discover()
+    assert logged() == ["GPU unhealthy; nothing is placed on it"]  # now the compute mode
+    nvml.devices[0].compute_mode = pynvml.NVML_COMPUTEMODE_DEFAULT
+    inv.discover()
+    inv.discover()
+    assert logged() == ["GPU healthy again"]
+
+
 def test_health_probes_a_gpu_does_not_support_do_not_count_against_it() -> None:
     nvml = FakeNvml([FakeDevice("GPU-a", name="NVIDIA GeForce RTX 4090",
                                 health_probes_supported=False)])

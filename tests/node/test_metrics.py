@@ -73,6 +73,20 @@ def test_gpu_metrics_come_from_nvml(tmp_path: Path) -> None:
     assert s[("gpuslice_nvml_available", ())] == 1
 
 
+def test_an_unhealthy_gpu_says_why(tmp_path: Path) -> None:
+    nvml = two_a100s()
+    nvml.devices[1].mig = (1, 1)
+    _, reg = make(tmp_path, nvml)
+    s = samples(reg)
+    lab1 = (("index", "1"), ("product", "NVIDIA A100-SXM4-80GB"), ("uuid", GPU1))
+    assert s[("gpuslice_gpu_healthy", lab1)] == 0
+    reasons = {k: v for k, v in s.items() if k[0] == "gpuslice_gpu_unhealthy_reason"}
+    assert len(reasons) == 1
+    (_, labels), value = next(iter(reasons.items()))
+    assert value == 1 and dict(labels)["uuid"] == GPU1
+    assert dict(labels)["reason"].startswith("MIG mode is enabled")
+
+
 def test_container_metrics_per_device_from_region_files(tmp_path: Path) -> None:
     write_region(tmp_path, UID1, "trainer-0", "ml", "main",
                  [(0, GPU0, 10 * GIB, 3 * GIB, 30, 0), (1, GPU1, 10 * GIB, 1 * GIB, 0, 0)])

@@ -8,7 +8,13 @@ or without GPUs: :meth:`Inventory.discover` then reports :class:`Discovery` with
 Health: a GPU is ``Unhealthy`` when any of its name/memory queries fails (its product and
 memory are then the last ones read, or empty and 0 if never read), when NVML says it
 has retired pages pending (a reset is needed), or when row remapping failed; probes a GPU does
-not support (consumer cards) do not count against it. A GPU whose handle or UUID cannot be read
+not support (consumer cards) or a driver lacks do not count against it. A GPU gpuslice cannot share is
+``Unhealthy`` too, so that nothing is placed on it: one in MIG mode (CUDA then reaches only its
+MIG instances, which ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` does not give a container: a pod
+placed there finds no CUDA device) and one whose compute mode lets one process at a time
+(``EXCLUSIVE_PROCESS``: every pod after the first fails to create its context) or none
+(``PROHIBITED``) use it. The reason is kept in :attr:`Gpu.problem` (logged, and exported as
+``gpuslice_gpu_unhealthy_reason``). A GPU whose handle or UUID cannot be read
 cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged).
 """
 
@@ -49,6 +55,8 @@ class Gpu:
     product: str
     memory_mib: int
     health: str
+    problem: str = ""
+    """Why it is unhealthy, for people (not in the annotation, whose fields DESIGN.md fixes)."""
 
     @property
     def healthy(self) -> bool:
@@ -128,6 +136,8 @@ class Inventory:
         self._last: Discovery = Discovery(available=False, reason="not discovered yet")
         self._logged_state: tuple[Any, ...] = ()
         self._known: dict[str, tuple[str, int]] = {}
+        self._problems: dict[str, str] = {}
+        """GPU UUID -> the problem last logged for it ("" healthy)."""
 
     @property
     def last(self) -> Discovery:
@@ -201,23 +211,25 @@ class Inventory:
             logger.warning("GPU cannot be addressed; left out", extra={"index": index,
                                                                        "error": str(exc)})
             return None
-        health = HEALTHY
         product, memory_mib = self._known.get(uuid, ("", 0))
         try:
             product = _text(nvml.nvmlDeviceGetName(handle))
             memory_mib = int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // MIB
             self._known[uuid] = (product, memory_mib)
         except pynvml.NVMLError as exc:
-            health = UNHEALTHY
-            logger.warning("GPU query failed; marked unhealthy",
-                           extra={"index": index, "uuid": uuid, "error": str(exc)})
-        if health == HEALTHY:
-            why = self._health_problem(handle)
+            why = f"name or memory query failed: {exc}"
+        else:
+            why = self._health_problem(handle) or self._sharing_problem(handle, index)
+        if why != self._problems.get(uuid, ""):
+            # logged when it changes, not every round
             if why:
-                health = UNHEALTHY
-                logger.warning("GPU unhealthy", extra={"index": index, "uuid": uuid,
-                                                       "reason": why})
-        return Gpu(uuid=uuid, index=index, product=product, memory_mib=memory_mib, health=health)
+                logger.warning("GPU unhealthy; nothing is placed on it",
+                               extra={"index": index, "uuid": uuid, "reason": why})
+            else:
+                logger.info("GPU healthy again", extra={"index": index, "uuid": uuid})
+            self._problems[uuid] = why
+        return Gpu(uuid=uuid, index=index, product=product, memory_mib=memory_mib,
+                   health=UNHEALTHY if why else HEALTHY, problem=why)
 
     def _health_problem(self, handle: Any) -> str:
         nvml = self._nvml
@@ -225,7 +237,7 @@ class Inventory:
             if int(nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)) == \
                     pynvml.NVML_FEATURE_ENABLED:
                 return "retired pages pending (reset needed)"
-        except pynvml.NVMLError_NotSupported:
+        except _NO_SUCH_QUERY:
             pass
         except pynvml.NVMLError as exc:
             return f"retired-pages query failed: {exc}"
@@ -233,10 +245,39 @@ class Inventory:
             _corr, _unc, _pending, failure = nvml.nvmlDeviceGetRemappedRows(handle)
             if failure:
                 return "row remapping failed"
-        except pynvml.NVMLError_NotSupported:
+        except _NO_SUCH_QUERY:
             pass
         except pynvml.NVMLError as exc:
             return f"remapped-rows query failed: {exc}"
+        return ""
+
+    def _sharing_problem(self, handle: Any, index: int) -> str:
+        """Why pods cannot share this GPU through gpuslice ("" when they can). A query the GPU
+        or driver does not have means the mode it reads does not exist there."""
+        nvml = self._nvml
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+            if int(current) == pynvml.NVML_DEVICE_MIG_ENABLE:
+                return ("MIG mode is enabled: gpuslice shares whole GPUs; disable it "
+                        f"(nvidia-smi -i {index} -mig 0, then reset the GPU)")
+        except _NO_SUCH_QUERY:
+            pass
+        except pynvml.NVMLError as exc:
+            return f"MIG mode query failed: {exc}"
+        try:
+            mode = int(nvml.nvmlDeviceGetComputeMode(handle))
+        except _NO_SUCH_QUERY:
+            return ""
+        except pynvml.NVMLError as exc:
+            return f"compute mode query failed: {exc}"
+        names = {pynvml.NVML_COMPUTEMODE_PROHIBITED: "PROHIBITED (no process may use it)",
+                 pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
+                     "EXCLUSIVE_PROCESS (one process at a time: the pods sharing it after the "
+                     "first could not create a CUDA context)",
+                 pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD: "EXCLUSIVE_THREAD (one thread)"}
+        if mode in names:
+            return (f"compute mode is {names[mode]}: set it back with "
+                    f"nvidia-smi -i {index} -c DEFAULT")
         return ""
 
     def sample(self) -> list[GpuSample]:

@@ -125,16 +125,21 @@ class AgentCollector(Collector):
         util = GaugeMetricFamily("gpuslice_gpu_utilization_percent",
                                  "GPU utilisation over NVML's last sample period",
                                  labels=_GPU_LABELS)
+        reason = GaugeMetricFamily("gpuslice_gpu_unhealthy_reason",
+                                   "1 for an unhealthy GPU, with why nothing is placed on it",
+                                   labels=[*_GPU_LABELS, "reason"])
         for s in self._inventory.sample():
             lab = [s.gpu.uuid, str(s.gpu.index), s.gpu.product]
             healthy.add_metric(lab, 1 if s.gpu.healthy else 0)
+            if not s.gpu.healthy:
+                reason.add_metric([*lab, s.gpu.problem or "unknown"], 1)
             if s.memory_used_bytes is not None:
                 used.add_metric(lab, s.memory_used_bytes)
             if s.memory_total_bytes is not None:
                 total.add_metric(lab, s.memory_total_bytes)
             if s.utilization_percent is not None:
                 util.add_metric(lab, s.utilization_percent)
-        yield from (healthy, used, total, util)
+        yield from (healthy, reason, used, total, util)
 
     def _region_paths(self) -> list[Path]:
         try:
