@@ -41,6 +41,14 @@ API const char *nvmlErrorString(nvmlReturn_t rc)
     return rc == NVML_SUCCESS ? "Success" : "Fake NVML error";
 }
 
+API nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int len)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (!version || !len) return NVML_ERROR_INVALID_ARGUMENT;
+    snprintf(version, len, "%s", "580.00.00-fake");
+    return NVML_SUCCESS;
+}
+
 API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n)
 {
     if (!refs) return NVML_ERROR_UNINITIALIZED;

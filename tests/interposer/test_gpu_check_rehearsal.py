@@ -1,0 +1,67 @@
+"""``scripts/gpu-check.sh`` end to end on the fake driver: the GPU check is the one thing that
+runs on the scarce H200 time, once per session at best, so its own plumbing (the build, the
+harness's children and deadline, gpubench, the NVML watch, the agent's outside check, the
+summary and the files under ``$OUT``) is rehearsed here on every CI run. Only the rows whose
+workload is gpubench (the C driver-API tool) can run without a GPU: the framework rows need
+PyTorch, CuPy or JAX on a real device and are not asked for here. The fake's figures are not
+the bar's; the rows' PASS says the row works, not that a GPU meets it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from gpu import summary
+
+from .conftest import BUILD, ROOT, UUID_A
+
+# the gpubench rows; the IPC one needs cuIpc*, which the fake driver does not have
+TESTS = ["tests/gpu/test_processes.py", "tests/gpu/test_overhead.py"]
+SKIP_IPC = "tests/gpu/test_processes.py::test_memory_shared_through_cuda_ipc_is_charged_once"
+FUNCTIONAL = {"two_procs", "race", "outside_check", "alloc_free"}
+"""Rows whose verdict holds on the fake as on a GPU (caps, refusals, NVML per process). The
+launch cost's ratio is the fake's own (a 250 ns fake launch): measured, not judged here."""
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    keep = ("PATH", "HOME", "LANG", "TMPDIR")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    env.update({
+        "OUT": str(out), "PYTHON": str(ROOT / ".venv" / "bin" / "python"),
+        "LD_LIBRARY_PATH": str(BUILD / "fake"),  # the fake libcuda.so.1, libnvidia-ml.so.1
+        "FAKE_CUDA_STATE": str(tmp_path / "fakestate"),  # NVML's per-process view
+        "FAKE_CUDA_DEVICES": f"{UUID_A}=16g",
+        "GPUCHECK_TESTS": " ".join(TESTS), "GPUCHECK_PYTEST_ARGS": f"--deselect {SKIP_IPC}",
+        "GPUCHECK_BUDGET_S": "200", "TMPDIR": str(tmp_path),
+    })
+    if not Path(env["PYTHON"]).is_file():
+        env["PYTHON"] = "python3"
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh")], env=env, cwd="/",
+                          check=False, capture_output=True, text=True, timeout=280)
+    log = done.stdout + done.stderr
+    # the rows of the tests not asked for show ERROR ("not run"), so the status is 1
+    assert done.returncode == 1, log
+    assert "interposer/build/libgpuslice.so" in log  # built (or found up to date) and listed
+    assert "driver 580.00.00-fake" in log  # the summary names the GPU NVML found
+
+    report = json.loads((out / "gpu-check.json").read_text())
+    rows = {r["check"]: r for r in report["rows"]}
+    assert len(rows) == len(summary.ROWS)
+    for check in FUNCTIONAL:
+        assert rows[check]["status"] == "PASS", (check, rows[check], log[-3000:])
+    assert rows["outside_check"]["value"] == "1,024 MiB, 2,048 MiB"  # each pid, as NVML lists it
+    assert rows["launch_cost"]["status"] in {"PASS", "FAIL"}  # measured, whatever the fake's ratio
+    assert "x call" in rows["launch_cost"]["value"]
+    assert rows["sm_30"]["status"] == "ERROR"  # a framework row, not asked for
+    assert rows["sm_30"]["value"] == "not run (see the log)"
+    assert report["versions"]["gpubench"]["build"]  # how gpubench was built, for the record
+    # every measurement went to $OUT as it was made, for a run cut off by the device's limit
+    measured = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {m["check"] for m in measured if m.get("kind") == "check"} >= FUNCTIONAL
+    assert (out / "gpu-check.log").stat().st_size > 0
