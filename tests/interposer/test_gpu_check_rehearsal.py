@@ -19,12 +19,12 @@ from gpu import summary
 
 from .conftest import BUILD, ROOT, UUID_A
 
-# the gpubench rows; the IPC one needs cuIpc*, which the fake driver does not have
 TESTS = ["tests/gpu/test_processes.py", "tests/gpu/test_overhead.py"]
-SKIP_IPC = "tests/gpu/test_processes.py::test_memory_shared_through_cuda_ipc_is_charged_once"
-FUNCTIONAL = {"two_procs", "race", "outside_check", "alloc_free"}
-"""Rows whose verdict holds on the fake as on a GPU (caps, refusals, NVML per process). The
-launch cost's ratio is the fake's own (a 250 ns fake launch): measured, not judged here."""
+"""The gpubench rows."""
+FUNCTIONAL = {"two_procs", "race", "outside_check", "ipc_import", "alloc_free"}
+"""Rows whose verdict the fake decides as a GPU would (caps, refusals, NVML per process; the
+fake's IPC import takes no memory of its own, which is what ipc_import asks of the real driver).
+The launch cost's ratio is the fake's own (a 250 ns fake launch): measured, not judged here."""
 
 
 @pytest.mark.slow
@@ -37,7 +37,8 @@ def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_pa
         "LD_LIBRARY_PATH": str(BUILD / "fake"),  # the fake libcuda.so.1, libnvidia-ml.so.1
         "FAKE_CUDA_STATE": str(tmp_path / "fakestate"),  # NVML's per-process view
         "FAKE_CUDA_DEVICES": f"{UUID_A}=16g",
-        "GPUCHECK_TESTS": " ".join(TESTS), "GPUCHECK_PYTEST_ARGS": f"--deselect {SKIP_IPC}",
+        "FAKE_CUDA_CTX_BYTES": "100m",  # a context holds memory, so NVML lists each process
+        "GPUCHECK_TESTS": " ".join(TESTS),
         "GPUCHECK_BUDGET_S": "200", "TMPDIR": str(tmp_path),
     })
     if not Path(env["PYTHON"]).is_file():
@@ -55,7 +56,8 @@ def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_pa
     assert len(rows) == len(summary.ROWS)
     for check in FUNCTIONAL:
         assert rows[check]["status"] == "PASS", (check, rows[check], log[-3000:])
-    assert rows["outside_check"]["value"] == "1,024 MiB, 2,048 MiB"  # each pid, as NVML lists it
+    assert rows["outside_check"]["value"] == "1,124 MiB, 2,148 MiB"  # each pid: context + allocation
+    assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB, region +0 MiB")
     assert rows["launch_cost"]["status"] in {"PASS", "FAIL"}  # measured, whatever the fake's ratio
     assert "x call" in rows["launch_cost"]["value"]
     assert rows["sm_30"]["status"] == "ERROR"  # a framework row, not asked for

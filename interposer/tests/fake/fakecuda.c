@@ -904,7 +904,7 @@ static uint64_t pitch_of(uint64_t w)
 
 /* ---- allocations ---------------------------------------------------------- */
 
-enum { K_DPTR = 1, K_POOL, K_ARRAY, K_MIPMAP, K_VMM };
+enum { K_DPTR = 1, K_POOL, K_ARRAY, K_MIPMAP, K_VMM, K_IPC };
 struct fake_alloc {
     uint64_t handle;
     uint64_t size;
@@ -1009,7 +1009,7 @@ static void ctx_drop(struct fake_ctx *c)
         if (allocs[i].kind == K_ARRAY || allocs[i].kind == K_MIPMAP) amap_drop_array(allocs[i].handle);
         if (allocs[i].kind == K_POOL)
             pool_give(allocs[i].pool, allocs[i].size);
-        else
+        else if (allocs[i].kind != K_IPC) /* a mapping of another process's memory took none */
             phys_sub(allocs[i].pdev, allocs[i].size);
         memset(&allocs[i], 0, sizeof(allocs[i]));
     }
@@ -1344,6 +1344,62 @@ API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevicept
     }
     pthread_mutex_unlock(&mu);
     return a ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+/* CUDA IPC: a handle names the exporter's allocation (its pid, device, base, size); the
+ * importer maps that memory, so its mapping (K_IPC) takes no memory of its own: the fake's
+ * NVML lists nothing more for the importer.  Whether the real driver's NVML counts the mapping
+ * for the importer too is what the GPU check's ipc_import row measures. */
+typedef struct {
+    char reserved[64]; /* CU_IPC_HANDLE_SIZE */
+} fake_ipc_handle;
+struct fake_ipc_body {
+    char magic[8];
+    int32_t pid, pdev;
+    uint64_t base, size;
+};
+
+API CUresult cuIpcGetMemHandle(fake_ipc_handle *handle, CUdeviceptr dptr)
+{
+    FAIL_POINT("cuIpcGetMemHandle");
+    NEED_CTX();
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_DPTR, dptr);
+    struct fake_ipc_body body = {"FAKEIPC", (int32_t)getpid(), a ? a->pdev : 0, dptr, a ? a->size : 0};
+    pthread_mutex_unlock(&mu);
+    if (!a) return CUDA_ERROR_INVALID_VALUE;
+    memset(handle, 0, sizeof(*handle));
+    memcpy(handle->reserved, &body, sizeof(body));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, fake_ipc_handle handle, unsigned int flags)
+{
+    (void)flags;
+    FAIL_POINT("cuIpcOpenMemHandle_v2");
+    NEED_CTX();
+    struct fake_ipc_body body;
+    memcpy(&body, handle.reserved, sizeof(body));
+    if (!dptr || memcmp(body.magic, "FAKEIPC", 8) || !body.size) return CUDA_ERROR_INVALID_VALUE;
+    if (body.pid == (int32_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT; /* as the driver: not in its own process */
+    if (kill(body.pid, 0) != 0) return CUDA_ERROR_INVALID_HANDLE;
+    return alloc_new(K_IPC, body.size, body.pdev, NULL, dptr, 0);
+}
+
+API CUresult cuIpcOpenMemHandle(CUdeviceptr *dptr, fake_ipc_handle handle, unsigned int flags)
+{
+    return cuIpcOpenMemHandle_v2(dptr, handle, flags);
+}
+
+API CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
+{
+    FAIL_POINT("cuIpcCloseMemHandle");
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_IPC, dptr);
+    if (a) memset(a, 0, sizeof(*a));
+    pthread_mutex_unlock(&mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
