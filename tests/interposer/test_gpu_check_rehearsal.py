@@ -19,12 +19,18 @@ from gpu import summary
 
 from .conftest import BUILD, ROOT, UUID_A
 
-TESTS = ["tests/gpu/test_processes.py", "tests/gpu/test_overhead.py"]
-"""The gpubench rows."""
-FUNCTIONAL = {"two_procs", "race", "outside_check", "ipc_import", "alloc_free"}
-"""Rows whose verdict the fake decides as a GPU would (caps, refusals, NVML per process; the
-fake's IPC import takes no memory of its own, which is what ipc_import asks of the real driver).
-The launch cost's ratio is the fake's own (a 250 ns fake launch): measured, not judged here."""
+TESTS = ["tests/gpu/test_processes.py", "tests/gpu/test_overhead.py",
+         "tests/gpu/test_memory.py::test_cuda_2_entry_points_are_charged",
+         "tests/gpu/test_memory.py::test_green_context_is_charged",
+         "tests/gpu/test_views.py::test_memory_percent_resolves_against_real_total",
+         "tests/gpu/test_views.py::test_the_limits_file_wins_over_a_lifted_environment"]
+"""Every test whose workload is gpubench alone."""
+FUNCTIONAL = {"legacy_entry_points", "green_ctx", "memory_percent", "limits_file", "two_procs",
+              "race", "outside_check", "ipc_import", "alloc_free"}
+"""Rows whose verdict the fake decides as a GPU would (caps, refusals, views, NVML per process;
+the fake's IPC import takes no memory of its own, which is what ipc_import asks of the real
+driver). The launch cost's ratio is the fake's own (a 250 ns fake launch): measured, not judged
+here."""
 
 
 @pytest.mark.slow
@@ -37,7 +43,9 @@ def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_pa
         "LD_LIBRARY_PATH": str(BUILD / "fake"),  # the fake libcuda.so.1, libnvidia-ml.so.1
         "FAKE_CUDA_STATE": str(tmp_path / "fakestate"),  # NVML's per-process view
         "FAKE_CUDA_DEVICES": f"{UUID_A}=16g",
-        "FAKE_CUDA_CTX_BYTES": "100m",  # a context holds memory, so NVML lists each process
+        # a context holds memory, so NVML lists each process; the green context's row takes
+        # a primary context under 256 MiB for one that was not charged (the H200's: 524 MiB)
+        "FAKE_CUDA_CTX_BYTES": "300m",
         "GPUCHECK_TESTS": " ".join(TESTS),
         "GPUCHECK_BUDGET_S": "200", "TMPDIR": str(tmp_path),
     })
@@ -56,7 +64,7 @@ def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_pa
     assert len(rows) == len(summary.ROWS)
     for check in FUNCTIONAL:
         assert rows[check]["status"] == "PASS", (check, rows[check], log[-3000:])
-    assert rows["outside_check"]["value"] == "1,124 MiB, 2,148 MiB"  # each pid: context + allocation
+    assert rows["outside_check"]["value"] == "1,324 MiB, 2,348 MiB"  # each pid: context + allocation
     assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB, region +0 MiB")
     assert rows["launch_cost"]["status"] in {"PASS", "FAIL"}  # measured, whatever the fake's ratio
     assert "x call" in rows["launch_cost"]["value"]
