@@ -1,18 +1,27 @@
 """``scripts/gpu-check.sh`` end to end on the fake driver: the GPU check is the one thing that
 runs on the scarce H200 time, once per session at best, so its own plumbing (the build, the
-harness's children and deadline, gpubench, the NVML watch, the agent's outside check, the
-summary and the files under ``$OUT``) is rehearsed here on every CI run. Only the rows whose
-workload is gpubench (the C driver-API tool) can run without a GPU: the framework rows need
-PyTorch, CuPy or JAX on a real device and are not asked for here. The fake's figures are not
-the bar's; the rows' PASS says the row works, not that a GPU meets it.
+harness's children and deadline, gpubench, the NVML watches, the agent's outside checks, the
+summary and the files under ``$OUT``) is rehearsed here on every CI run, in two runs of the
+script:
+
+- the rows whose workload is gpubench (the C driver-API tool): caps, views, processes, costs;
+- the compute rows (``test_compute.py``, ``test_cotenant.py``), whose workload is a PyTorch
+  matmul: here ``tests/gpu/rehearsal/torch``, a stand-in for the few PyTorch calls it makes,
+  over the driver API, launching the fake GPU's kernels through the library's hooks.
+
+The memory rows that fill the cap with PyTorch, CuPy and JAX need those frameworks on a GPU and
+are not asked for. The fake's figures are not the bar's: the functional rows' verdicts are
+asserted (a cap, a refusal, a capture that ended), the timing rows only measured.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gpu import summary
@@ -33,10 +42,10 @@ driver). The launch cost's ratio is the fake's own (a 250 ns fake launch): measu
 here."""
 
 
-@pytest.mark.slow
-def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
+def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[str, Any]]:
+    """Run scripts/gpu-check.sh on the fake driver; its log and the rows of gpu-check.json."""
     out = tmp_path / "out"
-    keep = ("PATH", "HOME", "LANG", "TMPDIR")
+    keep = ("PATH", "HOME", "LANG")
     env = {k: v for k, v in os.environ.items() if k in keep}
     env.update({
         "OUT": str(out), "PYTHON": str(ROOT / ".venv" / "bin" / "python"),
@@ -46,22 +55,32 @@ def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_pa
         # a context holds memory, so NVML lists each process; the green context's row takes
         # a primary context under 256 MiB for one that was not charged (the H200's: 524 MiB)
         "FAKE_CUDA_CTX_BYTES": "300m",
-        "GPUCHECK_TESTS": " ".join(TESTS),
-        "GPUCHECK_BUDGET_S": "200", "TMPDIR": str(tmp_path),
+        "GPUCHECK_TESTS": " ".join(tests), "TMPDIR": str(tmp_path), **fake,
     })
     if not Path(env["PYTHON"]).is_file():
         env["PYTHON"] = "python3"
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh")], env=env, cwd="/",
-                          check=False, capture_output=True, text=True, timeout=280)
+                          check=False, capture_output=True, text=True, timeout=400)
     log = done.stdout + done.stderr
     # the rows of the tests not asked for show ERROR ("not run"), so the status is 1
     assert done.returncode == 1, log
     assert "interposer/build/libgpuslice.so" in log  # built (or found up to date) and listed
     assert "driver 580.00.00-fake" in log  # the summary names the GPU NVML found
-
     report = json.loads((out / "gpu-check.json").read_text())
     rows = {r["check"]: r for r in report["rows"]}
     assert len(rows) == len(summary.ROWS)
+    # every measurement went to $OUT as it was made, for a run cut off by the device's limit
+    measured = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {m["check"] for m in measured if m.get("kind") == "check"} >= {
+        c for c, r in rows.items() if r["status"] != "ERROR"}
+    assert (out / "gpu-check.log").stat().st_size > 0
+    return log, {"rows": rows, "versions": report["versions"]}
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
+    log, report = gpu_check(tmp_path, TESTS)
+    rows = report["rows"]
     for check in FUNCTIONAL:
         assert rows[check]["status"] == "PASS", (check, rows[check], log[-3000:])
     assert rows["outside_check"]["value"] == "1,324 MiB, 2,348 MiB"  # each pid: context + allocation
@@ -71,7 +90,30 @@ def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_pa
     assert rows["sm_30"]["status"] == "ERROR"  # a framework row, not asked for
     assert rows["sm_30"]["value"] == "not run (see the log)"
     assert report["versions"]["gpubench"]["build"]  # how gpubench was built, for the record
-    # every measurement went to $OUT as it was made, for a run cut off by the device's limit
-    measured = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert {m["check"] for m in measured if m.get("kind") == "check"} >= FUNCTIONAL
-    assert (out / "gpu-check.log").stat().st_size > 0
+
+
+COMPUTE = {"sm_50", "sm_30", "sm_10", "sm_30_time", "outside_compute", "sm_30_capture_held",
+           "torch_tiny", "sm_30_cotenant", "sm_30_cotenant_raw", "sm_30_two_procs",
+           "sm_30_four_procs"}
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
+    log, report = gpu_check(
+        tmp_path, ["tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py"],
+        PYTHONPATH=str(ROOT / "tests" / "gpu" / "rehearsal"), GPUCHECK_REHEARSAL="1",  # the stand-in torch
+        FAKE_CUDA_KERNEL_US="2000",  # a matmul's kernel
+        FAKE_GPU_SHARED="1",  # the processes share one GPU that time-slices them
+        FAKE_NVML_POWER_LIMIT_MW="700000")  # NVML's utilisation, per process too
+    rows = report["rows"]
+    for check in COMPUTE:  # measured: a figure, not "not run" or a child's error
+        assert rows[check]["status"] in {"PASS", "FAIL", "INFO"}, (check, rows[check], log[-3000:])
+    assert rows["sm_30_capture_held"]["value"].endswith("capture ended")  # not invalidated
+    # the agent's sampler beside each run read a share for both, with the raw streams kept
+    assert re.fullmatch(r"NVML [0-9.]+% at 30% \(throttle's own [0-9.]+%\); unlimited [0-9.]+%",
+                        rows["outside_compute"]["value"]), rows["outside_compute"]
+    assert re.search(r"; charging [0-9]+/1000 of the measured GPU time$",
+                     rows["sm_30_cotenant"]["value"]), rows["sm_30_cotenant"]
+    assert rows["sm_30_two_procs"]["value"].count("+") == 1
+    assert rows["sm_30_four_procs"]["value"].count("+") == 3
+    assert rows["two_procs"]["status"] == "ERROR"  # a gpubench row, not asked for here
