@@ -183,6 +183,8 @@ class ShareWatch(_Sampling):
         self.inventory = Inventory()
         self.inventory.discover()
         self.trace: list[dict[str, Any]] = []
+        self.probes: list[dict[str, Any]] = []
+        self.polls = 0
         self.t0 = time.monotonic()
         real = self.inventory.process_utilisation
 
@@ -200,6 +202,40 @@ class ShareWatch(_Sampling):
 
     def sample(self) -> None:
         self.sampler.poll()
+        self.polls += 1
+        if self.polls % 2 == 0:
+            self.probes.append(self.probe())
+
+    def probe(self) -> dict[str, Any]:
+        """What the per-process query gives for two look-backs, to settle its semantics on the
+        real driver: asked for everything the driver keeps (``lastSeenTimeStamp`` 0), does it
+        give one sample per pid per period (many per pid: they weigh time, as NVML documents),
+        or one per pid (the latest, or a mean since the time asked for, as nvtop's maintainer
+        reports)? And the samples of the last 2 s, whole."""
+        import pynvml
+
+        now_us = int(time.time() * 1e6)
+        out: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 2)}
+        for label, since in (("all", 0), ("last_2s", now_us - 2_000_000)):
+            try:
+                got = pynvml.nvmlDeviceGetProcessUtilization(
+                    pynvml.nvmlDeviceGetHandleByIndex(0), since)
+            except pynvml.NVMLError_NotFound:  # no process ran since then
+                got = []
+            except pynvml.NVMLError as exc:
+                out[label] = f"{type(exc).__name__}: {exc}"
+                continue
+            per: dict[str, list[list[int]]] = {}
+            for x in got:
+                per.setdefault(str(x.pid), []).append([int(x.timeStamp), int(x.smUtil)])
+            if label == "all":  # counts and spans: the whole buffer would be too long to keep
+                out[label] = {pid: {"n": len(v), "first_us": min(t for t, _ in v),
+                                    "last_us": max(t for t, _ in v),
+                                    "mean_sm": round(sum(u for _, u in v) / len(v), 1)}
+                              for pid, v in per.items()}
+            else:
+                out[label] = per
+        return out
 
     def summary(self) -> dict[str, Any]:
         shares, coverage, _unplaced = self.sampler.snapshot()
@@ -208,7 +244,8 @@ class ShareWatch(_Sampling):
         per_pid = {key[1]: round(s.percent, 1) for key, s in shares.items()}
         return {"share_pct": round(sum(per_pid.values()), 1) if covered else None,
                 "per_pid": per_pid, "covered_s": round(covered, 1),
-                "failures": self.sampler.failures, "trace": self.trace[-40:]}
+                "failures": self.sampler.failures, "trace": self.trace[-40:],
+                "probes": self.probes[-12:]}
 
 
 def _text(value: str | bytes) -> str:

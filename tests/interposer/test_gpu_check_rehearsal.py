@@ -74,7 +74,7 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
     assert {m["check"] for m in measured if m.get("kind") == "check"} >= {
         c for c, r in rows.items() if r["status"] != "ERROR"}
     assert (out / "gpu-check.log").stat().st_size > 0
-    return log, {"rows": rows, "versions": report["versions"]}
+    return log, {"rows": rows, "versions": report["versions"], "measured": measured}
 
 
 @pytest.mark.slow
@@ -114,6 +114,13 @@ def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_pat
                         rows["outside_compute"]["value"]), rows["outside_compute"]
     assert re.search(r"; charging [0-9]+/1000 of the measured GPU time$",
                      rows["sm_30_cotenant"]["value"]), rows["sm_30_cotenant"]
+    # and the raw per-process queries that are to settle NVML's semantics on the GPU
+    watched = next(m for m in report["measured"] if m.get("check") == "outside_compute")
+    for run in ("limited", "plain"):
+        probes = watched["data"][run]["probes"]
+        assert probes and all(isinstance(p["all"], dict) and isinstance(p["last_2s"], dict)
+                              for p in probes), probes
+        assert any(v["n"] >= 1 for p in probes for v in p["all"].values()), probes
     assert rows["sm_30_two_procs"]["value"].count("+") == 1
     assert rows["sm_30_four_procs"]["value"].count("+") == 3
     assert rows["two_procs"]["status"] == "ERROR"  # a gpubench row, not asked for here
