@@ -26,10 +26,11 @@ CUSTOM = {"resourceNames": {"gpu": "example.com/vgpu", "memory": "example.com/vg
           "gpuPods": {"runtimeClassName": "nvidia", "tolerations": [
               {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
           "scheduler": {"name": "shared-gpu"}, "webhook": {"port": 9443},
-          "agent": {"hostPID": True, "audit": {"interval": 2.5, "toleranceMiB": 64,
-                                               "overLimitAction": "evict", "overLimitRounds": 5,
-                                               "compute": {"window": 120, "tolerancePercent": 5,
-                                                           "overLimitAction": "evict"}}}}
+          "agent": {"hostPID": True, "offerExclusiveProcessGpus": True,
+                    "audit": {"interval": 2.5, "toleranceMiB": 64,
+                              "overLimitAction": "evict", "overLimitRounds": 5,
+                              "compute": {"window": 120, "tolerancePercent": 5,
+                                          "overLimitAction": "evict"}}}}
 
 # Fields of kubescheduler.config.k8s.io/v1 (k8s.io/kube-scheduler/config/v1 types.go). The
 # kube-scheduler decodes its config strictly: an unknown or misspelt field stops it at start.
@@ -180,6 +181,8 @@ def test_agent_command_line_parses_and_matches_the_mounts(values: dict[str, Any]
         (compute["window"], compute["tolerancePercent"], compute["overLimitAction"])
     assert ds["spec"]["template"]["spec"].get("hostPID", False) is \
         values.get("agent", {}).get("hostPID", False)
+    assert s.offer_exclusive_process is \
+        values.get("agent", {}).get("offerExclusiveProcessGpus", False)
     assert container["ports"][0]["containerPort"] == s.metrics_port == 9400
     spec = ds["spec"]["template"]["spec"]
     label = values.get("nodeLabel", {"key": "gpu", "value": "on"})

@@ -35,11 +35,11 @@ TESTS = ["tests/gpu/test_processes.py", "tests/gpu/test_overhead.py",
          "tests/gpu/test_views.py::test_the_limits_file_wins_over_a_lifted_environment"]
 """Every test whose workload is gpubench alone."""
 FUNCTIONAL = {"legacy_entry_points", "green_ctx", "memory_percent", "limits_file", "two_procs",
-              "race", "outside_check", "ipc_import", "alloc_free"}
+              "race", "outside_check", "ipc_import"}
 """Rows whose verdict the fake decides as a GPU would (caps, refusals, views, NVML per process;
 the fake's IPC import takes no memory of its own, which is what ipc_import asks of the real
-driver). The launch cost's ratio is the fake's own (a 250 ns fake launch): measured, not judged
-here."""
+driver). The launch and alloc+free costs are the fake's own (a 250 ns fake launch, a 2 µs fake
+allocation): measured, not judged here."""
 
 
 def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[str, Any]]:
@@ -55,12 +55,15 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
         # a context holds memory, so NVML lists each process; the green context's row takes
         # a primary context under 256 MiB for one that was not charged (the H200's: 524 MiB)
         "FAKE_CUDA_CTX_BYTES": "300m",
+        # the default (285 s) holds the compute run about twice over on 2 idle cores; a loaded
+        # CI machine gets more before rows are skipped for time
+        "GPUCHECK_BUDGET_S": "420",
         "GPUCHECK_TESTS": " ".join(tests), "TMPDIR": str(tmp_path), **fake,
     })
     if not Path(env["PYTHON"]).is_file():
         env["PYTHON"] = "python3"
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh")], env=env, cwd="/",
-                          check=False, capture_output=True, text=True, timeout=400)
+                          check=False, capture_output=True, text=True, timeout=480)
     log = done.stdout + done.stderr
     # the rows of the tests not asked for show ERROR ("not run"), so the status is 1
     assert done.returncode == 1, log
@@ -85,8 +88,9 @@ def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_pa
         assert rows[check]["status"] == "PASS", (check, rows[check], log[-3000:])
     assert rows["outside_check"]["value"] == "1,324 MiB, 2,348 MiB"  # each pid: context + allocation
     assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB, region +0 MiB")
-    assert rows["launch_cost"]["status"] in {"PASS", "FAIL"}  # measured, whatever the fake's ratio
-    assert "x call" in rows["launch_cost"]["value"]
+    for check, says in (("launch_cost", "x call"), ("alloc_free", " us plain)")):
+        assert rows[check]["status"] in {"PASS", "FAIL"}, rows[check]  # measured, not judged
+        assert says in rows[check]["value"], rows[check]
     assert rows["sm_30"]["status"] == "ERROR"  # a framework row, not asked for
     assert rows["sm_30"]["value"] == "not run (see the log)"
     assert report["versions"]["gpubench"]["build"]  # how gpubench was built, for the record

@@ -57,6 +57,17 @@ def test_defaults_are_the_documented_paths_and_names(monkeypatch: pytest.MonkeyP
             s.over_limit_rounds) == (10.0, 0, "none", 3)
 
 
+def test_exclusive_process_gpus_are_offered_only_when_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODE_NAME", "n1")
+    assert settings_from_args(_parse([])).offer_exclusive_process is False
+    asked = settings_from_args(_parse(["--offer-exclusive-process-gpus"]))
+    assert asked.offer_exclusive_process is True
+    from webhook.node.loop import Agent
+    agent = Agent(asked, b"")  # the agent's own inventory takes the setting
+    assert agent.inventory._offer_exclusive_process is True
+
+
 def test_node_name_flag_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NODE_NAME", "from-env")
     assert settings_from_args(_parse(["--node-name", "from-flag"])).node_name == "from-flag"

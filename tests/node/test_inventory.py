@@ -85,8 +85,19 @@ def test_a_gpu_pods_cannot_share_is_unhealthy_and_says_what_to_change(
     gpus = Inventory(nvml).discover().gpus
     assert [g.health for g in gpus] == [HEALTHY, UNHEALTHY]
     assert gpus[0].problem == ""
-    assert says in gpus[1].problem and "nvidia-smi -i 1 " in gpus[1].problem
+    assert says in gpus[1].problem and "nvidia-smi -i GPU-a " in gpus[1].problem
     assert "problem" not in gpus[1].to_json()  # the annotation's fields are DESIGN.md's
+
+
+def test_an_exclusive_process_gpu_is_offered_where_the_operator_says_pods_reach_mps() -> None:
+    devices = [FakeDevice("GPU-a", compute_mode=pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS),
+               FakeDevice("GPU-b", compute_mode=pynvml.NVML_COMPUTEMODE_PROHIBITED),
+               FakeDevice("GPU-c", mig=(1, 1))]
+    refused = Inventory(FakeNvml(devices)).discover().gpus
+    assert "agent.offerExclusiveProcessGpus" in refused[0].problem
+    offered = Inventory(FakeNvml(devices), offer_exclusive_process=True).discover().gpus
+    # only that mode: the others stay unusable whatever serves the pods
+    assert [g.health for g in offered] == [HEALTHY, UNHEALTHY, UNHEALTHY]
 
 
 @pytest.mark.parametrize("mig", [None, (0, 0), (0, 1)])

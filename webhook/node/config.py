@@ -71,6 +71,10 @@ class AgentSettings:
     """What the compute check does about a container over its limit, beyond the metric, the
     log and a Warning Event: "none", or "evict" its pod once found over in
     ``over_limit_rounds`` checks. Default none."""
+    offer_exclusive_process: bool = False
+    """Offer GPUs whose compute mode is EXCLUSIVE_PROCESS (MPS's setting) instead of marking
+    them unhealthy: only where the pods reach the MPS server (the operator mounts its pipe
+    directory into them; gpuslice does not). Default false."""
     split_count: int = 10
     """Slices per physical GPU: nvidia.com/gpu capacity = healthy GPUs x this. Default 10."""
     resource_gpu: str = "nvidia.com/gpu"
@@ -200,6 +204,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=d["compute_over_limit_action"].default,
                    help="none, or evict the pod of a container over its compute limit "
                         "(default %(default)s)")
+    p.add_argument("--offer-exclusive-process-gpus", action="store_true",
+                   help="offer GPUs in EXCLUSIVE_PROCESS compute mode (pods that reach an MPS "
+                        "server) instead of marking them unhealthy")
     p.add_argument("--split-count", type=int, default=d["split_count"].default,
                    help="slices per GPU (default %(default)s)")
     p.add_argument("--resource-gpu", default=d["resource_gpu"].default,
@@ -237,6 +244,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
             compute_window=args.compute_window,
             compute_tolerance=args.compute_tolerance,
             compute_over_limit_action=args.compute_over_limit_action,
+            offer_exclusive_process=args.offer_exclusive_process_gpus,
             split_count=args.split_count,
             resource_gpu=args.resource_gpu,
             resource_mem=args.resource_mem,

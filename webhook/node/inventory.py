@@ -12,7 +12,8 @@ not support (consumer cards) or a driver lacks do not count against it. A GPU gp
 ``Unhealthy`` too, so that nothing is placed on it: one in MIG mode (CUDA then reaches only its
 MIG instances, which ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` does not give a container: a pod
 placed there finds no CUDA device) and one whose compute mode lets one process at a time
-(``EXCLUSIVE_PROCESS``: every pod after the first fails to create its context) or none
+(``EXCLUSIVE_PROCESS``: every pod after the first fails to create its context, unless the
+pods reach an MPS server, which the operator says with ``offer_exclusive_process``) or none
 (``PROHIBITED``) use it. The reason is kept in :attr:`Gpu.problem` (logged, and exported as
 ``gpuslice_gpu_unhealthy_reason``). A GPU whose handle or UUID cannot be read
 cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged).
@@ -129,8 +130,12 @@ def _text(value: Any) -> str:
 class Inventory:
     """Discovers GPUs and samples them; safe to call from the event loop and a scrape thread."""
 
-    def __init__(self, nvml: ModuleType | Any = pynvml) -> None:
+    def __init__(self, nvml: ModuleType | Any = pynvml, *,
+                 offer_exclusive_process: bool = False) -> None:
         self._nvml = nvml
+        self._offer_exclusive_process = offer_exclusive_process
+        """Offer GPUs in EXCLUSIVE_PROCESS compute mode (an MPS server the pods reach holds
+        them; the operator mounts its pipe directory into the pods)."""
         self._lock = threading.Lock()
         self._initialised = False
         self._last: Discovery = Discovery(available=False, reason="not discovered yet")
@@ -219,7 +224,7 @@ class Inventory:
         except pynvml.NVMLError as exc:
             why = f"name or memory query failed: {exc}"
         else:
-            why = self._health_problem(handle) or self._sharing_problem(handle, index)
+            why = self._health_problem(handle) or self._sharing_problem(handle, uuid)
         if why != self._problems.get(uuid, ""):
             # logged when it changes, not every round
             if why:
@@ -251,15 +256,16 @@ class Inventory:
             return f"remapped-rows query failed: {exc}"
         return ""
 
-    def _sharing_problem(self, handle: Any, index: int) -> str:
+    def _sharing_problem(self, handle: Any, uuid: str) -> str:
         """Why pods cannot share this GPU through gpuslice ("" when they can). A query the GPU
-        or driver does not have means the mode it reads does not exist there."""
+        or driver does not have means the mode it reads does not exist there. The commands it
+        suggests name the GPU by UUID (NVML's index need not be nvidia-smi's on the host)."""
         nvml = self._nvml
         try:
             current, _pending = nvml.nvmlDeviceGetMigMode(handle)
             if int(current) == pynvml.NVML_DEVICE_MIG_ENABLE:
                 return ("MIG mode is enabled: gpuslice shares whole GPUs; disable it "
-                        f"(nvidia-smi -i {index} -mig 0, then reset the GPU)")
+                        f"(nvidia-smi -i {uuid} -mig 0, then reset the GPU)")
         except _NO_SUCH_QUERY:
             pass
         except pynvml.NVMLError as exc:
@@ -272,12 +278,18 @@ class Inventory:
             return f"compute mode query failed: {exc}"
         names = {pynvml.NVML_COMPUTEMODE_PROHIBITED: "PROHIBITED (no process may use it)",
                  pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
-                     "EXCLUSIVE_PROCESS (one process at a time: the pods sharing it after the "
-                     "first could not create a CUDA context)",
+                     "EXCLUSIVE_PROCESS (one process at a time: without an MPS server the pods "
+                     "reach, every pod sharing it after the first fails to create its CUDA "
+                     "context)",
                  pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD: "EXCLUSIVE_THREAD (one thread)"}
+        if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS and self._offer_exclusive_process:
+            return ""
         if mode in names:
-            return (f"compute mode is {names[mode]}: set it back with "
-                    f"nvidia-smi -i {index} -c DEFAULT")
+            why = f"compute mode is {names[mode]}: set it back with nvidia-smi -i {uuid} -c DEFAULT"
+            if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS:
+                why += (", or, where the pods reach an MPS server through a mount of its pipe "
+                        "directory, offer it (agent.offerExclusiveProcessGpus)")
+            return why
         return ""
 
     def sample(self) -> list[GpuSample]:

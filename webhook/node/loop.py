@@ -71,7 +71,8 @@ class Agent:
                  clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         self.library = library
-        self.inventory = inventory or Inventory()
+        self.inventory = inventory or Inventory(
+            offer_exclusive_process=settings.offer_exclusive_process)
         self.api_client = api_client
         self.publisher = Publisher(api_client, settings) if api_client is not None else None
         self.status = AgentStatus()
