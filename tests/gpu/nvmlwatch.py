@@ -214,11 +214,15 @@ class ShareWatch(_Sampling):
         reports)? And the samples of the last 2 s, whole."""
         import pynvml
 
+        from webhook.node.inventory import Inventory
+
         now_us = int(time.time() * 1e6)
         out: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 2)}
         for label, since in (("all", 0), ("last_2s", now_us - 2_000_000)):
             try:
-                got = self._query(pynvml, since)
+                # the agent's retry of pynvml's two calls (a sample added between them)
+                got = Inventory._twice(pynvml.nvmlDeviceGetProcessUtilization,
+                                       pynvml.nvmlDeviceGetHandleByIndex(0), since)
             except pynvml.NVMLError_NotFound:  # no process ran since then
                 got = []
             except pynvml.NVMLError as exc:
@@ -235,20 +239,6 @@ class ShareWatch(_Sampling):
             else:
                 out[label] = per
         return out
-
-    @staticmethod
-    def _query(pynvml: Any, since: int) -> Any:
-        """pynvml asks the driver for the count, then the samples: a sample added in between
-        makes the second call INSUFFICIENT_SIZE, once more the next time (the whole buffer, since
-        0, is the likeliest to grow), so it is asked again."""
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        for attempt in range(3):
-            try:
-                return pynvml.nvmlDeviceGetProcessUtilization(handle, since)
-            except pynvml.NVMLError_InsufficientSize:
-                if attempt == 2:
-                    raise
-        return []
 
     def summary(self) -> dict[str, Any]:
         shares, coverage, _unplaced = self.sampler.snapshot()

@@ -8,8 +8,8 @@ or without GPUs: :meth:`Inventory.discover` then reports :class:`Discovery` with
 Health: a GPU is ``Unhealthy`` when any of its name/memory queries fails (its product and
 memory are then the last ones read, or empty and 0 if never read), when NVML says it
 has retired pages pending (a reset is needed), or when row remapping failed; probes a GPU does
-not support (consumer cards) or a driver lacks do not count against it. A GPU gpuslice cannot share is
-``Unhealthy`` too, so that nothing is placed on it: one in MIG mode (CUDA then reaches only its
+not support (consumer cards) or a driver lacks do not count against it. A GPU gpuslice cannot
+share is ``Unhealthy`` too, so that nothing is placed on it: one in MIG mode (CUDA then reaches only its
 MIG instances, which ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` does not give a container: a pod
 placed there finds no CUDA device) and one whose compute mode lets one process at a time
 (``EXCLUSIVE_PROCESS``: every pod after the first fails to create its context, unless the

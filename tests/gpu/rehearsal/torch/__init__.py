@@ -28,7 +28,8 @@ _CAPTURE_GLOBAL = 0  # CU_STREAM_CAPTURE_MODE_GLOBAL, PyTorch's default
 _cu = ctypes.CDLL("libcuda.so.1")
 _state = threading.local()
 _lock = threading.Lock()
-_kernel: list[ctypes.c_void_p] = []
+_driver: dict[str, ctypes.c_void_p] = {}
+"""The primary context ("ctx") and the one kernel every op launches ("fn"), made once."""
 
 
 class Error(RuntimeError):
@@ -43,7 +44,7 @@ def _check(rc: int, what: str) -> None:
 def _init() -> ctypes.c_void_p:
     """The primary context of device 0 current in this thread, and the kernel (once)."""
     with _lock:
-        if not _kernel:
+        if not _driver:
             _check(_cu.cuInit(0), "cuInit")
             dev, ctx = ctypes.c_int(), ctypes.c_void_p()
             _check(_cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
@@ -52,12 +53,11 @@ def _init() -> ctypes.c_void_p:
             module, fn = ctypes.c_void_p(), ctypes.c_void_p()
             _check(_cu.cuModuleLoadData(ctypes.byref(module), b"rehearsal"), "cuModuleLoadData")
             _check(_cu.cuModuleGetFunction(ctypes.byref(fn), module, b"mm"), "cuModuleGetFunction")
-            _kernel.append(fn)
-            _kernel.append(ctx)
+            _driver.update(fn=fn, ctx=ctx)
     if getattr(_state, "current", None) is None:
-        _check(_cu.cuCtxSetCurrent(_kernel[1]), "cuCtxSetCurrent")
+        _check(_cu.cuCtxSetCurrent(_driver["ctx"]), "cuCtxSetCurrent")
         _state.current = True
-    return _kernel[0]
+    return _driver["fn"]
 
 
 def _stream() -> ctypes.c_void_p:
