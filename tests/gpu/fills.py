@@ -24,7 +24,8 @@ JAX_PLATFORM = {**JAX_BASE, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                 "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
 
 # variant: (framework, chunk sizes in MiB largest first, extra env, child timeout in s).
-# PyTorch serves 1-10 MiB requests from 20 MiB segments, hence 12 then 1 MiB at the end.
+# PyTorch serves requests of 1-10 MiB from 20 MiB segments (up to 1 MiB from 2 MiB ones),
+# hence 12 (a segment of its own) then 1 MiB at the end.
 VARIANTS: dict[str, tuple[str, str, dict[str, str], float]] = {
     "torch": ("torch", "256,64,12,1", {}, 60),
     # expandable segments: cuMemCreate + cuMemMap per 20 MiB page (the VMM hooks)

@@ -1,17 +1,21 @@
 """``scripts/gpu-check.sh`` end to end on the fake driver: the GPU check is the one thing that
 runs on the scarce H200 time, once per session at best, so its own plumbing (the build, the
 harness's children and deadline, gpubench, the NVML watches, the agent's outside checks, the
-summary and the files under ``$OUT``) is rehearsed here on every CI run, in two runs of the
-script:
+summary and the files under ``$OUT``) is rehearsed here on every CI run, every row of it, in two
+runs of the script:
 
-- the rows whose workload is gpubench (the C driver-API tool): caps, views, processes, costs;
+- the memory, view, process and cost rows: their workloads are gpubench (the C driver-API
+  tool) and the fills of PyTorch, CuPy and JAX, played here by ``tests/gpu/rehearsal``'s
+  stand-ins, which take memory through the driver API as those frameworks' allocators do
+  (PyTorch's expandable segments through ``cuMemCreate`` pages); ``nvidia-smi`` is a stand-in
+  that reads NVML as the real one does;
 - the compute rows (``test_compute.py``, ``test_cotenant.py``), whose workload is a PyTorch
-  matmul: here ``tests/gpu/rehearsal/torch``, a stand-in for the few PyTorch calls it makes,
-  over the driver API, launching the fake GPU's kernels through the library's hooks.
+  matmul: the stand-in's ``torch.mm`` launches the fake GPU's kernels through the library's
+  hooks.
 
-The memory rows that fill the cap with PyTorch, CuPy and JAX need those frameworks on a GPU and
-are not asked for. The fake's figures are not the bar's: the functional rows' verdicts are
-asserted (a cap, a refusal, a capture that ended), the timing rows only measured.
+The stand-ins refuse to load without ``GPUCHECK_REHEARSAL=1``. The fake's figures are not the
+bar's: the functional rows' verdicts are asserted (a cap, a refusal, a view, a capture that
+ended), the timing rows only measured.
 """
 
 from __future__ import annotations
@@ -28,18 +32,26 @@ from gpu import summary
 
 from .conftest import BUILD, ROOT, UUID_A
 
-TESTS = ["tests/gpu/test_processes.py", "tests/gpu/test_overhead.py",
-         "tests/gpu/test_memory.py::test_cuda_2_entry_points_are_charged",
-         "tests/gpu/test_memory.py::test_green_context_is_charged",
-         "tests/gpu/test_views.py::test_memory_percent_resolves_against_real_total",
-         "tests/gpu/test_views.py::test_the_limits_file_wins_over_a_lifted_environment"]
-"""Every test whose workload is gpubench alone."""
-FUNCTIONAL = {"legacy_entry_points", "green_ctx", "memory_percent", "limits_file", "two_procs",
-              "race", "outside_check", "ipc_import"}
+REHEARSAL = ROOT / "tests" / "gpu" / "rehearsal"
+STANDINS = {"PYTHONPATH": str(REHEARSAL), "GPUCHECK_REHEARSAL": "1"}
+"""The stand-in frameworks on the children's path, and the switch that lets them load."""
+TESTS = ["tests/gpu/test_memory.py", "tests/gpu/test_views.py", "tests/gpu/test_processes.py",
+         "tests/gpu/test_usage.py", "tests/gpu/test_overhead.py", "tests/gpu/test_vmm.py"]
+"""Every test but the compute rows'."""
+FUNCTIONAL = {"outside_usage", "oom_torch", "graph_memory", "legacy_entry_points", "green_ctx",
+              "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
+              "jax_default", "process_views", "memory_percent", "limits_file", "smi_view",
+              "two_procs", "race", "outside_check", "ipc_import"}
 """Rows whose verdict the fake decides as a GPU would (caps, refusals, views, NVML per process;
 the fake's IPC import takes no memory of its own, which is what ipc_import asks of the real
 driver). The launch and alloc+free costs are the fake's own (a 250 ns fake launch, a 2 µs fake
 allocation): measured, not judged here."""
+
+
+COMPUTE = {"sm_50", "sm_30", "sm_10", "sm_30_time", "outside_compute", "sm_30_capture_held",
+           "torch_tiny", "sm_30_cotenant", "sm_30_cotenant_raw", "sm_30_two_procs",
+           "sm_30_four_procs"}
+"""The rows of test_compute.py and test_cotenant.py."""
 
 
 def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[str, Any]]:
@@ -58,8 +70,9 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
         # the default (285 s) holds the compute run about twice over on 2 idle cores; a loaded
         # CI machine gets more before rows are skipped for time
         "GPUCHECK_BUDGET_S": "420",
-        "GPUCHECK_TESTS": " ".join(tests), "TMPDIR": str(tmp_path), **fake,
+        "GPUCHECK_TESTS": " ".join(tests), "TMPDIR": str(tmp_path), **STANDINS, **fake,
     })
+    env["PATH"] = f"{REHEARSAL / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"  # its nvidia-smi
     if not Path(env["PYTHON"]).is_file():
         env["PYTHON"] = "python3"
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh")], env=env, cwd="/",
@@ -81,31 +94,40 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
 
 
 @pytest.mark.slow
-def test_gpu_check_runs_its_gpubench_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
+def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
     log, report = gpu_check(tmp_path, TESTS)
     rows = report["rows"]
     for check in FUNCTIONAL:
         assert rows[check]["status"] == "PASS", (check, rows[check], log[-3000:])
-    assert rows["outside_check"]["value"] == "1,324 MiB, 2,348 MiB"  # each pid: context + allocation
-    assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB, region +0 MiB")
     for check, says in (("launch_cost", "x call"), ("alloc_free", " us plain)")):
         assert rows[check]["status"] in {"PASS", "FAIL"}, rows[check]  # measured, not judged
         assert says in rows[check]["value"], rows[check]
-    assert rows["sm_30"]["status"] == "ERROR"  # a framework row, not asked for
-    assert rows["sm_30"]["value"] == "not run (see the log)"
+    assert set(rows) - FUNCTIONAL - {"launch_cost", "alloc_free"} == COMPUTE
+    for check in COMPUTE:  # not asked for in this run
+        assert rows[check]["status"] == "ERROR", rows[check]
+        assert rows[check]["value"] == "not run (see the log)"
+    # what each row saw, where the fake knows the answer: a context of 300 MiB (the fills get
+    # the cap less that, within the pools' rounding), two pids each with context + allocation,
+    # an import that takes nothing, an outside watch that saw each row's held peak
+    for variant in ("torch", "torch_expandable", "cupy", "jax"):
+        data = next(m["data"] for m in report["measured"] if m.get("check") == f"largest_{variant}")
+        assert data["context"]["footprint_mib"] == 300, (variant, data["context"])
+        assert 300 <= data["footprint_mib"] <= 320, (variant, data)
+        assert 10240 - 64 <= data["outside"]["max_mib"] <= 10240, (variant, data["outside"])
+    assert rows["jax_default"]["value"].startswith("pool limit 7,680 MiB")  # 75 % of the cap
+    assert rows["outside_check"]["value"] == "1,324 MiB, 2,348 MiB"
+    assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB, region +0 MiB")
+    assert rows["graph_memory"]["value"].endswith("outside 2,348")  # 2 GiB + the context
+    assert rows["smi_view"]["value"].startswith("10,240 / 4,396 MiB (usage 4,396)")
+    # the script's own nvidia-smi query (the stand-in, no library: the whole fake GPU)
+    assert f"Fake GPU 0, {UUID_A}, 580.00.00-fake, 16384 MiB, 0 MiB" in log
     assert report["versions"]["gpubench"]["build"]  # how gpubench was built, for the record
-
-
-COMPUTE = {"sm_50", "sm_30", "sm_10", "sm_30_time", "outside_compute", "sm_30_capture_held",
-           "torch_tiny", "sm_30_cotenant", "sm_30_cotenant_raw", "sm_30_two_procs",
-           "sm_30_four_procs"}
 
 
 @pytest.mark.slow
 def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
     log, report = gpu_check(
         tmp_path, ["tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py"],
-        PYTHONPATH=str(ROOT / "tests" / "gpu" / "rehearsal"), GPUCHECK_REHEARSAL="1",  # the stand-in torch
         FAKE_CUDA_KERNEL_US="2000",  # a matmul's kernel
         FAKE_GPU_SHARED="1",  # the processes share one GPU that time-slices them
         FAKE_NVML_POWER_LIMIT_MW="700000")  # NVML's utilisation, per process too
@@ -127,4 +149,5 @@ def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_pat
         assert any(v["n"] >= 1 for p in probes for v in p["all"].values()), probes
     assert rows["sm_30_two_procs"]["value"].count("+") == 1
     assert rows["sm_30_four_procs"]["value"].count("+") == 3
-    assert rows["two_procs"]["status"] == "ERROR"  # a gpubench row, not asked for here
+    for check in set(rows) - COMPUTE:  # the other run's rows, not asked for here
+        assert rows[check]["status"] == "ERROR", rows[check]

@@ -26,6 +26,8 @@
  *                                         primary context inside it: the view after it, after
  *                                         MIB allocated in it and after 1 GiB more than the
  *                                         view's free memory, then after it is destroyed
+ *                                         (graph and green hold their peak for 250 ms, so
+ *                                         that the parent's outside NVML watch sees it)
  *
  * Benchmarks print one line "RESULT {json}"; errors go to stderr with exit status 2.
  */
@@ -365,6 +367,14 @@ static int cmd_allocfree(size_t bytes, int pairs, int reps)
     return 0;
 }
 
+/* Keep the moment's usage for a while: the parent's outside watch polls NVML every few ms,
+ * and a peak that lasts microseconds would pass between two of its samples. */
+static void hold_peak(void)
+{
+    struct timespec ts = {0, 250 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+}
+
 static double used_mib(void)
 {
     size_t free_bytes = 0, total = 0;
@@ -403,6 +413,7 @@ static int cmd_graph(size_t mib)
     CUresult rc = graph_run(s, mib << 20, &inst, &launched);
     CUresult again = graph_run(s, mib << 20, NULL, NULL);
     double replayed = used_mib();
+    hold_peak(); /* the graphs' memory, kept until the trim */
     check(CALL(cuDeviceGraphMemTrim)(dev), "cuDeviceGraphMemTrim");
     double trimmed = used_mib();
     size_t free_bytes = 0, total = 0;
@@ -542,6 +553,7 @@ static int cmd_green(size_t mib)
     CUdeviceptr p = 0, big = 0;
     CUresult alloc_rc = CALL(cuMemAlloc_v2)(&p, mib << 20);
     double held = used_mib();
+    hold_peak();
     check(CALL(cuMemGetInfo_v2)(&free_bytes, &total), "cuMemGetInfo_v2");
     CUresult big_rc = CALL(cuMemAlloc_v2)(&big, free_bytes + ((size_t)1 << 30));
     double with_big = used_mib();

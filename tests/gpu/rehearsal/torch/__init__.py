@@ -1,7 +1,15 @@
-"""A stand-in for the few PyTorch calls of ``tests/gpu/work.py matmul``, over the CUDA driver
-API through ctypes, for rehearsing ``scripts/gpu-check.sh``'s compute rows on the fake driver
-(``tests/interposer/test_gpu_check_rehearsal.py``). Only on that test's ``PYTHONPATH``; never
-on a GPU machine, where the real PyTorch runs.
+"""A stand-in for the PyTorch calls of ``tests/gpu/work.py`` (``matmul``; ``probe`` and ``fill``
+of ``torch``), over the CUDA driver API through ctypes (``standin.py``), for rehearsing
+``scripts/gpu-check.sh`` on the fake driver (``tests/interposer/test_gpu_check_rehearsal.py``).
+Only on that test's ``PYTHONPATH``; never on a GPU machine, where the real PyTorch runs.
+
+Tensors come from a caching allocator shaped like PyTorch's (``standin.py``): requests rounded
+to 512 bytes, small ones (up to 1 MiB) carved from 2 MiB segments, up to 10 MiB from 20 MiB
+segments, larger ones from a segment of their own rounded to 2 MiB; a freed tensor's block is
+kept for the next until ``empty_cache``; a request the driver refuses empties the cache and is
+tried once more before ``torch.cuda.OutOfMemoryError``. With
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` each pool is one reserved range that maps
+``cuMemCreate`` pages (20 MiB; 2 MiB for small tensors) as it grows.
 
 ``torch.mm`` launches one kernel on the current stream (the fake driver runs each for
 ``FAKE_CUDA_KERNEL_US``), through the driver's exports, which the preloaded library hooks as
@@ -17,47 +25,93 @@ import os
 import threading
 from typing import Any
 
-if os.environ.get("GPUCHECK_REHEARSAL") != "1":  # never fake figures by accident
-    raise ImportError("tests/gpu/rehearsal/torch is the rehearsal's stand-in, not PyTorch "
-                      "(set GPUCHECK_REHEARSAL=1 to use it on the fake driver)")
+import standin
+from standin import MIB, Arena, Block, ExpandableSegment, check, cu, round_up
 
-bfloat16 = "bfloat16"
-_BYTES = {"bfloat16": 2, "float32": 4}
+uint8, bfloat16, float32 = "uint8", "bfloat16", "float32"
+_BYTES = {uint8: 1, bfloat16: 2, float32: 4}
 _CAPTURE_GLOBAL = 0  # CU_STREAM_CAPTURE_MODE_GLOBAL, PyTorch's default
-
-_cu = ctypes.CDLL("libcuda.so.1")
 _state = threading.local()
-_lock = threading.Lock()
-_driver: dict[str, ctypes.c_void_p] = {}
-"""The primary context ("ctx") and the one kernel every op launches ("fn"), made once."""
 
 
-class Error(RuntimeError):
-    pass
+class _Allocator:
+    """PyTorch's caching allocator, as far as the driver sees it (module docstring)."""
+
+    SMALL = MIB  # the largest request of the small pool
+    SMALL_SEGMENT, LARGE_SEGMENT, MIN_LARGE_ALLOC, ROUND_LARGE = 2 * MIB, 20 * MIB, 10 * MIB, 2 * MIB
+
+    def __init__(self) -> None:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "")
+        self.expandable = "expandable_segments:True" in conf.split(",")
+        # a large block is split only when more than 1 MiB would be left
+        self.small, self.large = Arena(min_split=512), Arena(min_split=MIB + 1)
+        self._ranges: dict[int, ExpandableSegment] = {}
+        self._lock = threading.Lock()
+
+    def malloc(self, nbytes: int) -> Block:
+        size = max(512, round_up(nbytes, 512))
+        arena = self.small if size <= self.SMALL else self.large
+        with self._lock:
+            block = arena.take(size) or self._grow(arena, size)
+            if block is None:
+                self._empty_cache()
+                block = self._grow(arena, size)
+            if block is None:
+                free, total = standin.mem_get_info()
+                raise cuda.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {nbytes / MIB:.2f} MiB. GPU 0 has a "
+                    f"total capacity of {total / MIB / 1024:.2f} GiB of which {free / MIB:.2f} MiB "
+                    f"is free. Of the allocated memory {self.allocated() / MIB / 1024:.2f} GiB is "
+                    "allocated by PyTorch (rehearsal stand-in)")
+            return block
+
+    def free(self, block: Block) -> None:
+        with self._lock:
+            (self.small if block.segment in self.small.segments else self.large).give(block)
+
+    def _grow(self, arena: Arena, size: int) -> Block | None:
+        if self.expandable:
+            grown = self._range(arena).grow(size)
+            return arena.take(size) if grown else None
+        if arena is self.small:
+            segment = self.SMALL_SEGMENT
+        elif size < self.MIN_LARGE_ALLOC:
+            segment = self.LARGE_SEGMENT
+        else:
+            segment = round_up(size, self.ROUND_LARGE)
+        ptr = standin.mem_alloc(segment)
+        if ptr is None:
+            return None
+        arena.add(ptr, segment)
+        return arena.take(size)
+
+    def _range(self, arena: Arena) -> ExpandableSegment:
+        if id(arena) not in self._ranges:
+            page = self.SMALL_SEGMENT if arena is self.small else self.LARGE_SEGMENT
+            span = round_up(standin.device_total() * 9 // 8, page)  # PyTorch reserves 1.125x
+            self._ranges[id(arena)] = ExpandableSegment(arena, page, span)
+        return self._ranges[id(arena)]
+
+    def _empty_cache(self) -> None:
+        if self.expandable:
+            for expandable in self._ranges.values():
+                expandable.shrink()
+            return
+        for arena in (self.small, self.large):
+            arena.release_idle(lambda s: standin.mem_free(s.base))
+
+    def empty_cache(self) -> None:
+        with self._lock:
+            self._empty_cache()
+
+    def reserved(self) -> int:
+        return self.small.reserved() + self.large.reserved()
+
+    def allocated(self) -> int:
+        return self.small.in_use() + self.large.in_use()
 
 
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise Error(f"{what} failed: CUDA error {rc}")
-
-
-def _init() -> ctypes.c_void_p:
-    """The primary context of device 0 current in this thread, and the kernel (once)."""
-    with _lock:
-        if not _driver:
-            _check(_cu.cuInit(0), "cuInit")
-            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-            _check(_cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-            _check(_cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-            _check(_cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-            module, fn = ctypes.c_void_p(), ctypes.c_void_p()
-            _check(_cu.cuModuleLoadData(ctypes.byref(module), b"rehearsal"), "cuModuleLoadData")
-            _check(_cu.cuModuleGetFunction(ctypes.byref(fn), module, b"mm"), "cuModuleGetFunction")
-            _driver.update(fn=fn, ctx=ctx)
-    if getattr(_state, "current", None) is None:
-        _check(_cu.cuCtxSetCurrent(_driver["ctx"]), "cuCtxSetCurrent")
-        _state.current = True
-    return _driver["fn"]
+_allocator = _Allocator()
 
 
 def _stream() -> ctypes.c_void_p:
@@ -66,20 +120,23 @@ def _stream() -> ctypes.c_void_p:
 
 
 def _launch() -> None:
-    fn = _init()
-    _check(_cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, _stream(), None, None), "cuLaunchKernel")
+    fn = standin.init()
+    check(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, _stream(), None, None), "cuLaunchKernel")
 
 
 class Tensor:
     def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
-        _init()
+        standin.init()
         self.shape, self.dtype = shape, dtype
         count = 1
         for n in shape:
             count *= n
-        self.ptr = ctypes.c_uint64()
-        _check(_cu.cuMemAlloc_v2(ctypes.byref(self.ptr), ctypes.c_size_t(count * _BYTES[dtype])),
-               "cuMemAlloc")
+        self._block: Block | None = _allocator.malloc(count * _BYTES[dtype]) if count else None
+
+    def __del__(self) -> None:
+        if self._block is not None:  # back to the cache, as PyTorch's tensors go
+            _allocator.free(self._block)
+            self._block = None
 
     def add_(self, _value: Any) -> Tensor:
         if getattr(_state, "capturing", False):
@@ -87,12 +144,20 @@ class Tensor:
         return self
 
 
-def zeros(*shape: Any, device: str = "cuda", dtype: str = "float32") -> Tensor:
-    dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-    return Tensor(tuple(int(n) for n in dims), dtype)
+def _dims(shape: tuple[Any, ...]) -> tuple[int, ...]:
+    dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple | list) else shape
+    return tuple(int(n) for n in dims)
 
 
-def randn(shape: tuple[int, ...], device: str = "cuda", dtype: str = "float32") -> Tensor:
+def zeros(*shape: Any, device: str = "cuda", dtype: str = float32) -> Tensor:
+    return Tensor(_dims(shape), dtype)
+
+
+def empty(*shape: Any, device: str = "cuda", dtype: str = float32) -> Tensor:
+    return Tensor(_dims(shape), dtype)
+
+
+def randn(shape: tuple[int, ...], device: str = "cuda", dtype: str = float32) -> Tensor:
     return Tensor(tuple(shape), dtype)
 
 
@@ -106,13 +171,16 @@ def mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
 
 
 class _Cuda:
-    """``torch.cuda``: synchronize, streams, graphs."""
+    """``torch.cuda``: synchronize, memory, streams, graphs."""
+
+    class OutOfMemoryError(RuntimeError):
+        pass
 
     class Stream:
         def __init__(self) -> None:
-            _init()
+            standin.init()
             self.handle = ctypes.c_void_p()
-            _check(_cu.cuStreamCreate(ctypes.byref(self.handle), 0), "cuStreamCreate")
+            check(cu.cuStreamCreate(ctypes.byref(self.handle), 0), "cuStreamCreate")
 
     class stream:  # torch's name
         def __init__(self, s: _Cuda.Stream) -> None:
@@ -128,21 +196,32 @@ class _Cuda:
 
     class CUDAGraph:
         def capture_begin(self) -> None:
-            _init()
+            standin.init()
             self.stream = _stream()
-            _check(_cu.cuStreamBeginCapture_v2(self.stream, _CAPTURE_GLOBAL),
-                   "cuStreamBeginCapture_v2")
+            check(cu.cuStreamBeginCapture_v2(self.stream, _CAPTURE_GLOBAL),
+                  "cuStreamBeginCapture_v2")
             _state.capturing = True
 
         def capture_end(self) -> None:
             _state.capturing = False
             graph = ctypes.c_void_p()
-            _check(_cu.cuStreamEndCapture(self.stream, ctypes.byref(graph)), "cuStreamEndCapture")
+            check(cu.cuStreamEndCapture(self.stream, ctypes.byref(graph)), "cuStreamEndCapture")
 
     @staticmethod
     def synchronize() -> None:
-        _init()
-        _check(_cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        standin.synchronize()
+
+    @staticmethod
+    def mem_get_info() -> tuple[int, int]:
+        return standin.mem_get_info()
+
+    @staticmethod
+    def memory_reserved() -> int:
+        return _allocator.reserved()
+
+    @staticmethod
+    def empty_cache() -> None:
+        _allocator.empty_cache()
 
 
 cuda = _Cuda()

@@ -1,0 +1,114 @@
+"""A stand-in for the CuPy calls of ``tests/gpu/work.py`` (``probe`` and ``fill`` of ``cupy``),
+over the CUDA driver API through ctypes (``standin.py``), for rehearsing
+``scripts/gpu-check.sh`` on the fake driver. Only on the rehearsal's ``PYTHONPATH``.
+
+Arrays come from a pool shaped like CuPy's default memory pool: requests rounded to 512 bytes,
+served best-fit from the blocks it keeps (split when they are bigger), else by one
+``cuMemAlloc`` of the rounded size; a refused allocation frees every idle block and is tried
+once more before ``cupy.cuda.memory.OutOfMemoryError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import standin
+from standin import Arena, Block, round_up
+
+uint8, float64 = "uint8", "float64"
+_BYTES = {uint8: 1, float64: 8}
+
+
+class OutOfMemoryError(MemoryError):
+    pass
+
+
+class MemoryPool:
+    def __init__(self) -> None:
+        self._arena = Arena(min_split=512)
+        self._lock = threading.Lock()
+
+    def malloc(self, nbytes: int) -> Block:
+        size = max(512, round_up(nbytes, 512))
+        with self._lock:
+            block = self._arena.take(size) or self._grow(size)
+            if block is None:
+                self._free_all()
+                block = self._grow(size)
+            if block is None:
+                raise OutOfMemoryError(
+                    f"Out of memory allocating {size:,} bytes (allocated so far: "
+                    f"{self._arena.in_use():,} bytes). (rehearsal stand-in)")
+            return block
+
+    def _grow(self, size: int) -> Block | None:
+        ptr = standin.mem_alloc(size)
+        if ptr is None:
+            return None
+        self._arena.add(ptr, size)
+        return self._arena.take(size)
+
+    def free(self, block: Block) -> None:
+        with self._lock:
+            self._arena.give(block)
+
+    def _free_all(self) -> None:
+        self._arena.release_idle(lambda s: standin.mem_free(s.base))
+
+    def free_all_blocks(self) -> None:
+        with self._lock:
+            self._free_all()
+
+    def total_bytes(self) -> int:
+        return self._arena.reserved()
+
+    def used_bytes(self) -> int:
+        return self._arena.in_use()
+
+
+_pool = MemoryPool()
+
+
+def get_default_memory_pool() -> MemoryPool:
+    return _pool
+
+
+class ndarray:
+    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+        standin.init()
+        self.shape, self.dtype = shape, dtype
+        count = 1
+        for n in shape:
+            count *= n
+        self._block: Block | None = _pool.malloc(count * _BYTES[dtype]) if count else None
+
+    def __del__(self) -> None:
+        if self._block is not None:
+            _pool.free(self._block)
+            self._block = None
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in shape) if isinstance(shape, tuple | list) else (int(shape),)
+
+
+def empty(shape: Any, dtype: str = float64) -> ndarray:
+    return ndarray(_shape(shape), dtype)
+
+
+def zeros(shape: Any, dtype: str = float64) -> ndarray:
+    return ndarray(_shape(shape), dtype)
+
+
+class _Device:
+    def synchronize(self) -> None:
+        standin.synchronize()
+
+
+cuda = SimpleNamespace(
+    Device=_Device,
+    memory=SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
+    runtime=SimpleNamespace(memGetInfo=standin.mem_get_info),
+)

@@ -1,0 +1,128 @@
+"""A stand-in for the JAX calls of ``tests/gpu/work.py`` (``probe`` and ``fill`` of ``jax``),
+over the CUDA driver API through ctypes (``standin.py``), for rehearsing
+``scripts/gpu-check.sh`` on the fake driver. Only on the rehearsal's ``PYTHONPATH``.
+
+Buffers come from the allocator XLA's GPU client picks from the environment:
+``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` makes one ``cuMemAlloc`` per buffer, freed when the
+buffer is deleted; otherwise a BFC pool limited to ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.75) of
+the total ``cuMemGetInfo`` reports, allocated whole at start unless
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (then grown by regions as needed). A buffer that does
+not fit raises an error that says ``RESOURCE_EXHAUSTED``, as XLA's does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import standin
+from standin import Arena, Block, round_up
+
+from . import numpy  # noqa: F401 - ``import jax.numpy as jnp`` and ``jax.numpy``
+
+
+class XlaRuntimeError(RuntimeError):
+    pass
+
+
+class _Allocator:
+    def __init__(self) -> None:
+        standin.init()
+        self.platform = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default") == "platform"
+        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+        self.limit = int(standin.mem_get_info()[1] * fraction)
+        self.arena = Arena(min_split=256)
+        self.peak = self.allocs = 0
+        self._lock = threading.Lock()
+        preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true") != "false"
+        if not self.platform and preallocate and not self._region(self.limit):
+            raise XlaRuntimeError(f"RESOURCE_EXHAUSTED: could not preallocate {self.limit} "
+                                  "bytes (rehearsal stand-in)")
+
+    def _region(self, size: int) -> bool:
+        ptr = standin.mem_alloc(size)
+        if ptr is not None:
+            self.arena.add(ptr, size)
+        return ptr is not None
+
+    def malloc(self, nbytes: int) -> Block:
+        size = max(256, round_up(nbytes, 256))
+        with self._lock:
+            block = self.arena.take(size)
+            if block is None:
+                if self.platform:
+                    grown = self._region(size)
+                else:  # BFC grows by regions that double, up to its limit
+                    room = self.limit - self.arena.reserved()
+                    want = min(room, max(size, self.arena.reserved()))
+                    grown = size <= room and self._region(want)
+                block = self.arena.take(size) if grown else None
+            if block is None:
+                raise XlaRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                      f"allocate {size} bytes. (rehearsal stand-in)")
+            self.allocs += 1
+            self.peak = max(self.peak, self.arena.in_use())
+            return block
+
+    def free(self, block: Block) -> None:
+        with self._lock:
+            self.arena.give(block)
+            if self.platform:
+                self.arena.release_idle(lambda s: standin.mem_free(s.base))
+
+    def stats(self) -> dict[str, int] | None:
+        if self.platform:
+            return None  # the platform allocator keeps no statistics
+        return {"num_allocs": self.allocs, "bytes_in_use": self.arena.in_use(),
+                "peak_bytes_in_use": self.peak, "bytes_limit": self.limit, "bytes_reserved": 0,
+                "pool_bytes": self.arena.reserved(),
+                "largest_free_block_bytes": self.arena.largest_free()}
+
+
+class Device:
+    platform = "gpu"
+    id = 0
+
+    def __init__(self) -> None:
+        self.allocator = _Allocator()
+
+    def memory_stats(self) -> dict[str, int] | None:
+        return self.allocator.stats()
+
+
+_devices: list[Device] = []
+
+
+def devices() -> list[Device]:
+    if os.environ.get("JAX_PLATFORMS", "cuda") not in {"cuda", "gpu"}:
+        raise RuntimeError("the rehearsal's JAX stand-in has only the cuda platform")
+    if not _devices:
+        _devices.append(Device())
+    return list(_devices)
+
+
+class Array:
+    def __init__(self, shape: tuple[int, ...], itemsize: int) -> None:
+        count = 1
+        for n in shape:
+            count *= n
+        self.shape = shape
+        self._block: Block | None = devices()[0].allocator.malloc(count * itemsize)
+
+    def block_until_ready(self) -> Array:
+        standin.synchronize()
+        return self
+
+    def delete(self) -> None:
+        if self._block is not None:
+            devices()[0].allocator.free(self._block)
+            self._block = None
+
+    def __del__(self) -> None:
+        self.delete()
+
+
+def _array(shape: Any, itemsize: int) -> Array:
+    dims = tuple(int(n) for n in shape) if isinstance(shape, tuple | list) else (int(shape),)
+    return Array(dims, itemsize)
