@@ -21,6 +21,8 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from math import prod
+from typing import Protocol
 
 if os.environ.get("GPUCHECK_REHEARSAL") != "1":  # never fake figures by accident
     raise ImportError("tests/gpu/rehearsal is the rehearsal's stand-in, not a GPU framework "
@@ -186,6 +188,32 @@ class Arena:
             free(segment)
             self.segments.remove(segment)
         return sum(s.size for s in idle)
+
+
+class Allocator(Protocol):
+    def malloc(self, nbytes: int) -> Block: ...
+
+    def free(self, block: Block) -> None: ...
+
+
+class Buffer:
+    """An array's device memory: taken from its framework's allocator when the array is made,
+    given back when it is released or collected (as PyTorch's and CuPy's arrays are)."""
+
+    def __init__(self, allocator: Allocator, shape: tuple[int, ...], itemsize: int) -> None:
+        init()
+        self.shape = shape
+        self._allocator = allocator
+        count = prod(shape)
+        self._block: Block | None = allocator.malloc(count * itemsize) if count else None
+
+    def release(self) -> None:
+        if self._block is not None:
+            self._allocator.free(self._block)
+            self._block = None
+
+    def __del__(self) -> None:
+        self.release()
 
 
 class _Prop(ctypes.Structure):

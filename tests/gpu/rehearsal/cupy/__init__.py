@@ -75,19 +75,10 @@ def get_default_memory_pool() -> MemoryPool:
     return _pool
 
 
-class ndarray:
+class ndarray(standin.Buffer):
     def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
-        standin.init()
-        self.shape, self.dtype = shape, dtype
-        count = 1
-        for n in shape:
-            count *= n
-        self._block: Block | None = _pool.malloc(count * _BYTES[dtype]) if count else None
-
-    def __del__(self) -> None:
-        if self._block is not None:
-            _pool.free(self._block)
-            self._block = None
+        super().__init__(_pool, shape, _BYTES[dtype])
+        self.dtype = dtype
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

@@ -102,25 +102,16 @@ def devices() -> list[Device]:
     return list(_devices)
 
 
-class Array:
+class Array(standin.Buffer):
     def __init__(self, shape: tuple[int, ...], itemsize: int) -> None:
-        count = 1
-        for n in shape:
-            count *= n
-        self.shape = shape
-        self._block: Block | None = devices()[0].allocator.malloc(count * itemsize)
+        super().__init__(devices()[0].allocator, shape, itemsize)
 
     def block_until_ready(self) -> Array:
         standin.synchronize()
         return self
 
     def delete(self) -> None:
-        if self._block is not None:
-            devices()[0].allocator.free(self._block)
-            self._block = None
-
-    def __del__(self) -> None:
-        self.delete()
+        self.release()
 
 
 def _array(shape: Any, itemsize: int) -> Array:

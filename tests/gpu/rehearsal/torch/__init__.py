@@ -124,19 +124,10 @@ def _launch() -> None:
     check(cu.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, _stream(), None, None), "cuLaunchKernel")
 
 
-class Tensor:
+class Tensor(standin.Buffer):
     def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
-        standin.init()
-        self.shape, self.dtype = shape, dtype
-        count = 1
-        for n in shape:
-            count *= n
-        self._block: Block | None = _allocator.malloc(count * _BYTES[dtype]) if count else None
-
-    def __del__(self) -> None:
-        if self._block is not None:  # back to the cache, as PyTorch's tensors go
-            _allocator.free(self._block)
-            self._block = None
+        super().__init__(_allocator, shape, _BYTES[dtype])
+        self.dtype = dtype
 
     def add_(self, _value: Any) -> Tensor:
         if getattr(_state, "capturing", False):
