@@ -11,6 +11,9 @@
 # runs in its own child process with a timeout bounded by one deadline, so a hang costs that
 # check only. Exit status: 0 when no check failed or
 # errored (on a machine without a GPU every check skips and the status is 0), else 1.
+# The checks run the bar first (tests/gpu/conftest.py ORDER), so a budget too short
+# for all of them cuts the other rows; the summary then ends with the GPUCHECK_TESTS=...
+# command that runs only what was not reached, for a second call.
 #
 # Knobs: GPUCHECK_TESTS (default tests/gpu: the test files or node ids to run, e.g.
 # "tests/gpu/test_compute.py" to run only the SM-limit rows; rows not run then show ERROR),

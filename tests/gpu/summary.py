@@ -122,6 +122,25 @@ def build_rows(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def rerun(rows: list[dict[str, Any]]) -> str | None:
+    """The command that runs what this run did not reach (its time budget cut it, or the run
+    was cut short from outside), for a second call on the same GPU; None when it reached all."""
+    cut = [r for r in rows if r["status"] == "ERROR"
+           and (r["value"] == "not run (see the log)" or "budget" in r["value"])]
+    here = Path(__file__).resolve().parent
+    sources = {path.name: path.read_text() for path in sorted(here.glob("test_*.py"))}
+    tests: dict[str, None] = {}
+    for row in cut:
+        name = row["test"].split("[")[0]  # every parameter of it: one node id, no brackets
+        found = next((f for f, text in sources.items() if f"def {name}(" in text), None)
+        if found is not None:
+            tests[f"tests/gpu/{found}::{name}"] = None
+    if not tests:
+        return None
+    return (f"{len(cut)} rows not reached; to run only them: "
+            f'GPUCHECK_TESTS="{" ".join(tests)}" bash scripts/gpu-check.sh')
+
+
 def versions(lines: list[dict[str, Any]]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for name in PACKAGES:
@@ -165,6 +184,9 @@ def render(rows: list[dict[str, Any]], found: dict[str, Any]) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in
               ("PASS", "FAIL", "ERROR", "SKIP", "INFO")}
     out.append("result: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    again = rerun(rows)
+    if again:
+        out.append(again)
     return "\n".join(out)
 
 

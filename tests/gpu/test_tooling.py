@@ -43,6 +43,21 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
     assert _row(rows, "race")["status"] == "SKIP"
     assert _row(rows, "sm_10")["status"] == "ERROR"
     assert _row(rows, "alloc_free")["value"] == "not run (see the log)"
+    # what the run did not reach, as one command: cut by the budget or never begun
+    again = summary.rerun(rows)
+    assert again is not None and again.endswith('" bash scripts/gpu-check.sh')
+    ids = again.split('GPUCHECK_TESTS="')[1].split('"')[0].split()
+    names = [i.split("::")[1] for i in ids]
+    assert "tests/gpu/test_compute.py::test_sm_limit_caps_matmul_throughput" in ids  # budget
+    assert "tests/gpu/test_overhead.py::test_alloc_free_pair_with_library_within_2us" in ids
+    assert "test_second_process_cannot_exceed_shared_cap" not in names  # ran, and failed
+    assert "test_racing_processes_stay_under_shared_cap" not in names  # skipped: no GPU
+    assert "test_outside_usage_never_exceeds_cap" not in names  # measured
+    assert len(ids) == len(set(ids)) and all((HERE.parents[1] / i.split("::")[0]).is_file()
+                                             for i in ids)
+    everything = [{"kind": "check", "check": row[0], "value": "v", "ok": True}
+                  for row in summary.ROWS]
+    assert summary.rerun(summary.build_rows(everything)) is None
 
 
 def test_every_check_a_gpu_test_records_has_a_row() -> None:
@@ -53,6 +68,17 @@ def test_every_check_a_gpu_test_records_has_a_row() -> None:
     rows = {row[0] for row in summary.ROWS}
     assert recorded - rows == set()
     assert recorded >= {"legacy_entry_points", "outside_usage", "alloc_free"}
+
+
+def test_every_entry_of_the_run_order_names_a_gpu_test() -> None:
+    # a renamed test would silently lose its place and run last, where the budget cuts first
+    from gpu.conftest import ORDER
+
+    for entry in ORDER:
+        file, _, test = entry.partition("::")
+        source = HERE / file
+        assert source.is_file(), entry
+        assert not test or f"def {test}(" in source.read_text(), entry
 
 
 @pytest.mark.parametrize(("lines", "status"), [

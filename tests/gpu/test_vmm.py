@@ -1,6 +1,6 @@
 """Real GPU, VMM: PyTorch's expandable segments map 20 MiB pages made with cuMemCreate, so the
-cap must follow cuMemCreate/cuMemMap/cuMemUnmap/cuMemRelease.  Runs last (after the cost rows):
-it is the newest row, and the others matter more if the time budget runs short."""
+cap must follow cuMemCreate/cuMemMap/cuMemUnmap/cuMemRelease.  Runs after the bar's rows
+(conftest.ORDER): the others matter more if the time budget runs short."""
 
 from __future__ import annotations
 
