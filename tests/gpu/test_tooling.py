@@ -110,3 +110,37 @@ def test_workload_command_line_needs_no_framework() -> None:
                           check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "chunk sizes in MiB" in done.stdout
+
+
+IMAGE_ONLY = """
+import importlib.abc, sys
+# what the checks may import besides the standard library: pytest (and what it imports) and
+# nvidia-ml-py, which the GPU machine's image has; not the webhook's packages
+# (kubernetes-asyncio and pydantic are not on that image)
+allowed = {"pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "pygments",
+           "pynvml", "gpu", "webhook"}
+class Image(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        top = name.split(".")[0]
+        if top in sys.stdlib_module_names or top in allowed or top.startswith("_"):
+            return None
+        raise ImportError(f"{name}: not a package the GPU checks may import")
+sys.meta_path.insert(0, Image())
+import pathlib
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.py")):
+    __import__("gpu." + path.stem)
+print("imported", len(list(pathlib.Path(sys.argv[1]).glob("*.py"))))
+"""
+
+
+def test_gpu_checks_import_only_what_the_gpu_machine_has() -> None:
+    # the H200's image has PyTorch, CuPy, JAX, pytest and nvidia-ml-py, and nothing can be
+    # installed there: a module of the checks that imported a package of the webhook's (say
+    # through webhook.node) would cost every row at the one run a session gets
+    root = HERE.parents[1]
+    done = subprocess.run([sys.executable, "-c", IMAGE_ONLY, str(HERE)], capture_output=True,
+                          text=True, check=False, cwd=root, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{root}:{root / 'tests'}"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("imported ")
+
