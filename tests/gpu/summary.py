@@ -125,19 +125,20 @@ def build_rows(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def rerun(rows: list[dict[str, Any]]) -> str | None:
     """The command that runs what this run did not reach (its time budget cut it, or the run
     was cut short from outside), for a second call on the same GPU; None when it reached all."""
-    cut = [r for r in rows if r["status"] == "ERROR"
-           and (r["value"] == "not run (see the log)" or "budget" in r["value"])]
+    cut = [r for r in rows if r["status"] == "ERROR" and (
+        r["value"] == "not run (see the log)" or "budget" in r["value"]
+        or "timed out" in r["value"])]  # a child the deadline cut short
     here = Path(__file__).resolve().parent
     sources = {path.name: path.read_text() for path in sorted(here.glob("test_*.py"))}
     tests: dict[str, None] = {}
     for row in cut:
-        name = row["test"].split("[")[0]  # every parameter of it: one node id, no brackets
+        name = row["test"].split("[")[0]
         found = next((f for f, text in sources.items() if f"def {name}(" in text), None)
-        if found is not None:
-            tests[f"tests/gpu/{found}::{name}"] = None
+        if found is not None:  # with its parameter: "[10]" matches no file, the shell keeps it
+            tests[f"tests/gpu/{found}::{row['test']}"] = None
     if not tests:
         return None
-    return (f"{len(cut)} rows not reached; to run only them: "
+    return (f"{len(cut)} rows not run or cut short; to run only them: "
             f'GPUCHECK_TESTS="{" ".join(tests)}" bash scripts/gpu-check.sh')
 
 

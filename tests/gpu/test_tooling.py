@@ -34,6 +34,8 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
          "outcome": "skipped", "message": "needs a real GPU: NVML unavailable"},
         {"kind": "test", "nodeid": base + "test_sm_limit_caps_matmul_throughput[10]",
          "outcome": "skipped", "message": "time budget used up: not run"},
+        {"kind": "test", "nodeid": base + "test_sm_limit_time_mode_for_comparison",
+         "outcome": "failed", "message": "ChildError: matmul 5 timed out after 9s: | x"},
     ]
     rows = summary.build_rows(lines)
     assert _row(rows, "outside_usage")["status"] == "PASS"
@@ -48,13 +50,21 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
     assert again is not None and again.endswith('" bash scripts/gpu-check.sh')
     ids = again.split('GPUCHECK_TESTS="')[1].split('"')[0].split()
     names = [i.split("::")[1] for i in ids]
-    assert "tests/gpu/test_compute.py::test_sm_limit_caps_matmul_throughput" in ids  # budget
+    # the budget's skip, with its parameter (not every one); a child the deadline cut short
+    assert "tests/gpu/test_compute.py::test_sm_limit_caps_matmul_throughput[10]" in ids
+    assert "tests/gpu/test_compute.py::test_sm_limit_caps_matmul_throughput" not in ids
+    assert "tests/gpu/test_compute.py::test_sm_limit_time_mode_for_comparison" in ids
     assert "tests/gpu/test_overhead.py::test_alloc_free_pair_with_library_within_2us" in ids
     assert "test_second_process_cannot_exceed_shared_cap" not in names  # ran, and failed
     assert "test_racing_processes_stay_under_shared_cap" not in names  # skipped: no GPU
     assert "test_outside_usage_never_exceeds_cap" not in names  # measured
     assert len(ids) == len(set(ids)) and all((HERE.parents[1] / i.split("::")[0]).is_file()
                                              for i in ids)
+    collected = subprocess.run(  # pytest takes them as they are printed, parameters and all
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         *ids[:3], ids[-1]], cwd=HERE.parents[1], capture_output=True, text=True, check=False,
+        timeout=60)
+    assert collected.returncode == 0, collected.stdout + collected.stderr
     everything = [{"kind": "check", "check": row[0], "value": "v", "ok": True}
                   for row in summary.ROWS]
     assert summary.rerun(summary.build_rows(everything)) is None
@@ -129,6 +139,8 @@ sys.meta_path.insert(0, Image())
 import pathlib
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.py")):
     __import__("gpu." + path.stem)
+# and what they import when they run (nvmlwatch's and test_processes's imports in functions)
+import webhook.node.compute, webhook.node.inventory, webhook.node.region
 print("imported", len(list(pathlib.Path(sys.argv[1]).glob("*.py"))))
 """
 

@@ -1,5 +1,8 @@
 """Real GPU, the cap as the outside world sees it: NVML in a process without the library,
-watching every capped run of the session (fills to OOM, nvidia-smi holder, two processes)."""
+watching every capped run of the session before it (conftest.ORDER: the fills of PyTorch, CuPy
+and JAX to OOM, the views' nvidia-smi holder, the processes' runs); the rows that run after it
+(JAX's default pool, graph memory, a green context, expandable segments) check their own
+outside figure against the cap."""
 
 from __future__ import annotations
 

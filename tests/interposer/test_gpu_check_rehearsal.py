@@ -92,7 +92,7 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
     assert (out / "gpu-check.log").stat().st_size > 0
     # the summary names what the run did not reach, as the command that runs only that: here
     # the other run's files, and every one of them
-    again = re.search(r'rows not reached; to run only them: GPUCHECK_TESTS="([^"]+)" bash', log)
+    again = re.search(r'rows not run or cut short; to run only them: GPUCHECK_TESTS="([^"]+)" bash', log)
     assert again is not None, log[-2000:]
     assert {i.split("::")[0] for i in again.group(1).split()} == (
         {"tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py"} if tests == TESTS else set(TESTS))

@@ -25,26 +25,43 @@ out = {}
 
 TORCH = PRELUDE + """
 import torch
+MiB = 1 << 20
+def empty(mib):
+    return torch.empty(mib * MiB, dtype=torch.uint8, device="cuda")
+def now():
+    return [used(), torch.cuda.memory_reserved() >> 20]
 out["start"] = used()
-token = torch.zeros(1, device="cuda")  # 512 B of a 2 MiB small segment
-a = torch.empty(12 << 20, dtype=torch.uint8, device="cuda")  # its own segment
-b = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")  # a 20 MiB segment
-c = torch.empty(6 << 20, dtype=torch.uint8, device="cuda")  # the same segment
-out["three"] = [used(), torch.cuda.memory_reserved() >> 20]
-del a, b, c
-out["freed"] = [used(), torch.cuda.memory_reserved() >> 20]  # kept for the next
+token = torch.zeros(1, device="cuda")  # 512 B of a 2 MiB small segment (or page)
+a, b, c, d = empty(12), empty(3), empty(6), empty(24)
+out["four"] = now()
+del a, b, c, d
+out["freed"] = now()  # kept for the next
 torch.cuda.empty_cache()
-out["emptied"] = [used(), torch.cuda.memory_reserved() >> 20]
+out["emptied"] = now()
+cached = [empty(100) for _ in range(8)]
+del cached
+out["cached"] = now()
+f = empty(500)  # from the cache, or once the cache is emptied
+out["after_cached"] = now()
+del f
+torch.cuda.empty_cache()
+g, h = empty(400), empty(400)
+del g  # cached: 500 fits only once it is given back (an expandable range's hole)
+out["before_retry"] = now()
+i = empty(500)
+out["retried"] = now()
+del h, i
+torch.cuda.empty_cache()
 chunks, oom = [], None
 try:
     while True:
-        chunks.append(torch.empty(100 << 20, dtype=torch.uint8, device="cuda"))
+        chunks.append(empty(100))
 except torch.cuda.OutOfMemoryError as exc:
     oom = str(exc)
-out["full"] = [len(chunks), used(), torch.cuda.memory_reserved() >> 20, oom[:40]]
+out["full"] = [len(chunks), *now(), oom[:40]]
 chunks.clear()
 torch.cuda.empty_cache()
-out["after"] = [used(), torch.cuda.memory_reserved() >> 20]
+out["after"] = now()
 print(json.dumps(out))
 """
 
@@ -57,13 +74,19 @@ def run(lab: Lab, script: str, **env: str) -> dict[str, list[int] | int]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_torch_caching_allocator_segments_and_oom(lab: Lab) -> None:
+def test_torch_caching_allocator_segments_retry_and_oom(lab: Lab) -> None:
     got = run(lab, TORCH)
     start = got["start"]
-    # 2 (small) + 12 + 20: the segments PyTorch would ask the driver for, charged as such
-    assert got["three"] == [start + 34, 34]
-    assert got["freed"] == [start + 34, 34]  # freed tensors stay in the cache
+    # 2 (small) + 12 + 20 (3 and 6 share it) + 24: the segments PyTorch asks the driver for
+    assert got["four"] == [start + 58, 58]
+    assert got["freed"] == [start + 58, 58]  # freed tensors stay in the cache
     assert got["emptied"] == [start + 2, 2]  # the token's small segment is still in use
+    assert got["cached"] == [start + 802, 802]
+    # eight 100 MiB segments cannot hold 500: refused under the cap, the cache is emptied and
+    # the segment asked for again
+    assert got["after_cached"] == [start + 502, 502]
+    assert got["before_retry"] == [start + 802, 802]
+    assert got["retried"] == [start + 902, 902]  # the freed 400 MiB segment went first
     count, full, reserved, message = got["full"]
     assert count == (1024 - start - 2) // 100 and full <= 1024  # the cap, less the context
     assert reserved == full - start  # all the driver holds for it is its segments
@@ -72,53 +95,83 @@ def test_torch_caching_allocator_segments_and_oom(lab: Lab) -> None:
     assert lab.used() == 0  # the process has exited: its region entry went with it
 
 
-def test_torch_expandable_segments_map_pages(lab: Lab) -> None:
+def test_torch_expandable_segments_map_pages_and_leave_holes(lab: Lab) -> None:
     got = run(lab, TORCH, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     start = got["start"]
-    # a 2 MiB small page; the large range maps one 20 MiB page for the 12 MiB and 3 MiB
-    # tensors and a second for the 6 MiB one (12 + 3 + 6 > 20)
-    assert got["three"] == [start + 42, 42]
-    assert got["freed"] == [start + 42, 42]
-    assert got["emptied"] == [start + 2, 2]  # the free pages at the end unmapped and released
-    count, full, _, message = got["full"]
+    # a 2 MiB small page; 20 MiB pages mapped only as far as the free end lacks: 12 and 3 in
+    # the first, 6 needs one more, 24 one more again (60, not the 80 of mapping each request)
+    assert got["four"] == [start + 62, 62]
+    assert got["freed"] == [start + 62, 62]
+    assert got["emptied"] == [start + 2, 2]  # every free page unmapped and released
+    assert got["cached"] == [start + 802, 802]
+    assert got["after_cached"] == [start + 802, 802]  # 500 carved from the 800 mapped and free
+    assert got["before_retry"] == [start + 802, 802]
+    # 500 more fit neither the freed 400 nor the rest of the range (1.125x the 1 GiB device):
+    # a second range is reserved, its pages refused under the cap (released, never mapped);
+    # emptying the cache unmaps the freed 400, a hole, and the 500 are mapped in the second
+    assert got["retried"] == [start + 902, 902]
+    count, full, reserved, message = got["full"]
     assert count == (1024 - start - 2) // 100 and full <= 1024
+    assert reserved == full - start
     assert message.startswith("CUDA out of memory")
     assert got["after"] == [start + 2, 2]
 
 
-def test_cupy_pool_keeps_blocks_until_freed_and_raises_its_oom(lab: Lab) -> None:
+def test_cupy_pool_retries_after_freeing_blocks_and_collecting(lab: Lab) -> None:
     got = run(lab, PRELUDE + """
-import cupy
+import cupy, gc
+gc.disable()  # only the pool's own collection may free the cycle below
+MiB = 1 << 20
 pool = cupy.get_default_memory_pool()
+def now():
+    return [used(), pool.total_bytes() >> 20]
 out["start"] = used()
-a = cupy.empty(3 << 20, dtype=cupy.uint8)
+a = cupy.empty(3 * MiB, dtype=cupy.uint8)
 del a
-b = cupy.empty(1 << 20, dtype=cupy.uint8)  # carved from the cached 3 MiB block
-out["reuse"] = [used(), pool.total_bytes() >> 20]
+b = cupy.empty(MiB, dtype=cupy.uint8)  # carved from the cached 3 MiB block
+out["reuse"] = now()
+cached = [cupy.empty(100 * MiB, dtype=cupy.uint8) for _ in range(8)]
+del cached
+c = cupy.empty(500 * MiB, dtype=cupy.uint8)  # only once the idle blocks are freed
+out["freed_then"] = now()
+del c
+pool.free_all_blocks()
+class Cycle:
+    pass
+cycle = Cycle()
+cycle.me, cycle.array = cycle, cupy.empty(700 * MiB, dtype=cupy.uint8)
+del cycle  # garbage only a collection frees
+d = cupy.empty(500 * MiB, dtype=cupy.uint8)
+out["collected_then"] = now()
+del d
+pool.free_all_blocks()
 chunks, oom = [], None
 try:
     while True:
-        chunks.append(cupy.empty(100 << 20, dtype=cupy.uint8))
+        chunks.append(cupy.empty(100 * MiB, dtype=cupy.uint8))
 except cupy.cuda.memory.OutOfMemoryError as exc:
     oom = str(exc)
 out["full"] = [len(chunks), used(), oom[:30]]
 chunks.clear()
 del b
 pool.free_all_blocks()
-out["after"] = [used(), pool.total_bytes()]
+out["after"] = now()
 print(json.dumps(out))
 """)
     start = got["start"]
     assert got["reuse"] == [start + 4, 3]  # 3 MiB charged as 4 (2 MiB rounding), held once
+    assert got["freed_then"] == [start + 504, 503]  # the eight idle 100 MiB blocks went
+    assert got["collected_then"] == [start + 504, 503]  # the cycle's 700 MiB collected, freed
     count, full, message = got["full"]
     assert count == (1024 - start - 4) // 100 and full <= 1024
     assert message.startswith("Out of memory allocating")
     assert got["after"] == [start, 0]
 
 
-@pytest.mark.parametrize("allocator", ["bfc", "platform"])
-def test_jax_pool_preallocates_three_quarters_of_the_slice(lab: Lab, allocator: str) -> None:
-    env = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"} if allocator == "platform" else {}
+@pytest.mark.parametrize("allocator", ["bfc", "growth", "platform"])
+def test_jax_allocators_take_what_xla_takes(lab: Lab, allocator: str) -> None:
+    env = {"bfc": {}, "growth": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+           "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}}[allocator]
     got = run(lab, PRELUDE + """
 import jax, jax.numpy as jnp
 out["start"] = used()
@@ -137,14 +190,17 @@ print(json.dumps(out))
 """, **env)
     start = got["start"]
     assert got["error"].startswith("RESOURCE_EXHAUSTED")
+    stats = got["stats"]
     if allocator == "bfc":  # 768 MiB of the 1 GiB slice, taken at start, kept
         assert got["ready"] == got["held"] == got["deleted"] == start + 768
-        stats = got["stats"]
         assert stats["bytes_limit"] == 768 * MIB and stats["pool_bytes"] == 768 * MIB
         assert stats["bytes_in_use"] == 300 * MIB
+    elif allocator == "growth":  # regions from 2 MiB, doubled until 300 fit: 512, kept
+        assert (got["ready"], got["held"], got["deleted"]) == (start, start + 512, start + 512)
+        assert stats["bytes_limit"] == 768 * MIB and stats["pool_bytes"] == 512 * MIB
     else:  # a driver allocation per buffer, freed with it
         assert (got["ready"], got["held"], got["deleted"]) == (start, start + 300, start)
-        assert got["stats"] is None
+        assert stats is None
 
 
 def test_standins_refuse_to_load_outside_the_rehearsal(lab: Lab) -> None:

@@ -110,10 +110,14 @@ def round_up(n: int, unit: int) -> int:
 
 @dataclass(eq=False)
 class Block:
+    """Part of a segment: allocated or free; in an expandable segment, mapped or not (an
+    unmapped block is free and spans whole pages)."""
+
     segment: Segment
     offset: int
     size: int
     free: bool = True
+    mapped: bool = True
 
     @property
     def ptr(self) -> int:
@@ -122,64 +126,86 @@ class Block:
 
 @dataclass(eq=False)
 class Segment:
-    """Device memory an allocator holds from the driver, cut into blocks in address order."""
+    """Device memory an allocator holds from the driver (or, expandable, an address range it
+    maps pages into), cut into blocks in address order."""
 
     base: int
     size: int
+    expandable: bool = False
     blocks: list[Block] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.blocks:
-            self.blocks.append(Block(self, 0, self.size))
+            self.blocks.append(Block(self, 0, self.size, mapped=not self.expandable))
 
     def idle(self) -> bool:
-        return len(self.blocks) == 1 and self.blocks[0].free
+        """Nothing allocated in it, so it can go back to the driver whole (not expandable)."""
+        return not self.expandable and len(self.blocks) == 1 and self.blocks[0].free
+
+    def merge(self, block: Block) -> Block:
+        """``block`` joined with its free neighbours of the same mapping state; the result."""
+        i = self.blocks.index(block)
+        for j in (i + 1, i - 1):
+            if 0 <= j < len(self.blocks):
+                other = self.blocks[j]
+                if other.free and block.free and other.mapped == block.mapped:
+                    first, second = (block, other) if j > i else (other, block)
+                    first.size += second.size
+                    self.blocks.remove(second)
+                    block = first
+        return block
+
+    def split(self, block: Block, size: int, **rest: bool) -> Block:
+        """Cut ``block`` after ``size`` bytes; the second part (``rest`` sets its flags)."""
+        second = Block(self, block.offset + size, block.size - size, block.free, block.mapped)
+        for flag, value in rest.items():
+            setattr(second, flag, value)
+        block.size = size
+        self.blocks.insert(self.blocks.index(block) + 1, second)
+        return second
 
 
 class Arena:
-    """Best-fit blocks carved from segments, split when the rest is at least ``min_split``,
-    merged with free neighbours when freed: the part every framework's allocator shares."""
+    """Best-fit free mapped blocks carved from segments, split when ``split(block size,
+    request)`` says so (default: when at least ``min_split`` would be left), merged with free
+    neighbours when freed: the part every framework's allocator shares."""
 
-    def __init__(self, min_split: int) -> None:
-        self.min_split = min_split
+    def __init__(self, min_split: int, split: Callable[[int, int], bool] | None = None) -> None:
+        self.should_split = split or (lambda size, want: size - want >= min_split)
         self.segments: list[Segment] = []
 
-    def add(self, base: int, size: int) -> Segment:
-        segment = Segment(base, size)
+    def add(self, base: int, size: int, expandable: bool = False) -> Segment:
+        segment = Segment(base, size, expandable)
         self.segments.append(segment)
         return segment
 
     def take(self, size: int) -> Block | None:
-        fits = [b for s in self.segments for b in s.blocks if b.free and b.size >= size]
+        fits = [b for s in self.segments for b in s.blocks
+                if b.free and b.mapped and b.size >= size]
         if not fits:
             return None
-        block = min(fits, key=lambda b: (b.size, b.segment.base + b.offset))
-        rest = block.size - size
-        if rest >= self.min_split:
-            blocks = block.segment.blocks
-            blocks.insert(blocks.index(block) + 1,
-                          Block(block.segment, block.offset + size, rest))
-            block.size = size
+        block = min(fits, key=lambda b: (b.size, b.ptr))
+        if self.should_split(block.size, size):
+            block.segment.split(block, size)
         block.free = False
         return block
 
     def give(self, block: Block) -> None:
         block.free = True
-        blocks = block.segment.blocks
-        i = blocks.index(block)
-        if i + 1 < len(blocks) and blocks[i + 1].free:
-            block.size += blocks.pop(i + 1).size
-        if i > 0 and blocks[i - 1].free:
-            blocks[i - 1].size += blocks.pop(i).size
+        block.segment.merge(block)
+
+    def _blocks(self) -> list[Block]:
+        return [b for s in self.segments for b in s.blocks if b.mapped]
 
     def reserved(self) -> int:
-        return sum(s.size for s in self.segments)
+        """Bytes held from the driver: every mapped block, allocated or free."""
+        return sum(b.size for b in self._blocks())
 
     def in_use(self) -> int:
-        return sum(b.size for s in self.segments for b in s.blocks if not b.free)
+        return sum(b.size for b in self._blocks() if not b.free)
 
     def largest_free(self) -> int:
-        return max((b.size for s in self.segments for b in s.blocks if b.free), default=0)
+        return max((b.size for b in self._blocks() if b.free), default=0)
 
     def release_idle(self, free: Callable[[Segment], None]) -> int:
         """Give every segment with nothing allocated back to the driver; the bytes released."""
@@ -201,11 +227,13 @@ class Buffer:
     given back when it is released or collected (as PyTorch's and CuPy's arrays are)."""
 
     def __init__(self, allocator: Allocator, shape: tuple[int, ...], itemsize: int) -> None:
+        self._block: Block | None = None  # set first: a refused malloc leaves nothing to free
         init()
         self.shape = shape
         self._allocator = allocator
         count = prod(shape)
-        self._block: Block | None = allocator.malloc(count * itemsize) if count else None
+        if count:
+            self._block = allocator.malloc(count * itemsize)
 
     def release(self) -> None:
         if self._block is not None:
@@ -237,92 +265,107 @@ _PINNED, _LOCATION_DEVICE, _READ_WRITE = 1, 1, 3
 
 
 class ExpandableSegment:
-    """One reserved address range that grows by mapping ``page``-sized ``cuMemCreate``
-    allocations at its end and shrinks by unmapping free pages there (PyTorch's expandable
-    segments: a handle per page, mapped and given access one by one)."""
+    """PyTorch's expandable segment: one reserved address range (``span``) whose ``page``-sized
+    pieces are backed by ``cuMemCreate`` allocations as blocks need them and given back, whole
+    pages inside free blocks, when the cache is emptied, leaving holes that later requests can
+    map again. Mapping creates every page's handle first (a refused one releases those made, never
+    mapped), then maps them one by one and gives access to the whole range in one call."""
 
     def __init__(self, arena: Arena, page: int, span: int) -> None:
         init()
-        self.arena, self.page = arena, page
-        self.span = round_up(span, page)
+        self.page = page
+        span = round_up(span, page)
         base = ctypes.c_uint64()
-        check(cu.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(self.span),
+        check(cu.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(span),
                                      ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_ulonglong(0)),
               "cuMemAddressReserve")
-        self.base = base.value
-        self.handles: list[int] = []
-        self.segment: Segment | None = None
+        self.handles: list[int | None] = [None] * (span // page)
+        self.segment = arena.add(base.value, span, expandable=True)
 
     def mapped(self) -> int:
-        return len(self.handles) * self.page
+        return sum(h is not None for h in self.handles) * self.page
 
-    def grow(self, need: int) -> bool:
-        """Map pages so that the free block at the end holds ``need`` bytes; False (nothing
-        kept of this attempt) when the driver or the cap refuses a page."""
-        tail = self._tail()
-        pages = -(-(need - (tail.size if tail else 0)) // self.page)
-        if self.mapped() + pages * self.page > self.span:
-            return False
+    def candidate(self, size: int) -> Block | None:
+        """Where PyTorch would put ``size`` bytes it has to map: the first unmapped block that,
+        with the free block before it and the free ones after, spans ``size``; None when the
+        range has no such run left (PyTorch then reserves another range)."""
+        blocks = self.segment.blocks
+        for i, block in enumerate(blocks):
+            if block.mapped:
+                continue
+            first = i - 1 if i > 0 and blocks[i - 1].free else i
+            run, j = 0, first
+            while j < len(blocks) and blocks[j].free and run < size:
+                run, j = run + blocks[j].size, j + 1
+            if run >= size:
+                return blocks[first]
+        return None
+
+    def grow(self, candidate: Block, size: int) -> bool:
+        """Map pages from ``candidate`` on, only as far as its free blocks lack, so that one free
+        mapped block holds ``size`` bytes; False (nothing kept of this call's pages) when the
+        driver or the cap refuses a page."""
+        blocks = self.segment.blocks
+        mapped: Block | None = candidate
+        if not candidate.mapped:
+            mapped = self._map(candidate, min(candidate.size, size))
+        while mapped is not None and mapped.size < size:
+            following = blocks[blocks.index(mapped) + 1]
+            mapped = self._map(following, min(following.size, size - mapped.size))
+        return mapped is not None
+
+    def release(self) -> int:
+        """Unmap the whole pages inside free blocks (PyTorch's empty_cache); the bytes."""
+        released = 0
+        for block in [b for b in self.segment.blocks if b.free and b.mapped]:
+            first = round_up(block.offset, self.page)
+            last = (block.offset + block.size) // self.page * self.page
+            if last <= first:
+                continue
+            for page in range(first // self.page, last // self.page):
+                handle = self.handles[page]
+                self.handles[page] = None
+                va = self.segment.base + page * self.page
+                check(cu.cuMemUnmap(ctypes.c_uint64(va), ctypes.c_size_t(self.page)), "cuMemUnmap")
+                check(cu.cuMemRelease(ctypes.c_uint64(handle)), "cuMemRelease")
+            hole = block
+            if first > block.offset:
+                hole = self.segment.split(block, first - block.offset)
+            if hole.offset + hole.size > last:
+                self.segment.split(hole, last - hole.offset)
+            hole.mapped = False
+            self.segment.merge(hole)
+            released += last - first
+        return released
+
+    def _map(self, block: Block, nbytes: int) -> Block | None:
+        """Back the first ``nbytes`` of the unmapped ``block`` (whole pages); the free mapped
+        block that contains them after merging, or None when a page is refused."""
+        first = block.offset // self.page
+        count = -(-nbytes // self.page)
         made: list[int] = []
-        for _ in range(pages):
-            handle = self._map_page(self.base + self.mapped() + len(made) * self.page)
-            if handle is None:
-                for i in reversed(range(len(made))):
-                    self._unmap_page(self.base + self.mapped() + i * self.page, made[i])
-                return False
-            made.append(handle)
-        added = pages * self.page
-        if self.segment is None:
-            self.segment = self.arena.add(self.base, added)
-        elif tail is not None:
-            tail.size += added
-            self.segment.size += added
-        else:
-            self.segment.blocks.append(Block(self.segment, self.segment.size, added))
-            self.segment.size += added
-        self.handles.extend(made)
-        return True
-
-    def shrink(self) -> int:
-        """Unmap the whole free pages at the end; the bytes given back."""
-        tail = self._tail()
-        if tail is None or self.segment is None:
-            return 0
-        pages = tail.size // self.page
-        for _ in range(pages):
-            handle = self.handles.pop()
-            self._unmap_page(self.base + self.mapped(), handle)
-        cut = pages * self.page
-        tail.size -= cut
-        self.segment.size -= cut
-        if tail.size == 0:
-            self.segment.blocks.remove(tail)
-        if not self.segment.blocks:
-            self.arena.segments.remove(self.segment)
-            self.segment = None
-        return cut
-
-    def _tail(self) -> Block | None:
-        if self.segment is None:
-            return None
-        last = self.segment.blocks[-1]
-        return last if last.free else None
-
-    def _map_page(self, va: int) -> int | None:
-        prop = _Prop(type=_PINNED, location_type=_LOCATION_DEVICE, location_id=0)
-        handle = ctypes.c_uint64()
-        rc = cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.page), ctypes.byref(prop),
-                            ctypes.c_ulonglong(0))
-        if rc == OUT_OF_MEMORY:
-            return None
-        check(rc, "cuMemCreate")
-        check(cu.cuMemMap(ctypes.c_uint64(va), ctypes.c_size_t(self.page), ctypes.c_size_t(0),
-                          handle, ctypes.c_ulonglong(0)), "cuMemMap")
+        for _ in range(count):
+            prop = _Prop(type=_PINNED, location_type=_LOCATION_DEVICE, location_id=0)
+            handle = ctypes.c_uint64()
+            rc = cu.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.page),
+                                ctypes.byref(prop), ctypes.c_ulonglong(0))
+            if rc != 0:
+                for h in made:
+                    check(cu.cuMemRelease(ctypes.c_uint64(h)), "cuMemRelease")
+                if rc == OUT_OF_MEMORY:
+                    return None
+                check(rc, "cuMemCreate")
+            made.append(handle.value)
+        va = self.segment.base + first * self.page
+        for i, handle in enumerate(made):
+            check(cu.cuMemMap(ctypes.c_uint64(va + i * self.page), ctypes.c_size_t(self.page),
+                              ctypes.c_size_t(0), ctypes.c_uint64(handle), ctypes.c_ulonglong(0)),
+                  "cuMemMap")
+            self.handles[first + i] = handle
         access = _AccessDesc(location_type=_LOCATION_DEVICE, location_id=0, flags=_READ_WRITE)
-        check(cu.cuMemSetAccess(ctypes.c_uint64(va), ctypes.c_size_t(self.page),
+        check(cu.cuMemSetAccess(ctypes.c_uint64(va), ctypes.c_size_t(count * self.page),
                                 ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
-        return handle.value
-
-    def _unmap_page(self, va: int, handle: int) -> None:
-        check(cu.cuMemUnmap(ctypes.c_uint64(va), ctypes.c_size_t(self.page)), "cuMemUnmap")
-        check(cu.cuMemRelease(ctypes.c_uint64(handle)), "cuMemRelease")
+        if count * self.page < block.size:
+            self.segment.split(block, count * self.page)
+        block.mapped = True
+        return self.segment.merge(block)

@@ -5,11 +5,12 @@ over the CUDA driver API through ctypes (``standin.py``), for rehearsing
 Arrays come from a pool shaped like CuPy's default memory pool: requests rounded to 512 bytes,
 served best-fit from the blocks it keeps (split when they are bigger), else by one
 ``cuMemAlloc`` of the rounded size; a refused allocation frees every idle block and is tried
-once more before ``cupy.cuda.memory.OutOfMemoryError``.
+again, then once more after a garbage collection, before ``cupy.cuda.memory.OutOfMemoryError``.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -28,13 +29,17 @@ class OutOfMemoryError(MemoryError):
 class MemoryPool:
     def __init__(self) -> None:
         self._arena = Arena(min_split=512)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # an array collected inside malloc frees under it
 
     def malloc(self, nbytes: int) -> Block:
         size = max(512, round_up(nbytes, 512))
         with self._lock:
             block = self._arena.take(size) or self._grow(size)
             if block is None:
+                self._free_all()
+                block = self._grow(size)
+            if block is None:  # arrays only garbage collection would free, then once more
+                gc.collect()
                 self._free_all()
                 block = self._grow(size)
             if block is None:

@@ -6,8 +6,9 @@ Buffers come from the allocator XLA's GPU client picks from the environment:
 ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` makes one ``cuMemAlloc`` per buffer, freed when the
 buffer is deleted; otherwise a BFC pool limited to ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.75) of
 the total ``cuMemGetInfo`` reports, allocated whole at start unless
-``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (then grown by regions as needed). A buffer that does
-not fit raises an error that says ``RESOURCE_EXHAUSTED``, as XLA's does.
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (then grown by regions from 2 MiB, each twice the last),
+a region the driver refuses asked again 10 % smaller. A buffer that does not fit raises an error
+that says ``RESOURCE_EXHAUSTED``, as XLA's does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 from typing import Any
 
 import standin
-from standin import Arena, Block, round_up
+from standin import MIB, Arena, Block, round_up
 
 from . import numpy  # noqa: F401 - ``import jax.numpy as jnp`` and ``jax.numpy``
 
@@ -27,16 +28,21 @@ class XlaRuntimeError(RuntimeError):
 
 
 class _Allocator:
+    MIN_REGION = 2 * MIB
+    MAX_WASTE = 128 * MIB  # BFC splits a block when the rest is this much, or the block 2x
+
     def __init__(self) -> None:
         standin.init()
         self.platform = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default") == "platform"
         fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
         self.limit = int(standin.mem_get_info()[1] * fraction)
-        self.arena = Arena(min_split=256)
+        self.arena = Arena(min_split=256, split=lambda size, want: (
+            size >= 2 * want or size - want >= self.MAX_WASTE))
         self.peak = self.allocs = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # an array collected inside malloc frees under it
         preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true") != "false"
-        if not self.platform and preallocate and not self._region(self.limit):
+        self.region = self.limit if preallocate else self.MIN_REGION  # the next region's size
+        if not self.platform and preallocate and not self._extend(256):
             raise XlaRuntimeError(f"RESOURCE_EXHAUSTED: could not preallocate {self.limit} "
                                   "bytes (rehearsal stand-in)")
 
@@ -46,18 +52,29 @@ class _Allocator:
             self.arena.add(ptr, size)
         return ptr is not None
 
+    def _extend(self, need: int) -> bool:
+        """BFC's growth: a region of the next size (doubled until it holds ``need``, within the
+        limit), 10 % smaller each time the driver refuses it, down to ``need``; the next region
+        is twice as big."""
+        grew = False
+        while self.region < need:
+            self.region *= 2
+            grew = True
+        size = min(self.region, self.limit - self.arena.reserved())
+        while size >= need:
+            if self._region(size):
+                if not grew:
+                    self.region *= 2
+                return True
+            size = round_up(int(size * 0.9), 256)
+        return False
+
     def malloc(self, nbytes: int) -> Block:
         size = max(256, round_up(nbytes, 256))
         with self._lock:
             block = self.arena.take(size)
-            if block is None:
-                if self.platform:
-                    grown = self._region(size)
-                else:  # BFC grows by regions that double, up to its limit
-                    room = self.limit - self.arena.reserved()
-                    want = min(room, max(size, self.arena.reserved()))
-                    grown = size <= room and self._region(want)
-                block = self.arena.take(size) if grown else None
+            if block is None and (self._region(size) if self.platform else self._extend(size)):
+                block = self.arena.take(size)
             if block is None:
                 raise XlaRuntimeError(f"RESOURCE_EXHAUSTED: Out of memory while trying to "
                                       f"allocate {size} bytes. (rehearsal stand-in)")

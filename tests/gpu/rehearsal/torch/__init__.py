@@ -9,7 +9,8 @@ segments, larger ones from a segment of their own rounded to 2 MiB; a freed tens
 kept for the next until ``empty_cache``; a request the driver refuses empties the cache and is
 tried once more before ``torch.cuda.OutOfMemoryError``. With
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` each pool is one reserved range that maps
-``cuMemCreate`` pages (20 MiB; 2 MiB for small tensors) as it grows.
+``cuMemCreate`` pages (20 MiB; 2 MiB for small tensors) as it grows and unmaps the whole free
+pages inside free blocks when the cache is emptied.
 
 ``torch.mm`` launches one kernel on the current stream (the fake driver runs each for
 ``FAKE_CUDA_KERNEL_US``), through the driver's exports, which the preloaded library hooks as
@@ -45,8 +46,8 @@ class _Allocator:
         self.expandable = "expandable_segments:True" in conf.split(",")
         # a large block is split only when more than 1 MiB would be left
         self.small, self.large = Arena(min_split=512), Arena(min_split=MIB + 1)
-        self._ranges: dict[int, ExpandableSegment] = {}
-        self._lock = threading.Lock()
+        self._ranges: dict[int, list[ExpandableSegment]] = {}  # per pool, in address order
+        self._lock = threading.RLock()  # a tensor collected inside malloc frees under it
 
     def malloc(self, nbytes: int) -> Block:
         size = max(512, round_up(nbytes, 512))
@@ -71,8 +72,7 @@ class _Allocator:
 
     def _grow(self, arena: Arena, size: int) -> Block | None:
         if self.expandable:
-            grown = self._range(arena).grow(size)
-            return arena.take(size) if grown else None
+            return arena.take(size) if self._map_for(arena, size) else None
         if arena is self.small:
             segment = self.SMALL_SEGMENT
         elif size < self.MIN_LARGE_ALLOC:
@@ -85,17 +85,25 @@ class _Allocator:
         arena.add(ptr, segment)
         return arena.take(size)
 
-    def _range(self, arena: Arena) -> ExpandableSegment:
-        if id(arena) not in self._ranges:
-            page = self.SMALL_SEGMENT if arena is self.small else self.LARGE_SEGMENT
-            span = round_up(standin.device_total() * 9 // 8, page)  # PyTorch reserves 1.125x
-            self._ranges[id(arena)] = ExpandableSegment(arena, page, span)
-        return self._ranges[id(arena)]
+    def _map_for(self, arena: Arena, size: int) -> bool:
+        """Map pages of the pool's ranges for ``size`` bytes: in the first range with room for
+        them, or in a new range (each is 1.125x the device's total) when none has."""
+        ranges = self._ranges.setdefault(id(arena), [])
+        for expandable in ranges:
+            candidate = expandable.candidate(size)
+            if candidate is not None:
+                return expandable.grow(candidate, size)
+        page = self.SMALL_SEGMENT if arena is self.small else self.LARGE_SEGMENT
+        span = max(round_up(standin.device_total() * 9 // 8, page), round_up(size, page))
+        ranges.append(ExpandableSegment(arena, page, span))
+        candidate = ranges[-1].candidate(size)
+        return candidate is not None and ranges[-1].grow(candidate, size)
 
     def _empty_cache(self) -> None:
         if self.expandable:
-            for expandable in self._ranges.values():
-                expandable.shrink()
+            for ranges in self._ranges.values():
+                for expandable in ranges:
+                    expandable.release()
             return
         for arena in (self.small, self.large):
             arena.release_idle(lambda s: standin.mem_free(s.base))
