@@ -19,7 +19,7 @@ from gpu.fills import Fills
 from gpu.nvmlwatch import Nvml
 
 # The order the checks run in, so that a run cut short by its time budget (285 s, for checks
-# estimated from the last H200 runs' timings at about 330 s) loses the least: the issue's bar first
+# estimated from the last H200 runs' timings at 280-330 s) loses the least: the issue's bar first
 # (memory, views, processes, the outside usage summed over every capped run before it, the
 # launch and alloc+free costs, the SM limits, the tiny-op cost), then the other rows, the
 # newest last (PyTorch expandable segments, a busy co-tenant). A test takes the rank of the
