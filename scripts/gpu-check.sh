@@ -13,7 +13,8 @@
 # errored (on a machine without a GPU every check skips and the status is 0), else 1.
 # The checks run the bar first (tests/gpu/conftest.py ORDER), so a budget too short
 # for all of them cuts the other rows; the summary then ends with the GPUCHECK_TESTS=...
-# command that runs only what was not reached, for a second call.
+# command that runs only what was not reached, for a second call. It also says where the time
+# went (every test's seconds, set-up included, in the JSON; the slowest in the log).
 #
 # Knobs: GPUCHECK_TESTS (default tests/gpu: the test files or node ids to run, e.g.
 # "tests/gpu/test_compute.py" to run only the SM-limit rows; rows not run then show ERROR),

@@ -31,6 +31,7 @@ ORDER = ("test_memory.py::test_largest_allocation_within_context_footprint_of_ca
          "test_compute.py::test_torch_tiny_ops_with_library_unlimited_within_5_percent",
          "test_memory.py", "test_compute.py", "test_vmm.py", "test_cotenant.py")
 _state = {"recording": False}
+_setup_s: dict[str, float] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,14 +55,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if not _state["recording"] or "tests/gpu/" not in report.nodeid.replace("\\", "/"):
         return
+    if report.when == "setup":
+        _setup_s[report.nodeid] = report.duration
     if report.when != "call" and report.outcome == "passed":
         return
+    seconds = report.duration + (_setup_s.pop(report.nodeid, 0.0) if report.when == "call" else 0)
     if report.skipped and isinstance(report.longrepr, tuple):
         message = str(report.longrepr[2]).removeprefix("Skipped: ")
     else:
         crash = getattr(report.longrepr, "reprcrash", None)
         message = crash.message if crash is not None else str(report.longrepr or "")
-    harness.record_test(report.nodeid, report.outcome, message.strip()[:400])
+    harness.record_test(report.nodeid, report.outcome, message.strip()[:400], seconds)
 
 
 @pytest.fixture(scope="session")

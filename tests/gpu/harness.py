@@ -250,9 +250,14 @@ def record(check: str, value: str, ok: bool | None, **data: Any) -> None:
              "time": time.time()})
 
 
-def record_test(nodeid: str, outcome: str, message: str) -> None:
-    """Append a test's outcome (the reason a check without a row failed or was skipped)."""
-    _append({"kind": "test", "nodeid": nodeid, "outcome": outcome, "message": message})
+def record_test(nodeid: str, outcome: str, message: str, seconds: float | None = None) -> None:
+    """Append a test's outcome (the reason a check without a row failed or was skipped) and
+    how long it took, set-up included (the session's shared runs fall to their first user)."""
+    line: dict[str, Any] = {"kind": "test", "nodeid": nodeid, "outcome": outcome,
+                            "message": message}
+    if seconds is not None:
+        line["seconds"] = round(seconds, 2)
+    _append(line)
 
 
 def record_env(name: str, data: dict[str, Any]) -> None:

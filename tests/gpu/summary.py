@@ -142,6 +142,17 @@ def rerun(rows: list[dict[str, Any]]) -> str | None:
             f'GPUCHECK_TESTS="{" ".join(tests)}" bash scripts/gpu-check.sh')
 
 
+def timing(lines: list[dict[str, Any]], slowest: int = 6) -> str | None:
+    """Where the time went: the tests' seconds (set-up included) and the slowest of them, to
+    size the next run's budget and order; None when no test recorded its time."""
+    timed = [t for t in lines if t.get("kind") == "test" and "seconds" in t]
+    if not timed:
+        return None
+    top = sorted(timed, key=lambda t: -t["seconds"])[:slowest]
+    names = ", ".join(f"{t['nodeid'].split('::')[-1]} {t['seconds']:.0f} s" for t in top)
+    return f"time: {sum(t['seconds'] for t in timed):.0f} s in {len(timed)} tests; slowest: {names}"
+
+
 def versions(lines: list[dict[str, Any]]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for name in PACKAGES:
@@ -161,7 +172,7 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "~"
 
 
-def render(rows: list[dict[str, Any]], found: dict[str, Any]) -> str:
+def render(rows: list[dict[str, Any]], found: dict[str, Any], took: str | None = None) -> str:
     widths = (5, 46, 64, 20, 18)
     head = ("", "check (issue 3 row)", "gpuslice, measured", "target", "HAMi-core (issue)")
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
@@ -185,6 +196,8 @@ def render(rows: list[dict[str, Any]], found: dict[str, Any]) -> str:
     counts = {s: sum(r["status"] == s for r in rows) for s in
               ("PASS", "FAIL", "ERROR", "SKIP", "INFO")}
     out.append("result: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    if took:
+        out.append(took)
     again = rerun(rows)
     if again:
         out.append(again)
@@ -199,7 +212,7 @@ def main() -> int:
     lines = load(args.results)
     rows = build_rows(lines)
     found = versions(lines)
-    print(render(rows, found))
+    print(render(rows, found, timing(lines)))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "versions": found, "records": lines},

@@ -35,7 +35,10 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
         {"kind": "test", "nodeid": base + "test_sm_limit_caps_matmul_throughput[10]",
          "outcome": "skipped", "message": "time budget used up: not run"},
         {"kind": "test", "nodeid": base + "test_sm_limit_time_mode_for_comparison",
-         "outcome": "failed", "message": "ChildError: matmul 5 timed out after 9s: | x"},
+         "outcome": "failed", "message": "ChildError: matmul 5 timed out after 9s: | x",
+         "seconds": 9.4},
+        {"kind": "test", "nodeid": base + "test_outside_usage_never_exceeds_cap",
+         "outcome": "passed", "message": "", "seconds": 21.0},
     ]
     rows = summary.build_rows(lines)
     assert _row(rows, "outside_usage")["status"] == "PASS"
@@ -65,6 +68,12 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
          *ids[:3], ids[-1]], cwd=HERE.parents[1], capture_output=True, text=True, check=False,
         timeout=60)
     assert collected.returncode == 0, collected.stdout + collected.stderr
+    # where the time went, for the next run's budget: the tests' seconds, the slowest first
+    took = summary.timing(lines)
+    assert took == ("time: 30 s in 2 tests; slowest: test_outside_usage_never_exceeds_cap 21 s, "
+                    "test_sm_limit_time_mode_for_comparison 9 s")
+    assert took in summary.render(rows, {}, took)
+    assert summary.timing(lines[:3]) is None
     everything = [{"kind": "check", "check": row[0], "value": "v", "ok": True}
                   for row in summary.ROWS]
     assert summary.rerun(summary.build_rows(everything)) is None
