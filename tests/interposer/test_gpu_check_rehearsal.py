@@ -91,7 +91,8 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
         c for c, r in rows.items() if r["status"] != "ERROR"}
     assert (out / "gpu-check.log").stat().st_size > 0
     # where the time went (the tests' seconds, the slowest named), for the next run's budget
-    assert re.search(r"^time: [0-9]+ s in [0-9]+ tests; slowest: test_", log, re.M), log[-2000:]
+    took = re.search(r"^time: [0-9]+ s in [0-9]+ tests; slowest: test_", log, re.MULTILINE)
+    assert took, log[-2000:]
     # the summary names what the run did not reach, as the command that runs only that: here
     # the other run's files, and every one of them
     again = re.search(r'rows not run or cut short; to run only them: GPUCHECK_TESTS="([^"]+)" bash', log)

@@ -155,11 +155,9 @@ class Segment:
                     block = first
         return block
 
-    def split(self, block: Block, size: int, **rest: bool) -> Block:
-        """Cut ``block`` after ``size`` bytes; the second part (``rest`` sets its flags)."""
+    def split(self, block: Block, size: int) -> Block:
+        """Cut ``block`` after ``size`` bytes; the second part, with the same flags."""
         second = Block(self, block.offset + size, block.size - size, block.free, block.mapped)
-        for flag, value in rest.items():
-            setattr(second, flag, value)
         block.size = size
         self.blocks.insert(self.blocks.index(block) + 1, second)
         return second
@@ -282,9 +280,6 @@ class ExpandableSegment:
         self.handles: list[int | None] = [None] * (span // page)
         self.segment = arena.add(base.value, span, expandable=True)
 
-    def mapped(self) -> int:
-        return sum(h is not None for h in self.handles) * self.page
-
     def candidate(self, size: int) -> Block | None:
         """Where PyTorch would put ``size`` bytes it has to map: the first unmapped block that,
         with the free block before it and the free ones after, spans ``size``; None when the
@@ -303,8 +298,9 @@ class ExpandableSegment:
 
     def grow(self, candidate: Block, size: int) -> bool:
         """Map pages from ``candidate`` on, only as far as its free blocks lack, so that one free
-        mapped block holds ``size`` bytes; False (nothing kept of this call's pages) when the
-        driver or the cap refuses a page."""
+        mapped block holds ``size`` bytes; False when the driver or the cap refuses a page (that
+        step's handles are released, never mapped; an earlier step's pages stay mapped and free,
+        as PyTorch's do)."""
         blocks = self.segment.blocks
         mapped: Block | None = candidate
         if not candidate.mapped:
