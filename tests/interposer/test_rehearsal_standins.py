@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from .conftest import MIB, ROOT, Lab
+from .conftest import GIB, MIB, ROOT, Lab, charge
 
 STANDINS = ROOT / "tests" / "gpu" / "rehearsal"
 
@@ -168,9 +168,10 @@ print(json.dumps(out))
     assert got["after"] == [start, 0]
 
 
-@pytest.mark.parametrize("allocator", ["bfc", "growth", "platform"])
+@pytest.mark.parametrize("allocator", ["bfc", "backoff", "growth", "platform"])
 def test_jax_allocators_take_what_xla_takes(lab: Lab, allocator: str) -> None:
-    env = {"bfc": {}, "growth": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    env = {"bfc": {}, "backoff": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"},
+           "growth": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
            "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}}[allocator]
     got = run(lab, PRELUDE + """
 import jax, jax.numpy as jnp
@@ -195,6 +196,11 @@ print(json.dumps(out))
         assert got["ready"] == got["held"] == got["deleted"] == start + 768
         assert stats["bytes_limit"] == 768 * MIB and stats["pool_bytes"] == 768 * MIB
         assert stats["bytes_in_use"] == 300 * MIB
+    elif allocator == "backoff":  # 973 MiB do not fit beside the context: 10 % less does
+        limit = int(GIB * 0.95)
+        pool = int(limit * 0.9) // 256 * 256
+        assert stats["bytes_limit"] == limit and stats["pool_bytes"] == pool
+        assert got["ready"] == got["held"] == start + charge(pool) // MIB
     elif allocator == "growth":  # regions from 2 MiB, doubled until 300 fit: 512, kept
         assert (got["ready"], got["held"], got["deleted"]) == (start, start + 512, start + 512)
         assert stats["bytes_limit"] == 768 * MIB and stats["pool_bytes"] == 512 * MIB

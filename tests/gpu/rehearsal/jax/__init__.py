@@ -66,7 +66,7 @@ class _Allocator:
                 if not grew:
                     self.region *= 2
                 return True
-            size = round_up(int(size * 0.9), 256)
+            size = int(size * 0.9) // 256 * 256  # down: a refused 256 B ends the loop
         return False
 
     def malloc(self, nbytes: int) -> Block:
