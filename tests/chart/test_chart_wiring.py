@@ -26,7 +26,7 @@ CUSTOM = {"resourceNames": {"gpu": "example.com/vgpu", "memory": "example.com/vg
           "gpuPods": {"runtimeClassName": "nvidia", "tolerations": [
               {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
           "scheduler": {"name": "shared-gpu"}, "webhook": {"port": 9443},
-          "agent": {"hostPID": True, "offerExclusiveProcessGpus": True,
+          "agent": {"hostPID": False, "offerExclusiveProcessGpus": True,
                     "audit": {"interval": 2.5, "toleranceMiB": 64,
                               "overLimitAction": "evict", "overLimitRounds": 5,
                               "compute": {"window": 120, "tolerancePercent": 5,
@@ -179,8 +179,10 @@ def test_agent_command_line_parses_and_matches_the_mounts(values: dict[str, Any]
                **audit.get("compute", {})}
     assert (s.compute_window, s.compute_tolerance, s.compute_over_limit_action) == \
         (compute["window"], compute["tolerancePercent"], compute["overLimitAction"])
+    # on by default: drivers that list only the caller's PID namespace's processes to NVML
+    # would hide every container's from an agent in a namespace of its own
     assert ds["spec"]["template"]["spec"].get("hostPID", False) is \
-        values.get("agent", {}).get("hostPID", False)
+        values.get("agent", {}).get("hostPID", True)
     assert s.offer_exclusive_process is \
         values.get("agent", {}).get("offerExclusiveProcessGpus", False)
     assert container["ports"][0]["containerPort"] == s.metrics_port == 9400

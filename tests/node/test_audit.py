@@ -9,6 +9,9 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ from webhook.node.audit import (
     cap_from,
     parse_size,
     pod_and_container,
+    shares_pid_namespace,
     start_ticks,
     tracked_containers,
 )
@@ -493,6 +497,74 @@ async def test_pids_of_another_namespace_are_explained_once(
         assert report.unattributed[GPU0] == GIB
         warned = [r.message for r in caplog.records if r.name == "webhook.node.audit"]
         assert len(warned) == 1 and "pid 0" in warned[0] and "agent.hostPID" in warned[0]
+
+
+async def test_an_agent_in_its_own_pid_namespace_is_blind_until_nvml_lists_a_host_pid(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A driver that gives NVML callers their own namespace's pids leaves every other
+    namespace's processes out (open kernel modules: os_find_ns_pid). An agent whose PID
+    namespace is not its proc root's cannot tell an empty list from a hidden one: it warns once
+    and its checks are incomplete until NVML lists a pid, which shows the driver gives host
+    pids (no GPU process runs in the agent's namespace)."""
+    node = Node(tmp_path)
+    (node.proc / "self").symlink_to(str(os.getpid() + 100_000))  # ourselves, as the host names us
+    pod = one_gpu("p", 4096)
+    async with FakeKube() as kube:
+        kube.put(pod)
+        async with kube.api_client() as api:
+            with caplog.at_level(logging.INFO, logger="webhook.node.audit"):
+                auditor = _auditor(node, api)
+                assert auditor.blind
+                for _ in range(2):
+                    report = await auditor.check()
+                    assert not report.complete and report.holdings == ()
+                warned = [r.getMessage() for r in caplog.records
+                          if r.name == "webhook.node.audit" and r.levelno == logging.WARNING]
+                assert len(warned) == 1 and "PID namespace of its own" in warned[0] \
+                    and "agent.hostPID" in warned[0] and str(node.proc) in warned[0]
+                # the metric operators alert on says so
+                status = AgentStatus()
+                registry = make_registry(AgentCollector(node.inventory, tmp_path / "state",
+                                                        status, auditor=auditor))
+                assert samples(registry)[("gpuslice_agent_audit_complete", ())] == 0
+                node.run_in(pod, "a", 4242, {0: GIB})
+                report = await auditor.check()
+                assert not auditor.blind and report.complete
+                assert [(h.tracked.pod, h.used_bytes) for h in report.holdings] == [("p", GIB)]
+                assert samples(registry)[("gpuslice_agent_audit_complete", ())] == 1
+                # a pid of 0 is the other driver's sign: it does not end the blindness
+                (tmp_path / "other").mkdir()
+                other = Node(tmp_path / "other")
+                (other.proc / "self").symlink_to("1")
+                other.nvml.devices[0].processes[0] = GIB
+                blind = _auditor(other, api)
+                assert not (await blind.check()).complete and blind.blind
+
+
+def test_the_pid_namespace_test_reads_the_procfs_self_link(tmp_path: Path) -> None:
+    assert shares_pid_namespace("/proc") is True
+    assert shares_pid_namespace(tmp_path) is None  # not a procfs
+    (tmp_path / "self").symlink_to(str(os.getpid()))
+    assert shares_pid_namespace(tmp_path) is True
+    (tmp_path / "self").unlink()
+    (tmp_path / "self").symlink_to("garbage")
+    assert shares_pid_namespace(tmp_path) is None
+
+
+def test_a_real_child_pid_namespace_is_told_apart_from_its_host() -> None:
+    """In a new PID namespace (unshare, root) the host's procfs names us by our host pid."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1)")
+    code = ("import sys; sys.path[:0] = sys.argv[1:]; from webhook.node.audit import "
+            "shares_pid_namespace as s; import os; print(os.getpid(), s('/proc'))")
+    probe = subprocess.run([unshare, "--pid", "--fork", sys.executable, "-c", code,
+                            str(Path(__file__).resolve().parents[2])],
+                           check=False, capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0 and "Operation not permitted" in probe.stderr:
+        pytest.skip("unshare --pid needs privileges here")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["1", "False"]  # pid 1 of its own, not the host procfs's
 
 
 async def test_graphics_and_compute_lists_are_one_process(tmp_path: Path) -> None:

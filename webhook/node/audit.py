@@ -87,6 +87,16 @@ _CONTAINER_DIR = re.compile(r"^(?:[a-z][a-z0-9-]*-)?([0-9a-f]{64})(?:\.scope)?$"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def shares_pid_namespace(proc_root: str | Path) -> bool | None:
+    """Whether this process is in the PID namespace of the procfs at ``proc_root``: its ``self``
+    link names the reader by its pid in that procfs's namespace, which is the pid we know only
+    where the namespaces are one. None where ``proc_root`` has no such link (not a procfs)."""
+    try:
+        return int(os.readlink(Path(proc_root) / "self")) == os.getpid()
+    except (OSError, ValueError):
+        return None
+
+
 def boot_ticks() -> int:
     """Now, in the clock ticks since boot that ``/proc/<pid>/stat`` gives start times in."""
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _TICKS)
@@ -312,7 +322,8 @@ class AuditReport:
     unattributed: Mapping[str, int] = field(default_factory=dict)
     complete: bool = False
     """Every GPU's process list was read, every process placed or found not ours, and NVML gave
-    a figure for every process of a gpuslice container."""
+    a figure for every process of a gpuslice container; and the lists can hold every process
+    (not :attr:`Auditor.blind`)."""
     compute_unattributed: Mapping[str, float] = field(default_factory=dict)
     """Per GPU: the share of its time over the compute window of processes of no gpuslice
     container (other pods, the host, processes gone before they were placed)."""
@@ -373,6 +384,19 @@ class Auditor:
         """("memory" or "compute", container ID, GPU UUID) -> its episode over the limit."""
         self.last = AuditReport()
         self._warned_pid0 = False
+        self.blind = shares_pid_namespace(proc_root) is False
+        """In a PID namespace of its own and NVML has listed no process yet: drivers that give
+        NVML callers their own namespace's pids (the open kernel modules' ``os_find_ns_pid``)
+        leave every process of another namespace out of the lists, so the checks may see none
+        of the containers' processes. The first pid NVML lists shows it gives host pids (no
+        GPU process runs in the agent's namespace) and ends this."""
+        if self.blind:
+            logger.warning(
+                "the agent runs in a PID namespace of its own, not the one of %s: drivers "
+                "that give NVML callers the process IDs of their own PID namespace list none "
+                "of the containers' GPU processes to it, so the outside checks may see nothing "
+                "(they count as incomplete until NVML lists a process); run the agent with "
+                "hostPID (chart value agent.hostPID: true, the default)", proc_root)
         self.errors = 0
         self.evictions = 0
         self.episodes = 0
@@ -475,7 +499,12 @@ class Auditor:
         wanted = {c: pod for pod, c in places.values()}
         wanted.update({c: pod for pod, c, _ in shares})
         complete = await self._refresh(wanted)
-        complete = complete and not reused and all(g.processes is not None for g in gpus)
+        if self.blind and any(pid for g in gpus for pid in (g.processes or {})):
+            self.blind = False
+            logger.info("NVML lists GPU processes by host pids: the outside checks see the "
+                        "containers' processes from the agent's PID namespace")
+        complete = complete and not reused and all(g.processes is not None for g in gpus) \
+            and not self.blind
         held: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
         unattributed: dict[str, int] = {}
         for g in gpus:
