@@ -67,6 +67,13 @@ static int g_sampler_far; /* the sampler sleeps the long interval: nudge it once
 
 /* ---- NVML's process list and our host pid --------------------------------- */
 
+/* NVML_VALUE_NOT_AVAILABLE: no per-process figure (e.g. under WDDM) */
+#define GS_NO_VALUE 0xffffffffffffffffull
+
+/* A process in the compute list holds a context, and so memory: a figure of 0 is none.  Drivers
+ * whose list gives pids in the caller's namespace (os_find_ns_pid) while the memory is looked up
+ * by the host pid listed a container's processes with 0 bytes (R560): taken as a figure, a
+ * context measured as nothing was charged nothing. */
 int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap)
 {
     nvmlDevice_t h = gs_dev_nvml(dev);
@@ -75,11 +82,11 @@ int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap)
     if (!h || !gs_nvml.nvmlDeviceGetComputeRunningProcesses_v3 ||
         gs_nvml.nvmlDeviceGetComputeRunningProcesses_v3(h, &count, out) != NVML_SUCCESS)
         return -1;
+    if (count > cap) count = cap;
+    for (unsigned i = 0; i < count; i++)
+        if (!out[i].usedGpuMemory) out[i].usedGpuMemory = GS_NO_VALUE;
     return (int)count;
 }
-
-/* NVML_VALUE_NOT_AVAILABLE: no per-process figure (e.g. under WDDM) */
-#define GS_NO_VALUE 0xffffffffffffffffull
 
 static uint64_t used_by(const nvmlProcessInfo_t *procs, int n, unsigned pid)
 {
@@ -98,14 +105,16 @@ static void learn_pid(unsigned pid)
 static void start_sampler(void);
 
 /* ---- learning the host pid from an allocation ------------------------------
- * Inside a container's pid namespace getpid() is not NVML's pid.  It is learnt at the first
- * context when exactly one process appears in NVML's list with it; when several appear at
- * once (processes of the container, or another tenant, starting together) it is learnt from
- * the process's own allocations instead (cuMemAlloc, cuMemCreate, and stream-ordered ones that
- * grow their pool): while gs_pid_unknown, an allocation that takes at least GS_PROBE_MIN bytes
- * reads NVML's list before and after the driver call, and a pid that alone grew by about that
- * much is a candidate; the same candidate from two allocations is ours.  At most
- * GS_PROBE_TRIES allocations pay for the two readings. */
+ * NVML's pid is getpid() where the driver gives callers the pids of their own namespace (the
+ * open kernel modules, os_find_ns_pid; they leave out processes the caller cannot see) or the
+ * process runs in the host's.  Else, inside a container's pid namespace, it is the host pid,
+ * learnt at the first context when exactly one process appears in NVML's list with it; when
+ * several appear at once (processes of the container, or another tenant, starting together)
+ * it is learnt from the process's own allocations instead (cuMemAlloc, cuMemCreate, and
+ * stream-ordered ones that grow their pool): while gs_pid_unknown, an allocation that takes at
+ * least GS_PROBE_MIN bytes reads NVML's list before and after the driver call, and a pid that
+ * alone grew by about that much is a candidate; the same candidate from two allocations is
+ * ours.  At most GS_PROBE_TRIES allocations pay for the two readings. */
 #define GS_PROBE_MIN (2ull << 20)
 #define GS_PROBE_PAD (4ull << 20) /* page rounding and the driver's bookkeeping */
 #define GS_PROBE_TRIES 32

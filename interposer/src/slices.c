@@ -288,7 +288,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
         team->n = 0;
     }
     unsigned pid = gs_host_pid(dev);
-    if (!pid) pid = (unsigned)getpid(); /* not learnt (yet): right in the driver's pid namespace */
+    if (!pid) pid = (unsigned)getpid(); /* not learnt (yet): right where NVML gives our namespace's pids */
     gs_region_note_host_pid(pid);
     unsigned n = GS_SLICE_SAMPLES;
     nvmlReturn_t rc = gs_nvml.nvmlDeviceGetProcessUtilization(h, buf, &n, st->last_seen);

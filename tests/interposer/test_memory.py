@@ -725,6 +725,26 @@ def test_memory_the_context_takes_later_is_charged_before_the_next_allocation(la
     assert outside.values("nvml")[1] == 0  # and all of it returned at exit
 
 
+@pytest.mark.parametrize("pid_offset", ["0", "100000"], ids=["same-pid-namespace", "container"])
+def test_a_driver_that_lists_the_process_without_its_memory_still_has_the_context_charged(
+        lab, pid_offset):
+    # a driver that gives NVML's process list in the caller's pid namespace but looks the
+    # memory up by the host pid lists a container's process with 0 bytes (R560): a listed
+    # process holds a context, so 0 is no figure and the device's growth is measured instead.
+    # Taken as a figure, the context was charged nothing: 100 MiB past the cap from outside
+    res = lab.run("init", "ctx", "0", "meminfo", "alloc", "950m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_NVML_PROC_MEM="0", FAKE_NVML_PID_OFFSET=pid_offset)
+    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
+    assert res.rc("alloc") == OOM
+    assert res.values("phys")[0] == 100 * MIB
+    # and a context made later than the first is not measured as nothing either
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_NVML_PROC_MEM="0", FAKE_NVML_PID_OFFSET=pid_offset)
+    assert res.values("meminfo") == [GIB - 200 * MIB, GIB]
+
+
 def started_beside_another(lab, *cmds: str, **env: str):
     """Run ``init ctx 0 cmds`` in a container's pid namespace while another tenant's process
     makes its context during ours: two pids appear with our context, so ours is not learnt

@@ -9,6 +9,7 @@
 
 #include <dlfcn.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
 
 #include "cuda_abi.h"
@@ -152,7 +153,9 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
 }
 
 /* Processes holding memory on a device, as the driver sees them (pids shifted by
- * FAKE_NVML_PID_OFFSET to play a container's pid namespace). */
+ * FAKE_NVML_PID_OFFSET to play a container's pid namespace).  FAKE_NVML_PROC_MEM=0 lists each
+ * with 0 bytes: a driver that gives the list's pids in the caller's namespace but looks their
+ * memory up by the host's (R560 in a container listed `mem: 0`). */
 static unsigned long process_queries;
 
 /* Test-only: how many process-list queries this process made. */
@@ -169,7 +172,8 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (i < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     struct fake_phys *m = fake_phys_map();
-    const char *off = getenv("FAKE_NVML_PID_OFFSET");
+    const char *off = getenv("FAKE_NVML_PID_OFFSET"), *mem = getenv("FAKE_NVML_PROC_MEM");
+    int zero_mem = mem && !strcmp(mem, "0");
     unsigned n = 0;
     for (int p = 0; m && p < FAKE_MAX_PROCS; p++) {
         int32_t pid = m->procs[p].pid;
@@ -177,7 +181,7 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
         if (pid <= 0 || !used || kill(pid, 0) != 0) continue;
         if (infos && n < *count) {
             infos[n].pid = (unsigned)pid + (unsigned)(off ? atoi(off) : 0);
-            infos[n].usedGpuMemory = used;
+            infos[n].usedGpuMemory = zero_mem ? 0 : used;
             infos[n].gpuInstanceId = infos[n].computeInstanceId = 0xffffffffu;
         }
         n++;
