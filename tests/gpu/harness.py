@@ -177,9 +177,12 @@ class Server:
     """A ``gpubench serve`` child driven line by line (one process of a container)."""
 
     def __init__(self, gpubench: Path, env: dict[str, str], poller: Poller | None = None,
-                 timeout: float = 20) -> None:
-        self.proc = subprocess.Popen([str(gpubench), "serve"], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 timeout: float = 20, prefix: tuple[str, ...] = ()) -> None:
+        """``prefix``: a command that runs gpubench (``unshare --pid --fork``, say): then
+        ``proc`` is that command's process, and gpubench's pid is in the ``ready`` line."""
+        self.proc = subprocess.Popen([*prefix, str(gpubench), "serve"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         if poller is not None:
@@ -188,6 +191,8 @@ class Server:
         if not ready.startswith("ready"):
             self.kill()
             raise ChildError(f"gpubench serve did not start: {ready}")
+        self.pid = int(ready.split()[1])
+        """gpubench's pid as it knows it (in its own PID namespace, under ``prefix``)."""
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

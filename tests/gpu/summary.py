@@ -56,6 +56,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "-", "test_the_agents_outside_check_sees_each_process"),
     ("ipc_import", "4 CUDA IPC: 2 GiB shared by 2 processes", "once: region, NVML", "-",
      "test_memory_shared_through_cuda_ipc_is_charged_once"),
+    ("pid_namespace", "4 a process in a PID namespace: NVML's pids", "informational", "-",
+     "test_a_process_in_a_pid_namespace_of_its_own"),
     ("sm_50", "5 bf16 matmul at SM limit 50%", "45-55%", "~100% (no limit)",
      "test_sm_limit_caps_matmul_throughput[50]"),
     ("sm_30", "5 bf16 matmul at SM limit 30%", "25-35%", "~100% (no limit)",

@@ -36,7 +36,8 @@ REHEARSAL = ROOT / "tests" / "gpu" / "rehearsal"
 STANDINS = {"PYTHONPATH": str(REHEARSAL), "GPUCHECK_REHEARSAL": "1"}
 """The stand-in frameworks on the children's path, and the switch that lets them load."""
 TESTS = ["tests/gpu/test_memory.py", "tests/gpu/test_views.py", "tests/gpu/test_processes.py",
-         "tests/gpu/test_usage.py", "tests/gpu/test_overhead.py", "tests/gpu/test_vmm.py"]
+         "tests/gpu/test_usage.py", "tests/gpu/test_overhead.py", "tests/gpu/test_vmm.py",
+         "tests/gpu/test_pidns.py"]
 """Every test but the compute rows'."""
 FUNCTIONAL = {"outside_usage", "oom_torch", "graph_memory", "legacy_entry_points", "green_ctx",
               "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
@@ -111,7 +112,15 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
     for check, says in (("launch_cost", "x call"), ("alloc_free", " us plain)")):
         assert rows[check]["status"] in {"PASS", "FAIL"}, rows[check]  # measured, not judged
         assert says in rows[check]["value"], rows[check]
-    assert set(rows) - FUNCTIONAL - {"launch_cost", "alloc_free"} == COMPUTE
+    assert set(rows) - FUNCTIONAL - {"launch_cost", "alloc_free", "pid_namespace"} == COMPUTE
+    # the fake lists every process by the pid it knows itself by, to every caller: in a PID
+    # namespace (root here) that is its namespace's, which the library matched too
+    assert rows["pid_namespace"]["status"] == "INFO", rows["pid_namespace"]
+    assert rows["pid_namespace"]["value"].startswith(
+        ("inside: list by namespace pid (1,324 MiB); ", "not measured: unshare --pid refused")), \
+        rows["pid_namespace"]
+    assert rows["pid_namespace"]["value"].endswith(("library matched its namespace pid", ")")), \
+        rows["pid_namespace"]
     for check in COMPUTE:  # not asked for in this run
         assert rows[check]["status"] == "ERROR", rows[check]
         assert rows[check]["value"] == "not run (see the log)"

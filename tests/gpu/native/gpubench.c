@@ -11,7 +11,9 @@
  *   gpubench serve                        stdin lines: alloc BYTES | free IDX | info | quit |
  *                                         ipcget IDX (prints "ipc HEX", the CUDA IPC handle of
  *                                         allocation IDX) | ipcopen HEX (maps another process's
- *                                         allocation: "ok IDX"; free IDX closes it)
+ *                                         allocation: "ok IDX"; free IDX closes it) |
+ *                                         spin MS (empty kernels launched back to back for MS
+ *                                         ms: "ok LAUNCHES"; work for NVML's samples)
  *   gpubench launch LAUNCHES REPS BATCH   empty-kernel launch cost (CPU call cost and saturated)
  *   gpubench allocfree BYTES PAIRS REPS   cuMemAlloc + cuMemFree pair cost
  *   gpubench legacy MIB                   CUDA 2.x's cuMemAlloc / cuMemFree / cuMemGetInfo (32-bit,
@@ -225,6 +227,33 @@ static int parse_ipc(const char *hex, CUipcMemHandle *handle)
     return 1;
 }
 
+/* Empty kernels in batches of 1,000, each batch waited for, until `ns` have passed. */
+static CUresult spin(double ns, unsigned long long *launches)
+{
+    static CUfunction fn;
+    CUresult err = 0;
+    if (!fn) {
+        CUmodule mod;
+        err = 1;
+        for (size_t i = 0; err != 0 && i < sizeof(EMPTY_PTXS) / sizeof(EMPTY_PTXS[0]); i++)
+            err = CALL(cuModuleLoadData)(&mod, EMPTY_PTXS[i]);
+        if (err == 0)
+            err = CALL(cuModuleGetFunction)(&fn, mod, "gpubench_empty");
+        if (err != 0)
+            return err;
+    }
+    for (double t0 = now_ns(); now_ns() - t0 < ns;) {
+        for (int i = 0; i < 1000 && err == 0; i++)
+            err = CALL(cuLaunchKernel)(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        if (err == 0)
+            err = CALL(cuCtxSynchronize)();
+        if (err != 0)
+            return err;
+        *launches += 1000;
+    }
+    return 0;
+}
+
 static int cmd_serve(void)
 {
     static CUdeviceptr held[MAX_HELD];
@@ -279,6 +308,13 @@ static int cmd_serve(void)
             } else {
                 printf("err %d %s\n", err, error_name(err));
             }
+        } else if (sscanf(line, "spin %llu", &arg) == 1) {
+            unsigned long long launches = 0;
+            CUresult err = spin((double)arg * 1e6, &launches);
+            if (err == 0)
+                printf("ok %llu\n", launches);
+            else
+                printf("err %d %s\n", err, error_name(err));
         } else if (strncmp(line, "info", 4) == 0) {
             CUresult err = CALL(cuMemGetInfo_v2)(&free_bytes, &total_bytes);
             if (err == 0)
