@@ -486,7 +486,8 @@ async def test_api_outage_and_nvml_failure_leave_the_check_incomplete_not_broken
 
 async def test_pids_of_another_namespace_are_explained_once(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A driver that translates pids into the agent's own namespace lists others' as 0."""
+    """A process NVML lists as pid 0 (one the driver could not name in the agent's namespace)
+    cannot be placed: said once, with what to set."""
     node = Node(tmp_path)
     node.nvml.devices[0].processes[0] = GIB
     async with FakeKube() as kube, kube.api_client() as api:
