@@ -8,7 +8,9 @@ and leave out every process it cannot see; R560 in a container also listed such 
 process list (the reconcile: memory no hook sees) and in the samples (the time-slice
 correction) by one pid, and the agent places processes by host pid. This row records what the
 driver under test does: the process list and the samples as seen from inside the namespace
-(``nsenter``) and from outside, and the pid the library matched. It needs root for
+(``nsenter``) and from outside, the pid the library matched, and whether another process
+busy outside the namespace at the same time (another container's) shows in the list and the
+samples read inside: the time-slice correction needs co-tenants' samples. It needs root for
 ``unshare --pid``; the row says so where it cannot run."""
 
 from __future__ import annotations
@@ -74,6 +76,13 @@ def _kind(pids: object, ns_pid: int, pid: int | None) -> str:
     return "not listed"
 
 
+def _names(pids: object, pid: int) -> str:
+    """Whether a list read inside the namespace names ``pid`` (a process outside it)."""
+    if not isinstance(pids, dict | list):
+        return str(pids)  # the query's error
+    return "yes" if str(pid) in {str(p) for p in pids} else "no"
+
+
 def _outside(nvml: Nvml) -> tuple[dict[str, int | None], list[int]]:
     import pynvml
     listed = {str(p.pid): p.usedGpuMemory
@@ -101,10 +110,17 @@ def test_a_process_in_a_pid_namespace_of_its_own(nvml: Nvml, gpubench: Path, lib
     env = harness.capped_env(region, sm=90)
     steps: dict[str, Any] = {}
     server = Server(gpubench, env, prefix=(unshare, "--pid", "--fork", "--kill-child"))
+    tenant: Server | None = None
     try:
         pid = _child_of(server.proc.pid)
+        # another container's process, busy at the same time outside the namespace: whether
+        # the namespace sees it is whether the time-slice correction can see co-tenants
+        tenant = Server(gpubench, harness.plain_env())
         steps["alloc 1 GiB"] = server.alloc(GIB)
-        steps["spin 1.5 s"] = server.ask("spin 1500", timeout=30)
+        for busy in (server, tenant):
+            busy.send("spin 1500")
+        steps["spin 1.5 s"] = server.receive(30)
+        steps["co-tenant spin 1.5 s"] = tenant.receive(30)
         time.sleep(0.6)  # a sampler tick after the last samples
         inside = subprocess.run(
             [nsenter, "--target", str(pid), "--pid", "--", sys.executable, "-c", INSIDE],
@@ -114,6 +130,8 @@ def test_a_process_in_a_pid_namespace_of_its_own(nvml: Nvml, gpubench: Path, lib
         steps["info"] = server.ask("info")
     finally:
         server.kill()
+        if tenant is not None:
+            tenant.kill()
     from webhook.node.region import read_region
     got = read_region(region)
     slot = next((p for p in got.processes if p.pid == server.pid), None)
@@ -123,7 +141,7 @@ def test_a_process_in_a_pid_namespace_of_its_own(nvml: Nvml, gpubench: Path, lib
         seen.get("listed"), dict) else None
     outer_mem = listed.get(str(pid)) if pid else None
     matched = slot.host_pid if slot else 0
-    data = {"ns_pid": server.pid, "pid": pid, "inside": seen,
+    data = {"ns_pid": server.pid, "pid": pid, "co_tenant_pid": tenant.pid, "inside": seen,
             "inside_error": inside.stderr[-400:] if inside and inside.returncode else "",
             "outside": {"listed": listed, "sampled": sampled}, "library_pid": matched,
             "region_used": got.devices[0].used_bytes, "steps": steps}
@@ -135,8 +153,12 @@ def test_a_process_in_a_pid_namespace_of_its_own(nvml: Nvml, gpubench: Path, lib
              + ("" if outer_mem is None else f" ({outer_mem / MIB:,.0f} MiB)"),
              f"samples by {_kind(sampled, server.pid, pid)}",
              f"library matched {'its namespace pid' if matched == server.pid else matched or 'none'}"]
+    cotenant = {what: _names(seen.get(what, "not read"), tenant.pid) for what in ("listed", "sampled")}
+    parts.append(f"co-tenant seen inside: list {cotenant['listed']}, samples {cotenant['sampled']}")
     if inner_samples == "outer pid" and matched == server.pid:
         parts.append("time-slice correction unmatched")
+    if cotenant["sampled"] == "no" and tenant.pid in sampled:
+        parts.append("time-slice correction blind to co-tenants")
     # informational, unless the process in the namespace held more than the cap
     over = outer_mem is not None and outer_mem > CAP_MIB * MIB
     record("pid_namespace", "; ".join(parts), False if over else None, **data)
