@@ -156,7 +156,8 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
         return 0;
     }
     uint64_t bound, others, measured = gs_ctx_growth(dev, c->procs, c->nprocs, c->first, &bound, &others);
-    if (measured == NO_READING) {
+    int from_device = measured == NO_READING;
+    if (from_device) {
         /* the device's growth: other tenants' allocations meanwhile count too, less what
          * processes that cannot be ours hold */
         uint64_t after = nvml_used(dev);
@@ -176,10 +177,17 @@ static uint64_t charge_end(CUdevice dev, struct ctx_charge *c, CUresult rc)
         measured = mine > c->mine ? measured - (mine - c->mine) : measured + (c->mine - mine);
     }
     if (!measured) return c->reserved;
+    /* the device's growth also holds what another tenant took meanwhile, and a driver that
+     * leaves other namespaces' processes out of the list (or gives them no figure) leaves
+     * nothing to take off: it is charged at most the container's estimate, and only a smaller
+     * one becomes the estimate.  Charged whole, a co-tenant's 500 MiB taken while a context
+     * was made went to the container, and into the estimate every later process reserved */
+    uint64_t estimate = __atomic_load_n(&gs_region->devices[c->slot].ctx_footprint_bytes, __ATOMIC_RELAXED);
+    if (from_device && estimate && measured > estimate) measured = estimate;
     /* a clean measurement of a process's first context on the device: the estimate for the
      * container's next contexts.  Not from a later one: code another thread's kernels load
      * lazily into a context of the device meanwhile passes no hook and would count */
-    if (mine == c->mine && c->first)
+    if (mine == c->mine && c->first && (!from_device || !estimate || measured < estimate))
         __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
     /* more than was reserved (nothing is, before the container's first clean measurement; a
      * few processes making their first contexts at once all reserve nothing): the rest must

@@ -297,7 +297,12 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         if (!pid) return 0;
         if (!g_host_pid[dev]) learn_pid(pid);
         uint64_t held = used_by(g_procs, n, pid);
-        if (held == GS_NO_VALUE) return 0;
+        if (held == GS_NO_VALUE) {
+            /* no figure to measure again with (nor will one come from such a driver): the
+             * charges stand, and the device is not marked for ever */
+            if (rebase) __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
+            return 0;
+        }
         if (down) {
             __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
             uint64_t was = g_untracked[dev], others = mine > was ? mine - was : 0; /* the records' charges */

@@ -745,6 +745,35 @@ def test_a_driver_that_lists_the_process_without_its_memory_still_has_the_contex
     assert res.values("meminfo") == [GIB - 200 * MIB, GIB]
 
 
+def test_without_figures_a_co_tenants_allocation_during_a_context_is_not_charged_to_it(lab):
+    # with no per-process figure (listed with 0 bytes, or not at all), a context is measured
+    # by the device's growth, which also holds what another tenant took meanwhile: charged at
+    # most the container's estimate (one process's clean measure), and the estimate only shrinks
+    # (charged whole: 600 MiB for a 100 MiB context, and 600 MiB reserved by every later one)
+    tmp = lab.tmp
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m",
+           "FAKE_NVML_PROC_MEM": "0"}
+    assert lab.run("init", "ctx", "0", "meminfo", **env).values("meminfo") == [GIB - 100 * MIB, GIB]
+    other = lab.start("init", "ctx", "0", "touch", str(tmp / "ready"), "waitfile", str(tmp / "take"),
+                      "alloc", "500m", "touch", str(tmp / "held"), "waitfile", str(tmp / "go"),
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PROC_MEM="0")
+    lab.wait_for(tmp / "ready")
+    ours = lab.start("init", "ctx", "0", "meminfo", "alloc", "800m",
+                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:500",
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
+    lab.wait_for(tmp / "creating")
+    (tmp / "take").touch()
+    lab.wait_for(tmp / "held")
+    res = lab.finish(ours)
+    (tmp / "go").touch()
+    assert lab.finish(other).rc("alloc") == 0
+    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
+    assert res.rc("alloc") == 0
+    # the estimate is still the clean one
+    assert lab.run("init", "ctx", "0", "meminfo", **env).values("meminfo") == [GIB - 100 * MIB, GIB]
+
+
 def started_beside_another(lab, *cmds: str, **env: str):
     """Run ``init ctx 0 cmds`` in a container's pid namespace while another tenant's process
     makes its context during ours: two pids appear with our context, so ours is not learnt
