@@ -8,9 +8,10 @@ and leave out every process it cannot see; R560 in a container also listed such 
 process list (the reconcile: memory no hook sees) and in the samples (the time-slice
 correction) by one pid, and the agent places processes by host pid. This row records what the
 driver under test does: the process list and the samples as seen from inside the namespace
-(``nsenter``) and from outside, the pid the library matched, and whether another process
-busy outside the namespace at the same time (another container's) shows in the list and the
-samples read inside: the time-slice correction needs co-tenants' samples. It needs root for
+(``nsenter``) and from outside, the pid the library matches its samples by, and whether
+another process busy outside the namespace at the same time (another container's) shows in
+the list and the samples read inside: the time-slice correction needs co-tenants' samples.
+It needs root for
 ``unshare --pid``; the row says so where it cannot run."""
 
 from __future__ import annotations
@@ -94,39 +95,65 @@ def _outside(nvml: Nvml) -> tuple[dict[str, int | None], list[int]]:
     return listed, sampled
 
 
+UNSHARE = ("--pid", "--fork", "--kill-child", "--mount-proc")
+"""A PID namespace with its own /proc, as a container's; gpubench is its pid 1, and killing
+unshare kills it and all inside."""
+
+
 def test_a_process_in_a_pid_namespace_of_its_own(nvml: Nvml, gpubench: Path, lib: Path) -> None:
     unshare, nsenter = shutil.which("unshare"), shutil.which("nsenter")
     if unshare is None or nsenter is None:
         record("pid_namespace", "not measured: no unshare/nsenter (util-linux)", None)
         pytest.skip("no unshare/nsenter")
-    tried = subprocess.run([unshare, "--pid", "--fork", "true"], check=False,
-                           capture_output=True, text=True, timeout=20)
+    tried = subprocess.run([unshare, *UNSHARE, "true"], check=False, capture_output=True,
+                           text=True, timeout=20)
     if tried.returncode != 0:
-        record("pid_namespace", f"not measured: unshare --pid refused ({tried.stderr.strip()})",
-               None)
+        record("pid_namespace", f"not measured: unshare {' '.join(UNSHARE)} refused "
+               f"({tried.stderr.strip()[-200:]})", None)
         pytest.skip("unshare --pid needs root")
+    data: dict[str, Any] = {"steps": {}}
+    try:
+        _measure(nvml, gpubench, unshare, nsenter, data)
+    except Exception as exc:  # the row says how far it got; the test fails as it would
+        record("pid_namespace", f"not measured: {type(exc).__name__}: {exc}"[:300], None, **data)
+        raise
+    value, over = _verdict(data)
+    # informational, unless the process in the namespace held more than the cap
+    record("pid_namespace", value, False if over else None, **data)
+    assert not over, data
+
+
+def _measure(nvml: Nvml, gpubench: Path, unshare: str, nsenter: str,
+             data: dict[str, Any]) -> None:
+    """Fill ``data`` as far as the run gets."""
+    steps = data["steps"]
     region = harness.new_region("pidns")
     # under a compute limit the sampler matches NVML's samples: it publishes the pid it uses
-    env = harness.capped_env(region, sm=90)
-    steps: dict[str, Any] = {}
-    server = Server(gpubench, env, prefix=(unshare, "--pid", "--fork", "--kill-child"))
+    server = Server(gpubench, harness.capped_env(region, sm=90), prefix=(unshare, *UNSHARE))
     tenant: Server | None = None
     try:
-        pid = _child_of(server.proc.pid)
+        data["ns_pid"] = server.pid
+        data["pid"] = pid = _child_of(server.proc.pid)
         # another container's process, busy at the same time outside the namespace: whether
         # the namespace sees it is whether the time-slice correction can see co-tenants
         tenant = Server(gpubench, harness.plain_env())
+        data["co_tenant_pid"] = tenant.pid
         steps["alloc 1 GiB"] = server.alloc(GIB)
         for busy in (server, tenant):
             busy.send("spin 1500")
         steps["spin 1.5 s"] = server.receive(30)
         steps["co-tenant spin 1.5 s"] = tenant.receive(30)
         time.sleep(0.6)  # a sampler tick after the last samples
-        inside = subprocess.run(
-            [nsenter, "--target", str(pid), "--pid", "--", sys.executable, "-c", INSIDE],
-            check=False, capture_output=True, text=True, timeout=60,
-            env=harness.plain_env()) if pid else None
+        if pid is not None:
+            inside = subprocess.run(
+                [nsenter, "--target", str(pid), "--pid", "--", sys.executable, "-c", INSIDE],
+                check=False, capture_output=True, text=True, timeout=harness.budget(60),
+                env=harness.plain_env())
+            lines = inside.stdout.strip().splitlines()
+            data["inside"] = json.loads(lines[-1]) if inside.returncode == 0 and lines else {}
+            data["inside_error"] = inside.stderr[-400:] if inside.returncode else ""
         listed, sampled = _outside(nvml)
+        data["outside"] = {"listed": listed, "sampled": sampled}
         steps["info"] = server.ask("info")
     finally:
         server.kill()
@@ -135,31 +162,35 @@ def test_a_process_in_a_pid_namespace_of_its_own(nvml: Nvml, gpubench: Path, lib
     from webhook.node.region import read_region
     got = read_region(region)
     slot = next((p for p in got.processes if p.pid == server.pid), None)
-    seen = json.loads(inside.stdout.strip().splitlines()[-1]) if inside and \
-        inside.returncode == 0 and inside.stdout.strip() else {}
-    inner_mem = seen.get("listed", {}).get(str(server.pid)) if isinstance(
-        seen.get("listed"), dict) else None
-    outer_mem = listed.get(str(pid)) if pid else None
-    matched = slot.host_pid if slot else 0
-    data = {"ns_pid": server.pid, "pid": pid, "co_tenant_pid": tenant.pid, "inside": seen,
-            "inside_error": inside.stderr[-400:] if inside and inside.returncode else "",
-            "outside": {"listed": listed, "sampled": sampled}, "library_pid": matched,
-            "region_used": got.devices[0].used_bytes, "steps": steps}
-    inner_samples = _kind(seen.get("sampled", "not read"), server.pid, pid)
-    parts = [f"inside: list by {_kind(seen.get('listed', 'not read'), server.pid, pid)}"
-             + ("" if inner_mem is None else f" ({inner_mem / MIB:,.0f} MiB)"),
+    data["library_pid"] = slot.host_pid if slot else 0
+    data["region_used"] = got.devices[0].used_bytes if got.devices else 0
+
+
+def _verdict(data: dict[str, Any]) -> tuple[str, bool]:
+    """The row's value, and whether the process held more than the cap seen from outside."""
+    ns_pid, pid, tenant = data["ns_pid"], data["pid"], data["co_tenant_pid"]
+    seen, outside = data.get("inside", {}), data["outside"]
+
+    def held(listed: object) -> str:
+        if not isinstance(listed, dict):
+            return ""
+        used = next((listed[k] for k in (str(ns_pid), str(pid)) if k in listed), None)
+        return "" if used is None else f" ({used / MIB:,.0f} MiB)"
+
+    inner_samples = _kind(seen.get("sampled", "not read"), ns_pid, pid)
+    used = data["library_pid"]
+    parts = [f"inside: list by {_kind(seen.get('listed', 'not read'), ns_pid, pid)}"
+             + held(seen.get("listed")),
              f"samples by {inner_samples}",
-             f"outside: {_kind(listed, server.pid, pid)}"
-             + ("" if outer_mem is None else f" ({outer_mem / MIB:,.0f} MiB)"),
-             f"samples by {_kind(sampled, server.pid, pid)}",
-             f"library matched {'its namespace pid' if matched == server.pid else matched or 'none'}"]
-    cotenant = {what: _names(seen.get(what, "not read"), tenant.pid) for what in ("listed", "sampled")}
+             f"outside: {_kind(outside['listed'], ns_pid, pid)}" + held(outside["listed"]),
+             f"samples by {_kind(outside['sampled'], ns_pid, pid)}",
+             "library used " + ("its namespace pid" if used == ns_pid else
+                                "the outer pid" if used == pid else str(used or "none"))]
+    cotenant = {what: _names(seen.get(what, "not read"), tenant) for what in ("listed", "sampled")}
     parts.append(f"co-tenant seen inside: list {cotenant['listed']}, samples {cotenant['sampled']}")
-    if inner_samples == "outer pid" and matched == server.pid:
+    if inner_samples == "outer pid" and used == ns_pid:
         parts.append("time-slice correction unmatched")
-    if cotenant["sampled"] == "no" and tenant.pid in sampled:
+    if cotenant["sampled"] == "no" and tenant in outside["sampled"]:
         parts.append("time-slice correction blind to co-tenants")
-    # informational, unless the process in the namespace held more than the cap
-    over = outer_mem is not None and outer_mem > CAP_MIB * MIB
-    record("pid_namespace", "; ".join(parts), False if over else None, **data)
-    assert not over, data
+    outer = outside["listed"].get(str(pid)) if pid else None
+    return "; ".join(parts), outer is not None and outer > CAP_MIB * MIB

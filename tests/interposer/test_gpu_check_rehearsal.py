@@ -114,7 +114,7 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
         assert says in rows[check]["value"], rows[check]
     assert set(rows) - FUNCTIONAL - {"launch_cost", "alloc_free", "pid_namespace"} == COMPUTE
     # the fake lists each live process by the pid it knows itself by: in a PID namespace (root
-    # here) its namespace's, which the library matched too; and as kill() finds no process of
+    # here) its namespace's, which the library used too; and as kill() finds no process of
     # that number inside, it leaves the co-tenant outside out of the inside list, as the open
     # kernel modules do (it gives no samples unless asked)
     assert rows["pid_namespace"]["status"] == "INFO", rows["pid_namespace"]
@@ -122,7 +122,7 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
         ("inside: list by namespace pid (1,324 MiB); ", "not measured: unshare --pid refused")), \
         rows["pid_namespace"]
     assert rows["pid_namespace"]["value"].endswith(
-        ("library matched its namespace pid; co-tenant seen inside: list no, samples no", ")")), \
+        ("library used its namespace pid; co-tenant seen inside: list no, samples no", ")")), \
         rows["pid_namespace"]
     for check in COMPUTE:  # not asked for in this run
         assert rows[check]["status"] == "ERROR", rows[check]

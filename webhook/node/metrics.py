@@ -248,7 +248,9 @@ class AgentCollector(Collector):
         yield from self._collect_loads(auditor)
         yield GaugeMetricFamily("gpuslice_agent_audit_complete",
                                 "1 when the last outside check placed and measured every GPU "
-                                "process", value=1 if report.complete else 0)
+                                "process (0 also while an agent outside the host's PID namespace "
+                                "has seen NVML list no process)",
+                                value=1 if report.complete else 0)
         yield GaugeMetricFamily("gpuslice_agent_last_audit_timestamp_seconds",
                                 "Unix time of the last outside check (0 = never)",
                                 value=self._status.last_audit)
