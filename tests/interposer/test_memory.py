@@ -408,24 +408,33 @@ def test_another_tenant_allocating_while_our_context_is_created_is_not_charged_t
     # another container's running process takes 2 GiB while our context is being created: the
     # device's used memory grows by 2.1 GiB, our process's own usage by the 100 MiB footprint
     # (the device-wide figure, charged before, refused every allocation under a 1 GiB cap)
+    res = made_while_another_tenant_allocates(lab, "2g", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                                              FAKE_CUDA_CTX_BYTES="100m",
+                                              FAKE_NVML_PID_OFFSET=pid_offset)
+    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
+    assert res.rc("alloc") == 0
+
+
+def made_while_another_tenant_allocates(lab, take: str, **env: str):
+    """Run ``init ctx 0 meminfo alloc 800m`` while another container's running process (its
+    own region; the same fake driver settings) takes ``take`` during our context's creation;
+    our result once the other holds it."""
     tmp = lab.tmp
+    fake = {k: v for k, v in env.items() if k.startswith("FAKE_")}
     other = lab.start("init", "ctx", "0", "touch", str(tmp / "ready"), "waitfile", str(tmp / "take"),
-                      "alloc", "2g", "touch", str(tmp / "held"), "waitfile", str(tmp / "go"),
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
-                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET=pid_offset)
+                      "alloc", take, "touch", str(tmp / "held"), "waitfile", str(tmp / "go"),
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"), **fake)
     lab.wait_for(tmp / "ready")
-    ours = lab.start("init", "ctx", "0", "meminfo", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                     FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET=pid_offset,
+    ours = lab.start("init", "ctx", "0", "meminfo", "alloc", "800m",
                      FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:500",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"))
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
     lab.wait_for(tmp / "creating")
     (tmp / "take").touch()
     lab.wait_for(tmp / "held")
     res = lab.finish(ours)
     (tmp / "go").touch()
     assert lab.finish(other).rc("alloc") == 0
-    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
-    assert res.rc("alloc") == 0
+    return res
 
 
 def test_a_context_that_does_not_fit_is_refused(lab):
@@ -750,24 +759,10 @@ def test_without_figures_a_co_tenants_allocation_during_a_context_is_not_charged
     # by the device's growth, which also holds what another tenant took meanwhile: charged at
     # most the container's estimate (one process's clean measure), and the estimate only shrinks
     # (charged whole: 600 MiB for a 100 MiB context, and 600 MiB reserved by every later one)
-    tmp = lab.tmp
     env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m",
            "FAKE_NVML_PROC_MEM": "0"}
     assert lab.run("init", "ctx", "0", "meminfo", **env).values("meminfo") == [GIB - 100 * MIB, GIB]
-    other = lab.start("init", "ctx", "0", "touch", str(tmp / "ready"), "waitfile", str(tmp / "take"),
-                      "alloc", "500m", "touch", str(tmp / "held"), "waitfile", str(tmp / "go"),
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
-                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PROC_MEM="0")
-    lab.wait_for(tmp / "ready")
-    ours = lab.start("init", "ctx", "0", "meminfo", "alloc", "800m",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:500",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
-    lab.wait_for(tmp / "creating")
-    (tmp / "take").touch()
-    lab.wait_for(tmp / "held")
-    res = lab.finish(ours)
-    (tmp / "go").touch()
-    assert lab.finish(other).rc("alloc") == 0
+    res = made_while_another_tenant_allocates(lab, "500m", **env)
     assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
     assert res.rc("alloc") == 0
     # the estimate is still the clean one
