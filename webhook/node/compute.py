@@ -23,8 +23,13 @@ the last *span* becomes one, with the device's utilisation over them and the sam
 meanwhile. Over the window, a container's share is the device's utilisation over the covered
 time times the container's part of all processes' samples (other containers', the host's,
 unplaced ones included): one ratio for the window, not per span, since a process's sample of a
-period may show up a poll before or after the device's. A GPU busy with no process sample to
-split its time by is not judged. A driver without the device's sample
+period may show up a poll before or after the device's. The device's utilisation over a span
+is the time its new samples say it was busy (each speaks for the time since the one before, at
+most a driver's longest period) over the span's: time no sample speaks for is idle (drivers
+that give no sample for idle periods); a poll with no new period, no process sample and a last
+period of 0 % (``nvmlDeviceGetUtilizationRates``) is idle time too. A GPU busy with no process
+sample to split its time by, or with too few to account for its busy time (:data:`EXPLAINED`),
+is not judged. A driver without the device's sample
 buffer gives the last period's utilisation instead (``nvmlDeviceGetUtilizationRates``: a
 snapshot per poll, which a workload whose cycle matches the poll's can alias). A failing query
 covers nothing and starts the GPU again (what the driver kept meanwhile is not placed), and so
@@ -66,6 +71,11 @@ SILENCE = 3.0
 a period every 1/6 to 1 s, busy or idle)."""
 COVERED = 0.75
 """The part of the window the spans must cover before a share is judged."""
+EXPLAINED = 0.5
+"""The part of the device's utilisation the processes' samples must account for (their sum per
+poll, over the window) before the time is split by them: else the busy time of processes
+without samples would go to whichever had a few (a container with samples of 5 % read 100 %
+on a GPU kept busy by something NVML gives no samples of)."""
 
 STEP_US = 1_000_000
 """A wall clock behind the last poll's by more than this (µs) stepped back."""
@@ -101,6 +111,8 @@ class _Span:
     total: float
     """All processes' samples in the span, summed (those of no container included)."""
     pids: dict[Key, set[int]]
+    polls: int
+    """The polls whose samples the span holds."""
 
 
 @dataclass
@@ -118,13 +130,14 @@ class _Track:
     weights: dict[Key, float] = field(default_factory=dict)
     total: float = 0.0
     pids: dict[Key, set[int]] = field(default_factory=dict)
+    polls: int = 0
     spans: deque[_Span] = field(default_factory=deque)
     silent: bool = False
     """The device gave no period for :data:`SILENCE` seconds (logged once until it does)."""
 
     def restart(self) -> None:
         self.last = None
-        self.weights, self.total, self.pids = {}, 0.0, {}
+        self.weights, self.total, self.pids, self.polls = {}, 0.0, {}, 0
 
 
 class ComputeSampler:
@@ -212,17 +225,28 @@ class ComputeSampler:
         if track.last is None:  # the first answer: what the driver kept is from before us
             track.last = now
             return
+        track.polls += 1
         for pid, _stamp, pct in fresh:
             track.total += pct
             key = places.get(pid)
             if key is not None:
                 track.weights[key] = track.weights.get(key, 0.0) + pct
                 track.pids.setdefault(key, set()).add(pid)
-        if u.device is not None and now > track.last:
-            track.spans.append(_Span(now, now - track.last, u.device, track.weights, track.total,
-                                     track.pids))
+        device = u.device
+        if u.device_busy_us is not None and now > track.last:
+            # the time the samples say it was busy, over the poll's: time no sample speaks for
+            # (a driver that gives none for idle periods) is idle, not at the busy ones' mean
+            device = u.device_busy_us / 1e4 / (now - track.last)
+        if device is None and u.idle and not fresh and not track.total:
+            # no period ended, no process ran, the driver's last period read 0 %: idle time,
+            # covered (drivers that give no device sample for idle periods made an idle GPU a
+            # silence, never judged, and a failure every few seconds)
+            device = 0.0
+        if device is not None and now > track.last:
+            track.spans.append(_Span(now, now - track.last, device, track.weights, track.total,
+                                     track.pids, track.polls))
             track.last = now
-            track.weights, track.total, track.pids = {}, 0.0, {}
+            track.weights, track.total, track.pids, track.polls = {}, 0.0, {}, 0
             track.silent = False
         elif now - track.last >= SILENCE:  # no period ended for that long: no figure
             self.failures += 1
@@ -259,7 +283,7 @@ class ComputeSampler:
         unplaced: dict[str, float] = {}
         with self._lock:
             for uuid, track in self._tracks.items():
-                covered = busy = total = 0.0
+                covered = busy = total = polls = 0.0
                 weights: dict[Key, float] = {}
                 pids: dict[Key, set[int]] = {}
                 for s in track.spans:
@@ -270,18 +294,24 @@ class ComputeSampler:
                     covered += part
                     busy += s.busy * part
                     total += s.total * frac
+                    polls += s.polls * frac
                     for key, w in s.weights.items():
                         weights[key] = weights.get(key, 0.0) + w * frac
                         pids.setdefault(key, set()).update(s.pids.get(key, ()))
                 coverage[uuid] = covered
                 if covered <= 0:
                     continue
-                util = busy / covered
-                if total <= 0:  # no process's sample to split the time by (or all read 0 %)
+                # a poll's samples may hold a little more than its time (periods end on the
+                # driver's schedule), the next one's less: the window evens them out
+                util = min(100.0, busy / covered)
+                # no process's sample to split the time by (or all read 0 %), or too few to
+                # account for the busy time: busy, but whose is not known, not judged
+                if util > 0 and (total <= 0 or total < EXPLAINED * util * max(polls, 1.0)):
                     unplaced[uuid] = util
-                    if util > 0:  # busy, but whose: not judged
-                        coverage[uuid] = 0.0
-                        continue
+                    coverage[uuid] = 0.0
+                    continue
+                if total <= 0:
+                    unplaced[uuid] = util
                     total = 1.0  # idle: every container's share is 0
                 unplaced[uuid] = max(0.0, util * (1 - sum(weights.values()) / total))
                 for key, w in weights.items():

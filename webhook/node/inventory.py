@@ -37,6 +37,9 @@ MIB = 1024 * 1024
 FUTURE_US = 5_000_000
 """NVML samples stamped further than this past the wall clock are garbage (or the clock stepped
 back): dropped."""
+PERIOD_MAX_US = 1_000_000
+"""The longest sample period drivers use (1/6 to 1 s): the most time one device sample speaks
+for."""
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 _NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
@@ -96,10 +99,12 @@ class GpuUtilisation:
     ``samples``: the per-process SM samples, (pid, timestamp µs, %) (the driver gives one per
     process that ran in a sample period), None when a query failed or the GPU has none;
     ``newest``: their newest timestamp. ``device``: the GPU's utilisation over its new sample
-    periods (their mean, idle periods included; the last period's figure where the driver keeps
-    no samples), None where no period ended since ``dev_newest``, the device samples' newest
-    timestamp. ``running``: the processes NVML lists on the GPU now (to place them while they
-    live)."""
+    periods (over the time they speak for, :func:`busy_time`; the last period's figure where the
+    driver keeps no samples), None where no period ended since ``dev_newest``, the device
+    samples' newest timestamp. ``device_busy_us``: the µs those samples say the GPU was busy
+    (None without them): over a poll's time, time no sample speaks for counts idle. ``idle``:
+    no period ended and the driver's last one read 0 % (nothing ran). ``running``: the processes
+    NVML lists on the GPU now (to place them while they live)."""
 
     gpu: Gpu
     samples: list[tuple[int, int, int]] | None
@@ -107,6 +112,22 @@ class GpuUtilisation:
     device: float | None = None
     dev_newest: int = 0
     running: frozenset[int] = frozenset()
+    idle: bool = False
+    device_busy_us: float | None = None
+
+
+def busy_time(values: list[tuple[int, int]], since: int) -> tuple[float, float]:
+    """What device samples ``values`` (timestamp µs, %; in order, newer than ``since``, 0 at the
+    first query) say: (µs busy, µs they speak for). Each speaks for the time since the sample
+    before it (the first query's first one, a period), at most :data:`PERIOD_MAX_US`: a driver
+    that gives no sample for idle periods leaves gaps longer than any period, which are idle
+    time, not more of the next busy sample (a container paced to 33 % by a second's run and two
+    seconds' wait read 100 %)."""
+    stamps = [t for t, _ in values]
+    before = [since, *stamps[:-1]] if since else stamps[:-1]
+    steps = [b - a for a, b in zip(before, stamps[len(stamps) - len(before):], strict=True)]
+    spans = [min(d, PERIOD_MAX_US) for d in (steps if since else [PERIOD_MAX_US, *steps])]
+    return sum(v / 100 * d for (_, v), d in zip(values, spans, strict=True)), float(sum(spans))
 
 
 @dataclass(frozen=True)
@@ -373,19 +394,22 @@ class Inventory:
             return failed
         # the device: one sample per driver period, idle ones included
         device: float | None = None
+        device_busy: float | None = None
         dev_newest = dev_since
+        idle = False
         try:
             kind, got = self._twice(nvml.nvmlDeviceGetSamples, handle,
                                     pynvml.NVML_GPU_UTILIZATION_SAMPLES, dev_since)
             if kind != pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
                 return failed
-            values = [(int(x.timeStamp), int(x.sampleValue.uiVal)) for x in got]
+            values = sorted({int(x.timeStamp): int(x.sampleValue.uiVal) for x in got}.items())
             values = [(t, v) for t, v in values if dev_since < t <= limit and v <= 100]
             if values:
-                device = sum(v for _, v in values) / len(values)
-                dev_newest = max(t for t, _ in values)
+                device_busy, spoken = busy_time(values, dev_since)
+                device = 100 * device_busy / max(1.0, spoken)
+                dev_newest = values[-1][0]
         except pynvml.NVMLError_NotFound:
-            pass  # no period ended since then
+            idle = self._idle_now(handle)  # no period ended since then
         except _NO_SUCH_QUERY:  # no sample buffer: the utilisation of the last period, now
             try:
                 device = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
@@ -394,6 +418,7 @@ class Inventory:
         except pynvml.NVMLError as exc:
             if exc.value != pynvml.NVML_SUCCESS:  # pynvml's NVMLError(0): none, success
                 return failed
+            idle = self._idle_now(handle)
         # the processes: a sample per process that ran in a period
         try:
             found = list(self._twice(nvml.nvmlDeviceGetProcessUtilization, handle, since))
@@ -410,7 +435,15 @@ class Inventory:
         samples = [x for x in samples if since < x[1] <= limit and x[2] <= 100]
         newest = max([since, *(x[1] for x in samples)])
         listed = self._processes_locked(gpu).processes or {}
-        return GpuUtilisation(gpu, samples, newest, device, dev_newest, frozenset(listed))
+        return GpuUtilisation(gpu, samples, newest, device, dev_newest, frozenset(listed), idle,
+                              device_busy)
+
+    def _idle_now(self, handle: Any) -> bool:
+        """The driver's last period read 0 % (nvmlDeviceGetUtilizationRates): nothing ran."""
+        try:
+            return int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu) == 0
+        except (pynvml.NVMLError, *_NO_SUCH_QUERY):
+            return False
 
     @staticmethod
     def _twice(query: Any, *args: Any) -> Any:
