@@ -123,11 +123,12 @@ def busy_time(values: list[tuple[int, int]], since: int) -> tuple[float, float]:
     that gives no sample for idle periods leaves gaps longer than any period, which are idle
     time, not more of the next busy sample (a container paced to 33 % by a second's run and two
     seconds' wait read 100 %)."""
-    stamps = [t for t, _ in values]
-    before = [since, *stamps[:-1]] if since else stamps[:-1]
-    steps = [b - a for a, b in zip(before, stamps[len(stamps) - len(before):], strict=True)]
-    spans = [min(d, PERIOD_MAX_US) for d in (steps if since else [PERIOD_MAX_US, *steps])]
-    return sum(v / 100 * d for (_, v), d in zip(values, spans, strict=True)), float(sum(spans))
+    busy = spoken = 0.0
+    before = since or values[0][0] - PERIOD_MAX_US
+    for stamp, pct in values:
+        step = min(stamp - before, PERIOD_MAX_US)
+        busy, spoken, before = busy + pct / 100 * step, spoken + step, stamp
+    return busy, spoken
 
 
 @dataclass(frozen=True)
@@ -392,7 +393,7 @@ class Inventory:
             handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)
         except pynvml.NVMLError:
             return failed
-        # the device: one sample per driver period, idle ones included
+        # the device: one sample per driver period (idle ones too, on most drivers)
         device: float | None = None
         device_busy: float | None = None
         dev_newest = dev_since
