@@ -27,6 +27,7 @@ from node.test_metrics import ctr_labels, samples, write_region
 from webhook import names
 from webhook.admission.mutate import mutate_pod
 from webhook.node.audit import (
+    ABSENT_TTL,
     Auditor,
     Cap,
     boot_ticks,
@@ -851,27 +852,95 @@ async def test_mps_clients_are_counted(tmp_path: Path) -> None:
         assert h.used_bytes == 2 * GIB and h.over(0)
 
 
-async def test_a_restarted_container_beside_its_old_instance_is_one_series(
-        tmp_path: Path) -> None:
+def restarted(pod: dict[str, Any], name: str) -> None:
+    """Kubelet restarted container ``a`` of ``pod`` as ``name``: its ID now, the old one in
+    ``lastState``."""
+    st = pod["status"]["containerStatuses"][0]
+    st["lastState"] = {"terminated": {"exitCode": 1, "reason": "Error",
+                                      "containerID": st["containerID"]}}
+    st["containerID"] = f"containerd://{cid(name)}"
+    st["restartCount"] += 1
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["agent-saw-it", "agent-started-after"])
+async def test_a_restarted_container_beside_its_old_instance_is_one_holding(
+        tmp_path: Path, fresh: bool) -> None:
+    """Its region (so its cap) is one for both instances: their memory adds up, in one verdict
+    and one series; an agent that never saw the old instance knows it from ``lastState``."""
     node = Node(tmp_path)
-    pod = one_gpu("r", 4096)
+    pod = one_gpu("r", 2560)
+    uid = pod["metadata"]["uid"]
     node.run_in(pod, "a", 100, {0: 1 * GIB})
     async with FakeKube() as kube, kube.api_client() as api:
         kube.put(pod)
         auditor = _auditor(node, api)
-        await auditor.check()
+        if not fresh:
+            await auditor.check()
         # restarted: a new ID in the status, the old instance's process not gone yet
-        pod["status"]["containerStatuses"][0]["containerID"] = f"containerd://{cid('r/a/2')}"
-        pod["status"]["containerStatuses"][0]["restartCount"] = 1
+        restarted(pod, "r/a/2")
         kube.put(pod)
-        node.run(101, systemd_cgroup(pod["metadata"]["uid"], cid("r/a/2")), {0: 2 * GIB})
-        assert len((await auditor.check()).holdings) == 2
+        node.run(101, systemd_cgroup(uid, cid("r/a/2")), {0: 2 * GIB})
+        report = await auditor.check()
+        (h,) = report.holdings
+        assert h.container_ids == tuple(sorted([cid("r/a"), cid("r/a/2")]))
+        assert (h.used_bytes, h.pids, h.over(0), report.complete) == (3 * GIB, (100, 101), True, True)
+        assert report.unattributed == {GPU0: 0, GPU1: 0}
         registry = make_registry(AgentCollector(node.inventory, tmp_path, AgentStatus(),
                                                 auditor=auditor))
         got = {k: v for k, v in samples(registry).items()
-               if k[0] == "gpuslice_container_memory_observed_bytes"}
-        assert got == {("gpuslice_container_memory_observed_bytes",
-                        ctr_labels("ml", "r", pod["metadata"]["uid"], "a", GPU0)): 3 * GIB}
+               if k[0].startswith("gpuslice_container_memory_")}
+        lab = ctr_labels("ml", "r", uid, "a", GPU0)
+        assert got == {("gpuslice_container_memory_observed_bytes", lab): 3 * GIB,
+                       ("gpuslice_container_memory_over_limit", lab): 1}
+        assert auditor.episodes == 1
+
+
+async def test_a_container_crashing_over_its_cap_is_evicted_across_its_restarts(
+        tmp_path: Path) -> None:
+    """Each instance goes over its cap for one check and crashes; kubelet restarts it after a
+    back-off. The checks between find no process of it: neither over nor under, so the episode
+    goes on (per instance, no episode ever reached the rounds)."""
+    node, clock = Node(tmp_path), Clock()
+    pod = one_gpu("crash", 1024)
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, action="evict", rounds=3, clock=clock)
+        pid = 200
+        for n in range(3):
+            if n:
+                restarted(pod, f"crash/a/{n}")
+                kube.put(pod)
+            ident = pod["status"]["containerStatuses"][0]["containerID"].split("//")[1]
+            node.run(pid + n, systemd_cgroup(pod["metadata"]["uid"], ident), {0: 2 * GIB})
+            clock.t += 10
+            await auditor.check()
+            node.stop(pid + n)
+            for _ in range(4):  # the back-off: no process of it on the GPU
+                clock.t += 10
+                await auditor.check()
+        (post,) = kube.requests_to("POST", r"/namespaces/ml/pods/crash/eviction$")
+        assert_valid(post.body)
+        assert auditor.episodes == 1 and auditor.evictions == 1
+
+
+async def test_an_episode_ends_once_its_container_is_gone_long_enough(tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = one_gpu("once", 1024)
+    node.run_in(pod, "a", 300, {0: 2 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, action="evict", rounds=3, clock=clock)
+        await auditor.check()
+        node.stop(300)
+        clock.t += ABSENT_TTL - 1
+        await auditor.check()
+        assert len(auditor._episodes) == 1  # still waiting for it to come back
+        clock.t += 1
+        await auditor.check()
+        assert auditor._episodes == {}
+        node.run_in(pod, "a", 301, {0: 2 * GIB})
+        await auditor.check()
+        assert auditor.episodes == 2 and kube.requests_to("POST", "/eviction") == []
 
 
 async def test_stopping_the_agent_does_not_wait_for_a_hung_check(tmp_path: Path) -> None:

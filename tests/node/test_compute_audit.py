@@ -17,7 +17,18 @@ import pytest
 from fakekube import FakeKube
 from kubeschema import assert_valid
 from node.fakenvml import GIB, FakeDevice, FakeNvml
-from node.test_audit import GPU0, GPU1, NODE, Clock, Node, _auditor, gpu_pod
+from node.test_audit import (
+    GPU0,
+    GPU1,
+    NODE,
+    Clock,
+    Node,
+    _auditor,
+    cid,
+    gpu_pod,
+    restarted,
+    systemd_cgroup,
+)
 from node.test_metrics import ctr_labels, samples
 
 from webhook.node.audit import Auditor, cores_from, tracked_containers
@@ -279,6 +290,29 @@ async def test_the_tolerance_and_a_containers_processes_summed(
         assert load.percent == pytest.approx(sum(pcts)) and load.over(10) is over
         assert load.pids == tuple(sorted(100 + i for i in range(len(pcts))))
         assert auditor.episodes == (1 if over else 0)
+
+
+async def test_a_container_restarted_within_the_window_is_one_share(tmp_path: Path) -> None:
+    """Its instances' samples add up: 60 % for 10 s as one ID, then 60 % for 10 s as the next,
+    is 60 % of the window, where each ID alone read 30 % (under a limit of 30 plus 10 points'
+    tolerance)."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("flaky", "30")
+    node.run_in(pod, "a", 400, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, pod) as (kube, auditor):
+        gpus.run(auditor.compute, 1, {})
+        gpus.run(auditor.compute, 10, {(0, 400): 60})
+        node.stop(400)
+        restarted(pod, "flaky/a/2")
+        kube.put(pod)
+        node.run(401, systemd_cgroup(pod["metadata"]["uid"], cid("flaky/a/2")), {0: GIB})
+        gpus.run(auditor.compute, 10, {(0, 401): 60})
+        (load,) = (await auditor.check()).loads
+        assert load.container_ids == tuple(sorted([cid("flaky/a"), cid("flaky/a/2")]))
+        assert (round(load.percent), load.pids, load.judged, load.over(10)) == \
+            (60, (400, 401), True, True)
+        assert auditor.episodes == 1
 
 
 async def test_a_burst_then_silence_is_averaged_over_the_window(tmp_path: Path) -> None:

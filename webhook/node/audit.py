@@ -29,7 +29,10 @@ and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a
 in ``--over-limit-rounds`` checks of one episode is evicted through the Eviction API (so
 PodDisruptionBudgets hold: a refused eviction is retried at the next check; the pod's UID is
 its precondition, so a pod made since under the same name is not evicted). An episode ends
-after as many checks in a row under the cap, so dipping under now and then does not evade it.
+after as many checks in a row under the cap, so dipping under now and then does not evade it;
+a check that finds no process of the container on the GPU counts as neither, and episodes are
+the pod's container's, not one instance's (its ID), so crashing and being restarted does not
+evade it either (an episode absent for ``ABSENT_TTL`` ends).
 
 The pod list is read only when a process belongs to a container the check has not mapped yet
 (a container ID maps to one pod container for ever); IDs found in no gpuslice pod are
@@ -79,6 +82,10 @@ wall clock): its last periods'; later ones are another process's under its pid."
 EVICTED_TTL = 600.0
 """Seconds an evicted pod is not asked for again (its processes may hold the GPU while it
 terminates: up to its grace period)."""
+ABSENT_TTL = 600.0
+"""Seconds an episode over the limit outlives its container's absence (no process on the GPU,
+no sample in the window): a container that crashes and is restarted (kubelet's back-off
+reaches 5 minutes) goes on with its episode instead of starting a new one each time."""
 COMPONENT = "gpuslice-agent"
 
 _POD_DIR = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
@@ -198,6 +205,12 @@ class Tracked:
     cores: int | None = None
     """Its compute limit (``CUDA_DEVICE_SM_LIMIT``, % of each GPU's time); None: none."""
 
+    @property
+    def who(self) -> tuple[str, str]:
+        """The pod UID and container name: one container across its restarts (each instance
+        has an ID of its own; its region file, and so its cap and its compute clock, is one)."""
+        return self.pod_uid, self.container
+
     def cap_on(self, uuid: str, total: int | None) -> int | None:
         """The cap on GPU ``uuid``: none at all (0) on a GPU not assigned to the container."""
         if self.gpus is not None and uuid not in self.gpus:
@@ -225,7 +238,9 @@ def _names_nvidia_resource(container: client.V1Container) -> bool:
 def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
     """Container ID -> :class:`Tracked` for every started container of a gpuslice pod that has
     a memory cap (the webhook's limits annotation, else its env in the pod spec), and for the
-    pod's containers the webhook gave no GPU (``NVIDIA_VISIBLE_DEVICES=none``: no GPU, cap 0)."""
+    pod's containers the webhook gave no GPU (``NVIDIA_VISIBLE_DEVICES=none``: no GPU, cap 0).
+    A restarted container's previous instance (``lastState.terminated``) maps to it too: its
+    processes may still hold memory, and its samples are in the compute window."""
     out: dict[str, Tracked] = {}
     for pod in pods:
         meta, spec, status = pod.metadata, pod.spec, pod.status
@@ -241,6 +256,8 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
             ident = _container_id(st.container_id)
             if ident is None:
                 continue
+            ended = st.last_state.terminated if st.last_state else None
+            before = _container_id(ended.container_id) if ended else None
             text = annotations.get(names.limits_annotation(st.name))
             env = env_of.get(st.name, {})
             gpus: frozenset[str] | None = None
@@ -265,15 +282,18 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
             kind = "initContainers" if st.name in inits else "containers"
             out[ident] = Tracked(meta.namespace or "", meta.name or "", meta.uid or "",
                                  st.name, cap, f"spec.{kind}{{{st.name}}}", gpus, cores)
+            if before is not None and before != ident:
+                out.setdefault(before, out[ident])
     return out
 
 
 @dataclass(frozen=True)
 class Holding:
-    """What one container holds on one GPU, as NVML sees it."""
+    """What one container holds on one GPU, as NVML sees it (its instances together: one
+    restarted while a process of the old one still holds memory has two IDs)."""
 
     tracked: Tracked
-    container_id: str
+    container_ids: tuple[str, ...]
     uuid: str
     used_bytes: int
     cap_bytes: int | None
@@ -294,10 +314,12 @@ class Holding:
 
 @dataclass(frozen=True)
 class Load:
-    """One container's share of one GPU's time over the compute window, as NVML sees it."""
+    """One container's share of one GPU's time over the compute window, as NVML sees it (its
+    instances' together: a container that restarts within the window is one share, not one per
+    ID, each under the limit)."""
 
     tracked: Tracked
-    container_id: str
+    container_ids: tuple[str, ...]
     uuid: str
     percent: float
     """Its processes' summed share of the GPU's time over the covered part of the window."""
@@ -334,8 +356,11 @@ class _Episode:
     rounds: int = 0
     """Checks that found the container over its cap on the GPU, since the episode began."""
     under: int = 0
-    """Checks since then in a row that did not (the episode ends at ``Auditor.rounds``)."""
+    """Checks since then in a row that found it under (the episode ends at ``Auditor.rounds``);
+    a check that does not find the container at all is neither."""
     evicted: bool = False
+    seen: float = 0.0
+    """When a check last found the container on the GPU (monotonic)."""
 
 
 class Auditor:
@@ -380,8 +405,9 @@ class Auditor:
         """The compute sampler's pids: start time, place, when last seen alive (monotonic, and
         NVML's wall-clock µs)."""
         self._unknown: dict[str, float] = {}
-        self._episodes: dict[tuple[str, str, str], _Episode] = {}
-        """("memory" or "compute", container ID, GPU UUID) -> its episode over the limit."""
+        self._episodes: dict[tuple[str, str, str, str], _Episode] = {}
+        """("memory" or "compute", pod UID, container name, GPU UUID) -> its episode over the
+        limit (by name: a container that restarts goes on with its episode)."""
         self.last = AuditReport()
         self._warned_pid0 = False
         self.blind = shares_pid_namespace(proc_root) is False
@@ -478,10 +504,13 @@ class Auditor:
         # pod that no status names yet is looked up again at the next check, not remembered
         # as not ours (that hid new and restarted containers for UNKNOWN_TTL).
         listed = {p.metadata.uid for p in pods if p.metadata and p.metadata.uid}
-        reported = {_container_id(st.container_id) for p in pods if p.status
+        statuses = [st for p in pods if p.status
                     for st in [*(p.status.container_statuses or []),
                                *(p.status.init_container_statuses or []),
-                               *(p.status.ephemeral_container_statuses or [])]}
+                               *(p.status.ephemeral_container_statuses or [])]]
+        reported = {_container_id(st.container_id) for st in statuses} | {
+            _container_id(st.last_state.terminated.container_id) for st in statuses
+            if st.last_state and st.last_state.terminated}
         lagging = False
         for ident in missing - self._known.keys():
             if wanted[ident] in listed and ident not in reported:
@@ -505,7 +534,7 @@ class Auditor:
                         "containers' processes from the agent's PID namespace")
         complete = complete and not reused and all(g.processes is not None for g in gpus) \
             and not self.blind
-        held: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
+        held: dict[tuple[str, str, str], tuple[set[str], list[int], list[int], list[int]]] = {}
         unattributed: dict[str, int] = {}
         for g in gpus:
             unattributed[g.gpu.uuid] = 0
@@ -517,17 +546,19 @@ class Auditor:
                 if place is None or tracked is None or tracked.pod_uid != place[0]:
                     unattributed[g.gpu.uuid] += used or 0
                     continue
-                pids, unknown, size = held.setdefault((place[1], g.gpu.uuid), ([], [], [0]))
+                ids, pids, unknown, size = held.setdefault((*tracked.who, g.gpu.uuid),
+                                                           (set(), [], [], [0]))
+                ids.add(place[1])
                 pids.append(pid)
                 if used is None:
                     unknown.append(pid)
                 size[0] += used or 0
         totals = {g.gpu.uuid: g.total_bytes for g in gpus}
         holdings = tuple(
-            Holding(self._known[ident], ident, uuid, size[0],
-                    self._known[ident].cap_on(uuid, totals.get(uuid)), tuple(sorted(pids)),
+            Holding(self._tracked(ids), tuple(sorted(ids)), uuid, size[0],
+                    self._tracked(ids).cap_on(uuid, totals.get(uuid)), tuple(sorted(pids)),
                     tuple(sorted(unknown)))
-            for (ident, uuid), (pids, unknown, size) in sorted(held.items()))
+            for (_, _, uuid), (ids, pids, unknown, size) in sorted(held.items()))
         loads = self._loads(holdings, shares, coverage)
         self._forget(places, shares)
         complete = complete and not any(h.unknown_pids for h in holdings)
@@ -558,26 +589,35 @@ class Auditor:
                shares: Mapping[tuple[str, str, str], ComputeShare],
                coverage: Mapping[str, float]) -> tuple[Load, ...]:
         """Each container under a compute limit, on each GPU assigned to it where it ran or
-        holds memory, with its share of the GPU's time (0 where it had no sample)."""
+        holds memory, with its share of the GPU's time (0 where it had no sample; its
+        instances' shares summed)."""
         if self.compute is None:
             return ()
-        seen: dict[tuple[str, str], ComputeShare | None] = {}
+        ids: dict[tuple[str, str, str], set[str]] = {}
+        seen: dict[tuple[str, str, str], tuple[float, float, set[int]]] = {}
         for (pod, ident, uuid), share in shares.items():
             t = self._known.get(ident)
             if t is not None and t.pod_uid == pod:
-                seen[(ident, uuid)] = share
+                key = (*t.who, uuid)
+                ids.setdefault(key, set()).add(ident)
+                pct, covered, pids = seen.get(key, (0.0, 0.0, set()))
+                seen[key] = (pct + share.percent, max(covered, share.covered),
+                             pids | set(share.pids))
         for h in holdings:
-            seen.setdefault((h.container_id, h.uuid), None)
+            ids.setdefault((*h.tracked.who, h.uuid), set()).update(h.container_ids)
         out = []
-        for ident, uuid in sorted(seen):
-            t = self._known.get(ident)
-            got = seen[(ident, uuid)]
-            covered = got.covered if got else coverage.get(uuid, 0.0)
-            if t is None or t.cores is None or (t.gpus is not None and uuid not in t.gpus):
+        for key in sorted(ids):
+            t, uuid = self._tracked(ids[key]), key[2]
+            pct, covered, pids = seen.get(key, (0.0, coverage.get(uuid, 0.0), set()))
+            if t.cores is None or (t.gpus is not None and uuid not in t.gpus):
                 continue  # no limit; or a GPU not its own: the memory check's breach
-            out.append(Load(t, ident, uuid, got.percent if got else 0.0, t.cores, covered,
-                            covered >= COVERED * self.compute.window, got.pids if got else ()))
+            out.append(Load(t, tuple(sorted(ids[key])), uuid, pct, t.cores, covered,
+                            covered >= COVERED * self.compute.window, tuple(sorted(pids))))
         return tuple(out)
+
+    def _tracked(self, ids: Iterable[str]) -> Tracked:
+        """The container whose instances ``ids`` are (mapped, of one pod and name)."""
+        return self._known[min(ids)]
 
     def _places(self, gpus: list[GpuProcesses],
                 listed: int) -> tuple[dict[int, tuple[str, str]], set[int]]:
@@ -611,7 +651,9 @@ class Auditor:
     async def _act(self, report: AuditReport, unread: set[str], blind: bool = False) -> None:
         """Start, continue or end each container's over-the-limit episodes per GPU (memory and
         compute apart); an episode ends after ``rounds`` checks in a row under the limit (so one
-        that dips under now and then is still evicted), and a GPU whose list could not be read,
+        that dips under now and then is still evicted), or after ``ABSENT_TTL`` seconds in which
+        no check found the container on the GPU (one that is restarted meanwhile goes on with
+        it); a check that does not find it, a GPU whose list could not be read,
         a compute window not covered enough, or a check that read no GPU at all (NVML
         unavailable: ``blind``) changes nothing. A pod is asked for once: one evicted for one
         episode (memory, compute, another GPU) is not evicted again for
@@ -621,13 +663,14 @@ class Auditor:
             del self._evicted[uid]
         if blind:  # the compute window holds only what was sampled before: not news
             return
-        findings: list[tuple[tuple[str, str, str], bool, Holding | Load]] = [
-            (("memory", h.container_id, h.uuid), h.over(self.tolerance), h)
+        findings: list[tuple[tuple[str, str, str, str], bool, Holding | Load]] = [
+            (("memory", *h.tracked.who, h.uuid), h.over(self.tolerance), h)
             for h in report.holdings]
-        findings += [(("compute", c.container_id, c.uuid), c.over(self.compute_tolerance), c)
+        findings += [(("compute", *c.tracked.who, c.uuid), c.over(self.compute_tolerance), c)
                      for c in report.loads if c.judged]
-        unjudged = {("compute", c.container_id, c.uuid) for c in report.loads if not c.judged}
-        over_now: set[tuple[str, str, str]] = set()
+        unjudged = {("compute", *c.tracked.who, c.uuid) for c in report.loads if not c.judged}
+        over_now: set[tuple[str, str, str, str]] = set()
+        present = unjudged | {key for key, _, _ in findings}
         for key, is_over, found in findings:
             if not is_over:
                 continue
@@ -646,7 +689,14 @@ class Auditor:
                 if ep.evicted:
                     self._evicted.setdefault(pod_uid, now)
         for key, ep in list(self._episodes.items()):
-            if key in over_now or key in unjudged or (key[0] == "memory" and key[2] in unread):
+            if key in present:
+                ep.seen = now
+            elif now - ep.seen >= ABSENT_TTL:
+                del self._episodes[key]  # gone (or restarted less often than this) for good
+                continue
+            if key in over_now or key in unjudged or (key[0] == "memory" and key[3] in unread):
+                continue
+            if key not in present:  # not running now: neither over nor under its limit
                 continue
             ep.under += 1
             if ep.under >= self.rounds:
