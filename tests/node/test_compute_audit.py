@@ -315,6 +315,29 @@ async def test_a_container_restarted_within_the_window_is_one_share(tmp_path: Pa
         assert auditor.episodes == 1
 
 
+@pytest.mark.parametrize("ahead", [1_500_000, 4_500_000])
+async def test_a_sample_stamped_ahead_of_the_wall_clock_hides_no_later_ones(
+        tmp_path: Path, ahead: int) -> None:
+    """A sample stamped a few seconds ahead (within what is not garbage) is taken when the wall
+    clock reaches it: the next queries still ask from now, so the periods stamped meanwhile are
+    not skipped (a process sample moved the read position ahead and lost the container's
+    samples of the next seconds; a device sample made the GPU silent and restarted it)."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("steady", "30")
+    node.run_in(pod, "a", 500, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        gpus.run(auditor.compute, 5, {(0, 500): 50})
+        dev = node.nvml.devices[0]
+        dev.samples.append((900, gpus.stamp + ahead, 1))  # a host process's
+        dev.device_samples.append((gpus.stamp + ahead, 51))
+        gpus.run(auditor.compute, 20, {(0, 500): 50})
+        (load,) = (await auditor.check()).loads
+        assert auditor.compute.failures == 0
+        assert (load.judged, load.covered) == (True, WINDOW)
+        assert load.percent == pytest.approx(50, abs=1)
+
+
 async def test_a_burst_then_silence_is_averaged_over_the_window(tmp_path: Path) -> None:
     """A long kernel paid for afterwards (the library's debts): 100 % for 5 s, then nothing
     while the debt is paid. No process sample comes while nothing runs; the device's idle

@@ -60,7 +60,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from webhook.node.inventory import FUTURE_US, GpuUtilisation, Inventory
+from webhook.node.inventory import GpuUtilisation, Inventory
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ without samples would go to whichever had a few (a container with samples of 5 %
 on a GPU kept busy by something NVML gives no samples of)."""
 
 STEP_US = 1_000_000
-"""A wall clock behind the last poll's by more than this (µs) stepped back."""
+"""A wall clock behind the last poll's by more than this (µs) stepped back; so did one behind
+the newest sample taken (none is taken stamped past the wall clock) by more than this."""
 LATE_US = 2_000_000
 """How far before the newest per-process sample seen each query asks (µs): drivers stamp each
 pid's samples on its own schedule, so one can show up after a newer one of another pid's."""
@@ -182,7 +183,7 @@ class ComputeSampler:
             since = {}
             for uuid, t in self._tracks.items():
                 # the wall clock (NVML's stamps) stepped back: start again from what it keeps
-                if stepped or max(t.since, t.dev_since) > wall_us + FUTURE_US:
+                if stepped or max(t.since, t.dev_since) > wall_us + STEP_US:
                     t.since = t.dev_since = 0
                     t.seen = set()
                     t.restart()

@@ -34,9 +34,6 @@ import pynvml
 logger = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
-FUTURE_US = 5_000_000
-"""NVML samples stamped further than this past the wall clock are garbage (or the clock stepped
-back): dropped."""
 PERIOD_MAX_US = 1_000_000
 """The longest sample period drivers use (1/6 to 1 s): the most time one device sample speaks
 for."""
@@ -375,10 +372,12 @@ class Inventory:
                             wall_us: int | None = None) -> list[GpuUtilisation]:
         """Per GPU of the last discovery (empty without NVML): NVML's samples newer than
         ``since[uuid]`` = (per-process timestamp, device timestamp), µs, NVML's (0: all the
-        driver keeps), and the processes listed now. Samples above 100 % or stamped more than
-        :data:`FUTURE_US` past ``wall_us`` (now; garbage some drivers return for exited
-        processes) are dropped."""
-        limit = (int(time.time() * 1e6) if wall_us is None else wall_us) + FUTURE_US
+        driver keeps), and the processes listed now. Samples above 100 % are dropped, and so
+        are those stamped past ``wall_us`` (now): garbage some drivers return for exited
+        processes is stamped far ahead, and one a driver's clock put a little ahead is taken by
+        the first query after the wall clock reaches it (taken at once, it moved the next
+        queries' start past the periods stamped meanwhile, which were lost)."""
+        limit = int(time.time() * 1e6) if wall_us is None else wall_us
         with self._lock:
             if not self._initialised or not self._last.available:
                 return []
@@ -432,7 +431,7 @@ class Inventory:
         except _NO_SUCH_QUERY:
             return failed
         samples = [(int(x.pid), int(x.timeStamp), int(x.smUtil)) for x in found]
-        # old news some drivers repeat; garbage (over 100 %, stamped in the future)
+        # old news some drivers repeat; garbage (over 100 %); stamped past now (not yet)
         samples = [x for x in samples if since < x[1] <= limit and x[2] <= 100]
         newest = max([since, *(x[1] for x in samples)])
         listed = self._processes_locked(gpu).processes or {}
