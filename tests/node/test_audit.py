@@ -943,6 +943,52 @@ async def test_an_episode_ends_once_its_container_is_gone_long_enough(tmp_path: 
         assert auditor.episodes == 2 and kube.requests_to("POST", "/eviction") == []
 
 
+async def test_a_container_restarting_beside_one_over_its_cap_is_judged_apart(
+        tmp_path: Path) -> None:
+    """Episodes are per container name: ``a`` restarting under its cap neither joins nor
+    resets ``b``'s, which is evicted after its rounds."""
+    node, clock = Node(tmp_path), Clock()
+    lim = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}
+    pod = gpu_pod("two", {"a": lim, "b": lim})
+    uid = pod["metadata"]["uid"]
+    node.run_in(pod, "a", 10, {0: GIB // 2})
+    node.run_in(pod, "b", 20, {0: 2 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, action="evict", rounds=3, clock=clock)
+        for n in range(3):
+            clock.t += 10
+            if n:
+                restarted(pod, f"two/a/{n}")
+                kube.put(pod)
+                node.stop(10 + n - 1)
+                node.run(10 + n, systemd_cgroup(uid, cid(f"two/a/{n}")), {0: GIB // 2})
+            assert (await auditor.check()).complete
+        assert (auditor.episodes, auditor.evictions) == (1, 1)
+        assert {k[2] for k in auditor._episodes} == {"b"}
+
+
+async def test_an_unreadable_gpu_list_ends_no_episode_however_long(tmp_path: Path) -> None:
+    """A GPU whose process list cannot be read changes nothing, for 10 minutes too: readable
+    again, the container still over its cap goes on with its episode (no second Event)."""
+    node, clock = Node(tmp_path), Clock()
+    pod = one_gpu("stuck", 1024)
+    node.run_in(pod, "a", 990, {0: 2 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, action="evict", rounds=3, clock=clock)
+        await auditor.check()
+        dev = node.nvml.devices[0]
+        dev.fail["nvmlDeviceGetComputeRunningProcesses"] = pynvml.NVML_ERROR_UNKNOWN
+        for _ in range(int(ABSENT_TTL // 10)):
+            clock.t += 10
+            await auditor.check()
+        del dev.fail["nvmlDeviceGetComputeRunningProcesses"]
+        clock.t += 10
+        await auditor.check()
+        assert (auditor.episodes, auditor.events) == (1, 1)
+
+
 async def test_stopping_the_agent_does_not_wait_for_a_hung_check(tmp_path: Path) -> None:
     import asyncio
 

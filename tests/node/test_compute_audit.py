@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -336,6 +337,104 @@ async def test_a_sample_stamped_ahead_of_the_wall_clock_hides_no_later_ones(
         assert auditor.compute.failures == 0
         assert (load.judged, load.covered) == (True, WINDOW)
         assert load.percent == pytest.approx(50, abs=1)
+
+
+async def test_a_container_over_its_limit_in_every_run_is_evicted_across_its_crashes(
+        tmp_path: Path) -> None:
+    """Defaults (a 60 s window, a check every 10 s, 3 rounds). Each instance runs at 100 % (limit
+    60, tolerance 10) for 44 s, crashes, and is restarted 96 s later: 2 checks over per run.
+    The window's tail after a crash (no process of it on the GPU) and the next instance's first
+    window (it holds time it did not run) are no verdict: the episode goes on, the pod is
+    evicted in its second run (the tail and the ramp each ended the episode, and it never was)."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("crash", "60")
+    uid = pod["metadata"]["uid"]
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, pod, compute_window=60, compute_action="evict",
+                      rounds=3) as (kube, auditor):
+        gpus.run(auditor.compute, 60, {})
+        over = 0
+        for n in range(4):
+            if n:
+                restarted(pod, f"crash/a/{n}")
+                kube.put(pod)
+            ident = pod["status"]["containerStatuses"][0]["containerID"].split("//")[1]
+            pid = 600 + n
+            node.run(pid, systemd_cgroup(uid, ident), {0: GIB})
+            for second in range(1, 141):
+                if second == 45:  # crashed
+                    node.stop(pid)
+                    shutil.rmtree(node.proc / str(pid))
+                gpus.run(auditor.compute, 1, {(0, pid): 100} if second < 45 else {})
+                if second % 10 == 0:
+                    over += sum(c.over(10) for c in (await auditor.check()).loads)
+        assert over == 8
+        assert (auditor.episodes, auditor.evictions) == (1, 1)
+        assert len(kube.requests_to("POST", r"/namespaces/ml/pods/crash/eviction$")) == 1
+
+
+async def test_a_gone_containers_samples_left_in_the_window_do_not_end_its_episode(
+        tmp_path: Path) -> None:
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("gone", "30")
+    node.run_in(pod, "a", 700, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, pod, rounds=3) as (_kube, auditor):
+        gpus.run(auditor.compute, 20, {(0, 700): 90})
+        await auditor.check()
+        assert len(auditor._episodes) == 1
+        node.stop(700)
+        shutil.rmtree(node.proc / "700")
+        seen = []
+        for _ in range(9):  # its share falls under the limit as its samples leave the window
+            gpus.run(auditor.compute, 2, {})
+            seen += [round(c.percent) for c in (await auditor.check()).loads]
+        assert seen[-1] < 30 and len(auditor._episodes) == 1, seen
+
+
+async def test_a_driver_clock_ahead_loses_no_sample_of_an_exited_process(tmp_path: Path) -> None:
+    """The driver stamps its samples 4 s ahead of the agent's wall clock: they are taken once
+    the wall clock reaches them, after the process is gone; it was last seen alive at the
+    driver's clock, so its last samples are still its container's (30 % of the window, not
+    24 %)."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("short", "30")
+    node.run_in(pod, "a", 800, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        auditor.compute._wall = lambda: gpus.wall() - 4.0
+        gpus.run(auditor.compute, 10, {})
+        gpus.run(auditor.compute, 10, {(0, 800): 60})
+        node.stop(800)
+        shutil.rmtree(node.proc / "800")
+        gpus.run(auditor.compute, 8, {})
+        (load,) = (await auditor.check()).loads
+        assert load.judged and round(load.percent) == 30, auditor.last.compute_unattributed
+
+
+async def test_a_driver_clock_ahead_is_no_silence_when_the_gpu_gets_busy(tmp_path: Path) -> None:
+    """A driver that gives no device sample for idle periods, its clock 3.5 s ahead: idle for
+    20 s, then busy. The first busy periods are stamped past the wall clock, found but not
+    taken yet for 4 polls: periods did end, so that is no silence (it was a failure, the GPU
+    started again)."""
+    node, clock = Node(tmp_path), Clock()
+    pod = cores_pod("ahead", "30")
+    node.run_in(pod, "a", 950, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, pod) as (_kube, auditor):
+        sampler = auditor.compute
+        sampler._wall = lambda: gpus.wall() - 3.5
+        dev = node.nvml.devices[0]
+        for second in range(40):
+            clock.t += 1.0
+            gpus.stamp += 1_000_000
+            busy = 50 if second >= 20 else 0
+            if busy:  # no sample for an idle period
+                dev.samples.append((950, gpus.stamp, busy))
+                dev.device_samples.append((gpus.stamp, busy))
+            dev.util = busy
+            sampler.poll()
+        assert sampler.failures == 0
 
 
 async def test_a_burst_then_silence_is_averaged_over_the_window(tmp_path: Path) -> None:

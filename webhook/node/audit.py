@@ -30,9 +30,10 @@ in ``--over-limit-rounds`` checks of one episode is evicted through the Eviction
 PodDisruptionBudgets hold: a refused eviction is retried at the next check; the pod's UID is
 its precondition, so a pod made since under the same name is not evicted). An episode ends
 after as many checks in a row under the cap, so dipping under now and then does not evade it;
-a check that finds no process of the container on the GPU counts as neither, and episodes are
-the pod's container's, not one instance's (its ID), so crashing and being restarted does not
-evade it either (an episode absent for ``ABSENT_TTL`` ends).
+a check that finds no process of the container on the GPU counts as neither (nor, for compute,
+one before the container has run on the GPU for a whole window: the window holds time it did
+not run), and episodes are the pod's container's, not one instance's (its ID), so crashing and
+being restarted does not evade it either (an episode absent for ``ABSENT_TTL`` ends).
 
 The pod list is read only when a process belongs to a container the check has not mapped yet
 (a container ID maps to one pod container for ever); IDs found in no gpuslice pod are
@@ -408,6 +409,9 @@ class Auditor:
         self._episodes: dict[tuple[str, str, str, str], _Episode] = {}
         """("memory" or "compute", pod UID, container name, GPU UUID) -> its episode over the
         limit (by name: a container that restarts goes on with its episode)."""
+        self._running: dict[tuple[str, str, str], float] = {}
+        """(pod UID, container name, GPU UUID) -> since when the checks have found a process of
+        the container on the GPU, every check (monotonic)."""
         self.last = AuditReport()
         self._warned_pid0 = False
         self.blind = shares_pid_namespace(proc_root) is False
@@ -670,7 +674,12 @@ class Auditor:
                      for c in report.loads if c.judged]
         unjudged = {("compute", *c.tracked.who, c.uuid) for c in report.loads if not c.judged}
         over_now: set[tuple[str, str, str, str]] = set()
-        present = unjudged | {key for key, _, _ in findings}
+        # a container is on a GPU while a process of it is (a compute share still holds the
+        # samples of one gone: under the limit for the rest of the window, it is not running)
+        live = {(*h.tracked.who, h.uuid) for h in report.holdings}
+        self._running = {k: since for k, since in self._running.items() if k[2] in unread} | {
+            k: self._running.get(k, now) for k in live}
+        present = {(kind, *k) for k in live for kind in ("memory", "compute")}
         for key, is_over, found in findings:
             if not is_over:
                 continue
@@ -689,7 +698,7 @@ class Auditor:
                 if ep.evicted:
                     self._evicted.setdefault(pod_uid, now)
         for key, ep in list(self._episodes.items()):
-            if key in present:
+            if key in present or (key[0] == "memory" and key[3] in unread):
                 ep.seen = now
             elif now - ep.seen >= ABSENT_TTL:
                 del self._episodes[key]  # gone (or restarted less often than this) for good
@@ -698,6 +707,9 @@ class Auditor:
                 continue
             if key not in present:  # not running now: neither over nor under its limit
                 continue
+            if key[0] == "compute" and self.compute is not None and \
+                    now - self._running[key[1:]] < self.compute.window:
+                continue  # the window holds time it did not run (a restart): not a verdict
             ep.under += 1
             if ep.under >= self.rounds:
                 del self._episodes[key]

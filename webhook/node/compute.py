@@ -33,7 +33,9 @@ is not judged. A driver without the device's sample
 buffer gives the last period's utilisation instead (``nvmlDeviceGetUtilizationRates``: a
 snapshot per poll, which a workload whose cycle matches the poll's can alias). A failing query
 covers nothing and starts the GPU again (what the driver kept meanwhile is not placed), and so
-does a GPU with no new period for :data:`SILENCE` seconds (logged). :meth:`ComputeSampler.snapshot`
+does a GPU with no new period for :data:`SILENCE` seconds (logged), unless its periods are
+stamped ahead of the wall clock (a driver's clock up to ``inventory.AHEAD_US`` ahead: they are
+taken when the wall clock reaches them, and a process seen alive is so by the driver's clock). :meth:`ComputeSampler.snapshot`
 answers, per container and GPU, the share over the last ``window`` seconds and how much of the
 window the spans cover; the auditor judges a share only over a window mostly covered
 (:data:`COVERED`).
@@ -198,7 +200,9 @@ class ComputeSampler:
                 stamps[pid] = max(stamps.get(pid, 0), stamp)
             for pid in u.running:
                 stamps.setdefault(pid, 0)
-        places = self._place(stamps, listed, wall_us)
+        # now by the driver's clock, which may be ahead of ours: a process alive now was alive
+        # at the stamps its samples waiting to be taken will have (placed by that, later)
+        places = self._place(stamps, listed, max([wall_us, *(u.clock_us for u in found)]))
         with self._lock:
             if not found:  # NVML unavailable: nothing to tell, nothing forgotten
                 for track in self._tracks.values():
@@ -249,7 +253,7 @@ class ComputeSampler:
             track.last = now
             track.weights, track.total, track.pids, track.polls = {}, 0.0, {}, 0
             track.silent = False
-        elif now - track.last >= SILENCE:  # no period ended for that long: no figure
+        elif now - track.last >= SILENCE and not u.ahead:  # no period ended for that long
             self.failures += 1
             if not track.silent:
                 track.silent = True

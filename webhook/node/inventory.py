@@ -34,6 +34,9 @@ import pynvml
 logger = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+AHEAD_US = 5_000_000
+"""Samples stamped up to this far past the wall clock are a driver's clock ahead of it (taken
+once the wall clock reaches them); further, garbage (some drivers' for exited processes)."""
 PERIOD_MAX_US = 1_000_000
 """The longest sample period drivers use (1/6 to 1 s): the most time one device sample speaks
 for."""
@@ -101,7 +104,10 @@ class GpuUtilisation:
     samples' newest timestamp. ``device_busy_us``: the µs those samples say the GPU was busy
     (None without them): over a poll's time, time no sample speaks for counts idle. ``idle``:
     no period ended and the driver's last one read 0 % (nothing ran). ``running``: the processes
-    NVML lists on the GPU now (to place them while they live)."""
+    NVML lists on the GPU now (to place them while they live). ``ahead``: device samples
+    stamped past the wall clock (by at most :data:`AHEAD_US`) wait to be taken: periods did
+    end, by a driver's clock a little ahead. ``clock_us``: the driver's clock as the samples
+    show it (their newest stamp, those waiting included; 0: none)."""
 
     gpu: Gpu
     samples: list[tuple[int, int, int]] | None
@@ -111,6 +117,8 @@ class GpuUtilisation:
     running: frozenset[int] = frozenset()
     idle: bool = False
     device_busy_us: float | None = None
+    ahead: bool = False
+    clock_us: int = 0
 
 
 def busy_time(values: list[tuple[int, int]], since: int) -> tuple[float, float]:
@@ -397,13 +405,19 @@ class Inventory:
         device_busy: float | None = None
         dev_newest = dev_since
         idle = False
+        ahead = False
+        clock_us = 0
         try:
             kind, got = self._twice(nvml.nvmlDeviceGetSamples, handle,
                                     pynvml.NVML_GPU_UTILIZATION_SAMPLES, dev_since)
             if kind != pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
                 return failed
             values = sorted({int(x.timeStamp): int(x.sampleValue.uiVal) for x in got}.items())
-            values = [(t, v) for t, v in values if dev_since < t <= limit and v <= 100]
+            values = [(t, v) for t, v in values if dev_since < t <= limit + AHEAD_US and v <= 100]
+            if values:
+                clock_us = values[-1][0]
+                ahead = clock_us > limit
+                values = [(t, v) for t, v in values if t <= limit]
             if values:
                 device_busy, spoken = busy_time(values, dev_since)
                 device = 100 * device_busy / max(1.0, spoken)
@@ -431,12 +445,14 @@ class Inventory:
         except _NO_SUCH_QUERY:
             return failed
         samples = [(int(x.pid), int(x.timeStamp), int(x.smUtil)) for x in found]
-        # old news some drivers repeat; garbage (over 100 %); stamped past now (not yet)
-        samples = [x for x in samples if since < x[1] <= limit and x[2] <= 100]
+        # old news some drivers repeat; garbage (over 100 %, stamped far ahead)
+        samples = [x for x in samples if since < x[1] <= limit + AHEAD_US and x[2] <= 100]
+        clock_us = max([clock_us, *(x[1] for x in samples)])
+        samples = [x for x in samples if x[1] <= limit]  # stamped past now: not yet
         newest = max([since, *(x[1] for x in samples)])
         listed = self._processes_locked(gpu).processes or {}
         return GpuUtilisation(gpu, samples, newest, device, dev_newest, frozenset(listed), idle,
-                              device_busy)
+                              device_busy, ahead, clock_us)
 
     def _idle_now(self, handle: Any) -> bool:
         """The driver's last period read 0 % (nvmlDeviceGetUtilizationRates): nothing ran."""
