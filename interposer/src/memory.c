@@ -545,8 +545,11 @@ GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_
     if (!pHandle || !pMipmappedArrayDesc) return CUDA_ERROR_INVALID_VALUE;
     const CUDA_ARRAY3D_DESCRIPTOR *a = pMipmappedArrayDesc;
     uint64_t bytes = 0;
+    /* a layered array's depth counts its layers, a cubemap's its faces (six per cube): every
+     * level has them all; only a 3D array's depth halves with the level */
+    int layers = (a->Flags & (0x01 /* CUDA_ARRAY3D_LAYERED */ | 0x04 /* CUDA_ARRAY3D_CUBEMAP */)) != 0;
     for (unsigned l = 0; l < numMipmapLevels && l < 64; l++) {
-        size_t w = a->Width >> l, h = a->Height >> l, d = a->Depth >> l;
+        size_t w = a->Width >> l, h = a->Height >> l, d = layers ? a->Depth : a->Depth >> l;
         uint64_t level = array_bytes(w ? w : 1, h ? h : 1, d ? d : 1, a->Format, a->NumChannels);
         bytes = gs_add_sat(bytes, level);
     }

@@ -818,6 +818,15 @@ int main(int argc, char **argv)
             CUresult rc = api.cuMipmappedArrayCreate(&m, &d, (unsigned)atoi(ARG(2)));
             remember("mipmap", rc, A_MIPMAP, (uint64_t)(uintptr_t)m);
             i += 3;
+        } else if (!strcmp(c, "mipmap3d")) {
+            /* mipmap3d W H D FLAGS LEVELS FORMAT CHANNELS: any descriptor (layered, cubemap) */
+            CUDA_ARRAY3D_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), size_arg(ARG(2)),
+                                         (CUarray_format)strtol(ARG(5), NULL, 0), (unsigned)atoi(ARG(6)),
+                                         (unsigned)strtol(ARG(3), NULL, 0)};
+            CUmipmappedArray m = NULL;
+            CUresult rc = api.cuMipmappedArrayCreate(&m, &d, (unsigned)atoi(ARG(4)));
+            remember("mipmap3d", rc, A_MIPMAP, (uint64_t)(uintptr_t)m);
+            i += 7;
         } else if (!strcmp(c, "free") || !strcmp(c, "freesync")) {
             int id = atoi(ARG(0));
             uint64_t h = allocs[id].handle;

@@ -28,6 +28,11 @@ ALLOCATIONS = {
     "array": (["array", "1024", "1024"], 16 * MIB),          # float4: 16 bytes per element
     "array3d": (["array3d", "256", "256", "64"], 4 * MIB),   # uint8, 1 channel
     "mipmap": (["mipmap", "1024", "1024", "3"], 4 * MIB + 2 * MIB),  # half2: 4 B, levels 4+1+0.25 MiB
+    # every level has all the layers (faces): 1D layered, float4, 256 layers of 4096+2048+1024
+    # elements (28 MiB; layers halved with the level it was charged 21 MiB); a cubemap, uint8,
+    # six faces of 2048^2+1024^2+512^2 (31.5 MiB; charged 27.25)
+    "mipmap-layered": (["mipmap3d", "4096", "0", "256", "0x01", "3", "0x20", "4"], 28 * MIB),
+    "mipmap-cubemap": (["mipmap3d", "2048", "2048", "6", "0x04", "3", "0x01", "1"], 31 * MIB + MIB // 2),
 }
 
 

@@ -1717,7 +1717,8 @@ API CUresult cuMipmappedArrayCreate(CUmipmappedArray *h, const CUDA_ARRAY3D_DESC
     if (!h || !d || !d->Width || !levels) return CUDA_ERROR_INVALID_VALUE;
     uint64_t bytes = 0;
     for (unsigned l = 0; l < levels; l++) {
-        uint64_t w = d->Width >> l, hh = d->Height >> l, dd = d->Depth >> l;
+        /* layers and cube faces do not shrink with the level, a 3D array's depth does */
+        uint64_t w = d->Width >> l, hh = d->Height >> l, dd = d->Flags & 0x05 ? d->Depth : d->Depth >> l;
         bytes += (w ? w : 1) * (hh ? hh : 1) * (dd ? dd : 1) * elem_bytes(d->Format, d->NumChannels);
     }
     if (d->Flags & 0xc0) bytes = 0;
