@@ -376,6 +376,18 @@ def test_pool_growth_past_the_cap_is_undone(lab):
     assert res.values("meminfo")[0] == GIB - 40 * MIB
 
 
+@pytest.mark.parametrize("scenario", ["reuse", "many"])
+def test_a_contexts_end_takes_only_its_own_records(built, scenario):
+    """``tests/allocmaptest.c``: the records a destroyed context leaves are found and removed in
+    one hold of the table's lock. reuse: another thread's allocation in another context lands
+    at one of its (freed) addresses meanwhile; its record was taken for the old context's
+    (its charge returned, the allocation uncharged for its life). many: exactly its records go
+    among 20,000 of two contexts."""
+    out = subprocess.run([str(built / "tests" / "allocmaptest"), scenario], capture_output=True,
+                         text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_destroying_a_pool_returns_its_charge(lab):
     res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "pooldestroy", "meminfo",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")
