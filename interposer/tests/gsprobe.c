@@ -795,6 +795,30 @@ int main(int argc, char **argv)
             m.deviceBitMask = 1;
             printf("%s %d\n", c, api.cuMemMapArrayAsync(&m, 1, NULL));
             i += map ? 3 : 2;
+        } else if (!strcmp(c, "amaplist")) {
+            /* amaplist ARRAY N OP VMM X ...: one cuMemMapArrayAsync call of N operations (at most 8):
+             * OP m maps allocation VMM (-1: a handle that is no allocation) into the 64x64 tile at
+             * x = X, OP u unmaps that tile (VMM ignored) */
+            int n = atoi(ARG(1));
+            CUarrayMapInfo ms[8];
+            memset(ms, 0, sizeof(ms));
+            for (int k = 0; k < n && k < 8; k++) {
+                CUarrayMapInfo *m = &ms[k];
+                int map = ARG(2 + 3 * k)[0] == 'm', id = atoi(ARG(3 + 3 * k));
+                m->resourceType = CU_RESOURCE_TYPE_ARRAY;
+                m->resource.array = (CUarray)(uintptr_t)allocs[atoi(ARG(0))].handle;
+                m->subresourceType = CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_SPARSE_LEVEL;
+                m->subresource.sparseLevel.offsetX = (unsigned)atoi(ARG(4 + 3 * k));
+                m->subresource.sparseLevel.extentWidth = 64;
+                m->subresource.sparseLevel.extentHeight = 64;
+                m->subresource.sparseLevel.extentDepth = 1;
+                m->memOperationType = map ? CU_MEM_OPERATION_TYPE_MAP : CU_MEM_OPERATION_TYPE_UNMAP;
+                m->memHandleType = CU_MEM_HANDLE_TYPE_GENERIC;
+                if (map) m->memHandle.memHandle = id < 0 ? 0xdead : allocs[id].handle;
+                m->deviceBitMask = 1;
+            }
+            printf("amaplist %d\n", api.cuMemMapArrayAsync(ms, (unsigned)(n < 8 ? n : 8), NULL));
+            i += 2 + 3 * n;
         } else if (!strcmp(c, "array")) {
             CUDA_ARRAY_DESCRIPTOR d = {size_arg(ARG(0)), size_arg(ARG(1)), 0x20, 4};
             CUDA_ARRAY_DESCRIPTOR_v1 d1 = {(unsigned)d.Width, (unsigned)d.Height, d.Format, d.NumChannels};

@@ -130,6 +130,33 @@ def test_a_failing_array_mapping_counts_nothing(lab):
     assert [vals for _, vals in res.of("meminfo")] == [[GIB - 300 * MIB, GIB], [GIB, GIB]]
 
 
+def test_a_list_of_array_mappings_is_counted_in_its_order(lab):
+    # one call maps a 300 MiB allocation into a tile and unmaps the tile again: the handle
+    # released after it is freed, and its charge returns (it stayed: the unmap found nothing to
+    # take before the call)
+    res = lab.run("init", "ctx", "0", *SPARSE, "vmm", "300m", "0",
+                  "amaplist", "0", "2", "m", "1", "0", "u", "0", "0", "free", "1", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("amaplist") == 0 and res.rc("free") == 0
+    assert res.values("meminfo") == [GIB, GIB] and res.values("phys") == [0]
+
+
+def test_a_list_of_array_mappings_failing_part_way_keeps_what_it_mapped(lab):
+    # each call maps a 300 MiB allocation, then a handle that is none (refused); the handle is
+    # released after it: the first mapping holds its memory (the driver does not say a list is
+    # all or nothing), so it stays charged and the fourth cannot be made (four held 1200 MiB
+    # under a 1 GiB cap, none charged)
+    cmds = ["init", "ctx", "0", *SPARSE]
+    for i in range(4):
+        cmds += ["vmm", "300m", "0", "amaplist", "0", "2", "m", str(i + 1), str(128 * i),
+                 "m", "-1", str(128 * i + 64), "free", str(i + 1)]
+    res = lab.run(*cmds, "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("vmm")] == [0, 0, 0, OOM]
+    assert [rc for rc, _ in res.of("amaplist")][:3] == [1, 1, 1]  # CUDA_ERROR_INVALID_VALUE
+    used, phys = GIB - res.values("meminfo")[0], res.values("phys")[0]
+    assert used == phys == 900 * MIB
+
+
 def test_allocation_over_the_cap_fails_with_out_of_memory_and_charges_nothing(lab):
     res = lab.run("init", "ctx", "0", "alloc", "700m", "alloc", "400m", "meminfo", "alloc", "300m",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")
