@@ -208,9 +208,10 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
     gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
     CUresult rc = real_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     if (rc != CUDA_SUCCESS) {
+        rc = rollback(rc, slot, charge); /* before the ends, as GS_CHARGED_ALLOC: no clean reading between */
         gs_inflight_end();
         gs_unsettled_end();
-        return rollback(rc, slot, charge);
+        return rc;
     }
     uint64_t actual = *pPitch <= UINT64_MAX / Height ? gs_charge_size((uint64_t)*pPitch * Height) : UINT64_MAX;
     int ok = 1;
