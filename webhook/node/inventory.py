@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -381,19 +381,22 @@ class Inventory:
         """Per GPU of the last discovery (empty without NVML): NVML's samples newer than
         ``since[uuid]`` = (per-process timestamp, device timestamp), µs, NVML's (0: all the
         driver keeps), and the processes listed now. Samples above 100 % are dropped, and so
-        are those stamped past ``wall_us`` (now): garbage some drivers return for exited
-        processes is stamped far ahead, and one a driver's clock put a little ahead is taken by
-        the first query after the wall clock reaches it (taken at once, it moved the next
-        queries' start past the periods stamped meanwhile, which were lost)."""
-        limit = int(time.time() * 1e6) if wall_us is None else wall_us
+        are those stamped past now (``wall_us`` when the queries began, plus the time they
+        took: a period may end during them): garbage some drivers return for exited processes
+        is stamped far ahead, and one a driver's clock put a little ahead is taken by the first
+        query after the wall clock reaches it (taken at once, it moved the next queries' start
+        past the periods stamped meanwhile, which were lost)."""
+        wall = int(time.time() * 1e6) if wall_us is None else wall_us
+        began = time.monotonic()
         with self._lock:
             if not self._initialised or not self._last.available:
                 return []
-            return [self._utilisation_locked(gpu, *since.get(gpu.uuid, (0, 0)), limit)
+            return [self._utilisation_locked(gpu, *since.get(gpu.uuid, (0, 0)),
+                                             lambda: wall + int((time.monotonic() - began) * 1e6))
                     for gpu in self._last.gpus]
 
     def _utilisation_locked(self, gpu: Gpu, since: int, dev_since: int,
-                            limit: int) -> GpuUtilisation:
+                            now: Callable[[], int]) -> GpuUtilisation:
         nvml = self._nvml
         failed = GpuUtilisation(gpu, None, since, None, dev_since)
         try:
@@ -405,23 +408,13 @@ class Inventory:
         device_busy: float | None = None
         dev_newest = dev_since
         idle = False
-        ahead = False
-        clock_us = 0
+        values: list[tuple[int, int]] = []
         try:
             kind, got = self._twice(nvml.nvmlDeviceGetSamples, handle,
                                     pynvml.NVML_GPU_UTILIZATION_SAMPLES, dev_since)
             if kind != pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
                 return failed
             values = sorted({int(x.timeStamp): int(x.sampleValue.uiVal) for x in got}.items())
-            values = [(t, v) for t, v in values if dev_since < t <= limit + AHEAD_US and v <= 100]
-            if values:
-                clock_us = values[-1][0]
-                ahead = clock_us > limit
-                values = [(t, v) for t, v in values if t <= limit]
-            if values:
-                device_busy, spoken = busy_time(values, dev_since)
-                device = 100 * device_busy / max(1.0, spoken)
-                dev_newest = values[-1][0]
         except pynvml.NVMLError_NotFound:
             idle = self._idle_now(handle)  # no period ended since then
         except _NO_SUCH_QUERY:  # no sample buffer: the utilisation of the last period, now
@@ -444,6 +437,15 @@ class Inventory:
             found = []
         except _NO_SUCH_QUERY:
             return failed
+        limit = now()  # after the queries: a period may have ended during them
+        values = [(t, v) for t, v in values if dev_since < t <= limit + AHEAD_US and v <= 100]
+        clock_us = values[-1][0] if values else 0
+        ahead = clock_us > limit
+        values = [(t, v) for t, v in values if t <= limit]
+        if values:
+            device_busy, spoken = busy_time(values, dev_since)
+            device = 100 * device_busy / max(1.0, spoken)
+            dev_newest = values[-1][0]
         samples = [(int(x.pid), int(x.timeStamp), int(x.smUtil)) for x in found]
         # old news some drivers repeat; garbage (over 100 %, stamped far ahead)
         samples = [x for x in samples if since < x[1] <= limit + AHEAD_US and x[2] <= 100]
