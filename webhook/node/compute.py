@@ -35,8 +35,8 @@ snapshot per poll, which a workload whose cycle matches the poll's can alias). A
 covers nothing and starts the GPU again (what the driver kept meanwhile is not placed), and so
 does a GPU with no new period for :data:`SILENCE` seconds (logged), unless its periods are
 stamped ahead of the wall clock (a driver's clock up to ``inventory.AHEAD_US`` ahead: they are
-taken when the wall clock reaches them, and a process seen alive is so by the driver's clock). :meth:`ComputeSampler.snapshot`
-answers, per container and GPU, the share over the last ``window`` seconds and how much of the
+taken when the wall clock reaches them, and a process seen alive is so by the driver's clock).
+:meth:`ComputeSampler.snapshot` answers, per container and GPU, the share over the last ``window`` seconds and how much of the
 window the spans cover; the auditor judges a share only over a window mostly covered
 (:data:`COVERED`).
 
