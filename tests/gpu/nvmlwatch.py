@@ -188,8 +188,8 @@ class ShareWatch(_Sampling):
         self.t0 = time.monotonic()
         real = self.inventory.process_utilisation
 
-        def traced(since: Any, wall_us: int) -> Any:
-            found = real(since, wall_us)
+        def traced(since: Any, wall_us: int, read_at: float | None = None) -> Any:
+            found = real(since, wall_us, read_at)
             self.trace.append({"t": round(time.monotonic() - self.t0, 2), "gpus": [
                 {"device": u.device, "dev_newest": u.dev_newest, "samples": u.samples}
                 for u in found[:1]]})

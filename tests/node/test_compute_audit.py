@@ -603,11 +603,11 @@ async def test_the_agent_samples_every_second_and_serves_the_share(
                          compute_window=20)
     stamp = [1_000]
 
-    def utilisation(since: Any, wall_us: int) -> Any:
+    def utilisation(since: Any, wall_us: int, read_at: float | None = None) -> Any:
         stamp[0] = max(stamp[0] + 1, wall_us)  # a new period at every query, the process busy
         node.nvml.devices[0].samples.append((60, stamp[0], 80))
         node.nvml.devices[0].device_samples.append((stamp[0], 80))
-        return real(since, wall_us)
+        return real(since, wall_us, read_at)
 
     real = node.inventory.process_utilisation
     monkeypatch.setattr(node.inventory, "process_utilisation", utilisation)

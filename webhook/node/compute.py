@@ -178,7 +178,7 @@ class ComputeSampler:
         """One query per GPU: the processes' samples (and the processes NVML lists) are placed
         into their containers and added up; when the device has new sample periods, the time
         since the last span becomes one."""
-        wall_us = int(self._wall() * 1e6)
+        wall_us, read_at = int(self._wall() * 1e6), time.monotonic()
         stepped = wall_us < self._last_wall - STEP_US
         self._last_wall = wall_us
         with self._lock:
@@ -191,7 +191,7 @@ class ComputeSampler:
                     t.restart()
                 since[uuid] = (max(0, t.since - LATE_US), t.dev_since)
         listed = self._boot_clock()
-        found = self._inventory.process_utilisation(since, wall_us)
+        found = self._inventory.process_utilisation(since, wall_us, read_at)
         now = self._clock()
         # placed now, and the listed ones while they live: a process that ran may end soon
         stamps: dict[int, int] = {}

@@ -377,17 +377,18 @@ class Inventory:
         return GpuProcesses(gpu, total, held)
 
     def process_utilisation(self, since: Mapping[str, tuple[int, int]],
-                            wall_us: int | None = None) -> list[GpuUtilisation]:
+                            wall_us: int | None = None,
+                            read_at: float | None = None) -> list[GpuUtilisation]:
         """Per GPU of the last discovery (empty without NVML): NVML's samples newer than
         ``since[uuid]`` = (per-process timestamp, device timestamp), µs, NVML's (0: all the
         driver keeps), and the processes listed now. Samples above 100 % are dropped, and so
-        are those stamped past now (``wall_us`` when the queries began, plus the time they
-        took: a period may end during them): garbage some drivers return for exited processes
+        are those stamped past now (``wall_us``, read at ``time.monotonic()`` ``read_at``, plus
+        the time since: a period may end during the queries): garbage some drivers return for exited processes
         is stamped far ahead, and one a driver's clock put a little ahead is taken by the first
         query after the wall clock reaches it (taken at once, it moved the next queries' start
         past the periods stamped meanwhile, which were lost)."""
+        began = time.monotonic() if read_at is None or wall_us is None else read_at
         wall = int(time.time() * 1e6) if wall_us is None else wall_us
-        began = time.monotonic()
         with self._lock:
             if not self._initialised or not self._last.available:
                 return []
