@@ -4,12 +4,12 @@
  *
  * Memory cap of the container's device i (i = the device's index inside the
  * container, NVML order, which CUDA_VISIBLE_DEVICES does not change):
- *   CUDA_DEVICE_MEMORY_LIMIT_<i>, else CUDA_DEVICE_MEMORY_LIMIT (HAMi-core
+ *   CUDA_DEVICE_MEMORY_LIMIT_<i> above 0, else CUDA_DEVICE_MEMORY_LIMIT (HAMi-core
  *   syntax: a number of bytes with an optional k/m/g/t suffix, binary units),
  *   else GPUSLICE_MEMORY_PERCENT (1..100) of the device's real total (NVML's
  *   total, the figure the node agent publishes; cuDeviceTotalMem without NVML).
- * Compute: CUDA_DEVICE_SM_LIMIT_<i>, else CUDA_DEVICE_SM_LIMIT (percent of
- *   GPU time; 0, 100 or more = no limit).
+ * Compute: CUDA_DEVICE_SM_LIMIT_<i> above 0, else CUDA_DEVICE_SM_LIMIT (percent of
+ *   GPU time, a '%' after it allowed; 0, 100 or more = no limit).
  * Region file: CUDA_DEVICE_MEMORY_SHARED_CACHE, else /tmp/gpuslice-<uid>.region.
  * GPUSLICE_RECONCILE_MARGIN: see reconcile.c (size syntax, default 256m).
  * GPUSLICE_SM_LIMIT_MODE: "throughput" (default: GPU time is charged with the
@@ -319,6 +319,46 @@ static const char *env_indexed(const char *name, unsigned index, char *buf, size
     return limit_value(name);
 }
 
+/* The value of NAME_<index> where it is set, else of NAME, parsed into *out (0 where neither
+ * is usable).  An indexed value that is unreadable or 0 falls back to NAME, as HAMi-core takes
+ * an indexed value only above 0 (an indexed 0 lifted the container-wide cap, and a bad one the
+ * compute limit; found by review).  Returns the value used, or NULL. */
+static const char *indexed_value(const char *name, unsigned index, int (*parse)(const char *, uint64_t *),
+                                 const char *expected, uint64_t *out)
+{
+    char key[96];
+    const char *v = env_indexed(name, index, key, sizeof(key)), *all = limit_value(name);
+    *out = 0;
+    if (v && v != all) {
+        if (parse(v, out) == 0 && *out) return v;
+        if (parse(v, out) != 0)
+            GS_ERROR("ignoring %s value '%s' (expected %s)%s%s%s", key, v, expected, all ? "; " : "", all ? name : "",
+                     all ? " applies" : "");
+        v = all;
+    }
+    if (v && parse(v, out) != 0) {
+        GS_ERROR("ignoring %s value '%s' (expected %s)", name, v, expected);
+        v = NULL;
+    }
+    if (!v) *out = 0;
+    return v;
+}
+
+/* A percentage: digits, a '%' after them or not, spaces around */
+static int parse_percent(const char *text, uint64_t *out)
+{
+    char buf[32];
+    size_t n = strlen(text);
+    while (n && isspace((unsigned char)text[n - 1])) n--;
+    if (n && text[n - 1] == '%') n--;
+    if (!n || n >= sizeof(buf)) return -1;
+    memcpy(buf, text, n);
+    buf[n] = '\0';
+    for (const char *p = buf; *p; p++)
+        if (isalpha((unsigned char)*p)) return -1; /* no size suffix */
+    return gs_parse_size(buf, out);
+}
+
 /* GPUSLICE_MEMORY_PERCENT of total; 0 = not set, invalid or unresolvable. */
 static uint64_t env_percent_cap(uint64_t total)
 {
@@ -338,18 +378,9 @@ static uint64_t env_percent_cap(uint64_t total)
 
 uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total)
 {
-    char key[96];
-    uint64_t limit = 0;
-    const char *v = env_indexed("CUDA_DEVICE_MEMORY_LIMIT", container_index, key, sizeof(key));
-    if (v && gs_parse_size(v, &limit) != 0) {
-        /* an unreadable per-device value must not lift the container-wide cap */
-        const char *all = limit_value("CUDA_DEVICE_MEMORY_LIMIT");
-        int indexed = v != all;
-        GS_ERROR("ignoring %s value '%s' (expected e.g. 10240m or 10g)%s", indexed ? key : "CUDA_DEVICE_MEMORY_LIMIT",
-                 v, indexed && all ? "; CUDA_DEVICE_MEMORY_LIMIT applies" : "");
-        v = indexed && all && gs_parse_size(all, &limit) == 0 ? all : NULL;
-        if (!v) limit = 0;
-    }
+    uint64_t limit;
+    const char *v = indexed_value("CUDA_DEVICE_MEMORY_LIMIT", container_index, gs_parse_size, "e.g. 10240m or 10g",
+                                  &limit);
     if (v && !gs_env_managed()) return limit; /* HAMi-core: the byte limit wins (0 = none) */
     uint64_t pct = env_percent_cap(total);
     if (limit && pct) {
@@ -390,15 +421,8 @@ uint64_t gs_env_reconcile_margin(void)
 
 unsigned gs_env_sm_limit(unsigned container_index)
 {
-    char key[96];
-    const char *v = env_indexed("CUDA_DEVICE_SM_LIMIT", container_index, key, sizeof(key));
-    if (!v) return 0;
-    char *end = NULL;
-    long pct = strtol(v, &end, 10);
-    if (!end || *end != '\0' || pct < 0) {
-        GS_ERROR("ignoring CUDA_DEVICE_SM_LIMIT value '%s' (expected 0..100)", v);
-        return 0;
-    }
+    uint64_t pct;
+    indexed_value("CUDA_DEVICE_SM_LIMIT", container_index, parse_percent, "0..100", &pct);
     return pct >= 100 ? 0 : (unsigned)pct;
 }
 

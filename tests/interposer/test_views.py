@@ -208,8 +208,30 @@ def test_nvml_never_reports_more_free_than_the_device_has(lab):
     ({"GPUSLICE_MEMORY_PERCENT": " 25"}, 4),
     ({"GPUSLICE_MEMORY_PERCENT": "+25"}, 16),                                      # rejected
     ({"CUDA_DEVICE_MEMORY_LIMIT": "2 g"}, 16),                                     # rejected
-], ids=["bad-indexed-falls-back", "spaces-trimmed", "percent-spaces", "percent-sign", "inner-space"])
+    # HAMi-core takes a per-device value only above 0 (an indexed 0 lifted the cap: 16 GiB)
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "2g", "CUDA_DEVICE_MEMORY_LIMIT_0": "0"}, 2),
+    ({"CUDA_DEVICE_MEMORY_LIMIT_0": "0", "CUDA_DEVICE_MEMORY_LIMIT_1": "3g"}, 16),  # none for it
+], ids=["bad-indexed-falls-back", "spaces-trimmed", "percent-spaces", "percent-sign", "inner-space",
+        "zero-indexed-falls-back", "zero-indexed-alone"])
 def test_limit_values_are_read_strictly_and_a_bad_per_device_one_keeps_the_container_cap(lab, env,
                                                                                         cap):
     res = lab.run("init", "ctx", "0", "meminfo", **env)
     assert res.values("meminfo")[1] == cap * GIB, res.stderr
+
+
+@pytest.mark.parametrize(("env", "limit"), [
+    ({"CUDA_DEVICE_SM_LIMIT": "30"}, 30),
+    ({"CUDA_DEVICE_SM_LIMIT": " 30 "}, 30),                                # YAML spacing
+    ({"CUDA_DEVICE_SM_LIMIT": "30%"}, 30),
+    ({"CUDA_DEVICE_SM_LIMIT": "30", "CUDA_DEVICE_SM_LIMIT_0": "20"}, 20),  # per device
+    ({"CUDA_DEVICE_SM_LIMIT": "30", "CUDA_DEVICE_SM_LIMIT_0": "0"}, 30),   # 0: not set
+    ({"CUDA_DEVICE_SM_LIMIT": "30", "CUDA_DEVICE_SM_LIMIT_0": "x"}, 30),   # bad: falls back
+    ({"CUDA_DEVICE_SM_LIMIT": "30k"}, 0),                                  # rejected: no limit
+    ({"CUDA_DEVICE_SM_LIMIT": "100"}, 0),
+    ({"CUDA_DEVICE_SM_LIMIT": "0"}, 0),
+], ids=["plain", "spaces", "percent-sign", "indexed", "zero-indexed", "bad-indexed", "suffix",
+        "all", "zero"])
+def test_compute_limit_values_are_read_like_the_memory_limits(lab, env, limit):
+    # a value with spaces, or a per-device one that is 0 or unreadable, turned the limit off
+    lab.run("init", "sleep", "0", **env)
+    assert lab.region().devices[0].sm_limit == limit
