@@ -62,15 +62,18 @@ static int cuda_uuid(CUdevice dev, char *out, size_t len)
     return 0;
 }
 
-/* The container's devices as NVML lists them; limits are filled in by the caller. */
-static unsigned nvml_enumerate(struct gs_devcfg *devs, nvmlDevice_t *handles)
+/* The container's devices as NVML lists them; limits are filled in by the caller.  *inited: the
+ * library took a reference on NVML (nvmlInit_v2), which the caller keeps or gives back. */
+static unsigned nvml_enumerate(struct gs_devcfg *devs, nvmlDevice_t *handles, int *inited)
 {
     unsigned count = 0, n = 0;
     gs_nvml_init();
+    *inited = 0;
     if (!gs_nvml.nvmlInit_v2 || !gs_nvml.nvmlDeviceGetCount_v2 || !gs_nvml.nvmlDeviceGetHandleByIndex_v2 ||
-        !gs_nvml.nvmlDeviceGetUUID || gs_nvml.nvmlInit_v2() != NVML_SUCCESS ||
-        gs_nvml.nvmlDeviceGetCount_v2(&count) != NVML_SUCCESS)
+        !gs_nvml.nvmlDeviceGetUUID || gs_nvml.nvmlInit_v2() != NVML_SUCCESS)
         return 0;
+    *inited = 1;
+    if (gs_nvml.nvmlDeviceGetCount_v2(&count) != NVML_SUCCESS) return 0;
     if (count > GPUSLICE_MAX_DEVICES) count = GPUSLICE_MAX_DEVICES;
     for (unsigned i = 0; i < count; i++) {
         nvmlDevice_t h;
@@ -134,7 +137,8 @@ static void discover(void)
         ncuda = 0;
     }
 
-    unsigned nnvml = nvml_enumerate(devs, nvml_handles);
+    int inited; /* the reference is kept: the sampler (reconcile.c, slices.c) asks NVML for the process's life */
+    unsigned nnvml = nvml_enumerate(devs, nvml_handles, &inited);
     n = nnvml;
     /* CUDA devices NVML does not list (or no NVML at all). */
     for (int i = 0; i < ncuda && n < GPUSLICE_MAX_DEVICES; i++) {
@@ -192,7 +196,11 @@ static void view_setup(void)
     static struct gs_devcfg devs[GPUSLICE_MAX_DEVICES];
     static nvmlDevice_t handles[GPUSLICE_MAX_DEVICES];
     if (__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE)) return;
-    unsigned n = nvml_enumerate(devs, handles);
+    int inited;
+    unsigned n = nvml_enumerate(devs, handles, &inited);
+    /* given back: the program's own nvmlShutdown must still shut NVML down (nvidia-smi-like
+     * programs would notice a library that kept NVML initialised; found by review) */
+    if (inited && gs_nvml.nvmlShutdown) gs_nvml.nvmlShutdown();
     fill_limits(devs, n);
     gs_region_sync(devs, n, 0);
 }

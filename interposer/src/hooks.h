@@ -234,6 +234,7 @@
 
 #define GS_NVML_REALS(R)                                                                      \
     R(nvmlInit_v2, nvmlReturn_t, (void))                                                      \
+    R(nvmlShutdown, nvmlReturn_t, (void))                                                     \
     R(nvmlDeviceGetCount_v2, nvmlReturn_t, (unsigned int *count))                             \
     R(nvmlDeviceGetHandleByIndex_v2, nvmlReturn_t, (unsigned int index, nvmlDevice_t *device)) \
     R(nvmlDeviceGetUUID, nvmlReturn_t, (nvmlDevice_t device, char *uuid, unsigned int length)) \

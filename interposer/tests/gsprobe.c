@@ -905,6 +905,14 @@ int main(int argc, char **argv)
             printf("nullargs1 %d %d %d %d %d %d %d\n", api1.cuMemAlloc(NULL, 1 << 20), api1.cuMemGetInfo(NULL, NULL),
                    api1.cuDeviceTotalMem(NULL, 0), api1.cuMemAllocPitch(NULL, NULL, 16, 16, 4),
                    api1.cuArrayCreate(NULL, NULL), api1.cuArray3DCreate(NULL, NULL), api1.cuCtxCreate(NULL, 0, 0));
+        } else if (!strcmp(c, "nvmlshutdown")) {
+            /* the program's nvmlShutdown (balancing nvml_device's init), then a query: an NVML no
+             * one holds answers NVML_ERROR_UNINITIALIZED */
+            void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+            nvmlReturn_t rc = ((nvml_init_t)dlsym(h, "nvmlShutdown"))();
+            unsigned n = 0;
+            nvmlReturn_t after = ((nvmlReturn_t (*)(unsigned *))dlsym(h, "nvmlDeviceGetCount_v2"))(&n);
+            printf("nvmlshutdown %d %d\n", rc, after);
         } else if (!strcmp(c, "nvmlnull")) {
             printf("nvmlnull %d %d\n", nvml_mem()(nvml_device(0), NULL), nvml_mem2()(nvml_device(0), NULL));
         } else if (!strcmp(c, "launch")) {

@@ -51,6 +51,15 @@ def test_nvidia_smi_like_process_without_cuda_sees_the_slice(lab):
     assert [p.pid for p in lab.region().processes] == []
 
 
+def test_an_nvml_only_program_shutting_nvml_down_finds_it_shut_down(lab):
+    # the library's own look at the devices gives its NVML reference back: the program's
+    # nvmlShutdown balancing its nvmlInit leaves NVML uninitialised, as without the library
+    # (it answered queries still: the library's reference kept it up)
+    res = lab.run("nvml", "0", "nvmlshutdown", api="dlsym", CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert res.values("nvml")[0] == 10 * GIB
+    assert res.rc("nvmlshutdown") == 0 and res.values("nvmlshutdown") == [1]  # UNINITIALIZED
+
+
 def test_views_never_underflow_when_usage_exceeds_the_cap(lab):
     # a region whose usage is above its cap (e.g. a context charged after the fact)
     lab.region_path.write_bytes(encode_region(Region(
