@@ -862,6 +862,14 @@ def restarted(pod: dict[str, Any], name: str) -> None:
     st["restartCount"] += 1
 
 
+def restart(kube: FakeKube, node: Node, pod: dict[str, Any], name: str, pid: int,
+            held: dict[int, int | None]) -> None:
+    """:func:`restarted`, reported to the API server, its new instance running ``pid``."""
+    restarted(pod, name)
+    kube.put(pod)
+    node.run(pid, systemd_cgroup(pod["metadata"]["uid"], cid(name)), held)
+
+
 @pytest.mark.parametrize("fresh", [False, True], ids=["agent-saw-it", "agent-started-after"])
 async def test_a_restarted_container_beside_its_old_instance_is_one_holding(
         tmp_path: Path, fresh: bool) -> None:
@@ -877,9 +885,7 @@ async def test_a_restarted_container_beside_its_old_instance_is_one_holding(
         if not fresh:
             await auditor.check()
         # restarted: a new ID in the status, the old instance's process not gone yet
-        restarted(pod, "r/a/2")
-        kube.put(pod)
-        node.run(101, systemd_cgroup(uid, cid("r/a/2")), {0: 2 * GIB})
+        restart(kube, node, pod, "r/a/2", 101, {0: 2 * GIB})
         report = await auditor.check()
         (h,) = report.holdings
         assert h.container_ids == tuple(sorted([cid("r/a"), cid("r/a/2")]))
@@ -908,10 +914,9 @@ async def test_a_container_crashing_over_its_cap_is_evicted_across_its_restarts(
         pid = 200
         for n in range(3):
             if n:
-                restarted(pod, f"crash/a/{n}")
-                kube.put(pod)
-            ident = pod["status"]["containerStatuses"][0]["containerID"].split("//")[1]
-            node.run(pid + n, systemd_cgroup(pod["metadata"]["uid"], ident), {0: 2 * GIB})
+                restart(kube, node, pod, f"crash/a/{n}", pid + n, {0: 2 * GIB})
+            else:
+                node.run_in(pod, "a", pid, {0: 2 * GIB})
             clock.t += 10
             await auditor.check()
             node.stop(pid + n)
@@ -950,7 +955,6 @@ async def test_a_container_restarting_beside_one_over_its_cap_is_judged_apart(
     node, clock = Node(tmp_path), Clock()
     lim = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}
     pod = gpu_pod("two", {"a": lim, "b": lim})
-    uid = pod["metadata"]["uid"]
     node.run_in(pod, "a", 10, {0: GIB // 2})
     node.run_in(pod, "b", 20, {0: 2 * GIB})
     async with FakeKube() as kube, kube.api_client() as api:
@@ -959,10 +963,8 @@ async def test_a_container_restarting_beside_one_over_its_cap_is_judged_apart(
         for n in range(3):
             clock.t += 10
             if n:
-                restarted(pod, f"two/a/{n}")
-                kube.put(pod)
                 node.stop(10 + n - 1)
-                node.run(10 + n, systemd_cgroup(uid, cid(f"two/a/{n}")), {0: GIB // 2})
+                restart(kube, node, pod, f"two/a/{n}", 10 + n, {0: GIB // 2})
             assert (await auditor.check()).complete
         assert (auditor.episodes, auditor.evictions) == (1, 1)
         assert {k[2] for k in auditor._episodes} == {"b"}

@@ -27,8 +27,7 @@ from node.test_audit import (
     _auditor,
     cid,
     gpu_pod,
-    restarted,
-    systemd_cgroup,
+    restart,
 )
 from node.test_metrics import ctr_labels, samples
 
@@ -305,9 +304,7 @@ async def test_a_container_restarted_within_the_window_is_one_share(tmp_path: Pa
         gpus.run(auditor.compute, 1, {})
         gpus.run(auditor.compute, 10, {(0, 400): 60})
         node.stop(400)
-        restarted(pod, "flaky/a/2")
-        kube.put(pod)
-        node.run(401, systemd_cgroup(pod["metadata"]["uid"], cid("flaky/a/2")), {0: GIB})
+        restart(kube, node, pod, "flaky/a/2", 401, {0: GIB})
         gpus.run(auditor.compute, 10, {(0, 401): 60})
         (load,) = (await auditor.check()).loads
         assert load.container_ids == tuple(sorted([cid("flaky/a"), cid("flaky/a/2")]))
@@ -348,19 +345,17 @@ async def test_a_container_over_its_limit_in_every_run_is_evicted_across_its_cra
     evicted in its second run (the tail and the ramp each ended the episode, and it never was)."""
     node, clock = Node(tmp_path), Clock()
     pod = cores_pod("crash", "60")
-    uid = pod["metadata"]["uid"]
     gpus = Gpus(node, clock)
     async with served(node, clock, gpus, pod, compute_window=60, compute_action="evict",
                       rounds=3) as (kube, auditor):
         gpus.run(auditor.compute, 60, {})
         over = 0
         for n in range(4):
-            if n:
-                restarted(pod, f"crash/a/{n}")
-                kube.put(pod)
-            ident = pod["status"]["containerStatuses"][0]["containerID"].split("//")[1]
             pid = 600 + n
-            node.run(pid, systemd_cgroup(uid, ident), {0: GIB})
+            if n:
+                restart(kube, node, pod, f"crash/a/{n}", pid, {0: GIB})
+            else:
+                node.run_in(pod, "a", pid, {0: GIB})
             for second in range(1, 141):
                 if second == 45:  # crashed
                     node.stop(pid)
