@@ -137,8 +137,10 @@ typedef struct CUmemLocation_st {
     int id;
 } CUmemLocation;
 typedef int CUmemAllocationType;
+typedef int CUmemAllocationHandleType;
 
-/* Leading fields of CUmemAllocationProp (we only read these). */
+/* Leading fields of CUmemAllocationProp (we only read these; cuMemGetAllocationPropertiesFromHandle
+ * writes the whole struct, so its caller passes room for more: GS_MEM_PROP_ROOM). */
 typedef struct CUmemAllocationProp_st {
     int type;
     int requestedHandleTypes;
@@ -197,6 +199,7 @@ typedef struct CUlaunchConfig_st {
 #define CUDA_ERROR_INVALID_CONTEXT 201
 #define CUDA_ERROR_DEINITIALIZED 4
 #define CUDA_ERROR_INVALID_HANDLE 400
+#define CUDA_ERROR_OPERATING_SYSTEM 304
 #define CUDA_ERROR_CONTEXT_IS_DESTROYED 709
 #define CUDA_ERROR_NOT_FOUND 500
 #define CUDA_ERROR_NOT_READY 600

@@ -103,6 +103,9 @@
     X(cuMemUnmap, CUresult, (CUdeviceptr ptr, size_t size), cuMemUnmap, 10020, 0)                          \
     X(cuMemRetainAllocationHandle, CUresult, (CUmemGenericAllocationHandle *handle, void *addr),           \
       cuMemRetainAllocationHandle, 11000, 0)                                                               \
+    X(cuMemImportFromShareableHandle, CUresult,                                                            \
+      (CUmemGenericAllocationHandle *handle, void *osHandle, CUmemAllocationHandleType shHandleType),      \
+      cuMemImportFromShareableHandle, 10020, 0)                                                            \
     X(cuMemMapArrayAsync, CUresult, (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream),   \
       cuMemMapArrayAsync, 11010, 0)                                                                        \
     X(cuMemMapArrayAsync_ptsz, CUresult, (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream), \
@@ -204,6 +207,7 @@
     R(cuDeviceGetUuid_v2, CUresult, (CUuuid *uuid, CUdevice dev))                             \
     R(cuCtxGetDevice, CUresult, (CUdevice *device))                                           \
     R(cuCtxGetLimit, CUresult, (size_t *pvalue, CUlimit limit))                               \
+    R(cuMemGetAllocationPropertiesFromHandle, CUresult, (CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle)) \
     R(cuDeviceGetAttribute, CUresult, (int *pi, CUdevice_attribute attrib, CUdevice dev))     \
     R(cuCtxGetCurrent, CUresult, (CUcontext *pctx))                                           \
     R(cuCtxSetCurrent, CUresult, (CUcontext ctx))                                             \

@@ -396,15 +396,69 @@ GS_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *han
     return rc;
 }
 
-GS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
-                            unsigned long long flags)
+/* A handle imported from another process (cuMemImportFromShareableHandle) names memory the
+ * exporter allocated, and the exporter's charge goes when the exporter lets go of it, while
+ * the memory lives on in this process.  So what this process maps of it is charged here:
+ * the driver tells no size, so the record is charged from its first mapping, up to the
+ * farthest byte mapped (offset + size), and returned with its last reference and mapping as
+ * any other.  While the exporter holds it too, it is charged twice: the strict side. */
+#define GS_VMM_IMPORTED 1ull /* in a GS_KIND_VMM record's ctx: never a context's address */
+
+GS_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                  CUmemAllocationHandleType shHandleType)
 {
     gs_cuda_init();
-    if (!gs_cuda.cuMemMap) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = gs_cuda.cuMemMap(ptr, size, offset, handle, flags);
+    if (!gs_cuda.cuMemImportFromShareableHandle) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = gs_cuda.cuMemImportFromShareableHandle(handle, osHandle, shHandleType);
+    if (rc != CUDA_SUCCESS || !handle) return rc;
+    gs_devices_ready();
+    union {
+        CUmemAllocationProp prop;
+        unsigned char room[256]; /* the driver writes its whole, larger struct */
+    } p;
+    memset(&p, 0, sizeof(p));
+    int slot = -1;
+    if (gs_cuda.cuMemGetAllocationPropertiesFromHandle &&
+        gs_cuda.cuMemGetAllocationPropertiesFromHandle(&p.prop, *handle) == CUDA_SUCCESS &&
+        p.prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE)
+        slot = gs_dev_slot(p.prop.location.id);
+    if (slot < 0) return rc; /* not on a device of ours (or the driver does not say): not charged */
     struct gs_alloc rec, old;
-    if (rc != CUDA_SUCCESS || vmm_count(handle, 1, &rec) != 0) return rc;
-    struct gs_alloc map = {.size = size ? size : 1, .aux = handle, .slot = rec.slot};
+    if (vmm_count(*handle, (int64_t)VMM_REF, &rec) >= 0) return rc; /* imported again: one more reference */
+    rec = (struct gs_alloc){.size = 0, .slot = slot, .aux = VMM_REF, .ctx = GS_VMM_IMPORTED};
+    if (gs_am_put(GS_KIND_VMM, *handle, &rec, &old) == 1) gs_budget_release(old.slot, old.size);
+    return rc;
+}
+
+struct import_grow {
+    uint64_t need, surplus;
+};
+
+/* A mapping of an imported handle reaching `need` bytes into it: the charge grows to that
+ * (g->surplus: what the caller reserved beyond it, another thread having grown it since). */
+static int import_adjust(struct gs_alloc *rec, void *arg)
+{
+    struct import_grow *g = arg;
+    uint64_t reserved = g->surplus, grow = rec->size < g->need ? g->need - rec->size : 0;
+    if (grow > reserved) grow = reserved; /* re-imported meanwhile: no more than this call reserved */
+    rec->size += grow;
+    g->surplus = reserved - grow;
+    rec->aux += 1; /* one mapping more */
+    return 0;
+}
+
+static int peek(struct gs_alloc *rec, void *arg)
+{
+    (void)rec, (void)arg;
+    return 2; /* leave it: the caller reads the copy */
+}
+
+/* A mapping counted in its handle's record (*counted) is recorded by its address. */
+static void record_mapping(CUdeviceptr ptr, size_t size, CUmemGenericAllocationHandle handle,
+                           const struct gs_alloc *counted)
+{
+    struct gs_alloc rec, old;
+    struct gs_alloc map = {.size = size ? size : 1, .aux = handle, .slot = counted->slot};
     int put = gs_am_put(GS_KIND_VMAP, ptr, &map, &old);
     if (put == 1) { /* a mapping we missed the unmap of: its handle loses it now */
         if (vmm_count(old.aux, -1, &rec) == 1) gs_budget_release(rec.slot, rec.size);
@@ -415,6 +469,52 @@ GS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGe
         GS_WARN("cannot track a mapping of %llu bytes: its memory is charged only while its handle lives",
                 (unsigned long long)size);
     }
+}
+
+/* A mapping of an imported handle: what it reaches beyond the record's charge is reserved
+ * before the driver maps it, and refused past the cap like an allocation. */
+static CUresult map_imported(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                             unsigned long long flags, const struct gs_alloc *seen)
+{
+    uint64_t need = gs_charge_size(gs_add_sat(offset, size));
+    uint64_t extra = need > seen->size ? need - seen->size : 0;
+    gs_inflight_begin(); /* before the charge changes: no clean reading between */
+    if (extra && gs_reserve(seen->slot, extra) != 0) {
+        gs_inflight_end();
+        return over_cap(seen->slot, extra);
+    }
+    CUresult rc = gs_cuda.cuMemMap(ptr, size, offset, handle, flags);
+    struct import_grow g = {.need = need, .surplus = extra};
+    struct gs_alloc rec, old;
+    if (rc != CUDA_SUCCESS) {
+        gs_budget_release(seen->slot, extra);
+    } else if (gs_am_update(GS_KIND_VMM, handle, import_adjust, &g, &rec) >= 0) {
+        gs_budget_release(seen->slot, g.surplus);
+        record_mapping(ptr, size, handle, &rec);
+    } else {
+        /* its last reference went meanwhile (the program released the handle while mapping
+         * it): the mapping keeps the memory, charged with what this call reserved */
+        rec = (struct gs_alloc){.size = extra, .slot = seen->slot, .aux = 1, .ctx = GS_VMM_IMPORTED};
+        if (gs_am_put(GS_KIND_VMM, handle, &rec, &old) < 0)
+            gs_budget_release(seen->slot, extra);
+        else
+            record_mapping(ptr, size, handle, &rec);
+    }
+    gs_inflight_end();
+    return rc;
+}
+
+GS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                            unsigned long long flags)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemMap) return CUDA_ERROR_NOT_SUPPORTED;
+    struct gs_alloc rec, seen;
+    if (gs_am_update(GS_KIND_VMM, handle, peek, NULL, &seen) >= 0 && seen.ctx == GS_VMM_IMPORTED)
+        return map_imported(ptr, size, offset, handle, flags, &seen);
+    CUresult rc = gs_cuda.cuMemMap(ptr, size, offset, handle, flags);
+    if (rc != CUDA_SUCCESS || vmm_count(handle, 1, &rec) != 0) return rc;
+    record_mapping(ptr, size, handle, &rec);
     return rc;
 }
 

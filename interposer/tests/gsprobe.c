@@ -55,6 +55,9 @@
     X(cuMemMap, CUresult, (CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long))   \
     X(cuMemUnmap, CUresult, (CUdeviceptr, size_t))                                                           \
     X(cuMemRetainAllocationHandle, CUresult, (CUmemGenericAllocationHandle *, void *))                       \
+    X(cuMemExportToShareableHandle, CUresult, (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, \
+                                               unsigned long long))                                         \
+    X(cuMemImportFromShareableHandle, CUresult, (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType)) \
     X(cuMemMapArrayAsync, CUresult, (CUarrayMapInfo *, unsigned int, CUstream))                              \
     X(cuArrayCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *))                                \
     X(cuArray3DCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                            \
@@ -202,6 +205,8 @@ static struct {
     uint64_t handle;
     uint64_t size;   /* A_VMM */
     CUdeviceptr va;  /* A_VMM: where vmap mapped it */
+    uint64_t mapped; /* A_VMM: how much of it vmap (all) or vmappart mapped there */
+    int fd;          /* A_VMM: the descriptor vexport exported it to */
 } allocs[4096];
 static CUdeviceptr vrange;  /* vmapall: one reservation, every VMM allocation mapped in turn */
 static uint64_t vrange_size;
@@ -746,11 +751,36 @@ int main(int argc, char **argv)
             int id = atoi(ARG(0));
             CUresult rc = api.cuMemAddressReserve(&allocs[id].va, allocs[id].size, 0, 0, 0);
             if (rc == CUDA_SUCCESS) rc = api.cuMemMap(allocs[id].va, allocs[id].size, 0, allocs[id].handle, 0);
+            allocs[id].mapped = allocs[id].size;
             printf("vmap %d\n", rc);
             i += 1;
+        } else if (!strcmp(c, "vmappart")) {
+            /* vmappart ID OFFSET SIZE: map SIZE bytes of VMM allocation ID from OFFSET, at an address of
+             * its own (vunmap ID unmaps it) */
+            int id = atoi(ARG(0));
+            uint64_t off = size_arg(ARG(1)), len = size_arg(ARG(2));
+            CUresult rc = api.cuMemAddressReserve(&allocs[id].va, len, 0, 0, 0);
+            if (rc == CUDA_SUCCESS) rc = api.cuMemMap(allocs[id].va, len, off, allocs[id].handle, 0);
+            allocs[id].mapped = len;
+            printf("vmappart %d\n", rc);
+            i += 3;
         } else if (!strcmp(c, "vunmap")) {
             int id = atoi(ARG(0));
-            printf("vunmap %d\n", api.cuMemUnmap(allocs[id].va, allocs[id].size));
+            printf("vunmap %d\n", api.cuMemUnmap(allocs[id].va, allocs[id].mapped ? allocs[id].mapped : allocs[id].size));
+            i += 1;
+        } else if (!strcmp(c, "vexport")) {
+            /* vexport ID: VMM allocation ID to a file descriptor (vimport takes it) */
+            int id = atoi(ARG(0));
+            allocs[id].fd = -1;
+            printf("vexport %d\n", api.cuMemExportToShareableHandle(&allocs[id].fd, allocs[id].handle, 1, 0));
+            i += 1;
+        } else if (!strcmp(c, "vimport")) {
+            /* vimport ID: a new handle from ID's exported descriptor, remembered as a VMM allocation of ID's size */
+            int id = atoi(ARG(0));
+            CUmemGenericAllocationHandle h = 0;
+            CUresult rc = api.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)allocs[id].fd, 1);
+            if (rc == CUDA_SUCCESS) allocs[nallocs].size = allocs[id].size;
+            remember("vimport", rc, A_VMM, h);
             i += 1;
         } else if (!strcmp(c, "vretain")) {
             /* a second reference to the allocation mapped at ID's address (released by "free ID") */

@@ -917,6 +917,50 @@ def test_a_retained_vmm_handle_keeps_the_charge_until_every_reference_is_release
     assert [vals for _, vals in res.of("phys")] == [[600 * MIB], [0]]
 
 
+def test_memory_mapped_through_an_imported_handle_stays_charged_after_the_exporter_lets_go(lab):
+    # create 300 MiB, export it, import it again and map the import, release the first handle:
+    # the mapping keeps the memory, so its charge stays; before, the exporter's release returned
+    # it and three rounds held 900 MiB, with 300 MiB charged, under a 1 GiB cap (and more rounds
+    # more)
+    cmds = []
+    for i in range(3):
+        cmds += ["vmm", "300m", "0", "vexport", str(2 * i), "vimport", str(2 * i), "vmap", str(2 * i + 1),
+                 "free", str(2 * i), "meminfo", "phys"]
+    res = lab.run("init", "ctx", "0", *cmds, "free", "5", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("vmm")] == [0, 0, 0]
+    assert [rc for rc, _ in res.of("vexport")] == [0, 0, 0]
+    assert [rc for rc, _ in res.of("vimport")] == [0, 0, 0]
+    assert [rc for rc, _ in res.of("vmap")] == [0, 0, OOM]  # 600 MiB mapped, 300 created, 300 more
+    held = [vals[0] for _, vals in res.of("phys")]
+    charged = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    # the third round's import holds its memory unmapped until it is released, uncharged (README)
+    assert held == [300 * MIB, 600 * MIB, 900 * MIB, 600 * MIB]
+    assert charged == [300 * MIB, 600 * MIB, 600 * MIB, 600 * MIB]
+
+
+def test_an_imported_handle_is_charged_for_what_is_mapped_of_it_and_returned_with_it(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vimport", "0", "free", "0",
+                  "meminfo",  # imported, nothing mapped: the exporter's memory went with its handle
+                  "vmappart", "1", "0", "200m", "meminfo",  # 200 MiB of it mapped
+                  "vunmap", "1", "vmappart", "1", "100m", "400m", "meminfo",  # up to 500 MiB into it
+                  "vunmap", "1", "meminfo", "free", "1", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("vmappart")] == [0, 0]
+    assert [rc for rc, _ in res.of("free")] == [0, 0]
+    used = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    assert used == [0, 200 * MIB, 500 * MIB, 500 * MIB, 0]
+    assert res.values("phys") == [0]
+
+
+def test_mapping_an_imported_handle_past_the_cap_is_refused_and_changes_nothing(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vimport", "0", "vmap", "1",
+                  "meminfo", "free", "1", "free", "0", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("vmap") == OOM  # the exporter's 600 MiB and the import's are both charged
+    assert [rc for rc, _ in res.of("free")] == [0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0]
+    assert res.values("phys") == [0]
+
+
 def test_one_unmap_over_back_to_back_mappings_returns_each_of_them(lab):
     res = lab.run("init", "ctx", "0", "vmm", "200m", "0", "vmm", "100m", "0", "vmm", "300m", "0",
                   "vmapall", "free", "0", "free", "1", "free", "2", "meminfo", "vunmapall",

@@ -973,10 +973,19 @@ static CUresult alloc_new(int kind, uint64_t size, int pdev, struct fake_pool *p
     return alloc_at(kind, size, pdev, pool, handle, charge, 0);
 }
 
+/* Handles imported by the process that exported them (cuMemImportFromShareableHandle): other
+ * names of the same VMM allocation, each holding a reference to it. */
+#define MAX_ALIASES 256
+static struct {
+    uint64_t alias, handle;
+} aliases[MAX_ALIASES];
+
 static struct fake_alloc *alloc_find(int kind, uint64_t handle)
 {
     for (int i = 0; i < MAX_ALLOCS; i++)
         if (allocs[i].kind == kind && allocs[i].handle == handle) return &allocs[i];
+    for (int j = 0; kind == K_VMM && handle && j < MAX_ALIASES; j++)
+        if (aliases[j].alias == handle) return alloc_find(K_VMM, aliases[j].handle);
     return NULL;
 }
 
@@ -1649,6 +1658,90 @@ API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, v
     }
     pthread_mutex_unlock(&mu);
     return rc;
+}
+
+/* VMM export and import, POSIX file descriptors only.  The descriptor is a memfd holding what an
+ * importer needs.  Imported by the exporting process, the handle is another name of the same
+ * allocation, holding a reference to it as the real driver's does.  Imported by another process,
+ * it is a new allocation of the importer's, its memory counted there (in its NVML figure too),
+ * and the exporter's memory goes with its own handle and mappings, where the real driver keeps
+ * one allocation while any of them remains.  Neither keeps the memory for the descriptor alone,
+ * which the real driver also does. */
+struct fake_export {
+    char magic[8];
+    int32_t pid, pdev;
+    uint64_t size, handle;
+};
+static uint64_t next_alias = 0x7a0000000000ull;
+
+API CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                          CUmemAllocationHandleType handleType, unsigned long long flags)
+{
+    FAIL_POINT("cuMemExportToShareableHandle");
+    if (!shareableHandle || flags) return CUDA_ERROR_INVALID_VALUE;
+    if (handleType != 1) return CUDA_ERROR_NOT_SUPPORTED; /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_VMM, handle);
+    struct fake_export body = {"FAKEEXP", (int32_t)getpid(), a ? a->pdev : 0, a ? a->size : 0, a ? a->handle : 0};
+    pthread_mutex_unlock(&mu);
+    if (!a) return CUDA_ERROR_INVALID_VALUE;
+    int fd = memfd_create("fakecuda-export", 0);
+    if (fd < 0) return CUDA_ERROR_OPERATING_SYSTEM;
+    if (write(fd, &body, sizeof(body)) != (ssize_t)sizeof(body)) {
+        close(fd);
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    memcpy(shareableHandle, &fd, sizeof(fd));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                            CUmemAllocationHandleType shHandleType)
+{
+    FAIL_POINT("cuMemImportFromShareableHandle");
+    NEED_INIT();
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    if (shHandleType != 1) return CUDA_ERROR_NOT_SUPPORTED;
+    struct fake_export body;
+    int fd = (int)(intptr_t)osHandle; /* a descriptor is passed as the pointer's value */
+    if (pread(fd, &body, sizeof(body), 0) != (ssize_t)sizeof(body) || memcmp(body.magic, "FAKEEXP", 8) ||
+        !body.size || body.pdev < 0 || body.pdev >= ndevs)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (body.pid != (int32_t)getpid()) return alloc_new(K_VMM, body.size, body.pdev, NULL, handle, 1);
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_VMM, body.handle);
+    for (int j = 0; a && j < MAX_ALIASES && rc != CUDA_SUCCESS; j++) {
+        if (aliases[j].alias && alloc_find(K_VMM, aliases[j].alias)) continue; /* in use */
+        aliases[j].alias = next_alias;
+        aliases[j].handle = a->handle;
+        next_alias += 2u << 20;
+        a->refs++;
+        *handle = aliases[j].alias;
+        rc = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+API CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle)
+{
+    FAIL_POINT("cuMemGetAllocationPropertiesFromHandle");
+    if (!prop) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_VMM, handle);
+    int pdev = a ? a->pdev : -1;
+    pthread_mutex_unlock(&mu);
+    if (pdev < 0) return CUDA_ERROR_INVALID_VALUE;
+    int ordinal = -1;
+    for (int i = 0; i < nvisible; i++)
+        if (visible[i] == pdev) ordinal = i;
+    memset(prop, 0, sizeof(*prop));
+    prop->type = 1; /* CU_MEM_ALLOCATION_TYPE_PINNED */
+    prop->requestedHandleTypes = 1;
+    prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop->location.id = ordinal;
+    return CUDA_SUCCESS;
 }
 
 API CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop, int option)
