@@ -30,6 +30,7 @@ enum { GS_LOG_ERROR = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3 };
 extern int gs_log_level;
 void gs_log_init(void);
 void gs_log_write(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void gs_log_defer(int on); /* 1: lines wait (the region lock is held); 0: they are written */
 #define GS_LOG(lvl, ...)                                        \
     do {                                                        \
         if ((lvl) <= gs_log_level) gs_log_write((lvl), __VA_ARGS__); \

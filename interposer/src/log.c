@@ -32,6 +32,22 @@ void gs_log_init(void)
     }
 }
 
+/* Lines written while the region's lock is held wait here for its unlock (gs_log_defer): a
+ * write to a full stderr pipe would otherwise hold every process of the container.  The few
+ * such lines (a repair, a reclaim) fit; more are dropped. */
+#define GS_LOG_PENDING 2048
+static __thread int t_defer;
+static __thread char *t_pending;
+static __thread size_t t_pending_len;
+
+static void keep(const char *line, size_t len)
+{
+    if (!t_pending) t_pending = malloc(GS_LOG_PENDING);
+    if (!t_pending || len > GS_LOG_PENDING - t_pending_len) return;
+    memcpy(t_pending + t_pending_len, line, len);
+    t_pending_len += len;
+}
+
 void gs_log_write(int level, const char *fmt, ...)
 {
     char buf[512];
@@ -46,8 +62,25 @@ void gs_log_write(int level, const char *fmt, ...)
     size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
     if (len > sizeof(buf) - 2) len = sizeof(buf) - 2;
     buf[len++] = '\n';
-    ssize_t w = write(STDERR_FILENO, buf, len);
+    if (t_defer) {
+        keep(buf, len);
+    } else {
+        ssize_t w = write(STDERR_FILENO, buf, len);
+        (void)w;
+    }
+    errno = saved;
+}
+
+void gs_log_defer(int on)
+{
+    t_defer = on;
+    if (on || !t_pending) return;
+    int saved = errno;
+    ssize_t w = write(STDERR_FILENO, t_pending, t_pending_len);
     (void)w;
+    free(t_pending);
+    t_pending = NULL;
+    t_pending_len = 0;
     errno = saved;
 }
 

@@ -149,7 +149,14 @@ static const char *private_effect(void)
     return gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone";
 }
 
-static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16])
+static int known(const uint8_t boot_id[16])
+{
+    for (int i = 0; i < 16; i++)
+        if (boot_id[i]) return 1;
+    return 0;
+}
+
+static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16], int tries)
 {
     /* Never through a symlink, and only a plain file of its own: the state dir is writable by
      * every user of the container, and a root process that followed a link planted there
@@ -176,6 +183,16 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
     if (own.st_uid == geteuid()) (void)fchmod(fd, 0666); /* every user of the container shares it */
     while (flock(fd, LOCK_EX) != 0 && errno == EINTR) {
     }
+    /* Still the file at the path?  Another process may have replaced an older library's file
+     * (below) while this one waited for the lock of the file it had opened: that one is
+     * nobody's now, and replacing again would unlink the new file under the processes in it
+     * (two processes racing through an upgrade each got a whole cap). */
+    struct stat at;
+    if (tries < 8 && (lstat(path, &at) != 0 || at.st_dev != own.st_dev || at.st_ino != own.st_ino)) {
+        flock(fd, LOCK_UN);
+        close(fd);
+        return map_file(path, boot_id, tries + 1);
+    }
     struct gpuslice_region *r = NULL;
     struct stat st;
     /* An older library's region (a node upgraded under a running pod): its processes keep the
@@ -189,7 +206,7 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
         GS_WARN("region %s was written by an older library (version %u): replaced", path, head.version);
         flock(fd, LOCK_UN);
         close(fd);
-        return map_file(path, boot_id);
+        return map_file(path, boot_id, tries + 1);
     }
     /* blocks allocated now, not at the first store (a full disk would kill the process with SIGBUS) */
     int grown = fstat(fd, &st) == 0 &&
@@ -207,9 +224,15 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
                  GPUSLICE_REGION_VERSION, private_effect());
         munmap(r, sizeof(*r));
         r = NULL;
-    } else if (memcmp(r->boot_id, boot_id, 16) != 0) {
-        GS_INFO("region %s is from an earlier boot: reset", path);
-        init_region(r, boot_id);
+    } else if (memcmp(r->boot_id, boot_id, 16) != 0 && known(boot_id)) {
+        /* (a process that cannot read the boot id resets nothing: that would drop the
+         * usage of live processes; a region written by one takes the boot id now) */
+        if (known(r->boot_id)) {
+            GS_INFO("region %s is from an earlier boot: reset", path);
+            init_region(r, boot_id);
+        } else {
+            memcpy(r->boot_id, boot_id, 16);
+        }
     }
     flock(fd, LOCK_UN);
     close(fd);
@@ -224,7 +247,7 @@ int gs_region_open(void)
         char path[4096];
         uint8_t boot_id[16];
         read_boot_id(boot_id);
-        struct gpuslice_region *r = map_file(gs_env_region_path(path, sizeof(path)), boot_id);
+        struct gpuslice_region *r = map_file(gs_env_region_path(path, sizeof(path)), boot_id, 0);
         if (!r) {
             g_private_managed = gs_env_managed();
             void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -329,14 +352,28 @@ static void repair_locked(void)
     for (unsigned d = 0; d < GPUSLICE_MAX_DEVICES; d++) {
         uint64_t sum = 0;
         for (unsigned i = 0; i < GPUSLICE_MAX_PROCS; i++)
-            if (LD(&r->procs[i].state) == GPUSLICE_PROC_LIVE) sum += LD(&r->procs[i].used_bytes[d]);
+            if (LD(&r->procs[i].state) == GPUSLICE_PROC_LIVE) sum = gs_add_sat(sum, LD(&r->procs[i].used_bytes[d]));
         ST(&r->devices[d].used_bytes, sum);
     }
 }
 
+/* The region whose lock this thread holds, or NULL.  Unlocked is the region that was locked
+ * (another thread may swap gs_region for a private one meanwhile: go_private).  While it is
+ * held, log lines wait in a buffer until the unlock (a write to a full stderr pipe would hold
+ * every process of the container), and the exit destructor does not wait for it (exit() from a
+ * signal handler that interrupted this thread inside the lock would wait on itself, and every
+ * other process of the container with it; the lock's robustness hands the region over when
+ * the process is gone). */
+static __thread struct gpuslice_region *volatile t_locked; /* volatile: a signal handler reads it */
+
 static int region_lock(void)
 {
-    pthread_mutex_t *m = &gs_region->lock.mutex;
+    struct gpuslice_region *r = gs_region;
+    pthread_mutex_t *m = &r->lock.mutex;
+    /* set before the lock is taken and cleared after it is given back: a signal inside
+     * pthread_mutex_lock may come when the lock is already this thread's */
+    t_locked = r;
+    gs_log_defer(1);
     for (int attempt = 0; attempt < 2; attempt++) {
         int rc = pthread_mutex_lock(m);
         if (rc == 0) return 0;
@@ -348,18 +385,22 @@ static int region_lock(void)
         }
         if (rc != ENOTRECOVERABLE && rc != EINVAL) {
             GS_ERROR("cannot lock the region: %s", strerror(rc));
-            return -1;
+            break;
         }
         /* EINVAL: the lock's bytes are damaged (the file was written over) */
         GS_ERROR("region lock %s: reinitialising it", rc == EINVAL ? "damaged" : "not recoverable");
         init_mutex(m);
     }
+    t_locked = NULL;
+    gs_log_defer(0);
     return -1;
 }
 
 static void region_unlock(void)
 {
-    pthread_mutex_unlock(&gs_region->lock.mutex);
+    if (t_locked) pthread_mutex_unlock(&t_locked->lock.mutex);
+    t_locked = NULL;
+    gs_log_defer(0); /* and writes what waited */
 }
 
 /* g_me, unless another process reclaimed our slot meanwhile (it took us for
@@ -703,6 +744,10 @@ void gs_region_after_fork_child(void)
 __attribute__((destructor)) static void region_detach(void)
 {
     __atomic_store_n(&gs_exiting, 1, __ATOMIC_RELEASE);
+    /* exit() from a signal handler inside the lock (above); or a child made without the fork
+     * handlers (_Fork, clone, vfork + exit): g_me is still its parent's slot, which it must not
+     * empty (the slot of a child that charged through it is reclaimed once the parent is gone) */
+    if (t_locked || g_my_pid != (int32_t)getpid()) return;
     /* another thread may be attaching right now (discovery): the pointers are read as they are
      * written, atomically */
     if (!__atomic_load_n(&gs_region, __ATOMIC_ACQUIRE) || !__atomic_load_n(&g_me, __ATOMIC_ACQUIRE) ||

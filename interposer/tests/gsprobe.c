@@ -1258,7 +1258,7 @@ int main(int argc, char **argv)
             args[k++] = argv[0];
             args[k++] = "--api";
             args[k++] = (char *)mode;
-            for (int j = i + 1; j < argc; j++) args[k++] = argv[j];
+            for (int j = i; j < argc; j++) args[k++] = argv[j];
             fflush(stdout);
             execv("/proc/self/exe", args);
             printf("reexec 1\n");

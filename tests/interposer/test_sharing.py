@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ import pytest
 
 from webhook.node import region as mirror
 from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
+
+from .conftest import Lab, Result, parse
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -239,6 +242,86 @@ def test_a_half_done_update_by_a_killed_lock_holder_is_repaired(lab):
     assert lab.finish(keeper).values("meminfo") == [3 * GIB, 4 * GIB]
 
 
+def test_exit_from_a_signal_handler_inside_the_lock_blocks_nobody(release_lab):
+    # exit() from a handler that interrupted the region's lock ran the exit destructor on the
+    # thread holding it: the process waited on itself, and every process of the container on
+    # it (the review's run hung at its 9th attempt).  Each attempt here fires at another moment
+    # of an allocate-free loop that takes the lock twice per round.
+    lab = release_lab
+    lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    for attempt in range(40):
+        proc = subprocess.Popen([str(lab.build / "tests" / "exitsignal"), str(3000 + 797 * attempt)],
+                                env=lab.env(CUDA_DEVICE_MEMORY_LIMIT="4g"), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        lab.procs.append(proc)
+        _, err = proc.communicate(timeout=10)  # TimeoutExpired: it hung
+        assert proc.returncode == 0, err
+    res = lab.run("init", "ctx", "0", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="4g", timeout=20)
+    assert res.rc("alloc") == 0
+
+
+def test_a_full_stderr_pipe_blocks_only_its_own_process(release_lab):
+    # The first process to lock after a holder was killed repairs the region and says so.  Its
+    # stderr is a pipe nobody reads, full: the line used to be written under the lock, so that
+    # process blocked holding it, and every other process of the container behind it.
+    lab = release_lab
+    lab.run("init", "ctx", "0", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    ready = lab.tmp / "locked"
+    holder = subprocess.Popen([str(lab.build / "tests" / "lockhold"), str(lab.region_path), str(ready)])
+    lab.procs.append(holder)
+    lab.wait_for(ready)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=10)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(w, True)
+    stuck = subprocess.Popen(lab.command("init", "ctx", "0", "alloc", "1g"),
+                             env=lab.env(CUDA_DEVICE_MEMORY_LIMIT="4g"), stdout=subprocess.PIPE,
+                             stderr=w, text=True)
+    lab.procs.append(stuck)
+    os.close(w)
+    try:
+        time.sleep(1.0)
+        assert stuck.poll() is None  # blocked writing the repair's line
+        res = lab.run("init", "ctx", "0", "alloc", "1g", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="4g",
+                      timeout=20)
+        assert res.rc("alloc") == 0
+        drained = b""
+        while b"died holding the region lock" not in drained:
+            chunk = os.read(r, 1 << 16)
+            assert chunk, drained[-300:]
+            drained += chunk
+        assert stuck.wait(timeout=20) == 0
+    finally:
+        os.close(r)
+
+
+def test_a_child_made_without_the_fork_handlers_leaves_the_parents_usage(release_lab):
+    # A child of _Fork() (or clone, or vfork) runs no fork handlers: it still took its parent's
+    # process slot for its own, and its exit returned the parent's usage, so another process got
+    # 4 GiB beside the parent's 1 GiB under a 4 GiB cap
+    lab = release_lab
+    go = lab.tmp / "go"
+    parent = subprocess.Popen([str(lab.build / "tests" / "rawfork"), str(go)],
+                              env=lab.env(CUDA_DEVICE_MEMORY_LIMIT="4g"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    lab.procs.append(parent)
+    assert parent.stdout is not None
+    assert parent.stdout.readline().split() == ["alloc", "0"]
+    assert parent.stdout.readline().split() == ["child", "0"]
+    assert lab.used() == GIB
+    res = lab.run("init", "ctx", "0", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.rc("alloc") == OOM
+    go.touch()
+    assert parent.wait(timeout=20) == 0
+    assert lab.used() == 0
+
+
 def test_a_process_that_exits_returns_its_usage(lab):
     lab.run("init", "ctx", "0", "alloc", "3g", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="4g")
     assert lab.used() == 0
@@ -367,11 +450,8 @@ def test_a_failed_huge_allocation_on_an_uncapped_device_leaves_the_usage_right(l
     assert used == GIB  # a reservation the sum cannot hold is refused; it wrapped to 0 before
 
 
-@pytest.mark.parametrize("version", [0, 1])
-def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab, version):
-    # a version-0 region (an older layout): processes fell back to private regions, so every
-    # process got the whole cap; now the file is started afresh and shared.  Version 1 is the
-    # layout before process slots held a host pid and measured time: a smaller file
+def age_region(lab: Lab, version: int) -> None:
+    """Rewrite the region as an older library's file of that version."""
     lab.run("init", CUDA_DEVICE_MEMORY_LIMIT="8g")  # a valid region, to age
     stale = bytearray(lab.region_path.read_bytes())
     if version == 1:
@@ -381,6 +461,14 @@ def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab, versi
     stale[8:12] = version.to_bytes(4, "little")
     lab.region_path.unlink()
     lab.region_path.write_bytes(bytes(stale))
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab, version):
+    # a version-0 region (an older layout): processes fell back to private regions, so every
+    # process got the whole cap; now the file is started afresh and shared.  Version 1 is the
+    # layout before process slots held a host pid and measured time: a smaller file
+    age_region(lab, version)
     holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
                        "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g")
     lab.wait_for(lab.tmp / "held")
@@ -388,6 +476,47 @@ def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab, versi
     (lab.tmp / "go").touch()
     lab.finish(holder)
     assert res.rc("alloc") == OOM
+
+
+def test_two_processes_replacing_an_older_librarys_region_at_once_share_the_new_one(release_lab):
+    # Both open the old file and wait for its lock (held here, as by a process of the old
+    # library starting); the first replaces the file, and the second, holding the old inode,
+    # replaced the first one's new file in turn: each got a whole cap, 12 GiB under 8 GiB
+    lab = release_lab
+    age_region(lab, 1)
+    fd = os.open(lab.region_path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    procs = [lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / f"held{i}"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g") for i in range(2)]
+    time.sleep(1.0)  # both wait for the old file's lock
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    for i in range(2):
+        lab.wait_for(lab.tmp / f"held{i}")
+    (lab.tmp / "go").touch()
+    assert sorted(lab.finish(p).rc("alloc") for p in procs) == [0, OOM]
+
+
+def test_a_process_that_cannot_read_the_boot_id_resets_nothing(release_lab):
+    # The boot id tells a region left from an earlier boot.  Unreadable, it read as zeros, which
+    # matched no region's: the region was reset under a live process holding 6 GiB, and the
+    # newcomer got 6 GiB more under an 8 GiB cap
+    lab = release_lab
+    if subprocess.run(["unshare", "-m", "true"], check=False, capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace (unshare -m) to hide the boot id")
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g")
+    lab.wait_for(lab.tmp / "held")
+    hidden = ("mount --bind /dev/null /proc/sys/kernel/random/boot_id && exec "
+              + " ".join(lab.command("init", "ctx", "0", "alloc", "6g", "meminfo")))
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", hidden], check=False, capture_output=True,
+                          text=True, timeout=60, env=lab.env(CUDA_DEVICE_MEMORY_LIMIT="8g"))
+    res = Result(proc.returncode, proc.stdout, proc.stderr, parse(proc.stdout))
+    (lab.tmp / "go").touch()
+    lab.finish(holder)
+    assert "earlier boot" not in proc.stderr
+    assert res.rc("alloc") == OOM
+    assert res.values("meminfo") == [2 * GIB, 8 * GIB]
 
 
 def test_a_process_whose_slot_was_reclaimed_never_writes_into_someone_elses(lab):
