@@ -43,6 +43,7 @@
 #define GPUSLICE_POD_NAME_LEN 256
 #define GPUSLICE_ID_LEN 64     /* pod uid, namespace, container name */
 #define GPUSLICE_LOCK_BYTES 64 /* room for pthread_mutex_t on every 64-bit glibc target */
+#define GPUSLICE_TOKEN_BASE (1ull << 30) /* liveness tokens: lock bytes far past the region's end */
 
 /* gpuslice_proc.state */
 #define GPUSLICE_PROC_FREE 0u
@@ -71,7 +72,10 @@ struct gpuslice_proc {
     uint64_t start_time;           /* field 22 of /proc/<pid>/stat: detects pid reuse */
     uint64_t used_bytes[GPUSLICE_MAX_DEVICES]; /* per device slot */
     uint32_t host_pid;             /* its pid in NVML's process lists (the host's); 0 = not known */
-    uint32_t reserved;
+    uint32_t token;                /* = pid: it holds an open-file-description lock on byte
+                                      GPUSLICE_TOKEN_BASE + its slot index of the region file, through
+                                      a descriptor that exec closes: no such lock = its image is gone;
+                                      0 = no token (liveness by pid and start time alone) */
     uint64_t measured_ns[GPUSLICE_MAX_DEVICES]; /* GPU time its launches' events measured per device slot,
                                                    other processes' slices included (written by it alone) */
 };

@@ -42,6 +42,8 @@ static struct gpuslice_proc *g_me;
 static int32_t g_my_pid; /* the pid g_me was registered with */
 int gs_exiting;
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
+static dev_t g_file_dev; /* the region file mapped (0, 0: a private region) */
+static ino_t g_file_ino;
 static uint64_t g_last_reclaim_ns;
 #define GS_SWEEP_NS 2000000000ull /* at most one sweep for dead processes per container this often */
 static uint64_t g_charge_seq;
@@ -234,6 +236,10 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
             memcpy(r->boot_id, boot_id, 16);
         }
     }
+    if (r) {
+        g_file_dev = own.st_dev;
+        g_file_ino = own.st_ino;
+    }
     flock(fd, LOCK_UN);
     close(fd);
     return r;
@@ -264,15 +270,88 @@ int gs_region_open(void)
 
 /* ---- locking and reclaim -------------------------------------------------- */
 
+/* ---- liveness tokens ------------------------------------------------------ */
+
+/* A process that execs a program keeps its pid and start time, so by those its slot lives on
+ * while the old image's memory is gone; the new image recognises the slot as its old one only
+ * if it uses CUDA.  So a registering process also takes an open-file-description lock on a byte
+ * of the region file (GPUSLICE_TOKEN_BASE + its slot index) through a descriptor that exec
+ * closes, and notes its pid in the slot's token: the byte unlocked while the pid lives means
+ * its image is gone.  A fork child closes its copy (the lock stays its parent's); a child made
+ * without the fork handlers shares the parent's descriptor, where a query cannot tell the
+ * parent's lock from its own, so it never takes a token for gone. */
+static int g_token_fd = -1;
+static int32_t g_token_pid; /* the process that opened g_token_fd */
+static int64_t g_token_byte = -1;
+static pthread_mutex_t g_token_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* The region file through a descriptor of this process's own, or -1 (a private region, or the
+ * path no longer names the mapped file). */
+static int token_fd(void)
+{
+    pthread_mutex_lock(&g_token_mu);
+    if (g_token_fd < 0 && g_file_ino) {
+        char path[4096];
+        int fd = open(gs_env_region_path(path, sizeof(path)), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        struct stat st;
+        if (fd >= 0 && (fstat(fd, &st) != 0 || st.st_dev != g_file_dev || st.st_ino != g_file_ino)) {
+            close(fd);
+            fd = -1;
+        }
+        g_token_fd = fd;
+        g_token_pid = (int32_t)getpid();
+    }
+    int fd = g_token_pid == (int32_t)getpid() ? g_token_fd : -1;
+    pthread_mutex_unlock(&g_token_mu);
+    return fd;
+}
+
+static int token_lock(int fd, int64_t byte, short type, int cmd)
+{
+    struct flock fl = {.l_type = type, .l_whence = SEEK_SET, .l_start = (off_t)(GPUSLICE_TOKEN_BASE + (uint64_t)byte),
+                       .l_len = 1};
+    if (fcntl(fd, cmd, &fl) != 0) return -1;
+    return cmd == F_OFD_GETLK ? fl.l_type != F_UNLCK : 0;
+}
+
+/* Take slot `index`'s token (giving back one held for another slot); 1 if taken. */
+static int token_take(unsigned index)
+{
+    int fd = token_fd();
+    if (fd < 0) return 0;
+    if (g_token_byte >= 0 && g_token_byte != (int64_t)index) token_lock(fd, g_token_byte, F_UNLCK, F_OFD_SETLK);
+    g_token_byte = -1;
+    if (token_lock(fd, index, F_WRLCK, F_OFD_SETLK) != 0) return 0; /* a lock left by a child of a dead holder */
+    g_token_byte = index;
+    return 1;
+}
+
+static void token_give_back(void)
+{
+    int fd = token_fd();
+    if (fd >= 0 && g_token_byte >= 0) token_lock(fd, g_token_byte, F_UNLCK, F_OFD_SETLK);
+    g_token_byte = -1;
+}
+
+/* 0 only when slot `index`'s token is surely not held */
+static int token_held(unsigned index)
+{
+    int fd = token_fd();
+    return fd < 0 || token_lock(fd, index, F_WRLCK, F_OFD_GETLK) != 0;
+}
+
 /* Who a process slot says it holds: what decides whether that process lives. */
 struct ident {
     int32_t pid;
+    uint32_t token;
     uint64_t pidns, start_time;
+    unsigned index;
 };
 
 static struct ident ident_of(const struct gpuslice_proc *p)
 {
-    return (struct ident){.pid = LD(&p->pid), .pidns = LD(&p->pidns), .start_time = LD(&p->start_time)};
+    return (struct ident){.pid = LD(&p->pid), .token = LD(&p->token), .pidns = LD(&p->pidns),
+                          .start_time = LD(&p->start_time), .index = (unsigned)(p - gs_region->procs)};
 }
 
 /* `mine`: the slot is this process's own (g_me) */
@@ -288,7 +367,9 @@ static int ident_alive(struct ident id, int mine, uint64_t my_ns)
      * zombie thread-group leader whose main() ended with pthread_exit is a live process) */
     if (state == 'X' || (state == 'Z' && threads <= 1)) return 0;
     if (id.pid == getpid() && !mine && start == id.start_time) return 0; /* ours before an exec */
-    return !(start && id.start_time && start != id.start_time); /* else the pid was reused */
+    if (start && id.start_time && start != id.start_time) return 0; /* the pid was reused */
+    /* the same process, but another program since an exec? */
+    return mine || id.token != (uint32_t)id.pid || token_held(id.index);
 }
 
 static int proc_alive(const struct gpuslice_proc *p, uint64_t my_ns)
@@ -308,6 +389,7 @@ static void reclaim_slot_locked(struct gpuslice_proc *p)
     }
     ST(&p->state, GPUSLICE_PROC_FREE);
     memset(p->used_bytes, 0, sizeof(p->used_bytes));
+    ST(&p->token, 0);
     ST(&p->pid, 0);
 }
 
@@ -442,6 +524,9 @@ static int register_locked(void)
             ST(&p->pid, (int32_t)getpid());
             ST(&p->pidns, pidns_inode());
             ST(&p->start_time, proc_start_time(getpid()));
+            /* the token before the slot is live: a sweep reading it without the lock must
+             * not find it noted and not yet held */
+            ST(&p->token, token_take(i) ? (uint32_t)getpid() : 0u);
             ST(&p->state, GPUSLICE_PROC_LIVE);
             g_my_pid = p->pid;
             __atomic_store_n(&g_me, p, __ATOMIC_RELEASE);
@@ -737,6 +822,10 @@ void gs_region_sweep(void)
 void gs_region_after_fork_child(void)
 {
     pthread_mutex_init(&g_open_mu, NULL); /* another thread may have held it at the fork */
+    pthread_mutex_init(&g_token_mu, NULL);
+    if (g_token_fd >= 0) close(g_token_fd); /* the parent's lock stays the parent's */
+    g_token_fd = -1;
+    g_token_byte = -1;
     __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE); /* the child registers as itself on its first charge */
     g_last_reclaim_ns = 0;
 }
@@ -766,8 +855,10 @@ __attribute__((destructor)) static void region_detach(void)
     memset(g_me->used_bytes, 0, sizeof(g_me->used_bytes));
     memset(g_me->measured_ns, 0, sizeof(g_me->measured_ns));
     ST(&g_me->host_pid, 0);
+    ST(&g_me->token, 0);
     ST(&g_me->state, GPUSLICE_PROC_FREE);
     ST(&g_me->pid, 0);
     __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE);
+    token_give_back();
     region_unlock();
 }

@@ -438,6 +438,32 @@ def test_a_process_that_execs_returns_what_its_old_image_held(lab):
     assert res.values("meminfo") == [8 * GIB, 8 * GIB]
 
 
+def test_a_process_that_execs_a_program_without_cuda_returns_what_its_old_image_held(lab):
+    # exec keeps the pid and start time, so the old image's slot looked alive, holding its
+    # 4 GiB until the new program (no CUDA: it never looks at the region) ended; another
+    # process's 6 GiB was refused under an 8 GiB cap with nothing held.  The slot's token went
+    # with the exec
+    held, go = lab.tmp / "held", lab.tmp / "go"
+    proc = lab.start("init", "ctx", "0", "alloc", "4g", "reexec", "touch", str(held), "waitfile", str(go),
+                     CUDA_DEVICE_MEMORY_LIMIT="8g")
+    lab.wait_for(held)
+    res = lab.run("init", "ctx", "0", "alloc", "6g", CUDA_DEVICE_MEMORY_LIMIT="8g")
+    go.touch()
+    lab.finish(proc)
+    assert res.rc("alloc") == 0
+
+
+def test_a_fork_child_at_the_cap_takes_its_parent_for_alive(lab):
+    # the child's refused reservation checks the container's processes for the dead: its
+    # parent's token is held through the parent's own descriptor, which the child closed
+    res = lab.run("init", "ctx", "0", "alloc", "3g", "fork", "alloc", "2g", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="4g")
+    # the child runs the rest, then the parent
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM, OOM]
+    assert [vals for _, vals in res.of("meminfo")] == [[GIB, 4 * GIB]] * 2
+    assert res.of("fork") == [(0, [])]
+
+
 def test_a_failed_huge_allocation_on_an_uncapped_device_leaves_the_usage_right(lab):
     holder = lab.start("init", "ctx", "0", "alloc", "1g", "touch", str(lab.tmp / "held"),
                        "waitfile", str(lab.tmp / "go"))

@@ -47,7 +47,7 @@ DEVICE_FIELDS = (
 )
 PROC_FIELDS = (
     ("pid", "i"), ("state", "I"), ("pidns", "Q"), ("start_time", "Q"),
-    ("used_bytes", f"{MAX_DEVICES}Q"), ("host_pid", "I"), ("_reserved", "4x"),
+    ("used_bytes", f"{MAX_DEVICES}Q"), ("host_pid", "I"), ("_token", "4x"),
     ("measured_ns", f"{MAX_DEVICES}Q"),
 )
 # Version 1: the same up to used_bytes, then 8 reserved bytes (regions of containers started
