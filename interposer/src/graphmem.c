@@ -161,12 +161,26 @@ static void remember(CUgraphExec exec, const struct gs_graph_need *need)
     mu_unlock();
 }
 
-static void forget(CUgraphExec exec)
+/* Take exec's entry out of the table; 1 and *out if it had one. */
+static int forget(CUgraphExec exec, struct gexec *out)
 {
     mu_lock();
     int i = find_locked(exec);
     if (i >= 0) {
+        *out = g_execs[i];
         g_execs[i] = g_execs[--g_n];
+        __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
+    }
+    mu_unlock();
+    return i >= 0;
+}
+
+/* Put back an entry forget took (its executable lives on); never over a newer one. */
+static void put_back(const struct gexec *e)
+{
+    mu_lock();
+    if (find_locked(e->exec) < 0 && g_n < GS_MAX_GEXECS) {
+        g_execs[g_n++] = *e;
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     }
     mu_unlock();
@@ -463,13 +477,20 @@ GS_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec hGraphExec, CUstream hStream)
     return upload(gs_cuda.cuGraphUpload_ptsz, hGraphExec, hStream);
 }
 
+/* The driver may hand the destroyed executable's handle to another thread's instantiation before
+ * cuGraphExecDestroy returns: its entry is taken out before the driver's call, so the new
+ * executable's is made after it (taken out after, it was the new one's, whose launches then went
+ * unreserved), and put back if the destroy fails. */
 GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 {
     gs_cuda_init();
     if (!gs_cuda.cuGraphExecDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    struct gexec was;
+    /* under a lock of ours (see instantiate) its entry stays, replaced if the handle comes back */
+    int had = __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !gs_graphmem_passthrough() &&
+              forget(hGraphExec, &was);
     CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
-    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !gs_graphmem_passthrough())
-        forget(hGraphExec); /* else (see instantiate) its entry stays, replaced if the handle comes back */
+    if (rc != CUDA_SUCCESS && had) put_back(&was);
     return rc;
 }
 

@@ -459,24 +459,56 @@ GS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
     return rc;
 }
 
+/* The driver may hand a destroyed pool's handle to another thread's cuMemPoolCreate as soon as
+ * the pool is gone, before cuMemPoolDestroy returns: so the pool's record and location are taken
+ * out before the driver's call, and the new pool's bookkeeping starts afresh after them (taken out
+ * after it, they took the new pool's: its charge was returned while it held its memory).  A pool
+ * with allocations outstanding keeps its handle in the driver until the last is freed: its record
+ * stays, marked destroyed, to take their frees.  A failed destroy puts everything back. */
 GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemPoolDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     if (t_mine) return gs_cuda.cuMemPoolDestroy(pool); /* see pool_alloc: its charge stays */
+    uint64_t key = (uint64_t)(uintptr_t)pool;
+    struct pool_rec gone = {0}; /* the record taken out; its charge held until the driver is done */
+    struct pool_where where = {0};
+    int stays = 0;
     gs_inflight_begin();
-    CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
-    if (rc == CUDA_SUCCESS) {
-        mu_lock();
-        struct pool_rec *p = find_locked((uint64_t)(uintptr_t)pool, -1, 0);
-        if (p) {
-            p->destroyed = 1; /* charged as it is until its last allocation is freed */
-            reconcile_locked(p, 0);
-        }
-        for (int i = 0; i < GS_MAX_POOLS; i++)
-            if (g_where[i].pool == (uint64_t)(uintptr_t)pool) memset(&g_where[i], 0, sizeof(g_where[i]));
-        mu_unlock();
+    mu_lock();
+    struct pool_rec *p = find_locked(key, -1, 0);
+    if (p && (p->live || p->busy)) {
+        stays = 1;
+        p->destroyed = 1; /* charged as it is until its last allocation is freed */
+    } else if (p) {
+        gone = *p;
+        memset(p, 0, sizeof(*p));
     }
+    for (int i = 0; i < GS_MAX_POOLS; i++)
+        if (g_where[i].pool == key) {
+            where = g_where[i];
+            memset(&g_where[i], 0, sizeof(g_where[i]));
+        }
+    mu_unlock();
+    CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
+    mu_lock();
+    if (rc == CUDA_SUCCESS) {
+        if (gone.pool) gs_budget_release(gone.slot, gone.charged);
+    } else {
+        /* the pool lives on, and so does its handle: nobody else can have it */
+        p = stays ? find_locked(key, -1, 0) : gone.pool ? find_locked(key, gone.slot, 1) : NULL;
+        if (p && stays) {
+            p->destroyed = 0;
+        } else if (p) { /* beside what an allocation racing the destroy may have begun */
+            p->charged += gone.charged;
+            p->live += gone.live;
+        } else if (gone.pool) {
+            gs_budget_release(gone.slot, gone.charged); /* the table is full: the reconcile's to charge */
+        }
+        struct pool_where *w = where.pool ? where_entry_locked(key) : NULL;
+        if (w && !w->pool) *w = where;
+    }
+    mu_unlock();
     gs_inflight_end();
     return rc;
 }

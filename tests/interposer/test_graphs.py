@@ -158,6 +158,27 @@ def test_destroying_the_executable_keeps_the_pool_charged_until_trimmed(lab):
     assert free_seen(res) == [GIB - 200 * MIB, GIB]
 
 
+def test_an_executable_handle_reused_during_its_destroy_keeps_the_new_graph_charged(lab):
+    # the driver hands the destroyed executable's handle to another thread's instantiation
+    # while cuGraphExecDestroy is still inside; forgetting it after the driver's call forgot
+    # the new graph, whose 900 MiB then launched unreserved: 1.2 GiB held under 1 GiB
+    res = lab.run("init", "ctx", "0", "alloc", "300m", "gnode", "100m", "0", "ginst", "flags",
+                  "bggdestroy", "sleep", "100", "gnew", "gnode", "900m", "0", "ginst", "flags",
+                  "gexec", "sleep", "600", "join", "glaunch", "meminfo", "phys", **CAP,
+                  FAKE_CUDA_HANDLE_REUSE="1", FAKE_CUDA_SLEEP="cuGraphExecDestroyAfter:500")
+    assert res.values("gexec", 0) == res.values("gexec", 1)  # the handle came back
+    assert res.rc("bggdestroy") == 0 and res.rc("glaunch") == OOM
+    assert free_seen(res) == [GIB - 300 * MIB]
+    assert phys(res) == [300 * MIB]
+
+
+def test_an_executable_whose_destroy_fails_stays_charged_at_launch(lab):
+    res = lab.run("init", "ctx", "0", "alloc", "300m", "gnode", "900m", "0", "ginst", "flags",
+                  "gdestroy", "glaunch", "phys", **CAP, FAKE_CUDA_FAIL="cuGraphExecDestroy:1:999")
+    assert res.rc("gdestroy") == 999 and res.rc("glaunch") == OOM
+    assert phys(res) == [300 * MIB]
+
+
 def test_failing_graph_queries_leave_the_graph_uncharged_not_broken(release_lab):
     # the driver cannot list the graph's nodes: the graph still instantiates and runs, and the
     # NVML reconcile is what would see its memory

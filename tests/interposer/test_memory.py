@@ -433,6 +433,30 @@ def test_a_pool_destroyed_with_allocations_outstanding_stays_charged_until_the_l
     assert [vals[0] for _, vals in res.of("phys")] == [224 * MIB, 0]
 
 
+def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab):
+    # the driver hands the destroyed pool's handle to another thread's cuMemPoolCreate while
+    # cuMemPoolDestroy is still inside; the destroy's bookkeeping after the driver's call took
+    # the new pool's record: its 608 MiB charge went with the free of its allocation and a
+    # 700 MiB allocation passed, 1308 MiB held under 1 GiB
+    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "100m", "free", "0",
+                  "bgpooldestroy", "sleep", "100", "mkpool", "1", "0", "upool", "pool", "600m",
+                  "sleep", "600", "join", "free", "1", "meminfo", "phys", "alloc", "700m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_HANDLE_REUSE="1",
+                  FAKE_CUDA_SLEEP="cuMemPoolDestroyAfter:500")
+    assert res.values("upool", 0) == res.values("upool", 1)  # the handle came back
+    assert res.rc("bgpooldestroy") == 0 and res.rc("pool") == 0 and res.rc("alloc") == OOM
+    assert res.values("meminfo") == [GIB - 608 * MIB, GIB]
+    assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 608 * MIB]
+
+
+def test_a_pool_whose_destroy_fails_stays_charged(lab):
+    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "pooldestroy", "meminfo",
+                  "alloc", "950m", "trim", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuMemPoolDestroy:1:999")
+    assert res.rc("pooldestroy") == 999 and res.rc("alloc") == OOM
+    assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 128 * MIB, GIB]
+
+
 def test_cumemfree_on_a_stream_ordered_allocation_returns_it(lab):
     res = lab.run("init", "ctx", "0", "pool", "64m", "freesync", "0", "trim", "0", "meminfo",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")

@@ -56,6 +56,9 @@ API CUresult fake_cuda_graph_keep(uint64_t bytes)
     return rc;
 }
 
+/* FAKE_CUDA_HANDLE_REUSE: a destroyed executable graph, the next instantiation's (under mu) */
+static struct fake_gexec *freed_gexec;
+
 static struct fake_graph *fake_graph_new(void)
 {
     struct fake_graph *g = calloc(1, sizeof(*g));
@@ -238,7 +241,14 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload)
     FAIL_POINT("cuGraphInstantiate");
     struct fake_graph *fg = graph_of(g);
     if (!exec || !fg) return CUDA_ERROR_INVALID_VALUE;
-    struct fake_gexec *e = calloc(1, sizeof(*e));
+    pthread_mutex_lock(&mu);
+    struct fake_gexec *e = freed_gexec; /* a destroyed executable's handle, reused */
+    freed_gexec = NULL;
+    pthread_mutex_unlock(&mu);
+    if (e)
+        memset(e, 0, sizeof(*e));
+    else
+        e = calloc(1, sizeof(*e));
     if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
     e->magic = FAKE_GRAPH_MAGIC;
     e->kernels = 1;
@@ -315,11 +325,20 @@ API CUresult cuGraphUpload_ptsz(CUgraphExec g, CUstream s)
 
 API CUresult cuGraphExecDestroy(CUgraphExec g)
 {
+    FAIL_POINT("cuGraphExecDestroy");
     struct fake_gexec *e = gexec_of(g);
     if (!e) return CUDA_ERROR_INVALID_VALUE;
     if (last_gexec == e) last_gexec = NULL;
     e->magic = 0;
-    free(e);
+    if (getenv("FAKE_CUDA_HANDLE_REUSE")) {
+        pthread_mutex_lock(&mu);
+        free(freed_gexec);
+        freed_gexec = e; /* the next instantiation gets its handle */
+        pthread_mutex_unlock(&mu);
+    } else {
+        free(e);
+    }
+    (void)fail_check("cuGraphExecDestroyAfter"); /* FAKE_CUDA_SLEEP: still inside, the handle free */
     return CUDA_SUCCESS;
 }
 
