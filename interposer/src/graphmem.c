@@ -274,16 +274,22 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
         int slot = gs_dev_slot(need->dev[i]);
         reserved[i] = 0;
         need->live[i] = 0;
-        if (slot < 0 || graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
-            graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0)
-            continue;
-        need->live[i] = used;
-        /* the sum of its nodes, or less if it ran before: then it needed no more than the pool
-         * held after that run beyond the allocations alive before it (nodes with disjoint
-         * lifetimes share memory); both beside the allocations alive now */
-        uint64_t want = need->bytes[i];
-        if (need->ran[i] && need->ran[i] < want) want = need->ran[i];
-        if (used + want > held) extra = used + want - held;
+        if (slot < 0) continue;
+        if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
+            graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0) {
+            /* the pool cannot be read: the whole sum of its nodes, as if the pool held nothing
+             * (reserving nothing let it map past the cap) */
+            used = 0;
+            extra = need->bytes[i];
+        } else {
+            need->live[i] = used;
+            /* the sum of its nodes, or less if it ran before: then it needed no more than the
+             * pool held after that run beyond the allocations alive before it (nodes with
+             * disjoint lifetimes share memory); both beside the allocations alive now */
+            uint64_t want = need->bytes[i];
+            if (need->ran[i] && need->ran[i] < want) want = need->ran[i];
+            if (used + want > held) extra = used + want - held;
+        }
         if (extra && gs_reserve(slot, extra) != 0) {
             for (int k = 0; k < i; k++)
                 if (reserved[k]) gs_budget_release(gs_dev_slot(need->dev[k]), reserved[k]);

@@ -179,6 +179,21 @@ def test_an_executable_whose_destroy_fails_stays_charged_at_launch(lab):
     assert phys(res) == [300 * MIB]
 
 
+@pytest.mark.parametrize("nth", ["1", "2"], ids=["used", "reserved"])
+def test_a_launch_that_cannot_read_the_graph_pool_reserves_the_sum_of_its_nodes(lab, nth):
+    # the pool's used or reserved memory cannot be read before the launch: nothing was
+    # reserved, and two 900 MiB nodes launched, 1.8 GiB held under 1 GiB
+    fail = f"cuDeviceGetGraphMemAttribute:{nth}:999"
+    over = lab.run("init", "ctx", "0", "gnode", "900m", "0", "gnode", "900m", "0", "ginst",
+                   "flags", "glaunch", "meminfo", "phys", **CAP, FAKE_CUDA_FAIL=fail)
+    assert over.rc("glaunch") == OOM
+    assert free_seen(over) == [GIB] and phys(over) == [0]
+    fits = lab.run("init", "ctx", "0", "gnode", "400m", "0", "ginst", "flags", "glaunch",
+                   "meminfo", "phys", **CAP, FAKE_CUDA_FAIL=fail)
+    assert fits.rc("glaunch") == 0
+    assert free_seen(fits) == [GIB - 400 * MIB] and phys(fits) == [400 * MIB]
+
+
 def test_failing_graph_queries_leave_the_graph_uncharged_not_broken(release_lab):
     # the driver cannot list the graph's nodes: the graph still instantiates and runs, and the
     # NVML reconcile is what would see its memory
