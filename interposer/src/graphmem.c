@@ -74,61 +74,74 @@ static void need_add(struct gs_graph_need *need, CUdevice dev, uint64_t bytes)
 }
 
 /* Every graph below `root` (child graph nodes, however deeply nested: a depth limit would leave
- * the allocations past it uncharged), from a stack of its own rather than by recursion. */
-static void walk(CUgraph root, CUdevice here, struct gs_graph_need *need)
+ * the allocations past it uncharged), from a stack of its own rather than by recursion.
+ * CUDA_SUCCESS, or the error of the first query that failed (CUDA_ERROR_OUT_OF_MEMORY: host
+ * memory for the walk): then the graph's allocations are not known. */
+static CUresult walk(CUgraph root, CUdevice here, struct gs_graph_need *need)
 {
     size_t cap = 16, top = 0;
     CUgraph *stack = malloc(cap * sizeof(*stack));
-    if (!stack || !root) {
+    if (!root) {
         free(stack);
-        return;
+        return CUDA_SUCCESS; /* the driver's to refuse */
     }
+    if (!stack) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = CUDA_SUCCESS;
     stack[top++] = root;
-    while (top) {
+    while (top && rc == CUDA_SUCCESS) {
         CUgraph graph = stack[--top];
         size_t n = 0;
-        if (gs_cuda.cuGraphGetNodes(graph, NULL, &n) != CUDA_SUCCESS || !n) continue;
+        if ((rc = gs_cuda.cuGraphGetNodes(graph, NULL, &n)) != CUDA_SUCCESS || !n) continue;
         CUgraphNode *nodes = calloc(n, sizeof(*nodes));
-        if (!nodes) continue;
-        if (gs_cuda.cuGraphGetNodes(graph, nodes, &n) == CUDA_SUCCESS) {
-            for (size_t i = 0; i < n; i++) {
-                CUgraphNodeType type = 0;
-                if (gs_cuda.cuGraphNodeGetType(nodes[i], &type) != CUDA_SUCCESS) continue;
-                if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
-                    CUDA_MEM_ALLOC_NODE_PARAMS p;
-                    memset(&p, 0, sizeof(p));
-                    if (gs_cuda.cuGraphMemAllocNodeGetParams(nodes[i], &p) != CUDA_SUCCESS || !p.bytesize) continue;
-                    CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
-                                                                                            : here;
-                    need_add(need, dev, gs_charge_size(p.bytesize));
-                } else if (type == CU_GRAPH_NODE_TYPE_GRAPH && gs_cuda.cuGraphChildGraphNodeGetGraph) {
-                    CUgraph child = NULL;
-                    if (gs_cuda.cuGraphChildGraphNodeGetGraph(nodes[i], &child) != CUDA_SUCCESS || !child) continue;
-                    if (top == cap) {
-                        CUgraph *more = realloc(stack, 2 * cap * sizeof(*stack));
-                        if (!more) continue; /* out of host memory: that child goes uncounted */
-                        stack = more;
-                        cap *= 2;
+        if (!nodes) {
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+            continue;
+        }
+        rc = gs_cuda.cuGraphGetNodes(graph, nodes, &n);
+        for (size_t i = 0; i < n && rc == CUDA_SUCCESS; i++) {
+            CUgraphNodeType type = 0;
+            if ((rc = gs_cuda.cuGraphNodeGetType(nodes[i], &type)) != CUDA_SUCCESS) break;
+            if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
+                CUDA_MEM_ALLOC_NODE_PARAMS p;
+                memset(&p, 0, sizeof(p));
+                if ((rc = gs_cuda.cuGraphMemAllocNodeGetParams(nodes[i], &p)) != CUDA_SUCCESS || !p.bytesize) continue;
+                CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
+                                                                                        : here;
+                need_add(need, dev, gs_charge_size(p.bytesize));
+            } else if (type == CU_GRAPH_NODE_TYPE_GRAPH) {
+                CUgraph child = NULL;
+                rc = gs_cuda.cuGraphChildGraphNodeGetGraph ? gs_cuda.cuGraphChildGraphNodeGetGraph(nodes[i], &child)
+                                                           : CUDA_ERROR_NOT_SUPPORTED;
+                if (rc != CUDA_SUCCESS || !child) continue;
+                if (top == cap) {
+                    CUgraph *more = realloc(stack, 2 * cap * sizeof(*stack));
+                    if (!more) {
+                        rc = CUDA_ERROR_OUT_OF_MEMORY;
+                        continue;
                     }
-                    stack[top++] = child;
+                    stack = more;
+                    cap *= 2;
                 }
+                stack[top++] = child;
             }
         }
         free(nodes);
     }
     free(stack);
+    return rc;
 }
 
-/* The graph's allocations per device; n = 0 when it has none or cannot be read. */
-static void graph_need(CUgraph graph, struct gs_graph_need *need)
+/* The graph's allocations per device (n = 0 when it has none, or when the driver has no
+ * allocation nodes); CUDA_SUCCESS or the error that kept them from being read. */
+static CUresult graph_need(CUgraph graph, struct gs_graph_need *need)
 {
     memset(need, 0, sizeof(*need));
     CUdevice here = 0;
     if (!gs_cuda.cuGraphGetNodes || !gs_cuda.cuGraphNodeGetType || !gs_cuda.cuGraphMemAllocNodeGetParams ||
         !gs_cuda.cuDeviceGetGraphMemAttribute)
-        return;
+        return CUDA_SUCCESS;
     if (!gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetDevice(&here) != CUDA_SUCCESS) here = 0;
-    walk(graph, here, need);
+    return walk(graph, here, need);
 }
 
 /* ---- the executable graphs that allocate ----------------------------------- */
@@ -374,6 +387,15 @@ static CUresult call_v2(const void *p)
     return ((cuGraphInstantiate_v2_fn)a->real)(a->exec, a->graph, a->err, a->log, a->logsize);
 }
 
+/* An instantiation refused before the driver's: what the driver says of a failed one. */
+static CUresult refuse(const struct inst_args *a, CUresult rc)
+{
+    if (a->params) a->params->result_out = CUDA_GRAPH_INSTANTIATE_ERROR;
+    if (a->err) *a->err = NULL;
+    if (a->log && a->logsize) a->log[0] = '\0';
+    return rc;
+}
+
 static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, int uploads)
 {
     if (!a->real) return CUDA_ERROR_NOT_SUPPORTED;
@@ -386,10 +408,21 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
     gs_devices_ready();
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS] = {0};
-    graph_need(a->graph, &need);
+    /* A graph whose nodes the driver cannot read (a failed cuGraphGetNodes, cuGraphNodeGetType,
+     * cuGraphMemAllocNodeGetParams or cuGraphChildGraphNodeGetGraph on the graph the program
+     * just built, or no host memory for the walk) is refused with that error, before the driver
+     * instantiates anything: its allocations are unknown, so no launch of it could be reserved
+     * (instantiated untracked, it launched past the cap: 2.3 GiB held under 1 GiB).  Tracking it
+     * as of unknown size and settling after each launch would keep the program going but let
+     * its first launch map past the cap, which is what the cap is for. */
+    CUresult q = graph_need(a->graph, &need);
+    if (q != CUDA_SUCCESS) {
+        GS_WARN("graph instantiation refused: its allocation nodes cannot be read (CUDA error %d)", (int)q);
+        return refuse(a, q);
+    }
     if (!need.n) return call(a);
     if (uploads) { /* mapped while instantiating */
-        if (reserve(&need, reserved) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+        if (reserve(&need, reserved) != 0) return refuse(a, CUDA_ERROR_OUT_OF_MEMORY);
         gs_unsettled_begin();
     }
     CUresult rc = call(a);
@@ -437,10 +470,7 @@ static CUresult with_params(const void *real, CUgraphExec *phGraphExec, CUgraph 
                             CUDA_GRAPH_INSTANTIATE_PARAMS *params)
 {
     struct inst_args a = {.real = real, .exec = phGraphExec, .graph = hGraph, .params = params};
-    CUresult rc = instantiate(call_with_params, &a, params && (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD));
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY && params && params->result_out == CUDA_GRAPH_INSTANTIATE_SUCCESS)
-        params->result_out = CUDA_GRAPH_INSTANTIATE_ERROR; /* refused before the driver could say */
-    return rc;
+    return instantiate(call_with_params, &a, params && (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD));
 }
 
 GS_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,

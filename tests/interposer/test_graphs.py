@@ -194,13 +194,31 @@ def test_a_launch_that_cannot_read_the_graph_pool_reserves_the_sum_of_its_nodes(
     assert free_seen(fits) == [GIB - 400 * MIB] and phys(fits) == [400 * MIB]
 
 
-def test_failing_graph_queries_leave_the_graph_uncharged_not_broken(release_lab):
-    # the driver cannot list the graph's nodes: the graph still instantiates and runs, and the
-    # NVML reconcile is what would see its memory
-    res = release_lab.run("init", "ctx", "0", "gcapture", "300m", "ginst", "flags", "glaunch",
-                          "meminfo", **CAP, FAKE_CUDA_FAIL="cuGraphGetNodes")
-    assert res.rc("ginst") == 0 and res.rc("glaunch") == 0
-    assert free_seen(res) == [GIB]
+UNREADABLE = {  # a failing query of the walk over a graph's nodes: FAKE_CUDA_FAIL, the graph
+    "count": ("cuGraphGetNodes:1:999", []),
+    "list": ("cuGraphGetNodes:2:999", []),
+    "type": ("cuGraphNodeGetType:1:999", []),
+    "params": ("cuGraphMemAllocNodeGetParams:1:999", []),
+    "child": ("cuGraphChildGraphNodeGetGraph:1:999", ["gchild"]),
+}
+
+
+@pytest.mark.parametrize("query", sorted(UNREADABLE))
+def test_a_graph_whose_nodes_cannot_be_read_is_refused_at_instantiate(lab, query):
+    # its allocations unknown, no launch of it could be reserved: the instantiate is refused
+    # with the driver's error before anything is instantiated. It went through untracked, and
+    # 2 GiB of nodes launched beside 300 MiB: 2.3 GiB held under 1 GiB
+    fail, wrap = UNREADABLE[query]
+    res = lab.run("init", "ctx", "0", "alloc", "300m", "gnode", "2g", "0", *wrap, "ginst", "flags",
+                  "glaunch", "phys", "ginst", "upload", "meminfo", "phys", **CAP, FAKE_CUDA_FAIL=fail)
+    assert res.of("ginst") == [(999, [0]), (OOM, [1])]  # read the second time, and over the cap
+    assert res.rc("glaunch") != 0  # nothing to launch
+    assert free_seen(res) == [GIB - 300 * MIB] and phys(res) == [300 * MIB, 300 * MIB]
+    # once the nodes can be read the graph instantiates, and its launch is charged
+    fits = lab.run("init", "ctx", "0", "gnode", "600m", "0", *wrap, "ginst", "upload", "ginst",
+                   "flags", "glaunch", "meminfo", "phys", **CAP, FAKE_CUDA_FAIL=fail)
+    assert fits.of("ginst") == [(999, [1]), (0, [0])] and fits.rc("glaunch") == 0
+    assert free_seen(fits) == [GIB - 600 * MIB] and phys(fits) == [600 * MIB]
 
 
 def test_graph_memory_is_not_counted_twice_by_the_near_cap_reconcile(lab):

@@ -183,6 +183,7 @@ API CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *count)
 
 API CUresult cuGraphNodeGetType(CUgraphNode n, CUgraphNodeType *type)
 {
+    FAIL_POINT("cuGraphNodeGetType");
     if (!n || !type) return CUDA_ERROR_INVALID_VALUE;
     *type = node_of(n)->type;
     return CUDA_SUCCESS;
@@ -190,6 +191,7 @@ API CUresult cuGraphNodeGetType(CUgraphNode n, CUgraphNodeType *type)
 
 API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, CUDA_MEM_ALLOC_NODE_PARAMS *p)
 {
+    FAIL_POINT("cuGraphMemAllocNodeGetParams");
     if (!n || !p || node_of(n)->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_INVALID_VALUE;
     memset(p, 0, sizeof(*p));
     p->poolProps.allocType = 1;
@@ -202,6 +204,7 @@ API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, CUDA_MEM_ALLOC_NODE_PAR
 
 API CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode n, CUgraph *g)
 {
+    FAIL_POINT("cuGraphChildGraphNodeGetGraph");
     if (!n || !g || node_of(n)->type != CU_GRAPH_NODE_TYPE_GRAPH) return CUDA_ERROR_INVALID_VALUE;
     *g = (CUgraph)node_of(n)->child;
     return CUDA_SUCCESS;
