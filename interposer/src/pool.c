@@ -283,6 +283,37 @@ static CUresult call_alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemor
     return ((cuMemAllocFromPoolAsync_fn)real)(dptr, bytesize, pool, stream);
 }
 
+/* cuMemAllocAsync when the stream's device's current pool cannot be asked for
+ * (cuDeviceGetMemPool failed): charged as a plain allocation, its size reserved before the call
+ * and returned at its free (reserving nothing let it pass uncharged: two 600 MiB allocations
+ * held 1.2 GiB under a 1 GiB cap).  What the pool keeps beyond it (its rounding, and the memory
+ * after the free until the pool releases it) no hook sees: the near-cap reconcile charges it as
+ * growth, as it does code loaded lazily. */
+static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
+                                   size_t bytesize, CUstream stream, int slot, CUcontext ctx)
+{
+    uint64_t want = gs_charge_size(bytesize);
+    gs_inflight_begin(); /* before the charge changes: no clean reading between */
+    if (gs_reserve(slot, want) != 0) {
+        gs_inflight_end();
+        GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult rc = call(dptr, bytesize, NULL, stream, real);
+    if (rc == CUDA_SUCCESS) {
+        struct gs_alloc rec = {.size = want, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
+        int put = gs_am_put(GS_KIND_DPTR, *dptr, &rec, &old); /* pool_free and cuMemFree take it */
+        if (put == 1) gs_budget_release(old.slot, old.size); /* a record the driver's reuse made stale */
+        if (put < 0) {
+            if (free_real) free_real(*dptr, stream);
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    if (rc != CUDA_SUCCESS) gs_budget_release(slot, want);
+    gs_inflight_end();
+    return rc;
+}
+
 static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
                            size_t bytesize, CUmemoryPool pool, CUstream stream, int per_thread)
 {
@@ -300,8 +331,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     int slot = gs_stream_device(es, &ctx, &dev) == 0 ? gs_dev_slot(dev) : -1;
     if (slot < 0 && gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
         slot = gs_current_slot(&ctx); /* the stream's device unknown: charged to the current one */
-    if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool)
-        gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync: the stream's device's current pool */
+    int unknown = 0; /* cuMemAllocAsync, the stream's device's current pool not known */
+    if (!pool && slot >= 0) { /* cuMemAllocAsync: the stream's device's current pool */
+        unknown = !gs_cuda.cuDeviceGetMemPool || gs_cuda.cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS || !pool;
+        if (unknown) pool = NULL;
+    }
     CUmemLocation loc;
     int managed = 0;
     CUdevice mem_dev = slot >= 0 ? dev : -1; /* the device whose memory it takes */
@@ -314,8 +348,9 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
      * cuMemAllocManaged's to the current one (it may all migrate there) */
     /* on a stream being captured into a graph the allocation is a graph node: it takes
      * memory only when the graph runs, and graphmem.c charges it then */
-    if (slot < 0 || !pool || !bytesize || gs_stream_capturing(es))
+    if (slot < 0 || !bytesize || gs_stream_capturing(es) || (!pool && !unknown))
         return call(dptr, bytesize, pool, stream, real);
+    if (unknown) return alloc_unknown_pool(call, real, free_real, dptr, bytesize, stream, slot, ctx);
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
     if (GS_UNLIKELY(gs_near_cap(slot, want))) gs_reconcile_slot(slot); /* before g_mu: lock order */

@@ -364,6 +364,20 @@ def test_a_failed_pool_query_keeps_the_pools_charge(lab):
     assert res.values("phys") == [608 * MIB]
 
 
+def test_a_stream_ordered_allocation_whose_pool_cannot_be_asked_for_is_charged(lab):
+    # cuDeviceGetMemPool fails: with the stream's device's current pool unknown the allocation
+    # passed uncharged, and a second 600 MiB beside it: 1.2 GiB held under a 1 GiB cap. Now
+    # it is charged as a plain allocation; what the pool keeps past it (its 32 MiB chunks,
+    # and the memory after the free) the near-cap reconcile charges
+    res = lab.run("init", "ctx", "0", "async", "600m", "async", "600m", "meminfo", "free", "0",
+                  "alloc", "900m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuDeviceGetMemPool:0:999")
+    assert [rc for rc, _ in res.of("async")] == [0, OOM]
+    assert res.values("meminfo")[0] == GIB - 608 * MIB
+    assert res.rc("free") == 0 and res.rc("alloc") == OOM  # the pool still holds 608 MiB
+    assert res.values("phys") == [608 * MIB]
+
+
 def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab):
     # two threads allocate 500 MiB from one pool at once: the second reserved only what the
     # pool's charge lacked, which the first had just reserved, so 500 MiB stood for 1000

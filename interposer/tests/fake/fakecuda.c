@@ -1833,6 +1833,7 @@ API CUresult cuMipmappedArrayDestroy(CUmipmappedArray h)
 /* Pools */
 API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
 {
+    FAIL_POINT("cuDeviceGetMemPool");
     CHECK_DEV(d);
     if (!pool) return CUDA_ERROR_INVALID_VALUE;
     default_pools[visible[d]].pdev = visible[d];
