@@ -287,6 +287,7 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
         int slot = gs_dev_slot(need->dev[i]);
         reserved[i] = 0;
         need->live[i] = 0;
+        need->read &= ~(1u << i);
         if (slot < 0) continue;
         if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
             graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0) {
@@ -295,7 +296,11 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
             used = 0;
             extra = need->bytes[i];
         } else {
+            /* an auto-free executable's launch first frees what its last one left: counting
+             * those as alive beside it refused its relaunch near the cap */
+            if (need->auto_free) used -= need->left[i] < used ? need->left[i] : used;
             need->live[i] = used;
+            need->read |= 1u << i;
             /* the sum of its nodes, or less if it ran before: then it needed no more than the
              * pool held after that run beyond the allocations alive before it (nodes with
              * disjoint lifetimes share memory); both beside the allocations alive now */
@@ -340,17 +345,24 @@ void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const
     for (int i = 0; i < need->n; i++) held[i] = settle(need->dev[i], reserved[i]);
     gs_unsettled_end();
     if (!ran || !exec) return;
-    uint64_t ran_need[GS_GRAPH_DEVS] = {0};
+    uint64_t ran_need[GS_GRAPH_DEVS] = {0}, left[GS_GRAPH_DEVS] = {0};
     for (int i = 0; i < need->n; i++) {
         /* the pool held its need beside what lived before it; if some of that was freed
          * meanwhile, the run may have used the space: then only the pool's size bounds it */
         uint64_t after = 0, base = need->live[i];
-        if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &after) != 0 || after < base) base = 0;
+        int known = graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &after) == 0 && after >= base;
+        if (!known) base = 0;
         ran_need[i] = held[i] > base + 1 ? held[i] - base : 1; /* never 0 once it ran: 0 means never */
+        /* what it left allocated: the pool's growth in use across it (0 where unknown: its
+         * relaunch then counts it as alive, on the safe side), at most its nodes' sum */
+        if (known && (need->read & (1u << i))) left[i] = after - base < need->bytes[i] ? after - base : need->bytes[i];
     }
     mu_lock();
     int k = find_locked(exec);
-    for (int i = 0; k >= 0 && i < need->n; i++) g_execs[k].need.ran[i] = ran_need[i];
+    for (int i = 0; k >= 0 && i < need->n; i++) {
+        g_execs[k].need.ran[i] = ran_need[i];
+        g_execs[k].need.left[i] = left[i];
+    }
     mu_unlock();
 }
 
@@ -425,6 +437,8 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
         if (reserve(&need, reserved) != 0) return refuse(a, CUDA_ERROR_OUT_OF_MEMORY);
         gs_unsettled_begin();
     }
+    unsigned long long flags = a->params ? a->params->flags : a->flags;
+    need.auto_free = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
     CUresult rc = call(a);
     int made = rc == CUDA_SUCCESS && a->exec;
     if (made) remember(*a->exec, &need);

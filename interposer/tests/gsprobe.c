@@ -1152,6 +1152,13 @@ int main(int argc, char **argv)
                 rc = api.cuGraphInstantiateWithFlags(&gexec, graph, 0);
             printf("ginst %d %d\n", rc, (int)prm.result_out); /* result_out: WithParams only */
             i += 1;
+        } else if (!strcmp(c, "ginstf") || !strcmp(c, "ginstpf")) {
+            /* ginstf FLAGS / ginstpf FLAGS: cuGraphInstantiateWithFlags / WithParams with FLAGS */
+            unsigned long long flags = strtoull(ARG(0), NULL, 0);
+            CUDA_GRAPH_INSTANTIATE_PARAMS prm = {.flags = flags};
+            printf("%s %d\n", c, c[5] == 'f' ? api.cuGraphInstantiateWithFlags(&gexec, graph, flags)
+                                             : api.cuGraphInstantiateWithParams(&gexec, graph, &prm));
+            i += 1;
         } else if (!strcmp(c, "ginst10")) {
             /* CUDA 10.0's cuGraphInstantiate, still exported */
             CUresult rc = api1.cuGraphInstantiate ? api1.cuGraphInstantiate(&gexec, graph, NULL, NULL, 0)
