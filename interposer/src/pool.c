@@ -42,6 +42,7 @@ struct pool_rec {
     int destroyed;
     uint64_t live;    /* bytes allocated from it and not freed */
     uint64_t charged; /* bytes charged to the budget for it */
+    uint64_t kept;    /* destroyed: its charge at the destroy, which it keeps until its last free */
     uint64_t pending; /* bytes requested by allocations inside the driver */
     int busy;         /* allocations from it between their reservation and reconcile */
 };
@@ -187,7 +188,9 @@ static int reconcile_locked(struct pool_rec *p, int grow)
     cuuint64_t reserved = 0;
     uint64_t target = p->live;
     if (p->destroyed && p->live) {
-        target = p->charged; /* the driver keeps a destroyed pool until its last allocation goes */
+        /* the driver keeps a destroyed pool until its last allocation goes; not p->charged,
+         * which may hold the reservation of a (failing) allocation from it since */
+        target = p->kept;
     } else if (!p->destroyed) {
         if (gs_cuda.cuMemPoolGetAttribute &&
             gs_cuda.cuMemPoolGetAttribute((CUmemoryPool)(uintptr_t)p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
@@ -515,6 +518,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     if (p && (p->live || p->busy)) {
         stays = 1;
         p->destroyed = 1; /* charged as it is until its last allocation is freed */
+        p->kept = p->charged;
     } else if (p) {
         gone = *p;
         memset(p, 0, sizeof(*p));

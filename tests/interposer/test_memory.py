@@ -447,6 +447,19 @@ def test_a_pool_destroyed_with_allocations_outstanding_stays_charged_until_the_l
     assert [vals[0] for _, vals in res.of("phys")] == [224 * MIB, 0]
 
 
+def test_a_failed_allocation_from_a_destroyed_pool_returns_its_reservation(lab):
+    # the destroyed pool keeps its 128 MiB charge while an allocation from it is outstanding;
+    # an allocation from it fails in the driver, and its 300 MiB reservation stayed in that
+    # charge until the pool's last free: 428 MiB charged for 128 held, an 800 MiB one refused
+    res = lab.run("init", "ctx", "0", "pool", "100m", "pooldestroy", "pool", "300m", "meminfo",
+                  "phys", "alloc", "800m", "free", "0", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("pool")] == [0, 1]
+    assert res.rc("alloc") == 0 and res.rc("free") == 0
+    assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 128 * MIB, GIB - 800 * MIB]
+    assert [vals[0] for _, vals in res.of("phys")] == [128 * MIB, 800 * MIB]
+
+
 def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab):
     # the driver hands the destroyed pool's handle to another thread's cuMemPoolCreate while
     # cuMemPoolDestroy is still inside; the destroy's bookkeeping after the driver's call took
