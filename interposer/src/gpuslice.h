@@ -402,7 +402,13 @@ struct gs_graph_need {            /* a graph's allocation nodes, per device */
     uint64_t ran[GS_GRAPH_DEVS];  /* at most what its last launch needed beyond the pool's live
                                    * allocations (the pool's size after it, less those before it);
                                    * 0 = never launched */
-    uint64_t live[GS_GRAPH_DEVS]; /* scratch: the pool's live allocations before this launch */
+    uint64_t left[GS_GRAPH_DEVS];  /* what its last launch left allocated in the pool (its own
+                                   * allocations no free node of it freed) */
+    int auto_free;                /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH: a launch
+                                   * frees those `left` first */
+    uint64_t live[GS_GRAPH_DEVS]; /* scratch: the pool's live allocations before this launch,
+                                   * beside which it maps (an auto-free one's `left` not among them) */
+    unsigned read;                /* scratch: bit i, the pool's counters were read before it */
 };
 extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (atomic) */
 /* 0 = not such a graph; 1 = reserved[] taken, the charge unsettled until gs_graphmem_after;

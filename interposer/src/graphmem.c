@@ -74,61 +74,74 @@ static void need_add(struct gs_graph_need *need, CUdevice dev, uint64_t bytes)
 }
 
 /* Every graph below `root` (child graph nodes, however deeply nested: a depth limit would leave
- * the allocations past it uncharged), from a stack of its own rather than by recursion. */
-static void walk(CUgraph root, CUdevice here, struct gs_graph_need *need)
+ * the allocations past it uncharged), from a stack of its own rather than by recursion.
+ * CUDA_SUCCESS, or the error of the first query that failed (CUDA_ERROR_OUT_OF_MEMORY: host
+ * memory for the walk): then the graph's allocations are not known. */
+static CUresult walk(CUgraph root, CUdevice here, struct gs_graph_need *need)
 {
     size_t cap = 16, top = 0;
     CUgraph *stack = malloc(cap * sizeof(*stack));
-    if (!stack || !root) {
+    if (!root) {
         free(stack);
-        return;
+        return CUDA_SUCCESS; /* the driver's to refuse */
     }
+    if (!stack) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = CUDA_SUCCESS;
     stack[top++] = root;
-    while (top) {
+    while (top && rc == CUDA_SUCCESS) {
         CUgraph graph = stack[--top];
         size_t n = 0;
-        if (gs_cuda.cuGraphGetNodes(graph, NULL, &n) != CUDA_SUCCESS || !n) continue;
+        if ((rc = gs_cuda.cuGraphGetNodes(graph, NULL, &n)) != CUDA_SUCCESS || !n) continue;
         CUgraphNode *nodes = calloc(n, sizeof(*nodes));
-        if (!nodes) continue;
-        if (gs_cuda.cuGraphGetNodes(graph, nodes, &n) == CUDA_SUCCESS) {
-            for (size_t i = 0; i < n; i++) {
-                CUgraphNodeType type = 0;
-                if (gs_cuda.cuGraphNodeGetType(nodes[i], &type) != CUDA_SUCCESS) continue;
-                if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
-                    CUDA_MEM_ALLOC_NODE_PARAMS p;
-                    memset(&p, 0, sizeof(p));
-                    if (gs_cuda.cuGraphMemAllocNodeGetParams(nodes[i], &p) != CUDA_SUCCESS || !p.bytesize) continue;
-                    CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
-                                                                                            : here;
-                    need_add(need, dev, gs_charge_size(p.bytesize));
-                } else if (type == CU_GRAPH_NODE_TYPE_GRAPH && gs_cuda.cuGraphChildGraphNodeGetGraph) {
-                    CUgraph child = NULL;
-                    if (gs_cuda.cuGraphChildGraphNodeGetGraph(nodes[i], &child) != CUDA_SUCCESS || !child) continue;
-                    if (top == cap) {
-                        CUgraph *more = realloc(stack, 2 * cap * sizeof(*stack));
-                        if (!more) continue; /* out of host memory: that child goes uncounted */
-                        stack = more;
-                        cap *= 2;
+        if (!nodes) {
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+            continue;
+        }
+        rc = gs_cuda.cuGraphGetNodes(graph, nodes, &n);
+        for (size_t i = 0; i < n && rc == CUDA_SUCCESS; i++) {
+            CUgraphNodeType type = 0;
+            if ((rc = gs_cuda.cuGraphNodeGetType(nodes[i], &type)) != CUDA_SUCCESS) break;
+            if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
+                CUDA_MEM_ALLOC_NODE_PARAMS p;
+                memset(&p, 0, sizeof(p));
+                if ((rc = gs_cuda.cuGraphMemAllocNodeGetParams(nodes[i], &p)) != CUDA_SUCCESS || !p.bytesize) continue;
+                CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
+                                                                                        : here;
+                need_add(need, dev, gs_charge_size(p.bytesize));
+            } else if (type == CU_GRAPH_NODE_TYPE_GRAPH) {
+                CUgraph child = NULL;
+                rc = gs_cuda.cuGraphChildGraphNodeGetGraph ? gs_cuda.cuGraphChildGraphNodeGetGraph(nodes[i], &child)
+                                                           : CUDA_ERROR_NOT_SUPPORTED;
+                if (rc != CUDA_SUCCESS || !child) continue;
+                if (top == cap) {
+                    CUgraph *more = realloc(stack, 2 * cap * sizeof(*stack));
+                    if (!more) {
+                        rc = CUDA_ERROR_OUT_OF_MEMORY;
+                        continue;
                     }
-                    stack[top++] = child;
+                    stack = more;
+                    cap *= 2;
                 }
+                stack[top++] = child;
             }
         }
         free(nodes);
     }
     free(stack);
+    return rc;
 }
 
-/* The graph's allocations per device; n = 0 when it has none or cannot be read. */
-static void graph_need(CUgraph graph, struct gs_graph_need *need)
+/* The graph's allocations per device (n = 0 when it has none, or when the driver has no
+ * allocation nodes); CUDA_SUCCESS or the error that kept them from being read. */
+static CUresult graph_need(CUgraph graph, struct gs_graph_need *need)
 {
     memset(need, 0, sizeof(*need));
     CUdevice here = 0;
     if (!gs_cuda.cuGraphGetNodes || !gs_cuda.cuGraphNodeGetType || !gs_cuda.cuGraphMemAllocNodeGetParams ||
         !gs_cuda.cuDeviceGetGraphMemAttribute)
-        return;
+        return CUDA_SUCCESS;
     if (!gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetDevice(&here) != CUDA_SUCCESS) here = 0;
-    walk(graph, here, need);
+    return walk(graph, here, need);
 }
 
 /* ---- the executable graphs that allocate ----------------------------------- */
@@ -161,12 +174,26 @@ static void remember(CUgraphExec exec, const struct gs_graph_need *need)
     mu_unlock();
 }
 
-static void forget(CUgraphExec exec)
+/* Take exec's entry out of the table; 1 and *out if it had one. */
+static int forget(CUgraphExec exec, struct gexec *out)
 {
     mu_lock();
     int i = find_locked(exec);
     if (i >= 0) {
+        *out = g_execs[i];
         g_execs[i] = g_execs[--g_n];
+        __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
+    }
+    mu_unlock();
+    return i >= 0;
+}
+
+/* Put back an entry forget took (its executable lives on); never over a newer one. */
+static void put_back(const struct gexec *e)
+{
+    mu_lock();
+    if (find_locked(e->exec) < 0 && g_n < GS_MAX_GEXECS) {
+        g_execs[g_n++] = *e;
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     }
     mu_unlock();
@@ -260,16 +287,27 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
         int slot = gs_dev_slot(need->dev[i]);
         reserved[i] = 0;
         need->live[i] = 0;
-        if (slot < 0 || graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
-            graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0)
-            continue;
-        need->live[i] = used;
-        /* the sum of its nodes, or less if it ran before: then it needed no more than the pool
-         * held after that run beyond the allocations alive before it (nodes with disjoint
-         * lifetimes share memory); both beside the allocations alive now */
-        uint64_t want = need->bytes[i];
-        if (need->ran[i] && need->ran[i] < want) want = need->ran[i];
-        if (used + want > held) extra = used + want - held;
+        need->read &= ~(1u << i);
+        if (slot < 0) continue;
+        if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
+            graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0) {
+            /* the pool cannot be read: the whole sum of its nodes, as if the pool held nothing
+             * (reserving nothing let it map past the cap) */
+            used = 0;
+            extra = need->bytes[i];
+        } else {
+            /* an auto-free executable's launch first frees what its last one left: counting
+             * those as alive beside it refused its relaunch near the cap */
+            if (need->auto_free) used -= need->left[i] < used ? need->left[i] : used;
+            need->live[i] = used;
+            need->read |= 1u << i;
+            /* the sum of its nodes, or less if it ran before: then it needed no more than the
+             * pool held after that run beyond the allocations alive before it (nodes with
+             * disjoint lifetimes share memory); both beside the allocations alive now */
+            uint64_t want = need->bytes[i];
+            if (need->ran[i] && need->ran[i] < want) want = need->ran[i];
+            if (used + want > held) extra = used + want - held;
+        }
         if (extra && gs_reserve(slot, extra) != 0) {
             for (int k = 0; k < i; k++)
                 if (reserved[k]) gs_budget_release(gs_dev_slot(need->dev[k]), reserved[k]);
@@ -307,17 +345,24 @@ void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const
     for (int i = 0; i < need->n; i++) held[i] = settle(need->dev[i], reserved[i]);
     gs_unsettled_end();
     if (!ran || !exec) return;
-    uint64_t ran_need[GS_GRAPH_DEVS] = {0};
+    uint64_t ran_need[GS_GRAPH_DEVS] = {0}, left[GS_GRAPH_DEVS] = {0};
     for (int i = 0; i < need->n; i++) {
         /* the pool held its need beside what lived before it; if some of that was freed
          * meanwhile, the run may have used the space: then only the pool's size bounds it */
         uint64_t after = 0, base = need->live[i];
-        if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &after) != 0 || after < base) base = 0;
+        int known = graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &after) == 0 && after >= base;
+        if (!known) base = 0;
         ran_need[i] = held[i] > base + 1 ? held[i] - base : 1; /* never 0 once it ran: 0 means never */
+        /* what it left allocated: the pool's growth in use across it (0 where unknown: its
+         * relaunch then counts it as alive, on the safe side), at most its nodes' sum */
+        if (known && (need->read & (1u << i))) left[i] = after - base < need->bytes[i] ? after - base : need->bytes[i];
     }
     mu_lock();
     int k = find_locked(exec);
-    for (int i = 0; k >= 0 && i < need->n; i++) g_execs[k].need.ran[i] = ran_need[i];
+    for (int i = 0; k >= 0 && i < need->n; i++) {
+        g_execs[k].need.ran[i] = ran_need[i];
+        g_execs[k].need.left[i] = left[i];
+    }
     mu_unlock();
 }
 
@@ -354,6 +399,15 @@ static CUresult call_v2(const void *p)
     return ((cuGraphInstantiate_v2_fn)a->real)(a->exec, a->graph, a->err, a->log, a->logsize);
 }
 
+/* An instantiation refused before the driver's: what the driver says of a failed one. */
+static CUresult refuse(const struct inst_args *a, CUresult rc)
+{
+    if (a->params) a->params->result_out = CUDA_GRAPH_INSTANTIATE_ERROR;
+    if (a->err) *a->err = NULL;
+    if (a->log && a->logsize) a->log[0] = '\0';
+    return rc;
+}
+
 static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, int uploads)
 {
     if (!a->real) return CUDA_ERROR_NOT_SUPPORTED;
@@ -366,12 +420,25 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
     gs_devices_ready();
     struct gs_graph_need need;
     uint64_t reserved[GS_GRAPH_DEVS] = {0};
-    graph_need(a->graph, &need);
+    /* A graph whose nodes the driver cannot read (a failed cuGraphGetNodes, cuGraphNodeGetType,
+     * cuGraphMemAllocNodeGetParams or cuGraphChildGraphNodeGetGraph on the graph the program
+     * just built, or no host memory for the walk) is refused with that error, before the driver
+     * instantiates anything: its allocations are unknown, so no launch of it could be reserved
+     * (instantiated untracked, it launched past the cap: 2.3 GiB held under 1 GiB).  Tracking it
+     * as of unknown size and settling after each launch would keep the program going but let
+     * its first launch map past the cap, which is what the cap is for. */
+    CUresult q = graph_need(a->graph, &need);
+    if (q != CUDA_SUCCESS) {
+        GS_WARN("graph instantiation refused: its allocation nodes cannot be read (CUDA error %d)", (int)q);
+        return refuse(a, q);
+    }
     if (!need.n) return call(a);
     if (uploads) { /* mapped while instantiating */
-        if (reserve(&need, reserved) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+        if (reserve(&need, reserved) != 0) return refuse(a, CUDA_ERROR_OUT_OF_MEMORY);
         gs_unsettled_begin();
     }
+    unsigned long long flags = a->params ? a->params->flags : a->flags;
+    need.auto_free = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
     CUresult rc = call(a);
     int made = rc == CUDA_SUCCESS && a->exec;
     if (made) remember(*a->exec, &need);
@@ -417,10 +484,7 @@ static CUresult with_params(const void *real, CUgraphExec *phGraphExec, CUgraph 
                             CUDA_GRAPH_INSTANTIATE_PARAMS *params)
 {
     struct inst_args a = {.real = real, .exec = phGraphExec, .graph = hGraph, .params = params};
-    CUresult rc = instantiate(call_with_params, &a, params && (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD));
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY && params && params->result_out == CUDA_GRAPH_INSTANTIATE_SUCCESS)
-        params->result_out = CUDA_GRAPH_INSTANTIATE_ERROR; /* refused before the driver could say */
-    return rc;
+    return instantiate(call_with_params, &a, params && (params->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD));
 }
 
 GS_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
@@ -463,13 +527,20 @@ GS_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec hGraphExec, CUstream hStream)
     return upload(gs_cuda.cuGraphUpload_ptsz, hGraphExec, hStream);
 }
 
+/* The driver may hand the destroyed executable's handle to another thread's instantiation before
+ * cuGraphExecDestroy returns: its entry is taken out before the driver's call, so the new
+ * executable's is made after it (taken out after, it was the new one's, whose launches then went
+ * unreserved), and put back if the destroy fails. */
 GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
 {
     gs_cuda_init();
     if (!gs_cuda.cuGraphExecDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    struct gexec was;
+    /* under a lock of ours (see instantiate) its entry stays, replaced if the handle comes back */
+    int had = __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !gs_graphmem_passthrough() &&
+              forget(hGraphExec, &was);
     CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
-    if (rc == CUDA_SUCCESS && __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !gs_graphmem_passthrough())
-        forget(hGraphExec); /* else (see instantiate) its entry stays, replaced if the handle comes back */
+    if (rc != CUDA_SUCCESS && had) put_back(&was);
     return rc;
 }
 

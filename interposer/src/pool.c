@@ -42,6 +42,7 @@ struct pool_rec {
     int destroyed;
     uint64_t live;    /* bytes allocated from it and not freed */
     uint64_t charged; /* bytes charged to the budget for it */
+    uint64_t kept;    /* destroyed: its charge at the destroy, which it keeps until its last free */
     uint64_t pending; /* bytes requested by allocations inside the driver */
     int busy;         /* allocations from it between their reservation and reconcile */
 };
@@ -187,7 +188,9 @@ static int reconcile_locked(struct pool_rec *p, int grow)
     cuuint64_t reserved = 0;
     uint64_t target = p->live;
     if (p->destroyed && p->live) {
-        target = p->charged; /* the driver keeps a destroyed pool until its last allocation goes */
+        /* the driver keeps a destroyed pool until its last allocation goes; not p->charged,
+         * which may hold the reservation of a (failing) allocation from it since */
+        target = p->kept;
     } else if (!p->destroyed) {
         if (gs_cuda.cuMemPoolGetAttribute &&
             gs_cuda.cuMemPoolGetAttribute((CUmemoryPool)(uintptr_t)p->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
@@ -283,6 +286,37 @@ static CUresult call_alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemor
     return ((cuMemAllocFromPoolAsync_fn)real)(dptr, bytesize, pool, stream);
 }
 
+/* cuMemAllocAsync when the stream's device's current pool cannot be asked for
+ * (cuDeviceGetMemPool failed): charged as a plain allocation, its size reserved before the call
+ * and returned at its free (reserving nothing let it pass uncharged: two 600 MiB allocations
+ * held 1.2 GiB under a 1 GiB cap).  What the pool keeps beyond it (its rounding, and the memory
+ * after the free until the pool releases it) no hook sees: the near-cap reconcile charges it as
+ * growth, as it does code loaded lazily. */
+static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
+                                   size_t bytesize, CUstream stream, int slot, CUcontext ctx)
+{
+    uint64_t want = gs_charge_size(bytesize);
+    gs_inflight_begin(); /* before the charge changes: no clean reading between */
+    if (gs_reserve(slot, want) != 0) {
+        gs_inflight_end();
+        GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    CUresult rc = call(dptr, bytesize, NULL, stream, real);
+    if (rc == CUDA_SUCCESS) {
+        struct gs_alloc rec = {.size = want, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
+        int put = gs_am_put(GS_KIND_DPTR, *dptr, &rec, &old); /* pool_free and cuMemFree take it */
+        if (put == 1) gs_budget_release(old.slot, old.size); /* a record the driver's reuse made stale */
+        if (put < 0) {
+            if (free_real) free_real(*dptr, stream);
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    if (rc != CUDA_SUCCESS) gs_budget_release(slot, want);
+    gs_inflight_end();
+    return rc;
+}
+
 static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
                            size_t bytesize, CUmemoryPool pool, CUstream stream, int per_thread)
 {
@@ -300,8 +334,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     int slot = gs_stream_device(es, &ctx, &dev) == 0 ? gs_dev_slot(dev) : -1;
     if (slot < 0 && gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
         slot = gs_current_slot(&ctx); /* the stream's device unknown: charged to the current one */
-    if (!pool && slot >= 0 && gs_cuda.cuDeviceGetMemPool)
-        gs_cuda.cuDeviceGetMemPool(&pool, dev); /* cuMemAllocAsync: the stream's device's current pool */
+    int unknown = 0; /* cuMemAllocAsync, the stream's device's current pool not known */
+    if (!pool && slot >= 0) { /* cuMemAllocAsync: the stream's device's current pool */
+        unknown = !gs_cuda.cuDeviceGetMemPool || gs_cuda.cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS || !pool;
+        if (unknown) pool = NULL;
+    }
     CUmemLocation loc;
     int managed = 0;
     CUdevice mem_dev = slot >= 0 ? dev : -1; /* the device whose memory it takes */
@@ -314,8 +351,9 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
      * cuMemAllocManaged's to the current one (it may all migrate there) */
     /* on a stream being captured into a graph the allocation is a graph node: it takes
      * memory only when the graph runs, and graphmem.c charges it then */
-    if (slot < 0 || !pool || !bytesize || gs_stream_capturing(es))
+    if (slot < 0 || !bytesize || gs_stream_capturing(es) || (!pool && !unknown))
         return call(dptr, bytesize, pool, stream, real);
+    if (unknown) return alloc_unknown_pool(call, real, free_real, dptr, bytesize, stream, slot, ctx);
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize);
     if (GS_UNLIKELY(gs_near_cap(slot, want))) gs_reconcile_slot(slot); /* before g_mu: lock order */
@@ -459,24 +497,57 @@ GS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
     return rc;
 }
 
+/* The driver may hand a destroyed pool's handle to another thread's cuMemPoolCreate as soon as
+ * the pool is gone, before cuMemPoolDestroy returns: so the pool's record and location are taken
+ * out before the driver's call, and the new pool's bookkeeping starts afresh after them (taken out
+ * after it, they took the new pool's: its charge was returned while it held its memory).  A pool
+ * with allocations outstanding keeps its handle in the driver until the last is freed: its record
+ * stays, marked destroyed, to take their frees.  A failed destroy puts everything back. */
 GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemPoolDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     if (t_mine) return gs_cuda.cuMemPoolDestroy(pool); /* see pool_alloc: its charge stays */
+    uint64_t key = (uint64_t)(uintptr_t)pool;
+    struct pool_rec gone = {0}; /* the record taken out; its charge held until the driver is done */
+    struct pool_where where = {0};
+    int stays = 0;
     gs_inflight_begin();
-    CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
-    if (rc == CUDA_SUCCESS) {
-        mu_lock();
-        struct pool_rec *p = find_locked((uint64_t)(uintptr_t)pool, -1, 0);
-        if (p) {
-            p->destroyed = 1; /* charged as it is until its last allocation is freed */
-            reconcile_locked(p, 0);
-        }
-        for (int i = 0; i < GS_MAX_POOLS; i++)
-            if (g_where[i].pool == (uint64_t)(uintptr_t)pool) memset(&g_where[i], 0, sizeof(g_where[i]));
-        mu_unlock();
+    mu_lock();
+    struct pool_rec *p = find_locked(key, -1, 0);
+    if (p && (p->live || p->busy)) {
+        stays = 1;
+        p->destroyed = 1; /* charged as it is until its last allocation is freed */
+        p->kept = p->charged;
+    } else if (p) {
+        gone = *p;
+        memset(p, 0, sizeof(*p));
     }
+    for (int i = 0; i < GS_MAX_POOLS; i++)
+        if (g_where[i].pool == key) {
+            where = g_where[i];
+            memset(&g_where[i], 0, sizeof(g_where[i]));
+        }
+    mu_unlock();
+    CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
+    mu_lock();
+    if (rc == CUDA_SUCCESS) {
+        if (gone.pool) gs_budget_release(gone.slot, gone.charged);
+    } else {
+        /* the pool lives on, and so does its handle: nobody else can have it */
+        p = stays ? find_locked(key, -1, 0) : gone.pool ? find_locked(key, gone.slot, 1) : NULL;
+        if (p && stays) {
+            p->destroyed = 0;
+        } else if (p) { /* beside what an allocation racing the destroy may have begun */
+            p->charged += gone.charged;
+            p->live += gone.live;
+        } else if (gone.pool) {
+            gs_budget_release(gone.slot, gone.charged); /* the table is full: the reconcile's to charge */
+        }
+        struct pool_where *w = where.pool ? where_entry_locked(key) : NULL;
+        if (w && !w->pool) *w = where;
+    }
+    mu_unlock();
     gs_inflight_end();
     return rc;
 }

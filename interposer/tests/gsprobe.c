@@ -526,6 +526,13 @@ static void *bg_main(void *p)
         bg.rc = api.cuMemCreate(&h, bg.size, &prop, 0);
         if (bg.rc == CUDA_SUCCESS) bg.rc = api.cuMemMap(vrange, bg.size, 0, h, 0);
         if (h) api.cuMemRelease(h);
+    } else if (!strcmp(bg.what, "bgpooldestroy")) {
+        api.cuCtxSetCurrent(capture_ctx);
+        bg.rc = api.cuMemPoolDestroy((CUmemoryPool)(uintptr_t)bg.size);
+    } else if (!strcmp(bg.what, "bggdestroy")) {
+        CUgraphExec e = (CUgraphExec)(uintptr_t)bg.size;
+        api.cuCtxSetCurrent(capture_ctx);
+        bg.rc = api.cuGraphExecDestroy(e);
     } else if (!strcmp(bg.what, "bgglaunch")) {
         api.cuCtxSetCurrent(capture_ctx);
         bg.rc = CUDA_SUCCESS;
@@ -1145,6 +1152,13 @@ int main(int argc, char **argv)
                 rc = api.cuGraphInstantiateWithFlags(&gexec, graph, 0);
             printf("ginst %d %d\n", rc, (int)prm.result_out); /* result_out: WithParams only */
             i += 1;
+        } else if (!strcmp(c, "ginstf") || !strcmp(c, "ginstpf")) {
+            /* ginstf FLAGS / ginstpf FLAGS: cuGraphInstantiateWithFlags / WithParams with FLAGS */
+            unsigned long long flags = strtoull(ARG(0), NULL, 0);
+            CUDA_GRAPH_INSTANTIATE_PARAMS prm = {.flags = flags};
+            printf("%s %d\n", c, c[5] == 'f' ? api.cuGraphInstantiateWithFlags(&gexec, graph, flags)
+                                             : api.cuGraphInstantiateWithParams(&gexec, graph, &prm));
+            i += 1;
         } else if (!strcmp(c, "ginst10")) {
             /* CUDA 10.0's cuGraphInstantiate, still exported */
             CUresult rc = api1.cuGraphInstantiate ? api1.cuGraphInstantiate(&gexec, graph, NULL, NULL, 0)
@@ -1174,8 +1188,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "gtrim")) {
             printf("gtrim %d\n", api.cuDeviceGraphMemTrim(0));
         } else if (!strcmp(c, "gdestroy")) {
-            printf("gdestroy %d\n", api.cuGraphExecDestroy(gexec));
-            gexec = NULL;
+            CUresult rc = api.cuGraphExecDestroy(gexec);
+            if (rc == CUDA_SUCCESS) gexec = NULL; /* a failed destroy leaves it to launch */
+            printf("gdestroy %d\n", rc);
         } else if (!strcmp(c, "physd")) {
             /* physd D: what the fake driver holds for this process on physical device D */
             typedef uint64_t (*local_t)(int);
@@ -1223,6 +1238,25 @@ int main(int argc, char **argv)
             /* bgvremap SIZE MS: a thread maps new memory at the start of the vmapall range after MS */
             bg_start("bgvremap", atol(ARG(1)), size_arg(ARG(0)));
             i += 2;
+        } else if (!strcmp(c, "bggdestroy")) {
+            /* bggdestroy: a thread destroys the executable graph (printed as gexec), forgotten here */
+            printf("gexec 0 %llu\n", (unsigned long long)(uintptr_t)gexec);
+            bg_start("bggdestroy", 0, (uint64_t)(uintptr_t)gexec);
+            gexec = NULL;
+        } else if (!strcmp(c, "bgpooldestroy")) {
+            /* bgpooldestroy: a thread destroys the user pool (printed as upool), forgotten here */
+            printf("upool 0 %llu\n", (unsigned long long)(uintptr_t)user_pool);
+            bg_start("bgpooldestroy", 0, (uint64_t)(uintptr_t)user_pool);
+            user_pool = NULL;
+        } else if (!strcmp(c, "upool")) {
+            /* upool / gexec: the user pool's or the executable graph's handle */
+            printf("upool 0 %llu\n", (unsigned long long)(uintptr_t)user_pool);
+        } else if (!strcmp(c, "gexec")) {
+            printf("gexec 0 %llu\n", (unsigned long long)(uintptr_t)gexec);
+        } else if (!strcmp(c, "gnew")) {
+            /* gnew: the next graph command starts a new graph */
+            graph = NULL;
+            printf("gnew 0\n");
         } else if (!strcmp(c, "bgglaunch")) {
             /* bgglaunch N: a thread launches the instantiated graph N times */
             bg_start("bgglaunch", atol(ARG(0)), 0);

@@ -364,6 +364,20 @@ def test_a_failed_pool_query_keeps_the_pools_charge(lab):
     assert res.values("phys") == [608 * MIB]
 
 
+def test_a_stream_ordered_allocation_whose_pool_cannot_be_asked_for_is_charged(lab):
+    # cuDeviceGetMemPool fails: with the stream's device's current pool unknown the allocation
+    # passed uncharged, and a second 600 MiB beside it: 1.2 GiB held under a 1 GiB cap. Now
+    # it is charged as a plain allocation; what the pool keeps past it (its 32 MiB chunks,
+    # and the memory after the free) the near-cap reconcile charges
+    res = lab.run("init", "ctx", "0", "async", "600m", "async", "600m", "meminfo", "free", "0",
+                  "alloc", "900m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuDeviceGetMemPool:0:999")
+    assert [rc for rc, _ in res.of("async")] == [0, OOM]
+    assert res.values("meminfo")[0] == GIB - 608 * MIB
+    assert res.rc("free") == 0 and res.rc("alloc") == OOM  # the pool still holds 608 MiB
+    assert res.values("phys") == [608 * MIB]
+
+
 def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab):
     # two threads allocate 500 MiB from one pool at once: the second reserved only what the
     # pool's charge lacked, which the first had just reserved, so 500 MiB stood for 1000
@@ -431,6 +445,43 @@ def test_a_pool_destroyed_with_allocations_outstanding_stays_charged_until_the_l
     assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("free")] == [0, 0]
     assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [224 * MIB, 0]
     assert [vals[0] for _, vals in res.of("phys")] == [224 * MIB, 0]
+
+
+def test_a_failed_allocation_from_a_destroyed_pool_returns_its_reservation(lab):
+    # the destroyed pool keeps its 128 MiB charge while an allocation from it is outstanding;
+    # an allocation from it fails in the driver, and its 300 MiB reservation stayed in that
+    # charge until the pool's last free: 428 MiB charged for 128 held, an 800 MiB one refused
+    res = lab.run("init", "ctx", "0", "pool", "100m", "pooldestroy", "pool", "300m", "meminfo",
+                  "phys", "alloc", "800m", "free", "0", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("pool")] == [0, 1]
+    assert res.rc("alloc") == 0 and res.rc("free") == 0
+    assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 128 * MIB, GIB - 800 * MIB]
+    assert [vals[0] for _, vals in res.of("phys")] == [128 * MIB, 800 * MIB]
+
+
+def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab):
+    # the driver hands the destroyed pool's handle to another thread's cuMemPoolCreate while
+    # cuMemPoolDestroy is still inside; the destroy's bookkeeping after the driver's call took
+    # the new pool's record: its 608 MiB charge went with the free of its allocation and a
+    # 700 MiB allocation passed, 1308 MiB held under 1 GiB
+    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "100m", "free", "0",
+                  "bgpooldestroy", "sleep", "100", "mkpool", "1", "0", "upool", "pool", "600m",
+                  "sleep", "600", "join", "free", "1", "meminfo", "phys", "alloc", "700m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_HANDLE_REUSE="1",
+                  FAKE_CUDA_SLEEP="cuMemPoolDestroyAfter:500")
+    assert res.values("upool", 0) == res.values("upool", 1)  # the handle came back
+    assert res.rc("bgpooldestroy") == 0 and res.rc("pool") == 0 and res.rc("alloc") == OOM
+    assert res.values("meminfo") == [GIB - 608 * MIB, GIB]
+    assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 608 * MIB]
+
+
+def test_a_pool_whose_destroy_fails_stays_charged(lab):
+    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "pooldestroy", "meminfo",
+                  "alloc", "950m", "trim", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuMemPoolDestroy:1:999")
+    assert res.rc("pooldestroy") == 999 and res.rc("alloc") == OOM
+    assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 128 * MIB, GIB]
 
 
 def test_cumemfree_on_a_stream_ordered_allocation_returns_it(lab):

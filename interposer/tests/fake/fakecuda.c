@@ -34,6 +34,11 @@
  *                            reserves that many stacks (default 1024); its printf FIFO and
  *                            malloc heap limits reserve their size; with
  *                            FAKE_CUDA_LIMIT_SHRINK=1 a lowered limit frees the difference
+ *   FAKE_CUDA_HANDLE_REUSE=1 a destroyed memory pool's (once its memory is gone) or executable
+ *                            graph's handle is the next one cuMemPoolCreate or a graph
+ *                            instantiation hands out, as a real driver's handles (addresses of
+ *                            its objects) may be once freed (otherwise a pool's object is never
+ *                            freed, and an executable's comes back only if malloc reuses it)
  * Memory taken by modules and launches belongs to the current context and is
  * visible to the fake NVML (per process), never to an allocation call.
  * Built with -Bsymbolic, so its internal calls never reach the interposer.
@@ -926,6 +931,7 @@ static uint64_t next_handle = 0x7f0000000000ull;
 static struct fake_pool default_pools[FAKE_MAX_DEVS];
 static struct fake_pool host_pool = {.pdev = -1}, managed_pool = {.pdev = FAKE_POOL_FOLLOWS};
 static struct fake_pool *user_pools[64];
+static struct fake_pool *freed_pool; /* FAKE_CUDA_HANDLE_REUSE: the next cuMemPoolCreate's */
 
 /* An allocation of `bytes` from the pool is freed (called with mu held).  A destroyed pool
  * keeps all it reserved while allocations from it are outstanding and gives it all back with
@@ -1827,6 +1833,7 @@ API CUresult cuMipmappedArrayDestroy(CUmipmappedArray h)
 /* Pools */
 API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
 {
+    FAIL_POINT("cuDeviceGetMemPool");
     CHECK_DEV(d);
     if (!pool) return CUDA_ERROR_INVALID_VALUE;
     default_pools[visible[d]].pdev = visible[d];
@@ -1871,7 +1878,15 @@ API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
     const CUmemLocation *loc = (const CUmemLocation *)((const char *)props + 8);
     int host = loc->type != CU_MEM_LOCATION_TYPE_DEVICE; /* CU_MEM_LOCATION_TYPE_HOST*: pinned host memory */
     if (!host && (loc->id < 0 || loc->id >= nvisible)) return CUDA_ERROR_INVALID_DEVICE;
-    struct fake_pool *p = calloc(1, sizeof(*p));
+    pthread_mutex_lock(&mu);
+    struct fake_pool *p = freed_pool; /* a destroyed pool's object, and so its handle, reused */
+    freed_pool = NULL;
+    pthread_mutex_unlock(&mu);
+    if (p)
+        memset(p, 0, sizeof(*p));
+    else
+        p = calloc(1, sizeof(*p));
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     p->pdev = !host ? visible[loc->id] : managed ? FAKE_POOL_FOLLOWS : -1;
     *pool = (CUmemoryPool)p;
     pthread_mutex_lock(&mu);
@@ -1882,12 +1897,20 @@ API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
 
 API CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
+    FAIL_POINT("cuMemPoolDestroy");
     struct fake_pool *p = (struct fake_pool *)pool;
     if (!p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     p->destroyed = 1;
     pool_give(p, 0); /* all of it at once, now or when its last allocation is freed */
+    if (!p->used && getenv("FAKE_CUDA_HANDLE_REUSE")) {
+        for (int i = 0; i < nuser_pools; i++)
+            if (user_pools[i] == p) user_pools[i] = user_pools[--nuser_pools];
+        free(freed_pool);
+        freed_pool = p; /* gone: the next cuMemPoolCreate gets its handle */
+    }
     pthread_mutex_unlock(&mu);
+    (void)fail_check("cuMemPoolDestroyAfter"); /* FAKE_CUDA_SLEEP: still inside, the handle free */
     return CUDA_SUCCESS;
 }
 

@@ -11,7 +11,13 @@
  * pool does not hold yet (physical memory, as NVML sees it).  The pool keeps
  * it until cuDeviceGraphMemTrim or the primary context goes.  Allocation
  * nodes are taken to be freed inside their graph, so USED_MEM_CURRENT reads 0,
- * unless a test says another graph kept some (fake_cuda_graph_keep).
+ * unless a test says another graph kept some (fake_cuda_graph_keep), or with
+ * FAKE_CUDA_GRAPH_UNFREED=1, where a graph without free nodes leaves its
+ * allocations alive after its launch, as the driver does with allocations a
+ * graph does not free: they count in USED_MEM_CURRENT, and a relaunch is
+ * refused with CUDA_ERROR_INVALID_VALUE while they live, unless the executable
+ * was instantiated with CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH, which
+ * has the launch free them first.
  * The executables of fakelaunch.h (small integers = kernel counts) still work.
  */
 
@@ -34,6 +40,9 @@ struct fake_gexec {
     uint64_t magic;
     uint64_t kernels;
     uint64_t need[FAKE_MAX_DEVS]; /* per physical device */
+    int frees;                    /* its free nodes */
+    int auto_free;                /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH */
+    uint64_t live[FAKE_MAX_DEVS]; /* FAKE_CUDA_GRAPH_UNFREED: its last launch's allocations, alive */
 };
 
 /* Allocations of other graphs that their graphs did not free: alive in the pool, which a
@@ -55,6 +64,9 @@ API CUresult fake_cuda_graph_keep(uint64_t bytes)
     pthread_mutex_unlock(&mu);
     return rc;
 }
+
+/* FAKE_CUDA_HANDLE_REUSE: a destroyed executable graph, the next instantiation's (under mu) */
+static struct fake_gexec *freed_gexec;
 
 static struct fake_graph *fake_graph_new(void)
 {
@@ -180,6 +192,7 @@ API CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *count)
 
 API CUresult cuGraphNodeGetType(CUgraphNode n, CUgraphNodeType *type)
 {
+    FAIL_POINT("cuGraphNodeGetType");
     if (!n || !type) return CUDA_ERROR_INVALID_VALUE;
     *type = node_of(n)->type;
     return CUDA_SUCCESS;
@@ -187,6 +200,7 @@ API CUresult cuGraphNodeGetType(CUgraphNode n, CUgraphNodeType *type)
 
 API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, CUDA_MEM_ALLOC_NODE_PARAMS *p)
 {
+    FAIL_POINT("cuGraphMemAllocNodeGetParams");
     if (!n || !p || node_of(n)->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_INVALID_VALUE;
     memset(p, 0, sizeof(*p));
     p->poolProps.allocType = 1;
@@ -199,6 +213,7 @@ API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, CUDA_MEM_ALLOC_NODE_PAR
 
 API CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode n, CUgraph *g)
 {
+    FAIL_POINT("cuGraphChildGraphNodeGetGraph");
     if (!n || !g || node_of(n)->type != CU_GRAPH_NODE_TYPE_GRAPH) return CUDA_ERROR_INVALID_VALUE;
     *g = (CUgraph)node_of(n)->child;
     return CUDA_SUCCESS;
@@ -212,6 +227,8 @@ static void exec_sum(struct fake_gexec *e, const struct fake_graph *g, int depth
             e->need[visible[n->ordinal]] += n->bytes;
         else if (n->type == CU_GRAPH_NODE_TYPE_GRAPH)
             exec_sum(e, n->child, depth + 1);
+        else if (n->type == 11 /* CU_GRAPH_NODE_TYPE_MEM_FREE */)
+            e->frees++;
     }
 }
 
@@ -233,16 +250,24 @@ static CUresult gexec_map(struct fake_gexec *e)
     return rc;
 }
 
-static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload)
+static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload, unsigned long long flags)
 {
     FAIL_POINT("cuGraphInstantiate");
     struct fake_graph *fg = graph_of(g);
     if (!exec || !fg) return CUDA_ERROR_INVALID_VALUE;
-    struct fake_gexec *e = calloc(1, sizeof(*e));
+    pthread_mutex_lock(&mu);
+    struct fake_gexec *e = freed_gexec; /* a destroyed executable's handle, reused */
+    freed_gexec = NULL;
+    pthread_mutex_unlock(&mu);
+    if (e)
+        memset(e, 0, sizeof(*e));
+    else
+        e = calloc(1, sizeof(*e));
     if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
     e->magic = FAKE_GRAPH_MAGIC;
     e->kernels = 1;
     exec_sum(e, fg, 0);
+    e->auto_free = (flags & 1 /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH */) != 0;
     CUresult rc = upload ? gexec_map(e) : CUDA_SUCCESS;
     if (rc != CUDA_SUCCESS) {
         free(e);
@@ -255,27 +280,26 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload)
 
 API CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph g, unsigned long long flags)
 {
-    (void)flags;
-    return instantiate(exec, g, 0);
+    return instantiate(exec, g, 0, flags);
 }
 
 /* CUDA 10.0's, which drivers still export */
 API CUresult cuGraphInstantiate(CUgraphExec *exec, CUgraph g, CUgraphNode *err, char *log, size_t size)
 {
     (void)err, (void)log, (void)size;
-    return instantiate(exec, g, 0);
+    return instantiate(exec, g, 0, 0);
 }
 
 API CUresult cuGraphInstantiate_v2(CUgraphExec *exec, CUgraph g, CUgraphNode *err, char *log, size_t size)
 {
     (void)err, (void)log, (void)size;
-    return instantiate(exec, g, 0);
+    return instantiate(exec, g, 0, 0);
 }
 
 API CUresult cuGraphInstantiateWithParams(CUgraphExec *exec, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p)
 {
     if (!p) return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = instantiate(exec, g, (p->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) != 0);
+    CUresult rc = instantiate(exec, g, (p->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) != 0, p->flags);
     p->result_out = rc == CUDA_SUCCESS ? 0 : 1;
     return rc;
 }
@@ -296,7 +320,33 @@ static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc)
 {
     struct fake_gexec *e = gexec_of(g);
     if (!e) return 0;
+    int unfreed = getenv("FAKE_CUDA_GRAPH_UNFREED") && !e->frees;
+    if (unfreed) {
+        pthread_mutex_lock(&mu);
+        int live = 0;
+        for (int d = 0; d < FAKE_MAX_DEVS; d++) live |= e->live[d] != 0;
+        if (live && !e->auto_free) {
+            pthread_mutex_unlock(&mu);
+            *rc = CUDA_ERROR_INVALID_VALUE; /* its allocations from the last launch still live */
+            return 1;
+        }
+        for (int d = 0; d < FAKE_MAX_DEVS; d++) { /* auto-free: they go first */
+            graph_used_kept[d] -= e->live[d];
+            e->live[d] = 0;
+        }
+        pthread_mutex_unlock(&mu);
+    }
     *rc = gexec_map(e);
+    if (*rc == CUDA_SUCCESS && unfreed) {
+        const char *share = getenv("FAKE_CUDA_GRAPH_SHARE");
+        uint64_t pct = share && *share ? strtoull(share, NULL, 10) : 100;
+        pthread_mutex_lock(&mu);
+        for (int d = 0; d < FAKE_MAX_DEVS; d++) {
+            e->live[d] = e->need[d] * pct / 100; /* what it mapped stays allocated */
+            graph_used_kept[d] += e->live[d];
+        }
+        pthread_mutex_unlock(&mu);
+    }
     if (*rc == CUDA_SUCCESS) *rc = enqueue(s, ptsz, e->kernels);
     return 1;
 }
@@ -315,11 +365,20 @@ API CUresult cuGraphUpload_ptsz(CUgraphExec g, CUstream s)
 
 API CUresult cuGraphExecDestroy(CUgraphExec g)
 {
+    FAIL_POINT("cuGraphExecDestroy");
     struct fake_gexec *e = gexec_of(g);
     if (!e) return CUDA_ERROR_INVALID_VALUE;
     if (last_gexec == e) last_gexec = NULL;
     e->magic = 0;
-    free(e);
+    if (getenv("FAKE_CUDA_HANDLE_REUSE")) {
+        pthread_mutex_lock(&mu);
+        free(freed_gexec);
+        freed_gexec = e; /* the next instantiation gets its handle */
+        pthread_mutex_unlock(&mu);
+    } else {
+        free(e);
+    }
+    (void)fail_check("cuGraphExecDestroyAfter"); /* FAKE_CUDA_SLEEP: still inside, the handle free */
     return CUDA_SUCCESS;
 }
 
