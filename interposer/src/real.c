@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dlsym_versions.h"
 #include "gpuslice.h"
 
 struct gs_cuda_real gs_cuda;
@@ -232,7 +233,22 @@ GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle,
     return hook;
 }
 
-GS_NO_SANITIZE GS_EXPORT void *dlsym(void *handle, const char *name)
+/* Our dlsym, exported as glibc's dlsym@@GLIBC_2.34 and dlsym@<the architecture's first version>
+ * (src/dlsym_versions.h, exports.map.in): exported unversioned, a wrapper loaded before us that
+ * forwards with dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34"), as HAMi-core's does, skipped it and
+ * reached libc's, so the runtime's dlsym(libcuda, "cuGetProcAddress_v2") got the driver's and
+ * no cap held.  The real one is still found with dlvsym(RTLD_NEXT) from this library, which
+ * searches the objects after it: libc's, never ours. */
+#ifdef GS_DLSYM_OLD
+#define GS_DLSYM_NAME gs_dlsym_new
+__asm__(".symver gs_dlsym_new, dlsym@@" GS_DLSYM_NEW "\n\t"
+        ".symver gs_dlsym_old, dlsym@" GS_DLSYM_OLD);
+GS_EXPORT void *gs_dlsym_old(void *handle, const char *name) __attribute__((alias("gs_dlsym_new")));
+#else
+#define GS_DLSYM_NAME dlsym
+#endif
+
+GS_NO_SANITIZE GS_EXPORT void *GS_DLSYM_NAME(void *handle, const char *name)
 {
     /* glibc declares name nonnull; callers still pass NULL sometimes */
     const char *n = name;

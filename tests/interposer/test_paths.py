@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -342,3 +343,37 @@ def test_the_gpu_checks_legacy_probe_sees_the_cap_on_the_fake_driver(lab, tmp_pa
     assert (res["old_free32"], res["old_total32"]) == (2 * GIB - 64 * MIB, 2 * GIB)
     # the v1 pointer freed by cuMemFree_v2, or (refused in a 3010 context) by cuMemFree
     assert (res["v2_free_rc"], res["v1_free_rc"]) == ((201, 0) if versions else (0, -1))
+
+
+@pytest.mark.parametrize("version", ["GLIBC_2.34", "GLIBC_2.2.5"])
+def test_a_dlsym_wrapper_forwarding_with_dlvsym_still_reaches_the_library(lab, version):
+    # a tool preloaded before the library that wraps dlsym and forwards with
+    # dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.x"), as HAMi-core does: a versioned lookup skips an
+    # unversioned definition, so it forwarded to libc's dlsym, the runtime's (here gsprobe's)
+    # dlsym(libcuda, "cuGetProcAddress_v2") got the driver's, and two 600 MiB allocations
+    # passed a 1 GiB cap.  Our dlsym is exported under glibc's versions as well now
+    if platform.machine() != "x86_64" and version == "GLIBC_2.2.5":
+        pytest.skip("GLIBC_2.2.5 is x86_64's first version")
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgsdlwrap.so"))
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "alloc", "600m", "meminfo", api="procaddr",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", LD_PRELOAD=":".join(preload),
+                  GSDLWRAP_VERSION=version)
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM], res.stderr
+    assert res.values("meminfo") == [GIB - 600 * MIB, GIB]
+    calls, libc = re.search(r"dlwrap (\d+) (\d)", res.stderr).groups()
+    assert int(calls) >= 2 and libc == "0"  # the wrapper was used, and forwarded to us
+
+
+def test_programs_start_under_a_dlsym_wrapper_and_the_library(lab):
+    # the same wrapper in programs that never touch CUDA: our dlsym forwards every other name
+    # to libc's (found with dlvsym from the library: never itself)
+    preload = lab.base["LD_PRELOAD"].split(":")
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgsdlwrap.so"))
+    stub = lab.build / "tests" / "libgscudastub.so"
+    under = lab.run_program([str(lab.build / "tests" / "nocuda"), str(stub)],
+                            LD_PRELOAD=":".join(preload))
+    assert under.stdout.strip() == "nocuda 0 0 999", under.stderr
+    code = "import ctypes; print(ctypes.CDLL(None).getpid() > 0)"
+    under = lab.run_program([sys.executable, "-c", code], LD_PRELOAD=":".join(preload))
+    assert under.returncode == 0 and under.stdout.strip() == "True", under.stderr
