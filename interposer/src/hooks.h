@@ -141,6 +141,7 @@
     X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
     X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1) \
     X(cuCtxSynchronize, CUresult, (void), cuCtxSynchronize, 2000, 0)                                       \
+    X(cuCtxSynchronize_v2, CUresult, (CUcontext ctx), cuCtxSynchronize, 13000, 0)                          \
     X(cuStreamBeginCapture, CUresult, (CUstream hStream), cuStreamBeginCapture, 10000, 0)                  \
     X(cuStreamBeginCapture_ptsz, CUresult, (CUstream hStream), cuStreamBeginCapture, 10000, 1)             \
     X(cuStreamBeginCapture_v2, CUresult, (CUstream hStream, CUstreamCaptureMode mode), cuStreamBeginCapture, \

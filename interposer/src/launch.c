@@ -25,7 +25,7 @@
  * budget.  A launch waits for that queue at most GS_QUEUE_WAIT_NS: a program
  * whose queued kernel waits for the host (a stream wait on a flag the host
  * sets after its next launch) must not deadlock; what runs ahead is debited
- * when it completes all the same.  Synchronisations (cuCtxSynchronize,
+ * when it completes all the same.  Synchronisations (cuCtxSynchronize[_v2],
  * cuStreamSynchronize, cuEventSynchronize) measure what completed, so the
  * last work before a process exits is charged too.  An interval is never
  * charged more than the host time since its first event was recorded (a
@@ -1327,6 +1327,9 @@ GS_GRAPH_HOOK(cuGraphLaunch_ptsz, 1)
     }
 
 GS_SYNC_HOOK(cuCtxSynchronize, (void), ())
+/* CUDA 13.0's (what cuGetProcAddress("cuCtxSynchronize", 13000) hands out): the context given,
+ * the current one where it is NULL; what completed is measured in every context, as above */
+GS_SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), (ctx))
 GS_SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))

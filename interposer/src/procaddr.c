@@ -7,9 +7,9 @@
  * the caller gets and whether the symbol exists at that version.  Then:
  *  1. if the pointer it returned is one of the real functions we hook, the
  *     caller gets our hook for exactly that function (same ABI by identity);
- *  2. if it is an export we do not hook (cuCtxSynchronize_v2 for cuCtxSynchronize
- *     at 13.0, a later _vN of a hooked function), it is returned untouched: a
- *     hook chosen by name would have another signature;
+ *  2. if it is an export we do not hook (a later _vN of a hooked function, from
+ *     a CUDA newer than the table), it is returned untouched: a hook chosen by
+ *     name would have another signature;
  *  3. otherwise, if the driver handed out an address that is not an export
  *     (possible in principle), the hook is chosen by name: the entry whose
  *     base name is `symbol`, per-thread flag matches `flags`, and whose

@@ -1150,15 +1150,18 @@ int main(int argc, char **argv)
             CUresult rc = api1.cuGraphInstantiate ? api1.cuGraphInstantiate(&gexec, graph, NULL, NULL, 0)
                                                   : CUDA_ERROR_NOT_FOUND;
             printf("ginst10 %d\n", rc);
-        } else if (!strcmp(c, "ctxsync13")) {
-            /* cuGetProcAddress("cuCtxSynchronize", 13000): the driver's cuCtxSynchronize_v2(ctx);
-             * prints rc and whether the caller got exactly that export */
+        } else if (!strcmp(c, "ctxsync13") || !strcmp(c, "ctxsyncnull")) {
+            /* cuGetProcAddress("cuCtxSynchronize", 13000): cuCtxSynchronize_v2(ctx), called with the
+             * current context (ctxsyncnull: NULL, which means it); prints rc and whether the caller
+             * got the interposer's function (1) or the driver's (0) */
             typedef CUresult (*sync_v2_t)(CUcontext);
             sync_v2_t fn = (sync_v2_t)by_procaddr("cuCtxSynchronize", 13000);
             CUcontext cur = NULL;
-            api.cuCtxGetCurrent(&cur);
+            if (!strcmp(c, "ctxsync13")) api.cuCtxGetCurrent(&cur);
             CUresult rc = fn ? fn(cur) : CUDA_ERROR_NOT_FOUND;
-            printf("ctxsync13 %d %d\n", rc, fn && (void *)fn == dlsym(libcuda, "cuCtxSynchronize_v2"));
+            Dl_info info;
+            int ours = fn && dladdr((void *)fn, &info) && info.dli_fname && strstr(info.dli_fname, "libgpuslice");
+            printf("%s %d %d\n", c, rc, ours);
         } else if (!strcmp(c, "glaunch")) {
             CUresult rc = api.cuGraphLaunch(gexec, NULL);
             if (rc == CUDA_SUCCESS) api.cuCtxSynchronize();

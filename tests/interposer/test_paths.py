@@ -287,11 +287,39 @@ def test_a_trampolined_graph_instantiate_gets_the_hook_of_the_same_signature(lab
     assert res.of("procaddr") == [(0, [1])]
 
 
-def test_an_export_the_library_does_not_hook_is_handed_out_as_the_driver_chose(lab):
-    # at 13.0 cuGetProcAddress("cuCtxSynchronize") is cuCtxSynchronize_v2(ctx): the hook of
-    # cuCtxSynchronize(void), chosen by name, dropped the context argument
-    res = lab.run("init", "ctx", "0", "ctxsync13", api="procaddr")
-    assert res.of("ctxsync13") == [(0, [1])]
+@pytest.mark.parametrize("trampoline", [None, "1"], ids=["export", "trampoline"])
+def test_cuda_13s_context_synchronize_gets_its_own_hook(lab, trampoline):
+    # at 13.0 cuGetProcAddress("cuCtxSynchronize") is cuCtxSynchronize_v2(ctx): handed out
+    # unhooked, it skipped the measurement after a synchronisation (test_throttle.py -k
+    # last_work); a driver's trampoline for it got the hook of cuCtxSynchronize(void), chosen by
+    # name, which dropped the context argument.  NULL means the current context (cuda.h)
+    res = lab.run("init", "ctx", "0", "ctxsync13", "ctxsyncnull", "procaddr", "cuCtxSynchronize",
+                  "13000", "cuCtxSynchronize_v2", "procaddr", "cuCtxSynchronize", "12080",
+                  "cuCtxSynchronize", api="procaddr", FAKE_CUDA_PROCADDR_TRAMPOLINE=trampoline)
+    assert res.of("ctxsync13") == res.of("ctxsyncnull") == [(0, [1])]  # 1: the library's
+    assert res.of("procaddr") == [(0, [1]), (0, [1])]
+
+
+def test_the_hook_table_has_every_variant_the_toolkit_lists_for_a_hooked_name(built):
+    # cudaTypedefs.h declares PFN_<name>_v<cudaVersion>[_ptsz] for each signature
+    # cuGetProcAddress(name) has had: each of a hooked name's must be a hook with that
+    # min_version, or cuGetProcAddress at that version hands out an unhooked function (and a
+    # trampoline for it got the hook of an older signature).  cuCtxSynchronize_v13000 was missing
+    header = Path(os.environ.get("CUDA_INCLUDE", "/usr/local/cuda/include")) / "cudaTypedefs.h"
+    if not header.exists():
+        pytest.skip("no CUDA headers on this machine")
+    table = (built.parent / "src" / "hooks.h").read_text()
+    table = table[table.index("#define GS_CUDA_HOOKS(X)"):table.index("#define GS_CUDA_REALS(R)")]
+    have = set()
+    for entry in re.split(r"\bX\(", table.replace("\\\n", " "))[1:]:
+        base, version, per_thread = re.search(r"(cu\w+),\s*(\d+),\s*([01])\)\s*$",
+                                              entry.strip()).groups()
+        have.add((base, int(version), int(per_thread)))
+    bases = {base for base, _, _ in have}
+    listed = {(base, int(version), int(bool(pt))) for base, version, pt in
+              re.findall(r"PFN_(cu\w+?)_v(\d+)(_ptsz|_ptds)?\)", header.read_text())
+              if base in bases}
+    assert listed - have == set()
 
 
 def test_the_gpu_checks_serve_protocol_runs_on_the_fake_driver(lab, tmp_path):

@@ -299,10 +299,11 @@ API CUresult cuCtxSynchronize(void)
     return CUDA_SUCCESS;
 }
 
-/* CUDA 13's: the context is an argument (this fake has one context's work per process) */
+/* CUDA 13's: the context is an argument, NULL for the current one (this fake has one context's
+ * work per process) */
 API CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
-    if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!ctx && (cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)) return CUDA_ERROR_INVALID_CONTEXT;
     return cuCtxSynchronize();
 }
 
@@ -641,6 +642,7 @@ static const struct {
 static CUresult tramp_cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, n); }
 static CUresult tramp_cuMemFree_v2(CUdeviceptr p) { return cuMemFree_v2(p); }
 static CUresult tramp_cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
+static CUresult tramp_cuCtxSynchronize_v2(CUcontext ctx) { return cuCtxSynchronize_v2(ctx); }
 static CUresult tramp_cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags)
 {
     return cuGraphInstantiateWithFlags(e, g, flags);
@@ -675,6 +677,7 @@ static void *func_by_name(const char *name)
         if (!strcmp(name, "cuMemFree_v2")) return (void *)tramp_cuMemFree_v2;
         if (!strcmp(name, "cuMemGetInfo_v2")) return (void *)tramp_cuMemGetInfo_v2;
         if (!strcmp(name, "cuGraphInstantiateWithFlags")) return (void *)tramp_cuGraphInstantiateWithFlags;
+        if (!strcmp(name, "cuCtxSynchronize_v2")) return (void *)tramp_cuCtxSynchronize_v2;
     }
     for (size_t i = 0; i < sizeof(funcs) / sizeof(funcs[0]); i++)
         if (!strcmp(funcs[i].name, name)) return funcs[i].fn;
