@@ -30,6 +30,10 @@
      unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,              \
      unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
 
+/* The newest cudaVersion whose variants the table holds: every PFN_<name>_v<version> the
+ * toolkit's cudaTypedefs.h of CUDA 13.0 lists for a hooked name (test_paths.py -k every_variant). */
+#define GS_HOOKS_CUDA_VERSION 13000
+
 #define GS_CUDA_HOOKS(X)                                                                                   \
     X(cuInit, CUresult, (unsigned int flags), cuInit, 2000, 0)                                             \
     X(cuGetProcAddress, CUresult,                                                                          \

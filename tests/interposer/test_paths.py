@@ -287,6 +287,20 @@ def test_a_trampolined_graph_instantiate_gets_the_hook_of_the_same_signature(lab
     assert res.of("procaddr") == [(0, [1])]
 
 
+def test_a_trampoline_for_a_variant_newer_than_the_table_is_not_hooked_by_name(lab):
+    # FAKE_CUDA_PROCADDR_FUTURE: from 13010 the fake's cuGetProcAddress("cuMemGetInfo") is a
+    # cuMemGetInfo_v3(free, total, device) handed out as a trampoline.  Chosen by name it got
+    # the two-argument cuMemGetInfo_v2 hook; past the table's version the name decides only
+    # where the driver gives the same address at 13000 (cuMemAlloc, cuGraphInstantiate do)
+    res = lab.run("init", "procaddr", "cuMemGetInfo", "13010", "cuMemGetInfo_v2",
+                  "procaddr", "cuMemAlloc", "13010", "cuMemAlloc_v2",
+                  "procaddr", "cuMemGetInfo", "13000", "cuMemGetInfo_v2",
+                  "procaddr", "cuGraphInstantiate", "13010", "cuGraphInstantiateWithFlags",
+                  FAKE_CUDA_PROCADDR_TRAMPOLINE="1", FAKE_CUDA_PROCADDR_FUTURE="1")
+    assert res.of("procaddr") == [(0, [0]), (0, [1]), (0, [1]), (0, [1])]
+    assert "may be newer than the library's hooks" in res.stderr
+
+
 @pytest.mark.parametrize("trampoline", [None, "1"], ids=["export", "trampoline"])
 def test_cuda_13s_context_synchronize_gets_its_own_hook(lab, trampoline):
     # at 13.0 cuGetProcAddress("cuCtxSynchronize") is cuCtxSynchronize_v2(ctx): handed out

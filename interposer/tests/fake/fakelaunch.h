@@ -643,6 +643,12 @@ static CUresult tramp_cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return cuMemAllo
 static CUresult tramp_cuMemFree_v2(CUdeviceptr p) { return cuMemFree_v2(p); }
 static CUresult tramp_cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
 static CUresult tramp_cuCtxSynchronize_v2(CUcontext ctx) { return cuCtxSynchronize_v2(ctx); }
+/* FAKE_CUDA_PROCADDR_FUTURE: a variant from a CUDA newer than any hook table, another signature */
+static CUresult tramp_cuMemGetInfo_v3(size_t *f, size_t *t, CUdevice dev)
+{
+    (void)dev;
+    return cuMemGetInfo_v2(f, t);
+}
 static CUresult tramp_cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags)
 {
     return cuGraphInstantiateWithFlags(e, g, flags);
@@ -667,7 +673,7 @@ static const struct {
     {"cuStreamBeginCapture", 10010, "cuStreamBeginCapture_v2"},
     {"cuGraphInstantiate", 11000, "cuGraphInstantiate_v2"}, {"cuGraphInstantiate", 12000, "cuGraphInstantiateWithFlags"},
     {"cuMemGetDefaultMemPool", 13000, "cuMemGetDefaultMemPool"}, {"cuMemGetMemPool", 13000, "cuMemGetMemPool"},
-    {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"},
+    {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"}, {"cuMemGetInfo", 13010, "cuMemGetInfo_v3"},
 };
 
 static void *func_by_name(const char *name)
@@ -679,6 +685,7 @@ static void *func_by_name(const char *name)
         if (!strcmp(name, "cuGraphInstantiateWithFlags")) return (void *)tramp_cuGraphInstantiateWithFlags;
         if (!strcmp(name, "cuCtxSynchronize_v2")) return (void *)tramp_cuCtxSynchronize_v2;
     }
+    if (!strcmp(name, "cuMemGetInfo_v3") && getenv("FAKE_CUDA_PROCADDR_FUTURE")) return (void *)tramp_cuMemGetInfo_v3;
     for (size_t i = 0; i < sizeof(funcs) / sizeof(funcs[0]); i++)
         if (!strcmp(funcs[i].name, name)) return funcs[i].fn;
     return NULL;
@@ -692,6 +699,7 @@ static CUresult proc_address(const char *symbol, void **pfn, int version, cuuint
     *pfn = NULL;
     for (size_t i = 0; i < sizeof(versions) / sizeof(versions[0]); i++) {
         if (strcmp(versions[i].base, symbol) != 0) continue;
+        if (!strcmp(versions[i].name, "cuMemGetInfo_v3") && !getenv("FAKE_CUDA_PROCADDR_FUTURE")) continue;
         if (versions[i].version > version) {
             too_new = 1;
             continue;
