@@ -24,7 +24,7 @@ static const char *const level_names[] = {"error", "warning", "info", "debug"};
 
 void gs_log_init(void)
 {
-    const char *v = getenv("LIBCUDA_LOG_LEVEL");
+    const char *v = gs_getenv("LIBCUDA_LOG_LEVEL");
     if (v && *v) {
         char *end = NULL;
         long lvl = strtol(v, &end, 10);

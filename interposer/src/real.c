@@ -95,7 +95,7 @@ static pthread_once_t override_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
 static void read_override(int nvml)
 {
     const char *env = nvml ? "GPUSLICE_REAL_LIBNVML" : "GPUSLICE_REAL_LIBCUDA";
-    const char *v = getenv(env);
+    const char *v = gs_getenv(env);
     if (!v || !*v) return;
     if (gs_env_managed())
         GS_WARN("ignoring %s: the container is managed (GPUSLICE_POD_UID or the limits file), the driver's own "
