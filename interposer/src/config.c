@@ -52,10 +52,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/auxv.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "gpuslice.h"
+
+/* Every variable the library reads comes through here.  A secure-execution process (set-user-ID
+ * or set-group-ID, file capabilities: AT_SECURE) runs with its caller's environment: a path there
+ * (GPUSLICE_REAL_LIBCUDA, CUDA_DEVICE_MEMORY_SHARED_CACHE) made a root program load the caller's
+ * library or turn a root-owned file into the region.  It reads none (secure_getenv), only the
+ * limits file. */
+const char *gs_getenv(const char *name)
+{
+    return secure_getenv(name);
+}
 
 int gs_parse_size(const char *text, uint64_t *out)
 {
@@ -212,6 +223,7 @@ static void check_values(void)
  * exported limit has no effect. */
 static void warn_overridden_env(void)
 {
+    if (getauxval(AT_SECURE)) return; /* the environment is not read at all */
     for (char **ep = environ; ep && *ep; ep++) {
         const char *eq = strchr(*ep, '=');
         if (!eq || !is_limit_name(*ep, (size_t)(eq - *ep)) || !eq[1]) continue;
@@ -236,7 +248,7 @@ static void load_limits(void)
     const char *path = GS_LIMITS_FILE;
     struct stat st;
     if (lstat(path, &st) != 0 && errno == ENOENT) {
-        path = getenv("GPUSLICE_LIMITS_FILE");
+        path = gs_getenv("GPUSLICE_LIMITS_FILE");
         if (!path || !*path) return;
     }
     g_lim.active = 1;
@@ -288,7 +300,7 @@ static int limits_from_file(void)
 /* A limit name's value: from the limits file where there is one, else from the environment. */
 static const char *limit_value(const char *name)
 {
-    const char *v = limits_from_file() ? file_value(name) : getenv(name);
+    const char *v = limits_from_file() ? file_value(name) : gs_getenv(name);
     return v && *v ? v : NULL;
 }
 
@@ -300,7 +312,7 @@ int gs_limits_from_file(void)
 int gs_env_managed(void)
 {
     if (limits_from_file()) return 1;
-    const char *v = getenv("GPUSLICE_POD_UID");
+    const char *v = gs_getenv("GPUSLICE_POD_UID");
     return v && *v;
 }
 
@@ -405,7 +417,7 @@ uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total)
 
 uint64_t gs_env_reconcile_margin(void)
 {
-    const char *v = getenv("GPUSLICE_RECONCILE_MARGIN");
+    const char *v = gs_getenv("GPUSLICE_RECONCILE_MARGIN");
     uint64_t m;
     if (!v || !*v) return GS_DEFAULT_MARGIN;
     if (gs_parse_size(v, &m) != 0) {
@@ -430,7 +442,7 @@ unsigned gs_env_sm_limit(unsigned container_index)
  * else (that with an error naming both words) */
 static int env_switch(const char *name, const char *dflt, const char *other)
 {
-    const char *v = getenv(name);
+    const char *v = gs_getenv(name);
     if (!v || !*v || !strcmp(v, dflt)) return 0;
     if (strcmp(v, other) != 0) {
         GS_ERROR("ignoring %s value '%s' (expected %s or %s)", name, v, dflt, other);
@@ -467,7 +479,7 @@ const char *gs_env_region_path(char *buf, size_t len)
 
 void gs_copy_env(char *dst, size_t len, const char *name)
 {
-    const char *v = getenv(name);
+    const char *v = gs_getenv(name);
     memset(dst, 0, len);
     if (v) {
         size_t n = strlen(v);

@@ -39,7 +39,7 @@ void gs_uuid_format(const CUuuid *u, char *out, size_t len)
 /* Container index of CUDA ordinal i when NVML is not there: CUDA_VISIBLE_DEVICES=2,0 maps 0->2, 1->0. */
 static unsigned visible_index(int ordinal)
 {
-    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    const char *v = gs_getenv("CUDA_VISIBLE_DEVICES");
     for (int i = 0; v && *v; i++) {
         char *end = NULL;
         long idx = strtol(v, &end, 10);

@@ -97,6 +97,7 @@ void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cu
 /* ---- config.c ------------------------------------------------------------- */
 
 int gs_parse_size(const char *text, uint64_t *out);
+const char *gs_getenv(const char *name); /* the environment; nothing in a set-user-ID program (AT_SECURE) */
 int gs_env_managed(void);            /* the limits file or GPUSLICE_POD_UID: the webhook set the limits */
 int gs_limits_from_file(void);       /* the read-only limits file decides (config.c) */
 uint64_t gs_env_reconcile_margin(void);

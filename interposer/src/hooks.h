@@ -30,6 +30,10 @@
      unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,              \
      unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
 
+/* The newest cudaVersion whose variants the table holds: every PFN_<name>_v<version> the
+ * toolkit's cudaTypedefs.h of CUDA 13.0 lists for a hooked name (test_paths.py -k every_variant). */
+#define GS_HOOKS_CUDA_VERSION 13000
+
 #define GS_CUDA_HOOKS(X)                                                                                   \
     X(cuInit, CUresult, (unsigned int flags), cuInit, 2000, 0)                                             \
     X(cuGetProcAddress, CUresult,                                                                          \
@@ -141,6 +145,7 @@
     X(cuGraphLaunch, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 0)        \
     X(cuGraphLaunch_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphLaunch, 10000, 1) \
     X(cuCtxSynchronize, CUresult, (void), cuCtxSynchronize, 2000, 0)                                       \
+    X(cuCtxSynchronize_v2, CUresult, (CUcontext ctx), cuCtxSynchronize, 13000, 0)                          \
     X(cuStreamBeginCapture, CUresult, (CUstream hStream), cuStreamBeginCapture, 10000, 0)                  \
     X(cuStreamBeginCapture_ptsz, CUresult, (CUstream hStream), cuStreamBeginCapture, 10000, 1)             \
     X(cuStreamBeginCapture_v2, CUresult, (CUstream hStream, CUstreamCaptureMode mode), cuStreamBeginCapture, \

@@ -25,7 +25,7 @@
  * budget.  A launch waits for that queue at most GS_QUEUE_WAIT_NS: a program
  * whose queued kernel waits for the host (a stream wait on a flag the host
  * sets after its next launch) must not deadlock; what runs ahead is debited
- * when it completes all the same.  Synchronisations (cuCtxSynchronize,
+ * when it completes all the same.  Synchronisations (cuCtxSynchronize[_v2],
  * cuStreamSynchronize, cuEventSynchronize) measure what completed, so the
  * last work before a process exits is charged too.  An interval is never
  * charged more than the host time since its first event was recorded (a
@@ -138,6 +138,8 @@ static void mu_unlock(void)
     gs_held_unlock(&g_mu);
 }
 static struct tstream g_streams[GS_STREAMS];
+static int g_streams_used; /* entries [0, g_streams_used) were ever taken (485 KiB in all: a fork
+                            * clears only these, not faulting in the rest) */
 static struct tline g_lines[GS_TIMELINES];
 static uint64_t g_tick;
 
@@ -707,6 +709,7 @@ static struct tstream *stream_get_locked(uint64_t key, CUcontext ctx, int slot)
     struct tstream *s = empty ? empty : idle;
     if (!s) return NULL; /* every entry has work in flight: launch unmeasured */
     if (s == idle) restart_stream(s); /* recycle the least recently used idle entry: its events go */
+    if (s - g_streams >= g_streams_used) g_streams_used = (int)(s - g_streams) + 1;
     memset(s, 0, sizeof(*s));
     s->key = key;
     s->ctx = ctx;
@@ -1042,7 +1045,8 @@ void gs_launch_forget_ctx(CUcontext ctx)
 void gs_launch_after_fork_child(void)
 {
     pthread_mutex_init(&g_mu, NULL);
-    memset(g_streams, 0, sizeof(g_streams));
+    memset(g_streams, 0, (size_t)g_streams_used * sizeof(g_streams[0]));
+    g_streams_used = 0;
     memset(g_lines, 0, sizeof(g_lines));
     memset(gs_unmeasured_ns, 0, sizeof(gs_unmeasured_ns));
     memset(gs_unmeasured_prepaid_ns, 0, sizeof(gs_unmeasured_prepaid_ns));
@@ -1327,6 +1331,9 @@ GS_GRAPH_HOOK(cuGraphLaunch_ptsz, 1)
     }
 
 GS_SYNC_HOOK(cuCtxSynchronize, (void), ())
+/* CUDA 13.0's (what cuGetProcAddress("cuCtxSynchronize", 13000) hands out): the context given,
+ * the current one where it is NULL; what completed is measured in every context, as above */
+GS_SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), (ctx))
 GS_SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))

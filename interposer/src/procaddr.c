@@ -7,14 +7,17 @@
  * the caller gets and whether the symbol exists at that version.  Then:
  *  1. if the pointer it returned is one of the real functions we hook, the
  *     caller gets our hook for exactly that function (same ABI by identity);
- *  2. if it is an export we do not hook (cuCtxSynchronize_v2 for cuCtxSynchronize
- *     at 13.0, a later _vN of a hooked function), it is returned untouched: a
- *     hook chosen by name would have another signature;
+ *  2. if it is an export we do not hook (a later _vN of a hooked function, from
+ *     a CUDA newer than the table), it is returned untouched: a hook chosen by
+ *     name would have another signature;
  *  3. otherwise, if the driver handed out an address that is not an export
  *     (possible in principle), the hook is chosen by name: the entry whose
  *     base name is `symbol`, per-thread flag matches `flags`, and whose
  *     min_version is the highest one <= cudaVersion (cuGraphInstantiate from
- *     12.0 on being cuGraphInstantiateWithFlags).
+ *     12.0 on being cuGraphInstantiateWithFlags).  Past the table's version
+ *     (GS_HOOKS_CUDA_VERSION) a later CUDA may have added a variant the table
+ *     does not know, of another signature: the name decides there only if the
+ *     driver hands out the same address at the table's version.
  * Anything else is returned untouched.
  */
 #define _GNU_SOURCE
@@ -33,6 +36,22 @@ void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cu
     if (!symbol) return real;
     Dl_info info;
     if (dladdr(real, &info) && info.dli_sname && info.dli_saddr == real) return real;
+    if (cuda_version > GS_HOOKS_CUDA_VERSION) {
+        /* cuFoo_v3 of a later CUDA, named cuFoo, would get the cuFoo_v2 hook (another signature,
+         * review): the same function at the table's version proves nothing changed since */
+        void *then = NULL;
+        CUresult rc = gs_cuda.cuGetProcAddress_v2
+                          ? gs_cuda.cuGetProcAddress_v2(symbol, &then, GS_HOOKS_CUDA_VERSION, flags, NULL)
+                      : gs_cuda.cuGetProcAddress ? gs_cuda.cuGetProcAddress(symbol, &then, GS_HOOKS_CUDA_VERSION, flags)
+                                                 : CUDA_ERROR_NOT_SUPPORTED;
+        if (rc != CUDA_SUCCESS || then != real) {
+            GS_WARN("cuGetProcAddress(%s, %d): the driver's function is not an export and may be newer than the "
+                    "library's hooks (CUDA %d): handed out unhooked",
+                    symbol, cuda_version, GS_HOOKS_CUDA_VERSION);
+            return real;
+        }
+        cuda_version = GS_HOOKS_CUDA_VERSION;
+    }
     /* From CUDA 12.0 the name cuGraphInstantiate means cuGraphInstantiateWithFlags (cuda.h
      * renames it): another signature than the cuGraphInstantiate_v2 its base name suggests. */
     if (strcmp(symbol, "cuGraphInstantiate") == 0 && cuda_version >= 12000) symbol = "cuGraphInstantiateWithFlags";

@@ -3,8 +3,8 @@
  *
  * The real libcuda / libnvidia-ml are dlopen'ed on first use (never from the
  * constructor) by their standard sonames, or from GPUSLICE_REAL_LIBCUDA /
- * GPUSLICE_REAL_LIBNVML (paths, for tests; ignored when GPUSLICE_POD_UID is
- * set).  If the program already reached a library through dlsym, the file it
+ * GPUSLICE_REAL_LIBNVML (paths, for tests; ignored, by the dlsym override as
+ * well, in a managed container).  If the program already reached a library through dlsym, the file it
  * came from is preferred.  Every real function is resolved once, under
  * pthread_once, into typed pointers; a missing one stays NULL and its hook
  * answers CUDA_ERROR_NOT_SUPPORTED or NVML_ERROR_FUNCTION_NOT_FOUND instead
@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dlsym_versions.h"
 #include "gpuslice.h"
 
 struct gs_cuda_real gs_cuda;
@@ -83,14 +84,46 @@ GS_NO_SANITIZE void *gs_hook_by_name(const char *name)
 static char cuda_seen_path[4096]; /* the libcuda the program itself resolved through dlsym */
 static char nvml_seen_path[4096];
 
-static void *open_library(const char *env, const char *seen, const char *soname)
+/* GPUSLICE_REAL_LIBCUDA (nvml 0) / GPUSLICE_REAL_LIBNVML (nvml 1) where it is honoured: set, and
+ * the container not managed (GPUSLICE_POD_UID or a limits file).  Decided once, with one warning
+ * where it is ignored, and copied: open_library opens that file and the dlsym override trusts
+ * it as the driver, so both must give the same answer (the override, reading the variable
+ * itself, handed a managed process's code the real driver's functions). */
+static char override_path[2][4096];
+static pthread_once_t override_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
+
+static void read_override(int nvml)
 {
-    const char *override = getenv(env);
-    if (override && *override && gs_env_managed()) {
-        GS_WARN("ignoring %s: GPUSLICE_POD_UID is set, the driver's own library is used", env);
-        override = NULL;
-    }
-    const char *path = override && *override ? override : seen[0] ? seen : soname;
+    const char *env = nvml ? "GPUSLICE_REAL_LIBNVML" : "GPUSLICE_REAL_LIBCUDA";
+    const char *v = gs_getenv(env);
+    if (!v || !*v) return;
+    if (gs_env_managed())
+        GS_WARN("ignoring %s: the container is managed (GPUSLICE_POD_UID or the limits file), the driver's own "
+                "library is used", env);
+    else if (strlen(v) < sizeof(override_path[nvml]))
+        memcpy(override_path[nvml], v, strlen(v) + 1);
+}
+
+static void read_cuda_override(void)
+{
+    read_override(0);
+}
+
+static void read_nvml_override(void)
+{
+    read_override(1);
+}
+
+GS_NO_SANITIZE static const char *real_override(int nvml)
+{
+    pthread_once(&override_once[nvml], nvml ? read_nvml_override : read_cuda_override);
+    return override_path[nvml][0] ? override_path[nvml] : NULL;
+}
+
+static void *open_library(int nvml, const char *seen, const char *soname)
+{
+    const char *override = real_override(nvml);
+    const char *path = override ? override : seen[0] ? seen : soname;
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h && path != soname) h = dlopen(soname, RTLD_NOW | RTLD_LOCAL);
     if (!h) GS_INFO("cannot load %s: %s", path, dlerror());
@@ -99,7 +132,7 @@ static void *open_library(const char *env, const char *seen, const char *soname)
 
 static void resolve_cuda(void)
 {
-    void *h = open_library("GPUSLICE_REAL_LIBCUDA", cuda_seen_path, "libcuda.so.1");
+    void *h = open_library(0, cuda_seen_path, "libcuda.so.1");
     if (h) {
 #define GS_RESOLVE_CUDA(name, ret, params, base, ver, pt) gs_cuda.name = (name##_fn)gs_real_dlsym(h, #name);
 #define GS_RESOLVE_CUDA_REAL(name, ret, params) gs_cuda.name = (name##_fn)gs_real_dlsym(h, #name);
@@ -115,7 +148,7 @@ static void resolve_cuda(void)
 
 static void resolve_nvml(void)
 {
-    void *h = open_library("GPUSLICE_REAL_LIBNVML", nvml_seen_path, "libnvidia-ml.so.1");
+    void *h = open_library(1, nvml_seen_path, "libnvidia-ml.so.1");
     if (h) {
 #define GS_RESOLVE_NVML(name, ret, params) gs_nvml.name = (name##_fn)gs_real_dlsym(h, #name);
         GS_NVML_HOOKS(GS_RESOLVE_NVML)
@@ -157,7 +190,7 @@ GS_NO_SANITIZE static void note_library(const char *name, void *real)
 #define NOT_HOOKED ((void *)-1)
 
 /* Is `addr` in one of the driver's files: libcuda.so* / the file GPUSLICE_REAL_LIBCUDA names
- * (cuda), libnvidia-ml.so* / GPUSLICE_REAL_LIBNVML (nvml)? */
+ * (cuda), libnvidia-ml.so* / GPUSLICE_REAL_LIBNVML (nvml), those two only where honoured? */
 GS_NO_SANITIZE static int in_driver_files(void *addr, int cuda, int nvml)
 {
     Dl_info info;
@@ -166,8 +199,8 @@ GS_NO_SANITIZE static int in_driver_files(void *addr, int cuda, int nvml)
     base = base ? base + 1 : info.dli_fname;
     if ((cuda && strncmp(base, "libcuda.so", 10) == 0) || (nvml && strncmp(base, "libnvidia-ml.so", 15) == 0))
         return 1;
-    const char *c = cuda ? getenv("GPUSLICE_REAL_LIBCUDA") : NULL, *n = nvml ? getenv("GPUSLICE_REAL_LIBNVML") : NULL;
-    return (c && *c && strcmp(c, info.dli_fname) == 0) || (n && *n && strcmp(n, info.dli_fname) == 0);
+    const char *c = cuda ? real_override(0) : NULL, *n = nvml ? real_override(1) : NULL;
+    return (c && strcmp(c, info.dli_fname) == 0) || (n && strcmp(n, info.dli_fname) == 0);
 }
 
 /* Is `fn` the driver's function of that name (libcuda's for cu*, NVML's for nvml*)? */
@@ -200,7 +233,22 @@ GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle,
     return hook;
 }
 
-GS_NO_SANITIZE GS_EXPORT void *dlsym(void *handle, const char *name)
+/* Our dlsym, exported as glibc's dlsym@@GLIBC_2.34 and dlsym@<the architecture's first version>
+ * (src/dlsym_versions.h, exports.map.in): exported unversioned, a wrapper loaded before us that
+ * forwards with dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34"), as HAMi-core's does, skipped it and
+ * reached libc's, so the runtime's dlsym(libcuda, "cuGetProcAddress_v2") got the driver's and
+ * no cap held.  The real one is still found with dlvsym(RTLD_NEXT) from this library, which
+ * searches the objects after it: libc's, never ours. */
+#ifdef GS_DLSYM_OLD
+#define GS_DLSYM_NAME gs_dlsym_new
+__asm__(".symver gs_dlsym_new, dlsym@@" GS_DLSYM_NEW "\n\t"
+        ".symver gs_dlsym_old, dlsym@" GS_DLSYM_OLD);
+GS_EXPORT void *gs_dlsym_old(void *handle, const char *name) __attribute__((alias("gs_dlsym_new")));
+#else
+#define GS_DLSYM_NAME dlsym
+#endif
+
+GS_NO_SANITIZE GS_EXPORT void *GS_DLSYM_NAME(void *handle, const char *name)
 {
     /* glibc declares name nonnull; callers still pass NULL sometimes */
     const char *n = name;

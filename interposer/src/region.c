@@ -162,8 +162,17 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
 {
     /* Never through a symlink, and only a plain file of its own: the state dir is writable by
      * every user of the container, and a root process that followed a link planted there
-     * would make the link's target world-writable and overwrite it. */
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
+     * would make the link's target world-writable and overwrite it.  Only the process that
+     * creates the file makes it 0666 (for every user of the container, whatever the umask):
+     * chmod'ing any file of this user found at the path made a root-owned 0600 file named
+     * there world-writable (a set-user-ID program's caller chose the path, review). */
+    int fd = -1, created = 0;
+    for (int tries = 0; fd < 0 && tries < 3; tries++) {
+        fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+        created = fd >= 0;
+        if (fd < 0 && errno == EEXIST) fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd >= 0 || errno != ENOENT) break; /* ENOENT: replaced meanwhile (an older version's) */
+    }
     struct stat own;
     if (fd >= 0 && (fstat(fd, &own) != 0 || !S_ISREG(own.st_mode) || own.st_nlink != 1)) {
         close(fd);
@@ -182,7 +191,7 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
             GS_WARN("cannot use region %s (%s): %s", path, why, private_effect());
         return NULL;
     }
-    if (own.st_uid == geteuid()) (void)fchmod(fd, 0666); /* every user of the container shares it */
+    if (created) (void)fchmod(fd, 0666); /* every user of the container shares it */
     while (flock(fd, LOCK_EX) != 0 && errno == EINTR) {
     }
     /* Still the file at the path?  Another process may have replaced an older library's file

@@ -99,7 +99,7 @@ int gs_slices_enabled(void)
 {
     int off = __atomic_load_n(&g_off, __ATOMIC_RELAXED);
     if (off < 0) {
-        const char *v = getenv("GPUSLICE_SM_TIMESLICE_CORRECTION");
+        const char *v = gs_getenv("GPUSLICE_SM_TIMESLICE_CORRECTION");
         int bad = v && *v && strcmp(v, "nvml") != 0 && strcmp(v, "off") != 0, unset = -1;
         off = v && !strcmp(v, "off");
         if (__atomic_compare_exchange_n(&g_off, &unset, off, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED) && bad)

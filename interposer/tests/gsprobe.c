@@ -15,6 +15,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1164,15 +1165,18 @@ int main(int argc, char **argv)
             CUresult rc = api1.cuGraphInstantiate ? api1.cuGraphInstantiate(&gexec, graph, NULL, NULL, 0)
                                                   : CUDA_ERROR_NOT_FOUND;
             printf("ginst10 %d\n", rc);
-        } else if (!strcmp(c, "ctxsync13")) {
-            /* cuGetProcAddress("cuCtxSynchronize", 13000): the driver's cuCtxSynchronize_v2(ctx);
-             * prints rc and whether the caller got exactly that export */
+        } else if (!strcmp(c, "ctxsync13") || !strcmp(c, "ctxsyncnull")) {
+            /* cuGetProcAddress("cuCtxSynchronize", 13000): cuCtxSynchronize_v2(ctx), called with the
+             * current context (ctxsyncnull: NULL, which means it); prints rc and whether the caller
+             * got the interposer's function (1) or the driver's (0) */
             typedef CUresult (*sync_v2_t)(CUcontext);
             sync_v2_t fn = (sync_v2_t)by_procaddr("cuCtxSynchronize", 13000);
             CUcontext cur = NULL;
-            api.cuCtxGetCurrent(&cur);
+            if (!strcmp(c, "ctxsync13")) api.cuCtxGetCurrent(&cur);
             CUresult rc = fn ? fn(cur) : CUDA_ERROR_NOT_FOUND;
-            printf("ctxsync13 %d %d\n", rc, fn && (void *)fn == dlsym(libcuda, "cuCtxSynchronize_v2"));
+            Dl_info info;
+            int ours = fn && dladdr((void *)fn, &info) && info.dli_fname && strstr(info.dli_fname, "libgpuslice");
+            printf("%s %d %d\n", c, rc, ours);
         } else if (!strcmp(c, "glaunch")) {
             CUresult rc = api.cuGraphLaunch(gexec, NULL);
             if (rc == CUDA_SUCCESS) api.cuCtxSynchronize();
@@ -1306,6 +1310,16 @@ int main(int argc, char **argv)
             int status = 0;
             waitpid(pid, &status, 0);
             printf("fork %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+        } else if (!strcmp(c, "rssanon")) {
+            /* the process's anonymous resident memory, kB (after "fork": the child's, the first
+             * thing it does; /proc read with read(2), no stdio buffer) */
+            static char sbuf[8192];
+            int sfd = open("/proc/self/status", O_RDONLY);
+            ssize_t sn = sfd >= 0 ? read(sfd, sbuf, sizeof(sbuf) - 1) : -1;
+            if (sfd >= 0) close(sfd);
+            sbuf[sn > 0 ? sn : 0] = '\0';
+            const char *ra = strstr(sbuf, "RssAnon:");
+            printf("rssanon 0 %ld %d\n", ra ? strtol(ra + 8, NULL, 10) : -1L, is_child);
         } else if (!strcmp(c, "childexit")) {
             if (is_child) exit(0); /* a normal exit: atexit handlers and destructors run */
         } else if (!strcmp(c, "exit")) {

@@ -23,6 +23,11 @@ void gs_nvml_resolve(void)
 {
 }
 
+const char *gs_getenv(const char *name)
+{
+    return getenv(name);
+}
+
 void gs_log_write(int level, const char *fmt, ...)
 {
     va_list ap;

@@ -8,6 +8,8 @@ the HAMi-core semantics stay (indexed limits override, the byte limit wins).
 
 from __future__ import annotations
 
+import pytest
+
 GIB = 1 << 30
 MIB = 1 << 20
 MANAGED = {"GPUSLICE_POD_UID": "0b7f-uid", "GPUSLICE_CONTAINER": "main"}
@@ -72,3 +74,26 @@ def test_managed_container_keeps_the_default_reconcile_margin(lab):
                   FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_LAUNCH_BYTES="85m", **MANAGED)
     assert res.values("fill") == [3]  # 100 + 85 + 3 x 256 MiB: the 85 MiB were seen in time
     assert len(warnings(res, "GPUSLICE_RECONCILE_MARGIN")) == 1
+
+
+@pytest.mark.parametrize("api", ["procaddr", "ptsz", "dlsym"])
+@pytest.mark.parametrize("how", ["pod-uid", "limits-file"])
+def test_a_real_library_override_naming_the_program_does_not_unhook_it_when_managed(lab, api, how):
+    # the dlsym override trusted the file GPUSLICE_REAL_LIBCUDA / _LIBNVML named as the driver
+    # even where the library ignored the variable: naming the program itself handed its own
+    # lookups the driver's functions, and three allocations of 600 MiB passed a 1 GiB cap
+    # (16 GiB shown, NVML's whole device too)
+    me = lab.command()[0]
+    env = dict(MANAGED) if how == "pod-uid" else {}
+    if how == "limits-file":
+        path = lab.tmp / "limits"
+        path.write_text(f"CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_MEMORY_SHARED_CACHE={lab.region_path}\n")
+        env["GPUSLICE_LIMITS_FILE"] = str(path)
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "alloc", "600m", "async", "600m", "meminfo",
+                  "nvml", "0", api=api, GPUSLICE_REAL_LIBCUDA=me, GPUSLICE_REAL_LIBNVML=me,
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", **env)
+    assert [rc for rc, _ in res.of("alloc")] == [0, 2]
+    assert res.rc("async") == 2
+    assert res.values("meminfo") == [GIB - 600 * MIB, GIB]
+    assert res.values("nvml")[0] == GIB
+    assert len(warnings(res, "GPUSLICE_REAL_LIB")) == 2

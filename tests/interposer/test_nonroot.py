@@ -104,3 +104,64 @@ def test_what_a_tenant_plants_at_the_region_path_is_never_written_through(lab, p
                     CUDA_DEVICE_MEMORY_LIMIT="1g")
     assert plain.rc("alloc") == 0 and "caps apply to this process alone" in plain.stderr
     assert victim.read_bytes() == b"root:x:0:0:precious\n"
+
+
+def test_a_region_file_the_process_did_not_create_keeps_its_mode(lab):
+    # only the process that creates the region makes it 0666 (for every user of the container,
+    # whatever the umask); one of this user's files found at the path was chmod'ed 0666 as well,
+    # so a root program's region path named a root-owned 0600 file made it world-writable
+    mine = lab.tmp / "mine"
+    mine.write_bytes(b"")
+    mine.chmod(0o600)
+    res = lab.run("init", "ctx", "0", "alloc", "64m", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(mine),
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("alloc") == 0
+    assert mine.stat().st_mode & 0o777 == 0o600
+    assert "gpuslice" not in res.stderr  # used as the region all the same (this user's file)
+    # a region the process creates is 0666 under any umask
+    fresh = lab.tmp / "fresh"
+    proc = lab.run_program(["sh", "-c", 'umask 077 && exec "$@"', "sh",
+                            *lab.command("init", "ctx", "0", "alloc", "64m")],
+                           CUDA_DEVICE_MEMORY_SHARED_CACHE=str(fresh), CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert proc.returncode == 0, proc.stderr
+    assert fresh.stat().st_mode & 0o777 == 0o666
+
+
+def test_a_set_user_id_program_ignores_its_callers_environment(release_lab, shared_base):
+    # a set-user-ID root program run by nobody (AT_SECURE), the library preloaded through
+    # /etc/ld.so.preload as in a container: its environment is the caller's.  The library loaded
+    # the GPUSLICE_REAL_LIBCUDA the caller named (as root; here the fake driver), and made the
+    # root-owned 0600 file named as CUDA_DEVICE_MEMORY_SHARED_CACHE 0666 and wrote the region
+    # over it.  Now it reads no environment variable in such a process (the limits file only)
+    lab = release_lab
+    unshare = shutil.which("unshare")
+    setpriv = shutil.which("setpriv")
+    if not unshare or not setpriv:
+        pytest.skip("needs unshare and setpriv")
+    program = shared_base / "secure"
+    shutil.copy(lab.build / "tests" / "secure", program)
+    program.chmod(0o4755)
+    victim = shared_base / "victim"
+    victim.write_bytes(b"root's secret\n")
+    victim.chmod(0o600)
+    upper, work = lab.tmp / "etc-upper", lab.tmp / "etc-work"
+    upper.mkdir()
+    work.mkdir()
+    (upper / "ld.so.preload").write_text(f"{lab.build / 'libgpuslice.so'}\n")
+    script = ('mount -t overlay overlay -o "lowerdir=/etc,upperdir=$1,workdir=$2" /etc '
+              '&& shift 2 && exec "$@"')
+    prefix = [unshare, "--mount", "sh", "-c", script, "sh", str(upper), str(work)]
+    if subprocess.run([*prefix, "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("cannot mount over /etc in a private mount namespace here")
+    env = lab.env(LD_PRELOAD=None, GPUSLICE_REAL_LIBCUDA=str(lab.build / "fake" / "libcuda.so.1"),
+                  CUDA_DEVICE_MEMORY_SHARED_CACHE=str(victim), CUDA_DEVICE_MEMORY_LIMIT="1g")
+    proc = subprocess.run([*prefix, setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}",
+                           "--clear-groups", str(program),
+                           str(lab.build / "fake" / "libgsfakecb.so")],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    secure, rc, loaded = proc.stdout.split()[1:]
+    assert secure == "1" and rc != "-1"  # AT_SECURE, and the library is there
+    assert (rc, loaded) == ("801", "0")  # no driver of the caller's choosing: not supported
+    assert victim.stat().st_mode & 0o777 == 0o600
+    assert victim.read_bytes() == b"root's secret\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -209,8 +210,25 @@ def test_a_program_without_cuda_binds_only_what_the_library_runs_at_load(built):
                           timeout=60)
     ours = re.findall(r"binding file \S*libgpuslice\.so \[0\] to \S+ \[0\]: normal symbol `(\w+)'",
                       proc.stderr)
-    assert "getenv" in ours  # the constructor's, bound as it runs
+    assert "secure_getenv" in ours  # the constructor's, bound as it runs
     assert len(ours) <= 8, ours
+
+
+def fork_growth_kib(proc: subprocess.CompletedProcess[str]) -> int:
+    """tests/next/forkrss: the child's RssAnon right after the fork, less the parent's."""
+    assert proc.returncode == 0, proc.stderr
+    _, parent, child = proc.stdout.split()
+    return int(child) - int(parent)
+
+
+def test_a_fork_in_a_program_without_cuda_does_not_fault_in_the_librarys_tables(lab):
+    # the child fork handlers cleared the library's tables (485 KiB of stream table alone) in
+    # every fork of every program of the container: 530 KiB of RssAnon more per child (and
+    # 0.4 ms).  A parent that never reached the driver has nothing to clear
+    forkrss = str(lab.build / "tests" / "forkrss")
+    plain = subprocess.run([forkrss], check=False, capture_output=True, text=True, timeout=60)
+    under = lab.run_program([forkrss])
+    assert fork_growth_kib(under) - fork_growth_kib(plain) < 200, (plain.stdout, under.stdout)
 
 
 def test_a_program_without_cuda_never_loads_libcuda(lab):
@@ -286,11 +304,53 @@ def test_a_trampolined_graph_instantiate_gets_the_hook_of_the_same_signature(lab
     assert res.of("procaddr") == [(0, [1])]
 
 
-def test_an_export_the_library_does_not_hook_is_handed_out_as_the_driver_chose(lab):
-    # at 13.0 cuGetProcAddress("cuCtxSynchronize") is cuCtxSynchronize_v2(ctx): the hook of
-    # cuCtxSynchronize(void), chosen by name, dropped the context argument
-    res = lab.run("init", "ctx", "0", "ctxsync13", api="procaddr")
-    assert res.of("ctxsync13") == [(0, [1])]
+def test_a_trampoline_for_a_variant_newer_than_the_table_is_not_hooked_by_name(lab):
+    # FAKE_CUDA_PROCADDR_FUTURE: from 13010 the fake's cuGetProcAddress("cuMemGetInfo") is a
+    # cuMemGetInfo_v3(free, total, device) handed out as a trampoline.  Chosen by name it got
+    # the two-argument cuMemGetInfo_v2 hook; past the table's version the name decides only
+    # where the driver gives the same address at 13000 (cuMemAlloc, cuGraphInstantiate do)
+    res = lab.run("init", "procaddr", "cuMemGetInfo", "13010", "cuMemGetInfo_v2",
+                  "procaddr", "cuMemAlloc", "13010", "cuMemAlloc_v2",
+                  "procaddr", "cuMemGetInfo", "13000", "cuMemGetInfo_v2",
+                  "procaddr", "cuGraphInstantiate", "13010", "cuGraphInstantiateWithFlags",
+                  FAKE_CUDA_PROCADDR_TRAMPOLINE="1", FAKE_CUDA_PROCADDR_FUTURE="1")
+    assert res.of("procaddr") == [(0, [0]), (0, [1]), (0, [1]), (0, [1])]
+    assert "may be newer than the library's hooks" in res.stderr
+
+
+@pytest.mark.parametrize("trampoline", [None, "1"], ids=["export", "trampoline"])
+def test_cuda_13s_context_synchronize_gets_its_own_hook(lab, trampoline):
+    # at 13.0 cuGetProcAddress("cuCtxSynchronize") is cuCtxSynchronize_v2(ctx): handed out
+    # unhooked, it skipped the measurement after a synchronisation (test_throttle.py -k
+    # last_work); a driver's trampoline for it got the hook of cuCtxSynchronize(void), chosen by
+    # name, which dropped the context argument.  NULL means the current context (cuda.h)
+    res = lab.run("init", "ctx", "0", "ctxsync13", "ctxsyncnull", "procaddr", "cuCtxSynchronize",
+                  "13000", "cuCtxSynchronize_v2", "procaddr", "cuCtxSynchronize", "12080",
+                  "cuCtxSynchronize", api="procaddr", FAKE_CUDA_PROCADDR_TRAMPOLINE=trampoline)
+    assert res.of("ctxsync13") == res.of("ctxsyncnull") == [(0, [1])]  # 1: the library's
+    assert res.of("procaddr") == [(0, [1]), (0, [1])]
+
+
+def test_the_hook_table_has_every_variant_the_toolkit_lists_for_a_hooked_name(built):
+    # cudaTypedefs.h declares PFN_<name>_v<cudaVersion>[_ptsz] for each signature
+    # cuGetProcAddress(name) has had: each of a hooked name's must be a hook with that
+    # min_version, or cuGetProcAddress at that version hands out an unhooked function (and a
+    # trampoline for it got the hook of an older signature).  cuCtxSynchronize_v13000 was missing
+    header = Path(os.environ.get("CUDA_INCLUDE", "/usr/local/cuda/include")) / "cudaTypedefs.h"
+    if not header.exists():
+        pytest.skip("no CUDA headers on this machine")
+    table = (built.parent / "src" / "hooks.h").read_text()
+    table = table[table.index("#define GS_CUDA_HOOKS(X)"):table.index("#define GS_CUDA_REALS(R)")]
+    have = set()
+    for entry in re.split(r"\bX\(", table.replace("\\\n", " "))[1:]:
+        base, version, per_thread = re.search(r"(cu\w+),\s*(\d+),\s*([01])\)\s*$",
+                                              entry.strip()).groups()
+        have.add((base, int(version), int(per_thread)))
+    bases = {base for base, _, _ in have}
+    listed = {(base, int(version), int(bool(pt))) for base, version, pt in
+              re.findall(r"PFN_(cu\w+?)_v(\d+)(_ptsz|_ptds)?\)", header.read_text())
+              if base in bases}
+    assert listed - have == set()
 
 
 def test_the_gpu_checks_serve_protocol_runs_on_the_fake_driver(lab, tmp_path):
@@ -342,3 +402,37 @@ def test_the_gpu_checks_legacy_probe_sees_the_cap_on_the_fake_driver(lab, tmp_pa
     assert (res["old_free32"], res["old_total32"]) == (2 * GIB - 64 * MIB, 2 * GIB)
     # the v1 pointer freed by cuMemFree_v2, or (refused in a 3010 context) by cuMemFree
     assert (res["v2_free_rc"], res["v1_free_rc"]) == ((201, 0) if versions else (0, -1))
+
+
+@pytest.mark.parametrize("version", ["GLIBC_2.34", "GLIBC_2.2.5"])
+def test_a_dlsym_wrapper_forwarding_with_dlvsym_still_reaches_the_library(lab, version):
+    # a tool preloaded before the library that wraps dlsym and forwards with
+    # dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.x"), as HAMi-core does: a versioned lookup skips an
+    # unversioned definition, so it forwarded to libc's dlsym, the runtime's (here gsprobe's)
+    # dlsym(libcuda, "cuGetProcAddress_v2") got the driver's, and two 600 MiB allocations
+    # passed a 1 GiB cap.  Our dlsym is exported under glibc's versions as well now
+    if platform.machine() != "x86_64" and version == "GLIBC_2.2.5":
+        pytest.skip("GLIBC_2.2.5 is x86_64's first version")
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgsdlwrap.so"))
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "alloc", "600m", "meminfo", api="procaddr",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", LD_PRELOAD=":".join(preload),
+                  GSDLWRAP_VERSION=version)
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM], res.stderr
+    assert res.values("meminfo") == [GIB - 600 * MIB, GIB]
+    calls, libc = re.search(r"dlwrap (\d+) (\d)", res.stderr).groups()
+    assert int(calls) >= 2 and libc == "0"  # the wrapper was used, and forwarded to us
+
+
+def test_programs_start_under_a_dlsym_wrapper_and_the_library(lab):
+    # the same wrapper in programs that never touch CUDA: our dlsym forwards every other name
+    # to libc's (found with dlvsym from the library: never itself)
+    preload = lab.base["LD_PRELOAD"].split(":")
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgsdlwrap.so"))
+    stub = lab.build / "tests" / "libgscudastub.so"
+    under = lab.run_program([str(lab.build / "tests" / "nocuda"), str(stub)],
+                            LD_PRELOAD=":".join(preload))
+    assert under.stdout.strip() == "nocuda 0 0 999", under.stderr
+    code = "import ctypes; print(ctypes.CDLL(None).getpid() > 0)"
+    under = lab.run_program([sys.executable, "-c", code], LD_PRELOAD=":".join(preload))
+    assert under.returncode == 0 and under.stdout.strip() == "True", under.stderr

@@ -442,14 +442,17 @@ def test_a_launch_waits_for_a_kernel_of_unknown_cost_only_so_long(lab):
     assert time.monotonic() - start < 1.5
 
 
-def test_the_last_work_of_a_process_is_charged_at_its_synchronisation(release_lab):
+@pytest.mark.parametrize("sync", ["sync", "ctxsync13", "ctxsyncnull"])
+def test_the_last_work_of_a_process_is_charged_at_its_synchronisation(release_lab, sync):
     # one 100 ms kernel per process, then a synchronisation and exit: each is charged (before,
-    # work was measured only at the next launch, which never came: such processes ran unlimited)
+    # work was measured only at the next launch, which never came: such processes ran unlimited).
+    # ctxsync13 / ctxsyncnull: CUDA 13.0's cuCtxSynchronize_v2 (what cuGetProcAddress gives for
+    # "cuCtxSynchronize" at 13000), with the current context or NULL; unhooked, 0 ms was charged
     lab = release_lab
     for _ in range(4):
-        res = lab.run("init", "ctx", "0", "launch", "1", "sync", CUDA_DEVICE_SM_LIMIT="50",
+        res = lab.run("init", "ctx", "0", "launch", "1", sync, CUDA_DEVICE_SM_LIMIT="50",
                       FAKE_CUDA_KERNEL_US="100000")
-        assert (res.rc("launch"), res.rc("sync")) == (0, 0)
+        assert (res.rc("launch"), res.rc(sync)) == (0, 0)
     busy_ms = lab.region().devices[0].busy_ns / 1e6
     assert 380 <= busy_ms <= 420, f"{busy_ms:.0f} ms of GPU time charged for 400 ms"
 

@@ -22,6 +22,9 @@
  *                            contexts at process exit does
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
+ *   FAKE_CUDA_PROCADDR_FUTURE=1  a later CUDA's variant: cuGetProcAddress("cuMemGetInfo") from
+ *                            13010 on is a cuMemGetInfo_v3(free, total, device) the
+ *                            interposer's table does not know (a trampoline, not an export)
  *   FAKE_CUDA_DRIVER_VERSION  what cuDriverGetVersion says (default 13000); calls newer than
  *                            that (cuCtxGetDevice_v2 13.0, cuStreamGetDevice 12.8) answer
  *                            CUDA_ERROR_NOT_SUPPORTED

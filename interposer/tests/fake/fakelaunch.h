@@ -299,10 +299,11 @@ API CUresult cuCtxSynchronize(void)
     return CUDA_SUCCESS;
 }
 
-/* CUDA 13's: the context is an argument (this fake has one context's work per process) */
+/* CUDA 13's: the context is an argument, NULL for the current one (this fake has one context's
+ * work per process) */
 API CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
-    if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!ctx && (cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)) return CUDA_ERROR_INVALID_CONTEXT;
     return cuCtxSynchronize();
 }
 
@@ -641,6 +642,13 @@ static const struct {
 static CUresult tramp_cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return cuMemAlloc_v2(p, n); }
 static CUresult tramp_cuMemFree_v2(CUdeviceptr p) { return cuMemFree_v2(p); }
 static CUresult tramp_cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
+static CUresult tramp_cuCtxSynchronize_v2(CUcontext ctx) { return cuCtxSynchronize_v2(ctx); }
+/* FAKE_CUDA_PROCADDR_FUTURE: a variant from a CUDA newer than any hook table, another signature */
+static CUresult tramp_cuMemGetInfo_v3(size_t *f, size_t *t, CUdevice dev)
+{
+    (void)dev;
+    return cuMemGetInfo_v2(f, t);
+}
 static CUresult tramp_cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long flags)
 {
     return cuGraphInstantiateWithFlags(e, g, flags);
@@ -665,7 +673,7 @@ static const struct {
     {"cuStreamBeginCapture", 10010, "cuStreamBeginCapture_v2"},
     {"cuGraphInstantiate", 11000, "cuGraphInstantiate_v2"}, {"cuGraphInstantiate", 12000, "cuGraphInstantiateWithFlags"},
     {"cuMemGetDefaultMemPool", 13000, "cuMemGetDefaultMemPool"}, {"cuMemGetMemPool", 13000, "cuMemGetMemPool"},
-    {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"},
+    {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"}, {"cuMemGetInfo", 13010, "cuMemGetInfo_v3"},
 };
 
 static void *func_by_name(const char *name)
@@ -675,7 +683,9 @@ static void *func_by_name(const char *name)
         if (!strcmp(name, "cuMemFree_v2")) return (void *)tramp_cuMemFree_v2;
         if (!strcmp(name, "cuMemGetInfo_v2")) return (void *)tramp_cuMemGetInfo_v2;
         if (!strcmp(name, "cuGraphInstantiateWithFlags")) return (void *)tramp_cuGraphInstantiateWithFlags;
+        if (!strcmp(name, "cuCtxSynchronize_v2")) return (void *)tramp_cuCtxSynchronize_v2;
     }
+    if (!strcmp(name, "cuMemGetInfo_v3") && getenv("FAKE_CUDA_PROCADDR_FUTURE")) return (void *)tramp_cuMemGetInfo_v3;
     for (size_t i = 0; i < sizeof(funcs) / sizeof(funcs[0]); i++)
         if (!strcmp(funcs[i].name, name)) return funcs[i].fn;
     return NULL;
@@ -689,6 +699,7 @@ static CUresult proc_address(const char *symbol, void **pfn, int version, cuuint
     *pfn = NULL;
     for (size_t i = 0; i < sizeof(versions) / sizeof(versions[0]); i++) {
         if (strcmp(versions[i].base, symbol) != 0) continue;
+        if (!strcmp(versions[i].name, "cuMemGetInfo_v3") && !getenv("FAKE_CUDA_PROCADDR_FUTURE")) continue;
         if (versions[i].version > version) {
             too_new = 1;
             continue;
