@@ -167,7 +167,7 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
      * chmod'ing any file of this user found at the path made a root-owned 0600 file named
      * there world-writable (a set-user-ID program's caller chose the path, review). */
     int fd = -1, created = 0;
-    for (int tries = 0; fd < 0 && tries < 3; tries++) {
+    for (int attempt = 0; fd < 0 && attempt < 3; attempt++) {
         fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
         created = fd >= 0;
         if (fd < 0 && errno == EEXIST) fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
