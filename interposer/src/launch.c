@@ -586,9 +586,12 @@ static double line_add(struct tline *t, double a, double b)
     t->seg[at][0] = lo;
     t->seg[at][1] = hi;
     t->nseg = keep + 1;
-    if (t->nseg == GS_SEGMENTS) { /* full: the two oldest become one */
-        t->seg[0][1] = t->seg[1][1];
-        memmove(&t->seg[1], &t->seg[2], (size_t)(GS_SEGMENTS - 2) * sizeof(t->seg[0]));
+    if (t->nseg == GS_SEGMENTS) {
+        /* full: the oldest is forgotten, so an interval reaching back over it is charged that
+         * time again (the strict side).  Merging the two oldest instead counted the gap between
+         * them as charged: one stream's long interval spanning many small kernels of another
+         * was then charged almost nothing (97-101 % under a 30 % limit) */
+        memmove(&t->seg[0], &t->seg[1], (size_t)(GS_SEGMENTS - 1) * sizeof(t->seg[0]));
         t->nseg--;
     }
     double fresh = (b - a) - overlap;

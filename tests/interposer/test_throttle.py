@@ -1066,3 +1066,23 @@ def test_several_contexts_of_one_process_on_one_device_get_the_share(release_lab
     assert rc == 0 and launches > 0
     got = 100.0 * kernel_ns / wall_ns
     assert abs(got - 30) <= 7.0, f"measured {got:.1f}%"
+
+
+def launchprobe(lab, mode: str, seconds: float, n: int, **env: str) -> float:
+    proc = lab.run_program([str(lab.build / "tests" / "launchprobe"), mode, str(seconds), str(n)],
+                           timeout=120, **env)
+    match = re.fullmatch(rf"{mode} rc=(\d+) launches=(\d+) share=([\d.]+)%\n", proc.stdout)
+    assert proc.returncode == 0 and match, proc.stdout + proc.stderr
+    assert match[1] == "0" and int(match[2]) > 0, proc.stdout
+    return float(match[3])
+
+
+def test_a_long_interval_over_many_small_kernels_of_another_stream_is_charged(release_lab):
+    # stream A runs graphs of 1000 kernels of 0.1 ms (100 ms each), a thread launches one
+    # 0.1 ms kernel every 500 us on stream B: B's many short segments filled the context's
+    # timeline, which merged its two oldest and so counted the gaps between them as charged;
+    # A's intervals, spanning them, were charged almost nothing: 97-108 % under 30 %.  The
+    # oldest segment is now dropped (charged again if reached back over: the strict side)
+    got = launchprobe(release_lab, "segs", 3, 1000, CUDA_DEVICE_SM_LIMIT="30",
+                      FAKE_CUDA_KERNEL_US="100", GAP_US="500")
+    assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"

@@ -581,6 +581,20 @@ API CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
     return g ? enqueue(s, 1, (uint64_t)(uintptr_t)g) : CUDA_ERROR_INVALID_VALUE;
 }
 
+/* A stream wait on a host flag nobody sets: the stream is held for FAKE_WAIT_MS (default
+ * 100 s) after whatever it had queued, as a cuStreamWaitValue32 on a flag set later would. */
+API CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags)
+{
+    (void)addr, (void)value, (void)flags;
+    NEED_CTX();
+    struct fake_stream *st = stream_of(s, 0);
+    const char *w = getenv("FAKE_WAIT_MS");
+    uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
+    __atomic_store_n(&st->tail, (tail > n ? tail : n) + (uint64_t)(w ? atoll(w) : 100000) * 1000000ull,
+                     __ATOMIC_RELEASE);
+    return CUDA_SUCCESS;
+}
+
 /* Test-only introspection. */
 API uint64_t fake_cuda_kernel_ns(void)
 {
