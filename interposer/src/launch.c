@@ -710,7 +710,7 @@ static struct tstream *stream_get_locked(uint64_t key, CUcontext ctx, int slot)
         }
     }
     struct tstream *s = empty ? empty : idle;
-    if (!s) return NULL; /* every entry has work in flight: launch unmeasured */
+    if (!s) return NULL; /* every entry has work in flight: the launch is paced unmeasured */
     if (s == idle) restart_stream(s); /* recycle the least recently used idle entry: its events go */
     if (s - g_streams >= g_streams_used) g_streams_used = (int)(s - g_streams) + 1;
     memset(s, 0, sizeof(*s));
@@ -923,13 +923,21 @@ static int admit_locked(CUstream stream, int per_thread, struct measured *m)
         /* launch only when the budget is paid and the queue is short, both at once; the queue
          * is waited for at most GS_QUEUE_WAIT_NS (its head may wait for the host) */
         s = stream_get_locked(m->key, m->ctx, slot);
-        if (s) measure_locked(s);
+        if (!s) {
+            /* every entry has work in flight (streams held by waits on the host, say): paced as
+             * a launch a capture keeps from being measured, paid in advance and settled against
+             * NVML; let through unpaid, 256 such streams let another run at 100 % under 30 % */
+            pace_unmeasured(m, 1); /* unlocks */
+            switch_to(&m->sw, 0);
+            return 0;
+        }
+        measure_locked(s);
         uint64_t now = gs_now_ns();
-        if (s && over_queue(s) && (!queue_until || now < queue_until)) {
+        if (over_queue(s) && (!queue_until || now < queue_until)) {
             if (!queue_until) queue_until = now + GS_QUEUE_WAIT_NS;
             mu_unlock();
             gs_sleep_ns(GS_POLL_NS);
-        } else if (s && over_queue(s) && !advanced) {
+        } else if (over_queue(s) && !advanced) {
             /* the queue's head has run longer than the wait (a kernel longer than it, or one
              * waiting for the host or another stream): what it can have taken since its
              * interval began, and no more than the queued work's estimate, is debited now,

@@ -1086,3 +1086,14 @@ def test_a_long_interval_over_many_small_kernels_of_another_stream_is_charged(re
     got = launchprobe(release_lab, "segs", 3, 1000, CUDA_DEVICE_SM_LIMIT="30",
                       FAKE_CUDA_KERNEL_US="100", GAP_US="500")
     assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
+
+
+def test_launches_beyond_the_streams_the_throttle_tracks_are_paced(release_lab):
+    # 256 streams (every entry the throttle keeps) each hold one kernel behind a stream wait
+    # on the host (2 s): an entry with work in flight is never recycled, so launches on one
+    # more stream found none, went unmeasured and unpaid: 100 % under 30 %.  They are now paced
+    # as the launches a capture keeps from being measured (paid in advance, settled against
+    # NVML's per-process figures): 34 %
+    got = launchprobe(release_lab, "holders", 1.5, 256, CUDA_DEVICE_SM_LIMIT="30",
+                      FAKE_CUDA_KERNEL_US="2000", FAKE_WAIT_MS="2000")
+    assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
