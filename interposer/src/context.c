@@ -422,6 +422,7 @@ static CUresult primary_reset(dev_fn reset, CUdevice dev)
         return rc;
     }
     ctx_lock();
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) gs_launch_settle_ctx(g_primary_ctx[dev]); /* as before a destroy */
     CUresult rc = reset(dev);
     if (rc == CUDA_SUCCESS) reset_done_locked(dev);
     ctx_unlock();
@@ -526,6 +527,7 @@ static CUresult ctx_destroy(CUresult (*destroy)(CUcontext), CUcontext ctx)
         return rc;
     }
     ctx_lock(); /* a reconcile may be charging this context */
+    gs_launch_settle_ctx(ctx); /* its work is measured while its events can be read */
     CUresult rc = destroy(ctx);
     if (rc == CUDA_SUCCESS && ctx) release_ctx(ctx);
     ctx_unlock();

@@ -435,6 +435,8 @@ void gs_launch_sample(void);          /* sampler thread: power and utilisation -
 void gs_launch_gang_refresh(void);   /* sampler thread: the devices live processes measured work on */
 unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, double util_pct);
 void gs_launch_forget_ctx(CUcontext ctx);
+void gs_launch_settle_ctx(CUcontext ctx);
+void gs_launch_at_exit(void);
 void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */
 int gs_capture_global(void);          /* a thread captures in global mode: driver queries would invalidate it */
 /* Per region slot: when a launch last went unmeasured because a capture forbade event queries

@@ -1038,8 +1038,70 @@ static inline int throttle_on(void)
     return st == THROTTLE_ON && gs_region;
 }
 
+/* Work whose events can no longer be read (its context went, or the process is exiting) is
+ * charged from host time: everything after a stream's interval began (its mark) until now,
+ * the union over the context's streams (the events that would have told it went, or there is
+ * no time to read them).  That is never less than the work that ran since, and more when the
+ * stream sat idle after it: the strict side.  What the intervals paid in advance is settled.
+ * ctx NULL: every context's.  No driver call. */
+static void charge_unread_locked(CUcontext ctx, uint64_t now)
+{
+    for (int i = 0; i < GS_STREAMS; i++) {
+        struct tstream *s = &g_streams[i];
+        if (!s->last_use || !s->count || (ctx && s->ctx != ctx)) continue;
+        uint64_t from = 0, adv_cost = 0;
+        int slot = s->slot;
+        for (int j = i; j < GS_STREAMS; j++) { /* this stream and the context's others */
+            struct tstream *o = &g_streams[j];
+            if (!o->last_use || !o->count || o->ctx != s->ctx) continue;
+            if (o->mark_ns && (!from || o->mark_ns < from)) from = o->mark_ns;
+            adv_cost += o->advance_cost;
+            o->count = 0; /* charged here, whatever its events say later */
+            o->advance_ns = o->advance_cost = 0;
+        }
+        uint64_t ran = from && now > from ? now - from : 0;
+        if (ran) account(slot, ran);
+        uint64_t cost = ran ? clock_cost(slot, ran) : 0;
+        if (cost >= adv_cost)
+            clock_add(slot, cost - adv_cost);
+        else
+            clock_refund(slot, adv_cost - cost);
+        GS_DEBUG("charged %llu ns of unread work on device slot %d", (unsigned long long)ran, slot);
+    }
+}
+
+/* Before a context goes (cuCtxDestroy, a primary reset): the driver waits for its work
+ * anyway, so it is waited for here, stream by stream (each one's newest event), and measured
+ * as a hooked synchronisation does; once the context is gone its events cannot be read. */
+void gs_launch_settle_ctx(CUcontext ctx)
+{
+    if (!ctx || __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || gs_t_held || !gs_cuda.cuEventSynchronize)
+        return;
+    mu_lock();
+    if (!capture_forbids_queries()) { /* else charged from host time once it went */
+        for (int i = 0; i < GS_STREAMS; i++) {
+            struct tstream *s = &g_streams[i];
+            if (!s->last_use || !s->count || s->ctx != ctx) continue;
+            gs_cuda.cuEventSynchronize(s->ring[(s->head + s->count - 1) % GS_RING]);
+            measure_locked(s);
+        }
+    }
+    mu_unlock();
+}
+
+/* At exit (the region's destructor, before it returns the process's slot): work still in
+ * flight is charged from host time, without driver calls (the driver may be torn down). */
+void gs_launch_at_exit(void)
+{
+    if (__atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || !gs_region) return;
+    if (pthread_mutex_trylock(&g_mu) != 0) return; /* held by a thread stopped by the exit (or this one) */
+    charge_unread_locked(NULL, gs_now_ns());
+    pthread_mutex_unlock(&g_mu);
+}
+
 static void forget_ctx_locked(CUcontext ctx)
 {
+    charge_unread_locked(ctx, gs_now_ns()); /* what the settle before it went did not measure */
     for (int i = 0; i < GS_STREAMS; i++)
         if (g_streams[i].last_use && g_streams[i].ctx == ctx) reset_stream(&g_streams[i]);
     struct tline *t = line_get_locked(ctx, 0);

@@ -846,6 +846,7 @@ __attribute__((destructor)) static void region_detach(void)
      * handlers (_Fork, clone, vfork + exit): g_me is still its parent's slot, which it must not
      * empty (the slot of a child that charged through it is reclaimed once the parent is gone) */
     if (t_locked || g_my_pid != (int32_t)getpid()) return;
+    gs_launch_at_exit(); /* work in flight is charged while the slot is still ours */
     /* another thread may be attaching right now (discovery): the pointers are read as they are
      * written, atomically */
     if (!__atomic_load_n(&gs_region, __ATOMIC_ACQUIRE) || !__atomic_load_n(&g_me, __ATOMIC_ACQUIRE) ||

@@ -1097,3 +1097,23 @@ def test_launches_beyond_the_streams_the_throttle_tracks_are_paced(release_lab):
     got = launchprobe(release_lab, "holders", 1.5, 256, CUDA_DEVICE_SM_LIMIT="30",
                       FAKE_CUDA_KERNEL_US="2000", FAKE_WAIT_MS="2000")
     assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
+
+
+def test_work_running_when_its_context_is_destroyed_is_charged(release_lab):
+    # create a context, launch, wait for the GPU without a hooked synchronisation (cuCtxDestroy
+    # waits for it on a GPU), destroy: the context's pending events were thrown away after the
+    # driver's destroy, nothing was charged, 94.9 % under 30 %.  The context's streams are now
+    # waited for and measured before the destroy: 30.5 %
+    got = launchprobe(release_lab, "ctxloop", 3, 1, CUDA_DEVICE_SM_LIMIT="30",
+                      FAKE_CUDA_KERNEL_US="2000")
+    assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
+
+
+def test_work_running_when_a_process_exits_is_charged(release_lab):
+    # a child per job: one 500 ms kernel, a wait without a hooked synchronisation, exit.
+    # Nothing charged the kernel (busy_ns stayed 0): 99.7 % under 30 %.  The exit destructor
+    # now charges each context's unmeasured time since its streams' intervals began: 31.7 %
+    got = launchprobe(release_lab, "exitloop", 4, 1, CUDA_DEVICE_SM_LIMIT="30",
+                      FAKE_CUDA_KERNEL_US="500000")
+    assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
+    assert release_lab.region().devices[0].busy_ns >= 0.5e9
