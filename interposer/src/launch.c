@@ -835,8 +835,10 @@ static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
     CUcontext there = gs_stream_ctx(es), home = NULL;
     sw->on = 0;
     if (!there || there == *ctx || !gs_cuda.cuCtxSetCurrent || !gs_cuda.cuCtxGetCurrent) return slot;
-    /* the caller's context as it is, even one the driver no longer gives a device for */
-    if (gs_cuda.cuCtxGetCurrent(&home) != CUDA_SUCCESS || !home || there == home) return slot;
+    /* the caller's context as it is, even one the driver no longer gives a device for, or none:
+     * a thread with no current context launches a context-less kernel in its stream's (it went
+     * unmeasured, 100 % under 30 %), and gets none back after the bookkeeping */
+    if (gs_cuda.cuCtxGetCurrent(&home) != CUDA_SUCCESS || there == home) return slot;
     if (gs_cuda.cuCtxSetCurrent(there) != CUDA_SUCCESS) return -1; /* launched unmeasured */
     sw->on = 1;
     sw->home = home;

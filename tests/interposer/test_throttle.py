@@ -1117,3 +1117,13 @@ def test_work_running_when_a_process_exits_is_charged(release_lab):
                       FAKE_CUDA_KERNEL_US="500000")
     assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
     assert release_lab.region().devices[0].busy_ns >= 0.5e9
+
+
+def test_a_context_less_kernel_launched_with_no_current_context_is_throttled(release_lab):
+    # a context-less kernel (a CUkernel) launched from a thread with no current context runs in
+    # its stream's context (the fake's FAKE_STREAM_CTX_LAUNCH): with no current context the
+    # throttle found no slot and let it through unmeasured, 100 % under 30 %.  It is now
+    # measured in the stream's context (cuStreamGetCtx), none current again afterwards: 30-31 %
+    got = launchprobe(release_lab, "noctx", 1.5, 0, CUDA_DEVICE_SM_LIMIT="30",
+                      FAKE_CUDA_KERNEL_US="2000", FAKE_STREAM_CTX_LAUNCH="1")
+    assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"

@@ -368,9 +368,13 @@ API uint64_t fake_cuda_kernel_run_ns(void)
 static uint64_t serial_tail;
 static pthread_mutex_t serial_mu = PTHREAD_MUTEX_INITIALIZER;
 
+/* FAKE_STREAM_CTX_LAUNCH=1: a launch with no current context runs in its (non-special) stream's
+ * context, as cuda.h says of a context-less kernel (a CUkernel); otherwise one is needed. */
 static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
 {
-    NEED_CTX();
+    static int stream_ctx_launch = -1;
+    if (stream_ctx_launch < 0) stream_ctx_launch = getenv("FAKE_STREAM_CTX_LAUNCH") != NULL;
+    if (!(stream_ctx_launch && !current && !special_stream(s) && stream_of(s, ptsz)->ctx)) NEED_CTX();
     static int serial = -1;
     if (serial < 0) serial = getenv("FAKE_CUDA_SERIAL") != NULL;
     struct fake_stream *st = stream_of(s, ptsz);
