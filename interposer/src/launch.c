@@ -72,6 +72,7 @@
  * region): a day is what an 864 s kernel costs at a 1 % limit */
 #define GS_AHEAD_MAX_NS (86400ull * 1000000000ull)
 #define GS_QUEUE_NS 20000000ull   /* unmeasured work in flight per stream */
+#define GS_UNREAD_MAX_NS 2000000000ull /* work whose events cannot be read: charged up to this */
 #define GS_QUEUE_WAIT_NS 50000000ull /* the longest a launch waits for that queue */
 #define GS_EPOCH_NS 5000000000ull /* a context's reference event is renewed this often */
 #define GS_TIMELINES 16           /* contexts with a timeline */
@@ -1062,6 +1063,10 @@ static void charge_unread_locked(CUcontext ctx, uint64_t now)
             o->advance_ns = o->advance_cost = 0;
         }
         uint64_t ran = from && now > from ? now - from : 0;
+        /* bounded: the work may have ended long before (a synchronous copy, a cuStreamQuery
+         * poll, then minutes of host work before the exit), and all of that time would be
+         * debt the container's next launches wait for */
+        if (ran > GS_UNREAD_MAX_NS) ran = GS_UNREAD_MAX_NS;
         if (ran) account(slot, ran);
         uint64_t cost = ran ? clock_cost(slot, ran) : 0;
         if (cost >= adv_cost)
@@ -1073,21 +1078,35 @@ static void charge_unread_locked(CUcontext ctx, uint64_t now)
 }
 
 /* Before a context goes (cuCtxDestroy, a primary reset): the driver waits for its work
- * anyway, so it is waited for here, stream by stream (each one's newest event), and measured
- * as a hooked synchronisation does; once the context is gone its events cannot be read. */
+ * anyway, so it is waited for here and measured as a hooked synchronisation does; once the
+ * context is gone its events cannot be read. */
 void gs_launch_settle_ctx(CUcontext ctx)
 {
-    if (!ctx || __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || gs_t_held || !gs_cuda.cuEventSynchronize)
-        return;
+    if (!ctx || __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != THROTTLE_ON || gs_t_held) return;
+    /* waited for without the lock: another thread's launch (on another context, or one this
+     * context's work waits for) must not wait behind it.  The context is synchronised, as its
+     * destroy does anyway: events of our streams' rings may be recycled by other threads
+     * meanwhile, and the program's streams may be gone */
+    int busy = 0;
     mu_lock();
-    if (!capture_forbids_queries()) { /* else charged from host time once it went */
+    if (!capture_forbids_queries()) /* else charged from host time once it went */
+        for (int i = 0; i < GS_STREAMS && !busy; i++)
+            busy = g_streams[i].last_use && g_streams[i].count && g_streams[i].ctx == ctx;
+    mu_unlock();
+    CUcontext prev = NULL;
+    if (!busy || !gs_cuda.cuCtxGetCurrent || !gs_cuda.cuCtxSetCurrent || !gs_cuda.cuCtxSynchronize ||
+        gs_cuda.cuCtxGetCurrent(&prev) != CUDA_SUCCESS)
+        return;
+    if (gs_cuda.cuCtxSetCurrent(ctx) == CUDA_SUCCESS) {
+        gs_cuda.cuCtxSynchronize();
+        gs_cuda.cuCtxSetCurrent(prev);
+    }
+    mu_lock();
+    if (!capture_forbids_queries())
         for (int i = 0; i < GS_STREAMS; i++) {
             struct tstream *s = &g_streams[i];
-            if (!s->last_use || !s->count || s->ctx != ctx) continue;
-            gs_cuda.cuEventSynchronize(s->ring[(s->head + s->count - 1) % GS_RING]);
-            measure_locked(s);
+            if (s->last_use && s->count && s->ctx == ctx) measure_locked(s);
         }
-    }
     mu_unlock();
 }
 
