@@ -11,7 +11,7 @@
  *   launchprobe ctxloop SECONDS PER   create a context, launch PER kernels, wait for them
  *                                     without a hooked synchronisation, destroy the context
  *   launchprobe exitloop SECONDS PER  a child per job: PER kernels, a wait without a hooked
- *                                     synchronisation, exit
+ *                                     synchronisation, TAIL_MS of host work (if set), exit
  *   launchprobe noctx SECONDS         kernels on a stream of the primary context launched
  *                                     from a thread with no current context
  */
@@ -153,6 +153,8 @@ int main(int argc, char **argv)
                 CUresult r = CUDA_SUCCESS;
                 for (int i = 0; i < per && !r; i++) r = launch(NULL);
                 usleep((useconds_t)(kernel_us() * per)); /* waits for the GPU, unhooked */
+                const char *tail = getenv("TAIL_MS"); /* then host work before the exit */
+                if (tail) usleep((useconds_t)atoi(tail) * 1000);
                 exit(r ? 1 : 0);
             }
             int st = 0;

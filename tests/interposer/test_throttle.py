@@ -1119,6 +1119,16 @@ def test_work_running_when_a_process_exits_is_charged(release_lab):
     assert release_lab.region().devices[0].busy_ns >= 0.5e9
 
 
+def test_host_work_after_the_last_unread_kernel_is_not_all_charged_at_exit(release_lab):
+    # one 10 ms kernel waited for without a hooked synchronisation, then 5 s of host work and
+    # exit: the exit's host-time charge ran from the kernel's start to the exit, 5 s of debt the
+    # container's next launches would wait 17 s for at 30 %; it is bounded at 2 s
+    launchprobe(release_lab, "exitloop", 0.001, 1, CUDA_DEVICE_SM_LIMIT="30",
+                FAKE_CUDA_KERNEL_US="10000", TAIL_MS="5000")
+    busy = release_lab.region().devices[0].busy_ns
+    assert 0.01e9 <= busy <= 2.1e9, busy
+
+
 def test_a_context_less_kernel_launched_with_no_current_context_is_throttled(release_lab):
     # a context-less kernel (a CUkernel) launched from a thread with no current context runs in
     # its stream's context (the fake's FAKE_STREAM_CTX_LAUNCH): with no current context the
