@@ -30,6 +30,8 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include "gpuslice.h"
@@ -292,6 +294,7 @@ int gs_region_open(void)
 static int g_token_fd = -1;
 static int32_t g_token_pid; /* the process that opened g_token_fd */
 static int64_t g_token_byte = -1;
+static int g_token_off; /* no more tokens: this process went to a private region */
 static pthread_mutex_t g_token_mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* The region file through a descriptor of this process's own, or -1 (a private region, or the
@@ -323,11 +326,33 @@ static int token_lock(int fd, int64_t byte, short type, int cmd)
     return cmd == F_OFD_GETLK ? fl.l_type != F_UNLCK : 0;
 }
 
+/* Whether the file system keeps flock(2) and open-file-description locks apart, as local ones
+ * do.  NFS emulates flock with a whole-file byte-range lock, which a token would block: every
+ * process's map_file would wait on it for the holder's life. */
+static int tokens_allowed(int fd)
+{
+    struct statfs fs;
+    if (fstatfs(fd, &fs) != 0) return 0;
+    switch ((unsigned long)fs.f_type) {
+    case 0xEF53:     /* ext2/3/4 */
+    case 0x58465342: /* xfs */
+    case 0x9123683E: /* btrfs */
+    case 0x01021994: /* tmpfs */
+    case 0x794C7630: /* overlayfs */
+    case 0x2FC12FC1: /* zfs */
+    case 0xF2F52010: /* f2fs */
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 /* Take slot `index`'s token (giving back one held for another slot); 1 if taken. */
 static int token_take(unsigned index)
 {
+    if (g_token_off) return 0; /* (and the shared slot's byte stays held: that slot is live) */
     int fd = token_fd();
-    if (fd < 0) return 0;
+    if (fd < 0 || !tokens_allowed(fd)) return 0;
     if (g_token_byte >= 0 && g_token_byte != (int64_t)index) token_lock(fd, g_token_byte, F_UNLCK, F_OFD_SETLK);
     g_token_byte = -1;
     if (token_lock(fd, index, F_WRLCK, F_OFD_SETLK) != 0) return 0; /* a lock left by a child of a dead holder */
@@ -347,6 +372,43 @@ static int token_held(unsigned index)
 {
     int fd = token_fd();
     return fd < 0 || token_lock(fd, index, F_WRLCK, F_OFD_GETLK) != 0;
+}
+
+/* Whether process `pid` still maps the region file: its token's descriptor may have been closed
+ * by the program itself (closefrom, a dup2 onto its number), which leaves the mapping; an exec
+ * takes both.  Read only when a token is found not held, which is rare.  1 also when it cannot
+ * be told (the maps unreadable, say another user's process). */
+static int maps_region(int32_t pid)
+{
+    char path[64], buf[8192], want[64];
+    snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 1;
+    /* "start-end perms offset MAJ:MIN inode  path": major and minor in hex */
+    snprintf(want, sizeof(want), " %02x:%02x %llu ", major(g_file_dev), minor(g_file_dev),
+             (unsigned long long)g_file_ino);
+    size_t have = 0, tail = 96; /* kept from one read to the next: longer than `want` */
+    int found = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf + have, sizeof(buf) - 1 - have);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            found = 1;
+            break;
+        }
+        have += (size_t)n;
+        buf[have] = '\0';
+        if (strstr(buf, want) || n == 0) {
+            found = found || strstr(buf, want) != NULL;
+            break;
+        }
+        if (have > tail) {
+            memmove(buf, buf + have - tail, tail);
+            have = tail;
+        }
+    }
+    close(fd);
+    return found;
 }
 
 /* Who a process slot says it holds: what decides whether that process lives. */
@@ -378,7 +440,7 @@ static int ident_alive(struct ident id, int mine, uint64_t my_ns)
     if (id.pid == getpid() && !mine && start == id.start_time) return 0; /* ours before an exec */
     if (start && id.start_time && start != id.start_time) return 0; /* the pid was reused */
     /* the same process, but another program since an exec? */
-    return mine || id.token != (uint32_t)id.pid || token_held(id.index);
+    return mine || id.token != (uint32_t)id.pid || token_held(id.index) || maps_region(id.pid);
 }
 
 static int proc_alive(const struct gpuslice_proc *p, uint64_t my_ns)
@@ -642,6 +704,7 @@ static void go_private(void)
     if (p != MAP_FAILED) {
         g_private_managed = gs_env_managed();
         init_region(p, gs_region->boot_id);
+        g_token_off = 1; /* the shared slot keeps its token; the private one needs none */
         __atomic_store_n(&g_me, NULL, __ATOMIC_RELEASE);
         __atomic_store_n(&gs_region, (struct gpuslice_region *)p, __ATOMIC_RELEASE);
         GS_ERROR("the container's region cannot be used: %s", private_effect());
@@ -793,8 +856,11 @@ static void sweep_dead(void)
         for (unsigned k = 0; k < n; k++) {
             struct gpuslice_proc *p = &r->procs[at[k]];
             struct ident now = ident_of(p);
+            /* (and still without its token: the same process, exec'd into a CUDA program, may
+             * have registered in the same slot since, with the same identity) */
             if (LD(&p->state) == GPUSLICE_PROC_LIVE && p != g_me && now.pid == dead[k].pid &&
-                now.pidns == dead[k].pidns && now.start_time == dead[k].start_time)
+                now.pidns == dead[k].pidns && now.start_time == dead[k].start_time &&
+                !(now.token == (uint32_t)now.pid && token_held(at[k])))
                 reclaim_slot_locked(p);
         }
         region_unlock();

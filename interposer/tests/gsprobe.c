@@ -776,6 +776,10 @@ int main(int argc, char **argv)
             int id = atoi(ARG(0));
             printf("vunmap %d\n", api.cuMemUnmap(allocs[id].va, allocs[id].mapped ? allocs[id].mapped : allocs[id].size));
             i += 1;
+        } else if (!strcmp(c, "closefds")) {
+            /* close every descriptor past stderr, as a daemon's closefrom(3) does */
+            for (int fd = 3; fd < 4096; fd++) close(fd);
+            printf("closefds 0\n");
         } else if (!strcmp(c, "vexport")) {
             /* vexport ID: VMM allocation ID to a file descriptor (vimport takes it) */
             int id = atoi(ARG(0));

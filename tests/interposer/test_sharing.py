@@ -464,6 +464,23 @@ def test_a_process_that_execs_a_program_without_cuda_returns_what_its_old_image_
     assert res.rc("alloc") == 0
 
 
+def test_a_process_that_closes_its_descriptors_keeps_its_slot(lab):
+    # closefrom(3) (or a dup2 onto the token's number) lets the token's lock go while the
+    # process lives and holds its memory: another process took that for an exec, reclaimed its
+    # 4 GiB and got 4 GiB more under a 6 GiB cap.  The process still maps the region file, which
+    # an exec would not leave
+    held, go = lab.tmp / "held", lab.tmp / "go"
+    proc = lab.start("init", "ctx", "0", "alloc", "4g", "closefds", "touch", str(held), "waitfile", str(go),
+                     CUDA_DEVICE_MEMORY_LIMIT="6g")
+    lab.wait_for(held)
+    res = lab.run("init", "ctx", "0", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="6g")
+    used = lab.used()
+    go.touch()
+    lab.finish(proc)
+    assert res.rc("alloc") == OOM
+    assert used == 4 * GIB
+
+
 def test_a_fork_child_at_the_cap_takes_its_parent_for_alive(lab):
     # the child's refused reservation checks the container's processes for the dead: its
     # parent's token is held through the parent's own descriptor, which the child closed
