@@ -407,11 +407,14 @@ struct gs_graph_need {            /* a graph's allocation nodes, per device */
                                    * allocations no free node of it freed) */
     int auto_free;                /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH: a launch
                                    * frees those `left` first */
+    uint64_t epoch;               /* gs_graphmem_epoch after its last launch: `left` is known
+                                   * alive only while no graph launch or foreign free came since */
     uint64_t live[GS_GRAPH_DEVS]; /* scratch: the pool's live allocations before this launch,
                                    * beside which it maps (an auto-free one's `left` not among them) */
     unsigned read;                /* scratch: bit i, the pool's counters were read before it */
 };
 extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (atomic) */
+void gs_graphmem_note_free(void); /* a free of a pointer not ours, or a graph launch: maybe graph memory freed */
 /* 0 = not such a graph; 1 = reserved[] taken, the charge unsettled until gs_graphmem_after;
  * -1 = over the cap (nothing taken) */
 int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *reserved);

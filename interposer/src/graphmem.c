@@ -279,6 +279,18 @@ void gs_graphmem_resettle(CUdevice dev, int contexts_left)
     mu_unlock();
 }
 
+/* Bumped by every graph launch and every free of a pointer the library did not record (graph
+ * memory among them): an auto-free executable's relaunch credits what its last launch left
+ * only while this is what that launch left it at.  Credited after the program freed that
+ * memory itself, the credit came off another graph's live allocations: 1.2 GiB held under a
+ * 1 GiB cap (review). */
+static uint64_t g_graph_epoch;
+
+void gs_graphmem_note_free(void)
+{
+    if (__atomic_load_n(&gs_graph_mem_execs, __ATOMIC_RELAXED)) __atomic_add_fetch(&g_graph_epoch, 1, __ATOMIC_RELAXED);
+}
+
 /* Reserve what the pool cannot hold of `need`; 0 = done, -1 = over the cap (nothing kept). */
 static int reserve(struct gs_graph_need *need, uint64_t *reserved)
 {
@@ -298,7 +310,8 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
         } else {
             /* an auto-free executable's launch first frees what its last one left: counting
              * those as alive beside it refused its relaunch near the cap */
-            if (need->auto_free) used -= need->left[i] < used ? need->left[i] : used;
+            if (need->auto_free && need->epoch == __atomic_load_n(&g_graph_epoch, __ATOMIC_RELAXED))
+                used -= need->left[i] < used ? need->left[i] : used;
             need->live[i] = used;
             need->read |= 1u << i;
             /* the sum of its nodes, or less if it ran before: then it needed no more than the
@@ -322,8 +335,15 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
 
 int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *reserved)
 {
-    if (!lookup(exec, need)) return 0;
-    if (reserve(need, reserved) != 0) return -1;
+    /* any launch may free graph memory (free nodes; a graph without allocation nodes too),
+     * after this one's own credit is judged */
+    if (!lookup(exec, need)) {
+        gs_graphmem_note_free();
+        return 0;
+    }
+    int over = reserve(need, reserved);
+    gs_graphmem_note_free();
+    if (over != 0) return -1;
     gs_unsettled_begin(); /* the driver maps before settle() charges it: no reconcile in between */
     return 1;
 }
@@ -357,12 +377,14 @@ void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const
          * relaunch then counts it as alive, on the safe side), at most its nodes' sum */
         if (known && (need->read & (1u << i))) left[i] = after - base < need->bytes[i] ? after - base : need->bytes[i];
     }
+    uint64_t epoch = __atomic_add_fetch(&g_graph_epoch, 1, __ATOMIC_RELAXED);
     mu_lock();
     int k = find_locked(exec);
     for (int i = 0; k >= 0 && i < need->n; i++) {
         g_execs[k].need.ran[i] = ran_need[i];
         g_execs[k].need.left[i] = left[i];
     }
+    if (k >= 0) g_execs[k].need.epoch = epoch;
     mu_unlock();
 }
 

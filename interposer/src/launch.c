@@ -754,6 +754,8 @@ static int capture_forbids_queries(void)
     return __atomic_load_n(&g_global_captures, __ATOMIC_ACQUIRE) || t_strict_captures;
 }
 
+static int g_settling; /* contexts being synchronised before their destroy (gs_launch_settle_ctx) */
+
 /* A global capture is counted before it begins (capture_announce), the others once begun. */
 static void capture_announce(void)
 {
@@ -766,6 +768,10 @@ static void capture_announce(void)
     mu_lock();
     __atomic_add_fetch(&g_global_captures, 1, __ATOMIC_ACQ_REL);
     mu_unlock();
+    /* a context being settled before its destroy is synchronised outside g_mu (it checked for
+     * captures under it, before this one was counted): the capture begins after that sync, which
+     * would invalidate it */
+    while (__atomic_load_n(&g_settling, __ATOMIC_ACQUIRE)) gs_sleep_ns(GS_POLL_NS);
 }
 
 static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode mode, CUresult rc)
@@ -1088,19 +1094,22 @@ void gs_launch_settle_ctx(CUcontext ctx)
      * destroy does anyway: events of our streams' rings may be recycled by other threads
      * meanwhile, and the program's streams may be gone */
     int busy = 0;
+    CUcontext prev = NULL;
+    if (!gs_cuda.cuCtxGetCurrent || !gs_cuda.cuCtxSetCurrent || !gs_cuda.cuCtxSynchronize ||
+        gs_cuda.cuCtxGetCurrent(&prev) != CUDA_SUCCESS)
+        return;
     mu_lock();
     if (!capture_forbids_queries()) /* else charged from host time once it went */
         for (int i = 0; i < GS_STREAMS && !busy; i++)
             busy = g_streams[i].last_use && g_streams[i].count && g_streams[i].ctx == ctx;
+    if (busy) __atomic_add_fetch(&g_settling, 1, __ATOMIC_ACQ_REL); /* a global capture waits for it */
     mu_unlock();
-    CUcontext prev = NULL;
-    if (!busy || !gs_cuda.cuCtxGetCurrent || !gs_cuda.cuCtxSetCurrent || !gs_cuda.cuCtxSynchronize ||
-        gs_cuda.cuCtxGetCurrent(&prev) != CUDA_SUCCESS)
-        return;
+    if (!busy) return;
     if (gs_cuda.cuCtxSetCurrent(ctx) == CUDA_SUCCESS) {
         gs_cuda.cuCtxSynchronize();
         gs_cuda.cuCtxSetCurrent(prev);
     }
+    __atomic_sub_fetch(&g_settling, 1, __ATOMIC_ACQ_REL);
     mu_lock();
     if (!capture_forbids_queries())
         for (int i = 0; i < GS_STREAMS; i++) {

@@ -267,7 +267,10 @@ static CUresult free_dptr(int v1, CUdeviceptr dptr)
     if (gs_am_take(kind, dptr, &rec) != 0) {
         kind = GS_KIND_POOLPTR; /* cuMemFree also frees stream-ordered allocations */
         if (gs_pool_lock_mine()) return real_free(v1, dptr); /* its pool's lock is ours: see pool.c's pool_alloc */
-        if (gs_am_take(kind, dptr, &rec) != 0) return real_free(v1, dptr);
+        if (gs_am_take(kind, dptr, &rec) != 0) {
+            gs_graphmem_note_free();
+            return real_free(v1, dptr);
+        }
     }
     gs_inflight_begin();
     CUresult rc = real_free(v1, dptr);
@@ -753,6 +756,16 @@ static CUresult map_one(cuMemMapArrayAsync_fn real, CUarrayMapInfo *m, CUstream 
         else if (had)
             gs_am_put(GS_KIND_AMAP, amap_key(m), &rec, &old);
         return rc;
+    }
+    struct gs_alloc seen;
+    if (m->memOperationType == CU_MEM_OPERATION_TYPE_MAP && m->memHandleType == CU_MEM_HANDLE_TYPE_GENERIC &&
+        gs_am_update(GS_KIND_VMM, m->memHandle.memHandle, peek, NULL, &seen) >= 0 && seen.ctx == GS_VMM_IMPORTED) {
+        /* an imported handle into a sparse array's tiles: how much of the other process's
+         * allocation that takes is not told here (cuMemMap's offset + size is), and counted
+         * as a mapping of a handle charged nothing it went uncharged (review: 1.8 GiB held
+         * under a 1 GiB cap); refused */
+        GS_WARN("a handle imported from another process cannot be mapped into a sparse array under a memory cap");
+        return CUDA_ERROR_NOT_SUPPORTED;
     }
     CUresult rc = real(m, 1, stream);
     if (rc != CUDA_SUCCESS || m->memOperationType != CU_MEM_OPERATION_TYPE_MAP ||

@@ -460,7 +460,10 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
     int kind = GS_KIND_POOLPTR;
     if (gs_am_take(kind, dptr, &rec) != 0) {
         kind = GS_KIND_DPTR;
-        if (gs_am_take(kind, dptr, &rec) != 0) return real(dptr, stream);
+        if (gs_am_take(kind, dptr, &rec) != 0) {
+            gs_graphmem_note_free(); /* graph memory, maybe */
+            return real(dptr, stream);
+        }
     }
     gs_inflight_begin(); /* a cuMemAlloc pointer's memory goes before its charge */
     CUresult rc = real(dptr, stream);

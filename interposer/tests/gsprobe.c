@@ -1193,6 +1193,13 @@ int main(int argc, char **argv)
             keep_t keep = (keep_t)dlsym(libcuda, "fake_cuda_graph_keep");
             printf("gkeep %d\n", keep ? keep(size_arg(ARG(0))) : CUDA_ERROR_NOT_SUPPORTED);
             i += 1;
+        } else if (!strcmp(c, "gfreelast")) {
+            /* the program frees, by its address, what the last graph launch left allocated
+             * (FAKE_CUDA_GRAPH_UNFREED) */
+            typedef CUdeviceptr (*live_t)(void);
+            live_t live = (live_t)dlsym(libcuda, "fake_cuda_graph_live_ptr");
+            CUdeviceptr ptr = live ? live() : 0;
+            printf("gfreelast %d\n", ptr ? api.cuMemFreeAsync(ptr, NULL) : CUDA_ERROR_NOT_SUPPORTED);
         } else if (!strcmp(c, "gtrim")) {
             printf("gtrim %d\n", api.cuDeviceGraphMemTrim(0));
         } else if (!strcmp(c, "gdestroy")) {

@@ -108,6 +108,18 @@ def test_an_auto_free_graph_is_relaunched_near_the_cap(lab, inst):
     assert phys(res) == [900 * MIB]
 
 
+def test_an_auto_free_graph_is_not_credited_what_the_program_freed_itself(lab):
+    # after its launch the program frees the graph's allocation itself (cuMemFreeAsync by its
+    # address), and another graph's 600 MiB lives in the pool: the relaunch's credit for what
+    # its last launch left came off that other allocation, and it mapped 600 MiB more: 1.2 GiB
+    # held under 1 GiB.  The credit holds only while no graph launch or foreign free came since
+    res = lab.run("init", "ctx", "0", "gnode", "600m", "0", "ginstf", "1", "glaunch", "gfreelast",
+                  "gkeep", "600m", "glaunch", "meminfo", "phys", **CAP, FAKE_CUDA_GRAPH_UNFREED="1")
+    assert res.rc("gfreelast") == 0
+    assert [rc for rc, _ in res.of("glaunch")] == [0, OOM]
+    assert phys(res)[0] <= GIB
+
+
 def test_allocations_in_child_graphs_count(lab):
     res = lab.run("init", "ctx", "0", "gnode", "300m", "0", "gchild", "ginst", "flags", "glaunch",
                   "meminfo", **CAP)

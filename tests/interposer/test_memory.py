@@ -1012,6 +1012,17 @@ def test_mapping_an_imported_handle_past_the_cap_is_refused_and_changes_nothing(
     assert res.values("phys") == [0]
 
 
+def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
+    # a sparse array's tile mapping does not say how much of the allocation it takes, and the
+    # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap
+    # with nothing charged.  Refused with CUDA_ERROR_NOT_SUPPORTED
+    res = lab.run("init", "ctx", "0", *SPARSE, "vmm", "600m", "0", "vexport", "1", "vimport", "1",
+                  "amap", "0", "2", "0", "free", "1", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("vimport") == 0
+    assert res.rc("amap") == 801  # CUDA_ERROR_NOT_SUPPORTED
+    assert "cannot be mapped into a sparse array" in res.stderr
+
+
 def test_one_unmap_over_back_to_back_mappings_returns_each_of_them(lab):
     res = lab.run("init", "ctx", "0", "vmm", "200m", "0", "vmm", "100m", "0", "vmm", "300m", "0",
                   "vmapall", "free", "0", "free", "1", "free", "2", "meminfo", "vunmapall",

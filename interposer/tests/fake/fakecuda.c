@@ -1987,6 +1987,7 @@ API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUmem
 /* fakegraph.h: on a capturing stream these make graph nodes instead */
 static int fake_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t bytes, CUresult *rc);
 static int fake_capture_free(CUstream s, int ptsz, CUresult *rc);
+static int fake_graph_free_live(CUdeviceptr dptr);
 
 static struct fake_ctx *stream_ctx(CUstream s); /* fakelaunch.h */
 
@@ -2016,6 +2017,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
     FAIL_POINT("cuMemFreeAsync");
     CUresult rc;
     if (fake_capture_free(s, ptsz, &rc)) return rc;
+    if (fake_graph_free_live(dptr)) return CUDA_SUCCESS;
     rc = alloc_free(K_DPTR, dptr);
     (void)fail_check("cuMemFreeAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the memory gone */
     return rc;

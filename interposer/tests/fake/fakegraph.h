@@ -49,6 +49,32 @@ struct fake_gexec {
  * launch must hold beside its own nodes (cuDeviceGetGraphMemAttribute's USED_MEM_CURRENT). */
 static uint64_t graph_used_kept[FAKE_MAX_DEVS];
 
+/* FAKE_CUDA_GRAPH_UNFREED: the executable whose launch last left allocations alive; the program
+ * frees them with cuMemFreeAsync / cuMemFree of FAKE_GRAPH_LIVE_PTR (fake_cuda_graph_live_ptr
+ * hands it out), as a real program frees a graph's allocation by its address. */
+#define FAKE_GRAPH_LIVE_PTR 0x7e0000000000ull
+static struct fake_gexec *graph_live_exec;
+
+API CUdeviceptr fake_cuda_graph_live_ptr(void)
+{
+    return graph_live_exec ? FAKE_GRAPH_LIVE_PTR : 0;
+}
+
+/* 1 if dptr named those allocations (now freed) */
+static int fake_graph_free_live(CUdeviceptr dptr)
+{
+    if (dptr != FAKE_GRAPH_LIVE_PTR) return 0;
+    pthread_mutex_lock(&mu);
+    struct fake_gexec *e = graph_live_exec;
+    for (int d = 0; e && d < FAKE_MAX_DEVS; d++) {
+        graph_used_kept[d] -= e->live[d];
+        e->live[d] = 0;
+    }
+    graph_live_exec = NULL;
+    pthread_mutex_unlock(&mu);
+    return e != NULL;
+}
+
 /* Test-only: such an allocation of `bytes` in device 0's graph pool (mapped if the pool is
  * smaller). */
 API CUresult fake_cuda_graph_keep(uint64_t bytes)
@@ -345,6 +371,7 @@ static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc)
             e->live[d] = e->need[d] * pct / 100; /* what it mapped stays allocated */
             graph_used_kept[d] += e->live[d];
         }
+        graph_live_exec = e;
         pthread_mutex_unlock(&mu);
     }
     if (*rc == CUDA_SUCCESS) *rc = enqueue(s, ptsz, e->kernels);
