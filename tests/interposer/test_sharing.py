@@ -454,14 +454,22 @@ def test_a_process_that_execs_a_program_without_cuda_returns_what_its_old_image_
     # 4 GiB until the new program (no CUDA: it never looks at the region) ended; another
     # process's 6 GiB was refused under an 8 GiB cap with nothing held.  The slot's token went
     # with the exec
+    res, _ = beside_a_holder(lab, "reexec", "8g", "6g")
+    assert res.rc("alloc") == 0
+
+
+def beside_a_holder(lab: Lab, step: str, limit: str, ask: str) -> tuple[Result, int]:
+    """A process allocates 4 GiB, runs gsprobe's command `step` and waits; meanwhile another
+    asks for `ask`.  Returns the other's result and the region's usage just after it."""
     held, go = lab.tmp / "held", lab.tmp / "go"
-    proc = lab.start("init", "ctx", "0", "alloc", "4g", "reexec", "touch", str(held), "waitfile", str(go),
-                     CUDA_DEVICE_MEMORY_LIMIT="8g")
+    proc = lab.start("init", "ctx", "0", "alloc", "4g", step, "touch", str(held), "waitfile", str(go),
+                     CUDA_DEVICE_MEMORY_LIMIT=limit)
     lab.wait_for(held)
-    res = lab.run("init", "ctx", "0", "alloc", "6g", CUDA_DEVICE_MEMORY_LIMIT="8g")
+    res = lab.run("init", "ctx", "0", "alloc", ask, CUDA_DEVICE_MEMORY_LIMIT=limit)
+    used = lab.used()
     go.touch()
     lab.finish(proc)
-    assert res.rc("alloc") == 0
+    return res, used
 
 
 def test_a_process_that_closes_its_descriptors_keeps_its_slot(lab):
@@ -469,14 +477,7 @@ def test_a_process_that_closes_its_descriptors_keeps_its_slot(lab):
     # process lives and holds its memory: another process took that for an exec, reclaimed its
     # 4 GiB and got 4 GiB more under a 6 GiB cap.  The process still maps the region file, which
     # an exec would not leave
-    held, go = lab.tmp / "held", lab.tmp / "go"
-    proc = lab.start("init", "ctx", "0", "alloc", "4g", "closefds", "touch", str(held), "waitfile", str(go),
-                     CUDA_DEVICE_MEMORY_LIMIT="6g")
-    lab.wait_for(held)
-    res = lab.run("init", "ctx", "0", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="6g")
-    used = lab.used()
-    go.touch()
-    lab.finish(proc)
+    res, used = beside_a_holder(lab, "closefds", "6g", "4g")
     assert res.rc("alloc") == OOM
     assert used == 4 * GIB
 
