@@ -60,6 +60,19 @@ static CUresult launch(CUstream s)
     return cuLaunchKernel(KERNEL, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
 }
 
+/* Kernels on stream w for `secs` from now (*t0, *end set), counted in *n, until one fails. */
+static CUresult launch_for(CUstream w, double secs, uint64_t *t0, uint64_t *end, uint64_t *n)
+{
+    CUresult rc = CUDA_SUCCESS;
+    *t0 = now_ns();
+    *end = *t0 + (uint64_t)(secs * 1e9);
+    while (now_ns() < *end && !rc) {
+        rc = launch(w);
+        (*n)++;
+    }
+    return rc;
+}
+
 static CUcontext g_ctx;
 static uint64_t g_end, g_b_launches;
 
@@ -127,12 +140,7 @@ int main(int argc, char **argv)
         }
         CUstream w;
         cuStreamCreate(&w, 1);
-        t0 = now_ns();
-        end = t0 + (uint64_t)(secs * 1e9);
-        while (now_ns() < end && !rc) {
-            rc = launch(w);
-            n++;
-        }
+        if (!rc) rc = launch_for(w, secs, &t0, &end, &n);
         cuStreamSynchronize(w);
     } else if (!strcmp(mode, "ctxloop")) {
         cuInit(0);
@@ -167,12 +175,7 @@ int main(int argc, char **argv)
         CUstream w;
         cuStreamCreate(&w, 1);
         cuCtxSetCurrent(NULL);
-        t0 = now_ns();
-        end = t0 + (uint64_t)(secs * 1e9);
-        while (now_ns() < end && !rc) {
-            rc = launch(w);
-            n++;
-        }
+        rc = launch_for(w, secs, &t0, &end, &n);
         cuCtxSetCurrent(c);
         cuStreamSynchronize(w);
     } else {

@@ -936,6 +936,18 @@ static struct fake_pool host_pool = {.pdev = -1}, managed_pool = {.pdev = FAKE_P
 static struct fake_pool *user_pools[64];
 static struct fake_pool *freed_pool; /* FAKE_CUDA_HANDLE_REUSE: the next cuMemPoolCreate's */
 
+/* A destroyed object kept for FAKE_CUDA_HANDLE_REUSE (*freed), cleared, so the new one gets its
+ * handle; else a new zeroed one.  NULL if out of memory. */
+static void *reuse_or_alloc(void **freed, size_t size)
+{
+    pthread_mutex_lock(&mu);
+    void *p = *freed;
+    *freed = NULL;
+    pthread_mutex_unlock(&mu);
+    if (p) return memset(p, 0, size);
+    return calloc(1, size);
+}
+
 /* An allocation of `bytes` from the pool is freed (called with mu held).  A destroyed pool
  * keeps all it reserved while allocations from it are outstanding and gives it all back with
  * the last one, as the driver documents for cuMemPoolDestroy. */
@@ -1881,14 +1893,7 @@ API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
     const CUmemLocation *loc = (const CUmemLocation *)((const char *)props + 8);
     int host = loc->type != CU_MEM_LOCATION_TYPE_DEVICE; /* CU_MEM_LOCATION_TYPE_HOST*: pinned host memory */
     if (!host && (loc->id < 0 || loc->id >= nvisible)) return CUDA_ERROR_INVALID_DEVICE;
-    pthread_mutex_lock(&mu);
-    struct fake_pool *p = freed_pool; /* a destroyed pool's object, and so its handle, reused */
-    freed_pool = NULL;
-    pthread_mutex_unlock(&mu);
-    if (p)
-        memset(p, 0, sizeof(*p));
-    else
-        p = calloc(1, sizeof(*p));
+    struct fake_pool *p = reuse_or_alloc((void **)&freed_pool, sizeof(*p)); /* a destroyed pool's handle, reused */
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     p->pdev = !host ? visible[loc->id] : managed ? FAKE_POOL_FOLLOWS : -1;
     *pool = (CUmemoryPool)p;

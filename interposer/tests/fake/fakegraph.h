@@ -281,14 +281,7 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload, unsigned l
     FAIL_POINT("cuGraphInstantiate");
     struct fake_graph *fg = graph_of(g);
     if (!exec || !fg) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&mu);
-    struct fake_gexec *e = freed_gexec; /* a destroyed executable's handle, reused */
-    freed_gexec = NULL;
-    pthread_mutex_unlock(&mu);
-    if (e)
-        memset(e, 0, sizeof(*e));
-    else
-        e = calloc(1, sizeof(*e));
+    struct fake_gexec *e = reuse_or_alloc((void **)&freed_gexec, sizeof(*e)); /* a destroyed executable's handle, reused */
     if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
     e->magic = FAKE_GRAPH_MAGIC;
     e->kernels = 1;
