@@ -255,6 +255,18 @@ def test_the_library_exports_exactly_the_hook_table(built, variant):
     assert len(hook_names(built)) >= 40
 
 
+@pytest.mark.parametrize("variant", ["libgpuslice.so", "asan/libgpuslice.so", "tsan/libgpuslice.so"])
+def test_thread_locals_are_read_without_a_call(built, variant):
+    # initial-exec TLS: the region lock's bookkeeping reads thread-locals on every allocation;
+    # through __tls_get_addr each read cost ~20 instructions (180 per alloc+free pair)
+    out = subprocess.run(["nm", "-D", "--undefined-only", str(built / variant)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "__tls_get_addr" not in out
+    flags = subprocess.run(["readelf", "-d", str(built / variant)],
+                           capture_output=True, text=True, check=True).stdout
+    assert "STATIC_TLS" in flags
+
+
 def test_the_library_reports_its_version(built):
     code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
             "lib.gpuslice_version.restype = ctypes.c_char_p; print(lib.gpuslice_version().decode())")
