@@ -1073,6 +1073,22 @@ def test_a_failing_unmap_or_release_changes_no_count(lab, fail, command):
     assert [vals for _, vals in res.of("meminfo")] == [[GIB - 600 * MIB, GIB], [GIB, GIB]]
 
 
+def test_vmm_calls_with_bad_arguments_get_the_drivers_errors_and_change_no_charge(lab):
+    # a bogus handle released or mapped, an address never mapped unmapped, NULL out-parameters,
+    # a descriptor that is none, a device that is none; then a release and an unmap once too
+    # often: each answers what the driver answers without the library, and the charge holds
+    cmds = ["init", "ctx", "0", "vmm", "4m", "0", "vmap", "0", "vmmbad", "free", "0", "free", "0",
+            "meminfo", "vunmap", "0", "vunmap", "0", "free", "0", "meminfo", "phys"]
+    res = lab.run(*cmds, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    bare = lab.run(*cmds, LD_PRELOAD=None)
+    calls = [line for line in res.lines if line[0] not in ("meminfo", "phys")]
+    assert calls == [line for line in bare.lines if line[0] not in ("meminfo", "phys")]
+    assert res.values("vmmbad") == [1] * 9  # CUDA_ERROR_INVALID_VALUE, each
+    assert [rc for rc, _ in res.of("free")] == [0, 1, 1] and [rc for rc, _ in res.of("vunmap")] == [0, 1]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [4 * MIB, 0]
+    assert res.values("phys") == [0]
+
+
 @pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
 def test_create_map_release_in_a_loop_cannot_pass_the_cap(lab, api):
     cmds = ["init", "ctx", "0"]
