@@ -1012,6 +1012,30 @@ def test_mapping_an_imported_handle_past_the_cap_is_refused_and_changes_nothing(
     assert res.values("phys") == [0]
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_another_processs_buffer_the_sampler_charged_unmapped_is_charged_once_and_returned(lab, mapped):
+    # NCCL's importer holds a peer's buffer (another process's export).  NVML counts it for the
+    # importer (the fake does), so while it is unmapped the sampler charges it as growth no hook
+    # saw; that charge stayed until a context went: released, 600 MiB of a 2 GiB cap were held
+    # by nothing and 1700 MiB refused with 200 MiB held; mapped, it was charged twice (1400 MiB
+    # for 800 held) until then
+    fd, imported, released, done = (str(lab.tmp / n) for n in ("fd", "imported", "released", "done"))
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "2g", "FAKE_CUDA_CTX_BYTES": "100m"}
+    exporter = lab.start("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vfd", "0", fd,
+                         "waitfile", imported, "free", "0", "touch", released, "waitfile", done, **env)
+    use = ["vmap", "0", "sleep", "1500", "meminfo", "phys", "vunmap", "0"] if mapped else []
+    res = lab.run("waitfile", fd, "init", "ctx", "0", "vimportfrom", fd, "600m", "touch", imported,
+                  "waitfile", released, "sleep", "1500", "meminfo", "phys", *use, "free", "0",
+                  "sleep", "1500", "meminfo", "phys", "alloc", "1700m", "touch", done, **env)
+    lab.finish(exporter)
+    assert res.rc("vimportfrom") == 0 and res.rc("free") == 0
+    used = [2 * GIB - vals[0] for _, vals in res.of("meminfo")]
+    held = [vals[0] + 100 * MIB for _, vals in res.of("phys")]  # and the exporter's context
+    assert held == [800 * MIB] * (1 + mapped) + [200 * MIB]
+    assert used == held
+    assert res.rc("alloc") == 0
+
+
 def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
     # a sparse array's tile mapping does not say how much of the allocation it takes, and the
     # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap
