@@ -485,6 +485,27 @@ static void record_mapping(CUdeviceptr ptr, size_t size, CUmemGenericAllocationH
     }
 }
 
+/* A mapping of an imported handle refused: the handle may be charged already, as growth no hook
+ * saw (NVML counts it for the importer while it is held unmapped).  Its charge is taken by
+ * force, a clean reading takes that overlap out, and the cap judges after it; refused, the
+ * charge goes back and what the reading took out is charged again.  1 if it fits (the charge
+ * then held), the caller no longer in flight and back in flight after it. */
+static int fits_remeasured(int slot, uint64_t extra)
+{
+    gs_budget_force(slot, extra);
+    gs_inflight_end(); /* the reading must be clean of this thread too */
+    gs_reconcile_remeasure_slot(slot);
+    gs_reconcile_slot(slot);
+    uint64_t cap = gs_slot_limit(slot);
+    int fits = !cap || gs_slot_used(slot) <= cap;
+    if (!fits) {
+        gs_budget_release(slot, extra);
+        gs_reconcile_slot(slot);
+    }
+    gs_inflight_begin();
+    return fits;
+}
+
 /* A mapping of an imported handle: what it reaches beyond the record's charge is reserved
  * before the driver maps it, and refused past the cap like an allocation. */
 static CUresult map_imported(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
@@ -493,7 +514,7 @@ static CUresult map_imported(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
     uint64_t need = gs_charge_size(gs_add_sat(offset, size));
     uint64_t extra = need > seen->size ? need - seen->size : 0;
     gs_inflight_begin(); /* before the charge changes: no clean reading between */
-    if (extra && gs_reserve(seen->slot, extra) != 0) {
+    if (extra && gs_reserve(seen->slot, extra) != 0 && !fits_remeasured(seen->slot, extra)) {
         gs_inflight_end();
         return over_cap(seen->slot, extra);
     }

@@ -1036,6 +1036,31 @@ def test_another_processs_buffer_the_sampler_charged_unmapped_is_charged_once_an
     assert res.rc("alloc") == 0
 
 
+@pytest.mark.parametrize("exporter_holds", [False, True])
+def test_another_processs_buffer_charged_unmapped_is_mapped_if_it_fits_once(lab, exporter_holds):
+    # the same import charged by the sampler while unmapped, then mapped under a 1 GiB cap:
+    # judged as if it took its memory a second time, the mapping was refused with 800 MiB held.
+    # Where it does not fit once (the exporter still holds its 600 MiB: the fake's import is a
+    # copy) it is still refused, and the charge is what it was
+    fd, imported, released, done = (str(lab.tmp / n) for n in ("fd", "imported", "released", "done"))
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m"}
+    let_go = ["free", "0"]
+    exporter = lab.start("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vfd", "0", fd,
+                         "waitfile", imported, *([] if exporter_holds else let_go), "touch", released,
+                         "waitfile", done, *(let_go if exporter_holds else []), **env)
+    res = lab.run("waitfile", fd, "init", "ctx", "0", "vimportfrom", fd, "600m", "touch", imported,
+                  "waitfile", released, "sleep", "1500", "meminfo", "phys", "vmap", "0", "meminfo",
+                  "phys", "vunmap", "0", "free", "0", "sleep", "1500", "meminfo", "phys", "touch", done,
+                  **env)
+    lab.finish(exporter)
+    elsewhere = 100 * MIB + 600 * MIB * exporter_holds  # the exporter's context and buffer
+    assert res.rc("vmap") == (OOM if exporter_holds else 0)
+    used = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    held = [vals[0] + elsewhere for _, vals in res.of("phys")]
+    assert held == [elsewhere + 700 * MIB] * 2 + [elsewhere + 100 * MIB]
+    assert used == [min(h, GIB) for h in held]  # the view shows no more than the cap
+
+
 def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
     # a sparse array's tile mapping does not say how much of the allocation it takes, and the
     # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap
