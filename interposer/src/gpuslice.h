@@ -225,6 +225,7 @@ void gs_reconcile_after_load(void);             /* a module or library was loade
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
 int gs_reconcile_dev_contexts(CUdevice dev); /* contexts of the process on dev; under the context lock */
 void gs_reconcile_remeasure(CUdevice dev);   /* the next clean reading may lower what was charged beyond the records */
+void gs_reconcile_remeasure_slot(int slot); /* gs_reconcile_remeasure, every ordinal of that slot */
 void gs_reconcile_forget_ctx(CUcontext ctx);  /* caller holds gs_ctx_lock (both) */
 void gs_reconcile_ctx_reset(CUdevice dev);
 void gs_reconcile_after_fork_child(void);

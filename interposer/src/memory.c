@@ -360,6 +360,18 @@ static int vmm_count(CUmemGenericAllocationHandle handle, int64_t delta, struct 
     return gs_am_update(GS_KIND_VMM, handle, vmm_adjust, &delta, rec);
 }
 
+#define GS_VMM_IMPORTED 1ull /* in a GS_KIND_VMM record's ctx (below): never a context's address */
+
+/* The handle's last reference and mapping went (*rec, from vmm_count): the driver freed its
+ * memory, and its charge returns.  An imported handle's memory may also have been charged as
+ * growth no hook saw (NVML counts it for the importer while it is held unmapped, or beyond
+ * what is mapped of it): the next clean reading takes that out too */
+static void vmm_gone(const struct gs_alloc *rec)
+{
+    gs_budget_release(rec->slot, rec->size);
+    if (rec->ctx == GS_VMM_IMPORTED) gs_reconcile_remeasure_slot(rec->slot);
+}
+
 /* Undo a count taken before a driver call that failed. */
 static void vmm_uncount(CUmemGenericAllocationHandle handle, int64_t delta, int how, const struct gs_alloc *rec)
 {
@@ -384,7 +396,7 @@ GS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
     if (rc != CUDA_SUCCESS)
         vmm_uncount(handle, -(int64_t)VMM_REF, how, &rec);
     else if (how == 1)
-        gs_budget_release(rec.slot, rec.size);
+        vmm_gone(&rec);
     gs_inflight_end();
     return rc;
 }
@@ -405,7 +417,6 @@ GS_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *han
  * the driver tells no size, so the record is charged from its first mapping, up to the
  * farthest byte mapped (offset + size), and returned with its last reference and mapping as
  * any other.  While the exporter holds it too, it is charged twice: the strict side. */
-#define GS_VMM_IMPORTED 1ull /* in a GS_KIND_VMM record's ctx: never a context's address */
 
 GS_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
                                                   CUmemAllocationHandleType shHandleType)
@@ -464,14 +475,35 @@ static void record_mapping(CUdeviceptr ptr, size_t size, CUmemGenericAllocationH
     struct gs_alloc map = {.size = size ? size : 1, .aux = handle, .slot = counted->slot};
     int put = gs_am_put(GS_KIND_VMAP, ptr, &map, &old);
     if (put == 1) { /* a mapping we missed the unmap of: its handle loses it now */
-        if (vmm_count(old.aux, -1, &rec) == 1) gs_budget_release(rec.slot, rec.size);
+        if (vmm_count(old.aux, -1, &rec) == 1) vmm_gone(&rec);
     } else if (put < 0) {
         /* cannot remember the mapping: count it as gone, which at worst
          * returns the charge early, as releasing the handle used to */
-        if (vmm_count(handle, -1, &rec) == 1) gs_budget_release(rec.slot, rec.size);
+        if (vmm_count(handle, -1, &rec) == 1) vmm_gone(&rec);
         GS_WARN("cannot track a mapping of %llu bytes: its memory is charged only while its handle lives",
                 (unsigned long long)size);
     }
+}
+
+/* A mapping of an imported handle refused: the handle may be charged already, as growth no hook
+ * saw (NVML counts it for the importer while it is held unmapped).  Its charge is taken by
+ * force, a clean reading takes that overlap out, and the cap judges after it; refused, the
+ * charge goes back and what the reading took out is charged again.  1 if it fits (the charge
+ * then held), the caller no longer in flight and back in flight after it. */
+static int fits_remeasured(int slot, uint64_t extra)
+{
+    gs_budget_force(slot, extra);
+    gs_inflight_end(); /* the reading must be clean of this thread too */
+    gs_reconcile_remeasure_slot(slot);
+    gs_reconcile_slot(slot);
+    uint64_t cap = gs_slot_limit(slot);
+    int fits = !cap || gs_slot_used(slot) <= cap;
+    if (!fits) {
+        gs_budget_release(slot, extra);
+        gs_reconcile_slot(slot);
+    }
+    gs_inflight_begin();
+    return fits;
 }
 
 /* A mapping of an imported handle: what it reaches beyond the record's charge is reserved
@@ -482,7 +514,7 @@ static CUresult map_imported(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
     uint64_t need = gs_charge_size(gs_add_sat(offset, size));
     uint64_t extra = need > seen->size ? need - seen->size : 0;
     gs_inflight_begin(); /* before the charge changes: no clean reading between */
-    if (extra && gs_reserve(seen->slot, extra) != 0) {
+    if (extra && gs_reserve(seen->slot, extra) != 0 && !fits_remeasured(seen->slot, extra)) {
         gs_inflight_end();
         return over_cap(seen->slot, extra);
     }
@@ -494,6 +526,9 @@ static CUresult map_imported(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
     } else if (gs_am_update(GS_KIND_VMM, handle, import_adjust, &g, &rec) >= 0) {
         gs_budget_release(seen->slot, g.surplus);
         record_mapping(ptr, size, handle, &rec);
+        /* what the charge grew by may have been charged already as growth no hook saw (the
+         * handle held unmapped): the next clean reading takes the overlap out */
+        if (g.surplus < extra) gs_reconcile_remeasure_slot(seen->slot);
     } else {
         /* its last reference went meanwhile (the program released the handle while mapping
          * it): the mapping keeps the memory, charged with what this call reserved */
@@ -571,7 +606,7 @@ GS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
             if (rc != CUDA_SUCCESS)
                 gs_am_put(GS_KIND_VMAP, keys[i], &maps[i], &old);
             else if (vmm_count(maps[i].aux, -1, &rec) == 1)
-                gs_budget_release(rec.slot, rec.size);
+                vmm_gone(&rec);
         }
         /* out of memory for the records: the rest after the call */
         if (rc != CUDA_SUCCESS || !more) break;
@@ -728,7 +763,7 @@ static uint64_t amap_key(const CUarrayMapInfo *m)
 static void amap_lose(uint64_t handle)
 {
     struct gs_alloc rec;
-    if (vmm_count(handle, -1, &rec) == 1) gs_budget_release(rec.slot, rec.size);
+    if (vmm_count(handle, -1, &rec) == 1) vmm_gone(&rec);
 }
 
 static void amap_dropped(int kind, uint64_t key, const struct gs_alloc *rec)

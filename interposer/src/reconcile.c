@@ -423,6 +423,13 @@ void gs_reconcile_remeasure(CUdevice dev)
     if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) __atomic_store_n(&g_rebase[dev], 1, __ATOMIC_RELAXED);
 }
 
+void gs_reconcile_remeasure_slot(int slot)
+{
+    int n = gs_dev_count();
+    for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++)
+        if (gs_dev_slot(dev) == slot) gs_reconcile_remeasure(dev);
+}
+
 /* Caller holds the context lock (both below). */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx)
 {

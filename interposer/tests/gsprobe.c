@@ -794,6 +794,35 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) allocs[nallocs].size = allocs[id].size;
             remember("vimport", rc, A_VMM, h);
             i += 1;
+        } else if (!strcmp(c, "vimportfrom")) {
+            /* vimportfrom PATH SIZE: a new handle from the descriptor another process's "vfd"
+             * named in PATH (as NCCL passes one over a socket), remembered as a VMM allocation
+             * of SIZE */
+            char path[64];
+            int pid = 0, pfd = -1, fd = -1;
+            FILE *f = fopen(ARG(0), "r");
+            if (f && fscanf(f, "%d %d", &pid, &pfd) == 2) {
+                snprintf(path, sizeof(path), "/proc/%d/fd/%d", pid, pfd);
+                fd = open(path, O_RDONLY);
+            }
+            if (f) fclose(f);
+            CUmemGenericAllocationHandle h = 0;
+            CUresult rc = fd < 0 ? CUDA_ERROR_INVALID_VALUE
+                                 : api.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd, 1);
+            if (fd >= 0) close(fd);
+            if (rc == CUDA_SUCCESS) allocs[nallocs].size = size_arg(ARG(1));
+            remember("vimportfrom", rc, A_VMM, h);
+            i += 2;
+        } else if (!strcmp(c, "vfd")) {
+            /* vfd ID PATH: this process's pid and ID's exported descriptor, written to PATH */
+            int id = atoi(ARG(0));
+            char tmp[4096];
+            snprintf(tmp, sizeof(tmp), "%s.tmp", ARG(1));
+            FILE *f = fopen(tmp, "w");
+            fprintf(f, "%d %d\n", (int)getpid(), allocs[id].fd);
+            fclose(f);
+            printf("vfd %d\n", rename(tmp, ARG(1)) == 0 ? 0 : 1);
+            i += 2;
         } else if (!strcmp(c, "vretain")) {
             /* a second reference to the allocation mapped at ID's address (released by "free ID") */
             int id = atoi(ARG(0));
@@ -943,6 +972,17 @@ int main(int argc, char **argv)
                    api.cuMemAllocAsync(NULL, 16, NULL), api.cuMemCreate(NULL, 2 << 20, NULL, 0),
                    api.cuArrayCreate_v2(NULL, NULL), api.cuMemRetainAllocationHandle(NULL, (void *)4096),
                    api.cuMemPoolCreate(NULL, NULL));
+        } else if (!strcmp(c, "vmmbad")) {
+            /* the VMM calls with what no driver accepts: a bogus handle, an address never mapped,
+             * NULL out-parameters, a descriptor that is none, a device that is none */
+            CUmemGenericAllocationHandle h = 0;
+            CUmemAllocationProp none = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 99}};
+            printf("vmmbad %d %d %d %d %d %d %d %d %d %d\n", api.cuMemRelease(0xdead),
+                   api.cuMemUnmap(0x7f0000000000ull, 2 << 20), api.cuMemMap(0x7f0000000000ull, 2 << 20, 0, 0xdead, 0),
+                   api.cuMemRetainAllocationHandle(NULL, (void *)4096), api.cuMemRetainAllocationHandle(&h, NULL),
+                   api.cuMemImportFromShareableHandle(NULL, (void *)(intptr_t)0, 1),
+                   api.cuMemImportFromShareableHandle(&h, (void *)(intptr_t)-1, 1), api.cuMemMapArrayAsync(NULL, 1, NULL),
+                   api.cuMemCreate(&h, 2 << 20, &none, 0), api.cuMemUnmap(0, 0));
         } else if (!strcmp(c, "nullargs1")) {
             printf("nullargs1 %d %d %d %d %d %d %d\n", api1.cuMemAlloc(NULL, 1 << 20), api1.cuMemGetInfo(NULL, NULL),
                    api1.cuDeviceTotalMem(NULL, 0), api1.cuMemAllocPitch(NULL, NULL, 16, 16, 4),

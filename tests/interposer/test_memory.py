@@ -1012,6 +1012,55 @@ def test_mapping_an_imported_handle_past_the_cap_is_refused_and_changes_nothing(
     assert res.values("phys") == [0]
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_another_processs_buffer_the_sampler_charged_unmapped_is_charged_once_and_returned(lab, mapped):
+    # NCCL's importer holds a peer's buffer (another process's export).  NVML counts it for the
+    # importer (the fake does), so while it is unmapped the sampler charges it as growth no hook
+    # saw; that charge stayed until a context went: released, 600 MiB of a 2 GiB cap were held
+    # by nothing and 1700 MiB refused with 200 MiB held; mapped, it was charged twice (1400 MiB
+    # for 800 held) until then
+    fd, imported, released, done = (str(lab.tmp / n) for n in ("fd", "imported", "released", "done"))
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "2g", "FAKE_CUDA_CTX_BYTES": "100m"}
+    exporter = lab.start("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vfd", "0", fd,
+                         "waitfile", imported, "free", "0", "touch", released, "waitfile", done, **env)
+    use = ["vmap", "0", "sleep", "1500", "meminfo", "phys", "vunmap", "0"] if mapped else []
+    res = lab.run("waitfile", fd, "init", "ctx", "0", "vimportfrom", fd, "600m", "touch", imported,
+                  "waitfile", released, "sleep", "1500", "meminfo", "phys", *use, "free", "0",
+                  "sleep", "1500", "meminfo", "phys", "alloc", "1700m", "touch", done, **env)
+    lab.finish(exporter)
+    assert res.rc("vimportfrom") == 0 and res.rc("free") == 0
+    used = [2 * GIB - vals[0] for _, vals in res.of("meminfo")]
+    held = [vals[0] + 100 * MIB for _, vals in res.of("phys")]  # and the exporter's context
+    assert held == [800 * MIB] * (1 + mapped) + [200 * MIB]
+    assert used == held
+    assert res.rc("alloc") == 0
+
+
+@pytest.mark.parametrize("exporter_holds", [False, True])
+def test_another_processs_buffer_charged_unmapped_is_mapped_if_it_fits_once(lab, exporter_holds):
+    # the same import charged by the sampler while unmapped, then mapped under a 1 GiB cap:
+    # judged as if it took its memory a second time, the mapping was refused with 800 MiB held.
+    # Where it does not fit once (the exporter still holds its 600 MiB: the fake's import is a
+    # copy) it is still refused, and the charge is what it was
+    fd, imported, released, done = (str(lab.tmp / n) for n in ("fd", "imported", "released", "done"))
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m"}
+    let_go = ["free", "0"]
+    exporter = lab.start("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vfd", "0", fd,
+                         "waitfile", imported, *([] if exporter_holds else let_go), "touch", released,
+                         "waitfile", done, *(let_go if exporter_holds else []), **env)
+    res = lab.run("waitfile", fd, "init", "ctx", "0", "vimportfrom", fd, "600m", "touch", imported,
+                  "waitfile", released, "sleep", "1500", "meminfo", "phys", "vmap", "0", "meminfo",
+                  "phys", "vunmap", "0", "free", "0", "sleep", "1500", "meminfo", "phys", "touch", done,
+                  **env)
+    lab.finish(exporter)
+    elsewhere = 100 * MIB + 600 * MIB * exporter_holds  # the exporter's context and buffer
+    assert res.rc("vmap") == (OOM if exporter_holds else 0)
+    used = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    held = [vals[0] + elsewhere for _, vals in res.of("phys")]
+    assert held == [elsewhere + 700 * MIB] * 2 + [elsewhere + 100 * MIB]
+    assert used == [min(h, GIB) for h in held]  # the view shows no more than the cap
+
+
 def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
     # a sparse array's tile mapping does not say how much of the allocation it takes, and the
     # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap
@@ -1071,6 +1120,22 @@ def test_a_failing_unmap_or_release_changes_no_count(lab, fail, command):
                   FAKE_CUDA_FAIL=f"{fail}:1:700")
     assert [rc for rc, _ in res.of(command)] == [700, 0]
     assert [vals for _, vals in res.of("meminfo")] == [[GIB - 600 * MIB, GIB], [GIB, GIB]]
+
+
+def test_vmm_calls_with_bad_arguments_get_the_drivers_errors_and_change_no_charge(lab):
+    # a bogus handle released or mapped, an address never mapped unmapped, NULL out-parameters,
+    # a descriptor that is none, a device that is none; then a release and an unmap once too
+    # often: each answers what the driver answers without the library, and the charge holds
+    cmds = ["init", "ctx", "0", "vmm", "4m", "0", "vmap", "0", "vmmbad", "free", "0", "free", "0",
+            "meminfo", "vunmap", "0", "vunmap", "0", "free", "0", "meminfo", "phys"]
+    res = lab.run(*cmds, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    bare = lab.run(*cmds, LD_PRELOAD=None)
+    calls = [line for line in res.lines if line[0] not in ("meminfo", "phys")]
+    assert calls == [line for line in bare.lines if line[0] not in ("meminfo", "phys")]
+    assert res.values("vmmbad") == [1] * 9  # CUDA_ERROR_INVALID_VALUE, each
+    assert [rc for rc, _ in res.of("free")] == [0, 1, 1] and [rc for rc, _ in res.of("vunmap")] == [0, 1]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [4 * MIB, 0]
+    assert res.values("phys") == [0]
 
 
 @pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
