@@ -43,6 +43,19 @@ static CUcontext g_primary_ctx[GS_MAX_CUDA_DEVS];
 static unsigned g_primary_refs[GS_MAX_CUDA_DEVS];
 static unsigned char g_primary_unsure[GS_MAX_CUDA_DEVS];
 
+unsigned gs_ctx_teardown_seq;
+static unsigned g_teardowns; /* nested (a driver callback's inside another): under g_ctx_mu */
+
+static void teardown_begin(void)
+{
+    if (!g_teardowns++) __atomic_add_fetch(&gs_ctx_teardown_seq, 1, __ATOMIC_SEQ_CST);
+}
+
+static void teardown_end(void)
+{
+    if (!--g_teardowns) __atomic_add_fetch(&gs_ctx_teardown_seq, 1, __ATOMIC_SEQ_CST);
+}
+
 /* Created contexts with usage counts beyond their creation's (deprecated cuCtxAttach): the
  * cuCtxDetach that takes the count to zero destroys the context.  Under g_ctx_mu. */
 struct attached {
@@ -462,8 +475,10 @@ static CUresult primary_release(dev_fn release, CUdevice dev)
     ctx_lock();
     int last;
     primary_settle_if_last(dev, &last);
+    teardown_begin();
     CUresult rc = release(dev);
     if (rc == CUDA_SUCCESS) primary_released(dev, last);
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -479,8 +494,10 @@ static CUresult primary_reset(dev_fn reset, CUdevice dev)
     }
     ctx_lock();
     if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) gs_launch_settle_ctx(g_primary_ctx[dev]); /* as before a destroy */
+    teardown_begin();
     CUresult rc = reset(dev);
     if (rc == CUDA_SUCCESS) reset_done_locked(dev);
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -584,8 +601,10 @@ static CUresult ctx_destroy(CUresult (*destroy)(CUcontext), CUcontext ctx)
     }
     ctx_lock(); /* a reconcile may be charging this context */
     gs_launch_settle_ctx(ctx); /* its work is measured while its events can be read */
+    teardown_begin();
     CUresult rc = destroy(ctx);
     if (rc == CUDA_SUCCESS && ctx) release_ctx(ctx);
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -706,6 +725,7 @@ GS_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     int last = 0;
     if (e && e->as_ctx) gs_launch_settle_ctx(e->as_ctx);
     if (e) primary_settle_if_last(e->dev, &last);
+    teardown_begin();
     CUresult rc = gs_cuda.cuGreenCtxDestroy(hCtx);
     if (e && rc == CUDA_SUCCESS) {
         if (e->as_ctx) gs_launch_forget_ctx(e->as_ctx); /* the throttle measures it as a context of its own */
@@ -717,6 +737,7 @@ GS_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
         e->g = NULL;
         primary_released(dev, last);
     }
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -804,8 +825,10 @@ GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
         primary_settle_if_last(dev, &last);
     else if (ctx && !find_attached(ctx))
         last = 1, gs_launch_settle_ctx(ctx); /* its last use: destroyed */
+    teardown_begin();
     CUresult rc = gs_cuda.cuCtxDetach(ctx);
     if (rc == CUDA_SUCCESS) detach_locked(ctx, last);
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -822,6 +845,10 @@ void gs_context_after_fork_child(void)
     memset(g_primary_ctx, 0, sizeof(g_primary_ctx));
     memset(g_primary_refs, 0, sizeof(g_primary_refs));
     memset(g_primary_unsure, 0, sizeof(g_primary_unsure));
+    if (!t_ctx_depth && g_teardowns) { /* another thread's teardown: it does not go on in the child */
+        g_teardowns = 0;
+        gs_ctx_teardown_seq++;
+    }
     g_npend = 0;
     gs_ctx_pending = 0;
     pthread_mutex_init(&g_pend_mu, NULL);
