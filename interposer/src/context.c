@@ -32,6 +32,30 @@ static pthread_mutex_t g_ctx_mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
 static __thread unsigned t_ctx_depth; /* how many times this thread holds g_ctx_mu */
 static CUcontext g_primary_ctx[GS_MAX_CUDA_DEVS];
 
+/* References to each device's primary context taken through these hooks (the program's
+ * retains, ours, a green context's), under g_ctx_mu.  The driver's count cannot be read: a
+ * release that finds ours at one or less is taken for the last, and the context's work is
+ * waited for and measured before the driver destroys it with its events (as before a
+ * destroy); the others do not wait.  References taken unseen leave ours low: a release
+ * settles though the context stays (a synchronisation more).  Releases unseen leave it high:
+ * found when the context goes at a release that did not settle, after which every release on
+ * the device settles (g_primary_unsure).  Ours is zeroed whenever the context is found gone. */
+static unsigned g_primary_refs[GS_MAX_CUDA_DEVS];
+static unsigned char g_primary_unsure[GS_MAX_CUDA_DEVS];
+
+unsigned gs_ctx_teardown_seq;
+static unsigned g_teardowns; /* nested (a driver callback's inside another): under g_ctx_mu */
+
+static void teardown_begin(void)
+{
+    if (!g_teardowns++) __atomic_add_fetch(&gs_ctx_teardown_seq, 1, __ATOMIC_SEQ_CST);
+}
+
+static void teardown_end(void)
+{
+    if (!--g_teardowns) __atomic_add_fetch(&gs_ctx_teardown_seq, 1, __ATOMIC_SEQ_CST);
+}
+
 /* Created contexts with usage counts beyond their creation's (deprecated cuCtxAttach): the
  * cuCtxDetach that takes the count to zero destroys the context.  Under g_ctx_mu. */
 struct attached {
@@ -289,9 +313,11 @@ static void adopt_locked(CUcontext ctx, CUdevice dev, int primary)
 }
 
 static void primary_maybe_gone(CUdevice dev);
+static void primary_ref(CUdevice dev);
+static void primary_released(CUdevice dev, int settled);
 static void reset_done_locked(CUdevice dev);
 static int attach_locked(CUcontext ctx);
-static void detach_locked(CUcontext ctx);
+static void detach_locked(CUcontext ctx, int settled);
 
 static void drain_locked(void)
 {
@@ -307,15 +333,18 @@ static void drain_locked(void)
     pthread_mutex_unlock(&g_pend_mu);
     for (int i = 0; i < n; i++) {
         switch (ops[i].op) {
-        case OP_RETAIN: adopt_locked(ops[i].ctx, ops[i].dev, 1); break;
+        case OP_RETAIN:
+            primary_ref(ops[i].dev);
+            adopt_locked(ops[i].ctx, ops[i].dev, 1);
+            break;
         case OP_CREATE: adopt_locked(ops[i].ctx, ops[i].dev, 0); break;
-        case OP_RELEASE: primary_maybe_gone(ops[i].dev); break;
+        case OP_RELEASE: primary_released(ops[i].dev, 1); break; /* could not settle: not the count's fault */
         case OP_RESET: reset_done_locked(ops[i].dev); break;
         case OP_DESTROY: release_ctx(ops[i].ctx); break;
         case OP_ATTACH:
             if (attach_locked(ops[i].ctx) != 0) GS_WARN("a context's usage count could not be kept");
             break;
-        case OP_DETACH: detach_locked(ops[i].ctx); break;
+        case OP_DETACH: detach_locked(ops[i].ctx, 1); break;
         }
     }
 }
@@ -344,8 +373,11 @@ static CUresult primary_retain_locked(CUcontext *pctx, CUdevice dev)
     /* the state is read under the lock that releases and resets take too: an active context
      * cannot go between the check and the retain (which would then create one uncharged), and
      * one that another thread is creating is found active, not created twice */
-    if (gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
-        return gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev); /* one more reference */
+    if (gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active) {
+        CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev); /* one more reference */
+        if (rc == CUDA_SUCCESS) primary_ref(dev);
+        return rc;
+    }
     struct ctx_charge c;
     CUresult rc = charge_begin(dev, &c, 1);
     if (rc == CUDA_SUCCESS) {
@@ -360,6 +392,7 @@ static CUresult primary_retain_locked(CUcontext *pctx, CUdevice dev)
             rc = CUDA_ERROR_OUT_OF_MEMORY;
         } else if (rc == CUDA_SUCCESS) {
             g_primary_ctx[dev] = *pctx;
+            primary_ref(dev);
             record_ctx(*pctx, c.slot, bytes, dev);
         }
     }
@@ -392,8 +425,42 @@ static void primary_maybe_gone(CUdevice dev)
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS || !g_primary_ctx[dev] || !gs_cuda.cuDevicePrimaryCtxGetState ||
         gs_cuda.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || active)
         return;
+    g_primary_refs[dev] = 0; /* whatever was counted, none is left */
     release_ctx(g_primary_ctx[dev]);
     g_primary_ctx[dev] = NULL;
+}
+
+static void primary_ref(CUdevice dev)
+{
+    if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) g_primary_refs[dev]++;
+}
+
+/* Would a release now drop the last reference, as far as we can tell?  Then the context's
+ * work is waited for and measured first (see g_primary_refs). */
+static int primary_last_ref(CUdevice dev)
+{
+    return dev >= 0 && dev < GS_MAX_CUDA_DEVS && (g_primary_unsure[dev] || g_primary_refs[dev] <= 1);
+}
+
+static void primary_settle_if_last(CUdevice dev, int *last)
+{
+    *last = primary_last_ref(dev);
+    if (*last) gs_launch_settle_ctx(g_primary_ctx[dev]); /* as before a destroy */
+}
+
+/* A reference went (the driver said so); `settled`: the context's work was measured first */
+static void primary_released(CUdevice dev, int settled)
+{
+    if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return;
+    if (g_primary_refs[dev]) g_primary_refs[dev]--;
+    CUcontext was = g_primary_ctx[dev];
+    primary_maybe_gone(dev);
+    if (was && !g_primary_ctx[dev] && !settled && !g_primary_unsure[dev]) {
+        g_primary_unsure[dev] = 1; /* its work in flight is charged from host time (gs_launch_forget_ctx) */
+        GS_INFO("device %d's primary context went at a release not counted as its last (references released "
+                "unseen): every release on it waits for its work from now on",
+                (int)dev);
+    }
 }
 
 typedef CUresult (*dev_fn)(CUdevice);
@@ -406,8 +473,12 @@ static CUresult primary_release(dev_fn release, CUdevice dev)
         return rc;
     }
     ctx_lock();
+    int last;
+    primary_settle_if_last(dev, &last);
+    teardown_begin();
     CUresult rc = release(dev);
-    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
+    if (rc == CUDA_SUCCESS) primary_released(dev, last);
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -423,8 +494,10 @@ static CUresult primary_reset(dev_fn reset, CUdevice dev)
     }
     ctx_lock();
     if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) gs_launch_settle_ctx(g_primary_ctx[dev]); /* as before a destroy */
+    teardown_begin();
     CUresult rc = reset(dev);
     if (rc == CUDA_SUCCESS) reset_done_locked(dev);
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -528,8 +601,10 @@ static CUresult ctx_destroy(CUresult (*destroy)(CUcontext), CUcontext ctx)
     }
     ctx_lock(); /* a reconcile may be charging this context */
     gs_launch_settle_ctx(ctx); /* its work is measured while its events can be read */
+    teardown_begin();
     CUresult rc = destroy(ctx);
     if (rc == CUDA_SUCCESS && ctx) release_ctx(ctx);
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -624,10 +699,13 @@ GS_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, C
         } else if (rc == CUDA_SUCCESS) {
             if (gs_cuda.cuCtxFromGreenCtx(&as_ctx, *phCtx) != CUDA_SUCCESS) as_ctx = NULL;
             green_put_locked(*phCtx, as_ctx, primary, dev, c.slot, bytes);
+            primary_ref(dev); /* the green context's own, returned by its destroy */
         }
         /* this hook's reference goes (the green context holds its own): a primary context
          * made here for a creation that failed goes with it */
-        if (gs_cuda.cuDevicePrimaryCtxRelease_v2(dev) == CUDA_SUCCESS) primary_maybe_gone(dev);
+        int last;
+        primary_settle_if_last(dev, &last);
+        if (gs_cuda.cuDevicePrimaryCtxRelease_v2(dev) == CUDA_SUCCESS) primary_released(dev, last);
     }
     ctx_unlock();
     return rc;
@@ -639,10 +717,17 @@ GS_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     if (!gs_cuda.cuGreenCtxDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     if (gs_t_held) return gs_cuda.cuGreenCtxDestroy(hCtx); /* a driver callback: its footprint stays charged */
     ctx_lock();
+    struct green *e = NULL;
+    for (int i = 0; i < GS_GREENS && hCtx && !e; i++)
+        if (g_greens[i].g == hCtx) e = &g_greens[i];
+    /* its work is measured while its events can be read (as before a context's destroy), and
+     * the primary context's if the reference to it that goes with it is the last */
+    int last = 0;
+    if (e && e->as_ctx) gs_launch_settle_ctx(e->as_ctx);
+    if (e) primary_settle_if_last(e->dev, &last);
+    teardown_begin();
     CUresult rc = gs_cuda.cuGreenCtxDestroy(hCtx);
-    for (int i = 0; i < GS_GREENS && rc == CUDA_SUCCESS && hCtx; i++) {
-        struct green *e = &g_greens[i];
-        if (e->g != hCtx) continue;
+    if (e && rc == CUDA_SUCCESS) {
         if (e->as_ctx) gs_launch_forget_ctx(e->as_ctx); /* the throttle measures it as a context of its own */
         __atomic_store_n(&e->as_ctx, NULL, __ATOMIC_RELEASE);
         __atomic_sub_fetch(&g_ngreens, 1, __ATOMIC_RELEASE);
@@ -650,9 +735,9 @@ GS_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
         CUdevice dev = e->dev;
         __atomic_store_n(&e->primary, NULL, __ATOMIC_RELAXED); /* a reader may still hold the entry */
         e->g = NULL;
-        primary_maybe_gone(dev); /* its reference to the primary context went */
-        break;
+        primary_released(dev, last);
     }
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -710,14 +795,15 @@ GS_EXPORT CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)
 }
 
 /* One use less, done by the driver: the last destroys a created context (as cuCtxDestroy),
- * and a primary context's may leave it inactive (as a release) */
-static void detach_locked(CUcontext ctx)
+ * and a primary context's may leave it inactive (as a release; an attach to it is not
+ * counted as a reference, so its detach is taken for the last sooner rather than later) */
+static void detach_locked(CUcontext ctx, int settled)
 {
     if (!ctx) return;
     int dev = primary_dev_of(ctx);
     struct attached *a = find_attached(ctx);
     if (dev >= 0)
-        primary_maybe_gone(dev);
+        primary_released(dev, settled);
     else if (a) {
         if (!--a->n) forget_attached(a);
     } else
@@ -734,8 +820,15 @@ GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
         return rc;
     }
     ctx_lock();
+    int dev = primary_dev_of(ctx), last = 0;
+    if (dev >= 0)
+        primary_settle_if_last(dev, &last);
+    else if (ctx && !find_attached(ctx))
+        last = 1, gs_launch_settle_ctx(ctx); /* its last use: destroyed */
+    teardown_begin();
     CUresult rc = gs_cuda.cuCtxDetach(ctx);
-    if (rc == CUDA_SUCCESS) detach_locked(ctx);
+    if (rc == CUDA_SUCCESS) detach_locked(ctx, last);
+    teardown_end();
     ctx_unlock();
     return rc;
 }
@@ -750,6 +843,12 @@ void gs_context_after_fork_child(void)
     /* forked inside a context call (a driver callback's): the child returns through it */
     for (unsigned i = 0; i < t_ctx_depth; i++) pthread_mutex_lock(&g_ctx_mu);
     memset(g_primary_ctx, 0, sizeof(g_primary_ctx));
+    memset(g_primary_refs, 0, sizeof(g_primary_refs));
+    memset(g_primary_unsure, 0, sizeof(g_primary_unsure));
+    if (!t_ctx_depth && g_teardowns) { /* another thread's teardown: it does not go on in the child */
+        g_teardowns = 0;
+        gs_ctx_teardown_seq++;
+    }
     g_npend = 0;
     gs_ctx_pending = 0;
     pthread_mutex_init(&g_pend_mu, NULL);

@@ -280,6 +280,11 @@ static inline void gs_unsettled_end(void)
  * holds beyond its records when a context goes).  The main paths only (cuMemAlloc, managed,
  * pitch, arrays, cuMemCreate, cuMemFree); the reconcile that adds growth does not wait for it. */
 extern int gs_inflight;
+/* Odd while a context's teardown (its destroy, a primary release or reset) is in progress
+ * under the context lock, from before the driver's call until what the context held is
+ * forgotten; moves on with each (context.c).  An allocation that was inside the driver while
+ * it moved books its record after that teardown, if the driver still holds it (memory.c). */
+extern unsigned gs_ctx_teardown_seq;
 static inline void gs_inflight_begin(void)
 {
     __atomic_add_fetch(&gs_inflight, 1, __ATOMIC_SEQ_CST);

@@ -221,6 +221,7 @@
     R(cuCtxGetDevice_v2, CUresult, (CUdevice *device, CUcontext ctx))                         \
     R(cuDevicePrimaryCtxGetState, CUresult, (CUdevice dev, unsigned int *flags, int *active)) \
     R(cuCtxFromGreenCtx, CUresult, (CUcontext *pContext, CUgreenCtx hCtx))                   \
+    R(cuMemGetAddressRange_v2, CUresult, (CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)) \
     R(cuDeviceGetMemPool, CUresult, (CUmemoryPool *pool, CUdevice dev))                       \
     R(cuDeviceGetDefaultMemPool, CUresult, (CUmemoryPool *pool_out, CUdevice dev))            \
     R(cuMemPoolGetAttribute, CUresult, (CUmemoryPool pool, CUmemPool_attribute attr, void *value)) \

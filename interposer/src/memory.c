@@ -47,6 +47,40 @@ static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext c
     return rc < 0 ? -1 : 0;
 }
 
+/* Did a context go (gs_ctx_teardown_seq) while an allocation that read `seq0` before its
+ * driver call was inside the driver? */
+static inline int teardown_since(unsigned seq0)
+{
+    return GS_UNLIKELY((seq0 & 1) || __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST) != seq0);
+}
+
+/* The record of an allocation that was inside the driver while a context of the process went
+ * (teardown_since): booked under the context lock, after the teardown forgot what its context
+ * held, and only if the driver still holds it.  Made before a primary reset, the reset freed
+ * it (booked after the reset, its record stayed charged for nothing: 250 MiB for 50 held);
+ * made while the reset was still in progress (a driver that keeps the context active), the
+ * reset's forget dropped its record (200 MiB held uncharged without NVML's per-process
+ * figures).  Only a plain allocation can be asked for (cuMemGetAddressRange_v2): others, or
+ * an answer that does not say the memory is gone (not found, or its context, the calling
+ * thread's current one, gone), are recorded.  0 recorded, 1 gone (its reservation returned),
+ * -1 cannot be tracked. */
+static int record_after_teardown(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx)
+{
+    int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
+    int gone = 0;
+    if (kind == GS_KIND_DPTR && gs_cuda.cuMemGetAddressRange_v2) {
+        CUdeviceptr base = 0;
+        size_t size = 0;
+        CUresult q = gs_cuda.cuMemGetAddressRange_v2(&base, &size, (CUdeviceptr)key);
+        gone = q == CUDA_ERROR_NOT_FOUND || q == CUDA_ERROR_INVALID_CONTEXT || q == CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    }
+    int rc = gone ? 1 : record(kind, key, slot, charge, ctx);
+    if (gone) gs_budget_release(slot, charge);
+    if (locked) gs_ctx_unlock();
+    if (gone) GS_INFO("an allocation made as its context went is gone with it: its charge is returned");
+    return rc;
+}
+
 static void drop_array_maps(uint64_t array);
 static void amap_lose(uint64_t handle);
 
@@ -136,11 +170,14 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         }                                                                             \
         int probe_ = (probe) && GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) && \
                      gs_pid_probe_begin(-1, charge, 0);                                  \
+        unsigned seq0_ = __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST);     \
         CUresult rc = (call);                                                         \
         if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);                     \
+        int kind_ = (kind) == DPTR32 ? GS_KIND_DPTR : (kind);                         \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
-        else if (record((kind) == DPTR32 ? GS_KIND_DPTR : (kind), (uint64_t)(uintptr_t)*(out), slot, charge, ctx) != 0) \
+        else if ((teardown_since(seq0_) ? record_after_teardown(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx) \
+                                        : record(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx)) < 0) \
             rc = discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);            \
         gs_inflight_end();                                                            \
         return rc;                                                                    \
@@ -206,6 +243,7 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         return over_cap(slot, charge);
     }
     gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
+    unsigned seq0 = __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST);
     CUresult rc = real_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     if (rc != CUDA_SUCCESS) {
         rc = rollback(rc, slot, charge); /* before the ends, as GS_CHARGED_ALLOC: no clean reading between */
@@ -222,7 +260,8 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         gs_budget_release(slot, charge - actual);
         charge = actual;
     }
-    if (!ok || record(GS_KIND_DPTR, *dptr, slot, charge, ctx) != 0)
+    if (!ok || (teardown_since(seq0) ? record_after_teardown(GS_KIND_DPTR, *dptr, slot, charge, ctx)
+                                     : record(GS_KIND_DPTR, *dptr, slot, charge, ctx)) < 0)
         rc = discard(v1 ? DPTR32 : GS_KIND_DPTR, *dptr, slot, charge);
     gs_inflight_end();
     gs_unsettled_end();

@@ -16,6 +16,7 @@ import pytest
 MIB = 1 << 20
 GIB = 1 << 30
 OOM = 2
+CUDA_ERROR_INVALID_CONTEXT = 201
 GPUBENCH = Path(__file__).resolve().parents[1] / "gpu" / "native" / "gpubench.c"
 NOT_READY_CTX = "ctx"
 
@@ -636,6 +637,44 @@ def test_resetting_the_primary_context_returns_everything_it_held(lab, stays_act
     assert res.rc("reset") == 0
     assert res.values("meminfo") == [GIB - 50 * MIB, GIB]
     assert res.values("phys") == [50 * MIB]
+
+
+# Another thread's allocation (200 MiB, plain or pitched) inside the driver while the primary
+# context goes: (the main thread's commands, where the fake sleeps, whether the driver keeps a
+# reset context active, the 50 MiB context's and the allocation's MiB the driver then holds)
+ALLOCATION_RACES = {
+    # taken before the reset or the last release, which frees it; its record was booked after
+    # and stayed charged: 250 MiB for 50 held
+    "taken_before_reset": (["sleep", "100", "reset", "0"], "{}After:300", None, 50),
+    "taken_before_reset_stays_active": (["sleep", "100", "reset", "0"], "{}After:300", "1", 50),
+    "taken_before_release": (["sleep", "100", "release", "0"], "{}After:300", None, 50),
+    # taken (and booked) while the reset, the context emptied, was still in the driver: the
+    # reset forgot its record, 200 MiB held uncharged where NVML has no per-process figure
+    "taken_during_reset": (["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 250),
+    # entered before the reset, taken after it: refused (the context went), or kept in the
+    # emptied context
+    "taken_after_reset": (["sleep", "100", "reset", "0"], "{}:300", None, 50),
+    "taken_after_reset_stays_active": (["sleep", "100", "reset", "0"], "{}:300", "1", 250),
+}
+
+
+@pytest.mark.parametrize("bg", ["bgalloc", "bgpitch"])
+@pytest.mark.parametrize("race", ALLOCATION_RACES)
+def test_an_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_holds_it(
+        lab, race, bg):
+    main, sleep, stays_active, held = ALLOCATION_RACES[race]
+    fn = "cuMemAlloc_v2" if bg == "bgalloc" else "cuMemAllocPitch_v2"
+    delay = "100" if main == ["reset", "0"] else "0"  # into the reset's sleep, or before it
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", "ctx", "0", bg, "200m", delay, *main, "join", *again, "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_SLEEP=sleep.format(fn), FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  FAKE_NVML_PROC_MEM="0")
+    assert res.rc(main[-2]) == 0
+    assert res.rc(bg) == (0 if held == 250 or "before" in race else CUDA_ERROR_INVALID_CONTEXT)
+    assert res.values("phys") == [held * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
 
 
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])

@@ -48,3 +48,18 @@ def test_launching_threads_and_the_time_slice_correction_race_on_nothing(tsan_la
                        LIBCUDA_LOG_LEVEL="3")
     assert res.rc("mbench") == 0
     assert "time-slice factor" in res.stderr  # the correction did run
+
+
+def test_an_allocation_racing_the_primary_contexts_reset_and_release_races_on_nothing(tsan_lab):
+    # a thread's allocation booked while the main thread's reset is inside the driver (it waits
+    # for the reset's bookkeeping under the context lock), then work in flight settled at the
+    # primary context's last release
+    res = tsan_lab.run("init", "ctx", "0", "launch", "1", "bgalloc", "200m", "100", "reset", "0",
+                       "join", "meminfo", "phys", "launch", "1", "release", "0",
+                       CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_SM_LIMIT="30",
+                       FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_KERNEL_US="50000",
+                       FAKE_CUDA_SLEEP="cuDevicePrimaryCtxResetAfter:300",
+                       FAKE_CUDA_RESET_ACTIVE="1")
+    assert res.rc("bgalloc") == res.rc("reset") == res.rc("release") == 0
+    free, total = res.values("meminfo")
+    assert total - free == 250 * MIB and res.values("phys") == [250 * MIB]

@@ -1109,6 +1109,35 @@ def test_work_running_when_its_context_is_destroyed_is_charged(release_lab):
     assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
 
 
+LAST_REFERENCE = {  # a second reference, a 300 ms kernel, the other goes; then the last goes
+    "release": (["ctx", "0", "ctx", "0", "launch", "1", "mark", "release", "0"], ["release", "0"]),
+    "release7": (["legacy", "1", "ctx", "0", "ctx", "0", "launch", "1", "mark", "release", "0"],
+                 ["release", "0"]),
+    "green": (["ctx", "0", "green", "0", "launch", "1", "mark", "release", "0"], ["greendestroy"]),
+    "in_green": (["ctx", "0", "green", "0", "greencur", "launch", "1", "mark", "release", "0"],
+                 ["greendestroy"]),
+    "detach": (["ctxcreate", "0", "attach", "launch", "1", "mark", "detach", "0"], ["detach", "0"]),
+}
+
+
+@pytest.mark.parametrize("case", LAST_REFERENCE)
+def test_work_running_when_a_context_loses_its_last_reference_is_charged(release_lab, case):
+    # the primary context released to zero (cuDevicePrimaryCtxRelease_v2 or 7.0's), or by the
+    # destroy of a green context holding it; a green context's own work at its destroy; a
+    # created context's last cuCtxDetach: the driver destroys the context and its events, and
+    # the work still running in it was charged from host time at the release, 0 ms of 300.
+    # It is now waited for and measured first, as before cuCtxDestroy; a release the
+    # references counted through the hooks say is not the last does not wait
+    first, last = LAST_REFERENCE[case]
+    res = release_lab.run("init", *first, "since", *last, "since", CUDA_DEVICE_SM_LIMIT="50",
+                          FAKE_CUDA_KERNEL_US="300000")
+    assert res.rc("launch") == 0 and {rc for rc, _ in res.of(last[0]) + res.of(first[-2])} == {0}
+    waited = [vals[0] for _, vals in res.of("since")]
+    assert waited[0] < 150, waited  # the other reference did not wait
+    busy_ms = release_lab.region().devices[0].busy_ns / 1e6
+    assert 280 <= busy_ms <= 330, f"{busy_ms:.0f} ms of GPU time charged for 300 ms ({waited} ms waited)"
+
+
 def test_work_running_when_a_process_exits_is_charged(release_lab):
     # a child per job: one 500 ms kernel, a wait without a hooked synchronisation, exit.
     # Nothing charged the kernel (busy_ns stayed 0): 99.7 % under 30 %.  The exit destructor

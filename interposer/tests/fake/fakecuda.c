@@ -20,6 +20,8 @@
  *   FAKE_CUDA_SLEEP          "name:ms[,name:ms]" sleep inside those calls; "exit:ms" sleeps in the
  *                            library's destructor, as a real driver tearing down its
  *                            contexts at process exit does
+ *                            ("cuMemAlloc_v2After", "cuMemAllocPitch_v2After": once the memory is
+ *                            taken; "cuDevicePrimaryCtxResetAfter": once the context is emptied)
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
  *   FAKE_CUDA_PROCADDR_FUTURE=1  a later CUDA's variant: cuGetProcAddress("cuMemGetInfo") from
@@ -733,6 +735,7 @@ API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
             primaries[d].refs = 0;
     }
     pthread_mutex_unlock(&mu);
+    (void)fail_check("cuDevicePrimaryCtxResetAfter"); /* FAKE_CUDA_SLEEP: still inside, the context emptied */
     return CUDA_SUCCESS;
 }
 
@@ -1271,7 +1274,9 @@ API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
     FAIL_POINT("cuMemAlloc_v2");
     NEED_API(0);
     if (!dptr || !bytes) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_new(K_DPTR, bytes, current->pdev, NULL, dptr, 1);
+    CUresult rc = alloc_new(K_DPTR, bytes, current->pdev, NULL, dptr, 1);
+    (void)fail_check("cuMemAlloc_v2After"); /* FAKE_CUDA_SLEEP: still inside, the memory taken */
+    return rc;
 }
 
 /* CUDA 2.x's entry points: 32-bit pointers, sizes and views (saturated) */
@@ -1354,6 +1359,7 @@ API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w, size
     size_t p = pitch_of(w);
     CUresult rc = alloc_new(K_DPTR, p * h, current->pdev, NULL, dptr, 1);
     if (rc == CUDA_SUCCESS) *pitch = p;
+    (void)fail_check("cuMemAllocPitch_v2After"); /* FAKE_CUDA_SLEEP: still inside, the memory taken */
     return rc;
 }
 
