@@ -244,12 +244,23 @@ void gs_pools_reconcile_all(void)
     mu_unlock();
 }
 
-/* gs_reserve for callers holding g_mu. */
-static int reserve_locked(int slot, uint64_t bytes)
+/* Reserve the part of an allocation of `want` bytes from p that p's charge does not cover yet
+ * (beside the other allocations from it still inside the driver).  A refusal first brings the
+ * pools' charges down to what they still hold, p's too, so the part is worked out again after
+ * it (worked out before, the part stayed as it was while p's charge dropped: 92 MiB reserved
+ * for a pool that grew by 704, and 1604 MiB held under a 1 GiB cap meanwhile).  -1 if refused. */
+static int reserve_for_locked(struct pool_rec *p, uint64_t want)
 {
-    if (gs_budget_reserve(slot, bytes) == 0) return 0;
-    reconcile_all_locked();
-    return gs_budget_reserve(slot, bytes);
+    for (int tries = 0;; tries++) {
+        uint64_t need = p->live + p->pending + want;
+        uint64_t extra = need > p->charged ? need - p->charged : 0;
+        if (gs_budget_reserve(p->slot, extra) == 0) {
+            p->charged += extra;
+            return 0;
+        }
+        if (tries) return -1;
+        reconcile_all_locked();
+    }
 }
 
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes)
@@ -364,16 +375,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         GS_ERROR("more than %d memory pools in one process: allocation refused", GS_MAX_POOLS);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    /* reserve the part of the request the pool's charge does not cover yet (beside the other
-     * allocations from it still inside the driver) */
-    uint64_t need = p->live + p->pending + want;
-    uint64_t extra = need > p->charged ? need - p->charged : 0;
-    if (reserve_locked(p->slot, extra) != 0) {
+    if (reserve_for_locked(p, want) != 0) {
         mu_unlock();
         GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    p->charged += extra;
     p->pending += want;
     p->busy++;
     mu_unlock();

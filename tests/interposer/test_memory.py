@@ -391,6 +391,21 @@ def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab
     assert lab.finish(proc).rc("async") == 0
 
 
+def test_a_pool_s_charge_dropped_by_a_refusal_s_reconcile_is_reserved_again(lab):
+    # the pool keeps 608 MiB after its free, charged, and gives it back at the sync; the next
+    # 700 MiB from it is refused at first (608 + 400 + 92 > 1 GiB), the pools' reconcile drops
+    # the pool's stale charge, and the retry reserved the 92 MiB worked out before it: while
+    # the pool grew by 704 MiB a 500 MiB allocation beside it passed, 1604 MiB held
+    # (margin 0 and the sleep: the sampler, woken when it starts, has run before the sync and
+    # is not due again, so the stale charge is still there at the allocation)
+    res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "alloc", "400m", "sleep", "100",
+                  "sync", "bgasync", "700m", "0", "sleep", "200", "alloc", "500m", "phys", "join",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_RELEASE="1",
+                  GPUSLICE_RECONCILE_MARGIN="0", FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+    assert res.values("phys") == [900 * MIB]  # 400 + 500 while the pool allocation is inside
+    assert res.rc("bgasync") == OOM and [rc for rc, _ in res.of("alloc")] == [0, 0]
+
+
 def test_pool_memory_cached_after_free_is_reused_within_the_cap(lab):
     # 900 MiB of a 1 GiB cap: the pool reserves 928 MiB (32 MiB chunks); after the free the pool
     # still holds it, and the next 900 MiB comes from that cache without a second charge
