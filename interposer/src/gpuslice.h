@@ -249,8 +249,6 @@ int gs_region_open(void);
 void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register);
 int gs_region_slot_by_uuid(const char *uuid);
 int gs_budget_reserve(int slot, uint64_t bytes);  /* 0 = reserved, -1 = over the cap */
-/* `most` bytes, or as many as the cap leaves, at least `least`: 0 and *got reserved, or -1 */
-int gs_budget_reserve_upto(int slot, uint64_t least, uint64_t most, uint64_t *got);
 void gs_budget_release(int slot, uint64_t bytes);
 void gs_budget_force(int slot, uint64_t bytes);   /* charge without checking the cap */
 uint64_t gs_slot_used(int slot);

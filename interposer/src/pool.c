@@ -244,30 +244,34 @@ void gs_pools_reconcile_all(void)
     mu_unlock();
 }
 
-/* The driver grows a pool by whole chunks: what an allocation may add to it is reserved up to
+/* The driver grows a pool by whole chunks: an allocation that must grow its pool reserves up to
  * the next multiple of this beyond what the pool's allocations need (once settled, the charge
  * follows the pool's real size) */
 #define GS_POOL_CHUNK (32ull << 20)
 
 /* Reserve the part of an allocation of `want` bytes from p that p's charge does not cover yet
- * (beside the other allocations from it still inside the driver), and as much of the chunk it
- * may grow the pool by as the cap leaves: noticed only after the driver's call, the chunk was
- * free for others to take meanwhile (an 8 MiB allocation grows the pool by 32: a 1016 MiB
- * allocation beside it passed, 1048 MiB held under a 1 GiB cap, 24 MiB more for every pool
- * growing at once).  A refusal first brings the pools' charges down to what they still hold,
- * p's too, so the part is worked out again after it (worked out before, the part stayed as it
- * was while p's charge dropped: 92 MiB reserved for a pool that grew by 704, and 1604 MiB held
- * under a 1 GiB cap meanwhile).  -1 if refused. */
+ * (beside the other allocations from it still inside the driver) with the rest of the chunk the
+ * pool may grow by, or nothing: noticed only after the driver's call, the chunk was free for
+ * others to take meanwhile (an 8 MiB allocation grows the pool by 32: a 1016 MiB allocation
+ * beside it passed, 1048 MiB held under a 1 GiB cap, 24 MiB more for every pool growing at
+ * once; taking only what the cap left of the chunk, pools growing at the cap at once still
+ * added up, 32 MiB over in a stress).  A request the pool's charge already covers reserves its
+ * chunk only where it fits (the pool has room, or its charge a driver's finer size).  A refusal
+ * first brings the pools' charges down to what they still hold, p's too, so the part is worked
+ * out again after it (worked out before, the part stayed as it was while p's charge dropped:
+ * 92 MiB reserved for a pool that grew by 704, and 1604 MiB held under a 1 GiB cap
+ * meanwhile).  -1 if refused. */
 static int reserve_for_locked(struct pool_rec *p, uint64_t want)
 {
     for (int tries = 0;; tries++) {
-        uint64_t need = gs_add_sat(gs_add_sat(p->live, p->pending), want), got = 0;
+        uint64_t need = gs_add_sat(gs_add_sat(p->live, p->pending), want);
         uint64_t whole = need > UINT64_MAX - GS_POOL_CHUNK ? need : (need + GS_POOL_CHUNK - 1) & ~(GS_POOL_CHUNK - 1);
-        uint64_t extra = need > p->charged ? need - p->charged : 0;
-        if (gs_budget_reserve_upto(p->slot, extra, whole > p->charged ? whole - p->charged : 0, &got) == 0) {
-            p->charged += got;
+        uint64_t more = whole > p->charged ? whole - p->charged : 0;
+        if (gs_budget_reserve(p->slot, more) == 0) {
+            p->charged += more;
             return 0;
         }
+        if (need <= p->charged) return 0;
         if (tries) return -1;
         reconcile_all_locked();
     }

@@ -736,44 +736,34 @@ static void charge_locked(int slot, uint64_t bytes)
     __atomic_add_fetch(&g_charge_seq, 1, __ATOMIC_ACQ_REL);
 }
 
-int gs_budget_reserve_upto(int slot, uint64_t least, uint64_t most, uint64_t *got)
+int gs_budget_reserve(int slot, uint64_t bytes)
 {
-    *got = most;
-    if (!most || !valid_slot(slot)) return 0;
-    *got = 0;
+    if (!bytes || !valid_slot(slot)) return 0;
     if (region_lock() != 0) return -1;
     if (!me_locked() && register_locked() != 0) {
         region_unlock();
         return -1;
     }
     struct gpuslice_device *d = &gs_region->devices[slot];
-    uint64_t limit = gs_cap_of(slot, LD(&d->limit_bytes)), take = most;
-    if (most > UINT64_MAX - LD(&d->used_bytes)) { /* no device has it; the sum would wrap */
+    uint64_t limit = gs_cap_of(slot, LD(&d->limit_bytes));
+    if (bytes > UINT64_MAX - LD(&d->used_bytes)) { /* no device has it; the sum would wrap */
         region_unlock();
         return -1;
     }
     for (int pass = 0; limit && pass < 2; pass++) {
         if (pass) reclaim_dead_locked(slot);
-        uint64_t used = LD(&d->used_bytes), left = used < limit ? limit - used : 0;
-        take = most < left ? most : left;
-        if (take == most) break;
-        if (pass && take < least) {
+        uint64_t used = LD(&d->used_bytes);
+        if (used <= limit && bytes <= limit - used) break;
+        if (pass) {
             region_unlock();
-            GS_DEBUG("reservation of %llu bytes refused: %llu of %llu used", (unsigned long long)least,
+            GS_DEBUG("reservation of %llu bytes refused: %llu of %llu used", (unsigned long long)bytes,
                      (unsigned long long)used, (unsigned long long)limit);
             return -1;
         }
     }
-    if (take) charge_locked(slot, take);
+    charge_locked(slot, bytes);
     region_unlock();
-    *got = take;
     return 0;
-}
-
-int gs_budget_reserve(int slot, uint64_t bytes)
-{
-    uint64_t got;
-    return gs_budget_reserve_upto(slot, bytes, bytes, &got);
 }
 
 void gs_budget_force(int slot, uint64_t bytes)
