@@ -157,6 +157,36 @@ def test_processes_growing_pools_of_their_own_at_once_stay_within_the_cap(lab):
     assert lab.used() == 0
 
 
+def test_processes_of_threads_racing_on_pools_at_the_cap_never_pass_it(lab):
+    # tests/poolrace.c: 3 processes of 4 threads allocate from the default pool and a pool of
+    # their own, free, trim and synchronise (the pools giving back) at random near a 1 GiB cap,
+    # with the driver's pool calls widened by 1 ms. Seen from outside the device's usage
+    # peaked 60-92 MiB over the cap, for up to 6 ms, when only requests were reserved before
+    # the driver's call, each pool's growth by a whole chunk noticed after it; and once
+    # everything is freed each process's charge is what the driver holds for it (its context)
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "20m",
+           "FAKE_CUDA_POOL_RELEASE": "1",
+           "FAKE_CUDA_SLEEP": "cuMemAllocAsyncAfter:1,cuMemAllocFromPoolAsyncAfter:1,"
+                              "cuMemFreeAsyncAfter:1"}
+    program = str(lab.build / "tests" / "poolrace")
+    done = lab.tmp / "done"
+    monitor = subprocess.Popen([program, "monitor", str(done)], stdout=subprocess.PIPE, text=True,
+                               env=lab.env(LD_PRELOAD=None, CAP_BYTES=str(GIB), **env))
+    racers = [subprocess.Popen([program, "300", "4"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=lab.env(**env))
+              for _ in range(3)]
+    lab.procs += [monitor, *racers]
+    outs = [racer.communicate(timeout=120) for racer in racers]
+    done.touch()
+    peak, longest = (int(v) for v in monitor.communicate(timeout=30)[0].split()[1:])
+    for racer, (out, err) in zip(racers, outs, strict=True):
+        lab.check_sanitizers(err)
+        assert racer.returncode == 0, err
+        _, errors, charged, held = out.split()
+        assert (int(errors), int(charged), int(held)) == (0, 20 * MIB, 20 * MIB), err
+    assert peak <= GIB, f"{(peak - GIB) / MIB:.0f} MiB over the cap for up to {longest} us"
+
+
 def test_a_cap_smaller_than_one_context_says_what_to_raise(lab):
     # 256 MiB against a 600 MiB context (PyTorch's takes 524 MiB on an H200): CUDA cannot start,
     # first from the measurement, then, for the next process, from the container's estimate
