@@ -244,12 +244,37 @@ void gs_pools_reconcile_all(void)
     mu_unlock();
 }
 
-/* gs_reserve for callers holding g_mu. */
-static int reserve_locked(int slot, uint64_t bytes)
+/* The driver grows a pool by whole chunks: an allocation that must grow its pool reserves up to
+ * the next multiple of this beyond what the pool's allocations need (once settled, the charge
+ * follows the pool's real size) */
+#define GS_POOL_CHUNK (32ull << 20)
+
+/* Reserve the part of an allocation of `want` bytes from p that p's charge does not cover yet
+ * (beside the other allocations from it still inside the driver) with the rest of the chunk the
+ * pool may grow by, or nothing: noticed only after the driver's call, the chunk was free for
+ * others to take meanwhile (an 8 MiB allocation grows the pool by 32: a 1016 MiB allocation
+ * beside it passed, 1048 MiB held under a 1 GiB cap, 24 MiB more for every pool growing at
+ * once; taking only what the cap left of the chunk, pools growing at the cap at once still
+ * added up, 32 MiB over in a stress).  A request the pool's charge already covers reserves its
+ * chunk only where it fits (the pool has room, or its charge a driver's finer size).  A refusal
+ * first brings the pools' charges down to what they still hold, p's too, so the part is worked
+ * out again after it (worked out before, the part stayed as it was while p's charge dropped:
+ * 92 MiB reserved for a pool that grew by 704, and 1604 MiB held under a 1 GiB cap
+ * meanwhile).  -1 if refused. */
+static int reserve_for_locked(struct pool_rec *p, uint64_t want)
 {
-    if (gs_budget_reserve(slot, bytes) == 0) return 0;
-    reconcile_all_locked();
-    return gs_budget_reserve(slot, bytes);
+    for (int tries = 0;; tries++) {
+        uint64_t need = gs_add_sat(gs_add_sat(p->live, p->pending), want);
+        uint64_t whole = need > UINT64_MAX - GS_POOL_CHUNK ? need : (need + GS_POOL_CHUNK - 1) & ~(GS_POOL_CHUNK - 1);
+        uint64_t more = whole > p->charged ? whole - p->charged : 0;
+        if (gs_budget_reserve(p->slot, more) == 0) {
+            p->charged += more;
+            return 0;
+        }
+        if (need <= p->charged) return 0;
+        if (tries) return -1;
+        reconcile_all_locked();
+    }
 }
 
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes)
@@ -364,16 +389,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         GS_ERROR("more than %d memory pools in one process: allocation refused", GS_MAX_POOLS);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    /* reserve the part of the request the pool's charge does not cover yet (beside the other
-     * allocations from it still inside the driver) */
-    uint64_t need = p->live + p->pending + want;
-    uint64_t extra = need > p->charged ? need - p->charged : 0;
-    if (reserve_locked(p->slot, extra) != 0) {
+    if (reserve_for_locked(p, want) != 0) {
         mu_unlock();
         GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    p->charged += extra;
     p->pending += want;
     p->busy++;
     mu_unlock();

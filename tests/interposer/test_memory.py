@@ -388,8 +388,46 @@ def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab
                      FAKE_CUDA_SLEEP="cuMemAllocAsync:1500", FAKE_CUDA_SLEEP_MARK=str(mark))
     lab.wait_for(mark)
     time.sleep(0.5)
-    assert lab.used() == 1000 * MIB
+    assert lab.used() == 1024 * MIB  # 1000 MiB and the rest of the chunk the pool may grow by
     assert lab.finish(proc).rc("async") == 0
+
+
+def test_a_pool_s_charge_dropped_by_a_refusal_s_reconcile_is_reserved_again(lab):
+    # the pool keeps 608 MiB after its free, charged, and gives it back at the sync; the next
+    # 700 MiB from it is refused at first (608 + 400 + 92 > 1 GiB), the pools' reconcile drops
+    # the pool's stale charge, and the retry reserved the 92 MiB worked out before it: while
+    # the pool grew by 704 MiB a 500 MiB allocation beside it passed, 1604 MiB held
+    # (margin 0 and the sleep: the sampler, woken when it starts, has run before the sync and
+    # is not due again, so the stale charge is still there at the allocation)
+    res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "alloc", "400m", "sleep", "100",
+                  "sync", "bgasync", "700m", "0", "sleep", "200", "alloc", "500m", "phys", "join",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_RELEASE="1",
+                  GPUSLICE_RECONCILE_MARGIN="0", FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+    assert res.values("phys") == [900 * MIB]  # 400 + 500 while the pool allocation is inside
+    assert res.rc("bgasync") == OOM and [rc for rc, _ in res.of("alloc")] == [0, 0]
+
+
+def test_the_chunk_a_pool_allocation_grows_its_pool_by_is_reserved_before_the_driver_call(lab):
+    # an 8 MiB allocation grows the pool by a whole 32 MiB chunk; only the 8 MiB were reserved
+    # before the driver's call, and another thread's 1016 MiB passed while the pool had grown
+    # and its charge not yet followed: 1048 MiB held under a 1 GiB cap (the pool allocation
+    # was undone after, as the chunk no longer fitted)
+    res = lab.run("init", "ctx", "0", "bgasync", "8m", "0", "sleep", "300", "alloc", "1016m",
+                  "phys", "join", "alloc", "990m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0] and res.rc("bgasync") == 0
+    assert [vals[0] for _, vals in res.of("phys")] == [32 * MIB, 1022 * MIB]
+
+
+def test_near_the_cap_a_pool_allocation_whose_chunk_does_not_fit_is_refused_before_the_call(lab):
+    # 24 MiB left: an 8 MiB allocation would grow the pool by 32. Reserving only the 8 MiB,
+    # another 16 MiB passed while the pool had grown: 1048 MiB held under a 1 GiB cap (and
+    # reserving what the cap left of the chunk, 1032, before the growth was undone)
+    res = lab.run("init", "ctx", "0", "alloc", "1000m", "bgasync", "8m", "0", "sleep", "300",
+                  "alloc", "16m", "phys", "join", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+    assert [rc for rc, _ in res.of("alloc")] == [0, 0] and res.rc("bgasync") == OOM
+    assert [vals[0] for _, vals in res.of("phys")] == [1016 * MIB, 1016 * MIB]
 
 
 def test_pool_memory_cached_after_free_is_reused_within_the_cap(lab):

@@ -129,6 +129,64 @@ def test_a_context_whose_footprint_no_longer_fits_once_made_is_undone(lab, make,
     assert lab.used() == 0
 
 
+def test_processes_growing_pools_of_their_own_at_once_stay_within_the_cap(lab):
+    # two processes each allocate 8 MiB from a pool of their own (a created one, a device's
+    # default one), each growing it by a 32 MiB chunk; while both are inside the driver a third
+    # fills the cap. Only the 8 MiB were reserved before the driver's call: the third's
+    # 1008 MiB passed, 1072 MiB held under a 1 GiB cap seen from outside (24 MiB per pool)
+    pools = [("mkpool", "1", "0", "pool", "8m"), ("async", "8m")]
+    marks = [lab.tmp / f"grown{i}" for i in range(len(pools))]
+    growers = [lab.start("init", "ctx", "0", *cmds, "touch", str(lab.tmp / f"done{i}"),
+                         "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="1g",
+                         FAKE_CUDA_SLEEP_MARK=str(mark),
+                         FAKE_CUDA_SLEEP="cuMemAllocFromPoolAsyncAfter:2000,cuMemAllocAsyncAfter:2000")
+               for i, (cmds, mark) in enumerate(zip(pools, marks, strict=True))]
+    for mark in marks:
+        lab.wait_for(mark)
+    filler = lab.start("init", "ctx", "0", "alloc", "1008m", "touch", str(lab.tmp / "full"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="1g")
+    lab.wait_for(lab.tmp / "full")
+    outside = lab.run("nvml", "0", LD_PRELOAD=None).values("nvml")[1]
+    for i in range(len(pools)):
+        lab.wait_for(lab.tmp / f"done{i}")
+    (lab.tmp / "end").touch()
+    grown = [lab.finish(proc) for proc in growers]
+    assert outside == 64 * MIB
+    assert lab.finish(filler).rc("alloc") == OOM
+    assert grown[0].rc("pool") == 0 and grown[1].rc("async") == 0
+    assert lab.used() == 0
+
+
+def test_processes_of_threads_racing_on_pools_at_the_cap_never_pass_it(lab):
+    # tests/poolrace.c: 3 processes of 4 threads allocate from the default pool and a pool of
+    # their own, free, trim and synchronise (the pools giving back) at random near a 1 GiB cap,
+    # with the driver's pool calls widened by 1 ms. Seen from outside the device's usage
+    # peaked 60-92 MiB over the cap, for up to 6 ms, when only requests were reserved before
+    # the driver's call, each pool's growth by a whole chunk noticed after it; and once
+    # everything is freed each process's charge is what the driver holds for it (its context)
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "20m",
+           "FAKE_CUDA_POOL_RELEASE": "1",
+           "FAKE_CUDA_SLEEP": "cuMemAllocAsyncAfter:1,cuMemAllocFromPoolAsyncAfter:1,"
+                              "cuMemFreeAsyncAfter:1"}
+    program = str(lab.build / "tests" / "poolrace")
+    done = lab.tmp / "done"
+    monitor = subprocess.Popen([program, "monitor", str(done)], stdout=subprocess.PIPE, text=True,
+                               env=lab.env(LD_PRELOAD=None, CAP_BYTES=str(GIB), **env))
+    racers = [subprocess.Popen([program, "300", "4"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=lab.env(**env))
+              for _ in range(3)]
+    lab.procs += [monitor, *racers]
+    outs = [racer.communicate(timeout=120) for racer in racers]
+    done.touch()
+    peak, longest = (int(v) for v in monitor.communicate(timeout=30)[0].split()[1:])
+    for racer, (out, err) in zip(racers, outs, strict=True):
+        lab.check_sanitizers(err)
+        assert racer.returncode == 0, err
+        _, errors, charged, held = out.split()
+        assert (int(errors), int(charged), int(held)) == (0, 20 * MIB, 20 * MIB), err
+    assert peak <= GIB, f"{(peak - GIB) / MIB:.0f} MiB over the cap for up to {longest} us"
+
+
 def test_a_cap_smaller_than_one_context_says_what_to_raise(lab):
     # 256 MiB against a 600 MiB context (PyTorch's takes 524 MiB on an H200): CUDA cannot start,
     # first from the measurement, then, for the next process, from the container's estimate

@@ -1987,7 +1987,9 @@ API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPo
     (void)s;
     FAIL_POINT("cuMemAllocFromPoolAsync");
     NEED_CTX();
-    return pool_alloc(dptr, bytes, (struct fake_pool *)pool);
+    CUresult rc = pool_alloc(dptr, bytes, (struct fake_pool *)pool);
+    (void)fail_check("cuMemAllocFromPoolAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the pool grown */
+    return rc;
 }
 
 API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s)
@@ -2010,7 +2012,9 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUstream s, int pts
     if (fake_capture_alloc(s, ptsz, dptr, bytes, &rc)) return rc;
     int pdev = stream_ctx(s)->pdev; /* as the driver: the current pool of the stream's device */
     default_pools[pdev].pdev = pdev;
-    return pool_alloc(dptr, bytes, &default_pools[pdev]);
+    rc = pool_alloc(dptr, bytes, &default_pools[pdev]);
+    (void)fail_check("cuMemAllocAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the pool grown */
+    return rc;
 }
 
 API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream s)
