@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import struct
 import subprocess
 import time
 
@@ -491,6 +492,71 @@ def test_a_fork_child_at_the_cap_takes_its_parent_for_alive(lab):
     assert [rc for rc, _ in res.of("alloc")] == [0, OOM, OOM]
     assert [vals for _, vals in res.of("meminfo")] == [[GIB, 4 * GIB]] * 2
     assert res.of("fork") == [(0, [])]
+
+
+def live_tokens(lab: Lab) -> dict[int, int]:
+    """``{pid: token}`` of the region's live process slots (the mirror skips the token field)."""
+    raw = lab.region_path.read_bytes()
+    names = [name for name, _ in mirror.PROC_FIELDS]
+    at = struct.calcsize("<" + "".join(fmt for _, fmt in mirror.PROC_FIELDS[:names.index("_token")]))
+    tokens = {}
+    for i in range(mirror.MAX_PROCS):
+        base = mirror.PROCS_OFFSET + i * mirror.PROC.size
+        pid, state = struct.unpack_from("<iI", raw, base)
+        if state == mirror.PROC_LIVE:
+            tokens[pid] = struct.unpack_from("<I", raw, base + at)[0]
+    return tokens
+
+
+def on_nfs(lab: Lab) -> dict[str, str]:
+    """The environment that makes the region file look and lock as on NFS
+    (tests/next/nfslike.c, preloaded before the library)."""
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgsnfslike.so"))
+    return {"LD_PRELOAD": ":".join(preload), "GS_TEST_NFS_PATH": str(lab.region_path)}
+
+
+@pytest.mark.parametrize("fs", ["local", "nfs"])
+def test_liveness_tokens_are_taken_only_on_local_file_systems(lab, fs):
+    # NFS emulates flock(2) with a byte-range lock on the whole file, which a token (a lock on
+    # one byte) blocks: each process's attach waited for the token holder's whole life.  There
+    # no token is taken, and a live process is still told from a dead one by /proc
+    env = on_nfs(lab) if fs == "nfs" else {}
+    held, held2, go = lab.tmp / "held", lab.tmp / "held2", lab.tmp / "go"
+    holder = lab.start("init", "ctx", "0", "alloc", "4g", "touch", str(held), "waitfile", str(go),
+                       CUDA_DEVICE_MEMORY_LIMIT="6g", **env)
+    lab.wait_for(held)
+    other = lab.start("init", "ctx", "0", "alloc", "1g", "alloc", "4g", "touch", str(held2),
+                      "waitfile", str(go), CUDA_DEVICE_MEMORY_LIMIT="6g", **env)
+    # attached beside the holder, not behind its token (the holder gives up waiting after 10 s)
+    lab.wait_for(held2, timeout=8)
+    assert holder.poll() is None
+    tokens = live_tokens(lab)
+    go.touch()
+    res = lab.finish(other)
+    lab.finish(holder)
+    if fs == "nfs":
+        assert tokens == {holder.pid: 0, other.pid: 0}
+    else:
+        assert tokens == {holder.pid: holder.pid, other.pid: other.pid}
+    # the holder is alive (its 4 GiB not reclaimed for the other's refused 4 GiB)
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+
+
+def test_a_killed_process_on_nfs_returns_its_usage(lab):
+    # without tokens (NFS) a dead holder is still told by its pid
+    env = on_nfs(lab)
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g", **env)
+    lab.wait_for(lab.tmp / "held")
+    tokens = live_tokens(lab)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    res = lab.run("init", "ctx", "0", "alloc", "6g", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="8g",
+                  timeout=30, **env)
+    assert tokens == {holder.pid: 0}
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo") == [2 * GIB, 8 * GIB]
 
 
 def test_a_failed_huge_allocation_on_an_uncapped_device_leaves_the_usage_right(lab):
