@@ -483,6 +483,41 @@ def test_a_process_that_closes_its_descriptors_keeps_its_slot(lab):
     assert used == 4 * GIB
 
 
+def test_a_sweep_leaves_a_slot_its_process_registered_in_again_since_it_was_found_dead(lab):
+    # Between an exec and the new image's registration, a process's slot looks dead: the same
+    # pid and start time, its token gone with the exec, the region not mapped.  A sweep checks
+    # the slots without the region's lock and reclaims the dead under it if their identity is
+    # unchanged; the new image, a CUDA program, registers in the same slot with the same
+    # identity, and a sweep that took the lock only after that reclaimed the live process's
+    # usage.  Under the lock it checks that the token is still not held.  The sweeper here stops
+    # just after reading the process's /proc maps (tests/next/pausemaps.c) until the new image
+    # has registered and allocated
+    t = lab.tmp
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgspausemaps.so"))
+    # its cuMemGetInfo sweeps (at most every 250 ms per process: 300 ms after its attach)
+    sweeper = lab.start("init", "ctx", "0", "alloc", "1m", "touch", str(t / "attached"),
+                        "waitfile", str(t / "execd"), "sleep", "300", "meminfo", "touch",
+                        str(t / "swept"), "waitfile", str(t / "end"), CUDA_DEVICE_MEMORY_LIMIT="8g",
+                        LD_PRELOAD=":".join(preload), GS_TEST_PAUSED=str(t / "paused"),
+                        GS_TEST_RESUME=str(t / "resume"))
+    lab.wait_for(t / "attached")
+    proc = lab.start("init", "ctx", "0", "alloc", "1g", "reexec", "touch", str(t / "execd"),
+                     "waitfile", str(t / "go"), "init", "ctx", "0", "alloc", "2g", "touch",
+                     str(t / "registered"), "waitfile", str(t / "end"), CUDA_DEVICE_MEMORY_LIMIT="8g")
+    lab.wait_for(t / "paused")  # the sweep found the process dead, without the lock
+    (t / "go").touch()
+    lab.wait_for(t / "registered")  # in the same slot, its token taken
+    (t / "resume").touch()
+    lab.wait_for(t / "swept")
+    region = lab.region()
+    (t / "end").touch()
+    assert [rc for rc, _ in lab.finish(proc).of("alloc")] == [0, 0]
+    lab.finish(sweeper)
+    assert {p.pid: p.used_bytes[0] for p in region.processes} == {sweeper.pid: MIB, proc.pid: 2 * GIB}
+    assert region.devices[0].used_bytes == 2 * GIB + MIB
+
+
 def test_a_fork_child_at_the_cap_takes_its_parent_for_alive(lab):
     # the child's refused reservation checks the container's processes for the dead: its
     # parent's token is held through the parent's own descriptor, which the child closed
