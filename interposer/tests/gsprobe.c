@@ -483,6 +483,9 @@ static struct {
     long ms;
     uint64_t size;
     CUresult rc;
+    const char *path;  /* bgcapture: the file it waits for */
+    CUresult end_rc;   /* bgcapture: the capture's end */
+    uint64_t waited;   /* bgcapture: ns its begin took */
 } bg;
 
 static void *bg_main(void *p)
@@ -534,6 +537,21 @@ static void *bg_main(void *p)
         CUgraphExec e = (CUgraphExec)(uintptr_t)bg.size;
         api.cuCtxSetCurrent(capture_ctx);
         bg.rc = api.cuGraphExecDestroy(e);
+    } else if (!strcmp(bg.what, "bgcapture")) {
+        /* a global capture begun once bg.path exists, held open for bg.ms */
+        CUstream cs = NULL;
+        void *g = NULL;
+        api.cuCtxSetCurrent(capture_ctx);
+        api.cuStreamCreate(&cs, 1);
+        struct stat st;
+        for (int n = 0; stat(bg.path, &st) != 0 && n < 20000; n++) usleep(1000);
+        uint64_t t0 = now_ns();
+        bg.rc = api.cuStreamBeginCapture_v2(cs, 0 /* global */);
+        bg.waited = now_ns() - t0;
+        if (bg.rc == CUDA_SUCCESS)
+            bg.rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, cs, NULL, NULL);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.end_rc = api.cuStreamEndCapture(cs, &g);
     } else if (!strcmp(bg.what, "bgglaunch")) {
         api.cuCtxSetCurrent(capture_ctx);
         bg.rc = CUDA_SUCCESS;
@@ -561,7 +579,10 @@ static void bg_join(void)
     if (!bg.running) return;
     pthread_join(bg.thread, NULL);
     bg.running = 0;
-    printf("%s %d\n", bg.what, bg.rc);
+    if (!strcmp(bg.what, "bgcapture"))
+        printf("bgcapture %d %d %llu\n", bg.rc, bg.end_rc, (unsigned long long)(bg.waited / 1000000));
+    else
+        printf("%s %d\n", bg.what, bg.rc);
 }
 
 /* PyTorch's expandable segments, page by page: create, map, release the handle (the mapping
@@ -1316,6 +1337,13 @@ int main(int argc, char **argv)
             /* bgglaunch N: a thread launches the instantiated graph N times */
             bg_start("bgglaunch", atol(ARG(0)), 0);
             i += 1;
+        } else if (!strcmp(c, "bgcapture")) {
+            /* bgcapture FILE MS: a thread, in the context "ctx" made current, begins a global
+             * capture once FILE exists and ends it MS later; "join" prints the begin's (and its
+             * launch's) result, the end's, and the milliseconds the begin took */
+            bg.path = ARG(0);
+            bg_start("bgcapture", atol(ARG(1)), 0);
+            i += 2;
         } else if (!strcmp(c, "join")) {
             bg_join();
         } else if (!strcmp(c, "mark")) {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import struct
 import subprocess
 import time
 
@@ -540,6 +541,41 @@ def test_a_process_that_closes_its_descriptors_keeps_its_slot(lab):
     assert used == 4 * GIB
 
 
+def test_a_sweep_leaves_a_slot_its_process_registered_in_again_since_it_was_found_dead(lab):
+    # Between an exec and the new image's registration, a process's slot looks dead: the same
+    # pid and start time, its token gone with the exec, the region not mapped.  A sweep checks
+    # the slots without the region's lock and reclaims the dead under it if their identity is
+    # unchanged; the new image, a CUDA program, registers in the same slot with the same
+    # identity, and a sweep that took the lock only after that reclaimed the live process's
+    # usage.  Under the lock it checks that the token is still not held.  The sweeper here stops
+    # just after reading the process's /proc maps (tests/next/pausemaps.c) until the new image
+    # has registered and allocated
+    t = lab.tmp
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgspausemaps.so"))
+    # its cuMemGetInfo sweeps (at most every 250 ms per process: 300 ms after its attach)
+    sweeper = lab.start("init", "ctx", "0", "alloc", "1m", "touch", str(t / "attached"),
+                        "waitfile", str(t / "execd"), "sleep", "300", "meminfo", "touch",
+                        str(t / "swept"), "waitfile", str(t / "end"), CUDA_DEVICE_MEMORY_LIMIT="8g",
+                        LD_PRELOAD=":".join(preload), GS_TEST_PAUSED=str(t / "paused"),
+                        GS_TEST_RESUME=str(t / "resume"))
+    lab.wait_for(t / "attached")
+    proc = lab.start("init", "ctx", "0", "alloc", "1g", "reexec", "touch", str(t / "execd"),
+                     "waitfile", str(t / "go"), "init", "ctx", "0", "alloc", "2g", "touch",
+                     str(t / "registered"), "waitfile", str(t / "end"), CUDA_DEVICE_MEMORY_LIMIT="8g")
+    lab.wait_for(t / "paused")  # the sweep found the process dead, without the lock
+    (t / "go").touch()
+    lab.wait_for(t / "registered")  # in the same slot, its token taken
+    (t / "resume").touch()
+    lab.wait_for(t / "swept")
+    region = lab.region()
+    (t / "end").touch()
+    assert [rc for rc, _ in lab.finish(proc).of("alloc")] == [0, 0]
+    lab.finish(sweeper)
+    assert {p.pid: p.used_bytes[0] for p in region.processes} == {sweeper.pid: MIB, proc.pid: 2 * GIB}
+    assert region.devices[0].used_bytes == 2 * GIB + MIB
+
+
 def test_a_fork_child_at_the_cap_takes_its_parent_for_alive(lab):
     # the child's refused reservation checks the container's processes for the dead: its
     # parent's token is held through the parent's own descriptor, which the child closed
@@ -549,6 +585,71 @@ def test_a_fork_child_at_the_cap_takes_its_parent_for_alive(lab):
     assert [rc for rc, _ in res.of("alloc")] == [0, OOM, OOM]
     assert [vals for _, vals in res.of("meminfo")] == [[GIB, 4 * GIB]] * 2
     assert res.of("fork") == [(0, [])]
+
+
+def live_tokens(lab: Lab) -> dict[int, int]:
+    """``{pid: token}`` of the region's live process slots (the mirror skips the token field)."""
+    raw = lab.region_path.read_bytes()
+    names = [name for name, _ in mirror.PROC_FIELDS]
+    at = struct.calcsize("<" + "".join(fmt for _, fmt in mirror.PROC_FIELDS[:names.index("_token")]))
+    tokens = {}
+    for i in range(mirror.MAX_PROCS):
+        base = mirror.PROCS_OFFSET + i * mirror.PROC.size
+        pid, state = struct.unpack_from("<iI", raw, base)
+        if state == mirror.PROC_LIVE:
+            tokens[pid] = struct.unpack_from("<I", raw, base + at)[0]
+    return tokens
+
+
+def on_nfs(lab: Lab) -> dict[str, str]:
+    """The environment that makes the region file look and lock as on NFS
+    (tests/next/nfslike.c, preloaded before the library)."""
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgsnfslike.so"))
+    return {"LD_PRELOAD": ":".join(preload), "GS_TEST_NFS_PATH": str(lab.region_path)}
+
+
+@pytest.mark.parametrize("fs", ["local", "nfs"])
+def test_liveness_tokens_are_taken_only_on_local_file_systems(lab, fs):
+    # NFS emulates flock(2) with a byte-range lock on the whole file, which a token (a lock on
+    # one byte) blocks: each process's attach waited for the token holder's whole life.  There
+    # no token is taken, and a live process is still told from a dead one by /proc
+    env = on_nfs(lab) if fs == "nfs" else {}
+    held, held2, go = lab.tmp / "held", lab.tmp / "held2", lab.tmp / "go"
+    holder = lab.start("init", "ctx", "0", "alloc", "4g", "touch", str(held), "waitfile", str(go),
+                       CUDA_DEVICE_MEMORY_LIMIT="6g", **env)
+    lab.wait_for(held)
+    other = lab.start("init", "ctx", "0", "alloc", "1g", "alloc", "4g", "touch", str(held2),
+                      "waitfile", str(go), CUDA_DEVICE_MEMORY_LIMIT="6g", **env)
+    # attached beside the holder, not behind its token (the holder gives up waiting after 10 s)
+    lab.wait_for(held2, timeout=8)
+    assert holder.poll() is None
+    tokens = live_tokens(lab)
+    go.touch()
+    res = lab.finish(other)
+    lab.finish(holder)
+    if fs == "nfs":
+        assert tokens == {holder.pid: 0, other.pid: 0}
+    else:
+        assert tokens == {holder.pid: holder.pid, other.pid: other.pid}
+    # the holder is alive (its 4 GiB not reclaimed for the other's refused 4 GiB)
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+
+
+def test_a_killed_process_on_nfs_returns_its_usage(lab):
+    # without tokens (NFS) a dead holder is still told by its pid
+    env = on_nfs(lab)
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g", **env)
+    lab.wait_for(lab.tmp / "held")
+    tokens = live_tokens(lab)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    res = lab.run("init", "ctx", "0", "alloc", "6g", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="8g",
+                  timeout=30, **env)
+    assert tokens == {holder.pid: 0}
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo") == [2 * GIB, 8 * GIB]
 
 
 def test_a_failed_huge_allocation_on_an_uncapped_device_leaves_the_usage_right(lab):

@@ -601,6 +601,22 @@ def test_a_global_capture_in_one_thread_is_not_invalidated_by_launches_in_anothe
     assert res.of("captureother") == [(0, [0, 0])]
 
 
+def test_a_global_capture_begun_while_a_context_is_settled_before_its_destroy_waits(lab):
+    # a context's destroy first synchronises it (its work measured while its events can be
+    # read), outside the throttle's lock; a global capture another thread began during that
+    # synchronisation was invalidated by it (as the driver does; here the fake, strict).  The
+    # begin now waits until no context is being synchronised so
+    mark = lab.tmp / "syncing"
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "launch", "1", "bgcapture", str(mark), "600",
+                  "ctxdestroy", "0", "join", CUDA_DEVICE_SM_LIMIT="50", FAKE_CUDA_KERNEL_US="200000",
+                  FAKE_CUDA_SLEEP="cuCtxSynchronize:400", FAKE_CUDA_SLEEP_MARK=str(mark),
+                  FAKE_CUDA_CAPTURE_STRICT="1", FAKE_CUDA_CAPTURE_SYNC="1", timeout=60)
+    assert res.rc("ctxdestroy") == 0, res.stdout + res.stderr
+    begin, (end, waited_ms) = res.of("bgcapture")[0]
+    assert (begin, end) == (0, 0)  # 901: invalidated
+    assert waited_ms >= 300  # it began once the 400 ms synchronisation had ended
+
+
 # ---- launches a capture keeps from being measured ---------------------------------------------
 #
 # While a capture that forbids event queries is on (global mode in any thread, thread-local mode

@@ -95,9 +95,9 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s)
 }
 
 /* FAKE_CUDA_CAPTURE_STRICT=1: as the real driver, a capture in global mode
- * (0) forbids potentially unsafe calls in every thread: cuEventQuery then
- * fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED (900) and invalidates the
- * capture, whose cuStreamEndCapture returns CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901). */
+ * (0) forbids potentially unsafe calls in every thread: cuEventQuery (and, with
+ * FAKE_CUDA_CAPTURE_SYNC=1, cuCtxSynchronize: below) then fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+ * (900) and invalidates the capture, whose cuStreamEndCapture returns CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901). */
 static int global_captures, capture_invalidated;
 
 static int capture_forbids(void)
@@ -291,12 +291,22 @@ API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b)
     return cuEventElapsedTime(ms, a, b);
 }
 
+/* FAKE_CUDA_CAPTURE_SYNC=1 (with FAKE_CUDA_CAPTURE_STRICT=1): a synchronisation of the context
+ * is one of the calls a global capture forbids too, as on the driver: made while one is on, or
+ * still waiting when one begins (in any thread), it fails and invalidates the capture.  Not by
+ * default: gsprobe's bench synchronises its context while other tests hold a capture open.
+ * FAKE_CUDA_SLEEP "cuCtxSynchronize:MS" makes it take that long. */
 API CUresult cuCtxSynchronize(void)
 {
+    static int sync_forbidden = -1;
+    if (sync_forbidden < 0) sync_forbidden = getenv("FAKE_CUDA_CAPTURE_SYNC") != NULL;
+    int forbidden = sync_forbidden && capture_forbids();
+    FAIL_POINT("cuCtxSynchronize");
     sleep_until(__atomic_load_n(&legacy_stream.tail, __ATOMIC_ACQUIRE));
     sleep_until(__atomic_load_n(&ptds_stream.tail, __ATOMIC_ACQUIRE));
     pools_release_at_sync();
-    return CUDA_SUCCESS;
+    if (sync_forbidden && capture_forbids()) forbidden = 1;
+    return forbidden ? 900 : CUDA_SUCCESS; /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
 }
 
 /* CUDA 13's: the context is an argument, NULL for the current one (this fake has one context's
