@@ -43,7 +43,7 @@ unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMOR
 build_without_make() {
   (cd interposer && mkdir -p build &&
     gcc -E -P -Isrc -x c src/exports.map.in -o build/exports.map &&
-    gcc -std=gnu11 -O2 -fPIC -pthread -fvisibility=hidden -Iinclude -Isrc -shared \
+    gcc -std=gnu11 -O2 -fPIC -pthread -fvisibility=hidden -ftls-model=initial-exec -Iinclude -Isrc -shared \
       -Wl,--version-script=build/exports.map -Wl,-z,lazy -Wl,-z,relro -Wl,-Bsymbolic-functions \
       -Wl,-soname,libgpuslice.so \
       src/*.c -ldl -o build/libgpuslice.so)
