@@ -4,8 +4,8 @@ harness's children and deadline, gpubench, the NVML watches, the agent's outside
 summary and the files under ``$OUT``) is rehearsed here on every CI run, every row of it, in two
 runs of the script:
 
-- the memory, view, process and cost rows: their workloads are gpubench (the C driver-API
-  tool) and the fills of PyTorch, CuPy and JAX, played here by ``tests/gpu/rehearsal``'s
+- the memory, view, process, stream-ordered pool and cost rows: their workloads are gpubench
+  (the C driver-API tool) and the fills of PyTorch, CuPy and JAX, played here by ``tests/gpu/rehearsal``'s
   stand-ins, which take memory through the driver API as those frameworks' allocators do
   (PyTorch's expandable segments through ``cuMemCreate`` pages); ``nvidia-smi`` is a stand-in
   that reads NVML as the real one does;
@@ -37,12 +37,12 @@ STANDINS = {"PYTHONPATH": str(REHEARSAL), "GPUCHECK_REHEARSAL": "1"}
 """The stand-in frameworks on the children's path, and the switch that lets them load."""
 TESTS = ["tests/gpu/test_memory.py", "tests/gpu/test_views.py", "tests/gpu/test_processes.py",
          "tests/gpu/test_usage.py", "tests/gpu/test_overhead.py", "tests/gpu/test_vmm.py",
-         "tests/gpu/test_pidns.py"]
+         "tests/gpu/test_pidns.py", "tests/gpu/test_pool.py"]
 """Every test but the compute rows'."""
 FUNCTIONAL = {"outside_usage", "oom_torch", "graph_memory", "legacy_entry_points", "green_ctx",
               "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
               "jax_default", "process_views", "memory_percent", "limits_file", "smi_view",
-              "two_procs", "race", "outside_check", "ipc_import"}
+              "two_procs", "race", "outside_check", "ipc_import", "pool_async"}
 """Rows whose verdict the fake decides as a GPU would (caps, refusals, views, NVML per process;
 the fake's IPC import takes no memory of its own, which is what ipc_import asks of the real
 driver). The launch and alloc+free costs are the fake's own (a 250 ns fake launch, a 2 µs fake
@@ -112,7 +112,8 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
     for check, says in (("launch_cost", "x call"), ("alloc_free", " us plain)")):
         assert rows[check]["status"] in {"PASS", "FAIL"}, rows[check]  # measured, not judged
         assert says in rows[check]["value"], rows[check]
-    assert set(rows) - FUNCTIONAL - {"launch_cost", "alloc_free", "pid_namespace"} == COMPUTE
+    assert set(rows) - FUNCTIONAL - {"launch_cost", "alloc_free", "pid_namespace",
+                                     "pool_chunk"} == COMPUTE
     # the fake lists each live process by the pid it knows itself by: in a PID namespace (root
     # here) its namespace's, which the library used too; and as kill() finds no process of
     # that number inside, it leaves the co-tenant outside out of the inside list, as the open
@@ -140,6 +141,21 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
     assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB, region +0 MiB")
     assert rows["graph_memory"]["value"].endswith("outside 2,348")  # 2 GiB + the context
     assert rows["smi_view"]["value"].startswith("10,240 / 4,396 MiB (usage 4,396)")
+    # the stream-ordered pool rows: the fake grows a pool by whole 32 MiB chunks, so gpubench's
+    # poolgrow must measure them (1, 2, 10, 50 and 150 MiB held), and its release threshold 0
+    # give them back at the synchronisation after the frees; poolfill reaches a 2 GiB cap less
+    # the 300 MiB context to the chunk (27 x 64 MiB; each smaller size needs a chunk more)
+    assert rows["pool_chunk"]["status"] == "INFO", rows["pool_chunk"]
+    assert rows["pool_chunk"]["value"] == ("32/32/32/64/160 MiB for 1/2/10/50/150 held (as 32 MiB "
+                                           "chunks); freed+synced 0, trimmed 0"), rows["pool_chunk"]
+    grew = next(m["data"] for m in report["measured"] if m.get("check") == "pool_chunk")
+    assert grew["growth_steps_mib"] == [32, 0, 0, 32, 96] and grew["as_chunk_model"], grew
+    assert grew["result"]["freed_mib"] == 160, grew  # given back at the synchronisation
+    assert rows["pool_async"]["value"] == ("1,728 MiB (>= 1,684; context 300, pool 1,728), "
+                                           "outside 2,028"), rows["pool_async"]
+    filled = next(m["data"] for m in report["measured"] if m.get("check") == "pool_async")
+    assert filled["result"]["counts"] == [27, 0, 0, 0], filled["result"]
+    assert filled["result"]["used_after"] == 300 == filled["result"]["used_before"], filled
     # the script's own nvidia-smi query (the stand-in, no library: the whole fake GPU)
     assert f"Fake GPU 0, {UUID_A}, 580.00.00-fake, 16384 MiB, 0 MiB" in log
     assert report["versions"]["gpubench"]["build"]  # how gpubench was built, for the record

@@ -641,6 +641,38 @@ def test_the_gpu_check_s_green_context_program_runs_on_the_fake_driver(lab, tmp_
     assert got["big_rc"] == OOM and got["used_with_big"] == 820
 
 
+@pytest.mark.parametrize("chunk", ["32m", "2m"])
+def test_the_gpu_check_s_pool_programs_run_on_the_fake_driver(lab, tmp_path, chunk):
+    # scripts/gpu-check.sh's stream-ordered pool rows (tests/gpu/test_pool.py) run `gpubench
+    # poolgrow` without the library and `gpubench poolfill` under a 2 GiB cap on the H200;
+    # here the same program against the fake, whose pools grow by FAKE_CUDA_POOL_CHUNK: the
+    # growth measured is the driver's (2 MiB chunks too), not the library's 32 MiB assumption
+    exe = tmp_path / "gpubench"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-DGPUBENCH_DLOPEN",
+                    str(GPUBENCH), "-o", str(exe), "-ldl"], check=True)
+    fake = {"FAKE_CUDA_CTX_BYTES": "300m", "FAKE_CUDA_POOL_CHUNK": chunk}
+    grow = lab.run_program([str(exe), "poolgrow", "1,1,8,40,100"], LD_PRELOAD=None, **fake)
+    assert grow.returncode == 0, grow.stderr
+    got = json.loads(grow.stdout.split("RESULT ", 1)[1])
+    held = [1, 2, 10, 50, 150]
+    step = 32 if chunk == "32m" else 2
+    assert got["reserved_mib"] == got["synced_mib"] == [-(-h // step) * step for h in held], got
+    # the release threshold (0) gives the pool back at the synchronisation after the frees
+    assert (got["start_mib"], got["after_sync_mib"], got["after_trim_mib"]) == (0, 0, 0), got
+    fill = lab.run_program([str(exe), "poolfill", "64,16,4,1"], CUDA_DEVICE_MEMORY_LIMIT="2g",
+                           **fake)
+    assert fill.returncode == 0, fill.stderr
+    got = json.loads(fill.stdout.split("RESULT ", 1)[1])
+    # 1,748 MiB left beside the context: each size after 27 x 64 MiB must grow the pool, for
+    # which the library reserves a 32 MiB chunk (GS_POOL_CHUNK) more than is left, whatever the
+    # driver's own chunk (with 2 MiB ones, 20 MiB of the cap out of reach: the row's slack)
+    assert got["counts"] == [27, 0, 0, 0], got
+    assert got["refused_rc"] == [OOM] * 4 and not got["guard_hit"], got
+    assert got["total_mib"] == 1728, got
+    assert got["used_before"] == got["used_after"] == 300 and got["reserved_after_mib"] == 0, got
+    assert got["used_peak"] == 300 + got["total_mib"] and got["view_total_mib"] == 2048, got
+
+
 def test_destroying_a_context_returns_its_footprint_and_its_allocations(lab):
     res = lab.run("init", "ctxcreate", "0", "alloc", "200m", "array", "256", "256", "ctxdestroy",
                   "0", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",

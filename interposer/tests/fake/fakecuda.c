@@ -14,7 +14,9 @@
  *   FAKE_CUDA_POOL_CHUNK     pool growth granularity, default 32m
  *   FAKE_CUDA_POOL_RELEASE=1 pools have the driver's default release threshold (0): every
  *                            stream, event or context synchronisation gives back what they
- *                            do not use (otherwise they keep it until trimmed)
+ *                            do not use (otherwise they keep it until trimmed, unless a
+ *                            program sets CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: such a pool gives
+ *                            back what is past it at every synchronisation)
  *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
  *                            call, default 1; code default 2 = out of memory)
  *   FAKE_CUDA_SLEEP          "name:ms[,name:ms]" sleep inside those calls; "exit:ms" sleeps in the
@@ -929,6 +931,8 @@ struct fake_pool {
     int pdev; /* -1: host memory; FAKE_POOL_FOLLOWS: managed, on the first allocating context's device */
     int destroyed;
     uint64_t reserved, used;
+    int release_set; /* cuMemPoolSetAttribute(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) was called */
+    uint64_t release_threshold;
 };
 #define MAX_ALLOCS 8192
 static struct fake_alloc allocs[MAX_ALLOCS];
@@ -1959,6 +1963,25 @@ API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, 
     return CUDA_SUCCESS;
 }
 
+#define FAKE_MEMPOOL_ATTR_RELEASE_THRESHOLD 4
+static int any_release_set; /* some pool has a release threshold of the program's */
+
+/* Only the release threshold is modelled (given back at synchronisations); the reuse
+ * policies answer CUDA_ERROR_NOT_SUPPORTED. */
+API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value)
+{
+    FAIL_POINT("cuMemPoolSetAttribute");
+    struct fake_pool *p = (struct fake_pool *)pool;
+    if (!p || !value || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
+    if (attr != FAKE_MEMPOOL_ATTR_RELEASE_THRESHOLD) return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&mu);
+    p->release_threshold = *(cuuint64_t *)value;
+    p->release_set = 1;
+    any_release_set = 1;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
 static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, struct fake_pool *p)
 {
     if (!dptr || !bytes || !p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
@@ -2048,20 +2071,30 @@ API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s)
     return free_async(dptr, s, 1);
 }
 
-/* A synchronisation with FAKE_CUDA_POOL_RELEASE=1: every pool trims to what it uses. */
+/* A pool at a synchronisation: with FAKE_CUDA_POOL_RELEASE=1 it trims to what it uses, with
+ * a release threshold the program set to that threshold (or what it uses, if more). */
+static void pool_release(struct fake_pool *p, int on)
+{
+    pthread_mutex_lock(&mu);
+    int set = p->release_set && !p->destroyed;
+    uint64_t keep = p->release_threshold;
+    pthread_mutex_unlock(&mu);
+    if (on || set) cuMemPoolTrimTo((CUmemoryPool)p, on ? 0 : keep);
+}
+
 static void pools_release_at_sync(void)
 {
     static int on = -1;
     if (on < 0) on = getenv("FAKE_CUDA_POOL_RELEASE") != NULL;
-    if (!on) return;
-    for (int d = 0; d < FAKE_MAX_DEVS; d++) cuMemPoolTrimTo((CUmemoryPool)&default_pools[d], 0);
-    cuMemPoolTrimTo((CUmemoryPool)&host_pool, 0);
-    cuMemPoolTrimTo((CUmemoryPool)&managed_pool, 0);
     pthread_mutex_lock(&mu);
-    int n = nuser_pools;
+    int any = any_release_set, n = nuser_pools;
     pthread_mutex_unlock(&mu);
+    if (!on && !any) return;
+    for (int d = 0; d < FAKE_MAX_DEVS; d++) pool_release(&default_pools[d], on);
+    pool_release(&host_pool, on);
+    pool_release(&managed_pool, on);
     for (int i = 0; i < n; i++)
-        if (!user_pools[i]->destroyed) cuMemPoolTrimTo((CUmemoryPool)user_pools[i], 0);
+        if (!user_pools[i]->destroyed) pool_release(user_pools[i], on);
 }
 
 #include "fakelaunch.h"

@@ -28,8 +28,20 @@
  *                                         primary context inside it: the view after it, after
  *                                         MIB allocated in it and after 1 GiB more than the
  *                                         view's free memory, then after it is destroyed
- *                                         (graph and green hold their peak for 250 ms, so
- *                                         that the parent's outside NVML watch sees it)
+ *   gpubench poolgrow MIB,MIB,...         device 0's default pool (release threshold 0):
+ *                                         each request cuMemAllocAsync'd on a stream and
+ *                                         held, the pool's CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT
+ *                                         after each call and after a synchronisation; then
+ *                                         all freed (cuMemFreeAsync), after a synchronisation,
+ *                                         and after cuMemPoolTrimTo(0): how the driver grows a
+ *                                         pool (interposer/src/pool.c's GS_POOL_CHUNK)
+ *   gpubench poolfill MIB,MIB,...         the same pool filled with cuMemAllocAsync: each size
+ *                                         (largest first) until refused, all held; the total,
+ *                                         the view and the pool's size at the peak, then all
+ *                                         freed and the pool trimmed (stops once the total
+ *                                         passes the view's total: no cap)
+ *                                         (graph, green and poolfill hold their peak for
+ *                                         250 ms, so that the parent's outside NVML watch sees it)
  *
  * Benchmarks print one line "RESULT {json}"; errors go to stderr with exit status 2.
  */
@@ -50,6 +62,7 @@ typedef struct CUstream_st *CUstream;
 typedef unsigned long long CUdeviceptr;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct {
     char reserved[64];
 } CUipcMemHandle;
@@ -83,6 +96,10 @@ typedef struct {
     X(CUresult, cuGraphExecDestroy, (CUgraphExec exec))                                  \
     X(CUresult, cuGraphDestroy, (CUgraph g))                                             \
     X(CUresult, cuDeviceGraphMemTrim, (CUdevice dev))                                    \
+    X(CUresult, cuDeviceGetDefaultMemPool, (CUmemoryPool * pool, CUdevice dev))          \
+    X(CUresult, cuMemPoolGetAttribute, (CUmemoryPool pool, int attr, void *value))       \
+    X(CUresult, cuMemPoolSetAttribute, (CUmemoryPool pool, int attr, void *value))       \
+    X(CUresult, cuMemPoolTrimTo, (CUmemoryPool pool, size_t keep))                       \
     X(CUresult, cuGetErrorName, (CUresult err, const char **name))
 
 /* Needed by one command only (serve's ipcget / ipcopen): a driver without them (the CPU tests'
@@ -170,6 +187,14 @@ static void print_list(const char *key, const double *values, int n)
     printf("\"%s\": [", key);
     for (int i = 0; i < n; i++)
         printf("%s%.1f", i ? ", " : "", values[i]);
+    printf("]");
+}
+
+static void print_ints(const char *key, const int *values, int n)
+{
+    printf("\"%s\": [", key);
+    for (int i = 0; i < n; i++)
+        printf("%s%d", i ? ", " : "", values[i]);
     printf("]");
 }
 
@@ -607,10 +632,130 @@ static int cmd_green(size_t mib)
     return 0;
 }
 
+/* Stream-ordered allocations from device 0's default pool (cuda.h's CUmemPool_attribute). */
+enum { POOL_RELEASE_THRESHOLD = 4, POOL_RESERVED_MEM_CURRENT = 5, MAX_SIZES = 16 };
+
+static double pool_reserved_mib(CUmemoryPool pool)
+{
+    unsigned long long bytes = 0;
+    check(CALL(cuMemPoolGetAttribute)(pool, POOL_RESERVED_MEM_CURRENT, &bytes), "cuMemPoolGetAttribute");
+    return (double)bytes / (1 << 20);
+}
+
+/* The device's default pool with release threshold 0 (the driver's default: a synchronisation
+ * gives back what the pool's allocations do not use), on a stream of its own. */
+static CUmemoryPool default_pool(CUdevice dev, CUstream *s)
+{
+    CUmemoryPool pool = NULL;
+    unsigned long long zero = 0;
+    check(CALL(cuDeviceGetDefaultMemPool)(&pool, dev), "cuDeviceGetDefaultMemPool");
+    check(CALL(cuMemPoolSetAttribute)(pool, POOL_RELEASE_THRESHOLD, &zero), "cuMemPoolSetAttribute");
+    check(CALL(cuStreamCreate)(s, 1 /* non-blocking */), "cuStreamCreate");
+    return pool;
+}
+
+static int cmd_poolgrow(const double *mib, int n)
+{
+    CUstream s = NULL;
+    CUdeviceptr held[MAX_SIZES];
+    double at_call[MAX_SIZES], synced[MAX_SIZES];
+    CUmemoryPool pool = default_pool(open_device(), &s);
+    double start = pool_reserved_mib(pool);
+    for (int i = 0; i < n; i++) {
+        check(CALL(cuMemAllocAsync)(&held[i], (size_t)mib[i] << 20, s), "cuMemAllocAsync");
+        at_call[i] = pool_reserved_mib(pool);
+        check(CALL(cuStreamSynchronize)(s), "cuStreamSynchronize");
+        synced[i] = pool_reserved_mib(pool);
+    }
+    for (int i = 0; i < n; i++)
+        check(CALL(cuMemFreeAsync)(held[i], s), "cuMemFreeAsync");
+    double freed = pool_reserved_mib(pool);
+    check(CALL(cuStreamSynchronize)(s), "cuStreamSynchronize");
+    double after_sync = pool_reserved_mib(pool);
+    check(CALL(cuMemPoolTrimTo)(pool, 0), "cuMemPoolTrimTo");
+    double after_trim = pool_reserved_mib(pool);
+    printf("RESULT {");
+    print_list("requests_mib", mib, n);
+    printf(", \"start_mib\": %.1f, ", start);
+    print_list("reserved_mib", at_call, n);
+    printf(", ");
+    print_list("synced_mib", synced, n);
+    printf(", \"freed_mib\": %.1f, \"after_sync_mib\": %.1f, \"after_trim_mib\": %.1f}\n", freed, after_sync,
+           after_trim);
+    return 0;
+}
+
+static int cmd_poolfill(const double *mib, int n)
+{
+    static CUdeviceptr held[MAX_HELD];
+    CUstream s = NULL;
+    int counts[MAX_SIZES], refused[MAX_SIZES];
+    size_t free_bytes = 0, total = 0, filled = 0;
+    int count = 0, guard_hit = 0;
+    CUmemoryPool pool = default_pool(open_device(), &s);
+    check(CALL(cuMemGetInfo_v2)(&free_bytes, &total), "cuMemGetInfo_v2");
+    double before = used_mib();
+    for (int i = 0; i < n; i++) {
+        size_t bytes = (size_t)mib[i] << 20;
+        counts[i] = 0;
+        refused[i] = -1; /* not refused: stopped by the guard (or MAX_HELD) */
+        while (!guard_hit && count < MAX_HELD) {
+            CUresult rc = CALL(cuMemAllocAsync)(&held[count], bytes, s);
+            if (rc != 0) {
+                refused[i] = rc;
+                break;
+            }
+            count++;
+            counts[i]++;
+            filled += bytes;
+            guard_hit = filled > total;
+        }
+    }
+    check(CALL(cuStreamSynchronize)(s), "cuStreamSynchronize");
+    double peak = used_mib(), reserved_peak = pool_reserved_mib(pool);
+    hold_peak();
+    for (int i = 0; i < count; i++)
+        check(CALL(cuMemFreeAsync)(held[i], s), "cuMemFreeAsync");
+    check(CALL(cuStreamSynchronize)(s), "cuStreamSynchronize");
+    check(CALL(cuMemPoolTrimTo)(pool, 0), "cuMemPoolTrimTo");
+    double after = used_mib(), reserved_after = pool_reserved_mib(pool);
+    printf("RESULT {");
+    print_list("steps_mib", mib, n);
+    printf(", ");
+    print_ints("counts", counts, n);
+    printf(", ");
+    print_ints("refused_rc", refused, n);
+    printf(", \"total_mib\": %.1f, \"guard_hit\": %s, \"used_before\": %.1f, \"used_peak\": %.1f, "
+           "\"reserved_peak_mib\": %.1f, \"used_after\": %.1f, \"reserved_after_mib\": %.1f, \"view_total_mib\": %.1f}\n",
+           (double)filled / (1 << 20), guard_hit ? "true" : "false", before, peak, reserved_peak, after,
+           reserved_after, (double)total / (1 << 20));
+    return 0;
+}
+
+/* "64,16,4,1": whole MiB, each > 0, at most MAX_SIZES of them; the count, or 0 if malformed. */
+static int parse_sizes(const char *text, double *mib)
+{
+    int n = 0;
+    for (const char *at = text; n < MAX_SIZES;) {
+        char *end = NULL;
+        long long v = strtoll(at, &end, 10);
+        if (end == at || v <= 0 || v >= (1ll << 30))
+            return 0;
+        mib[n++] = (double)v;
+        if (*end == '\0')
+            return n;
+        if (*end != ',')
+            return 0;
+        at = end + 1;
+    }
+    return 0;
+}
+
 static int usage(void)
 {
     fprintf(stderr, "usage: gpubench info | serve | launch LAUNCHES REPS BATCH | "
-                    "allocfree BYTES PAIRS REPS | legacy MIB | graph MIB | green MIB\n");
+                    "allocfree BYTES PAIRS REPS | legacy MIB | graph MIB | green MIB | "
+                    "poolgrow MIB,MIB,... | poolfill MIB,MIB,...\n");
     return 64;
 }
 
@@ -650,6 +795,13 @@ int main(int argc, char **argv)
         if (mib <= 0)
             return usage();
         return cmd_green((size_t)mib);
+    }
+    if (argc == 3 && (strcmp(argv[1], "poolgrow") == 0 || strcmp(argv[1], "poolfill") == 0)) {
+        double mib[MAX_SIZES];
+        int n = parse_sizes(argv[2], mib);
+        if (n == 0)
+            return usage();
+        return argv[1][4] == 'g' ? cmd_poolgrow(mib, n) : cmd_poolfill(mib, n);
     }
     return usage();
 }
