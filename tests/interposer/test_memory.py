@@ -715,6 +715,40 @@ def test_an_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_
     assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
 
 
+CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
+
+# A created context's destroy, its last CUDA 2.x detach, or the destroy of a green context that
+# holds the primary context's last reference, while another thread, the context current to
+# it, is inside the driver allocating 200 MiB: (the commands that make the context and make it
+# the other thread's, those that end it)
+CONTEXT_ENDS = {
+    "destroy": (["ctxcreate", "0", "capcur"], ["ctxdestroy", "0"]),
+    "last-detach": (["ctxcreate", "0", "capcur"], ["detach", "0"]),
+    "green-destroy": (["green", "0", "greencur", "capcur"], ["greendestroy"]),
+}
+
+
+@pytest.mark.parametrize("taken", ["before", "after"])
+@pytest.mark.parametrize("end", CONTEXT_ENDS)
+def test_an_allocation_racing_its_created_or_green_contexts_end_is_charged_as_the_driver_holds_it(
+        lab, end, taken):
+    # taken before the end, which frees it: its record is booked after the end's forget and
+    # must not stay (the driver is asked); entered before, refused after (the context went,
+    # CUDA_ERROR_CONTEXT_IS_DESTROYED): its reservation returns.  Only the 50 MiB primary
+    # context made afterwards stays charged.  (The fake freed a destroyed context another
+    # thread still had current: that thread's allocation crashed the probe.)
+    make, ends = CONTEXT_ENDS[end]
+    point = "cuMemAlloc_v2After" if taken == "before" else "cuMemAlloc_v2"
+    res = lab.run("init", *make, "bgalloc", "200m", "0", "sleep", "100", *ends, "join", "ctx", "0",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_GREEN_BYTES="8m", FAKE_CUDA_SLEEP=f"{point}:300", FAKE_NVML_PROC_MEM="0")
+    assert res.rc(ends[0]) == 0
+    assert res.rc("bgalloc") == (0 if taken == "before" else CUDA_ERROR_CONTEXT_IS_DESTROYED)
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+
+
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
 def test_a_driver_callback_inside_a_context_call_may_allocate_load_or_make_contexts(lab, callback):
     # a profiler's resource callback (CUPTI: context created, destroy starting) runs inside
