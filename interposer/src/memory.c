@@ -49,9 +49,15 @@ static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext c
 
 /* Did a context go (gs_ctx_teardown_seq) while an allocation that read `seq0` before its
  * driver call was inside the driver? */
-static inline int teardown_since(unsigned seq0)
+#define teardown_since gs_teardown_since
+
+int gs_dptr_gone(uint64_t dptr)
 {
-    return GS_UNLIKELY((seq0 & 1) || __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST) != seq0);
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (!gs_cuda.cuMemGetAddressRange_v2) return 0;
+    CUresult q = gs_cuda.cuMemGetAddressRange_v2(&base, &size, (CUdeviceptr)dptr);
+    return q == CUDA_ERROR_NOT_FOUND || q == CUDA_ERROR_INVALID_CONTEXT || q == CUDA_ERROR_CONTEXT_IS_DESTROYED;
 }
 
 /* The record of an allocation that was inside the driver while a context of the process went
@@ -67,13 +73,7 @@ static inline int teardown_since(unsigned seq0)
 static int record_after_teardown(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx)
 {
     int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
-    int gone = 0;
-    if (kind == GS_KIND_DPTR && gs_cuda.cuMemGetAddressRange_v2) {
-        CUdeviceptr base = 0;
-        size_t size = 0;
-        CUresult q = gs_cuda.cuMemGetAddressRange_v2(&base, &size, (CUdeviceptr)key);
-        gone = q == CUDA_ERROR_NOT_FOUND || q == CUDA_ERROR_INVALID_CONTEXT || q == CUDA_ERROR_CONTEXT_IS_DESTROYED;
-    }
+    int gone = kind == GS_KIND_DPTR && gs_dptr_gone(key);
     int rc = gone ? 1 : record(kind, key, slot, charge, ctx);
     if (gone) gs_budget_release(slot, charge);
     if (locked) gs_ctx_unlock();

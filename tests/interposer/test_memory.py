@@ -749,6 +749,35 @@ def test_an_allocation_racing_its_created_or_green_contexts_end_is_charged_as_th
     assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
 
 
+# A stream-ordered allocation of 200 MiB (from the device's default pool, which grows by 32 MiB
+# chunks: 224 MiB) inside the driver while the primary context goes: (the main thread's
+# commands, where the fake sleeps, whether a reset context stays active, the MiB then held)
+POOL_RACES = {
+    # taken before the reset or the last release, which frees it and empties the pool
+    "taken_before_reset": (["sleep", "100", "reset", "0"], "cuMemAllocAsyncAfter:300", None, 50),
+    "taken_before_release": (["sleep", "100", "release", "0"], "cuMemAllocAsyncAfter:300", None, 50),
+    # taken while the reset, the context emptied and kept active, was still in the driver
+    "taken_during_reset": (["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 274),
+    # entered before, refused after: the context went
+    "taken_after_reset": (["sleep", "100", "reset", "0"], "cuMemAllocAsync:300", None, 50),
+}
+
+
+@pytest.mark.parametrize("race", POOL_RACES)
+def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_holds_it(lab, race):
+    main, sleep, stays_active, held = POOL_RACES[race]
+    delay = "100" if main == ["reset", "0"] else "0"
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", "ctx", "0", "bgasync", "200m", delay, *main, "join", *again, "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep,
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+    assert res.rc(main[-2]) == 0
+    assert res.rc("bgasync") == (CUDA_ERROR_INVALID_CONTEXT if race == "taken_after_reset" else 0)
+    assert res.values("phys") == [held * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
+
+
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
 def test_a_driver_callback_inside_a_context_call_may_allocate_load_or_make_contexts(lab, callback):
     # a profiler's resource callback (CUPTI: context created, destroy starting) runs inside

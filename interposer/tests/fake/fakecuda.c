@@ -1394,6 +1394,7 @@ API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevicept
 {
     pthread_mutex_lock(&mu);
     struct fake_alloc *a = alloc_find(K_DPTR, dptr);
+    if (!a) a = alloc_find(K_POOL, dptr); /* a stream-ordered allocation is an address range too */
     if (a) {
         if (base) *base = a->handle;
         if (size) *size = a->size;
