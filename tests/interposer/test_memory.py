@@ -778,6 +778,27 @@ def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_dri
     assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
 
 
+@pytest.mark.parametrize("end", ["reset", "release"])
+def test_an_array_made_as_the_primary_context_goes_stays_charged_until_the_process_exits(lab, end):
+    # the documented bound: a 200 MiB array another thread's cuArrayCreate had made inside the
+    # driver before a primary reset or last release (which freed it) is booked after it and
+    # stays charged, no driver query telling a destroyed array handle from a live one (250 MiB
+    # charged for 50 held: an 800 MiB allocation is refused under a 1 GiB cap); entered
+    # before and refused after, its reservation returns
+    cmds = ["init", "ctx", "0", "bgarray", "4096", "3200", "0", "sleep", "100", end, "0", "join", "ctx", "0",
+            "meminfo", "phys", "alloc", "800m"]
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "50m", "FAKE_NVML_PROC_MEM": "0"}
+    res = lab.run(*cmds, FAKE_CUDA_SLEEP="cuArrayCreate_v2After:300", **env)
+    assert (res.rc(end), res.rc("bgarray"), res.rc("alloc")) == (0, 0, OOM)
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 250
+    res = lab.run(*cmds, FAKE_CUDA_SLEEP="cuArrayCreate_v2:300", **env)
+    assert (res.rc("bgarray"), res.rc("alloc")) == (CUDA_ERROR_INVALID_CONTEXT, 0)
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50
+
+
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
 def test_a_driver_callback_inside_a_context_call_may_allocate_load_or_make_contexts(lab, callback):
     # a profiler's resource callback (CUPTI: context created, destroy starting) runs inside

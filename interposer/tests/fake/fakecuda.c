@@ -1813,7 +1813,9 @@ API CUresult cuArrayCreate_v2(CUarray *h, const CUDA_ARRAY_DESCRIPTOR *d)
     NEED_CTX();
     if (!h || !d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
     uint64_t bytes = (uint64_t)d->Width * (d->Height ? d->Height : 1) * elem_bytes(d->Format, d->NumChannels);
-    return alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
+    CUresult rc = alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
+    (void)fail_check("cuArrayCreate_v2After"); /* FAKE_CUDA_SLEEP: still inside, the memory taken */
+    return rc;
 }
 
 API CUresult cuArray3DCreate_v2(CUarray *h, const CUDA_ARRAY3D_DESCRIPTOR *d)
