@@ -778,25 +778,42 @@ def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_dri
     assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
 
 
-@pytest.mark.parametrize("end", ["reset", "release"])
-def test_an_array_made_as_the_primary_context_goes_stays_charged_until_the_process_exits(lab, end):
-    # the documented bound: a 200 MiB array another thread's cuArrayCreate had made inside the
-    # driver before a primary reset or last release (which freed it) is booked after it and
-    # stays charged, no driver query telling a destroyed array handle from a live one (250 MiB
-    # charged for 50 held: an 800 MiB allocation is refused under a 1 GiB cap); entered
-    # before and refused after, its reservation returns
-    cmds = ["init", "ctx", "0", "bgarray", "4096", "3200", "0", "sleep", "100", end, "0", "join", "ctx", "0",
-            "meminfo", "phys", "alloc", "800m"]
-    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "50m", "FAKE_NVML_PROC_MEM": "0"}
-    res = lab.run(*cmds, FAKE_CUDA_SLEEP="cuArrayCreate_v2After:300", **env)
-    assert (res.rc(end), res.rc("bgarray"), res.rc("alloc")) == (0, 0, OOM)
-    assert res.values("phys") == [50 * MIB]
+# A 200 MiB array another thread's cuArrayCreate makes inside the driver while a context goes:
+# (the commands that make the context, the main thread's, where the fake sleeps, whether a reset
+# context stays active, the MiB then held, charged)
+ARRAY_RACES = {
+    # made before the end, which freed it, and booked after it: it stayed charged (250 MiB for
+    # 50 held, an 800 MiB allocation refused under a 1 GiB cap); the context went since the
+    # allocation began, and its array with it
+    "before_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
+    "before_release": (["ctx", "0"], ["sleep", "100", "release", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
+    "before_destroy": (["ctxcreate", "0", "capcur"], ["sleep", "100", "ctxdestroy", "0"], "cuArrayCreate_v2After:300",
+                       None, 50, 50),
+    # the bound: a reset that keeps the context active does not say whether the array was made
+    # before it (freed) or while it was in the driver (held), and no query tells a destroyed
+    # array's handle from a live one: recorded, charged until the process exits
+    "before_reset_stays_active": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", "1",
+                                  50, 250),
+    "during_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 250, 250),
+    # entered before, refused after: its reservation returns
+    "refused_after_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2:300", None, 50, 50),
+}
+
+
+@pytest.mark.parametrize("race", ARRAY_RACES)
+def test_an_array_made_as_its_context_goes_is_charged_while_the_driver_may_hold_it(lab, race):
+    make, main, sleep, stays_active, held, charged = ARRAY_RACES[race]
+    delay = "100" if main == ["reset", "0"] else "0"
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", *make, "bgarray", "4096", "3200", delay, *main, "join", *again, "meminfo", "phys",
+                  "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+    assert res.rc(main[-2]) == 0
+    assert res.rc("bgarray") == (CUDA_ERROR_INVALID_CONTEXT if race.startswith("refused") else 0)
+    assert res.values("phys") == [held * MIB]
     free, total = res.values("meminfo")
-    assert (total - free) // MIB == 250
-    res = lab.run(*cmds, FAKE_CUDA_SLEEP="cuArrayCreate_v2:300", **env)
-    assert (res.rc("bgarray"), res.rc("alloc")) == (CUDA_ERROR_INVALID_CONTEXT, 0)
-    free, total = res.values("meminfo")
-    assert (total - free) // MIB == 50
+    assert (total - free) // MIB == charged, f"{(total - free) // MIB} MiB charged for {held} held"
+    assert res.rc("alloc") == (0 if charged == 50 else OOM)
 
 
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
