@@ -247,9 +247,27 @@ static void forget_attached(struct attached *a)
     if (a) *a = g_attached[--g_nattached];
 }
 
+/* Contexts found gone (release_ctx) and the teardown sequence they went at, the newest
+ * GS_GONE: an allocation that cannot be asked for (an array) booked after a teardown is gone
+ * with its context if that went since the allocation began (memory.c).  Under g_ctx_mu. */
+#define GS_GONE 16
+static struct gone_ctx {
+    CUcontext ctx;
+    unsigned seq;
+} g_gone[GS_GONE];
+static unsigned g_ngone;
+
+int gs_ctx_gone_since_locked(CUcontext ctx, unsigned seq0)
+{
+    for (unsigned i = 0; ctx && i < GS_GONE && i < g_ngone; i++)
+        if (g_gone[i].ctx == ctx && (int)(g_gone[i].seq - seq0) >= 0) return 1;
+    return 0;
+}
+
 static void release_ctx(CUcontext ctx)
 {
     struct gs_alloc rec;
+    g_gone[g_ngone++ % GS_GONE] = (struct gone_ctx){ctx, __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST)};
     forget_attached(find_attached(ctx)); /* destroyed whatever its usage count */
     gs_forget_ctx(ctx);
     gs_graphmem_forget_ctx(ctx);
@@ -853,4 +871,5 @@ void gs_context_after_fork_child(void)
     gs_ctx_pending = 0;
     pthread_mutex_init(&g_pend_mu, NULL);
     g_nattached = 0; /* the parent's contexts are not the child's */
+    g_ngone = 0;
 }

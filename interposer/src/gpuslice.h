@@ -285,6 +285,17 @@ extern int gs_inflight;
  * forgotten; moves on with each (context.c).  An allocation that was inside the driver while
  * it moved books its record after that teardown, if the driver still holds it (memory.c). */
 extern unsigned gs_ctx_teardown_seq;
+/* Did a teardown run (or is one running) since `seq0` was read? */
+static inline int gs_teardown_since(unsigned seq0)
+{
+    return GS_UNLIKELY((seq0 & 1) || __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST) != seq0);
+}
+/* After a teardown, under the context lock: does the driver say the device pointer is gone (no
+ * allocation holds it, or its context went)?  0 where it cannot be asked (memory.c) */
+int gs_dptr_gone(uint64_t dptr);
+/* Under gs_ctx_lock: did `ctx` go (destroyed, its last reference released, a primary context
+ * reset and left inactive) at or after teardown sequence `seq0`? (context.c) */
+int gs_ctx_gone_since_locked(CUcontext ctx, unsigned seq0);
 static inline void gs_inflight_begin(void)
 {
     __atomic_add_fetch(&gs_inflight, 1, __ATOMIC_SEQ_CST);

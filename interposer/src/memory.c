@@ -49,9 +49,15 @@ static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext c
 
 /* Did a context go (gs_ctx_teardown_seq) while an allocation that read `seq0` before its
  * driver call was inside the driver? */
-static inline int teardown_since(unsigned seq0)
+#define teardown_since gs_teardown_since
+
+int gs_dptr_gone(uint64_t dptr)
 {
-    return GS_UNLIKELY((seq0 & 1) || __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST) != seq0);
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (!gs_cuda.cuMemGetAddressRange_v2) return 0;
+    CUresult q = gs_cuda.cuMemGetAddressRange_v2(&base, &size, (CUdeviceptr)dptr);
+    return q == CUDA_ERROR_NOT_FOUND || q == CUDA_ERROR_INVALID_CONTEXT || q == CUDA_ERROR_CONTEXT_IS_DESTROYED;
 }
 
 /* The record of an allocation that was inside the driver while a context of the process went
@@ -60,20 +66,19 @@ static inline int teardown_since(unsigned seq0)
  * it (booked after the reset, its record stayed charged for nothing: 250 MiB for 50 held);
  * made while the reset was still in progress (a driver that keeps the context active), the
  * reset's forget dropped its record (200 MiB held uncharged without NVML's per-process
- * figures).  Only a plain allocation can be asked for (cuMemGetAddressRange_v2): others, or
- * an answer that does not say the memory is gone (not found, or its context, the calling
+ * figures).  Only a plain allocation can be asked for (cuMemGetAddressRange_v2); an array's
+ * handle cannot (a destroyed one is not documented to be told from a live one), so an array
+ * or mipmapped array is gone only if its context itself went since the allocation began
+ * (a reset that leaves the context active does not say: the array is recorded; before, every
+ * array made before the context's end stayed charged, 250 MiB for 50 held).  Others, or an
+ * answer that does not say the memory is gone (not found, or its context, the calling
  * thread's current one, gone), are recorded.  0 recorded, 1 gone (its reservation returned),
  * -1 cannot be tracked. */
-static int record_after_teardown(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx)
+static int record_after_teardown(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx, unsigned seq0)
 {
     int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
-    int gone = 0;
-    if (kind == GS_KIND_DPTR && gs_cuda.cuMemGetAddressRange_v2) {
-        CUdeviceptr base = 0;
-        size_t size = 0;
-        CUresult q = gs_cuda.cuMemGetAddressRange_v2(&base, &size, (CUdeviceptr)key);
-        gone = q == CUDA_ERROR_NOT_FOUND || q == CUDA_ERROR_INVALID_CONTEXT || q == CUDA_ERROR_CONTEXT_IS_DESTROYED;
-    }
+    int gone = kind == GS_KIND_DPTR ? gs_dptr_gone(key)
+               : (kind == GS_KIND_ARRAY || kind == GS_KIND_MIPMAP) && locked && gs_ctx_gone_since_locked(ctx, seq0);
     int rc = gone ? 1 : record(kind, key, slot, charge, ctx);
     if (gone) gs_budget_release(slot, charge);
     if (locked) gs_ctx_unlock();
@@ -176,7 +181,7 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         int kind_ = (kind) == DPTR32 ? GS_KIND_DPTR : (kind);                         \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
-        else if ((teardown_since(seq0_) ? record_after_teardown(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx) \
+        else if ((teardown_since(seq0_) ? record_after_teardown(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx, seq0_) \
                                         : record(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx)) < 0) \
             rc = discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);            \
         gs_inflight_end();                                                            \
@@ -260,7 +265,7 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         gs_budget_release(slot, charge - actual);
         charge = actual;
     }
-    if (!ok || (teardown_since(seq0) ? record_after_teardown(GS_KIND_DPTR, *dptr, slot, charge, ctx)
+    if (!ok || (teardown_since(seq0) ? record_after_teardown(GS_KIND_DPTR, *dptr, slot, charge, ctx, seq0)
                                      : record(GS_KIND_DPTR, *dptr, slot, charge, ctx)) < 0)
         rc = discard(v1 ? DPTR32 : GS_KIND_DPTR, *dptr, slot, charge);
     gs_inflight_end();

@@ -406,12 +406,24 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         gs_inflight_begin();
         if (!(probe = gs_pid_probe_begin(mem_dev, 0, 1))) gs_inflight_end();
     }
+    unsigned seq0 = __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST);
     CUresult rc = call(dptr, bytesize, pool, stream, real);
     if (probe) {
         cuuint64_t now = 0;
         int grew = rc == CUDA_SUCCESS && pool_reserved(pool, &now) && now > was;
         gs_pid_probe_end(grew, grew ? now - was : 0, 1);
         gs_inflight_end();
+    }
+    /* a context of the process went while it was inside the driver (as memory.c's
+     * record_after_teardown): booked under the context lock, after the teardown forgot what its
+     * context held, and not at all if the driver says the pointer went with it (taken before a
+     * primary reset or last release, booked after it: its 200 MiB stayed in the pool's live
+     * bytes, 250 MiB charged for 50 held).  A driver that cannot tell a live pool allocation
+     * from a gone one costs nothing: the pool's charge follows its reserved memory */
+    int locked = 0, gone = 0;
+    if (rc == CUDA_SUCCESS && gs_teardown_since(seq0)) {
+        locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
+        gone = gs_dptr_gone(*dptr);
     }
     struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
     mu_lock();
@@ -420,11 +432,17 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     if (p) {
         p->busy--;
         p->pending -= want;
-        if (rc == CUDA_SUCCESS) p->live += bytesize;
-        grown = reconcile_locked(p, rc == CUDA_SUCCESS);
+        if (rc == CUDA_SUCCESS && !gone) p->live += bytesize;
+        grown = reconcile_locked(p, rc == CUDA_SUCCESS && !gone);
     }
     mu_unlock();
-    int put = rc == CUDA_SUCCESS && grown == 0 ? gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) : -1;
+    int put = rc == CUDA_SUCCESS && grown == 0 && !gone ? gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) : -1;
+    if (locked) gs_ctx_unlock();
+    if (gone) {
+        GS_INFO("a pool allocation made as its context went is gone with it: its charge is returned");
+        gs_unsettled_end();
+        return CUDA_SUCCESS;
+    }
     if (put >= 0) {
         if (put == 1) gs_pool_drop_ptr(old.aux, old.size); /* a record the driver's reuse made stale */
         gs_unsettled_end();

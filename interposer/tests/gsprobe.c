@@ -503,6 +503,12 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuMemAllocAsync(&d, bg.size, NULL);
+    } else if (!strcmp(bg.what, "bgarray")) {
+        CUDA_ARRAY_DESCRIPTOR d = {bg.size >> 32, bg.size & 0xffffffffu, 0x20, 4}; /* float4 */
+        CUarray a = NULL;
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuArrayCreate_v2(&a, &d);
     } else if (!strcmp(bg.what, "bgarrayfree")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -1290,6 +1296,11 @@ int main(int argc, char **argv)
             /* bgasync SIZE MS: a thread, in the context "ctx" made current, allocates from the pool */
             bg_start("bgasync", atol(ARG(1)), size_arg(ARG(0)));
             i += 2;
+        } else if (!strcmp(c, "bgarray")) {
+            /* bgarray W H MS: a thread, in the context "ctx" made current, makes a W x H float4
+             * array after MS */
+            bg_start("bgarray", atol(ARG(2)), size_arg(ARG(0)) << 32 | (size_arg(ARG(1)) & 0xffffffffu));
+            i += 3;
         } else if (!strcmp(c, "bgarrayfree")) {
             /* bgarrayfree ID MS: a thread destroys the array of allocation ID after MS */
             bg_start("bgarrayfree", atol(ARG(1)), (uint64_t)atoi(ARG(0)));

@@ -747,6 +747,107 @@ def test_an_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_
     assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
 
 
+CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
+
+# A created context's destroy, its last CUDA 2.x detach, or the destroy of a green context that
+# holds the primary context's last reference, while another thread, the context current to
+# it, is inside the driver allocating 200 MiB: (the commands that make the context and make it
+# the other thread's, those that end it)
+CONTEXT_ENDS = {
+    "destroy": (["ctxcreate", "0", "capcur"], ["ctxdestroy", "0"]),
+    "last-detach": (["ctxcreate", "0", "capcur"], ["detach", "0"]),
+    "green-destroy": (["green", "0", "greencur", "capcur"], ["greendestroy"]),
+}
+
+
+@pytest.mark.parametrize("taken", ["before", "after"])
+@pytest.mark.parametrize("end", CONTEXT_ENDS)
+def test_an_allocation_racing_its_created_or_green_contexts_end_is_charged_as_the_driver_holds_it(
+        lab, end, taken):
+    # taken before the end, which frees it: its record is booked after the end's forget and
+    # must not stay (the driver is asked); entered before, refused after (the context went,
+    # CUDA_ERROR_CONTEXT_IS_DESTROYED): its reservation returns.  Only the 50 MiB primary
+    # context made afterwards stays charged.  (The fake freed a destroyed context another
+    # thread still had current: that thread's allocation crashed the probe.)
+    make, ends = CONTEXT_ENDS[end]
+    point = "cuMemAlloc_v2After" if taken == "before" else "cuMemAlloc_v2"
+    res = lab.run("init", *make, "bgalloc", "200m", "0", "sleep", "100", *ends, "join", "ctx", "0",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_GREEN_BYTES="8m", FAKE_CUDA_SLEEP=f"{point}:300", FAKE_NVML_PROC_MEM="0")
+    assert res.rc(ends[0]) == 0
+    assert res.rc("bgalloc") == (0 if taken == "before" else CUDA_ERROR_CONTEXT_IS_DESTROYED)
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+
+
+# A stream-ordered allocation of 200 MiB (from the device's default pool, which grows by 32 MiB
+# chunks: 224 MiB) inside the driver while the primary context goes: (the main thread's
+# commands, where the fake sleeps, whether a reset context stays active, the MiB then held)
+POOL_RACES = {
+    # taken before the reset or the last release, which frees it and empties the pool
+    "taken_before_reset": (["sleep", "100", "reset", "0"], "cuMemAllocAsyncAfter:300", None, 50),
+    "taken_before_release": (["sleep", "100", "release", "0"], "cuMemAllocAsyncAfter:300", None, 50),
+    # taken while the reset, the context emptied and kept active, was still in the driver
+    "taken_during_reset": (["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 274),
+    # entered before, refused after: the context went
+    "taken_after_reset": (["sleep", "100", "reset", "0"], "cuMemAllocAsync:300", None, 50),
+}
+
+
+@pytest.mark.parametrize("race", POOL_RACES)
+def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_holds_it(lab, race):
+    main, sleep, stays_active, held = POOL_RACES[race]
+    delay = "100" if main == ["reset", "0"] else "0"
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", "ctx", "0", "bgasync", "200m", delay, *main, "join", *again, "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep,
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+    assert res.rc(main[-2]) == 0
+    assert res.rc("bgasync") == (CUDA_ERROR_INVALID_CONTEXT if race == "taken_after_reset" else 0)
+    assert res.values("phys") == [held * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
+
+
+# A 200 MiB array another thread's cuArrayCreate makes inside the driver while a context goes:
+# (the commands that make the context, the main thread's, where the fake sleeps, whether a reset
+# context stays active, the MiB then held, charged)
+ARRAY_RACES = {
+    # made before the end, which freed it, and booked after it: it stayed charged (250 MiB for
+    # 50 held, an 800 MiB allocation refused under a 1 GiB cap); the context went since the
+    # allocation began, and its array with it
+    "before_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
+    "before_release": (["ctx", "0"], ["sleep", "100", "release", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
+    "before_destroy": (["ctxcreate", "0", "capcur"], ["sleep", "100", "ctxdestroy", "0"], "cuArrayCreate_v2After:300",
+                       None, 50, 50),
+    # the bound: a reset that keeps the context active does not say whether the array was made
+    # before it (freed) or while it was in the driver (held), and no query tells a destroyed
+    # array's handle from a live one: recorded, charged until the process exits
+    "before_reset_stays_active": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", "1",
+                                  50, 250),
+    "during_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 250, 250),
+    # entered before, refused after: its reservation returns
+    "refused_after_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2:300", None, 50, 50),
+}
+
+
+@pytest.mark.parametrize("race", ARRAY_RACES)
+def test_an_array_made_as_its_context_goes_is_charged_while_the_driver_may_hold_it(lab, race):
+    make, main, sleep, stays_active, held, charged = ARRAY_RACES[race]
+    delay = "100" if main == ["reset", "0"] else "0"
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", *make, "bgarray", "4096", "3200", delay, *main, "join", *again, "meminfo", "phys",
+                  "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+    assert res.rc(main[-2]) == 0
+    assert res.rc("bgarray") == (CUDA_ERROR_INVALID_CONTEXT if race.startswith("refused") else 0)
+    assert res.values("phys") == [held * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == charged, f"{(total - free) // MIB} MiB charged for {held} held"
+    assert res.rc("alloc") == (0 if charged == 50 else OOM)
+
+
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
 def test_a_driver_callback_inside_a_context_call_may_allocate_load_or_make_contexts(lab, callback):
     # a profiler's resource callback (CUPTI: context created, destroy starting) runs inside

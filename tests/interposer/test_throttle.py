@@ -1154,6 +1154,20 @@ def test_work_running_when_a_context_loses_its_last_reference_is_charged(release
     assert 280 <= busy_ms <= 330, f"{busy_ms:.0f} ms of GPU time charged for 300 ms ({waited} ms waited)"
 
 
+@pytest.mark.parametrize("stays_active", [None, "1"], ids=["released", "stays-active"])
+def test_work_running_when_the_primary_context_is_reset_is_charged(release_lab, stays_active):
+    # cuDevicePrimaryCtxReset destroys the context's events with everything else (whether or
+    # not the driver keeps the emptied context active): a 300 ms kernel still running in it is
+    # waited for and measured first, as before a destroy or a last release; without that wait
+    # it was charged from host time at the reset, 0 ms of 300
+    res = release_lab.run("init", "ctx", "0", "launch", "1", "mark", "reset", "0", "since",
+                          CUDA_DEVICE_SM_LIMIT="50", FAKE_CUDA_KERNEL_US="300000",
+                          FAKE_CUDA_RESET_ACTIVE=stays_active)
+    assert res.rc("launch") == 0 and res.rc("reset") == 0
+    busy_ms = release_lab.region().devices[0].busy_ns / 1e6
+    assert 280 <= busy_ms <= 330, f"{busy_ms:.0f} ms of GPU time charged for 300 ms ({res.values('since')} ms waited)"
+
+
 def test_work_running_when_a_process_exits_is_charged(release_lab):
     # a child per job: one 500 ms kernel, a wait without a hooked synchronisation, exit.
     # Nothing charged the kernel (busy_ns stayed 0): 99.7 % under 30 %.  The exit destructor

@@ -239,6 +239,7 @@ struct fake_ctx {
                          * device runtime's sync depth and pending launches (FAKE_CUDA_CDP_UNIT
                          * bytes per unit, 1 KiB by default; the real sizes are not documented) */
     struct fake_ctx *owner; /* a green context's: its device's primary, which owns its allocations */
+    struct fake_ctx *next_dead; /* a destroyed created context's place in `dead` */
 };
 static struct fake_ctx primaries[FAKE_MAX_DEVS];
 static __thread struct fake_ctx *current;
@@ -741,19 +742,32 @@ API CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
     return CUDA_SUCCESS;
 }
 
+/* Destroyed created contexts (refs 0), kept rather than freed: another thread may still have
+ * one current (its calls then fail with CUDA_ERROR_CONTEXT_IS_DESTROYED, as the driver's do),
+ * and the next creation takes the newest again, so handles are reused as they were when
+ * destroyed contexts went back to malloc.  Under mu. */
+static struct fake_ctx *dead;
+
 static CUresult ctx_create(CUcontext *pctx, CUdevice d)
 {
     FAIL_POINT("cuCtxCreate");
     CHECK_DEV(d);
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    struct fake_ctx *c = calloc(1, sizeof(*c));
     pthread_mutex_lock(&mu);
-    CUresult rc = ctx_new(c, d);
-    pthread_mutex_unlock(&mu);
-    if (rc) {
-        free(c);
-        return rc;
+    struct fake_ctx *c = dead;
+    if (c) {
+        dead = c->next_dead;
+        memset(c, 0, sizeof(*c));
+    } else {
+        c = calloc(1, sizeof(*c));
     }
+    CUresult rc = c ? ctx_new(c, d) : CUDA_ERROR_OUT_OF_MEMORY;
+    if (rc && c) {
+        c->next_dead = dead;
+        dead = c;
+    }
+    pthread_mutex_unlock(&mu);
+    if (rc) return rc;
     current = c;
     ctx_callback(c, "created");
     *pctx = (CUcontext)c;
@@ -781,13 +795,15 @@ API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p, unsigned int 
 API CUresult cuCtxDestroy_v2(CUcontext ctx)
 {
     struct fake_ctx *c = (struct fake_ctx *)ctx;
-    if (!c || c->primary) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!c || c->primary || !c->refs) return CUDA_ERROR_INVALID_CONTEXT;
     ctx_callback(c, "destroy-starting");
     pthread_mutex_lock(&mu);
     ctx_drop(c);
+    c->refs = 0;
+    c->next_dead = dead;
+    dead = c;
     pthread_mutex_unlock(&mu);
     if (current == c) current = NULL;
-    free(c);
     return CUDA_SUCCESS;
 }
 
@@ -893,9 +909,13 @@ API CUresult cuCtxGetDevice_v2(CUdevice *d, CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
+/* a primary context released or reset is not initialised (CUDA_ERROR_INVALID_CONTEXT here); a
+ * created or green context destroyed while current to another thread: cuda.h's
+ * CUDA_ERROR_CONTEXT_IS_DESTROYED */
 #define NEED_CTX()                                                                         \
     do {                                                                                   \
         if (!current || (current->primary && !current->refs)) return CUDA_ERROR_INVALID_CONTEXT; \
+        if (!current->refs) return CUDA_ERROR_CONTEXT_IS_DESTROYED;                        \
     } while (0)
 
 /* FAKE_CUDA_API_VERSIONS: cuda.h's CUDA_ERROR_INVALID_CONTEXT for "a user mixes different API
@@ -1378,6 +1398,7 @@ API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevicept
 {
     pthread_mutex_lock(&mu);
     struct fake_alloc *a = alloc_find(K_DPTR, dptr);
+    if (!a) a = alloc_find(K_POOL, dptr); /* a stream-ordered allocation is an address range too */
     if (a) {
         if (base) *base = a->handle;
         if (size) *size = a->size;
@@ -1796,7 +1817,9 @@ API CUresult cuArrayCreate_v2(CUarray *h, const CUDA_ARRAY_DESCRIPTOR *d)
     NEED_CTX();
     if (!h || !d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
     uint64_t bytes = (uint64_t)d->Width * (d->Height ? d->Height : 1) * elem_bytes(d->Format, d->NumChannels);
-    return alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
+    CUresult rc = alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
+    (void)fail_check("cuArrayCreate_v2After"); /* FAKE_CUDA_SLEEP: still inside, the memory taken */
+    return rc;
 }
 
 API CUresult cuArray3DCreate_v2(CUarray *h, const CUDA_ARRAY3D_DESCRIPTOR *d)
