@@ -47,10 +47,6 @@ static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext c
     return rc < 0 ? -1 : 0;
 }
 
-/* Did a context go (gs_ctx_teardown_seq) while an allocation that read `seq0` before its
- * driver call was inside the driver? */
-#define teardown_since gs_teardown_since
-
 int gs_dptr_gone(uint64_t dptr)
 {
     CUdeviceptr base = 0;
@@ -61,7 +57,7 @@ int gs_dptr_gone(uint64_t dptr)
 }
 
 /* The record of an allocation that was inside the driver while a context of the process went
- * (teardown_since): booked under the context lock, after the teardown forgot what its context
+ * (gs_teardown_since): booked under the context lock, after the teardown forgot what its context
  * held, and only if the driver still holds it.  Made before a primary reset, the reset freed
  * it (booked after the reset, its record stayed charged for nothing: 250 MiB for 50 held);
  * made while the reset was still in progress (a driver that keeps the context active), the
@@ -181,8 +177,8 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         int kind_ = (kind) == DPTR32 ? GS_KIND_DPTR : (kind);                         \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
-        else if ((teardown_since(seq0_) ? record_after_teardown(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx, seq0_) \
-                                        : record(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx)) < 0) \
+        else if ((gs_teardown_since(seq0_) ? record_after_teardown(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx, seq0_) \
+                                           : record(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx)) < 0) \
             rc = discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);            \
         gs_inflight_end();                                                            \
         return rc;                                                                    \
@@ -265,8 +261,8 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         gs_budget_release(slot, charge - actual);
         charge = actual;
     }
-    if (!ok || (teardown_since(seq0) ? record_after_teardown(GS_KIND_DPTR, *dptr, slot, charge, ctx, seq0)
-                                     : record(GS_KIND_DPTR, *dptr, slot, charge, ctx)) < 0)
+    if (!ok || (gs_teardown_since(seq0) ? record_after_teardown(GS_KIND_DPTR, *dptr, slot, charge, ctx, seq0)
+                                        : record(GS_KIND_DPTR, *dptr, slot, charge, ctx)) < 0)
         rc = discard(v1 ? DPTR32 : GS_KIND_DPTR, *dptr, slot, charge);
     gs_inflight_end();
     gs_unsettled_end();
