@@ -267,7 +267,7 @@ int gs_ctx_gone_since_locked(CUcontext ctx, unsigned seq0)
 static void release_ctx(CUcontext ctx)
 {
     struct gs_alloc rec;
-    g_gone[g_ngone++ % GS_GONE] = (struct gone_ctx){ctx, __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST)};
+    g_gone[g_ngone++ % GS_GONE] = (struct gone_ctx){ctx, gs_teardown_seq()};
     forget_attached(find_attached(ctx)); /* destroyed whatever its usage count */
     gs_forget_ctx(ctx);
     gs_graphmem_forget_ctx(ctx);

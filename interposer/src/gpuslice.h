@@ -285,10 +285,15 @@ extern int gs_inflight;
  * forgotten; moves on with each (context.c).  An allocation that was inside the driver while
  * it moved books its record after that teardown, if the driver still holds it (memory.c). */
 extern unsigned gs_ctx_teardown_seq;
+/* The teardown sequence now: read before an allocation's driver call */
+static inline unsigned gs_teardown_seq(void)
+{
+    return __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST);
+}
 /* Did a teardown run (or is one running) since `seq0` was read? */
 static inline int gs_teardown_since(unsigned seq0)
 {
-    return GS_UNLIKELY((seq0 & 1) || __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST) != seq0);
+    return GS_UNLIKELY((seq0 & 1) || gs_teardown_seq() != seq0);
 }
 /* After a teardown, under the context lock: does the driver say the device pointer is gone (no
  * allocation holds it, or its context went)?  0 where it cannot be asked (memory.c) */

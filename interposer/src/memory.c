@@ -171,7 +171,7 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         }                                                                             \
         int probe_ = (probe) && GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) && \
                      gs_pid_probe_begin(-1, charge, 0);                                  \
-        unsigned seq0_ = __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST);     \
+        unsigned seq0_ = gs_teardown_seq();                                           \
         CUresult rc = (call);                                                         \
         if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);                     \
         int kind_ = (kind) == DPTR32 ? GS_KIND_DPTR : (kind);                         \
@@ -244,7 +244,7 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         return over_cap(slot, charge);
     }
     gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
-    unsigned seq0 = __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST);
+    unsigned seq0 = gs_teardown_seq();
     CUresult rc = real_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     if (rc != CUDA_SUCCESS) {
         rc = rollback(rc, slot, charge); /* before the ends, as GS_CHARGED_ALLOC: no clean reading between */

@@ -406,7 +406,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         gs_inflight_begin();
         if (!(probe = gs_pid_probe_begin(mem_dev, 0, 1))) gs_inflight_end();
     }
-    unsigned seq0 = __atomic_load_n(&gs_ctx_teardown_seq, __ATOMIC_SEQ_CST);
+    unsigned seq0 = gs_teardown_seq();
     CUresult rc = call(dptr, bytesize, pool, stream, real);
     if (probe) {
         cuuint64_t now = 0;
