@@ -40,6 +40,7 @@
 #define GS_SAMPLE_NS 500000000ull     /* far from the cap */
 #define GS_SAMPLE_NEAR_NS 100000000ull /* within the margin of the cap */
 #define GS_SAMPLE_MIN_NS 10000000ull  /* a woken sampler still waits this long after its last query */
+#define GS_SAMPLER_STACK (8u << 20)  /* bytes: what glibc gives a thread by default (ulimit -s 8192) */
 #define GS_SLACK (2ull << 20)         /* differences below this are noise */
 #define GS_ATTEMPTS 3
 
@@ -526,7 +527,12 @@ static void start_sampler(void)
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, 64 * 1024);
+        /* the thread runs NVML's and the driver's code, which is written for an application
+         * thread's stack: NVML's per-process utilisation query alone keeps 55,888 bytes on it,
+         * and the static TLS of the process's libraries comes out of the same area.  A 64 KiB
+         * stack killed every process under a compute limit on an H200 (580.159.04).  Only the
+         * pages touched are ever backed */
+        pthread_attr_setstacksize(&attr, GS_SAMPLER_STACK);
         if (pthread_create(&t, &attr, sampler, NULL) == 0)
             __atomic_store_n(&g_sampler_started, 1, __ATOMIC_RELEASE);
         else

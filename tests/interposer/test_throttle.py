@@ -725,6 +725,17 @@ def test_beside_a_busy_process_the_container_gets_its_share(release_lab, limit, 
     assert abs(got - limit) <= TOLERANCE, f"limit {limit}%: {got:.1f}% beside a busy process"
 
 
+@pytest.mark.parametrize("frame", ["55888", "1048576"], ids=["nvml-580", "1MiB"])
+def test_the_sampler_thread_has_room_for_nvmls_stack(lab, frame):
+    # On an H200 (driver 580.159.04) every process under a compute limit died of SIGSEGV within
+    # a second: the sampler thread, whose stack was 64 KiB (the static TLS of the process's
+    # libraries taken out of it), asks NVML for per-process utilisation, and NVML keeps that
+    # control call's 55,888 bytes of parameters on the caller's stack.  The fake takes as much
+    # (FAKE_NVML_STACK_BYTES), and a driver taking 1 MiB must fit too
+    got = settled_share(lab, 30, FAKE_NVML_STACK_BYTES=frame, **COTENANT)
+    assert abs(got - 30) <= TOLERANCE, f"{got:.1f}% beside a busy process"
+
+
 @pytest.mark.parametrize("mode", ["nvml", "off"])
 def test_the_agent_sees_the_container_own_gpu_time(release_lab, mode):
     # the region's busy time (the agent's busy-seconds and measured-share metrics) is the

@@ -447,10 +447,27 @@ API nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t d, int type, unsigned long lo
     return NVML_SUCCESS;
 }
 
+/* The real NVML asks the kernel driver for per-process samples with one control call whose
+ * parameters (NV2080_CTRL_PERF_GET_GPUMON_PERFMON_UTIL_SAMPLES_V2: 72 samples of 6 engines,
+ * 55,888 bytes) it keeps on the caller's stack: a thread with a 64 KiB stack died of it on an
+ * H200 (driver 580.159.04).  The fake takes as much stack (FAKE_NVML_STACK_BYTES, default
+ * that size; 0 for none), touching every page, so a caller's thread too small for the real
+ * one faults here too. */
+static __attribute__((noinline)) void rm_control_on_stack(void)
+{
+    static const size_t real = 55888;
+    size_t bytes = env_uint("FAKE_NVML_STACK_BYTES", (unsigned)real);
+    if (!bytes) return;
+    volatile unsigned char *params = __builtin_alloca(bytes);
+    for (size_t at = 0; at < bytes; at += 1024) params[at] = (unsigned char)at;
+    params[bytes - 1] = 1;
+}
+
 API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *out,
                                                  unsigned int *count, unsigned long long last_seen)
 {
     const char *mode = getenv("FAKE_NVML_PROC_UTIL");
+    rm_control_on_stack();
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (index_of(d) < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     if (mode && !strcmp(mode, "off")) return NVML_ERROR_NOT_SUPPORTED;
