@@ -40,23 +40,32 @@ def test_jax_default_environment_preallocates_inside_cap(fills: Fills) -> None:
 
 
 def test_torch_oom_is_catchable_and_frees_return_the_budget(fills: Fills) -> None:
+    """After the OOM and the frees, the slice charges what the process really holds.
+
+    Compared with NVML's own figure for the process (the driver's): the view read just after
+    start-up can lag it, since the code PyTorch's first kernels load passes no hook and is
+    charged at the sampler's next look (up to 0.5 s later; 520 -> 612 MiB on the H200 with 610
+    really held, 2026-12-04).  Where NVML cannot say, the view before the fill stands in."""
     fill = fills.fill("torch")
     before, after = fill["before"], fill["after"]
     used_before = (before["total"] - before["free"]) / MIB
     used_after = (after["view"]["total"] - after["view"]["free"]) / MIB
+    held_after = after.get("nvml_self_mib")
+    reference = held_after if held_after is not None else used_before
     kinds = sorted({oom["type"] for oom in fill["ooms"]})
     ok = (kinds == ["OutOfMemoryError"] and after["alloc_1gib_ok"]
-          and abs(used_after - used_before) <= 4)
+          and abs(used_after - reference) <= 4)
+    held = "?" if held_after is None else f"{held_after:,.0f}"
     record("oom_torch",
            f"{'/'.join(kinds) or 'no OOM'}; 1 GiB after: {after['alloc_1gib_ok']}; "
-           f"used {used_before:,.0f} -> {used_after:,.0f} MiB",
+           f"used {used_before:,.0f} -> {used_after:,.0f} MiB, held {held}",
            ok, ooms=fill["ooms"], used_before_mib=used_before, used_after_mib=used_after,
-           after=after)
+           held_before_mib=before.get("nvml_self_mib"), held_after_mib=held_after, after=after)
     assert kinds == ["OutOfMemoryError"], f"expected torch.cuda.OutOfMemoryError, got {kinds}"
     assert after["alloc_1gib_ok"], after.get("alloc_1gib_error")
-    assert abs(used_after - used_before) <= 4, (
-        f"after freeing everything the slice shows {used_after:,.0f} MiB used, "
-        f"{used_before:,.0f} before the fill")
+    assert abs(used_after - reference) <= 4, (
+        f"after freeing everything the slice shows {used_after:,.0f} MiB used; the process holds "
+        f"{held} MiB by NVML, {used_before:,.0f} was shown before the fill")
 
 
 GRAPH_MIB = 2048

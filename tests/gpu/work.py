@@ -153,6 +153,22 @@ def nvml_view() -> dict[str, Any]:
     return {"total": int(info.total), "used": int(info.used), "free": int(info.free)}
 
 
+def nvml_self() -> float | None:
+    """MiB this process holds on device 0 by NVML's process list (passed through by the
+    interposer: the driver's own figure), or None where NVML cannot say."""
+    try:
+        import os
+
+        import pynvml
+
+        pynvml.nvmlInit()
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception:  # noqa: BLE001 - ImportError, pynvml.NVMLError...: no figure
+        return None
+    used = [p.usedGpuMemory for p in procs if p.pid == os.getpid()]
+    return used[0] / MIB if used and isinstance(used[0], int) and used[0] > 0 else None
+
+
 def start(name: str) -> tuple[Framework, float]:
     t0 = time.monotonic()
     fw = FRAMEWORKS[name]()
@@ -171,6 +187,7 @@ def cmd_fill(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(c) for c in args.chunks.split(",")]
     fw.prepare([mib * MIB for mib in sizes])
     view_before = fw.view()
+    view_before["nvml_self_mib"] = nvml_self()
     chunks: list[Any] = []
     allocated, ooms, guard_hit = 0, [], False
     for mib in sizes:
@@ -191,7 +208,7 @@ def cmd_fill(args: argparse.Namespace) -> dict[str, Any]:
             "nvml": nvml_view(), "chunks": len(chunks)}
     time.sleep(args.hold)  # hold the peak so the outside watch surely sees it
     fw.release(chunks)
-    after: dict[str, Any] = {"view": fw.view()}
+    after: dict[str, Any] = {"view": fw.view(), "nvml_self_mib": nvml_self()}
     try:  # the program keeps running after OOM and the freed budget is usable again
         fw.release([fw.alloc(GIB)])
         after["alloc_1gib_ok"] = True
