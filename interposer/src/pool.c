@@ -246,7 +246,8 @@ void gs_pools_reconcile_all(void)
 
 /* The driver grows a pool by whole chunks: an allocation that must grow its pool reserves up to
  * the next multiple of this beyond what the pool's allocations need (once settled, the charge
- * follows the pool's real size) */
+ * follows the pool's real size).  32 MiB on the H200 (driver 580.159.04): 32/32/32/64/160 MiB
+ * reserved for 1/2/10/50/150 MiB held (the GPU check's pool_chunk row) */
 #define GS_POOL_CHUNK (32ull << 20)
 
 /* Reserve the part of an allocation of `want` bytes from p that p's charge does not cover yet
