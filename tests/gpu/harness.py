@@ -65,6 +65,9 @@ def plain_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in _CLEARED and not k.startswith(_CLEARED_PREFIXES)}
     env["PYTHONUNBUFFERED"] = "1"
+    # a Python child killed by a signal prints every thread's Python stack: which thread died
+    # (one with no Python frames is one of the library's or the driver's)
+    env["PYTHONFAULTHANDLER"] = "1"
     env.update(extra or {})
     return env
 
@@ -103,6 +106,19 @@ def _tail(text: str, lines: int = 6) -> str:
     return " | ".join(kept)[-600:]
 
 
+def _crash(stderr: str) -> str:
+    """A child killed by a signal: the faulthandler's fatal error and the thread that died (its
+    first frames, or ``<no Python frame>``: a thread of the library's or the driver's), then the
+    library's last log lines; the plain tail where there is no such report."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    fatal = [ln for ln in lines if ln.startswith("Fatal Python error")]
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
+    if not fatal and at is None:
+        return _tail(stderr)
+    died = lines[at:at + 3] if at is not None else []
+    return " | ".join(fatal[:1] + died + library_log(stderr, 2))[-600:]
+
+
 def run(args: list[str], env: dict[str, str], timeout: float,
         poller: Poller | None = None) -> dict[str, Any]:
     """Run a child to completion and return its RESULT; ChildError on any failure."""
@@ -125,6 +141,8 @@ def run(args: list[str], env: dict[str, str], timeout: float,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    if proc.returncode < 0:
+        raise ChildError(f"exit status {proc.returncode}: {_crash(err)}")
     if proc.returncode != 0:
         raise ChildError(f"exit status {proc.returncode}: {_tail(err)}")
     try:
