@@ -221,6 +221,12 @@ void gs_sampler_start(void); /* the background thread (reconcile.c), if not runn
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot_held(int slot);          /* gs_reconcile_slot, the caller holding the context lock */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
+/* What the slot's devices' latest readings showed this process holding beyond its charge, left
+ * uncharged as noise (under GS_SLACK, 2 MiB, each): 0 where NVML cannot say */
+uint64_t gs_reconcile_gap(int slot);
+/* The driver's page (the GPU's, and cuMemCreate's granularity): allocations of at most 1 MiB
+ * share pages, so one may take a whole page more; a code load takes code chunks of it */
+#define GS_PAGE (2ull << 20)
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
 int gs_reconcile_dev_contexts(CUdevice dev); /* contexts of the process on dev; under the context lock */

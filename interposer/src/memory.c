@@ -37,6 +37,32 @@ int gs_reserve_raw(int slot, uint64_t bytes)
     return gs_budget_reserve(slot, bytes);
 }
 
+/* Near the cap (gs_near_cap): reconciled first, as gs_reserve does; an allocation charged below a
+ * whole page is served from pages the process's small allocations share, so it may take a whole
+ * page more (the driver's figure grows 2 MiB at once): it is admitted only if the headroom covers
+ * that page on top of what the process already holds uncharged (gs_reconcile_gap), reserved as
+ * any reservation is (atomic across the container's processes).  The caller returns what it
+ * reserved beyond the charge once the driver's call is over: what the page really took is then
+ * what the process holds beyond its charge, which the next near-cap admission finds in the gap
+ * (or the reconcile charges, past GS_SLACK).  0 reserved (*held: the bytes), -1 refused.  A
+ * charge of 0 (an array without backing) takes no page. */
+__attribute__((noinline)) static int reserve_near(int slot, uint64_t charge, uint64_t *held)
+{
+    gs_reconcile_slot(slot);
+    uint64_t want = charge && charge < GS_PAGE ? gs_add_sat(GS_PAGE, gs_reconcile_gap(slot)) : charge;
+    if (gs_reserve_raw(slot, want) != 0) return -1;
+    *held = want;
+    return 0;
+}
+
+/* gs_reserve for an allocation: far from the cap the same reservation; near it, reserve_near.
+ * 0 reserved (*held: the bytes, charge or more near the cap), -1 refused */
+static inline int reserve_alloc(int slot, uint64_t charge, uint64_t *held)
+{
+    *held = charge;
+    if (GS_UNLIKELY(gs_near_cap(slot, charge))) return reserve_near(slot, charge, held);
+    return gs_reserve_raw(slot, charge);
+}
 
 /* Record a successful allocation; -1 if it cannot be tracked (the caller undoes it). */
 static int record(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx)
@@ -165,7 +191,8 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         if (slot < 0 || (pass)) return (call);                                        \
         uint64_t charge = gs_charge_size(bytes);                                      \
         gs_inflight_begin(); /* before the charge changes: no clean reading between */ \
-        if (gs_reserve(slot, charge) != 0) {                                          \
+        uint64_t held_;                                                               \
+        if (reserve_alloc(slot, charge, &held_) != 0) {                               \
             gs_inflight_end();                                                        \
             return over_cap(slot, charge);                                            \
         }                                                                             \
@@ -174,6 +201,7 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         unsigned seq0_ = gs_teardown_seq();                                           \
         CUresult rc = (call);                                                         \
         if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);                     \
+        if (GS_UNLIKELY(held_ != charge)) gs_budget_release(slot, held_ - charge); /* the page's headroom */ \
         int kind_ = (kind) == DPTR32 ? GS_KIND_DPTR : (kind);                         \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
@@ -239,13 +267,15 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         return real_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     uint64_t charge = gs_charge_size(row * Height); /* the pitch is not known before the call */
     gs_inflight_begin();
-    if (gs_reserve(slot, charge) != 0) {
+    uint64_t held;
+    if (reserve_alloc(slot, charge, &held) != 0) {
         gs_inflight_end();
         return over_cap(slot, charge);
     }
     gs_unsettled_begin(); /* the pitch may be wider than reserved until the charge is adjusted */
     unsigned seq0 = gs_teardown_seq();
     CUresult rc = real_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    if (GS_UNLIKELY(held != charge)) gs_budget_release(slot, held - charge); /* the page's headroom */
     if (rc != CUDA_SUCCESS) {
         rc = rollback(rc, slot, charge); /* before the ends, as GS_CHARGED_ALLOC: no clean reading between */
         gs_inflight_end();

@@ -9,7 +9,17 @@
  * calls succeeds, what the process really holds is reconciled with its
  * charge (reconcile.c): at once when a device is near its cap, otherwise by
  * waking the background sampler, so the caller pays for an NVML query only
- * near the cap.  Loads are not refused: their size is unknown beforehand.
+ * near the cap.  Far from the cap loads are not refused: their size is unknown beforehand.
+ * Near it (gs_near_cap), a load or a function lookup is admitted only if the headroom covers
+ * one code chunk, GS_CODE_CHUNK (2 MiB, the driver's page: what each JAX/XLA executable's load
+ * took on the H200), on top of what the process already holds uncharged (gs_reconcile_gap);
+ * otherwise it is refused with CUDA_ERROR_OUT_OF_MEMORY, which the driver documents for these
+ * calls, and the driver is not called.  The chunk is reserved for the call (atomic across the
+ * container's processes, counted in flight) and returned after it, before the reconcile
+ * charges what the load really took.  The image gives no sound bound on what a load takes (a
+ * PTX image is compiled first; a cubin's globals and constant banks are sized by its
+ * sections, and the driver's own structures are not documented), so one chunk is assumed: a
+ * load taking more can still pass the cap by the rest, until the reconcile charges it.
  * A limit's growth is known beforehand (the new value less the one the context
  * started with; for the stack, per thread, times the threads the device runs
  * at once): it is reserved before the call and refused with
@@ -22,14 +32,54 @@
 
 #include "gpuslice.h"
 
-#define GS_LOAD_HOOK(name, params, args)                          \
-    GS_EXPORT CUresult name params                                \
-    {                                                             \
-        gs_cuda_init();                                           \
-        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;       \
-        CUresult rc = gs_cuda.name args;                          \
-        if (rc == CUDA_SUCCESS) gs_reconcile_after_load();        \
-        return rc;                                                \
+#define GS_CODE_CHUNK GS_PAGE
+
+/* Near the cap, the code chunk a load may take is reserved: 0 admitted (*held: the bytes
+ * reserved, 0 far from the cap or outside a slot), -1 refused.  Not from a driver callback under
+ * a lock of ours (gs_t_held): such a load passes, as before, and the reconcile charges it. */
+__attribute__((noinline)) static int load_admit_near(int slot, const char *name, uint64_t *held)
+{
+    gs_reconcile_slot(slot);
+    uint64_t want = gs_add_sat(GS_CODE_CHUNK, gs_reconcile_gap(slot));
+    gs_inflight_begin(); /* the reservation stands for memory the driver may not show yet */
+    if (gs_reserve_raw(slot, want) != 0) {
+        gs_inflight_end();
+        GS_INFO("%s refused: the cap leaves less than the %llu bytes a code load may take", name,
+                (unsigned long long)want);
+        return -1;
+    }
+    *held = want;
+    return 0;
+}
+
+static inline int load_admit(const char *name, int *slot, uint64_t *held)
+{
+    if (gs_t_held) return 0;
+    gs_devices_ready();
+    CUcontext ctx;
+    *slot = gs_current_slot(&ctx);
+    if (*slot < 0 || GS_LIKELY(!gs_near_cap(*slot, GS_CODE_CHUNK))) return 0;
+    return load_admit_near(*slot, name, held);
+}
+
+static void load_settle(int slot, uint64_t held)
+{
+    gs_budget_release(slot, held);
+    gs_inflight_end();
+}
+
+#define GS_LOAD_HOOK(name, params, args)                                     \
+    GS_EXPORT CUresult name params                                           \
+    {                                                                        \
+        gs_cuda_init();                                                      \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                  \
+        int slot_ = -1;                                                      \
+        uint64_t held_ = 0;                                                  \
+        if (load_admit(#name, &slot_, &held_) != 0) return CUDA_ERROR_OUT_OF_MEMORY; \
+        CUresult rc = gs_cuda.name args;                                     \
+        if (held_) load_settle(slot_, held_);                                \
+        if (rc == CUDA_SUCCESS) gs_reconcile_after_load();                   \
+        return rc;                                                           \
     }
 
 GS_LOAD_HOOK(cuModuleLoad, (CUmodule *module, const char *fname), (module, fname))

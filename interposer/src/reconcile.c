@@ -58,6 +58,11 @@ static int g_dev_nctx[GS_MAX_CUDA_DEVS], g_dev_cap[GS_MAX_CUDA_DEVS];
 static uint64_t g_untracked[GS_MAX_CUDA_DEVS];
 static int g_untracked_slot[GS_MAX_CUDA_DEVS];
 static int g_rebase[GS_MAX_CUDA_DEVS]; /* a context went and no clean reading came since */
+/* What the device's latest reading showed the process holding beyond its charge and left
+ * uncharged (at most GS_SLACK: a difference within it is taken for noise); atomic.  Near the cap
+ * an allocation below a page, or a code load, must find it in the headroom too (memory.c,
+ * module.c): a page taken on top of it is real. */
+static uint64_t g_gap[GS_MAX_CUDA_DEVS];
 static nvmlProcessInfo_t g_procs[GS_MAX_PIDS]; /* under the context lock */
 
 static pthread_mutex_t g_wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -302,12 +307,14 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
             /* no figure to measure again with (nor will one come from such a driver): the
              * charges stand, and the device is not marked for ever */
             if (rebase) __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
+            __atomic_store_n(&g_gap[dev], 0, __ATOMIC_RELAXED);
             return 0;
         }
         if (down) {
             __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
             uint64_t was = g_untracked[dev], others = mine > was ? mine - was : 0; /* the records' charges */
             uint64_t want = held > others + GS_SLACK ? held - others : 0;
+            __atomic_store_n(&g_gap[dev], held > others + want ? held - others - want : 0, __ATOMIC_RELAXED);
             if (want < was) {
                 /* the records may charge more than the driver holds: limits lowered on a driver
                  * that freed the difference are charged for their highest value.  That part
@@ -321,6 +328,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
             if (want > was) charge_untracked(dev, slot, want - was);
             return want - was;
         }
+        __atomic_store_n(&g_gap[dev], held > mine && held <= mine + GS_SLACK ? held - mine : 0, __ATOMIC_RELAXED);
         if (held <= mine + GS_SLACK) return 0;
         charge_untracked(dev, slot, held - mine);
         return held - mine;
@@ -361,6 +369,16 @@ void gs_reconcile_slot_held(int slot)
         if (gs_dev_slot(dev) == slot && __atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE))
             gs_reconcile_dev_locked(dev);
     nudge_sampler();
+}
+
+uint64_t gs_reconcile_gap(int slot)
+{
+    uint64_t gap = 0;
+    int n = gs_dev_count();
+    for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++)
+        if (gs_dev_slot(dev) == slot && __atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE))
+            gap = gs_add_sat(gap, __atomic_load_n(&g_gap[dev], __ATOMIC_RELAXED));
+    return gap;
 }
 
 void gs_reconcile_slot(int slot)
@@ -549,6 +567,7 @@ void gs_reconcile_after_fork_child(void)
     memset(g_dev_ctx, 0, sizeof(g_dev_ctx));
     memset(g_dev_nctx, 0, sizeof(g_dev_nctx));
     memset(g_untracked, 0, sizeof(g_untracked)); /* the parent's, returned with its slot */
+    memset(g_gap, 0, sizeof(g_gap));
     memset(g_rebase, 0, sizeof(g_rebase));
     memset(g_host_pid, 0, sizeof(g_host_pid));
     pthread_mutex_init(&g_probe_mu, NULL);

@@ -52,7 +52,10 @@ def test_growth_outside_the_hooks_is_charged_before_the_allocations_that_near_th
     assert view_used(res) == outside
     granted = sum(vals[0] * size for (_, vals), size in
                   zip(res.of("fill"), (256 * MIB, 64 * MIB, 16 * MIB, MIB), strict=True))
-    assert granted == GIB - 100 * MIB - GROWTH  # the largest total allocation: cap - everything else
+    # the largest total allocation: cap - everything else, less the last MiB: near the cap a 1 MiB
+    # array (from pages small allocations share) is admitted only with a whole 2 MiB page left
+    # (test_near_cap_growth.py)
+    assert granted == GIB - 100 * MIB - GROWTH - MIB
 
 
 def test_without_the_margin_the_same_fill_overshoots_by_the_untracked_growth(release_lab):
@@ -76,7 +79,7 @@ def test_growth_no_allocation_follows_is_charged_by_the_sampler_within_its_near_
     # near the cap the sampler runs every 100 ms (the first near-cap reservation wakes it from
     # its 500 ms sleep): 300 ms after the last growth the region carries the real usage
     _, outside, region = held(lab, *FILL, "launchk", "2", "sleep", "300", **ENV)
-    assert outside == GIB + GROWTH
+    assert outside == GIB - MIB + GROWTH  # the fill's 1 MiB arrays leave the cap's last MiB
     assert region == outside
 
 

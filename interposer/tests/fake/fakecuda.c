@@ -33,6 +33,16 @@
  *                            that (cuCtxGetDevice_v2 13.0, cuStreamGetDevice 12.8) answer
  *                            CUDA_ERROR_NOT_SUPPORTED
  *   FAKE_CUDA_MODULE_BYTES   device memory each module or library load takes (default 0)
+ *   FAKE_CUDA_SMALL_PAGES=1  plain, pitched and managed allocations of at most 1 MiB (FAKE_SMALL_MAX) are
+ *                            carved, at 512-byte granularity, from 2 MiB pages the device's
+ *                            small allocations share: the process's figure (NVML) grows by a
+ *                            whole page when one needs a new page and shrinks by one when the
+ *                            bytes in use fit in a page fewer (pages packed without gaps), as
+ *                            the driver serves them (its 2 MiB page is the GPU's page size;
+ *                            the 1 MiB limit is the library's own assumption, gs_charge_size,
+ *                            not a documented figure).  Off by default: without it every
+ *                            allocation takes exactly its size, which the figures of the
+ *                            older tests are written against
  *   FAKE_CUDA_LAUNCH_BYTES   device memory the first launch of each distinct function
  *                            takes, as when code is loaded lazily (default 0)
  *   FAKE_CUDA_RESET_ACTIVE=1 cuDevicePrimaryCtxReset empties the primary context but leaves
@@ -73,6 +83,11 @@ static int nvisible;
 static int initialized;
 static uint64_t kernel_ns = 10000, pool_chunk = 32ull << 20, ctx_bytes, module_bytes, launch_bytes;
 static uint64_t local_used[FAKE_MAX_DEVS]; /* this process's physical usage */
+/* FAKE_CUDA_SMALL_PAGES: small allocations share 2 MiB pages (under mu) */
+#define FAKE_SMALL_MAX (1ull << 20)
+#define FAKE_SMALL_PAGE (2ull << 20)
+static int small_pages;
+static uint64_t small_used[FAKE_MAX_DEVS], small_held[FAKE_MAX_DEVS]; /* bytes in use, in pages held */
 static uint64_t graph_reserved[FAKE_MAX_DEVS]; /* each device's graph memory pool (fakegraph.h) */
 
 /* A clock that follows the power limit, when FAKE_GPU_EXPONENT is set: the GPU
@@ -278,6 +293,8 @@ static void setup(void)
     if (v) module_bytes = fake_size(v);
     v = getenv("FAKE_CUDA_LAUNCH_BYTES");
     if (v) launch_bytes = fake_size(v);
+    v = getenv("FAKE_CUDA_SMALL_PAGES");
+    small_pages = v && *v == '1';
     v = getenv("FAKE_GPU_COTENANT_SLICE_US");
     if (v && *v) cot_slice_ns = (uint64_t)(atof(v) * 1000.0);
     v = getenv("FAKE_GPU_COTENANTS");
@@ -946,6 +963,7 @@ struct fake_alloc {
     struct fake_ctx *ctx;
     struct fake_pool *pool;
     unsigned refs, maps; /* K_VMM: unreleased handle references, mappings */
+    uint64_t small; /* FAKE_CUDA_SMALL_PAGES: bytes taken from the shared pages (0: none) */
 };
 struct fake_pool {
     int pdev; /* -1: host memory; FAKE_POOL_FOLLOWS: managed, on the first allocating context's device */
@@ -988,6 +1006,39 @@ static void pool_give(struct fake_pool *p, uint64_t bytes)
 }
 static int nuser_pools;
 
+/* FAKE_CUDA_SMALL_PAGES (mu held): `bytes` more of the device's shared pages, taking a whole
+ * page more when they do not fit in those held; or `bytes` given back, and the pages no
+ * longer needed with them. */
+static CUresult small_take(int pdev, uint64_t bytes)
+{
+    uint64_t need = (small_used[pdev] + bytes + FAKE_SMALL_PAGE - 1) / FAKE_SMALL_PAGE * FAKE_SMALL_PAGE;
+    if (need > small_held[pdev]) {
+        if (phys_add(pdev, need - small_held[pdev]) != CUDA_SUCCESS) return CUDA_ERROR_OUT_OF_MEMORY;
+        small_held[pdev] = need;
+    }
+    small_used[pdev] += bytes;
+    return CUDA_SUCCESS;
+}
+
+static void small_give(int pdev, uint64_t bytes)
+{
+    small_used[pdev] -= bytes < small_used[pdev] ? bytes : small_used[pdev];
+    uint64_t keep = (small_used[pdev] + FAKE_SMALL_PAGE - 1) / FAKE_SMALL_PAGE * FAKE_SMALL_PAGE;
+    if (keep < small_held[pdev]) {
+        phys_sub(pdev, small_held[pdev] - keep);
+        small_held[pdev] = keep;
+    }
+}
+
+/* What a freed allocation gives back (mu held) */
+static void alloc_give(const struct fake_alloc *a)
+{
+    if (a->small)
+        small_give(a->pdev, a->small);
+    else
+        phys_sub(a->pdev, a->size);
+}
+
 static uint64_t next_low = 0x10000000ull; /* CUDA 2.x's 32-bit pointers come from below 4 GiB */
 
 static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *pool, void *handle, int charge,
@@ -998,11 +1049,14 @@ static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *po
     int slot = -1;
     for (int i = 0; i < MAX_ALLOCS && slot < 0; i++)
         if (!allocs[i].kind) slot = i;
+    uint64_t small = small_pages && kind == K_DPTR && charge && pdev >= 0 && size <= FAKE_SMALL_MAX
+                     ? (size + 511) & ~511ull : 0;
     CUresult rc = slot < 0 || (low && size > 0xffffffffull - *next) ? CUDA_ERROR_OUT_OF_MEMORY
+                  : small ? small_take(pdev, small)
                   : charge ? phys_add(pdev, size) : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS) {
         struct fake_ctx *own = current && current->owner ? current->owner : current;
-        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0};
+        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small};
         if (low) {
             unsigned int h = (unsigned int)*next;
             memcpy(handle, &h, sizeof(h));
@@ -1052,7 +1106,7 @@ static CUresult alloc_free(int kind, uint64_t handle)
     if (a->kind == K_POOL)
         pool_give(a->pool, a->size);
     else
-        phys_sub(a->pdev, a->size);
+        alloc_give(a);
     memset(a, 0, sizeof(*a));
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
@@ -1067,7 +1121,7 @@ static void ctx_drop(struct fake_ctx *c)
         if (allocs[i].kind == K_POOL)
             pool_give(allocs[i].pool, allocs[i].size);
         else if (allocs[i].kind != K_IPC) /* a mapping of another process's memory took none */
-            phys_sub(allocs[i].pdev, allocs[i].size);
+            alloc_give(&allocs[i]);
         memset(&allocs[i], 0, sizeof(allocs[i]));
     }
     if (c->primary) { /* the device's default pool goes with its primary context */

@@ -1,0 +1,159 @@
+"""Growth no allocation hook charges exactly, near the cap: small allocations and code loads.
+
+The fake driver here serves allocations of at most 1 MiB from 2 MiB pages the process's small
+allocations share (``FAKE_CUDA_SMALL_PAGES=1``: its figure grows by a whole page when one needs
+a new page, while the library charges the allocation at 512-byte granularity) and takes
+``FAKE_CUDA_MODULE_BYTES`` at each module or library load. On an H200 (driver 580, 10 GiB cap)
+a JAX fill (XLA's platform allocator: a cuMemAlloc per array, chunks of 256, 64, 16, 4 and
+1 MiB until each is refused, a new executable compiled for each size, and 1-byte allocations)
+was seen from outside at 10,242 MiB, 2 MiB over the cap. Near the cap the library now admits a
+small allocation only if the headroom covers a whole page, and a code load only if it covers
+one 2 MiB chunk; far from it nothing changes.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+
+import pytest
+
+MIB = 1 << 20
+GIB = 1 << 30
+OOM = 2
+CAP = GIB
+ENV = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m",
+       "FAKE_CUDA_SMALL_PAGES": "1", "FAKE_CUDA_MODULE_BYTES": "2m"}
+
+
+def compile_then(size: str) -> tuple[str, ...]:
+    """XLA's pattern: an executable compiled (loaded, its function looked up) for a new size,
+    then arrays of that size until one is refused."""
+    return ("modload", "getfunc", "fill", size)
+
+
+# A JAX-like fill of the cap, then 1-byte arrays until refused.
+JAX = ("init", "ctx", "0", *compile_then("256m"), *compile_then("64m"), *compile_then("16m"),
+       *compile_then("4m"), *compile_then("1m"), *compile_then("1"))
+
+# The fake driver's shared state: per process, pid (int32), pad, used[8] (uint64), kernel_ns.
+PROC = struct.Struct("<ii8QQ")
+
+
+def physical(state, pid: int) -> int:
+    """What the fake driver (and so its NVML) holds for `pid` on device 0; 0 if not listed."""
+    try:
+        data = state.read_bytes()
+    except FileNotFoundError:
+        return 0
+    for off in range(0, min(len(data), 256 * PROC.size) - PROC.size + 1, PROC.size):
+        fields = PROC.unpack_from(data, off)
+        if fields[0] == pid:
+            return fields[2]
+    return 0
+
+
+def watched(lab, *cmds: str, **env: str):
+    """Run the probe while a watcher samples its per-process figure from outside; returns the
+    result, the largest figure seen, the figure and the region's charge once it has done
+    ``cmds`` (it holds its memory until then)."""
+    proc = lab.start(*cmds, "phys", "touch", str(lab.tmp / "held"), "waitfile",
+                     str(lab.tmp / "go"), **env)
+    state = lab.tmp / "fakestate"
+    peak = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], physical(state, proc.pid))
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        lab.wait_for(lab.tmp / "held")
+    finally:
+        done.set()
+        watcher.join()
+    final = physical(state, proc.pid)
+    peak[0] = max(peak[0], final)
+    region = lab.used()
+    (lab.tmp / "go").touch()
+    return lab.finish(proc), peak[0], final, region
+
+
+def granted(res, size_nth: int) -> int:
+    return res.of("fill")[size_nth][1][0]
+
+
+@pytest.mark.parametrize("ctx", ["100m", "101m"], ids=["even-ctx", "odd-ctx"])
+def test_a_jax_like_fill_stays_within_the_cap_seen_from_outside(lab, ctx):
+    res, peak, final, region = watched(lab, *JAX, **{**ENV, "FAKE_CUDA_CTX_BYTES": ctx})
+    assert res.returncode == 0, res.stdout + res.stderr
+    # every size was filled until refused, the 1-byte arrays too
+    assert [rc for rc, _ in res.of("fill")] == [OOM] * 6, res.stdout
+    # before, the last two loads went through at the cap: seen from outside the process held
+    # 1,028 MiB under the 1,024 MiB cap (the region said 1,028); with a 101 MiB context, 1,027
+    # (a 1 MiB array alone in its page too), while the region said 1,025
+    assert peak <= CAP, (peak, final, region, res.stdout)
+    assert final <= CAP
+    assert region <= CAP
+    # and small allocations still fill to within a page of the cap
+    assert final > CAP - 2 * MIB, (final, region)
+
+
+def test_small_allocations_fill_to_within_a_page_of_the_cap(lab):
+    # no code loads: 1 MiB chunks, two to a page, then 4 KiB ones, after a 101 MiB context.
+    # Before, the last 1 MiB array took a page of its own: 1,025 MiB seen from outside while the
+    # region said 1,024
+    res, peak, final, region = watched(lab, "init", "ctx", "0", "fill", "256m", "fill", "1m",
+                                       "fill", "4k", **{**ENV, "FAKE_CUDA_CTX_BYTES": "101m"})
+    assert [rc for rc, _ in res.of("fill")] == [OOM] * 3, res.stdout
+    assert peak <= CAP, (peak, final, region)
+    # 1,023 MiB seen from outside (153 arrays of 1 MiB, in 77 pages); the region misses only
+    # the half page the process holds uncharged
+    assert CAP - 2 * MIB < final <= CAP, (final, region)
+    assert final - 2 * MIB < region <= final
+
+
+def test_a_load_past_the_headroom_is_refused_and_the_program_goes_on(lab):
+    # 100 MiB context + 922 MiB: 2 MiB left, then a 1 MiB array takes a page of its own (1 MiB
+    # left in the library's view, none in the driver's): a 2 MiB load cannot fit.  Before, it
+    # went through: 1,026 MiB held under the 1,024 MiB cap
+    for name in ("modload", "libload"):
+        res = lab.run("init", "ctx", "0", "alloc", "922m", "alloc", "1m", name, "phys",
+                      "free", "0", "alloc", "1k", name, "phys", **ENV)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.rc("alloc", 1) == 0
+        assert res.rc(name, 0) == OOM, res.stdout
+        phys = [vals[0] for _, vals in res.of("phys")]
+        assert phys[0] == 100 * MIB + 922 * MIB + 2 * MIB  # nothing taken by the refused load
+        # the program goes on: once room is made, it allocates and the same load is admitted
+        assert res.rc("free") == 0
+        assert res.rc("alloc", 2) == 0
+        assert res.rc(name, 1) == 0, res.stdout
+        assert phys[1] == 100 * MIB + 2 * MIB + 2 * MIB
+
+
+def test_a_function_lookup_past_the_headroom_is_refused(lab):
+    res = lab.run("init", "ctx", "0", "modload", "alloc", "920m", "alloc", "1m", "getfunc",
+                  "phys", **{**ENV, "FAKE_CUDA_MODULE_BYTES": "2m"})
+    assert res.rc("modload") == 0
+    assert res.rc("getfunc") == OOM, res.stdout
+
+
+def test_far_from_the_cap_nothing_changes(lab):
+    # small allocations and loads far from the cap make no NVML query (the fast path), and
+    # are charged what they were before: 512-byte granularity, code after the load
+    res = lab.run("init", "ctx", "0", "nvmlqueries", *(["alloc", "1k"] * 20), "alloc", "1",
+                  "nvmlqueries", "modload", "getfunc", "meminfo", **ENV)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert all(rc == 0 for rc, _ in res.of("alloc"))
+    assert res.rc("modload") == 0 and res.rc("getfunc") == 0
+    before, after = (vals[0] for _, vals in res.of("nvmlqueries"))
+    assert after == before
+    free, total = res.values("meminfo")
+    # the context and 21 allocations of 512 B and 1 KiB; the module's 2 MiB is left to the
+    # sampler far from the cap
+    assert total - free == 100 * MIB + 20 * 1024 + 512
