@@ -233,6 +233,9 @@ def take_turns(args: list[str], timeout: float, pairs: int, rounds: int, label: 
     order alternating (plain lib lib plain ...: a drift of the machine's state in time falls
     on both alike), then one matmul each.  Launch costs drift by more than the hooks cost
     between processes and within one over seconds; a turn lasts tens of milliseconds.
+    Only the measuring thread is pinned (after start-up): the library's sampler thread (an
+    NVML query every 0.5 s far from the cap) runs where the scheduler puts it, as in a
+    container with more than one CPU.
     ``args``: a ``work.py turns`` command line, without ``--pin``.  Per pair:
     ``{"plain": RESULT, "lib": RESULT}``, each with its ``rounds`` batches (ns per op) and
     TFLOPS."""
