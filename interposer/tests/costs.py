@@ -8,6 +8,9 @@ For no library and each ``--lib`` (default: build/libgpuslice.so), prints
     10 GiB cap and no SM limit, a 1 MiB cuMemAlloc+cuMemFree pair far from the cap, and the
     same pair within the reconcile margin of the cap; and the instructions of a whole run of
     ``/bin/true`` (the "none" column preloads libdl, a library every process has anyway);
+  * instructions per call of each hook a framework's tiny op reaches, as the CUDA runtime finds
+    it through cuGetProcAddress (the launches, plain and _ptsz, and the synchronisations;
+    ``--tiny-op-only`` prints only these);
   * wall-clock medians of gsprobe's launchbench / allocbench over ``--runs`` alternating runs;
   * start-up, as wall-clock medians over the same runs: 200 execs of ``/bin/true`` one after the
     other (a process that never touches CUDA, with the library preloaded as in a container;
@@ -46,6 +49,20 @@ CASES = {
                                                 {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
 }
 
+# The entry points a framework's tiny op can reach per op or per synchronisation, each as the
+# CUDA runtime finds it (cuGetProcAddress_v2 at CUDA 13.0; "ptsz": with the per-thread default
+# stream flag, which hands out the _ptsz variants), with a 10 GiB cap and no SM limit:
+# name: (gsprobe --api mode, measured command builder)
+TINY_OP_CASES = {
+    "cuLaunchKernel via cuGetProcAddress": ("procaddr", lambda n: ["launch", str(n)]),
+    "cuLaunchKernel_ptsz via cuGetProcAddress": ("ptsz", lambda n: ["launch", str(n)]),
+    "cuLaunchKernelEx via cuGetProcAddress": ("procaddr", lambda n: ["launchex", str(n)]),
+    "cuLaunchKernelEx_ptsz via cuGetProcAddress": ("ptsz", lambda n: ["launchex", str(n)]),
+    "cuCtxSynchronize via cuGetProcAddress": ("procaddr", lambda n: ["ctxsyncs", str(n)]),
+    "cuStreamSynchronize via cuGetProcAddress": ("procaddr", lambda n: ["streamsyncs", str(n)]),
+    "cuStreamSynchronize_ptsz via cuGetProcAddress": ("ptsz", lambda n: ["streamsyncs", str(n)]),
+}
+
 
 def env_for(lib: str | None, tmp: Path, extra: dict[str, str]) -> dict[str, str]:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LD_LIBRARY_PATH": str(BUILD / "fake"),
@@ -58,12 +75,13 @@ def env_for(lib: str | None, tmp: Path, extra: dict[str, str]) -> dict[str, str]
     return env
 
 
-def instructions(lib: str | None, cmds: list[str], extra: dict[str, str]) -> int:
+def instructions(lib: str | None, cmds: list[str], extra: dict[str, str],
+                 api: str = "direct") -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         out = tmp / "cg.out"
         proc = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                               PROBE, "init", "ctx", "0", *cmds],
+                               PROBE, "--api", api, "init", "ctx", "0", *cmds],
                               env=env_for(lib, tmp, extra), capture_output=True, text=True,
                               check=True, timeout=600)
         match = re.search(r"Collected : (\d+)", proc.stderr)
@@ -90,6 +108,14 @@ def per_op(lib: str | None, case: str, n1: int = 2000, n2: int = 12000) -> float
     before, measured, extra = CASES[case]
     a = instructions(lib, [*before, *measured(n1)], extra)
     b = instructions(lib, [*before, *measured(n2)], extra)
+    return (b - a) / (n2 - n1)
+
+
+def tiny_op_cost(lib: str | None, case: str, n1: int = 2000, n2: int = 12000) -> float:
+    api, measured = TINY_OP_CASES[case]
+    extra = {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}
+    a = instructions(lib, measured(n1), extra, api)
+    b = instructions(lib, measured(n2), extra, api)
     return (b - a) / (n2 - n1)
 
 
@@ -157,6 +183,9 @@ def per_operation(libs: list[str | None], runs: int) -> None:
     for case in CASES:
         cells = [f"{per_op(lib, case):8.1f}" for lib in libs]
         print(f"  {case:44s} " + "  ".join(cells))
+    for case in TINY_OP_CASES:
+        cells = [f"{tiny_op_cost(lib, case):8.1f}" for lib in libs]
+        print(f"  {case:44s} " + "  ".join(cells))
     cells = [f"{exec_instructions(lib):8d}" for lib in libs]
     print(f"  {'exec of /bin/true (whole run)':44s} " + "  ".join(cells))
     wall_cases = {
@@ -203,10 +232,19 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=9, help="wall-clock runs per library")
     parser.add_argument("--storm", type=int, default=100, help="processes started at once")
     parser.add_argument("--startup-only", action="store_true", help="only the start-up figures")
+    parser.add_argument("--tiny-op-only", action="store_true",
+                        help="only the instructions of the hooks a framework's tiny op reaches")
     args = parser.parse_args()
     libs: list[str | None] = [None, *(args.lib or [str(BUILD / "libgpuslice.so")])]
     names = ["none", *[str(lib) for lib in libs[1:]]]
 
+    if args.tiny_op_only:
+        print("instructions per call (callgrind, whole process)")
+        for case in TINY_OP_CASES:
+            cells = [f"{tiny_op_cost(lib, case):8.1f}" for lib in libs]
+            print(f"  {case:44s} " + "  ".join(cells))
+        print("columns: " + ", ".join(names))
+        return 0
     if not args.startup_only:
         per_operation(libs, args.runs)
     start_up(libs, args.runs, args.storm)

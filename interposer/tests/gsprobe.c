@@ -1030,6 +1030,17 @@ int main(int argc, char **argv)
                 rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
             printf("launch %d\n", rc);
             i += 1;
+        } else if (!strcmp(c, "launchex") || !strcmp(c, "ctxsyncs") || !strcmp(c, "streamsyncs")) {
+            /* N cuLaunchKernelEx calls (one block of one thread, the current context's default
+             * stream), or N cuCtxSynchronize / cuStreamSynchronize(NULL) calls: costs.py's loops */
+            CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+            CUresult rc = CUDA_SUCCESS;
+            for (int n = atoi(ARG(0)); n > 0 && rc == CUDA_SUCCESS; n--)
+                rc = !strcmp(c, "launchex")   ? api.cuLaunchKernelEx(&cfg, (CUfunction)0x1234, NULL, NULL)
+                     : !strcmp(c, "ctxsyncs") ? api.cuCtxSynchronize()
+                                              : api.cuStreamSynchronize(NULL);
+            printf("%s %d\n", c, rc);
+            i += 1;
         } else if (!strcmp(c, "launchk")) {
             /* one launch of kernel number K (distinct functions load their code separately) */
             CUfunction f = (CUfunction)(uintptr_t)(0x100000 + 16 * (uint64_t)atoi(ARG(0)));

@@ -186,6 +186,107 @@ def alternate(args: list[str], timeout: float, rounds: int, label: str
     return plain, with_lib
 
 
+class _Turn:
+    """A ``work.py turns`` child: commands on stdin, one answer line each (stderr to a file,
+    so that nothing the child logs can block it)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], name: str) -> None:
+        self.name = name
+        self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill()
+        self.proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, text=True, cwd=REPO)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def _stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()
+
+    def answer(self, deadline: float) -> str:
+        """The next line that is not a framework's chatter, by ``deadline`` (monotonic)."""
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise ChildError(f"{self.name}: no answer in time: {_tail(self._stderr())}"
+                                 ) from None
+            if line is None:
+                raise ChildError(f"{self.name} exited ({self.proc.wait()}): "
+                                 f"{_tail(self._stderr())}")
+            if line.split(" ", 1)[0] in ("ready", "tiny", "matmul", "RESULT"):
+                return line
+
+    def ask(self, command: str, deadline: float) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.answer(deadline)
+
+    def finish(self, deadline: float) -> dict[str, Any]:
+        result = parse_result(self.ask("end", deadline))
+        lib_log = library_log(self._stderr())
+        if lib_log:
+            result.setdefault("library_log", lib_log)
+        return result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.err.close()
+
+
+def take_turns(args: list[str], timeout: float, pairs: int, rounds: int, label: str,
+               matmul: tuple[float, float] = (0.5, 1.0), discard: int = 4
+               ) -> list[dict[str, Any]]:
+    """``pairs`` pairs of processes, one without and one with the library (10 GiB cap, no SM
+    limit), started side by side (their start-up is not measured) and then taking turns on
+    the GPU and on one CPU: ``discard`` + ``rounds`` rounds of one tiny-op batch each, the
+    order alternating (plain lib lib plain ...: a drift of the machine's state in time falls
+    on both alike), then one matmul each.  Launch costs drift by more than the hooks cost
+    between processes and within one over seconds; a turn lasts tens of milliseconds.
+    Only the measuring thread is pinned (after start-up): the library's sampler thread (an
+    NVML query every 0.5 s far from the cap) runs where the scheduler puts it, as in a
+    container with more than one CPU.
+    ``args``: a ``work.py turns`` command line, without ``--pin``.  Per pair:
+    ``{"plain": RESULT, "lib": RESULT}``, each with its ``rounds`` batches (ns per op) and
+    TFLOPS."""
+    with_lib_env = capped_env(new_region(label))
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ["--pin", str(cpus[len(cpus) // 2])] if len(cpus) >= 2 else []
+    out: list[dict[str, Any]] = []
+    for pair_no in range(pairs):
+        deadline = time.monotonic() + budget(timeout)
+        children = {"plain": _Turn([*args, *pin], plain_env(), "plain"),
+                    "lib": _Turn([*args, *pin], with_lib_env, "with the library")}
+        try:
+            for child in children.values():
+                child.answer(deadline)  # ready
+            batches: dict[str, list[float]] = {"plain": [], "lib": []}
+            for round_no in range(discard + rounds):
+                order = ["plain", "lib"] if (round_no + pair_no) % 2 == 0 else ["lib", "plain"]
+                for name in order:
+                    ns = float(children[name].ask("tiny", deadline).split()[1])
+                    if round_no >= discard:
+                        batches[name].append(ns)
+            for name in (["plain", "lib"] if pair_no % 2 == 0 else ["lib", "plain"]):
+                children[name].ask(f"matmul {matmul[0]} {matmul[1]}", deadline)
+            results = {name: child.finish(deadline) for name, child in children.items()}
+        finally:
+            for child in children.values():
+                child.kill()
+        for name, result in results.items():
+            result["tiny_ns_batches"] = batches[name]  # the measured rounds only
+        out.append(results)
+    return out
+
+
 def workload(*args: str) -> list[str]:
     """The command line of a Python workload in work.py."""
     return [sys.executable, str(WORKLOAD), *args]

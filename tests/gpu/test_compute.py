@@ -11,6 +11,7 @@ measured side by side in one run.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +27,42 @@ POINTS = 5
 LIMITED_WARMUP_S = 4.0
 
 
-TINY_ROUNDS = 3
+TINY_PAIRS = 3
+TINY_ROUNDS = 40
+TINY_BATCH = 3000
+
+
+def lower_quartile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=4, method="inclusive")[0]
 
 
 def test_torch_tiny_ops_with_library_unlimited_within_5_percent(lib: Path) -> None:
-    """PyTorch's own launch path (cuGetProcAddress) with the library and no limits: pinned,
-    alternating pairs of short runs, judged on the median pair's ratio (one pair of unpinned
-    processes differs by more than the hooks cost)."""
-    plain, with_lib = harness.alternate(
-        harness.workload("matmul", "1", "--warmup", "0.5", "--tiny", "20000"), 45, TINY_ROUNDS,
+    """PyTorch's own launch path (cuGetProcAddress) with the library and no limits.  One
+    process's tiny ops drift by 20 % and more over a second, and two processes differ as much
+    (the H200's 2026-12-04 run: 6.8-9.1 us/op without the library), so each pair of processes,
+    one without and one with the library, takes turns on one pinned CPU and the GPU: 40 rounds
+    of a 3000-op batch each, the order alternating.  A pair's ratio is that of the lower
+    quartiles of its batches (the speed the op runs at when nothing else intrudes: what the
+    hooks could slow); the row judges the median pair's, and shows the pairs' range."""
+    pairs = harness.take_turns(
+        harness.workload("turns", "--batch", str(TINY_BATCH)), 60, TINY_PAIRS, TINY_ROUNDS,
         "tiny")
-    pairs = list(zip(plain, with_lib, strict=True))
-    ratio = median([w["tiny_ns"] / p["tiny_ns"] for p, w in pairs])
-    matmul_pct = median([100 * w["tflops"] / p["tflops"] for p, w in pairs])
-    plain_us = median([p["tiny_ns"] for p in plain]) / 1000
+    ratios = [lower_quartile(p["lib"]["tiny_ns_batches"])
+              / lower_quartile(p["plain"]["tiny_ns_batches"]) for p in pairs]
+    ratio = median(ratios)
+    # the spread within a pair: each round's ratio (lib over plain), their quartiles
+    per_round = sorted(w / p for pair in pairs for p, w in zip(
+        pair["plain"]["tiny_ns_batches"], pair["lib"]["tiny_ns_batches"], strict=True))
+    round_q = statistics.quantiles(per_round, n=4, method="inclusive")
+    matmul_pct = median([100 * p["lib"]["tflops"] / p["plain"]["tflops"] for p in pairs])
+    plain_us = median([lower_quartile(p["plain"]["tiny_ns_batches"]) for p in pairs]) / 1000
     ok = ratio <= 1.05
-    record("torch_tiny", f"{ratio:.3f}x, median of {len(pairs)} pinned pairs ({plain_us:.2f} "
-           f"us/op plain); matmul {matmul_pct:.1f}%", ok, ratio=ratio, plain=plain,
-           with_lib=with_lib)
+    # the summary's 64 columns: the ratio, the pairs' range, the rounds' middle half
+    record("torch_tiny", f"{ratio:.3f}x (pairs {min(ratios):.3f}-{max(ratios):.3f}, turns "
+           f"{round_q[0]:.2f}-{round_q[2]:.2f}) {plain_us:.2f}us/op mm {matmul_pct:.0f}%", ok,
+           ratio=ratio, pair_ratios=ratios, round_quartiles=round_q, plain_us=plain_us,
+           matmul_pct=matmul_pct, rounds=TINY_ROUNDS, batch=TINY_BATCH,
+           pairs=pairs)
     assert ok, f"tiny torch ops cost {ratio:.3f}x with the library"
 
 

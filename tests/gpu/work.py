@@ -4,6 +4,8 @@
     work.py fill FRAMEWORK CHUNKS      allocate chunks (MiB, largest first) until OOM, report
     work.py matmul SECONDS             bf16 matmul throughput (and tiny-op launch cost; or
                                        beside a graph capture held open: --hold-capture)
+    work.py turns                      tiny-op batches and matmuls on command (stdin), in
+                                       turns with another process (harness.take_turns)
 
 FRAMEWORK is torch, cupy or jax. Each prints one line ``RESULT {json}``. The parent decides
 whether the interposer is preloaded; this file imports only the framework it is asked for.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -277,6 +280,60 @@ def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def cmd_turns(args: argparse.Namespace) -> dict[str, Any]:
+    """Tiny ops and matmuls measured in turns with another process, driven line by line on
+    stdin (``harness.take_turns``): after ``ready``, ``tiny`` times one batch of ``--batch``
+    tiny ops (ns per op, the GPU drained at its end), ``matmul W S`` warms up W seconds and
+    measures S (TFLOPS), ``end`` prints the RESULT.  Each answer is one line; the other
+    process waits meanwhile, so the two alternate on the GPU and on the CPU this one pins its
+    measuring thread to (``--pin``) after starting, which both do side by side."""
+    import sys
+
+    import torch
+
+    n = args.size
+    x = torch.zeros(1, device="cuda")
+    a = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    torch.mm(a, b, out=c)  # the BLAS handle and its workspace: not in a measured turn
+    if args.pin >= 0 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.pin})  # this thread only: the one that launches
+    for _ in range(args.batch):
+        x.add_(1)
+    torch.cuda.synchronize()
+    batches: list[float] = []
+    tflops: list[float] = []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        word, *rest = line.split()
+        if word == "tiny":
+            t0 = time.perf_counter()
+            for _ in range(args.batch):
+                x.add_(1)
+            torch.cuda.synchronize()
+            batches.append(round((time.perf_counter() - t0) / args.batch * 1e9, 1))
+            print(f"tiny {batches[-1]}", flush=True)
+        elif word == "matmul":
+            warmup, seconds = float(rest[0]), float(rest[1])
+            end = time.perf_counter() + warmup
+            while time.perf_counter() < end:
+                torch.mm(a, b, out=c)
+                torch.cuda.synchronize()
+            iters, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                for _ in range(4):
+                    torch.mm(a, b, out=c)
+                torch.cuda.synchronize()
+                iters += 4
+            tflops.append(2 * n**3 * iters / (time.perf_counter() - t0) / 1e12)
+            print(f"matmul {tflops[-1]:.1f}", flush=True)
+        elif word == "end":
+            break
+    return {"tiny_ns_batches": batches, "batch": args.batch,
+            "tflops": tflops[-1] if tflops else None}
+
+
 def beside_open_capture(a: Any, b: Any, c: Any, seconds: float) -> dict[str, Any]:
     """Matmuls launched for ``seconds`` on a stream of their own while another thread holds a
     global-mode graph capture open (PyTorch's default mode: no event query, no synchronisation
@@ -353,8 +410,13 @@ def main() -> None:
     mm.add_argument("--tiny-reps", type=int, default=5)
     mm.add_argument("--hold-capture", action="store_true",
                     help="measure beside a graph capture held open in another thread")
+    turns = sub.add_parser("turns")
+    turns.add_argument("--batch", type=int, default=3000, help="tiny ops per timed batch")
+    turns.add_argument("--size", type=int, default=8192)
+    turns.add_argument("--pin", type=int, default=-1, help="CPU to measure on (-1: any)")
     args = parser.parse_args()
-    run = {"probe": cmd_probe, "fill": cmd_fill, "matmul": cmd_matmul}[args.cmd]
+    run = {"probe": cmd_probe, "fill": cmd_fill, "matmul": cmd_matmul,
+           "turns": cmd_turns}[args.cmd]
     print("RESULT " + json.dumps(run(args), default=str), flush=True)
 
 
