@@ -38,6 +38,23 @@ static void layout(void)
     FIELD(nvmlMemory_t, total) FIELD(nvmlMemory_t, free) FIELD(nvmlMemory_t, used)
     FIELD(nvmlMemory_v2_t, version) FIELD(nvmlMemory_v2_t, total) FIELD(nvmlMemory_v2_t, reserved)
     FIELD(nvmlMemory_v2_t, free) FIELD(nvmlMemory_v2_t, used)
+    FIELD(nvmlProcessInfo_t, pid) FIELD(nvmlProcessInfo_t, usedGpuMemory)
+    FIELD(nvmlProcessInfo_t, gpuInstanceId) FIELD(nvmlProcessInfo_t, computeInstanceId)
+    FIELD(nvmlUtilization_t, gpu) FIELD(nvmlUtilization_t, memory)
+    FIELD(nvmlProcessUtilizationSample_t, pid) FIELD(nvmlProcessUtilizationSample_t, timeStamp)
+    FIELD(nvmlProcessUtilizationSample_t, smUtil) FIELD(nvmlProcessUtilizationSample_t, memUtil)
+    FIELD(nvmlProcessUtilizationSample_t, encUtil) FIELD(nvmlProcessUtilizationSample_t, decUtil)
+    printf("nvmlsize nvmlProcessInfo_t %zu\n", sizeof(nvmlProcessInfo_t));
+    printf("nvmlsize nvmlUtilization_t %zu\n", sizeof(nvmlUtilization_t));
+    printf("nvmlsize nvmlProcessUtilizationSample_t %zu\n", sizeof(nvmlProcessUtilizationSample_t));
+    printf("nvmlconst NVML_SUCCESS %d\n", NVML_SUCCESS);
+    printf("nvmlconst NVML_ERROR_UNINITIALIZED %d\n", NVML_ERROR_UNINITIALIZED);
+    printf("nvmlconst NVML_ERROR_INVALID_ARGUMENT %d\n", NVML_ERROR_INVALID_ARGUMENT);
+    printf("nvmlconst NVML_ERROR_NOT_SUPPORTED %d\n", NVML_ERROR_NOT_SUPPORTED);
+    printf("nvmlconst NVML_ERROR_NOT_FOUND %d\n", NVML_ERROR_NOT_FOUND);
+    printf("nvmlconst NVML_ERROR_INSUFFICIENT_SIZE %d\n", NVML_ERROR_INSUFFICIENT_SIZE);
+    printf("nvmlconst NVML_ERROR_FUNCTION_NOT_FOUND %d\n", NVML_ERROR_FUNCTION_NOT_FOUND);
+    printf("nvmlconst NVML_DEVICE_UUID_V2_BUFFER_SIZE %d\n", NVML_DEVICE_UUID_V2_BUFFER_SIZE);
 }
 
 static int write_region(const char *path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
@@ -290,20 +291,40 @@ def test_our_cuda_declarations_match_the_toolkit_headers(built):
     assert int(match.group(1)) == len(cuda_hooks)
 
 
-def test_our_nvml_memory_structs_match_pynvml(built):
+def test_our_nvml_structs_and_constants_match_pynvml(built):
+    # cuda_abi.h restates NVML's structs without nvml.h; NVIDIA's Python binding (nvidia-ml-py)
+    # states them too.  The fake NVML is built from the same header, so a wrong layout (or
+    # code) passes every fake-driver test and fails only against the real library
     pynvml = pytest.importorskip("pynvml")
     layout = subprocess.run([str(built / "tests" / "region_layout"), "layout"],
                             capture_output=True, text=True, check=True).stdout
-    ours = {}
+    ours, sizes, consts = {}, {}, {}
     for line in layout.splitlines():
-        name, *nums = line.split()
-        if name.startswith("nvmlMemory"):
-            ours[name] = tuple(int(n) for n in nums)
-    for struct_name, ctype in (("nvmlMemory_t", pynvml.c_nvmlMemory_t),
-                               ("nvmlMemory_v2_t", pynvml.c_nvmlMemory_v2_t)):
-        for fname, _ in ctype._fields_:
+        name, *rest = line.split()
+        if name.startswith("nvml") and "." in name:
+            ours[name] = tuple(int(n) for n in rest)
+        elif name == "nvmlsize":
+            sizes[rest[0]] = int(rest[1])
+        elif name == "nvmlconst":
+            consts[rest[0]] = int(rest[1])
+    structs = (("nvmlMemory_t", pynvml.c_nvmlMemory_t),
+               ("nvmlMemory_v2_t", pynvml.c_nvmlMemory_v2_t),
+               # what nvmlDeviceGetComputeRunningProcesses_v3 fills (pynvml's _v3 struct)
+               ("nvmlProcessInfo_t", pynvml.c_nvmlProcessInfo_v3_t),
+               ("nvmlUtilization_t", pynvml.c_nvmlUtilization_t),
+               ("nvmlProcessUtilizationSample_t", pynvml.c_nvmlProcessUtilizationSample_t))
+    for struct_name, ctype in structs:
+        fields = [fname for fname, _ in ctype._fields_]
+        assert {k.split(".", 1)[1] for k in ours if k.startswith(struct_name + ".")} == set(fields), \
+            struct_name
+        for fname in fields:
             f = getattr(ctype, fname)
             assert ours[f"{struct_name}.{fname}"] == (f.offset, f.size), (struct_name, fname)
+        if struct_name in sizes:  # an array of them is walked with our size
+            assert sizes[struct_name] == ctypes.sizeof(ctype), struct_name
+    assert len(sizes) == 3 and len(consts) == 8
+    for const, value in consts.items():
+        assert getattr(pynvml, const) == value, const
 
 
 @pytest.mark.parametrize(("version", "export"), [(11040, "cuGraphInstantiate_v2"),
