@@ -96,16 +96,73 @@ int gs_dptr_gone(uint64_t dptr)
  * answer that does not say the memory is gone (not found, or its context, the calling
  * thread's current one, gone), are recorded.  0 recorded, 1 gone (its reservation returned),
  * -1 cannot be tracked. */
-static int record_after_teardown(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx, unsigned seq0)
+static int gone_with_its_context(int kind, uint64_t key, CUcontext ctx, unsigned seq0, int locked)
+{
+    return kind == GS_KIND_DPTR ? gs_dptr_gone(key)
+           : (kind == GS_KIND_ARRAY || kind == GS_KIND_MIPMAP) && locked && gs_ctx_gone_since_locked(ctx, seq0);
+}
+
+__attribute__((noinline)) static int record_after_teardown(int kind, uint64_t key, int slot, uint64_t charge,
+                                                           CUcontext ctx, unsigned seq0)
 {
     int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
-    int gone = kind == GS_KIND_DPTR ? gs_dptr_gone(key)
-               : (kind == GS_KIND_ARRAY || kind == GS_KIND_MIPMAP) && locked && gs_ctx_gone_since_locked(ctx, seq0);
+    int gone = gone_with_its_context(kind, key, ctx, seq0, locked);
     int rc = gone ? 1 : record(kind, key, slot, charge, ctx);
     if (gone) gs_budget_release(slot, charge);
     if (locked) gs_ctx_unlock();
     if (gone) GS_INFO("an allocation made as its context went is gone with it: its charge is returned");
     return rc;
+}
+
+static void drop_one(int kind, uint64_t key, const struct gs_alloc *rec);
+
+static int keep_as_it_was(struct gs_alloc *rec, void *arg)
+{
+    (void)rec;
+    (void)arg;
+    return 2;
+}
+
+/* A teardown that began after book's first look and before the record existed: its forget may
+ * have run without the record (which then stays charged for memory the teardown freed), or
+ * after it (which dropped the record and returned its charge, right if the memory went with
+ * the context, not if the allocation came after a reset that keeps the context active).  Under
+ * the context lock, after the teardown: a record of memory the driver no longer holds is
+ * dropped, and memory it still holds is booked again if the forget took its record.  Return
+ * as record_after_teardown's. */
+__attribute__((noinline)) static int settle_after_record(int kind, uint64_t key, int slot, uint64_t charge,
+                                                         CUcontext ctx, unsigned seq0)
+{
+    int locked = gs_ctx_lock() == 0;
+    int gone = gone_with_its_context(kind, key, ctx, seq0, locked);
+    struct gs_alloc rec;
+    int rc = 0, left = 0, rebooked = 0;
+    if (gone) {
+        left = gs_am_take(kind, key, &rec) == 0; /* else the forget took it, returning its charge */
+        if (left) drop_one(kind, key, &rec);
+        rc = 1;
+    } else if (gs_am_update(kind, key, keep_as_it_was, NULL, &rec) < 0) {
+        gs_budget_force(slot, charge); /* held by the driver: what the forget returned */
+        rc = record(kind, key, slot, charge, ctx);
+        rebooked = 1;
+    }
+    if (locked) gs_ctx_unlock();
+    GS_INFO("an allocation booked as its context went: %s",
+            left ? "its record, which the teardown missed, dropped with its charge"
+            : gone ? "gone with it, its record too"
+            : rebooked ? "held, its record (which the teardown dropped) booked again" : "held, its record kept");
+    return rc;
+}
+
+/* Book a successful allocation: after a teardown that ran while it was inside the driver,
+ * under the context lock (record_after_teardown); else recorded, and looked at again, for a
+ * teardown that began between that look and the record (settle_after_record: it forgot its
+ * context without the record, which stayed charged for memory the teardown freed). */
+static inline int book(int kind, uint64_t key, int slot, uint64_t charge, CUcontext ctx, unsigned seq0)
+{
+    if (gs_teardown_since(seq0)) return record_after_teardown(kind, key, slot, charge, ctx, seq0);
+    if (record(kind, key, slot, charge, ctx) < 0) return -1;
+    return gs_teardown_since(seq0) ? settle_after_record(kind, key, slot, charge, ctx, seq0) : 0;
 }
 
 static void drop_array_maps(uint64_t array);
@@ -205,8 +262,7 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         int kind_ = (kind) == DPTR32 ? GS_KIND_DPTR : (kind);                         \
         if (rc != CUDA_SUCCESS)                                                       \
             rc = rollback(rc, slot, charge);                                          \
-        else if ((gs_teardown_since(seq0_) ? record_after_teardown(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx, seq0_) \
-                                           : record(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx)) < 0) \
+        else if (book(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx, seq0_) < 0) \
             rc = discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);            \
         gs_inflight_end();                                                            \
         return rc;                                                                    \
@@ -291,8 +347,7 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         gs_budget_release(slot, charge - actual);
         charge = actual;
     }
-    if (!ok || (gs_teardown_since(seq0) ? record_after_teardown(GS_KIND_DPTR, *dptr, slot, charge, ctx, seq0)
-                                        : record(GS_KIND_DPTR, *dptr, slot, charge, ctx)) < 0)
+    if (!ok || book(GS_KIND_DPTR, *dptr, slot, charge, ctx, seq0) < 0)
         rc = discard(v1 ? DPTR32 : GS_KIND_DPTR, *dptr, slot, charge);
     gs_inflight_end();
     gs_unsettled_end();
@@ -330,10 +385,31 @@ static CUresult real_free(int v1, CUdeviceptr dptr)
     return v1 ? gs_cuda.cuMemFree((unsigned int)dptr) : gs_cuda.cuMemFree_v2(dptr);
 }
 
+/* A free the driver refused after a context's teardown ran since its record was taken: the
+ * teardown's forget could not drop the record (taken), and the driver's answer may only say
+ * that the teardown freed the memory.  Under the context lock, after the teardown: dropped (its
+ * charge returned) if the driver no longer holds the pointer, else put back. */
+__attribute__((noinline)) static void refused_free_after_teardown(int kind, CUdeviceptr dptr, const struct gs_alloc *rec)
+{
+    int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
+    if (gs_dptr_gone(dptr)) {
+        drop_one(kind, dptr, rec);
+        GS_INFO("a free refused after its context went: the memory went with it, its charge is returned");
+    } else {
+        struct gs_alloc old;
+        gs_am_put(kind, dptr, rec, &old);
+    }
+    if (locked) gs_ctx_unlock();
+}
+
 static CUresult free_dptr(int v1, CUdeviceptr dptr)
 {
     struct gs_alloc rec;
     int kind = GS_KIND_DPTR;
+    /* before the record is taken: a teardown that starts later finds no record to forget (the
+     * free took it), and the driver's refusal may then mean the teardown freed the memory (a
+     * free racing a primary reset left its 4 MiB charged for nothing, tests/teardownrace.c) */
+    unsigned seq0 = gs_teardown_seq();
     if (gs_am_take(kind, dptr, &rec) != 0) {
         kind = GS_KIND_POOLPTR; /* cuMemFree also frees stream-ordered allocations */
         if (gs_pool_lock_mine()) return real_free(v1, dptr); /* its pool's lock is ours: see pool.c's pool_alloc */
@@ -346,6 +422,8 @@ static CUresult free_dptr(int v1, CUdeviceptr dptr)
     CUresult rc = real_free(v1, dptr);
     if (rc == CUDA_SUCCESS) {
         drop_one(kind, dptr, &rec);
+    } else if (gs_teardown_since(seq0)) {
+        refused_free_after_teardown(kind, dptr, &rec);
     } else {
         struct gs_alloc old;
         gs_am_put(kind, dptr, &rec, &old);
