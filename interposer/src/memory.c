@@ -385,11 +385,15 @@ static CUresult real_free(int v1, CUdeviceptr dptr)
     return v1 ? gs_cuda.cuMemFree((unsigned int)dptr) : gs_cuda.cuMemFree_v2(dptr);
 }
 
-/* A free the driver refused after a context's teardown ran since its record was taken: the
- * teardown's forget could not drop the record (taken), and the driver's answer may only say
- * that the teardown freed the memory.  Under the context lock, after the teardown: dropped (its
- * charge returned) if the driver no longer holds the pointer, else put back. */
-__attribute__((noinline)) static void refused_free_after_teardown(int kind, CUdeviceptr dptr, const struct gs_alloc *rec)
+/* A free the driver refused after a context's teardown began since its record was taken: the
+ * teardown's forget could not drop the record (taken), and the refusal may only say that the
+ * teardown freed the memory.  Under the context lock, after the teardown: dropped with its
+ * charge if the driver no longer holds the pointer, else put back.  A plain allocation's only:
+ * a stream-ordered allocation's record put back stays in the table but charges nothing (its
+ * pool's record, which holds the charge, went with the teardown; dropping it here could take
+ * its bytes off a new pool that got the same handle; tests/teardownrace.c async). */
+__attribute__((noinline)) static void refused_free_after_teardown(int kind, CUdeviceptr dptr,
+                                                                  const struct gs_alloc *rec)
 {
     int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
     if (gs_dptr_gone(dptr)) {
@@ -422,7 +426,7 @@ static CUresult free_dptr(int v1, CUdeviceptr dptr)
     CUresult rc = real_free(v1, dptr);
     if (rc == CUDA_SUCCESS) {
         drop_one(kind, dptr, &rec);
-    } else if (gs_teardown_since(seq0)) {
+    } else if (kind == GS_KIND_DPTR && gs_teardown_since(seq0)) {
         refused_free_after_teardown(kind, dptr, &rec);
     } else {
         struct gs_alloc old;

@@ -343,6 +343,42 @@ static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeA
     return rc;
 }
 
+static int keep_as_it_was(struct gs_alloc *rec, void *arg)
+{
+    (void)rec;
+    (void)arg;
+    return 2;
+}
+
+/* A pool allocation whose teardown began after pool_alloc's look at the counter and before its
+ * record existed (as memory.c's settle_after_record): the teardown's forget missed the record,
+ * whose bytes stayed in the pool's live bytes, charged for memory the teardown freed; or it took
+ * the record (its bytes off) while the driver still holds the memory.  Under the context lock,
+ * after the teardown, by whether the driver still holds the pointer.  Not from a driver
+ * callback (t_mine: see pool_alloc). */
+__attribute__((noinline)) static void settle_after_record(const struct gs_alloc *rec, CUdeviceptr dptr)
+{
+    int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
+    struct gs_alloc now, old;
+    if (gs_dptr_gone(dptr)) {
+        if (gs_am_take(GS_KIND_POOLPTR, dptr, &now) == 0) { /* else the forget took it */
+            gs_pool_drop_ptr(now.aux, now.size);
+            GS_INFO("a pool allocation booked as its context went: gone with it, its charge returned");
+        }
+    } else if (gs_am_update(GS_KIND_POOLPTR, dptr, keep_as_it_was, NULL, &now) < 0) {
+        mu_lock();
+        struct pool_rec *p = find_locked(rec->aux, rec->slot, 0);
+        if (p) {
+            p->live += rec->size;
+            reconcile_locked(p, 0);
+        }
+        mu_unlock();
+        if (p && gs_am_put(GS_KIND_POOLPTR, dptr, rec, &old) == 1) gs_pool_drop_ptr(old.aux, old.size);
+        GS_INFO("a pool allocation booked as its context went: held, its record booked again");
+    }
+    if (locked) gs_ctx_unlock();
+}
+
 static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
                            size_t bytesize, CUmemoryPool pool, CUstream stream, int per_thread)
 {
@@ -421,8 +457,8 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
      * primary reset or last release, booked after it: its 200 MiB stayed in the pool's live
      * bytes, 250 MiB charged for 50 held).  A driver that cannot tell a live pool allocation
      * from a gone one costs nothing: the pool's charge follows its reserved memory */
-    int locked = 0, gone = 0;
-    if (rc == CUDA_SUCCESS && gs_teardown_since(seq0)) {
+    int locked = 0, gone = 0, after = rc == CUDA_SUCCESS && gs_teardown_since(seq0);
+    if (after) {
         locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
         gone = gs_dptr_gone(*dptr);
     }
@@ -446,6 +482,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     }
     if (put >= 0) {
         if (put == 1) gs_pool_drop_ptr(old.aux, old.size); /* a record the driver's reuse made stale */
+        if (!after && gs_teardown_since(seq0)) settle_after_record(&rec, *dptr); /* began as it booked */
         gs_unsettled_end();
         return CUDA_SUCCESS;
     }
@@ -497,6 +534,10 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
     if (t_mine) return real(dptr, stream); /* see pool_alloc */
     struct gs_alloc rec, old;
     int kind = GS_KIND_POOLPTR;
+    /* before the record is taken: a teardown that starts later finds no record to forget, and
+     * the driver's refusal may then mean the teardown freed the memory (its bytes stayed in the
+     * pool's live bytes, 1-4 MiB charged for nothing, tests/teardownrace.c async) */
+    unsigned seq0 = gs_teardown_seq();
     if (gs_am_take(kind, dptr, &rec) != 0) {
         kind = GS_KIND_DPTR;
         if (gs_am_take(kind, dptr, &rec) != 0) {
@@ -506,7 +547,14 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
     }
     gs_inflight_begin(); /* a cuMemAlloc pointer's memory goes before its charge */
     CUresult rc = real(dptr, stream);
-    if (rc != CUDA_SUCCESS)
+    if (rc != CUDA_SUCCESS && kind == GS_KIND_POOLPTR && gs_teardown_since(seq0)) {
+        int locked = gs_ctx_lock() == 0; /* after the teardown: did the memory go with it? */
+        if (gs_dptr_gone(dptr))
+            gs_pool_drop_ptr(rec.aux, rec.size);
+        else
+            gs_am_put(kind, dptr, &rec, &old);
+        if (locked) gs_ctx_unlock();
+    } else if (rc != CUDA_SUCCESS)
         gs_am_put(kind, dptr, &rec, &old);
     else if (kind == GS_KIND_POOLPTR)
         gs_pool_drop_ptr(rec.aux, rec.size);

@@ -5,8 +5,9 @@
  * just after its driver call, and the library must book it by whether the driver still holds
  * it.  Links the fake driver.
  *
- *   teardownrace ITERATIONS THREADS RESETS
- *     each thread does ITERATIONS allocations or frees; the main thread RESETS resets, 200 us
+ *   teardownrace ITERATIONS THREADS RESETS [async]
+ *     each thread does ITERATIONS allocations or frees (async: cuMemAllocAsync and
+ *     cuMemFreeAsync from the device's default pool); the main thread RESETS resets, 200 us
  *     apart, while they run.  Then every thread frees what it holds (a pointer a reset freed
  *     answers an error, not counted), the context is made again, and the program prints
  *     "teardownrace <errors> <this process's charge> <what the fake driver holds for it>
@@ -31,12 +32,17 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
 CUresult cuCtxSetCurrent(CUcontext);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuCtxSynchronize(void);
+CUresult cuDeviceGetMemPool(CUmemoryPool *, CUdevice);
+CUresult cuMemPoolTrimTo(CUmemoryPool, size_t);
 uint64_t fake_cuda_local_used(int pdev);
 
 #define HELD 6
 
 static CUcontext ctx;
-static int iterations, errors, running, retained;
+static int iterations, errors, running, retained, async;
 
 static void *worker(void *arg)
 {
@@ -46,11 +52,15 @@ static void *worker(void *arg)
     for (int i = 0; i < iterations; i++) {
         int k = rand_r(&seed) % HELD;
         if (held[k]) { /* freed by a reset meanwhile, the driver answers an error: not counted */
-            cuMemFree_v2(held[k]);
+            if (async)
+                cuMemFreeAsync(held[k], NULL);
+            else
+                cuMemFree_v2(held[k]);
             held[k] = 0;
         }
         if (rand_r(&seed) % 3) {
-            CUresult rc = cuMemAlloc_v2(&held[k], (size_t)(1 + rand_r(&seed) % 4) << 20);
+            size_t size = (size_t)(1 + rand_r(&seed) % 4) << 20;
+            CUresult rc = async ? cuMemAllocAsync(&held[k], size, NULL) : cuMemAlloc_v2(&held[k], size);
             if (rc != CUDA_SUCCESS) {
                 held[k] = 0;
                 if (rc == CUDA_ERROR_INVALID_CONTEXT || rc == CUDA_ERROR_CONTEXT_IS_DESTROYED) {
@@ -68,7 +78,8 @@ static void *worker(void *arg)
     }
     __atomic_sub_fetch(&running, 1, __ATOMIC_SEQ_CST);
     for (int k = 0; k < HELD; k++)
-        if (held[k]) cuMemFree_v2(held[k]);
+        if (held[k]) async ? cuMemFreeAsync(held[k], NULL) : cuMemFree_v2(held[k]);
+    if (async) cuCtxSynchronize(); /* the pool gives its memory back (release threshold 0) */
     return NULL;
 }
 
@@ -77,6 +88,7 @@ int main(int argc, char **argv)
     iterations = argc > 1 ? atoi(argv[1]) : 2000;
     int nthreads = argc > 2 ? atoi(argv[2]) : 3;
     int resets = argc > 3 ? atoi(argv[3]) : 200;
+    async = argc > 4 && !strcmp(argv[4], "async");
     if (nthreads < 1 || nthreads > 32) return 2;
     if (cuInit(0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&ctx, 0) != CUDA_SUCCESS) return 2;
     cuCtxSetCurrent(ctx);
@@ -91,6 +103,10 @@ int main(int argc, char **argv)
     /* the context reset last is inactive or active (FAKE_CUDA_RESET_ACTIVE): made current again */
     if (cuDevicePrimaryCtxRetain(&ctx, 0) != CUDA_SUCCESS) return 2;
     cuCtxSetCurrent(ctx);
+    CUmemoryPool pool;
+    if (async && (cuCtxSynchronize() != CUDA_SUCCESS || cuDeviceGetMemPool(&pool, 0) != CUDA_SUCCESS ||
+                  cuMemPoolTrimTo(pool, 0) != CUDA_SUCCESS))
+        return 2; /* what the pool kept is given back: the charge follows at the trim */
     const char *path = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
     int fd = path ? open(path, O_RDONLY) : -1;
     const struct gpuslice_region *r =
