@@ -126,8 +126,9 @@ static void forget(int slot, struct slice_state *st)
 }
 
 /* Nothing came for GS_SLICE_SILENCE_NS: nobody ran, or NVML stopped answering.  The next
- * reading starts afresh (NVML's timestamps are wall-clock time: one from before the clock
- * was set back would otherwise hide every newer sample). */
+ * reading starts afresh (NVML's timestamps are CPU time in microseconds, compared here only with
+ * each other: the wall clock's in every published output of this call, so one from before the
+ * clock was set back would otherwise hide every newer sample). */
 static void silence(int slot, struct slice_state *st)
 {
     forget(slot, st);

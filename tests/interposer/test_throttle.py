@@ -785,6 +785,19 @@ def test_drivers_that_sample_slowly_or_want_room_for_100(release_lab, knob, valu
     assert abs(got - 30) <= TOLERANCE, f"{knob}={value}: {got:.1f}%"
 
 
+def test_garbage_rows_among_the_samples_are_left_out(release_lab):
+    # a driver listing rows of garbage among its samples (nvtop issue #110: utilisations in the
+    # tens of thousands, timestamps decades old, rows of zeros; FAKE_NVML_PROC_GARBAGE): they
+    # are no process's share, nor the newest sample seen
+    res = release_lab.run("init", "ctx", "0", "bench", "2", "kernel", "bench", "2", "kernel",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000",
+                          FAKE_NVML_PROC_GARBAGE="1", LIBCUDA_LOG_LEVEL="4", **COTENANT)
+    _rc, (_launches, kernel_ns, wall_ns) = res.of("bench")[-1]
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 30) <= TOLERANCE, f"{got:.1f}% beside a busy process"
+    assert "(1 ran)" in res.stderr and "(2 ran)" not in res.stderr, res.stderr[-2000:]
+
+
 def test_a_driver_under_reporting_our_share_cannot_take_more_than_half_off(release_lab):
     # NVML reporting 80% of our true share: beside one busy process an interval holds at most
     # one of its slices per slice of ours, so at most half is removed (without that: 38%)

@@ -278,10 +278,16 @@ API nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t d, unsigned int *l
     return NVML_SUCCESS;
 }
 
-/* With the clock model (FAKE_GPU_EXPONENT): idle + the kernels' dynamic energy
- * over the time since the previous reading (at least 100 ms), as a board's
- * averaged power; otherwise idle + utilisation x FAKE_NVML_DYNAMIC_MW. */
-static double energy_t0, energy_e0;
+/* With the clock model (FAKE_GPU_EXPONENT): idle + the kernels' dynamic energy over the last
+ * FAKE_NVML_POWER_AVG_MS (default 1000) up to the reading, as nvmlDeviceGetPowerUsage gives on
+ * Ampere (but GA100) and newer GPUs, the H200 included: "power averaged over 1 sec interval"
+ * (NVML API reference; instantaneous power is NVML_FI_DEV_POWER_INSTANT).  The window starts at
+ * the newest earlier reading at least that old (readings 100 ms apart at least; before the
+ * first ones, the oldest).  FAKE_NVML_POWER_AVG_MS=0: the fake's first model, the average since
+ * the previous reading.  Otherwise idle + utilisation x FAKE_NVML_DYNAMIC_MW. */
+#define ENERGY_SNAPS 64
+static double energy_t[ENERGY_SNAPS], energy_e[ENERGY_SNAPS];
+static unsigned energy_n; /* readings taken; the last ENERGY_SNAPS kept */
 static unsigned energy_last;
 
 static unsigned clock_model_power(unsigned idle, unsigned limit)
@@ -293,10 +299,22 @@ static unsigned clock_model_power(unsigned idle, unsigned limit)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     double t = (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec, e = energy();
-    if (energy_t0 && t - energy_t0 < 1e8) return energy_last;
-    double p = energy_t0 ? idle + (e - energy_e0) / (t - energy_t0) : idle;
-    energy_t0 = t;
-    energy_e0 = e;
+    unsigned prev = (energy_n + ENERGY_SNAPS - 1) % ENERGY_SNAPS;
+    if (energy_n && t - energy_t[prev] < 1e8) return energy_last;
+    double window = env_uint("FAKE_NVML_POWER_AVG_MS", 1000) * 1e6;
+    double p = idle;
+    if (energy_n) {
+        unsigned kept = energy_n < ENERGY_SNAPS ? energy_n : ENERGY_SNAPS, from = prev;
+        /* the newest earlier reading at least `window` old (the previous one with no window) */
+        for (unsigned k = 0; window > 0 && k < kept; k++) {
+            from = (energy_n + ENERGY_SNAPS - 1 - k) % ENERGY_SNAPS;
+            if (t - energy_t[from] >= window) break;
+        }
+        p = idle + (e - energy_e[from]) / (t - energy_t[from]);
+    }
+    energy_t[energy_n % ENERGY_SNAPS] = t;
+    energy_e[energy_n % ENERGY_SNAPS] = e;
+    energy_n++;
     energy_last = p < limit ? (unsigned)p : limit;
     return energy_last;
 }
@@ -331,7 +349,9 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
  * FAKE_NVML_PROC_BIAS, this process's share as reported, in % of the true one
  * (default 100); FAKE_NVML_PROC_ROOM, the buffer entries the call insists on
  * (some drivers always ask for 100); FAKE_NVML_PROC_FAIL_AFTER_MS, the query
- * fails (NVML_ERROR_UNKNOWN) from that long after the first one on. */
+ * fails (NVML_ERROR_UNKNOWN) from that long after the first one on;
+ * FAKE_NVML_PROC_GARBAGE=1, every reply also lists rows of garbage, whatever the
+ * lastSeenTimeStamp (see proc_garbage). */
 #define PROC_SAMPLES 16
 static uint64_t proc_t0, proc_k0, proc_stamp;
 static uint64_t proc_prev[FAKE_MAX_PROCS];
@@ -463,6 +483,18 @@ static __attribute__((noinline)) void rm_control_on_stack(void)
     params[bytes - 1] = 1;
 }
 
+/* Rows of garbage a driver listed among its samples (nvtop issue #110, 2021, two zombie
+ * processes on the GPU: count 100, three rows as below and 97 of zeros).  Their utilisations are
+ * far above 100 % and their timestamps (1975, 1976 and 50 ms after the epoch) older than any real
+ * sample. */
+static const nvmlProcessUtilizationSample_t proc_garbage[] = {
+    {50554, 217144956601725ull, 37100, 0, 50583, 50624},
+    {50021, 158819300671603ull, 38305, 0, 49270, 50571},
+    {50017, 49936ull, 0, 0, 3313, 0},
+    {0, 0, 0, 0, 0, 0},
+    {0, 0, 0, 0, 0, 0},
+};
+
 API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *out,
                                                  unsigned int *count, unsigned long long last_seen)
 {
@@ -473,12 +505,14 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     if (mode && !strcmp(mode, "off")) return NVML_ERROR_NOT_SUPPORTED;
     if (!proc_advance()) return (nvmlReturn_t)999; /* NVML_ERROR_UNKNOWN */
     unsigned n = proc_stamp > last_seen ? proc_n : 0, room = env_uint("FAKE_NVML_PROC_ROOM", 0);
-    if (!out || *count < n || *count < room) {
-        *count = n > room ? n : room;
+    unsigned junk = env_uint("FAKE_NVML_PROC_GARBAGE", 0) ? sizeof(proc_garbage) / sizeof(proc_garbage[0]) : 0;
+    if (!out || *count < n + junk || *count < room) {
+        *count = n + junk > room ? n + junk : room;
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
-    if (!n) return NVML_ERROR_NOT_FOUND;
+    if (!n && !junk) return NVML_ERROR_NOT_FOUND;
     memcpy(out, proc_s, n * sizeof(proc_s[0]));
-    *count = n;
+    memcpy(out + n, proc_garbage, junk * sizeof(proc_garbage[0]));
+    *count = n + junk;
     return NVML_SUCCESS;
 }
