@@ -152,12 +152,24 @@ def run(args: list[str], env: dict[str, str], timeout: float,
     lib_log = library_log(err)
     if lib_log:
         result.setdefault("library_log", lib_log)
+    ticks = slice_ticks(err)
+    if ticks:
+        result.setdefault("slice_ticks", ticks)
     return result
 
 
 def library_log(stderr: str, lines: int = 8) -> list[str]:
-    """The library's last log lines (``gpuslice:``) in a child's stderr."""
-    return [ln for ln in stderr.splitlines() if ln.startswith("gpuslice:")][-lines:]
+    """The library's last log lines (``gpuslice:``) in a child's stderr, debug lines left out."""
+    return [ln for ln in stderr.splitlines()
+            if ln.startswith("gpuslice:") and "] debug: " not in ln][-lines:]
+
+
+def slice_ticks(stderr: str, lines: int = 40) -> list[str]:
+    """The time-slice correction's per-tick debug lines (LIBCUDA_LOG_LEVEL=3: NVML's share for
+    this process, the others', the device's, what the events measured), the last ``lines``:
+    what NVML's per-process samples look like on the driver, which decides whether the
+    correction can work there (interposer/README.md, time slices)."""
+    return [ln for ln in stderr.splitlines() if "] debug: " in ln and ": ours " in ln][-lines:]
 
 
 def pinned(args: list[str]) -> list[str]:

@@ -59,7 +59,8 @@ def test_sm_limit_beside_a_busy_tenant(nvml: Nvml, baseline: dict[str, Any], lib
         time.sleep(LEAD_S)
         assert other.poll() is None, "the other tenant did not start"
         region = harness.new_region("cotenant-nvml")
-        env = harness.capped_env(region, sm=30, extra={"LIBCUDA_LOG_LEVEL": "2"})
+        # level 3: the correction's per-tick lines (NVML's shares) come back in slice_ticks
+        env = harness.capped_env(region, sm=30, extra={"LIBCUDA_LOG_LEVEL": "3"})
         ours = matmul(nvml, env, tiny=False, warmup=WARMUP_S)
         pct = percent(ours, baseline)
         view = throttle_view(region, ours)
