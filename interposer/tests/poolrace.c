@@ -15,18 +15,17 @@
  *     only sums read the same twice in a row (the fake sums the processes one by one)
  */
 #define _GNU_SOURCE
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "cuda_abi.h"
 #include "gpuslice_region.h"
+#include "selfcharge.h"
 
 CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
@@ -140,14 +139,8 @@ int main(int argc, char **argv)
     count(cuMemPoolTrimTo(own, 0));
     count(cuMemPoolTrimTo(def, 0));
     usleep(1200 * 1000); /* the sampler's round */
-    const char *path = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
-    int fd = path ? open(path, O_RDONLY) : -1;
-    const struct gpuslice_region *r =
-        fd < 0 ? MAP_FAILED : mmap(NULL, sizeof(*r), PROT_READ, MAP_SHARED, fd, 0);
-    if (r == MAP_FAILED) return 2;
-    uint64_t mine = 0;
-    for (int i = 0; i < GPUSLICE_MAX_PROCS; i++)
-        if (r->procs[i].pid == getpid()) mine = r->procs[i].used_bytes[0];
+    uint64_t mine;
+    if (self_charge(&mine) != 0) return 2;
     printf("poolrace %d %llu %llu\n", errors, (unsigned long long)mine, (unsigned long long)fake_cuda_local_used(0));
     return 0;
 }

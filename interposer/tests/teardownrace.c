@@ -15,16 +15,15 @@
  *     retains: a thread whose context a reset left inactive made it again, as programs do)
  */
 #define _GNU_SOURCE
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "cuda_abi.h"
 #include "gpuslice_region.h"
+#include "selfcharge.h"
 
 CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
@@ -107,14 +106,8 @@ int main(int argc, char **argv)
     if (async && (cuCtxSynchronize() != CUDA_SUCCESS || cuDeviceGetMemPool(&pool, 0) != CUDA_SUCCESS ||
                   cuMemPoolTrimTo(pool, 0) != CUDA_SUCCESS))
         return 2; /* what the pool kept is given back: the charge follows at the trim */
-    const char *path = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
-    int fd = path ? open(path, O_RDONLY) : -1;
-    const struct gpuslice_region *r =
-        fd < 0 ? MAP_FAILED : mmap(NULL, sizeof(*r), PROT_READ, MAP_SHARED, fd, 0);
-    if (r == MAP_FAILED) return 2;
-    uint64_t mine = 0;
-    for (int i = 0; i < GPUSLICE_MAX_PROCS; i++)
-        if (r->procs[i].pid == getpid()) mine = r->procs[i].used_bytes[0];
+    uint64_t mine;
+    if (self_charge(&mine) != 0) return 2;
     printf("teardownrace %d %llu %llu %d\n", errors, (unsigned long long)mine,
            (unsigned long long)fake_cuda_local_used(0), retained);
     return 0;
