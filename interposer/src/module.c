@@ -52,12 +52,78 @@ __attribute__((noinline)) static int load_admit_near(int slot, const char *name,
     return 0;
 }
 
-static inline int load_admit(const char *name, int *slot, uint64_t *held)
+/* Lookups repeat: some launchers ask for a kernel's function before every launch (TVM-FFI's
+ * cubin launcher calls cuKernelGetFunction each time), and only the first lookup of a function
+ * in a context can load its code.  The lookups made before (by target, name and context) are
+ * kept here: a repeated one is neither admitted near the cap (an NVML query, and a refusal
+ * within a chunk of the cap, on every launch) nor wakes the sampler (a futex wake on every
+ * launch).  Open addressing, lock-free; full, a lookup is treated as new (admitted, as
+ * before).  Emptied when a context goes (gs_ctx_teardown_seq moved): a new context may get an
+ * old one's handle, and its functions are not loaded there yet. */
+#define GS_SEEN_SLOTS 4096 /* a power of 2 */
+#define GS_SEEN_PROBES 16
+static uint64_t g_seen[GS_SEEN_SLOTS];
+static unsigned g_seen_epoch;
+
+static uint64_t mix64(uint64_t h)
 {
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    return h ^ (h >> 33);
+}
+
+/* A lookup's key: what it looks in (a module, a library, a kernel), the name (FNV-1a), the context */
+static uint64_t lookup_key(const void *what, const char *fname, CUcontext ctx)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const char *c = fname; c && *c; c++) h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+    h = mix64(h ^ mix64((uint64_t)(uintptr_t)what) ^ mix64((uint64_t)(uintptr_t)ctx * 31u));
+    return h ? h : 1; /* 0 marks an empty slot */
+}
+
+/* 1 if `key` was looked up before (the current epoch); clears a stale table first */
+static int seen_before(uint64_t key)
+{
+    unsigned epoch = gs_teardown_seq() | 1u; /* odd: never the initial 0 */
+    if (GS_UNLIKELY(__atomic_load_n(&g_seen_epoch, __ATOMIC_ACQUIRE) != epoch)) {
+        for (unsigned i = 0; i < GS_SEEN_SLOTS; i++) __atomic_store_n(&g_seen[i], 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&g_seen_epoch, epoch, __ATOMIC_RELEASE);
+        return 0;
+    }
+    for (unsigned i = 0; i < GS_SEEN_PROBES; i++) {
+        uint64_t v = __atomic_load_n(&g_seen[(key + i) & (GS_SEEN_SLOTS - 1)], __ATOMIC_RELAXED);
+        if (v == key) return 1;
+        if (!v) return 0;
+    }
+    return 0;
+}
+
+static void seen_add(uint64_t key)
+{
+    for (unsigned i = 0; i < GS_SEEN_PROBES; i++) {
+        uint64_t *slot = &g_seen[(key + i) & (GS_SEEN_SLOTS - 1)], empty = 0;
+        if (__atomic_compare_exchange_n(slot, &empty, key, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED) || empty == key)
+            return;
+    }
+}
+
+/* `what`/`fname`: a lookup's target and name (*key: its key, 0 for a repeated lookup, which is
+ * passed straight through); NULL for a load, which is always admitted */
+static inline int load_admit(const char *name, const void *what, const char *fname, int *slot, uint64_t *held,
+                             uint64_t *key)
+{
+    *key = 0;
     if (gs_t_held) return 0;
     gs_devices_ready();
     CUcontext ctx;
     *slot = gs_current_slot(&ctx);
+    if (what) {
+        uint64_t k = lookup_key(what, fname, ctx);
+        if (seen_before(k)) return 0;
+        *key = k;
+    }
     if (*slot < 0 || GS_LIKELY(!gs_near_cap(*slot, GS_CODE_CHUNK))) return 0;
     return load_admit_near(*slot, name, held);
 }
@@ -68,19 +134,25 @@ static void load_settle(int slot, uint64_t held)
     gs_inflight_end();
 }
 
-#define GS_LOAD_HOOK(name, params, args)                                     \
+/* A load (what NULL) or a lookup of `fname` in `what` */
+#define GS_CODE_HOOK(name, params, args, what, fname)                        \
     GS_EXPORT CUresult name params                                           \
     {                                                                        \
         gs_cuda_init();                                                      \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                  \
         int slot_ = -1;                                                      \
-        uint64_t held_ = 0;                                                  \
-        if (load_admit(#name, &slot_, &held_) != 0) return CUDA_ERROR_OUT_OF_MEMORY; \
+        uint64_t held_ = 0, key_ = 0;                                        \
+        int lookup_ = (what) != NULL;                                        \
+        if (load_admit(#name, (what), (fname), &slot_, &held_, &key_) != 0)   \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                 \
+        if (lookup_ && !key_ && !gs_t_held) return gs_cuda.name args; /* repeated */ \
         CUresult rc = gs_cuda.name args;                                     \
         if (held_) load_settle(slot_, held_);                                \
+        if (rc == CUDA_SUCCESS && key_) seen_add(key_);                      \
         if (rc == CUDA_SUCCESS) gs_reconcile_after_load();                   \
         return rc;                                                           \
     }
+#define GS_LOAD_HOOK(name, params, args) GS_CODE_HOOK(name, params, args, (const void *)NULL, (const char *)NULL)
 
 GS_LOAD_HOOK(cuModuleLoad, (CUmodule *module, const char *fname), (module, fname))
 GS_LOAD_HOOK(cuModuleLoadData, (CUmodule *module, const void *image), (module, image))
@@ -89,7 +161,8 @@ GS_LOAD_HOOK(cuModuleLoadDataEx,
               void **optionValues),
              (module, image, numOptions, options, optionValues))
 GS_LOAD_HOOK(cuModuleLoadFatBinary, (CUmodule *module, const void *fatCubin), (module, fatCubin))
-GS_LOAD_HOOK(cuModuleGetFunction, (CUfunction *hfunc, CUmodule hmod, const char *name), (hfunc, hmod, name))
+GS_CODE_HOOK(cuModuleGetFunction, (CUfunction *hfunc, CUmodule hmod, const char *name), (hfunc, hmod, name),
+             (const void *)hmod, name)
 GS_LOAD_HOOK(cuLibraryLoadData,
              (CUlibrary *library, const void *code, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
@@ -102,8 +175,10 @@ GS_LOAD_HOOK(cuLibraryLoadFromFile,
               unsigned int numLibraryOptions),
              (library, fileName, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
               libraryOptionValues, numLibraryOptions))
-GS_LOAD_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name))
-GS_LOAD_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel))
+GS_CODE_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name),
+             (const void *)library, name)
+GS_CODE_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel), (const void *)kernel,
+             (const char *)NULL)
 /* Limits set per context: each is charged for the most it was set to beyond the value the
  * context started with (that part is in its measured footprint), until the context goes or is
  * reset (gs_limits_forget_ctx).  A lowered limit keeps its charge: whether the driver frees

@@ -157,3 +157,19 @@ def test_far_from_the_cap_nothing_changes(lab):
     # the context and 21 allocations of 512 B and 1 KiB; the module's 2 MiB is left to the
     # sampler far from the cap
     assert total - free == 100 * MIB + 20 * 1024 + 512
+
+
+def test_a_repeated_lookup_passes_straight_through_even_at_the_cap(lab):
+    # launchers that ask for a kernel's function before every launch (TVM-FFI's cubin launcher
+    # calls cuKernelGetFunction each time): only a function's first lookup in a context can
+    # load its code.  Admitted like a first one, each repeat made an NVML query within 256 MiB
+    # of the cap and was refused within a chunk of it (every launch failing), and woke the
+    # sampler far from it
+    res = lab.run("init", "ctx", "0", "modload", "getfunc", "libload", "libkernel",
+                  "alloc", "918m", "alloc", "1m", "nvmlqueries", *(["getfunc", "libkernel"] * 20),
+                  "nvmlqueries", **{**ENV, "FAKE_CUDA_MODULE_BYTES": "2m"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [rc for rc, _ in res.of("getfunc")] == [0] * 21
+    assert [rc for rc, _ in res.of("libkernel")] == [0] * 21
+    before, after = (vals[0] for _, vals in res.of("nvmlqueries"))
+    assert after == before, f"{after - before} NVML queries for 40 repeated lookups"

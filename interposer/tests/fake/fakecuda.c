@@ -1287,11 +1287,35 @@ API CUresult cuModuleUnload(CUmodule m)
     return module_drop(m);
 }
 
+/* The same handle for the same name in the same module or library, as the driver gives (a
+ * launcher may look a kernel up before every launch) */
+static void *named_handle(const void *in, const char *name)
+{
+    static struct {
+        const void *in;
+        uint64_t name;
+        void *handle;
+    } known[256];
+    static pthread_mutex_t named_mu = PTHREAD_MUTEX_INITIALIZER;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const char *c = name; *c; c++) h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+    void *got = NULL;
+    pthread_mutex_lock(&named_mu);
+    for (unsigned i = 0; i < 256 && !got; i++) {
+        if (known[i].handle && known[i].in == in && known[i].name == h) got = known[i].handle;
+        if (!known[i].handle) {
+            known[i].in = in, known[i].name = h, known[i].handle = got = code_handle();
+        }
+    }
+    pthread_mutex_unlock(&named_mu);
+    return got ? got : code_handle();
+}
+
 API CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
 {
     FAIL_POINT("cuModuleGetFunction");
     if (!f || !m || !name) return CUDA_ERROR_INVALID_VALUE;
-    *f = (CUfunction)code_handle();
+    *f = (CUfunction)named_handle(m, name);
     return CUDA_SUCCESS;
 }
 
@@ -1317,7 +1341,7 @@ API CUresult cuLibraryUnload(CUlibrary l)
 API CUresult cuLibraryGetKernel(CUkernel *k, CUlibrary l, const char *name)
 {
     if (!k || !l || !name) return CUDA_ERROR_INVALID_VALUE;
-    *k = (CUkernel)code_handle();
+    *k = (CUkernel)named_handle(l, name);
     return CUDA_SUCCESS;
 }
 
