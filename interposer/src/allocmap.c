@@ -133,6 +133,14 @@ int gs_am_take(int kind, uint64_t key, struct gs_alloc *out)
     return e ? 0 : -1;
 }
 
+int gs_am_has(int kind, uint64_t key)
+{
+    pthread_mutex_lock(&g_mu);
+    int found = find_locked(kind, key) != NULL;
+    pthread_mutex_unlock(&g_mu);
+    return found;
+}
+
 int gs_am_update(int kind, uint64_t key, int (*fn)(struct gs_alloc *rec, void *arg), void *arg,
                  struct gs_alloc *out)
 {

@@ -365,6 +365,13 @@ struct gs_alloc {
 /* 0 = recorded, 1 = replaced a stale record (returned in *replaced), -1 = out of memory */
 int gs_am_put(int kind, uint64_t key, const struct gs_alloc *rec, struct gs_alloc *replaced);
 int gs_am_take(int kind, uint64_t key, struct gs_alloc *out);      /* 0 found (and removed) */
+int gs_am_has(int kind, uint64_t key);                             /* 1 if there is such a record */
+/* One step of the keys made of several values (a sparse mapping's, a code lookup's) */
+static inline uint64_t gs_hash_step(uint64_t h, uint64_t v)
+{
+    h = (h ^ v) * 0xff51afd7ed558ccdull;
+    return h ^ (h >> 32);
+}
 /* Change a record in place under the table's lock: fn edits *rec (size, aux) and returns 0 to
  * keep it, 1 to remove it, or another value to leave it as it was; -1 if there is none.
  * *out is the record as fn left it. */

@@ -116,13 +116,6 @@ __attribute__((noinline)) static int record_after_teardown(int kind, uint64_t ke
 
 static void drop_one(int kind, uint64_t key, const struct gs_alloc *rec);
 
-static int keep_as_it_was(struct gs_alloc *rec, void *arg)
-{
-    (void)rec;
-    (void)arg;
-    return 2;
-}
-
 /* A teardown that began after book's first look and before the record existed: its forget may
  * have run without the record (which then stays charged for memory the teardown freed), or
  * after it (which dropped the record and returned its charge, right if the memory went with
@@ -141,7 +134,7 @@ __attribute__((noinline)) static int settle_after_record(int kind, uint64_t key,
         left = gs_am_take(kind, key, &rec) == 0; /* else the forget took it, returning its charge */
         if (left) drop_one(kind, key, &rec);
         rc = 1;
-    } else if (gs_am_update(kind, key, keep_as_it_was, NULL, &rec) < 0) {
+    } else if (!gs_am_has(kind, key)) {
         gs_budget_force(slot, charge); /* held by the driver: what the forget returned */
         rc = record(kind, key, slot, charge, ctx);
         rebooked = 1;
@@ -895,19 +888,17 @@ GS_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 static uint64_t amap_key(const CUarrayMapInfo *m)
 {
     uint64_t h = 0x9e3779b97f4a7c15ull;
-#define GS_MIX(v) (h = (h ^ (uint64_t)(v)) * 0xff51afd7ed558ccdull, h ^= h >> 32)
-    GS_MIX(m->resourceType);
-    GS_MIX((uintptr_t)m->resource.array);
-    GS_MIX(m->subresourceType);
+    h = gs_hash_step(h, (uint64_t)m->resourceType);
+    h = gs_hash_step(h, (uintptr_t)m->resource.array);
+    h = gs_hash_step(h, (uint64_t)m->subresourceType);
     if (m->subresourceType == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL) {
-        GS_MIX(m->subresource.miptail.layer);
-        GS_MIX(m->subresource.miptail.offset);
-        GS_MIX(m->subresource.miptail.size);
+        h = gs_hash_step(h, (uint64_t)m->subresource.miptail.layer);
+        h = gs_hash_step(h, (uint64_t)m->subresource.miptail.offset);
+        h = gs_hash_step(h, (uint64_t)m->subresource.miptail.size);
     } else {
         const unsigned *f = &m->subresource.sparseLevel.level;
-        for (int i = 0; i < 8; i++) GS_MIX(f[i]);
+        for (int i = 0; i < 8; i++) h = gs_hash_step(h, f[i]);
     }
-#undef GS_MIX
     return h;
 }
 

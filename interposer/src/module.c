@@ -65,21 +65,12 @@ __attribute__((noinline)) static int load_admit_near(int slot, const char *name,
 static uint64_t g_seen[GS_SEEN_SLOTS];
 static unsigned g_seen_epoch;
 
-static uint64_t mix64(uint64_t h)
-{
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    return h ^ (h >> 33);
-}
-
 /* A lookup's key: what it looks in (a module, a library, a kernel), the name (FNV-1a), the context */
 static uint64_t lookup_key(const void *what, const char *fname, CUcontext ctx)
 {
     uint64_t h = 0xcbf29ce484222325ull;
     for (const char *c = fname; c && *c; c++) h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
-    h = mix64(h ^ mix64((uint64_t)(uintptr_t)what) ^ mix64((uint64_t)(uintptr_t)ctx * 31u));
+    h = gs_hash_step(gs_hash_step(h, (uint64_t)(uintptr_t)what), (uint64_t)(uintptr_t)ctx);
     return h ? h : 1; /* 0 marks an empty slot */
 }
 
@@ -109,8 +100,8 @@ static void seen_add(uint64_t key)
     }
 }
 
-/* `what`/`fname`: a lookup's target and name (*key: its key, 0 for a repeated lookup, which is
- * passed straight through); NULL for a load, which is always admitted */
+/* `what`/`fname`: a lookup's target and name (*key: its key, to be kept once it succeeds); NULL
+ * for a load.  0 admitted, -1 refused, 1 a repeated lookup (passed straight through) */
 static inline int load_admit(const char *name, const void *what, const char *fname, int *slot, uint64_t *held,
                              uint64_t *key)
 {
@@ -120,9 +111,8 @@ static inline int load_admit(const char *name, const void *what, const char *fna
     CUcontext ctx;
     *slot = gs_current_slot(&ctx);
     if (what) {
-        uint64_t k = lookup_key(what, fname, ctx);
-        if (seen_before(k)) return 0;
-        *key = k;
+        *key = lookup_key(what, fname, ctx);
+        if (seen_before(*key)) return 1;
     }
     if (*slot < 0 || GS_LIKELY(!gs_near_cap(*slot, GS_CODE_CHUNK))) return 0;
     return load_admit_near(*slot, name, held);
@@ -142,10 +132,9 @@ static void load_settle(int slot, uint64_t held)
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                  \
         int slot_ = -1;                                                      \
         uint64_t held_ = 0, key_ = 0;                                        \
-        int lookup_ = (what) != NULL;                                        \
-        if (load_admit(#name, (what), (fname), &slot_, &held_, &key_) != 0)   \
-            return CUDA_ERROR_OUT_OF_MEMORY;                                 \
-        if (lookup_ && !key_ && !gs_t_held) return gs_cuda.name args; /* repeated */ \
+        int admit_ = load_admit(#name, (what), (fname), &slot_, &held_, &key_); \
+        if (admit_ < 0) return CUDA_ERROR_OUT_OF_MEMORY;                     \
+        if (admit_ > 0) return gs_cuda.name args; /* a repeated lookup */    \
         CUresult rc = gs_cuda.name args;                                     \
         if (held_) load_settle(slot_, held_);                                \
         if (rc == CUDA_SUCCESS && key_) seen_add(key_);                      \

@@ -343,13 +343,6 @@ static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeA
     return rc;
 }
 
-static int keep_as_it_was(struct gs_alloc *rec, void *arg)
-{
-    (void)rec;
-    (void)arg;
-    return 2;
-}
-
 /* A pool allocation whose teardown began after pool_alloc's look at the counter and before its
  * record existed (as memory.c's settle_after_record): the teardown's forget missed the record,
  * whose bytes stayed in the pool's live bytes, charged for memory the teardown freed; or it took
@@ -365,7 +358,7 @@ __attribute__((noinline)) static void settle_after_record(const struct gs_alloc 
             gs_pool_drop_ptr(now.aux, now.size);
             GS_INFO("a pool allocation booked as its context went: gone with it, its charge returned");
         }
-    } else if (gs_am_update(GS_KIND_POOLPTR, dptr, keep_as_it_was, NULL, &now) < 0) {
+    } else if (!gs_am_has(GS_KIND_POOLPTR, dptr)) {
         mu_lock();
         struct pool_rec *p = find_locked(rec->aux, rec->slot, 0);
         if (p) {
