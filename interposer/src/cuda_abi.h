@@ -57,6 +57,19 @@ typedef int CUdevice_attribute;
 #define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
 typedef int CUstreamCaptureMode;
 typedef struct CUgraphEdgeData_st CUgraphEdgeData; /* only passed through */
+/* passed through by the hooks that end a stream's measured interval (launch.c): copies, host
+ * functions, waits; never read */
+typedef uint32_t cuuint32_t;
+typedef struct CUDA_MEMCPY2D_st CUDA_MEMCPY2D;
+typedef struct CUDA_MEMCPY3D_st CUDA_MEMCPY3D;
+typedef struct CUDA_MEMCPY2D_v1_st CUDA_MEMCPY2D_v1;
+typedef struct CUDA_MEMCPY3D_v1_st CUDA_MEMCPY3D_v1;
+typedef struct CUDA_MEMCPY3D_PEER_st CUDA_MEMCPY3D_PEER;
+typedef struct CUmemcpyAttributes_st CUmemcpyAttributes;
+typedef struct CUDA_MEMCPY3D_BATCH_OP_st CUDA_MEMCPY3D_BATCH_OP;
+typedef union CUstreamBatchMemOpParams_union CUstreamBatchMemOpParams;
+typedef void (*CUhostFn)(void *userData);
+typedef void (*CUstreamCallback)(CUstream hStream, CUresult status, void *userData);
 #define CU_STREAM_CAPTURE_MODE_GLOBAL 0
 #define CU_STREAM_CAPTURE_MODE_RELAXED 2
 

@@ -165,6 +165,111 @@
     X(cuStreamSynchronize, CUresult, (CUstream hStream), cuStreamSynchronize, 2000, 0)                     \
     X(cuStreamSynchronize_ptsz, CUresult, (CUstream hStream), cuStreamSynchronize, 7000, 1)                \
     X(cuEventSynchronize, CUresult, (CUevent hEvent), cuEventSynchronize, 2000, 0)                         \
+    X(cuMemcpyAsync, CUresult, (CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream),      \
+      cuMemcpyAsync, 4000, 0)                                                                               \
+    X(cuMemcpyAsync_ptsz, CUresult, (CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream), \
+      cuMemcpyAsync, 7000, 1)                                                                               \
+    X(cuMemcpyPeerAsync, CUresult, (CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,     \
+      CUcontext srcContext, size_t ByteCount, CUstream hStream), cuMemcpyPeerAsync, 4000, 0)                \
+    X(cuMemcpyPeerAsync_ptsz, CUresult, (CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, \
+      CUcontext srcContext, size_t ByteCount, CUstream hStream), cuMemcpyPeerAsync, 7000, 1)                \
+    X(cuMemcpyHtoDAsync, CUresult, (unsigned int dstDevice, const void *srcHost, unsigned int ByteCount,    \
+      CUstream hStream), cuMemcpyHtoDAsync, 2000, 0)                                                        \
+    X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,        \
+      CUstream hStream), cuMemcpyHtoDAsync, 3020, 0)                                                        \
+    X(cuMemcpyHtoDAsync_v2_ptsz, CUresult, (CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,   \
+      CUstream hStream), cuMemcpyHtoDAsync, 7000, 1)                                                        \
+    X(cuMemcpyDtoHAsync, CUresult, (void *dstHost, unsigned int srcDevice, unsigned int ByteCount,          \
+      CUstream hStream), cuMemcpyDtoHAsync, 2000, 0)                                                        \
+    X(cuMemcpyDtoHAsync_v2, CUresult, (void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,              \
+      CUstream hStream), cuMemcpyDtoHAsync, 3020, 0)                                                        \
+    X(cuMemcpyDtoHAsync_v2_ptsz, CUresult, (void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,         \
+      CUstream hStream), cuMemcpyDtoHAsync, 7000, 1)                                                        \
+    X(cuMemcpyDtoDAsync, CUresult, (unsigned int dstDevice, unsigned int srcDevice, unsigned int ByteCount, \
+      CUstream hStream), cuMemcpyDtoDAsync, 3000, 0)                                                        \
+    X(cuMemcpyDtoDAsync_v2, CUresult, (CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,      \
+      CUstream hStream), cuMemcpyDtoDAsync, 3020, 0)                                                        \
+    X(cuMemcpyDtoDAsync_v2_ptsz, CUresult, (CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, \
+      CUstream hStream), cuMemcpyDtoDAsync, 7000, 1)                                                        \
+    X(cuMemcpyHtoAAsync, CUresult, (CUarray dstArray, unsigned int dstOffset, const void *srcHost,          \
+      unsigned int ByteCount, CUstream hStream), cuMemcpyHtoAAsync, 2000, 0)                                \
+    X(cuMemcpyHtoAAsync_v2, CUresult, (CUarray dstArray, size_t dstOffset, const void *srcHost,             \
+      size_t ByteCount, CUstream hStream), cuMemcpyHtoAAsync, 3020, 0)                                      \
+    X(cuMemcpyHtoAAsync_v2_ptsz, CUresult, (CUarray dstArray, size_t dstOffset, const void *srcHost,        \
+      size_t ByteCount, CUstream hStream), cuMemcpyHtoAAsync, 7000, 1)                                      \
+    X(cuMemcpyAtoHAsync, CUresult, (void *dstHost, CUarray srcArray, unsigned int srcOffset,                \
+      unsigned int ByteCount, CUstream hStream), cuMemcpyAtoHAsync, 2000, 0)                                \
+    X(cuMemcpyAtoHAsync_v2, CUresult, (void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount, \
+      CUstream hStream), cuMemcpyAtoHAsync, 3020, 0)                                                        \
+    X(cuMemcpyAtoHAsync_v2_ptsz, CUresult, (void *dstHost, CUarray srcArray, size_t srcOffset,              \
+      size_t ByteCount, CUstream hStream), cuMemcpyAtoHAsync, 7000, 1)                                      \
+    X(cuMemcpy2DAsync, CUresult, (const CUDA_MEMCPY2D_v1 *pCopy, CUstream hStream), cuMemcpy2DAsync, 2000, 0) \
+    X(cuMemcpy2DAsync_v2, CUresult, (const CUDA_MEMCPY2D *pCopy, CUstream hStream), cuMemcpy2DAsync, 3020, 0) \
+    X(cuMemcpy2DAsync_v2_ptsz, CUresult, (const CUDA_MEMCPY2D *pCopy, CUstream hStream), cuMemcpy2DAsync, 7000, \
+      1)                                                                                                    \
+    X(cuMemcpy3DAsync, CUresult, (const CUDA_MEMCPY3D_v1 *pCopy, CUstream hStream), cuMemcpy3DAsync, 2000, 0) \
+    X(cuMemcpy3DAsync_v2, CUresult, (const CUDA_MEMCPY3D *pCopy, CUstream hStream), cuMemcpy3DAsync, 3020, 0) \
+    X(cuMemcpy3DAsync_v2_ptsz, CUresult, (const CUDA_MEMCPY3D *pCopy, CUstream hStream), cuMemcpy3DAsync, 7000, \
+      1)                                                                                                    \
+    X(cuMemcpy3DPeerAsync, CUresult, (const CUDA_MEMCPY3D_PEER *pCopy, CUstream hStream), cuMemcpy3DPeerAsync, \
+      4000, 0)                                                                                              \
+    X(cuMemcpy3DPeerAsync_ptsz, CUresult, (const CUDA_MEMCPY3D_PEER *pCopy, CUstream hStream),              \
+      cuMemcpy3DPeerAsync, 7000, 1)                                                                         \
+    X(cuMemcpyBatchAsync, CUresult, (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,     \
+      CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream hStream),    \
+      cuMemcpyBatchAsync, 12080, 0)                                                                         \
+    X(cuMemcpyBatchAsync_ptsz, CUresult, (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, \
+      CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx, CUstream hStream),    \
+      cuMemcpyBatchAsync, 12080, 1)                                                                         \
+    X(cuMemcpyBatchAsync_v2, CUresult, (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,  \
+      CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, CUstream hStream), cuMemcpyBatchAsync, \
+      13000, 0)                                                                                             \
+    X(cuMemcpyBatchAsync_v2_ptsz, CUresult, (CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count, \
+      CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, CUstream hStream), cuMemcpyBatchAsync, \
+      13000, 1)                                                                                             \
+    X(cuMemcpy3DBatchAsync, CUresult, (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, size_t *failIdx,      \
+      unsigned long long flags, CUstream hStream), cuMemcpy3DBatchAsync, 12080, 0)                          \
+    X(cuMemcpy3DBatchAsync_ptsz, CUresult, (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList, size_t *failIdx, \
+      unsigned long long flags, CUstream hStream), cuMemcpy3DBatchAsync, 12080, 1)                          \
+    X(cuMemcpy3DBatchAsync_v2, CUresult, (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList,                    \
+      unsigned long long flags, CUstream hStream), cuMemcpy3DBatchAsync, 13000, 0)                          \
+    X(cuMemcpy3DBatchAsync_v2_ptsz, CUresult, (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList,               \
+      unsigned long long flags, CUstream hStream), cuMemcpy3DBatchAsync, 13000, 1)                          \
+    X(cuLaunchHostFunc, CUresult, (CUstream hStream, CUhostFn fn, void *userData), cuLaunchHostFunc, 10000, 0) \
+    X(cuLaunchHostFunc_ptsz, CUresult, (CUstream hStream, CUhostFn fn, void *userData), cuLaunchHostFunc,   \
+      10000, 1)                                                                                             \
+    X(cuStreamAddCallback, CUresult, (CUstream hStream, CUstreamCallback callback, void *userData,          \
+      unsigned int flags), cuStreamAddCallback, 5000, 0)                                                    \
+    X(cuStreamAddCallback_ptsz, CUresult, (CUstream hStream, CUstreamCallback callback, void *userData,     \
+      unsigned int flags), cuStreamAddCallback, 7000, 1)                                                    \
+    X(cuStreamWaitEvent, CUresult, (CUstream hStream, CUevent hEvent, unsigned int Flags), cuStreamWaitEvent, \
+      3020, 0)                                                                                              \
+    X(cuStreamWaitEvent_ptsz, CUresult, (CUstream hStream, CUevent hEvent, unsigned int Flags),             \
+      cuStreamWaitEvent, 7000, 1)                                                                           \
+    X(cuStreamWaitValue32, CUresult, (CUstream hStream, CUdeviceptr addr, cuuint32_t value,                 \
+      unsigned int flags), cuStreamWaitValue32, 8000, 0)                                                    \
+    X(cuStreamWaitValue32_ptsz, CUresult, (CUstream hStream, CUdeviceptr addr, cuuint32_t value,            \
+      unsigned int flags), cuStreamWaitValue32, 8000, 1)                                                    \
+    X(cuStreamWaitValue32_v2, CUresult, (CUstream hStream, CUdeviceptr addr, cuuint32_t value,              \
+      unsigned int flags), cuStreamWaitValue32, 11070, 0)                                                   \
+    X(cuStreamWaitValue32_v2_ptsz, CUresult, (CUstream hStream, CUdeviceptr addr, cuuint32_t value,         \
+      unsigned int flags), cuStreamWaitValue32, 11070, 1)                                                   \
+    X(cuStreamWaitValue64, CUresult, (CUstream hStream, CUdeviceptr addr, cuuint64_t value,                 \
+      unsigned int flags), cuStreamWaitValue64, 9000, 0)                                                    \
+    X(cuStreamWaitValue64_ptsz, CUresult, (CUstream hStream, CUdeviceptr addr, cuuint64_t value,            \
+      unsigned int flags), cuStreamWaitValue64, 9000, 1)                                                    \
+    X(cuStreamWaitValue64_v2, CUresult, (CUstream hStream, CUdeviceptr addr, cuuint64_t value,              \
+      unsigned int flags), cuStreamWaitValue64, 11070, 0)                                                   \
+    X(cuStreamWaitValue64_v2_ptsz, CUresult, (CUstream hStream, CUdeviceptr addr, cuuint64_t value,         \
+      unsigned int flags), cuStreamWaitValue64, 11070, 1)                                                   \
+    X(cuStreamBatchMemOp, CUresult, (CUstream hStream, unsigned int count,                                  \
+      CUstreamBatchMemOpParams *paramArray, unsigned int flags), cuStreamBatchMemOp, 8000, 0)               \
+    X(cuStreamBatchMemOp_ptsz, CUresult, (CUstream hStream, unsigned int count,                             \
+      CUstreamBatchMemOpParams *paramArray, unsigned int flags), cuStreamBatchMemOp, 8000, 1)               \
+    X(cuStreamBatchMemOp_v2, CUresult, (CUstream hStream, unsigned int count,                               \
+      CUstreamBatchMemOpParams *paramArray, unsigned int flags), cuStreamBatchMemOp, 11070, 0)              \
+    X(cuStreamBatchMemOp_v2_ptsz, CUresult, (CUstream hStream, unsigned int count,                          \
+      CUstreamBatchMemOpParams *paramArray, unsigned int flags), cuStreamBatchMemOp, 11070, 1)              \
     X(cuGraphInstantiate, CUresult,                                                                        \
       (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize), \
       cuGraphInstantiate, 10000, 0)                                                                        \

@@ -9,7 +9,8 @@ For no library and each ``--lib`` (default: build/libgpuslice.so), prints
     same pair within the reconcile margin of the cap; and the instructions of a whole run of
     ``/bin/true`` (the "none" column preloads libdl, a library every process has anyway);
   * instructions per call of each hook a framework's tiny op reaches, as the CUDA runtime finds
-    it through cuGetProcAddress (the launches, plain and _ptsz, and the synchronisations;
+    it through cuGetProcAddress (the launches, plain and _ptsz, the synchronisations and an async
+    copy, which ends a gap under a limit;
     ``--tiny-op-only`` prints only these);
   * wall-clock medians of gsprobe's launchbench / allocbench over ``--runs`` alternating runs;
   * start-up, as wall-clock medians over the same runs: 200 execs of ``/bin/true`` one after the
@@ -61,6 +62,8 @@ TINY_OP_CASES = {
     "cuCtxSynchronize via cuGetProcAddress": ("procaddr", lambda n: ["ctxsyncs", str(n)]),
     "cuStreamSynchronize via cuGetProcAddress": ("procaddr", lambda n: ["streamsyncs", str(n)]),
     "cuStreamSynchronize_ptsz via cuGetProcAddress": ("ptsz", lambda n: ["streamsyncs", str(n)]),
+    "cuMemcpyHtoDAsync_v2 via cuGetProcAddress": ("procaddr", lambda n: ["copies", str(n)]),
+    "cuMemcpyHtoDAsync_v2_ptsz via cuGetProcAddress": ("ptsz", lambda n: ["copies", str(n)]),
 }
 
 

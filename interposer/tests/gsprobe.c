@@ -76,6 +76,11 @@
     X(cuStreamBeginCapture_v2, CUresult, (CUstream, int))                                                    \
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
+    X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                         \
+    X(cuLaunchHostFunc, CUresult, (CUstream, CUhostFn, void *))                                              \
+    X(cuStreamWaitEvent, CUresult, (CUstream, CUevent, unsigned))                                            \
+    X(cuEventCreate, CUresult, (CUevent *, unsigned))                                                        \
+    X(cuEventRecord, CUresult, (CUevent, CUstream))                                                          \
     X(cuLaunchCooperativeKernelMultiDevice, CUresult, (CUDA_LAUNCH_PARAMS *, unsigned, unsigned))            \
     X(cuGreenCtxCreate, CUresult, (CUgreenCtx *, CUdevResourceDesc, CUdevice, unsigned))                     \
     X(cuGreenCtxDestroy, CUresult, (CUgreenCtx))                                                             \
@@ -292,19 +297,44 @@ static CUresult multi_list(const char *kind, CUfunction f, CUDA_LAUNCH_PARAMS *l
 }
 
 /* Launch for `seconds` of wall time; report the GPU time the fake ran. */
+static void no_op(void *data)
+{
+    (void)data;
+}
+
+/* Work before each kernel on its stream that is not a kernel (bench's "copy", "hostfn" and
+ * "waitcopy" kinds): an async copy; a host function; a copy on a second stream that the
+ * kernel's stream waits for (as JAX's copy streams are waited for) */
+static CUresult before_kernel(const char *kind, CUstream s, CUstream side, CUevent ev)
+{
+    static char host[64];
+    if (!strcmp(kind, "copy")) return api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), s);
+    if (!strcmp(kind, "hostfn")) return api.cuLaunchHostFunc(s, no_op, NULL);
+    if (strcmp(kind, "waitcopy") != 0) return CUDA_SUCCESS;
+    CUresult rc = api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), side);
+    if (rc == CUDA_SUCCESS) rc = api.cuEventRecord(ev, side);
+    return rc == CUDA_SUCCESS ? api.cuStreamWaitEvent(s, ev, 0) : rc;
+}
+
 static void bench(double seconds, const char *kind)
 {
     typedef uint64_t (*kns_t)(void);
     kns_t kernel_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_ns");
     CUfunction f = (CUfunction)0x1234;
-    CUstream s = NULL;
+    CUstream s = NULL, side = NULL;
+    CUevent ev = NULL;
     CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
     CUDA_LAUNCH_PARAMS list[2];
     unsigned nlist = 0;
     CUresult rc = !strncmp(kind, "multi", 5) ? multi_list(kind, f, list, &nlist) : CUDA_SUCCESS;
     if (!strcmp(kind, "own")) rc = api.cuStreamCreate(&s, 1 /* CU_STREAM_NON_BLOCKING */);
+    if (!strcmp(kind, "waitcopy")) {
+        rc = api.cuStreamCreate(&side, 1);
+        if (rc == CUDA_SUCCESS) rc = api.cuEventCreate(&ev, 0);
+    }
     uint64_t k0 = kernel_ns(), t0 = now_ns(), end = t0 + (uint64_t)(seconds * 1e9), n = 0;
     while (rc == CUDA_SUCCESS && now_ns() < end) {
+        if ((rc = before_kernel(kind, s, side, ev)) != CUDA_SUCCESS) break;
         if (!strcmp(kind, "ex"))
             rc = api.cuLaunchKernelEx(&cfg, f, NULL, NULL);
         else if (!strcmp(kind, "coop"))
@@ -398,30 +428,36 @@ static void allocbench(long count, uint64_t size)
 }
 
 /* mbench SECONDS N: N threads, each launching on a stream of its own as fast as it can; like
- * bench, prints launches, the fake GPU's kernel time and the wall time. */
+ * bench, prints launches, the fake GPU's kernel time and the wall time (mbench() below). */
 
 struct mbench_arg {
     uint64_t end, launches;
     CUresult rc;
     int own_ctx; /* the thread makes a context of its own (cuCtxCreate) */
+    CUstream shared; /* mbenchone: the stream every thread launches on */
+    int copy;        /* mbenchone: an async copy on it before each launch (odd threads) */
 };
 
 static void *mbench_thread(void *p)
 {
     struct mbench_arg *a = p;
-    CUstream s = NULL;
+    CUstream s = a->shared;
     CUcontext c = NULL;
+    static char host[64];
     a->rc = a->own_ctx ? api.cuCtxCreate_v2(&c, 0, 0) : api.cuCtxSetCurrent(capture_ctx);
-    if (a->rc == CUDA_SUCCESS) a->rc = api.cuStreamCreate(&s, 0);
+    if (a->rc == CUDA_SUCCESS && !s) a->rc = api.cuStreamCreate(&s, 0);
     while (a->rc == CUDA_SUCCESS && now_ns() < a->end) {
-        a->rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        if (a->copy) a->rc = api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), s);
+        if (a->rc == CUDA_SUCCESS) a->rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
         a->launches++;
     }
     api.cuStreamSynchronize(s);
     return NULL;
 }
 
-static void mbench(double seconds, int n, int own_ctx)
+/* mbenchctx: each thread in a context of its own; mbenchone: all on one stream, the odd threads
+ * with an async copy before each launch */
+static void mbench(double seconds, int n, int own_ctx, int one)
 {
     typedef uint64_t (*kns_t)(void);
     kns_t kernel_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_ns");
@@ -430,8 +466,10 @@ static void mbench(double seconds, int n, int own_ctx)
     if (n > 16) n = 16;
     uint64_t k0 = kernel_ns(), t0 = now_ns(), launches = 0;
     CUresult rc = CUDA_SUCCESS;
+    CUstream shared = NULL;
+    if (one && (rc = api.cuStreamCreate(&shared, 0)) != CUDA_SUCCESS) n = 0;
     for (int i = 0; i < n; i++) {
-        args[i] = (struct mbench_arg){t0 + (uint64_t)(seconds * 1e9), 0, CUDA_SUCCESS, own_ctx};
+        args[i] = (struct mbench_arg){t0 + (uint64_t)(seconds * 1e9), 0, CUDA_SUCCESS, own_ctx, shared, one && i % 2};
         pthread_create(&t[i], NULL, mbench_thread, &args[i]);
     }
     for (int i = 0; i < n; i++) {
@@ -439,7 +477,7 @@ static void mbench(double seconds, int n, int own_ctx)
         launches += args[i].launches;
         if (args[i].rc != CUDA_SUCCESS) rc = args[i].rc;
     }
-    printf("%s %d %llu %llu %llu\n", own_ctx ? "mbenchctx" : "mbench", rc, (unsigned long long)launches, (unsigned long long)(kernel_ns() - k0),
+    printf("%s %d %llu %llu %llu\n", one ? "mbenchone" : own_ctx ? "mbenchctx" : "mbench", rc, (unsigned long long)launches, (unsigned long long)(kernel_ns() - k0),
            (unsigned long long)(now_ns() - t0));
 }
 
@@ -1030,14 +1068,18 @@ int main(int argc, char **argv)
                 rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
             printf("launch %d\n", rc);
             i += 1;
-        } else if (!strcmp(c, "launchex") || !strcmp(c, "ctxsyncs") || !strcmp(c, "streamsyncs")) {
+        } else if (!strcmp(c, "launchex") || !strcmp(c, "ctxsyncs") || !strcmp(c, "streamsyncs") ||
+                   !strcmp(c, "copies")) {
             /* N cuLaunchKernelEx calls (one block of one thread, the current context's default
-             * stream), or N cuCtxSynchronize / cuStreamSynchronize(NULL) calls: costs.py's loops */
+             * stream), or N cuCtxSynchronize / cuStreamSynchronize(NULL) / 64-byte
+             * cuMemcpyHtoDAsync_v2 (default stream) calls: costs.py's loops */
             CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+            static char host[64];
             CUresult rc = CUDA_SUCCESS;
             for (int n = atoi(ARG(0)); n > 0 && rc == CUDA_SUCCESS; n--)
                 rc = !strcmp(c, "launchex")   ? api.cuLaunchKernelEx(&cfg, (CUfunction)0x1234, NULL, NULL)
                      : !strcmp(c, "ctxsyncs") ? api.cuCtxSynchronize()
+                     : !strcmp(c, "copies")   ? api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), NULL)
                                               : api.cuStreamSynchronize(NULL);
             printf("%s %d\n", c, rc);
             i += 1;
@@ -1140,9 +1182,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "allocbench")) {
             allocbench(atol(ARG(0)), size_arg(ARG(1)));
             i += 2;
-        } else if (!strcmp(c, "mbench") || !strcmp(c, "mbenchctx")) {
-            /* mbenchctx: each thread in a context of its own on device 0 */
-            mbench(atof(ARG(0)), atoi(ARG(1)), !strcmp(c, "mbenchctx"));
+        } else if (!strcmp(c, "mbench") || !strcmp(c, "mbenchctx") || !strcmp(c, "mbenchone")) {
+            /* mbenchctx: each thread in a context of its own on device 0; mbenchone: one stream */
+            mbench(atof(ARG(0)), atoi(ARG(1)), !strcmp(c, "mbenchctx"), !strcmp(c, "mbenchone"));
             i += 2;
         } else if (!strcmp(c, "procaddr")) {
             /* procaddr SYMBOL VERSION EXPORT: is what cuGetProcAddress_v2 hands out the export

@@ -498,7 +498,9 @@ API CUresult cuLaunchKernel(FAKE_LAUNCH_PARAMS, void **params, void **extra)
     if (f == FAKE_COLLECTIVE_FN) return collective(s, 0);
     CUresult rc = lazy_code(f);
     if (rc != CUDA_SUCCESS) return rc;
-    return f ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;
+    rc = f ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;
+    (void)fail_check("cuLaunchKernelAfter"); /* FAKE_CUDA_SLEEP: still inside, the kernel queued */
+    return rc;
 }
 
 API CUresult cuLaunchKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params, void **extra)
@@ -609,6 +611,59 @@ API CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value
     return CUDA_SUCCESS;
 }
 
+/* Work on a stream that is not a kernel: an async copy (on a copy engine), a host function, a
+ * wait for an event.  It holds the stream after what it had queued (a copy FAKE_CUDA_COPY_US,
+ * default 0; a host function FAKE_CUDA_HOSTFN_US, default 0; a wait until the event's time), and
+ * is neither kernel time nor in NVML's utilisation.  No bytes move: device pointers are
+ * numbers here. */
+static CUresult hold_stream(CUstream s, int ptsz, const char *env, uint64_t until)
+{
+    NEED_CTX();
+    struct fake_stream *st = stream_of(s, ptsz);
+    const char *v = env ? getenv(env) : NULL;
+    uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE), start = tail > n ? tail : n;
+    uint64_t end = env ? start + (uint64_t)(v ? atoll(v) : 0) * 1000ull : until > start ? until : start;
+    __atomic_store_n(&st->tail, end, __ATOMIC_RELEASE);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s)
+{
+    FAIL_POINT("cuMemcpyHtoDAsync_v2");
+    return dst && src && n ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dst, const void *src, size_t n, CUstream s)
+{
+    return dst && src && n ? hold_stream(s, 1, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    return dst && src && n ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    return dst && src && n ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* the function is called at once (the tests' do nothing); the stream is held as if it ran in order */
+API CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void *data)
+{
+    if (!fn) return CUDA_ERROR_INVALID_VALUE;
+    fn(data);
+    return hold_stream(s, 0, "FAKE_CUDA_HOSTFN_US", 0);
+}
+
+API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags)
+{
+    (void)flags;
+    struct fake_event *ev = (struct fake_event *)e;
+    if (!ev) return CUDA_ERROR_INVALID_VALUE;
+    return hold_stream(s, 0, NULL, ev->recorded ? ev->t : 0);
+}
+
 /* Test-only introspection. */
 API uint64_t fake_cuda_kernel_ns(void)
 {
@@ -655,7 +710,9 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuGetErrorName)       \
     X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemFree) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)          \
     X(cuArray3DCreate) X(cuCtxCreate) X(cuCtxDestroy) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset) \
-    X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach) X(cuCtxGetApiVersion)
+    X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach) X(cuCtxGetApiVersion)    \
+    X(cuMemcpyHtoDAsync_v2) X(cuMemcpyHtoDAsync_v2_ptsz) X(cuMemcpyDtoHAsync_v2) X(cuMemcpyAsync)               \
+    X(cuLaunchHostFunc) X(cuStreamWaitEvent) X(cuStreamWaitValue32_v2)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);
@@ -702,6 +759,8 @@ static const struct {
     {"cuGraphInstantiate", 11000, "cuGraphInstantiate_v2"}, {"cuGraphInstantiate", 12000, "cuGraphInstantiateWithFlags"},
     {"cuMemGetDefaultMemPool", 13000, "cuMemGetDefaultMemPool"}, {"cuMemGetMemPool", 13000, "cuMemGetMemPool"},
     {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"}, {"cuMemGetInfo", 13010, "cuMemGetInfo_v3"},
+    {"cuMemcpyHtoDAsync", 3020, "cuMemcpyHtoDAsync_v2"}, {"cuMemcpyDtoHAsync", 3020, "cuMemcpyDtoHAsync_v2"},
+    {"cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2"},
 };
 
 static void *func_by_name(const char *name)
