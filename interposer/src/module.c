@@ -59,25 +59,50 @@ __attribute__((noinline)) static int load_admit_near(int slot, const char *name,
  * within a chunk of the cap, on every launch) nor wakes the sampler (a futex wake on every
  * launch).  Open addressing, lock-free; full, a lookup is treated as new (admitted, as
  * before).  Emptied when a context goes (gs_ctx_teardown_seq moved): a new context may get an
- * old one's handle, and its functions are not loaded there yet. */
+ * old one's handle, and its functions are not loaded there yet.  A key holds that epoch as read
+ * before its lookup's driver call: a lookup that returns after another thread emptied the table
+ * for a newer epoch adds a key no later lookup matches (without it, a lookup in a context being
+ * destroyed could put its key back after the emptying, for a new context given the old handle). */
 #define GS_SEEN_SLOTS 4096 /* a power of 2 */
 #define GS_SEEN_PROBES 16
 static uint64_t g_seen[GS_SEEN_SLOTS];
 static unsigned g_seen_epoch;
 
-/* A lookup's key: what it looks in (a module, a library, a kernel), the name (FNV-1a), the context */
-static uint64_t lookup_key(const void *what, const char *fname, CUcontext ctx)
+/* Unloads are not hooked, and the driver may give a new module or library an unloaded one's
+ * handle (and a new library's kernels an unloaded one's kernels' handles): each load, and each
+ * first cuLibraryGetKernel, gives the handle it returns a new generation, which the keys of
+ * lookups in it hold.  Before, the new module's first lookups passed as repeats, unadmitted at
+ * the cap (`-k loaded_again`).  Kept per bucket of handles, lock-free: a bucket two handles
+ * share moves for both (a lookup admitted again, as a first one), and a generation is never
+ * given twice, so no stale key can match. */
+#define GS_GEN_SLOTS 4096 /* a power of 2 */
+static unsigned g_gen[GS_GEN_SLOTS];
+static unsigned g_gens;
+
+static unsigned *gen_of(const void *handle)
+{
+    return &g_gen[gs_hash_step(0, (uint64_t)(uintptr_t)handle) & (GS_GEN_SLOTS - 1)];
+}
+
+static void gen_new(const void *handle)
+{
+    __atomic_store_n(gen_of(handle), __atomic_add_fetch(&g_gens, 1, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
+}
+
+/* A lookup's key: what it looks in (a module, a library, a kernel) and its generation, the name
+ * (FNV-1a), the context, the epoch */
+static uint64_t lookup_key(const void *what, const char *fname, CUcontext ctx, unsigned epoch)
 {
     uint64_t h = 0xcbf29ce484222325ull;
     for (const char *c = fname; c && *c; c++) h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
     h = gs_hash_step(gs_hash_step(h, (uint64_t)(uintptr_t)what), (uint64_t)(uintptr_t)ctx);
+    h = gs_hash_step(h, (uint64_t)__atomic_load_n(gen_of(what), __ATOMIC_SEQ_CST) << 32 | epoch);
     return h ? h : 1; /* 0 marks an empty slot */
 }
 
-/* 1 if `key` was looked up before (the current epoch); clears a stale table first */
-static int seen_before(uint64_t key)
+/* 1 if `key` was looked up before (in `epoch`); clears a stale table first */
+static int seen_before(uint64_t key, unsigned epoch)
 {
-    unsigned epoch = gs_teardown_seq() | 1u; /* odd: never the initial 0 */
     if (GS_UNLIKELY(__atomic_load_n(&g_seen_epoch, __ATOMIC_ACQUIRE) != epoch)) {
         for (unsigned i = 0; i < GS_SEEN_SLOTS; i++) __atomic_store_n(&g_seen[i], 0, __ATOMIC_RELAXED);
         __atomic_store_n(&g_seen_epoch, epoch, __ATOMIC_RELEASE);
@@ -111,8 +136,9 @@ static inline int load_admit(const char *name, const void *what, const char *fna
     CUcontext ctx;
     *slot = gs_current_slot(&ctx);
     if (what) {
-        *key = lookup_key(what, fname, ctx);
-        if (seen_before(*key)) return 1;
+        unsigned epoch = gs_teardown_seq() | 1u; /* odd: never the initial 0 */
+        *key = lookup_key(what, fname, ctx, epoch);
+        if (seen_before(*key, epoch)) return 1;
     }
     if (*slot < 0 || GS_LIKELY(!gs_near_cap(*slot, GS_CODE_CHUNK))) return 0;
     return load_admit_near(*slot, name, held);
@@ -124,8 +150,9 @@ static void load_settle(int slot, uint64_t held)
     gs_inflight_end();
 }
 
-/* A load (what NULL) or a lookup of `fname` in `what` */
-#define GS_CODE_HOOK(name, params, args, what, fname)                        \
+/* A load (what NULL) or a lookup of `fname` in `what`; `made`: the handle it returns, given a
+ * new generation (a load's, a kernel's), or NULL */
+#define GS_CODE_HOOK(name, params, args, what, fname, made)                  \
     GS_EXPORT CUresult name params                                           \
     {                                                                        \
         gs_cuda_init();                                                      \
@@ -138,36 +165,40 @@ static void load_settle(int slot, uint64_t held)
         CUresult rc = gs_cuda.name args;                                     \
         if (held_) load_settle(slot_, held_);                                \
         if (rc == CUDA_SUCCESS && key_) seen_add(key_);                      \
+        if (rc == CUDA_SUCCESS && (made)) gen_new(made);                     \
         if (rc == CUDA_SUCCESS) gs_reconcile_after_load();                   \
         return rc;                                                           \
     }
-#define GS_LOAD_HOOK(name, params, args) GS_CODE_HOOK(name, params, args, (const void *)NULL, (const char *)NULL)
+#define GS_LOAD_HOOK(name, params, args, made) \
+    GS_CODE_HOOK(name, params, args, (const void *)NULL, (const char *)NULL, made)
 
-GS_LOAD_HOOK(cuModuleLoad, (CUmodule *module, const char *fname), (module, fname))
-GS_LOAD_HOOK(cuModuleLoadData, (CUmodule *module, const void *image), (module, image))
+GS_LOAD_HOOK(cuModuleLoad, (CUmodule *module, const char *fname), (module, fname), (const void *)*module)
+GS_LOAD_HOOK(cuModuleLoadData, (CUmodule *module, const void *image), (module, image), (const void *)*module)
 GS_LOAD_HOOK(cuModuleLoadDataEx,
              (CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options,
               void **optionValues),
-             (module, image, numOptions, options, optionValues))
-GS_LOAD_HOOK(cuModuleLoadFatBinary, (CUmodule *module, const void *fatCubin), (module, fatCubin))
+             (module, image, numOptions, options, optionValues), (const void *)*module)
+GS_LOAD_HOOK(cuModuleLoadFatBinary, (CUmodule *module, const void *fatCubin), (module, fatCubin), (const void *)*module)
 GS_CODE_HOOK(cuModuleGetFunction, (CUfunction *hfunc, CUmodule hmod, const char *name), (hfunc, hmod, name),
-             (const void *)hmod, name)
+             (const void *)hmod, name, (const void *)NULL)
 GS_LOAD_HOOK(cuLibraryLoadData,
              (CUlibrary *library, const void *code, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
               unsigned int numLibraryOptions),
              (library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions, libraryOptionValues,
-              numLibraryOptions))
+              numLibraryOptions),
+             (const void *)*library)
 GS_LOAD_HOOK(cuLibraryLoadFromFile,
              (CUlibrary *library, const char *fileName, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
               unsigned int numLibraryOptions),
              (library, fileName, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
-              libraryOptionValues, numLibraryOptions))
+              libraryOptionValues, numLibraryOptions),
+             (const void *)*library)
 GS_CODE_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name),
-             (const void *)library, name)
+             (const void *)library, name, (const void *)*pKernel) /* a first one: its kernel */
 GS_CODE_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel), (const void *)kernel,
-             (const char *)NULL)
+             (const char *)NULL, (const void *)NULL)
 /* Limits set per context: each is charged for the most it was set to beyond the value the
  * context started with (that part is in its measured footprint), until the context goes or is
  * reset (gs_limits_forget_ctx).  A lowered limit keeps its charge: whether the driver frees

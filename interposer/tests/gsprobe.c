@@ -88,6 +88,8 @@
     X(cuCtxSynchronize, CUresult, (void))                                                                    \
     X(cuStreamSynchronize, CUresult, (CUstream))                                                             \
     X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                \
+    X(cuModuleUnload, CUresult, (CUmodule))                                                                  \
+    X(cuLibraryUnload, CUresult, (CUlibrary))                                                                \
     X(cuCtxSetLimit, CUresult, (int, size_t))                                                                \
     X(cuModuleGetFunction, CUresult, (CUfunction *, CUmodule, const char *))                                 \
     X(cuLibraryLoadData, CUresult, (CUlibrary *, const void *, CUjit_option *, void **, unsigned,             \
@@ -1134,6 +1136,10 @@ int main(int argc, char **argv)
             i += 2;
         } else if (!strcmp(c, "modload")) {
             printf("modload %d\n", api.cuModuleLoadData(&user_module, "fake image"));
+        } else if (!strcmp(c, "modunload")) {
+            printf("modunload %d\n", api.cuModuleUnload(user_module));
+        } else if (!strcmp(c, "libunload")) {
+            printf("libunload %d\n", api.cuLibraryUnload(user_library));
         } else if (!strcmp(c, "getfunc")) {
             printf("getfunc %d\n", api.cuModuleGetFunction(&user_function, user_module, "k"));
         } else if (!strcmp(c, "libload")) {

@@ -173,3 +173,19 @@ def test_a_repeated_lookup_passes_straight_through_even_at_the_cap(lab):
     assert [rc for rc, _ in res.of("libkernel")] == [0] * 21
     before, after = (vals[0] for _, vals in res.of("nvmlqueries"))
     assert after == before, f"{after - before} NVML queries for 40 repeated lookups"
+
+
+@pytest.mark.parametrize("load,unload,lookup", [("modload", "modunload", "getfunc"),
+                                                ("libload", "libunload", "libkernel")])
+def test_a_lookup_in_a_module_loaded_again_at_an_unloaded_ones_handle_is_admitted(lab, load, unload, lookup):
+    # the driver hands a new module (or library) an unloaded one's handle (its object's
+    # address); unloads are not hooked, so the lookups seen stayed in the table and the new
+    # module's first lookup passed as a repeat: at the cap (the same figures as
+    # test_a_function_lookup_past_the_headroom_is_refused) it got 0, not OOM, and loaded its
+    # code unadmitted.  Now each load empties the lookups seen
+    res = lab.run("init", "ctx", "0", load, lookup, unload, load, "alloc", "920m", "alloc", "1m",
+                  lookup, **{**ENV, "FAKE_CUDA_HANDLE_REUSE": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc(unload) == 0 and [rc for rc, _ in res.of(load)] == [0, 0]
+    assert res.rc("alloc", 1) == 0
+    assert [rc for rc, _ in res.of(lookup)] == [0, OOM], res.stdout

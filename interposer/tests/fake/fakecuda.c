@@ -51,9 +51,9 @@
  *                            reserves that many stacks (default 1024); its printf FIFO and
  *                            malloc heap limits reserve their size; with
  *                            FAKE_CUDA_LIMIT_SHRINK=1 a lowered limit frees the difference
- *   FAKE_CUDA_HANDLE_REUSE=1 a destroyed memory pool's (once its memory is gone) or executable
- *                            graph's handle is the next one cuMemPoolCreate or a graph
- *                            instantiation hands out, as a real driver's handles (addresses of
+ *   FAKE_CUDA_HANDLE_REUSE=1 a destroyed memory pool's (once its memory is gone), executable
+ *                            graph's or unloaded module's or library's handle is the next one
+ *                            cuMemPoolCreate, a graph instantiation or a load hands out, as a real driver's handles (addresses of
  *                            its objects) may be once freed (otherwise a pool's object is never
  *                            freed, and an executable's comes back only if malloc reuses it)
  * Memory taken by modules and launches belongs to the current context and is
@@ -1154,6 +1154,7 @@ struct fake_module {
     struct fake_ctx *ctx;
     uint64_t bytes;
 };
+static void *freed_module; /* FAKE_CUDA_HANDLE_REUSE: the next module or library load's */
 
 /* The current context takes `bytes` more for code (under mu). */
 static CUresult code_grow_locked(uint64_t bytes)
@@ -1232,7 +1233,7 @@ static CUresult module_new(void *out)
     CUresult rc = code_grow_locked(module_bytes);
     pthread_mutex_unlock(&mu);
     if (rc != CUDA_SUCCESS) return rc;
-    struct fake_module *m = calloc(1, sizeof(*m));
+    struct fake_module *m = reuse_or_alloc(&freed_module, sizeof(*m));
     m->ctx = current;
     m->bytes = module_bytes;
     memcpy(out, &m, sizeof(m));
@@ -1247,6 +1248,11 @@ static CUresult module_drop(void *handle)
     uint64_t b = m->bytes < m->ctx->modules ? m->bytes : m->ctx->modules;
     m->ctx->modules -= b;
     phys_sub(m->ctx->pdev, b);
+    if (getenv("FAKE_CUDA_HANDLE_REUSE")) { /* the next load gets its handle */
+        free(freed_module);
+        freed_module = m;
+        m = NULL;
+    }
     pthread_mutex_unlock(&mu);
     free(m);
     return CUDA_SUCCESS;
