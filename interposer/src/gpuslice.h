@@ -401,6 +401,10 @@ static inline int gs_reserve(int slot, uint64_t bytes)
 }
 
 void gs_forget_ctx(CUcontext ctx);         /* a context was destroyed: release what it held */
+/* A free of a plain or stream-ordered allocation (`kind`, its record `rec` taken) the driver
+ * refused after a teardown began since the record was taken: settled under the context lock
+ * (memory.c; from cuMemFree's and cuMemFreeAsync's hooks alike) */
+void gs_free_refused_after_teardown(int kind, CUdeviceptr dptr, const struct gs_alloc *rec);
 int gs_pool_lock_mine(void);     /* this thread holds the pools' lock (a driver callback inside) */
 /* A graph hook must pass through: this thread holds the graph memory's lock or the pools'.
  * The locks held across driver calls are taken in one order: context, throttle, graph

@@ -517,6 +517,10 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuMemFreeAsync(allocs[bg.size].handle, NULL);
+    } else if (!strcmp(bg.what, "bgfreesync")) {
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuMemFree_v2(allocs[bg.size].handle);
     } else if (!strcmp(bg.what, "bgmodule")) {
         typedef CUresult (*module_t)(uint64_t);
         module_t load = (module_t)dlsym(libcuda, "fake_cuda_module_load");
@@ -1319,6 +1323,11 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgfreeasync")) {
             /* bgfreeasync ID MS: a thread frees allocation ID with cuMemFreeAsync after MS */
             bg_start("bgfreeasync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgfreesync")) {
+            /* bgfreesync ID MS: a thread frees allocation ID with cuMemFree after MS (a
+             * stream-ordered one too, which CUDA allows) */
+            bg_start("bgfreesync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgmodule")) {
             /* bgmodule SIZE MS: a thread, in the context "ctx" made current, loads code lazily */

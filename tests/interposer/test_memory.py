@@ -810,6 +810,39 @@ def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_dri
     assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
 
 
+# A 200 MiB allocation freed by the other kind of free while the primary context is reset, which
+# frees it first: (how it is made, the thread that frees it, where the fake sleeps: inside the
+# free, before the driver looks the pointer up).  Both frees are legal in CUDA (cuMemFree of a
+# stream-ordered allocation synchronises; cuMemFreeAsync takes a cuMemAlloc pointer).
+CROSS_FREES = {
+    "plain_freed_async": (["alloc", "200m"], "bgfreeasync", "cuMemFreeAsync:300"),
+    "pool_freed_plain": (["async", "200m"], "bgfreesync", "cuMemFree_v2:300"),
+}
+
+
+@pytest.mark.parametrize("stays_active", [None, "1"], ids=["reset_releases", "reset_stays_active"])
+@pytest.mark.parametrize("free", CROSS_FREES)
+def test_a_free_of_the_other_kind_refused_after_a_reset_freed_its_memory_returns_the_charge(
+        lab, free, stays_active):
+    # the free takes the record, the reset (whose forget then finds none) frees the memory, and
+    # the driver refuses the free.  The same-kind frees were settled (the record dropped when
+    # the driver no longer holds the pointer); these put the record back: 250 MiB charged for
+    # 50 held until the process exits, and the 800 MiB allocation after it refused under the
+    # 1 GiB cap
+    make, freer, sleep = CROSS_FREES[free]
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", "ctx", "0", *make, freer, "0", "0", "sleep", "100", "reset", "0", "join",
+                  *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  FAKE_NVML_PROC_MEM="0")
+    assert res.rc(make[0]) == 0 and res.rc("reset") == 0
+    assert res.rc(freer) != 0  # refused: the reset freed it
+    assert res.values("phys") == [50 * MIB]
+    free_b, total = res.values("meminfo")
+    assert (total - free_b) // MIB == 50, f"{(total - free_b) // MIB} MiB charged for 50 held"
+    assert res.of("alloc")[-1][0] == 0  # the 800 MiB after it
+
+
 # A 200 MiB array another thread's cuArrayCreate makes inside the driver while a context goes:
 # (the commands that make the context, the main thread's, where the fake sleeps, whether a reset
 # context stays active, the MiB then held, charged)
