@@ -189,6 +189,13 @@ static inline void gs_held_unlock(pthread_mutex_t *m)
         gs_held_unlock(&g_mu);                                                                \
     }
 void gs_ctx_unlock(void);
+/* Around an array creation's reservation, driver call and booking (context.c's g_array_rw):
+ * enter (1 if entered, 0 from a driver callback), call and called around the driver's call,
+ * leave (booked) */
+int gs_array_fence_enter(void);
+void gs_array_fence_call(void);
+void gs_array_fence_called(void);
+void gs_array_fence_leave(void);
 void gs_context_after_fork_child(void);
 
 /* ---- reconcile.c ---------------------------------------------------------- */

@@ -240,16 +240,21 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
         int slot = gs_current_slot(&ctx);                                             \
         if (slot < 0 || (pass)) return (call);                                        \
         uint64_t charge = gs_charge_size(bytes);                                      \
+        /* an array's creation and booking against a primary reset (context.c) */     \
+        int fence_ = ((kind) == GS_KIND_ARRAY || (kind) == GS_KIND_MIPMAP) && gs_array_fence_enter(); \
         gs_inflight_begin(); /* before the charge changes: no clean reading between */ \
         uint64_t held_;                                                               \
         if (reserve_alloc(slot, charge, &held_) != 0) {                               \
             gs_inflight_end();                                                        \
+            if (fence_) gs_array_fence_leave();                                       \
             return over_cap(slot, charge);                                            \
         }                                                                             \
         int probe_ = (probe) && GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) && \
                      gs_pid_probe_begin(-1, charge, 0);                                  \
         unsigned seq0_ = gs_teardown_seq();                                           \
+        if (fence_) gs_array_fence_call();                                            \
         CUresult rc = (call);                                                         \
+        if (fence_) gs_array_fence_called();                                          \
         if (probe_) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);                     \
         if (GS_UNLIKELY(held_ != charge)) gs_budget_release(slot, held_ - charge); /* the page's headroom */ \
         int kind_ = (kind) == DPTR32 ? GS_KIND_DPTR : (kind);                         \
@@ -257,6 +262,7 @@ static CUresult discard(int kind, uint64_t key, int slot, uint64_t charge)
             rc = rollback(rc, slot, charge);                                          \
         else if (book(kind_, (uint64_t)(uintptr_t)*(out), slot, charge, ctx, seq0_) < 0) \
             rc = discard(kind, (uint64_t)(uintptr_t)*(out), slot, charge);            \
+        if (fence_) gs_array_fence_leave();                                           \
         gs_inflight_end();                                                            \
         return rc;                                                                    \
     } while (0)

@@ -486,6 +486,7 @@ static struct {
     const char *path;  /* bgcapture: the file it waits for */
     CUresult end_rc;   /* bgcapture: the capture's end */
     uint64_t waited;   /* bgcapture: ns its begin took */
+    uint64_t handle;   /* bgarray: the array made, an allocation ID from "join" on */
 } bg;
 
 static void *bg_main(void *p)
@@ -509,6 +510,7 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuArrayCreate_v2(&a, &d);
+        bg.handle = (uint64_t)(uintptr_t)a;
     } else if (!strcmp(bg.what, "bgarrayfree")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -591,6 +593,8 @@ static void bg_join(void)
     bg.running = 0;
     if (!strcmp(bg.what, "bgcapture"))
         printf("bgcapture %d %d %llu\n", bg.rc, bg.end_rc, (unsigned long long)(bg.waited / 1000000));
+    else if (!strcmp(bg.what, "bgarray"))
+        remember("bgarray", bg.rc, A_ARRAY, bg.handle); /* "free ID" destroys it */
     else
         printf("%s %d\n", bg.what, bg.rc);
 }
@@ -1313,7 +1317,7 @@ int main(int argc, char **argv)
             i += 2;
         } else if (!strcmp(c, "bgarray")) {
             /* bgarray W H MS: a thread, in the context "ctx" made current, makes a W x H float4
-             * array after MS */
+             * array after MS ("join" gives it an allocation ID) */
             bg_start("bgarray", atol(ARG(2)), size_arg(ARG(0)) << 32 | (size_arg(ARG(1)) & 0xffffffffu));
             i += 3;
         } else if (!strcmp(c, "bgarrayfree")) {
