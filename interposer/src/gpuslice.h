@@ -189,6 +189,13 @@ static inline void gs_held_unlock(pthread_mutex_t *m)
         gs_held_unlock(&g_mu);                                                                \
     }
 void gs_ctx_unlock(void);
+/* Around an array creation's reservation, driver call and booking (context.c's g_array_rw):
+ * enter (1 if entered, 0 from a driver callback), call and called around the driver's call,
+ * leave (booked) */
+int gs_array_fence_enter(void);
+void gs_array_fence_call(void);
+void gs_array_fence_called(void);
+void gs_array_fence_leave(void);
 void gs_context_after_fork_child(void);
 
 /* ---- reconcile.c ---------------------------------------------------------- */
@@ -401,6 +408,10 @@ static inline int gs_reserve(int slot, uint64_t bytes)
 }
 
 void gs_forget_ctx(CUcontext ctx);         /* a context was destroyed: release what it held */
+/* A free of a plain or stream-ordered allocation (`kind`, its record `rec` taken) the driver
+ * refused after a teardown began since the record was taken: settled under the context lock
+ * (memory.c; from cuMemFree's and cuMemFreeAsync's hooks alike) */
+void gs_free_refused_after_teardown(int kind, CUdeviceptr dptr, const struct gs_alloc *rec);
 int gs_pool_lock_mine(void);     /* this thread holds the pools' lock (a driver callback inside) */
 /* A graph hook must pass through: this thread holds the graph memory's lock or the pools'.
  * The locks held across driver calls are taken in one order: context, throttle, graph

@@ -529,7 +529,8 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
     int kind = GS_KIND_POOLPTR;
     /* before the record is taken: a teardown that starts later finds no record to forget, and
      * the driver's refusal may then mean the teardown freed the memory (its bytes stayed in the
-     * pool's live bytes, 1-4 MiB charged for nothing, tests/teardownrace.c async) */
+     * pool's live bytes, 1-4 MiB charged for nothing, tests/teardownrace.c async; a cuMemAlloc
+     * pointer's record was put back, 200 MiB charged for nothing, test_memory.py -k other_kind) */
     unsigned seq0 = gs_teardown_seq();
     if (gs_am_take(kind, dptr, &rec) != 0) {
         kind = GS_KIND_DPTR;
@@ -540,14 +541,9 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
     }
     gs_inflight_begin(); /* a cuMemAlloc pointer's memory goes before its charge */
     CUresult rc = real(dptr, stream);
-    if (rc != CUDA_SUCCESS && kind == GS_KIND_POOLPTR && gs_teardown_since(seq0)) {
-        int locked = gs_ctx_lock() == 0; /* after the teardown: did the memory go with it? */
-        if (gs_dptr_gone(dptr))
-            gs_pool_drop_ptr(rec.aux, rec.size);
-        else
-            gs_am_put(kind, dptr, &rec, &old);
-        if (locked) gs_ctx_unlock();
-    } else if (rc != CUDA_SUCCESS)
+    if (rc != CUDA_SUCCESS && gs_teardown_since(seq0))
+        gs_free_refused_after_teardown(kind, dptr, &rec); /* after the teardown: did the memory go with it? */
+    else if (rc != CUDA_SUCCESS)
         gs_am_put(kind, dptr, &rec, &old);
     else if (kind == GS_KIND_POOLPTR)
         gs_pool_drop_ptr(rec.aux, rec.size);

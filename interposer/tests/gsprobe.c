@@ -526,6 +526,7 @@ static struct {
     const char *path;  /* bgcapture: the file it waits for */
     CUresult end_rc;   /* bgcapture: the capture's end */
     uint64_t waited;   /* bgcapture: ns its begin took */
+    uint64_t handle;   /* bgarray: the array made, an allocation ID from "join" on */
 } bg;
 
 static void *bg_main(void *p)
@@ -549,6 +550,7 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuArrayCreate_v2(&a, &d);
+        bg.handle = (uint64_t)(uintptr_t)a;
     } else if (!strcmp(bg.what, "bgarrayfree")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -557,6 +559,10 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuMemFreeAsync(allocs[bg.size].handle, NULL);
+    } else if (!strcmp(bg.what, "bgfreesync")) {
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuMemFree_v2(allocs[bg.size].handle);
     } else if (!strcmp(bg.what, "bgmodule")) {
         typedef CUresult (*module_t)(uint64_t);
         module_t load = (module_t)dlsym(libcuda, "fake_cuda_module_load");
@@ -627,6 +633,8 @@ static void bg_join(void)
     bg.running = 0;
     if (!strcmp(bg.what, "bgcapture"))
         printf("bgcapture %d %d %llu\n", bg.rc, bg.end_rc, (unsigned long long)(bg.waited / 1000000));
+    else if (!strcmp(bg.what, "bgarray"))
+        remember("bgarray", bg.rc, A_ARRAY, bg.handle); /* "free ID" destroys it */
     else
         printf("%s %d\n", bg.what, bg.rc);
 }
@@ -1357,7 +1365,7 @@ int main(int argc, char **argv)
             i += 2;
         } else if (!strcmp(c, "bgarray")) {
             /* bgarray W H MS: a thread, in the context "ctx" made current, makes a W x H float4
-             * array after MS */
+             * array after MS ("join" gives it an allocation ID) */
             bg_start("bgarray", atol(ARG(2)), size_arg(ARG(0)) << 32 | (size_arg(ARG(1)) & 0xffffffffu));
             i += 3;
         } else if (!strcmp(c, "bgarrayfree")) {
@@ -1367,6 +1375,11 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgfreeasync")) {
             /* bgfreeasync ID MS: a thread frees allocation ID with cuMemFreeAsync after MS */
             bg_start("bgfreeasync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgfreesync")) {
+            /* bgfreesync ID MS: a thread frees allocation ID with cuMemFree after MS (a
+             * stream-ordered one too, which CUDA allows) */
+            bg_start("bgfreesync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgmodule")) {
             /* bgmodule SIZE MS: a thread, in the context "ctx" made current, loads code lazily */

@@ -810,6 +810,39 @@ def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_dri
     assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
 
 
+# A 200 MiB allocation freed by the other kind of free while the primary context is reset, which
+# frees it first: (how it is made, the thread that frees it, where the fake sleeps: inside the
+# free, before the driver looks the pointer up).  Both frees are legal in CUDA (cuMemFree of a
+# stream-ordered allocation synchronises; cuMemFreeAsync takes a cuMemAlloc pointer).
+CROSS_FREES = {
+    "plain_freed_async": (["alloc", "200m"], "bgfreeasync", "cuMemFreeAsync:300"),
+    "pool_freed_plain": (["async", "200m"], "bgfreesync", "cuMemFree_v2:300"),
+}
+
+
+@pytest.mark.parametrize("stays_active", [None, "1"], ids=["reset_releases", "reset_stays_active"])
+@pytest.mark.parametrize("free", CROSS_FREES)
+def test_a_free_of_the_other_kind_refused_after_a_reset_freed_its_memory_returns_the_charge(
+        lab, free, stays_active):
+    # the free takes the record, the reset (whose forget then finds none) frees the memory, and
+    # the driver refuses the free.  The same-kind frees were settled (the record dropped when
+    # the driver no longer holds the pointer); these put the record back: 250 MiB charged for
+    # 50 held until the process exits, and the 800 MiB allocation after it refused under the
+    # 1 GiB cap
+    make, freer, sleep = CROSS_FREES[free]
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", "ctx", "0", *make, freer, "0", "0", "sleep", "100", "reset", "0", "join",
+                  *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  FAKE_NVML_PROC_MEM="0")
+    assert res.rc(make[0]) == 0 and res.rc("reset") == 0
+    assert res.rc(freer) != 0  # refused: the reset freed it
+    assert res.values("phys") == [50 * MIB]
+    free_b, total = res.values("meminfo")
+    assert (total - free_b) // MIB == 50, f"{(total - free_b) // MIB} MiB charged for 50 held"
+    assert res.of("alloc")[-1][0] == 0  # the 800 MiB after it
+
+
 # A 200 MiB array another thread's cuArrayCreate makes inside the driver while a context goes:
 # (the commands that make the context, the main thread's, where the fake sleeps, whether a reset
 # context stays active, the MiB then held, charged)
@@ -821,14 +854,18 @@ ARRAY_RACES = {
     "before_release": (["ctx", "0"], ["sleep", "100", "release", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
     "before_destroy": (["ctxcreate", "0", "capcur"], ["sleep", "100", "ctxdestroy", "0"], "cuArrayCreate_v2After:300",
                        None, 50, 50),
-    # the bound: a reset that keeps the context active does not say whether the array was made
-    # before it (freed) or while it was in the driver (held), and no query tells a destroyed
-    # array's handle from a live one: recorded, charged until the process exits
+    # a reset that keeps the context active: the reset waits for the creation, which is booked
+    # before it and forgotten by it (it stayed charged until the process exited, 250 MiB for 50
+    # held: -k made_before_a_reset); one that comes while the reset is in progress waits for
+    # it and is made in the emptied context, held and charged
     "before_reset_stays_active": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", "1",
-                                  50, 250),
+                                  50, 50),
     "during_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 250, 250),
-    # entered before, refused after: its reservation returns
-    "refused_after_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2:300", None, 50, 50),
+    # entered before a reset, which waits for it: made, then freed and forgotten by the reset
+    "entered_before_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2:300", None, 50, 50),
+    # entered before a created context's destroy, refused after it: its reservation returns
+    "refused_after_destroy": (["ctxcreate", "0", "capcur"], ["sleep", "100", "ctxdestroy", "0"],
+                              "cuArrayCreate_v2:300", None, 50, 50),
 }
 
 
@@ -841,11 +878,36 @@ def test_an_array_made_as_its_context_goes_is_charged_while_the_driver_may_hold_
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
                   FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
     assert res.rc(main[-2]) == 0
-    assert res.rc("bgarray") == (CUDA_ERROR_INVALID_CONTEXT if race.startswith("refused") else 0)
+    assert res.rc("bgarray") == (CUDA_ERROR_CONTEXT_IS_DESTROYED if race.startswith("refused") else 0)
     assert res.values("phys") == [held * MIB]
     free, total = res.values("meminfo")
     assert (total - free) // MIB == charged, f"{(total - free) // MIB} MiB charged for {held} held"
     assert res.rc("alloc") == (0 if charged == 50 else OOM)
+
+
+def test_an_array_made_before_a_reset_that_keeps_the_context_active_is_returned_by_the_reset(lab):
+    # another thread's 200 MiB array is made (the fake still inside cuArrayCreate) when the
+    # reset begins; the reset frees it and keeps the context active.  Booked after the reset,
+    # which had nothing of it to forget, it stayed charged until the process exited: 250 MiB
+    # for 50 held, an 800 MiB allocation refused under a 1 GiB cap.  Its destroy afterwards
+    # (refused: the reset took it) must not return anything a second time, and an array made
+    # after the reset is charged
+    res = lab.run("init", "ctx", "0", "bgarray", "4096", "3200", "0", "sleep", "100", "reset", "0", "join",
+                  "meminfo", "phys", "free", "0", "meminfo", "array", "4096", "3200", "meminfo", "phys",
+                  "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_SLEEP="cuArrayCreate_v2After:300", FAKE_CUDA_RESET_ACTIVE="1",
+                  FAKE_NVML_PROC_MEM="0")
+    assert res.rc("bgarray") == 0 and res.rc("reset") == 0
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+    assert res.rc("free") != 0  # the reset destroyed it
+    free, total = res.values("meminfo", 1)
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged after its destroy"
+    assert res.rc("array") == 0 and res.values("phys", 1) == [250 * MIB]
+    free, total = res.values("meminfo", 2)
+    assert (total - free) // MIB == 250, f"{(total - free) // MIB} MiB charged for 250 held"
+    assert res.rc("alloc") == OOM  # 1050 MiB would not fit: the new array is charged
 
 
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
