@@ -1530,15 +1530,15 @@ GS_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_heig
 GS_GRAPH_HOOK(cuGraphLaunch, 0)
 GS_GRAPH_HOOK(cuGraphLaunch_ptsz, 1)
 
-/* Synchronisations: with no compute limit a tail call; with one, what
- * completed is measured afterwards (gs_launch_after_sync). */
-#define GS_SYNC_HOOK(name, params, args)                                                                      \
+/* A hook that does `after` (rc: the driver's answer) once the driver's call returns: with no
+ * compute limit a tail call. */
+#define GS_AFTER_HOOK(name, params, args, after)                                                              \
     static __attribute__((noinline)) CUresult name##_slow params                                            \
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
         CUresult rc = gs_cuda.name args;                                                                      \
-        if (throttle_on()) gs_launch_after_sync();                                                            \
+        after;                                                                                                \
         return rc;                                                                                            \
     }                                                                                                         \
     GS_EXPORT CUresult name params                                                                            \
@@ -1546,6 +1546,10 @@ GS_GRAPH_HOOK(cuGraphLaunch_ptsz, 1)
         GS_FAST(name, args);                                                                                  \
         return name##_slow args;                                                                              \
     }
+
+/* Synchronisations: with a compute limit, what completed is measured afterwards
+ * (gs_launch_after_sync). */
+#define GS_SYNC_HOOK(name, params, args) GS_AFTER_HOOK(name, params, args, if (throttle_on()) gs_launch_after_sync())
 
 GS_SYNC_HOOK(cuCtxSynchronize, (void), ())
 /* CUDA 13.0's (what cuGetProcAddress("cuCtxSynchronize", 13000) hands out): the context given,
@@ -1555,22 +1559,10 @@ GS_SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream))
 GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))
 
-/* Copies, host functions and waits: with no compute limit a tail call; with one, the stream is
- * marked, so that its next launch ends the gap they leave between its kernels (gap_mark). */
+/* Copies, host functions and waits: with a compute limit the stream is marked, so that its next
+ * launch ends the gap they leave between its kernels (gap_mark). */
 #define GS_GAP_HOOK(name, params, args, pt)                                                                   \
-    static __attribute__((noinline)) CUresult name##_slow params                                            \
-    {                                                                                                         \
-        gs_cuda_init();                                                                                       \
-        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
-        CUresult rc = gs_cuda.name args;                                                                      \
-        if (rc == CUDA_SUCCESS && throttle_on()) gap_mark(hStream, pt);                                       \
-        return rc;                                                                                            \
-    }                                                                                                         \
-    GS_EXPORT CUresult name params                                                                            \
-    {                                                                                                         \
-        GS_FAST(name, args);                                                                                  \
-        return name##_slow args;                                                                              \
-    }
+    GS_AFTER_HOOK(name, params, args, if (rc == CUDA_SUCCESS && throttle_on()) gap_mark(hStream, pt))
 /* the shapes: n arguments, then the stream; the stream, then n arguments */
 #define GS_GAP_1(name, pt, A) GS_GAP_HOOK(name, (A a, CUstream hStream), (a, hStream), pt)
 #define GS_GAP_3(name, pt, A, B, C) GS_GAP_HOOK(name, (A a, B b, C c, CUstream hStream), (a, b, c, hStream), pt)

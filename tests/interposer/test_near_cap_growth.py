@@ -182,7 +182,7 @@ def test_a_lookup_in_a_module_loaded_again_at_an_unloaded_ones_handle_is_admitte
     # address); unloads are not hooked, so the lookups seen stayed in the table and the new
     # module's first lookup passed as a repeat: at the cap (the same figures as
     # test_a_function_lookup_past_the_headroom_is_refused) it got 0, not OOM, and loaded its
-    # code unadmitted.  Now each load empties the lookups seen
+    # code unadmitted.  Now each load gives the handle a new generation the lookup keys hold
     res = lab.run("init", "ctx", "0", load, lookup, unload, load, "alloc", "920m", "alloc", "1m",
                   lookup, **{**ENV, "FAKE_CUDA_HANDLE_REUSE": "1"})
     assert res.returncode == 0, res.stdout + res.stderr
