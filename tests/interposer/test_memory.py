@@ -843,6 +843,26 @@ def test_a_free_of_the_other_kind_refused_after_a_reset_freed_its_memory_returns
     assert res.of("alloc")[-1][0] == 0  # the 800 MiB after it
 
 
+def test_a_free_refused_after_a_reset_keeps_the_newer_allocation_at_the_address_the_driver_gave_again(lab):
+    # a thread's cuMemFree takes its record and enters the driver, a reset (keeping the context
+    # active) frees the memory, the driver refuses the free, and before the refusal is settled
+    # another allocation gets the same address (the driver reuses them) and is booked.  The
+    # settle saw the address held and put the old record back over the newer one: 450 MiB
+    # charged for 250 held
+    res = lab.run("init", "ctx", "0", "alloc", "200m", "bgfreesync", "0", "0", "sleep", "100", "reset", "0",
+                  "sleep", "300", "alloc", "200m", "join", "meminfo", "phys", "free", "1", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE="1",
+                  FAKE_CUDA_ADDR_REUSE="1", FAKE_CUDA_SLEEP="cuMemFree_v2:300,cuMemFree_v2After:400",
+                  FAKE_NVML_PROC_MEM="0")
+    assert res.rc("reset") == 0 and res.rc("bgfreesync") != 0  # refused: the reset freed it
+    assert [rc for rc, _ in res.of("alloc")] == [0, 0]
+    assert res.values("phys") == [250 * MIB]
+    (free_a, total), (free_b, _) = (vals for _, vals in res.of("meminfo"))
+    assert (total - free_a) // MIB == 250, f"{(total - free_a) // MIB} MiB charged for 250 held"
+    assert res.rc("free") == 0
+    assert (total - free_b) // MIB == 50, f"{(total - free_b) // MIB} MiB charged for 50 held"
+
+
 # A 200 MiB array another thread's cuArrayCreate makes inside the driver while a context goes:
 # (the commands that make the context, the main thread's, where the fake sleeps, whether a reset
 # context stays active, the MiB then held, charged)

@@ -172,6 +172,25 @@ def test_a_load_far_from_the_cap_wakes_the_sampler(lab):
     assert view_used(res) == 150 * MIB
 
 
+@pytest.mark.parametrize(("load", "unload"), [("modload", "modunload"), ("libload", "libunload")])
+@pytest.mark.parametrize("near", [False, True], ids=["far", "near_the_cap"])
+def test_code_unloaded_is_no_longer_charged(lab, load, unload, near):
+    # a 30 MiB module (or library) is charged once loaded; its unload gives the memory back where
+    # no hook saw it, and the reconcile only adds: 130 MiB stayed charged for 100 held (930 for
+    # 900 near the cap) until a context went.  Now the device is measured again after an unload:
+    # near the cap at once, else within the sampler's round
+    fill = ["alloc", "800m"] if near else []
+    settle = [] if near else ["sleep", "700"]
+    res = lab.run("init", "ctx", "0", load, *fill, "sleep", "700", "meminfo", unload, *settle,
+                  "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_MODULE_BYTES="30m")
+    assert res.rc(load) == 0 and res.rc(unload) == 0
+    held = (900 if near else 100) * MIB
+    (free_a, total), (free_b, _) = (vals for _, vals in res.of("meminfo"))
+    assert total - free_a == held + 30 * MIB
+    assert total - free_b == held, f"{(total - free_b) // MIB} MiB charged for {held // MIB} held"
+
+
 def test_allocations_far_from_the_cap_never_query_nvml(lab):
     far = ["alloc", "10m"] * 50
     res = lab.run("init", "ctx", "0", "nvmlqueries", *far, "nvmlqueries", "alloc", "700m",

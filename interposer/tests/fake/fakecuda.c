@@ -23,7 +23,9 @@
  *                            library's destructor, as a real driver tearing down its
  *                            contexts at process exit does
  *                            ("cuMemAlloc_v2After", "cuMemAllocPitch_v2After": once the memory is
- *                            taken; "cuDevicePrimaryCtxResetAfter": once the context is emptied)
+ *                            taken; "cuDevicePrimaryCtxResetAfter": once the context is emptied;
+ *                            "cuMemFree_v2After": freed or refused; "cuLaunchKernelAfter": the
+ *                            kernel queued)
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
  *   FAKE_CUDA_PROCADDR_FUTURE=1  a later CUDA's variant: cuGetProcAddress("cuMemGetInfo") from
@@ -51,6 +53,8 @@
  *                            reserves that many stacks (default 1024); its printf FIFO and
  *                            malloc heap limits reserve their size; with
  *                            FAKE_CUDA_LIMIT_SHRINK=1 a lowered limit frees the difference
+ *   FAKE_CUDA_ADDR_REUSE=1   the last plain allocation freed (or gone with its context) gives its
+ *                            address to the next one that fits in it
  *   FAKE_CUDA_HANDLE_REUSE=1 a destroyed memory pool's (once its memory is gone), executable
  *                            graph's or unloaded module's or library's handle is the next one
  *                            cuMemPoolCreate, a graph instantiation or a load hands out, as a real driver's handles (addresses of
@@ -1031,8 +1035,15 @@ static void small_give(int pdev, uint64_t bytes)
 }
 
 /* What a freed allocation gives back (mu held) */
+/* FAKE_CUDA_ADDR_REUSE=1: the address of the last plain allocation freed (by a free or with its
+ * context) goes to the next plain allocation that fits in it, as the driver reuses addresses */
+static uint64_t reuse_at, reuse_size;
+
 static void alloc_give(const struct fake_alloc *a)
 {
+    static int reuse = -1;
+    if (reuse < 0) reuse = getenv("FAKE_CUDA_ADDR_REUSE") != NULL;
+    if (reuse && a->kind == K_DPTR && !a->small) reuse_at = a->handle, reuse_size = a->size;
     if (a->small)
         small_give(a->pdev, a->small);
     else
@@ -1056,6 +1067,8 @@ static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *po
                   : charge ? phys_add(pdev, size) : CUDA_SUCCESS;
     if (rc == CUDA_SUCCESS) {
         struct fake_ctx *own = current && current->owner ? current->owner : current;
+        int again = reuse_at && kind == K_DPTR && !low && !small && size <= reuse_size;
+        if (again) next = &reuse_at;
         allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small};
         if (low) {
             unsigned int h = (unsigned int)*next;
@@ -1063,8 +1076,12 @@ static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *po
         } else {
             memcpy(handle, next, sizeof(*next)); /* CUdeviceptr, CUarray, ... are 8 bytes */
         }
-        *next += (size + 0xfffff) & ~0xfffffull;
-        *next += 0x100000;
+        if (again) {
+            reuse_at = reuse_size = 0;
+        } else {
+            *next += (size + 0xfffff) & ~0xfffffull;
+            *next += 0x100000;
+        }
     }
     pthread_mutex_unlock(&mu);
     return rc;
@@ -1475,7 +1492,9 @@ API CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     FAIL_POINT("cuMemFree_v2");
     if (current && current->api1 && getenv("FAKE_CUDA_API_VERSIONS")) return CUDA_ERROR_INVALID_CONTEXT;
-    return alloc_free(K_DPTR, dptr);
+    CUresult rc = alloc_free(K_DPTR, dptr);
+    (void)fail_check("cuMemFree_v2After"); /* FAKE_CUDA_SLEEP: still inside, freed or refused */
+    return rc;
 }
 
 API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
