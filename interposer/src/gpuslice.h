@@ -235,6 +235,7 @@ uint64_t gs_reconcile_gap(int slot);
  * share pages, so one may take a whole page more; a code load takes code chunks of it */
 #define GS_PAGE (2ull << 20)
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
+void gs_reconcile_wake(void);                   /* the sampler looks now */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
 int gs_reconcile_dev_contexts(CUdevice dev); /* contexts of the process on dev; under the context lock */
 void gs_reconcile_remeasure(CUdevice dev);   /* the next clean reading may lower what was charged beyond the records */

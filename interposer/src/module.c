@@ -202,10 +202,12 @@ GS_CODE_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, 
 /* Unloads give the code's memory back to the driver, where no hook sees it go: the reconcile only
  * adds, so it stayed charged until a context of the device went (a program that loads and
  * unloads JIT-compiled modules kept its peak; 130 MiB charged for 100 held after a 30 MiB
- * module's unload, `test_reconcile.py -k unloaded`).  After one, the device (a library's: every
- * device, it is loaded in each context) is measured again: the next clean reading lowers what
- * was charged beyond the records to what the driver still holds, at once near the cap, else at
- * the sampler's next look.  The handle gets a new generation too: its lookups are forgotten. */
+ * module's unload, `test_reconcile.py -k code_unloaded`).  After one, the device (a library's:
+ * every device, it is loaded in each context) is measured again: the next clean reading lowers
+ * what was charged beyond the records to what the driver still holds, the sampler's (woken) or
+ * the next near-cap reservation's.  No reading here: a runtime unloads every fatbin it
+ * registered at exit, hundreds of calls.  The handle gets a new generation: its lookups are
+ * forgotten. */
 static void unloaded(const void *handle, int everywhere)
 {
     gen_new(handle);
@@ -215,7 +217,7 @@ static void unloaded(const void *handle, int everywhere)
     } else if (gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS) {
         gs_reconcile_remeasure(dev);
     }
-    gs_reconcile_after_load();
+    gs_reconcile_wake();
 }
 
 GS_EXPORT CUresult cuModuleUnload(CUmodule hmod)

@@ -411,13 +411,18 @@ static int reconcile_all(void)
     return 1;
 }
 
-void gs_reconcile_after_load(void)
+void gs_reconcile_wake(void)
 {
-    if (any_near_cap() && reconcile_all()) return; /* else the sampler looks soon */
     pthread_mutex_lock(&g_wake_mu);
     g_woken = 1;
     if (g_sampler_started) pthread_cond_signal(&g_wake_cv);
     pthread_mutex_unlock(&g_wake_mu);
+}
+
+void gs_reconcile_after_load(void)
+{
+    if (any_near_cap() && reconcile_all()) return; /* else the sampler looks soon */
+    gs_reconcile_wake();
 }
 
 /* ---- contexts to charge --------------------------------------------------- */
