@@ -45,6 +45,15 @@ def test_threads_launching_on_streams_of_their_own_race_on_nothing(tsan_lab):
     assert res.rc("mbench") == 0
 
 
+def test_threads_launching_and_copying_on_one_stream_race_on_nothing(tsan_lab):
+    # the gap marks (set by the copies' hooks without a lock, taken by launches) and the count
+    # of launches between their begin and their end's record, four threads on one stream
+    res = tsan_lab.run("init", "ctx", "0", "mbenchone", "1", "4", CUDA_DEVICE_SM_LIMIT="30",
+                       FAKE_CUDA_KERNEL_US="500", FAKE_CUDA_COPY_US="200", LIBCUDA_LOG_LEVEL="3")
+    assert res.rc("mbenchone") == 0
+    assert "not charged" in res.stderr  # gaps were ended
+
+
 def test_launching_threads_and_the_time_slice_correction_race_on_nothing(tsan_lab):
     # beside a busy co-tenant the sampler changes the factor that every debit reads
     res = tsan_lab.run("init", "ctx", "0", "mbench", "2.5", "4", CUDA_DEVICE_SM_LIMIT="30",
