@@ -512,6 +512,17 @@ def test_a_failed_event_record_does_not_charge_idle_time(lab):
     assert busy_ms < 50, f"{busy_ms:.0f} ms charged for two 10 us kernels"
 
 
+def test_no_gap_after_a_failed_record_hides_the_kernel_it_would_have_ended(lab):
+    # three 500 ms kernels on one stream, a copy before the third; the second's end event fails
+    # to record (the 4th record).  Its kernel is charged to the next interval, but the copy's gap
+    # ended there and it fell in (1000 ms charged for 1500, a review's find); now no gap is
+    # ended until a launch's end is recorded again
+    lab.run("init", "ctx", "0", "launch", "1", "launch", "1", "copies", "1", "launch", "1", "sync",
+            CUDA_DEVICE_SM_LIMIT="99", FAKE_CUDA_KERNEL_US="500000", FAKE_CUDA_FAIL="cuEventRecord:4:999")
+    busy_ms = lab.region().devices[0].busy_ns / 1e6
+    assert abs(busy_ms - 1500) < 50, f"{busy_ms:.0f} ms charged for three 500 ms kernels"
+
+
 def test_failing_event_queries_leak_no_events(lab):
     res = lab.run("init", "ctx", "0", "launch", "2000", "events", CUDA_DEVICE_SM_LIMIT="30",
                   FAKE_CUDA_KERNEL_US="1", FAKE_CUDA_FAIL="cuEventQuery:0:999")
