@@ -75,6 +75,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "-", "test_sm_limit_caps_matmul_throughput[30]"),
     ("sm_30_capture_held", "5 same at 30%, a graph capture held open", "25-35%; not invalid.",
      "-", "test_sm_limit_holds_beside_a_capture_held_open"),
+    ("sm_30_copies", "5 same at 30%, a 64 MiB H2D copy before each", "25-35%", "-",
+     "test_sm_limit_excludes_copies_between_kernels"),
     ("sm_30_cotenant", "5 same at 30%, another tenant busy", "25-35%", "-",
      "test_sm_limit_beside_a_busy_tenant"),
     ("sm_30_cotenant_raw", "5 same, its time slices charged (correction off)", "informational",

@@ -6,7 +6,8 @@ Each limited run also reports the share of time its kernels took (the throttle's
 measurement, ``busy_ns`` in the region), the clock compensation it settled on
 (``sm_scale_milli``), and the SM clock and board power seen from outside. The 30% run is
 repeated with ``GPUSLICE_SM_LIMIT_MODE=time`` (no compensation) so both semantics are
-measured side by side in one run.
+measured side by side in one run, and with a host-to-device copy queued before each matmul
+(copies between kernels are not the kernels' time).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ pytestmark = pytest.mark.gpu
 
 POINTS = 5
 LIMITED_WARMUP_S = 4.0
+# The copy queued before each matmul in the sm_30_copies row: about as long as the matmul, so
+# that charging it as kernel time would halve the kernels' share.  An 8192x8192 bf16 matmul is
+# 2 x 8192^3 = 1.1 TFLOP, about 1.6 ms at the H200's ~700 TFLOPS; a pinned host-to-device copy
+# runs at about 50 GB/s over PCIe 5, so 64 MiB take about 1.3 ms.  At 30 % a matmul's cycle is
+# 1.6 / 0.3 = 5.3 ms, room for the copy even at half that bandwidth.
+COPY_MIB = 64
 
 
 TINY_PAIRS = 3
@@ -133,3 +140,34 @@ def test_sm_limit_holds_beside_a_capture_held_open(nvml: Nvml, baseline: dict[st
     record("sm_30_capture_held", f"{pct:.1f}%; capture {capture}", ok, percent=pct,
            limited=limited, throttle=throttle_view(region, limited), baseline=baseline)
     assert ok, f"beside a held-open capture: {pct:.1f}% at 30%, capture {capture}"
+
+
+def test_sm_limit_excludes_copies_between_kernels(nvml: Nvml, baseline: dict[str, Any],
+                                                  lib: Path) -> None:
+    """30% with an async host-to-device copy (``COPY_MIB`` from pinned memory,
+    ``copy_(..., non_blocking=True)``) queued on the same stream before each matmul, against
+    the baseline without copies.  The copies are not kernel time: the library's copy hooks
+    mark the stream and its next launch ends the gap (interposer/src/launch.c, "work between
+    kernels"), so the matmuls still get 30% of the unlimited throughput.  Charged as kernel
+    time (before that change, or should the runtime's copy reach the driver by a call the
+    library does not hook) they would get about 30 x 1.6 / (1.6 + 1.3) = 17%, while the
+    throttle's own GPU-time share still read 30%.  One 5 s run, no baseline of its own."""
+    region = harness.new_region("sm30copies")
+    limited = matmul(nvml, harness.capped_env(region, sm=30), tiny=False,
+                     warmup=LIMITED_WARMUP_S, extra=["--copy-mib", str(COPY_MIB)])
+    view = throttle_view(region, limited)
+    pct = 100 * limited["tflops"] / baseline["tflops"]
+    nvml_pct = limited.get("nvml_share", {}).get("share_pct")
+    n = 8192  # work.py matmul's --size
+    mm_ms = 2 * n**3 / (baseline["tflops"] * 1e12) * 1e3
+    copy_ms = limited.get("copy_ms")
+    # what the matmuls would get were each copy charged as kernel time: 30 % of the wall time
+    # for copy and matmul together, the matmul's part of it
+    if_charged = 30 * mm_ms / (mm_ms + copy_ms) if copy_ms else None
+    ok = abs(pct - 30) <= POINTS
+    record("sm_30_copies", f"{pct:.1f}%; GPU time {view.get('time_share_pct')}%, "
+           f"x{view.get('scale')}; NVML {nvml_pct}%; copy {copy_ms}/mm {mm_ms:.2f} ms", ok,
+           percent=pct, copy_mib=COPY_MIB, copy_ms=copy_ms, mm_ms=mm_ms,
+           if_charged_pct=if_charged, nvml_share=limited.get("nvml_share"), throttle=view,
+           limited=limited, baseline=baseline)
+    assert ok, f"with a {COPY_MIB} MiB copy before each matmul: {pct:.1f}% at 30%"

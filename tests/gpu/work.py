@@ -3,7 +3,8 @@
     work.py probe FRAMEWORK            initialise the framework, allocate a token, hold
     work.py fill FRAMEWORK CHUNKS      allocate chunks (MiB, largest first) until OOM, report
     work.py matmul SECONDS             bf16 matmul throughput (and tiny-op launch cost; or
-                                       beside a graph capture held open: --hold-capture)
+                                       beside a graph capture held open: --hold-capture;
+                                       with a host-to-device copy before each: --copy-mib)
     work.py turns                      tiny-op batches and matmuls on command (stdin), in
                                        turns with another process (harness.take_turns)
 
@@ -18,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 MIB = 1 << 20
@@ -244,9 +246,12 @@ def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
     a = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
     b = torch.randn((n, n), device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
+    copy = copies(args.copy_mib, result) if args.copy_mib else None
 
     def burst(k: int = 4) -> None:
         for _ in range(k):
+            if copy is not None:  # queued on the same stream, right before the matmul
+                copy()
             torch.mm(a, b, out=c)
         torch.cuda.synchronize()
 
@@ -278,6 +283,31 @@ def cmd_matmul(args: argparse.Namespace) -> dict[str, Any]:
                   tflops=2 * n**3 * iters / elapsed / 1e12, windows_tflops=windows,
                   matmul_wall_s=round(time.perf_counter() - started, 3))
     return result
+
+
+def copies(mib: int, result: dict[str, Any]) -> Callable[[], None]:
+    """An async host-to-device copy of ``mib`` MiB from pinned memory on the current stream
+    (``copy_(..., non_blocking=True)``: the runtime's cudaMemcpyAsync, a driver async copy the
+    library hooks), as a data loader queues its next batch before each step; the function that
+    queues one.  Times one copy alone first (``copy_ms``: 8 back to back, the GPU drained
+    before and after), to compare with a matmul's time."""
+    import torch
+
+    nbytes = mib * MIB
+    host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def copy() -> None:
+        dev.copy_(host, non_blocking=True)
+
+    copy()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(8):
+        copy()
+    torch.cuda.synchronize()
+    result.update(copy_mib=mib, copy_ms=round((time.perf_counter() - t0) / 8 * 1e3, 3))
+    return copy
 
 
 def cmd_turns(args: argparse.Namespace) -> dict[str, Any]:
@@ -410,6 +440,9 @@ def main() -> None:
     mm.add_argument("--tiny-reps", type=int, default=5)
     mm.add_argument("--hold-capture", action="store_true",
                     help="measure beside a graph capture held open in another thread")
+    mm.add_argument("--copy-mib", type=int, default=0,
+                    help="an async copy of this many MiB from pinned host memory before each "
+                         "matmul, on the same stream (0: none)")
     turns = sub.add_parser("turns")
     turns.add_argument("--batch", type=int, default=3000, help="tiny ops per timed batch")
     turns.add_argument("--size", type=int, default=8192)

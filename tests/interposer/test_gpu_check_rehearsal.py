@@ -11,7 +11,7 @@ runs of the script:
   that reads NVML as the real one does;
 - the compute rows (``test_compute.py``, ``test_cotenant.py``), whose workload is a PyTorch
   matmul: the stand-in's ``torch.mm`` launches the fake GPU's kernels through the library's
-  hooks.
+  hooks, and its ``copy_`` from host memory (``sm_30_copies``) queues the fake's async copy.
 
 The stand-ins refuse to load without ``GPUCHECK_REHEARSAL=1``. The fake's figures are not the
 bar's: the functional rows' verdicts are asserted (a cap, a refusal, a view, a capture that
@@ -50,8 +50,8 @@ allocation): measured, not judged here."""
 
 
 COMPUTE = {"sm_50", "sm_30", "sm_10", "sm_30_time", "outside_compute", "sm_30_capture_held",
-           "torch_tiny", "sm_30_cotenant", "sm_30_cotenant_raw", "sm_30_two_procs",
-           "sm_30_four_procs"}
+           "torch_tiny", "sm_30_copies", "sm_30_cotenant", "sm_30_cotenant_raw",
+           "sm_30_two_procs", "sm_30_four_procs"}
 """The rows of test_compute.py and test_cotenant.py."""
 
 
@@ -166,6 +166,7 @@ def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_pat
     log, report = gpu_check(
         tmp_path, ["tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py"],
         FAKE_CUDA_KERNEL_US="2000",  # a matmul's kernel
+        FAKE_CUDA_COPY_US="2000",  # sm_30_copies's copy before each: as long as the kernel
         FAKE_GPU_SHARED="1",  # the processes share one GPU that time-slices them
         FAKE_NVML_POWER_LIMIT_MW="700000")  # NVML's utilisation, per process too
     rows = report["rows"]
@@ -184,6 +185,12 @@ def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_pat
         assert probes and all(isinstance(p["all"], dict) and isinstance(p["last_2s"], dict)
                               for p in probes), probes
         assert any(v["n"] >= 1 for p in probes for v in p["all"].values()), probes
+    # the stand-in's copy_ queued the fake's copy (which holds the stream 2 ms: timed alone,
+    # one takes that long, however loaded the machine); the share it gives is measured only
+    copies = rows["sm_30_copies"]["value"]
+    found = re.fullmatch(r"[0-9.]+%; GPU time [0-9.]+%, x[0-9.]+; NVML [0-9.]+%; "
+                         r"copy ([0-9.]+)/mm [0-9.]+ ms", copies)
+    assert found and float(found.group(1)) >= 1.9, rows["sm_30_copies"]
     assert rows["sm_30_two_procs"]["value"].count("+") == 1
     assert rows["sm_30_four_procs"]["value"].count("+") == 3
     for check in set(rows) - COMPUTE:  # the other run's rows, not asked for here

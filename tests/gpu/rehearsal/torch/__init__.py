@@ -14,9 +14,14 @@ pages inside free blocks when the cache is emptied.
 
 ``torch.mm`` launches one kernel on the current stream (the fake driver runs each for
 ``FAKE_CUDA_KERNEL_US``), through the driver's exports, which the preloaded library hooks as
-it hooks PyTorch's launches. ``Tensor.add_`` (the tiny op) launches only inside a capture, so
-that the capture has a node; elsewhere it costs the host nothing, since the fake's kernels all
-take one duration. The figures this gives are the fake GPU's, not a GPU's.
+it hooks PyTorch's launches. A tensor made with ``device="cpu"`` is host memory (plain memory:
+the fake does not tell pinned from pageable), and a device tensor's ``copy_`` from it queues
+``cuMemcpyHtoDAsync_v2`` on the current stream (the fake holds the stream
+``FAKE_CUDA_COPY_US``), the driver call the library hooks as it hooks the runtime's async
+copies; without ``non_blocking=True`` it waits for it, as PyTorch does. ``Tensor.add_`` (the
+tiny op) launches only inside a capture, so that the capture has a node; elsewhere it costs the
+host nothing, since the fake's kernels all take one duration. The figures this gives are the
+fake GPU's, not a GPU's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from math import prod
 from typing import Any
 
 import standin
@@ -136,11 +142,39 @@ class Tensor(standin.Buffer):
     def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
         super().__init__(_allocator, shape, _BYTES[dtype])
         self.dtype = dtype
+        self.nbytes = prod(shape) * _BYTES[dtype]
 
     def add_(self, _value: Any) -> Tensor:
         if getattr(_state, "capturing", False):
             _launch()
         return self
+
+    def data_ptr(self) -> int:
+        return self._block.ptr if self._block is not None else 0
+
+    def copy_(self, src: HostTensor, non_blocking: bool = False) -> Tensor:
+        """Host to device only: an async copy on the current stream (module docstring)."""
+        if not isinstance(src, HostTensor) or src.nbytes != self.nbytes:
+            raise NotImplementedError("the stand-in copies a host tensor of the same size only")
+        standin.init()
+        check(cu.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(self.data_ptr()), src.data_ptr(),
+                                      ctypes.c_size_t(self.nbytes), _stream()),
+              "cuMemcpyHtoDAsync_v2")
+        if not non_blocking:
+            check(cu.cuStreamSynchronize(_stream()), "cuStreamSynchronize")
+        return self
+
+
+class HostTensor:
+    """A tensor in host memory (``device="cpu"``; ``pin_memory`` taken, not modelled)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.nbytes = prod(shape) * _BYTES[dtype]
+        self._buffer = (ctypes.c_ubyte * max(1, self.nbytes))()
+
+    def data_ptr(self) -> ctypes.c_void_p:
+        return ctypes.cast(self._buffer, ctypes.c_void_p)
 
 
 def _dims(shape: tuple[Any, ...]) -> tuple[int, ...]:
@@ -152,8 +186,9 @@ def zeros(*shape: Any, device: str = "cuda", dtype: str = float32) -> Tensor:
     return Tensor(_dims(shape), dtype)
 
 
-def empty(*shape: Any, device: str = "cuda", dtype: str = float32) -> Tensor:
-    return Tensor(_dims(shape), dtype)
+def empty(*shape: Any, device: str = "cuda", dtype: str = float32, pin_memory: bool = False
+          ) -> Tensor | HostTensor:
+    return HostTensor(_dims(shape), dtype) if device == "cpu" else Tensor(_dims(shape), dtype)
 
 
 def randn(shape: tuple[int, ...], device: str = "cuda", dtype: str = float32) -> Tensor:
