@@ -33,8 +33,14 @@ ORDER = ("test_memory.py::test_largest_allocation_within_context_footprint_of_ca
          "test_views.py", "test_processes.py", "test_usage.py", "test_overhead.py",
          "test_compute.py::test_sm_limit_caps_matmul_throughput",
          "test_compute.py::test_torch_tiny_ops_with_library_unlimited_within_5_percent",
-         "test_compute.py::test_sm_limit_excludes_copies_between_kernels",
-         "test_pool.py", "test_memory.py", "test_compute.py", "test_vmm.py", "test_cotenant.py")
+         "test_pool.py", "test_memory.py",
+         "test_compute.py::test_sm_limit_time_mode_for_comparison",
+         "test_compute.py::test_sm_limit_holds_beside_a_capture_held_open",
+         "test_vmm.py", "test_cotenant.py",
+         # new on 2026-12-04 (the copy hooks): after the rows that have waited two runs for a
+         # figure (the co-tenant correction above all), so that a budget cut leaves it for the
+         # second call the summary prints
+         "test_compute.py::test_sm_limit_excludes_copies_between_kernels", "test_compute.py")
 _state = {"recording": False}
 _setup_s: dict[str, float] = {}
 
