@@ -270,6 +270,30 @@
       CUstreamBatchMemOpParams *paramArray, unsigned int flags), cuStreamBatchMemOp, 11070, 0)              \
     X(cuStreamBatchMemOp_v2_ptsz, CUresult, (CUstream hStream, unsigned int count,                          \
       CUstreamBatchMemOpParams *paramArray, unsigned int flags), cuStreamBatchMemOp, 11070, 1)              \
+    X(cuMemsetD8Async, CUresult, (CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream),     \
+      cuMemsetD8Async, 3020, 0)                                                                             \
+    X(cuMemsetD8Async_ptsz, CUresult, (CUdeviceptr dstDevice, unsigned char uc, size_t N,                   \
+      CUstream hStream), cuMemsetD8Async, 7000, 1)                                                          \
+    X(cuMemsetD16Async, CUresult, (CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream),   \
+      cuMemsetD16Async, 3020, 0)                                                                            \
+    X(cuMemsetD16Async_ptsz, CUresult, (CUdeviceptr dstDevice, unsigned short us, size_t N,                 \
+      CUstream hStream), cuMemsetD16Async, 7000, 1)                                                         \
+    X(cuMemsetD32Async, CUresult, (CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream),     \
+      cuMemsetD32Async, 3020, 0)                                                                            \
+    X(cuMemsetD32Async_ptsz, CUresult, (CUdeviceptr dstDevice, unsigned int ui, size_t N,                   \
+      CUstream hStream), cuMemsetD32Async, 7000, 1)                                                         \
+    X(cuMemsetD2D8Async, CUresult, (CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc,               \
+      size_t Width, size_t Height, CUstream hStream), cuMemsetD2D8Async, 3020, 0)                           \
+    X(cuMemsetD2D8Async_ptsz, CUresult, (CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc,          \
+      size_t Width, size_t Height, CUstream hStream), cuMemsetD2D8Async, 7000, 1)                           \
+    X(cuMemsetD2D16Async, CUresult, (CUdeviceptr dstDevice, size_t dstPitch, unsigned short us,             \
+      size_t Width, size_t Height, CUstream hStream), cuMemsetD2D16Async, 3020, 0)                          \
+    X(cuMemsetD2D16Async_ptsz, CUresult, (CUdeviceptr dstDevice, size_t dstPitch, unsigned short us,        \
+      size_t Width, size_t Height, CUstream hStream), cuMemsetD2D16Async, 7000, 1)                          \
+    X(cuMemsetD2D32Async, CUresult, (CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui,               \
+      size_t Width, size_t Height, CUstream hStream), cuMemsetD2D32Async, 3020, 0)                          \
+    X(cuMemsetD2D32Async_ptsz, CUresult, (CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui,          \
+      size_t Width, size_t Height, CUstream hStream), cuMemsetD2D32Async, 7000, 1)                          \
     X(cuGraphInstantiate, CUresult,                                                                        \
       (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize), \
       cuGraphInstantiate, 10000, 0)                                                                        \

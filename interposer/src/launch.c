@@ -1005,28 +1005,33 @@ static int admit_locked(CUstream stream, int per_thread, struct measured *m)
  * another stream too (its next launch records an event it did not need: the gap it ends is idle
  * time, or nothing) or takes another's mark (that stream's gap is charged, as before). */
 #define GS_GAP_BITS 1024
-static uint64_t g_gap_bits[GS_GAP_BITS / 64];
+static uint64_t g_gap_bits[GS_GAP_BITS / 64];   /* a copy, host function or wait since the last launch */
+static uint64_t g_block_bits[GS_GAP_BITS / 64]; /* a memset since the last launch: no gap may end */
 
-static unsigned gap_bit(uint64_t key)
+static void bits_set(uint64_t *bits, CUstream stream, int per_thread)
 {
-    return (unsigned)(gs_hash_step(0, key) & (GS_GAP_BITS - 1));
+    unsigned b = (unsigned)(gs_hash_step(0, stream_key(gs_effective_stream(stream, per_thread))) & (GS_GAP_BITS - 1));
+    uint64_t bit = 1ull << (b & 63);
+    if (!(__atomic_load_n(&bits[b >> 6], __ATOMIC_RELAXED) & bit)) __atomic_fetch_or(&bits[b >> 6], bit, __ATOMIC_RELAXED);
+}
+
+/* Whether the stream's bit was set since its last launch (and the bit cleared) */
+static int bits_take(uint64_t *bits, uint64_t key)
+{
+    unsigned b = (unsigned)(gs_hash_step(0, key) & (GS_GAP_BITS - 1));
+    uint64_t bit = 1ull << (b & 63);
+    return (__atomic_load_n(&bits[b >> 6], __ATOMIC_RELAXED) & bit) &&
+           (__atomic_fetch_and(&bits[b >> 6], ~bit, __ATOMIC_RELAXED) & bit);
 }
 
 static void gap_mark(CUstream stream, int per_thread)
 {
-    unsigned b = gap_bit(stream_key(gs_effective_stream(stream, per_thread)));
-    uint64_t bit = 1ull << (b & 63);
-    if (!(__atomic_load_n(&g_gap_bits[b >> 6], __ATOMIC_RELAXED) & bit))
-        __atomic_fetch_or(&g_gap_bits[b >> 6], bit, __ATOMIC_RELAXED);
+    bits_set(g_gap_bits, stream, per_thread);
 }
 
-/* Whether the stream was marked since its last launch (and the mark cleared) */
-static int gap_take(uint64_t key)
+static void gap_block(CUstream stream, int per_thread)
 {
-    unsigned b = gap_bit(key);
-    uint64_t bit = 1ull << (b & 63);
-    return (__atomic_load_n(&g_gap_bits[b >> 6], __ATOMIC_RELAXED) & bit) &&
-           (__atomic_fetch_and(&g_gap_bits[b >> 6], ~bit, __ATOMIC_RELAXED) & bit);
+    bits_set(g_block_bits, stream, per_thread);
 }
 
 /* A busy stream had other work queued since its last launch: an event right before this one
@@ -1059,7 +1064,7 @@ static void gap_end_locked(struct tstream *s, const struct measured *m)
  * the gaps: two threads on one stream, `test_throttle.py -k racing_on_one_stream`). */
 static void begin_locked(struct measured *m)
 {
-    int gap = gap_take(m->key);
+    int blocked = bits_take(g_block_bits, m->key), gap = bits_take(g_gap_bits, m->key) && !blocked;
     struct tstream *s = stream_get_locked(m->key, m->ctx, m->slot);
     if (!s) return;
     int racing = s->launching++;
@@ -1272,6 +1277,7 @@ void gs_launch_after_fork_child(void)
     g_streams_used = 0;
     memset(g_lines, 0, sizeof(g_lines));
     memset(g_gap_bits, 0, sizeof(g_gap_bits));
+    memset(g_block_bits, 0, sizeof(g_block_bits));
     memset(gs_unmeasured_ns, 0, sizeof(gs_unmeasured_ns));
     memset(gs_unmeasured_prepaid_ns, 0, sizeof(gs_unmeasured_prepaid_ns));
     memset(gs_unmeasured_prepaid_cost, 0, sizeof(gs_unmeasured_prepaid_cost));
@@ -1646,6 +1652,29 @@ GS_STREAM_GAP_3(cuStreamBatchMemOp, 0, unsigned int, CUstreamBatchMemOpParams *,
 GS_STREAM_GAP_3(cuStreamBatchMemOp_ptsz, 1, unsigned int, CUstreamBatchMemOpParams *, unsigned int)
 GS_STREAM_GAP_3(cuStreamBatchMemOp_v2, 0, unsigned int, CUstreamBatchMemOpParams *, unsigned int)
 GS_STREAM_GAP_3(cuStreamBatchMemOp_v2_ptsz, 1, unsigned int, CUstreamBatchMemOpParams *, unsigned int)
+
+/* Memsets: with a compute limit the stream is marked so that no gap is ended before its next
+ * launch (gap_block): a memset may run as a kernel, and one queued before a marked copy fell
+ * into that copy's gap, charged nothing (a review's find; before the gaps it was charged with
+ * the next kernel, as again now) */
+#define GS_NOGAP_HOOK(name, params, args, pt)                                                                 \
+    GS_AFTER_HOOK(name, params, args, if (rc == CUDA_SUCCESS && throttle_on()) gap_block(hStream, pt))
+#define GS_MEMSET(name, pt, T) GS_NOGAP_HOOK(name, (CUdeviceptr d, T v, size_t n, CUstream hStream), (d, v, n, hStream), pt)
+#define GS_MEMSET_2D(name, pt, T)                                                                             \
+    GS_NOGAP_HOOK(name, (CUdeviceptr d, size_t pitch, T v, size_t w, size_t h, CUstream hStream),             \
+                  (d, pitch, v, w, h, hStream), pt)
+GS_MEMSET(cuMemsetD8Async, 0, unsigned char)
+GS_MEMSET(cuMemsetD8Async_ptsz, 1, unsigned char)
+GS_MEMSET(cuMemsetD16Async, 0, unsigned short)
+GS_MEMSET(cuMemsetD16Async_ptsz, 1, unsigned short)
+GS_MEMSET(cuMemsetD32Async, 0, unsigned int)
+GS_MEMSET(cuMemsetD32Async_ptsz, 1, unsigned int)
+GS_MEMSET_2D(cuMemsetD2D8Async, 0, unsigned char)
+GS_MEMSET_2D(cuMemsetD2D8Async_ptsz, 1, unsigned char)
+GS_MEMSET_2D(cuMemsetD2D16Async, 0, unsigned short)
+GS_MEMSET_2D(cuMemsetD2D16Async_ptsz, 1, unsigned short)
+GS_MEMSET_2D(cuMemsetD2D32Async, 0, unsigned int)
+GS_MEMSET_2D(cuMemsetD2D32Async_ptsz, 1, unsigned int)
 
 /* Stream captures: counted, so that the throttle knows when event queries are forbidden. */
 #define GS_CAPTURE_BEGIN_HOOK(name, pt, mode_of, params, args)                                                \

@@ -53,6 +53,16 @@ def test_copies_host_functions_and_waits_between_kernels_are_not_charged_as_kern
     assert abs(got - 30) <= TOLERANCE, f"{kind}: measured {got:.1f}%"
 
 
+def test_a_memset_before_a_copy_is_still_charged(release_lab):
+    # a 2 ms memset (kernel time: it may run as a kernel) then a copy before each 2 ms kernel:
+    # the copy's gap took the memset with it, charged nothing (a review's find: 61.5 % of the
+    # GPU at a 30 % limit); now a memset keeps the next launch from ending a gap: 33.6 % (one
+    # interval in ten or so starts on an idle stream, after its memset: uncharged, as always)
+    got = share(release_lab, 2.0, "memsetcopy", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                FAKE_CUDA_MEMSET_US="2000")
+    assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"
+
+
 def test_work_between_kernels_is_told_apart_under_the_sanitizers_too(lab):
     # the same path (the mark, the gap's event, its measurement) in the ASan/UBSan build
     got = share(lab, 1.0, "copy", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
