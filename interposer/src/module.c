@@ -220,23 +220,18 @@ static void unloaded(const void *handle, int everywhere)
     gs_reconcile_wake();
 }
 
-GS_EXPORT CUresult cuModuleUnload(CUmodule hmod)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuModuleUnload) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = gs_cuda.cuModuleUnload(hmod);
-    if (rc == CUDA_SUCCESS) unloaded(hmod, 0);
-    return rc;
-}
-
-GS_EXPORT CUresult cuLibraryUnload(CUlibrary library)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuLibraryUnload) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = gs_cuda.cuLibraryUnload(library);
-    if (rc == CUDA_SUCCESS) unloaded(library, 1);
-    return rc;
-}
+/* everywhere: a library's (loaded in every context), else the current context's module */
+#define GS_UNLOAD_HOOK(name, T, everywhere)                    \
+    GS_EXPORT CUresult name(T handle)                          \
+    {                                                          \
+        gs_cuda_init();                                        \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;    \
+        CUresult rc = gs_cuda.name(handle);                    \
+        if (rc == CUDA_SUCCESS) unloaded(handle, everywhere);  \
+        return rc;                                             \
+    }
+GS_UNLOAD_HOOK(cuModuleUnload, CUmodule, 0)
+GS_UNLOAD_HOOK(cuLibraryUnload, CUlibrary, 1)
 
 /* Limits set per context: each is charged for the most it was set to beyond the value the
  * context started with (that part is in its measured footprint), until the context goes or is
