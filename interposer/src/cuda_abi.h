@@ -68,6 +68,8 @@ typedef struct CUDA_MEMCPY3D_PEER_st CUDA_MEMCPY3D_PEER;
 typedef struct CUmemcpyAttributes_st CUmemcpyAttributes;
 typedef struct CUDA_MEMCPY3D_BATCH_OP_st CUDA_MEMCPY3D_BATCH_OP;
 typedef union CUstreamBatchMemOpParams_union CUstreamBatchMemOpParams;
+typedef struct CUextSemaphore_st *CUexternalSemaphore;
+typedef struct CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS_st CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS;
 typedef void (*CUhostFn)(void *userData);
 typedef void (*CUstreamCallback)(CUstream hStream, CUresult status, void *userData);
 #define CU_STREAM_CAPTURE_MODE_GLOBAL 0

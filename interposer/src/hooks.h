@@ -294,6 +294,20 @@
       size_t Width, size_t Height, CUstream hStream), cuMemsetD2D32Async, 3020, 0)                          \
     X(cuMemsetD2D32Async_ptsz, CUresult, (CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui,          \
       size_t Width, size_t Height, CUstream hStream), cuMemsetD2D32Async, 7000, 1)                          \
+    X(cuMemPrefetchAsync, CUresult, (CUdeviceptr devPtr, size_t count, CUdevice dstDevice,                  \
+      CUstream hStream), cuMemPrefetchAsync, 8000, 0)                                                       \
+    X(cuMemPrefetchAsync_ptsz, CUresult, (CUdeviceptr devPtr, size_t count, CUdevice dstDevice,             \
+      CUstream hStream), cuMemPrefetchAsync, 8000, 1)                                                       \
+    X(cuMemPrefetchAsync_v2, CUresult, (CUdeviceptr devPtr, size_t count, CUmemLocation location,           \
+      unsigned int flags, CUstream hStream), cuMemPrefetchAsync, 12020, 0)                                  \
+    X(cuMemPrefetchAsync_v2_ptsz, CUresult, (CUdeviceptr devPtr, size_t count, CUmemLocation location,      \
+      unsigned int flags, CUstream hStream), cuMemPrefetchAsync, 12020, 1)                                  \
+    X(cuWaitExternalSemaphoresAsync, CUresult, (const CUexternalSemaphore *extSemArray,                     \
+      const CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS *paramsArray, unsigned int numExtSems,                      \
+      CUstream hStream), cuWaitExternalSemaphoresAsync, 10000, 0)                                           \
+    X(cuWaitExternalSemaphoresAsync_ptsz, CUresult, (const CUexternalSemaphore *extSemArray,                \
+      const CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS *paramsArray, unsigned int numExtSems,                      \
+      CUstream hStream), cuWaitExternalSemaphoresAsync, 10000, 1)                                           \
     X(cuGraphInstantiate, CUresult,                                                                        \
       (CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode, char *logBuffer, size_t bufferSize), \
       cuGraphInstantiate, 10000, 0)                                                                        \

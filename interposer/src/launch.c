@@ -1652,6 +1652,15 @@ GS_STREAM_GAP_3(cuStreamBatchMemOp, 0, unsigned int, CUstreamBatchMemOpParams *,
 GS_STREAM_GAP_3(cuStreamBatchMemOp_ptsz, 1, unsigned int, CUstreamBatchMemOpParams *, unsigned int)
 GS_STREAM_GAP_3(cuStreamBatchMemOp_v2, 0, unsigned int, CUstreamBatchMemOpParams *, unsigned int)
 GS_STREAM_GAP_3(cuStreamBatchMemOp_v2_ptsz, 1, unsigned int, CUstreamBatchMemOpParams *, unsigned int)
+/* a prefetch of managed memory is a copy; an external semaphore's wait, a wait */
+GS_GAP_3(cuMemPrefetchAsync, 0, CUdeviceptr, size_t, CUdevice)
+GS_GAP_3(cuMemPrefetchAsync_ptsz, 1, CUdeviceptr, size_t, CUdevice)
+GS_GAP_4(cuMemPrefetchAsync_v2, 0, CUdeviceptr, size_t, CUmemLocation, unsigned int)
+GS_GAP_4(cuMemPrefetchAsync_v2_ptsz, 1, CUdeviceptr, size_t, CUmemLocation, unsigned int)
+GS_GAP_3(cuWaitExternalSemaphoresAsync, 0, const CUexternalSemaphore *, const CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS *,
+         unsigned int)
+GS_GAP_3(cuWaitExternalSemaphoresAsync_ptsz, 1, const CUexternalSemaphore *,
+         const CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS *, unsigned int)
 
 /* Memsets: with a compute limit the stream is marked so that no gap is ended before its next
  * launch (gap_block): a memset may run as a kernel, and one queued before a marked copy fell

@@ -78,6 +78,7 @@
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
     X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                         \
     X(cuMemsetD8Async, CUresult, (CUdeviceptr, unsigned char, size_t, CUstream))                             \
+    X(cuMemPrefetchAsync_v2, CUresult, (CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream))             \
     X(cuLaunchHostFunc, CUresult, (CUstream, CUhostFn, void *))                                              \
     X(cuStreamWaitEvent, CUresult, (CUstream, CUevent, unsigned))                                            \
     X(cuEventCreate, CUresult, (CUevent *, unsigned))                                                        \
@@ -307,13 +308,17 @@ static void no_op(void *data)
 
 /* Work before each kernel on its stream that is not a kernel (bench's "copy", "hostfn" and
  * "waitcopy" kinds): an async copy; a host function; a copy on a second stream that the
- * kernel's stream waits for (as JAX's copy streams are waited for); "memsetcopy": a memset, then
- * a copy */
+ * kernel's stream waits for (as JAX's copy streams are waited for); "prefetch": managed memory's;
+ * "memsetcopy": a memset, then a copy */
 static CUresult before_kernel(const char *kind, CUstream s, CUstream side, CUevent ev)
 {
     static char host[64];
     if (!strcmp(kind, "copy")) return api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), s);
     if (!strcmp(kind, "hostfn")) return api.cuLaunchHostFunc(s, no_op, NULL);
+    if (!strcmp(kind, "prefetch")) { /* managed memory to device 0 */
+        CUmemLocation dev0 = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+        return api.cuMemPrefetchAsync_v2((CUdeviceptr)0x1000, sizeof(host), dev0, 0, s);
+    }
     if (!strcmp(kind, "memsetcopy")) { /* a memset (kernel time), then a copy that marks a gap */
         CUresult rc = api.cuMemsetD8Async((CUdeviceptr)0x1000, 0, sizeof(host), s);
         return rc == CUDA_SUCCESS ? api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), s) : rc;

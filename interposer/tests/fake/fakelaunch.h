@@ -648,6 +648,18 @@ API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream 
     return dst && src && n ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
 }
 
+API CUresult cuMemPrefetchAsync_v2(CUdeviceptr p, size_t n, CUmemLocation where, unsigned flags, CUstream s)
+{
+    (void)where, (void)flags;
+    return p && n ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr p, size_t n, CUmemLocation where, unsigned flags, CUstream s)
+{
+    (void)where, (void)flags;
+    return p && n ? hold_stream(s, 1, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
 /* the function is called at once (the tests' do nothing); the stream is held as if it ran in order */
 API CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void *data)
 {
@@ -656,12 +668,27 @@ API CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void *data)
     return hold_stream(s, 0, "FAKE_CUDA_HOSTFN_US", 0);
 }
 
+API CUresult cuLaunchHostFunc_ptsz(CUstream s, CUhostFn fn, void *data)
+{
+    if (!fn) return CUDA_ERROR_INVALID_VALUE;
+    fn(data);
+    return hold_stream(s, 1, "FAKE_CUDA_HOSTFN_US", 0);
+}
+
 API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags)
 {
     (void)flags;
     struct fake_event *ev = (struct fake_event *)e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
     return hold_stream(s, 0, NULL, ev->recorded ? ev->t : 0);
+}
+
+API CUresult cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned flags)
+{
+    (void)flags;
+    struct fake_event *ev = (struct fake_event *)e;
+    if (!ev) return CUDA_ERROR_INVALID_VALUE;
+    return hold_stream(s, 1, NULL, ev->recorded ? ev->t : 0);
 }
 
 /* Test-only introspection. */
@@ -712,7 +739,8 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuArray3DCreate) X(cuCtxCreate) X(cuCtxDestroy) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset) \
     X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach) X(cuCtxGetApiVersion)    \
     X(cuMemcpyHtoDAsync_v2) X(cuMemcpyHtoDAsync_v2_ptsz) X(cuMemcpyDtoHAsync_v2) X(cuMemcpyAsync)               \
-    X(cuLaunchHostFunc) X(cuStreamWaitEvent) X(cuStreamWaitValue32_v2)
+    X(cuLaunchHostFunc) X(cuStreamWaitEvent) X(cuStreamWaitValue32_v2) X(cuMemPrefetchAsync_v2)   \
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuLaunchHostFunc_ptsz) X(cuStreamWaitEvent_ptsz)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);
@@ -760,7 +788,7 @@ static const struct {
     {"cuMemGetDefaultMemPool", 13000, "cuMemGetDefaultMemPool"}, {"cuMemGetMemPool", 13000, "cuMemGetMemPool"},
     {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"}, {"cuMemGetInfo", 13010, "cuMemGetInfo_v3"},
     {"cuMemcpyHtoDAsync", 3020, "cuMemcpyHtoDAsync_v2"}, {"cuMemcpyDtoHAsync", 3020, "cuMemcpyDtoHAsync_v2"},
-    {"cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2"},
+    {"cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2"}, {"cuMemPrefetchAsync", 12020, "cuMemPrefetchAsync_v2"},
 };
 
 static void *func_by_name(const char *name)
