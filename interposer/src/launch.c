@@ -710,6 +710,14 @@ void gs_launch_after_sync(void)
     mu_unlock();
 }
 
+/* The stream's entry, or NULL: looked up, not made */
+static struct tstream *stream_find_locked(uint64_t key, CUcontext ctx)
+{
+    for (int i = 0; i < g_streams_used; i++)
+        if (g_streams[i].last_use && g_streams[i].key == key && g_streams[i].ctx == ctx) return &g_streams[i];
+    return NULL;
+}
+
 static struct tstream *stream_get_locked(uint64_t key, CUcontext ctx, int slot)
 {
     struct tstream *empty = NULL, *idle = NULL;
@@ -897,11 +905,10 @@ static void pace_unmeasured(const struct measured *m, int locked)
      * most GS_QUEUE_NS, so that the queue cannot run far ahead of the budget before the sampler
      * knows (settled then against what NVML found).  A stream's entry is looked up, not made */
     int slot = m->slot;
-    uint64_t est = 0, key = stream_key(m->es);
+    uint64_t est = 0;
     if (!locked) mu_lock();
-    for (int i = 0; i < GS_STREAMS && !est; i++)
-        if (g_streams[i].last_use && g_streams[i].key == key && g_streams[i].ctx == m->ctx)
-            est = g_streams[i].per_launch_ns * own_share(slot) / 1000;
+    const struct tstream *s = stream_find_locked(stream_key(m->es), m->ctx);
+    if (s) est = s->per_launch_ns * own_share(slot) / 1000;
     mu_unlock();
     if (!est) est = __atomic_load_n(&g_launch_est_ns[slot], __ATOMIC_RELAXED);
     if (est > GS_QUEUE_NS) est = GS_QUEUE_NS;
@@ -1092,9 +1099,7 @@ static void launch_done_locked(struct measured *m, struct tstream *s)
 {
     if (!m->begun) return;
     m->begun = 0;
-    if (!s) /* looked up, not made */
-        for (int i = 0; i < g_streams_used && !s; i++)
-            if (g_streams[i].last_use && g_streams[i].key == m->key && g_streams[i].ctx == m->ctx) s = &g_streams[i];
+    if (!s) s = stream_find_locked(m->key, m->ctx);
     if (s && s->launching) s->launching--; /* 0: the entry was reset meanwhile (its context went) */
 }
 

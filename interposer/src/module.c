@@ -68,11 +68,12 @@ __attribute__((noinline)) static int load_admit_near(int slot, const char *name,
 static uint64_t g_seen[GS_SEEN_SLOTS];
 static unsigned g_seen_epoch;
 
-/* Unloads are not hooked, and the driver may give a new module or library an unloaded one's
- * handle (and a new library's kernels an unloaded one's kernels' handles): each load, and each
- * first cuLibraryGetKernel, gives the handle it returns a new generation, which the keys of
- * lookups in it hold.  Before, the new module's first lookups passed as repeats, unadmitted at
- * the cap (`-k loaded_again`).  Kept per bucket of handles, lock-free: a bucket two handles
+/* The driver may give a new module or library an unloaded one's handle (and a new library's
+ * kernels an unloaded one's kernels' handles): each unload, each load, and each first
+ * cuLibraryGetKernel gives the handle a new generation, which the keys of lookups in it hold
+ * (a kernel's handle goes with its library's unload unseen, hence the last).  Before, the new
+ * module's first lookups passed as repeats, unadmitted at the cap (`-k loaded_again`, from
+ * before unloads were hooked).  Kept per bucket of handles, lock-free: a bucket two handles
  * share moves for both (a lookup admitted again, as a first one), and a generation is never
  * given twice, so no stale key can match. */
 #define GS_GEN_SLOTS 4096 /* a power of 2 */

@@ -648,47 +648,58 @@ API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream 
     return dst && src && n ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
 }
 
+static CUresult prefetch(CUdeviceptr p, size_t n, CUstream s, int ptsz)
+{
+    return p && n ? hold_stream(s, ptsz, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
 API CUresult cuMemPrefetchAsync_v2(CUdeviceptr p, size_t n, CUmemLocation where, unsigned flags, CUstream s)
 {
     (void)where, (void)flags;
-    return p && n ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+    return prefetch(p, n, s, 0);
 }
 
 API CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr p, size_t n, CUmemLocation where, unsigned flags, CUstream s)
 {
     (void)where, (void)flags;
-    return p && n ? hold_stream(s, 1, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+    return prefetch(p, n, s, 1);
 }
 
 /* the function is called at once (the tests' do nothing); the stream is held as if it ran in order */
-API CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void *data)
+static CUresult host_func(CUstream s, CUhostFn fn, void *data, int ptsz)
 {
     if (!fn) return CUDA_ERROR_INVALID_VALUE;
     fn(data);
-    return hold_stream(s, 0, "FAKE_CUDA_HOSTFN_US", 0);
+    return hold_stream(s, ptsz, "FAKE_CUDA_HOSTFN_US", 0);
+}
+
+API CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void *data)
+{
+    return host_func(s, fn, data, 0);
 }
 
 API CUresult cuLaunchHostFunc_ptsz(CUstream s, CUhostFn fn, void *data)
 {
-    if (!fn) return CUDA_ERROR_INVALID_VALUE;
-    fn(data);
-    return hold_stream(s, 1, "FAKE_CUDA_HOSTFN_US", 0);
+    return host_func(s, fn, data, 1);
+}
+
+static CUresult wait_event(CUstream s, CUevent e, int ptsz)
+{
+    struct fake_event *ev = (struct fake_event *)e;
+    if (!ev) return CUDA_ERROR_INVALID_VALUE;
+    return hold_stream(s, ptsz, NULL, ev->recorded ? ev->t : 0);
 }
 
 API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags)
 {
     (void)flags;
-    struct fake_event *ev = (struct fake_event *)e;
-    if (!ev) return CUDA_ERROR_INVALID_VALUE;
-    return hold_stream(s, 0, NULL, ev->recorded ? ev->t : 0);
+    return wait_event(s, e, 0);
 }
 
 API CUresult cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned flags)
 {
     (void)flags;
-    struct fake_event *ev = (struct fake_event *)e;
-    if (!ev) return CUDA_ERROR_INVALID_VALUE;
-    return hold_stream(s, 1, NULL, ev->recorded ? ev->t : 0);
+    return wait_event(s, e, 1);
 }
 
 /* Test-only introspection. */
