@@ -13,10 +13,10 @@
  * Region file: CUDA_DEVICE_MEMORY_SHARED_CACHE, else /tmp/gpuslice-<uid>.region.
  * GPUSLICE_RECONCILE_MARGIN: see reconcile.c (size syntax, default 256m).
  * GPUSLICE_SM_LIMIT_MODE: "throughput" (default: GPU time is charged with the
- *   clock compensation of launch.c) or "time" (plain share of GPU time).
+ *   clock compensation of clockcomp.c) or "time" (plain share of GPU time).
  * GPUSLICE_SM_TIMESLICE_CORRECTION: "nvml" (default) or "off", read by slices.c.
  * GPUSLICE_SM_LIMIT_GANG: "on" (default: a launch waits for the clocks of all the container's
- *   devices under a compute limit that live processes use, launch.c) or "off" (its own only).
+ *   devices under a compute limit that live processes use, budget.c) or "off" (its own only).
  *
  * The limits file (/etc/gpuslice/limits): the webhook also writes the limit
  * names above and the region path as NAME=VALUE lines into a pod annotation,

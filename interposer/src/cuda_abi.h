@@ -57,7 +57,7 @@ typedef int CUdevice_attribute;
 #define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
 typedef int CUstreamCaptureMode;
 typedef struct CUgraphEdgeData_st CUgraphEdgeData; /* only passed through */
-/* passed through by the hooks that end a stream's measured interval (launch.c): copies, host
+/* passed through by the hooks that end a stream's measured interval (gaps.c): copies, host
  * functions, waits; never read */
 typedef uint32_t cuuint32_t;
 typedef struct CUDA_MEMCPY2D_st CUDA_MEMCPY2D;

@@ -7,7 +7,8 @@
  * allocations), module.c (module loads), region.c (the shared region and the
  * budget), allocmap.c (what this process holds), memory.c / pool.c
  * (allocation hooks), graphmem.c (graphs' allocation nodes), launch.c (the
- * compute throttle), nvml.c (NVML views).
+ * compute throttle, with clockcomp.c, budget.c, streams.c, timeline.c,
+ * capture.c, admit.c and gaps.c; throttle.h is theirs), nvml.c (NVML views).
  */
 #ifndef GPUSLICE_INTERNAL_H
 #define GPUSLICE_INTERNAL_H
@@ -477,18 +478,25 @@ uint64_t gs_limits_take_slack(int slot, uint64_t bytes);
 void gs_limits_after_fork_child(void);
 void gs_graphmem_resettle(CUdevice dev, int contexts_left); /* a context of dev went or was reset */
 
-/* ---- launch.c ------------------------------------------------------------- */
+/* ---- the compute throttle: launch.c --------------------------------------- */
 
 void gs_launch_configure(void);       /* after device discovery: is any SM limit set? */
+struct gs_limited_dev {
+    CUdevice dev;
+    int slot;
+    nvmlDevice_t nvml;
+};
+int gs_limited_devices(struct gs_limited_dev *out); /* slots with a compute limit, each once */
+
+/* ---- clockcomp.c ---------------------------------------------------------- */
+
 int gs_launch_wants_sampler(void);    /* a compute limit: the sampler must run */
 void gs_launch_sample(void);          /* sampler thread: power and utilisation -> clock compensation */
-void gs_launch_gang_refresh(void);   /* sampler thread: the devices live processes measured work on */
 unsigned gs_power_scale_milli(double power_mw, double limit_mw, double idle_mw, double util_pct);
-void gs_launch_forget_ctx(CUcontext ctx);
-void gs_launch_settle_ctx(CUcontext ctx);
-void gs_launch_at_exit(void);
-void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */
-int gs_capture_global(void);          /* a thread captures in global mode: driver queries would invalidate it */
+
+/* ---- budget.c ------------------------------------------------------------- */
+
+void gs_launch_gang_refresh(void);   /* sampler thread: the devices live processes measured work on */
 /* Per region slot: when a launch last went unmeasured because a capture forbade event queries
  * (gs_now_ns, 0 = never); the sampler charges what NVML finds such launches ran */
 extern uint64_t gs_unmeasured_ns[GPUSLICE_MAX_DEVICES];
@@ -496,13 +504,18 @@ extern uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES];   /* GPU time su
 extern uint64_t gs_unmeasured_prepaid_cost[GPUSLICE_MAX_DEVICES]; /* what it cost the clock */
 void gs_launch_charge_unmeasured(int slot, uint64_t busy_ns, uint64_t since);
 void gs_launch_refund_unmeasured(int slot, uint64_t cost);
+
+/* ---- streams.c ------------------------------------------------------------ */
+
+void gs_launch_forget_ctx(CUcontext ctx);
+void gs_launch_settle_ctx(CUcontext ctx);
+void gs_launch_at_exit(void);
+void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */
 void gs_launch_after_fork_child(void);
-struct gs_limited_dev {
-    CUdevice dev;
-    int slot;
-    nvmlDevice_t nvml;
-};
-int gs_limited_devices(struct gs_limited_dev *out); /* slots with a compute limit, each once */
+
+/* ---- capture.c ------------------------------------------------------------ */
+
+int gs_capture_global(void);          /* a thread captures in global mode: driver queries would invalidate it */
 
 /* ---- slices.c ------------------------------------------------------------- */
 

@@ -20,7 +20,7 @@
  *    allocation follows.
  *
  * The same thread samples power and utilisation for the compute limit's
- * clock compensation (launch.c).
+ * clock compensation (clockcomp.c).
  *
  * The process-list query costs ~20 us on an H200: it never runs on the
  * allocation path far from the cap, and never on the launch path.  A query
@@ -519,9 +519,9 @@ static void *sampler(void *arg)
         if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) break;
         if (!gs_capture_global()) /* a global-mode capture forbids driver queries in every thread */
             gs_pools_reconcile_all(); /* what pools gave back at synchronisations (pool.c) */
-        gs_launch_sample();       /* clock compensation of the compute limit (launch.c), if one applies */
+        gs_launch_sample();       /* clock compensation of the compute limit (clockcomp.c), if one applies */
         gs_slices_sample();       /* other processes' time slices (slices.c), if a limit applies */
-        gs_launch_gang_refresh(); /* the devices whose clocks launches wait for (launch.c) */
+        gs_launch_gang_refresh(); /* the devices whose clocks launches wait for (budget.c) */
         gs_region_sweep();        /* the container's dead processes, one process sweeping (region.c) */
         last = gs_now_ns();
     }

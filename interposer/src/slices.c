@@ -3,7 +3,7 @@
  * not ours.
  *
  * Without MPS a GPU runs one process's kernels at a time and switches between
- * processes that have work every time slice.  The throttle (launch.c) times
+ * processes that have work every time slice.  The throttle (launch.c, streams.c) times
  * the process's kernels with events, and an interval between two events is
  * wall time on the GPU: while the process's kernel is switched out for
  * another process's slice, the interval still runs.  So beside a busy
@@ -53,7 +53,7 @@
  * GPUSLICE_SM_TIMESLICE_CORRECTION=off charges event time as measured.
  *
  * The same samples pay for launches that a capture kept from being measured
- * (launch.c): while there are such launches, and until their queued work has
+ * (admit.c, budget.c): while there are such launches, and until their queued work has
  * drained, the process's share beyond what its events measured (and what the
  * launches paid in advance) is charged to the clock, correction off or not
  * (charge_unmeasured).
@@ -232,7 +232,7 @@ static unsigned shares(const nvmlProcessUtilizationSample_t *s, unsigned n, unsi
     return fresh;
 }
 
-/* Launches that a capture kept from being measured (launch.c): the process's NVML share of the
+/* Launches that a capture kept from being measured (admit.c, budget.c): the process's NVML share of the
  * span, beyond what its events measured (as charged: time-slice factor applied), is charged to
  * the clock.  Their kernels run, and NVML reports them, for as long as they were queued: from
  * such a launch on, until a span after the last one (and its tail: a sample period) shows no

@@ -64,7 +64,7 @@ int gs_reconcile_dev_contexts(CUdevice dev)
     return 1;
 }
 
-/* launch.c's side of unmeasured launches: what the sampler charges, summed */
+/* budget.c's side of unmeasured launches: what the sampler charges, summed */
 uint64_t gs_unmeasured_ns[GPUSLICE_MAX_DEVICES];
 uint64_t gs_unmeasured_prepaid_ns[GPUSLICE_MAX_DEVICES];
 uint64_t gs_unmeasured_prepaid_cost[GPUSLICE_MAX_DEVICES]; /* slicesim: cost = GPU time (no limit) */

@@ -147,7 +147,7 @@ def test_sm_limit_excludes_copies_between_kernels(nvml: Nvml, baseline: dict[str
     """30% with an async host-to-device copy (``COPY_MIB`` from pinned memory,
     ``copy_(..., non_blocking=True)``) queued on the same stream before each matmul, against
     the baseline without copies.  The copies are not kernel time: the library's copy hooks
-    mark the stream and its next launch ends the gap (interposer/src/launch.c, "work between
+    mark the stream and its next launch ends the gap (interposer/src/gaps.c, "work between
     kernels"), so the matmuls still get 30% of the unlimited throughput.  Charged as kernel
     time (before that change, or should the runtime's copy reach the driver by a call the
     library does not hook) they would get about 30 x 1.6 / (1.6 + 1.3) = 17%, while the

@@ -323,7 +323,7 @@ H200ISH = {"FAKE_NVML_POWER_LIMIT_MW": "700000", "FAKE_NVML_IDLE_MW": "100000",
 
 
 def expected_scale(power_mw: float, limit_mw: float, idle_mw: float, util: float) -> float:
-    """The model of launch.c, written independently: cube root of full-duty power over headroom."""
+    """The model of clockcomp.c, written independently: cube root of full-duty power over headroom."""
     ratio = (power_mw - idle_mw) * 100 / util / (limit_mw - idle_mw)
     return min(max(ratio, 1.0) ** (1 / 3), 1.75)
 

@@ -1,0 +1,210 @@
+/*
+ * admit.c - a launch's way through the compute limit: the slot and context it
+ * is measured in, its wait for the budget and for its stream's queue (or its
+ * pacing unmeasured, where a capture forbids event queries), and after the
+ * driver's call the event that ends it.  The interval's start is gaps.c's
+ * (thr_begin_locked).
+ */
+#define _GNU_SOURCE
+#include "throttle.h"
+
+#define GS_QUEUE_NS 20000000ull   /* unmeasured work in flight per stream */
+#define GS_QUEUE_WAIT_NS 50000000ull /* the longest a launch waits for that queue */
+
+/* Launches recorded, not yet measured (gaps are not work of ours) */
+static int queued_launches(const struct tstream *s)
+{
+    return s->count - s->gaps;
+}
+
+static int over_queue(const struct tstream *s)
+{
+    if (s->count >= GS_RING) return 1;
+    if (!queued_launches(s)) return 0;
+    if (!s->per_launch_ns) return 1; /* unknown cost: one measured launch first */
+    return (uint64_t)queued_launches(s) * s->per_launch_ns >= GS_QUEUE_NS;
+}
+
+/* The slot (and context) a launch on es is measured in, -1 if none. */
+static int launch_slot(CUstream es, CUcontext *ctx, struct ctx_switch *sw)
+{
+    int slot = gs_current_slot_raw(ctx); /* raw: green contexts measured as contexts of their own */
+    CUcontext there = gs_stream_ctx(es), home = NULL;
+    sw->on = 0;
+    if (!there || there == *ctx || !gs_cuda.cuCtxSetCurrent || !gs_cuda.cuCtxGetCurrent) return slot;
+    /* the caller's context as it is, even one the driver no longer gives a device for, or none:
+     * a thread with no current context launches a context-less kernel in its stream's (it went
+     * unmeasured, 100 % under 30 %), and gets none back after the bookkeeping */
+    if (gs_cuda.cuCtxGetCurrent(&home) != CUDA_SUCCESS || there == home) return slot;
+    if (gs_cuda.cuCtxSetCurrent(there) != CUDA_SUCCESS) return -1; /* launched unmeasured */
+    sw->on = 1;
+    sw->home = home;
+    sw->there = there;
+    slot = gs_current_slot_raw(ctx);
+    if (slot < 0) {
+        thr_switch_to(sw, 0);
+        sw->on = 0;
+    }
+    return slot;
+}
+
+/* A launch that a capture keeps from being measured (an event query would invalidate the capture)
+ * still waits for the budget, a wait on the host that no capture forbids; what it runs is
+ * charged by the sampler from NVML's per-process utilisation (slices.c) */
+static void pace_unmeasured(const struct measured *m, int locked)
+{
+    /* paid in advance at the stream's last measured launch's GPU time (else the device's), at
+     * most GS_QUEUE_NS, so that the queue cannot run far ahead of the budget before the sampler
+     * knows (settled then against what NVML found).  A stream's entry is looked up, not made */
+    int slot = m->slot;
+    uint64_t est = 0;
+    if (!locked) thr_mu_lock();
+    const struct tstream *s = thr_stream_find_locked(thr_stream_key(m->es), m->ctx);
+    if (s) est = s->per_launch_ns * thr_own_share(slot) / 1000;
+    thr_mu_unlock();
+    if (!est) est = __atomic_load_n(&thr_launch_est_ns[slot], __ATOMIC_RELAXED);
+    if (est > GS_QUEUE_NS) est = GS_QUEUE_NS;
+    uint64_t cost = est ? thr_unmeasured_cost(&gs_region->devices[slot], est) : 0;
+    if (cost) {
+        __atomic_add_fetch(&gs_unmeasured_prepaid_ns[slot], est, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&gs_unmeasured_prepaid_cost[slot], cost, __ATOMIC_RELAXED);
+        thr_clock_add(slot, cost);
+    }
+    __atomic_store_n(&gs_unmeasured_ns[slot], gs_now_ns(), __ATOMIC_RELAXED);
+    if (thr_budget_owed(slot)) thr_wait_for_budget(slot);
+}
+
+/* Waits until a launch on the stream may go: returns 1 with thr_mu held and the stream's context
+ * current, or 0 if the launch goes unmeasured (the caller's context current, thr_mu free). */
+int thr_admit_locked(CUstream stream, int per_thread, struct measured *m)
+{
+    m->sw.on = 0;
+    m->begun = 0;
+    m->es = gs_effective_stream(stream, per_thread);
+    m->slot = launch_slot(m->es, &m->ctx, &m->sw);
+    int slot = m->slot;
+    if (slot < 0 || !__atomic_load_n(&gs_region->devices[slot].sm_limit, __ATOMIC_RELAXED) ||
+        !gs_cuda.cuEventCreate || !gs_cuda.cuEventRecord || !gs_cuda.cuEventQuery || !thr_elapsed_fn() ||
+        gs_stream_capturing(m->es)) {
+        thr_switch_to(&m->sw, 0);
+        return 0;
+    }
+    if (thr_capture_forbids_queries()) {
+        pace_unmeasured(m, 0);
+        thr_switch_to(&m->sw, 0);
+        return 0;
+    }
+    m->key = thr_stream_key(m->es);
+
+    thr_mu_lock();
+    struct tstream *s;
+    uint64_t queue_until = 0;
+    int measured_all = 0, advanced = 0;
+    for (;;) {
+        /* a global capture begun meanwhile (counted under thr_mu before it begins) forbids
+         * every query from now on: launched unmeasured */
+        if (thr_capture_forbids_queries()) {
+            pace_unmeasured(m, 1); /* unlocks */
+            thr_switch_to(&m->sw, 0);
+            return 0;
+        }
+        if (!measured_all) thr_measure_all_locked();
+        measured_all = 1;
+        /* launch only when the budget is paid and the queue is short, both at once; the queue
+         * is waited for at most GS_QUEUE_WAIT_NS (its head may wait for the host) */
+        s = thr_stream_get_locked(m->key, m->ctx, slot);
+        if (!s) {
+            /* every entry has work in flight (streams held by waits on the host, say): paced as
+             * a launch a capture keeps from being measured, paid in advance and settled against
+             * NVML; let through unpaid, 256 such streams let another run at 100 % under 30 % */
+            pace_unmeasured(m, 1); /* unlocks */
+            thr_switch_to(&m->sw, 0);
+            return 0;
+        }
+        thr_measure_locked(s);
+        uint64_t now = gs_now_ns();
+        if (over_queue(s) && (!queue_until || now < queue_until)) {
+            if (!queue_until) queue_until = now + GS_QUEUE_WAIT_NS;
+            thr_mu_unlock();
+            gs_sleep_ns(GS_POLL_NS);
+        } else if (over_queue(s) && !advanced) {
+            /* the queue's head has run longer than the wait (a kernel longer than it, or one
+             * waiting for the host or another stream): what it can have taken since its
+             * interval began, and no more than the queued work's estimate, is debited now,
+             * once, and settled when it is measured; else kernels longer than the wait would
+             * each pass it unpaid, at 100 % */
+            advanced = 1;
+            uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = (uint64_t)queued_launches(s) * s->per_launch_ns;
+            if (s->per_launch_ns && ran > queued) ran = queued;
+            if (s->mark_ns && ran > s->advance_ns) {
+                uint64_t cost = thr_clock_cost(slot, ran - s->advance_ns);
+                thr_clock_add(slot, cost); /* the budget only: the measurement accounts */
+                s->advance_cost += cost;
+                s->advance_ns = ran;
+            }
+            thr_mu_unlock();
+        } else if (thr_budget_owed(slot)) {
+            thr_mu_unlock();
+            thr_wait_for_budget(slot);
+        } else {
+            return 1;
+        }
+        thr_mu_lock();
+    }
+}
+
+/* The launch is no longer between its begin and its end's record (thr_mu held) */
+static void launch_done_locked(struct measured *m, struct tstream *s)
+{
+    if (!m->begun) return;
+    m->begun = 0;
+    if (!s) s = thr_stream_find_locked(m->key, m->ctx);
+    if (s && s->launching) s->launching--; /* 0: the entry was reset meanwhile (its context went) */
+}
+
+/* After a launch that failed */
+void thr_launch_failed(struct measured *m)
+{
+    if (!m->begun) return;
+    thr_mu_lock();
+    launch_done_locked(m, NULL);
+    thr_mu_unlock();
+}
+
+/* After a launch that succeeded: the event that ends it (the caller's context current). */
+void thr_record_end(struct measured *m)
+{
+    if (thr_switch_to(&m->sw, 1) != 0) { /* the stream's context is gone: this launch unmeasured */
+        thr_launch_failed(m);
+        return;
+    }
+    thr_mu_lock();
+    struct tstream *s = thr_stream_get_locked(m->key, m->ctx, m->slot);
+    launch_done_locked(m, s);
+    if (s && s->count >= GS_RING) {
+        /* the ring is full (the queue wait timed out): the newest event covers this launch too */
+        int tail = (s->head + s->count - 1) % GS_RING;
+        if (gs_cuda.cuEventRecord(s->ring[tail], m->es) == CUDA_SUCCESS) {
+            if (!s->launches[tail]) s->gaps--; /* a gap's end now ends this launch, gap included */
+            s->launches[tail]++;
+            s->rec_ns[tail] = gs_now_ns();
+            GS_DEBUG("event ring full: the newest event now covers %u launches", s->launches[tail]);
+        }
+    } else if (s) {
+        CUevent end = thr_take_event(s);
+        if (end && gs_cuda.cuEventRecord(end, m->es) == CUDA_SUCCESS) {
+            int tail = (s->head + s->count) % GS_RING;
+            s->ring[tail] = end;
+            s->launches[tail] = 1;
+            s->rec_ns[tail] = gs_now_ns();
+            s->count++;
+            s->unended = 0;
+            thr_line_reference_locked(m->ctx, m->es, s->rec_ns[tail]);
+        } else {
+            thr_drop_event(end);
+            s->unended = 1; /* its kernel is charged to the next interval, which no gap may cut */
+        }
+    }
+    thr_mu_unlock();
+    if (thr_switch_to(&m->sw, 0) != 0) GS_ERROR("cuCtxSetCurrent failed: the caller's context could not be restored");
+}

@@ -1,0 +1,127 @@
+/*
+ * capture.c - stream captures, for the compute limit: while any thread
+ * captures in global mode, or this thread in any mode but relaxed, the driver
+ * forbids event queries in the whole process (they would invalidate that
+ * capture).  The captures are counted here (cuStreamBeginCapture* and
+ * cuStreamEndCapture* are hooked) so that the throttle knows
+ * (thr_capture_forbids_queries, throttle.h).
+ */
+#define _GNU_SOURCE
+#include "throttle.h"
+
+#define GS_CAPTURES 64
+static pthread_mutex_t g_cap_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    uint64_t key; /* 0 = free */
+    int mode;
+} g_caps[GS_CAPTURES];
+int thr_global_captures;          /* captures in global mode, any thread (atomic) */
+__thread int thr_strict_captures; /* this thread's captures not in relaxed mode */
+
+int thr_settling; /* contexts being synchronised before their destroy (gs_launch_settle_ctx) */
+
+/* A global capture is counted before it begins (capture_announce), the others once begun. */
+static void capture_announce(void)
+{
+    /* under thr_mu: no thread is querying events as the count goes up, and any that takes the
+     * lock later sees it (the throttle queries under thr_mu and looks at the count first) */
+    if (gs_t_held) { /* a driver callback under a lock of ours (maybe thr_mu itself): none is waited for */
+        __atomic_add_fetch(&thr_global_captures, 1, __ATOMIC_ACQ_REL);
+        return;
+    }
+    thr_mu_lock();
+    __atomic_add_fetch(&thr_global_captures, 1, __ATOMIC_ACQ_REL);
+    thr_mu_unlock();
+    /* a context being settled before its destroy is synchronised outside thr_mu (it checked for
+     * captures under it, before this one was counted): the capture begins after that sync, which
+     * would invalidate it */
+    while (__atomic_load_n(&thr_settling, __ATOMIC_ACQUIRE)) gs_sleep_ns(GS_POLL_NS);
+}
+
+static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode mode, CUresult rc)
+{
+    int i = GS_CAPTURES;
+    if (rc == CUDA_SUCCESS) {
+        uint64_t key = thr_stream_key(gs_effective_stream(stream, per_thread));
+        pthread_mutex_lock(&g_cap_mu);
+        i = 0;
+        while (i < GS_CAPTURES && g_caps[i].key) i++;
+        if (i < GS_CAPTURES) {
+            g_caps[i].key = key;
+            g_caps[i].mode = mode;
+        }
+        pthread_mutex_unlock(&g_cap_mu);
+        if (i == GS_CAPTURES)
+            GS_WARN("more than %d stream captures at once: the throttle may invalidate one", GS_CAPTURES);
+    }
+    if (i == GS_CAPTURES) { /* not begun, or not recorded: its end will not be seen */
+        if (mode == CU_STREAM_CAPTURE_MODE_GLOBAL) __atomic_sub_fetch(&thr_global_captures, 1, __ATOMIC_ACQ_REL);
+        return;
+    }
+    if (mode != CU_STREAM_CAPTURE_MODE_RELAXED) thr_strict_captures++;
+}
+
+static void capture_ended(CUstream stream, int per_thread)
+{
+    CUstream es = gs_effective_stream(stream, per_thread);
+    if (gs_stream_capturing(es)) return; /* the end was refused: the capture goes on */
+    uint64_t key = thr_stream_key(es);
+    int mode = -1;
+    pthread_mutex_lock(&g_cap_mu);
+    for (int i = 0; i < GS_CAPTURES && mode < 0; i++)
+        if (g_caps[i].key == key) {
+            mode = g_caps[i].mode;
+            g_caps[i].key = 0;
+        }
+    pthread_mutex_unlock(&g_cap_mu);
+    if (mode == CU_STREAM_CAPTURE_MODE_GLOBAL) __atomic_sub_fetch(&thr_global_captures, 1, __ATOMIC_ACQ_REL);
+    if (mode >= 0 && mode != CU_STREAM_CAPTURE_MODE_RELAXED && thr_strict_captures > 0) thr_strict_captures--;
+}
+
+int gs_capture_global(void)
+{
+    return __atomic_load_n(&thr_global_captures, __ATOMIC_ACQUIRE) != 0;
+}
+
+/* Stream captures: counted, so that the throttle knows when event queries are forbidden. */
+#define GS_CAPTURE_BEGIN_HOOK(name, pt, mode_of, params, args)                                                \
+    GS_EXPORT CUresult name params                                                                            \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        /* a global capture forbids event queries in every thread: none may be running as it   \
+         * begins, so it is counted before the call (no lock is held across the call: a        \
+         * profiler's callback inside it may reach the throttle) */                             \
+        CUstreamCaptureMode mode_ = (mode_of);                                                                \
+        if (mode_ == CU_STREAM_CAPTURE_MODE_GLOBAL) capture_announce();                                       \
+        CUresult rc = gs_cuda.name args;                                                                      \
+        capture_begun(hStream, pt, mode_, rc);                                                                \
+        return rc;                                                                                            \
+    }
+#define GS_TO_GRAPH_PARAMS                                                                                    \
+    (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData, \
+     size_t numDependencies, CUstreamCaptureMode mode)
+#define GS_TO_GRAPH_ARGS (hStream, hGraph, dependencies, dependencyData, numDependencies, mode)
+
+/* the first cuStreamBeginCapture (CUDA 10.0, still exported for old binaries) always captures in
+ * global mode */
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture, 0, CU_STREAM_CAPTURE_MODE_GLOBAL, (CUstream hStream), (hStream))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_ptsz, 1, CU_STREAM_CAPTURE_MODE_GLOBAL, (CUstream hStream), (hStream))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_v2, 0, mode, (CUstream hStream, CUstreamCaptureMode mode), (hStream, mode))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCapture_v2_ptsz, 1, mode, (CUstream hStream, CUstreamCaptureMode mode),
+                      (hStream, mode))
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCaptureToGraph, 0, mode, GS_TO_GRAPH_PARAMS, GS_TO_GRAPH_ARGS)
+GS_CAPTURE_BEGIN_HOOK(cuStreamBeginCaptureToGraph_ptsz, 1, mode, GS_TO_GRAPH_PARAMS, GS_TO_GRAPH_ARGS)
+
+#define GS_CAPTURE_END_HOOK(name, pt)                                                                         \
+    GS_EXPORT CUresult name(CUstream hStream, CUgraph *phGraph)                                               \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        CUresult rc = gs_cuda.name(hStream, phGraph);                                                         \
+        capture_ended(hStream, pt);                                                                           \
+        return rc;                                                                                            \
+    }
+
+GS_CAPTURE_END_HOOK(cuStreamEndCapture, 0)
+GS_CAPTURE_END_HOOK(cuStreamEndCapture_ptsz, 1)

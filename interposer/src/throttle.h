@@ -1,0 +1,223 @@
+/*
+ * throttle.h - what the compute throttle's files share (launch.c has the
+ * overview): the state, the per-stream and per-context records, and each
+ * file's functions that the others call.  gpuslice.h declares what the rest of
+ * the library calls.  Names shared only among these files are prefixed thr_
+ * (the name they had when the throttle was one file follows); everything else
+ * stays static in its file.
+ */
+#ifndef GPUSLICE_THROTTLE_H
+#define GPUSLICE_THROTTLE_H
+
+#include <pthread.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+
+#include "gpuslice.h"
+
+/* Hidden declarations: every file reads the throttle's state with one RIP-relative load, not
+ * through the GOT (the fast paths of the hooks in gaps.c cost what those of launch.c do). */
+#pragma GCC visibility push(hidden)
+
+#define GS_TIMELINES 16           /* contexts with a timeline */
+#define GS_SEGMENTS 32            /* disjoint busy segments a timeline remembers */
+#define GS_RING 64
+#define GS_POLL_NS 100000ull
+#define GS_SCALE_MAX_MILLI 1750u  /* clock compensation: at most 1.75 x */
+
+enum { THROTTLE_UNKNOWN = 0, THROTTLE_OFF = 1, THROTTLE_ON = 2 };
+extern int thr_state;
+extern int thr_time_mode; /* GPUSLICE_SM_LIMIT_MODE=time: no clock compensation */
+extern int thr_gang;      /* GPUSLICE_SM_LIMIT_GANG: launches wait for every limited device's clock */
+
+struct tstream {
+    uint64_t key;       /* stream handle (per-thread default stream: mixed with the thread id) */
+    CUcontext ctx;
+    int slot;
+    int head, count;    /* ring[head .. head+count) recorded, not yet measured */
+    int gaps;           /* of those, events that end a gap (launches 0) */
+    int launching;      /* measured launches between their begin and their end's record */
+    int unended;        /* a launch's end could not be recorded: no gap before the next end */
+    CUevent ring[GS_RING];
+    unsigned launches[GS_RING]; /* launches covered by each event; 0: it ends other work (a gap) */
+    uint64_t rec_ns[GS_RING];   /* host time each was (last) recorded */
+    CUevent mark;       /* the last measured event: start of the next interval */
+    uint64_t mark_ns;   /* host time it was recorded: the interval cannot be longer than since */
+    CUevent spare[GS_RING + 2];
+    int nspare;
+    uint64_t per_launch_ns; /* running estimate of one launch's GPU time; 0 = unknown */
+    uint64_t advance_ns; /* GPU time debited before it was measured (a queue wait gave up) */
+    uint64_t advance_cost; /* what that cost on the clock: settled and given back at most */
+    uint64_t last_use;
+};
+
+/* One context's timeline: event times in ms after `epoch`, and the union of
+ * the intervals debited so far as disjoint segments (oldest first; when full,
+ * the two oldest merge, so a late interval inside that gap counts as covered). */
+struct tline {
+    CUcontext ctx;        /* NULL = free */
+    CUevent epoch;        /* completed reference event, or NULL */
+    CUevent pending;      /* a newer reference recorded, not yet known complete */
+    uint64_t epoch_ns;    /* host time the epoch was recorded */
+    uint64_t pending_ns;  /* host time the pending one was recorded */
+    int nseg;
+    double seg[GS_SEGMENTS][2];
+};
+
+/* A context-less kernel (a CUkernel) runs in the context of its stream, which need not be the
+ * current one.  Its events must be made in that context (the driver records an event only on
+ * a stream of its own context) and its time belongs to that context's device: the throttle's
+ * bookkeeping runs with the stream's context current, the launch itself with the caller's. */
+struct ctx_switch {
+    int on;
+    CUcontext home, there;
+};
+
+/* A launch being measured: its stream, the slot and context it is measured in. */
+struct measured {
+    int slot;
+    CUcontext ctx;
+    CUstream es;
+    uint64_t key;
+    struct ctx_switch sw;
+    int begun; /* counted in its stream's `launching` (thr_begin_locked) */
+};
+
+/* ---- launch.c: the hooks' fast path -------------------------------------- */
+
+static inline int throttle_on(void)
+{
+    int st = __atomic_load_n(&thr_state, __ATOMIC_ACQUIRE);
+    if (GS_LIKELY(st == THROTTLE_OFF)) return 0;
+    if (st == THROTTLE_UNKNOWN) {
+        gs_devices_ready();
+        st = __atomic_load_n(&thr_state, __ATOMIC_ACQUIRE);
+    }
+    return st == THROTTLE_ON && gs_region;
+}
+
+/* Each hook is a fast path and a slow one.  With no compute limit the state is
+ * THROTTLE_OFF, which is set only after the real functions are resolved, so
+ * the fast path is one atomic load, one pointer load and a tail call: no
+ * stack frame, no lock, no region access, no clock.  Everything else (first
+ * call, a missing real function, a limit) goes to the out-of-line slow path. */
+#define GS_FAST(name, args)                                                                                   \
+    do {                                                                                                      \
+        name##_fn real_;                                                                                      \
+        if (GS_LIKELY(__atomic_load_n(&thr_state, __ATOMIC_ACQUIRE) == THROTTLE_OFF) &&                       \
+            GS_LIKELY((real_ = gs_cuda.name) != NULL))                                                        \
+            return real_ args;                                                                                \
+    } while (0)
+
+/* A hook that does `after` (rc: the driver's answer) once the driver's call returns: with no
+ * compute limit a tail call. */
+#define GS_AFTER_HOOK(name, params, args, after)                                                              \
+    static __attribute__((noinline)) CUresult name##_slow params                                            \
+    {                                                                                                         \
+        gs_cuda_init();                                                                                       \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        CUresult rc = gs_cuda.name args;                                                                      \
+        after;                                                                                                \
+        return rc;                                                                                            \
+    }                                                                                                         \
+    GS_EXPORT CUresult name params                                                                            \
+    {                                                                                                         \
+        GS_FAST(name, args);                                                                                  \
+        return name##_slow args;                                                                              \
+    }
+
+/* ---- budget.c ------------------------------------------------------------- */
+
+/* GPU time measured for the process on the device: the figures the slices correction and the
+ * agent's metrics read (other processes' slices removed, slices.c) */
+static inline unsigned thr_own_share(int slot)
+{
+    unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
+    return !own || own > 1000 ? 1000 : own;
+}
+
+uint64_t thr_unmeasured_cost(struct gpuslice_device *d, uint64_t busy_ns);
+uint64_t thr_clock_cost(int slot, uint64_t busy_ns);
+void thr_clock_add(int slot, uint64_t cost);
+void thr_clock_refund(int slot, uint64_t cost);
+extern uint64_t thr_launch_est_ns[GPUSLICE_MAX_DEVICES]; /* one launch's GPU time, as last measured */
+int thr_budget_owed(int slot);
+void thr_wait_for_budget(int slot);
+
+/* ---- streams.c ------------------------------------------------------------ */
+
+extern pthread_mutex_t thr_mu;
+/* thr_mu counts in gs_t_held: the driver may call back into the process from inside the event
+ * calls made under it (a profiler's API callback), and a launch or synchronisation from
+ * there passes through unmeasured rather than wait for its own thread */
+static inline void thr_mu_lock(void)
+{
+    gs_held_lock(&thr_mu);
+}
+
+static inline void thr_mu_unlock(void)
+{
+    gs_held_unlock(&thr_mu);
+}
+
+CUevent thr_take_event(struct tstream *s);
+void thr_give_event(struct tstream *s, CUevent e);
+void thr_drop_event(CUevent e);
+
+static inline cuEventElapsedTime_fn thr_elapsed_fn(void)
+{
+    return gs_cuda.cuEventElapsedTime ? gs_cuda.cuEventElapsedTime : gs_cuda.cuEventElapsedTime_v2;
+}
+
+void thr_measure_locked(struct tstream *s);
+void thr_measure_all_locked(void);
+struct tstream *thr_stream_find_locked(uint64_t key, CUcontext ctx);
+struct tstream *thr_stream_get_locked(uint64_t key, CUcontext ctx, int slot);
+
+/* ---- timeline.c ----------------------------------------------------------- */
+
+extern struct tline thr_lines[GS_TIMELINES];
+struct tline *thr_line_get_locked(CUcontext ctx, int create);
+void thr_line_reference_locked(CUcontext ctx, CUstream es, uint64_t now);
+double thr_line_credit_locked(CUcontext ctx, CUevent mark, CUevent e, double ms, cuEventElapsedTime_fn elapsed);
+
+/* ---- capture.c ------------------------------------------------------------ */
+
+extern int thr_global_captures;          /* captures in global mode, any thread (atomic) */
+extern __thread int thr_strict_captures; /* this thread's captures not in relaxed mode */
+extern int thr_settling; /* contexts being synchronised before their destroy (gs_launch_settle_ctx) */
+
+static inline uint64_t thr_stream_key(CUstream es)
+{
+    uint64_t key = es == CU_STREAM_LEGACY ? 0 : (uint64_t)(uintptr_t)es; /* NULL is the legacy stream too */
+    if (es == CU_STREAM_PER_THREAD) key ^= (uint64_t)syscall(SYS_gettid) << 8;
+    return key;
+}
+
+/* Would an event query now invalidate a capture? */
+static inline int thr_capture_forbids_queries(void)
+{
+    return __atomic_load_n(&thr_global_captures, __ATOMIC_ACQUIRE) || thr_strict_captures;
+}
+
+/* ---- admit.c -------------------------------------------------------------- */
+
+static inline int thr_switch_to(const struct ctx_switch *sw, int there)
+{
+    return !sw->on || gs_cuda.cuCtxSetCurrent(there ? sw->there : sw->home) == CUDA_SUCCESS ? 0 : -1;
+}
+
+int thr_admit_locked(CUstream stream, int per_thread, struct measured *m);
+void thr_launch_failed(struct measured *m);
+void thr_record_end(struct measured *m);
+
+/* ---- gaps.c --------------------------------------------------------------- */
+
+#define GS_GAP_BITS 1024
+extern uint64_t thr_gap_bits[GS_GAP_BITS / 64];   /* a copy, host function or wait since the last launch */
+extern uint64_t thr_block_bits[GS_GAP_BITS / 64]; /* a memset since the last launch: no gap may end */
+void thr_begin_locked(struct measured *m);
+
+#pragma GCC visibility pop
+
+#endif /* GPUSLICE_THROTTLE_H */
