@@ -188,7 +188,10 @@ void thr_record_end(struct measured *m)
             if (!s->launches[tail]) s->gaps--; /* a gap's end now ends this launch, gap included */
             s->launches[tail]++;
             s->rec_ns[tail] = gs_now_ns();
+            s->unended = 0; /* recorded after every kernel queued so far, an unended one's too */
             GS_DEBUG("event ring full: the newest event now covers %u launches", s->launches[tail]);
+        } else {
+            s->unended = 1;
         }
     } else if (s) {
         CUevent end = thr_take_event(s);

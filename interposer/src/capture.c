@@ -7,6 +7,8 @@
  * (thr_capture_forbids_queries, throttle.h).
  */
 #define _GNU_SOURCE
+#include <string.h>
+
 #include "throttle.h"
 
 #define GS_CAPTURES 64
@@ -76,6 +78,19 @@ static void capture_ended(CUstream stream, int per_thread)
     pthread_mutex_unlock(&g_cap_mu);
     if (mode == CU_STREAM_CAPTURE_MODE_GLOBAL) __atomic_sub_fetch(&thr_global_captures, 1, __ATOMIC_ACQ_REL);
     if (mode >= 0 && mode != CU_STREAM_CAPTURE_MODE_RELAXED && thr_strict_captures > 0) thr_strict_captures--;
+}
+
+/* In a child of fork(): the parent's other threads are gone, and with them their captures, the
+ * settles they were in (a global capture begun in the child waited for those for ever) and any
+ * hold of the table's lock.  The forking thread's own captures were of the parent's streams,
+ * which the child cannot end either: its count starts over too. */
+void thr_capture_after_fork_child(void)
+{
+    pthread_mutex_init(&g_cap_mu, NULL);
+    memset(g_caps, 0, sizeof(g_caps));
+    thr_global_captures = 0;
+    thr_strict_captures = 0;
+    thr_settling = 0;
 }
 
 int gs_capture_global(void)

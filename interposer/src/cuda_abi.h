@@ -67,6 +67,7 @@ typedef struct CUDA_MEMCPY3D_v1_st CUDA_MEMCPY3D_v1;
 typedef struct CUDA_MEMCPY3D_PEER_st CUDA_MEMCPY3D_PEER;
 typedef struct CUmemcpyAttributes_st CUmemcpyAttributes;
 typedef struct CUDA_MEMCPY3D_BATCH_OP_st CUDA_MEMCPY3D_BATCH_OP;
+typedef struct CUmemDecompressParams_st CUmemDecompressParams;
 typedef union CUstreamBatchMemOpParams_union CUstreamBatchMemOpParams;
 typedef struct CUextSemaphore_st *CUexternalSemaphore;
 typedef struct CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS_st CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS;

@@ -313,5 +313,6 @@ void gs_launch_after_fork_child(void)
     memset(gs_unmeasured_prepaid_ns, 0, sizeof(gs_unmeasured_prepaid_ns));
     memset(gs_unmeasured_prepaid_cost, 0, sizeof(gs_unmeasured_prepaid_cost));
     memset(thr_launch_est_ns, 0, sizeof(thr_launch_est_ns));
+    thr_capture_after_fork_child();
     gs_slices_after_fork_child();
 }

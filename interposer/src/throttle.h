@@ -53,7 +53,8 @@ struct tstream {
 
 /* One context's timeline: event times in ms after `epoch`, and the union of
  * the intervals debited so far as disjoint segments (oldest first; when full,
- * the two oldest merge, so a late interval inside that gap counts as covered). */
+ * the oldest is forgotten, so a late interval reaching back over it is charged
+ * that time again: line_add in timeline.c). */
 struct tline {
     CUcontext ctx;        /* NULL = free */
     CUevent epoch;        /* completed reference event, or NULL */
@@ -128,8 +129,9 @@ static inline int throttle_on(void)
 
 /* ---- budget.c ------------------------------------------------------------- */
 
-/* GPU time measured for the process on the device: the figures the slices correction and the
- * agent's metrics read (other processes' slices removed, slices.c) */
+/* The share (1/1000) of the GPU time its events measure that is the process's own, other
+ * processes' time slices removed (slices.c); account() in streams.c keeps with it the figures the
+ * slices correction and the agent's metrics read */
 static inline unsigned thr_own_share(int slot)
 {
     unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
@@ -186,6 +188,7 @@ double thr_line_credit_locked(CUcontext ctx, CUevent mark, CUevent e, double ms,
 extern int thr_global_captures;          /* captures in global mode, any thread (atomic) */
 extern __thread int thr_strict_captures; /* this thread's captures not in relaxed mode */
 extern int thr_settling; /* contexts being synchronised before their destroy (gs_launch_settle_ctx) */
+void thr_capture_after_fork_child(void); /* the parent's captures and settles are not the child's */
 
 static inline uint64_t thr_stream_key(CUstream es)
 {

@@ -6,7 +6,8 @@ For no library and each ``--lib`` (default: build/libgpuslice.so), prints
   * instructions per operation (valgrind --tool=callgrind, whole process; the difference of two
     runs with different operation counts, so start-up cancels): an empty-kernel launch with a
     10 GiB cap and no SM limit, a 1 MiB cuMemAlloc+cuMemFree pair far from the cap, and the
-    same pair within the reconcile margin of the cap; and the instructions of a whole run of
+    same pair within the reconcile margin of the cap, a 2 MiB VMM page and a 1 MiB array made and
+    released; and the instructions of a whole run of
     ``/bin/true`` (the "none" column preloads libdl, a library every process has anyway);
   * instructions per call of each hook a framework's tiny op reaches, as the CUDA runtime finds
     it through cuGetProcAddress (the launches, plain and _ptsz, the synchronisations and an async
@@ -48,6 +49,8 @@ CASES = {
                                    {"CUDA_DEVICE_MEMORY_LIMIT": "1g"}),
     "2 MiB VMM page create+map+release+unmap": ([], lambda n: ["vmmbench", str(n), "2m"],
                                                 {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
+    "1 MiB array create+destroy (256x256 float4)": ([], lambda n: ["arraybench", str(n), "256", "256"],
+                                                    {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
 }
 
 # The entry points a framework's tiny op can reach per op or per synchronisation, each as the

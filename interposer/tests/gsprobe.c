@@ -79,6 +79,9 @@
     X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                         \
     X(cuMemsetD8Async, CUresult, (CUdeviceptr, unsigned char, size_t, CUstream))                             \
     X(cuMemPrefetchAsync_v2, CUresult, (CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream))             \
+    X(cuMemPrefetchBatchAsync, CUresult, (CUdeviceptr *, size_t *, size_t, CUmemLocation *, size_t *, size_t,  \
+                                          unsigned long long, CUstream))                                     \
+    X(cuMemBatchDecompressAsync, CUresult, (CUmemDecompressParams *, size_t, unsigned, size_t *, CUstream))   \
     X(cuLaunchHostFunc, CUresult, (CUstream, CUhostFn, void *))                                              \
     X(cuStreamWaitEvent, CUresult, (CUstream, CUevent, unsigned))                                            \
     X(cuEventCreate, CUresult, (CUevent *, unsigned))                                                        \
@@ -308,7 +311,8 @@ static void no_op(void *data)
 
 /* Work before each kernel on its stream that is not a kernel (bench's "copy", "hostfn" and
  * "waitcopy" kinds): an async copy; a host function; a copy on a second stream that the
- * kernel's stream waits for (as JAX's copy streams are waited for); "prefetch": managed memory's;
+ * kernel's stream waits for (as JAX's copy streams are waited for); "prefetch": managed memory's
+ * ("prefetchbatch": CUDA 13.0's batch of them; "decompress": the decompression engine's copy);
  * "memsetcopy": a memset, then a copy */
 static CUresult before_kernel(const char *kind, CUstream s, CUstream side, CUevent ev)
 {
@@ -319,6 +323,14 @@ static CUresult before_kernel(const char *kind, CUstream s, CUstream side, CUeve
         CUmemLocation dev0 = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
         return api.cuMemPrefetchAsync_v2((CUdeviceptr)0x1000, sizeof(host), dev0, 0, s);
     }
+    if (!strcmp(kind, "prefetchbatch")) { /* CUDA 13.0: one range of managed memory to device 0 */
+        CUmemLocation dev0 = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+        CUdeviceptr p = 0x1000;
+        size_t n = sizeof(host), first = 0;
+        return api.cuMemPrefetchBatchAsync(&p, &n, 1, &dev0, &first, 1, 0, s);
+    }
+    if (!strcmp(kind, "decompress")) /* the decompression engine: parameters the fake does not read */
+        return api.cuMemBatchDecompressAsync((CUmemDecompressParams *)host, 1, 0, NULL, s);
     if (!strcmp(kind, "memsetcopy")) { /* a memset (kernel time), then a copy that marks a gap */
         CUresult rc = api.cuMemsetD8Async((CUdeviceptr)0x1000, 0, sizeof(host), s);
         return rc == CUDA_SUCCESS ? api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), s) : rc;
@@ -593,6 +605,9 @@ static void *bg_main(void *p)
         bg.rc = api.cuMemCreate(&h, bg.size, &prop, 0);
         if (bg.rc == CUDA_SUCCESS) bg.rc = api.cuMemMap(vrange, bg.size, 0, h, 0);
         if (h) api.cuMemRelease(h);
+    } else if (!strcmp(bg.what, "bgctxdestroy")) {
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuCtxDestroy_v2(ctxs[bg.size]);
     } else if (!strcmp(bg.what, "bgpooldestroy")) {
         api.cuCtxSetCurrent(capture_ctx);
         bg.rc = api.cuMemPoolDestroy((CUmemoryPool)(uintptr_t)bg.size);
@@ -648,6 +663,20 @@ static void bg_join(void)
         remember("bgarray", bg.rc, A_ARRAY, bg.handle); /* "free ID" destroys it */
     else
         printf("%s %d\n", bg.what, bg.rc);
+}
+
+/* `count` cuArrayCreate_v2+cuArrayDestroy pairs of a 2D float4 array, w x h texels; ns per pair. */
+static void arraybench(long count, uint64_t w, uint64_t h)
+{
+    CUDA_ARRAY_DESCRIPTOR d = {w, h, 0x20, 4};
+    CUresult rc = CUDA_SUCCESS;
+    uint64_t t0 = 0;
+    for (long n = -100; n < count && rc == CUDA_SUCCESS; n++) { /* 100 warm-up rounds */
+        if (n == 0) t0 = now_ns();
+        CUarray a = NULL;
+        if ((rc = api.cuArrayCreate_v2(&a, &d)) == CUDA_SUCCESS) rc = api.cuArrayDestroy(a);
+    }
+    printf("arraybench %d %llu\n", rc, (unsigned long long)(count > 0 ? (now_ns() - t0) / (uint64_t)count : 0));
 }
 
 /* PyTorch's expandable segments, page by page: create, map, release the handle (the mapping
@@ -1241,6 +1270,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "captureother")) {
             capture_other(atoi(ARG(0)));
             i += 1;
+        } else if (!strcmp(c, "arraybench")) {
+            arraybench(atol(ARG(0)), size_arg(ARG(1)), size_arg(ARG(2)));
+            i += 3;
         } else if (!strcmp(c, "vmmbench")) {
             vmmbench(atol(ARG(0)), size_arg(ARG(1)));
             i += 2;
@@ -1413,6 +1445,10 @@ int main(int argc, char **argv)
             printf("gexec 0 %llu\n", (unsigned long long)(uintptr_t)gexec);
             bg_start("bggdestroy", 0, (uint64_t)(uintptr_t)gexec);
             gexec = NULL;
+        } else if (!strcmp(c, "bgctxdestroy")) {
+            /* bgctxdestroy N MS: a thread destroys the Nth context "ctxcreate" made, MS from now */
+            bg_start("bgctxdestroy", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
+            i += 2;
         } else if (!strcmp(c, "bgpooldestroy")) {
             /* bgpooldestroy: a thread destroys the user pool (printed as upool), forgotten here */
             printf("upool 0 %llu\n", (unsigned long long)(uintptr_t)user_pool);

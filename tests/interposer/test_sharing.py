@@ -448,6 +448,23 @@ def test_a_fork_after_cuda_clears_only_the_stream_entries_in_use(release_lab):
     assert child - parent < 200, (parent, child)
 
 
+def test_a_forked_child_does_not_wait_for_a_settle_of_its_parents_other_thread(lab):
+    # a thread of the parent destroys a context with a 1 s kernel in flight: under a compute limit
+    # the throttle synchronises it first, counted so that a global capture begun meanwhile waits
+    # for it; the main thread forks during that wait.  The settling thread is not in the child,
+    # and the child's first global capture waited for it for ever (a review's find); now the
+    # child's fork handler starts the capture bookkeeping over
+    res = lab.run("init", "ctxcreate", "0", "launch", "1", "bgctxdestroy", "0", "0", "sleep", "300",
+                  "fork", "ctx", "0", "capture", "1", "childexit", "join", timeout=30,
+                  CUDA_DEVICE_SM_LIMIT="50", FAKE_CUDA_KERNEL_US="1000000")
+    assert res.returncode == 0, res.stderr
+    lines = [line.split()[0] for line in res.stdout.splitlines()]
+    # the child's capture, then the parent's wait for the child, then the parent's own capture
+    assert lines[lines.index("sleep") + 1:] == ["ctx", "capture", "fork", "ctx", "capture", "bgctxdestroy"]
+    assert [rc for rc, _ in res.of("capture")] == [0, 0], res.stdout
+    assert res.of("fork") == [(0, [])] and res.of("bgctxdestroy") == [(0, [])], res.stdout
+
+
 def test_a_forked_child_that_exits_does_not_return_the_parents_usage(lab):
     proc = lab.start("init", "ctx", "0", "alloc", "1g", "fork", "childexit", "touch",
                      str(lab.tmp / "after"), "waitfile", str(lab.tmp / "go"),

@@ -665,6 +665,38 @@ API CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr p, size_t n, CUmemLocation w
     return prefetch(p, n, s, 1);
 }
 
+/* CUDA 13.0's batched prefetches and the decompression engine (CUDA 12.6): copies here */
+static CUresult batch_copy(CUstream s, size_t count, int ptsz)
+{
+    return count ? hold_stream(s, ptsz, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+#define FAKE_PREFETCH_BATCH(name, ptsz)                                                                       \
+    API CUresult name(CUdeviceptr *dptrs, size_t *sizes, size_t count, CUmemLocation *locs, size_t *loc_idxs, \
+                      size_t nlocs, unsigned long long flags, CUstream s)                                     \
+    {                                                                                                         \
+        (void)dptrs, (void)sizes, (void)locs, (void)loc_idxs, (void)nlocs, (void)flags;                       \
+        return batch_copy(s, count, ptsz);                                                                    \
+    }
+FAKE_PREFETCH_BATCH(cuMemPrefetchBatchAsync, 0)
+FAKE_PREFETCH_BATCH(cuMemPrefetchBatchAsync_ptsz, 1)
+FAKE_PREFETCH_BATCH(cuMemDiscardAndPrefetchBatchAsync, 0)
+FAKE_PREFETCH_BATCH(cuMemDiscardAndPrefetchBatchAsync_ptsz, 1)
+
+API CUresult cuMemBatchDecompressAsync(CUmemDecompressParams *params, size_t count, unsigned flags, size_t *err_idx,
+                                       CUstream s)
+{
+    (void)params, (void)flags, (void)err_idx;
+    return batch_copy(s, count, 0);
+}
+
+API CUresult cuMemBatchDecompressAsync_ptsz(CUmemDecompressParams *params, size_t count, unsigned flags,
+                                            size_t *err_idx, CUstream s)
+{
+    (void)params, (void)flags, (void)err_idx;
+    return batch_copy(s, count, 1);
+}
+
 /* the function is called at once (the tests' do nothing); the stream is held as if it ran in order */
 static CUresult host_func(CUstream s, CUhostFn fn, void *data, int ptsz)
 {
@@ -751,7 +783,9 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach) X(cuCtxGetApiVersion)    \
     X(cuMemcpyHtoDAsync_v2) X(cuMemcpyHtoDAsync_v2_ptsz) X(cuMemcpyDtoHAsync_v2) X(cuMemcpyAsync)               \
     X(cuLaunchHostFunc) X(cuStreamWaitEvent) X(cuStreamWaitValue32_v2) X(cuMemPrefetchAsync_v2)   \
-    X(cuMemPrefetchAsync_v2_ptsz) X(cuLaunchHostFunc_ptsz) X(cuStreamWaitEvent_ptsz)
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuLaunchHostFunc_ptsz) X(cuStreamWaitEvent_ptsz)                         \
+    X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) X(cuMemDiscardAndPrefetchBatchAsync)           \
+    X(cuMemDiscardAndPrefetchBatchAsync_ptsz) X(cuMemBatchDecompressAsync) X(cuMemBatchDecompressAsync_ptsz)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);
