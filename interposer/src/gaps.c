@@ -180,6 +180,18 @@ GS_GAP_3(cuMemPrefetchAsync, 0, CUdeviceptr, size_t, CUdevice)
 GS_GAP_3(cuMemPrefetchAsync_ptsz, 1, CUdeviceptr, size_t, CUdevice)
 GS_GAP_4(cuMemPrefetchAsync_v2, 0, CUdeviceptr, size_t, CUmemLocation, unsigned int)
 GS_GAP_4(cuMemPrefetchAsync_v2_ptsz, 1, CUdeviceptr, size_t, CUmemLocation, unsigned int)
+/* CUDA 13.0's batched prefetches (a discard first or not) and 12.6's decompression engine:
+ * copies too */
+GS_GAP_7(cuMemPrefetchBatchAsync, 0, CUdeviceptr *, size_t *, size_t, CUmemLocation *, size_t *, size_t,
+         unsigned long long)
+GS_GAP_7(cuMemPrefetchBatchAsync_ptsz, 1, CUdeviceptr *, size_t *, size_t, CUmemLocation *, size_t *, size_t,
+         unsigned long long)
+GS_GAP_7(cuMemDiscardAndPrefetchBatchAsync, 0, CUdeviceptr *, size_t *, size_t, CUmemLocation *, size_t *, size_t,
+         unsigned long long)
+GS_GAP_7(cuMemDiscardAndPrefetchBatchAsync_ptsz, 1, CUdeviceptr *, size_t *, size_t, CUmemLocation *, size_t *,
+         size_t, unsigned long long)
+GS_GAP_4(cuMemBatchDecompressAsync, 0, CUmemDecompressParams *, size_t, unsigned int, size_t *)
+GS_GAP_4(cuMemBatchDecompressAsync_ptsz, 1, CUmemDecompressParams *, size_t, unsigned int, size_t *)
 GS_GAP_3(cuWaitExternalSemaphoresAsync, 0, const CUexternalSemaphore *, const CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS *,
          unsigned int)
 GS_GAP_3(cuWaitExternalSemaphoresAsync_ptsz, 1, const CUexternalSemaphore *,

@@ -302,6 +302,22 @@
       unsigned int flags, CUstream hStream), cuMemPrefetchAsync, 12020, 0)                                  \
     X(cuMemPrefetchAsync_v2_ptsz, CUresult, (CUdeviceptr devPtr, size_t count, CUmemLocation location,      \
       unsigned int flags, CUstream hStream), cuMemPrefetchAsync, 12020, 1)                                  \
+    X(cuMemPrefetchBatchAsync, CUresult, (CUdeviceptr *dptrs, size_t *sizes, size_t count,                  \
+      CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, size_t numPrefetchLocs,                         \
+      unsigned long long flags, CUstream hStream), cuMemPrefetchBatchAsync, 13000, 0)                       \
+    X(cuMemPrefetchBatchAsync_ptsz, CUresult, (CUdeviceptr *dptrs, size_t *sizes, size_t count,             \
+      CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, size_t numPrefetchLocs,                         \
+      unsigned long long flags, CUstream hStream), cuMemPrefetchBatchAsync, 13000, 1)                       \
+    X(cuMemDiscardAndPrefetchBatchAsync, CUresult, (CUdeviceptr *dptrs, size_t *sizes, size_t count,        \
+      CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, size_t numPrefetchLocs,                         \
+      unsigned long long flags, CUstream hStream), cuMemDiscardAndPrefetchBatchAsync, 13000, 0)             \
+    X(cuMemDiscardAndPrefetchBatchAsync_ptsz, CUresult, (CUdeviceptr *dptrs, size_t *sizes, size_t count,   \
+      CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs, size_t numPrefetchLocs,                         \
+      unsigned long long flags, CUstream hStream), cuMemDiscardAndPrefetchBatchAsync, 13000, 1)             \
+    X(cuMemBatchDecompressAsync, CUresult, (CUmemDecompressParams *paramsArray, size_t count, unsigned int flags,\
+      size_t *errorIndex, CUstream hStream), cuMemBatchDecompressAsync, 12060, 0)                           \
+    X(cuMemBatchDecompressAsync_ptsz, CUresult, (CUmemDecompressParams *paramsArray, size_t count, unsigned int flags,\
+      size_t *errorIndex, CUstream hStream), cuMemBatchDecompressAsync, 12060, 1)                           \
     X(cuWaitExternalSemaphoresAsync, CUresult, (const CUexternalSemaphore *extSemArray,                     \
       const CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS *paramsArray, unsigned int numExtSems,                      \
       CUstream hStream), cuWaitExternalSemaphoresAsync, 10000, 0)                                           \

@@ -39,7 +39,9 @@ def test_sm_limit_holds_the_share_for_huge_and_tiny_kernels(release_lab, limit, 
 @pytest.mark.parametrize(("kind", "env", "us"), [("copy", "FAKE_CUDA_COPY_US", 2000),
                                                  ("hostfn", "FAKE_CUDA_HOSTFN_US", 2000),
                                                  ("waitcopy", "FAKE_CUDA_COPY_US", 4000),
-                                                 ("prefetch", "FAKE_CUDA_COPY_US", 2000)])
+                                                 ("prefetch", "FAKE_CUDA_COPY_US", 2000),
+                                                 ("prefetchbatch", "FAKE_CUDA_COPY_US", 2000),
+                                                 ("decompress", "FAKE_CUDA_COPY_US", 2000)])
 @pytest.mark.parametrize("api", ["direct", "procaddr", "ptsz"])
 def test_copies_host_functions_and_waits_between_kernels_are_not_charged_as_kernel_time(
         release_lab, kind, env, us, api):
@@ -48,7 +50,8 @@ def test_copies_host_functions_and_waits_between_kernels_are_not_charged_as_kern
     # overlaps the kernels queued ahead).  An interval ran from one event of the stream to the
     # next, and the throttle keeps up to 20 ms queued, so that work was charged as kernel time:
     # the kernels got 16.8 % of the GPU at a 30 % limit in each case (a 2 ms managed-memory
-    # prefetch too); now 30.7 %.  The hooks of those calls mark the stream, and its next launch
+    # prefetch too, single or CUDA 13.0's batch, and a 2 ms batch on the decompression engine);
+    # now 30.7 %.  The hooks of those calls mark the stream, and its next launch
     # ends the gap with an event of its own
     got = share(release_lab, 2.0, kind, api=api, CUDA_DEVICE_SM_LIMIT="30",
                 FAKE_CUDA_KERNEL_US="2000", **{env: str(us)})
