@@ -8,7 +8,7 @@
  * CUDA_VISIBLE_DEVICES gives.  Without NVML, the CUDA devices are used, with
  * the index taken from an integer CUDA_VISIBLE_DEVICES entry if there is one.
  *
- * (Contexts and their footprint: context.c.)
+ * (Contexts: context.c, primary.c, green.c; their footprint: footprint.c.)
  *
  * Views: cuMemGetInfo / cuDeviceTotalMem report total = the cap, used = the
  * container's usage, free = cap - used clamped at 0 (and never more than the

@@ -3,12 +3,16 @@
  *
  * Families: log.c (logging), real.c (real functions, dlsym), procaddr.c
  * (cuGetProcAddress), config.c (environment), devices.c (device discovery,
- * the memory views), context.c (contexts), reconcile.c (memory held beyond
- * allocations), module.c (module loads), region.c (the shared region and the
- * budget), allocmap.c (what this process holds), memory.c / pool.c
- * (allocation hooks), graphmem.c (graphs' allocation nodes), launch.c (the
- * compute throttle, with clockcomp.c, budget.c, streams.c, timeline.c,
- * capture.c, admit.c and gaps.c; throttle.h is theirs), nvml.c (NVML views).
+ * the memory views), context.c / primary.c / green.c / footprint.c (contexts:
+ * created, primary and green ones, and a new context's footprint; shared among
+ * them: ctx_internal.h), reconcile.c (memory held beyond allocations), module.c
+ * (module loads), region.c / regionopen.c / liveness.c (the shared region and
+ * the budget, opening it, reclaiming dead processes; region_internal.h),
+ * allocmap.c (what this process holds), memory.c / vmm.c / arrays.c / pool.c
+ * (allocation hooks; the first three share mem_internal.h), graphmem.c (graphs'
+ * allocation nodes), launch.c (the compute throttle, with clockcomp.c,
+ * budget.c, streams.c, timeline.c, capture.c, admit.c and gaps.c; throttle.h
+ * is theirs), nvml.c (NVML views).
  */
 #ifndef GPUSLICE_INTERNAL_H
 #define GPUSLICE_INTERNAL_H
@@ -145,7 +149,7 @@ nvmlDevice_t gs_dev_nvml(CUdevice dev);  /* NVML handle of a CUDA ordinal, NULL 
 int gs_dev_count(void);
 #define GS_MAX_CUDA_DEVS 64
 
-/* ---- context.c ------------------------------------------------------------ */
+/* ---- context.c / primary.c ------------------------------------------------ */
 
 /* Context records and what reconcile.c charges to them: 0 = taken; -1 = not taken, this thread
  * is inside a context call already (the driver called back: that call measures the process) */
@@ -190,7 +194,7 @@ static inline void gs_held_unlock(pthread_mutex_t *m)
         gs_held_unlock(&g_mu);                                                                \
     }
 void gs_ctx_unlock(void);
-/* Around an array creation's reservation, driver call and booking (context.c's g_array_rw):
+/* Around an array creation's reservation, driver call and booking (primary.c's g_array_rw):
  * enter (1 if entered, 0 from a driver callback), call and called around the driver's call,
  * leave (booked) */
 int gs_array_fence_enter(void);
@@ -245,7 +249,7 @@ void gs_reconcile_forget_ctx(CUcontext ctx);  /* caller holds gs_ctx_lock (both)
 void gs_reconcile_ctx_reset(CUdevice dev);
 void gs_reconcile_after_fork_child(void);
 
-/* ---- region.c ------------------------------------------------------------- */
+/* ---- region.c / regionopen.c / liveness.c --------------------------------- */
 
 extern struct gpuslice_region *gs_region; /* NULL until opened */
 /* The region's device count, within its table: every process of the container can write the
@@ -261,7 +265,7 @@ static inline unsigned gs_region_devices(const struct gpuslice_region *r)
     unsigned n = __atomic_load_n(&r->device_count, __ATOMIC_RELAXED);
     return n < GPUSLICE_MAX_DEVICES ? n : GPUSLICE_MAX_DEVICES;
 }
-int gs_region_open(void);
+int gs_region_open(void); /* regionopen.c */
 void gs_region_sync(const struct gs_devcfg *devs, unsigned n, int do_register);
 int gs_region_slot_by_uuid(const char *uuid);
 int gs_budget_reserve(int slot, uint64_t bytes);  /* 0 = reserved, -1 = over the cap */
@@ -324,7 +328,7 @@ static inline void gs_inflight_end(void)
 {
     __atomic_sub_fetch(&gs_inflight, 1, __ATOMIC_SEQ_CST);
 }
-void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim */
+void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim (liveness.c) */
 void gs_region_sweep(void);                       /* the sampler's: one per container every 2 s */
 void gs_region_after_fork_child(void);
 
@@ -394,13 +398,32 @@ void gs_am_lock(void);
 void gs_am_unlock(void);
 void gs_am_after_fork_child(void);
 
-/* ---- memory.c / pool.c ---------------------------------------------------- */
+/* ---- memory.c / vmm.c / arrays.c / pool.c -------------------------------- */
 
-uint64_t gs_charge_size(uint64_t bytes);
+#define GS_MIB (1ull << 20)
+
+/* What an allocation of `bytes` costs: the driver hands out large
+ * allocations in 2 MiB pages and small ones from shared pages.  (Inline: the
+ * allocation hooks of several files call it.) */
+static inline uint64_t gs_charge_size(uint64_t bytes)
+{
+    if (bytes > UINT64_MAX - 2 * GS_MIB) return UINT64_MAX;
+    if (bytes <= GS_MIB) return (bytes + 511) & ~511ull;
+    return (bytes + 2 * GS_MIB - 1) & ~(2 * GS_MIB - 1);
+}
+
+void gs_pools_reconcile_all(void);
 /* Budget reserve; on refusal trims pool charges and retries.  gs_reserve
  * first reconciles near the cap (gs_near_cap); gs_reserve_raw does not (for
  * callers holding the context lock). */
-int gs_reserve_raw(int slot, uint64_t bytes);
+static inline int gs_reserve_raw(int slot, uint64_t bytes)
+{
+    if (gs_budget_reserve(slot, bytes) == 0) return 0;
+    /* pools may hold charges for memory they have released; not from a driver callback under
+     * a lock of ours (the pools' own, or one after it: see gs_t_held) */
+    if (!gs_t_held) gs_pools_reconcile_all();
+    return gs_budget_reserve(slot, bytes);
+}
 
 static inline int gs_reserve(int slot, uint64_t bytes)
 {
@@ -421,7 +444,6 @@ int gs_pool_lock_mine(void);     /* this thread holds the pools' lock (a driver 
  * under the pools' lock no graph hook takes the graph memory's). */
 int gs_graphmem_passthrough(void);
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
-void gs_pools_reconcile_all(void);
 void gs_pools_after_fork_child(void);
 
 /* ---- streams ------------------------------------------------------------- */

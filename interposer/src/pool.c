@@ -344,7 +344,7 @@ static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeA
 }
 
 /* A pool allocation whose teardown began after pool_alloc's look at the counter and before its
- * record existed (as memory.c's settle_after_record): the teardown's forget missed the record,
+ * record existed (as memory.c's gs_settle_after_record): the teardown's forget missed the record,
  * whose bytes stayed in the pool's live bytes, charged for memory the teardown freed; or it took
  * the record (its bytes off) while the driver still holds the memory.  Under the context lock,
  * after the teardown, by whether the driver still holds the pointer.  Not from a driver
@@ -445,7 +445,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         gs_inflight_end();
     }
     /* a context of the process went while it was inside the driver (as memory.c's
-     * record_after_teardown): booked under the context lock, after the teardown forgot what its
+     * gs_record_after_teardown): booked under the context lock, after the teardown forgot what its
      * context held, and not at all if the driver says the pointer went with it (taken before a
      * primary reset or last release, booked after it: its 200 MiB stayed in the pool's live
      * bytes, 250 MiB charged for 50 held).  A driver that cannot tell a live pool allocation

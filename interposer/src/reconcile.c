@@ -522,7 +522,7 @@ static void *sampler(void *arg)
         gs_launch_sample();       /* clock compensation of the compute limit (clockcomp.c), if one applies */
         gs_slices_sample();       /* other processes' time slices (slices.c), if a limit applies */
         gs_launch_gang_refresh(); /* the devices whose clocks launches wait for (budget.c) */
-        gs_region_sweep();        /* the container's dead processes, one process sweeping (region.c) */
+        gs_region_sweep();        /* the container's dead processes, one process sweeping (liveness.c) */
         last = gs_now_ns();
     }
     return NULL;

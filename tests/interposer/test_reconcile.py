@@ -232,7 +232,7 @@ def test_concurrent_allocations_and_code_loads_never_count_memory_twice(lab):
         assert 0 <= physical - charged <= 2 * MIB, (charged, physical)
 
 
-# ---- contexts and reconcile, after a review of context.c / reconcile.c / graphmem.c --------
+# ---- contexts and reconcile, after a review of context.c (footprint.c now) / reconcile.c / graphmem.c
 
 @pytest.mark.parametrize(("work", "sleeps"), [
     (["bgalloc", "500m", "100"], "cuCtxCreate:300"),

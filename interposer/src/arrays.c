@@ -1,0 +1,227 @@
+/*
+ * arrays.c - arrays and mipmapped arrays (cuArrayCreate, cuArray3DCreate, cuMipmappedArrayCreate,
+ * of both generations, and their destroys), charged as allocations (GS_CHARGED_ALLOC,
+ * mem_internal.h); and the mappings of cuMemCreate allocations into sparse arrays' tiles
+ * (cuMemMapArrayAsync), counted in their handles' records (vmm.c).
+ */
+#define _GNU_SOURCE
+#include "mem_internal.h"
+
+/* ---- arrays --------------------------------------------------------------- */
+
+/* Bytes per element: the listed formats exactly, any other (block-compressed,
+ * YUV, ...) at 4 bytes per channel, which is never less than it needs. */
+static uint64_t element_bytes(CUarray_format format, unsigned channels)
+{
+    uint64_t per;
+    switch (format) {
+    case 0x01: case 0x08: per = 1; break;            /* (un)signed int8 */
+    case 0x02: case 0x09: case 0x10: per = 2; break; /* (un)signed int16, half */
+    case 0x03: case 0x0a: case 0x20: per = 4; break; /* (un)signed int32, float */
+    default: per = 4; break;
+    }
+    return per * (channels ? channels : 1);
+}
+
+static uint64_t mul_sat(uint64_t a, uint64_t b)
+{
+    return b && a > UINT64_MAX / b ? UINT64_MAX : a * b;
+}
+
+static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned ch)
+{
+    return mul_sat(mul_sat(mul_sat(w ? w : 1, h ? h : 1), d ? d : 1), element_bytes(f, ch));
+}
+
+/* Sparse arrays and arrays with deferred mapping get no memory at creation:
+ * it comes later from cuMemCreate allocations mapped into them (charged there). */
+#define GS_ARRAY_NO_BACKING (0x40 /* CUDA_ARRAY3D_SPARSE */ | 0x80 /* CUDA_ARRAY3D_DEFERRED_MAPPING */)
+
+/* The 2D and 3D creations of both generations (CUDA 2.x's descriptors have 32-bit sizes).  An
+ * array without backing is recorded at no charge: its context's end finds it, and with it the
+ * mappings of its tiles */
+#define GS_ARRAY_HOOK(name, desc_t, depth, empty)                                                         \
+    GS_EXPORT CUresult name(CUarray *pHandle, const desc_t *pAllocateArray)                               \
+    {                                                                                                     \
+        gs_cuda_init();                                                                                   \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                               \
+        if (!pHandle || !pAllocateArray) return CUDA_ERROR_INVALID_VALUE;                                 \
+        const desc_t *a = pAllocateArray;                                                                 \
+        GS_CHARGED_ALLOC(GS_KIND_ARRAY, pHandle, 0,                                                       \
+                         (empty) ? 0 : array_bytes(a->Width, a->Height, (depth), a->Format, a->NumChannels), \
+                         gs_cuda.name(pHandle, pAllocateArray), 0);                                       \
+    }
+GS_ARRAY_HOOK(cuArrayCreate_v2, CUDA_ARRAY_DESCRIPTOR, 1, 0)
+GS_ARRAY_HOOK(cuArrayCreate, CUDA_ARRAY_DESCRIPTOR_v1, 1, 0)
+GS_ARRAY_HOOK(cuArray3DCreate_v2, CUDA_ARRAY3D_DESCRIPTOR, a->Depth, (a->Flags & GS_ARRAY_NO_BACKING) != 0)
+GS_ARRAY_HOOK(cuArray3DCreate, CUDA_ARRAY3D_DESCRIPTOR_v1, a->Depth, (a->Flags & GS_ARRAY_NO_BACKING) != 0)
+
+GS_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *pMipmappedArrayDesc,
+                                          unsigned int numMipmapLevels)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMipmappedArrayCreate) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!pHandle || !pMipmappedArrayDesc) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_ARRAY3D_DESCRIPTOR *a = pMipmappedArrayDesc;
+    uint64_t bytes = 0;
+    /* a layered array's depth counts its layers, a cubemap's its faces (six per cube): every
+     * level has them all; only a 3D array's depth halves with the level */
+    int layers = (a->Flags & (0x01 /* CUDA_ARRAY3D_LAYERED */ | 0x04 /* CUDA_ARRAY3D_CUBEMAP */)) != 0;
+    for (unsigned l = 0; l < numMipmapLevels && l < 64; l++) {
+        size_t w = a->Width >> l, h = a->Height >> l, d = layers ? a->Depth : a->Depth >> l;
+        uint64_t level = array_bytes(w ? w : 1, h ? h : 1, d ? d : 1, a->Format, a->NumChannels);
+        bytes = gs_add_sat(bytes, level);
+    }
+    if (a->Flags & GS_ARRAY_NO_BACKING) bytes = 0; /* recorded all the same (above) */
+    GS_CHARGED_ALLOC(GS_KIND_MIPMAP, pHandle, 0, bytes,
+                     gs_cuda.cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels), 0);
+}
+
+/* An array destroyed takes the mappings of its tiles with it (sparse arrays) */
+#define GS_ARRAY_DESTROY(kind, handle, call)                                          \
+    do {                                                                              \
+        struct gs_alloc rec, old;                                                     \
+        uint64_t key_ = (uint64_t)(uintptr_t)(handle);                                \
+        int had_ = gs_am_take(kind, key_, &rec) == 0;                                 \
+        gs_inflight_begin(); /* freed before its charge goes: no reading may lower */ \
+        CUresult rc = (call);                                                         \
+        if (rc == CUDA_SUCCESS) {                                                     \
+            if (had_) gs_budget_release(rec.slot, rec.size);                          \
+            gs_array_drop_maps(key_);                                                 \
+        } else if (had_) {                                                            \
+            gs_am_put(kind, key_, &rec, &old);                                        \
+        }                                                                             \
+        gs_inflight_end();                                                            \
+        return rc;                                                                    \
+    } while (0)
+
+GS_EXPORT CUresult cuArrayDestroy(CUarray hArray)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuArrayDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    GS_ARRAY_DESTROY(GS_KIND_ARRAY, hArray, gs_cuda.cuArrayDestroy(hArray));
+}
+
+GS_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMipmappedArrayDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    GS_ARRAY_DESTROY(GS_KIND_MIPMAP, hMipmappedArray, gs_cuda.cuMipmappedArrayDestroy(hMipmappedArray));
+}
+
+/* ---- sparse arrays' tiles -------------------------------------------------- */
+
+/* cuMemMapArrayAsync maps cuMemCreate allocations into the tiles of sparse (or deferred-mapping)
+ * arrays.  Such a mapping keeps the allocation's memory as cuMemMap's does (a handle released
+ * while it lasts keeps its charge): it is counted in the handle's record like one, and recorded
+ * as GS_KIND_AMAP, keyed by the array and the subresource it covers, with the array as its
+ * owner (destroying the array, or the context that holds it, drops its mappings).  An unmap is
+ * matched to the mapping of exactly the same subresource; one that covers other tiles (part of
+ * a mapping, or several) matches none, and what it undoes stays charged until the array goes:
+ * the strict side.  The call is stream-ordered: mappings count from the call, and an unmap
+ * returns its charge at the call, as stream-ordered frees do. */
+static uint64_t amap_key(const CUarrayMapInfo *m)
+{
+    uint64_t h = 0x9e3779b97f4a7c15ull;
+    h = gs_hash_step(h, (uint64_t)m->resourceType);
+    h = gs_hash_step(h, (uintptr_t)m->resource.array);
+    h = gs_hash_step(h, (uint64_t)m->subresourceType);
+    if (m->subresourceType == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL) {
+        h = gs_hash_step(h, (uint64_t)m->subresource.miptail.layer);
+        h = gs_hash_step(h, (uint64_t)m->subresource.miptail.offset);
+        h = gs_hash_step(h, (uint64_t)m->subresource.miptail.size);
+    } else {
+        const unsigned *f = &m->subresource.sparseLevel.level;
+        for (int i = 0; i < 8; i++) h = gs_hash_step(h, f[i]);
+    }
+    return h;
+}
+
+/* A mapping of the handle is gone: its charge returns if it was the handle's last reference */
+void gs_amap_lose(uint64_t handle)
+{
+    struct gs_alloc rec;
+    if (gs_vmm_count(handle, -1, &rec) == 1) gs_vmm_gone(&rec);
+}
+
+static void amap_dropped(int kind, uint64_t key, const struct gs_alloc *rec)
+{
+    (void)key;
+    if (kind == GS_KIND_AMAP) gs_amap_lose(rec->aux);
+}
+
+void gs_array_drop_maps(uint64_t array)
+{
+    gs_am_drop_ctx(array, amap_dropped);
+}
+
+/* One operation: an unmap's record is taken before the call (after it, another thread may
+ * already have mapped new memory there) and put back if the call fails; a map of a handle of
+ * ours is counted after it succeeds */
+static CUresult map_one(cuMemMapArrayAsync_fn real, CUarrayMapInfo *m, CUstream stream)
+{
+    struct gs_alloc rec, old;
+    if (m->memOperationType == CU_MEM_OPERATION_TYPE_UNMAP) {
+        int had = gs_am_take(GS_KIND_AMAP, amap_key(m), &rec) == 0;
+        CUresult rc = real(m, 1, stream);
+        if (had && rc == CUDA_SUCCESS)
+            gs_amap_lose(rec.aux);
+        else if (had)
+            gs_am_put(GS_KIND_AMAP, amap_key(m), &rec, &old);
+        return rc;
+    }
+    struct gs_alloc seen;
+    if (m->memOperationType == CU_MEM_OPERATION_TYPE_MAP && m->memHandleType == CU_MEM_HANDLE_TYPE_GENERIC &&
+        gs_am_update(GS_KIND_VMM, m->memHandle.memHandle, gs_vmm_peek, NULL, &seen) >= 0 && seen.ctx == GS_VMM_IMPORTED) {
+        /* an imported handle into a sparse array's tiles: how much of the other process's
+         * allocation that takes is not told here (cuMemMap's offset + size is), and counted
+         * as a mapping of a handle charged nothing it went uncharged (review: 1.8 GiB held
+         * under a 1 GiB cap); refused */
+        GS_WARN("a handle imported from another process cannot be mapped into a sparse array under a memory cap");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    CUresult rc = real(m, 1, stream);
+    if (rc != CUDA_SUCCESS || m->memOperationType != CU_MEM_OPERATION_TYPE_MAP ||
+        m->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC || gs_vmm_count(m->memHandle.memHandle, 1, &rec) != 0)
+        return rc; /* failed, or not a handle of ours */
+    struct gs_alloc map = {.size = 1, .aux = m->memHandle.memHandle,
+                           .ctx = (uint64_t)(uintptr_t)m->resource.array, .slot = rec.slot};
+    int put = gs_am_put(GS_KIND_AMAP, amap_key(m), &map, &old);
+    if (put == 1) { /* the same tiles mapped again: the mapping they had is gone */
+        gs_amap_lose(old.aux);
+    } else if (put < 0) {
+        gs_amap_lose(m->memHandle.memHandle); /* untracked: charged only while its handle lives */
+        GS_WARN("cannot track a mapping into a sparse array: its memory is charged only while its handle lives");
+    }
+    return rc;
+}
+
+/* The list is passed on one operation at a time, in order, on the same stream (so in the same
+ * order on the device), up to the first that fails: what a list that fails part way did is then
+ * known (the driver does not document a list as all or nothing; applied in order up to the
+ * failing operation, the maps before it were left uncharged: 1200 MiB held under a 1 GiB cap,
+ * found by review), and a list that maps tiles and unmaps them again is counted in its order
+ * (the unmap found nothing to take and the mapping stayed charged) */
+static CUresult map_array(cuMemMapArrayAsync_fn real, CUarrayMapInfo *list, unsigned count, CUstream stream)
+{
+    if (!list || !count) return real(list, count, stream);
+    gs_inflight_begin(); /* an unmap of a released handle's last mapping frees its memory */
+    CUresult rc = CUDA_SUCCESS;
+    for (unsigned i = 0; i < count && rc == CUDA_SUCCESS; i++) rc = map_one(real, &list[i], stream);
+    gs_inflight_end();
+    return rc;
+}
+
+GS_EXPORT CUresult cuMemMapArrayAsync(CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemMapArrayAsync) return CUDA_ERROR_NOT_SUPPORTED;
+    return map_array(gs_cuda.cuMemMapArrayAsync, mapInfoList, count, hStream);
+}
+
+GS_EXPORT CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemMapArrayAsync_ptsz) return CUDA_ERROR_NOT_SUPPORTED;
+    return map_array(gs_cuda.cuMemMapArrayAsync_ptsz, mapInfoList, count, hStream);
+}

@@ -1,0 +1,227 @@
+/*
+ * regionopen.c - opening the container's region file (region.c): never through a symlink,
+ * an older library's file replaced, one from an earlier boot reset; and the private region a
+ * process falls back to.
+ *
+ * If the file cannot be used, the process falls back to a private anonymous
+ * region: its own caps still hold, without sharing.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "region_internal.h"
+
+static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
+dev_t gs_region_file_dev; /* the region file mapped (0, 0: a private region) */
+ino_t gs_region_file_ino;
+
+static void read_boot_id(uint8_t out[16])
+{
+    char buf[64];
+    memset(out, 0, 16);
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) return;
+    buf[n] = '\0';
+    int k = 0;
+    for (ssize_t i = 0; i + 1 < n && k < 16; i++) {
+        unsigned v;
+        if (buf[i] == '-') continue;
+        if (sscanf(buf + i, "%2x", &v) != 1) break;
+        out[k++] = (uint8_t)v;
+        i++;
+    }
+}
+
+/* ---- opening -------------------------------------------------------------- */
+
+void gs_region_init_mutex(pthread_mutex_t *m)
+{
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(m, &attr);
+    pthread_mutexattr_destroy(&attr);
+}
+
+static void init_region(struct gpuslice_region *r, const uint8_t boot_id[16])
+{
+    memset(r, 0, sizeof(*r));
+    r->version = GPUSLICE_REGION_VERSION;
+    r->size = (uint32_t)sizeof(*r);
+    r->max_devices = GPUSLICE_MAX_DEVICES;
+    r->max_procs = GPUSLICE_MAX_PROCS;
+    memcpy(r->boot_id, boot_id, 16);
+    gs_region_init_mutex(&r->lock.mutex);
+    __atomic_store_n(&r->magic, GPUSLICE_REGION_MAGIC, __ATOMIC_RELEASE);
+}
+
+/* A webhook-managed process without the container's region grants no memory (write_slot): with
+ * a region of its own each process would get a whole cap, and a tenant who can break the
+ * shared file (a symlink or a directory planted at its path) would multiply the budget. */
+int gs_region_private_managed;
+
+/* What a process without the container's shared region gets, for the messages that say so. */
+static const char *private_effect(void)
+{
+    return gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone";
+}
+
+static int known(const uint8_t boot_id[16])
+{
+    for (int i = 0; i < 16; i++)
+        if (boot_id[i]) return 1;
+    return 0;
+}
+
+static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16], int tries)
+{
+    /* Never through a symlink, and only a plain file of its own: the state dir is writable by
+     * every user of the container, and a root process that followed a link planted there
+     * would make the link's target world-writable and overwrite it.  Only the process that
+     * creates the file makes it 0666 (for every user of the container, whatever the umask):
+     * chmod'ing any file of this user found at the path made a root-owned 0600 file named
+     * there world-writable (a set-user-ID program's caller chose the path, review). */
+    int fd = -1, created = 0;
+    for (int attempt = 0; fd < 0 && attempt < 3; attempt++) {
+        fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+        created = fd >= 0;
+        if (fd < 0 && errno == EEXIST) fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd >= 0 || errno != ENOENT) break; /* ENOENT: replaced meanwhile (an older version's) */
+    }
+    struct stat own;
+    if (fd >= 0 && (fstat(fd, &own) != 0 || !S_ISREG(own.st_mode) || own.st_nlink != 1)) {
+        close(fd);
+        fd = -1;
+        errno = EPERM;
+    }
+    if (fd < 0) {
+        int err = errno;
+        const char *why = err == ELOOP ? "a symbolic link" : err == EPERM ? "not a plain file" : strerror(err);
+        if (gs_env_managed()) /* a pod's processes would each get a whole cap: grant nothing */
+            GS_ERROR("cannot use region %s as uid %u (%s): no device memory is granted to this process (the "
+                     "container's processes must share one region; the gpuslice node agent makes the state "
+                     "directories writable for every user: is it running on this node?)",
+                     path, (unsigned)geteuid(), why);
+        else
+            GS_WARN("cannot use region %s (%s): %s", path, why, private_effect());
+        return NULL;
+    }
+    if (created) (void)fchmod(fd, 0666); /* every user of the container shares it */
+    while (flock(fd, LOCK_EX) != 0 && errno == EINTR) {
+    }
+    /* Still the file at the path?  Another process may have replaced an older library's file
+     * (below) while this one waited for the lock of the file it had opened: that one is
+     * nobody's now, and replacing again would unlink the new file under the processes in it
+     * (two processes racing through an upgrade each got a whole cap). */
+    struct stat at;
+    if (tries < 8 && (lstat(path, &at) != 0 || at.st_dev != own.st_dev || at.st_ino != own.st_ino)) {
+        flock(fd, LOCK_UN);
+        close(fd);
+        return map_file(path, boot_id, tries + 1);
+    }
+    struct gpuslice_region *r = NULL;
+    struct stat st;
+    /* An older library's region (a node upgraded under a running pod): its processes keep the
+     * old file, mapped; this one starts a new file (a newer library's is left alone). */
+    struct {
+        uint64_t magic;
+        uint32_t version;
+    } head;
+    if (pread(fd, &head, sizeof(head), 0) == (ssize_t)sizeof(head) && head.magic == GPUSLICE_REGION_MAGIC &&
+        head.version < GPUSLICE_REGION_VERSION && unlink(path) == 0) {
+        GS_WARN("region %s was written by an older library (version %u): replaced", path, head.version);
+        flock(fd, LOCK_UN);
+        close(fd);
+        return map_file(path, boot_id, tries + 1);
+    }
+    /* blocks allocated now, not at the first store (a full disk would kill the process with SIGBUS) */
+    int grown = fstat(fd, &st) == 0 &&
+                (st.st_size >= (off_t)sizeof(*r) || posix_fallocate(fd, 0, sizeof(*r)) == 0);
+    if (grown) {
+        void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p != MAP_FAILED) r = p;
+    }
+    if (!r) {
+        GS_WARN("cannot map region %s (%s): %s", path, grown ? strerror(errno) : "no space for it", private_effect());
+    } else if (__atomic_load_n(&r->magic, __ATOMIC_ACQUIRE) != GPUSLICE_REGION_MAGIC) {
+        init_region(r, boot_id);
+    } else if (r->version != GPUSLICE_REGION_VERSION || r->size != sizeof(*r)) {
+        GS_ERROR("region %s has version %u size %u, this library writes version %u: %s", path, r->version, r->size,
+                 GPUSLICE_REGION_VERSION, private_effect());
+        munmap(r, sizeof(*r));
+        r = NULL;
+    } else if (memcmp(r->boot_id, boot_id, 16) != 0 && known(boot_id)) {
+        /* (a process that cannot read the boot id resets nothing: that would drop the
+         * usage of live processes; a region written by one takes the boot id now) */
+        if (known(r->boot_id)) {
+            GS_INFO("region %s is from an earlier boot: reset", path);
+            init_region(r, boot_id);
+        } else {
+            memcpy(r->boot_id, boot_id, 16);
+        }
+    }
+    if (r) {
+        gs_region_file_dev = own.st_dev;
+        gs_region_file_ino = own.st_ino;
+    }
+    flock(fd, LOCK_UN);
+    close(fd);
+    return r;
+}
+
+int gs_region_open(void)
+{
+    if (__atomic_load_n(&gs_region, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&g_open_mu);
+    if (!gs_region) {
+        char path[4096];
+        uint8_t boot_id[16];
+        read_boot_id(boot_id);
+        struct gpuslice_region *r = map_file(gs_env_region_path(path, sizeof(path)), boot_id, 0);
+        if (!r) {
+            gs_region_private_managed = gs_env_managed();
+            void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+            if (p != MAP_FAILED) {
+                r = p;
+                init_region(r, boot_id);
+            }
+        }
+        __atomic_store_n(&gs_region, r, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&g_open_mu);
+    return gs_region ? 0 : -1;
+}
+
+/* A region of this process's own, as when the file cannot be used (gs_region_open).  The shared
+ * one stays mapped: another thread may be reading it. */
+void gs_region_go_private(void)
+{
+    pthread_mutex_lock(&g_open_mu);
+    void *p = mmap(NULL, sizeof(*gs_region), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) {
+        gs_region_private_managed = gs_env_managed();
+        init_region(p, gs_region->boot_id);
+        gs_token_off = 1; /* the shared slot keeps its token; the private one needs none */
+        __atomic_store_n(&gs_region_me, NULL, __ATOMIC_RELEASE);
+        __atomic_store_n(&gs_region, (struct gpuslice_region *)p, __ATOMIC_RELEASE);
+        GS_ERROR("the container's region cannot be used: %s", private_effect());
+    }
+    pthread_mutex_unlock(&g_open_mu);
+}
+
+void gs_region_open_after_fork_child(void)
+{
+    pthread_mutex_init(&g_open_mu, NULL); /* another thread may have held it at the fork */
+}
