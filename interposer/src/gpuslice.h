@@ -134,9 +134,6 @@ int gs_current_slot(CUcontext *ctx); /* slot of the current context's device, -1
 /* The same with the current context as the driver has it (a green context's own CUcontext): for
  * the throttle, whose events belong to the context they are made in. */
 int gs_current_slot_raw(CUcontext *ctx);
-/* A green context's CUcontext (cuCtxFromGreenCtx) stands for its device's primary context, whose
- * memory it shares: records and measurements key it by the primary; other contexts unchanged. */
-CUcontext gs_ctx_canonical(CUcontext ctx);
 /* The context a stream of the program's belongs to; NULL for the special handles (NULL, legacy,
  * per-thread: the current context's) or if the driver cannot say. */
 CUcontext gs_stream_ctx(CUstream es);
@@ -149,7 +146,12 @@ nvmlDevice_t gs_dev_nvml(CUdevice dev);  /* NVML handle of a CUDA ordinal, NULL 
 int gs_dev_count(void);
 #define GS_MAX_CUDA_DEVS 64
 
-/* ---- context.c / primary.c ------------------------------------------------ */
+/* ---- context.c / primary.c / green.c ------------------------------------- */
+
+/* green.c: a green context's CUcontext (cuCtxFromGreenCtx) stands for its device's primary
+ * context, whose memory it shares: records and measurements key it by the primary; other
+ * contexts unchanged. */
+CUcontext gs_ctx_canonical(CUcontext ctx);
 
 /* Context records and what reconcile.c charges to them: 0 = taken; -1 = not taken, this thread
  * is inside a context call already (the driver called back: that call measures the process) */
