@@ -232,15 +232,30 @@ static unsigned shares(const nvmlProcessUtilizationSample_t *s, unsigned n, unsi
     return fresh;
 }
 
+/* The device's utilisation over NVML's last sample period, in % (whole percents rounded back) */
+static int device_pct(nvmlDevice_t h, double *pct)
+{
+    nvmlUtilization_t u = {0, 0};
+    if (!h || !gs_nvml.nvmlDeviceGetUtilizationRates || gs_nvml.nvmlDeviceGetUtilizationRates(h, &u) != NVML_SUCCESS ||
+        u.gpu > 100)
+        return -1;
+    *pct = u.gpu >= 100 ? 100.0 : u.gpu + 0.5;
+    return 0;
+}
+
 /* Launches that a capture kept from being measured (admit.c, budget.c): the process's NVML share of the
  * span, beyond what its events measured (as charged: time-slice factor applied), is charged to
  * the clock.  Their kernels run, and NVML reports them, for as long as they were queued: from
  * such a launch on, until a span after the last one (and its tail: a sample period) shows no
  * more than GS_UNMEASURED_NOISE points beyond the measured time, or no sample of ours at all.
  * Returns whether the span was such a one (it teaches the time-slice correction nothing: its
- * share is not the measured time's).  No sample for this process (its host pid unknown and not
- * the driver's, or MPS): nothing is charged. */
-static int charge_unmeasured(int slot, struct slice_state *st, uint64_t since, uint64_t dt, uint64_t dm, int ours)
+ * share is not the measured time's).  No figure for this process (NVML without per-process
+ * samples, its host pid unknown and not the driver's, MPS): the device's utilisation stands in
+ * for its share (device_pct), every process's kernels counted, the strict side beside other
+ * tenants; without it only the advance paid for them applied, and a tenant sets that (learn a
+ * one-kernel estimate, capture, launch graphs of many kernels: 99.9 % of the GPU under 30 %). */
+static int charge_unmeasured(int slot, struct slice_state *st, nvmlDevice_t h, uint64_t since, uint64_t dt,
+                             uint64_t dm, int ours)
 {
     uint64_t last = __atomic_load_n(&gs_unmeasured_ns[slot], __ATOMIC_RELAXED);
     uint64_t prepaid = __atomic_load_n(&gs_unmeasured_prepaid_ns[slot], __ATOMIC_RELAXED);
@@ -251,11 +266,10 @@ static int charge_unmeasured(int slot, struct slice_state *st, uint64_t since, u
     int fresh = last && last + GS_UNMEASURED_TAIL_NS >= since;
     if (fresh) st->unmeasured = 1;
     if (!st->unmeasured) return 0;
-    double excess = 0;
-    if (ours >= 0) {
+    double excess = 0, pct = ours >= 100 ? 100.0 : ours + 0.5; /* NVML truncates to whole percents */
+    if (ours >= 0 || device_pct(h, &pct) == 0) {
         unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
         if (!own || own > 1000) own = 1000;
-        double pct = ours >= 100 ? 100.0 : ours + 0.5; /* NVML truncates to whole percents */
         excess = pct * (double)dt / 100.0 - (double)dm * own / 1000.0;
         /* paid in advance: charged already; paid for what did not run, given back */
         if (excess > (double)paid)
@@ -292,7 +306,18 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     if (!pid) pid = (unsigned)getpid(); /* not learnt (yet): right where NVML gives our namespace's pids */
     gs_region_note_host_pid(pid);
     unsigned n = GS_SLICE_SAMPLES;
-    nvmlReturn_t rc = gs_nvml.nvmlDeviceGetProcessUtilization(h, buf, &n, st->last_seen);
+    nvmlReturn_t rc = gs_nvml.nvmlDeviceGetProcessUtilization
+                          ? gs_nvml.nvmlDeviceGetProcessUtilization(h, buf, &n, st->last_seen)
+                          : NVML_ERROR_FUNCTION_NOT_FOUND;
+    if (rc == NVML_ERROR_NOT_SUPPORTED || rc == NVML_ERROR_FUNCTION_NOT_FOUND) {
+        /* no per-process samples ever: each tick is a span, for launches a capture kept from
+         * being measured (charged the device's utilisation); nothing to learn a factor from */
+        uint64_t since = st->t_ns, dt = now - st->t_ns, dm = measured - st->measured_ns;
+        st->t_ns = st->seen_ns = now;
+        st->measured_ns = measured;
+        if (dt) charge_unmeasured(slot, st, h, since, dt, dm, -1);
+        return;
+    }
     if (rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_FOUND) {
         /* NOT_SUPPORTED and the like: no news, which stands for a while only */
         if (now - st->seen_ns >= GS_SLICE_SILENCE_NS) silence(slot, st);
@@ -314,7 +339,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     st->measured_ns = measured;
     commit_team(slot, team);
     if (!dt) return;
-    if (charge_unmeasured(slot, st, since, dt, dm, ours) || !gs_slices_enabled()) return;
+    if (charge_unmeasured(slot, st, h, since, dt, dm, ours) || !gs_slices_enabled()) return;
     /* the process's own contexts on the device take turns as processes do: with several, an
      * interval of one holds the others' kernels too; so do the container's other processes
      * that measured meanwhile (the team): the correction is learnt for all of them together,
@@ -408,7 +433,6 @@ void gs_slices_sample(void)
         }
     }
     gs_nvml_init();
-    if (!gs_nvml.nvmlDeviceGetProcessUtilization) return;
     struct gs_limited_dev lim[GPUSLICE_MAX_DEVICES];
     int n = gs_limited_devices(lim);
     for (int i = 0; i < n; i++) sample_slot(lim[i].dev, lim[i].slot, lim[i].nvml);

@@ -738,6 +738,22 @@ def test_launches_under_a_capture_are_paced_by_the_advance_without_nvml(release_
     assert abs(got - 30) <= TOLERANCE, f"without NVML's figure: {got:.1f}%"
 
 
+@pytest.mark.parametrize("nvml", ["off", "mps"])
+def test_graphs_under_a_capture_cannot_outrun_a_one_kernel_advance_without_nvmls_figure(release_lab, nvml):
+    # the dodge: learn a one-kernel estimate (2 ms), open a thread-local capture on a stream of
+    # its own, then launch graphs of 4 kernels: each pays the 2 ms advance, and with no
+    # per-process figure for the process (NVML without the call; or MPS, where every kernel is
+    # the server's) nothing settled the rest: 99.9 % of the GPU under a 30 % limit.  Now the
+    # device's utilisation stands in for the process's share: 37 % over the first 5 s (the charge
+    # lags the work by a sampler tick; with NVML's own figure 23-29 %)
+    res = release_lab.run("init", "ctx", "0", "bench", "1", "own", "hold", "1", "ran", "bench", "5", "graph",
+                          "ran", "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                          FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_PROC_UTIL=nvml, FAKE_NVML_UTIL_RATES="1")
+    assert res.rc("unhold") == 0
+    got = ran_share(res)
+    assert 30 - TOLERANCE <= got <= 30 + 2 * TOLERANCE, f"{nvml}: {got:.1f}%"
+
+
 def test_launches_under_a_capture_are_charged_with_the_time_slice_correction_off(release_lab):
     res = release_lab.run("init", "ctx", "0", "hold", "0", "bench", "2", "own", "ran", "bench", "4", "own", "ran",
                           "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
