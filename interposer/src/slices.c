@@ -92,6 +92,7 @@ static struct slice_state {
     unsigned next, filled;
     int announced;
     int unmeasured; /* launches went unmeasured: NVML's share beyond the measured time is charged */
+    int seen_ours;  /* a sample of this process came: a span without one is a span it did not run */
     uint64_t prepaid_ns, prepaid_cost; /* gs_unmeasured_prepaid_ns, _cost at the last span's end */
 } g_st[GPUSLICE_MAX_DEVICES]; /* sampler thread only */
 
@@ -267,7 +268,12 @@ static int charge_unmeasured(int slot, struct slice_state *st, nvmlDevice_t h, u
     if (fresh) st->unmeasured = 1;
     if (!st->unmeasured) return 0;
     double excess = 0, pct = ours >= 100 ? 100.0 : ours + 0.5; /* NVML truncates to whole percents */
-    if (ours >= 0 || device_pct(h, &pct) == 0) {
+    /* the device's figure only where NVML never had one of ours: where it had, a span without one
+     * is a span the process did not run (charged other tenants' time, a process beside a busy
+     * one paid it until GS_UNMEASURED_MAX_NS after its last such launch: over 60 s for 2 s of
+     * launches after a capture, `test_throttle.py -k after_a_capture_beside`) */
+    int device = ours < 0 && !st->seen_ours && device_pct(h, &pct) == 0;
+    if (ours >= 0 || device) {
         unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
         if (!own || own > 1000) own = 1000;
         excess = pct * (double)dt / 100.0 - (double)dm * own / 1000.0;
@@ -281,7 +287,9 @@ static int charge_unmeasured(int slot, struct slice_state *st, nvmlDevice_t h, u
     }
     /* drained; or so long after the last such launch that what NVML finds beyond the events is
      * other work they miss (launches from driver callbacks), not a queue */
-    if (!fresh && (excess <= GS_UNMEASURED_NOISE * (double)dt / 100.0 || last + GS_UNMEASURED_MAX_NS < since))
+    /* the device's figure applies only while such launches are recent (and their tail) */
+    if (!fresh && (device || excess <= GS_UNMEASURED_NOISE * (double)dt / 100.0 ||
+                   last + GS_UNMEASURED_MAX_NS < since))
         st->unmeasured = 0;
     return 1;
 }
@@ -332,6 +340,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
         if (now - st->seen_ns >= GS_SLICE_SILENCE_NS) silence(slot, st);
         return;
     }
+    if (ours >= 0) st->seen_ours = 1;
     /* the new samples cover the time since the last ones: measure over the same span */
     uint64_t since = st->t_ns, dt = now - st->t_ns, dm = measured - st->measured_ns;
     st->last_seen = newest;

@@ -796,6 +796,20 @@ def test_streams_whose_kernels_wait_for_each_other_are_charged_their_union(relea
 COTENANT = {"FAKE_GPU_COTENANT_SLICE_US": "2000"}
 
 
+def test_after_a_capture_beside_another_process_its_time_is_not_charged(release_lab):
+    # NVML's per-process figure works here: a span with no sample of ours is one this process
+    # did not run, and the device's utilisation (the co-tenant's time) must not stand in for it
+    # (the dodge's fallback is only for processes NVML never had a figure for).  A capture held
+    # for 1 s of launches, then 2 s idle, then 2 s of launches beside the busy co-tenant
+    res = release_lab.run("init", "ctx", "0", "bench", "2", "own", "hold", "0", "bench", "1", "own", "unhold",
+                          "sleep", "2000", "ran", "bench", "2", "own", "ran", CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="1000", FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_UTIL_RATES="1",
+                          **COTENANT)
+    assert res.rc("unhold") == 0
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"after the capture: {got:.1f}%"
+
+
 def settled_share(lab, limit: int, runs: tuple[str, ...] = ("2", "2"), **env: str) -> float:
     """Share (%) over the last of several back-to-back benches."""
     env.setdefault("FAKE_CUDA_KERNEL_US", "1000")
