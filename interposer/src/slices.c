@@ -268,7 +268,7 @@ static int charge_unmeasured(int slot, struct slice_state *st, nvmlDevice_t h, u
     if (fresh) st->unmeasured = 1;
     if (!st->unmeasured) return 0;
     double excess = 0, pct = ours >= 100 ? 100.0 : ours + 0.5; /* NVML truncates to whole percents */
-    /* the device's figure only where NVML never had one of ours: where it had, a span without one
+    /* no figure of ours (ours < 0): the device's figure only where NVML never had one of ours: where it had, a span without one
      * is a span the process did not run (charged other tenants' time, a process beside a busy
      * one paid it until GS_UNMEASURED_MAX_NS after its last such launch: over 60 s for 2 s of
      * launches after a capture, `test_throttle.py -k after_a_capture_beside`) */
@@ -292,6 +292,17 @@ static int charge_unmeasured(int slot, struct slice_state *st, nvmlDevice_t h, u
                    last + GS_UNMEASURED_MAX_NS < since))
         st->unmeasured = 0;
     return 1;
+}
+
+/* A span ends at this tick: it ran from the last one (returned), dt long, dm measured in it */
+static uint64_t span_end(struct slice_state *st, uint64_t now, uint64_t measured, uint64_t *dt, uint64_t *dm)
+{
+    uint64_t since = st->t_ns;
+    *dt = now - since;
+    *dm = measured - st->measured_ns;
+    st->t_ns = st->seen_ns = now;
+    st->measured_ns = measured;
+    return since;
 }
 
 static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
@@ -320,14 +331,12 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     if (rc == NVML_ERROR_NOT_SUPPORTED || rc == NVML_ERROR_FUNCTION_NOT_FOUND) {
         /* no per-process samples ever: each tick is a span, for launches a capture kept from
          * being measured (charged the device's utilisation); nothing to learn a factor from */
-        uint64_t since = st->t_ns, dt = now - st->t_ns, dm = measured - st->measured_ns;
-        st->t_ns = st->seen_ns = now;
-        st->measured_ns = measured;
+        uint64_t dt, dm, since = span_end(st, now, measured, &dt, &dm);
         if (dt) charge_unmeasured(slot, st, h, since, dt, dm, -1);
         return;
     }
     if (rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_FOUND) {
-        /* NOT_SUPPORTED and the like: no news, which stands for a while only */
+        /* another error: no news, which stands for a while only */
         if (now - st->seen_ns >= GS_SLICE_SILENCE_NS) silence(slot, st);
         return;
     }
@@ -342,10 +351,8 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     }
     if (ours >= 0) st->seen_ours = 1;
     /* the new samples cover the time since the last ones: measure over the same span */
-    uint64_t since = st->t_ns, dt = now - st->t_ns, dm = measured - st->measured_ns;
+    uint64_t dt, dm, since = span_end(st, now, measured, &dt, &dm);
     st->last_seen = newest;
-    st->t_ns = st->seen_ns = now;
-    st->measured_ns = measured;
     commit_team(slot, team);
     if (!dt) return;
     if (charge_unmeasured(slot, st, h, since, dt, dm, ours) || !gs_slices_enabled()) return;
