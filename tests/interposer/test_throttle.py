@@ -730,7 +730,8 @@ def test_a_capture_held_open_beside_another_process_gets_its_share(release_lab):
 
 def test_launches_under_a_capture_are_paced_by_the_advance_without_nvml(release_lab):
     # no per-process figure (NVML without the call): the advance payment alone, at the last
-    # measured launch's GPU time, paces them (with no launch measured before, nothing would)
+    # measured launch's GPU time, paces them (with no launch measured before, only the device's
+    # utilisation would, below)
     res = release_lab.run("init", "ctx", "0", "bench", "1", "own", "hold", "0", "ran", "bench", "4", "own",
                           "ran", "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
                           FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_PROC_UTIL="off")
@@ -748,6 +749,20 @@ def test_graphs_under_a_capture_cannot_outrun_a_one_kernel_advance_without_nvmls
     # lags the work by a sampler tick; with NVML's own figure 23-29 %)
     res = release_lab.run("init", "ctx", "0", "bench", "1", "own", "hold", "1", "ran", "bench", "5", "graph",
                           "ran", "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                          FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_PROC_UTIL=nvml, FAKE_NVML_UTIL_RATES="1")
+    assert res.rc("unhold") == 0
+    got = ran_share(res)
+    assert 30 - TOLERANCE <= got <= 30 + 2 * TOLERANCE, f"{nvml}: {got:.1f}%"
+
+
+@pytest.mark.parametrize("nvml", ["off", "mps"])
+def test_launches_under_a_capture_with_no_launch_measured_before_are_paced_without_nvmls_figure(
+        release_lab, nvml):
+    # no launch measured before the capture: no advance at all, so without a per-process figure
+    # nothing paced them (86 % at 30 % in a review); the device's utilisation stands in: 38 %
+    # over 5 s, the first tick's work running ahead of the charge
+    res = release_lab.run("init", "ctx", "0", "hold", "1", "ran", "bench", "5", "graph", "ran", "unhold",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
                           FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_PROC_UTIL=nvml, FAKE_NVML_UTIL_RATES="1")
     assert res.rc("unhold") == 0
     got = ran_share(res)
