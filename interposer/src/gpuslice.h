@@ -12,7 +12,7 @@
  * (allocation hooks; the first three share mem_internal.h), graphmem.c (graphs'
  * allocation nodes), launch.c (the compute throttle, with clockcomp.c,
  * budget.c, streams.c, timeline.c, capture.c, admit.c and gaps.c; throttle.h
- * is theirs), nvml.c (NVML views).
+ * is theirs), nvml.c (NVML views), crash.c (a fatal signal's report, on request).
  */
 #ifndef GPUSLICE_INTERNAL_H
 #define GPUSLICE_INTERNAL_H
@@ -44,6 +44,11 @@ void gs_log_defer(int on); /* 1: lines wait (the region lock is held); 0: they a
 #define GS_WARN(...) GS_LOG(GS_LOG_WARN, __VA_ARGS__)
 #define GS_INFO(...) GS_LOG(GS_LOG_INFO, __VA_ARGS__)
 #define GS_DEBUG(...) GS_LOG(GS_LOG_DEBUG, __VA_ARGS__)
+
+/* ---- crash.c: GPUSLICE_CRASH_REPORT=1, a fatal signal's report ------------- */
+
+void gs_crash_install(void);      /* once libcuda or NVML is resolved; nothing unless asked */
+void gs_crash_thread_start(void); /* a thread of the library's: an alternate signal stack */
 
 /* ---- real.c: typed real functions ---------------------------------------- */
 

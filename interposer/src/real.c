@@ -144,6 +144,7 @@ static void resolve_cuda(void)
             if (*gs_cuda_hooks[i].real == gs_cuda_hooks[i].hook) *gs_cuda_hooks[i].real = NULL;
     }
     __atomic_store_n(&gs_cuda_resolved, 1, __ATOMIC_RELEASE);
+    gs_crash_install();
 }
 
 static void resolve_nvml(void)
@@ -159,6 +160,7 @@ static void resolve_nvml(void)
             gs_nvml.nvmlDeviceGetMemoryInfo_v2 = NULL;
     }
     __atomic_store_n(&gs_nvml_resolved, 1, __ATOMIC_RELEASE);
+    gs_crash_install();
 }
 
 static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;

@@ -30,6 +30,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -500,6 +501,8 @@ void gs_reconcile_ctx_reset(CUdevice dev)
 static void *sampler(void *arg)
 {
     (void)arg;
+    prctl(PR_SET_NAME, "gpuslice", 0, 0, 0); /* top -H, a crash report: whose thread this is */
+    gs_crash_thread_start();
     uint64_t last = gs_now_ns();
     for (;;) {
         pthread_mutex_lock(&g_wake_mu);

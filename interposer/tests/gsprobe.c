@@ -748,6 +748,17 @@ static nvml_mem2_t nvml_mem2(void)
     return (nvml_mem2_t)dlsym(dlopen("libnvidia-ml.so.1", RTLD_NOW), "nvmlDeviceGetMemoryInfo_v2");
 }
 
+/* "sigcatch" / "segv": a handler of the program's own, and a fault for it */
+static void *volatile probe_null;
+static void probe_fatal(int sig)
+{
+    static const char msg[] = "probe handler\n";
+    (void)sig;
+    ssize_t w = write(STDOUT_FILENO, msg, sizeof(msg) - 1);
+    (void)w;
+    _exit(42);
+}
+
 int main(int argc, char **argv)
 {
     int i = 1;
@@ -1534,6 +1545,17 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "exit")) {
             fflush(stdout);
             _exit(atoi(ARG(0)));
+        } else if (!strcmp(c, "sigcatch")) {
+            /* the program's own fatal-signal handler: says so and exits with status 42 */
+            struct sigaction sa;
+            memset(&sa, 0, sizeof(sa));
+            sa.sa_handler = probe_fatal;
+            sigaction(SIGSEGV, &sa, NULL);
+            printf("sigcatch 0\n");
+        } else if (!strcmp(c, "segv")) {
+            fflush(stdout);
+            *(volatile int *)probe_null = 1; /* a fault in the program's own code */
+            printf("segv 1\n");
         } else {
             fprintf(stderr, "gsprobe: unknown command %s\n", c);
             return 2;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -91,6 +92,8 @@ def capped_env(region: Path, mem: str | None = CAP_ENV, sm: int | None = None,
         env["CUDA_DEVICE_SM_LIMIT"] = str(sm)
     if os.environ.get("GPUCHECK_LOG_LEVEL"):
         env["LIBCUDA_LOG_LEVEL"] = os.environ["GPUCHECK_LOG_LEVEL"]
+    # a child killed by a fatal signal writes which thread died and its native stack (crash.c)
+    env["GPUSLICE_CRASH_REPORT"] = "1"
     return env
 
 
@@ -106,17 +109,79 @@ def _tail(text: str, lines: int = 6) -> str:
     return " | ".join(kept)[-600:]
 
 
+_FRAME = re.compile(r"^(?P<path>[^()\s]+)\((?P<sym>[^()+]*)\+(?P<off>0x[0-9a-f]+)\)\[0x[0-9a-f]+\]$")
+
+
+def _symbolize(path: str, offset: int) -> str:
+    """``function (file:line)`` of an offset in the library (built with -g), by addr2line (the
+    return address less one: the call's line; functions inlined there first, ``<`` between);
+    ``libgpuslice.so+0x…`` without it."""
+    fallback = f"{Path(path).name}+{offset:#x}"
+    tool = shutil.which("addr2line")
+    if tool is None:
+        return fallback
+    try:
+        out = subprocess.run([tool, "-f", "-i", "-e", path, f"{max(offset - 1, 0):#x}"],
+                             check=False, capture_output=True, text=True,
+                             timeout=10).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return fallback
+    named = [f"{fn} ({Path(at.split(' ')[0]).name})" for fn, at in zip(out[::2], out[1::2])
+             if fn and fn != "??"]
+    return " < ".join(named) or fallback
+
+
+def crash_report(stderr: str, frames: int = 8) -> dict[str, Any] | None:
+    """The library's report of a fatal signal (GPUSLICE_CRASH_REPORT, interposer/src/crash.c):
+    the signal and the thread, and the thread's stack from the faulting frame on, each frame in
+    the library named by addr2line, the others as ``file(symbol+offset)``; None without one."""
+    lines = [ln.strip() for ln in stderr.splitlines()]
+    head = [ln.split("] crash: ", 1)[1] for ln in lines if "] crash: " in ln]
+    if not head:
+        return None
+    stack: list[str] = []
+    for ln in lines:
+        m = _FRAME.match(ln)
+        if m is None:
+            continue
+        path, sym, off = m["path"], m["sym"], int(m["off"], 16)
+        stack.append(_symbolize(path, off) if Path(path).name.startswith("libgpuslice")
+                     else f"{Path(path).name}({sym}+{off:#x})")
+    # the first frames are the report's own: its handler, then the kernel's signal trampoline
+    start = next((i + 2 for i, f in enumerate(stack) if f.startswith("crash_handler")), 0)
+    return {"signal": head[0], "library": head[1:2], "stack": stack[start:start + frames],
+            "frames_in_full": stack}
+
+
 def _crash(stderr: str) -> str:
-    """A child killed by a signal: the faulthandler's fatal error and the thread that died (its
-    first frames, or ``<no Python frame>``: a thread of the library's or the driver's), then the
-    library's last log lines; the plain tail where there is no such report."""
+    """A child killed by a signal: the library's report (the signal, the thread, where it died),
+    the faulthandler's fatal error and the thread that died (its first frames, or ``<no Python
+    frame>``: a thread of the library's or the driver's), then the library's last log lines; the
+    plain tail where there is no such report."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    report = crash_report(stderr)
+    native = [f"{report['signal']}: " + " < ".join(report["stack"][:5])] if report else []
     fatal = [ln for ln in lines if ln.startswith("Fatal Python error")]
     at = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
-    if not fatal and at is None:
+    if not fatal and at is None and not native:
         return _tail(stderr)
     died = lines[at:at + 3] if at is not None else []
-    return " | ".join(fatal[:1] + died + library_log(stderr, 2))[-600:]
+    logged = [ln for ln in library_log(stderr, 4) if "] crash: " not in ln][-2:]
+    return " | ".join(native + fatal[:1] + died + logged)[:900]
+
+
+def exit_text(args: Any, status: int, stderr: str) -> str:
+    """What a child's failed exit says: ``exit status N:`` and, for one killed by a signal, its
+    crash report (kept whole in the results, where the summary names where it died), else the
+    tail of its stderr."""
+    if status >= 0:
+        return f"exit status {status}: {_tail(stderr)}"
+    report = crash_report(stderr)
+    if report is not None:
+        argv = args if isinstance(args, list) else [str(args)]
+        _append({"kind": "crash", "child": " ".join(Path(str(a)).name for a in argv[:3]),
+                 "report": report, "time": time.time()})
+    return f"exit status {status}: {_crash(stderr)}"
 
 
 def run(args: list[str], env: dict[str, str], timeout: float,
@@ -141,10 +206,8 @@ def run(args: list[str], env: dict[str, str], timeout: float,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    if proc.returncode < 0:
-        raise ChildError(f"exit status {proc.returncode}: {_crash(err)}")
     if proc.returncode != 0:
-        raise ChildError(f"exit status {proc.returncode}: {_tail(err)}")
+        raise ChildError(exit_text(args, proc.returncode, err))
     try:
         result = parse_result(out)
     except (ChildError, ValueError) as exc:
@@ -229,8 +292,8 @@ class _Turn:
                 raise ChildError(f"{self.name}: no answer in time: {_tail(self._stderr())}"
                                  ) from None
             if line is None:
-                raise ChildError(f"{self.name} exited ({self.proc.wait()}): "
-                                 f"{_tail(self._stderr())}")
+                raise ChildError(f"{self.name}: "
+                                 f"{exit_text(self.proc.args, self.proc.wait(), self._stderr())}")
             if line.split(" ", 1)[0] in ("ready", "tiny", "matmul", "RESULT"):
                 return line
 
@@ -339,7 +402,7 @@ class Server:
             raise ChildError(f"gpubench serve gave no answer in {timeout:.0f}s") from None
         if line is None:
             err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise ChildError(f"gpubench serve exited ({self.proc.wait()}): {_tail(err)}")
+            raise ChildError(f"gpubench serve: {exit_text(self.proc.args, self.proc.wait(), err)}")
         return line
 
     def send(self, command: str) -> None:

@@ -162,6 +162,26 @@ def timing(lines: list[dict[str, Any]], slowest: int = 6) -> str | None:
     return f"time: {sum(t['seconds'] for t in timed):.0f} s in {len(timed)} tests; slowest: {names}"
 
 
+def crashes(lines: list[dict[str, Any]], most: int = 3) -> list[str]:
+    """One line per child killed by a fatal signal with the library's crash report (harness.
+    crash_report): the child, the signal and its thread, and the first frames from where it
+    died; children that died the same way are counted on one line."""
+    seen: dict[str, int] = {}
+    for ln in lines:
+        if ln.get("kind") != "crash":
+            continue
+        report = ln.get("report", {})
+        where = " < ".join(report.get("stack", [])[:4]) or "no frames"
+        thread = str(report.get("signal", "?"))
+        thread = thread.split(" in thread ", 1)[1] if " in thread " in thread else thread
+        key = f"{str(report.get('signal', '?')).split(' ', 1)[0]} in thread {thread}: {where}"
+        key = " ".join(w for w in key.split() if not w.isdigit())  # the tid differs per child
+        seen[key] = seen.get(key, 0) + 1
+    out = [f"crash ({n} child{'ren' if n > 1 else ''}): {k}" for k, n in seen.items()]
+    return out[:most] + ([f"crash: {len(out) - most} more kinds (gpu-check.json)"]
+                         if len(out) > most else [])
+
+
 def versions(lines: list[dict[str, Any]]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for name in PACKAGES:
@@ -181,7 +201,8 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "~"
 
 
-def render(rows: list[dict[str, Any]], found: dict[str, Any], took: str | None = None) -> str:
+def render(rows: list[dict[str, Any]], found: dict[str, Any], took: str | None = None,
+           notes: list[str] | None = None) -> str:
     widths = (5, 46, 64, 20, 18)
     head = ("", "check (issue 3 row)", "gpuslice, measured", "target", "HAMi-core (issue)")
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
@@ -205,6 +226,7 @@ def render(rows: list[dict[str, Any]], found: dict[str, Any], took: str | None =
     counts = {s: sum(r["status"] == s for r in rows) for s in
               ("PASS", "FAIL", "ERROR", "SKIP", "INFO")}
     out.append("result: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    out.extend(notes or [])
     if took:
         out.append(took)
     again = rerun(rows)
@@ -221,7 +243,7 @@ def main() -> int:
     lines = load(args.results)
     rows = build_rows(lines)
     found = versions(lines)
-    print(render(rows, found, timing(lines)))
+    print(render(rows, found, timing(lines), crashes(lines)))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "versions": found, "records": lines},

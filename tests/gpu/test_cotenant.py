@@ -114,7 +114,7 @@ def test_sm_limit_shared_by_processes(count: int, nvml: Nvml, baseline: dict[str
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=harness.budget(RUN_S + 15))
-            assert proc.returncode == 0, err[-400:]
+            assert proc.returncode == 0, harness.exit_text(args, proc.returncode, err)
             result = harness.parse_result(out)
             result["library_log"] = harness.library_log(err)
             results.append(result)

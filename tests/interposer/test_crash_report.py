@@ -1,0 +1,74 @@
+"""GPUSLICE_CRASH_REPORT=1 (interposer/src/crash.c): a process that dies of a fatal signal
+writes the signal, the thread and its native stack first, for the GPU check, where no debugger
+runs; the program's own handler still runs after it and the process still dies of the signal.
+
+The crash the GPU check last hit is made here too: NVML's per-process utilisation query, asked
+from the library's sampler thread under a compute limit, taking more stack than the thread has
+(FAKE_NVML_STACK_BYTES past the thread's 8 MiB), so the report must come from an alternate
+signal stack.  The GPU check's harness turns the report into the summary's ``crash`` line
+(tests/gpu/harness.py crash_report, tests/gpu/summary.py crashes)."""
+
+from __future__ import annotations
+
+import signal
+
+from gpu import harness, summary
+
+OVERFLOW = {"CUDA_DEVICE_SM_LIMIT": "30", "FAKE_NVML_STACK_BYTES": str(16 << 20)}
+
+
+def report_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "] crash: " in ln]
+
+
+def test_a_crash_on_the_samplers_overflowed_stack_is_reported_with_its_frames(release_lab):
+    res = release_lab.run("init", "ctx", "0", "bench", "2", "kernel", GPUSLICE_CRASH_REPORT="1",
+                          **OVERFLOW)
+    assert res.returncode == -signal.SIGSEGV, res.stderr
+    head = report_lines(res.stderr)
+    assert head and head[0].split("] crash: ")[1].startswith("SIGSEGV (code "), res.stderr
+    assert "in thread" in head[0] and "'gpuslice'" in head[0], head  # the library's thread
+    assert any("libgpuslice.so at 0x" in ln for ln in head), head
+    report = harness.crash_report(res.stderr)
+    assert report is not None
+    stack = report["stack"]
+    # from the faulting frame on: NVML's query, then the library's sampler, by name and line
+    assert "nvmlDeviceGetProcessUtilization" in stack[1], stack
+    assert any(f.startswith("sample_slot (slices.c:") for f in stack), stack
+    assert any("sampler (reconcile.c:" in f for f in stack), stack
+    assert not any(f.startswith("crash_handler") for f in stack), stack
+    # the harness's one-line account, and the summary's line for it
+    text = harness._crash(res.stderr)
+    assert text.startswith("SIGSEGV (code ") and "sample_slot (slices.c:" in text, text
+    lines = [{"kind": "crash", "child": "gsprobe", "report": report}] * 2
+    assert summary.crashes(lines) == [
+        "crash (2 children): SIGSEGV in thread 'gpuslice': " + " < ".join(stack[:4])]
+
+
+def test_without_the_variable_nothing_is_reported(release_lab):
+    res = release_lab.run("init", "ctx", "0", "bench", "2", "kernel", **OVERFLOW)
+    assert res.returncode == -signal.SIGSEGV, res.stderr
+    assert report_lines(res.stderr) == []
+    assert harness.crash_report(res.stderr) is None
+
+
+def test_the_programs_own_handler_still_runs_after_the_report(release_lab):
+    # gsprobe's handler (installed before CUDA, as Python's faulthandler is) says so and exits
+    # with 42; the report comes first and gives it back the signal
+    res = release_lab.run("sigcatch", "init", "ctx", "0", "segv", GPUSLICE_CRASH_REPORT="1")
+    assert res.returncode == 42, res.stderr
+    assert res.stdout.splitlines()[-1] == "probe handler"
+    head = report_lines(res.stderr)
+    assert head and "SIGSEGV (code 1) at 0x0 in thread" in head[0], res.stderr
+    report = harness.crash_report(res.stderr)
+    assert report is not None and any("gsprobe" in f for f in report["stack"][:2]), report
+
+
+def test_a_program_that_never_touches_cuda_is_left_alone(release_lab):
+    # the handler is installed when the library first resolves libcuda or NVML: a program that
+    # never does (a shell, ls) keeps its own signal handling untouched
+    res = release_lab.run("sigcatch", "segv", GPUSLICE_CRASH_REPORT="1")
+    assert res.returncode == 42, res.stderr
+    assert report_lines(res.stderr) == []
+    res = release_lab.run("segv", GPUSLICE_CRASH_REPORT="1")
+    assert res.returncode == -signal.SIGSEGV and report_lines(res.stderr) == [], res.stderr
