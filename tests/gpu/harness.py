@@ -195,13 +195,20 @@ def run(args: list[str], env: dict[str, str], timeout: float,
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        # SIGABRT first: under the library a stuck child writes where its main thread waits
+        # (crash.c), and a Python one every thread's Python stack (the faulthandler)
+        proc.send_signal(signal.SIGABRT)
         try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # a child of the child (a compiler) holds the pipes
-            out, err = "", "(no output: a process the child started kept its pipes open)"
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # a child of the child (a compiler) holds the pipes
+                out, err = "", "(no output: a process the child started kept its pipes open)"
         what = " ".join(Path(a).name for a in args[1:3])
-        raise ChildError(f"{what} timed out after {limit:.0f}s: {_tail(err)}") from None
+        stuck = exit_text(args, proc.wait(), err) if crash_report(err) else _tail(err)
+        raise ChildError(f"{what} timed out after {limit:.0f}s: {stuck}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,8 +10,10 @@ signal stack.  The GPU check's harness turns the report into the summary's ``cra
 
 from __future__ import annotations
 
+import json
 import signal
 
+import pytest
 from gpu import harness, summary
 
 OVERFLOW = {"CUDA_DEVICE_SM_LIMIT": "30", "FAKE_NVML_STACK_BYTES": str(16 << 20)}
@@ -72,3 +74,18 @@ def test_a_program_that_never_touches_cuda_is_left_alone(release_lab):
     assert report_lines(res.stderr) == []
     res = release_lab.run("segv", GPUSLICE_CRASH_REPORT="1")
     assert res.returncode == -signal.SIGSEGV and report_lines(res.stderr) == [], res.stderr
+
+
+def test_a_child_past_its_time_is_aborted_and_says_where_it_waited(release_lab, tmp_path,
+                                                                    monkeypatch):
+    # the GPU check's harness sends SIGABRT to a child past its time (then SIGKILL): a hang
+    # names the native frames its main thread waits in, not only the tail of its log
+    monkeypatch.setattr(harness, "RESULTS", tmp_path / "results.jsonl")
+    env = release_lab.env(GPUSLICE_CRASH_REPORT="1")
+    with pytest.raises(harness.ChildError) as caught:
+        harness.run(release_lab.command("init", "ctx", "0", "sleep", "60000"), env, timeout=3)
+    text = str(caught.value)
+    assert "timed out after 3s" in text and "SIGABRT" in text and "'gsprobe'" in text, text
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    crash = [r["report"] for r in records if r["kind"] == "crash"]
+    assert len(crash) == 1 and any(f.startswith("gsprobe(") for f in crash[0]["stack"]), crash
