@@ -45,7 +45,7 @@ def build_gpubench(out: Path) -> tuple[Path, str]:
     if cc is None:
         raise BuildError("no C compiler (gcc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
-    flags = ["-O2", "-Wall", "-std=gnu11", "-o", str(out), str(SOURCE)]
+    flags = ["-O2", "-Wall", "-std=gnu11", "-pthread", "-o", str(out), str(SOURCE)]
     attempts: list[tuple[str, list[str]]] = []
     libcuda = find_libcuda()
     if libcuda is not None:

@@ -450,6 +450,13 @@ def retry_alloc(server: Server, nbytes: int, within: float) -> tuple[str, float]
     return answer, time.monotonic() - start
 
 
+def region_used(region: Path) -> int:
+    """Bytes the region file charges to its first device (the container's budget, as the agent
+    reads it)."""
+    from webhook.node.region import read_region
+    return int(read_region(region).devices[0].used_bytes)
+
+
 def record(check: str, value: str, ok: bool | None, **data: Any) -> None:
     """Append one measured row to the results file (``ok`` None: informational)."""
     _append({"kind": "check", "check": check, "value": value, "ok": ok, "data": data,

@@ -61,6 +61,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "-", "test_the_agents_outside_check_sees_each_process"),
     ("ipc_import", "4 CUDA IPC: 2 GiB shared by 2 processes", "once: region, NVML", "-",
      "test_memory_shared_through_cuda_ipc_is_charged_once"),
+    ("vmm_import", "4 VMM handle: 2 GiB shared by 2 processes", "region: once more", "-",
+     "test_memory_shared_as_a_vmm_handle_is_charged_once_more"),
     ("pid_namespace", "4 a process in a PID namespace: NVML's pids", "informational", "-",
      "test_a_process_in_a_pid_namespace_of_its_own"),
     ("sm_50", "5 bf16 matmul at SM limit 50%", "45-55%", "~100% (no limit)",

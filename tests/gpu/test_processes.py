@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from gpu import harness
 from gpu.fills import watched
-from gpu.harness import CAP_MIB, GIB, MIB, Server, record, retry_alloc
+from gpu.harness import CAP_MIB, GIB, MIB, Server, record, region_used, retry_alloc
 from gpu.nvmlwatch import Nvml, Poller
 
 pytestmark = pytest.mark.gpu
@@ -98,11 +98,6 @@ def test_racing_processes_stay_under_shared_cap(nvml: Nvml, gpubench: Path, lib:
     assert ok, f"answers {answers}; outside max {outside['max_mib']:,.0f} MiB"
 
 
-def _region_used(region: Path) -> int:
-    from webhook.node.region import read_region
-    return read_region(region).devices[0].used_bytes
-
-
 def test_memory_shared_through_cuda_ipc_is_charged_once(nvml: Nvml, gpubench: Path,
                                                         lib: Path) -> None:
     """Programs share GPU memory between the processes of a container through CUDA IPC
@@ -130,12 +125,12 @@ def test_memory_shared_through_cuda_ipc_is_charged_once(nvml: Nvml, gpubench: Pa
         time.sleep(1.2)  # the samplers' reconciles (every 500 ms) settle both processes
         pids = {"exporter": exporter.proc.pid, "importer": importer.proc.pid}
         before = {k: nvml.pids_used({pid}) for k, pid in pids.items()}
-        steps["region before"] = region_before = _region_used(region)
+        steps["region before"] = region_before = region_used(region)
         steps["import"] = importer.ask(f"ipcopen {handle.split()[1]}")
         assert _granted(steps["import"]), steps
         time.sleep(1.5)
         after = {k: nvml.pids_used({pid}) for k, pid in pids.items()}
-        steps["region after"] = region_after = _region_used(region)
+        steps["region after"] = region_after = region_used(region)
         steps["importer view"] = importer.ask("info")
         # what the cap has left by the exporter's charge alone, less a margin for noise
         left = CAP_MIB * MIB - region_before - 256 * MIB

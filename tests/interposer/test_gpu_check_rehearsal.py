@@ -42,7 +42,7 @@ TESTS = ["tests/gpu/test_memory.py", "tests/gpu/test_views.py", "tests/gpu/test_
 FUNCTIONAL = {"outside_usage", "oom_torch", "graph_memory", "legacy_entry_points", "green_ctx",
               "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
               "jax_default", "process_views", "memory_percent", "limits_file", "smi_view",
-              "two_procs", "race", "outside_check", "ipc_import", "pool_async"}
+              "two_procs", "race", "outside_check", "ipc_import", "vmm_import", "pool_async"}
 """Rows whose verdict the fake decides as a GPU would (caps, refusals, views, NVML per process;
 the fake's IPC import takes no memory of its own, which is what ipc_import asks of the real
 driver). The launch and alloc+free costs are the fake's own (a 250 ns fake launch, a 2 µs fake
@@ -139,6 +139,9 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
     assert rows["jax_default"]["value"].startswith("pool limit 7,680 MiB")  # 75 % of the cap
     assert rows["outside_check"]["value"] == "1,324 MiB, 2,348 MiB"
     assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB, region +0 MiB")
+    # the fake's NVML counts an imported VMM handle for the importer (the stricter model)
+    assert rows["vmm_import"]["value"] == ("importer NVML +2,048 MiB, region +2,048 MiB for "
+                                           "2,048 MiB shared, +0 after the unmap"), rows["vmm_import"]
     assert rows["graph_memory"]["value"].endswith("outside 2,348")  # 2 GiB + the context
     assert rows["smi_view"]["value"].startswith("10,240 / 4,396 MiB (usage 4,396)")
     # the stream-ordered pool rows: the fake grows a pool by whole 32 MiB chunks, so gpubench's

@@ -13,7 +13,12 @@
  *                                         allocation IDX) | ipcopen HEX (maps another process's
  *                                         allocation: "ok IDX"; free IDX closes it) |
  *                                         spin MS (empty kernels launched back to back for MS
- *                                         ms: "ok LAUNCHES"; work for NVML's samples)
+ *                                         ms: "ok LAUNCHES"; work for NVML's samples) |
+ *                                         vmmexport BYTES PATH (cuMemCreate'd, mapped, exported
+ *                                         as a file descriptor and offered once on the Unix
+ *                                         socket PATH: "ok IDX") | vmmimport PATH BYTES (that
+ *                                         descriptor imported and mapped: "ok IDX"; free IDX
+ *                                         unmaps and releases either)
  *   gpubench launch LAUNCHES REPS BATCH   empty-kernel launch cost (CPU call cost and saturated)
  *   gpubench allocfree BYTES PAIRS REPS   cuMemAlloc + cuMemFree pair cost
  *   gpubench legacy MIB                   CUDA 2.x's cuMemAlloc / cuMemFree / cuMemGetInfo (32-bit,
@@ -47,9 +52,13 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -66,6 +75,26 @@ typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct {
     char reserved[64];
 } CUipcMemHandle;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct {
+    int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    int id;
+} CUmemLocation;
+typedef struct {
+    int type;                 /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int requestedHandleTypes; /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType, gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
+} CUmemAccessDesc;
 
 /* name, return type, parameters: the only driver calls this program makes. */
 #define DRIVER_CALLS(X)                                                                  \
@@ -102,12 +131,26 @@ typedef struct {
     X(CUresult, cuMemPoolTrimTo, (CUmemoryPool pool, size_t keep))                       \
     X(CUresult, cuGetErrorName, (CUresult err, const char **name))
 
-/* Needed by one command only (serve's ipcget / ipcopen): a driver without them (the CPU tests'
- * fake) still runs the others, and those commands answer CUDA_ERROR_NOT_FOUND. */
+/* Needed by serve's ipcget / ipcopen and vmmexport / vmmimport only: a driver without them
+ * still runs the others, and those commands answer CUDA_ERROR_NOT_FOUND. */
 #define OPTIONAL_CALLS(X)                                                                \
     X(CUresult, cuIpcGetMemHandle, (CUipcMemHandle * handle, CUdeviceptr ptr))           \
     X(CUresult, cuIpcOpenMemHandle_v2, (CUdeviceptr * ptr, CUipcMemHandle handle, unsigned flags)) \
-    X(CUresult, cuIpcCloseMemHandle, (CUdeviceptr ptr))
+    X(CUresult, cuIpcCloseMemHandle, (CUdeviceptr ptr))                                  \
+    X(CUresult, cuMemGetAllocationGranularity, (size_t * g, const CUmemAllocationProp *prop, int option)) \
+    X(CUresult, cuMemCreate, (CUmemGenericAllocationHandle * h, size_t size, const CUmemAllocationProp *prop, \
+                              unsigned long long flags))                                 \
+    X(CUresult, cuMemRelease, (CUmemGenericAllocationHandle h))                          \
+    X(CUresult, cuMemAddressReserve, (CUdeviceptr * ptr, size_t size, size_t align, CUdeviceptr addr, \
+                                      unsigned long long flags))                         \
+    X(CUresult, cuMemAddressFree, (CUdeviceptr ptr, size_t size))                        \
+    X(CUresult, cuMemMap, (CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h, \
+                           unsigned long long flags))                                    \
+    X(CUresult, cuMemUnmap, (CUdeviceptr ptr, size_t size))                              \
+    X(CUresult, cuMemSetAccess, (CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)) \
+    X(CUresult, cuMemExportToShareableHandle, (void *shared, CUmemGenericAllocationHandle h, int type, \
+                                               unsigned long long flags))               \
+    X(CUresult, cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle * h, void *os_handle, int type))
 
 #ifdef GPUBENCH_DLOPEN
 #define DECLARE(ret, name, params) static ret(*p_##name) params;
@@ -279,11 +322,154 @@ static CUresult spin(double ns, unsigned long long *launches)
     return 0;
 }
 
+/* ---- serve's VMM sharing: a cuMemCreate'd allocation passed to another process as a file
+ * descriptor over a Unix socket (SCM_RIGHTS), as NCCL's and PyTorch's sharing do ---------- */
+
+struct vmm_held {
+    CUmemGenericAllocationHandle handle;
+    size_t size;
+};
+
+/* BYTES rounded up to the granularity, reserved, mapped from `handle` and made accessible */
+static CUresult vmm_map(CUmemGenericAllocationHandle handle, size_t bytes, CUdeviceptr *ptr)
+{
+    CUmemAccessDesc access = {{1, 0}, 3};
+    CUresult err = CALL(cuMemAddressReserve)(ptr, bytes, 0, 0, 0);
+    if (err == 0 && (err = CALL(cuMemMap)(*ptr, bytes, 0, handle, 0)) != 0)
+        CALL(cuMemAddressFree)(*ptr, bytes);
+    else if (err == 0 && (err = CALL(cuMemSetAccess)(*ptr, bytes, &access, 1)) != 0) {
+        CALL(cuMemUnmap)(*ptr, bytes);
+        CALL(cuMemAddressFree)(*ptr, bytes);
+    }
+    return err;
+}
+
+static CUresult vmm_free(CUdeviceptr ptr, const struct vmm_held *held)
+{
+    CUresult err = CALL(cuMemUnmap)(ptr, held->size);
+    CUresult freed = CALL(cuMemAddressFree)(ptr, held->size);
+    CUresult released = CALL(cuMemRelease)(held->handle);
+    return err ? err : freed ? freed : released;
+}
+
+static int vmm_socket(const char *path, struct sockaddr_un *addr)
+{
+    memset(addr, 0, sizeof(*addr));
+    addr->sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof(addr->sun_path))
+        return -1;
+    strcpy(addr->sun_path, path);
+    return socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+}
+
+struct vmm_offer {
+    int listener, fd;
+};
+
+/* the exporter's side: one connection, one descriptor, then both closed */
+static void *vmm_offer_once(void *arg)
+{
+    struct vmm_offer *offer = arg;
+    int conn = accept(offer->listener, NULL, NULL);
+    if (conn >= 0) {
+        char byte = 'v', control[CMSG_SPACE(sizeof(int))];
+        struct iovec iov = {&byte, 1};
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
+                             .msg_controllen = sizeof(control)};
+        struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+        cmsg->cmsg_level = SOL_SOCKET;
+        cmsg->cmsg_type = SCM_RIGHTS;
+        cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cmsg), &offer->fd, sizeof(int));
+        if (sendmsg(conn, &msg, 0) < 0)
+            perror("gpubench: sendmsg");
+        close(conn);
+    }
+    close(offer->listener);
+    close(offer->fd);
+    free(offer);
+    return NULL;
+}
+
+static CUresult vmm_export(size_t bytes, const char *path, struct vmm_held *held, CUdeviceptr *ptr)
+{
+    CUmemAllocationProp prop = {.type = 1, .requestedHandleTypes = 1, .location = {1, 0}};
+    size_t gran = 0;
+    int fd = -1;
+    struct sockaddr_un addr;
+    if (!HAVE(cuMemCreate) || !HAVE(cuMemExportToShareableHandle))
+        return 500; /* CUDA_ERROR_NOT_FOUND */
+    CUresult err = CALL(cuMemGetAllocationGranularity)(&gran, &prop, 0);
+    if (err != 0)
+        return err;
+    bytes = (bytes + gran - 1) / gran * gran;
+    if ((err = CALL(cuMemCreate)(&held->handle, bytes, &prop, 0)) != 0)
+        return err;
+    held->size = bytes;
+    if ((err = vmm_map(held->handle, bytes, ptr)) != 0 ||
+        (err = CALL(cuMemExportToShareableHandle)(&fd, held->handle, 1, 0)) != 0) {
+        CALL(cuMemRelease)(held->handle);
+        return err;
+    }
+    struct vmm_offer *offer = malloc(sizeof(*offer));
+    int listener = vmm_socket(path, &addr);
+    pthread_t thread;
+    if (offer != NULL && listener >= 0 && bind(listener, (struct sockaddr *)&addr, sizeof(addr)) == 0 &&
+        listen(listener, 1) == 0) {
+        offer->listener = listener;
+        offer->fd = fd;
+        if (pthread_create(&thread, NULL, vmm_offer_once, offer) == 0) {
+            pthread_detach(thread);
+            return 0;
+        }
+    }
+    perror("gpubench: vmmexport socket");
+    free(offer);
+    if (listener >= 0)
+        close(listener);
+    close(fd);
+    vmm_free(*ptr, held);
+    return 304; /* CUDA_ERROR_OPERATING_SYSTEM */
+}
+
+static CUresult vmm_import(const char *path, size_t bytes, struct vmm_held *held, CUdeviceptr *ptr)
+{
+    struct sockaddr_un addr;
+    char byte, control[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {&byte, 1};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
+                         .msg_controllen = sizeof(control)};
+    int fd = -1, sock = vmm_socket(path, &addr);
+    if (!HAVE(cuMemImportFromShareableHandle))
+        return 500;
+    if (sock < 0 || connect(sock, (struct sockaddr *)&addr, sizeof(addr)) != 0 || recvmsg(sock, &msg, 0) != 1) {
+        perror("gpubench: vmmimport socket");
+        if (sock >= 0)
+            close(sock);
+        return 304;
+    }
+    close(sock);
+    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+    if (cmsg == NULL || cmsg->cmsg_type != SCM_RIGHTS)
+        return 304;
+    memcpy(&fd, CMSG_DATA(cmsg), sizeof(int));
+    CUresult err = CALL(cuMemImportFromShareableHandle)(&held->handle, (void *)(intptr_t)fd, 1);
+    close(fd); /* the imported handle keeps the allocation */
+    if (err != 0)
+        return err;
+    held->size = bytes;
+    if ((err = vmm_map(held->handle, bytes, ptr)) != 0)
+        CALL(cuMemRelease)(held->handle);
+    return err;
+}
+
+
 static int cmd_serve(void)
 {
     static CUdeviceptr held[MAX_HELD];
-    static char imported[MAX_HELD];
-    char line[512], hex[160];
+    static char imported[MAX_HELD]; /* 1: a CUDA IPC mapping; 2: a VMM mapping (vmm[]) */
+    static struct vmm_held vmm[MAX_HELD];
+    char line[512], hex[160], path[200];
     int count = 0;
     open_device();
     printf("ready %d\n", (int)getpid());
@@ -305,6 +491,8 @@ static int cmd_serve(void)
             if (arg < (unsigned long long)count && held[arg] != 0) {
                 if (!imported[arg])
                     err = CALL(cuMemFree_v2)(held[arg]);
+                else if (imported[arg] == 2)
+                    err = vmm_free(held[arg], &vmm[arg]);
                 else
                     err = HAVE(cuIpcCloseMemHandle) ? CALL(cuIpcCloseMemHandle)(held[arg]) : 500;
                 held[arg] = 0;
@@ -329,6 +517,20 @@ static int cmd_serve(void)
             if (err == 0) {
                 held[count] = ptr;
                 imported[count] = 1;
+                printf("ok %d\n", count++);
+            } else {
+                printf("err %d %s\n", err, error_name(err));
+            }
+        } else if (sscanf(line, "vmmexport %llu %199s", &arg, path) == 2 ||
+                   sscanf(line, "vmmimport %199s %llu", path, &arg) == 2) {
+            CUdeviceptr ptr = 0;
+            CUresult err = 2; /* CUDA_ERROR_OUT_OF_MEMORY: no slot left */
+            if (count < MAX_HELD)
+                err = line[3] == 'e' ? vmm_export((size_t)arg, path, &vmm[count], &ptr)
+                                     : vmm_import(path, (size_t)arg, &vmm[count], &ptr);
+            if (err == 0) {
+                held[count] = ptr;
+                imported[count] = 2;
                 printf("ok %d\n", count++);
             } else {
                 printf("err %d %s\n", err, error_name(err));
