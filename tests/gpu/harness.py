@@ -184,6 +184,25 @@ def exit_text(args: Any, status: int, stderr: str) -> str:
     return f"exit status {status}: {_crash(stderr)}"
 
 
+def abort_for_report(proc: subprocess.Popen[str], stderr: Any) -> str:
+    """A child that gave no answer in time: SIGABRT, so that under the library it writes where
+    its main thread waits (crash.c) and a Python one every thread's stack; SIGKILL after 5 s.
+    ``stderr``: a callable returning the child's stderr once it has ended.  Returns its crash
+    report as :func:`exit_text` words it, or "" without one."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    try:
+        err = stderr()
+    except (OSError, ValueError):
+        return ""
+    return exit_text(proc.args, proc.returncode, err) if crash_report(err) else ""
+
+
 def run(args: list[str], env: dict[str, str], timeout: float,
         poller: Poller | None = None) -> dict[str, Any]:
     """Run a child to completion and return its RESULT; ChildError on any failure."""
@@ -296,8 +315,8 @@ class _Turn:
             try:
                 line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise ChildError(f"{self.name}: no answer in time: {_tail(self._stderr())}"
-                                 ) from None
+                stuck = abort_for_report(self.proc, self._stderr) or _tail(self._stderr())
+                raise ChildError(f"{self.name}: no answer in time: {stuck}") from None
             if line is None:
                 raise ChildError(f"{self.name}: "
                                  f"{exit_text(self.proc.args, self.proc.wait(), self._stderr())}")
@@ -405,8 +424,10 @@ class Server:
         try:
             line = self._lines.get(timeout=budget(timeout))
         except queue.Empty:
-            self.kill()
-            raise ChildError(f"gpubench serve gave no answer in {timeout:.0f}s") from None
+            stuck = abort_for_report(self.proc, lambda: self.proc.stderr.read()
+                                     if self.proc.stderr else "")
+            raise ChildError(f"gpubench serve gave no answer in {timeout:.0f}s: {stuck}"
+                             ) from None
         if line is None:
             err = self.proc.stderr.read() if self.proc.stderr else ""
             raise ChildError(f"gpubench serve: {exit_text(self.proc.args, self.proc.wait(), err)}")

@@ -89,3 +89,21 @@ def test_a_child_past_its_time_is_aborted_and_says_where_it_waited(release_lab, 
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     crash = [r["report"] for r in records if r["kind"] == "crash"]
     assert len(crash) == 1 and any(f.startswith("gsprobe(") for f in crash[0]["stack"]), crash
+
+
+def test_a_server_child_without_an_answer_is_aborted_and_says_where_it_waited(release_lab,
+                                                                               tmp_path,
+                                                                               monkeypatch):
+    # gpubench serve stands in for every line-driven child: one that gives no answer in time
+    # (here a stand-in that never answers: gsprobe asleep) is aborted the same way
+    monkeypatch.setattr(harness, "RESULTS", tmp_path / "results.jsonl")
+    probe = tmp_path / "gpubench"
+    # (its answers' pipe kept open on fd 3, its own lines sent to stderr)
+    probe.write_text(f"#!/bin/sh\necho ready $$\nexec 3>&1\nexec {release_lab.command()[0]} "
+                     "--api direct init ctx 0 sleep 60000 >&2\n")
+    probe.chmod(0o755)
+    server = harness.Server(probe, release_lab.env(GPUSLICE_CRASH_REPORT="1"))
+    with pytest.raises(harness.ChildError) as caught:
+        server.ask("info", timeout=2)
+    text = str(caught.value)
+    assert "no answer in 2s" in text and "SIGABRT" in text and "'gsprobe'" in text, text
