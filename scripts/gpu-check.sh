@@ -36,6 +36,9 @@ mkdir -p "$outdir"
 export GPUCHECK_WORK="$work" GPUCHECK_RESULTS="$outdir/results.jsonl"
 export GPUCHECK_DEADLINE=$((start + budget - 15))   # children end by then; the rest: summary
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# a child that crashes, or is aborted past its time to say where it waits, writes no core file
+# (gigabytes for a framework's process, on the machine's small disk); its report is on stderr
+ulimit -c 0
 export PATH="$PATH:/usr/local/nvidia/bin:/usr/local/cuda/bin"
 unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMORY_SHARED_CACHE
 
