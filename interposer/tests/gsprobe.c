@@ -760,6 +760,30 @@ static void probe_fatal(int sig)
     _exit(42);
 }
 
+/* "badframe": a fault in a function whose frame pointer was overwritten, as in a smashed stack,
+ * its caller's frame found through it (x86_64; elsewhere "badframe -1"): whoever unwinds the
+ * stack from there reads a wild address too */
+#if defined(__x86_64__)
+void probe_bad_frame(void);
+__asm__(".text\n"
+        ".globl probe_bad_frame\n"
+        ".type probe_bad_frame, @function\n"
+        "probe_bad_frame:\n"
+        ".cfi_startproc\n"
+        "pushq %rbp\n"
+        ".cfi_def_cfa_offset 16\n"
+        ".cfi_offset %rbp, -16\n"
+        "movq %rsp, %rbp\n"
+        ".cfi_def_cfa_register %rbp\n"
+        "movq $16, %rbp\n"
+        "movl $1, 0\n"
+        "popq %rbp\n"
+        ".cfi_def_cfa %rsp, 8\n"
+        "ret\n"
+        ".cfi_endproc\n"
+        ".size probe_bad_frame, .-probe_bad_frame\n");
+#endif
+
 /* "sigguard" / "guard": a handler of the program's own that makes a guard page readable when
  * a load faults on it (as a runtime's guard pages or a GC's write barrier do: the fault's
  * address and code tell it that the fault is its own) and lets the load run again; and the
@@ -1572,6 +1596,12 @@ int main(int argc, char **argv)
             sa.sa_handler = probe_fatal;
             sigaction(SIGSEGV, &sa, NULL);
             printf("sigcatch 0\n");
+        } else if (!strcmp(c, "badframe")) {
+            fflush(stdout);
+#if defined(__x86_64__)
+            probe_bad_frame();
+#endif
+            printf("badframe -1\n");
         } else if (!strcmp(c, "sigguard")) {
             void *page = mmap(NULL, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
             struct sigaction sa;
