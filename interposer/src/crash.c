@@ -21,8 +21,8 @@
  * Then the handler that was there before (Python's faulthandler, which dumps
  * every thread's Python stack) is put back and the signal raised again (a
  * fault: the handler returns and the instruction faults again, so that handler
- * sees the fault itself): the process still dies of it, with the same status.  The library's own threads
- * get an alternate signal stack (the handler must run after a stack overflow,
+ * sees the fault itself): the process still dies of it, with the same status.
+ * The library's own threads get an alternate signal stack (the handler must run after a stack overflow,
  * which is how the sampler thread died); others use whatever they have.
  * Only async-signal-safe calls in the handler, backtrace() aside (loaded once
  * at installation, so that its first call in the handler does not dlopen).
@@ -150,13 +150,14 @@ static void crash_handler(int sig, siginfo_t *info, void *uc)
         pthread_sigmask(SIG_BLOCK, &own, NULL);
     }
     /* that handler takes it from here, or the default action: the process dies of the signal
-     * all the same.  A fault (the kernel's, si_code > 0) happens again as this
-     * handler returns, and that handler gets it with its own address and context: given a
-     * raise() instead (SI_TKILL, no address), one that recovers from faults of its own (a guard
-     * page, a runtime's null check) took it for another and died (`test_crash_report.py -k
-     * recovers`).  One sent (kill, raise, abort) or that would not recur (an asynchronous
-     * machine-check) is sent again, pending until this handler returns */
-    if (!info || info->si_code <= 0 || sig == SIGABRT || (sig == SIGBUS && info->si_code == BUS_MCEERR_AO)) raise(sig);
+     * all the same.  A fault (the kernel's, si_code > 0) happens again as this handler returns,
+     * and that handler gets it with its own address and context: given a raise() instead
+     * (SI_TKILL, no address), one that recovers from faults of its own (a guard page, a
+     * runtime's null check) took it for another and died (`test_crash_report.py -k recovers`).
+     * One sent (kill, raise, abort) or that would not recur (an asynchronous machine-check) is
+     * sent again, pending until this handler returns */
+    if (!info || info->si_code <= 0 || sig == SIGABRT || (sig == SIGBUS && info->si_code == BUS_MCEERR_AO))
+        raise(sig);
     errno = saved;
 }
 
