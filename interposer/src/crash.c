@@ -19,9 +19,10 @@
  * the faulting function is among the first few.
  *
  * Then the handler that was there before (Python's faulthandler, which dumps
- * every thread's Python stack) is put back and the signal raised again: the
- * process still dies of it, with the same status.  The library's own threads
- * get an alternate signal stack (the handler must run after a stack overflow,
+ * every thread's Python stack) is put back and the signal raised again (a
+ * fault: the handler returns and the instruction faults again, so that handler
+ * sees the fault itself): the process still dies of it, with the same status.
+ * The library's own threads get an alternate signal stack (the handler must run after a stack overflow,
  * which is how the sampler thread died); others use whatever they have.
  * Only async-signal-safe calls in the handler, backtrace() aside (loaded once
  * at installation, so that its first call in the handler does not dlopen).
@@ -113,7 +114,17 @@ static void crash_handler(int sig, siginfo_t *info, void *uc)
 {
     (void)uc;
     int saved = errno;
+    /* the handler that was there before is back first, and the signal open while the report is
+     * written: a fault in the report itself (the unwinder reading a smashed stack's frames) goes
+     * to it.  Blocked, as a handler's own signal is, it made the kernel kill the process there,
+     * and the program's handler (Python's faulthandler) never ran (`test_crash_report.py -k
+     * unwinds`) */
+    put_back(sig);
     if (!__atomic_exchange_n(&crash_reporting, 1, __ATOMIC_ACQ_REL)) {
+        sigset_t own;
+        sigemptyset(&own);
+        sigaddset(&own, sig);
+        pthread_sigmask(SIG_UNBLOCK, &own, NULL);
         struct crash_line l = {.len = 0};
         char name[17] = {0};
         prctl(PR_GET_NAME, name, 0, 0, 0);
@@ -136,11 +147,17 @@ static void crash_handler(int sig, siginfo_t *info, void *uc)
         void *frames[CRASH_FRAMES];
         int n = backtrace(frames, CRASH_FRAMES);
         if (n > 0) backtrace_symbols_fd(frames, n, STDERR_FILENO);
+        pthread_sigmask(SIG_BLOCK, &own, NULL);
     }
-    /* the handler that was there before takes it from here (pending until this one returns),
-     * or the default action: the process dies of the signal all the same */
-    put_back(sig);
-    raise(sig);
+    /* that handler takes it from here, or the default action: the process dies of the signal
+     * all the same.  A fault (the kernel's, si_code > 0) happens again as this handler returns,
+     * and that handler gets it with its own address and context: given a raise() instead
+     * (SI_TKILL, no address), one that recovers from faults of its own (a guard page, a
+     * runtime's null check) took it for another and died (`test_crash_report.py -k recovers`).
+     * One sent (kill, raise, abort) or that would not recur (an asynchronous machine-check) is
+     * sent again, pending until this handler returns */
+    if (!info || info->si_code <= 0 || sig == SIGABRT || (sig == SIGBUS && info->si_code == BUS_MCEERR_AO))
+        raise(sig);
     errno = saved;
 }
 

@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -757,6 +758,49 @@ static void probe_fatal(int sig)
     ssize_t w = write(STDOUT_FILENO, msg, sizeof(msg) - 1);
     (void)w;
     _exit(42);
+}
+
+/* "badframe": a fault in a function whose frame pointer was overwritten, as in a smashed stack,
+ * its caller's frame found through it (x86_64; elsewhere "badframe -1"): whoever unwinds the
+ * stack from there reads a wild address too */
+#if defined(__x86_64__)
+void probe_bad_frame(void);
+__asm__(".text\n"
+        ".globl probe_bad_frame\n"
+        ".type probe_bad_frame, @function\n"
+        "probe_bad_frame:\n"
+        ".cfi_startproc\n"
+        "pushq %rbp\n"
+        ".cfi_def_cfa_offset 16\n"
+        ".cfi_offset %rbp, -16\n"
+        "movq %rsp, %rbp\n"
+        ".cfi_def_cfa_register %rbp\n"
+        "movq $16, %rbp\n"
+        "movl $1, 0\n"
+        "popq %rbp\n"
+        ".cfi_def_cfa %rsp, 8\n"
+        "ret\n"
+        ".cfi_endproc\n"
+        ".size probe_bad_frame, .-probe_bad_frame\n");
+#endif
+
+/* "sigguard" / "guard": a handler of the program's own that makes a guard page readable when
+ * a load faults on it (as a runtime's guard pages or a GC's write barrier do: the fault's
+ * address and code tell it that the fault is its own) and lets the load run again; and the
+ * load.  Any other SIGSEGV it is given: says so, with the code it got, and exits with 43. */
+static volatile int *probe_guard;
+static void probe_guard_fault(int sig, siginfo_t *info, void *uc)
+{
+    (void)sig;
+    (void)uc;
+    if (info->si_code == SEGV_ACCERR && info->si_addr == (void *)probe_guard &&
+        mprotect((void *)probe_guard, 4096, PROT_READ | PROT_WRITE) == 0)
+        return;
+    char msg[64];
+    int n = snprintf(msg, sizeof(msg), "probe guard handler: code %d\n", info->si_code);
+    ssize_t w = write(STDOUT_FILENO, msg, (size_t)n);
+    (void)w;
+    _exit(43);
 }
 
 int main(int argc, char **argv)
@@ -1552,6 +1596,25 @@ int main(int argc, char **argv)
             sa.sa_handler = probe_fatal;
             sigaction(SIGSEGV, &sa, NULL);
             printf("sigcatch 0\n");
+        } else if (!strcmp(c, "badframe")) {
+            fflush(stdout);
+#if defined(__x86_64__)
+            probe_bad_frame();
+#endif
+            printf("badframe -1\n");
+        } else if (!strcmp(c, "sigguard")) {
+            void *page = mmap(NULL, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            struct sigaction sa;
+            memset(&sa, 0, sizeof(sa));
+            sa.sa_sigaction = probe_guard_fault;
+            sa.sa_flags = SA_SIGINFO;
+            int rc = page == MAP_FAILED || sigaction(SIGSEGV, &sa, NULL) != 0;
+            probe_guard = page == MAP_FAILED ? NULL : page;
+            printf("sigguard %d\n", rc);
+        } else if (!strcmp(c, "guard")) {
+            fflush(stdout);
+            int v = probe_guard ? *probe_guard : -1; /* faults once: the handler opens the page */
+            printf("guard 0 %d\n", v);
         } else if (!strcmp(c, "segv")) {
             fflush(stdout);
             *(volatile int *)probe_null = 1; /* a fault in the program's own code */

@@ -66,6 +66,30 @@ def test_the_programs_own_handler_still_runs_after_the_report(release_lab):
     assert report is not None and any("gsprobe" in f for f in report["stack"][:2]), report
 
 
+def test_a_fault_while_the_report_unwinds_still_reaches_the_programs_handler(release_lab):
+    # a smashed stack's frame pointer (gsprobe badframe, x86_64): the report's unwinding faults
+    # on it too.  With the signal blocked in the report's handler the kernel killed the process
+    # outright, and the program's own handler (Python's faulthandler, its threads' stacks)
+    # never ran
+    res = release_lab.run("sigcatch", "init", "ctx", "0", "badframe", GPUSLICE_CRASH_REPORT="1")
+    if res.of("badframe"):
+        pytest.skip("gsprobe badframe is x86_64 only")
+    assert res.returncode == 42, res.stdout + res.stderr
+    assert res.stdout.splitlines()[-1] == "probe handler"
+    head = report_lines(res.stderr)
+    assert head and "SIGSEGV (code 1) at 0x0 in thread" in head[0], res.stderr
+
+
+def test_a_fault_the_programs_own_handler_recovers_from_is_still_its_own(release_lab):
+    # a handler of the program's (installed before CUDA, as a runtime's is) makes a guard page
+    # readable when the fault's code and address say the fault is on it, and the load runs
+    # again.  Given the report's raise() instead of the fault (SI_TKILL, no address), it took
+    # the fault for someone else's and the process died of it
+    res = release_lab.run("sigguard", "init", "ctx", "0", "guard", GPUSLICE_CRASH_REPORT="1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.values("guard") == [0], res.stdout
+
+
 def test_a_program_that_never_touches_cuda_is_left_alone(release_lab):
     # the handler is installed when the library first resolves libcuda or NVML: a program that
     # never does (a shell, ls) keeps its own signal handling untouched
