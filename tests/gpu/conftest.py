@@ -41,8 +41,9 @@ ORDER = ("test_memory.py::test_largest_allocation_within_context_footprint_of_ca
          # figure (the co-tenant correction above all), so that a budget cut leaves it for the
          # second call the summary prints
          "test_compute.py::test_sm_limit_excludes_copies_between_kernels", "test_compute.py",
-         # new on 2026-12-05: what NVML counts of an imported VMM handle (a few seconds)
-         "test_vmm.py")
+         # new on 2026-12-05: what NVML counts of an imported VMM handle, and whether memsets
+         # take SM time (a few seconds each)
+         "test_vmm.py", "test_memset.py")
 _state = {"recording": False}
 _setup_s: dict[str, float] = {}
 

@@ -87,6 +87,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_sm_limit_shared_by_processes[2]"),
     ("sm_30_four_procs", "5 same, four processes of one container", "25-35% together", "-",
      "test_sm_limit_shared_by_processes[4]"),
+    ("memset_share", "5 memsets alone, no library: NVML's SM share", "informational", "-",
+     "test_memsets_alone_as_nvml_sees_them"),
     ("launch_cost", "6 empty-kernel launch, lib vs none", "<= 1.05x", "-",
      "test_launch_cost_with_library_unlimited_within_5_percent"),
     ("torch_tiny", "6 torch tiny ops, lib vs none", "<= 1.05x", "-",

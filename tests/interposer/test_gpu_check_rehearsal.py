@@ -51,8 +51,10 @@ allocation): measured, not judged here."""
 
 COMPUTE = {"sm_50", "sm_30", "sm_10", "sm_30_time", "outside_compute", "sm_30_capture_held",
            "torch_tiny", "sm_30_copies", "sm_30_cotenant", "sm_30_cotenant_raw",
-           "sm_30_two_procs", "sm_30_four_procs"}
-"""The rows of test_compute.py and test_cotenant.py."""
+           "sm_30_two_procs", "sm_30_four_procs", "memset_share"}
+"""The rows of test_compute.py, test_cotenant.py and test_memset.py."""
+COMPUTE_TESTS = ["tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py",
+                 "tests/gpu/test_memset.py"]
 
 
 def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[str, Any]]:
@@ -99,7 +101,7 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
     again = re.search(r'rows not run or cut short; to run only them: GPUCHECK_TESTS="([^"]+)" bash', log)
     assert again is not None, log[-2000:]
     assert {i.split("::")[0] for i in again.group(1).split()} == (
-        {"tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py"} if tests == TESTS else set(TESTS))
+        set(COMPUTE_TESTS) if tests == TESTS else set(TESTS))
     return log, {"rows": rows, "versions": report["versions"], "measured": measured}
 
 
@@ -167,9 +169,10 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
 @pytest.mark.slow
 def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
     log, report = gpu_check(
-        tmp_path, ["tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py"],
+        tmp_path, COMPUTE_TESTS,
         FAKE_CUDA_KERNEL_US="2000",  # a matmul's kernel
         FAKE_CUDA_COPY_US="2000",  # sm_30_copies's copy before each: as long as the kernel
+        FAKE_CUDA_MEMSET_US="2000",  # memset_share's memsets
         FAKE_GPU_SHARED="1",  # the processes share one GPU that time-slices them
         FAKE_NVML_POWER_LIMIT_MW="700000")  # NVML's utilisation, per process too
     rows = report["rows"]
@@ -194,6 +197,10 @@ def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_pat
     found = re.fullmatch(r"[0-9.]+%; GPU time [0-9.]+%, x[0-9.]+; NVML [0-9.]+%; "
                          r"copy ([0-9.]+)/mm [0-9.]+ ms", copies)
     assert found and float(found.group(1)) >= 1.9, rows["sm_30_copies"]
+    # memsets alone, without the library, while the agent's sampler watches: the fake's NVML
+    # gives their time to the process as SM time (the question the row asks of the driver)
+    assert re.fullmatch(r"[0-9,]+ GB/s of 1 GiB memsets alone; NVML's share of SM time: "
+                        r"([0-9]+ %|not judged)", rows["memset_share"]["value"]), rows["memset_share"]
     assert rows["sm_30_two_procs"]["value"].count("+") == 1
     assert rows["sm_30_four_procs"]["value"].count("+") == 3
     for check in set(rows) - COMPUTE:  # the other run's rows, not asked for here

@@ -21,6 +21,8 @@
  *                                         unmaps and releases either)
  *   gpubench launch LAUNCHES REPS BATCH   empty-kernel launch cost (CPU call cost and saturated)
  *   gpubench allocfree BYTES PAIRS REPS   cuMemAlloc + cuMemFree pair cost
+ *   gpubench memset MIB MS                memsets alone for MS ms (cuMemsetD8Async of MIB):
+ *                                         how many, GB/s (tests/gpu/test_memset.py)
  *   gpubench legacy MIB                   CUDA 2.x's cuMemAlloc / cuMemFree / cuMemGetInfo (32-bit,
  *                                         found by dlsym): MIB allocated, then 3 GiB, then freed;
  *                                         what each returned and what cuMemGetInfo_v2 saw
@@ -630,6 +632,28 @@ static int cmd_allocfree(size_t bytes, int pairs, int reps)
     return 0;
 }
 
+/* Memsets alone (cuMemsetD8Async of MIB on the legacy stream, waited for every 16) for MS
+ * ms: how many, and the bytes per second, while the parent watches NVML's utilisation. */
+static int cmd_memset(size_t mib, double ms)
+{
+    CUdeviceptr ptr;
+    size_t bytes = mib << 20;
+    unsigned long long n = 0;
+    open_device();
+    check(CALL(cuMemAlloc_v2)(&ptr, bytes), "cuMemAlloc_v2");
+    double t0 = now_ns();
+    while (now_ns() - t0 < ms * 1e6) {
+        for (int i = 0; i < 16; i++, n++)
+            check(CALL(cuMemsetD8Async)(ptr, (unsigned char)n, bytes, NULL), "cuMemsetD8Async");
+        check(CALL(cuCtxSynchronize)(), "cuCtxSynchronize");
+    }
+    double s = (now_ns() - t0) / 1e9;
+    check(CALL(cuMemFree_v2)(ptr), "cuMemFree_v2");
+    printf("RESULT {\"memsets\": %llu, \"mib\": %zu, \"seconds\": %.3f, \"gb_per_s\": %.1f}\n", n, mib, s,
+           (double)n * (double)bytes / s / 1e9);
+    return 0;
+}
+
 /* Keep the moment's usage for a while: the parent's outside watch polls NVML every few ms,
  * and a peak that lasts microseconds would pass between two of its samples. */
 static void hold_peak(void)
@@ -956,7 +980,7 @@ static int parse_sizes(const char *text, double *mib)
 static int usage(void)
 {
     fprintf(stderr, "usage: gpubench info | serve | launch LAUNCHES REPS BATCH | "
-                    "allocfree BYTES PAIRS REPS | legacy MIB | graph MIB | green MIB | "
+                    "allocfree BYTES PAIRS REPS | memset MIB MS | legacy MIB | graph MIB | green MIB | "
                     "poolgrow MIB,MIB,... | poolfill MIB,MIB,...\n");
     return 64;
 }
@@ -979,6 +1003,12 @@ int main(int argc, char **argv)
         if (bytes <= 0 || pairs <= 0 || reps <= 0)
             return usage();
         return cmd_allocfree((size_t)bytes, pairs, reps);
+    }
+    if (argc == 4 && strcmp(argv[1], "memset") == 0) {
+        long long mib = atoll(argv[2]), ms = atoll(argv[3]);
+        if (mib <= 0 || ms <= 0)
+            return usage();
+        return cmd_memset((size_t)mib, (double)ms);
     }
     if (argc == 3 && strcmp(argv[1], "legacy") == 0) {
         long long mib = atoll(argv[2]);
