@@ -522,6 +522,32 @@ async def test_a_process_that_ended_before_the_check_still_counts(tmp_path: Path
         assert load.over(10) and load.pids == (31,)
 
 
+async def test_an_episode_begun_after_its_process_ended_goes_on_across_checks(
+        tmp_path: Path) -> None:
+    """A process ran over the limit and exited before the check (a short job, a crash): its
+    samples left in the window start the episode, and the next checks go on with it (one Event,
+    evicted after the rounds) on a node up for a day as on one just booted. The episode's
+    'last seen' began at 0 on the monotonic clock (seconds since boot): on a node up more than
+    ABSENT_TTL it read as gone that long and was dropped at once, so every check began a new
+    episode and a new Event and the rounds were never reached."""
+    node, clock = Node(tmp_path), Clock()
+    clock.t = 86_400.0  # time.monotonic() on a node up for a day
+    pod = cores_pod("short", "30")
+    node.run_in(pod, "a", 31, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, pod, compute_action="evict",
+                      rounds=3) as (kube, auditor):
+        gpus.run(auditor.compute, 20, {(0, 31): 90})
+        node.stop(31)
+        shutil.rmtree(node.proc / "31")
+        for _ in range(3):
+            gpus.run(auditor.compute, 1, {})
+            (load,) = (await auditor.check()).loads
+            assert load.over(10)
+        assert (auditor.episodes, auditor.events, auditor.evictions) == (1, 1, 1)
+        assert len(kube.requests_to("POST", r"/namespaces/ml/pods/short/eviction$")) == 1
+
+
 async def test_a_pid_reused_since_the_sample_is_not_placed(tmp_path: Path) -> None:
     node, clock = Node(tmp_path), Clock()
     pod = cores_pod("p", "30")

@@ -86,6 +86,29 @@ def test_no_patch_when_the_node_already_carries_everything() -> None:
     assert status_patch(dict(want.resources), {}, want) is not None
 
 
+async def test_quantities_the_api_server_canonicalised_need_no_patch() -> None:
+    """The API server stores quantities in canonical form: ten GPUs' "1000" gpucores come
+    back as "1k" (and 125 slices of eight GPUs as "1k" too). Compared as text, the resources
+    differed at every round: a nodes/status PATCH (a write every node watcher sees) and an
+    INFO line each interval, for ever."""
+    ten = Discovery(True, tuple(Gpu(f"GPU-{i}", i, "NVIDIA L40S", 46068, HEALTHY)
+                                for i in range(10)))
+    want = desired_state(ten, SETTINGS)
+    assert want.resources["nvidia.com/gpucores"] == "1000"
+    stored = {**want.resources, "nvidia.com/gpucores": "1k"}
+    assert status_patch(stored, stored, want) is None
+    assert status_patch({**stored, "nvidia.com/gpucores": "2k"}, stored, want) is not None
+    async with FakeKube() as kube:
+        node = _node()
+        for key in ("capacity", "allocatable"):
+            node["status"][key].update(stored)
+        kube.put(node)
+        async with kube.api_client() as api:
+            outcome = await Publisher(api, SETTINGS).publish(ten)
+        assert not outcome.status_patched
+        assert kube.requests_to("PATCH", r"^/api/v1/nodes/gpu-node-1/status$") == []
+
+
 async def test_publish_sends_exact_merge_patches_to_node_and_status() -> None:
     async with FakeKube() as kube:
         kube.put(_node())

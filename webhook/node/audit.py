@@ -361,7 +361,7 @@ class _Episode:
     a check that does not find the container at all is neither."""
     evicted: bool = False
     seen: float = 0.0
-    """When a check last found the container on the GPU (monotonic)."""
+    """When a check last found the container on the GPU, or began the episode (monotonic)."""
 
 
 class Auditor:
@@ -684,7 +684,7 @@ class Auditor:
             if not is_over:
                 continue
             over_now.add(key)
-            ep = self._episodes.setdefault(key, _Episode())
+            ep = self._episodes.setdefault(key, _Episode(seen=now))
             ep.rounds += 1
             ep.under = 0
             if ep.rounds == 1:

@@ -12,7 +12,8 @@ What is published (DESIGN.md §4), computed by the pure :func:`desired_state`:
   only: gpu = healthy x split count, gpumem = their total MiB, gpucores = 100 x healthy. A node
   without driver or GPUs publishes zeros, so nothing is scheduled onto it.
 
-:class:`Publisher` reads the node first and sends only what differs, as JSON merge patches
+:class:`Publisher` reads the node first and sends only what differs (quantities compared by
+value: the API server keeps them in canonical form, "1000" as "1k"), as JSON merge patches
 (``application/merge-patch+json``; keys with ``/`` need no escaping there): one on the node for
 metadata, one on ``nodes/{name}/status`` for the resources. Errors propagate to the caller,
 which retries with backoff.
@@ -30,6 +31,7 @@ import aiohttp
 from kubernetes_asyncio import client
 
 from webhook import names
+from webhook.admission.quantity import QuantityError, parse_quantity
 from webhook.node.config import AgentSettings
 from webhook.node.inventory import Discovery
 
@@ -102,12 +104,22 @@ def metadata_patch(annotations: Mapping[str, str] | None, labels: Mapping[str, s
     return {"metadata": meta} if meta else None
 
 
+def _same_quantity(have: str | None, want: str) -> bool:
+    """Whether the node's quantity ``have`` is ``want``: the API server stores quantities in
+    canonical form ("1000" comes back as "1k")."""
+    try:
+        return have is not None and parse_quantity(have) == parse_quantity(want)
+    except QuantityError:
+        return False
+
+
 def status_patch(capacity: Mapping[str, str] | None, allocatable: Mapping[str, str] | None,
                  want: NodeState) -> dict[str, Any] | None:
     """The merge patch for ``nodes/{name}/status``; None if capacity and allocatable match."""
     capacity = capacity or {}
     allocatable = allocatable or {}
-    if all(capacity.get(k) == v and allocatable.get(k) == v for k, v in want.resources.items()):
+    if all(_same_quantity(capacity.get(k), v) and _same_quantity(allocatable.get(k), v)
+           for k, v in want.resources.items()):
         return None
     return {"status": {"capacity": dict(want.resources), "allocatable": dict(want.resources)}}
 
