@@ -203,6 +203,27 @@ def test_agent_runs_on_every_tainted_gpu_node_with_node_critical_priority(render
     assert spec["runtimeClassName"] == "nvidia"
 
 
+@pytest.mark.parametrize("kube_version", ["1.29.0", "1.30.0"])
+def test_agent_reads_other_containers_processes_without_an_apparmor_profile(
+        kube_version: str, render: Any) -> None:
+    # under the runtime's default AppArmor profile its ptrace reads (/proc/<pid>/maps, /root)
+    # reach only processes under the same profile: an old library would never be found unused
+    key = "container.apparmor.security.beta.kubernetes.io/agent"
+
+    def agent(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        pod = render(values, kube_version).one("DaemonSet", "gpuslice-agent")["spec"]["template"]
+        return pod["metadata"].get("annotations", {}), pod["spec"]["containers"][0]["securityContext"]
+
+    annotations, sc = agent({})
+    if kube_version == "1.30.0":  # the field; the beta annotation is deprecated there
+        assert sc["appArmorProfile"] == {"type": "Unconfined"} and key not in annotations
+    else:  # no such field before 1.30 (the strict schema check would refuse it)
+        assert annotations[key] == "unconfined" and "appArmorProfile" not in sc
+    for values in ({"agent": {"appArmorUnconfined": False}}, {"agent": {"privileged": True}}):
+        annotations, sc = agent(values)  # left to the runtime; privileged is unconfined anyway
+        assert key not in annotations and "appArmorProfile" not in sc, values
+
+
 # ----- the kube-scheduler container -----
 
 @pytest.mark.parametrize("values", [{}, CUSTOM], ids=["defaults", "custom"])
