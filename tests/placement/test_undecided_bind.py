@@ -344,3 +344,26 @@ async def test_refused_retry_keeps_the_gpus_the_first_binding_may_take(
     (await real_bind(*held[0][0], **held[0][1])).release()  # the first Binding lands
     assert "too little free memory" in await ext.bind(b, "n1")
     assert bound_pods(kube, "n1") == ["a"]
+
+
+async def test_filter_sends_the_retry_to_the_node_of_the_undecided_binding(
+        kube: FakeKube, extender: Any) -> None:
+    """The retry can only go where the first Binding may land: filter passes that node (the
+    pod's own reservation is not counted against it) and no other."""
+    kube.put(gpu_node("n1", SMALL))
+    kube.put(gpu_node("n2", [("GPU-b0", 10000)]))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    ext = await extender()
+    real = ext.placer.core.create_namespaced_pod_binding
+    never_sent(ext)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    out = await ext.post("filter", {"Pod": a, "NodeNames": ["n1", "n2"]})
+    assert out["NodeNames"] == ["n1"]
+    assert out["FailedNodes"]["n2"].startswith(
+        "gpuslice: an earlier bind of this pod to node n1 may still be applied")
+    out = await ext.post("filter", {"Pod": a, "NodeNames": ["n2"]})  # n1 ruled out upstream
+    assert out["NodeNames"] == [] and out["Error"].startswith("gpuslice: an earlier bind")
+    ext.placer.core.create_namespaced_pod_binding = real
+    assert await ext.bind(a, "n1") == ""
+    assert kube.get("pods", "a")["metadata"]["annotations"]["gpuslice.io/devices.main"] == "GPU-0"
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}

@@ -59,6 +59,12 @@ _RESULT_CACHE = 4
 NOT_READY = "gpuslice: placement is still reading the cluster state; retry"
 
 
+def _earlier_bind(node: str) -> str:
+    """Why a pod whose earlier Binding (to ``node``) may still land is not bound elsewhere."""
+    return (f"gpuslice: an earlier bind of this pod to node {node} may still be applied; its "
+            f"GPUs stay reserved until it is settled")
+
+
 class Placer:
     """Per-GPU placement for kube-scheduler; stored on the app at ``PLACEMENT_KEY``."""
 
@@ -163,6 +169,21 @@ class Placer:
             out["FailedAndUnresolvableNodes"] = {n: NOT_ADMITTED for n in candidates}
             return self._with_nodes(args, out)
         self.state.expire(time.monotonic())
+        earlier = self.state.allocs.get(str(pod["metadata"].get("uid") or ""))
+        if earlier is not None and earlier.assumed:
+            # A retry: bind asks for the same GPUs on the node where the earlier Binding may
+            # still land, which the pod's own reservation holds, and refuses any other node.
+            # Without that node among the candidates, an error: retried after a back-off,
+            # not parked as unschedulable until some cluster event.
+            if earlier.node not in candidates:
+                out["Error"] = _earlier_bind(earlier.node)
+                return out
+            for name in candidates:
+                if name == earlier.node:
+                    out["NodeNames"].append(name)
+                else:
+                    out["FailedNodes"][name] = _earlier_bind(earlier.node)
+            return self._with_nodes(args, out)
         per_node = self._results_for(req)
         for name in candidates:
             node = self.state.node(name)
@@ -267,9 +288,7 @@ class Placer:
             # A retry on its node asks for the same GPUs, so that whichever Binding lands
             # holds what is reserved; a retry elsewhere waits until it is settled.
             if existing is not None and existing.node != node_name:
-                return ExtenderBindingResult(
-                    Error=f"gpuslice: an earlier bind of this pod to node {existing.node} may "
-                          f"still be applied; its GPUs stay reserved until it is settled")
+                return ExtenderBindingResult(Error=_earlier_bind(existing.node))
             node = self.state.node(node_name)
             if node is None or node.inventory_error:
                 why = node.inventory_error if node is not None else "node not known"
