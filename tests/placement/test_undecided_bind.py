@@ -110,18 +110,23 @@ async def test_undecided_reservation_is_released_after_its_expiry(
     assert usage(ext, "n1") == {} and not ext.placer.state.allocs
 
 
-async def test_retried_bind_of_the_same_pod_replaces_its_undecided_reservation(
+async def test_retry_elsewhere_waits_until_the_undecided_reservation_is_settled(
         kube: FakeKube, extender: Any) -> None:
     kube.put(gpu_node("n1", SMALL))
     kube.put(gpu_node("n2", [("GPU-b0", 10000)]))
     a = kube.put(gpu_pod("a", SIX_GIB))
     ext = await extender()
+    ext.placer.assume_ttl_s = 0.5
     real = ext.placer.core.create_namespaced_pod_binding
     never_sent(ext)
     assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
 
     ext.placer.core.create_namespaced_pod_binding = real
-    assert await ext.bind(a, "n2") == ""  # kube-scheduler's retry, elsewhere this time
+    assert (await ext.bind(a, "n2")).startswith(  # kube-scheduler's retry, elsewhere
+        "gpuslice: an earlier bind of this pod to node n1 may still be applied")
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)} and usage(ext, "n2") == {}
+    await asyncio.sleep(0.55)  # the first Binding can no longer be applied
+    assert await ext.bind(a, "n2") == ""
     assert usage(ext, "n1") == {}
     assert usage(ext, "n2") == {"GPU-b0": Usage(6000, 0, 1, 0)}
     uid = a["metadata"]["uid"]
@@ -233,3 +238,132 @@ async def test_relist_taken_before_a_lost_bind_answer_never_frees_the_bound_gpu(
     assert seen_after_list[0] == ({"GPU-0": Usage(6000, 0, 1, 0)}, [])
     assert "too little free memory" in await ext.bind(b, "n1")
     assert bound_pods(kube, "n1") == ["a"]
+
+
+@pytest.mark.parametrize("first", ["undecided", "answered"])
+async def test_retry_elsewhere_never_frees_the_gpus_the_first_binding_may_take(
+        kube: FakeKube, extender: Any, first: str) -> None:
+    """a's first Binding (n1) gets no answer, or its answer is lost to kube-scheduler; the
+    retry goes to n2. The first Binding lands while the retry is under way, and b is bound
+    meanwhile: b must not get a's GPU on n1, which a now holds."""
+    kube.put(gpu_node("n1", SMALL))
+    kube.put(gpu_node("n2", [("GPU-b0", 10000)]))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    b = kube.put(gpu_pod("b", SIX_GIB))
+    ext = await extender()
+    await ext.placer.sync.stop()  # the watch lags behind
+    real_bind = ext.placer.core.create_namespaced_pod_binding
+    held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    b_bound: list[str] = []
+
+    async def first_lands_late(real: Binder, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> Any:
+        if args[0] == "a" and not held:
+            held.append((args, kwargs))
+            if first == "answered":
+                return await real(*args, **kwargs)
+            raise TimeoutError
+        if args[0] == "a":
+            if first == "undecided":
+                (await real(*held[0][0], **held[0][1])).release()  # the first write lands
+            b_bound.append(await ext.bind(b, "n1"))
+        return await real(*args, **kwargs)
+
+    intercept_binds(ext, first_lands_late)
+    await ext.bind(a, "n1")
+    await ext.bind(a, "n2")  # kube-scheduler's retry, elsewhere
+    if not kube.get("pods", "a")["spec"].get("nodeName"):  # the first lands after the retry
+        (await real_bind(*held[0][0], **held[0][1])).release()
+    if not b_bound:
+        b_bound.append(await ext.bind(b, "n1"))
+    assert kube.get("pods", "a")["spec"]["nodeName"] == "n1"
+    assert "too little free memory" in b_bound[0]
+    assert bound_pods(kube, "n1") == ["a"]
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}
+
+
+async def test_retry_on_the_same_node_asks_for_the_gpus_the_first_binding_may_take(
+        kube: FakeKube, extender: Any) -> None:
+    """a's first Binding (GPU-1) gets no answer; z, on GPU-1, finishes; the retry on the same
+    node would now choose GPU-0. The first Binding lands while the retry is under way and b is
+    bound meanwhile: b must not get GPU-1, which a now holds."""
+    kube.put(gpu_node("n1", [("GPU-0", 10000), ("GPU-1", 10000)]))
+    z = kube.put(gpu_pod("z", {"nvidia.com/gpumem": "2000"}, node="n1", devices="GPU-1",
+                         phase="Running"))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    b = kube.put(gpu_pod("b", SIX_GIB))
+    ext = await extender()
+    await ext.placer.sync.stop()  # the watch lags behind; the state is fed by hand below
+    held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    b_bound: list[str] = []
+
+    async def first_lands_late(real: Binder, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> Any:
+        if args[0] == "a" and not held:
+            held.append((args, kwargs))
+            raise TimeoutError
+        if args[0] == "a":
+            (await real(*held[0][0], **held[0][1])).release()  # the first write lands
+            b_bound.append(await ext.bind(b, "n1"))
+        return await real(*args, **kwargs)
+
+    intercept_binds(ext, first_lands_late)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    ext.placer.state.apply_pod(kube.put(z | {"status": {"phase": "Succeeded"}}))
+    await ext.bind(a, "n1")  # kube-scheduler's retry
+    pods = {p["metadata"]["name"]: p["metadata"]["annotations"]["gpuslice.io/devices.main"]
+            for p in (kube.get("pods", "a"), kube.get("pods", "b"))}
+    assert pods == {"a": "GPU-1", "b": "GPU-0"}, b_bound
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0), "GPU-1": Usage(6000, 0, 1, 0)}
+
+
+async def test_refused_retry_keeps_the_gpus_the_first_binding_may_take(
+        kube: FakeKube, extender: Any) -> None:
+    """a's first Binding gets no answer; the retry is refused (429: the API server sheds load)
+    and says nothing of the first, which then lands: b must not get a's GPU."""
+    kube.put(gpu_node("n1", SMALL))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    b = kube.put(gpu_pod("b", SIX_GIB))
+    ext = await extender()
+    await ext.placer.sync.stop()  # the watch lags behind
+    real_bind = ext.placer.core.create_namespaced_pod_binding
+    held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    async def first_unanswered(real: Binder, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]) -> Any:
+        if not held:
+            held.append((args, kwargs))
+            raise TimeoutError
+        return await real(*args, **kwargs)
+
+    intercept_binds(ext, first_unanswered)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    kube.fail("POST", "/pods/a/binding$", 429, message="too many requests")
+    assert "(429)" in await ext.bind(a, "n1")  # kube-scheduler's retry
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}
+    (await real_bind(*held[0][0], **held[0][1])).release()  # the first Binding lands
+    assert "too little free memory" in await ext.bind(b, "n1")
+    assert bound_pods(kube, "n1") == ["a"]
+
+
+async def test_filter_sends_the_retry_to_the_node_of_the_undecided_binding(
+        kube: FakeKube, extender: Any) -> None:
+    """The retry can only go where the first Binding may land: filter passes that node (the
+    pod's own reservation is not counted against it) and no other."""
+    kube.put(gpu_node("n1", SMALL))
+    kube.put(gpu_node("n2", [("GPU-b0", 10000)]))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    ext = await extender()
+    real = ext.placer.core.create_namespaced_pod_binding
+    never_sent(ext)
+    assert (await ext.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    out = await ext.post("filter", {"Pod": a, "NodeNames": ["n1", "n2"]})
+    assert out["NodeNames"] == ["n1"]
+    assert out["FailedNodes"]["n2"].startswith(
+        "gpuslice: an earlier bind of this pod to node n1 may still be applied")
+    out = await ext.post("filter", {"Pod": a, "NodeNames": ["n2"]})  # n1 ruled out upstream
+    assert out["NodeNames"] == [] and out["Error"].startswith("gpuslice: an earlier bind")
+    ext.placer.core.create_namespaced_pod_binding = real
+    assert await ext.bind(a, "n1") == ""
+    assert kube.get("pods", "a")["metadata"]["annotations"]["gpuslice.io/devices.main"] == "GPU-0"
+    assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}

@@ -8,9 +8,12 @@ Binding with the device annotations, and releases the reservation if the API ser
 A Binding that gets no answer (a timeout, a dropped connection, a 5xx) may still be applied
 by the API server, so its reservation is kept, like kube-scheduler's assumed pods: the watch
 settles it (the pod bound: its real allocation replaces the reservation; deleted or bound
-elsewhere: dropped), a retried bind of the same pod replaces it, and after ``assume_ttl_s``
-it is released. A read of the pod right after the failure settles it at once when the pod
-is bound (what it holds replaces the reservation), gone (404) or recreated (another UID).
+elsewhere: dropped), and after ``assume_ttl_s`` it is released. A read of the pod right
+after the failure settles it at once when the pod is bound (what it holds replaces the
+reservation), gone (404) or recreated (another UID). Until then a retried bind of the pod
+asks for the same GPUs on the same node (whichever of the two Bindings is applied then holds
+what is reserved) and is refused for another node: the GPUs of the first must not be given to
+another pod while it may still land.
 
 Only pods the webhook admitted (``gpuslice.io/mutated``) are given GPUs: another GPU pod
 would run without the interposer, so without its caps.
@@ -54,6 +57,12 @@ Fit = Placement | NoFit
 _POD_CACHE = 4096
 _RESULT_CACHE = 4
 NOT_READY = "gpuslice: placement is still reading the cluster state; retry"
+
+
+def _earlier_bind(node: str) -> str:
+    """Why a pod whose earlier Binding (to ``node``) may still land is not bound elsewhere."""
+    return (f"gpuslice: an earlier bind of this pod to node {node} may still be applied; its "
+            f"GPUs stay reserved until it is settled")
 
 
 class Placer:
@@ -160,6 +169,21 @@ class Placer:
             out["FailedAndUnresolvableNodes"] = {n: NOT_ADMITTED for n in candidates}
             return self._with_nodes(args, out)
         self.state.expire(time.monotonic())
+        earlier = self.state.allocs.get(str(pod["metadata"].get("uid") or ""))
+        if earlier is not None and earlier.assumed:
+            # A retry: bind asks for the same GPUs on the node where the earlier Binding may
+            # still land, which the pod's own reservation holds, and refuses any other node.
+            # Without that node among the candidates, an error: retried after a back-off,
+            # not parked as unschedulable until some cluster event.
+            if earlier.node not in candidates:
+                out["Error"] = _earlier_bind(earlier.node)
+                return out
+            for name in candidates:
+                if name == earlier.node:
+                    out["NodeNames"].append(name)
+                else:
+                    out["FailedNodes"][name] = _earlier_bind(earlier.node)
+            return self._with_nodes(args, out)
         per_node = self._results_for(req)
         for name in candidates:
             node = self.state.node(name)
@@ -251,6 +275,7 @@ class Placer:
                     where: dict[str, str]) -> ExtenderBindingResult:
         uid, node_name = args["PodUID"], args["Node"]
         annotations: dict[str, str] = {}
+        earlier: float | None = None  # deadline of an earlier attempt that may still land
         if req.wants_gpus:
             # From here to reserve() there is no await: choose-and-reserve is atomic.
             self.state.expire(time.monotonic())
@@ -258,20 +283,28 @@ class Placer:
             if existing is not None and not existing.assumed:
                 return ExtenderBindingResult(
                     Error=f"gpuslice: pod already holds GPUs on node {existing.node}")
-            # A retry replaces the reservation of an earlier, undecided attempt: only one of
-            # the two Bindings can be applied, and a 409 below settles which from the pod.
-            self.state.release(uid)
+            # An earlier attempt (undecided, or answered but not yet seen by the watch) may
+            # still be what the API server applies: its GPUs stay reserved until the pod says.
+            # A retry on its node asks for the same GPUs, so that whichever Binding lands
+            # holds what is reserved; a retry elsewhere waits until it is settled.
+            if existing is not None and existing.node != node_name:
+                return ExtenderBindingResult(Error=_earlier_bind(existing.node))
             node = self.state.node(node_name)
             if node is None or node.inventory_error:
                 why = node.inventory_error if node is not None else "node not known"
                 return ExtenderBindingResult(Error=f"gpuslice: {why}")
-            result = self._place(req, node, self._results_for(req))
-            if isinstance(result, NoFit):
-                return ExtenderBindingResult(Error=result.reason)
+            if existing is not None:
+                assignment = existing.assignment
+                earlier = existing.expires_at or time.monotonic() + self.assume_ttl_s
+            else:
+                result = self._place(req, node, self._results_for(req))
+                if isinstance(result, NoFit):
+                    return ExtenderBindingResult(Error=result.reason)
+                assignment = result.assignment
             self.state.reserve(uid, args["PodNamespace"], args["PodName"], node_name, req,
-                               result.assignment)
+                               assignment)
             annotations = {names.devices_annotation(c): ",".join(uuids)
-                           for c, uuids in result.assignment.items()}
+                           for c, uuids in assignment.items()}
         # metadata.uid makes the API server refuse the bind if the pod was recreated.
         body = client.V1Binding(
             api_version="v1", kind="Binding",
@@ -293,7 +326,10 @@ class Placer:
             # attempt of ours was applied. Either way the pod tells what holds.
             if annotations and (exc.status >= 500 or exc.status == 409):
                 return await self._undecided(args, annotations, where, error)
-            self.state.release(uid)
+            if earlier is not None and exc.status != 404:  # the earlier one may still land
+                self.state.keep_until(uid, earlier)
+            else:
+                self.state.release(uid)
             return ExtenderBindingResult(Error=error)
         except (TimeoutError, aiohttp.ClientError) as exc:
             return await self._undecided(args, annotations, where,
