@@ -357,10 +357,11 @@ def _limits_volume(parts: list[_ContainerParts]) -> dict[str, Any]:
 
 
 def _normal_path(path: str) -> str:
-    """``path`` as the runtime resolves it: ``/etc//gpuslice/./limits/`` is our mount path too
-    (one a runtime mounted after ours would cover the limits file)."""
-    norm = posixpath.normpath(path)
-    return "/" + norm.lstrip("/") if norm.startswith("/") else norm
+    """``path`` as kubelet and the runtime resolve it: ``/etc//gpuslice/./limits/`` is our
+    mount path too (one a runtime mounted after ours would cover the limits file), and so is
+    the relative ``etc/gpuslice/limits``, which the API server admits and kubelet prefixes
+    with ``/``."""
+    return posixpath.normpath("/" + path.lstrip("/"))
 
 
 def _covers_ours(path: str) -> bool:
