@@ -431,7 +431,9 @@ def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Wor
         if not isinstance(entry, dict) or entry.get("name") not in _RANK_ENV:
             continue
         value = entry.get("value")
-        if not isinstance(value, str) or not value.strip().isdigit():
+        # ASCII digits only, and few: int() refuses "²" (a digit to isdigit) and 4,301 digits.
+        if not isinstance(value, str) or not (value.strip().isascii() and value.strip().isdigit()
+                                              and len(value.strip()) <= 9):
             continue
         nodes = _RANK_ENV[entry["name"]]
         if int(value) > (1 if nodes else request.count):
