@@ -160,6 +160,20 @@ def _validate(s: Settings) -> None:
             _fail("tolerations", t, "operator must be Equal or Exists")
         if t.get("effect") not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
             _fail("tolerations", t, "effect must be NoSchedule, PreferNoSchedule or NoExecute")
+        # The rest of the API server's ValidateTolerations: one it refuses fails every GPU pod.
+        key, value = ("" if t.get(k) is None else t[k] for k in ("key", "value"))
+        if not isinstance(key, str) or key and not is_qualified_name(key):
+            _fail("tolerations", t, "key must be a label key such as nvidia.com/gpu")
+        if not key and t.get("operator") != "Exists":
+            _fail("tolerations", t, "operator must be Exists when key is empty")
+        if t.get("operator") == "Exists" and value:
+            _fail("tolerations", t, "value must be empty when operator is Exists")
+        if not isinstance(value, str) or not _LABEL_VALUE.match(value) or len(value) > 63:
+            _fail("tolerations", t, "value must be a valid label value")
+        seconds = t.get("tolerationSeconds")
+        if seconds is not None and (not isinstance(seconds, int) or isinstance(seconds, bool)
+                                    or t.get("effect") != "NoExecute"):
+            _fail("tolerations", t, "tolerationSeconds must be an integer, with effect NoExecute")
     if s.namespace_mode not in ("opt-out", "opt-in"):
         _fail("namespace_mode", s.namespace_mode, 'must be "opt-out" or "opt-in"')
     if not isinstance(s.split_count, int) or isinstance(s.split_count, bool) \

@@ -174,6 +174,19 @@ def test_unexpected_exception_is_a_logged_denial_not_a_500(
     assert any(r.exc_info and "boom" in str(r.exc_info[1]) for r in caplog.records)
 
 
+def test_a_quantity_of_thousands_of_digits_is_a_denial_not_an_internal_error(
+        server: Any, make_review: Any, make_gpu_pod: Any) -> None:
+    """The API server passes a huge whole quantity on as plain digits; past Python's 4,300
+    digit limit for int() it must still be a denial naming the field, not an exception."""
+    pod = make_gpu_pod(limits={"nvidia.com/gpumem": "7" * 5000})
+    status, answer = server.post_review(make_review(pod, uid="uid-digits"))
+    assert status == 200
+    response = answer["response"]
+    assert response["allowed"] is False and response["uid"] == "uid-digits"
+    assert response["status"]["code"] == 403
+    assert "nvidia.com/gpumem" in response["status"]["message"]
+
+
 def test_healthz_and_readyz_answer_once_the_certificate_is_loaded(server: Any) -> None:
     status, _, data = server.request("GET", "/healthz")
     assert status == 200 and json.loads(data)["status"] == "ok"

@@ -47,9 +47,11 @@ def test_a_rank_of_a_job_over_pods_is_warned(gpus, cores, env):
     ("1", "30", [{"name": "PET_NNODES", "value": "1"}]),       # one node
     ("1", "30", [{"name": "WORLD_SIZE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
     ("1", "30", [{"name": "WORLD_SIZE", "value": "$(N)"}]),    # not a number we can read
+    ("1", "30", [{"name": "WORLD_SIZE", "value": "\u00b2"}]),  # a digit to isdigit(), not to int()
+    ("1", "30", [{"name": "WORLD_SIZE", "value": "7" * 5000}]),  # past int()'s 4,300 digits
     ("1", "30", []),
 ], ids=["ranks-in-one-pod", "cores-50", "cores-100", "one-node", "value-from", "not-a-number",
-        "no-env"])
+        "superscript-digit", "thousands-of-digits", "no-env"])
 def test_no_warning_where_the_ranks_can_wait_together_or_need_not(gpus, cores, env):
     assert warned(rank_pod(gpus, cores, env)) == []
 

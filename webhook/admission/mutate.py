@@ -357,10 +357,11 @@ def _limits_volume(parts: list[_ContainerParts]) -> dict[str, Any]:
 
 
 def _normal_path(path: str) -> str:
-    """``path`` as the runtime resolves it: ``/etc//gpuslice/./limits/`` is our mount path too
-    (one a runtime mounted after ours would cover the limits file)."""
-    norm = posixpath.normpath(path)
-    return "/" + norm.lstrip("/") if norm.startswith("/") else norm
+    """``path`` as kubelet and the runtime resolve it: ``/etc//gpuslice/./limits/`` is our
+    mount path too (one a runtime mounted after ours would cover the limits file), and so is
+    the relative ``etc/gpuslice/limits``, which the API server admits and kubelet prefixes
+    with ``/``."""
+    return posixpath.normpath("/" + path.lstrip("/"))
 
 
 def _covers_ours(path: str) -> bool:
@@ -430,7 +431,9 @@ def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Wor
         if not isinstance(entry, dict) or entry.get("name") not in _RANK_ENV:
             continue
         value = entry.get("value")
-        if not isinstance(value, str) or not value.strip().isdigit():
+        # ASCII digits only, and few: int() refuses "²" (a digit to isdigit) and 4,301 digits.
+        if not isinstance(value, str) or not (value.strip().isascii() and value.strip().isdigit()
+                                              and len(value.strip()) <= 9):
             continue
         nodes = _RANK_ENV[entry["name"]]
         if int(value) > (1 if nodes else request.count):

@@ -120,7 +120,9 @@ def read_request(container: dict[str, Any], settings: Settings,
 def _whole(table: dict[str, Any], name: str, where: str, reasons: list[str],
            hint: str) -> int | None:
     raw = table[name]
-    if type(raw) is str and raw.isascii() and raw.isdigit():  # the common case, e.g. "8000"
+    # The common case, e.g. "8000"; longer digit strings (int() refuses more than 4,300
+    # digits) go through parse_quantity, which refuses absurd lengths.
+    if type(raw) is str and len(raw) <= 18 and raw.isascii() and raw.isdigit():
         return int(raw)
     try:
         value = parse_quantity(raw)
