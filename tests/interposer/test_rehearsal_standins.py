@@ -117,6 +117,46 @@ def test_torch_expandable_segments_map_pages_and_leave_holes(lab: Lab) -> None:
     assert got["after"] == [start + 2, 2]
 
 
+TORCH_CHECKS = PRELUDE + """
+import torch
+a = torch.zeros(4, device="cuda")
+try:
+    torch.mm(a, a, a)
+    out["positional_out"] = "accepted"
+except TypeError:
+    out["positional_out"] = "TypeError"
+graph, side, other = torch.cuda.CUDAGraph(), torch.cuda.Stream(), torch.cuda.Stream()
+try:
+    graph.capture_begin()
+    out["default_stream"] = "accepted"
+except RuntimeError as exc:
+    out["default_stream"] = str(exc)
+with torch.cuda.stream(side):
+    graph.capture_begin()
+    a.add_(1)
+with torch.cuda.stream(other):
+    try:
+        graph.capture_end()
+        out["other_stream"] = "accepted"
+    except RuntimeError as exc:
+        out["other_stream"] = str(exc)
+with torch.cuda.stream(side):
+    graph.capture_end()
+out["ended"] = True
+print(json.dumps(out))
+"""
+
+
+def test_torch_refuses_what_pytorch_refuses(lab: Lab) -> None:
+    """work.py's torch calls as PyTorch takes them: ``mm``'s ``out`` by keyword only, a graph
+    captured on a stream of its own and ended on it (torch's checks, before the driver)."""
+    got = run(lab, TORCH_CHECKS)
+    assert got["positional_out"] == "TypeError"
+    assert str(got["default_stream"]).startswith("CUDA graphs must be captured on a non-default")
+    assert str(got["other_stream"]).startswith("Capture must end on the same stream")
+    assert got["ended"] is True
+
+
 def test_cupy_pool_retries_after_freeing_blocks_and_collecting(lab: Lab) -> None:
     got = run(lab, PRELUDE + """
 import cupy, gc

@@ -199,7 +199,8 @@ def empty_like(t: Tensor) -> Tensor:
     return Tensor(t.shape, t.dtype)
 
 
-def mm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+def mm(a: Tensor, b: Tensor, *, out: Tensor) -> Tensor:
+    """``out`` keyword-only, as PyTorch's ``mm(input, mat2, *, out=None)`` takes it."""
     _launch()
     return out
 
@@ -229,14 +230,23 @@ class _Cuda:
             _state.streams.pop()
 
     class CUDAGraph:
+        """PyTorch's checks before the driver's: a capture begins on a stream that is not the
+        default one and ends on the stream it began on."""
+
         def capture_begin(self) -> None:
             standin.init()
             self.stream = _stream()
+            if self.stream.value is None:
+                raise RuntimeError("CUDA graphs must be captured on a non-default stream. "
+                                   "(rehearsal stand-in)")
             check(cu.cuStreamBeginCapture_v2(self.stream, _CAPTURE_GLOBAL),
                   "cuStreamBeginCapture_v2")
             _state.capturing = True
 
         def capture_end(self) -> None:
+            if _stream().value != self.stream.value:
+                raise RuntimeError("Capture must end on the same stream it began on. "
+                                   "(rehearsal stand-in)")
             _state.capturing = False
             graph = ctypes.c_void_p()
             check(cu.cuStreamEndCapture(self.stream, ctypes.byref(graph)), "cuStreamEndCapture")
