@@ -153,13 +153,18 @@ def crash_report(stderr: str, frames: int = 8) -> dict[str, Any] | None:
             "frames_in_full": stack}
 
 
-def _crash(stderr: str) -> str:
+def _reported(stderr: str) -> bool:
+    """Whether ``stderr`` holds the library's crash report (cheap: no addr2line)."""
+    return "] crash: " in stderr
+
+
+def _crash(stderr: str, report: dict[str, Any] | None = None) -> str:
     """A child killed by a signal: the library's report (the signal, the thread, where it died),
     the faulthandler's fatal error and the thread that died (its first frames, or ``<no Python
     frame>``: a thread of the library's or the driver's), then the library's last log lines; the
     plain tail where there is no such report."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    report = crash_report(stderr)
+    report = report or crash_report(stderr)
     native = [f"{report['signal']}: " + " < ".join(report["stack"][:5])] if report else []
     fatal = [ln for ln in lines if ln.startswith("Fatal Python error")]
     at = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
@@ -181,7 +186,7 @@ def exit_text(args: Any, status: int, stderr: str) -> str:
         argv = args if isinstance(args, list) else [str(args)]
         _append({"kind": "crash", "child": " ".join(Path(str(a)).name for a in argv[:3]),
                  "report": report, "time": time.time()})
-    return f"exit status {status}: {_crash(stderr)}"
+    return f"exit status {status}: {_crash(stderr, report)}"
 
 
 def abort_for_report(proc: subprocess.Popen[str], stderr: Any) -> str:
@@ -200,7 +205,7 @@ def abort_for_report(proc: subprocess.Popen[str], stderr: Any) -> str:
         err = stderr()
     except (OSError, ValueError):
         return ""
-    return exit_text(proc.args, proc.returncode, err) if crash_report(err) else ""
+    return exit_text(proc.args, proc.returncode, err) if _reported(err) else ""
 
 
 def run(args: list[str], env: dict[str, str], timeout: float,
@@ -226,7 +231,7 @@ def run(args: list[str], env: dict[str, str], timeout: float,
             except subprocess.TimeoutExpired:  # a child of the child (a compiler) holds the pipes
                 out, err = "", "(no output: a process the child started kept its pipes open)"
         what = " ".join(Path(a).name for a in args[1:3])
-        stuck = exit_text(args, proc.wait(), err) if crash_report(err) else _tail(err)
+        stuck = exit_text(args, proc.wait(), err) if _reported(err) else _tail(err)
         raise ChildError(f"{what} timed out after {limit:.0f}s: {stuck}") from None
     finally:
         if proc.poll() is None:
