@@ -207,7 +207,7 @@ static void check_values(void)
             ok = gs_parse_size(v, &n) == 0 && n >= 1 && n <= 100;
         } else if (!strncmp(name, "CUDA_DEVICE_SM_LIMIT", 20)) {
             long pct = strtol(v, &end, 10);
-            ok = *v && end && *end == '\0' && pct >= 0 && pct <= 100;
+            ok = isdigit((unsigned char)*v) && end && *end == '\0' && pct >= 0 && pct <= 100; /* no sign */
         } else {
             ok = v[0] == '/';
         }

@@ -412,6 +412,8 @@
     R(nvmlDeviceGetIndex, nvmlReturn_t, (nvmlDevice_t device, unsigned int *index))            \
     R(nvmlDeviceGetComputeRunningProcesses_v3, nvmlReturn_t,                                  \
       (nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_t *infos))                   \
+    R(nvmlDeviceGetConfComputeMemSizeInfo, nvmlReturn_t, (nvmlDevice_t device, void *info))  \
+    R(nvmlDeviceGetRunningProcessDetailList, nvmlReturn_t, (nvmlDevice_t device, void *list)) \
     R(nvmlDeviceGetPowerUsage, nvmlReturn_t, (nvmlDevice_t device, unsigned int *power))      \
     R(nvmlDeviceGetEnforcedPowerLimit, nvmlReturn_t, (nvmlDevice_t device, unsigned int *limit)) \
     R(nvmlDeviceGetUtilizationRates, nvmlReturn_t, (nvmlDevice_t device, nvmlUtilization_t *utilization)) \

@@ -81,15 +81,37 @@ static int g_sampler_far; /* the sampler sleeps the long interval: nudge it once
  * whose list gives pids in the caller's namespace (os_find_ns_pid) while the memory is looked up
  * by the host pid listed a container's processes with 0 bytes (R560): taken as a figure, a
  * context measured as nothing was charged nothing. */
+/* The size of an entry of _v3's list.  Drivers of the R535 and R545 branches (CUDA 12.2, 12.3)
+ * fill it with nvmlProcessInfo_v3_t, whose first 24 bytes are nvmlProcessInfo_t and which adds
+ * usedGpuCcProtectedMemory; R550 moved that struct to nvmlDeviceGetRunningProcessDetailList and
+ * _v3 lists the 24-byte entries again.  Told apart by their exports, as nvitop does: R535
+ * brought nvmlDeviceGetConfComputeMemSizeInfo, R550 nvmlDeviceGetRunningProcessDetailList.  Read
+ * as 24-byte entries, every one past the first was garbage (a process listed after another
+ * tenant never found itself: its growth went uncharged). */
+#define GS_PROC_V3_535 32
+
+static size_t proc_entry_size(void)
+{
+    return gs_nvml.nvmlDeviceGetConfComputeMemSizeInfo && !gs_nvml.nvmlDeviceGetRunningProcessDetailList
+               ? GS_PROC_V3_535
+               : sizeof(nvmlProcessInfo_t);
+}
+
 int gs_list_processes(CUdevice dev, nvmlProcessInfo_t *out, unsigned cap)
 {
     nvmlDevice_t h = gs_dev_nvml(dev);
-    unsigned count = cap;
     gs_nvml_init();
+    size_t size = proc_entry_size();
+    unsigned count = (unsigned)(cap * sizeof(*out) / size); /* what fits in out's bytes */
     if (!h || !gs_nvml.nvmlDeviceGetComputeRunningProcesses_v3 ||
         gs_nvml.nvmlDeviceGetComputeRunningProcesses_v3(h, &count, out) != NVML_SUCCESS)
         return -1;
-    if (count > cap) count = cap;
+    if (count > cap * sizeof(*out) / size) count = (unsigned)(cap * sizeof(*out) / size);
+    for (unsigned i = 0; size != sizeof(*out) && i < count; i++) {
+        nvmlProcessInfo_t e; /* in place, front to back: entry i moves down onto bytes already read */
+        memcpy(&e, (const unsigned char *)out + i * size, sizeof(e));
+        out[i] = e;
+    }
     for (unsigned i = 0; i < count; i++)
         if (!out[i].usedGpuMemory) out[i].usedGpuMemory = GS_NO_VALUE;
     return (int)count;

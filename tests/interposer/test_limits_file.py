@@ -95,14 +95,16 @@ def test_the_file_is_read_like_the_environment(lab):
     # a line the library would drop could be the one that limits: the file is the webhook's,
     # so anything it would not write makes the whole file untrusted (found by review)
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_SM_LIMIT=30%\n", "CUDA_DEVICE_SM_LIMIT has the value '30%'"),
+    # strtol's sign: the check took '+30' for 30, the reader for no compute limit at all
+    ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_SM_LIMIT=+30\n", "CUDA_DEVICE_SM_LIMIT has the value '+30'"),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_MEMORY_LIMIT_0\n", "line 2 is not NAME=VALUE"),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\0\nCUDA_DEVICE_MEMORY_LIMIT_0=512m\n", "it holds a NUL byte"),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\n" + "#" * 4096 + "\n", "it is longer than 4096 bytes"),
     ("".join(f"CUDA_DEVICE_SM_LIMIT_{i}=30\n" for i in range(16)) + "CUDA_DEVICE_MEMORY_LIMIT=1g\n",
      "more than 16 names"),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_MEMORY_SHARED_CACHE=/" + "r" * 300 + "\n", "line 2 is too long"),
-], ids=["empty", "no-memory-name", "bad-size", "bad-percent", "zero", "bad-sm", "no-equals", "nul",
-        "too-long", "too-many-names", "long-value"])
+], ids=["empty", "no-memory-name", "bad-size", "bad-percent", "zero", "bad-sm", "signed-sm", "no-equals",
+        "nul", "too-long", "too-many-names", "long-value"])
 def test_a_file_without_a_usable_memory_limit_grants_nothing(lab, text, why, default_region):
     # an empty file is what kubelet writes when the annotation is missing: the whole device
     # must not become the slice

@@ -244,3 +244,31 @@ def test_compute_limit_values_are_read_like_the_memory_limits(lab, env, limit):
     # a value with spaces, or a per-device one that is 0 or unreadable, turned the limit off
     lab.run("init", "sleep", "0", **env)
     assert lab.region().devices[0].sm_limit == limit
+
+
+@pytest.mark.parametrize("nvml", ["r535", "."], ids=["r535", "later"])
+def test_the_process_list_of_an_r535_driver_is_read_with_its_own_entry_size(lab, nvml):
+    # R535/R545 drivers fill nvmlDeviceGetComputeRunningProcesses_v3's list with 32-byte entries
+    # (nvmlProcessInfo_v3_t of nvml.h 12.2); read as 24-byte ones, every entry past the first is
+    # garbage. Beside another tenant listed first, the process never found itself: the code its
+    # kernel loaded (85 MiB, outside the hooks) was never charged, and its view said so
+    other = lab.start("init", "ctx", "0", "alloc", "2g", "touch", str(lab.tmp / "other"),
+                      "waitfile", str(lab.tmp / "go"), LD_PRELOAD=None,
+                      FAKE_CUDA_CTX_BYTES="100m")
+    lab.wait_for(lab.tmp / "other")
+    real = str(lab.build / "fake" / nvml / "libnvidia-ml.so.1")
+    proc = lab.start("init", "ctx", "0", "launchk", "1", "alloc", "800m", "meminfo", "touch",
+                     str(lab.tmp / "held"), "waitfile", str(lab.tmp / "go"),
+                     GPUSLICE_REAL_LIBNVML=real, CUDA_DEVICE_MEMORY_LIMIT="1g",
+                     FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_LAUNCH_BYTES=f"{85 * MIB}")
+    lab.wait_for(lab.tmp / "held")
+    outside = lab.run("nvml", "0", LD_PRELOAD=None).values("nvml")[1]
+    region = lab.used()
+    (lab.tmp / "go").touch()
+    res = lab.finish(proc)
+    lab.finish(other)
+    mine = outside - 2 * GIB - 100 * MIB
+    assert mine == 100 * MIB + 85 * MIB + 800 * MIB
+    assert region == mine, res.stderr
+    free, total = res.values("meminfo")
+    assert total - free == mine

@@ -164,8 +164,35 @@ API unsigned long fake_nvml_process_queries(void)
     return __atomic_load_n(&process_queries, __ATOMIC_RELAXED);
 }
 
+/* FAKE_NVML_R535 (build/fake/r535/): a driver of the R535 or R545 branch (CUDA 12.2, 12.3).  Its
+ * _v3 fills the list with nvmlProcessInfo_v3_t, 8 bytes longer than the v2 entries (nvml.h 12.2:
+ * usedGpuCcProtectedMemory; pynvml PR #48 on 535.54.03, go-nvml issue #75), and it exports
+ * nvmlDeviceGetConfComputeMemSizeInfo (new in R535) but not yet
+ * nvmlDeviceGetRunningProcessDetailList (R550, which took that struct over and gave _v3 the v2
+ * entries again).  The default fake is a later driver: both symbols, v2 entries. */
+#ifdef FAKE_NVML_R535
+typedef struct {
+    nvmlProcessInfo_t v2;
+    unsigned long long usedGpuCcProtectedMemory;
+} fake_proc_info_t;
+#else
+typedef nvmlProcessInfo_t fake_proc_info_t;
+
+API nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t d, void *plist)
+{
+    (void)d, (void)plist;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+#endif
+
+API nvmlReturn_t nvmlDeviceGetConfComputeMemSizeInfo(nvmlDevice_t d, void *info)
+{
+    (void)d, (void)info;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
 API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count,
-                                                         nvmlProcessInfo_t *infos)
+                                                         fake_proc_info_t *list)
 {
     int i = index_of(d);
     __atomic_add_fetch(&process_queries, 1, __ATOMIC_RELAXED);
@@ -179,10 +206,12 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
         int32_t pid = m->procs[p].pid;
         uint64_t used = m->procs[p].used[i];
         if (pid <= 0 || !used || kill(pid, 0) != 0) continue;
-        if (infos && n < *count) {
-            infos[n].pid = (unsigned)pid + (unsigned)(off ? atoi(off) : 0);
-            infos[n].usedGpuMemory = zero_mem ? 0 : used;
-            infos[n].gpuInstanceId = infos[n].computeInstanceId = 0xffffffffu;
+        if (list && n < *count) {
+            nvmlProcessInfo_t *info = (nvmlProcessInfo_t *)&list[n];
+            memset(&list[n], 0, sizeof(list[n]));
+            info->pid = (unsigned)pid + (unsigned)(off ? atoi(off) : 0);
+            info->usedGpuMemory = zero_mem ? 0 : used;
+            info->gpuInstanceId = info->computeInstanceId = 0xffffffffu;
         }
         n++;
     }
