@@ -85,6 +85,41 @@ async def test_one_round_installs_publishes_and_removes_departed_pod_dirs(
         assert (kept / "main").stat().st_mode & 0o7777 == 0o1777
 
 
+async def test_the_rounds_pod_list_comes_from_the_watch_cache_and_a_removal_is_confirmed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without resourceVersion (and with limit) every list is a quorum read from etcd, which
+    # reads every pod of the cluster to filter this node's: every GPU node every interval.
+    settings = _settings(tmp_path)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        live = kube.put({"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"name": "p", "namespace": "ml"},
+                         "spec": {"nodeName": NODE, "containers": []}})["metadata"]["uid"]
+        kept = _old_pod_dir(tmp_path / "state", live)
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            await agent.step()
+            lists = kube.requests_to("GET", r"^/api/v1/pods$")
+            assert [r.query.get("resourceVersion") for r in lists] == ["0"]
+            # a departed pod's dir: removed only after a consistent list says so
+            gone = _old_pod_dir(tmp_path / "state", str(uuid.uuid4()))
+            kube.requests.clear()
+            await agent.step()
+            lists = kube.requests_to("GET", r"^/api/v1/pods$")
+            assert [r.query.get("resourceVersion") for r in lists] == ["0", None]
+            assert kept.exists() and not gone.exists()
+            # a watch cache that lags (the pod not in it yet) removes nothing the API server has
+            assert agent.publisher is not None
+            consistent = agent.publisher.node_pods
+
+            async def lagging(*, cached: bool = False) -> list:
+                return [] if cached else await consistent()
+
+            monkeypatch.setattr(agent.publisher, "node_pods", lagging)
+            assert await agent.step() == settings.interval
+            assert kept.exists() and agent.status.cleanup_removed == 1
+
+
 async def test_nothing_is_published_until_the_library_is_installed(tmp_path: Path) -> None:
     blocker = tmp_path / "lib"
     blocker.write_text("a file where the library dir should be")

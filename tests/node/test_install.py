@@ -216,3 +216,38 @@ def test_a_huge_preload_file_is_read_in_part(tmp_path: Path) -> None:
     _process(proc, 7, preload=name + "\n" + "x" * (8 << 20) + f"\n{TARGET}/libgpuslice.so.9\n")
     scan = _scan_in_time(proc)
     assert scan.preloaded_names == {"libgpuslice.so.0.1.0"}  # the first 64 KiB only
+
+
+def _in_pid_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """List the fake <proc> in pid order, as the kernel lists /proc."""
+    real = os.scandir
+
+    def ordered(path: object) -> list[os.DirEntry[str]]:
+        with real(path) as it:  # type: ignore[call-overload]
+            entries = list(it)
+        return sorted(entries, key=lambda e: (not e.name.isdigit(),
+                                              int(e.name) if e.name.isdigit() else 0, e.name))
+
+    monkeypatch.setattr(install.os, "scandir", ordered)
+
+
+@pytest.mark.parametrize("first", ["chrooted", "exited"])
+def test_a_container_is_read_through_each_root_of_its_mount_namespace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str) -> None:
+    # Two processes of one container share its mount namespace. The first one listed has
+    # another root (it chrooted into an empty dir) or exits between the namespace read and the
+    # preload read; the container's own root still names 0.1.0 for its next dynamic process
+    # (the entrypoint is static and maps nothing). Removing 0.1.0 makes ld.so ignore it there.
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    ns = "mnt:[4026532999]"
+    _process(proc, 7, mnt_ns=ns)
+    if first == "chrooted":
+        (proc / "7" / "root").mkdir()  # a chroot with no /etc/ld.so.preload
+    _process(proc, 8, mnt_ns=ns, preload=f"{TARGET}/{old.name}\n")
+    _in_pid_order(monkeypatch)
+    assert "libgpuslice.so.0.1.0" in scan_proc(proc).preloaded_names
+    assert remove_unused(lib, cur, proc) == []
+    assert old.exists()

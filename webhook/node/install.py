@@ -177,7 +177,7 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
     """Which libgpuslice files running processes map or will preload."""
     scan = ProcScan()
     proc = Path(proc_root)
-    seen_ns: set[str] = set()
+    seen_ns: set[tuple[str, int, int]] = set()
     try:
         pids = [e.name for e in os.scandir(proc) if e.name.isdigit()]
     except OSError as exc:
@@ -209,9 +209,19 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
         except OSError as exc:
             scan.fail(base / "ns" / "mnt", exc)
             continue
-        if ns in seen_ns:
+        # One read per root of a mount namespace, once it has answered: a process of the
+        # container that chrooted sees another /etc, and one that exits meanwhile reads as no
+        # file; neither may stand for the container's other processes.
+        try:
+            root = os.stat(base / "root")
+        except (FileNotFoundError, ProcessLookupError):
             continue
-        seen_ns.add(ns)
+        except OSError as exc:
+            scan.fail(base / "root", exc)
+            continue
+        where = (ns, root.st_dev, root.st_ino)
+        if where in seen_ns:
+            continue
         # The container's own file: a FIFO, device, loop or endless file there must neither
         # hang nor exhaust the agent. ld.so reads no such file either: it names nothing.
         try:
@@ -224,6 +234,7 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
                 continue
             scan.fail(base / "root", exc)
             continue
+        seen_ns.add(where)
         for token in re.split(r"[\s:]+", text):
             if LIB_STEM in token:
                 scan.preloaded_names.add(os.path.basename(token))

@@ -176,18 +176,24 @@ class Agent:
 
     async def _cleanup(self) -> bool:
         assert self.publisher is not None
+        s, now = self.settings, self._clock()
         try:
-            pods = await self.publisher.node_pods()
+            pods = await self.publisher.node_pods(cached=True)
+            names = {p.metadata.uid: (p.metadata.namespace or "", p.metadata.name or "")
+                     for p in pods if p.metadata and p.metadata.uid}
+            self.collector.pod_names = names  # the metrics' names for the pods' state dirs
+            live = set(names)
+            if await asyncio.to_thread(cleanup.stale_pod_dirs, s.host_state_dir, live,
+                                       s.cleanup_grace, now):
+                # before removing anything, a consistent read: the watch cache may lag
+                live = {p.metadata.uid for p in await self.publisher.node_pods()
+                        if p.metadata and p.metadata.uid}
         except API_ERRORS as exc:
             logger.warning("listing the node's pods failed; no state dir removed",
                            extra={"node": self.settings.node_name, "error": api_error(exc)})
             return False
-        names = {p.metadata.uid: (p.metadata.namespace or "", p.metadata.name or "")
-                 for p in pods if p.metadata and p.metadata.uid}
-        self.collector.pod_names = names  # the metrics' names for the pods' state dirs
-        live = set(names)
-        removed = await asyncio.to_thread(cleanup.remove_stale, self.settings.host_state_dir,
-                                          live, self.settings.cleanup_grace, self._clock())
+        removed = await asyncio.to_thread(cleanup.remove_stale, s.host_state_dir, live,
+                                          s.cleanup_grace, now)
         self.status.cleanup_removed += len(removed)
         return True
 

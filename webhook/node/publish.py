@@ -161,15 +161,21 @@ class Publisher:
         """UIDs of every pod the API server has on this node (all pages; raises on error)."""
         return {p.metadata.uid for p in await self.node_pods() if p.metadata and p.metadata.uid}
 
-    async def node_pods(self) -> list[client.V1Pod]:
-        """Every pod the API server has on this node (all pages; raises on error)."""
+    async def node_pods(self, *, cached: bool = False) -> list[client.V1Pod]:
+        """Every pod the API server has on this node (all pages; raises on error).
+
+        By default a consistent read: the API server reads every pod of the cluster from etcd
+        to pick this node's. ``cached``: from its watch cache (``resourceVersion=0``, indexed
+        by node), which may lag a little: for what runs every round on every node."""
         out: list[client.V1Pod] = []
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"field_selector": f"spec.nodeName={self._node}",
                                       "limit": 500, "_request_timeout": TIMEOUT}
             if token:
-                kwargs["_continue"] = token
+                kwargs["_continue"] = token  # (a continue carries its own resourceVersion)
+            elif cached:
+                kwargs["resource_version"] = "0"
             pods = await self._api.list_pod_for_all_namespaces(**kwargs)
             out.extend(pods.items)
             token = pods.metadata._continue if pods.metadata else None
