@@ -71,6 +71,12 @@ static pthread_cond_t g_wake_cv;
 static int g_woken;
 static int g_sampler_started;
 static int g_sampler_far; /* the sampler sleeps the long interval: nudge it once near the cap */
+/* Exit: the sampler must be out of NVML and the driver before their libraries' finalisers run.
+ * Those run before our destructor (they were dlopened after the library was preloaded), and a
+ * pass can be inside a query for milliseconds; so an atexit handler, which runs before any
+ * finaliser, stops the sampler and waits for the pass it is in (g_sampler_busy) to end. */
+static int g_sampler_stop, g_sampler_busy, g_atexit_registered;
+#define GS_EXIT_WAIT_NS 500000000ull /* at most: a pass stuck on a lock the exiting thread holds */
 
 /* ---- NVML's process list and our host pid --------------------------------- */
 
@@ -539,18 +545,37 @@ static void *sampler(void *arg)
         }
         g_woken = 0;
         pthread_mutex_unlock(&g_wake_mu);
-        if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) break; /* NVML may be gone: stop */
+        /* busy before the stop is read, the exit handler's stop before it reads busy (both
+         * sequentially consistent): either this pass sees the stop or the handler sees the pass */
+        __atomic_store_n(&g_sampler_busy, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&g_sampler_stop, __ATOMIC_SEQ_CST) || __atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE))
+            break; /* NVML may be gone: stop */
         reconcile_all();
-        if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) break;
+        if (__atomic_load_n(&g_sampler_stop, __ATOMIC_SEQ_CST) || __atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE))
+            break;
         if (!gs_capture_global()) /* a global-mode capture forbids driver queries in every thread */
             gs_pools_reconcile_all(); /* what pools gave back at synchronisations (pool.c) */
         gs_launch_sample();       /* clock compensation of the compute limit (clockcomp.c), if one applies */
         gs_slices_sample();       /* other processes' time slices (slices.c), if a limit applies */
         gs_launch_gang_refresh(); /* the devices whose clocks launches wait for (budget.c) */
         gs_region_sweep();        /* the container's dead processes, one process sweeping (liveness.c) */
+        __atomic_store_n(&g_sampler_busy, 0, __ATOMIC_SEQ_CST);
         last = gs_now_ns();
     }
+    __atomic_store_n(&g_sampler_busy, 0, __ATOMIC_SEQ_CST);
     return NULL;
+}
+
+/* atexit: no new pass, and the one under way finished (bounded), before any library's
+ * finaliser.  A child of fork() inherits the handler and, until it starts its own, no sampler. */
+static void sampler_stop_at_exit(void)
+{
+    __atomic_store_n(&g_sampler_stop, 1, __ATOMIC_SEQ_CST);
+    uint64_t until = gs_now_ns() + GS_EXIT_WAIT_NS;
+    while (__atomic_load_n(&g_sampler_busy, __ATOMIC_SEQ_CST) && gs_now_ns() < until) {
+        struct timespec ts = {0, 1000000}; /* 1 ms */
+        nanosleep(&ts, NULL);
+    }
 }
 
 void gs_sampler_start(void)
@@ -581,9 +606,10 @@ static void start_sampler(void)
          * stack killed every process under a compute limit on an H200 (580.159.04).  Only the
          * pages touched are ever backed */
         pthread_attr_setstacksize(&attr, GS_SAMPLER_STACK);
-        if (pthread_create(&t, &attr, sampler, NULL) == 0)
+        if (pthread_create(&t, &attr, sampler, NULL) == 0) {
             __atomic_store_n(&g_sampler_started, 1, __ATOMIC_RELEASE);
-        else
+            if (!g_atexit_registered && atexit(sampler_stop_at_exit) == 0) g_atexit_registered = 1;
+        } else
             GS_WARN("cannot start the sampler thread: memory beyond allocations is charged near the cap only, "
                     "and the compute limit is not clock compensated");
         pthread_attr_destroy(&attr);
@@ -609,4 +635,6 @@ void gs_reconcile_after_fork_child(void)
     gs_unsettled = 0; /* operations of other threads died with them */
     gs_inflight = 0;
     g_sampler_started = 0; /* threads do not survive fork */
+    g_sampler_busy = 0;    /* (g_atexit_registered stays: the handler is inherited) */
+    g_sampler_stop = 0;
 }

@@ -583,3 +583,20 @@ def test_pool_memory_given_back_at_a_sync_is_not_uncharged_twice_when_a_context_
     one, two = lab.finish(first), lab.finish(second)
     assert one.values("phys") == [400 * MIB]
     assert two.rc("alloc") == OOM and outside <= GIB, outside // MIB
+
+
+def test_the_sampler_is_out_of_nvml_before_nvmls_finaliser_runs(lab, tmp_path):
+    # At exit NVML's finaliser runs before the library's destructor (NVML is dlopened after the
+    # library is preloaded; here, linked in, after it), and the sampler may be inside a query
+    # then: under a compute limit every tick asks NVML for per-process utilisation.  The fake
+    # holds that query 300 ms and makes its finaliser take 600 ms; the program exits (returns
+    # from main) while the sampler is inside it.  The query ran on past the finaliser and the
+    # process died of SIGABRT as a real one would of the library's freed state; an atexit
+    # handler now stops the sampler and waits for its pass before any finaliser.
+    held = tmp_path / "held"
+    res = lab.run("init", "ctx", "0", "launch", "5", "waitfile", str(held),
+                  CUDA_DEVICE_SM_LIMIT="30", FAKE_NVML_HOLD_MS="300", FAKE_NVML_FINI_MS="600",
+                  FAKE_NVML_HELD_FILE=str(held), timeout=30)
+    assert res.rc("waitfile") == 0, res.stdout + res.stderr
+    assert res.returncode == 0, res.stderr
+    assert "past the library's finaliser" not in res.stderr

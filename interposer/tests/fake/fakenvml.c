@@ -512,6 +512,40 @@ static __attribute__((noinline)) void rm_control_on_stack(void)
     params[bytes - 1] = 1;
 }
 
+/* A query in flight when the library is finalised at exit.  FAKE_NVML_HOLD_MS keeps each
+ * per-process utilisation query inside the library that long (creating FAKE_NVML_HELD_FILE, if
+ * set, as it enters); FAKE_NVML_FINI_MS makes the library's finaliser take that long, as a
+ * real teardown (closing the device, freeing its tables) can.  A query that finds the library
+ * finalised when its hold ends aborts: the real library's state is gone by then. */
+static int finalised;
+
+static void held_past_finaliser(void)
+{
+    unsigned ms = env_uint("FAKE_NVML_HOLD_MS", 0);
+    if (!ms) return;
+    const char *file = getenv("FAKE_NVML_HELD_FILE");
+    if (file) {
+        FILE *f = fopen(file, "w");
+        if (f) fclose(f);
+    }
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+    if (__atomic_load_n(&finalised, __ATOMIC_ACQUIRE)) {
+        static const char msg[] = "fake NVML: a query ran on past the library's finaliser\n";
+        fputs(msg, stderr);
+        abort();
+    }
+}
+
+__attribute__((destructor)) static void fake_nvml_fini(void)
+{
+    unsigned ms = env_uint("FAKE_NVML_FINI_MS", 0);
+    if (!ms) return;
+    __atomic_store_n(&finalised, 1, __ATOMIC_RELEASE);
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
 /* Rows of garbage a driver listed among its samples (nvtop issue #110, 2021, two zombie
  * processes on the GPU: count 100, three rows as below and 97 of zeros).  Their utilisations are
  * far above 100 % and their timestamps (1975, 1976 and 50 ms after the epoch) older than any real
@@ -529,6 +563,7 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
 {
     const char *mode = getenv("FAKE_NVML_PROC_UTIL");
     rm_control_on_stack();
+    held_past_finaliser();
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (index_of(d) < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     if (mode && !strcmp(mode, "off")) return NVML_ERROR_NOT_SUPPORTED;
