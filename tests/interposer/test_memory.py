@@ -456,6 +456,26 @@ def test_pool_growth_past_the_cap_is_undone(lab):
     assert res.values("meminfo")[0] == GIB - 40 * MIB
 
 
+@pytest.mark.parametrize("margin", ["0", None])
+def test_pool_growth_undone_while_its_free_is_outstanding_stays_charged(lab, margin):
+    # the pool keeps 608 MiB, charged, after a free on the NULL stream still outstanding (not
+    # synchronised); 500 MiB on another stream cannot reuse it, so the driver grows the pool to
+    # 1120 MiB (it inserts a dependency on another stream's free only once growing fails), past
+    # the cap: undone, but the undo's free is stream-ordered and the trim cannot give back what
+    # backs a free whose completion the host has not observed (cuMemPoolTrimTo's documentation;
+    # FAKE_CUDA_POOL_PENDING).  The pool's charge stayed at 608 for 1120 held: without the
+    # near-cap reconcile a 400 MiB allocation passed, 1520 MiB held under a 1 GiB cap; with it,
+    # the 512 MiB were charged as growth no hook saw and stayed charged once the pool gave them
+    # back at the synchronisation, and 900 MiB were refused with nothing held
+    res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "xasync", "0", "500m", "phys",
+                  "alloc", "400m", "phys", "sync", "sleep", "800", "phys", "alloc", "900m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1", FAKE_CUDA_POOL_RELEASE="1",
+                  GPUSLICE_RECONCILE_MARGIN=margin)
+    assert res.rc("async") == 0 and res.rc("free") == 0 and res.rc("xasync") == OOM
+    assert [vals[0] for _, vals in res.of("phys")] == [1120 * MIB, 1120 * MIB, 0]
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]  # the pool's 1120 MiB are charged meanwhile
+
+
 @pytest.mark.parametrize("scenario", ["reuse", "many"])
 def test_a_contexts_end_takes_only_its_own_records(built, scenario):
     """``tests/allocmaptest.c``: the records a destroyed context leaves are found and removed in
