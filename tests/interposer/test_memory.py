@@ -519,6 +519,19 @@ def test_a_failed_allocation_from_a_destroyed_pool_returns_its_reservation(lab):
     assert [vals[0] for _, vals in res.of("phys")] == [128 * MIB, 800 * MIB]
 
 
+def test_an_allocation_refused_with_the_pool_size_unknown_returns_its_reservation(lab):
+    # allocated from again after its destroy (nothing outstanding: its record gone), the pool's
+    # handle is refused by the driver, and so is the query of its size; the reconcile kept the
+    # pool's charge, as it may still hold it, and with it the 320 MiB the request reserved for
+    # growth the driver never made: charged for nothing for good, 900 MiB refused with 0 held
+    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "pooldestroy", "pool", "300m",
+                  "meminfo", "phys", "alloc", "900m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("pool")] == [0, 1]
+    assert res.values("meminfo") == [GIB, GIB]
+    assert res.rc("alloc") == 0
+    assert [vals[0] for _, vals in res.of("phys")] == [0, 900 * MIB]
+
+
 def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab):
     # the driver hands the destroyed pool's handle to another thread's cuMemPoolCreate while
     # cuMemPoolDestroy is still inside; the destroy's bookkeeping after the driver's call took
