@@ -456,6 +456,26 @@ def test_pool_growth_past_the_cap_is_undone(lab):
     assert res.values("meminfo")[0] == GIB - 40 * MIB
 
 
+@pytest.mark.parametrize("margin", ["0", None])
+def test_pool_growth_undone_while_its_free_is_outstanding_stays_charged(lab, margin):
+    # the pool keeps 608 MiB, charged, after a free on the NULL stream still outstanding (not
+    # synchronised); 500 MiB on another stream cannot reuse it, so the driver grows the pool to
+    # 1120 MiB (it inserts a dependency on another stream's free only once growing fails), past
+    # the cap: undone, but the undo's free is stream-ordered and the trim cannot give back what
+    # backs a free whose completion the host has not observed (cuMemPoolTrimTo's documentation;
+    # FAKE_CUDA_POOL_PENDING).  The pool's charge stayed at 608 for 1120 held: without the
+    # near-cap reconcile a 400 MiB allocation passed, 1520 MiB held under a 1 GiB cap; with it,
+    # the 512 MiB were charged as growth no hook saw and stayed charged once the pool gave them
+    # back at the synchronisation, and 900 MiB were refused with nothing held
+    res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "xasync", "0", "500m", "phys",
+                  "alloc", "400m", "phys", "sync", "sleep", "800", "phys", "alloc", "900m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1", FAKE_CUDA_POOL_RELEASE="1",
+                  GPUSLICE_RECONCILE_MARGIN=margin)
+    assert res.rc("async") == 0 and res.rc("free") == 0 and res.rc("xasync") == OOM
+    assert [vals[0] for _, vals in res.of("phys")] == [1120 * MIB, 1120 * MIB, 0]
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]  # the pool's 1120 MiB are charged meanwhile
+
+
 @pytest.mark.parametrize("scenario", ["reuse", "many"])
 def test_a_contexts_end_takes_only_its_own_records(built, scenario):
     """``tests/allocmaptest.c``: the records a destroyed context leaves are found and removed in
@@ -497,6 +517,19 @@ def test_a_failed_allocation_from_a_destroyed_pool_returns_its_reservation(lab):
     assert res.rc("alloc") == 0 and res.rc("free") == 0
     assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 128 * MIB, GIB - 800 * MIB]
     assert [vals[0] for _, vals in res.of("phys")] == [128 * MIB, 800 * MIB]
+
+
+def test_an_allocation_refused_with_the_pool_size_unknown_returns_its_reservation(lab):
+    # allocated from again after its destroy (nothing outstanding: its record gone), the pool's
+    # handle is refused by the driver, and so is the query of its size; the reconcile kept the
+    # pool's charge, as it may still hold it, and with it the 320 MiB the request reserved for
+    # growth the driver never made: charged for nothing for good, 900 MiB refused with 0 held
+    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "pooldestroy", "pool", "300m",
+                  "meminfo", "phys", "alloc", "900m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("pool")] == [0, 1]
+    assert res.values("meminfo") == [GIB, GIB]
+    assert res.rc("alloc") == 0
+    assert [vals[0] for _, vals in res.of("phys")] == [0, 900 * MIB]
 
 
 def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab):

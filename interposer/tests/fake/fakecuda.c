@@ -17,6 +17,15 @@
  *                            do not use (otherwise they keep it until trimmed, unless a
  *                            program sets CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: such a pool gives
  *                            back what is past it at every synchronisation)
+ *   FAKE_CUDA_POOL_PENDING=1 a pool allocation freed with cuMemFreeAsync stays outstanding until the
+ *                            next synchronisation, as the driver documents for cuMemPoolTrimTo
+ *                            ("allocations that have been asynchronously freed but whose completion
+ *                            has not been observed on the host ... can count as outstanding"): no
+ *                            trim gives it back, and only an allocation on the stream that freed
+ *                            it reuses it; one on another stream grows the pool instead (the
+ *                            driver inserts a dependency on another stream's free only once it
+ *                            fails to grow the pool: CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES).
+ *                            Off by default: frees are then complete at once
  *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
  *                            call, default 1; code default 2 = out of memory)
  *   FAKE_CUDA_SLEEP          "name:ms[,name:ms]" sleep inside those calls; "exit:ms" sleeps in the
@@ -975,6 +984,11 @@ struct fake_pool {
     uint64_t reserved, used;
     int release_set; /* cuMemPoolSetAttribute(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) was called */
     uint64_t release_threshold;
+    /* FAKE_CUDA_POOL_PENDING: bytes freed by cuMemFreeAsync not yet complete (outside `used`),
+     * per freeing stream (a free beyond the table's streams is complete at once) */
+    uint64_t pending;
+    CUstream pend_stream[8];
+    uint64_t pend_bytes[8];
 };
 #define MAX_ALLOCS 8192
 static struct fake_alloc allocs[MAX_ALLOCS];
@@ -1003,7 +1017,7 @@ static void *reuse_or_alloc(void **freed, size_t size)
 static void pool_give(struct fake_pool *p, uint64_t bytes)
 {
     p->used -= bytes;
-    if (p->destroyed && !p->used) {
+    if (p->destroyed && !p->used && !p->pending) {
         phys_sub(p->pdev, p->reserved);
         p->reserved = 0;
     }
@@ -1143,6 +1157,8 @@ static void ctx_drop(struct fake_ctx *c)
     }
     if (c->primary) { /* the device's default pool goes with its primary context */
         struct fake_pool *p = &default_pools[c->pdev];
+        p->pending = 0; /* its frees complete with it */
+        memset(p->pend_bytes, 0, sizeof(p->pend_bytes));
         phys_sub(c->pdev, p->reserved - p->used);
         p->reserved = p->used;
         phys_sub(c->pdev, graph_reserved[c->pdev]); /* and so does its graph memory */
@@ -2063,7 +2079,7 @@ API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
     struct fake_pool *p = (struct fake_pool *)pool;
     if (!p) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
-    uint64_t floor = (p->used + pool_chunk - 1) / pool_chunk * pool_chunk;
+    uint64_t floor = (p->used + p->pending + pool_chunk - 1) / pool_chunk * pool_chunk; /* outstanding */
     uint64_t k = (keep + pool_chunk - 1) / pool_chunk * pool_chunk;
     uint64_t target = floor > k ? floor : k;
     if (target < p->reserved) {
@@ -2083,7 +2099,7 @@ API CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, 
     if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
         *(cuuint64_t *)value = p->reserved;
     else if (attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
-        *(cuuint64_t *)value = p->used;
+        *(cuuint64_t *)value = p->used + p->pending;
     else
         return CUDA_ERROR_NOT_SUPPORTED;
     return CUDA_SUCCESS;
@@ -2108,14 +2124,42 @@ API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, 
     return CUDA_SUCCESS;
 }
 
-static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, struct fake_pool *p)
+/* FAKE_CUDA_POOL_PENDING (mu held): what stream s freed is reusable on s */
+static void pool_reuse_pending(struct fake_pool *p, CUstream s)
+{
+    for (int i = 0; i < 8; i++)
+        if (p->pend_bytes[i] && p->pend_stream[i] == s) {
+            p->pending -= p->pend_bytes[i];
+            p->pend_bytes[i] = 0;
+        }
+}
+
+/* FAKE_CUDA_POOL_PENDING (mu held): a pool allocation of `bytes` freed on stream s (before
+ * the free gives it back, so that a destroyed pool keeps its memory for it); -1 if its
+ * free is complete at once (no room in the table) */
+static int pool_pend(struct fake_pool *p, CUstream s, uint64_t bytes)
+{
+    int at = -1;
+    for (int i = 0; i < 8 && at < 0; i++)
+        if (p->pend_bytes[i] && p->pend_stream[i] == s) at = i;
+    for (int i = 0; i < 8 && at < 0; i++)
+        if (!p->pend_bytes[i]) at = i;
+    if (at < 0) return -1;
+    p->pend_stream[at] = s;
+    p->pend_bytes[at] += bytes;
+    p->pending += bytes;
+    return at;
+}
+
+static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, struct fake_pool *p, CUstream s)
 {
     if (!dptr || !bytes || !p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     if (p->pdev == FAKE_POOL_FOLLOWS) p->pdev = current->pdev;
+    pool_reuse_pending(p, s);
     CUresult rc = CUDA_SUCCESS;
-    if (p->used + bytes > p->reserved) {
-        uint64_t target = (p->used + bytes + pool_chunk - 1) / pool_chunk * pool_chunk;
+    if (p->used + p->pending + bytes > p->reserved) {
+        uint64_t target = (p->used + p->pending + bytes + pool_chunk - 1) / pool_chunk * pool_chunk;
         rc = phys_add(p->pdev, target - p->reserved);
         if (rc == CUDA_SUCCESS) p->reserved = target;
     }
@@ -2133,17 +2177,16 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, struct fake_pool *p)
 
 API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s)
 {
-    (void)s;
     FAIL_POINT("cuMemAllocFromPoolAsync");
     NEED_CTX();
-    CUresult rc = pool_alloc(dptr, bytes, (struct fake_pool *)pool);
+    CUresult rc = pool_alloc(dptr, bytes, (struct fake_pool *)pool, s);
     (void)fail_check("cuMemAllocFromPoolAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the pool grown */
     return rc;
 }
 
 API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s)
 {
-    return cuMemAllocFromPoolAsync(dptr, bytes, pool, s);
+    return cuMemAllocFromPoolAsync(dptr, bytes, pool, s ? s : CU_STREAM_PER_THREAD);
 }
 
 /* fakegraph.h: on a capturing stream these make graph nodes instead */
@@ -2161,7 +2204,7 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUstream s, int pts
     if (fake_capture_alloc(s, ptsz, dptr, bytes, &rc)) return rc;
     int pdev = stream_ctx(s)->pdev; /* as the driver: the current pool of the stream's device */
     default_pools[pdev].pdev = pdev;
-    rc = pool_alloc(dptr, bytes, &default_pools[pdev]);
+    rc = pool_alloc(dptr, bytes, &default_pools[pdev], ptsz && !s ? CU_STREAM_PER_THREAD : s);
     (void)fail_check("cuMemAllocAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the pool grown */
     return rc;
 }
@@ -2182,7 +2225,25 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
     CUresult rc;
     if (fake_capture_free(s, ptsz, &rc)) return rc;
     if (fake_graph_free_live(dptr)) return CUDA_SUCCESS;
+    static int pend = -1;
+    if (pend < 0) pend = getenv("FAKE_CUDA_POOL_PENDING") != NULL;
+    struct fake_pool *from = NULL;
+    uint64_t bytes = 0;
+    int at = -1;
+    if (pend) {
+        pthread_mutex_lock(&mu);
+        struct fake_alloc *a = alloc_find(K_POOL, dptr);
+        if (a) from = a->pool, bytes = a->size;
+        if (from) at = pool_pend(from, ptsz && !s ? CU_STREAM_PER_THREAD : s, bytes);
+        pthread_mutex_unlock(&mu);
+    }
     rc = alloc_free(K_DPTR, dptr);
+    if (rc != CUDA_SUCCESS && at >= 0) { /* not freed after all */
+        pthread_mutex_lock(&mu);
+        from->pend_bytes[at] -= bytes;
+        from->pending -= bytes;
+        pthread_mutex_unlock(&mu);
+    }
     (void)fail_check("cuMemFreeAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the memory gone */
     return rc;
 }
@@ -2208,11 +2269,28 @@ static void pool_release(struct fake_pool *p, int on)
     if (on || set) cuMemPoolTrimTo((CUmemoryPool)p, on ? 0 : keep);
 }
 
+/* FAKE_CUDA_POOL_PENDING (mu held): the pool's frees are complete; a destroyed pool whose last
+ * allocation went gives back its memory */
+static void pool_complete(struct fake_pool *p)
+{
+    if (!p->pending) return;
+    p->pending = 0;
+    memset(p->pend_bytes, 0, sizeof(p->pend_bytes));
+    if (p->destroyed && !p->used) {
+        phys_sub(p->pdev, p->reserved);
+        p->reserved = 0;
+    }
+}
+
 static void pools_release_at_sync(void)
 {
     static int on = -1;
     if (on < 0) on = getenv("FAKE_CUDA_POOL_RELEASE") != NULL;
     pthread_mutex_lock(&mu);
+    for (int d = 0; d < FAKE_MAX_DEVS; d++) pool_complete(&default_pools[d]); /* observed on the host */
+    pool_complete(&host_pool);
+    pool_complete(&managed_pool);
+    for (int i = 0; i < nuser_pools; i++) pool_complete(user_pools[i]);
     int any = any_release_set, n = nuser_pools;
     pthread_mutex_unlock(&mu);
     if (!on && !any) return;
