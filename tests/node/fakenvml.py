@@ -5,6 +5,9 @@ are exercised exactly as with the real library.
 
 from __future__ import annotations
 
+import ctypes
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +16,11 @@ import pynvml
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
+NOT_AVAILABLE = 0xFFFF_FFFF_FFFF_FFFF
+_V2 = struct.Struct("<IxxxxQII")
+"""nvmlProcessInfo_v2_t: 24 bytes (pid, 4 bytes of padding, usedGpuMemory, instance IDs)."""
+_V3_R535 = struct.Struct("<IxxxxQIIQ")
+"""nvmlProcessInfo_v3_t of R535/R545 drivers: 32 bytes (and usedGpuCcProtectedMemory)."""
 
 
 @dataclass
@@ -65,6 +73,15 @@ class FakeNvml:
         """Versioned symbols this driver lacks (``nvmlDeviceGetComputeRunningProcesses_v3``: a
         driver before about 510): pynvml's unversioned call for a missing ``_v3`` raises
         NVMLLibraryMismatchError, a missing versioned one NVML_ERROR_FUNCTION_NOT_FOUND."""
+        self.r535 = False
+        """A driver of the R535 or R545 branch: it exports nvmlDeviceGetConfComputeMemSizeInfo
+        but not nvmlDeviceGetRunningProcessDetailList (R550), and its ``_v3`` process lists
+        hold 32-byte entries, which pynvml's calls read as 24-byte ones (what they return is
+        that garbage, as with the real pynvml); read through ``_nvmlGetFunctionPointer`` with
+        32-byte entries, they are right. Later drivers (the default) export both, 24 bytes."""
+        self.between_calls: Callable[[], None] | None = None
+        """Run once, after the next sizing call (no buffer) of a ``_v3`` process list got
+        through ``_nvmlGetFunctionPointer``: processes that start between the two calls."""
 
     # --- library ---
     def nvmlInit(self) -> None:
@@ -121,10 +138,87 @@ class FakeNvml:
         d = self._dev(handle, "nvmlDeviceGetUtilizationRates")
         return SimpleNamespace(gpu=d.util, memory=0)
 
+    def _process_list(self, held: dict[int, int | None], v3: bool) -> list[Any]:
+        if self.r535 and v3:  # pynvml reads the driver's 32-byte entries as 24-byte ones
+            raw = self._entries(held, _V3_R535)
+            return [self._friendly(*_V2.unpack_from(raw, i * _V2.size)) for i in range(len(held))]
+        return [self._friendly(pid, NOT_AVAILABLE if used is None else used, 0xFFFFFFFF,
+                               0xFFFFFFFF) for pid, used in held.items()]
+
     @staticmethod
-    def _process_list(held: dict[int, int | None]) -> list[Any]:
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF,
-                                computeInstanceId=0xFFFFFFFF) for pid, used in held.items()]
+    def _friendly(pid: int, used: int, gi: int, ci: int) -> Any:
+        """An entry as pynvml returns it (NVML_VALUE_NOT_AVAILABLE memory as None)."""
+        return SimpleNamespace(pid=pid, usedGpuMemory=None if used == NOT_AVAILABLE else used,
+                               gpuInstanceId=gi, computeInstanceId=ci)
+
+    @staticmethod
+    def _entries(held: dict[int, int | None], layout: struct.Struct) -> bytes:
+        """The list as the driver writes it (no MIG: instance IDs 0xFFFFFFFF)."""
+        fields = [(pid, NOT_AVAILABLE if used is None else used, 0xFFFFFFFF, 0xFFFFFFFF)
+                  for pid, used in held.items()]
+        if layout is _V3_R535:
+            return b"".join(layout.pack(*f, 0) for f in fields)
+        return b"".join(layout.pack(*f) for f in fields)
+
+    # --- symbols, for pynvml's _nvmlGetFunctionPointer ---
+    def _exports(self) -> dict[str, Callable[..., int]]:
+        out: dict[str, Callable[..., int]] = {
+            "nvmlDeviceGetConfComputeMemSizeInfo": lambda *_: pynvml.NVML_ERROR_NOT_SUPPORTED}
+        if not self.r535:
+            out["nvmlDeviceGetRunningProcessDetailList"] = \
+                lambda *_: pynvml.NVML_ERROR_NOT_SUPPORTED
+        lists = {"Compute": lambda d: d.processes, "Graphics": lambda d: d.graphics,
+                 "MPSCompute": lambda d: d.mps}
+        for kind, of in lists.items():
+            out[f"nvmlDeviceGet{kind}RunningProcesses_v3"] = self._c_list(kind, of)
+        return {name: fn for name, fn in out.items() if name not in self.absent}
+
+    def _nvmlGetFunctionPointer(self, name: str) -> Callable[..., int]:
+        """pynvml's lookup of a driver's symbol (its function, called with ctypes arguments)."""
+        fn = self._exports().get(name)
+        if fn is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return fn
+
+    def _c_list(self, kind: str, of: Callable[[FakeDevice], dict[int, int | None]]
+                ) -> Callable[..., int]:
+        """``nvmlDeviceGet<kind>RunningProcesses_v3`` as C callers see it: (device, unsigned
+        *count, entries or NULL) -> nvmlReturn_t, with the driver's entry size; a buffer
+        smaller than ``*count`` entries of that size would be written past: the fake fails."""
+        layout = _V3_R535 if self.r535 else _V2
+
+        def call(handle: int, count: Any, entries: Any) -> int:
+            count = count._obj if hasattr(count, "_obj") else count.contents  # byref or pointer
+            try:
+                d = self._dev(handle, f"nvmlDeviceGet{kind}RunningProcesses")
+                if kind == "Graphics" and not d.graphics_supported:
+                    return pynvml.NVML_ERROR_NOT_SUPPORTED
+            except pynvml.NVMLError as exc:
+                return int(exc.value)
+            held = of(d)
+            if entries is None:
+                rc = self._size(count, held)
+                if self.between_calls is not None:
+                    hook, self.between_calls = self.between_calls, None
+                    hook()
+                return rc
+            room = count.value
+            assert ctypes.sizeof(entries) >= room * layout.size, \
+                f"{room} entries of {layout.size} bytes do not fit in {ctypes.sizeof(entries)}"
+            if len(held) > room:
+                count.value = len(held)
+                return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+            raw = self._entries(held, layout)
+            ctypes.memmove(entries, raw, len(raw))
+            count.value = len(held)
+            return pynvml.NVML_SUCCESS
+        return call
+
+    @staticmethod
+    def _size(count: Any, held: dict[int, int | None]) -> int:
+        fits = len(held) <= count.value
+        count.value = len(held)
+        return pynvml.NVML_SUCCESS if fits else pynvml.NVML_ERROR_INSUFFICIENT_SIZE
 
     def _symbol(self, name: str) -> None:
         if name in self.absent:
@@ -136,17 +230,18 @@ class FakeNvml:
                                                   "version does not match the NVML lib version.")
 
     # a failure set in FakeDevice.fail under the unversioned name fails every version
-    def _compute(self, handle: int, fn: str) -> list[Any]:
-        return self._process_list(self._dev(handle, fn).processes)
+    # (pynvml's unversioned calls ask for _v3: ``v3``, what an R535 driver lists wider)
+    def _compute(self, handle: int, fn: str, v3: bool = True) -> list[Any]:
+        return self._process_list(self._dev(handle, fn).processes, v3)
 
-    def _graphics(self, handle: int, fn: str) -> list[Any]:
+    def _graphics(self, handle: int, fn: str, v3: bool = True) -> list[Any]:
         d = self._dev(handle, fn)
         if not d.graphics_supported:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return self._process_list(d.graphics)
+        return self._process_list(d.graphics, v3)
 
-    def _mps(self, handle: int, fn: str) -> list[Any]:
-        return self._process_list(self._dev(handle, fn).mps)
+    def _mps(self, handle: int, fn: str, v3: bool = True) -> list[Any]:
+        return self._process_list(self._dev(handle, fn).mps, v3)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
         self._unversioned("nvmlDeviceGetComputeRunningProcesses")
@@ -154,7 +249,7 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: int) -> list[Any]:
         self._symbol("nvmlDeviceGetComputeRunningProcesses_v2")
-        return self._compute(handle, "nvmlDeviceGetComputeRunningProcesses")
+        return self._compute(handle, "nvmlDeviceGetComputeRunningProcesses", v3=False)
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[Any]:
         self._unversioned("nvmlDeviceGetGraphicsRunningProcesses")
@@ -162,7 +257,7 @@ class FakeNvml:
 
     def nvmlDeviceGetGraphicsRunningProcesses_v2(self, handle: int) -> list[Any]:
         self._symbol("nvmlDeviceGetGraphicsRunningProcesses_v2")
-        return self._graphics(handle, "nvmlDeviceGetGraphicsRunningProcesses")
+        return self._graphics(handle, "nvmlDeviceGetGraphicsRunningProcesses", v3=False)
 
     def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: int) -> list[Any]:
         self._unversioned("nvmlDeviceGetMPSComputeRunningProcesses")
@@ -170,7 +265,7 @@ class FakeNvml:
 
     def nvmlDeviceGetMPSComputeRunningProcesses_v2(self, handle: int) -> list[Any]:
         self._symbol("nvmlDeviceGetMPSComputeRunningProcesses_v2")
-        return self._mps(handle, "nvmlDeviceGetMPSComputeRunningProcesses")
+        return self._mps(handle, "nvmlDeviceGetMPSComputeRunningProcesses", v3=False)
 
     def nvmlDeviceGetProcessUtilization(self, handle: int, timeStamp: int) -> list[Any]:
         """The samples newer than ``timeStamp``; none raises what the driver answers

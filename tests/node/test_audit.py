@@ -699,6 +699,32 @@ async def test_a_driver_before_v3_process_lists_is_judged_through_v2(tmp_path: P
         assert not report.complete and report.holdings == ()
 
 
+async def test_on_an_r535_driver_every_process_of_a_container_is_charged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """R535/R545 drivers list processes in 32-byte entries, which pynvml read as 24-byte ones:
+    the container's second process went missing behind a garbage pid 0 (the check charged it
+    1 GiB of its 2.5, under its 2 GiB cap: no Event, no eviction, and a false warning to run
+    the agent with hostPID). Read with their own size, the breach is found."""
+    node = Node(tmp_path)
+    node.nvml.r535 = True
+    node.inventory = Inventory(node.nvml)
+    node.inventory.discover()
+    pod = one_gpu("p", 2048)
+    node.run_in(pod, "a", 80, {0: 1 * GIB})
+    node.run_in(pod, "a", 81, {0: 1536 * MIB})
+    node.run(3001, "0::/system.slice/xorg.service\n", {0: 256 * MIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api)
+        with caplog.at_level(logging.WARNING, logger="webhook.node.audit"):
+            report = await auditor.check()
+        (h,) = report.holdings
+        assert (h.uuid, h.used_bytes, h.pids, h.over(0)) == (GPU0, 2560 * MIB, (80, 81), True)
+        assert report.complete and report.unattributed == {GPU0: 256 * MIB, GPU1: 0}
+        assert auditor.events == 1
+        assert not [r for r in caplog.records if "pid 0" in r.message]
+
+
 async def test_memory_on_a_gpu_not_assigned_to_the_container_is_a_breach(
         tmp_path: Path) -> None:
     """The bind's device annotation names the container's GPUs; any memory on another one (a

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import ctypes.util
+import json
 import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pynvml
 import pytest
-from node.fakenvml import FUNCTIONS, GIB, FakeDevice, FakeNvml, two_a100s
+from node.fakenvml import FUNCTIONS, GIB, MIB, FakeDevice, FakeNvml, two_a100s
 
 from webhook.node.inventory import HEALTHY, UNHEALTHY, Gpu, Inventory
 
@@ -206,3 +213,140 @@ def test_an_unhealthy_gpu_keeps_its_last_known_product_and_memory() -> None:
     gpu = inv.discover().gpus[1]
     assert (gpu.health, gpu.product, gpu.memory_mib) == (UNHEALTHY, "NVIDIA A100-SXM4-80GB",
                                                          81920)
+
+
+def _r535_node() -> FakeNvml:
+    """One GPU with compute, graphics and MPS client processes (some of which NVML cannot say
+    the memory of), on a driver of the R535 branch."""
+    nvml = FakeNvml([FakeDevice("GPU-00000000-0000-0000-0000-000000000000",
+                                processes={101: 1 * GIB, 102: 2 * GIB, 103: None, 104: 4 * GIB,
+                                           105: 5 * GIB},
+                                graphics={201: 64 * MIB, 202: 96 * MIB, 101: 3 * GIB},
+                                mps={301: 7 * GIB, 302: 8 * GIB})], driver="535.183.01")
+    nvml.r535 = True
+    return nvml
+
+
+def test_the_process_lists_of_an_r535_driver_are_read_with_their_32_byte_entries() -> None:
+    """R535/R545 drivers fill the ``_v3`` process lists with 32-byte entries; the pynvml we
+    ship reads 24-byte ones: only every fourth item was a real entry, the others garbage (pid 0
+    holding the next process's pid in bytes, pid 4294967295, a pid made of a memory figure), and
+    about three processes in four went missing. The agent tells the driver by its exports and
+    reads them."""
+    nvml = _r535_node()
+    inv = Inventory(nvml)
+    inv.discover()
+    (got,) = inv.processes()
+    assert got.processes == {101: 3 * GIB, 102: 2 * GIB, 103: None, 104: 4 * GIB, 105: 5 * GIB,
+                             201: 64 * MIB, 202: 96 * MIB, 301: 7 * GIB, 302: 8 * GIB}
+    # a later driver (both exports, the default) is read through pynvml's calls as before (read
+    # with 32-byte entries, its list would be garbage)
+    nvml = _r535_node()
+    nvml.r535 = False
+    inv = Inventory(nvml)
+    inv.discover()
+    assert inv.processes()[0].processes == got.processes
+    # without the _v3 symbols (none of the R535 branch lacks them) the _v2 lists are read
+    nvml = _r535_node()
+    nvml.absent = {f"nvmlDeviceGet{kind}RunningProcesses_v3"
+                   for kind in ("Compute", "Graphics", "MPSCompute")}
+    inv = Inventory(nvml)
+    inv.discover()
+    assert inv.processes()[0].processes == got.processes
+    # a board without graphics processes (NOT_SUPPORTED) still lists the others
+    nvml = _r535_node()
+    nvml.devices[0].graphics_supported = False
+    inv = Inventory(nvml)
+    inv.discover()
+    assert inv.processes()[0].processes == {101: 1 * GIB, 102: 2 * GIB, 103: None, 104: 4 * GIB,
+                                            105: 5 * GIB, 301: 7 * GIB, 302: 8 * GIB}
+
+
+def test_an_r535_list_that_grew_between_its_two_calls_is_asked_for_again() -> None:
+    """The list is sized by a first call (twice as many entries and five more); processes
+    that start before the second call and overflow that answer INSUFFICIENT_SIZE: asked again
+    once, as the utilisation queries are. A failing list still fails the GPU's processes."""
+    nvml = _r535_node()
+    inv = Inventory(nvml)
+    inv.discover()
+    dev = nvml.devices[0]
+
+    def start_twenty() -> None:
+        dev.processes.update({1000 + i: (i + 1) * MIB for i in range(20)})
+
+    nvml.between_calls = start_twenty
+    got = inv.processes()[0].processes
+    assert got is not None and len(got) == 5 + 20 + 4 and got[1019] == 20 * MIB
+    dev.fail["nvmlDeviceGetComputeRunningProcesses"] = pynvml.NVML_ERROR_UNKNOWN
+    assert inv.processes()[0].processes is None
+
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_BUILD = ROOT / "interposer" / "build"
+_LIST = """
+import json
+from webhook.node.inventory import Inventory
+inv = Inventory()
+found = inv.discover()
+assert found.available, found.reason
+print(json.dumps(inv.processes()[0].processes))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_machine() -> Path:
+    """The C fakes of the interposer's tests: the driver, NVML (a later driver's and an R535
+    one's) and the probe that holds memory on the fake GPU."""
+    targets = ["build/fake/libcuda.so.1", "build/fake/libnvidia-ml.so.1",
+               "build/fake/r535/libnvidia-ml.so.1", "build/tests/gsprobe"]
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT / "interposer"), *targets],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return FAKE_BUILD
+
+
+@pytest.fixture
+def holders(fake_machine: Path, tmp_path: Path) -> Iterator[tuple[dict[str, str], dict[int, int]]]:
+    """Five processes holding 100 to 500 MiB on the fake GPU (no interposer): the environment
+    the fakes read, and host pid -> bytes held."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CUDA_", "GPUSLICE_", "FAKE_", "LD_"))}
+    env.update(FAKE_CUDA_STATE=str(tmp_path / "state"),
+               FAKE_CUDA_DEVICES="GPU-aaaaaaaa-0000-1111-2222-333333333333=16g",
+               LD_LIBRARY_PATH=str(fake_machine / "fake"))
+    procs = [subprocess.Popen([str(fake_machine / "tests" / "gsprobe"), "init", "ctx", "0",
+                               "alloc", f"{n}00m", "touch", str(tmp_path / f"held{n}"),
+                               "waitfile", str(tmp_path / "go")],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for n in range(1, 6)]
+    try:
+        deadline = time.monotonic() + 20
+        while not all((tmp_path / f"held{n}").exists() for n in range(1, 6)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.01)
+        yield env, {p.pid: n * 100 * MIB for n, p in enumerate(procs, 1)}
+    finally:
+        (tmp_path / "go").touch()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("nvml", ["r535", "."], ids=["r535", "later"])
+def test_the_real_pynvml_on_an_r535_or_later_nvml_lists_every_process_right(
+        holders: tuple[dict[str, str], dict[int, int]], nvml: str) -> None:
+    """The ctypes layout itself, against the C fake NVML (the interposer's): the R535 build
+    fills ``_v3`` with 32-byte entries and exports ConfComputeMemSizeInfo without
+    RunningProcessDetailList; the default one is a later driver. The agent, with the real
+    pynvml loading the fake as libnvidia-ml.so.1 (in a child process: pynvml loads the library
+    once), lists the five processes with their memory on both: read with the other entry size,
+    either list would be garbage past its first entry."""
+    env, held = holders
+    env = {**env, "LD_LIBRARY_PATH": str(FAKE_BUILD / "fake" / nvml)}
+    proc = subprocess.run([sys.executable, "-c", _LIST], cwd=ROOT, env=env, check=False,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert {int(pid): used for pid, used in json.loads(proc.stdout).items()} == held

@@ -21,12 +21,13 @@ cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pynvml
@@ -46,6 +47,27 @@ _NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFou
                   pynvml.NVMLLibraryMismatchError)
 """A query this GPU or driver does not have (pynvml turns a missing versioned symbol behind an
 unversioned call into NVMLLibraryMismatchError, which is not an NVMLError)."""
+
+
+class ProcessInfoR535(ctypes.Structure):
+    """An entry of the ``_v3`` process lists of R535 and R545 drivers (CUDA 12.2, 12.3):
+    ``nvmlProcessInfo_v3_t`` of their nvml.h, 32 bytes (``usedGpuCcProtectedMemory`` after the
+    24 bytes of ``nvmlProcessInfo_v2_t``). R550 moved it to
+    ``nvmlDeviceGetRunningProcessDetailList`` and its ``_v3`` lists 24-byte entries again, which
+    is all the pynvml we ship reads (its ``c_nvmlProcessInfo_v3_t`` is the v2 struct)."""
+
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("usedGpuMemory", ctypes.c_ulonglong),
+        ("gpuInstanceId", ctypes.c_uint),
+        ("computeInstanceId", ctypes.c_uint),
+        ("usedGpuCcProtectedMemory", ctypes.c_ulonglong),
+    ]
+
+
+assert ctypes.sizeof(ProcessInfoR535) == 32
+_NOT_AVAILABLE = 0xFFFF_FFFF_FFFF_FFFF
+"""NVML_VALUE_NOT_AVAILABLE as an unsigned long long: a process's memory NVML cannot say."""
 _UNAVAILABLE = (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded,
                 pynvml.NVMLError_NoPermission, pynvml.NVMLError_LibRmVersionMismatch)
 
@@ -170,6 +192,8 @@ class Inventory:
         self._known: dict[str, tuple[str, int]] = {}
         self._problems: dict[str, str] = {}
         """GPU UUID -> the problem last logged for it ("" healthy)."""
+        self._r535: bool | None = None
+        """The driver lists ``_v3`` processes in 32-byte entries (None: not asked yet)."""
 
     @property
     def last(self) -> Discovery:
@@ -476,7 +500,16 @@ class Inventory:
     def _process_list(self, kind: str, handle: Any) -> list[Any] | None:
         """NVML's ``kind`` process list of a GPU, None if the driver has no such query (a failing
         one raises its NVMLError). pynvml's unversioned query asks for ``_v3``; drivers older
-        than that symbol (R450 to about R510) have ``_v2``, with the same entries."""
+        than that symbol (R450 to about R510) have ``_v2``, with the same entries. An R535 or
+        R545 driver fills ``_v3``'s list with 32-byte entries, which pynvml reads as 24-byte
+        ones: it is read here (:meth:`_r535_list`)."""
+        if self._r535_driver():
+            try:
+                found = self._r535_list(kind, handle)
+            except _NO_SUCH_QUERY:  # a board without graphics processes, say
+                return None
+            if found is not None:
+                return found
         names = [f"nvmlDeviceGet{kind}RunningProcesses", f"nvmlDeviceGet{kind}RunningProcesses_v2"]
         for name in names:
             query = getattr(self._nvml, name, None)
@@ -489,7 +522,69 @@ class Inventory:
             return found
         return None
 
+    def _exports(self, symbol: str) -> bool | None:
+        """The driver's NVML library has ``symbol`` (None: it cannot say now)."""
+        lookup = getattr(self._nvml, "_nvmlGetFunctionPointer", None)
+        if lookup is None:  # an NVML module without pynvml's lookup: its own calls are right
+            return False
+        try:
+            lookup(symbol)
+        except pynvml.NVMLError_FunctionNotFound:
+            return False
+        except pynvml.NVMLError:
+            return None
+        return True
+
+    def _r535_driver(self) -> bool:
+        """A driver of the R535 or R545 branch, whose ``_v3`` process lists hold 32-byte entries.
+        Told by its exports, as nvitop does (no version string to parse): R535 brought
+        ``nvmlDeviceGetConfComputeMemSizeInfo``, R550 ``nvmlDeviceGetRunningProcessDetailList``
+        (and 24-byte ``_v3`` entries again). Asked once per initialisation."""
+        if self._r535 is None:
+            conf = self._exports("nvmlDeviceGetConfComputeMemSizeInfo")
+            detail = self._exports("nvmlDeviceGetRunningProcessDetailList")
+            if conf is None or detail is None:
+                return False
+            self._r535 = conf and not detail
+            if self._r535:
+                logger.info("NVML driver of the R535/R545 branch: its process lists are read "
+                            "with their 32-byte entries")
+        return self._r535
+
+    def _r535_list(self, kind: str, handle: Any) -> list[Any] | None:
+        """``_v3``'s ``kind`` list of an R535/R545 driver, read with its 32-byte entries (None
+        without the symbol: the caller asks as for any driver). Sized by a first call as pynvml
+        does; asked again once when processes came between the two calls (:meth:`_twice`)."""
+        try:
+            query = self._nvml._nvmlGetFunctionPointer(f"nvmlDeviceGet{kind}RunningProcesses_v3")
+        except pynvml.NVMLError_FunctionNotFound:
+            return None
+        found: list[Any] = self._twice(self._read_r535, query, handle)
+        return found
+
+    @staticmethod
+    def _read_r535(query: Any, handle: Any) -> list[Any]:
+        count = ctypes.c_uint(0)
+        rc = query(handle, ctypes.byref(count), None)
+        if rc == pynvml.NVML_SUCCESS:
+            return []
+        if rc != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+            raise pynvml.NVMLError(rc)
+        room = count.value * 2 + 5  # as pynvml: room for processes that start meanwhile
+        entries = (ProcessInfoR535 * room)()
+        count.value = room
+        rc = query(handle, ctypes.byref(count), entries)
+        if rc != pynvml.NVML_SUCCESS:
+            raise pynvml.NVMLError(rc)
+        return [SimpleNamespace(
+            pid=int(e.pid),
+            usedGpuMemory=None if e.usedGpuMemory == _NOT_AVAILABLE else int(e.usedGpuMemory),
+            gpuInstanceId=int(e.gpuInstanceId), computeInstanceId=int(e.computeInstanceId),
+            usedGpuCcProtectedMemory=int(e.usedGpuCcProtectedMemory))
+            for e in entries[:min(count.value, room)]]
+
     def _shutdown_locked(self) -> None:
+        self._r535 = None
         if self._initialised:
             try:
                 self._nvml.nvmlShutdown()
