@@ -16,13 +16,22 @@ over ``--compute-window`` against its compute limit (sampled every second,
 
 An API or install failure shortens the wait to an exponential backoff with jitter (1 s
 doubling, capped at the interval) instead of ending the process; metrics keep being served
-throughout. SIGTERM/SIGINT stop the loop and the process exits 0.
+throughout. SIGTERM/SIGINT stop the loop and the process exits 0: the round in progress is
+cancelled (one waiting on an API server that does not answer would otherwise run on for its
+requests' 30 s timeouts, past the pod's grace period).
+
+A round cancelled at any of its awaits leaves nothing half done: a call running in a worker
+thread (discovery, install, opening the state dirs, removing a departed pod's) is not stopped
+by the cancellation and runs to its end (the install's writes are atomic renames); the API
+requests are a read, two merge patches each applied whole or not at all, and pod lists. One
+cancelled between the node's metadata patch and its status patch leaves the node as a
+rejected status patch does (resources not yet updated), which the next agent's first round
+puts right.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import signal
@@ -95,6 +104,7 @@ class Agent:
         self._clock = clock
         self._runner: web.AppRunner | None = None
         self._round_done = time.monotonic()  # the start counts: the first round is under way
+        self._in_round = False
 
     async def start(self) -> None:
         """Start serving /metrics and /healthz."""
@@ -237,19 +247,27 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Round after round until ``stop`` is set; the outside checks beside them, at their
-        own intervals (the compute check's sampler every second)."""
+        own intervals (the compute check's sampler every second). Once ``stop`` is set, the
+        round in progress is cancelled (see the module's notes), as are the checks."""
         beside = []
         if self.auditor is not None:
             beside.append(asyncio.create_task(self._audit_loop(stop)))
             if self.auditor.compute is not None:
                 beside.append(asyncio.create_task(self._sample_loop(stop)))
+        rounds = asyncio.create_task(self._rounds(stop))
+        stopped = asyncio.create_task(stop.wait())
         try:
-            await self._rounds(stop)
+            await asyncio.wait({rounds, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not rounds.done():
+                logger.info("stopping", extra={"round_cancelled": self._in_round})
         finally:
-            for task in beside:
-                task.cancel()  # a check waiting on the API server must not hold up SIGTERM
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # a round or check waiting on the API server must not hold up SIGTERM
+            tasks = (stopped, rounds, *beside)
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+        if not rounds.cancelled():
+            rounds.result()  # a bug past the rounds' own handling ends the agent, as before
 
     def stalled(self) -> str | None:
         """Why the agent is not healthy: no round has ended (well or not) for five intervals
@@ -260,11 +278,13 @@ class Agent:
 
     async def _rounds(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            self._in_round = True
             try:
                 delay = await self.step()
             except Exception:  # a bug must not end the DaemonSet pod's metrics either
                 logger.exception("agent round failed")
                 delay = min(self.backoff.next(), self.settings.interval)
+            self._in_round = False
             self._round_done = time.monotonic()
             try:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
