@@ -1,5 +1,6 @@
 """The agent stops promptly on SIGTERM: a round waiting on an API server that never answers is
-cancelled, well within the pod's grace period."""
+cancelled, and an NVML call that never returns (a GPU fallen off the bus) holds up neither the
+event loop nor the process's exit; all of it well within the pod's grace period."""
 
 from __future__ import annotations
 
@@ -8,20 +9,26 @@ import contextlib
 import signal
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from kubernetes_asyncio import client
-from node.fakenvml import two_a100s
+from node.fakenvml import FakeNvml, two_a100s
 
+from webhook.node import loop
 from webhook.node.config import AgentSettings
 from webhook.node.inventory import Inventory
 from webhook.node.loop import Agent
 
 NODE = "gpu-node-1"
 LIB = b"\x7fELF" + b"interposer" * 50
+TESTS = Path(__file__).resolve().parents[1]
+GRACE_S = 30.0
+"""The agent pod's grace period: the chart sets none, so Kubernetes' default."""
 
 
 def _settings(tmp_path: Path, **kw: object) -> AgentSettings:
@@ -60,6 +67,20 @@ async def silent_api_server() -> AsyncIterator[tuple[str, asyncio.Event]]:
         for w in writers:
             w.close()
         await server.wait_closed()
+
+
+def _hanging(nvml: FakeNvml) -> tuple[threading.Event, threading.Event]:
+    """Make ``nvmlDeviceGetCount`` hang until released; returns (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    count = nvml.nvmlDeviceGetCount
+
+    def hung() -> int:
+        entered.set()
+        release.wait()
+        return count()
+
+    nvml.nvmlDeviceGetCount = hung  # type: ignore[method-assign]
+    return entered, release
 
 
 async def test_sigterm_cancels_a_round_waiting_on_an_api_server_that_never_answers(
@@ -123,3 +144,137 @@ async def test_agent_process_exits_promptly_on_sigterm_while_the_api_server_neve
     assert proc.returncode == 0, err
     assert time.monotonic() - started < 5
     assert '"msg": "agent stopped"' in err.decode()
+
+
+async def test_close_does_not_block_the_loop_on_a_hung_nvml_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(loop, "NVML_CLOSE_S", 0.5, raising=False)
+    nvml = two_a100s()
+    agent = Agent(_settings(tmp_path, kube_enabled=False, node_name=""), LIB,
+                  inventory=Inventory(nvml))
+    await agent.start()
+    entered, release = _hanging(nvml)
+    hung = asyncio.create_task(asyncio.to_thread(agent.inventory.discover))  # holds NVML's lock
+    timer = threading.Timer(3, release.set)  # so that a close that waits on it ends at all
+    try:
+        assert await asyncio.to_thread(entered.wait, 5)
+        gaps: list[float] = []
+
+        async def heartbeat() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.02)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.create_task(heartbeat())
+        await asyncio.sleep(0.1)
+        timer.start()
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="webhook.node.loop"):
+            await agent.close()
+        elapsed = time.monotonic() - started
+        await asyncio.sleep(0.05)
+        beat.cancel()
+        assert max(gaps) < 0.3, f"the event loop stood still for {max(gaps):.1f} s"
+        assert elapsed < 1.5
+        assert "NVML not shut down" in caplog.text
+        assert nvml.initialised  # skipped: the hung call still holds it
+    finally:
+        timer.cancel()
+        release.set()
+        await hung
+
+
+async def test_a_scrape_waiting_on_a_hung_nvml_call_does_not_hold_up_close(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop, "NVML_CLOSE_S", 0.5, raising=False)
+    monkeypatch.setattr(loop, "METRICS_SHUTDOWN_S", 0.5, raising=False)
+    nvml = two_a100s()
+    agent = Agent(_settings(tmp_path, kube_enabled=False, node_name=""), LIB,
+                  inventory=Inventory(nvml))
+    await agent.start()
+    await asyncio.to_thread(agent.inventory.discover)  # the scrape then reads the GPUs
+    entered, release = _hanging(nvml)
+    hung = asyncio.create_task(asyncio.to_thread(agent.inventory.discover))
+    timer = threading.Timer(3, release.set)
+    try:
+        assert await asyncio.to_thread(entered.wait, 5)
+        session = aiohttp.ClientSession()
+        scrape = asyncio.create_task(
+            session.get(f"http://127.0.0.1:{agent.metrics_port}/metrics"))
+        await asyncio.sleep(0.2)  # in its handler, waiting for NVML's lock
+        assert not scrape.done()
+        timer.start()
+        started = time.monotonic()
+        await agent.close()
+        elapsed = time.monotonic() - started
+        assert elapsed < 2.0, f"close waited {elapsed:.1f} s for the scrape"
+    finally:
+        timer.cancel()
+        release.set()
+        await hung
+        with contextlib.suppress(aiohttp.ClientError):
+            (await scrape).release()
+        await session.close()
+
+
+def test_agent_process_exits_on_sigterm_while_an_nvml_call_hangs(tmp_path: Path) -> None:
+    import subprocess
+    src = tmp_path / "libgpuslice.so"
+    src.write_bytes(LIB)
+    (tmp_path / "state").mkdir()
+    mark = tmp_path / "hung"
+    script = textwrap.dedent(f"""\
+        import sys, threading
+        sys.path.insert(0, {str(TESTS)!r})
+        from node.fakenvml import two_a100s
+        from webhook.cli import main
+        from webhook.node import loop
+        from webhook.node.inventory import Inventory
+
+        nvml = two_a100s()
+
+        def hung():  # a GPU fallen off the bus: the call never returns
+            open({str(mark)!r}, "w").close()
+            threading.Event().wait()
+
+        nvml.nvmlDeviceGetCount = hung
+        loop.Inventory = lambda **kw: Inventory(nvml, **kw)
+        raise SystemExit(main(sys.argv[1:]))
+        """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "agent", "--no-kube", "--library-source", str(src),
+         "--host-library-dir", str(tmp_path / "lib"), "--host-state-dir", str(tmp_path / "state"),
+         "--proc-root", str(tmp_path / "proc"), "--metrics-host", "127.0.0.1",
+         "--metrics-port", "0", "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 20
+        while not mark.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.time() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        try:
+            _, err = proc.communicate(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the agent did not exit within the grace period ({GRACE_S:.0f} s)")
+        elapsed = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert elapsed < loop_bound(), f"exit took {elapsed:.1f} s"
+    assert '"msg": "agent stopped"' in err
+    assert "NVML not shut down" in err
+
+
+def loop_bound() -> float:
+    """The most the agent's shutdown may take (its own bound, once it has one), plus slack for
+    a slow machine; at most the grace period."""
+    return min(getattr(loop, "SHUTDOWN_BOUND_S", GRACE_S) + 3.0, GRACE_S)
