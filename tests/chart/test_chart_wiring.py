@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from webhook import cli, names
+from webhook.node import loop as agent_loop
 from webhook.node.config import settings_from_args as agent_settings_from_args
 from webhook.settings import Settings, load_settings
 from webhook.tls import service_names
@@ -201,6 +202,12 @@ def test_agent_runs_on_every_tainted_gpu_node_with_node_critical_priority(render
     spec = privileged.one("DaemonSet", "gpuslice-agent")["spec"]["template"]["spec"]
     assert spec["containers"][0]["securityContext"]["privileged"] is True
     assert spec["runtimeClassName"] == "nvidia"
+
+
+def test_agent_exits_within_its_pods_grace_period(render: Any) -> None:
+    spec = render().one("DaemonSet", "gpuslice-agent")["spec"]["template"]["spec"]
+    grace = spec.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
+    assert agent_loop.SHUTDOWN_BOUND_S < grace, "SIGTERM'd agents would be SIGKILLed mid-shutdown"
 
 
 @pytest.mark.parametrize("kube_version", ["1.29.0", "1.30.0"])

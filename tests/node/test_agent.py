@@ -322,8 +322,9 @@ async def test_healthz_fails_when_no_round_ends_so_the_probe_restarts_a_stuck_ag
             step = agent.step
 
             async def last_round() -> float:
-                stop.set()
-                return await step()
+                delay = await step()
+                stop.set()  # after the round: a stop during one cancels it
+                return delay
 
             monkeypatch.setattr(agent, "step", last_round)
             await agent.run(stop)

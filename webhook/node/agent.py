@@ -5,7 +5,8 @@ the flags live in :mod:`webhook.node.config`, the loop (NVML, Kubernetes client,
 :mod:`webhook.node.loop`, imported only when the agent actually runs.
 
 Start-up order: validate the flags (a bad one exits 2), read the built library (missing or not
-an ELF file: the image is broken, exit 2), then run the loop until SIGTERM/SIGINT (exit 0).
+an ELF file: the image is broken, exit 2), then run the loop until SIGTERM/SIGINT (exit 0,
+promptly: :func:`webhook.node.loop.serve`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ def cmd_agent(args: argparse.Namespace) -> int:
     """Validate the flags, read the library, run the agent until SIGTERM."""
     settings = settings_from_args(args)
     setup_logging(settings.log_level, settings.log_format)
-    import asyncio
-
     from webhook.node import install, loop
 
     try:
@@ -34,4 +33,4 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except install.InstallError as exc:
         logger.error("the agent image has no usable library", extra={"error": str(exc)})
         return 2
-    return asyncio.run(loop.main(settings, library))
+    return loop.serve(settings, library)

@@ -592,7 +592,14 @@ class Inventory:
                 pass
             self._initialised = False
 
-    def close(self) -> None:
-        """Release NVML."""
-        with self._lock:
+    def close(self, timeout: float | None = None) -> bool:
+        """Release NVML; False, leaving it as it is, when a call still holds it after
+        ``timeout`` seconds (None: wait as long as it takes), e.g. one hung on a GPU that fell
+        off the bus."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        try:
             self._shutdown_locked()
+        finally:
+            self._lock.release()
+        return True

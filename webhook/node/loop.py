@@ -16,18 +16,33 @@ over ``--compute-window`` against its compute limit (sampled every second,
 
 An API or install failure shortens the wait to an exponential backoff with jitter (1 s
 doubling, capped at the interval) instead of ending the process; metrics keep being served
-throughout. SIGTERM/SIGINT stop the loop and the process exits 0.
+throughout. SIGTERM/SIGINT stop the loop and the process exits 0, within
+:data:`SHUTDOWN_BOUND_S` (under the pod's grace period): the round in progress is cancelled
+(one waiting on an API server that does not answer would otherwise run on for its requests'
+30 s timeouts), scrapes in flight get :data:`METRICS_SHUTDOWN_S`, NVML's shutdown waits at
+most :data:`NVML_CLOSE_S` for a call in flight and is skipped if it is hung, and the exit waits
+at most :data:`EXIT_WAIT_S` for the worker threads (:func:`serve`).
+
+A round cancelled at any of its awaits leaves nothing half done: a call running in a worker
+thread (discovery, install, opening the state dirs, removing a departed pod's) is not stopped
+by the cancellation and runs to its end (the install's writes are atomic renames); the API
+requests are a read, two merge patches each applied whole or not at all, and pod lists. One
+cancelled between the node's metadata patch and its status patch leaves the node as a
+rejected status patch does (resources not yet updated), which the next agent's first round
+puts right.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 from kubernetes_asyncio import client, config
@@ -44,6 +59,19 @@ logger = logging.getLogger(__name__)
 
 STALL_MIN_S = 300.0
 """The least time without an ended round after which /healthz fails (see ``Agent.stalled``)."""
+METRICS_SHUTDOWN_S = 2.0
+"""At shutdown, how long a scrape in flight may take before it is cancelled (aiohttp waits
+twice this at most: for the handler, then for its cancellation). One waiting on a hung NVML
+call would otherwise hold the shutdown up for aiohttp's default 60 s."""
+NVML_CLOSE_S = 2.0
+"""At shutdown, how long NVML's shutdown waits for a call in flight; one still running then is
+hung (a GPU fallen off the bus) and NVML is left as it is: the process is exiting."""
+EXIT_WAIT_S = 3.0
+"""At exit, how long the process waits for its worker threads (a hung NVML call's never ends;
+Python would wait for it forever)."""
+SHUTDOWN_BOUND_S = 2 * METRICS_SHUTDOWN_S + NVML_CLOSE_S + 0.5 + EXIT_WAIT_S
+"""The most a SIGTERM'd agent takes to exit, less than the pod's grace period (the chart sets
+none: Kubernetes' 30 s; tests/chart/test_chart_wiring.py checks it)."""
 
 class Backoff:
     """Exponential backoff with equal jitter: the n-th delay is in [d/2, d], d = base x 2^n."""
@@ -95,10 +123,12 @@ class Agent:
         self._clock = clock
         self._runner: web.AppRunner | None = None
         self._round_done = time.monotonic()  # the start counts: the first round is under way
+        self._in_round = False
 
     async def start(self) -> None:
         """Start serving /metrics and /healthz."""
-        self._runner = web.AppRunner(metrics_app(self.registry, self.stalled), access_log=None)
+        self._runner = web.AppRunner(metrics_app(self.registry, self.stalled), access_log=None,
+                                     shutdown_timeout=METRICS_SHUTDOWN_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.metrics_host, self.settings.metrics_port)
         await site.start()
@@ -108,10 +138,19 @@ class Agent:
                                              "port": self.metrics_port})
 
     async def close(self) -> None:
+        """Stop serving metrics and shut NVML down, off the event loop and bounded: NVML is left
+        as it is if a call to it is still running after :data:`NVML_CLOSE_S`."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        self.inventory.close()
+        try:
+            closed = await asyncio.wait_for(
+                asyncio.to_thread(self.inventory.close, NVML_CLOSE_S), NVML_CLOSE_S + 0.5)
+        except TimeoutError:  # nvmlShutdown itself hung
+            closed = False
+        if not closed:
+            logger.warning("NVML not shut down: a call to it is still running (a GPU off the "
+                           "bus?); exiting without it", extra={"waited_s": NVML_CLOSE_S})
 
     def _install(self) -> bool:
         s = self.settings
@@ -237,19 +276,27 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Round after round until ``stop`` is set; the outside checks beside them, at their
-        own intervals (the compute check's sampler every second)."""
+        own intervals (the compute check's sampler every second). Once ``stop`` is set, the
+        round in progress is cancelled (see the module's notes), as are the checks."""
         beside = []
         if self.auditor is not None:
             beside.append(asyncio.create_task(self._audit_loop(stop)))
             if self.auditor.compute is not None:
                 beside.append(asyncio.create_task(self._sample_loop(stop)))
+        rounds = asyncio.create_task(self._rounds(stop))
+        stopped = asyncio.create_task(stop.wait())
         try:
-            await self._rounds(stop)
+            await asyncio.wait({rounds, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not rounds.done():
+                logger.info("stopping", extra={"round_cancelled": self._in_round})
         finally:
-            for task in beside:
-                task.cancel()  # a check waiting on the API server must not hold up SIGTERM
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # a round or check waiting on the API server must not hold up SIGTERM
+            tasks = (stopped, rounds, *beside)
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+        if not rounds.cancelled():
+            rounds.result()  # a bug past the rounds' own handling ends the agent, as before
 
     def stalled(self) -> str | None:
         """Why the agent is not healthy: no round has ended (well or not) for five intervals
@@ -260,11 +307,13 @@ class Agent:
 
     async def _rounds(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            self._in_round = True
             try:
                 delay = await self.step()
             except Exception:  # a bug must not end the DaemonSet pod's metrics either
                 logger.exception("agent round failed")
                 delay = min(self.backoff.next(), self.settings.interval)
+            self._in_round = False
             self._round_done = time.monotonic()
             try:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
@@ -307,4 +356,50 @@ async def main(settings: AgentSettings, library: bytes) -> int:
             await api.close()
     logger.info("agent stopped")
     return 0
+
+
+def serve(settings: AgentSettings, library: bytes) -> int:
+    """``asyncio.run(main(settings, library))``, except that the exit waits at most
+    :data:`EXIT_WAIT_S` for the worker threads; one still busy then (an NVML call hung on a GPU
+    fallen off the bus) is left behind: the logs are flushed and the process ends at once
+    (``os._exit``), since both ``asyncio.run`` and the interpreter's exit would wait for it
+    forever, until the kubelet's SIGKILL."""
+    executor = ThreadPoolExecutor(thread_name_prefix="agent")
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # as asyncio.run: the client libraries look it up
+    loop.set_default_executor(executor)
+    rc, failure = 1, None
+    try:
+        rc = loop.run_until_complete(main(settings, library))
+    except Exception as exc:
+        failure = exc
+        raise
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        executor.shutdown(wait=False, cancel_futures=True)  # idle workers end now
+        asyncio.set_event_loop(None)
+        loop.close()
+        if not _threads_end(EXIT_WAIT_S):
+            logger.warning("a worker thread is still busy (an NVML call hung?); exiting "
+                           "without it", extra={"waited_s": EXIT_WAIT_S})
+            if failure is not None:  # os._exit: no traceback printed otherwise
+                logger.error("agent failed", exc_info=failure)
+            logging.shutdown()
+            os._exit(rc)
+    return rc
+
+
+def _threads_end(timeout: float) -> bool:
+    """Whether every other non-daemon thread ends within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+    return True
 
