@@ -67,8 +67,10 @@ struct pool_rec {
 GS_OWNED_LOCK()
 
 /* wait entries in all records (the synchronisation hooks look at the pools only while there are
- * any: gs_pools_at_sync), and the sequence they are noted with; atomic */
+ * any), the sequence they are noted with, and the stream-ordered frees since the last context
+ * synchronisation (gs_pools_at_sync); atomic */
 int gs_pool_waits;
+unsigned gs_pool_frees;
 static uint64_t g_wait_seq, g_drain_seq;
 static __thread char t_ptds; /* its address: this thread's per-thread default stream, as a key */
 
@@ -361,11 +363,20 @@ static void waits_done(uint64_t stream, uint64_t ctx, uint64_t seq)
 void gs_pools_before_sync(struct gs_pool_sync *ps)
 {
     ps->seq = __atomic_load_n(&g_wait_seq, __ATOMIC_ACQUIRE) + 1; /* what was noted so far */
+    ps->frees = __atomic_load_n(&gs_pool_frees, __ATOMIC_ACQUIRE);
 }
 
 void gs_pools_after_sync(const struct gs_pool_sync *ps, int what, CUcontext ctx, CUstream stream, int per_thread)
 {
     if (gs_t_held) return; /* a driver callback under a lock of ours: the frees stay noted */
+    if (ps->frees) {
+        /* pools give memory back at synchronisations: what the reconcile charged as growth no hook
+         * saw may have been some (a pool the library could not ask for), measured again */
+        gs_reconcile_remeasure_given_back();
+        unsigned seen = ps->frees;
+        if (what == GS_SYNC_CTX)
+            __atomic_compare_exchange_n(&gs_pool_frees, &seen, 0, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    }
     if (!__atomic_load_n(&gs_pool_waits, __ATOMIC_RELAXED) || what == GS_SYNC_EVENT) return;
     if (what == GS_SYNC_CTX) {
         if (!ctx && (!gs_cuda.cuCtxGetCurrent || gs_cuda.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)) return;
@@ -469,7 +480,7 @@ void gs_pools_after_fork_child(void)
     pthread_mutex_init(&g_mu, NULL);
     memset(g_pools, 0, sizeof(g_pools));
     memset(g_where, 0, sizeof(g_where));
-    gs_pool_waits = 0;
+    gs_pool_waits = gs_pool_frees = 0;
 }
 
 typedef CUresult (*alloc_call)(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream,
@@ -742,11 +753,14 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
         kind = GS_KIND_DPTR;
         if (gs_am_take(kind, dptr, &rec) != 0) {
             gs_graphmem_note_free(); /* graph memory, maybe */
-            return real(dptr, stream);
+            CUresult rc = real(dptr, stream);
+            if (rc == CUDA_SUCCESS) __atomic_add_fetch(&gs_pool_frees, 1, __ATOMIC_RELEASE);
+            return rc;
         }
     }
     gs_inflight_begin(); /* a cuMemAlloc pointer's memory goes before its charge */
     CUresult rc = real(dptr, stream);
+    if (rc == CUDA_SUCCESS) __atomic_add_fetch(&gs_pool_frees, 1, __ATOMIC_RELEASE); /* see gs_pools_after_sync */
     if (rc != CUDA_SUCCESS && gs_teardown_since(seq0))
         gs_free_refused_after_teardown(kind, dptr, &rec); /* after the teardown: did the memory go with it? */
     else if (rc != CUDA_SUCCESS)

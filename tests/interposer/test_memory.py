@@ -379,6 +379,19 @@ def test_a_stream_ordered_allocation_whose_pool_cannot_be_asked_for_is_charged(l
     assert res.values("phys") == [608 * MIB]
 
 
+def test_pool_memory_charged_as_growth_is_measured_again_once_given_back_at_a_synchronisation(lab):
+    # cuDeviceGetMemPool fails: the pool keeps 608 MiB after the free, which the near-cap
+    # reconcile charges as growth no hook saw; the pool gives them back at the synchronisation
+    # (release threshold 0), which no hook saw either: they stayed charged until a context
+    # went, and 900 MiB were refused with nothing held under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "alloc", "900m", "phys", "sync",
+                  "sleep", "800", "alloc", "900m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuDeviceGetMemPool:0:999", FAKE_CUDA_POOL_RELEASE="1")
+    assert res.rc("async") == 0 and res.rc("free") == 0 and res.rc("sync") == 0
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 900 * MIB]
+
+
 def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab):
     # two threads allocate 500 MiB from one pool at once: the second reserved only what the
     # pool's charge lacked, which the first had just reserved, so 500 MiB stood for 1000
