@@ -252,6 +252,9 @@ void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
 int gs_reconcile_dev_contexts(CUdevice dev); /* contexts of the process on dev; under the context lock */
 void gs_reconcile_remeasure(CUdevice dev);   /* the next clean reading may lower what was charged beyond the records */
 void gs_reconcile_remeasure_slot(int slot); /* gs_reconcile_remeasure, every ordinal of that slot */
+/* a synchronisation after stream-ordered frees: pools may have given memory back, which the
+ * reconcile may have charged as growth no hook saw; devices with such a charge are measured again */
+void gs_reconcile_remeasure_given_back(void);
 void gs_reconcile_forget_ctx(CUcontext ctx);  /* caller holds gs_ctx_lock (both) */
 void gs_reconcile_ctx_reset(CUdevice dev);
 void gs_reconcile_after_fork_child(void);
@@ -451,6 +454,24 @@ int gs_pool_lock_mine(void);     /* this thread holds the pools' lock (a driver 
  * under the pools' lock no graph hook takes the graph memory's). */
 int gs_graphmem_passthrough(void);
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes);
+/* Synchronisations (launch.c's hooks) tell the pools which stream-ordered frees are complete
+ * (pool.c): a destroyed pool keeps its charge until its frees are.  The hooks pass straight
+ * through while gs_pools_at_sync() is 0. */
+extern int gs_pool_waits;
+extern unsigned gs_pool_frees;
+static inline int gs_pools_at_sync(void)
+{
+    return __atomic_load_n(&gs_pool_waits, __ATOMIC_RELAXED) | __atomic_load_n(&gs_pool_frees, __ATOMIC_RELAXED);
+}
+struct gs_pool_sync {
+    uint64_t seq;
+    unsigned frees;
+};
+enum { GS_SYNC_CTX, GS_SYNC_STREAM, GS_SYNC_EVENT };
+void gs_pools_before_sync(struct gs_pool_sync *ps); /* before the driver's call */
+/* after a successful one: of context ctx (NULL: the current one), of stream `stream`, or of an event */
+void gs_pools_after_sync(const struct gs_pool_sync *ps, int what, CUcontext ctx, CUstream stream, int per_thread);
+void gs_pools_ctx_gone(CUcontext ctx); /* the context went, and its streams' frees with it */
 void gs_pools_after_fork_child(void);
 
 /* ---- streams ------------------------------------------------------------- */

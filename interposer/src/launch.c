@@ -365,13 +365,30 @@ GS_GRAPH_HOOK(cuGraphLaunch, 0)
 GS_GRAPH_HOOK(cuGraphLaunch_ptsz, 1)
 
 /* Synchronisations: with a compute limit, what completed is measured afterwards
- * (gs_launch_after_sync). */
-#define GS_SYNC_HOOK(name, params, args) GS_AFTER_HOOK(name, params, args, if (throttle_on()) gs_launch_after_sync())
+ * (gs_launch_after_sync); after stream-ordered frees, the pools learn which are complete
+ * (gs_pools_after_sync: what, ctx, stream, per-thread).  Otherwise a tail call. */
+#define GS_SYNC_HOOK(name, params, args, what, ctx, stream, pt)                                             \
+    static __attribute__((noinline)) CUresult name##_slow params                                          \
+    {                                                                                                     \
+        gs_cuda_init();                                                                                   \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                               \
+        struct gs_pool_sync ps;                                                                           \
+        gs_pools_before_sync(&ps);                                                                        \
+        CUresult rc = gs_cuda.name args;                                                                  \
+        if (throttle_on()) gs_launch_after_sync();                                                        \
+        if (rc == CUDA_SUCCESS && gs_pools_at_sync()) gs_pools_after_sync(&ps, what, ctx, stream, pt);    \
+        return rc;                                                                                        \
+    }                                                                                                     \
+    GS_EXPORT CUresult name params                                                                        \
+    {                                                                                                     \
+        if (GS_LIKELY(!gs_pools_at_sync())) GS_FAST(name, args);                                         \
+        return name##_slow args;                                                                          \
+    }
 
-GS_SYNC_HOOK(cuCtxSynchronize, (void), ())
+GS_SYNC_HOOK(cuCtxSynchronize, (void), (), GS_SYNC_CTX, NULL, NULL, 0)
 /* CUDA 13.0's (what cuGetProcAddress("cuCtxSynchronize", 13000) hands out): the context given,
  * the current one where it is NULL; what completed is measured in every context, as above */
-GS_SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), (ctx))
-GS_SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), (hStream))
-GS_SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream))
-GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent))
+GS_SYNC_HOOK(cuCtxSynchronize_v2, (CUcontext ctx), (ctx), GS_SYNC_CTX, ctx, NULL, 0)
+GS_SYNC_HOOK(cuStreamSynchronize, (CUstream hStream), (hStream), GS_SYNC_STREAM, NULL, hStream, 0)
+GS_SYNC_HOOK(cuStreamSynchronize_ptsz, (CUstream hStream), (hStream), GS_SYNC_STREAM, NULL, hStream, 1)
+GS_SYNC_HOOK(cuEventSynchronize, (CUevent hEvent), (hEvent), GS_SYNC_EVENT, NULL, NULL, 0)

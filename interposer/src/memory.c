@@ -127,6 +127,7 @@ static void drop_one(int kind, uint64_t key, const struct gs_alloc *rec)
 void gs_forget_ctx(CUcontext ctx)
 {
     gs_am_drop_ctx((uint64_t)(uintptr_t)ctx, drop_one);
+    gs_pools_ctx_gone(ctx);
 }
 
 /* ---- linear allocations --------------------------------------------------- */

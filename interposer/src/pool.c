@@ -10,9 +10,9 @@
  *  - after it, the pool's CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT is read and
  *    the charge follows it; if the pool grew past the cap, the allocation is
  *    undone and the caller gets CUDA_ERROR_OUT_OF_MEMORY;
- *  - frees, trims, a refused reservation anywhere, pool destruction, and the
- *    sampler thread every 500 ms bring the charge back down to what the pool
- *    still reserves (a pool at the driver's default release threshold, 0,
+ *  - frees, trims, a refused reservation anywhere, pool destruction (once its
+ *    frees are complete: below), and the sampler thread every 500 ms bring the
+ *    charge back down to what the pool still reserves (a pool at the driver's default release threshold, 0,
  *    gives its memory back at the next synchronisation, which no hook sees);
  *    never while an allocation from that pool is between its reservation and
  *    its settling (the reservation would go, and another process take it).
@@ -36,18 +36,43 @@
 
 #define GS_MAX_POOLS 64
 
+/* A stream a free from the pool was made on (cuMemFreeAsync) that no synchronisation of the stream
+ * or of its context has covered since: the free may still be outstanding in the driver.  `ctx` is
+ * the stream's context (the current one for the default streams); stream GS_WAIT_CTX: any stream
+ * of that context; ctx 0 with it: any context (a pool freed into from more contexts than it
+ * remembers).  `seq`: when it was noted, for a synchronisation under way meanwhile not to cover it */
+#define GS_POOL_WAITS 8
+#define GS_WAIT_CTX UINT64_MAX
+struct pool_wait {
+    uint64_t stream, ctx, seq;
+};
+
+/* The key of a destroyed pool's record once the pool has no allocation left but frees that may be
+ * outstanding (draining): not its handle, which the driver may hand a new pool */
+#define GS_DRAINING (1ull << 63)
+
 struct pool_rec {
-    uint64_t pool;    /* CUmemoryPool handle; 0 = free entry */
+    uint64_t pool;    /* CUmemoryPool handle, or GS_DRAINING | n; 0 = free entry */
     int slot;
     int destroyed;
     uint64_t live;    /* bytes allocated from it and not freed */
     uint64_t charged; /* bytes charged to the budget for it */
-    uint64_t kept;    /* destroyed: its charge at the destroy, which it keeps until its last free */
+    uint64_t kept;    /* destroyed: its charge at the destroy, which it keeps until its last free completes */
     uint64_t pending; /* bytes requested by allocations inside the driver */
     int busy;         /* allocations from it between their reservation and reconcile */
+    int nwait;
+    struct pool_wait wait[GS_POOL_WAITS];
 };
 
 GS_OWNED_LOCK()
+
+/* wait entries in all records (the synchronisation hooks look at the pools only while there are
+ * any), the sequence they are noted with, and the stream-ordered frees since the last context
+ * synchronisation (gs_pools_at_sync); atomic */
+int gs_pool_waits;
+unsigned gs_pool_frees;
+static uint64_t g_wait_seq, g_drain_seq;
+static __thread char t_ptds; /* its address: this thread's per-thread default stream, as a key */
 
 int gs_pool_lock_mine(void)
 {
@@ -188,9 +213,10 @@ static int reconcile_locked(struct pool_rec *p, int grow)
 {
     cuuint64_t reserved = 0;
     uint64_t target = p->live;
-    if (p->destroyed && p->live) {
-        /* the driver keeps a destroyed pool until its last allocation goes; not p->charged,
-         * which may hold the reservation of a (failing) allocation from it since */
+    if (p->destroyed && (p->live || p->nwait)) {
+        /* the driver keeps a destroyed pool until its last allocation goes and the frees from it
+         * are complete; not p->charged, which may hold the reservation of a (failing) allocation
+         * from it since */
         target = p->kept;
     } else if (!p->destroyed) {
         if (gs_cuda.cuMemPoolGetAttribute &&
@@ -212,11 +238,160 @@ static int reconcile_locked(struct pool_rec *p, int grow)
         gs_budget_release(p->slot, p->charged - target);
         p->charged = target;
     }
-    if (p->destroyed && !p->live && !p->busy) {
+    if (p->destroyed && !p->live && !p->busy && p->nwait) {
+        if (!(p->pool & GS_DRAINING)) p->pool = GS_DRAINING | ++g_drain_seq; /* its handle may go to a new pool */
+    } else if (p->destroyed && !p->live && !p->busy) {
         gs_budget_release(p->slot, p->charged);
         memset(p, 0, sizeof(*p));
     }
     return 0;
+}
+
+/* ---- frees that may be outstanding ---------------------------------------------------------
+ * A free is stream-ordered: the driver frees the memory when the stream reaches it, and a pool
+ * destroyed before that keeps all its memory until then (cuMemPoolDestroy's documentation: "the
+ * resources associated with the pool will be released automatically once there are no more
+ * outstanding allocations").  So each pool remembers the streams its frees were made on until a
+ * synchronisation covers them: of that stream (cuStreamSynchronize) or of its context
+ * (cuCtxSynchronize, or the context's end).  An event's synchronisation covers whatever stream
+ * the event was recorded on, which no hook tells: it covers none.  A destroyed pool keeps its
+ * charge until its last allocation is freed and no stream of its frees is left (released at
+ * the destroy, 608 MiB were held uncharged until the program synchronised: a 900 MiB allocation
+ * passed a 1 GiB cap; or the near-cap reconcile charged them as growth no hook saw, then 608 MiB
+ * charged for nothing once the driver had freed them; test_memory.py -k frees_are_outstanding). */
+
+/* The key of stream es (a call's effective stream): the legacy default stream whatever its
+ * handle, each thread's own per-thread default stream */
+static uint64_t wait_stream(CUstream es)
+{
+    if (!es || es == CU_STREAM_LEGACY) return (uint64_t)(uintptr_t)CU_STREAM_LEGACY;
+    if (es == CU_STREAM_PER_THREAD) return (uint64_t)(uintptr_t)&t_ptds;
+    return (uint64_t)(uintptr_t)es;
+}
+
+/* Its context: its own, the current one for the default streams */
+static uint64_t wait_ctx(CUstream es)
+{
+    CUcontext c = gs_stream_ctx(es);
+    if (!c && (!gs_cuda.cuCtxGetCurrent || gs_cuda.cuCtxGetCurrent(&c) != CUDA_SUCCESS)) c = NULL;
+    return (uint64_t)(uintptr_t)c;
+}
+
+static void wait_put_locked(struct pool_rec *p, struct pool_wait w)
+{
+    for (int i = 0; i < p->nwait; i++)
+        if ((p->wait[i].stream == w.stream || p->wait[i].stream == GS_WAIT_CTX) &&
+            (p->wait[i].ctx == w.ctx || (!p->wait[i].ctx && p->wait[i].stream == GS_WAIT_CTX))) {
+            if (w.seq > p->wait[i].seq) p->wait[i].seq = w.seq;
+            return;
+        }
+    if (p->nwait == GS_POOL_WAITS) {
+        /* full: each stream stands for its context (noted as late as the latest), and past as
+         * many contexts, any context for all */
+        struct pool_wait was[GS_POOL_WAITS];
+        int n = p->nwait, has = 0;
+        for (int i = 0; i < n; i++) w.seq = p->wait[i].seq > w.seq ? p->wait[i].seq : w.seq;
+        memcpy(was, p->wait, sizeof(was));
+        __atomic_sub_fetch(&gs_pool_waits, n, __ATOMIC_RELAXED);
+        p->nwait = 0;
+        for (int i = 0; i < n; i++) wait_put_locked(p, (struct pool_wait){GS_WAIT_CTX, was[i].ctx, w.seq});
+        for (int i = 0; i < p->nwait; i++) has |= p->wait[i].ctx == w.ctx;
+        w.stream = GS_WAIT_CTX;
+        if (!has && p->nwait == GS_POOL_WAITS) {
+            __atomic_sub_fetch(&gs_pool_waits, p->nwait, __ATOMIC_RELAXED);
+            p->nwait = 0;
+            w.ctx = 0;
+        }
+        wait_put_locked(p, w);
+        return;
+    }
+    p->wait[p->nwait++] = w;
+    __atomic_add_fetch(&gs_pool_waits, 1, __ATOMIC_RELAXED);
+}
+
+/* A free from the pool on stream es went to the driver: noted until a synchronisation covers it */
+static void pool_freed(uint64_t pool, uint64_t bytes, CUstream es)
+{
+    struct pool_wait w = {wait_stream(es), wait_ctx(es), 0};
+    mu_lock();
+    w.seq = __atomic_add_fetch(&g_wait_seq, 1, __ATOMIC_ACQ_REL);
+    struct pool_rec *p = find_locked(pool, -1, 0);
+    if (p) {
+        wait_put_locked(p, w);
+        p->live = p->live > bytes ? p->live - bytes : 0;
+        reconcile_locked(p, 0);
+    }
+    mu_unlock();
+}
+
+/* A destroyed pool's record taken out with frees that may be outstanding: charged, under a key of
+ * its own, until they are complete */
+static void drain_locked(const struct pool_rec *gone)
+{
+    struct pool_rec *d = find_locked(GS_DRAINING | ++g_drain_seq, gone->slot, 1);
+    if (!d) { /* the table is full: the reconcile's to charge, near the cap */
+        gs_budget_release(gone->slot, gone->charged);
+        return;
+    }
+    d->destroyed = 1;
+    d->charged = d->kept = gone->charged;
+    for (int i = 0; i < gone->nwait; i++) wait_put_locked(d, gone->wait[i]);
+}
+
+/* The frees made on stream `stream` of context ctx (stream GS_WAIT_CTX: on any stream of it)
+ * and noted before `seq` are complete: destroyed pools left with none give their charge back */
+static void waits_done(uint64_t stream, uint64_t ctx, uint64_t seq)
+{
+    mu_lock();
+    for (int i = 0; i < GS_MAX_POOLS; i++) {
+        struct pool_rec *p = &g_pools[i];
+        if (!p->pool || !p->nwait) continue;
+        int k = 0;
+        for (int j = 0; j < p->nwait; j++) {
+            struct pool_wait w = p->wait[j];
+            int done = w.seq < seq && (stream == GS_WAIT_CTX ? w.ctx == ctx || (!w.ctx && w.stream == GS_WAIT_CTX)
+                                                             : w.stream == stream && w.ctx == ctx);
+            if (!done) p->wait[k++] = w;
+        }
+        __atomic_sub_fetch(&gs_pool_waits, p->nwait - k, __ATOMIC_RELAXED);
+        p->nwait = k;
+        if (!k && p->destroyed) reconcile_locked(p, 0);
+    }
+    mu_unlock();
+}
+
+void gs_pools_before_sync(struct gs_pool_sync *ps)
+{
+    ps->seq = __atomic_load_n(&g_wait_seq, __ATOMIC_ACQUIRE) + 1; /* what was noted so far */
+    ps->frees = __atomic_load_n(&gs_pool_frees, __ATOMIC_ACQUIRE);
+}
+
+void gs_pools_after_sync(const struct gs_pool_sync *ps, int what, CUcontext ctx, CUstream stream, int per_thread)
+{
+    if (gs_t_held) return; /* a driver callback under a lock of ours: the frees stay noted */
+    if (ps->frees) {
+        /* pools give memory back at synchronisations: what the reconcile charged as growth no hook
+         * saw may have been some (a pool the library could not ask for), measured again */
+        gs_reconcile_remeasure_given_back();
+        unsigned seen = ps->frees;
+        if (what == GS_SYNC_CTX)
+            __atomic_compare_exchange_n(&gs_pool_frees, &seen, 0, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    }
+    if (!__atomic_load_n(&gs_pool_waits, __ATOMIC_RELAXED) || what == GS_SYNC_EVENT) return;
+    if (what == GS_SYNC_CTX) {
+        if (!ctx && (!gs_cuda.cuCtxGetCurrent || gs_cuda.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)) return;
+        waits_done(GS_WAIT_CTX, (uint64_t)(uintptr_t)ctx, ps->seq);
+    } else {
+        CUstream es = gs_effective_stream(stream, per_thread);
+        waits_done(wait_stream(es), wait_ctx(es), ps->seq);
+    }
+}
+
+/* A context went: its streams' frees went with it (under the context lock) */
+void gs_pools_ctx_gone(CUcontext ctx)
+{
+    if (ctx && __atomic_load_n(&gs_pool_waits, __ATOMIC_RELAXED) && !t_mine)
+        waits_done(GS_WAIT_CTX, (uint64_t)(uintptr_t)ctx, UINT64_MAX);
 }
 
 static int pool_reserved(CUmemoryPool pool, cuuint64_t *bytes)
@@ -305,6 +480,7 @@ void gs_pools_after_fork_child(void)
     pthread_mutex_init(&g_mu, NULL);
     memset(g_pools, 0, sizeof(g_pools));
     memset(g_where, 0, sizeof(g_where));
+    gs_pool_waits = gs_pool_frees = 0;
 }
 
 typedef CUresult (*alloc_call)(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream stream,
@@ -562,7 +738,7 @@ GS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesi
                       gs_cuda.cuMemFreeAsync_ptsz, dptr, bytesize, pool, hStream, 1);
 }
 
-static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream stream)
+static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream stream, int per_thread)
 {
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     if (t_mine) return real(dptr, stream); /* see pool_alloc */
@@ -577,17 +753,20 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
         kind = GS_KIND_DPTR;
         if (gs_am_take(kind, dptr, &rec) != 0) {
             gs_graphmem_note_free(); /* graph memory, maybe */
-            return real(dptr, stream);
+            CUresult rc = real(dptr, stream);
+            if (rc == CUDA_SUCCESS) __atomic_add_fetch(&gs_pool_frees, 1, __ATOMIC_RELEASE);
+            return rc;
         }
     }
     gs_inflight_begin(); /* a cuMemAlloc pointer's memory goes before its charge */
     CUresult rc = real(dptr, stream);
+    if (rc == CUDA_SUCCESS) __atomic_add_fetch(&gs_pool_frees, 1, __ATOMIC_RELEASE); /* see gs_pools_after_sync */
     if (rc != CUDA_SUCCESS && gs_teardown_since(seq0))
         gs_free_refused_after_teardown(kind, dptr, &rec); /* after the teardown: did the memory go with it? */
     else if (rc != CUDA_SUCCESS)
         gs_am_put(kind, dptr, &rec, &old);
     else if (kind == GS_KIND_POOLPTR)
-        gs_pool_drop_ptr(rec.aux, rec.size);
+        pool_freed(rec.aux, rec.size, gs_effective_stream(stream, per_thread));
     else
         gs_budget_release(rec.slot, rec.size);
     gs_inflight_end();
@@ -597,13 +776,13 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
 GS_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
 {
     gs_cuda_init();
-    return pool_free(gs_cuda.cuMemFreeAsync, dptr, hStream);
+    return pool_free(gs_cuda.cuMemFreeAsync, dptr, hStream, 0);
 }
 
 GS_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
 {
     gs_cuda_init();
-    return pool_free(gs_cuda.cuMemFreeAsync_ptsz, dptr, hStream);
+    return pool_free(gs_cuda.cuMemFreeAsync_ptsz, dptr, hStream, 1);
 }
 
 GS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
@@ -622,7 +801,9 @@ GS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep)
  * out before the driver's call, and the new pool's bookkeeping starts afresh after them (taken out
  * after it, they took the new pool's: its charge was returned while it held its memory).  A pool
  * with allocations outstanding keeps its handle in the driver until the last is freed: its record
- * stays, marked destroyed, to take their frees.  A failed destroy puts everything back. */
+ * stays, marked destroyed, to take their frees.  One with none left but frees that may still be
+ * outstanding keeps its charge under a key of its own until they are complete (above).  A failed
+ * destroy puts everything back. */
 GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     gs_cuda_init();
@@ -641,6 +822,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         p->kept = p->charged;
     } else if (p) {
         gone = *p;
+        __atomic_sub_fetch(&gs_pool_waits, p->nwait, __ATOMIC_RELAXED);
         memset(p, 0, sizeof(*p));
     }
     for (int i = 0; i < GS_MAX_POOLS; i++)
@@ -652,7 +834,10 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     CUresult rc = gs_cuda.cuMemPoolDestroy(pool);
     mu_lock();
     if (rc == CUDA_SUCCESS) {
-        if (gone.pool) gs_budget_release(gone.slot, gone.charged);
+        if (gone.pool && gone.nwait)
+            drain_locked(&gone); /* the driver keeps its memory until they are complete */
+        else if (gone.pool)
+            gs_budget_release(gone.slot, gone.charged);
     } else {
         /* the pool lives on, and so does its handle: nobody else can have it */
         p = stays ? find_locked(key, -1, 0) : gone.pool ? find_locked(key, gone.slot, 1) : NULL;
@@ -661,6 +846,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         } else if (p) { /* beside what an allocation racing the destroy may have begun */
             p->charged += gone.charged;
             p->live += gone.live;
+            for (int i = 0; i < gone.nwait; i++) wait_put_locked(p, gone.wait[i]);
         } else if (gone.pool) {
             gs_budget_release(gone.slot, gone.charged); /* the table is full: the reconcile's to charge */
         }

@@ -54,8 +54,10 @@ static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charge
 static CUcontext *g_dev_ctxs[GS_MAX_CUDA_DEVS]; /* the device's live contexts, newest last; under the context lock */
 static int g_dev_nctx[GS_MAX_CUDA_DEVS], g_dev_cap[GS_MAX_CUDA_DEVS];
 /* What the reconcile charged on each device beyond the records, and to which slot; under the
- * context lock.  It is not any one context's: when a context goes it is dropped and measured
- * again (the memory may have gone with it, or may belong to a context that lives on). */
+ * context lock (stored atomically: a synchronisation reads it without it,
+ * gs_reconcile_remeasure_given_back).  It is not any one context's: when a context goes it is
+ * dropped and measured again (the memory may have gone with it, or may belong to a context that
+ * lives on). */
 static uint64_t g_untracked[GS_MAX_CUDA_DEVS];
 static int g_untracked_slot[GS_MAX_CUDA_DEVS];
 static int g_rebase[GS_MAX_CUDA_DEVS]; /* a context went and no clean reading came since */
@@ -281,10 +283,10 @@ static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
             (unsigned long long)extra);
     if (g_untracked[dev] && g_untracked_slot[dev] != slot) { /* cannot happen: a device keeps its slot */
         gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
-        g_untracked[dev] = 0;
+        __atomic_store_n(&g_untracked[dev], 0, __ATOMIC_RELAXED);
     }
     gs_budget_force(slot, extra);
-    g_untracked[dev] += extra;
+    __atomic_store_n(&g_untracked[dev], g_untracked[dev] + extra, __ATOMIC_RELAXED);
     g_untracked_slot[dev] = slot;
 }
 
@@ -301,7 +303,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         if (rebase && g_untracked[dev]) /* no context left: what it held went with it */
             gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
         if (rebase) {
-            g_untracked[dev] = 0;
+            __atomic_store_n(&g_untracked[dev], 0, __ATOMIC_RELAXED);
             __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
         }
         return 0;
@@ -351,7 +353,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
                 uint64_t drop = was - want;
                 drop -= gs_limits_take_slack(slot, drop);
                 if (drop) gs_budget_release(g_untracked_slot[dev], drop);
-                g_untracked[dev] = was - drop;
+                __atomic_store_n(&g_untracked[dev], was - drop, __ATOMIC_RELAXED);
                 return 0;
             }
             if (want > was) charge_untracked(dev, slot, want - was);
@@ -474,6 +476,25 @@ int gs_reconcile_dev_contexts(CUdevice dev)
 void gs_reconcile_remeasure(CUdevice dev)
 {
     if (dev >= 0 && dev < GS_MAX_CUDA_DEVS) __atomic_store_n(&g_rebase[dev], 1, __ATOMIC_RELAXED);
+}
+
+/* Pools give memory back at synchronisations, where no hook sees it go; what the reconcile
+ * charged as growth no hook saw may have been such memory (a pool the library could not ask for,
+ * pool.c's alloc_unknown_pool; memory a destroyed pool held past its charge).  Lowered only by a
+ * re-measurement, it stayed charged until a context of the device went (608 MiB charged for
+ * nothing, a 900 MiB allocation refused with nothing held under a 1 GiB cap; test_memory.py
+ * -k given_back_at_a_synchronisation).  As after an unload: the devices with such a charge are
+ * marked, and the sampler (started if need be, woken once) measures them again; no reading here,
+ * in the synchronisation's path. */
+void gs_reconcile_remeasure_given_back(void)
+{
+    int wake = 0;
+    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS; dev++)
+        if (__atomic_load_n(&g_untracked[dev], __ATOMIC_RELAXED) && !__atomic_exchange_n(&g_rebase[dev], 1, __ATOMIC_RELAXED))
+            wake = 1;
+    if (!wake) return;
+    start_sampler(); /* a process that allocates from no pool it can ask for may have none yet */
+    gs_reconcile_wake();
 }
 
 void gs_reconcile_remeasure_slot(int slot)

@@ -93,6 +93,7 @@
     X(cuCtxFromGreenCtx, CUresult, (CUcontext *, CUgreenCtx))                                                \
     X(cuCtxSynchronize, CUresult, (void))                                                                    \
     X(cuStreamSynchronize, CUresult, (CUstream))                                                             \
+    X(cuEventSynchronize, CUresult, (CUevent))                                                               \
     X(cuModuleLoadData, CUresult, (CUmodule *, const void *))                                                \
     X(cuModuleUnload, CUresult, (CUmodule))                                                                  \
     X(cuLibraryUnload, CUresult, (CUlibrary))                                                                \
@@ -1233,6 +1234,21 @@ int main(int argc, char **argv)
             printf("events 0 %ld\n", live ? live() : -1L);
         } else if (!strcmp(c, "sync")) {
             printf("sync %d\n", api.cuCtxSynchronize());
+        } else if (!strcmp(c, "sfree") || !strcmp(c, "ssync") || !strcmp(c, "esync")) {
+            /* sfree ID S: cuMemFreeAsync of pool allocation ID on stream S (0-3, made in the
+             * current context at its first use); ssync S: cuStreamSynchronize of stream S;
+             * esync S: an event recorded on stream S, and cuEventSynchronize of it */
+            static CUstream ss[4];
+            int sfree = !strcmp(c, "sfree"), n = atoi(ARG(sfree)) & 3;
+            CUresult rc = ss[n] ? CUDA_SUCCESS : api.cuStreamCreate(&ss[n], 0);
+            CUevent ev = NULL;
+            if (rc == CUDA_SUCCESS && sfree) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ss[n]);
+            else if (rc == CUDA_SUCCESS && !strcmp(c, "ssync")) rc = api.cuStreamSynchronize(ss[n]);
+            else if (rc == CUDA_SUCCESS && (rc = api.cuEventCreate(&ev, 0)) == CUDA_SUCCESS &&
+                     (rc = api.cuEventRecord(ev, ss[n])) == CUDA_SUCCESS)
+                rc = api.cuEventSynchronize(ev);
+            printf("%s %d\n", c, rc);
+            i += 1 + sfree;
         } else if (!strcmp(c, "setlimit")) {
             /* setlimit LIMIT VALUE: 0 stack size per thread, 1 printf FIFO, 2 malloc heap */
             printf("setlimit %d\n", api.cuCtxSetLimit(atoi(ARG(0)), (size_t)size_arg(ARG(1))));

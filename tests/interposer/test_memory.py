@@ -379,6 +379,19 @@ def test_a_stream_ordered_allocation_whose_pool_cannot_be_asked_for_is_charged(l
     assert res.values("phys") == [608 * MIB]
 
 
+def test_pool_memory_charged_as_growth_is_measured_again_once_given_back_at_a_synchronisation(lab):
+    # cuDeviceGetMemPool fails: the pool keeps 608 MiB after the free, which the near-cap
+    # reconcile charges as growth no hook saw; the pool gives them back at the synchronisation
+    # (release threshold 0), which no hook saw either: they stayed charged until a context
+    # went, and 900 MiB were refused with nothing held under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "alloc", "900m", "phys", "sync",
+                  "sleep", "800", "alloc", "900m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuDeviceGetMemPool:0:999", FAKE_CUDA_POOL_RELEASE="1")
+    assert res.rc("async") == 0 and res.rc("free") == 0 and res.rc("sync") == 0
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 900 * MIB]
+
+
 def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab):
     # two threads allocate 500 MiB from one pool at once: the second reserved only what the
     # pool's charge lacked, which the first had just reserved, so 500 MiB stood for 1000
@@ -489,18 +502,22 @@ def test_a_contexts_end_takes_only_its_own_records(built, scenario):
 
 
 def test_destroying_a_pool_returns_its_charge(lab):
-    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "pooldestroy", "meminfo",
+    # its free complete (synchronised): returned at once; still outstanding, once it completes
+    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "sync", "pooldestroy", "meminfo",
+                  "mkpool", "1", "0", "pool", "100m", "free", "1", "pooldestroy", "meminfo", "sync",
+                  "meminfo",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")
-    assert res.rc("pooldestroy") == 0
-    assert res.values("meminfo") == [GIB, GIB]
+    assert [rc for rc, _ in res.of("pooldestroy")] == [0, 0]
+    assert [vals[0] for _, vals in res.of("meminfo")] == [GIB, GIB - 128 * MIB, GIB]
 
 
 def test_a_pool_destroyed_with_allocations_outstanding_stays_charged_until_the_last_is_freed(lab):
     # the driver keeps a destroyed pool's memory (224 MiB: two 100 MiB allocations in 32 MiB
     # chunks) until its last allocation is freed; its charge dropped to the 100 MiB still
-    # allocated, 124 MiB held uncharged
+    # allocated, 124 MiB held uncharged (the last free is stream-ordered: complete at the
+    # synchronisation, test_a_destroyed_pools_last_free_keeps_its_charge_until_it_completes)
     res = lab.run("init", "ctx", "0", "pool", "100m", "pool", "100m", "free", "0", "pooldestroy",
-                  "meminfo", "phys", "free", "1", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+                  "meminfo", "phys", "free", "1", "sync", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
     assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("free")] == [0, 0]
     assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [224 * MIB, 0]
     assert [vals[0] for _, vals in res.of("phys")] == [224 * MIB, 0]
@@ -511,7 +528,7 @@ def test_a_failed_allocation_from_a_destroyed_pool_returns_its_reservation(lab):
     # an allocation from it fails in the driver, and its 300 MiB reservation stayed in that
     # charge until the pool's last free: 428 MiB charged for 128 held, an 800 MiB one refused
     res = lab.run("init", "ctx", "0", "pool", "100m", "pooldestroy", "pool", "300m", "meminfo",
-                  "phys", "alloc", "800m", "free", "0", "meminfo", "phys",
+                  "phys", "alloc", "800m", "free", "0", "sync", "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")
     assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("pool")] == [0, 1]
     assert res.rc("alloc") == 0 and res.rc("free") == 0
@@ -519,12 +536,65 @@ def test_a_failed_allocation_from_a_destroyed_pool_returns_its_reservation(lab):
     assert [vals[0] for _, vals in res.of("phys")] == [128 * MIB, 800 * MIB]
 
 
+@pytest.mark.parametrize("margin", ["0", None])
+def test_a_pool_destroyed_while_its_frees_are_outstanding_stays_charged_until_they_complete(lab, margin):
+    # the free is stream-ordered: destroyed before the stream reaches it, the pool keeps its
+    # 608 MiB until then (cuMemPoolDestroy's documentation; FAKE_CUDA_POOL_PENDING: until the
+    # synchronisation).  Its charge went at the destroy: without the near-cap reconcile a
+    # 900 MiB allocation passed, 1508 MiB held under a 1 GiB cap; with it, the 608 MiB were
+    # charged as growth no hook saw and stayed charged once the driver freed them, and 900 MiB
+    # were refused after the synchronisation with nothing held
+    res = lab.run("init", "ctx", "0", "pool", "600m", "free", "0", "pooldestroy", "meminfo", "alloc",
+                  "900m", "phys", "sync", "meminfo", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1", GPUSLICE_RECONCILE_MARGIN=margin)
+    assert res.rc("free") == 0 and res.rc("pooldestroy") == 0 and res.rc("sync") == 0
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [608 * MIB, 0]
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 900 * MIB]
+
+
+def test_a_destroyed_pools_last_free_keeps_its_charge_until_it_completes(lab):
+    # the pool was destroyed with allocations outstanding; its last free is stream-ordered
+    # too: its 224 MiB were returned at that free, held uncharged until the synchronisation
+    res = lab.run("init", "ctx", "0", "pool", "100m", "pool", "100m", "free", "0", "pooldestroy",
+                  "free", "1", "meminfo", "phys", "sync", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1")
+    assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("free")] == [0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [224 * MIB, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [224 * MIB, 0]
+
+
+def test_a_destroyed_pools_charge_waits_for_the_stream_its_frees_were_made_on(lab):
+    # freed on stream 1: a synchronisation of stream 2 leaves that free outstanding, 608 MiB
+    # held, and 900 MiB are refused; one of stream 1 completes it.  Before, the charge went at
+    # the destroy; the near-cap reconcile charged the 608 MiB as growth no hook saw, and they
+    # stayed charged after stream 1's synchronisation freed them: 900 MiB refused, 0 held
+    res = lab.run("init", "ctx", "0", "pool", "600m", "sfree", "0", "1", "pooldestroy", "ssync", "2",
+                  "alloc", "900m", "phys", "ssync", "1", "phys", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1")
+    assert res.rc("sfree") == 0 and res.rc("pooldestroy") == 0
+    assert [rc for rc, _ in res.of("ssync")] == [0, 0]
+    assert [rc for rc, _ in res.of("alloc")] == [OOM, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 0, 900 * MIB]
+
+
+def test_a_destroyed_pools_charge_goes_when_its_frees_context_goes(lab):
+    # the context whose stream took the free is destroyed: its work, the free included, is
+    # complete (kept until a synchronisation that can no longer come, the charge would stay)
+    res = lab.run("init", "ctxcreate", "0", "pool", "600m", "free", "0", "pooldestroy", "meminfo",
+                  "ctxdestroy", "0", "ctx", "0", "meminfo", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1")
+    assert res.rc("pooldestroy") == 0 and res.rc("ctxdestroy") == 0 and res.rc("alloc") == 0
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [608 * MIB, 0]
+    assert res.values("phys") == [900 * MIB]
+
+
 def test_an_allocation_refused_with_the_pool_size_unknown_returns_its_reservation(lab):
     # allocated from again after its destroy (nothing outstanding: its record gone), the pool's
     # handle is refused by the driver, and so is the query of its size; the reconcile kept the
     # pool's charge, as it may still hold it, and with it the 320 MiB the request reserved for
     # growth the driver never made: charged for nothing for good, 900 MiB refused with 0 held
-    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "pooldestroy", "pool", "300m",
+    res = lab.run("init", "ctx", "0", "pool", "100m", "free", "0", "sync", "pooldestroy", "pool", "300m",
                   "meminfo", "phys", "alloc", "900m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
     assert res.rc("pooldestroy") == 0 and [rc for rc, _ in res.of("pool")] == [0, 1]
     assert res.values("meminfo") == [GIB, GIB]
@@ -536,15 +606,17 @@ def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab)
     # the driver hands the destroyed pool's handle to another thread's cuMemPoolCreate while
     # cuMemPoolDestroy is still inside; the destroy's bookkeeping after the driver's call took
     # the new pool's record: its 608 MiB charge went with the free of its allocation and a
-    # 700 MiB allocation passed, 1308 MiB held under 1 GiB
+    # 700 MiB allocation passed, 1308 MiB held under 1 GiB.  The old pool's free may still be
+    # outstanding (no synchronisation yet): its 128 MiB stay charged beside the new pool's,
+    # under a record of their own, until the synchronisation
     res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "100m", "free", "0",
                   "bgpooldestroy", "sleep", "100", "mkpool", "1", "0", "upool", "pool", "600m",
-                  "sleep", "600", "join", "free", "1", "meminfo", "phys", "alloc", "700m", "phys",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_HANDLE_REUSE="1",
+                  "sleep", "600", "join", "meminfo", "sync", "free", "1", "meminfo", "phys", "alloc",
+                  "700m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_HANDLE_REUSE="1",
                   FAKE_CUDA_SLEEP="cuMemPoolDestroyAfter:500")
     assert res.values("upool", 0) == res.values("upool", 1)  # the handle came back
     assert res.rc("bgpooldestroy") == 0 and res.rc("pool") == 0 and res.rc("alloc") == OOM
-    assert res.values("meminfo") == [GIB - 608 * MIB, GIB]
+    assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 736 * MIB, GIB - 608 * MIB]
     assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 608 * MIB]
 
 

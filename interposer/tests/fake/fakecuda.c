@@ -17,14 +17,17 @@
  *                            do not use (otherwise they keep it until trimmed, unless a
  *                            program sets CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: such a pool gives
  *                            back what is past it at every synchronisation)
- *   FAKE_CUDA_POOL_PENDING=1 a pool allocation freed with cuMemFreeAsync stays outstanding until the
- *                            next synchronisation, as the driver documents for cuMemPoolTrimTo
+ *   FAKE_CUDA_POOL_PENDING=1 a pool allocation freed with cuMemFreeAsync stays outstanding until a
+ *                            synchronisation of its stream, of a context or of an event, or a
+ *                            context's end, as the driver documents for cuMemPoolTrimTo
  *                            ("allocations that have been asynchronously freed but whose completion
  *                            has not been observed on the host ... can count as outstanding"): no
  *                            trim gives it back, and only an allocation on the stream that freed
  *                            it reuses it; one on another stream grows the pool instead (the
  *                            driver inserts a dependency on another stream's free only once it
  *                            fails to grow the pool: CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES).
+ *                            A pool destroyed meanwhile keeps its memory (and its handle) until
+ *                            they complete, as cuMemPoolDestroy's documentation says.
  *                            Off by default: frees are then complete at once
  *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
  *                            call, default 1; code default 2 = out of memory)
@@ -737,6 +740,7 @@ API CUresult cuGreenCtxDestroy(void *h)
 }
 
 static void ctx_drop(struct fake_ctx *c);
+static void pools_complete_all(void); /* FAKE_CUDA_POOL_PENDING: every pool's frees complete */
 
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
 {
@@ -1155,6 +1159,7 @@ static void ctx_drop(struct fake_ctx *c)
             alloc_give(&allocs[i]);
         memset(&allocs[i], 0, sizeof(allocs[i]));
     }
+    pools_complete_all(); /* its streams' frees complete with it (FAKE_CUDA_POOL_PENDING) */
     if (c->primary) { /* the device's default pool goes with its primary context */
         struct fake_pool *p = &default_pools[c->pdev];
         p->pending = 0; /* its frees complete with it */
@@ -2063,7 +2068,7 @@ API CUresult cuMemPoolDestroy(CUmemoryPool pool)
     pthread_mutex_lock(&mu);
     p->destroyed = 1;
     pool_give(p, 0); /* all of it at once, now or when its last allocation is freed */
-    if (!p->used && getenv("FAKE_CUDA_HANDLE_REUSE")) {
+    if (!p->used && !p->pending && getenv("FAKE_CUDA_HANDLE_REUSE")) { /* else the driver keeps it */
         for (int i = 0; i < nuser_pools; i++)
             if (user_pools[i] == p) user_pools[i] = user_pools[--nuser_pools];
         free(freed_pool);
@@ -2124,9 +2129,15 @@ API CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, 
     return CUDA_SUCCESS;
 }
 
+/* The stream a call on s uses (fakelaunch.h): the key of a pending free, the per-thread default
+ * stream being each thread's own */
+struct fake_stream;
+static struct fake_stream *stream_of(CUstream s, int ptsz);
+
 /* FAKE_CUDA_POOL_PENDING (mu held): what stream s freed is reusable on s */
 static void pool_reuse_pending(struct fake_pool *p, CUstream s)
 {
+    s = (CUstream)stream_of(s, 0);
     for (int i = 0; i < 8; i++)
         if (p->pend_bytes[i] && p->pend_stream[i] == s) {
             p->pending -= p->pend_bytes[i];
@@ -2140,6 +2151,7 @@ static void pool_reuse_pending(struct fake_pool *p, CUstream s)
 static int pool_pend(struct fake_pool *p, CUstream s, uint64_t bytes)
 {
     int at = -1;
+    s = (CUstream)stream_of(s, 0);
     for (int i = 0; i < 8 && at < 0; i++)
         if (p->pend_bytes[i] && p->pend_stream[i] == s) at = i;
     for (int i = 0; i < 8 && at < 0; i++)
@@ -2269,28 +2281,46 @@ static void pool_release(struct fake_pool *p, int on)
     if (on || set) cuMemPoolTrimTo((CUmemoryPool)p, on ? 0 : keep);
 }
 
-/* FAKE_CUDA_POOL_PENDING (mu held): the pool's frees are complete; a destroyed pool whose last
- * allocation went gives back its memory */
-static void pool_complete(struct fake_pool *p)
+/* FAKE_CUDA_POOL_PENDING (mu held): the pool's frees on stream `only` (NULL: on every stream) are
+ * complete; a destroyed pool whose last allocation went gives back its memory */
+static void pool_complete(struct fake_pool *p, const struct fake_stream *only)
 {
-    if (!p->pending) return;
-    p->pending = 0;
-    memset(p->pend_bytes, 0, sizeof(p->pend_bytes));
-    if (p->destroyed && !p->used) {
+    for (int i = 0; i < 8; i++)
+        if (p->pend_bytes[i] && (!only || p->pend_stream[i] == (CUstream)only)) {
+            p->pending -= p->pend_bytes[i];
+            p->pend_bytes[i] = 0;
+        }
+    if (p->destroyed && !p->used && !p->pending && p->reserved) {
         phys_sub(p->pdev, p->reserved);
         p->reserved = 0;
     }
 }
 
-static void pools_release_at_sync(void)
+/* FAKE_CUDA_POOL_PENDING (mu held): every pool's frees complete (a context synchronised or gone;
+ * the fake does not tell the streams of one context from another's) */
+static void pools_complete_all(void)
+{
+    for (int d = 0; d < FAKE_MAX_DEVS; d++) pool_complete(&default_pools[d], NULL);
+    pool_complete(&host_pool, NULL);
+    pool_complete(&managed_pool, NULL);
+    for (int i = 0; i < nuser_pools; i++) pool_complete(user_pools[i], NULL);
+}
+
+/* A synchronisation: of stream `only` (its frees are observed complete on the host), or of a
+ * context or an event (NULL: every pool's frees, whatever stream they were made on) */
+static void pools_release_at_sync(const struct fake_stream *only)
 {
     static int on = -1;
     if (on < 0) on = getenv("FAKE_CUDA_POOL_RELEASE") != NULL;
     pthread_mutex_lock(&mu);
-    for (int d = 0; d < FAKE_MAX_DEVS; d++) pool_complete(&default_pools[d]); /* observed on the host */
-    pool_complete(&host_pool);
-    pool_complete(&managed_pool);
-    for (int i = 0; i < nuser_pools; i++) pool_complete(user_pools[i]);
+    if (only) {
+        for (int d = 0; d < FAKE_MAX_DEVS; d++) pool_complete(&default_pools[d], only); /* observed on the host */
+        pool_complete(&host_pool, only);
+        pool_complete(&managed_pool, only);
+        for (int i = 0; i < nuser_pools; i++) pool_complete(user_pools[i], only);
+    } else {
+        pools_complete_all();
+    }
     int any = any_release_set, n = nuser_pools;
     pthread_mutex_unlock(&mu);
     if (!on && !any) return;

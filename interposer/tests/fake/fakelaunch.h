@@ -83,14 +83,14 @@ API CUresult cuStreamDestroy_v2(CUstream s)
 API CUresult cuStreamSynchronize(CUstream s)
 {
     sleep_until(__atomic_load_n(&stream_of(s, 0)->tail, __ATOMIC_ACQUIRE));
-    pools_release_at_sync();
+    pools_release_at_sync(stream_of(s, 0));
     return CUDA_SUCCESS;
 }
 
 API CUresult cuStreamSynchronize_ptsz(CUstream s)
 {
     sleep_until(__atomic_load_n(&stream_of(s, 1)->tail, __ATOMIC_ACQUIRE));
-    pools_release_at_sync();
+    pools_release_at_sync(stream_of(s, 1));
     return CUDA_SUCCESS;
 }
 
@@ -271,7 +271,7 @@ API CUresult cuEventSynchronize(CUevent e)
     struct fake_event *ev = (struct fake_event *)e;
     if (!ev) return CUDA_ERROR_INVALID_VALUE;
     if (ev->recorded) sleep_until(ev->t);
-    pools_release_at_sync();
+    pools_release_at_sync(NULL);
     return CUDA_SUCCESS;
 }
 
@@ -304,7 +304,7 @@ API CUresult cuCtxSynchronize(void)
     FAIL_POINT("cuCtxSynchronize");
     sleep_until(__atomic_load_n(&legacy_stream.tail, __ATOMIC_ACQUIRE));
     sleep_until(__atomic_load_n(&ptds_stream.tail, __ATOMIC_ACQUIRE));
-    pools_release_at_sync();
+    pools_release_at_sync(NULL);
     if (sync_forbidden && capture_forbids()) forbidden = 1;
     return forbidden ? 900 : CUDA_SUCCESS; /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
 }
