@@ -15,6 +15,7 @@ import aiohttp
 import pynvml
 import pytest
 from fakekube import FakeKube
+from node.agentcli import no_kube_args
 from node.fakenvml import FakeNvml, two_a100s
 
 from webhook.node.config import AgentSettings
@@ -50,6 +51,15 @@ def _old_pod_dir(state: Path, uid: str) -> Path:
     return d.parent
 
 
+def _live_pod_with_old_dir(kube: FakeKube, state: Path) -> tuple[str, Path]:
+    """A pod on the node (namespace ml, name p) and a state dir of its past the grace: its UID
+    and the dir."""
+    live = kube.put({"apiVersion": "v1", "kind": "Pod",
+                     "metadata": {"name": "p", "namespace": "ml"},
+                     "spec": {"nodeName": NODE, "containers": []}})["metadata"]["uid"]
+    return live, _old_pod_dir(state, live)
+
+
 async def _scrape(port: int) -> str:
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
         assert r.status == 200
@@ -61,10 +71,7 @@ async def test_one_round_installs_publishes_and_removes_departed_pod_dirs(
     settings = _settings(tmp_path)
     async with FakeKube() as kube:
         kube.put(_node())
-        live = kube.put({"apiVersion": "v1", "kind": "Pod",
-                         "metadata": {"name": "p", "namespace": "ml"},
-                         "spec": {"nodeName": NODE, "containers": []}})["metadata"]["uid"]
-        kept = _old_pod_dir(tmp_path / "state", live)
+        live, kept = _live_pod_with_old_dir(kube, tmp_path / "state")
         gone = _old_pod_dir(tmp_path / "state", str(uuid.uuid4()))
         async with kube.api_client() as api:
             agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
@@ -92,10 +99,7 @@ async def test_the_rounds_pod_list_comes_from_the_watch_cache_and_a_removal_is_c
     settings = _settings(tmp_path)
     async with FakeKube() as kube:
         kube.put(_node())
-        live = kube.put({"apiVersion": "v1", "kind": "Pod",
-                         "metadata": {"name": "p", "namespace": "ml"},
-                         "spec": {"nodeName": NODE, "containers": []}})["metadata"]["uid"]
-        kept = _old_pod_dir(tmp_path / "state", live)
+        _, kept = _live_pod_with_old_dir(kube, tmp_path / "state")
         async with kube.api_client() as api:
             agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
             await agent.step()
@@ -280,10 +284,7 @@ def test_agent_process_installs_serves_and_exits_0_on_sigterm(tmp_path: Path) ->
     src.write_bytes(LIB)
     (tmp_path / "state").mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "webhook", "agent", "--no-kube", "--library-source", str(src),
-         "--host-library-dir", str(tmp_path / "lib"), "--host-state-dir", str(tmp_path / "state"),
-         "--proc-root", str(tmp_path / "proc"), "--metrics-host", "127.0.0.1",
-         "--metrics-port", "0", "--log-format", "json"],
+        [sys.executable, "-m", "webhook", "agent", *no_kube_args(tmp_path, src)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 20

@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from kubernetes_asyncio import client
+from node.agentcli import no_kube_args
 from node.fakenvml import FakeNvml, two_a100s
 
 from webhook.node import loop
@@ -246,10 +247,7 @@ def test_agent_process_exits_on_sigterm_while_an_nvml_call_hangs(tmp_path: Path)
         raise SystemExit(main(sys.argv[1:]))
         """)
     proc = subprocess.Popen(
-        [sys.executable, "-c", script, "agent", "--no-kube", "--library-source", str(src),
-         "--host-library-dir", str(tmp_path / "lib"), "--host-state-dir", str(tmp_path / "state"),
-         "--proc-root", str(tmp_path / "proc"), "--metrics-host", "127.0.0.1",
-         "--metrics-port", "0", "--log-format", "json"],
+        [sys.executable, "-c", script, "agent", *no_kube_args(tmp_path, src)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 20
