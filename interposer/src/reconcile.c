@@ -59,6 +59,17 @@ static int g_dev_nctx[GS_MAX_CUDA_DEVS], g_dev_cap[GS_MAX_CUDA_DEVS];
  * dropped and measured again (the memory may have gone with it, or may belong to a context that
  * lives on). */
 static uint64_t g_untracked[GS_MAX_CUDA_DEVS];
+_Static_assert(GS_MAX_CUDA_DEVS <= 64, "g_untracked_devs: one bit per device");
+static uint64_t g_untracked_devs; /* bit d: g_untracked[d] is not 0 (one load for a synchronisation) */
+
+static void set_untracked(CUdevice dev, uint64_t bytes)
+{
+    __atomic_store_n(&g_untracked[dev], bytes, __ATOMIC_RELAXED);
+    if (bytes)
+        __atomic_fetch_or(&g_untracked_devs, 1ull << dev, __ATOMIC_RELAXED);
+    else
+        __atomic_fetch_and(&g_untracked_devs, ~(1ull << dev), __ATOMIC_RELAXED);
+}
 static int g_untracked_slot[GS_MAX_CUDA_DEVS];
 static int g_rebase[GS_MAX_CUDA_DEVS]; /* a context went and no clean reading came since */
 /* What the device's latest reading showed the process holding beyond its charge and left
@@ -283,10 +294,10 @@ static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
             (unsigned long long)extra);
     if (g_untracked[dev] && g_untracked_slot[dev] != slot) { /* cannot happen: a device keeps its slot */
         gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
-        __atomic_store_n(&g_untracked[dev], 0, __ATOMIC_RELAXED);
+        set_untracked(dev, 0);
     }
     gs_budget_force(slot, extra);
-    __atomic_store_n(&g_untracked[dev], g_untracked[dev] + extra, __ATOMIC_RELAXED);
+    set_untracked(dev, g_untracked[dev] + extra);
     g_untracked_slot[dev] = slot;
 }
 
@@ -303,7 +314,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         if (rebase && g_untracked[dev]) /* no context left: what it held went with it */
             gs_budget_release(g_untracked_slot[dev], g_untracked[dev]);
         if (rebase) {
-            __atomic_store_n(&g_untracked[dev], 0, __ATOMIC_RELAXED);
+            set_untracked(dev, 0);
             __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
         }
         return 0;
@@ -353,7 +364,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
                 uint64_t drop = was - want;
                 drop -= gs_limits_take_slack(slot, drop);
                 if (drop) gs_budget_release(g_untracked_slot[dev], drop);
-                __atomic_store_n(&g_untracked[dev], was - drop, __ATOMIC_RELAXED);
+                set_untracked(dev, was - drop);
                 return 0;
             }
             if (want > was) charge_untracked(dev, slot, want - was);
@@ -489,9 +500,9 @@ void gs_reconcile_remeasure(CUdevice dev)
 void gs_reconcile_remeasure_given_back(void)
 {
     int wake = 0;
-    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS; dev++)
-        if (__atomic_load_n(&g_untracked[dev], __ATOMIC_RELAXED) && !__atomic_exchange_n(&g_rebase[dev], 1, __ATOMIC_RELAXED))
-            wake = 1;
+    uint64_t devs = __atomic_load_n(&g_untracked_devs, __ATOMIC_RELAXED);
+    for (CUdevice dev = 0; devs; dev++, devs >>= 1)
+        if ((devs & 1) && !__atomic_exchange_n(&g_rebase[dev], 1, __ATOMIC_RELAXED)) wake = 1;
     if (!wake) return;
     start_sampler(); /* a process that allocates from no pool it can ask for may have none yet */
     gs_reconcile_wake();
@@ -644,6 +655,7 @@ void gs_reconcile_after_fork_child(void)
     memset(g_dev_ctx, 0, sizeof(g_dev_ctx));
     memset(g_dev_nctx, 0, sizeof(g_dev_nctx));
     memset(g_untracked, 0, sizeof(g_untracked)); /* the parent's, returned with its slot */
+    g_untracked_devs = 0;
     memset(g_gap, 0, sizeof(g_gap));
     memset(g_rebase, 0, sizeof(g_rebase));
     memset(g_host_pid, 0, sizeof(g_host_pid));
