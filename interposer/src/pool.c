@@ -309,17 +309,22 @@ static void wait_put_locked(struct pool_rec *p, struct pool_wait w)
     __atomic_add_fetch(&gs_pool_waits, 1, __ATOMIC_RELAXED);
 }
 
-/* A free from the pool on stream es went to the driver: noted until a synchronisation covers it */
-static void pool_freed(uint64_t pool, uint64_t bytes, CUstream es)
+/* `bytes` allocated from the pool are no longer: its charge follows (reconcile_locked's `grow`;
+ * 2, the undo's, only while no other allocation from it is in flight: pool_alloc).  Freed on a
+ * stream (`freed`, es its effective stream): the free is noted until a synchronisation covers it. */
+static void pool_drop(uint64_t pool, uint64_t bytes, int grow, int freed, CUstream es)
 {
-    struct pool_wait w = {wait_stream(es), wait_ctx(es), 0};
+    struct pool_wait w = {0};
+    if (freed) w = (struct pool_wait){wait_stream(es), wait_ctx(es), 0};
     mu_lock();
-    w.seq = __atomic_add_fetch(&g_wait_seq, 1, __ATOMIC_ACQ_REL);
     struct pool_rec *p = find_locked(pool, -1, 0);
     if (p) {
-        wait_put_locked(p, w);
+        if (freed) {
+            w.seq = __atomic_add_fetch(&g_wait_seq, 1, __ATOMIC_ACQ_REL);
+            wait_put_locked(p, w);
+        }
         p->live = p->live > bytes ? p->live - bytes : 0;
-        reconcile_locked(p, 0);
+        reconcile_locked(p, grow == 2 && p->busy ? 0 : grow);
     }
     mu_unlock();
 }
@@ -466,13 +471,7 @@ static int reserve_for_locked(struct pool_rec *p, uint64_t want, uint64_t *took)
 
 void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes)
 {
-    mu_lock();
-    struct pool_rec *p = find_locked(pool, -1, 0);
-    if (p) {
-        p->live = p->live > bytes ? p->live - bytes : 0;
-        reconcile_locked(p, 0);
-    }
-    mu_unlock();
+    pool_drop(pool, bytes, 0, 0, NULL);
 }
 
 void gs_pools_after_fork_child(void)
@@ -692,15 +691,9 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
          * another allocation from it is in flight: that one's settling charges the pool's size
          * (reserved, or undone and charged here), and a growth of its own past its reservation
          * charged by force would let it pass the cap */
-        if (free_real) free_real(*dptr, stream);
+        int freed = free_real && free_real(*dptr, stream) == CUDA_SUCCESS;
         if (gs_cuda.cuMemPoolTrimTo) gs_cuda.cuMemPoolTrimTo(pool, 0);
-        mu_lock();
-        p = find_locked(key, slot, 0);
-        if (p) {
-            p->live = p->live > bytesize ? p->live - bytesize : 0;
-            reconcile_locked(p, p->busy ? 0 : 2);
-        }
-        mu_unlock();
+        pool_drop(key, bytesize, 2, freed, gs_effective_stream(stream, per_thread));
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
     gs_unsettled_end();
@@ -766,7 +759,7 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
     else if (rc != CUDA_SUCCESS)
         gs_am_put(kind, dptr, &rec, &old);
     else if (kind == GS_KIND_POOLPTR)
-        pool_freed(rec.aux, rec.size, gs_effective_stream(stream, per_thread));
+        pool_drop(rec.aux, rec.size, 0, 1, gs_effective_stream(stream, per_thread));
     else
         gs_budget_release(rec.slot, rec.size);
     gs_inflight_end();
