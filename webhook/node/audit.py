@@ -28,12 +28,13 @@ One over ``cap + tolerance`` is reported in metrics, logged with its figures onc
 and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a pod found over
 in ``--over-limit-rounds`` checks of one episode is evicted through the Eviction API (so
 PodDisruptionBudgets hold: a refused eviction is retried at the next check, a conflicting one
-too unless the pod is gone; the pod's UID is its precondition, so a pod made since under the same name is not evicted). An episode ends
-after as many checks in a row under the cap, so dipping under now and then does not evade it;
-a check that finds no process of the container on the GPU counts as neither (nor, for compute,
-one before the container has run on the GPU for a whole window: the window holds time it did
-not run), and episodes are the pod's container's, not one instance's (its ID), so crashing and
-being restarted does not evade it either (an episode absent for ``ABSENT_TTL`` ends).
+too unless the pod is gone; the pod's UID is its precondition, so a pod made since under the
+same name is not evicted). An episode ends after as many checks in a row under the cap, so
+dipping under now and then does not evade it; a check that finds no process of the container
+on the GPU counts as neither (nor, for compute, one before the container has run on the GPU
+for a whole window: the window holds time it did not run), and episodes are the pod's
+container's, not one instance's (its ID), so crashing and being restarted does not evade it
+either (an episode absent for ``ABSENT_TTL`` ends).
 
 The pod list is read only when a process belongs to a container the check has not mapped yet
 (a container ID maps to one pod container for ever); IDs found in no gpuslice pod are
