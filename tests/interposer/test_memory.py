@@ -1146,6 +1146,31 @@ def test_a_primary_context_retained_by_a_callback_during_the_device_discovery_is
     assert total - free == res.values("phys")[0] == 100 * MIB
 
 
+@pytest.mark.parametrize("action", ["ctxkeep", "ctx"])
+def test_a_context_created_by_a_callback_during_the_device_discovery_is_charged(lab, action):
+    # created from inside the discovery, it was recorded with no device (none known yet) and
+    # never charged: without NVML's per-process figures nothing found it, and beside another
+    # process of the container a 100 MiB allocation passed with 1100 MiB held under a 1 GiB cap.
+    # Now it is booked once the discovery is done, as a primary context retained there: charged
+    # the container's footprint estimate (and a context destroyed there is booked after it)
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m",
+           "FAKE_NVML_PROC_MEM": "0"}
+    ready = lab.tmp / "first-ready"
+    first = lab.start("init", "ctx", "0", "touch", str(ready), "waitfile", str(lab.tmp / "go"),
+                      **env)
+    lab.wait_for(ready)
+    res = lab.run("init", "ctx", "0", "alloc", "700m", "alloc", "100m", "meminfo", "phys",
+                  FAKE_CUDA_API_CALLBACK=f"cuDeviceGet:{action}", **env)
+    (lab.tmp / "go").touch()
+    assert lab.finish(first).returncode == 0
+    assert f"fake: api callback cuDeviceGet {action} 0" in res.stderr
+    held = res.values("phys")[0] + 100 * MIB  # and the first process's context
+    free, total = res.values("meminfo")
+    assert total - free == held
+    assert held <= GIB
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM if action == "ctxkeep" else 0]
+
+
 def test_a_limit_a_callback_sets_inside_a_limit_change_is_accounted(lab):
     # the nested cuCtxSetLimit (the printf FIFO, inside the heap's change) passed through: the
     # reconcile did not see it below the cap's margin, and a later change of the same limit

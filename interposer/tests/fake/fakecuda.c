@@ -419,7 +419,7 @@ API CUresult cuDeviceGetCount(int *n)
  * that calls the driver's exported API itself (so through the interposer): totalmem
  * (cuDeviceTotalMem_v2 of device 0), setlimit (cuCtxSetLimit of the printf FIFO to
  * FAKE_CUDA_API_CALLBACK_BYTES, default 1m), alloc (that much, freed again), ctx (a context of
- * its own, created and destroyed), retain (device 0's primary context, once per process),
+ * its own, created and destroyed), ctxkeep (a context of its own, created once per process and kept), retain (device 0's primary context, once per process),
  * sync (cuCtxSynchronize), launch (an empty kernel on the legacy stream), async (a stream-ordered
  * allocation of that size, freed again) or graph (the newest executable graph launched on the
  * legacy stream).  Never from inside
@@ -459,6 +459,13 @@ static void api_callback(const char *fn)
             rc = alloc(&d, bytes);
             if (rc == CUDA_SUCCESS) release(d);
             if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0; /* refused near the cap: an answer */
+        } else if (!strncmp(what, "ctxkeep", 7)) { /* before "ctx", its prefix */
+            CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))fake_api("cuCtxCreate_v2");
+            struct fake_ctx *was = current;
+            static int made;
+            CUcontext c = NULL;
+            rc = __atomic_exchange_n(&made, 1, __ATOMIC_RELAXED) ? 0 : create(&c, 0, 0);
+            current = was;
         } else if (!strncmp(what, "ctx", 3)) {
             CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))fake_api("cuCtxCreate_v2");
             CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))fake_api("cuCtxDestroy_v2");
