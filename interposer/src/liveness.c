@@ -333,7 +333,7 @@ void gs_region_sweep_dead(void)
 int gs_region_claim_sweep(void)
 {
     struct gpuslice_region *r = __atomic_load_n(&gs_region, __ATOMIC_ACQUIRE);
-    if (!r || __atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) return 0;
+    if (!r || gs_exiting()) return 0;
     uint64_t now = gs_now_ns(), last = LD(&r->reclaimed_ns);
     if (last <= now && now - last < GS_SWEEP_NS) return 0;
     return __atomic_compare_exchange_n(&r->reclaimed_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);

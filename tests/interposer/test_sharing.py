@@ -381,6 +381,35 @@ def test_a_child_made_without_the_fork_handlers_leaves_the_parents_usage(release
     assert lab.used() == 0
 
 
+def test_a_vfork_child_that_calls_exit_leaves_its_parent_able_to_register(lab):
+    # a vfork() child's exit() runs the library's destructor in its parent's memory: its "this
+    # process exits" flag became the parent's, which could then never register, and every
+    # allocation of its own was refused (1 GiB under a 4 GiB cap, nothing else held)
+    res = lab.run("vforkexit", "init", "ctx", "0", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.of("vforkexit") == [(0, [])]
+    assert res.rc("alloc") == 0
+    # (glibc's exit() in the child also marked every library's destructors as run: the parent's
+    # exit returned nothing, and its slot is reclaimed as a dead process's)
+    assert lab.run("init", "ctx", "0", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="4g").rc("alloc") == 0
+
+
+def test_a_vfork_child_that_calls_exit_leaves_its_parent_a_sampler(lab):
+    # the child's exit() also stopped the parent's sampler thread for good: a killed process's
+    # 2 GiB stayed in the container's figures (no sweep) beside the keeper, its only live process
+    ctx = 100 * MIB
+    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "vforkexit", "touch", str(lab.tmp / "kept"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g",
+                       FAKE_CUDA_CTX_BYTES="100m")
+    lab.wait_for(lab.tmp / "kept")
+    kill_a_holder(lab, "held", FAKE_CUDA_CTX_BYTES="100m")
+    deadline = time.monotonic() + 8
+    while lab.used() != GIB + ctx and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lab.used() == GIB + ctx
+    (lab.tmp / "end").touch()
+    assert lab.finish(keeper).of("vforkexit") == [(0, [])]
+
+
 def test_a_process_that_exits_returns_its_usage(lab):
     lab.run("init", "ctx", "0", "alloc", "3g", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="4g")
     assert lab.used() == 0
