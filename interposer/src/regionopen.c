@@ -22,6 +22,7 @@
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 dev_t gs_region_file_dev; /* the region file mapped (0, 0: a private region) */
 ino_t gs_region_file_ino;
+const void *gs_region_file_addr;
 
 static void read_boot_id(uint8_t out[16])
 {
@@ -175,6 +176,7 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
     if (r) {
         gs_region_file_dev = own.st_dev;
         gs_region_file_ino = own.st_ino;
+        gs_region_file_addr = r;
     }
     flock(fd, LOCK_UN);
     close(fd);
