@@ -12,9 +12,12 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <linux/fs.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "region_internal.h"
@@ -86,6 +89,21 @@ static int known(const uint8_t boot_id[16])
     return 0;
 }
 
+/* On btrfs a store into a page written back since needs new blocks (copy on write), allocated
+ * blocks or not: on a full file system every process of the container died of SIGBUS at its
+ * next store into the region (a new process at its first).  A file without copy on write keeps
+ * its blocks; the attribute takes only on an empty file. */
+static void no_cow(int fd, off_t size)
+{
+    struct statfs fs;
+    int flags;
+    if (size || fstatfs(fd, &fs) != 0 || (unsigned long)fs.f_type != 0x9123683EUL /* btrfs */ ||
+        ioctl(fd, FS_IOC_GETFLAGS, &flags) != 0)
+        return;
+    flags |= FS_NOCOW_FL;
+    if (ioctl(fd, FS_IOC_SETFLAGS, &flags) != 0) GS_DEBUG("region file: no FS_NOCOW_FL: %s", strerror(errno));
+}
+
 static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16], int tries)
 {
     /* Never through a symlink, and only a plain file of its own: the state dir is writable by
@@ -148,8 +166,11 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
         return map_file(path, boot_id, tries + 1);
     }
     /* blocks allocated now, not at the first store (a full disk would kill the process with SIGBUS) */
-    int grown = fstat(fd, &st) == 0 &&
-                (st.st_size >= (off_t)sizeof(*r) || posix_fallocate(fd, 0, sizeof(*r)) == 0);
+    int grown = fstat(fd, &st) == 0;
+    if (grown && st.st_size < (off_t)sizeof(*r)) {
+        no_cow(fd, st.st_size);
+        grown = posix_fallocate(fd, 0, sizeof(*r)) == 0;
+    }
     if (grown) {
         void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (p != MAP_FAILED) r = p;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -770,6 +771,47 @@ def test_two_processes_replacing_an_older_librarys_region_at_once_share_the_new_
         lab.wait_for(lab.tmp / f"held{i}")
     (lab.tmp / "go").touch()
     assert sorted(lab.finish(p).rc("alloc") for p in procs) == [0, OOM]
+
+
+@pytest.fixture
+def btrfs(tmp_path):
+    """A small btrfs, loop-mounted (root and btrfs-progs only)."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.btrfs"):
+        pytest.skip("needs root and mkfs.btrfs")
+    image, mount = tmp_path / "btrfs.img", tmp_path / "btrfs"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(160 << 20)
+    for argv in (["mkfs.btrfs", "-q", str(image)], ["mount", "-o", "loop", str(image), str(mount)]):
+        if subprocess.run(argv, check=False, capture_output=True).returncode != 0:
+            pytest.skip("cannot make and loop-mount a btrfs here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+
+
+def test_a_region_on_a_full_btrfs_kills_no_process(lab, btrfs):
+    # btrfs copies on write: a store into a region page written back since needs new blocks,
+    # allocated by posix_fallocate or not, and on a full file system the next process of the
+    # container died of SIGBUS at its first store (exit -7); so would every running one at its
+    # next.  The region file is made without copy on write there
+    env = {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(btrfs / "region"), "CUDA_DEVICE_MEMORY_LIMIT": "4g"}
+    assert lab.run("init", "ctx", "0", "alloc", "1g", **env).rc("alloc") == 0
+    os.sync()
+    fd = os.open(btrfs / "fill", os.O_WRONLY | os.O_CREAT)
+    for size in (1 << 20, 4096):  # until the file system is full
+        try:
+            while os.write(fd, bytes(size)):
+                pass
+        except OSError:
+            pass
+    os.close(fd)
+    os.sync()
+    for _ in range(2):
+        res = lab.run("init", "ctx", "0", "alloc", "1g", **env)
+        assert res.returncode == 0 and res.rc("alloc") == 0, res
+        os.sync()
 
 
 def test_a_process_that_cannot_read_the_boot_id_resets_nothing(release_lab):
