@@ -112,11 +112,22 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
      * creates the file makes it 0666 (for every user of the container, whatever the umask):
      * chmod'ing any file of this user found at the path made a root-owned 0600 file named
      * there world-writable (a set-user-ID program's caller chose the path, review). */
-    int fd = -1, created = 0;
+    int fd = -1, created = 0, waits = 0;
     for (int attempt = 0; fd < 0 && attempt < 3; attempt++) {
         fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
         created = fd >= 0;
-        if (fd < 0 && errno == EEXIST) fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0 && errno == EEXIST) {
+            fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+            /* its creator may not have made it 0666 yet (below): until then its mode is 0666 less
+             * the creator's umask, 0644 under root's usual 022, and a non-root process refused
+             * there was granted no memory for its life (half a second at most: a file that stays
+             * so is not the container's region) */
+            if (fd < 0 && errno == EACCES && waits++ < 250) {
+                gs_sleep_ns(2000000);
+                attempt--;
+                continue;
+            }
+        }
         if (fd >= 0 || errno != ENOENT) break; /* ENOENT: replaced meanwhile (an older version's) */
     }
     struct stat own;
