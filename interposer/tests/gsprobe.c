@@ -804,6 +804,17 @@ static void probe_guard_fault(int sig, siginfo_t *info, void *uc)
     _exit(43);
 }
 
+/* vforkexit: in a function of its own, so that main()'s variables are not vfork()'s to clobber */
+__attribute__((noinline)) static int vfork_exit(void)
+{
+    fflush(stdout);
+    pid_t pid = vfork();
+    if (pid == 0) exit(0);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return status;
+}
+
 int main(int argc, char **argv)
 {
     int i = 1;
@@ -1600,6 +1611,11 @@ int main(int argc, char **argv)
             sbuf[sn > 0 ? sn : 0] = '\0';
             const char *ra = strstr(sbuf, "RssAnon:");
             printf("rssanon 0 %ld %d\n", ra ? strtol(ra + 8, NULL, 10) : -1L, is_child);
+        } else if (!strcmp(c, "vforkexit")) {
+            /* a vfork() child that calls exit(), not _exit(): its atexit handlers and destructors
+             * run in its parent's memory (undefined by POSIX, done by real programs) */
+            int status = vfork_exit();
+            printf("vforkexit %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
         } else if (!strcmp(c, "childexit")) {
             if (is_child) exit(0); /* a normal exit: atexit handlers and destructors run */
         } else if (!strcmp(c, "exit")) {
