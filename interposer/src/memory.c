@@ -280,6 +280,27 @@ __attribute__((noinline)) void gs_free_refused_after_teardown(int kind, CUdevice
     if (locked) gs_ctx_unlock();
 }
 
+/* An array's destroy the driver refused after a teardown began since its record was taken (the
+ * teardown's forget could not drop it): an array cannot be asked for, so it went with its context
+ * if that went since (a destroy, a last release or detach, a reset leaving the primary context
+ * inactive; a reset that keeps it active is kept apart by the array fence, arrays.c); then its
+ * charge returns and its tiles' mappings go, else its record is put back, under a newer record
+ * at the same handle if one was booked meanwhile (the driver reuses handles) */
+__attribute__((noinline)) void gs_array_refused_after_teardown(int kind, uint64_t key, const struct gs_alloc *rec,
+                                                             unsigned seq0)
+{
+    int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
+    struct gs_alloc newer, mine;
+    if (locked && gs_ctx_gone_since_locked((CUcontext)(uintptr_t)rec->ctx, seq0)) {
+        drop_one(kind, key, rec);
+        GS_INFO("an array destroy refused after its context went: the array went with it, its charge is returned");
+    } else if (gs_am_put(kind, key, rec, &newer) == 1) {
+        gs_am_put(kind, key, &newer, &mine); /* the newer record back, this one's charge returned */
+        drop_one(kind, key, rec);
+    }
+    if (locked) gs_ctx_unlock();
+}
+
 static CUresult free_dptr(int v1, CUdeviceptr dptr)
 {
     struct gs_alloc rec;
