@@ -1067,6 +1067,34 @@ def test_an_array_destroy_refused_after_its_context_went_returns_the_charge(lab,
     assert res.rc("alloc") == 0
 
 
+@pytest.mark.parametrize("race", ARRAY_DESTROY_RACES)
+@pytest.mark.parametrize("op", ["unmap", "map"])
+def test_a_tile_mapping_racing_its_arrays_context_goes_with_the_array(lab, race, op):
+    # a 300 MiB allocation's mapping into a sparse array's tile, unmapped (or mapped) by another
+    # thread while the array's context goes, which destroys the array and its tiles' mappings:
+    # the unmap had taken the mapping's record, so the teardown could not drop it, and the
+    # driver's refusal put it back; the map booked its record after the teardown.  Either way
+    # the handle kept a mapping for good, and its release left 350 MiB charged for 50 held, an
+    # 800 MiB allocation refused under a 1 GiB cap
+    make, main, stays_active = ARRAY_DESTROY_RACES[race]
+    again = [] if stays_active else ["ctx", "0"]
+    if op == "unmap":
+        cmds = ["amap", "0", "1", "0", "free", "1", "bgaunmap", "0", "0", "0", "sleep", "100", *main, "join"]
+        sleep = "cuMemMapArrayAsync:300"
+    else:
+        cmds = ["bgamap", "0", "1", "0", "0", "sleep", "100", *main, "join", "free", "1"]
+        sleep = "cuMemMapArrayAsyncAfter:300"
+    res = lab.run("init", *make, *SPARSE, "vmm", "300m", "0", *cmds, *again, "meminfo", "phys", "alloc",
+                  "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep,
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+    assert res.rc(main[0]) == 0 and res.rc("free") == 0
+    assert res.rc("bg" + ("aunmap" if op == "unmap" else "amap")) == (1 if op == "unmap" else 0)
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+    assert res.rc("alloc") == 0
+
+
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
 def test_a_driver_callback_inside_a_context_call_may_allocate_load_or_make_contexts(lab, callback):
     # a profiler's resource callback (CUPTI: context created, destroy starting) runs inside
