@@ -37,7 +37,7 @@
  *                            ("cuMemAlloc_v2After", "cuMemAllocPitch_v2After": once the memory is
  *                            taken; "cuDevicePrimaryCtxResetAfter": once the context is emptied;
  *                            "cuMemFree_v2After": freed or refused; "cuLaunchKernelAfter": the
- *                            kernel queued)
+ *                            kernel queued; "cuMemMapArrayAsyncAfter": the tiles (un)mapped)
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
  *   FAKE_CUDA_PROCADDR_FUTURE=1  a later CUDA's variant: cuGetProcAddress("cuMemGetInfo") from
@@ -1788,7 +1788,9 @@ static CUresult map_array(CUarrayMapInfo *list, unsigned count)
 API CUresult cuMemMapArrayAsync(CUarrayMapInfo *list, unsigned int count, CUstream s)
 {
     (void)s;
-    return map_array(list, count);
+    CUresult rc = map_array(list, count);
+    (void)fail_check("cuMemMapArrayAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the tiles (un)mapped */
+    return rc;
 }
 
 API CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *list, unsigned int count, CUstream s)
