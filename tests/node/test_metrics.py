@@ -264,3 +264,48 @@ def test_files_that_are_not_plain_are_never_opened(tmp_path: Path) -> None:
     assert read_plain_file(link, 100) == b"0123456789"
     with pytest.raises(NotPlainFile, match="a symbolic link"):
         read_plain_file(link, 100, follow=False)
+
+
+def test_a_scrape_reads_one_audit_report_while_checks_replace_it(tmp_path: Path) -> None:
+    # The scrape runs in a worker thread, the checks on the event loop: each check replaces
+    # auditor.last. A scrape that read it once per family mixed two checks' figures (the
+    # memory of one, the compute share and the GPU's unattributed share of the next).
+    from webhook.node.audit import AuditReport as Report
+    from webhook.node.audit import Cap, Holding, Load, Tracked
+
+    t = Tracked("ns", "p", UID1, "c", Cap(limit_bytes=GIB), cores=30)
+    over = Report(holdings=(Holding(t, ("a" * 64,), GPU0, 2 * GIB, GIB, (7,)),),
+                  loads=(Load(t, ("a" * 64,), GPU0, 80.0, 30, 60.0, True, (7,)),),
+                  unattributed={GPU0: 0}, complete=True, compute_unattributed={GPU0: 15.0})
+    gone = Report(unattributed={GPU0: 0}, complete=True, compute_unattributed={GPU0: 95.0})
+
+    class Compute:
+        failures = 0
+
+    class Checking:
+        """An auditor whose checks land between any two reads of its report."""
+
+        tolerance, compute_tolerance, compute = 0, 10.0, Compute()
+        errors = episodes = evictions = 0
+
+        def __init__(self) -> None:
+            self.reads = 0
+
+        @property
+        def last(self) -> Report:
+            self.reads += 1
+            return over if self.reads % 2 else gone
+
+    inv = Inventory(two_a100s())
+    inv.discover()
+    for _ in range(2):  # whichever report the scrape begins with
+        auditor = Checking()
+        auditor.reads += _
+        reg = make_registry(AgentCollector(inv, tmp_path, AgentStatus(), clock=Clock(),
+                                           auditor=auditor))  # type: ignore[arg-type]
+        s = samples(reg)
+        lab = ctr_labels("ns", "p", UID1, "c", GPU0)
+        memory = s.get(("gpuslice_container_memory_observed_bytes", lab))
+        compute = s.get(("gpuslice_container_compute_observed_percent", lab))
+        other = s[("gpuslice_gpu_compute_unattributed_percent", (("uuid", GPU0),))]
+        assert (memory, compute, other) in ((2 * GIB, 80.0, 15.0), (None, None, 95.0))

@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from webhook import __version__
-from webhook.node.audit import Auditor
+from webhook.node.audit import Auditor, AuditReport
 from webhook.node.inventory import Inventory
 from webhook.node.region import Region, RegionError, read_region
 
@@ -221,6 +221,9 @@ class AgentCollector(Collector):
         auditor = self._auditor
         if auditor is None:
             return
+        # one report for the whole scrape: a check run on the event loop meanwhile replaces
+        # auditor.last, and figures of two checks side by side (a container's compute share from
+        # one, its memory or the GPU's unattributed share from the next) describe neither
         report = auditor.last
         seen = GaugeMetricFamily("gpuslice_container_memory_observed_bytes",
                                  "GPU memory the container's processes hold on the device as "
@@ -245,7 +248,7 @@ class AgentCollector(Collector):
         for uuid, size in sorted(report.unattributed.items()):
             other.add_metric([uuid], size)
         yield from (seen, over, other)
-        yield from self._collect_loads(auditor)
+        yield from self._collect_loads(auditor, report)
         yield GaugeMetricFamily("gpuslice_agent_audit_complete",
                                 "1 when the last outside check placed and measured every GPU "
                                 "process (0 also while an agent outside the host's PID namespace "
@@ -266,7 +269,7 @@ class AgentCollector(Collector):
                                   value=auditor.evictions)
 
     @staticmethod
-    def _collect_loads(auditor: Auditor) -> Iterator[Metric]:
+    def _collect_loads(auditor: Auditor, report: AuditReport) -> Iterator[Metric]:
         if auditor.compute is None:
             return
         seen = GaugeMetricFamily("gpuslice_container_compute_observed_percent",
@@ -282,7 +285,7 @@ class AgentCollector(Collector):
                                    "the observed share to be judged (0: a figure, no verdict)",
                                    labels=_CTR_LABELS)
         by_label: dict[tuple[str, str, str, str, str], tuple[float, bool, bool]] = {}
-        for c in auditor.last.loads:
+        for c in report.loads:
             t = c.tracked
             key = (t.namespace, t.pod, t.pod_uid, t.container, c.uuid)
             pct, was_over, was_judged = by_label.get(key, (0.0, False, False))
@@ -296,7 +299,7 @@ class AgentCollector(Collector):
                                   "share of the device's time over the compute window used by "
                                   "processes of no gpuslice container (other pods, the host, "
                                   "processes gone before they were placed)", labels=["uuid"])
-        for uuid, pct in sorted(auditor.last.compute_unattributed.items()):
+        for uuid, pct in sorted(report.compute_unattributed.items()):
             other.add_metric([uuid], round(pct, 2))
         yield from (seen, over, judged, other)
         yield CounterMetricFamily("gpuslice_agent_compute_sample_errors",
