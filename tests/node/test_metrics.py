@@ -309,3 +309,33 @@ def test_a_scrape_reads_one_audit_report_while_checks_replace_it(tmp_path: Path)
         compute = s.get(("gpuslice_container_compute_observed_percent", lab))
         other = s[("gpuslice_gpu_compute_unattributed_percent", (("uuid", GPU0),))]
         assert (memory, compute, other) in ((2 * GIB, 80.0, 15.0), (None, None, 95.0))
+
+
+def test_a_region_being_initialised_is_not_an_error(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A container's first process creates the file (0 bytes), sizes it (zeros), writes the
+    # fields and the magic last, under the file's flock, which the agent does not take; a
+    # region from an earlier boot is reset the same way. A scrape meeting either was counted
+    # as a corrupt region and logged.
+    from webhook.node.region import RegionError, RegionNotReady, parse_region
+    good = write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 0)])
+    created = tmp_path / UID2 / "c" / "region"
+    created.parent.mkdir(parents=True)
+    created.write_bytes(b"")
+    midway = tmp_path / "22222222-2222-3333-4444-555555555555" / "c" / "region"
+    midway.parent.mkdir(parents=True)
+    midway.write_bytes(bytes(8) + good.read_bytes()[8:])  # every field but the magic
+    for path in (created, midway):
+        with pytest.raises(RegionNotReady):
+            parse_region(path.read_bytes())
+    with pytest.raises(RegionError, match="bad magic"):  # a corrupt one still is one
+        parse_region(b"\x01" + bytes(7) + good.read_bytes()[8:])
+    _, reg = make(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="webhook.node.metrics"):
+        s = samples(reg)
+    assert s[("gpuslice_region_errors_total", ())] == 0
+    assert not [r for r in caplog.records if r.message == "unreadable region file skipped"]
+    assert s[("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", UID1, "c", GPU0))] \
+        == GIB
+    assert [k for k in s if k[0] == "gpuslice_container_memory_limit_bytes"] == \
+        [("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", UID1, "c", GPU0))]

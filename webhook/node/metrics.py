@@ -4,7 +4,8 @@ A custom collector on its own registry computes everything at scrape time (no ba
 polling): it samples NVML through the :class:`~webhook.node.inventory.Inventory` and reads
 every ``<host-state-dir>/<pod-uid>/<container>/region`` with
 :func:`webhook.node.region.read_region`. A corrupt or truncated region file is skipped,
-counted in ``gpuslice_region_errors_total`` and logged once until it reads cleanly again.
+counted in ``gpuslice_region_errors_total`` and logged once until it reads cleanly again; one
+being initialised (empty, or its magic not written yet) is skipped as one not there yet.
 
 Per container and device (labels ``namespace``, ``pod``, ``pod_uid``, ``container``, ``uuid``;
 the pod UID and container are the state dir's names, which the container cannot choose; the
@@ -39,7 +40,7 @@ from prometheus_client.registry import Collector
 from webhook import __version__
 from webhook.node.audit import Auditor, AuditReport
 from webhook.node.inventory import Inventory
-from webhook.node.region import Region, RegionError, read_region
+from webhook.node.region import Region, RegionError, RegionNotReady, read_region
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ class AgentCollector(Collector):
         except (RegionError, OSError) as exc:
             if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
                 return None  # the container or pod went away between listing and reading
+            if isinstance(exc, RegionNotReady):
+                return None  # its first process is creating it: as a region not there yet
             self._region_errors += 1
             if path not in self._bad_files:
                 self._bad_files.add(path)
