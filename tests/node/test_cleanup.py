@@ -165,3 +165,54 @@ def test_a_mtime_set_in_the_future_does_not_keep_a_dir_forever(tmp_path: Path) -
     os.utime(tmp_path / uid / "main", (future, future))
     a_year_on = os.stat(tmp_path / uid).st_ctime + 365 * 86400
     assert remove_stale(tmp_path, set(), GRACE, a_year_on) == [uid]
+
+
+def test_a_pod_dir_swapped_for_a_link_midway_never_redirects_the_chmod(
+        tmp_path: Path, monkeypatch) -> None:
+    # The root is 1777: any user of the host can make a pod-UID-named dir there and keep
+    # swapping it with a symbolic link (to /proc/1/root/etc from the agent's hostPID view). A
+    # pass that checked the entry and then used its path again opened up the link target's
+    # sub-dirs (the host's /etc/cron.d, /etc/profile.d...) to every user. Here the swaps come
+    # at the worst moments: the pod dir a dir when listed and when opened by its own name, a
+    # link at every other step.
+    from webhook.node import cleanup
+    root = tmp_path / "containers"
+    root.mkdir()
+    target = tmp_path / "host-etc"
+    (target / "cron.d").mkdir(parents=True)
+    (target / "cron.d").chmod(0o755)
+    uid = str(uuid.uuid4())
+    pod, real, link = root / uid, tmp_path / "real", tmp_path / "link"
+    (pod / "cron.d").mkdir(parents=True)
+    link.symlink_to(target)
+    state = {"listed": False, "now": "dir"}
+
+    def be(what: str) -> None:
+        if state["now"] != what:
+            os.rename(pod, real if what == "link" else link)
+            os.rename(link if what == "link" else real, pod)
+            state["now"] = what
+
+    real_open, real_scandir = os.open, os.scandir
+
+    def attacked_open(path, flags, mode=0o777, *, dir_fd=None):
+        if state["listed"]:
+            itself = str(path) == str(pod) or (dir_fd is not None and str(path) == uid)
+            be("dir" if itself else "link")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def attacked_scandir(path="."):
+        if state["listed"]:
+            be("link")
+        state["listed"] = True
+        return real_scandir(path)
+
+    monkeypatch.setattr(cleanup.os, "open", attacked_open)
+    monkeypatch.setattr(cleanup.os, "scandir", attacked_scandir)
+    try:
+        share_state_dirs(root)
+    finally:
+        monkeypatch.undo()
+    assert _mode(target / "cron.d") == 0o755
+    be("dir")
+    assert _mode(pod / "cron.d") == 0o1777  # the pod's own container dir, through its fd
