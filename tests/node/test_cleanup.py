@@ -216,3 +216,35 @@ def test_a_pod_dir_swapped_for_a_link_midway_never_redirects_the_chmod(
     assert _mode(target / "cron.d") == 0o755
     be("dir")
     assert _mode(pod / "cron.d") == 0o1777  # the pod's own container dir, through its fd
+
+
+def test_a_dir_moved_out_of_a_tree_being_removed_leads_nowhere_else(
+        tmp_path: Path, monkeypatch) -> None:
+    # The root is 1777: a user of the host may own a pod-UID-named tree there. Moving one of
+    # its sub-dirs into a live pod's container dir while the agent is inside it made the way
+    # back up (``..``) lead into that container dir: its region went, and so on upwards.
+    from webhook.node import cleanup
+    root = tmp_path / "state"
+    root.mkdir()
+    victim = _pod_dir(root, age=0)
+    region = root / victim / "main" / "region"
+    departed = _pod_dir(root, age=3600)
+    (root / departed / "main" / "d1" / "d2").mkdir(parents=True)
+    os.utime(root / departed / "main", (NOW - 3600, NOW - 3600))
+    real_open = os.open
+
+    def moved_once_entered(path, flags, mode=0o777, *, dir_fd=None):
+        fd = real_open(path, flags, mode, dir_fd=dir_fd)
+        if str(path) == "d2" and dir_fd is not None:  # the agent is in d2 now: move it
+            os.rename(root / departed / "main" / "d1" / "d2", root / victim / "main" / "d2")
+        return fd
+
+    monkeypatch.setattr(cleanup.os, "open", moved_once_entered)
+    try:
+        assert remove_stale(root, {victim}, GRACE, NOW) == []  # not removed this time
+    finally:
+        monkeypatch.undo()
+    assert region.read_bytes() == b"\0" * 64
+    assert (root / victim / "main" / "d2").is_dir()  # (the mover's; not the agent's to remove)
+    assert remove_stale(root, {victim}, GRACE, NOW) == [departed]  # the next round
+    assert region.exists()

@@ -29,6 +29,7 @@ left anything in it (a thousand nested dirs would exhaust Python's recursion in
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -164,22 +165,34 @@ def remove_stale(state_dir: str | Path, live_uids: Iterable[str], grace: float,
 
 def remove_tree(path: str | Path) -> None:
     """``rm -r`` of the directory ``path``, never following a symbolic link, holding one
-    directory open at a time and using no recursion, however deep the tree."""
+    directory open at a time and using no recursion, however deep the tree.
+
+    Going back up is through ``..``, which names wherever the directory is *now*: one moved
+    meanwhile (the root is ``1777``: a user of the host may own the tree) would lead into
+    another directory, whose files would then go too (another pod's region, and up from there).
+    So each directory's identity is kept on the way down and ``..`` must be the one left."""
     fd = os.open(path, _NOFOLLOW_DIR)
     names: list[str] = []  # the path from ``path`` down to the directory ``fd`` is
+    above: list[tuple[int, int]] = []  # the (st_dev, st_ino) of each directory on that path
     try:
         while True:
             child = _empty_but_one(fd)
             if child is not None:  # go down into the first sub-directory
                 down = os.open(child, _NOFOLLOW_DIR, dir_fd=fd)
+                st = os.fstat(fd)
                 os.close(fd)
                 fd, names = down, names + [child]
+                above.append((st.st_dev, st.st_ino))
                 continue
             if not names:
                 break
             up = os.open("..", _NOFOLLOW_DIR, dir_fd=fd)
             os.close(fd)
             fd = up
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != above.pop():
+                raise OSError(errno.ESTALE, "a directory of the tree was moved out of it "
+                                            "while it was removed", str(path))
             os.rmdir(names.pop(), dir_fd=fd)
     finally:
         os.close(fd)
