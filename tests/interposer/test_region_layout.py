@@ -148,7 +148,10 @@ def test_a_version_1_region_of_a_container_started_before_an_upgrade_is_still_re
 
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda b: b[:1000], "truncated"),
-    (lambda b: b"\0" * 8 + b[8:], "bad magic"),
+    (lambda b: b"\1" + b"\0" * 7 + b[8:], "bad magic"),
+    # no magic yet (the library writes it last) or empty: being initialised, RegionNotReady
+    (lambda b: b"\0" * 8 + b[8:], "being initialised"),
+    (lambda b: b"", "being initialised"),
     (lambda b: b[:8] + (3).to_bytes(4, "little") + b[12:], "version"),
     (lambda b: b[:8] + (0).to_bytes(4, "little") + b[12:], "version"),
     (lambda b: b[:12] + (99).to_bytes(4, "little") + b[16:], "geometry"),

@@ -165,3 +165,86 @@ def test_a_mtime_set_in_the_future_does_not_keep_a_dir_forever(tmp_path: Path) -
     os.utime(tmp_path / uid / "main", (future, future))
     a_year_on = os.stat(tmp_path / uid).st_ctime + 365 * 86400
     assert remove_stale(tmp_path, set(), GRACE, a_year_on) == [uid]
+
+
+def test_a_pod_dir_swapped_for_a_link_midway_never_redirects_the_chmod(
+        tmp_path: Path, monkeypatch) -> None:
+    # The root is 1777: any user of the host can make a pod-UID-named dir there and keep
+    # swapping it with a symbolic link (to /proc/1/root/etc from the agent's hostPID view). A
+    # pass that checked the entry and then used its path again opened up the link target's
+    # sub-dirs (the host's /etc/cron.d, /etc/profile.d...) to every user. Here the swaps come
+    # at the worst moments: the pod dir a dir when listed and when opened by its own name, a
+    # link at every other step.
+    from webhook.node import cleanup
+    root = tmp_path / "containers"
+    root.mkdir()
+    target = tmp_path / "host-etc"
+    (target / "cron.d").mkdir(parents=True)
+    (target / "cron.d").chmod(0o755)
+    uid = str(uuid.uuid4())
+    pod, real, link = root / uid, tmp_path / "real", tmp_path / "link"
+    (pod / "cron.d").mkdir(parents=True)
+    link.symlink_to(target)
+    state = {"listed": False, "now": "dir"}
+
+    def be(what: str) -> None:
+        if state["now"] != what:
+            os.rename(pod, real if what == "link" else link)
+            os.rename(link if what == "link" else real, pod)
+            state["now"] = what
+
+    real_open, real_scandir = os.open, os.scandir
+
+    def attacked_open(path, flags, mode=0o777, *, dir_fd=None):
+        if state["listed"]:
+            itself = str(path) == str(pod) or (dir_fd is not None and str(path) == uid)
+            be("dir" if itself else "link")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def attacked_scandir(path="."):
+        if state["listed"]:
+            be("link")
+        state["listed"] = True
+        return real_scandir(path)
+
+    monkeypatch.setattr(cleanup.os, "open", attacked_open)
+    monkeypatch.setattr(cleanup.os, "scandir", attacked_scandir)
+    try:
+        share_state_dirs(root)
+    finally:
+        monkeypatch.undo()
+    assert _mode(target / "cron.d") == 0o755
+    be("dir")
+    assert _mode(pod / "cron.d") == 0o1777  # the pod's own container dir, through its fd
+
+
+def test_a_dir_moved_out_of_a_tree_being_removed_leads_nowhere_else(
+        tmp_path: Path, monkeypatch) -> None:
+    # The root is 1777: a user of the host may own a pod-UID-named tree there. Moving one of
+    # its sub-dirs into a live pod's container dir while the agent is inside it made the way
+    # back up (``..``) lead into that container dir: its region went, and so on upwards.
+    from webhook.node import cleanup
+    root = tmp_path / "state"
+    root.mkdir()
+    victim = _pod_dir(root, age=0)
+    region = root / victim / "main" / "region"
+    departed = _pod_dir(root, age=3600)
+    (root / departed / "main" / "d1" / "d2").mkdir(parents=True)
+    os.utime(root / departed / "main", (NOW - 3600, NOW - 3600))
+    real_open = os.open
+
+    def moved_once_entered(path, flags, mode=0o777, *, dir_fd=None):
+        fd = real_open(path, flags, mode, dir_fd=dir_fd)
+        if str(path) == "d2" and dir_fd is not None:  # the agent is in d2 now: move it
+            os.rename(root / departed / "main" / "d1" / "d2", root / victim / "main" / "d2")
+        return fd
+
+    monkeypatch.setattr(cleanup.os, "open", moved_once_entered)
+    try:
+        assert remove_stale(root, {victim}, GRACE, NOW) == []  # not removed this time
+    finally:
+        monkeypatch.undo()
+    assert region.read_bytes() == b"\0" * 64
+    assert (root / victim / "main" / "d2").is_dir()  # (the mover's; not the agent's to remove)
+    assert remove_stale(root, {victim}, GRACE, NOW) == [departed]  # the next round
+    assert region.exists()

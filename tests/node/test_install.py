@@ -251,3 +251,48 @@ def test_a_container_is_read_through_each_root_of_its_mount_namespace(
     assert "libgpuslice.so.0.1.0" in scan_proc(proc).preloaded_names
     assert remove_unused(lib, cur, proc) == []
     assert old.exists()
+
+
+@pytest.mark.parametrize("link", ["absolute", "etc", "dotdot"])
+def test_a_containers_preload_link_is_resolved_in_its_own_root(tmp_path: Path, link: str) -> None:
+    # ld.so resolves /etc/ld.so.preload inside the container's root; the agent followed the
+    # links from its own: a container (or a process of it that chroots) made it read any file
+    # of the host as root (hostPID: /proc/1/root/...); one that fails to read (a write-only
+    # sysctl) made every scan incomplete, so no old library was ever removed; one naming a
+    # library kept it; and the file ld.so does read, in the container, went unread.
+    from webhook.node import files
+    try:
+        os.close(files._openat2(-100, "/", os.O_PATH, 0))  # AT_FDCWD
+    except OSError as exc:
+        pytest.skip(f"no openat2 here ({exc}): links below the root are not followed at all")
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    stale = install.install(LIB_V1 + b"2", lib, TARGET, "0.1.5").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    _process(proc, 7)
+    root = proc / "7" / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "usr").mkdir()
+    (root / "usr" / "preload").write_text(f"{TARGET}/{old.name}\n")  # what ld.so reads
+    if link == "absolute":  # to a file of the agent's (the host's) that root may not read
+        (root / "etc" / "ld.so.preload").symlink_to("/proc/sys/vm/drop_caches")
+        (root / "proc" / "sys" / "vm").mkdir(parents=True)
+        os.symlink("/usr/preload", root / "proc" / "sys" / "vm" / "drop_caches")
+    elif link == "etc":  # the directory above, a link to one of the agent's (the host's)
+        outside = tmp_path / "host-etc"
+        outside.mkdir()
+        (outside / "ld.so.preload").write_text(f"{TARGET}/{stale.name}\n")
+        os.rmdir(root / "etc")
+        (root / "etc").symlink_to(outside)
+    else:
+        (root / "etc" / "ld.so.preload").symlink_to("../../../../../../../../usr/preload")
+    scan = _scan_in_time(proc)
+    assert scan.complete, scan.first_error
+    if link == "etc":  # no such dir in the container's root: its ld.so preloads nothing
+        assert not scan.preloaded_names
+        assert sorted(remove_unused(lib, cur, proc)) == sorted([old.name, stale.name])
+    else:
+        assert scan.preloaded_names == {old.name}
+        assert remove_unused(lib, cur, proc) == [stale.name]
+        assert old.exists()

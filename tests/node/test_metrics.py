@@ -264,3 +264,78 @@ def test_files_that_are_not_plain_are_never_opened(tmp_path: Path) -> None:
     assert read_plain_file(link, 100) == b"0123456789"
     with pytest.raises(NotPlainFile, match="a symbolic link"):
         read_plain_file(link, 100, follow=False)
+
+
+def test_a_scrape_reads_one_audit_report_while_checks_replace_it(tmp_path: Path) -> None:
+    # The scrape runs in a worker thread, the checks on the event loop: each check replaces
+    # auditor.last. A scrape that read it once per family mixed two checks' figures (the
+    # memory of one, the compute share and the GPU's unattributed share of the next).
+    from webhook.node.audit import AuditReport as Report
+    from webhook.node.audit import Cap, Holding, Load, Tracked
+
+    t = Tracked("ns", "p", UID1, "c", Cap(limit_bytes=GIB), cores=30)
+    over = Report(holdings=(Holding(t, ("a" * 64,), GPU0, 2 * GIB, GIB, (7,)),),
+                  loads=(Load(t, ("a" * 64,), GPU0, 80.0, 30, 60.0, True, (7,)),),
+                  unattributed={GPU0: 0}, complete=True, compute_unattributed={GPU0: 15.0})
+    gone = Report(unattributed={GPU0: 0}, complete=True, compute_unattributed={GPU0: 95.0})
+
+    class Compute:
+        failures = 0
+
+    class Checking:
+        """An auditor whose checks land between any two reads of its report."""
+
+        tolerance, compute_tolerance, compute = 0, 10.0, Compute()
+        errors = episodes = evictions = 0
+
+        def __init__(self) -> None:
+            self.reads = 0
+
+        @property
+        def last(self) -> Report:
+            self.reads += 1
+            return over if self.reads % 2 else gone
+
+    inv = Inventory(two_a100s())
+    inv.discover()
+    for _ in range(2):  # whichever report the scrape begins with
+        auditor = Checking()
+        auditor.reads += _
+        reg = make_registry(AgentCollector(inv, tmp_path, AgentStatus(), clock=Clock(),
+                                           auditor=auditor))  # type: ignore[arg-type]
+        s = samples(reg)
+        lab = ctr_labels("ns", "p", UID1, "c", GPU0)
+        memory = s.get(("gpuslice_container_memory_observed_bytes", lab))
+        compute = s.get(("gpuslice_container_compute_observed_percent", lab))
+        other = s[("gpuslice_gpu_compute_unattributed_percent", (("uuid", GPU0),))]
+        assert (memory, compute, other) in ((2 * GIB, 80.0, 15.0), (None, None, 95.0))
+
+
+def test_a_region_being_initialised_is_not_an_error(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A container's first process creates the file (0 bytes), sizes it (zeros), writes the
+    # fields and the magic last, under the file's flock, which the agent does not take; a
+    # region from an earlier boot is reset the same way. A scrape meeting either was counted
+    # as a corrupt region and logged.
+    from webhook.node.region import RegionError, RegionNotReady, parse_region
+    good = write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 0)])
+    created = tmp_path / UID2 / "c" / "region"
+    created.parent.mkdir(parents=True)
+    created.write_bytes(b"")
+    midway = tmp_path / "22222222-2222-3333-4444-555555555555" / "c" / "region"
+    midway.parent.mkdir(parents=True)
+    midway.write_bytes(bytes(8) + good.read_bytes()[8:])  # every field but the magic
+    for path in (created, midway):
+        with pytest.raises(RegionNotReady):
+            parse_region(path.read_bytes())
+    with pytest.raises(RegionError, match="bad magic"):  # a corrupt one still is one
+        parse_region(b"\x01" + bytes(7) + good.read_bytes()[8:])
+    _, reg = make(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="webhook.node.metrics"):
+        s = samples(reg)
+    assert s[("gpuslice_region_errors_total", ())] == 0
+    assert not [r for r in caplog.records if r.message == "unreadable region file skipped"]
+    assert s[("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", UID1, "c", GPU0))] \
+        == GIB
+    assert [k for k in s if k[0] == "gpuslice_container_memory_limit_bytes"] == \
+        [("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", UID1, "c", GPU0))]

@@ -29,6 +29,7 @@ left anything in it (a thousand nested dirs would exhaust Python's recursion in
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -46,36 +47,58 @@ SHARED_MODE = 0o1777
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _open_up(path: Path) -> bool:
-    """Give the directory ``path`` (never a symlink) ``SHARED_MODE``; True if it had another."""
-    fd = os.open(path, _NOFOLLOW_DIR)
+def _open_up(name: str | Path, dir_fd: int | None = None) -> tuple[int, bool]:
+    """Open the directory ``name`` (never a symlink; relative to ``dir_fd`` if given) and give
+    it ``SHARED_MODE``; its descriptor (the caller closes it) and True if it had another mode."""
+    fd = os.open(name, _NOFOLLOW_DIR, dir_fd=dir_fd)
     try:
         if os.fstat(fd).st_mode & 0o7777 == SHARED_MODE:
-            return False
+            return fd, False
         os.fchmod(fd, SHARED_MODE)
-        return True
-    finally:
+        return fd, True
+    except BaseException:
         os.close(fd)
+        raise
 
 
 def share_state_dirs(state_dir: str | Path) -> list[str]:
     """Create the state root if missing and give it and the pod and container dirs under it
-    ``SHARED_MODE``; return the paths changed (relative to the root, the root as ``.``)."""
+    ``SHARED_MODE``; return the paths changed (relative to the root, the root as ``.``).
+
+    Every step below the root goes through the descriptor of the directory above, never a path:
+    the root is ``1777``, so any user of the host can make a pod-UID-named dir there and swap it
+    for a symbolic link (to ``/proc/1/root/etc``, say) between the check and the use, and a pod
+    dir's path, reused, would have chmod'ed the link target's sub-dirs ``1777``."""
     Path(state_dir).mkdir(parents=True, exist_ok=True)
-    root = Path(os.path.realpath(state_dir))
-    changed = ["."] if _open_up(root) else []
-    for pod in sorted(os.scandir(root), key=lambda e: e.name):
-        if not POD_UID.match(pod.name) or not pod.is_dir(follow_symlinks=False):
-            continue
-        try:
-            dirs = [Path(pod.path)] + sorted(
-                Path(c.path) for c in os.scandir(pod.path) if c.is_dir(follow_symlinks=False))
-            for path in dirs:
-                if _open_up(path):
-                    changed.append(str(path.relative_to(root)))
-        except OSError as exc:  # a pod dir removed meanwhile, or not ours to change
-            logger.warning("cannot open up state dir", extra={"path": pod.path,
-                                                              "error": str(exc)})
+    root_fd, changed_root = _open_up(os.path.realpath(state_dir))
+    changed = ["."] if changed_root else []
+    try:
+        for pod in sorted(os.scandir(root_fd), key=lambda e: e.name):
+            if not POD_UID.match(pod.name) or not pod.is_dir(follow_symlinks=False):
+                continue
+            try:
+                pod_fd, opened = _open_up(pod.name, root_fd)
+            except OSError as exc:  # a pod dir removed meanwhile, or not ours to change
+                logger.warning("cannot open up state dir", extra={"path": pod.name,
+                                                                  "error": str(exc)})
+                continue
+            try:
+                if opened:
+                    changed.append(pod.name)
+                for ctr in sorted(os.scandir(pod_fd), key=lambda e: e.name):
+                    if not ctr.is_dir(follow_symlinks=False):
+                        continue
+                    ctr_fd, opened = _open_up(ctr.name, pod_fd)
+                    os.close(ctr_fd)
+                    if opened:
+                        changed.append(f"{pod.name}/{ctr.name}")
+            except OSError as exc:  # a container dir removed meanwhile, or not ours
+                logger.warning("cannot open up state dir", extra={"path": pod.name,
+                                                                  "error": str(exc)})
+            finally:
+                os.close(pod_fd)
+    finally:
+        os.close(root_fd)
     return changed
 
 
@@ -142,22 +165,34 @@ def remove_stale(state_dir: str | Path, live_uids: Iterable[str], grace: float,
 
 def remove_tree(path: str | Path) -> None:
     """``rm -r`` of the directory ``path``, never following a symbolic link, holding one
-    directory open at a time and using no recursion, however deep the tree."""
+    directory open at a time and using no recursion, however deep the tree.
+
+    Going back up is through ``..``, which names wherever the directory is *now*: one moved
+    meanwhile (the root is ``1777``: a user of the host may own the tree) would lead into
+    another directory, whose files would then go too (another pod's region, and up from there).
+    So each directory's identity is kept on the way down and ``..`` must be the one left."""
     fd = os.open(path, _NOFOLLOW_DIR)
     names: list[str] = []  # the path from ``path`` down to the directory ``fd`` is
+    above: list[tuple[int, int]] = []  # the (st_dev, st_ino) of each directory on that path
     try:
         while True:
             child = _empty_but_one(fd)
             if child is not None:  # go down into the first sub-directory
                 down = os.open(child, _NOFOLLOW_DIR, dir_fd=fd)
+                st = os.fstat(fd)
                 os.close(fd)
                 fd, names = down, names + [child]
+                above.append((st.st_dev, st.st_ino))
                 continue
             if not names:
                 break
             up = os.open("..", _NOFOLLOW_DIR, dir_fd=fd)
             os.close(fd)
             fd = up
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != above.pop():
+                raise OSError(errno.ESTALE, "a directory of the tree was moved out of it "
+                                            "while it was removed", str(path))
             os.rmdir(names.pop(), dir_fd=fd)
     finally:
         os.close(fd)

@@ -6,13 +6,18 @@ may be a FIFO (opening it would wait for a writer), a device node (opening one c
 watchdog, a terminal), a symbolic link, or a huge or endless file (``/dev/zero``). Here the path
 is first opened with ``O_PATH``, which opens nothing, its type checked on that descriptor, and
 only a plain file is then opened for reading, through ``/proc/self/fd`` (the same inode: a
-rename in between changes nothing), and read up to a limit.
+rename in between changes nothing), and read up to a limit. A path inside a container's root
+(``/proc/<pid>/root``) is resolved as the container sees it (:func:`read_plain_file_in_root`):
+its links never lead out of it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import stat
+import struct
 
 
 class NotPlainFile(OSError):
@@ -27,7 +32,56 @@ def read_plain_file(path: str | os.PathLike[str], limit: int, *, follow: bool = 
     (``FileNotFoundError`` and so on). With ``follow=False`` a final symbolic link is not
     followed (it is not a plain file)."""
     flags = os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    ref = os.open(path, flags)
+    return _read_ref(os.open(path, flags), path, limit)
+
+
+def read_plain_file_in_root(root: str | os.PathLike[str], path: str, limit: int) -> bytes:
+    """As :func:`read_plain_file`, for ``path`` as a process whose root directory is ``root``
+    (``/proc/<pid>/root``) sees it: every symbolic link on the way is resolved inside ``root``
+    (an absolute one from ``root``, ``..`` stops there, no ``/proc`` magic link), as the
+    process's own ``ld.so`` resolves it. Followed from the agent, an absolute link (``/etc`` or
+    the file itself, made by the container, or by any process of it that chroots) named a file
+    of the agent's own view: with hostPID, ``/proc/1/root/...`` is any file of the host.
+
+    Through ``openat2(RESOLVE_IN_ROOT)`` (Linux 5.6); where the kernel (or a seccomp profile)
+    has none, links are not followed at the last component (a symbolic link is not a plain
+    file) and those above it are, as before."""
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            ref = _openat2(root_fd, path, os.O_PATH | os.O_CLOEXEC,
+                           _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EPERM):
+                raise
+            ref = os.open(path.lstrip("/"), os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW,
+                          dir_fd=root_fd)
+    finally:
+        os.close(root_fd)
+    return _read_ref(ref, os.path.join(os.fspath(root), path.lstrip("/")), limit)
+
+
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_IN_ROOT = 0x10
+_SYS_OPENAT2 = 437
+"""openat2's number, on x86_64 and in the generic table (aarch64) alike."""
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
+    how = struct.pack("=QQQ", flags, 0, resolve)  # struct open_how {flags, mode, resolve}
+    fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd),
+                       ctypes.c_char_p(os.fsencode(path)), ctypes.c_char_p(how),
+                       ctypes.c_size_t(len(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
+
+
+def _read_ref(ref: int, path: str | os.PathLike[str], limit: int) -> bytes:
+    """Read the plain file that the ``O_PATH`` descriptor ``ref`` (closed here) refers to."""
     try:
         mode = os.fstat(ref).st_mode
         if not stat.S_ISREG(mode):

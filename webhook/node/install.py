@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from webhook.node.files import NotPlainFile, read_plain_file
+from webhook.node.files import NotPlainFile, read_plain_file_in_root
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +225,8 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
         # The container's own file: a FIFO, device, loop or endless file there must neither
         # hang nor exhaust the agent. ld.so reads no such file either: it names nothing.
         try:
-            text = read_plain_file(base / "root" / "etc" / PRELOAD_NAME,
-                                   PRELOAD_READ_LIMIT).decode(errors="replace")
+            text = read_plain_file_in_root(base / "root", f"/etc/{PRELOAD_NAME}",
+                                           PRELOAD_READ_LIMIT).decode(errors="replace")
         except (FileNotFoundError, NotADirectoryError, ProcessLookupError, NotPlainFile):
             continue
         except OSError as exc:

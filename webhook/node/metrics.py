@@ -4,7 +4,8 @@ A custom collector on its own registry computes everything at scrape time (no ba
 polling): it samples NVML through the :class:`~webhook.node.inventory.Inventory` and reads
 every ``<host-state-dir>/<pod-uid>/<container>/region`` with
 :func:`webhook.node.region.read_region`. A corrupt or truncated region file is skipped,
-counted in ``gpuslice_region_errors_total`` and logged once until it reads cleanly again.
+counted in ``gpuslice_region_errors_total`` and logged once until it reads cleanly again; one
+being initialised (empty, or its magic not written yet) is skipped as one not there yet.
 
 Per container and device (labels ``namespace``, ``pod``, ``pod_uid``, ``container``, ``uuid``;
 the pod UID and container are the state dir's names, which the container cannot choose; the
@@ -37,9 +38,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from webhook import __version__
-from webhook.node.audit import Auditor
+from webhook.node.audit import Auditor, AuditReport
 from webhook.node.inventory import Inventory
-from webhook.node.region import Region, RegionError, read_region
+from webhook.node.region import Region, RegionError, RegionNotReady, read_region
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ class AgentCollector(Collector):
         except (RegionError, OSError) as exc:
             if isinstance(exc, FileNotFoundError) or isinstance(exc.__cause__, FileNotFoundError):
                 return None  # the container or pod went away between listing and reading
+            if isinstance(exc, RegionNotReady):
+                return None  # its first process is creating it: as a region not there yet
             self._region_errors += 1
             if path not in self._bad_files:
                 self._bad_files.add(path)
@@ -221,6 +224,9 @@ class AgentCollector(Collector):
         auditor = self._auditor
         if auditor is None:
             return
+        # one report for the whole scrape: a check run on the event loop meanwhile replaces
+        # auditor.last, and figures of two checks side by side (a container's compute share from
+        # one, its memory or the GPU's unattributed share from the next) describe neither
         report = auditor.last
         seen = GaugeMetricFamily("gpuslice_container_memory_observed_bytes",
                                  "GPU memory the container's processes hold on the device as "
@@ -245,7 +251,7 @@ class AgentCollector(Collector):
         for uuid, size in sorted(report.unattributed.items()):
             other.add_metric([uuid], size)
         yield from (seen, over, other)
-        yield from self._collect_loads(auditor)
+        yield from self._collect_loads(auditor, report)
         yield GaugeMetricFamily("gpuslice_agent_audit_complete",
                                 "1 when the last outside check placed and measured every GPU "
                                 "process (0 also while an agent outside the host's PID namespace "
@@ -266,7 +272,7 @@ class AgentCollector(Collector):
                                   value=auditor.evictions)
 
     @staticmethod
-    def _collect_loads(auditor: Auditor) -> Iterator[Metric]:
+    def _collect_loads(auditor: Auditor, report: AuditReport) -> Iterator[Metric]:
         if auditor.compute is None:
             return
         seen = GaugeMetricFamily("gpuslice_container_compute_observed_percent",
@@ -282,7 +288,7 @@ class AgentCollector(Collector):
                                    "the observed share to be judged (0: a figure, no verdict)",
                                    labels=_CTR_LABELS)
         by_label: dict[tuple[str, str, str, str, str], tuple[float, bool, bool]] = {}
-        for c in auditor.last.loads:
+        for c in report.loads:
             t = c.tracked
             key = (t.namespace, t.pod, t.pod_uid, t.container, c.uuid)
             pct, was_over, was_judged = by_label.get(key, (0.0, False, False))
@@ -296,7 +302,7 @@ class AgentCollector(Collector):
                                   "share of the device's time over the compute window used by "
                                   "processes of no gpuslice container (other pods, the host, "
                                   "processes gone before they were placed)", labels=["uuid"])
-        for uuid, pct in sorted(auditor.last.compute_unattributed.items()):
+        for uuid, pct in sorted(report.compute_unattributed.items()):
             other.add_metric([uuid], round(pct, 2))
         yield from (seen, over, judged, other)
         yield CounterMetricFamily("gpuslice_agent_compute_sample_errors",

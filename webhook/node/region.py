@@ -10,7 +10,8 @@ checks that every offset and size below matches the C header.
 
 The reader takes no lock: a field that a process is changing may be read mid-change (each
 64-bit field is read whole). Anything that does not parse as a region raises
-:class:`RegionError`, never ``struct.error`` or ``UnicodeDecodeError``.
+:class:`RegionError`, never ``struct.error`` or ``UnicodeDecodeError``; a region being
+initialised (empty, or its magic not written yet) raises its subclass :class:`RegionNotReady`.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ class RegionError(Exception):
     """The file is not a readable region: truncated, bad magic/version, or inconsistent."""
 
 
+class RegionNotReady(RegionError):
+    """The file is a region being initialised: empty (created, not yet sized) or without its
+    magic (sized, zeroed, fields being written: the library writes the magic last, under the
+    file's flock). Not a corrupt region: what a reader meets while a container's first process
+    starts, or while a region from an earlier boot is reset."""
+
+
 @dataclass(frozen=True)
 class DeviceSlot:
     """One GPU of the container. ``limit_bytes`` 0 means no cap; ``sm_limit`` 0 no compute limit.
@@ -149,6 +157,8 @@ def _encode_text(value: str, size: int, what: str) -> bytes:
 
 def parse_region(data: bytes) -> Region:
     """Parse the bytes of a region file (see :func:`read_region`)."""
+    if not data or (len(data) >= 8 and data[:8] == bytes(8)):
+        raise RegionNotReady("region is being initialised (empty, or no magic yet)")
     if len(data) < HEADER.size:
         raise RegionError(f"region is truncated: {len(data)} bytes, less than its header")
     (magic, version, size, max_devices, max_procs, count, _flags, _boot, _reclaimed, pod_uid,
