@@ -212,6 +212,7 @@ static inline int thr_switch_to(const struct ctx_switch *sw, int there)
 
 int thr_admit_locked(CUstream stream, int per_thread, struct measured *m);
 void thr_launch_failed(struct measured *m);
+void thr_callback_launched(CUstream stream, int per_thread);
 void thr_record_end(struct measured *m);
 
 /* ---- gaps.c --------------------------------------------------------------- */
