@@ -69,6 +69,18 @@ def test_a_memset_before_a_copy_is_still_charged(release_lab):
     assert abs(got - 30) <= 2 * TOLERANCE, f"measured {got:.1f}%"
 
 
+@pytest.mark.parametrize("api", ["direct", "procaddr", "ptsz"])
+def test_a_memset_without_a_stream_before_a_copy_is_still_charged(release_lab, api):
+    # cuMemsetD8 and its kin take no stream: for device memory they are asynchronous with
+    # respect to the host all the same, queued on the legacy stream (the per-thread one for the
+    # _ptds variants), and were not hooked, so a 2 ms one before a copy fell into the copy's
+    # gap as the async memsets did: 61.5 % of the GPU at a 30 % limit (direct, cuGetProcAddress
+    # and _ptds alike).  Now they keep the next launch from ending a gap: 33.6 %, as the async ones
+    got = share(release_lab, 2.0, "smemsetcopy", api=api, CUDA_DEVICE_SM_LIMIT="30",
+                FAKE_CUDA_KERNEL_US="2000", FAKE_CUDA_MEMSET_US="2000")
+    assert abs(got - 30) <= 2 * TOLERANCE, f"{api}: measured {got:.1f}%"
+
+
 def test_work_between_kernels_is_told_apart_under_the_sanitizers_too(lab):
     # the same path (the mark, the gap's event, its measurement) in the ASan/UBSan build
     got = share(lab, 1.0, "copy", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",

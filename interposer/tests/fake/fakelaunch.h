@@ -777,7 +777,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuGraphChildGraphNodeGetGraph) X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2)                   \
     X(cuGraphInstantiate) X(cuCtxSynchronize_v2)                                                               \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
-    X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuGetErrorName)       \
+    X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuMemsetD8_v2) X(cuMemsetD8_v2_ptds) X(cuGetErrorName)       \
     X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemFree) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)          \
     X(cuArray3DCreate) X(cuCtxCreate) X(cuCtxDestroy) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset) \
     X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach) X(cuCtxGetApiVersion)    \
@@ -834,6 +834,7 @@ static const struct {
     {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"}, {"cuMemGetInfo", 13010, "cuMemGetInfo_v3"},
     {"cuMemcpyHtoDAsync", 3020, "cuMemcpyHtoDAsync_v2"}, {"cuMemcpyDtoHAsync", 3020, "cuMemcpyDtoHAsync_v2"},
     {"cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2"}, {"cuMemPrefetchAsync", 12020, "cuMemPrefetchAsync_v2"},
+    {"cuMemsetD8", 3020, "cuMemsetD8_v2"},
 };
 
 static void *func_by_name(const char *name)
@@ -870,6 +871,7 @@ static CUresult proc_address(const char *symbol, void **pfn, int version, cuuint
     if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) {
         char pt[200];
         snprintf(pt, sizeof(pt), "%s_ptsz", name);
+        if (!func_by_name(pt)) snprintf(pt, sizeof(pt), "%s_ptds", name); /* the legacy stream's calls */
         if (func_by_name(pt) && strlen(pt) < sizeof(name)) memcpy(name, pt, strlen(pt) + 1);
     }
     void *fn = func_by_name(name);
