@@ -723,6 +723,18 @@ def test_a_global_capture_begun_while_a_context_is_settled_before_its_destroy_wa
     assert waited_ms >= 300  # it began once the 400 ms synchronisation had ended
 
 
+@pytest.mark.parametrize("destroy", [["ctxcreate", "0", "launch", "1", "ctxdestroy", "0"],
+                                     ["launch", "1", "reset", "0"]], ids=["destroy", "primary-reset"])
+def test_a_global_capture_a_callback_begins_inside_the_settle_before_a_destroy_does_not_hang(lab, destroy):
+    # a context's destroy (or a primary reset) first synchronises it, counted as a settle that a
+    # global capture's begin waits for; a profiler's callback inside that very synchronisation
+    # that began a global capture waited for its own thread's settle for ever (hung)
+    res = lab.run("init", "ctx", "0", *destroy, timeout=30, CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_KERNEL_US="100000", FAKE_CUDA_API_CALLBACK="cuCtxSynchronize:capture")
+    assert res.rc(destroy[-2]) == 0, res.stdout + res.stderr
+    assert "fake: api callback cuCtxSynchronize capture 0" in res.stderr
+
+
 # ---- launches a capture keeps from being measured ---------------------------------------------
 #
 # While a capture that forbids event queries is on (global mode in any thread, thread-local mode

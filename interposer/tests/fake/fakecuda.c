@@ -421,7 +421,7 @@ API CUresult cuDeviceGetCount(int *n)
  * FAKE_CUDA_API_CALLBACK_BYTES, default 1m), alloc (that much, freed again), ctx (a context of
  * its own, created and destroyed), retain (device 0's primary context, once per process),
  * sync (cuCtxSynchronize), launch (an empty kernel on the legacy stream; launchown: on a stream of
- * its own), async (a stream-ordered
+ * its own), capture (a global-mode capture of a stream of its own, begun and ended), async (a stream-ordered
  * allocation of that size, freed again) or graph (the newest executable graph launched on the
  * legacy stream).  Never from inside
  * another callback.  The first result per action goes to stderr, and how many ran at exit. */
@@ -488,6 +488,14 @@ static void api_callback(const char *fn)
             CUresult (*launch)(void *, CUstream) = (CUresult(*)(void *, CUstream))fake_api("cuGraphLaunch");
             rc = last_gexec ? launch(last_gexec, NULL) : CUDA_ERROR_NOT_FOUND;
             if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0;
+        } else if (!strncmp(what, "capture", 7)) {
+            CUresult (*begin)(CUstream, int) = (CUresult(*)(CUstream, int))fake_api("cuStreamBeginCapture_v2");
+            CUresult (*end)(CUstream, void **) = (CUresult(*)(CUstream, void **))fake_api("cuStreamEndCapture");
+            CUstream s = NULL;
+            void *g = NULL;
+            rc = cuStreamCreate(&s, 1);
+            if (rc == CUDA_SUCCESS) rc = begin(s, 0 /* global */);
+            if (rc == CUDA_SUCCESS) rc = end(s, &g);
         } else if (!strncmp(what, "launch", 6)) {
             typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                          unsigned, CUstream, void **, void **);

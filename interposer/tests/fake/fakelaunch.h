@@ -300,6 +300,7 @@ API CUresult cuCtxSynchronize(void)
 {
     static int sync_forbidden = -1;
     if (sync_forbidden < 0) sync_forbidden = getenv("FAKE_CUDA_CAPTURE_SYNC") != NULL;
+    api_callback("cuCtxSynchronize");
     int forbidden = sync_forbidden && capture_forbids();
     FAIL_POINT("cuCtxSynchronize");
     sleep_until(__atomic_load_n(&legacy_stream.tail, __ATOMIC_ACQUIRE));
