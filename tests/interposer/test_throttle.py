@@ -1280,6 +1280,20 @@ def launchprobe(lab, mode: str, seconds: float, n: int, **env: str) -> float:
     return float(match[3])
 
 
+def test_a_timeline_reference_held_behind_a_stream_wait_does_not_blur_the_timeline(release_lab):
+    # a context's timeline places every event at its float milliseconds after a reference event,
+    # renewed every 5 s; a renewal recorded after a launch held by a stream wait (or a kernel
+    # that runs for hours) never completed, and no other was taken: the old reference aged,
+    # and hours later its float milliseconds (a quarter of a millisecond apart at an hour) could
+    # not tell 20 us intervals apart, so most were charged nothing.  The fake's event skew plays
+    # the hour (the kernels after the wait are an hour after the first reference).  Before:
+    # 100.0 % of the fake GPU under a 30 % limit; a reference that has not completed 5 s after
+    # its record is now replaced by a new one (30.5 %)
+    got = launchprobe(release_lab, "stale", 3, 1, CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="20",
+                      FAKE_WAIT_MS="600000", FAKE_CUDA_EVENT_SKEW="10000:3600000")
+    assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"
+
+
 def test_a_long_interval_over_many_small_kernels_of_another_stream_is_charged(release_lab):
     # stream A runs graphs of 1000 kernels of 0.1 ms (100 ms each), a thread launches one
     # 0.1 ms kernel every 500 us on stream B: B's many short segments filled the context's

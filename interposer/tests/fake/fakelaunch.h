@@ -231,6 +231,22 @@ static uint64_t run_sliced(uint64_t t, uint64_t work)
     return t;
 }
 
+/* FAKE_CUDA_EVENT_SKEW="AFTER_MS:SKEW_MS": events that complete more than AFTER_MS after the
+ * first one recorded are SKEW_MS later for cuEventElapsedTime (only): as if hours had passed
+ * between them and the early ones, whose float milliseconds then lose their precision */
+static uint64_t first_event_t;
+
+static uint64_t skewed(uint64_t t)
+{
+    static long long after_ms = -1, skew_ms;
+    if (after_ms < 0) {
+        const char *v = getenv("FAKE_CUDA_EVENT_SKEW");
+        if (!v || sscanf(v, "%lld:%lld", &after_ms, &skew_ms) != 2) after_ms = skew_ms = 0;
+    }
+    uint64_t t0 = __atomic_load_n(&first_event_t, __ATOMIC_RELAXED);
+    return skew_ms && t0 && t > t0 + (uint64_t)after_ms * 1000000ull ? t + (uint64_t)skew_ms * 1000000ull : t;
+}
+
 static CUresult event_record(CUevent e, CUstream s, int ptsz)
 {
     FAIL_POINT("cuEventRecord");
@@ -242,6 +258,8 @@ static CUresult event_record(CUevent e, CUstream s, int ptsz)
     uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
     ev->t = tail > n ? tail : own_slice(n);
     ev->recorded = 1;
+    uint64_t none = 0;
+    __atomic_compare_exchange_n(&first_event_t, &none, ev->t, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
 }
 
@@ -282,7 +300,7 @@ API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
     if (!ms || !x || !y || !x->recorded || !y->recorded) return CUDA_ERROR_INVALID_VALUE;
     uint64_t n = now_ns();
     if (n < x->t || n < y->t) return CUDA_ERROR_NOT_READY;
-    *ms = (float)(((double)y->t - (double)x->t) / 1e6);
+    *ms = (float)(((double)skewed(y->t) - (double)skewed(x->t)) / 1e6);
     return CUDA_SUCCESS;
 }
 
