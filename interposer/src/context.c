@@ -217,7 +217,7 @@ static void undo_create(CUcontext ctx)
 #define GS_CTX_CREATE(call)                                                 \
     do {                                                                    \
         if (!pctx) return CUDA_ERROR_INVALID_VALUE;                         \
-        if (gs_t_held) { /* a driver callback: booked later (see gs_ctx_defer) */ \
+        if (gs_ctx_passes_through()) { /* a driver callback: booked later */ \
             CUresult prc = (call);                                          \
             if (prc == CUDA_SUCCESS) gs_ctx_defer(GS_OP_CREATE, *pctx, dev); \
             return prc;                                                     \
@@ -273,7 +273,7 @@ GS_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateP
 
 static CUresult ctx_destroy(CUresult (*destroy)(CUcontext), CUcontext ctx)
 {
-    if (gs_t_held) { /* a driver callback under a lock of ours: booked later (see gs_ctx_defer) */
+    if (gs_ctx_passes_through()) { /* a driver callback: booked later (see gs_ctx_passes_through) */
         CUresult rc = destroy(ctx);
         if (rc == CUDA_SUCCESS && ctx) gs_ctx_defer(GS_OP_DESTROY, ctx, -1);
         return rc;
@@ -332,7 +332,7 @@ GS_EXPORT CUresult cuCtxAttach(CUcontext *pctx, unsigned int flags)
     gs_cuda_init();
     if (!gs_cuda.cuCtxAttach) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    if (gs_t_held) { /* a driver callback: booked later (see gs_ctx_defer) */
+    if (gs_ctx_passes_through()) { /* a driver callback: booked later (see gs_ctx_passes_through) */
         CUresult rc = gs_cuda.cuCtxAttach(pctx, flags);
         if (rc == CUDA_SUCCESS) gs_ctx_defer(GS_OP_ATTACH, *pctx, -1);
         return rc;
@@ -367,7 +367,7 @@ GS_EXPORT CUresult cuCtxDetach(CUcontext ctx)
 {
     gs_cuda_init();
     if (!gs_cuda.cuCtxDetach) return CUDA_ERROR_NOT_SUPPORTED;
-    if (gs_t_held) { /* a driver callback: booked later (see gs_ctx_defer) */
+    if (gs_ctx_passes_through()) { /* a driver callback: booked later (see gs_ctx_passes_through) */
         CUresult rc = gs_cuda.cuCtxDetach(ctx);
         if (rc == CUDA_SUCCESS) gs_ctx_defer(GS_OP_DETACH, ctx, -1);
         return rc;

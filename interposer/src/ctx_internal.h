@@ -20,6 +20,15 @@ void gs_ctx_release(CUcontext ctx); /* ctx went (under the context lock): what i
 /* Context calls made from driver callbacks, passed straight through and booked later */
 enum gs_ctx_op { GS_OP_RETAIN, GS_OP_CREATE, GS_OP_RELEASE, GS_OP_RESET, GS_OP_DESTROY, GS_OP_ATTACH, GS_OP_DETACH };
 void gs_ctx_defer(enum gs_ctx_op op, CUcontext ctx, CUdevice dev);
+/* Is this context call a driver callback's that passes straight through, to be booked later (in
+ * order, with every other such call)?  Under another lock of ours (gs_t_held), or inside the
+ * device discovery, where no device is known yet: a context created there was recorded with no
+ * device and never charged (100 MiB held uncharged without NVML's per-process figures), and the
+ * calls on it must wait in the same queue, after its creation. */
+static inline int gs_ctx_passes_through(void)
+{
+    return gs_t_held || gs_devices_discovering();
+}
 
 /* ---- footprint.c ---------------------------------------------------------- */
 

@@ -288,10 +288,10 @@ void gs_region_note_measured(int slot, uint64_t total_ns); /* GPU time measured 
 void gs_region_note_host_pid(unsigned pid);                /* the pid NVML lists this process under */
 uint64_t gs_slot_mine(int slot);                  /* this process's charge on the slot */
 uint64_t gs_charge_seq(void);                     /* changes whenever this process's charge does */
-/* Set when the process exits (the library's destructor returned its usage):
+/* Whether this process exits (the library's destructor returned its usage):
  * from then on nothing is charged, and the sampler stops asking NVML, whose
  * library may already be torn down. */
-extern int gs_exiting;
+int gs_exiting(void);
 /* Operations during which the device may hold more for this process than it
  * is charged (a pool growing by whole chunks, a pitch wider than reserved)
  * bracket that window, so a reconcile never counts it as untracked memory. */

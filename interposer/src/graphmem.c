@@ -36,8 +36,6 @@
 
 #include "gpuslice.h"
 
-#define GS_MAX_GEXECS 1024
-
 int gs_graph_mem_execs;
 
 struct gexec {
@@ -52,8 +50,11 @@ int gs_graphmem_passthrough(void)
 {
     return t_mine || gs_pool_lock_mine();
 }
-static struct gexec g_execs[GS_MAX_GEXECS];
-static int g_n;
+/* On the heap, grown as needed: a fixed table of 1024 left the 1025th executable untracked, and
+ * its 2 GiB of allocation nodes launched with nothing charged under a 1 GiB cap
+ * (`test_graphs.py -k more_than`) */
+static struct gexec *g_execs;
+static int g_n, g_cap;
 
 /* ---- what a graph allocates ------------------------------------------------ */
 
@@ -146,6 +147,18 @@ static CUresult graph_need(CUgraph graph, struct gs_graph_need *need)
 
 /* ---- the executable graphs that allocate ----------------------------------- */
 
+/* Room for one more entry; -1 when there is no host memory for it.  Caller holds g_mu. */
+static int room_locked(void)
+{
+    if (g_n < g_cap) return 0;
+    int cap = g_cap ? 2 * g_cap : 64;
+    struct gexec *t = cap > g_cap ? realloc(g_execs, (size_t)cap * sizeof(*t)) : NULL;
+    if (!t) return -1;
+    g_execs = t;
+    g_cap = cap;
+    return 0;
+}
+
 /* Index of exec in the table, or -1; caller holds g_mu. */
 static int find_locked(CUgraphExec exec)
 {
@@ -154,24 +167,22 @@ static int find_locked(CUgraphExec exec)
     return -1;
 }
 
-static void remember(CUgraphExec exec, const struct gs_graph_need *need)
+static int remember(CUgraphExec exec, const struct gs_graph_need *need)
 {
     CUcontext ctx = NULL;
     if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
     ctx = gs_ctx_canonical(ctx); /* a green context's graphs go with the primary context */
     mu_lock();
     int i = find_locked(exec);
-    if (i < 0 && g_n < GS_MAX_GEXECS) i = g_n++;
+    if (i < 0 && room_locked() == 0) i = g_n++;
     if (i >= 0) {
         g_execs[i].exec = exec;
         g_execs[i].ctx = ctx;
         g_execs[i].need = *need;
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
-    } else {
-        GS_WARN("more than %d graphs with allocation nodes: later ones are charged by the NVML reconcile only",
-                GS_MAX_GEXECS);
     }
     mu_unlock();
+    return i >= 0 ? 0 : -1;
 }
 
 /* Take exec's entry out of the table; 1 and *out if it had one. */
@@ -192,11 +203,13 @@ static int forget(CUgraphExec exec, struct gexec *out)
 static void put_back(const struct gexec *e)
 {
     mu_lock();
-    if (find_locked(e->exec) < 0 && g_n < GS_MAX_GEXECS) {
+    int lost = 0;
+    if (find_locked(e->exec) < 0 && !(lost = room_locked() != 0)) {
         g_execs[g_n++] = *e;
         __atomic_store_n(&gs_graph_mem_execs, g_n, __ATOMIC_RELEASE);
     }
     mu_unlock();
+    if (lost) GS_WARN("no host memory to keep an executable graph's allocations: it is charged by the NVML reconcile only");
 }
 
 /* A context went: its executable graphs went with it (the driver may hand their handles
@@ -321,14 +334,24 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
             if (need->ran[i] && need->ran[i] < want) want = need->ran[i];
             if (used + want > held) extra = used + want - held;
         }
-        if (extra && gs_reserve(slot, extra) != 0) {
+        /* near the cap, on top of what the process holds uncharged (under the reconcile's noise
+         * threshold), as memory.c's gs_reserve_near: admitted against its part alone, a 922 MiB
+         * graph beside a 4 KiB array's page and a 101 MiB context held 1025 MiB under a 1 GiB
+         * cap (`test_graphs.py -k beside_uncharged`).  settle() returns what the pool does not
+         * take of it */
+        uint64_t take = extra;
+        if (extra && GS_UNLIKELY(gs_near_cap(slot, extra))) {
+            gs_reconcile_slot(slot);
+            take = gs_add_sat(extra, gs_reconcile_gap(slot));
+        }
+        if (take && gs_reserve_raw(slot, take) != 0) {
             for (int k = 0; k < i; k++)
                 if (reserved[k]) gs_budget_release(gs_dev_slot(need->dev[k]), reserved[k]);
             GS_INFO("graph launch refused: its %llu bytes of allocations would exceed the cap",
                     (unsigned long long)need->bytes[i]);
             return -1;
         }
-        reserved[i] = extra;
+        reserved[i] = take;
     }
     return 0;
 }
@@ -463,7 +486,14 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
     need.auto_free = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
     CUresult rc = call(a);
     int made = rc == CUDA_SUCCESS && a->exec;
-    if (made) remember(*a->exec, &need);
+    if (made && remember(*a->exec, &need) != 0) {
+        /* no host memory to remember it: untracked, its launches would map past the cap, so it
+         * is undone and refused, as a graph whose nodes cannot be read is */
+        GS_WARN("graph instantiation refused: no host memory to track its allocation nodes");
+        if (gs_cuda.cuGraphExecDestroy) gs_cuda.cuGraphExecDestroy(*a->exec);
+        made = 0;
+        rc = refuse(a, CUDA_ERROR_OUT_OF_MEMORY);
+    }
     if (uploads) gs_graphmem_after(made ? *a->exec : NULL, &need, reserved, made);
     return rc;
 }

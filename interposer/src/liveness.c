@@ -165,6 +165,70 @@ static int token_held(unsigned index)
     return fd < 0 || token_lock(fd, index, F_WRLCK, F_OFD_GETLK) != 0;
 }
 
+/* The first line of /proc/self/maps that starts with `prefix`, at most `len` - 1 bytes of it;
+ * 0 if there is none */
+static int self_maps_line(const char *prefix, char *out, size_t len)
+{
+    int fd = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    char buf[4096];
+    size_t have = 0, plen = strlen(prefix);
+    int found = 0, skip = 0; /* skip: the rest of a line longer than buf, its start already seen */
+    while (!found) {
+        ssize_t n = read(fd, buf + have, sizeof(buf) - have);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;
+        have += (size_t)n;
+        size_t start = 0;
+        for (;;) {
+            char *nl = memchr(buf + start, '\n', have - start);
+            size_t end = nl ? (size_t)(nl - buf) : have;
+            if (!nl && (start || have < sizeof(buf))) break; /* a line read in part: more to come */
+            if (!skip && end - start >= plen && memcmp(buf + start, prefix, plen) == 0) {
+                size_t l = end - start < len - 1 ? end - start : len - 1;
+                memcpy(out, buf + start, l);
+                out[l] = '\0';
+                found = 1;
+                break;
+            }
+            skip = !nl;
+            start = nl ? end + 1 : have;
+            if (!nl) break;
+        }
+        memmove(buf, buf + start, have - start);
+        have -= start;
+    }
+    close(fd);
+    return found;
+}
+
+/* How /proc/PID/maps names the region file, " MAJ:MIN INODE ": as it names this process's own
+ * mapping of it, not as fstat does.  On btrfs st_dev is the subvolume's anonymous device and maps
+ * gives the superblock's (00:29 and 00:28); so did overlayfs before Linux 6.7, maps naming the
+ * file beneath.  A process that had closed its token's descriptor was never found mapping the
+ * region there, and its usage was reclaimed while it held it (8 GiB held under a 6 GiB cap). */
+static char g_maps_name[64];
+
+static void region_maps_name(char *want, size_t len)
+{
+    pthread_mutex_lock(&g_token_mu);
+    if (!g_maps_name[0] && gs_region_file_addr) {
+        char prefix[32], line[256], dev[32];
+        unsigned long long ino;
+        snprintf(prefix, sizeof(prefix), "%08lx-", (unsigned long)(uintptr_t)gs_region_file_addr);
+        /* "start-end perms offset MAJ:MIN inode  path" */
+        if (self_maps_line(prefix, line, sizeof(line)) && sscanf(line, "%*s %*s %*s %31s %llu", dev, &ino) == 2 &&
+            ino == (unsigned long long)gs_region_file_ino)
+            snprintf(g_maps_name, sizeof(g_maps_name), " %s %llu ", dev, ino);
+    }
+    if (g_maps_name[0])
+        snprintf(want, len, "%s", g_maps_name);
+    else /* (not found: as fstat names it, major and minor in hex) */
+        snprintf(want, len, " %02x:%02x %llu ", major(gs_region_file_dev), minor(gs_region_file_dev),
+                 (unsigned long long)gs_region_file_ino);
+    pthread_mutex_unlock(&g_token_mu);
+}
+
 /* Whether process `pid` still maps the region file: its token's descriptor may have been closed
  * by the program itself (closefrom, a dup2 onto its number), which leaves the mapping; an exec
  * takes both.  Read only when a token is found not held, which is rare.  1 also when it cannot
@@ -175,9 +239,7 @@ static int maps_region(int32_t pid)
     snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 1;
-    /* "start-end perms offset MAJ:MIN inode  path": major and minor in hex */
-    snprintf(want, sizeof(want), " %02x:%02x %llu ", major(gs_region_file_dev), minor(gs_region_file_dev),
-             (unsigned long long)gs_region_file_ino);
+    region_maps_name(want, sizeof(want));
     size_t have = 0, tail = 96; /* kept from one read to the next: longer than `want` */
     int found = 0;
     for (;;) {
@@ -333,7 +395,7 @@ void gs_region_sweep_dead(void)
 int gs_region_claim_sweep(void)
 {
     struct gpuslice_region *r = __atomic_load_n(&gs_region, __ATOMIC_ACQUIRE);
-    if (!r || __atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) return 0;
+    if (!r || gs_exiting()) return 0;
     uint64_t now = gs_now_ns(), last = LD(&r->reclaimed_ns);
     if (last <= now && now - last < GS_SWEEP_NS) return 0;
     return __atomic_compare_exchange_n(&r->reclaimed_ns, &last, now, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);

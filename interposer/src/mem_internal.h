@@ -176,6 +176,10 @@ static inline void gs_vmm_gone(const struct gs_alloc *rec)
 
 int gs_vmm_peek(struct gs_alloc *rec, void *arg); /* leaves the record: the caller reads the copy */
 
+/* An array's (or mipmapped array's) destroy refused after a context's teardown began since its
+ * record (*rec) was taken: settled under the context lock, after the teardown (memory.c) */
+void gs_array_refused_after_teardown(int kind, uint64_t key, const struct gs_alloc *rec, unsigned seq0);
+
 /* ---- arrays.c ------------------------------------------------------------- */
 
 void gs_array_drop_maps(uint64_t array); /* an array went: the mappings of its tiles with it */

@@ -22,15 +22,18 @@
  * whole page is served from pages the process's small allocations share, so it may take a whole
  * page more (the driver's figure grows 2 MiB at once): it is admitted only if the headroom covers
  * that page on top of what the process already holds uncharged (gs_reconcile_gap), reserved as
- * any reservation is (atomic across the container's processes).  The caller returns what it
+ * any reservation is (atomic across the container's processes).  A larger one takes its charge
+ * on top of that gap too (admitted against its charge alone, it took the process past the cap by
+ * the gap: 1025 MiB held under a 1 GiB cap, a 922 MiB allocation after a 4 KiB one beside a
+ * 101 MiB context, `test_near_cap_growth.py -k beside_uncharged`).  The caller returns what it
  * reserved beyond the charge once the driver's call is over: what the page really took is then
  * what the process holds beyond its charge, which the next near-cap admission finds in the gap
  * (or the reconcile charges, past GS_SLACK).  0 reserved (*held: the bytes), -1 refused.  A
- * charge of 0 (an array without backing) takes no page. */
+ * charge of 0 (an array without backing) takes no page and nothing of the gap. */
 __attribute__((noinline)) int gs_reserve_near(int slot, uint64_t charge, uint64_t *held)
 {
     gs_reconcile_slot(slot);
-    uint64_t want = charge && charge < GS_PAGE ? gs_add_sat(GS_PAGE, gs_reconcile_gap(slot)) : charge;
+    uint64_t want = !charge ? 0 : gs_add_sat(charge < GS_PAGE ? GS_PAGE : charge, gs_reconcile_gap(slot));
     if (gs_reserve_raw(slot, want) != 0) return -1;
     *held = want;
     return 0;
@@ -276,6 +279,27 @@ __attribute__((noinline)) void gs_free_refused_after_teardown(int kind, CUdevice
             GS_INFO("a free refused after its context went: its address holds a newer allocation, its charge is "
                     "returned");
         }
+    }
+    if (locked) gs_ctx_unlock();
+}
+
+/* An array's destroy the driver refused after a teardown began since its record was taken (the
+ * teardown's forget could not drop it): an array cannot be asked for, so it went with its context
+ * if that went since (a destroy, a last release or detach, a reset leaving the primary context
+ * inactive; a reset that keeps it active is kept apart by the array fence, arrays.c); then its
+ * charge returns and its tiles' mappings go, else its record is put back, under a newer record
+ * at the same handle if one was booked meanwhile (the driver reuses handles) */
+__attribute__((noinline)) void gs_array_refused_after_teardown(int kind, uint64_t key, const struct gs_alloc *rec,
+                                                             unsigned seq0)
+{
+    int locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
+    struct gs_alloc newer, mine;
+    if (locked && gs_ctx_gone_since_locked((CUcontext)(uintptr_t)rec->ctx, seq0)) {
+        drop_one(kind, key, rec);
+        GS_INFO("an array destroy refused after its context went: the array went with it, its charge is returned");
+    } else if (gs_am_put(kind, key, rec, &newer) == 1) {
+        gs_am_put(kind, key, &newer, &mine); /* the newer record back, this one's charge returned */
+        drop_one(kind, key, rec);
     }
     if (locked) gs_ctx_unlock();
 }

@@ -127,7 +127,7 @@ GS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     gs_cuda_init();
     if (!gs_cuda.cuDevicePrimaryCtxRetain) return CUDA_ERROR_NOT_SUPPORTED;
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    if (gs_t_held || gs_devices_discovering()) { /* a driver callback: booked later (see gs_ctx_defer) */
+    if (gs_ctx_passes_through()) { /* a driver callback: booked later (see gs_ctx_passes_through) */
         CUresult rc = gs_cuda.cuDevicePrimaryCtxRetain(pctx, dev);
         if (rc == CUDA_SUCCESS) gs_ctx_defer(GS_OP_RETAIN, *pctx, dev);
         return rc;
@@ -190,7 +190,7 @@ typedef CUresult (*dev_fn)(CUdevice);
 
 static CUresult primary_release(dev_fn release, CUdevice dev)
 {
-    if (gs_t_held) { /* a driver callback under a lock of ours: booked later (see gs_ctx_defer) */
+    if (gs_ctx_passes_through()) { /* a driver callback: booked later (see gs_ctx_passes_through) */
         CUresult rc = release(dev);
         if (rc == CUDA_SUCCESS) gs_ctx_defer(GS_OP_RELEASE, NULL, dev);
         return rc;
@@ -210,7 +210,7 @@ static CUresult primary_release(dev_fn release, CUdevice dev)
  * or not the driver then reports the context active. */
 static CUresult primary_reset(dev_fn reset, CUdevice dev)
 {
-    if (gs_t_held) { /* a driver callback under a lock of ours: booked later (see gs_ctx_defer) */
+    if (gs_ctx_passes_through()) { /* a driver callback: booked later (see gs_ctx_passes_through) */
         CUresult rc = reset(dev);
         if (rc == CUDA_SUCCESS) gs_ctx_defer(GS_OP_RESET, NULL, dev);
         return rc;

@@ -216,9 +216,12 @@ GS_NO_SANITIZE static int from_driver(void *fn, const char *name)
  * The hook stands in for the driver's function only: a same-named function
  * of another library (a stub, a mock, a tracer) is returned as it is, and
  * where the driver's is not to be found the answer is NULL, as without us.
- * RTLD_DEFAULT finds our own export first: whether the driver is there is
- * asked as RTLD_NEXT from this library (which also answers RTLD_NEXT: a
- * library before us wrapping the function gets our hook, not itself).  The
+ * A handle whose scope holds this library finds our own export first:
+ * RTLD_DEFAULT, and the handle of dlopen(NULL), the global scope, in which
+ * Python's ctypes.CDLL(None) looks names up (it was handed our cuInit where no
+ * driver was loaded, and calling it loaded one).  Whether the driver is there
+ * is then asked as RTLD_NEXT from this library (which also answers RTLD_NEXT:
+ * a library before us wrapping the function gets our hook, not itself).  The
  * driver's own lookups (`caller` is its code) get its functions: a driver
  * library that finds the functions of the driver it loads through dlsym, as
  * WSL2's libcuda does, was handed our hook, which calls that library, which
@@ -228,7 +231,7 @@ GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle,
     void *hook = gs_hook_by_name(name);
     if (!hook) return NOT_HOOKED;
     void *real = handle == RTLD_NEXT ? hook : gs_real_dlsym(handle, name);
-    if (real == hook && (handle == RTLD_NEXT || handle == RTLD_DEFAULT)) real = gs_real_dlsym(RTLD_NEXT, name);
+    if (real == hook) real = gs_real_dlsym(RTLD_NEXT, name);
     if (!real) return NULL;
     if (real == hook || !from_driver(real, name) || in_driver_files(caller, 1, 1)) return real;
     if (handle != RTLD_DEFAULT && handle != RTLD_NEXT) note_library(name, real);

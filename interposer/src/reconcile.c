@@ -88,7 +88,7 @@ static int g_sampler_far; /* the sampler sleeps the long interval: nudge it once
  * Those run before our destructor (they were dlopened after the library was preloaded), and a
  * pass can be inside a query for milliseconds; so an atexit handler, which runs before any
  * finaliser, stops the sampler and waits for the pass it is in (g_sampler_busy) to end. */
-static int g_sampler_stop, g_sampler_busy, g_atexit_registered;
+static int g_sampler_stop, g_sampler_busy, g_atexit_registered; /* stop: the pid of the process exiting */
 #define GS_EXIT_WAIT_NS 500000000ull /* at most: a pass stuck on a lock the exiting thread holds */
 
 /* ---- NVML's process list and our host pid --------------------------------- */
@@ -444,7 +444,7 @@ static int any_near_cap(void)
 /* 0 if skipped: this thread is inside a context call (a driver callback) */
 static int reconcile_all(void)
 {
-    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS && !__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE); dev++) {
+    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS && !gs_exiting(); dev++) {
         if (!__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
         if (gs_ctx_lock() != 0) return 0;
         gs_reconcile_dev_locked(dev);
@@ -558,6 +558,12 @@ void gs_reconcile_ctx_reset(CUdevice dev)
 
 /* ---- the sampler ---------------------------------------------------------- */
 
+static int sampler_stopped(void)
+{
+    int pid = __atomic_load_n(&g_sampler_stop, __ATOMIC_SEQ_CST);
+    return pid && pid == (int)getpid();
+}
+
 static void *sampler(void *arg)
 {
     (void)arg;
@@ -580,10 +586,10 @@ static void *sampler(void *arg)
         /* busy before the stop is read, the exit handler's stop before it reads busy (both
          * sequentially consistent): either this pass sees the stop or the handler sees the pass */
         __atomic_store_n(&g_sampler_busy, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&g_sampler_stop, __ATOMIC_SEQ_CST) || __atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE))
+        if (sampler_stopped() || gs_exiting())
             break; /* NVML may be gone: stop */
         reconcile_all();
-        if (__atomic_load_n(&g_sampler_stop, __ATOMIC_SEQ_CST) || __atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE))
+        if (sampler_stopped() || gs_exiting())
             break;
         if (!gs_capture_global()) /* a global-mode capture forbids driver queries in every thread */
             gs_pools_reconcile_all(); /* what pools gave back at synchronisations (pool.c) */
@@ -599,10 +605,12 @@ static void *sampler(void *arg)
 }
 
 /* atexit: no new pass, and the one under way finished (bounded), before any library's
- * finaliser.  A child of fork() inherits the handler and, until it starts its own, no sampler. */
+ * finaliser.  A child of fork() inherits the handler and, until it starts its own, no sampler.
+ * The stop names the exiting process: a vfork() child that calls exit() runs the handler in its
+ * parent's memory, and a flag stopped the parent's sampler for good (gs_exiting, region.c). */
 static void sampler_stop_at_exit(void)
 {
-    __atomic_store_n(&g_sampler_stop, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&g_sampler_stop, (int)getpid(), __ATOMIC_SEQ_CST);
     uint64_t until = gs_now_ns() + GS_EXIT_WAIT_NS;
     while (__atomic_load_n(&g_sampler_busy, __ATOMIC_SEQ_CST) && gs_now_ns() < until) {
         struct timespec ts = {0, 1000000}; /* 1 ms */

@@ -25,7 +25,18 @@
 struct gpuslice_region *gs_region;
 struct gpuslice_proc *gs_region_me;
 static int32_t g_my_pid; /* the pid gs_region_me was registered with */
-int gs_exiting;
+/* The pid of the process whose exit began (the destructor below), 0 before.  A pid, not a
+ * flag: a vfork() child that calls exit() runs the destructor in its parent's memory, and a flag
+ * set there was its parent's for the rest of its life (every allocation of a program that did so
+ * before its first CUDA call was refused: it could not register; one that did so later lost its
+ * sampler) */
+static int32_t g_exiting_pid;
+
+int gs_exiting(void)
+{
+    int32_t pid = __atomic_load_n(&g_exiting_pid, __ATOMIC_ACQUIRE);
+    return pid && pid == (int32_t)getpid(); /* (no system call before the exit) */
+}
 static uint64_t g_charge_seq;
 uint64_t gs_own_cap[GPUSLICE_MAX_DEVICES];
 int gs_unsettled;
@@ -114,7 +125,7 @@ static int register_locked(void)
     struct gpuslice_region *r = gs_region;
     /* After the exit detach a charge would leave a live-looking slot behind
      * (another thread still running, the sampler): refuse it. */
-    if (__atomic_load_n(&gs_exiting, __ATOMIC_ACQUIRE)) return -1;
+    if (gs_exiting()) return -1;
     for (int pass = 0; pass < 2 && !gs_region_me; pass++) {
         /* pass 0 too when a slot of our pid is live: this program replaced it by exec, and
          * the old image's memory went with its address space */
@@ -367,7 +378,7 @@ void gs_region_after_fork_child(void)
 
 __attribute__((destructor)) static void region_detach(void)
 {
-    __atomic_store_n(&gs_exiting, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_exiting_pid, (int32_t)getpid(), __ATOMIC_RELEASE);
     /* exit() from a signal handler inside the lock (above); or a child made without the fork
      * handlers (_Fork, clone, vfork + exit): gs_region_me is still its parent's slot, which it must not
      * empty (the slot of a child that charged through it is reclaimed once the parent is gone) */

@@ -24,6 +24,7 @@ void gs_region_unlock(void);
 
 extern dev_t gs_region_file_dev; /* the region file mapped (0, 0: a private region) */
 extern ino_t gs_region_file_ino;
+extern const void *gs_region_file_addr; /* where it is mapped (liveness.c finds it in /proc/self/maps) */
 /* A webhook-managed process without the container's region grants no memory (region.c's
  * write_slot) */
 extern int gs_region_private_managed;

@@ -12,9 +12,12 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <linux/fs.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "region_internal.h"
@@ -22,6 +25,7 @@
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 dev_t gs_region_file_dev; /* the region file mapped (0, 0: a private region) */
 ino_t gs_region_file_ino;
+const void *gs_region_file_addr;
 
 static void read_boot_id(uint8_t out[16])
 {
@@ -85,6 +89,21 @@ static int known(const uint8_t boot_id[16])
     return 0;
 }
 
+/* On btrfs a store into a page written back since needs new blocks (copy on write), allocated
+ * blocks or not: on a full file system every process of the container died of SIGBUS at its
+ * next store into the region (a new process at its first).  A file without copy on write keeps
+ * its blocks; the attribute takes only on an empty file. */
+static void no_cow(int fd, off_t size)
+{
+    struct statfs fs;
+    int flags;
+    if (size || fstatfs(fd, &fs) != 0 || (unsigned long)fs.f_type != 0x9123683EUL /* btrfs */ ||
+        ioctl(fd, FS_IOC_GETFLAGS, &flags) != 0)
+        return;
+    flags |= FS_NOCOW_FL;
+    if (ioctl(fd, FS_IOC_SETFLAGS, &flags) != 0) GS_DEBUG("region file: no FS_NOCOW_FL: %s", strerror(errno));
+}
+
 static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16], int tries)
 {
     /* Never through a symlink, and only a plain file of its own: the state dir is writable by
@@ -93,11 +112,22 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
      * creates the file makes it 0666 (for every user of the container, whatever the umask):
      * chmod'ing any file of this user found at the path made a root-owned 0600 file named
      * there world-writable (a set-user-ID program's caller chose the path, review). */
-    int fd = -1, created = 0;
+    int fd = -1, created = 0, waits = 0;
     for (int attempt = 0; fd < 0 && attempt < 3; attempt++) {
         fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
         created = fd >= 0;
-        if (fd < 0 && errno == EEXIST) fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0 && errno == EEXIST) {
+            fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+            /* its creator may not have made it 0666 yet (below): until then its mode is 0666 less
+             * the creator's umask, 0644 under root's usual 022, and a non-root process refused
+             * there was granted no memory for its life (half a second at most: a file that stays
+             * so is not the container's region) */
+            if (fd < 0 && errno == EACCES && waits++ < 250) {
+                gs_sleep_ns(2000000);
+                attempt--;
+                continue;
+            }
+        }
         if (fd >= 0 || errno != ENOENT) break; /* ENOENT: replaced meanwhile (an older version's) */
     }
     struct stat own;
@@ -147,8 +177,11 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
         return map_file(path, boot_id, tries + 1);
     }
     /* blocks allocated now, not at the first store (a full disk would kill the process with SIGBUS) */
-    int grown = fstat(fd, &st) == 0 &&
-                (st.st_size >= (off_t)sizeof(*r) || posix_fallocate(fd, 0, sizeof(*r)) == 0);
+    int grown = fstat(fd, &st) == 0;
+    if (grown && st.st_size < (off_t)sizeof(*r)) {
+        no_cow(fd, st.st_size);
+        grown = posix_fallocate(fd, 0, sizeof(*r)) == 0;
+    }
     if (grown) {
         void *p = mmap(NULL, sizeof(*r), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (p != MAP_FAILED) r = p;
@@ -175,6 +208,7 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
     if (r) {
         gs_region_file_dev = own.st_dev;
         gs_region_file_ino = own.st_ino;
+        gs_region_file_addr = r;
     }
     flock(fd, LOCK_UN);
     close(fd);

@@ -21,9 +21,9 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     gs_devices_ready();
     int slot = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(prop->location.id) : -1;
     if (slot < 0 || !size) return gs_cuda.cuMemCreate(handle, size, prop, flags);
-    uint64_t charge = gs_charge_size(size);
+    uint64_t charge = gs_charge_size(size), held;
     gs_inflight_begin();
-    if (gs_reserve(slot, charge) != 0) {
+    if (gs_reserve_alloc(slot, charge, &held) != 0) { /* near the cap: with what the process holds uncharged */
         gs_inflight_end();
         return gs_over_cap(slot, charge);
     }
@@ -31,6 +31,7 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
                 gs_pid_probe_begin(prop->location.id, charge, 0);
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
     if (probe) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);
+    if (GS_UNLIKELY(held != charge)) gs_budget_release(slot, held - charge); /* the gap's headroom */
     if (rc != CUDA_SUCCESS) {
         rc = gs_rollback(rc, slot, charge);
     } else {

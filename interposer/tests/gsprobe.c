@@ -585,6 +585,24 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuArrayDestroy((CUarray)(uintptr_t)allocs[bg.size].handle);
+    } else if (!strcmp(bg.what, "bgaunmap") || !strcmp(bg.what, "bgamap")) {
+        CUarrayMapInfo m; /* as "aunmap" / "amap": the 64x64 tile at x = X (size: ARRAY << 40 | VMM << 20 | X) */
+        int map = !strcmp(bg.what, "bgamap");
+        memset(&m, 0, sizeof(m));
+        m.resourceType = CU_RESOURCE_TYPE_ARRAY;
+        m.resource.array = (CUarray)(uintptr_t)allocs[bg.size >> 40].handle;
+        m.subresourceType = CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_SPARSE_LEVEL;
+        m.subresource.sparseLevel.offsetX = (unsigned)(bg.size & 0xfffffu);
+        m.subresource.sparseLevel.extentWidth = 64;
+        m.subresource.sparseLevel.extentHeight = 64;
+        m.subresource.sparseLevel.extentDepth = 1;
+        m.memOperationType = map ? CU_MEM_OPERATION_TYPE_MAP : CU_MEM_OPERATION_TYPE_UNMAP;
+        m.memHandleType = CU_MEM_HANDLE_TYPE_GENERIC;
+        if (map) m.memHandle.memHandle = allocs[(bg.size >> 20) & 0xfffffu].handle;
+        m.deviceBitMask = 1;
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuMemMapArrayAsync(&m, 1, NULL);
     } else if (!strcmp(bg.what, "bgfreeasync")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -807,6 +825,17 @@ static void probe_guard_fault(int sig, siginfo_t *info, void *uc)
     ssize_t w = write(STDOUT_FILENO, msg, (size_t)n);
     (void)w;
     _exit(43);
+}
+
+/* vforkexit: in a function of its own, so that main()'s variables are not vfork()'s to clobber */
+__attribute__((noinline)) static int vfork_exit(void)
+{
+    fflush(stdout);
+    pid_t pid = vfork();
+    if (pid == 0) exit(0);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return status;
 }
 
 int main(int argc, char **argv)
@@ -1491,6 +1520,16 @@ int main(int argc, char **argv)
             /* bgarrayfree ID MS: a thread destroys the array of allocation ID after MS */
             bg_start("bgarrayfree", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
             i += 2;
+        } else if (!strcmp(c, "bgaunmap")) {
+            /* bgaunmap ARRAY X MS: a thread unmaps sparse array ARRAY's tile at x = X (as "aunmap") after MS */
+            bg_start("bgaunmap", atol(ARG(2)), (uint64_t)atoi(ARG(0)) << 40 | ((unsigned)atoi(ARG(1)) & 0xfffffu));
+            i += 3;
+        } else if (!strcmp(c, "bgamap")) {
+            /* bgamap ARRAY VMM X MS: a thread maps VMM allocation VMM into that tile (as "amap") after MS */
+            bg_start("bgamap", atol(ARG(3)),
+                     (uint64_t)atoi(ARG(0)) << 40 | (uint64_t)(atoi(ARG(1)) & 0xfffff) << 20 |
+                         ((unsigned)atoi(ARG(2)) & 0xfffffu));
+            i += 4;
         } else if (!strcmp(c, "bgfreeasync")) {
             /* bgfreeasync ID MS: a thread frees allocation ID with cuMemFreeAsync after MS */
             bg_start("bgfreeasync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
@@ -1605,6 +1644,11 @@ int main(int argc, char **argv)
             sbuf[sn > 0 ? sn : 0] = '\0';
             const char *ra = strstr(sbuf, "RssAnon:");
             printf("rssanon 0 %ld %d\n", ra ? strtol(ra + 8, NULL, 10) : -1L, is_child);
+        } else if (!strcmp(c, "vforkexit")) {
+            /* a vfork() child that calls exit(), not _exit(): its atexit handlers and destructors
+             * run in its parent's memory (undefined by POSIX, done by real programs) */
+            int status = vfork_exit();
+            printf("vforkexit %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
         } else if (!strcmp(c, "childexit")) {
             if (is_child) exit(0); /* a normal exit: atexit handlers and destructors run */
         } else if (!strcmp(c, "exit")) {

@@ -199,6 +199,28 @@ def test_an_executable_handle_reused_during_its_destroy_keeps_the_new_graph_char
     assert phys(res) == [300 * MIB]
 
 
+def test_more_than_1024_executables_with_allocation_nodes_are_all_charged(lab):
+    # the table of executables was a fixed 1024: the 1025th went untracked, and its 2 GiB of
+    # allocation nodes launched with nothing charged under a 1 GiB cap (free seen: all of it).
+    # A graph with allocation nodes may have one instantiation at a time: 1025 graphs
+    res = lab.run("init", "ctx", "0", *["gnew", "gnode", "1m", "0", "ginst", "flags"] * 1024, "gnew",
+                  "gnode", "2g", "0", "ginst", "flags", "glaunch", "meminfo", "phys", **CAP)
+    assert [rc for rc, _ in res.of("ginst")] == [0] * 1025
+    assert res.rc("glaunch") == OOM
+    assert free_seen(res) == [GIB]
+    assert phys(res) == [0]
+
+
+def test_a_graph_beside_uncharged_small_pages_stays_within_the_cap(lab):
+    # a 4 KiB array takes a 2 MiB page (charged 4 KiB: the rest is under the reconcile's noise
+    # threshold), then a graph's 922 MiB beside a 101 MiB context: its part fits the charge
+    # (1,023 MiB), the process would hold 1,025.  It was admitted so: 1,025 MiB under 1,024
+    res = lab.run("init", "ctx", "0", "alloc", "4k", "gnode", "922m", "0", "ginst", "flags", "glaunch",
+                  "phys", **CAP, FAKE_CUDA_CTX_BYTES="101m", FAKE_CUDA_SMALL_PAGES="1")
+    assert res.rc("glaunch") == OOM
+    assert phys(res)[0] <= GIB
+
+
 def test_an_executable_whose_destroy_fails_stays_charged_at_launch(lab):
     res = lab.run("init", "ctx", "0", "alloc", "300m", "gnode", "900m", "0", "ginst", "flags",
                   "gdestroy", "glaunch", "phys", **CAP, FAKE_CUDA_FAIL="cuGraphExecDestroy:1:999")

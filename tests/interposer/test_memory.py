@@ -16,6 +16,7 @@ import pytest
 MIB = 1 << 20
 GIB = 1 << 30
 OOM = 2
+CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_CONTEXT = 201
 GPUBENCH = Path(__file__).resolve().parents[1] / "gpu" / "native" / "gpubench.c"
 NOT_READY_CTX = "ctx"
@@ -1035,6 +1036,65 @@ def test_an_array_made_before_a_reset_that_keeps_the_context_active_is_returned_
     assert res.rc("alloc") == OOM  # 1050 MiB would not fit: the new array is charged
 
 
+# A 200 MiB array another thread destroys while its context goes (the fake sleeps inside
+# cuArrayDestroy before it looks the array up): (the commands that make the context, the main
+# thread's, whether a reset context stays active)
+ARRAY_DESTROY_RACES = {
+    "reset": (["ctx", "0"], ["reset", "0"], None),
+    "reset_stays_active": (["ctx", "0"], ["reset", "0"], "1"),
+    "last_release": (["ctx", "0"], ["release", "0"], None),
+    "ctx_destroy": (["ctxcreate", "0", "capcur"], ["ctxdestroy", "0"], None),
+}
+
+
+@pytest.mark.parametrize("race", ARRAY_DESTROY_RACES)
+def test_an_array_destroy_refused_after_its_context_went_returns_the_charge(lab, race):
+    # the destroy takes the record, the context's end (whose forget then finds none) destroys
+    # the array, and the driver refuses the destroy: the record was put back, 250 MiB charged
+    # for 50 held until the process exited, and the 800 MiB allocation after it refused under
+    # the 1 GiB cap.  A reset now waits for the destroy (the array fence), which succeeds
+    make, main, stays_active = ARRAY_DESTROY_RACES[race]
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", *make, "array", "4096", "3200", "bgarrayfree", "0", "0", "sleep", "100", *main,
+                  "join", *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP="cuArrayDestroy:300",
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+    assert res.rc("array") == 0 and res.rc(main[0]) == 0
+    assert res.rc("bgarrayfree") == (0 if main[0] == "reset" else CUDA_ERROR_INVALID_VALUE)
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+    assert res.rc("alloc") == 0
+
+
+@pytest.mark.parametrize("race", ARRAY_DESTROY_RACES)
+@pytest.mark.parametrize("op", ["unmap", "map"])
+def test_a_tile_mapping_racing_its_arrays_context_goes_with_the_array(lab, race, op):
+    # a 300 MiB allocation's mapping into a sparse array's tile, unmapped (or mapped) by another
+    # thread while the array's context goes, which destroys the array and its tiles' mappings:
+    # the unmap had taken the mapping's record, so the teardown could not drop it, and the
+    # driver's refusal put it back; the map booked its record after the teardown.  Either way
+    # the handle kept a mapping for good, and its release left 350 MiB charged for 50 held, an
+    # 800 MiB allocation refused under a 1 GiB cap
+    make, main, stays_active = ARRAY_DESTROY_RACES[race]
+    again = [] if stays_active else ["ctx", "0"]
+    if op == "unmap":
+        cmds = ["amap", "0", "1", "0", "free", "1", "bgaunmap", "0", "0", "0", "sleep", "100", *main, "join"]
+        sleep = "cuMemMapArrayAsync:300"
+    else:
+        cmds = ["bgamap", "0", "1", "0", "0", "sleep", "100", *main, "join", "free", "1"]
+        sleep = "cuMemMapArrayAsyncAfter:300"
+    res = lab.run("init", *make, *SPARSE, "vmm", "300m", "0", *cmds, *again, "meminfo", "phys", "alloc",
+                  "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep,
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+    assert res.rc(main[0]) == 0 and res.rc("free") == 0
+    assert res.rc("bg" + ("aunmap" if op == "unmap" else "amap")) == (1 if op == "unmap" else 0)
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+    assert res.rc("alloc") == 0
+
+
 @pytest.mark.parametrize("callback", ["alloc", "load", "ctx"])
 def test_a_driver_callback_inside_a_context_call_may_allocate_load_or_make_contexts(lab, callback):
     # a profiler's resource callback (CUPTI: context created, destroy starting) runs inside
@@ -1144,6 +1204,31 @@ def test_a_primary_context_retained_by_a_callback_during_the_device_discovery_is
     assert "fake: api callback cuDeviceGet retain 0" in res.stderr
     free, total = res.values("meminfo")
     assert total - free == res.values("phys")[0] == 100 * MIB
+
+
+@pytest.mark.parametrize("action", ["ctxkeep", "ctx"])
+def test_a_context_created_by_a_callback_during_the_device_discovery_is_charged(lab, action):
+    # created from inside the discovery, it was recorded with no device (none known yet) and
+    # never charged: without NVML's per-process figures nothing found it, and beside another
+    # process of the container a 100 MiB allocation passed with 1100 MiB held under a 1 GiB cap.
+    # Now it is booked once the discovery is done, as a primary context retained there: charged
+    # the container's footprint estimate (and a context destroyed there is booked after it)
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m",
+           "FAKE_NVML_PROC_MEM": "0"}
+    ready = lab.tmp / "first-ready"
+    first = lab.start("init", "ctx", "0", "touch", str(ready), "waitfile", str(lab.tmp / "go"),
+                      **env)
+    lab.wait_for(ready)
+    res = lab.run("init", "ctx", "0", "alloc", "700m", "alloc", "100m", "meminfo", "phys",
+                  FAKE_CUDA_API_CALLBACK=f"cuDeviceGet:{action}", **env)
+    (lab.tmp / "go").touch()
+    assert lab.finish(first).returncode == 0
+    assert f"fake: api callback cuDeviceGet {action} 0" in res.stderr
+    held = res.values("phys")[0] + 100 * MIB  # and the first process's context
+    free, total = res.values("meminfo")
+    assert total - free == held
+    assert held <= GIB
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM if action == "ctxkeep" else 0]
 
 
 def test_a_limit_a_callback_sets_inside_a_limit_change_is_accounted(lab):

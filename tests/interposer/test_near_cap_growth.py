@@ -117,6 +117,19 @@ def test_small_allocations_fill_to_within_a_page_of_the_cap(lab):
     assert final - 2 * MIB < region <= final
 
 
+@pytest.mark.parametrize("big", [["alloc", "922m"], ["vmm", "922m", "0"], ["pitch", "922m", "1"]],
+                         ids=["alloc", "vmm", "pitch"])
+def test_a_large_allocation_beside_uncharged_small_pages_stays_within_the_cap(lab, big):
+    # a 4 KiB array takes a 2 MiB page (charged 4 KiB: the rest is under the reconcile's
+    # noise threshold), then 922 MiB beside a 101 MiB context: the charge fits (1,023 MiB),
+    # the process would hold 1,025.  The near-cap admission counted what the process holds
+    # uncharged for small allocations and loads only: 1,025 MiB held under the 1,024 MiB cap
+    res = lab.run("init", "ctx", "0", "alloc", "4k", big[0], *big[1:], "phys",
+                  **{**ENV, "FAKE_CUDA_CTX_BYTES": "101m"})
+    assert res.rc(big[0], 1 if big[0] == "alloc" else 0) == OOM, res.stdout
+    assert res.values("phys")[0] <= CAP
+
+
 def test_a_load_past_the_headroom_is_refused_and_the_program_goes_on(lab):
     # 100 MiB context + 922 MiB: 2 MiB left, then a 1 MiB array takes a page of its own (1 MiB
     # left in the library's view, none in the driver's): a 2 MiB load cannot fit.  Before, it

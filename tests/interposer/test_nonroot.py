@@ -127,6 +127,42 @@ def test_a_region_file_the_process_did_not_create_keeps_its_mode(lab):
     assert fresh.stat().st_mode & 0o777 == 0o666
 
 
+def test_a_process_opening_the_region_before_its_creator_made_it_0666_waits_for_that(lab, shared_base):
+    # The creator makes the region file 0666 with an fchmod just after creating it; until then
+    # its mode is 0666 less the creator's umask (0644 under root's 022).  A non-root process
+    # opening the file in that moment was refused (EACCES) and, in a pod, granted no memory for
+    # its whole life (outside one: a cap of its own beside the shared one).  The creator here
+    # (root) is stopped before its fchmod (tests/next/slowchmod.c) until the other was refused
+    state = shared_base / "state"
+    state.mkdir()
+    state.chmod(0o1777)  # as the agent's share_state_dirs leaves it
+    region, held, refused, go = state / "region", state / "held", state / "refused", state / "go"
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgsslowchmod.so"))
+    env = lab.env(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(region), FAKE_CUDA_STATE=str(state / "fake"),
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", GPUSLICE_POD_UID="0b7f-uid",
+                  LD_PRELOAD=":".join(preload), GS_TEST_CHMOD_PATH=str(region),
+                  GS_TEST_CHMOD_HELD=str(held), GS_TEST_CHMOD_REFUSED=str(refused),
+                  GS_TEST_CHMOD_GO=str(go))
+
+    def start(*cmds: str, **kw: int) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(lab.command(*cmds), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, **kw)
+        lab.procs.append(proc)
+        return proc
+
+    creator = start("init", "ctx", "0", "alloc", "512m", umask=0o022)
+    lab.wait_for(held)
+    other = start("init", "ctx", "0", "alloc", "256m", user=NOBODY, group=NOBODY)
+    lab.wait_for(refused)
+    go.touch()
+    res = lab.finish(other)
+    assert "cannot use region" not in res.stderr
+    assert res.rc("alloc") == 0
+    assert lab.finish(creator).rc("alloc") == 0
+    assert region.stat().st_mode & 0o777 == 0o666
+
+
 def test_a_set_user_id_program_ignores_its_callers_environment(release_lab, shared_base):
     # a set-user-ID root program run by nobody (AT_SECURE), the library preloaded through
     # /etc/ld.so.preload as in a container: its environment is the caller's.  The library loaded

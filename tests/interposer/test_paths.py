@@ -167,14 +167,20 @@ def test_a_tracer_preloaded_before_the_library_reaches_the_driver_through_it(lab
 
 def test_dlsym_answers_for_driver_names_only_when_the_driver_is_there(lab):
     # a program without libcuda: RTLD_DEFAULT / RTLD_NEXT find no cuInit (before, our exports
-    # were found), and a stub library's own cuInit is what dlsym on its handle returns (before,
-    # our hook, which then took the stub for the driver)
+    # were found), nor does the handle of dlopen(NULL), the global scope Python's
+    # ctypes.CDLL(None) looks in (it found our cuInit, and calling it loaded the driver), and a
+    # stub library's own cuInit is what dlsym on its handle returns (before, our hook, which
+    # then took the stub for the driver).  With the driver loaded globally, the handle of
+    # dlopen(NULL) gets the hook, as RTLD_DEFAULT does.
     stub = lab.build / "tests" / "libgscudastub.so"
-    plain = subprocess.run([str(lab.build / "tests" / "nocuda"), str(stub)], check=False,
-                           capture_output=True, text=True, timeout=60)
-    under = lab.run_program([str(lab.build / "tests" / "nocuda"), str(stub)])
-    assert plain.stdout.strip() == "nocuda 0 0 999"
-    assert under.stdout.strip() == plain.stdout.strip(), under.stderr
+    argv = [str(lab.build / "tests" / "nocuda"), str(stub), str(lab.build / "fake" / "libcuda.so.1")]
+    plain = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+    under = lab.run_program(argv)
+    assert plain.stdout.split("\n")[:2] == ["nocuda 0 0 0 999", "loaded 1 1 0"]
+    assert under.stdout.split("\n")[:2] == ["nocuda 0 0 0 999", "loaded 1 1 1"], under.stderr
+    python = lab.run_program([sys.executable, "-c",
+                              "import ctypes; print(hasattr(ctypes.CDLL(None), 'cuInit'))"])
+    assert python.stdout.strip() == "False", python.stderr
 
 
 @pytest.mark.parametrize("argv", [["ls", "/"], ["sh", "-c", "echo hello; echo $((6*7))"],
@@ -465,7 +471,7 @@ def test_programs_start_under_a_dlsym_wrapper_and_the_library(lab):
     stub = lab.build / "tests" / "libgscudastub.so"
     under = lab.run_program([str(lab.build / "tests" / "nocuda"), str(stub)],
                             LD_PRELOAD=":".join(preload))
-    assert under.stdout.strip() == "nocuda 0 0 999", under.stderr
+    assert under.stdout.strip() == "nocuda 0 0 0 999", under.stderr
     code = "import ctypes; print(ctypes.CDLL(None).getpid() > 0)"
     under = lab.run_program([sys.executable, "-c", code], LD_PRELOAD=":".join(preload))
     assert under.returncode == 0 and under.stdout.strip() == "True", under.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -381,6 +382,35 @@ def test_a_child_made_without_the_fork_handlers_leaves_the_parents_usage(release
     assert lab.used() == 0
 
 
+def test_a_vfork_child_that_calls_exit_leaves_its_parent_able_to_register(lab):
+    # a vfork() child's exit() runs the library's destructor in its parent's memory: its "this
+    # process exits" flag became the parent's, which could then never register, and every
+    # allocation of its own was refused (1 GiB under a 4 GiB cap, nothing else held)
+    res = lab.run("vforkexit", "init", "ctx", "0", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.of("vforkexit") == [(0, [])]
+    assert res.rc("alloc") == 0
+    # (glibc's exit() in the child also marked every library's destructors as run: the parent's
+    # exit returned nothing, and its slot is reclaimed as a dead process's)
+    assert lab.run("init", "ctx", "0", "alloc", "4g", CUDA_DEVICE_MEMORY_LIMIT="4g").rc("alloc") == 0
+
+
+def test_a_vfork_child_that_calls_exit_leaves_its_parent_a_sampler(lab):
+    # the child's exit() also stopped the parent's sampler thread for good: a killed process's
+    # 2 GiB stayed in the container's figures (no sweep) beside the keeper, its only live process
+    ctx = 100 * MIB
+    keeper = lab.start("init", "ctx", "0", "alloc", "1g", "vforkexit", "touch", str(lab.tmp / "kept"),
+                       "waitfile", str(lab.tmp / "end"), CUDA_DEVICE_MEMORY_LIMIT="4g",
+                       FAKE_CUDA_CTX_BYTES="100m")
+    lab.wait_for(lab.tmp / "kept")
+    kill_a_holder(lab, "held", FAKE_CUDA_CTX_BYTES="100m")
+    deadline = time.monotonic() + 8
+    while lab.used() != GIB + ctx and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lab.used() == GIB + ctx
+    (lab.tmp / "end").touch()
+    assert lab.finish(keeper).of("vforkexit") == [(0, [])]
+
+
 def test_a_process_that_exits_returns_its_usage(lab):
     lab.run("init", "ctx", "0", "alloc", "3g", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="4g")
     assert lab.used() == 0
@@ -534,26 +564,30 @@ def test_a_process_that_execs_a_program_without_cuda_returns_what_its_old_image_
     assert res.rc("alloc") == 0
 
 
-def beside_a_holder(lab: Lab, step: str, limit: str, ask: str) -> tuple[Result, int]:
+def beside_a_holder(lab: Lab, step: str, limit: str, ask: str, **env: str) -> tuple[Result, int]:
     """A process allocates 4 GiB, runs gsprobe's command `step` and waits; meanwhile another
     asks for `ask`.  Returns the other's result and the region's usage just after it."""
     held, go = lab.tmp / "held", lab.tmp / "go"
     proc = lab.start("init", "ctx", "0", "alloc", "4g", step, "touch", str(held), "waitfile", str(go),
-                     CUDA_DEVICE_MEMORY_LIMIT=limit)
+                     CUDA_DEVICE_MEMORY_LIMIT=limit, **env)
     lab.wait_for(held)
-    res = lab.run("init", "ctx", "0", "alloc", ask, CUDA_DEVICE_MEMORY_LIMIT=limit)
+    res = lab.run("init", "ctx", "0", "alloc", ask, CUDA_DEVICE_MEMORY_LIMIT=limit, **env)
     used = lab.used()
     go.touch()
     lab.finish(proc)
     return res, used
 
 
-def test_a_process_that_closes_its_descriptors_keeps_its_slot(lab):
+@pytest.mark.parametrize("fs", ["local", "btrfs"])
+def test_a_process_that_closes_its_descriptors_keeps_its_slot(lab, fs):
     # closefrom(3) (or a dup2 onto the token's number) lets the token's lock go while the
     # process lives and holds its memory: another process took that for an exec, reclaimed its
     # 4 GiB and got 4 GiB more under a 6 GiB cap.  The process still maps the region file, which
-    # an exec would not leave
-    res, used = beside_a_holder(lab, "closefds", "6g", "4g")
+    # an exec would not leave.  On btrfs stat(2) gives a file's subvolume device and
+    # /proc/PID/maps its superblock's: the mapping, looked for under the former, was never found
+    # there, and the same 4 GiB were reclaimed (8 GiB held under the 6 GiB cap on a real btrfs)
+    env = like_btrfs(lab) if fs == "btrfs" else {}
+    res, used = beside_a_holder(lab, "closefds", "6g", "4g", **env)
     assert res.rc("alloc") == OOM
     assert used == 4 * GIB
 
@@ -616,6 +650,14 @@ def live_tokens(lab: Lab) -> dict[int, int]:
         if state == mirror.PROC_LIVE:
             tokens[pid] = struct.unpack_from("<I", raw, base + at)[0]
     return tokens
+
+
+def like_btrfs(lab: Lab) -> dict[str, str]:
+    """The environment that makes the lab's files report another device to stat(2) than
+    /proc/PID/maps names, as on btrfs (tests/next/btrfslike.c, preloaded before the library)."""
+    preload = lab.base["LD_PRELOAD"].split(":")  # [sanitizer runtime,] the library
+    preload.insert(len(preload) - 1, str(lab.build / "tests" / "libgsbtrfslike.so"))
+    return {"LD_PRELOAD": ":".join(preload), "GS_TEST_BTRFS_DIR": str(lab.tmp)}
 
 
 def on_nfs(lab: Lab) -> dict[str, str]:
@@ -729,6 +771,47 @@ def test_two_processes_replacing_an_older_librarys_region_at_once_share_the_new_
         lab.wait_for(lab.tmp / f"held{i}")
     (lab.tmp / "go").touch()
     assert sorted(lab.finish(p).rc("alloc") for p in procs) == [0, OOM]
+
+
+@pytest.fixture
+def btrfs(tmp_path):
+    """A small btrfs, loop-mounted (root and btrfs-progs only)."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.btrfs"):
+        pytest.skip("needs root and mkfs.btrfs")
+    image, mount = tmp_path / "btrfs.img", tmp_path / "btrfs"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(160 << 20)
+    for argv in (["mkfs.btrfs", "-q", str(image)], ["mount", "-o", "loop", str(image), str(mount)]):
+        if subprocess.run(argv, check=False, capture_output=True).returncode != 0:
+            pytest.skip("cannot make and loop-mount a btrfs here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+
+
+def test_a_region_on_a_full_btrfs_kills_no_process(lab, btrfs):
+    # btrfs copies on write: a store into a region page written back since needs new blocks,
+    # allocated by posix_fallocate or not, and on a full file system the next process of the
+    # container died of SIGBUS at its first store (exit -7); so would every running one at its
+    # next.  The region file is made without copy on write there
+    env = {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(btrfs / "region"), "CUDA_DEVICE_MEMORY_LIMIT": "4g"}
+    assert lab.run("init", "ctx", "0", "alloc", "1g", **env).rc("alloc") == 0
+    os.sync()
+    fd = os.open(btrfs / "fill", os.O_WRONLY | os.O_CREAT)
+    for size in (1 << 20, 4096):  # until the file system is full
+        try:
+            while os.write(fd, bytes(size)):
+                pass
+        except OSError:
+            pass
+    os.close(fd)
+    os.sync()
+    for _ in range(2):
+        res = lab.run("init", "ctx", "0", "alloc", "1g", **env)
+        assert res.returncode == 0 and res.rc("alloc") == 0, res
+        os.sync()
 
 
 def test_a_process_that_cannot_read_the_boot_id_resets_nothing(release_lab):

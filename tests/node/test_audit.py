@@ -386,6 +386,34 @@ async def test_evict_after_the_rounds_a_refusal_is_retried_and_only_once(
             assert len(kube.requests_to("POST", "/eviction")) == 2
 
 
+async def test_an_eviction_that_conflicts_on_a_disruption_budget_is_retried(
+        tmp_path: Path) -> None:
+    """The API server answers 409 also when its updates of the pod's PodDisruptionBudget keep
+    conflicting (busy evictions, e.g. a drain beside us): the pod is still there, so the
+    eviction is asked again at the next check. Before, every 409 was taken as "the pod is
+    gone": the pod over its cap ran on, never asked for again in that episode."""
+    node = Node(tmp_path)
+    pod = one_gpu("hog", 4096)
+    node.run_in(pod, "a", 5000, {0: 5 * GIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, action="evict", rounds=1)
+        kube.fail("POST", r"/pods/hog/eviction$", 409,
+                  message='Operation cannot be fulfilled on poddisruptionbudgets.policy "hog": '
+                          "the object has been modified; please apply your changes to the "
+                          "latest version and try again")
+        await auditor.check()
+        assert kube.get("pods", "hog", "ml") is not None
+        assert auditor.evictions == 0 and auditor.errors == 1
+        # the 409 was looked into: the pod listed by name, still with its own UID
+        (look,) = [r for r in kube.requests_to("GET", r"/namespaces/ml/pods$")
+                   if "metadata.name=hog" in r.query.get("fieldSelector", "")]
+        assert "resourceVersion" not in look.query  # a consistent read
+        await auditor.check()  # retried
+        assert len(kube.requests_to("POST", r"/pods/hog/eviction$")) == 2
+        assert kube.get("pods", "hog", "ml") is None and auditor.evictions == 1
+
+
 async def test_a_pod_over_on_two_gpus_is_evicted_once(tmp_path: Path) -> None:
     node = Node(tmp_path)
     pod = gpu_pod("wide", {"a": {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "1024"}})

@@ -27,13 +27,14 @@ pod's containers that requested no GPU, which the webhook gave ``NVIDIA_VISIBLE_
 One over ``cap + tolerance`` is reported in metrics, logged with its figures once per episode,
 and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a pod found over
 in ``--over-limit-rounds`` checks of one episode is evicted through the Eviction API (so
-PodDisruptionBudgets hold: a refused eviction is retried at the next check; the pod's UID is
-its precondition, so a pod made since under the same name is not evicted). An episode ends
-after as many checks in a row under the cap, so dipping under now and then does not evade it;
-a check that finds no process of the container on the GPU counts as neither (nor, for compute,
-one before the container has run on the GPU for a whole window: the window holds time it did
-not run), and episodes are the pod's container's, not one instance's (its ID), so crashing and
-being restarted does not evade it either (an episode absent for ``ABSENT_TTL`` ends).
+PodDisruptionBudgets hold: a refused eviction is retried at the next check, a conflicting one
+too unless the pod is gone; the pod's UID is its precondition, so a pod made since under the
+same name is not evicted). An episode ends after as many checks in a row under the cap, so
+dipping under now and then does not evade it; a check that finds no process of the container
+on the GPU counts as neither (nor, for compute, one before the container has run on the GPU
+for a whole window: the window holds time it did not run), and episodes are the pod's
+container's, not one instance's (its ID), so crashing and being restarted does not evade it
+either (an episode absent for ``ABSENT_TTL`` ends).
 
 The pod list is read only when a process belongs to a container the check has not mapped yet
 (a container ID maps to one pod container for ever); IDs found in no gpuslice pod are
@@ -781,6 +782,20 @@ class Auditor:
         else:
             self.events += 1
 
+    async def _gone(self, name: str, namespace: str, uid: str) -> bool:
+        """Whether the pod with this UID no longer exists (False when the read fails).
+
+        A list by name, not a get: the agent's role lists pods and gets none; without a
+        ``resourceVersion`` the list is a consistent read (a just-deleted pod is not served
+        from a lagging watch cache)."""
+        assert self._api is not None
+        try:
+            pods = await self._api.list_namespaced_pod(
+                namespace, field_selector=f"metadata.name={name}", _request_timeout=TIMEOUT)
+        except API_ERRORS:
+            return False
+        return all(p.metadata is None or p.metadata.uid != uid for p in pods.items or [])
+
     async def _evict(self, found: Holding | Load) -> bool:
         """Ask for the pod's eviction; True once the API server took it (or the pod is gone)."""
         if self._api is None:
@@ -797,11 +812,17 @@ class Auditor:
             await self._api.create_namespaced_pod_eviction(t.pod, t.namespace, body,
                                                            _request_timeout=TIMEOUT)
         except API_ERRORS as exc:
-            if getattr(exc, "status", None) in (404, 409):
-                return True  # gone already, or only another pod has the name now
+            status = getattr(exc, "status", None)
+            if status == 404:
+                return True  # gone already
+            # 409 is both "only another pod has the name now" (the UID precondition) and a
+            # PodDisruptionBudget whose update kept conflicting (the API server gives up after
+            # its own retries): only a read of the pod tells which
+            if status == 409 and await self._gone(t.pod, t.namespace, t.pod_uid):
+                return True
             self.errors += 1
-            logger.warning("eviction refused or failed (a PodDisruptionBudget answers 429); "
-                           "retried at the next check", extra={
+            logger.warning("eviction refused or failed (a PodDisruptionBudget answers 429, "
+                           "a conflict on its update 409); retried at the next check", extra={
                                "namespace": t.namespace, "pod": t.pod,
                                "error": api_error(exc)})
             return False

@@ -37,7 +37,7 @@
  *                            ("cuMemAlloc_v2After", "cuMemAllocPitch_v2After": once the memory is
  *                            taken; "cuDevicePrimaryCtxResetAfter": once the context is emptied;
  *                            "cuMemFree_v2After": freed or refused; "cuLaunchKernelAfter": the
- *                            kernel queued)
+ *                            kernel queued; "cuMemMapArrayAsyncAfter": the tiles (un)mapped)
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
  *   FAKE_CUDA_PROCADDR_FUTURE=1  a later CUDA's variant: cuGetProcAddress("cuMemGetInfo") from
@@ -419,9 +419,10 @@ API CUresult cuDeviceGetCount(int *n)
  * that calls the driver's exported API itself (so through the interposer): totalmem
  * (cuDeviceTotalMem_v2 of device 0), setlimit (cuCtxSetLimit of the printf FIFO to
  * FAKE_CUDA_API_CALLBACK_BYTES, default 1m), alloc (that much, freed again), ctx (a context of
- * its own, created and destroyed), retain (device 0's primary context, once per process),
- * sync (cuCtxSynchronize), launch (an empty kernel on the legacy stream; launchown: on a stream of
- * its own), capture (a global-mode capture of a stream of its own, begun and ended), async (a stream-ordered
+ * its own, created and destroyed), ctxkeep (a context of its own, created once per process and
+ * kept), retain (device 0's primary context, once per process), sync (cuCtxSynchronize), launch
+ * (an empty kernel on the legacy stream; launchown: on a stream of its own), capture (a
+ * global-mode capture of a stream of its own, begun and ended), async (a stream-ordered
  * allocation of that size, freed again) or graph (the newest executable graph launched on the
  * legacy stream).  Never from inside
  * another callback.  The first result per action goes to stderr, and how many ran at exit. */
@@ -461,6 +462,13 @@ static void api_callback(const char *fn)
             rc = alloc(&d, bytes);
             if (rc == CUDA_SUCCESS) release(d);
             if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0; /* refused near the cap: an answer */
+        } else if (!strncmp(what, "ctxkeep", 7)) { /* before "ctx", its prefix */
+            CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))fake_api("cuCtxCreate_v2");
+            struct fake_ctx *was = current;
+            static int made;
+            CUcontext c = NULL;
+            rc = __atomic_exchange_n(&made, 1, __ATOMIC_RELAXED) ? 0 : create(&c, 0, 0);
+            current = was;
         } else if (!strncmp(what, "ctx", 3)) {
             CUresult (*create)(CUcontext *, unsigned, CUdevice) = (CUresult(*)(CUcontext *, unsigned, CUdevice))fake_api("cuCtxCreate_v2");
             CUresult (*destroy)(CUcontext) = (CUresult(*)(CUcontext))fake_api("cuCtxDestroy_v2");
@@ -1804,7 +1812,9 @@ static CUresult map_array(CUarrayMapInfo *list, unsigned count)
 API CUresult cuMemMapArrayAsync(CUarrayMapInfo *list, unsigned int count, CUstream s)
 {
     (void)s;
-    return map_array(list, count);
+    CUresult rc = map_array(list, count);
+    (void)fail_check("cuMemMapArrayAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the tiles (un)mapped */
+    return rc;
 }
 
 API CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *list, unsigned int count, CUstream s)
