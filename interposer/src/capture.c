@@ -21,6 +21,7 @@ int thr_global_captures;          /* captures in global mode, any thread (atomic
 __thread int thr_strict_captures; /* this thread's captures not in relaxed mode */
 
 int thr_settling; /* contexts being synchronised before their destroy (gs_launch_settle_ctx) */
+__thread int thr_t_settling; /* of those, this thread's */
 
 /* A global capture is counted before it begins (capture_announce), the others once begun. */
 static void capture_announce(void)
@@ -36,8 +37,9 @@ static void capture_announce(void)
     thr_mu_unlock();
     /* a context being settled before its destroy is synchronised outside thr_mu (it checked for
      * captures under it, before this one was counted): the capture begins after that sync, which
-     * would invalidate it */
-    while (__atomic_load_n(&thr_settling, __ATOMIC_ACQUIRE)) gs_sleep_ns(GS_POLL_NS);
+     * would invalidate it.  Not this thread's own: a capture begun from a driver callback inside
+     * that very synchronisation waited for itself for ever (`test_throttle.py -k inside_the_settle`) */
+    while (__atomic_load_n(&thr_settling, __ATOMIC_ACQUIRE) > thr_t_settling) gs_sleep_ns(GS_POLL_NS);
 }
 
 static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode mode, CUresult rc)
@@ -91,6 +93,7 @@ void thr_capture_after_fork_child(void)
     thr_global_captures = 0;
     thr_strict_captures = 0;
     thr_settling = 0;
+    thr_t_settling = 0;
 }
 
 int gs_capture_global(void)

@@ -219,3 +219,35 @@ GS_MEMSET_2D(cuMemsetD2D16Async, 0, unsigned short)
 GS_MEMSET_2D(cuMemsetD2D16Async_ptsz, 1, unsigned short)
 GS_MEMSET_2D(cuMemsetD2D32Async, 0, unsigned int)
 GS_MEMSET_2D(cuMemsetD2D32Async_ptsz, 1, unsigned int)
+/* The memsets without a stream: asynchronous with respect to the host for device memory (the
+ * driver API's "API synchronization behavior": only a pinned host or managed target makes them
+ * wait), queued on the legacy stream, or the per-thread one for the _ptds variants.  Unhooked,
+ * one queued on the legacy stream before a marked copy fell into the copy's gap, uncharged, as
+ * the async ones did (`test_throttle.py -k memset_before_a_copy`) */
+#define GS_SYNC_MEMSET(name, pt, P, T)                                                                        \
+    GS_AFTER_HOOK(name, (P d, T v, P##_SIZE n), (d, v, n), if (rc == CUDA_SUCCESS && throttle_on()) gap_block(NULL, pt))
+#define GS_SYNC_MEMSET_2D(name, pt, P, T)                                                                     \
+    GS_AFTER_HOOK(name, (P d, P##_SIZE pitch, T v, P##_SIZE w, P##_SIZE h), (d, pitch, v, w, h),              \
+                  if (rc == CUDA_SUCCESS && throttle_on()) gap_block(NULL, pt))
+/* CUDA 2.x's take 32-bit pointers and sizes */
+typedef unsigned int gs_ptr32;
+#define gs_ptr32_SIZE unsigned int
+#define CUdeviceptr_SIZE size_t
+GS_SYNC_MEMSET(cuMemsetD8, 0, gs_ptr32, unsigned char)
+GS_SYNC_MEMSET(cuMemsetD8_v2, 0, CUdeviceptr, unsigned char)
+GS_SYNC_MEMSET(cuMemsetD8_v2_ptds, 1, CUdeviceptr, unsigned char)
+GS_SYNC_MEMSET(cuMemsetD16, 0, gs_ptr32, unsigned short)
+GS_SYNC_MEMSET(cuMemsetD16_v2, 0, CUdeviceptr, unsigned short)
+GS_SYNC_MEMSET(cuMemsetD16_v2_ptds, 1, CUdeviceptr, unsigned short)
+GS_SYNC_MEMSET(cuMemsetD32, 0, gs_ptr32, unsigned int)
+GS_SYNC_MEMSET(cuMemsetD32_v2, 0, CUdeviceptr, unsigned int)
+GS_SYNC_MEMSET(cuMemsetD32_v2_ptds, 1, CUdeviceptr, unsigned int)
+GS_SYNC_MEMSET_2D(cuMemsetD2D8, 0, gs_ptr32, unsigned char)
+GS_SYNC_MEMSET_2D(cuMemsetD2D8_v2, 0, CUdeviceptr, unsigned char)
+GS_SYNC_MEMSET_2D(cuMemsetD2D8_v2_ptds, 1, CUdeviceptr, unsigned char)
+GS_SYNC_MEMSET_2D(cuMemsetD2D16, 0, gs_ptr32, unsigned short)
+GS_SYNC_MEMSET_2D(cuMemsetD2D16_v2, 0, CUdeviceptr, unsigned short)
+GS_SYNC_MEMSET_2D(cuMemsetD2D16_v2_ptds, 1, CUdeviceptr, unsigned short)
+GS_SYNC_MEMSET_2D(cuMemsetD2D32, 0, gs_ptr32, unsigned int)
+GS_SYNC_MEMSET_2D(cuMemsetD2D32_v2, 0, CUdeviceptr, unsigned int)
+GS_SYNC_MEMSET_2D(cuMemsetD2D32_v2_ptds, 1, CUdeviceptr, unsigned int)

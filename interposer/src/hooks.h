@@ -294,6 +294,51 @@
       size_t Width, size_t Height, CUstream hStream), cuMemsetD2D32Async, 3020, 0)                          \
     X(cuMemsetD2D32Async_ptsz, CUresult, (CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui,          \
       size_t Width, size_t Height, CUstream hStream), cuMemsetD2D32Async, 7000, 1)                          \
+    X(cuMemsetD8, CUresult, (unsigned int dstDevice, unsigned char uc, unsigned int N),                     \
+      cuMemsetD8, 2000, 0)                                                                                  \
+    X(cuMemsetD8_v2, CUresult, (CUdeviceptr dstDevice, unsigned char uc, size_t N),                         \
+      cuMemsetD8, 3020, 0)                                                                                  \
+    X(cuMemsetD8_v2_ptds, CUresult, (CUdeviceptr dstDevice, unsigned char uc, size_t N),                    \
+      cuMemsetD8, 7000, 1)                                                                                  \
+    X(cuMemsetD2D8, CUresult, (unsigned int dstDevice, unsigned int dstPitch,                               \
+      unsigned char uc, unsigned int Width, unsigned int Height),                                           \
+      cuMemsetD2D8, 2000, 0)                                                                                \
+    X(cuMemsetD2D8_v2, CUresult, (CUdeviceptr dstDevice, size_t dstPitch,                                   \
+      unsigned char uc, size_t Width, size_t Height),                                                       \
+      cuMemsetD2D8, 3020, 0)                                                                                \
+    X(cuMemsetD2D8_v2_ptds, CUresult, (CUdeviceptr dstDevice, size_t dstPitch,                              \
+      unsigned char uc, size_t Width, size_t Height),                                                       \
+      cuMemsetD2D8, 7000, 1)                                                                                \
+    X(cuMemsetD16, CUresult, (unsigned int dstDevice, unsigned short us, unsigned int N),                   \
+      cuMemsetD16, 2000, 0)                                                                                 \
+    X(cuMemsetD16_v2, CUresult, (CUdeviceptr dstDevice, unsigned short us, size_t N),                       \
+      cuMemsetD16, 3020, 0)                                                                                 \
+    X(cuMemsetD16_v2_ptds, CUresult, (CUdeviceptr dstDevice, unsigned short us, size_t N),                  \
+      cuMemsetD16, 7000, 1)                                                                                 \
+    X(cuMemsetD2D16, CUresult, (unsigned int dstDevice, unsigned int dstPitch,                              \
+      unsigned short us, unsigned int Width, unsigned int Height),                                          \
+      cuMemsetD2D16, 2000, 0)                                                                               \
+    X(cuMemsetD2D16_v2, CUresult, (CUdeviceptr dstDevice, size_t dstPitch,                                  \
+      unsigned short us, size_t Width, size_t Height),                                                      \
+      cuMemsetD2D16, 3020, 0)                                                                               \
+    X(cuMemsetD2D16_v2_ptds, CUresult, (CUdeviceptr dstDevice, size_t dstPitch,                             \
+      unsigned short us, size_t Width, size_t Height),                                                      \
+      cuMemsetD2D16, 7000, 1)                                                                               \
+    X(cuMemsetD32, CUresult, (unsigned int dstDevice, unsigned int ui, unsigned int N),                     \
+      cuMemsetD32, 2000, 0)                                                                                 \
+    X(cuMemsetD32_v2, CUresult, (CUdeviceptr dstDevice, unsigned int ui, size_t N),                         \
+      cuMemsetD32, 3020, 0)                                                                                 \
+    X(cuMemsetD32_v2_ptds, CUresult, (CUdeviceptr dstDevice, unsigned int ui, size_t N),                    \
+      cuMemsetD32, 7000, 1)                                                                                 \
+    X(cuMemsetD2D32, CUresult, (unsigned int dstDevice, unsigned int dstPitch,                              \
+      unsigned int ui, unsigned int Width, unsigned int Height),                                            \
+      cuMemsetD2D32, 2000, 0)                                                                               \
+    X(cuMemsetD2D32_v2, CUresult, (CUdeviceptr dstDevice, size_t dstPitch,                                  \
+      unsigned int ui, size_t Width, size_t Height),                                                        \
+      cuMemsetD2D32, 3020, 0)                                                                               \
+    X(cuMemsetD2D32_v2_ptds, CUresult, (CUdeviceptr dstDevice, size_t dstPitch,                             \
+      unsigned int ui, size_t Width, size_t Height),                                                        \
+      cuMemsetD2D32, 7000, 1)                                                                               \
     X(cuMemPrefetchAsync, CUresult, (CUdeviceptr devPtr, size_t count, CUdevice dstDevice,                  \
       CUstream hStream), cuMemPrefetchAsync, 8000, 0)                                                       \
     X(cuMemPrefetchAsync_ptsz, CUresult, (CUdeviceptr devPtr, size_t count, CUdevice dstDevice,             \

@@ -101,7 +101,11 @@ typedef CUresult (*launch_thunk)(const void *args);
 
 static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
 {
-    if (gs_t_held) return launch(args); /* a driver callback under a lock of ours (maybe thr_mu) */
+    if (gs_t_held) { /* a driver callback under a lock of ours (maybe thr_mu): charged from NVML, not measured */
+        CUresult rc = launch(args);
+        if (rc == CUDA_SUCCESS) thr_callback_launched(stream, per_thread);
+        return rc;
+    }
     struct measured m;
     if (!thr_admit_locked(stream, per_thread, &m)) return launch(args);
     thr_begin_locked(&m);
@@ -234,7 +238,13 @@ static __attribute__((noinline)) CUresult multi_slow(CUDA_LAUNCH_PARAMS *list, u
     cuLaunchCooperativeKernelMultiDevice_fn real = gs_cuda.cuLaunchCooperativeKernelMultiDevice;
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     /* one entry per device: a longer list is the driver's to refuse */
-    if (gs_t_held || !throttle_on() || !list || n > GPUSLICE_MAX_DEVICES || n > (unsigned)gs_dev_count())
+    if (gs_t_held) { /* a driver callback under a lock of ours: charged from NVML, not measured (throttled()) */
+        CUresult rc = real(list, n, flags);
+        int on = __atomic_load_n(&thr_state, __ATOMIC_ACQUIRE) == THROTTLE_ON && list && n <= GPUSLICE_MAX_DEVICES;
+        for (unsigned i = 0; on && i < n && rc == CUDA_SUCCESS; i++) thr_callback_launched(list[i].hStream, 0);
+        return rc;
+    }
+    if (!throttle_on() || !list || n > GPUSLICE_MAX_DEVICES || n > (unsigned)gs_dev_count())
         return real(list, n, flags);
     struct measured m[GPUSLICE_MAX_DEVICES];
     int on[GPUSLICE_MAX_DEVICES];

@@ -261,10 +261,12 @@ void gs_launch_settle_ctx(CUcontext ctx)
     if (busy) __atomic_add_fetch(&thr_settling, 1, __ATOMIC_ACQ_REL); /* a global capture waits for it */
     thr_mu_unlock();
     if (!busy) return;
+    thr_t_settling++; /* except one begun from a driver callback inside the sync (capture.c) */
     if (gs_cuda.cuCtxSetCurrent(ctx) == CUDA_SUCCESS) {
         gs_cuda.cuCtxSynchronize();
         gs_cuda.cuCtxSetCurrent(prev);
     }
+    thr_t_settling--;
     __atomic_sub_fetch(&thr_settling, 1, __ATOMIC_ACQ_REL);
     thr_mu_lock();
     if (!thr_capture_forbids_queries())

@@ -188,6 +188,7 @@ double thr_line_credit_locked(CUcontext ctx, CUevent mark, CUevent e, double ms,
 extern int thr_global_captures;          /* captures in global mode, any thread (atomic) */
 extern __thread int thr_strict_captures; /* this thread's captures not in relaxed mode */
 extern int thr_settling; /* contexts being synchronised before their destroy (gs_launch_settle_ctx) */
+extern __thread int thr_t_settling; /* of those, this thread's */
 void thr_capture_after_fork_child(void); /* the parent's captures and settles are not the child's */
 
 static inline uint64_t thr_stream_key(CUstream es)
@@ -212,6 +213,7 @@ static inline int thr_switch_to(const struct ctx_switch *sw, int there)
 
 int thr_admit_locked(CUstream stream, int per_thread, struct measured *m);
 void thr_launch_failed(struct measured *m);
+void thr_callback_launched(CUstream stream, int per_thread);
 void thr_record_end(struct measured *m);
 
 /* ---- gaps.c --------------------------------------------------------------- */

@@ -43,7 +43,18 @@ static void line_drop_events(struct tline *t, int destroy)
 void thr_line_reference_locked(CUcontext ctx, CUstream es, uint64_t now)
 {
     struct tline *t = thr_line_get_locked(ctx, 1);
-    if (!t || t->pending) return;
+    if (!t) return;
+    if (t->pending) {
+        /* one not complete this long after its record waits behind work that may not end for
+         * hours (a stream wait on the host, a persistent kernel), and meanwhile the epoch aged:
+         * an hour after it, float milliseconds are a quarter of a millisecond apart, and 20 us
+         * kernels on other streams were charged nothing (100 % of the fake GPU under a 30 %
+         * limit, `test_throttle.py -k blur`).  It goes (the driver frees it once it completes),
+         * and a new one is recorded on this stream */
+        if (now - t->pending_ns <= GS_EPOCH_NS) return;
+        if (gs_cuda.cuEventDestroy_v2) gs_cuda.cuEventDestroy_v2(t->pending);
+        t->pending = NULL;
+    }
     if (t->epoch && now - t->epoch_ns <= GS_EPOCH_NS) return;
     CUevent e = NULL;
     if (gs_cuda.cuEventCreate(&e, CU_EVENT_DEFAULT) != CUDA_SUCCESS || !e) return;

@@ -79,6 +79,7 @@
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
     X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                         \
     X(cuMemsetD8Async, CUresult, (CUdeviceptr, unsigned char, size_t, CUstream))                             \
+    X(cuMemsetD8_v2, CUresult, (CUdeviceptr, unsigned char, size_t))                                        \
     X(cuMemPrefetchAsync_v2, CUresult, (CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream))             \
     X(cuMemPrefetchBatchAsync, CUresult, (CUdeviceptr *, size_t *, size_t, CUmemLocation *, size_t *, size_t,  \
                                           unsigned long long, CUstream))                                     \
@@ -315,7 +316,7 @@ static void no_op(void *data)
  * "waitcopy" kinds): an async copy; a host function; a copy on a second stream that the
  * kernel's stream waits for (as JAX's copy streams are waited for); "prefetch": managed memory's
  * ("prefetchbatch": CUDA 13.0's batch of them; "decompress": the decompression engine's copy);
- * "memsetcopy": a memset, then a copy */
+ * "memsetcopy": a memset, then a copy; "smemsetcopy": the same with cuMemsetD8 (no stream) */
 static CUresult before_kernel(const char *kind, CUstream s, CUstream side, CUevent ev)
 {
     static char host[64];
@@ -335,6 +336,10 @@ static CUresult before_kernel(const char *kind, CUstream s, CUstream side, CUeve
         return api.cuMemBatchDecompressAsync((CUmemDecompressParams *)host, 1, 0, NULL, s);
     if (!strcmp(kind, "memsetcopy")) { /* a memset (kernel time), then a copy that marks a gap */
         CUresult rc = api.cuMemsetD8Async((CUdeviceptr)0x1000, 0, sizeof(host), s);
+        return rc == CUDA_SUCCESS ? api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), s) : rc;
+    }
+    if (!strcmp(kind, "smemsetcopy")) { /* the same with a memset without a stream (the default one) */
+        CUresult rc = api.cuMemsetD8_v2((CUdeviceptr)0x1000, 0, sizeof(host));
         return rc == CUDA_SUCCESS ? api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), s) : rc;
     }
     if (strcmp(kind, "waitcopy") != 0) return CUDA_SUCCESS;

@@ -14,6 +14,9 @@
  *                                     synchronisation, TAIL_MS of host work (if set), exit
  *   launchprobe noctx SECONDS         kernels on a stream of the primary context launched
  *                                     from a thread with no current context
+ *   launchprobe stale SECONDS         one kernel, 5.2 s idle, a kernel on a stream held by a
+ *                                     stream wait (FAKE_WAIT_MS), 5.2 s idle, then kernels on
+ *                                     the first stream (the share is theirs)
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -89,6 +92,16 @@ static void *b_thread(void *arg)
         usleep(gap);
     }
     cuStreamSynchronize(b);
+    return NULL;
+}
+
+/* A stream held by a stream wait, and a kernel behind it */
+static void *held_thread(void *arg)
+{
+    (void)arg;
+    cuCtxSetCurrent(g_ctx);
+    CUstream h;
+    if (!cuStreamCreate(&h, 1) && !cuStreamWaitValue32_v2(h, 0, 1, 0)) launch(h);
     return NULL;
 }
 
@@ -177,6 +190,21 @@ int main(int argc, char **argv)
         cuCtxSetCurrent(NULL);
         rc = launch_for(w, secs, &t0, &end, &n);
         cuCtxSetCurrent(c);
+        cuStreamSynchronize(w);
+    } else if (!strcmp(mode, "stale")) {
+        /* the throttle's timeline of the context takes a reference event every 5 s, recorded
+         * after a launch; this one's comes after a launch held by a stream wait */
+        g_ctx = primary();
+        CUstream w;
+        rc = cuStreamCreate(&w, 1);
+        if (!rc) rc = launch(w);
+        if (!rc) rc = cuStreamSynchronize(w);
+        usleep(5200000);
+        pthread_t th; /* the fake driver holds a launch while its stream's queue is that long */
+        pthread_create(&th, NULL, held_thread, NULL);
+        pthread_detach(th);
+        usleep(5200000);
+        if (!rc) rc = launch_for(w, secs, &t0, &end, &n);
         cuStreamSynchronize(w);
     } else {
         fprintf(stderr, "launchprobe: unknown mode %s\n", mode);

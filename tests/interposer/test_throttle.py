@@ -69,6 +69,18 @@ def test_a_memset_before_a_copy_is_still_charged(release_lab):
     assert abs(got - 30) <= 2 * TOLERANCE, f"measured {got:.1f}%"
 
 
+@pytest.mark.parametrize("api", ["direct", "procaddr", "ptsz"])
+def test_a_memset_without_a_stream_before_a_copy_is_still_charged(release_lab, api):
+    # cuMemsetD8 and its kin take no stream: for device memory they are asynchronous with
+    # respect to the host all the same, queued on the legacy stream (the per-thread one for the
+    # _ptds variants), and were not hooked, so a 2 ms one before a copy fell into the copy's
+    # gap as the async memsets did: 61.5 % of the GPU at a 30 % limit (direct, cuGetProcAddress
+    # and _ptds alike).  Now they keep the next launch from ending a gap: 33.6 %, as the async ones
+    got = share(release_lab, 2.0, "smemsetcopy", api=api, CUDA_DEVICE_SM_LIMIT="30",
+                FAKE_CUDA_KERNEL_US="2000", FAKE_CUDA_MEMSET_US="2000")
+    assert abs(got - 30) <= 2 * TOLERANCE, f"{api}: measured {got:.1f}%"
+
+
 def test_work_between_kernels_is_told_apart_under_the_sanitizers_too(lab):
     # the same path (the mark, the gap's event, its measurement) in the ASan/UBSan build
     got = share(lab, 1.0, "copy", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
@@ -585,7 +597,8 @@ def test_a_launch_from_inside_a_global_capture_begin_does_not_deadlock(lab):
 def test_a_driver_callback_inside_the_throttles_event_calls_does_not_deadlock(lab, callback):
     # a profiler's API callback on the events the throttle records and queries under its lock
     # that synchronises or launches: the nested hook waited for that lock in the same thread.
-    # It passes through now, unmeasured (so nested launches are not charged: 34-64 % here)
+    # It passes through now, unmeasured (the sampler charges nested launches from NVML: see
+    # test_launches_from_a_driver_callback_inside_the_throttles_event_calls_are_charged)
     res = lab.run("init", "ctx", "0", "bench", "1", "kernel", timeout=30, CUDA_DEVICE_SM_LIMIT="30",
                   FAKE_CUDA_KERNEL_US="1000", FAKE_CUDA_API_CALLBACK=callback)
     rc, (launches, kernel_ns, wall_ns) = res.of("bench")[0]
@@ -596,6 +609,28 @@ def test_a_driver_callback_inside_the_throttles_event_calls_does_not_deadlock(la
         # the callback): 27-28 % alone, 24.4-26.8 % while the 2-core machine was busier
         share = 100.0 * kernel_ns / wall_ns
         assert 30 - 2 * TOLERANCE <= share <= 30 + TOLERANCE
+
+
+@pytest.mark.parametrize("callback", ["cuEventRecord:launch", "cuEventQuery:launch", "cuEventRecord:launchown",
+                                      "cuEventQuery:launchown"])
+def test_launches_from_a_driver_callback_inside_the_throttles_event_calls_are_charged(release_lab, callback):
+    # a launch from a profiler's API callback (CUPTI, say) on the events the throttle records and
+    # queries under its lock cannot wait for that lock: it passed through unmeasured and unpaid,
+    # so a tenant subscribing such a callback ran kernels of its own for free inside the
+    # throttle's event queries: 37.1 % (legacy stream) and 44.8 % (a stream of its own) of the
+    # fake GPU under a 30 % limit, 62-136 % with the kernels running concurrently.  It is now
+    # charged from NVML's per-process figure beyond what the events measured, as a launch a
+    # capture keeps from being measured: 20.7-24.3 % (the strict side: such a flood runs a
+    # sampler tick ahead of its charge and is then waited off), the callbacks on the event
+    # records (kernels inside measured intervals) still 30 %
+    res = release_lab.run("init", "ctx", "0", "bench", "4", "kernel", timeout=30, CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="1000", FAKE_CUDA_SERIAL="1",
+                          FAKE_CUDA_API_CALLBACK=callback)
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[0]
+    assert rc == 0 and launches > 0
+    assert re.search(r"fake: api callbacks [1-9]", res.stderr), res.stderr
+    got = 100.0 * kernel_ns / wall_ns
+    assert 30 - 3 * TOLERANCE <= got <= 30 + TOLERANCE, f"{callback}: measured {got:.1f}%"
 
 
 def test_a_context_a_callback_makes_inside_the_throttles_event_calls_is_booked_afterwards(lab):
@@ -686,6 +721,18 @@ def test_a_global_capture_begun_while_a_context_is_settled_before_its_destroy_wa
     begin, (end, waited_ms) = res.of("bgcapture")[0]
     assert (begin, end) == (0, 0)  # 901: invalidated
     assert waited_ms >= 300  # it began once the 400 ms synchronisation had ended
+
+
+@pytest.mark.parametrize("destroy", [["ctxcreate", "0", "launch", "1", "ctxdestroy", "0"],
+                                     ["launch", "1", "reset", "0"]], ids=["destroy", "primary-reset"])
+def test_a_global_capture_a_callback_begins_inside_the_settle_before_a_destroy_does_not_hang(lab, destroy):
+    # a context's destroy (or a primary reset) first synchronises it, counted as a settle that a
+    # global capture's begin waits for; a profiler's callback inside that very synchronisation
+    # that began a global capture waited for its own thread's settle for ever (hung)
+    res = lab.run("init", "ctx", "0", *destroy, timeout=30, CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_KERNEL_US="100000", FAKE_CUDA_API_CALLBACK="cuCtxSynchronize:capture")
+    assert res.rc(destroy[-2]) == 0, res.stdout + res.stderr
+    assert "fake: api callback cuCtxSynchronize capture 0" in res.stderr
 
 
 # ---- launches a capture keeps from being measured ---------------------------------------------
@@ -1231,6 +1278,20 @@ def launchprobe(lab, mode: str, seconds: float, n: int, **env: str) -> float:
     assert proc.returncode == 0 and match, proc.stdout + proc.stderr
     assert match[1] == "0" and int(match[2]) > 0, proc.stdout
     return float(match[3])
+
+
+def test_a_timeline_reference_held_behind_a_stream_wait_does_not_blur_the_timeline(release_lab):
+    # a context's timeline places every event at its float milliseconds after a reference event,
+    # renewed every 5 s; a renewal recorded after a launch held by a stream wait (or a kernel
+    # that runs for hours) never completed, and no other was taken: the old reference aged,
+    # and hours later its float milliseconds (a quarter of a millisecond apart at an hour) could
+    # not tell 20 us intervals apart, so most were charged nothing.  The fake's event skew plays
+    # the hour (the kernels after the wait are an hour after the first reference).  Before:
+    # 100.0 % of the fake GPU under a 30 % limit; a reference that has not completed 5 s after
+    # its record is now replaced by a new one (30.5 %)
+    got = launchprobe(release_lab, "stale", 3, 1, CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="20",
+                      FAKE_WAIT_MS="600000", FAKE_CUDA_EVENT_SKEW="10000:3600000")
+    assert abs(got - 30) <= TOLERANCE, f"measured {got:.1f}%"
 
 
 def test_a_long_interval_over_many_small_kernels_of_another_stream_is_charged(release_lab):

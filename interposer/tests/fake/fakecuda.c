@@ -419,13 +419,16 @@ API CUresult cuDeviceGetCount(int *n)
  * that calls the driver's exported API itself (so through the interposer): totalmem
  * (cuDeviceTotalMem_v2 of device 0), setlimit (cuCtxSetLimit of the printf FIFO to
  * FAKE_CUDA_API_CALLBACK_BYTES, default 1m), alloc (that much, freed again), ctx (a context of
- * its own, created and destroyed), ctxkeep (a context of its own, created once per process and kept), retain (device 0's primary context, once per process),
- * sync (cuCtxSynchronize), launch (an empty kernel on the legacy stream), async (a stream-ordered
+ * its own, created and destroyed), ctxkeep (a context of its own, created once per process and
+ * kept), retain (device 0's primary context, once per process), sync (cuCtxSynchronize), launch
+ * (an empty kernel on the legacy stream; launchown: on a stream of its own), capture (a
+ * global-mode capture of a stream of its own, begun and ended), async (a stream-ordered
  * allocation of that size, freed again) or graph (the newest executable graph launched on the
  * legacy stream).  Never from inside
  * another callback.  The first result per action goes to stderr, and how many ran at exit. */
 static __thread int in_callback;
 static unsigned api_callbacks;
+API CUresult cuStreamCreate(CUstream *s, unsigned int flags); /* fakelaunch.h */
 
 __attribute__((destructor)) static void api_callbacks_report(void)
 {
@@ -493,11 +496,32 @@ static void api_callback(const char *fn)
             CUresult (*launch)(void *, CUstream) = (CUresult(*)(void *, CUstream))fake_api("cuGraphLaunch");
             rc = last_gexec ? launch(last_gexec, NULL) : CUDA_ERROR_NOT_FOUND;
             if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = 0;
+        } else if (!strncmp(what, "capture", 7)) {
+            CUresult (*begin)(CUstream, int) = (CUresult(*)(CUstream, int))fake_api("cuStreamBeginCapture_v2");
+            CUresult (*end)(CUstream, void **) = (CUresult(*)(CUstream, void **))fake_api("cuStreamEndCapture");
+            CUstream s = NULL;
+            void *g = NULL;
+            rc = cuStreamCreate(&s, 1);
+            if (rc == CUDA_SUCCESS) rc = begin(s, 0 /* global */);
+            if (rc == CUDA_SUCCESS) rc = end(s, &g);
         } else if (!strncmp(what, "launch", 6)) {
             typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                          unsigned, CUstream, void **, void **);
             launch_t launch = (launch_t)fake_api("cuLaunchKernel");
-            rc = launch((CUfunction)0x99, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            /* "launchown": on a stream of the callback's own, one per context (none of the
+             * program's streams, so no interval of theirs covers it) */
+            static struct fake_ctx *own_ctx;
+            static CUstream own;
+            CUstream s = NULL;
+            if (!strncmp(what, "launchown", 9)) {
+                if (own_ctx != current) {
+                    own = NULL;
+                    own_ctx = current;
+                    cuStreamCreate(&own, 1);
+                }
+                s = own;
+            }
+            rc = launch((CUfunction)0x99, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
         }
         in_callback = 0;
         static int reported;

@@ -433,23 +433,42 @@ API CUresult cuDeviceGetGraphMemAttribute(CUdevice d, CUgraphMem_attribute attr,
     }
 }
 
-/* For tests/gpu/native/gpubench.c, run against the fake driver.  FAKE_CUDA_MEMSET_US: the memset
+/* For tests/gpu/native/gpubench.c and gsprobe, run against the fake driver.  FAKE_CUDA_MEMSET_US: the memset
  * holds its stream that long after what it had queued, as kernel time (a memset may run as a
  * kernel: NVML's utilisation counts it) */
-API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s)
+static CUresult memset_on(CUdeviceptr p, size_t n, CUstream s, int ptsz)
 {
-    (void)v;
     if (!p || !n) return CUDA_ERROR_INVALID_VALUE;
     const char *us = getenv("FAKE_CUDA_MEMSET_US");
     if (!us) return CUDA_SUCCESS;
     NEED_CTX();
-    struct fake_stream *st = stream_of(s, 0);
+    struct fake_stream *st = stream_of(s, ptsz);
     uint64_t now = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE), start = tail > now ? tail : now;
     uint64_t ns = (uint64_t)atoll(us) * 1000ull;
     __atomic_store_n(&st->tail, start + ns, __ATOMIC_RELEASE);
     note_run(start, start + ns, ns);
     __atomic_add_fetch(&kernel_total_ns, ns, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
+}
+
+API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s)
+{
+    (void)v;
+    return memset_on(p, n, s, 0);
+}
+
+/* The memset without a stream: on the legacy stream (the per-thread one for _ptds), and as the
+ * driver's, asynchronous with respect to the host for device memory */
+API CUresult cuMemsetD8_v2(CUdeviceptr p, unsigned char v, size_t n)
+{
+    (void)v;
+    return memset_on(p, n, NULL, 0);
+}
+
+API CUresult cuMemsetD8_v2_ptds(CUdeviceptr p, unsigned char v, size_t n)
+{
+    (void)v;
+    return memset_on(p, n, NULL, 1);
 }
 
 API CUresult cuGetErrorName(CUresult err, const char **name)

@@ -231,6 +231,22 @@ static uint64_t run_sliced(uint64_t t, uint64_t work)
     return t;
 }
 
+/* FAKE_CUDA_EVENT_SKEW="AFTER_MS:SKEW_MS": events that complete more than AFTER_MS after the
+ * first one recorded are SKEW_MS later for cuEventElapsedTime (only): as if hours had passed
+ * between them and the early ones, whose float milliseconds then lose their precision */
+static uint64_t first_event_t;
+
+static uint64_t skewed(uint64_t t)
+{
+    static long long after_ms = -1, skew_ms;
+    if (after_ms < 0) {
+        const char *v = getenv("FAKE_CUDA_EVENT_SKEW");
+        if (!v || sscanf(v, "%lld:%lld", &after_ms, &skew_ms) != 2) after_ms = skew_ms = 0;
+    }
+    uint64_t t0 = __atomic_load_n(&first_event_t, __ATOMIC_RELAXED);
+    return skew_ms && t0 && t > t0 + (uint64_t)after_ms * 1000000ull ? t + (uint64_t)skew_ms * 1000000ull : t;
+}
+
 static CUresult event_record(CUevent e, CUstream s, int ptsz)
 {
     FAIL_POINT("cuEventRecord");
@@ -242,6 +258,8 @@ static CUresult event_record(CUevent e, CUstream s, int ptsz)
     uint64_t n = now_ns(), tail = __atomic_load_n(&st->tail, __ATOMIC_ACQUIRE);
     ev->t = tail > n ? tail : own_slice(n);
     ev->recorded = 1;
+    uint64_t none = 0;
+    __atomic_compare_exchange_n(&first_event_t, &none, ev->t, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
 }
 
@@ -282,7 +300,7 @@ API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
     if (!ms || !x || !y || !x->recorded || !y->recorded) return CUDA_ERROR_INVALID_VALUE;
     uint64_t n = now_ns();
     if (n < x->t || n < y->t) return CUDA_ERROR_NOT_READY;
-    *ms = (float)(((double)y->t - (double)x->t) / 1e6);
+    *ms = (float)(((double)skewed(y->t) - (double)skewed(x->t)) / 1e6);
     return CUDA_SUCCESS;
 }
 
@@ -300,6 +318,7 @@ API CUresult cuCtxSynchronize(void)
 {
     static int sync_forbidden = -1;
     if (sync_forbidden < 0) sync_forbidden = getenv("FAKE_CUDA_CAPTURE_SYNC") != NULL;
+    api_callback("cuCtxSynchronize");
     int forbidden = sync_forbidden && capture_forbids();
     FAIL_POINT("cuCtxSynchronize");
     sleep_until(__atomic_load_n(&legacy_stream.tail, __ATOMIC_ACQUIRE));
@@ -777,7 +796,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuGraphChildGraphNodeGetGraph) X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2)                   \
     X(cuGraphInstantiate) X(cuCtxSynchronize_v2)                                                               \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
-    X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuGetErrorName)       \
+    X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuMemsetD8_v2) X(cuMemsetD8_v2_ptds) X(cuGetErrorName)       \
     X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemFree) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)          \
     X(cuArray3DCreate) X(cuCtxCreate) X(cuCtxDestroy) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset) \
     X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach) X(cuCtxGetApiVersion)    \
@@ -834,6 +853,7 @@ static const struct {
     {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"}, {"cuMemGetInfo", 13010, "cuMemGetInfo_v3"},
     {"cuMemcpyHtoDAsync", 3020, "cuMemcpyHtoDAsync_v2"}, {"cuMemcpyDtoHAsync", 3020, "cuMemcpyDtoHAsync_v2"},
     {"cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2"}, {"cuMemPrefetchAsync", 12020, "cuMemPrefetchAsync_v2"},
+    {"cuMemsetD8", 3020, "cuMemsetD8_v2"},
 };
 
 static void *func_by_name(const char *name)
@@ -870,6 +890,7 @@ static CUresult proc_address(const char *symbol, void **pfn, int version, cuuint
     if (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) {
         char pt[200];
         snprintf(pt, sizeof(pt), "%s_ptsz", name);
+        if (!func_by_name(pt)) snprintf(pt, sizeof(pt), "%s_ptds", name); /* the legacy stream's calls */
         if (func_by_name(pt) && strlen(pt) < sizeof(name)) memcpy(name, pt, strlen(pt) + 1);
     }
     void *fn = func_by_name(name);
