@@ -16,6 +16,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "nextopen.h"
+
 #define EXPORT __attribute__((visibility("default")))
 
 static int g_fd = -1; /* the maps file being read, until its close */
@@ -31,16 +33,8 @@ static int others_maps(const char *path)
 
 EXPORT int open(const char *path, int flags, ...)
 {
-    static int (*next)(const char *, int, ...);
-    if (!next) next = (int (*)(const char *, int, ...))dlsym(RTLD_NEXT, "open");
-    mode_t mode = 0;
-    if (flags & (O_CREAT | O_TMPFILE)) {
-        va_list ap;
-        va_start(ap, flags);
-        mode = (mode_t)va_arg(ap, int);
-        va_end(ap);
-    }
-    int fd = next(path, flags, mode);
+    int fd;
+    GS_NEXT_OPEN(fd, path, flags);
     if (fd >= 0 && !__atomic_load_n(&g_done, __ATOMIC_ACQUIRE) && others_maps(path))
         __atomic_store_n(&g_fd, fd, __ATOMIC_RELEASE);
     return fd;

@@ -17,6 +17,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "nextopen.h"
+
 #define EXPORT __attribute__((visibility("default")))
 
 static void touch(const char *var)
@@ -44,17 +46,9 @@ EXPORT int fchmod(int fd, mode_t mode)
 
 EXPORT int open(const char *path, int flags, ...)
 {
-    static int (*next)(const char *, int, ...);
     static int refused;
-    if (!next) next = (int (*)(const char *, int, ...))dlsym(RTLD_NEXT, "open");
-    mode_t mode = 0;
-    if (flags & (O_CREAT | O_TMPFILE)) {
-        va_list ap;
-        va_start(ap, flags);
-        mode = (mode_t)va_arg(ap, int);
-        va_end(ap);
-    }
-    int fd = next(path, flags, mode);
+    int fd;
+    GS_NEXT_OPEN(fd, path, flags);
     const char *want = getenv("GS_TEST_CHMOD_PATH");
     if (fd < 0 && errno == EACCES && !refused && want && strcmp(path, want) == 0) {
         int saved = errno;
