@@ -30,11 +30,12 @@ static void layout(void)
     FIELD(D, sm_scale_milli) FIELD(D, idle_power_mw)
     printf("proc %zu\n", sizeof(P));
     FIELD(P, pid) FIELD(P, state) FIELD(P, pidns) FIELD(P, start_time) FIELD(P, used_bytes) FIELD(P, host_pid)
-    FIELD(P, measured_ns)
+    FIELD(P, token) FIELD(P, measured_ns)
     printf("constant MAGIC %llu\nconstant VERSION %u\nconstant MAX_DEVICES %d\nconstant MAX_PROCS %d\n",
            (unsigned long long)GPUSLICE_REGION_MAGIC, GPUSLICE_REGION_VERSION, GPUSLICE_MAX_DEVICES,
            GPUSLICE_MAX_PROCS);
     printf("constant PROC_LIVE %u\n", GPUSLICE_PROC_LIVE);
+    printf("constant TOKEN_BASE %llu\n", (unsigned long long)GPUSLICE_TOKEN_BASE);
     FIELD(nvmlMemory_t, total) FIELD(nvmlMemory_t, free) FIELD(nvmlMemory_t, used)
     FIELD(nvmlMemory_v2_t, version) FIELD(nvmlMemory_v2_t, total) FIELD(nvmlMemory_v2_t, reserved)
     FIELD(nvmlMemory_v2_t, free) FIELD(nvmlMemory_v2_t, used)
@@ -87,6 +88,9 @@ static int write_region(const char *path)
     r.procs[5].used_bytes[0] = 1ull << 30;
     r.procs[5].used_bytes[1] = 2ull << 30;
     r.procs[5].host_pid = 3000000;
+    r.procs[5].pidns = 4026532000ull;
+    r.procs[5].start_time = 123456;
+    r.procs[5].token = 4242;
     r.procs[5].measured_ns[0] = 5000000000ull;
     r.procs[5].measured_ns[1] = 7;
     r.procs[9].pid = 77; /* free slot with a stale pid: not a process */

@@ -60,7 +60,7 @@ def test_sizes_and_constants_agree(built):
     assert c["R.procs"] == (mirror.PROCS_OFFSET, mirror.MAX_PROCS * mirror.PROC.size)
     assert c_constants(built) == {"MAGIC": mirror.MAGIC, "VERSION": mirror.VERSION,
                       "MAX_DEVICES": mirror.MAX_DEVICES, "MAX_PROCS": mirror.MAX_PROCS,
-                      "PROC_LIVE": mirror.PROC_LIVE}
+                      "PROC_LIVE": mirror.PROC_LIVE, "TOKEN_BASE": mirror.TOKEN_BASE}
 
 
 def test_a_region_written_by_c_is_read_by_python(built, tmp_path):
@@ -75,8 +75,11 @@ def test_a_region_written_by_c_is_read_by_python(built, tmp_path):
                    busy_ns=123456789 * (d + 1), sm_scale_milli=1000 + 100 * d,
                    idle_power_mw=90000)
         for d in range(2))
+    # (a token noted, not held: nobody locks the file's byte)
     assert region.processes == (ProcessUsage(pid=4242, used_bytes=(GIB, 2 * GIB), host_pid=3000000,
-                                             measured_ns=(5_000_000_000, 7)),)
+                                             measured_ns=(5_000_000_000, 7), pidns=4026532000,
+                                             start_time=123456, token=4242, slot=5,
+                                             token_held=False),)
 
 
 def test_a_region_written_by_python_is_read_by_c(built, tmp_path):

@@ -6,7 +6,6 @@ import fcntl
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import time
 
@@ -639,17 +638,8 @@ def test_a_fork_child_at_the_cap_takes_its_parent_for_alive(lab):
 
 
 def live_tokens(lab: Lab) -> dict[int, int]:
-    """``{pid: token}`` of the region's live process slots (the mirror skips the token field)."""
-    raw = lab.region_path.read_bytes()
-    names = [name for name, _ in mirror.PROC_FIELDS]
-    at = struct.calcsize("<" + "".join(fmt for _, fmt in mirror.PROC_FIELDS[:names.index("_token")]))
-    tokens = {}
-    for i in range(mirror.MAX_PROCS):
-        base = mirror.PROCS_OFFSET + i * mirror.PROC.size
-        pid, state = struct.unpack_from("<iI", raw, base)
-        if state == mirror.PROC_LIVE:
-            tokens[pid] = struct.unpack_from("<I", raw, base + at)[0]
-    return tokens
+    """``{pid: token}`` of the region's live process slots."""
+    return {p.pid: p.token for p in lab.region().processes}
 
 
 def like_btrfs(lab: Lab) -> dict[str, str]:

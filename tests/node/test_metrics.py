@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from webhook import __version__
 from webhook.node.inventory import Inventory
 from webhook.node.metrics import AgentCollector, AgentStatus, make_registry
-from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
+from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region, read_region
 
 UID1 = "0f0e0d0c-0b0a-0908-0706-050403020100"
 UID2 = "11111111-2222-3333-4444-555555555555"
@@ -339,3 +343,222 @@ def test_a_region_being_initialised_is_not_an_error(
         == GIB
     assert [k for k in s if k[0] == "gpuslice_container_memory_limit_bytes"] == \
         [("gpuslice_container_memory_limit_bytes", ctr_labels("ns", "p", UID1, "c", GPU0))]
+
+
+# ---- memory of processes that died without their exit handlers ---------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "interposer" / "build"
+UUID_A = "GPU-aaaaaaaa-0000-1111-2222-333333333333"
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    """The interposer, the fake driver and NVML, and the probe (interposer/tests)."""
+    targets = ["build/libgpuslice.so", "build/fake/libcuda.so.1", "build/fake/libnvidia-ml.so.1",
+               "build/tests/gsprobe"]
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT / "interposer"), *targets], check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return BUILD
+
+
+class Container:
+    """Processes of one container (UID1/main) running gsprobe under the library, their region
+    in the agent's state dir."""
+
+    def __init__(self, build: Path, state: Path, tmp: Path) -> None:
+        self.region = state / UID1 / "main" / "region"
+        self.region.parent.mkdir(parents=True)
+        self.tmp = tmp
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("CUDA_", "GPUSLICE_", "FAKE_", "LIBCUDA_", "LD_"))}
+        self.env.update(LD_PRELOAD=str(build / "libgpuslice.so"),
+                        LD_LIBRARY_PATH=str(build / "fake"),
+                        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.region),
+                        CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_STATE=str(tmp / "fakestate"),
+                        FAKE_CUDA_DEVICES=f"{UUID_A}=16g", LIBCUDA_LOG_LEVEL="1")
+        self.probe = str(build / "tests" / "gsprobe")
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def run(self, *cmds: str) -> None:
+        proc = subprocess.run([self.probe, *cmds], env=self.env, capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def start(self, *cmds: str) -> subprocess.Popen[bytes]:
+        """A probe running ``cmds``, then holding on until :meth:`release`."""
+        held = self.tmp / f"held{len(self.procs)}"
+        proc = subprocess.Popen([self.probe, *cmds, "touch", str(held), "waitfile",
+                                 str(self.tmp / "go")], env=self.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 20
+        while not held.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        return proc
+
+    def release(self) -> None:
+        (self.tmp / "go").touch()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def charged(self) -> int:
+        return read_region(self.region).devices[0].used_bytes
+
+
+@pytest.fixture
+def container(library: Path, tmp_path: Path) -> Iterator[Container]:
+    ctr = Container(library, tmp_path / "state", tmp_path)
+    yield ctr
+    ctr.release()
+
+
+def used_of(reg, uid: str = UID1, uuid: str = UUID_A) -> float:
+    [value] = [v for (name, labels), v in samples(reg).items()
+               if name == "gpuslice_container_memory_used_bytes"
+               and dict(labels)["pod_uid"] == uid and dict(labels)["uuid"] == uuid]
+    return value
+
+
+def proc_state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rfind(")") + 2]
+
+
+@pytest.mark.parametrize("death", ["_exit", "sigkill", "zombie"])
+def test_memory_of_a_process_gone_without_its_exit_handlers_is_not_counted(
+        container: Container, tmp_path: Path, death: str) -> None:
+    # The reviewer's probe: 768 MiB allocated, then an exit without handlers. The slot stays
+    # live in the region until another process of the container starts and sweeps it; the
+    # agent showed its 768 MiB as used with no process alive (for ever, in a finished Job pod).
+    _, reg = make(tmp_path / "state")
+    if death == "_exit":
+        container.run("init", "ctx", "0", "alloc", "768m", "exit", "0")
+    else:
+        proc = container.start("init", "ctx", "0", "alloc", "768m")
+        assert container.charged() >= 768 * MIB
+        assert used_of(reg) == container.charged()  # alive (its token held): counted
+        proc.send_signal(signal.SIGKILL)
+        if death == "zombie":  # killed, not reaped: its memory is gone all the same
+            deadline = time.monotonic() + 10
+            while proc_state(proc.pid) != "Z":
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        else:
+            proc.wait()
+    before = container.region.read_bytes()
+    assert container.charged() >= 768 * MIB  # still in the region: nobody swept it
+    assert used_of(reg) == 0
+    assert used_of(reg) == 0  # (the verdict remembered)
+    assert container.region.read_bytes() == before  # the agent never writes the region
+    # the interposer's own sweep agrees: a process of the container starting reclaims it
+    container.run("init", "ctx", "0")
+    assert container.charged() == 0
+
+
+def test_a_live_process_that_closed_its_token_descriptor_is_still_counted(
+        container: Container, tmp_path: Path) -> None:
+    # A daemon's closefrom(3) closes the descriptor holding the slot's liveness token: the
+    # process lives and holds its memory, and still maps the region (/proc/PID/maps).
+    _, reg = make(tmp_path / "state")
+    container.start("init", "ctx", "0", "alloc", "768m", "closefds")
+    [slot] = read_region(container.region).processes
+    assert slot.token == slot.pid and slot.token_held is False  # the cheap test fails
+    assert container.charged() >= 768 * MIB
+    assert used_of(reg) == container.charged()
+    # a live process beside it, token held, changes nothing
+    other = container.start("init", "ctx", "0", "alloc", "100m")
+    assert [p.token_held for p in read_region(container.region).processes
+            if p.pid == other.pid] == [True]
+    assert used_of(reg) == container.charged() >= 868 * MIB
+    container.release()
+    assert used_of(reg) == container.charged() == 0  # exit handlers ran: slots freed
+
+
+def test_a_process_that_exec_d_another_program_holds_nothing(
+        container: Container, tmp_path: Path) -> None:
+    # Same pid and start time, but exec took the token's descriptor and the mapping (and the
+    # old image's memory): the sweep reclaims it, and the agent does not count it.
+    _, reg = make(tmp_path / "state")
+    container.start("init", "ctx", "0", "alloc", "768m", "reexec")
+    assert container.charged() >= 768 * MIB
+    assert used_of(reg) == 0
+    container.run("init", "ctx", "0")  # the interposer's sweep agrees
+    assert container.charged() == 0
+
+
+def test_without_tokens_a_slot_is_judged_by_its_process_identity(tmp_path: Path) -> None:
+    # No token noted (NFS, where the library takes none): the process is looked up by its pid,
+    # PID namespace and start time; a region's process of a gone process is not counted, one
+    # whose identity is not known (no /proc in its container) is.
+    ns = os.stat("/proc/self/ns/pid").st_ino
+
+    def start_of(pid: int) -> int:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text[text.rfind(")") + 1:].split()[19])
+
+    child = subprocess.Popen(["sleep", "30"])
+    child_start = start_of(child.pid)
+    child.kill()
+    child.wait()
+    procs = (
+        ProcessUsage(pid=os.getpid(), used_bytes=(1 * GIB,), pidns=ns,
+                     start_time=start_of(os.getpid())),  # this test: alive
+        ProcessUsage(pid=child.pid, used_bytes=(2 * GIB,), pidns=ns,
+                     start_time=child_start),  # gone
+        ProcessUsage(pid=os.getpid(), used_bytes=(4 * GIB,), pidns=ns,
+                     start_time=start_of(os.getpid()) + 1),  # its pid, another start: gone
+        ProcessUsage(pid=424242, used_bytes=(8 * GIB,), pidns=1,
+                     start_time=child_start),  # another namespace, no such process: gone
+        ProcessUsage(pid=child.pid, used_bytes=(16 * GIB,)),  # identity not known: counted
+    )
+    region = Region(pod_uid=UID1, pod_name="p", namespace="ns", container="c",
+                    devices=(DeviceSlot(0, GPU0, 0, 31 * GIB, 0, 0),), processes=procs)
+    path = tmp_path / UID1 / "c" / "region"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(encode_region(region))
+    _, reg = make(tmp_path)
+    assert used_of(reg, uuid=GPU0) == 17 * GIB
+    # out of budget, what is not known yet counts (never under-report what may be held)
+    from webhook.node.liveness import Liveness
+    late = Liveness(budget=-1.0)
+    late.begin()
+    assert all(late.alive(p, 0) for p in read_region(path).processes)
+
+
+def test_a_process_of_another_pid_namespace_is_found_by_its_identity(
+        container: Container, tmp_path: Path) -> None:
+    # As a pod's processes are to the agent: the slot's pid is its container's, the agent sees
+    # the process under another pid. Its token descriptor closed, the agent finds it by the
+    # start time, NSpid and ns/pid link, and counts it while it lives.
+    unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    if subprocess.run([*unshare, "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("cannot make a PID namespace here (needs root)")
+    collector, reg = make(tmp_path / "state")
+    container.probe, probe = unshare[0], container.probe
+    proc = container.start(*unshare[1:], probe, "init", "ctx", "0", "alloc", "768m", "closefds")
+    [slot] = read_region(container.region).processes
+    assert slot.pid != proc.pid and slot.pidns != os.stat("/proc/self/ns/pid").st_ino
+    assert slot.token_held is False
+    assert container.charged() >= 768 * MIB
+    assert used_of(reg) == container.charged()
+    # found (not merely not known): its host pid, whose innermost pid is the slot's
+    [(ident, host)] = collector._liveness._host.items()
+    assert ident == (slot.pidns, slot.pid, slot.start_time)
+    nspid = [ln for ln in Path(f"/proc/{host}/status").read_text().splitlines()
+             if ln.startswith("NSpid:")]
+    assert nspid == [f"NSpid:\t{host}\t{slot.pid}"]
+    proc.send_signal(signal.SIGKILL)  # --kill-child: the namespace's processes go with it
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while used_of(reg) != 0:
+        assert time.monotonic() < deadline, "the gone namespace's process still counted"
+        time.sleep(0.05)
+    assert container.charged() >= 768 * MIB

@@ -39,7 +39,8 @@ class AgentSettings:
     """Where the host's per-container state dirs are mounted. Default /var/lib/gpuslice/containers."""
     proc_root: str = "/proc"
     """The host's /proc (hostPID, or mounted e.g. at /host/proc), to see which libraries running
-    processes map. Default /proc."""
+    processes map, which processes the outside checks see, and whether the processes of the
+    region files' slots live (the memory metrics). Default /proc."""
     metrics_host: str = "0.0.0.0"
     """Listen address of the metrics server. Default 0.0.0.0."""
     metrics_port: int = names.AGENT_METRICS_PORT

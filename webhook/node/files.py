@@ -31,8 +31,20 @@ def read_plain_file(path: str | os.PathLike[str], limit: int, *, follow: bool = 
     Raises :class:`NotPlainFile` for anything else, and the ``OSError`` of the open otherwise
     (``FileNotFoundError`` and so on). With ``follow=False`` a final symbolic link is not
     followed (it is not a plain file)."""
+    fd = open_plain_file(path, follow=follow)
+    try:
+        return read_fd(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def open_plain_file(path: str | os.PathLike[str], *, follow: bool = True) -> int:
+    """A read-only descriptor of the plain file at ``path`` (the caller closes it), checked as
+    :func:`read_plain_file` checks it: for reading, and for queries on the open file that a
+    read alone cannot make (the region's liveness tokens:
+    :func:`webhook.node.region.read_region`)."""
     flags = os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    return _read_ref(os.open(path, flags), path, limit)
+    return _open_ref(os.open(path, flags), path)
 
 
 def read_plain_file_in_root(root: str | os.PathLike[str], path: str, limit: int) -> bytes:
@@ -58,7 +70,11 @@ def read_plain_file_in_root(root: str | os.PathLike[str], path: str, limit: int)
                           dir_fd=root_fd)
     finally:
         os.close(root_fd)
-    return _read_ref(ref, os.path.join(os.fspath(root), path.lstrip("/")), limit)
+    fd = _open_ref(ref, os.path.join(os.fspath(root), path.lstrip("/")))
+    try:
+        return read_fd(fd, limit)
+    finally:
+        os.close(fd)
 
 
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -80,29 +96,31 @@ def _openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
     return int(fd)
 
 
-def _read_ref(ref: int, path: str | os.PathLike[str], limit: int) -> bytes:
-    """Read the plain file that the ``O_PATH`` descriptor ``ref`` (closed here) refers to."""
+def _open_ref(ref: int, path: str | os.PathLike[str]) -> int:
+    """Open for reading the plain file that the ``O_PATH`` descriptor ``ref`` (closed here)
+    refers to."""
     try:
         mode = os.fstat(ref).st_mode
         if not stat.S_ISREG(mode):
             raise NotPlainFile(f"{os.fspath(path)!r} is not a plain file "
                                f"({_kind(mode)})")
-        fd = os.open(f"/proc/self/fd/{ref}",
-                     os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        return os.open(f"/proc/self/fd/{ref}",
+                       os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     finally:
         os.close(ref)
-    try:
-        chunks: list[bytes] = []
-        left = limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+
+
+def read_fd(fd: int, limit: int) -> bytes:
+    """At most ``limit`` bytes from ``fd``'s offset on, in file order, until its end."""
+    chunks: list[bytes] = []
+    left = limit
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _kind(mode: int) -> str:

@@ -115,7 +115,7 @@ class Agent:
             compute_action=settings.compute_over_limit_action,
         ) if settings.audit_interval > 0 else None
         self.collector = AgentCollector(self.inventory, settings.host_state_dir, self.status,
-                                        auditor=self.auditor)
+                                        auditor=self.auditor, proc_root=settings.proc_root)
         self.registry = make_registry(self.collector)
         self.backoff = Backoff(cap=max(settings.interval, 1.0))
         self.installed: install.InstallResult | None = None

@@ -11,15 +11,18 @@ Per container and device (labels ``namespace``, ``pod``, ``pod_uid``, ``containe
 the pod UID and container are the state dir's names, which the container cannot choose; the
 namespace and pod name are the API server's for that UID, from the agent's last list of the
 node's pods, and the region's, which the container's processes write, only for a pod not listed
-yet and only where the region's pod UID and container are the dir's): memory used
-and limit, compute limit (%), the busy-time counter the interposer keeps, and the measured
-compute share (% of the GPU's time over the interval since the previous scrape; absent on the
-first scrape of a region). From the outside checks (:mod:`webhook.node.audit`, their last
-result): per container and device, the memory NVML sees its processes hold and whether that is
-over its cap; per container under a compute limit and device, its share of the device's time
-over the compute window as NVML sees it and whether that is over its limit; per GPU, what
-processes of no gpuslice container hold and the share of its time they used. The scrape runs
-in a worker thread so a slow NVML call cannot stall the agent's event loop.
+yet and only where the region's pod UID and container are the dir's): memory used (the
+region's sum less what slots of processes found dead hold: one killed, or ended without its
+exit handlers, stays in the region until a process of its container next starts;
+:mod:`webhook.node.liveness`) and limit, compute limit (%), the busy-time counter the
+interposer keeps, and the measured compute share (% of the GPU's time over the interval since
+the previous scrape; absent on the first scrape of a region). From the outside checks
+(:mod:`webhook.node.audit`, their last result): per container and device, the memory NVML sees
+its processes hold and whether that is over its cap; per container under a compute limit and
+device, its share of the device's time over the compute window as NVML sees it and whether
+that is over its limit; per GPU, what processes of no gpuslice container hold and the share of
+its time they used. The scrape runs in a worker thread so a slow NVML call cannot stall the
+agent's event loop.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from prometheus_client.registry import Collector
 from webhook import __version__
 from webhook.node.audit import Auditor, AuditReport
 from webhook.node.inventory import Inventory
+from webhook.node.liveness import Liveness
 from webhook.node.region import Region, RegionError, RegionNotReady, read_region
 
 logger = logging.getLogger(__name__)
@@ -83,8 +87,9 @@ class AgentCollector(Collector):
 
     def __init__(self, inventory: Inventory, state_dir: str | Path, status: AgentStatus,
                  clock: Callable[[], float] = time.monotonic, *,
-                 auditor: Auditor | None = None) -> None:
+                 auditor: Auditor | None = None, proc_root: str | Path = "/proc") -> None:
         self._inventory = inventory
+        self._liveness = Liveness(proc_root)
         self._auditor = auditor
         self._state_dir = Path(state_dir)
         self._status = status
@@ -188,16 +193,22 @@ class AgentCollector(Collector):
         now = self._clock()
         seen: set[tuple[Path, str]] = set()
         paths = self._region_paths()
+        self._liveness.begin()
         for path in paths:
             region = self._read(path)
             if region is None:
                 continue
             ns, pod, uid, ctr = _labels(region, path, self.pod_names)
-            for dev in region.devices:
+            # the usage of processes that died without their exit handlers, which the
+            # container's own processes reclaim only when one of them next starts (or never)
+            dead = [p.used_bytes for p in region.processes
+                    if any(p.used_bytes) and not self._liveness.alive(p, region.inode)]
+            for d, dev in enumerate(region.devices):
                 if not dev.uuid:
                     continue
                 lab = [ns, pod, uid, ctr, dev.uuid]
-                used.add_metric(lab, max(0, dev.used_bytes))
+                gone = sum(u[d] for u in dead if d < len(u))
+                used.add_metric(lab, max(0, dev.used_bytes - gone))
                 limit.add_metric(lab, dev.limit_bytes)
                 sm.add_metric(lab, dev.sm_limit if 0 < dev.sm_limit <= 100 else 100)
                 busy.add_metric(lab, dev.busy_ns / 1e9)
@@ -210,6 +221,7 @@ class AgentCollector(Collector):
                 if prev is not None and now > prev[1] and dev.busy_ns >= prev[0]:
                     pct = (dev.busy_ns - prev[0]) / 1e9 / (now - prev[1]) * 100.0
                     share.add_metric(lab, min(pct, 100.0))
+        self._liveness.end()
         for key in list(self._busy):
             if key not in seen:
                 del self._busy[key]

@@ -9,18 +9,23 @@ reads it for metrics; it never writes it. Version 1 regions are still read. ``te
 checks that every offset and size below matches the C header.
 
 The reader takes no lock: a field that a process is changing may be read mid-change (each
-64-bit field is read whole). Anything that does not parse as a region raises
-:class:`RegionError`, never ``struct.error`` or ``UnicodeDecodeError``; a region being
-initialised (empty, or its magic not written yet) raises its subclass :class:`RegionNotReady`.
+64-bit field is read whole). A live process slot may be a dead process's (killed, or ended
+without its exit handlers) until a process of the container sweeps it: :func:`read_region`
+notes whether each slot's liveness token is held, the cheap half of the interposer's judgement
+(``interposer/src/liveness.c``); :mod:`webhook.node.liveness` makes the rest. Anything that
+does not parse as a region raises :class:`RegionError`, never ``struct.error`` or
+``UnicodeDecodeError``; a region being initialised (empty, or its magic not written yet)
+raises its subclass :class:`RegionNotReady`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from webhook.node.files import NotPlainFile, read_plain_file
+from webhook.node.files import NotPlainFile, open_plain_file, read_fd
 
 MAGIC = 0x4543494C53555047  # b"GPUSLICE" as a little-endian u64
 VERSION = 2
@@ -32,6 +37,9 @@ POD_NAME_LEN = 256
 ID_LEN = 64
 LOCK_BYTES = 64
 PROC_LIVE = 1
+TOKEN_BASE = 1 << 30
+"""A slot's liveness token: an open-file-description lock on byte ``TOKEN_BASE + slot index``
+of the region file, held by the process that registered in the slot (exec closes it)."""
 
 # The C structs, field by field: (name, struct format).  Padding fields start with "_".
 HEADER_FIELDS = (
@@ -48,7 +56,7 @@ DEVICE_FIELDS = (
 )
 PROC_FIELDS = (
     ("pid", "i"), ("state", "I"), ("pidns", "Q"), ("start_time", "Q"),
-    ("used_bytes", f"{MAX_DEVICES}Q"), ("host_pid", "I"), ("_token", "4x"),
+    ("used_bytes", f"{MAX_DEVICES}Q"), ("host_pid", "I"), ("token", "I"),
     ("measured_ns", f"{MAX_DEVICES}Q"),
 )
 # Version 1: the same up to used_bytes, then 8 reserved bytes (regions of containers started
@@ -114,16 +122,28 @@ class DeviceSlot:
 
 @dataclass(frozen=True)
 class ProcessUsage:
-    """A live process of the container and its usage per device slot (same order as devices).
+    """A live process slot of the container and its usage per device slot (same order as
+    devices): a process that registered and has not been seen gone by the container's own
+    processes, which may have died since (see :mod:`webhook.node.liveness`).
 
-    ``host_pid`` is the pid NVML lists it under (0 = not known, or a version-1 region);
-    ``measured_ns`` the GPU time its launches measured per device slot (empty in version 1).
+    ``host_pid`` is the pid NVML lists it under (0 = not known, or a version-1 region; it may be
+    the container's pid where the driver gives those); ``measured_ns`` the GPU time its launches
+    measured per device slot (empty in version 1). Its identity: ``pid`` in the container's PID
+    namespace, ``pidns`` that namespace's inode, ``start_time`` its start (ticks since boot;
+    0 = not known); ``token`` = ``pid`` when it took a liveness token (0: none, e.g. on NFS).
+    ``slot`` is its index in the region (None when encoding: the next one); ``token_held``
+    whether :func:`read_region` found the token held (None: no token, or not asked).
     """
 
     pid: int
     used_bytes: tuple[int, ...]
     host_pid: int = 0
     measured_ns: tuple[int, ...] = ()
+    pidns: int = 0
+    start_time: int = 0
+    token: int = 0
+    slot: int | None = None
+    token_held: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +156,8 @@ class Region:
     container: str
     devices: tuple[DeviceSlot, ...]
     processes: tuple[ProcessUsage, ...]
+    inode: int = field(default=0, compare=False)
+    """The region file's inode number (:func:`read_region`; 0 otherwise)."""
 
 
 def _text(raw: bytes, what: str) -> str:
@@ -188,17 +210,19 @@ def parse_region(data: bytes) -> Region:
                                   idle_power_mw=idle))
     processes = []
     for i in range(MAX_PROCS):
-        pid, state, _ns, _start, *rest = proc_struct.unpack_from(
+        pid, state, pidns, start, *rest = proc_struct.unpack_from(
             data, PROCS_OFFSET + i * proc_struct.size)
         used = rest[:MAX_DEVICES]
-        host_pid, measured = (rest[MAX_DEVICES], tuple(rest[MAX_DEVICES + 1:][:count])) \
-            if version >= 2 else (0, ())
+        host_pid, token, measured = (rest[MAX_DEVICES], rest[MAX_DEVICES + 1],
+                                     tuple(rest[MAX_DEVICES + 2:][:count])) \
+            if version >= 2 else (0, 0, ())
         if state != PROC_LIVE:
             continue
         if pid <= 0:
             raise RegionError(f"process slot {i}: live with pid {pid}")
         processes.append(ProcessUsage(pid=pid, used_bytes=tuple(used[:count]), host_pid=host_pid,
-                                      measured_ns=measured))
+                                      measured_ns=measured, pidns=pidns, start_time=start,
+                                      token=token, slot=i))
     return Region(
         pod_uid=_text(pod_uid, "pod_uid"),
         pod_name=_text(pod_name, "pod_name"),
@@ -213,14 +237,49 @@ def read_region(path: str | os.PathLike[str]) -> Region:
     """Read and parse the region file at ``path``; :class:`RegionError` if it is not one.
 
     The file lies in a directory its container can write: a symbolic link, FIFO or device node
-    planted there is neither followed nor opened (:func:`webhook.node.files.read_plain_file`)."""
+    planted there is neither followed nor opened (:func:`webhook.node.files.read_plain_file`).
+    Each slot with a token gets ``token_held`` (:func:`token_held`), asked after the read: a
+    slot taken since by another process shows that one's token, which counts the slot as live
+    (the safe side)."""
     try:
-        data = read_plain_file(path, REGION_SIZE, follow=False)
+        fd = open_plain_file(path, follow=False)
     except NotPlainFile as exc:
         raise RegionError(f"region {exc}") from exc
     except OSError as exc:
         raise RegionError(f"cannot read region {os.fspath(path)!r}: {exc.strerror}") from exc
-    return parse_region(data)
+    try:
+        try:
+            data = read_fd(fd, REGION_SIZE)
+            inode = os.fstat(fd).st_ino
+        except OSError as exc:
+            raise RegionError(f"cannot read region {os.fspath(path)!r}: {exc.strerror}") from exc
+        region = parse_region(data)
+        processes = tuple(
+            replace(p, token_held=token_held(fd, p.slot))
+            if p.token == p.pid and p.slot is not None else p for p in region.processes)
+        return replace(region, processes=processes, inode=inode)
+    finally:
+        os.close(fd)
+
+
+# struct flock: l_type, l_whence, (padding), l_start, l_len, l_pid, (padding): 32 bytes on
+# x86_64 and aarch64 alike
+_FLOCK = struct.Struct("@hhqqi4x")
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+
+
+def token_held(fd: int, slot: int) -> bool | None:
+    """Whether some process holds slot ``slot``'s liveness token (a lock on byte
+    ``TOKEN_BASE + slot`` of the region file open at ``fd``); None if the query fails.
+
+    An ``F_OFD_GETLK`` query: it takes no lock and never waits (a lock held by a container's
+    process cannot stall a scrape), and needs only a read-only descriptor."""
+    request = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, TOKEN_BASE + slot, 1, 0)
+    try:
+        answer = fcntl.fcntl(fd, _F_OFD_GETLK, request)
+    except OSError:
+        return None
+    return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
 
 
 def encode_region(region: Region) -> bytes:
@@ -250,13 +309,18 @@ def _encode(region: Region) -> bytes:
                          _encode_text(dev.uuid, UUID_LEN, "uuid"), dev.limit_bytes,
                          dev.used_bytes, 0, dev.busy_ns, 0, 0, dev.sm_limit, dev.index,
                          dev.sm_scale_milli, dev.idle_power_mw)
+    taken: set[int] = set()
     for i, proc in enumerate(region.processes):
+        at = i if proc.slot is None else proc.slot
+        if not 0 <= at < MAX_PROCS or at in taken:
+            raise RegionError(f"process {proc.pid}: slot {at} out of range or taken twice")
+        taken.add(at)
         if len(proc.used_bytes) > MAX_DEVICES:
             raise RegionError(f"process {proc.pid}: more than {MAX_DEVICES} usage values")
         if len(proc.measured_ns) > MAX_DEVICES:
             raise RegionError(f"process {proc.pid}: more than {MAX_DEVICES} measured values")
         used = list(proc.used_bytes) + [0] * (MAX_DEVICES - len(proc.used_bytes))
         measured = list(proc.measured_ns) + [0] * (MAX_DEVICES - len(proc.measured_ns))
-        PROC.pack_into(buf, PROCS_OFFSET + i * PROC.size, proc.pid, PROC_LIVE, 0, 0, *used,
-                       proc.host_pid, *measured)
+        PROC.pack_into(buf, PROCS_OFFSET + at * PROC.size, proc.pid, PROC_LIVE, proc.pidns,
+                       proc.start_time, *used, proc.host_pid, proc.token, *measured)
     return bytes(buf)
