@@ -4,6 +4,7 @@ webhook wrote; metrics, the Warning Event, the eviction (and a refused one), out
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +263,19 @@ def _auditor(node: Node, api: Any, **kw: Any) -> Auditor:
                    node_name=NODE, **kw)
 
 
+@contextlib.asynccontextmanager
+async def _evicting(tmp_path: Path, name: str, cap_mib: int, pid: int, held: int,
+                    rounds: int) -> AsyncIterator[tuple[dict[str, Any], FakeKube, Auditor]]:
+    """A one-GPU pod ``name`` on a fake node whose process ``pid`` holds ``held`` bytes, put on
+    a fake API server, and an auditor that evicts after ``rounds`` checks over the cap."""
+    node = Node(tmp_path)
+    pod = one_gpu(name, cap_mib)
+    node.run_in(pod, "a", pid, {0: held})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        yield pod, kube, _auditor(node, api, action="evict", rounds=rounds)
+
+
 def _lists(kube: FakeKube) -> int:
     return len(kube.requests_to("GET", r"/api/v1/pods$"))
 
@@ -392,12 +407,7 @@ async def test_an_eviction_that_conflicts_on_a_disruption_budget_is_retried(
     conflicting (busy evictions, e.g. a drain beside us): the pod is still there, so the
     eviction is asked again at the next check. Before, every 409 was taken as "the pod is
     gone": the pod over its cap ran on, never asked for again in that episode."""
-    node = Node(tmp_path)
-    pod = one_gpu("hog", 4096)
-    node.run_in(pod, "a", 5000, {0: 5 * GIB})
-    async with FakeKube() as kube, kube.api_client() as api:
-        kube.put(pod)
-        auditor = _auditor(node, api, action="evict", rounds=1)
+    async with _evicting(tmp_path, "hog", 4096, 5000, 5 * GIB, rounds=1) as (_, kube, auditor):
         kube.fail("POST", r"/pods/hog/eviction$", 409,
                   message='Operation cannot be fulfilled on poddisruptionbudgets.policy "hog": '
                           "the object has been modified; please apply your changes to the "
@@ -830,12 +840,7 @@ async def test_a_sidecar_cannot_claim_a_cap_of_its_own_nor_is_another_plugins_gp
 async def test_a_new_pod_under_the_evicted_ones_name_is_not_evicted(tmp_path: Path) -> None:
     """A StatefulSet's db-0 went over, was deleted and made again (a new UID) while the old
     process lingers: the eviction carries the old UID as its precondition."""
-    node = Node(tmp_path)
-    old = one_gpu("db-0", 1024)
-    node.run_in(old, "a", 95, {0: 3 * GIB})
-    async with FakeKube() as kube, kube.api_client() as api:
-        kube.put(old)
-        auditor = _auditor(node, api, action="evict", rounds=2)
+    async with _evicting(tmp_path, "db-0", 1024, 95, 3 * GIB, rounds=2) as (old, kube, auditor):
         await auditor.check()
         kube.delete("pods", "db-0", "ml")
         new = one_gpu("db-0", 1024)
