@@ -130,6 +130,22 @@ def test_a_large_allocation_beside_uncharged_small_pages_stays_within_the_cap(la
     assert res.values("phys")[0] <= CAP
 
 
+@pytest.mark.parametrize(("cmd", "env"), [("async", {}), ("pool", {}),
+                                          ("async", {"FAKE_CUDA_FAIL": "cuDeviceGetMemPool:0:999"})],
+                         ids=["async", "from_pool", "pool_unknown"])
+def test_a_pool_growing_beside_uncharged_small_pages_stays_within_the_cap(lab, cmd, env):
+    # as above for a stream-ordered pool, which grows by whole 32 MiB chunks: a 4 KiB array's
+    # 2 MiB page (charged 4 KiB) beside a 127 MiB context, then an 896 MiB allocation from a
+    # pool (the stream's device's current one, a pool of the program's, or one the library
+    # cannot ask for, charged as a plain allocation): its chunks fit the charge (1,023 MiB),
+    # the process would hold 1,025.  Its growth was reserved against the cap alone: 1,025 MiB
+    # held under the 1,024 MiB cap
+    res = lab.run("init", "ctx", "0", "alloc", "4k", cmd, "896m", "phys",
+                  **{**ENV, "FAKE_CUDA_CTX_BYTES": "127m", **env})
+    assert res.rc(cmd) == OOM, res.stdout
+    assert res.values("phys")[0] <= CAP
+
+
 def test_a_load_past_the_headroom_is_refused_and_the_program_goes_on(lab):
     # 100 MiB context + 922 MiB: 2 MiB left, then a 1 MiB array takes a page of its own (1 MiB
     # left in the library's view, none in the driver's): a 2 MiB load cannot fit.  Before, it
