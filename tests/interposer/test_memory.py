@@ -1403,6 +1403,26 @@ def test_a_later_context_does_not_take_a_tenant_that_appeared_meanwhile_for_itse
     assert res.values("phys") == [700 * MIB]
 
 
+def test_another_namespaces_pid_equal_to_ours_is_not_taken_for_ours(lab):
+    # in a container's pid namespace NVML lists host pids; another tenant's host pid can equal
+    # our getpid().  It was listed before our first context, so it cannot be ours, yet it was
+    # taken for ours (the driver's namespace taken for the caller's): that tenant's 700 MiB
+    # were charged to the container as memory no hook sees, and an 800 MiB allocation was
+    # refused under a 1 GiB cap with 100 MiB held
+    tmp = lab.tmp
+    other = lab.start("init", "ctx", "0", "alloc", "600m", "touch", str(tmp / "other"), "sleep", "3000",
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
+    lab.wait_for(tmp / "other")
+    res = lab.run("init", "ctx", "0", "alloc", "800m", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000",
+                  FAKE_NVML_PID_AS_MINE=str(other.pid))
+    other.kill()
+    lab.finish(other)
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo") == [GIB - 900 * MIB, GIB]
+
+
 def test_stream_ordered_allocations_the_pool_holds_room_for_do_not_read_nvml(lab):
     # while the pid is unknown only an allocation that grows its pool is a probe: 40 more from
     # the room the first one left read NVML's list no more than the first one did
