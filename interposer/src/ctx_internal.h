@@ -37,6 +37,7 @@ struct gs_ctx_charge {
     uint64_t reserved;
     uint64_t before;
     uint64_t mine; /* what the process was charged on the device once the estimate was reserved */
+    uint64_t rest; /* what the container's other processes were charged on it then */
     int busy;      /* allocations or frees were inside the driver when the measurement began */
     int over;      /* made, but its measured footprint does not fit the cap: to be undone */
     int first;     /* the process's first context on the device */

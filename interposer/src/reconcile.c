@@ -50,6 +50,9 @@ uint64_t gs_reconcile_margin = GS_DEFAULT_MARGIN;
 #define GS_DEV_CTXS 8 /* live contexts remembered per device at first; the list grows */
 
 static unsigned g_host_pid[GS_MAX_CUDA_DEVS];
+/* NVML listed our getpid() for a process that was not ours (another pid namespace's): that pid
+ * is never taken for ours */
+static int g_getpid_foreign;
 static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charged: the newest live one */
 static CUcontext *g_dev_ctxs[GS_MAX_CUDA_DEVS]; /* the device's live contexts, newest last; under the context lock */
 static int g_dev_nctx[GS_MAX_CUDA_DEVS], g_dev_cap[GS_MAX_CUDA_DEVS];
@@ -244,12 +247,19 @@ uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefor
     unsigned pid = __atomic_load_n(&g_host_pid[dev], __ATOMIC_RELAXED), fresh = 0, nfresh = 0;
     uint64_t most = 0;
     for (int i = 0; i < n && !pid; i++) {
-        if (after[i].pid == (unsigned)getpid()) { /* same pid namespace as the driver */
-            pid = after[i].pid;
-            break;
-        }
         int seen = 0;
         for (int k = 0; k < nbefore && !seen; k++) seen = before[k].pid == after[i].pid;
+        if (after[i].pid == (unsigned)getpid() && !__atomic_load_n(&g_getpid_foreign, __ATOMIC_RELAXED)) {
+            /* same pid namespace as the driver, if it appeared with our first context (or was
+             * listed already, with a later one); else it is another namespace's process whose
+             * pid equals ours: taken for ours, a co-tenant's 700 MiB were charged to the
+             * container (test_memory.py -k another_namespaces_pid) */
+            if (first != seen) {
+                pid = after[i].pid;
+                break;
+            }
+            __atomic_store_n(&g_getpid_foreign, 1, __ATOMIC_RELAXED);
+        }
         if (!seen) {
             fresh = after[i].pid;
             nfresh++;
@@ -340,7 +350,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
          * reading can still show growth (added below) but cannot lower the charge */
         int down = rebase && !inflight;
         unsigned pid = g_host_pid[dev];
-        for (int i = 0; i < n && !pid; i++)
+        for (int i = 0; i < n && !pid && !__atomic_load_n(&g_getpid_foreign, __ATOMIC_RELAXED); i++)
             if (g_procs[i].pid == (unsigned)getpid()) pid = g_procs[i].pid;
         if (!pid) return 0;
         if (!g_host_pid[dev]) learn_pid(pid);
@@ -667,6 +677,7 @@ void gs_reconcile_after_fork_child(void)
     memset(g_gap, 0, sizeof(g_gap));
     memset(g_rebase, 0, sizeof(g_rebase));
     memset(g_host_pid, 0, sizeof(g_host_pid));
+    g_getpid_foreign = 0; /* the child's pid is another */
     pthread_mutex_init(&g_probe_mu, NULL);
     g_probe_tries = 0;
     g_probe_candidate = 0;

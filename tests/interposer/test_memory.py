@@ -677,6 +677,28 @@ def made_while_another_tenant_allocates(lab, take: str, **env: str):
     return res
 
 
+def test_a_free_by_another_process_of_the_container_during_a_creation_does_not_lower_the_estimate(lab):
+    # without per-process figures a context is measured by the device's growth, which can only
+    # lower the container's estimate: another process of the container freeing 60 MiB during a
+    # 100 MiB creation made it 40 MiB, and every later context was charged 40 MiB for 100 held
+    tmp = lab.tmp
+    env = {"FAKE_CUDA_CTX_BYTES": "100m", "FAKE_NVML_PROC_MEM": "0", "CUDA_DEVICE_MEMORY_LIMIT": "1g"}
+    other = lab.start("init", "ctx", "0", "alloc", "60m", "touch", str(tmp / "ready"), "waitfile",
+                      str(tmp / "give"), "free", "0", "touch", str(tmp / "given"), "waitfile",
+                      str(tmp / "go"), **env)
+    lab.wait_for(tmp / "ready")
+    ours = lab.start("init", "ctx", "0", "meminfo", FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
+    lab.wait_for(tmp / "creating")
+    (tmp / "give").touch()
+    lab.wait_for(tmp / "given")
+    res = lab.finish(ours)
+    (tmp / "go").touch()
+    assert lab.finish(other).rc("free") == 0
+    assert res.values("meminfo") == [GIB - 200 * MIB, GIB]  # both contexts, whole
+    assert lab.run("init", "ctx", "0", "meminfo", **env).values("meminfo") == [GIB - 100 * MIB, GIB]
+
+
 def test_a_context_that_does_not_fit_is_refused(lab):
     # the first process measures the footprint (300 MiB) and holds 800 MiB: a second context
     # (reserved at the measured size before it is created) cannot fit in the remaining 0 bytes
@@ -1401,6 +1423,26 @@ def test_a_later_context_does_not_take_a_tenant_that_appeared_meanwhile_for_itse
     lab.finish(meanwhile)
     assert res.rc("alloc") == 0
     assert res.values("phys") == [700 * MIB]
+
+
+def test_another_namespaces_pid_equal_to_ours_is_not_taken_for_ours(lab):
+    # in a container's pid namespace NVML lists host pids; another tenant's host pid can equal
+    # our getpid().  It was listed before our first context, so it cannot be ours, yet it was
+    # taken for ours (the driver's namespace taken for the caller's): that tenant's 700 MiB
+    # were charged to the container as memory no hook sees, and an 800 MiB allocation was
+    # refused under a 1 GiB cap with 100 MiB held
+    tmp = lab.tmp
+    other = lab.start("init", "ctx", "0", "alloc", "600m", "touch", str(tmp / "other"), "sleep", "3000",
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
+    lab.wait_for(tmp / "other")
+    res = lab.run("init", "ctx", "0", "alloc", "800m", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000",
+                  FAKE_NVML_PID_AS_MINE=str(other.pid))
+    other.kill()
+    lab.finish(other)
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo") == [GIB - 900 * MIB, GIB]
 
 
 def test_stream_ordered_allocations_the_pool_holds_room_for_do_not_read_nvml(lab):

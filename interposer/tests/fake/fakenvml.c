@@ -155,7 +155,9 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
 /* Processes holding memory on a device, as the driver sees them (pids shifted by
  * FAKE_NVML_PID_OFFSET to play a container's pid namespace).  FAKE_NVML_PROC_MEM=0 lists each
  * with 0 bytes: a driver that gives the list's pids in the caller's namespace but looks their
- * memory up by the host's (R560 in a container listed `mem: 0`). */
+ * memory up by the host's (R560 in a container listed `mem: 0`).  FAKE_NVML_PID_AS_MINE=<pid>
+ * lists that process under the caller's own getpid(): another namespace's pid that happens to
+ * equal ours (a host pid is not a container's). */
 static unsigned long process_queries;
 
 /* Test-only: how many process-list queries this process made. */
@@ -200,6 +202,7 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
     if (i < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     struct fake_phys *m = fake_phys_map();
     const char *off = getenv("FAKE_NVML_PID_OFFSET"), *mem = getenv("FAKE_NVML_PROC_MEM");
+    const char *as_mine = getenv("FAKE_NVML_PID_AS_MINE");
     int zero_mem = mem && !strcmp(mem, "0");
     unsigned n = 0;
     for (int p = 0; m && p < FAKE_MAX_PROCS; p++) {
@@ -210,6 +213,7 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
             nvmlProcessInfo_t *info = (nvmlProcessInfo_t *)&list[n];
             memset(&list[n], 0, sizeof(list[n]));
             info->pid = (unsigned)pid + (unsigned)(off ? atoi(off) : 0);
+            if (as_mine && atoi(as_mine) == pid) info->pid = (unsigned)getpid();
             info->usedGpuMemory = zero_mem ? 0 : used;
             info->gpuInstanceId = info->computeInstanceId = 0xffffffffu;
         }
