@@ -169,3 +169,14 @@ async def test_filter_never_answers_from_a_stale_result(client: Any) -> None:
     state.delete_pod(other)
     third = await (await client.post("/scheduler/filter", json=case["request"])).json()
     assert third == first
+
+
+@pytest.mark.parametrize("path", ["/scheduler/filter", "/scheduler/prioritize",
+                                  "/scheduler/bind"])
+async def test_deeply_nested_body_gets_400(client: Any, path: str) -> None:
+    # json.loads raises RecursionError (not a ValueError) on deep nesting; a body of 200 KB of
+    # '[' is well under aiohttp's size limit and must be a 400 like any other bad body.
+    body = b"[" * 200_000 + b"]" * 200_000
+    resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    assert "nests too deeply" in await resp.text()

@@ -35,6 +35,8 @@ ApiFactory = Callable[[], Awaitable[client.ApiClient] | client.ApiClient]
 async def _json_body(request: web.Request) -> Any:
     try:
         return await request.json(loads=json.loads)
+    except RecursionError:  # not a ValueError: json.loads on deep nesting ("[[[[...")
+        raise web.HTTPBadRequest(text="request body nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise web.HTTPBadRequest(text=f"request body is not valid JSON: {exc}") from exc
 
