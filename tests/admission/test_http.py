@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonpatch
+import kubeschema
 import pytest
 
 from webhook.admission import server as admission_server
@@ -225,3 +226,64 @@ def test_metrics_count_requests_by_outcome_and_time_them(
 def test_unknown_paths_and_methods_are_4xx(server: Any) -> None:
     assert server.request("GET", "/mutate")[0] == 405
     assert server.request("GET", "/nope")[0] == 404
+
+
+def _debugged(pod: dict[str, Any], *debuggers: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(pod)
+    out["spec"]["ephemeralContainers"] = list(debuggers)
+    return out
+
+
+_CUDA_DEBUG = {"name": "debugger", "image": "nvidia/cuda", "stdin": True, "tty": True,
+               "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
+
+
+def test_kubectl_debug_of_a_gpu_pod_gets_no_gpu(
+        server: Any, make_review: Any, make_gpu_pod: Any) -> None:
+    """kubectl debug adds an ephemeral container through pods/ephemeralcontainers (an UPDATE).
+    Under the pod's NVIDIA runtime a CUDA image's NVIDIA_VISIBLE_DEVICES=all would give it every
+    GPU of the node, without the library or a cap: it gets none, like the pod's other
+    containers that request no GPU. Ephemeral containers added before are left as they are
+    (the API server refuses changes to them)."""
+    created = mutate_pod(make_gpu_pod(), server.settings, namespace="team-a").pod
+    assert created is not None
+    before = _debugged(copy.deepcopy(created), {"name": "old", "image": "busybox"})
+    after = _debugged(before, {"name": "old", "image": "busybox"}, _CUDA_DEBUG)
+    status, answer = server.post_review(make_review(
+        after, operation="UPDATE", subResource="ephemeralcontainers", oldObject=before))
+    response = answer["response"]
+    assert status == 200 and response["allowed"] and response.get("patchType") == "JSONPatch"
+    patched = jsonpatch.apply_patch(after, json.loads(base64.b64decode(response["patch"])))
+    assert patched["spec"]["ephemeralContainers"] == [
+        {"name": "old", "image": "busybox"},
+        {**_CUDA_DEBUG, "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]
+    patched["spec"]["ephemeralContainers"] = after["spec"]["ephemeralContainers"]
+    assert patched == after  # nothing else changes
+    kubeschema.assert_valid(jsonpatch.apply_patch(
+        after, json.loads(base64.b64decode(response["patch"]))))
+    # Re-invoked on its own output: nothing more to change.
+    status, again = server.post_review(make_review(
+        patched | {"spec": patched["spec"] | {"ephemeralContainers": [
+            {"name": "old", "image": "busybox"},
+            {**_CUDA_DEBUG, "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]}},
+        operation="UPDATE", subResource="ephemeralcontainers", oldObject=before))
+    assert status == 200 and again["response"]["allowed"] and "patch" not in again["response"]
+
+
+def test_kubectl_debug_of_a_pod_without_gpus_is_left_alone_unless_hiding(
+        server: Any, make_server: Any, make_review: Any, module_certs: Path) -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cpu"},
+           "spec": {"containers": [{"name": "app", "image": "busybox"}]}}
+    debug = make_review(_debugged(pod, _CUDA_DEBUG), operation="UPDATE",
+                        subResource="ephemeralcontainers", oldObject=pod)
+    status, answer = server.post_review(debug)
+    assert status == 200 and answer["response"]["allowed"] and "patch" not in answer["response"]
+    hiding = make_server(Settings(cert_dir=str(module_certs), tls_mode="files",
+                                  placement_enabled=False, hide_gpus_from_pods_without_gpus=True))
+    status, answer = hiding.post_review(debug)
+    response = answer["response"]
+    assert status == 200 and response["allowed"] and response["patchType"] == "JSONPatch"
+    patched = jsonpatch.apply_patch(debug["request"]["object"],
+                                    json.loads(base64.b64decode(response["patch"])))
+    assert patched["spec"]["ephemeralContainers"][0]["env"] == [
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]

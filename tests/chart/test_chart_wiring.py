@@ -322,6 +322,9 @@ def test_webhook_admission_settings(render: Any) -> None:
     assert hook["timeoutSeconds"] == 10
     assert hook["rules"] == [{"operations": ["CREATE"], "apiGroups": [""],
                               "apiVersions": ["v1"], "resources": ["pods"],
+                              "scope": "Namespaced"},
+                             {"operations": ["UPDATE"], "apiGroups": [""],
+                              "apiVersions": ["v1"], "resources": ["pods/ephemeralcontainers"],
                               "scope": "Namespaced"}]
     ref = hook["clientConfig"]["service"]
     service = rendered.one("Service", ref["name"])

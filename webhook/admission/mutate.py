@@ -39,7 +39,13 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   claims (DRA) is left alone.
   With ``hide_gpus_from_pods_without_gpus`` the containers of pods that request no GPU get the
   same (and nothing else: such a pod is not marked as a gpuslice pod).
-* Ephemeral containers are left alone (they cannot exist at CREATE).
+* Ephemeral containers cannot exist at CREATE; ``kubectl debug`` adds them later through the
+  ``pods/ephemeralcontainers`` subresource (an UPDATE), which :func:`mutate_ephemeral` answers:
+  in a gpuslice GPU pod (or any pod, with ``hide_gpus_from_pods_without_gpus``) each newly
+  added one gets ``NVIDIA_VISIBLE_DEVICES=none`` and loses gpuslice's volumes, like the other
+  containers that request no GPU (a CUDA image's ``all`` under the pod's NVIDIA runtime would
+  see every GPU of the node, without the library or a cap). Those added before are left as
+  they are: the API server refuses changes to them.
 """
 
 from __future__ import annotations
@@ -179,6 +185,45 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     new_pod = dict(pod)
     new_pod["spec"] = new_spec
     new_pod["metadata"] = _mutate_metadata(metadata, list(parts.values()), work)
+    return MutationResult(new_pod, warnings=tuple(work.warnings), changed=True)
+
+
+def mutate_ephemeral(pod: dict[str, Any], old_pod: Any, settings: Settings, *,
+                     namespace: str | None = None) -> MutationResult:
+    """An UPDATE of ``pods/ephemeralcontainers``: the ephemeral containers of ``pod`` that
+    ``old_pod`` lacks (by name) get no GPU, in a pod :func:`mutate_pod` marked as a gpuslice
+    pod, or in any pod with ``hide_gpus_from_pods_without_gpus``."""
+    spec, metadata = pod_shape(pod)
+    ns = namespace or metadata.get("namespace")
+    if ns in NEVER_MUTATED_NAMESPACES or ns == settings.release_namespace:
+        return MutationResult(pod)
+    if not ((metadata.get("annotations") or {}).get(names.ANN_MUTATED)
+            or settings.hide_gpus_from_pods_without_gpus):
+        return MutationResult(pod)
+    debuggers = spec.get("ephemeralContainers") or []
+    if not isinstance(debuggers, list):
+        raise BadObject("spec.ephemeralContainers must be a list")
+    old_spec = old_pod.get("spec") if isinstance(old_pod, dict) else None
+    old = (old_spec.get("ephemeralContainers") if isinstance(old_spec, dict) else None) or []
+    existing = {c.get("name") for c in old if isinstance(c, dict)} if isinstance(old, list) \
+        else set()
+    work = _Work()
+    new = []
+    for i, c in enumerate(debuggers):
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            raise BadObject(f"spec.ephemeralContainers[{i}] must be an object with a string name")
+        if c["name"] in existing:
+            new.append(c)
+            continue
+        if not isinstance(c.get("env") or [], list):
+            raise BadObject(f"spec.ephemeralContainers[{i}].env must be a list")
+        if not isinstance(c.get("volumeMounts") or [], list):
+            raise BadObject(f"spec.ephemeralContainers[{i}].volumeMounts must be a list")
+        new.append(_without_our_volumes(_without_gpus(c, work), work))
+    if all(a is b for a, b in zip(new, debuggers)):
+        return MutationResult(pod)  # mutated before, or nothing new
+    new_pod = dict(pod)
+    new_pod["spec"] = {**spec, "ephemeralContainers": new}
     return MutationResult(new_pod, warnings=tuple(work.warnings), changed=True)
 
 

@@ -112,6 +112,13 @@ def is_pod_create(request: AdmissionRequest) -> bool:
             and not request.get("subResource"))
 
 
+def is_ephemeral_update(request: AdmissionRequest) -> bool:
+    """True for an UPDATE of a Pod's ``ephemeralcontainers`` subresource (kubectl debug)."""
+    kind = request["kind"]
+    return (request["operation"] == "UPDATE" and kind["group"] == "" and kind["kind"] == "Pod"
+            and request.get("subResource") == "ephemeralcontainers")
+
+
 def pod_object(request: AdmissionRequest) -> dict[str, Any]:
     """The Pod of a pod CREATE request, or :class:`BadReview` when it is missing or not a Pod."""
     pod = request.get("object")

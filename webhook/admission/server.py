@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from webhook.admission import review
 from webhook.admission.diff import pod_patch
-from webhook.admission.mutate import BadObject, mutate_pod
+from webhook.admission.mutate import BadObject, mutate_ephemeral, mutate_pod
 from webhook.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,13 @@ class MutateHandler:
 
     def _decide(self, admission: review.AdmissionRequest) -> tuple[str, web.Response]:
         uid = admission["uid"]
+        if review.is_ephemeral_update(admission):
+            pod = review.pod_object(admission)
+            result = mutate_ephemeral(pod, admission.get("oldObject"), self.settings,
+                                      namespace=admission.get("namespace"))
+            patch = pod_patch(pod, result.pod) if result.changed else None
+            return ("allowed_patched" if patch else "allowed_unchanged",
+                    _json(review.encode_allowed(uid, patch, list(result.warnings))))
         if not review.is_pod_create(admission):
             return "allowed_unchanged", _json(review.encode_allowed(uid))
         pod = review.pod_object(admission)
