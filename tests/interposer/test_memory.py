@@ -1716,16 +1716,13 @@ def test_the_sampler_charges_growth_once_the_pid_is_learnt_from_allocations(lab)
     assert 4 * GIB - res.values("meminfo")[0] == res.values("phys")[0] == 496 * MIB
 
 
-
-@pytest.mark.xfail(strict=True, reason="pool.c: past 8 contexts a pool's frees are noted as 'any "
-                   "context', which one context's synchronisation clears (not fixed yet)")
 def test_a_destroyed_pools_frees_on_more_contexts_than_it_remembers_wait_for_all_of_them(lab):
     # nine contexts each free a 60 MiB pool allocation on a stream of their own, and the pool is
-    # destroyed: past 8 contexts the pool remembers "any context", which the synchronisation of
-    # the ninth context alone cleared while the frees of the 8 others were outstanding (the fake
-    # holds the pool's 544 MiB until their contexts synchronise): the pool's charge went, 0
-    # charged for 544 held, and without the near-cap reconcile a 900 MiB allocation passed,
-    # 1444 MiB held under a 1 GiB cap
+    # destroyed, and the ninth context synchronised: the frees of the 8 others are outstanding
+    # (the fake holds the pool's 544 MiB until their contexts synchronise).  Past 8 contexts the
+    # pool remembered "any context", which that one synchronisation cleared: 0 charged for 544
+    # held, and without the near-cap reconcile a 900 MiB allocation passed, 1444 MiB held under
+    # a 1 GiB cap
     cmds = ["init", "ctx", "0"]
     for k in range(9):
         cmds += ["ctxcreate", "0", "pool", "60m", "nsfree", str(k)]
