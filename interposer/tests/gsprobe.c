@@ -1268,6 +1268,13 @@ int main(int argc, char **argv)
             printf("events 0 %ld\n", live ? live() : -1L);
         } else if (!strcmp(c, "sync")) {
             printf("sync %d\n", api.cuCtxSynchronize());
+        } else if (!strcmp(c, "nsfree")) {
+            /* nsfree ID: cuMemFreeAsync of allocation ID on a new stream of the current context */
+            CUstream ns = NULL;
+            CUresult rc = api.cuStreamCreate(&ns, 0);
+            if (rc == CUDA_SUCCESS) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ns);
+            printf("nsfree %d\n", rc);
+            i += 1;
         } else if (!strcmp(c, "sfree") || !strcmp(c, "ssync") || !strcmp(c, "esync")) {
             /* sfree ID S: cuMemFreeAsync of pool allocation ID on stream S (0-3, made in the
              * current context at its first use); ssync S: cuStreamSynchronize of stream S;

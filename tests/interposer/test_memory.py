@@ -1714,3 +1714,24 @@ def test_the_sampler_charges_growth_once_the_pid_is_learnt_from_allocations(lab)
     res = started_beside_another(lab, "alloc", "64m", "alloc", "32m", "module", "300m", "sleep",
                                  "1500", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="4g")
     assert 4 * GIB - res.values("meminfo")[0] == res.values("phys")[0] == 496 * MIB
+
+
+def test_a_destroyed_pools_frees_on_more_contexts_than_it_remembers_wait_for_all_of_them(lab):
+    # nine contexts each free a 60 MiB pool allocation on a stream of their own, and the pool is
+    # destroyed, and the ninth context synchronised: the frees of the 8 others are outstanding
+    # (the fake holds the pool's 544 MiB until their contexts synchronise).  Past 8 contexts the
+    # pool remembered "any context", which that one synchronisation cleared: 0 charged for 544
+    # held, and without the near-cap reconcile a 900 MiB allocation passed, 1444 MiB held under
+    # a 1 GiB cap
+    cmds = ["init", "ctx", "0"]
+    for k in range(9):
+        cmds += ["ctxcreate", "0", "pool", "60m", "nsfree", str(k)]
+    cmds += ["pooldestroy", "phys", "sync", "meminfo", "alloc", "900m", "phys"]
+    res = lab.run(*cmds, CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="ctx",
+                  GPUSLICE_RECONCILE_MARGIN="0")
+    assert [rc for rc, _ in res.of("nsfree")] == [0] * 9
+    assert res.rc("pooldestroy") == 0 and res.rc("sync") == 0
+    held = res.values("phys", 0)[0]
+    assert held == 544 * MIB
+    assert GIB - res.values("meminfo")[0] >= held
+    assert res.rc("alloc") == OOM and res.values("phys", 1) == [held]

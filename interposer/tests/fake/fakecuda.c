@@ -28,6 +28,9 @@
  *                            fails to grow the pool: CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES).
  *                            A pool destroyed meanwhile keeps its memory (and its handle) until
  *                            they complete, as cuMemPoolDestroy's documentation says.
+ *                            With =ctx a context's synchronisation completes only the frees made
+ *                            on streams that context created (and on the default streams, which
+ *                            the fake shares between contexts), not other contexts' streams'.
  *                            Off by default: frees are then complete at once
  *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
  *                            call, default 1; code default 2 = out of memory)

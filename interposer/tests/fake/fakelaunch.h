@@ -30,6 +30,27 @@ static struct fake_stream *stream_of(CUstream s, int ptsz)
     return (struct fake_stream *)s;
 }
 
+/* FAKE_CUDA_POOL_PENDING=ctx: a context's synchronisation completes the pools' frees made on
+ * streams that context created (and on the default streams, which the fake shares), not those
+ * of other contexts' streams */
+static void pools_complete_ctx(const struct fake_ctx *c)
+{
+    pthread_mutex_lock(&mu);
+    struct fake_pool *all[FAKE_MAX_DEVS + 2 + 64];
+    int n = 0;
+    for (int d = 0; d < FAKE_MAX_DEVS; d++) all[n++] = &default_pools[d];
+    all[n++] = &host_pool;
+    all[n++] = &managed_pool;
+    for (int i = 0; i < nuser_pools && n < (int)(sizeof(all) / sizeof(all[0])); i++) all[n++] = user_pools[i];
+    for (int k = 0; k < n; k++)
+        for (int i = 0; i < 8; i++) {
+            const struct fake_stream *st = (const struct fake_stream *)all[k]->pend_stream[i];
+            if (all[k]->pend_bytes[i] && (st == &legacy_stream || st == &ptds_stream || st->ctx == c))
+                pool_complete(all[k], st);
+        }
+    pthread_mutex_unlock(&mu);
+}
+
 API CUresult cuStreamCreate(CUstream *s, unsigned int flags)
 {
     (void)flags;
@@ -323,7 +344,10 @@ API CUresult cuCtxSynchronize(void)
     FAIL_POINT("cuCtxSynchronize");
     sleep_until(__atomic_load_n(&legacy_stream.tail, __ATOMIC_ACQUIRE));
     sleep_until(__atomic_load_n(&ptds_stream.tail, __ATOMIC_ACQUIRE));
-    pools_release_at_sync(NULL);
+    static int per_ctx = -1;
+    if (per_ctx < 0) per_ctx = (getenv("FAKE_CUDA_POOL_PENDING") && !strcmp(getenv("FAKE_CUDA_POOL_PENDING"), "ctx"));
+    if (per_ctx) pools_complete_ctx(current); /* the frees of this context's own streams only */
+    else pools_release_at_sync(NULL);
     if (sync_forbidden && capture_forbids()) forbidden = 1;
     return forbidden ? 900 : CUDA_SUCCESS; /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
 }
