@@ -655,25 +655,34 @@ def test_another_tenant_allocating_while_our_context_is_created_is_not_charged_t
     assert res.rc("alloc") == 0
 
 
+def made_during_anothers_act(lab, setup: list[str], act: list[str], ours: list[str], hold_ms: int,
+                             other_env: dict[str, str], ours_env: dict[str, str]):
+    """Start another process (``init ctx 0`` then ``setup``), then ours (``init ctx 0`` then
+    ``ours``, its primary context's creation held ``hold_ms``), and have the other run ``act``
+    while ours is being created; ours' result once the other has acted, and the other's."""
+    tmp = lab.tmp
+    other = lab.start("init", "ctx", "0", *setup, "touch", str(tmp / "ready"), "waitfile", str(tmp / "act"),
+                      *act, "touch", str(tmp / "acted"), "waitfile", str(tmp / "go"), **other_env)
+    lab.wait_for(tmp / "ready")
+    pending = lab.start("init", "ctx", "0", *ours, FAKE_CUDA_SLEEP=f"cuDevicePrimaryCtxRetain:{hold_ms}",
+                        FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **ours_env)
+    lab.wait_for(tmp / "creating")
+    (tmp / "act").touch()
+    lab.wait_for(tmp / "acted")
+    res = lab.finish(pending)
+    (tmp / "go").touch()
+    return res, lab.finish(other)
+
+
 def made_while_another_tenant_allocates(lab, take: str, **env: str):
     """Run ``init ctx 0 meminfo alloc 800m`` while another container's running process (its
     own region; the same fake driver settings) takes ``take`` during our context's creation;
     our result once the other holds it."""
-    tmp = lab.tmp
     fake = {k: v for k, v in env.items() if k.startswith("FAKE_")}
-    other = lab.start("init", "ctx", "0", "touch", str(tmp / "ready"), "waitfile", str(tmp / "take"),
-                      "alloc", take, "touch", str(tmp / "held"), "waitfile", str(tmp / "go"),
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"), **fake)
-    lab.wait_for(tmp / "ready")
-    ours = lab.start("init", "ctx", "0", "meminfo", "alloc", "800m",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:500",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
-    lab.wait_for(tmp / "creating")
-    (tmp / "take").touch()
-    lab.wait_for(tmp / "held")
-    res = lab.finish(ours)
-    (tmp / "go").touch()
-    assert lab.finish(other).rc("alloc") == 0
+    res, other = made_during_anothers_act(
+        lab, [], ["alloc", take], ["meminfo", "alloc", "800m"], 500,
+        {"CUDA_DEVICE_MEMORY_SHARED_CACHE": str(lab.tmp / "other-region"), **fake}, env)
+    assert other.rc("alloc") == 0
     return res
 
 
@@ -681,20 +690,9 @@ def test_a_free_by_another_process_of_the_container_during_a_creation_does_not_l
     # without per-process figures a context is measured by the device's growth, which can only
     # lower the container's estimate: another process of the container freeing 60 MiB during a
     # 100 MiB creation made it 40 MiB, and every later context was charged 40 MiB for 100 held
-    tmp = lab.tmp
     env = {"FAKE_CUDA_CTX_BYTES": "100m", "FAKE_NVML_PROC_MEM": "0", "CUDA_DEVICE_MEMORY_LIMIT": "1g"}
-    other = lab.start("init", "ctx", "0", "alloc", "60m", "touch", str(tmp / "ready"), "waitfile",
-                      str(tmp / "give"), "free", "0", "touch", str(tmp / "given"), "waitfile",
-                      str(tmp / "go"), **env)
-    lab.wait_for(tmp / "ready")
-    ours = lab.start("init", "ctx", "0", "meminfo", FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
-    lab.wait_for(tmp / "creating")
-    (tmp / "give").touch()
-    lab.wait_for(tmp / "given")
-    res = lab.finish(ours)
-    (tmp / "go").touch()
-    assert lab.finish(other).rc("free") == 0
+    res, other = made_during_anothers_act(lab, ["alloc", "60m"], ["free", "0"], ["meminfo"], 400, env, env)
+    assert other.rc("free") == 0
     assert res.values("meminfo") == [GIB - 200 * MIB, GIB]  # both contexts, whole
     assert lab.run("init", "ctx", "0", "meminfo", **env).values("meminfo") == [GIB - 100 * MIB, GIB]
 
