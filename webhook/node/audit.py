@@ -111,11 +111,16 @@ def boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _TICKS)
 
 
+def stat_fields(stat_text: str) -> list[str]:
+    """The fields of a ``/proc/<pid>/stat`` line from the state (field 3) on: the command name
+    before them, in parentheses, may hold spaces and parentheses, so they start after its last
+    ``)`` (field N is item N - 3)."""
+    return stat_text[stat_text.rfind(")") + 1:].split()
+
+
 def start_ticks(stat_text: str) -> int | None:
-    """The start time (ticks since boot) in a ``/proc/<pid>/stat`` line, or None. The command
-    name, in parentheses, may hold spaces and parentheses: the fields after its last ``)``
-    count from the state (field 3); the start time is field 22."""
-    fields = stat_text[stat_text.rfind(")") + 1:].split()
+    """The start time (ticks since boot; field 22) in a ``/proc/<pid>/stat`` line, or None."""
+    fields = stat_fields(stat_text)
     try:
         return int(fields[19])
     except (IndexError, ValueError):

@@ -31,11 +31,7 @@ def read_plain_file(path: str | os.PathLike[str], limit: int, *, follow: bool = 
     Raises :class:`NotPlainFile` for anything else, and the ``OSError`` of the open otherwise
     (``FileNotFoundError`` and so on). With ``follow=False`` a final symbolic link is not
     followed (it is not a plain file)."""
-    fd = open_plain_file(path, follow=follow)
-    try:
-        return read_fd(fd, limit)
-    finally:
-        os.close(fd)
+    return _read_and_close(open_plain_file(path, follow=follow), limit)
 
 
 def open_plain_file(path: str | os.PathLike[str], *, follow: bool = True) -> int:
@@ -70,11 +66,7 @@ def read_plain_file_in_root(root: str | os.PathLike[str], path: str, limit: int)
                           dir_fd=root_fd)
     finally:
         os.close(root_fd)
-    fd = _open_ref(ref, os.path.join(os.fspath(root), path.lstrip("/")))
-    try:
-        return read_fd(fd, limit)
-    finally:
-        os.close(fd)
+    return _read_and_close(_open_ref(ref, os.path.join(os.fspath(root), path.lstrip("/"))), limit)
 
 
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -121,6 +113,13 @@ def read_fd(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+def _read_and_close(fd: int, limit: int) -> bytes:
+    try:
+        return read_fd(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def _kind(mode: int) -> str:

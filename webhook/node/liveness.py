@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from webhook.node.audit import stat_fields
 from webhook.node.region import ProcessUsage
 
 BUDGET = 0.5
@@ -218,8 +219,7 @@ class Liveness:
             text = (self._proc / str(pid) / "stat").read_bytes().decode(errors="replace")
         except (FileNotFoundError, ProcessLookupError):
             return None
-        # after the command name's last ")": field 3 (state) on; 20 = threads, 22 = start
-        fields = text[text.rfind(")") + 1:].split()
+        fields = stat_fields(text)  # field 3 (state) on: 20 = threads, 22 = start
         try:
             return int(fields[19]), fields[0], int(fields[17])
         except (IndexError, ValueError) as exc:
