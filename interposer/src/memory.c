@@ -163,6 +163,12 @@ GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAllocManaged(dptr, bytesize, flags), 0);
 }
 
+/* The driver's free, through the CUDA 2.x entry point when `v1` */
+static CUresult real_free(int v1, CUdeviceptr dptr)
+{
+    return v1 ? gs_cuda.cuMemFree((unsigned int)dptr) : gs_cuda.cuMemFree_v2(dptr);
+}
+
 /* The driver's pitch allocation, through the CUDA 2.x entry point (32-bit
  * pointer, pitch and sizes) when `v1`. */
 static CUresult real_pitch(int v1, CUdeviceptr *dptr, size_t *pitch, size_t w, size_t h, unsigned int elem)
@@ -177,8 +183,17 @@ static CUresult real_pitch(int v1, CUdeviceptr *dptr, size_t *pitch, size_t w, s
     return rc;
 }
 
+/* The pitch is the driver's, known only after the call: the rows are reserved at 512 bytes'
+ * alignment (`known` 0) and the charge follows the pitch.  One wider than reserved whose
+ * difference takes the container near its cap is freed and made again, admitted at its real
+ * size (`known`) as any allocation near the cap is, on top of what the process holds uncharged
+ * (gs_reserve_near): the difference was reserved against the cap alone, and a pitch 2 MiB
+ * wider than its estimate beside a 4 KiB array's page held 1,025 MiB under a 1 GiB cap,
+ * whether the estimate was near the cap or far from it (`test_near_cap_growth.py -k
+ * pitch_wider`).  Made again wider still (a driver that does not answer the same width with
+ * the same pitch), the difference is reserved as before. */
 static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height,
-                            unsigned int ElementSizeBytes)
+                            unsigned int ElementSizeBytes, uint64_t known)
 {
     gs_devices_ready();
     CUcontext ctx;
@@ -186,7 +201,7 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
     uint64_t row = ((uint64_t)WidthInBytes + 511) & ~511ull;
     if (slot < 0 || !WidthInBytes || !Height || WidthInBytes > UINT64_MAX / 2 || row > UINT64_MAX / Height)
         return real_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    uint64_t charge = gs_charge_size(row * Height); /* the pitch is not known before the call */
+    uint64_t charge = known ? known : gs_charge_size(row * Height); /* the pitch is not known before the call */
     gs_inflight_begin();
     uint64_t held;
     if (gs_reserve_alloc(slot, charge, &held) != 0) {
@@ -204,6 +219,13 @@ static CUresult alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pPitch, size_t Wi
         return rc;
     }
     uint64_t actual = *pPitch <= UINT64_MAX / Height ? gs_charge_size((uint64_t)*pPitch * Height) : UINT64_MAX;
+    if (actual > charge && !known && (held != charge || gs_near_cap(slot, actual - charge)) &&
+        (v1 ? !!gs_cuda.cuMemFree : !!gs_cuda.cuMemFree_v2) && real_free(v1, *dptr) == CUDA_SUCCESS) {
+        gs_budget_release(slot, charge); /* once freed */
+        gs_inflight_end();
+        gs_unsettled_end();
+        return alloc_pitch(v1, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes, actual);
+    }
     int ok = 1;
     if (actual > charge) {
         ok = gs_reserve_raw(slot, actual - charge) == 0; /* reconciled above */
@@ -225,7 +247,7 @@ GS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t 
     gs_cuda_init();
     if (!gs_cuda.cuMemAllocPitch_v2) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr || !pPitch) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_pitch(0, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
+    return alloc_pitch(0, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes, 0);
 }
 
 GS_EXPORT CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
@@ -236,18 +258,12 @@ GS_EXPORT CUresult cuMemAllocPitch(unsigned int *dptr, unsigned int *pPitch, uns
     if (!dptr || !pPitch) return CUDA_ERROR_INVALID_VALUE;
     CUdeviceptr d = 0;
     size_t p = 0;
-    CUresult rc = alloc_pitch(1, &d, &p, WidthInBytes, Height, ElementSizeBytes);
+    CUresult rc = alloc_pitch(1, &d, &p, WidthInBytes, Height, ElementSizeBytes, 0);
     if (rc == CUDA_SUCCESS) {
         *dptr = (unsigned int)d;
         *pPitch = (unsigned int)p;
     }
     return rc;
-}
-
-/* The driver's free, through the CUDA 2.x entry point when `v1` */
-static CUresult real_free(int v1, CUdeviceptr dptr)
-{
-    return v1 ? gs_cuda.cuMemFree((unsigned int)dptr) : gs_cuda.cuMemFree_v2(dptr);
 }
 
 /* A free the driver refused after a context's teardown began since its record was taken: the

@@ -130,6 +130,24 @@ def test_a_large_allocation_beside_uncharged_small_pages_stays_within_the_cap(la
     assert res.values("phys")[0] <= CAP
 
 
+@pytest.mark.parametrize("rows", [["235521", "4087"], ["1", "944128"]], ids=["near", "far_estimate"])
+def test_a_pitch_wider_than_reserved_beside_uncharged_small_pages_stays_within_the_cap(lab, rows):
+    # as above, with a driver whose pitch is 1 KiB-aligned: reserved at 512-byte alignment, the
+    # rows take 920 MiB (235,521 bytes by 4,087: near the cap, it fits on top of the 4 KiB
+    # array's page), or 461 MiB (1 byte by 944,128: far from the cap); the driver's pitch takes
+    # 922 MiB, and the difference was reserved against the cap alone, not on top of what the
+    # process holds uncharged: 1,025 MiB held under the 1,024 MiB cap
+    res = lab.run("init", "ctx", "0", "alloc", "4k", "pitch", *rows, "phys",
+                  **{**ENV, "FAKE_CUDA_CTX_BYTES": "101m", "FAKE_CUDA_PITCH_ALIGN": "1024"})
+    assert res.rc("pitch") == OOM, res.stdout
+    assert res.values("phys")[0] <= CAP
+    # with room for it, the same pitch is admitted at the driver's figure
+    res = lab.run("init", "ctx", "0", "alloc", "4k", "pitch", *rows, "phys",
+                  **{**ENV, "FAKE_CUDA_CTX_BYTES": "99m", "FAKE_CUDA_PITCH_ALIGN": "1024"})
+    assert res.rc("pitch") == 0, res.stdout
+    assert 99 * MIB + 921 * MIB < res.values("phys")[0] <= CAP
+
+
 @pytest.mark.parametrize(("cmd", "env"), [("async", {}), ("pool", {}),
                                           ("async", {"FAKE_CUDA_FAIL": "cuDeviceGetMemPool:0:999"})],
                          ids=["async", "from_pool", "pool_unknown"])
