@@ -600,3 +600,20 @@ def test_a_slot_read_mid_registration_is_not_judged_dead(
     path.write_bytes(region(started - 7))
     monkeypatch.setattr(metrics, "read_region", real)
     assert used_of(reg, uuid=GPU0) == 0
+
+
+def test_a_slot_live_before_its_pid_is_seen_is_no_corrupt_region(tmp_path: Path) -> None:
+    # The same relaxed stores, read in the other order: the slot's state live, its pid still
+    # the 0 it had free. The library's own sweep passes such a slot by; the agent took the
+    # whole region for corrupt (counted, logged, the container's figures gone that scrape).
+    region = Region(pod_uid=UID1, pod_name="p", namespace="ns", container="c",
+                    devices=(DeviceSlot(0, GPU0, 0, 3 * GIB, 0, 0),),
+                    processes=(ProcessUsage(pid=100, used_bytes=(3 * GIB,)),
+                               ProcessUsage(pid=0, used_bytes=(0,))))
+    path = tmp_path / UID1 / "c" / "region"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(encode_region(region))
+    assert [p.pid for p in read_region(path).processes] == [100]
+    _, reg = make(tmp_path)
+    assert used_of(reg, uuid=GPU0) == 3 * GIB
+    assert samples(reg)[("gpuslice_region_errors_total", ())] == 0
