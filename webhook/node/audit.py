@@ -44,7 +44,9 @@ the container starts) is looked up again at the next check. Static pods are not 
 webhook does not admit them as GPU pods). A pid reused between NVML's list and the cgroup read
 is not placed: after the cgroup, ``<proc>/<pid>/stat`` gives the start time of the process that
 holds the pid now, and one started after the list was taken is not the process NVML listed
-(that check is then incomplete).
+(that check is then incomplete); nor is one started after the first of the checks in a row
+whose lists name the pid (NVML goes on listing a process that ended while its allocations are
+held, by a child that inherited its descriptors: the process holding its pid since is not it).
 """
 
 from __future__ import annotations
@@ -414,6 +416,9 @@ class Auditor:
         NVML's wall-clock µs), and where the pid changed hands since it was first placed, until
         when (NVML's µs) its samples are the earlier holder's, and that one's place."""
         self._unknown: dict[str, float] = {}
+        self._listed_since: dict[int, int] = {}
+        """Each pid NVML's process lists name: the boot ticks taken before the first of the
+        checks in a row that listed it (a GPU whose list failed breaks no row)."""
         self._episodes: dict[tuple[str, str, str, str], _Episode] = {}
         """("memory" or "compute", pod UID, container name, GPU UUID) -> its episode over the
         limit (by name: a container that restarts goes on with its episode)."""
@@ -646,8 +651,15 @@ class Auditor:
     def _places(self, gpus: list[GpuProcesses],
                 listed: int) -> tuple[dict[int, tuple[str, str]], set[int]]:
         """Each listed pid's pod UID and container ID (where it is a container's), and the pids
-        reused since the list."""
+        reused since the list: since the first of the checks in a row that listed it. NVML goes
+        on listing a process that ended while its memory is held (a child that inherited its
+        device descriptors keeps its allocations), under its pid, which another process may
+        have taken since: one started after NVML began listing the pid is not the one listed."""
         pids = {pid for g in gpus for pid in (g.processes or {})}
+        unread = any(g.processes is None for g in gpus)
+        before = self._listed_since
+        self._listed_since = {pid: since for pid, since in before.items()
+                              if unread and pid not in pids}
         if 0 in pids and not self._warned_pid0:
             self._warned_pid0 = True
             logger.warning("NVML lists GPU processes as pid 0: this driver gives process IDs of "
@@ -656,7 +668,12 @@ class Auditor:
         places: dict[int, tuple[str, str]] = {}
         reused: set[int] = set()
         for pid in pids:
-            place = self._cgroup(pid, listed)
+            since = before.get(pid)
+            place = self._cgroup(pid, listed if since is None else since)
+            # (a process that started just before this list, after the ticks were taken, is not
+            # placed this time: the row starts at the next check)
+            if since is not None or place is not _REUSED:
+                self._listed_since[pid] = listed if since is None else since
             if place is _REUSED:
                 reused.add(pid)
             elif place is not None:
