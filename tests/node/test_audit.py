@@ -1069,3 +1069,48 @@ async def test_stopping_the_agent_does_not_wait_for_a_hung_check(tmp_path: Path)
     stop.set()
     await asyncio.wait_for(task, 5)
     await agent.close()
+
+
+async def test_a_pid_nvml_lists_since_before_its_holder_started_is_not_placed(
+        tmp_path: Path) -> None:
+    """NVML goes on listing a pid whose process has ended while its memory is still held (a
+    child that inherited its device descriptors keeps the allocations; the driver names the
+    process that made them). The pid went to a process of another gpuslice container, started
+    after NVML first listed it but before the check: the listed 8 GiB were that container's,
+    over its 1 GiB cap, and its pod was evicted."""
+    node = Node(tmp_path)
+    gone, victim = one_gpu("gone", 10240), one_gpu("victim", 1024)
+    node.run_in(gone, "a", 70, {0: 8 * GIB}, started=100)
+    node.run_in(victim, "a", 71, {0: 256 * MIB}, started=200)
+    ticks = [1000]
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(gone)
+        kube.put(victim)
+        auditor = _auditor(node, api, action="evict", rounds=3, boot_clock=lambda: ticks[0])
+        assert {h.tracked.pod: h.used_bytes for h in (await auditor.check()).holdings} == \
+            {"gone": 8 * GIB, "victim": 256 * MIB}
+        shutil.rmtree(node.proc / "70")  # ended (and reaped); NVML still lists pid 70
+        ticks[0] = 2000
+        report = await auditor.check()
+        assert report.unattributed[GPU0] == 8 * GIB
+        node.run_in(victim, "a", 70, {0: 8 * GIB}, started=2500)  # the pid, another's now
+        for _ in range(4):
+            ticks[0] += 1000
+            report = await auditor.check()
+            assert {h.tracked.pod: (h.used_bytes, h.pids) for h in report.holdings} == \
+                {"victim": (256 * MIB, (71,))}
+        assert auditor.evictions == 0 and kube.get("pods", "victim", "ml") is not None
+        # once NVML stops listing it, the pid is placed again as any other
+        node.nvml.devices[0].processes.pop(70)
+        await auditor.check()
+        node.nvml.devices[0].processes[70] = 512 * MIB
+        ticks[0] += 1000
+        assert {h.tracked.pod: h.used_bytes for h in (await auditor.check()).holdings} == \
+            {"victim": 768 * MIB}
+        # one that started between the ticks and the list is placed from the next check on
+        node.run_in(victim, "a", 72, {0: 128 * MIB}, started=ticks[0])
+        assert {h.tracked.pod: h.used_bytes for h in (await auditor.check()).holdings} == \
+            {"victim": 768 * MIB}
+        ticks[0] += 1000
+        assert {h.tracked.pod: h.used_bytes for h in (await auditor.check()).holdings} == \
+            {"victim": 896 * MIB}

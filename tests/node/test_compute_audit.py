@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -1141,3 +1142,56 @@ async def test_a_bug_in_the_compute_window_leaves_the_memory_check_running(
         (held,) = report.holdings
         assert held.over(0) and not any(c.judged for c in report.loads) and auditor.errors == 1
         assert any("compute check failed" in r.message for r in caplog.records)
+
+
+async def test_a_pid_reused_within_a_poll_keeps_the_gone_processs_samples_its_own(
+        tmp_path: Path) -> None:
+    """Between two polls a process of one container ran its last period and ended, and a
+    process of another container took its pid (started before the next query). That query's
+    samples of the pid are the gone one's up to the new one's start: they were all charged to
+    the new holder (a container that had not run at all read the other's 90 %)."""
+    node, clock = Node(tmp_path), Clock()
+    first, second = cores_pod("first", "30"), cores_pod("second", "30")
+    ticks = os.sysconf("SC_CLK_TCK")
+    gpus = Gpus(node, clock)
+
+    def boot() -> int:  # boot ticks, in step with the fake driver's wall clock
+        return (gpus.stamp - START_US) * ticks // 1_000_000 + 100_000
+
+    node.run_in(first, "a", 70, {0: GIB}, started=boot())
+    async with served(node, clock, gpus, first, second, boot_clock=boot) as (_kube, auditor):
+        for _ in range(5):
+            tick(node, clock, gpus, auditor, 90, [(70, 0, 90)])
+        # its last period ends 0.5 s after this poll; the pid is another's 0.7 s after it
+        node.stop(70)
+        node.run_in(second, "a", 70, {0: GIB}, started=boot() + 7 * ticks // 10)
+        tick(node, clock, gpus, auditor, 90, [(70, 500_000, 90)])
+        for _ in range(14):  # the new holder never runs
+            tick(node, clock, gpus, auditor, 0, [])
+        got = {c.tracked.pod: round(c.percent, 1) for c in (await auditor.check()).loads}
+        # its 5 periods at 90 % in the 19 s covered (the first poll only starts the window)
+        assert got == {"first": round(90 * 5 / 19, 1), "second": 0.0}
+
+
+async def test_a_gone_processs_last_samples_count_beside_a_later_holders(
+        tmp_path: Path) -> None:
+    """A poll late (3 s after the last): the gone process's last period and a short-lived later
+    process's under its pid come in one answer. Placed by the newest stamp (the later one's,
+    too late to be its), the gone one's last period was nobody's."""
+    node, clock = Node(tmp_path), Clock()
+    victim = cores_pod("victim", "30")
+    node.run_in(victim, "a", 70, {0: GIB})
+    gpus = Gpus(node, clock)
+    async with served(node, clock, gpus, victim) as (_kube, auditor):
+        for _ in range(5):
+            tick(node, clock, gpus, auditor, 60, [(70, 0, 60)])
+        node.stop(70)
+        shutil.rmtree(node.proc / "70")
+        # its last period, 0.5 s after the last poll; another process's, 2.5 s later
+        tick(node, clock, gpus, auditor, 60, [(70, 2_500_000, 60), (70, 0, 60)], seconds=3)
+        node.run_in(victim, "a", 71, {0: GIB})  # (a process of it on the GPU: judged)
+        for _ in range(12):
+            tick(node, clock, gpus, auditor, 0, [])
+        (load,) = (await auditor.check()).loads
+        # busy 60 % for 7 of the 19 s covered; 5 of the 6 samples in them its
+        assert load.pids == (70,) and round(load.percent, 1) == round(60 * 7 / 19 * 5 / 6, 1)

@@ -3,6 +3,7 @@ only when no process maps them and no container's ld.so.preload names them."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -253,18 +254,28 @@ def test_a_container_is_read_through_each_root_of_its_mount_namespace(
     assert old.exists()
 
 
-@pytest.mark.parametrize("link", ["absolute", "etc", "dotdot"])
-def test_a_containers_preload_link_is_resolved_in_its_own_root(tmp_path: Path, link: str) -> None:
+@pytest.mark.parametrize("openat2", ["kernel", "none"])
+@pytest.mark.parametrize("link", ["absolute", "etc", "dotdot", "loop"])
+def test_a_containers_preload_link_is_resolved_in_its_own_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, link: str, openat2: str) -> None:
     # ld.so resolves /etc/ld.so.preload inside the container's root; the agent followed the
     # links from its own: a container (or a process of it that chroots) made it read any file
     # of the host as root (hostPID: /proc/1/root/...); one that fails to read (a write-only
     # sysctl) made every scan incomplete, so no old library was ever removed; one naming a
-    # library kept it; and the file ld.so does read, in the container, went unread.
+    # library kept it; and the file ld.so does read, in the container, went unread. Where the
+    # kernel has no openat2 (before 5.6, or a seccomp profile that denies it: ENOSYS or EPERM)
+    # the fallback followed the links above the file from the agent's root (a container's /etc
+    # made a link to a dir of the host read the host's file) and none at the file.
     from webhook.node import files
-    try:
-        os.close(files._openat2(-100, "/", os.O_PATH, 0))  # AT_FDCWD
-    except OSError as exc:
-        pytest.skip(f"no openat2 here ({exc}): links below the root are not followed at all")
+    if openat2 == "kernel":
+        try:
+            os.close(files._openat2(-100, "/", os.O_PATH, 0))  # AT_FDCWD
+        except OSError as exc:
+            pytest.skip(f"no openat2 here ({exc})")
+    else:
+        def enosys(*_: object) -> int:
+            raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+        monkeypatch.setattr(files, "_openat2", enosys)
     lib = tmp_path / "lib"
     old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
     stale = install.install(LIB_V1 + b"2", lib, TARGET, "0.1.5").library
@@ -285,11 +296,14 @@ def test_a_containers_preload_link_is_resolved_in_its_own_root(tmp_path: Path, l
         (outside / "ld.so.preload").write_text(f"{TARGET}/{stale.name}\n")
         os.rmdir(root / "etc")
         (root / "etc").symlink_to(outside)
-    else:
+    elif link == "dotdot":
         (root / "etc" / "ld.so.preload").symlink_to("../../../../../../../../usr/preload")
+    else:  # links that lead to each other, through the dir above: ld.so reads nothing (ELOOP)
+        (root / "etc" / "ld.so.preload").symlink_to("/usr/loop/ld.so.preload")
+        (root / "usr" / "loop").symlink_to("/etc")
     scan = _scan_in_time(proc)
     assert scan.complete, scan.first_error
-    if link == "etc":  # no such dir in the container's root: its ld.so preloads nothing
+    if link in ("etc", "loop"):  # no such file in the container's root: ld.so preloads nothing
         assert not scan.preloaded_names
         assert sorted(remove_unused(lib, cur, proc)) == sorted([old.name, stale.name])
     else:

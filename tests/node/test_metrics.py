@@ -562,3 +562,58 @@ def test_a_process_of_another_pid_namespace_is_found_by_its_identity(
         assert time.monotonic() < deadline, "the gone namespace's process still counted"
         time.sleep(0.05)
     assert container.charged() >= 768 * MIB
+
+
+def test_a_slot_read_mid_registration_is_not_judged_dead(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The library registers a process in a slot with relaxed stores (pid, pidns, start time,
+    # token, then the state), and the agent reads the file without the region's lock: on
+    # aarch64 a read may see the slot live with the new pid and its first charge but the start
+    # time of the dead process that had the slot before, and no token yet. Looked up, that
+    # identity is gone: the live process's memory was taken off the container's usage.
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    text = Path(f"/proc/{os.getpid()}/stat").read_text()
+    started = int(text[text.rfind(")") + 1:].split()[19])
+
+    def region(start: int) -> bytes:
+        me = ProcessUsage(pid=os.getpid(), used_bytes=(1 * GIB,), pidns=ns, start_time=start)
+        return encode_region(Region(pod_uid=UID1, pod_name="p", namespace="ns", container="c",
+                                    devices=(DeviceSlot(0, GPU0, 0, 1 * GIB, 0, 0),),
+                                    processes=(me,)))
+
+    path = tmp_path / UID1 / "c" / "region"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(region(started - 7))  # the earlier process's start time, not yet replaced
+    from webhook.node import metrics
+    real = metrics.read_region
+
+    def then_the_stores_land(at: str | os.PathLike[str]) -> Region:
+        got = real(at)
+        with open(path, "r+b") as f:  # the same file: the registration's stores now seen
+            f.write(region(started))
+        return got
+
+    monkeypatch.setattr(metrics, "read_region", then_the_stores_land)
+    _, reg = make(tmp_path)
+    assert used_of(reg, uuid=GPU0) == 1 * GIB
+    # a slot whose process is gone reads the same again: not counted
+    path.write_bytes(region(started - 7))
+    monkeypatch.setattr(metrics, "read_region", real)
+    assert used_of(reg, uuid=GPU0) == 0
+
+
+def test_a_slot_live_before_its_pid_is_seen_is_no_corrupt_region(tmp_path: Path) -> None:
+    # The same relaxed stores, read in the other order: the slot's state live, its pid still
+    # the 0 it had free. The library's own sweep passes such a slot by; the agent took the
+    # whole region for corrupt (counted, logged, the container's figures gone that scrape).
+    region = Region(pod_uid=UID1, pod_name="p", namespace="ns", container="c",
+                    devices=(DeviceSlot(0, GPU0, 0, 3 * GIB, 0, 0),),
+                    processes=(ProcessUsage(pid=100, used_bytes=(3 * GIB,)),
+                               ProcessUsage(pid=0, used_bytes=(0,))))
+    path = tmp_path / UID1 / "c" / "region"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(encode_region(region))
+    assert [p.pid for p in read_region(path).processes] == [100]
+    _, reg = make(tmp_path)
+    assert used_of(reg, uuid=GPU0) == 3 * GIB
+    assert samples(reg)[("gpuslice_region_errors_total", ())] == 0

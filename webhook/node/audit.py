@@ -44,7 +44,9 @@ the container starts) is looked up again at the next check. Static pods are not 
 webhook does not admit them as GPU pods). A pid reused between NVML's list and the cgroup read
 is not placed: after the cgroup, ``<proc>/<pid>/stat`` gives the start time of the process that
 holds the pid now, and one started after the list was taken is not the process NVML listed
-(that check is then incomplete).
+(that check is then incomplete); nor is one started after the first of the checks in a row
+whose lists name the pid (NVML goes on listing a process that ended while its allocations are
+held, by a child that inherited its descriptors: the process holding its pid since is not it).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from pathlib import Path
 from kubernetes_asyncio import client
 
 from webhook import names
-from webhook.node.compute import COVERED, ComputeSampler, ComputeShare
+from webhook.node.compute import COVERED, ComputeSampler, ComputeShare, Handover
 from webhook.node.config import OVER_LIMIT_ACTIONS
 from webhook.node.inventory import GpuProcesses, Inventory
 from webhook.node.publish import API_ERRORS, TIMEOUT, api_error
@@ -408,10 +410,15 @@ class Auditor:
         self._known: dict[str, Tracked] = {}
         self._evicted: dict[str, float] = {}
         """Pods evicted (UID -> when), not asked for again while they terminate."""
-        self._placed: dict[int, tuple[int, tuple[str, str] | None, float, int]] = {}
+        self._placed: dict[int, tuple[int, tuple[str, str] | None, float, int,
+                                      tuple[int, tuple[str, str] | None] | None]] = {}
         """The compute sampler's pids: start time, place, when last seen alive (monotonic, and
-        NVML's wall-clock µs)."""
+        NVML's wall-clock µs), and where the pid changed hands since it was first placed, until
+        when (NVML's µs) its samples are the earlier holder's, and that one's place."""
         self._unknown: dict[str, float] = {}
+        self._listed_since: dict[int, int] = {}
+        """Each pid NVML's process lists name: the boot ticks taken before the first of the
+        checks in a row that listed it (a GPU whose list failed breaks no row)."""
         self._episodes: dict[tuple[str, str, str, str], _Episode] = {}
         """("memory" or "compute", pod UID, container name, GPU UUID) -> its episode over the
         limit (by name: a container that restarts goes on with its episode)."""
@@ -455,7 +462,7 @@ class Auditor:
         return pod_and_container(text)
 
     def _place_now(self, stamps: dict[int, int], listed: int,
-                   wall_us: int) -> dict[int, tuple[str, str]]:
+                   wall_us: int) -> dict[int, tuple[str, str] | Handover]:
         """The pod UID and container ID of each process the compute sampler asks about (pid ->
         its newest sample's NVML timestamp, 0 for one only listed) that is a container's.
         ``listed``: boot ticks taken before the query; a process started since is not the one
@@ -463,30 +470,42 @@ class Auditor:
         read, not two: the sampler asks every second). One gone (or whose pid a newer process
         holds) keeps it for samples stamped at most :data:`GONE_LATE_US` after it was last seen
         alive, for :data:`GONE_TTL` seconds: a process sampled after it ended is still its
-        container's, a later process under its pid is not."""
+        container's, a later process under its pid is not. A pid another process took since it
+        was placed (between two polls) is a :class:`~webhook.node.compute.Handover`: its
+        samples stamped before the new process started are the old one's."""
         now = self._clock()
-        out: dict[int, tuple[str, str]] = {}
+        out: dict[int, tuple[str, str] | Handover] = {}
         cache = {pid: known for pid, known in self._placed.items() if now - known[2] < GONE_TTL}
-        for pid, stamp in stamps.items():
+        for pid in stamps:
             known = cache.get(pid)
             try:
                 started = start_ticks((self._proc / str(pid) / "stat").read_text(errors="replace"))
             except OSError:
                 started = None  # gone (or never ours to read)
             if started is None or started >= listed:  # gone, or its pid reused since the query
-                if known is not None and known[1] is not None and 0 < stamp <= known[3] + \
-                        GONE_LATE_US:
-                    out[pid] = known[1]  # as it was placed while it lived
+                if known is not None and known[1] is not None:  # as placed while it lived
+                    out[pid] = Handover(known[3] + GONE_LATE_US, known[1], None)
                 continue
+            before = None
             if known is not None and known[0] == started:
-                place = known[1]
+                place, before = known[1], known[4]
             else:
                 got = self._cgroup(pid, listed)
                 if got is _REUSED:
+                    if known is not None and known[1] is not None:
+                        out[pid] = Handover(known[3] + GONE_LATE_US, known[1], None)
                     continue
                 place = got
-            cache[pid] = (started, place, now, wall_us)
-            if place is not None:
+                if known is not None:
+                    # another process's since it was last seen: the samples stamped before the
+                    # new one started (its start in boot ticks, on the wall clock) are the old
+                    # one's, this poll's and those that show up late
+                    begun = wall_us - (listed - started) * 1_000_000 // _TICKS
+                    before = (max(known[3], min(begun, known[3] + GONE_LATE_US)), known[1])
+            cache[pid] = (started, place, now, wall_us, before)
+            if before is not None:
+                out[pid] = Handover(before[0], before[1], place)
+            elif place is not None:
                 out[pid] = place
         self._placed = cache
         return out
@@ -632,8 +651,15 @@ class Auditor:
     def _places(self, gpus: list[GpuProcesses],
                 listed: int) -> tuple[dict[int, tuple[str, str]], set[int]]:
         """Each listed pid's pod UID and container ID (where it is a container's), and the pids
-        reused since the list."""
+        reused since the list: since the first of the checks in a row that listed it. NVML goes
+        on listing a process that ended while its memory is held (a child that inherited its
+        device descriptors keeps its allocations), under its pid, which another process may
+        have taken since: one started after NVML began listing the pid is not the one listed."""
         pids = {pid for g in gpus for pid in (g.processes or {})}
+        unread = any(g.processes is None for g in gpus)
+        before = self._listed_since
+        self._listed_since = {pid: since for pid, since in before.items()
+                              if unread and pid not in pids}
         if 0 in pids and not self._warned_pid0:
             self._warned_pid0 = True
             logger.warning("NVML lists GPU processes as pid 0: this driver gives process IDs of "
@@ -642,7 +668,12 @@ class Auditor:
         places: dict[int, tuple[str, str]] = {}
         reused: set[int] = set()
         for pid in pids:
-            place = self._cgroup(pid, listed)
+            since = before.get(pid)
+            place = self._cgroup(pid, listed if since is None else since)
+            # (a process that started just before this list, after the ticks were taken, is not
+            # placed this time: the row starts at the next check)
+            if since is not None or place is not _REUSED:
+                self._listed_since[pid] = listed if since is None else since
             if place is _REUSED:
                 reused.add(pid)
             elif place is not None:

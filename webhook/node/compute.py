@@ -91,6 +91,20 @@ Key = tuple[str, str]
 
 
 @dataclass(frozen=True)
+class Handover:
+    """A pid that changed hands since it was last placed: its samples stamped at or before
+    ``until`` (NVML's µs) are the earlier holder's (``before``), later ones the holder's now
+    (``after``); None: no container's."""
+
+    until: int
+    before: Key | None
+    after: Key | None
+
+    def at(self, stamp: int) -> Key | None:
+        return self.before if stamp <= self.until else self.after
+
+
+@dataclass(frozen=True)
 class ComputeShare:
     """One container's share of one GPU's time over the window."""
 
@@ -148,13 +162,15 @@ class ComputeSampler:
 
     ``place(stamps, listed, wall_us)`` names the containers of the processes given (pid -> its
     newest sample's timestamp, 0 for one only listed); a pid it leaves out is not a
-    container's, or was reused since ``listed`` (boot ticks taken before the query).
+    container's, or was reused since ``listed`` (boot ticks taken before the query); a pid
+    that changed hands meanwhile is a :class:`Handover` (its samples placed by their stamps).
     :meth:`poll` runs in a worker thread, :meth:`snapshot` on the event loop: a lock keeps them
     apart.
     """
 
     def __init__(self, inventory: Inventory,
-                 place: Callable[[dict[int, int], int, int], dict[int, Key]], window: float, *,
+                 place: Callable[[dict[int, int], int, int], dict[int, Key | Handover]],
+                 window: float, *,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time,
                  boot_clock: Callable[[], int] = lambda: 1 << 62) -> None:
@@ -214,7 +230,7 @@ class ComputeSampler:
                 track = self._tracks.setdefault(u.gpu.uuid, _Track())
                 self._advance(track, u, places, now)
 
-    def _advance(self, track: _Track, u: GpuUtilisation, places: dict[int, Key],
+    def _advance(self, track: _Track, u: GpuUtilisation, places: dict[int, Key | Handover],
                  now: float) -> None:
         if u.samples is None:  # a query failed: this time is not covered, nor what comes next
             self.failures += 1
@@ -231,9 +247,10 @@ class ComputeSampler:
             track.last = now
             return
         track.polls += 1
-        for pid, _stamp, pct in fresh:
+        for pid, stamp, pct in fresh:
             track.total += pct
-            key = places.get(pid)
+            place = places.get(pid)
+            key = place.at(stamp) if isinstance(place, Handover) else place
             if key is not None:
                 track.weights[key] = track.weights.get(key, 0.0) + pct
                 track.pids.setdefault(key, set()).add(pid)

@@ -52,8 +52,7 @@ def read_plain_file_in_root(root: str | os.PathLike[str], path: str, limit: int)
     of the agent's own view: with hostPID, ``/proc/1/root/...`` is any file of the host.
 
     Through ``openat2(RESOLVE_IN_ROOT)`` (Linux 5.6); where the kernel (or a seccomp profile)
-    has none, links are not followed at the last component (a symbolic link is not a plain
-    file) and those above it are, as before."""
+    has none, the same resolution one component at a time (:func:`_open_in_root`)."""
     root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         try:
@@ -62,11 +61,55 @@ def read_plain_file_in_root(root: str | os.PathLike[str], path: str, limit: int)
         except OSError as exc:
             if exc.errno not in (errno.ENOSYS, errno.EPERM):
                 raise
-            ref = os.open(path.lstrip("/"), os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW,
-                          dir_fd=root_fd)
+            ref = _open_in_root(root_fd, path)
     finally:
         os.close(root_fd)
     return _read_and_close(_open_ref(ref, os.path.join(os.fspath(root), path.lstrip("/"))), limit)
+
+
+_MAX_LINKS = 40
+"""Symbolic links one resolution follows before ELOOP (the kernel's limit)."""
+
+
+def _open_in_root(root_fd: int, path: str) -> int:
+    """An ``O_PATH`` descriptor of ``path`` resolved inside the directory ``root_fd`` as
+    ``RESOLVE_IN_ROOT`` resolves it, for kernels without ``openat2``: each component is opened
+    with ``O_NOFOLLOW`` below the one before, a symbolic link met on the way (a ``/proc`` magic
+    link included) is read and its target resolved in its place, from ``root_fd`` when
+    absolute, and ``..`` never climbs above ``root_fd``. An ``os.open`` of the whole path
+    follows the links above the last component from the agent's root: a container's ``/etc``
+    made a link to ``/proc/1/root/etc`` read the host's file."""
+    dirs = [os.dup(root_fd)]  # root_fd, then each directory below it on the way
+    todo = [c for c in reversed(path.split("/")) if c]
+    links = 0
+    try:
+        while todo:
+            name = todo.pop()
+            if name == ".":
+                continue
+            if name == "..":
+                if len(dirs) > 1:
+                    os.close(dirs.pop())
+                continue
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirs[-1])
+            dirs.append(fd)  # (closed with the others, whatever happens)
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISLNK(mode):
+                links += 1
+                if links > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+                target = os.readlink("", dir_fd=fd)  # the link opened, not one put there since
+                os.close(dirs.pop())
+                if target.startswith("/"):
+                    while len(dirs) > 1:
+                        os.close(dirs.pop())
+                todo.extend(c for c in reversed(target.split("/")) if c)
+            elif todo and not stat.S_ISDIR(mode):
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+        return dirs.pop()
+    finally:
+        for fd in dirs:
+            os.close(fd)
 
 
 _RESOLVE_NO_MAGICLINKS = 0x02

@@ -44,7 +44,7 @@ from webhook import __version__
 from webhook.node.audit import Auditor, AuditReport
 from webhook.node.inventory import Inventory
 from webhook.node.liveness import Liveness
-from webhook.node.region import Region, RegionError, RegionNotReady, read_region
+from webhook.node.region import ProcessUsage, Region, RegionError, RegionNotReady, read_region
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,27 @@ class AgentCollector(Collector):
         self._bad_files.discard(path)
         return region
 
+    @staticmethod
+    def _confirmed(path: Path, region: Region,
+                   found: list[ProcessUsage]) -> list[tuple[int, ...]]:
+        """The usage of the slots ``found`` dead that a second read, after the verdict, shows
+        unchanged: as the library's sweep reclaims a slot only if it still holds the identity
+        it found dead. The first read takes no lock and the library writes a slot's fields with
+        relaxed stores: a slot being registered may read live with the new process's pid and
+        charge beside the identity of the dead one before it (aarch64), which is gone; a dead
+        process's slot stays as it is until swept. A slot that changed, or a second read that
+        fails, counts as alive (a figure may show memory nobody holds, never hide memory held)."""
+        if not found:
+            return []
+        try:
+            again = read_region(path)
+        except (RegionError, OSError):
+            return []
+        if again.inode != region.inode:
+            return []
+        still = set(again.processes)
+        return [p.used_bytes for p in found if p in still]
+
     def _collect_containers(self) -> Iterator[Metric]:
         used = GaugeMetricFamily("gpuslice_container_memory_used_bytes",
                                  "GPU memory the container's processes hold on the device",
@@ -201,8 +222,9 @@ class AgentCollector(Collector):
             ns, pod, uid, ctr = _labels(region, path, self.pod_names)
             # the usage of processes that died without their exit handlers, which the
             # container's own processes reclaim only when one of them next starts (or never)
-            dead = [p.used_bytes for p in region.processes
-                    if any(p.used_bytes) and not self._liveness.alive(p, region.inode)]
+            dead = self._confirmed(path, region, [
+                p for p in region.processes
+                if any(p.used_bytes) and not self._liveness.alive(p, region.inode)])
             for d, dev in enumerate(region.devices):
                 if not dev.uuid:
                     continue

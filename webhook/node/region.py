@@ -216,10 +216,10 @@ def parse_region(data: bytes) -> Region:
         host_pid, token, measured = (rest[MAX_DEVICES], rest[MAX_DEVICES + 1],
                                      tuple(rest[MAX_DEVICES + 2:][:count])) \
             if version >= 2 else (0, 0, ())
-        if state != PROC_LIVE:
+        if state != PROC_LIVE or pid <= 0:
+            # (live without a pid: a slot being registered whose state store was seen before
+            # its pid's; the library's sweep passes it by too)
             continue
-        if pid <= 0:
-            raise RegionError(f"process slot {i}: live with pid {pid}")
         processes.append(ProcessUsage(pid=pid, used_bytes=tuple(used[:count]), host_pid=host_pid,
                                       measured_ns=measured, pidns=pidns, start_time=start,
                                       token=token, slot=i))
