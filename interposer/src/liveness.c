@@ -368,7 +368,10 @@ void gs_region_sweep_dead(void)
         unsigned at[GS_SWEEP_BATCH], n = 0;
         for (; i < GPUSLICE_MAX_PROCS && n < GS_SWEEP_BATCH; i++) {
             struct gpuslice_proc *p = &r->procs[i];
-            if (LD(&p->state) != GPUSLICE_PROC_LIVE || p == __atomic_load_n(&gs_region_me, __ATOMIC_ACQUIRE)) continue;
+            /* (acquire: pairs with register_locked's release, so the identity read is the live one's) */
+            if (__atomic_load_n(&p->state, __ATOMIC_ACQUIRE) != GPUSLICE_PROC_LIVE ||
+                p == __atomic_load_n(&gs_region_me, __ATOMIC_ACQUIRE))
+                continue;
             struct ident id = ident_of(p);
             if (id.pid <= 0 || ident_alive(id, 0, my_ns)) continue;
             dead[n] = id;

@@ -150,7 +150,9 @@ static int register_locked(void)
             /* the token before the slot is live: a sweep reading it without the lock must
              * not find it noted and not yet held */
             ST(&p->token, gs_token_take(i) ? (uint32_t)getpid() : 0u);
-            ST(&p->state, GPUSLICE_PROC_LIVE);
+            /* a release store: a reader without the lock (the sweep below, the node agent) that
+             * sees the slot live sees the fields above, on weakly ordered CPUs (aarch64) too */
+            __atomic_store_n(&p->state, GPUSLICE_PROC_LIVE, __ATOMIC_RELEASE);
             g_my_pid = p->pid;
             __atomic_store_n(&gs_region_me, p, __ATOMIC_RELEASE);
             break;
