@@ -264,6 +264,33 @@ def test_scheduler_configuration_calls_the_extender_in_the_same_pod(values: dict
                        settings["resource_mem_percent"]: True}
 
 
+def _nodes_the_extender_sees(ksc: dict[str, Any], profile: dict[str, Any], nodes: int) -> int:
+    """How many feasible nodes kube-scheduler looks for before it calls the extender's filter
+    (``numFeasibleNodesToFind`` of pkg/scheduler/schedule_one.go, 1.25 to current): below 100
+    nodes all of them; otherwise the profile's, else the global percentageOfNodesToScore, where
+    0 (unset) means 50 - nodes/125 (at least 5), and never fewer than 100 nodes."""
+    if nodes < 100:
+        return nodes
+    percentage = profile.get("percentageOfNodesToScore")
+    if percentage is None:
+        percentage = ksc.get("percentageOfNodesToScore") or 0
+    if percentage == 0:
+        percentage = max(50 - nodes // 125, 5)
+    return max(nodes * percentage // 100, 100)
+
+
+@pytest.mark.parametrize("nodes", [99, 150, 400, 2000])
+def test_scheduler_sends_every_feasible_node_to_the_extender(nodes: int, render: Any) -> None:
+    """Only the extender knows which GPU of a node has room (the node totals the scheduler
+    checks say nothing of one GPU's free memory or slices). kube-scheduler stops looking for
+    feasible nodes at a share of the cluster and filters only those with the extender, so in
+    a cluster of more than 100 GPU nodes a pod whose slice fits on one node only is reported
+    unschedulable in most cycles. The profile must score every node."""
+    ksc = render().config("gpuslice-scheduler")
+    [profile] = ksc["profiles"]
+    assert _nodes_the_extender_sees(ksc, profile, nodes) == nodes
+
+
 def test_scheduler_container_reads_the_config_and_the_ca_it_names(render: Any) -> None:
     rendered = render()
     deployment = rendered.one("Deployment", "gpuslice")

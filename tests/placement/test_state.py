@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Any
@@ -9,6 +10,8 @@ from typing import Any
 import pytest
 from placement.kubeobjects import gpu_node, gpu_pod
 
+from webhook import names
+from webhook.placement.fit import Placement, place
 from webhook.placement.inventory import InventoryError, Usage, parse_inventory
 from webhook.placement.request import pod_request
 from webhook.placement.state import ClusterState, NodeState
@@ -79,6 +82,33 @@ def test_pod_with_unreadable_requests_holds_its_gpus_whole() -> None:
     pod["metadata"]["uid"] = "uid-a"
     state.apply_pod(pod)
     assert node(state, "n1").usage == {"GPU-0": Usage(24576, 100, 1, 1)}
+
+
+@pytest.mark.parametrize("key", [names.ANN_PLACEMENT, names.HAMI_POLICY])
+def test_policy_annotation_edited_on_a_bound_pod_leaves_it_holding_its_slice(key: str) -> None:
+    """The placement policy only matters until the pod is placed, and pod annotations stay
+    editable (the annotation guard keeps only the device and limits keys): a bound pod whose
+    policy annotation is later set to a value the webhook would refuse still holds its slice,
+    not its GPUs whole, which would keep every other pod off them while it runs (and after a
+    restart of the extender, which counts it again from the pod)."""
+    pod = gpu_pod("a", {"nvidia.com/gpumem": "8000"}, node="n1", devices="GPU-0",
+                  phase="Running")
+    pod["metadata"]["uid"] = "uid-a"
+    pod["metadata"]["resourceVersion"] = "10"
+    edited = copy.deepcopy(pod)
+    edited["metadata"]["annotations"][key] = "pack"
+    edited["metadata"]["resourceVersion"] = "11"
+    second = pod_request(gpu_pod("b", {"nvidia.com/gpumem": "8000"}), S)
+    running, restarted = ClusterState(S), ClusterState(S)
+    for state in (running, restarted):
+        state.apply_node(gpu_node("n1", [("GPU-0", 24576)]))
+    running.apply_pod(pod)
+    running.apply_pod(edited)  # the watch's MODIFIED event
+    restarted.apply_pod(edited)  # a fresh extender's list
+    for state in (running, restarted):
+        n1 = node(state, "n1")
+        assert n1.usage == {"GPU-0": Usage(8000, 0, 1, 0)}
+        assert isinstance(place(second, n1.gpus, n1.usage, S.split_count), Placement)
 
 
 def test_pod_without_device_annotations_holds_nothing() -> None:

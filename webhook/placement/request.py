@@ -128,8 +128,12 @@ def admitted(pod: dict[str, Any]) -> bool:
     return bool(((pod.get("metadata") or {}).get("annotations") or {}).get(names.ANN_MUTATED))
 
 
-def pod_request(pod: dict[str, Any], settings: Settings) -> PodRequest:
-    """Parse a pod's GPU requests and placement annotations (raises :class:`RequestError`)."""
+def pod_request(pod: dict[str, Any], settings: Settings, *, bound: bool = False) -> PodRequest:
+    """Parse a pod's GPU requests and placement annotations (raises :class:`RequestError`).
+
+    ``bound``: the pod is placed already, so its policy no longer matters; one that is not
+    known (the annotation stays editable after creation) is read as the default, not an error.
+    """
     spec = pod.get("spec") or {}
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
@@ -145,6 +149,8 @@ def pod_request(pod: dict[str, Any], settings: Settings) -> PodRequest:
             containers.append(req)
     policy_raw = annotations.get(names.ANN_PLACEMENT) or annotations.get(names.HAMI_POLICY)
     policy = str(policy_raw).strip().lower() if policy_raw else settings.default_policy
+    if policy not in POLICIES and bound:
+        policy = settings.default_policy
     if policy not in POLICIES:
         key = names.ANN_PLACEMENT if annotations.get(names.ANN_PLACEMENT) else names.HAMI_POLICY
         raise RequestError(f"annotation {key}: {policy_raw!r} is not one of binpack, spread")

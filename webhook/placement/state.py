@@ -285,7 +285,7 @@ class ClusterState:
         if current is not None and not current.assumed and rv and current.resource_version == rv:
             return  # unchanged (a resync lists every pod again)
         try:
-            req = pod_request(obj, self.settings)
+            req = pod_request(obj, self.settings, bound=True)
         except RequestError as exc:
             logger.warning("bound pod has unreadable GPU requests; counting its GPUs as whole",
                            extra={"pod": f"{meta.get('namespace')}/{meta.get('name')}",
