@@ -579,6 +579,22 @@ def test_a_destroyed_pools_charge_waits_for_the_stream_its_frees_were_made_on(la
     assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 0, 900 * MIB]
 
 
+@pytest.mark.parametrize("margin", ["0", None])
+def test_a_cumemalloc_pointer_freed_on_a_stream_stays_charged_until_its_stream_is_synchronised(lab, margin):
+    # cuMemFreeAsync takes a cuMemAlloc pointer, and "the underlying memory is not freed until the
+    # next synchronization of the stream passed to cudaFreeAsync" (the CUDA runtime's notes on
+    # the stream-ordered allocator): a synchronisation of another stream leaves the 600 MiB held,
+    # one of stream 1 frees them.  The charge went at the free: a 900 MiB allocation passed,
+    # 1500 MiB held under a 1 GiB cap (with the near-cap reconcile too)
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "sfree", "0", "1", "meminfo", "alloc", "900m", "phys",
+                  "ssync", "2", "alloc", "900m", "phys", "ssync", "1", "meminfo", "phys", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1", GPUSLICE_RECONCILE_MARGIN=margin)
+    assert res.rc("sfree") == 0 and [rc for rc, _ in res.of("ssync")] == [0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0]
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM, OOM, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 600 * MIB, 0, 900 * MIB]
+
+
 def test_a_destroyed_pools_charge_goes_when_its_frees_context_goes(lab):
     # the context whose stream took the free is destroyed: its work, the free included, is
     # complete (kept until a synchronisation that can no longer come, the charge would stay)

@@ -27,7 +27,10 @@
  *                            driver inserts a dependency on another stream's free only once it
  *                            fails to grow the pool: CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES).
  *                            A pool destroyed meanwhile keeps its memory (and its handle) until
- *                            they complete, as cuMemPoolDestroy's documentation says.
+ *                            they complete, as cuMemPoolDestroy's documentation says.  A cuMemAlloc
+ *                            pointer freed with cuMemFreeAsync keeps its memory until the same
+ *                            completes ("the underlying memory is not freed until the next
+ *                            synchronization of the stream passed to cudaFreeAsync").
  *                            With =ctx a context's synchronisation completes only the frees made
  *                            on streams that context created (and on the default streams, which
  *                            the fake shares between contexts), not other contexts' streams'.
@@ -1005,7 +1008,8 @@ static uint64_t pitch_of(uint64_t w)
 
 /* ---- allocations ---------------------------------------------------------- */
 
-enum { K_DPTR = 1, K_POOL, K_ARRAY, K_MIPMAP, K_VMM, K_IPC };
+/* K_PEND: a K_DPTR freed by cuMemFreeAsync whose free is not complete (FAKE_CUDA_POOL_PENDING) */
+enum { K_DPTR = 1, K_POOL, K_ARRAY, K_MIPMAP, K_VMM, K_IPC, K_PEND };
 struct fake_alloc {
     uint64_t handle;
     uint64_t size;
@@ -1015,6 +1019,7 @@ struct fake_alloc {
     struct fake_pool *pool;
     unsigned refs, maps; /* K_VMM: unreleased handle references, mappings */
     uint64_t small; /* FAKE_CUDA_SMALL_PAGES: bytes taken from the shared pages (0: none) */
+    CUstream pend_stream; /* K_PEND: the stream its free was made on */
 };
 struct fake_pool {
     int pdev; /* -1: host memory; FAKE_POOL_FOLLOWS: managed, on the first allocating context's device */
@@ -1121,7 +1126,7 @@ static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *po
         struct fake_ctx *own = current && current->owner ? current->owner : current;
         int again = reuse_at && kind == K_DPTR && !low && !small && size <= reuse_size;
         if (again) next = &reuse_at;
-        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small};
+        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small, NULL};
         if (low) {
             unsigned int h = (unsigned int)*next;
             memcpy(handle, &h, sizeof(h));
@@ -2283,7 +2288,16 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
         struct fake_alloc *a = alloc_find(K_POOL, dptr);
         if (a) from = a->pool, bytes = a->size;
         if (from) at = pool_pend(from, ptsz && !s ? CU_STREAM_PER_THREAD : s, bytes);
+        struct fake_alloc *plain = from ? NULL : alloc_find(K_DPTR, dptr);
+        if (plain) { /* its memory stays until the free completes */
+            plain->kind = K_PEND;
+            plain->pend_stream = (CUstream)stream_of(ptsz && !s ? CU_STREAM_PER_THREAD : s, 0);
+        }
         pthread_mutex_unlock(&mu);
+        if (plain) {
+            (void)fail_check("cuMemFreeAsyncAfter");
+            return CUDA_SUCCESS;
+        }
     }
     rc = alloc_free(K_DPTR, dptr);
     if (rc != CUDA_SUCCESS && at >= 0) { /* not freed after all */
@@ -2332,10 +2346,23 @@ static void pool_complete(struct fake_pool *p, const struct fake_stream *only)
     }
 }
 
+/* FAKE_CUDA_POOL_PENDING (mu held): the cuMemAlloc pointers freed with cuMemFreeAsync on stream
+ * `only` (NULL: on any stream) give back their memory */
+static void plain_complete(const struct fake_stream *only)
+{
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].kind == K_PEND && (!only || allocs[i].pend_stream == (CUstream)only)) {
+            allocs[i].kind = K_DPTR;
+            alloc_give(&allocs[i]);
+            memset(&allocs[i], 0, sizeof(allocs[i]));
+        }
+}
+
 /* FAKE_CUDA_POOL_PENDING (mu held): every pool's frees complete (a context synchronised or gone;
  * the fake does not tell the streams of one context from another's) */
 static void pools_complete_all(void)
 {
+    plain_complete(NULL);
     for (int d = 0; d < FAKE_MAX_DEVS; d++) pool_complete(&default_pools[d], NULL);
     pool_complete(&host_pool, NULL);
     pool_complete(&managed_pool, NULL);
@@ -2354,6 +2381,7 @@ static void pools_release_at_sync(const struct fake_stream *only)
         pool_complete(&host_pool, only);
         pool_complete(&managed_pool, only);
         for (int i = 0; i < nuser_pools; i++) pool_complete(user_pools[i], only);
+        plain_complete(only);
     } else {
         pools_complete_all();
     }

@@ -48,6 +48,11 @@ static void pools_complete_ctx(const struct fake_ctx *c)
             if (all[k]->pend_bytes[i] && (st == &legacy_stream || st == &ptds_stream || st->ctx == c))
                 pool_complete(all[k], st);
         }
+    for (int j = 0; j < MAX_ALLOCS; j++) { /* cuMemAlloc pointers freed with cuMemFreeAsync */
+        const struct fake_stream *ps = (const struct fake_stream *)allocs[j].pend_stream;
+        if (allocs[j].kind == K_PEND && (ps == &legacy_stream || ps == &ptds_stream || ps->ctx == c))
+            plain_complete(ps);
+    }
     pthread_mutex_unlock(&mu);
 }
 
