@@ -162,6 +162,8 @@
       cuStreamBeginCaptureToGraph, 12030, 1)                                                               \
     X(cuStreamEndCapture, CUresult, (CUstream hStream, CUgraph *phGraph), cuStreamEndCapture, 10000, 0)    \
     X(cuStreamEndCapture_ptsz, CUresult, (CUstream hStream, CUgraph *phGraph), cuStreamEndCapture, 10000, 1) \
+    X(cuStreamDestroy, CUresult, (CUstream hStream), cuStreamDestroy, 2000, 0)                             \
+    X(cuStreamDestroy_v2, CUresult, (CUstream hStream), cuStreamDestroy, 4000, 0)                          \
     X(cuStreamSynchronize, CUresult, (CUstream hStream), cuStreamSynchronize, 2000, 0)                     \
     X(cuStreamSynchronize_ptsz, CUresult, (CUstream hStream), cuStreamSynchronize, 7000, 1)                \
     X(cuEventSynchronize, CUresult, (CUevent hEvent), cuEventSynchronize, 2000, 0)                         \

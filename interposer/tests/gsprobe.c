@@ -77,6 +77,7 @@
     X(cuStreamBeginCapture_v2, CUresult, (CUstream, int))                                                    \
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
+    X(cuStreamDestroy_v2, CUresult, (CUstream))                                                              \
     X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                         \
     X(cuMemsetD8Async, CUresult, (CUdeviceptr, unsigned char, size_t, CUstream))                             \
     X(cuMemsetD8_v2, CUresult, (CUdeviceptr, unsigned char, size_t))                                        \
@@ -1275,15 +1276,19 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ns);
             printf("nsfree %d\n", rc);
             i += 1;
-        } else if (!strcmp(c, "sfree") || !strcmp(c, "ssync") || !strcmp(c, "esync")) {
+        } else if (!strcmp(c, "sfree") || !strcmp(c, "ssync") || !strcmp(c, "esync") || !strcmp(c, "sdestroy")) {
             /* sfree ID S: cuMemFreeAsync of pool allocation ID on stream S (0-3, made in the
              * current context at its first use); ssync S: cuStreamSynchronize of stream S;
-             * esync S: an event recorded on stream S, and cuEventSynchronize of it */
+             * esync S: an event recorded on stream S, and cuEventSynchronize of it; sdestroy S:
+             * cuStreamDestroy of stream S (its next use makes a new one) */
             static CUstream ss[4];
             int sfree = !strcmp(c, "sfree"), n = atoi(ARG(sfree)) & 3;
             CUresult rc = ss[n] ? CUDA_SUCCESS : api.cuStreamCreate(&ss[n], 0);
             CUevent ev = NULL;
-            if (rc == CUDA_SUCCESS && sfree) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ss[n]);
+            if (rc == CUDA_SUCCESS && !strcmp(c, "sdestroy")) {
+                rc = api.cuStreamDestroy_v2(ss[n]);
+                ss[n] = NULL;
+            } else if (rc == CUDA_SUCCESS && sfree) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ss[n]);
             else if (rc == CUDA_SUCCESS && !strcmp(c, "ssync")) rc = api.cuStreamSynchronize(ss[n]);
             else if (rc == CUDA_SUCCESS && (rc = api.cuEventCreate(&ev, 0)) == CUDA_SUCCESS &&
                      (rc = api.cuEventRecord(ev, ss[n])) == CUDA_SUCCESS)

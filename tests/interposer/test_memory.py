@@ -595,6 +595,25 @@ def test_a_cumemalloc_pointer_freed_on_a_stream_stays_charged_until_its_stream_i
     assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 600 * MIB, 0, 900 * MIB]
 
 
+@pytest.mark.parametrize("make, held", [(["pool", "600m"], 608), (["alloc", "600m"], 600)],
+                         ids=["destroyed_pool", "cumemalloc_pointer"])
+def test_a_free_on_a_destroyed_stream_is_not_completed_by_a_new_stream_with_its_handle(lab, make, held):
+    # freed on stream 1, which is then destroyed with the free outstanding (the driver releases
+    # the stream once its work completes); the next stream gets its handle (the driver's handles
+    # are addresses), and its synchronisation does not wait for the old stream's work: the memory
+    # stays held until the context's synchronisation.  The new stream's synchronisation took the
+    # free for complete: a 900 MiB allocation passed, 1508 MiB held under a 1 GiB cap (1500 for
+    # the cuMemAlloc pointer)
+    destroy = ["pooldestroy"] if make[0] == "pool" else []
+    res = lab.run("init", "ctx", "0", *make, "sfree", "0", "1", *destroy, "sdestroy", "1", "ssync", "1",
+                  "meminfo", "alloc", "900m", "phys", "sync", "meminfo", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1", FAKE_CUDA_HANDLE_REUSE="1")
+    assert res.rc("sfree") == 0 and res.rc("sdestroy") == 0 and res.rc("ssync") == 0
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [held * MIB, 0]
+    assert [rc for rc, _ in res.of("alloc")][-2:] == [OOM, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [held * MIB, 900 * MIB]
+
+
 def test_a_destroyed_pools_charge_goes_when_its_frees_context_goes(lab):
     # the context whose stream took the free is destroyed: its work, the free included, is
     # complete (kept until a synchronisation that can no longer come, the charge would stay)

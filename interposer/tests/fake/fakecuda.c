@@ -74,8 +74,9 @@
  *   FAKE_CUDA_ADDR_REUSE=1   the last plain allocation freed (or gone with its context) gives its
  *                            address to the next one that fits in it
  *   FAKE_CUDA_HANDLE_REUSE=1 a destroyed memory pool's (once its memory is gone), executable
- *                            graph's or unloaded module's or library's handle is the next one
- *                            cuMemPoolCreate, a graph instantiation or a load hands out, as a real driver's handles (addresses of
+ *                            graph's, stream's or unloaded module's or library's handle is the next one
+ *                            cuMemPoolCreate, a graph instantiation, cuStreamCreate or a load hands out,
+ *                            as a real driver's handles (addresses of
  *                            its objects) may be once freed (otherwise a pool's object is never
  *                            freed, and an executable's comes back only if malloc reuses it)
  * Memory taken by modules and launches belongs to the current context and is

@@ -56,11 +56,18 @@ static void pools_complete_ctx(const struct fake_ctx *c)
     pthread_mutex_unlock(&mu);
 }
 
+/* FAKE_CUDA_HANDLE_REUSE: a destroyed stream, the next cuStreamCreate's (under mu) */
+static void *freed_stream;
+/* FAKE_CUDA_POOL_PENDING: what destroyed streams freed, outstanding until a context's synchronisation
+ * or end (the driver releases a destroyed stream once its work completes, which no stream's
+ * synchronisation observes) */
+static struct fake_stream gone_stream;
+
 API CUresult cuStreamCreate(CUstream *s, unsigned int flags)
 {
     (void)flags;
     if (!s) return CUDA_ERROR_INVALID_VALUE;
-    struct fake_stream *st = calloc(1, sizeof(*st));
+    struct fake_stream *st = reuse_or_alloc(&freed_stream, sizeof(*st));
     st->ctx = current;
     *s = (CUstream)st;
     return CUDA_SUCCESS;
@@ -102,6 +109,23 @@ API CUresult cuStreamGetDevice(CUstream s, CUdevice *d)
 API CUresult cuStreamDestroy_v2(CUstream s)
 {
     if (!s || s == (CUstream)0x1 || s == CU_STREAM_PER_THREAD) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    struct fake_pool *all[FAKE_MAX_DEVS + 2 + 64];
+    int n = 0;
+    for (int d = 0; d < FAKE_MAX_DEVS; d++) all[n++] = &default_pools[d];
+    all[n++] = &host_pool;
+    all[n++] = &managed_pool;
+    for (int i = 0; i < nuser_pools && n < (int)(sizeof(all) / sizeof(all[0])); i++) all[n++] = user_pools[i];
+    for (int k = 0; k < n; k++) /* its frees stay outstanding, no longer under its handle */
+        for (int i = 0; i < 8; i++)
+            if (all[k]->pend_bytes[i] && all[k]->pend_stream[i] == s) all[k]->pend_stream[i] = (CUstream)&gone_stream;
+    for (int j = 0; j < MAX_ALLOCS; j++)
+        if (allocs[j].kind == K_PEND && allocs[j].pend_stream == s) allocs[j].pend_stream = (CUstream)&gone_stream;
+    if (getenv("FAKE_CUDA_HANDLE_REUSE") && !freed_stream) { /* the next cuStreamCreate gets its handle */
+        freed_stream = s;
+        s = NULL;
+    }
+    pthread_mutex_unlock(&mu);
     free(s);
     return CUDA_SUCCESS;
 }
