@@ -97,6 +97,9 @@
       13000, 0)                                                                                            \
     X(cuMemGetMemPool, CUresult, (CUmemoryPool *pool, CUmemLocation *location, CUmemAllocationType type),  \
       cuMemGetMemPool, 13000, 0)                                                                           \
+    X(cuDeviceSetMemPool, CUresult, (CUdevice dev, CUmemoryPool pool), cuDeviceSetMemPool, 11020, 0)       \
+    X(cuMemSetMemPool, CUresult, (CUmemLocation *location, CUmemAllocationType type, CUmemoryPool pool),    \
+      cuMemSetMemPool, 13000, 0)                                                                           \
     X(cuMemCreate, CUresult,                                                                               \
       (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,                 \
        unsigned long long flags), cuMemCreate, 10020, 0)                                                   \

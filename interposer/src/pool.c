@@ -67,6 +67,10 @@ struct pool_rec {
 
 GS_OWNED_LOCK()
 
+/* cuDeviceSetMemPool against the allocations from a device's current pool (cuMemAllocAsync, below) */
+static pthread_rwlock_t g_current_rw = PTHREAD_RWLOCK_INITIALIZER;
+static __thread unsigned t_current_rw; /* this thread holds g_current_rw (shared or not) */
+
 /* wait entries in all records (the synchronisation hooks look at the pools only while there are
  * any), the sequence they are noted with, and the stream-ordered frees since the last context
  * synchronisation (gs_pools_at_sync); atomic */
@@ -581,6 +585,7 @@ void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes)
 void gs_pools_after_fork_child(void)
 {
     pthread_mutex_init(&g_mu, NULL);
+    pthread_rwlock_init(&g_current_rw, NULL);
     memset(g_pools, 0, sizeof(g_pools));
     memset(g_where, 0, sizeof(g_where));
     gs_pool_waits = gs_pool_frees = 0;
@@ -818,18 +823,73 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     return rc;
 }
 
+/* cuMemAllocAsync takes its memory from the current pool of the stream's device, asked for before the
+ * driver's call: a cuDeviceSetMemPool of another thread between the two made the allocation another
+ * pool's, booked under the old one (the new pool's growth uncharged, and after the free its 608 MiB held
+ * uncharged: a 900 MiB allocation passed, 1508 MiB under a 1 GiB cap; test_memory.py -k
+ * current_pool_changed).  So cuDeviceSetMemPool waits for the allocations from a current pool in
+ * progress, and they for it.  Not from a driver callback (this thread inside one of them, or holding
+ * another lock of ours or the context lock, which they may wait for): passed straight through
+ * (g_current_rw, t_current_rw: above). */
+
+static CUresult alloc_from_current(const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr, size_t bytesize,
+                                   CUstream stream, int per_thread)
+{
+    int fence = !t_current_rw && !gs_t_held && !gs_ctx_mine() && pthread_rwlock_rdlock(&g_current_rw) == 0;
+    if (fence) t_current_rw++;
+    CUresult rc = pool_alloc(call_alloc_async, real, free_real, dptr, bytesize, NULL, stream, per_thread);
+    if (fence) {
+        t_current_rw--;
+        pthread_rwlock_unlock(&g_current_rw);
+    }
+    return rc;
+}
+
+static int set_current_begin(void)
+{
+    int fence = !t_current_rw && !gs_t_held && !gs_ctx_mine() && pthread_rwlock_wrlock(&g_current_rw) == 0;
+    if (fence) t_current_rw++;
+    return fence;
+}
+
+static CUresult set_current_end(int fence, CUresult rc)
+{
+    if (fence) {
+        t_current_rw--;
+        pthread_rwlock_unlock(&g_current_rw);
+    }
+    return rc;
+}
+
+GS_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDeviceSetMemPool) return CUDA_ERROR_NOT_SUPPORTED;
+    int fence = set_current_begin();
+    return set_current_end(fence, gs_cuda.cuDeviceSetMemPool(dev, pool));
+}
+
+/* CUDA 13: a location's current pool, a device's the one cuMemAllocAsync takes from */
+GS_EXPORT CUresult cuMemSetMemPool(CUmemLocation *location, CUmemAllocationType type, CUmemoryPool pool)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemSetMemPool) return CUDA_ERROR_NOT_SUPPORTED;
+    int fence = set_current_begin();
+    return set_current_end(fence, gs_cuda.cuMemSetMemPool(location, type, pool));
+}
+
 GS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     gs_cuda_init();
-    return pool_alloc(call_alloc_async, (const void *)gs_cuda.cuMemAllocAsync, gs_cuda.cuMemFreeAsync, dptr,
-                      bytesize, NULL, hStream, 0);
+    return alloc_from_current((const void *)gs_cuda.cuMemAllocAsync, gs_cuda.cuMemFreeAsync, dptr, bytesize, hStream,
+                              0);
 }
 
 GS_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     gs_cuda_init();
-    return pool_alloc(call_alloc_async, (const void *)gs_cuda.cuMemAllocAsync_ptsz, gs_cuda.cuMemFreeAsync_ptsz,
-                      dptr, bytesize, NULL, hStream, 1);
+    return alloc_from_current((const void *)gs_cuda.cuMemAllocAsync_ptsz, gs_cuda.cuMemFreeAsync_ptsz, dptr, bytesize,
+                              hStream, 1);
 }
 
 GS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)

@@ -49,8 +49,10 @@
     X(cuMemPoolTrimTo, CUresult, (CUmemoryPool, size_t))                                                     \
     X(cuMemPoolDestroy, CUresult, (CUmemoryPool))                                                            \
     X(cuDeviceGetMemPool, CUresult, (CUmemoryPool *, CUdevice))                                              \
+    X(cuDeviceSetMemPool, CUresult, (CUdevice, CUmemoryPool))                                                \
     X(cuMemGetDefaultMemPool, CUresult, (CUmemoryPool *, CUmemLocation *, CUmemAllocationType))               \
     X(cuMemGetMemPool, CUresult, (CUmemoryPool *, CUmemLocation *, CUmemAllocationType))                      \
+    X(cuMemSetMemPool, CUresult, (CUmemLocation *, CUmemAllocationType, CUmemoryPool))                        \
     X(cuMemCreate, CUresult, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
     X(cuMemRelease, CUresult, (CUmemGenericAllocationHandle))                                                \
     X(cuMemAddressReserve, CUresult, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))       \
@@ -608,6 +610,12 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuMemFreeAsync(allocs[bg.size].handle, NULL);
+    } else if (!strcmp(bg.what, "bgsetpool")) {
+        CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = !bg.size                ? api.cuDeviceSetMemPool(0, user_pool)
+                : api.cuMemSetMemPool ? api.cuMemSetMemPool(&loc, CU_MEM_ALLOCATION_TYPE_PINNED, user_pool)
+                                        : CUDA_ERROR_NOT_FOUND;
     } else if (!strcmp(bg.what, "bgfreesync")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -1545,6 +1553,11 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgfreeasync")) {
             /* bgfreeasync ID MS: a thread frees allocation ID with cuMemFreeAsync after MS */
             bg_start("bgfreeasync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgsetpool")) {
+            /* bgsetpool MS HOW: a thread makes the pool of "mkpool" device 0's current pool after MS
+             * (HOW 0: cuDeviceSetMemPool, 1: CUDA 13's cuMemSetMemPool) */
+            bg_start("bgsetpool", atol(ARG(0)), (uint64_t)atoi(ARG(1)));
             i += 2;
         } else if (!strcmp(c, "bgfreesync")) {
             /* bgfreesync ID MS: a thread frees allocation ID with cuMemFree after MS (a

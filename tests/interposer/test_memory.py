@@ -614,6 +614,24 @@ def test_a_free_on_a_destroyed_stream_is_not_completed_by_a_new_stream_with_its_
     assert [vals[0] for _, vals in res.of("phys")] == [held * MIB, 900 * MIB]
 
 
+@pytest.mark.parametrize("setter", ["0", "1"], ids=["cuDeviceSetMemPool", "cuMemSetMemPool"])
+@pytest.mark.parametrize("margin", ["0", None])
+def test_an_allocation_whose_current_pool_changed_meanwhile_is_charged_to_the_pool_it_came_from(lab, margin, setter):
+    # cuMemAllocAsync asks for the device's current pool, then the driver allocates from the
+    # current pool then: another thread's cuDeviceSetMemPool between the two (the fake sleeps
+    # once it answered) made the 600 MiB the new pool's, booked under the default pool.  After
+    # the free the new pool keeps its 608 MiB (no release threshold), uncharged: a 900 MiB
+    # allocation passed, 1508 MiB held under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "bgsetpool", "100", setter, "async", "600m", "join", "free", "0",
+                  "sync", "meminfo", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_SLEEP="cuDeviceGetMemPoolAfter:300",
+                  GPUSLICE_RECONCILE_MARGIN=margin)
+    assert res.rc("async") == 0 and res.rc("bgsetpool") == 0 and res.rc("free") == 0
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [608 * MIB]
+    assert res.rc("alloc") == OOM
+    assert res.values("phys") == [608 * MIB]
+
+
 def test_a_destroyed_pools_charge_goes_when_its_frees_context_goes(lab):
     # the context whose stream took the free is destroyed: its work, the free included, is
     # complete (kept until a synchronisation that can no longer come, the charge would stay)

@@ -2045,7 +2045,9 @@ API CUresult cuMipmappedArrayDestroy(CUmipmappedArray h)
 }
 
 /* Pools */
-API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
+static struct fake_pool *current_pools[FAKE_MAX_DEVS]; /* cuDeviceSetMemPool's (NULL: the default one) */
+
+API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
 {
     FAIL_POINT("cuDeviceGetMemPool");
     CHECK_DEV(d);
@@ -2055,9 +2057,30 @@ API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
     return CUDA_SUCCESS;
 }
 
-API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
+/* The device's current pool, the one cuMemAllocAsync takes its memory from ("cuDeviceGetMemPoolAfter":
+ * FAKE_CUDA_SLEEP once it is read) */
+API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
 {
-    return cuDeviceGetMemPool(pool, d);
+    CUresult rc = cuDeviceGetDefaultMemPool(pool, d);
+    if (rc != CUDA_SUCCESS) return rc;
+    pthread_mutex_lock(&mu);
+    if (current_pools[visible[d]]) *pool = (CUmemoryPool)current_pools[visible[d]];
+    pthread_mutex_unlock(&mu);
+    (void)fail_check("cuDeviceGetMemPoolAfter");
+    return CUDA_SUCCESS;
+}
+
+/* A pool of the device's memory becomes its current pool (the default one: back to it) */
+API CUresult cuDeviceSetMemPool(CUdevice d, CUmemoryPool pool)
+{
+    FAIL_POINT("cuDeviceSetMemPool");
+    CHECK_DEV(d);
+    struct fake_pool *p = (struct fake_pool *)pool;
+    if (!p || p->destroyed || p->pdev != visible[d]) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    current_pools[visible[d]] = p == &default_pools[visible[d]] ? NULL : p;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
 }
 
 /* CUDA 13: a location's default pool for an allocation type (PINNED: a device's or the host's;
@@ -2072,16 +2095,31 @@ API CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *loc, int 
         return CUDA_SUCCESS;
     }
     if (type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
-    if (loc->type == CU_MEM_LOCATION_TYPE_DEVICE) return cuDeviceGetMemPool(pool, loc->id);
+    if (loc->type == CU_MEM_LOCATION_TYPE_DEVICE) return cuDeviceGetDefaultMemPool(pool, loc->id);
     if (loc->type < CU_MEM_LOCATION_TYPE_HOST || loc->type > 4) return CUDA_ERROR_INVALID_VALUE;
     *pool = (CUmemoryPool)&host_pool; /* HOST, HOST_NUMA, HOST_NUMA_CURRENT */
     return CUDA_SUCCESS;
 }
 
-/* no cuMemSetMemPool here: a location's current pool is its default one */
+/* A location's current pool: a device's (pinned) that cuDeviceSetMemPool or cuMemSetMemPool made
+ * current, otherwise its default one */
 API CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type)
 {
+    if (loc && loc->type == CU_MEM_LOCATION_TYPE_DEVICE && type == CU_MEM_ALLOCATION_TYPE_PINNED) {
+        NEED_INIT();
+        return cuDeviceGetMemPool(pool, loc->id);
+    }
     return cuMemGetDefaultMemPool(pool, loc, type);
+}
+
+/* CUDA 13: a device's current pool for pinned memory, as cuDeviceSetMemPool (no other location here) */
+API CUresult cuMemSetMemPool(CUmemLocation *loc, int type, CUmemoryPool pool)
+{
+    NEED_INIT();
+    if (!loc) return CUDA_ERROR_INVALID_VALUE;
+    if (loc->type != CU_MEM_LOCATION_TYPE_DEVICE || type != CU_MEM_ALLOCATION_TYPE_PINNED)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return cuDeviceSetMemPool(loc->id, pool);
 }
 
 API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
@@ -2106,6 +2144,8 @@ API CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     FAIL_POINT("cuMemPoolDestroy");
     struct fake_pool *p = (struct fake_pool *)pool;
+    for (int d = 0; p && d < FAKE_MAX_DEVS; d++) /* a device's current pool destroyed: its default one is */
+        if (current_pools[d] == p) current_pools[d] = NULL;
     if (!p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     p->destroyed = 1;
@@ -2258,7 +2298,10 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUstream s, int pts
     if (fake_capture_alloc(s, ptsz, dptr, bytes, &rc)) return rc;
     int pdev = stream_ctx(s)->pdev; /* as the driver: the current pool of the stream's device */
     default_pools[pdev].pdev = pdev;
-    rc = pool_alloc(dptr, bytes, &default_pools[pdev], ptsz && !s ? CU_STREAM_PER_THREAD : s);
+    pthread_mutex_lock(&mu);
+    struct fake_pool *cur = current_pools[pdev] ? current_pools[pdev] : &default_pools[pdev];
+    pthread_mutex_unlock(&mu);
+    rc = pool_alloc(dptr, bytes, cur, ptsz && !s ? CU_STREAM_PER_THREAD : s);
     (void)fail_check("cuMemAllocAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the pool grown */
     return rc;
 }
