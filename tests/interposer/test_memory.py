@@ -595,6 +595,22 @@ def test_a_cumemalloc_pointer_freed_on_a_stream_stays_charged_until_its_stream_i
     assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 600 * MIB, 0, 900 * MIB]
 
 
+def test_cumemalloc_pointers_freed_on_streams_taking_turns_are_charged_until_each_streams_sync(lab):
+    # 200 MiB pointers freed on streams 1 and 2 in turn, each stream synchronised after the other's
+    # free: what is held after each synchronisation is the latest pointer, its free outstanding,
+    # 200 MiB.  All such frees waited in one record until every stream's were complete: 400, 600,
+    # 800, 1000 MiB charged for those 200, and the sixth 200 MiB allocation refused under a 1 GiB cap
+    cmds = ["init", "ctx", "0", "alloc", "200m", "sfree", "0", "1"]
+    for i in range(1, 8):
+        s = 1 + i % 2
+        cmds += ["alloc", "200m", "sfree", str(i), str(s), "ssync", str(3 - s), "meminfo", "phys"]
+    res = lab.run(*cmds, CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1")
+    assert [rc for rc, _ in res.of("alloc")] == [0] * 8
+    assert [rc for rc, _ in res.of("sfree")] == [0] * 8
+    assert [(GIB - vals[0]) // MIB for _, vals in res.of("meminfo")] == [200] * 7  # (the next pointer comes after)
+    assert [vals[0] // MIB for _, vals in res.of("phys")] == [200] * 7
+
+
 @pytest.mark.parametrize("make, held", [(["pool", "600m"], 608), (["alloc", "600m"], 600)],
                          ids=["destroyed_pool", "cumemalloc_pointer"])
 def test_a_free_on_a_destroyed_stream_is_not_completed_by_a_new_stream_with_its_handle(lab, make, held):
