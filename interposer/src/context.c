@@ -88,6 +88,11 @@ void gs_ctx_unlock(void)
     ctx_unlock();
 }
 
+int gs_ctx_mine(void)
+{
+    return gs_t_ctx_depth != 0;
+}
+
 static struct attached *find_attached(CUcontext ctx)
 {
     for (size_t i = 0; i < g_nattached; i++)

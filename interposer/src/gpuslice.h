@@ -164,6 +164,7 @@ int gs_ctx_lock(void);
 /* Always taken (recursively): returns how many times this thread holds it now; released with
  * gs_ctx_unlock */
 unsigned gs_ctx_enter(void);
+int gs_ctx_mine(void); /* 1 while this thread holds the context lock */
 /* Locks of the library other than the context lock that this thread holds, some across driver
  * calls (the throttle's, the pools', the graph memory's; a limit change's is taken after the
  * context lock, so a callback there re-enters the context lock it holds).  A hook reached from

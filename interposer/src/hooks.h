@@ -97,6 +97,9 @@
       13000, 0)                                                                                            \
     X(cuMemGetMemPool, CUresult, (CUmemoryPool *pool, CUmemLocation *location, CUmemAllocationType type),  \
       cuMemGetMemPool, 13000, 0)                                                                           \
+    X(cuDeviceSetMemPool, CUresult, (CUdevice dev, CUmemoryPool pool), cuDeviceSetMemPool, 11020, 0)       \
+    X(cuMemSetMemPool, CUresult, (CUmemLocation *location, CUmemAllocationType type, CUmemoryPool pool),    \
+      cuMemSetMemPool, 13000, 0)                                                                           \
     X(cuMemCreate, CUresult,                                                                               \
       (CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,                 \
        unsigned long long flags), cuMemCreate, 10020, 0)                                                   \
@@ -162,6 +165,8 @@
       cuStreamBeginCaptureToGraph, 12030, 1)                                                               \
     X(cuStreamEndCapture, CUresult, (CUstream hStream, CUgraph *phGraph), cuStreamEndCapture, 10000, 0)    \
     X(cuStreamEndCapture_ptsz, CUresult, (CUstream hStream, CUgraph *phGraph), cuStreamEndCapture, 10000, 1) \
+    X(cuStreamDestroy, CUresult, (CUstream hStream), cuStreamDestroy, 2000, 0)                             \
+    X(cuStreamDestroy_v2, CUresult, (CUstream hStream), cuStreamDestroy, 4000, 0)                          \
     X(cuStreamSynchronize, CUresult, (CUstream hStream), cuStreamSynchronize, 2000, 0)                     \
     X(cuStreamSynchronize_ptsz, CUresult, (CUstream hStream), cuStreamSynchronize, 7000, 1)                \
     X(cuEventSynchronize, CUresult, (CUevent hEvent), cuEventSynchronize, 2000, 0)                         \

@@ -67,6 +67,10 @@ struct pool_rec {
 
 GS_OWNED_LOCK()
 
+/* cuDeviceSetMemPool against the allocations from a device's current pool (cuMemAllocAsync, below) */
+static pthread_rwlock_t g_current_rw = PTHREAD_RWLOCK_INITIALIZER;
+static __thread unsigned t_current_rw; /* this thread holds g_current_rw (shared or not) */
+
 /* wait entries in all records (the synchronisation hooks look at the pools only while there are
  * any), the sequence they are noted with, and the stream-ordered frees since the last context
  * synchronisation (gs_pools_at_sync); atomic */
@@ -367,6 +371,45 @@ static void drain_locked(const struct pool_rec *gone)
     for (int i = 0; i < gone->nwait; i++) wait_put_locked(d, gone->wait[i]);
 }
 
+/* A cuMemAlloc pointer of `bytes` charged to slot, freed on stream es (cuMemFreeAsync takes one):
+ * "the underlying memory is not freed until the next synchronization of the stream passed to
+ * cudaFreeAsync" (the runtime's notes on the stream-ordered allocator), so its charge is held as a
+ * destroyed pool's is, until a synchronisation covers the free: in a draining record of its device's,
+ * one for all such frees (returned at the free, the 600 MiB it still held beside a 900 MiB
+ * allocation made 1500 MiB under a 1 GiB cap; test_memory.py -k cumemalloc_pointer_freed_on_a_stream) */
+static void plain_free_held(int slot, uint64_t bytes, CUstream es, uint64_t alloc_ctx)
+{
+    struct pool_wait w = {wait_stream(es), wait_ctx(es), 0};
+    if (!w.ctx) w.ctx = alloc_ctx; /* no context current: the pointer's own */
+    mu_lock();
+    /* joined to a record only if its frees are all on that stream, so that they complete together:
+     * one record for every such free kept each stream's frees charged until every stream's were
+     * complete (two streams taking turns, each synchronised after the other's free: 400, 600, 800,
+     * 1000 MiB charged for 200 held, and a 200 MiB allocation refused under a 1 GiB cap;
+     * test_memory.py -k taking_turns) */
+    struct pool_rec *d = NULL;
+    for (int i = 0; i < GS_MAX_POOLS && !d; i++) {
+        struct pool_rec *p = &g_pools[i];
+        if (!(p->pool & GS_DRAINING) || p->slot != slot || !p->nwait) continue;
+        int same = 1;
+        for (int j = 0; j < p->nwait && same; j++) same = p->wait[j].stream == w.stream && p->wait[j].ctx == w.ctx;
+        if (same) d = p;
+    }
+    if (!d) d = find_locked(GS_DRAINING | ++g_drain_seq, slot, 1);
+    if (!d) { /* the table is full: returned now, the reconcile's to charge near the cap */
+        mu_unlock();
+        gs_budget_release(slot, bytes);
+        return;
+    }
+    d->destroyed = 1;
+    d->charged += bytes;
+    d->kept += bytes;
+    w.seq = __atomic_add_fetch(&g_wait_seq, 1, __ATOMIC_ACQ_REL);
+    wait_put_locked(d, w);
+    if (!d->nwait) reconcile_locked(d, 0); /* no memory to note the free: returned now */
+    mu_unlock();
+}
+
 /* The frees made on stream `stream` of context ctx (stream GS_WAIT_CTX: on any stream of it)
  * and noted before `seq` are complete: destroyed pools left with none give their charge back */
 static void waits_done(uint64_t stream, uint64_t ctx, uint64_t seq)
@@ -414,6 +457,54 @@ void gs_pools_after_sync(const struct gs_pool_sync *ps, int what, CUcontext ctx,
         CUstream es = gs_effective_stream(stream, per_thread);
         waits_done(wait_stream(es), wait_ctx(es), ps->seq);
     }
+}
+
+/* A stream is destroyed: its frees complete once its work does, which no synchronisation of a stream
+ * observes, and the driver may hand its handle to a new stream, whose synchronisation does not wait for
+ * the old one's work.  So what was noted on it waits for its context's synchronisation from now on
+ * (left under its handle, a new stream's synchronisation took a destroyed pool's 608 MiB for freed:
+ * a 900 MiB allocation passed, 1508 MiB held under a 1 GiB cap; test_memory.py -k destroyed_stream).
+ * Before the driver's call: once it returns the handle may be another stream's. */
+static void stream_gone(CUstream s)
+{
+    if (!s || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD || t_mine ||
+        !__atomic_load_n(&gs_pool_waits, __ATOMIC_RELAXED))
+        return;
+    uint64_t key = (uint64_t)(uintptr_t)s;
+    mu_lock();
+    for (int i = 0; i < GS_MAX_POOLS; i++) {
+        struct pool_rec *p = &g_pools[i];
+        if (!p->pool || !p->nwait) continue;
+        struct pool_wait moved[GS_POOL_WAITS];
+        int k = 0, n = 0;
+        for (int j = 0; j < p->nwait; j++) {
+            struct pool_wait w = p->wait[j];
+            if (w.stream == key && n < GS_POOL_WAITS)
+                moved[n++] = (struct pool_wait){GS_WAIT_CTX, w.ctx, w.seq};
+            else
+                p->wait[k++] = w;
+        }
+        __atomic_sub_fetch(&gs_pool_waits, p->nwait - k, __ATOMIC_RELAXED);
+        p->nwait = k;
+        for (int j = 0; j < n; j++) wait_put_locked(p, moved[j]); /* room: as many went */
+    }
+    mu_unlock();
+}
+
+GS_EXPORT CUresult cuStreamDestroy(CUstream hStream)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuStreamDestroy) return CUDA_ERROR_NOT_SUPPORTED;
+    stream_gone(hStream);
+    return gs_cuda.cuStreamDestroy(hStream);
+}
+
+GS_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuStreamDestroy_v2) return CUDA_ERROR_NOT_SUPPORTED;
+    stream_gone(hStream);
+    return gs_cuda.cuStreamDestroy_v2(hStream);
 }
 
 /* A context went: its streams' frees went with it (under the context lock) */
@@ -504,6 +595,7 @@ void gs_pool_drop_ptr(uint64_t pool, uint64_t bytes)
 void gs_pools_after_fork_child(void)
 {
     pthread_mutex_init(&g_mu, NULL);
+    pthread_rwlock_init(&g_current_rw, NULL);
     memset(g_pools, 0, sizeof(g_pools));
     memset(g_where, 0, sizeof(g_where));
     gs_pool_waits = gs_pool_frees = 0;
@@ -741,18 +833,73 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     return rc;
 }
 
+/* cuMemAllocAsync takes its memory from the current pool of the stream's device, asked for before the
+ * driver's call: a cuDeviceSetMemPool of another thread between the two made the allocation another
+ * pool's, booked under the old one (the new pool's growth uncharged, and after the free its 608 MiB held
+ * uncharged: a 900 MiB allocation passed, 1508 MiB under a 1 GiB cap; test_memory.py -k
+ * current_pool_changed).  So cuDeviceSetMemPool waits for the allocations from a current pool in
+ * progress, and they for it.  Not from a driver callback (this thread inside one of them, or holding
+ * another lock of ours or the context lock, which they may wait for): passed straight through
+ * (g_current_rw, t_current_rw: above). */
+
+static CUresult alloc_from_current(const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr, size_t bytesize,
+                                   CUstream stream, int per_thread)
+{
+    int fence = !t_current_rw && !gs_t_held && !gs_ctx_mine() && pthread_rwlock_rdlock(&g_current_rw) == 0;
+    if (fence) t_current_rw++;
+    CUresult rc = pool_alloc(call_alloc_async, real, free_real, dptr, bytesize, NULL, stream, per_thread);
+    if (fence) {
+        t_current_rw--;
+        pthread_rwlock_unlock(&g_current_rw);
+    }
+    return rc;
+}
+
+static int set_current_begin(void)
+{
+    int fence = !t_current_rw && !gs_t_held && !gs_ctx_mine() && pthread_rwlock_wrlock(&g_current_rw) == 0;
+    if (fence) t_current_rw++;
+    return fence;
+}
+
+static CUresult set_current_end(int fence, CUresult rc)
+{
+    if (fence) {
+        t_current_rw--;
+        pthread_rwlock_unlock(&g_current_rw);
+    }
+    return rc;
+}
+
+GS_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDeviceSetMemPool) return CUDA_ERROR_NOT_SUPPORTED;
+    int fence = set_current_begin();
+    return set_current_end(fence, gs_cuda.cuDeviceSetMemPool(dev, pool));
+}
+
+/* CUDA 13: a location's current pool, a device's the one cuMemAllocAsync takes from */
+GS_EXPORT CUresult cuMemSetMemPool(CUmemLocation *location, CUmemAllocationType type, CUmemoryPool pool)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuMemSetMemPool) return CUDA_ERROR_NOT_SUPPORTED;
+    int fence = set_current_begin();
+    return set_current_end(fence, gs_cuda.cuMemSetMemPool(location, type, pool));
+}
+
 GS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     gs_cuda_init();
-    return pool_alloc(call_alloc_async, (const void *)gs_cuda.cuMemAllocAsync, gs_cuda.cuMemFreeAsync, dptr,
-                      bytesize, NULL, hStream, 0);
+    return alloc_from_current((const void *)gs_cuda.cuMemAllocAsync, gs_cuda.cuMemFreeAsync, dptr, bytesize, hStream,
+                              0);
 }
 
 GS_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
 {
     gs_cuda_init();
-    return pool_alloc(call_alloc_async, (const void *)gs_cuda.cuMemAllocAsync_ptsz, gs_cuda.cuMemFreeAsync_ptsz,
-                      dptr, bytesize, NULL, hStream, 1);
+    return alloc_from_current((const void *)gs_cuda.cuMemAllocAsync_ptsz, gs_cuda.cuMemFreeAsync_ptsz, dptr, bytesize,
+                              hStream, 1);
 }
 
 GS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream)
@@ -802,7 +949,7 @@ static CUresult pool_free(cuMemFreeAsync_fn real, CUdeviceptr dptr, CUstream str
     else if (kind == GS_KIND_POOLPTR)
         pool_drop(rec.aux, rec.size, 0, 1, gs_effective_stream(stream, per_thread));
     else
-        gs_budget_release(rec.slot, rec.size);
+        plain_free_held(rec.slot, rec.size, gs_effective_stream(stream, per_thread), rec.ctx);
     gs_inflight_end();
     return rc;
 }

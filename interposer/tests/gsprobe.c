@@ -49,8 +49,10 @@
     X(cuMemPoolTrimTo, CUresult, (CUmemoryPool, size_t))                                                     \
     X(cuMemPoolDestroy, CUresult, (CUmemoryPool))                                                            \
     X(cuDeviceGetMemPool, CUresult, (CUmemoryPool *, CUdevice))                                              \
+    X(cuDeviceSetMemPool, CUresult, (CUdevice, CUmemoryPool))                                                \
     X(cuMemGetDefaultMemPool, CUresult, (CUmemoryPool *, CUmemLocation *, CUmemAllocationType))               \
     X(cuMemGetMemPool, CUresult, (CUmemoryPool *, CUmemLocation *, CUmemAllocationType))                      \
+    X(cuMemSetMemPool, CUresult, (CUmemLocation *, CUmemAllocationType, CUmemoryPool))                        \
     X(cuMemCreate, CUresult, (CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long)) \
     X(cuMemRelease, CUresult, (CUmemGenericAllocationHandle))                                                \
     X(cuMemAddressReserve, CUresult, (CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long))       \
@@ -77,6 +79,7 @@
     X(cuStreamBeginCapture_v2, CUresult, (CUstream, int))                                                    \
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
+    X(cuStreamDestroy_v2, CUresult, (CUstream))                                                              \
     X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                         \
     X(cuMemsetD8Async, CUresult, (CUdeviceptr, unsigned char, size_t, CUstream))                             \
     X(cuMemsetD8_v2, CUresult, (CUdeviceptr, unsigned char, size_t))                                        \
@@ -607,6 +610,12 @@ static void *bg_main(void *p)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuMemFreeAsync(allocs[bg.size].handle, NULL);
+    } else if (!strcmp(bg.what, "bgsetpool")) {
+        CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = !bg.size                ? api.cuDeviceSetMemPool(0, user_pool)
+                : api.cuMemSetMemPool ? api.cuMemSetMemPool(&loc, CU_MEM_ALLOCATION_TYPE_PINNED, user_pool)
+                                        : CUDA_ERROR_NOT_FOUND;
     } else if (!strcmp(bg.what, "bgfreesync")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -1275,15 +1284,19 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ns);
             printf("nsfree %d\n", rc);
             i += 1;
-        } else if (!strcmp(c, "sfree") || !strcmp(c, "ssync") || !strcmp(c, "esync")) {
+        } else if (!strcmp(c, "sfree") || !strcmp(c, "ssync") || !strcmp(c, "esync") || !strcmp(c, "sdestroy")) {
             /* sfree ID S: cuMemFreeAsync of pool allocation ID on stream S (0-3, made in the
              * current context at its first use); ssync S: cuStreamSynchronize of stream S;
-             * esync S: an event recorded on stream S, and cuEventSynchronize of it */
+             * esync S: an event recorded on stream S, and cuEventSynchronize of it; sdestroy S:
+             * cuStreamDestroy of stream S (its next use makes a new one) */
             static CUstream ss[4];
             int sfree = !strcmp(c, "sfree"), n = atoi(ARG(sfree)) & 3;
             CUresult rc = ss[n] ? CUDA_SUCCESS : api.cuStreamCreate(&ss[n], 0);
             CUevent ev = NULL;
-            if (rc == CUDA_SUCCESS && sfree) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ss[n]);
+            if (rc == CUDA_SUCCESS && !strcmp(c, "sdestroy")) {
+                rc = api.cuStreamDestroy_v2(ss[n]);
+                ss[n] = NULL;
+            } else if (rc == CUDA_SUCCESS && sfree) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ss[n]);
             else if (rc == CUDA_SUCCESS && !strcmp(c, "ssync")) rc = api.cuStreamSynchronize(ss[n]);
             else if (rc == CUDA_SUCCESS && (rc = api.cuEventCreate(&ev, 0)) == CUDA_SUCCESS &&
                      (rc = api.cuEventRecord(ev, ss[n])) == CUDA_SUCCESS)
@@ -1540,6 +1553,11 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgfreeasync")) {
             /* bgfreeasync ID MS: a thread frees allocation ID with cuMemFreeAsync after MS */
             bg_start("bgfreeasync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgsetpool")) {
+            /* bgsetpool MS HOW: a thread makes the pool of "mkpool" device 0's current pool after MS
+             * (HOW 0: cuDeviceSetMemPool, 1: CUDA 13's cuMemSetMemPool) */
+            bg_start("bgsetpool", atol(ARG(0)), (uint64_t)atoi(ARG(1)));
             i += 2;
         } else if (!strcmp(c, "bgfreesync")) {
             /* bgfreesync ID MS: a thread frees allocation ID with cuMemFree after MS (a

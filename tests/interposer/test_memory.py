@@ -579,6 +579,75 @@ def test_a_destroyed_pools_charge_waits_for_the_stream_its_frees_were_made_on(la
     assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 0, 900 * MIB]
 
 
+@pytest.mark.parametrize("margin", ["0", None])
+def test_a_cumemalloc_pointer_freed_on_a_stream_stays_charged_until_its_stream_is_synchronised(lab, margin):
+    # cuMemFreeAsync takes a cuMemAlloc pointer, and "the underlying memory is not freed until the
+    # next synchronization of the stream passed to cudaFreeAsync" (the CUDA runtime's notes on
+    # the stream-ordered allocator): a synchronisation of another stream leaves the 600 MiB held,
+    # one of stream 1 frees them.  The charge went at the free: a 900 MiB allocation passed,
+    # 1500 MiB held under a 1 GiB cap (with the near-cap reconcile too)
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "sfree", "0", "1", "meminfo", "alloc", "900m", "phys",
+                  "ssync", "2", "alloc", "900m", "phys", "ssync", "1", "meminfo", "phys", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1", GPUSLICE_RECONCILE_MARGIN=margin)
+    assert res.rc("sfree") == 0 and [rc for rc, _ in res.of("ssync")] == [0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0]
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM, OOM, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 600 * MIB, 0, 900 * MIB]
+
+
+def test_cumemalloc_pointers_freed_on_streams_taking_turns_are_charged_until_each_streams_sync(lab):
+    # 200 MiB pointers freed on streams 1 and 2 in turn, each stream synchronised after the other's
+    # free: what is held after each synchronisation is the latest pointer, its free outstanding,
+    # 200 MiB.  All such frees waited in one record until every stream's were complete: 400, 600,
+    # 800, 1000 MiB charged for those 200, and the sixth 200 MiB allocation refused under a 1 GiB cap
+    cmds = ["init", "ctx", "0", "alloc", "200m", "sfree", "0", "1"]
+    for i in range(1, 8):
+        s = 1 + i % 2
+        cmds += ["alloc", "200m", "sfree", str(i), str(s), "ssync", str(3 - s), "meminfo", "phys"]
+    res = lab.run(*cmds, CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1")
+    assert [rc for rc, _ in res.of("alloc")] == [0] * 8
+    assert [rc for rc, _ in res.of("sfree")] == [0] * 8
+    assert [(GIB - vals[0]) // MIB for _, vals in res.of("meminfo")] == [200] * 7  # (the next pointer comes after)
+    assert [vals[0] // MIB for _, vals in res.of("phys")] == [200] * 7
+
+
+@pytest.mark.parametrize("make, held", [(["pool", "600m"], 608), (["alloc", "600m"], 600)],
+                         ids=["destroyed_pool", "cumemalloc_pointer"])
+def test_a_free_on_a_destroyed_stream_is_not_completed_by_a_new_stream_with_its_handle(lab, make, held):
+    # freed on stream 1, which is then destroyed with the free outstanding (the driver releases
+    # the stream once its work completes); the next stream gets its handle (the driver's handles
+    # are addresses), and its synchronisation does not wait for the old stream's work: the memory
+    # stays held until the context's synchronisation.  The new stream's synchronisation took the
+    # free for complete: a 900 MiB allocation passed, 1508 MiB held under a 1 GiB cap (1500 for
+    # the cuMemAlloc pointer)
+    destroy = ["pooldestroy"] if make[0] == "pool" else []
+    res = lab.run("init", "ctx", "0", *make, "sfree", "0", "1", *destroy, "sdestroy", "1", "ssync", "1",
+                  "meminfo", "alloc", "900m", "phys", "sync", "meminfo", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1", FAKE_CUDA_HANDLE_REUSE="1")
+    assert res.rc("sfree") == 0 and res.rc("sdestroy") == 0 and res.rc("ssync") == 0
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [held * MIB, 0]
+    assert [rc for rc, _ in res.of("alloc")][-2:] == [OOM, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [held * MIB, 900 * MIB]
+
+
+@pytest.mark.parametrize("setter", ["0", "1"], ids=["cuDeviceSetMemPool", "cuMemSetMemPool"])
+@pytest.mark.parametrize("margin", ["0", None])
+def test_an_allocation_whose_current_pool_changed_meanwhile_is_charged_to_the_pool_it_came_from(lab, margin, setter):
+    # cuMemAllocAsync asks for the device's current pool, then the driver allocates from the
+    # current pool then: another thread's cuDeviceSetMemPool between the two (the fake sleeps
+    # once it answered) made the 600 MiB the new pool's, booked under the default pool.  After
+    # the free the new pool keeps its 608 MiB (no release threshold), uncharged: a 900 MiB
+    # allocation passed, 1508 MiB held under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "bgsetpool", "100", setter, "async", "600m", "join", "free", "0",
+                  "sync", "meminfo", "alloc", "900m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_SLEEP="cuDeviceGetMemPoolAfter:300",
+                  GPUSLICE_RECONCILE_MARGIN=margin)
+    assert res.rc("async") == 0 and res.rc("bgsetpool") == 0 and res.rc("free") == 0
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [608 * MIB]
+    assert res.rc("alloc") == OOM
+    assert res.values("phys") == [608 * MIB]
+
+
 def test_a_destroyed_pools_charge_goes_when_its_frees_context_goes(lab):
     # the context whose stream took the free is destroyed: its work, the free included, is
     # complete (kept until a synchronisation that can no longer come, the charge would stay)

@@ -549,10 +549,11 @@ def test_code_loaded_during_a_later_contexts_creation_does_not_become_the_estima
     ids=["cuArrayDestroy", "cuMemFreeAsync_of_cuMemAlloc"])
 def test_a_free_inside_the_driver_does_not_lower_the_untracked_charge(lab, alloc, free, sleep):
     # a re-measurement while the memory was gone but its charge not yet returned took the
-    # difference for untracked memory that went: 144 MiB charged for 400 held afterwards
+    # difference for untracked memory that went: 144 MiB charged for 400 held afterwards.  (A
+    # cuMemFreeAsync's charge stays until a synchronisation covers it: the `sync`)
     res = lab.run("init", "ctxcreate", "0", "ctx", "0", "module", "300m", "sleep", "700",
                   *alloc, free, "0", "0", "sleep", "200",
-                  "ctxdestroy", "0", "join", "meminfo", "phys",
+                  "ctxdestroy", "0", "join", "sync", "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                   FAKE_CUDA_SLEEP=sleep)
     assert res.rc(free) == 0

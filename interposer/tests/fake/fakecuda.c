@@ -27,7 +27,10 @@
  *                            driver inserts a dependency on another stream's free only once it
  *                            fails to grow the pool: CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES).
  *                            A pool destroyed meanwhile keeps its memory (and its handle) until
- *                            they complete, as cuMemPoolDestroy's documentation says.
+ *                            they complete, as cuMemPoolDestroy's documentation says.  A cuMemAlloc
+ *                            pointer freed with cuMemFreeAsync keeps its memory until the same
+ *                            completes ("the underlying memory is not freed until the next
+ *                            synchronization of the stream passed to cudaFreeAsync").
  *                            With =ctx a context's synchronisation completes only the frees made
  *                            on streams that context created (and on the default streams, which
  *                            the fake shares between contexts), not other contexts' streams'.
@@ -71,8 +74,9 @@
  *   FAKE_CUDA_ADDR_REUSE=1   the last plain allocation freed (or gone with its context) gives its
  *                            address to the next one that fits in it
  *   FAKE_CUDA_HANDLE_REUSE=1 a destroyed memory pool's (once its memory is gone), executable
- *                            graph's or unloaded module's or library's handle is the next one
- *                            cuMemPoolCreate, a graph instantiation or a load hands out, as a real driver's handles (addresses of
+ *                            graph's, stream's or unloaded module's or library's handle is the next one
+ *                            cuMemPoolCreate, a graph instantiation, cuStreamCreate or a load hands out,
+ *                            as a real driver's handles (addresses of
  *                            its objects) may be once freed (otherwise a pool's object is never
  *                            freed, and an executable's comes back only if malloc reuses it)
  * Memory taken by modules and launches belongs to the current context and is
@@ -1005,7 +1009,8 @@ static uint64_t pitch_of(uint64_t w)
 
 /* ---- allocations ---------------------------------------------------------- */
 
-enum { K_DPTR = 1, K_POOL, K_ARRAY, K_MIPMAP, K_VMM, K_IPC };
+/* K_PEND: a K_DPTR freed by cuMemFreeAsync whose free is not complete (FAKE_CUDA_POOL_PENDING) */
+enum { K_DPTR = 1, K_POOL, K_ARRAY, K_MIPMAP, K_VMM, K_IPC, K_PEND };
 struct fake_alloc {
     uint64_t handle;
     uint64_t size;
@@ -1015,6 +1020,7 @@ struct fake_alloc {
     struct fake_pool *pool;
     unsigned refs, maps; /* K_VMM: unreleased handle references, mappings */
     uint64_t small; /* FAKE_CUDA_SMALL_PAGES: bytes taken from the shared pages (0: none) */
+    CUstream pend_stream; /* K_PEND: the stream its free was made on */
 };
 struct fake_pool {
     int pdev; /* -1: host memory; FAKE_POOL_FOLLOWS: managed, on the first allocating context's device */
@@ -1121,7 +1127,7 @@ static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *po
         struct fake_ctx *own = current && current->owner ? current->owner : current;
         int again = reuse_at && kind == K_DPTR && !low && !small && size <= reuse_size;
         if (again) next = &reuse_at;
-        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small};
+        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small, NULL};
         if (low) {
             unsigned int h = (unsigned int)*next;
             memcpy(handle, &h, sizeof(h));
@@ -2039,7 +2045,9 @@ API CUresult cuMipmappedArrayDestroy(CUmipmappedArray h)
 }
 
 /* Pools */
-API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
+static struct fake_pool *current_pools[FAKE_MAX_DEVS]; /* cuDeviceSetMemPool's (NULL: the default one) */
+
+API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
 {
     FAIL_POINT("cuDeviceGetMemPool");
     CHECK_DEV(d);
@@ -2049,9 +2057,30 @@ API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
     return CUDA_SUCCESS;
 }
 
-API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
+/* The device's current pool, the one cuMemAllocAsync takes its memory from ("cuDeviceGetMemPoolAfter":
+ * FAKE_CUDA_SLEEP once it is read) */
+API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice d)
 {
-    return cuDeviceGetMemPool(pool, d);
+    CUresult rc = cuDeviceGetDefaultMemPool(pool, d);
+    if (rc != CUDA_SUCCESS) return rc;
+    pthread_mutex_lock(&mu);
+    if (current_pools[visible[d]]) *pool = (CUmemoryPool)current_pools[visible[d]];
+    pthread_mutex_unlock(&mu);
+    (void)fail_check("cuDeviceGetMemPoolAfter");
+    return CUDA_SUCCESS;
+}
+
+/* A pool of the device's memory becomes its current pool (the default one: back to it) */
+API CUresult cuDeviceSetMemPool(CUdevice d, CUmemoryPool pool)
+{
+    FAIL_POINT("cuDeviceSetMemPool");
+    CHECK_DEV(d);
+    struct fake_pool *p = (struct fake_pool *)pool;
+    if (!p || p->destroyed || p->pdev != visible[d]) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    current_pools[visible[d]] = p == &default_pools[visible[d]] ? NULL : p;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
 }
 
 /* CUDA 13: a location's default pool for an allocation type (PINNED: a device's or the host's;
@@ -2066,16 +2095,31 @@ API CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *loc, int 
         return CUDA_SUCCESS;
     }
     if (type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
-    if (loc->type == CU_MEM_LOCATION_TYPE_DEVICE) return cuDeviceGetMemPool(pool, loc->id);
+    if (loc->type == CU_MEM_LOCATION_TYPE_DEVICE) return cuDeviceGetDefaultMemPool(pool, loc->id);
     if (loc->type < CU_MEM_LOCATION_TYPE_HOST || loc->type > 4) return CUDA_ERROR_INVALID_VALUE;
     *pool = (CUmemoryPool)&host_pool; /* HOST, HOST_NUMA, HOST_NUMA_CURRENT */
     return CUDA_SUCCESS;
 }
 
-/* no cuMemSetMemPool here: a location's current pool is its default one */
+/* A location's current pool: a device's (pinned) that cuDeviceSetMemPool or cuMemSetMemPool made
+ * current, otherwise its default one */
 API CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type)
 {
+    if (loc && loc->type == CU_MEM_LOCATION_TYPE_DEVICE && type == CU_MEM_ALLOCATION_TYPE_PINNED) {
+        NEED_INIT();
+        return cuDeviceGetMemPool(pool, loc->id);
+    }
     return cuMemGetDefaultMemPool(pool, loc, type);
+}
+
+/* CUDA 13: a device's current pool for pinned memory, as cuDeviceSetMemPool (no other location here) */
+API CUresult cuMemSetMemPool(CUmemLocation *loc, int type, CUmemoryPool pool)
+{
+    NEED_INIT();
+    if (!loc) return CUDA_ERROR_INVALID_VALUE;
+    if (loc->type != CU_MEM_LOCATION_TYPE_DEVICE || type != CU_MEM_ALLOCATION_TYPE_PINNED)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    return cuDeviceSetMemPool(loc->id, pool);
 }
 
 API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
@@ -2100,6 +2144,8 @@ API CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     FAIL_POINT("cuMemPoolDestroy");
     struct fake_pool *p = (struct fake_pool *)pool;
+    for (int d = 0; p && d < FAKE_MAX_DEVS; d++) /* a device's current pool destroyed: its default one is */
+        if (current_pools[d] == p) current_pools[d] = NULL;
     if (!p || p->destroyed) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     p->destroyed = 1;
@@ -2252,7 +2298,10 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUstream s, int pts
     if (fake_capture_alloc(s, ptsz, dptr, bytes, &rc)) return rc;
     int pdev = stream_ctx(s)->pdev; /* as the driver: the current pool of the stream's device */
     default_pools[pdev].pdev = pdev;
-    rc = pool_alloc(dptr, bytes, &default_pools[pdev], ptsz && !s ? CU_STREAM_PER_THREAD : s);
+    pthread_mutex_lock(&mu);
+    struct fake_pool *cur = current_pools[pdev] ? current_pools[pdev] : &default_pools[pdev];
+    pthread_mutex_unlock(&mu);
+    rc = pool_alloc(dptr, bytes, cur, ptsz && !s ? CU_STREAM_PER_THREAD : s);
     (void)fail_check("cuMemAllocAsyncAfter"); /* FAKE_CUDA_SLEEP: still inside, the pool grown */
     return rc;
 }
@@ -2283,7 +2332,16 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
         struct fake_alloc *a = alloc_find(K_POOL, dptr);
         if (a) from = a->pool, bytes = a->size;
         if (from) at = pool_pend(from, ptsz && !s ? CU_STREAM_PER_THREAD : s, bytes);
+        struct fake_alloc *plain = from ? NULL : alloc_find(K_DPTR, dptr);
+        if (plain) { /* its memory stays until the free completes */
+            plain->kind = K_PEND;
+            plain->pend_stream = (CUstream)stream_of(ptsz && !s ? CU_STREAM_PER_THREAD : s, 0);
+        }
         pthread_mutex_unlock(&mu);
+        if (plain) {
+            (void)fail_check("cuMemFreeAsyncAfter");
+            return CUDA_SUCCESS;
+        }
     }
     rc = alloc_free(K_DPTR, dptr);
     if (rc != CUDA_SUCCESS && at >= 0) { /* not freed after all */
@@ -2332,10 +2390,23 @@ static void pool_complete(struct fake_pool *p, const struct fake_stream *only)
     }
 }
 
+/* FAKE_CUDA_POOL_PENDING (mu held): the cuMemAlloc pointers freed with cuMemFreeAsync on stream
+ * `only` (NULL: on any stream) give back their memory */
+static void plain_complete(const struct fake_stream *only)
+{
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].kind == K_PEND && (!only || allocs[i].pend_stream == (CUstream)only)) {
+            allocs[i].kind = K_DPTR;
+            alloc_give(&allocs[i]);
+            memset(&allocs[i], 0, sizeof(allocs[i]));
+        }
+}
+
 /* FAKE_CUDA_POOL_PENDING (mu held): every pool's frees complete (a context synchronised or gone;
  * the fake does not tell the streams of one context from another's) */
 static void pools_complete_all(void)
 {
+    plain_complete(NULL);
     for (int d = 0; d < FAKE_MAX_DEVS; d++) pool_complete(&default_pools[d], NULL);
     pool_complete(&host_pool, NULL);
     pool_complete(&managed_pool, NULL);
@@ -2354,6 +2425,7 @@ static void pools_release_at_sync(const struct fake_stream *only)
         pool_complete(&host_pool, only);
         pool_complete(&managed_pool, only);
         for (int i = 0; i < nuser_pools; i++) pool_complete(user_pools[i], only);
+        plain_complete(only);
     } else {
         pools_complete_all();
     }

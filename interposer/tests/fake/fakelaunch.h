@@ -48,14 +48,26 @@ static void pools_complete_ctx(const struct fake_ctx *c)
             if (all[k]->pend_bytes[i] && (st == &legacy_stream || st == &ptds_stream || st->ctx == c))
                 pool_complete(all[k], st);
         }
+    for (int j = 0; j < MAX_ALLOCS; j++) { /* cuMemAlloc pointers freed with cuMemFreeAsync */
+        const struct fake_stream *ps = (const struct fake_stream *)allocs[j].pend_stream;
+        if (allocs[j].kind == K_PEND && (ps == &legacy_stream || ps == &ptds_stream || ps->ctx == c))
+            plain_complete(ps);
+    }
     pthread_mutex_unlock(&mu);
 }
+
+/* FAKE_CUDA_HANDLE_REUSE: a destroyed stream, the next cuStreamCreate's (under mu) */
+static void *freed_stream;
+/* FAKE_CUDA_POOL_PENDING: what destroyed streams freed, outstanding until a context's synchronisation
+ * or end (the driver releases a destroyed stream once its work completes, which no stream's
+ * synchronisation observes) */
+static struct fake_stream gone_stream;
 
 API CUresult cuStreamCreate(CUstream *s, unsigned int flags)
 {
     (void)flags;
     if (!s) return CUDA_ERROR_INVALID_VALUE;
-    struct fake_stream *st = calloc(1, sizeof(*st));
+    struct fake_stream *st = reuse_or_alloc(&freed_stream, sizeof(*st));
     st->ctx = current;
     *s = (CUstream)st;
     return CUDA_SUCCESS;
@@ -97,6 +109,23 @@ API CUresult cuStreamGetDevice(CUstream s, CUdevice *d)
 API CUresult cuStreamDestroy_v2(CUstream s)
 {
     if (!s || s == (CUstream)0x1 || s == CU_STREAM_PER_THREAD) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    struct fake_pool *all[FAKE_MAX_DEVS + 2 + 64];
+    int n = 0;
+    for (int d = 0; d < FAKE_MAX_DEVS; d++) all[n++] = &default_pools[d];
+    all[n++] = &host_pool;
+    all[n++] = &managed_pool;
+    for (int i = 0; i < nuser_pools && n < (int)(sizeof(all) / sizeof(all[0])); i++) all[n++] = user_pools[i];
+    for (int k = 0; k < n; k++) /* its frees stay outstanding, no longer under its handle */
+        for (int i = 0; i < 8; i++)
+            if (all[k]->pend_bytes[i] && all[k]->pend_stream[i] == s) all[k]->pend_stream[i] = (CUstream)&gone_stream;
+    for (int j = 0; j < MAX_ALLOCS; j++)
+        if (allocs[j].kind == K_PEND && allocs[j].pend_stream == s) allocs[j].pend_stream = (CUstream)&gone_stream;
+    if (getenv("FAKE_CUDA_HANDLE_REUSE") && !freed_stream) { /* the next cuStreamCreate gets its handle */
+        freed_stream = s;
+        s = NULL;
+    }
+    pthread_mutex_unlock(&mu);
     free(s);
     return CUDA_SUCCESS;
 }
@@ -801,8 +830,8 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMemGetAddressRange_v2) X(cuMemGetInfo_v2) X(cuMemCreate) X(cuMemRelease)                                \
     X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap)      \
     X(cuMemSetAccess) X(cuMemRetainAllocationHandle) X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy)                \
-    X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) X(cuDeviceGetMemPool) X(cuDeviceGetDefaultMemPool)    \
-    X(cuMemGetDefaultMemPool) X(cuMemGetMemPool)                                                               \
+    X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) X(cuDeviceGetMemPool) X(cuDeviceGetDefaultMemPool) X(cuDeviceSetMemPool)    \
+    X(cuMemGetDefaultMemPool) X(cuMemGetMemPool) X(cuMemSetMemPool)                                                               \
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute) X(cuMemPoolSetAttribute)                          \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)       \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamGetCtx) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
@@ -874,6 +903,7 @@ static const struct {
     {"cuStreamBeginCapture", 10010, "cuStreamBeginCapture_v2"},
     {"cuGraphInstantiate", 11000, "cuGraphInstantiate_v2"}, {"cuGraphInstantiate", 12000, "cuGraphInstantiateWithFlags"},
     {"cuMemGetDefaultMemPool", 13000, "cuMemGetDefaultMemPool"}, {"cuMemGetMemPool", 13000, "cuMemGetMemPool"},
+    {"cuMemSetMemPool", 13000, "cuMemSetMemPool"},
     {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"}, {"cuMemGetInfo", 13010, "cuMemGetInfo_v3"},
     {"cuMemcpyHtoDAsync", 3020, "cuMemcpyHtoDAsync_v2"}, {"cuMemcpyDtoHAsync", 3020, "cuMemcpyDtoHAsync_v2"},
     {"cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2"}, {"cuMemPrefetchAsync", 12020, "cuMemPrefetchAsync_v2"},
