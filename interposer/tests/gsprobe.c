@@ -228,7 +228,9 @@ static CUdeviceptr vrange;  /* vmapall: one reservation, every VMM allocation ma
 static uint64_t vrange_size;
 static int nallocs;
 static CUmemoryPool user_pool;
-static CUgreenCtx greenctx; /* the "green" command's */
+static CUgreenCtx greenctx; /* the "green" command's (the newest of "greens") */
+static CUgreenCtx greenctxs[160]; /* "greens N D": the N made, greenctx the last */
+static int ngreens;
 static CUmodule user_module;
 static CUlibrary user_library;
 static CUfunction user_function;
@@ -1235,6 +1237,24 @@ int main(int argc, char **argv)
             /* green D: a green context on device D (the descriptor is the fake's to ignore) */
             printf("green %d\n", api.cuGreenCtxCreate(&greenctx, (CUdevResourceDesc)(uintptr_t)1, atoi(ARG(0)), 1));
             i += 1;
+        } else if (!strcmp(c, "greens")) {
+            /* greens N D: N more green contexts on device D; prints how many were made */
+            int n = atoi(ARG(0)), made = 0;
+            CUresult rc = CUDA_SUCCESS;
+            for (; made < n && ngreens < 160; made++) {
+                rc = api.cuGreenCtxCreate(&greenctxs[ngreens], (CUdevResourceDesc)(uintptr_t)1, atoi(ARG(1)), 1);
+                if (rc != CUDA_SUCCESS) break;
+                greenctx = greenctxs[ngreens++];
+            }
+            printf("greens %d %d\n", rc, made);
+            i += 2;
+        } else if (!strcmp(c, "greensdestroy")) {
+            /* every green context "greens" made, newest first; prints the first failure's code */
+            CUresult rc = CUDA_SUCCESS, r;
+            while (ngreens > 0)
+                if ((r = api.cuGreenCtxDestroy(greenctxs[--ngreens])) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = r;
+            greenctx = NULL;
+            printf("greensdestroy %d\n", rc);
         } else if (!strcmp(c, "greencur")) {
             /* the green context's CUcontext made current */
             CUcontext gc = NULL;
