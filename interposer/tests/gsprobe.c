@@ -1399,6 +1399,25 @@ int main(int argc, char **argv)
                 void *g = NULL;
                 printf("unhold %d\n", hs ? api.cuStreamEndCapture(hs, &g) : CUDA_ERROR_INVALID_VALUE);
             }
+        } else if (!strcmp(c, "holds") || !strcmp(c, "unholds")) {
+            /* holds N MODE: N more captures held open, each on a stream of its own (as "hold");
+             * unholds: their ends, newest first (the first failure's code) */
+            static CUstream hss[256];
+            static int nhs;
+            CUresult rc = CUDA_SUCCESS, r;
+            if (!strcmp(c, "holds")) {
+                for (int n = atoi(ARG(0)); n > 0 && nhs < 256 && rc == CUDA_SUCCESS; n--)
+                    if ((rc = api.cuStreamCreate(&hss[nhs], 1)) == CUDA_SUCCESS &&
+                        (rc = api.cuStreamBeginCapture_v2(hss[nhs], atoi(ARG(1)))) == CUDA_SUCCESS)
+                        nhs++;
+                printf("holds %d %d\n", rc, nhs);
+                i += 2;
+            } else {
+                void *g = NULL;
+                while (nhs > 0)
+                    if ((r = api.cuStreamEndCapture(hss[--nhs], &g)) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = r;
+                printf("unholds %d\n", rc);
+            }
         } else if (!strcmp(c, "captureother")) {
             capture_other(atoi(ARG(0)));
             i += 1;

@@ -765,6 +765,19 @@ def test_a_capture_held_open_does_not_lift_the_limit(release_lab, mode, before):
     assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
 
 
+@pytest.mark.parametrize("mode", ["0", "1"], ids=["global", "thread-local"])
+def test_a_capture_begun_beside_64_others_held_open_is_not_invalidated(lab, mode):
+    # 64 relaxed captures held open on streams of their own (they forbid no query), then one that
+    # does: the table of captures held 64, so the 65th went uncounted, the throttle queried its
+    # events meanwhile and the driver invalidated the capture (its end 901)
+    res = lab.run("init", "ctx", "0", "holds", "64", "2", "hold", mode, "bench", "0.3", "own", "unhold",
+                  "unholds", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                  FAKE_CUDA_CAPTURE_STRICT="1")
+    assert res.of("holds") == [(0, [64])] and res.rc("hold") == 0
+    assert res.rc("unhold") == 0  # the capture was not invalidated
+    assert res.rc("unholds") == 0
+
+
 def test_a_capture_held_open_beside_another_process_gets_its_share(release_lab):
     # the events would count the co-tenant's slices; NVML's per-process figure does not
     res = release_lab.run("init", "ctx", "0", "bench", "3", "own", "hold", "0", "ran", "bench", "4", "own", "ran",

@@ -120,12 +120,16 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s)
  * FAKE_CUDA_CAPTURE_SYNC=1, cuCtxSynchronize: below) then fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
  * (900) and invalidates the capture, whose cuStreamEndCapture returns CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901). */
 static int global_captures, capture_invalidated;
+/* a thread-local capture (1) forbids them in its own thread only, and invalidates that thread's */
+static __thread int local_captures, local_invalidated;
 
 static int capture_forbids(void)
 {
     static int strict = -1;
     if (strict < 0) strict = getenv("FAKE_CUDA_CAPTURE_STRICT") != NULL;
-    if (!strict || !__atomic_load_n(&global_captures, __ATOMIC_ACQUIRE)) return 0;
+    if (!strict) return 0;
+    if (local_captures) local_invalidated = 1;
+    if (!__atomic_load_n(&global_captures, __ATOMIC_ACQUIRE)) return local_captures != 0;
     __atomic_store_n(&capture_invalidated, 1, __ATOMIC_RELEASE);
     return 1;
 }
@@ -145,6 +149,7 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
     st->capture_mode = mode;
     st->graph = fake_graph_new();
     if (mode == 0) __atomic_add_fetch(&global_captures, 1, __ATOMIC_ACQ_REL);
+    if (mode == 1) local_captures++;
     return CUDA_SUCCESS;
 }
 
@@ -160,6 +165,10 @@ API CUresult cuStreamEndCapture(CUstream s, void **graph)
     int invalidated = 0;
     if (st->capturing && st->capture_mode == 0 && !__atomic_sub_fetch(&global_captures, 1, __ATOMIC_ACQ_REL))
         invalidated = __atomic_exchange_n(&capture_invalidated, 0, __ATOMIC_ACQ_REL);
+    if (st->capturing && st->capture_mode == 1 && local_captures > 0 && !--local_captures) {
+        invalidated = local_invalidated;
+        local_invalidated = 0;
+    }
     if (invalidated) {
         st->capturing = 0;
         free(st->graph);
