@@ -76,6 +76,7 @@
     X(cuGraphLaunch, CUresult, (CUgraphExec, CUstream))                                                      \
     X(cuStreamBeginCapture_v2, CUresult, (CUstream, int))                                                    \
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
+    X(cuStreamBeginCaptureToGraph, CUresult, (CUstream, CUgraph, const CUgraphNode *, const void *, size_t, int)) \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
     X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                         \
     X(cuMemsetD8Async, CUresult, (CUdeviceptr, unsigned char, size_t, CUstream))                             \
@@ -1386,14 +1387,19 @@ int main(int argc, char **argv)
             typedef uint64_t (*kns_t)(void);
             kns_t run_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_run_ns");
             printf("ran 0 %llu %llu\n", (unsigned long long)(run_ns ? run_ns() : 0), (unsigned long long)now_ns());
-        } else if (!strcmp(c, "hold") || !strcmp(c, "unhold")) {
+        } else if (!strcmp(c, "hold") || !strcmp(c, "holdg") || !strcmp(c, "unhold")) {
             /* hold MODE: a capture begun on a stream of its own and left open (MODE 0 global,
-             * 1 thread-local, 2 relaxed); unhold: its end */
+             * 1 thread-local, 2 relaxed); holdg MODE: the same into a graph of the program's
+             * (cuStreamBeginCaptureToGraph); unhold: its end */
             static CUstream hs;
-            if (!strcmp(c, "hold")) {
+            if (strcmp(c, "unhold") != 0) {
+                CUgraph into = NULL;
                 CUresult rc = hs ? CUDA_SUCCESS : api.cuStreamCreate(&hs, 1);
-                if (rc == CUDA_SUCCESS) rc = api.cuStreamBeginCapture_v2(hs, atoi(ARG(0)));
-                printf("hold %d\n", rc);
+                if (rc == CUDA_SUCCESS && c[4] == 'g') rc = api.cuGraphCreate(&into, 0);
+                if (rc == CUDA_SUCCESS)
+                    rc = c[4] == 'g' ? api.cuStreamBeginCaptureToGraph(hs, into, NULL, NULL, 0, atoi(ARG(0)))
+                                     : api.cuStreamBeginCapture_v2(hs, atoi(ARG(0)));
+                printf("%s %d\n", c, rc);
                 i += 1;
             } else {
                 void *g = NULL;

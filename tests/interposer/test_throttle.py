@@ -765,6 +765,19 @@ def test_a_capture_held_open_does_not_lift_the_limit(release_lab, mode, before):
     assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
 
 
+@pytest.mark.parametrize("mode", ["0", "1", "2"], ids=["global", "thread-local", "relaxed"])
+def test_a_capture_into_the_programs_graph_is_counted_as_any_other(release_lab, mode):
+    # cuStreamBeginCaptureToGraph (CUDA 12.3+) held open in a green context, then begun again on
+    # the same stream once ended: never invalidated, and the launches beside it held to the
+    # limit (a regression check: found sound)
+    res = release_lab.run("init", "ctx", "0", "green", "0", "greencur", "bench", "1", "own", "holdg", mode, "ran",
+                          "bench", "3", "own", "ran", "unhold", "holdg", mode, "unhold",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000", FAKE_CUDA_CAPTURE_STRICT="1")
+    assert [rc for rc, _ in res.of("holdg") + res.of("unhold")] == [0, 0, 0, 0]
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
+
+
 @pytest.mark.parametrize("mode", ["0", "1"], ids=["global", "thread-local"])
 def test_a_capture_begun_beside_64_others_held_open_is_not_invalidated(lab, mode):
     # 64 relaxed captures held open on streams of their own (they forbid no query), then one that

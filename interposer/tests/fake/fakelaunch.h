@@ -13,6 +13,7 @@ struct fake_stream {
     int capturing;
     int capture_mode;
     struct fake_graph *graph; /* being captured */
+    int to_graph;             /* into the program's graph (cuStreamBeginCaptureToGraph): not freed here */
 };
 struct fake_event {
     struct fake_ctx *ctx; /* current when it was created */
@@ -147,6 +148,7 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
     struct fake_stream *st = stream_of(s, 0);
     st->capturing = 1;
     st->capture_mode = mode;
+    st->to_graph = 0;
     st->graph = fake_graph_new();
     if (mode == 0) __atomic_add_fetch(&global_captures, 1, __ATOMIC_ACQ_REL);
     if (mode == 1) local_captures++;
@@ -171,7 +173,7 @@ API CUresult cuStreamEndCapture(CUstream s, void **graph)
     }
     if (invalidated) {
         st->capturing = 0;
-        free(st->graph);
+        if (!st->to_graph) free(st->graph);
         st->graph = NULL;
         if (graph) *graph = NULL;
         return 901; /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */
@@ -179,7 +181,7 @@ API CUresult cuStreamEndCapture(CUstream s, void **graph)
     st->capturing = 0;
     if (graph)
         *graph = st->graph;
-    else
+    else if (!st->to_graph)
         free(st->graph);
     st->graph = NULL;
     return CUDA_SUCCESS;
@@ -815,7 +817,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute) X(cuMemPoolSetAttribute)                          \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)       \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamGetCtx) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
-    X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
+    X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_v2) X(cuStreamBeginCaptureToGraph) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
     X(cuStreamIsCapturing_ptsz) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz)    \
     X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuLaunchKernel)      \
     X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx)   \
