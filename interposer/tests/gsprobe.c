@@ -1249,6 +1249,17 @@ int main(int argc, char **argv)
             }
             printf("greens %d %d\n", rc, made);
             i += 2;
+        } else if (!strcmp(c, "greenswork")) {
+            /* one kernel in each green context "greens" made, each current in turn; then the
+             * current context as before */
+            CUcontext home = NULL, gc = NULL;
+            CUresult rc = api.cuCtxGetCurrent(&home);
+            for (int k = 0; k < ngreens && rc == CUDA_SUCCESS; k++)
+                if ((rc = api.cuCtxFromGreenCtx(&gc, greenctxs[k])) == CUDA_SUCCESS &&
+                    (rc = api.cuCtxSetCurrent(gc)) == CUDA_SUCCESS)
+                    rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            if (rc == CUDA_SUCCESS) rc = api.cuCtxSetCurrent(home);
+            printf("greenswork %d\n", rc);
         } else if (!strcmp(c, "greensdestroy")) {
             /* every green context "greens" made, newest first; prints the first failure's code */
             CUresult rc = CUDA_SUCCESS, r;

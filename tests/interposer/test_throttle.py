@@ -873,6 +873,21 @@ def test_streams_whose_kernels_wait_for_each_other_are_charged_their_union(relea
     assert ("timeline re-based" in res.stderr) == (seconds > 5)
 
 
+def test_the_17th_context_with_work_gets_a_timeline_of_its_own(release_lab):
+    # 16 green contexts with a kernel each (measured as contexts of their own, each with a
+    # timeline), then a 17th whose 2 streams' kernels wait for each other: the table of 16
+    # timelines left it none, so each stream was charged its own intervals, not their union:
+    # 17.7-22.4 % under 30 %
+    res = release_lab.run("init", "ctx", "0", "greens", "16", "0", "greenswork", "sleep", "300", "greens", "1", "0",
+                          "greencur", "capcur", "mbench", "2", "2", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_SERIAL="1",
+                          FAKE_CUDA_KERNEL_US="2000")
+    assert res.of("greens") == [(0, [16]), (0, [1])] and res.rc("greenswork") == 0
+    rc, (launches, kernel_ns, wall_ns) = res.of("mbench")[0]
+    assert rc == 0 and launches > 0
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 30) <= TOLERANCE, f"the 17th context: {got:.1f}%"
+
+
 # ---- beside another process: its time slices are not ours ----------------------------------
 #
 # FAKE_GPU_COTENANT_SLICE_US: another process keeps the fake GPU busy and the GPU time-slices
