@@ -7,16 +7,20 @@
  * (thr_capture_forbids_queries, throttle.h).
  */
 #define _GNU_SOURCE
+#include <stdlib.h>
 #include <string.h>
 
 #include "throttle.h"
 
-#define GS_CAPTURES 64
+/* The captures begun and not ended, on the heap (under g_cap_mu), grown as needed: a fixed table
+ * of 64 left the 65th uncounted, and the throttle's event queries invalidated it
+ * (`test_throttle.py -k beside_64`) */
 static pthread_mutex_t g_cap_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct {
+static struct capture {
     uint64_t key; /* 0 = free */
     int mode;
-} g_caps[GS_CAPTURES];
+} *g_caps;
+static size_t g_ncaps; /* entries allocated */
 int thr_global_captures;          /* captures in global mode, any thread (atomic) */
 __thread int thr_strict_captures; /* this thread's captures not in relaxed mode */
 
@@ -42,23 +46,35 @@ static void capture_announce(void)
     while (__atomic_load_n(&thr_settling, __ATOMIC_ACQUIRE) > thr_t_settling) gs_sleep_ns(GS_POLL_NS);
 }
 
+/* A free entry (g_cap_mu held), the table grown if every one is taken; NULL if it cannot grow */
+static struct capture *capture_free_locked(void)
+{
+    for (size_t i = 0; i < g_ncaps; i++)
+        if (!g_caps[i].key) return &g_caps[i];
+    size_t n = g_ncaps ? 2 * g_ncaps : 64;
+    struct capture *grown = realloc(g_caps, n * sizeof(*grown));
+    if (!grown) return NULL;
+    memset(grown + g_ncaps, 0, (n - g_ncaps) * sizeof(*grown));
+    g_caps = grown;
+    struct capture *c = &g_caps[g_ncaps];
+    g_ncaps = n;
+    return c;
+}
+
 static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode mode, CUresult rc)
 {
-    int i = GS_CAPTURES;
+    struct capture *c = NULL;
     if (rc == CUDA_SUCCESS) {
         uint64_t key = thr_stream_key(gs_effective_stream(stream, per_thread));
         pthread_mutex_lock(&g_cap_mu);
-        i = 0;
-        while (i < GS_CAPTURES && g_caps[i].key) i++;
-        if (i < GS_CAPTURES) {
-            g_caps[i].key = key;
-            g_caps[i].mode = mode;
+        if ((c = capture_free_locked())) {
+            c->key = key;
+            c->mode = mode;
         }
         pthread_mutex_unlock(&g_cap_mu);
-        if (i == GS_CAPTURES)
-            GS_WARN("more than %d stream captures at once: the throttle may invalidate one", GS_CAPTURES);
+        if (!c) GS_WARN("a stream capture could not be recorded (no memory): the throttle may invalidate it");
     }
-    if (i == GS_CAPTURES) { /* not begun, or not recorded: its end will not be seen */
+    if (!c) { /* not begun, or not recorded: its end will not be seen */
         if (mode == CU_STREAM_CAPTURE_MODE_GLOBAL) __atomic_sub_fetch(&thr_global_captures, 1, __ATOMIC_ACQ_REL);
         return;
     }
@@ -72,7 +88,7 @@ static void capture_ended(CUstream stream, int per_thread)
     uint64_t key = thr_stream_key(es);
     int mode = -1;
     pthread_mutex_lock(&g_cap_mu);
-    for (int i = 0; i < GS_CAPTURES && mode < 0; i++)
+    for (size_t i = 0; i < g_ncaps && mode < 0; i++)
         if (g_caps[i].key == key) {
             mode = g_caps[i].mode;
             g_caps[i].key = 0;
@@ -89,7 +105,7 @@ static void capture_ended(CUstream stream, int per_thread)
 void thr_capture_after_fork_child(void)
 {
     pthread_mutex_init(&g_cap_mu, NULL);
-    memset(g_caps, 0, sizeof(g_caps));
+    if (g_caps) memset(g_caps, 0, g_ncaps * sizeof(*g_caps));
     thr_global_captures = 0;
     thr_strict_captures = 0;
     thr_settling = 0;

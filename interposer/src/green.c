@@ -11,45 +11,73 @@
  * cuGreenCtxDestroy returns the footprint and the primary context's reference.
  */
 #define _GNU_SOURCE
+#include <stdlib.h>
+
 #include "ctx_internal.h"
 
-#define GS_GREENS 64
-static struct green {
+/* The green contexts alive, in chunks of GS_GREEN_CHUNK entries made as needed and never freed
+ * (gs_ctx_canonical reads them without the lock): a fixed table of 64 left the 65th unbooked,
+ * its footprint and what was allocated in it charged for ever (`test_memory.py -k past_the_64th`) */
+#define GS_GREEN_CHUNK 64
+#define GS_GREEN_CHUNKS 256
+struct green {
     CUgreenCtx g;     /* NULL: free entry (under the context lock) */
     CUcontext as_ctx; /* read without the lock by gs_ctx_canonical: written last, cleared first */
     CUcontext primary;
     CUdevice dev;
     int slot;
     uint64_t bytes;
-} g_greens[GS_GREENS];
+};
+static struct green *g_chunks[GS_GREEN_CHUNKS]; /* published before g_nchunks counts them */
+static int g_nchunks;
 static int g_ngreens; /* entries in use; read without the lock */
 
 CUcontext gs_ctx_canonical(CUcontext ctx)
 {
     if (GS_LIKELY(!__atomic_load_n(&g_ngreens, __ATOMIC_ACQUIRE)) || !ctx) return ctx;
-    for (int i = 0; i < GS_GREENS; i++)
-        if (__atomic_load_n(&g_greens[i].as_ctx, __ATOMIC_ACQUIRE) == ctx) {
-            CUcontext p = __atomic_load_n(&g_greens[i].primary, __ATOMIC_RELAXED);
-            return p ? p : ctx;
-        }
+    int n = __atomic_load_n(&g_nchunks, __ATOMIC_ACQUIRE);
+    for (int c = 0; c < n; c++) {
+        struct green *chunk = __atomic_load_n(&g_chunks[c], __ATOMIC_ACQUIRE);
+        for (int i = 0; i < GS_GREEN_CHUNK; i++)
+            if (__atomic_load_n(&chunk[i].as_ctx, __ATOMIC_ACQUIRE) == ctx) {
+                CUcontext p = __atomic_load_n(&chunk[i].primary, __ATOMIC_RELAXED);
+                return p ? p : ctx;
+            }
+    }
     return ctx;
 }
 
-static void green_put_locked(CUgreenCtx g, CUcontext as_ctx, CUcontext primary, CUdevice dev, int slot, uint64_t bytes)
+/* A free entry (under the context lock), a new chunk's if every one is taken; NULL if none can be made */
+static struct green *green_free_locked(void)
 {
-    for (int i = 0; i < GS_GREENS; i++)
-        if (!g_greens[i].g) {
-            struct green *e = &g_greens[i];
-            e->g = g;
-            e->dev = dev;
-            e->slot = slot;
-            e->bytes = bytes;
-            __atomic_store_n(&e->primary, primary, __ATOMIC_RELAXED);
-            __atomic_store_n(&e->as_ctx, as_ctx, __ATOMIC_RELEASE);
-            __atomic_add_fetch(&g_ngreens, 1, __ATOMIC_RELEASE);
-            return;
-        }
-    GS_WARN("more than %d green contexts: a new one's footprint stays charged after it goes", GS_GREENS);
+    for (int c = 0; c < g_nchunks; c++)
+        for (int i = 0; i < GS_GREEN_CHUNK; i++)
+            if (!g_chunks[c][i].g) return &g_chunks[c][i];
+    struct green *chunk = g_nchunks < GS_GREEN_CHUNKS ? calloc(GS_GREEN_CHUNK, sizeof(*chunk)) : NULL;
+    if (!chunk) return NULL;
+    __atomic_store_n(&g_chunks[g_nchunks], chunk, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&g_nchunks, 1, __ATOMIC_RELEASE);
+    return chunk;
+}
+
+static struct green *green_find_locked(CUgreenCtx g)
+{
+    for (int c = 0; g && c < g_nchunks; c++)
+        for (int i = 0; i < GS_GREEN_CHUNK; i++)
+            if (g_chunks[c][i].g == g) return &g_chunks[c][i];
+    return NULL;
+}
+
+static void green_put(struct green *e, CUgreenCtx g, CUcontext as_ctx, CUcontext primary, CUdevice dev, int slot,
+                      uint64_t bytes)
+{
+    e->g = g;
+    e->dev = dev;
+    e->slot = slot;
+    e->bytes = bytes;
+    __atomic_store_n(&e->primary, primary, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->as_ctx, as_ctx, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&g_ngreens, 1, __ATOMIC_RELEASE);
 }
 
 GS_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags)
@@ -66,7 +94,9 @@ GS_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, C
         return real(phCtx, desc, dev, flags);
     gs_ctx_enter();
     CUcontext primary = NULL;
-    CUresult rc = gs_primary_retain_locked(&primary, dev);
+    struct green *e = green_free_locked(); /* stays free until green_put, under the lock */
+    CUresult rc = e ? gs_primary_retain_locked(&primary, dev) : CUDA_ERROR_OUT_OF_MEMORY;
+    if (!e) GS_WARN("a green context cannot be booked (no memory for its entry): refused");
     if (rc == CUDA_SUCCESS) {
         struct gs_ctx_charge c;
         (void)gs_ctx_charge_begin(dev, &c, 0); /* reserves nothing: cannot refuse (gs_ctx_charge_end can) */
@@ -79,7 +109,7 @@ GS_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, C
             rc = CUDA_ERROR_OUT_OF_MEMORY;
         } else if (rc == CUDA_SUCCESS) {
             if (gs_cuda.cuCtxFromGreenCtx(&as_ctx, *phCtx) != CUDA_SUCCESS) as_ctx = NULL;
-            green_put_locked(*phCtx, as_ctx, primary, dev, c.slot, bytes);
+            green_put(e, *phCtx, as_ctx, primary, dev, c.slot, bytes);
             gs_primary_ref(dev); /* the green context's own, returned by its destroy */
         }
         /* this hook's reference goes (the green context holds its own): a primary context
@@ -98,9 +128,7 @@ GS_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx hCtx)
     if (!gs_cuda.cuGreenCtxDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     if (gs_t_held) return gs_cuda.cuGreenCtxDestroy(hCtx); /* a driver callback: its footprint stays charged */
     gs_ctx_enter();
-    struct green *e = NULL;
-    for (int i = 0; i < GS_GREENS && hCtx && !e; i++)
-        if (g_greens[i].g == hCtx) e = &g_greens[i];
+    struct green *e = green_find_locked(hCtx);
     /* its work is measured while its events can be read (as before a context's destroy), and
      * the primary context's if the reference to it that goes with it is the last */
     int last = 0;

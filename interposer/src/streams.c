@@ -308,7 +308,7 @@ void gs_launch_after_fork_child(void)
     pthread_mutex_init(&thr_mu, NULL);
     memset(g_streams, 0, (size_t)g_streams_used * sizeof(g_streams[0]));
     g_streams_used = 0;
-    memset(thr_lines, 0, sizeof(thr_lines));
+    if (thr_lines) memset(thr_lines, 0, (size_t)thr_nlines * sizeof(*thr_lines));
     memset(thr_gap_bits, 0, sizeof(thr_gap_bits));
     memset(thr_block_bits, 0, sizeof(thr_block_bits));
     memset(gs_unmeasured_ns, 0, sizeof(gs_unmeasured_ns));

@@ -19,7 +19,7 @@
  * through the GOT (the fast paths of the hooks in gaps.c cost what those of launch.c do). */
 #pragma GCC visibility push(hidden)
 
-#define GS_TIMELINES 16           /* contexts with a timeline */
+#define GS_TIMELINES 16           /* contexts with a timeline, at first */
 #define GS_SEGMENTS 32            /* disjoint busy segments a timeline remembers */
 #define GS_RING 64
 #define GS_POLL_NS 100000ull
@@ -178,7 +178,8 @@ struct tstream *thr_stream_get_locked(uint64_t key, CUcontext ctx, int slot);
 
 /* ---- timeline.c ----------------------------------------------------------- */
 
-extern struct tline thr_lines[GS_TIMELINES];
+extern struct tline *thr_lines; /* thr_nlines of them, grown as needed (timeline.c) */
+extern int thr_nlines;
 struct tline *thr_line_get_locked(CUcontext ctx, int create);
 void thr_line_reference_locked(CUcontext ctx, CUstream es, uint64_t now);
 double thr_line_credit_locked(CUcontext ctx, CUevent mark, CUevent e, double ms, cuEventElapsedTime_fn elapsed);

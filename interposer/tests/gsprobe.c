@@ -78,6 +78,7 @@
     X(cuGraphLaunch, CUresult, (CUgraphExec, CUstream))                                                      \
     X(cuStreamBeginCapture_v2, CUresult, (CUstream, int))                                                    \
     X(cuStreamEndCapture, CUresult, (CUstream, void **))                                                     \
+    X(cuStreamBeginCaptureToGraph, CUresult, (CUstream, CUgraph, const CUgraphNode *, const void *, size_t, int)) \
     X(cuStreamCreate, CUresult, (CUstream *, unsigned))                                                      \
     X(cuStreamDestroy_v2, CUresult, (CUstream))                                                              \
     X(cuMemcpyHtoDAsync_v2, CUresult, (CUdeviceptr, const void *, size_t, CUstream))                         \
@@ -231,7 +232,9 @@ static CUdeviceptr vrange;  /* vmapall: one reservation, every VMM allocation ma
 static uint64_t vrange_size;
 static int nallocs;
 static CUmemoryPool user_pool;
-static CUgreenCtx greenctx; /* the "green" command's */
+static CUgreenCtx greenctx; /* the "green" command's (the newest of "greens") */
+static CUgreenCtx greenctxs[160]; /* "greens N D": the N made, greenctx the last */
+static int ngreens;
 static CUmodule user_module;
 static CUlibrary user_library;
 static CUfunction user_function;
@@ -1244,6 +1247,35 @@ int main(int argc, char **argv)
             /* green D: a green context on device D (the descriptor is the fake's to ignore) */
             printf("green %d\n", api.cuGreenCtxCreate(&greenctx, (CUdevResourceDesc)(uintptr_t)1, atoi(ARG(0)), 1));
             i += 1;
+        } else if (!strcmp(c, "greens")) {
+            /* greens N D: N more green contexts on device D; prints how many were made */
+            int n = atoi(ARG(0)), made = 0;
+            CUresult rc = CUDA_SUCCESS;
+            for (; made < n && ngreens < 160; made++) {
+                rc = api.cuGreenCtxCreate(&greenctxs[ngreens], (CUdevResourceDesc)(uintptr_t)1, atoi(ARG(1)), 1);
+                if (rc != CUDA_SUCCESS) break;
+                greenctx = greenctxs[ngreens++];
+            }
+            printf("greens %d %d\n", rc, made);
+            i += 2;
+        } else if (!strcmp(c, "greenswork")) {
+            /* one kernel in each green context "greens" made, each current in turn; then the
+             * current context as before */
+            CUcontext home = NULL, gc = NULL;
+            CUresult rc = api.cuCtxGetCurrent(&home);
+            for (int k = 0; k < ngreens && rc == CUDA_SUCCESS; k++)
+                if ((rc = api.cuCtxFromGreenCtx(&gc, greenctxs[k])) == CUDA_SUCCESS &&
+                    (rc = api.cuCtxSetCurrent(gc)) == CUDA_SUCCESS)
+                    rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            if (rc == CUDA_SUCCESS) rc = api.cuCtxSetCurrent(home);
+            printf("greenswork %d\n", rc);
+        } else if (!strcmp(c, "greensdestroy")) {
+            /* every green context "greens" made, newest first; prints the first failure's code */
+            CUresult rc = CUDA_SUCCESS, r;
+            while (ngreens > 0)
+                if ((r = api.cuGreenCtxDestroy(greenctxs[--ngreens])) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = r;
+            greenctx = NULL;
+            printf("greensdestroy %d\n", rc);
         } else if (!strcmp(c, "greencur")) {
             /* the green context's CUcontext made current */
             CUcontext gc = NULL;
@@ -1379,18 +1411,42 @@ int main(int argc, char **argv)
             typedef uint64_t (*kns_t)(void);
             kns_t run_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_run_ns");
             printf("ran 0 %llu %llu\n", (unsigned long long)(run_ns ? run_ns() : 0), (unsigned long long)now_ns());
-        } else if (!strcmp(c, "hold") || !strcmp(c, "unhold")) {
+        } else if (!strcmp(c, "hold") || !strcmp(c, "holdg") || !strcmp(c, "unhold")) {
             /* hold MODE: a capture begun on a stream of its own and left open (MODE 0 global,
-             * 1 thread-local, 2 relaxed); unhold: its end */
+             * 1 thread-local, 2 relaxed); holdg MODE: the same into a graph of the program's
+             * (cuStreamBeginCaptureToGraph); unhold: its end */
             static CUstream hs;
-            if (!strcmp(c, "hold")) {
+            if (strcmp(c, "unhold") != 0) {
+                CUgraph into = NULL;
                 CUresult rc = hs ? CUDA_SUCCESS : api.cuStreamCreate(&hs, 1);
-                if (rc == CUDA_SUCCESS) rc = api.cuStreamBeginCapture_v2(hs, atoi(ARG(0)));
-                printf("hold %d\n", rc);
+                if (rc == CUDA_SUCCESS && c[4] == 'g') rc = api.cuGraphCreate(&into, 0);
+                if (rc == CUDA_SUCCESS)
+                    rc = c[4] == 'g' ? api.cuStreamBeginCaptureToGraph(hs, into, NULL, NULL, 0, atoi(ARG(0)))
+                                     : api.cuStreamBeginCapture_v2(hs, atoi(ARG(0)));
+                printf("%s %d\n", c, rc);
                 i += 1;
             } else {
                 void *g = NULL;
                 printf("unhold %d\n", hs ? api.cuStreamEndCapture(hs, &g) : CUDA_ERROR_INVALID_VALUE);
+            }
+        } else if (!strcmp(c, "holds") || !strcmp(c, "unholds")) {
+            /* holds N MODE: N more captures held open, each on a stream of its own (as "hold");
+             * unholds: their ends, newest first (the first failure's code) */
+            static CUstream hss[256];
+            static int nhs;
+            CUresult rc = CUDA_SUCCESS, r;
+            if (!strcmp(c, "holds")) {
+                for (int n = atoi(ARG(0)); n > 0 && nhs < 256 && rc == CUDA_SUCCESS; n--)
+                    if ((rc = api.cuStreamCreate(&hss[nhs], 1)) == CUDA_SUCCESS &&
+                        (rc = api.cuStreamBeginCapture_v2(hss[nhs], atoi(ARG(1)))) == CUDA_SUCCESS)
+                        nhs++;
+                printf("holds %d %d\n", rc, nhs);
+                i += 2;
+            } else {
+                void *g = NULL;
+                while (nhs > 0)
+                    if ((r = api.cuStreamEndCapture(hss[--nhs], &g)) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = r;
+                printf("unholds %d\n", rc);
             }
         } else if (!strcmp(c, "captureother")) {
             capture_other(atoi(ARG(0)));

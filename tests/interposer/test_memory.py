@@ -813,6 +813,14 @@ def test_a_green_context_holds_the_primary_context_until_it_goes(lab):
     assert used_after_each(lab, ["ctx 0", "green 0", "release 0", "greendestroy"], **GREEN) == [300, 308, 308, 0]
 
 
+def test_green_contexts_past_the_64th_are_booked_like_the_first(lab):
+    # 65 green contexts alive at once, memory allocated in the newest: before, the table kept 64
+    # and the 65th went unbooked, so its footprint and the 100 MiB allocated in it stayed
+    # charged after every green context and the primary context went (108 MiB, not 0)
+    assert used_after_each(lab, ["ctx 0", "greens 65 0", "greencur", "alloc 100m", "greensdestroy", "release 0"],
+                           **GREEN) == [300, 820, 820, 920, 400, 0]
+
+
 def test_a_green_context_the_driver_refuses_leaves_nothing_charged(lab):
     res = lab.run("init", "green", "0", "phys", CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_CTX_BYTES="300m",
                   FAKE_CUDA_FAIL="cuGreenCtxCreate")

@@ -765,6 +765,32 @@ def test_a_capture_held_open_does_not_lift_the_limit(release_lab, mode, before):
     assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
 
 
+@pytest.mark.parametrize("mode", ["0", "1", "2"], ids=["global", "thread-local", "relaxed"])
+def test_a_capture_into_the_programs_graph_is_counted_as_any_other(release_lab, mode):
+    # cuStreamBeginCaptureToGraph (CUDA 12.3+) held open in a green context, then begun again on
+    # the same stream once ended: never invalidated, and the launches beside it held to the
+    # limit (a regression check: found sound)
+    res = release_lab.run("init", "ctx", "0", "green", "0", "greencur", "bench", "1", "own", "holdg", mode, "ran",
+                          "bench", "3", "own", "ran", "unhold", "holdg", mode, "unhold",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000", FAKE_CUDA_CAPTURE_STRICT="1")
+    assert [rc for rc, _ in res.of("holdg") + res.of("unhold")] == [0, 0, 0, 0]
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
+
+
+@pytest.mark.parametrize("mode", ["0", "1"], ids=["global", "thread-local"])
+def test_a_capture_begun_beside_64_others_held_open_is_not_invalidated(lab, mode):
+    # 64 relaxed captures held open on streams of their own (they forbid no query), then one that
+    # does: the table of captures held 64, so the 65th went uncounted, the throttle queried its
+    # events meanwhile and the driver invalidated the capture (its end 901)
+    res = lab.run("init", "ctx", "0", "holds", "64", "2", "hold", mode, "bench", "0.3", "own", "unhold",
+                  "unholds", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                  FAKE_CUDA_CAPTURE_STRICT="1")
+    assert res.of("holds") == [(0, [64])] and res.rc("hold") == 0
+    assert res.rc("unhold") == 0  # the capture was not invalidated
+    assert res.rc("unholds") == 0
+
+
 def test_a_capture_held_open_beside_another_process_gets_its_share(release_lab):
     # the events would count the co-tenant's slices; NVML's per-process figure does not
     res = release_lab.run("init", "ctx", "0", "bench", "3", "own", "hold", "0", "ran", "bench", "4", "own", "ran",
@@ -845,6 +871,21 @@ def test_streams_whose_kernels_wait_for_each_other_are_charged_their_union(relea
     below = TOLERANCE if streams < 4 else 2 * TOLERANCE
     assert limit - below <= got <= limit + TOLERANCE, f"{streams} streams: {got:.1f}%"
     assert ("timeline re-based" in res.stderr) == (seconds > 5)
+
+
+def test_the_17th_context_with_work_gets_a_timeline_of_its_own(release_lab):
+    # 16 green contexts with a kernel each (measured as contexts of their own, each with a
+    # timeline), then a 17th whose 2 streams' kernels wait for each other: the table of 16
+    # timelines left it none, so each stream was charged its own intervals, not their union:
+    # 17.7-22.4 % under 30 %
+    res = release_lab.run("init", "ctx", "0", "greens", "16", "0", "greenswork", "sleep", "300", "greens", "1", "0",
+                          "greencur", "capcur", "mbench", "2", "2", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_SERIAL="1",
+                          FAKE_CUDA_KERNEL_US="2000")
+    assert res.of("greens") == [(0, [16]), (0, [1])] and res.rc("greenswork") == 0
+    rc, (launches, kernel_ns, wall_ns) = res.of("mbench")[0]
+    assert rc == 0 and launches > 0
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 30) <= TOLERANCE, f"the 17th context: {got:.1f}%"
 
 
 # ---- beside another process: its time slices are not ours ----------------------------------

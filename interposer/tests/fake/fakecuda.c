@@ -694,7 +694,7 @@ API CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned int *flags, int *ac
 /* Green contexts: each retains its device's primary context and holds FAKE_CUDA_GREEN_BYTES
  * (default 8m) of its own; the CUcontext standing for it (cuCtxFromGreenCtx) is its fake_ctx,
  * owned by the primary context (what is allocated in it is the primary's). */
-#define FAKE_GREENS 16
+#define FAKE_GREENS 160
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d);
 static struct fake_green {
     struct fake_ctx ctx;

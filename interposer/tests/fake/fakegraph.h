@@ -162,6 +162,22 @@ static struct fake_node *node_of(CUgraphNode n)
     return (struct fake_node *)n;
 }
 
+/* CUDA 12.3's capture into the program's graph: as cuStreamBeginCapture_v2, the nodes added to it */
+API CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *deps, const void *data, size_t ndeps,
+                                         int mode)
+{
+    (void)deps, (void)data, (void)ndeps;
+    struct fake_graph *fg = graph_of(g);
+    if (!fg) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = cuStreamBeginCapture_v2(s, mode);
+    if (rc != CUDA_SUCCESS) return rc;
+    struct fake_stream *st = stream_of(s, 0);
+    free(st->graph);
+    st->graph = fg;
+    st->to_graph = 1;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuGraphCreate(CUgraph *g, unsigned int flags)
 {
     (void)flags;

@@ -13,6 +13,7 @@ struct fake_stream {
     int capturing;
     int capture_mode;
     struct fake_graph *graph; /* being captured */
+    int to_graph;             /* into the program's graph (cuStreamBeginCaptureToGraph): not freed here */
 };
 struct fake_event {
     struct fake_ctx *ctx; /* current when it was created */
@@ -149,12 +150,16 @@ API CUresult cuStreamSynchronize_ptsz(CUstream s)
  * FAKE_CUDA_CAPTURE_SYNC=1, cuCtxSynchronize: below) then fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
  * (900) and invalidates the capture, whose cuStreamEndCapture returns CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901). */
 static int global_captures, capture_invalidated;
+/* a thread-local capture (1) forbids them in its own thread only, and invalidates that thread's */
+static __thread int local_captures, local_invalidated;
 
 static int capture_forbids(void)
 {
     static int strict = -1;
     if (strict < 0) strict = getenv("FAKE_CUDA_CAPTURE_STRICT") != NULL;
-    if (!strict || !__atomic_load_n(&global_captures, __ATOMIC_ACQUIRE)) return 0;
+    if (!strict) return 0;
+    if (local_captures) local_invalidated = 1;
+    if (!__atomic_load_n(&global_captures, __ATOMIC_ACQUIRE)) return local_captures != 0;
     __atomic_store_n(&capture_invalidated, 1, __ATOMIC_RELEASE);
     return 1;
 }
@@ -172,8 +177,10 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
     struct fake_stream *st = stream_of(s, 0);
     st->capturing = 1;
     st->capture_mode = mode;
+    st->to_graph = 0;
     st->graph = fake_graph_new();
     if (mode == 0) __atomic_add_fetch(&global_captures, 1, __ATOMIC_ACQ_REL);
+    if (mode == 1) local_captures++;
     return CUDA_SUCCESS;
 }
 
@@ -189,9 +196,13 @@ API CUresult cuStreamEndCapture(CUstream s, void **graph)
     int invalidated = 0;
     if (st->capturing && st->capture_mode == 0 && !__atomic_sub_fetch(&global_captures, 1, __ATOMIC_ACQ_REL))
         invalidated = __atomic_exchange_n(&capture_invalidated, 0, __ATOMIC_ACQ_REL);
+    if (st->capturing && st->capture_mode == 1 && local_captures > 0 && !--local_captures) {
+        invalidated = local_invalidated;
+        local_invalidated = 0;
+    }
     if (invalidated) {
         st->capturing = 0;
-        free(st->graph);
+        if (!st->to_graph) free(st->graph);
         st->graph = NULL;
         if (graph) *graph = NULL;
         return 901; /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */
@@ -199,7 +210,7 @@ API CUresult cuStreamEndCapture(CUstream s, void **graph)
     st->capturing = 0;
     if (graph)
         *graph = st->graph;
-    else
+    else if (!st->to_graph)
         free(st->graph);
     st->graph = NULL;
     return CUDA_SUCCESS;
@@ -835,7 +846,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute) X(cuMemPoolSetAttribute)                          \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)       \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamGetCtx) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
-    X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
+    X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_v2) X(cuStreamBeginCaptureToGraph) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
     X(cuStreamIsCapturing_ptsz) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz)    \
     X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuLaunchKernel)      \
     X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx)   \
