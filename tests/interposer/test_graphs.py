@@ -178,6 +178,22 @@ def test_resetting_the_context_returns_graph_memory(lab):
     assert lab.used() == 0
 
 
+def test_graph_memory_the_pool_keeps_past_the_last_context_stays_charged(lab):
+    # a graph launched in a created context, then that context (the process's only one on the
+    # device) destroyed: the device's graph pool still holds its 600 MiB (the fake's pool goes
+    # with the primary context or a trim), but the charge went with the context without asking
+    # the pool, and a 600 MiB allocation passed: 1200 MiB held under a 1 GiB cap. A trim, then,
+    # returns it
+    res = lab.run("init", "ctxcreate", "0", "gnode", "600m", "0", "ginst", "flags", "glaunch",
+                  "ctxdestroy", "0", "ctx", "0", "meminfo", "phys", "alloc", "600m", "gtrim",
+                  "meminfo", "phys", **CAP)
+    assert [res.rc(c) for c in ("glaunch", "ctxdestroy", "gtrim")] == [0, 0, 0]
+    assert phys(res)[0] == 600 * MIB
+    assert res.rc("alloc") == OOM
+    assert free_seen(res) == [GIB - 600 * MIB, GIB]
+    assert phys(res)[1] == 0
+
+
 def test_destroying_the_executable_keeps_the_pool_charged_until_trimmed(lab):
     res = lab.run("init", "ctx", "0", "gcapture", "200m", "ginst", "flags", "glaunch", "gdestroy",
                   "meminfo", "gtrim", "meminfo", **CAP)

@@ -1660,6 +1660,27 @@ def test_another_processs_buffer_charged_unmapped_is_mapped_if_it_fits_once(lab,
     assert used == [min(h, GIB) for h in held]  # the view shows no more than the cap
 
 
+def test_another_processs_buffer_charged_unmapped_stays_charged_when_the_driver_refuses_its_mapping(lab):
+    # the same import charged by the sampler while unmapped, then a mapping that passes the cap
+    # once judged again (the reading takes the buffer out of the growth no hook saw) but that the
+    # driver refuses: its reservation went back and the buffer, still held, was charged nowhere
+    # until the sampler's next reading; a 300 MiB allocation passed meanwhile, 1100 MiB held
+    # under a 1 GiB cap
+    fd, imported, released, done = (str(lab.tmp / n) for n in ("fd", "imported", "released", "done"))
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m"}
+    exporter = lab.start("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vfd", "0", fd,
+                         "waitfile", imported, "free", "0", "touch", released, "waitfile", done, **env)
+    res = lab.run("waitfile", fd, "init", "ctx", "0", "vimportfrom", fd, "600m", "touch", imported,
+                  "waitfile", released, "sleep", "1500", "meminfo", "vmap", "0", "meminfo",
+                  "alloc", "300m", "meminfo", "phys", "touch", done,
+                  **env, FAKE_CUDA_FAIL="cuMemMap:1:700")
+    lab.finish(exporter)
+    assert res.rc("vmap") == 700 and res.rc("alloc") == OOM
+    used = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    assert used == [800 * MIB] * 3  # both contexts and the buffer
+    assert res.values("phys") == [700 * MIB]
+
+
 def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
     # a sparse array's tile mapping does not say how much of the allocation it takes, and the
     # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap
