@@ -407,6 +407,7 @@
     X(cuLibraryGetKernel, CUresult, (CUkernel *pKernel, CUlibrary library, const char *name),              \
       cuLibraryGetKernel, 12000, 0)                                                                        \
     X(cuKernelGetFunction, CUresult, (CUfunction *pFunc, CUkernel kernel), cuKernelGetFunction, 12000, 0) \
+    X(cuFuncLoad, CUresult, (CUfunction function), cuFuncLoad, 12040, 0)                                  \
     X(cuModuleUnload, CUresult, (CUmodule hmod), cuModuleUnload, 2000, 0)                                  \
     X(cuLibraryUnload, CUresult, (CUlibrary library), cuLibraryUnload, 12000, 0)
 

@@ -1,7 +1,7 @@
 /*
  * module.c - module and library loads: cuModuleLoad*, cuLibraryLoad*, and the
  * calls that load a function's code when loading is lazy
- * (cuModuleGetFunction, cuLibraryGetKernel, cuKernelGetFunction); and
+ * (cuModuleGetFunction, cuLibraryGetKernel, cuKernelGetFunction, cuFuncLoad); and
  * cuCtxSetLimit, whose stack size, printf FIFO and malloc heap limits
  * reserve device memory (the stack for every thread the device can run).
  *
@@ -90,6 +90,15 @@ static void gen_new(const void *handle)
     __atomic_store_n(gen_of(handle), __atomic_add_fetch(&g_gens, 1, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
 }
 
+/* A first lookup's `made` handle (a kernel, a function) gets a new generation, unless it shares
+ * the bucket of `what` (the handle it was looked up in, whose generation the made one's load or
+ * first lookup moved already): moving it would make every later lookup in `what` a first one
+ * (a kernel's function may be the kernel's own handle) */
+static void made_new(const void *what, const void *made)
+{
+    if (!what || gen_of(made) != gen_of(what)) gen_new(made);
+}
+
 /* A lookup's key: what it looks in (a module, a library, a kernel) and its generation, the name
  * (FNV-1a), the context, the epoch */
 static uint64_t lookup_key(const void *what, const char *fname, CUcontext ctx, unsigned epoch)
@@ -166,7 +175,7 @@ static void load_settle(int slot, uint64_t held)
         CUresult rc = gs_cuda.name args;                                     \
         if (held_) load_settle(slot_, held_);                                \
         if (rc == CUDA_SUCCESS && key_) seen_add(key_);                      \
-        if (rc == CUDA_SUCCESS && (made)) gen_new(made);                     \
+        if (rc == CUDA_SUCCESS && (made)) made_new((what), (made));          \
         if (rc == CUDA_SUCCESS) gs_reconcile_after_load();                   \
         return rc;                                                           \
     }
@@ -181,7 +190,7 @@ GS_LOAD_HOOK(cuModuleLoadDataEx,
              (module, image, numOptions, options, optionValues), (const void *)*module)
 GS_LOAD_HOOK(cuModuleLoadFatBinary, (CUmodule *module, const void *fatCubin), (module, fatCubin), (const void *)*module)
 GS_CODE_HOOK(cuModuleGetFunction, (CUfunction *hfunc, CUmodule hmod, const char *name), (hfunc, hmod, name),
-             (const void *)hmod, name, (const void *)NULL)
+             (const void *)hmod, name, (const void *)*hfunc) /* a first one: its function (cuFuncLoad's) */
 GS_LOAD_HOOK(cuLibraryLoadData,
              (CUlibrary *library, const void *code, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
@@ -199,7 +208,16 @@ GS_LOAD_HOOK(cuLibraryLoadFromFile,
 GS_CODE_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name),
              (const void *)library, name, (const void *)*pKernel) /* a first one: its kernel */
 GS_CODE_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel), (const void *)kernel,
-             (const char *)NULL, (const void *)NULL)
+             (const char *)NULL, (const void *)*pFunc)
+/* cuFuncLoad (CUDA 12.4) finalizes a lazily loaded function's loading: its code is loaded then, as
+ * at its first launch.  It was not hooked: near the cap it loaded unadmitted (2 MiB of code past a
+ * 1 GiB cap, `test_near_cap_growth.py -k cufuncload`).  A function loaded before in the context
+ * passes straight through ("no effect", the driver says); each first lookup gives the function a
+ * new generation (a reloaded module's function may get an unloaded one's handle).  Its keys are
+ * named, unlike cuKernelGetFunction's: a kernel's function may have the kernel's handle, and that
+ * lookup need not load its code. */
+GS_CODE_HOOK(cuFuncLoad, (CUfunction function), (function), (const void *)function, "(cuFuncLoad)",
+             (const void *)NULL)
 /* Unloads give the code's memory back to the driver, where no hook sees it go: the reconcile only
  * adds, so it stayed charged until a context of the device went (a program that loads and
  * unloads JIT-compiled modules kept its peak; 130 MiB charged for 100 held after a 30 MiB

@@ -104,6 +104,7 @@
                                     CUlibraryOption *, void **, unsigned))                                   \
     X(cuLibraryGetKernel, CUresult, (CUkernel *, CUlibrary, const char *))                                   \
     X(cuKernelGetFunction, CUresult, (CUfunction *, CUkernel))                                              \
+    X(cuFuncLoad, CUresult, (CUfunction))                                                                    \
     X(cuGraphCreate, CUresult, (CUgraph *, unsigned))                                                        \
     X(cuGraphAddMemAllocNode, CUresult, (CUgraphNode *, CUgraph, const CUgraphNode *, size_t,                \
                                          CUDA_MEM_ALLOC_NODE_PARAMS *))                                      \
@@ -1309,6 +1310,9 @@ int main(int argc, char **argv)
             CUresult rc = api.cuLibraryGetKernel(&k, user_library, "k");
             if (rc == CUDA_SUCCESS) rc = api.cuKernelGetFunction(&user_function, k);
             printf("libkernel %d\n", rc);
+        } else if (!strcmp(c, "funcload")) {
+            /* cuFuncLoad of the function getfunc or libkernel looked up last */
+            printf("funcload %d\n", api.cuFuncLoad(user_function));
         } else if (!strcmp(c, "launchfn")) {
             printf("launchfn %d\n", api.cuLaunchKernel(user_function, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
         } else if (!strcmp(c, "nvmlqueries")) {

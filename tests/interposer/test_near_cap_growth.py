@@ -218,3 +218,38 @@ def test_a_lookup_in_a_module_loaded_again_at_an_unloaded_ones_handle_is_admitte
     assert res.rc(unload) == 0 and [rc for rc, _ in res.of(load)] == [0, 0]
     assert res.rc("alloc", 1) == 0
     assert [rc for rc, _ in res.of(lookup)] == [0, OOM], res.stdout
+
+
+@pytest.mark.parametrize("api", ["direct", "procaddr"])
+@pytest.mark.parametrize("load,lookup", [("modload", "getfunc"), ("libload", "libkernel")])
+def test_a_function_loaded_with_cufuncload_past_the_headroom_is_refused(lab, load, lookup, api):
+    # cuFuncLoad (CUDA 12.4) finalizes a lazily loaded function's loading: its code is loaded
+    # then, as at its first launch.  Looked up far from the cap (nothing loaded yet), then
+    # loaded within a chunk of it: 100 MiB context + 2 MiB module + 920 MiB + a 1 MiB array's
+    # page leave no room for a 2 MiB function.  Before, it was not hooked: 1,026 MiB held under
+    # the 1,024 MiB cap.  (The fake's kernel's function is the kernel's handle: the load is not
+    # taken for a repeat of cuKernelGetFunction.)
+    res = lab.run("init", "ctx", "0", load, lookup, "alloc", "920m", "alloc", "1m",
+                  "funcload", "phys", "funcload", "free", "0", "funcload", "phys", "funcload",
+                  api=api, **{**ENV, "FAKE_CUDA_LAUNCH_BYTES": "2m"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc(lookup) == 0 and res.rc("alloc", 1) == 0
+    phys = [vals[0] for _, vals in res.of("phys")]
+    # refused, nothing loaded; again at once (not taken for a repeat of a load that failed)
+    assert [rc for rc, _ in res.of("funcload")][:2] == [OOM, OOM], res.stdout
+    assert phys[0] == 100 * MIB + 2 * MIB + 920 * MIB + 2 * MIB <= CAP
+    # the program goes on: once room is made the function loads, and loading it again (no
+    # effect, the driver says) passes straight through
+    assert [rc for rc, _ in res.of("funcload")][2:] == [0, 0], res.stdout
+    assert phys[1] == 100 * MIB + 2 * MIB + 2 * MIB + 2 * MIB
+
+
+def test_cufuncload_of_a_function_of_a_module_loaded_again_at_an_unloaded_ones_handle_is_admitted(lab):
+    # the reloaded module gets the unloaded one's handle, and its function the old function's:
+    # its cuFuncLoad must not pass as a repeat of the old function's
+    res = lab.run("init", "ctx", "0", "modload", "getfunc", "funcload", "modunload", "modload", "getfunc",
+                  "alloc", "918m", "alloc", "1m", "funcload",
+                  **{**ENV, "FAKE_CUDA_HANDLE_REUSE": "1", "FAKE_CUDA_LAUNCH_BYTES": "2m"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [rc for rc, _ in res.of("getfunc")] == [0, 0] and res.rc("alloc", 1) == 0
+    assert [rc for rc, _ in res.of("funcload")] == [0, OOM], res.stdout

@@ -1449,6 +1449,15 @@ static CUresult lazy_code(CUfunction f)
     return rc;
 }
 
+/* cuFuncLoad (CUDA 12.4): finalizes a lazily loaded function's loading, as its first launch
+ * would (FAKE_CUDA_LAUNCH_BYTES); a loaded one is left as it is */
+API CUresult cuFuncLoad(CUfunction f)
+{
+    FAIL_POINT("cuFuncLoad");
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    return lazy_code(f);
+}
+
 API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
 {
     FAIL_POINT("cuMemAlloc_v2");
