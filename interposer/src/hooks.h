@@ -408,6 +408,9 @@
       cuLibraryGetKernel, 12000, 0)                                                                        \
     X(cuKernelGetFunction, CUresult, (CUfunction *pFunc, CUkernel kernel), cuKernelGetFunction, 12000, 0) \
     X(cuFuncLoad, CUresult, (CUfunction function), cuFuncLoad, 12040, 0)                                  \
+    X(cuLibraryGetModule, CUresult, (CUmodule *pMod, CUlibrary library), cuLibraryGetModule, 12000, 0)   \
+    X(cuLibraryGetGlobal, CUresult, (CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name), \
+      cuLibraryGetGlobal, 12000, 0)                                                                        \
     X(cuModuleUnload, CUresult, (CUmodule hmod), cuModuleUnload, 2000, 0)                                  \
     X(cuLibraryUnload, CUresult, (CUlibrary library), cuLibraryUnload, 12000, 0)
 

@@ -253,3 +253,25 @@ def test_cufuncload_of_a_function_of_a_module_loaded_again_at_an_unloaded_ones_h
     assert res.returncode == 0, res.stdout + res.stderr
     assert [rc for rc, _ in res.of("getfunc")] == [0, 0] and res.rc("alloc", 1) == 0
     assert [rc for rc, _ in res.of("funcload")] == [0, OOM], res.stdout
+
+
+@pytest.mark.parametrize("gone", [["reset", "0"], ["release", "0"]])
+@pytest.mark.parametrize("need", ["libmodule", "libglobal"])
+def test_a_library_needed_in_a_new_context_past_the_headroom_is_refused(lab, need, gone):
+    # a library is loaded in a context when it is needed there: cuLibraryGetModule and
+    # cuLibraryGetGlobal return the current context's module or global, so in a context made
+    # after the load (here the primary context retained again after a reset or its last
+    # release) they load the library's code and globals.  100 MiB context + 922 MiB + a 1 MiB
+    # array's page leave no room for the 2 MiB library.  Before, neither was hooked: 1,026 MiB
+    # held under the 1,024 MiB cap
+    res = lab.run("init", "ctx", "0", "libload", need, *gone, "ctx", "0", "alloc", "922m", "alloc", "1m",
+                  need, "phys", need, "free", "0", need, "phys", need, **ENV)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc("alloc", 1) == 0
+    rcs = [rc for rc, _ in res.of(need)]
+    phys = [vals[0] for _, vals in res.of("phys")]
+    assert rcs[:3] == [0, OOM, OOM], res.stdout
+    assert phys[0] == 100 * MIB + 922 * MIB + 2 * MIB <= CAP
+    # once room is made it is loaded, and asked for again it passes straight through
+    assert rcs[3:] == [0, 0], res.stdout
+    assert phys[1] == 100 * MIB + 2 * MIB + 2 * MIB
