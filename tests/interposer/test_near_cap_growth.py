@@ -255,16 +255,19 @@ def test_cufuncload_of_a_function_of_a_module_loaded_again_at_an_unloaded_ones_h
     assert [rc for rc, _ in res.of("funcload")] == [0, OOM], res.stdout
 
 
-@pytest.mark.parametrize("gone", [["reset", "0"], ["release", "0"]])
+@pytest.mark.parametrize("gone,again", [(["reset", "0"], ["ctx", "0"]), (["release", "0"], ["ctx", "0"]),
+                                        (["ctxdestroy", "0"], ["ctxcreate", "0"])],
+                         ids=["reset", "release", "destroyed"])
 @pytest.mark.parametrize("need", ["libmodule", "libglobal"])
-def test_a_library_needed_in_a_new_context_past_the_headroom_is_refused(lab, need, gone):
+def test_a_library_needed_in_a_new_context_past_the_headroom_is_refused(lab, need, gone, again):
     # a library is loaded in a context when it is needed there: cuLibraryGetModule and
     # cuLibraryGetGlobal return the current context's module or global, so in a context made
-    # after the load (here the primary context retained again after a reset or its last
-    # release) they load the library's code and globals.  100 MiB context + 922 MiB + a 1 MiB
-    # array's page leave no room for the 2 MiB library.  Before, neither was hooked: 1,026 MiB
-    # held under the 1,024 MiB cap
-    res = lab.run("init", "ctx", "0", "libload", need, *gone, "ctx", "0", "alloc", "922m", "alloc", "1m",
+    # after the load (the primary context retained again after a reset or its last release, a
+    # created context at a destroyed one's handle) they load the library's code and globals.
+    # 100 MiB context + 922 MiB + a 1 MiB array's page leave no room for the 2 MiB library.
+    # Before, neither was hooked: 1,026 MiB held under the 1,024 MiB cap
+    first = ["ctxcreate", "0"] if again[0] == "ctxcreate" else ["ctx", "0"]
+    res = lab.run("init", *first, "libload", need, *gone, *again, "alloc", "922m", "alloc", "1m",
                   need, "phys", need, "free", "0", need, "phys", need, **ENV)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.rc("alloc", 1) == 0

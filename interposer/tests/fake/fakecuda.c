@@ -825,8 +825,10 @@ static CUresult ctx_create(CUcontext *pctx, CUdevice d)
     pthread_mutex_lock(&mu);
     struct fake_ctx *c = dead;
     if (c) {
+        unsigned gen = c->gen; /* a new context at the old one's handle: code loaded there went */
         dead = c->next_dead;
         memset(c, 0, sizeof(*c));
+        c->gen = gen + 1;
     } else {
         c = calloc(1, sizeof(*c));
     }
