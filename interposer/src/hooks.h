@@ -446,7 +446,8 @@
     R(cuGraphNodeGetType, CUresult, (CUgraphNode hNode, CUgraphNodeType *type))               \
     R(cuGraphMemAllocNodeGetParams, CUresult, (CUgraphNode hNode, CUDA_MEM_ALLOC_NODE_PARAMS *params_out)) \
     R(cuGraphChildGraphNodeGetGraph, CUresult, (CUgraphNode hNode, CUgraph *phGraph))         \
-    R(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice device, CUgraphMem_attribute attr, void *value))
+    R(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice device, CUgraphMem_attribute attr, void *value)) \
+    R(cuModuleGetLoadingMode, CUresult, (CUmoduleLoadingMode *mode))
 
 #define GS_NVML_HOOKS(N)                                                                      \
     N(nvmlDeviceGetMemoryInfo, nvmlReturn_t, (nvmlDevice_t device, nvmlMemory_t *memory))     \

@@ -163,27 +163,68 @@ static void load_settle(int slot, uint64_t held)
     gs_inflight_end();
 }
 
+/* Loaded eagerly (CU_MODULE_EAGER_LOADING), a library goes into every context at once, each
+ * device's, not only the current one (lazily, into a context only when needed there, which its
+ * own calls admit).  Only the current device was admitted: a load from device 0's context took
+ * device 1, at its cap, to 1,026 MiB under 1,024 (`test_near_cap_growth.py -k eager_library`).
+ * Each other slot with a context of the process that is near its cap is admitted too (the
+ * loading mode asked only then), `held` per slot; -1 refused, nothing left held. */
+static void settle_elsewhere(uint64_t held[GPUSLICE_MAX_DEVICES])
+{
+    for (int s = 0; s < GPUSLICE_MAX_DEVICES; s++)
+        if (held[s]) load_settle(s, held[s]);
+}
+
+static int admit_elsewhere(int here, const char *name, uint64_t held[GPUSLICE_MAX_DEVICES])
+{
+    int asked = 0;
+    for (CUdevice d = 0; d < gs_dev_count() && d < GS_MAX_CUDA_DEVS; d++) {
+        int s = gs_dev_slot(d);
+        if (s < 0 || s >= GPUSLICE_MAX_DEVICES || s == here || held[s] || !gs_reconcile_dev_contexts(d) ||
+            GS_LIKELY(!gs_near_cap(s, GS_CODE_CHUNK)))
+            continue;
+        CUmoduleLoadingMode mode = CU_MODULE_LAZY_LOADING;
+        if (!asked++ && (!gs_cuda.cuModuleGetLoadingMode || gs_cuda.cuModuleGetLoadingMode(&mode) != CUDA_SUCCESS ||
+                         mode != CU_MODULE_EAGER_LOADING))
+            return 0;
+        if (load_admit_near(s, name, &held[s]) != 0) {
+            settle_elsewhere(held);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* A load (what NULL) or a lookup of `fname` in `what`; `made`: the handle it returns, given a
- * new generation (a load's, a kernel's), or NULL */
-#define GS_CODE_HOOK(name, params, args, what, fname, made)                  \
+ * new generation (a load's, a kernel's), or NULL; `lib`: a library's load (admitted on the
+ * other devices too when loading is eager) */
+#define GS_CODE_HOOK_(name, params, args, what, fname, made, lib)            \
     GS_EXPORT CUresult name params                                           \
     {                                                                        \
         gs_cuda_init();                                                      \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                  \
         int slot_ = -1;                                                      \
-        uint64_t held_ = 0, key_ = 0;                                        \
+        uint64_t held_ = 0, key_ = 0, others_[GPUSLICE_MAX_DEVICES] = {0};   \
         int admit_ = load_admit(#name, (what), (fname), &slot_, &held_, &key_); \
+        if (admit_ == 0 && (lib) && !gs_t_held && admit_elsewhere(slot_, #name, others_) < 0) { \
+            if (held_) load_settle(slot_, held_);                            \
+            admit_ = -1;                                                     \
+        }                                                                    \
         if (admit_ < 0) return CUDA_ERROR_OUT_OF_MEMORY;                     \
         if (admit_ > 0) return gs_cuda.name args; /* a repeated lookup */    \
         CUresult rc = gs_cuda.name args;                                     \
         if (held_) load_settle(slot_, held_);                                \
+        if (lib) settle_elsewhere(others_);                                  \
         if (rc == CUDA_SUCCESS && key_) seen_add(key_);                      \
         if (rc == CUDA_SUCCESS && (made)) made_new((what), (made));          \
         if (rc == CUDA_SUCCESS) gs_reconcile_after_load();                   \
         return rc;                                                           \
     }
+#define GS_CODE_HOOK(name, params, args, what, fname, made) GS_CODE_HOOK_(name, params, args, what, fname, made, 0)
 #define GS_LOAD_HOOK(name, params, args, made) \
-    GS_CODE_HOOK(name, params, args, (const void *)NULL, (const char *)NULL, made)
+    GS_CODE_HOOK_(name, params, args, (const void *)NULL, (const char *)NULL, made, 0)
+#define GS_LIB_LOAD_HOOK(name, params, args, made) \
+    GS_CODE_HOOK_(name, params, args, (const void *)NULL, (const char *)NULL, made, 1)
 
 GS_LOAD_HOOK(cuModuleLoad, (CUmodule *module, const char *fname), (module, fname), (const void *)*module)
 GS_LOAD_HOOK(cuModuleLoadData, (CUmodule *module, const void *image), (module, image), (const void *)*module)
@@ -194,14 +235,14 @@ GS_LOAD_HOOK(cuModuleLoadDataEx,
 GS_LOAD_HOOK(cuModuleLoadFatBinary, (CUmodule *module, const void *fatCubin), (module, fatCubin), (const void *)*module)
 GS_CODE_HOOK(cuModuleGetFunction, (CUfunction *hfunc, CUmodule hmod, const char *name), (hfunc, hmod, name),
              (const void *)hmod, name, (const void *)*hfunc) /* a first one: its function (cuFuncLoad's) */
-GS_LOAD_HOOK(cuLibraryLoadData,
+GS_LIB_LOAD_HOOK(cuLibraryLoadData,
              (CUlibrary *library, const void *code, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
               unsigned int numLibraryOptions),
              (library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions, libraryOptionValues,
               numLibraryOptions),
              (const void *)*library)
-GS_LOAD_HOOK(cuLibraryLoadFromFile,
+GS_LIB_LOAD_HOOK(cuLibraryLoadFromFile,
              (CUlibrary *library, const char *fileName, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
               unsigned int numLibraryOptions),

@@ -278,3 +278,34 @@ def test_a_library_needed_in_a_new_context_past_the_headroom_is_refused(lab, nee
     # once room is made it is loaded, and asked for again it passes straight through
     assert rcs[3:] == [0, 0], res.stdout
     assert phys[1] == 100 * MIB + 2 * MIB + 2 * MIB
+
+
+TWO_GPUS = {"FAKE_CUDA_DEVICES": "GPU-aaaaaaaa-0000-1111-2222-333333333333=16g,"
+                                 "GPU-bbbbbbbb-0000-1111-2222-333333333333=16g"}
+
+
+def test_an_eager_library_load_past_another_devices_headroom_is_refused(lab):
+    # CUDA_MODULE_LOADING=EAGER: cuLibraryLoad* loads the library in every context at once,
+    # each device's.  Device 1 is filled to its cap (100 MiB context + 922 MiB + a 1 MiB
+    # array's page), then the library is loaded from device 0's context.  Before, only the
+    # current device was admitted: device 1 held 1,026 MiB under its 1,024 MiB cap
+    res = lab.run("init", "ctx", "1", "alloc", "922m", "alloc", "1m", "ctx", "0", "libload", "physd", "1",
+                  "ctx", "1", "free", "0", "ctx", "0", "libload", "physd", "0", "physd", "1",
+                  **{**ENV, **TWO_GPUS, "CUDA_MODULE_LOADING": "EAGER"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc("alloc", 1) == 0
+    physd = [vals[0] for _, vals in res.of("physd")]
+    assert [rc for rc, _ in res.of("libload")] == [OOM, 0], res.stdout
+    assert physd[0] == 100 * MIB + 922 * MIB + 2 * MIB <= CAP
+    # once room is made on device 1 it loads, in both devices' contexts
+    assert physd[1:] == [100 * MIB + 2 * MIB, 100 * MIB + 2 * MIB + 2 * MIB]
+
+
+def test_a_lazy_library_load_is_not_refused_for_another_devices_cap(lab):
+    # lazily (the default) the library is loaded in a context only when needed there: a load
+    # from device 0's context takes nothing on device 1, which is at its cap
+    res = lab.run("init", "ctx", "1", "alloc", "922m", "alloc", "1m", "ctx", "0", "libload", "physd", "1",
+                  **{**ENV, **TWO_GPUS})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc("libload") == 0, res.stdout
+    assert res.values("physd")[0] == 100 * MIB + 922 * MIB + 2 * MIB

@@ -1415,12 +1415,41 @@ API CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
     return CUDA_SUCCESS;
 }
 
+/* CUDA_MODULE_LOADING=EAGER, as the driver reads it: 1 eager, 2 lazy (the default) */
+static int eager_loading(void)
+{
+    const char *v = getenv("CUDA_MODULE_LOADING");
+    return v && !strcmp(v, "EAGER");
+}
+
+API CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode *mode)
+{
+    FAIL_POINT("cuModuleGetLoadingMode");
+    if (!mode) return CUDA_ERROR_INVALID_VALUE;
+    *mode = eager_loading() ? CU_MODULE_EAGER_LOADING : CU_MODULE_LAZY_LOADING;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuLibraryLoadData(CUlibrary *l, const void *code, CUjit_option *jo, void **jv, unsigned int nj,
                                CUlibraryOption *lo, void **lv, unsigned int nl)
 {
     (void)jo, (void)jv, (void)nj, (void)lo, (void)lv, (void)nl;
     FAIL_POINT("cuLibraryLoadData");
-    return code ? module_new(l) : CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = code ? module_new(l) : CUDA_ERROR_INVALID_VALUE;
+    if (rc != CUDA_SUCCESS || !eager_loading()) return rc;
+    /* loaded eagerly, the library goes into every context at once: the other devices' primary
+     * contexts too */
+    struct fake_module *m = *(struct fake_module **)l;
+    pthread_mutex_lock(&mu);
+    for (int d = 0; d < nvisible; d++) {
+        struct fake_ctx *c = &primaries[d];
+        if (c == current || !c->refs || m->nalso >= 8 || phys_add(c->pdev, m->bytes) != CUDA_SUCCESS) continue;
+        c->modules += m->bytes;
+        m->also[m->nalso].ctx = c;
+        m->also[m->nalso++].gen = c->gen;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
 }
 
 API CUresult cuLibraryLoadFromFile(CUlibrary *l, const char *file, CUjit_option *jo, void **jv, unsigned int nj,
