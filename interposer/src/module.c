@@ -60,10 +60,11 @@ __attribute__((noinline)) static int load_admit_near(int slot, const char *name,
  * within a chunk of the cap, on every launch) nor wakes the sampler (a futex wake on every
  * launch).  Open addressing, lock-free; full, a lookup is treated as new (admitted, as
  * before).  Emptied when a context goes (gs_ctx_teardown_seq moved): a new context may get an
- * old one's handle, and its functions are not loaded there yet.  A key holds that epoch as read
- * before its lookup's driver call: a lookup that returns after another thread emptied the table
- * for a newer epoch adds a key no later lookup matches (without it, a lookup in a context being
- * destroyed could put its key back after the emptying, for a new context given the old handle). */
+ * old one's handle, and its functions are not loaded there yet; and after an unload (g_unloads).
+ * A key holds that epoch as read before its lookup's driver call: a lookup that returns after
+ * another thread emptied the table for a newer epoch adds a key no later lookup matches
+ * (without it, a lookup in a context being destroyed could put its key back after the
+ * emptying, for a new context given the old handle). */
 #define GS_SEEN_SLOTS 4096 /* a power of 2 */
 #define GS_SEEN_PROBES 16
 static uint64_t g_seen[GS_SEEN_SLOTS];
@@ -80,6 +81,13 @@ static unsigned g_seen_epoch;
 #define GS_GEN_SLOTS 4096 /* a power of 2 */
 static unsigned g_gen[GS_GEN_SLOTS];
 static unsigned g_gens;
+
+/* Unloads so far: each empties the table of lookups too.  Handles derived from an unloaded module
+ * or library (cuLibraryGetModule's module, the functions and kernels a program enumerates) get no
+ * generation of their own, and a reload at the old handle may give them the old ones': a
+ * function's first lookup in a reloaded library's module passed as a repeat at the cap (`-k
+ * reloaded_library`). */
+static unsigned g_unloads;
 
 static unsigned *gen_of(const void *handle)
 {
@@ -149,7 +157,8 @@ static inline int load_admit(const char *name, const void *what, const char *fna
     CUcontext ctx;
     *slot = gs_current_slot(&ctx);
     if (what) {
-        unsigned epoch = gs_teardown_seq() | 1u; /* odd: never the initial 0 */
+        /* odd: never the initial 0; the sum grows with either count */
+        unsigned epoch = (gs_teardown_seq() | 1u) + 2u * __atomic_load_n(&g_unloads, __ATOMIC_SEQ_CST);
         *key = lookup_key(name, what, fname, ctx, epoch);
         if (seen_before(*key, epoch)) return 1;
     }
@@ -278,11 +287,12 @@ GS_CODE_HOOK(cuLibraryGetGlobal, (CUdeviceptr *dptr, size_t *bytes, CUlibrary li
  * every device, it is loaded in each context) is measured again: the next clean reading lowers
  * what was charged beyond the records to what the driver still holds, the sampler's (woken) or
  * the next near-cap reservation's.  No reading here: a runtime unloads every fatbin it
- * registered at exit, hundreds of calls.  The handle gets a new generation: its lookups are
- * forgotten. */
+ * registered at exit, hundreds of calls.  The handle gets a new generation, and the lookups seen
+ * are all forgotten (g_unloads). */
 static void unloaded(const void *handle, int everywhere)
 {
     gen_new(handle);
+    __atomic_add_fetch(&g_unloads, 1, __ATOMIC_SEQ_CST);
     CUdevice dev;
     if (everywhere) {
         for (CUdevice d = 0; d < gs_dev_count(); d++) gs_reconcile_remeasure(d);

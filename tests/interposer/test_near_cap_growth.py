@@ -309,3 +309,15 @@ def test_a_lazy_library_load_is_not_refused_for_another_devices_cap(lab):
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.rc("libload") == 0, res.stdout
     assert res.values("physd")[0] == 100 * MIB + 922 * MIB + 2 * MIB
+
+
+def test_a_lookup_in_a_reloaded_librarys_module_is_admitted(lab):
+    # cuLibraryGetModule's module of a library loaded again at an unloaded one's handle may be
+    # the old module's handle: a function's first lookup in it must not pass as a repeat of
+    # one in the unloaded library's module (at the cap: 0, not OOM, its code loaded unadmitted)
+    res = lab.run("init", "ctx", "0", "libload", "libmodule", "getfunc", "libunload", "libload", "libmodule",
+                  "alloc", "920m", "alloc", "1m", "getfunc", **{**ENV, "FAKE_CUDA_HANDLE_REUSE": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [rc for rc, _ in res.of("libload")] == [0, 0] and res.rc("libunload") == 0
+    assert [rc for rc, _ in res.of("libmodule")] == [0, 0] and res.rc("alloc", 1) == 0
+    assert [rc for rc, _ in res.of("getfunc")] == [0, OOM], res.stdout
