@@ -48,6 +48,9 @@ typedef int CUgraphInstantiateResult;
 typedef struct CUmemAccessDesc_st CUmemAccessDesc; /* only passed through */
 typedef int CUjit_option;    /* enums: only passed through, by pointer */
 typedef int CUlibraryOption;
+typedef int CUmoduleLoadingMode;
+#define CU_MODULE_EAGER_LOADING 0x1
+#define CU_MODULE_LAZY_LOADING 0x2
 typedef int CUlimit;
 #define CU_LIMIT_STACK_SIZE 0x00
 #define CU_LIMIT_PRINTF_FIFO_SIZE 0x01

@@ -412,6 +412,10 @@
     X(cuLibraryGetKernel, CUresult, (CUkernel *pKernel, CUlibrary library, const char *name),              \
       cuLibraryGetKernel, 12000, 0)                                                                        \
     X(cuKernelGetFunction, CUresult, (CUfunction *pFunc, CUkernel kernel), cuKernelGetFunction, 12000, 0) \
+    X(cuFuncLoad, CUresult, (CUfunction function), cuFuncLoad, 12040, 0)                                  \
+    X(cuLibraryGetModule, CUresult, (CUmodule *pMod, CUlibrary library), cuLibraryGetModule, 12000, 0)   \
+    X(cuLibraryGetGlobal, CUresult, (CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name), \
+      cuLibraryGetGlobal, 12000, 0)                                                                        \
     X(cuModuleUnload, CUresult, (CUmodule hmod), cuModuleUnload, 2000, 0)                                  \
     X(cuLibraryUnload, CUresult, (CUlibrary library), cuLibraryUnload, 12000, 0)
 
@@ -447,7 +451,8 @@
     R(cuGraphNodeGetType, CUresult, (CUgraphNode hNode, CUgraphNodeType *type))               \
     R(cuGraphMemAllocNodeGetParams, CUresult, (CUgraphNode hNode, CUDA_MEM_ALLOC_NODE_PARAMS *params_out)) \
     R(cuGraphChildGraphNodeGetGraph, CUresult, (CUgraphNode hNode, CUgraph *phGraph))         \
-    R(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice device, CUgraphMem_attribute attr, void *value))
+    R(cuDeviceGetGraphMemAttribute, CUresult, (CUdevice device, CUgraphMem_attribute attr, void *value)) \
+    R(cuModuleGetLoadingMode, CUresult, (CUmoduleLoadingMode *mode))
 
 #define GS_NVML_HOOKS(N)                                                                      \
     N(nvmlDeviceGetMemoryInfo, nvmlReturn_t, (nvmlDevice_t device, nvmlMemory_t *memory))     \

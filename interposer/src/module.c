@@ -1,7 +1,8 @@
 /*
  * module.c - module and library loads: cuModuleLoad*, cuLibraryLoad*, and the
  * calls that load a function's code when loading is lazy
- * (cuModuleGetFunction, cuLibraryGetKernel, cuKernelGetFunction); and
+ * (cuModuleGetFunction, cuLibraryGetKernel, cuKernelGetFunction, cuFuncLoad), or load a
+ * library in another context (cuLibraryGetModule, cuLibraryGetGlobal); and
  * cuCtxSetLimit, whose stack size, printf FIFO and malloc heap limits
  * reserve device memory (the stack for every thread the device can run).
  *
@@ -59,10 +60,11 @@ __attribute__((noinline)) static int load_admit_near(int slot, const char *name,
  * within a chunk of the cap, on every launch) nor wakes the sampler (a futex wake on every
  * launch).  Open addressing, lock-free; full, a lookup is treated as new (admitted, as
  * before).  Emptied when a context goes (gs_ctx_teardown_seq moved): a new context may get an
- * old one's handle, and its functions are not loaded there yet.  A key holds that epoch as read
- * before its lookup's driver call: a lookup that returns after another thread emptied the table
- * for a newer epoch adds a key no later lookup matches (without it, a lookup in a context being
- * destroyed could put its key back after the emptying, for a new context given the old handle). */
+ * old one's handle, and its functions are not loaded there yet; and after an unload (g_unloads).
+ * A key holds that epoch as read before its lookup's driver call: a lookup that returns after
+ * another thread emptied the table for a newer epoch adds a key no later lookup matches
+ * (without it, a lookup in a context being destroyed could put its key back after the
+ * emptying, for a new context given the old handle). */
 #define GS_SEEN_SLOTS 4096 /* a power of 2 */
 #define GS_SEEN_PROBES 16
 static uint64_t g_seen[GS_SEEN_SLOTS];
@@ -80,6 +82,13 @@ static unsigned g_seen_epoch;
 static unsigned g_gen[GS_GEN_SLOTS];
 static unsigned g_gens;
 
+/* Unloads so far: each empties the table of lookups too.  Handles derived from an unloaded module
+ * or library (cuLibraryGetModule's module, the functions and kernels a program enumerates) get no
+ * generation of their own, and a reload at the old handle may give them the old ones': a
+ * function's first lookup in a reloaded library's module passed as a repeat at the cap (`-k
+ * reloaded_library`). */
+static unsigned g_unloads;
+
 static unsigned *gen_of(const void *handle)
 {
     return &g_gen[gs_hash_step(0, (uint64_t)(uintptr_t)handle) & (GS_GEN_SLOTS - 1)];
@@ -90,12 +99,23 @@ static void gen_new(const void *handle)
     __atomic_store_n(gen_of(handle), __atomic_add_fetch(&g_gens, 1, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
 }
 
-/* A lookup's key: what it looks in (a module, a library, a kernel) and its generation, the name
- * (FNV-1a), the context, the epoch */
-static uint64_t lookup_key(const void *what, const char *fname, CUcontext ctx, unsigned epoch)
+/* A first lookup's `made` handle (a kernel, a function) gets a new generation, unless it shares
+ * the bucket of `what` (the handle it was looked up in, whose generation the made one's load or
+ * first lookup moved already): moving it would make every later lookup in `what` a first one
+ * (a kernel's function may be the kernel's own handle) */
+static void made_new(const void *what, const void *made)
+{
+    if (!what || gen_of(made) != gen_of(what)) gen_new(made);
+}
+
+/* A lookup's key: the hook (its name: calls on the same handle and name are told apart), what it
+ * looks in (a module, a library, a kernel, a function) and its generation, the name (FNV-1a), the
+ * context, the epoch */
+static uint64_t lookup_key(const char *hook, const void *what, const char *fname, CUcontext ctx, unsigned epoch)
 {
     uint64_t h = 0xcbf29ce484222325ull;
     for (const char *c = fname; c && *c; c++) h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+    h = gs_hash_step(h, (uint64_t)(uintptr_t)hook);
     h = gs_hash_step(gs_hash_step(h, (uint64_t)(uintptr_t)what), (uint64_t)(uintptr_t)ctx);
     h = gs_hash_step(h, (uint64_t)__atomic_load_n(gen_of(what), __ATOMIC_SEQ_CST) << 32 | epoch);
     return h ? h : 1; /* 0 marks an empty slot */
@@ -137,8 +157,9 @@ static inline int load_admit(const char *name, const void *what, const char *fna
     CUcontext ctx;
     *slot = gs_current_slot(&ctx);
     if (what) {
-        unsigned epoch = gs_teardown_seq() | 1u; /* odd: never the initial 0 */
-        *key = lookup_key(what, fname, ctx, epoch);
+        /* odd: never the initial 0; the sum grows with either count */
+        unsigned epoch = (gs_teardown_seq() | 1u) + 2u * __atomic_load_n(&g_unloads, __ATOMIC_SEQ_CST);
+        *key = lookup_key(name, what, fname, ctx, epoch);
         if (seen_before(*key, epoch)) return 1;
     }
     if (*slot < 0 || GS_LIKELY(!gs_near_cap(*slot, GS_CODE_CHUNK))) return 0;
@@ -151,27 +172,68 @@ static void load_settle(int slot, uint64_t held)
     gs_inflight_end();
 }
 
+/* Loaded eagerly (CU_MODULE_EAGER_LOADING), a library goes into every context at once, each
+ * device's, not only the current one (lazily, into a context only when needed there, which its
+ * own calls admit).  Only the current device was admitted: a load from device 0's context took
+ * device 1, at its cap, to 1,026 MiB under 1,024 (`test_near_cap_growth.py -k eager_library`).
+ * Each other slot with a context of the process that is near its cap is admitted too (the
+ * loading mode asked only then), `held` per slot; -1 refused, nothing left held. */
+static void settle_elsewhere(uint64_t held[GPUSLICE_MAX_DEVICES])
+{
+    for (int s = 0; s < GPUSLICE_MAX_DEVICES; s++)
+        if (held[s]) load_settle(s, held[s]);
+}
+
+static int admit_elsewhere(int here, const char *name, uint64_t held[GPUSLICE_MAX_DEVICES])
+{
+    int asked = 0;
+    for (CUdevice d = 0; d < gs_dev_count() && d < GS_MAX_CUDA_DEVS; d++) {
+        int s = gs_dev_slot(d);
+        if (s < 0 || s >= GPUSLICE_MAX_DEVICES || s == here || held[s] || !gs_reconcile_dev_contexts(d) ||
+            GS_LIKELY(!gs_near_cap(s, GS_CODE_CHUNK)))
+            continue;
+        CUmoduleLoadingMode mode = CU_MODULE_LAZY_LOADING;
+        if (!asked++ && (!gs_cuda.cuModuleGetLoadingMode || gs_cuda.cuModuleGetLoadingMode(&mode) != CUDA_SUCCESS ||
+                         mode != CU_MODULE_EAGER_LOADING))
+            return 0;
+        if (load_admit_near(s, name, &held[s]) != 0) {
+            settle_elsewhere(held);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* A load (what NULL) or a lookup of `fname` in `what`; `made`: the handle it returns, given a
- * new generation (a load's, a kernel's), or NULL */
-#define GS_CODE_HOOK(name, params, args, what, fname, made)                  \
+ * new generation (a load's, a kernel's), or NULL; `lib`: a library's load (admitted on the
+ * other devices too when loading is eager) */
+#define GS_CODE_HOOK_(name, params, args, what, fname, made, lib)            \
     GS_EXPORT CUresult name params                                           \
     {                                                                        \
         gs_cuda_init();                                                      \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                  \
         int slot_ = -1;                                                      \
-        uint64_t held_ = 0, key_ = 0;                                        \
+        uint64_t held_ = 0, key_ = 0, others_[GPUSLICE_MAX_DEVICES] = {0};   \
         int admit_ = load_admit(#name, (what), (fname), &slot_, &held_, &key_); \
+        if (admit_ == 0 && (lib) && !gs_t_held && admit_elsewhere(slot_, #name, others_) < 0) { \
+            if (held_) load_settle(slot_, held_);                            \
+            admit_ = -1;                                                     \
+        }                                                                    \
         if (admit_ < 0) return CUDA_ERROR_OUT_OF_MEMORY;                     \
         if (admit_ > 0) return gs_cuda.name args; /* a repeated lookup */    \
         CUresult rc = gs_cuda.name args;                                     \
         if (held_) load_settle(slot_, held_);                                \
+        if (lib) settle_elsewhere(others_);                                  \
         if (rc == CUDA_SUCCESS && key_) seen_add(key_);                      \
-        if (rc == CUDA_SUCCESS && (made)) gen_new(made);                     \
+        if (rc == CUDA_SUCCESS && (made)) made_new((what), (made));          \
         if (rc == CUDA_SUCCESS) gs_reconcile_after_load();                   \
         return rc;                                                           \
     }
+#define GS_CODE_HOOK(name, params, args, what, fname, made) GS_CODE_HOOK_(name, params, args, what, fname, made, 0)
 #define GS_LOAD_HOOK(name, params, args, made) \
-    GS_CODE_HOOK(name, params, args, (const void *)NULL, (const char *)NULL, made)
+    GS_CODE_HOOK_(name, params, args, (const void *)NULL, (const char *)NULL, made, 0)
+#define GS_LIB_LOAD_HOOK(name, params, args, made) \
+    GS_CODE_HOOK_(name, params, args, (const void *)NULL, (const char *)NULL, made, 1)
 
 GS_LOAD_HOOK(cuModuleLoad, (CUmodule *module, const char *fname), (module, fname), (const void *)*module)
 GS_LOAD_HOOK(cuModuleLoadData, (CUmodule *module, const void *image), (module, image), (const void *)*module)
@@ -181,15 +243,15 @@ GS_LOAD_HOOK(cuModuleLoadDataEx,
              (module, image, numOptions, options, optionValues), (const void *)*module)
 GS_LOAD_HOOK(cuModuleLoadFatBinary, (CUmodule *module, const void *fatCubin), (module, fatCubin), (const void *)*module)
 GS_CODE_HOOK(cuModuleGetFunction, (CUfunction *hfunc, CUmodule hmod, const char *name), (hfunc, hmod, name),
-             (const void *)hmod, name, (const void *)NULL)
-GS_LOAD_HOOK(cuLibraryLoadData,
+             (const void *)hmod, name, (const void *)*hfunc) /* a first one: its function (cuFuncLoad's) */
+GS_LIB_LOAD_HOOK(cuLibraryLoadData,
              (CUlibrary *library, const void *code, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
               unsigned int numLibraryOptions),
              (library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions, libraryOptionValues,
               numLibraryOptions),
              (const void *)*library)
-GS_LOAD_HOOK(cuLibraryLoadFromFile,
+GS_LIB_LOAD_HOOK(cuLibraryLoadFromFile,
              (CUlibrary *library, const char *fileName, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
               unsigned int numLibraryOptions),
@@ -199,7 +261,25 @@ GS_LOAD_HOOK(cuLibraryLoadFromFile,
 GS_CODE_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name),
              (const void *)library, name, (const void *)*pKernel) /* a first one: its kernel */
 GS_CODE_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel), (const void *)kernel,
+             (const char *)NULL, (const void *)*pFunc)
+/* cuFuncLoad (CUDA 12.4) finalizes a lazily loaded function's loading: its code is loaded then, as
+ * at its first launch.  It was not hooked: near the cap it loaded unadmitted (2 MiB of code past a
+ * 1 GiB cap, `test_near_cap_growth.py -k cufuncload`).  A function loaded before in the context
+ * passes straight through ("no effect", the driver says); each first lookup gives the function a
+ * new generation (a reloaded module's function may get an unloaded one's handle).  Its keys are
+ * its own (each hook's are): a kernel's function may have the kernel's handle, and
+ * cuKernelGetFunction need not load its code. */
+GS_CODE_HOOK(cuFuncLoad, (CUfunction function), (function), (const void *)function, (const char *)NULL,
+             (const void *)NULL)
+/* A library is loaded in a context when it is needed there: cuLibraryGetModule and
+ * cuLibraryGetGlobal return the current context's module or global, and in a context the library
+ * is not loaded in yet (one made after the load, a primary context retained again) they load its
+ * code and globals there.  They were not hooked: 2 MiB past a 1 GiB cap (`test_near_cap_growth.py
+ * -k new_context`).  Admitted like a lookup: asked again in the context, straight through. */
+GS_CODE_HOOK(cuLibraryGetModule, (CUmodule *pMod, CUlibrary library), (pMod, library), (const void *)library,
              (const char *)NULL, (const void *)NULL)
+GS_CODE_HOOK(cuLibraryGetGlobal, (CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name),
+             (dptr, bytes, library, name), (const void *)library, name, (const void *)NULL)
 /* Unloads give the code's memory back to the driver, where no hook sees it go: the reconcile only
  * adds, so it stayed charged until a context of the device went (a program that loads and
  * unloads JIT-compiled modules kept its peak; 130 MiB charged for 100 held after a 30 MiB
@@ -207,11 +287,12 @@ GS_CODE_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, 
  * every device, it is loaded in each context) is measured again: the next clean reading lowers
  * what was charged beyond the records to what the driver still holds, the sampler's (woken) or
  * the next near-cap reservation's.  No reading here: a runtime unloads every fatbin it
- * registered at exit, hundreds of calls.  The handle gets a new generation: its lookups are
- * forgotten. */
+ * registered at exit, hundreds of calls.  The handle gets a new generation, and the lookups seen
+ * are all forgotten (g_unloads). */
 static void unloaded(const void *handle, int everywhere)
 {
     gen_new(handle);
+    __atomic_add_fetch(&g_unloads, 1, __ATOMIC_SEQ_CST);
     CUdevice dev;
     if (everywhere) {
         for (CUdevice d = 0; d < gs_dev_count(); d++) gs_reconcile_remeasure(d);

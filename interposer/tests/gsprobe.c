@@ -108,6 +108,9 @@
                                     CUlibraryOption *, void **, unsigned))                                   \
     X(cuLibraryGetKernel, CUresult, (CUkernel *, CUlibrary, const char *))                                   \
     X(cuKernelGetFunction, CUresult, (CUfunction *, CUkernel))                                              \
+    X(cuFuncLoad, CUresult, (CUfunction))                                                                    \
+    X(cuLibraryGetModule, CUresult, (CUmodule *, CUlibrary))                                                 \
+    X(cuLibraryGetGlobal, CUresult, (CUdeviceptr *, size_t *, CUlibrary, const char *))                      \
     X(cuGraphCreate, CUresult, (CUgraph *, unsigned))                                                        \
     X(cuGraphAddMemAllocNode, CUresult, (CUgraphNode *, CUgraph, const CUgraphNode *, size_t,                \
                                          CUDA_MEM_ALLOC_NODE_PARAMS *))                                      \
@@ -1354,6 +1357,16 @@ int main(int argc, char **argv)
             CUresult rc = api.cuLibraryGetKernel(&k, user_library, "k");
             if (rc == CUDA_SUCCESS) rc = api.cuKernelGetFunction(&user_function, k);
             printf("libkernel %d\n", rc);
+        } else if (!strcmp(c, "libmodule")) {
+            /* the library's module in the current context (getfunc looks in it next) */
+            printf("libmodule %d\n", api.cuLibraryGetModule(&user_module, user_library));
+        } else if (!strcmp(c, "libglobal")) {
+            CUdeviceptr g = 0;
+            size_t gbytes = 0;
+            printf("libglobal %d\n", api.cuLibraryGetGlobal(&g, &gbytes, user_library, "g"));
+        } else if (!strcmp(c, "funcload")) {
+            /* cuFuncLoad of the function getfunc or libkernel looked up last */
+            printf("funcload %d\n", api.cuFuncLoad(user_function));
         } else if (!strcmp(c, "launchfn")) {
             printf("launchfn %d\n", api.cuLaunchKernel(user_function, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
         } else if (!strcmp(c, "nvmlqueries")) {

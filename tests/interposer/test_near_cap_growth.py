@@ -236,3 +236,106 @@ def test_a_lookup_in_a_module_loaded_again_at_an_unloaded_ones_handle_is_admitte
     assert res.rc(unload) == 0 and [rc for rc, _ in res.of(load)] == [0, 0]
     assert res.rc("alloc", 1) == 0
     assert [rc for rc, _ in res.of(lookup)] == [0, OOM], res.stdout
+
+
+@pytest.mark.parametrize("api", ["direct", "procaddr"])
+@pytest.mark.parametrize("load,lookup", [("modload", "getfunc"), ("libload", "libkernel")])
+def test_a_function_loaded_with_cufuncload_past_the_headroom_is_refused(lab, load, lookup, api):
+    # cuFuncLoad (CUDA 12.4) finalizes a lazily loaded function's loading: its code is loaded
+    # then, as at its first launch.  Looked up far from the cap (nothing loaded yet), then
+    # loaded within a chunk of it: 100 MiB context + 2 MiB module + 920 MiB + a 1 MiB array's
+    # page leave no room for a 2 MiB function.  Before, it was not hooked: 1,026 MiB held under
+    # the 1,024 MiB cap.  (The fake's kernel's function is the kernel's handle: the load is not
+    # taken for a repeat of cuKernelGetFunction.)
+    res = lab.run("init", "ctx", "0", load, lookup, "alloc", "920m", "alloc", "1m",
+                  "funcload", "phys", "funcload", "free", "0", "funcload", "phys", "funcload",
+                  api=api, **{**ENV, "FAKE_CUDA_LAUNCH_BYTES": "2m"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc(lookup) == 0 and res.rc("alloc", 1) == 0
+    phys = [vals[0] for _, vals in res.of("phys")]
+    # refused, nothing loaded; again at once (not taken for a repeat of a load that failed)
+    assert [rc for rc, _ in res.of("funcload")][:2] == [OOM, OOM], res.stdout
+    assert phys[0] == 100 * MIB + 2 * MIB + 920 * MIB + 2 * MIB <= CAP
+    # the program goes on: once room is made the function loads, and loading it again (no
+    # effect, the driver says) passes straight through
+    assert [rc for rc, _ in res.of("funcload")][2:] == [0, 0], res.stdout
+    assert phys[1] == 100 * MIB + 2 * MIB + 2 * MIB + 2 * MIB
+
+
+def test_cufuncload_of_a_function_of_a_module_loaded_again_at_an_unloaded_ones_handle_is_admitted(lab):
+    # the reloaded module gets the unloaded one's handle, and its function the old function's:
+    # its cuFuncLoad must not pass as a repeat of the old function's
+    res = lab.run("init", "ctx", "0", "modload", "getfunc", "funcload", "modunload", "modload", "getfunc",
+                  "alloc", "918m", "alloc", "1m", "funcload",
+                  **{**ENV, "FAKE_CUDA_HANDLE_REUSE": "1", "FAKE_CUDA_LAUNCH_BYTES": "2m"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [rc for rc, _ in res.of("getfunc")] == [0, 0] and res.rc("alloc", 1) == 0
+    assert [rc for rc, _ in res.of("funcload")] == [0, OOM], res.stdout
+
+
+@pytest.mark.parametrize("gone,again", [(["reset", "0"], ["ctx", "0"]), (["release", "0"], ["ctx", "0"]),
+                                        (["ctxdestroy", "0"], ["ctxcreate", "0"])],
+                         ids=["reset", "release", "destroyed"])
+@pytest.mark.parametrize("need", ["libmodule", "libglobal"])
+def test_a_library_needed_in_a_new_context_past_the_headroom_is_refused(lab, need, gone, again):
+    # a library is loaded in a context when it is needed there: cuLibraryGetModule and
+    # cuLibraryGetGlobal return the current context's module or global, so in a context made
+    # after the load (the primary context retained again after a reset or its last release, a
+    # created context at a destroyed one's handle) they load the library's code and globals.
+    # 100 MiB context + 922 MiB + a 1 MiB array's page leave no room for the 2 MiB library.
+    # Before, neither was hooked: 1,026 MiB held under the 1,024 MiB cap
+    first = ["ctxcreate", "0"] if again[0] == "ctxcreate" else ["ctx", "0"]
+    res = lab.run("init", *first, "libload", need, *gone, *again, "alloc", "922m", "alloc", "1m",
+                  need, "phys", need, "free", "0", need, "phys", need, **ENV)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc("alloc", 1) == 0
+    rcs = [rc for rc, _ in res.of(need)]
+    phys = [vals[0] for _, vals in res.of("phys")]
+    assert rcs[:3] == [0, OOM, OOM], res.stdout
+    assert phys[0] == 100 * MIB + 922 * MIB + 2 * MIB <= CAP
+    # once room is made it is loaded, and asked for again it passes straight through
+    assert rcs[3:] == [0, 0], res.stdout
+    assert phys[1] == 100 * MIB + 2 * MIB + 2 * MIB
+
+
+TWO_GPUS = {"FAKE_CUDA_DEVICES": "GPU-aaaaaaaa-0000-1111-2222-333333333333=16g,"
+                                 "GPU-bbbbbbbb-0000-1111-2222-333333333333=16g"}
+
+
+def test_an_eager_library_load_past_another_devices_headroom_is_refused(lab):
+    # CUDA_MODULE_LOADING=EAGER: cuLibraryLoad* loads the library in every context at once,
+    # each device's.  Device 1 is filled to its cap (100 MiB context + 922 MiB + a 1 MiB
+    # array's page), then the library is loaded from device 0's context.  Before, only the
+    # current device was admitted: device 1 held 1,026 MiB under its 1,024 MiB cap
+    res = lab.run("init", "ctx", "1", "alloc", "922m", "alloc", "1m", "ctx", "0", "libload", "physd", "1",
+                  "ctx", "1", "free", "0", "ctx", "0", "libload", "physd", "0", "physd", "1",
+                  **{**ENV, **TWO_GPUS, "CUDA_MODULE_LOADING": "EAGER"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc("alloc", 1) == 0
+    physd = [vals[0] for _, vals in res.of("physd")]
+    assert [rc for rc, _ in res.of("libload")] == [OOM, 0], res.stdout
+    assert physd[0] == 100 * MIB + 922 * MIB + 2 * MIB <= CAP
+    # once room is made on device 1 it loads, in both devices' contexts
+    assert physd[1:] == [100 * MIB + 2 * MIB, 100 * MIB + 2 * MIB + 2 * MIB]
+
+
+def test_a_lazy_library_load_is_not_refused_for_another_devices_cap(lab):
+    # lazily (the default) the library is loaded in a context only when needed there: a load
+    # from device 0's context takes nothing on device 1, which is at its cap
+    res = lab.run("init", "ctx", "1", "alloc", "922m", "alloc", "1m", "ctx", "0", "libload", "physd", "1",
+                  **{**ENV, **TWO_GPUS})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc("libload") == 0, res.stdout
+    assert res.values("physd")[0] == 100 * MIB + 922 * MIB + 2 * MIB
+
+
+def test_a_lookup_in_a_reloaded_librarys_module_is_admitted(lab):
+    # cuLibraryGetModule's module of a library loaded again at an unloaded one's handle may be
+    # the old module's handle: a function's first lookup in it must not pass as a repeat of
+    # one in the unloaded library's module (at the cap: 0, not OOM, its code loaded unadmitted)
+    res = lab.run("init", "ctx", "0", "libload", "libmodule", "getfunc", "libunload", "libload", "libmodule",
+                  "alloc", "920m", "alloc", "1m", "getfunc", **{**ENV, "FAKE_CUDA_HANDLE_REUSE": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [rc for rc, _ in res.of("libload")] == [0, 0] and res.rc("libunload") == 0
+    assert [rc for rc, _ in res.of("libmodule")] == [0, 0] and res.rc("alloc", 1) == 0
+    assert [rc for rc, _ in res.of("getfunc")] == [0, OOM], res.stdout

@@ -278,6 +278,7 @@ struct fake_ctx {
                          * bytes per unit, 1 KiB by default; the real sizes are not documented) */
     struct fake_ctx *owner; /* a green context's: its device's primary, which owns its allocations */
     struct fake_ctx *next_dead; /* a destroyed created context's place in `dead` */
+    unsigned gen;               /* moves when the context goes: a primary retained again is new */
 };
 static struct fake_ctx primaries[FAKE_MAX_DEVS];
 static __thread struct fake_ctx *current;
@@ -828,8 +829,10 @@ static CUresult ctx_create(CUcontext *pctx, CUdevice d)
     pthread_mutex_lock(&mu);
     struct fake_ctx *c = dead;
     if (c) {
+        unsigned gen = c->gen; /* a new context at the old one's handle: code loaded there went */
         dead = c->next_dead;
         memset(c, 0, sizeof(*c));
+        c->gen = gen + 1;
     } else {
         c = calloc(1, sizeof(*c));
     }
@@ -1211,6 +1214,7 @@ static void ctx_drop(struct fake_ctx *c)
     }
     phys_sub(c->pdev, c->base + c->modules);
     c->base = c->modules = 0;
+    c->gen++;
     memset(c->limits, 0, sizeof(c->limits));
 }
 
@@ -1231,6 +1235,12 @@ API CUresult fake_cuda_module_load(uint64_t bytes)
 struct fake_module {
     struct fake_ctx *ctx;
     uint64_t bytes;
+    unsigned gen; /* ctx's when loaded */
+    struct {      /* a library: the other contexts it was loaded in when needed there */
+        struct fake_ctx *ctx;
+        unsigned gen;
+    } also[8];
+    int nalso;
 };
 static void *freed_module; /* FAKE_CUDA_HANDLE_REUSE: the next module or library load's */
 
@@ -1313,6 +1323,7 @@ static CUresult module_new(void *out)
     if (rc != CUDA_SUCCESS) return rc;
     struct fake_module *m = reuse_or_alloc(&freed_module, sizeof(*m));
     m->ctx = current;
+    m->gen = current->gen;
     m->bytes = module_bytes;
     memcpy(out, &m, sizeof(m));
     return CUDA_SUCCESS;
@@ -1326,6 +1337,13 @@ static CUresult module_drop(void *handle)
     uint64_t b = m->bytes < m->ctx->modules ? m->bytes : m->ctx->modules;
     m->ctx->modules -= b;
     phys_sub(m->ctx->pdev, b);
+    for (int i = 0; i < m->nalso; i++) {
+        struct fake_ctx *c = m->also[i].ctx;
+        if (c->gen != m->also[i].gen) continue; /* that context went, and the code with it */
+        uint64_t a = m->bytes < c->modules ? m->bytes : c->modules;
+        c->modules -= a;
+        phys_sub(c->pdev, a);
+    }
     if (getenv("FAKE_CUDA_HANDLE_REUSE")) { /* the next load gets its handle */
         free(freed_module);
         freed_module = m;
@@ -1403,12 +1421,41 @@ API CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
     return CUDA_SUCCESS;
 }
 
+/* CUDA_MODULE_LOADING=EAGER, as the driver reads it: 1 eager, 2 lazy (the default) */
+static int eager_loading(void)
+{
+    const char *v = getenv("CUDA_MODULE_LOADING");
+    return v && !strcmp(v, "EAGER");
+}
+
+API CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode *mode)
+{
+    FAIL_POINT("cuModuleGetLoadingMode");
+    if (!mode) return CUDA_ERROR_INVALID_VALUE;
+    *mode = eager_loading() ? CU_MODULE_EAGER_LOADING : CU_MODULE_LAZY_LOADING;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuLibraryLoadData(CUlibrary *l, const void *code, CUjit_option *jo, void **jv, unsigned int nj,
                                CUlibraryOption *lo, void **lv, unsigned int nl)
 {
     (void)jo, (void)jv, (void)nj, (void)lo, (void)lv, (void)nl;
     FAIL_POINT("cuLibraryLoadData");
-    return code ? module_new(l) : CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = code ? module_new(l) : CUDA_ERROR_INVALID_VALUE;
+    if (rc != CUDA_SUCCESS || !eager_loading()) return rc;
+    /* loaded eagerly, the library goes into every context at once: the other devices' primary
+     * contexts too */
+    struct fake_module *m = *(struct fake_module **)l;
+    pthread_mutex_lock(&mu);
+    for (int d = 0; d < nvisible; d++) {
+        struct fake_ctx *c = &primaries[d];
+        if (c == current || !c->refs || m->nalso >= 8 || phys_add(c->pdev, m->bytes) != CUDA_SUCCESS) continue;
+        c->modules += m->bytes;
+        m->also[m->nalso].ctx = c;
+        m->also[m->nalso++].gen = c->gen;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
 }
 
 API CUresult cuLibraryLoadFromFile(CUlibrary *l, const char *file, CUjit_option *jo, void **jv, unsigned int nj,
@@ -1420,6 +1467,47 @@ API CUresult cuLibraryLoadFromFile(CUlibrary *l, const char *file, CUjit_option 
 API CUresult cuLibraryUnload(CUlibrary l)
 {
     return module_drop(l);
+}
+
+/* A library is loaded in a context when it is needed there (lazy loading): the first
+ * cuLibraryGetModule or cuLibraryGetGlobal in a context it is not loaded in (one made after
+ * its load, or a primary context retained again) loads its code there */
+static CUresult library_here(struct fake_module *l)
+{
+    NEED_CTX();
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&mu);
+    int here = l->ctx == current && l->gen == current->gen;
+    for (int i = 0; i < l->nalso && !here; i++) here = l->also[i].ctx == current && l->also[i].gen == current->gen;
+    if (!here) {
+        rc = code_grow_locked(l->bytes);
+        if (rc == CUDA_SUCCESS && l->nalso < 8) {
+            l->also[l->nalso].ctx = current;
+            l->also[l->nalso++].gen = current->gen;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+API CUresult cuLibraryGetModule(CUmodule *m, CUlibrary l)
+{
+    FAIL_POINT("cuLibraryGetModule");
+    if (!m || !l) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = library_here((struct fake_module *)l);
+    if (rc == CUDA_SUCCESS) *m = (CUmodule)named_handle(l, "(module)");
+    return rc;
+}
+
+API CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary l, const char *name)
+{
+    FAIL_POINT("cuLibraryGetGlobal");
+    if ((!dptr && !bytes) || !l || !name) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = library_here((struct fake_module *)l);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (dptr) *dptr = (CUdeviceptr)(uintptr_t)named_handle(l, name);
+    if (bytes) *bytes = 8;
+    return CUDA_SUCCESS;
 }
 
 API CUresult cuLibraryGetKernel(CUkernel *k, CUlibrary l, const char *name)
@@ -1453,6 +1541,15 @@ static CUresult lazy_code(CUfunction f)
     }
     pthread_mutex_unlock(&mu);
     return rc;
+}
+
+/* cuFuncLoad (CUDA 12.4): finalizes a lazily loaded function's loading, as its first launch
+ * would (FAKE_CUDA_LAUNCH_BYTES); a loaded one is left as it is */
+API CUresult cuFuncLoad(CUfunction f)
+{
+    FAIL_POINT("cuFuncLoad");
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    return lazy_code(f);
 }
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)

@@ -855,7 +855,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuLaunchKernelEx_ptsz) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2)  \
     X(cuModuleLoad) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary) X(cuModuleUnload)       \
     X(cuModuleGetFunction) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)                    \
-    X(cuLibraryGetKernel) X(cuKernelGetFunction) X(cuGraphCreate) X(cuGraphDestroy) X(cuGraphAddMemAllocNode)   \
+    X(cuLibraryGetKernel) X(cuKernelGetFunction) X(cuFuncLoad) X(cuLibraryGetModule) X(cuLibraryGetGlobal) X(cuModuleGetLoadingMode) X(cuGraphCreate) X(cuGraphDestroy) X(cuGraphAddMemAllocNode)   \
     X(cuGraphAddChildGraphNode) X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)        \
     X(cuGraphChildGraphNodeGetGraph) X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2)                   \
     X(cuGraphInstantiate) X(cuCtxSynchronize_v2)                                                               \
