@@ -1733,3 +1733,30 @@ def test_a_destroyed_pools_frees_on_more_contexts_than_it_remembers_wait_for_all
     assert held == 544 * MIB
     assert GIB - res.values("meminfo")[0] >= held
     assert res.rc("alloc") == OOM and res.values("phys", 1) == [held]
+
+
+def test_a_pid_equal_to_ours_appearing_after_our_context_is_not_taken_for_ours(lab):
+    # our context started beside another tenant's (two pids appeared: ours not learnt from it),
+    # and our getpid() was not among them: NVML lists another namespace's pids.  A co-tenant
+    # whose host pid equals our getpid() starts later and takes 600 MiB: the near-cap reconcile
+    # took it for ours while the pid was unknown, charged its 700 MiB to the container, and an
+    # 800 MiB allocation was refused under a 1 GiB cap with 100 MiB held
+    tmp = lab.tmp
+    common = {"FAKE_CUDA_CTX_BYTES": "100m", "FAKE_NVML_PID_OFFSET": "100000"}
+    later = lab.start("init", "waitfile", str(tmp / "later"), "ctx", "0", "alloc", "600m",
+                      "touch", str(tmp / "taken"), "sleep", "3000",
+                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "later-region"), **common)
+    ours = lab.start("init", "ctx", "0", "touch", str(tmp / "later"), "waitfile", str(tmp / "taken"),
+                     "alloc", "800m", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
+                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), FAKE_NVML_PID_AS_MINE=str(later.pid),
+                     **common)
+    lab.wait_for(tmp / "creating")
+    beside = lab.start("init", "ctx", "0", "sleep", "3000",
+                       CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "beside-region"), **common)
+    res = lab.finish(ours)
+    for p in (later, beside):
+        p.kill()
+        lab.finish(p)
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo") == [GIB - 900 * MIB, GIB]
