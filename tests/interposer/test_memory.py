@@ -1760,3 +1760,18 @@ def test_a_pid_equal_to_ours_appearing_after_our_context_is_not_taken_for_ours(l
         lab.finish(p)
     assert res.rc("alloc") == 0
     assert res.values("meminfo") == [GIB - 900 * MIB, GIB]
+
+
+def test_a_first_context_made_while_another_thread_allocates_is_charged_without_figures(lab):
+    # with no per-process figure, a context is measured by the device's growth; made while
+    # another thread's allocation was inside the driver (on another device), the measurement
+    # was not clean and the estimate stood: the container had none yet on that device, so the
+    # context was charged nothing, and no reconcile charges what it holds (no figure): 100 MiB
+    # held uncharged for good, a 1 GiB cap filled on top of it
+    res = lab.run("init", "ctx", "0", "bgalloc", "64m", "0", "sleep", "100", "ctx", "1", "join",
+                  "meminfo", "physd", "1", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_NVML_PROC_MEM="0", FAKE_CUDA_SLEEP="cuMemAlloc_v2:500", **TWO_GPUS)
+    assert res.rc("ctx", 1) == 0 and res.rc("bgalloc") == 0  # (join prints as the thread's call)
+    assert res.values("physd") == [100 * MIB]
+    assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
+
