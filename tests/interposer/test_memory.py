@@ -1775,3 +1775,15 @@ def test_a_first_context_made_while_another_thread_allocates_is_charged_without_
     assert res.values("physd") == [100 * MIB]
     assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
 
+
+def test_the_sampler_charges_growth_once_the_pid_is_learnt_by_the_reconcile(lab):
+    # a primary context retained from a callback during the device discovery is adopted
+    # without a measurement, so the pid is learnt by the reconcile that follows (our getpid()
+    # in NVML's list); the sampler started only with a pid known at the context: code loaded
+    # far from the cap was never charged (100 MiB charged for 400 held)
+    res = lab.run("init", "ctx", "0", "module", "300m", "sleep", "800", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="4g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_API_CALLBACK="cuDeviceGet:retain")
+    assert "fake: api callback cuDeviceGet retain 0" in res.stderr
+    assert res.values("phys") == [400 * MIB]
+    assert 4 * GIB - res.values("meminfo")[0] == 400 * MIB
