@@ -109,9 +109,15 @@ uint64_t gs_ctx_charge_end(CUdevice dev, struct gs_ctx_charge *c, CUresult rc)
     /* what other threads allocated (or freed) meanwhile grew (or shrank) the process too, and
      * is charged by its own records; one that was inside the driver as the measurement began
      * or ended cannot be told apart: then the estimate stands (the reconcile adds what it
-     * misses) */
-    if (c->busy || __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) || __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST))
-        return c->reserved;
+     * misses).  Not where nothing was reserved (the container has no estimate yet) and the
+     * device's growth measured it: no reconcile would add what it misses (no per-process
+     * figure), and a first context made while another thread allocated (on another device,
+     * even) stayed charged nothing, 100 MiB held uncharged for good (test_memory.py -k
+     * made_while_another_thread_allocates); such a measurement is charged, less what this
+     * process's charge on the device grew meanwhile, but never becomes the estimate */
+    int busy = c->busy || __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST) ||
+               __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
+    if (busy && (c->reserved || !from_device)) return c->reserved;
     uint64_t mine = gs_slot_mine(c->slot);
     if (mine != c->mine) {
         if (mine > c->mine && measured <= mine - c->mine) return c->reserved;
@@ -128,7 +134,7 @@ uint64_t gs_ctx_charge_end(CUdevice dev, struct gs_ctx_charge *c, CUresult rc)
     /* a clean measurement of a process's first context on the device: the estimate for the
      * container's next contexts.  Not from a later one: code another thread's kernels load
      * lazily into a context of the device meanwhile passes no hook and would count */
-    if (mine == c->mine && c->first && (!from_device || !estimate || measured < estimate))
+    if (!busy && mine == c->mine && c->first && (!from_device || !estimate || measured < estimate))
         __atomic_store_n(&gs_region->devices[c->slot].ctx_footprint_bytes, measured, __ATOMIC_RELAXED);
     /* more than was reserved (nothing is, before the container's first clean measurement; a
      * few processes making their first contexts at once all reserve nothing): the rest must
