@@ -560,6 +560,7 @@ void gs_launch_refund_unmeasured(int slot, uint64_t cost);
 
 void gs_launch_forget_ctx(CUcontext ctx);
 void gs_launch_settle_ctx(CUcontext ctx);
+void gs_launch_stream_gone(CUstream s); /* before its destroy, with a compute limit */
 void gs_launch_at_exit(void);
 void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */
 void gs_launch_after_fork_child(void);

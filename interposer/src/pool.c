@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "gpuslice.h"
+#include "throttle.h" /* thr_state: a destroyed stream's entry in the compute limit's table */
 
 #define GS_MAX_POOLS 64
 
@@ -496,6 +497,7 @@ GS_EXPORT CUresult cuStreamDestroy(CUstream hStream)
     gs_cuda_init();
     if (!gs_cuda.cuStreamDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     stream_gone(hStream);
+    if (__atomic_load_n(&thr_state, __ATOMIC_RELAXED) == THROTTLE_ON) gs_launch_stream_gone(hStream);
     return gs_cuda.cuStreamDestroy(hStream);
 }
 
@@ -504,6 +506,7 @@ GS_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
     gs_cuda_init();
     if (!gs_cuda.cuStreamDestroy_v2) return CUDA_ERROR_NOT_SUPPORTED;
     stream_gone(hStream);
+    if (__atomic_load_n(&thr_state, __ATOMIC_RELAXED) == THROTTLE_ON) gs_launch_stream_gone(hStream);
     return gs_cuda.cuStreamDestroy_v2(hStream);
 }
 

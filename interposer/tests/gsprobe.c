@@ -1319,16 +1319,24 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ns);
             printf("nsfree %d\n", rc);
             i += 1;
-        } else if (!strcmp(c, "sfree") || !strcmp(c, "ssync") || !strcmp(c, "esync") || !strcmp(c, "sdestroy")) {
+        } else if (!strcmp(c, "sfree") || !strcmp(c, "ssync") || !strcmp(c, "esync") || !strcmp(c, "sdestroy") ||
+                   !strcmp(c, "slaunch") || !strcmp(c, "shostfn")) {
             /* sfree ID S: cuMemFreeAsync of pool allocation ID on stream S (0-3, made in the
              * current context at its first use); ssync S: cuStreamSynchronize of stream S;
              * esync S: an event recorded on stream S, and cuEventSynchronize of it; sdestroy S:
-             * cuStreamDestroy of stream S (its next use makes a new one) */
+             * cuStreamDestroy of stream S (its next use makes a new one); slaunch S N: N kernel
+             * launches on stream S; shostfn S: a host function on stream S */
             static CUstream ss[4];
             int sfree = !strcmp(c, "sfree"), n = atoi(ARG(sfree)) & 3;
             CUresult rc = ss[n] ? CUDA_SUCCESS : api.cuStreamCreate(&ss[n], 0);
             CUevent ev = NULL;
-            if (rc == CUDA_SUCCESS && !strcmp(c, "sdestroy")) {
+            if (!strcmp(c, "slaunch")) {
+                for (int k = atoi(ARG(1)); k > 0 && rc == CUDA_SUCCESS; k--)
+                    rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, ss[n], NULL, NULL);
+                i += 1;
+            } else if (rc == CUDA_SUCCESS && !strcmp(c, "shostfn")) {
+                rc = api.cuLaunchHostFunc(ss[n], no_op, NULL);
+            } else if (rc == CUDA_SUCCESS && !strcmp(c, "sdestroy")) {
                 rc = api.cuStreamDestroy_v2(ss[n]);
                 ss[n] = NULL;
             } else if (rc == CUDA_SUCCESS && sfree) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ss[n]);

@@ -1438,3 +1438,23 @@ def test_a_context_less_kernel_launched_with_no_current_context_is_throttled(rel
     got = launchprobe(release_lab, "noctx", 1.5, 0, CUDA_DEVICE_SM_LIMIT="30",
                       FAKE_CUDA_KERNEL_US="2000", FAKE_STREAM_CTX_LAUNCH="1")
     assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
+
+
+# ---- a destroyed stream's handle given to a new one -------------------------------------------
+
+def test_a_new_stream_with_a_destroyed_streams_handle_is_not_charged_its_idle_time(lab):
+    # a stream is destroyed while a 1 s host function holds it, a kernel queued behind; the driver
+    # gives its handle to the next stream, whose five 1 ms kernels run 100 ms apart meanwhile.
+    # Their events queued in the old stream's entry behind its unfinished ones, so the new stream
+    # never looked idle: each kernel's interval ran from the last one's end, the 100 ms between
+    # them charged as kernel time
+    steps = []
+    for _ in range(5):
+        steps += ["slaunch", "0", "1", "sleep", "100"]
+    res = lab.run("init", "ctx", "0", "slaunch", "0", "1", "shostfn", "0", "slaunch", "0", "1", "sdestroy", "0",
+                  *steps, "sleep", "1000", "sync", CUDA_DEVICE_SM_LIMIT="99", FAKE_CUDA_KERNEL_US="1000",
+                  FAKE_CUDA_HOSTFN_US="1000000", FAKE_CUDA_HANDLE_REUSE="1")
+    assert [rc for rc, _ in res.of("slaunch")] == [0] * 7, res.stdout + res.stderr
+    assert res.rc("sdestroy") == 0 and res.rc("sync") == 0
+    busy_ms = lab.region().devices[0].busy_ns / 1e6
+    assert busy_ms < 50, f"{busy_ms:.0f} ms charged for seven 1 ms kernels"
