@@ -529,3 +529,20 @@ def test_config_changes_roll_the_webhook_pods(render: Any) -> None:
     assert checksums({"splitCount": 3})["checksum/config"] != base["checksum/config"]
     assert checksums({"scheduler": {"extender": {"weight": 3}}})["checksum/scheduler"] != \
         base["checksum/scheduler"]
+
+
+@pytest.mark.parametrize(("release", "namespace"),
+                         [("gpuslice", "ml-platform-shared-gpu-sharing-for-research-teams-prod"),
+                          ("gpuslice-production-cluster-eu-west-1", "gpuslice-system-eu")],
+                         ids=["namespace", "release"])
+def test_cert_manager_common_names_fit_x509_for_long_names(release: str, namespace: str,
+                                                           render: Any) -> None:
+    """cert-manager's webhook denies a Certificate whose commonName has more than 64 bytes
+    ("spec.commonName: Too long"); the serving certificate would never be issued."""
+    rendered = render({"tls": {"mode": "cert-manager"}}, namespace=namespace, release=release)
+    for cert in rendered.all("Certificate"):
+        assert len(cert["spec"].get("commonName", "").encode()) <= 64, cert["metadata"]["name"]
+    [svc] = [s["metadata"]["name"] for s in rendered.all("Service")
+             if not s["metadata"]["name"].endswith("-agent-metrics")]
+    serving = [c for c in rendered.all("Certificate") if not c["spec"].get("isCA")]
+    assert [f"{svc}.{namespace}.svc" in c["spec"]["dnsNames"] for c in serving] == [True]
