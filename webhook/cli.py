@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the admission webhook and scheduler extender (HTTPS)")
     _settings_flags(p)
-    p.add_argument("--host", help="listen address (default 0.0.0.0)")
+    p.add_argument("--host", help="listen address (default: every address, IPv4 and IPv6)")
     p.add_argument("--port", type=int, help="HTTPS port (default 8443)")
     p.add_argument("--cert-dir", help="directory with ca.crt/tls.crt/tls.key (default certs)")
     p.add_argument("--tls-mode", choices=["dev", "files", "secret"], help="see README")

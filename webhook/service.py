@@ -135,7 +135,9 @@ async def start_https(app: web.Application, host: str, port: int) -> web.AppRunn
     """
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=app[CERTS_KEY].context, backlog=1024)
+    # "" (None to asyncio): one socket per address family, IPv4 and IPv6
+    site = web.TCPSite(runner, host or None, port, ssl_context=app[CERTS_KEY].context,
+                       backlog=1024)
     await site.start()
     return runner
 

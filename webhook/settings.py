@@ -86,8 +86,9 @@ class Settings:
     unknown (the extender's inventory is used when it has one)."""
 
     # --- HTTP / TLS ---
-    host: str = "0.0.0.0"
-    """Listen address. Default 0.0.0.0 (so https://127.0.0.1:8443 works locally)."""
+    host: str = ""
+    """Listen address. Default "": every address, IPv4 and IPv6 (a pod's IP is an IPv6 one on
+    IPv6 and IPv6-first dual-stack clusters; https://127.0.0.1:8443 works locally)."""
     port: int = 8443
     """HTTPS port for /mutate, /scheduler/*, /healthz, /readyz, /metrics. Default 8443."""
     cert_dir: str = "certs"
@@ -189,8 +190,8 @@ def _validate(s: Settings) -> None:
         _fail("max_gpu_memory_mib", s.max_gpu_memory_mib, "must be a positive integer or null")
     if not isinstance(s.port, int) or isinstance(s.port, bool) or not 1 <= s.port <= 65535:
         _fail("port", s.port, "must be a TCP port 1-65535")
-    if not isinstance(s.host, str) or not s.host:
-        _fail("host", s.host, "must be a listen address")
+    if not isinstance(s.host, str):
+        _fail("host", s.host, 'must be a listen address ("" for every address)')
     if s.tls_mode not in ("dev", "files", "secret"):
         _fail("tls_mode", s.tls_mode, 'must be "dev", "files" or "secret"')
     if not isinstance(s.max_body_bytes, int) or s.max_body_bytes < 1024:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 CA_CERT, CA_KEY, TLS_CERT, TLS_KEY = "ca.crt", "ca.key", "tls.crt", "tls.key"
 CA_DAYS = 3650
 RENEW_BEFORE = dt.timedelta(days=30)
+CN_MAX = 64  # bytes in an X.509 common name (RFC 5280 ub-common-name)
 """A CA or serving certificate that expires sooner than this is replaced."""
 
 
@@ -60,7 +61,7 @@ def _validity(days: int) -> tuple[dt.datetime, dt.datetime]:
 def new_ca(days: int = CA_DAYS, common_name: str = "gpuslice development CA") -> tuple[bytes, bytes]:
     """Return (certificate PEM, key PEM) of a new self-signed CA."""
     key = _key()
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, _common_name(common_name))])
     start, end = _validity(days)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -72,6 +73,11 @@ def new_ca(days: int = CA_DAYS, common_name: str = "gpuslice development CA") ->
                            critical=False)
             .sign(key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def _common_name(text: str) -> str:
+    """``text`` cut to the 64 bytes X.509 allows a common name (a longer one is refused)."""
+    return text.encode()[:CN_MAX].decode(errors="ignore")
 
 
 def service_names(namespace: str, service: str) -> list[str]:
@@ -92,7 +98,8 @@ def issue_serving_cert(ca_cert_pem: bytes, ca_key_pem: bytes, namespace: str, se
              x509.IPAddress(ipaddress.ip_address("::1"))]
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
-                                                        f"{service}.{namespace}.svc")]))
+                                                        _serving_common_name(namespace,
+                                                                             service))]))
             .issuer_name(ca_cert.subject).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(start).not_valid_after(min(end, ca_cert.not_valid_after_utc))
@@ -106,6 +113,13 @@ def issue_serving_cert(ca_cert_pem: bytes, ca_key_pem: bytes, namespace: str, se
                 ca_cert.public_key()), critical=False)  # type: ignore[arg-type]
             .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def _serving_common_name(namespace: str, service: str) -> str:
+    """The service's DNS name where it fits a common name, else the bare service name (clients
+    check the SANs, which carry every name in full)."""
+    fqdn = f"{service}.{namespace}.svc"
+    return fqdn if len(fqdn.encode()) <= CN_MAX else _common_name(service)
 
 
 def _spki(public_key: Any) -> bytes:

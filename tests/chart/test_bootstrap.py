@@ -21,7 +21,7 @@ from fakekube import FakeKube
 
 from webhook import bootstrap, tls
 from webhook.bootstrap import BootstrapError, Material
-from webhook.settings import Settings
+from webhook.settings import Settings, load_settings
 
 NS, SERVICE, SECRET, MWC = "gpuslice-system", "gpuslice", "gpuslice-tls", "gpuslice"
 SECRET_PATH = f"/api/v1/namespaces/{NS}/secrets"
@@ -460,3 +460,33 @@ async def test_rotation_loop_survives_an_unexpected_error(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# A release or namespace name an operator may well choose: the Service name (up to 40
+# characters) and the namespace (up to 63) together exceed the 64 characters X.509 allows a
+# common name, which the SANs, not the subject, carry for TLS anyway.
+LONG_NAMES = [("gpuslice-production-cluster-eu-west-1", "gpuslice-system"),
+              ("gpuslice", "ml-platform-shared-gpu-sharing-for-research-teams-prod")]
+
+
+@pytest.mark.parametrize(("release", "namespace"), LONG_NAMES, ids=["release", "namespace"])
+async def test_first_start_works_for_long_release_and_namespace_names(
+        release: str, namespace: str, render: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rendered = render(release=release, namespace=namespace)
+    config = tmp_path / "config.yaml"
+    [name] = [c["metadata"]["name"] for c in rendered.all("ConfigMap")
+              if c["metadata"]["name"].endswith("-config")]
+    config.write_text(yaml.safe_dump(rendered.config(name)))
+    s = load_settings(config, {"cert_dir": str(tmp_path / "certs")})
+    mwc = rendered.one("MutatingWebhookConfiguration")
+    monkeypatch.setenv("POD_NAMESPACE", namespace)
+    async with FakeKube() as kube:
+        kube.put(mwc)
+        async with kube.api_client() as api:
+            await bootstrap.ensure_tls(s, api)
+        stored = kube.get("secrets", s.tls_secret_name, namespace)
+        assert stored is not None
+    serving = x509.load_pem_x509_certificate((tmp_path / "certs" / "tls.crt").read_bytes())
+    sans = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert f"{s.service_name}.{namespace}.svc" in sans.get_values_for_type(x509.DNSName)

@@ -5,17 +5,24 @@ to each other."""
 
 from __future__ import annotations
 
+import dataclasses
+import socket
+import ssl
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
+from node.fakenvml import two_a100s
 
 from webhook import cli, names
 from webhook.node import loop as agent_loop
 from webhook.node.config import settings_from_args as agent_settings_from_args
+from webhook.node.inventory import Inventory
+from webhook.service import create_app, start_https
 from webhook.settings import Settings, load_settings
-from webhook.tls import service_names
+from webhook.tls import ensure_dev_certs, service_names
 
 NS = "gpuslice-system"
 CUSTOM = {"resourceNames": {"gpu": "example.com/vgpu", "memory": "example.com/vgpu-mem",
@@ -529,3 +536,71 @@ def test_config_changes_roll_the_webhook_pods(render: Any) -> None:
     assert checksums({"splitCount": 3})["checksum/config"] != base["checksum/config"]
     assert checksums({"scheduler": {"extender": {"weight": 3}}})["checksum/scheduler"] != \
         base["checksum/scheduler"]
+
+
+@pytest.mark.parametrize(("release", "namespace"),
+                         [("gpuslice", "ml-platform-shared-gpu-sharing-for-research-teams-prod"),
+                          ("gpuslice-production-cluster-eu-west-1", "gpuslice-system-eu")],
+                         ids=["namespace", "release"])
+def test_cert_manager_common_names_fit_x509_for_long_names(release: str, namespace: str,
+                                                           render: Any) -> None:
+    """cert-manager's webhook denies a Certificate whose commonName has more than 64 bytes
+    ("spec.commonName: Too long"); the serving certificate would never be issued."""
+    rendered = render({"tls": {"mode": "cert-manager"}}, namespace=namespace, release=release)
+    for cert in rendered.all("Certificate"):
+        assert len(cert["spec"].get("commonName", "").encode()) <= 64, cert["metadata"]["name"]
+    [svc] = [s["metadata"]["name"] for s in rendered.all("Service")
+             if not s["metadata"]["name"].endswith("-agent-metrics")]
+    serving = [c for c in rendered.all("Certificate") if not c["spec"].get("isCA")]
+    assert [f"{svc}.{namespace}.svc" in c["spec"]["dnsNames"] for c in serving] == [True]
+
+
+# ----- listening: the pod's addresses, IPv4 and IPv6 -----
+
+def _free_port() -> int:
+    """A port free on both loopbacks (the servers below may bind one socket per family)."""
+    with socket.socket(socket.AF_INET6) as s6:
+        s6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s6.bind(("::", 0))
+        return int(s6.getsockname()[1])
+
+
+async def _get(url: str) -> int:
+    insecure = ssl.create_default_context()
+    insecure.check_hostname, insecure.verify_mode = False, ssl.CERT_NONE
+    async with aiohttp.ClientSession() as session, \
+            session.get(url, ssl=insecure, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        return resp.status
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "[::1]"], ids=["ipv4", "ipv6"])
+async def test_webhook_and_agent_serve_their_probes_on_the_pods_ipv4_and_ipv6_addresses(
+        address: str, render: Any, tmp_path: Path) -> None:
+    """The kubelet probes, the API server calls the webhook and Prometheus scrapes at the pod's
+    IP, which is an IPv6 address on an IPv6 (or IPv6-first dual-stack) cluster: with the
+    settings the chart gives them, both servers must accept connections on either family."""
+    rendered = render()
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(rendered.config("gpuslice-config")))
+    port = _free_port()
+    s = load_settings(config, {"cert_dir": str(tmp_path / "certs"), "port": port,
+                               "kube_enabled": False, "placement_enabled": False})
+    ensure_dev_certs(tmp_path / "certs", NS, s.service_name)
+    runner = await start_https(create_app(s), s.host, s.port)
+    try:
+        assert await _get(f"https://{address}:{port}/healthz") == 200
+    finally:
+        await runner.cleanup()
+
+    container = rendered.container(rendered.one("DaemonSet", "gpuslice-agent"), "agent")
+    args = [a.replace("$(NODE_NAME)", "gpu-node-1") for a in container["args"]]
+    agent_settings = dataclasses.replace(
+        agent_settings_from_args(cli.build_parser().parse_args(args)), kube_enabled=False,
+        metrics_port=_free_port(), host_library_dir=str(tmp_path / "lib"),
+        host_state_dir=str(tmp_path / "state"), proc_root=str(tmp_path / "proc"))
+    agent = agent_loop.Agent(agent_settings, b"\x7fELF", inventory=Inventory(two_a100s()))
+    await agent.start()
+    try:
+        assert await _get(f"http://{address}:{agent.metrics_port}/healthz") == 200
+    finally:
+        await agent.close()

@@ -48,7 +48,7 @@ def test_defaults_are_the_documented_paths_and_names(monkeypatch: pytest.MonkeyP
     assert (s.library_source, s.host_library_dir, s.preload_target, s.host_state_dir) == (
         "/opt/gpuslice/libgpuslice.so", "/usr/local/gpuslice", "/usr/local/gpuslice",
         "/var/lib/gpuslice/containers")
-    assert (s.metrics_host, s.metrics_port, s.interval, s.split_count) == ("0.0.0.0", 9400,
+    assert (s.metrics_host, s.metrics_port, s.interval, s.split_count) == ("", 9400,
                                                                           60.0, 10)
     assert (s.resource_gpu, s.resource_mem, s.resource_cores) == (
         "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores")

@@ -41,8 +41,9 @@ class AgentSettings:
     """The host's /proc (hostPID, or mounted e.g. at /host/proc), to see which libraries running
     processes map, which processes the outside checks see, and whether the processes of the
     region files' slots live (the memory metrics). Default /proc."""
-    metrics_host: str = "0.0.0.0"
-    """Listen address of the metrics server. Default 0.0.0.0."""
+    metrics_host: str = ""
+    """Listen address of the metrics server. Default "": every address, IPv4 and IPv6 (the
+    kubelet probes and Prometheus scrapes the pod's IP, an IPv6 one on IPv6 clusters)."""
     metrics_port: int = names.AGENT_METRICS_PORT
     """TCP port of /metrics and /healthz (0 = any free port, for tests). Default 9400."""
     interval: float = 60.0
@@ -118,8 +119,8 @@ def _validate(s: AgentSettings) -> None:
             _fail(flag, path, "must be an absolute path")
     if not isinstance(s.metrics_port, int) or not 0 <= s.metrics_port <= 65535:
         _fail("--metrics-port", s.metrics_port, "must be a TCP port 0-65535")
-    if not s.metrics_host:
-        _fail("--metrics-host", s.metrics_host, "must be a listen address")
+    if not isinstance(s.metrics_host, str):
+        _fail("--metrics-host", s.metrics_host, 'must be a listen address ("" for every address)')
     if not isinstance(s.interval, (int, float)) or not 0 < s.interval <= 86400:
         _fail("--interval", s.interval, "must be more than 0 and at most 86400 seconds")
     if not isinstance(s.cleanup_grace, (int, float)) or s.cleanup_grace < 0:
@@ -176,7 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the host's /proc (hostPID or a mount like /host/proc; "
                         "default %(default)s)")
     p.add_argument("--metrics-host", default=d["metrics_host"].default,
-                   help="metrics listen address (default %(default)s)")
+                   help="metrics listen address (default: every address, IPv4 and IPv6)")
     p.add_argument("--metrics-port", type=int, default=d["metrics_port"].default,
                    help="metrics port for /metrics and /healthz (default %(default)s)")
     p.add_argument("--interval", type=float, default=d["interval"].default,

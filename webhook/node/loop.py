@@ -130,7 +130,9 @@ class Agent:
         self._runner = web.AppRunner(metrics_app(self.registry, self.stalled), access_log=None,
                                      shutdown_timeout=METRICS_SHUTDOWN_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.metrics_host, self.settings.metrics_port)
+        # "" (None to asyncio): one socket per address family, IPv4 and IPv6
+        site = web.TCPSite(self._runner, self.settings.metrics_host or None,
+                           self.settings.metrics_port)
         await site.start()
         addresses = self._runner.addresses
         self.metrics_port = int(addresses[0][1]) if addresses else self.settings.metrics_port
