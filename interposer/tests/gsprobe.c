@@ -383,6 +383,7 @@ static void bench(double seconds, const char *kind)
             rc = api1.cuLaunchGridAsync(f, 1, 1, s);
         else
             rc = api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        if (rc == CUDA_SUCCESS && !strcmp(kind, "sync")) rc = api.cuCtxSynchronize(); /* each kernel waited for */
         n++;
     }
     api.cuCtxSynchronize();

@@ -36,6 +36,22 @@ def test_sm_limit_holds_the_share_for_huge_and_tiny_kernels(release_lab, limit, 
     assert abs(got - limit) <= TOLERANCE, f"limit {limit}%, measured {got:.1f}%"
 
 
+@pytest.mark.parametrize(("limit", "kernel_us"), [(50, 200000), (30, 300000)])
+def test_kernels_longer_than_the_idle_credit_each_waited_for_get_the_share(release_lab, limit, kernel_us):
+    # a launch, then a synchronisation (a benchmark timing one huge matmul at a time): each
+    # kernel is measured when it ends, and the clock first caught up with that moment less the
+    # 50 ms idle credit, as if the GPU had been idle while the kernel ran: each kernel's own
+    # time beyond 50 ms went free.  200 ms kernels at 50 % got 36.3 %, 300 ms ones at 30 %
+    # 24.0 %; now the credit ends where the kernel began: 50.8 % and 30.5 %
+    res = release_lab.run("init", "ctx", "0", "bench", "3", "sync", CUDA_DEVICE_SM_LIMIT=str(limit),
+                          FAKE_CUDA_KERNEL_US=str(kernel_us))
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[0]
+    assert rc == 0 and launches >= 2, res.stdout + res.stderr
+    # from the first launch to the last one's: the last kernel's debt is not waited off
+    got = 100.0 * (kernel_ns - kernel_us * 1000) / (wall_ns - kernel_us * 1000)
+    assert abs(got - limit) <= TOLERANCE, f"limit {limit}%, {kernel_us} us kernels: {got:.1f}%"
+
+
 @pytest.mark.parametrize(("kind", "env", "us"), [("copy", "FAKE_CUDA_COPY_US", 2000),
                                                  ("hostfn", "FAKE_CUDA_HOSTFN_US", 2000),
                                                  ("waitcopy", "FAKE_CUDA_COPY_US", 4000),
