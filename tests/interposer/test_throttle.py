@@ -52,6 +52,21 @@ def test_kernels_longer_than_the_idle_credit_each_waited_for_get_the_share(relea
     assert abs(got - limit) <= TOLERANCE, f"limit {limit}%, {kernel_us} us kernels: {got:.1f}%"
 
 
+def test_kernels_longer_than_the_queue_wait_do_not_run_ahead_of_the_budget(release_lab):
+    # 500 ms kernels launched back to back under 50 %: each launch past the 50 ms queue wait
+    # paid in advance only what the kernel ahead had run so far, and queued behind all of it, so
+    # the queue grew by doubling: three or four kernels ran back to back, then as long idle (the
+    # average held, but the GPU was 99.9 % busy over 1.5 s windows).  Once a launch's cost is
+    # known the queued work is paid in advance in full: 66.6 %, one kernel a second.  The first
+    # kernels, of unknown cost, still run ahead (skipped: the first 3.5 s)
+    res = release_lab.run("init", "ctx", "0", "peak", "8", "1500", "3500", CUDA_DEVICE_SM_LIMIT="50",
+                          FAKE_CUDA_KERNEL_US="500000")
+    rc, (launches, worst) = res.of("peak")[0]
+    assert rc == 0 and launches > 4, res.stdout + res.stderr
+    # at most the share of the window and one kernel: (0.75 s + 0.5 s) / 1.5 s
+    assert worst <= 850, f"the GPU was {worst / 10:.1f}% busy over 1.5 s under a 50% limit"
+
+
 @pytest.mark.parametrize(("kind", "env", "us"), [("copy", "FAKE_CUDA_COPY_US", 2000),
                                                  ("hostfn", "FAKE_CUDA_HOSTFN_US", 2000),
                                                  ("waitcopy", "FAKE_CUDA_COPY_US", 4000),
