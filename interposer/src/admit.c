@@ -148,13 +148,16 @@ int thr_admit_locked(CUstream stream, int per_thread, struct measured *m)
             gs_sleep_ns(GS_POLL_NS);
         } else if (over_queue(s) && !advanced) {
             /* the queue's head has run longer than the wait (a kernel longer than it, or one
-             * waiting for the host or another stream): what it can have taken since its
-             * interval began, and no more than the queued work's estimate, is debited now,
+             * waiting for the host or another stream): the queued work's estimate (while it is
+             * unknown, what the head can have taken since its interval began) is debited now,
              * once, and settled when it is measured; else kernels longer than the wait would
-             * each pass it unpaid, at 100 % */
+             * each pass it unpaid, at 100 %.  Not merely what the head took so far: this launch
+             * queues behind all of it, so each launch past the wait paid a little and the
+             * queue grew by doubling, 1 s kernels under a 50 % limit ran four at a time, 4 s
+             * at 100 % then 4 s idle (`test_throttle.py -k run_ahead`) */
             advanced = 1;
             uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = (uint64_t)queued_launches(s) * s->per_launch_ns;
-            if (s->per_launch_ns && ran > queued) ran = queued;
+            if (s->per_launch_ns) ran = queued;
             if (s->mark_ns && ran > s->advance_ns) {
                 uint64_t cost = thr_clock_cost(slot, ran - s->advance_ns);
                 thr_clock_add(slot, cost); /* the budget only: the measurement accounts */

@@ -125,7 +125,7 @@ void thr_measure_locked(struct tstream *s)
             account(s->slot, charge);
             uint64_t cost = thr_clock_cost(s->slot, charge);
             if (cost >= paid)
-                thr_clock_add(s->slot, cost - paid);
+                thr_clock_add_since(s->slot, cost - paid, now - ns); /* the interval began no later */
             else
                 thr_clock_refund(s->slot, paid - cost);
             if (n)

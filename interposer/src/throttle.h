@@ -141,6 +141,7 @@ static inline unsigned thr_own_share(int slot)
 uint64_t thr_unmeasured_cost(struct gpuslice_device *d, uint64_t busy_ns);
 uint64_t thr_clock_cost(int slot, uint64_t busy_ns);
 void thr_clock_add(int slot, uint64_t cost);
+void thr_clock_add_since(int slot, uint64_t cost, uint64_t began);
 void thr_clock_refund(int slot, uint64_t cost);
 extern uint64_t thr_launch_est_ns[GPUSLICE_MAX_DEVICES]; /* one launch's GPU time, as last measured */
 int thr_budget_owed(int slot);

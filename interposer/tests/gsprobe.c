@@ -392,12 +392,64 @@ static void bench(double seconds, const char *kind)
             rc = api1.cuLaunchGridAsync(f, 1, 1, s);
         else
             rc = api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+        if (rc == CUDA_SUCCESS && !strcmp(kind, "sync")) rc = api.cuCtxSynchronize(); /* each kernel waited for */
         n++;
     }
     api.cuCtxSynchronize();
     uint64_t wall = now_ns() - t0;
     printf("bench %d %llu %llu %llu\n", rc, (unsigned long long)n, (unsigned long long)(kernel_ns() - k0),
            (unsigned long long)wall);
+}
+
+/* "peak SECONDS WINDOW_MS SKIP_MS": bench's launch loop (the legacy stream) while a thread samples
+ * the fake GPU's kernel time run so far every millisecond; prints the launches and the most of
+ * any WINDOW_MS the GPU was busy (per mille), among windows that begin SKIP_MS or more after the
+ * first launch: how far the GPU ran ahead of the budget at its worst */
+#define PEAK_SAMPLES 65536
+static struct {
+    uint64_t t[PEAK_SAMPLES], ran[PEAK_SAMPLES];
+    int n, stop;
+} peak_log;
+
+static void *peak_sampler(void *arg)
+{
+    uint64_t (*run_ns)(void) = (uint64_t (*)(void))arg;
+    while (!__atomic_load_n(&peak_log.stop, __ATOMIC_ACQUIRE) && peak_log.n < PEAK_SAMPLES) {
+        peak_log.t[peak_log.n] = now_ns();
+        peak_log.ran[peak_log.n] = run_ns();
+        peak_log.n++;
+        usleep(1000);
+    }
+    return NULL;
+}
+
+static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms)
+{
+    typedef uint64_t (*kns_t)(void);
+    kns_t run_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_run_ns");
+    pthread_t th;
+    CUresult rc = CUDA_SUCCESS;
+    uint64_t t0 = now_ns(), end = t0 + (uint64_t)(seconds * 1e9), n = 0, worst = 0;
+    if (!run_ns || pthread_create(&th, NULL, peak_sampler, (void *)run_ns) != 0) {
+        printf("peak %d 0 0\n", CUDA_ERROR_NOT_SUPPORTED);
+        return;
+    }
+    while (rc == CUDA_SUCCESS && now_ns() < end) {
+        rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        n++;
+    }
+    __atomic_store_n(&peak_log.stop, 1, __ATOMIC_RELEASE);
+    pthread_join(th, NULL);
+    api.cuCtxSynchronize();
+    uint64_t w = window_ms * 1000000ull;
+    for (int a = 0, b = 0; a < peak_log.n; a++) {
+        if (peak_log.t[a] < t0 + skip_ms * 1000000ull) continue;
+        while (b < peak_log.n && peak_log.t[b] < peak_log.t[a] + w) b++;
+        if (b == peak_log.n) break; /* the window runs past the samples */
+        uint64_t busy = (peak_log.ran[b] - peak_log.ran[a]) * 1000 / (peak_log.t[b] - peak_log.t[a]);
+        if (busy > worst) worst = busy;
+    }
+    printf("peak %d %llu %llu\n", rc, (unsigned long long)n, (unsigned long long)worst);
 }
 
 /* A tensor-parallel rank (the fake driver's collectives, fakelaunch.h): STEPS steps of K kernels
@@ -1400,6 +1452,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bench")) {
             bench(atof(ARG(0)), ARG(1));
             i += 2;
+        } else if (!strcmp(c, "peak")) {
+            peak(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)));
+            i += 3;
         } else if (!strcmp(c, "tp")) {
             tp(atol(ARG(0)), atoi(ARG(1)));
             i += 2;

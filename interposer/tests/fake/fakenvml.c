@@ -19,10 +19,12 @@
 static struct fake_dev devs[FAKE_MAX_DEVS];
 static int ndevs = -1;
 static int refs;
+static void utilisation_start(void);
 
 API nvmlReturn_t nvmlInit_v2(void)
 {
     if (ndevs < 0) ndevs = fake_devices(devs);
+    if (!refs) utilisation_start();
     refs++;
     return NVML_SUCCESS;
 }
@@ -274,6 +276,15 @@ static uint64_t kernel_time(void)
     fake_kernel_ns_fn kernel_ns = cuda ? (fake_kernel_ns_fn)dlsym(cuda, "fake_cuda_kernel_run_ns") : NULL;
     if (cuda) dlclose(cuda);
     return kernel_ns ? kernel_ns() : 0;
+}
+
+/* A real GPU's figure is there at the first query (the last sample period's): the first
+ * window here starts when NVML is initialised, not at that query (which read 0 %) */
+static void utilisation_start(void)
+{
+    if (win_t0) return;
+    win_t0 = mono_ns();
+    win_k0 = kernel_time();
 }
 
 static unsigned utilisation(void)
