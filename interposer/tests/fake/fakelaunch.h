@@ -31,18 +31,26 @@ static struct fake_stream *stream_of(CUstream s, int ptsz)
     return (struct fake_stream *)s;
 }
 
+/* Every pool (under mu): each device's default, the host's, the managed one, the program's */
+#define FAKE_ALL_POOLS (FAKE_MAX_DEVS + 2 + 64)
+static int all_pools(struct fake_pool *all[FAKE_ALL_POOLS])
+{
+    int n = 0;
+    for (int d = 0; d < FAKE_MAX_DEVS; d++) all[n++] = &default_pools[d];
+    all[n++] = &host_pool;
+    all[n++] = &managed_pool;
+    for (int i = 0; i < nuser_pools && n < FAKE_ALL_POOLS; i++) all[n++] = user_pools[i];
+    return n;
+}
+
 /* FAKE_CUDA_POOL_PENDING=ctx: a context's synchronisation completes the pools' frees made on
  * streams that context created (and on the default streams, which the fake shares), not those
  * of other contexts' streams */
 static void pools_complete_ctx(const struct fake_ctx *c)
 {
     pthread_mutex_lock(&mu);
-    struct fake_pool *all[FAKE_MAX_DEVS + 2 + 64];
-    int n = 0;
-    for (int d = 0; d < FAKE_MAX_DEVS; d++) all[n++] = &default_pools[d];
-    all[n++] = &host_pool;
-    all[n++] = &managed_pool;
-    for (int i = 0; i < nuser_pools && n < (int)(sizeof(all) / sizeof(all[0])); i++) all[n++] = user_pools[i];
+    struct fake_pool *all[FAKE_ALL_POOLS];
+    int n = all_pools(all);
     for (int k = 0; k < n; k++)
         for (int i = 0; i < 8; i++) {
             const struct fake_stream *st = (const struct fake_stream *)all[k]->pend_stream[i];
@@ -111,12 +119,8 @@ API CUresult cuStreamDestroy_v2(CUstream s)
 {
     if (!s || s == (CUstream)0x1 || s == CU_STREAM_PER_THREAD) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
-    struct fake_pool *all[FAKE_MAX_DEVS + 2 + 64];
-    int n = 0;
-    for (int d = 0; d < FAKE_MAX_DEVS; d++) all[n++] = &default_pools[d];
-    all[n++] = &host_pool;
-    all[n++] = &managed_pool;
-    for (int i = 0; i < nuser_pools && n < (int)(sizeof(all) / sizeof(all[0])); i++) all[n++] = user_pools[i];
+    struct fake_pool *all[FAKE_ALL_POOLS];
+    int n = all_pools(all);
     for (int k = 0; k < n; k++) /* its frees stay outstanding, no longer under its handle */
         for (int i = 0; i < 8; i++)
             if (all[k]->pend_bytes[i] && all[k]->pend_stream[i] == s) all[k]->pend_stream[i] = (CUstream)&gone_stream;
