@@ -180,7 +180,10 @@ async def serve(settings: Settings) -> int:
     # Everything built so far lives as long as the process: keep it out of the cyclic
     # garbage collector's full passes, which otherwise stall the loop for milliseconds.
     gc.freeze()
-    logger.info("serving", extra={"url": f"https://{settings.host}:{settings.port}",
+    # the sockets' own addresses: the default host "" listens on every address, one per family
+    urls = [f"https://[{a[0]}]:{a[1]}" if ":" in str(a[0]) else f"https://{a[0]}:{a[1]}"
+            for a in runner.addresses if isinstance(a, tuple)]
+    logger.info("serving", extra={"url": " ".join(urls) or f"https://{settings.host}:{settings.port}",
                                   "version": __version__, "tls_mode": settings.tls_mode})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
