@@ -9,7 +9,8 @@
  *   else GPUSLICE_MEMORY_PERCENT (1..100) of the device's real total (NVML's
  *   total, the figure the node agent publishes; cuDeviceTotalMem without NVML).
  * Compute: CUDA_DEVICE_SM_LIMIT_<i> above 0, else CUDA_DEVICE_SM_LIMIT (percent of
- *   GPU time, a '%' after it allowed; 0, 100 or more = no limit).
+ *   GPU time, a '%' after it allowed; 0 or 100 = no limit; above 100 is an error, ignored
+ *   like any unreadable value).
  * Region file: CUDA_DEVICE_MEMORY_SHARED_CACHE, else /tmp/gpuslice-<uid>.region.
  * GPUSLICE_RECONCILE_MARGIN: see reconcile.c (size syntax, default 256m).
  * GPUSLICE_SM_LIMIT_MODE: "throughput" (default: GPU time is charged with the
@@ -356,7 +357,9 @@ static const char *indexed_value(const char *name, unsigned index, int (*parse)(
     return v;
 }
 
-/* A percentage: digits, a '%' after them or not, spaces around */
+/* A percentage, 0..100: digits, a '%' after them or not, spaces around.  Above 100 it is not one:
+ * 150 was taken for "no limit" without a word, and a per-device 150 lifted the container-wide
+ * limit that an unreadable per-device value leaves in place */
 static int parse_percent(const char *text, uint64_t *out)
 {
     char buf[32];
@@ -368,7 +371,10 @@ static int parse_percent(const char *text, uint64_t *out)
     buf[n] = '\0';
     for (const char *p = buf; *p; p++)
         if (isalpha((unsigned char)*p)) return -1; /* no size suffix */
-    return gs_parse_size(buf, out);
+    uint64_t v;
+    if (gs_parse_size(buf, &v) != 0 || v > 100) return -1;
+    *out = v;
+    return 0;
 }
 
 /* GPUSLICE_MEMORY_PERCENT of total; 0 = not set, invalid or unresolvable. */

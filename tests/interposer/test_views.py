@@ -246,6 +246,21 @@ def test_compute_limit_values_are_read_like_the_memory_limits(lab, env, limit):
     assert lab.region().devices[0].sm_limit == limit
 
 
+@pytest.mark.parametrize(("env", "limit"), [
+    ({"CUDA_DEVICE_SM_LIMIT": "150"}, 0),
+    ({"CUDA_DEVICE_SM_LIMIT": "101%"}, 0),
+    ({"CUDA_DEVICE_SM_LIMIT": "30", "CUDA_DEVICE_SM_LIMIT_0": "150"}, 30),
+], ids=["above-100", "above-100-percent-sign", "indexed-above-100"])
+def test_a_compute_limit_above_100_is_an_error_not_a_silent_lift(lab, env, limit):
+    # 150 was taken as "no limit" without a word, and a per-device 150 lifted the container's 30 %
+    # (the documented range is 0..100; an unreadable per-device value keeps the container-wide one)
+    res = lab.run("init", "sleep", "0", **env)
+    assert lab.region().devices[0].sm_limit == limit
+    value = next(v for k, v in env.items() if v != "30")
+    assert any("gpuslice:" in line and "error" in line and f"'{value}'" in line and "0..100" in line
+               for line in res.stderr.splitlines()), res.stderr
+
+
 @pytest.mark.parametrize("nvml", ["r535", "."], ids=["r535", "later"])
 def test_the_process_list_of_an_r535_driver_is_read_with_its_own_entry_size(lab, nvml):
     # R535/R545 drivers fill nvmlDeviceGetComputeRunningProcesses_v3's list with 32-byte entries
