@@ -9,6 +9,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,6 +49,25 @@ static void keep(const char *line, size_t len)
     t_pending_len += len;
 }
 
+/* To stderr, without SIGPIPE: where its reader has gone, a line of ours killed a program that
+ * never writes there itself (a bad limit value was enough).  The signal our write raises is
+ * taken back unless one was pending already; the line is lost, as any write to such a pipe. */
+static void write_stderr(const void *buf, size_t len)
+{
+    sigset_t pipe_set, old, pending;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &old);
+    int was_pending = sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE);
+    ssize_t w = write(STDERR_FILENO, buf, len);
+    if (w < 0 && errno == EPIPE && !was_pending) {
+        struct timespec none = {0, 0};
+        while (sigtimedwait(&pipe_set, NULL, &none) < 0 && errno == EINTR) {
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
 void gs_log_write(int level, const char *fmt, ...)
 {
     char buf[512];
@@ -65,8 +85,7 @@ void gs_log_write(int level, const char *fmt, ...)
     if (t_defer) {
         keep(buf, len);
     } else {
-        ssize_t w = write(STDERR_FILENO, buf, len);
-        (void)w;
+        write_stderr(buf, len);
     }
     errno = saved;
 }
@@ -76,8 +95,7 @@ void gs_log_defer(int on)
     t_defer = on;
     if (on || !t_pending) return;
     int saved = errno;
-    ssize_t w = write(STDERR_FILENO, t_pending, t_pending_len);
-    (void)w;
+    write_stderr(t_pending, t_pending_len);
     free(t_pending);
     t_pending = NULL;
     t_pending_len = 0;

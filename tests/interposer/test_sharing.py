@@ -360,6 +360,24 @@ def test_a_full_stderr_pipe_blocks_only_its_own_process(release_lab):
         os.close(r)
 
 
+def test_a_line_logged_to_a_stderr_nobody_reads_any_more_does_not_kill_the_process(release_lab):
+    # The program never writes to stderr itself; the library's line (here: a bad limit value) went
+    # to a pipe whose reader had gone, and SIGPIPE killed a program that would have run fine
+    lab = release_lab
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run(lab.command("init", "ctx", "0", "alloc", "1g", "meminfo"),
+                              env=lab.env(CUDA_DEVICE_MEMORY_LIMIT="abc"), stdout=subprocess.PIPE,
+                              stderr=w, text=True, timeout=60, check=False)
+    finally:
+        os.close(w)
+    assert proc.returncode == 0, proc.returncode
+    res = Result(proc.returncode, proc.stdout, "", parse(proc.stdout))
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo")[1] == 16 * GIB  # the bad value is ignored: no cap, as before
+
+
 def test_a_child_made_without_the_fork_handlers_leaves_the_parents_usage(release_lab):
     # A child of _Fork() (or clone, or vfork) runs no fork handlers: it still took its parent's
     # process slot for its own, and its exit returned the parent's usage, so another process got
