@@ -1,13 +1,17 @@
 /*
  * nvml.c - what NVML tells the container about memory (nvidia-smi, pynvml).
  *
- * nvmlDeviceGetMemoryInfo and _v2 report, for a device with a cap:
- * total = the cap (at most the real total), used = the container's usage from
- * the region (at most total), free = total - used but never more than the
- * device really has free (other containers' usage counts there, as in
- * cuMemGetInfo), reserved = 0.  Devices
- * without a cap are reported as the driver does.  A process that only uses
- * NVML (nvidia-smi) reads the region without registering in it.
+ * For a device with a cap, one answer is worked out from one reading of the driver's figures
+ * and one of the region's: total = the cap (at most the real total), the container's usage
+ * from the region (at most total), free = total - usage but never more than the device really
+ * has free (other containers' usage counts there, as in cuMemGetInfo; so does the memory the
+ * driver reserves, when the cap is the whole device).  What of the cap is neither the
+ * container's nor free is reported as NVML reports memory the container cannot have: in
+ * nvmlDeviceGetMemoryInfo_v2's reserved (total = reserved + used + free, as nvidia-smi -q
+ * prints them; used = the container's usage), and in nvmlDeviceGetMemoryInfo's used, which
+ * includes the reserved memory (used + free = total).  A whole-device slice so reads as the
+ * driver's own answer.  Devices without a cap are reported as the driver does.  A process
+ * that only uses NVML (nvidia-smi) reads the region without registering in it.
  *
  * Process lists (nvmlDeviceGetComputeRunningProcesses*) are passed through
  * unchanged: inside a container they show host pids, if any.
@@ -15,8 +19,11 @@
 #define _GNU_SOURCE
 #include "gpuslice.h"
 
-/* Capped view of one device; returns 0 if the device has no cap. */
-static int capped(nvmlDevice_t device, unsigned long long *total, unsigned long long *used)
+/* Capped view of one device from the driver's *total and *free: returns 0 if the device has no
+ * cap, else 1 with *total the cap, *used the container's usage and *free what of the cap is
+ * free (used + free <= total; the rest the device cannot give) */
+static int capped(nvmlDevice_t device, unsigned long long *total, unsigned long long *used,
+                  unsigned long long *free)
 {
     gs_devices_view_ready();
     int slot = gs_nvml_slot(device);
@@ -24,8 +31,9 @@ static int capped(nvmlDevice_t device, unsigned long long *total, unsigned long 
     if (slot < 0 || !limit) return 0;
     gs_region_reclaim_soon();
     if (limit < *total) *total = limit;
-    uint64_t u = gs_slot_used(slot);
+    uint64_t u = gs_slot_used(slot); /* read once: another process may allocate meanwhile */
     *used = u < *total ? u : *total;
+    if (*total - *used < *free) *free = *total - *used;
     return 1;
 }
 
@@ -36,11 +44,11 @@ GS_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t
     if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t rc = gs_nvml.nvmlDeviceGetMemoryInfo(device, memory);
     if (rc != NVML_SUCCESS) return rc;
-    unsigned long long total = memory->total, used = 0, real_free = memory->free;
-    if (capped(device, &total, &used)) {
+    unsigned long long total = memory->total, used = 0, free = memory->free;
+    if (capped(device, &total, &used, &free)) {
         memory->total = total;
-        memory->used = used;
-        memory->free = total - used < real_free ? total - used : real_free;
+        memory->free = free;
+        memory->used = total - free; /* v1's used includes what is reserved */
     }
     return NVML_SUCCESS;
 }
@@ -52,12 +60,12 @@ GS_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemor
     if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t rc = gs_nvml.nvmlDeviceGetMemoryInfo_v2(device, memory);
     if (rc != NVML_SUCCESS) return rc;
-    unsigned long long total = memory->total, used = 0, real_free = memory->free;
-    if (capped(device, &total, &used)) {
+    unsigned long long total = memory->total, used = 0, free = memory->free;
+    if (capped(device, &total, &used, &free)) {
         memory->total = total;
-        memory->reserved = 0;
         memory->used = used;
-        memory->free = total - used < real_free ? total - used : real_free;
+        memory->free = free;
+        memory->reserved = total - used - free;
     }
     return NVML_SUCCESS;
 }

@@ -1237,6 +1237,45 @@ int main(int argc, char **argv)
             nvmlReturn_t rc = nvml_mem2()(nvml_device((unsigned)atoi(ARG(0))), &m);
             printf("nvml2 %d %llu %llu %llu %llu\n", rc, m.total, m.reserved, m.used, m.free);
             i += 1;
+        } else if (!strcmp(c, "nvmlloop")) {
+            /* nvmlloop N DEV: N answers of each NVML view; how many did not add up (v1: used + free
+             * != total, v2: reserved + used + free != total, or used > total), and the first such
+             * v1 and v2 answer (total used free; total reserved used free) */
+            nvmlDevice_t d = nvml_device((unsigned)atoi(ARG(1)));
+            long n = atol(ARG(0)), bad1 = 0, bad2 = 0;
+            nvmlMemory_t first1 = {0, 0, 0};
+            nvmlMemory_v2_t first2 = {0, 0, 0, 0, 0};
+            nvmlReturn_t rc = NVML_SUCCESS;
+            for (long k = 0; k < n && rc == NVML_SUCCESS; k++) {
+                nvmlMemory_t m = {0, 0, 0};
+                nvmlMemory_v2_t m2 = {(2u << 24) | (unsigned)sizeof(nvmlMemory_v2_t), 0, 0, 0, 0};
+                rc = nvml_mem()(d, &m);
+                if (rc == NVML_SUCCESS) rc = nvml_mem2()(d, &m2);
+                if (rc != NVML_SUCCESS) break;
+                if (m.used + m.free != m.total || m.used > m.total) {
+                    if (!bad1++) first1 = m;
+                }
+                if (m2.reserved + m2.used + m2.free != m2.total || m2.used > m2.total) {
+                    if (!bad2++) first2 = m2;
+                }
+            }
+            printf("nvmlloop %d %ld %ld %llu %llu %llu %llu %llu %llu %llu\n", rc, bad1, bad2, first1.total,
+                   first1.used, first1.free, first2.total, first2.reserved, first2.used, first2.free);
+            i += 2;
+        } else if (!strcmp(c, "churn")) {
+            /* churn SIZE FILE: allocate SIZE and free it, again and again until FILE exists; how
+             * many rounds */
+            struct stat st;
+            long rounds = 0;
+            CUresult rc = CUDA_SUCCESS;
+            while (rc == CUDA_SUCCESS && stat(ARG(1), &st) != 0) {
+                CUdeviceptr p = 0;
+                rc = api.cuMemAlloc_v2(&p, size_arg(ARG(0)));
+                if (rc == CUDA_SUCCESS) rc = api.cuMemFree_v2(p);
+                rounds++;
+            }
+            printf("churn %d %ld\n", rc, rounds);
+            i += 2;
         } else if (!strcmp(c, "nullargs")) {
             printf("nullargs %d %d %d %d %d %d %d %d %d %d\n", api.cuMemAlloc_v2(NULL, 1 << 20),
                    api.cuMemGetInfo_v2(NULL, NULL), api.cuDeviceTotalMem_v2(NULL, 0),

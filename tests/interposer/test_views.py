@@ -207,8 +207,11 @@ def test_nvml_never_reports_more_free_than_the_device_has(lab):
     assert lab.finish(other).rc("alloc") == 0
     free = res.values("meminfo")[0]
     assert free == 2 * GIB
-    assert res.values("nvml") == [8 * GIB, GIB, free]
-    assert res.values("nvml2")[0] == 8 * GIB and res.values("nvml2")[-1] == free
+    # the 5 GiB of the cap the device cannot give are in v1's used (it includes what is
+    # reserved: used + free = total) and in v2's reserved (reserved + used + free = total);
+    # before, both said used 1 GiB, free 2 GiB of 8 GiB, 5 GiB nowhere
+    assert res.values("nvml") == [8 * GIB, 6 * GIB, free]
+    assert res.values("nvml2") == [8 * GIB, 5 * GIB, GIB, free]  # total reserved used free
 
 
 @pytest.mark.parametrize(("env", "cap"), [
@@ -287,3 +290,79 @@ def test_the_process_list_of_an_r535_driver_is_read_with_its_own_entry_size(lab,
     assert region == mine, res.stderr
     free, total = res.values("meminfo")
     assert total - free == mine
+
+
+def test_a_whole_gpu_slice_reads_in_nvml_as_the_driver_answers(lab):
+    # an H200-like device: NVML's total is 615 MiB above CUDA's, reserved by the driver; a
+    # 100 % slice's cap is NVML's total.  The driver's answers with 1 GiB in use: v2 total
+    # 16 GiB + 615 MiB, reserved 615 MiB, used 1 GiB, free 15 GiB; v1 used 1 GiB + 615 MiB.
+    # Before, the view said reserved 0 (v2) and used 1 GiB (v1): 615 MiB of the total were
+    # nowhere, and nvidia-smi -q's Reserved + Used + Free did not make its Total
+    h200 = {"FAKE_NVML_TOTAL_EXTRA": "615m", "FAKE_NVML_RESERVED": "615m",
+            "GPUSLICE_MEMORY_PERCENT": "100"}
+    res = lab.run("init", "ctx", "0", "alloc", "1g", "nvml", "0", "nvml2", "0", **h200)
+    outside = lab.run("init", "ctx", "0", "alloc", "1g", "nvml", "0", "nvml2", "0",
+                      LD_PRELOAD=None, **h200)
+    total = 16 * GIB + 615 * MIB
+    assert res.values("nvml2") == [total, 615 * MIB, GIB, 15 * GIB]
+    assert res.values("nvml") == [total, GIB + 615 * MIB, 15 * GIB]
+    assert res.values("nvml2") == outside.values("nvml2")
+    assert res.values("nvml") == outside.values("nvml")
+
+
+def test_every_nvml_answer_adds_up_while_the_container_allocates_and_frees(lab):
+    # another process of the container allocates and frees 8 GiB of the 16 GiB device over and
+    # over (a 16 GiB cap: free is bounded by the device's); an NVML-only reader's every answer
+    # must add up.  The driver's figures and the region's are read a moment apart: a free
+    # between them gave used 0 (the region) with free 8 GiB (the driver, before the free), 8 GiB
+    # of the 16 nowhere
+    stop = lab.tmp / "stop"
+    churn = lab.start("init", "ctx", "0", "churn", "8g", str(stop),
+                      CUDA_DEVICE_MEMORY_LIMIT="16g")
+    try:
+        res = lab.run("nvmlloop", "20000", "0", api="dlsym", CUDA_DEVICE_MEMORY_LIMIT="16g")
+    finally:
+        stop.touch()
+    churned = lab.finish(churn)
+    assert churned.rc("churn") == 0 and churned.values("churn")[0] > 0
+    assert res.rc("nvmlloop") == 0
+    bad1, bad2 = res.values("nvmlloop")[:2]
+    assert (bad1, bad2) == (0, 0), res.values("nvmlloop")
+
+
+def test_memory_percent_resolves_per_device_against_each_devices_total(lab):
+    # two devices of different sizes: 25 % is a quarter of each one's own NVML total, in every
+    # view, whatever CUDA_VISIBLE_DEVICES shows and in an NVML-only process alike
+    env = {"FAKE_CUDA_DEVICES": f"{lab.UUID_A}=16g,{lab.UUID_B}=80g",
+           "FAKE_NVML_TOTAL_EXTRA": "615m", "GPUSLICE_MEMORY_PERCENT": "25"}
+    cap_a, cap_b = (16 * GIB + 615 * MIB) // 4, (80 * GIB + 615 * MIB) // 4
+    res = lab.run("init", "ctx", "0", "meminfo", "ctx", "1", "meminfo", "totalmem", "0",
+                  "totalmem", "1", "nvml", "0", "nvml", "1", **env)
+    assert [v for _, v in res.of("meminfo")] == [[cap_a, cap_a], [cap_b, cap_b]]
+    assert [v[0] for _, v in res.of("totalmem")] == [cap_a, cap_b]
+    assert [v[0] for _, v in res.of("nvml")] == [cap_a, cap_b]
+    only_b = lab.run("init", "ctx", "0", "meminfo", "nvml", "1", CUDA_VISIBLE_DEVICES="1", **env)
+    assert only_b.values("meminfo") == [cap_b, cap_b] and only_b.values("nvml")[0] == cap_b
+    smi = lab.run("nvml", "0", "nvml", "1", api="dlsym", **env)
+    assert [v[0] for _, v in smi.of("nvml")] == [cap_a, cap_b]
+    assert {d.uuid: d.limit_bytes for d in lab.region().devices} == {lab.UUID_A: cap_a,
+                                                                     lab.UUID_B: cap_b}
+
+
+def test_nvml_before_cuda_and_nvml_alone_in_a_container_without_a_region_yet(lab):
+    # nvidia-smi first, in a container whose region does not exist yet: it sees the cap and
+    # makes the region (the container's devices and caps) without registering in it
+    assert not lab.region_path.exists()
+    smi = lab.run("nvml", "0", "nvml2", "0", api="dlsym", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert smi.values("nvml") == [4 * GIB, 0, 4 * GIB]
+    assert smi.values("nvml2") == [4 * GIB, 0, 0, 4 * GIB]
+    region = lab.region()
+    assert region.processes == () and region.devices[0].limit_bytes == 4 * GIB
+    # a program that asks NVML before it starts CUDA: the same view, then its own usage in it
+    res = lab.run("nvml", "0", "init", "ctx", "0", "alloc", "1g", "nvml", "0", "nvml2", "0",
+                  "meminfo", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert res.values("nvml", 0) == [4 * GIB, 0, 4 * GIB]
+    assert res.values("nvml", 1) == [4 * GIB, GIB, 3 * GIB]
+    assert res.values("nvml2") == [4 * GIB, 0, GIB, 3 * GIB]
+    assert res.values("meminfo") == [3 * GIB, 4 * GIB]
+    assert lab.used() == 0  # it returned its usage at exit: it had registered

@@ -2,8 +2,9 @@
  * fakenvml.c - a fake libnvidia-ml.so.1: the machine's devices from
  * FAKE_CUDA_DEVICES (all of them, in order, ignoring CUDA_VISIBLE_DEVICES as
  * NVML does), with used memory = FAKE_NVML_BASE_USED + what the live
- * processes hold according to FAKE_CUDA_STATE, and a total FAKE_NVML_TOTAL_EXTRA
- * above the driver's (default 0).
+ * processes hold according to FAKE_CUDA_STATE, a total FAKE_NVML_TOTAL_EXTRA
+ * above the driver's (default 0) and FAKE_NVML_RESERVED of it reserved by the
+ * driver (default 0; the H200 reserves what its NVML total has above CUDA's).
  */
 #include "fakestate.h"
 
@@ -122,23 +123,35 @@ API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *name, unsigned int len)
     return NVML_SUCCESS;
 }
 
-static nvmlReturn_t usage(nvmlDevice_t d, unsigned long long *total, unsigned long long *used)
+/* The device's memory as the driver's NVML gives it: FAKE_NVML_RESERVED (default 0) is the
+ * driver's and firmware's reservation, which v2 reports apart (total = reserved + used + free, as
+ * nvidia-smi -q prints it) and v1 counts in used (used + free = total: "Sum of Reserved and
+ * Allocated device memory") */
+static nvmlReturn_t usage(nvmlDevice_t d, unsigned long long *total, unsigned long long *reserved,
+                          unsigned long long *used)
 {
     int i = index_of(d);
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (i < 0) return NVML_ERROR_INVALID_ARGUMENT;
     const char *base = getenv("FAKE_NVML_BASE_USED"), *extra = getenv("FAKE_NVML_TOTAL_EXTRA");
+    const char *rsv = getenv("FAKE_NVML_RESERVED");
     *total = devs[i].total + (extra ? fake_size(extra) : 0); /* the H200: NVML 615 MiB more than CUDA */
+    *reserved = rsv ? fake_size(rsv) : 0;
+    if (*reserved > *total) *reserved = *total;
     *used = fake_phys_used(i) + (base ? fake_size(base) : 0);
-    if (*used > *total) *used = *total;
+    if (*used > *total - *reserved) *used = *total - *reserved;
     return NVML_SUCCESS;
 }
 
 API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m)
 {
+    unsigned long long reserved = 0;
     if (!m) return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t rc = usage(d, &m->total, &m->used);
-    if (rc == NVML_SUCCESS) m->free = m->total - m->used;
+    nvmlReturn_t rc = usage(d, &m->total, &reserved, &m->used);
+    if (rc == NVML_SUCCESS) {
+        m->used += reserved;
+        m->free = m->total - m->used;
+    }
     return rc;
 }
 
@@ -146,11 +159,8 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
 {
     if (!m) return NVML_ERROR_INVALID_ARGUMENT;
     if (m->version != ((2u << 24) | (unsigned)sizeof(nvmlMemory_v2_t))) return 25; /* VERSION_MISMATCH */
-    nvmlReturn_t rc = usage(d, &m->total, &m->used);
-    if (rc == NVML_SUCCESS) {
-        m->reserved = 5u << 20;
-        m->free = m->total - m->used;
-    }
+    nvmlReturn_t rc = usage(d, &m->total, &m->reserved, &m->used);
+    if (rc == NVML_SUCCESS) m->free = m->total - m->reserved - m->used;
     return rc;
 }
 
