@@ -492,12 +492,19 @@ static void stream_gone(CUstream s)
     mu_unlock();
 }
 
+/* Before the driver's destroy (it may hand the handle to a new stream at once): the stream's
+ * pending frees wait on its context from now on, and its throttle entry goes */
+static void stream_destroying(CUstream s)
+{
+    stream_gone(s);
+    if (__atomic_load_n(&thr_state, __ATOMIC_RELAXED) == THROTTLE_ON) gs_launch_stream_gone(s);
+}
+
 GS_EXPORT CUresult cuStreamDestroy(CUstream hStream)
 {
     gs_cuda_init();
     if (!gs_cuda.cuStreamDestroy) return CUDA_ERROR_NOT_SUPPORTED;
-    stream_gone(hStream);
-    if (__atomic_load_n(&thr_state, __ATOMIC_RELAXED) == THROTTLE_ON) gs_launch_stream_gone(hStream);
+    stream_destroying(hStream);
     return gs_cuda.cuStreamDestroy(hStream);
 }
 
@@ -505,8 +512,7 @@ GS_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
 {
     gs_cuda_init();
     if (!gs_cuda.cuStreamDestroy_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    stream_gone(hStream);
-    if (__atomic_load_n(&thr_state, __ATOMIC_RELAXED) == THROTTLE_ON) gs_launch_stream_gone(hStream);
+    stream_destroying(hStream);
     return gs_cuda.cuStreamDestroy_v2(hStream);
 }
 
