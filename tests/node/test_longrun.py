@@ -109,15 +109,17 @@ def fake_clocks(agent: Agent, clocks: Clocks) -> None:
     a.compute._wall = lambda: clocks.wall
 
 
-@pytest.mark.parametrize("unreadable", [False, True], ids=["gpus-read", "gpu1-list-unreadable"])
+@pytest.mark.slow
+@pytest.mark.parametrize("trouble", ["none", "gpu1-list-unreadable", "outages"])
 async def test_thousands_of_pods_coming_and_going_leave_nothing_behind(
-        tmp_path: Path, unreadable: bool) -> None:
-    """2,000 GPU pods, 20 at a time, each with a region, a process on GPU 0 (some over their
+        tmp_path: Path, trouble: str) -> None:
+    """2,000 GPU pods (1,000 with troubles), 20 at a time, each with a region, a process on GPU 0 (some over their
     cap) that runs kernels, through the agent's rounds, checks, samples and scrapes: once they
     are gone, what the agent keeps, its open descriptors and its metrics' series are as before
-    they came."""
+    they came. So too with a GPU whose process list cannot be read all along, and with the API
+    server and NVML gone now and then."""
     node = Node(tmp_path)
-    if unreadable:  # e.g. a GPU in a bad state: left unhealthy, for days, until it is reset
+    if trouble == "gpu1-list-unreadable":  # e.g. a GPU in a bad state: left unhealthy, for days, until it is reset
         node.nvml.devices[1].fail["nvmlDeviceGetComputeRunningProcesses"] = \
             pynvml.NVML_ERROR_UNKNOWN
     settings = _settings(tmp_path, proc_root=str(node.proc), cleanup_grace=30.0,
@@ -154,7 +156,7 @@ async def test_thousands_of_pods_coming_and_going_leave_nothing_behind(
                 await cycle()
             before = (held_state(agent), open_fds(), series(agent))
             pid = 1000
-            for batch in range(100):
+            for batch in range(100 if trouble == "none" else 50):
                 pods = []
                 for n in range(20):
                     pid += 1
@@ -169,12 +171,18 @@ async def test_thousands_of_pods_coming_and_going_leave_nothing_behind(
                         region = state / pods[-1][0]["metadata"]["uid"] / "a" / "region"
                         region.write_bytes(region.read_bytes()[:100])
                 await cycle()
+                if trouble == "outages" and batch % 2:
+                    kube.down = True
                 await cycle()
+                kube.down = False
+                if trouble == "outages" and batch % 3 == 0:
+                    node.nvml.count_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
                 for _, p in pods:
                     kill(node, p)
                     kill(node, p + 100_000)
                     del running[p]
                 await cycle()
+                node.nvml.count_error = None
                 for pod, _ in pods:
                     if kube.get("pods", pod["metadata"]["name"], "ml") is not None:  # not evicted
                         kube.delete("pods", pod["metadata"]["name"], "ml")
