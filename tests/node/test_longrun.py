@@ -231,3 +231,34 @@ async def test_a_pid_reused_long_after_its_process_left_the_lists_is_placed_besi
             report = await auditor.check()
             assert {h.tracked.pod: h.used_bytes for h in report.holdings} == {"hog": 8 * GIB}
         assert auditor.evictions == 1 and kube.get("pods", "hog", "ml") is None
+
+
+async def test_a_pid_named_by_the_gpu_whose_list_fails_keeps_its_row(tmp_path: Path) -> None:
+    """The other side of the row kept: pid 80 held 8 GiB on GPU 1 when GPU 1's list began to
+    fail; the process ended (a child holds its memory: NVML goes on naming it) and a process
+    of a container capped at 1 GiB got pid 80. Readable again, GPU 1 still names pid 80: the
+    8 GiB are not that container's."""
+    node = Node(tmp_path)
+    gone, victim = one_gpu("gone", 10240), one_gpu("victim", 1024)
+    node.run_in(gone, "a", 80, {1: 8 * GIB}, started=100)
+    ticks = [1000]
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(gone)
+        kube.put(victim)
+        auditor = _auditor(node, api, action="evict", rounds=1, boot_clock=lambda: ticks[0])
+        assert {h.tracked.pod for h in (await auditor.check()).holdings} == {"gone"}
+        dev = node.nvml.devices[1]
+        dev.fail["nvmlDeviceGetComputeRunningProcesses"] = pynvml.NVML_ERROR_UNKNOWN
+        for _ in range(3):
+            ticks[0] += 1000
+            await auditor.check()
+        shutil.rmtree(node.proc / "80")
+        node.run_in(victim, "a", 80, {}, started=ticks[0] + 500)
+        for _ in range(3):
+            ticks[0] += 1000
+            await auditor.check()
+        del dev.fail["nvmlDeviceGetComputeRunningProcesses"]
+        ticks[0] += 1000
+        report = await auditor.check()
+        assert report.holdings == () and not report.complete
+        assert auditor.evictions == 0
