@@ -416,9 +416,10 @@ class Auditor:
         NVML's wall-clock µs), and where the pid changed hands since it was first placed, until
         when (NVML's µs) its samples are the earlier holder's, and that one's place."""
         self._unknown: dict[str, float] = {}
-        self._listed_since: dict[int, int] = {}
+        self._listed_since: dict[int, tuple[int, frozenset[str]]] = {}
         """Each pid NVML's process lists name: the boot ticks taken before the first of the
-        checks in a row that listed it (a GPU whose list failed breaks no row)."""
+        checks in a row that listed it, and the GPUs whose lists named it last (the list of one
+        of those that failed breaks no row; the list of another is no news of it)."""
         self._episodes: dict[tuple[str, str, str, str], _Episode] = {}
         """("memory" or "compute", pod UID, container name, GPU UUID) -> its episode over the
         limit (by name: a container that restarts goes on with its episode)."""
@@ -655,11 +656,19 @@ class Auditor:
         on listing a process that ended while its memory is held (a child that inherited its
         device descriptors keeps its allocations), under its pid, which another process may
         have taken since: one started after NVML began listing the pid is not the one listed."""
-        pids = {pid for g in gpus for pid in (g.processes or {})}
-        unread = any(g.processes is None for g in gpus)
+        on: dict[int, set[str]] = {}
+        for g in gpus:
+            for pid in g.processes or {}:
+                on.setdefault(pid, set()).add(g.gpu.uuid)
+        pids = on.keys()
+        unread = {g.gpu.uuid for g in gpus if g.processes is None}
         before = self._listed_since
-        self._listed_since = {pid: since for pid, since in before.items()
-                              if unread and pid not in pids}
+        # a pid no list names now is in a row still only where a GPU that named it was not read
+        # (one that went from the others' lists while a GPU stayed unreadable, for days, kept
+        # its row: thousands of them, and a process given the pid since was never placed)
+        self._listed_since = {pid: (since, gpus_of & unread)
+                              for pid, (since, gpus_of) in before.items()
+                              if pid not in pids and gpus_of & unread}
         if 0 in pids and not self._warned_pid0:
             self._warned_pid0 = True
             logger.warning("NVML lists GPU processes as pid 0: this driver gives process IDs of "
@@ -668,12 +677,13 @@ class Auditor:
         places: dict[int, tuple[str, str]] = {}
         reused: set[int] = set()
         for pid in pids:
-            since = before.get(pid)
+            since, gpus_of = before.get(pid, (None, frozenset()))
             place = self._cgroup(pid, listed if since is None else since)
             # (a process that started just before this list, after the ticks were taken, is not
             # placed this time: the row starts at the next check)
             if since is not None or place is not _REUSED:
-                self._listed_since[pid] = listed if since is None else since
+                self._listed_since[pid] = (listed if since is None else since,
+                                           frozenset(on[pid]) | (gpus_of & unread))
             if place is _REUSED:
                 reused.add(pid)
             elif place is not None:
