@@ -109,6 +109,27 @@ def test_container_metrics_per_device_from_region_files(tmp_path: Path) -> None:
     assert s[("gpuslice_region_errors_total", ())] == 0
 
 
+def test_rows_naming_a_gpu_the_node_does_not_have_are_not_exported(tmp_path: Path) -> None:
+    # the container's processes can write any UUID into its region: one writing new ones at
+    # each scrape made a new series each time (8,000 in 100 scrapes from one container)
+    _, reg = make(tmp_path)
+    for n in range(50):
+        write_region(tmp_path, UID1, "trainer-0", "ml", "main",
+                     [(0, GPU0, 10 * GIB, 3 * GIB, 30, 0),
+                      (1, f"GPU-{n:08x}-0000-0000-0000-000000000000", 10 * GIB, GIB, 0, 0)])
+        s = samples(reg)
+        uuids = {dict(labels)["uuid"] for name, labels in s
+                 if name == "gpuslice_container_memory_used_bytes"}
+        assert uuids == {GPU0}
+    assert s[("gpuslice_container_memory_used_bytes", ctr_labels("ml", "trainer-0", UID1, "main",
+                                                                 GPU0))] == 3 * GIB
+    # before the first discovery (or without NVML) there is no list to hold them to
+    undiscovered = AgentCollector(Inventory(two_a100s()), tmp_path, AgentStatus())
+    s = samples(make_registry(undiscovered))
+    assert {dict(labels)["uuid"] for name, labels in s
+            if name == "gpuslice_container_memory_used_bytes"} == {GPU0, "GPU-00000031-0000-0000-0000-000000000000"}
+
+
 def test_measured_share_is_the_busy_time_rate_between_scrapes(tmp_path: Path) -> None:
     clock = Clock()
     write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 5_000_000_000)])
@@ -349,7 +370,7 @@ def test_a_region_being_initialised_is_not_an_error(
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "interposer" / "build"
-UUID_A = "GPU-aaaaaaaa-0000-1111-2222-333333333333"
+UUID_A = GPU0  # the fake driver's device is the node's first GPU (rows of others are not exported)
 MIB = 1 << 20
 
 
