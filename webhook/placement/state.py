@@ -49,6 +49,9 @@ class NodeState:
     usage: dict[str, Usage] = field(default_factory=dict)
     pods: set[str] = field(default_factory=set)
     version: int = 0
+    exists: bool = False
+    """The API server has the node: seen by the watch or a list and not deleted since. One
+    that does not is kept only while pods point at it, and forgotten with the last of them."""
 
     def memory_of(self) -> dict[str, int]:
         return {g.uuid: g.memory_mib for g in self.gpus}
@@ -149,6 +152,7 @@ class ClusterState:
         """A node was added or changed: re-read its GPU inventory."""
         meta = obj.get("metadata") or {}
         node = self._node(str(meta.get("name")))
+        node.exists = True
         raw = (meta.get("annotations") or {}).get(names.ANN_NODE_GPUS)
         try:
             gpus, error = parse_inventory(raw), None
@@ -165,6 +169,7 @@ class ClusterState:
         node = self.nodes.get(name)
         if node is None:
             return
+        node.exists = False
         if node.pods:  # pods still point at it; keep their usage, forget the GPUs
             node.gpus, node.inventory_error = (), "node was deleted"
             self._recount(node)
@@ -177,7 +182,7 @@ class ClusterState:
         for obj in objs:
             seen.add(str((obj.get("metadata") or {}).get("name")))
             self.apply_node(obj)
-        for name in [n for n, s in self.nodes.items() if n not in seen and s.gpus]:
+        for name in [n for n, s in self.nodes.items() if n not in seen and s.exists]:
             self.delete_node(name)
 
     def _recount(self, node: NodeState) -> None:
@@ -216,6 +221,8 @@ class ClusterState:
                     if u.is_zero():
                         del node.usage[uuid]
             self._bump(node)
+            if not node.pods and not node.exists:  # deleted (or never seen): nothing left
+                del self.nodes[node.name]
         return alloc
 
     def reserve(self, uid: str, namespace: str, name: str, node: str, req: PodRequest,
