@@ -157,6 +157,21 @@ async def test_nodes_deleted_during_a_watch_gap_are_forgotten_by_the_next_list(
         f"{len(placer.state.nodes)} of 100 deleted nodes still held"
 
 
+def test_placement_results_of_deleted_nodes_are_not_kept() -> None:
+    """Nodes come and go (an autoscaler, with unique node names); the same workload keeps
+    being filtered. The cached results of nodes that no longer exist must not pile up."""
+    p = Placer(Settings())
+    for i in range(1000):
+        name = f"auto-{i}"
+        p.state.apply_node(gpu_node(name, GPUS))
+        pod = gpu_pod(f"w-{i}", MIB)
+        pod["metadata"]["uid"] = f"uid-{i}"
+        assert p.filter(filter_args(pod, [name]))["NodeNames"] == [name]
+        p.state.delete_node(name)
+    kept = sum(len(per_node) for per_node in p._results.values())
+    assert kept <= 64, f"{kept} cached placement results of 1000 deleted nodes"
+
+
 async def test_pods_deleted_before_their_bind_leave_nothing_behind(
         kube: FakeKube, placer: Placer) -> None:
     """The scheduler gives up on pods or they are deleted between filter and bind, or between

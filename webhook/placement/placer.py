@@ -137,6 +137,9 @@ class Placer:
                 self._results.popitem(last=False)
         else:
             self._results.move_to_end(req)
+            if len(per_node) > 2 * len(self.state.nodes) + 16:  # results of deleted nodes
+                for name in [n for n in per_node if n not in self.state.nodes]:
+                    del per_node[name]
         return per_node
 
     def _place(self, req: PodRequest, node: NodeState,
