@@ -369,7 +369,11 @@ class Placer:
                 return ExtenderBindingResult(Error=error)
             bound_to = (pod.get("spec") or {}).get("nodeName")
             if bound_to:
-                self.state.apply_pod(pod)  # replaces (or drops) the reservation
+                # Replaces (or drops) the reservation. Once the watch has settled it (pod
+                # deleted, finished, or seen bound) the watch knows better than this read:
+                # applied, a read from before the pod's deletion would hold its GPUs again.
+                if uid in self.state.allocs:
+                    self.state.apply_pod(pod)
                 annotated = all((meta.get("annotations") or {}).get(k) == v
                                 for k, v in annotations.items())
                 if bound_to == args["Node"] and annotated:
