@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -68,52 +69,131 @@ def filter_args(pod: dict[str, Any], nodes: list[str]) -> Any:
     return {"Pod": pod, "NodeNames": nodes}
 
 
-async def test_churn_with_broken_watches_converges_to_the_api_servers_truth(
+async def converged(p: Placer, kube: FakeKube, timeout: float = 10.0) -> None:
+    """Wait until the view is the API server's truth, undecided binds expired."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        p.state.expire(time.monotonic())
+        want, have = truth(kube), seen(p)
+        if want == have:
+            return
+        if loop.time() > deadline:
+            extra = {u: (a.namespace, a.name, a.node, a.assumed, a.expires_at)
+                     for u, a in p.state.allocs.items() if u not in want}
+            missing = sorted(set(want) - set(have))
+            raise AssertionError(f"not converged: held by pods not bound: {extra}; "
+                                 f"bound but not held: {missing}; "
+                                 f"wrong: {[u for u in want if u in have and want[u] != have[u]]}")
+        await asyncio.sleep(0.01)
+
+
+def disrupt(kube: FakeKube, rng: random.Random) -> None:
+    """Now and then, what happens to watches in a real cluster."""
+    roll = rng.random()
+    if roll < 0.04:
+        kube.end_watches()  # their timeoutSeconds
+    elif roll < 0.08:
+        kube.drop_watches()  # a proxy or a restarting API server cuts them mid-event
+    elif roll < 0.11:
+        kube.compact()  # resumed from a compacted version: 410
+        kube.end_watches()
+    elif roll < 0.13:
+        kube.error_watches(410)  # an ERROR event mid-stream
+    elif roll < 0.14:
+        kube.error_watches(500, "internal error")
+    elif roll < 0.16:
+        kube.fail("GET", "/api/v1/(pods|nodes)$", 410, watch=True, as_event=True)
+        kube.end_watches()
+    elif roll < 0.18:
+        kube.fail("GET", "/api/v1/(pods|nodes)$", 500, watch=True)
+        kube.end_watches()
+    elif roll < 0.30:
+        kube.bookmark_watches()
+
+
+async def test_churn_with_broken_watches_and_binds_converges_to_the_api_servers_truth(
         kube: FakeKube, placer: Placer) -> None:
+    """Pods created, bound (some Binding answers lost, some never sent, some refused with a
+    500, some retried), deleted at any point; nodes replaced; watches cut, expired, errored,
+    bookmarked; the API server down now and then. Whenever a bind finds no room the view
+    must catch up with the truth, and at the end it is the truth, with nothing left over."""
     rng = random.Random(134)
+    placer.assume_ttl_s = 0.3
     nodes = [f"n{i}" for i in range(4)]
     for n in nodes:
         kube.put(gpu_node(n, GPUS))
     await eventually(lambda: len(placer.state.nodes) == len(nodes))
+    assert placer.core is not None
+    real_bind = placer.core.create_namespaced_pod_binding
+    fate: list[str] = []
+
+    async def binding(*args: Any, **kwargs: Any) -> Any:
+        what = fate.pop() if fate else "ok"
+        if what == "unsent":
+            raise TimeoutError
+        if what == "deleted-first":
+            kube.delete("pods", args[0])
+        resp = await real_bind(*args, **kwargs)
+        if what == "lost":
+            resp.release()
+            raise TimeoutError
+        return resp
+
+    placer.core.create_namespaced_pod_binding = binding  # type: ignore[method-assign]
     live: list[dict[str, Any]] = []
+    new_node = len(nodes)
     for cycle in range(400):
         pod = kube.put(gpu_pod(f"p{cycle}", MIB))
         node = rng.choice(nodes)
         placer.filter(filter_args(pod, nodes))
+        fate.append(rng.choice(["ok"] * 12 + ["unsent", "lost", "deleted-first", "500"]))
+        if fate[-1] == "500":
+            fate[-1] = "ok"
+            kube.fail("POST", "/binding$", 500)
         error = (await placer.bind(bind_args(pod, node)))["Error"]
         if "not enough GPUs" in error:  # the watch lags behind the deletions: wait for it
-            want = truth(kube)
-            await eventually(lambda: seen(placer) == want, timeout=10)  # noqa: B023
+            await converged(placer, kube)
             error = (await placer.bind(bind_args(pod, node)))["Error"]
-        assert error == ""
-        live.append(pod)
+            assert "not enough GPUs" not in error
+        if kube.get("pods", pod["metadata"]["name"]) is not None:
+            live.append(pod)
+        if error and rng.random() < 0.5:  # the scheduler retries, maybe elsewhere
+            await placer.bind(bind_args(pod, rng.choice(nodes)))
         if len(live) > 12 or rng.random() < 0.3:
             gone = live.pop(rng.randrange(len(live)))
-            kube.delete("pods", gone["metadata"]["name"])
-        roll = rng.random()
-        if roll < 0.05:
-            kube.end_watches()
-        elif roll < 0.10:
-            kube.drop_watches()
-        elif roll < 0.13:
-            kube.compact()
-            kube.end_watches()
-        elif roll < 0.15:
-            kube.fail("GET", "/api/v1/pods$", 410, watch=True, as_event=True)
-            kube.end_watches()
-        elif roll < 0.17:
-            kube.fail("GET", "/api/v1/pods$", 500, watch=True)
-            kube.end_watches()
-        elif roll < 0.18:
+            if kube.get("pods", gone["metadata"]["name"]) is not None:
+                kube.delete("pods", gone["metadata"]["name"])
+        if rng.random() < 0.03:  # a node replaced: deleted, then the pod GC deletes its pods
+            old = nodes.pop(rng.randrange(len(nodes)))
+            kube.delete("nodes", old)
+            for p in list(live):
+                if (kube.get("pods", p["metadata"]["name"]) or {}).get("spec", {}).get(
+                        "nodeName") == old:
+                    kube.delete("pods", p["metadata"]["name"])
+                    live.remove(p)
+            nodes.append(f"n{new_node}")
+            kube.put(gpu_node(nodes[-1], GPUS))
+            new_node += 1
+            await eventually(lambda: nodes[-1] in placer.state.nodes)
+        disrupt(kube, rng)
+        if rng.random() < 0.01:
             kube.down = True
             await asyncio.sleep(0.05)
             kube.down = False
         await asyncio.sleep(0)
+    await asyncio.sleep(placer.assume_ttl_s)
+    probe = gpu_pod("probe", MIB)
+    probe["metadata"]["uid"] = "probe"
+    placer.filter(filter_args(probe, nodes))  # expires undecided reservations
     want = truth(kube)
-    assert len(want) > 5
+    assert len(want) > 5 and new_node > 6
     await eventually(lambda: seen(placer) == want, timeout=10)
     assert used_mib(placer) == sum(sum(v.values()) for v in want.values())
     assert all(not a.assumed for a in placer.state.allocs.values())
+    assert placer.state._expiring == {}
+    assert sorted(placer.state.nodes) == sorted(nodes)
+    assert sum(len(per_node) for per_node in placer._results.values()) <= 2 * len(nodes) + 16
 
 
 async def test_nodes_deleted_before_their_pods_are_forgotten_once_the_pods_go(
