@@ -270,12 +270,13 @@ class Placer:
                     return ExtenderBindingResult(Error=NOT_READY)
                 if not admitted(pod):
                     return ExtenderBindingResult(Error=NOT_ADMITTED)
-            return await self._bind(args, req, where)
+            return await self._bind(args, req, where,
+                                    str((pod.get("metadata") or {}).get("resourceVersion") or ""))
         finally:
             self._inflight.discard(uid)
 
-    async def _bind(self, args: ExtenderBindingArgs, req: PodRequest,
-                    where: dict[str, str]) -> ExtenderBindingResult:
+    async def _bind(self, args: ExtenderBindingArgs, req: PodRequest, where: dict[str, str],
+                    pod_rv: str = "") -> ExtenderBindingResult:
         uid, node_name = args["PodUID"], args["Node"]
         annotations: dict[str, str] = {}
         earlier: float | None = None  # deadline of an earlier attempt that may still land
@@ -305,7 +306,7 @@ class Placer:
                     return ExtenderBindingResult(Error=result.reason)
                 assignment = result.assignment
             self.state.reserve(uid, args["PodNamespace"], args["PodName"], node_name, req,
-                               assignment)
+                               assignment, pod_rv)
             annotations = {names.devices_annotation(c): ",".join(uuids)
                            for c, uuids in assignment.items()}
         # metadata.uid makes the API server refuse the bind if the pod was recreated.
