@@ -222,6 +222,22 @@ class FakeKube:
         for w in self._watchers:
             w.queue.put_nowait(_DROP)
 
+    def bookmark_watches(self) -> None:
+        """Send every open watch a ``BOOKMARK`` event at the latest resourceVersion (an object
+        of the watched kind with only ``metadata.resourceVersion``), as the API server does
+        about once a minute to watches that asked for ``allowWatchBookmarks``."""
+        for w in self._watchers:
+            w.queue.put_nowait({"type": "BOOKMARK", "object": {
+                "kind": KINDS.get(w.plural, ""), "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(self._last_rv)}}})
+
+    def error_watches(self, code: int = 410, message: str = "too old resource version") -> None:
+        """Send every open watch an ``ERROR`` event holding a ``code`` Status after the events
+        queued before it, then end it (mid-stream, where :meth:`fail` answers a new watch)."""
+        for w in self._watchers:
+            w.queue.put_nowait({"type": "ERROR", "object": status_object(code, message)})
+            w.queue.put_nowait(None)
+
     def configuration(self) -> Any:
         from kubernetes_asyncio import client
         conf = client.Configuration(host=self.url)

@@ -297,7 +297,9 @@ class CertStore:
         try:
             cert_pem, key_pem = self.cert_file.read_bytes(), self.key_file.read_bytes()
             info = self._load(cert_pem, key_pem)
-        except (OSError, ValueError, ssl.SSLError) as exc:
+        except (OSError, ValueError, TypeError, UnsupportedAlgorithm, ssl.SSLError) as exc:
+            # TypeError: a passphrase-protected key; UnsupportedAlgorithm: a key type this
+            # OpenSSL lacks. Raised here, they ended the watch: no certificate loaded again.
             self._failed = signature  # retried when the files change again
             logger.error("serving certificate not loaded; keeping the previous one",
                          extra={"cert": str(self.cert_file), "error": str(exc)})

@@ -274,3 +274,30 @@ def test_dev_certs_replace_an_expiring_ca(tmp_path: Path) -> None:
     assert (tmp_path / CA_CERT).read_bytes() != ca
     _cert(tmp_path / TLS_CERT).verify_directly_issued_by(_cert(tmp_path / CA_CERT))
     assert (_cert(tmp_path / CA_CERT).not_valid_after_utc - dt.datetime.now(dt.UTC)).days > 3000
+
+
+async def test_cert_watch_outlives_a_pair_it_cannot_read(tmp_path: Path) -> None:
+    """A passphrase-protected key (or one of a type this OpenSSL lacks) dropped into cert_dir
+    is logged and skipped like any broken pair; the watch goes on and loads the next good one
+    (a watch that ended there would serve the old certificate until it expired)."""
+    ensure_dev_certs(tmp_path, "gpuslice-system", "gpuslice")
+    store = CertStore(tmp_path, interval=0.01)
+    assert store.reload_if_changed()
+    task = asyncio.create_task(store.watch())
+    try:
+        key = serialization.load_pem_private_key((tmp_path / TLS_KEY).read_bytes(), None)
+        encrypted = key.private_bytes(serialization.Encoding.PEM,
+                                      serialization.PrivateFormat.PKCS8,
+                                      serialization.BestAvailableEncryption(b"secret"))
+        write_atomic(tmp_path / TLS_KEY, encrypted, 0o600)
+        await asyncio.sleep(0.1)
+        assert not task.done(), f"the certificate watch ended: {task.exception()!r}"
+        second = _replace_serving_cert(tmp_path)
+        for _ in range(200):
+            if store.info is not None and store.info.serial == second:
+                break
+            await asyncio.sleep(0.01)
+        assert store.info is not None and store.info.serial == second
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -138,3 +138,79 @@ async def test_a_watch_cut_inside_an_event_is_resumed_without_listing_again(
         assert int(watches[-1].query["resourceVersion"]) >= int(
             first["metadata"]["resourceVersion"])
     assert pod_retry_delays(caplog) == []
+
+
+async def test_relists_do_not_leak_the_connections_open_at_the_time(
+        kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each list freezes what is alive then (``gc.freeze``), so the cyclic collector skips the
+    state. Connections served at that moment (kube-scheduler's, the API server's webhook calls,
+    probes) die later as reference cycles, which frozen objects can no longer be collected as:
+    every relist must not leave those behind for the life of the process."""
+    import gc
+    import inspect
+    import socket
+    import tracemalloc
+
+    from aiohttp import web
+
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    app = web.Application()
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app.router.add_post("/scheduler/filter", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    def connect(n: int) -> list[socket.socket]:
+        out = []
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /scheduler/filter HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            buf = b""
+            while not buf.endswith(b"}"):
+                buf += s.recv(4096)
+            out.append(s)
+        return out
+
+    async def round_of(n: int, sync: ClusterSync) -> None:
+        conns = await asyncio.to_thread(connect, n)  # kept alive, like keep-alive clients
+        before = lists[0]
+        await eventually(lambda: lists[0] > before)  # a list (and its freeze) came in
+        for s in conns:
+            s.close()
+        await asyncio.sleep(0.02)  # the server sees them close
+
+    lists = [0]
+    try:
+        # lists again and again; the freezes are undone by a full collection every 0.5 s
+        async with running(kube, resync_s=0.0, collect_s=0.5) as sync:
+            replace = sync.state.replace_pods
+
+            def counted(*args: Any) -> None:
+                lists[0] += 1
+                replace(*args)
+
+            monkeypatch.setattr(sync.state, "replace_pods", counted)
+            for _ in range(3):
+                await round_of(10, sync)
+            gc.collect()
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(20):
+                await round_of(25, sync)
+            kube.requests.clear()
+            await asyncio.sleep(0.5)
+            await round_of(0, sync)  # the next list, after a full collection is due
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - base
+            tracemalloc.stop()
+    finally:
+        await runner.cleanup()
+    # about 60 kB is what is in flight at any time (a list, the server's connections)
+    assert held < 200_000, f"{held} bytes left behind by 500 closed connections"
+    assert inspect.signature(ClusterSync).parameters["collect_s"].default == 3600

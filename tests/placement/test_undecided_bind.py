@@ -367,3 +367,95 @@ async def test_filter_sends_the_retry_to_the_node_of_the_undecided_binding(
     assert await ext.bind(a, "n1") == ""
     assert kube.get("pods", "a")["metadata"]["annotations"]["gpuslice.io/devices.main"] == "GPU-0"
     assert usage(ext, "n1") == {"GPU-0": Usage(6000, 0, 1, 0)}
+
+
+class _Answer:
+    """A raw response whose body was read already (what ``read_json`` needs of one)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status, self._body = status, body
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        pass
+
+
+async def test_pod_deleted_while_the_bind_reads_it_leaves_no_ghost(
+        kube: FakeKube, extender: Any) -> None:
+    """The Binding lands but its answer is lost; the bind reads the pod (bound), and before
+    that answer is handled the pod is deleted and the watch has dropped the reservation. The
+    older read must not bring the deleted pod's GPUs back: nothing after it would drop them
+    until the next full list (minutes)."""
+    kube.put(gpu_node("n1", SMALL))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    ext = await extender()
+    uid = a["metadata"]["uid"]
+
+    sent: list[bool] = []
+
+    async def answer_lost(real: Binder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        (await real(*args, **kwargs)).release()
+        sent.append(True)
+        raise TimeoutError
+
+    intercept_binds(ext, answer_lost)
+    read_pod = ext.placer.core.read_namespaced_pod
+
+    async def read_then_deleted(*args: Any, **kwargs: Any) -> Any:
+        resp = await read_pod(*args, **kwargs)
+        if not sent:  # bind's first read (filter never saw the pod)
+            return resp
+        body = await resp.read()
+        resp.release()
+        kube.delete("pods", "a")  # graceful deletion ends; the watch says DELETED
+        await eventually(lambda: uid not in ext.placer.state.allocs)
+        return _Answer(resp.status, body)
+
+    ext.placer.core.read_namespaced_pod = read_then_deleted
+    assert await ext.bind(a, "n1") == ""  # it was bound, as asked
+    await asyncio.sleep(0.2)  # the watch has nothing more to say about a
+    assert kube.get("pods", "a") is None
+    assert uid not in ext.placer.state.allocs, "a deleted pod holds GPUs"
+    assert usage(ext, "n1") == {}
+
+
+async def test_relist_sent_before_a_bind_drops_the_reservation_of_a_pod_deleted_since(
+        kube: FakeKube, extender: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relist is asked for (a watch expired) and waits in the API server's queue; meanwhile
+    a is bound and deleted; then the snapshot is taken, without a. The reservation was made
+    after the list was asked for, so the list cannot tell by time that it is stale; but a was
+    seen (by the bind) at a version older than the list's: it is gone, and so are its GPUs.
+    Kept, nothing would drop them before the next full list (minutes)."""
+    kube.put(gpu_node("n1", SMALL))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    queued, serve = asyncio.Event(), asyncio.Event()
+    hold: list[bool] = []
+    list_pods = client.CoreV1Api.list_pod_for_all_namespaces
+
+    async def queued_list(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if hold and not kwargs.get("watch"):
+            hold.clear()
+            queued.set()
+            await serve.wait()  # the request waits before the snapshot is taken
+        return await list_pods(self, *args, **kwargs)
+
+    monkeypatch.setattr(client.CoreV1Api, "list_pod_for_all_namespaces", queued_list)
+    ext = await extender()
+    ext.placer.filter({"Pod": a, "NodeNames": ["n1"]})
+    hold.append(True)
+    await eventually(lambda: "pods" in kube.open_watches)
+    kube.fail("GET", "/api/v1/pods$", 410, watch=True, as_event=True)
+    kube.end_watches()
+    await asyncio.wait_for(queued.wait(), 5)
+    assert await ext.bind(a, "n1") == ""
+    kube.delete("pods", "a")
+    lists = len([r for r in kube.requests_to("GET", "/api/v1/pods$") if not r.watch])
+    serve.set()
+    await eventually(lambda: len([r for r in kube.requests_to("GET", "/api/v1/pods$")
+                                  if not r.watch]) > lists)
+    await eventually(lambda: "pods" in kube.open_watches)
+    await asyncio.sleep(0.1)
+    assert usage(ext, "n1") == {}, "a deleted pod's GPUs are held"
+    assert a["metadata"]["uid"] not in ext.placer.state.allocs

@@ -137,6 +137,9 @@ class Placer:
                 self._results.popitem(last=False)
         else:
             self._results.move_to_end(req)
+            if len(per_node) > 2 * len(self.state.nodes) + 16:  # results of deleted nodes
+                for name in [n for n in per_node if n not in self.state.nodes]:
+                    del per_node[name]
         return per_node
 
     def _place(self, req: PodRequest, node: NodeState,
@@ -267,12 +270,13 @@ class Placer:
                     return ExtenderBindingResult(Error=NOT_READY)
                 if not admitted(pod):
                     return ExtenderBindingResult(Error=NOT_ADMITTED)
-            return await self._bind(args, req, where)
+            return await self._bind(args, req, where,
+                                    str((pod.get("metadata") or {}).get("resourceVersion") or ""))
         finally:
             self._inflight.discard(uid)
 
-    async def _bind(self, args: ExtenderBindingArgs, req: PodRequest,
-                    where: dict[str, str]) -> ExtenderBindingResult:
+    async def _bind(self, args: ExtenderBindingArgs, req: PodRequest, where: dict[str, str],
+                    pod_rv: str = "") -> ExtenderBindingResult:
         uid, node_name = args["PodUID"], args["Node"]
         annotations: dict[str, str] = {}
         earlier: float | None = None  # deadline of an earlier attempt that may still land
@@ -302,7 +306,7 @@ class Placer:
                     return ExtenderBindingResult(Error=result.reason)
                 assignment = result.assignment
             self.state.reserve(uid, args["PodNamespace"], args["PodName"], node_name, req,
-                               assignment)
+                               assignment, pod_rv)
             annotations = {names.devices_annotation(c): ",".join(uuids)
                            for c, uuids in assignment.items()}
         # metadata.uid makes the API server refuse the bind if the pod was recreated.
@@ -366,7 +370,11 @@ class Placer:
                 return ExtenderBindingResult(Error=error)
             bound_to = (pod.get("spec") or {}).get("nodeName")
             if bound_to:
-                self.state.apply_pod(pod)  # replaces (or drops) the reservation
+                # Replaces (or drops) the reservation. Once the watch has settled it (pod
+                # deleted, finished, or seen bound) the watch knows better than this read:
+                # applied, a read from before the pod's deletion would hold its GPUs again.
+                if uid in self.state.allocs:
+                    self.state.apply_pod(pod)
                 annotated = all((meta.get("annotations") or {}).get(k) == v
                                 for k, v in annotations.items())
                 if bound_to == args["Node"] and annotated:

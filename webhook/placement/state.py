@@ -49,6 +49,9 @@ class NodeState:
     usage: dict[str, Usage] = field(default_factory=dict)
     pods: set[str] = field(default_factory=set)
     version: int = 0
+    exists: bool = False
+    """The API server has the node: seen by the watch or a list and not deleted since. One
+    that does not is kept only while pods point at it, and forgotten with the last of them."""
 
     def memory_of(self) -> dict[str, int]:
         return {g.uuid: g.memory_mib for g in self.gpus}
@@ -72,7 +75,7 @@ class PodAlloc:
     """Monotonic time after which an assumed allocation whose bind is undecided is dropped;
     None while its bind is in flight or once the API server accepted it."""
     resource_version: str = ""
-    """Of the pod object last applied (confirmed allocations only)."""
+    """Of the pod object last applied; of an assumed allocation, the pod's as its bind saw it."""
     applied_at: float = 0.0
     """When (monotonic) the pod object last applied came in (confirmed allocations only)."""
 
@@ -149,6 +152,7 @@ class ClusterState:
         """A node was added or changed: re-read its GPU inventory."""
         meta = obj.get("metadata") or {}
         node = self._node(str(meta.get("name")))
+        node.exists = True
         raw = (meta.get("annotations") or {}).get(names.ANN_NODE_GPUS)
         try:
             gpus, error = parse_inventory(raw), None
@@ -165,6 +169,7 @@ class ClusterState:
         node = self.nodes.get(name)
         if node is None:
             return
+        node.exists = False
         if node.pods:  # pods still point at it; keep their usage, forget the GPUs
             node.gpus, node.inventory_error = (), "node was deleted"
             self._recount(node)
@@ -177,7 +182,7 @@ class ClusterState:
         for obj in objs:
             seen.add(str((obj.get("metadata") or {}).get("name")))
             self.apply_node(obj)
-        for name in [n for n, s in self.nodes.items() if n not in seen and s.gpus]:
+        for name in [n for n, s in self.nodes.items() if n not in seen and s.exists]:
             self.delete_node(name)
 
     def _recount(self, node: NodeState) -> None:
@@ -216,13 +221,16 @@ class ClusterState:
                     if u.is_zero():
                         del node.usage[uuid]
             self._bump(node)
+            if not node.pods and not node.exists:  # deleted (or never seen): nothing left
+                del self.nodes[node.name]
         return alloc
 
     def reserve(self, uid: str, namespace: str, name: str, node: str, req: PodRequest,
-                assignment: dict[str, tuple[str, ...]]) -> PodAlloc:
-        """Hold ``assignment`` for a pod being bound (an assumed allocation)."""
+                assignment: dict[str, tuple[str, ...]], pod_rv: str = "") -> PodAlloc:
+        """Hold ``assignment`` for a pod being bound (an assumed allocation); ``pod_rv``: the
+        resourceVersion of the pod object the bind read."""
         alloc = PodAlloc(uid, namespace, name, node, req, assignment, {}, assumed=True,
-                         reserved_at=time.monotonic())
+                         reserved_at=time.monotonic(), resource_version=pod_rv)
         self._remove(uid)
         self._add(alloc)
         return alloc
@@ -311,7 +319,8 @@ class ClusterState:
                      resource_version: str = "") -> None:
         """A full list of pods, requested at ``listed_at`` (monotonic) and answered at
         ``resource_version``. Allocations of pods absent from it are dropped, except those
-        learnt after the list: reservations made after it was requested, and pods seen bound
+        learnt after the list: reservations made after it was requested (of pods the bind saw
+        at a version no older than the list's), and pods seen bound
         at a newer version (by a bind's read of the pod) than the list's; items older than
         what an allocation was built from are ignored (:meth:`apply_pod`)."""
         seen: set[str] = set()
@@ -321,8 +330,11 @@ class ClusterState:
         for uid, alloc in list(self.allocs.items()):
             if uid in seen:
                 continue
-            if alloc.assumed:
-                learnt_after = alloc.reserved_at >= listed_at
+            if alloc.assumed:  # reserved after the list was asked for, and not since gone:
+                # a list newer than a version of the pod the bind saw, without the pod, shows
+                # it deleted (the list may have waited for its snapshot while it was bound)
+                learnt_after = alloc.reserved_at >= listed_at \
+                    and rv_newer(resource_version, alloc.resource_version) is not True
             else:  # absent from the list: is the list the stale view?
                 learnt_after = self._stale(alloc, resource_version, listed_at)
             if not learnt_after:
