@@ -120,3 +120,16 @@ def test_allocations_and_frees_racing_primary_resets_leave_nothing_charged(lab, 
 def test_allocations_and_frees_racing_primary_resets_race_on_nothing(tsan_lab):
     runs = teardown_race(tsan_lab, 1, 1000, FAKE_CUDA_RESET_ACTIVE="1")
     assert runs == [(0, 20 * MIB, 20 * MIB)]
+
+
+def test_contexts_made_inside_a_profilers_callback_race_the_sampler_on_nothing(tsan_lab):
+    # tests/mixrace.c: threads making and destroying contexts and launching under a compute
+    # limit, a profiler's callback inside each event record making a context of its own (booked
+    # when the throttle's lock is let go).  The device's count of live contexts, read by the
+    # sampler's time-slice correction without the context lock, was written plainly under it:
+    # ThreadSanitizer reported the race in 6 runs of 6
+    proc = tsan_lab.run_program([str(tsan_lab.build / "tests" / "mixrace"), "300", "4", "1", "3,9"],
+                                timeout=120, CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_SM_LIMIT="30",
+                                FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_API_CALLBACK="cuEventRecord:ctx")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "mixrace"
