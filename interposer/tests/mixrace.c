@@ -34,6 +34,8 @@ CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuMemPoolCreate(CUmemoryPool *, const void *);
+CUresult cuMemPoolDestroy(CUmemoryPool);
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
 CUresult cuMemPoolTrimTo(CUmemoryPool, size_t);
 CUresult cuDeviceGetMemPool(CUmemoryPool *, CUdevice);
 CUresult cuDeviceSetMemPool(CUdevice, CUmemoryPool);
@@ -69,7 +71,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned, nvmlDevice_t *);
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t, nvmlMemory_t *);
 
 #define KERNEL ((CUfunction)0x1234)
-#define OPS 16
+#define OPS 18
 
 static CUcontext primary;
 static CUmemoryPool own, def;
@@ -217,6 +219,24 @@ static void one(int op, unsigned *seed, CUstream s)
     case 14:
         count(cuCtxSynchronize());
         break;
+    case 16: /* the primary context reset (the others' work in it goes: their calls may fail) */
+        count(cuDevicePrimaryCtxReset_v2(0));
+        break;
+    case 17: { /* a pool of its own, allocated from, destroyed with its allocation outstanding */
+        struct {
+            int allocType, handleTypes;
+            CUmemLocation location;
+            char rest[64];
+        } props = {CU_MEM_ALLOCATION_TYPE_PINNED, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}, {0}};
+        CUmemoryPool mine = NULL;
+        count(rc = cuMemPoolCreate(&mine, &props));
+        if (rc != CUDA_SUCCESS) break;
+        count(rc = cuMemAllocFromPoolAsync(&p, some_size(seed), mine, s));
+        if (rc == CUDA_SUCCESS && rand_r(seed) % 2) count(cuMemFreeAsync(p, s));
+        count(cuMemPoolDestroy(mine));
+        if (rc == CUDA_SUCCESS) count(cuMemFreeAsync(p, s));
+        break;
+    }
     default: /* a burst of small allocations held across others' calls */
     {
         CUdeviceptr held[8] = {0};
