@@ -55,6 +55,8 @@ static unsigned g_host_pid[GS_MAX_CUDA_DEVS];
 static int g_getpid_foreign;
 static CUcontext g_dev_ctx[GS_MAX_CUDA_DEVS]; /* where what is found gets charged: the newest live one */
 static CUcontext *g_dev_ctxs[GS_MAX_CUDA_DEVS]; /* the device's live contexts, newest last; under the context lock */
+/* how many: under the context lock, stored atomically (the sampler's time-slice correction reads
+ * it without the lock, gs_reconcile_dev_contexts) */
 static int g_dev_nctx[GS_MAX_CUDA_DEVS], g_dev_cap[GS_MAX_CUDA_DEVS];
 /* What the reconcile charged on each device beyond the records, and to which slot; under the
  * context lock (stored atomically: a synchronisation reads it without it,
@@ -501,7 +503,7 @@ static void drop_dev_ctx(int d, CUcontext ctx)
     int k = 0;
     for (int i = 0; i < g_dev_nctx[d]; i++)
         if (g_dev_ctxs[d][i] != ctx) g_dev_ctxs[d][k++] = g_dev_ctxs[d][i];
-    g_dev_nctx[d] = k;
+    __atomic_store_n(&g_dev_nctx[d], k, __ATOMIC_RELAXED);
 }
 
 int gs_reconcile_dev_contexts(CUdevice dev)
@@ -557,7 +559,8 @@ void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx)
             return;
         }
     }
-    g_dev_ctxs[dev][g_dev_nctx[dev]++] = ctx;
+    g_dev_ctxs[dev][g_dev_nctx[dev]] = ctx;
+    __atomic_store_n(&g_dev_nctx[dev], g_dev_nctx[dev] + 1, __ATOMIC_RELAXED);
     __atomic_store_n(&g_dev_ctx[dev], ctx, __ATOMIC_RELEASE);
     if (gs_host_pid_known(dev) || gs_launch_wants_sampler()) start_sampler();
 }

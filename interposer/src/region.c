@@ -24,7 +24,9 @@
 
 struct gpuslice_region *gs_region;
 struct gpuslice_proc *gs_region_me;
-static int32_t g_my_pid; /* the pid gs_region_me was registered with */
+/* the pid gs_region_me was registered with: written under the region's lock, read without it too
+ * (me_unlocked, the sampler's; the exit detach), atomically */
+static int32_t g_my_pid;
 /* The pid of the process whose exit began (the destructor below), 0 before.  A pid, not a
  * flag: a vfork() child that calls exit() runs the destructor in its parent's memory, and a flag
  * set there was its parent's for the rest of its life (every allocation of a program that did so
@@ -153,7 +155,7 @@ static int register_locked(void)
             /* a release store: a reader without the lock (the sweep below, the node agent) that
              * sees the slot live sees the fields above, on weakly ordered CPUs (aarch64) too */
             __atomic_store_n(&p->state, GPUSLICE_PROC_LIVE, __ATOMIC_RELEASE);
-            g_my_pid = p->pid;
+            ST(&g_my_pid, p->pid);
             __atomic_store_n(&gs_region_me, p, __ATOMIC_RELEASE);
             break;
         }
@@ -339,7 +341,7 @@ uint64_t gs_slot_mine(int slot)
 static struct gpuslice_proc *me_unlocked(void)
 {
     struct gpuslice_proc *me = __atomic_load_n(&gs_region_me, __ATOMIC_ACQUIRE);
-    if (!me || LD(&me->state) != GPUSLICE_PROC_LIVE || LD(&me->pid) != g_my_pid) return NULL;
+    if (!me || LD(&me->state) != GPUSLICE_PROC_LIVE || LD(&me->pid) != LD(&g_my_pid)) return NULL;
     return me;
 }
 
@@ -384,7 +386,7 @@ __attribute__((destructor)) static void region_detach(void)
     /* exit() from a signal handler inside the lock (above); or a child made without the fork
      * handlers (_Fork, clone, vfork + exit): gs_region_me is still its parent's slot, which it must not
      * empty (the slot of a child that charged through it is reclaimed once the parent is gone) */
-    if (t_locked || g_my_pid != (int32_t)getpid()) return;
+    if (t_locked || LD(&g_my_pid) != (int32_t)getpid()) return;
     gs_launch_at_exit(); /* work in flight is charged while the slot is still ours */
     /* another thread may be attaching right now (discovery): the pointers are read as they are
      * written, atomically */

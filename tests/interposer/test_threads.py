@@ -7,7 +7,9 @@ per-thread default stream, and graphs that allocate, all at once, so the allocat
 near-cap reconcile, the throttle, the graph-memory charge and the sampler (NVML process list,
 power and utilisation) meet.  A TSan report on stderr fails the test (``conftest.py``).
 ``tests/teardownrace.c`` races allocations and frees against primary-context resets, checked
-for what stays charged under the release and ASan builds too.
+for what stays charged under the release and ASan builds too.  ``tests/mixrace.c`` has threads
+do at random the calls the others keep apart (contexts, green contexts, limits, pools, arrays,
+modules, captures, VMM, resets), with a profiler's callback inside the driver's calls or not.
 """
 
 from __future__ import annotations
@@ -120,3 +122,30 @@ def test_allocations_and_frees_racing_primary_resets_leave_nothing_charged(lab, 
 def test_allocations_and_frees_racing_primary_resets_race_on_nothing(tsan_lab):
     runs = teardown_race(tsan_lab, 1, 1000, FAKE_CUDA_RESET_ACTIVE="1")
     assert runs == [(0, 20 * MIB, 20 * MIB)]
+
+
+@pytest.mark.parametrize("sm_limit", ["0", "30"], ids=["unthrottled", "throttled"])
+def test_threads_doing_everything_at_once_race_on_nothing(tsan_lab, sm_limit):
+    # tests/mixrace.c: 6 threads each doing at random what the programs above keep apart:
+    # contexts and green contexts made and destroyed with work in them, limits set, pools made,
+    # swapped in as the device's current pool and destroyed, arrays, modules, captures, VMM
+    # mappings, memory queries, primary-context resets, near a 1 GiB cap
+    proc = tsan_lab.run_program([str(tsan_lab.build / "tests" / "mixrace"), "300", "6", "1"],
+                                timeout=120, CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_SM_LIMIT=sm_limit,
+                                FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE="1",
+                                FAKE_CUDA_POOL_RELEASE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "mixrace"
+
+
+def test_contexts_made_inside_a_profilers_callback_race_the_sampler_on_nothing(tsan_lab):
+    # tests/mixrace.c: threads making and destroying contexts and launching under a compute
+    # limit, a profiler's callback inside each event record making a context of its own (booked
+    # when the throttle's lock is let go).  The device's count of live contexts, read by the
+    # sampler's time-slice correction without the context lock, was written plainly under it:
+    # ThreadSanitizer reported the race in 6 runs of 6
+    proc = tsan_lab.run_program([str(tsan_lab.build / "tests" / "mixrace"), "300", "4", "1", "3,9"],
+                                timeout=120, CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_SM_LIMIT="30",
+                                FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_API_CALLBACK="cuEventRecord:ctx")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "mixrace"

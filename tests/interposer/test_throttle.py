@@ -1238,11 +1238,9 @@ def test_queued_unmeasured_work_is_charged_until_it_drains(built):
     assert rows[14]["charged_us"] <= 2500 and rows[15]["charged_us"] == 0
 
 
-def test_a_process_registering_again_publishes_what_it_measured_so_far(release_lab):
-    # another process took this one for dead and reset the region; registering again at its
-    # next charge, it writes the GPU time it measured in its life, not 0 (its next debit would
-    # otherwise show that whole life to the others as one tick's time)
-    lab = release_lab
+def register_again(lab) -> None:
+    """A process under a compute limit taken for dead by another, which reset the region: it
+    registers again at its next charge, its sampler running."""
     held, go, again = lab.tmp / "held", lab.tmp / "go", lab.tmp / "again"
     holder = lab.start("init", "ctx", "0", "bench", "1", "kernel", "touch", str(held),
                        "waitfile", str(go), "alloc", "1m", "touch", str(again), "sleep", "300",
@@ -1262,6 +1260,20 @@ def test_a_process_registering_again_publishes_what_it_measured_so_far(release_l
     assert before[0].host_pid == holder.pid  # no pid namespace here: its own pid
     assert before[0].measured_ns[0] > 0.2e9  # 1 s at 30 %, less the first launches
     assert after[0].measured_ns[0] >= before[0].measured_ns[0]
+
+
+def test_a_process_registering_again_publishes_what_it_measured_so_far(release_lab):
+    # another process took this one for dead and reset the region; registering again at its
+    # next charge, it writes the GPU time it measured in its life, not 0 (its next debit would
+    # otherwise show that whole life to the others as one tick's time)
+    register_again(release_lab)
+
+
+def test_a_process_registering_again_races_its_sampler_on_nothing(tsan_lab):
+    # the pid the process registered with was written plainly as it registered again, and read
+    # without the lock by the sampler's sweep (region.c's me_unlocked): ThreadSanitizer reported
+    # the race in 4 runs of 4
+    register_again(tsan_lab)
 
 
 def test_uncorrected_processes_of_a_container_charge_each_other(release_lab):
