@@ -1,6 +1,6 @@
 """What the library costs per launch and per alloc+free pair, on the fake driver (developer tool).
 
-    python3 interposer/tests/costs.py [--lib PATH ...] [--runs N]
+    python3 interposer/tests/costs.py [--lib PATH ...] [--runs N] [--per-op-only | --startup-only]
 
 For no library and each ``--lib`` (default: build/libgpuslice.so), prints
   * instructions per operation (valgrind --tool=callgrind, whole process; the difference of two
@@ -262,6 +262,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=9, help="wall-clock runs per library")
     parser.add_argument("--storm", type=int, default=100, help="processes started at once")
     parser.add_argument("--startup-only", action="store_true", help="only the start-up figures")
+    parser.add_argument("--per-op-only", action="store_true",
+                        help="only the per-operation figures (instructions and wall-clock), no start-up")
     parser.add_argument("--tiny-op-only", action="store_true",
                         help="only the instructions of the hooks a framework's tiny op reaches")
     args = parser.parse_args()
@@ -277,7 +279,8 @@ def main() -> int:
         return 0
     if not args.startup_only:
         per_operation(libs, args.runs)
-    start_up(libs, args.runs, args.storm)
+    if not args.per_op_only:
+        start_up(libs, args.runs, args.storm)
     print("columns: " + ", ".join(names))
     return 0
 
