@@ -33,19 +33,19 @@ void gs_log_init(void)
     }
 }
 
-/* Lines written while the region's lock is held wait here for its unlock (gs_log_defer): a
- * write to a full stderr pipe would otherwise hold every process of the container.  The few
- * such lines (a repair, a reclaim) fit; more are dropped. */
+/* Lines written while the region's lock is held wait here for its unlock (gs_log_defer, inline
+ * in gpuslice.h): a write to a full stderr pipe would otherwise hold every process of the
+ * container.  The few such lines (a repair, a reclaim) fit; more are dropped. */
 #define GS_LOG_PENDING 2048
-static __thread int t_defer;
-static __thread char *t_pending;
+__thread int gs_t_log_defer;
+__thread char *gs_t_log_pending;
 static __thread size_t t_pending_len;
 
 static void keep(const char *line, size_t len)
 {
-    if (!t_pending) t_pending = malloc(GS_LOG_PENDING);
-    if (!t_pending || len > GS_LOG_PENDING - t_pending_len) return;
-    memcpy(t_pending + t_pending_len, line, len);
+    if (!gs_t_log_pending) gs_t_log_pending = malloc(GS_LOG_PENDING);
+    if (!gs_t_log_pending || len > GS_LOG_PENDING - t_pending_len) return;
+    memcpy(gs_t_log_pending + t_pending_len, line, len);
     t_pending_len += len;
 }
 
@@ -82,7 +82,7 @@ void gs_log_write(int level, const char *fmt, ...)
     size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
     if (len > sizeof(buf) - 2) len = sizeof(buf) - 2;
     buf[len++] = '\n';
-    if (t_defer) {
+    if (gs_t_log_defer) {
         keep(buf, len);
     } else {
         write_stderr(buf, len);
@@ -90,14 +90,13 @@ void gs_log_write(int level, const char *fmt, ...)
     errno = saved;
 }
 
-void gs_log_defer(int on)
+void gs_log_flush(void)
 {
-    t_defer = on;
-    if (on || !t_pending) return;
+    if (!gs_t_log_pending) return;
     int saved = errno;
-    write_stderr(t_pending, t_pending_len);
-    free(t_pending);
-    t_pending = NULL;
+    write_stderr(gs_t_log_pending, t_pending_len);
+    free(gs_t_log_pending);
+    gs_t_log_pending = NULL;
     t_pending_len = 0;
     errno = saved;
 }

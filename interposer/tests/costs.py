@@ -1,13 +1,14 @@
 """What the library costs per launch and per alloc+free pair, on the fake driver (developer tool).
 
-    python3 interposer/tests/costs.py [--lib PATH ...] [--runs N]
+    python3 interposer/tests/costs.py [--lib PATH ...] [--runs N] [--per-op-only | --startup-only]
 
 For no library and each ``--lib`` (default: build/libgpuslice.so), prints
   * instructions per operation (valgrind --tool=callgrind, whole process; the difference of two
     runs with different operation counts, so start-up cancels): an empty-kernel launch with a
     10 GiB cap and no SM limit, a 1 MiB cuMemAlloc+cuMemFree pair far from the cap, and the
-    same pair within the reconcile margin of the cap, a 2 MiB VMM page and a 1 MiB array made and
-    released; and the instructions of a whole run of
+    same pair within the reconcile margin of the cap, a 1 MiB cuMemAllocAsync+cuMemFreeAsync pair
+    from the default pool, a cuMemGetInfo_v2 and an nvmlDeviceGetMemoryInfo call, a 2 MiB VMM
+    page and a 1 MiB array made and released; and the instructions of a whole run of
     ``/bin/true`` (the "none" column preloads libdl, a library every process has anyway);
   * instructions per call of each hook a framework's tiny op reaches, as the CUDA runtime finds
     it through cuGetProcAddress (the launches, plain and _ptsz, the synchronisations and an async
@@ -29,6 +30,7 @@ library, so differences between columns are the library's.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import statistics
@@ -47,6 +49,11 @@ CASES = {
                                        {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
     "1 MiB alloc+free, near cap": (["alloc", "800m"], lambda n: ["allocbench", str(n), "1m"],
                                    {"CUDA_DEVICE_MEMORY_LIMIT": "1g"}),
+    "1 MiB cuMemAllocAsync+cuMemFreeAsync, pool": ([], lambda n: ["asyncpairs", str(n), "1m"],
+                                                    {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
+    "cuMemGetInfo_v2": ([], lambda n: ["meminfos", str(n)], {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
+    "nvmlDeviceGetMemoryInfo": ([], lambda n: ["nvmlmeminfos", str(n)],
+                                {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
     "2 MiB VMM page create+map+release+unmap": ([], lambda n: ["vmmbench", str(n), "2m"],
                                                 {"CUDA_DEVICE_MEMORY_LIMIT": "10g"}),
     "1 MiB array create+destroy (256x256 float4)": ([], lambda n: ["arraybench", str(n), "256", "256"],
@@ -76,9 +83,26 @@ def env_for(lib: str | None, tmp: Path, extra: dict[str, str]) -> dict[str, str]
            "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp / "region"),
            "FAKE_CUDA_STATE": str(tmp / "state"), **extra}
     # without the library, preload a library the program loads anyway: the environment keeps
-    # its size (the fake driver calls getenv on every call, whose cost grows with it)
-    env["LD_PRELOAD"] = lib or "libdl.so.2"
+    # its size (the fake driver calls getenv on every call, whose cost grows with it).  Through
+    # a link of the same name in tmp for every column: the environment's strings then lie at
+    # the same addresses, and libc's strncmp, which getenv calls, takes a path that depends on
+    # their alignment (the same library preloaded from /tmp/h132-costs/... and from a path two
+    # characters shorter read 5,385 and 5,283 instructions per alloc+free pair)
+    link = tmp / "preload.so"
+    if not link.is_symlink():
+        link.symlink_to(os.path.abspath(lib) if lib else libdl_path())
+    env["LD_PRELOAD"] = str(link)
     return env
+
+
+def libdl_path() -> str:
+    """Where libdl.so.2 is (the "none" column's preload), as this process loaded it."""
+    ctypes.CDLL("libdl.so.2")
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith("/libdl.so.2"):
+                return line.split()[-1]
+    raise RuntimeError("libdl.so.2 not found")
 
 
 def instructions(lib: str | None, cmds: list[str], extra: dict[str, str],
@@ -238,6 +262,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=9, help="wall-clock runs per library")
     parser.add_argument("--storm", type=int, default=100, help="processes started at once")
     parser.add_argument("--startup-only", action="store_true", help="only the start-up figures")
+    parser.add_argument("--per-op-only", action="store_true",
+                        help="only the per-operation figures (instructions and wall-clock), no start-up")
     parser.add_argument("--tiny-op-only", action="store_true",
                         help="only the instructions of the hooks a framework's tiny op reaches")
     args = parser.parse_args()
@@ -253,7 +279,8 @@ def main() -> int:
         return 0
     if not args.startup_only:
         per_operation(libs, args.runs)
-    start_up(libs, args.runs, args.storm)
+    if not args.per_op_only:
+        start_up(libs, args.runs, args.storm)
     print("columns: " + ", ".join(names))
     return 0
 

@@ -1329,6 +1329,33 @@ int main(int argc, char **argv)
                                               : api.cuStreamSynchronize(NULL);
             printf("%s %d\n", c, rc);
             i += 1;
+        } else if (!strcmp(c, "meminfos") || !strcmp(c, "nvmlmeminfos")) {
+            /* N cuMemGetInfo_v2 calls, or N nvmlDeviceGetMemoryInfo calls on device 0: costs.py's
+             * loops */
+            CUresult rc = CUDA_SUCCESS;
+            size_t fr = 0, tot = 0;
+            nvmlMemory_t m;
+            nvml_mem_t mem = NULL;
+            nvmlDevice_t dev = NULL;
+            if (!strcmp(c, "nvmlmeminfos")) {
+                mem = nvml_mem();
+                dev = nvml_device(0);
+            }
+            for (int n = atoi(ARG(0)); n > 0 && rc == CUDA_SUCCESS; n--)
+                rc = mem ? (CUresult)mem(dev, &m) : api.cuMemGetInfo_v2(&fr, &tot);
+            printf("%s %d\n", c, rc);
+            i += 1;
+        } else if (!strcmp(c, "asyncpairs")) {
+            /* asyncpairs N SIZE: N cuMemAllocAsync + cuMemFreeAsync pairs of SIZE bytes on the
+             * default stream, from the device's default pool: costs.py's loop */
+            CUresult rc = CUDA_SUCCESS;
+            uint64_t size = size_arg(ARG(1));
+            for (int n = atoi(ARG(0)); n > 0 && rc == CUDA_SUCCESS; n--) {
+                CUdeviceptr p = 0;
+                if ((rc = api.cuMemAllocAsync(&p, size, NULL)) == CUDA_SUCCESS) rc = api.cuMemFreeAsync(p, NULL);
+            }
+            printf("asyncpairs %d\n", rc);
+            i += 2;
         } else if (!strcmp(c, "launchk")) {
             /* one launch of kernel number K (distinct functions load their code separately) */
             CUfunction f = (CUfunction)(uintptr_t)(0x100000 + 16 * (uint64_t)atoi(ARG(0)));
