@@ -310,3 +310,43 @@ def test_a_containers_preload_link_is_resolved_in_its_own_root(
         assert scan.preloaded_names == {old.name}
         assert remove_unused(lib, cur, proc) == [stale.name]
         assert old.exists()
+
+
+def _preload_names_an_existing_library(lib: Path) -> bool:
+    line = (lib / "ld.so.preload").read_text().strip()
+    return (lib / os.path.basename(line)).is_file()
+
+
+def test_an_overlapping_older_agent_never_removes_the_library_the_preload_names(
+        tmp_path: Path) -> None:
+    """Two agents on one node (a rolling update: the old pod's last round beside the new pod's
+    first; or helm rollback): the old one's removal must not take the library that the host's
+    ld.so.preload names now, or every container starting meanwhile runs without the interposer
+    (ld.so ignores a preload it cannot find)."""
+    lib = tmp_path / "lib"
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library  # agent A (0.1.0)
+    new = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library  # agent B (0.2.0)
+    assert remove_unused(lib, old, proc) == []  # agent A's removal, after B's install
+    assert new.exists() and _preload_names_an_existing_library(lib)
+
+
+def test_a_preload_switched_during_the_scan_keeps_its_library(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other agent points ld.so.preload at its library while this one reads /proc (a scan
+    of every process takes a while): what the preload names is read after the scan."""
+    lib = tmp_path / "lib"
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    new = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library  # agent B
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library  # agent A: preload -> 0.1.0
+    real_scan = install.scan_proc
+
+    def scan_while_b_installs(proc_root: str | Path) -> install.ProcScan:
+        install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")  # agent B's next round
+        return real_scan(proc_root)
+
+    monkeypatch.setattr(install, "scan_proc", scan_while_b_installs)
+    assert remove_unused(lib, old, proc) == []
+    assert new.exists() and _preload_names_an_existing_library(lib)

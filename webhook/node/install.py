@@ -18,8 +18,10 @@ directory: a reader sees the old file or the new one, never a partial one.
 Removal: an old ``libgpuslice.so.*`` goes only when no process maps it (``<proc>/*/maps``,
 matched by device and inode, and by file name) and no running mount namespace's
 ``/etc/ld.so.preload`` names it (read through ``<proc>/<pid>/root``; a container whose
-entrypoint is static would otherwise lose its library before its next dynamic process). If any
-process cannot be inspected, nothing is removed that round.
+entrypoint is static would otherwise lose its library before its next dynamic process), and
+the library dir's own ``ld.so.preload`` does not name it (read after the scan: another agent of
+the node, in a rolling update's overlap or a rollback, may have pointed it at its version). If
+any process cannot be inspected, nothing is removed that round.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from webhook.node.files import NotPlainFile, read_plain_file_in_root
+from webhook.node.files import NotPlainFile, read_plain_file, read_plain_file_in_root
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +243,20 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
     return scan
 
 
+def _named_by_host_preload(host: Path) -> set[str] | None:
+    """Base names of the libgpuslice files the host's ld.so.preload names now (what containers
+    starting now will preload); None, logged, if it cannot be read (then nothing may go)."""
+    try:
+        text = read_plain_file(host / PRELOAD_NAME, PRELOAD_READ_LIMIT).decode(errors="replace")
+    except FileNotFoundError:
+        return set()
+    except OSError as exc:
+        logger.warning("cannot read the library dir's ld.so.preload; old libraries kept",
+                       extra={"dir": str(host), "error": str(exc)})
+        return None
+    return {os.path.basename(t) for t in re.split(r"[\s:]+", text) if LIB_STEM in t}
+
+
 def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
                   now: float | None = None) -> list[str]:
     """Remove old library versions nothing uses and stale temp files; return what went."""
@@ -280,6 +296,14 @@ def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
             continue
         if ((st.st_dev, st.st_ino) in scan.mapped_inodes or path.name in scan.mapped_names
                 or path.name in scan.preloaded_names):
+            continue
+        # Read now, after the scan, before each removal: another agent (the old pod's last
+        # round beside the new pod's first in a rolling update, a rollback) may have pointed
+        # the host's file at its own library meanwhile, and containers starting now mount it.
+        named = _named_by_host_preload(host)
+        if named is None:
+            return removed
+        if path.name in named:
             continue
         try:
             path.unlink()
