@@ -350,3 +350,50 @@ def test_a_preload_switched_during_the_scan_keeps_its_library(
     monkeypatch.setattr(install, "scan_proc", scan_while_b_installs)
     assert remove_unused(lib, old, proc) == []
     assert new.exists() and _preload_names_an_existing_library(lib)
+
+
+def test_a_removal_beside_an_install_never_leaves_the_preload_naming_a_missing_library(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agent A (0.1.0) finds its library in place and is about to point ld.so.preload at it
+    while agent B (0.2.0) removes 0.1.0, which the preload does not name yet: the two must not
+    interleave, or the preload names a file that is gone (no interposer in new containers)."""
+    import threading
+    lib = tmp_path / "lib"
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library  # agent A, an earlier round
+    new = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library  # agent B: -> 0.2.0
+    real_write = install.atomic_write
+    b_removed: list[list[str]] = []
+    b_threads: list[threading.Thread] = []
+
+    def write_while_b_removes(path: Path, data: bytes, mode: int) -> None:
+        if path.name == install.PRELOAD_NAME:
+            b = threading.Thread(target=lambda: b_removed.append(remove_unused(lib, new, proc)),
+                                 daemon=True)
+            b.start()
+            b_threads.append(b)
+            b.join(0.5)  # B's removal runs now, unless it has to wait for A's install
+        real_write(path, data, mode)
+
+    monkeypatch.setattr(install, "atomic_write", write_while_b_removes)
+    install.install(LIB_V1, lib, TARGET, "0.1.0")  # agent A's round
+    b_threads[0].join(10)
+    assert b_removed == [[]]
+    assert old.exists() and _preload_names_an_existing_library(lib)
+
+
+def test_a_filesystem_without_flock_still_installs_and_removes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.EBADF, "Bad file descriptor")  # NFS: a directory takes no lock
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    assert remove_unused(lib, cur, proc) == [old.name]
