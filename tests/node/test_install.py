@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -397,3 +398,66 @@ def test_a_filesystem_without_flock_still_installs_and_removes(
     proc = _proc(tmp_path)
     _process(proc, 1)
     assert remove_unused(lib, cur, proc) == [old.name]
+
+
+@pytest.mark.parametrize(("call", "nth"), [
+    ("fchmod", 1), ("fsync", 1), ("rename", 1), ("fsync", 2),  # the library
+    ("fchmod", 2), ("fsync", 3), ("rename", 2), ("fsync", 4),  # then ld.so.preload
+])
+def test_an_agent_killed_at_any_step_of_an_upgrade_leaves_a_usable_node(
+        tmp_path: Path, call: str, nth: int) -> None:
+    """SIGKILL (an OOM kill, a node drain's force) at the nth such call of an upgrade from
+    0.1.0 to 0.2.0: the preload names a whole library either way, and the next agent's start
+    installs 0.2.0 and, later, clears what the dead one left."""
+    import signal
+    lib = tmp_path / "lib"
+    install.install(LIB_V1, lib, TARGET, "0.1.0")
+    pid = os.fork()
+    if pid == 0:  # the agent that gets killed
+        try:
+            seen = [0]
+            real = getattr(os, call)
+
+            def killing(*a: object) -> object:
+                seen[0] += 1
+                if seen[0] == nth:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*a)
+
+            setattr(os, call, killing)
+            install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    line = (lib / "ld.so.preload").read_text()
+    named = lib / os.path.basename(line.strip())
+    assert line.endswith("\n") and named.read_bytes() in (LIB_V1, LIB_V1_REBUILT)
+    r = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")  # the next agent
+    assert r.library.read_bytes() == LIB_V1_REBUILT
+    assert (lib / "ld.so.preload").read_text() == f"{TARGET}/libgpuslice.so.0.2.0\n"
+    proc = _proc(tmp_path)
+    later = time.time() + install.STALE_TMP_SECONDS + 1
+    remove_unused(lib, r.library, proc, now=later)
+    assert sorted(p.name for p in lib.iterdir()) == ["ld.so.preload", "libgpuslice.so.0.2.0"]
+
+
+def test_a_read_only_library_dir_needs_no_write_when_all_is_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose /usr went read-only (an image-based OS, a remount after disk errors): a
+    restart of the same version writes nothing, so it succeeds (the lock needs no write
+    either); another version fails with the filesystem's reason, and nothing changes."""
+    import tempfile
+    lib = tmp_path / "lib"
+    first = install.install(LIB_V1, lib, TARGET, "0.1.0")
+
+    def read_only(*a: object, **kw: object) -> tuple[int, str]:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    again = install.install(LIB_V1, lib, TARGET, "0.1.0")
+    assert again.library == first.library and not again.preload_written
+    with pytest.raises(InstallError, match="Read-only file system"):
+        install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")
+    assert (lib / "ld.so.preload").read_text() == f"{TARGET}/libgpuslice.so.0.1.0\n"
+    assert sorted(p.name for p in lib.iterdir()) == ["ld.so.preload", "libgpuslice.so.0.1.0"]
