@@ -333,3 +333,26 @@ async def test_healthz_fails_when_no_round_ends_so_the_probe_restarts_a_stuck_ag
                 assert r.status == 200
     finally:
         await agent.close()
+
+
+async def test_an_install_failure_shows_in_the_metrics(tmp_path: Path) -> None:
+    """A library dir that stops taking the library (a full or read-only disk, the dir removed
+    by hand and a file in its place) must show in the metrics, not only in the log: the info
+    metric no longer names a library, and a counter counts the failures."""
+    settings = _settings(tmp_path, kube_enabled=False, node_name="")
+    agent = Agent(settings, LIB, inventory=Inventory(FakeNvml([])))
+    await agent.start()
+    try:
+        assert await agent.step() == settings.interval
+        assert "gpuslice_agent_install_errors_total 0.0" in await _scrape(agent.metrics_port)
+        lib = tmp_path / "lib"
+        for p in lib.iterdir():
+            p.unlink()
+        lib.rmdir()
+        lib.write_text("a file where the library dir should be")
+        assert await agent.step() < settings.interval
+        text = await _scrape(agent.metrics_port)
+        assert 'gpuslice_agent_info{library=""' in text
+        assert "gpuslice_agent_install_errors_total 1.0" in text
+    finally:
+        await agent.close()

@@ -111,3 +111,12 @@ def test_cli_reports_bad_agent_flags_as_exit_2(capsys: pytest.CaptureFixture[str
     from webhook.cli import main
     assert main(["agent", "--node-name", "n1", "--split-count", "0"]) == 2
     assert "--split-count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["/opt/gpu slice", "/opt/gpu\tslice", "/opt/gpu:slice",
+                                    "/opt/#gpuslice"])
+def test_a_preload_target_that_ld_so_would_split_is_refused(target: str) -> None:
+    """ld.so reads /etc/ld.so.preload as names separated by white space or ':', with '#'
+    starting a comment: such a target would preload nothing, and no container be capped."""
+    with pytest.raises(SettingsError, match="--preload-target"):
+        settings_from_args(_parse(["--node-name", "n1", "--preload-target", target]))

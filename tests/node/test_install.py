@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,153 @@ def test_a_containers_preload_link_is_resolved_in_its_own_root(
         assert scan.preloaded_names == {old.name}
         assert remove_unused(lib, cur, proc) == [stale.name]
         assert old.exists()
+
+
+def _preload_names_an_existing_library(lib: Path) -> bool:
+    line = (lib / "ld.so.preload").read_text().strip()
+    return (lib / os.path.basename(line)).is_file()
+
+
+def test_an_overlapping_older_agent_never_removes_the_library_the_preload_names(
+        tmp_path: Path) -> None:
+    """Two agents on one node (a rolling update: the old pod's last round beside the new pod's
+    first; or helm rollback): the old one's removal must not take the library that the host's
+    ld.so.preload names now, or every container starting meanwhile runs without the interposer
+    (ld.so ignores a preload it cannot find)."""
+    lib = tmp_path / "lib"
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library  # agent A (0.1.0)
+    new = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library  # agent B (0.2.0)
+    assert remove_unused(lib, old, proc) == []  # agent A's removal, after B's install
+    assert new.exists() and _preload_names_an_existing_library(lib)
+
+
+def test_a_preload_switched_during_the_scan_keeps_its_library(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other agent points ld.so.preload at its library while this one reads /proc (a scan
+    of every process takes a while): what the preload names is read after the scan."""
+    lib = tmp_path / "lib"
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    new = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library  # agent B
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library  # agent A: preload -> 0.1.0
+    real_scan = install.scan_proc
+
+    def scan_while_b_installs(proc_root: str | Path) -> install.ProcScan:
+        install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")  # agent B's next round
+        return real_scan(proc_root)
+
+    monkeypatch.setattr(install, "scan_proc", scan_while_b_installs)
+    assert remove_unused(lib, old, proc) == []
+    assert new.exists() and _preload_names_an_existing_library(lib)
+
+
+def test_a_removal_beside_an_install_never_leaves_the_preload_naming_a_missing_library(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agent A (0.1.0) finds its library in place and is about to point ld.so.preload at it
+    while agent B (0.2.0) removes 0.1.0, which the preload does not name yet: the two must not
+    interleave, or the preload names a file that is gone (no interposer in new containers)."""
+    import threading
+    lib = tmp_path / "lib"
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library  # agent A, an earlier round
+    new = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library  # agent B: -> 0.2.0
+    real_write = install.atomic_write
+    b_removed: list[list[str]] = []
+    b_threads: list[threading.Thread] = []
+
+    def write_while_b_removes(path: Path, data: bytes, mode: int) -> None:
+        if path.name == install.PRELOAD_NAME:
+            b = threading.Thread(target=lambda: b_removed.append(remove_unused(lib, new, proc)),
+                                 daemon=True)
+            b.start()
+            b_threads.append(b)
+            b.join(0.5)  # B's removal runs now, unless it has to wait for A's install
+        real_write(path, data, mode)
+
+    monkeypatch.setattr(install, "atomic_write", write_while_b_removes)
+    install.install(LIB_V1, lib, TARGET, "0.1.0")  # agent A's round
+    b_threads[0].join(10)
+    assert b_removed == [[]]
+    assert old.exists() and _preload_names_an_existing_library(lib)
+
+
+def test_a_filesystem_without_flock_still_installs_and_removes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.EBADF, "Bad file descriptor")  # NFS: a directory takes no lock
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    _process(proc, 1)
+    assert remove_unused(lib, cur, proc) == [old.name]
+
+
+@pytest.mark.parametrize(("call", "nth"), [
+    ("fchmod", 1), ("fsync", 1), ("rename", 1), ("fsync", 2),  # the library
+    ("fchmod", 2), ("fsync", 3), ("rename", 2), ("fsync", 4),  # then ld.so.preload
+])
+def test_an_agent_killed_at_any_step_of_an_upgrade_leaves_a_usable_node(
+        tmp_path: Path, call: str, nth: int) -> None:
+    """SIGKILL (an OOM kill, a node drain's force) at the nth such call of an upgrade from
+    0.1.0 to 0.2.0: the preload names a whole library either way, and the next agent's start
+    installs 0.2.0 and, later, clears what the dead one left."""
+    import signal
+    lib = tmp_path / "lib"
+    install.install(LIB_V1, lib, TARGET, "0.1.0")
+    pid = os.fork()
+    if pid == 0:  # the agent that gets killed
+        try:
+            seen = [0]
+            real = getattr(os, call)
+
+            def killing(*a: object) -> object:
+                seen[0] += 1
+                if seen[0] == nth:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*a)
+
+            setattr(os, call, killing)
+            install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    line = (lib / "ld.so.preload").read_text()
+    named = lib / os.path.basename(line.strip())
+    assert line.endswith("\n") and named.read_bytes() in (LIB_V1, LIB_V1_REBUILT)
+    r = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")  # the next agent
+    assert r.library.read_bytes() == LIB_V1_REBUILT
+    assert (lib / "ld.so.preload").read_text() == f"{TARGET}/libgpuslice.so.0.2.0\n"
+    proc = _proc(tmp_path)
+    later = time.time() + install.STALE_TMP_SECONDS + 1
+    remove_unused(lib, r.library, proc, now=later)
+    assert sorted(p.name for p in lib.iterdir()) == ["ld.so.preload", "libgpuslice.so.0.2.0"]
+
+
+def test_a_read_only_library_dir_needs_no_write_when_all_is_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose /usr went read-only (an image-based OS, a remount after disk errors): a
+    restart of the same version writes nothing, so it succeeds (the lock needs no write
+    either); another version fails with the filesystem's reason, and nothing changes."""
+    import tempfile
+    lib = tmp_path / "lib"
+    first = install.install(LIB_V1, lib, TARGET, "0.1.0")
+
+    def read_only(*a: object, **kw: object) -> tuple[int, str]:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    again = install.install(LIB_V1, lib, TARGET, "0.1.0")
+    assert again.library == first.library and not again.preload_written
+    with pytest.raises(InstallError, match="Read-only file system"):
+        install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")
+    assert (lib / "ld.so.preload").read_text() == f"{TARGET}/libgpuslice.so.0.1.0\n"
+    assert sorted(p.name for p in lib.iterdir()) == ["ld.so.preload", "libgpuslice.so.0.1.0"]

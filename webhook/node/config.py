@@ -117,6 +117,10 @@ def _validate(s: AgentSettings) -> None:
                        ("--proc-root", s.proc_root)):
         if not isinstance(path, str) or not os.path.isabs(path) or "\n" in path:
             _fail(flag, path, "must be an absolute path")
+    # ld.so splits /etc/ld.so.preload at white space and ':', and '#' starts a comment
+    if any(c.isspace() or c in ":#" for c in s.preload_target):
+        _fail("--preload-target", s.preload_target,
+              "must contain no white space, ':' or '#' (ld.so.preload separators)")
     if not isinstance(s.metrics_port, int) or not 0 <= s.metrics_port <= 65535:
         _fail("--metrics-port", s.metrics_port, "must be a TCP port 0-65535")
     if not isinstance(s.metrics_host, str):

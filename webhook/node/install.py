@@ -18,23 +18,30 @@ directory: a reader sees the old file or the new one, never a partial one.
 Removal: an old ``libgpuslice.so.*`` goes only when no process maps it (``<proc>/*/maps``,
 matched by device and inode, and by file name) and no running mount namespace's
 ``/etc/ld.so.preload`` names it (read through ``<proc>/<pid>/root``; a container whose
-entrypoint is static would otherwise lose its library before its next dynamic process). If any
-process cannot be inspected, nothing is removed that round.
+entrypoint is static would otherwise lose its library before its next dynamic process), and
+the library dir's own ``ld.so.preload`` does not name it (read after the scan: another agent of
+the node, in a rolling update's overlap or a rollback, may have pointed it at its version). If
+any process cannot be inspected, nothing is removed that round. An install and the removals
+each hold an exclusive ``flock`` on the library dir, so another agent's removal never falls
+between an install's finding its library in place and pointing ld.so.preload at it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from webhook.node.files import NotPlainFile, read_plain_file_in_root
+from webhook.node.files import NotPlainFile, read_plain_file, read_plain_file_in_root
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +122,26 @@ def atomic_write(path: Path, data: bytes, mode: int) -> None:
         os.close(dir_fd)
 
 
+@contextlib.contextmanager
+def _dir_locked(host: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the library dir itself, for as long as the block runs.
+
+    Two agents of one node (a rolling update's overlap, a rollback) share the dir: one must not
+    remove a library between the other's finding it in place and pointing ld.so.preload at it.
+    The lock goes with the holder's descriptor, so a killed agent leaves no lock behind. Where
+    the filesystem has no such lock (NFS emulates it with a write lock, which a directory
+    cannot take), the block runs unlocked, as before there was one."""
+    fd = os.open(host, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            logger.debug("library dir not locked", extra={"dir": str(host), "error": str(exc)})
+        yield
+    finally:
+        os.close(fd)
+
+
 def install(data: bytes, host_dir: str | Path, preload_target: str, version: str) -> InstallResult:
     """Install ``data`` as the current library and point ld.so.preload at it (idempotent)."""
     host = Path(host_dir)
@@ -123,31 +150,37 @@ def install(data: bytes, host_dir: str | Path, preload_target: str, version: str
     hashed = host / f"{LIB_STEM}.{version}-{digest[:8]}"
     try:
         host.mkdir(parents=True, exist_ok=True)
-        written = False
-        if _same_content(plain, data, digest):
-            target = plain
-        elif _same_content(hashed, data, digest):
-            target = hashed
-        else:
-            target = hashed if plain.exists() else plain
-            if target.exists():
-                raise InstallError(f"{target} exists with other content; refusing to overwrite")
-            atomic_write(target, data, 0o755)
-            written = True
-            logger.info("library installed", extra={"path": str(target), "sha256": digest})
-        line = f"{preload_target.rstrip('/')}/{target.name}"
-        preload = host / PRELOAD_NAME
-        want = (line + "\n").encode()
-        try:
-            current = preload.read_bytes()
-        except FileNotFoundError:
-            current = None
-        preload_written = current != want
-        if preload_written:
-            atomic_write(preload, want, 0o644)
-            logger.info("ld.so.preload updated", extra={"path": str(preload), "line": line})
+        with _dir_locked(host):
+            return _install_locked(data, host, preload_target, digest, plain, hashed)
     except OSError as exc:
         raise InstallError(f"cannot install into {host}: {exc}") from exc
+
+
+def _install_locked(data: bytes, host: Path, preload_target: str, digest: str, plain: Path,
+                    hashed: Path) -> InstallResult:
+    written = False
+    if _same_content(plain, data, digest):
+        target = plain
+    elif _same_content(hashed, data, digest):
+        target = hashed
+    else:
+        target = hashed if plain.exists() else plain
+        if target.exists():
+            raise InstallError(f"{target} exists with other content; refusing to overwrite")
+        atomic_write(target, data, 0o755)
+        written = True
+        logger.info("library installed", extra={"path": str(target), "sha256": digest})
+    line = f"{preload_target.rstrip('/')}/{target.name}"
+    preload = host / PRELOAD_NAME
+    want = (line + "\n").encode()
+    try:
+        current = preload.read_bytes()
+    except FileNotFoundError:
+        current = None
+    preload_written = current != want
+    if preload_written:
+        atomic_write(preload, want, 0o644)
+        logger.info("ld.so.preload updated", extra={"path": str(preload), "line": line})
     return InstallResult(target, line, written, preload_written)
 
 
@@ -241,6 +274,20 @@ def scan_proc(proc_root: str | Path) -> ProcScan:
     return scan
 
 
+def _named_by_host_preload(host: Path) -> set[str] | None:
+    """Base names of the libgpuslice files the host's ld.so.preload names now (what containers
+    starting now will preload); None, logged, if it cannot be read (then nothing may go)."""
+    try:
+        text = read_plain_file(host / PRELOAD_NAME, PRELOAD_READ_LIMIT).decode(errors="replace")
+    except FileNotFoundError:
+        return set()
+    except OSError as exc:
+        logger.warning("cannot read the library dir's ld.so.preload; old libraries kept",
+                       extra={"dir": str(host), "error": str(exc)})
+        return None
+    return {os.path.basename(t) for t in re.split(r"[\s:]+", text) if LIB_STEM in t}
+
+
 def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
                   now: float | None = None) -> list[str]:
     """Remove old library versions nothing uses and stale temp files; return what went."""
@@ -273,6 +320,18 @@ def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
                        "needs the host's /proc, SYS_PTRACE and no AppArmor confinement)",
                        extra={"proc": str(proc_root), "error": scan.first_error})
         return removed
+    try:
+        with _dir_locked(host):  # no other agent's install in between
+            _remove(candidates, host, scan, removed)
+    except OSError as exc:
+        logger.warning("cannot lock the library dir; old libraries kept",
+                       extra={"dir": str(host), "error": str(exc)})
+    return removed
+
+
+def _remove(candidates: list[Path], host: Path, scan: ProcScan, removed: list[str]) -> None:
+    """Remove the candidates that neither the scan nor the host's ld.so.preload finds in use
+    (the library dir locked); append their names to ``removed``."""
     for path in candidates:
         try:
             st = path.stat()
@@ -280,6 +339,14 @@ def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
             continue
         if ((st.st_dev, st.st_ino) in scan.mapped_inodes or path.name in scan.mapped_names
                 or path.name in scan.preloaded_names):
+            continue
+        # Read now, after the scan, before each removal: another agent (the old pod's last
+        # round beside the new pod's first in a rolling update, a rollback) may have pointed
+        # the host's file at its own library meanwhile, and containers starting now mount it.
+        named = _named_by_host_preload(host)
+        if named is None:
+            return
+        if path.name in named:
             continue
         try:
             path.unlink()
@@ -289,4 +356,3 @@ def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
             continue
         removed.append(path.name)
         logger.info("old library removed", extra={"path": str(path)})
-    return removed

@@ -162,6 +162,8 @@ class Agent:
         except install.InstallError as exc:
             logger.error("library install failed; GPUs are not published until it succeeds",
                          extra={"error": str(exc)})
+            self.status.install_errors += 1
+            self.status.library = ""  # not known to be in place any more
             return False
         self.installed = result
         self.status.library = result.library.name

@@ -59,6 +59,8 @@ class AgentStatus:
     """Facts the agent's loop records for the metrics (written by one task, read by scrapes)."""
 
     library: str = ""
+    """The library ld.so.preload names after the last install; "" once an install failed."""
+    install_errors: int = 0
     publish_errors: int = 0
     last_publish_success: float = 0.0
     cleanup_removed: int = 0
@@ -354,6 +356,9 @@ class AgentCollector(Collector):
                                  labels=["version", "library"])
         info.add_metric([__version__, st.library], 1)
         yield info
+        yield CounterMetricFamily("gpuslice_agent_install_errors",
+                                  "failed attempts to install the library and ld.so.preload",
+                                  value=st.install_errors)
         yield CounterMetricFamily("gpuslice_agent_publish_errors",
                                   "failed attempts to publish the node's GPUs",
                                   value=st.publish_errors)
