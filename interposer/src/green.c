@@ -96,7 +96,9 @@ GS_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, C
     CUcontext primary = NULL;
     struct green *e = green_free_locked(); /* stays free until green_put, under the lock */
     CUresult rc = e ? gs_primary_retain_locked(&primary, dev) : CUDA_ERROR_OUT_OF_MEMORY;
-    if (!e) GS_WARN("a green context cannot be booked (no memory for its entry): refused");
+    if (!e)
+        GS_WARN("a green context cannot be booked (%s): refused",
+                g_nchunks < GS_GREEN_CHUNKS ? "no memory for its entry" : "too many alive at once");
     if (rc == CUDA_SUCCESS) {
         struct gs_ctx_charge c;
         (void)gs_ctx_charge_begin(dev, &c, 0); /* reserves nothing: cannot refuse (gs_ctx_charge_end can) */
