@@ -1,0 +1,234 @@
+/*
+ * hooksweep - calls every function the interposer hooks (hooks.h's table) with hostile
+ * arguments, in one process, and checks the region's charge around each call.
+ *
+ *   hooksweep [--fail] [--only NAME[,NAME...]]
+ *
+ * Each parameter's type (the table's own text) gives it a class, and each class a list of
+ * hostile values: pointers NULL or a zeroed buffer, sizes and counts 0, 1, SIZE_MAX and values
+ * whose rounding to a page overflows, ints 0, -1, INT_MAX, device addresses and memory handles
+ * 0 or bogus, object handles NULL.  A function is called with every argument at its class's
+ * first value, then once for each other value of each argument, the rest at their first.
+ * With --fail the fake driver fails every call of the function's name (FAKE_CUDA_FAIL), so
+ * that none succeeds even where the arguments happen to be valid.
+ *
+ * Before each call it prints "call NAME SET" (flushed: a crash names the call), after it
+ * "ret NAME SET RC BEFORE AFTER" (the process's charge on slot 0 around the call) and, where a
+ * call that failed moved the charge, "LEAK NAME SET RC BEFORE AFTER".  The primary context of
+ * device 0 is made current again after each call (a call may release or reset it).
+ * The fake driver is linked directly; the interposer, preloaded, is what dlsym finds.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_abi.h"
+#include "hooks.h"
+#include "selfcharge.h"
+
+CUresult cuInit(unsigned int flags);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active);
+CUresult cuCtxSetCurrent(CUcontext ctx);
+CUresult cuCtxGetCurrent(CUcontext *pctx);
+CUresult cuCtxSynchronize(void);
+
+#define GS_STR_(x) #x
+#define GS_STR(x) GS_STR_(x)
+#define SWEEP_ENTRY(name, ret, params, base, ver, pt) {#name, GS_STR(params)},
+static const struct {
+    const char *name, *params;
+} hooks[] = {GS_CUDA_HOOKS(SWEEP_ENTRY)};
+
+/* called with ten integer registers' worth of arguments: the System V ABI passes a
+ * function's integer, pointer and small-struct arguments in them whatever its type */
+typedef CUresult (*any_fn)(uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t,
+                           uint64_t, uint64_t, uint64_t, uint64_t);
+#define MAX_ARGS 12
+
+enum cls { C_PTR, C_SIZE, C_INT, C_SMALL, C_ADDR, C_HANDLE, C_LOC };
+#define ZBUF_SIZE (1u << 20)
+static unsigned char *zbuf; /* zeroed before each call */
+#define ZBUF_TOKEN 0x5a5a5a5a5a5a5a5aull /* replaced by zbuf's address */
+
+static const uint64_t vals_ptr[] = {0, ZBUF_TOKEN};
+static const uint64_t vals_size[] = {0, 1, UINT64_MAX, UINT64_MAX - (1ull << 20) + 2, 1ull << 63,
+                                     (1ull << 32) + 1};
+static const uint64_t vals_int[] = {0, 0xffffffffull, 0x7fffffffull, 1};
+static const uint64_t vals_small[] = {0, 0xff};
+static const uint64_t vals_addr[] = {0, 0xdead000ull, UINT64_MAX};
+static const uint64_t vals_handle[] = {0};
+static const uint64_t vals_loc[] = {0, 0xffffffffffffffffull, 0x0000000100000001ull};
+static const struct {
+    const uint64_t *v;
+    int n;
+} classes[] = {
+    [C_PTR] = {vals_ptr, 2},       [C_SIZE] = {vals_size, 6},     [C_INT] = {vals_int, 4},
+    [C_SMALL] = {vals_small, 2},   [C_ADDR] = {vals_addr, 3},     [C_HANDLE] = {vals_handle, 1},
+    [C_LOC] = {vals_loc, 3},
+};
+
+/* the class of one parameter's text, "const CUDA_MEMCPY2D *pCopy", "size_t N" */
+static enum cls classify(const char *p, size_t len)
+{
+    char t[160];
+    if (len >= sizeof(t)) len = sizeof(t) - 1;
+    memcpy(t, p, len);
+    t[len] = 0;
+    if (strchr(t, '*')) return C_PTR;
+    /* drop the parameter's name: the type is what comes before the last word */
+    char *end = t + strlen(t);
+    while (end > t && end[-1] == ' ') *--end = 0;
+    while (end > t && end[-1] != ' ') end--;
+    if (end > t) *end = 0;
+#define IS(s) (strstr(t, s) != NULL)
+    if (IS("size_t") || IS("unsigned long long") || IS("cuuint64_t")) return C_SIZE;
+    if (IS("CUdeviceptr") || IS("CUmemGenericAllocationHandle")) return C_ADDR;
+    if (IS("CUmemLocation")) return C_LOC;
+    if (IS("unsigned char") || IS("unsigned short")) return C_SMALL;
+    if (IS("CUcontext") || IS("CUstream") || IS("CUevent") || IS("CUfunction") || IS("CUgraph") ||
+        IS("CUmemoryPool") || IS("CUgreenCtx") || IS("CUdevResourceDesc") || IS("CUarray") ||
+        IS("CUmipmappedArray") || IS("CUmodule") || IS("CUlibrary") || IS("CUkernel") || IS("CUhostFn") ||
+        IS("CUstreamCallback"))
+        return C_HANDLE;
+#undef IS
+    return C_INT; /* int, unsigned int, CUdevice, cuuint32_t, the enums */
+}
+
+/* the classes of a parameter list's text; the count, 0 for "(void)" */
+static int parse_params(const char *params, enum cls *out)
+{
+    const char *p = strchr(params, '(');
+    if (!p) return 0;
+    p++;
+    int n = 0;
+    while (*p && *p != ')') {
+        while (*p == ' ') p++;
+        const char *q = p;
+        while (*q && *q != ',' && *q != ')') q++;
+        if (strncmp(p, "void", 4) == 0 && q - p == 4) return 0;
+        if (n < MAX_ARGS) out[n++] = classify(p, (size_t)(q - p));
+        p = *q == ',' ? q + 1 : q;
+    }
+    return n;
+}
+
+static CUcontext primary;
+
+static void restore_context(void)
+{
+    unsigned flags = 0;
+    int active = 0;
+    CUcontext cur = NULL;
+    if (cuDevicePrimaryCtxGetState(0, &flags, &active) != CUDA_SUCCESS || !active)
+        cuDevicePrimaryCtxRetain(&primary, 0);
+    if (cuCtxGetCurrent(&cur) != CUDA_SUCCESS || cur != primary) cuCtxSetCurrent(primary);
+}
+
+static uint64_t charge_now(void)
+{
+    uint64_t c = 0;
+    return self_charge(&c) == 0 ? c : UINT64_MAX;
+}
+
+static int leaks, calls;
+
+static void call_one(const char *name, any_fn fn, int nargs, const uint64_t *args, const char *set, int fail)
+{
+    uint64_t a[MAX_ARGS] = {0};
+    for (int i = 0; i < nargs; i++) a[i] = args[i] == ZBUF_TOKEN ? (uint64_t)(uintptr_t)zbuf : args[i];
+    memset(zbuf, 0, ZBUF_SIZE);
+    printf("call %s %s\n", name, set);
+    fflush(stdout);
+    char spec[200];
+    if (fail) { /* the hook's name, and its base name without a _v2/_ptsz/_ptds suffix */
+        char base[96];
+        snprintf(base, sizeof(base), "%s", name);
+        char *s;
+        while ((s = strrchr(base, '_')) != NULL && (!strcmp(s, "_ptsz") || !strcmp(s, "_ptds") ||
+                                                   (s[1] == 'v' && s[2] >= '0' && s[2] <= '9')))
+            *s = 0;
+        snprintf(spec, sizeof(spec), "%s:0,%s:0", name, base);
+        setenv("FAKE_CUDA_FAIL", spec, 1);
+    }
+    uint64_t before = charge_now();
+    CUresult rc = fn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
+    uint64_t after = charge_now();
+    if (fail) unsetenv("FAKE_CUDA_FAIL");
+    calls++;
+    printf("ret %s %s %d %llu %llu\n", name, set, rc, (unsigned long long)before, (unsigned long long)after);
+    if (rc != CUDA_SUCCESS && after != before) {
+        printf("LEAK %s %s %d %llu %llu\n", name, set, rc, (unsigned long long)before, (unsigned long long)after);
+        leaks++;
+    }
+    fflush(stdout);
+    restore_context();
+}
+
+static int wanted(const char *name, const char *only)
+{
+    if (!only) return 1;
+    size_t n = strlen(name);
+    for (const char *p = only; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
+        if (strncmp(p, name, n) == 0 && (p[n] == ',' || p[n] == 0)) return 1;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *only = NULL;
+    int fail = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--fail")) fail = 1;
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    }
+    zbuf = calloc(1, ZBUF_SIZE);
+    if (!zbuf || cuInit(0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&primary, 0) != CUDA_SUCCESS) return 2;
+    cuCtxSetCurrent(primary);
+    for (size_t h = 0; h < sizeof(hooks) / sizeof(hooks[0]); h++) {
+        const char *name = hooks[h].name;
+        if (!wanted(name, only)) continue;
+        any_fn fn = (any_fn)dlsym(RTLD_DEFAULT, name);
+        if (!fn) {
+            printf("missing %s\n", name);
+            continue;
+        }
+        enum cls c[MAX_ARGS];
+        int n = parse_params(hooks[h].params, c);
+        uint64_t base[MAX_ARGS] = {0};
+        for (int i = 0; i < n; i++) base[i] = classes[c[i]].v[0];
+        call_one(name, fn, n, base, "zero", fail);
+        for (int i = 0; i < n; i++) {
+            for (int k = 1; k < classes[c[i]].n; k++) {
+                uint64_t a[MAX_ARGS];
+                memcpy(a, base, sizeof(a));
+                a[i] = classes[c[i]].v[k];
+                char set[32];
+                snprintf(set, sizeof(set), "a%d=%d", i, k);
+                call_one(name, fn, n, a, set, fail);
+            }
+        }
+        /* every pointer a zeroed buffer (zeroed structures, writable outputs), then each other
+         * argument hostile in turn */
+        uint64_t zb[MAX_ARGS];
+        for (int i = 0; i < n; i++) zb[i] = c[i] == C_PTR ? ZBUF_TOKEN : classes[c[i]].v[0];
+        call_one(name, fn, n, zb, "buf", fail);
+        for (int i = 0; i < n; i++) {
+            if (c[i] == C_PTR) continue;
+            for (int k = 1; k < classes[c[i]].n; k++) {
+                uint64_t a[MAX_ARGS];
+                memcpy(a, zb, sizeof(a));
+                a[i] = classes[c[i]].v[k];
+                char set[32];
+                snprintf(set, sizeof(set), "buf,a%d=%d", i, k);
+                call_one(name, fn, n, a, set, fail);
+            }
+        }
+        cuCtxSynchronize();
+    }
+    printf("done %d %d\n", calls, leaks);
+    return 0;
+}

@@ -1,0 +1,120 @@
+"""Every hooked function with hostile arguments, and every charging hook with its driver call failing.
+
+``tests/hooksweep.c`` calls each function of ``hooks.h``'s table in one process with NULL
+pointers, zeroed structures, NULL handles, zero, huge and overflowing sizes and counts: no call
+may crash or trip a sanitizer, and none that fails may move the process's charge.  Then the
+hooks that charge (allocations, contexts, code, limits, graphs, VMM handles) and those that
+give a charge back run with valid arguments while the fake driver fails the call: the charge
+must be what it was before, and the later successful free must give back exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+CAP = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_WAIT_MS": "0"}
+
+
+def sweep(lab, *args: str, **extra: str) -> list[str]:
+    proc = lab.run_program([str(lab.build / "tests" / "hooksweep"), *args], timeout=120,
+                           **CAP, **extra)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("done "), lines[-3:]
+    return lines
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["hostile", "hostile_and_failing"])
+def test_every_hook_survives_hostile_arguments_and_a_failure_charges_nothing(lab, fail):
+    lines = sweep(lab, *(["--fail"] if fail else []))
+    calls, leaks = (int(v) for v in lines[-1].split()[1:])
+    assert calls > 1000  # each of the ~250 hooks several times
+    assert leaks == 0, [ln for ln in lines if ln.startswith("LEAK")]
+    if fail:
+        # the fake fails every call of the name: only hooks that answer before the driver
+        # (or whose driver call has no failure point) may succeed, and none of them charges
+        for ln in lines:
+            if ln.startswith("ret "):
+                _, _name, _set, rc, before, after = ln.split()
+                assert int(rc) != 0 or before == after, ln
+
+
+def meminfo_free(res) -> list[int]:
+    return [vals[0] for rc, vals in res.of("meminfo")]
+
+
+CODE = {"FAKE_CUDA_MODULE_BYTES": "64m"}
+# a context holds memory (the process is then in NVML's list before its green context)
+GREEN = {"FAKE_CUDA_CTX_BYTES": "100m", "FAKE_CUDA_GREEN_BYTES": "50m"}
+
+# name: (commands before, command that fails, FAKE_CUDA_FAIL, env)
+CHARGING = {
+    "alloc": ([], ["alloc", "100m"], "cuMemAlloc_v2:1", {}),
+    "managed": ([], ["managed", "100m"], "cuMemAllocManaged:1", {}),
+    "pitch": ([], ["pitch", "4096", "1024"], "cuMemAllocPitch_v2:1", {}),
+    "async": ([], ["async", "100m"], "cuMemAllocAsync:1", {}),
+    "pool": (["mkpool", "1", "0"], ["pool", "100m"], "cuMemAllocFromPoolAsync:1", {}),
+    "vmm": ([], ["vmm", "100m", "0"], "cuMemCreate:1", {}),
+    "vmap": (["vmm", "100m", "0"], ["vmap", "0"], "cuMemMap:1", {}),
+    "vimport": (["vmm", "100m", "0", "vexport", "0"], ["vimport", "0"],
+                "cuMemImportFromShareableHandle:1", {}),
+    "vretain": (["vmm", "100m", "0", "vmap", "0"], ["vretain", "0"], "cuMemRetainAllocationHandle:1",
+                {}),
+    "array": ([], ["array", "1024", "1024"], "cuArrayCreate_v2:1", {}),
+    "array3d": ([], ["array3d", "256", "256", "16"], "cuArray3DCreate_v2:1", {}),
+    "mipmap": ([], ["mipmap", "1024", "1024", "4"], "cuMipmappedArrayCreate:1", {}),
+    "ctxcreate": ([], ["ctxcreate", "0"], "cuCtxCreate:1", {"FAKE_CUDA_CTX_BYTES": "100m"}),
+    "green": ([], ["green", "0"], "cuGreenCtxCreate:1", GREEN),
+    "setlimit": ([], ["setlimit", "2", "64m"], "cuCtxSetLimit:1", {}),
+    "modload": ([], ["modload"], "cuModuleLoadData:1", CODE),
+    "libload": ([], ["libload"], "cuLibraryLoadData:1", CODE),
+    "getfunc": (["modload"], ["getfunc"], "cuModuleGetFunction:1", CODE),
+    "funcload": (["modload", "getfunc"], ["funcload"], "cuFuncLoad:1", CODE),
+    "libmodule": (["libload"], ["libmodule"], "cuLibraryGetModule:1", CODE),
+    "libglobal": (["libload"], ["libglobal"], "cuLibraryGetGlobal:1", CODE),
+    "defpool": ([], ["defpool", "1", "1"], "cuMemGetDefaultMemPool:1", {}),
+    "ginst": (["gnode", "300m", "0"], ["ginst", "flags"], "cuGraphInstantiate:1", {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHARGING))
+def test_a_charging_hook_whose_driver_call_fails_leaves_the_charge_as_it_was(lab, case):
+    before, cmd, fail, env = CHARGING[case]
+    res = lab.run("init", "ctx", "0", *before, "meminfo", *cmd, "meminfo", **CAP,
+                  FAKE_CUDA_FAIL=f"{fail}:999", **env)
+    assert res.returncode == 0, res.stderr
+    assert res.rc(cmd[0], len(res.of(cmd[0])) - 1) == 999, res.stdout
+    assert len(set(meminfo_free(res))) == 1, res.stdout
+    assert meminfo_free(res)[0] <= GIB
+
+
+# name: (commands making it, command that gives it back, FAKE_CUDA_FAIL, env)
+RELEASING = {
+    "free": (["alloc", "100m"], ["free", "0"], "cuMemFree_v2:1", {}),
+    "freeasync": (["async", "100m"], ["free", "0", "trimdefault", "0"], "cuMemFreeAsync:1", {}),
+    "array": (["array", "1024", "1024"], ["free", "0"], "cuArrayDestroy:1", {}),
+    "mipmap": (["mipmap", "1024", "1024", "4"], ["free", "0"], "cuMipmappedArrayDestroy:1", {}),
+    "vmm": (["vmm", "100m", "0"], ["free", "0"], "cuMemRelease:1", {}),
+    "vunmap": (["vmm", "100m", "0", "vmap", "0", "free", "0"], ["vunmap", "0"], "cuMemUnmap:1", {}),
+    "ctxdestroy": (["ctxcreate", "0", "ctx", "0"], ["ctxdestroy", "0"], "cuCtxDestroy_v2:1",
+                   {"FAKE_CUDA_CTX_BYTES": "100m"}),
+    "greendestroy": (["green", "0"], ["greendestroy"], "cuGreenCtxDestroy:1", GREEN),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RELEASING))
+def test_a_free_that_fails_keeps_the_charge_and_the_retry_returns_it_once(lab, case):
+    make, give, fail, env = RELEASING[case]
+    res = lab.run("init", "ctx", "0", "meminfo", *make, "meminfo", *give, "meminfo", *give,
+                  "sync", "meminfo", *give, "sync", "meminfo", **CAP, FAKE_CUDA_FAIL=f"{fail}:999",
+                  **env)
+    assert res.returncode == 0, res.stderr
+    rcs = [rc for rc, _ in res.of(give[0])]  # failed, done, refused (gone)
+    assert rcs[0] == 999 and rcs[1] == 0 and rcs[2] != 0, res.stdout
+    empty, made, failed, freed, again = meminfo_free(res)
+    assert made < empty, res.stdout
+    assert failed == made and freed == empty and again == empty, res.stdout
+    assert lab.used() <= 2 * MIB
