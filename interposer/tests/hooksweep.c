@@ -2,15 +2,18 @@
  * hooksweep - calls every function the interposer hooks (hooks.h's table) with hostile
  * arguments, in one process, and checks the region's charge around each call.
  *
- *   hooksweep [--fail] [--only NAME[,NAME...]]
+ *   hooksweep [--fail] [--fill BYTES] [--no-ones] [--only NAME[,NAME...]]
  *
  * Each parameter's type (the table's own text) gives it a class, and each class a list of
- * hostile values: pointers NULL or a zeroed buffer, sizes and counts 0, 1, SIZE_MAX and values
+ * hostile values: pointers NULL, a zeroed buffer or one filled with 0xff (structures of huge
+ * sizes, counts and garbage handles), sizes and counts 0, 1, SIZE_MAX and values
  * whose rounding to a page overflows, ints 0, -1, INT_MAX, device addresses and memory handles
  * 0 or bogus, object handles NULL.  A function is called with every argument at its class's
  * first value, then once for each other value of each argument, the rest at their first.
  * With --fail the fake driver fails every call of the function's name (FAKE_CUDA_FAIL), so
- * that none succeeds even where the arguments happen to be valid.
+ * that none succeeds even where the arguments happen to be valid.  With --fill, BYTES are
+ * allocated first (cuMemAlloc_v2), so that the calls run near the cap, where the hooks measure
+ * and reserve before the driver's call.
  *
  * Before each call it prints "call NAME SET" (flushed: a crash names the call), after it
  * "ret NAME SET RC BEFORE AFTER" (the process's charge on slot 0 around the call) and, where a
@@ -35,6 +38,7 @@ CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *acti
 CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuCtxGetCurrent(CUcontext *pctx);
 CUresult cuCtxSynchronize(void);
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
 
 #define GS_STR_(x) #x
 #define GS_STR(x) GS_STR_(x)
@@ -42,6 +46,10 @@ CUresult cuCtxSynchronize(void);
 static const struct {
     const char *name, *params;
 } hooks[] = {GS_CUDA_HOOKS(SWEEP_ENTRY)};
+
+/* --no-ones: no structure filled with 0xff (its stream handles are garbage, which a compute
+ * limit's hooks hand to the driver, whose fake would crash on them as a driver may) */
+static int no_ones;
 
 /* called with ten integer registers' worth of arguments: the System V ABI passes a
  * function's integer, pointer and small-struct arguments in them whatever its type */
@@ -54,7 +62,8 @@ enum cls { C_PTR, C_SIZE, C_INT, C_SMALL, C_ADDR, C_HANDLE, C_LOC };
 static unsigned char *zbuf; /* zeroed before each call */
 #define ZBUF_TOKEN 0x5a5a5a5a5a5a5a5aull /* replaced by zbuf's address */
 
-static const uint64_t vals_ptr[] = {0, ZBUF_TOKEN};
+#define ONES_TOKEN 0x5a5a5a5a5a5a5a5bull /* zbuf's address, the buffer filled with 0xff */
+static const uint64_t vals_ptr[] = {0, ZBUF_TOKEN, ONES_TOKEN};
 static const uint64_t vals_size[] = {0, 1, UINT64_MAX, UINT64_MAX - (1ull << 20) + 2, 1ull << 63,
                                      (1ull << 32) + 1};
 static const uint64_t vals_int[] = {0, 0xffffffffull, 0x7fffffffull, 1};
@@ -66,7 +75,7 @@ static const struct {
     const uint64_t *v;
     int n;
 } classes[] = {
-    [C_PTR] = {vals_ptr, 2},       [C_SIZE] = {vals_size, 6},     [C_INT] = {vals_int, 4},
+    [C_PTR] = {vals_ptr, 3},       [C_SIZE] = {vals_size, 6},     [C_INT] = {vals_int, 4},
     [C_SMALL] = {vals_small, 2},   [C_ADDR] = {vals_addr, 3},     [C_HANDLE] = {vals_handle, 1},
     [C_LOC] = {vals_loc, 3},
 };
@@ -117,6 +126,13 @@ static int parse_params(const char *params, enum cls *out)
 }
 
 static CUcontext primary;
+static unsigned long long fill; /* --fill: bytes kept allocated (again after a reset took them) */
+
+static uint64_t charge_now(void)
+{
+    uint64_t c = 0;
+    return self_charge(&c) == 0 ? c : UINT64_MAX;
+}
 
 static void restore_context(void)
 {
@@ -126,12 +142,8 @@ static void restore_context(void)
     if (cuDevicePrimaryCtxGetState(0, &flags, &active) != CUDA_SUCCESS || !active)
         cuDevicePrimaryCtxRetain(&primary, 0);
     if (cuCtxGetCurrent(&cur) != CUDA_SUCCESS || cur != primary) cuCtxSetCurrent(primary);
-}
-
-static uint64_t charge_now(void)
-{
-    uint64_t c = 0;
-    return self_charge(&c) == 0 ? c : UINT64_MAX;
+    CUdeviceptr p = 0;
+    if (fill && charge_now() < fill) cuMemAlloc_v2(&p, fill);
 }
 
 static int leaks, calls;
@@ -139,8 +151,12 @@ static int leaks, calls;
 static void call_one(const char *name, any_fn fn, int nargs, const uint64_t *args, const char *set, int fail)
 {
     uint64_t a[MAX_ARGS] = {0};
-    for (int i = 0; i < nargs; i++) a[i] = args[i] == ZBUF_TOKEN ? (uint64_t)(uintptr_t)zbuf : args[i];
-    memset(zbuf, 0, ZBUF_SIZE);
+    int ones = 0;
+    for (int i = 0; i < nargs; i++) {
+        a[i] = args[i] == ZBUF_TOKEN || args[i] == ONES_TOKEN ? (uint64_t)(uintptr_t)zbuf : args[i];
+        ones |= args[i] == ONES_TOKEN;
+    }
+    memset(zbuf, ones ? 0xff : 0, ZBUF_SIZE);
     printf("call %s %s\n", name, set);
     fflush(stdout);
     char spec[200];
@@ -184,10 +200,15 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fail")) fail = 1;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+        else if (!strcmp(argv[i], "--no-ones")) no_ones = 1;
+        else if (!strcmp(argv[i], "--fill") && i + 1 < argc) fill = strtoull(argv[++i], NULL, 0);
     }
     zbuf = calloc(1, ZBUF_SIZE);
     if (!zbuf || cuInit(0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&primary, 0) != CUDA_SUCCESS) return 2;
     cuCtxSetCurrent(primary);
+    CUdeviceptr filler = 0;
+    if (fill && cuMemAlloc_v2(&filler, fill) != CUDA_SUCCESS) return 3;
+    (void)filler;
     for (size_t h = 0; h < sizeof(hooks) / sizeof(hooks[0]); h++) {
         const char *name = hooks[h].name;
         if (!wanted(name, only)) continue;
@@ -203,6 +224,7 @@ int main(int argc, char **argv)
         call_one(name, fn, n, base, "zero", fail);
         for (int i = 0; i < n; i++) {
             for (int k = 1; k < classes[c[i]].n; k++) {
+                if (no_ones && classes[c[i]].v[k] == ONES_TOKEN) continue;
                 uint64_t a[MAX_ARGS];
                 memcpy(a, base, sizeof(a));
                 a[i] = classes[c[i]].v[k];

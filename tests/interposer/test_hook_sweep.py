@@ -27,19 +27,33 @@ def sweep(lab, *args: str, **extra: str) -> list[str]:
     return lines
 
 
+SWEEPS = {
+    "far": ([], {}),
+    # near the cap (a 64 MiB context and 1000 MB allocated under 1 GiB) the hooks measure and
+    # reserve before the driver's call, and refuse: those paths too
+    "near_cap": (["--fill", "1000000000"], {}),
+    # with a compute limit launches, copies and synchronisations take the throttle's paths; no
+    # structure of 0xff there (its garbage stream handles reach the driver, as they would)
+    "throttled": (["--fill", "1000000000", "--no-ones"], {"CUDA_DEVICE_SM_LIMIT": "30"}),
+}
+
+
+@pytest.mark.parametrize("where", sorted(SWEEPS))
 @pytest.mark.parametrize("fail", [False, True], ids=["hostile", "hostile_and_failing"])
-def test_every_hook_survives_hostile_arguments_and_a_failure_charges_nothing(lab, fail):
-    lines = sweep(lab, *(["--fail"] if fail else []))
+def test_every_hook_survives_hostile_arguments_and_a_failure_charges_nothing(lab, fail, where):
+    args, env = SWEEPS[where]
+    lines = sweep(lab, *(["--fail"] if fail else []), *args, FAKE_CUDA_CTX_BYTES="64m", **env)
     calls, leaks = (int(v) for v in lines[-1].split()[1:])
     assert calls > 1000  # each of the ~250 hooks several times
     assert leaks == 0, [ln for ln in lines if ln.startswith("LEAK")]
     if fail:
         # the fake fails every call of the name: only hooks that answer before the driver
         # (or whose driver call has no failure point) may succeed, and none of them charges
+        # (a primary context's reset gives back what the context held)
         for ln in lines:
             if ln.startswith("ret "):
                 _, _name, _set, rc, before, after = ln.split()
-                assert int(rc) != 0 or before == after, ln
+                assert int(rc) != 0 or int(after) <= int(before), ln
 
 
 def meminfo_free(res) -> list[int]:
@@ -77,6 +91,7 @@ CHARGING = {
     "libglobal": (["libload"], ["libglobal"], "cuLibraryGetGlobal:1", CODE),
     "defpool": ([], ["defpool", "1", "1"], "cuMemGetDefaultMemPool:1", {}),
     "ginst": (["gnode", "300m", "0"], ["ginst", "flags"], "cuGraphInstantiate:1", {}),
+    "ginstupload": (["gnode", "300m", "0"], ["ginst", "upload"], "cuGraphInstantiate:1", {}),
 }
 
 
