@@ -1,5 +1,5 @@
 /*
- * hooksweep - calls every function the interposer hooks (hooks.h's table) with hostile
+ * hooksweep - calls every function the interposer hooks (hooks.h's tables, CUDA and NVML) with hostile
  * arguments, in one process, and checks the region's charge around each call.
  *
  *   hooksweep [--fail] [--fill BYTES] [--no-ones] [--only NAME[,NAME...]]
@@ -43,9 +43,10 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
 #define GS_STR_(x) #x
 #define GS_STR(x) GS_STR_(x)
 #define SWEEP_ENTRY(name, ret, params, base, ver, pt) {#name, GS_STR(params)},
+#define SWEEP_NVML(name, ret, params) {#name, GS_STR(params)},
 static const struct {
     const char *name, *params;
-} hooks[] = {GS_CUDA_HOOKS(SWEEP_ENTRY)};
+} hooks[] = {GS_CUDA_HOOKS(SWEEP_ENTRY) GS_NVML_HOOKS(SWEEP_NVML)};
 
 /* --no-ones: no structure filled with 0xff (its stream handles are garbage, which a compute
  * limit's hooks hand to the driver, whose fake would crash on them as a driver may) */
@@ -57,7 +58,7 @@ typedef CUresult (*any_fn)(uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uin
                            uint64_t, uint64_t, uint64_t, uint64_t);
 #define MAX_ARGS 12
 
-enum cls { C_PTR, C_SIZE, C_INT, C_SMALL, C_ADDR, C_HANDLE, C_LOC };
+enum cls { C_PTR, C_SIZE, C_INT, C_SMALL, C_ADDR, C_HANDLE, C_LOC, C_NVMLDEV };
 #define ZBUF_SIZE (1u << 20)
 static unsigned char *zbuf; /* zeroed before each call */
 #define ZBUF_TOKEN 0x5a5a5a5a5a5a5a5aull /* replaced by zbuf's address */
@@ -70,6 +71,9 @@ static const uint64_t vals_int[] = {0, 0xffffffffull, 0x7fffffffull, 1};
 static const uint64_t vals_small[] = {0, 0xff};
 static const uint64_t vals_addr[] = {0, 0xdead000ull, UINT64_MAX};
 static const uint64_t vals_handle[] = {0};
+#define NVMLDEV_TOKEN 0x5a5a5a5a5a5a5a5cull /* device 0's NVML handle */
+static uint64_t nvml_dev0;
+static const uint64_t vals_nvmldev[] = {NVMLDEV_TOKEN, 0};
 static const uint64_t vals_loc[] = {0, 0xffffffffffffffffull, 0x0000000100000001ull};
 static const struct {
     const uint64_t *v;
@@ -77,7 +81,7 @@ static const struct {
 } classes[] = {
     [C_PTR] = {vals_ptr, 3},       [C_SIZE] = {vals_size, 6},     [C_INT] = {vals_int, 4},
     [C_SMALL] = {vals_small, 2},   [C_ADDR] = {vals_addr, 3},     [C_HANDLE] = {vals_handle, 1},
-    [C_LOC] = {vals_loc, 3},
+    [C_LOC] = {vals_loc, 3},       [C_NVMLDEV] = {vals_nvmldev, 2},
 };
 
 /* the class of one parameter's text, "const CUDA_MEMCPY2D *pCopy", "size_t N" */
@@ -94,6 +98,7 @@ static enum cls classify(const char *p, size_t len)
     while (end > t && end[-1] != ' ') end--;
     if (end > t) *end = 0;
 #define IS(s) (strstr(t, s) != NULL)
+    if (IS("nvmlDevice_t")) return C_NVMLDEV;
     if (IS("size_t") || IS("unsigned long long") || IS("cuuint64_t")) return C_SIZE;
     if (IS("CUdeviceptr") || IS("CUmemGenericAllocationHandle")) return C_ADDR;
     if (IS("CUmemLocation")) return C_LOC;
@@ -153,7 +158,9 @@ static void call_one(const char *name, any_fn fn, int nargs, const uint64_t *arg
     uint64_t a[MAX_ARGS] = {0};
     int ones = 0;
     for (int i = 0; i < nargs; i++) {
-        a[i] = args[i] == ZBUF_TOKEN || args[i] == ONES_TOKEN ? (uint64_t)(uintptr_t)zbuf : args[i];
+        a[i] = args[i] == ZBUF_TOKEN || args[i] == ONES_TOKEN ? (uint64_t)(uintptr_t)zbuf
+               : args[i] == NVMLDEV_TOKEN                  ? nvml_dev0
+                                                           : args[i];
         ones |= args[i] == ONES_TOKEN;
     }
     memset(zbuf, ones ? 0xff : 0, ZBUF_SIZE);
@@ -204,6 +211,14 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--fill") && i + 1 < argc) fill = strtoull(argv[++i], NULL, 0);
     }
     zbuf = calloc(1, ZBUF_SIZE);
+    void *nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    typedef int (*nvml_init_fn)(void);
+    nvml_init_fn nvml_init = nvml ? (nvml_init_fn)dlsym(nvml, "nvmlInit_v2") : NULL;
+    typedef int (*nvml_handle_fn)(unsigned, void **);
+    nvml_handle_fn nvml_handle = nvml ? (nvml_handle_fn)dlsym(nvml, "nvmlDeviceGetHandleByIndex_v2") : NULL;
+    void *dev0 = NULL;
+    if (!nvml_init || nvml_init() != 0 || !nvml_handle || nvml_handle(0, &dev0) != 0) return 4;
+    nvml_dev0 = (uint64_t)(uintptr_t)dev0;
     if (!zbuf || cuInit(0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&primary, 0) != CUDA_SUCCESS) return 2;
     cuCtxSetCurrent(primary);
     CUdeviceptr filler = 0;
@@ -212,7 +227,9 @@ int main(int argc, char **argv)
     for (size_t h = 0; h < sizeof(hooks) / sizeof(hooks[0]); h++) {
         const char *name = hooks[h].name;
         if (!wanted(name, only)) continue;
-        any_fn fn = (any_fn)dlsym(RTLD_DEFAULT, name);
+        /* NVML's through its library (which the program does not link), as a program dlopens it:
+         * the interposer's dlsym hands out its hooks */
+        any_fn fn = (any_fn)dlsym(strncmp(name, "nvml", 4) == 0 ? nvml : RTLD_DEFAULT, name);
         if (!fn) {
             printf("missing %s\n", name);
             continue;
