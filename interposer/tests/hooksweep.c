@@ -2,7 +2,7 @@
  * hooksweep - calls every function the interposer hooks (hooks.h's tables, CUDA and NVML) with hostile
  * arguments, in one process, and checks the region's charge around each call.
  *
- *   hooksweep [--fail] [--fill BYTES] [--no-ones] [--only NAME[,NAME...]]
+ *   hooksweep [--fail] [--fill BYTES] [--no-ones] [--bare 1|2] [--only NAME[,NAME...]]
  *
  * Each parameter's type (the table's own text) gives it a class, and each class a list of
  * hostile values: pointers NULL, a zeroed buffer or one filled with 0xff (structures of huge
@@ -13,7 +13,8 @@
  * With --fail the fake driver fails every call of the function's name (FAKE_CUDA_FAIL), so
  * that none succeeds even where the arguments happen to be valid.  With --fill, BYTES are
  * allocated first (cuMemAlloc_v2), so that the calls run near the cap, where the hooks measure
- * and reserve before the driver's call.
+ * and reserve before the driver's call.  With --bare no context is current (1: after cuInit;
+ * 2: cuInit only as the sweep calls it).
  *
  * Before each call it prints "call NAME SET" (flushed: a crash names the call), after it
  * "ret NAME SET RC BEFORE AFTER" (the process's charge on slot 0 around the call) and, where a
@@ -131,6 +132,7 @@ static int parse_params(const char *params, enum cls *out)
 }
 
 static CUcontext primary;
+static int bare; /* --bare 1: cuInit only, no context; --bare 2: not even cuInit */
 static unsigned long long fill; /* --fill: bytes kept allocated (again after a reset took them) */
 
 static uint64_t charge_now(void)
@@ -141,6 +143,11 @@ static uint64_t charge_now(void)
 
 static void restore_context(void)
 {
+    if (bare) {
+        CUcontext cur = NULL;
+        if (cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur) cuCtxSetCurrent(NULL);
+        return;
+    }
     unsigned flags = 0;
     int active = 0;
     CUcontext cur = NULL;
@@ -208,6 +215,7 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--fail")) fail = 1;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--no-ones")) no_ones = 1;
+        else if (!strcmp(argv[i], "--bare") && i + 1 < argc) bare = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--fill") && i + 1 < argc) fill = strtoull(argv[++i], NULL, 0);
     }
     zbuf = calloc(1, ZBUF_SIZE);
@@ -219,8 +227,10 @@ int main(int argc, char **argv)
     void *dev0 = NULL;
     if (!nvml_init || nvml_init() != 0 || !nvml_handle || nvml_handle(0, &dev0) != 0) return 4;
     nvml_dev0 = (uint64_t)(uintptr_t)dev0;
-    if (!zbuf || cuInit(0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&primary, 0) != CUDA_SUCCESS) return 2;
-    cuCtxSetCurrent(primary);
+    if (!zbuf || (bare < 2 && cuInit(0) != CUDA_SUCCESS) ||
+        (!bare && cuDevicePrimaryCtxRetain(&primary, 0) != CUDA_SUCCESS))
+        return 2;
+    if (!bare) cuCtxSetCurrent(primary);
     CUdeviceptr filler = 0;
     if (fill && cuMemAlloc_v2(&filler, fill) != CUDA_SUCCESS) return 3;
     (void)filler;

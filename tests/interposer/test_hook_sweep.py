@@ -35,6 +35,9 @@ SWEEPS = {
     # with a compute limit launches, copies and synchronisations take the throttle's paths; no
     # structure of 0xff there (its garbage stream handles reach the driver, as they would)
     "throttled": (["--fill", "1000000000", "--no-ones"], {"CUDA_DEVICE_SM_LIMIT": "30"}),
+    # no context current (cuInit only): the hooks that look for the current context's device
+    "no_context": (["--bare", "1"], {}),
+    "no_context_throttled": (["--bare", "1", "--no-ones"], {"CUDA_DEVICE_SM_LIMIT": "30"}),
 }
 
 
