@@ -17,7 +17,8 @@
  * 2: cuInit only as the sweep calls it).
  *
  * Before each call it prints "call NAME SET" (flushed: a crash names the call), after it
- * "ret NAME SET RC BEFORE AFTER" (the process's charge on slot 0 around the call) and, where a
+ * "ret NAME SET RC BEFORE AFTER" (the region's charges around the call: the process's on every
+ * device slot plus every slot's total) and, where a
  * call that failed moved the charge, "LEAK NAME SET RC BEFORE AFTER".  The primary context of
  * device 0 is made current again after each call (a call may release or reset it).
  * The fake driver is linked directly; the interposer, preloaded, is what dlsym finds.
@@ -31,7 +32,7 @@
 
 #include "cuda_abi.h"
 #include "hooks.h"
-#include "selfcharge.h"
+#include "selfcharge.h" /* the region's layout, mmap */
 
 CUresult cuInit(unsigned int flags);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
@@ -135,10 +136,29 @@ static CUcontext primary;
 static int bare; /* --bare 1: cuInit only, no context; --bare 2: not even cuInit */
 static unsigned long long fill; /* --fill: bytes kept allocated (again after a reset took them) */
 
+/* The region's charges: this process's on every device slot and every slot's total, summed
+ * (a hook may charge another device than the one the sweep's context is on) */
 static uint64_t charge_now(void)
 {
-    uint64_t c = 0;
-    return self_charge(&c) == 0 ? c : UINT64_MAX;
+    static const struct gpuslice_region *r; /* mapped once: the region's size is fixed */
+    static int me = -1;                     /* this process's entry */
+    if (!r) {
+        const char *path = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+        int fd = path ? open(path, O_RDONLY) : -1;
+        const struct gpuslice_region *m =
+            fd < 0 ? MAP_FAILED : mmap(NULL, sizeof(*m), PROT_READ, MAP_SHARED, fd, 0);
+        if (fd >= 0) close(fd);
+        if (m == MAP_FAILED) return UINT64_MAX;
+        r = m;
+    }
+    if (me < 0 || r->procs[me].pid != getpid())
+        for (me = 0; me < GPUSLICE_MAX_PROCS && r->procs[me].pid != getpid(); me++) continue;
+    uint64_t sum = 0;
+    for (int d = 0; d < GPUSLICE_MAX_DEVICES; d++)
+        sum += __atomic_load_n(&r->devices[d].used_bytes, __ATOMIC_RELAXED) +
+               (me < GPUSLICE_MAX_PROCS ? __atomic_load_n(&r->procs[me].used_bytes[d], __ATOMIC_RELAXED) : 0);
+    if (me >= GPUSLICE_MAX_PROCS) me = -1;
+    return sum;
 }
 
 static void restore_context(void)
@@ -155,7 +175,7 @@ static void restore_context(void)
         cuDevicePrimaryCtxRetain(&primary, 0);
     if (cuCtxGetCurrent(&cur) != CUDA_SUCCESS || cur != primary) cuCtxSetCurrent(primary);
     CUdeviceptr p = 0;
-    if (fill && charge_now() < fill) cuMemAlloc_v2(&p, fill);
+    if (fill && charge_now() < 2 * fill) cuMemAlloc_v2(&p, fill); /* counted twice: the process's, the slot's */
 }
 
 static int leaks, calls;

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+UUID_A = "GPU-aaaaaaaa-0000-1111-2222-333333333333"
+UUID_B = "GPU-bbbbbbbb-0000-1111-2222-333333333333"
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -38,6 +40,8 @@ SWEEPS = {
     # no context current (cuInit only): the hooks that look for the current context's device
     "no_context": (["--bare", "1"], {}),
     "no_context_throttled": (["--bare", "1", "--no-ones"], {"CUDA_DEVICE_SM_LIMIT": "30"}),
+    # a second device: device 1 is a valid argument, whose charges count too
+    "two_devices": (["--fill", "1000000000"], {"FAKE_CUDA_DEVICES": f"{UUID_A}=16g,{UUID_B}=16g"}),
 }
 
 
