@@ -3,6 +3,7 @@
  * arguments, in one process, and checks the region's charge around each call.
  *
  *   hooksweep [--fail] [--fill BYTES] [--no-ones] [--bare 1|2] [--only NAME[,NAME...]]
+ *   hooksweep --pairs [--fill BYTES]
  *
  * Each parameter's type (the table's own text) gives it a class, and each class a list of
  * hostile values: pointers NULL, a zeroed buffer or one filled with 0xff (structures of huge
@@ -218,6 +219,122 @@ static void call_one(const char *name, any_fn fn, int nargs, const uint64_t *arg
     restore_context();
 }
 
+/* ---- --pairs: every free of every kind on every kind of allocation ---------------------------- */
+
+CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t w, size_t h, unsigned int elem);
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                     unsigned long long flags);
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr, unsigned long long flags);
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags);
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *pAllocateArray);
+CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels);
+CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev);
+CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
+
+#define PAIR_BYTES (64ull << 20)
+enum { F_FREE, F_FREE32, F_FREEASYNC, F_RELEASE, F_ARRAY, F_MIPMAP, F_UNMAP, F_NFREES };
+static const char *const free_names[F_NFREES] = {"cuMemFree_v2", "cuMemFree", "cuMemFreeAsync", "cuMemRelease",
+                                                 "cuArrayDestroy", "cuMipmappedArrayDestroy", "cuMemUnmap"};
+enum { K_ALLOC, K_MANAGED, K_PITCH, K_ASYNC, K_VMM, K_MAPPED, K_ARRAY, K_MIPMAP, K_NKINDS };
+static const char *const kind_names[K_NKINDS] = {"alloc", "managed", "pitch", "async", "vmm", "mapped", "array",
+                                                 "mipmap"};
+static const int right_free[K_NKINDS] = {F_FREE, F_FREE, F_FREE, F_FREEASYNC, F_RELEASE, F_UNMAP, F_ARRAY, F_MIPMAP};
+
+static CUresult call_free(int f, uint64_t v)
+{
+    typedef CUresult (*one_fn)(uint64_t);
+    typedef CUresult (*two_fn)(uint64_t, uint64_t);
+    void *fn = dlsym(RTLD_DEFAULT, free_names[f]);
+    if (!fn) return CUDA_ERROR_NOT_FOUND;
+    if (f == F_FREE32) return ((one_fn)fn)(v & 0xffffffffull);
+    if (f == F_FREEASYNC) return ((two_fn)fn)(v, 0);
+    if (f == F_UNMAP) return ((two_fn)fn)(v, PAIR_BYTES);
+    return ((one_fn)fn)(v);
+}
+
+/* One allocation of kind k: its value (pointer or handle), 0 if it cannot be made */
+static uint64_t make_kind(int k)
+{
+    CUdeviceptr p = 0;
+    size_t pitch = 0;
+    CUmemGenericAllocationHandle h = 0;
+    CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
+    CUDA_ARRAY_DESCRIPTOR ad = {1024, 1024, 0x20, 4};
+    CUDA_ARRAY3D_DESCRIPTOR md = {1024, 1024, 0, 0x20, 4, 0};
+    CUarray a = NULL;
+    CUmipmappedArray m = NULL;
+    CUresult rc;
+    switch (k) {
+    case K_ALLOC: rc = cuMemAlloc_v2(&p, PAIR_BYTES); break;
+    case K_MANAGED: rc = cuMemAllocManaged(&p, PAIR_BYTES, 1); break;
+    case K_PITCH: rc = cuMemAllocPitch_v2(&p, &pitch, 8192, 8192, 4); break;
+    case K_ASYNC: rc = cuMemAllocAsync(&p, PAIR_BYTES, NULL); break;
+    case K_VMM: rc = cuMemCreate(&h, PAIR_BYTES, &prop, 0); p = h; break;
+    case K_MAPPED: /* a mapping whose handle is released: the mapping holds the memory */
+        rc = cuMemCreate(&h, PAIR_BYTES, &prop, 0);
+        if (rc == CUDA_SUCCESS) rc = cuMemAddressReserve(&p, PAIR_BYTES, 0, 0, 0);
+        if (rc == CUDA_SUCCESS) rc = cuMemMap(p, PAIR_BYTES, 0, h, 0);
+        if (rc == CUDA_SUCCESS) rc = cuMemRelease(h);
+        break;
+    case K_ARRAY: rc = cuArrayCreate_v2(&a, &ad); p = (uint64_t)(uintptr_t)a; break;
+    default: rc = cuMipmappedArrayCreate(&m, &md, 4); p = (uint64_t)(uintptr_t)m; break;
+    }
+    return rc == CUDA_SUCCESS ? p : 0;
+}
+
+/* What a pool keeps after a free: given back, so that the charge can come back to where it was */
+static void settle_pools(void)
+{
+    CUmemoryPool pool = NULL;
+    cuCtxSynchronize();
+    if (cuDeviceGetMemPool(&pool, 0) == CUDA_SUCCESS) cuMemPoolTrimTo(pool, 0);
+}
+
+/* Prints "pair KIND FREE RC BEFORE AFTER" for each wrong free (it must fail and change nothing),
+ * then the right free, then the right free again (refused, nothing given back twice) */
+static int pairs(void)
+{
+    int bad = 0;
+    for (int k = 0; k < K_NKINDS; k++) {
+        settle_pools();
+        uint64_t empty = charge_now(), v = make_kind(k), made = charge_now();
+        printf("made %s %d %llu %llu\n", kind_names[k], v ? 0 : 1, (unsigned long long)empty,
+               (unsigned long long)made);
+        if (!v || made <= empty) {
+            bad++;
+            continue;
+        }
+        for (int f = 0; f < F_NFREES; f++) {
+            if (f == right_free[k] || (right_free[k] == F_FREE && f == F_FREEASYNC) ||
+                (right_free[k] == F_FREEASYNC && f == F_FREE))
+                continue; /* cuMemFree and cuMemFreeAsync free either kind */
+            uint64_t before = charge_now();
+            CUresult rc = call_free(f, v);
+            uint64_t after = charge_now();
+            int wrong = rc == CUDA_SUCCESS || after != before;
+            printf("%s %s %s %d %llu %llu\n", wrong ? "BADPAIR" : "pair", kind_names[k], free_names[f], rc,
+                   (unsigned long long)before, (unsigned long long)after);
+            bad += wrong;
+        }
+        CUresult rc = call_free(right_free[k], v);
+        settle_pools();
+        uint64_t freed = charge_now();
+        rc = rc == CUDA_SUCCESS ? call_free(right_free[k], v) : rc;
+        settle_pools();
+        uint64_t again = charge_now();
+        int wrong = freed != empty || again != empty;
+        printf("%s %s %s %d %llu %llu %llu\n", wrong ? "BADFREE" : "freed", kind_names[k], free_names[right_free[k]],
+               rc, (unsigned long long)empty, (unsigned long long)freed, (unsigned long long)again);
+        bad += wrong;
+    }
+    printf("pairs %d\n", bad);
+    return bad ? 1 : 0;
+}
+
 static int wanted(const char *name, const char *only)
 {
     if (!only) return 1;
@@ -230,11 +347,12 @@ static int wanted(const char *name, const char *only)
 int main(int argc, char **argv)
 {
     const char *only = NULL;
-    int fail = 0;
+    int fail = 0, pairs_only = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fail")) fail = 1;
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
         else if (!strcmp(argv[i], "--no-ones")) no_ones = 1;
+        else if (!strcmp(argv[i], "--pairs")) pairs_only = 1;
         else if (!strcmp(argv[i], "--bare") && i + 1 < argc) bare = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--fill") && i + 1 < argc) fill = strtoull(argv[++i], NULL, 0);
     }
@@ -254,6 +372,7 @@ int main(int argc, char **argv)
     CUdeviceptr filler = 0;
     if (fill && cuMemAlloc_v2(&filler, fill) != CUDA_SUCCESS) return 3;
     (void)filler;
+    if (pairs_only) return pairs();
     for (size_t h = 0; h < sizeof(hooks) / sizeof(hooks[0]); h++) {
         const char *name = hooks[h].name;
         if (!wanted(name, only)) continue;

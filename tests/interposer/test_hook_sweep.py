@@ -140,3 +140,18 @@ def test_a_free_that_fails_keeps_the_charge_and_the_retry_returns_it_once(lab, c
     assert made < empty, res.stdout
     assert failed == made and freed == empty and again == empty, res.stdout
     assert lab.used() <= 2 * MIB
+
+
+@pytest.mark.parametrize("near", [False, True], ids=["far", "near_cap"])
+def test_every_free_on_every_kind_of_allocation_returns_the_charge_once(lab, near):
+    # each kind of allocation (plain, managed, pitched, stream-ordered, a VMM handle, a VMM
+    # mapping whose handle went, an array, a mipmapped array) given to every other kind's free
+    # (refused, nothing returned), then to its own (returned), then to its own again (refused,
+    # nothing returned twice)
+    proc = lab.run_program([str(lab.build / "tests" / "hooksweep"), "--pairs",
+                            *(["--fill", "850000000"] if near else [])],
+                           timeout=120, FAKE_CUDA_CTX_BYTES="64m", **CAP)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, [ln for ln in lines if ln.startswith(("BAD", "made"))]
+    assert lines[-1] == "pairs 0"
+    assert sum(ln.startswith("freed ") for ln in lines) == 8
