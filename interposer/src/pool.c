@@ -1002,14 +1002,17 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     uint64_t key = (uint64_t)(uintptr_t)pool;
     struct pool_rec gone = {0}; /* the record taken out; its charge held until the driver is done */
     struct pool_where where = {0};
-    int stays = 0;
+    int stays = 0, was_destroyed = 0;
+    uint64_t was_kept = 0;
     gs_inflight_begin();
     mu_lock();
     struct pool_rec *p = find_locked(key, -1, 0);
     if (p && (p->live || p->busy)) {
         stays = 1;
+        was_destroyed = p->destroyed; /* destroyed before (a second destroy): so it stays if refused */
+        was_kept = p->kept;
         p->destroyed = 1; /* charged as it is until its last allocation is freed */
-        p->kept = p->charged;
+        if (!was_destroyed) p->kept = p->charged;
     } else if (p) {
         gone = *p;
         __atomic_sub_fetch(&gs_pool_waits, p->nwait, __ATOMIC_RELAXED);
@@ -1032,7 +1035,11 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         /* the pool lives on, and so does its handle: nobody else can have it */
         p = stays ? find_locked(key, -1, 0) : gone.pool ? find_locked(key, gone.slot, 1) : NULL;
         if (p && stays) {
-            p->destroyed = 0;
+            /* as it was: alive, or destroyed already, its allocations outstanding (undone as a live
+             * pool's, a second destroy's refusal kept its charge for good once they were freed:
+             * `test_memory.py -k destroyed_again`) */
+            p->destroyed = was_destroyed;
+            p->kept = was_kept;
         } else if (p) { /* beside what an allocation racing the destroy may have begun */
             p->charged += gone.charged;
             p->live += gone.live;

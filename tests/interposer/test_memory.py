@@ -524,6 +524,23 @@ def test_a_pool_destroyed_with_allocations_outstanding_stays_charged_until_the_l
     assert [vals[0] for _, vals in res.of("phys")] == [224 * MIB, 0]
 
 
+def test_a_destroyed_pool_destroyed_again_still_returns_its_charge_with_its_last_free(lab):
+    # the second destroy of a pool whose allocation is outstanding is refused by the driver; the
+    # refusal took the record for the destroy of a live pool and undid it: the pool was
+    # "alive" again, and its 128 MiB (100 MiB in 32 MiB chunks) stayed charged after the last
+    # free gave the memory back, 128 MiB charged for nothing, a 900 MiB allocation refused
+    # under a 1 GiB cap (found by the hook sweep's random sequences)
+    res = lab.run("init", "ctx", "0", "pool", "100m", "pooldestroy", "pooldestroy", "meminfo", "phys",
+                  "free", "0", "sync", "meminfo", "phys", "alloc", "900m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    destroys = [rc for rc, _ in res.of("pooldestroy")]
+    assert destroys[0] == 0 and destroys[1] != 0
+    assert res.rc("free") == 0
+    assert [vals[0] for _, vals in res.of("phys")] == [128 * MIB, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [128 * MIB, 0]
+    assert res.rc("alloc") == 0
+
+
 def test_a_failed_allocation_from_a_destroyed_pool_returns_its_reservation(lab):
     # the destroyed pool keeps its 128 MiB charge while an allocation from it is outstanding;
     # an allocation from it fails in the driver, and its 300 MiB reservation stayed in that

@@ -763,6 +763,7 @@ API CUresult cuCtxFromGreenCtx(CUcontext *pctx, void *h)
 
 API CUresult cuGreenCtxDestroy(void *h)
 {
+    FAIL_POINT("cuGreenCtxDestroy");
     struct fake_green *g = h;
     if (!g) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
@@ -869,6 +870,7 @@ API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p, unsigned int 
 
 API CUresult cuCtxDestroy_v2(CUcontext ctx)
 {
+    FAIL_POINT("cuCtxDestroy_v2");
     struct fake_ctx *c = (struct fake_ctx *)ctx;
     if (!c || c->primary || !c->refs) return CUDA_ERROR_INVALID_CONTEXT;
     ctx_callback(c, "destroy-starting");
@@ -1386,6 +1388,7 @@ API CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin)
 
 API CUresult cuModuleUnload(CUmodule m)
 {
+    FAIL_POINT("cuModuleUnload");
     return module_drop(m);
 }
 
@@ -1466,6 +1469,7 @@ API CUresult cuLibraryLoadFromFile(CUlibrary *l, const char *file, CUjit_option 
 
 API CUresult cuLibraryUnload(CUlibrary l)
 {
+    FAIL_POINT("cuLibraryUnload");
     return module_drop(l);
 }
 
@@ -2212,6 +2216,7 @@ API CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type)
 /* CUDA 13: a device's current pool for pinned memory, as cuDeviceSetMemPool (no other location here) */
 API CUresult cuMemSetMemPool(CUmemLocation *loc, int type, CUmemoryPool pool)
 {
+    FAIL_POINT("cuMemSetMemPool");
     NEED_INIT();
     if (!loc) return CUDA_ERROR_INVALID_VALUE;
     if (loc->type != CU_MEM_LOCATION_TYPE_DEVICE || type != CU_MEM_ALLOCATION_TYPE_PINNED)

@@ -117,6 +117,7 @@ API CUresult cuStreamGetDevice(CUstream s, CUdevice *d)
 
 API CUresult cuStreamDestroy_v2(CUstream s)
 {
+    FAIL_POINT("cuStreamDestroy_v2");
     if (!s || s == (CUstream)0x1 || s == CU_STREAM_PER_THREAD) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     struct fake_pool *all[FAKE_ALL_POOLS];
