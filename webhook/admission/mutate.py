@@ -34,9 +34,9 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   images set ``NVIDIA_VISIBLE_DEVICES=all`` themselves, and under the NVIDIA runtime (the
   runtime class the pod may be given, or the node's default) such a container would see every
   GPU of the node, without the library or a cap. ``none`` keeps the driver's libraries in the
-  container (programs linked against them still start) but no GPU. A container asking for any
-  other ``nvidia.com/`` resource (a MIG slice of another device plugin, say) or using resource
-  claims (DRA) is left alone.
+  container (programs linked against them still start) but no GPU. A container asking for some
+  of another ``nvidia.com/`` resource (a MIG slice of another device plugin, say) or using
+  resource claims (DRA) is left alone; asking for 0 of one gets no device, so it does not count.
   With ``hide_gpus_from_pods_without_gpus`` the containers of pods that request no GPU get the
   same (and nothing else: such a pod is not marked as a gpuslice pod).
 * Ephemeral containers cannot exist at CREATE; ``kubectl debug`` adds them later through the
@@ -59,6 +59,7 @@ from typing import Any, NamedTuple
 
 from webhook import __version__, names
 from webhook.admission.encode import Fragment
+from webhook.admission.quantity import QuantityError, parse_quantity
 from webhook.admission.requests import GpuRequest, read_request
 from webhook.settings import Settings
 
@@ -511,9 +512,10 @@ def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) ->
 
 
 def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
-    """Whether a container that requests no slice may get devices another way: it names
-    another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say) or uses resource
-    claims (DRA)."""
+    """Whether a container that requests no slice may get devices another way: it asks for
+    some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say) or uses
+    resource claims (DRA). Asking for 0 of one gets no device from it (and fits every node: the
+    scheduler and kubelet skip zero requests), so it does not count."""
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return False
@@ -521,7 +523,15 @@ def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
         return True
     return any(isinstance(amounts, dict) and any(
         isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
-        for k in amounts) for amounts in (resources.get("limits"), resources.get("requests")))
+        and _positive(v) for k, v in amounts.items())
+        for amounts in (resources.get("limits"), resources.get("requests")))
+
+
+def _positive(quantity: Any) -> bool:
+    try:
+        return parse_quantity(quantity) > 0
+    except QuantityError:
+        return False  # the API server refuses it; until then it asks for nothing
 
 
 def _without_gpus(container: dict[str, Any], work: _Work) -> dict[str, Any]:
