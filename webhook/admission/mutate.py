@@ -26,7 +26,8 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   overwritten with a warning: without them the pod would not get its GPUs.
 * Denied: privileged GPU containers and GPU containers adding ``SYS_ADMIN`` (or ``ALL``)
   capabilities (they can see every GPU or undo the library mount), ``spec.nodeName`` preset
-  on a GPU pod (it would bypass the GPU scheduler), invalid placement annotations, two GPU
+  on a GPU pod (it would bypass the GPU scheduler), a GPU pod whose ``spec.os.name`` is not
+  ``linux`` (the library and its mounts are Linux's), invalid placement annotations, two GPU
   containers whose devices or limits keys coincide (a name spelling out another's shortened
   key: one container would get the other's GPUs and limits).
 * The other containers of a GPU pod (init, sidecar or app containers that request no GPU
@@ -299,6 +300,11 @@ def _security_reasons(container: dict[str, Any]) -> list[str]:
 
 def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
     reasons = []
+    os_spec = spec.get("os")
+    os_name = os_spec.get("name") if isinstance(os_spec, dict) else None
+    if os_name not in (None, "linux"):
+        reasons.append(f"spec.os.name is {os_name}, but gpuslice shares the GPUs of Linux nodes "
+                       f"only; remove the GPU resources or run the pod on Linux")
     if spec.get("nodeName"):
         reasons.append("spec.nodeName is set, which bypasses the GPU scheduler that assigns "
                        "the GPUs; remove spec.nodeName (use a nodeSelector to pick nodes)")
