@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 from webhook import __version__, names
 from webhook.admission.encode import Fragment
 from webhook.admission.quantity import QuantityError, parse_quantity
-from webhook.admission.requests import GpuRequest, read_request
+from webhook.admission.requests import GpuRequest, read_policy, read_request
 from webhook.settings import Settings
 
 NEVER_MUTATED_NAMESPACES = frozenset({"kube-system"})
@@ -81,7 +81,6 @@ _RESERVED_ENV = re.compile(rf"^(GPUSLICE_.*|({names.ENV_MEMORY_LIMIT}|{names.ENV
 _RESERVED_PREFIXES = ("GPUSLICE_", "CUDA_DEVICE_")
 _NO_GPUS_ENV = Fragment(name=names.ENV_VISIBLE_DEVICES, value=names.NO_GPUS)
 _NVIDIA_RESOURCES = "nvidia.com/"
-_POLICIES = ("binpack", "spread")
 _DEFAULT_SCHEDULER = "default-scheduler"
 
 
@@ -170,6 +169,11 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     parts = {(kind, i): _container_parts(spec[kind][i]["name"], request)
              for (kind, i), request in gpu_containers.items()}
     work = _Work()
+    annotations = metadata.get("annotations") or {}
+    policy = read_policy(annotations, names.ANN_PLACEMENT, names.HAMI_POLICY)
+    if policy.skipped and names.ANN_MUTATED not in annotations:  # warned once
+        work.warn(f"annotation {policy.key}: gpuslice has no {', '.join(policy.skipped)} "
+                  f"placement; the pod is placed by {policy.policy or settings.default_policy}")
     new_spec = dict(spec)
     for kind in dict.fromkeys(k for k, _ in gpu_containers):
         new_spec[kind] = [
@@ -308,12 +312,10 @@ def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
     if spec.get("nodeName"):
         reasons.append("spec.nodeName is set, which bypasses the GPU scheduler that assigns "
                        "the GPUs; remove spec.nodeName (use a nodeSelector to pick nodes)")
-    annotations = metadata.get("annotations") or {}
     # Ours wins over HAMi's, as in the extender; empty means the default policy.
-    key = names.ANN_PLACEMENT if annotations.get(names.ANN_PLACEMENT) else names.HAMI_POLICY
-    value = annotations.get(key)
-    if value and str(value).strip().lower() not in _POLICIES:
-        reasons.append(f"annotation {key} is {value!r}; use binpack or spread")
+    policy = read_policy(metadata.get("annotations") or {}, names.ANN_PLACEMENT, names.HAMI_POLICY)
+    if not policy.valid:
+        reasons.append(f"annotation {policy.key} is {policy.value!r}; use binpack or spread")
     return reasons
 
 
