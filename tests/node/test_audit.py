@@ -837,6 +837,18 @@ async def test_a_sidecar_cannot_claim_a_cap_of_its_own_nor_is_another_plugins_gp
     assert got == {"a": (Cap(limit_bytes=GIB), None), "side": (Cap(limit_bytes=0), frozenset())}
 
 
+async def test_a_container_asking_for_none_of_another_plugins_resource_is_judged() -> None:
+    """0 of another device plugin's nvidia.com/ resource gets no device from it (the webhook
+    gives such a container NVIDIA_VISIBLE_DEVICES=none like any other): GPU memory it holds is
+    a breach, cap 0 on no GPU, not another plugin's device."""
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"},
+                        "zero": {"nvidia.com/mig-1g.10gb": "0"}})
+    zero = next(c for c in pod["spec"]["containers"] if c["name"] == "zero")
+    assert zero["env"] == [{"name": names.ENV_VISIBLE_DEVICES, "value": names.NO_GPUS}]
+    got = {t.container: (t.cap, t.gpus) for t in tracked_containers(await as_models(pod)).values()}
+    assert got == {"a": (Cap(limit_bytes=GIB), None), "zero": (Cap(limit_bytes=0), frozenset())}
+
+
 async def test_a_new_pod_under_the_evicted_ones_name_is_not_evicted(tmp_path: Path) -> None:
     """A StatefulSet's db-0 went over, was deleted and made again (a new UID) while the old
     process lingers: the eviction carries the old UID as its precondition."""

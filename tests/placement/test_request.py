@@ -121,6 +121,26 @@ def test_policy_and_filters_come_from_ours_and_hamis_annotations() -> None:
     assert req.include_uuids == ("gpu-y",)
 
 
+@pytest.mark.parametrize(("value", "policy"), [
+    ("topology-aware", "binpack"), ("numa", "binpack"), ("Mutex", "binpack"),
+    ("numa, spread", "spread"), ("binpack,topology-aware", "binpack")])
+def test_hamis_own_gpu_policies_are_read_past(value: str, policy: str) -> None:
+    """HAMi knows GPU policies gpuslice does not (and comma chains of them): a pod written for
+    HAMi is placed by the binpack or spread in its chain, else by the default."""
+    req = pod_request(pod({"nvidia.com/gpumem": "1"},
+                          annotations={"hami.io/gpu-scheduler-policy": value}), S)
+    assert req.policy == policy
+
+
+def test_a_policy_hami_does_not_know_either_is_still_an_error() -> None:
+    with pytest.raises(RequestError, match="hami.io/gpu-scheduler-policy"):
+        pod_request(pod({"nvidia.com/gpumem": "1"},
+                        annotations={"hami.io/gpu-scheduler-policy": "binpack,tight"}), S)
+    with pytest.raises(RequestError, match="gpuslice.io/placement"):
+        pod_request(pod({"nvidia.com/gpumem": "1"},
+                        annotations={"gpuslice.io/placement": "numa"}), S)
+
+
 def test_default_policy_comes_from_settings() -> None:
     req = pod_request(pod({"nvidia.com/gpumem": "1"}), Settings(default_policy="spread"))
     assert req.policy == "spread"

@@ -26,7 +26,8 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   overwritten with a warning: without them the pod would not get its GPUs.
 * Denied: privileged GPU containers and GPU containers adding ``SYS_ADMIN`` (or ``ALL``)
   capabilities (they can see every GPU or undo the library mount), ``spec.nodeName`` preset
-  on a GPU pod (it would bypass the GPU scheduler), invalid placement annotations, two GPU
+  on a GPU pod (it would bypass the GPU scheduler), a GPU pod whose ``spec.os.name`` is not
+  ``linux`` (the library and its mounts are Linux's), invalid placement annotations, two GPU
   containers whose devices or limits keys coincide (a name spelling out another's shortened
   key: one container would get the other's GPUs and limits).
 * The other containers of a GPU pod (init, sidecar or app containers that request no GPU
@@ -34,9 +35,9 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   images set ``NVIDIA_VISIBLE_DEVICES=all`` themselves, and under the NVIDIA runtime (the
   runtime class the pod may be given, or the node's default) such a container would see every
   GPU of the node, without the library or a cap. ``none`` keeps the driver's libraries in the
-  container (programs linked against them still start) but no GPU. A container asking for any
-  other ``nvidia.com/`` resource (a MIG slice of another device plugin, say) or using resource
-  claims (DRA) is left alone.
+  container (programs linked against them still start) but no GPU. A container asking for some
+  of another ``nvidia.com/`` resource (a MIG slice of another device plugin, say) or using
+  resource claims (DRA) is left alone; asking for 0 of one gets no device, so it does not count.
   With ``hide_gpus_from_pods_without_gpus`` the containers of pods that request no GPU get the
   same (and nothing else: such a pod is not marked as a gpuslice pod).
 * Ephemeral containers cannot exist at CREATE; ``kubectl debug`` adds them later through the
@@ -59,7 +60,8 @@ from typing import Any, NamedTuple
 
 from webhook import __version__, names
 from webhook.admission.encode import Fragment
-from webhook.admission.requests import GpuRequest, read_request
+from webhook.admission.quantity import QuantityError, parse_quantity
+from webhook.admission.requests import GpuRequest, read_policy, read_request
 from webhook.settings import Settings
 
 NEVER_MUTATED_NAMESPACES = frozenset({"kube-system"})
@@ -79,7 +81,6 @@ _RESERVED_ENV = re.compile(rf"^(GPUSLICE_.*|({names.ENV_MEMORY_LIMIT}|{names.ENV
 _RESERVED_PREFIXES = ("GPUSLICE_", "CUDA_DEVICE_")
 _NO_GPUS_ENV = Fragment(name=names.ENV_VISIBLE_DEVICES, value=names.NO_GPUS)
 _NVIDIA_RESOURCES = "nvidia.com/"
-_POLICIES = ("binpack", "spread")
 _DEFAULT_SCHEDULER = "default-scheduler"
 
 
@@ -168,6 +169,11 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     parts = {(kind, i): _container_parts(spec[kind][i]["name"], request)
              for (kind, i), request in gpu_containers.items()}
     work = _Work()
+    annotations = metadata.get("annotations") or {}
+    policy = read_policy(annotations, names.ANN_PLACEMENT, names.HAMI_POLICY)
+    if policy.skipped and names.ANN_MUTATED not in annotations:  # warned once
+        work.warn(f"annotation {policy.key}: gpuslice has no {', '.join(policy.skipped)} "
+                  f"placement; the pod is placed by {policy.policy or settings.default_policy}")
     new_spec = dict(spec)
     for kind in dict.fromkeys(k for k, _ in gpu_containers):
         new_spec[kind] = [
@@ -298,15 +304,18 @@ def _security_reasons(container: dict[str, Any]) -> list[str]:
 
 def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
     reasons = []
+    os_spec = spec.get("os")
+    os_name = os_spec.get("name") if isinstance(os_spec, dict) else None
+    if os_name not in (None, "linux"):
+        reasons.append(f"spec.os.name is {os_name}, but gpuslice shares the GPUs of Linux nodes "
+                       f"only; remove the GPU resources or run the pod on Linux")
     if spec.get("nodeName"):
         reasons.append("spec.nodeName is set, which bypasses the GPU scheduler that assigns "
                        "the GPUs; remove spec.nodeName (use a nodeSelector to pick nodes)")
-    annotations = metadata.get("annotations") or {}
     # Ours wins over HAMi's, as in the extender; empty means the default policy.
-    key = names.ANN_PLACEMENT if annotations.get(names.ANN_PLACEMENT) else names.HAMI_POLICY
-    value = annotations.get(key)
-    if value and str(value).strip().lower() not in _POLICIES:
-        reasons.append(f"annotation {key} is {value!r}; use binpack or spread")
+    policy = read_policy(metadata.get("annotations") or {}, names.ANN_PLACEMENT, names.HAMI_POLICY)
+    if not policy.valid:
+        reasons.append(f"annotation {policy.key} is {policy.value!r}; use binpack or spread")
     return reasons
 
 
@@ -511,9 +520,10 @@ def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) ->
 
 
 def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
-    """Whether a container that requests no slice may get devices another way: it names
-    another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say) or uses resource
-    claims (DRA)."""
+    """Whether a container that requests no slice may get devices another way: it asks for
+    some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say) or uses
+    resource claims (DRA). Asking for 0 of one gets no device from it (and fits every node: the
+    scheduler and kubelet skip zero requests), so it does not count."""
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return False
@@ -521,7 +531,15 @@ def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
         return True
     return any(isinstance(amounts, dict) and any(
         isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
-        for k in amounts) for amounts in (resources.get("limits"), resources.get("requests")))
+        and _positive(v) for k, v in amounts.items())
+        for amounts in (resources.get("limits"), resources.get("requests")))
+
+
+def _positive(quantity: Any) -> bool:
+    try:
+        return parse_quantity(quantity) > 0
+    except QuantityError:
+        return False  # the API server refuses it; until then it asks for nothing
 
 
 def _without_gpus(container: dict[str, Any], work: _Work) -> dict[str, Any]:

@@ -136,3 +136,37 @@ def _whole(table: dict[str, Any], name: str, where: str, reasons: list[str],
         reasons.append(f"resources.{where}[{name}] is {raw}; it must be a whole number{hint}")
         return None
     return int(value)
+
+
+POLICIES = ("binpack", "spread")
+HAMI_ONLY_POLICIES = ("numa", "mutex", "topology-aware")
+"""GPU policies HAMi knows and gpuslice does not place by: in HAMi's annotation (a comma list,
+as HAMi reads it) they are read past, so pods written for HAMi work unchanged."""
+
+
+class PolicyAnnotation(NamedTuple):
+    """The pod's placement policy annotation: ours, else HAMi's (neither set: ``key`` None)."""
+
+    key: str | None
+    value: Any
+    policy: str | None
+    """binpack or spread, None for the default (nothing set, or only HAMi's own policies)."""
+    valid: bool
+    skipped: tuple[str, ...] = ()
+    """HAMi's own policies in the value, which gpuslice does not have."""
+
+
+def read_policy(annotations: dict[str, Any], ours: str, hami: str) -> PolicyAnnotation:
+    """The policy from annotation ``ours`` (binpack or spread), else ``hami`` (a comma list of
+    HAMi's GPU policies: its binpack or spread, if any, counts); empty means unset."""
+    key = ours if annotations.get(ours) else hami if annotations.get(hami) else None
+    if key is None:
+        return PolicyAnnotation(None, None, None, True)
+    value = annotations[key]
+    words = [str(value).strip().lower()] if key == ours else \
+        [w.strip().lower() for w in str(value).split(",")]
+    if not all(w in POLICIES or key == hami and w in HAMI_ONLY_POLICIES for w in words):
+        return PolicyAnnotation(key, value, None, False)
+    policy = next((w for w in words if w in POLICIES), None)
+    return PolicyAnnotation(key, value, policy, True,
+                            tuple(dict.fromkeys(w for w in words if w not in POLICIES)))

@@ -65,6 +65,7 @@ from pathlib import Path
 from kubernetes_asyncio import client
 
 from webhook import names
+from webhook.admission.quantity import QuantityError, parse_quantity
 from webhook.node.compute import COVERED, ComputeSampler, ComputeShare, Handover
 from webhook.node.config import OVER_LIMIT_ACTIONS
 from webhook.node.inventory import GpuProcesses, Inventory
@@ -236,12 +237,20 @@ def _container_id(raw: str | None) -> str | None:
 
 
 def _names_nvidia_resource(container: client.V1Container) -> bool:
-    """Whether a container's limits or requests name an ``nvidia.com/`` resource (ours or
-    another device plugin's), or it uses resource claims (DRA): it may get a GPU that way."""
+    """Whether a container's limits or requests ask for some of an ``nvidia.com/`` resource
+    (ours or another device plugin's), or it uses resource claims (DRA): it may get a GPU that
+    way. 0 of one gets no device (the webhook gives such a container ``none`` too)."""
     res = container.resources
     return res is not None and (bool(res.claims) or any(
-        k.startswith("nvidia.com/") for amounts in (res.limits, res.requests)
-        for k in amounts or {}))
+        k.startswith("nvidia.com/") and _positive(v) for amounts in (res.limits, res.requests)
+        for k, v in (amounts or {}).items()))
+
+
+def _positive(quantity: object) -> bool:
+    try:
+        return parse_quantity(quantity) > 0
+    except QuantityError:
+        return False
 
 
 def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:

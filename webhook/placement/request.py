@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from webhook import names
-from webhook.admission.requests import read_request
+from webhook.admission.requests import read_policy, read_request
 from webhook.settings import Settings
 
 Kind = Literal["app", "init", "sidecar"]
-POLICIES = ("binpack", "spread")
 NOT_ADMITTED = (f"gpuslice: pod was not admitted by the gpuslice webhook (no {names.ANN_MUTATED} "
                 f"annotation): its GPU limits would not be enforced; recreate it in a namespace "
                 f"the webhook serves")
@@ -147,13 +146,10 @@ def pod_request(pod: dict[str, Any], settings: Settings, *, bound: bool = False)
         req = container_request(c or {}, "app", i, settings)
         if req is not None:
             containers.append(req)
-    policy_raw = annotations.get(names.ANN_PLACEMENT) or annotations.get(names.HAMI_POLICY)
-    policy = str(policy_raw).strip().lower() if policy_raw else settings.default_policy
-    if policy not in POLICIES and bound:
-        policy = settings.default_policy
-    if policy not in POLICIES:
-        key = names.ANN_PLACEMENT if annotations.get(names.ANN_PLACEMENT) else names.HAMI_POLICY
-        raise RequestError(f"annotation {key}: {policy_raw!r} is not one of binpack, spread")
+    read = read_policy(annotations, names.ANN_PLACEMENT, names.HAMI_POLICY)
+    if not read.valid and not bound:
+        raise RequestError(f"annotation {read.key}: {read.value!r} is not one of binpack, spread")
+    policy = read.policy or settings.default_policy
     return PodRequest(
         containers=tuple(containers), policy=policy,
         include_types=_either(annotations, names.ANN_GPU_TYPE, names.HAMI_USE_GPUTYPE),
