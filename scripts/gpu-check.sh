@@ -40,7 +40,8 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # (gigabytes for a framework's process, on the machine's small disk); its report is on stderr
 ulimit -c 0
 export PATH="$PATH:/usr/local/nvidia/bin:/usr/local/cuda/bin"
-unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMORY_SHARED_CACHE
+unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMORY_SHARED_CACHE \
+  GPUCHECK_BUILD_FAILED
 
 # The release library alone, with gcc, should a machine lack make (mirrors the Makefile's lib).
 build_without_make() {
@@ -71,12 +72,15 @@ main() {
     ls -l interposer/build/libgpuslice.so
   else
     echo "build FAILED: the checks that need the library will show ERROR"
+    # a library an earlier build left in interposer/build is not this code's: not checked
+    export GPUCHECK_BUILD_FAILED=1
   fi
   echo "== GPU"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,memory.used --format=csv
   else
-    echo "nvidia-smi not found: no GPU here, every check will be skipped"
+    echo "nvidia-smi not found: its row (in-container nvidia-smi) will show ERROR; the other checks"
+    echo "read NVML through pynvml (no NVIDIA GPU or driver there: every check skips)"
   fi
   echo "== tests: $PY -m pytest tests/gpu --gpu"
   local left=$((start + budget - 8 - $(date +%s)))
