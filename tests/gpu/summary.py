@@ -145,8 +145,8 @@ def rerun(rows: list[dict[str, Any]]) -> str | None:
     """The command that runs what this run did not reach (its time budget cut it, or the run
     was cut short from outside), for a second call on the same GPU; None when it reached all."""
     cut = [r for r in rows if r["status"] == "ERROR" and (
-        r["value"] == "not run (see the log)" or "budget" in r["value"]
-        or "timed out" in r["value"])]  # a child the deadline cut short
+        r["value"] == "not run (see the log)"
+        or "budget" in r["value"])]  # skipped for time, or a child the deadline cut short
     tests = {node: None for node in (node_id(row["test"]) for row in cut) if node is not None}
     if not tests:
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
         {"kind": "test", "nodeid": base + "test_sm_limit_caps_matmul_throughput[10]",
          "outcome": "skipped", "message": "time budget used up: not run"},
         {"kind": "test", "nodeid": base + "test_sm_limit_time_mode_for_comparison",
-         "outcome": "failed", "message": "ChildError: matmul 5 timed out after 9s: | x",
+         "outcome": "failed", "message": "ChildError: matmul 5 timed out after 9s at the time budget's end: | x",
          "seconds": 9.4},
         {"kind": "test", "nodeid": base + "test_outside_usage_never_exceeds_cap",
          "outcome": "passed", "message": "", "seconds": 21.0},
@@ -211,3 +212,28 @@ def test_rerun_command_fits_a_device_call_and_runs_exactly_what_was_left(measure
     got = {ln for ln in collected.stdout.splitlines() if ln.startswith("tests/gpu/test_")}
     left = {summary.node_id(row[4]) for row in summary.ROWS[measured:]}
     assert got == left, (got ^ left)
+
+
+def test_rerun_leaves_out_a_child_that_hung_for_its_own_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a child that hung for its whole timeout ran, and would hang again in the second call
+    # (JAX's fill, probe and default pool: 75 s each); one the deadline cut short is left over
+    from gpu import harness
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    monkeypatch.setenv("GPUCHECK_DEADLINE", str(time.time() + 9))
+    with pytest.raises(harness.ChildError) as cut:
+        harness.run(sleeper, harness.plain_env(), 60)
+    monkeypatch.setenv("GPUCHECK_DEADLINE", str(time.time() + 600))
+    with pytest.raises(harness.ChildError) as hung:
+        harness.run(sleeper, harness.plain_env(), 2)
+    base = "tests/gpu/test_x.py::"
+    lines = [{"kind": "check", "check": row[0], "value": "v", "ok": True}
+             for row in summary.ROWS if row[0] not in {"largest_jax", "sm_10"}]
+    lines += [{"kind": "test", "outcome": "failed", "message": f"ChildError: {exc.value}",
+               "nodeid": base + test} for exc, test in (
+                   (hung, "test_largest_allocation_within_context_footprint_of_cap[jax]"),
+                   (cut, "test_sm_limit_caps_matmul_throughput[10]"))]
+    again = summary.rerun(summary.build_rows(lines))
+    assert again is not None and "test_sm_limit_caps_matmul_throughput[10]" in again, again
+    assert "[jax]" not in again, (str(hung.value), again)
