@@ -2,7 +2,9 @@
 # Real-GPU checks of the interposer (issue 3) in under 5 minutes: builds
 # interposer/build/libgpuslice.so, runs the opt-in GPU tests (pytest tests/gpu --gpu: PyTorch,
 # CuPy, JAX, nvidia-smi, driver-API benchmarks) and prints one summary table, a row per check,
-# PASS/FAIL against the target beside HAMi-core's figures from the issue.
+# PASS/FAIL against the target beside HAMi-core's figures from the issue, then a line per row
+# of the issue's bar ("bar CHECK: STATUS figure; command: ...": the figure in full, for the
+# issue note, and the command that measures that row alone).
 #
 #   bash scripts/gpu-check.sh        (from anywhere; PYTHON=... picks the interpreter)
 #
