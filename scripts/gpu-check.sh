@@ -2,7 +2,9 @@
 # Real-GPU checks of the interposer (issue 3) in under 5 minutes: builds
 # interposer/build/libgpuslice.so, runs the opt-in GPU tests (pytest tests/gpu --gpu: PyTorch,
 # CuPy, JAX, nvidia-smi, driver-API benchmarks) and prints one summary table, a row per check,
-# PASS/FAIL against the target beside HAMi-core's figures from the issue.
+# PASS/FAIL against the target beside HAMi-core's figures from the issue, then a line per row
+# of the issue's bar ("bar CHECK: STATUS figure; command: ...": the figure in full, for the
+# issue note, and the command that measures that row alone).
 #
 #   bash scripts/gpu-check.sh        (from anywhere; PYTHON=... picks the interpreter)
 #
@@ -40,7 +42,8 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # (gigabytes for a framework's process, on the machine's small disk); its report is on stderr
 ulimit -c 0
 export PATH="$PATH:/usr/local/nvidia/bin:/usr/local/cuda/bin"
-unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMORY_SHARED_CACHE
+unset LD_PRELOAD CUDA_DEVICE_MEMORY_LIMIT CUDA_DEVICE_SM_LIMIT CUDA_DEVICE_MEMORY_SHARED_CACHE \
+  GPUCHECK_BUILD_FAILED
 
 # The release library alone, with gcc, should a machine lack make (mirrors the Makefile's lib).
 build_without_make() {
@@ -71,12 +74,15 @@ main() {
     ls -l interposer/build/libgpuslice.so
   else
     echo "build FAILED: the checks that need the library will show ERROR"
+    # a library an earlier build left in interposer/build is not this code's: not checked
+    export GPUCHECK_BUILD_FAILED=1
   fi
   echo "== GPU"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,memory.used --format=csv
   else
-    echo "nvidia-smi not found: no GPU here, every check will be skipped"
+    echo "nvidia-smi not found: its row (in-container nvidia-smi) will show ERROR; the other checks"
+    echo "read NVML through pynvml (no NVIDIA GPU or driver there: every check skips)"
   fi
   echo "== tests: $PY -m pytest tests/gpu --gpu"
   local left=$((start + budget - 8 - $(date +%s)))

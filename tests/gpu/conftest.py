@@ -8,6 +8,7 @@ check its reason.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,9 @@ def nvml() -> Nvml:
 
 @pytest.fixture(scope="session")
 def lib(nvml: Nvml) -> Path:
+    if os.environ.get("GPUCHECK_BUILD_FAILED") and not os.environ.get("GPUCHECK_LIB"):
+        pytest.fail(f"the build failed (make -C interposer lib): {harness.LIB}, if there, is an "
+                    "earlier build's, not checked")
     if not harness.LIB.is_file():
         pytest.fail(f"{harness.LIB} missing: the build failed (make -C interposer lib)")
     return harness.LIB

@@ -232,7 +232,10 @@ def run(args: list[str], env: dict[str, str], timeout: float,
                 out, err = "", "(no output: a process the child started kept its pipes open)"
         what = " ".join(Path(a).name for a in args[1:3])
         stuck = exit_text(args, proc.wait(), err) if _reported(err) else _tail(err)
-        raise ChildError(f"{what} timed out after {limit:.0f}s: {stuck}") from None
+        # cut by the run's deadline: the summary's command for a second call runs it again;
+        # a child that hung for its own time ran (it would hang there too)
+        cut = " at the time budget's end" if limit < timeout else ""
+        raise ChildError(f"{what} timed out after {limit:.0f}s{cut}: {stuck}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -96,6 +97,11 @@ ROWS: list[tuple[str, str, str, str, str]] = [
     ("alloc_free", "7 1 MiB cuMemAlloc+cuMemFree vs none", "<= +2 us", "+5 to +11 us",
      "test_alloc_free_pair_with_library_within_2us"),
 ]
+BAR = ("outside_usage", "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
+       "smi_view", "two_procs", "sm_10", "sm_30", "sm_50", "torch_tiny", "launch_cost",
+       "alloc_free")
+"""The rows of issue 3's bar: printed again below the table, each figure in full (the table
+cuts it to its column) with the command that measures that row alone, for the issue note."""
 PACKAGES = ("torch", "cupy-cuda13x", "cupy-cuda12x", "jax", "jaxlib", "jax-cuda13-plugin",
             "nvidia-ml-py", "pytest")
 
@@ -139,20 +145,53 @@ def rerun(rows: list[dict[str, Any]]) -> str | None:
     """The command that runs what this run did not reach (its time budget cut it, or the run
     was cut short from outside), for a second call on the same GPU; None when it reached all."""
     cut = [r for r in rows if r["status"] == "ERROR" and (
-        r["value"] == "not run (see the log)" or "budget" in r["value"]
-        or "timed out" in r["value"])]  # a child the deadline cut short
-    here = Path(__file__).resolve().parent
-    sources = {path.name: path.read_text() for path in sorted(here.glob("test_*.py"))}
-    tests: dict[str, None] = {}
-    for row in cut:
-        name = row["test"].split("[")[0]
-        found = next((f for f, text in sources.items() if f"def {name}(" in text), None)
-        if found is not None:  # with its parameter: "[10]" matches no file, the shell keeps it
-            tests[f"tests/gpu/{found}::{row['test']}"] = None
+        r["value"] == "not run (see the log)"
+        or "budget" in r["value"])]  # skipped for time, or a child the deadline cut short
+    tests = {node: None for node in (node_id(row["test"]) for row in cut) if node is not None}
     if not tests:
         return None
+    # a file of which nothing ran goes as the file: the command is the second device call's,
+    # which takes at most 2,000 characters (every test by name: 2,700)
+    by_file: dict[str, set[str]] = {}
+    for row in ROWS:
+        node = node_id(row[4])
+        if node is not None:
+            by_file.setdefault(node.split("::")[0], set()).add(node)
+    here = Path(__file__).resolve().parent
+    whole = {path for path, nodes in by_file.items() if nodes <= tests.keys()
+             and set(re.findall(r"^def (test_\w+)\(", (here / Path(path).name).read_text(),
+                                re.MULTILINE))
+             == {n.split("::")[1].split("[")[0] for n in nodes}}
+    tests = {(node.split("::")[0] if node.split("::")[0] in whole else node): None
+             for node in tests}
     return (f"{len(cut)} rows not run or cut short; to run only them: "
             f'GPUCHECK_TESTS="{" ".join(tests)}" bash scripts/gpu-check.sh')
+
+
+def node_id(test: str) -> str | None:
+    """``tests/gpu/FILE::test[param]`` of a row's test, None when no file defines it; with its
+    parameter: "[10]" matches no file, so the shell keeps it as it is."""
+    name = test.split("[")[0]
+    here = Path(__file__).resolve().parent
+    found = next((path.name for path in sorted(here.glob("test_*.py"))
+                  if f"def {name}(" in path.read_text()), None)
+    return None if found is None else f"tests/gpu/{found}::{test}"
+
+
+def bar(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per row of the issue's bar: its status, the figure in full and the command that
+    measures it alone."""
+    out = []
+    for row in rows:
+        if row["check"] in BAR:
+            node = node_id(row["test"])
+            command = (f'GPUCHECK_TESTS="{node}" bash scripts/gpu-check.sh' if node
+                       else "bash scripts/gpu-check.sh")
+            if row["check"] == "outside_usage":  # the maximum over the run's capped children
+                command = "bash scripts/gpu-check.sh (its maximum over every capped run before it)"
+            out.append(f"bar {row['check']}: {row['status']} {' '.join(str(row['value']).split())}"
+                       f"; command: {command}")
+    return out
 
 
 def timing(lines: list[dict[str, Any]], slowest: int = 6) -> str | None:
@@ -229,6 +268,7 @@ def render(rows: list[dict[str, Any]], found: dict[str, Any], took: str | None =
         out.append("context footprints without the library (NVML): " + "; ".join(feet))
     counts = {s: sum(r["status"] == s for r in rows) for s in
               ("PASS", "FAIL", "ERROR", "SKIP", "INFO")}
+    out.extend(bar(rows))
     out.append("result: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
     out.extend(notes or [])
     if took:

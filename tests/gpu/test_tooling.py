@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,11 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
         {"kind": "test", "nodeid": base + "test_sm_limit_caps_matmul_throughput[10]",
          "outcome": "skipped", "message": "time budget used up: not run"},
         {"kind": "test", "nodeid": base + "test_sm_limit_time_mode_for_comparison",
-         "outcome": "failed", "message": "ChildError: matmul 5 timed out after 9s: | x",
+         "outcome": "failed", "message": "ChildError: matmul 5 timed out after 9s at the time budget's end: | x",
          "seconds": 9.4},
         {"kind": "test", "nodeid": base + "test_outside_usage_never_exceeds_cap",
          "outcome": "passed", "message": "", "seconds": 21.0},
+        {"kind": "check", "check": "sm_50", "value": "50%", "ok": True},
     ]
     rows = summary.build_rows(lines)
     assert _row(rows, "outside_usage")["status"] == "PASS"
@@ -52,12 +54,14 @@ def test_summary_rows_follow_measurements_and_test_outcomes() -> None:
     again = summary.rerun(rows)
     assert again is not None and again.endswith('" bash scripts/gpu-check.sh')
     ids = again.split('GPUCHECK_TESTS="')[1].split('"')[0].split()
-    names = [i.split("::")[1] for i in ids]
-    # the budget's skip, with its parameter (not every one); a child the deadline cut short
+    names = [i.split("::")[1] for i in ids if "::" in i]
+    # the budget's skip, with its parameter (not every one); a child the deadline cut short; a
+    # file of which nothing ran, as the file
     assert "tests/gpu/test_compute.py::test_sm_limit_caps_matmul_throughput[10]" in ids
     assert "tests/gpu/test_compute.py::test_sm_limit_caps_matmul_throughput" not in ids
     assert "tests/gpu/test_compute.py::test_sm_limit_time_mode_for_comparison" in ids
-    assert "tests/gpu/test_overhead.py::test_alloc_free_pair_with_library_within_2us" in ids
+    assert "tests/gpu/test_overhead.py" in ids
+    assert "tests/gpu/test_processes.py" not in ids  # two of its tests ran
     assert "test_second_process_cannot_exceed_shared_cap" not in names  # ran, and failed
     assert "test_racing_processes_stay_under_shared_cap" not in names  # skipped: no GPU
     assert "test_outside_usage_never_exceeds_cap" not in names  # measured
@@ -165,3 +169,71 @@ def test_gpu_checks_import_only_what_the_gpu_machine_has() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("imported ")
 
+
+
+def test_summary_prints_each_bar_figure_in_full_with_its_command() -> None:
+    # the issue note takes the bar's figures from the summary as printed: the table cuts a
+    # long figure (64 characters) and names no command, so each bar row has a line of its own
+    long = ("2nd: CUDA_ERROR_OUT_OF_MEMORY; after SIGKILL granted in 0.00 s, region 6,144 MiB, "
+            "outside 6,444 MiB")
+    lines = [{"kind": "check", "check": row[0], "value": f"{row[0]} figure", "ok": True}
+             for row in summary.ROWS]
+    lines.append({"kind": "check", "check": "two_procs", "value": long, "ok": True})
+    text = summary.render(summary.build_rows(lines), {})
+    assert long in text
+    for check in summary.BAR:
+        test = next(row[4] for row in summary.ROWS if row[0] == check)
+        node = next(f"tests/gpu/{p.name}::{test}" for p in sorted(HERE.glob("test_*.py"))
+                    if f"def {test.split('[')[0]}(" in p.read_text())
+        figure = long if check == "two_procs" else f"{check} figure"
+        line = next((ln for ln in text.splitlines() if ln.startswith(f"bar {check}: ")), None)
+        command = (f'GPUCHECK_TESTS="{node}" bash scripts/gpu-check.sh' if check != "outside_usage"
+                   else "bash scripts/gpu-check.sh (its maximum over every capped run before it)")
+        assert line == f"bar {check}: PASS {figure}; command: {command}", (check, line)
+    assert set(summary.BAR) >= {"outside_usage", "largest_torch", "largest_cupy", "largest_jax",
+                                "smi_view", "two_procs", "sm_10", "sm_30", "sm_50",
+                                "torch_tiny", "launch_cost", "alloc_free"}
+
+
+@pytest.mark.parametrize("measured", [0, 12])
+def test_rerun_command_fits_a_device_call_and_runs_exactly_what_was_left(measured: int) -> None:
+    # the second call on the device machine takes the printed command as its own, and a
+    # command there is at most 2,000 characters: a test file of which nothing ran goes whole
+    lines = [{"kind": "check", "check": row[0], "value": "v", "ok": True}
+             for row in summary.ROWS[:measured]]
+    again = summary.rerun(summary.build_rows(lines))
+    assert again is not None
+    assert len(again) <= 1000, (len(again), again)
+    ids = again.split('GPUCHECK_TESTS="')[1].split('"')[0].split()
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+        cwd=HERE.parents[1], capture_output=True, text=True, check=False, timeout=60)
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    got = {ln for ln in collected.stdout.splitlines() if ln.startswith("tests/gpu/test_")}
+    left = {summary.node_id(row[4]) for row in summary.ROWS[measured:]}
+    assert got == left, (got ^ left)
+
+
+def test_rerun_leaves_out_a_child_that_hung_for_its_own_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a child that hung for its whole timeout ran, and would hang again in the second call
+    # (JAX's fill, probe and default pool: 75 s each); one the deadline cut short is left over
+    from gpu import harness
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    monkeypatch.setenv("GPUCHECK_DEADLINE", str(time.time() + 9))
+    with pytest.raises(harness.ChildError) as cut:
+        harness.run(sleeper, harness.plain_env(), 60)
+    monkeypatch.setenv("GPUCHECK_DEADLINE", str(time.time() + 600))
+    with pytest.raises(harness.ChildError) as hung:
+        harness.run(sleeper, harness.plain_env(), 2)
+    base = "tests/gpu/test_x.py::"
+    lines = [{"kind": "check", "check": row[0], "value": "v", "ok": True}
+             for row in summary.ROWS if row[0] not in {"largest_jax", "sm_10"}]
+    lines += [{"kind": "test", "outcome": "failed", "message": f"ChildError: {exc.value}",
+               "nodeid": base + test} for exc, test in (
+                   (hung, "test_largest_allocation_within_context_footprint_of_cap[jax]"),
+                   (cut, "test_sm_limit_caps_matmul_throughput[10]"))]
+    again = summary.rerun(summary.build_rows(lines))
+    assert again is not None and "test_sm_limit_caps_matmul_throughput[10]" in again, again
+    assert "[jax]" not in again, (str(hung.value), again)

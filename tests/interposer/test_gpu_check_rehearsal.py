@@ -57,8 +57,10 @@ COMPUTE_TESTS = ["tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py",
                  "tests/gpu/test_memset.py"]
 
 
-def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[str, Any]]:
-    """Run scripts/gpu-check.sh on the fake driver; its log and the rows of gpu-check.json."""
+def run_script(tmp_path: Path, tests: list[str], smi: bool = True,
+               **fake: str) -> subprocess.CompletedProcess[str]:
+    """Run scripts/gpu-check.sh on the fake driver with ``$OUT`` at ``tmp_path / "out"``
+    (``smi``: with the stand-in nvidia-smi on the path)."""
     out = tmp_path / "out"
     keep = ("PATH", "HOME", "LANG")
     env = {k: v for k, v in os.environ.items() if k in keep}
@@ -75,11 +77,20 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
         "GPUCHECK_BUDGET_S": "420",
         "GPUCHECK_TESTS": " ".join(tests), "TMPDIR": str(tmp_path), **STANDINS, **fake,
     })
-    env["PATH"] = f"{REHEARSAL / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"  # its nvidia-smi
+    # its nvidia-smi; GPUCHECK_REHEARSAL_PATH: folders before it (tools that fail, say)
+    env["PATH"] = ":".join(filter(None, [fake.get("GPUCHECK_REHEARSAL_PATH", ""),
+                                         str(REHEARSAL / "bin") if smi else "",
+                                         env.get("PATH", "/usr/bin:/bin")]))
     if not Path(env["PYTHON"]).is_file():
         env["PYTHON"] = "python3"
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh")], env=env, cwd="/",
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh")], env=env, cwd="/",
                           check=False, capture_output=True, text=True, timeout=480)
+
+
+def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[str, Any]]:
+    """Run scripts/gpu-check.sh on the fake driver; its log and the rows of gpu-check.json."""
+    out = tmp_path / "out"
+    done = run_script(tmp_path, tests, **fake)
     log = done.stdout + done.stderr
     # the rows of the tests not asked for show ERROR ("not run"), so the status is 1
     assert done.returncode == 1, log
@@ -102,6 +113,14 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
     assert again is not None, log[-2000:]
     assert {i.split("::")[0] for i in again.group(1).split()} == (
         set(COMPUTE_TESTS) if tests == TESTS else set(TESTS))
+    # each bar row once more below the table, its figure in full and the command that
+    # measures it alone, for the issue note
+    for check in summary.BAR:
+        row = rows[check]
+        assert re.search(f"^bar {check}: {row['status']} {re.escape(' '.join(row['value'].split()))}"
+                         '; command: (GPUCHECK_TESTS="tests/gpu/test_[a-z_]+.py::test_[a-z0-9_\\[\\]]+" '
+                         r"bash scripts/gpu-check.sh$|bash scripts/gpu-check.sh \(its maximum)",
+                         log, re.MULTILINE), (check, log[-3000:])
     return log, {"rows": rows, "versions": report["versions"], "measured": measured}
 
 
@@ -205,3 +224,42 @@ def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_pat
     assert rows["sm_30_four_procs"]["value"].count("+") == 3
     for check in set(rows) - COMPUTE:  # the other run's rows, not asked for here
         assert rows[check]["status"] == "ERROR", rows[check]
+
+
+@pytest.mark.slow
+def test_gpu_check_does_not_check_a_library_its_failed_build_left(built: Path,
+                                                                  tmp_path: Path) -> None:
+    # a failed build leaves the library of an earlier one in place (a warm device machine keeps
+    # interposer/build between calls): its figures would be taken for the code's
+    tools = tmp_path / "failing"
+    tools.mkdir()
+    for name in ("make", "gcc", "cc"):
+        (tools / name).write_text("#!/bin/sh\necho \"$0: refused\" >&2\nexit 1\n")
+        (tools / name).chmod(0o755)
+    assert (BUILD / "libgpuslice.so").is_file()  # the earlier build's
+    test = "tests/gpu/test_memory.py::test_largest_allocation_within_context_footprint_of_cap[torch]"
+    done = run_script(tmp_path, [test], GPUCHECK_REHEARSAL_PATH=str(tools))
+    log = done.stdout + done.stderr
+    assert "build FAILED" in log, log[-3000:]
+    rows = {r["check"]: r for r in json.loads((tmp_path / "out" / "gpu-check.json")
+                                              .read_text())["rows"]}
+    assert rows["largest_torch"]["status"] == "ERROR", (rows["largest_torch"], log[-3000:])
+    assert "build failed" in rows["largest_torch"]["value"], rows["largest_torch"]
+    assert done.returncode == 1
+
+
+@pytest.mark.slow
+def test_gpu_check_without_nvidia_smi_runs_the_rest(built: Path, tmp_path: Path) -> None:
+    # the checks read NVML through pynvml: without nvidia-smi only its row has nothing to run,
+    # and the log must not say that every check is skipped
+    tests = ["tests/gpu/test_views.py::test_nvidia_smi_in_container_shows_cap_and_usage",
+             "tests/gpu/test_views.py::test_process_views_report_cap_and_usage"]
+    done = run_script(tmp_path, tests, smi=False)
+    log = done.stdout + done.stderr
+    assert "every check will be skipped" not in log, log[:3000]
+    assert "nvidia-smi not found" in log, log[:3000]
+    rows = {r["check"]: r for r in json.loads((tmp_path / "out" / "gpu-check.json")
+                                              .read_text())["rows"]}
+    assert rows["smi_view"]["status"] == "ERROR", rows["smi_view"]
+    assert "nvidia-smi not found" in rows["smi_view"]["value"], rows["smi_view"]
+    assert rows["process_views"]["status"] == "PASS", (rows["process_views"], log[-3000:])
