@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "cuda_abi.h"
+#include "devpool.h"
 
 CUresult cuInit(unsigned);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
@@ -33,7 +34,6 @@ CUresult cuMemFree_v2(CUdeviceptr);
 CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
-CUresult cuMemPoolCreate(CUmemoryPool *, const void *);
 CUresult cuMemPoolDestroy(CUmemoryPool);
 CUresult cuDevicePrimaryCtxReset_v2(CUdevice);
 CUresult cuMemPoolTrimTo(CUmemoryPool, size_t);
@@ -223,13 +223,8 @@ static void one(int op, unsigned *seed, CUstream s)
         count(cuDevicePrimaryCtxReset_v2(0));
         break;
     case 17: { /* a pool of its own, allocated from, destroyed with its allocation outstanding */
-        struct {
-            int allocType, handleTypes;
-            CUmemLocation location;
-            char rest[64];
-        } props = {CU_MEM_ALLOCATION_TYPE_PINNED, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}, {0}};
         CUmemoryPool mine = NULL;
-        count(rc = cuMemPoolCreate(&mine, &props));
+        count(rc = device_pool_create(&mine));
         if (rc != CUDA_SUCCESS) break;
         count(rc = cuMemAllocFromPoolAsync(&p, some_size(seed), mine, s));
         if (rc == CUDA_SUCCESS && rand_r(seed) % 2) count(cuMemFreeAsync(p, s));
@@ -275,12 +270,7 @@ int main(int argc, char **argv)
     if (cuInit(0) != CUDA_SUCCESS || nvmlInit_v2() != NVML_SUCCESS || cuDevicePrimaryCtxRetain(&primary, 0) != CUDA_SUCCESS)
         return 2;
     cuCtxSetCurrent(primary);
-    struct {
-        int allocType, handleTypes;
-        CUmemLocation location;
-        char rest[64];
-    } props = {CU_MEM_ALLOCATION_TYPE_PINNED, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}, {0}};
-    if (cuMemPoolCreate(&own, &props) != CUDA_SUCCESS || cuDeviceGetMemPool(&def, 0) != CUDA_SUCCESS) return 2;
+    if (device_pool_create(&own) != CUDA_SUCCESS || cuDeviceGetMemPool(&def, 0) != CUDA_SUCCESS) return 2;
     pthread_t t[32];
     for (int i = 0; i < nthreads; i++) pthread_create(&t[i], NULL, worker, (void *)(uintptr_t)(i + 1));
     for (int i = 0; i < nthreads; i++) pthread_join(t[i], NULL);

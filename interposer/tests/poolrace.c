@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "cuda_abi.h"
+#include "devpool.h"
 #include "gpuslice_region.h"
 #include "selfcharge.h"
 
@@ -34,7 +35,6 @@ CUresult cuCtxSynchronize(void);
 CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
-CUresult cuMemPoolCreate(CUmemoryPool *, const void *);
 CUresult cuMemPoolTrimTo(CUmemoryPool, size_t);
 CUresult cuDeviceGetMemPool(CUmemoryPool *, CUdevice);
 nvmlReturn_t nvmlInit_v2(void);
@@ -126,12 +126,7 @@ int main(int argc, char **argv)
     if (nthreads < 1 || nthreads > 32) return 2;
     if (cuInit(0) != CUDA_SUCCESS || cuDevicePrimaryCtxRetain(&ctx, 0) != CUDA_SUCCESS) return 2;
     cuCtxSetCurrent(ctx);
-    struct {
-        int allocType, handleTypes;
-        CUmemLocation location;
-        char rest[64];
-    } props = {CU_MEM_ALLOCATION_TYPE_PINNED, 0, {CU_MEM_LOCATION_TYPE_DEVICE, 0}, {0}};
-    if (cuMemPoolCreate(&own, &props) != CUDA_SUCCESS || cuDeviceGetMemPool(&def, 0) != CUDA_SUCCESS) return 2;
+    if (device_pool_create(&own) != CUDA_SUCCESS || cuDeviceGetMemPool(&def, 0) != CUDA_SUCCESS) return 2;
     pthread_t t[32];
     for (int i = 0; i < nthreads; i++) pthread_create(&t[i], NULL, worker, (void *)(uintptr_t)(i + 1));
     for (int i = 0; i < nthreads; i++) pthread_join(t[i], NULL);
