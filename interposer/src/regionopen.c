@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <linux/fs.h>
@@ -77,6 +78,9 @@ static void init_region(struct gpuslice_region *r, const uint8_t boot_id[16])
 int gs_region_private_managed;
 
 /* What a process without the container's shared region gets, for the messages that say so. */
+/* HAMi-core's shared cache starts with this int32 (its initialized_flag) once set up. */
+#define HAMI_CORE_REGION_FLAG 19920718
+
 static const char *private_effect(void)
 {
     return gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone";
@@ -169,8 +173,21 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
         uint64_t magic;
         uint32_t version;
     } head;
-    if (pread(fd, &head, sizeof(head), 0) == (ssize_t)sizeof(head) && head.magic == GPUSLICE_REGION_MAGIC &&
-        head.version < GPUSLICE_REGION_VERSION && unlink(path) == 0) {
+    int have_head = pread(fd, &head, sizeof(head), 0) == (ssize_t)sizeof(head);
+    int32_t hami_flag;
+    memcpy(&hami_flag, &head, sizeof(hami_flag));
+    if (have_head && hami_flag == HAMI_CORE_REGION_FLAG) {
+        /* CUDA_DEVICE_MEMORY_SHARED_CACHE is HAMi-core's name too: this file is its shared cache,
+         * in use by its processes perhaps.  Written over, their semaphore and usage went. */
+        GS_ERROR("region %s is HAMi-core's shared cache (CUDA_DEVICE_MEMORY_SHARED_CACHE names it): left alone; "
+                 "give gpuslice's processes a path of their own: %s",
+                 path, private_effect());
+        flock(fd, LOCK_UN);
+        close(fd);
+        return NULL;
+    }
+    if (have_head && head.magic == GPUSLICE_REGION_MAGIC && head.version < GPUSLICE_REGION_VERSION &&
+        unlink(path) == 0) {
         GS_WARN("region %s was written by an older library (version %u): replaced", path, head.version);
         flock(fd, LOCK_UN);
         close(fd);

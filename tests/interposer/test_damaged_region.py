@@ -150,3 +150,28 @@ def test_a_compute_clock_set_far_ahead_is_reset(release_lab):
         res = let_go(lab, proc)
         assert "compute limit's clock was" in res.stderr and "reset" in res.stderr
         assert res.rc("launch", 1) == 0
+
+
+HAMI_CORE_REGION_FLAG = 19920718
+"""HAMi-core's shared cache starts with this int32 (its initialized_flag) once set up."""
+
+
+def test_a_hami_core_shared_cache_at_the_region_path_is_left_alone(lab):
+    # CUDA_DEVICE_MEMORY_SHARED_CACHE is HAMi-core's name too: the same environment can name a
+    # file HAMi-core's processes use.  It was taken for a fresh region and written over (HAMi's
+    # flag, its semaphore and its usage table gone under its live processes).
+    hami = struct.pack("<i", HAMI_CORE_REGION_FLAG) + bytes(range(256)) * 64
+    lab.region_path.write_bytes(hami)
+    res = lab.run("init", "ctx", "0", "alloc", "1g", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    assert lab.region_path.read_bytes() == hami
+    assert res.rc("alloc") == 0 and res.values("meminfo") == [3 * GIB, 4 * GIB]  # its own cap
+    assert any("HAMi-core" in line and str(lab.region_path) in line
+               for line in res.stderr.splitlines()), res.stderr
+
+
+def test_a_hami_core_shared_cache_grants_a_pods_process_nothing(lab):
+    hami = struct.pack("<i", HAMI_CORE_REGION_FLAG) + bytes(4096)
+    lab.region_path.write_bytes(hami)
+    res = lab.run("init", "ctx", "0", "alloc", "1g", **mode_env(lab, "pod"))
+    assert lab.region_path.read_bytes() == hami
+    assert res.rc("alloc") == CUDA_ERROR_OUT_OF_MEMORY
