@@ -129,6 +129,21 @@ def test_limit_suffixes_follow_hami_syntax(lab):
         assert res.values("meminfo")[1] == expected, value
 
 
+@pytest.mark.parametrize(("env", "cap"), [
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "2G"}, 2 * GIB),                    # HAMi-core: either case
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "3072M"}, 3 * GIB),
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "1048576K"}, GIB),
+    ({"CUDA_DEVICE_MEMORY_LIMIT": str(3 * GIB)}, 3 * GIB),           # no suffix: bytes
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "8000m"}, 8000 << 20),            # what HAMi's plugin writes
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "2g", "CUDA_DEVICE_MEMORY_LIMIT_0": "3G"}, 3 * GIB),  # index wins
+    ({"CUDA_DEVICE_MEMORY_LIMIT_0": "4g"}, 4 * GIB),                 # index alone
+    ({"CUDA_DEVICE_MEMORY_LIMIT": "0"}, 16 * GIB),                    # 0: no limit, as HAMi-core
+], ids=["G", "M", "K", "bytes", "plugin-m", "indexed-over-global", "indexed-alone", "zero"])
+def test_memory_limits_written_for_hami_core_mean_the_same_here(lab, env, cap):
+    res = lab.run("init", "ctx", "0", "meminfo", **env)
+    assert res.values("meminfo")[1] == cap, res.stderr
+
+
 def test_an_unparsable_limit_is_reported_and_ignored(lab):
     res = lab.run("init", "ctx", "0", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="lots")
     assert res.values("meminfo")[1] == 16 * GIB
