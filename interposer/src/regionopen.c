@@ -77,10 +77,10 @@ static void init_region(struct gpuslice_region *r, const uint8_t boot_id[16])
  * shared file (a symlink or a directory planted at its path) would multiply the budget. */
 int gs_region_private_managed;
 
-/* What a process without the container's shared region gets, for the messages that say so. */
 /* HAMi-core's shared cache starts with this int32 (its initialized_flag) once set up. */
 #define HAMI_CORE_REGION_FLAG 19920718
 
+/* What a process without the container's shared region gets, for the messages that say so. */
 static const char *private_effect(void)
 {
     return gs_env_managed() ? "no device memory is granted to this process" : "caps apply to this process alone";
