@@ -4,6 +4,7 @@ descriptors, the series of its metrics) must go with them, back to where it was 
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import time
@@ -154,6 +155,8 @@ async def test_thousands_of_pods_coming_and_going_leave_nothing_behind(
             peak: dict[str, int] = {}
             for _ in range(5):
                 await cycle()
+            gc.unfreeze()  # descriptors earlier tests left to the collector close now, not
+            gc.collect()   # within the churn (20 open after, 22 before, in a longer run)
             before = (held_state(agent), open_fds(), series(agent))
             pid = 1000
             for batch in range(100 if trouble == "none" else 50):
@@ -190,10 +193,11 @@ async def test_thousands_of_pods_coming_and_going_leave_nothing_behind(
             clocks.tick(ABSENT_TTL)  # the episodes' (the cleanup's grace, the window: less)
             for _ in range(3):
                 await cycle()
+            gc.collect()
             after = (held_state(agent), open_fds(), series(agent))
             assert not list(state.iterdir())
             assert all(v for k, v in peak.items() if k != "inventory.problems"), peak  # all used
-            assert after[1:] == before[1:]
+            assert after[1] <= before[1] and after[2] == before[2], (before[1:], after[1:])
             assert after[0] == before[0], {k: (before[0][k], v) for k, v in after[0].items()
                                            if before[0][k] != v}
 
