@@ -18,6 +18,9 @@ ANN_LIMITS_PREFIX = PREFIX + "limits."
 
 # Node annotation and labels published by the agent.
 ANN_NODE_GPUS = PREFIX + "gpus"
+ANN_NODE_RESOURCES = PREFIX + "resources"
+"""The extended resource names the agent publishes on the node (sorted, comma-separated), so
+that an agent publishing others (``resourceNames`` changed) takes the old ones off."""
 LABEL_GPU_PRODUCT = PREFIX + "gpu.product"
 LABEL_GPU_COUNT = PREFIX + "gpu.count"
 LABEL_GPU_MEMORY = PREFIX + "gpu.memory"

@@ -120,7 +120,8 @@ async def test_publish_sends_exact_merge_patches_to_node_and_status() -> None:
         assert len(meta) == len(status) == 1
         assert meta[0].content_type == status[0].content_type == MERGE_PATCH
         assert meta[0].body == {"metadata": {
-            "annotations": {"gpuslice.io/gpus": ANNOTATION},
+            "annotations": {"gpuslice.io/gpus": ANNOTATION, "gpuslice.io/resources":
+                            "nvidia.com/gpu,nvidia.com/gpucores,nvidia.com/gpumem"},
             "labels": {"gpuslice.io/gpu.product": "NVIDIA-A100-SXM4-80GB",
                        "gpuslice.io/gpu.count": "2", "gpuslice.io/gpu.memory": "81920"}}}
         res = {"nvidia.com/gpu": "10", "nvidia.com/gpumem": "81920", "nvidia.com/gpucores": "100"}
@@ -187,3 +188,131 @@ def test_a_gpu_whose_memory_was_never_readable_is_left_out_of_the_annotation() -
     want = desired_state(Discovery(True, (A, lost)), SETTINGS)
     assert [g.uuid for g in parse_inventory(want.annotation)] == ["GPU-aaaa"]
     assert want.labels["gpuslice.io/gpu.count"] == "1"
+
+
+RENAMED = AgentSettings(node_name="gpu-node-1", resource_gpu="example.com/vgpu",
+                        resource_mem="example.com/vmem", resource_cores="example.com/vcores")
+OLD_NAMES = ("nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores")
+
+
+async def test_renamed_resources_take_the_old_names_off_the_node() -> None:
+    """`helm upgrade --set resourceNames...`: the new agent published the new names and left
+    the old ones in the node's capacity for ever. The webhook then no longer sends pods asking
+    for the old names, so such a pod went to the default scheduler, which found "10
+    nvidia.com/gpu" on the node and started it unmutated: no library, no cap, and a CUDA
+    image's NVIDIA_VISIBLE_DEVICES=all (every GPU of the node)."""
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            await Publisher(api, SETTINGS).publish(TWO)
+            node = kube.get("nodes", "gpu-node-1")
+            assert node["metadata"]["annotations"]["gpuslice.io/resources"] == ",".join(
+                sorted(OLD_NAMES))
+            await Publisher(api, RENAMED).publish(TWO)  # the upgraded agent
+            node = kube.get("nodes", "gpu-node-1")
+            for key in ("capacity", "allocatable"):
+                assert not set(OLD_NAMES) & set(node["status"][key]), node["status"][key]
+                assert node["status"][key]["example.com/vgpu"] == "10"
+            assert node["status"]["capacity"]["cpu"] == "32"  # kubelet's untouched
+            assert node["metadata"]["annotations"]["gpuslice.io/resources"] == (
+                "example.com/vcores,example.com/vgpu,example.com/vmem")
+            assert_valid(node)
+            n = len(kube.requests)
+            outcome = await Publisher(api, RENAMED).publish(TWO)
+        assert not outcome.metadata_patched and not outcome.status_patched
+        assert len(kube.requests) == n + 1  # the read only
+
+
+async def test_an_old_name_published_again_by_another_owner_is_removed_once() -> None:
+    """After the rename, nvidia.com/gpu may belong to another device plugin (kubelet puts its
+    capacity back): the agent takes an old name off once, not at every round."""
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            await Publisher(api, SETTINGS).publish(TWO)
+            await Publisher(api, RENAMED).publish(TWO)
+            node = kube.get("nodes", "gpu-node-1")
+            for key in ("capacity", "allocatable"):
+                node["status"][key]["nvidia.com/gpu"] = "2"  # the device plugin's, by kubelet
+            kube.put(node)
+            await Publisher(api, RENAMED).publish(TWO)
+        assert kube.get("nodes", "gpu-node-1")["status"]["capacity"]["nvidia.com/gpu"] == "2"
+
+
+async def test_a_rename_cut_short_after_the_first_patch_is_finished_by_the_next_round() -> None:
+    """The agent killed (or its status patch refused) between its patches: the names it
+    published before are still recorded, so its next round still takes them off."""
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            await Publisher(api, SETTINGS).publish(TWO)
+            kube.fail("PATCH", r"^/api/v1/nodes/gpu-node-1/status$", 500)
+            with pytest.raises(Exception):  # noqa: B017 (the client's ApiException)
+                await Publisher(api, RENAMED).publish(TWO)
+            recorded = kube.get("nodes", "gpu-node-1")["metadata"]["annotations"][
+                "gpuslice.io/resources"].split(",")
+            assert set(OLD_NAMES) <= set(recorded)
+            await Publisher(api, RENAMED).publish(TWO)
+        node = kube.get("nodes", "gpu-node-1")
+        assert not set(OLD_NAMES) & set(node["status"]["capacity"])
+        assert node["status"]["capacity"]["example.com/vmem"] == "81920"
+
+
+def test_a_record_naming_native_resources_takes_none_of_them_off() -> None:
+    from webhook.node.publish import recorded_resources
+    assert recorded_resources({"gpuslice.io/resources": (
+        "cpu, memory,kubernetes.io/batch,x.kubernetes.io/y,,bad name/x,nvidia.com/gpu ")}) == {
+        "nvidia.com/gpu"}
+    want = desired_state(TWO, RENAMED)
+    patch = status_patch({"nvidia.com/gpu": "10"}, {}, want, {"nvidia.com/gpu": 0, "gone.io/x": 0})
+    assert patch is not None
+    assert patch["status"]["capacity"]["nvidia.com/gpu"] is None
+    assert "gone.io/x" not in patch["status"]["capacity"]  # not on the node: nothing to send
+
+
+def _pod(name: str, containers: list[dict], init: list[dict] | None = None,
+         phase: str = "Running") -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "ml"},
+            "spec": {"nodeName": "gpu-node-1", "containers": containers,
+                     "initContainers": init or []},
+            "status": {"phase": phase}}
+
+
+def _asking(name: str, gpus: int, restart: str | None = None) -> dict:
+    c: dict = {"name": name, "image": "cuda", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}
+    if restart:
+        c["restartPolicy"] = restart
+    return c
+
+
+async def test_an_old_name_pods_still_hold_stays_at_what_they_hold_until_they_end() -> None:
+    """Pods admitted under the old names before the upgrade still run: the kubelet admits
+    them again when it restarts, and rejects one asking for a resource the node has no more
+    of (OutOfnvidia.com/gpu). The old name stays at what they hold, so no new pod fits, and
+    goes when the last of them ends."""
+    async with FakeKube() as kube:
+        kube.put(_node())
+        kube.put(_pod("a", [_asking("c", 1), _asking("d", 2)]))
+        kube.put(_pod("b", [_asking("c", 1)], init=[_asking("i", 3), _asking("s", 1, "Always")]))
+        kube.put(_pod("done", [_asking("c", 4)], phase="Succeeded"))
+        async with kube.api_client() as api:
+            await Publisher(api, SETTINGS).publish(TWO)
+            await Publisher(api, RENAMED).publish(TWO)
+            node = kube.get("nodes", "gpu-node-1")
+            for key in ("capacity", "allocatable"):  # a: 3; b: max(1 + 1, 3); done: 0
+                assert node["status"][key]["nvidia.com/gpu"] == "6"
+                assert "nvidia.com/gpumem" not in node["status"][key]
+                assert node["status"][key]["example.com/vgpu"] == "10"
+            assert "nvidia.com/gpu" in node["metadata"]["annotations"]["gpuslice.io/resources"]
+            n = len(kube.requests_to("PATCH", r"/status$"))
+            await Publisher(api, RENAMED).publish(TWO)
+            assert len(kube.requests_to("PATCH", r"/status$")) == n  # nothing changed
+            kube.delete("pods", "a", "ml")
+            await Publisher(api, RENAMED).publish(TWO)
+            assert kube.get("nodes", "gpu-node-1")["status"]["capacity"]["nvidia.com/gpu"] == "3"
+            kube.delete("pods", "b", "ml")
+            await Publisher(api, RENAMED).publish(TWO)
+        node = kube.get("nodes", "gpu-node-1")
+        assert "nvidia.com/gpu" not in node["status"]["capacity"]
+        assert node["metadata"]["annotations"]["gpuslice.io/resources"] == (
+            "example.com/vcores,example.com/vgpu,example.com/vmem")

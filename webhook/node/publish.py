@@ -10,7 +10,19 @@ What is published (DESIGN.md §4), computed by the pure :func:`desired_state`:
   found) and ``gpuslice.io/gpu.memory`` (the smallest per-GPU memory in MiB);
 - extended resources in ``status.capacity`` and ``status.allocatable``, counting healthy GPUs
   only: gpu = healthy x split count, gpumem = their total MiB, gpucores = 100 x healthy. A node
-  without driver or GPUs publishes zeros, so nothing is scheduled onto it.
+  without driver or GPUs publishes zeros, so nothing is scheduled onto it;
+- annotation ``gpuslice.io/resources``: the extended resource names published (sorted,
+  comma-separated). An agent configured with other names (``resourceNames`` changed by an
+  upgrade) takes the recorded ones off the node's capacity and allocatable: left there, a pod
+  asking for an old name, which the webhook no longer mutates, went to the default scheduler
+  and started on the node without the library or a cap (a CUDA image's
+  ``NVIDIA_VISIBLE_DEVICES=all``: every GPU). While pods of the node still hold an old name
+  (admitted under it before the upgrade), it stays at what they hold (:func:`held_by_pods`):
+  no new pod fits, and the kubelet, which admits its running pods again when it restarts,
+  does not reject them for a resource the node no longer has. The record is widened to the
+  new names before they are published and narrowed only once the old ones are off, so an
+  agent stopped in between leaves them recorded for the next one; each old name is taken off
+  once (another owner, a device plugin, may publish it again).
 
 :class:`Publisher` reads the node first and sends only what differs (quantities compared by
 value: the API server keeps them in canonical form, "1000" as "1k"), as JSON merge patches
@@ -22,8 +34,9 @@ which retries with backoff.
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +47,7 @@ from webhook import names
 from webhook.admission.quantity import QuantityError, parse_quantity
 from webhook.node.config import AgentSettings
 from webhook.node.inventory import Discovery
+from webhook.settings import is_qualified_name
 
 API_ERRORS = (client.ApiException, aiohttp.ClientError, TimeoutError, OSError, ValueError)
 """What a call to the API server may raise: HTTP errors, connection errors, timeouts, and
@@ -90,14 +104,39 @@ def desired_state(discovery: Discovery, settings: AgentSettings) -> NodeState:
     return NodeState(annotation, labels, resources)
 
 
+def recorded_resources(annotations: Mapping[str, str] | None) -> set[str]:
+    """The extended resource names the node's ``gpuslice.io/resources`` records (names of the
+    form ``domain/name`` outside ``kubernetes.io``, so that no edit of it takes a native
+    resource such as ``cpu`` off the node)."""
+    text = (annotations or {}).get(names.ANN_NODE_RESOURCES) or ""
+    out = set()
+    for name in text.split(","):
+        domain, slash, _ = name.strip().partition("/")
+        if slash and is_qualified_name(name.strip()) and domain != "kubernetes.io" \
+                and not domain.endswith(".kubernetes.io"):
+            out.add(name.strip())
+    return out
+
+
+def resources_record(resources: Iterable[str]) -> str:
+    """The ``gpuslice.io/resources`` value for these names."""
+    return ",".join(sorted(set(resources)))
+
+
 def metadata_patch(annotations: Mapping[str, str] | None, labels: Mapping[str, str] | None,
-                   want: NodeState) -> dict[str, Any] | None:
-    """The merge patch that brings the node's metadata to ``want``; None if it already is."""
+                   want: NodeState, record: str | None = None) -> dict[str, Any] | None:
+    """The merge patch that brings the node's metadata to ``want`` (and its
+    ``gpuslice.io/resources`` to ``record``, when given); None if it already is."""
     annotations = annotations or {}
     labels = labels or {}
     meta: dict[str, Any] = {}
+    changed_ann: dict[str, str] = {}
     if annotations.get(names.ANN_NODE_GPUS) != want.annotation:
-        meta["annotations"] = {names.ANN_NODE_GPUS: want.annotation}
+        changed_ann[names.ANN_NODE_GPUS] = want.annotation
+    if record is not None and annotations.get(names.ANN_NODE_RESOURCES) != record:
+        changed_ann[names.ANN_NODE_RESOURCES] = record
+    if changed_ann:
+        meta["annotations"] = changed_ann
     changed = {k: v for k, v in want.labels.items() if labels.get(k) != v}
     if changed:
         meta["labels"] = changed
@@ -113,15 +152,64 @@ def _same_quantity(have: str | None, want: str) -> bool:
         return False
 
 
+def held_by_pods(pods: Iterable[client.V1Pod], resources: Iterable[str]) -> dict[str, int]:
+    """How much of each of ``resources`` the pods hold, as the kubelet counts a pod at
+    admission: its app containers and sidecars (restartable init containers) together, or an
+    init container beside the sidecars started before it, whichever is more (requests, else
+    limits). Pods that finished hold nothing."""
+    held = dict.fromkeys(resources, 0)
+    for pod in pods:
+        if pod.status is not None and pod.status.phase in ("Succeeded", "Failed"):
+            continue
+        spec = pod.spec
+        if spec is None:
+            continue
+        for name in held:
+            sidecars = init_peak = 0
+            for c in spec.init_containers or []:
+                if c.restart_policy == "Always":
+                    sidecars += _asks(c, name)
+                else:
+                    init_peak = max(init_peak, sidecars + _asks(c, name))
+            apps = sum(_asks(c, name) for c in spec.containers or [])
+            held[name] += max(apps + sidecars, init_peak)
+    return held
+
+
+def _asks(container: client.V1Container, name: str) -> int:
+    res = container.resources
+    if res is None:
+        return 0
+    value = (res.requests or {}).get(name, (res.limits or {}).get(name))
+    try:
+        return max(0, math.ceil(parse_quantity(value))) if value is not None else 0
+    except QuantityError:
+        return 0
+
+
 def status_patch(capacity: Mapping[str, str] | None, allocatable: Mapping[str, str] | None,
-                 want: NodeState) -> dict[str, Any] | None:
-    """The merge patch for ``nodes/{name}/status``; None if capacity and allocatable match."""
+                 want: NodeState, old: Mapping[str, int] | None = None) -> dict[str, Any] | None:
+    """The merge patch for ``nodes/{name}/status``; None if capacity and allocatable match.
+
+    ``old``: names no longer published, each at what pods still hold of it (0: taken off)."""
     capacity = capacity or {}
     allocatable = allocatable or {}
-    if all(_same_quantity(capacity.get(k), v) and _same_quantity(allocatable.get(k), v)
-           for k, v in want.resources.items()):
+    body: dict[str, str | None] = {}
+    for k, held in (old or {}).items():
+        if k in want.resources:
+            continue
+        if held > 0:
+            if not (_same_quantity(capacity.get(k), str(held))
+                    and _same_quantity(allocatable.get(k), str(held))):
+                body[k] = str(held)
+        elif k in capacity or k in allocatable:
+            body[k] = None
+    if not body and all(_same_quantity(capacity.get(k), v)
+                        and _same_quantity(allocatable.get(k), v)
+                        for k, v in want.resources.items()):
         return None
-    return {"status": {"capacity": dict(want.resources), "allocatable": dict(want.resources)}}
+    body.update(want.resources)
+    return {"status": {"capacity": dict(body), "allocatable": dict(body)}}
 
 
 @dataclass(frozen=True)
@@ -144,18 +232,31 @@ class Publisher:
         """Bring the node's annotation, labels and resources to the discovered state."""
         want = desired_state(discovery, self._settings)
         node = await self._api.read_node(self._node, _request_timeout=TIMEOUT)
-        meta = metadata_patch(node.metadata.annotations, node.metadata.labels, want)
+        annotations = node.metadata.annotations or {}
+        stale = recorded_resources(annotations) - set(want.resources)
+        # recorded before they are published; the old ones stay recorded until they are off
+        meta = metadata_patch(annotations, node.metadata.labels, want,
+                              resources_record([*want.resources, *stale]))
         # The generated client accepts _content_type at run time (its **kwargs), though its
         # signature does not declare it; without it a dict body goes as strategic-merge.
         if meta is not None:
             await self._api.patch_node(  # type: ignore[call-arg]
                 self._node, meta, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
         status = node.status or client.V1NodeStatus()
-        spatch = status_patch(status.capacity, status.allocatable, want)
+        capacity, allocatable = status.capacity or {}, status.allocatable or {}
+        on_node = {k for k in stale if k in capacity or k in allocatable}
+        held = held_by_pods(await self.node_pods(cached=True), on_node) if on_node else {}
+        spatch = status_patch(capacity, allocatable, want, held)
         if spatch is not None:
             await self._api.patch_node_status(  # type: ignore[call-arg]
                 self._node, spatch, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
-        return PublishOutcome(meta is not None, spatch is not None)
+        forget = bool(stale) and not any(held.values())
+        if forget:  # off the node now: forgotten, so taken off only once
+            await self._api.patch_node(  # type: ignore[call-arg]
+                self._node, {"metadata": {"annotations": {
+                    names.ANN_NODE_RESOURCES: resources_record(want.resources)}}},
+                _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
+        return PublishOutcome(meta is not None or forget, spatch is not None)
 
     async def live_pod_uids(self) -> set[str]:
         """UIDs of every pod the API server has on this node (all pages; raises on error)."""
