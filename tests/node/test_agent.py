@@ -356,3 +356,35 @@ async def test_an_install_failure_shows_in_the_metrics(tmp_path: Path) -> None:
         assert "gpuslice_agent_install_errors_total 1.0" in text
     finally:
         await agent.close()
+
+
+async def test_a_library_clean_up_blocked_by_the_proc_scan_shows_in_the_metrics(
+        tmp_path: Path) -> None:
+    """A process the agent cannot inspect (AppArmor, no SYS_PTRACE, a /proc that is not the
+    host's) keeps every old library, round after round, with a warning in the log only: the
+    metrics must say that old libraries are left and that the clean-up is blocked, so an
+    operator can alert on it; and both clear once the scan is whole again."""
+    settings = _settings(tmp_path, kube_enabled=False, node_name="")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "libgpuslice.so.0.0.9").write_bytes(b"\x7fELF" + b"older" * 50)
+    proc = tmp_path / "proc"
+    (proc / "2" / "maps").mkdir(parents=True)  # reading it fails with an error other than ENOENT
+    agent = Agent(settings, LIB, inventory=Inventory(FakeNvml([])))
+    await agent.start()
+    try:
+        assert await agent.step() == settings.interval
+        assert (lib / "libgpuslice.so.0.0.9").exists()
+        text = await _scrape(agent.metrics_port)
+        assert "gpuslice_agent_library_cleanup_blocked 1.0" in text
+        assert "gpuslice_agent_old_libraries 1.0" in text
+        (proc / "2" / "maps").rmdir()
+        (proc / "2" / "maps").write_text("")
+        await agent.step()
+        assert not (lib / "libgpuslice.so.0.0.9").exists()
+        text = await _scrape(agent.metrics_port)
+        assert "gpuslice_agent_library_cleanup_blocked 0.0" in text
+        assert "gpuslice_agent_old_libraries 0.0" in text
+        assert "gpuslice_agent_libraries_removed_total 1.0" in text
+    finally:
+        await agent.close()

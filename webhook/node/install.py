@@ -288,50 +288,73 @@ def _named_by_host_preload(host: Path) -> set[str] | None:
     return {os.path.basename(t) for t in re.split(r"[\s:]+", text) if LIB_STEM in t}
 
 
+@dataclass
+class LibraryCleanup:
+    """What one clean-up of the library dir did (:func:`clean_up_libraries`)."""
+
+    removed: list[str] = field(default_factory=list)
+    """Names removed: old library versions and stale temp files."""
+    kept: list[str] = field(default_factory=list)
+    """Old library versions left in place: in use, or not known not to be."""
+    blocked: str = ""
+    """Why no old library could be judged this time ("" when they were): a process that could
+    not be inspected, the host's ld.so.preload unreadable, the dir not lockable."""
+
+
 def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
                   now: float | None = None) -> list[str]:
     """Remove old library versions nothing uses and stale temp files; return what went."""
+    return clean_up_libraries(host_dir, current, proc_root, now).removed
+
+
+def clean_up_libraries(host_dir: str | Path, current: Path, proc_root: str | Path,
+                       now: float | None = None) -> LibraryCleanup:
+    """As :func:`remove_unused`, and say what was kept and whether the clean-up was blocked."""
     host = Path(host_dir)
     now = time.time() if now is None else now
-    removed: list[str] = []
+    out = LibraryCleanup()
     candidates: list[Path] = []
     try:
         entries = list(os.scandir(host))
     except OSError as exc:
         logger.warning("cannot list the library dir", extra={"dir": str(host), "error": str(exc)})
-        return removed
+        out.blocked = f"cannot list {host}: {exc}"
+        return out
     for entry in entries:
         path = host / entry.name
         if entry.name.startswith(TMP_PREFIX):
             try:
                 if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
                     path.unlink()
-                    removed.append(entry.name)
+                    out.removed.append(entry.name)
             except OSError:
                 pass
         elif entry.name.startswith(LIB_STEM + ".") and entry.name != current.name \
                 and entry.is_file(follow_symlinks=False):
             candidates.append(path)
     if not candidates:
-        return removed
+        return out
+    out.kept = sorted(p.name for p in candidates)
     scan = scan_proc(proc_root)
     if not scan.complete:
         logger.warning("some processes could not be inspected; old libraries kept (the agent "
                        "needs the host's /proc, SYS_PTRACE and no AppArmor confinement)",
                        extra={"proc": str(proc_root), "error": scan.first_error})
-        return removed
+        out.blocked = f"a process could not be inspected: {scan.first_error}"
+        return out
     try:
         with _dir_locked(host):  # no other agent's install in between
-            _remove(candidates, host, scan, removed)
+            _remove(candidates, host, scan, out)
     except OSError as exc:
         logger.warning("cannot lock the library dir; old libraries kept",
                        extra={"dir": str(host), "error": str(exc)})
-    return removed
+        out.blocked = f"cannot lock {host}: {exc}"
+    return out
 
 
-def _remove(candidates: list[Path], host: Path, scan: ProcScan, removed: list[str]) -> None:
+def _remove(candidates: list[Path], host: Path, scan: ProcScan, out: LibraryCleanup) -> None:
     """Remove the candidates that neither the scan nor the host's ld.so.preload finds in use
-    (the library dir locked); append their names to ``removed``."""
+    (the library dir locked); move their names from ``out.kept`` to ``out.removed``."""
     for path in candidates:
         try:
             st = path.stat()
@@ -345,6 +368,7 @@ def _remove(candidates: list[Path], host: Path, scan: ProcScan, removed: list[st
         # the host's file at its own library meanwhile, and containers starting now mount it.
         named = _named_by_host_preload(host)
         if named is None:
+            out.blocked = f"cannot read {host / PRELOAD_NAME}"
             return
         if path.name in named:
             continue
@@ -354,5 +378,6 @@ def _remove(candidates: list[Path], host: Path, scan: ProcScan, removed: list[st
             logger.warning("cannot remove old library", extra={"path": str(path),
                                                                "error": str(exc)})
             continue
-        removed.append(path.name)
+        out.kept.remove(path.name)
+        out.removed.append(path.name)
         logger.info("old library removed", extra={"path": str(path)})

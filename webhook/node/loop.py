@@ -167,9 +167,11 @@ class Agent:
             return False
         self.installed = result
         self.status.library = result.library.name
-        removed = install.remove_unused(s.host_library_dir, result.library, s.proc_root)
-        self.status.libraries_removed += sum(1 for n in removed
+        done = install.clean_up_libraries(s.host_library_dir, result.library, s.proc_root)
+        self.status.libraries_removed += sum(1 for n in done.removed
                                              if n.startswith(install.LIB_STEM))
+        self.status.old_libraries = len(done.kept)
+        self.status.library_cleanup_blocked = bool(done.blocked)
         return True
 
     def _share_state_dirs(self) -> bool:
