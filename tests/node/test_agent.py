@@ -438,6 +438,9 @@ async def test_a_library_a_sandboxed_gpu_pod_started_with_is_kept_while_it_runs(
             long_ago = time.time() - 7200
             os.utime(lib / "ld.so.preload", (long_ago, long_ago))
             _gpu_pod(kube, "newer", started=long_ago + 600)
+            kube.fail("GET", r"^/api/v1/pods$", 500)  # no list: nothing known, nothing goes
+            assert await agent.step() < settings.interval
+            assert old.exists()
             assert await agent.step() == settings.interval
             assert not old.exists()
             assert agent.status.libraries_removed == 1 and agent.status.old_libraries == 0

@@ -259,8 +259,13 @@ class Agent:
         s, now = self.settings, self._clock()
         try:
             pods = await self.publisher.node_pods(cached=True)
-            if installed:
-                await asyncio.to_thread(self._clean_libraries, oldest_gpu_container(pods))
+        except API_ERRORS as exc:
+            logger.warning("listing the node's pods failed; no state dir or old library removed",
+                           extra={"node": self.settings.node_name, "error": api_error(exc)})
+            return False
+        if installed:  # (the watch cache's lag is within install.PINNED_MARGIN_S)
+            await asyncio.to_thread(self._clean_libraries, oldest_gpu_container(pods))
+        try:
             names = {p.metadata.uid: (p.metadata.namespace or "", p.metadata.name or "")
                      for p in pods if p.metadata and p.metadata.uid}
             self.collector.pod_names = names  # the metrics' names for the pods' state dirs
