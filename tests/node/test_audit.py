@@ -1146,5 +1146,7 @@ async def test_an_agent_restarted_while_its_eviction_runs_does_not_evict_again(
         assert report.holdings[0].over(0)  # still over: reported, in the metrics
         assert kube.requests_to("POST", "/eviction") == []
         assert restarted.evictions == 0 and restarted.errors == 0
+        (event,) = [o for (p, _, _), o in kube.objects.items() if p == "events"]
+        assert "being deleted already" in event["message"]
         await restarted.check()
         assert kube.requests_to("POST", "/eviction") == []

@@ -802,6 +802,8 @@ class Auditor:
             what = (f"evicting after {self.rounds} checks over it"
                     if self.compute_action == "evict"
                     else "not acted on (compute over-limit action none)")
+            if t.deleting and self.compute_action == "evict":
+                what = "not evicted: the pod is being deleted already"
             return (f"container {t.container} used {found.percent:.0f} % of GPU {found.uuid}'s "
                     f"time over the last {found.covered:.0f} s (NVML, pids "
                     f"{', '.join(map(str, found.pids))}), over its compute limit of "
@@ -809,6 +811,8 @@ class Auditor:
         h = found
         what = (f"evicting after {self.rounds} checks over it" if self.action == "evict"
                 else "not acted on (--over-limit-action none)")
+        if t.deleting and self.action == "evict":
+            what = "not evicted: the pod is being deleted already"
         if h.assigned:
             over = f"over its cap of {(h.cap_bytes or 0) // MIB} MiB"
         elif t.gpus:
