@@ -356,3 +356,91 @@ async def test_an_install_failure_shows_in_the_metrics(tmp_path: Path) -> None:
         assert "gpuslice_agent_install_errors_total 1.0" in text
     finally:
         await agent.close()
+
+
+async def test_a_library_clean_up_blocked_by_the_proc_scan_shows_in_the_metrics(
+        tmp_path: Path) -> None:
+    """A process the agent cannot inspect (AppArmor, no SYS_PTRACE, a /proc that is not the
+    host's) keeps every old library, round after round, with a warning in the log only: the
+    metrics must say that old libraries are left and that the clean-up is blocked, so an
+    operator can alert on it; and both clear once the scan is whole again."""
+    settings = _settings(tmp_path, kube_enabled=False, node_name="")
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "libgpuslice.so.0.0.9").write_bytes(b"\x7fELF" + b"older" * 50)
+    proc = tmp_path / "proc"
+    (proc / "2" / "maps").mkdir(parents=True)  # reading it fails with an error other than ENOENT
+    agent = Agent(settings, LIB, inventory=Inventory(FakeNvml([])))
+    await agent.start()
+    try:
+        assert await agent.step() == settings.interval
+        assert (lib / "libgpuslice.so.0.0.9").exists()
+        text = await _scrape(agent.metrics_port)
+        assert "gpuslice_agent_library_cleanup_blocked 1.0" in text
+        assert "gpuslice_agent_old_libraries 1.0" in text
+        (proc / "2" / "maps").rmdir()
+        (proc / "2" / "maps").write_text("")
+        await agent.step()
+        assert not (lib / "libgpuslice.so.0.0.9").exists()
+        text = await _scrape(agent.metrics_port)
+        assert "gpuslice_agent_library_cleanup_blocked 0.0" in text
+        assert "gpuslice_agent_old_libraries 0.0" in text
+        assert "gpuslice_agent_libraries_removed_total 1.0" in text
+    finally:
+        await agent.close()
+
+
+def _gpu_pod(kube: FakeKube, name: str, started: float, runtime: str = "gvisor") -> None:
+    """A running GPU pod the webhook mutated (so its containers bind-mount the host's
+    ld.so.preload), in a sandbox runtime, its container started at ``started`` (Unix time)."""
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
+    kube.put({"apiVersion": "v1", "kind": "Pod",
+              "metadata": {"name": name, "namespace": "ml",
+                           "annotations": {"gpuslice.io/mutated": "true"}},
+              "spec": {"nodeName": NODE, "runtimeClassName": runtime,
+                       "containers": [{"name": "main", "image": "cuda"}]},
+              "status": {"phase": "Running", "containerStatuses": [
+                  {"name": "main", "ready": True, "restartCount": 0, "image": "cuda",
+                   "imageID": "", "containerID": "containerd://" + "ab" * 32,
+                   "state": {"running": {"startedAt": at}}}]}})
+
+
+async def test_a_library_a_sandboxed_gpu_pod_started_with_is_kept_while_it_runs(
+        tmp_path: Path) -> None:
+    """A container's /etc/ld.so.preload is a bind mount of the host's file as it was when the
+    container started: it names the library of then. The clean-up finds a library in use
+    through /proc, which does not show the processes of a Kata or gVisor sandbox (a VM, a
+    user-space kernel; the webhook mounts the library into such pods as into any other). After
+    an upgrade, the old library went at once, and the sandboxed pod's next program (an exec, a
+    shell's next command) found its preload missing and ran without the interposer: no cap.
+    The API server lists the pod and when its container started: before the host's file last
+    changed, so the library it names may be any older one."""
+    settings = _settings(tmp_path)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    old = lib / "libgpuslice.so.0.0.9"
+    old.write_bytes(b"\x7fELF" + b"older" * 50)
+    (lib / "ld.so.preload").write_text(f"/usr/local/gpuslice/{old.name}\n")
+    hour_ago = time.time() - 3600
+    os.utime(lib / "ld.so.preload", (hour_ago, hour_ago))
+    async with FakeKube() as kube:
+        kube.put(_node())
+        _gpu_pod(kube, "sandboxed", started=hour_ago + 600)  # pinned the file naming 0.0.9
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            assert await agent.step() == settings.interval  # the upgrade to 0.1.0
+            assert (lib / "ld.so.preload").read_text() == \
+                "/usr/local/gpuslice/libgpuslice.so.0.1.0\n"
+            assert old.exists(), "removed while a GPU pod started with it still runs"
+            assert agent.status.old_libraries == 1
+            # a pod started well after the change pinned the new file: it keeps nothing
+            kube.delete("pods", "sandboxed", "ml")
+            long_ago = time.time() - 7200
+            os.utime(lib / "ld.so.preload", (long_ago, long_ago))
+            _gpu_pod(kube, "newer", started=long_ago + 600)
+            kube.fail("GET", r"^/api/v1/pods$", 500)  # no list: nothing known, nothing goes
+            assert await agent.step() < settings.interval
+            assert old.exists()
+            assert await agent.step() == settings.interval
+            assert not old.exists()
+            assert agent.status.libraries_removed == 1 and agent.status.old_libraries == 0

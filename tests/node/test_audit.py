@@ -1126,3 +1126,27 @@ async def test_a_pid_nvml_lists_since_before_its_holder_started_is_not_placed(
         ticks[0] += 1000
         assert {h.tracked.pod: h.used_bytes for h in (await auditor.check()).holdings} == \
             {"victim": 896 * MIB}
+
+
+async def test_an_agent_restarted_while_its_eviction_runs_does_not_evict_again(
+        tmp_path: Path) -> None:
+    """The agent evicted a pod over its cap; the pod terminates for its grace period (its
+    process still holds the memory) and the agent restarts meanwhile (a rollout, a crash): the
+    new agent does not know of its eviction. The API server lists the pod as being deleted:
+    it is not asked for again (a second eviction, counted and logged as one, for one pod)."""
+    node = Node(tmp_path)
+    pod = one_gpu("hog", 4096)
+    node.run_in(pod, "a", 5000, {0: 5 * GIB})
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    pod["metadata"]["deletionGracePeriodSeconds"] = 600
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        restarted = _auditor(node, api, action="evict", rounds=1)
+        report = await restarted.check()
+        assert report.holdings[0].over(0)  # still over: reported, in the metrics
+        assert kube.requests_to("POST", "/eviction") == []
+        assert restarted.evictions == 0 and restarted.errors == 0
+        (event,) = [o for (p, _, _), o in kube.objects.items() if p == "events"]
+        assert "being deleted already" in event["message"]
+        await restarted.check()
+        assert kube.requests_to("POST", "/eviction") == []

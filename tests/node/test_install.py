@@ -461,3 +461,35 @@ def test_a_read_only_library_dir_needs_no_write_when_all_is_in_place(
         install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0")
     assert (lib / "ld.so.preload").read_text() == f"{TARGET}/libgpuslice.so.0.1.0\n"
     assert sorted(p.name for p in lib.iterdir()) == ["ld.so.preload", "libgpuslice.so.0.1.0"]
+
+
+def test_no_old_library_goes_while_a_gpu_container_may_have_pinned_a_preload_naming_it(
+        tmp_path: Path) -> None:
+    """/proc shows no process of a sandboxed pod (Kata, gVisor): the oldest running GPU
+    container's start, from the API server, keeps every old library where it may have bind-
+    mounted the host's ld.so.preload before it last changed; None (no API server) does not."""
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    proc = _proc(tmp_path)
+    changed = (lib / "ld.so.preload").stat().st_mtime
+    later = changed + 3600
+    clean = install.clean_up_libraries
+    # started before the change, or so soon after that its mounts may predate it
+    for started in (changed - 10, changed + install.PINNED_MARGIN_S - 1):
+        got = clean(lib, cur, proc, later, oldest_container=started)
+        assert got.removed == [] and got.kept == [old.name] and not got.blocked
+    # no GPU container, but the change is too recent for the pod list to show every one
+    got = clean(lib, cur, proc, changed + 1, oldest_container=float("inf"))
+    assert got.removed == [] and got.kept == [old.name]
+    assert old.exists()
+    got = clean(lib, cur, proc, later, oldest_container=changed + install.PINNED_MARGIN_S + 1)
+    assert got.removed == [old.name] and got.kept == [] and not got.blocked
+
+
+def test_without_a_pod_list_proc_alone_tells(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    old = install.install(LIB_V1, lib, TARGET, "0.1.0").library
+    cur = install.install(LIB_V1_REBUILT, lib, TARGET, "0.2.0").library
+    got = install.clean_up_libraries(lib, cur, _proc(tmp_path), oldest_container=None)
+    assert got.removed == [old.name] and got.kept == []

@@ -29,7 +29,8 @@ and recorded as a Warning Event on the pod; with ``--over-limit-action evict`` a
 in ``--over-limit-rounds`` checks of one episode is evicted through the Eviction API (so
 PodDisruptionBudgets hold: a refused eviction is retried at the next check, a conflicting one
 too unless the pod is gone; the pod's UID is its precondition, so a pod made since under the
-same name is not evicted). An episode ends after as many checks in a row under the cap, so
+same name is not evicted; nor is one the API server lists as being deleted: the eviction of an
+agent before a restart). An episode ends after as many checks in a row under the cap, so
 dipping under now and then does not evade it; a check that finds no process of the container
 on the GPU counts as neither (nor, for compute, one before the container has run on the GPU
 for a whole window: the window holds time it did not run), and episodes are the pod's
@@ -214,6 +215,8 @@ class Tracked:
     """The GPUs assigned to it (``gpuslice.io/devices.<name>``); None where not annotated."""
     cores: int | None = None
     """Its compute limit (``CUDA_DEVICE_SM_LIMIT``, % of each GPU's time); None: none."""
+    deleting: bool = False
+    """Its pod was being deleted when listed (an eviction of an agent before a restart, say)."""
 
     @property
     def who(self) -> tuple[str, str]:
@@ -299,7 +302,8 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
                     gpus = frozenset(u.strip() for u in devices.split(",") if u.strip())
             kind = "initContainers" if st.name in inits else "containers"
             out[ident] = Tracked(meta.namespace or "", meta.name or "", meta.uid or "",
-                                 st.name, cap, f"spec.{kind}{{{st.name}}}", gpus, cores)
+                                 st.name, cap, f"spec.{kind}{{{st.name}}}", gpus, cores,
+                                 meta.deletion_timestamp is not None)
             if before is not None and before != ident:
                 out.setdefault(before, out[ident])
     return out
@@ -750,7 +754,10 @@ class Auditor:
             action = self.action if isinstance(found, Holding) else self.compute_action
             pod_uid = found.tracked.pod_uid
             if action == "evict" and ep.rounds >= self.rounds and not ep.evicted:
-                ep.evicted = pod_uid in self._evicted or await self._evict(found)
+                # (a pod listed as being deleted terminates already: an agent restarted after
+                # its eviction, which it does not remember, must not ask for it again)
+                ep.evicted = pod_uid in self._evicted or found.tracked.deleting or \
+                    await self._evict(found)
                 if ep.evicted:
                     self._evicted.setdefault(pod_uid, now)
         for key, ep in list(self._episodes.items()):
@@ -795,6 +802,8 @@ class Auditor:
             what = (f"evicting after {self.rounds} checks over it"
                     if self.compute_action == "evict"
                     else "not acted on (compute over-limit action none)")
+            if t.deleting and self.compute_action == "evict":
+                what = "not evicted: the pod is being deleted already"
             return (f"container {t.container} used {found.percent:.0f} % of GPU {found.uuid}'s "
                     f"time over the last {found.covered:.0f} s (NVML, pids "
                     f"{', '.join(map(str, found.pids))}), over its compute limit of "
@@ -802,6 +811,8 @@ class Auditor:
         h = found
         what = (f"evicting after {self.rounds} checks over it" if self.action == "evict"
                 else "not acted on (--over-limit-action none)")
+        if t.deleting and self.action == "evict":
+            what = "not evicted: the pod is being deleted already"
         if h.assigned:
             over = f"over its cap of {(h.cap_bytes or 0) // MIB} MiB"
         elif t.gpus:

@@ -21,9 +21,14 @@ matched by device and inode, and by file name) and no running mount namespace's
 entrypoint is static would otherwise lose its library before its next dynamic process), and
 the library dir's own ``ld.so.preload`` does not name it (read after the scan: another agent of
 the node, in a rolling update's overlap or a rollback, may have pointed it at its version). If
-any process cannot be inspected, nothing is removed that round. An install and the removals
-each hold an exclusive ``flock`` on the library dir, so another agent's removal never falls
-between an install's finding its library in place and pointing ld.so.preload at it.
+any process cannot be inspected, nothing is removed that round. /proc does not show the
+processes of a sandboxed pod (Kata's VM, gVisor's user-space kernel; the webhook mounts the
+library into such pods as into any other), so where the agent lists the node's pods, no old
+library goes while a GPU pod's container runs that started before the host's ld.so.preload
+last changed (or within :data:`PINNED_MARGIN_S` after): its bind mount names the library of
+then, which may be any older one. An install and the removals each hold an exclusive
+``flock`` on the library dir, so another agent's removal never falls between an install's
+finding its library in place and pointing ld.so.preload at it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ PRELOAD_READ_LIMIT = 1 << 16
 """Bytes of a container's ld.so.preload read (a real one names a library or two)."""
 TMP_PREFIX = ".gpuslice-tmp-"
 STALE_TMP_SECONDS = 600.0
+PINNED_MARGIN_S = 60.0
+"""How long after the host's ld.so.preload changed a container's start may still have pinned
+the file before it: the runtime makes a container's mounts before it starts it (a sandbox's
+VM boots in between), the API server gives start times in whole seconds, and its list may
+show a container running some seconds after it started."""
 _ELF_MAGIC = b"\x7fELF"
 _MAPS_LINE = re.compile(
     r"^\S+\s+\S+\s+\S+\s+(?P<major>[0-9a-fA-F]+):(?P<minor>[0-9a-fA-F]+)\s+(?P<ino>\d+)\s+"
@@ -288,50 +298,103 @@ def _named_by_host_preload(host: Path) -> set[str] | None:
     return {os.path.basename(t) for t in re.split(r"[\s:]+", text) if LIB_STEM in t}
 
 
+@dataclass
+class LibraryCleanup:
+    """What one clean-up of the library dir did (:func:`clean_up_libraries`)."""
+
+    removed: list[str] = field(default_factory=list)
+    """Names removed: old library versions and stale temp files."""
+    kept: list[str] = field(default_factory=list)
+    """Old library versions left in place: in use, or not known not to be."""
+    blocked: str = ""
+    """Why no old library could be judged this time ("" when they were): a process that could
+    not be inspected, the host's ld.so.preload unreadable, the dir not lockable."""
+
+
 def remove_unused(host_dir: str | Path, current: Path, proc_root: str | Path,
                   now: float | None = None) -> list[str]:
     """Remove old library versions nothing uses and stale temp files; return what went."""
+    return clean_up_libraries(host_dir, current, proc_root, now).removed
+
+
+def clean_up_libraries(host_dir: str | Path, current: Path, proc_root: str | Path,
+                       now: float | None = None, *,
+                       oldest_container: float | None = None) -> LibraryCleanup:
+    """As :func:`remove_unused`, and say what was kept and whether the clean-up was blocked.
+
+    ``oldest_container``: where the agent has the API server's list of the node's pods, when
+    the oldest running container of a GPU pod started (Unix time; ``math.inf`` for none), and
+    None where it has no API server (then ``<proc>`` alone tells). While one runs that started
+    before the host's ``ld.so.preload`` last changed, or within :data:`PINNED_MARGIN_S` after,
+    every old library stays (see the module's notes)."""
     host = Path(host_dir)
     now = time.time() if now is None else now
-    removed: list[str] = []
+    out = LibraryCleanup()
     candidates: list[Path] = []
     try:
         entries = list(os.scandir(host))
     except OSError as exc:
         logger.warning("cannot list the library dir", extra={"dir": str(host), "error": str(exc)})
-        return removed
+        out.blocked = f"cannot list {host}: {exc}"
+        return out
     for entry in entries:
         path = host / entry.name
         if entry.name.startswith(TMP_PREFIX):
             try:
                 if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
                     path.unlink()
-                    removed.append(entry.name)
+                    out.removed.append(entry.name)
             except OSError:
                 pass
         elif entry.name.startswith(LIB_STEM + ".") and entry.name != current.name \
                 and entry.is_file(follow_symlinks=False):
             candidates.append(path)
     if not candidates:
-        return removed
+        return out
+    out.kept = sorted(p.name for p in candidates)
     scan = scan_proc(proc_root)
     if not scan.complete:
         logger.warning("some processes could not be inspected; old libraries kept (the agent "
                        "needs the host's /proc, SYS_PTRACE and no AppArmor confinement)",
                        extra={"proc": str(proc_root), "error": scan.first_error})
-        return removed
+        out.blocked = f"a process could not be inspected: {scan.first_error}"
+        return out
     try:
         with _dir_locked(host):  # no other agent's install in between
-            _remove(candidates, host, scan, removed)
+            if not _pinned(host, oldest_container, now, out):
+                _remove(candidates, host, scan, out)
     except OSError as exc:
         logger.warning("cannot lock the library dir; old libraries kept",
                        extra={"dir": str(host), "error": str(exc)})
-    return removed
+        out.blocked = f"cannot lock {host}: {exc}"
+    return out
 
 
-def _remove(candidates: list[Path], host: Path, scan: ProcScan, removed: list[str]) -> None:
+def _pinned(host: Path, oldest_container: float | None, now: float,
+            out: LibraryCleanup) -> bool:
+    """Whether a running GPU container may have pinned an ld.so.preload that names an old
+    library (then none may go): one started before the host's file last changed, or so soon
+    after that its mounts may have been made before. Within that time of a change, too: the
+    API server may not list a container started just before it as running yet."""
+    if oldest_container is None:
+        return False
+    try:
+        changed = (host / PRELOAD_NAME).stat().st_mtime
+    except OSError as exc:
+        logger.warning("cannot read the library dir's ld.so.preload; old libraries kept",
+                       extra={"dir": str(host), "error": str(exc)})
+        out.blocked = f"cannot stat {host / PRELOAD_NAME}: {exc}"
+        return True
+    pinned = min(oldest_container, now) < changed + PINNED_MARGIN_S
+    if pinned:
+        logger.debug("old libraries kept: a GPU container may have started with one",
+                     extra={"preload_changed": changed, "oldest_container": oldest_container})
+    return pinned
+
+
+def _remove(candidates: list[Path], host: Path, scan: ProcScan, out: LibraryCleanup) -> None:
     """Remove the candidates that neither the scan nor the host's ld.so.preload finds in use
-    (the library dir locked); append their names to ``removed``."""
+    (the library dir locked); move their names from ``out.kept`` to ``out.removed``."""
     for path in candidates:
         try:
             st = path.stat()
@@ -345,6 +408,7 @@ def _remove(candidates: list[Path], host: Path, scan: ProcScan, removed: list[st
         # the host's file at its own library meanwhile, and containers starting now mount it.
         named = _named_by_host_preload(host)
         if named is None:
+            out.blocked = f"cannot read {host / PRELOAD_NAME}"
             return
         if path.name in named:
             continue
@@ -354,5 +418,6 @@ def _remove(candidates: list[Path], host: Path, scan: ProcScan, removed: list[st
             logger.warning("cannot remove old library", extra={"path": str(path),
                                                                "error": str(exc)})
             continue
-        removed.append(path.name)
+        out.kept.remove(path.name)
+        out.removed.append(path.name)
         logger.info("old library removed", extra={"path": str(path)})

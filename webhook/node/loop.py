@@ -3,11 +3,14 @@
 Start the metrics server, then loop. Each round, and again every ``--interval``:
 
 1. discover the GPUs (a node without driver or GPUs is logged once and publishes zeros);
-2. install the library and ld.so.preload (idempotent), then remove old versions nothing uses;
-   make the state dirs writable by every container user (``cleanup.share_state_dirs``);
+2. install the library and ld.so.preload (idempotent); make the state dirs writable by every
+   container user (``cleanup.share_state_dirs``);
 3. publish the annotation, labels and extended resources, but only once the library is in
    place, so no GPU pod is scheduled onto a node that cannot isolate it;
-4. remove the state dirs of pods the API server no longer has on the node.
+4. list the node's pods, then remove the old library versions nothing uses (no GPU container
+   that started before the last change of ld.so.preload running: /proc does not show a
+   sandbox's processes) and the state dirs of pods the API server no longer has on the node.
+   Without an API server (``--no-kube``) the old libraries go after step 2, by /proc alone.
 
 Beside the rounds, every ``--audit-interval``: the outside check (:mod:`webhook.node.audit`),
 each container's GPU memory as NVML sees it against its cap, and its share of each GPU's time
@@ -36,17 +39,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC
 
 from aiohttp import web
 from kubernetes_asyncio import client, config
 
+from webhook import names
 from webhook.node import cleanup, install
 from webhook.node.audit import MIB, Auditor
 from webhook.node.compute import SAMPLE_INTERVAL
@@ -72,6 +78,25 @@ Python would wait for it forever)."""
 SHUTDOWN_BOUND_S = 2 * METRICS_SHUTDOWN_S + NVML_CLOSE_S + 0.5 + EXIT_WAIT_S
 """The most a SIGTERM'd agent takes to exit, less than the pod's grace period (the chart sets
 none: Kubernetes' 30 s; tests/chart/test_chart_wiring.py checks it)."""
+
+def oldest_gpu_container(pods: Iterable[client.V1Pod]) -> float:
+    """When the oldest running container of a pod the webhook mutated started (Unix time; one
+    without a start time counts as the oldest), ``math.inf`` for none: each such container
+    bind-mounts the host's ld.so.preload as it was then."""
+    oldest = math.inf
+    for pod in pods:
+        meta, status = pod.metadata, pod.status
+        if not meta or not status or names.ANN_MUTATED not in (meta.annotations or {}):
+            continue
+        for st in [*(status.container_statuses or []), *(status.init_container_statuses or [])]:
+            running = st.state.running if st.state else None
+            if running is not None:
+                started = running.started_at
+                if started is not None and started.tzinfo is None:
+                    started = started.replace(tzinfo=UTC)  # (the API server's times are UTC)
+                oldest = min(oldest, started.timestamp() if started else -math.inf)
+    return oldest
+
 
 class Backoff:
     """Exponential backoff with equal jitter: the n-th delay is in [d/2, d], d = base x 2^n."""
@@ -167,10 +192,18 @@ class Agent:
             return False
         self.installed = result
         self.status.library = result.library.name
-        removed = install.remove_unused(s.host_library_dir, result.library, s.proc_root)
-        self.status.libraries_removed += sum(1 for n in removed
-                                             if n.startswith(install.LIB_STEM))
         return True
+
+    def _clean_libraries(self, oldest_container: float | None) -> None:
+        """Remove the old library versions nothing uses (``install.clean_up_libraries``)."""
+        s = self.settings
+        assert self.installed is not None
+        done = install.clean_up_libraries(s.host_library_dir, self.installed.library,
+                                          s.proc_root, oldest_container=oldest_container)
+        self.status.libraries_removed += sum(1 for n in done.removed
+                                             if n.startswith(install.LIB_STEM))
+        self.status.old_libraries = len(done.kept)
+        self.status.library_cleanup_blocked = bool(done.blocked)
 
     def _share_state_dirs(self) -> bool:
         try:
@@ -191,6 +224,8 @@ class Agent:
         ok = True
         discovery = await asyncio.to_thread(self.inventory.discover)
         installed = await asyncio.to_thread(self._install)
+        if installed and self.publisher is None:  # no pod list: /proc alone tells
+            await asyncio.to_thread(self._clean_libraries, None)
         shared = await asyncio.to_thread(self._share_state_dirs)
         ok = ok and installed and shared
         if self.publisher is not None and installed:
@@ -211,17 +246,26 @@ class Agent:
                         "metadata": outcome.metadata_patched,
                         "resources": outcome.status_patched})
         if self.publisher is not None:
-            ok = await self._cleanup() and ok
+            ok = await self._cleanup(installed) and ok
         if ok:
             self.backoff.reset()
             return self.settings.interval
         return min(self.backoff.next(), self.settings.interval)
 
-    async def _cleanup(self) -> bool:
+    async def _cleanup(self, installed: bool) -> bool:
+        """Remove old libraries (after an install that succeeded) and the state dirs of
+        departed pods, both in the light of the node's pods; False if they cannot be listed."""
         assert self.publisher is not None
         s, now = self.settings, self._clock()
         try:
             pods = await self.publisher.node_pods(cached=True)
+        except API_ERRORS as exc:
+            logger.warning("listing the node's pods failed; no state dir or old library removed",
+                           extra={"node": self.settings.node_name, "error": api_error(exc)})
+            return False
+        if installed:  # (the watch cache's lag is within install.PINNED_MARGIN_S)
+            await asyncio.to_thread(self._clean_libraries, oldest_gpu_container(pods))
+        try:
             names = {p.metadata.uid: (p.metadata.namespace or "", p.metadata.name or "")
                      for p in pods if p.metadata and p.metadata.uid}
             self.collector.pod_names = names  # the metrics' names for the pods' state dirs

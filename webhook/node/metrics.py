@@ -65,6 +65,10 @@ class AgentStatus:
     last_publish_success: float = 0.0
     cleanup_removed: int = 0
     libraries_removed: int = 0
+    old_libraries: int = 0
+    """Old library versions the last clean-up left on the host (in use, or not judged)."""
+    library_cleanup_blocked: bool = False
+    """The last clean-up could judge no old library (a process it could not inspect...)."""
     last_audit: float = 0.0
 
 
@@ -370,6 +374,14 @@ class AgentCollector(Collector):
         yield CounterMetricFamily("gpuslice_agent_libraries_removed",
                                   "unused old library versions removed",
                                   value=st.libraries_removed)
+        yield GaugeMetricFamily("gpuslice_agent_old_libraries",
+                                "old library versions left on the host by the last clean-up (in "
+                                "use, or kept while the clean-up is blocked)",
+                                value=st.old_libraries)
+        yield GaugeMetricFamily("gpuslice_agent_library_cleanup_blocked",
+                                "1 when the last clean-up could not tell which old libraries are "
+                                "in use and removed none (a process the agent cannot inspect: "
+                                "see its log)", value=1 if st.library_cleanup_blocked else 0)
 
 
 def make_registry(collector: AgentCollector) -> CollectorRegistry:
