@@ -36,8 +36,10 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   runtime class the pod may be given, or the node's default) such a container would see every
   GPU of the node, without the library or a cap. ``none`` keeps the driver's libraries in the
   container (programs linked against them still start) but no GPU. A container asking for some
-  of another ``nvidia.com/`` resource (a MIG slice of another device plugin, say) or using
-  resource claims (DRA) is left alone; asking for 0 of one gets no device, so it does not count.
+  of another ``nvidia.com/`` resource (a MIG slice of another device plugin, say) is left
+  alone; asking for 0 of one gets no device, so it does not count. Resource claims (DRA) do not
+  count either (the pod does not say which device a claim's class gives; NVIDIA's DRA driver
+  sets the variable itself, through CDI, which wins over the container's env).
   With ``hide_gpus_from_pods_without_gpus`` the containers of pods that request no GPU get the
   same (and nothing else: such a pod is not marked as a gpuslice pod).
 * Ephemeral containers cannot exist at CREATE; ``kubectl debug`` adds them later through the
@@ -521,14 +523,16 @@ def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) ->
 
 def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
     """Whether a container that requests no slice may get devices another way: it asks for
-    some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say) or uses
-    resource claims (DRA). Asking for 0 of one gets no device from it (and fits every node: the
-    scheduler and kubelet skip zero requests), so it does not count."""
+    some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say). Asking
+    for 0 of one gets no device from it (and fits every node: the scheduler and kubelet skip
+    zero requests), so it does not count. Resource claims (DRA) do not count either: which
+    device a claim gets (a CPU, a NIC, a GPU) is in its device class, not in the pod, and left
+    alone, a CUDA image's ``all`` under the NVIDIA runtime would see every GPU of the node.
+    NVIDIA's DRA driver gives its GPUs through CDI, whose env edit
+    ``NVIDIA_VISIBLE_DEVICES=void`` replaces the container's value, so they stay."""
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return False
-    if resources.get("claims"):
-        return True
     return any(isinstance(amounts, dict) and any(
         isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
         and _positive(v) for k, v in amounts.items())
