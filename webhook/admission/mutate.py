@@ -30,6 +30,10 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   ``linux`` (the library and its mounts are Linux's), invalid placement annotations, two GPU
   containers whose devices or limits keys coincide (a name spelling out another's shortened
   key: one container would get the other's GPUs and limits).
+* HAMi's task priority (``resource_priority``, ``nvidia.com/priority``) is read past: a GPU
+  container asking for it is warned (once) that gpuslice has none and its limits apply; it is
+  no device, so a container asking only for it gets no GPU (below). The chart's scheduler
+  ignores the resource (managedResources, ignoredByScheduler), as HAMi's does.
 * The other containers of a GPU pod (init, sidecar or app containers that request no GPU
   resource) get ``NVIDIA_VISIBLE_DEVICES=none``, a user value replaced with a warning. CUDA
   images set ``NVIDIA_VISIBLE_DEVICES=all`` themselves, and under the NVIDIA runtime (the
@@ -176,6 +180,13 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     if policy.skipped and names.ANN_MUTATED not in annotations:  # warned once
         work.warn(f"annotation {policy.key}: gpuslice has no {', '.join(policy.skipped)} "
                   f"placement; the pod is placed by {policy.policy or settings.default_policy}")
+    if names.ANN_MUTATED not in annotations:  # warned once
+        for kind, i in gpu_containers:
+            limits = (spec[kind][i].get("resources") or {}).get("limits") or {}
+            if settings.resource_priority in limits:
+                work.warn(f'container "{spec[kind][i]["name"]}": {settings.resource_priority} is '
+                          f"HAMi's task priority, which gpuslice does not have; it is ignored "
+                          f"(the container's limits apply whatever its priority)")
     new_spec = dict(spec)
     for kind in dict.fromkeys(k for k, _ in gpu_containers):
         new_spec[kind] = [
@@ -523,7 +534,8 @@ def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) ->
 
 def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
     """Whether a container that requests no slice may get devices another way: it asks for
-    some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say). Asking
+    some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say; HAMi's
+    task priority is none: it gives no device). Asking
     for 0 of one gets no device from it (and fits every node: the scheduler and kubelet skip
     zero requests), so it does not count. Resource claims (DRA) do not count either: which
     device a claim gets (a CPU, a NIC, a GPU) is in its device class, not in the pod, and left
@@ -535,7 +547,7 @@ def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
         return False
     return any(isinstance(amounts, dict) and any(
         isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
-        and _positive(v) for k, v in amounts.items())
+        and k != settings.resource_priority and _positive(v) for k, v in amounts.items())
         for amounts in (resources.get("limits"), resources.get("requests")))
 
 
