@@ -48,7 +48,8 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   same (and nothing else: such a pod is not marked as a gpuslice pod).
 * Ephemeral containers cannot exist at CREATE; ``kubectl debug`` adds them later through the
   ``pods/ephemeralcontainers`` subresource (an UPDATE), which :func:`mutate_ephemeral` answers:
-  in a gpuslice GPU pod (or any pod, with ``hide_gpus_from_pods_without_gpus``) each newly
+  in a gpuslice GPU pod (marked, or asking for its resources: the tenant may remove the mark;
+  or in any pod, with ``hide_gpus_from_pods_without_gpus``) each newly
   added one gets ``NVIDIA_VISIBLE_DEVICES=none`` and loses gpuslice's volumes, like the other
   containers that request no GPU (a CUDA image's ``all`` under the pod's NVIDIA runtime would
   see every GPU of the node, without the library or a cap). Those added before are left as
@@ -210,14 +211,16 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
 def mutate_ephemeral(pod: dict[str, Any], old_pod: Any, settings: Settings, *,
                      namespace: str | None = None) -> MutationResult:
     """An UPDATE of ``pods/ephemeralcontainers``: the ephemeral containers of ``pod`` that
-    ``old_pod`` lacks (by name) get no GPU, in a pod :func:`mutate_pod` marked as a gpuslice
-    pod, or in any pod with ``hide_gpus_from_pods_without_gpus``."""
+    ``old_pod`` lacks (by name) get no GPU, in a gpuslice GPU pod (one :func:`mutate_pod`
+    marked, or whose containers ask for gpuslice's GPU resources: the mark is an annotation the
+    tenant may remove, the spec's resources cannot change), or in any pod with
+    ``hide_gpus_from_pods_without_gpus``."""
     spec, metadata = pod_shape(pod)
     ns = namespace or metadata.get("namespace")
     if ns in NEVER_MUTATED_NAMESPACES or ns == settings.release_namespace:
         return MutationResult(pod)
     if not ((metadata.get("annotations") or {}).get(names.ANN_MUTATED)
-            or settings.hide_gpus_from_pods_without_gpus):
+            or settings.hide_gpus_from_pods_without_gpus or _asks_for_slices(spec, settings)):
         return MutationResult(pod)
     debuggers = spec.get("ephemeralContainers") or []
     if not isinstance(debuggers, list):
@@ -244,6 +247,17 @@ def mutate_ephemeral(pod: dict[str, Any], old_pod: Any, settings: Settings, *,
     new_pod = dict(pod)
     new_pod["spec"] = {**spec, "ephemeralContainers": new}
     return MutationResult(new_pod, warnings=tuple(work.warnings), changed=True)
+
+
+def _asks_for_slices(spec: dict[str, Any], settings: Settings) -> bool:
+    """Whether a container or init container asks for gpuslice's GPU resources (as
+    :func:`mutate_pod` read them at creation, a request it denied counting too)."""
+    for kind in ("initContainers", "containers"):
+        for container in spec.get(kind) or ():
+            reasons: list[str] = []
+            if read_request(container, settings, None, reasons) is not None or reasons:
+                return True
+    return False
 
 
 def pod_shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
