@@ -549,9 +549,9 @@ def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) ->
 def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
     """Whether a container that requests no slice may get devices another way: it asks for
     some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say; HAMi's
-    task priority is none: it gives no device). Asking
-    for 0 of one gets no device from it (and fits every node: the scheduler and kubelet skip
-    zero requests), so it does not count. Resource claims (DRA) do not count either: which
+    task priority is none: it gives no device). Asking for 0 of one gets no device from it (and
+    fits every node: the scheduler and kubelet skip zero requests), so it does not count.
+    Resource claims (DRA) do not count either: which
     device a claim gets (a CPU, a NIC, a GPU) is in its device class, not in the pod, and left
     alone, a CUDA image's ``all`` under the NVIDIA runtime would see every GPU of the node.
     NVIDIA's DRA driver gives its GPUs through CDI, whose env edit
