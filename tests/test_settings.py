@@ -36,6 +36,8 @@ def test_yaml_file_then_overrides_win(tmp_path) -> None:
     ({"namespace_mode": "sometimes"}, "namespace_mode"),
     ({"resource_gpu": "not a name!"}, "resource_gpu"),
     ({"resource_mem": "nvidia.com/gpu"}, "resource_*"),
+    ({"resource_priority": "nvidia.com/gpucores"}, "resource_priority"),
+    ({"resource_priority": "priority!"}, "resource_priority"),
     ({"port": 70000}, "port"),
     ({"tolerations": [{"key": "a", "operator": "Maybe"}]}, "tolerations"),
     ({"tolerations": "x"}, "tolerations"),

@@ -46,6 +46,10 @@ class Settings:
     """Extended resource: % (1-100) of each GPU's memory. Default nvidia.com/gpumem-percentage."""
     resource_cores: str = "nvidia.com/gpucores"
     """Extended resource: % (1-100) of each GPU's compute. Default nvidia.com/gpucores."""
+    resource_priority: str = "nvidia.com/priority"
+    """HAMi's task priority resource (HAMi's ``resourcePriority``), which gpuslice does not
+    have: read past with a warning, no device (the chart's scheduler ignores it, as HAMi's
+    does). Default nvidia.com/priority."""
 
     # --- what the webhook writes at pod level ---
     node_label_key: str = "gpu"
@@ -133,12 +137,14 @@ def _fail(name: str, value: Any, why: str) -> None:
 def _validate(s: Settings) -> None:
     names = s.resource_names
     for f in ("resource_gpu", "resource_mem", "resource_mem_percent", "resource_cores",
-              "node_label_key"):
+              "resource_priority", "node_label_key"):
         v = getattr(s, f)
         if not is_qualified_name(v):
             _fail(f, v, "must be a qualified Kubernetes name such as nvidia.com/gpu")
     if len(set(names)) != 4:
         _fail("resource_*", names, "the four resource names must differ")
+    if s.resource_priority in names:
+        _fail("resource_priority", s.resource_priority, "must differ from the GPU resource names")
     if not isinstance(s.node_label_value, str) or not _LABEL_VALUE.match(s.node_label_value) \
             or len(s.node_label_value) > 63:
         _fail("node_label_value", s.node_label_value, "must be a valid label value")

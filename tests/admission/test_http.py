@@ -18,6 +18,7 @@ import jsonpatch
 import kubeschema
 import pytest
 
+from webhook import names
 from webhook.admission import server as admission_server
 from webhook.admission.mutate import mutate_pod
 from webhook.service import REGISTRY_KEY
@@ -268,6 +269,26 @@ def test_kubectl_debug_of_a_gpu_pod_gets_no_gpu(
             {**_CUDA_DEBUG, "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]}},
         operation="UPDATE", subResource="ephemeralcontainers", oldObject=before))
     assert status == 200 and again["response"]["allowed"] and "patch" not in again["response"]
+
+
+def test_kubectl_debug_of_a_gpu_pod_stripped_of_its_mark_still_gets_no_gpu(
+        server: Any, make_review: Any, make_gpu_pod: Any) -> None:
+    """The gpuslice.io/mutated annotation is the tenant's to remove (a pod UPDATE; the guard
+    keeps only the devices and limits annotations): a GPU pod is known by its spec too, which
+    no update changes, so a debugger added after the mark is gone still gets no GPU."""
+    created = mutate_pod(make_gpu_pod(), server.settings, namespace="team-a").pod
+    assert created is not None
+    stripped = copy.deepcopy(created)
+    del stripped["metadata"]["annotations"][names.ANN_MUTATED]
+    status, answer = server.post_review(make_review(
+        _debugged(stripped, _CUDA_DEBUG), operation="UPDATE", subResource="ephemeralcontainers",
+        oldObject=stripped))
+    response = answer["response"]
+    assert status == 200 and response["allowed"] and response.get("patchType") == "JSONPatch"
+    patched = jsonpatch.apply_patch(_debugged(stripped, _CUDA_DEBUG),
+                                    json.loads(base64.b64decode(response["patch"])))
+    assert patched["spec"]["ephemeralContainers"] == [
+        {**_CUDA_DEBUG, "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]
 
 
 def test_kubectl_debug_of_a_pod_without_gpus_is_left_alone_unless_hiding(

@@ -45,6 +45,10 @@ def test_denial_carries_code_reason_and_message() -> None:
     ({"operation": "CREATE", "kind": {"group": "", "version": "v1", "kind": "Binding"}}, False),
     ({"operation": "CREATE", "kind": {"group": "", "version": "v1", "kind": "Pod"},
       "subResource": "binding"}, False),
+    # In-place resize (1.33+): the API server lets it change only cpu and memory.
+    ({"operation": "UPDATE", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+      "subResource": "resize"}, False),
 ])
 def test_only_the_create_of_a_pod_itself_is_mutated(request_: Any, is_create: bool) -> None:
     assert review.is_pod_create({"uid": "u", **request_}) is is_create  # type: ignore[typeddict-item]
+    assert not review.is_ephemeral_update({"uid": "u", **request_})  # type: ignore[typeddict-item]

@@ -32,8 +32,8 @@ POLICY, BINDING = "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding
 NAME = "gpuslice-annotation-guard"
 MESSAGE = ("gpuslice.io/devices.* annotations are set by the gpuslice scheduler at bind time "
            "and cannot be changed")
-LIMITS_MESSAGE = ("gpuslice.io/limits.* annotations are written by the gpuslice webhook at pod "
-                  "creation and cannot be changed")
+LIMITS_MESSAGE = ("gpuslice.io/limits.* and gpuslice.io/mutated annotations are written by the "
+                  "gpuslice webhook at pod creation and cannot be changed")
 GPUSLICE_SA = f"system:serviceaccount:{NAMESPACE}:gpuslice"
 TENANT = "system:serviceaccount:team-a:default"
 DEV_C = names.devices_annotation("c")
@@ -314,6 +314,16 @@ LIMITS_CASES: dict[str, tuple[str, Any, Any, str, str | None]] = {
     "the agent's service account changing a limit": (
         "UPDATE", RUNNING, {**RUNNING, LIM_C: RAISED},
         f"system:serviceaccount:{NAMESPACE}:gpuslice-agent", LIMITS_MESSAGE),
+    # The mark: without it the agent's audit passes the pod by (no over-limit report or
+    # eviction) and the extender would place a pod the webhook never capped.
+    "update removing the mutated mark (kubectl annotate gpuslice.io/mutated-)": (
+        "UPDATE", RUNNING, {k: v for k, v in RUNNING.items() if k != names.ANN_MUTATED},
+        TENANT, LIMITS_MESSAGE),
+    "update changing the mutated mark": (
+        "UPDATE", RUNNING, {**RUNNING, names.ANN_MUTATED: "0.0.1"}, TENANT, LIMITS_MESSAGE),
+    "update adding the mutated mark to a pod the webhook did not mutate": (
+        "UPDATE", {"team": "ml"}, {"team": "ml", names.ANN_MUTATED: "0.1.0"}, TENANT,
+        LIMITS_MESSAGE),
 }
 
 

@@ -17,6 +17,7 @@ import yaml
 from node.fakenvml import two_a100s
 
 from webhook import cli, names
+from webhook.admission.mutate import mutate_pod
 from webhook.node import loop as agent_loop
 from webhook.node.config import settings_from_args as agent_settings_from_args
 from webhook.node.inventory import Inventory
@@ -27,7 +28,8 @@ from webhook.tls import ensure_dev_certs, service_names
 NS = "gpuslice-system"
 CUSTOM = {"resourceNames": {"gpu": "example.com/vgpu", "memory": "example.com/vgpu-mem",
                             "memoryPercentage": "example.com/vgpu-mem-pct",
-                            "cores": "example.com/vgpu-cores"},
+                            "cores": "example.com/vgpu-cores",
+                            "priority": "example.com/vgpu-priority"},
           "nodeLabel": {"key": "example.com/gpu-sharing", "value": "enabled"},
           "splitCount": 4, "defaultPolicy": "spread", "maxGpuMemoryMiB": 81920,
           "namespaceMode": "opt-in", "logLevel": "DEBUG",
@@ -75,8 +77,10 @@ def test_service_config_loads_as_settings_matching_the_values(
     s = load_settings(config)
     r = {"gpu": "nvidia.com/gpu", "memory": "nvidia.com/gpumem",
             "memoryPercentage": "nvidia.com/gpumem-percentage",
-            "cores": "nvidia.com/gpucores", **values.get("resourceNames", {})}
+            "cores": "nvidia.com/gpucores", "priority": "nvidia.com/priority",
+            **values.get("resourceNames", {})}
     assert s.resource_names == (r["gpu"], r["memory"], r["memoryPercentage"], r["cores"])
+    assert s.resource_priority == r["priority"]
     assert s.node_selector == ({"example.com/gpu-sharing": "enabled"} if values
                                else {"gpu": "on"})
     assert s.split_count == values.get("splitCount", 10)
@@ -268,7 +272,8 @@ def test_scheduler_configuration_calls_the_extender_in_the_same_pod(values: dict
     managed = {m["name"]: m["ignoredByScheduler"] for m in ext["managedResources"]}
     assert managed == {settings["resource_gpu"]: False, settings["resource_mem"]: False,
                        settings["resource_cores"]: False,
-                       settings["resource_mem_percent"]: True}
+                       settings["resource_mem_percent"]: True,
+                       settings["resource_priority"]: True}
 
 
 def _nodes_the_extender_sees(ksc: dict[str, Any], profile: dict[str, Any], nodes: int) -> int:
@@ -284,6 +289,34 @@ def _nodes_the_extender_sees(ksc: dict[str, Any], profile: dict[str, Any], nodes
     if percentage == 0:
         percentage = max(50 - nodes // 125, 5)
     return max(nodes * percentage // 100, 100)
+
+
+def test_every_extended_resource_of_a_mutated_hami_pod_fits_a_gpu_node(
+        render: Any, tmp_path: Path) -> None:
+    """kube-scheduler's NodeResourcesFit finds no node for an extended resource that no node
+    advertises unless the extender manages it with ignoredByScheduler: each one the webhook
+    leaves in a GPU pod (HAMi's task priority among them, which HAMi's chart manages so) is one
+    the agent advertises or one the scheduler ignores."""
+    rendered = render({})
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(rendered.config("gpuslice-config")))
+    s = load_settings(config)
+    [ext] = rendered.config("gpuslice-scheduler")["extenders"]
+    ignored = {m["name"] for m in ext["managedResources"] if m["ignoredByScheduler"]}
+    agent = rendered.container(rendered.one("DaemonSet", "gpuslice-agent"), "agent")
+    args = [x.replace("$(NODE_NAME)", "gpu-node-1") for x in agent["args"]]
+    a = agent_settings_from_args(cli.build_parser().parse_args(args))
+    advertised = {a.resource_gpu, a.resource_mem, a.resource_cores}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hami"}, "spec": {
+        "containers": [{"name": "train", "image": "x", "resources": {"limits": {
+            "nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30",
+            "nvidia.com/priority": "0"}}}]}}
+    result = mutate_pod(pod, s)
+    assert result.allowed and result.pod is not None
+    for container in result.pod["spec"]["containers"]:
+        for resource in container["resources"]["limits"]:
+            if "/" in resource:  # an extended resource
+                assert resource in advertised | ignored, resource
 
 
 @pytest.mark.parametrize("nodes", [99, 150, 400, 2000])

@@ -30,19 +30,26 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   ``linux`` (the library and its mounts are Linux's), invalid placement annotations, two GPU
   containers whose devices or limits keys coincide (a name spelling out another's shortened
   key: one container would get the other's GPUs and limits).
+* HAMi's task priority (``resource_priority``, ``nvidia.com/priority``) is read past: a GPU
+  container asking for it is warned (once) that gpuslice has none and its limits apply; it is
+  no device, so a container asking only for it gets no GPU (below). The chart's scheduler
+  ignores the resource (managedResources, ignoredByScheduler), as HAMi's does.
 * The other containers of a GPU pod (init, sidecar or app containers that request no GPU
   resource) get ``NVIDIA_VISIBLE_DEVICES=none``, a user value replaced with a warning. CUDA
   images set ``NVIDIA_VISIBLE_DEVICES=all`` themselves, and under the NVIDIA runtime (the
   runtime class the pod may be given, or the node's default) such a container would see every
   GPU of the node, without the library or a cap. ``none`` keeps the driver's libraries in the
   container (programs linked against them still start) but no GPU. A container asking for some
-  of another ``nvidia.com/`` resource (a MIG slice of another device plugin, say) or using
-  resource claims (DRA) is left alone; asking for 0 of one gets no device, so it does not count.
+  of another ``nvidia.com/`` resource (a MIG slice of another device plugin, say) is left
+  alone; asking for 0 of one gets no device, so it does not count. Resource claims (DRA) do not
+  count either (the pod does not say which device a claim's class gives; NVIDIA's DRA driver
+  sets the variable itself, through CDI, which wins over the container's env).
   With ``hide_gpus_from_pods_without_gpus`` the containers of pods that request no GPU get the
   same (and nothing else: such a pod is not marked as a gpuslice pod).
 * Ephemeral containers cannot exist at CREATE; ``kubectl debug`` adds them later through the
   ``pods/ephemeralcontainers`` subresource (an UPDATE), which :func:`mutate_ephemeral` answers:
-  in a gpuslice GPU pod (or any pod, with ``hide_gpus_from_pods_without_gpus``) each newly
+  in a gpuslice GPU pod (marked, or asking for its resources: the tenant may remove the mark;
+  or in any pod, with ``hide_gpus_from_pods_without_gpus``) each newly
   added one gets ``NVIDIA_VISIBLE_DEVICES=none`` and loses gpuslice's volumes, like the other
   containers that request no GPU (a CUDA image's ``all`` under the pod's NVIDIA runtime would
   see every GPU of the node, without the library or a cap). Those added before are left as
@@ -174,6 +181,13 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     if policy.skipped and names.ANN_MUTATED not in annotations:  # warned once
         work.warn(f"annotation {policy.key}: gpuslice has no {', '.join(policy.skipped)} "
                   f"placement; the pod is placed by {policy.policy or settings.default_policy}")
+    if names.ANN_MUTATED not in annotations:  # warned once
+        for kind, i in gpu_containers:
+            limits = (spec[kind][i].get("resources") or {}).get("limits") or {}
+            if settings.resource_priority in limits:
+                work.warn(f'container "{spec[kind][i]["name"]}": {settings.resource_priority} is '
+                          f"HAMi's task priority, which gpuslice does not have; it is ignored "
+                          f"(the container's limits apply whatever its priority)")
     new_spec = dict(spec)
     for kind in dict.fromkeys(k for k, _ in gpu_containers):
         new_spec[kind] = [
@@ -197,14 +211,16 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
 def mutate_ephemeral(pod: dict[str, Any], old_pod: Any, settings: Settings, *,
                      namespace: str | None = None) -> MutationResult:
     """An UPDATE of ``pods/ephemeralcontainers``: the ephemeral containers of ``pod`` that
-    ``old_pod`` lacks (by name) get no GPU, in a pod :func:`mutate_pod` marked as a gpuslice
-    pod, or in any pod with ``hide_gpus_from_pods_without_gpus``."""
+    ``old_pod`` lacks (by name) get no GPU, in a gpuslice GPU pod (one :func:`mutate_pod`
+    marked, or whose containers ask for gpuslice's GPU resources: the mark is an annotation the
+    tenant may remove, the spec's resources cannot change), or in any pod with
+    ``hide_gpus_from_pods_without_gpus``."""
     spec, metadata = pod_shape(pod)
     ns = namespace or metadata.get("namespace")
     if ns in NEVER_MUTATED_NAMESPACES or ns == settings.release_namespace:
         return MutationResult(pod)
     if not ((metadata.get("annotations") or {}).get(names.ANN_MUTATED)
-            or settings.hide_gpus_from_pods_without_gpus):
+            or settings.hide_gpus_from_pods_without_gpus or _asks_for_slices(spec, settings)):
         return MutationResult(pod)
     debuggers = spec.get("ephemeralContainers") or []
     if not isinstance(debuggers, list):
@@ -231,6 +247,17 @@ def mutate_ephemeral(pod: dict[str, Any], old_pod: Any, settings: Settings, *,
     new_pod = dict(pod)
     new_pod["spec"] = {**spec, "ephemeralContainers": new}
     return MutationResult(new_pod, warnings=tuple(work.warnings), changed=True)
+
+
+def _asks_for_slices(spec: dict[str, Any], settings: Settings) -> bool:
+    """Whether a container or init container asks for gpuslice's GPU resources (as
+    :func:`mutate_pod` read them at creation, a request it denied counting too)."""
+    for kind in ("initContainers", "containers"):
+        for container in spec.get(kind) or ():
+            reasons: list[str] = []
+            if read_request(container, settings, None, reasons) is not None or reasons:
+                return True
+    return False
 
 
 def pod_shape(pod: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -521,17 +548,20 @@ def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) ->
 
 def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
     """Whether a container that requests no slice may get devices another way: it asks for
-    some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say) or uses
-    resource claims (DRA). Asking for 0 of one gets no device from it (and fits every node: the
-    scheduler and kubelet skip zero requests), so it does not count."""
+    some of another device plugin's NVIDIA resource (``nvidia.com/mig-1g.10gb``, say; HAMi's
+    task priority is none: it gives no device). Asking for 0 of one gets no device from it (and
+    fits every node: the scheduler and kubelet skip zero requests), so it does not count.
+    Resource claims (DRA) do not count either: which
+    device a claim gets (a CPU, a NIC, a GPU) is in its device class, not in the pod, and left
+    alone, a CUDA image's ``all`` under the NVIDIA runtime would see every GPU of the node.
+    NVIDIA's DRA driver gives its GPUs through CDI, whose env edit
+    ``NVIDIA_VISIBLE_DEVICES=void`` replaces the container's value, so they stay."""
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return False
-    if resources.get("claims"):
-        return True
     return any(isinstance(amounts, dict) and any(
         isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
-        and _positive(v) for k, v in amounts.items())
+        and k != settings.resource_priority and _positive(v) for k, v in amounts.items())
         for amounts in (resources.get("limits"), resources.get("requests")))
 
 

@@ -122,6 +122,9 @@ true
 {{- if ne (len (uniq (list $r.gpu $r.memory $r.memoryPercentage $r.cores))) 4 -}}
 {{- fail "resourceNames: the four resource names must differ" -}}
 {{- end -}}
+{{- if has $r.priority (list $r.gpu $r.memory $r.memoryPercentage $r.cores) -}}
+{{- fail "resourceNames: priority must differ from the GPU resource names" -}}
+{{- end -}}
 {{- if and (eq .Values.tls.mode "cert-manager") .Values.tls.certManager.issuerRef (not .Values.tls.certManager.issuerRef.name) -}}
 {{- fail "tls.certManager.issuerRef: needs a name (or leave issuerRef empty for a self-signed CA)" -}}
 {{- end -}}
