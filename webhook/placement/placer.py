@@ -47,7 +47,7 @@ from webhook.placement.request import (
     pod_request,
 )
 from webhook.placement.state import ClusterState, NodeState
-from webhook.placement.sync import ApiStatusError, ClusterSync, read_json
+from webhook.placement.sync import ApiStatusError, BadResponse, ClusterSync, read_json
 from webhook.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -243,6 +243,8 @@ class Placer:
             pod = await read_json(await self.core.read_namespaced_pod(
                 args["PodName"], args["PodNamespace"], _preload_content=False,
                 _request_timeout=self.bind_timeout_s))
+            if not isinstance(pod, dict) or not isinstance(pod.get("metadata") or {}, dict):
+                raise BadResponse(f"the pod read is not a Pod object: {str(pod)[:80]!r}")
         if (pod.get("metadata") or {}).get("uid") != args["PodUID"]:
             raise LookupError("the pod with this name has a different UID (recreated?)")
         return pod
@@ -262,7 +264,7 @@ class Placer:
                 req = pod_request(pod, self.settings)
             except (LookupError, RequestError, ApiStatusError) as exc:
                 return ExtenderBindingResult(Error=f"gpuslice: cannot bind: {exc}")
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except (TimeoutError, aiohttp.ClientError, BadResponse) as exc:
                 return ExtenderBindingResult(Error=f"gpuslice: cannot read the pod: {exc!r}")
             if req.wants_gpus:
                 # Before the first list the state lacks the GPUs other pods hold.
@@ -335,7 +337,9 @@ class Placer:
             else:
                 self.state.release(uid)
             return ExtenderBindingResult(Error=error)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError, BadResponse) as exc:
+            # BadResponse: a 2xx, so likely applied, but not the API server's Status; the pod
+            # tells.
             return await self._undecided(args, annotations, where,
                                          f"gpuslice: bind request failed: {exc!r}")
         logger.info("pod bound", extra=where | {"devices": annotations})
@@ -361,9 +365,9 @@ class Placer:
             if exc.status == 404:
                 self.state.release(uid)
                 return ExtenderBindingResult(Error=error)
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, aiohttp.ClientError, BadResponse):
             pass
-        if isinstance(pod, dict):
+        if isinstance(pod, dict) and isinstance(pod.get("metadata") or {}, dict):
             meta = pod.get("metadata") or {}
             if meta.get("uid") != uid:
                 self.state.release(uid)
