@@ -333,3 +333,20 @@ async def test_pod_reread_after_an_undecided_bind_answered_with_a_page_keeps_the
     assert error.startswith("gpuslice: bind refused by the API server (503)")
     kept = ext.placer.state.allocs[pod["metadata"]["uid"]]
     assert kept.assumed and kept.expires_at is not None
+
+
+@pytest.mark.parametrize("uuid", ["GPU-0 ", "GPU-0,GPU-1", "GPU-0\n"])
+async def test_gpu_uuid_the_devices_annotation_cannot_carry_is_never_given_twice(
+        kube: FakeKube, extender: Any, uuid: str) -> None:
+    """The devices annotation is a comma list read back stripped: a published UUID with a comma
+    or white space would be counted, once the watch confirms the bind, on another UUID."""
+    kube.put(gpu_node("n1", [(uuid, 10000)]))
+    a = kube.put(gpu_pod("a", {"nvidia.com/gpumem": "6000"}))
+    b = kube.put(gpu_pod("b", {"nvidia.com/gpumem": "6000"}))
+    ext = await extender()
+    error_a = await ext.bind(a, "n1")
+    if not error_a:
+        await eventually(lambda: not ext.placer.state.allocs[a["metadata"]["uid"]].assumed)
+    error_b = await ext.bind(b, "n1")
+    assert error_a or error_b, "both pods bound to one 10000 MiB GPU with 6000 MiB each"
+    assert "gpuslice.io/gpus[0].uuid" in (error_a or error_b)
