@@ -87,6 +87,8 @@ def test_service_config_loads_as_settings_matching_the_values(
     assert list(s.tolerations) == values.get("gpuPods", {}).get("tolerations", [])
     assert s.scheduler_name == values.get("scheduler", {}).get("name", "gpuslice-scheduler")
     assert s.release_namespace == NS
+    election = rendered.config("gpuslice-scheduler")["leaderElection"]
+    assert s.scheduler_lease == f"{election['resourceNamespace']}/{election['resourceName']}"
     assert (s.kube_enabled, s.placement_enabled, s.log_format) == (True, True, "json")
     assert s.service_name == rendered.one("Service", "gpuslice")["metadata"]["name"]
     assert s.webhook_config_name == \

@@ -17,6 +17,12 @@ another pod while it may still land.
 
 Only pods the webhook admitted (``gpuslice.io/mutated``) are given GPUs: another GPU pod
 would run without the interposer, so without its caps.
+
+Reservations live in this replica's memory, and the chart runs a scheduler and an extender in
+every replica: a Binding the previous leader's extender sent may still be applied after the
+scheduler lease changed hands, and this extender would not know its GPUs taken until the watch
+shows the pod bound. So with ``settings.scheduler_lease`` set, GPU binds wait for
+``failover_hold_s`` after the lease last changed hands (:meth:`Placer._failover_hold`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -55,8 +62,30 @@ logger = logging.getLogger(__name__)
 Fit = Placement | NoFit
 
 _POD_CACHE = 4096
+_LEASE_CACHE_S = 1.0
+"""Seconds a read of the scheduler's lease is reused. A scheduler that loses the lease exits,
+so this replica cannot lose it and win it back within a second: a read made by a bind of this
+replica's scheduler stays right that long."""
 _RESULT_CACHE = 4
 NOT_READY = "gpuslice: placement is still reading the cluster state; retry"
+
+
+def _hold_until(lease: Any, hold_s: float) -> float:
+    """Wall-clock time until which GPU binds wait after the lease last changed hands; 0 when
+    it never did (its first holder) or says nothing of it."""
+    spec = lease.get("spec") if isinstance(lease, dict) else None
+    if not isinstance(spec, dict):
+        return 0.0
+    transitions = spec.get("leaseTransitions")
+    if not isinstance(transitions, int) or transitions <= 0:
+        return 0.0
+    try:
+        acquired = datetime.fromisoformat(str(spec.get("acquireTime")))
+    except ValueError:
+        return 0.0
+    if acquired.tzinfo is None:
+        return 0.0
+    return acquired.timestamp() + hold_s
 
 
 def _earlier_bind(node: str) -> str:
@@ -82,6 +111,9 @@ class Placer:
         or a retried bind settles it first: the API server's default request timeout (60 s),
         after which it no longer applies the Binding."""
         self.core: client.CoreV1Api | None = None
+        self.leases: client.CoordinationV1Api | None = None
+        self._lease_read: tuple[float, float] | None = None
+        """(monotonic time of the last read of the scheduler's lease, its _hold_until)."""
         self.sync: ClusterSync | None = None
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._results: OrderedDict[PodRequest, dict[str, tuple[int, Fit]]] = OrderedDict()
@@ -93,6 +125,7 @@ class Placer:
     def attach(self, api: client.ApiClient) -> None:
         """Use ``api`` for the watches and the binds."""
         self.core = client.CoreV1Api(api)
+        self.leases = client.CoordinationV1Api(api)
         self.sync = ClusterSync(self.state, api, resync_s=self.resync_s)
 
     def start(self) -> None:
@@ -235,6 +268,44 @@ class Placer:
         return scores
 
     # ----- bind -----
+    @property
+    def failover_hold_s(self) -> float:
+        """Seconds GPU binds wait after the scheduler's lease changes hands: the previous
+        leader's extender may send a Binding up to one pod read (``bind_timeout_s``) after its
+        scheduler stopped, and the API server may apply it for ``assume_ttl_s``."""
+        return self.assume_ttl_s + self.bind_timeout_s
+
+    async def _failover_hold(self) -> str | None:
+        """Why a GPU bind must wait now (the scheduler's lease changed hands too recently, or
+        it cannot be read), or None."""
+        lease = self.settings.scheduler_lease
+        if lease is None or self.leases is None:
+            return None
+        now = time.monotonic()
+        if self._lease_read is not None and now - self._lease_read[0] < _LEASE_CACHE_S:
+            hold_until = self._lease_read[1]
+        else:
+            namespace, name = lease.split("/")
+            obj: Any = None
+            try:
+                obj = await read_json(await self.leases.read_namespaced_lease(
+                    name, namespace, _preload_content=False,
+                    _request_timeout=self.bind_timeout_s))
+            except ApiStatusError as exc:
+                if exc.status != 404:  # 404: no leader election, no previous leader
+                    return (f"gpuslice: cannot read the scheduler's leader lease {lease} "
+                            f"({exc.status}): {exc.message}")
+            except (TimeoutError, aiohttp.ClientError, BadResponse) as exc:
+                return f"gpuslice: cannot read the scheduler's leader lease {lease}: {exc!r}"
+            hold_until = _hold_until(obj, self.failover_hold_s)
+            self._lease_read = (now, hold_until)
+        left = hold_until - time.time()
+        if left <= 0:
+            return None
+        return (f"gpuslice: the scheduler leader changed less than {self.failover_hold_s:.0f}s "
+                f"ago; GPU binds wait {left:.0f}s more, until no Binding of the previous "
+                f"leader can still be applied")
+
     async def _pod(self, args: ExtenderBindingArgs) -> dict[str, Any]:
         pod = self._pods.get(args["PodUID"])
         if pod is None:
@@ -272,6 +343,9 @@ class Placer:
                     return ExtenderBindingResult(Error=NOT_READY)
                 if not admitted(pod):
                     return ExtenderBindingResult(Error=NOT_ADMITTED)
+                hold = await self._failover_hold()
+                if hold:
+                    return ExtenderBindingResult(Error=hold)
             return await self._bind(args, req, where,
                                     str((pod.get("metadata") or {}).get("resourceVersion") or ""))
         finally:
