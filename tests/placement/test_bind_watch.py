@@ -350,3 +350,17 @@ async def test_gpu_uuid_the_devices_annotation_cannot_carry_is_never_given_twice
     error_b = await ext.bind(b, "n1")
     assert error_a or error_b, "both pods bound to one 10000 MiB GPU with 6000 MiB each"
     assert "gpuslice.io/gpus[0].uuid" in (error_a or error_b)
+
+
+@pytest.mark.parametrize("status", [200, 503])
+async def test_binding_answered_with_a_deeply_nested_body_is_undecided_not_a_crash(
+        kube: FakeKube, extender: Any, status: int) -> None:
+    """json.loads raises RecursionError, not a ValueError, on deep nesting."""
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    kube.garble("POST", "/pods/p/binding$", status, b"[" * 200_000, apply=False)
+    error = await ext.bind(pod, "n1")
+    assert error.startswith("gpuslice: bind re")
+    kept = ext.placer.state.allocs[pod["metadata"]["uid"]]
+    assert kept.assumed and kept.expires_at is not None

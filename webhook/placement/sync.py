@@ -67,7 +67,7 @@ async def read_json(resp: Any) -> Any:
         message = body.decode(errors="replace")
         try:
             message = json.loads(body).get("message", message)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             pass
         raise ApiStatusError(resp.status, message)
     try:
