@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from fakekube import FakeKube
+from kubernetes_asyncio import client
 from placement.kubeobjects import eventually, gpu_node, gpu_pod
 
 TWO = [("GPU-0", 10000), ("GPU-1", 10000)]
@@ -111,3 +112,49 @@ async def test_bind_that_cannot_read_the_lease_waits(kube: FakeKube, extender: A
     assert not ext.placer.state.allocs and not kube.requests_to("POST", "/binding$")
     assert await ext.bind(web, "n1") == ""  # a pod without GPUs reserves nothing: no wait
     assert await ext.bind(a, "n1") == ""
+
+
+async def test_extender_restart_while_a_binding_is_undecided_never_overcommits_a_gpu(
+        kube: FakeKube, extender: Any, tmp_path: Any) -> None:
+    """The webhook container restarts (OOM, a crash) beside a scheduler that stays leader: the
+    new process never saw the reservation of a Binding its predecessor sent."""
+    kube.put(gpu_node("n1", TWO))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    b = kube.put(gpu_pod("b", SIX_GIB))
+    marker = str(tmp_path / "extender-ran")  # in the pod's emptyDir: outlives the container
+    first = await extender(restart_marker=marker)
+    etcd_done = asyncio.Event()
+    landed: list[asyncio.Task[None]] = []
+    api = kube.api_client()  # the write outlives the process that sent it
+
+    async def slow_etcd(*args: Any, **kwargs: Any) -> Any:
+        async def later() -> None:
+            await etcd_done.wait()
+            await client.CoreV1Api(api).create_namespaced_pod_binding(
+                *args, **kwargs | {"_preload_content": False})
+
+        landed.append(asyncio.create_task(later()))
+        raise TimeoutError
+
+    first.placer.core.create_namespaced_pod_binding = slow_etcd
+    assert (await first.bind(a, "n1")).startswith("gpuslice: bind request failed")
+    await first.stop()
+    second = await extender(restart_marker=marker)
+    second.placer.assume_ttl_s = second.placer.bind_timeout_s = 0.5
+    assert "restarted less than" in await second.bind(b, "n1")
+    etcd_done.set()
+    await landed[0]
+    await api.close()
+    await eventually(lambda: a["metadata"]["uid"] in second.placer.state.allocs)
+    await asyncio.sleep(second.placer.failover_hold_s)
+    assert await second.bind(b, "n1") == ""
+    assert held_mib(kube, "GPU-0") == 6000 and held_mib(kube, "GPU-1") == 6000
+
+
+async def test_first_start_in_a_pod_does_not_wait(
+        kube: FakeKube, extender: Any, tmp_path: Any) -> None:
+    kube.put(gpu_node("n1", TWO))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    ext = await extender(restart_marker=str(tmp_path / "extender-ran"))
+    assert await ext.bind(a, "n1") == ""
+    assert (tmp_path / "extender-ran").exists()

@@ -22,7 +22,9 @@ Reservations live in this replica's memory, and the chart runs a scheduler and a
 every replica: a Binding the previous leader's extender sent may still be applied after the
 scheduler lease changed hands, and this extender would not know its GPUs taken until the watch
 shows the pod bound. So with ``settings.scheduler_lease`` set, GPU binds wait for
-``failover_hold_s`` after the lease last changed hands (:meth:`Placer._failover_hold`).
+``failover_hold_s`` after the lease last changed hands (:meth:`Placer._failover_hold`). The
+same holds for a restarted process of this container (``settings.restart_marker``): its
+predecessor's reservations died with it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -114,6 +117,8 @@ class Placer:
         self.leases: client.CoordinationV1Api | None = None
         self._lease_read: tuple[float, float] | None = None
         """(monotonic time of the last read of the scheduler's lease, its _hold_until)."""
+        self._restarted_at: float | None = None
+        """Wall-clock start of this process when an earlier one of its container ran."""
         self.sync: ClusterSync | None = None
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._results: OrderedDict[PodRequest, dict[str, tuple[int, Fit]]] = OrderedDict()
@@ -129,8 +134,29 @@ class Placer:
         self.sync = ClusterSync(self.state, api, resync_s=self.resync_s)
 
     def start(self) -> None:
+        self._note_start()
         if self.sync is not None:
             self.sync.start()
+
+    def _note_start(self) -> None:
+        """Leave the restart marker; found already there, an earlier process of this
+        container may have sent Bindings that can still land: GPU binds wait."""
+        marker = self.settings.restart_marker
+        if marker is None:
+            return
+        path = Path(marker)
+        try:
+            if path.exists():
+                self._restarted_at = time.time()
+            else:
+                path.touch()
+        except OSError as exc:  # cannot tell: assume the worst
+            self._restarted_at = time.time()
+            logger.warning("cannot use the restart marker; GPU binds wait as after a restart",
+                           extra={"path": marker, "error": str(exc)})
+        if self._restarted_at is not None:
+            logger.info("restarted within the pod; GPU binds wait for Bindings of the earlier "
+                        "process", extra={"wait_s": self.failover_hold_s})
 
     async def stop(self) -> None:
         if self.sync is not None:
@@ -276,8 +302,15 @@ class Placer:
         return self.assume_ttl_s + self.bind_timeout_s
 
     async def _failover_hold(self) -> str | None:
-        """Why a GPU bind must wait now (the scheduler's lease changed hands too recently, or
-        it cannot be read), or None."""
+        """Why a GPU bind must wait now (this process restarted, or the scheduler's lease
+        changed hands, too recently; or the lease cannot be read), or None."""
+        if self._restarted_at is not None:
+            left = self._restarted_at + self.failover_hold_s - time.time()
+            if left > 0:
+                return (f"gpuslice: the extender restarted less than "
+                        f"{self.failover_hold_s:.0f}s ago; GPU binds wait {left:.0f}s more, "
+                        f"until no Binding of its earlier process can still be applied")
+            self._restarted_at = None
         lease = self.settings.scheduler_lease
         if lease is None or self.leases is None:
             return None
