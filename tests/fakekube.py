@@ -19,7 +19,8 @@ they matter to callers:
   as an HTTP error, or as the ``ERROR`` event a watch sends for an expired resourceVersion),
   :meth:`FakeKube.end_watches` ends the open watches as their timeout does,
   :meth:`FakeKube.drop_watches` cuts their connections in the middle of an event, and
-  :attr:`FakeKube.down` makes every request a 503, for outage tests.
+  :attr:`FakeKube.down` makes every request a 503, for outage tests;
+  :meth:`FakeKube.garble` answers requests with a body that is not JSON (a proxy's page).
 """
 
 from __future__ import annotations
@@ -102,6 +103,16 @@ class _Fault:
 
 
 @dataclass
+class _Garble:
+    method: str
+    pattern: re.Pattern[str]
+    status: int
+    body: bytes
+    times: int
+    apply: bool
+
+
+@dataclass
 class _Watcher:
     plural: str
     namespace: str | None
@@ -170,6 +181,7 @@ class FakeKube:
         self.requests: list[RecordedRequest] = []
         self._down = False
         self._faults: list[_Fault] = []
+        self._garbles: list[_Garble] = []
         self._rv = itertools.count(1)
         self._last_rv = 0
         self._history: list[tuple[int, str, dict[str, Any]]] = []
@@ -293,6 +305,14 @@ class FakeKube:
         self._faults.append(_Fault(method.upper(), re.compile(path_regex), status, times,
                                    message, watch, as_event))
 
+    def garble(self, method: str, path_regex: str, status: int = 200,
+               body: bytes = b"<html>OK</html>", times: int = 1, *, apply: bool = True) -> None:
+        """Answer the next ``times`` matching requests (not watches) with ``status`` and a
+        ``text/html`` ``body`` that is not JSON, as a proxy in front of the API server may.
+        ``apply``: the request is carried out first (its real answer is replaced)."""
+        self._garbles.append(_Garble(method.upper(), re.compile(path_regex), status, body,
+                                     times, apply))
+
     def compact(self) -> None:
         """Forget the watch history: watches from an older resourceVersion get 410 Expired."""
         self._compacted_rv = self._last_rv
@@ -375,6 +395,14 @@ class FakeKube:
                     raise ApiError(fault.status, fault.message)
             if raw and not isinstance(body, (dict, list)):
                 raise ApiError(400, "the request body is not valid JSON")
+            for garble in self._garbles:
+                if garble.times > 0 and garble.method in (request.method, "*") \
+                        and not watching and garble.pattern.search(request.path):
+                    garble.times -= 1
+                    if garble.apply:
+                        await self._dispatch(request, body)
+                    return web.Response(body=garble.body, status=garble.status,
+                                        content_type="text/html")
             return await self._dispatch(request, body)
         except ApiError as exc:
             return web.json_response(status_object(exc.code, exc.message, exc.reason),

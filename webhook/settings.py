@@ -85,6 +85,16 @@ class Settings:
     """Talk to the Kubernetes API (watches, binds, TLS bootstrap). Off in local dev mode."""
     kubeconfig: str | None = None
     """Path to a kubeconfig; None uses the in-cluster service account when kube_enabled."""
+    scheduler_lease: str | None = None
+    """``<namespace>/<name>`` of the Lease the kube-scheduler replicas elect their leader with
+    (the chart's). After it changes hands, GPU binds wait until a Binding of the previous
+    leader's extender can no longer be applied (its reservation was in that replica's memory
+    only). None: no check (one scheduler, or leader election off)."""
+    restart_marker: str | None = None
+    """Path of a file kept across restarts of the service's container but not of its pod (the
+    chart's /tmp emptyDir). Found at start-up, it means an earlier process of this container
+    may have sent Bindings the API server can still apply, whose reservations died with it:
+    GPU binds then wait as after a change of scheduler leader. None: no such wait."""
     max_gpu_memory_mib: int | None = None
     """Largest GPU memory (MiB) any node offers, for denying impossible requests; None =
     unknown (the extender's inventory is used when it has one)."""
@@ -154,6 +164,15 @@ def _validate(s: Settings) -> None:
         if not isinstance(v, str) or not v or len(v) > 253 or not re.match(
                 r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", v):
             _fail(f, v, "must be a lowercase DNS name")
+    if s.scheduler_lease is not None:
+        parts = s.scheduler_lease.split("/") if isinstance(s.scheduler_lease, str) else []
+        if len(parts) != 2 or not all(
+                p and len(p) <= 253 and re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", p)
+                for p in parts):
+            _fail("scheduler_lease", s.scheduler_lease, "must be <namespace>/<name> or null")
+    if s.restart_marker is not None and (not isinstance(s.restart_marker, str)
+                                         or not s.restart_marker):
+        _fail("restart_marker", s.restart_marker, "must be a file path or null")
     if s.runtime_class_name is not None and (
             not isinstance(s.runtime_class_name, str) or not _DNS_LABEL.match(s.runtime_class_name)):
         _fail("runtime_class_name", s.runtime_class_name, "must be a DNS label or null")

@@ -91,6 +91,13 @@ def test_service_config_loads_as_settings_matching_the_values(
     assert list(s.tolerations) == values.get("gpuPods", {}).get("tolerations", [])
     assert s.scheduler_name == values.get("scheduler", {}).get("name", "gpuslice-scheduler")
     assert s.release_namespace == NS
+    election = rendered.config("gpuslice-scheduler")["leaderElection"]
+    assert s.scheduler_lease == f"{election['resourceNamespace']}/{election['resourceName']}"
+    deployment = rendered.one("Deployment", "gpuslice")
+    [webhook] = [c for c in deployment["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "webhook"]
+    [tmp] = [m for m in webhook["volumeMounts"] if s.restart_marker.startswith(m["mountPath"] + "/")]
+    assert "emptyDir" in _volume(deployment, tmp["name"])  # outlives the container, not the pod
     assert (s.kube_enabled, s.placement_enabled, s.log_format) == (True, True, "json")
     assert s.service_name == rendered.one("Service", "gpuslice")["metadata"]["name"]
     assert s.webhook_config_name == \

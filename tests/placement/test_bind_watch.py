@@ -277,3 +277,90 @@ async def test_gpu_pod_the_webhook_never_mutated_is_not_placed(
     assert await ext.bind(pod, "n1") == reason
     assert not kube.requests_to("POST", "/binding$")
     assert not ext.placer.state.allocs
+
+
+async def test_binding_answered_2xx_with_a_body_that_is_not_json_is_settled_by_the_pod(
+        kube: FakeKube, extender: Any) -> None:
+    """A proxy's page in a 2xx answer: the Binding was applied; the pod says so."""
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    kube.garble("POST", "/pods/p/binding$", 201)
+    assert await ext.bind(pod, "n1") == ""
+    assert kube.get("pods", "p")["metadata"]["annotations"]["gpuslice.io/devices.main"] == "GPU-a0"
+    await eventually(lambda: not ext.placer.state.allocs[pod["metadata"]["uid"]].assumed)
+    assert usage(ext, "n1") == {"GPU-a0": Usage(1000, 0, 1, 0)}
+
+
+async def test_binding_answered_2xx_but_not_applied_keeps_an_expiring_reservation(
+        kube: FakeKube, extender: Any) -> None:
+    """The 2xx page did not come from the API server: the outcome is unknown, so the GPU stays
+    reserved for the pod until the deadline of an undecided bind, not forever."""
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    kube.garble("POST", "/pods/p/binding$", 200, apply=False)
+    error = await ext.bind(pod, "n1")
+    assert error.startswith("gpuslice: bind request failed") and "not JSON" in error
+    kept = ext.placer.state.allocs[pod["metadata"]["uid"]]
+    assert kept.assumed and kept.expires_at is not None
+    assert await ext.bind(pod, "n1") == ""  # the retry lands on the same GPU
+    assert kube.get("pods", "p")["metadata"]["annotations"]["gpuslice.io/devices.main"] == "GPU-a0"
+
+
+@pytest.mark.parametrize("body", [b"<html>OK</html>", b"[]", b"null"])
+async def test_pod_read_answered_with_a_body_that_is_not_a_pod_is_a_bind_error(
+        kube: FakeKube, extender: Any, body: bytes) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    kube.garble("GET", "/namespaces/default/pods/p$", 200, body)
+    error = await ext.bind(pod, "n1")  # filter never saw it: bind reads it
+    assert error.startswith("gpuslice: cannot read the pod")
+    assert not ext.placer.state.allocs and usage(ext, "n1") == {}
+    assert not kube.requests_to("POST", "/binding$")
+
+
+async def test_pod_reread_after_an_undecided_bind_answered_with_a_page_keeps_the_reservation(
+        kube: FakeKube, extender: Any) -> None:
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    await ext.post("filter", {"Pod": pod, "NodeNames": ["n1"]})
+    kube.fail("POST", "/pods/p/binding$", 503)
+    kube.garble("GET", "/namespaces/default/pods/p$", 200)
+    error = await ext.bind(pod, "n1")
+    assert error.startswith("gpuslice: bind refused by the API server (503)")
+    kept = ext.placer.state.allocs[pod["metadata"]["uid"]]
+    assert kept.assumed and kept.expires_at is not None
+
+
+@pytest.mark.parametrize("uuid", ["GPU-0 ", "GPU-0,GPU-1", "GPU-0\n"])
+async def test_gpu_uuid_the_devices_annotation_cannot_carry_is_never_given_twice(
+        kube: FakeKube, extender: Any, uuid: str) -> None:
+    """The devices annotation is a comma list read back stripped: a published UUID with a comma
+    or white space would be counted, once the watch confirms the bind, on another UUID."""
+    kube.put(gpu_node("n1", [(uuid, 10000)]))
+    a = kube.put(gpu_pod("a", {"nvidia.com/gpumem": "6000"}))
+    b = kube.put(gpu_pod("b", {"nvidia.com/gpumem": "6000"}))
+    ext = await extender()
+    error_a = await ext.bind(a, "n1")
+    if not error_a:
+        await eventually(lambda: not ext.placer.state.allocs[a["metadata"]["uid"]].assumed)
+    error_b = await ext.bind(b, "n1")
+    assert error_a or error_b, "both pods bound to one 10000 MiB GPU with 6000 MiB each"
+    assert "gpuslice.io/gpus[0].uuid" in (error_a or error_b)
+
+
+@pytest.mark.parametrize("status", [200, 503])
+async def test_binding_answered_with_a_deeply_nested_body_is_undecided_not_a_crash(
+        kube: FakeKube, extender: Any, status: int) -> None:
+    """json.loads raises RecursionError, not a ValueError, on deep nesting."""
+    kube.put(gpu_node("n1", A10))
+    pod = kube.put(gpu_pod("p", {"nvidia.com/gpumem": "1000"}))
+    ext = await extender()
+    kube.garble("POST", "/pods/p/binding$", status, b"[" * 200_000, apply=False)
+    error = await ext.bind(pod, "n1")
+    assert error.startswith("gpuslice: bind re")
+    kept = ext.placer.state.allocs[pod["metadata"]["uid"]]
+    assert kept.assumed and kept.expires_at is not None

@@ -180,3 +180,14 @@ async def test_deeply_nested_body_gets_400(client: Any, path: str) -> None:
     resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
     assert resp.status == 400
     assert "nests too deeply" in await resp.text()
+
+
+@pytest.mark.parametrize("path", ["/scheduler/filter", "/scheduler/prioritize",
+                                  "/scheduler/bind"])
+async def test_body_in_an_unknown_charset_gets_400(client: Any, path: str) -> None:
+    # aiohttp decodes the body with the Content-Type's charset: an unknown one is a
+    # LookupError, not a ValueError.
+    resp = await client.post(path, data=_args(),
+                             headers={"Content-Type": "application/json; charset=no-such"})
+    assert resp.status == 400
+    assert "charset" in await resp.text()

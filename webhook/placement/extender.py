@@ -39,6 +39,8 @@ async def _json_body(request: web.Request) -> Any:
         raise web.HTTPBadRequest(text="request body nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise web.HTTPBadRequest(text=f"request body is not valid JSON: {exc}") from exc
+    except LookupError as exc:  # the Content-Type names a charset Python does not know
+        raise web.HTTPBadRequest(text=f"request body has an unknown charset: {exc}") from exc
 
 
 def _bad_request(exc: WireError) -> web.HTTPBadRequest:

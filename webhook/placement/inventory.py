@@ -76,6 +76,11 @@ def parse_inventory(raw: Any) -> tuple[Gpu, ...]:
         memory, health = item.get("memoryMiB"), item.get("health", "Healthy")
         if not isinstance(uuid, str) or not uuid:
             raise InventoryError(f"gpuslice.io/gpus[{i}].uuid must be a non-empty string")
+        if any(c == "," or c.isspace() or not c.isprintable() for c in uuid):
+            # The devices annotation is a comma list, read back stripped: such a UUID would
+            # be counted as another one once the bind is confirmed.
+            raise InventoryError(f"gpuslice.io/gpus[{i}].uuid {uuid!r} must not contain "
+                                 f"commas, white space or control characters")
         if uuid in seen:
             raise InventoryError(f"gpuslice.io/gpus lists {uuid} twice")
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:

@@ -17,6 +17,14 @@ another pod while it may still land.
 
 Only pods the webhook admitted (``gpuslice.io/mutated``) are given GPUs: another GPU pod
 would run without the interposer, so without its caps.
+
+Reservations live in this replica's memory, and the chart runs a scheduler and an extender in
+every replica: a Binding the previous leader's extender sent may still be applied after the
+scheduler lease changed hands, and this extender would not know its GPUs taken until the watch
+shows the pod bound. So with ``settings.scheduler_lease`` set, GPU binds wait for
+``failover_hold_s`` after the lease last changed hands (:meth:`Placer._failover_hold`). The
+same holds for a restarted process of this container (``settings.restart_marker``): its
+predecessor's reservations died with it.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -47,7 +57,7 @@ from webhook.placement.request import (
     pod_request,
 )
 from webhook.placement.state import ClusterState, NodeState
-from webhook.placement.sync import ApiStatusError, ClusterSync, read_json
+from webhook.placement.sync import ApiStatusError, BadResponse, ClusterSync, read_json
 from webhook.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -55,8 +65,30 @@ logger = logging.getLogger(__name__)
 Fit = Placement | NoFit
 
 _POD_CACHE = 4096
+_LEASE_CACHE_S = 1.0
+"""Seconds a read of the scheduler's lease is reused. A scheduler that loses the lease exits,
+so this replica cannot lose it and win it back within a second: a read made by a bind of this
+replica's scheduler stays right that long."""
 _RESULT_CACHE = 4
 NOT_READY = "gpuslice: placement is still reading the cluster state; retry"
+
+
+def _hold_until(lease: Any, hold_s: float) -> float:
+    """Wall-clock time until which GPU binds wait after the lease last changed hands; 0 when
+    it never did (its first holder) or says nothing of it."""
+    spec = lease.get("spec") if isinstance(lease, dict) else None
+    if not isinstance(spec, dict):
+        return 0.0
+    transitions = spec.get("leaseTransitions")
+    if not isinstance(transitions, int) or transitions <= 0:
+        return 0.0
+    try:
+        acquired = datetime.fromisoformat(str(spec.get("acquireTime")))
+    except ValueError:
+        return 0.0
+    if acquired.tzinfo is None:
+        return 0.0
+    return acquired.timestamp() + hold_s
 
 
 def _earlier_bind(node: str) -> str:
@@ -82,6 +114,11 @@ class Placer:
         or a retried bind settles it first: the API server's default request timeout (60 s),
         after which it no longer applies the Binding."""
         self.core: client.CoreV1Api | None = None
+        self.leases: client.CoordinationV1Api | None = None
+        self._lease_read: tuple[float, float] | None = None
+        """(monotonic time of the last read of the scheduler's lease, its _hold_until)."""
+        self._restarted_at: float | None = None
+        """Wall-clock start of this process when an earlier one of its container ran."""
         self.sync: ClusterSync | None = None
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._results: OrderedDict[PodRequest, dict[str, tuple[int, Fit]]] = OrderedDict()
@@ -93,11 +130,33 @@ class Placer:
     def attach(self, api: client.ApiClient) -> None:
         """Use ``api`` for the watches and the binds."""
         self.core = client.CoreV1Api(api)
+        self.leases = client.CoordinationV1Api(api)
         self.sync = ClusterSync(self.state, api, resync_s=self.resync_s)
 
     def start(self) -> None:
+        self._note_start()
         if self.sync is not None:
             self.sync.start()
+
+    def _note_start(self) -> None:
+        """Leave the restart marker; found already there, an earlier process of this
+        container may have sent Bindings that can still land: GPU binds wait."""
+        marker = self.settings.restart_marker
+        if marker is None:
+            return
+        path = Path(marker)
+        try:
+            if path.exists():
+                self._restarted_at = time.time()
+            else:
+                path.touch()
+        except OSError as exc:  # cannot tell: assume the worst
+            self._restarted_at = time.time()
+            logger.warning("cannot use the restart marker; GPU binds wait as after a restart",
+                           extra={"path": marker, "error": str(exc)})
+        if self._restarted_at is not None:
+            logger.info("restarted within the pod; GPU binds wait for Bindings of the earlier "
+                        "process", extra={"wait_s": self.failover_hold_s})
 
     async def stop(self) -> None:
         if self.sync is not None:
@@ -235,6 +294,51 @@ class Placer:
         return scores
 
     # ----- bind -----
+    @property
+    def failover_hold_s(self) -> float:
+        """Seconds GPU binds wait after the scheduler's lease changes hands: the previous
+        leader's extender may send a Binding up to one pod read (``bind_timeout_s``) after its
+        scheduler stopped, and the API server may apply it for ``assume_ttl_s``."""
+        return self.assume_ttl_s + self.bind_timeout_s
+
+    async def _failover_hold(self) -> str | None:
+        """Why a GPU bind must wait now (this process restarted, or the scheduler's lease
+        changed hands, too recently; or the lease cannot be read), or None."""
+        if self._restarted_at is not None:
+            left = self._restarted_at + self.failover_hold_s - time.time()
+            if left > 0:
+                return (f"gpuslice: the extender restarted less than "
+                        f"{self.failover_hold_s:.0f}s ago; GPU binds wait {left:.0f}s more, "
+                        f"until no Binding of its earlier process can still be applied")
+            self._restarted_at = None
+        lease = self.settings.scheduler_lease
+        if lease is None or self.leases is None:
+            return None
+        now = time.monotonic()
+        if self._lease_read is not None and now - self._lease_read[0] < _LEASE_CACHE_S:
+            hold_until = self._lease_read[1]
+        else:
+            namespace, name = lease.split("/")
+            obj: Any = None
+            try:
+                obj = await read_json(await self.leases.read_namespaced_lease(
+                    name, namespace, _preload_content=False,
+                    _request_timeout=self.bind_timeout_s))
+            except ApiStatusError as exc:
+                if exc.status != 404:  # 404: no leader election, no previous leader
+                    return (f"gpuslice: cannot read the scheduler's leader lease {lease} "
+                            f"({exc.status}): {exc.message}")
+            except (TimeoutError, aiohttp.ClientError, BadResponse) as exc:
+                return f"gpuslice: cannot read the scheduler's leader lease {lease}: {exc!r}"
+            hold_until = _hold_until(obj, self.failover_hold_s)
+            self._lease_read = (now, hold_until)
+        left = hold_until - time.time()
+        if left <= 0:
+            return None
+        return (f"gpuslice: the scheduler leader changed less than {self.failover_hold_s:.0f}s "
+                f"ago; GPU binds wait {left:.0f}s more, until no Binding of the previous "
+                f"leader can still be applied")
+
     async def _pod(self, args: ExtenderBindingArgs) -> dict[str, Any]:
         pod = self._pods.get(args["PodUID"])
         if pod is None:
@@ -243,6 +347,8 @@ class Placer:
             pod = await read_json(await self.core.read_namespaced_pod(
                 args["PodName"], args["PodNamespace"], _preload_content=False,
                 _request_timeout=self.bind_timeout_s))
+            if not isinstance(pod, dict) or not isinstance(pod.get("metadata") or {}, dict):
+                raise BadResponse(f"the pod read is not a Pod object: {str(pod)[:80]!r}")
         if (pod.get("metadata") or {}).get("uid") != args["PodUID"]:
             raise LookupError("the pod with this name has a different UID (recreated?)")
         return pod
@@ -262,7 +368,7 @@ class Placer:
                 req = pod_request(pod, self.settings)
             except (LookupError, RequestError, ApiStatusError) as exc:
                 return ExtenderBindingResult(Error=f"gpuslice: cannot bind: {exc}")
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except (TimeoutError, aiohttp.ClientError, BadResponse) as exc:
                 return ExtenderBindingResult(Error=f"gpuslice: cannot read the pod: {exc!r}")
             if req.wants_gpus:
                 # Before the first list the state lacks the GPUs other pods hold.
@@ -270,6 +376,9 @@ class Placer:
                     return ExtenderBindingResult(Error=NOT_READY)
                 if not admitted(pod):
                     return ExtenderBindingResult(Error=NOT_ADMITTED)
+                hold = await self._failover_hold()
+                if hold:
+                    return ExtenderBindingResult(Error=hold)
             return await self._bind(args, req, where,
                                     str((pod.get("metadata") or {}).get("resourceVersion") or ""))
         finally:
@@ -335,7 +444,9 @@ class Placer:
             else:
                 self.state.release(uid)
             return ExtenderBindingResult(Error=error)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, aiohttp.ClientError, BadResponse) as exc:
+            # BadResponse: a 2xx, so likely applied, but not the API server's Status; the pod
+            # tells.
             return await self._undecided(args, annotations, where,
                                          f"gpuslice: bind request failed: {exc!r}")
         logger.info("pod bound", extra=where | {"devices": annotations})
@@ -361,9 +472,9 @@ class Placer:
             if exc.status == 404:
                 self.state.release(uid)
                 return ExtenderBindingResult(Error=error)
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, aiohttp.ClientError, BadResponse):
             pass
-        if isinstance(pod, dict):
+        if isinstance(pod, dict) and isinstance(pod.get("metadata") or {}, dict):
             meta = pod.get("metadata") or {}
             if meta.get("uid") != uid:
                 self.state.release(uid)

@@ -52,8 +52,13 @@ class ApiStatusError(Exception):
         self.message = message
 
 
+class BadResponse(Exception):
+    """The API server answered 2xx with a body that is not JSON (a proxy's page, a cut body)."""
+
+
 async def read_json(resp: Any) -> Any:
-    """Body of a raw (``_preload_content=False``) response; raises on a non-2xx status."""
+    """Body of a raw (``_preload_content=False``) response; raises :class:`ApiStatusError` on
+    a non-2xx status and :class:`BadResponse` on a 2xx body that is not JSON."""
     try:
         body = await resp.read()
     finally:
@@ -62,10 +67,13 @@ async def read_json(resp: Any) -> Any:
         message = body.decode(errors="replace")
         try:
             message = json.loads(body).get("message", message)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             pass
         raise ApiStatusError(resp.status, message)
-    return json.loads(body) if body else None
+    try:
+        return json.loads(body) if body else None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadResponse(f"HTTP {resp.status} answer is not JSON: {exc}") from None
 
 
 class ClusterSync:
