@@ -9,10 +9,12 @@ On start (:func:`ensure_tls`, also run by the chart's init container as
    only when the CA itself is expiring or broken (``ca.crt`` then carries the old CA too while it
    is valid). Two replicas racing to create it converge: the loser of the 409 uses the winner's;
    updates use the resourceVersion read, so a conflicting rotation is re-read, never clobbered;
-2. write ``ca.crt``, ``tls.crt`` and ``tls.key`` into ``cert_dir`` atomically (only when they
-   changed; the server reloads changed files, the kube-scheduler container reads ``ca.crt``);
-3. set ``caBundle`` of every webhook in MutatingWebhookConfiguration ``webhook_config_name``
-   with a JSON patch guarded by ``test`` operations (no request when it is already right).
+2. set ``caBundle`` of every webhook in MutatingWebhookConfiguration ``webhook_config_name``
+   with a JSON patch guarded by ``test`` operations (no request when it is already right);
+3. write ``ca.crt``, ``tls.crt`` and ``tls.key`` into ``cert_dir`` atomically (only when they
+   changed; the server reloads changed files, the kube-scheduler container reads ``ca.crt``).
+   A certificate from a new CA is written only after step 2, so the service never serves one
+   the caBundle does not trust yet; a renewal from the same CA is written before it.
 
 The decisions are the pure :func:`assess`/:func:`renew`; the API calls retry transient errors
 (connection failures, 429, 5xx) with backoff until a deadline. Certificates come from
@@ -147,6 +149,22 @@ def write_files(cert_dir: str | Path, m: Material) -> bool:
         write_atomic(path, data, mode)
         changed = True
     return changed
+
+
+def _read_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def _first_ca(bundle: bytes) -> bytes | None:
+    """The DER of the first certificate of a PEM bundle; None when there is none."""
+    try:
+        return x509.load_pem_x509_certificates(bundle)[0].public_bytes(
+            serialization.Encoding.DER)
+    except ValueError:
+        return None
 
 
 async def _call(op: Callable[[], Awaitable[T]], what: str, deadline: float,
@@ -303,14 +321,20 @@ async def reconcile(settings: Settings, api: client.ApiClient | None = None, *,
     try:
         material = await _settle_secret(client.CoreV1Api(api), settings, namespace, deadline,
                                         backoff_s)
-        if write_files(settings.cert_dir, material):
-            logger.info("certificate files written", extra={"dir": settings.cert_dir})
+        # A certificate from a new CA is served only once the caBundle trusts that CA: until
+        # the patch is through (retried while the API server is busy) the old one, still
+        # valid, keeps serving. One from the same CA can be served at once.
+        new_ca = _first_ca(_read_file(Path(settings.cert_dir) / CA_CERT)) \
+            != _first_ca(material.ca_bundle)
+        written = not new_ca and write_files(settings.cert_dir, material)
         patched = await _patch_ca_bundle(client.AdmissionregistrationV1Api(api),
                                          settings.webhook_config_name, material.ca_bundle,
                                          deadline, backoff_s)
         if not patched:
             logger.warning("webhook configuration not found; caBundle not set yet",
                            extra={"webhook_configuration": settings.webhook_config_name})
+        if write_files(settings.cert_dir, material) or written:
+            logger.info("certificate files written", extra={"dir": settings.cert_dir})
         return patched
     finally:
         if own:
