@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -63,6 +64,11 @@ logger = logging.getLogger(__name__)
 SERVING_DAYS = 365
 CHECK_INTERVAL_S = 600.0
 RETRY_INTERVAL_S = 30.0
+WATCH_TIMEOUT_S = 300
+"""Seconds each watch request of the webhook configuration lasts (then it is made again)."""
+REPAIR_GAP_S = 1.0
+REPAIR_QUIET_S = 60.0
+"""A caBundle repair this long after the last one waits no gap."""
 TRANSIENT = {429, 500, 502, 503, 504}
 CA_KEY = "ca.key"
 T = TypeVar("T")
@@ -348,23 +354,158 @@ async def ensure_tls(settings: Settings, api: client.ApiClient | None = None, *,
     await reconcile(settings, api, deadline_s=deadline_s, backoff_s=backoff_s)
 
 
+class WatchError(Exception):
+    """The watch of the webhook configuration failed (a non-2xx answer or an ERROR event)."""
+
+
+async def _read_json(resp: Any) -> Any:
+    """The body of a raw (``_preload_content=False``) response; raises on a non-2xx status."""
+    try:
+        body = await resp.read()
+    finally:
+        resp.release()
+    if not 200 <= resp.status <= 299:
+        raise WatchError(f"HTTP {resp.status}: {body.decode(errors='replace')[:300]}")
+    return json.loads(body)
+
+
+def _stale_ca_bundle(obj: dict[str, Any], cert_dir: str) -> bool:
+    """Whether a webhook of ``obj`` lacks the caBundle this replica last wrote (``ca.crt``)."""
+    ca = _read_file(Path(cert_dir) / CA_CERT)
+    if not ca:
+        return False  # not bootstrapped yet: nothing to compare with
+    want = base64.b64encode(ca).decode()
+    return any(((hook.get("clientConfig") or {}).get("caBundle") or "") != want
+               for hook in obj.get("webhooks") or [])
+
+
+async def watch_ca_bundle(settings: Settings, api: client.ApiClient | None, wake: asyncio.Event,
+                          *, timeout_s: int = WATCH_TIMEOUT_S, backoff_s: float = 1.0,
+                          backoff_max_s: float = 300.0) -> None:
+    """Watch MutatingWebhookConfiguration ``webhook_config_name`` (one object, by field
+    selector) and set ``wake`` whenever a webhook's caBundle is not the one in
+    ``cert_dir/ca.crt``: what ``helm rollback`` (or an upgrade rendered without the chart's
+    ``lookup``) leaves, or another replica's patch from an older read of the Secret. One
+    watch request per ``timeout_s``; failures (403 where RBAC lacks ``watch`` included) back
+    off up to ``backoff_max_s``, the periodic check going on regardless. Runs until cancelled."""
+    name = settings.webhook_config_name
+    loop = asyncio.get_running_loop()
+    own = api is None
+    delay = backoff_s
+
+    def seen(obj: dict[str, Any]) -> None:
+        if _stale_ca_bundle(obj, settings.cert_dir):
+            wake.set()
+
+    try:
+        while True:
+            try:
+                if api is None:
+                    api = await _api_client(settings)
+                admission = client.AdmissionregistrationV1Api(api)
+                selector = f"metadata.name={name}"
+                listed = await _read_json(await admission.list_mutating_webhook_configuration(
+                    field_selector=selector, _preload_content=False, _request_timeout=60))
+                for obj in listed.get("items") or []:
+                    seen(obj)
+                rv = str((listed.get("metadata") or {}).get("resourceVersion") or "")
+                while True:
+                    started = loop.time()
+                    rv = await _watch_once(admission, selector, rv, timeout_s, seen)
+                    delay = backoff_s
+                    if loop.time() - started < 1.0:  # a server that ends watches at once
+                        await asyncio.sleep(1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure: back off, list again
+                logger.warning("cannot watch the webhook configuration; relying on the "
+                               "periodic check until it works", extra={
+                                   "webhook_configuration": name, "error": str(exc) or
+                                   type(exc).__name__, "retry_in_s": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, backoff_max_s)
+    finally:
+        if own and api is not None:
+            await api.close()
+
+
+async def _watch_once(admission: client.AdmissionregistrationV1Api, selector: str, rv: str,
+                      timeout_s: int, seen: Callable[[dict[str, Any]], None]) -> str:
+    """One watch request from ``rv``; returns the last resourceVersion seen."""
+    resp: Any = await admission.list_mutating_webhook_configuration(
+        field_selector=selector, watch=True, resource_version=rv, allow_watch_bookmarks=True,
+        timeout_seconds=timeout_s, _preload_content=False,
+        _request_timeout=aiohttp.ClientTimeout(sock_connect=30, sock_read=timeout_s + 30))
+    try:
+        if not 200 <= resp.status <= 299:
+            await _read_json(resp)
+        while True:
+            try:
+                line = await resp.content.readline()
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                    ConnectionResetError):
+                return rv
+            if not line or not line.endswith(b"\n"):
+                return rv  # ended at its timeout, or cut inside an event
+            if not line.strip():
+                continue
+            event = json.loads(line)
+            kind, obj = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                raise WatchError(f"HTTP {obj.get('code')}: {obj.get('message', '')}")
+            rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+            if kind in ("ADDED", "MODIFIED"):
+                seen(obj)
+    finally:
+        resp.release()
+
+
 async def rotation_loop(settings: Settings, api: client.ApiClient | None = None, *,
                         interval_s: float = CHECK_INTERVAL_S,
-                        retry_s: float = RETRY_INTERVAL_S) -> None:
+                        retry_s: float = RETRY_INTERVAL_S, watch: bool = True,
+                        repair_gap_s: float = REPAIR_GAP_S) -> None:
     """Re-run :func:`reconcile` every ``interval_s`` (``retry_s`` after a failure or while the
-    webhook configuration is missing) until cancelled; errors are logged, never raised."""
-    delay = interval_s
-    while True:
-        await asyncio.sleep(delay)
-        try:
-            done = await reconcile(settings, api, deadline_s=min(120.0, retry_s * 4))
-        except (BootstrapError, ApiException, OSError) as exc:  # OSError: writing cert_dir
-            logger.error("certificate check failed; will retry", extra={"error": str(exc)})
-            done = False
-        except Exception:  # a bug must not end rotation for the life of the process
-            logger.exception("certificate check failed unexpectedly; will retry")
-            done = False
-        delay = interval_s if done else retry_s
+    webhook configuration is missing) until cancelled; errors are logged, never raised.
+
+    With ``watch``, :func:`watch_ca_bundle` runs alongside and a caBundle changed under the
+    service is set right at once rather than at the next check: the first repair right away,
+    repeated ones at least ``repair_gap_s`` apart, the gap doubling (up to ``retry_s``) while
+    something keeps changing it back, so a fight with another writer costs a few requests a
+    minute at most."""
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+    watcher = asyncio.create_task(watch_ca_bundle(settings, api, wake),
+                                  name="gpuslice-ca-bundle-watch") if watch else None
+    delay, gap, repaired_at = interval_s, repair_gap_s, -float("inf")
+    try:
+        while True:
+            try:
+                await asyncio.wait_for(wake.wait(), delay)
+            except TimeoutError:
+                pass
+            if wake.is_set():
+                now = loop.time()
+                gap = repair_gap_s if now - repaired_at > REPAIR_QUIET_S \
+                    else min(gap * 2, retry_s)
+                await asyncio.sleep(max(0.0, repaired_at + gap - now))
+                repaired_at = loop.time()
+                logger.info("webhook caBundle changed under the service; setting it again",
+                            extra={"webhook_configuration": settings.webhook_config_name})
+            wake.clear()
+            try:
+                done = await reconcile(settings, api, deadline_s=min(120.0, retry_s * 4))
+            except (BootstrapError, ApiException, OSError) as exc:  # OSError: writing cert_dir
+                logger.error("certificate check failed; will retry", extra={"error": str(exc)})
+                done = False
+            except Exception:  # a bug must not end rotation for the life of the process
+                logger.exception("certificate check failed unexpectedly; will retry")
+                done = False
+            delay = interval_s if done else retry_s
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
 
 def main(argv: Sequence[str] | None = None) -> int:
