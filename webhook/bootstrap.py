@@ -6,8 +6,9 @@ On start (:func:`ensure_tls`, also run by the chart's init container as
 1. read Secret ``tls_secret_name`` in ``release_namespace``; create a CA and a serving
    certificate when it is absent, renew the serving certificate (same CA, so clients that
    trust the CA keep working) when it expires within 30 days or is unusable, and make a new CA
-   only when the CA itself is expiring or broken (``ca.crt`` then carries the old CA too while it
-   is valid). Two replicas racing to create it converge: the loser of the 409 uses the winner's;
+   only when the CA itself is expiring or broken (``ca.crt`` then carries the old CA too, or
+   the ``ca.crt`` of a Secret without a usable CA key such as cert-manager's, for a day, so the
+   pods still serving a certificate it signed stay trusted). Two replicas racing to create it converge: the loser of the 409 uses the winner's;
    updates use the resourceVersion read, so a conflicting rotation is re-read, never clobbered;
 2. set ``caBundle`` of every webhook in MutatingWebhookConfiguration ``webhook_config_name``
    with a JSON patch guarded by ``test`` operations (no request when it is already right);
@@ -71,6 +72,9 @@ REPAIR_QUIET_S = 60.0
 """A caBundle repair this long after the last one waits no gap."""
 TRANSIENT = {429, 500, 502, 503, 504}
 CA_KEY = "ca.key"
+PREVIOUS_CA_KEPT = dt.timedelta(days=1)
+"""How long after a new CA's first serving certificate the previous CA stays in the bundle:
+every replica re-reads the Secret every CHECK_INTERVAL_S, and a rollout is long over."""
 T = TypeVar("T")
 
 
@@ -102,7 +106,8 @@ class Material:
 
 
 def assess(m: Material | None, namespace: str, service: str, now: dt.datetime) -> str:
-    """``"ok"``, ``"renew-serving"`` (the CA is fine) or ``"new-ca"`` (none, or unusable)."""
+    """``"ok"``, ``"renew-serving"`` (the CA is fine), ``"new-ca"`` (none, or unusable) or
+    ``"trim"`` (the bundle still carries a previous CA a day after the switch to this one)."""
     if m is None:
         return "new-ca"
     ca = usable_ca(m.ca_bundle, m.ca_key, now)
@@ -111,32 +116,54 @@ def assess(m: Material | None, namespace: str, service: str, now: dt.datetime) -
     if serving_problem(m.tls_crt, m.tls_key, ca, service_names(namespace, service), now,
                        RENEW_BEFORE) is not None:
         return "renew-serving"
+    if len(x509.load_pem_x509_certificates(m.ca_bundle)) > 1 and \
+            now - x509.load_pem_x509_certificate(m.tls_crt).not_valid_before_utc > PREVIOUS_CA_KEPT:
+        return "trim"
     return "ok"
 
 
 def renew(m: Material | None, decision: str, namespace: str, service: str,
-          now: dt.datetime) -> Material:
-    """New material for ``decision`` (from :func:`assess`); ``"ok"`` returns ``m`` unchanged."""
+          now: dt.datetime, previous_bundle: bytes = b"") -> Material:
+    """New material for ``decision`` (from :func:`assess`); ``"ok"`` returns ``m`` unchanged.
+
+    A new CA's bundle carries the previous CA while it is valid: that of ``m``, or else the
+    first CA of ``previous_bundle`` (the ``ca.crt`` of a Secret without a usable CA and key,
+    such as cert-manager's after a switch from ``tls.mode=cert-manager``), so the pods still
+    serving a certificate it signed stay trusted until they are replaced; ``"trim"`` drops it."""
     if decision == "ok" and m is not None:
         return m
+    if decision == "trim" and m is not None:
+        return Material(_first_pem(m.ca_bundle), m.ca_key, m.tls_crt, m.tls_key)
     if decision == "renew-serving" and m is not None:
-        ca_pem = x509.load_pem_x509_certificates(m.ca_bundle)[0].public_bytes(
-            serialization.Encoding.PEM)
-        crt, key = issue_serving_cert(ca_pem, m.ca_key, namespace, service, SERVING_DAYS)
+        crt, key = issue_serving_cert(_first_pem(m.ca_bundle), m.ca_key, namespace, service,
+                                      SERVING_DAYS)
         return Material(m.ca_bundle, m.ca_key, crt, key)
     ca_crt, ca_key = new_ca(common_name=f"gpuslice CA ({namespace}/{service})")
     crt, key = issue_serving_cert(ca_crt, ca_key, namespace, service, SERVING_DAYS)
-    return Material(ca_crt + _still_valid_cas(m, now), ca_key, crt, key)
+    previous = m.ca_bundle if m is not None else previous_bundle
+    return Material(ca_crt + _still_valid_ca(previous, now), ca_key, crt, key)
 
 
-def _still_valid_cas(m: Material | None, now: dt.datetime) -> bytes:
-    """The old CA(s) of ``m`` that have not expired, so peers not yet rotated stay trusted."""
+def _first_pem(bundle: bytes) -> bytes:
+    return x509.load_pem_x509_certificates(bundle)[0].public_bytes(serialization.Encoding.PEM)
+
+
+def _still_valid_ca(bundle: bytes, now: dt.datetime) -> bytes:
+    """The first certificate of ``bundle`` if it is a CA that has not expired, so peers not
+    yet rotated stay trusted; else nothing."""
     try:
-        old = x509.load_pem_x509_certificates(m.ca_bundle) if m is not None else []
+        old = x509.load_pem_x509_certificates(bundle)[:1]
     except ValueError:
         return b""
-    return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in old[:1]
-                    if c.not_valid_after_utc > now)
+    kept = b""
+    for c in old:
+        try:
+            is_ca = c.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        except x509.ExtensionNotFound:
+            is_ca = False
+        if is_ca and c.not_valid_after_utc > now:
+            kept += c.public_bytes(serialization.Encoding.PEM)
+    return kept
 
 
 def write_files(cert_dir: str | Path, m: Material) -> bool:
@@ -226,7 +253,8 @@ async def _settle_secret(core: client.CoreV1Api, settings: Settings, namespace: 
         decision = assess(current, namespace, settings.service_name, now)
         if decision == "ok" and current is not None:
             return current
-        fresh = renew(current, decision, namespace, settings.service_name, now)
+        fresh = renew(current, decision, namespace, settings.service_name, now,
+                      _secret_ca_crt(secret.data if secret is not None else None))
         version = secret.metadata.resource_version if secret is not None else None
         manifest = _secret_manifest(name, namespace, fresh, version)
         try:
@@ -248,6 +276,13 @@ async def _settle_secret(core: client.CoreV1Api, settings: Settings, namespace: 
                                                  "action": decision})
         return fresh
     raise BootstrapError(f"Secret {namespace}/{name} kept changing under us; giving up")
+
+
+def _secret_ca_crt(data: dict[str, str] | None) -> bytes:
+    try:
+        return base64.b64decode((data or {}).get(CA_CERT) or "", validate=True)
+    except (ValueError, TypeError):
+        return b""
 
 
 def _secret_manifest(name: str, namespace: str, m: Material,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import datetime as dt
 import ssl
 import time
@@ -263,3 +264,41 @@ async def test_a_watch_refused_by_rbac_backs_off_and_the_periodic_check_goes_on(
         assert 1 <= len(refused) <= 3  # at 0 s, 1 s, 3 s
         live = kube.get("mutatingwebhookconfigurations", name)
         assert live is not None and live["webhooks"][0]["clientConfig"].get("caBundle")
+
+
+async def test_switch_from_cert_manager_to_secret_keeps_the_old_pods_trusted(
+        tmp_path: Path, chart_mwc: dict[str, Any]) -> None:
+    """`helm upgrade --set tls.mode=secret` over cert-manager: the old pods serve cert-manager's
+    certificate until the rollout replaces them, while the first new pod's init container finds
+    cert-manager's Secret (ca.crt, tls.crt, tls.key; no ca.key), makes its own CA and sets the
+    caBundle. Before: the caBundle held the new CA only, so the API server refused every call
+    that reached an old pod for the rest of the rollout; now the new CA and cert-manager's."""
+    name = chart_mwc["metadata"]["name"]
+    cm_ca, cm_key = tls.new_ca(common_name="gpuslice-ca")
+    cm_crt, cm_tls_key = tls.issue_serving_cert(cm_ca, cm_key, NS, SERVICE, 90)
+    old_dir = tmp_path / "old"
+    bootstrap.write_files(old_dir, Material(cm_ca, b"", cm_crt, cm_tls_key))
+    old_app = create_app(Settings(cert_dir=str(old_dir), tls_mode="files",
+                                  placement_enabled=False), cert_reload_interval=0.05)
+    old = await start_https(old_app, "127.0.0.1", 0)
+    try:
+        async with FakeKube() as kube:
+            kube.put({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                      "metadata": {"name": SECRET, "namespace": NS},
+                      "data": {k: base64.b64encode(v).decode() for k, v in (
+                          ("ca.crt", cm_ca), ("tls.crt", cm_crt), ("tls.key", cm_tls_key))}})
+            mwc = copy.deepcopy(chart_mwc)  # rendered in secret mode: `lookup` kept the injected CA
+            for hook in mwc["webhooks"]:
+                hook["clientConfig"]["caBundle"] = base64.b64encode(cm_ca).decode()
+            kube.put(mwc)
+            assert await admits(kube, name, old.addresses[0][1])
+            new = Replica(kube, tmp_path, "new", name)
+            await new.start()
+            try:
+                assert await admits(kube, name, new.port)
+                assert await admits(kube, name, old.addresses[0][1]), \
+                    "the old pods' certificate is no longer trusted"
+            finally:
+                await new.stop()
+    finally:
+        await old.cleanup()
