@@ -6,13 +6,16 @@ On start (:func:`ensure_tls`, also run by the chart's init container as
 1. read Secret ``tls_secret_name`` in ``release_namespace``; create a CA and a serving
    certificate when it is absent, renew the serving certificate (same CA, so clients that
    trust the CA keep working) when it expires within 30 days or is unusable, and make a new CA
-   only when the CA itself is expiring or broken (``ca.crt`` then carries the old CA too while it
-   is valid). Two replicas racing to create it converge: the loser of the 409 uses the winner's;
+   only when the CA itself is expiring or broken (``ca.crt`` then carries the old CA too, or
+   the ``ca.crt`` of a Secret without a usable CA key such as cert-manager's, for a day, so the
+   pods still serving a certificate it signed stay trusted). Two replicas racing to create it converge: the loser of the 409 uses the winner's;
    updates use the resourceVersion read, so a conflicting rotation is re-read, never clobbered;
-2. write ``ca.crt``, ``tls.crt`` and ``tls.key`` into ``cert_dir`` atomically (only when they
-   changed; the server reloads changed files, the kube-scheduler container reads ``ca.crt``);
-3. set ``caBundle`` of every webhook in MutatingWebhookConfiguration ``webhook_config_name``
-   with a JSON patch guarded by ``test`` operations (no request when it is already right).
+2. set ``caBundle`` of every webhook in MutatingWebhookConfiguration ``webhook_config_name``
+   with a JSON patch guarded by ``test`` operations (no request when it is already right);
+3. write ``ca.crt``, ``tls.crt`` and ``tls.key`` into ``cert_dir`` atomically (only when they
+   changed; the server reloads changed files, the kube-scheduler container reads ``ca.crt``).
+   A certificate from a new CA is written only after step 2, so the service never serves one
+   the caBundle does not trust yet; a renewal from the same CA is written before it.
 
 The decisions are the pure :func:`assess`/:func:`renew`; the API calls retry transient errors
 (connection failures, 429, 5xx) with backoff until a deadline. Certificates come from
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -61,8 +65,16 @@ logger = logging.getLogger(__name__)
 SERVING_DAYS = 365
 CHECK_INTERVAL_S = 600.0
 RETRY_INTERVAL_S = 30.0
+WATCH_TIMEOUT_S = 300
+"""Seconds each watch request of the webhook configuration lasts (then it is made again)."""
+REPAIR_GAP_S = 1.0
+REPAIR_QUIET_S = 60.0
+"""A caBundle repair this long after the last one waits no gap."""
 TRANSIENT = {429, 500, 502, 503, 504}
 CA_KEY = "ca.key"
+PREVIOUS_CA_KEPT = dt.timedelta(days=1)
+"""How long after a new CA's first serving certificate the previous CA stays in the bundle:
+every replica re-reads the Secret every CHECK_INTERVAL_S, and a rollout is long over."""
 T = TypeVar("T")
 
 
@@ -94,7 +106,8 @@ class Material:
 
 
 def assess(m: Material | None, namespace: str, service: str, now: dt.datetime) -> str:
-    """``"ok"``, ``"renew-serving"`` (the CA is fine) or ``"new-ca"`` (none, or unusable)."""
+    """``"ok"``, ``"renew-serving"`` (the CA is fine), ``"new-ca"`` (none, or unusable) or
+    ``"trim"`` (the bundle still carries a previous CA a day after the switch to this one)."""
     if m is None:
         return "new-ca"
     ca = usable_ca(m.ca_bundle, m.ca_key, now)
@@ -103,32 +116,54 @@ def assess(m: Material | None, namespace: str, service: str, now: dt.datetime) -
     if serving_problem(m.tls_crt, m.tls_key, ca, service_names(namespace, service), now,
                        RENEW_BEFORE) is not None:
         return "renew-serving"
+    if len(x509.load_pem_x509_certificates(m.ca_bundle)) > 1 and \
+            now - x509.load_pem_x509_certificate(m.tls_crt).not_valid_before_utc > PREVIOUS_CA_KEPT:
+        return "trim"
     return "ok"
 
 
 def renew(m: Material | None, decision: str, namespace: str, service: str,
-          now: dt.datetime) -> Material:
-    """New material for ``decision`` (from :func:`assess`); ``"ok"`` returns ``m`` unchanged."""
+          now: dt.datetime, previous_bundle: bytes = b"") -> Material:
+    """New material for ``decision`` (from :func:`assess`); ``"ok"`` returns ``m`` unchanged.
+
+    A new CA's bundle carries the previous CA while it is valid: that of ``m``, or else the
+    first CA of ``previous_bundle`` (the ``ca.crt`` of a Secret without a usable CA and key,
+    such as cert-manager's after a switch from ``tls.mode=cert-manager``), so the pods still
+    serving a certificate it signed stay trusted until they are replaced; ``"trim"`` drops it."""
     if decision == "ok" and m is not None:
         return m
+    if decision == "trim" and m is not None:
+        return Material(_first_pem(m.ca_bundle), m.ca_key, m.tls_crt, m.tls_key)
     if decision == "renew-serving" and m is not None:
-        ca_pem = x509.load_pem_x509_certificates(m.ca_bundle)[0].public_bytes(
-            serialization.Encoding.PEM)
-        crt, key = issue_serving_cert(ca_pem, m.ca_key, namespace, service, SERVING_DAYS)
+        crt, key = issue_serving_cert(_first_pem(m.ca_bundle), m.ca_key, namespace, service,
+                                      SERVING_DAYS)
         return Material(m.ca_bundle, m.ca_key, crt, key)
     ca_crt, ca_key = new_ca(common_name=f"gpuslice CA ({namespace}/{service})")
     crt, key = issue_serving_cert(ca_crt, ca_key, namespace, service, SERVING_DAYS)
-    return Material(ca_crt + _still_valid_cas(m, now), ca_key, crt, key)
+    previous = m.ca_bundle if m is not None else previous_bundle
+    return Material(ca_crt + _still_valid_ca(previous, now), ca_key, crt, key)
 
 
-def _still_valid_cas(m: Material | None, now: dt.datetime) -> bytes:
-    """The old CA(s) of ``m`` that have not expired, so peers not yet rotated stay trusted."""
+def _first_pem(bundle: bytes) -> bytes:
+    return x509.load_pem_x509_certificates(bundle)[0].public_bytes(serialization.Encoding.PEM)
+
+
+def _still_valid_ca(bundle: bytes, now: dt.datetime) -> bytes:
+    """The first certificate of ``bundle`` if it is a CA that has not expired, so peers not
+    yet rotated stay trusted; else nothing."""
     try:
-        old = x509.load_pem_x509_certificates(m.ca_bundle) if m is not None else []
+        old = x509.load_pem_x509_certificates(bundle)[:1]
     except ValueError:
         return b""
-    return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in old[:1]
-                    if c.not_valid_after_utc > now)
+    kept = b""
+    for c in old:
+        try:
+            is_ca = c.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+        except x509.ExtensionNotFound:
+            is_ca = False
+        if is_ca and c.not_valid_after_utc > now:
+            kept += c.public_bytes(serialization.Encoding.PEM)
+    return kept
 
 
 def write_files(cert_dir: str | Path, m: Material) -> bool:
@@ -147,6 +182,22 @@ def write_files(cert_dir: str | Path, m: Material) -> bool:
         write_atomic(path, data, mode)
         changed = True
     return changed
+
+
+def _read_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def _first_ca(bundle: bytes) -> bytes | None:
+    """The DER of the first certificate of a PEM bundle; None when there is none."""
+    try:
+        return x509.load_pem_x509_certificates(bundle)[0].public_bytes(
+            serialization.Encoding.DER)
+    except ValueError:
+        return None
 
 
 async def _call(op: Callable[[], Awaitable[T]], what: str, deadline: float,
@@ -202,7 +253,8 @@ async def _settle_secret(core: client.CoreV1Api, settings: Settings, namespace: 
         decision = assess(current, namespace, settings.service_name, now)
         if decision == "ok" and current is not None:
             return current
-        fresh = renew(current, decision, namespace, settings.service_name, now)
+        fresh = renew(current, decision, namespace, settings.service_name, now,
+                      _secret_ca_crt(secret.data if secret is not None else None))
         version = secret.metadata.resource_version if secret is not None else None
         manifest = _secret_manifest(name, namespace, fresh, version)
         try:
@@ -224,6 +276,13 @@ async def _settle_secret(core: client.CoreV1Api, settings: Settings, namespace: 
                                                  "action": decision})
         return fresh
     raise BootstrapError(f"Secret {namespace}/{name} kept changing under us; giving up")
+
+
+def _secret_ca_crt(data: dict[str, str] | None) -> bytes:
+    try:
+        return base64.b64decode((data or {}).get(CA_CERT) or "", validate=True)
+    except (ValueError, TypeError):
+        return b""
 
 
 def _secret_manifest(name: str, namespace: str, m: Material,
@@ -303,14 +362,20 @@ async def reconcile(settings: Settings, api: client.ApiClient | None = None, *,
     try:
         material = await _settle_secret(client.CoreV1Api(api), settings, namespace, deadline,
                                         backoff_s)
-        if write_files(settings.cert_dir, material):
-            logger.info("certificate files written", extra={"dir": settings.cert_dir})
+        # A certificate from a new CA is served only once the caBundle trusts that CA: until
+        # the patch is through (retried while the API server is busy) the old one, still
+        # valid, keeps serving. One from the same CA can be served at once.
+        new_ca = _first_ca(_read_file(Path(settings.cert_dir) / CA_CERT)) \
+            != _first_ca(material.ca_bundle)
+        written = not new_ca and write_files(settings.cert_dir, material)
         patched = await _patch_ca_bundle(client.AdmissionregistrationV1Api(api),
                                          settings.webhook_config_name, material.ca_bundle,
                                          deadline, backoff_s)
         if not patched:
             logger.warning("webhook configuration not found; caBundle not set yet",
                            extra={"webhook_configuration": settings.webhook_config_name})
+        if write_files(settings.cert_dir, material) or written:
+            logger.info("certificate files written", extra={"dir": settings.cert_dir})
         return patched
     finally:
         if own:
@@ -324,23 +389,158 @@ async def ensure_tls(settings: Settings, api: client.ApiClient | None = None, *,
     await reconcile(settings, api, deadline_s=deadline_s, backoff_s=backoff_s)
 
 
+class WatchError(Exception):
+    """The watch of the webhook configuration failed (a non-2xx answer or an ERROR event)."""
+
+
+async def _read_json(resp: Any) -> Any:
+    """The body of a raw (``_preload_content=False``) response; raises on a non-2xx status."""
+    try:
+        body = await resp.read()
+    finally:
+        resp.release()
+    if not 200 <= resp.status <= 299:
+        raise WatchError(f"HTTP {resp.status}: {body.decode(errors='replace')[:300]}")
+    return json.loads(body)
+
+
+def _stale_ca_bundle(obj: dict[str, Any], cert_dir: str) -> bool:
+    """Whether a webhook of ``obj`` lacks the caBundle this replica last wrote (``ca.crt``)."""
+    ca = _read_file(Path(cert_dir) / CA_CERT)
+    if not ca:
+        return False  # not bootstrapped yet: nothing to compare with
+    want = base64.b64encode(ca).decode()
+    return any(((hook.get("clientConfig") or {}).get("caBundle") or "") != want
+               for hook in obj.get("webhooks") or [])
+
+
+async def watch_ca_bundle(settings: Settings, api: client.ApiClient | None, wake: asyncio.Event,
+                          *, timeout_s: int = WATCH_TIMEOUT_S, backoff_s: float = 1.0,
+                          backoff_max_s: float = 300.0) -> None:
+    """Watch MutatingWebhookConfiguration ``webhook_config_name`` (one object, by field
+    selector) and set ``wake`` whenever a webhook's caBundle is not the one in
+    ``cert_dir/ca.crt``: what ``helm rollback`` (or an upgrade rendered without the chart's
+    ``lookup``) leaves, or another replica's patch from an older read of the Secret. One
+    watch request per ``timeout_s``; failures (403 where RBAC lacks ``watch`` included) back
+    off up to ``backoff_max_s``, the periodic check going on regardless. Runs until cancelled."""
+    name = settings.webhook_config_name
+    loop = asyncio.get_running_loop()
+    own = api is None
+    delay = backoff_s
+
+    def seen(obj: dict[str, Any]) -> None:
+        if _stale_ca_bundle(obj, settings.cert_dir):
+            wake.set()
+
+    try:
+        while True:
+            try:
+                if api is None:
+                    api = await _api_client(settings)
+                admission = client.AdmissionregistrationV1Api(api)
+                selector = f"metadata.name={name}"
+                listed = await _read_json(await admission.list_mutating_webhook_configuration(
+                    field_selector=selector, _preload_content=False, _request_timeout=60))
+                for obj in listed.get("items") or []:
+                    seen(obj)
+                rv = str((listed.get("metadata") or {}).get("resourceVersion") or "")
+                while True:
+                    started = loop.time()
+                    rv = await _watch_once(admission, selector, rv, timeout_s, seen)
+                    delay = backoff_s
+                    if loop.time() - started < 1.0:  # a server that ends watches at once
+                        await asyncio.sleep(1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure: back off, list again
+                logger.warning("cannot watch the webhook configuration; relying on the "
+                               "periodic check until it works", extra={
+                                   "webhook_configuration": name, "error": str(exc) or
+                                   type(exc).__name__, "retry_in_s": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, backoff_max_s)
+    finally:
+        if own and api is not None:
+            await api.close()
+
+
+async def _watch_once(admission: client.AdmissionregistrationV1Api, selector: str, rv: str,
+                      timeout_s: int, seen: Callable[[dict[str, Any]], None]) -> str:
+    """One watch request from ``rv``; returns the last resourceVersion seen."""
+    resp: Any = await admission.list_mutating_webhook_configuration(
+        field_selector=selector, watch=True, resource_version=rv, allow_watch_bookmarks=True,
+        timeout_seconds=timeout_s, _preload_content=False,
+        _request_timeout=aiohttp.ClientTimeout(sock_connect=30, sock_read=timeout_s + 30))
+    try:
+        if not 200 <= resp.status <= 299:
+            await _read_json(resp)
+        while True:
+            try:
+                line = await resp.content.readline()
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                    ConnectionResetError):
+                return rv
+            if not line or not line.endswith(b"\n"):
+                return rv  # ended at its timeout, or cut inside an event
+            if not line.strip():
+                continue
+            event = json.loads(line)
+            kind, obj = event.get("type"), event.get("object") or {}
+            if kind == "ERROR":
+                raise WatchError(f"HTTP {obj.get('code')}: {obj.get('message', '')}")
+            rv = str((obj.get("metadata") or {}).get("resourceVersion") or rv)
+            if kind in ("ADDED", "MODIFIED"):
+                seen(obj)
+    finally:
+        resp.release()
+
+
 async def rotation_loop(settings: Settings, api: client.ApiClient | None = None, *,
                         interval_s: float = CHECK_INTERVAL_S,
-                        retry_s: float = RETRY_INTERVAL_S) -> None:
+                        retry_s: float = RETRY_INTERVAL_S, watch: bool = True,
+                        repair_gap_s: float = REPAIR_GAP_S) -> None:
     """Re-run :func:`reconcile` every ``interval_s`` (``retry_s`` after a failure or while the
-    webhook configuration is missing) until cancelled; errors are logged, never raised."""
-    delay = interval_s
-    while True:
-        await asyncio.sleep(delay)
-        try:
-            done = await reconcile(settings, api, deadline_s=min(120.0, retry_s * 4))
-        except (BootstrapError, ApiException, OSError) as exc:  # OSError: writing cert_dir
-            logger.error("certificate check failed; will retry", extra={"error": str(exc)})
-            done = False
-        except Exception:  # a bug must not end rotation for the life of the process
-            logger.exception("certificate check failed unexpectedly; will retry")
-            done = False
-        delay = interval_s if done else retry_s
+    webhook configuration is missing) until cancelled; errors are logged, never raised.
+
+    With ``watch``, :func:`watch_ca_bundle` runs alongside and a caBundle changed under the
+    service is set right at once rather than at the next check: the first repair right away,
+    repeated ones at least ``repair_gap_s`` apart, the gap doubling (up to ``retry_s``) while
+    something keeps changing it back, so a fight with another writer costs a few requests a
+    minute at most."""
+    loop = asyncio.get_running_loop()
+    wake = asyncio.Event()
+    watcher = asyncio.create_task(watch_ca_bundle(settings, api, wake),
+                                  name="gpuslice-ca-bundle-watch") if watch else None
+    delay, gap, repaired_at = interval_s, repair_gap_s, -float("inf")
+    try:
+        while True:
+            try:
+                await asyncio.wait_for(wake.wait(), delay)
+            except TimeoutError:
+                pass
+            if wake.is_set():
+                now = loop.time()
+                gap = repair_gap_s if now - repaired_at > REPAIR_QUIET_S \
+                    else min(gap * 2, retry_s)
+                await asyncio.sleep(max(0.0, repaired_at + gap - now))
+                repaired_at = loop.time()
+                logger.info("webhook caBundle changed under the service; setting it again",
+                            extra={"webhook_configuration": settings.webhook_config_name})
+            wake.clear()
+            try:
+                done = await reconcile(settings, api, deadline_s=min(120.0, retry_s * 4))
+            except (BootstrapError, ApiException, OSError) as exc:  # OSError: writing cert_dir
+                logger.error("certificate check failed; will retry", extra={"error": str(exc)})
+                done = False
+            except Exception:  # a bug must not end rotation for the life of the process
+                logger.exception("certificate check failed unexpectedly; will retry")
+                done = False
+            delay = interval_s if done else retry_s
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
 
 def main(argv: Sequence[str] | None = None) -> int:

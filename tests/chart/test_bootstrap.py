@@ -490,3 +490,56 @@ async def test_first_start_works_for_long_release_and_namespace_names(
     serving = x509.load_pem_x509_certificate((tmp_path / "certs" / "tls.crt").read_bytes())
     sans = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert f"{s.service_name}.{namespace}.svc" in sans.get_values_for_type(x509.DNSName)
+
+
+def test_previous_ca_leaves_the_bundle_a_day_after_the_switch() -> None:
+    """The previous CA (ours before a rotation, or cert-manager's after a switch of tls.mode)
+    is trusted while pods may still serve a certificate it signed, not for years after."""
+    now = dt.datetime.now(dt.UTC)
+    old = material()
+    rotated = bootstrap.renew(None, "new-ca", NS, SERVICE, now, old.ca_bundle)
+    assert len(x509.load_pem_x509_certificates(rotated.ca_bundle)) == 2
+    assert bootstrap.assess(rotated, NS, SERVICE, now + dt.timedelta(hours=23)) == "ok"
+    assert bootstrap.assess(rotated, NS, SERVICE, now + dt.timedelta(hours=25)) == "trim"
+    trimmed = bootstrap.renew(rotated, "trim", NS, SERVICE, now + dt.timedelta(hours=25))
+    assert x509.load_pem_x509_certificates(trimmed.ca_bundle) == \
+        x509.load_pem_x509_certificates(rotated.ca_bundle)[:1]
+    assert (trimmed.ca_key, trimmed.tls_crt, trimmed.tls_key) == \
+        (rotated.ca_key, rotated.tls_crt, rotated.tls_key)
+    assert bootstrap.assess(trimmed, NS, SERVICE, now + dt.timedelta(hours=25)) == "ok"
+
+
+def test_a_previous_bundle_that_is_no_ca_is_not_kept() -> None:
+    """Only a CA that has not expired is carried over: not a serving certificate someone put
+    in ca.crt, nor garbage."""
+    now = dt.datetime.now(dt.UTC)
+    leaf = material().tls_crt
+    for previous in (leaf, b"not a certificate", b""):
+        fresh = bootstrap.renew(None, "new-ca", NS, SERVICE, now, previous)
+        assert len(x509.load_pem_x509_certificates(fresh.ca_bundle)) == 1
+    expired = material(ca_days=1).ca_bundle
+    fresh = bootstrap.renew(None, "new-ca", NS, SERVICE, now + dt.timedelta(days=2), expired)
+    assert len(x509.load_pem_x509_certificates(fresh.ca_bundle)) == 1
+
+
+async def test_the_check_trims_the_previous_ca_from_secret_and_ca_bundle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = dt.datetime.now(dt.UTC)
+    monkeypatch.setattr(tls, "_validity", lambda days: (now - dt.timedelta(days=2),
+                                                        now + dt.timedelta(days=days)))
+    current, previous = material(), material()
+    both = Material(current.ca_bundle + previous.ca_bundle, current.ca_key, current.tls_crt,
+                    current.tls_key)
+    monkeypatch.undo()
+    async with FakeKube() as kube:
+        put_secret(kube, both)
+        kube.put(webhook_configuration(base64.b64encode(both.ca_bundle).decode()))
+        async with kube.api_client() as api:
+            await bootstrap.ensure_tls(settings(tmp_path), api)
+        data = secret_data(kube)
+        assert data["ca.crt"] == current.ca_bundle and data["tls.crt"] == current.tls_crt
+        stored = kube.get("mutatingwebhookconfigurations", MWC)
+        assert stored is not None
+        assert stored["webhooks"][0]["clientConfig"]["caBundle"] == \
+            base64.b64encode(current.ca_bundle).decode()
+        assert (tmp_path / "ca.crt").read_bytes() == current.ca_bundle

@@ -33,7 +33,7 @@ def test_webhook_service_rules(render: Any) -> None:
         (("",), ("pods/binding",), ("create",), ()),
         (("",), ("nodes",), ("list", "watch"), ()),
         (("admissionregistration.k8s.io",), ("mutatingwebhookconfigurations",),
-         ("get", "patch"), ("gpuslice",)),
+         ("get", "list", "patch", "watch"), ("gpuslice",)),
     }
     tls_role = rendered.one("Role", "gpuslice-tls")
     assert tls_role["metadata"]["namespace"] == "gpuslice-system"

@@ -1,0 +1,304 @@
+"""The webhook configuration's caBundle through the Helm lifecycle (tls.mode=secret).
+
+The service runs as the chart's webhook container does (``create_app`` in secret mode, its
+rotation started by the app, API access through a kubeconfig) against the fake API server, with
+the chart's own MutatingWebhookConfiguration. :func:`admits` asks what the API server asks
+before it calls the webhook: does the TLS handshake with the Service verify against the
+configuration's ``caBundle`` for ``<service>.<namespace>.svc``? A configuration without one
+verifies against the API server's system roots, which do not hold the service's private CA: every
+GPU pod is refused (``failurePolicy: Fail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import datetime as dt
+import ssl
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cryptography import x509
+from fakekube import FakeKube
+
+from webhook import bootstrap, tls
+from webhook.bootstrap import Material
+from webhook.service import create_app, start_https
+from webhook.settings import Settings
+
+NS, SERVICE, SECRET = "gpuslice-system", "gpuslice", "gpuslice-tls"
+
+
+@pytest.fixture(autouse=True)
+def _no_pod_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+
+
+def _kubeconfig(kube: FakeKube, path: Path) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": kube.url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}))
+    return path
+
+
+def _settings(cert_dir: Path, mwc: str, kubeconfig: Path | None = None) -> Settings:
+    return Settings(cert_dir=str(cert_dir), tls_mode="secret", kube_enabled=True,
+                    release_namespace=NS, service_name=SERVICE, tls_secret_name=SECRET,
+                    webhook_config_name=mwc, placement_enabled=False,
+                    kubeconfig=str(kubeconfig) if kubeconfig else None)
+
+
+async def admits(kube: FakeKube, mwc: str, port: int) -> bool:
+    """Whether the API server would reach the webhook: the serving certificate verifies
+    against the first webhook's caBundle."""
+    obj = kube.get("mutatingwebhookconfigurations", mwc)
+    bundle = ((obj or {}).get("webhooks") or [{}])[0].get("clientConfig", {}).get("caBundle")
+    if not bundle:
+        return False  # the system roots: the private CA is not among them
+    context = ssl.create_default_context(cadata=base64.b64decode(bundle).decode())
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname=f"{SERVICE}.{NS}.svc"), 5)
+    except ssl.SSLError:
+        return False
+    writer.close()
+    return True
+
+
+async def refused_for(kube: FakeKube, mwc: str, port: int, limit_s: float) -> float:
+    """Seconds until :func:`admits` holds again (``limit_s`` if it does not by then)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if await admits(kube, mwc, port):
+            return time.monotonic() - start
+        await asyncio.sleep(0.02)
+    return limit_s
+
+
+class Replica:
+    """One webhook pod: its init container's bootstrap, then the served app with its rotation."""
+
+    def __init__(self, kube: FakeKube, tmp: Path, name: str, mwc: str) -> None:
+        self.kube, self.mwc = kube, mwc
+        self.settings = _settings(tmp / name, mwc, _kubeconfig(kube, tmp / f"{name}.kubeconfig"))
+        self.port = 0
+        self._runner: Any = None
+
+    async def start(self) -> None:
+        async with self.kube.api_client() as api:
+            await bootstrap.ensure_tls(self.settings, api)  # the init container
+        app = create_app(self.settings, cert_reload_interval=0.05)
+        self._runner = await start_https(app, "127.0.0.1", 0)
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+
+@pytest.fixture
+async def chart_mwc(render: Any) -> dict[str, Any]:
+    """The chart's webhook configuration as `helm install` creates it (nothing to look up)."""
+    return render({"tls": {"mode": "secret"}}).one("MutatingWebhookConfiguration")
+
+
+@pytest.fixture
+async def replica(tmp_path: Path, chart_mwc: dict[str, Any]) -> AsyncIterator[Replica]:
+    async with FakeKube() as kube:
+        kube.put(chart_mwc)
+        r = Replica(kube, tmp_path, "r1", chart_mwc["metadata"]["name"])
+        await r.start()
+        try:
+            yield r
+        finally:
+            await r.stop()
+
+
+def _rolled_back(kube: FakeKube, chart_mwc: dict[str, Any], ca_bundle: str | None) -> None:
+    """The live configuration after `helm rollback` to the install's revision.
+
+    Helm applies a three-way strategic merge patch (the current revision's manifest, the
+    target's, the live object): the current revision's manifest carries the caBundle the chart
+    looked up at upgrade, the install's has none, so Helm deletes it from every webhook.
+    ``ca_bundle`` instead leaves that one (a revision rendered while an older CA was live).
+    """
+    obj = kube.get("mutatingwebhookconfigurations", chart_mwc["metadata"]["name"])
+    assert obj is not None
+    for hook in obj["webhooks"]:
+        hook["clientConfig"].pop("caBundle", None)
+        if ca_bundle:
+            hook["clientConfig"]["caBundle"] = ca_bundle
+    kube.put(obj)
+
+
+OLD_CA = base64.b64encode(tls.new_ca()[0]).decode()
+
+
+@pytest.mark.parametrize("left", [None, OLD_CA], ids=["no-ca-bundle", "older-ca-bundle"])
+async def test_rollback_that_drops_the_ca_bundle_is_repaired_within_seconds(
+        replica: Replica, chart_mwc: dict[str, Any], left: str | None) -> None:
+    """Before: the caBundle came back at the next periodic check, 600 s later (GPU pods refused
+    all that time; the test gave up after 10 s). The service watches its configuration now."""
+    kube = replica.kube
+    assert await admits(kube, replica.mwc, replica.port)
+    await asyncio.sleep(0.5)  # the service is serving and watching, as after a rollout
+    _rolled_back(kube, chart_mwc, left)
+    assert not await admits(kube, replica.mwc, replica.port)
+    refused = await refused_for(kube, replica.mwc, replica.port, 10.0)
+    assert refused < 3.0, f"GPU pods refused for {refused:.1f} s after the rollback"
+
+
+async def test_two_replicas_restore_the_ca_bundle_once_and_do_not_flap(
+        tmp_path: Path, chart_mwc: dict[str, Any]) -> None:
+    """Both replicas see the caBundle vanish; they patch it back (each read the same Secret)
+    and then stay quiet: their own patches do not set them off again."""
+    name = chart_mwc["metadata"]["name"]
+    async with FakeKube() as kube:
+        kube.put(chart_mwc)
+        a, b = Replica(kube, tmp_path, "a", name), Replica(kube, tmp_path, "b", name)
+        await a.start()
+        await b.start()
+        try:
+            await asyncio.sleep(0.5)
+            start = len(kube.requests)
+            _rolled_back(kube, chart_mwc, None)
+            assert await refused_for(kube, name, a.port, 10.0) < 3.0
+            assert await admits(kube, name, b.port)
+            await asyncio.sleep(3.0)
+            later = kube.requests[start:]
+            patches = [r for r in later if r.method == "PATCH"]
+            assert 1 <= len(patches) <= 2, [r.body for r in patches]
+            assert [r for r in later if r.method in ("PUT", "POST")] == []  # Secret untouched
+            assert len([r for r in later if not r.watch]) <= 12  # a handful of reads in all
+        finally:
+            await a.stop()
+            await b.stop()
+
+
+async def test_new_ca_is_in_the_ca_bundle_before_the_service_serves_a_certificate_it_signed(
+        tmp_path: Path, chart_mwc: dict[str, Any]) -> None:
+    """A CA rotation writes the new serving certificate and sets the caBundle (new and old CA).
+    The files used to come first: while the patch was retried (an API server busy for a few
+    seconds) the service served a certificate the caBundle did not trust."""
+    name = chart_mwc["metadata"]["name"]
+    ca_crt, ca_key = tls.new_ca(days=10)  # expiring: the check makes a new CA
+    crt, key = tls.issue_serving_cert(ca_crt, ca_key, NS, SERVICE, 10)
+    old = Material(ca_crt, ca_key, crt, key)
+    cert_dir = tmp_path / "certs"
+    bootstrap.write_files(cert_dir, old)
+    async with FakeKube() as kube:
+        kube.put({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                  "metadata": {"name": SECRET, "namespace": NS}, "data": old.secret_data()})
+        mwc = kube.put(chart_mwc)
+        for hook in mwc["webhooks"]:
+            hook["clientConfig"]["caBundle"] = base64.b64encode(old.ca_bundle).decode()
+        kube.put(mwc)
+        kube.fail("PATCH", f"mutatingwebhookconfigurations/{name}$", 503, times=3)
+        untrusted = 0
+        async with kube.api_client() as api:
+            task = asyncio.create_task(bootstrap.reconcile(_settings(cert_dir, name), api,
+                                                           backoff_s=0.2))
+            while not task.done():
+                live = kube.get("mutatingwebhookconfigurations", name)
+                assert live is not None
+                trusted = x509.load_pem_x509_certificates(base64.b64decode(
+                    live["webhooks"][0]["clientConfig"]["caBundle"]))
+                serving = x509.load_pem_x509_certificate((cert_dir / "tls.crt").read_bytes())
+                if not any(_issued_by(serving, ca) for ca in trusted):
+                    untrusted += 1
+                await asyncio.sleep(0.01)
+            assert await task
+        serving = x509.load_pem_x509_certificate((cert_dir / "tls.crt").read_bytes())
+        assert serving.serial_number != x509.load_pem_x509_certificate(crt).serial_number
+        assert untrusted == 0, f"served an untrusted certificate for ~{untrusted * 0.01:.1f} s"
+
+
+def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, Exception):  # noqa: BLE001 - InvalidSignature and friends
+        return False
+    return cert.not_valid_after_utc > dt.datetime.now(dt.UTC)
+
+
+async def test_the_watch_names_its_one_object_as_rbac_requires(
+        replica: Replica, render: Any) -> None:
+    """The ClusterRole pins the configuration by resourceNames; the API server authorizes a
+    list or watch under such a rule only with a metadata.name field selector naming it."""
+    await asyncio.sleep(0.3)
+    kube, name = replica.kube, replica.mwc
+    reads = [r for r in kube.requests
+             if r.method == "GET" and r.path.endswith("/mutatingwebhookconfigurations")]
+    assert reads and any(r.watch for r in reads)
+    assert {r.query.get("fieldSelector") for r in reads} == {f"metadata.name={name}"}
+    role = render({"tls": {"mode": "secret"}}).one("ClusterRole", "gpuslice-webhook")
+    [rule] = [r for r in role["rules"] if r["resources"] == ["mutatingwebhookconfigurations"]]
+    assert rule["resourceNames"] == [name] and {"list", "watch"} <= set(rule["verbs"])
+
+
+async def test_a_watch_refused_by_rbac_backs_off_and_the_periodic_check_goes_on(
+        tmp_path: Path, chart_mwc: dict[str, Any]) -> None:
+    """An operator's own RBAC without list/watch: the watch is retried with a growing back-off
+    (a few requests, not a flood); the checks at the interval still set the caBundle."""
+    name = chart_mwc["metadata"]["name"]
+    async with FakeKube() as kube:
+        kube.put(chart_mwc)
+        kube.fail("GET", "/mutatingwebhookconfigurations$", 403, times=1000,
+                  message="cannot watch resource")
+        s = _settings(tmp_path / "certs", name)
+        async with kube.api_client() as api:
+            await bootstrap.ensure_tls(s, api)
+            _rolled_back(kube, chart_mwc, None)
+            task = asyncio.create_task(bootstrap.rotation_loop(s, api, interval_s=1.0))
+            await asyncio.sleep(2.5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        refused = [r for r in kube.requests if r.path.endswith("/mutatingwebhookconfigurations")]
+        assert 1 <= len(refused) <= 3  # at 0 s, 1 s, 3 s
+        live = kube.get("mutatingwebhookconfigurations", name)
+        assert live is not None and live["webhooks"][0]["clientConfig"].get("caBundle")
+
+
+async def test_switch_from_cert_manager_to_secret_keeps_the_old_pods_trusted(
+        tmp_path: Path, chart_mwc: dict[str, Any]) -> None:
+    """`helm upgrade --set tls.mode=secret` over cert-manager: the old pods serve cert-manager's
+    certificate until the rollout replaces them, while the first new pod's init container finds
+    cert-manager's Secret (ca.crt, tls.crt, tls.key; no ca.key), makes its own CA and sets the
+    caBundle. Before: the caBundle held the new CA only, so the API server refused every call
+    that reached an old pod for the rest of the rollout; now the new CA and cert-manager's."""
+    name = chart_mwc["metadata"]["name"]
+    cm_ca, cm_key = tls.new_ca(common_name="gpuslice-ca")
+    cm_crt, cm_tls_key = tls.issue_serving_cert(cm_ca, cm_key, NS, SERVICE, 90)
+    old_dir = tmp_path / "old"
+    bootstrap.write_files(old_dir, Material(cm_ca, b"", cm_crt, cm_tls_key))
+    old_app = create_app(Settings(cert_dir=str(old_dir), tls_mode="files",
+                                  placement_enabled=False), cert_reload_interval=0.05)
+    old = await start_https(old_app, "127.0.0.1", 0)
+    try:
+        async with FakeKube() as kube:
+            kube.put({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                      "metadata": {"name": SECRET, "namespace": NS},
+                      "data": {k: base64.b64encode(v).decode() for k, v in (
+                          ("ca.crt", cm_ca), ("tls.crt", cm_crt), ("tls.key", cm_tls_key))}})
+            mwc = copy.deepcopy(chart_mwc)  # rendered in secret mode: `lookup` kept the injected CA
+            for hook in mwc["webhooks"]:
+                hook["clientConfig"]["caBundle"] = base64.b64encode(cm_ca).decode()
+            kube.put(mwc)
+            assert await admits(kube, name, old.addresses[0][1])
+            new = Replica(kube, tmp_path, "new", name)
+            await new.start()
+            try:
+                assert await admits(kube, name, new.port)
+                assert await admits(kube, name, old.addresses[0][1]), \
+                    "the old pods' certificate is no longer trusted"
+            finally:
+                await new.stop()
+    finally:
+        await old.cleanup()
