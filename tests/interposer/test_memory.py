@@ -1698,6 +1698,21 @@ def test_another_processs_buffer_charged_unmapped_stays_charged_when_the_driver_
     assert res.values("phys") == [700 * MIB]
 
 
+def test_an_import_whose_device_the_driver_does_not_tell_is_refused_and_released(lab):
+    # the import succeeded but cuMemGetAllocationPropertiesFromHandle failed: the handle was
+    # kept unrecorded, so its mapping was charged nothing and, the exporter's handle released,
+    # a 600 MiB allocation passed beside it: 1200 MiB held under a 1 GiB cap.  Now the import
+    # is released and the query's error answered
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vimport", "0", "free", "0",
+                  "vmap", "1", "alloc", "600m", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuMemGetAllocationPropertiesFromHandle:1:700")
+    assert res.rc("vimport") == 700
+    assert res.rc("free") == 0 and res.rc("vmap") != 0  # no handle to map
+    assert res.rc("alloc") == 0
+    assert res.values("meminfo") == [GIB - 600 * MIB, GIB]
+    assert res.values("phys") == [600 * MIB]  # the allocation only: the import was released
+
+
 def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
     # a sparse array's tile mapping does not say how much of the allocation it takes, and the
     # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap
