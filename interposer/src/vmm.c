@@ -127,6 +127,50 @@ GS_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *
     return rc;
 }
 
+/* An external memory object (cuImportExternalMemory): another API's or process's memory, a VMM
+ * allocation's exported descriptor among them (CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD), which
+ * the object keeps alive until cuDestroyExternalMemory, whoever else lets go of it.  Unhooked,
+ * create -> export -> import as external memory -> release took memory past the cap with
+ * nothing charged (`test_memory.py -k external_memory`).  The description tells its size: it is
+ * charged as an allocation of the current context (refused past the cap with
+ * CUDA_ERROR_OUT_OF_MEMORY) and returned when destroyed or with the context.  Like an imported
+ * VMM handle, it counts twice while its exporter in the container holds it too: the strict
+ * side.  Its buffers and mipmapped arrays (cuExternalMemoryGetMapped*) are views of it and
+ * charge nothing. */
+static CUresult import_external(CUexternalMemory *out, const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *desc)
+{
+    GS_CHARGED_ALLOC(GS_KIND_EXTMEM, out, !desc->size, desc->size, gs_cuda.cuImportExternalMemory(out, desc), 0);
+}
+
+GS_EXPORT CUresult cuImportExternalMemory(CUexternalMemory *extMem_out,
+                                          const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *memHandleDesc)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuImportExternalMemory) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!extMem_out || !memHandleDesc) return gs_cuda.cuImportExternalMemory(extMem_out, memHandleDesc);
+    return import_external(extMem_out, memHandleDesc);
+}
+
+GS_EXPORT CUresult cuDestroyExternalMemory(CUexternalMemory extMem)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDestroyExternalMemory) return CUDA_ERROR_NOT_SUPPORTED;
+    uint64_t key = (uint64_t)(uintptr_t)extMem;
+    struct gs_alloc rec, old;
+    unsigned seq0 = gs_teardown_seq(); /* as cuMemFree's: before the record is taken */
+    if (gs_am_take(GS_KIND_EXTMEM, key, &rec) != 0) return gs_cuda.cuDestroyExternalMemory(extMem);
+    gs_inflight_begin();
+    CUresult rc = gs_cuda.cuDestroyExternalMemory(extMem);
+    if (rc == CUDA_SUCCESS)
+        gs_budget_release(rec.slot, rec.size);
+    else if (gs_teardown_since(seq0))
+        gs_array_refused_after_teardown(GS_KIND_EXTMEM, key, &rec, seq0); /* gone with its context? */
+    else
+        gs_am_put(GS_KIND_EXTMEM, key, &rec, &old);
+    gs_inflight_end();
+    return rc;
+}
+
 struct import_grow {
     uint64_t need, surplus;
 };

@@ -62,6 +62,8 @@
     X(cuMemExportToShareableHandle, CUresult, (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, \
                                                unsigned long long))                                         \
     X(cuMemImportFromShareableHandle, CUresult, (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType)) \
+    X(cuImportExternalMemory, CUresult, (CUexternalMemory *, const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *))     \
+    X(cuDestroyExternalMemory, CUresult, (CUexternalMemory))                                                 \
     X(cuMemMapArrayAsync, CUresult, (CUarrayMapInfo *, unsigned int, CUstream))                              \
     X(cuArrayCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *))                                \
     X(cuArray3DCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                            \
@@ -222,7 +224,7 @@ static void load_api(void)
 
 /* ---- allocations ---------------------------------------------------------- */
 
-enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP };
+enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP, A_EXTMEM };
 static struct {
     int kind;
     uint64_t handle;
@@ -1066,6 +1068,20 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) allocs[nallocs].size = allocs[id].size;
             remember("vimport", rc, A_VMM, h);
             i += 1;
+        } else if (!strcmp(c, "eimport")) {
+            /* eimport ID: ID's exported descriptor (a copy: the driver takes it) imported as
+             * external memory of ID's size (cuImportExternalMemory); "free" destroys it */
+            int id = atoi(ARG(0));
+            CUDA_EXTERNAL_MEMORY_HANDLE_DESC d;
+            memset(&d, 0, sizeof(d));
+            d.type = CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD;
+            d.handle.fd = dup(allocs[id].fd);
+            d.size = allocs[id].size;
+            CUexternalMemory e = NULL;
+            CUresult rc = api.cuImportExternalMemory(&e, &d);
+            if (rc != CUDA_SUCCESS && d.handle.fd >= 0) close(d.handle.fd);
+            remember("eimport", rc, A_EXTMEM, (uint64_t)(uintptr_t)e);
+            i += 1;
         } else if (!strcmp(c, "vimportfrom")) {
             /* vimportfrom PATH SIZE: a new handle from the descriptor another process's "vfd"
              * named in PATH (as NCCL passes one over a socket), remembered as a VMM allocation
@@ -1203,6 +1219,7 @@ int main(int argc, char **argv)
             case A_VMM: rc = api.cuMemRelease(h); break;
             case A_ARRAY: rc = api.cuArrayDestroy((CUarray)(uintptr_t)h); break;
             case A_MIPMAP: rc = api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h); break;
+            case A_EXTMEM: rc = api.cuDestroyExternalMemory((CUexternalMemory)(uintptr_t)h); break;
             default: rc = legacy ? api1.cuMemFree((unsigned)h) : api.cuMemFree_v2(h); break;
             }
             printf("%s %d\n", c, rc);

@@ -1713,6 +1713,43 @@ def test_an_import_whose_device_the_driver_does_not_tell_is_refused_and_released
     assert res.values("phys") == [600 * MIB]  # the allocation only: the import was released
 
 
+def test_a_vmm_allocation_imported_as_external_memory_stays_charged_after_its_release(lab):
+    # create 300 MiB, export it, import the descriptor as external memory (the object keeps the
+    # allocation), release the handle: unhooked, the release returned the charge, and four
+    # rounds held 1200 MiB under a 1 GiB cap with nothing charged.  Now the import is charged
+    # (twice while the exporter's handle holds it too: the strict side), the third and fourth
+    # imports are refused, and each charge returns with its object
+    cmds = []
+    for vmm in (0, 2, 4, 5):  # a refused import takes no id
+        cmds += ["vmm", "300m", "0", "vexport", str(vmm), "eimport", str(vmm), "free", str(vmm),
+                 "meminfo", "phys"]
+    res = lab.run("init", "ctx", "0", *cmds, "free", "1", "free", "3", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("vmm")] == [0, 0, 0, 0]
+    assert [rc for rc, _ in res.of("eimport")] == [0, 0, OOM, OOM]
+    held = [vals[0] for _, vals in res.of("phys")]
+    charged = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    assert held == [300 * MIB, 600 * MIB, 600 * MIB, 600 * MIB, 0]
+    assert charged == held
+    assert all(rc == 0 for rc, _ in res.of("free"))
+
+
+def test_external_memory_goes_with_its_context(lab):
+    res = lab.run("init", "ctxcreate", "0", "vmm", "300m", "0", "vexport", "0", "eimport", "0", "free", "0",
+                  "meminfo", "phys", "ctxdestroy", "0", "ctx", "0", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("eimport") == 0 and res.rc("ctxdestroy") == 0
+    assert [vals[0] for _, vals in res.of("phys")] == [300 * MIB, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [300 * MIB, 0]
+
+
+def test_an_external_memory_destroy_the_driver_refuses_keeps_its_charge(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "300m", "0", "vexport", "0", "eimport", "0", "free", "0",
+                  "free", "1", "meminfo", "free", "1", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuDestroyExternalMemory:1:700")
+    assert [rc for rc, _ in res.of("free")] == [0, 700, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [300 * MIB, 0]
+
+
 def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
     # a sparse array's tile mapping does not say how much of the allocation it takes, and the
     # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap
