@@ -1713,6 +1713,18 @@ def test_an_import_whose_device_the_driver_does_not_tell_is_refused_and_released
     assert res.values("phys") == [600 * MIB]  # the allocation only: the import was released
 
 
+def test_a_retained_imported_handle_keeps_its_charge_after_the_import_is_released_and_unmapped(lab):
+    # cuMemRetainAllocationHandle answers the handle that mapped the address (documented): the
+    # import's, one more reference to its record, which keeps the charge while the memory lives
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vimport", "0", "free", "0",
+                  "vmap", "1", "vretain", "1", "free", "1", "vunmap", "1", "meminfo", "phys", "free", "1",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.of("vretain") == [(0, [1])]  # the import's handle
+    assert [rc for rc, _ in res.of("free")] == [0, 0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 0]
+
+
 def test_a_vmm_allocation_imported_as_external_memory_stays_charged_after_its_release(lab):
     # create 300 MiB, export it, import the descriptor as external memory (the object keeps the
     # allocation), release the handle: unhooked, the release returned the charge, and four

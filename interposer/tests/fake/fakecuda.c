@@ -1974,7 +1974,7 @@ API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, v
         struct fake_alloc *a = alloc_find(K_VMM, vmaps[i].handle);
         if (a) {
             a->refs++;
-            *handle = a->handle;
+            *handle = vmaps[i].handle; /* the handle that mapped it (an import's own), as documented */
             rc = CUDA_SUCCESS;
         }
     }
