@@ -127,50 +127,6 @@ GS_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *
     return rc;
 }
 
-/* An external memory object (cuImportExternalMemory): another API's or process's memory, a VMM
- * allocation's exported descriptor among them (CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD), which
- * the object keeps alive until cuDestroyExternalMemory, whoever else lets go of it.  Unhooked,
- * create -> export -> import as external memory -> release took memory past the cap with
- * nothing charged (`test_memory.py -k external_memory`).  The description tells its size: it is
- * charged as an allocation of the current context (refused past the cap with
- * CUDA_ERROR_OUT_OF_MEMORY) and returned when destroyed or with the context.  Like an imported
- * VMM handle, it counts twice while its exporter in the container holds it too: the strict
- * side.  Its buffers and mipmapped arrays (cuExternalMemoryGetMapped*) are views of it and
- * charge nothing. */
-static CUresult import_external(CUexternalMemory *out, const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *desc)
-{
-    GS_CHARGED_ALLOC(GS_KIND_EXTMEM, out, !desc->size, desc->size, gs_cuda.cuImportExternalMemory(out, desc), 0);
-}
-
-GS_EXPORT CUresult cuImportExternalMemory(CUexternalMemory *extMem_out,
-                                          const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *memHandleDesc)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuImportExternalMemory) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!extMem_out || !memHandleDesc) return gs_cuda.cuImportExternalMemory(extMem_out, memHandleDesc);
-    return import_external(extMem_out, memHandleDesc);
-}
-
-GS_EXPORT CUresult cuDestroyExternalMemory(CUexternalMemory extMem)
-{
-    gs_cuda_init();
-    if (!gs_cuda.cuDestroyExternalMemory) return CUDA_ERROR_NOT_SUPPORTED;
-    uint64_t key = (uint64_t)(uintptr_t)extMem;
-    struct gs_alloc rec, old;
-    unsigned seq0 = gs_teardown_seq(); /* as cuMemFree's: before the record is taken */
-    if (gs_am_take(GS_KIND_EXTMEM, key, &rec) != 0) return gs_cuda.cuDestroyExternalMemory(extMem);
-    gs_inflight_begin();
-    CUresult rc = gs_cuda.cuDestroyExternalMemory(extMem);
-    if (rc == CUDA_SUCCESS)
-        gs_budget_release(rec.slot, rec.size);
-    else if (gs_teardown_since(seq0))
-        gs_array_refused_after_teardown(GS_KIND_EXTMEM, key, &rec, seq0); /* gone with its context? */
-    else
-        gs_am_put(GS_KIND_EXTMEM, key, &rec, &old);
-    gs_inflight_end();
-    return rc;
-}
-
 struct import_grow {
     uint64_t need, surplus;
 };
@@ -231,6 +187,80 @@ static int fits_remeasured(int slot, uint64_t extra)
     }
     gs_inflight_begin();
     return fits;
+}
+
+/* An external memory object (cuImportExternalMemory): another API's or process's memory, a VMM
+ * allocation's exported descriptor among them (CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD), which
+ * the object keeps alive until cuDestroyExternalMemory, whoever else lets go of it.  Unhooked,
+ * create -> export -> import as external memory -> release took memory past the cap with
+ * nothing charged (`test_memory.py -k external_memory`).  The description tells its size: it is
+ * charged to the current context's device, refused past the cap with CUDA_ERROR_OUT_OF_MEMORY,
+ * and returned when destroyed or with the context.  Like an imported VMM handle, it counts
+ * twice while its exporter in the container holds it too: the strict side.  Memory another API
+ * of the process made (Vulkan's) may be charged already as growth no hook saw (NVML counts it):
+ * an import the cap refuses is judged again after a clean reading, as a mapping of an imported
+ * handle is (judged as taking its memory a second time, 600 MiB of Vulkan's were refused under
+ * a 1 GiB cap with 700 MiB held; `-k another_apis_memory`), and its charge and its end mark the
+ * device for one.  Its buffers and mipmapped arrays (cuExternalMemoryGetMapped*) are views of
+ * it and charge nothing. */
+static CUresult import_external(CUexternalMemory *out, const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *desc)
+{
+    gs_devices_ready();
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
+    if (slot < 0 || !desc->size) return gs_cuda.cuImportExternalMemory(out, desc);
+    uint64_t charge = gs_charge_size(desc->size);
+    int remeasured = 0;
+    gs_inflight_begin(); /* before the charge changes: no clean reading between */
+    if (gs_reserve(slot, charge) != 0) {
+        if (!fits_remeasured(slot, charge)) {
+            gs_inflight_end();
+            return gs_over_cap(slot, charge);
+        }
+        remeasured = 1;
+    }
+    unsigned seq0 = gs_teardown_seq();
+    CUresult rc = gs_cuda.cuImportExternalMemory(out, desc);
+    if (rc != CUDA_SUCCESS)
+        rc = gs_rollback(rc, slot, charge);
+    else if (gs_book(GS_KIND_EXTMEM, (uint64_t)(uintptr_t)*out, slot, charge, ctx, seq0) < 0)
+        rc = gs_discard(GS_KIND_EXTMEM, (uint64_t)(uintptr_t)*out, slot, charge);
+    else
+        gs_reconcile_remeasure_slot(slot); /* what it overlaps of the growth no hook saw goes */
+    gs_inflight_end();
+    if (rc != CUDA_SUCCESS && remeasured) gs_reconcile_slot(slot); /* the reading's overlap charged again */
+    return rc;
+}
+
+GS_EXPORT CUresult cuImportExternalMemory(CUexternalMemory *extMem_out,
+                                          const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *memHandleDesc)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuImportExternalMemory) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!extMem_out || !memHandleDesc) return gs_cuda.cuImportExternalMemory(extMem_out, memHandleDesc);
+    return import_external(extMem_out, memHandleDesc);
+}
+
+GS_EXPORT CUresult cuDestroyExternalMemory(CUexternalMemory extMem)
+{
+    gs_cuda_init();
+    if (!gs_cuda.cuDestroyExternalMemory) return CUDA_ERROR_NOT_SUPPORTED;
+    uint64_t key = (uint64_t)(uintptr_t)extMem;
+    struct gs_alloc rec, old;
+    unsigned seq0 = gs_teardown_seq(); /* as cuMemFree's: before the record is taken */
+    if (gs_am_take(GS_KIND_EXTMEM, key, &rec) != 0) return gs_cuda.cuDestroyExternalMemory(extMem);
+    gs_inflight_begin();
+    CUresult rc = gs_cuda.cuDestroyExternalMemory(extMem);
+    if (rc == CUDA_SUCCESS) {
+        gs_budget_release(rec.slot, rec.size);
+        gs_reconcile_remeasure_slot(rec.slot); /* as an imported handle's end (gs_vmm_gone) */
+    } else if (gs_teardown_since(seq0)) {
+        gs_array_refused_after_teardown(GS_KIND_EXTMEM, key, &rec, seq0); /* gone with its context? */
+    } else {
+        gs_am_put(GS_KIND_EXTMEM, key, &rec, &old);
+    }
+    gs_inflight_end();
+    return rc;
 }
 
 /* A mapping of an imported handle: what it reaches beyond the record's charge is reserved

@@ -224,7 +224,7 @@ static void load_api(void)
 
 /* ---- allocations ---------------------------------------------------------- */
 
-enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP, A_EXTMEM };
+enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP, A_EXTMEM, A_OTHER };
 static struct {
     int kind;
     uint64_t handle;
@@ -1068,6 +1068,19 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) allocs[nallocs].size = allocs[id].size;
             remember("vimport", rc, A_VMM, h);
             i += 1;
+        } else if (!strcmp(c, "otheralloc")) {
+            /* otheralloc SIZE: memory another API of the process allocates on the current
+             * context's device (the fake's stand-in for Vulkan), exported to a descriptor that
+             * "eimport" takes; "free" lets go of it */
+            typedef CUresult (*other_alloc_t)(uint64_t, uint64_t *, int *);
+            other_alloc_t f = (other_alloc_t)dlsym(libcuda, "fake_cuda_other_api_alloc");
+            uint64_t h = 0;
+            int fd = -1;
+            CUresult rc = f ? f(size_arg(ARG(0)), &h, &fd) : CUDA_ERROR_NOT_SUPPORTED;
+            allocs[nallocs].size = size_arg(ARG(0));
+            allocs[nallocs].fd = fd;
+            remember(c, rc, A_OTHER, h);
+            i += 1;
         } else if (!strcmp(c, "eimport")) {
             /* eimport ID: ID's exported descriptor (a copy: the driver takes it) imported as
              * external memory of ID's size (cuImportExternalMemory); "free" destroys it */
@@ -1220,6 +1233,12 @@ int main(int argc, char **argv)
             case A_ARRAY: rc = api.cuArrayDestroy((CUarray)(uintptr_t)h); break;
             case A_MIPMAP: rc = api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h); break;
             case A_EXTMEM: rc = api.cuDestroyExternalMemory((CUexternalMemory)(uintptr_t)h); break;
+            case A_OTHER: {
+                typedef CUresult (*other_free_t)(uint64_t);
+                other_free_t f = (other_free_t)dlsym(libcuda, "fake_cuda_other_api_free");
+                rc = f ? f(h) : CUDA_ERROR_NOT_SUPPORTED;
+                break;
+            }
             default: rc = legacy ? api1.cuMemFree((unsigned)h) : api.cuMemFree_v2(h); break;
             }
             printf("%s %d\n", c, rc);

@@ -1746,6 +1746,21 @@ def test_a_vmm_allocation_imported_as_external_memory_stays_charged_after_its_re
     assert all(rc == 0 for rc, _ in res.of("free"))
 
 
+def test_another_apis_memory_charged_as_growth_is_imported_if_it_fits_once(lab):
+    # Vulkan's 600 MiB (the fake's stand-in), counted by NVML for the process and charged by the
+    # sampler as growth no hook saw, then imported as external memory under a 1 GiB cap: judged
+    # as if it took its memory a second time, the import was refused with 700 MiB held.  Now it
+    # is judged again after a clean reading, charged once, and returned with its last holder
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m"}
+    res = lab.run("init", "ctx", "0", "otheralloc", "600m", "sleep", "1500", "meminfo", "eimport", "0",
+                  "meminfo", "free", "0", "sleep", "1500", "meminfo", "phys", "free", "1", "sleep", "1500",
+                  "meminfo", "phys", **env)
+    assert res.rc("otheralloc") == 0 and res.rc("eimport") == 0
+    assert [rc for rc, _ in res.of("free")] == [0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [700 * MIB] * 3 + [100 * MIB]
+    assert [vals[0] for _, vals in res.of("phys")] == [700 * MIB, 100 * MIB]
+
+
 def test_external_memory_goes_with_its_context(lab):
     res = lab.run("init", "ctxcreate", "0", "vmm", "300m", "0", "vexport", "0", "eimport", "0", "free", "0",
                   "meminfo", "phys", "ctxdestroy", "0", "ctx", "0", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")

@@ -2067,6 +2067,29 @@ static void extmem_drop(struct fake_extmem *e) /* mu held */
     }
 }
 
+/* Test-only: memory another API of this process (Vulkan, say) allocates on the current
+ * context's device, which no CUDA call allocates but NVML counts, exported to a descriptor
+ * (*fd) that cuImportExternalMemory takes; *handle is the other API's own reference, which
+ * fake_cuda_other_api_free lets go of (the memory goes with the last holder). */
+API CUresult fake_cuda_other_api_alloc(uint64_t bytes, uint64_t *handle, int *fd)
+{
+    NEED_CTX();
+    if (!handle || !fd || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = alloc_new(K_VMM, bytes, current->pdev, NULL, handle, 1);
+    if (rc != CUDA_SUCCESS) return rc;
+    struct fake_export body = {"FAKEEXP", (int32_t)getpid(), current->pdev, bytes, *handle};
+    *fd = memfd_create("fakecuda-other-api", 0);
+    if (*fd >= 0 && write(*fd, &body, sizeof(body)) == (ssize_t)sizeof(body)) return CUDA_SUCCESS;
+    if (*fd >= 0) close(*fd);
+    cuMemRelease(*handle);
+    return CUDA_ERROR_OPERATING_SYSTEM;
+}
+
+API CUresult fake_cuda_other_api_free(uint64_t handle)
+{
+    return cuMemRelease(handle);
+}
+
 static void extmems_drop_ctx(struct fake_ctx *c) /* mu held */
 {
     for (int j = 0; j < MAX_EXTMEMS; j++)
