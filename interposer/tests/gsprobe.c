@@ -1081,20 +1081,21 @@ int main(int argc, char **argv)
             allocs[nallocs].fd = fd;
             remember(c, rc, A_OTHER, h);
             i += 1;
-        } else if (!strcmp(c, "eimport")) {
+        } else if (!strcmp(c, "eimport") || !strcmp(c, "eimportas")) {
             /* eimport ID: ID's exported descriptor (a copy: the driver takes it) imported as
-             * external memory of ID's size (cuImportExternalMemory); "free" destroys it */
-            int id = atoi(ARG(0));
+             * external memory of ID's size (cuImportExternalMemory); "free" destroys it.
+             * eimportas ID SIZE: described as SIZE bytes */
+            int id = atoi(ARG(0)), as = !strcmp(c, "eimportas");
             CUDA_EXTERNAL_MEMORY_HANDLE_DESC d;
             memset(&d, 0, sizeof(d));
             d.type = CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD;
             d.handle.fd = dup(allocs[id].fd);
-            d.size = allocs[id].size;
+            d.size = as ? size_arg(ARG(1)) : allocs[id].size;
             CUexternalMemory e = NULL;
             CUresult rc = api.cuImportExternalMemory(&e, &d);
             if (rc != CUDA_SUCCESS && d.handle.fd >= 0) close(d.handle.fd);
-            remember("eimport", rc, A_EXTMEM, (uint64_t)(uintptr_t)e);
-            i += 1;
+            remember(c, rc, A_EXTMEM, (uint64_t)(uintptr_t)e);
+            i += 1 + as;
         } else if (!strcmp(c, "vimportfrom")) {
             /* vimportfrom PATH SIZE: a new handle from the descriptor another process's "vfd"
              * named in PATH (as NCCL passes one over a socket), remembered as a VMM allocation

@@ -1778,6 +1778,27 @@ def test_an_external_memory_destroy_the_driver_refuses_keeps_its_charge(lab):
     assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [300 * MIB, 0]
 
 
+@pytest.mark.parametrize("how", ["vmappart", "eimportas"])
+def test_an_import_larger_than_the_cap_leaves_other_processes_charges(lab, how):
+    # a mapping reaching 2^64 - 2 MiB into an imported handle (a bad size), or external memory
+    # described so, refused: its charge was forced to be judged after a clean reading,
+    # saturated the container's total, and its release took the total to 0 with it; another
+    # process's 600 MiB went uncharged and a 600 MiB allocation passed beside them, 1200 MiB
+    # held under a 1 GiB cap
+    ready, done = str(lab.tmp / "ready"), str(lab.tmp / "done")
+    other = lab.start("init", "ctx", "0", "alloc", "600m", "touch", ready, "waitfile", done,
+                      CUDA_DEVICE_MEMORY_LIMIT="1g")
+    huge = str((1 << 64) - 2 * MIB)
+    use = ["vmappart", "1", "0", huge] if how == "vmappart" else ["eimportas", "1", huge]
+    res = lab.run("waitfile", ready, "init", "ctx", "0", "vmm", "2m", "0", "vexport", "0", "vimport", "0",
+                  "vexport", "1", "free", "0", "meminfo", *use, "meminfo", "alloc", "600m", "touch", done,
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    lab.finish(other)
+    assert res.rc(how) == OOM
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB] * 2
+    assert res.rc("alloc") == OOM
+
+
 def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
     # a sparse array's tile mapping does not say how much of the allocation it takes, and the
     # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap
