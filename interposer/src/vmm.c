@@ -213,22 +213,30 @@ static CUresult import_external(CUexternalMemory *out, const CUDA_EXTERNAL_MEMOR
     if (slot < 0 || !desc->size) return gs_cuda.cuImportExternalMemory(out, desc);
     uint64_t charge = gs_charge_size(desc->size);
     int remeasured = 0;
+    /* its handle cannot be asked for either: kept apart from primary resets as an array's
+     * creation is (else one made as a reset that keeps the context active freed it stayed
+     * charged, 250 MiB for 50 held; `-k imported_as_its_context_goes`) */
+    int fence = gs_array_fence_enter();
     gs_inflight_begin(); /* before the charge changes: no clean reading between */
     if (gs_reserve(slot, charge) != 0) {
         if (!fits_remeasured(slot, charge)) {
             gs_inflight_end();
+            if (fence) gs_array_fence_leave();
             return gs_over_cap(slot, charge);
         }
         remeasured = 1;
     }
     unsigned seq0 = gs_teardown_seq();
+    if (fence) gs_array_fence_call();
     CUresult rc = gs_cuda.cuImportExternalMemory(out, desc);
+    if (fence) gs_array_fence_called();
     if (rc != CUDA_SUCCESS)
         rc = gs_rollback(rc, slot, charge);
     else if (gs_book(GS_KIND_EXTMEM, (uint64_t)(uintptr_t)*out, slot, charge, ctx, seq0) < 0)
         rc = gs_discard(GS_KIND_EXTMEM, (uint64_t)(uintptr_t)*out, slot, charge);
     else
         gs_reconcile_remeasure_slot(slot); /* what it overlaps of the growth no hook saw goes */
+    if (fence) gs_array_fence_leave();
     gs_inflight_end();
     if (rc != CUDA_SUCCESS && remeasured) gs_reconcile_slot(slot); /* the reading's overlap charged again */
     return rc;
@@ -249,10 +257,16 @@ GS_EXPORT CUresult cuDestroyExternalMemory(CUexternalMemory extMem)
     if (!gs_cuda.cuDestroyExternalMemory) return CUDA_ERROR_NOT_SUPPORTED;
     uint64_t key = (uint64_t)(uintptr_t)extMem;
     struct gs_alloc rec, old;
+    int fence = gs_array_fence_enter(); /* as an array's destroy: a reset waits for it, or it for the reset */
     unsigned seq0 = gs_teardown_seq(); /* as cuMemFree's: before the record is taken */
-    if (gs_am_take(GS_KIND_EXTMEM, key, &rec) != 0) return gs_cuda.cuDestroyExternalMemory(extMem);
+    if (gs_am_take(GS_KIND_EXTMEM, key, &rec) != 0) {
+        if (fence) gs_array_fence_leave();
+        return gs_cuda.cuDestroyExternalMemory(extMem);
+    }
     gs_inflight_begin();
+    if (fence) gs_array_fence_call();
     CUresult rc = gs_cuda.cuDestroyExternalMemory(extMem);
+    if (fence) gs_array_fence_called();
     if (rc == CUDA_SUCCESS) {
         gs_budget_release(rec.slot, rec.size);
         gs_reconcile_remeasure_slot(rec.slot); /* as an imported handle's end (gs_vmm_gone) */
@@ -261,6 +275,7 @@ GS_EXPORT CUresult cuDestroyExternalMemory(CUexternalMemory extMem)
     } else {
         gs_am_put(GS_KIND_EXTMEM, key, &rec, &old);
     }
+    if (fence) gs_array_fence_leave();
     gs_inflight_end();
     return rc;
 }

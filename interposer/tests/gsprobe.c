@@ -644,6 +644,18 @@ static void *bg_main(void *p)
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuArrayCreate_v2(&a, &d);
         bg.handle = (uint64_t)(uintptr_t)a;
+    } else if (!strcmp(bg.what, "bgeimport")) {
+        CUDA_EXTERNAL_MEMORY_HANDLE_DESC d;
+        CUexternalMemory e = NULL;
+        memset(&d, 0, sizeof(d));
+        d.type = CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD;
+        d.handle.fd = dup(allocs[bg.size].fd);
+        d.size = allocs[bg.size].size;
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuImportExternalMemory(&e, &d);
+        if (bg.rc != CUDA_SUCCESS && d.handle.fd >= 0) close(d.handle.fd);
+        bg.handle = (uint64_t)(uintptr_t)e;
     } else if (!strcmp(bg.what, "bgarrayfree")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -755,6 +767,8 @@ static void bg_join(void)
         printf("bgcapture %d %d %llu\n", bg.rc, bg.end_rc, (unsigned long long)(bg.waited / 1000000));
     else if (!strcmp(bg.what, "bgarray"))
         remember("bgarray", bg.rc, A_ARRAY, bg.handle); /* "free ID" destroys it */
+    else if (!strcmp(bg.what, "bgeimport"))
+        remember("bgeimport", bg.rc, A_EXTMEM, bg.handle);
     else
         printf("%s %d\n", bg.what, bg.rc);
 }
@@ -1771,6 +1785,11 @@ int main(int argc, char **argv)
              * array after MS ("join" gives it an allocation ID) */
             bg_start("bgarray", atol(ARG(2)), size_arg(ARG(0)) << 32 | (size_arg(ARG(1)) & 0xffffffffu));
             i += 3;
+        } else if (!strcmp(c, "bgeimport")) {
+            /* bgeimport ID MS: a thread, in the context "ctx" made current, imports ID's exported
+             * descriptor as external memory (as "eimport") after MS ("join" gives it an ID) */
+            bg_start("bgeimport", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
+            i += 2;
         } else if (!strcmp(c, "bgarrayfree")) {
             /* bgarrayfree ID MS: a thread destroys the array of allocation ID after MS */
             bg_start("bgarrayfree", atol(ARG(1)), (uint64_t)atoi(ARG(0)));

@@ -1770,6 +1770,26 @@ def test_external_memory_goes_with_its_context(lab):
     assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [300 * MIB, 0]
 
 
+@pytest.mark.parametrize("main, stays_active", [(["ctxdestroy", "0"], None), (["reset", "0"], None),
+                                                (["reset", "0"], "1")])
+def test_external_memory_imported_as_its_context_goes_is_not_left_charged(lab, main, stays_active):
+    # another thread's import is made (the fake still inside cuImportExternalMemory) when the
+    # context goes, and the object with it; the exporter's handle released, nothing holds the
+    # 200 MiB.  Booked after the context's end, which had nothing of it to forget, it stayed
+    # charged: 250 MiB for 50 held, an 800 MiB allocation refused under a 1 GiB cap
+    make = ["ctxcreate", "0", "capcur"] if main[0] == "ctxdestroy" else ["ctx", "0", "capcur"]
+    res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "bgeimport", "0", "0", "sleep", "100",
+                  "free", "0", *main, "join", "ctx", "0", "meminfo", "phys", "alloc", "800m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_SLEEP="cuImportExternalMemoryAfter:300", FAKE_NVML_PROC_MEM="0",
+                  FAKE_CUDA_RESET_ACTIVE=stays_active)
+    assert res.rc("bgeimport") == 0 and res.rc(main[0]) == 0 and res.rc("free") == 0
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+    assert res.rc("alloc") == 0
+
+
 def test_an_external_memory_destroy_the_driver_refuses_keeps_its_charge(lab):
     res = lab.run("init", "ctx", "0", "vmm", "300m", "0", "vexport", "0", "eimport", "0", "free", "0",
                   "free", "1", "meminfo", "free", "1", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",

@@ -2128,6 +2128,7 @@ API CUresult cuImportExternalMemory(CUexternalMemory *out, const CUDA_EXTERNAL_M
     if (rc != CUDA_SUCCESS && a && h) extmem_drop(&(struct fake_extmem){.alloc = h});
     pthread_mutex_unlock(&mu);
     if (rc == CUDA_SUCCESS) close(fd);
+    (void)fail_check("cuImportExternalMemoryAfter"); /* FAKE_CUDA_SLEEP: still inside, imported */
     return rc;
 }
 
