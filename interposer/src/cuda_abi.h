@@ -28,6 +28,7 @@ typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef struct CUextMemory_st *CUexternalMemory;
 typedef struct CUgreenCtx_st *CUgreenCtx;
 typedef struct CUdevResourceDesc_st *CUdevResourceDesc;
 typedef struct CUarray_st *CUarray;
@@ -165,6 +166,23 @@ typedef struct CUmemAllocationProp_st {
     int requestedHandleTypes;
     CUmemLocation location;
 } CUmemAllocationProp;
+
+/* cuImportExternalMemory's description (we read type, the descriptor and size) */
+typedef struct CUDA_EXTERNAL_MEMORY_HANDLE_DESC_st {
+    int type;
+    union {
+        int fd;
+        struct {
+            void *handle;
+            const void *name;
+        } win32;
+        const void *nvSciBufObject;
+    } handle;
+    unsigned long long size;
+    unsigned int flags;
+    unsigned int reserved[16];
+} CUDA_EXTERNAL_MEMORY_HANDLE_DESC;
+#define CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD 1
 
 /* Written whole by cuGraphMemAllocNodeGetParams: the full layout. */
 typedef struct CUmemPoolProps_st {

@@ -385,8 +385,9 @@ static inline int gs_near_cap(int slot, uint64_t bytes)
 enum gs_kind {
     GS_KIND_DPTR = 1, GS_KIND_POOLPTR, GS_KIND_ARRAY, GS_KIND_MIPMAP, GS_KIND_VMM, GS_KIND_CTX, GS_KIND_GRAPHMEM,
     GS_KIND_VMAP, /* a mapping of a GS_KIND_VMM handle, keyed by its address; charges nothing itself */
-    GS_KIND_AMAP  /* a mapping of a GS_KIND_VMM handle into a sparse array's tiles, keyed by the array and
+    GS_KIND_AMAP, /* a mapping of a GS_KIND_VMM handle into a sparse array's tiles, keyed by the array and
                      tiles; its ctx is the array; charges nothing itself */
+    GS_KIND_EXTMEM /* an imported external memory object (cuImportExternalMemory), keyed by its handle */
 };
 struct gs_alloc {
     uint64_t size;   /* bytes charged (for GS_KIND_POOLPTR: bytes in use; the pool holds the charge;

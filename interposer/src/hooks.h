@@ -113,6 +113,10 @@
     X(cuMemImportFromShareableHandle, CUresult,                                                            \
       (CUmemGenericAllocationHandle *handle, void *osHandle, CUmemAllocationHandleType shHandleType),      \
       cuMemImportFromShareableHandle, 10020, 0)                                                            \
+    X(cuImportExternalMemory, CUresult,                                                                    \
+      (CUexternalMemory *extMem_out, const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *memHandleDesc),               \
+      cuImportExternalMemory, 10000, 0)                                                                    \
+    X(cuDestroyExternalMemory, CUresult, (CUexternalMemory extMem), cuDestroyExternalMemory, 10000, 0)     \
     X(cuMemMapArrayAsync, CUresult, (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream),   \
       cuMemMapArrayAsync, 11010, 0)                                                                        \
     X(cuMemMapArrayAsync_ptsz, CUresult, (CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream), \

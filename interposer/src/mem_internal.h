@@ -87,6 +87,9 @@ static inline CUresult gs_discard(int kind, uint64_t key, int slot, uint64_t cha
     case GS_KIND_MIPMAP:
         if (gs_cuda.cuMipmappedArrayDestroy) gs_cuda.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)key);
         break;
+    case GS_KIND_EXTMEM:
+        if (gs_cuda.cuDestroyExternalMemory) gs_cuda.cuDestroyExternalMemory((CUexternalMemory)(uintptr_t)key);
+        break;
     }
     gs_budget_release(slot, charge);
     return CUDA_ERROR_OUT_OF_MEMORY;

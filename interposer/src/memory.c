@@ -55,8 +55,10 @@ int gs_dptr_gone(uint64_t dptr)
  * made while the reset was still in progress (a driver that keeps the context active), the
  * reset's forget dropped its record (200 MiB held uncharged without NVML's per-process
  * figures).  Only a plain allocation can be asked for (cuMemGetAddressRange_v2); an array's
- * handle cannot (a destroyed one is not documented to be told from a live one), so an array
- * or mipmapped array is gone only if its context itself went since the allocation began
+ * handle cannot (a destroyed one is not documented to be told from a live one), so an array,
+ * a mipmapped array or an external memory object (its memory goes with it: 250 MiB charged
+ * for 50 held, `-k imported_as_its_context_goes`) is gone only if its context itself went
+ * since the allocation began
  * (a reset that leaves the context active does not say: the array is recorded; before, every
  * array made before the context's end stayed charged, 250 MiB for 50 held).  Others, or an
  * answer that does not say the memory is gone (not found, or its context, the calling
@@ -65,7 +67,8 @@ int gs_dptr_gone(uint64_t dptr)
 static int gone_with_its_context(int kind, uint64_t key, CUcontext ctx, unsigned seq0, int locked)
 {
     return kind == GS_KIND_DPTR ? gs_dptr_gone(key)
-           : (kind == GS_KIND_ARRAY || kind == GS_KIND_MIPMAP) && locked && gs_ctx_gone_since_locked(ctx, seq0);
+           : (kind == GS_KIND_ARRAY || kind == GS_KIND_MIPMAP || kind == GS_KIND_EXTMEM) && locked &&
+                 gs_ctx_gone_since_locked(ctx, seq0);
 }
 
 __attribute__((noinline)) int gs_record_after_teardown(int kind, uint64_t key, int slot, uint64_t charge,

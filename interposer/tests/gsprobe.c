@@ -62,6 +62,8 @@
     X(cuMemExportToShareableHandle, CUresult, (void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType, \
                                                unsigned long long))                                         \
     X(cuMemImportFromShareableHandle, CUresult, (CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType)) \
+    X(cuImportExternalMemory, CUresult, (CUexternalMemory *, const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *))     \
+    X(cuDestroyExternalMemory, CUresult, (CUexternalMemory))                                                 \
     X(cuMemMapArrayAsync, CUresult, (CUarrayMapInfo *, unsigned int, CUstream))                              \
     X(cuArrayCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY_DESCRIPTOR *))                                \
     X(cuArray3DCreate_v2, CUresult, (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *))                            \
@@ -222,7 +224,7 @@ static void load_api(void)
 
 /* ---- allocations ---------------------------------------------------------- */
 
-enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP };
+enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP, A_EXTMEM, A_OTHER };
 static struct {
     int kind;
     uint64_t handle;
@@ -642,6 +644,18 @@ static void *bg_main(void *p)
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuArrayCreate_v2(&a, &d);
         bg.handle = (uint64_t)(uintptr_t)a;
+    } else if (!strcmp(bg.what, "bgeimport")) {
+        CUDA_EXTERNAL_MEMORY_HANDLE_DESC d;
+        CUexternalMemory e = NULL;
+        memset(&d, 0, sizeof(d));
+        d.type = CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD;
+        d.handle.fd = dup(allocs[bg.size].fd);
+        d.size = allocs[bg.size].size;
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuImportExternalMemory(&e, &d);
+        if (bg.rc != CUDA_SUCCESS && d.handle.fd >= 0) close(d.handle.fd);
+        bg.handle = (uint64_t)(uintptr_t)e;
     } else if (!strcmp(bg.what, "bgarrayfree")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
@@ -753,6 +767,8 @@ static void bg_join(void)
         printf("bgcapture %d %d %llu\n", bg.rc, bg.end_rc, (unsigned long long)(bg.waited / 1000000));
     else if (!strcmp(bg.what, "bgarray"))
         remember("bgarray", bg.rc, A_ARRAY, bg.handle); /* "free ID" destroys it */
+    else if (!strcmp(bg.what, "bgeimport"))
+        remember("bgeimport", bg.rc, A_EXTMEM, bg.handle);
     else
         printf("%s %d\n", bg.what, bg.rc);
 }
@@ -1066,6 +1082,34 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) allocs[nallocs].size = allocs[id].size;
             remember("vimport", rc, A_VMM, h);
             i += 1;
+        } else if (!strcmp(c, "otheralloc")) {
+            /* otheralloc SIZE: memory another API of the process allocates on the current
+             * context's device (the fake's stand-in for Vulkan), exported to a descriptor that
+             * "eimport" takes; "free" lets go of it */
+            typedef CUresult (*other_alloc_t)(uint64_t, uint64_t *, int *);
+            other_alloc_t f = (other_alloc_t)dlsym(libcuda, "fake_cuda_other_api_alloc");
+            uint64_t h = 0;
+            int fd = -1;
+            CUresult rc = f ? f(size_arg(ARG(0)), &h, &fd) : CUDA_ERROR_NOT_SUPPORTED;
+            allocs[nallocs].size = size_arg(ARG(0));
+            allocs[nallocs].fd = fd;
+            remember(c, rc, A_OTHER, h);
+            i += 1;
+        } else if (!strcmp(c, "eimport") || !strcmp(c, "eimportas")) {
+            /* eimport ID: ID's exported descriptor (a copy: the driver takes it) imported as
+             * external memory of ID's size (cuImportExternalMemory); "free" destroys it.
+             * eimportas ID SIZE: described as SIZE bytes */
+            int id = atoi(ARG(0)), as = !strcmp(c, "eimportas");
+            CUDA_EXTERNAL_MEMORY_HANDLE_DESC d;
+            memset(&d, 0, sizeof(d));
+            d.type = CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD;
+            d.handle.fd = dup(allocs[id].fd);
+            d.size = as ? size_arg(ARG(1)) : allocs[id].size;
+            CUexternalMemory e = NULL;
+            CUresult rc = api.cuImportExternalMemory(&e, &d);
+            if (rc != CUDA_SUCCESS && d.handle.fd >= 0) close(d.handle.fd);
+            remember(c, rc, A_EXTMEM, (uint64_t)(uintptr_t)e);
+            i += 1 + as;
         } else if (!strcmp(c, "vimportfrom")) {
             /* vimportfrom PATH SIZE: a new handle from the descriptor another process's "vfd"
              * named in PATH (as NCCL passes one over a socket), remembered as a VMM allocation
@@ -1203,6 +1247,13 @@ int main(int argc, char **argv)
             case A_VMM: rc = api.cuMemRelease(h); break;
             case A_ARRAY: rc = api.cuArrayDestroy((CUarray)(uintptr_t)h); break;
             case A_MIPMAP: rc = api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h); break;
+            case A_EXTMEM: rc = api.cuDestroyExternalMemory((CUexternalMemory)(uintptr_t)h); break;
+            case A_OTHER: {
+                typedef CUresult (*other_free_t)(uint64_t);
+                other_free_t f = (other_free_t)dlsym(libcuda, "fake_cuda_other_api_free");
+                rc = f ? f(h) : CUDA_ERROR_NOT_SUPPORTED;
+                break;
+            }
             default: rc = legacy ? api1.cuMemFree((unsigned)h) : api.cuMemFree_v2(h); break;
             }
             printf("%s %d\n", c, rc);
@@ -1734,6 +1785,11 @@ int main(int argc, char **argv)
              * array after MS ("join" gives it an allocation ID) */
             bg_start("bgarray", atol(ARG(2)), size_arg(ARG(0)) << 32 | (size_arg(ARG(1)) & 0xffffffffu));
             i += 3;
+        } else if (!strcmp(c, "bgeimport")) {
+            /* bgeimport ID MS: a thread, in the context "ctx" made current, imports ID's exported
+             * descriptor as external memory (as "eimport") after MS ("join" gives it an ID) */
+            bg_start("bgeimport", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
+            i += 2;
         } else if (!strcmp(c, "bgarrayfree")) {
             /* bgarrayfree ID MS: a thread destroys the array of allocation ID after MS */
             bg_start("bgarrayfree", atol(ARG(1)), (uint64_t)atoi(ARG(0)));

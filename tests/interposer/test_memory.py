@@ -1698,6 +1698,127 @@ def test_another_processs_buffer_charged_unmapped_stays_charged_when_the_driver_
     assert res.values("phys") == [700 * MIB]
 
 
+def test_an_import_whose_device_the_driver_does_not_tell_is_kept_and_charged_by_the_reconcile(lab):
+    # cuMemGetAllocationPropertiesFromHandle fails after the import succeeded, as it may for a
+    # multicast object (NCCL's NVLS shares those this way): the import is kept and works (undone,
+    # NVLS would stop), uncharged by any hook; memory it holds is charged by the reconcile as
+    # growth no hook saw, so the cap holds once the sampler has read it
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m"}
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vimport", "0", "free", "0",
+                  "vmap", "1", "meminfo", "sleep", "1500", "meminfo", "alloc", "600m", "vunmap", "1", "free", "1",
+                  "meminfo", "phys", **env, FAKE_CUDA_FAIL="cuMemGetAllocationPropertiesFromHandle:1:700")
+    assert res.rc("vimport") == 0 and res.rc("vmap") == 0 and res.rc("vunmap") == 0
+    assert [rc for rc, _ in res.of("free")] == [0, 0]
+    assert res.rc("alloc") == OOM
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")][:2] == [100 * MIB, 700 * MIB]
+    assert res.values("phys") == [100 * MIB]
+
+
+def test_a_retained_imported_handle_keeps_its_charge_after_the_import_is_released_and_unmapped(lab):
+    # cuMemRetainAllocationHandle answers the handle that mapped the address (documented): the
+    # import's, one more reference to its record, which keeps the charge while the memory lives
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vimport", "0", "free", "0",
+                  "vmap", "1", "vretain", "1", "free", "1", "vunmap", "1", "meminfo", "phys", "free", "1",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.of("vretain") == [(0, [1])]  # the import's handle
+    assert [rc for rc, _ in res.of("free")] == [0, 0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0]
+    assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 0]
+
+
+def test_a_vmm_allocation_imported_as_external_memory_stays_charged_after_its_release(lab):
+    # create 300 MiB, export it, import the descriptor as external memory (the object keeps the
+    # allocation), release the handle: unhooked, the release returned the charge, and four
+    # rounds held 1200 MiB under a 1 GiB cap with nothing charged.  Now the import is charged
+    # (twice while the exporter's handle holds it too: the strict side), the third and fourth
+    # imports are refused, and each charge returns with its object
+    cmds = []
+    for vmm in (0, 2, 4, 5):  # a refused import takes no id
+        cmds += ["vmm", "300m", "0", "vexport", str(vmm), "eimport", str(vmm), "free", str(vmm),
+                 "meminfo", "phys"]
+    res = lab.run("init", "ctx", "0", *cmds, "free", "1", "free", "3", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("vmm")] == [0, 0, 0, 0]
+    assert [rc for rc, _ in res.of("eimport")] == [0, 0, OOM, OOM]
+    held = [vals[0] for _, vals in res.of("phys")]
+    charged = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    assert held == [300 * MIB, 600 * MIB, 600 * MIB, 600 * MIB, 0]
+    assert charged == held
+    assert all(rc == 0 for rc, _ in res.of("free"))
+
+
+def test_another_apis_memory_charged_as_growth_is_imported_if_it_fits_once(lab):
+    # Vulkan's 600 MiB (the fake's stand-in), counted by NVML for the process and charged by the
+    # sampler as growth no hook saw, then imported as external memory under a 1 GiB cap: judged
+    # as if it took its memory a second time, the import was refused with 700 MiB held.  Now it
+    # is judged again after a clean reading, charged once, and returned with its last holder
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m"}
+    res = lab.run("init", "ctx", "0", "otheralloc", "600m", "sleep", "1500", "meminfo", "eimport", "0",
+                  "meminfo", "free", "0", "sleep", "1500", "meminfo", "phys", "free", "1", "sleep", "1500",
+                  "meminfo", "phys", **env)
+    assert res.rc("otheralloc") == 0 and res.rc("eimport") == 0
+    assert [rc for rc, _ in res.of("free")] == [0, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [700 * MIB] * 3 + [100 * MIB]
+    assert [vals[0] for _, vals in res.of("phys")] == [700 * MIB, 100 * MIB]
+
+
+def test_external_memory_goes_with_its_context(lab):
+    res = lab.run("init", "ctxcreate", "0", "vmm", "300m", "0", "vexport", "0", "eimport", "0", "free", "0",
+                  "meminfo", "phys", "ctxdestroy", "0", "ctx", "0", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("eimport") == 0 and res.rc("ctxdestroy") == 0
+    assert [vals[0] for _, vals in res.of("phys")] == [300 * MIB, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [300 * MIB, 0]
+
+
+@pytest.mark.parametrize("main, stays_active", [(["ctxdestroy", "0"], None), (["reset", "0"], None),
+                                                (["reset", "0"], "1")])
+def test_external_memory_imported_as_its_context_goes_is_not_left_charged(lab, main, stays_active):
+    # another thread's import is made (the fake still inside cuImportExternalMemory) when the
+    # context goes, and the object with it; the exporter's handle released, nothing holds the
+    # 200 MiB.  Booked after the context's end, which had nothing of it to forget, it stayed
+    # charged: 250 MiB for 50 held, an 800 MiB allocation refused under a 1 GiB cap
+    make = ["ctxcreate", "0", "capcur"] if main[0] == "ctxdestroy" else ["ctx", "0", "capcur"]
+    res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "bgeimport", "0", "0", "sleep", "100",
+                  "free", "0", *main, "join", "ctx", "0", "meminfo", "phys", "alloc", "800m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_SLEEP="cuImportExternalMemoryAfter:300", FAKE_NVML_PROC_MEM="0",
+                  FAKE_CUDA_RESET_ACTIVE=stays_active)
+    assert res.rc("bgeimport") == 0 and res.rc(main[0]) == 0 and res.rc("free") == 0
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+    assert res.rc("alloc") == 0
+
+
+def test_an_external_memory_destroy_the_driver_refuses_keeps_its_charge(lab):
+    res = lab.run("init", "ctx", "0", "vmm", "300m", "0", "vexport", "0", "eimport", "0", "free", "0",
+                  "free", "1", "meminfo", "free", "1", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuDestroyExternalMemory:1:700")
+    assert [rc for rc, _ in res.of("free")] == [0, 700, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [300 * MIB, 0]
+
+
+@pytest.mark.parametrize("how", ["vmappart", "eimportas"])
+def test_an_import_larger_than_the_cap_leaves_other_processes_charges(lab, how):
+    # a mapping reaching 2^64 - 2 MiB into an imported handle (a bad size), or external memory
+    # described so, refused: its charge was forced to be judged after a clean reading,
+    # saturated the container's total, and its release took the total to 0 with it; another
+    # process's 600 MiB went uncharged and a 600 MiB allocation passed beside them, 1200 MiB
+    # held under a 1 GiB cap
+    ready, done = str(lab.tmp / "ready"), str(lab.tmp / "done")
+    other = lab.start("init", "ctx", "0", "alloc", "600m", "touch", ready, "waitfile", done,
+                      CUDA_DEVICE_MEMORY_LIMIT="1g")
+    huge = str((1 << 64) - 2 * MIB)
+    use = ["vmappart", "1", "0", huge] if how == "vmappart" else ["eimportas", "1", huge]
+    res = lab.run("waitfile", ready, "init", "ctx", "0", "vmm", "2m", "0", "vexport", "0", "vimport", "0",
+                  "vexport", "1", "free", "0", "meminfo", *use, "meminfo", "alloc", "600m", "touch", done,
+                  CUDA_DEVICE_MEMORY_LIMIT="1g")
+    lab.finish(other)
+    assert res.rc(how) == OOM
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB] * 2
+    assert res.rc("alloc") == OOM
+
+
 def test_an_imported_handle_is_not_mapped_into_a_sparse_array(lab):
     # a sparse array's tile mapping does not say how much of the allocation it takes, and the
     # import's record is charged only by cuMemMap: three rounds held 1.8 GiB under a 1 GiB cap

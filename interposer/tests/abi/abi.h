@@ -51,7 +51,10 @@
     F(offsetof(CUarrayMapInfo, memHandle)) F(offsetof(CUarrayMapInfo, offset)) \
     F(offsetof(CUarrayMapInfo, deviceBitMask)) F(CU_RESOURCE_TYPE_MIPMAPPED_ARRAY) \
     F(CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL) F(CU_MEM_OPERATION_TYPE_MAP) F(CU_MEM_OPERATION_TYPE_UNMAP) \
-    F(CU_MEM_HANDLE_TYPE_GENERIC) F(sizeof(CUresourcetype)) F(sizeof(CUmemOperationType))
+    F(CU_MEM_HANDLE_TYPE_GENERIC) F(sizeof(CUresourcetype)) F(sizeof(CUmemOperationType)) \
+    F(sizeof(CUDA_EXTERNAL_MEMORY_HANDLE_DESC)) F(offsetof(CUDA_EXTERNAL_MEMORY_HANDLE_DESC, handle.fd)) \
+    F(offsetof(CUDA_EXTERNAL_MEMORY_HANDLE_DESC, size)) F(offsetof(CUDA_EXTERNAL_MEMORY_HANDLE_DESC, flags)) \
+    F(CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD)
 
 struct abi_fact {
     const char *expr;

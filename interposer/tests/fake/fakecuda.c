@@ -1192,6 +1192,8 @@ static CUresult alloc_free(int kind, uint64_t handle)
     return CUDA_SUCCESS;
 }
 
+static void extmems_drop_ctx(struct fake_ctx *c);
+
 /* Everything a dying context owned goes with it (called with mu held). */
 static void ctx_drop(struct fake_ctx *c)
 {
@@ -1204,6 +1206,7 @@ static void ctx_drop(struct fake_ctx *c)
             alloc_give(&allocs[i]);
         memset(&allocs[i], 0, sizeof(allocs[i]));
     }
+    extmems_drop_ctx(c); /* its external memory objects go with it */
     pools_complete_all(); /* its streams' frees complete with it (FAKE_CUDA_POOL_PENDING) */
     if (c->primary) { /* the device's default pool goes with its primary context */
         struct fake_pool *p = &default_pools[c->pdev];
@@ -1971,7 +1974,7 @@ API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, v
         struct fake_alloc *a = alloc_find(K_VMM, vmaps[i].handle);
         if (a) {
             a->refs++;
-            *handle = a->handle;
+            *handle = vmaps[i].handle; /* the handle that mapped it (an import's own), as documented */
             rc = CUDA_SUCCESS;
         }
     }
@@ -2039,6 +2042,104 @@ API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle
         *handle = aliases[j].alias;
         rc = CUDA_SUCCESS;
     }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
+/* External memory (cuImportExternalMemory), of this fake's VMM exports only
+ * (CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD): the object holds a reference to the allocation,
+ * as an imported handle does (another process's export: a new allocation of the importer's,
+ * as cuMemImportFromShareableHandle's), until cuDestroyExternalMemory or its context's end.
+ * The descriptor is the driver's once the import succeeds: it is closed. */
+#define MAX_EXTMEMS 64
+static struct fake_extmem {
+    uint64_t alloc; /* the K_VMM allocation it references (0: a free entry) */
+    struct fake_ctx *ctx;
+} extmems[MAX_EXTMEMS];
+
+static void extmem_drop(struct fake_extmem *e) /* mu held */
+{
+    struct fake_alloc *a = alloc_find(K_VMM, e->alloc);
+    memset(e, 0, sizeof(*e));
+    if (a && a->refs) {
+        a->refs--;
+        vmm_maybe_free(a);
+    }
+}
+
+/* Test-only: memory another API of this process (Vulkan, say) allocates on the current
+ * context's device, which no CUDA call allocates but NVML counts, exported to a descriptor
+ * (*fd) that cuImportExternalMemory takes; *handle is the other API's own reference, which
+ * fake_cuda_other_api_free lets go of (the memory goes with the last holder). */
+API CUresult fake_cuda_other_api_alloc(uint64_t bytes, uint64_t *handle, int *fd)
+{
+    NEED_CTX();
+    if (!handle || !fd || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = alloc_new(K_VMM, bytes, current->pdev, NULL, handle, 1);
+    if (rc != CUDA_SUCCESS) return rc;
+    struct fake_export body = {"FAKEEXP", (int32_t)getpid(), current->pdev, bytes, *handle};
+    *fd = memfd_create("fakecuda-other-api", 0);
+    if (*fd >= 0 && write(*fd, &body, sizeof(body)) == (ssize_t)sizeof(body)) return CUDA_SUCCESS;
+    if (*fd >= 0) close(*fd);
+    cuMemRelease(*handle);
+    return CUDA_ERROR_OPERATING_SYSTEM;
+}
+
+API CUresult fake_cuda_other_api_free(uint64_t handle)
+{
+    return cuMemRelease(handle);
+}
+
+static void extmems_drop_ctx(struct fake_ctx *c) /* mu held */
+{
+    for (int j = 0; j < MAX_EXTMEMS; j++)
+        if (extmems[j].alloc && extmems[j].ctx == c) extmem_drop(&extmems[j]);
+}
+
+API CUresult cuImportExternalMemory(CUexternalMemory *out, const CUDA_EXTERNAL_MEMORY_HANDLE_DESC *desc)
+{
+    FAIL_POINT("cuImportExternalMemory");
+    NEED_INIT();
+    NEED_CTX();
+    if (!out || !desc || !desc->size) return CUDA_ERROR_INVALID_VALUE;
+    if (desc->type != CU_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD) return CUDA_ERROR_NOT_SUPPORTED;
+    struct fake_export body;
+    int fd = desc->handle.fd;
+    if (pread(fd, &body, sizeof(body), 0) != (ssize_t)sizeof(body) || memcmp(body.magic, "FAKEEXP", 8) ||
+        body.size < desc->size || body.pdev < 0 || body.pdev >= ndevs)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t h = 0;
+    if (body.pid != (int32_t)getpid()) {
+        CUresult rc = alloc_new(K_VMM, body.size, body.pdev, NULL, &h, 1); /* its one reference: ours */
+        if (rc != CUDA_SUCCESS) return rc;
+    }
+    CUresult rc = CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_VMM, h ? h : body.handle);
+    if (!a) rc = CUDA_ERROR_INVALID_VALUE;
+    for (int j = 0; a && j < MAX_EXTMEMS && rc != CUDA_SUCCESS; j++) {
+        if (extmems[j].alloc) continue;
+        extmems[j].alloc = a->handle;
+        extmems[j].ctx = current->owner ? current->owner : current;
+        if (!h) a->refs++;
+        *out = (CUexternalMemory)(void *)&extmems[j];
+        rc = CUDA_SUCCESS;
+    }
+    if (rc != CUDA_SUCCESS && a && h) extmem_drop(&(struct fake_extmem){.alloc = h});
+    pthread_mutex_unlock(&mu);
+    if (rc == CUDA_SUCCESS) close(fd);
+    (void)fail_check("cuImportExternalMemoryAfter"); /* FAKE_CUDA_SLEEP: still inside, imported */
+    return rc;
+}
+
+API CUresult cuDestroyExternalMemory(CUexternalMemory ext)
+{
+    FAIL_POINT("cuDestroyExternalMemory");
+    struct fake_extmem *e = (struct fake_extmem *)(void *)ext;
+    if (e < extmems || e >= extmems + MAX_EXTMEMS) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult rc = e->alloc ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (rc == CUDA_SUCCESS) extmem_drop(e);
     pthread_mutex_unlock(&mu);
     return rc;
 }
