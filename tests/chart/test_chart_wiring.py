@@ -167,7 +167,7 @@ def test_webhook_pod_is_non_root_with_a_read_only_root_filesystem(render: Any) -
 
 @pytest.mark.parametrize("values", [{}, CUSTOM], ids=["defaults", "custom"])
 def test_agent_command_line_parses_and_matches_the_mounts(values: dict[str, Any],
-                                                          render: Any) -> None:
+                                                          render: Any, tmp_path: Path) -> None:
     rendered = render(values)
     ds = rendered.one("DaemonSet", "gpuslice-agent")
     container = rendered.container(ds, "agent")
@@ -177,9 +177,15 @@ def test_agent_command_line_parses_and_matches_the_mounts(values: dict[str, Any]
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     r = values.get("resourceNames", {})
-    assert (s.resource_gpu, s.resource_mem, s.resource_cores) == (
+    assert (s.resource_gpu, s.resource_mem, s.resource_cores, s.resource_priority) == (
         r.get("gpu", "nvidia.com/gpu"), r.get("memory", "nvidia.com/gpumem"),
-        r.get("cores", "nvidia.com/gpucores"))
+        r.get("cores", "nvidia.com/gpucores"), r.get("priority", "nvidia.com/priority"))
+    # the outside check reads a pod as the webhook wrote it: the same names
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(rendered.config("gpuslice-config")))
+    w = load_settings(config)
+    assert (s.resource_gpu, s.resource_mem, s.resource_cores, s.resource_priority) == (
+        w.resource_gpu, w.resource_mem, w.resource_cores, w.resource_priority)
     assert s.split_count == values.get("splitCount", 10)
     assert s.log_format == "json" and s.kube_enabled
     assert s.preload_target == names.HOST_LIBRARY_DIR

@@ -20,7 +20,7 @@ CHART_ARGS = [
     "--metrics-port", "9400", "--metrics-host", "0.0.0.0",
     "--interval", "60", "--split-count", "10",
     "--resource-gpu", "nvidia.com/gpu", "--resource-mem", "nvidia.com/gpumem",
-    "--resource-cores", "nvidia.com/gpucores",
+    "--resource-cores", "nvidia.com/gpucores", "--resource-priority", "nvidia.com/priority",
     "--log-level", "INFO", "--log-format", "json",
 ]
 
@@ -50,8 +50,8 @@ def test_defaults_are_the_documented_paths_and_names(monkeypatch: pytest.MonkeyP
         "/var/lib/gpuslice/containers")
     assert (s.metrics_host, s.metrics_port, s.interval, s.split_count) == ("", 9400,
                                                                           60.0, 10)
-    assert (s.resource_gpu, s.resource_mem, s.resource_cores) == (
-        "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores")
+    assert (s.resource_gpu, s.resource_mem, s.resource_cores, s.resource_priority) == (
+        "nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores", "nvidia.com/priority")
     assert s.proc_root == "/proc" and s.kubeconfig is None
     assert (s.audit_interval, s.over_limit_tolerance_mib, s.over_limit_action,
             s.over_limit_rounds) == (10.0, 0, "none", 3)
@@ -88,6 +88,8 @@ def test_missing_node_name_is_an_error_unless_no_kube(monkeypatch: pytest.Monkey
     (["--split-count", "0"], "--split-count"),
     (["--resource-gpu", "gpu"], "--resource-gpu"),
     (["--resource-mem", "nvidia.com/gpu"], "--resource-"),
+    (["--resource-priority", "priority"], "--resource-priority"),
+    (["--resource-priority", "nvidia.com/gpumem"], "--resource-priority"),
     (["--log-level", "LOUD"], "--log-level"),
     (["--node-name", "Not_A_Node"], "--node-name"),
     (["--cleanup-grace", "-1"], "--cleanup-grace"),
@@ -98,6 +100,19 @@ def test_missing_node_name_is_an_error_unless_no_kube(monkeypatch: pytest.Monkey
 def test_bad_values_are_rejected_naming_the_flag(argv: list[str], flag: str) -> None:
     with pytest.raises(SettingsError, match=flag):
         settings_from_args(_parse(["--node-name", "n1", *argv]))
+
+
+def test_the_task_priority_resource_is_passed_to_the_outside_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--resource-priority names HAMi's task priority (the webhook's resource_priority): the
+    outside check must know it gives no device."""
+    monkeypatch.setenv("NODE_NAME", "n1")
+    s = settings_from_args(_parse(["--resource-priority", "example.com/vgpu-priority"]))
+    assert s.resource_priority == "example.com/vgpu-priority"
+    from webhook.node.loop import Agent
+    agent = Agent(s, b"")
+    assert agent.auditor is not None
+    assert agent.auditor._priority == "example.com/vgpu-priority"
 
 
 def test_an_unknown_over_limit_action_is_refused() -> None:

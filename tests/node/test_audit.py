@@ -849,6 +849,42 @@ async def test_a_container_asking_for_none_of_another_plugins_resource_is_judged
     assert got == {"a": (Cap(limit_bytes=GIB), None), "zero": (Cap(limit_bytes=0), frozenset())}
 
 
+async def test_a_container_asking_only_for_the_task_priority_is_judged(tmp_path: Path) -> None:
+    """HAMi's task priority (nvidia.com/priority) gives no device: the webhook reads it past
+    and gives a container that asks only for it NVIDIA_VISIBLE_DEVICES=none, so GPU memory it
+    holds is a breach (cap 0 on no GPU), not another device plugin's GPU. The agent is told the
+    name (--resource-priority); another nvidia.com/ name still counts as another plugin's."""
+    node = Node(tmp_path)
+    pod = gpu_pod("p", {"a": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"},
+                        "prio": {"nvidia.com/priority": "1"}})
+    prio = next(c for c in pod["spec"]["containers"] if c["name"] == "prio")
+    assert prio["env"] == [{"name": names.ENV_VISIBLE_DEVICES, "value": names.NO_GPUS}]
+    models = await as_models(pod)
+    got = {t.container: (t.cap, t.gpus) for t in tracked_containers(models).values()}
+    assert got == {"a": (Cap(limit_bytes=GIB), None), "prio": (Cap(limit_bytes=0), frozenset())}
+    # renamed: the default name is then another plugin's resource, the new one reads past
+    got = tracked_containers(models, priority="nvidia.com/task-priority").values()
+    assert {t.container for t in got} == {"a"}
+    renamed = copy.deepcopy(pod)
+    limits = next(c for c in renamed["spec"]["containers"] if c["name"] == "prio")["resources"]
+    limits["limits"] = {"nvidia.com/task-priority": "1"}
+    got = tracked_containers(await as_models(renamed), priority="nvidia.com/task-priority")
+    assert {t.container for t in got.values()} == {"a", "prio"}
+    node.run_in(pod, "prio", 62, {1: 300 * MIB})
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(pod)
+        auditor = _auditor(node, api, tolerance_bytes=512 * MIB)
+        report = await auditor.check()
+        got_h = {(h.tracked.container, h.uuid): (h.cap_bytes, h.over(auditor.tolerance))
+                 for h in report.holdings}
+        assert got_h == {("prio", GPU1): (0, True)}
+        (event,) = [o for (p, _, _), o in kube.objects.items() if p == "events"]
+        assert "container prio holds 300 MiB on GPU" in event["message"]
+        # an auditor told another name takes nvidia.com/priority for another plugin's GPU
+        renamed_auditor = _auditor(node, api, priority="nvidia.com/task-priority")
+        assert not (await renamed_auditor.check()).holdings
+
+
 async def test_a_new_pod_under_the_evicted_ones_name_is_not_evicted(tmp_path: Path) -> None:
     """A StatefulSet's db-0 went over, was deleted and made again (a new UID) while the old
     process lingers: the eviction carries the old UID as its precondition."""

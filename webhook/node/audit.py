@@ -68,7 +68,7 @@ from kubernetes_asyncio import client
 from webhook import names
 from webhook.admission.quantity import QuantityError, parse_quantity
 from webhook.node.compute import COVERED, ComputeSampler, ComputeShare, Handover
-from webhook.node.config import OVER_LIMIT_ACTIONS
+from webhook.node.config import OVER_LIMIT_ACTIONS, PRIORITY_RESOURCE
 from webhook.node.inventory import GpuProcesses, Inventory
 from webhook.node.publish import API_ERRORS, TIMEOUT, api_error
 
@@ -239,14 +239,16 @@ def _container_id(raw: str | None) -> str | None:
     return ident if _CONTAINER_DIR.match(ident) else None
 
 
-def _names_nvidia_resource(container: client.V1Container) -> bool:
+def _names_nvidia_resource(container: client.V1Container,
+                           priority: str = PRIORITY_RESOURCE) -> bool:
     """Whether a container's limits or requests ask for some of an ``nvidia.com/`` resource
     (ours or another device plugin's), or it uses resource claims (DRA): it may get a GPU that
-    way. 0 of one gets no device (the webhook gives such a container ``none`` too)."""
+    way. 0 of one gets no device (the webhook gives such a container ``none`` too), nor does
+    HAMi's task priority ``priority`` (the webhook reads it past)."""
     res = container.resources
     return res is not None and (bool(res.claims) or any(
-        k.startswith("nvidia.com/") and _positive(v) for amounts in (res.limits, res.requests)
-        for k, v in (amounts or {}).items()))
+        k.startswith("nvidia.com/") and k != priority and _positive(v)
+        for amounts in (res.limits, res.requests) for k, v in (amounts or {}).items()))
 
 
 def _positive(quantity: object) -> bool:
@@ -256,10 +258,13 @@ def _positive(quantity: object) -> bool:
         return False
 
 
-def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
+def tracked_containers(pods: Iterable[client.V1Pod], *,
+                       priority: str = PRIORITY_RESOURCE) -> dict[str, Tracked]:
     """Container ID -> :class:`Tracked` for every started container of a gpuslice pod that has
     a memory cap (the webhook's limits annotation, else its env in the pod spec), and for the
-    pod's containers the webhook gave no GPU (``NVIDIA_VISIBLE_DEVICES=none``: no GPU, cap 0).
+    pod's containers the webhook gave no GPU (``NVIDIA_VISIBLE_DEVICES=none``: no GPU, cap 0)
+    but those that ask for another device plugin's ``nvidia.com/`` resource (HAMi's task
+    priority, the resource named ``priority``, gives no device: it is not one).
     A restarted container's previous instance (``lastState.terminated``) maps to it too: its
     processes may still hold memory, and its samples are in the compute window."""
     out: dict[str, Tracked] = {}
@@ -271,7 +276,7 @@ def tracked_containers(pods: Iterable[client.V1Pod]) -> dict[str, Tracked]:
         containers = [*(spec.containers or []), *(spec.init_containers or [])]
         env_of = {c.name: {e.name: e.value for e in (c.env or []) if e.value is not None}
                   for c in containers}
-        other_plugin = {c.name for c in containers if _names_nvidia_resource(c)}
+        other_plugin = {c.name for c in containers if _names_nvidia_resource(c, priority)}
         inits = {c.name for c in spec.init_containers or []}
         for st in [*(status.container_statuses or []), *(status.init_container_statuses or [])]:
             ident = _container_id(st.container_id)
@@ -389,7 +394,8 @@ class Auditor:
     """Checks the node's gpuslice containers against their caps, one :meth:`check` at a time.
 
     ``list_pods`` returns the pods on this node (None: no API server, nothing is tracked);
-    ``api_client`` (None: no Events, no evictions) is used for the Event and the eviction.
+    ``api_client`` (None: no Events, no evictions) is used for the Event and the eviction;
+    ``priority`` is HAMi's task priority resource (the webhook's ``resource_priority``).
     """
 
     def __init__(self, inventory: Inventory, proc_root: str | Path, *,
@@ -397,7 +403,7 @@ class Auditor:
                  api_client: client.ApiClient | None = None, node_name: str = "",
                  tolerance_bytes: int = 0, action: str = "none", rounds: int = 3,
                  compute_window: float = 0.0, compute_tolerance: float = 10.0,
-                 compute_action: str = "none",
+                 compute_action: str = "none", priority: str = PRIORITY_RESOURCE,
                  clock: Callable[[], float] = time.monotonic,
                  boot_clock: Callable[[], int] = boot_ticks) -> None:
         for what in (action, compute_action):
@@ -409,6 +415,7 @@ class Auditor:
         self._list_pods = list_pods
         self._api = client.CoreV1Api(api_client) if api_client is not None else None
         self._node = node_name
+        self._priority = priority
         self.tolerance = tolerance_bytes
         self.action = action
         self.rounds = max(1, rounds)
@@ -542,7 +549,7 @@ class Auditor:
                            "it has not seen before are not checked this time",
                            extra={"error": api_error(exc)})
             return False
-        self._known.update(tracked_containers(pods))
+        self._known.update(tracked_containers(pods, priority=self._priority))
         # A container runs before kubelet writes its ID into its pod's status: an ID of a listed
         # pod that no status names yet is looked up again at the next check, not remembered
         # as not ours (that hid new and restarted containers for UNKNOWN_TTL).

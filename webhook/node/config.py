@@ -20,6 +20,8 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+_-]*$")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 OVER_LIMIT_ACTIONS = ("none", "evict")
+PRIORITY_RESOURCE = "nvidia.com/priority"
+"""HAMi's task priority resource by default (the webhook's ``resource_priority``)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,10 @@ class AgentSettings:
     """Extended resource for GPU memory in MiB. Default nvidia.com/gpumem."""
     resource_cores: str = "nvidia.com/gpucores"
     """Extended resource for compute in % of one GPU. Default nvidia.com/gpucores."""
+    resource_priority: str = PRIORITY_RESOURCE
+    """HAMi's task priority resource (the webhook's ``resource_priority``), which gives no
+    device: the outside check judges a container the webhook gave no GPU that asks for it (and
+    no other ``nvidia.com/`` resource). Default nvidia.com/priority."""
     kube_enabled: bool = True
     """Talk to the API server (publish, cleanup). --no-kube: install and metrics only."""
     kubeconfig: str | None = None
@@ -150,11 +156,15 @@ def _validate(s: AgentSettings) -> None:
     if not isinstance(s.split_count, int) or not 1 <= s.split_count <= 1000:
         _fail("--split-count", s.split_count, "must be an integer from 1 to 1000")
     res = (s.resource_gpu, s.resource_mem, s.resource_cores)
-    for flag, value in zip(("--resource-gpu", "--resource-mem", "--resource-cores"), res):
+    for flag, value in zip(("--resource-gpu", "--resource-mem", "--resource-cores",
+                            "--resource-priority"), (*res, s.resource_priority)):
         if not is_qualified_name(value) or "/" not in value:
             _fail(flag, value, "must be a domain-prefixed resource name such as nvidia.com/gpu")
     if len(set(res)) != 3:
         _fail("--resource-*", res, "the three resource names must differ")
+    if s.resource_priority in res:
+        _fail("--resource-priority", s.resource_priority,
+              "must differ from the GPU resource names")
     if not _VERSION.match(s.version) or len(s.version) > 64:
         _fail("version", s.version, "must be a version string such as 0.1.0")
     if s.log_level.upper() not in _LEVELS:
@@ -221,6 +231,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extended resource for GPU memory in MiB (default %(default)s)")
     p.add_argument("--resource-cores", default=d["resource_cores"].default,
                    help="extended resource for compute %% (default %(default)s)")
+    p.add_argument("--resource-priority", default=d["resource_priority"].default,
+                   help="HAMi's task priority resource, which gives no device "
+                        "(default %(default)s)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig path (default: in-cluster)")
     p.add_argument("--no-kube", action="store_true",
                    help="no API server: install the library and serve metrics only")
@@ -255,6 +268,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
             resource_gpu=args.resource_gpu,
             resource_mem=args.resource_mem,
             resource_cores=args.resource_cores,
+            resource_priority=args.resource_priority,
             kube_enabled=not args.no_kube,
             kubeconfig=args.kubeconfig,
             log_level=args.log_level,

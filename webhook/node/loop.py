@@ -138,6 +138,7 @@ class Agent:
             compute_window=settings.compute_window,
             compute_tolerance=settings.compute_tolerance,
             compute_action=settings.compute_over_limit_action,
+            priority=settings.resource_priority,
         ) if settings.audit_interval > 0 else None
         self.collector = AgentCollector(self.inventory, settings.host_state_dir, self.status,
                                         auditor=self.auditor, proc_root=settings.proc_root)
