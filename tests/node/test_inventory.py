@@ -383,3 +383,29 @@ def test_a_gpu_lost_mid_run_spares_the_others_and_comes_back_after_a_reset(lost_
     dev.fail.clear()  # nvidia-smi -r
     d = inv.discover()
     assert [g.health for g in d.gpus] == [HEALTHY, HEALTHY]
+
+
+def test_a_gpu_that_cannot_be_addressed_is_logged_once_not_every_round(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU fallen off the bus stays so until the node is serviced (days): it was warned
+    about every round (every 30 s), unlike every other GPU problem."""
+    nvml = two_a100s()
+    nvml.devices[1].fail["nvmlDeviceGetHandleByIndex"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    inv = Inventory(nvml)
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+
+    def logged() -> list[str]:
+        got = [r.getMessage() for r in caplog.records if "address" in r.getMessage()]
+        caplog.clear()
+        return got
+
+    for _ in range(5):
+        inv.discover()
+    assert logged() == ["GPU cannot be addressed; left out"]
+    del nvml.devices[1].fail["nvmlDeviceGetHandleByIndex"]  # reset
+    inv.discover()
+    assert logged() == ["GPU can be addressed again"]
+    nvml.devices[1].fail["nvmlDeviceGetHandleByIndex"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    inv.discover()
+    inv.discover()
+    assert logged() == ["GPU cannot be addressed; left out"]  # lost again: told again
