@@ -378,3 +378,31 @@ async def test_pods_on_an_unhealthy_gpu_leave_the_healthy_gpus_room_whole() -> N
     assert node["status"]["capacity"] == {**node["status"]["capacity"], "nvidia.com/gpu": "13",
                                           "nvidia.com/gpumem": str(81920 + 61440 + 2048 + 2048),
                                           "nvidia.com/gpucores": str(100 + 30 + 5 + 5)}
+
+
+async def test_a_restarted_agent_without_nvml_keeps_what_running_pods_hold() -> None:
+    """The host's driver was upgraded under running pods (NVML: LIB_RM_VERSION_MISMATCH) and
+    the agent restarted: the GPUs of the last annotation are gone from its view, the pods on
+    them still run; the totals stay at what they hold, so nothing new fits and a restarted
+    kubelet admits them again."""
+    async with FakeKube() as kube:
+        node = _node()
+        node["metadata"]["annotations"] = {"gpuslice.io/gpus": ANNOTATION}
+        kube.put(node)
+        kube.put(_on(_pod("on-a", [_slice("c", 1, 10240, 20)]), c="GPU-aaaa"))
+        none = Discovery(available=False, reason="NVML initialisation failed")
+        async with kube.api_client() as api:
+            for _ in range(2):  # restarted again: the annotation no longer names the GPUs
+                await Publisher(api, SETTINGS).publish(none)
+                got = kube.get("nodes", "gpu-node-1")
+                assert got["metadata"]["annotations"]["gpuslice.io/gpus"] == "[]"
+                assert {k: v for k, v in got["status"]["allocatable"].items()
+                        if "nvidia" in k} == {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240",
+                                              "nvidia.com/gpucores": "20"}
+            kube.delete("pods", "on-a", "ml")
+            pub = Publisher(api, SETTINGS)
+            await pub.publish(none)
+            assert kube.get("nodes", "gpu-node-1")["status"]["capacity"]["nvidia.com/gpu"] == "0"
+            n = len(kube.requests)
+            await pub.publish(none)  # zeros now: the node is read, its pods no more
+            assert len(kube.requests) == n + 1

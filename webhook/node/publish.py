@@ -160,6 +160,17 @@ def _published_uuids(annotations: Mapping[str, str]) -> set[str]:
             and isinstance(g.get("uuid"), str)} if isinstance(data, list) else set()
 
 
+def _above(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
+    """Whether any of the node's quantities ``have`` is above ``want``'s."""
+    for k, v in want.items():
+        try:
+            if k in have and parse_quantity(have[k]) > parse_quantity(v):
+                return True
+        except QuantityError:
+            continue
+    return False
+
+
 def _same_quantity(have: str | None, want: str) -> bool:
     """Whether the node's quantity ``have`` is ``want``: the API server stores quantities in
     canonical form ("1000" comes back as "1k")."""
@@ -283,7 +294,12 @@ class Publisher:
         self._seen.update(g.uuid for g in discovery.gpus)
         pods: list[client.V1Pod] | None = None
         held_off: dict[str, int] = {}
-        if not self._seen <= {g.uuid for g in discovery.healthy}:  # some are not healthy now
+        status = node.status or client.V1NodeStatus()
+        capacity, allocatable = status.capacity or {}, status.allocatable or {}
+        # some are not healthy now; or the totals carry what pods held on such GPUs (a restarted
+        # agent that never saw them, their pods still running)
+        if not self._seen <= {g.uuid for g in discovery.healthy} \
+                or _above(capacity, desired_state(discovery, self._settings).resources):
             s = self._settings
             pods = await self.node_pods(cached=True)
             held_off = held_off_healthy(pods, discovery,
@@ -298,8 +314,6 @@ class Publisher:
         if meta is not None:
             await self._api.patch_node(  # type: ignore[call-arg]
                 self._node, meta, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
-        status = node.status or client.V1NodeStatus()
-        capacity, allocatable = status.capacity or {}, status.allocatable or {}
         on_node = {k for k in stale if k in capacity or k in allocatable}
         if on_node and pods is None:
             pods = await self.node_pods(cached=True)
