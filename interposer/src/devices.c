@@ -63,12 +63,15 @@ static int cuda_uuid(CUdevice dev, char *out, size_t len)
 }
 
 /* The container's devices as NVML lists them; limits are filled in by the caller.  *inited: the
- * library took a reference on NVML (nvmlInit_v2), which the caller keeps or gives back. */
-static unsigned nvml_enumerate(struct gs_devcfg *devs, nvmlDevice_t *handles, int *inited)
+ * library took a reference on NVML (nvmlInit_v2), which the caller keeps or gives back.
+ * *unread (optional): bit i set for each NVML index whose device could not be reached (fallen
+ * off the bus: NVML_ERROR_GPU_IS_LOST), which CUDA may still list. */
+static unsigned nvml_enumerate(struct gs_devcfg *devs, nvmlDevice_t *handles, int *inited, uint64_t *unread)
 {
     unsigned count = 0, n = 0;
     gs_nvml_init();
     *inited = 0;
+    if (unread) *unread = 0;
     if (!gs_nvml.nvmlInit_v2 || !gs_nvml.nvmlDeviceGetCount_v2 || !gs_nvml.nvmlDeviceGetHandleByIndex_v2 ||
         !gs_nvml.nvmlDeviceGetUUID || gs_nvml.nvmlInit_v2() != NVML_SUCCESS)
         return 0;
@@ -80,8 +83,10 @@ static unsigned nvml_enumerate(struct gs_devcfg *devs, nvmlDevice_t *handles, in
         char uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
         nvmlMemory_t mem;
         if (gs_nvml.nvmlDeviceGetHandleByIndex_v2(i, &h) != NVML_SUCCESS ||
-            gs_nvml.nvmlDeviceGetUUID(h, uuid, sizeof(uuid)) != NVML_SUCCESS)
+            gs_nvml.nvmlDeviceGetUUID(h, uuid, sizeof(uuid)) != NVML_SUCCESS) {
+            if (unread && i < 64) *unread |= 1ull << i;
             continue;
+        }
         memset(&devs[n], 0, sizeof(devs[n]));
         size_t len = strnlen(uuid, sizeof(devs[n].uuid) - 1);
         memcpy(devs[n].uuid, uuid, len);
@@ -138,15 +143,30 @@ static void discover(void)
     }
 
     int inited; /* the reference is kept: the sampler (reconcile.c, slices.c) asks NVML for the process's life */
-    unsigned nnvml = nvml_enumerate(devs, nvml_handles, &inited);
+    uint64_t unread;
+    unsigned nnvml = nvml_enumerate(devs, nvml_handles, &inited, &unread);
+    unsigned next = 0; /* past every container index taken: for a device no index is left for */
+    for (unsigned k = 0; k < nnvml; k++)
+        if (devs[k].index >= next) next = devs[k].index + 1;
+    for (unsigned b = 0; b < 64; b++)
+        if (unread & (1ull << b) && b >= next) next = b + 1;
     n = nnvml;
-    /* CUDA devices NVML does not list (or no NVML at all). */
+    /* CUDA devices NVML does not list (or no NVML at all).  One NVML lists but cannot reach (a
+     * GPU fallen off the bus) takes the index NVML could not read: its own CUDA_DEVICE_MEMORY_LIMIT_<i>
+     * (an index past NVML's gave it none, uncapped, or another device's); the one an integer
+     * CUDA_VISIBLE_DEVICES entry (or its ordinal) names if that is one of them, else the lowest. */
     for (int i = 0; i < ncuda && n < GPUSLICE_MAX_DEVICES; i++) {
         int known = !cuda_devs[i].uuid[0];
         for (unsigned k = 0; k < n && !known; k++) known = strcmp(devs[k].uuid, cuda_devs[i].uuid) == 0;
         if (known) continue;
         devs[n] = cuda_devs[i];
-        if (nnvml) devs[n].index = nnvml + (unsigned)i;
+        if (nnvml || unread) {
+            unsigned want = devs[n].index;
+            if (!(want < 64 && unread & (1ull << want)))
+                want = unread ? (unsigned)__builtin_ctzll(unread) : next++;
+            if (want < 64) unread &= ~(1ull << want);
+            devs[n].index = want;
+        }
         nvml_handles[n] = NULL;
         n++;
     }
@@ -197,7 +217,7 @@ static void view_setup(void)
     static nvmlDevice_t handles[GPUSLICE_MAX_DEVICES];
     if (__atomic_load_n(&g_ready, __ATOMIC_ACQUIRE)) return;
     int inited;
-    unsigned n = nvml_enumerate(devs, handles, &inited);
+    unsigned n = nvml_enumerate(devs, handles, &inited, NULL);
     /* given back: the program's own nvmlShutdown must still shut NVML down (nvidia-smi-like
      * programs would notice a library that kept NVML initialised; found by review) */
     if (inited && gs_nvml.nvmlShutdown) gs_nvml.nvmlShutdown();

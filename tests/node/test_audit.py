@@ -1186,3 +1186,25 @@ async def test_an_agent_restarted_while_its_eviction_runs_does_not_evict_again(
         assert "being deleted already" in event["message"]
         await restarted.check()
         assert kube.requests_to("POST", "/eviction") == []
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_UNKNOWN])
+async def test_one_gpu_whose_list_fails_leaves_the_others_checked(tmp_path: Path,
+                                                                 code: int) -> None:
+    """GPU1 fell off the bus (or its list fails) for good: the container over its cap on GPU0
+    is still evicted after the rounds, and nothing is judged on GPU1."""
+    node = Node(tmp_path)
+    hog, other = one_gpu("hog", 1024), one_gpu("other", 1024)
+    node.run_in(hog, "a", 990, {0: 2 * GIB})
+    node.run_in(other, "a", 991, {1: 4 * GIB})
+    node.nvml.devices[1].fail["nvmlDeviceGetComputeRunningProcesses"] = code
+    async with FakeKube() as kube, kube.api_client() as api:
+        kube.put(hog)
+        kube.put(other)
+        auditor = _auditor(node, api, action="evict", rounds=2)
+        for _ in range(3):
+            report = await auditor.check()
+        assert not report.complete
+        assert [h.uuid for h in report.holdings] == [GPU0]
+        assert kube.get("pods", "hog", "ml") is None and auditor.evictions == 1
+        assert kube.get("pods", "other", "ml") is not None

@@ -350,3 +350,62 @@ def test_the_real_pynvml_on_an_r535_or_later_nvml_lists_every_process_right(
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert {int(pid): used for pid, used in json.loads(proc.stdout).items()} == held
+
+
+@pytest.mark.parametrize("lost_at", ["nvmlDeviceGetHandleByIndex", "nvmlDeviceGetName"])
+def test_a_gpu_lost_mid_run_spares_the_others_and_comes_back_after_a_reset(lost_at: str) -> None:
+    """GPU 1 falls off the bus between rounds: every query of it fails from ``lost_at`` on.
+    It is left out (no handle) or unhealthy with its last size; GPU 0 stays healthy; sampling,
+    process lists and utilisation go on for GPU 0; after a reset GPU 1 is healthy again."""
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    dev = nvml.devices[1]
+    for fn in FUNCTIONS:
+        if fn.startswith("nvmlDevice") and (fn != "nvmlDeviceGetHandleByIndex"
+                                             or lost_at == fn):
+            dev.fail[fn] = pynvml.NVML_ERROR_GPU_IS_LOST
+    if lost_at == "nvmlDeviceGetName":
+        dev.fail.pop("nvmlDeviceGetUUID")  # the handle and UUID still read
+    d = inv.discover()
+    assert d.available and [g.uuid for g in d.healthy] == [nvml.devices[0].uuid]
+    if lost_at == "nvmlDeviceGetHandleByIndex":
+        assert [g.uuid for g in d.gpus] == [nvml.devices[0].uuid]
+    else:
+        assert [(g.health, g.memory_mib) for g in d.gpus] == [(HEALTHY, 81920),
+                                                                 (UNHEALTHY, 81920)]
+    samples = inv.sample()
+    assert samples[0].memory_used_bytes == 5 * GIB
+    assert all(s.memory_used_bytes is None for s in samples[1:])
+    lists = inv.processes()
+    assert lists[0].processes == {} and all(p.processes is None for p in lists[1:])
+    inv.process_utilisation({})
+    dev.fail.clear()  # nvidia-smi -r
+    d = inv.discover()
+    assert [g.health for g in d.gpus] == [HEALTHY, HEALTHY]
+
+
+def test_a_gpu_that_cannot_be_addressed_is_logged_once_not_every_round(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU fallen off the bus stays so until the node is serviced (days): it was warned
+    about every round (every 30 s), unlike every other GPU problem."""
+    nvml = two_a100s()
+    nvml.devices[1].fail["nvmlDeviceGetHandleByIndex"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    inv = Inventory(nvml)
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+
+    def logged() -> list[str]:
+        got = [r.getMessage() for r in caplog.records if "address" in r.getMessage()]
+        caplog.clear()
+        return got
+
+    for _ in range(5):
+        inv.discover()
+    assert logged() == ["GPU cannot be addressed; left out"]
+    del nvml.devices[1].fail["nvmlDeviceGetHandleByIndex"]  # reset
+    inv.discover()
+    assert logged() == ["GPU can be addressed again"]
+    nvml.devices[1].fail["nvmlDeviceGetHandleByIndex"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    inv.discover()
+    inv.discover()
+    assert logged() == ["GPU cannot be addressed; left out"]  # lost again: told again

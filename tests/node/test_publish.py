@@ -143,7 +143,8 @@ async def test_second_publish_reads_and_sends_no_patch() -> None:
             outcome = await pub.publish(TWO)
         assert not outcome.metadata_patched and not outcome.status_patched
         assert [(r.method, r.path) for r in kube.requests[n:]] == [
-            ("GET", "/api/v1/nodes/gpu-node-1")]
+            ("GET", "/api/v1/nodes/gpu-node-1"),
+            ("GET", "/api/v1/pods")]  # what pods hold on the unhealthy GPU
 
 
 async def test_publish_reasserts_after_the_node_object_is_recreated() -> None:
@@ -220,7 +221,7 @@ async def test_renamed_resources_take_the_old_names_off_the_node() -> None:
             n = len(kube.requests)
             outcome = await Publisher(api, RENAMED).publish(TWO)
         assert not outcome.metadata_patched and not outcome.status_patched
-        assert len(kube.requests) == n + 1  # the read only
+        assert len(kube.requests) == n + 2  # the reads of the node and its pods only
 
 
 async def test_an_old_name_published_again_by_another_owner_is_removed_once() -> None:
@@ -316,3 +317,92 @@ async def test_an_old_name_pods_still_hold_stays_at_what_they_hold_until_they_en
         assert "nvidia.com/gpu" not in node["status"]["capacity"]
         assert node["metadata"]["annotations"]["gpuslice.io/resources"] == (
             "example.com/vcores,example.com/vgpu,example.com/vmem")
+
+
+def _on(pod: dict, **devices: str) -> dict:
+    pod["metadata"]["annotations"] = {f"gpuslice.io/devices.{c}": u for c, u in devices.items()}
+    return pod
+
+
+def _slice(name: str, gpus: int, mem: int, cores: int) -> dict:
+    return {"name": name, "image": "cuda", "resources": {"limits": {
+        "nvidia.com/gpu": str(gpus), "nvidia.com/gpumem": str(mem),
+        "nvidia.com/gpucores": str(cores)}}}
+
+
+async def _free(node: dict, pods: list[dict]) -> dict[str, int]:
+    """What the scheduler's own fit check (NodeResourcesFit: the chart does not let it ignore
+    the three names) and the kubelet's admission see left: allocatable less what the node's
+    live pods ask."""
+    from kubernetes_asyncio import client
+
+    from webhook.node.publish import held_by_pods
+    async with client.ApiClient() as api:
+        objs = [api._ApiClient__deserialize(p, "V1Pod") for p in pods]
+    names = ("nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores")
+    held = held_by_pods(objs, names)
+    return {k: int(node["status"]["allocatable"][k]) - held[k] for k in names}
+
+
+async def test_pods_on_an_unhealthy_gpu_leave_the_healthy_gpus_room_whole() -> None:
+    """GPU-bbbb failed while pods ran on it: they still ask for their slices, which the
+    scheduler and the kubelet count against the node's totals. Totals of the healthy GPU alone
+    let those pods eat its room (an empty 80 GiB GPU refused a 40 GiB pod by the scheduler's
+    own check, and a kubelet restart rejects running pods as OutOf...): the totals keep what
+    pods hold on GPUs that are unhealthy or gone, so what is left is the healthy GPUs' room."""
+    pods = [_on(_pod("on-b", [_slice("c", 1, 61440, 30)]), c="GPU-bbbb"),
+            _on(_pod("on-a", [_slice("c", 1, 10240, 20)]), c="GPU-aaaa"),
+            # two GPUs, one of them failed: half its slice is on the failed one
+            _on(_pod("both", [_slice("c", 2, 4096, 10)]), c="GPU-aaaa,GPU-bbbb"),
+            _on(_pod("gone", [_slice("c", 1, 2048, 5)]), c="GPU-cccc"),  # fell off the bus
+            _on(_pod("done", [_slice("c", 1, 8192, 50)], phase="Succeeded"), c="GPU-bbbb")]
+    async with FakeKube() as kube:
+        kube.put(_node())
+        for p in pods:
+            kube.put(p)
+        async with kube.api_client() as api:
+            pub = Publisher(api, SETTINGS)
+            await pub.publish(TWO)
+            node = kube.get("nodes", "gpu-node-1")
+            # reset, all back: the totals of the three GPUs again
+            back = Discovery(True, (A, Gpu("GPU-bbbb", 1, A.product, 81920, HEALTHY),
+                                    Gpu("GPU-cccc", 2, A.product, 81920, HEALTHY)))
+            await pub.publish(back)
+            assert kube.get("nodes", "gpu-node-1")["status"]["allocatable"] == {
+                **node["status"]["allocatable"], "nvidia.com/gpu": "30",
+                "nvidia.com/gpumem": str(3 * 81920), "nvidia.com/gpucores": "300"}
+    live = [p for p in pods if p["status"]["phase"] == "Running"]
+    # GPU-aaaa holds on-a and half of both: 10 - 2 slices, 81920 - 10240 - 2048, 100 - 20 - 5
+    assert await _free(node, live) == {"nvidia.com/gpu": 8, "nvidia.com/gpumem": 69632,
+                                 "nvidia.com/gpucores": 75}
+    assert node["status"]["capacity"] == {**node["status"]["capacity"], "nvidia.com/gpu": "13",
+                                          "nvidia.com/gpumem": str(81920 + 61440 + 2048 + 2048),
+                                          "nvidia.com/gpucores": str(100 + 30 + 5 + 5)}
+
+
+async def test_a_restarted_agent_without_nvml_keeps_what_running_pods_hold() -> None:
+    """The host's driver was upgraded under running pods (NVML: LIB_RM_VERSION_MISMATCH) and
+    the agent restarted: the GPUs of the last annotation are gone from its view, the pods on
+    them still run; the totals stay at what they hold, so nothing new fits and a restarted
+    kubelet admits them again."""
+    async with FakeKube() as kube:
+        node = _node()
+        node["metadata"]["annotations"] = {"gpuslice.io/gpus": ANNOTATION}
+        kube.put(node)
+        kube.put(_on(_pod("on-a", [_slice("c", 1, 10240, 20)]), c="GPU-aaaa"))
+        none = Discovery(available=False, reason="NVML initialisation failed")
+        async with kube.api_client() as api:
+            for _ in range(2):  # restarted again: the annotation no longer names the GPUs
+                await Publisher(api, SETTINGS).publish(none)
+                got = kube.get("nodes", "gpu-node-1")
+                assert got["metadata"]["annotations"]["gpuslice.io/gpus"] == "[]"
+                assert {k: v for k, v in got["status"]["allocatable"].items()
+                        if "nvidia" in k} == {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240",
+                                              "nvidia.com/gpucores": "20"}
+            kube.delete("pods", "on-a", "ml")
+            pub = Publisher(api, SETTINGS)
+            await pub.publish(none)
+            assert kube.get("nodes", "gpu-node-1")["status"]["capacity"]["nvidia.com/gpu"] == "0"
+            n = len(kube.requests)
+            await pub.publish(none)  # zeros now: the node is read, its pods no more
+            assert len(kube.requests) == n + 1

@@ -261,3 +261,38 @@ def test_opaque_resource_versions_fall_back_to_when_the_list_was_requested() -> 
     state.replace_pods([_pod("late", "x0", node=None, phase="Pending")], listed_at, "x9")
     assert set(state.allocs) == {"after", "late"}
     assert node(state, "n1").usage == {"GPU-0": Usage(5000, 0, 2, 0)}
+
+
+def test_pods_on_a_failed_or_vanished_gpu_neither_free_nor_burden_the_others() -> None:
+    """GPU-1 goes Unhealthy, then falls out of the annotation, then comes back after a reset:
+    its pod's slice stays on GPU-1 throughout (never moved onto GPU-0's view, never counted
+    twice), nothing new goes to GPU-1 while it is not healthy, and GPU-0 keeps its whole room;
+    back healthy, GPU-1's room is what its pod left."""
+    state = ClusterState(S)
+    two = [("GPU-0", 24576), ("GPU-1", 24576)]
+    state.apply_node(gpu_node("n1", two))
+    on1 = gpu_pod("on1", {"nvidia.com/gpumem-percentage": "75", "nvidia.com/gpucores": "40"},
+                  node="n1", devices="GPU-1", phase="Running")
+    on1["metadata"]["uid"] = "uid-on1"
+    state.apply_pod(on1)
+    want = pod_request(gpu_pod("new", {"nvidia.com/gpumem": "20000"}), S)
+    big = pod_request(gpu_pod("big", {"nvidia.com/gpumem": "24576"}), S)
+    for inventory in (gpu_node("n1", two, unhealthy=("GPU-1",)), gpu_node("n1", two[:1])):
+        state.apply_node(inventory)
+        n = node(state, "n1")
+        assert n.usage == {"GPU-1": Usage(18432 if len(n.gpus) == 2 else 0, 40, 1, 0)}
+        for req in (want, big):  # GPU-0 whole
+            placed = place(req, n.gpus, n.usage, S.split_count)
+            assert isinstance(placed, Placement) and placed.assignment == {"main": ("GPU-0",)}
+        state.reserve("uid-x", "default", "x", "n1", want, {"main": ("GPU-0",)})
+        placed2 = place(want, n.gpus, n.usage, S.split_count)
+        assert not isinstance(placed2, Placement)  # GPU-0 full, GPU-1 not offered
+        state.release("uid-x")
+    state.apply_node(gpu_node("n1", two))  # reset: healthy again
+    n = node(state, "n1")
+    assert n.usage == {"GPU-1": Usage(18432, 40, 1, 0)}
+    small = pod_request(gpu_pod("s", {"nvidia.com/gpumem": "6000"}), S)
+    state.reserve("uid-y", "default", "y", "n1", big, {"main": ("GPU-0",)})
+    placed = place(small, n.gpus, n.usage, S.split_count)
+    assert isinstance(placed, Placement) and placed.assignment == {"main": ("GPU-1",)}
+    assert not isinstance(place(want, n.gpus, n.usage, S.split_count), Placement)

@@ -192,6 +192,8 @@ class Inventory:
         self._known: dict[str, tuple[str, int]] = {}
         self._problems: dict[str, str] = {}
         """GPU UUID -> the problem last logged for it ("" healthy)."""
+        self._unaddressed: set[int] = set()
+        """NVML indexes whose GPU could not be addressed at the last discovery (logged)."""
         self._r535: bool | None = None
         """The driver lists ``_v3`` processes in 32-byte entries (None: not asked yet)."""
 
@@ -252,6 +254,7 @@ class Inventory:
         except pynvml.NVMLError:
             driver = ""
         gpus: list[Gpu] = []
+        self._unaddressed.intersection_update(range(count))
         for index in range(count):
             gpu = self._describe(index)
             if gpu is not None:
@@ -264,9 +267,14 @@ class Inventory:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
         except pynvml.NVMLError as exc:
-            logger.warning("GPU cannot be addressed; left out", extra={"index": index,
-                                                                       "error": str(exc)})
+            if index not in self._unaddressed:  # told once: a GPU off the bus stays so for days
+                self._unaddressed.add(index)
+                logger.warning("GPU cannot be addressed; left out", extra={"index": index,
+                                                                           "error": str(exc)})
             return None
+        if index in self._unaddressed:
+            self._unaddressed.discard(index)
+            logger.info("GPU can be addressed again", extra={"index": index, "uuid": uuid})
         product, memory_mib = self._known.get(uuid, ("", 0))
         try:
             product = _text(nvml.nvmlDeviceGetName(handle))

@@ -9,8 +9,10 @@ What is published (DESIGN.md §4), computed by the pure :func:`desired_state`:
   sanitised to a label value; removed when there is no GPU), ``gpuslice.io/gpu.count`` (GPUs
   found) and ``gpuslice.io/gpu.memory`` (the smallest per-GPU memory in MiB);
 - extended resources in ``status.capacity`` and ``status.allocatable``, counting healthy GPUs
-  only: gpu = healthy x split count, gpumem = their total MiB, gpucores = 100 x healthy. A node
-  without driver or GPUs publishes zeros, so nothing is scheduled onto it;
+  only: gpu = healthy x split count, gpumem = their total MiB, gpucores = 100 x healthy, plus
+  what pods still hold on GPUs that are unhealthy or gone (:func:`held_off_healthy`: the
+  scheduler and the kubelet count those pods against the totals). A node without driver or
+  GPUs publishes zeros (plus what its pods hold), so nothing is scheduled onto it;
 - annotation ``gpuslice.io/resources``: the extended resource names published (sorted,
   comma-separated). An agent configured with other names (``resourceNames`` changed by an
   upgrade) takes the recorded ones off the node's capacity and allocatable: left there, a pod
@@ -36,8 +38,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import aiohttp
@@ -84,8 +87,10 @@ class NodeState:
     """Extended resource name -> quantity, for both capacity and allocatable."""
 
 
-def desired_state(discovery: Discovery, settings: AgentSettings) -> NodeState:
-    """The annotation, labels and resources for ``discovery`` (pure)."""
+def desired_state(discovery: Discovery, settings: AgentSettings,
+                  held_off: Mapping[str, int] | None = None) -> NodeState:
+    """The annotation, labels and resources for ``discovery`` (pure); ``held_off``: what pods
+    hold on GPUs that are unhealthy or gone (:func:`held_off_healthy`), added to the totals."""
     gpus = sorted((g for g in discovery.gpus if g.memory_mib > 0), key=lambda g: g.index) \
         if discovery.available else []
     healthy = [g for g in gpus if g.healthy]
@@ -96,12 +101,14 @@ def desired_state(discovery: Discovery, settings: AgentSettings) -> NodeState:
         names.LABEL_GPU_COUNT: str(len(gpus)),
         names.LABEL_GPU_MEMORY: str(min((g.memory_mib for g in gpus), default=0)),
     }
+    held_off = held_off or {}
     resources = {
-        settings.resource_gpu: str(len(healthy) * settings.split_count),
-        settings.resource_mem: str(sum(g.memory_mib for g in healthy)),
-        settings.resource_cores: str(100 * len(healthy)),
+        settings.resource_gpu: len(healthy) * settings.split_count,
+        settings.resource_mem: sum(g.memory_mib for g in healthy),
+        settings.resource_cores: 100 * len(healthy),
     }
-    return NodeState(annotation, labels, resources)
+    return NodeState(annotation, labels,
+                     {k: str(v + held_off.get(k, 0)) for k, v in resources.items()})
 
 
 def recorded_resources(annotations: Mapping[str, str] | None) -> set[str]:
@@ -143,6 +150,27 @@ def metadata_patch(annotations: Mapping[str, str] | None, labels: Mapping[str, s
     return {"metadata": meta} if meta else None
 
 
+def _published_uuids(annotations: Mapping[str, str]) -> set[str]:
+    """The UUIDs of the node's ``gpuslice.io/gpus`` annotation (none where it does not read)."""
+    try:
+        data = json.loads(annotations.get(names.ANN_NODE_GPUS) or "[]")
+    except ValueError:
+        return set()
+    return {g["uuid"] for g in data if isinstance(data, list) and isinstance(g, dict)
+            and isinstance(g.get("uuid"), str)} if isinstance(data, list) else set()
+
+
+def _above(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
+    """Whether any of the node's quantities ``have`` is above ``want``'s."""
+    for k, v in want.items():
+        try:
+            if k in have and parse_quantity(have[k]) > parse_quantity(v):
+                return True
+        except QuantityError:
+            continue
+    return False
+
+
 def _same_quantity(have: str | None, want: str) -> bool:
     """Whether the node's quantity ``have`` is ``want``: the API server stores quantities in
     canonical form ("1000" comes back as "1k")."""
@@ -152,11 +180,14 @@ def _same_quantity(have: str | None, want: str) -> bool:
         return False
 
 
-def held_by_pods(pods: Iterable[client.V1Pod], resources: Iterable[str]) -> dict[str, int]:
+def held_by_pods(pods: Iterable[client.V1Pod], resources: Iterable[str],
+                 share: Callable[[client.V1Pod, client.V1Container], Fraction] | None = None
+                 ) -> dict[str, int]:
     """How much of each of ``resources`` the pods hold, as the kubelet counts a pod at
     admission: its app containers and sidecars (restartable init containers) together, or an
     init container beside the sidecars started before it, whichever is more (requests, else
-    limits). Pods that finished hold nothing."""
+    limits). Pods that finished hold nothing. ``share``: the part of each container's asks
+    to count (all of them by default), rounded up per pod."""
     held = dict.fromkeys(resources, 0)
     for pod in pods:
         if pod.status is not None and pod.status.phase in ("Succeeded", "Failed"):
@@ -164,15 +195,17 @@ def held_by_pods(pods: Iterable[client.V1Pod], resources: Iterable[str]) -> dict
         spec = pod.spec
         if spec is None:
             continue
+        part = {id(c): share(pod, c) if share is not None else Fraction(1)
+                for c in [*(spec.init_containers or []), *(spec.containers or [])]}
         for name in held:
-            sidecars = init_peak = 0
+            sidecars = init_peak = Fraction(0)
             for c in spec.init_containers or []:
                 if c.restart_policy == "Always":
-                    sidecars += _asks(c, name)
+                    sidecars += _asks(c, name) * part[id(c)]
                 else:
-                    init_peak = max(init_peak, sidecars + _asks(c, name))
-            apps = sum(_asks(c, name) for c in spec.containers or [])
-            held[name] += max(apps + sidecars, init_peak)
+                    init_peak = max(init_peak, sidecars + _asks(c, name) * part[id(c)])
+            apps = sum((_asks(c, name) * part[id(c)] for c in spec.containers or []), Fraction(0))
+            held[name] += math.ceil(max(apps + sidecars, init_peak))
     return held
 
 
@@ -185,6 +218,28 @@ def _asks(container: client.V1Container, name: str) -> int:
         return max(0, math.ceil(parse_quantity(value))) if value is not None else 0
     except QuantityError:
         return 0
+
+
+def held_off_healthy(pods: Iterable[client.V1Pod], discovery: Discovery,
+                     resources: Iterable[str]) -> dict[str, int]:
+    """What the pods hold of ``resources`` on GPUs that are not healthy in ``discovery``
+    (unhealthy, or gone from it: fallen off the bus, or no driver), by their
+    ``gpuslice.io/devices.<container>`` annotations: a container on n GPUs, k of them such,
+    holds k/n of what it asks. The scheduler's fit check and the kubelet's admission count
+    every pod against the node's totals: totals of the healthy GPUs alone let the pods on a
+    failed one take the healthy ones' room (a pod that fits an empty healthy GPU refused), and
+    a restarted kubelet reject running pods. Added to the totals, what is left is the room on
+    the healthy GPUs; the extender places nothing on the others."""
+    healthy = {g.uuid for g in discovery.healthy} if discovery.available else set()
+
+    def share(pod: client.V1Pod, c: client.V1Container) -> Fraction:
+        annotations = (pod.metadata.annotations if pod.metadata else None) or {}
+        value = annotations.get(names.devices_annotation(c.name or "")) or ""
+        uuids = [u.strip() for u in value.split(",") if u.strip()]
+        if not uuids:
+            return Fraction(0)
+        return Fraction(sum(1 for u in uuids if u not in healthy), len(uuids))
+    return held_by_pods(pods, resources, share)
 
 
 def status_patch(capacity: Mapping[str, str] | None, allocatable: Mapping[str, str] | None,
@@ -227,12 +282,29 @@ class Publisher:
         self._api = client.CoreV1Api(api_client)
         self._settings = settings
         self._node = settings.node_name
+        self._seen: set[str] = set()
+        """UUIDs of GPUs discovered or published before: pods may hold slices of one that is
+        gone now."""
 
     async def publish(self, discovery: Discovery) -> PublishOutcome:
         """Bring the node's annotation, labels and resources to the discovered state."""
-        want = desired_state(discovery, self._settings)
         node = await self._api.read_node(self._node, _request_timeout=TIMEOUT)
         annotations = node.metadata.annotations or {}
+        self._seen.update(_published_uuids(annotations))
+        self._seen.update(g.uuid for g in discovery.gpus)
+        pods: list[client.V1Pod] | None = None
+        held_off: dict[str, int] = {}
+        status = node.status or client.V1NodeStatus()
+        capacity, allocatable = status.capacity or {}, status.allocatable or {}
+        # some are not healthy now; or the totals carry what pods held on such GPUs (a restarted
+        # agent that never saw them, their pods still running)
+        if not self._seen <= {g.uuid for g in discovery.healthy} \
+                or _above(capacity, desired_state(discovery, self._settings).resources):
+            s = self._settings
+            pods = await self.node_pods(cached=True)
+            held_off = held_off_healthy(pods, discovery,
+                                        (s.resource_gpu, s.resource_mem, s.resource_cores))
+        want = desired_state(discovery, self._settings, held_off)
         stale = recorded_resources(annotations) - set(want.resources)
         # recorded before they are published; the old ones stay recorded until they are off
         meta = metadata_patch(annotations, node.metadata.labels, want,
@@ -242,10 +314,10 @@ class Publisher:
         if meta is not None:
             await self._api.patch_node(  # type: ignore[call-arg]
                 self._node, meta, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
-        status = node.status or client.V1NodeStatus()
-        capacity, allocatable = status.capacity or {}, status.allocatable or {}
         on_node = {k for k in stale if k in capacity or k in allocatable}
-        held = held_by_pods(await self.node_pods(cached=True), on_node) if on_node else {}
+        if on_node and pods is None:
+            pods = await self.node_pods(cached=True)
+        held = held_by_pods(pods or [], on_node) if on_node else {}
         spatch = status_patch(capacity, allocatable, want, held)
         if spatch is not None:
             await self._api.patch_node_status(  # type: ignore[call-arg]

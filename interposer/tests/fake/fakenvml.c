@@ -22,8 +22,12 @@ static int ndevs = -1;
 static int refs;
 static void utilisation_start(void);
 
+/* FAKE_NVML_INIT_ERROR=<code>: nvmlInit fails with it (9 DRIVER_NOT_LOADED; 18
+ * LIB_RM_VERSION_MISMATCH, the host's driver upgraded under running containers). */
 API nvmlReturn_t nvmlInit_v2(void)
 {
+    const char *fail = getenv("FAKE_NVML_INIT_ERROR");
+    if (fail && *fail) return (nvmlReturn_t)atoi(fail);
     if (ndevs < 0) ndevs = fake_devices(devs);
     if (!refs) utilisation_start();
     refs++;
@@ -63,10 +67,22 @@ API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n)
 
 API nvmlReturn_t nvmlDeviceGetCount(unsigned int *n) { return nvmlDeviceGetCount_v2(n); }
 
+/* FAKE_NVML_LOST="UUID[,UUID]": these devices fell off the bus (NVML_ERROR_GPU_IS_LOST) while
+ * CUDA still lists them. */
+static int fake_lost(const char *uuid)
+{
+    const char *lost = getenv("FAKE_NVML_LOST");
+    size_t len = strlen(uuid);
+    for (const char *p = lost; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
+        if (!strncmp(p, uuid, len) && (p[len] == ',' || p[len] == '\0')) return 1;
+    return 0;
+}
+
 API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int i, nvmlDevice_t *d)
 {
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (!d || i >= (unsigned)ndevs) return NVML_ERROR_INVALID_ARGUMENT;
+    if (fake_lost(devs[i].uuid)) return 15; /* NVML_ERROR_GPU_IS_LOST */
     *d = (nvmlDevice_t)&devs[i];
     return NVML_SUCCESS;
 }
@@ -89,6 +105,7 @@ API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *d)
     if (!uuid || !d) return NVML_ERROR_INVALID_ARGUMENT;
     for (int i = 0; i < ndevs; i++)
         if (!strcmp(devs[i].uuid, uuid)) {
+            if (fake_lost(uuid)) return 15;
             *d = (nvmlDevice_t)&devs[i];
             return NVML_SUCCESS;
         }
