@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -47,6 +48,10 @@ class FakeDevice:
     """NVML function name -> NVML error code it raises for this device."""
     fail_once: dict[str, int] = field(default_factory=dict)
     """Likewise, for the next call only."""
+    hang: dict[str, threading.Event] = field(default_factory=dict)
+    """NVML function name -> an event: the function, called for this device, blocks until the
+    event is set (a GPU fallen off the bus: NVML's calls to it hang rather than fail), then
+    answers as usual. ``FakeNvml.hung`` is set while one is blocked."""
     samples: list[tuple[int, int, int]] = field(default_factory=list)
     """Per-process utilisation samples the driver keeps: (pid, timestamp µs, SM %), one per
     process per sample period in which it ran."""
@@ -65,6 +70,8 @@ class FakeNvml:
         self.driver = driver
         self.initialised = False
         self.init_calls = 0
+        self.calls = 0
+        """Calls made to an initialised library's functions (each counted on entry)."""
         self.count_error: int | None = None
         self.empty_success = False
         self.value_type = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
@@ -79,6 +86,8 @@ class FakeNvml:
         hold 32-byte entries, which pynvml's calls read as 24-byte ones (what they return is
         that garbage, as with the real pynvml); read through ``_nvmlGetFunctionPointer`` with
         32-byte entries, they are right. Later drivers (the default) export both, 24 bytes."""
+        self.hung = threading.Event()
+        """Set while a call is blocked by ``FakeDevice.hang``."""
         self.between_calls: Callable[[], None] | None = None
         """Run once, after the next sizing call (no buffer) of a ``_v3`` process list got
         through ``_nvmlGetFunctionPointer``: processes that start between the two calls."""
@@ -94,6 +103,7 @@ class FakeNvml:
         self.initialised = False
 
     def _need_init(self) -> None:
+        self.calls += 1
         if not self.initialised:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
 
@@ -111,6 +121,11 @@ class FakeNvml:
     def _dev(self, handle: Any, fn: str) -> FakeDevice:
         self._need_init()
         dev = self.devices[handle]
+        release = dev.hang.get(fn)
+        if release is not None:
+            self.hung.set()
+            release.wait()
+            self.hung.clear()
         if fn in dev.fail:
             raise pynvml.NVMLError(dev.fail[fn])
         if fn in dev.fail_once:

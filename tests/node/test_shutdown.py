@@ -222,7 +222,11 @@ async def test_a_scrape_waiting_on_a_hung_nvml_call_does_not_hold_up_close(
         await session.close()
 
 
-def test_agent_process_exits_on_sigterm_while_an_nvml_call_hangs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("judged_hung", [False, True], ids=["at-once", "judged-hung"])
+def test_agent_process_exits_on_sigterm_while_an_nvml_call_hangs(
+        tmp_path: Path, judged_hung: bool) -> None:
+    """Also once the call has been judged hung (inventory.HUNG_S) and the rounds, scrapes and
+    checks have gone on without it."""
     import subprocess
     src = tmp_path / "libgpuslice.so"
     src.write_bytes(LIB)
@@ -233,7 +237,7 @@ def test_agent_process_exits_on_sigterm_while_an_nvml_call_hangs(tmp_path: Path)
         sys.path.insert(0, {str(TESTS)!r})
         from node.fakenvml import two_a100s
         from webhook.cli import main
-        from webhook.node import loop
+        from webhook.node import inventory, loop
         from webhook.node.inventory import Inventory
 
         nvml = two_a100s()
@@ -243,6 +247,7 @@ def test_agent_process_exits_on_sigterm_while_an_nvml_call_hangs(tmp_path: Path)
             threading.Event().wait()
 
         nvml.nvmlDeviceGetCount = hung
+        inventory.HUNG_S = {0.5 if judged_hung else 3600.0}
         loop.Inventory = lambda **kw: Inventory(nvml, **kw)
         raise SystemExit(main(sys.argv[1:]))
         """)
@@ -255,6 +260,8 @@ def test_agent_process_exits_on_sigterm_while_an_nvml_call_hangs(tmp_path: Path)
             assert proc.poll() is None, proc.communicate()[1]
             assert time.time() < deadline
             time.sleep(0.05)
+        if judged_hung:
+            time.sleep(2.0)
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         try:
@@ -270,6 +277,7 @@ def test_agent_process_exits_on_sigterm_while_an_nvml_call_hangs(tmp_path: Path)
     assert elapsed < loop_bound(), f"exit took {elapsed:.1f} s"
     assert '"msg": "agent stopped"' in err
     assert "NVML not shut down" in err
+    assert ('"msg": "NVML call hung' in err) == judged_hung
 
 
 def loop_bound() -> float:

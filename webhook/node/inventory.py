@@ -17,16 +17,24 @@ pods reach an MPS server, which the operator says with ``offer_exclusive_process
 (``PROHIBITED``) use it. The reason is kept in :attr:`Gpu.problem` (logged, and exported as
 ``gpuslice_gpu_unhealthy_reason``). A GPU whose handle or UUID cannot be read
 cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged).
+
+Hung calls: NVML is called one series of calls at a time (a lock); one that has run for
+:data:`HUNG_S` is hung (a GPU fallen off the bus can make calls block instead of failing). No
+call is then made behind it: the readers answer at once without NVML (:meth:`Inventory.sample`
+without figures, :meth:`Inventory.processes` as lists that cannot be read, no utilisation
+samples, :meth:`Inventory.discover` as :attr:`Inventory.last`, where the GPU it queries is
+Unhealthy), until it returns. It is logged once, and its end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -41,6 +49,11 @@ once the wall clock reaches them); further, garbage (some drivers' for exited pr
 PERIOD_MAX_US = 1_000_000
 """The longest sample period drivers use (1/6 to 1 s): the most time one device sample speaks
 for."""
+HUNG_S = 20.0
+"""Seconds an NVML call may run before it is judged hung: a GPU fallen off the bus can make the
+driver's calls to it block for minutes or for ever instead of failing (:attr:`Inventory.last`)."""
+HUNG_PROBLEM = ("NVML call hung (the GPU fallen off the bus?): nothing is placed on it until "
+                "the call returns")
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 _NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
@@ -186,6 +199,11 @@ class Inventory:
         """Offer GPUs in EXCLUSIVE_PROCESS compute mode (an MPS server the pods reach holds
         them; the operator mounts its pipe directory into the pods)."""
         self._lock = threading.Lock()
+        self._busy_since: float | None = None
+        """When the calls holding the lock began (``time.monotonic``); None: it is free."""
+        self._busy_gpu: int | None = None
+        """The NVML index of the GPU they query now (None: no one GPU, e.g. nvmlInit)."""
+        self._hung_told = False
         self._initialised = False
         self._last: Discovery = Discovery(available=False, reason="not discovered yet")
         self._logged_state: tuple[Any, ...] = ()
@@ -199,8 +217,56 @@ class Inventory:
 
     @property
     def last(self) -> Discovery:
-        """The latest discovery result (no NVML call)."""
-        return self._last
+        """The latest discovery result (no NVML call). While an NVML call hangs (:meth:`hung`),
+        the GPU it queries is Unhealthy in it, as is every GPU where it queries no one GPU of
+        the result (nvmlInit, the count); NVML is unavailable where none was found yet."""
+        last = self._last
+        if self.hung() is None:
+            return last
+        busy = self._busy_gpu
+        indexes = {g.index for g in last.gpus}
+        marked = {busy} if busy in indexes else indexes
+        if not last.available or not marked:
+            return Discovery(available=False, reason=HUNG_PROBLEM,
+                             driver_version=last.driver_version)
+        return replace(last, gpus=tuple(
+            replace(g, health=UNHEALTHY, problem=HUNG_PROBLEM)
+            if g.index in marked and g.healthy else g for g in last.gpus))
+
+    def hung(self) -> float | None:
+        """For how long the NVML call now running has run, where that is :data:`HUNG_S` or
+        more (it is hung); else None."""
+        since = self._busy_since
+        ran = None if since is None else time.monotonic() - since
+        if ran is None or ran < HUNG_S:
+            return None
+        if not self._hung_told:
+            self._hung_told = True
+            logger.warning("NVML call hung (a GPU fallen off the bus?): the GPU it queries is "
+                           "published Unhealthy, and no NVML call is made until it returns",
+                           extra={"index": self._busy_gpu, "running_s": round(ran)})
+        return ran
+
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[bool]:
+        """Hold NVML's lock for a series of calls; yields False, without it, where the calls
+        that hold it have run for :data:`HUNG_S` (they are hung: no call waits behind them)."""
+        since = self._busy_since
+        wait = HUNG_S if since is None else max(0.0, since + HUNG_S - time.monotonic())
+        if not self._lock.acquire(timeout=wait):
+            self.hung()  # told once
+            yield False
+            return
+        self._busy_since, self._busy_gpu = time.monotonic(), None
+        try:
+            yield True
+        finally:
+            began, self._busy_since, self._busy_gpu = self._busy_since, None, None
+            if self._hung_told:
+                self._hung_told = False
+                logger.info("NVML answers again",
+                            extra={"hung_s": round(time.monotonic() - began)})
+            self._lock.release()
 
     def _ensure_init(self) -> str:
         """Initialise NVML if needed; return "" on success or the reason it is unavailable."""
@@ -220,7 +286,9 @@ class Inventory:
 
     def discover(self) -> Discovery:
         """Query NVML for every GPU. Never raises; ``available=False`` says why."""
-        with self._lock:
+        with self._calling() as held:
+            if not held:
+                return self.last
             result = self._discover_locked()
             self._last = result
         state = (result.available, result.reason, len(result.gpus), len(result.healthy))
@@ -263,6 +331,7 @@ class Inventory:
 
     def _describe(self, index: int) -> Gpu | None:
         nvml = self._nvml
+        self._busy_gpu = index
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
@@ -353,12 +422,15 @@ class Inventory:
 
     def sample(self) -> list[GpuSample]:
         """Memory and utilisation of the last discovered GPUs (empty without NVML)."""
-        with self._lock:
+        with self._calling() as held:
+            if not held:
+                return [GpuSample(gpu, None, None, None) for gpu in self.last.gpus]
             if not self._initialised or not self._last.available:
                 return []
             out = []
             for gpu in self._last.gpus:
                 used = total = util = None
+                self._busy_gpu = gpu.index
                 try:
                     handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu.index)
                 except pynvml.NVMLError:
@@ -379,13 +451,16 @@ class Inventory:
     def processes(self) -> list[GpuProcesses]:
         """Per GPU of the last discovery: NVML's compute, graphics and MPS client processes (host
         pids) and the memory each holds (empty without NVML)."""
-        with self._lock:
+        with self._calling() as held:
+            if not held:  # as lists that cannot be read
+                return [GpuProcesses(gpu, None, None) for gpu in self.last.gpus]
             if not self._initialised or not self._last.available:
                 return []
             return [self._processes_locked(gpu) for gpu in self._last.gpus]
 
     def _processes_locked(self, gpu: Gpu) -> GpuProcesses:
         nvml = self._nvml
+        self._busy_gpu = gpu.index
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)
             total: int | None = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
@@ -421,8 +496,8 @@ class Inventory:
         past the periods stamped meanwhile, which were lost)."""
         began = time.monotonic() if read_at is None or wall_us is None else read_at
         wall = int(time.time() * 1e6) if wall_us is None else wall_us
-        with self._lock:
-            if not self._initialised or not self._last.available:
+        with self._calling() as held:
+            if not held or not self._initialised or not self._last.available:
                 return []
             return [self._utilisation_locked(gpu, *since.get(gpu.uuid, (0, 0)),
                                              lambda: wall + int((time.monotonic() - began) * 1e6))
@@ -431,6 +506,7 @@ class Inventory:
     def _utilisation_locked(self, gpu: Gpu, since: int, dev_since: int,
                             now: Callable[[], int]) -> GpuUtilisation:
         nvml = self._nvml
+        self._busy_gpu = gpu.index
         failed = GpuUtilisation(gpu, None, since, None, dev_since)
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)

@@ -2,7 +2,10 @@
 
 Start the metrics server, then loop. Each round, and again every ``--interval``:
 
-1. discover the GPUs (a node without driver or GPUs is logged once and publishes zeros);
+1. discover the GPUs (a node without driver or GPUs is logged once and publishes zeros); a
+   discovery hung in an NVML call (a GPU fallen off the bus) is waited on for at most
+   ``inventory.HUNG_S``, then the round goes on with the GPU it queries Unhealthy
+   (:meth:`Agent._discover`), so the rounds, and /healthz with them, go on;
 2. install the library and ld.so.preload (idempotent); make the state dirs writable by every
    container user (``cleanup.share_state_dirs``);
 3. publish the annotation, labels and extended resources, but only once the library is in
@@ -54,10 +57,11 @@ from kubernetes_asyncio import client, config
 
 from webhook import names
 from webhook.node import cleanup, install
+from webhook.node import inventory as nvml_inventory
 from webhook.node.audit import MIB, Auditor
 from webhook.node.compute import SAMPLE_INTERVAL
 from webhook.node.config import AgentSettings
-from webhook.node.inventory import Inventory
+from webhook.node.inventory import Discovery, Inventory
 from webhook.node.metrics import AgentCollector, AgentStatus, make_registry, metrics_app
 from webhook.node.publish import API_ERRORS, Publisher, api_error
 
@@ -150,6 +154,7 @@ class Agent:
         self._runner: web.AppRunner | None = None
         self._round_done = time.monotonic()  # the start counts: the first round is under way
         self._in_round = False
+        self._discovering: asyncio.Future[Discovery] | None = None
 
     async def start(self) -> None:
         """Start serving /metrics and /healthz."""
@@ -223,7 +228,7 @@ class Agent:
     async def step(self) -> float:
         """One round of discover, install, publish, clean up; return seconds until the next."""
         ok = True
-        discovery = await asyncio.to_thread(self.inventory.discover)
+        discovery = await self._discover()
         installed = await asyncio.to_thread(self._install)
         if installed and self.publisher is None:  # no pod list: /proc alone tells
             await asyncio.to_thread(self._clean_libraries, None)
@@ -252,6 +257,19 @@ class Agent:
             self.backoff.reset()
             return self.settings.interval
         return min(self.backoff.next(), self.settings.interval)
+
+    async def _discover(self) -> Discovery:
+        """The GPUs (``Inventory.discover`` in a worker thread), waited on for at most
+        ``inventory.HUNG_S`` (and a little): a discovery still running then is hung in an NVML
+        call and is left to run (the next rounds wait on it, and start no other); meanwhile
+        the GPUs are as ``Inventory.last`` says, with the one it queries Unhealthy."""
+        if self._discovering is None:
+            self._discovering = asyncio.ensure_future(asyncio.to_thread(self.inventory.discover))
+        done, _ = await asyncio.wait({self._discovering}, timeout=nvml_inventory.HUNG_S + 0.5)
+        if not done:
+            return self.inventory.last
+        task, self._discovering = self._discovering, None
+        return task.result()
 
     async def _cleanup(self, installed: bool) -> bool:
         """Remove old libraries (after an install that succeeded) and the state dirs of

@@ -128,6 +128,10 @@ class AgentCollector(Collector):
                                "1 when NVML works on this node, 0 without driver or library")
         up.add_metric([], 1 if discovery.available else 0)
         yield up
+        yield GaugeMetricFamily("gpuslice_nvml_hung",
+                                "1 while an NVML call has run for inventory.HUNG_S or more (a "
+                                "GPU fallen off the bus?): the GPU it queries is published "
+                                "Unhealthy", value=1 if self._inventory.hung() is not None else 0)
         healthy = GaugeMetricFamily("gpuslice_gpu_healthy", "1 healthy, 0 unhealthy",
                                     labels=_GPU_LABELS)
         used = GaugeMetricFamily("gpuslice_gpu_memory_used_bytes",
