@@ -244,3 +244,36 @@ async def test_healthz_stays_ok_while_nvml_hangs(tmp_path: Path,
         stop.set()
         await asyncio.wait_for(run, 5)
         await agent.close()
+
+
+def test_a_slow_discovery_of_many_gpus_is_not_judged_hung(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each GPU's calls answer within the deadline, all of them together take longer (a big node
+    without persistence mode): nothing is hung, and no GPU is shown Unhealthy meanwhile."""
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    first = inv.discover()
+    assert [g.healthy for g in first.gpus] == [True, True]
+    uuid = nvml.nvmlDeviceGetUUID
+
+    def slow_uuid(handle: int) -> str:
+        time.sleep(HUNG_S * 0.7)
+        return uuid(handle)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetUUID", slow_uuid)
+    seen: list[object] = []
+    done = threading.Event()
+
+    def discover() -> None:
+        seen.append(inv.discover())
+        done.set()
+
+    thread = threading.Thread(target=discover)
+    thread.start()
+    time.sleep(HUNG_S * 1.15)  # inside the second GPU's calls, past the deadline from the first
+    assert inv.hung() is None
+    assert [g.healthy for g in inv.last.gpus] == [True, True]
+    assert done.wait(5)
+    thread.join()
+    result = seen[0]
+    assert isinstance(result, type(first)) and [g.healthy for g in result.gpus] == [True, True]

@@ -200,7 +200,8 @@ class Inventory:
         them; the operator mounts its pipe directory into the pods)."""
         self._lock = threading.Lock()
         self._busy_since: float | None = None
-        """When the calls holding the lock began (``time.monotonic``); None: it is free."""
+        """When the calls holding the lock began, or turned to the GPU they query now
+        (``time.monotonic``); None: it is free."""
         self._busy_gpu: int | None = None
         """The NVML index of the GPU they query now (None: no one GPU, e.g. nvmlInit)."""
         self._hung_told = False
@@ -268,6 +269,11 @@ class Inventory:
                             extra={"hung_s": round(time.monotonic() - began)})
             self._lock.release()
 
+    def _query(self, index: int) -> None:
+        """The calls holding the lock turn to GPU ``index``: the deadline counts from now, per
+        GPU (a discovery of many slow GPUs, each within it, is not hung)."""
+        self._busy_since, self._busy_gpu = time.monotonic(), index
+
     def _ensure_init(self) -> str:
         """Initialise NVML if needed; return "" on success or the reason it is unavailable."""
         if self._initialised:
@@ -331,7 +337,7 @@ class Inventory:
 
     def _describe(self, index: int) -> Gpu | None:
         nvml = self._nvml
-        self._busy_gpu = index
+        self._query(index)
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
@@ -430,7 +436,7 @@ class Inventory:
             out = []
             for gpu in self._last.gpus:
                 used = total = util = None
-                self._busy_gpu = gpu.index
+                self._query(gpu.index)
                 try:
                     handle = self._nvml.nvmlDeviceGetHandleByIndex(gpu.index)
                 except pynvml.NVMLError:
@@ -460,7 +466,7 @@ class Inventory:
 
     def _processes_locked(self, gpu: Gpu) -> GpuProcesses:
         nvml = self._nvml
-        self._busy_gpu = gpu.index
+        self._query(gpu.index)
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)
             total: int | None = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
@@ -506,7 +512,7 @@ class Inventory:
     def _utilisation_locked(self, gpu: Gpu, since: int, dev_since: int,
                             now: Callable[[], int]) -> GpuUtilisation:
         nvml = self._nvml
-        self._busy_gpu = gpu.index
+        self._query(gpu.index)
         failed = GpuUtilisation(gpu, None, since, None, dev_since)
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)

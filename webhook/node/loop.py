@@ -260,9 +260,10 @@ class Agent:
 
     async def _discover(self) -> Discovery:
         """The GPUs (``Inventory.discover`` in a worker thread), waited on for at most
-        ``inventory.HUNG_S`` (and a little): a discovery still running then is hung in an NVML
-        call and is left to run (the next rounds wait on it, and start no other); meanwhile
-        the GPUs are as ``Inventory.last`` says, with the one it queries Unhealthy."""
+        ``inventory.HUNG_S`` (and a little): a discovery still running then (slow over many GPUs,
+        or hung in an NVML call) is left to run (the next rounds wait on it, and start no
+        other); meanwhile the GPUs are as ``Inventory.last`` says, with the one it queries
+        Unhealthy if its call has run for ``HUNG_S``."""
         if self._discovering is None:
             self._discovering = asyncio.ensure_future(asyncio.to_thread(self.inventory.discover))
         done, _ = await asyncio.wait({self._discovering}, timeout=nvml_inventory.HUNG_S + 0.5)
