@@ -160,10 +160,15 @@ int thr_budget_owed(int slot)
 
 void thr_wait_for_budget(int slot)
 {
+    thr_wait_for_budget_until(slot, UINT64_MAX);
+}
+
+void thr_wait_for_budget_until(int slot, uint64_t until)
+{
     for (;;) {
         uint64_t *vt = gate_clock(slot);
         uint64_t v = __atomic_load_n(vt, __ATOMIC_RELAXED), now = gs_now_ns();
-        if (v <= now) return;
+        if (v <= now || now >= until) return;
         uint64_t wait = v - now;
         if (GS_UNLIKELY(wait > GS_AHEAD_MAX_NS)) {
             if (__atomic_compare_exchange_n(vt, &v, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
@@ -171,6 +176,7 @@ void thr_wait_for_budget(int slot)
                         (unsigned long long)(wait / 1000000000ull));
             continue;
         }
+        if (wait > until - now) wait = until - now;
         gs_sleep_ns(wait > 50000000ull ? 50000000ull : wait);
     }
 }

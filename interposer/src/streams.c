@@ -159,6 +159,23 @@ void thr_measure_all_locked(void)
         if (g_streams[i].count) thr_measure_locked(&g_streams[i]);
 }
 
+/* Whether a stream holds an advance (its queue wait gave up) that its measurement has not
+ * settled yet */
+int thr_advance_pending_locked(void)
+{
+    for (int i = 0; i < g_streams_used; i++)
+        if (g_streams[i].count && g_streams[i].advance_cost) return 1;
+    return 0;
+}
+
+/* Debit the completed intervals of the streams that hold an advance: what it paid beyond their
+ * work is given back */
+void thr_measure_advanced_locked(void)
+{
+    for (int i = 0; i < g_streams_used; i++)
+        if (g_streams[i].count && g_streams[i].advance_cost) thr_measure_locked(&g_streams[i]);
+}
+
 /* After a synchronisation: charge what completed (the last work of a process
  * is charged before it exits, not only at its next launch). */
 void gs_launch_after_sync(void)

@@ -146,6 +146,7 @@ void thr_clock_refund(int slot, uint64_t cost);
 extern uint64_t thr_launch_est_ns[GPUSLICE_MAX_DEVICES]; /* one launch's GPU time, as last measured */
 int thr_budget_owed(int slot);
 void thr_wait_for_budget(int slot);
+void thr_wait_for_budget_until(int slot, uint64_t until); /* or until `until` (gs_now_ns) */
 
 /* ---- streams.c ------------------------------------------------------------ */
 
@@ -174,6 +175,8 @@ static inline cuEventElapsedTime_fn thr_elapsed_fn(void)
 
 void thr_measure_locked(struct tstream *s);
 void thr_measure_all_locked(void);
+int thr_advance_pending_locked(void);
+void thr_measure_advanced_locked(void);
 struct tstream *thr_stream_find_locked(uint64_t key, CUcontext ctx);
 struct tstream *thr_stream_get_locked(uint64_t key, CUcontext ctx, int slot);
 

@@ -47,6 +47,15 @@ def test_threads_launching_on_streams_of_their_own_race_on_nothing(tsan_lab):
     assert res.rc("mbench") == 0
 
 
+def test_threads_waiting_for_advances_to_be_given_back_race_on_nothing(tsan_lab):
+    # sixteen streams whose kernels wait for each other: launches give up their queue waits and
+    # pay advances, and the threads waiting for the budget measure those streams meanwhile
+    # (`test_throttle.py -k given_back_late`)
+    res = tsan_lab.run("init", "ctx", "0", "mbench", "1.5", "16", CUDA_DEVICE_SM_LIMIT="30",
+                       FAKE_CUDA_SERIAL="1", FAKE_CUDA_KERNEL_US="2000")
+    assert res.rc("mbench") == 0
+
+
 def test_threads_launching_and_copying_on_one_stream_race_on_nothing(tsan_lab):
     # the gap marks (set by the copies' hooks without a lock, taken by launches) and the count
     # of launches between their begin and their end's record, four threads on one stream
