@@ -269,10 +269,13 @@ def status_patch(capacity: Mapping[str, str] | None, allocatable: Mapping[str, s
 
 @dataclass(frozen=True)
 class PublishOutcome:
-    """Which of the two patches were sent."""
+    """Which of the two patches were sent; and the node's pods, where the publish listed them
+    (from the watch cache: :meth:`Publisher.node_pods` with ``cached``), for the round's
+    clean-up to use rather than list them again."""
 
     metadata_patched: bool
     status_patched: bool
+    pods: list[client.V1Pod] | None = None
 
 
 class Publisher:
@@ -328,7 +331,7 @@ class Publisher:
                 self._node, {"metadata": {"annotations": {
                     names.ANN_NODE_RESOURCES: resources_record(want.resources)}}},
                 _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
-        return PublishOutcome(meta is not None or forget, spatch is not None)
+        return PublishOutcome(meta is not None or forget, spatch is not None, pods)
 
     async def live_pod_uids(self) -> set[str]:
         """UIDs of every pod the API server has on this node (all pages; raises on error)."""
