@@ -304,7 +304,17 @@ class Publisher:
         if not self._seen <= {g.uuid for g in discovery.healthy} \
                 or _above(capacity, desired_state(discovery, self._settings).resources):
             s = self._settings
-            pods = await self.node_pods(cached=True)
+            try:
+                pods = await self.node_pods(cached=True)
+            except API_ERRORS:
+                # The GPUs' health goes out first, the totals wait for the list: the extender
+                # places nothing on a GPU the annotation says is unhealthy.
+                meta = metadata_patch(annotations, node.metadata.labels,
+                                      desired_state(discovery, self._settings))
+                if meta is not None:
+                    await self._api.patch_node(  # type: ignore[call-arg]
+                        self._node, meta, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
+                raise
             held_off = held_off_healthy(pods, discovery,
                                         (s.resource_gpu, s.resource_mem, s.resource_cores))
         want = desired_state(discovery, self._settings, held_off)
