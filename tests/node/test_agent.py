@@ -444,3 +444,31 @@ async def test_a_library_a_sandboxed_gpu_pod_started_with_is_kept_while_it_runs(
             assert await agent.step() == settings.interval
             assert not old.exists()
             assert agent.status.libraries_removed == 1 and agent.status.old_libraries == 0
+
+
+async def test_a_round_lists_the_nodes_pods_once_while_a_gpu_is_unhealthy(
+        tmp_path: Path) -> None:
+    """With a GPU unhealthy (or one gone since), the publish lists the node's pods for what they
+    hold on it; the clean-up of the same round, after it, uses that list rather than listing
+    again: one list per round per GPU node, as with every GPU healthy."""
+    settings = _settings(tmp_path)
+    nvml = two_a100s()
+    nvml.devices[1].retired_pending = True
+    async with FakeKube() as kube:
+        kube.put(_node())
+        live, kept = _live_pod_with_old_dir(kube, tmp_path / "state")
+        gone = _old_pod_dir(tmp_path / "state", str(uuid.uuid4()))
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(nvml), api_client=api)
+            await agent.step()
+            lists = kube.requests_to("GET", r"^/api/v1/pods$")
+            # the cached list, then the consistent read confirming the departed pod's removal
+            assert [r.query.get("resourceVersion") for r in lists] == ["0", None]
+            assert kept.exists() and not gone.exists()
+            assert agent.collector.pod_names == {live: ("ml", "p")}
+            kube.requests.clear()
+            await agent.step()
+            lists = kube.requests_to("GET", r"^/api/v1/pods$")
+            assert [r.query.get("resourceVersion") for r in lists] == ["0"]
+        node = kube.get("nodes", NODE)
+        assert node["status"]["capacity"]["nvidia.com/gpu"] == "10"

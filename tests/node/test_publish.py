@@ -6,6 +6,7 @@ import json
 
 import pytest
 from fakekube import FakeKube
+from kubernetes_asyncio import client
 from kubeschema import assert_valid
 
 from webhook.node.config import AgentSettings
@@ -406,3 +407,27 @@ async def test_a_restarted_agent_without_nvml_keeps_what_running_pods_hold() -> 
             n = len(kube.requests)
             await pub.publish(none)  # zeros now: the node is read, its pods no more
             assert len(kube.requests) == n + 1
+
+
+async def test_a_gpu_turned_unhealthy_is_published_so_even_when_the_pods_cannot_be_listed(
+        ) -> None:
+    """GPU-bbbb failed: the totals wait for the node's pods (what they hold on it), but its
+    Unhealthy mark, by which the extender places nothing more on it, does not: the API server
+    refusing the pod list (throttled, its watch cache not ready) must not keep new pods going
+    onto a failed GPU. The round still fails, and is retried, for the totals."""
+    healthy = Discovery(True, (A, Gpu("GPU-bbbb", 1, A.product, 81920, HEALTHY)), "550")
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            pub = Publisher(api, SETTINGS)
+            await pub.publish(healthy)
+            kube.fail("GET", r"^/api/v1/pods$", 429, times=2)
+            for _ in range(2):
+                with pytest.raises(client.ApiException):
+                    await pub.publish(TWO)
+                node = kube.get("nodes", "gpu-node-1")
+                assert node["metadata"]["annotations"]["gpuslice.io/gpus"] == ANNOTATION
+            assert len(kube.requests_to("PATCH", r"/nodes/gpu-node-1$")) == 2  # no more
+            assert node["status"]["capacity"]["nvidia.com/gpu"] == "20"  # until they can
+            await pub.publish(TWO)
+            assert kube.get("nodes", "gpu-node-1")["status"]["capacity"]["nvidia.com/gpu"] == "10"

@@ -158,3 +158,15 @@ async def test_first_start_in_a_pod_does_not_wait(
     ext = await extender(restart_marker=str(tmp_path / "extender-ran"))
     assert await ext.bind(a, "n1") == ""
     assert (tmp_path / "extender-ran").exists()
+
+
+async def test_a_burst_of_gpu_binds_reads_the_lease_once(kube: FakeKube, extender: Any) -> None:
+    """The scheduler binds many pods at once (each in its own binding goroutine): the binds
+    waiting on one read of the lease share it, rather than each sending its own."""
+    kube.put(gpu_node("n1", TWO))
+    kube.put(lease("new_1", 3, 600))
+    pods = [kube.put(gpu_pod(f"p{i}", {"nvidia.com/gpumem": "100"})) for i in range(12)]
+    ext = await extender(scheduler_lease=LEASE)
+    kube.requests.clear()
+    assert await asyncio.gather(*(ext.bind(p, "n1") for p in pods)) == [""] * len(pods)
+    assert len(kube.requests_to("GET", "/leases/gpuslice-scheduler$")) == 1

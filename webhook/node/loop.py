@@ -234,6 +234,7 @@ class Agent:
             await asyncio.to_thread(self._clean_libraries, None)
         shared = await asyncio.to_thread(self._share_state_dirs)
         ok = ok and installed and shared
+        pods: list[client.V1Pod] | None = None
         if self.publisher is not None and installed:
             try:
                 outcome = await self.publisher.publish(discovery)
@@ -245,6 +246,7 @@ class Agent:
                                       "error": api_error(exc)})
             else:
                 self.status.last_publish_success = self._clock()
+                pods = outcome.pods
                 if outcome.metadata_patched or outcome.status_patched:
                     logger.info("node GPUs published", extra={
                         "node": self.settings.node_name, "gpus": len(discovery.gpus),
@@ -252,7 +254,7 @@ class Agent:
                         "metadata": outcome.metadata_patched,
                         "resources": outcome.status_patched})
         if self.publisher is not None:
-            ok = await self._cleanup(installed) and ok
+            ok = await self._cleanup(installed, pods) and ok
         if ok:
             self.backoff.reset()
             return self.settings.interval
@@ -272,13 +274,16 @@ class Agent:
         task, self._discovering = self._discovering, None
         return task.result()
 
-    async def _cleanup(self, installed: bool) -> bool:
+    async def _cleanup(self, installed: bool, pods: list[client.V1Pod] | None = None) -> bool:
         """Remove old libraries (after an install that succeeded) and the state dirs of
-        departed pods, both in the light of the node's pods; False if they cannot be listed."""
+        departed pods, both in the light of the node's pods (``pods``: as the round's publish
+        listed them from the watch cache, after the install; else listed so now); False if they
+        cannot be listed."""
         assert self.publisher is not None
         s, now = self.settings, self._clock()
         try:
-            pods = await self.publisher.node_pods(cached=True)
+            if pods is None:
+                pods = await self.publisher.node_pods(cached=True)
         except API_ERRORS as exc:
             logger.warning("listing the node's pods failed; no state dir or old library removed",
                            extra={"node": self.settings.node_name, "error": api_error(exc)})

@@ -269,10 +269,13 @@ def status_patch(capacity: Mapping[str, str] | None, allocatable: Mapping[str, s
 
 @dataclass(frozen=True)
 class PublishOutcome:
-    """Which of the two patches were sent."""
+    """Which of the two patches were sent; and the node's pods, where the publish listed them
+    (from the watch cache: :meth:`Publisher.node_pods` with ``cached``), for the round's
+    clean-up to use rather than list them again."""
 
     metadata_patched: bool
     status_patched: bool
+    pods: list[client.V1Pod] | None = None
 
 
 class Publisher:
@@ -301,7 +304,17 @@ class Publisher:
         if not self._seen <= {g.uuid for g in discovery.healthy} \
                 or _above(capacity, desired_state(discovery, self._settings).resources):
             s = self._settings
-            pods = await self.node_pods(cached=True)
+            try:
+                pods = await self.node_pods(cached=True)
+            except API_ERRORS:
+                # The GPUs' health goes out first, the totals wait for the list: the extender
+                # places nothing on a GPU the annotation says is unhealthy.
+                meta = metadata_patch(annotations, node.metadata.labels,
+                                      desired_state(discovery, self._settings))
+                if meta is not None:
+                    await self._api.patch_node(  # type: ignore[call-arg]
+                        self._node, meta, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
+                raise
             held_off = held_off_healthy(pods, discovery,
                                         (s.resource_gpu, s.resource_mem, s.resource_cores))
         want = desired_state(discovery, self._settings, held_off)
@@ -328,7 +341,7 @@ class Publisher:
                 self._node, {"metadata": {"annotations": {
                     names.ANN_NODE_RESOURCES: resources_record(want.resources)}}},
                 _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
-        return PublishOutcome(meta is not None or forget, spatch is not None)
+        return PublishOutcome(meta is not None or forget, spatch is not None, pods)
 
     async def live_pod_uids(self) -> set[str]:
         """UIDs of every pod the API server has on this node (all pages; raises on error)."""

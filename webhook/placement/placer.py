@@ -29,6 +29,7 @@ predecessor's reservations died with it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -117,6 +118,9 @@ class Placer:
         self.leases: client.CoordinationV1Api | None = None
         self._lease_read: tuple[float, float] | None = None
         """(monotonic time of the last read of the scheduler's lease, its _hold_until)."""
+        self._lease_reading: asyncio.Task[float | str] | None = None
+        """The read of the lease under way: the binds that find the cache expired meanwhile
+        (the scheduler binds many pods at once) wait on it rather than each sending one."""
         self._restarted_at: float | None = None
         """Wall-clock start of this process when an earlier one of its container ran."""
         self.sync: ClusterSync | None = None
@@ -159,6 +163,8 @@ class Placer:
                         "process", extra={"wait_s": self.failover_hold_s})
 
     async def stop(self) -> None:
+        if self._lease_reading is not None:
+            self._lease_reading.cancel()
         if self.sync is not None:
             await self.sync.stop()
 
@@ -318,6 +324,26 @@ class Placer:
         if self._lease_read is not None and now - self._lease_read[0] < _LEASE_CACHE_S:
             hold_until = self._lease_read[1]
         else:
+            if self._lease_reading is None:
+                self._lease_reading = asyncio.ensure_future(self._read_lease(lease))
+            # (shielded: a bind whose request is dropped does not cancel the others' read)
+            read = await asyncio.shield(self._lease_reading)
+            if isinstance(read, str):
+                return read
+            hold_until = read
+        left = hold_until - time.time()
+        if left <= 0:
+            return None
+        return (f"gpuslice: the scheduler leader changed less than {self.failover_hold_s:.0f}s "
+                f"ago; GPU binds wait {left:.0f}s more, until no Binding of the previous "
+                f"leader can still be applied")
+
+    async def _read_lease(self, lease: str) -> float | str:
+        """Read the scheduler's lease (one read for the binds waiting on it): its
+        :func:`_hold_until`, kept for ``_LEASE_CACHE_S``; or why it cannot be read."""
+        assert self.leases is not None
+        try:
+            now = time.monotonic()
             namespace, name = lease.split("/")
             obj: Any = None
             try:
@@ -332,12 +358,9 @@ class Placer:
                 return f"gpuslice: cannot read the scheduler's leader lease {lease}: {exc!r}"
             hold_until = _hold_until(obj, self.failover_hold_s)
             self._lease_read = (now, hold_until)
-        left = hold_until - time.time()
-        if left <= 0:
-            return None
-        return (f"gpuslice: the scheduler leader changed less than {self.failover_hold_s:.0f}s "
-                f"ago; GPU binds wait {left:.0f}s more, until no Binding of the previous "
-                f"leader can still be applied")
+            return hold_until
+        finally:
+            self._lease_reading = None
 
     async def _pod(self, args: ExtenderBindingArgs) -> dict[str, Any]:
         pod = self._pods.get(args["PodUID"])
