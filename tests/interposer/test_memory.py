@@ -1747,6 +1747,21 @@ def test_a_vmm_allocation_imported_as_external_memory_stays_charged_after_its_re
     assert all(rc == 0 for rc, _ in res.of("free"))
 
 
+@pytest.mark.parametrize("api", ["dlsym", "procaddr", "procaddr1", "ptsz"])
+def test_external_memory_is_charged_whichever_way_its_functions_are_found(lab, api):
+    # the hooks as dlsym and cuGetProcAddress (both versions, per-thread flag) hand them out:
+    # the fake driver listed neither function for cuGetProcAddress, which refused them
+    # (CUDA_ERROR_NOT_FOUND), so only the direct path had been tested
+    cmds = []
+    for vmm in (0, 2, 4):  # a refused import takes no id
+        cmds += ["vmm", "300m", "0", "vexport", str(vmm), "eimport", str(vmm), "free", str(vmm)]
+    res = lab.run("init", "ctx", "0", *cmds, "meminfo", "free", "1", "free", "3", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", api=api)
+    assert [rc for rc, _ in res.of("eimport")] == [0, 0, OOM]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0]
+    assert res.values("phys") == [0]
+
+
 def test_another_apis_memory_charged_as_growth_is_imported_if_it_fits_once(lab):
     # Vulkan's 600 MiB (the fake's stand-in), counted by NVML for the process and charged by the
     # sampler as growth no hook saw, then imported as external memory under a 1 GiB cap: judged
