@@ -181,7 +181,8 @@ SEQ_FAILABLE = [
     "cuMemImportFromShareableHandle", "cuMemExportToShareableHandle", "cuEventRecord", "cuEventQuery",
     "cuCtxSynchronize", "cuModuleLoadData", "cuLibraryLoadData", "cuModuleGetFunction",
     "cuLibraryGetModule", "cuLibraryGetGlobal", "cuFuncLoad", "cuModuleUnload", "cuLibraryUnload",
-    "cuStreamDestroy_v2", "cuLaunchKernel", "cuModuleGetLoadingMode",
+    "cuStreamDestroy_v2", "cuLaunchKernel", "cuModuleGetLoadingMode", "cuImportExternalMemory",
+    "cuDestroyExternalMemory",
 ]
 SEQ_KNOBS = ("FAKE_CUDA_ADDR_REUSE", "FAKE_CUDA_HANDLE_REUSE", "FAKE_CUDA_POOL_PENDING",
              "FAKE_CUDA_SMALL_PAGES", "FAKE_CUDA_POOL_RELEASE")
@@ -189,7 +190,7 @@ SEQ_KNOBS = ("FAKE_CUDA_ADDR_REUSE", "FAKE_CUDA_HANDLE_REUSE", "FAKE_CUDA_POOL_P
 
 def random_sequence(rng: random.Random) -> tuple[list[str], dict[str, str]]:
     """gsprobe commands: allocations of every kind, frees (right, wrong, twice), VMM maps,
-    imports and retains, contexts, green contexts, limits, pools, graphs, code loads and lookups,
+    imports (as VMM handles and as external memory) and retains, contexts, green contexts, limits, pools, graphs, code loads and lookups,
     streams, resets; then everything freed and the primary context reset."""
     cmds = ["init", "ctx", "0"]
     kinds: list[str] = []
@@ -200,7 +201,7 @@ def random_sequence(rng: random.Random) -> tuple[list[str], dict[str, str]]:
     for _ in range(rng.randint(5, 25)):
         size = rng.choice(["1m", "64m", "200m", "300m", "500m"])
         c = rng.choice(["alloc", "managed", "async", "pool", "pitch", "vmm", "array", "mipmap", "vimport",
-                        "ctxcreate", "ctxdestroy", "setlimit", "trim", "trimdefault", "gnode", "ginst",
+                        "eimport", "ctxcreate", "ctxdestroy", "setlimit", "trim", "trimdefault", "gnode", "ginst",
                         "mkpool", "reset", "release", "modload", "modunload", "libload", "libunload",
                         "libmodule", "launchk", "sdestroy", "ssync", "slaunch", "sfree", "green", *simple,
                         *plain])
@@ -219,10 +220,10 @@ def random_sequence(rng: random.Random) -> tuple[list[str], dict[str, str]]:
         elif c == "mipmap":
             cmds += ["mipmap", "4096", "4096", "3"]
             kinds.append(c)
-        elif c in simple or c == "vimport":
+        elif c in simple or c in ("vimport", "eimport"):
             if kinds:
                 cmds += [c, str(rng.randrange(len(kinds)))]
-                if c == "vimport":
+                if c in ("vimport", "eimport"):
                     kinds.append(c)
         elif c == "sfree":
             if kinds:
