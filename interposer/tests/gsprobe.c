@@ -659,7 +659,9 @@ static void *bg_main(void *p)
     } else if (!strcmp(bg.what, "bgarrayfree")) {
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
-        bg.rc = api.cuArrayDestroy((CUarray)(uintptr_t)allocs[bg.size].handle);
+        bg.rc = allocs[bg.size].kind == A_EXTMEM
+                    ? api.cuDestroyExternalMemory((CUexternalMemory)(uintptr_t)allocs[bg.size].handle)
+                    : api.cuArrayDestroy((CUarray)(uintptr_t)allocs[bg.size].handle);
     } else if (!strcmp(bg.what, "bgaunmap") || !strcmp(bg.what, "bgamap")) {
         CUarrayMapInfo m; /* as "aunmap" / "amap": the 64x64 tile at x = X (size: ARRAY << 40 | VMM << 20 | X) */
         int map = !strcmp(bg.what, "bgamap");
@@ -1791,7 +1793,8 @@ int main(int argc, char **argv)
             bg_start("bgeimport", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgarrayfree")) {
-            /* bgarrayfree ID MS: a thread destroys the array of allocation ID after MS */
+            /* bgarrayfree ID MS: a thread destroys the array (or external memory) of allocation ID
+             * after MS */
             bg_start("bgarrayfree", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bgaunmap")) {

@@ -51,3 +51,29 @@ def test_a_container_wide_cap_holds_on_a_gpu_nvml_lost(lab):
                   FAKE_CUDA_DEVICES=f"{lab.UUID_A}=16g,{lab.UUID_B}=16g")
     assert [v[1] for _, v in res.of("meminfo")] == [GIB, GIB]
     assert res.rc("alloc") == CUDA_ERROR_OUT_OF_MEMORY
+
+
+UUID_C = "GPU-cccccccc-0000-1111-2222-333333333333"
+
+
+@pytest.mark.parametrize("visible, lost, caps", [
+    ("2,0", "C", [5, 2]),      # reordered: the lost GPU first, named by its index
+    ("1,0", "A", [3, 2]),      # the lost GPU second
+    ("2", "C", [5]),           # a subset of the lost GPU alone
+    ("2,1", "BC", [5, 3]),     # two lost, each named by its index
+    ("1,2", "BC", [3, 5]),
+    ("UUID_C,UUID_A", "C", [5, 2]),  # named by UUID: the lowest index NVML could not read
+])
+def test_a_gpu_nvml_lost_keeps_its_cap_under_visible_devices(lab, visible, lost, caps):
+    uuids = {"A": lab.UUID_A, "B": lab.UUID_B, "C": UUID_C}
+    visible = visible.replace("UUID_C", UUID_C).replace("UUID_A", lab.UUID_A)
+    cmds = []
+    for i in range(len(caps)):
+        cmds += ["ctx", str(i), "meminfo"]
+    res = lab.run("init", *cmds, CUDA_VISIBLE_DEVICES=visible,
+                  FAKE_NVML_LOST=",".join(uuids[x] for x in lost),
+                  FAKE_CUDA_DEVICES=f"{lab.UUID_A}=16g,{lab.UUID_B}=16g,{UUID_C}=16g",
+                  CUDA_DEVICE_MEMORY_LIMIT_0="2g", CUDA_DEVICE_MEMORY_LIMIT_1="3g",
+                  CUDA_DEVICE_MEMORY_LIMIT_2="5g")
+    assert res.returncode == 0, res.stderr
+    assert [v[1] // GIB for _, v in res.of("meminfo")] == caps

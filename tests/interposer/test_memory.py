@@ -1182,6 +1182,25 @@ def test_an_array_destroy_refused_after_its_context_went_returns_the_charge(lab,
 
 
 @pytest.mark.parametrize("race", ARRAY_DESTROY_RACES)
+def test_an_external_memory_destroy_racing_its_contexts_end_returns_the_charge_once(lab, race):
+    # as an array's: the destroy takes the record, the context's end destroys the object, the
+    # driver may refuse the destroy; a reset waits for it (the array fence)
+    make, main, stays_active = ARRAY_DESTROY_RACES[race]
+    again = [] if stays_active else ["ctx", "0"]
+    res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "eimport", "0", "free", "0",
+                  "bgarrayfree", "1", "0", "sleep", "100", *main, "join", *again, "meminfo", "phys",
+                  "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_SLEEP="cuDestroyExternalMemory:300", FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  FAKE_NVML_PROC_MEM="0")
+    assert res.rc("eimport") == 0 and res.rc(main[0]) == 0
+    assert res.rc("bgarrayfree") == (0 if main[0] == "reset" else CUDA_ERROR_INVALID_VALUE)
+    assert res.values("phys") == [50 * MIB]
+    free, total = res.values("meminfo")
+    assert (total - free) // MIB == 50, f"{(total - free) // MIB} MiB charged for 50 held"
+    assert res.rc("alloc") == 0
+
+
+@pytest.mark.parametrize("race", ARRAY_DESTROY_RACES)
 @pytest.mark.parametrize("op", ["unmap", "map"])
 def test_a_tile_mapping_racing_its_arrays_context_goes_with_the_array(lab, race, op):
     # a 300 MiB allocation's mapping into a sparse array's tile, unmapped (or mapped) by another
@@ -1745,6 +1764,21 @@ def test_a_vmm_allocation_imported_as_external_memory_stays_charged_after_its_re
     assert held == [300 * MIB, 600 * MIB, 600 * MIB, 600 * MIB, 0]
     assert charged == held
     assert all(rc == 0 for rc, _ in res.of("free"))
+
+
+@pytest.mark.parametrize("api", ["dlsym", "procaddr", "procaddr1", "ptsz"])
+def test_external_memory_is_charged_whichever_way_its_functions_are_found(lab, api):
+    # the hooks as dlsym and cuGetProcAddress (both versions, per-thread flag) hand them out:
+    # the fake driver listed neither function for cuGetProcAddress, which refused them
+    # (CUDA_ERROR_NOT_FOUND), so only the direct path had been tested
+    cmds = []
+    for vmm in (0, 2, 4):  # a refused import takes no id
+        cmds += ["vmm", "300m", "0", "vexport", str(vmm), "eimport", str(vmm), "free", str(vmm)]
+    res = lab.run("init", "ctx", "0", *cmds, "meminfo", "free", "1", "free", "3", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", api=api)
+    assert [rc for rc, _ in res.of("eimport")] == [0, 0, OOM]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0]
+    assert res.values("phys") == [0]
 
 
 def test_another_apis_memory_charged_as_growth_is_imported_if_it_fits_once(lab):

@@ -89,6 +89,21 @@ def test_an_allocation_racing_the_primary_contexts_reset_and_release_races_on_no
     assert total - free == 250 * MIB and res.values("phys") == [250 * MIB]
 
 
+@pytest.mark.parametrize("main, make", [(["reset", "0"], ["ctx", "0"]),
+                                        (["ctxdestroy", "0"], ["ctxcreate", "0", "capcur"])],
+                         ids=["reset", "ctx_destroy"])
+def test_external_memory_imported_and_destroyed_as_its_context_goes_races_on_nothing(tsan_lab, main, make):
+    # a thread destroys an import (the fake asleep before it looks it up) as the main thread
+    # ends the context: the destroy's record, the array fence and the teardown's forget meet
+    res = tsan_lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "eimport", "0",
+                       "free", "0", "bgarrayfree", "1", "0", "sleep", "100", *main, "join", "ctx", "0", "meminfo", "phys",
+                       CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                       FAKE_CUDA_SLEEP="cuDestroyExternalMemory:300", FAKE_NVML_PROC_MEM="0")
+    assert res.rc("eimport") == 0 and res.rc(main[0]) == 0
+    free, total = res.values("meminfo")
+    assert total - free == 50 * MIB and res.values("phys") == [50 * MIB]
+
+
 def teardown_race(lab, runs: int, iterations: int, api: str = "plain",
                   **env: str) -> list[tuple[int, int, int]]:
     """tests/teardownrace.c ``runs`` times: 3 threads allocating and freeing at random while the

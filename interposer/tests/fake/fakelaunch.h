@@ -873,7 +873,9 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuLaunchHostFunc) X(cuStreamWaitEvent) X(cuStreamWaitValue32_v2) X(cuMemPrefetchAsync_v2)   \
     X(cuMemPrefetchAsync_v2_ptsz) X(cuLaunchHostFunc_ptsz) X(cuStreamWaitEvent_ptsz)                         \
     X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) X(cuMemDiscardAndPrefetchBatchAsync)           \
-    X(cuMemDiscardAndPrefetchBatchAsync_ptsz) X(cuMemBatchDecompressAsync) X(cuMemBatchDecompressAsync_ptsz)
+    X(cuMemDiscardAndPrefetchBatchAsync_ptsz) X(cuMemBatchDecompressAsync) X(cuMemBatchDecompressAsync_ptsz)  \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemGetAllocationPropertiesFromHandle) \
+    X(cuImportExternalMemory) X(cuDestroyExternalMemory)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);
