@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from fakekube import FakeKube
 from node.fakenvml import two_a100s
+from node.test_shutdown import _settings as shutdown_settings
 
 from webhook import names
 from webhook.node import inventory as inventory_module
@@ -36,15 +37,8 @@ def _short_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _settings(tmp_path: Path, **kw: object) -> AgentSettings:
-    (tmp_path / "proc").mkdir(exist_ok=True)
-    (tmp_path / "state").mkdir(exist_ok=True)
-    base: dict[str, object] = {
-        "node_name": NODE, "host_library_dir": str(tmp_path / "lib"),
-        "host_state_dir": str(tmp_path / "state"), "proc_root": str(tmp_path / "proc"),
-        "metrics_host": "127.0.0.1", "metrics_port": 0, "interval": 0.2,
-        "cleanup_grace": 60.0, "audit_interval": 0.1}
-    base.update(kw)
-    return AgentSettings(**base)  # type: ignore[arg-type]
+    """The shutdown tests' settings, with short rounds and checks."""
+    return shutdown_settings(tmp_path, **{"interval": 0.2, "audit_interval": 0.1, **kw})
 
 
 async def _until(what: Callable[[], bool], timeout: float, why: str) -> None:
