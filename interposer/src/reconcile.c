@@ -674,6 +674,11 @@ static void start_sampler(void)
          * stack killed every process under a compute limit on an H200 (580.159.04).  Only the
          * pages touched are ever backed */
         pthread_attr_setstacksize(&attr, GS_SAMPLER_STACK);
+        /* what the thread's code reads of the environment, read here: the program's own
+         * threads may setenv at any time, and glibc's getenv beside a setenv may read a freed
+         * array (the hook sweep, setting FAKE_CUDA_FAIL, crashed in the sampler's first
+         * time-slice sample under ASan; `test_threads.py -k sampler_thread_reads`) */
+        (void)gs_slices_enabled();
         if (pthread_create(&t, &attr, sampler, NULL) == 0) {
             __atomic_store_n(&g_sampler_started, 1, __ATOMIC_RELEASE);
             if (!g_atexit_registered && atexit(sampler_stop_at_exit) == 0) g_atexit_registered = 1;

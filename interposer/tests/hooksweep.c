@@ -35,6 +35,7 @@
 #include "hooks.h"
 #include "selfcharge.h" /* the region's layout, mmap */
 
+void fake_cuda_set_fail(const char *spec); /* the fake driver's FAKE_CUDA_FAIL, set without setenv */
 CUresult cuInit(unsigned int flags);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
 CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active);
@@ -203,12 +204,12 @@ static void call_one(const char *name, any_fn fn, int nargs, const uint64_t *arg
                                                    (s[1] == 'v' && s[2] >= '0' && s[2] <= '9')))
             *s = 0;
         snprintf(spec, sizeof(spec), "%s:0,%s:0", name, base);
-        setenv("FAKE_CUDA_FAIL", spec, 1);
+        fake_cuda_set_fail(spec); /* not setenv: the sampler thread reads the environment */
     }
     uint64_t before = charge_now();
     CUresult rc = fn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
     uint64_t after = charge_now();
-    if (fail) unsetenv("FAKE_CUDA_FAIL");
+    if (fail) fake_cuda_set_fail(NULL);
     calls++;
     printf("ret %s %s %d %llu %llu\n", name, set, rc, (unsigned long long)before, (unsigned long long)after);
     if (rc != CUDA_SUCCESS && after != before) {

@@ -173,3 +173,14 @@ def test_contexts_made_inside_a_profilers_callback_race_the_sampler_on_nothing(t
                                 FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_API_CALLBACK="cuEventRecord:ctx")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[0] == "mixrace"
+
+
+def test_the_sampler_thread_reads_no_environment(lab):
+    # tests/envsampler.c counts the library's reads of the environment on its sampler thread.
+    # glibc's getenv beside the program's own setenv may read a freed array: the hook sweep,
+    # whose main thread sets and unsets FAKE_CUDA_FAIL, crashed under ASan in getenv called by
+    # the sampler's first time-slice sample (1 run in CI)
+    proc = lab.run_program([str(lab.build / "tests" / "envsampler"), "1200"], timeout=60,
+                           CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_SM_LIMIT="30")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["envsampler", "0"], proc.stdout

@@ -159,8 +159,25 @@ static void sleep_until(uint64_t t)
 
 /* ---- failure injection ---------------------------------------------------- */
 
+/* FAKE_CUDA_FAIL set by the program itself (fake_cuda_set_fail) rather than with setenv: the
+ * library's sampler thread calls the fake, whose getenv beside the program's setenv may read a
+ * freed environment (the hook sweep crashed so under ASan) */
+static pthread_mutex_t g_fail_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_fail_spec[512];
+static int g_fail_set;
+
+API void fake_cuda_set_fail(const char *spec)
+{
+    pthread_mutex_lock(&g_fail_mu);
+    g_fail_set = spec != NULL;
+    snprintf(g_fail_spec, sizeof(g_fail_spec), "%s", spec ? spec : "");
+    pthread_mutex_unlock(&g_fail_mu);
+}
+
 static int fail_check(const char *name)
 {
+    char set_spec[sizeof(g_fail_spec)];
+    int set;
     static struct {
         char name[64];
         unsigned calls;
@@ -178,7 +195,11 @@ static int fail_check(const char *name)
         nanosleep(&ts, NULL);
         break;
     }
-    spec = getenv("FAKE_CUDA_FAIL");
+    pthread_mutex_lock(&g_fail_mu);
+    set = g_fail_set;
+    memcpy(set_spec, g_fail_spec, sizeof(set_spec));
+    pthread_mutex_unlock(&g_fail_mu);
+    spec = set ? set_spec : getenv("FAKE_CUDA_FAIL");
     for (const char *p = spec; p && *p;) {
         if (strncmp(p, name, nl) == 0 && (p[nl] == ':' || p[nl] == ',' || p[nl] == '\0')) {
             unsigned nth = 1;
