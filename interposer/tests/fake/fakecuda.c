@@ -169,8 +169,8 @@ static int g_fail_set;
 API void fake_cuda_set_fail(const char *spec)
 {
     pthread_mutex_lock(&g_fail_mu);
-    g_fail_set = spec != NULL;
     snprintf(g_fail_spec, sizeof(g_fail_spec), "%s", spec ? spec : "");
+    __atomic_store_n(&g_fail_set, spec != NULL, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&g_fail_mu);
 }
 
@@ -195,10 +195,15 @@ static int fail_check(const char *name)
         nanosleep(&ts, NULL);
         break;
     }
-    pthread_mutex_lock(&g_fail_mu);
-    set = g_fail_set;
-    memcpy(set_spec, g_fail_spec, sizeof(set_spec));
-    pthread_mutex_unlock(&g_fail_mu);
+    /* the lock only once a program has set it: a program's exit from a signal handler (tests/
+     * exitsignal.c) may come inside this very function, and its exit's calls would wait for it */
+    set = __atomic_load_n(&g_fail_set, __ATOMIC_ACQUIRE);
+    if (set) {
+        pthread_mutex_lock(&g_fail_mu);
+        set = g_fail_set;
+        memcpy(set_spec, g_fail_spec, sizeof(set_spec));
+        pthread_mutex_unlock(&g_fail_mu);
+    }
     spec = set ? set_spec : getenv("FAKE_CUDA_FAIL");
     for (const char *p = spec; p && *p;) {
         if (strncmp(p, name, nl) == 0 && (p[nl] == ':' || p[nl] == ',' || p[nl] == '\0')) {
