@@ -20,7 +20,10 @@ they matter to callers:
   :meth:`FakeKube.end_watches` ends the open watches as their timeout does,
   :meth:`FakeKube.drop_watches` cuts their connections in the middle of an event, and
   :attr:`FakeKube.down` makes every request a 503, for outage tests;
-  :meth:`FakeKube.garble` answers requests with a body that is not JSON (a proxy's page).
+  :meth:`FakeKube.garble` answers requests with a body that is not JSON (a proxy's page);
+  :meth:`FakeKube.delay` makes requests slow (answered, and carried out, only after a delay,
+  whether or not the client still waits: the API server does not stop a write whose client
+  gave up).
 """
 
 from __future__ import annotations
@@ -113,6 +116,14 @@ class _Garble:
 
 
 @dataclass
+class _Delay:
+    method: str
+    pattern: re.Pattern[str]
+    seconds: float
+    times: int
+
+
+@dataclass
 class _Watcher:
     plural: str
     namespace: str | None
@@ -182,6 +193,8 @@ class FakeKube:
         self._down = False
         self._faults: list[_Fault] = []
         self._garbles: list[_Garble] = []
+        self._delays: list[_Delay] = []
+        self._closing = asyncio.Event()  # ends the delays at exit
         self._rv = itertools.count(1)
         self._last_rv = 0
         self._history: list[tuple[int, str, dict[str, Any]]] = []
@@ -203,6 +216,7 @@ class FakeKube:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._closing.set()
         self.end_watches()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -313,6 +327,12 @@ class FakeKube:
         self._garbles.append(_Garble(method.upper(), re.compile(path_regex), status, body,
                                      times, apply))
 
+    def delay(self, method: str, path_regex: str, seconds: float, times: int = 1) -> None:
+        """Hold the next ``times`` matching requests (not watches) for ``seconds`` before
+        handling them as usual (faults and garbles included): a slow or unresponsive API
+        server. A client that gives up meanwhile does not stop the request."""
+        self._delays.append(_Delay(method.upper(), re.compile(path_regex), seconds, times))
+
     def compact(self) -> None:
         """Forget the watch history: watches from an older resourceVersion get 410 Expired."""
         self._compacted_rv = self._last_rv
@@ -380,6 +400,16 @@ class FakeKube:
             body = raw.decode(errors="replace")
         self.requests.append(RecordedRequest(request.method, request.path,
                                              dict(request.query), ctype, body))
+        for delay in self._delays:
+            if delay.times > 0 and delay.method in (request.method, "*") \
+                    and not _is_watch(request.method, request.query) \
+                    and delay.pattern.search(request.path):
+                delay.times -= 1
+                try:
+                    await asyncio.wait_for(self._closing.wait(), delay.seconds)
+                except TimeoutError:
+                    pass
+                break
         try:
             if self.down:
                 raise ApiError(503, "the API server is unavailable")

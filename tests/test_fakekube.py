@@ -78,6 +78,27 @@ async def test_binding_merges_annotations_and_conflicts_when_bound() -> None:
         assert pod["metadata"]["annotations"] == {"gpuslice.io/devices.c": "GPU-1"}
 
 
+async def test_delayed_write_is_applied_after_its_client_gave_up() -> None:
+    async with FakeKube() as kube:
+        kube.put(_pod("p"))
+        kube.delay("POST", "/pods/p/binding$", 0.3)
+        body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p"},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": "n1"}}
+        async with kube.api_client() as api:
+            v1 = client.CoreV1Api(api)
+            with pytest.raises(TimeoutError):
+                await v1.create_namespaced_pod_binding("p", "default", body,
+                                                       _preload_content=False,
+                                                       _request_timeout=0.1)
+            assert kube.get("pods", "p")["spec"].get("nodeName") is None
+            await asyncio.sleep(0.4)
+            assert kube.get("pods", "p")["spec"]["nodeName"] == "n1"
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await v1.read_namespaced_pod("p", "default")  # only the next request was held
+            assert loop.time() - started < 0.2
+
+
 async def test_watch_streams_events_from_resource_version() -> None:
     async with FakeKube() as kube:
         kube.put(_pod("a"))

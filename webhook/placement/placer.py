@@ -25,6 +25,9 @@ shows the pod bound. So with ``settings.scheduler_lease`` set, GPU binds wait fo
 ``failover_hold_s`` after the lease last changed hands (:meth:`Placer._failover_hold`). The
 same holds for a restarted process of this container (``settings.restart_marker``): its
 predecessor's reservations died with it.
+
+A bind's API calls share one deadline (``bind_deadline_s``, below kube-scheduler's
+``httpTimeout``): however slow the API server, the scheduler hears the bind's answer.
 """
 
 from __future__ import annotations
@@ -103,11 +106,17 @@ class Placer:
 
     def __init__(self, settings: Settings, state: ClusterState | None = None,
                  api: client.ApiClient | None = None, *, bind_timeout_s: float = 3.0,
-                 resync_s: float = 300.0, assume_ttl_s: float = 60.0) -> None:
+                 bind_deadline_s: float = 8.0, resync_s: float = 300.0,
+                 assume_ttl_s: float = 60.0) -> None:
         self.settings = settings
         self.state = state or ClusterState(settings)
         self.bind_timeout_s = bind_timeout_s
         """Seconds a call to the API server made by bind may take."""
+        self.bind_deadline_s = bind_deadline_s
+        """Seconds a whole bind may take, all its API calls together: below kube-scheduler's
+        ``httpTimeout`` for the extender (the chart's 10 s), so that the scheduler hears its
+        answer rather than giving up on it. Each call gets what is left, at most
+        ``bind_timeout_s``."""
         self.resync_s = resync_s
         """Seconds between full lists of nodes and pods."""
         self.assume_ttl_s = assume_ttl_s
@@ -307,9 +316,19 @@ class Placer:
         scheduler stopped, and the API server may apply it for ``assume_ttl_s``."""
         return self.assume_ttl_s + self.bind_timeout_s
 
-    async def _failover_hold(self) -> str | None:
+    def _time_left(self, deadline: float) -> float:
+        """The timeout of a bind's next API call: ``bind_timeout_s``, or less as the bind's
+        ``deadline`` (monotonic) nears; TimeoutError once it has passed (a timeout of 0 would
+        mean none to the client)."""
+        left = min(self.bind_timeout_s, deadline - time.monotonic())
+        if left <= 0:
+            raise TimeoutError("the bind's deadline passed")
+        return left
+
+    async def _failover_hold(self, deadline: float) -> str | None:
         """Why a GPU bind must wait now (this process restarted, or the scheduler's lease
-        changed hands, too recently; or the lease cannot be read), or None."""
+        changed hands, too recently; or the lease cannot be read before ``deadline``), or
+        None."""
         if self._restarted_at is not None:
             left = self._restarted_at + self.failover_hold_s - time.time()
             if left > 0:
@@ -326,8 +345,14 @@ class Placer:
         else:
             if self._lease_reading is None:
                 self._lease_reading = asyncio.ensure_future(self._read_lease(lease))
-            # (shielded: a bind whose request is dropped does not cancel the others' read)
-            read = await asyncio.shield(self._lease_reading)
+            # (shielded: a bind whose request is dropped, or whose deadline comes first, does not
+            # cancel the others' read)
+            try:
+                read = await asyncio.wait_for(asyncio.shield(self._lease_reading),
+                                              self._time_left(deadline))
+            except TimeoutError:
+                return (f"gpuslice: cannot read the scheduler's leader lease {lease} before "
+                        f"the bind's deadline")
             if isinstance(read, str):
                 return read
             hold_until = read
@@ -362,14 +387,14 @@ class Placer:
         finally:
             self._lease_reading = None
 
-    async def _pod(self, args: ExtenderBindingArgs) -> dict[str, Any]:
+    async def _pod(self, args: ExtenderBindingArgs, deadline: float) -> dict[str, Any]:
         pod = self._pods.get(args["PodUID"])
         if pod is None:
             if self.core is None:
                 raise LookupError("pod was never seen by filter and the Kubernetes API is off")
             pod = await read_json(await self.core.read_namespaced_pod(
                 args["PodName"], args["PodNamespace"], _preload_content=False,
-                _request_timeout=self.bind_timeout_s))
+                _request_timeout=self._time_left(deadline)))
             if not isinstance(pod, dict) or not isinstance(pod.get("metadata") or {}, dict):
                 raise BadResponse(f"the pod read is not a Pod object: {str(pod)[:80]!r}")
         if (pod.get("metadata") or {}).get("uid") != args["PodUID"]:
@@ -377,6 +402,7 @@ class Placer:
         return pod
 
     async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
+        deadline = time.monotonic() + self.bind_deadline_s
         uid, node_name = args["PodUID"], args["Node"]
         where = {"pod": f"{args['PodNamespace']}/{args['PodName']}", "node": node_name}
         if self.core is None:
@@ -387,7 +413,7 @@ class Placer:
         self._inflight.add(uid)
         try:
             try:
-                pod = await self._pod(args)
+                pod = await self._pod(args, deadline)
                 req = pod_request(pod, self.settings)
             except (LookupError, RequestError, ApiStatusError) as exc:
                 return ExtenderBindingResult(Error=f"gpuslice: cannot bind: {exc}")
@@ -399,17 +425,23 @@ class Placer:
                     return ExtenderBindingResult(Error=NOT_READY)
                 if not admitted(pod):
                     return ExtenderBindingResult(Error=NOT_ADMITTED)
-                hold = await self._failover_hold()
+                hold = await self._failover_hold(deadline)
                 if hold:
                     return ExtenderBindingResult(Error=hold)
             return await self._bind(args, req, where,
-                                    str((pod.get("metadata") or {}).get("resourceVersion") or ""))
+                                    str((pod.get("metadata") or {}).get("resourceVersion") or ""),
+                                    deadline)
         finally:
             self._inflight.discard(uid)
 
     async def _bind(self, args: ExtenderBindingArgs, req: PodRequest, where: dict[str, str],
-                    pod_rv: str = "") -> ExtenderBindingResult:
+                    pod_rv: str, deadline: float) -> ExtenderBindingResult:
         uid, node_name = args["PodUID"], args["Node"]
+        if deadline - time.monotonic() < self.bind_timeout_s / 3:
+            # Too late to hear the Binding's answer: sent, it would likely stay undecided and
+            # hold its GPUs for assume_ttl_s.
+            return ExtenderBindingResult(Error="gpuslice: the reads before the bind took too "
+                                               "long to send the Binding in time; retry")
         annotations: dict[str, str] = {}
         earlier: float | None = None  # deadline of an earlier attempt that may still land
         if req.wants_gpus:
@@ -453,7 +485,7 @@ class Placer:
             # client fails to deserialise as V1Binding (a known client issue).
             await read_json(await self.core.create_namespaced_pod_binding(
                 args["PodName"], args["PodNamespace"], body, _preload_content=False,
-                _request_timeout=self.bind_timeout_s))
+                _request_timeout=self._time_left(deadline)))
         except ApiStatusError as exc:
             logger.warning("bind refused", extra=where | {"status": exc.status,
                                                          "error": exc.message})
@@ -461,7 +493,7 @@ class Placer:
             # A 5xx may come after the write (an etcd timeout); a 409 may mean that an earlier
             # attempt of ours was applied. Either way the pod tells what holds.
             if annotations and (exc.status >= 500 or exc.status == 409):
-                return await self._undecided(args, annotations, where, error)
+                return await self._undecided(args, annotations, where, error, deadline)
             if earlier is not None and exc.status != 404:  # the earlier one may still land
                 self.state.keep_until(uid, earlier)
             else:
@@ -471,18 +503,20 @@ class Placer:
             # BadResponse: a 2xx, so likely applied, but not the API server's Status; the pod
             # tells.
             return await self._undecided(args, annotations, where,
-                                         f"gpuslice: bind request failed: {exc!r}")
+                                         f"gpuslice: bind request failed: {exc!r}", deadline)
         logger.info("pod bound", extra=where | {"devices": annotations})
         return ExtenderBindingResult(Error="")
 
     async def _undecided(self, args: ExtenderBindingArgs, annotations: dict[str, str],
-                         where: dict[str, str], error: str) -> ExtenderBindingResult:
+                         where: dict[str, str], error: str,
+                         deadline: float) -> ExtenderBindingResult:
         """The Binding may or may not be applied: read the pod to learn what holds.
 
         Bound here with our devices: the bind succeeded. Bound otherwise (elsewhere, or by
         another attempt): what it holds replaces the reservation. Gone (404) or recreated
-        (another UID): the reservation is released. Still unbound, or the read failed: the API
-        server may yet apply the Binding, so the reservation is kept for ``assume_ttl_s``.
+        (another UID): the reservation is released. Still unbound, or the read failed (or found
+        no time left before ``deadline``): the API server may yet apply the Binding, so the
+        reservation is kept for ``assume_ttl_s``.
         """
         uid = args["PodUID"]
         assert self.core is not None
@@ -490,7 +524,7 @@ class Placer:
         try:
             pod = await read_json(await self.core.read_namespaced_pod(
                 args["PodName"], args["PodNamespace"], _preload_content=False,
-                _request_timeout=self.bind_timeout_s))
+                _request_timeout=self._time_left(deadline)))
         except ApiStatusError as exc:
             if exc.status == 404:
                 self.state.release(uid)
