@@ -365,6 +365,36 @@ def test_mutated_gpu_pod_is_created_and_its_limits_then_kept(policy: dict[str, A
     assert admission(policy, "UPDATE", relabelled, bound) is None
 
 
+def test_batch_controllers_later_updates_are_admitted(policy: dict[str, Any]) -> None:
+    """What controllers change on a pod after the webhook admitted it passes: Kueue ungating it
+    with its ResourceFlavor's node selector and tolerations, Volcano or Argo updating their
+    labels and annotations on the bound pod (README, "Batch and serving systems")."""
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "p", "namespace": "team-a",
+                        "labels": {"kueue.x-k8s.io/queue-name": "team-a"}},
+           "spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}],
+                    "containers": [{"name": "c", "image": "cuda", "resources": {
+                        "limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1024"}}}]}}
+    result = mutate_pod(pod, Settings())
+    assert result.allowed and result.pod is not None
+    gated = copy.deepcopy(result.pod)
+    assert admission(policy, "CREATE", gated) is None
+    ungated = copy.deepcopy(gated)
+    del ungated["spec"]["schedulingGates"]
+    ungated["spec"]["nodeSelector"]["cloud.google.com/gke-accelerator"] = "nvidia-l4"
+    ungated["spec"]["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    ungated["metadata"]["annotations"]["kueue.x-k8s.io/workload"] = "pod-p-1a2b"
+    assert admission(policy, "UPDATE", ungated, gated,
+                     "system:serviceaccount:kueue-system:kueue-controller-manager") is None
+    bound = copy.deepcopy(ungated)
+    bound["metadata"]["annotations"][DEV_C] = "GPU-a"  # merged from the extender's Binding
+    bound["spec"]["nodeName"] = "gpu-1"
+    done = copy.deepcopy(bound)
+    done["metadata"]["labels"]["workflows.argoproj.io/completed"] = "true"
+    done["metadata"]["annotations"]["volcano.sh/task-index"] = "0"
+    assert admission(policy, "UPDATE", done, bound) is None
+
+
 def test_label_change_on_a_bound_pod_is_admitted(policy: dict[str, Any]) -> None:
     old = _pod(BOUND, labels={"app": "train"})
     assert admission(policy, "UPDATE", _pod(BOUND, labels={"app": "train", "v": "2"}),

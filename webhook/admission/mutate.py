@@ -500,8 +500,19 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
 # each other's budget, which the interposer does only within one container (its "gang").
 _GANG_MIN_CORES = 50
 # Env a distributed launcher sets on each pod of a job: the number of ranks (torch.distributed,
-# Kubeflow's PyTorchJob) or of nodes (PyTorchJob's elastic PET_NNODES).
+# Kubeflow's PyTorchJob) or of nodes (PyTorchJob's PET_NNODES: a number, or torchrun's MIN:MAX
+# range for an elastic job, "1:4", whose pods may be up to MAX).
 _RANK_ENV = {"WORLD_SIZE": False, "PET_NNODES": True}
+
+
+def _largest_count(text: str, *, ranged: bool) -> int | None:
+    """The count ``text`` gives (the larger end of a ``MIN:MAX`` range where ``ranged``), or
+    None where it is no count we can read. ASCII digits only, and few: int() refuses "²" (a
+    digit to isdigit) and 4,301 digits."""
+    parts = [p.strip() for p in (text.split(":") if ranged and text.count(":") == 1 else [text])]
+    if not all(p.isascii() and p.isdigit() and len(p) <= 9 for p in parts):
+        return None
+    return max(int(p) for p in parts)
 
 
 def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Work) -> None:
@@ -512,12 +523,11 @@ def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Wor
         if not isinstance(entry, dict) or entry.get("name") not in _RANK_ENV:
             continue
         value = entry.get("value")
-        # ASCII digits only, and few: int() refuses "²" (a digit to isdigit) and 4,301 digits.
-        if not isinstance(value, str) or not (value.strip().isascii() and value.strip().isdigit()
-                                              and len(value.strip()) <= 9):
+        if not isinstance(value, str):
             continue
         nodes = _RANK_ENV[entry["name"]]
-        if int(value) > (1 if nodes else request.count):
+        count = _largest_count(value, ranged=nodes)
+        if count is not None and count > (1 if nodes else request.count):
             work.warn(f'container "{name}": gpucores {request.cores} with {entry["name"]}={value.strip()} '
                       f"looks like one rank of a job spread over pods; ranks in different pods are "
                       f"paced apart, and under a compute limit below {_GANG_MIN_CORES} their "
