@@ -16,7 +16,10 @@ placed there finds no CUDA device) and one whose compute mode lets one process a
 pods reach an MPS server, which the operator says with ``offer_exclusive_process``) or none
 (``PROHIBITED``) use it. The reason is kept in :attr:`Gpu.problem` (logged, and exported as
 ``gpuslice_gpu_unhealthy_reason``). A GPU whose handle or UUID cannot be read
-cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged).
+cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged). Becoming
+Unhealthy is immediate; a GPU that was Unhealthy, or left out, is Healthy again only once it
+has passed :data:`RECOVER_ROUNDS` discoveries in a row (one whose health flaps is not offered
+in the rounds it passes).
 
 Hung calls: NVML is called one series of calls at a time (a lock); one that has run for
 :data:`HUNG_S` is hung (a GPU fallen off the bus can make calls block instead of failing). No
@@ -54,6 +57,11 @@ HUNG_S = 20.0
 driver's calls to it block for minutes or for ever instead of failing (:attr:`Inventory.last`)."""
 HUNG_PROBLEM = ("NVML call hung (the GPU fallen off the bus?): nothing is placed on it until "
                 "the call returns")
+RECOVER_ROUNDS = 3
+"""Discoveries in a row (the agent's rounds: 3 minutes at its default interval) a GPU that was
+Unhealthy, or could not be addressed, must pass before it is offered again; becoming Unhealthy
+is immediate. A GPU whose health flaps (a probe failing every other round) was offered in every
+round it passed, and each flip patched the node twice."""
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 _NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
@@ -211,6 +219,9 @@ class Inventory:
         self._known: dict[str, tuple[str, int]] = {}
         self._problems: dict[str, str] = {}
         """GPU UUID -> the problem last logged for it ("" healthy)."""
+        self._recovering: dict[str, tuple[str, int]] = {}
+        """GPU UUID -> the problem it last had and the discoveries it has passed since, while
+        fewer than :data:`RECOVER_ROUNDS` (it is still Unhealthy)."""
         self._unaddressed: set[int] = set()
         """NVML indexes whose GPU could not be addressed at the last discovery (logged)."""
         self._r535: bool | None = None
@@ -350,6 +361,7 @@ class Inventory:
         if index in self._unaddressed:
             self._unaddressed.discard(index)
             logger.info("GPU can be addressed again", extra={"index": index, "uuid": uuid})
+            self._recovering[uuid] = ("it could not be addressed", 0)
         product, memory_mib = self._known.get(uuid, ("", 0))
         try:
             product = _text(nvml.nvmlDeviceGetName(handle))
@@ -359,16 +371,36 @@ class Inventory:
             why = f"name or memory query failed: {exc}"
         else:
             why = self._health_problem(handle) or self._sharing_problem(handle, uuid)
-        if why != self._problems.get(uuid, ""):
-            # logged when it changes, not every round
+        was = self._problems.get(uuid, "")
+        why, recovering = self._damped(uuid, why)
+        if not recovering and why != was:
+            # logged when it changes, not every round (nor every flap)
             if why:
                 logger.warning("GPU unhealthy; nothing is placed on it",
                                extra={"index": index, "uuid": uuid, "reason": why})
             else:
-                logger.info("GPU healthy again", extra={"index": index, "uuid": uuid})
+                logger.info("GPU healthy again", extra={"index": index, "uuid": uuid,
+                                                        "healthy_rounds": RECOVER_ROUNDS})
             self._problems[uuid] = why
         return Gpu(uuid=uuid, index=index, product=product, memory_mib=memory_mib,
                    health=UNHEALTHY if why else HEALTHY, problem=why)
+
+    def _damped(self, uuid: str, why: str) -> tuple[str, bool]:
+        """The GPU's problem in this discovery, where ``why`` is what its queries found: a GPU
+        that was Unhealthy stays so until it has passed :data:`RECOVER_ROUNDS` discoveries in a
+        row; and whether it is recovering (passed, but not yet that many)."""
+        if why:
+            self._recovering[uuid] = (why, 0)
+            return why, False
+        if uuid not in self._recovering:
+            return "", False
+        had, passed = self._recovering[uuid]
+        if passed + 1 >= RECOVER_ROUNDS:
+            del self._recovering[uuid]
+            return "", False
+        self._recovering[uuid] = (had, passed + 1)
+        return (f"recovering: {had}; it passes its checks again, and is offered once it has "
+                f"for {RECOVER_ROUNDS} rounds in a row"), True
 
     def _health_problem(self, handle: Any) -> str:
         nvml = self._nvml
