@@ -7,8 +7,11 @@ or without GPUs: :meth:`Inventory.discover` then reports :class:`Discovery` with
 
 Health: a GPU is ``Unhealthy`` when any of its name/memory queries fails (its product and
 memory are then the last ones read, or empty and 0 if never read), when NVML says it
-has retired pages pending (a reset is needed), or when row remapping failed; probes a GPU does
-not support (consumer cards) or a driver lacks do not count against it. A GPU gpuslice cannot
+has retired pages pending (a reset is needed), when row remapping failed, or once it has
+reported a critical XID error (an event, read at each discovery without waiting; not those
+an application causes, :data:`APPLICATION_XIDS`, nor those the operator skips), until the
+agent restarts; probes a GPU does not support (consumer cards) or a driver lacks do not count
+against it. A GPU gpuslice cannot
 share is ``Unhealthy`` too, so that nothing is placed on it: one in MIG mode (CUDA then reaches only its
 MIG instances, which ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` does not give a container: a pod
 placed there finds no CUDA device) and one whose compute mode lets one process at a time
@@ -36,7 +39,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -62,6 +65,17 @@ RECOVER_ROUNDS = 3
 Unhealthy, or could not be addressed, must pass before it is offered again; becoming Unhealthy
 is immediate. A GPU whose health flaps (a probe failing every other round) was offered in every
 round it passed, and each flip patched the node twice."""
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+"""XID errors an application causes (graphics engine exception, memory page fault, GPU
+stopped processing, preemptive cleanup, video processor exception, context switch timeout):
+the GPU is fine. NVIDIA's device plugin skips the same ones."""
+XID_NAMES = {48: "double-bit ECC error", 63: "row remapping or page retirement recorded",
+             64: "row remapping or page retirement failed", 74: "NVLink error",
+             79: "GPU fallen off the bus", 92: "high single-bit ECC error rate",
+             94: "contained ECC error", 95: "uncontained ECC error", 119: "GSP RPC timeout",
+             120: "GSP error"}
+XID_DRAIN_MAX = 1000
+"""The most XID events one discovery reads (each without waiting); more wait for the next."""
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 _NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
@@ -193,6 +207,14 @@ class Discovery:
         return tuple(g for g in self.gpus if g.healthy)
 
 
+def _handle_key(handle: Any) -> Any:
+    """A device handle as a dictionary key: the address a pynvml handle (a ctypes pointer)
+    holds, which NVML gives every call on the same GPU; as it is otherwise (a test's)."""
+    if isinstance(handle, ctypes._Pointer):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return handle
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
@@ -201,8 +223,24 @@ class Inventory:
     """Discovers GPUs and samples them; safe to call from the event loop and a scrape thread."""
 
     def __init__(self, nvml: ModuleType | Any = pynvml, *,
-                 offer_exclusive_process: bool = False) -> None:
+                 offer_exclusive_process: bool = False, xid_check: bool = True,
+                 skip_xids: Iterable[int] = ()) -> None:
         self._nvml = nvml
+        self._xid_skip = APPLICATION_XIDS | frozenset(skip_xids) if xid_check else None
+        """The XIDs that do not count against a GPU (None: XID events are not read)."""
+        self._events: Any = None
+        """NVML's event set the GPUs are registered in for critical XID errors (None: not
+        made, in this initialisation of NVML)."""
+        self._no_events = False
+        """The driver cannot make one (told once per initialisation)."""
+        self._watched: dict[Any, str] = {}
+        """The registered GPUs: handle (:func:`_handle_key`) -> UUID, in this initialisation."""
+        self._unwatched: set[str] = set()
+        """GPUs that cannot report XID errors (told once)."""
+        self._xid_problems: dict[str, str] = {}
+        """GPU UUID -> the critical XID it reported: Unhealthy for the agent's lifetime."""
+        self._xids_told: set[tuple[str, int]] = set()
+        self._wait_error = ""
         self._offer_exclusive_process = offer_exclusive_process
         """Offer GPUs in EXCLUSIVE_PROCESS compute mode (an MPS server the pods reach holds
         them; the operator mounts its pipe directory into the pods)."""
@@ -338,6 +376,7 @@ class Inventory:
             driver = _text(nvml.nvmlSystemGetDriverVersion())
         except pynvml.NVMLError:
             driver = ""
+        self._read_xids()
         gpus: list[Gpu] = []
         self._unaddressed.intersection_update(range(count))
         for index in range(count):
@@ -362,6 +401,7 @@ class Inventory:
             self._unaddressed.discard(index)
             logger.info("GPU can be addressed again", extra={"index": index, "uuid": uuid})
             self._recovering[uuid] = ("it could not be addressed", 0)
+        self._watch(handle, uuid)
         product, memory_mib = self._known.get(uuid, ("", 0))
         try:
             product = _text(nvml.nvmlDeviceGetName(handle))
@@ -371,6 +411,7 @@ class Inventory:
             why = f"name or memory query failed: {exc}"
         else:
             why = self._health_problem(handle) or self._sharing_problem(handle, uuid)
+        why = self._xid_problems.get(uuid, "") or why
         was = self._problems.get(uuid, "")
         why, recovering = self._damped(uuid, why)
         if not recovering and why != was:
@@ -384,6 +425,88 @@ class Inventory:
             self._problems[uuid] = why
         return Gpu(uuid=uuid, index=index, product=product, memory_mib=memory_mib,
                    health=UNHEALTHY if why else HEALTHY, problem=why)
+
+    def _watch(self, handle: Any, uuid: str) -> None:
+        """Register the GPU for critical XID events (once per initialisation of NVML). A driver
+        or GPU that cannot report them is told once and not held against; another failure is
+        tried again at the next discovery."""
+        if self._xid_skip is None or self._no_events or uuid in self._unwatched \
+                or uuid in self._watched.values():
+            return
+        nvml = self._nvml
+        if self._events is None:
+            try:
+                self._events = nvml.nvmlEventSetCreate()
+            except (pynvml.NVMLError, *_NO_SUCH_QUERY) as exc:
+                self._no_events = True
+                logger.info("the driver reports no XID events; GPUs are not checked for XID "
+                            "errors", extra={"error": str(exc)})
+                return
+        try:
+            kinds = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
+            if not kinds & pynvml.nvmlEventTypeXidCriticalError:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            nvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError,
+                                          self._events)
+        except _NO_SUCH_QUERY as exc:
+            self._unwatched.add(uuid)
+            logger.info("GPU reports no XID events; not checked for XID errors",
+                        extra={"uuid": uuid, "error": str(exc)})
+            return
+        except pynvml.NVMLError as exc:
+            logger.debug("registering for XID events failed; tried again next round",
+                         extra={"uuid": uuid, "error": str(exc)})
+            return
+        self._watched[_handle_key(handle)] = uuid
+
+    def _read_xids(self) -> None:
+        """Take the XID events waiting (never waiting for one: a timeout of 0 ms; as one call
+        on no one GPU, judged hung as any other): a critical one, not skipped, makes its GPU
+        Unhealthy for the agent's lifetime, as NVIDIA's device plugin (a GPU reset, which NVML
+        does not show, or a reboot is needed; the agent's restart forgets it)."""
+        if self._events is None:
+            return
+        nvml = self._nvml
+        self._busy_since, self._busy_gpu = time.monotonic(), None
+        for _ in range(XID_DRAIN_MAX):
+            try:
+                event = nvml.nvmlEventSetWait_v2(self._events, 0)
+            except pynvml.NVMLError_Timeout:  # none waiting
+                break
+            except (pynvml.NVMLError, *_NO_SUCH_QUERY) as exc:
+                if str(exc) != self._wait_error:
+                    logger.warning("reading XID events failed; tried again next round",
+                                   extra={"error": str(exc)})
+                self._wait_error = str(exc)
+                return
+            if not int(event.eventType) & pynvml.nvmlEventTypeXidCriticalError:
+                continue
+            xid = int(event.eventData)
+            uuid = self._watched.get(_handle_key(event.device), "")
+            if not uuid:  # a handle NVML gave in another form: its GPU's UUID
+                try:
+                    uuid = _text(nvml.nvmlDeviceGetUUID(event.device))
+                except pynvml.NVMLError:
+                    pass
+            if (uuid, xid) in self._xids_told:
+                continue
+            self._xids_told.add((uuid, xid))
+            name = XID_NAMES.get(xid)
+            if not uuid:
+                logger.warning("an XID error on a GPU that cannot be told; no GPU is marked",
+                               extra={"xid": xid, "meaning": name or ""})
+            elif self._xid_skip is not None and xid in self._xid_skip:
+                logger.info("GPU reported an XID error that does not count against it",
+                            extra={"uuid": uuid, "xid": xid})
+            elif uuid not in self._xid_problems:  # told as the GPU's problem
+                self._xid_problems[uuid] = (
+                    f"critical XID {xid}{f' ({name})' if name else ''} reported: reset the GPU "
+                    f"(nvidia-smi -i {uuid} -r) or reboot the node, then restart the agent's "
+                    "pod on it")
+            else:
+                logger.warning("GPU reported another critical XID error",
+                               extra={"uuid": uuid, "xid": xid, "meaning": name or ""})
+        self._wait_error = ""
 
     def _damped(self, uuid: str, why: str) -> tuple[str, bool]:
         """The GPU's problem in this discovery, where ``why`` is what its queries found: a GPU
@@ -707,7 +830,14 @@ class Inventory:
 
     def _shutdown_locked(self) -> None:
         self._r535 = None
+        events, self._events, self._no_events = self._events, None, False
+        self._watched.clear()
         if self._initialised:
+            if events is not None:
+                try:
+                    self._nvml.nvmlEventSetFree(events)
+                except (pynvml.NVMLError, *_NO_SUCH_QUERY):
+                    pass
             try:
                 self._nvml.nvmlShutdown()
             except pynvml.NVMLError:
