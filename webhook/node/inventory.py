@@ -11,9 +11,8 @@ has retired pages pending (a reset is needed), when row remapping failed, or onc
 reported a critical XID error (an event, read at each discovery without waiting; not those
 an application causes, :data:`APPLICATION_XIDS`, nor those the operator skips), until the
 agent restarts; probes a GPU does not support (consumer cards) or a driver lacks do not count
-against it. A GPU gpuslice cannot
-share is ``Unhealthy`` too, so that nothing is placed on it: one in MIG mode (CUDA then reaches only its
-MIG instances, which ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` does not give a container: a pod
+against it. A GPU gpuslice cannot share is ``Unhealthy`` too, so that nothing is placed on
+it: one in MIG mode (CUDA then reaches only its MIG instances, which ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` does not give a container: a pod
 placed there finds no CUDA device) and one whose compute mode lets one process at a time
 (``EXCLUSIVE_PROCESS``: every pod after the first fails to create its context, unless the
 pods reach an MPS server, which the operator says with ``offer_exclusive_process``) or none
