@@ -262,3 +262,32 @@ def test_the_agent_passes_its_xid_settings_to_its_inventory(tmp_path: Path) -> N
     assert agent.inventory._xid_skip == APPLICATION_XIDS | {48, 79}
     agent = Agent(_settings(tmp_path, xid_check=False), LIB)
     assert agent.inventory._xid_skip is None
+
+
+async def test_a_gpu_whose_calls_hung_is_not_offered_as_soon_as_they_return(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU 1's health probe hangs past HUNG_S, then returns (a GPU dropping off the bus now
+    and then): while it hangs the GPU is Unhealthy (``last``), but the discovery it held up
+    ended with it Healthy, so a GPU hanging every other round was offered every other round.
+    Now that discovery finds it Unhealthy, and it is offered after RECOVER_ROUNDS more."""
+    monkeypatch.setattr(inventory_module, "HUNG_S", 0.3)
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    release = threading.Event()
+    nvml.devices[1].hang["nvmlDeviceGetRemappedRows"] = release
+    held = asyncio.create_task(asyncio.to_thread(inv.discover))
+    try:
+        await asyncio.to_thread(nvml.hung.wait, 5)
+        await asyncio.sleep(0.5)
+        assert [g.health for g in inv.last.gpus] == [HEALTHY, UNHEALTHY]
+    finally:
+        del nvml.devices[1].hang["nvmlDeviceGetRemappedRows"]
+        release.set()
+        ended = await held
+    assert [g.health for g in ended.gpus] == [HEALTHY, UNHEALTHY], \
+        "the discovery a hung call held up offered the GPU as soon as the call returned"
+    assert "hung" in ended.gpus[1].problem
+    for _ in range(RECOVER_ROUNDS - 1):
+        assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]

@@ -28,7 +28,8 @@ Hung calls: NVML is called one series of calls at a time (a lock); one that has 
 call is then made behind it: the readers answer at once without NVML (:meth:`Inventory.sample`
 without figures, :meth:`Inventory.processes` as lists that cannot be read, no utilisation
 samples, :meth:`Inventory.discover` as :attr:`Inventory.last`, where the GPU it queries is
-Unhealthy), until it returns. It is logged once, and its end.
+Unhealthy), until it returns. It is logged once, and its end. The discovery it held up finds
+that GPU Unhealthy too (then recovering as from any other problem).
 """
 
 from __future__ import annotations
@@ -410,6 +411,11 @@ class Inventory:
             why = f"name or memory query failed: {exc}"
         else:
             why = self._health_problem(handle) or self._sharing_problem(handle, uuid)
+        since = self._busy_since
+        if not why and since is not None and time.monotonic() - since >= HUNG_S:
+            # hung, then answered: Unhealthy as it was while hung (it recovers as any other)
+            why = (f"its NVML calls hung for {HUNG_S:g} s or more, then answered (the GPU "
+                   "fallen off the bus?)")
         why = self._xid_problems.get(uuid, "") or why
         was = self._problems.get(uuid, "")
         why, recovering = self._damped(uuid, why)
