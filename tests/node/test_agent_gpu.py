@@ -48,7 +48,8 @@ def test_real_gpus_are_discovered_healthy_and_published_in_the_extenders_format(
 
 def test_real_gpus_are_registered_for_xid_events_and_read_without_waiting() -> None:
     """The event calls work against the real driver: every GPU that reports XID events is
-    registered (by the handle NVML gives its events), and a discovery reads them at once."""
+    registered, and a discovery reads them at once (no XID can be caused here: that an event
+    names its GPU by the handle registered is not shown; the UUID is asked otherwise)."""
     import time
     inv = Inventory()
     try:
