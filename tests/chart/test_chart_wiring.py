@@ -36,7 +36,8 @@ CUSTOM = {"resourceNames": {"gpu": "example.com/vgpu", "memory": "example.com/vg
           "gpuPods": {"runtimeClassName": "nvidia", "tolerations": [
               {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
           "scheduler": {"name": "shared-gpu"}, "webhook": {"port": 9443},
-          "agent": {"hostPID": False, "offerExclusiveProcessGpus": True,
+          "agent": {"hostPID": False, "offerExclusiveProcessGpus": True, "xidCheck": False,
+                    "skipXids": [63, 74],
                     "audit": {"interval": 2.5, "toleranceMiB": 64,
                               "overLimitAction": "evict", "overLimitRounds": 5,
                               "compute": {"window": 120, "tolerancePercent": 5,
@@ -210,6 +211,8 @@ def test_agent_command_line_parses_and_matches_the_mounts(values: dict[str, Any]
         values.get("agent", {}).get("hostPID", True)
     assert s.offer_exclusive_process is \
         values.get("agent", {}).get("offerExclusiveProcessGpus", False)
+    assert (s.xid_check, s.skip_xids) == (values.get("agent", {}).get("xidCheck", True),
+                                          tuple(values.get("agent", {}).get("skipXids", [])))
     assert container["ports"][0]["containerPort"] == s.metrics_port == 9400
     spec = ds["spec"]["template"]["spec"]
     label = values.get("nodeLabel", {"key": "gpu", "value": "on"})

@@ -58,6 +58,20 @@ class FakeDevice:
     device_samples: list[tuple[int, int]] = field(default_factory=list)
     """The device's utilisation samples (``nvmlDeviceGetSamples``): (timestamp µs, %), one per
     sample period, idle ones included."""
+    event_types: int = (pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError
+                        | pynvml.nvmlEventTypeDoubleBitEccError)
+    """The event types it can report (``nvmlDeviceGetSupportedEventTypes``); registering
+    others is NOT_SUPPORTED (a GeForce board, an old driver)."""
+
+
+@dataclass
+class FakeEventSet:
+    """An ``nvmlEventSet_t``: the devices registered in it and the events waiting."""
+
+    registered: dict[int, int] = field(default_factory=dict)
+    """Device handle -> the event types registered for it."""
+    waiting: list[Any] = field(default_factory=list)
+    freed: bool = False
 
 
 class FakeNvml:
@@ -88,6 +102,15 @@ class FakeNvml:
         32-byte entries, they are right. Later drivers (the default) export both, 24 bytes."""
         self.hung = threading.Event()
         """Set while a call is blocked by ``FakeDevice.hang``."""
+        self.event_sets: list[FakeEventSet] = []
+        """Those ``nvmlEventSetCreate`` made."""
+        self.waits: list[int] = []
+        """The timeouts (ms) ``nvmlEventSetWait_v2`` was called with."""
+        self.event_handle: Callable[[int], Any] = lambda index: index
+        """The device handle an event of GPU ``index`` carries (NVML's own handles, by
+        default)."""
+        self.wait_hang: threading.Event | None = None
+        """Set: ``nvmlEventSetWait_v2`` blocks until it is set (``hung`` set meanwhile)."""
         self.between_calls: Callable[[], None] | None = None
         """Run once, after the next sizing call (no buffer) of a ``_v3`` process list got
         through ``_nvmlGetFunctionPointer``: processes that start between the two calls."""
@@ -319,6 +342,58 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeMode(self, handle: int) -> int:
         return self._dev(handle, "nvmlDeviceGetComputeMode").compute_mode
+
+    # --- events ---
+    def xid(self, index: int, xid: int, kind: int = pynvml.nvmlEventTypeXidCriticalError
+            ) -> int:
+        """The driver reports XID ``xid`` (an event of type ``kind``) on GPU ``index``: queued
+        in every live event set where that type is registered for it; returns how many."""
+        queued = 0
+        for events in self.event_sets:
+            if not events.freed and events.registered.get(index, 0) & kind:
+                events.waiting.append(SimpleNamespace(
+                    device=self.event_handle(index), eventType=kind, eventData=xid, gpuInstanceId=0xFFFFFFFF,
+                    computeInstanceId=0xFFFFFFFF))
+                queued += 1
+        return queued
+
+    def nvmlEventSetCreate(self) -> FakeEventSet:
+        self._need_init()
+        self._symbol("nvmlEventSetCreate")
+        events = FakeEventSet()
+        self.event_sets.append(events)
+        return events
+
+    def nvmlEventSetFree(self, events: FakeEventSet) -> None:
+        self._need_init()
+        events.freed = True
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: int) -> int:
+        self._symbol("nvmlDeviceGetSupportedEventTypes")
+        return self._dev(handle, "nvmlDeviceGetSupportedEventTypes").event_types
+
+    def nvmlDeviceRegisterEvents(self, handle: int, kinds: int, events: FakeEventSet) -> None:
+        self._symbol("nvmlDeviceRegisterEvents")
+        d = self._dev(handle, "nvmlDeviceRegisterEvents")
+        if kinds & ~d.event_types:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        events.registered[handle] = events.registered.get(handle, 0) | kinds
+
+    def nvmlEventSetWait_v2(self, events: FakeEventSet, timeoutms: int) -> Any:
+        """The oldest event waiting; none: NVML_ERROR_TIMEOUT, at once (the fake never waits
+        ``timeoutms``; ``waits`` records it)."""
+        self._need_init()
+        self._symbol("nvmlEventSetWait_v2")
+        self.waits.append(timeoutms)
+        if self.wait_hang is not None:
+            self.hung.set()
+            self.wait_hang.wait()
+            self.hung.clear()
+        if events.freed:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not events.waiting:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+        return events.waiting.pop(0)
 
     def nvmlDeviceGetRemappedRows(self, handle: int) -> tuple[int, int, int, int]:
         d = self._dev(handle, "nvmlDeviceGetRemappedRows")

@@ -68,6 +68,19 @@ def test_exclusive_process_gpus_are_offered_only_when_asked(
     assert agent.inventory._offer_exclusive_process is True
 
 
+def test_xid_errors_are_checked_unless_turned_off_and_more_may_be_skipped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODE_NAME", "n1")
+    s = settings_from_args(_parse([]))
+    assert (s.xid_check, s.skip_xids) == (True, ())
+    s = settings_from_args(_parse(["--no-xid-check", "--skip-xids", "63, 74,"]))
+    assert (s.xid_check, s.skip_xids) == (False, (63, 74))
+    with pytest.raises(SystemExit):
+        _parse(["--skip-xids", "63;74"])
+    with pytest.raises(SettingsError, match="--skip-xids"):
+        AgentSettings(node_name="n1", skip_xids=(0,))
+
+
 def test_node_name_flag_wins_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NODE_NAME", "from-env")
     assert settings_from_args(_parse(["--node-name", "from-flag"])).node_name == "from-flag"

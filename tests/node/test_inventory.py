@@ -16,7 +16,7 @@ import pynvml
 import pytest
 from node.fakenvml import FUNCTIONS, GIB, MIB, FakeDevice, FakeNvml, two_a100s
 
-from webhook.node.inventory import HEALTHY, UNHEALTHY, Gpu, Inventory
+from webhook.node.inventory import HEALTHY, RECOVER_ROUNDS, UNHEALTHY, Gpu, Inventory
 
 
 def test_discovers_uuid_index_product_memory_and_health() -> None:
@@ -155,7 +155,10 @@ def test_an_unhealthy_gpu_is_logged_when_its_problem_changes_not_every_round(
     inv.discover()
     assert logged() == ["GPU unhealthy; nothing is placed on it"]  # now the compute mode
     nvml.devices[0].compute_mode = pynvml.NVML_COMPUTEMODE_DEFAULT
-    inv.discover()
+    for _ in range(RECOVER_ROUNDS - 1):
+        assert not inv.discover().gpus[0].healthy  # passes: offered after RECOVER_ROUNDS
+    assert logged() == []
+    assert inv.discover().gpus[0].healthy
     inv.discover()
     assert logged() == ["GPU healthy again"]
 
@@ -356,7 +359,8 @@ def test_the_real_pynvml_on_an_r535_or_later_nvml_lists_every_process_right(
 def test_a_gpu_lost_mid_run_spares_the_others_and_comes_back_after_a_reset(lost_at: str) -> None:
     """GPU 1 falls off the bus between rounds: every query of it fails from ``lost_at`` on.
     It is left out (no handle) or unhealthy with its last size; GPU 0 stays healthy; sampling,
-    process lists and utilisation go on for GPU 0; after a reset GPU 1 is healthy again."""
+    process lists and utilisation go on for GPU 0; after a reset GPU 1 is healthy again, once
+    it has passed RECOVER_ROUNDS discoveries in a row."""
     nvml = two_a100s()
     inv = Inventory(nvml)
     inv.discover()
@@ -381,6 +385,10 @@ def test_a_gpu_lost_mid_run_spares_the_others_and_comes_back_after_a_reset(lost_
     assert lists[0].processes == {} and all(p.processes is None for p in lists[1:])
     inv.process_utilisation({})
     dev.fail.clear()  # nvidia-smi -r
+    for _ in range(RECOVER_ROUNDS - 1):  # passes: offered once it has for RECOVER_ROUNDS
+        d = inv.discover()
+        assert [g.health for g in d.gpus] == [HEALTHY, UNHEALTHY]
+        assert "recovering" in d.gpus[1].problem
     d = inv.discover()
     assert [g.health for g in d.gpus] == [HEALTHY, HEALTHY]
 

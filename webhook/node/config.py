@@ -79,6 +79,12 @@ class AgentSettings:
     """Offer GPUs whose compute mode is EXCLUSIVE_PROCESS (MPS's setting) instead of marking
     them unhealthy: only where the pods reach the MPS server (the operator mounts its pipe
     directory into them; gpuslice does not). Default false."""
+    xid_check: bool = True
+    """Read the GPUs' critical XID error events: a GPU that reports one, other than those an
+    application causes (``inventory.APPLICATION_XIDS``) and ``skip_xids``, is Unhealthy until
+    the agent restarts. --no-xid-check turns it off. Default on."""
+    skip_xids: tuple[int, ...] = ()
+    """More XIDs that do not count against a GPU (--skip-xids 63,74). Default none."""
     split_count: int = 10
     """Slices per physical GPU: nvidia.com/gpu capacity = healthy GPUs x this. Default 10."""
     resource_gpu: str = "nvidia.com/gpu"
@@ -153,6 +159,9 @@ def _validate(s: AgentSettings) -> None:
     if s.compute_over_limit_action not in OVER_LIMIT_ACTIONS:
         _fail("--compute-over-limit-action", s.compute_over_limit_action,
               f"must be one of {', '.join(OVER_LIMIT_ACTIONS)}")
+    if not isinstance(s.skip_xids, tuple) or not all(
+            isinstance(x, int) and 0 < x < 2 ** 32 for x in s.skip_xids):
+        _fail("--skip-xids", s.skip_xids, "must be XID numbers separated by commas")
     if not isinstance(s.split_count, int) or not 1 <= s.split_count <= 1000:
         _fail("--split-count", s.split_count, "must be an integer from 1 to 1000")
     res = (s.resource_gpu, s.resource_mem, s.resource_cores)
@@ -171,6 +180,14 @@ def _validate(s: AgentSettings) -> None:
         _fail("--log-level", s.log_level, f"must be one of {', '.join(_LEVELS)}")
     if s.log_format not in ("text", "json"):
         _fail("--log-format", s.log_format, 'must be "text" or "json"')
+
+
+def _xids(text: str) -> tuple[int, ...]:
+    """``--skip-xids``: "63,74" (spaces and an empty list allowed) as (63, 74)."""
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not XID numbers separated by commas: {text!r}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -223,6 +240,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offer-exclusive-process-gpus", action="store_true",
                    help="offer GPUs in EXCLUSIVE_PROCESS compute mode (pods that reach an MPS "
                         "server) instead of marking them unhealthy")
+    p.add_argument("--no-xid-check", action="store_true",
+                   help="do not read the GPUs' critical XID error events")
+    p.add_argument("--skip-xids", type=_xids, default=d["skip_xids"].default,
+                   help="XIDs that do not count against a GPU, besides those applications "
+                        "cause, comma-separated (default none)")
     p.add_argument("--split-count", type=int, default=d["split_count"].default,
                    help="slices per GPU (default %(default)s)")
     p.add_argument("--resource-gpu", default=d["resource_gpu"].default,
@@ -264,6 +286,8 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
             compute_tolerance=args.compute_tolerance,
             compute_over_limit_action=args.compute_over_limit_action,
             offer_exclusive_process=args.offer_exclusive_process_gpus,
+            xid_check=not args.no_xid_check,
+            skip_xids=args.skip_xids,
             split_count=args.split_count,
             resource_gpu=args.resource_gpu,
             resource_mem=args.resource_mem,

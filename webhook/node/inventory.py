@@ -7,23 +7,29 @@ or without GPUs: :meth:`Inventory.discover` then reports :class:`Discovery` with
 
 Health: a GPU is ``Unhealthy`` when any of its name/memory queries fails (its product and
 memory are then the last ones read, or empty and 0 if never read), when NVML says it
-has retired pages pending (a reset is needed), or when row remapping failed; probes a GPU does
-not support (consumer cards) or a driver lacks do not count against it. A GPU gpuslice cannot
-share is ``Unhealthy`` too, so that nothing is placed on it: one in MIG mode (CUDA then reaches only its
-MIG instances, which ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` does not give a container: a pod
+has retired pages pending (a reset is needed), when row remapping failed, or once it has
+reported a critical XID error (an event, read at each discovery without waiting; not those
+an application causes, :data:`APPLICATION_XIDS`, nor those the operator skips), until the
+agent restarts; probes a GPU does not support (consumer cards) or a driver lacks do not count
+against it. A GPU gpuslice cannot share is ``Unhealthy`` too, so that nothing is placed on
+it: one in MIG mode (CUDA then reaches only its MIG instances, which ``NVIDIA_VISIBLE_DEVICES=<GPU UUID>`` does not give a container: a pod
 placed there finds no CUDA device) and one whose compute mode lets one process at a time
 (``EXCLUSIVE_PROCESS``: every pod after the first fails to create its context, unless the
 pods reach an MPS server, which the operator says with ``offer_exclusive_process``) or none
 (``PROHIBITED``) use it. The reason is kept in :attr:`Gpu.problem` (logged, and exported as
 ``gpuslice_gpu_unhealthy_reason``). A GPU whose handle or UUID cannot be read
-cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged).
+cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged). Becoming
+Unhealthy is immediate; a GPU that was Unhealthy, or left out, is Healthy again only once it
+has passed :data:`RECOVER_ROUNDS` discoveries in a row (one whose health flaps is not offered
+in the rounds it passes).
 
 Hung calls: NVML is called one series of calls at a time (a lock); one that has run for
 :data:`HUNG_S` is hung (a GPU fallen off the bus can make calls block instead of failing). No
 call is then made behind it: the readers answer at once without NVML (:meth:`Inventory.sample`
 without figures, :meth:`Inventory.processes` as lists that cannot be read, no utilisation
 samples, :meth:`Inventory.discover` as :attr:`Inventory.last`, where the GPU it queries is
-Unhealthy), until it returns. It is logged once, and its end.
+Unhealthy), until it returns. It is logged once, and its end. The discovery it held up finds
+that GPU Unhealthy too (then recovering as from any other problem).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -54,6 +60,22 @@ HUNG_S = 20.0
 driver's calls to it block for minutes or for ever instead of failing (:attr:`Inventory.last`)."""
 HUNG_PROBLEM = ("NVML call hung (the GPU fallen off the bus?): nothing is placed on it until "
                 "the call returns")
+RECOVER_ROUNDS = 3
+"""Discoveries in a row (the agent's rounds: 3 minutes at its default interval) a GPU that was
+Unhealthy, or could not be addressed, must pass before it is offered again; becoming Unhealthy
+is immediate. A GPU whose health flaps (a probe failing every other round) was offered in every
+round it passed, and each flip patched the node twice."""
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+"""XID errors an application causes (graphics engine exception, memory page fault, GPU
+stopped processing, preemptive cleanup, video processor exception, context switch timeout):
+the GPU is fine. NVIDIA's device plugin skips the same ones."""
+XID_NAMES = {48: "double-bit ECC error", 63: "row remapping or page retirement recorded",
+             64: "row remapping or page retirement failed", 74: "NVLink error",
+             79: "GPU fallen off the bus", 92: "high single-bit ECC error rate",
+             94: "contained ECC error", 95: "uncontained ECC error", 119: "GSP RPC timeout",
+             120: "GSP error"}
+XID_DRAIN_MAX = 1000
+"""The most XID events one discovery reads (each without waiting); more wait for the next."""
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 _NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
@@ -185,6 +207,14 @@ class Discovery:
         return tuple(g for g in self.gpus if g.healthy)
 
 
+def _handle_key(handle: Any) -> Any:
+    """A device handle as a dictionary key: the address a pynvml handle (a ctypes pointer)
+    holds, which NVML gives every call on the same GPU; as it is otherwise (a test's)."""
+    if isinstance(handle, ctypes._Pointer):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return handle
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
@@ -193,8 +223,24 @@ class Inventory:
     """Discovers GPUs and samples them; safe to call from the event loop and a scrape thread."""
 
     def __init__(self, nvml: ModuleType | Any = pynvml, *,
-                 offer_exclusive_process: bool = False) -> None:
+                 offer_exclusive_process: bool = False, xid_check: bool = True,
+                 skip_xids: Iterable[int] = ()) -> None:
         self._nvml = nvml
+        self._xid_skip = APPLICATION_XIDS | frozenset(skip_xids) if xid_check else None
+        """The XIDs that do not count against a GPU (None: XID events are not read)."""
+        self._events: Any = None
+        """NVML's event set the GPUs are registered in for critical XID errors (None: not
+        made, in this initialisation of NVML)."""
+        self._no_events = False
+        """The driver cannot make one (told once per initialisation)."""
+        self._watched: dict[Any, str] = {}
+        """The registered GPUs: handle (:func:`_handle_key`) -> UUID, in this initialisation."""
+        self._unwatched: set[str] = set()
+        """GPUs that cannot report XID errors (told once)."""
+        self._xid_problems: dict[str, str] = {}
+        """GPU UUID -> the critical XID it reported: Unhealthy for the agent's lifetime."""
+        self._xids_told: set[tuple[str, int]] = set()
+        self._wait_error = ""
         self._offer_exclusive_process = offer_exclusive_process
         """Offer GPUs in EXCLUSIVE_PROCESS compute mode (an MPS server the pods reach holds
         them; the operator mounts its pipe directory into the pods)."""
@@ -211,6 +257,9 @@ class Inventory:
         self._known: dict[str, tuple[str, int]] = {}
         self._problems: dict[str, str] = {}
         """GPU UUID -> the problem last logged for it ("" healthy)."""
+        self._recovering: dict[str, tuple[str, int]] = {}
+        """GPU UUID -> the problem it last had and the discoveries it has passed since, while
+        fewer than :data:`RECOVER_ROUNDS` (it is still Unhealthy)."""
         self._unaddressed: set[int] = set()
         """NVML indexes whose GPU could not be addressed at the last discovery (logged)."""
         self._r535: bool | None = None
@@ -327,6 +376,7 @@ class Inventory:
             driver = _text(nvml.nvmlSystemGetDriverVersion())
         except pynvml.NVMLError:
             driver = ""
+        self._read_xids()
         gpus: list[Gpu] = []
         self._unaddressed.intersection_update(range(count))
         for index in range(count):
@@ -350,6 +400,8 @@ class Inventory:
         if index in self._unaddressed:
             self._unaddressed.discard(index)
             logger.info("GPU can be addressed again", extra={"index": index, "uuid": uuid})
+            self._recovering[uuid] = ("it could not be addressed", 0)
+        self._watch(handle, uuid)
         product, memory_mib = self._known.get(uuid, ("", 0))
         try:
             product = _text(nvml.nvmlDeviceGetName(handle))
@@ -359,16 +411,124 @@ class Inventory:
             why = f"name or memory query failed: {exc}"
         else:
             why = self._health_problem(handle) or self._sharing_problem(handle, uuid)
-        if why != self._problems.get(uuid, ""):
-            # logged when it changes, not every round
+        since = self._busy_since
+        if not why and since is not None and time.monotonic() - since >= HUNG_S:
+            # hung, then answered: Unhealthy as it was while hung (it recovers as any other)
+            why = (f"its NVML calls hung for {HUNG_S:g} s or more, then answered (the GPU "
+                   "fallen off the bus?)")
+        why = self._xid_problems.get(uuid, "") or why
+        was = self._problems.get(uuid, "")
+        why, recovering = self._damped(uuid, why)
+        if not recovering and why != was:
+            # logged when it changes, not every round (nor every flap)
             if why:
                 logger.warning("GPU unhealthy; nothing is placed on it",
                                extra={"index": index, "uuid": uuid, "reason": why})
             else:
-                logger.info("GPU healthy again", extra={"index": index, "uuid": uuid})
+                logger.info("GPU healthy again", extra={"index": index, "uuid": uuid,
+                                                        "healthy_rounds": RECOVER_ROUNDS})
             self._problems[uuid] = why
         return Gpu(uuid=uuid, index=index, product=product, memory_mib=memory_mib,
                    health=UNHEALTHY if why else HEALTHY, problem=why)
+
+    def _watch(self, handle: Any, uuid: str) -> None:
+        """Register the GPU for critical XID events (once per initialisation of NVML). A driver
+        or GPU that cannot report them is told once and not held against; another failure is
+        tried again at the next discovery."""
+        if self._xid_skip is None or self._no_events or uuid in self._unwatched \
+                or uuid in self._watched.values():
+            return
+        nvml = self._nvml
+        if self._events is None:
+            try:
+                self._events = nvml.nvmlEventSetCreate()
+            except (pynvml.NVMLError, *_NO_SUCH_QUERY) as exc:
+                self._no_events = True
+                logger.info("the driver reports no XID events; GPUs are not checked for XID "
+                            "errors", extra={"error": str(exc)})
+                return
+        try:
+            kinds = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
+            if not kinds & pynvml.nvmlEventTypeXidCriticalError:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            nvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError,
+                                          self._events)
+        except _NO_SUCH_QUERY as exc:
+            self._unwatched.add(uuid)
+            logger.info("GPU reports no XID events; not checked for XID errors",
+                        extra={"uuid": uuid, "error": str(exc)})
+            return
+        except pynvml.NVMLError as exc:
+            logger.debug("registering for XID events failed; tried again next round",
+                         extra={"uuid": uuid, "error": str(exc)})
+            return
+        self._watched[_handle_key(handle)] = uuid
+
+    def _read_xids(self) -> None:
+        """Take the XID events waiting (never waiting for one: a timeout of 0 ms; as one call
+        on no one GPU, judged hung as any other): a critical one, not skipped, makes its GPU
+        Unhealthy for the agent's lifetime, as NVIDIA's device plugin (a GPU reset, which NVML
+        does not show, or a reboot is needed; the agent's restart forgets it)."""
+        if self._events is None:
+            return
+        nvml = self._nvml
+        self._busy_since, self._busy_gpu = time.monotonic(), None
+        for _ in range(XID_DRAIN_MAX):
+            try:
+                event = nvml.nvmlEventSetWait_v2(self._events, 0)
+            except pynvml.NVMLError_Timeout:  # none waiting
+                break
+            except (pynvml.NVMLError, *_NO_SUCH_QUERY) as exc:
+                if str(exc) != self._wait_error:
+                    logger.warning("reading XID events failed; tried again next round",
+                                   extra={"error": str(exc)})
+                self._wait_error = str(exc)
+                return
+            if not int(event.eventType) & pynvml.nvmlEventTypeXidCriticalError:
+                continue
+            xid = int(event.eventData)
+            uuid = self._watched.get(_handle_key(event.device), "")
+            if not uuid:  # a handle NVML gave in another form: its GPU's UUID
+                try:
+                    uuid = _text(nvml.nvmlDeviceGetUUID(event.device))
+                except pynvml.NVMLError:
+                    pass
+            if (uuid, xid) in self._xids_told:
+                continue
+            self._xids_told.add((uuid, xid))
+            name = XID_NAMES.get(xid)
+            if not uuid:
+                logger.warning("an XID error on a GPU that cannot be told; no GPU is marked",
+                               extra={"xid": xid, "meaning": name or ""})
+            elif self._xid_skip is not None and xid in self._xid_skip:
+                logger.info("GPU reported an XID error that does not count against it",
+                            extra={"uuid": uuid, "xid": xid})
+            elif uuid not in self._xid_problems:  # told as the GPU's problem
+                self._xid_problems[uuid] = (
+                    f"critical XID {xid}{f' ({name})' if name else ''} reported: reset the GPU "
+                    f"(nvidia-smi -i {uuid} -r) or reboot the node, then restart the agent's "
+                    "pod on it")
+            else:
+                logger.warning("GPU reported another critical XID error",
+                               extra={"uuid": uuid, "xid": xid, "meaning": name or ""})
+        self._wait_error = ""
+
+    def _damped(self, uuid: str, why: str) -> tuple[str, bool]:
+        """The GPU's problem in this discovery, where ``why`` is what its queries found: a GPU
+        that was Unhealthy stays so until it has passed :data:`RECOVER_ROUNDS` discoveries in a
+        row; and whether it is recovering (passed, but not yet that many)."""
+        if why:
+            self._recovering[uuid] = (why, 0)
+            return why, False
+        if uuid not in self._recovering:
+            return "", False
+        had, passed = self._recovering[uuid]
+        if passed + 1 >= RECOVER_ROUNDS:
+            del self._recovering[uuid]
+            return "", False
+        self._recovering[uuid] = (had, passed + 1)
+        return (f"recovering: {had}; it passes its checks again, and is offered once it has "
+                f"for {RECOVER_ROUNDS} rounds in a row"), True
 
     def _health_problem(self, handle: Any) -> str:
         nvml = self._nvml
@@ -675,7 +835,14 @@ class Inventory:
 
     def _shutdown_locked(self) -> None:
         self._r535 = None
+        events, self._events, self._no_events = self._events, None, False
+        self._watched.clear()
         if self._initialised:
+            if events is not None:
+                try:
+                    self._nvml.nvmlEventSetFree(events)
+                except (pynvml.NVMLError, *_NO_SUCH_QUERY):
+                    pass
             try:
                 self._nvml.nvmlShutdown()
             except pynvml.NVMLError:

@@ -129,7 +129,8 @@ class Agent:
         self.settings = settings
         self.library = library
         self.inventory = inventory or Inventory(
-            offer_exclusive_process=settings.offer_exclusive_process)
+            offer_exclusive_process=settings.offer_exclusive_process,
+            xid_check=settings.xid_check, skip_xids=settings.skip_xids)
         self.api_client = api_client
         self.publisher = Publisher(api_client, settings) if api_client is not None else None
         self.status = AgentStatus()

@@ -1,0 +1,293 @@
+"""A GPU's health over the agent's rounds: a GPU whose health flaps is not offered on its
+healthy rounds, and one that reported a critical XID error stays unhealthy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from pathlib import Path
+
+import pynvml
+import pytest
+from fakekube import FakeKube
+from node.fakenvml import two_a100s
+from prometheus_client import generate_latest
+
+from webhook import names
+from webhook.node import inventory as inventory_module
+from webhook.node.config import AgentSettings
+from webhook.node.inventory import (
+    APPLICATION_XIDS,
+    HEALTHY,
+    HUNG_PROBLEM,
+    RECOVER_ROUNDS,
+    UNHEALTHY,
+    Inventory,
+)
+from webhook.node.loop import Agent
+
+NODE = "gpu-node-1"
+LIB = b"\x7fELF" + b"interposer" * 50
+GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
+
+
+def _settings(tmp_path: Path, **kw: object) -> AgentSettings:
+    (tmp_path / "proc").mkdir(exist_ok=True)
+    (tmp_path / "state").mkdir(exist_ok=True)
+    base: dict[str, object] = {
+        "node_name": NODE, "host_library_dir": str(tmp_path / "lib"),
+        "host_state_dir": str(tmp_path / "state"), "proc_root": str(tmp_path / "proc"),
+        "metrics_host": "127.0.0.1", "metrics_port": 0, "interval": 30.0,
+        "cleanup_grace": 60.0, "audit_interval": 0}
+    base.update(kw)
+    return AgentSettings(**base)  # type: ignore[arg-type]
+
+
+def _published(kube: FakeKube) -> dict[str, str]:
+    node = kube.get("nodes", NODE) or {}
+    gpus = json.loads(node.get("metadata", {}).get("annotations", {}).get(
+        names.ANN_NODE_GPUS) or "[]")
+    return {g["uuid"]: g["health"] for g in gpus}
+
+
+@pytest.mark.parametrize("flaky", ["nvmlDeviceGetRemappedRows", "nvmlDeviceGetHandleByIndex"])
+async def test_a_flapping_gpu_is_not_offered_on_its_healthy_rounds(
+        tmp_path: Path, flaky: str) -> None:
+    """GPU 1's health probe (or its handle: then it is left out) fails every other round (a
+    flaky board, a failing riser). Each flip was two node patches (annotation, resources), and
+    the scheduler placed pods on it in every round it passed; now it stays Unhealthy until it
+    has passed RECOVER_ROUNDS rounds in a row, so its resources are patched once; once it is
+    steady, it is offered again."""
+    nvml = two_a100s()
+    async with FakeKube() as kube:
+        kube.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+                  "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}}})
+        async with kube.api_client() as api:
+            agent = Agent(_settings(tmp_path), LIB, inventory=Inventory(nvml), api_client=api)
+            await agent.step()
+            assert _published(kube)[GPU1] == HEALTHY
+            kube.requests.clear()
+            offered = 0
+            rounds = 11
+            for n in range(rounds):
+                if n % 2 == 0:  # fails in this round's discovery, passes in the next
+                    nvml.devices[1].fail_once[flaky] = pynvml.NVML_ERROR_UNKNOWN
+                await agent.step()
+                offered += _published(kube).get(GPU1) == HEALTHY
+            patches = len(kube.requests_to("PATCH", f"/nodes/{NODE}"))
+            resources = len(kube.requests_to("PATCH", f"/nodes/{NODE}/status$"))
+            assert (offered, resources) == (0, 1), \
+                f"flapping GPU offered in {offered} of {rounds} rounds, {patches} node " \
+                f"patches ({resources} of the resources)"
+            if flaky != "nvmlDeviceGetHandleByIndex":  # (left out, then listed Unhealthy)
+                assert patches == 2
+            # steady again: offered after RECOVER_ROUNDS healthy rounds in a row, not before
+            states = []
+            for _ in range(RECOVER_ROUNDS + 1):
+                await agent.step()
+                states.append(_published(kube)[GPU1])
+            assert states == [UNHEALTHY] * (RECOVER_ROUNDS - 1) + [HEALTHY] * 2
+
+
+# ----- critical XID errors -----
+
+def _told(caplog: pytest.LogCaptureFixture, text: str) -> int:
+    return sum(text in r.getMessage() for r in caplog.records)
+
+
+def test_a_critical_xid_makes_its_gpu_unhealthy_until_the_agent_restarts(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """GPU 1 reports XID 79 (fallen off the bus) while its queries still answer: it was
+    published Healthy round after round (new pods placed on it). Now it is Unhealthy from the
+    next discovery on, naming the XID, told once, and stays so (as NVIDIA's device plugin: the
+    GPU needs a reset, which NVML does not show) until the agent restarts. The events are read
+    without waiting (a timeout of 0 ms)."""
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+    assert nvml.xid(1, 79) == 1, "the GPUs were not registered for XID events"
+    gpus = inv.discover().gpus
+    assert [g.health for g in gpus] == [HEALTHY, UNHEALTHY], "a critical XID went unnoticed"
+    assert "XID 79" in gpus[1].problem and "fallen off the bus" in gpus[1].problem
+    nvml.xid(1, 79)  # the driver repeats it
+    nvml.xid(1, 48)
+    for _ in range(RECOVER_ROUNDS + 2):  # its queries pass: it stays Unhealthy
+        gpus = inv.discover().gpus
+        assert [g.health for g in gpus] == [HEALTHY, UNHEALTHY]
+        assert "XID 79" in gpus[1].problem
+    assert _told(caplog, "GPU unhealthy") == 1
+    assert _told(caplog, "critical XID") == 1  # the 48 that came after, once
+    assert nvml.waits and set(nvml.waits) == {0}, "a discovery waited for XID events"
+    # the agent restarts (after the GPU's reset)
+    again = Inventory(nvml)
+    assert [g.health for g in again.discover().gpus] == [HEALTHY, HEALTHY]
+
+
+class _OtherHandle(int):
+    """A handle to the same GPU that is not the same object, nor equal to NVML's."""
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_an_xid_whose_handle_is_not_the_registered_one_is_told_by_its_uuid(
+        lost: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """The event's device handle is not the one registered: its GPU is found by its UUID, or,
+    where that cannot be read, no GPU is marked (told once)."""
+    nvml = two_a100s()
+    nvml.event_handle = _OtherHandle
+    inv = Inventory(nvml)
+    inv.discover()
+    nvml.xid(1, 79)
+    if lost:
+        nvml.devices[1].fail_once["nvmlDeviceGetUUID"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY if lost else UNHEALTHY]
+    assert _told(caplog, "GPU that cannot be told") == lost
+
+
+@pytest.mark.parametrize("xid", sorted(APPLICATION_XIDS))
+def test_application_xids_do_not_count_against_the_gpu(xid: int) -> None:
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    nvml.xid(0, xid)
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+
+
+def test_the_operator_skips_more_xids_or_turns_the_check_off() -> None:
+    nvml = two_a100s()
+    inv = Inventory(nvml, skip_xids={48, 63})
+    inv.discover()
+    nvml.xid(0, 48)
+    nvml.xid(1, 63)
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+    nvml.xid(1, 94)
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
+    off = two_a100s()
+    inv = Inventory(off, xid_check=False)
+    inv.discover()
+    assert off.xid(1, 79) == 0 and off.event_sets == [] and off.waits == []
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+
+
+@pytest.mark.parametrize("lacks", ["driver", "set", "supported", "register", "types"])
+def test_a_gpu_or_driver_without_xid_events_is_not_held_against(
+        lacks: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A driver without the event calls, or a GPU that cannot report XIDs (NOT_SUPPORTED):
+    healthy as before, told once."""
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+    nvml = two_a100s()
+    dev = nvml.devices[1]
+    if lacks == "driver":
+        nvml.absent.add("nvmlEventSetCreate")
+    elif lacks == "set":
+        nvml.absent.add("nvmlEventSetWait_v2")
+    elif lacks == "supported":
+        dev.fail["nvmlDeviceGetSupportedEventTypes"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    elif lacks == "register":
+        dev.fail["nvmlDeviceRegisterEvents"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+    else:
+        dev.event_types = pynvml.nvmlEventTypePState
+    inv = Inventory(nvml)
+    for _ in range(3):
+        assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+    assert _told(caplog, "XID") == 1, [r.getMessage() for r in caplog.records]
+    if lacks in ("supported", "register", "types"):  # the other GPU is still watched
+        nvml.xid(0, 79)
+        assert [g.health for g in inv.discover().gpus] == [UNHEALTHY, HEALTHY]
+
+
+def test_xid_events_are_read_again_after_nvml_is_initialised_again() -> None:
+    """The driver unloaded (NVML shut down: its event set freed) and loaded again: the GPUs
+    are registered again in a new set."""
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    nvml.count_error = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    assert not inv.discover().available
+    assert [s.freed for s in nvml.event_sets] == [True]
+    nvml.count_error = None
+    inv.discover()
+    assert nvml.xid(1, 95) == 1
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
+
+
+async def test_a_hung_xid_read_is_judged_hung_like_any_nvml_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event read queries no one GPU: hung, every GPU is Unhealthy until it returns."""
+    monkeypatch.setattr(inventory_module, "HUNG_S", 0.3)
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    nvml.wait_hang = release = threading.Event()
+    hung = asyncio.create_task(asyncio.to_thread(inv.discover))
+    try:
+        await asyncio.to_thread(nvml.hung.wait, 5)
+        await asyncio.sleep(0.5)
+        assert [g.problem for g in inv.last.gpus] == [HUNG_PROBLEM] * 2
+    finally:
+        nvml.wait_hang = None
+        release.set()
+        await hung
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+
+
+async def test_a_critical_xid_is_published_and_exported(tmp_path: Path) -> None:
+    nvml = two_a100s()
+    async with FakeKube() as kube:
+        kube.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+                  "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}}})
+        async with kube.api_client() as api:
+            agent = Agent(_settings(tmp_path), LIB, inventory=Inventory(nvml), api_client=api)
+            await agent.step()
+            nvml.xid(1, 48)
+            await agent.step()
+            assert _published(kube) == {nvml.devices[0].uuid: HEALTHY, GPU1: UNHEALTHY}
+            node = kube.get("nodes", NODE) or {}
+            assert node["status"]["allocatable"]["nvidia.com/gpu"] == "10"
+    text = generate_latest(agent.registry).decode()
+    (line,) = [x for x in text.splitlines()
+               if x.startswith("gpuslice_gpu_unhealthy_reason{") and GPU1 in x]
+    assert "XID 48" in line and "double-bit ECC" in line and line.endswith(" 1.0")
+
+
+def test_the_agent_passes_its_xid_settings_to_its_inventory(tmp_path: Path) -> None:
+    agent = Agent(_settings(tmp_path, skip_xids=(48, 79)), LIB)
+    assert agent.inventory._xid_skip == APPLICATION_XIDS | {48, 79}
+    agent = Agent(_settings(tmp_path, xid_check=False), LIB)
+    assert agent.inventory._xid_skip is None
+
+
+async def test_a_gpu_whose_calls_hung_is_not_offered_as_soon_as_they_return(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU 1's health probe hangs past HUNG_S, then returns (a GPU dropping off the bus now
+    and then): while it hangs the GPU is Unhealthy (``last``), but the discovery it held up
+    ended with it Healthy, so a GPU hanging every other round was offered every other round.
+    Now that discovery finds it Unhealthy, and it is offered after RECOVER_ROUNDS more."""
+    monkeypatch.setattr(inventory_module, "HUNG_S", 0.3)
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    release = threading.Event()
+    nvml.devices[1].hang["nvmlDeviceGetRemappedRows"] = release
+    held = asyncio.create_task(asyncio.to_thread(inv.discover))
+    try:
+        await asyncio.to_thread(nvml.hung.wait, 5)
+        await asyncio.sleep(0.5)
+        assert [g.health for g in inv.last.gpus] == [HEALTHY, UNHEALTHY]
+    finally:
+        del nvml.devices[1].hang["nvmlDeviceGetRemappedRows"]
+        release.set()
+        ended = await held
+    assert [g.health for g in ended.gpus] == [HEALTHY, UNHEALTHY], \
+        "the discovery a hung call held up offered the GPU as soon as the call returned"
+    assert "hung" in ended.gpus[1].problem
+    for _ in range(RECOVER_ROUNDS - 1):
+        assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
