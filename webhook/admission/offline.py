@@ -1,8 +1,13 @@
 """Offline use of the mutation for CI pipelines: ``gpuslice mutate`` and ``gpuslice check``.
 
 Both read YAML or JSON manifests (multi-document, ``-`` for stdin, ``kind: List`` items
-included) and apply :func:`mutate_pod` to each Pod and to the pod template of Deployments,
-StatefulSets, DaemonSets, ReplicaSets, Jobs and CronJobs; other kinds pass through unchanged.
+included) and apply :func:`mutate_pod` to each Pod, to the pod template of Deployments,
+StatefulSets, DaemonSets, ReplicaSets, ReplicationControllers, Jobs and CronJobs, and to every
+pod template of the custom resources in :data:`CUSTOM_SHAPES` (Kubeflow training jobs and
+Trainer runtimes, JobSet, LeaderWorkerSet, KubeRay, Volcano Job; Knative is checked only).
+Kinds are matched with their API group, so a look-alike kind of another group, and every
+other kind, passes through unchanged. Argo Workflows are not read: a workflow step names one
+container, not a pod template, and the pods Argo builds from it pass through the webhook.
 
 * ``mutate`` prints every document (mutated where it applies) as multi-document YAML on stdout,
   warnings and denials on stderr; exit 1 when something is denied, 2 when input is unreadable.
@@ -51,6 +56,68 @@ TEMPLATE_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The API groups of the core kinds above (an object without apiVersion is taken as one of them).
+_CORE_GROUPS: dict[str, tuple[str, ...]] = {
+    "Pod": ("",), "ReplicationController": ("",),
+    "Deployment": ("apps", "extensions"), "StatefulSet": ("apps",),
+    "DaemonSet": ("apps", "extensions"), "ReplicaSet": ("apps", "extensions"),
+    "Job": ("batch",), "CronJob": ("batch",),
+}
+
+_RAY_CLUSTER = ("headGroupSpec.template", "workerGroupSpecs?.*.template")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Where a custom resource keeps its pod templates.
+
+    Each path is dotted; ``*`` stands for every entry of a map or list, and a key ending in
+    ``?`` may be absent (then that path has no template). A missing key elsewhere is reported.
+    ``rewrite`` False: ``check`` reports on the templates, ``mutate`` leaves them as they are.
+    """
+
+    paths: tuple[str, ...]
+    rewrite: bool = True
+    note: str = ""
+
+
+# Pod templates of the custom resources ML workloads are written as, by (API group, kind),
+# at the paths of the projects' API types. Their pods still pass through the webhook; these
+# are for the systems that count a template's resources before any pod exists (Kueue,
+# Volcano's PodGroup minResources, KubeRay).
+CUSTOM_SHAPES: dict[tuple[str, str], Shape] = {
+    # Kubeflow training-operator (kubeflow.org/v1) and mpi-operator (v2beta1): a map from
+    # replica type (Master, Worker, PS, Launcher, ...) to a ReplicaSpec with a pod template.
+    **{("kubeflow.org", kind): Shape((f"spec.{field}.*.template",)) for kind, field in (
+        ("PyTorchJob", "pytorchReplicaSpecs"), ("TFJob", "tfReplicaSpecs"),
+        ("XGBoostJob", "xgbReplicaSpecs"), ("PaddleJob", "paddleReplicaSpecs"),
+        ("JAXJob", "jaxReplicaSpecs"), ("MPIJob", "mpiReplicaSpecs"))},
+    # Kubeflow Trainer v2: a TrainJob has no pod template (spec.trainer.resourcesPerNode is
+    # merged into the runtime's trainer container when the JobSet is built); the runtimes
+    # hold a JobSet template.
+    **{("trainer.kubeflow.org", kind): Shape(
+        ("spec.template.spec.replicatedJobs.*.template.spec.template",))
+       for kind in ("TrainingRuntime", "ClusterTrainingRuntime")},
+    ("jobset.x-k8s.io", "JobSet"): Shape(("spec.replicatedJobs.*.template.spec.template",)),
+    ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"): Shape(
+        ("spec.leaderWorkerTemplate.leaderTemplate?", "spec.leaderWorkerTemplate.workerTemplate")),
+    ("ray.io", "RayCluster"): Shape(tuple(f"spec.{p}" for p in _RAY_CLUSTER)),
+    ("ray.io", "RayJob"): Shape(tuple(f"spec.rayClusterSpec?.{p}" for p in _RAY_CLUSTER)
+                                + ("spec.submitterPodTemplate?",)),
+    ("ray.io", "RayService"): Shape(tuple(f"spec.rayClusterConfig.{p}" for p in _RAY_CLUSTER)),
+    ("batch.volcano.sh", "Job"): Shape(("spec.tasks.*.template",)),
+    # Knative's revision template is a PodSpec with more fields, and Knative's own webhook
+    # refuses schedulerName, nodeSelector, runtimeClassName and hostPath volumes unless
+    # feature flags allow them; nothing counts its template's GPUs, so it is only checked.
+    **{("serving.knative.dev", kind): Shape(
+        ("spec.template",), rewrite=False,
+        note="not rewritten: Knative refuses the mutated fields (schedulerName, nodeSelector, "
+             "hostPath volumes) unless its feature flags allow them; the webhook mutates the "
+             "pods Knative creates")
+       for kind in ("Service", "Configuration")},
+}
+
+
 class InputError(Exception):
     """A manifest cannot be read or parsed."""
 
@@ -63,6 +130,7 @@ class Finding:
     label: str
     result: MutationResult | None
     error: str | None = None
+    note: str | None = None  # why ``mutate`` printed a template that needs mutating unchanged
 
 
 def _metadata(obj: dict[str, Any]) -> dict[str, Any]:
@@ -77,9 +145,58 @@ def _label(obj: dict[str, Any], doc: int) -> str:
     return f"{obj.get('kind', 'object')}/{name}"
 
 
+def _group(obj: dict[str, Any]) -> str | None:
+    """The API group of ``obj`` ("" for core/v1), or None when it names no apiVersion."""
+    api = obj.get("apiVersion")
+    if not isinstance(api, str) or not api:
+        return None
+    return api.rpartition("/")[0]
+
+
+Path = tuple[str | int, ...]
+
+
+def _dotted(path: Path) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+
+def _templates(obj: dict[str, Any], pattern: str) -> Iterator[tuple[Path, Any]]:
+    """Every template matching ``pattern`` (see :class:`Shape`) with its path, in order.
+
+    Where a key is missing or of the wrong type the item is ``(path, BadObject)`` instead.
+    """
+    def walk(node: Any, keys: list[str], path: Path) -> Iterator[tuple[Path, Any]]:
+        if not keys:
+            yield path, node
+            return
+        key, rest = keys[0], keys[1:]
+        if key == "*":
+            if isinstance(node, dict):
+                entries: Iterable[tuple[str | int, Any]] = node.items()
+            elif isinstance(node, list):
+                entries = enumerate(node)
+            else:
+                yield path, BadObject(f"{_dotted(path)} must be a map or a list")
+                return
+            for k, child in entries:
+                yield from walk(child, rest, (*path, k))
+            return
+        optional = key.endswith("?")
+        key = key.rstrip("?")
+        child = node.get(key) if isinstance(node, dict) else None
+        if child is None and optional:
+            return
+        if child is None or (not isinstance(child, dict) and rest[:1] != ["*"]):
+            yield path, BadObject(f"{_dotted((*path, key))} is missing")
+            return
+        yield from walk(child, rest, (*path, key))
+
+    return walk(obj, pattern.split("."), ())
+
+
 def _mutate_object(obj: Any, source: str, doc: int, settings: Settings,
                    findings: list[Finding]) -> Any:
-    """Return ``obj`` with its pod (template) mutated; record a finding for every pod seen."""
+    """Return ``obj`` with its pod (templates) mutated; record a finding for every pod seen."""
     if not isinstance(obj, dict):
         return obj
     kind = obj.get("kind")
@@ -88,13 +205,19 @@ def _mutate_object(obj: Any, source: str, doc: int, settings: Settings,
     if kind.endswith("List") and isinstance(obj.get("items"), list):
         return {**obj, "items": [_mutate_object(item, source, doc, settings, findings)
                                  for item in obj["items"]]}
+    group = _group(obj)
+    label = _label(obj, doc)
+    shape = CUSTOM_SHAPES.get((group, kind)) if group is not None else None
+    if shape is not None:
+        return _mutate_templates(obj, shape, label, source, settings, findings)
+    if group is not None and group not in _CORE_GROUPS.get(kind, ()):
+        return obj
     if kind == "Pod":
         path: tuple[str, ...] = ()
     elif kind in TEMPLATE_PATHS:
         path = TEMPLATE_PATHS[kind]
     else:
         return obj
-    label = _label(obj, doc)
     namespace = _metadata(obj).get("namespace")
     try:
         target = _get(obj, path)
@@ -110,6 +233,30 @@ def _mutate_object(obj: Any, source: str, doc: int, settings: Settings,
     return _replace(obj, path, result.pod)
 
 
+def _mutate_templates(obj: dict[str, Any], shape: Shape, label: str, source: str,
+                      settings: Settings, findings: list[Finding]) -> dict[str, Any]:
+    """Mutate each pod template of a custom resource; one finding per template."""
+    namespace = _metadata(obj).get("namespace")
+    out = obj
+    for pattern in shape.paths:
+        for path, template in _templates(obj, pattern):
+            if isinstance(template, BadObject):
+                findings.append(Finding(source, label, None, str(template)))
+                continue
+            where = f"{label}: {_dotted(path)}"
+            try:
+                result = mutate_pod(template, settings, namespace=namespace,
+                                    max_gpu_memory_mib=settings.max_gpu_memory_mib)
+            except BadObject as exc:
+                findings.append(Finding(source, where, None, str(exc)))
+                continue
+            keep = result.changed and not shape.rewrite
+            findings.append(Finding(source, where, result, note=shape.note if keep else None))
+            if result.changed and result.pod is not None and shape.rewrite:
+                out = _replace(out, path, result.pod)
+    return out
+
+
 def _get(obj: Any, path: tuple[str, ...]) -> Any:
     for key in path:
         if not isinstance(obj, dict) or not isinstance(obj.get(key), dict):
@@ -118,10 +265,14 @@ def _get(obj: Any, path: tuple[str, ...]) -> Any:
     return obj
 
 
-def _replace(obj: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+def _replace(obj: Any, path: Path, value: Any) -> Any:
     if not path:
         return value
-    return {**obj, path[0]: _replace(obj[path[0]], path[1:], value)}
+    key = path[0]
+    if isinstance(key, int):
+        return [_replace(item, path[1:], value) if i == key else item
+                for i, item in enumerate(obj)]
+    return {**obj, key: _replace(obj[key], path[1:], value)}
 
 
 def _documents(source: str) -> Iterator[Any]:
@@ -191,6 +342,8 @@ def cmd_mutate(args: argparse.Namespace) -> int:
     for f in findings:
         for warning in (f.result.warnings if f.result is not None else ()):
             print(f"{f.source}: {f.label}: warning: {warning}", file=sys.stderr)
+        if f.note is not None:
+            print(f"{f.source}: {f.label}: {f.note}", file=sys.stderr)
     lines = problems(findings)
     for line in lines:
         print(line, file=sys.stderr)
