@@ -13,7 +13,7 @@ On start (:func:`ensure_tls`, also run by the chart's init container as
 2. set ``caBundle`` of every webhook in MutatingWebhookConfiguration ``webhook_config_name``
    with a JSON patch guarded by ``test`` operations (no request when it is already right);
 3. write ``ca.crt``, ``tls.crt`` and ``tls.key`` into ``cert_dir`` atomically (only when they
-   changed; the server reloads changed files, the kube-scheduler container reads ``ca.crt``).
+   changed; the server reloads changed files).
    A certificate from a new CA is written only after step 2, so the service never serves one
    the caBundle does not trust yet; a renewal from the same CA is written before it.
 

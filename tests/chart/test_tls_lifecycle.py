@@ -302,3 +302,110 @@ async def test_switch_from_cert_manager_to_secret_keeps_the_old_pods_trusted(
                 await new.stop()
     finally:
         await old.cleanup()
+
+
+class SchedulerClient:
+    """The chart's kube-scheduler container calling its extender: the client that
+    ``makeTransport`` (pkg/scheduler/extender.go) builds once, when the scheduler starts, from
+    the extender's ``tlsConfig`` (``restclient.TLSConfigFor`` reads ``caFile`` then, and never
+    again); ``caFile`` in the chart's cert dir is read from ``cert_dir``."""
+
+    def __init__(self, tls_config: dict[str, Any], chart_cert_dir: str, cert_dir: Path) -> None:
+        if tls_config.get("insecure"):
+            assert not tls_config.get("caFile")  # TLSConfigFor refuses both
+            self.context = ssl.create_default_context()
+            self.context.check_hostname, self.context.verify_mode = False, ssl.CERT_NONE
+        else:
+            ca_file = Path(tls_config["caFile"])
+            assert str(ca_file.parent) == chart_cert_dir
+            self.context = ssl.create_default_context(cadata=(cert_dir / ca_file.name).read_text())
+        self.server_name = tls_config.get("serverName") or "127.0.0.1"
+
+    async def reaches(self, port: int) -> bool:
+        """Whether a call to the extender on 127.0.0.1 gets past TLS (and is answered)."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                "127.0.0.1", port, ssl=self.context, server_hostname=self.server_name), 5)
+        except ssl.SSLError:
+            return False
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = await reader.read()
+        writer.close()
+        return answer.startswith(b"HTTP/1.1 200")
+
+
+async def _wait_for(predicate: Any, limit_s: float = 5.0) -> bool:
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("mode", ["secret", "cert-manager"])
+async def test_the_scheduler_reaches_its_extender_after_the_ca_changes_under_it(
+        tmp_path: Path, render: Any, mode: str) -> None:
+    """The kube-scheduler container reads its extender CA once, at start; nothing restarts it
+    when the CA changes in a running pod: in secret mode a new CA when the Secret is deleted
+    (or its CA expires), in cert-manager mode a serving certificate renewed by an issuer whose
+    CA changed (an external issuer's, or the release's own CA renewed with a new key). Before:
+    the webhook served the new certificate at once (caBundle updated, pods admitted), but every
+    extender call failed the scheduler's TLS check until the pod was restarted: GPU pods
+    unschedulable (`ignorable: false`). The scheduler no longer pins a CA on the pod's loopback."""
+    rendered = render({"tls": {"mode": mode}})
+    ksc = rendered.config("gpuslice-scheduler")
+    chart_cert_dir = rendered.config("gpuslice-config")["cert_dir"]
+    [extender] = ksc["extenders"]
+    assert extender["urlPrefix"].startswith("https://127.0.0.1:")  # the pod's own loopback
+    mwc = rendered.one("MutatingWebhookConfiguration")
+    async with FakeKube() as kube:
+        kube.put(mwc)
+        name = mwc["metadata"]["name"]
+        if mode == "secret":
+            replica = Replica(kube, tmp_path, "r1", name)
+            await replica.start()
+            stop, port, cert_dir = replica.stop, replica.port, Path(replica.settings.cert_dir)
+        else:  # the mounted Secret, as cert-manager issued it
+            cert_dir = tmp_path / "cm"
+            ca, ca_key = tls.new_ca(common_name="gpuslice-ca")
+            crt, key = tls.issue_serving_cert(ca, ca_key, NS, SERVICE, 90)
+            bootstrap.write_files(cert_dir, Material(ca, b"", crt, key))
+            app = create_app(Settings(cert_dir=str(cert_dir), tls_mode="files",
+                                      placement_enabled=False), cert_reload_interval=0.05)
+            runner = await start_https(app, "127.0.0.1", 0)
+            stop, port = runner.cleanup, runner.addresses[0][1]
+        try:
+            scheduler = SchedulerClient(extender["tlsConfig"], chart_cert_dir, cert_dir)
+            assert await scheduler.reaches(port)
+            before = (cert_dir / "tls.crt").read_bytes()
+            if mode == "secret":
+                kube.delete("secrets", SECRET, NS)
+                async with kube.api_client() as api:  # the service's next check
+                    assert await bootstrap.reconcile(replica.settings, api)
+            else:
+                ca, ca_key = tls.new_ca(common_name="gpuslice-ca")
+                crt, key = tls.issue_serving_cert(ca, ca_key, NS, SERVICE, 90)
+                bootstrap.write_files(cert_dir, Material(ca, b"", crt, key))
+            assert (cert_dir / "tls.crt").read_bytes() != before
+
+            async def serving_the_new_one() -> bool:
+                return await admits_with(cert_dir, port)
+            assert await _wait_for(serving_the_new_one), "the new certificate is not served"
+            assert await scheduler.reaches(port), \
+                "the scheduler's extender calls fail after the CA changed"
+        finally:
+            await stop()
+
+
+async def admits_with(cert_dir: Path, port: int) -> bool:
+    """Whether the certificate served verifies against ``cert_dir/ca.crt`` as it is now (what
+    the caBundle holds once it is set)."""
+    context = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname=f"{SERVICE}.{NS}.svc"), 5)
+    except ssl.SSLError:
+        return False
+    writer.close()
+    return True
