@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 import yaml
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from fakekube import FakeKube
 
 from webhook import bootstrap, tls
@@ -409,3 +411,53 @@ async def admits_with(cert_dir: Path, port: int) -> bool:
         return False
     writer.close()
     return True
+
+
+def _self_signed_ca(key: Any, common_name: str) -> bytes:
+    """A CA certificate for ``key`` as cert-manager's SelfSigned issuer makes it (the subject
+    from the Certificate's commonName, the key identifier from the key)."""
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, common_name)])
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=1))
+            .not_valid_after(now + dt.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False,
+                                         False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+async def test_the_release_ca_renewed_by_cert_manager_still_trusts_the_served_certificate(
+        tmp_path: Path, render: Any) -> None:
+    """tls.mode=cert-manager with the release's own CA: cert-manager renews the CA Certificate
+    at two thirds of its 10 years; at the serving certificate's next renewal the Secret's
+    ca.crt becomes the renewed CA and cainjector puts it alone into the caBundle at once, while
+    every pod serves the previous certificate until the kubelet refreshes its Secret volume
+    (about a minute). cert-manager 1.18 and later make a new key at a renewal unless the
+    Certificate says `rotationPolicy: Never`; before, the chart's CA said nothing: the renewed
+    CA did not verify the served certificate and GPU pods were refused meanwhile."""
+    spec = render({"tls": {"mode": "cert-manager"}}).one("Certificate", "gpuslice-ca")["spec"]
+    assert spec["isCA"] is True
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _self_signed_ca(ca_key, spec["commonName"])
+    served_crt, served_key = tls.issue_serving_cert(
+        ca, ca_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption()), NS, SERVICE, 365)
+    cert_dir = tmp_path / "mounted"  # the pods' view of the Secret
+    bootstrap.write_files(cert_dir, Material(ca, b"", served_crt, served_key))
+    runner = await start_https(create_app(Settings(cert_dir=str(cert_dir), tls_mode="files",
+                                                   placement_enabled=False)), "127.0.0.1", 0)
+    try:
+        policy = spec["privateKey"].get("rotationPolicy", "Always")  # cert-manager >= 1.18
+        renewed_key = ca_key if policy == "Never" else ec.generate_private_key(ec.SECP256R1())
+        injected = tmp_path / "injected"  # the caBundle once cainjector set it
+        injected.mkdir()
+        (injected / "ca.crt").write_bytes(_self_signed_ca(renewed_key, spec["commonName"]))
+        assert await admits_with(injected, runner.addresses[0][1]), \
+            "the renewed CA does not verify the certificate the pods still serve"
+    finally:
+        await runner.cleanup()
