@@ -15,14 +15,18 @@ import asyncio
 import base64
 import copy
 import datetime as dt
+import json
+import os
 import ssl
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 import yaml
+from aiohttp import web
+from chart.conftest import CHART, RELEASE, helm_binary, load_all
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -459,5 +463,148 @@ async def test_the_release_ca_renewed_by_cert_manager_still_trusts_the_served_ce
         (injected / "ca.crt").write_bytes(_self_signed_ca(renewed_key, spec["commonName"]))
         assert await admits_with(injected, runner.addresses[0][1]), \
             "the renewed CA does not verify the certificate the pods still serve"
+    finally:
+        await runner.cleanup()
+
+
+class LookupCluster:
+    """Just enough of an API server for `helm template --dry-run=server` (the real helm
+    binary), which renders as `helm upgrade` does, `lookup` included: discovery of the kinds
+    the chart renders, the live objects in ``objects``, 404 for any other; it writes nothing."""
+
+    def __init__(self, kinds: list[dict[str, Any]], objects: list[dict[str, Any]]) -> None:
+        self.groups: dict[str, list[dict[str, Any]]] = {}
+        for obj in kinds:
+            kind = obj["kind"]
+            plural = kind.lower()[:-1] + "ies" if kind.endswith("y") else kind.lower() + "s"
+            entry = {"name": plural, "singularName": kind.lower(), "kind": kind,
+                     "namespaced": "namespace" in obj["metadata"],
+                     "verbs": ["get", "list", "create", "update", "patch"]}
+            if entry not in self.groups.setdefault(obj["apiVersion"], []):
+                self.groups[obj["apiVersion"]].append(entry)
+        self.objects = {self._path(o): o for o in objects}
+        self.runner: Any = None
+        self.url = ""
+
+    def _path(self, obj: dict[str, Any]) -> str:
+        gv = obj["apiVersion"]
+        [entry] = [e for e in self.groups[gv] if e["kind"] == obj["kind"]]
+        ns = obj["metadata"].get("namespace")
+        return "/".join(["/api" if gv == "v1" else f"/apis/{gv}",
+                         *(["namespaces", ns] if ns else []), entry["name"],
+                         obj["metadata"]["name"]])
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        path, groups = request.path, [gv for gv in self.groups if gv != "v1"]
+        if path == "/version":
+            return web.json_response({"major": "1", "minor": "30", "gitVersion": "v1.30.0"})
+        if path == "/api":
+            return web.json_response({"kind": "APIVersions", "versions": ["v1"]})
+        if path == "/apis":
+            return web.json_response({"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                {"name": gv.split("/")[0], "versions": [{"groupVersion": gv,
+                                                         "version": gv.split("/")[1]}],
+                 "preferredVersion": {"groupVersion": gv, "version": gv.split("/")[1]}}
+                for gv in groups]})
+        gv = "v1" if path == "/api/v1" else path.removeprefix("/apis/")
+        if gv in self.groups:
+            return web.json_response({"kind": "APIResourceList", "apiVersion": "v1",
+                                      "groupVersion": gv, "resources": self.groups[gv]})
+        if request.method == "GET" and path in self.objects:
+            return web.json_response(self.objects[path])
+        return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                  "reason": "NotFound", "code": 404}, status=404)
+
+    async def __aenter__(self) -> Self:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+
+    async def upgrade_render(self, values: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
+        """The objects `helm upgrade` with ``values`` would apply to this cluster."""
+        binary = helm_binary()
+        if binary is None:
+            pytest.skip("helm not found: run `bash scripts/setup.sh` (puts it at .tools/helm)")
+        kubeconfig = tmp / "helm.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": self.url}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+        (tmp / "values.json").write_text(json.dumps(values))
+        proc = await asyncio.create_subprocess_exec(
+            binary, "template", RELEASE, str(CHART), "--namespace", NS, "--dry-run=server",
+            "--disable-openapi-validation", "--kubeconfig", str(kubeconfig),
+            "-f", str(tmp / "values.json"), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **{f"HELM_{d}_HOME": str(tmp / "helm") for d in
+                                  ("CACHE", "CONFIG", "DATA")}})
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        return load_all(out.decode())
+
+
+def _helm_three_way(original: dict[str, Any], target: dict[str, Any],
+                    live: dict[str, Any]) -> dict[str, Any]:
+    """The live webhook configuration after Helm's client-side upgrade (a three-way strategic
+    merge; webhooks merge by name): a caBundle the previous revision's manifest carried and the
+    new one does not is deleted; one the new manifest carries is set."""
+    result = copy.deepcopy(live)
+    before = {h["name"]: h["clientConfig"] for h in original["webhooks"]}
+    after = {h["name"]: h["clientConfig"] for h in target["webhooks"]}
+    for hook in result["webhooks"]:
+        if "caBundle" in after.get(hook["name"], {}):
+            hook["clientConfig"]["caBundle"] = after[hook["name"]]["caBundle"]
+        elif "caBundle" in before.get(hook["name"], {}):
+            hook["clientConfig"].pop("caBundle", None)
+    return result
+
+
+async def test_switch_from_secret_to_cert_manager_keeps_the_ca_bundle_until_cainjector_sets_it(
+        tmp_path: Path, render: Any) -> None:
+    """`helm upgrade --set tls.mode=cert-manager` over secret mode (Helm's client-side
+    upgrade, Helm 3's): the previous revision's manifest carried the caBundle its `lookup`
+    found, the chart's cert-manager render did not look it up, so Helm deleted it: every GPU
+    pod refused until cert-manager has issued and cainjector injected its CA (for as long as
+    cert-manager cannot issue: an issuerRef wrong, cert-manager busy). The pods meanwhile serve
+    the secret mode's certificate (the old ones until replaced, the new ones from the Secret
+    they mount until cert-manager reissues it): the caBundle that trusts it now stays."""
+    kinds = render({"tls": {"mode": "cert-manager"}}).objects + \
+        render({"tls": {"mode": "secret"}}).objects
+    ca, ca_key = tls.new_ca()
+    crt, key = tls.issue_serving_cert(ca, ca_key, NS, SERVICE, 365)
+    bundle = base64.b64encode(ca).decode()
+    live = copy.deepcopy(render({"tls": {"mode": "secret"}}).one("MutatingWebhookConfiguration"))
+    for hook in live["webhooks"]:  # the service's patch
+        hook["clientConfig"]["caBundle"] = bundle
+    live["metadata"].setdefault("labels", {})["app.kubernetes.io/managed-by"] = "Helm"
+    live["metadata"]["annotations"] = {"meta.helm.sh/release-name": RELEASE,
+                                       "meta.helm.sh/release-namespace": NS}
+    async with LookupCluster(kinds, [live]) as cluster:
+        previous = next(o for o in await cluster.upgrade_render({}, tmp_path)
+                        if o["kind"] == "MutatingWebhookConfiguration")
+        assert previous["webhooks"][0]["clientConfig"]["caBundle"] == bundle  # looked up
+        switched = next(o for o in await cluster.upgrade_render(
+            {"tls": {"mode": "cert-manager"}}, tmp_path)
+            if o["kind"] == "MutatingWebhookConfiguration")
+    assert "cert-manager.io/inject-ca-from" in switched["metadata"]["annotations"]
+    after = _helm_three_way(previous, switched, live)
+    cert_dir = tmp_path / "certs"
+    bootstrap.write_files(cert_dir, Material(ca, ca_key, crt, key))
+    runner = await start_https(create_app(Settings(cert_dir=str(cert_dir), tls_mode="files",
+                                                   placement_enabled=False)), "127.0.0.1", 0)
+    try:
+        async with FakeKube() as kube:
+            kube.put(after)
+            assert await admits(kube, live["metadata"]["name"], runner.addresses[0][1]), \
+                "the upgrade took the caBundle away before cainjector set one"
     finally:
         await runner.cleanup()
