@@ -608,3 +608,36 @@ async def test_switch_from_secret_to_cert_manager_keeps_the_ca_bundle_until_cain
                 "the upgrade took the caBundle away before cainjector set one"
     finally:
         await runner.cleanup()
+
+
+async def test_a_deleted_secret_leaves_the_other_replicas_trusted(
+        tmp_path: Path, chart_mwc: dict[str, Any]) -> None:
+    """The Secret deleted under running replicas (by hand, to force a new CA, or by a tool):
+    the first replica to check makes a new CA and sets the caBundle. Before, to the new CA
+    alone, the old one having gone with the Secret: the API server refused every call that
+    reached another replica until that one had read the new Secret and reloaded its
+    certificate. The CA the replica served until then stays in the bundle for the day."""
+    name = chart_mwc["metadata"]["name"]
+    async with FakeKube() as kube:
+        kube.put(chart_mwc)
+        a, b = Replica(kube, tmp_path, "a", name), Replica(kube, tmp_path, "b", name)
+        await a.start()
+        await b.start()
+        try:
+            assert await admits(kube, name, b.port)
+            kube.delete("secrets", SECRET, NS)
+            refused: list[float] = []
+            async with kube.api_client() as api:  # a's next check
+                task = asyncio.create_task(bootstrap.reconcile(a.settings, api))
+                start = time.monotonic()
+                while not task.done() or time.monotonic() - start < 1.0:
+                    if not await admits(kube, name, b.port):
+                        refused.append(time.monotonic())
+                    await asyncio.sleep(0.005)
+                assert await task
+            assert await admits(kube, name, a.port)
+            assert not refused, f"calls reaching replica b refused for " \
+                f"{refused[-1] - refused[0]:.3f} s (its certificate reloads every 0.05 s here)"
+        finally:
+            await a.stop()
+            await b.stop()
