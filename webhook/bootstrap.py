@@ -7,13 +7,14 @@ On start (:func:`ensure_tls`, also run by the chart's init container as
    certificate when it is absent, renew the serving certificate (same CA, so clients that
    trust the CA keep working) when it expires within 30 days or is unusable, and make a new CA
    only when the CA itself is expiring or broken (``ca.crt`` then carries the old CA too, or
-   the ``ca.crt`` of a Secret without a usable CA key such as cert-manager's, for a day, so the
-   pods still serving a certificate it signed stay trusted). Two replicas racing to create it converge: the loser of the 409 uses the winner's;
+   the ``ca.crt`` of a Secret without a usable CA key such as cert-manager's, or the replica's
+   own when the Secret is gone, for a day, so the pods still serving a certificate it signed
+   stay trusted). Two replicas racing to create it converge: the loser of the 409 uses the winner's;
    updates use the resourceVersion read, so a conflicting rotation is re-read, never clobbered;
 2. set ``caBundle`` of every webhook in MutatingWebhookConfiguration ``webhook_config_name``
    with a JSON patch guarded by ``test`` operations (no request when it is already right);
 3. write ``ca.crt``, ``tls.crt`` and ``tls.key`` into ``cert_dir`` atomically (only when they
-   changed; the server reloads changed files, the kube-scheduler container reads ``ca.crt``).
+   changed; the server reloads changed files).
    A certificate from a new CA is written only after step 2, so the service never serves one
    the caBundle does not trust yet; a renewal from the same CA is written before it.
 
@@ -128,8 +129,9 @@ def renew(m: Material | None, decision: str, namespace: str, service: str,
 
     A new CA's bundle carries the previous CA while it is valid: that of ``m``, or else the
     first CA of ``previous_bundle`` (the ``ca.crt`` of a Secret without a usable CA and key,
-    such as cert-manager's after a switch from ``tls.mode=cert-manager``), so the pods still
-    serving a certificate it signed stay trusted until they are replaced; ``"trim"`` drops it."""
+    such as cert-manager's after a switch from ``tls.mode=cert-manager``, or the one the
+    replica serves when the Secret was deleted), so the pods still serving a certificate it
+    signed stay trusted until they are replaced; ``"trim"`` drops it."""
     if decision == "ok" and m is not None:
         return m
     if decision == "trim" and m is not None:
@@ -253,8 +255,11 @@ async def _settle_secret(core: client.CoreV1Api, settings: Settings, namespace: 
         decision = assess(current, namespace, settings.service_name, now)
         if decision == "ok" and current is not None:
             return current
-        fresh = renew(current, decision, namespace, settings.service_name, now,
-                      _secret_ca_crt(secret.data if secret is not None else None))
+        # A Secret gone or without ca.crt: the CA this replica serves (the others too) stays
+        # trusted while they take the new one.
+        previous = _secret_ca_crt(secret.data if secret is not None else None) or \
+            _read_file(Path(settings.cert_dir) / CA_CERT)
+        fresh = renew(current, decision, namespace, settings.service_name, now, previous)
         version = secret.metadata.resource_version if secret is not None else None
         manifest = _secret_manifest(name, namespace, fresh, version)
         try:

@@ -385,7 +385,7 @@ def _free_port() -> int:
 
 
 async def _https_get(port: int, path: str, cafile: Path, server_name: str) -> bytes:
-    """GET over TLS verified like the kube-scheduler's extender client: CA file + serverName."""
+    """GET over TLS verified as the API server verifies the webhook: CA file + serverName."""
     context = ssl.create_default_context(cafile=str(cafile))
     reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context,
                                                    server_hostname=server_name)
@@ -400,7 +400,7 @@ async def test_serve_in_secret_mode_answers_the_way_the_scheduler_calls_it(
         tmp_path: Path) -> None:
     """`gpuslice serve --tls-mode secret` (the chart's webhook container): the certificate it
     serves verifies against the Secret's ca.crt for serverName <service>.<ns>.svc on
-    127.0.0.1, which is the chart's extender tlsConfig."""
+    127.0.0.1, as the API server checks it with the caBundle."""
     async with FakeKube() as kube:
         kube.put(webhook_configuration())
         kubeconfig = tmp_path / "kubeconfig"

@@ -282,9 +282,9 @@ def test_scheduler_configuration_calls_the_extender_in_the_same_pod(values: dict
         ("filter", "prioritize", "bind")
     assert ext["enableHTTPS"] is True and ext["nodeCacheCapable"] is True
     assert ext["ignorable"] is False and ext["weight"] >= 1
-    assert ext["tlsConfig"]["insecure"] is False
-    assert ext["tlsConfig"]["serverName"] in service_names(NS, settings["service_name"])
-    assert ext["tlsConfig"]["caFile"] == f"{settings['cert_dir']}/ca.crt"
+    # The pod's loopback, which no one outside the pod reaches: no CA pinned, so none goes
+    # stale in a running scheduler (test_tls_lifecycle); client-go refuses a caFile beside it.
+    assert ext["tlsConfig"] == {"insecure": True}
     managed = {m["name"]: m["ignoredByScheduler"] for m in ext["managedResources"]}
     assert managed == {settings["resource_gpu"]: False, settings["resource_mem"]: False,
                        settings["resource_cores"]: False,
@@ -347,21 +347,27 @@ def test_scheduler_sends_every_feasible_node_to_the_extender(nodes: int, render:
     assert _nodes_the_extender_sees(ksc, profile, nodes) == nodes
 
 
-def test_scheduler_container_reads_the_config_and_the_ca_it_names(render: Any) -> None:
-    rendered = render()
+@pytest.mark.parametrize("mode", ["secret", "cert-manager"])
+def test_scheduler_container_reads_the_config_and_no_certificate(mode: str,
+                                                                 render: Any) -> None:
+    """It calls the extender on the pod's own loopback (no hostNetwork: only the pod's
+    containers listen there) and needs no file of the cert dir, whose serving key it would
+    otherwise read too."""
+    rendered = render({"tls": {"mode": mode}})
     deployment = rendered.one("Deployment", "gpuslice")
     scheduler = rendered.container(deployment, "kube-scheduler")
     ksc = rendered.config("gpuslice-scheduler")
+    assert not deployment["spec"]["template"]["spec"].get("hostNetwork")
+    assert ksc["extenders"][0]["urlPrefix"].startswith("https://127.0.0.1:")
     assert scheduler["command"][0] == "kube-scheduler"
     [config_flag] = [a for a in scheduler["command"] if a.startswith("--config=")]
     config_path = Path(config_flag.split("=", 1)[1])
     mounts = _mounts(scheduler)
     assert _volume(deployment, mounts[str(config_path.parent)]["name"])["configMap"]["name"] \
         == "gpuslice-scheduler"
-    ca_dir = str(Path(ksc["extenders"][0]["tlsConfig"]["caFile"]).parent)
-    assert mounts[ca_dir]["readOnly"] is True
-    webhook = rendered.container(deployment, "webhook")
-    assert _mounts(webhook)[ca_dir]["name"] == mounts[ca_dir]["name"]  # the same volume
+    cert_dir = rendered.config("gpuslice-config")["cert_dir"]
+    certs = _mounts(rendered.container(deployment, "webhook"))[cert_dir]["name"]
+    assert certs not in {m["name"] for m in mounts.values()}
     lease_role = rendered.one("Role", "gpuslice-scheduler-lease")
     assert [ksc["leaderElection"]["resourceName"]] in \
         [r.get("resourceNames") for r in lease_role["rules"]]
@@ -544,8 +550,8 @@ def test_cert_manager_objects_refer_to_each_other(issuer: dict[str, Any] | None,
     assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
         f"{cert['metadata']['namespace']}/{cert['metadata']['name']}"
     assert "caBundle" not in mwc["webhooks"][0]["clientConfig"]
-    ksc = rendered.config("gpuslice-scheduler")
-    assert ksc["extenders"][0]["tlsConfig"]["serverName"] in cert["spec"]["dnsNames"]
+    svc = mwc["webhooks"][0]["clientConfig"]["service"]
+    assert f"{svc['name']}.{svc['namespace']}.svc" in cert["spec"]["dnsNames"]  # the API server's
     assert set(cert["spec"]["dnsNames"]) <= set(service_names(NS, "gpuslice"))
     assert "server auth" in cert["spec"]["usages"]
     ref = cert["spec"]["issuerRef"]

@@ -15,15 +15,21 @@ import asyncio
 import base64
 import copy
 import datetime as dt
+import json
+import os
 import ssl
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 import yaml
+from aiohttp import web
+from chart.conftest import CHART, RELEASE, helm_binary, load_all
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from fakekube import FakeKube
 
 from webhook import bootstrap, tls
@@ -302,3 +308,336 @@ async def test_switch_from_cert_manager_to_secret_keeps_the_old_pods_trusted(
                 await new.stop()
     finally:
         await old.cleanup()
+
+
+class SchedulerClient:
+    """The chart's kube-scheduler container calling its extender: the client that
+    ``makeTransport`` (pkg/scheduler/extender.go) builds once, when the scheduler starts, from
+    the extender's ``tlsConfig`` (``restclient.TLSConfigFor`` reads ``caFile`` then, and never
+    again); ``caFile`` in the chart's cert dir is read from ``cert_dir``."""
+
+    def __init__(self, tls_config: dict[str, Any], chart_cert_dir: str, cert_dir: Path) -> None:
+        if tls_config.get("insecure"):
+            assert not tls_config.get("caFile")  # TLSConfigFor refuses both
+            self.context = ssl.create_default_context()
+            self.context.check_hostname, self.context.verify_mode = False, ssl.CERT_NONE
+        else:
+            ca_file = Path(tls_config["caFile"])
+            assert str(ca_file.parent) == chart_cert_dir
+            self.context = ssl.create_default_context(cadata=(cert_dir / ca_file.name).read_text())
+        self.server_name = tls_config.get("serverName") or "127.0.0.1"
+
+    async def reaches(self, port: int) -> bool:
+        """Whether a call to the extender on 127.0.0.1 gets past TLS (and is answered)."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                "127.0.0.1", port, ssl=self.context, server_hostname=self.server_name), 5)
+        except ssl.SSLError:
+            return False
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = await reader.read()
+        writer.close()
+        return answer.startswith(b"HTTP/1.1 200")
+
+
+async def _wait_for(predicate: Any, limit_s: float = 5.0) -> bool:
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("mode", ["secret", "cert-manager"])
+async def test_the_scheduler_reaches_its_extender_after_the_ca_changes_under_it(
+        tmp_path: Path, render: Any, mode: str) -> None:
+    """The kube-scheduler container reads its extender CA once, at start; nothing restarts it
+    when the CA changes in a running pod: in secret mode a new CA when the Secret is deleted
+    (or its CA expires), in cert-manager mode a serving certificate renewed by an issuer whose
+    CA changed (an external issuer's, or the release's own CA renewed with a new key). Before:
+    the webhook served the new certificate at once (caBundle updated, pods admitted), but every
+    extender call failed the scheduler's TLS check until the pod was restarted: GPU pods
+    unschedulable (`ignorable: false`). The scheduler no longer pins a CA on the pod's loopback."""
+    rendered = render({"tls": {"mode": mode}})
+    ksc = rendered.config("gpuslice-scheduler")
+    chart_cert_dir = rendered.config("gpuslice-config")["cert_dir"]
+    [extender] = ksc["extenders"]
+    assert extender["urlPrefix"].startswith("https://127.0.0.1:")  # the pod's own loopback
+    mwc = rendered.one("MutatingWebhookConfiguration")
+    async with FakeKube() as kube:
+        kube.put(mwc)
+        name = mwc["metadata"]["name"]
+        if mode == "secret":
+            replica = Replica(kube, tmp_path, "r1", name)
+            await replica.start()
+            stop, port, cert_dir = replica.stop, replica.port, Path(replica.settings.cert_dir)
+        else:  # the mounted Secret, as cert-manager issued it
+            cert_dir = tmp_path / "cm"
+            ca, ca_key = tls.new_ca(common_name="gpuslice-ca")
+            crt, key = tls.issue_serving_cert(ca, ca_key, NS, SERVICE, 90)
+            bootstrap.write_files(cert_dir, Material(ca, b"", crt, key))
+            app = create_app(Settings(cert_dir=str(cert_dir), tls_mode="files",
+                                      placement_enabled=False), cert_reload_interval=0.05)
+            runner = await start_https(app, "127.0.0.1", 0)
+            stop, port = runner.cleanup, runner.addresses[0][1]
+        try:
+            scheduler = SchedulerClient(extender["tlsConfig"], chart_cert_dir, cert_dir)
+            assert await scheduler.reaches(port)
+            before = (cert_dir / "tls.crt").read_bytes()
+            if mode == "secret":
+                kube.delete("secrets", SECRET, NS)
+                async with kube.api_client() as api:  # the service's next check
+                    assert await bootstrap.reconcile(replica.settings, api)
+            else:
+                ca, ca_key = tls.new_ca(common_name="gpuslice-ca")
+                crt, key = tls.issue_serving_cert(ca, ca_key, NS, SERVICE, 90)
+                bootstrap.write_files(cert_dir, Material(ca, b"", crt, key))
+            assert (cert_dir / "tls.crt").read_bytes() != before
+
+            async def serving_the_new_one() -> bool:
+                return await admits_with(cert_dir, port)
+            assert await _wait_for(serving_the_new_one), "the new certificate is not served"
+            assert await scheduler.reaches(port), \
+                "the scheduler's extender calls fail after the CA changed"
+        finally:
+            await stop()
+
+
+async def admits_with(cert_dir: Path, port: int) -> bool:
+    """Whether the certificate served verifies against ``cert_dir/ca.crt`` as it is now (what
+    the caBundle holds once it is set)."""
+    context = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname=f"{SERVICE}.{NS}.svc"), 5)
+    except ssl.SSLError:
+        return False
+    writer.close()
+    return True
+
+
+def _self_signed_ca(key: Any, common_name: str) -> bytes:
+    """A CA certificate for ``key`` as cert-manager's SelfSigned issuer makes it (the subject
+    from the Certificate's commonName, the key identifier from the key)."""
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, common_name)])
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=1))
+            .not_valid_after(now + dt.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False,
+                                         False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+async def test_the_release_ca_renewed_by_cert_manager_still_trusts_the_served_certificate(
+        tmp_path: Path, render: Any) -> None:
+    """tls.mode=cert-manager with the release's own CA: cert-manager renews the CA Certificate
+    at two thirds of its 10 years; at the serving certificate's next renewal the Secret's
+    ca.crt becomes the renewed CA and cainjector puts it alone into the caBundle at once, while
+    every pod serves the previous certificate until the kubelet refreshes its Secret volume
+    (about a minute). cert-manager 1.18 and later make a new key at a renewal unless the
+    Certificate says `rotationPolicy: Never`; before, the chart's CA said nothing: the renewed
+    CA did not verify the served certificate and GPU pods were refused meanwhile."""
+    spec = render({"tls": {"mode": "cert-manager"}}).one("Certificate", "gpuslice-ca")["spec"]
+    assert spec["isCA"] is True
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _self_signed_ca(ca_key, spec["commonName"])
+    served_crt, served_key = tls.issue_serving_cert(
+        ca, ca_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption()), NS, SERVICE, 365)
+    cert_dir = tmp_path / "mounted"  # the pods' view of the Secret
+    bootstrap.write_files(cert_dir, Material(ca, b"", served_crt, served_key))
+    runner = await start_https(create_app(Settings(cert_dir=str(cert_dir), tls_mode="files",
+                                                   placement_enabled=False)), "127.0.0.1", 0)
+    try:
+        policy = spec["privateKey"].get("rotationPolicy", "Always")  # cert-manager >= 1.18
+        renewed_key = ca_key if policy == "Never" else ec.generate_private_key(ec.SECP256R1())
+        injected = tmp_path / "injected"  # the caBundle once cainjector set it
+        injected.mkdir()
+        (injected / "ca.crt").write_bytes(_self_signed_ca(renewed_key, spec["commonName"]))
+        assert await admits_with(injected, runner.addresses[0][1]), \
+            "the renewed CA does not verify the certificate the pods still serve"
+    finally:
+        await runner.cleanup()
+
+
+class LookupCluster:
+    """Just enough of an API server for `helm template --dry-run=server` (the real helm
+    binary), which renders as `helm upgrade` does, `lookup` included: discovery of the kinds
+    the chart renders, the live objects in ``objects``, 404 for any other; it writes nothing."""
+
+    def __init__(self, kinds: list[dict[str, Any]], objects: list[dict[str, Any]]) -> None:
+        self.groups: dict[str, list[dict[str, Any]]] = {}
+        for obj in kinds:
+            kind = obj["kind"]
+            plural = kind.lower()[:-1] + "ies" if kind.endswith("y") else kind.lower() + "s"
+            entry = {"name": plural, "singularName": kind.lower(), "kind": kind,
+                     "namespaced": "namespace" in obj["metadata"],
+                     "verbs": ["get", "list", "create", "update", "patch"]}
+            if entry not in self.groups.setdefault(obj["apiVersion"], []):
+                self.groups[obj["apiVersion"]].append(entry)
+        self.objects = {self._path(o): o for o in objects}
+        self.runner: Any = None
+        self.url = ""
+
+    def _path(self, obj: dict[str, Any]) -> str:
+        gv = obj["apiVersion"]
+        [entry] = [e for e in self.groups[gv] if e["kind"] == obj["kind"]]
+        ns = obj["metadata"].get("namespace")
+        return "/".join(["/api" if gv == "v1" else f"/apis/{gv}",
+                         *(["namespaces", ns] if ns else []), entry["name"],
+                         obj["metadata"]["name"]])
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        path, groups = request.path, [gv for gv in self.groups if gv != "v1"]
+        if path == "/version":
+            return web.json_response({"major": "1", "minor": "30", "gitVersion": "v1.30.0"})
+        if path == "/api":
+            return web.json_response({"kind": "APIVersions", "versions": ["v1"]})
+        if path == "/apis":
+            return web.json_response({"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                {"name": gv.split("/")[0], "versions": [{"groupVersion": gv,
+                                                         "version": gv.split("/")[1]}],
+                 "preferredVersion": {"groupVersion": gv, "version": gv.split("/")[1]}}
+                for gv in groups]})
+        gv = "v1" if path == "/api/v1" else path.removeprefix("/apis/")
+        if gv in self.groups:
+            return web.json_response({"kind": "APIResourceList", "apiVersion": "v1",
+                                      "groupVersion": gv, "resources": self.groups[gv]})
+        if request.method == "GET" and path in self.objects:
+            return web.json_response(self.objects[path])
+        return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                  "reason": "NotFound", "code": 404}, status=404)
+
+    async def __aenter__(self) -> Self:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+
+    async def upgrade_render(self, values: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
+        """The objects `helm upgrade` with ``values`` would apply to this cluster."""
+        binary = helm_binary()
+        if binary is None:
+            pytest.skip("helm not found: run `bash scripts/setup.sh` (puts it at .tools/helm)")
+        kubeconfig = tmp / "helm.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": self.url}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+        (tmp / "values.json").write_text(json.dumps(values))
+        proc = await asyncio.create_subprocess_exec(
+            binary, "template", RELEASE, str(CHART), "--namespace", NS, "--dry-run=server",
+            "--disable-openapi-validation", "--kubeconfig", str(kubeconfig),
+            "-f", str(tmp / "values.json"), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, **{f"HELM_{d}_HOME": str(tmp / "helm") for d in
+                                  ("CACHE", "CONFIG", "DATA")}})
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        return load_all(out.decode())
+
+
+def _helm_three_way(original: dict[str, Any], target: dict[str, Any],
+                    live: dict[str, Any]) -> dict[str, Any]:
+    """The live webhook configuration after Helm's client-side upgrade (a three-way strategic
+    merge; webhooks merge by name): a caBundle the previous revision's manifest carried and the
+    new one does not is deleted; one the new manifest carries is set."""
+    result = copy.deepcopy(live)
+    before = {h["name"]: h["clientConfig"] for h in original["webhooks"]}
+    after = {h["name"]: h["clientConfig"] for h in target["webhooks"]}
+    for hook in result["webhooks"]:
+        if "caBundle" in after.get(hook["name"], {}):
+            hook["clientConfig"]["caBundle"] = after[hook["name"]]["caBundle"]
+        elif "caBundle" in before.get(hook["name"], {}):
+            hook["clientConfig"].pop("caBundle", None)
+    return result
+
+
+async def test_switch_from_secret_to_cert_manager_keeps_the_ca_bundle_until_cainjector_sets_it(
+        tmp_path: Path, render: Any) -> None:
+    """`helm upgrade --set tls.mode=cert-manager` over secret mode (Helm's client-side
+    upgrade, Helm 3's): the previous revision's manifest carried the caBundle its `lookup`
+    found, the chart's cert-manager render did not look it up, so Helm deleted it: every GPU
+    pod refused until cert-manager has issued and cainjector injected its CA (for as long as
+    cert-manager cannot issue: an issuerRef wrong, cert-manager busy). The pods meanwhile serve
+    the secret mode's certificate (the old ones until replaced, the new ones from the Secret
+    they mount until cert-manager reissues it): the caBundle that trusts it now stays."""
+    kinds = render({"tls": {"mode": "cert-manager"}}).objects + \
+        render({"tls": {"mode": "secret"}}).objects
+    ca, ca_key = tls.new_ca()
+    crt, key = tls.issue_serving_cert(ca, ca_key, NS, SERVICE, 365)
+    bundle = base64.b64encode(ca).decode()
+    live = copy.deepcopy(render({"tls": {"mode": "secret"}}).one("MutatingWebhookConfiguration"))
+    for hook in live["webhooks"]:  # the service's patch
+        hook["clientConfig"]["caBundle"] = bundle
+    live["metadata"].setdefault("labels", {})["app.kubernetes.io/managed-by"] = "Helm"
+    live["metadata"]["annotations"] = {"meta.helm.sh/release-name": RELEASE,
+                                       "meta.helm.sh/release-namespace": NS}
+    async with LookupCluster(kinds, [live]) as cluster:
+        previous = next(o for o in await cluster.upgrade_render({}, tmp_path)
+                        if o["kind"] == "MutatingWebhookConfiguration")
+        assert previous["webhooks"][0]["clientConfig"]["caBundle"] == bundle  # looked up
+        switched = next(o for o in await cluster.upgrade_render(
+            {"tls": {"mode": "cert-manager"}}, tmp_path)
+            if o["kind"] == "MutatingWebhookConfiguration")
+    assert "cert-manager.io/inject-ca-from" in switched["metadata"]["annotations"]
+    after = _helm_three_way(previous, switched, live)
+    cert_dir = tmp_path / "certs"
+    bootstrap.write_files(cert_dir, Material(ca, ca_key, crt, key))
+    runner = await start_https(create_app(Settings(cert_dir=str(cert_dir), tls_mode="files",
+                                                   placement_enabled=False)), "127.0.0.1", 0)
+    try:
+        async with FakeKube() as kube:
+            kube.put(after)
+            assert await admits(kube, live["metadata"]["name"], runner.addresses[0][1]), \
+                "the upgrade took the caBundle away before cainjector set one"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_deleted_secret_leaves_the_other_replicas_trusted(
+        tmp_path: Path, chart_mwc: dict[str, Any]) -> None:
+    """The Secret deleted under running replicas (by hand, to force a new CA, or by a tool):
+    the first replica to check makes a new CA and sets the caBundle. Before, to the new CA
+    alone, the old one having gone with the Secret: the API server refused every call that
+    reached another replica until that one had read the new Secret and reloaded its
+    certificate. The CA the replica served until then stays in the bundle for the day."""
+    name = chart_mwc["metadata"]["name"]
+    async with FakeKube() as kube:
+        kube.put(chart_mwc)
+        a, b = Replica(kube, tmp_path, "a", name), Replica(kube, tmp_path, "b", name)
+        await a.start()
+        await b.start()
+        try:
+            assert await admits(kube, name, b.port)
+            kube.delete("secrets", SECRET, NS)
+            refused: list[float] = []
+            async with kube.api_client() as api:  # a's next check
+                task = asyncio.create_task(bootstrap.reconcile(a.settings, api))
+                start = time.monotonic()
+                while not task.done() or time.monotonic() - start < 1.0:
+                    if not await admits(kube, name, b.port):
+                        refused.append(time.monotonic())
+                    await asyncio.sleep(0.005)
+                assert await task
+            assert await admits(kube, name, a.port)
+            assert not refused, f"calls reaching replica b refused for " \
+                f"{refused[-1] - refused[0]:.3f} s (its certificate reloads every 0.05 s here)"
+        finally:
+            await a.stop()
+            await b.stop()
