@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from tests.admission.test_cases import CASES
 from webhook import names
 from webhook.admission import review
+from webhook.admission.encode import encode_json
 from webhook.admission.mutate import mutate_ephemeral, mutate_pod
 from webhook.admission.server import AdmissionMetrics, MutateHandler
 from webhook.settings import Settings, settings_from_mapping
@@ -182,8 +183,9 @@ def _check(settings: Settings, pod: dict[str, Any], namespace: str | None,
         assert outcome == "allowed_unchanged" and "patch" not in answer
         return outcome
     assert outcome == "allowed_patched" and answer["patchType"] == "JSONPatch"
-    patch = json.loads(base64.b64decode(answer["patch"], validate=True))
-    assert patch
+    text = base64.b64decode(answer["patch"], validate=True)
+    patch = json.loads(text)
+    assert patch and text == encode_json(patch).encode(), "not the compact encoding"
     _check_patch_ops(received, patch)
     assert jsonpatch.apply_patch(received, patch) == result.pod
     return outcome
