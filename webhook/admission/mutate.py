@@ -451,7 +451,10 @@ def _covers_ours(path: str) -> bool:
     the tenant's own, from an emptyDir or a ConfigMap) would replace the library the preload
     names, and one below ``/var/run/gpuslice`` the region file. A mount above ours (``/etc``)
     is mounted first and covered by ours."""
-    return any(path == ours or path.startswith(ours.rstrip("/") + "/") for ours in _OUR_MOUNT_PATHS)
+    return path in _OUR_MOUNT_PATHS or path.startswith(_BELOW_OUR_MOUNT_PATHS)
+
+
+_BELOW_OUR_MOUNT_PATHS = tuple(ours.rstrip("/") + "/" for ours in _OUR_MOUNT_PATHS)
 
 
 def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _ContainerParts,
@@ -559,10 +562,14 @@ def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return False
-    return any(isinstance(amounts, dict) and any(
-        isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
-        and k != settings.resource_priority and _positive(v) for k, v in amounts.items())
-        for amounts in (resources.get("limits"), resources.get("requests")))
+    for amounts in (resources.get("limits"), resources.get("requests")):
+        if isinstance(amounts, dict):
+            for k, v in amounts.items():
+                if isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and \
+                        k not in settings.resource_names and k != settings.resource_priority \
+                        and _positive(v):
+                    return True
+    return False
 
 
 def _positive(quantity: Any) -> bool:
