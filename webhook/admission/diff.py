@@ -75,11 +75,12 @@ def _diff(a: Any, b: Any, path: str, out: list[str]) -> None:
             old = a.get(key, _MISSING)
             if old is value:
                 continue
+            segment = _KEY_TEXTS.get(key) or _key_text(key)
             if old is _MISSING:
-                out.append(f'{{"op":"add","path":"{path}/{_key_text(key)}",'
-                           f'"value":{_value_text(value)}}}')
+                text = value.json if type(value) is Fragment else encode_json(value)
+                out.append(f'{{"op":"add","path":"{path}/{segment}","value":{text}}}')
             else:
-                _diff(old, value, f"{path}/{_key_text(key)}", out)
+                _diff(old, value, f"{path}/{segment}", out)
         return
     if isinstance(a, list) and isinstance(b, list):
         _diff_lists(a, b, path, out)
@@ -105,8 +106,9 @@ def _diff_lists(a: list[Any], b: list[Any], path: str, out: list[str]) -> None:
         return
     for i in range(head + len(old) - 1, head - 1, -1):
         out.append(f'{{"op":"remove","path":"{path}/{i}"}}')
-    for i, value in enumerate(new):
-        out.append(f'{{"op":"add","path":"{path}/{head + i}","value":{_value_text(value)}}}')
+    for i, value in enumerate(new, head):
+        text = value.json if type(value) is Fragment else encode_json(value)
+        out.append(f'{{"op":"add","path":"{path}/{i}","value":{text}}}')
 
 
 def patch_json(received: Any, mutated: Any) -> str:
