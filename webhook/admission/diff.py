@@ -113,8 +113,8 @@ def _diff_lists(a: list[Any], b: list[Any], path: str, out: list[str]) -> None:
 
 def patch_json(received: Any, mutated: Any) -> str:
     """The RFC 6902 patch turning ``received`` into ``mutated`` as compact JSON (``[]`` when
-    equal), written while diffing: fragments' own text is spliced in (the same text as
-    ``encode_patch(pod_patch(received, mutated))``, without building the operations first)."""
+    equal), written while diffing: fragments' own text is spliced in (the text ``encode_json``
+    writes for the operations, without building them first)."""
     out: list[str] = []
     if isinstance(received, dict) and isinstance(mutated, dict) or isinstance(
             received, list) and isinstance(mutated, list):
