@@ -8,6 +8,7 @@ turns that into a start-up failure; nothing reads configuration at request time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -128,7 +129,7 @@ class Settings:
     def __post_init__(self) -> None:
         _validate(self)
 
-    @property
+    @functools.cached_property
     def resource_names(self) -> tuple[str, str, str, str]:
         """The four GPU resource names, in the order gpu, mem, mem-percent, cores."""
         return (self.resource_gpu, self.resource_mem, self.resource_mem_percent,

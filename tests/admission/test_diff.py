@@ -15,7 +15,8 @@ import jsonpatch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from webhook.admission.diff import pod_patch
+from webhook.admission.diff import patch_json, pod_patch
+from webhook.admission.encode import encode_json
 
 KEYS = st.sampled_from(["a", "b", "x/y", "t~0", "~", "/", "", "env", "0", "metadata", "k~1/"])
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, 1.5]),
@@ -59,6 +60,9 @@ def _check(a: Any, b: Any) -> None:
     before = copy.deepcopy(a)
     patch = json.loads(json.dumps(pod_patch(a, b)))
     assert a == before
+    # The text written while diffing is the plain compact encoding of the same operations.
+    text = patch_json(a, b)
+    assert text == encode_json(json.loads(text)) and json.loads(text) == patch
     assert jsonpatch.apply_patch(a, patch) == b
 
 

@@ -2,10 +2,11 @@
 
 Every GPU container gets the same few env entries, mounts and volumes (per container name and
 request). :func:`mutate_pod` builds them once as :class:`Fragment` objects, read-only dicts
-that carry their own JSON text, and shares them between results. :func:`encode_patch` then
-writes a patch by splicing those texts instead of encoding every nested dict again: the
-patch is most of an answer, and this halves the cost of producing it. The output is plain
-JSON, equal to ``encode_json(ops)`` (tests check it against random patches).
+that carry their own JSON text, and shares them between results. The diff
+(:func:`~webhook.admission.diff.patch_json`) and :func:`encode_patch` then write a patch by
+splicing those texts instead of encoding every nested dict again: the patch is most of an
+answer, and this halves the cost of producing it. The output is plain JSON, equal to
+``encode_json(ops)`` (tests check it against random patches).
 """
 
 from __future__ import annotations

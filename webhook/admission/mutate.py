@@ -68,7 +68,7 @@ from typing import Any, NamedTuple
 from webhook import __version__, names
 from webhook.admission.encode import Fragment
 from webhook.admission.quantity import QuantityError, parse_quantity
-from webhook.admission.requests import GpuRequest, read_policy, read_request
+from webhook.admission.requests import GpuRequest, PolicyAnnotation, read_policy, read_request
 from webhook.settings import Settings
 
 NEVER_MUTATED_NAMESPACES = frozenset({"kube-system"})
@@ -167,7 +167,9 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
             return _hide_gpus(pod, spec, settings)
         return MutationResult(pod)
 
-    pod_reasons = _pod_reasons(spec, metadata) + _key_collisions(spec, gpu_containers)
+    annotations = metadata.get("annotations") or {}
+    policy = read_policy(annotations, names.ANN_PLACEMENT, names.HAMI_POLICY)
+    pod_reasons = _pod_reasons(spec, policy) + _key_collisions(spec, gpu_containers)
     if pod_reasons or denials:
         return MutationResult(None, tuple(Denial(None, r) for r in pod_reasons) + tuple(denials))
 
@@ -176,8 +178,6 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
     parts = {(kind, i): _container_parts(spec[kind][i]["name"], request)
              for (kind, i), request in gpu_containers.items()}
     work = _Work()
-    annotations = metadata.get("annotations") or {}
-    policy = read_policy(annotations, names.ANN_PLACEMENT, names.HAMI_POLICY)
     if policy.skipped and names.ANN_MUTATED not in annotations:  # warned once
         work.warn(f"annotation {policy.key}: gpuslice has no {', '.join(policy.skipped)} "
                   f"placement; the pod is placed by {policy.policy or settings.default_policy}")
@@ -329,7 +329,7 @@ def _security_reasons(container: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
+def _pod_reasons(spec: dict[str, Any], policy: PolicyAnnotation) -> list[str]:
     reasons = []
     os_spec = spec.get("os")
     os_name = os_spec.get("name") if isinstance(os_spec, dict) else None
@@ -339,8 +339,7 @@ def _pod_reasons(spec: dict[str, Any], metadata: dict[str, Any]) -> list[str]:
     if spec.get("nodeName"):
         reasons.append("spec.nodeName is set, which bypasses the GPU scheduler that assigns "
                        "the GPUs; remove spec.nodeName (use a nodeSelector to pick nodes)")
-    # Ours wins over HAMi's, as in the extender; empty means the default policy.
-    policy = read_policy(metadata.get("annotations") or {}, names.ANN_PLACEMENT, names.HAMI_POLICY)
+    # Ours wins over HAMi's, as in the extender (``policy``); empty means the default policy.
     if not policy.valid:
         reasons.append(f"annotation {policy.key} is {policy.value!r}; use binpack or spread")
     return reasons
@@ -442,7 +441,10 @@ def _normal_path(path: str) -> str:
     mount path too (one a runtime mounted after ours would cover the limits file), and so is
     the relative ``etc/gpuslice/limits``, which the API server admits and kubelet prefixes
     with ``/``."""
-    return posixpath.normpath("/" + path.lstrip("/"))
+    path = "/" + path.lstrip("/")
+    if "//" in path or "/." in path or path.endswith("/"):
+        return posixpath.normpath(path)
+    return path  # no empty, "." or ".." part, no trailing slash: already normal
 
 
 def _covers_ours(path: str) -> bool:
@@ -451,7 +453,10 @@ def _covers_ours(path: str) -> bool:
     the tenant's own, from an emptyDir or a ConfigMap) would replace the library the preload
     names, and one below ``/var/run/gpuslice`` the region file. A mount above ours (``/etc``)
     is mounted first and covered by ours."""
-    return any(path == ours or path.startswith(ours.rstrip("/") + "/") for ours in _OUR_MOUNT_PATHS)
+    return path in _OUR_MOUNT_PATHS or path.startswith(_BELOW_OUR_MOUNT_PATHS)
+
+
+_BELOW_OUR_MOUNT_PATHS = tuple(ours.rstrip("/") + "/" for ours in _OUR_MOUNT_PATHS)
 
 
 def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _ContainerParts,
@@ -569,10 +574,14 @@ def _asks_for_nvidia(container: dict[str, Any], settings: Settings) -> bool:
     resources = container.get("resources")
     if not isinstance(resources, dict):
         return False
-    return any(isinstance(amounts, dict) and any(
-        isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and k not in settings.resource_names
-        and k != settings.resource_priority and _positive(v) for k, v in amounts.items())
-        for amounts in (resources.get("limits"), resources.get("requests")))
+    for amounts in (resources.get("limits"), resources.get("requests")):
+        if isinstance(amounts, dict):
+            for k, v in amounts.items():
+                if isinstance(k, str) and k.startswith(_NVIDIA_RESOURCES) and \
+                        k not in settings.resource_names and k != settings.resource_priority \
+                        and _positive(v):
+                    return True
+    return False
 
 
 def _positive(quantity: Any) -> bool:

@@ -142,17 +142,22 @@ def allowed(uid: str, patch: list[dict[str, Any]] | None = None,
 
 
 def encode_allowed(uid: str, patch: list[dict[str, Any]] | None = None,
-                   warnings: list[str] | None = None) -> bytes:
+                   warnings: list[str] | None = None, *,
+                   patch_json: str | None = None) -> bytes:
     """``encode_json(allowed(...))`` as bytes, assembled without re-scanning the patch.
 
-    The hot path of the webhook: the base64 patch is spliced in as it is (it needs no JSON
-    escaping) instead of going through the encoder a second time.
+    The hot path of the webhook: the patch comes as operations or, already encoded, as
+    ``patch_json`` (:func:`~webhook.admission.diff.patch_json`; ``[]`` is no patch), and its
+    base64 is spliced in as it is (it needs no JSON escaping) instead of going through the
+    encoder a second time.
     """
+    if patch_json is None and patch:
+        patch_json = encode_patch(patch)
     head = b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"uid":'
     out = [head, encode_json(uid).encode(), b',"allowed":true']
-    if patch:
+    if patch_json and patch_json != "[]":
         out += [b',"patchType":"JSONPatch","patch":"',
-                base64.b64encode(encode_patch(patch).encode()), b'"']
+                base64.b64encode(patch_json.encode()), b'"']
     if warnings:
         out += [b',"warnings":', encode_json(warnings).encode()]
     out.append(b"}}")

@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from webhook.admission import review
-from webhook.admission.diff import pod_patch
+from webhook.admission.diff import patch_json
 from webhook.admission.mutate import BadObject, mutate_ephemeral, mutate_pod
 from webhook.settings import Settings
 
@@ -110,9 +110,10 @@ class MutateHandler:
             pod = review.pod_object(admission)
             result = mutate_ephemeral(pod, admission.get("oldObject"), self.settings,
                                       namespace=admission.get("namespace"))
-            patch = pod_patch(pod, result.pod) if result.changed else None
-            return ("allowed_patched" if patch else "allowed_unchanged",
-                    _json(review.encode_allowed(uid, patch, list(result.warnings))))
+            patch = patch_json(pod, result.pod) if result.changed else "[]"
+            return ("allowed_patched" if patch != "[]" else "allowed_unchanged",
+                    _json(review.encode_allowed(uid, warnings=list(result.warnings),
+                                                patch_json=patch)))
         if not review.is_pod_create(admission):
             return "allowed_unchanged", _json(review.encode_allowed(uid))
         pod = review.pod_object(admission)
@@ -123,11 +124,11 @@ class MutateHandler:
         if not result.allowed:
             logger.info("pod denied", extra={"uid": uid, "reason": result.message})
             return "denied", _review(review.denied(uid, result.message, warnings))
-        patch = pod_patch(pod, result.pod) if result.changed else None
+        patch = patch_json(pod, result.pod) if result.changed else "[]"
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("pod admitted", extra={"uid": uid, "ops": len(patch or ())})
-        return ("allowed_patched" if patch else "allowed_unchanged",
-                _json(review.encode_allowed(uid, patch, warnings)))
+            logger.debug("pod admitted", extra={"uid": uid, "ops": len(json.loads(patch))})
+        return ("allowed_patched" if patch != "[]" else "allowed_unchanged",
+                _json(review.encode_allowed(uid, warnings=warnings, patch_json=patch)))
 
 
     def _cluster_max_memory(self) -> int | None:
