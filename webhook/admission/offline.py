@@ -269,7 +269,7 @@ def _replace(obj: Any, path: Path, value: Any) -> Any:
     if not path:
         return value
     key = path[0]
-    if isinstance(key, int):
+    if isinstance(obj, list):  # (by what it is: a map's key may be a number too)
         return [_replace(item, path[1:], value) if i == key else item
                 for i, item in enumerate(obj)]
     return {**obj, key: _replace(obj[key], path[1:], value)}
