@@ -321,3 +321,28 @@ async def test_a_gpu_whose_scrape_or_audit_call_hung_is_not_offered_as_soon_as_i
     rounds = [[g.health for g in inv.discover().gpus] for _ in range(RECOVER_ROUNDS + 1)]
     assert rounds == [[HEALTHY, UNHEALTHY]] * RECOVER_ROUNDS + [[HEALTHY, HEALTHY]], \
         "a GPU whose call hung outside a discovery was offered as soon as the call returned"
+
+
+def test_an_event_set_that_could_not_be_made_once_is_made_at_the_next_discovery(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """nvmlEventSetCreate fails once with an error other than NOT_SUPPORTED (UNKNOWN: out of
+    file descriptors, say). It was taken as a driver without XID events: no GPU was checked for
+    them until NVML was initialised again (in practice the agent's restart), a GPU reporting
+    XID 79 published Healthy. Now it is tried again, as a failed registration is."""
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+    nvml = two_a100s()
+    make = nvml.nvmlEventSetCreate
+    failures = [pynvml.NVML_ERROR_UNKNOWN]
+
+    def flaky() -> object:
+        if failures:
+            raise pynvml.NVMLError(failures.pop())
+        return make()
+
+    nvml.nvmlEventSetCreate = flaky  # type: ignore[method-assign]
+    inv = Inventory(nvml)
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+    inv.discover()
+    assert nvml.xid(1, 79) == 1, "the GPUs were never registered for XID events"
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
+    assert _told(caplog, "reports no XID events") == 0

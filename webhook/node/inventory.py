@@ -458,10 +458,14 @@ class Inventory:
         if self._events is None:
             try:
                 self._events = nvml.nvmlEventSetCreate()
-            except (pynvml.NVMLError, *_NO_SUCH_QUERY) as exc:
+            except _NO_SUCH_QUERY as exc:
                 self._no_events = True
                 logger.info("the driver reports no XID events; GPUs are not checked for XID "
                             "errors", extra={"error": str(exc)})
+                return
+            except pynvml.NVMLError as exc:
+                logger.debug("making NVML's event set failed; tried again next round",
+                             extra={"error": str(exc)})
                 return
         try:
             kinds = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
