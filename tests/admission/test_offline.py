@@ -249,3 +249,40 @@ def test_random_documents_never_crash_the_offline_tools(docs: list[Any]) -> None
     assert len(out) == len([d for d in path_docs if d is not None])
     for finding in findings:
         assert finding.error is not None or finding.result is not None
+
+
+def test_mutate_keeps_timestamps_as_the_text_kubectl_reads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # kubectl (go-yaml) reads an unquoted timestamp as the string it is written as. Before,
+    # PyYAML read it as a datetime and wrote it back as `2024-01-01 10:00:00+00:00`: the
+    # container's env value, the annotation and the ConfigMap's value all changed, exit 0.
+    stamp = "2024-01-01T10:00:00Z"
+    path = tmp_path / "in.yaml"
+    path.write_text(f"""\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: d, annotations: {{built: {stamp}}}}}
+spec:
+  selector: {{matchLabels: {{app: d}}}}
+  template:
+    metadata: {{labels: {{app: d}}}}
+    spec:
+      containers:
+      - name: c
+        image: cuda
+        env: [{{name: BUILT, value: {stamp}}}]
+        resources: {{limits: {{nvidia.com/gpu: 1, nvidia.com/gpumem: 1024}}}}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {{name: c}}
+data: {{when: {stamp}, day: 2024-01-01}}
+""")
+    assert main(["mutate", "-f", str(path)]) == 0
+    out = capsys.readouterr().out
+    deployment, config = yaml.load_all(out, Loader=yaml.BaseLoader)  # every scalar as text
+    assert deployment["metadata"]["annotations"]["built"] == stamp
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert {"name": "BUILT", "value": stamp} in container["env"]
+    assert "gpuslice.io/mutated" in deployment["spec"]["template"]["metadata"]["annotations"]
+    assert config["data"] == {"when": stamp, "day": "2024-01-01"}

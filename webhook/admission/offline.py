@@ -44,6 +44,16 @@ def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
 _Dumper.add_representer(Fragment, yaml.SafeDumper.represent_dict)
 _Dumper.add_representer(str, _represent_str)
 
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that reads an unquoted timestamp as the text it is, as kubectl does (PyYAML's
+    datetime was written back as ``2024-01-01 10:00:00+00:00``: another string to kubectl)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
 # Where each workload kind keeps its pod template.
 TEMPLATE_PATHS: dict[str, tuple[str, ...]] = {
     "Deployment": ("spec", "template"),
@@ -287,7 +297,7 @@ def _documents(source: str) -> Iterator[Any]:
     except UnicodeDecodeError as exc:
         raise InputError(f"{source}: not UTF-8 text: {exc}") from None
     try:
-        yield from yaml.safe_load_all(text)
+        yield from yaml.load_all(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: not valid YAML/JSON: {exc}") from None
 
