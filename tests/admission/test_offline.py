@@ -286,3 +286,32 @@ data: {{when: {stamp}, day: 2024-01-01}}
     assert {"name": "BUILT", "value": stamp} in container["env"]
     assert "gpuslice.io/mutated" in deployment["spec"]["template"]["metadata"]["annotations"]
     assert config["data"] == {"when": stamp, "day": "2024-01-01"}
+
+
+def test_mutate_keeps_a_torchrun_range_as_the_text_kubectl_reads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `1:4` (torchrun's elastic --nnodes, PET_NNODES) is a string to kubectl; PyYAML's YAML 1.1
+    # read it as the base-60 number 64. Before, mutate printed `--nnodes 64` and
+    # `PET_NNODES: 64` (which kubectl refuses: not a string), and neither tool warned of the
+    # elastic job's ranks in other pods under gpucores 30, as the webhook does.
+    path = tmp_path / "in.yaml"
+    path.write_text("""\
+apiVersion: v1
+kind: Pod
+metadata: {name: p}
+spec:
+  containers:
+  - name: c
+    image: pytorch
+    command: [torchrun, --nnodes, 1:4, train.py]
+    env: [{name: PET_NNODES, value: 1:4}, {name: T, value: 10:30:00.5}]
+    resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpucores: 30}}
+""")
+    assert main(["mutate", "-f", str(path)]) == 0
+    out, err = capsys.readouterr()
+    (pod,) = yaml.load_all(out, Loader=yaml.BaseLoader)
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["torchrun", "--nnodes", "1:4", "train.py"]
+    assert [e for e in container["env"] if e["name"] in ("PET_NNODES", "T")] == [
+        {"name": "PET_NNODES", "value": "1:4"}, {"name": "T", "value": "10:30:00.5"}]
+    assert "PET_NNODES=1:4 looks like one rank of a job spread over pods" in err

@@ -45,14 +45,20 @@ _Dumper.add_representer(Fragment, yaml.SafeDumper.represent_dict)
 _Dumper.add_representer(str, _represent_str)
 
 
+_TEXT, _TIMESTAMP = "tag:yaml.org,2002:str", "tag:yaml.org,2002:timestamp"
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
 class _Loader(yaml.SafeLoader):
-    """Safe YAML that reads an unquoted timestamp as the text it is, as kubectl does (PyYAML's
-    datetime was written back as ``2024-01-01 10:00:00+00:00``: another string to kubectl)."""
+    """Safe YAML that reads as text what kubectl's YAML (go-yaml) reads as text: an unquoted
+    timestamp (PyYAML's datetime was written back as ``2024-01-01 10:00:00+00:00``) and YAML
+    1.1's base-60 numbers (``1:4``, torchrun's elastic ``--nnodes``, was 64)."""
 
-
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
+        tag = str(super().resolve(kind, value, implicit))
+        if tag == _TIMESTAMP or (tag in _NUMBERS and ":" in value):
+            return _TEXT
+        return tag
 
 # Where each workload kind keeps its pod template.
 TEMPLATE_PATHS: dict[str, tuple[str, ...]] = {
