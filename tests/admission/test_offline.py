@@ -315,3 +315,14 @@ spec:
     assert [e for e in container["env"] if e["name"] in ("PET_NNODES", "T")] == [
         {"name": "PET_NNODES", "value": "1:4"}, {"name": "T", "value": "10:30:00.5"}]
     assert "PET_NNODES=1:4 looks like one rank of a job spread over pods" in err
+
+
+def test_a_lone_equals_sign_is_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `=` unquoted is a string to kubectl; PyYAML tagged it as YAML 1.1's `value` and could not
+    # construct it. Before: "not valid YAML/JSON", exit 2, for a manifest kubectl applies.
+    path = tmp_path / "in.yaml"
+    path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata: {sep: =}\n")
+    assert main(["mutate", "-f", str(path)]) == 0
+    (config,) = yaml.load_all(capsys.readouterr().out, Loader=yaml.BaseLoader)
+    assert config["data"] == {"sep": "="}
+    assert main(["check", "-f", str(path)]) == 0

@@ -45,18 +45,20 @@ _Dumper.add_representer(Fragment, yaml.SafeDumper.represent_dict)
 _Dumper.add_representer(str, _represent_str)
 
 
-_TEXT, _TIMESTAMP = "tag:yaml.org,2002:str", "tag:yaml.org,2002:timestamp"
+_TEXT = "tag:yaml.org,2002:str"
+_AS_TEXT = ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:value")
 _NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
 class _Loader(yaml.SafeLoader):
     """Safe YAML that reads as text what kubectl's YAML (go-yaml) reads as text: an unquoted
-    timestamp (PyYAML's datetime was written back as ``2024-01-01 10:00:00+00:00``) and YAML
-    1.1's base-60 numbers (``1:4``, torchrun's elastic ``--nnodes``, was 64)."""
+    timestamp (PyYAML's datetime was written back as ``2024-01-01 10:00:00+00:00``), YAML
+    1.1's base-60 numbers (``1:4``, torchrun's elastic ``--nnodes``, was 64) and ``=`` (which
+    PyYAML could not read)."""
 
     def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
         tag = str(super().resolve(kind, value, implicit))
-        if tag == _TIMESTAMP or (tag in _NUMBERS and ":" in value):
+        if tag in _AS_TEXT or (tag in _NUMBERS and ":" in value):
             return _TEXT
         return tag
 
