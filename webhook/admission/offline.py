@@ -62,6 +62,7 @@ class _Loader(yaml.SafeLoader):
             return _TEXT
         return tag
 
+
 # Where each workload kind keeps its pod template.
 TEMPLATE_PATHS: dict[str, tuple[str, ...]] = {
     "Deployment": ("spec", "template"),
