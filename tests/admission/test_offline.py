@@ -249,3 +249,80 @@ def test_random_documents_never_crash_the_offline_tools(docs: list[Any]) -> None
     assert len(out) == len([d for d in path_docs if d is not None])
     for finding in findings:
         assert finding.error is not None or finding.result is not None
+
+
+def test_mutate_keeps_timestamps_as_the_text_kubectl_reads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # kubectl (go-yaml) reads an unquoted timestamp as the string it is written as. Before,
+    # PyYAML read it as a datetime and wrote it back as `2024-01-01 10:00:00+00:00`: the
+    # container's env value, the annotation and the ConfigMap's value all changed, exit 0.
+    stamp = "2024-01-01T10:00:00Z"
+    path = tmp_path / "in.yaml"
+    path.write_text(f"""\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: d, annotations: {{built: {stamp}}}}}
+spec:
+  selector: {{matchLabels: {{app: d}}}}
+  template:
+    metadata: {{labels: {{app: d}}}}
+    spec:
+      containers:
+      - name: c
+        image: cuda
+        env: [{{name: BUILT, value: {stamp}}}]
+        resources: {{limits: {{nvidia.com/gpu: 1, nvidia.com/gpumem: 1024}}}}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {{name: c}}
+data: {{when: {stamp}, day: 2024-01-01}}
+""")
+    assert main(["mutate", "-f", str(path)]) == 0
+    out = capsys.readouterr().out
+    deployment, config = yaml.load_all(out, Loader=yaml.BaseLoader)  # every scalar as text
+    assert deployment["metadata"]["annotations"]["built"] == stamp
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert {"name": "BUILT", "value": stamp} in container["env"]
+    assert "gpuslice.io/mutated" in deployment["spec"]["template"]["metadata"]["annotations"]
+    assert config["data"] == {"when": stamp, "day": "2024-01-01"}
+
+
+def test_mutate_keeps_a_torchrun_range_as_the_text_kubectl_reads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `1:4` (torchrun's elastic --nnodes, PET_NNODES) is a string to kubectl; PyYAML's YAML 1.1
+    # read it as the base-60 number 64. Before, mutate printed `--nnodes 64` and
+    # `PET_NNODES: 64` (which kubectl refuses: not a string), and neither tool warned of the
+    # elastic job's ranks in other pods under gpucores 30, as the webhook does.
+    path = tmp_path / "in.yaml"
+    path.write_text("""\
+apiVersion: v1
+kind: Pod
+metadata: {name: p}
+spec:
+  containers:
+  - name: c
+    image: pytorch
+    command: [torchrun, --nnodes, 1:4, train.py]
+    env: [{name: PET_NNODES, value: 1:4}, {name: T, value: 10:30:00.5}]
+    resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpucores: 30}}
+""")
+    assert main(["mutate", "-f", str(path)]) == 0
+    out, err = capsys.readouterr()
+    (pod,) = yaml.load_all(out, Loader=yaml.BaseLoader)
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["torchrun", "--nnodes", "1:4", "train.py"]
+    assert [e for e in container["env"] if e["name"] in ("PET_NNODES", "T")] == [
+        {"name": "PET_NNODES", "value": "1:4"}, {"name": "T", "value": "10:30:00.5"}]
+    assert "PET_NNODES=1:4 looks like one rank of a job spread over pods" in err
+
+
+def test_a_lone_equals_sign_is_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `=` unquoted is a string to kubectl; PyYAML tagged it as YAML 1.1's `value` and could not
+    # construct it. Before: "not valid YAML/JSON", exit 2, for a manifest kubectl applies.
+    path = tmp_path / "in.yaml"
+    path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata: {sep: =}\n")
+    assert main(["mutate", "-f", str(path)]) == 0
+    (config,) = yaml.load_all(capsys.readouterr().out, Loader=yaml.BaseLoader)
+    assert config["data"] == {"sep": "="}
+    assert main(["check", "-f", str(path)]) == 0

@@ -598,3 +598,23 @@ def test_random_custom_resources_never_crash_the_offline_tools(
         assert finding.error is not None or finding.result is not None
     if not any(f.result is not None and f.result.changed for f in findings):
         assert out == doc
+
+
+@pytest.mark.parametrize("key", [0, 1])
+def test_a_replica_map_with_a_number_for_a_key_is_rewritten_as_a_map(
+        key: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # YAML reads an unquoted `1:` as the number 1 (kubectl sends it as "1"). Before, the map was
+    # rewritten as a list of its keys: `pytorchReplicaSpecs: [1]`, the replica spec and its
+    # template gone, exit 0 (key 0: a TypeError traceback).
+    doc = yaml.safe_load(PYTORCHJOB)
+    specs = doc["spec"]["pytorchReplicaSpecs"]
+    doc["spec"]["pytorchReplicaSpecs"] = {key: specs["Worker"]}
+    path = _write(tmp_path, yaml.safe_dump(doc))
+    code, out, err = _run(capsys, "mutate", "-f", str(path))
+    assert code == 0, err
+    (mutated,) = yaml.safe_load_all(out)
+    replicas = mutated["spec"]["pytorchReplicaSpecs"]
+    assert isinstance(replicas, dict) and list(replicas) == [key], replicas
+    expected = mutate_pod(specs["Worker"]["template"], Settings(),
+                          namespace=doc["metadata"].get("namespace"))
+    assert expected.changed and replicas[key]["template"] == expected.pod

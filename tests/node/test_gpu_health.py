@@ -291,3 +291,58 @@ async def test_a_gpu_whose_calls_hung_is_not_offered_as_soon_as_they_return(
     for _ in range(RECOVER_ROUNDS - 1):
         assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
     assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+
+
+@pytest.mark.parametrize("caller", ["sample", "processes"])
+async def test_a_gpu_whose_scrape_or_audit_call_hung_is_not_offered_as_soon_as_it_returns(
+        monkeypatch: pytest.MonkeyPatch, caller: str) -> None:
+    """GPU 1 hangs past HUNG_S in a call of the metrics scrape (or the audit's process lists),
+    not of a discovery: the agent's discovery meanwhile found it Unhealthy (``last``), and the
+    one after the call returned found it Healthy, so a GPU hanging in every other scrape was
+    offered every other round. Now it recovers as from any other problem."""
+    monkeypatch.setattr(inventory_module, "HUNG_S", 0.3)
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    fn = ("nvmlDeviceGetUtilizationRates" if caller == "sample"
+          else "nvmlDeviceGetComputeRunningProcesses")
+    release = threading.Event()
+    nvml.devices[1].hang[fn] = release
+    held = asyncio.create_task(asyncio.to_thread(getattr(inv, caller)))
+    try:
+        await asyncio.to_thread(nvml.hung.wait, 5)
+        await asyncio.sleep(0.5)
+        during = await asyncio.to_thread(inv.discover)
+        assert [g.health for g in during.gpus] == [HEALTHY, UNHEALTHY]
+    finally:
+        del nvml.devices[1].hang[fn]
+        release.set()
+        await held
+    rounds = [[g.health for g in inv.discover().gpus] for _ in range(RECOVER_ROUNDS + 1)]
+    assert rounds == [[HEALTHY, UNHEALTHY]] * RECOVER_ROUNDS + [[HEALTHY, HEALTHY]], \
+        "a GPU whose call hung outside a discovery was offered as soon as the call returned"
+
+
+def test_an_event_set_that_could_not_be_made_once_is_made_at_the_next_discovery(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """nvmlEventSetCreate fails once with an error other than NOT_SUPPORTED (UNKNOWN: out of
+    file descriptors, say). It was taken as a driver without XID events: no GPU was checked for
+    them until NVML was initialised again (in practice the agent's restart), a GPU reporting
+    XID 79 published Healthy. Now it is tried again, as a failed registration is."""
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+    nvml = two_a100s()
+    make = nvml.nvmlEventSetCreate
+    failures = [pynvml.NVML_ERROR_UNKNOWN]
+
+    def flaky() -> object:
+        if failures:
+            raise pynvml.NVMLError(failures.pop())
+        return make()
+
+    nvml.nvmlEventSetCreate = flaky  # type: ignore[method-assign]
+    inv = Inventory(nvml)
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+    inv.discover()
+    assert nvml.xid(1, 79) == 1, "the GPUs were never registered for XID events"
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
+    assert _told(caplog, "reports no XID events") == 0

@@ -205,8 +205,9 @@ async def test_scrapes_audits_and_the_sampler_make_no_call_behind_a_hung_one(
     finally:
         release.set()
         await hung
-    assert inv.hung() is None and inv.last.healthy == inv.discover().healthy
-    assert len(inv.last.healthy) == 2
+    # the GPU whose call hung is not offered as soon as it answers (test_gpu_health.py)
+    assert inv.hung() is None
+    assert [g.health for g in inv.discover().gpus] == ["Healthy", "Unhealthy"]
     assert all(s.memory_used_bytes is not None for s in inv.sample())
 
 

@@ -44,6 +44,25 @@ def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
 _Dumper.add_representer(Fragment, yaml.SafeDumper.represent_dict)
 _Dumper.add_representer(str, _represent_str)
 
+
+_TEXT = "tag:yaml.org,2002:str"
+_AS_TEXT = ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:value")
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that reads as text what kubectl's YAML (go-yaml) reads as text: an unquoted
+    timestamp (PyYAML's datetime was written back as ``2024-01-01 10:00:00+00:00``), YAML
+    1.1's base-60 numbers (``1:4``, torchrun's elastic ``--nnodes``, was 64) and ``=`` (which
+    PyYAML could not read)."""
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
+        tag = str(super().resolve(kind, value, implicit))
+        if tag in _AS_TEXT or (tag in _NUMBERS and ":" in value):
+            return _TEXT
+        return tag
+
+
 # Where each workload kind keeps its pod template.
 TEMPLATE_PATHS: dict[str, tuple[str, ...]] = {
     "Deployment": ("spec", "template"),
@@ -269,7 +288,7 @@ def _replace(obj: Any, path: Path, value: Any) -> Any:
     if not path:
         return value
     key = path[0]
-    if isinstance(key, int):
+    if isinstance(obj, list):  # (by what it is: a map's key may be a number too)
         return [_replace(item, path[1:], value) if i == key else item
                 for i, item in enumerate(obj)]
     return {**obj, key: _replace(obj[key], path[1:], value)}
@@ -287,7 +306,7 @@ def _documents(source: str) -> Iterator[Any]:
     except UnicodeDecodeError as exc:
         raise InputError(f"{source}: not UTF-8 text: {exc}") from None
     try:
-        yield from yaml.safe_load_all(text)
+        yield from yaml.load_all(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: not valid YAML/JSON: {exc}") from None
 

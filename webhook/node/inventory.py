@@ -28,8 +28,9 @@ Hung calls: NVML is called one series of calls at a time (a lock); one that has 
 call is then made behind it: the readers answer at once without NVML (:meth:`Inventory.sample`
 without figures, :meth:`Inventory.processes` as lists that cannot be read, no utilisation
 samples, :meth:`Inventory.discover` as :attr:`Inventory.last`, where the GPU it queries is
-Unhealthy), until it returns. It is logged once, and its end. The discovery it held up finds
-that GPU Unhealthy too (then recovering as from any other problem).
+Unhealthy), until it returns. It is logged once, and its end. The discovery it held up (or,
+where it was a scrape's or an audit's, the next) finds that GPU Unhealthy too (then recovering
+as from any other problem).
 """
 
 from __future__ import annotations
@@ -250,6 +251,9 @@ class Inventory:
         (``time.monotonic``); None: it is free."""
         self._busy_gpu: int | None = None
         """The NVML index of the GPU they query now (None: no one GPU, e.g. nvmlInit)."""
+        self._answered_late: set[int] = set()
+        """NVML indexes of GPUs whose calls hung, then answered, outside a discovery (a scrape,
+        an audit): the next discovery finds them Unhealthy, as one they held up."""
         self._hung_told = False
         self._initialised = False
         self._last: Discovery = Discovery(available=False, reason="not discovered yet")
@@ -311,6 +315,7 @@ class Inventory:
         try:
             yield True
         finally:
+            self._note_hang()
             began, self._busy_since, self._busy_gpu = self._busy_since, None, None
             if self._hung_told:
                 self._hung_told = False
@@ -321,7 +326,15 @@ class Inventory:
     def _query(self, index: int) -> None:
         """The calls holding the lock turn to GPU ``index``: the deadline counts from now, per
         GPU (a discovery of many slow GPUs, each within it, is not hung)."""
+        self._note_hang()
         self._busy_since, self._busy_gpu = time.monotonic(), index
+
+    def _note_hang(self) -> None:
+        """Where the calls to the GPU queried now ran :data:`HUNG_S` or more (hung, then
+        answered), note it for its next discovery."""
+        since, busy = self._busy_since, self._busy_gpu
+        if busy is not None and since is not None and time.monotonic() - since >= HUNG_S:
+            self._answered_late.add(busy)
 
     def _ensure_init(self) -> str:
         """Initialise NVML if needed; return "" on success or the reason it is unavailable."""
@@ -411,8 +424,11 @@ class Inventory:
             why = f"name or memory query failed: {exc}"
         else:
             why = self._health_problem(handle) or self._sharing_problem(handle, uuid)
-        since = self._busy_since
-        if not why and since is not None and time.monotonic() - since >= HUNG_S:
+        self._note_hang()  # (this discovery's calls, or a scrape's or an audit's before it)
+        self._busy_since, self._busy_gpu = time.monotonic(), None  # (noted once)
+        late = index in self._answered_late
+        self._answered_late.discard(index)
+        if not why and late:
             # hung, then answered: Unhealthy as it was while hung (it recovers as any other)
             why = (f"its NVML calls hung for {HUNG_S:g} s or more, then answered (the GPU "
                    "fallen off the bus?)")
@@ -442,10 +458,14 @@ class Inventory:
         if self._events is None:
             try:
                 self._events = nvml.nvmlEventSetCreate()
-            except (pynvml.NVMLError, *_NO_SUCH_QUERY) as exc:
+            except _NO_SUCH_QUERY as exc:
                 self._no_events = True
                 logger.info("the driver reports no XID events; GPUs are not checked for XID "
                             "errors", extra={"error": str(exc)})
+                return
+            except pynvml.NVMLError as exc:
+                logger.debug("making NVML's event set failed; tried again next round",
+                             extra={"error": str(exc)})
                 return
         try:
             kinds = int(nvml.nvmlDeviceGetSupportedEventTypes(handle))
