@@ -39,6 +39,8 @@ HAMI_NOUSE_GPUTYPE = "nvidia.com/nouse-gputype"
 HAMI_USE_GPUUUID = "nvidia.com/use-gpuuuid"
 HAMI_NOUSE_GPUUUID = "nvidia.com/nouse-gpuuuid"
 HAMI_POLICY = "hami.io/gpu-scheduler-policy"
+HAMI_NODE_POLICY = "hami.io/node-scheduler-policy"
+"""HAMi's node policy: gpuslice has none (nodes follow the pod's placement); warned of."""
 
 # Env vars written into containers (DESIGN.md §2) and read by the interposer (§5).
 ENV_POD_UID = "GPUSLICE_POD_UID"
