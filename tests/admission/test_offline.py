@@ -142,6 +142,30 @@ def test_mutate_reports_denials_and_warnings_on_stderr(
     assert f'{path}: Pod/bad: container "main": resources.limits[nvidia.com/gpu] is 0.5' in err
 
 
+def test_placement_annotations_on_a_workload_instead_of_its_template_are_warned_of(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Pods get the template's annotations, not the Deployment's or Job's own: a placement
+    written there was silently without effect (Project-HAMi/HAMi#882)."""
+    job = _workload("Job", GPU, name="train")
+    job["metadata"]["annotations"] = {"gpuslice.io/placement": "spread",
+                                      "nvidia.com/use-gputype": "A100",
+                                      "team": "a"}
+    deployment = _workload("Deployment", GPU, name="serve")
+    deployment["metadata"]["annotations"] = {"gpuslice.io/placement": "spread"}
+    deployment["spec"]["template"]["metadata"]["annotations"] = {"gpuslice.io/placement": "spread"}
+    cpu_job = _workload("Job", {"cpu": "1"}, name="cpu")
+    cpu_job["metadata"]["annotations"] = {"gpuslice.io/placement": "spread"}
+    path = tmp_path / "jobs.yaml"
+    path.write_text(yaml.safe_dump_all([job, deployment, cpu_job]))
+    code, _, err = _run(capsys, "mutate", "-f", str(path))
+    assert code == 0
+    warned = [line for line in err.splitlines() if "not on its pod template" in line]
+    tail = "its pods do not get it (set it in spec.template.metadata.annotations)"
+    assert warned == [
+        f"{path}: Job/train: warning: annotation {key} is on the Job, not on its pod template: {tail}"
+        for key in ("gpuslice.io/placement", "nvidia.com/use-gputype")]
+
+
 def test_check_passes_clean_manifests(tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "ok.yaml"

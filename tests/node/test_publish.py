@@ -163,6 +163,40 @@ async def test_publish_reasserts_after_the_node_object_is_recreated() -> None:
         assert node["metadata"]["annotations"]["gpuslice.io/gpus"] == ANNOTATION
 
 
+async def test_a_resource_another_writer_keeps_resetting_is_warned_of_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """NVIDIA's device plugin left on the node (a GPU Operator's): the kubelet puts the
+    physical count back into nvidia.com/gpu at each status update and the agent sets it again,
+    the scheduler seeing one or the other (Project-HAMi/HAMi#829, #736). Say so, once."""
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            pub = Publisher(api, SETTINGS)
+            await pub.publish(TWO)
+            for _ in range(3):
+                node = kube.get("nodes", "gpu-node-1")
+                for key in ("capacity", "allocatable"):
+                    node["status"][key]["nvidia.com/gpu"] = "2"  # the device plugin's, by kubelet
+                kube.put(node)
+                outcome = await pub.publish(TWO)
+                assert outcome.status_patched
+            kube.delete("nodes", "gpu-node-1")
+            kube.put(_node())  # re-registered without our resources: nobody else's doing
+            await pub.publish(TWO)
+            node = kube.get("nodes", "gpu-node-1")
+            for key in ("capacity", "allocatable"):  # the kubelet's reset of a rebuilt node
+                node["status"][key].update(dict.fromkeys(
+                    ("nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores"), "0"))
+            kube.put(node)
+            assert (await pub.publish(TWO)).status_patched
+        assert kube.get("nodes", "gpu-node-1")["status"]["capacity"]["nvidia.com/gpu"] == "10"
+    warned = [(r.getMessage(), r.resource, r.published, r.found) for r in caplog.records
+              if r.levelname == "WARNING" and r.name == "webhook.node.publish"]
+    message = ("a resource the agent publishes was changed by another writer (a device "
+               "plugin? gpuslice needs none on its nodes); setting it back")
+    assert warned == [(message, "nvidia.com/gpu", "10", "2")]
+
+
 async def test_live_pod_uids_lists_this_nodes_pods_only() -> None:
     async with FakeKube() as kube:
         mine = kube.put({"apiVersion": "v1", "kind": "Pod",

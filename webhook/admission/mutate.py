@@ -188,6 +188,17 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
                 work.warn(f'container "{spec[kind][i]["name"]}": {settings.resource_priority} is '
                           f"HAMi's task priority, which gpuslice does not have; it is ignored "
                           f"(the container's limits apply whatever its priority)")
+        # Read by neither gpuslice nor HAMi; without a word the pod got what its limits say
+        # (a whole GPU for nvidia.com/gpu alone), which nothing pointed back to.
+        for key in (settings.resource_gpu, settings.resource_mem, settings.resource_mem_percent,
+                    settings.resource_cores):
+            if key in annotations:
+                work.warn(f"annotation {key}: gpuslice reads GPU requests from the containers' "
+                          f"resources.limits only; as a pod annotation it is ignored")
+        if names.HAMI_NODE_POLICY in annotations:
+            work.warn(f"annotation {names.HAMI_NODE_POLICY}: gpuslice has no node policy of its "
+                      f"own; nodes are chosen by the pod's placement, "
+                      f"{policy.policy or settings.default_policy}")
     new_spec = dict(spec)
     for kind in dict.fromkeys(k for k, _ in gpu_containers):
         new_spec[kind] = [

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from webhook import names
 from webhook.admission.encode import Fragment
 from webhook.admission.mutate import BadObject, MutationResult, mutate_pod
 from webhook.settings import Settings
@@ -246,10 +247,27 @@ def _mutate_object(obj: Any, source: str, doc: int, settings: Settings,
         where = ".".join(path)
         findings.append(Finding(source, label, None, f"{where + ': ' if where else ''}{exc}"))
         return obj
+    if path and (result.changed or result.denials):
+        result = result._replace(warnings=result.warnings + _misplaced(obj, target, kind, path))
     findings.append(Finding(source, label, result))
     if not result.changed or result.pod is None:
         return obj
     return _replace(obj, path, result.pod)
+
+
+def _misplaced(obj: dict[str, Any], template: Any, kind: str,
+               path: tuple[str, ...]) -> tuple[str, ...]:
+    """Warnings for placement annotations on a workload's own metadata that its pod template
+    lacks: the controller gives pods the template's annotations only, so these do nothing."""
+    own = _metadata(obj).get("annotations")
+    theirs = _metadata(template).get("annotations") if isinstance(template, dict) else None
+    if not isinstance(own, dict):
+        return ()
+    where = ".".join((*path, "metadata", "annotations"))
+    return tuple(f"annotation {key} is on the {kind}, not on its pod template: its pods do not "
+                 f"get it (set it in {where})"
+                 for key in names.POD_PLACEMENT_ANNOTATIONS
+                 if key in own and not (isinstance(theirs, dict) and key in theirs))
 
 
 def _mutate_templates(obj: dict[str, Any], shape: Shape, label: str, source: str,

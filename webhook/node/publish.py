@@ -36,6 +36,7 @@ which retries with backoff.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -51,6 +52,8 @@ from webhook.admission.quantity import QuantityError, parse_quantity
 from webhook.node.config import AgentSettings
 from webhook.node.inventory import Discovery
 from webhook.settings import is_qualified_name
+
+logger = logging.getLogger(__name__)
 
 API_ERRORS = (client.ApiException, aiohttp.ClientError, TimeoutError, OSError, ValueError)
 """What a call to the API server may raise: HTTP errors, connection errors, timeouts, and
@@ -288,6 +291,10 @@ class Publisher:
         self._seen: set[str] = set()
         """UUIDs of GPUs discovered or published before: pods may hold slices of one that is
         gone now."""
+        self._set: dict[str, str] = {}
+        """The resources (capacity) this agent last set or found as it wants them."""
+        self._foreign: set[tuple[str, str]] = set()
+        """(resource, value) another writer was seen to put there, warned of once each."""
 
     async def publish(self, discovery: Discovery) -> PublishOutcome:
         """Bring the node's annotation, labels and resources to the discovered state."""
@@ -299,6 +306,7 @@ class Publisher:
         held_off: dict[str, int] = {}
         status = node.status or client.V1NodeStatus()
         capacity, allocatable = status.capacity or {}, status.allocatable or {}
+        self._check_foreign(capacity)
         # some are not healthy now; or the totals carry what pods held on such GPUs (a restarted
         # agent that never saw them, their pods still running)
         if not self._seen <= {g.uuid for g in discovery.healthy} \
@@ -335,6 +343,7 @@ class Publisher:
         if spatch is not None:
             await self._api.patch_node_status(  # type: ignore[call-arg]
                 self._node, spatch, _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
+        self._set = dict(want.resources)
         forget = bool(stale) and not any(held.values())
         if forget:  # off the node now: forgotten, so taken off only once
             await self._api.patch_node(  # type: ignore[call-arg]
@@ -342,6 +351,23 @@ class Publisher:
                     names.ANN_NODE_RESOURCES: resources_record(want.resources)}}},
                 _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
         return PublishOutcome(meta is not None or forget, spatch is not None, pods)
+
+    def _check_foreign(self, capacity: Mapping[str, str]) -> None:
+        """Warn (once per value) where a resource this agent set holds another value now: a
+        device plugin advertising the same name (the kubelet writes its count back at each
+        status update), the two writers taking turns. A resource gone altogether is a node
+        registered again, and one at 0 the kubelet's reset of a node it finds rebuilt (it zeroes
+        every extended resource until its owner publishes it): not another writer."""
+        for name, value in self._set.items():
+            found = capacity.get(name)
+            if found is None or _same_quantity(found, value) or _same_quantity(found, "0") \
+                    or (name, found) in self._foreign:
+                continue
+            self._foreign.add((name, found))
+            logger.warning("a resource the agent publishes was changed by another writer (a "
+                           "device plugin? gpuslice needs none on its nodes); setting it back",
+                           extra={"node": self._node, "resource": name, "published": value,
+                                  "found": found})
 
     async def live_pod_uids(self) -> set[str]:
         """UIDs of every pod the API server has on this node (all pages; raises on error)."""
