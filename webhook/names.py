@@ -40,11 +40,11 @@ HAMI_USE_GPUUUID = "nvidia.com/use-gpuuuid"
 HAMI_NOUSE_GPUUUID = "nvidia.com/nouse-gpuuuid"
 HAMI_POLICY = "hami.io/gpu-scheduler-policy"
 HAMI_NODE_POLICY = "hami.io/node-scheduler-policy"
+"""HAMi's node policy: gpuslice has none (nodes follow the pod's placement); warned of."""
 POD_PLACEMENT_ANNOTATIONS = (ANN_GPU_TYPE, ANN_AVOID_GPU_TYPE, ANN_GPU_UUID, ANN_AVOID_GPU_UUID,
                              ANN_PLACEMENT, HAMI_USE_GPUTYPE, HAMI_NOUSE_GPUTYPE,
                              HAMI_USE_GPUUUID, HAMI_NOUSE_GPUUUID, HAMI_POLICY)
 """The pod annotations placement reads (a workload's own metadata does not reach its pods)."""
-"""HAMi's node policy: gpuslice has none (nodes follow the pod's placement); warned of."""
 
 # Env vars written into containers (DESIGN.md §2) and read by the interposer (§5).
 ENV_POD_UID = "GPUSLICE_POD_UID"
