@@ -58,6 +58,7 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
 
 from __future__ import annotations
 
+import difflib
 import functools
 import posixpath
 import re
@@ -195,6 +196,7 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
             if key in annotations:
                 work.warn(f"annotation {key}: gpuslice reads GPU requests from the containers' "
                           f"resources.limits only; as a pod annotation it is ignored")
+        _warn_unknown_keys(annotations, work)
         if names.HAMI_NODE_POLICY in annotations:
             work.warn(f"annotation {names.HAMI_NODE_POLICY}: gpuslice has no node policy of its "
                       f"own; nodes are chosen by the pod's placement, "
@@ -510,6 +512,29 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
         kept.append(mount)
     new["volumeMounts"] = [*kept, *mounts]
     return new
+
+
+_POD_KEYS = (names.ANN_PLACEMENT, names.ANN_GPU_TYPE, names.ANN_AVOID_GPU_TYPE, names.ANN_GPU_UUID,
+             names.ANN_AVOID_GPU_UUID)
+"""The ``gpuslice.io/`` pod annotations a user writes (the others are gpuslice's own)."""
+_OWN_KEYS = (names.ANN_MUTATED, names.ANN_DEVICES_PREFIX, names.ANN_LIMITS_PREFIX)
+
+
+def _warn_unknown_keys(annotations: dict[str, Any], work: _Work) -> None:
+    """A ``gpuslice.io/`` pod annotation gpuslice does not read (a typo, ``gpuslice.io/placment``,
+    or the namespace label written on the pod) is warned of, with the key it may mean: read
+    past without a word, the pod was placed as if it were not there."""
+    for key in annotations:
+        if not (isinstance(key, str) and key.startswith(names.PREFIX)) or key in _POD_KEYS \
+                or key.startswith(_OWN_KEYS):
+            continue
+        if key == names.LABEL_NAMESPACE_WEBHOOK:
+            hint = f"{key} is a namespace label"
+        else:
+            near = difflib.get_close_matches(key, _POD_KEYS, n=1, cutoff=0.8)
+            hint = f"did you mean {near[0]}?" if near else \
+                f"the pod annotations it reads are {', '.join(_POD_KEYS)}"
+        work.warn(f"annotation {key}: not a key gpuslice reads, so it is ignored ({hint})")
 
 
 # Below this compute limit, ranks that synchronise across devices stall unless they wait for
