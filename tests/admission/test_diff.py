@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from webhook.admission.diff import patch_json, pod_patch
-from webhook.admission.encode import encode_json
+from webhook.admission.encode import Fragment, encode_json
 
 KEYS = st.sampled_from(["a", "b", "x/y", "t~0", "~", "/", "", "env", "0", "metadata", "k~1/"])
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from([0.0, 1.5]),
@@ -106,3 +106,34 @@ def test_prepended_items_are_added_in_front_of_shared_ones() -> None:
     ours = [{"name": "X"}]
     assert pod_patch({"env": user}, {"env": ours + user}) == [
         {"op": "add", "path": "/env/0", "value": {"name": "X"}}]
+
+
+# Keys the API server may send that the written path must escape: JSON's own (quote,
+# backslash, control characters, DEL), RFC 6901's (~, /), non-ASCII, non-BMP, lone surrogates
+# (json.loads gives them for \ud800), and keys longer than the segment memo keeps.
+ODD_KEYS = st.one_of(
+    st.text(alphabet=st.sampled_from('~/"\\\x00\x1f\x7f\ud800\udfff\U0001f600\u00e9a 0'),
+            max_size=5),
+    st.text(min_size=60, max_size=70, alphabet="ab~/\""), st.text(max_size=6))
+ODD_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**80, 2**80),
+                        st.floats(allow_nan=False), st.text(max_size=4))
+
+
+def _fragments(d: dict[str, Any]) -> Any:
+    return Fragment(d)
+
+
+ODD_JSON = st.recursive(ODD_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(ODD_KEYS, inner, max_size=4),
+    st.dictionaries(ODD_KEYS, ODD_SCALARS, max_size=3).map(_fragments)), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ODD_JSON, ODD_JSON)
+def test_written_patch_escapes_odd_keys_and_values(a: Any, b: Any) -> None:
+    """Each key's segment is escaped on its own and remembered: the text still parses to the
+    operations that rebuild ``b`` and is their compact encoding, for every key and value."""
+    for _ in range(2):  # the second time from the remembered segments
+        text = patch_json(a, b)
+        assert text == encode_json(json.loads(text))
+        assert jsonpatch.apply_patch(a, json.loads(text)) == b
