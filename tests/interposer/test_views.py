@@ -399,3 +399,22 @@ def test_one_omitted_meminfo_output_gets_the_other_capped_as_the_driver_does(lab
     assert res.values("meminfo") == [2 * GIB, 3 * GIB]
     null = res.of("nullargs1" if api == "legacy" else "nullargs")[0]
     assert null[1][0] == 1  # cuMemGetInfo[_v2](NULL, NULL): CUDA_ERROR_INVALID_VALUE
+
+
+def test_processes_seeing_different_gpus_as_device_0_by_uuid_charge_each_its_own(lab):
+    # two processes of one container, each with CUDA_VISIBLE_DEVICES naming another GPU by UUID:
+    # both call it device 0, and each allocation belongs to the GPU of that UUID (HAMi #1218,
+    # HAMi #320: there both were charged to the container's first GPU)
+    env = two_gpus(lab)
+    procs = [lab.start("init", "ctx", "0", "alloc", size, "touch", str(lab.tmp / f"held{i}"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_VISIBLE_DEVICES=uuid, **env)
+             for i, (uuid, size) in enumerate([(lab.UUID_B, "300m"), (lab.UUID_A, "100m")])]
+    for i in range(2):
+        lab.wait_for(lab.tmp / f"held{i}")
+    by_uuid = {d.uuid: d.used_bytes for d in lab.region().devices}
+    assert by_uuid == {lab.UUID_A: 100 * MIB, lab.UUID_B: 300 * MIB}
+    seen = lab.run("init", "ctx", "0", "meminfo", CUDA_VISIBLE_DEVICES=lab.UUID_B, **env)
+    assert seen.values("meminfo") == [5 * GIB - 300 * MIB, 5 * GIB]
+    (lab.tmp / "go").touch()
+    for proc in procs:
+        assert lab.finish(proc).returncode == 0
