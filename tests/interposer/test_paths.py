@@ -497,3 +497,28 @@ def test_a_second_copy_of_the_library_in_the_process_charges_nothing_twice(lab):
         [GIB - 300 * MIB, GIB], [GIB - 600 * MIB, GIB], [GIB, GIB]]
     assert lab.used() == 0
     assert "reclaimed" not in res.stderr
+
+
+COMPAT_PROGRAM = """
+import ctypes, sys
+c = ctypes.CDLL(sys.argv[1])
+ctx, p = ctypes.c_void_p(), ctypes.c_uint64()
+rcs = [c.cuInit(0), c.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), c.cuCtxSetCurrent(ctx)]
+rcs += [c.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(300 << 20)) for _ in range(4)]
+free, total = ctypes.c_size_t(), ctypes.c_size_t()
+rcs.append(c.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)))
+print(*rcs, free.value >> 20, total.value >> 20)
+"""
+
+
+def test_a_forward_compatibility_driver_opened_by_its_path_is_the_one_hooked(lab):
+    # an image's cuda-compat libcuda.so.1 (/usr/local/cuda/compat), opened by its full path
+    # beside the host's driver that the loader path finds: the hooks call the file the program
+    # opened (a context made in one driver is not another's), and the cap holds
+    compat = lab.tmp / "compat" / "libcuda.so.1"
+    compat.parent.mkdir()
+    shutil.copy(lab.build / "fake" / "libcuda.so.1", compat)
+    out = lab.run_program([sys.executable, "-c", COMPAT_PROGRAM, str(compat)],
+                          CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0"] * 6 + [str(OOM), "0", "124", "1024"]
