@@ -478,7 +478,8 @@ def test_programs_start_under_a_dlsym_wrapper_and_the_library(lab):
     assert under.returncode == 0 and under.stdout.strip() == "True", under.stderr
 
 
-def test_a_second_copy_of_the_library_in_the_process_charges_nothing_twice(lab):
+@pytest.mark.parametrize("api", APIS)
+def test_a_second_copy_of_the_library_in_the_process_charges_nothing_twice(lab, api):
     # the library preloaded twice from two files (a copy in the image named by LD_PRELOAD beside
     # /etc/ld.so.preload's, or two versions): the first copy's RTLD_NEXT lookup of dlsym found the
     # second copy's dlsym, which handed the first copy the second's hooks as the driver's
@@ -489,7 +490,7 @@ def test_a_second_copy_of_the_library_in_the_process_charges_nothing_twice(lab):
     copy.parent.mkdir()
     shutil.copy(preload[-1], copy)
     res = lab.run("init", "ctx", "0", "alloc", "300m", "meminfo", "alloc", "300m", "meminfo",
-                  "free", "0", "free", "1", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  "free", "0", "free", "1", "meminfo", api=api, CUDA_DEVICE_MEMORY_LIMIT="1g",
                   LD_PRELOAD=":".join([*preload, str(copy)]))
     assert res.returncode == 0, res.stderr
     assert [rc for rc, _ in res.of("alloc")] == [0, 0]
