@@ -344,13 +344,16 @@ GS_EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemGetInfo_v2) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!free || !total) return CUDA_ERROR_INVALID_VALUE;
     size_t real_free = 0, real_total = 0;
-    CUresult rc = gs_cuda.cuMemGetInfo_v2(&real_free, &real_total);
+    /* an omitted output is the driver's to judge: it answers the other one (libnvoptix asks
+     * cuMemGetInfo_v2(NULL, &total)); refused here, OptiX failed in the container only. The
+     * view needs both figures, so they are asked for again once the driver has accepted */
+    CUresult rc = gs_cuda.cuMemGetInfo_v2(free ? &real_free : NULL, total ? &real_total : NULL);
+    if (rc == CUDA_SUCCESS && (!free || !total)) rc = gs_cuda.cuMemGetInfo_v2(&real_free, &real_total);
     if (rc != CUDA_SUCCESS) return rc;
     cap_view(&real_free, &real_total);
-    *free = real_free;
-    *total = real_total;
+    if (free) *free = real_free;
+    if (total) *total = real_total;
     return CUDA_SUCCESS;
 }
 
@@ -380,14 +383,15 @@ GS_EXPORT CUresult cuMemGetInfo(unsigned int *free, unsigned int *total)
 {
     gs_cuda_init();
     if (!gs_cuda.cuMemGetInfo) return CUDA_ERROR_NOT_SUPPORTED;
-    if (!free || !total) return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = gs_cuda.cuMemGetInfo(free, total);
+    unsigned int f32 = 0, t32 = 0; /* an omitted output: as cuMemGetInfo_v2 */
+    CUresult rc = gs_cuda.cuMemGetInfo(free ? &f32 : NULL, total ? &t32 : NULL);
+    if (rc == CUDA_SUCCESS && (!free || !total)) rc = gs_cuda.cuMemGetInfo(&f32, &t32);
     if (rc != CUDA_SUCCESS) return rc;
-    size_t f = *free, t = *total;
-    if (gs_cuda.cuMemGetInfo_v2 && gs_cuda.cuMemGetInfo_v2(&f, &t) != CUDA_SUCCESS) f = *free, t = *total;
+    size_t f = f32, t = t32;
+    if (gs_cuda.cuMemGetInfo_v2 && gs_cuda.cuMemGetInfo_v2(&f, &t) != CUDA_SUCCESS) f = f32, t = t32;
     cap_view(&f, &t);
-    *free = sat32(f);
-    *total = sat32(t);
+    if (free) *free = sat32(f);
+    if (total) *total = sat32(t);
     return CUDA_SUCCESS;
 }
 

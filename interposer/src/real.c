@@ -46,6 +46,36 @@ GS_NO_SANITIZE static dlsym_fn find_real_dlsym(void)
     return f;
 }
 
+/* A second copy of this library after us (preloaded twice from two files: a copy named by
+ * LD_PRELOAD beside /etc/ld.so.preload's, two versions) is what RTLD_NEXT finds for dlsym, and
+ * its dlsym handed this copy its hooks as the driver's functions: each allocation was charged
+ * twice (600 MiB for 300 held). Its object exports gpuslice_version, which its dlsym finds
+ * there and libc's does not; libc's own dlsym is the real one then, and the second copy, which
+ * the program never calls, stays idle. Asked before the driver's functions are looked up (a
+ * hooked name, the resolution), never from the first dlsym calls: a sanitizer runtime calls
+ * dlsym before its initialisation, and dlopen is intercepted. */
+GS_NO_SANITIZE static void settle_real_dlsym(void)
+{
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
+    static int settled;
+    if (GS_LIKELY(__atomic_load_n(&settled, __ATOMIC_ACQUIRE))) return;
+    dlsym_fn f = find_real_dlsym();
+    Dl_info info;
+    void *h = f && dladdr((void *)f, &info) && info.dli_fname && info.dli_fname[0]
+                  ? dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD)
+                  : NULL;
+    if (h && f(h, "gpuslice_version")) {
+        void *libc = dlopen("libc.so.6", RTLD_LAZY | RTLD_NOLOAD);
+        dlsym_fn own = NULL;
+        for (size_t i = 0; libc && i < sizeof(versions) / sizeof(versions[0]) && !own; i++)
+            own = (dlsym_fn)dlvsym(libc, "dlsym", versions[i]);
+        if (own) __atomic_store_n(&real_dlsym_ptr, own, __ATOMIC_RELEASE);
+        if (libc) dlclose(libc);
+    }
+    if (h) dlclose(h);
+    __atomic_store_n(&settled, 1, __ATOMIC_RELEASE);
+}
+
 GS_NO_SANITIZE void *gs_real_dlsym(void *handle, const char *name)
 {
     dlsym_fn f = find_real_dlsym();
@@ -132,6 +162,7 @@ static void *open_library(int nvml, const char *seen, const char *soname)
 
 static void resolve_cuda(void)
 {
+    settle_real_dlsym();
     void *h = open_library(0, cuda_seen_path, "libcuda.so.1");
     if (h) {
 #define GS_RESOLVE_CUDA(name, ret, params, base, ver, pt) gs_cuda.name = (name##_fn)gs_real_dlsym(h, #name);
@@ -149,6 +180,7 @@ static void resolve_cuda(void)
 
 static void resolve_nvml(void)
 {
+    settle_real_dlsym();
     void *h = open_library(1, nvml_seen_path, "libnvidia-ml.so.1");
     if (h) {
 #define GS_RESOLVE_NVML(name, ret, params) gs_nvml.name = (name##_fn)gs_real_dlsym(h, #name);
@@ -230,6 +262,7 @@ GS_NO_SANITIZE __attribute__((noinline)) static void *hooked_dlsym(void *handle,
 {
     void *hook = gs_hook_by_name(name);
     if (!hook) return NOT_HOOKED;
+    settle_real_dlsym();
     void *real = handle == RTLD_NEXT ? hook : gs_real_dlsym(handle, name);
     if (real == hook) real = gs_real_dlsym(RTLD_NEXT, name);
     if (!real) return NULL;

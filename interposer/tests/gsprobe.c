@@ -1273,6 +1273,15 @@ int main(int argc, char **argv)
             CUresult rc = legacy ? api1.cuMemGetInfo(&fr32, &tot32) : api.cuMemGetInfo_v2(&fr, &tot);
             if (legacy) fr = fr32, tot = tot32;
             printf("meminfo %d %zu %zu\n", rc, fr, tot);
+        } else if (!strcmp(c, "meminfo1")) {
+            /* one out-parameter at a time, as libnvoptix asks (cuMemGetInfo_v2(NULL, &total)):
+             * "meminfo1 <rc total only> <total> <rc free only> <free>" */
+            size_t fr = 0, tot = 0;
+            unsigned fr32 = 0, tot32 = 0;
+            CUresult rt = legacy ? api1.cuMemGetInfo(NULL, &tot32) : api.cuMemGetInfo_v2(NULL, &tot);
+            CUresult rf = legacy ? api1.cuMemGetInfo(&fr32, NULL) : api.cuMemGetInfo_v2(&fr, NULL);
+            if (legacy) fr = fr32, tot = tot32;
+            printf("meminfo1 %d %zu %d %zu\n", rt, tot, rf, fr);
         } else if (!strcmp(c, "totalmem")) {
             size_t tot = 0;
             unsigned tot32 = 0;

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -475,3 +476,50 @@ def test_programs_start_under_a_dlsym_wrapper_and_the_library(lab):
     code = "import ctypes; print(ctypes.CDLL(None).getpid() > 0)"
     under = lab.run_program([sys.executable, "-c", code], LD_PRELOAD=":".join(preload))
     assert under.returncode == 0 and under.stdout.strip() == "True", under.stderr
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_second_copy_of_the_library_in_the_process_charges_nothing_twice(lab, api):
+    # the library preloaded twice from two files (a copy in the image named by LD_PRELOAD beside
+    # /etc/ld.so.preload's, or two versions): the first copy's RTLD_NEXT lookup of dlsym found the
+    # second copy's dlsym, which handed the first copy the second's hooks as the driver's
+    # functions, so each allocation was charged twice (300 MiB held: 600 charged under a 1 GiB
+    # cap, the next 300 MiB refused) and the two copies took each other's registration away
+    preload = lab.base["LD_PRELOAD"].split(":")
+    copy = lab.tmp / "copy" / "libgpuslice.so"
+    copy.parent.mkdir()
+    shutil.copy(preload[-1], copy)
+    res = lab.run("init", "ctx", "0", "alloc", "300m", "meminfo", "alloc", "300m", "meminfo",
+                  "free", "0", "free", "1", "meminfo", api=api, CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  LD_PRELOAD=":".join([*preload, str(copy)]))
+    assert res.returncode == 0, res.stderr
+    assert [rc for rc, _ in res.of("alloc")] == [0, 0]
+    assert [vals for _, vals in res.of("meminfo")] == [
+        [GIB - 300 * MIB, GIB], [GIB - 600 * MIB, GIB], [GIB, GIB]]
+    assert lab.used() == 0
+    assert "reclaimed" not in res.stderr
+
+
+COMPAT_PROGRAM = """
+import ctypes, sys
+c = ctypes.CDLL(sys.argv[1])
+ctx, p = ctypes.c_void_p(), ctypes.c_uint64()
+rcs = [c.cuInit(0), c.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), c.cuCtxSetCurrent(ctx)]
+rcs += [c.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(300 << 20)) for _ in range(4)]
+free, total = ctypes.c_size_t(), ctypes.c_size_t()
+rcs.append(c.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)))
+print(*rcs, free.value >> 20, total.value >> 20)
+"""
+
+
+def test_a_forward_compatibility_driver_opened_by_its_path_is_the_one_hooked(lab):
+    # an image's cuda-compat libcuda.so.1 (/usr/local/cuda/compat), opened by its full path
+    # beside the host's driver that the loader path finds: the hooks call the file the program
+    # opened (a context made in one driver is not another's), and the cap holds
+    compat = lab.tmp / "compat" / "libcuda.so.1"
+    compat.parent.mkdir()
+    shutil.copy(lab.build / "fake" / "libcuda.so.1", compat)
+    out = lab.run_program([sys.executable, "-c", COMPAT_PROGRAM, str(compat)],
+                          CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0"] * 6 + [str(OOM), "0", "124", "1024"]

@@ -381,3 +381,40 @@ def test_nvml_before_cuda_and_nvml_alone_in_a_container_without_a_region_yet(lab
     assert res.values("nvml2") == [4 * GIB, 0, GIB, 3 * GIB]
     assert res.values("meminfo") == [3 * GIB, 4 * GIB]
     assert lab.used() == 0  # it returned its usage at exit: it had registered
+
+
+@pytest.mark.parametrize("api", ["direct", "procaddr", "legacy"])
+def test_one_omitted_meminfo_output_gets_the_other_capped_as_the_driver_does(lab, api):
+    # libnvoptix (OptiX's denoiser, shipped with the driver) asks cuMemGetInfo_v2(NULL, &total)
+    # and llama.cpp asked cudaMemGetInfo(&free, NULL): the driver answers the one asked for
+    # (HAMi-core #321, #333; llama.cpp #20499), so a refusal here fails OptiX's initialisation
+    # in the container only; both omitted stays the driver's own error
+    cmds = ["init", "ctx", "0", "alloc", "1g", "meminfo1", "meminfo", "nullargs"]
+    if api == "legacy":
+        res = lab.run("legacy", "1", *cmds[:-1], "nullargs1", CUDA_DEVICE_MEMORY_LIMIT="3g")
+    else:
+        res = lab.run(*cmds, api=api, CUDA_DEVICE_MEMORY_LIMIT="3g")
+    assert res.returncode == 0, res.stderr
+    assert res.of("meminfo1") == [(0, [3 * GIB, 0, 2 * GIB])]
+    assert res.values("meminfo") == [2 * GIB, 3 * GIB]
+    null = res.of("nullargs1" if api == "legacy" else "nullargs")[0]
+    assert null[1][0] == 1  # cuMemGetInfo[_v2](NULL, NULL): CUDA_ERROR_INVALID_VALUE
+
+
+def test_processes_seeing_different_gpus_as_device_0_by_uuid_charge_each_its_own(lab):
+    # two processes of one container, each with CUDA_VISIBLE_DEVICES naming another GPU by UUID:
+    # both call it device 0, and each allocation belongs to the GPU of that UUID (HAMi #1218,
+    # HAMi #320: there both were charged to the container's first GPU)
+    env = two_gpus(lab)
+    procs = [lab.start("init", "ctx", "0", "alloc", size, "touch", str(lab.tmp / f"held{i}"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_VISIBLE_DEVICES=uuid, **env)
+             for i, (uuid, size) in enumerate([(lab.UUID_B, "300m"), (lab.UUID_A, "100m")])]
+    for i in range(2):
+        lab.wait_for(lab.tmp / f"held{i}")
+    by_uuid = {d.uuid: d.used_bytes for d in lab.region().devices}
+    assert by_uuid == {lab.UUID_A: 100 * MIB, lab.UUID_B: 300 * MIB}
+    seen = lab.run("init", "ctx", "0", "meminfo", CUDA_VISIBLE_DEVICES=lab.UUID_B, **env)
+    assert seen.values("meminfo") == [5 * GIB - 300 * MIB, 5 * GIB]
+    (lab.tmp / "go").touch()
+    for proc in procs:
+        assert lab.finish(proc).returncode == 0

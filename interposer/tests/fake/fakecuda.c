@@ -1640,11 +1640,11 @@ API CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total)
 {
     FAIL_POINT("cuMemGetInfo");
     NEED_API(1);
-    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+    if (!free_bytes && !total) return CUDA_ERROR_INVALID_VALUE; /* as cuMemGetInfo_v2 */
     size_t f = 0, t = 0;
     mem_info(&f, &t);
-    *free_bytes = sat32(f);
-    *total = sat32(t);
+    if (free_bytes) *free_bytes = sat32(f);
+    if (total) *total = sat32(t);
     return CUDA_SUCCESS;
 }
 
@@ -1761,8 +1761,14 @@ API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 {
     FAIL_POINT("cuMemGetInfo_v2");
     NEED_API(0);
-    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
-    mem_info(free_bytes, total);
+    /* one output may be omitted: the driver answers the other (libnvoptix, shipped with the
+     * driver, asks cuMemGetInfo_v2(NULL, &total) at OptiX's initialisation, HAMi-core #321/#333;
+     * llama.cpp asked cudaMemGetInfo(&free, NULL)); neither is taken for a bad call */
+    if (!free_bytes && !total) return CUDA_ERROR_INVALID_VALUE;
+    size_t f = 0, t = 0;
+    mem_info(&f, &t);
+    if (free_bytes) *free_bytes = f;
+    if (total) *total = t;
     return CUDA_SUCCESS;
 }
 
