@@ -13,6 +13,7 @@ import pynvml
 import pytest
 from fakekube import FakeKube
 from node.fakenvml import two_a100s
+from node.test_shutdown import _settings as shutdown_settings
 from prometheus_client import generate_latest
 
 from webhook import names
@@ -34,15 +35,12 @@ GPU1 = "GPU-11111111-1111-1111-1111-111111111111"
 
 
 def _settings(tmp_path: Path, **kw: object) -> AgentSettings:
-    (tmp_path / "proc").mkdir(exist_ok=True)
-    (tmp_path / "state").mkdir(exist_ok=True)
-    base: dict[str, object] = {
-        "node_name": NODE, "host_library_dir": str(tmp_path / "lib"),
-        "host_state_dir": str(tmp_path / "state"), "proc_root": str(tmp_path / "proc"),
-        "metrics_host": "127.0.0.1", "metrics_port": 0, "interval": 30.0,
-        "cleanup_grace": 60.0, "audit_interval": 0}
-    base.update(kw)
-    return AgentSettings(**base)  # type: ignore[arg-type]
+    return shutdown_settings(tmp_path, **{"audit_interval": 0, **kw})
+
+
+def _node(kube: FakeKube) -> None:
+    kube.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+              "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}}})
 
 
 def _published(kube: FakeKube) -> dict[str, str]:
@@ -62,8 +60,7 @@ async def test_a_flapping_gpu_is_not_offered_on_its_healthy_rounds(
     steady, it is offered again."""
     nvml = two_a100s()
     async with FakeKube() as kube:
-        kube.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                  "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}}})
+        _node(kube)
         async with kube.api_client() as api:
             agent = Agent(_settings(tmp_path), LIB, inventory=Inventory(nvml), api_client=api)
             await agent.step()
@@ -241,8 +238,7 @@ async def test_a_hung_xid_read_is_judged_hung_like_any_nvml_call(
 async def test_a_critical_xid_is_published_and_exported(tmp_path: Path) -> None:
     nvml = two_a100s()
     async with FakeKube() as kube:
-        kube.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
-                  "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}}})
+        _node(kube)
         async with kube.api_client() as api:
             agent = Agent(_settings(tmp_path), LIB, inventory=Inventory(nvml), api_client=api)
             await agent.step()
