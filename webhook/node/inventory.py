@@ -62,7 +62,7 @@ driver's calls to it block for minutes or for ever instead of failing (:attr:`In
 HUNG_PROBLEM = ("NVML call hung (the GPU fallen off the bus?): nothing is placed on it until "
                 "the call returns")
 RECOVER_ROUNDS = 3
-"""Discoveries in a row (the agent's rounds: 3 minutes at its default interval) a GPU that was
+"""Discoveries in a row (the agent's rounds: about 2 minutes at its default interval) a GPU that was
 Unhealthy, or could not be addressed, must pass before it is offered again; becoming Unhealthy
 is immediate. A GPU whose health flaps (a probe failing every other round) was offered in every
 round it passed, and each flip patched the node twice."""
