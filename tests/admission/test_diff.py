@@ -110,10 +110,16 @@ def test_prepended_items_are_added_in_front_of_shared_ones() -> None:
 
 # Keys the API server may send that the written path must escape: JSON's own (quote,
 # backslash, control characters, DEL), RFC 6901's (~, /), non-ASCII, non-BMP, lone surrogates
-# (json.loads gives them for \ud800), and keys longer than the segment memo keeps.
+# (json.loads gives them for \ud800), and keys longer than the segment memo keeps. Only keys
+# JSON can carry: a high surrogate before a low one is read back as one non-BMP character
+# ("\ud800\udfff" -> "\U000103ff"), so json.loads never gives that pair.
+def _from_json(text: str) -> bool:
+    return bool(json.loads(json.dumps(text)) == text)
+
+
 ODD_KEYS = st.one_of(
     st.text(alphabet=st.sampled_from('~/"\\\x00\x1f\x7f\ud800\udfff\U0001f600\u00e9a 0'),
-            max_size=5),
+            max_size=5).filter(_from_json),
     st.text(min_size=60, max_size=70, alphabet="ab~/\""), st.text(max_size=6))
 ODD_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**80, 2**80),
                         st.floats(allow_nan=False), st.text(max_size=4))
