@@ -61,6 +61,17 @@ def _settings(cert_dir: Path, mwc: str, kubeconfig: Path | None = None) -> Setti
                     kubeconfig=str(kubeconfig) if kubeconfig else None)
 
 
+async def _verifies(context: ssl.SSLContext, port: int) -> bool:
+    """Whether the certificate served on ``port`` verifies in ``context`` for the Service name."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname=f"{SERVICE}.{NS}.svc"), 5)
+    except ssl.SSLError:
+        return False
+    writer.close()
+    return True
+
+
 async def admits(kube: FakeKube, mwc: str, port: int) -> bool:
     """Whether the API server would reach the webhook: the serving certificate verifies
     against the first webhook's caBundle."""
@@ -69,13 +80,7 @@ async def admits(kube: FakeKube, mwc: str, port: int) -> bool:
     if not bundle:
         return False  # the system roots: the private CA is not among them
     context = ssl.create_default_context(cadata=base64.b64decode(bundle).decode())
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(
-            "127.0.0.1", port, ssl=context, server_hostname=f"{SERVICE}.{NS}.svc"), 5)
-    except ssl.SSLError:
-        return False
-    writer.close()
-    return True
+    return await _verifies(context, port)
 
 
 async def refused_for(kube: FakeKube, mwc: str, port: int, limit_s: float) -> float:
@@ -408,13 +413,7 @@ async def admits_with(cert_dir: Path, port: int) -> bool:
     """Whether the certificate served verifies against ``cert_dir/ca.crt`` as it is now (what
     the caBundle holds once it is set)."""
     context = ssl.create_default_context(cafile=str(cert_dir / "ca.crt"))
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(
-            "127.0.0.1", port, ssl=context, server_hostname=f"{SERVICE}.{NS}.svc"), 5)
-    except ssl.SSLError:
-        return False
-    writer.close()
-    return True
+    return await _verifies(context, port)
 
 
 def _self_signed_ca(key: Any, common_name: str) -> bytes:
