@@ -10,6 +10,7 @@ import socket
 import ssl
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -278,8 +279,8 @@ def test_scheduler_configuration_calls_the_extender_in_the_same_pod(values: dict
     [ext] = ksc["extenders"]
     assert set(ext) <= EXTENDER_FIELDS and set(ext["tlsConfig"]) <= TLS_FIELDS
     assert ext["urlPrefix"] == f"https://127.0.0.1:{settings['port']}/scheduler"
-    assert (ext["filterVerb"], ext["prioritizeVerb"], ext["bindVerb"]) == \
-        ("filter", "prioritize", "bind")
+    assert (ext["filterVerb"], ext["prioritizeVerb"], ext["preemptVerb"], ext["bindVerb"]) == \
+        ("filter", "prioritize", "preempt", "bind")
     assert ext["enableHTTPS"] is True and ext["nodeCacheCapable"] is True
     assert ext["ignorable"] is False and ext["weight"] >= 1
     # The pod's loopback, which no one outside the pod reaches: no CA pinned, so none goes
@@ -290,6 +291,20 @@ def test_scheduler_configuration_calls_the_extender_in_the_same_pod(values: dict
                        settings["resource_cores"]: False,
                        settings["resource_mem_percent"]: True,
                        settings["resource_priority"]: True}
+
+
+
+def test_every_verb_the_scheduler_calls_is_served_by_the_extender(render: Any) -> None:
+    """kube-scheduler POSTs ``urlPrefix/<verb>`` for each verb its configuration names; one the
+    service does not route is a 404, which fails that step (preemption, for preemptVerb)."""
+    [ext] = render({}).config("gpuslice-scheduler")["extenders"]
+    app = create_app(Settings(kube_enabled=False), cert_reload_interval=3600)
+    served = {r.resource.canonical for r in app.router.routes()
+              if r.method == "POST" and r.resource is not None}
+    prefix = urlsplit(ext["urlPrefix"]).path
+    verbs = {k: v for k, v in ext.items() if k.endswith("Verb")}
+    assert set(verbs) == {"filterVerb", "prioritizeVerb", "preemptVerb", "bindVerb"}
+    assert {f"{prefix}/{v}" for v in verbs.values()} <= served
 
 
 def _nodes_the_extender_sees(ksc: dict[str, Any], profile: dict[str, Any], nodes: int) -> int:

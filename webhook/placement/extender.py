@@ -1,8 +1,10 @@
-"""The scheduler-extender HTTP edge: ``POST /scheduler/{filter,prioritize,bind}``.
+"""The scheduler-extender HTTP edge: ``POST /scheduler/{filter,prioritize,preempt,bind}``.
 
 Thin handlers: decode the body (a body that is not the extender wire format is an HTTP 400),
 call the :class:`Placer`, encode its answer. Placement failures travel in the answer's
-``FailedNodes`` / ``Error`` fields with HTTP 200, as kube-scheduler expects.
+``FailedNodes`` / ``Error`` fields with HTTP 200, as kube-scheduler expects. Preempt has no
+``Error`` field: before the first list of the cluster it answers HTTP 503, which the scheduler
+takes as a failed preemption and retries after a back-off.
 
 :func:`setup` registers the routes on the service's app, stores the :class:`Placer` at
 ``app[PLACEMENT_KEY]`` and, when ``settings.kube_enabled``, starts the watches on start-up
@@ -19,8 +21,8 @@ from typing import Any
 from aiohttp import web
 from kubernetes_asyncio import client, config
 
-from webhook.placement.model import WireError, binding_args
-from webhook.placement.placer import Placer
+from webhook.placement.model import WireError, binding_args, preemption_args
+from webhook.placement.placer import NOT_READY, Placer
 from webhook.placement.state import ClusterState
 from webhook.settings import Settings
 
@@ -63,6 +65,17 @@ async def handle_prioritize(request: web.Request) -> web.Response:
         raise _bad_request(exc) from exc
 
 
+async def handle_preempt(request: web.Request) -> web.Response:
+    placer = request.app[PLACEMENT_KEY]
+    try:
+        pod, proposed = preemption_args(await _json_body(request))
+    except WireError as exc:
+        raise _bad_request(exc) from exc
+    if not placer.ready():
+        raise web.HTTPServiceUnavailable(text=NOT_READY)
+    return web.json_response(await placer.preempt(pod, proposed))
+
+
 async def handle_bind(request: web.Request) -> web.Response:
     placer = request.app[PLACEMENT_KEY]
     try:
@@ -95,6 +108,7 @@ def setup(app: web.Application, settings: Settings, *, state: ClusterState | Non
     app[PLACEMENT_KEY] = placer
     app.router.add_post("/scheduler/filter", handle_filter)
     app.router.add_post("/scheduler/prioritize", handle_prioritize)
+    app.router.add_post("/scheduler/preempt", handle_preempt)
     app.router.add_post("/scheduler/bind", handle_bind)
     if not settings.kube_enabled:
         return placer

@@ -8,7 +8,7 @@ scheduler decodes case-insensitively, but we always answer with the exact names.
 
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NamedTuple, NotRequired, TypedDict
 
 from webhook.admission.mutate import BadObject, pod_shape
 
@@ -129,3 +129,87 @@ def binding_args(body: Any) -> ExtenderBindingArgs:
         out[key] = value
     return ExtenderBindingArgs(PodName=out["PodName"], PodNamespace=out["PodNamespace"],
                                PodUID=out["PodUID"], Node=out["Node"])
+
+
+class MetaPod(TypedDict):
+    """A pod named by its UID (nodeCacheCapable: the scheduler finds it among the node's pods)."""
+
+    UID: str
+
+
+class MetaVictims(TypedDict):
+    """The pods to preempt on one node, and how many PodDisruptionBudgets that violates."""
+
+    Pods: list[MetaPod]
+    NumPDBViolations: int
+
+
+class ExtenderPreemptionResult(TypedDict):
+    """Preempt answer: the candidate nodes the extender accepts, each with its victims. The
+    scheduler always reads ``NodeNameToMetaVictims``, and looks each UID up among the pods it
+    has on that node."""
+
+    NodeNameToMetaVictims: dict[str, MetaVictims]
+
+
+class Proposed(NamedTuple):
+    """The scheduler's victims on one node, as ExtenderPreemptionArgs carries them."""
+
+    uids: list[str]
+    num_pdb_violations: int
+    pods: dict[str, dict[str, Any]]
+    """UID → Pod object, for the victims sent whole (``NodeNameToVictims``, without
+    nodeCacheCapable); empty with ``NodeNameToMetaVictims``."""
+
+
+def _count(value: Any, where: str) -> int:
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WireError(f"{where} must be a non-negative integer")
+    return value
+
+
+def preemption_args(body: Any) -> tuple[dict[str, Any], dict[str, Proposed]]:
+    """Validate an ExtenderPreemptionArgs body: the preemptor and, per candidate node, the
+    scheduler's victims.
+
+    With nodeCacheCapable the scheduler sends ``NodeNameToMetaVictims`` (victims as UIDs) and
+    ``NodeNameToVictims: null``; without it ``NodeNameToVictims`` (victims as Pod objects).
+    """
+    pod = extender_pod(body)
+    meta, full = body.get("NodeNameToMetaVictims"), body.get("NodeNameToVictims")
+    use_meta = meta is not None
+    nodes = meta if use_meta else full
+    key = "NodeNameToMetaVictims" if use_meta else "NodeNameToVictims"
+    if nodes is None:
+        return pod, {}
+    if not isinstance(nodes, dict):
+        raise WireError(f"ExtenderPreemptionArgs.{key} must be an object")
+    out: dict[str, Proposed] = {}
+    for node, victims in nodes.items():
+        where = f"ExtenderPreemptionArgs.{key}[{node!r}]"
+        if not isinstance(victims, dict):
+            raise WireError(f"{where} must be an object")
+        items = victims.get("Pods")
+        if items is None:
+            items = []
+        if not isinstance(items, list):
+            raise WireError(f"{where}.Pods must be a list")
+        uids: list[str] = []
+        pods: dict[str, dict[str, Any]] = {}
+        for i, item in enumerate(items):
+            if use_meta:
+                uid = item.get("UID") if isinstance(item, dict) else None
+            else:
+                m = item.get("metadata") if isinstance(item, dict) else None
+                uid = m.get("uid") if isinstance(m, dict) else None
+            if not isinstance(uid, str) or not uid:
+                raise WireError(f"{where}.Pods[{i}] must name a pod by a non-empty " +
+                                ("UID" if use_meta else "metadata.uid"))
+            uids.append(uid)
+            if not use_meta:
+                pods[uid] = item
+        out[node] = Proposed(uids, _count(victims.get("NumPDBViolations"),
+                                          f"{where}.NumPDBViolations"), pods)
+    return pod, out

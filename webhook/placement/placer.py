@@ -1,4 +1,5 @@
-"""The extender's verbs as plain methods: filter, prioritize, bind, over the watched state.
+"""The extender's verbs as plain methods: filter, prioritize, preempt, bind, over the watched
+state.
 
 :class:`Placer` owns the :class:`ClusterState`, the watches that feed it and the API client
 used to bind. Filter and prioritize are synchronous and pure over the state; bind reserves
@@ -49,10 +50,15 @@ from webhook.placement.model import (
     ExtenderBindingArgs,
     ExtenderBindingResult,
     ExtenderFilterResult,
+    ExtenderPreemptionResult,
     HostPriority,
+    MetaPod,
+    MetaVictims,
+    Proposed,
     candidate_names,
     extender_pod,
 )
+from webhook.placement.preempt import choose_victims, importance_order
 from webhook.placement.request import (
     NOT_ADMITTED,
     PodRequest,
@@ -60,7 +66,12 @@ from webhook.placement.request import (
     admitted,
     pod_request,
 )
-from webhook.placement.state import ClusterState, NodeState
+from webhook.placement.state import (
+    ClusterState,
+    NodeState,
+    pod_priority,
+    pod_started,
+)
 from webhook.placement.sync import ApiStatusError, BadResponse, ClusterSync, read_json
 from webhook.settings import Settings
 
@@ -74,6 +85,8 @@ _LEASE_CACHE_S = 1.0
 so this replica cannot lose it and win it back within a second: a read made by a bind of this
 replica's scheduler stays right that long."""
 _RESULT_CACHE = 4
+_PREEMPT_SLICE_S = 0.01
+"""Seconds preempt judges nodes before it lets the event loop run the other requests."""
 NOT_READY = "gpuslice: placement is still reading the cluster state; retry"
 
 
@@ -107,7 +120,7 @@ class Placer:
     def __init__(self, settings: Settings, state: ClusterState | None = None,
                  api: client.ApiClient | None = None, *, bind_timeout_s: float = 3.0,
                  bind_deadline_s: float = 8.0, resync_s: float = 300.0,
-                 assume_ttl_s: float = 60.0) -> None:
+                 assume_ttl_s: float = 60.0, preempt_deadline_s: float = 5.0) -> None:
         self.settings = settings
         self.state = state or ClusterState(settings)
         self.bind_timeout_s = bind_timeout_s
@@ -123,6 +136,9 @@ class Placer:
         """Seconds the reservation of a bind with an unknown outcome is kept, unless the watch
         or a retried bind settles it first: the API server's default request timeout (60 s),
         after which it no longer applies the Binding."""
+        self.preempt_deadline_s = preempt_deadline_s
+        """Seconds preempt may spend judging candidate nodes (those left are left out): below
+        kube-scheduler's ``httpTimeout`` for the extender (the chart's 10 s)."""
         self.core: client.CoreV1Api | None = None
         self.leases: client.CoordinationV1Api | None = None
         self._lease_read: tuple[float, float] | None = None
@@ -308,6 +324,87 @@ class Placer:
             scores.append(HostPriority(Host=name, Score=score))
         return scores
 
+    # ----- preempt -----
+    async def preempt(self, pod: dict[str, Any],
+                      proposed: dict[str, Proposed]) -> ExtenderPreemptionResult:
+        """The candidate nodes where preempting pods of lower priority lets ``pod`` fit its
+        GPUs, each with the victims to preempt (:mod:`webhook.placement.preempt`); nodes where
+        none can are left out. The caller has checked :meth:`ready`.
+
+        Nodes are judged one at a time between yields to the event loop (no node is judged
+        across an ``await``, so each sees one state); past ``preempt_deadline_s`` the rest are
+        left out, so that the scheduler, which gives up after its ``httpTimeout``, hears the
+        answer.
+        """
+        out: dict[str, MetaVictims] = {}
+        result = ExtenderPreemptionResult(NodeNameToMetaVictims=out)
+        try:
+            req = pod_request(pod, self.settings)
+        except RequestError:
+            return result  # filter found every node unresolvable
+        if not req.wants_gpus:  # no GPU to judge (the scheduler sends only GPU pods)
+            for name, p in proposed.items():
+                if p.uids:
+                    out[name] = MetaVictims(Pods=[MetaPod(UID=u) for u in p.uids],
+                                            NumPDBViolations=p.num_pdb_violations)
+            return result
+        if not admitted(pod):
+            return result
+        self.state.expire(time.monotonic())
+        earlier = self.state.allocs.get(str(pod["metadata"].get("uid") or ""))
+        if earlier is not None and earlier.assumed:
+            return result  # filter offers only the node of its earlier bind, where it fits
+        priority = pod_priority(pod)
+        start = slice_start = time.monotonic()
+        for i, (name, p) in enumerate(proposed.items()):
+            now = time.monotonic()
+            if now - slice_start > _PREEMPT_SLICE_S:
+                await asyncio.sleep(0)
+                now = slice_start = time.monotonic()
+            if now - start > self.preempt_deadline_s:
+                logger.warning("preempt ran out of time; the other candidate nodes are left "
+                               "out", extra={"judged": i, "candidates": len(proposed)})
+                break
+            victims = self._victims_on(name, req, priority, p)
+            if victims is not None:
+                out[name] = victims
+        return result
+
+    def _victims_on(self, name: str, req: PodRequest, priority: int,
+                    p: Proposed) -> MetaVictims | None:
+        """What to preempt on node ``name`` for the preemptor (``req``, ``priority``) given the
+        scheduler's victims ``p``; None to leave the node out."""
+        node = self.state.node(name)
+        if node is None or node.inventory_error or not p.uids:
+            return None
+        allocs = self.state.allocs
+        gpu = choose_victims(req, priority, node, allocs, set(p.uids),
+                             self.settings.split_count)
+        if gpu is None:
+            return None
+        if not gpu:
+            # The GPUs have room: what the pod lacks here is the scheduler's to judge (CPU,
+            # memory, ports...), and so are its victims.
+            return MetaVictims(Pods=[MetaPod(UID=u) for u in p.uids],
+                               NumPDBViolations=p.num_pdb_violations)
+        # The scheduler's victims that hold no GPU here were chosen for what only it sees, and
+        # stay; those holding GPUs stay only where they help (they are in ``gpu`` then).
+        chosen = set(gpu)
+        kept = [u for u in p.uids if u in chosen or not (
+            u in allocs and allocs[u].node == name and allocs[u].demand)]
+        stay = set(kept)
+        added = [u for u in gpu if u not in stay]
+        known = {u: (pod_priority(p.pods[u]), pod_started(p.pods[u])) for u in kept
+                 if u in p.pods}
+        for u in (*kept, *added):
+            alloc = allocs.get(u)
+            if alloc is not None and u not in known:
+                known[u] = (alloc.priority, alloc.started)
+        # Of the scheduler's count, only victims it chose can be the PDB violations (the
+        # extender does not read PodDisruptionBudgets): at most those it chose that stay.
+        return MetaVictims(Pods=[MetaPod(UID=u) for u in importance_order(kept, added, known)],
+                           NumPDBViolations=min(p.num_pdb_violations, len(kept)))
+
     # ----- bind -----
     @property
     def failover_hold_s(self) -> float:
@@ -430,12 +527,12 @@ class Placer:
                     return ExtenderBindingResult(Error=hold)
             return await self._bind(args, req, where,
                                     str((pod.get("metadata") or {}).get("resourceVersion") or ""),
-                                    deadline)
+                                    deadline, pod_priority(pod))
         finally:
             self._inflight.discard(uid)
 
     async def _bind(self, args: ExtenderBindingArgs, req: PodRequest, where: dict[str, str],
-                    pod_rv: str, deadline: float) -> ExtenderBindingResult:
+                    pod_rv: str, deadline: float, priority: int = 0) -> ExtenderBindingResult:
         uid, node_name = args["PodUID"], args["Node"]
         if deadline - time.monotonic() < self.bind_timeout_s / 3:
             # Too late to hear the Binding's answer: sent, it would likely stay undecided and
@@ -470,7 +567,7 @@ class Placer:
                     return ExtenderBindingResult(Error=result.reason)
                 assignment = result.assignment
             self.state.reserve(uid, args["PodNamespace"], args["PodName"], node_name, req,
-                               assignment, pod_rv)
+                               assignment, pod_rv, priority)
             annotations = {names.devices_annotation(c): ",".join(uuids)
                            for c, uuids in assignment.items()}
         # metadata.uid makes the API server refuse the bind if the pod was recreated.

@@ -78,6 +78,23 @@ class PodAlloc:
     """Of the pod object last applied; of an assumed allocation, the pod's as its bind saw it."""
     applied_at: float = 0.0
     """When (monotonic) the pod object last applied came in (confirmed allocations only)."""
+    priority: int = 0
+    """The pod's ``spec.priority`` (0 when unset, as kube-scheduler reads it): preemption
+    takes only pods of lower priority than the preemptor's."""
+    started: str = ""
+    """The pod's ``status.startTime`` (RFC 3339), "" before it starts: of two pods of one
+    priority, the one started later is preempted first (kube-scheduler's MoreImportantPod)."""
+
+
+def pod_priority(pod: dict[str, Any]) -> int:
+    """``spec.priority`` as kube-scheduler reads it (corev1helpers.PodPriority): 0 if unset."""
+    value = (pod.get("spec") or {}).get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def pod_started(pod: dict[str, Any]) -> str:
+    value = (pod.get("status") or {}).get("startTime")
+    return value if isinstance(value, str) else ""
 
 
 def rv_newer(a: str, b: str) -> bool | None:
@@ -226,11 +243,13 @@ class ClusterState:
         return alloc
 
     def reserve(self, uid: str, namespace: str, name: str, node: str, req: PodRequest,
-                assignment: dict[str, tuple[str, ...]], pod_rv: str = "") -> PodAlloc:
+                assignment: dict[str, tuple[str, ...]], pod_rv: str = "",
+                priority: int = 0) -> PodAlloc:
         """Hold ``assignment`` for a pod being bound (an assumed allocation); ``pod_rv``: the
-        resourceVersion of the pod object the bind read."""
+        resourceVersion of the pod object the bind read, ``priority`` its spec.priority."""
         alloc = PodAlloc(uid, namespace, name, node, req, assignment, {}, assumed=True,
-                         reserved_at=time.monotonic(), resource_version=pod_rv)
+                         reserved_at=time.monotonic(), resource_version=pod_rv,
+                         priority=priority)
         self._remove(uid)
         self._add(alloc)
         return alloc
@@ -306,11 +325,13 @@ class ClusterState:
         if current is not None and not current.assumed and current.node == node \
                 and current.assignment == assignment:
             current.resource_version, current.applied_at = rv, time.monotonic()
+            current.started = pod_started(obj)
             return
         self._remove(uid)
         self._add(PodAlloc(uid, str(meta.get("namespace") or ""), str(meta.get("name") or ""),
                            str(node), req, assignment, {}, resource_version=rv,
-                           applied_at=time.monotonic()))
+                           applied_at=time.monotonic(), priority=pod_priority(obj),
+                           started=pod_started(obj)))
 
     def delete_pod(self, obj: dict[str, Any]) -> None:
         self._remove(str((obj.get("metadata") or {}).get("uid") or ""))

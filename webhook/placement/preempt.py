@@ -1,0 +1,196 @@
+"""Which pods to preempt on a node so that a GPU pod fits its GPUs (the ``preempt`` verb).
+
+kube-scheduler's default preemption dry-runs each candidate node with its in-tree filter
+plugins only: it sees the node totals of the extended resources the agent publishes, never
+which GPU has room, so its victims may free memory spread over several GPUs (or on the wrong
+one) while the pod needs it on one. With a ``preemptVerb`` it sends the extender each candidate
+node with its victims and takes back the nodes and victims the extender accepts.
+
+:func:`choose_victims` runs the scheduler's own per-node algorithm (``SelectVictimsOnNode``)
+with the per-GPU fit of :func:`webhook.placement.fit.place` as the filter: take every GPU pod
+of lower priority off the node; if the pod does not fit even then, no victims can help. Else
+give pods back, the most important first (higher priority, then, of one priority, the
+scheduler's own choices last and the earlier started first), keeping each that still lets the
+pod fit; those that do not are the victims. So only pods of lower priority than the preemptor
+are ever chosen, the lowest priorities first, and none that does not help. Where a smaller set
+of pods of no higher priority would do (a bounded search), it is taken instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Mapping
+
+from webhook.placement.fit import NoFit, place
+from webhook.placement.inventory import Usage
+from webhook.placement.request import PodRequest
+from webhook.placement.state import NodeState, PodAlloc
+
+_SEARCH_LIMIT = 256
+"""Sets of pods :func:`_fewer` tries on one node at most (each a per-GPU fit)."""
+
+
+def _with(usage: Mapping[str, Usage], demand: Mapping[str, Usage],
+          sign: int) -> dict[str, Usage]:
+    """A copy of ``usage`` with ``demand`` added (``sign`` 1) or taken off (-1)."""
+    out = dict(usage)
+    for uuid, d in demand.items():
+        u = out[uuid].copy() if uuid in out else Usage()
+        u.add(d, sign)
+        out[uuid] = u
+    return out
+
+
+def _fits(req: PodRequest, node: NodeState, usage: Mapping[str, Usage],
+          split_count: int) -> bool:
+    return not isinstance(place(req, node.gpus, usage, split_count), NoFit)
+
+
+def choose_victims(req: PodRequest, priority: int, node: NodeState,
+                   allocs: Mapping[str, PodAlloc], proposed: Collection[str],
+                   split_count: int) -> list[str] | None:
+    """The UIDs of the GPU pods on ``node`` to preempt so that ``req`` fits its GPUs, or None
+    when no set of them can make it fit.
+
+    Victims are pods of lower ``priority`` than the preemptor's that hold GPUs on the node:
+    bound ones (the watch saw them, so the scheduler knows them too) and, of those still being
+    bound (assumed), only ones the scheduler itself proposed (``proposed``; it knows those as
+    on the node: it rejects a victim it does not). [] when the pod fits without preempting
+    any GPU pod.
+    """
+    pool: list[PodAlloc] = []
+    for uid in node.pods:
+        alloc = allocs.get(uid)
+        if alloc is None or not alloc.demand or alloc.priority >= priority:
+            continue
+        if alloc.assumed and uid not in proposed:
+            continue
+        pool.append(alloc)
+    usage = node.usage
+    for alloc in pool:
+        usage = _with(usage, alloc.demand, -1)
+    if not _fits(req, node, usage, split_count):
+        return None
+    # Most important first: the order in which they are given back.
+    pool.sort(key=lambda a: (-a.priority, a.uid in proposed, a.started or "~", a.uid))
+    victims: list[PodAlloc] = []
+    for alloc in pool:
+        trial = _with(usage, alloc.demand, 1)
+        if _fits(req, node, trial, split_count):
+            usage = trial
+        else:
+            victims.append(alloc)
+    if len(victims) > 1:
+        victims = _fewer(req, node, pool, victims, proposed, split_count)
+    return [a.uid for a in victims]
+
+
+def _cost(victims: Iterable[PodAlloc], proposed: Collection[str]) -> tuple[int, int, int]:
+    """kube-scheduler's preference among nodes' victims, for victims of one node: the lowest
+    highest priority, then the smallest sum of priorities (each offset by 2^31, as it adds
+    them: in effect the fewest, then the lowest priorities); then the most of its own."""
+    chosen = list(victims)
+    return (max(a.priority for a in chosen), sum(a.priority + 2**31 for a in chosen),
+            sum(a.uid not in proposed for a in chosen))
+
+
+def _least(amounts: list[int], short: int) -> int:
+    """How many of ``amounts`` at least add up to ``short`` (a bound on the victims any set
+    needs); one more than there are when all of them do not."""
+    if short <= 0:
+        return 0
+    total = 0
+    for n, amount in enumerate(sorted(amounts, reverse=True), 1):
+        total += amount
+        if total >= short:
+            return n
+    return len(amounts) + 1
+
+
+def _groups(req: PodRequest, node: NodeState,
+            candidates: list[PodAlloc]) -> list[tuple[int, list[PodAlloc]]]:
+    """The sets to search, each with the fewest victims any set of it needs.
+
+    A pod whose one container takes one GPU fits or not by that GPU's usage alone, so the
+    fewest victims are pods on one GPU: one group per GPU, bounded below by the memory and
+    compute its pods must free there. Any other pod: one group of every candidate."""
+    if len(req.containers) != 1 or req.containers[0].count != 1:
+        return [(1, candidates)]
+    c = req.containers[0]
+    out = []
+    for gpu in node.gpus:
+        on = [a for a in candidates if gpu.uuid in a.demand]
+        if not on:
+            continue
+        used = node.usage.get(gpu.uuid) or Usage()
+        least = max(
+            _least([a.demand[gpu.uuid].mem for a in on],
+                   used.mem + c.memory_on(gpu.memory_mib) - gpu.memory_mib),
+            _least([a.demand[gpu.uuid].cores for a in on], used.cores + c.cores - 100),
+            1)
+        out.append((least, on))
+    return out
+
+
+def _fewer(req: PodRequest, node: NodeState, pool: list[PodAlloc], victims: list[PodAlloc],
+           proposed: Collection[str], split_count: int) -> list[PodAlloc]:
+    """Fewer victims than the give-back order found, when a set of them frees the room: the
+    order gives back the most important pods first, not the ones that matter least to the
+    fit (a pod on two GPUs given back may leave two others, one on each, to be taken).
+
+    Sets of each size below ``victims``' are tried, smallest first, among the pods of no
+    higher priority than its highest; the best of the first size that fits wins. At most
+    ``_SEARCH_LIMIT`` sets are tried on a node: past that, ``victims`` stands.
+    """
+    top = max(a.priority for a in victims)
+    groups = _groups(req, node, [a for a in pool if a.priority <= top])
+    tried = 0
+    for size in range(1, len(victims)):
+        best: tuple[tuple[int, int, int], tuple[PodAlloc, ...]] | None = None
+        for least, group in groups:
+            if size < least:
+                continue
+            for subset in itertools.combinations(group, size):
+                tried += 1
+                if tried > _SEARCH_LIMIT:
+                    return victims
+                usage = node.usage
+                for alloc in subset:
+                    usage = _with(usage, alloc.demand, -1)
+                if _fits(req, node, usage, split_count):
+                    cost = _cost(subset, proposed)
+                    if best is None or cost < best[0]:
+                        best = (cost, subset)
+        if best is not None:
+            return list(best[1])
+    return victims
+
+
+def importance_order(kept: Iterable[str], added: Iterable[str],
+                     known: Mapping[str, tuple[int, str]]) -> list[str]:
+    """The victims the most important first, as kube-scheduler lists a node's victims (its
+    choice among nodes reads the first as the highest priority of them).
+
+    ``kept``: the scheduler's own victims that stay, in its order (the most important first);
+    ``added``: the others; ``known``: UID → (priority, startTime), for every pod of ``added``
+    and some of ``kept`` (nodeCacheCapable sends UIDs only: a pod without GPUs is unknown).
+    Merged by priority, then the earlier started; a kept pod of unknown priority goes before
+    the added pods not yet placed, so that the first is never less important than the
+    scheduler's own first.
+    """
+    def rank(uid: str) -> tuple[int, str, str]:
+        priority, started = known[uid]
+        return -priority, started or "~", uid
+
+    mine = sorted(added, key=rank)
+    theirs = list(kept)
+    out: list[str] = []
+    i = j = 0
+    while i < len(theirs) and j < len(mine):
+        if theirs[i] not in known or rank(theirs[i]) <= rank(mine[j]):
+            out.append(theirs[i])
+            i += 1
+        else:
+            out.append(mine[j])
+            j += 1
+    return out + theirs[i:] + mine[j:]
