@@ -131,6 +131,8 @@ class Agent:
         self.inventory = inventory or Inventory(
             offer_exclusive_process=settings.offer_exclusive_process,
             xid_check=settings.xid_check, skip_xids=settings.skip_xids)
+        # a GPU recovers over RECOVER_ROUNDS rounds at the interval, also when they back off
+        self.inventory.recover_s = (nvml_inventory.RECOVER_ROUNDS - 1) * settings.interval
         self.api_client = api_client
         self.publisher = Publisher(api_client, settings) if api_client is not None else None
         self.status = AgentStatus()
