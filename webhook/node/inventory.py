@@ -265,6 +265,8 @@ class Inventory:
         self._hung_told = False
         self._initialised = False
         self._last: Discovery = Discovery(available=False, reason="not discovered yet")
+        self.discovered = False
+        """A discovery has ended (before, :attr:`last` is a placeholder, not NVML's word)."""
         self._logged_state: tuple[Any, ...] = ()
         self._known: dict[str, tuple[str, int]] = {}
         self._problems: dict[str, str] = {}
@@ -367,7 +369,7 @@ class Inventory:
             if not held:
                 return self.last
             result = self._discover_locked()
-            self._last = result
+            self._last, self.discovered = result, True
         state = (result.available, result.reason, len(result.gpus), len(result.healthy))
         if state != self._logged_state:
             self._logged_state = state
