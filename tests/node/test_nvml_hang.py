@@ -311,3 +311,44 @@ async def test_a_restarted_agent_whose_first_discovery_is_slow_withdraws_no_gpu(
                 delay = await agent.step()
             assert (len(_published(kube)), _allocatable(kube)) == (4, "40")
             assert delay == settings.interval
+
+
+@pytest.mark.parametrize("caller", ["sample", "processes", "process_utilisation"])
+def test_a_call_behind_a_slow_discovery_waits_for_it_not_only_one_gpus_deadline(
+        monkeypatch: pytest.MonkeyPatch, caller: str) -> None:
+    """A discovery of four slow GPUs (each within the deadline, all four past it: a big node
+    without persistence mode) holds NVML; a scrape (an audit's process lists, the compute
+    sampler's poll) asks meanwhile. It waited only until the deadline of the GPU being queried
+    when it asked, then answered as behind a hung call (no figures; lists that cannot be read;
+    no samples, which starts the compute check's coverage again), though nothing hung. Now it
+    waits while the calls go on from GPU to GPU, and gives up only on a hung one."""
+    monkeypatch.setattr(inventory_module, "HUNG_S", 1.0)
+    nvml = FakeNvml([FakeDevice(f"GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-0000-0000-000000000000")
+                     for i in range(4)])
+    inv = Inventory(nvml)
+    assert len(inv.discover().healthy) == 4
+    name = nvml.nvmlDeviceGetName
+    asked = threading.Event()
+
+    def slow_name(handle: int) -> bytes:
+        asked.set()
+        time.sleep(0.6)  # within the deadline; 2.4 s for the four
+        return name(handle)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetName", slow_name)
+    thread = threading.Thread(target=inv.discover)
+    thread.start()
+    try:
+        assert asked.wait(5)
+        started = time.monotonic()
+        got = getattr(inv, caller)(*(({},) if caller == "process_utilisation" else ()))
+        waited = time.monotonic() - started
+    finally:
+        thread.join()
+    assert inv.hung() is None
+    figures = {"sample": lambda: [s.memory_total_bytes is not None for s in got],
+               "processes": lambda: [p.processes is not None for p in got],
+               "process_utilisation": lambda: [u.samples is not None for u in got]}[caller]()
+    assert figures == [True] * 4, \
+        f"{caller} behind a slow discovery (nothing hung) gave up after {waited:.1f} s: " \
+        f"figures {figures}"

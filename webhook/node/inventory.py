@@ -315,13 +315,18 @@ class Inventory:
     @contextlib.contextmanager
     def _calling(self) -> Iterator[bool]:
         """Hold NVML's lock for a series of calls; yields False, without it, where the calls
-        that hold it have run for :data:`HUNG_S` (they are hung: no call waits behind them)."""
-        since = self._busy_since
-        wait = HUNG_S if since is None else max(0.0, since + HUNG_S - time.monotonic())
-        if not self._lock.acquire(timeout=wait):
-            self.hung()  # told once
-            yield False
-            return
+        that hold it have run for :data:`HUNG_S` (they are hung: no call waits behind them).
+        Calls that go on from GPU to GPU, each within it, are waited for (a discovery of many
+        slow GPUs: a scrape behind it gave up at the deadline of the GPU queried when it asked,
+        and answered as behind a hung call)."""
+        while True:
+            since = self._busy_since
+            wait = HUNG_S if since is None else max(0.0, since + HUNG_S - time.monotonic())
+            if self._lock.acquire(timeout=wait):
+                break
+            if self.hung() is not None:  # (told once)
+                yield False
+                return
         self._busy_since, self._busy_gpu = time.monotonic(), None
         try:
             yield True
