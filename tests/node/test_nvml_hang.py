@@ -296,7 +296,7 @@ async def test_a_restarted_agent_whose_first_discovery_is_slow_withdraws_no_gpu(
             name = nvml.nvmlDeviceGetName
 
             def slow_name(handle: int) -> bytes:
-                time.sleep(0.6)  # within the deadline; 2.4 s for the four
+                time.sleep(0.5)  # within the deadline; 2 s for the four
                 return name(handle)
 
             monkeypatch.setattr(nvml, "nvmlDeviceGetName", slow_name)
@@ -332,7 +332,7 @@ def test_a_call_behind_a_slow_discovery_waits_for_it_not_only_one_gpus_deadline(
 
     def slow_name(handle: int) -> bytes:
         asked.set()
-        time.sleep(0.6)  # within the deadline; 2.4 s for the four
+        time.sleep(0.5)  # within the deadline; 2 s for the four
         return name(handle)
 
     monkeypatch.setattr(nvml, "nvmlDeviceGetName", slow_name)
