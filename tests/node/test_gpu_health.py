@@ -7,7 +7,9 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pynvml
 import pytest
@@ -27,7 +29,7 @@ from webhook.node.inventory import (
     UNHEALTHY,
     Inventory,
 )
-from webhook.node.loop import Agent
+from webhook.node.loop import Agent, Backoff
 
 NODE = "gpu-node-1"
 LIB = b"\x7fELF" + b"interposer" * 50
@@ -43,6 +45,22 @@ def _node(kube: FakeKube) -> None:
               "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}}})
 
 
+class _Clock:
+    """The inventory module's monotonic clock, moved on by the test (``advance``) as the
+    agent's waits between rounds would."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.offset = 0.0
+        monkeypatch.setattr(inventory_module, "time", SimpleNamespace(
+            monotonic=lambda: time.monotonic() + self.offset, time=time.time))
+
+    def now(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
 def _published(kube: FakeKube) -> dict[str, str]:
     node = kube.get("nodes", NODE) or {}
     gpus = json.loads(node.get("metadata", {}).get("annotations", {}).get(
@@ -52,18 +70,23 @@ def _published(kube: FakeKube) -> dict[str, str]:
 
 @pytest.mark.parametrize("flaky", ["nvmlDeviceGetRemappedRows", "nvmlDeviceGetHandleByIndex"])
 async def test_a_flapping_gpu_is_not_offered_on_its_healthy_rounds(
-        tmp_path: Path, flaky: str) -> None:
+        tmp_path: Path, flaky: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """GPU 1's health probe (or its handle: then it is left out) fails every other round (a
     flaky board, a failing riser). Each flip was two node patches (annotation, resources), and
     the scheduler placed pods on it in every round it passed; now it stays Unhealthy until it
     has passed RECOVER_ROUNDS rounds in a row, so its resources are patched once; once it is
-    steady, it is offered again."""
+    steady, it is offered again (at its RECOVER_ROUNDS-th round at the interval)."""
+    clock = _Clock(monkeypatch)
     nvml = two_a100s()
     async with FakeKube() as kube:
         _node(kube)
         async with kube.api_client() as api:
             agent = Agent(_settings(tmp_path), LIB, inventory=Inventory(nvml), api_client=api)
-            await agent.step()
+
+            async def step() -> None:
+                clock.advance(await agent.step())  # (the wait for the next round)
+
+            await step()
             assert _published(kube)[GPU1] == HEALTHY
             kube.requests.clear()
             offered = 0
@@ -71,7 +94,7 @@ async def test_a_flapping_gpu_is_not_offered_on_its_healthy_rounds(
             for n in range(rounds):
                 if n % 2 == 0:  # fails in this round's discovery, passes in the next
                     nvml.devices[1].fail_once[flaky] = pynvml.NVML_ERROR_UNKNOWN
-                await agent.step()
+                await step()
                 offered += _published(kube).get(GPU1) == HEALTHY
             patches = len(kube.requests_to("PATCH", f"/nodes/{NODE}"))
             resources = len(kube.requests_to("PATCH", f"/nodes/{NODE}/status$"))
@@ -83,9 +106,45 @@ async def test_a_flapping_gpu_is_not_offered_on_its_healthy_rounds(
             # steady again: offered after RECOVER_ROUNDS healthy rounds in a row, not before
             states = []
             for _ in range(RECOVER_ROUNDS + 1):
-                await agent.step()
+                await step()
                 states.append(_published(kube)[GPU1])
             assert states == [UNHEALTHY] * (RECOVER_ROUNDS - 1) + [HEALTHY] * 2
+
+
+async def test_a_recovering_gpu_is_offered_no_sooner_than_documented_when_rounds_back_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU 1 fails a probe once during an API outage: the agent's rounds back off from 1 s
+    (1, 2, 4 s...), so it passed its RECOVER_ROUNDS clean rounds 6 s after the first and was
+    offered (at the next publish), where the documentation says about 2 minutes (its third
+    clean round at the default interval): a GPU flapping every few seconds was offered as
+    often. Now it also needs (RECOVER_ROUNDS - 1) intervals since its first clean round."""
+    clock = _Clock(monkeypatch)
+    nvml = two_a100s()
+    settings = _settings(tmp_path, interval=60.0)
+    async with FakeKube() as kube:
+        _node(kube)
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(nvml), api_client=api)
+            agent.backoff = Backoff(cap=settings.interval, rng=lambda: 1.0)
+            assert await agent.step() == settings.interval
+            kube.down = True
+            nvml.devices[1].fail_once["nvmlDeviceGetRemappedRows"] = pynvml.NVML_ERROR_UNKNOWN
+            delay = await agent.step()
+            assert not agent.inventory.last.gpus[1].healthy
+            first_clean, rounds = 0.0, []
+            while len(rounds) < 20:
+                clock.advance(delay)
+                delay = await agent.step()
+                first_clean = first_clean or clock.now()
+                rounds.append(clock.now() - first_clean)
+                if agent.inventory.last.gpus[1].healthy:
+                    break
+            offered_after = rounds[-1]
+            assert len(rounds) >= RECOVER_ROUNDS
+            assert offered_after >= (RECOVER_ROUNDS - 1) * settings.interval, \
+                f"offered {offered_after:.0f} s after its first clean round (rounds at " \
+                f"{[round(r) for r in rounds]} s), documented: about " \
+                f"{(RECOVER_ROUNDS - 1) * settings.interval:.0f} s"
 
 
 # ----- critical XID errors -----

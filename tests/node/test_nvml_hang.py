@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from fakekube import FakeKube
-from node.fakenvml import two_a100s
+from node.fakenvml import FakeDevice, FakeNvml, two_a100s
 from node.test_shutdown import _settings as shutdown_settings
 
 from webhook import names
@@ -272,3 +272,83 @@ def test_a_slow_discovery_of_many_gpus_is_not_judged_hung(
     thread.join()
     result = seen[0]
     assert isinstance(result, type(first)) and [g.healthy for g in result.gpus] == [True, True]
+
+
+async def test_a_restarted_agent_whose_first_discovery_is_slow_withdraws_no_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent restarts (a rollout) on a node whose GPUs answer slowly (no persistence
+    mode): each GPU's calls within the deadline, the first discovery longer than the round
+    waits for it. The round published ``Inventory.last`` as it was then, "not discovered yet":
+    NVML unavailable, so the node's GPUs were withdrawn (annotation empty, nothing
+    allocatable) until the next round, an interval later. Now a round publishes no discovery
+    it has not made."""
+    monkeypatch.setattr(inventory_module, "HUNG_S", 1.0)
+    nvml = FakeNvml([FakeDevice(f"GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-0000-0000-000000000000")
+                     for i in range(4)])
+    settings = _settings(tmp_path, interval=60.0)
+    async with FakeKube() as kube:
+        kube.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+                  "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}}})
+        async with kube.api_client() as api:
+            before = Agent(settings, LIB, inventory=Inventory(nvml), api_client=api)
+            await before.step()
+            assert len(_published(kube)) == 4 and _allocatable(kube) == "40"
+            name = nvml.nvmlDeviceGetName
+
+            def slow_name(handle: int) -> bytes:
+                time.sleep(0.5)  # within the deadline; 2 s for the four
+                return name(handle)
+
+            monkeypatch.setattr(nvml, "nvmlDeviceGetName", slow_name)
+            nvml.nvmlShutdown()
+            agent = Agent(settings, LIB, inventory=Inventory(nvml), api_client=api)
+            delay = await agent.step()
+            assert (len(_published(kube)), _allocatable(kube)) == (4, "40"), \
+                f"the first round of a restarted agent published {len(_published(kube))} " \
+                f"GPUs, {_allocatable(kube)} allocatable, while its discovery was still running"
+            assert delay < settings.interval  # the next round comes soon
+            while agent._discovering is not None:
+                delay = await agent.step()
+            assert (len(_published(kube)), _allocatable(kube)) == (4, "40")
+            assert delay == settings.interval
+
+
+@pytest.mark.parametrize("caller", ["sample", "processes", "process_utilisation"])
+def test_a_call_behind_a_slow_discovery_waits_for_it_not_only_one_gpus_deadline(
+        monkeypatch: pytest.MonkeyPatch, caller: str) -> None:
+    """A discovery of four slow GPUs (each within the deadline, all four past it: a big node
+    without persistence mode) holds NVML; a scrape (an audit's process lists, the compute
+    sampler's poll) asks meanwhile. It waited only until the deadline of the GPU being queried
+    when it asked, then answered as behind a hung call (no figures; lists that cannot be read;
+    no samples, which starts the compute check's coverage again), though nothing hung. Now it
+    waits while the calls go on from GPU to GPU, and gives up only on a hung one."""
+    monkeypatch.setattr(inventory_module, "HUNG_S", 1.0)
+    nvml = FakeNvml([FakeDevice(f"GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-0000-0000-000000000000")
+                     for i in range(4)])
+    inv = Inventory(nvml)
+    assert len(inv.discover().healthy) == 4
+    name = nvml.nvmlDeviceGetName
+    asked = threading.Event()
+
+    def slow_name(handle: int) -> bytes:
+        asked.set()
+        time.sleep(0.5)  # within the deadline; 2 s for the four
+        return name(handle)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetName", slow_name)
+    thread = threading.Thread(target=inv.discover)
+    thread.start()
+    try:
+        assert asked.wait(5)
+        started = time.monotonic()
+        got = getattr(inv, caller)(*(({},) if caller == "process_utilisation" else ()))
+        waited = time.monotonic() - started
+    finally:
+        thread.join()
+    assert inv.hung() is None
+    figures = {"sample": lambda: [s.memory_total_bytes is not None for s in got],
+               "processes": lambda: [p.processes is not None for p in got],
+               "process_utilisation": lambda: [u.samples is not None for u in got]}[caller]()
+    assert figures == [True] * 4, \
+        f"{caller} behind a slow discovery (nothing hung) gave up after {waited:.1f} s: " \
+        f"figures {figures}"

@@ -20,8 +20,9 @@ pods reach an MPS server, which the operator says with ``offer_exclusive_process
 ``gpuslice_gpu_unhealthy_reason``). A GPU whose handle or UUID cannot be read
 cannot be addressed by ``NVIDIA_VISIBLE_DEVICES`` and is left out (and logged). Becoming
 Unhealthy is immediate; a GPU that was Unhealthy, or left out, is Healthy again only once it
-has passed :data:`RECOVER_ROUNDS` discoveries in a row (one whose health flaps is not offered
-in the rounds it passes).
+has passed :data:`RECOVER_ROUNDS` discoveries in a row, the last at least
+:attr:`Inventory.recover_s` after the first (one whose health flaps is not offered in the
+rounds it passes).
 
 Hung calls: NVML is called one series of calls at a time (a lock); one that has run for
 :data:`HUNG_S` is hung (a GPU fallen off the bus can make calls block instead of failing). No
@@ -65,7 +66,8 @@ RECOVER_ROUNDS = 3
 """Discoveries in a row (the agent's rounds: about 2 minutes at its default interval) a GPU that was
 Unhealthy, or could not be addressed, must pass before it is offered again; becoming Unhealthy
 is immediate. A GPU whose health flaps (a probe failing every other round) was offered in every
-round it passed, and each flip patched the node twice."""
+round it passed, and each flip patched the node twice. The time they span counts too
+(:attr:`Inventory.recover_s`): the agent's rounds back off from 1 s after an API error."""
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 """XID errors an application causes (graphics engine exception, memory page fault, GPU
 stopped processing, preemptive cleanup, video processor exception, context switch timeout):
@@ -225,8 +227,14 @@ class Inventory:
 
     def __init__(self, nvml: ModuleType | Any = pynvml, *,
                  offer_exclusive_process: bool = False, xid_check: bool = True,
-                 skip_xids: Iterable[int] = ()) -> None:
+                 skip_xids: Iterable[int] = (), recover_s: float = 0.0) -> None:
         self._nvml = nvml
+        self.recover_s = recover_s
+        """The least time (seconds, ``time.monotonic``) from a recovering GPU's first clean
+        discovery to the one that offers it, besides :data:`RECOVER_ROUNDS` of them: the agent's
+        rounds back off from 1 s after an API error, so rounds alone offered a GPU that flaps
+        every few seconds within seconds. The agent sets ``RECOVER_ROUNDS - 1`` intervals (its
+        rounds at the interval take that already)."""
         self._xid_skip = APPLICATION_XIDS | frozenset(skip_xids) if xid_check else None
         """The XIDs that do not count against a GPU (None: XID events are not read)."""
         self._events: Any = None
@@ -257,13 +265,16 @@ class Inventory:
         self._hung_told = False
         self._initialised = False
         self._last: Discovery = Discovery(available=False, reason="not discovered yet")
+        self.discovered = False
+        """A discovery has ended (before, :attr:`last` is a placeholder, not NVML's word)."""
         self._logged_state: tuple[Any, ...] = ()
         self._known: dict[str, tuple[str, int]] = {}
         self._problems: dict[str, str] = {}
         """GPU UUID -> the problem last logged for it ("" healthy)."""
-        self._recovering: dict[str, tuple[str, int]] = {}
-        """GPU UUID -> the problem it last had and the discoveries it has passed since, while
-        fewer than :data:`RECOVER_ROUNDS` (it is still Unhealthy)."""
+        self._recovering: dict[str, tuple[str, int, float | None]] = {}
+        """GPU UUID -> the problem it last had, the discoveries it has passed since and when the
+        first of them was (``time.monotonic``; None: none yet), while fewer than
+        :data:`RECOVER_ROUNDS` or within :attr:`recover_s` (it is still Unhealthy)."""
         self._unaddressed: set[int] = set()
         """NVML indexes whose GPU could not be addressed at the last discovery (logged)."""
         self._r535: bool | None = None
@@ -304,13 +315,18 @@ class Inventory:
     @contextlib.contextmanager
     def _calling(self) -> Iterator[bool]:
         """Hold NVML's lock for a series of calls; yields False, without it, where the calls
-        that hold it have run for :data:`HUNG_S` (they are hung: no call waits behind them)."""
-        since = self._busy_since
-        wait = HUNG_S if since is None else max(0.0, since + HUNG_S - time.monotonic())
-        if not self._lock.acquire(timeout=wait):
-            self.hung()  # told once
-            yield False
-            return
+        that hold it have run for :data:`HUNG_S` (they are hung: no call waits behind them).
+        Calls that go on from GPU to GPU, each within it, are waited for (a discovery of many
+        slow GPUs: a scrape behind it gave up at the deadline of the GPU queried when it asked,
+        and answered as behind a hung call)."""
+        while True:
+            since = self._busy_since
+            wait = HUNG_S if since is None else max(0.0, since + HUNG_S - time.monotonic())
+            if self._lock.acquire(timeout=wait):
+                break
+            if self.hung() is not None:  # (told once)
+                yield False
+                return
         self._busy_since, self._busy_gpu = time.monotonic(), None
         try:
             yield True
@@ -358,7 +374,7 @@ class Inventory:
             if not held:
                 return self.last
             result = self._discover_locked()
-            self._last = result
+            self._last, self.discovered = result, True
         state = (result.available, result.reason, len(result.gpus), len(result.healthy))
         if state != self._logged_state:
             self._logged_state = state
@@ -413,7 +429,7 @@ class Inventory:
         if index in self._unaddressed:
             self._unaddressed.discard(index)
             logger.info("GPU can be addressed again", extra={"index": index, "uuid": uuid})
-            self._recovering[uuid] = ("it could not be addressed", 0)
+            self._recovering[uuid] = ("it could not be addressed", 0, None)
         self._watch(handle, uuid)
         product, memory_mib = self._known.get(uuid, ("", 0))
         try:
@@ -536,19 +552,23 @@ class Inventory:
     def _damped(self, uuid: str, why: str) -> tuple[str, bool]:
         """The GPU's problem in this discovery, where ``why`` is what its queries found: a GPU
         that was Unhealthy stays so until it has passed :data:`RECOVER_ROUNDS` discoveries in a
-        row; and whether it is recovering (passed, but not yet that many)."""
+        row, the last at least :attr:`recover_s` after the first; and whether it is recovering
+        (passed, but not yet that many or for that long)."""
         if why:
-            self._recovering[uuid] = (why, 0)
+            self._recovering[uuid] = (why, 0, None)
             return why, False
         if uuid not in self._recovering:
             return "", False
-        had, passed = self._recovering[uuid]
-        if passed + 1 >= RECOVER_ROUNDS:
+        had, passed, since = self._recovering[uuid]
+        now = time.monotonic()
+        since = now if since is None else since
+        if passed + 1 >= RECOVER_ROUNDS and now - since >= self.recover_s:
             del self._recovering[uuid]
             return "", False
-        self._recovering[uuid] = (had, passed + 1)
+        self._recovering[uuid] = (had, passed + 1, since)
+        wait = f" and for {self.recover_s:g} s" if self.recover_s > 0 else ""
         return (f"recovering: {had}; it passes its checks again, and is offered once it has "
-                f"for {RECOVER_ROUNDS} rounds in a row"), True
+                f"for {RECOVER_ROUNDS} rounds in a row{wait}"), True
 
     def _health_problem(self, handle: Any) -> str:
         nvml = self._nvml

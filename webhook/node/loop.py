@@ -5,7 +5,8 @@ Start the metrics server, then loop. Each round, and again every ``--interval``:
 1. discover the GPUs (a node without driver or GPUs is logged once and publishes zeros); a
    discovery hung in an NVML call (a GPU fallen off the bus) is waited on for at most
    ``inventory.HUNG_S``, then the round goes on with the GPU it queries Unhealthy
-   (:meth:`Agent._discover`), so the rounds, and /healthz with them, go on;
+   (:meth:`Agent._discover`), so the rounds, and /healthz with them, go on; a first discovery
+   that is slow, not hung, is not published before it ends (the round retries soon);
 2. install the library and ld.so.preload (idempotent); make the state dirs writable by every
    container user (``cleanup.share_state_dirs``);
 3. publish the annotation, labels and extended resources, but only once the library is in
@@ -131,6 +132,8 @@ class Agent:
         self.inventory = inventory or Inventory(
             offer_exclusive_process=settings.offer_exclusive_process,
             xid_check=settings.xid_check, skip_xids=settings.skip_xids)
+        # a GPU recovers over RECOVER_ROUNDS rounds at the interval, also when they back off
+        self.inventory.recover_s = (nvml_inventory.RECOVER_ROUNDS - 1) * settings.interval
         self.api_client = api_client
         self.publisher = Publisher(api_client, settings) if api_client is not None else None
         self.status = AgentStatus()
@@ -236,7 +239,11 @@ class Agent:
         shared = await asyncio.to_thread(self._share_state_dirs)
         ok = ok and installed and shared
         pods: list[client.V1Pod] | None = None
-        if self.publisher is not None and installed:
+        if discovery is None:  # the first discovery is slow, not hung: nothing to publish yet
+            ok = False
+            logger.info("the first GPU discovery is still running; the node's GPUs are "
+                        "published once it ends", extra={"node": self.settings.node_name})
+        elif self.publisher is not None and installed:
             try:
                 outcome = await self.publisher.publish(discovery)
             except API_ERRORS as exc:
@@ -261,16 +268,20 @@ class Agent:
             return self.settings.interval
         return min(self.backoff.next(), self.settings.interval)
 
-    async def _discover(self) -> Discovery:
+    async def _discover(self) -> Discovery | None:
         """The GPUs (``Inventory.discover`` in a worker thread), waited on for at most
         ``inventory.HUNG_S`` (and a little): a discovery still running then (slow over many GPUs,
         or hung in an NVML call) is left to run (the next rounds wait on it, and start no
         other); meanwhile the GPUs are as ``Inventory.last`` says, with the one it queries
-        Unhealthy if its call has run for ``HUNG_S``."""
+        Unhealthy if its call has run for ``HUNG_S``. None while the first discovery runs,
+        slow but not hung: ``last`` is then no discovery's (a restarted agent published it as
+        NVML unavailable, withdrawing the node's GPUs until its next round)."""
         if self._discovering is None:
             self._discovering = asyncio.ensure_future(asyncio.to_thread(self.inventory.discover))
         done, _ = await asyncio.wait({self._discovering}, timeout=nvml_inventory.HUNG_S + 0.5)
         if not done:
+            if not self.inventory.discovered and self.inventory.hung() is None:
+                return None
             return self.inventory.last
         task, self._discovering = self._discovering, None
         return task.result()
