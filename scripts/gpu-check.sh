@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Real-GPU checks of the interposer (issue 3) in under 5 minutes: builds
 # interposer/build/libgpuslice.so, runs the opt-in GPU tests (pytest tests/gpu --gpu: PyTorch,
-# CuPy, JAX, nvidia-smi, driver-API benchmarks) and prints one summary table, a row per check,
+# CuPy, JAX, nvidia-smi, driver-API benchmarks, and the node agent's NVML calls, XID event
+# registration included: tests/gpu/test_agent.py, a second or two, rows agent_inventory and
+# agent_xid) and prints one summary table, a row per check,
 # PASS/FAIL against the target beside HAMi-core's figures from the issue, then a line per row
 # of the issue's bar ("bar CHECK: STATUS figure; command: ...": the figure in full, for the
 # issue note, and the command that measures that row alone).

@@ -22,11 +22,10 @@ from gpu.nvmlwatch import Nvml
 # The order the checks run in, so that a run cut short by its time budget (285 s, for checks
 # estimated from the last H200 runs' timings at 280-330 s) loses the least: the issue's bar first
 # (memory, views, processes, the outside usage summed over every capped run before it, the
-# launch and alloc+free costs, the SM limits, the tiny-op cost), then the 30 % limit with a copy
-# before each matmul (one run, about 15 s: copies between kernels are no longer charged as
-# kernel time, a change not yet run on a GPU), then the stream-ordered pool rows (two gpubench
-# runs, a few seconds, whose growth figure decides the library's GS_POOL_CHUNK), then the other
-# rows, the newest last (PyTorch expandable segments, a busy co-tenant). A test takes the rank
+# launch and alloc+free costs, the SM limits, the tiny-op cost), then the node agent's NVML
+# calls (test_agent.py: a second or two, not issue 3's, never run on a GPU before), then the
+# stream-ordered pool rows (two gpubench runs, a few seconds, whose growth figure decides the
+# library's GS_POOL_CHUNK), then the other rows, the newest last (PyTorch expandable segments, a busy co-tenant). A test takes the rank
 # of the first entry its node id starts with ("file" or "file::test"); ties keep the files'
 # order.
 ORDER = ("test_memory.py::test_largest_allocation_within_context_footprint_of_cap",
@@ -34,7 +33,7 @@ ORDER = ("test_memory.py::test_largest_allocation_within_context_footprint_of_ca
          "test_views.py", "test_processes.py", "test_usage.py", "test_overhead.py",
          "test_compute.py::test_sm_limit_caps_matmul_throughput",
          "test_compute.py::test_torch_tiny_ops_with_library_unlimited_within_5_percent",
-         "test_pool.py", "test_memory.py",
+         "test_agent.py", "test_pool.py", "test_memory.py",
          "test_compute.py::test_sm_limit_time_mode_for_comparison",
          "test_compute.py::test_sm_limit_holds_beside_a_capture_held_open",
          "test_vmm.py::test_largest_allocation_with_expandable_segments", "test_cotenant.py",

@@ -96,6 +96,11 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_torch_tiny_ops_with_library_unlimited_within_5_percent"),
     ("alloc_free", "7 1 MiB cuMemAlloc+cuMemFree vs none", "<= +2 us", "+5 to +11 us",
      "test_alloc_free_pair_with_library_within_2us"),
+    # not issue 3's: the node agent's NVML calls (webhook/node/inventory.py) on the real driver
+    ("agent_inventory", "agent: GPUs found healthy, published, metrics", "healthy; smi's UUIDs",
+     "-", "test_the_agent_discovers_the_gpus_healthy_as_nvidia_smi_lists_them"),
+    ("agent_xid", "agent: XID event set registered", "every GPU, no wait", "-",
+     "test_the_agent_registers_the_gpus_for_xid_events"),
 ]
 BAR = ("outside_usage", "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
        "smi_view", "two_procs", "sm_10", "sm_30", "sm_50", "torch_tiny", "launch_cost",

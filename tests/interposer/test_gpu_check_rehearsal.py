@@ -11,7 +11,10 @@ runs of the script:
   that reads NVML as the real one does;
 - the compute rows (``test_compute.py``, ``test_cotenant.py``), whose workload is a PyTorch
   matmul: the stand-in's ``torch.mm`` launches the fake GPU's kernels through the library's
-  hooks, and its ``copy_`` from host memory (``sm_30_copies``) queues the fake's async copy.
+  hooks, and its ``copy_`` from host memory (``sm_30_copies``) queues the fake's async copy;
+- with them, the node agent's rows (``test_agent.py``: its NVML calls through the real pynvml,
+  which loads the fake NVML as the driver's; its utilisation query answers with the compute
+  run's power model on, and its event set takes the agent's XID registration).
 
 The stand-ins refuse to load without ``GPUCHECK_REHEARSAL=1``. The fake's figures are not the
 bar's: the functional rows' verdicts are asserted (a cap, a refusal, a view, a capture that
@@ -53,8 +56,11 @@ COMPUTE = {"sm_50", "sm_30", "sm_10", "sm_30_time", "outside_compute", "sm_30_ca
            "torch_tiny", "sm_30_copies", "sm_30_cotenant", "sm_30_cotenant_raw",
            "sm_30_two_procs", "sm_30_four_procs", "memset_share"}
 """The rows of test_compute.py, test_cotenant.py and test_memset.py."""
+AGENT = {"agent_inventory", "agent_xid"}
+"""The node agent's rows (test_agent.py), run with the compute rows: the agent samples each
+GPU's utilisation, which the fake gives only with its power model on."""
 COMPUTE_TESTS = ["tests/gpu/test_compute.py", "tests/gpu/test_cotenant.py",
-                 "tests/gpu/test_memset.py"]
+                 "tests/gpu/test_memset.py", "tests/gpu/test_agent.py"]
 
 
 def run_script(tmp_path: Path, tests: list[str], smi: bool = True,
@@ -134,7 +140,7 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
         assert rows[check]["status"] in {"PASS", "FAIL"}, rows[check]  # measured, not judged
         assert says in rows[check]["value"], rows[check]
     assert set(rows) - FUNCTIONAL - {"launch_cost", "alloc_free", "pid_namespace",
-                                     "pool_chunk"} == COMPUTE
+                                     "pool_chunk"} == COMPUTE | AGENT
     # the fake lists each live process by the pid it knows itself by: in a PID namespace (root
     # here) its namespace's, which the library used too; and as kill() finds no process of
     # that number inside, it leaves the co-tenant outside out of the inside list, as the open
@@ -146,7 +152,7 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
     assert rows["pid_namespace"]["value"].endswith(
         ("library used its namespace pid; co-tenant seen inside: list no, samples no", ")")), \
         rows["pid_namespace"]
-    for check in COMPUTE:  # not asked for in this run
+    for check in COMPUTE | AGENT:  # not asked for in this run
         assert rows[check]["status"] == "ERROR", rows[check]
         assert rows[check]["value"] == "not run (see the log)"
     # what each row saw, where the fake knows the answer: a context of 300 MiB (the fills get
@@ -222,7 +228,17 @@ def test_gpu_check_runs_its_compute_rows_on_the_fake_driver(built: Path, tmp_pat
                         r"([0-9]+ %|not judged)", rows["memset_share"]["value"]), rows["memset_share"]
     assert rows["sm_30_two_procs"]["value"].count("+") == 1
     assert rows["sm_30_four_procs"]["value"].count("+") == 3
-    for check in set(rows) - COMPUTE:  # the other run's rows, not asked for here
+    # the agent's NVML calls through the real pynvml on the fake NVML: the GPU found healthy as
+    # the stand-in nvidia-smi lists it, read as the extender and /metrics read it, and
+    # registered for XID events (none waiting: the read answers at once)
+    assert rows["agent_inventory"]["status"] == "PASS", (rows["agent_inventory"], log[-3000:])
+    assert rows["agent_inventory"]["value"].startswith(
+        "1/1 GPU healthy, UUIDs+MiB = nvidia-smi (16,384 MiB); extender reads it; resources, "
+        "/metrics checked"), rows["agent_inventory"]
+    assert rows["agent_xid"]["status"] == "PASS", rows["agent_xid"]
+    assert rows["agent_xid"]["value"].startswith("1/1 registered; events read at once"), \
+        rows["agent_xid"]
+    for check in set(rows) - COMPUTE - AGENT:  # the other run's rows, not asked for here
         assert rows[check]["status"] == "ERROR", rows[check]
 
 

@@ -622,3 +622,64 @@ API nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtil
     *count = n + junk;
     return NVML_SUCCESS;
 }
+
+/* Event sets, for the node agent's registration of critical XID errors (gpu-check's agent_xid
+ * row, rehearsed on this fake): each device supports single- and double-bit ECC and XID events,
+ * none ever arrives (a wait answers NVML_ERROR_TIMEOUT at once). FAKE_NVML_EVENTS=0: the driver
+ * makes no event set (NVML_ERROR_NOT_SUPPORTED), as one without them. */
+#define FAKE_EVENT_TYPES 0xbull /* SingleBitEcc 1 | DoubleBitEcc 2 | XidCriticalError 8 */
+#define FAKE_NVML_ERROR_TIMEOUT 10
+
+struct fake_event_set {
+    unsigned long long registered[FAKE_MAX_DEVS];
+};
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType, eventData;
+    unsigned int gpuInstanceId, computeInstanceId;
+} fake_event_data_t;
+
+API nvmlReturn_t nvmlEventSetCreate(struct fake_event_set **set)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!env_uint("FAKE_NVML_EVENTS", 1)) return NVML_ERROR_NOT_SUPPORTED;
+    *set = calloc(1, sizeof(**set));
+    return *set ? NVML_SUCCESS : (nvmlReturn_t)999; /* NVML_ERROR_UNKNOWN */
+}
+
+API nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long long *types)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (index_of(d) < 0 || !types) return NVML_ERROR_INVALID_ARGUMENT;
+    *types = FAKE_EVENT_TYPES;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types,
+                                          struct fake_event_set *set)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    int i = index_of(d);
+    if (i < 0 || !set) return NVML_ERROR_INVALID_ARGUMENT;
+    if (types & ~FAKE_EVENT_TYPES) return NVML_ERROR_NOT_SUPPORTED;
+    set->registered[i] |= types;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlEventSetWait_v2(struct fake_event_set *set, fake_event_data_t *data,
+                                     unsigned int timeout_ms)
+{
+    (void)timeout_ms; /* none ever arrives: not waited for */
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
+    return (nvmlReturn_t)FAKE_NVML_ERROR_TIMEOUT;
+}
+
+API nvmlReturn_t nvmlEventSetFree(struct fake_event_set *set)
+{
+    if (!refs) return NVML_ERROR_UNINITIALIZED;
+    free(set);
+    return NVML_SUCCESS;
+}
