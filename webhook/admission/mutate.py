@@ -541,9 +541,12 @@ def _warn_unknown_keys(annotations: dict[str, Any], work: _Work) -> None:
 # each other's budget, which the interposer does only within one container (its "gang").
 _GANG_MIN_CORES = 50
 # Env a distributed launcher sets on each pod of a job: the number of ranks (torch.distributed,
-# Kubeflow's PyTorchJob) or of nodes (PyTorchJob's PET_NNODES: a number, or torchrun's MIN:MAX
-# range for an elastic job, "1:4", whose pods may be up to MAX).
-_RANK_ENV = {"WORLD_SIZE": False, "PET_NNODES": True}
+# Kubeflow's PyTorchJob) or of pods (PyTorchJob's PET_NNODES: a number, or torchrun's MIN:MAX
+# range for an elastic job, "1:4", whose pods may be up to MAX; LeaderWorkerSet's
+# LWS_GROUP_SIZE, its group's leader and workers, which its own webhook writes). True: counts
+# pods, above 1 the ranks are spread over pods.
+_RANK_ENV = {"WORLD_SIZE": False, "PET_NNODES": True, "LWS_GROUP_SIZE": True}
+_RANGED_ENV = frozenset({"PET_NNODES"})
 
 
 def _largest_count(text: str, *, ranged: bool) -> int | None:
@@ -567,7 +570,7 @@ def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Wor
         if not isinstance(value, str):
             continue
         nodes = _RANK_ENV[entry["name"]]
-        count = _largest_count(value, ranged=nodes)
+        count = _largest_count(value, ranged=entry["name"] in _RANGED_ENV)
         if count is not None and count > (1 if nodes else request.count):
             work.warn(f'container "{name}": gpucores {request.cores} with {entry["name"]}={value.strip()} '
                       f"looks like one rank of a job spread over pods; ranks in different pods are "
