@@ -7,6 +7,7 @@ stall (``interposer/README.md``, "Ranks across devices"); within one pod they wa
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -73,3 +74,17 @@ def test_the_warning_comes_once():
     assert len(first.warnings) == 1
     again = mutate_pod(first.pod, SETTINGS)
     assert again.warnings == ()
+
+
+def test_a_rank_variable_a_later_webhook_puts_first_is_warned_on_the_next_pass():
+    """The API server calls the webhook again after a later one changed the pod; the pass that
+    first sees LeaderWorkerSet's LWS_GROUP_SIZE (put ahead of gpuslice's env) warns, once."""
+    first = mutate_pod(rank_pod("1", "30", [{"name": "HOME", "value": "/root"}]), SETTINGS)
+    assert first.warnings == ()
+    assert first.pod is not None
+    later = copy.deepcopy(first.pod)
+    later["spec"]["containers"][0]["env"][:0] = [{"name": "LWS_GROUP_SIZE", "value": "4"}]
+    again = mutate_pod(later, SETTINGS)
+    assert [w for w in again.warnings if "LWS_GROUP_SIZE=4 looks like one rank" in w] == \
+        list(again.warnings) != []
+    assert again.pod is not None and mutate_pod(again.pod, SETTINGS).warnings == ()

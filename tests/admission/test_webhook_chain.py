@@ -403,7 +403,7 @@ def _rank_warnings(warnings: list[str]) -> list[str]:
     return [w for w in warnings if "one rank of a job spread over pods" in w]
 
 
-@pytest.mark.parametrize("first", [False], ids=["gpuslice-last"])
+@pytest.mark.parametrize("first", [True, False], ids=["gpuslice-first", "gpuslice-last"])
 def test_a_multi_pod_lws_worker_under_gpucores_30_is_warned_whichever_runs_first(
         first: bool) -> None:
     """LWS_GROUP_SIZE is the number of pods of the group: above 1 the worker's ranks are
