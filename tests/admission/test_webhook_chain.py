@@ -444,3 +444,48 @@ def test_world_size_of_the_pod_and_lws_group_size_give_one_warning() -> None:
     check_stored(done.pod, {"main"})
     (warning,) = _rank_warnings(done.warnings)
     assert "WORLD_SIZE=2" in warning
+
+
+def test_every_injector_at_once_with_kueue_jobset_and_lws() -> None:
+    """A Kueue-queued LWS worker with JobSet-style exclusive placement, injected by Istio
+    (native sidecar) and Vault: gpuslice's second pass leaves the others' work alone (gate,
+    labels, selectors, mounts) and gives each added container no GPU."""
+    pod = lws_worker("4")
+    pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "team-a"
+    pod["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] = \
+        "topology.kubernetes.io/rack"
+    done = admit(pod, [gpuslice(), istio(native=True), vault(), lws(), kueue(), jobset()])
+    stored = done.pod
+    check_stored(stored, {"main"})
+    spec = stored["spec"]
+    assert spec["schedulingGates"] == [{"name": "kueue.x-k8s.io/admission"}]
+    assert spec["nodeSelector"] == {SETTINGS.node_label_key: SETTINGS.node_label_value,
+                                    "topology.kubernetes.io/rack": "rack-7"}
+    assert spec["schedulerName"] == SETTINGS.scheduler_name
+    main = spec["containers"][0]
+    assert {"name": "vault-secrets", "mountPath": "/vault/secrets"} in main["volumeMounts"]
+    assert [e["name"] for e in main["env"] if e["name"].startswith("LWS_")] == [
+        "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"]
+    assert len(_rank_warnings(done.warnings)) == 1
+    assert stored["metadata"]["labels"]["kueue.x-k8s.io/managed"] == "true"
+
+
+@pytest.mark.parametrize("limits", [
+    {"nvidia.com/gpumem": "2000"},
+    {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "10"},
+], ids=["gpumem-only", "gpu-and-cores"])
+def test_a_sidecar_a_later_webhook_gives_gpu_resources_is_made_a_gpu_container(
+        limits: dict[str, str]) -> None:
+    """Rare: the reinvocation sees the new container's GPU request and gives it the library,
+    its caps and its own limits file, as if the pod had come with it."""
+    done = admit(gpu_pod(), [gpuslice(), gpu_sidecar(limits)])
+    check_stored(done.pod, {"main", "profiler"})
+    profiler = done.pod["spec"]["containers"][-1]
+    assert profiler["resources"]["limits"]["nvidia.com/gpu"] == limits.get("nvidia.com/gpu", "1")
+    request = {c.name: c for c in pod_request(done.pod, SETTINGS).containers}["profiler"]
+    assert request.count == 1
+
+
+def test_a_sidecar_asking_for_zero_gpus_sees_none() -> None:
+    done = admit(gpu_pod(), [gpuslice(), gpu_sidecar({"nvidia.com/gpu": "0"})])
+    check_stored(done.pod, {"main"})
