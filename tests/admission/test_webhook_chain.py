@@ -61,16 +61,31 @@ class Admission(NamedTuple):
     calls: list[tuple[int, str]]
 
 
+def _canonical(quantity: Any) -> Any:
+    """A whole decimal quantity as the API server writes it back: 8000 is "8k"."""
+    text = str(quantity)
+    if not (text.isascii() and text.isdigit()) or int(text) == 0:
+        return str(int(text)) if text.isascii() and text.isdigit() else quantity
+    value, suffix = int(text), 0
+    while value % 1000 == 0 and suffix < 6:
+        value, suffix = value // 1000, suffix + 1
+    return f"{value}{['', 'k', 'M', 'G', 'T', 'P', 'E'][suffix]}"
+
+
 def _defaulted(pod: dict[str, Any]) -> dict[str, Any]:
-    """The API server's defaulting of a decoded pod, the part that matters here: a limit
-    without a request gets the same request."""
+    """The API server's decoding and defaulting of a pod, the parts that matter here: a
+    limit without a request gets the same request, quantities are written canonically."""
     for kind in ("initContainers", "containers"):
         for c in pod["spec"].get(kind) or ():
-            limits = (c.get("resources") or {}).get("limits")
+            resources = c.get("resources") or {}
+            limits = resources.get("limits")
             if limits:
                 requests = c["resources"].setdefault("requests", {})
                 for k, v in limits.items():
                     requests.setdefault(k, v)
+            for amounts in (resources.get("limits"), resources.get("requests")):
+                for k, v in (amounts or {}).items():
+                    amounts[k] = _canonical(v)
     return pod
 
 

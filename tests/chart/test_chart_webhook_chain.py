@@ -17,7 +17,15 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.admission.test_webhook_chain import Hook, admit, check_stored, gpu_pod, gpuslice
+from tests.admission.test_webhook_chain import (
+    NO_GPUS,
+    Hook,
+    admit,
+    check_stored,
+    gpu_pod,
+    gpuslice,
+    istio,
+)
 from tests.chart.test_chart_annotation_guard import policy_answer
 from webhook.placement.request import admitted, pod_request
 from webhook.settings import load_settings
@@ -100,3 +108,20 @@ def load_settings_of(rendered: Any, tmp_path: Path) -> Any:
     config = tmp_path / "settings.yaml"
     config.write_text(yaml.safe_dump(rendered.config("gpuslice-config")))
     return load_settings(config)
+
+
+@pytest.mark.parametrize("kube_version", ["1.27.0", "1.30.0"],
+                         ids=["no-match-conditions", "match-conditions"])
+def test_with_hidden_gpus_a_mesh_proxy_added_to_a_pod_without_gpus_sees_none(
+        kube_version: str, render: Any, tmp_path: Path) -> None:
+    """podsWithoutGpus.hideGpus: the entry that receives pods without GPU requests is called
+    again after the mesh injected its containers (it still matches the pod), so they get
+    NVIDIA_VISIBLE_DEVICES=none like the pod's own."""
+    rendered = render({"podsWithoutGpus": {"hideGpus": True}}, kube_version)
+    done = admit(cpu_pod(), [*chart_hooks(rendered, tmp_path), istio(native=True)])
+    containers = [*done.pod["spec"]["initContainers"], *done.pod["spec"]["containers"]]
+    assert {c["name"] for c in containers} == {"main", "istio-init", "istio-proxy"}
+    for c in containers:
+        assert c["env"][0] == NO_GPUS and \
+            [e for e in c["env"] if e["name"] == NO_GPUS["name"]] == [NO_GPUS], c["name"]
+    assert not admitted(done.pod)
