@@ -618,3 +618,34 @@ def test_a_replica_map_with_a_number_for_a_key_is_rewritten_as_a_map(
     expected = mutate_pod(specs["Worker"]["template"], Settings(),
                           namespace=doc["metadata"].get("namespace"))
     assert expected.changed and replicas[key]["template"] == expected.pod
+
+
+@pytest.mark.parametrize(("size", "cores", "warned"), [
+    (4, 30, True), ("2", 20, True), (1, 30, False), (4, 50, False), (None, 30, False),
+], ids=["group-of-4", "size-as-text", "group-of-1", "cores-50", "size-unset"])
+def test_mutate_warns_of_a_multi_pod_lws_group_under_gpucores_below_50(
+        size: Any, cores: int, warned: bool, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """LWS's webhook gives every container of the group's pods LWS_GROUP_SIZE (its size);
+    the webhook's warning for one rank of a job spread over pods then reaches only the
+    StatefulSet controller that creates them. ``gpuslice mutate`` says it where a person reads
+    it, for the leader and worker templates; the templates are rewritten without the
+    variable (LWS adds it to the pods)."""
+    lws = yaml.safe_load(LWS.replace("nvidia.com/gpucores: 50", f"nvidia.com/gpucores: {cores}"))
+    if size is None:
+        del lws["spec"]["leaderWorkerTemplate"]["size"]
+    else:
+        lws["spec"]["leaderWorkerTemplate"]["size"] = size
+    path = _write(tmp_path, yaml.safe_dump(lws))
+    code, out, err = _run(capsys, "mutate", "-f", str(path))
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "one rank of a job spread over pods" in line]
+    expected = [f'{path}: LeaderWorkerSet/vllm: spec.leaderWorkerTemplate.{t}: warning: container '
+                f'"{c}": gpucores {cores} with LWS_GROUP_SIZE={size} looks like'
+                for t, c in (("leaderTemplate", "vllm-leader"), ("workerTemplate", "vllm-worker"))]
+    assert [line[:len(e)] for line, e in zip(lines, expected)] == (expected if warned else [])
+    assert len(lines) == (2 if warned else 0)
+    (after,) = yaml.safe_load_all(out)
+    assert "LWS_GROUP_SIZE" not in out
+    assert after["spec"]["leaderWorkerTemplate"].get("size") == lws["spec"][
+        "leaderWorkerTemplate"].get("size")

@@ -7,6 +7,7 @@ stall (``interposer/README.md``, "Ranks across devices"); within one pod they wa
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -37,8 +38,10 @@ def warned(pod: dict[str, Any]) -> list[str]:
     # Kubeflow's elastic PyTorchJob: min:max nodes (its training-operator writes "1:4")
     ("1", "20", [{"name": "PET_NNODES", "value": "1:4"}]),
     ("2", "30", [{"name": "PET_NNODES", "value": "2:2"}]),
+    # LeaderWorkerSet's webhook: the pods of the group (leader and workers)
+    ("1", "30", [{"name": "LWS_GROUP_SIZE", "value": "2"}]),
 ], ids=["two-pods", "more-ranks-than-gpus", "kubeflow-nodes", "elastic-up-to-4-nodes",
-        "elastic-2-nodes"])
+        "elastic-2-nodes", "lws-group-of-2"])
 def test_a_rank_of_a_job_over_pods_is_warned(gpus, cores, env):
     (warning,) = warned(rank_pod(gpus, cores, env))
     assert f"gpucores {cores}" in warning and "one pod with all its GPUs" in warning
@@ -52,13 +55,15 @@ def test_a_rank_of_a_job_over_pods_is_warned(gpus, cores, env):
     ("1", "30", [{"name": "PET_NNODES", "value": "1:1"}]),     # elastic, one node
     ("1", "30", [{"name": "PET_NNODES", "value": "1:2:3"}]),   # not torchrun's format
     ("1", "30", [{"name": "WORLD_SIZE", "value": "1:4"}]),     # a range is nodes only
+    ("4", "30", [{"name": "LWS_GROUP_SIZE", "value": "1"}]),   # a group of one pod
+    ("1", "30", [{"name": "LWS_GROUP_SIZE", "value": "1:4"}]),  # LWS writes no range
     ("1", "30", [{"name": "WORLD_SIZE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
     ("1", "30", [{"name": "WORLD_SIZE", "value": "$(N)"}]),    # not a number we can read
     ("1", "30", [{"name": "WORLD_SIZE", "value": "\u00b2"}]),  # a digit to isdigit(), not to int()
     ("1", "30", [{"name": "WORLD_SIZE", "value": "7" * 5000}]),  # past int()'s 4,300 digits
     ("1", "30", []),
 ], ids=["ranks-in-one-pod", "cores-50", "cores-100", "one-node", "elastic-one-node",
-        "three-parts", "world-size-range", "value-from", "not-a-number",
+        "three-parts", "world-size-range", "lws-group-of-1", "lws-range", "value-from", "not-a-number",
         "superscript-digit", "thousands-of-digits", "no-env"])
 def test_no_warning_where_the_ranks_can_wait_together_or_need_not(gpus, cores, env):
     assert warned(rank_pod(gpus, cores, env)) == []
@@ -69,3 +74,17 @@ def test_the_warning_comes_once():
     assert len(first.warnings) == 1
     again = mutate_pod(first.pod, SETTINGS)
     assert again.warnings == ()
+
+
+def test_a_rank_variable_a_later_webhook_puts_first_is_warned_on_the_next_pass():
+    """The API server calls the webhook again after a later one changed the pod; the pass that
+    first sees LeaderWorkerSet's LWS_GROUP_SIZE (put ahead of gpuslice's env) warns, once."""
+    first = mutate_pod(rank_pod("1", "30", [{"name": "HOME", "value": "/root"}]), SETTINGS)
+    assert first.warnings == ()
+    assert first.pod is not None
+    later = copy.deepcopy(first.pod)
+    later["spec"]["containers"][0]["env"][:0] = [{"name": "LWS_GROUP_SIZE", "value": "4"}]
+    again = mutate_pod(later, SETTINGS)
+    assert [w for w in again.warnings if "LWS_GROUP_SIZE=4 looks like one rank" in w] == \
+        list(again.warnings) != []
+    assert again.pod is not None and mutate_pod(again.pod, SETTINGS).warnings == ()

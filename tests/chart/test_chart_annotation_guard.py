@@ -121,7 +121,7 @@ def test_guard_names_the_contract_prefixes_and_says_why(render: Any) -> None:
     guard = _guard(render())
     assert guard is not None
     spec = guard[0]["spec"]
-    devices, limits, _ephemeral = spec["validations"]
+    devices, limits, _ephemeral, _unmutated = spec["validations"]
     assert devices["message"] == MESSAGE and limits["message"] == LIMITS_MESSAGE
     assert devices["reason"] == limits["reason"] == "Forbidden"
     prefixes = [f"startsWith('{prefix}')" for prefix in (names.ANN_DEVICES_PREFIX,
@@ -153,20 +153,28 @@ def _eval(expression: str, activation: dict[str, Any]) -> Any:
 
 def admission(policy: dict[str, Any], operation: str, obj: dict[str, Any],
               old: dict[str, Any] | None = None, username: str = TENANT,
-              sub_resource: str = "") -> str | None:
-    """What the policy answers: None (admitted, or not matched) or the denial message."""
+              sub_resource: str = "", namespace_labels: dict[str, str] | None = None
+              ) -> str | None:
+    """What the policy answers: None (admitted, or not matched) or the denial message.
+    The pod's namespace carries ``namespace_labels`` besides its name label."""
     request = {"operation": operation, "userInfo": {"username": username},
                "subResource": sub_resource}
-    return policy_answer(policy, request, obj, old)
+    return policy_answer(policy, request, obj, old, namespace_labels)
 
 
 def policy_answer(policy: dict[str, Any], request: dict[str, Any], obj: dict[str, Any],
-                  old: dict[str, Any] | None) -> str | None:
+                  old: dict[str, Any] | None,
+                  namespace_labels: dict[str, str] | None = None) -> str | None:
     """A ValidatingAdmissionPolicy applied as the API server does: matchConditions, then the
     variables in order, then the validations; None when admitted (or not matched), else the
-    first failing validation's message (its messageExpression's value where it has one)."""
+    first failing validation's message (its messageExpression's value where it has one).
+    ``namespaceObject`` is the object's namespace (null for a cluster-scoped object)."""
+    ns = (obj.get("metadata") or {}).get("namespace")
+    namespace = None if ns is None else {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": ns, "labels": {"kubernetes.io/metadata.name": ns, **(namespace_labels or {})}}}
     base = {"object": celpy.json_to_cel(obj), "oldObject": celpy.json_to_cel(old),
-            "request": celpy.json_to_cel(request)}
+            "request": celpy.json_to_cel(request),
+            "namespaceObject": celpy.json_to_cel(namespace)}
     spec = policy["spec"]
     if not all(bool(_eval(c["expression"], base)) for c in spec.get("matchConditions", [])):
         return None
@@ -495,3 +503,81 @@ def test_the_guarded_volume_names_are_the_ones_the_webhook_adds(policy: dict[str
     expression = policy["spec"]["validations"][2]["expression"]
     listed = expression[expression.index("[") + 1:expression.index("]")]
     assert [n.strip(" '") for n in listed.split(",")] == list(mutate._OUR_VOLUMES)
+
+
+# ----- GPU pods the webhook was never sent -----
+
+UNMUTATED_MESSAGE = (
+    "the pod asks for gpuslice's GPU resources but the gpuslice webhook did not mutate it: a "
+    "mutating webhook called after gpuslice's gave them to a pod created without them, and the "
+    "API server does not call gpuslice's webhook again for a pod it was not sent; create the "
+    "pod with its GPU resources (or set the chart's webhook.matchConditions to disabled)")
+
+
+def _gpu_pod(limits: dict[str, str], namespace: str = "team-a", *, init: bool = False
+             ) -> dict[str, Any]:
+    container = {"name": "c", "image": "cuda", "resources": {"limits": limits}}
+    spec: dict[str, Any] = {"containers": [{"name": "app", "image": "cuda"}]}
+    if init:
+        spec["initContainers"] = [container]
+    else:
+        spec["containers"].append(container)
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": namespace}, "spec": spec}
+
+
+def _create(policy: dict[str, Any], pod: dict[str, Any],
+            labels: dict[str, str] | None = None) -> str | None:
+    answer = admission(policy, "CREATE", pod, namespace_labels=labels)
+    return None if answer is None else " ".join(answer.split())
+
+
+@pytest.mark.parametrize(("limits", "init", "denied"), [
+    ({"nvidia.com/gpu": "1"}, False, True),
+    ({"nvidia.com/gpumem": "2000"}, False, True),
+    ({"nvidia.com/gpumem-percentage": "50"}, False, True),
+    ({"nvidia.com/gpucores": "30"}, True, True),
+    ({"nvidia.com/gpu": "2", "cpu": "1"}, True, True),
+    ({"nvidia.com/gpu": "0"}, False, False),        # asks for no GPU: the webhook leaves it
+    ({"nvidia.com/mig-1g.10gb": "1"}, False, False),  # another plugin's
+    ({"cpu": "1"}, False, False),
+], ids=["gpu", "gpumem", "percentage", "init-cores", "init-gpu", "gpu-0", "mig", "cpu"])
+def test_a_gpu_pod_the_webhook_did_not_mutate_is_refused_at_creation(
+        policy: dict[str, Any], limits: dict[str, str], init: bool, denied: bool) -> None:
+    """What reaches validation without the webhook's mark in a namespace it mutates was never
+    sent to it: with failurePolicy Fail every GPU pod it is sent comes back marked or refused.
+    That is a pod a mutating webhook after gpuslice's gave GPU resources (matchConditions
+    sent gpuslice's webhook none of it, and a reinvocation calls only webhooks called before)."""
+    pod = _gpu_pod(limits, init=init)
+    assert _create(policy, pod) == (UNMUTATED_MESSAGE if denied else None)
+    mutated = mutate_pod(pod, Settings(), namespace="team-a")
+    assert mutated.allowed and mutated.pod is not None
+    assert _create(policy, mutated.pod) is None
+    if denied:  # only the CREATE: its later updates, status ones included, are not concerned
+        old = copy.deepcopy(pod)
+        old["spec"]["nodeName"] = "node-1"
+        assert admission(policy, "UPDATE", old, old, sub_resource="status") is None
+
+
+def test_unmutated_gpu_pods_of_namespaces_the_webhook_leaves_alone_are_admitted(
+        render: Any) -> None:
+    """Opted-out and excluded namespaces (the webhook's namespaceSelector) keep their GPU pods
+    unmutated, as before; in opt-in mode only labelled namespaces are mutated; with the
+    webhook's failurePolicy Ignore an unmutated GPU pod may be one created while the webhook
+    was down, which that setting admits."""
+    pod = _gpu_pod({"nvidia.com/gpu": "1"})
+    opt_out = _guard(render({"webhook": {"excludedNamespaces": ["ci", "ops"]}}))
+    assert opt_out is not None
+    assert _create(opt_out[0], pod) == UNMUTATED_MESSAGE
+    assert _create(opt_out[0], pod, {"gpuslice.io/webhook": "enabled"}) == UNMUTATED_MESSAGE
+    assert _create(opt_out[0], pod, {"gpuslice.io/webhook": "disabled"}) is None
+    assert _create(opt_out[0], _gpu_pod({"nvidia.com/gpu": "1"}, "ops")) is None
+    opt_in = _guard(render({"namespaceMode": "opt-in"}))
+    assert opt_in is not None
+    assert _create(opt_in[0], pod) is None
+    assert _create(opt_in[0], pod, {"gpuslice.io/webhook": "disabled"}) is None
+    assert _create(opt_in[0], pod, {"gpuslice.io/webhook": "enabled"}) == UNMUTATED_MESSAGE
+    ignore = _guard(render({"webhook": {"failurePolicy": "Ignore"}}))
+    assert ignore is not None
+    assert len(ignore[0]["spec"]["validations"]) == 3
+    assert _create(ignore[0], pod) is None

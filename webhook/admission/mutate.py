@@ -482,7 +482,8 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
         new["resources"] = resources
 
     wanted = parts.env_by_name
-    kept = []
+    kept: list[Any] = []
+    ahead: int | None = None  # how many of kept stand before the first of our names
     for entry in container.get("env") or ():
         env_name = entry.get("name") if isinstance(entry, dict) else None
         if isinstance(env_name, str) and (env_name in _OUR_ENV or (
@@ -491,13 +492,19 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
                 verb = "replaced" if env_name in wanted else "removed"
                 work.warn(f'container "{name}": env {env_name} is managed by gpuslice; '
                           f"the value in the pod was {verb}")
+            ahead = len(kept) if ahead is None else ahead
             continue
         kept.append(entry)
     new["env"] = [*parts.env, *kept]
-    # warned once: a container mutated before carries our limit already
-    if (request.cores is not None and request.cores < _GANG_MIN_CORES
-            and wanted[names.ENV_SM_LIMIT] not in (container.get("env") or ())):
-        _warn_ranks_apart(name, request, kept, work)
+    if request.cores is not None and request.cores < _GANG_MIN_CORES:
+        # Warned once: a container mutated before (our limit in its env) was warned of the env
+        # it had then, which follows ours. What stands ahead of ours came after that pass, from
+        # a later webhook (LeaderWorkerSet's puts LWS_GROUP_SIZE first): the API server calls
+        # this one again (reinvocation) and shows its warnings too.
+        if wanted[names.ENV_SM_LIMIT] not in (container.get("env") or ()):
+            _warn_ranks_apart(name, request, kept, work)
+        elif ahead and _spread_rank(request, kept[ahead:]) is None:
+            _warn_ranks_apart(name, request, kept[:ahead], work)
 
     mounts = parts.mounts
     kept = []
@@ -541,9 +548,12 @@ def _warn_unknown_keys(annotations: dict[str, Any], work: _Work) -> None:
 # each other's budget, which the interposer does only within one container (its "gang").
 _GANG_MIN_CORES = 50
 # Env a distributed launcher sets on each pod of a job: the number of ranks (torch.distributed,
-# Kubeflow's PyTorchJob) or of nodes (PyTorchJob's PET_NNODES: a number, or torchrun's MIN:MAX
-# range for an elastic job, "1:4", whose pods may be up to MAX).
-_RANK_ENV = {"WORLD_SIZE": False, "PET_NNODES": True}
+# Kubeflow's PyTorchJob) or of pods (PyTorchJob's PET_NNODES: a number, or torchrun's MIN:MAX
+# range for an elastic job, "1:4", whose pods may be up to MAX; LeaderWorkerSet's
+# LWS_GROUP_SIZE, its group's leader and workers, which its own webhook writes). True: counts
+# pods, above 1 the ranks are spread over pods.
+_RANK_ENV = {"WORLD_SIZE": False, "PET_NNODES": True, "LWS_GROUP_SIZE": True}
+_RANGED_ENV = frozenset({"PET_NNODES"})
 
 
 def _largest_count(text: str, *, ranged: bool) -> int | None:
@@ -556,10 +566,9 @@ def _largest_count(text: str, *, ranged: bool) -> int | None:
     return max(int(p) for p in parts)
 
 
-def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Work) -> None:
-    """A container under a compute limit below 50 % whose env says it is one rank of a job
-    spread over pods (more ranks than its GPUs, or more than one node) gets a warning: ranks in
-    different pods are paced apart, and their collectives can stall."""
+def _spread_rank(request: GpuRequest, env: list[Any]) -> tuple[str, str] | None:
+    """The first entry of ``env`` that says the container is one rank of a job spread over
+    pods (more ranks than its GPUs, or more than one pod), as (name, value)."""
     for entry in env:
         if not isinstance(entry, dict) or entry.get("name") not in _RANK_ENV:
             continue
@@ -567,14 +576,23 @@ def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Wor
         if not isinstance(value, str):
             continue
         nodes = _RANK_ENV[entry["name"]]
-        count = _largest_count(value, ranged=nodes)
+        count = _largest_count(value, ranged=entry["name"] in _RANGED_ENV)
         if count is not None and count > (1 if nodes else request.count):
-            work.warn(f'container "{name}": gpucores {request.cores} with {entry["name"]}={value.strip()} '
-                      f"looks like one rank of a job spread over pods; ranks in different pods are "
-                      f"paced apart, and under a compute limit below {_GANG_MIN_CORES} their "
-                      f"collectives can stall: give the job one pod with all its GPUs, gpucores of "
-                      f"{_GANG_MIN_CORES} or more, or none")
-            return
+            return entry["name"], value.strip()
+    return None
+
+
+def _warn_ranks_apart(name: str, request: GpuRequest, env: list[Any], work: _Work) -> None:
+    """A container under a compute limit below 50 % whose env says it is one rank of a job
+    spread over pods gets a warning: ranks in different pods are paced apart, and their
+    collectives can stall."""
+    found = _spread_rank(request, env)
+    if found is not None:
+        work.warn(f'container "{name}": gpucores {request.cores} with {found[0]}={found[1]} '
+                  f"looks like one rank of a job spread over pods; ranks in different pods are "
+                  f"paced apart, and under a compute limit below {_GANG_MIN_CORES} their "
+                  f"collectives can stall: give the job one pod with all its GPUs, gpucores of "
+                  f"{_GANG_MIN_CORES} or more, or none")
 
 
 def _hide_gpus(pod: dict[str, Any], spec: dict[str, Any], settings: Settings) -> MutationResult:

@@ -94,11 +94,15 @@ class Shape:
     Each path is dotted; ``*`` stands for every entry of a map or list, and a key ending in
     ``?`` may be absent (then that path has no template). A missing key elsewhere is reported.
     ``rewrite`` False: ``check`` reports on the templates, ``mutate`` leaves them as they are.
+    ``env``: variables the system's own webhook puts first in every container of the pods, as
+    (name, dotted path of the value in the object); the warnings read them too (the webhook's
+    pass that sees them warns, but of a controller's pods only the controller is told).
     """
 
     paths: tuple[str, ...]
     rewrite: bool = True
     note: str = ""
+    env: tuple[tuple[str, str], ...] = ()
 
 
 # Pod templates of the custom resources ML workloads are written as, by (API group, kind),
@@ -119,8 +123,10 @@ CUSTOM_SHAPES: dict[tuple[str, str], Shape] = {
         ("spec.template.spec.replicatedJobs.*.template.spec.template",))
        for kind in ("TrainingRuntime", "ClusterTrainingRuntime")},
     ("jobset.x-k8s.io", "JobSet"): Shape(("spec.replicatedJobs.*.template.spec.template",)),
+    # LWS's pod webhook gives every container LWS_GROUP_SIZE, the group's pods.
     ("leaderworkerset.x-k8s.io", "LeaderWorkerSet"): Shape(
-        ("spec.leaderWorkerTemplate.leaderTemplate?", "spec.leaderWorkerTemplate.workerTemplate")),
+        ("spec.leaderWorkerTemplate.leaderTemplate?", "spec.leaderWorkerTemplate.workerTemplate"),
+        env=(("LWS_GROUP_SIZE", "spec.leaderWorkerTemplate.size"),)),
     ("ray.io", "RayCluster"): Shape(tuple(f"spec.{p}" for p in _RAY_CLUSTER)),
     ("ray.io", "RayJob"): Shape(tuple(f"spec.rayClusterSpec?.{p}" for p in _RAY_CLUSTER)
                                 + ("spec.submitterPodTemplate?",)),
@@ -287,11 +293,45 @@ def _mutate_templates(obj: dict[str, Any], shape: Shape, label: str, source: str
             except BadObject as exc:
                 findings.append(Finding(source, where, None, str(exc)))
                 continue
+            if shape.env and result.changed and result.allowed:
+                result = _with_added_env_warnings(obj, shape, template, result, namespace,
+                                                  settings)
             keep = result.changed and not shape.rewrite
             findings.append(Finding(source, where, result, note=shape.note if keep else None))
             if result.changed and result.pod is not None and shape.rewrite:
                 out = _replace(out, path, result.pod)
     return out
+
+
+def _with_added_env_warnings(obj: dict[str, Any], shape: Shape, template: dict[str, Any],
+                             result: MutationResult, namespace: Any,
+                             settings: Settings) -> MutationResult:
+    """``result`` with the warnings the webhook gives the template's pods once the system's
+    webhook has put ``shape.env`` first in their containers' env (the template mutated before,
+    shaped as a pod)."""
+    added = []
+    for name, where in shape.env:
+        value: Any = obj
+        for key in where.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if isinstance(value, str):
+            added.append({"name": name, "value": value})
+    if not added:
+        return result
+    taken = {e["name"] for e in added}
+    spec = dict(template["spec"])
+    for kind in ("initContainers", "containers"):
+        if spec.get(kind):
+            spec[kind] = [{**c, "env": [*added, *(e for e in c.get("env") or ()
+                                                  if not (isinstance(e, dict)
+                                                          and e.get("name") in taken))]}
+                          for c in spec[kind]]
+    seen = mutate_pod({**template, "spec": spec}, settings, namespace=namespace,
+                      max_gpu_memory_mib=settings.max_gpu_memory_mib)
+    more = tuple(w for w in seen.warnings if w not in result.warnings)
+    return result._replace(warnings=result.warnings + more) if more else result
 
 
 def _get(obj: Any, path: tuple[str, ...]) -> Any:
