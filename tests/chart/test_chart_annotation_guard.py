@@ -572,6 +572,11 @@ def test_unmutated_gpu_pods_of_namespaces_the_webhook_leaves_alone_are_admitted(
     assert _create(opt_out[0], pod, {"gpuslice.io/webhook": "enabled"}) == UNMUTATED_MESSAGE
     assert _create(opt_out[0], pod, {"gpuslice.io/webhook": "disabled"}) is None
     assert _create(opt_out[0], _gpu_pod({"nvidia.com/gpu": "1"}, "ops")) is None
+    # the namespaces the webhook always leaves alone, whatever the values say
+    for never in ("kube-system", NAMESPACE):
+        assert _create(opt_out[0], _gpu_pod({"nvidia.com/gpu": "1"}, never)) is None, never
+        assert _create(opt_out[0], _gpu_pod({"nvidia.com/gpu": "1"}, never),
+                       {"gpuslice.io/webhook": "enabled"}) is None, never
     opt_in = _guard(render({"namespaceMode": "opt-in"}))
     assert opt_in is not None
     assert _create(opt_in[0], pod) is None

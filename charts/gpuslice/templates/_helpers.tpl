@@ -162,3 +162,12 @@ The volumes the webhook adds to GPU pods (webhook/admission/mutate.py), as a CEL
 {{- define "gpuslice.volumeNames" -}}
 ['gpuslice-lib', 'gpuslice-preload', 'gpuslice-state', 'gpuslice-limits']
 {{- end -}}
+
+{{/*
+The namespaces the webhook never mutates, as a JSON list: kube-system, the release namespace
+and webhook.excludedNamespaces. The webhook's namespaceSelector and the annotation guard's
+rule for unmutated GPU pods read the same list.
+*/}}
+{{- define "gpuslice.excludedNamespaces" -}}
+{{- concat (list "kube-system" .Release.Namespace) .Values.webhook.excludedNamespaces | uniq | toJson -}}
+{{- end }}
