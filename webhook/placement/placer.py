@@ -241,6 +241,16 @@ class Placer:
         per_node[node.name] = (node.version, result)
         return result
 
+    def _fit(self, req: PodRequest, node: NodeState, per_node: dict[str, tuple[int, Fit]],
+             priority: int, uid: str) -> Fit:
+        """:meth:`_place` for the pod (``priority``, ``uid``), beside the GPUs held for the
+        pods nominated to the node (:meth:`ClusterState.held_usage`); not cached: the hold
+        depends on the pod's priority, and nominated pods are few."""
+        held = self.state.held_usage(node, priority, uid)
+        if held is None:
+            return self._place(req, node, per_node)
+        return place(req, node.gpus, held, self.settings.split_count)
+
     def filter(self, args: Any) -> ExtenderFilterResult:
         pod = extender_pod(args)
         candidates = candidate_names(args)
@@ -278,13 +288,16 @@ class Placer:
                     out["FailedNodes"][name] = _earlier_bind(earlier.node)
             return self._with_nodes(args, out)
         per_node = self._results_for(req)
+        priority, uid = pod_priority(pod), str(pod["metadata"].get("uid") or "")
+        holds = bool(self.state.nominees)  # else no per-node look at nominated pods
         for name in candidates:
             node = self.state.node(name)
             if node is None or node.inventory_error:
                 why = node.inventory_error if node is not None else "node not known"
                 out["FailedAndUnresolvableNodes"][name] = f"gpuslice: {why}"
                 continue
-            result = self._place(req, node, per_node)
+            result = self._fit(req, node, per_node, priority, uid) if holds \
+                else self._place(req, node, per_node)
             if isinstance(result, NoFit):
                 target = "FailedAndUnresolvableNodes" if result.unresolvable else "FailedNodes"
                 out[target][name] = result.reason  # type: ignore[literal-required]
@@ -315,11 +328,14 @@ class Placer:
         per_node = self._results_for(req) if req is not None else {}
         if req is not None and req.wants_gpus:
             self.state.expire(time.monotonic())
+        priority, uid = pod_priority(pod), str(pod["metadata"].get("uid") or "")
+        holds = bool(self.state.nominees)
         for name in candidates:
             node = self.state.node(name)
             score = 0
             if req is not None and req.wants_gpus and node is not None and node.gpus:
-                result = self._place(req, node, per_node)
+                result = self._fit(req, node, per_node, priority, uid) if holds \
+                    else self._place(req, node, per_node)
                 score = 0 if isinstance(result, NoFit) else result.score
             scores.append(HostPriority(Host=name, Score=score))
         return scores
@@ -354,7 +370,7 @@ class Placer:
         earlier = self.state.allocs.get(str(pod["metadata"].get("uid") or ""))
         if earlier is not None and earlier.assumed:
             return result  # filter offers only the node of its earlier bind, where it fits
-        priority = pod_priority(pod)
+        priority, uid = pod_priority(pod), str(pod["metadata"].get("uid") or "")
         start = slice_start = time.monotonic()
         for i, (name, p) in enumerate(proposed.items()):
             now = time.monotonic()
@@ -365,21 +381,24 @@ class Placer:
                 logger.warning("preempt ran out of time; the other candidate nodes are left "
                                "out", extra={"judged": i, "candidates": len(proposed)})
                 break
-            victims = self._victims_on(name, req, priority, p)
+            victims = self._victims_on(name, req, priority, uid, p)
             if victims is not None:
                 out[name] = victims
         return result
 
-    def _victims_on(self, name: str, req: PodRequest, priority: int,
+    def _victims_on(self, name: str, req: PodRequest, priority: int, uid: str,
                     p: Proposed) -> MetaVictims | None:
-        """What to preempt on node ``name`` for the preemptor (``req``, ``priority``) given the
-        scheduler's victims ``p``; None to leave the node out."""
+        """What to preempt on node ``name`` for the preemptor (``req``, ``priority``, ``uid``)
+        given the scheduler's victims ``p``; None to leave the node out. GPUs held for pods
+        nominated to the node are not the preemptor's to free (the scheduler's dry run, too,
+        counts its nominated pods of no lower priority as on the node)."""
         node = self.state.node(name)
         if node is None or node.inventory_error or not p.uids:
             return None
         allocs = self.state.allocs
         gpu = choose_victims(req, priority, node, allocs, set(p.uids),
-                             self.settings.split_count)
+                             self.settings.split_count,
+                             self.state.held_usage(node, priority, uid))
         if gpu is None:
             return None
         if not gpu:
@@ -562,7 +581,7 @@ class Placer:
                 assignment = existing.assignment
                 earlier = existing.expires_at or time.monotonic() + self.assume_ttl_s
             else:
-                result = self._place(req, node, self._results_for(req))
+                result = self._fit(req, node, self._results_for(req), priority, uid)
                 if isinstance(result, NoFit):
                     return ExtenderBindingResult(Error=result.reason)
                 assignment = result.assignment

@@ -48,7 +48,8 @@ def _fits(req: PodRequest, node: NodeState, usage: Mapping[str, Usage],
 
 def choose_victims(req: PodRequest, priority: int, node: NodeState,
                    allocs: Mapping[str, PodAlloc], proposed: Collection[str],
-                   split_count: int) -> list[str] | None:
+                   split_count: int,
+                   held: Mapping[str, Usage] | None = None) -> list[str] | None:
     """The UIDs of the GPU pods on ``node`` to preempt so that ``req`` fits its GPUs, or None
     when no set of them can make it fit.
 
@@ -56,8 +57,10 @@ def choose_victims(req: PodRequest, priority: int, node: NodeState,
     bound ones (the watch saw them, so the scheduler knows them too) and, of those still being
     bound (assumed), only ones the scheduler itself proposed (``proposed``; it knows those as
     on the node: it rejects a victim it does not). [] when the pod fits without preempting
-    any GPU pod.
+    any GPU pod. ``held``: the node's usage with the GPUs held for pods nominated there
+    (:meth:`ClusterState.held_usage`), which victims cannot free; None: ``node.usage``.
     """
+    base = node.usage if held is None else held
     pool: list[PodAlloc] = []
     for uid in node.pods:
         alloc = allocs.get(uid)
@@ -66,7 +69,7 @@ def choose_victims(req: PodRequest, priority: int, node: NodeState,
         if alloc.assumed and uid not in proposed:
             continue
         pool.append(alloc)
-    usage = node.usage
+    usage = base
     for alloc in pool:
         usage = _with(usage, alloc.demand, -1)
     if not _fits(req, node, usage, split_count):
@@ -81,7 +84,7 @@ def choose_victims(req: PodRequest, priority: int, node: NodeState,
         else:
             victims.append(alloc)
     if len(victims) > 1:
-        victims = _fewer(req, node, pool, victims, proposed, split_count)
+        victims = _fewer(req, node, base, pool, victims, proposed, split_count)
     return [a.uid for a in victims]
 
 
@@ -107,7 +110,7 @@ def _least(amounts: list[int], short: int) -> int:
     return len(amounts) + 1
 
 
-def _groups(req: PodRequest, node: NodeState,
+def _groups(req: PodRequest, node: NodeState, base: Mapping[str, Usage],
             candidates: list[PodAlloc]) -> list[tuple[int, list[PodAlloc]]]:
     """The sets to search, each with the fewest victims any set of it needs.
 
@@ -122,7 +125,7 @@ def _groups(req: PodRequest, node: NodeState,
         on = [a for a in candidates if gpu.uuid in a.demand]
         if not on:
             continue
-        used = node.usage.get(gpu.uuid) or Usage()
+        used = base.get(gpu.uuid) or Usage()
         least = max(
             _least([a.demand[gpu.uuid].mem for a in on],
                    used.mem + c.memory_on(gpu.memory_mib) - gpu.memory_mib),
@@ -132,8 +135,9 @@ def _groups(req: PodRequest, node: NodeState,
     return out
 
 
-def _fewer(req: PodRequest, node: NodeState, pool: list[PodAlloc], victims: list[PodAlloc],
-           proposed: Collection[str], split_count: int) -> list[PodAlloc]:
+def _fewer(req: PodRequest, node: NodeState, base: Mapping[str, Usage], pool: list[PodAlloc],
+           victims: list[PodAlloc], proposed: Collection[str],
+           split_count: int) -> list[PodAlloc]:
     """Fewer victims than the give-back order found, when a set of them frees the room: the
     order gives back the most important pods first, not the ones that matter least to the
     fit (a pod on two GPUs given back may leave two others, one on each, to be taken).
@@ -143,7 +147,7 @@ def _fewer(req: PodRequest, node: NodeState, pool: list[PodAlloc], victims: list
     ``_SEARCH_LIMIT`` sets are tried on a node: past that, ``victims`` stands.
     """
     top = max(a.priority for a in victims)
-    groups = _groups(req, node, [a for a in pool if a.priority <= top])
+    groups = _groups(req, node, base, [a for a in pool if a.priority <= top])
     tried = 0
     for size in range(1, len(victims)):
         best: tuple[tuple[int, int, int], tuple[PodAlloc, ...]] | None = None
@@ -154,7 +158,7 @@ def _fewer(req: PodRequest, node: NodeState, pool: list[PodAlloc], victims: list
                 tried += 1
                 if tried > _SEARCH_LIMIT:
                     return victims
-                usage = node.usage
+                usage = base
                 for alloc in subset:
                     usage = _with(usage, alloc.demand, -1)
                 if _fits(req, node, usage, split_count):

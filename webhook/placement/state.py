@@ -13,6 +13,11 @@ without a lock.
 Counted pods: bound (``spec.nodeName``), not ``Succeeded``/``Failed``, with at least one
 ``gpuslice.io/devices.<container>`` annotation. Deleted or finished pods release their GPUs.
 
+Nominated pods: pending GPU pods whose ``status.nominatedNodeName`` kube-scheduler set after
+preempting pods for them (:class:`Nominee`). They hold no GPUs in the usage; the verbs place
+them on a copy of it for pods of no higher priority (:meth:`ClusterState.held_usage`), as the
+scheduler's in-tree filters do with its nominated pods.
+
 Views of a pod arrive out of order: a bind's own read of the pod can be newer than a list
 snapshot taken before it, or than the events a lagging watch has yet to deliver. A pod object
 older than the one an allocation was last built from is ignored, and a full list keeps what
@@ -29,9 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from webhook import names
-from webhook.placement.fit import pod_demand
+from webhook.placement.fit import NoFit, place, pod_demand
 from webhook.placement.inventory import Gpu, InventoryError, Usage, parse_inventory
-from webhook.placement.request import ContainerRequest, PodRequest, RequestError, pod_request
+from webhook.placement.request import (
+    ContainerRequest,
+    PodRequest,
+    RequestError,
+    admitted,
+    pod_request,
+)
 from webhook.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -84,6 +95,22 @@ class PodAlloc:
     started: str = ""
     """The pod's ``status.startTime`` (RFC 3339), "" before it starts: of two pods of one
     priority, the one started later is preempted first (kube-scheduler's MoreImportantPod)."""
+    terminating: bool = False
+    """The pod has a ``metadata.deletionTimestamp``: it holds its GPUs until it is gone, and
+    what it holds is already promised to the pods nominated to its node."""
+
+
+@dataclass
+class Nominee:
+    """A pending GPU pod nominated to a node (``status.nominatedNodeName``): kube-scheduler
+    preempted pods there for it and treats it as on the node until it is bound elsewhere,
+    deleted, or the nomination is cleared."""
+
+    uid: str
+    node: str
+    request: PodRequest
+    priority: int
+    resource_version: str
 
 
 def pod_priority(pod: dict[str, Any]) -> int:
@@ -143,6 +170,10 @@ class ClusterState:
         self.allocs: dict[str, PodAlloc] = {}
         self._expiring: dict[str, float] = {}
         """UID → deadline of the assumed allocations with an ``expires_at``."""
+        self.nominees: dict[str, Nominee] = {}
+        """UID → the pending GPU pods nominated to a node."""
+        self._nominated_on: dict[str, dict[str, Nominee]] = {}
+        """Node name → UID → its nominees (no entry for a node without any)."""
         self._version = 0
 
     # ----- reads -----
@@ -152,6 +183,41 @@ class ClusterState:
     def largest_gpu_memory_mib(self) -> int | None:
         sizes = [g.memory_mib for n in self.nodes.values() for g in n.gpus]
         return max(sizes) if sizes else None
+
+    def held_usage(self, node: NodeState, priority: int, uid: str) -> dict[str, Usage] | None:
+        """``node.usage`` with the GPUs held for the pods nominated to the node, as seen by a
+        pod of ``priority`` (UID ``uid``); None when none holds any (the usage as it is).
+
+        kube-scheduler's filters treat each pod nominated to a node with a priority at least
+        the filtered pod's, other than the pod itself, as on the node (addGENominatedPods).
+        Each such pod (the highest priority first) is placed by the per-GPU fit against the
+        usage without the pods being deleted (its victims, still ending), then added to the
+        usage: the GPUs its victims free are its. One that does not fit even so holds nothing
+        (its victims cannot make room for it). A pod with an allocation here (its bind under
+        way, or seen bound) counts through that instead.
+        """
+        nominated = self._nominated_on.get(node.name)
+        if not nominated:
+            return None
+        holders = sorted((n for n in nominated.values()
+                          if n.priority >= priority and n.uid != uid and n.uid not in self.allocs),
+                         key=lambda n: (-n.priority, n.uid))
+        if not holders:
+            return None
+        usage = dict(node.usage)
+        base = dict(node.usage)  # without the pods being deleted
+        for alloc in (self.allocs[u] for u in node.pods):
+            if alloc.terminating:
+                _add_usage(base, alloc.demand, -1)
+        held = False
+        for nominee in holders:
+            result = place(nominee.request, node.gpus, base, self.settings.split_count)
+            if isinstance(result, NoFit):
+                continue
+            _add_usage(base, result.demand, 1)
+            _add_usage(usage, result.demand, 1)
+            held = True
+        return usage if held else None
 
     # ----- nodes -----
     def _node(self, name: str) -> NodeState:
@@ -293,6 +359,39 @@ class ClusterState:
         # may predate it. Keeping it is the safe side; the watch or the next list settles it.
         return listed_at is not None and current.applied_at >= listed_at
 
+    # ----- nominated pods -----
+    def _unnominate(self, uid: str) -> None:
+        nominee = self.nominees.pop(uid, None)
+        if nominee is not None:
+            on = self._nominated_on.get(nominee.node)
+            if on is not None:
+                on.pop(uid, None)
+                if not on:
+                    del self._nominated_on[nominee.node]
+
+    def _nominate(self, obj: dict[str, Any], uid: str, bound: bool, phase: Any, rv: str) -> None:
+        """Track the pod's nomination: a pending GPU pod the webhook admitted, with a
+        ``status.nominatedNodeName``; bound, finished or without one, none."""
+        current = self.nominees.get(uid)
+        target = (obj.get("status") or {}).get("nominatedNodeName")
+        if current is None and not target:
+            return  # the common pod: never nominated
+        if current is not None and rv_newer(current.resource_version, rv):
+            return  # an older view
+        request: PodRequest | None = None
+        if isinstance(target, str) and target and not bound and phase not in _TERMINAL \
+                and uid and admitted(obj):
+            try:
+                request = pod_request(obj, self.settings)
+            except RequestError:
+                request = None  # filter finds every node unresolvable for it
+        self._unnominate(uid)
+        if request is None or not request.wants_gpus:
+            return
+        nominee = Nominee(uid, str(target), request, pod_priority(obj), rv)
+        self.nominees[uid] = nominee
+        self._nominated_on.setdefault(nominee.node, {})[uid] = nominee
+
     def apply_pod(self, obj: dict[str, Any], listed_at: float | None = None) -> None:
         """A pod was added or changed (``listed_at``: part of a list requested then)."""
         meta = obj.get("metadata") or {}
@@ -303,6 +402,7 @@ class ClusterState:
         has_devices = any(k.startswith(names.ANN_DEVICES_PREFIX) for k in annotations)
         current = self.allocs.get(uid)
         rv = str(meta.get("resourceVersion") or "")
+        self._nominate(obj, uid, bool(node), phase, rv)
         if self._stale(current, rv, listed_at):
             return  # an older view (a lagging watch, a list snapshot taken before a bind)
         if not node or phase in _TERMINAL or not has_devices:
@@ -326,15 +426,19 @@ class ClusterState:
                 and current.assignment == assignment:
             current.resource_version, current.applied_at = rv, time.monotonic()
             current.started = pod_started(obj)
+            current.terminating = bool(meta.get("deletionTimestamp"))
             return
         self._remove(uid)
         self._add(PodAlloc(uid, str(meta.get("namespace") or ""), str(meta.get("name") or ""),
                            str(node), req, assignment, {}, resource_version=rv,
                            applied_at=time.monotonic(), priority=pod_priority(obj),
-                           started=pod_started(obj)))
+                           started=pod_started(obj),
+                           terminating=bool(meta.get("deletionTimestamp"))))
 
     def delete_pod(self, obj: dict[str, Any]) -> None:
-        self._remove(str((obj.get("metadata") or {}).get("uid") or ""))
+        uid = str((obj.get("metadata") or {}).get("uid") or "")
+        self._unnominate(uid)
+        self._remove(uid)
 
     def replace_pods(self, objs: Iterable[dict[str, Any]], listed_at: float,
                      resource_version: str = "") -> None:
@@ -360,3 +464,14 @@ class ClusterState:
                 learnt_after = self._stale(alloc, resource_version, listed_at)
             if not learnt_after:
                 self._remove(uid)
+        for uid, nominee in list(self.nominees.items()):
+            if uid not in seen and rv_newer(nominee.resource_version, resource_version) is not True:
+                self._unnominate(uid)
+
+
+def _add_usage(usage: dict[str, Usage], demand: dict[str, Usage], sign: int) -> None:
+    """Add (``sign`` 1) or take off (-1) ``demand`` in ``usage``, copying what it changes."""
+    for uuid, d in demand.items():
+        u = usage[uuid].copy() if uuid in usage else Usage()
+        u.add(d, sign)
+        usage[uuid] = u
