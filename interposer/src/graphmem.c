@@ -161,10 +161,12 @@ static CUresult graph_need(CUgraph graph, struct gs_graph_need *need)
 static struct var_exec {
     CUgraphExec exec;
     CUcontext ctx; /* it was instantiated in: goes with it */
+    int device;    /* made for device launch */
 } *g_var;
 static int g_nvar, g_capvar, g_var_any; /* g_var_any: g_nvar, read without the lock */
+static int g_ndev;                      /* entries made for device launch */
 
-static void variable_note(CUgraphExec exec)
+static void variable_note(CUgraphExec exec, int device)
 {
     CUcontext ctx = NULL;
     if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
@@ -181,7 +183,9 @@ static void variable_note(CUgraphExec exec)
         }
     }
     if (i < g_capvar) {
-        g_var[i] = (struct var_exec){exec, ctx};
+        if (i < g_nvar) g_ndev -= g_var[i].device;
+        g_var[i] = (struct var_exec){exec, ctx, device};
+        g_ndev += device;
         if (i == g_nvar) g_nvar++;
     }
     __atomic_store_n(&g_var_any, g_nvar, __ATOMIC_RELEASE);
@@ -189,7 +193,8 @@ static void variable_note(CUgraphExec exec)
     if (i >= g_capvar) GS_WARN("no host memory to note a graph whose GPU code decides its cost: its launches queue as others");
 }
 
-/* Take exec (ctx NULL), or every executable of ctx, out; 1 if there was one */
+/* Take exec (ctx NULL), or every executable of ctx, out; 0 if there was none, 2 if (the last) one
+ * was made for device launch, else 1 */
 static int variable_forget(CUgraphExec exec, CUcontext ctx)
 {
     int had = 0;
@@ -197,8 +202,9 @@ static int variable_forget(CUgraphExec exec, CUcontext ctx)
     mu_lock();
     for (int i = 0; i < g_nvar; i++)
         if (ctx ? g_var[i].ctx == ctx : g_var[i].exec == exec) {
+            had = g_var[i].device ? 2 : 1;
+            g_ndev -= g_var[i].device;
             g_var[i--] = g_var[--g_nvar];
-            had = 1;
         }
     __atomic_store_n(&g_var_any, g_nvar, __ATOMIC_RELEASE);
     mu_unlock();
@@ -209,10 +215,13 @@ int gs_graph_variable(CUgraphExec exec)
 {
     /* none, or a driver callback under g_mu (passed through, as its other hooks) */
     if (!__atomic_load_n(&g_var_any, __ATOMIC_ACQUIRE) || gs_graphmem_passthrough()) return 0;
+    /* a graph made for device launch may also be launched by the kernels of any other graph
+     * (fire-and-forget, tail or sibling: the host launch completes with all of it), so while one
+     * lives every graph launch may take what its GPU code decides */
     mu_lock();
     int i = 0;
-    while (i < g_nvar && g_var[i].exec != exec) i++;
-    int found = i < g_nvar;
+    while (!g_ndev && i < g_nvar && g_var[i].exec != exec) i++;
+    int found = g_ndev || i < g_nvar;
     mu_unlock();
     return found;
 }
@@ -556,10 +565,10 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
         return refuse(a, q);
     }
     unsigned long long flags = a->params ? a->params->flags : a->flags;
-    int variable = need.conditional || (flags & CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH);
+    int device = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH) != 0, variable = need.conditional || device;
     if (!need.n) {
         CUresult rc = call(a);
-        if (rc == CUDA_SUCCESS && a->exec && variable) variable_note(*a->exec);
+        if (rc == CUDA_SUCCESS && a->exec && variable) variable_note(*a->exec, device);
         return rc;
     }
     if (uploads) { /* mapped while instantiating */
@@ -569,7 +578,7 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
     need.auto_free = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
     CUresult rc = call(a);
     int made = rc == CUDA_SUCCESS && a->exec;
-    if (made && variable) variable_note(*a->exec);
+    if (made && variable) variable_note(*a->exec, device);
     if (made && remember(*a->exec, &need) != 0) {
         /* no host memory to remember it: untracked, its launches would map past the cap, so it
          * is undone and refused, as a graph whose nodes cannot be read is */
@@ -678,7 +687,7 @@ GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
     int var = !gs_graphmem_passthrough() && variable_forget(hGraphExec, NULL);
     CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
     if (rc != CUDA_SUCCESS && had) put_back(&was);
-    if (rc != CUDA_SUCCESS && var) variable_note(hGraphExec); /* in the caller's context: near enough */
+    if (rc != CUDA_SUCCESS && var) variable_note(hGraphExec, var == 2); /* in the caller's context: near enough */
     return rc;
 }
 

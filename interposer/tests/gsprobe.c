@@ -408,7 +408,8 @@ static void bench(double seconds, const char *kind)
  * any WINDOW_MS the GPU was busy (per mille), among windows that begin SKIP_MS or more after the
  * first launch: how far the GPU ran ahead of the budget at its worst.  "cpeak SECONDS WINDOW_MS
  * SKIP_MS LEARN_MS TRIPS": the same with a graph's WHILE loop, "dpeak ...": with a device graph's
- * relaunches (peak's comment below) */
+ * relaunches, "fpeak ...": with a plain graph that launches such a device graph from the GPU
+ * (peak's comment below) */
 #define PEAK_SAMPLES 65536
 static struct {
     uint64_t t[PEAK_SAMPLES], ran[PEAK_SAMPLES];
@@ -445,8 +446,9 @@ typedef struct {
     long long reserved2;
 } node_params;
 
-/* An executable graph of one WHILE node, or (device) an empty one made for device launch (its
- * kernels may relaunch it from the GPU); NULL if the driver has none */
+/* An executable graph of one WHILE node, or (device 1) an empty one made for device launch (its
+ * kernels may relaunch it from the GPU), or (device 2) a plain one whose kernel launches such a
+ * graph from the GPU; NULL if the driver has none */
 static CUgraphExec loop_graph(int device)
 {
     typedef CUresult (*handle_t)(uint64_t *, CUgraph, CUcontext, unsigned, unsigned);
@@ -464,13 +466,22 @@ static CUgraphExec loop_graph(int device)
     if (!device && (make_handle(&p.conditional.handle, g, NULL, 1, 1) != CUDA_SUCCESS ||
                     add(&node, g, NULL, 0, &p) != CUDA_SUCCESS))
         return NULL;
-    if (api.cuGraphInstantiateWithFlags(&exec, g, device ? CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH : 0) != CUDA_SUCCESS)
+    if (api.cuGraphInstantiateWithFlags(&exec, g, device ? CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH : 0))
         return NULL;
+    if (device == 2) { /* a plain graph whose kernel launches that one from the GPU */
+        typedef void (*spawn_t)(CUgraphExec, CUgraphExec);
+        spawn_t spawn = (spawn_t)dlsym(libcuda, "fake_cuda_graph_spawn");
+        CUgraph h = NULL;
+        CUgraphExec host = NULL;
+        if (!spawn || api.cuGraphCreate(&h, 0) || api.cuGraphInstantiateWithFlags(&host, h, 0)) return NULL;
+        spawn(host, exec);
+        return host;
+    }
     return exec;
 }
 
 /* peak: kernels on the legacy stream; trips > 0: launches of a graph with a WHILE node instead
- * (device: of a graph made for device launch), whose kernels run its body once a launch for the
+ * (device: loop_graph's other kinds), whose kernels run its body once a launch for the
  * first learn_ms, then `trips` times (a loop whose trip count the GPU sets: the host launches
  * the same graph and never knows; the fake driver's fake_cuda_graph_trips plays those kernels) */
 static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips, int device)
@@ -1647,9 +1658,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "peak")) {
             peak(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)), 0, 0, 0);
             i += 3;
-        } else if (!strcmp(c, "cpeak") || !strcmp(c, "dpeak")) {
+        } else if (!strcmp(c, "cpeak") || !strcmp(c, "dpeak") || !strcmp(c, "fpeak")) {
             peak(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)), (uint64_t)atoll(ARG(3)),
-                 (uint64_t)atoll(ARG(4)), c[0] == 'd');
+                 (uint64_t)atoll(ARG(4)), c[0] == 'd' ? 1 : c[0] == 'f' ? 2 : 0);
             i += 5;
         } else if (!strcmp(c, "tp")) {
             tp(atol(ARG(0)), atoi(ARG(1)));

@@ -29,7 +29,8 @@
  * CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH: its kernel may relaunch it from the GPU
  * (cudaGraphLaunch into cudaStreamGraphTailLaunch) as many times as it likes, and a host launch
  * completes on its stream only once all of that has (the stream environment of the programming
- * guide's "Device Graph Launch").
+ * guide's "Device Graph Launch").  fake_cuda_graph_spawn(host, device) has the kernels of one
+ * executable launch such a graph from the GPU (fire and forget) at each of its launches.
  */
 
 #define FAKE_GRAPH_MAGIC 0x4752415048ull /* "GRAPH" */
@@ -75,6 +76,7 @@ struct fake_gexec {
     int auto_free;                /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH */
     int loops;                    /* a conditional node, or made for device launch: fake_cuda_graph_trips
                                    * kernels a launch */
+    struct fake_gexec *spawns;    /* a device graph its kernels launch (fake_cuda_graph_spawn) */
     uint64_t live[FAKE_MAX_DEVS]; /* FAKE_CUDA_GRAPH_UNFREED: its last launch's allocations, alive */
 };
 
@@ -281,6 +283,12 @@ API CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *dep
 
 static uint64_t graph_trips = 1;
 
+/* Test-only: the kernels of `host` launch `device` from the GPU at each of its launches */
+API void fake_cuda_graph_spawn(CUgraphExec host, CUgraphExec device)
+{
+    ((struct fake_gexec *)host)->spawns = (struct fake_gexec *)device;
+}
+
 /* Test-only: the trip count the kernels of every graph's conditional node set from now on */
 API void fake_cuda_graph_trips(uint64_t trips)
 {
@@ -452,7 +460,9 @@ static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc)
         graph_live_exec = e;
         pthread_mutex_unlock(&mu);
     }
-    uint64_t kernels = e->loops ? __atomic_load_n(&graph_trips, __ATOMIC_RELAXED) : e->kernels;
+    uint64_t trips = __atomic_load_n(&graph_trips, __ATOMIC_RELAXED);
+    uint64_t kernels = e->loops ? trips : e->kernels;
+    if (e->spawns) kernels += e->spawns->loops ? trips : e->spawns->kernels; /* within the launch */
     if (*rc == CUDA_SUCCESS) *rc = kernels ? enqueue(s, ptsz, kernels) : CUDA_SUCCESS;
     return 1;
 }
