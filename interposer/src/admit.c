@@ -9,6 +9,7 @@
 #include "throttle.h"
 
 #define GS_QUEUE_NS 20000000ull   /* unmeasured work in flight per stream */
+#define GS_VAR_QUEUE_NS 1000000ull /* the same before a launch whose cost its GPU code decides */
 #define GS_QUEUE_WAIT_NS 50000000ull /* the longest a launch waits for that queue */
 #define GS_SETTLE_NS 10000000ull     /* a wait for the budget measures advances this often */
 
@@ -18,12 +19,14 @@ static int queued_launches(const struct tstream *s)
     return s->count - s->gaps;
 }
 
-static int over_queue(const struct tstream *s)
+static int over_queue(const struct tstream *s, int variable)
 {
     if (s->count >= GS_RING) return 1;
     if (!queued_launches(s)) return 0;
     if (!s->per_launch_ns) return 1; /* unknown cost: one measured launch first */
-    return (uint64_t)queued_launches(s) * s->per_launch_ns >= GS_QUEUE_NS;
+    /* a graph whose GPU code decides its cost (gs_graph_variable: a WHILE node's trip count)
+     * may take far more than the estimate learnt from its launches so far: a shorter queue */
+    return (uint64_t)queued_launches(s) * s->per_launch_ns >= (variable ? GS_VAR_QUEUE_NS : GS_QUEUE_NS);
 }
 
 /* The slot (and context) a launch on es is measured in, -1 if none. */
@@ -99,7 +102,7 @@ void thr_callback_launched(CUstream stream, int per_thread)
 
 /* Waits until a launch on the stream may go: returns 1 with thr_mu held and the stream's context
  * current, or 0 if the launch goes unmeasured (the caller's context current, thr_mu free). */
-int thr_admit_locked(CUstream stream, int per_thread, struct measured *m)
+int thr_admit_locked(CUstream stream, int per_thread, int variable, struct measured *m)
 {
     m->sw.on = 0;
     m->begun = 0;
@@ -148,7 +151,7 @@ int thr_admit_locked(CUstream stream, int per_thread, struct measured *m)
         }
         thr_measure_locked(s);
         uint64_t now = gs_now_ns();
-        if (over_queue(s) && (!queue_until || now < queue_until)) {
+        if (over_queue(s, variable) && (!queue_until || now < queue_until)) {
             if (!queue_until) queue_until = now + GS_QUEUE_WAIT_NS;
             thr_mu_unlock();
             /* each poll queries the head's event; where a profiler's callback inside those
@@ -157,7 +160,7 @@ int thr_admit_locked(CUstream stream, int per_thread, struct measured *m)
              * at the sampler's next look (a tenant ending its run with such a flood got up to
              * 47.6 % of the fake GPU under 30 %, `test_throttle.py -k from_a_driver_callback`) */
             gs_sleep_ns(t_callback_launches != callbacks ? GS_SETTLE_NS : GS_POLL_NS);
-        } else if (over_queue(s) && !advanced) {
+        } else if (over_queue(s, variable) && !advanced) {
             /* the queue's head has run longer than the wait (a kernel longer than it, or one
              * waiting for the host or another stream): the queued work's estimate (while it is
              * unknown, what the head can have taken since its interval began) is debited now,
@@ -168,7 +171,8 @@ int thr_admit_locked(CUstream stream, int per_thread, struct measured *m)
              * at 100 % then 4 s idle (`test_throttle.py -k run_ahead`) */
             advanced = 1;
             uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = (uint64_t)queued_launches(s) * s->per_launch_ns;
-            if (s->per_launch_ns) ran = queued;
+            /* a graph whose GPU code decides its cost: what the head ran, if the estimate is less */
+            if (s->per_launch_ns && (!variable || queued > ran)) ran = queued;
             if (s->mark_ns && ran > s->advance_ns) {
                 uint64_t cost = thr_clock_cost(slot, ran - s->advance_ns);
                 thr_clock_add(slot, cost); /* the budget only: the measurement accounts */

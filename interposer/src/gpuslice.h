@@ -522,8 +522,12 @@ struct gs_graph_need {            /* a graph's allocation nodes, per device */
     uint64_t live[GS_GRAPH_DEVS]; /* scratch: the pool's live allocations before this launch,
                                    * beside which it maps (an auto-free one's `left` not among them) */
     unsigned read;                /* scratch: bit i, the pool's counters were read before it */
+    int conditional;              /* a conditional node somewhere in it (gs_graph_variable) */
 };
 extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (atomic) */
+/* Is the GPU time of the executable's launches its GPU code's to decide (a conditional node, or
+ * made for device launch)?  The compute limit queues less of them (admit.c) */
+int gs_graph_variable(CUgraphExec exec);
 void gs_graphmem_note_free(void); /* a free of a pointer not ours, or a graph launch: maybe graph memory freed */
 /* 0 = not such a graph; 1 = reserved[] taken, the charge unsettled until gs_graphmem_after;
  * -1 = over the cap (nothing taken) */

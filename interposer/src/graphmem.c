@@ -110,6 +110,8 @@ static CUresult walk(CUgraph root, CUdevice here, struct gs_graph_need *need)
                 CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
                                                                                         : here;
                 need_add(need, dev, gs_charge_size(p.bytesize));
+            } else if (type == CU_GRAPH_NODE_TYPE_CONDITIONAL) {
+                need->conditional = 1; /* its bodies hold no allocation nodes (cuda.h) */
             } else if (type == CU_GRAPH_NODE_TYPE_GRAPH) {
                 CUgraph child = NULL;
                 rc = gs_cuda.cuGraphChildGraphNodeGetGraph ? gs_cuda.cuGraphChildGraphNodeGetGraph(nodes[i], &child)
@@ -144,6 +146,84 @@ static CUresult graph_need(CUgraph graph, struct gs_graph_need *need)
         return CUDA_SUCCESS;
     if (!gs_cuda.cuCtxGetDevice || gs_cuda.cuCtxGetDevice(&here) != CUDA_SUCCESS) here = 0;
     return walk(graph, here, need);
+}
+
+/* ---- executables whose launches take what the GPU decides --------------------- */
+
+/* A conditional node's WHILE body runs as many times as the graph's kernels say, and a graph
+ * made for device launch may relaunch itself from the GPU: the same executable's launch may take
+ * a millisecond or a second.  The compute limit queues at most about GS_QUEUE_NS of a stream's
+ * work by its per-launch estimate, and a loop whose trip count grew after that estimate was
+ * learnt was queued twenty deep: 4 s of work admitted at once, the GPU 100 % busy for seconds
+ * under a 30 % limit (`test_throttle.py -k trip_count`).  Their launches queue a twentieth of
+ * that (admit.c).  Kept apart from the allocation table below (whose entries the memory hooks
+ * act on); g_var_any stays 0 while there are none. */
+static struct var_exec {
+    CUgraphExec exec;
+    CUcontext ctx; /* it was instantiated in: goes with it */
+    int device;    /* made for device launch */
+} *g_var;
+static int g_nvar, g_capvar, g_var_any; /* g_var_any: g_nvar, read without the lock */
+static int g_ndev;                      /* entries made for device launch */
+
+static void variable_note(CUgraphExec exec, int device)
+{
+    CUcontext ctx = NULL;
+    if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
+    ctx = gs_ctx_canonical(ctx);
+    mu_lock();
+    int i = 0;
+    while (i < g_nvar && g_var[i].exec != exec) i++;
+    if (i == g_nvar && g_nvar == g_capvar) {
+        int cap = g_capvar ? 2 * g_capvar : 16;
+        struct var_exec *t = realloc(g_var, (size_t)cap * sizeof(*t));
+        if (t) {
+            g_var = t;
+            g_capvar = cap;
+        }
+    }
+    if (i < g_capvar) {
+        if (i < g_nvar) g_ndev -= g_var[i].device;
+        g_var[i] = (struct var_exec){exec, ctx, device};
+        g_ndev += device;
+        if (i == g_nvar) g_nvar++;
+    }
+    __atomic_store_n(&g_var_any, g_nvar, __ATOMIC_RELEASE);
+    mu_unlock();
+    if (i >= g_capvar) GS_WARN("no host memory to note a graph whose GPU code decides its cost: its launches queue as others");
+}
+
+/* Take exec (ctx NULL), or every executable of ctx, out; 0 if there was none, 2 if (the last) one
+ * was made for device launch, else 1 */
+static int variable_forget(CUgraphExec exec, CUcontext ctx)
+{
+    int had = 0;
+    if (!__atomic_load_n(&g_var_any, __ATOMIC_ACQUIRE)) return 0;
+    mu_lock();
+    for (int i = 0; i < g_nvar; i++)
+        if (ctx ? g_var[i].ctx == ctx : g_var[i].exec == exec) {
+            had = g_var[i].device ? 2 : 1;
+            g_ndev -= g_var[i].device;
+            g_var[i--] = g_var[--g_nvar];
+        }
+    __atomic_store_n(&g_var_any, g_nvar, __ATOMIC_RELEASE);
+    mu_unlock();
+    return had;
+}
+
+int gs_graph_variable(CUgraphExec exec)
+{
+    /* none, or a driver callback under g_mu (passed through, as its other hooks) */
+    if (!__atomic_load_n(&g_var_any, __ATOMIC_ACQUIRE) || gs_graphmem_passthrough()) return 0;
+    /* a graph made for device launch may also be launched by the kernels of any other graph
+     * (fire-and-forget, tail or sibling: the host launch completes with all of it), so while one
+     * lives every graph launch may take what its GPU code decides */
+    mu_lock();
+    int i = 0;
+    while (!g_ndev && i < g_nvar && g_var[i].exec != exec) i++;
+    int found = g_ndev || i < g_nvar;
+    mu_unlock();
+    return found;
 }
 
 /* ---- the executable graphs that allocate ----------------------------------- */
@@ -217,6 +297,7 @@ static void put_back(const struct gexec *e)
  * out again, for graphs that allocate nothing). */
 void gs_graphmem_forget_ctx(CUcontext ctx)
 {
+    if (ctx) variable_forget(NULL, ctx);
     mu_lock();
     for (int i = 0; i < g_n;)
         if (g_execs[i].ctx == ctx)
@@ -483,15 +564,21 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
         GS_WARN("graph instantiation refused: its allocation nodes cannot be read (CUDA error %d)", (int)q);
         return refuse(a, q);
     }
-    if (!need.n) return call(a);
+    unsigned long long flags = a->params ? a->params->flags : a->flags;
+    int device = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH) != 0, variable = need.conditional || device;
+    if (!need.n) {
+        CUresult rc = call(a);
+        if (rc == CUDA_SUCCESS && a->exec && variable) variable_note(*a->exec, device);
+        return rc;
+    }
     if (uploads) { /* mapped while instantiating */
         if (reserve(&need, reserved) != 0) return refuse(a, CUDA_ERROR_OUT_OF_MEMORY);
         gs_unsettled_begin();
     }
-    unsigned long long flags = a->params ? a->params->flags : a->flags;
     need.auto_free = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
     CUresult rc = call(a);
     int made = rc == CUDA_SUCCESS && a->exec;
+    if (made && variable) variable_note(*a->exec, device);
     if (made && remember(*a->exec, &need) != 0) {
         /* no host memory to remember it: untracked, its launches would map past the cap, so it
          * is undone and refused, as a graph whose nodes cannot be read is */
@@ -597,8 +684,10 @@ GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
     /* under a lock of ours (see instantiate) its entry stays, replaced if the handle comes back */
     int had = __atomic_load_n(&gs_graph_mem_execs, __ATOMIC_ACQUIRE) && !gs_graphmem_passthrough() &&
               forget(hGraphExec, &was);
+    int var = !gs_graphmem_passthrough() && variable_forget(hGraphExec, NULL);
     CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
     if (rc != CUDA_SUCCESS && had) put_back(&was);
+    if (rc != CUDA_SUCCESS && var) variable_note(hGraphExec, var == 2); /* in the caller's context: near enough */
     return rc;
 }
 

@@ -99,7 +99,7 @@ int gs_limited_devices(struct gs_limited_dev *out)
 
 typedef CUresult (*launch_thunk)(const void *args);
 
-static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, const void *args)
+static CUresult throttled(CUstream stream, int per_thread, int variable, launch_thunk launch, const void *args)
 {
     if (gs_t_held) { /* a driver callback under a lock of ours (maybe thr_mu): charged from NVML, not measured */
         CUresult rc = launch(args);
@@ -107,7 +107,7 @@ static CUresult throttled(CUstream stream, int per_thread, launch_thunk launch, 
         return rc;
     }
     struct measured m;
-    if (!thr_admit_locked(stream, per_thread, &m)) return launch(args);
+    if (!thr_admit_locked(stream, per_thread, variable, &m)) return launch(args);
     thr_begin_locked(&m);
     thr_mu_unlock();
     thr_switch_to(&m.sw, 0);
@@ -195,7 +195,7 @@ static CUresult call_graph_mem(const void *p)
         if (!throttle_on()) return gs_cuda.name GS_KERNEL_ARGS;                                               \
         struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
                                 blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra};          \
-        return throttled(hStream, pt, thunk, &a);                                                             \
+        return throttled(hStream, pt, 0, thunk, &a);                                                          \
     }                                                                                                         \
     GS_EXPORT CUresult name GS_LAUNCH_PARAMS                                                                  \
     {                                                                                                         \
@@ -216,7 +216,7 @@ GS_KERNEL_HOOK(cuLaunchKernel_ptsz, 1, call_kernel)
         if (!throttle_on()) return gs_cuda.name GS_COOP_ARGS;                                                 \
         struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
                                 blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, NULL};           \
-        return throttled(hStream, pt, call_coop, &a);                                                         \
+        return throttled(hStream, pt, 0, call_coop, &a);                                                      \
     }                                                                                                         \
     GS_EXPORT CUresult name GS_COOP_PARAMS                                                                    \
     {                                                                                                         \
@@ -249,7 +249,7 @@ static __attribute__((noinline)) CUresult multi_slow(CUDA_LAUNCH_PARAMS *list, u
     struct measured m[GPUSLICE_MAX_DEVICES];
     int on[GPUSLICE_MAX_DEVICES];
     for (unsigned i = 0; i < n; i++)
-        if ((on[i] = thr_admit_locked(list[i].hStream, 0, &m[i]))) {
+        if ((on[i] = thr_admit_locked(list[i].hStream, 0, 0, &m[i]))) {
             thr_mu_unlock();
             thr_switch_to(&m[i].sw, 0);
         }
@@ -287,7 +287,7 @@ GS_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *laun
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
         if (!throttle_on() || !config) return gs_cuda.name(config, f, kernelParams, extra);                   \
         struct ex_args a = {(const void *)gs_cuda.name, config, f, kernelParams, extra};                      \
-        return throttled(config->hStream, pt, call_ex, &a);                                                   \
+        return throttled(config->hStream, pt, 0, call_ex, &a);                                                \
     }                                                                                                         \
     GS_EXPORT CUresult name(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)    \
     {                                                                                                         \
@@ -329,7 +329,7 @@ static __attribute__((noinline)) CUresult grid_slow(int how, CUfunction f, int w
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     struct grid_args a = {real, f, w, h, how, hStream};
     if (!throttle_on()) return call_grid(&a);
-    return throttled(hStream, 0, call_grid, &a);
+    return throttled(hStream, 0, 0, call_grid, &a);
 }
 
 GS_EXPORT CUresult cuLaunch(CUfunction f)
@@ -362,7 +362,7 @@ GS_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_heig
         if (!throttle_on()) return mem ? call_graph_mem(&a) : call_graph(&a);                                 \
         /* refused at once, not after waiting for the compute budget */                                      \
         if (mem && gs_graphmem_check(hGraphExec) != 0) return CUDA_ERROR_OUT_OF_MEMORY;                       \
-        return throttled(hStream, pt, mem ? call_graph_mem : call_graph, &a);                                 \
+        return throttled(hStream, pt, gs_graph_variable(hGraphExec), mem ? call_graph_mem : call_graph, &a);  \
     }                                                                                                         \
     GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \
     {                                                                                                         \

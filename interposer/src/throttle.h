@@ -216,7 +216,7 @@ static inline int thr_switch_to(const struct ctx_switch *sw, int there)
     return !sw->on || gs_cuda.cuCtxSetCurrent(there ? sw->there : sw->home) == CUDA_SUCCESS ? 0 : -1;
 }
 
-int thr_admit_locked(CUstream stream, int per_thread, struct measured *m);
+int thr_admit_locked(CUstream stream, int per_thread, int variable, struct measured *m);
 void thr_launch_failed(struct measured *m);
 void thr_callback_launched(CUstream stream, int per_thread);
 void thr_record_end(struct measured *m);

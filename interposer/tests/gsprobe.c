@@ -406,7 +406,10 @@ static void bench(double seconds, const char *kind)
 /* "peak SECONDS WINDOW_MS SKIP_MS": bench's launch loop (the legacy stream) while a thread samples
  * the fake GPU's kernel time run so far every millisecond; prints the launches and the most of
  * any WINDOW_MS the GPU was busy (per mille), among windows that begin SKIP_MS or more after the
- * first launch: how far the GPU ran ahead of the budget at its worst */
+ * first launch: how far the GPU ran ahead of the budget at its worst.  "cpeak SECONDS WINDOW_MS
+ * SKIP_MS LEARN_MS TRIPS": the same with a graph's WHILE loop, "dpeak ...": with a device graph's
+ * relaunches, "fpeak ...": with a plain graph that launches such a device graph from the GPU
+ * (peak's comment below) */
 #define PEAK_SAMPLES 65536
 static struct {
     uint64_t t[PEAK_SAMPLES], ran[PEAK_SAMPLES];
@@ -425,8 +428,72 @@ static void *peak_sampler(void *arg)
     return NULL;
 }
 
-static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms)
+/* cuda.h's generic node parameters (CUDA 12.3), of which cpeak makes a conditional node */
+typedef struct {
+    uint64_t handle;
+    int type; /* 0 IF, 1 WHILE */
+    unsigned int size;
+    CUgraph *phGraph_out;
+    CUcontext ctx;
+} cond_params;
+typedef struct {
+    CUgraphNodeType type;
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        cond_params conditional;
+    };
+    long long reserved2;
+} node_params;
+
+/* An executable graph of one WHILE node, or (device 1) an empty one made for device launch (its
+ * kernels may relaunch it from the GPU), or (device 2) a plain one whose kernel launches such a
+ * graph from the GPU; NULL if the driver has none */
+static CUgraphExec loop_graph(int device)
 {
+    typedef CUresult (*handle_t)(uint64_t *, CUgraph, CUcontext, unsigned, unsigned);
+    typedef CUresult (*add_t)(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, node_params *);
+    handle_t make_handle = (handle_t)dlsym(libcuda, "cuGraphConditionalHandleCreate");
+    add_t add = (add_t)dlsym(libcuda, "cuGraphAddNode");
+    CUgraph g = NULL;
+    CUgraphNode node;
+    CUgraphExec exec = NULL;
+    node_params p = {.type = CU_GRAPH_NODE_TYPE_CONDITIONAL};
+    p.conditional.type = 1;
+    p.conditional.size = 1;
+    if (!make_handle || !add || api.cuGraphCreate(&g, 0) != CUDA_SUCCESS)
+        return NULL;
+    if (!device && (make_handle(&p.conditional.handle, g, NULL, 1, 1) != CUDA_SUCCESS ||
+                    add(&node, g, NULL, 0, &p) != CUDA_SUCCESS))
+        return NULL;
+    if (api.cuGraphInstantiateWithFlags(&exec, g, device ? CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH : 0))
+        return NULL;
+    if (device == 2) { /* a plain graph whose kernel launches that one from the GPU */
+        typedef void (*spawn_t)(CUgraphExec, CUgraphExec);
+        spawn_t spawn = (spawn_t)dlsym(libcuda, "fake_cuda_graph_spawn");
+        CUgraph h = NULL;
+        CUgraphExec host = NULL;
+        if (!spawn || api.cuGraphCreate(&h, 0) || api.cuGraphInstantiateWithFlags(&host, h, 0)) return NULL;
+        spawn(host, exec);
+        return host;
+    }
+    return exec;
+}
+
+/* peak: kernels on the legacy stream; trips > 0: launches of a graph with a WHILE node instead
+ * (device: loop_graph's other kinds), whose kernels run its body once a launch for the
+ * first learn_ms, then `trips` times (a loop whose trip count the GPU sets: the host launches
+ * the same graph and never knows; the fake driver's fake_cuda_graph_trips plays those kernels) */
+static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips, int device)
+{
+    void (*set_trips)(uint64_t) = (void (*)(uint64_t))dlsym(libcuda, "fake_cuda_graph_trips");
+    CUgraphExec loop = trips ? loop_graph(device) : NULL;
+    if (trips && (!loop || !set_trips)) {
+        printf("peak %d 0 0\n", CUDA_ERROR_NOT_SUPPORTED);
+        return;
+    }
+    if (trips) set_trips(1);
+    int learning = trips != 0;
     typedef uint64_t (*kns_t)(void);
     kns_t run_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_run_ns");
     pthread_t th;
@@ -437,7 +504,14 @@ static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms)
         return;
     }
     while (rc == CUDA_SUCCESS && now_ns() < end) {
-        rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        if (learning && now_ns() >= t0 + learn_ms * 1000000ull) {
+            learning = 0;
+            set_trips(trips);
+        }
+        if (!trips)
+            rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        else
+            rc = api.cuGraphLaunch(loop, NULL);
         n++;
     }
     __atomic_store_n(&peak_log.stop, 1, __ATOMIC_RELEASE);
@@ -451,6 +525,7 @@ static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms)
         uint64_t busy = (peak_log.ran[b] - peak_log.ran[a]) * 1000 / (peak_log.t[b] - peak_log.t[a]);
         if (busy > worst) worst = busy;
     }
+    if (loop && api.cuGraphExecDestroy(loop) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;
     printf("peak %d %llu %llu\n", rc, (unsigned long long)n, (unsigned long long)worst);
 }
 
@@ -1581,8 +1656,12 @@ int main(int argc, char **argv)
             bench(atof(ARG(0)), ARG(1));
             i += 2;
         } else if (!strcmp(c, "peak")) {
-            peak(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)));
+            peak(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)), 0, 0, 0);
             i += 3;
+        } else if (!strcmp(c, "cpeak") || !strcmp(c, "dpeak") || !strcmp(c, "fpeak")) {
+            peak(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)), (uint64_t)atoll(ARG(3)),
+                 (uint64_t)atoll(ARG(4)), c[0] == 'd' ? 1 : c[0] == 'f' ? 2 : 0);
+            i += 5;
         } else if (!strcmp(c, "tp")) {
             tp(atol(ARG(0)), atoi(ARG(1)));
             i += 2;

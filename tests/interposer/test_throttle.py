@@ -67,6 +67,45 @@ def test_kernels_longer_than_the_queue_wait_do_not_run_ahead_of_the_budget(relea
     assert worst <= 850, f"the GPU was {worst / 10:.1f}% busy over 1.5 s under a 50% limit"
 
 
+@pytest.mark.parametrize("kind", ["cpeak", "dpeak", "fpeak"])
+def test_a_graph_loop_whose_trip_count_grows_does_not_run_ahead_of_the_budget(release_lab, kind):
+    # one graph launched back to back under 30 %, with a WHILE node (CUDA 12.4's conditional
+    # nodes), or made for device launch (its kernel relaunches it from the GPU, and the host
+    # launch completes with the last relaunch), or a plain graph whose kernel launches such a
+    # device graph (fpeak): for a second its loop ran once a launch (1 ms),
+    # then 200 times (200 ms), the trip count set by its kernels, which the host never sees.
+    # The stream's queue held 20 ms of work by the 1 ms estimate learnt so far: twenty launches,
+    # 4 s of work, admitted at once, and the GPU was 100.0 % busy over 1.5 s windows.  Such
+    # graphs (every graph while one made for device launch lives) now queue 1 ms of estimated
+    # work: 37.4-37.8 %
+    res = release_lab.run("init", "ctx", "0", kind, "5", "1500", "1000", "1000", "200",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000")
+    rc, (launches, worst) = res.of("peak")[0]
+    assert rc == 0 and launches > 10, res.stdout + res.stderr
+    # at most the share of the window and one 200 ms launch: (0.45 s + 0.2 s) / 1.5 s
+    assert worst <= 450, f"the GPU was {worst / 10:.1f}% busy over 1.5 s under a 30% limit"
+
+
+@pytest.mark.parametrize("kind", ["cpeak", "dpeak", "fpeak"])
+def test_graph_loops_are_paced_under_asan(asan_lab, kind):
+    res = asan_lab.run("init", "ctx", "0", kind, "1.5", "500", "0", "500", "50",
+                       CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000")
+    rc, (launches, _) = res.of("peak")[0]
+    assert rc == 0 and launches > 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("kernel_us", [20, 1000])
+def test_graph_loops_of_a_steady_trip_count_get_the_share(release_lab, kernel_us):
+    # the shorter queue of such graphs must not starve them: tiny loops still pipeline
+    seconds = 3
+    res = release_lab.run("init", "ctx", "0", "cpeak", str(seconds), "1500", "0", "100000", "1",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US=str(kernel_us))
+    rc, (launches, _) = res.of("peak")[0]
+    assert rc == 0, res.stdout + res.stderr
+    got = 100.0 * launches * kernel_us / 1e6 / seconds
+    assert abs(got - 30) <= TOLERANCE, f"limit 30%, {kernel_us} us loops got {got:.1f}%"
+
+
 @pytest.mark.parametrize(("kind", "env", "us"), [("copy", "FAKE_CUDA_COPY_US", 2000),
                                                  ("hostfn", "FAKE_CUDA_HOSTFN_US", 2000),
                                                  ("waitcopy", "FAKE_CUDA_COPY_US", 4000),

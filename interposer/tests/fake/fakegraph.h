@@ -19,10 +19,41 @@
  * was instantiated with CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH, which
  * has the launch free them first.
  * The executables of fakelaunch.h (small integers = kernel counts) still work.
+ *
+ * Conditional nodes (CUDA 12.3's cuGraphConditionalHandleCreate and cuGraphAddNode of
+ * CU_GRAPH_NODE_TYPE_CONDITIONAL, an IF or WHILE node with body graphs): the kernels of a real
+ * graph set the condition in device memory, so how many times a WHILE body runs is the GPU's
+ * business, never the host's.  Here a launch of an executable with a conditional node anywhere
+ * runs as many kernels as fake_cuda_graph_trips last said (default 1), which a test calls where
+ * a real program's kernels would change their loop's trip count.  So does one instantiated with
+ * CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH: its kernel may relaunch it from the GPU
+ * (cudaGraphLaunch into cudaStreamGraphTailLaunch) as many times as it likes, and a host launch
+ * completes on its stream only once all of that has (the stream environment of the programming
+ * guide's "Device Graph Launch").  fake_cuda_graph_spawn(host, device) has the kernels of one
+ * executable launch such a graph from the GPU (fire and forget) at each of its launches.
  */
 
 #define FAKE_GRAPH_MAGIC 0x4752415048ull /* "GRAPH" */
 #define FAKE_MAX_NODES 64
+#define FAKE_COND_BODIES 2
+
+/* cuda.h's layout (CUDA 12.3), of which only the conditional member is made here */
+typedef struct {
+    uint64_t handle;
+    int type; /* 0 IF, 1 WHILE, 2 SWITCH */
+    unsigned int size;
+    CUgraph *phGraph_out;
+    CUcontext ctx;
+} fake_cond_params;
+typedef struct {
+    CUgraphNodeType type;
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        fake_cond_params conditional;
+    };
+    long long reserved2;
+} fake_node_params;
 
 struct fake_node {
     CUgraphNodeType type;
@@ -30,6 +61,7 @@ struct fake_node {
     int ordinal;     /* MEM_ALLOC: the CUDA device */
     CUdeviceptr dptr;
     struct fake_graph *child; /* GRAPH */
+    CUgraph bodies[FAKE_COND_BODIES]; /* CONDITIONAL */
 };
 struct fake_graph {
     uint64_t magic;
@@ -42,6 +74,9 @@ struct fake_gexec {
     uint64_t need[FAKE_MAX_DEVS]; /* per physical device */
     int frees;                    /* its free nodes */
     int auto_free;                /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH */
+    int loops;                    /* a conditional node, or made for device launch: fake_cuda_graph_trips
+                                   * kernels a launch */
+    struct fake_gexec *spawns;    /* a device graph its kernels launch (fake_cuda_graph_spawn) */
     uint64_t live[FAKE_MAX_DEVS]; /* FAKE_CUDA_GRAPH_UNFREED: its last launch's allocations, alive */
 };
 
@@ -221,6 +256,45 @@ API CUresult cuGraphAddChildGraphNode(CUgraphNode *node, CUgraph g, const CUgrap
     return CUDA_SUCCESS;
 }
 
+API CUresult cuGraphConditionalHandleCreate(uint64_t *handle, CUgraph g, CUcontext ctx, unsigned int dflt,
+                                            unsigned int flags)
+{
+    (void)ctx, (void)dflt, (void)flags;
+    static uint64_t next = 1;
+    if (!handle || !graph_of(g)) return CUDA_ERROR_INVALID_VALUE;
+    *handle = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+
+/* cuGraphAddNode: conditional nodes only (their body graphs made here, as the driver's) */
+API CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps, size_t ndeps, fake_node_params *p)
+{
+    (void)deps, (void)ndeps;
+    if (!node || !p || p->type != CU_GRAPH_NODE_TYPE_CONDITIONAL || !p->conditional.handle ||
+        !p->conditional.size || p->conditional.size > FAKE_COND_BODIES)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct fake_node *n = node_add(graph_of(g), CU_GRAPH_NODE_TYPE_CONDITIONAL);
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned i = 0; i < p->conditional.size; i++) n->bodies[i] = (CUgraph)fake_graph_new();
+    p->conditional.phGraph_out = n->bodies;
+    *node = (CUgraphNode)n;
+    return CUDA_SUCCESS;
+}
+
+static uint64_t graph_trips = 1;
+
+/* Test-only: the kernels of `host` launch `device` from the GPU at each of its launches */
+API void fake_cuda_graph_spawn(CUgraphExec host, CUgraphExec device)
+{
+    ((struct fake_gexec *)host)->spawns = (struct fake_gexec *)device;
+}
+
+/* Test-only: the trip count the kernels of every graph's conditional node set from now on */
+API void fake_cuda_graph_trips(uint64_t trips)
+{
+    __atomic_store_n(&graph_trips, trips, __ATOMIC_RELAXED);
+}
+
 API CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *count)
 {
     FAIL_POINT("cuGraphGetNodes");
@@ -271,6 +345,8 @@ static void exec_sum(struct fake_gexec *e, const struct fake_graph *g, int depth
             exec_sum(e, n->child, depth + 1);
         else if (n->type == 11 /* CU_GRAPH_NODE_TYPE_MEM_FREE */)
             e->frees++;
+        else if (n->type == CU_GRAPH_NODE_TYPE_CONDITIONAL)
+            e->loops = 1;
     }
 }
 
@@ -303,6 +379,7 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload, unsigned l
     e->kernels = 1;
     exec_sum(e, fg, 0);
     e->auto_free = (flags & 1 /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH */) != 0;
+    if (flags & CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH) e->loops = 1;
     CUresult rc = upload ? gexec_map(e) : CUDA_SUCCESS;
     if (rc != CUDA_SUCCESS) {
         free(e);
@@ -383,7 +460,10 @@ static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc)
         graph_live_exec = e;
         pthread_mutex_unlock(&mu);
     }
-    if (*rc == CUDA_SUCCESS) *rc = enqueue(s, ptsz, e->kernels);
+    uint64_t trips = __atomic_load_n(&graph_trips, __ATOMIC_RELAXED);
+    uint64_t kernels = e->loops ? trips : e->kernels;
+    if (e->spawns) kernels += e->spawns->loops ? trips : e->spawns->kernels; /* within the launch */
+    if (*rc == CUDA_SUCCESS) *rc = kernels ? enqueue(s, ptsz, kernels) : CUDA_SUCCESS;
     return 1;
 }
 
