@@ -441,3 +441,47 @@ async def test_fewest_victims_before_the_give_back_order(cluster: Any) -> None:
     c.state.allocs["uid-a"].priority = 500
     answer = await preempt(c, half, {"n1": ["uid-b", "uid-c"]})
     assert uids(answer["n1"]) == ["uid-b", "uid-c"]
+
+
+async def test_a_terminating_pod_is_taken_before_a_running_one(cluster: Any) -> None:
+    nodes = [gpu_node("n1", [("GPU-0", A100)])]
+
+    def gib(n: int) -> dict[str, str]:
+        return {"nvidia.com/gpumem": str(n * GIB)}
+
+    going = bound("going", "n1", "GPU-0", gib(40), 100, "2026-01-01T00:00:01Z")
+    going["metadata"]["deletionTimestamp"] = "2026-01-01T01:00:00Z"  # deleted, still running
+    pods = [going, bound("run", "n1", "GPU-0", gib(30), 100, "2026-01-01T00:00:02Z")]
+    c = await cluster(nodes, pods)
+    half = pending("half", gib(40), 1000)
+    proposed = dry_run([A100], c.on("n1"), half)
+    assert proposed == ["uid-run"]  # the scheduler's dry run: going started first, stays
+    # going frees its 40 GiB whatever is preempted: evicting run too would be for nothing.
+    answer = await preempt(c, half, {"n1": proposed})
+    assert uids(answer["n1"]) == ["uid-going"]
+    c.evict(["uid-going"])
+    assert (await c.filter(half, "n1"))["NodeNames"] == ["n1"]
+    # Two terminating pods that free the room are taken over one running pod that would too.
+    nodes = [gpu_node("n2", [("GPU-0", A100)])]
+    pods = [bound("t1", "n2", "GPU-0", gib(20), 100, "2026-01-01T00:00:01Z"),
+            bound("t2", "n2", "GPU-0", gib(20), 100, "2026-01-01T00:00:02Z"),
+            bound("big", "n2", "GPU-0", gib(40), 100, "2026-01-01T00:00:03Z")]
+    for p in pods[:2]:
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T01:00:00Z"
+    c = await cluster(nodes, pods)
+    answer = await preempt(c, half, {"n2": ["uid-big"]})
+    assert sorted(uids(answer["n2"])) == ["uid-t1", "uid-t2"]
+
+
+async def test_a_pod_seen_deleted_by_the_watch_is_terminating() -> None:
+    state = ClusterState(Settings())
+    state.replace_nodes([gpu_node("n1", [("GPU-0", A100)])])
+    pod = bound("p", "n1", "GPU-0", {"nvidia.com/gpumem": str(GIB)}, 100,
+                "2026-01-01T00:00:01Z")
+    pod["metadata"]["resourceVersion"] = "10"
+    state.apply_pod(pod)
+    assert not state.allocs["uid-p"].terminating
+    deleted = json.loads(json.dumps(pod))
+    deleted["metadata"] |= {"resourceVersion": "11", "deletionTimestamp": "2026-01-01T01:00:00Z"}
+    state.apply_pod(deleted)
+    assert state.allocs["uid-p"].terminating

@@ -74,17 +74,35 @@ def choose_victims(req: PodRequest, priority: int, node: NodeState,
         usage = _with(usage, alloc.demand, -1)
     if not _fits(req, node, usage, split_count):
         return None
+    # Pods being deleted free their GPUs whatever is preempted: the running victims are
+    # chosen as if they were gone, and they are given back last (taken before any running
+    # pod), kept only where the pod fits beside them.
+    going = [a for a in pool if a.terminating]
+    running = [a for a in pool if not a.terminating]
+    rest = base
+    for alloc in going:
+        rest = _with(rest, alloc.demand, -1)
     # Most important first: the order in which they are given back.
-    pool.sort(key=lambda a: (-a.priority, a.uid in proposed, a.started or "~", a.uid))
+    running.sort(key=lambda a: (-a.priority, a.uid in proposed, a.started or "~", a.uid))
     victims: list[PodAlloc] = []
-    for alloc in pool:
+    for alloc in running:
         trial = _with(usage, alloc.demand, 1)
         if _fits(req, node, trial, split_count):
             usage = trial
         else:
             victims.append(alloc)
     if len(victims) > 1:
-        victims = _fewer(req, node, base, pool, victims, proposed, split_count)
+        victims = _fewer(req, node, rest, running, victims, proposed, split_count)
+        usage = rest
+        for alloc in victims:
+            usage = _with(usage, alloc.demand, -1)
+    going.sort(key=lambda a: (-a.priority, a.uid in proposed, a.started or "~", a.uid))
+    for alloc in going:
+        trial = _with(usage, alloc.demand, 1)
+        if _fits(req, node, trial, split_count):
+            usage = trial
+        else:
+            victims.append(alloc)
     return [a.uid for a in victims]
 
 

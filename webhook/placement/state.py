@@ -97,7 +97,8 @@ class PodAlloc:
     priority, the one started later is preempted first (kube-scheduler's MoreImportantPod)."""
     terminating: bool = False
     """The pod has a ``metadata.deletionTimestamp``: it holds its GPUs until it is gone, and
-    what it holds is already promised to the pods nominated to its node."""
+    what it holds is already promised to the pods nominated to its node; it frees them whatever
+    is preempted, so preemption takes it before any running pod."""
 
 
 @dataclass
