@@ -312,8 +312,8 @@ async def test_victims_without_gpus_stay_and_none_are_added(cluster: Any) -> Non
     big = pending("big", {"nvidia.com/gpumem": str(60 * GIB)}, 1000)
     # uid-cpu: a pod the extender has no GPUs for (the scheduler chose it for its CPU).
     answer = await preempt(c, big, {"n1": ["uid-cpu", "uid-p4"]}, pdb=2)
-    # Its priority is not known: it keeps its place before the victims added.
-    assert uids(answer["n1"]) == ["uid-cpu", "uid-p3", "uid-p4"]
+    # Not seen by the watch: priority 0, below the victims added.
+    assert uids(answer["n1"]) == ["uid-p3", "uid-p4", "uid-cpu"]
     assert answer["n1"]["NumPDBViolations"] == 2
 
 
@@ -351,7 +351,7 @@ async def test_an_in_flight_bind_is_taken_only_when_the_scheduler_proposes_it(
     answer = await preempt(c, big, {"n1": ["uid-p4"]})
     assert uids(answer["n1"]) == ["uid-p1", "uid-p2"]  # GPU-0, without p3
     answer = await preempt(c, big, {"n1": ["uid-p3", "uid-p4"]})
-    assert uids(answer["n1"]) == ["uid-p3", "uid-p4"]
+    assert uids(answer["n1"]) == ["uid-p4", "uid-p3"]  # p3 not started: the less important
 
 
 async def test_preemptor_that_filter_never_offers_a_node_gets_none(cluster: Any) -> None:
@@ -485,3 +485,56 @@ async def test_a_pod_seen_deleted_by_the_watch_is_terminating() -> None:
     deleted["metadata"] |= {"resourceVersion": "11", "deletionTimestamp": "2026-01-01T01:00:00Z"}
     state.apply_pod(deleted)
     assert state.allocs["uid-p"].terminating
+
+
+def pick_one_node(answer: dict[str, Any], priority: dict[str, int]) -> str:
+    """kube-scheduler's pickOneNodeForPreemption, its first criteria: the fewest PDB
+    violations, then the lowest highest priority, which it reads from each node's first
+    victim (it assumes them ordered by decreasing priority), then the fewest victims."""
+    return min(answer, key=lambda n: (answer[n]["NumPDBViolations"],
+                                      priority[answer[n]["Pods"][0]["UID"]],
+                                      len(answer[n]["Pods"])))
+
+
+async def test_first_victim_is_the_highest_priority_with_a_pod_without_gpus(
+        cluster: Any) -> None:
+    nodes, pods = thirty_each()
+    cpu = bound("cpu", "n1", "", {}, 0, "2026-01-01T00:00:05Z")  # a batch pod without GPUs
+    del cpu["metadata"]["annotations"]["gpuslice.io/devices.main"]
+    pods.append(cpu)
+    more_nodes, more_pods = thirty_each()
+    more_nodes[0]["metadata"]["name"] = "n2"
+    for p in more_pods:
+        p["spec"]["nodeName"] = "n2"
+        p["metadata"]["uid"] = p["metadata"]["uid"].replace("uid-p", "uid-q")
+        p["spec"]["priority"] = 50
+    c = await cluster(nodes + more_nodes, pods + more_pods)
+    priority = {p["metadata"]["uid"]: p["spec"]["priority"] for p in c.pods}
+    big = pending("big", {"nvidia.com/gpumem": str(60 * GIB)}, 1000)
+    # The scheduler chose cpu on n1 for its CPU (the extender keeps it) and a 30 GiB pod.
+    answer = await preempt(c, big, {"n1": ["uid-cpu", "uid-p4"], "n2": ["uid-q4"]})
+    assert sorted(uids(answer["n1"])) == ["uid-cpu", "uid-p3", "uid-p4"]
+    assert sorted(uids(answer["n2"])) == ["uid-q3", "uid-q4"]
+    # n1's victims include two pods of priority 100, n2's only pods of priority 50: the
+    # scheduler must not read n1's highest as cpu's 0.
+    assert priority[uids(answer["n1"])[0]] == 100, uids(answer["n1"])
+    assert pick_one_node(answer, priority) == "n2"
+
+
+
+def test_priorities_of_pods_without_gpus_follow_the_watch() -> None:
+    state = ClusterState(Settings())
+    cpu = bound("cpu", "n1", "", {}, 70, "2026-01-01T00:00:05Z")
+    del cpu["metadata"]["annotations"]["gpuslice.io/devices.main"]
+    state.apply_pod(cpu)
+    assert state.priority_of("uid-cpu") == 70 and "uid-cpu" not in state.allocs
+    done = json.loads(json.dumps(cpu))
+    done["status"]["phase"] = "Succeeded"
+    state.apply_pod(done)
+    assert state.priority_of("uid-cpu") == 0 and not state.priorities
+    state.apply_pod(cpu)
+    state.delete_pod(cpu)
+    assert not state.priorities
+    state.apply_pod(cpu)
+    state.replace_pods([], listed_at=0.0)
+    assert not state.priorities

@@ -417,8 +417,9 @@ class Placer:
                  if u in p.pods}
         for u in (*kept, *added):
             alloc = allocs.get(u)
-            if alloc is not None and u not in known:
-                known[u] = (alloc.priority, alloc.started)
+            if u not in known:  # a pod without GPUs sent as a UID: its priority from the watch
+                known[u] = (alloc.priority, alloc.started) if alloc is not None \
+                    else (self.state.priority_of(u), "")
         # Of the scheduler's count, only victims it chose can be the PDB violations (the
         # extender does not read PodDisruptionBudgets): at most those it chose that stay.
         return MetaVictims(Pods=[MetaPod(UID=u) for u in importance_order(kept, added, known)],

@@ -193,26 +193,13 @@ def importance_order(kept: Iterable[str], added: Iterable[str],
     """The victims the most important first, as kube-scheduler lists a node's victims (its
     choice among nodes reads the first as the highest priority of them).
 
-    ``kept``: the scheduler's own victims that stay, in its order (the most important first);
-    ``added``: the others; ``known``: UID → (priority, startTime), for every pod of ``added``
-    and some of ``kept`` (nodeCacheCapable sends UIDs only: a pod without GPUs is unknown).
-    Merged by priority, then the earlier started; a kept pod of unknown priority goes before
-    the added pods not yet placed, so that the first is never less important than the
-    scheduler's own first.
+    ``kept``: the scheduler's own victims that stay, in its order; ``added``: the others;
+    ``known``: UID → (priority, startTime) of every one of them (a pod without GPUs sent as a
+    UID: the priority the watch saw, its start unknown). By priority, then the earlier
+    started; of a tie, the scheduler's own first, in its order.
     """
-    def rank(uid: str) -> tuple[int, str, str]:
+    def rank(uid: str) -> tuple[int, str]:
         priority, started = known[uid]
-        return -priority, started or "~", uid
+        return -priority, started or "~"
 
-    mine = sorted(added, key=rank)
-    theirs = list(kept)
-    out: list[str] = []
-    i = j = 0
-    while i < len(theirs) and j < len(mine):
-        if theirs[i] not in known or rank(theirs[i]) <= rank(mine[j]):
-            out.append(theirs[i])
-            i += 1
-        else:
-            out.append(mine[j])
-            j += 1
-    return out + theirs[i:] + mine[j:]
+    return sorted([*kept, *sorted(added)], key=rank)

@@ -175,11 +175,20 @@ class ClusterState:
         """UID → the pending GPU pods nominated to a node."""
         self._nominated_on: dict[str, dict[str, Nominee]] = {}
         """Node name → UID → its nominees (no entry for a node without any)."""
+        self.priorities: dict[str, int] = {}
+        """UID → ``spec.priority`` of the bound, unfinished pods whose priority is not 0, with
+        GPUs or not: preempt names the most important of a node's victims first, and the
+        scheduler's victims without GPUs come as UIDs only (0, the default, is not kept)."""
         self._version = 0
 
     # ----- reads -----
     def node(self, name: str) -> NodeState | None:
         return self.nodes.get(name)
+
+    def priority_of(self, uid: str) -> int:
+        """The ``spec.priority`` of a bound pod (0 for one not seen)."""
+        alloc = self.allocs.get(uid)
+        return alloc.priority if alloc is not None else self.priorities.get(uid, 0)
 
     def largest_gpu_memory_mib(self) -> int | None:
         sizes = [g.memory_mib for n in self.nodes.values() for g in n.gpus]
@@ -406,6 +415,11 @@ class ClusterState:
         self._nominate(obj, uid, bool(node), phase, rv)
         if self._stale(current, rv, listed_at):
             return  # an older view (a lagging watch, a list snapshot taken before a bind)
+        priority = pod_priority(obj)
+        if node and phase not in _TERMINAL and priority:
+            self.priorities[uid] = priority
+        else:
+            self.priorities.pop(uid, None)
         if not node or phase in _TERMINAL or not has_devices:
             if current is not None and not (current.assumed and not node and phase not in _TERMINAL):
                 self._remove(uid)
@@ -439,6 +453,7 @@ class ClusterState:
     def delete_pod(self, obj: dict[str, Any]) -> None:
         uid = str((obj.get("metadata") or {}).get("uid") or "")
         self._unnominate(uid)
+        self.priorities.pop(uid, None)
         self._remove(uid)
 
     def replace_pods(self, objs: Iterable[dict[str, Any]], listed_at: float,
@@ -453,6 +468,8 @@ class ClusterState:
         for obj in objs:
             seen.add(str((obj.get("metadata") or {}).get("uid") or ""))
             self.apply_pod(obj, listed_at)
+        for uid in [u for u in self.priorities if u not in seen]:
+            del self.priorities[uid]
         for uid, alloc in list(self.allocs.items()):
             if uid in seen:
                 continue
