@@ -82,28 +82,30 @@ def choose_victims(req: PodRequest, priority: int, node: NodeState,
     rest = base
     for alloc in going:
         rest = _with(rest, alloc.demand, -1)
-    # Most important first: the order in which they are given back.
-    running.sort(key=lambda a: (-a.priority, a.uid in proposed, a.started or "~", a.uid))
-    victims: list[PodAlloc] = []
-    for alloc in running:
-        trial = _with(usage, alloc.demand, 1)
-        if _fits(req, node, trial, split_count):
-            usage = trial
-        else:
-            victims.append(alloc)
+    for pods in (running, going):  # the most important first: the order they are given back
+        pods.sort(key=lambda a: (-a.priority, a.uid in proposed, a.started or "~", a.uid))
+    usage, victims = _give_back(req, node, usage, running, split_count)
     if len(victims) > 1:
         victims = _fewer(req, node, rest, running, victims, proposed, split_count)
         usage = rest
         for alloc in victims:
             usage = _with(usage, alloc.demand, -1)
-    going.sort(key=lambda a: (-a.priority, a.uid in proposed, a.started or "~", a.uid))
-    for alloc in going:
+    return [a.uid for a in victims + _give_back(req, node, usage, going, split_count)[1]]
+
+
+def _give_back(req: PodRequest, node: NodeState, usage: Mapping[str, Usage],
+               pods: list[PodAlloc],
+               split_count: int) -> tuple[Mapping[str, Usage], list[PodAlloc]]:
+    """Give ``pods`` (taken off ``usage``) back in their order, each that still lets the pod
+    fit: the usage then, and the pods that could not be given back (the victims)."""
+    victims: list[PodAlloc] = []
+    for alloc in pods:
         trial = _with(usage, alloc.demand, 1)
         if _fits(req, node, trial, split_count):
             usage = trial
         else:
             victims.append(alloc)
-    return [a.uid for a in victims]
+    return usage, victims
 
 
 def _cost(victims: Iterable[PodAlloc], proposed: Collection[str]) -> tuple[int, int, int]:
