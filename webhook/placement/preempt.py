@@ -24,7 +24,7 @@ from collections.abc import Collection, Iterable, Mapping
 from webhook.placement.fit import NoFit, place
 from webhook.placement.inventory import Usage
 from webhook.placement.request import PodRequest
-from webhook.placement.state import NodeState, PodAlloc
+from webhook.placement.state import NodeState, PodAlloc, add_usage
 
 _SEARCH_LIMIT = 256
 """Sets of pods :func:`_fewer` tries on one node at most (each a per-GPU fit)."""
@@ -34,10 +34,7 @@ def _with(usage: Mapping[str, Usage], demand: Mapping[str, Usage],
           sign: int) -> dict[str, Usage]:
     """A copy of ``usage`` with ``demand`` added (``sign`` 1) or taken off (-1)."""
     out = dict(usage)
-    for uuid, d in demand.items():
-        u = out[uuid].copy() if uuid in out else Usage()
-        u.add(d, sign)
-        out[uuid] = u
+    add_usage(out, demand, sign)
     return out
 
 

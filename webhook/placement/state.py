@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,14 +218,14 @@ class ClusterState:
         base = dict(node.usage)  # without the pods being deleted
         for alloc in (self.allocs[u] for u in node.pods):
             if alloc.terminating:
-                _add_usage(base, alloc.demand, -1)
+                add_usage(base, alloc.demand, -1)
         held = False
         for nominee in holders:
             result = place(nominee.request, node.gpus, base, self.settings.split_count)
             if isinstance(result, NoFit):
                 continue
-            _add_usage(base, result.demand, 1)
-            _add_usage(usage, result.demand, 1)
+            add_usage(base, result.demand, 1)
+            add_usage(usage, result.demand, 1)
             held = True
         return usage if held else None
 
@@ -487,7 +487,7 @@ class ClusterState:
                 self._unnominate(uid)
 
 
-def _add_usage(usage: dict[str, Usage], demand: dict[str, Usage], sign: int) -> None:
+def add_usage(usage: dict[str, Usage], demand: Mapping[str, Usage], sign: int) -> None:
     """Add (``sign`` 1) or take off (-1) ``demand`` in ``usage``, copying what it changes."""
     for uuid, d in demand.items():
         u = usage[uuid].copy() if uuid in usage else Usage()
