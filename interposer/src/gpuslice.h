@@ -435,6 +435,7 @@ static inline uint64_t gs_charge_size(uint64_t bytes)
 }
 
 void gs_pools_reconcile_all(void);
+int gs_pools_held_for_frees(int slot); /* a charge waits for a synchronisation to return it */
 /* Budget reserve; on refusal trims pool charges and retries.  gs_reserve
  * first reconciles near the cap (gs_near_cap); gs_reserve_raw does not (for
  * callers holding the context lock). */

@@ -357,9 +357,11 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         unsettled += __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
         inflight += __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST);
         if (unsettled || gs_charge_seq() != seq) continue;
-        /* an allocation or free inside the driver is charged before NVML shows it: such a
-         * reading can still show growth (added below) but cannot lower the charge */
-        int down = rebase && !inflight;
+        /* an allocation or free inside the driver is charged before NVML shows it, and a charge
+         * held until a synchronisation may stand for memory already gone: such a reading can
+         * still show growth (added below) but cannot lower the charge; the device stays marked
+         * for a reading after the synchronisation */
+        int down = rebase && !inflight && !gs_pools_held_for_frees(slot);
         unsigned pid = g_host_pid[dev];
         for (int i = 0; i < n && !pid && !__atomic_load_n(&g_getpid_foreign, __ATOMIC_RELAXED); i++)
             if (g_procs[i].pid == (unsigned)getpid()) pid = g_procs[i].pid;

@@ -379,7 +379,8 @@ API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b)
  * is one of the calls a global capture forbids too, as on the driver: made while one is on, or
  * still waiting when one begins (in any thread), it fails and invalidates the capture.  Not by
  * default: gsprobe's bench synchronises its context while other tests hold a capture open.
- * FAKE_CUDA_SLEEP "cuCtxSynchronize:MS" makes it take that long. */
+ * FAKE_CUDA_SLEEP "cuCtxSynchronize:MS" makes it take that long, "cuCtxSynchronizeAfter:MS" holds it
+ * that long once the frees it covers are complete (their memory gone, the call not yet returned). */
 API CUresult cuCtxSynchronize(void)
 {
     static int sync_forbidden = -1;
@@ -393,6 +394,7 @@ API CUresult cuCtxSynchronize(void)
     if (per_ctx < 0) per_ctx = (getenv("FAKE_CUDA_POOL_PENDING") && !strcmp(getenv("FAKE_CUDA_POOL_PENDING"), "ctx"));
     if (per_ctx) pools_complete_ctx(current); /* the frees of this context's own streams only */
     else pools_release_at_sync(NULL);
+    (void)fail_check("cuCtxSynchronizeAfter"); /* FAKE_CUDA_SLEEP: still inside, the frees complete */
     if (sync_forbidden && capture_forbids()) forbidden = 1;
     return forbidden ? 900 : CUDA_SUCCESS; /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
 }
