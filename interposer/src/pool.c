@@ -554,6 +554,7 @@ static void reconcile_all_locked(void)
 int gs_pools_held_for_frees(int slot)
 {
     if (!__atomic_load_n(&gs_pool_waits, __ATOMIC_RELAXED)) return 0;
+    if (t_mine) return 1; /* a driver callback inside a pool call of this thread's: cannot look */
     int held = 0;
     mu_lock();
     for (int i = 0; i < GS_MAX_POOLS && !held; i++)
