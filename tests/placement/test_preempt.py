@@ -12,7 +12,10 @@ it accepts. :func:`dry_run` models the scheduler's side on those totals.
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -20,7 +23,10 @@ from aiohttp import web
 from placement.kubeobjects import gpu_node, gpu_pod
 
 from webhook.placement.extender import PLACEMENT_KEY, setup
-from webhook.placement.state import ClusterState
+from webhook.placement.fit import NoFit, place
+from webhook.placement.preempt import choose_victims
+from webhook.placement.request import PodRequest, pod_request
+from webhook.placement.state import ClusterState, add_usage
 from webhook.settings import Settings
 
 GIB = 1024
@@ -538,3 +544,70 @@ def test_priorities_of_pods_without_gpus_follow_the_watch() -> None:
     state.apply_pod(cpu)
     state.replace_pods([], listed_at=0.0)
     assert not state.priorities
+
+
+def _random_node(rng: random.Random, name: str, ngpus: int) -> tuple[ClusterState, list[str]]:
+    """A node of ``ngpus`` GPUs of 80 GiB with up to 5 pods of priority 0-2 on 1 or 2 GPUs."""
+    state = ClusterState(Settings())
+    gpus = [(f"GPU-{name}-{i}", A100) for i in range(ngpus)]
+    state.apply_node(gpu_node(name, gpus))
+    node = state.node(name)
+    assert node is not None
+    placed: list[str] = []
+    for k in range(rng.randint(1, 5)):
+        limits = {"nvidia.com/gpu": str(rng.choice([1, 1, 2])),
+                  "nvidia.com/gpumem": str(rng.choice([10, 20, 30, 40]) * GIB),
+                  "nvidia.com/gpucores": str(rng.choice([10, 30, 50]))}
+        fit = place(pod_request(pending("x", limits, 0), Settings()), node.gpus, node.usage,
+                    SPLIT)
+        if isinstance(fit, NoFit):
+            continue
+        p = bound(f"v{k}", name, ",".join(fit.assignment["main"]), limits,
+                  rng.randint(0, 2), f"2026-01-01T00:00:0{k}Z")
+        state.apply_pod(p)
+        placed.append(p["metadata"]["uid"])
+    return state, placed
+
+
+def _fits_without(req: PodRequest, state: ClusterState, name: str, uids: Iterable[str]) -> bool:
+    node = state.node(name)
+    assert node is not None
+    usage = dict(node.usage)
+    for u in uids:
+        add_usage(usage, state.allocs[u].demand, -1)
+    return not isinstance(place(req, node.gpus, usage, SPLIT), NoFit)
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_the_victims_let_the_pod_fit_and_none_fewer_of_no_higher_priority_would(
+        count: int) -> None:
+    # the search for fewer victims passes over sets that free too little without a fit (the
+    # preemptor's GPUs must each be freed of what they lack): 2- and 4-GPU preemptors over
+    # 1,500 candidate nodes took 2.2 and 3.0 s of the 5 s the verb has, now 1.3 s each
+    # (scripts/bench_extender.py --preempt). Checked against every set, on small nodes where
+    # the search is exhaustive.
+    rng = random.Random(count)
+    checked = 0
+    for n in range(400):
+        state, placed = _random_node(rng, f"n{n}", 2 if count == 1 else 4)
+        node = state.node(f"n{n}")
+        assert node is not None
+        limits = {"nvidia.com/gpu": str(count),
+                  "nvidia.com/gpumem": str(rng.choice({1: [60, 70], 2: [40, 60], 4: [20, 40]}[count]) * GIB),
+                  "nvidia.com/gpucores": str(rng.choice([20, 50, 80]))}
+        req = pod_request(pending("pre", limits, 3), Settings())
+        victims = choose_victims(req, 3, node, state.allocs, set(placed), SPLIT)
+        if victims is None:
+            assert not _fits_without(req, state, node.name, placed)
+            continue
+        assert _fits_without(req, state, node.name, victims)
+        if not victims:
+            continue
+        top = max(state.allocs[u].priority for u in victims)
+        fewest = min(len(s) for size in range(len(placed) + 1)
+                     for s in itertools.combinations(placed, size)
+                     if all(state.allocs[u].priority <= top for u in s)
+                     and _fits_without(req, state, node.name, s))
+        assert len(victims) == fewest, (n, victims, fewest)
+        checked += 1
+    assert checked > 40, checked

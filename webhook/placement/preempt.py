@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Iterable, Mapping
+from typing import NamedTuple
 
-from webhook.placement.fit import NoFit, place
-from webhook.placement.inventory import Usage
+from webhook.placement.fit import NoFit, eligible_gpus, place
+from webhook.placement.inventory import Gpu, Usage
 from webhook.placement.request import PodRequest
 from webhook.placement.state import NodeState, PodAlloc, add_usage
 
@@ -127,28 +128,61 @@ def _least(amounts: list[int], short: int) -> int:
     return len(amounts) + 1
 
 
+class _Group(NamedTuple):
+    """Pods to search among for a smaller set of victims, and what any set that helps must free."""
+
+    least: int
+    """The fewest victims any set of ``pods`` that helps needs."""
+    pods: list[PodAlloc]
+    mem: int
+    """MiB a set must free in all: on GPU ``on``, or over every GPU where ``on`` is None."""
+    cores: int
+    """Compute (%) a set must free, likewise."""
+    on: str | None
+
+
+def _frees(alloc: PodAlloc, on: str | None) -> tuple[int, int]:
+    """Memory and compute ``alloc`` frees on GPU ``on`` (None: on all its GPUs together)."""
+    if on is not None:
+        u = alloc.demand.get(on) or Usage()
+        return u.mem, u.cores
+    return sum(u.mem for u in alloc.demand.values()), sum(u.cores for u in alloc.demand.values())
+
+
+def _group(pods: list[PodAlloc], mem: int, cores: int, on: str | None) -> _Group:
+    freed = [_frees(a, on) for a in pods]
+    least = max(_least([m for m, _ in freed], mem), _least([c for _, c in freed], cores), 1)
+    return _Group(least, pods, mem, cores, on)
+
+
 def _groups(req: PodRequest, node: NodeState, base: Mapping[str, Usage],
-            candidates: list[PodAlloc]) -> list[tuple[int, list[PodAlloc]]]:
-    """The sets to search, each with the fewest victims any set of it needs.
+            candidates: list[PodAlloc]) -> list[_Group]:
+    """The sets to search, each with what any set of it that helps must free.
 
     A pod whose one container takes one GPU fits or not by that GPU's usage alone, so the
     fewest victims are pods on one GPU: one group per GPU, bounded below by the memory and
-    compute its pods must free there. Any other pod: one group of every candidate."""
-    if len(req.containers) != 1 or req.containers[0].count != 1:
-        return [(1, candidates)]
+    compute its pods must free there. A pod whose one container takes ``count`` GPUs needs
+    that many GPUs with room: any set must free at least what the ``count`` GPUs that lack the
+    least lack together (a victim frees its demand on its own GPUs only). Any other pod: one
+    group of every candidate, unbounded."""
+    if len(req.containers) != 1 or req.containers[0].kind != "app":
+        return [_Group(1, candidates, 0, 0, None)]
     c = req.containers[0]
-    out = []
-    for gpu in node.gpus:
-        on = [a for a in candidates if gpu.uuid in a.demand]
-        if not on:
-            continue
+    usable, _ = eligible_gpus(req, node.gpus)
+    short: list[tuple[int, int, Gpu]] = []
+    for gpu in usable:
         used = base.get(gpu.uuid) or Usage()
-        least = max(
-            _least([a.demand[gpu.uuid].mem for a in on],
-                   used.mem + c.memory_on(gpu.memory_mib) - gpu.memory_mib),
-            _least([a.demand[gpu.uuid].cores for a in on], used.cores + c.cores - 100),
-            1)
-        out.append((least, on))
+        short.append((max(0, used.mem + c.memory_on(gpu.memory_mib) - gpu.memory_mib),
+                      max(0, used.cores + c.cores - 100), gpu))
+    if c.count != 1 or len(short) < c.count:
+        mem = sum(sorted(m for m, _, _ in short)[:c.count])
+        cores = sum(sorted(k for _, k, _ in short)[:c.count])
+        return [_group(candidates, mem, cores, None)]
+    out = []
+    for mem, cores, gpu in short:
+        on = [a for a in candidates if gpu.uuid in a.demand]
+        if on:
+            out.append(_group(on, mem, cores, gpu.uuid))
     return out
 
 
@@ -160,7 +194,8 @@ def _fewer(req: PodRequest, node: NodeState, base: Mapping[str, Usage], pool: li
     fit (a pod on two GPUs given back may leave two others, one on each, to be taken).
 
     Sets of each size below ``victims``' are tried, smallest first, among the pods of no
-    higher priority than its highest; the best of the first size that fits wins. At most
+    higher priority than its highest; the best of the first size that fits wins. A set that
+    frees less than its group's bound is passed over without a fit. At most
     ``_SEARCH_LIMIT`` sets are tried on a node: past that, ``victims`` stands.
     """
     top = max(a.priority for a in victims)
@@ -168,13 +203,17 @@ def _fewer(req: PodRequest, node: NodeState, base: Mapping[str, Usage], pool: li
     tried = 0
     for size in range(1, len(victims)):
         best: tuple[tuple[int, int, int], tuple[PodAlloc, ...]] | None = None
-        for least, group in groups:
-            if size < least:
+        for group in groups:
+            if size < group.least:
                 continue
-            for subset in itertools.combinations(group, size):
+            freed = {a.uid: _frees(a, group.on) for a in group.pods}
+            for subset in itertools.combinations(group.pods, size):
                 tried += 1
                 if tried > _SEARCH_LIMIT:
                     return victims
+                if sum(freed[a.uid][0] for a in subset) < group.mem or \
+                        sum(freed[a.uid][1] for a in subset) < group.cores:
+                    continue
                 usage = base
                 for alloc in subset:
                     usage = _with(usage, alloc.demand, -1)
