@@ -504,3 +504,40 @@ def test_a_sidecar_a_later_webhook_gives_gpu_resources_is_made_a_gpu_container(
 def test_a_sidecar_asking_for_zero_gpus_sees_none() -> None:
     done = admit(gpu_pod(), [gpuslice(), gpu_sidecar({"nvidia.com/gpu": "0"})])
     check_stored(done.pod, {"main"})
+
+
+def limit_raiser(gpumem: str) -> Hook:
+    """A policy webhook (Kyverno-style) that raises the GPU memory limit of every container
+    asking for some: it runs after gpuslice, whose reinvocation sees the pod it mutated."""
+    def call(pod: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        changed = False
+        for c in pod["spec"]["containers"]:
+            resources = c.get("resources") or {}
+            limits = resources.get("limits") or {}
+            if "nvidia.com/gpumem" in limits and limits["nvidia.com/gpumem"] != gpumem:
+                limits["nvidia.com/gpumem"] = gpumem  # and the request, which must equal it
+                resources.setdefault("requests", {})["nvidia.com/gpumem"] = gpumem
+                changed = True
+        return pod, ["gpumem raised by policy"] if changed else []
+    return Hook("zz-gpu-policy", call)
+
+
+def test_a_later_webhook_raising_the_limits_gets_the_new_caps_and_no_warning_of_our_own_env(
+        ) -> None:
+    # the reinvocation replaced the env and limits file its first pass wrote, and warned of
+    # them as a user's ("env CUDA_DEVICE_MEMORY_LIMIT is managed by gpuslice; the value in the
+    # pod was replaced"), which the user never wrote
+    done = admit(gpu_pod(), [gpuslice(), limit_raiser("16000")])
+    check_stored(done.pod, {"main"})
+    main = done.pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env[names.ENV_MEMORY_LIMIT] == "16000m"
+    limits = done.pod["metadata"]["annotations"][names.limits_annotation("main")]
+    assert f"{names.ENV_MEMORY_LIMIT}=16000m" in limits.splitlines()
+    assert not [w for w in done.warnings if "managed by gpuslice" in w], done.warnings
+
+
+def test_a_users_own_value_of_our_env_is_still_warned_of_on_reinvocation() -> None:
+    user = [{"name": names.ENV_MEMORY_LIMIT, "value": "99000m"}]
+    done = admit(gpu_pod(env=user), [gpuslice(), limit_raiser("16000")])
+    assert [w for w in done.warnings if names.ENV_MEMORY_LIMIT in w and "replaced" in w]

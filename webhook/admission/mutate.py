@@ -201,10 +201,14 @@ def mutate_pod(pod: dict[str, Any], settings: Settings, *, namespace: str | None
             work.warn(f"annotation {names.HAMI_NODE_POLICY}: gpuslice has no node policy of its "
                       f"own; nodes are chosen by the pod's placement, "
                       f"{policy.policy or settings.default_policy}")
+    # A pod mutated before (a reinvocation, after a later webhook changed it): the limit env its
+    # limits file lists is ours, replaced without a warning when the limits changed.
+    earlier = annotations if names.ANN_MUTATED in annotations else {}
     new_spec = dict(spec)
     for kind in dict.fromkeys(k for k, _ in gpu_containers):
         new_spec[kind] = [
-            _mutate_container(c, gpu_containers[(kind, i)], parts[(kind, i)], settings, work)
+            _mutate_container(c, gpu_containers[(kind, i)], parts[(kind, i)], settings, work,
+                              earlier.get(parts[(kind, i)].limits_key))
             if (kind, i) in gpu_containers else c
             for i, c in enumerate(spec[kind])]
     for kind in ("initContainers", "containers"):
@@ -473,8 +477,11 @@ _BELOW_OUR_MOUNT_PATHS = tuple(ours.rstrip("/") + "/" for ours in _OUR_MOUNT_PAT
 
 
 def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _ContainerParts,
-                      settings: Settings, work: _Work) -> dict[str, Any]:
+                      settings: Settings, work: _Work, earlier: Any = None) -> dict[str, Any]:
+    """``earlier``: the container's limits annotation as an earlier pass of ours wrote it (its
+    ``NAME=VALUE`` lines are env entries of ours, not the user's), or None."""
     name = container["name"]
+    ours = frozenset(earlier.splitlines()) if isinstance(earlier, str) else frozenset()
     new = dict(container)
     if not request.count_given:
         resources = dict(container.get("resources") or {})
@@ -488,7 +495,8 @@ def _mutate_container(container: dict[str, Any], request: GpuRequest, parts: _Co
         env_name = entry.get("name") if isinstance(entry, dict) else None
         if isinstance(env_name, str) and (env_name in _OUR_ENV or (
                 env_name.startswith(_RESERVED_PREFIXES) and _RESERVED_ENV.match(env_name))):
-            if entry != wanted.get(env_name):
+            if entry != wanted.get(env_name) and not (
+                    entry.keys() == {"name", "value"} and f"{env_name}={entry['value']}" in ours):
                 verb = "replaced" if env_name in wanted else "removed"
                 work.warn(f'container "{name}": env {env_name} is managed by gpuslice; '
                           f"the value in the pod was {verb}")
@@ -738,7 +746,8 @@ def _mutate_metadata(metadata: dict[str, Any], parts: list[_ContainerParts],
         if key == names.ANN_MUTATED:
             continue  # set last, so a second mutation keeps the annotations' order
         if isinstance(key, str) and key.startswith(names.ANN_LIMITS_PREFIX):
-            if value != limits.get(key):
+            # ours when the pod carries our mark (an earlier pass wrote it)
+            if value != limits.get(key) and names.ANN_MUTATED not in metadata["annotations"]:
                 verb = "replaced" if key in limits else "removed"
                 work.warn(f"annotation {key} is managed by gpuslice; the value in the pod "
                           f"was {verb}")
