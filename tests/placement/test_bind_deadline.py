@@ -30,6 +30,10 @@ from webhook.settings import Settings
 LEASE = "default/gpuslice-scheduler"
 SCALE = 0.1
 HTTP_TIMEOUT_S = 10.0 * SCALE  # the chart's httpTimeout, scaled
+# A read that answers just in time: 50 ms inside bind_timeout_s (10 ms was too little for a
+# busy machine's event loop: the read timed out and the Binding under test was never sent); the
+# four calls of a bind still take 1.1 s without the deadline
+JUST_IN_TIME = 2.5 * SCALE
 SMALL = [("GPU-0", 10000)]
 SIX_GIB = {"nvidia.com/gpumem": "6000"}
 VALUES = Path(__file__).resolve().parents[2] / "charts" / "gpuslice" / "values.yaml"
@@ -54,9 +58,8 @@ async def scaled_extender(kube: FakeKube, extender: Any) -> Any:
 def slow_api(kube: FakeKube, pod: str, binding_s: float = 50.0 * SCALE) -> None:
     """Every call of a bind of ``pod`` takes nearly, or more than, ``bind_timeout_s``: the
     reads answer just in time, the Binding and the read after it do not."""
-    just_in_time = 2.9 * SCALE
-    kube.delay("GET", f"/pods/{pod}$", just_in_time)
-    kube.delay("GET", "/leases/gpuslice-scheduler$", just_in_time)
+    kube.delay("GET", f"/pods/{pod}$", JUST_IN_TIME)
+    kube.delay("GET", "/leases/gpuslice-scheduler$", JUST_IN_TIME)
     kube.delay("POST", f"/pods/{pod}/binding$", binding_s)
     kube.delay("GET", f"/pods/{pod}$", 50.0 * SCALE)
 
@@ -159,7 +162,8 @@ async def test_no_binding_is_sent_too_late_to_hear_its_answer(
     kube.put(gpu_node("n1", SMALL))
     a = kube.put(gpu_pod("a", SIX_GIB))
     ext = await scaled_extender(kube, extender)
-    ext.placer.bind_deadline_s = 6.5 * SCALE
+    # the two reads leave 50 ms, less than a third of bind_timeout_s
+    ext.placer.bind_deadline_s = 2 * JUST_IN_TIME + 0.5 * SCALE
     slow_api(kube, "a")
     error = await ext.bind(a, "n1")
     assert "took too long to send the Binding in time" in error
