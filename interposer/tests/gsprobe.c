@@ -28,6 +28,9 @@
 
 #include "cuda_abi.h"
 
+typedef struct {
+    char reserved[64]; /* CUipcMemHandle, CUipcEventHandle: CU_IPC_HANDLE_SIZE bytes */
+} ipc_handle_t;
 #define FN(name, ret, params) typedef ret(*name##_t) params;
 #define API_FUNCS(X)                                                                                         \
     X(cuInit, CUresult, (unsigned))                                                                          \
@@ -121,7 +124,13 @@
     X(cuGraphInstantiateWithParams, CUresult, (CUgraphExec *, CUgraph, CUDA_GRAPH_INSTANTIATE_PARAMS *))      \
     X(cuGraphUpload, CUresult, (CUgraphExec, CUstream))                                                      \
     X(cuGraphExecDestroy, CUresult, (CUgraphExec))                                                           \
-    X(cuDeviceGraphMemTrim, CUresult, (CUdevice))
+    X(cuDeviceGraphMemTrim, CUresult, (CUdevice))                                                            \
+    X(cuIpcGetMemHandle, CUresult, (ipc_handle_t *, CUdeviceptr))                                            \
+    X(cuIpcOpenMemHandle_v2, CUresult, (CUdeviceptr *, ipc_handle_t, unsigned))                              \
+    X(cuIpcCloseMemHandle, CUresult, (CUdeviceptr))                                                          \
+    X(cuIpcGetEventHandle, CUresult, (ipc_handle_t *, CUevent))                                              \
+    X(cuIpcOpenEventHandle, CUresult, (CUevent *, ipc_handle_t))                                             \
+    X(cuEventDestroy_v2, CUresult, (CUevent))
 API_FUNCS(FN)
 /* CUDA 2.x's entry points (and 7.0's primary-context release and reset), with the
  * cudaVersion cuGetProcAddress hands them out for; used after the "legacy" command */
@@ -224,7 +233,7 @@ static void load_api(void)
 
 /* ---- allocations ---------------------------------------------------------- */
 
-enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP, A_EXTMEM, A_OTHER };
+enum { A_DPTR, A_POOL, A_VMM, A_ARRAY, A_MIPMAP, A_EXTMEM, A_OTHER, A_IPC };
 static struct {
     int kind;
     uint64_t handle;
@@ -1206,6 +1215,67 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) allocs[nallocs].size = size_arg(ARG(1));
             remember("vimportfrom", rc, A_VMM, h);
             i += 2;
+        } else if (!strcmp(c, "ipcget") || !strcmp(c, "ipcopen") || !strcmp(c, "ipcevent") ||
+                   !strcmp(c, "ipcwait")) {
+            /* CUDA IPC through a file (a 64-byte handle, written whole by a rename):
+             * ipcget ID PATH: allocation ID's handle (cuIpcGetMemHandle) to PATH;
+             * ipcopen PATH: the handle in PATH mapped (cuIpcOpenMemHandle, lazy peer access),
+             *   remembered as an allocation ("free" closes it);
+             * ipcevent PATH: an interprocess event recorded on the legacy stream, its handle
+             *   (cuIpcGetEventHandle) to PATH (the event is kept);
+             * ipcwait PATH: the event in PATH opened (cuIpcOpenEventHandle), waited for on the
+             *   legacy stream and synchronised, then destroyed; prints the four results */
+            int get = !strcmp(c, "ipcget"), event = !strcmp(c, "ipcevent");
+            const char *path = ARG(get);
+            ipc_handle_t h;
+            memset(&h, 0, sizeof(h));
+            if (get || event) {
+                CUresult rc;
+                if (get) {
+                    rc = api.cuIpcGetMemHandle(&h, allocs[atoi(ARG(0))].handle);
+                } else {
+                    CUevent ev = NULL;
+                    rc = api.cuEventCreate(&ev, 0x2 | 0x4); /* CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS */
+                    if (rc == CUDA_SUCCESS) rc = api.cuEventRecord(ev, NULL);
+                    if (rc == CUDA_SUCCESS) rc = api.cuIpcGetEventHandle(&h, ev);
+                }
+                char tmp[4096];
+                snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+                FILE *f = rc == CUDA_SUCCESS ? fopen(tmp, "w") : NULL;
+                if (f) {
+                    fwrite(&h, sizeof(h), 1, f);
+                    fclose(f);
+                    rename(tmp, path);
+                }
+                printf("%s %d\n", c, rc);
+            } else {
+                FILE *f = fopen(path, "r");
+                int whole = f && fread(&h, sizeof(h), 1, f) == 1;
+                if (f) fclose(f);
+                if (!strcmp(c, "ipcopen")) {
+                    CUdeviceptr p = 0;
+                    CUresult rc = whole ? api.cuIpcOpenMemHandle_v2(&p, h, 1) : CUDA_ERROR_INVALID_VALUE;
+                    remember(c, rc, A_IPC, p);
+                } else {
+                    CUevent ev = NULL;
+                    CUresult open = whole ? api.cuIpcOpenEventHandle(&ev, h) : CUDA_ERROR_INVALID_VALUE;
+                    CUresult wait = open == CUDA_SUCCESS ? api.cuStreamWaitEvent(NULL, ev, 0) : open;
+                    CUresult sync = open == CUDA_SUCCESS ? api.cuEventSynchronize(ev) : open;
+                    CUresult destroy = open == CUDA_SUCCESS ? api.cuEventDestroy_v2(ev) : open;
+                    printf("%s %d %d %d %d\n", c, open, wait, sync, destroy);
+                }
+            }
+            i += 1 + get;
+        } else if (!strcmp(c, "ipcnull")) {
+            /* the IPC calls with NULL outputs or nothing to name: the driver's answers, in order
+             * get(NULL handle), open(NULL pointer), close(0), get event(NULL handle),
+             * open event(NULL event), get event of a NULL event */
+            ipc_handle_t h;
+            memset(&h, 0, sizeof(h));
+            printf("ipcnull %d %d %d %d %d %d\n", api.cuIpcGetMemHandle(NULL, allocs[0].handle),
+                   api.cuIpcOpenMemHandle_v2(NULL, h, 1), api.cuIpcCloseMemHandle(0),
+                   api.cuIpcGetEventHandle(NULL, NULL), api.cuIpcOpenEventHandle(NULL, h),
+                   api.cuIpcGetEventHandle(&h, NULL));
         } else if (!strcmp(c, "vfd")) {
             /* vfd ID PATH: this process's pid and ID's exported descriptor, written to PATH */
             int id = atoi(ARG(0));
@@ -1325,6 +1395,7 @@ int main(int argc, char **argv)
             case A_ARRAY: rc = api.cuArrayDestroy((CUarray)(uintptr_t)h); break;
             case A_MIPMAP: rc = api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)h); break;
             case A_EXTMEM: rc = api.cuDestroyExternalMemory((CUexternalMemory)(uintptr_t)h); break;
+            case A_IPC: rc = api.cuIpcCloseMemHandle(h); break;
             case A_OTHER: {
                 typedef CUresult (*other_free_t)(uint64_t);
                 other_free_t f = (other_free_t)dlsym(libcuda, "fake_cuda_other_api_free");

@@ -1052,6 +1052,8 @@ struct fake_alloc {
     unsigned refs, maps; /* K_VMM: unreleased handle references, mappings */
     uint64_t small; /* FAKE_CUDA_SMALL_PAGES: bytes taken from the shared pages (0: none) */
     CUstream pend_stream; /* K_PEND: the stream its free was made on */
+    int32_t src_pid; /* K_IPC: the exporter and its allocation's base (refs: the opens) */
+    uint64_t src_base;
 };
 struct fake_pool {
     int pdev; /* -1: host memory; FAKE_POOL_FOLLOWS: managed, on the first allocating context's device */
@@ -1158,7 +1160,7 @@ static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *po
         struct fake_ctx *own = current && current->owner ? current->owner : current;
         int again = reuse_at && kind == K_DPTR && !low && !small && size <= reuse_size;
         if (again) next = &reuse_at;
-        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small, NULL};
+        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small, NULL, 0, 0};
         if (low) {
             unsigned int h = (unsigned int)*next;
             memcpy(handle, &h, sizeof(h));
@@ -1703,8 +1705,12 @@ API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevicept
 
 /* CUDA IPC: a handle names the exporter's allocation (its pid, device, base, size); the
  * importer maps that memory, so its mapping (K_IPC) takes no memory of its own: the fake's
- * NVML lists nothing more for the importer.  Whether the real driver's NVML counts the mapping
- * for the importer too is what the GPU check's ipc_import row measures. */
+ * NVML lists nothing more for the importer, as the H200 showed (driver 580.159.04, the GPU
+ * check's ipc_import row: +0 MiB for the importer).  As documented: a handle already opened by
+ * the context is not mapped again ("the reference count on the handle is incremented by 1 and
+ * the existing device pointer is returned"), and cuIpcCloseMemHandle unmaps it when the count
+ * reaches 0.  The exporter's cuMemFree before the importer's close is undefined behaviour by
+ * the documentation: here the memory goes at the free (the mapping stays, as a name only). */
 typedef struct {
     char reserved[64]; /* CU_IPC_HANDLE_SIZE */
 } fake_ipc_handle;
@@ -1739,7 +1745,26 @@ API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, fake_ipc_handle handle, un
     if (!dptr || memcmp(body.magic, "FAKEIPC", 8) || !body.size) return CUDA_ERROR_INVALID_VALUE;
     if (body.pid == (int32_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT; /* as the driver: not in its own process */
     if (kill(body.pid, 0) != 0) return CUDA_ERROR_INVALID_HANDLE;
-    return alloc_new(K_IPC, body.size, body.pdev, NULL, dptr, 0);
+    struct fake_ctx *own = current && current->owner ? current->owner : current;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_ALLOCS; i++)
+        if (allocs[i].kind == K_IPC && allocs[i].ctx == own && allocs[i].src_pid == body.pid &&
+            allocs[i].src_base == body.base) {
+            allocs[i].refs++;
+            *dptr = allocs[i].handle;
+            pthread_mutex_unlock(&mu);
+            return CUDA_SUCCESS;
+        }
+    pthread_mutex_unlock(&mu);
+    CUdeviceptr p = 0;
+    CUresult rc = alloc_new(K_IPC, body.size, body.pdev, NULL, &p, 0);
+    if (rc != CUDA_SUCCESS) return rc;
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_IPC, p);
+    if (a) a->refs = 1, a->src_pid = body.pid, a->src_base = body.base;
+    pthread_mutex_unlock(&mu);
+    *dptr = p;
+    return CUDA_SUCCESS;
 }
 
 API CUresult cuIpcOpenMemHandle(CUdeviceptr *dptr, fake_ipc_handle handle, unsigned int flags)
@@ -1752,7 +1777,7 @@ API CUresult cuIpcCloseMemHandle(CUdeviceptr dptr)
     FAIL_POINT("cuIpcCloseMemHandle");
     pthread_mutex_lock(&mu);
     struct fake_alloc *a = alloc_find(K_IPC, dptr);
-    if (a) memset(a, 0, sizeof(*a));
+    if (a && --a->refs == 0) memset(a, 0, sizeof(*a));
     pthread_mutex_unlock(&mu);
     return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }

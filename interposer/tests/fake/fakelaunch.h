@@ -19,6 +19,7 @@ struct fake_event {
     struct fake_ctx *ctx; /* current when it was created */
     int recorded;
     uint64_t t;
+    unsigned flags; /* cuEventCreate's */
 };
 static struct fake_stream legacy_stream;
 static __thread struct fake_stream ptds_stream;
@@ -239,10 +240,10 @@ static long live_events;
 
 API CUresult cuEventCreate(CUevent *e, unsigned int flags)
 {
-    (void)flags;
     if (!e) return CUDA_ERROR_INVALID_VALUE;
     struct fake_event *ev = calloc(1, sizeof(*ev));
     ev->ctx = current;
+    ev->flags = flags;
     *e = (CUevent)ev;
     __atomic_add_fetch(&live_events, 1, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
@@ -253,6 +254,50 @@ API CUresult cuEventDestroy_v2(CUevent e)
     if (!e) return CUDA_ERROR_INVALID_VALUE;
     free(e);
     __atomic_sub_fetch(&live_events, 1, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+
+/* CUDA IPC events: only an event made with CU_EVENT_INTERPROCESS and CU_EVENT_DISABLE_TIMING
+ * may be exported (the driver's documentation); the handle names the exporter and carries what
+ * the event recorded when it was exported (a snapshot: the fake shares no event state between
+ * processes), and the importer gets an event of its own current context, which waits and
+ * synchronisations take as any other.  Nothing here takes device memory. */
+#define FAKE_EVENT_DISABLE_TIMING 0x2
+#define FAKE_EVENT_INTERPROCESS 0x4
+struct fake_ipc_event_body {
+    char magic[8];
+    int32_t pid, recorded;
+    uint64_t t;
+};
+
+API CUresult cuIpcGetEventHandle(fake_ipc_handle *handle, CUevent e)
+{
+    FAIL_POINT("cuIpcGetEventHandle");
+    struct fake_event *ev = (struct fake_event *)e;
+    if (!handle || !ev) return CUDA_ERROR_INVALID_VALUE;
+    if ((ev->flags & (FAKE_EVENT_DISABLE_TIMING | FAKE_EVENT_INTERPROCESS)) !=
+        (FAKE_EVENT_DISABLE_TIMING | FAKE_EVENT_INTERPROCESS))
+        return CUDA_ERROR_INVALID_HANDLE;
+    struct fake_ipc_event_body body = {"FAKEEVT", (int32_t)getpid(), ev->recorded, ev->t};
+    memset(handle, 0, sizeof(*handle));
+    memcpy(handle->reserved, &body, sizeof(body));
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuIpcOpenEventHandle(CUevent *e, fake_ipc_handle handle)
+{
+    FAIL_POINT("cuIpcOpenEventHandle");
+    NEED_CTX();
+    struct fake_ipc_event_body body;
+    memcpy(&body, handle.reserved, sizeof(body));
+    if (!e || memcmp(body.magic, "FAKEEVT", 8)) return CUDA_ERROR_INVALID_VALUE;
+    if (body.pid == (int32_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT; /* not in its own process */
+    if (kill(body.pid, 0) != 0) return CUDA_ERROR_INVALID_HANDLE;
+    CUresult rc = cuEventCreate(e, FAKE_EVENT_DISABLE_TIMING | FAKE_EVENT_INTERPROCESS);
+    if (rc != CUDA_SUCCESS) return rc;
+    struct fake_event *ev = (struct fake_event *)*e;
+    ev->recorded = body.recorded;
+    ev->t = body.t;
     return CUDA_SUCCESS;
 }
 
@@ -364,6 +409,7 @@ API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
     FAIL_POINT("cuEventElapsedTime");
     struct fake_event *x = (struct fake_event *)a, *y = (struct fake_event *)b;
     if (!ms || !x || !y || !x->recorded || !y->recorded) return CUDA_ERROR_INVALID_VALUE;
+    if ((x->flags | y->flags) & 0x2) return CUDA_ERROR_INVALID_HANDLE; /* CU_EVENT_DISABLE_TIMING */
     uint64_t n = now_ns();
     if (n < x->t || n < y->t) return CUDA_ERROR_NOT_READY;
     *ms = (float)(((double)skewed(y->t) - (double)skewed(x->t)) / 1e6);
@@ -877,7 +923,8 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) X(cuMemDiscardAndPrefetchBatchAsync)           \
     X(cuMemDiscardAndPrefetchBatchAsync_ptsz) X(cuMemBatchDecompressAsync) X(cuMemBatchDecompressAsync_ptsz)  \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemGetAllocationPropertiesFromHandle) \
-    X(cuImportExternalMemory) X(cuDestroyExternalMemory)
+    X(cuImportExternalMemory) X(cuDestroyExternalMemory) X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle)              \
+    X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle) X(cuIpcGetEventHandle) X(cuIpcOpenEventHandle)
 
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status);
@@ -927,7 +974,7 @@ static const struct {
     {"cuCtxSynchronize", 13000, "cuCtxSynchronize_v2"}, {"cuMemGetInfo", 13010, "cuMemGetInfo_v3"},
     {"cuMemcpyHtoDAsync", 3020, "cuMemcpyHtoDAsync_v2"}, {"cuMemcpyDtoHAsync", 3020, "cuMemcpyDtoHAsync_v2"},
     {"cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2"}, {"cuMemPrefetchAsync", 12020, "cuMemPrefetchAsync_v2"},
-    {"cuMemsetD8", 3020, "cuMemsetD8_v2"},
+    {"cuMemsetD8", 3020, "cuMemsetD8_v2"},           {"cuIpcOpenMemHandle", 11000, "cuIpcOpenMemHandle_v2"},
 };
 
 static void *func_by_name(const char *name)
