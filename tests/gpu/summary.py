@@ -60,7 +60,7 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_racing_processes_stay_under_shared_cap"),
     ("outside_check", "4 agent's check: NVML per process (1+2 GiB)", "each pid, >= its alloc",
      "-", "test_the_agents_outside_check_sees_each_process"),
-    ("ipc_import", "4 CUDA IPC: 2 GiB shared by 2 processes", "once: region, NVML", "-",
+    ("ipc_import", "4 CUDA IPC: 2 GiB shared by 2 processes, written", "once: region, NVML", "-",
      "test_memory_shared_through_cuda_ipc_is_charged_once"),
     ("vmm_import", "4 VMM handle: 2 GiB shared by 2 processes", "region: once more", "-",
      "test_memory_shared_as_a_vmm_handle_is_charged_once_more"),

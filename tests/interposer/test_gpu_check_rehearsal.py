@@ -165,7 +165,7 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
         assert 10240 - 64 <= data["outside"]["max_mib"] <= 10240, (variant, data["outside"])
     assert rows["jax_default"]["value"].startswith("pool limit 7,680 MiB")  # 75 % of the cap
     assert rows["outside_check"]["value"] == "1,324 MiB, 2,348 MiB"
-    assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB, region +0 MiB")
+    assert rows["ipc_import"]["value"].startswith("importer NVML +0 MiB (+0 written), region +0 MiB")
     # the fake's NVML counts an imported VMM handle for the importer (the stricter model)
     assert rows["vmm_import"]["value"] == ("importer NVML +2,048 MiB, region +2,048 MiB for "
                                            "2,048 MiB shared, +0 after the unmap"), rows["vmm_import"]

@@ -12,6 +12,8 @@
  *                                         ipcget IDX (prints "ipc HEX", the CUDA IPC handle of
  *                                         allocation IDX) | ipcopen HEX (maps another process's
  *                                         allocation: "ok IDX"; free IDX closes it) |
+ *                                         touch IDX BYTES (cuMemsetD8Async of BYTES at held
+ *                                         allocation or mapping IDX, then synchronised) |
  *                                         spin MS (empty kernels launched back to back for MS
  *                                         ms: "ok LAUNCHES"; work for NVML's samples) |
  *                                         vmmexport BYTES PATH (cuMemCreate'd, mapped, exported
@@ -477,7 +479,7 @@ static int cmd_serve(void)
     printf("ready %d\n", (int)getpid());
     fflush(stdout);
     while (fgets(line, sizeof(line), stdin) != NULL) {
-        unsigned long long arg = 0;
+        unsigned long long arg = 0, bytes = 0;
         size_t free_bytes = 0, total_bytes = 0;
         if (sscanf(line, "alloc %llu", &arg) == 1) {
             CUdeviceptr ptr = 0;
@@ -523,6 +525,16 @@ static int cmd_serve(void)
             } else {
                 printf("err %d %s\n", err, error_name(err));
             }
+        } else if (sscanf(line, "touch %llu %llu", &arg, &bytes) == 2) {
+            CUresult err = 1; /* CUDA_ERROR_INVALID_VALUE */
+            if (arg < (unsigned long long)count && held[arg] != 0) {
+                err = CALL(cuMemsetD8Async)(held[arg], 1, (size_t)bytes, NULL);
+                if (err == 0) err = CALL(cuCtxSynchronize)();
+            }
+            if (err == 0)
+                printf("ok\n");
+            else
+                printf("err %d %s\n", err, error_name(err));
         } else if (sscanf(line, "vmmexport %llu %199s", &arg, path) == 2 ||
                    sscanf(line, "vmmimport %199s %llu", path, &arg) == 2) {
             CUdeviceptr ptr = 0;
