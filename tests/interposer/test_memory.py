@@ -393,6 +393,24 @@ def test_pool_memory_charged_as_growth_is_measured_again_once_given_back_at_a_sy
     assert [vals[0] for _, vals in res.of("phys")] == [608 * MIB, 900 * MIB]
 
 
+def test_pool_memory_given_back_at_a_streams_sync_is_measured_once_its_frees_are_complete(lab):
+    # as above, on stream 1, beside a cuMemAlloc pointer freed there (its charge waits for the
+    # synchronisation): the 512 MiB pool's 212 MiB beyond its allocation are charged as growth
+    # no hook saw.  The synchronisation woke the sampler before it completed the stream's
+    # frees, and a reading in between could not lower the charge (a free's charge was still
+    # held) and left it to the next round, 500 ms on: 212 MiB charged with nothing held, a
+    # 1000 MiB allocation refused under a 1 GiB cap.  The fake holds that moment open (the
+    # library reads the stream's context there) to make the intermittent case certain.
+    res = lab.run("init", "ctx", "0", "async", "300m", "sfree", "0", "1", "alloc", "50m", "sfree", "1", "1",
+                  "alloc", "900m", "phys", "ssync", "1", "sleep", "150", "alloc", "1000m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_FAIL="cuDeviceGetMemPool:0:999",
+                  FAKE_CUDA_POOL_RELEASE="1", FAKE_CUDA_POOL_PENDING="1", FAKE_CUDA_POOL_CHUNK="512m",
+                  FAKE_CUDA_SLEEP="cuStreamGetCtx:300")
+    assert [rc for rc, _ in res.of("sfree")] == [0, 0] and res.rc("ssync") == 0
+    assert [vals[0] for _, vals in res.of("phys")] == [562 * MIB, 1000 * MIB]
+    assert [rc for rc, _ in res.of("alloc")][1:] == [OOM, 0]
+
+
 def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab):
     # two threads allocate 500 MiB from one pool at once: the second reserved only what the
     # pool's charge lacked, which the first had just reserved, so 500 MiB stood for 1000

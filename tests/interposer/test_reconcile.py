@@ -566,6 +566,24 @@ def test_a_free_inside_the_driver_does_not_lower_the_untracked_charge(lab, alloc
     assert view_used(res) == res.of("phys")[0][1][0] == 400 * MIB
 
 
+def test_a_re_measurement_held_off_by_a_free_comes_right_after_the_sync_that_completes_it(lab):
+    # the opposite case: the 300 MiB of code went with the context, while a cuMemAlloc pointer's
+    # free on stream 1 waited for that stream's synchronisation.  The re-measurement cannot
+    # lower the charge until then (above), and the synchronisation did not ask for one (the
+    # device was marked already): the next sampler round came up to 500 ms later, and an
+    # 800 MiB allocation right after the synchronisation was refused with 100 MiB held under
+    # a 1 GiB cap.  (The empty `modload` wakes the sampler: its next round is ~500 ms on.)
+    res = lab.run("init", "ctx", "0", "alloc", "256m", "sfree", "0", "1", "ctxcreate", "0",
+                  "module", "300m", "sleep", "700", "ctxdestroy", "0", "ctx", "0", "meminfo",
+                  "modload", "sleep", "50", "ssync", "1", "sleep", "150", "meminfo", "alloc", "800m",
+                  "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_POOL_PENDING="1")
+    assert res.rc("sfree") == 0 and res.rc("ctxdestroy") == 0 and res.rc("ssync") == 0
+    used = [(vals[1] - vals[0]) // MIB for _, vals in res.of("meminfo")]
+    assert used == [100 + 300 + 256, 100], f"{used[1]} MiB charged for 100 held"
+    assert res.rc("alloc") == 0 and res.values("phys") == [900 * MIB]
+
+
 def test_pool_memory_given_back_at_a_sync_is_not_uncharged_twice_when_a_context_goes(lab):
     # the pool gives its 200 MiB back at the synchronisation, unseen by any hook; the context
     # going then re-measured the untracked charge with the pool's stale charge still counted,

@@ -43,7 +43,8 @@
  *                            ("cuMemAlloc_v2After", "cuMemAllocPitch_v2After": once the memory is
  *                            taken; "cuDevicePrimaryCtxResetAfter": once the context is emptied;
  *                            "cuMemFree_v2After": freed or refused; "cuLaunchKernelAfter": the
- *                            kernel queued; "cuMemMapArrayAsyncAfter": the tiles (un)mapped)
+ *                            kernel queued; "cuMemMapArrayAsyncAfter": the tiles (un)mapped;
+ *                            "cuStreamGetCtx": every such query, a sleep point only)
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
  *   FAKE_CUDA_PROCADDR_FUTURE=1  a later CUDA's variant: cuGetProcAddress("cuMemGetInfo") from

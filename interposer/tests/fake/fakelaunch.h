@@ -96,6 +96,7 @@ static struct fake_ctx *stream_ctx(CUstream s)
 
 API CUresult cuStreamGetCtx(CUstream s, CUcontext *pctx)
 {
+    (void)fail_check("cuStreamGetCtx"); /* FAKE_CUDA_SLEEP only: never fails */
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     struct fake_ctx *c = stream_ctx(s);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
