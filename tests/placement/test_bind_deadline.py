@@ -6,8 +6,11 @@ create the Binding, read the pod again when the Binding's outcome is unknown), e
 ``bind_timeout_s`` (3 s): 12 s when each call takes nearly its bound. A deadline passed down
 through the calls bounds the whole bind by ``bind_deadline_s``, below ``httpTimeout``.
 
-The tests run at a tenth of the real times (``bind_timeout_s`` 0.3 s, ``bind_deadline_s``
-0.8 s, the scheduler's timeout 1 s).
+The tests run at a fifth of the real times (``bind_timeout_s`` 0.6 s, ``bind_deadline_s``
+1.6 s, the scheduler's timeout 2 s). At a tenth, a read that answers "just in time" had 10 ms,
+or 50 ms, left for the fake API server and the client, in one event loop, to pass the answer
+(up to 73 ms in 200 reads on a 2-core machine at load 7 with a busy loop beside), so it timed
+out now and then ("cannot read the pod").
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from webhook.placement.placer import Placer
 from webhook.settings import Settings
 
 LEASE = "default/gpuslice-scheduler"
-SCALE = 0.1
+SCALE = 0.2
 HTTP_TIMEOUT_S = 10.0 * SCALE  # the chart's httpTimeout, scaled
-# A read that answers just in time: 50 ms inside bind_timeout_s (10 ms was too little for a
-# busy machine's event loop: the read timed out and the Binding under test was never sent); the
-# four calls of a bind still take 1.1 s without the deadline
+# A read that answers just in time: 0.1 s inside bind_timeout_s (10 ms, then 50 ms at a tenth
+# of the real times, were too little for a busy machine's event loop: the read timed out and
+# the Binding under test was never sent); the four calls of a bind still take 2.2 s, more than
+# httpTimeout, without the deadline
 JUST_IN_TIME = 2.5 * SCALE
 SMALL = [("GPU-0", 10000)]
 SIX_GIB = {"nvidia.com/gpumem": "6000"}
@@ -102,7 +106,7 @@ async def test_scheduler_giving_up_neither_binds_twice_nor_overcommits(
     a = kube.put(gpu_pod("a", SIX_GIB))
     b = kube.put(gpu_pod("b", SIX_GIB))
     ext = await scaled_extender(kube, extender)
-    slow_api(kube, "a", binding_s=6.0 * SCALE)  # the Binding lands 0.6 s after it was sent
+    slow_api(kube, "a", binding_s=6.0 * SCALE)  # the Binding lands 1.2 s after it was sent
     # The scheduler stops waiting; the extender's handler goes on (the service's server does
     # not cancel a handler whose client left; the test server would).
     call = asyncio.create_task(ext.bind(a, "n1"))
@@ -114,9 +118,12 @@ async def test_scheduler_giving_up_neither_binds_twice_nor_overcommits(
         assert first == "(the scheduler gave up)"
     else:
         assert first.startswith("gpuslice: bind request failed")
+    # b's attempts start once a's bind has reserved its room (after its reads: a scheduler
+    # that gave up first can retry b before that, and b fits then, rightly).
+    await eventually(lambda: a["metadata"]["uid"] in ext.placer.state.allocs)
 
     peak = 0
-    for _ in range(15):  # the scheduler's retries of a, and b's attempts, 0.1 s apart
+    for _ in range(15):  # the scheduler's retries of a, and b's attempts, 0.2 s apart
         await asyncio.sleep(1.0 * SCALE)
         out = await ext.post("filter", {"Pod": b, "NodeNames": ["n1"]})
         assert out["NodeNames"] == [], "b offered the room a's Binding may take"
@@ -162,7 +169,7 @@ async def test_no_binding_is_sent_too_late_to_hear_its_answer(
     kube.put(gpu_node("n1", SMALL))
     a = kube.put(gpu_pod("a", SIX_GIB))
     ext = await scaled_extender(kube, extender)
-    # the two reads leave 50 ms, less than a third of bind_timeout_s
+    # the two reads leave 0.1 s, less than a third of bind_timeout_s
     ext.placer.bind_deadline_s = 2 * JUST_IN_TIME + 0.5 * SCALE
     slow_api(kube, "a")
     error = await ext.bind(a, "n1")
@@ -182,7 +189,11 @@ async def test_filter_and_prioritize_never_call_the_api(
         kube.delay("GET", "/api/v1/(nodes|pods)$", 50.0 * SCALE, times=2)
     ext = await extender(wait_ready=not cold)
     kube.delay("*", "", 50.0 * SCALE, times=1000)  # every later request hangs
-    await asyncio.sleep(0.05)
+    # The sync's own requests are all sent (a sleep of 0.05 s was not always long enough).
+    if cold:
+        await eventually(lambda: len(kube.requests_to("GET", "/api/v1/(nodes|pods)$")) == 2)
+    else:
+        await eventually(lambda: sorted(kube.open_watches) == ["nodes", "pods"])
     before = len(kube.requests)
     started = time.monotonic()
     out = await ext.post("filter", {"Pod": a, "NodeNames": ["n1"]})
