@@ -207,7 +207,7 @@ def _unbounded_groups(req: Any, node: Any, base: Any, candidates: list[Any]) -> 
     """The search's groups without the bound for requests on several GPUs (before it came)."""
     if len(req.containers) == 1 and req.containers[0].count == 1:
         return BOUNDED_GROUPS(req, node, base, candidates)
-    return [preempt_mod._Group(1, candidates, 0, 0, None)]
+    return [preempt_mod._group(candidates, 0, 0, None)]
 
 
 BOUNDED_GROUPS = preempt_mod._groups

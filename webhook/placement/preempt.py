@@ -135,10 +135,11 @@ class _Group(NamedTuple):
     """The fewest victims any set of ``pods`` that helps needs."""
     pods: list[PodAlloc]
     mem: int
-    """MiB a set must free in all: on GPU ``on``, or over every GPU where ``on`` is None."""
+    """MiB a set must free in all: on one GPU, or over every GPU (as ``freed`` counts)."""
     cores: int
     """Compute (%) a set must free, likewise."""
-    on: str | None
+    freed: dict[str, tuple[int, int]]
+    """UID → the memory and compute each of ``pods`` frees there."""
 
 
 def _frees(alloc: PodAlloc, on: str | None) -> tuple[int, int]:
@@ -150,9 +151,11 @@ def _frees(alloc: PodAlloc, on: str | None) -> tuple[int, int]:
 
 
 def _group(pods: list[PodAlloc], mem: int, cores: int, on: str | None) -> _Group:
-    freed = [_frees(a, on) for a in pods]
-    least = max(_least([m for m, _ in freed], mem), _least([c for _, c in freed], cores), 1)
-    return _Group(least, pods, mem, cores, on)
+    """The group of ``pods`` that must free ``mem`` and ``cores`` on GPU ``on`` (None: on all)."""
+    freed = {a.uid: _frees(a, on) for a in pods}
+    least = max(_least([m for m, _ in freed.values()], mem),
+                _least([c for _, c in freed.values()], cores), 1)
+    return _Group(least, pods, mem, cores, freed)
 
 
 def _groups(req: PodRequest, node: NodeState, base: Mapping[str, Usage],
@@ -166,7 +169,7 @@ def _groups(req: PodRequest, node: NodeState, base: Mapping[str, Usage],
     least lack together (a victim frees its demand on its own GPUs only). Any other pod: one
     group of every candidate, unbounded."""
     if len(req.containers) != 1 or req.containers[0].kind != "app":
-        return [_Group(1, candidates, 0, 0, None)]
+        return [_group(candidates, 0, 0, None)]
     c = req.containers[0]
     usable, _ = eligible_gpus(req, node.gpus)
     short: list[tuple[int, int, Gpu]] = []
@@ -206,7 +209,7 @@ def _fewer(req: PodRequest, node: NodeState, base: Mapping[str, Usage], pool: li
         for group in groups:
             if size < group.least:
                 continue
-            freed = {a.uid: _frees(a, group.on) for a in group.pods}
+            freed = group.freed
             for subset in itertools.combinations(group.pods, size):
                 tried += 1
                 if tried > _SEARCH_LIMIT:
