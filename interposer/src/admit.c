@@ -19,14 +19,18 @@ static int queued_launches(const struct tstream *s)
     return s->count - s->gaps;
 }
 
-static int over_queue(const struct tstream *s, int variable)
+/* kind: what gs_graph_variable says of a graph launch's GPU time, 0 for a kernel */
+static int over_queue(const struct tstream *s, int kind)
 {
     if (s->count >= GS_RING) return 1;
     if (!queued_launches(s)) return 0;
-    if (!s->per_launch_ns) return 1; /* unknown cost: one measured launch first */
-    /* a graph whose GPU code decides its cost (gs_graph_variable: a WHILE node's trip count)
-     * may take far more than the estimate learnt from its launches so far: a shorter queue */
-    return (uint64_t)queued_launches(s) * s->per_launch_ns >= (variable ? GS_VAR_QUEUE_NS : GS_QUEUE_NS);
+    /* unknown cost (the stream's, or a graph's that no launch measured: graphmem.c, and the
+     * stream's until that launch is measured), one measured launch first */
+    if (!s->per_launch_ns || s->awaiting || (kind & GS_GRAPH_UNMEASURED)) return 1;
+    /* a graph whose GPU code decides its cost (a WHILE node's trip count) may take far more than
+     * the estimate learnt from its launches so far: a shorter queue */
+    return (uint64_t)queued_launches(s) * s->per_launch_ns >=
+           ((kind & GS_GRAPH_VARIABLE) ? GS_VAR_QUEUE_NS : GS_QUEUE_NS);
 }
 
 /* The slot (and context) a launch on es is measured in, -1 if none. */
@@ -102,10 +106,11 @@ void thr_callback_launched(CUstream stream, int per_thread)
 
 /* Waits until a launch on the stream may go: returns 1 with thr_mu held and the stream's context
  * current, or 0 if the launch goes unmeasured (the caller's context current, thr_mu free). */
-int thr_admit_locked(CUstream stream, int per_thread, int variable, struct measured *m)
+int thr_admit_locked(CUstream stream, int per_thread, int kind, struct measured *m)
 {
     m->sw.on = 0;
     m->begun = 0;
+    m->fresh = (kind & GS_GRAPH_UNMEASURED) != 0;
     m->es = gs_effective_stream(stream, per_thread);
     m->slot = launch_slot(m->es, &m->ctx, &m->sw);
     int slot = m->slot;
@@ -151,7 +156,7 @@ int thr_admit_locked(CUstream stream, int per_thread, int variable, struct measu
         }
         thr_measure_locked(s);
         uint64_t now = gs_now_ns();
-        if (over_queue(s, variable) && (!queue_until || now < queue_until)) {
+        if (over_queue(s, kind) && (!queue_until || now < queue_until)) {
             if (!queue_until) queue_until = now + GS_QUEUE_WAIT_NS;
             thr_mu_unlock();
             /* each poll queries the head's event; where a profiler's callback inside those
@@ -160,7 +165,7 @@ int thr_admit_locked(CUstream stream, int per_thread, int variable, struct measu
              * at the sampler's next look (a tenant ending its run with such a flood got up to
              * 47.6 % of the fake GPU under 30 %, `test_throttle.py -k from_a_driver_callback`) */
             gs_sleep_ns(t_callback_launches != callbacks ? GS_SETTLE_NS : GS_POLL_NS);
-        } else if (over_queue(s, variable) && !advanced) {
+        } else if (over_queue(s, kind) && !advanced) {
             /* the queue's head has run longer than the wait (a kernel longer than it, or one
              * waiting for the host or another stream): the queued work's estimate (while it is
              * unknown, what the head can have taken since its interval began) is debited now,
@@ -172,7 +177,7 @@ int thr_admit_locked(CUstream stream, int per_thread, int variable, struct measu
             advanced = 1;
             uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = (uint64_t)queued_launches(s) * s->per_launch_ns;
             /* a graph whose GPU code decides its cost: what the head ran, if the estimate is less */
-            if (s->per_launch_ns && (!variable || queued > ran)) ran = queued;
+            if (s->per_launch_ns && !s->awaiting && (!(kind & GS_GRAPH_VARIABLE) || queued > ran)) ran = queued;
             if (s->mark_ns && ran > s->advance_ns) {
                 uint64_t cost = thr_clock_cost(slot, ran - s->advance_ns);
                 thr_clock_add(slot, cost); /* the budget only: the measurement accounts */
@@ -236,6 +241,7 @@ void thr_record_end(struct measured *m)
         if (gs_cuda.cuEventRecord(s->ring[tail], m->es) == CUDA_SUCCESS) {
             if (!s->launches[tail]) s->gaps--; /* a gap's end now ends this launch, gap included */
             s->launches[tail]++;
+            if (m->fresh) s->fresh[tail] = 1, s->awaiting = 1;
             s->rec_ns[tail] = gs_now_ns();
             s->unended = 0; /* recorded after every kernel queued so far, an unended one's too */
             GS_DEBUG("event ring full: the newest event now covers %u launches", s->launches[tail]);
@@ -248,6 +254,8 @@ void thr_record_end(struct measured *m)
             int tail = (s->head + s->count) % GS_RING;
             s->ring[tail] = end;
             s->launches[tail] = 1;
+            s->fresh[tail] = (unsigned char)m->fresh;
+            if (m->fresh) s->awaiting = 1;
             s->rec_ns[tail] = gs_now_ns();
             s->count++;
             s->unended = 0;

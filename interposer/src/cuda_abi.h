@@ -44,6 +44,14 @@ typedef int CUmemPool_attribute;
 typedef int CUarray_format;
 typedef int CUstreamCaptureStatus;
 typedef int CUgraphNodeType;
+typedef int CUgraphExecUpdateResult; /* an enum: only passed through */
+/* an executable graph's node parameters: only passed through (graphmem.c's changes) */
+typedef struct CUDA_KERNEL_NODE_PARAMS_st CUDA_KERNEL_NODE_PARAMS_v1;
+typedef struct CUDA_KERNEL_NODE_PARAMS_v2_st CUDA_KERNEL_NODE_PARAMS;
+typedef struct CUDA_MEMSET_NODE_PARAMS_st CUDA_MEMSET_NODE_PARAMS;
+typedef struct CUDA_HOST_NODE_PARAMS_st CUDA_HOST_NODE_PARAMS;
+typedef struct CUgraphNodeParams_st CUgraphNodeParams;
+typedef struct CUgraphExecUpdateResultInfo_st CUgraphExecUpdateResultInfo;
 typedef int CUgraphMem_attribute;
 typedef int CUgraphInstantiateResult;
 typedef struct CUmemAccessDesc_st CUmemAccessDesc; /* only passed through */
@@ -249,6 +257,7 @@ typedef struct CUlaunchConfig_st {
 #define CU_MEMPOOL_ATTR_USED_MEM_CURRENT 7
 #define CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT 0
 #define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
+#define CU_GRAPH_NODE_TYPE_KERNEL 0
 #define CU_GRAPH_NODE_TYPE_GRAPH 4
 #define CU_GRAPH_NODE_TYPE_MEM_ALLOC 10
 #define CU_GRAPH_NODE_TYPE_CONDITIONAL 13 /* CUDA 12.3 */

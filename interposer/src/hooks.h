@@ -395,6 +395,26 @@
     X(cuGraphUpload, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphUpload, 11010, 0)        \
     X(cuGraphUpload_ptsz, CUresult, (CUgraphExec hGraphExec, CUstream hStream), cuGraphUpload, 11010, 1)   \
     X(cuGraphExecDestroy, CUresult, (CUgraphExec hGraphExec), cuGraphExecDestroy, 10000, 0)                \
+    X(cuGraphExecUpdate, CUresult, (CUgraphExec hGraphExec, CUgraph hGraph, CUgraphNode *hErrorNode_out,   \
+      CUgraphExecUpdateResult *updateResult_out), cuGraphExecUpdate, 10020, 0)                             \
+    X(cuGraphExecUpdate_v2, CUresult, (CUgraphExec hGraphExec, CUgraph hGraph,                             \
+      CUgraphExecUpdateResultInfo *resultInfo), cuGraphExecUpdate, 12000, 0)                                \
+    X(cuGraphExecKernelNodeSetParams, CUresult, (CUgraphExec hGraphExec, CUgraphNode hNode,                \
+      const CUDA_KERNEL_NODE_PARAMS_v1 *nodeParams), cuGraphExecKernelNodeSetParams, 10010, 0)             \
+    X(cuGraphExecKernelNodeSetParams_v2, CUresult, (CUgraphExec hGraphExec, CUgraphNode hNode,             \
+      const CUDA_KERNEL_NODE_PARAMS *nodeParams), cuGraphExecKernelNodeSetParams, 12000, 0)                \
+    X(cuGraphExecNodeSetParams, CUresult, (CUgraphExec hGraphExec, CUgraphNode hNode,                      \
+      CUgraphNodeParams *nodeParams), cuGraphExecNodeSetParams, 12020, 0)                                  \
+    X(cuGraphExecChildGraphNodeSetParams, CUresult, (CUgraphExec hGraphExec, CUgraphNode hNode,            \
+      CUgraph childGraph), cuGraphExecChildGraphNodeSetParams, 11010, 0)                                   \
+    X(cuGraphNodeSetEnabled, CUresult, (CUgraphExec hGraphExec, CUgraphNode hNode, unsigned int isEnabled), \
+      cuGraphNodeSetEnabled, 11060, 0)                                                                     \
+    X(cuGraphExecMemcpyNodeSetParams, CUresult, (CUgraphExec hGraphExec, CUgraphNode hNode,                \
+      const CUDA_MEMCPY3D *copyParams, CUcontext ctx), cuGraphExecMemcpyNodeSetParams, 10020, 0)           \
+    X(cuGraphExecMemsetNodeSetParams, CUresult, (CUgraphExec hGraphExec, CUgraphNode hNode,                \
+      const CUDA_MEMSET_NODE_PARAMS *memsetParams, CUcontext ctx), cuGraphExecMemsetNodeSetParams, 10020, 0) \
+    X(cuGraphExecHostNodeSetParams, CUresult, (CUgraphExec hGraphExec, CUgraphNode hNode,                  \
+      const CUDA_HOST_NODE_PARAMS *nodeParams), cuGraphExecHostNodeSetParams, 10020, 0)                    \
     X(cuDeviceGraphMemTrim, CUresult, (CUdevice device), cuDeviceGraphMemTrim, 11040, 0)                   \
     X(cuModuleLoad, CUresult, (CUmodule *module, const char *fname), cuModuleLoad, 2000, 0)                \
     X(cuCtxSetLimit, CUresult, (CUlimit limit, size_t value), cuCtxSetLimit, 3010, 0)                      \

@@ -99,7 +99,8 @@ int gs_limited_devices(struct gs_limited_dev *out)
 
 typedef CUresult (*launch_thunk)(const void *args);
 
-static CUresult throttled(CUstream stream, int per_thread, int variable, launch_thunk launch, const void *args)
+/* kind: a graph launch's gs_graph_variable, else 0 */
+static CUresult throttled(CUstream stream, int per_thread, int kind, launch_thunk launch, const void *args)
 {
     if (gs_t_held) { /* a driver callback under a lock of ours (maybe thr_mu): charged from NVML, not measured */
         CUresult rc = launch(args);
@@ -107,7 +108,7 @@ static CUresult throttled(CUstream stream, int per_thread, int variable, launch_
         return rc;
     }
     struct measured m;
-    if (!thr_admit_locked(stream, per_thread, variable, &m)) return launch(args);
+    if (!thr_admit_locked(stream, per_thread, kind, &m)) return launch(args);
     thr_begin_locked(&m);
     thr_mu_unlock();
     thr_switch_to(&m.sw, 0);
@@ -362,7 +363,10 @@ GS_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_heig
         if (!throttle_on()) return mem ? call_graph_mem(&a) : call_graph(&a);                                 \
         /* refused at once, not after waiting for the compute budget */                                      \
         if (mem && gs_graphmem_check(hGraphExec) != 0) return CUDA_ERROR_OUT_OF_MEMORY;                       \
-        return throttled(hStream, pt, gs_graph_variable(hGraphExec), mem ? call_graph_mem : call_graph, &a);  \
+        int kind = gs_graph_variable(hGraphExec);                                                             \
+        CUresult rc = throttled(hStream, pt, kind, mem ? call_graph_mem : call_graph, &a);                    \
+        if (rc == CUDA_SUCCESS && (kind & GS_GRAPH_UNMEASURED)) gs_graph_launched_unmeasured(hGraphExec);     \
+        return rc;                                                                                            \
     }                                                                                                         \
     GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \
     {                                                                                                         \
@@ -373,6 +377,40 @@ GS_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_heig
 
 GS_GRAPH_HOOK(cuGraphLaunch, 0)
 GS_GRAPH_HOOK(cuGraphLaunch_ptsz, 1)
+
+/* An executable graph changed in place: what its launches cost is unknown until one is measured
+ * (graphmem.c).  With no compute limit a tail call. */
+#define GS_GRAPH_CHANGE_HOOK(name, params, args)                                                              \
+    GS_AFTER_HOOK(name, params, args, if (rc == CUDA_SUCCESS && throttle_on()) gs_graph_changed(hGraphExec))
+
+GS_GRAPH_CHANGE_HOOK(cuGraphExecUpdate, (CUgraphExec hGraphExec, CUgraph hGraph, CUgraphNode *hErrorNode_out,
+                                         CUgraphExecUpdateResult *updateResult_out),
+                     (hGraphExec, hGraph, hErrorNode_out, updateResult_out))
+GS_GRAPH_CHANGE_HOOK(cuGraphExecUpdate_v2,
+                     (CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo),
+                     (hGraphExec, hGraph, resultInfo))
+GS_GRAPH_CHANGE_HOOK(cuGraphExecKernelNodeSetParams,
+                     (CUgraphExec hGraphExec, CUgraphNode hNode, const CUDA_KERNEL_NODE_PARAMS_v1 *nodeParams),
+                     (hGraphExec, hNode, nodeParams))
+GS_GRAPH_CHANGE_HOOK(cuGraphExecKernelNodeSetParams_v2,
+                     (CUgraphExec hGraphExec, CUgraphNode hNode, const CUDA_KERNEL_NODE_PARAMS *nodeParams),
+                     (hGraphExec, hNode, nodeParams))
+GS_GRAPH_CHANGE_HOOK(cuGraphExecNodeSetParams, (CUgraphExec hGraphExec, CUgraphNode hNode, CUgraphNodeParams *nodeParams),
+                     (hGraphExec, hNode, nodeParams))
+GS_GRAPH_CHANGE_HOOK(cuGraphExecChildGraphNodeSetParams, (CUgraphExec hGraphExec, CUgraphNode hNode, CUgraph childGraph),
+                     (hGraphExec, hNode, childGraph))
+GS_GRAPH_CHANGE_HOOK(cuGraphNodeSetEnabled, (CUgraphExec hGraphExec, CUgraphNode hNode, unsigned int isEnabled),
+                     (hGraphExec, hNode, isEnabled))
+GS_GRAPH_CHANGE_HOOK(cuGraphExecMemcpyNodeSetParams,
+                     (CUgraphExec hGraphExec, CUgraphNode hNode, const CUDA_MEMCPY3D *copyParams, CUcontext ctx),
+                     (hGraphExec, hNode, copyParams, ctx))
+GS_GRAPH_CHANGE_HOOK(cuGraphExecMemsetNodeSetParams,
+                     (CUgraphExec hGraphExec, CUgraphNode hNode, const CUDA_MEMSET_NODE_PARAMS *memsetParams,
+                      CUcontext ctx),
+                     (hGraphExec, hNode, memsetParams, ctx))
+GS_GRAPH_CHANGE_HOOK(cuGraphExecHostNodeSetParams,
+                     (CUgraphExec hGraphExec, CUgraphNode hNode, const CUDA_HOST_NODE_PARAMS *nodeParams),
+                     (hGraphExec, hNode, nodeParams))
 
 /* Synchronisations: with a compute limit, what completed is measured afterwards
  * (gs_launch_after_sync); after stream-ordered frees, the pools learn which are complete

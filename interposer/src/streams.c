@@ -70,6 +70,7 @@ static void restart_stream(struct tstream *s)
     s->mark = NULL;
     s->mark_ns = 0;
     s->per_launch_ns = s->advance_ns = s->advance_cost = 0;
+    s->awaiting = 0;
 }
 
 static int context_gone(CUresult rc)
@@ -107,7 +108,9 @@ void thr_measure_locked(struct tstream *s)
             uint64_t charge = 0; /* a gap (n 0: copies, host functions, waits) is charged nothing */
             if (n) {
                 uint64_t each = ns / n;
-                s->per_launch_ns = s->per_launch_ns ? (s->per_launch_ns * 3 + each) / 4 : each;
+                /* a launch of a graph no launch had measured: what it took, whatever came before */
+                int unmeasured = s->fresh[s->head];
+                s->per_launch_ns = s->per_launch_ns && !unmeasured ? (s->per_launch_ns * 3 + each) / 4 : each;
                 __atomic_store_n(&thr_launch_est_ns[s->slot], s->per_launch_ns * thr_own_share(s->slot) / 1000,
                                  __ATOMIC_RELAXED);
                 double fresh = thr_line_credit_locked(s->ctx, s->mark, e, ms, elapsed);
@@ -141,6 +144,8 @@ void thr_measure_locked(struct tstream *s)
         thr_give_event(s, s->mark);
         s->mark = e;
         s->mark_ns = s->rec_ns[s->head];
+        if (s->fresh[s->head]) s->awaiting = 0; /* measured, or never will be (a failed reading) */
+        s->fresh[s->head] = 0;
         s->head = (s->head + 1) % GS_RING;
         if (!n) s->gaps--;
         if (!--s->count) {

@@ -40,6 +40,9 @@ struct tstream {
     int unended;        /* a launch's end could not be recorded: no gap before the next end */
     CUevent ring[GS_RING];
     unsigned launches[GS_RING]; /* launches covered by each event; 0: it ends other work (a gap) */
+    unsigned char fresh[GS_RING]; /* it ends a launch of a graph no launch had measured: its
+                                   * time replaces the estimate rather than joining it */
+    int awaiting;       /* such an event is in the ring: the estimate is unknown until it is measured */
     uint64_t rec_ns[GS_RING];   /* host time each was (last) recorded */
     CUevent mark;       /* the last measured event: start of the next interval */
     uint64_t mark_ns;   /* host time it was recorded: the interval cannot be longer than since */
@@ -82,6 +85,7 @@ struct measured {
     uint64_t key;
     struct ctx_switch sw;
     int begun; /* counted in its stream's `launching` (thr_begin_locked) */
+    int fresh; /* a graph no launch had measured (GS_GRAPH_UNMEASURED) */
 };
 
 /* ---- launch.c: the hooks' fast path -------------------------------------- */
@@ -216,7 +220,7 @@ static inline int thr_switch_to(const struct ctx_switch *sw, int there)
     return !sw->on || gs_cuda.cuCtxSetCurrent(there ? sw->there : sw->home) == CUDA_SUCCESS ? 0 : -1;
 }
 
-int thr_admit_locked(CUstream stream, int per_thread, int variable, struct measured *m);
+int thr_admit_locked(CUstream stream, int per_thread, int kind, struct measured *m);
 void thr_launch_failed(struct measured *m);
 void thr_callback_launched(CUstream stream, int per_thread);
 void thr_record_end(struct measured *m);

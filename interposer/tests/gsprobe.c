@@ -31,6 +31,38 @@
 typedef struct {
     char reserved[64]; /* CUipcMemHandle, CUipcEventHandle: CU_IPC_HANDLE_SIZE bytes */
 } ipc_handle_t;
+/* cuda.h's CUDA_KERNEL_NODE_PARAMS (v2: v1's fields lead it) and CUgraphExecUpdateResultInfo */
+typedef struct {
+    CUfunction func;
+    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void **kernelParams, **extra;
+    CUkernel kern;
+    CUcontext ctx;
+} kernel_node_t;
+typedef struct {
+    int result;
+    CUgraphNode errorNode, errorFromNode;
+} update_info_t;
+/* cuda.h's generic node parameters (CUDA 12.3), of which cpeak makes a conditional
+ * node and gpeak a kernel's */
+typedef struct {
+    uint64_t handle;
+    int type; /* 0 IF, 1 WHILE */
+    unsigned int size;
+    CUgraph *phGraph_out;
+    CUcontext ctx;
+} cond_params;
+typedef struct {
+    CUgraphNodeType type;
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        cond_params conditional;
+        kernel_node_t kernel;
+    };
+    long long reserved2;
+} node_params;
+
 #define FN(name, ret, params) typedef ret(*name##_t) params;
 #define API_FUNCS(X)                                                                                         \
     X(cuInit, CUresult, (unsigned))                                                                          \
@@ -124,6 +156,16 @@ typedef struct {
     X(cuGraphInstantiateWithParams, CUresult, (CUgraphExec *, CUgraph, CUDA_GRAPH_INSTANTIATE_PARAMS *))      \
     X(cuGraphUpload, CUresult, (CUgraphExec, CUstream))                                                      \
     X(cuGraphExecDestroy, CUresult, (CUgraphExec))                                                           \
+    X(cuGraphAddKernelNode_v2, CUresult, (CUgraphNode *, CUgraph, const CUgraphNode *, size_t,               \
+                                          const kernel_node_t *))                                            \
+    X(cuGraphExecUpdate_v2, CUresult, (CUgraphExec, CUgraph, update_info_t *))                               \
+    X(cuGraphExecKernelNodeSetParams_v2, CUresult, (CUgraphExec, CUgraphNode, const kernel_node_t *))        \
+    X(cuGraphExecNodeSetParams, CUresult, (CUgraphExec, CUgraphNode, node_params *))                         \
+    X(cuGraphExecChildGraphNodeSetParams, CUresult, (CUgraphExec, CUgraphNode, CUgraph))                     \
+    X(cuGraphNodeSetEnabled, CUresult, (CUgraphExec, CUgraphNode, unsigned))                                 \
+    X(cuGraphExecMemcpyNodeSetParams, CUresult, (CUgraphExec, CUgraphNode, const CUDA_MEMCPY3D *, CUcontext)) \
+    X(cuGraphExecMemsetNodeSetParams, CUresult, (CUgraphExec, CUgraphNode, const void *, CUcontext))         \
+    X(cuGraphExecHostNodeSetParams, CUresult, (CUgraphExec, CUgraphNode, const void *))                      \
     X(cuDeviceGraphMemTrim, CUresult, (CUdevice))                                                            \
     X(cuIpcGetMemHandle, CUresult, (ipc_handle_t *, CUdeviceptr))                                            \
     X(cuIpcOpenMemHandle_v2, CUresult, (CUdeviceptr *, ipc_handle_t, unsigned))                              \
@@ -151,7 +193,9 @@ API_FUNCS(FN)
     X(cuLaunch, CUresult, (CUfunction), 2000)                                                                \
     X(cuLaunchGrid, CUresult, (CUfunction, int, int), 2000)                                                  \
     X(cuLaunchGridAsync, CUresult, (CUfunction, int, int, CUstream), 2000)                                  \
-    X(cuGraphInstantiate, CUresult, (CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t), 10000)
+    X(cuGraphInstantiate, CUresult, (CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t), 10000)          \
+    X(cuGraphExecUpdate, CUresult, (CUgraphExec, CUgraph, CUgraphNode *, int *), 10020)                      \
+    X(cuGraphExecKernelNodeSetParams, CUresult, (CUgraphExec, CUgraphNode, const kernel_node_t *), 10010)
 #define FN1(name, ret, params, version) typedef ret(*name##_t) params;
 API1_FUNCS(FN1)
 typedef CUresult (*getproc2_t)(const char *, void **, int, cuuint64_t, int *);
@@ -437,24 +481,6 @@ static void *peak_sampler(void *arg)
     return NULL;
 }
 
-/* cuda.h's generic node parameters (CUDA 12.3), of which cpeak makes a conditional node */
-typedef struct {
-    uint64_t handle;
-    int type; /* 0 IF, 1 WHILE */
-    unsigned int size;
-    CUgraph *phGraph_out;
-    CUcontext ctx;
-} cond_params;
-typedef struct {
-    CUgraphNodeType type;
-    int reserved0[3];
-    union {
-        long long reserved1[29];
-        cond_params conditional;
-    };
-    long long reserved2;
-} node_params;
-
 /* An executable graph of one WHILE node, or (device 1) an empty one made for device launch (its
  * kernels may relaunch it from the GPU), or (device 2) a plain one whose kernel launches such a
  * graph from the GPU; NULL if the driver has none */
@@ -493,15 +519,136 @@ static CUgraphExec loop_graph(int device)
  * (device: loop_graph's other kinds), whose kernels run its body once a launch for the
  * first learn_ms, then `trips` times (a loop whose trip count the GPU sets: the host launches
  * the same graph and never knows; the fake driver's fake_cuda_graph_trips plays those kernels) */
+/* ---- graphs changed in place (gpeak, gset) ---- */
+
+/* gpeak's graph: one kernel node of grid 1 (a launch runs one FAKE_CUDA_KERNEL_US kernel), and
+ * the same shape with `grid` (HOW "update*" updates from it; "new" instantiates it instead).
+ * "child": the kernel inside a child graph node; "enable": a second kernel node of grid-1,
+ * disabled until the change. */
+static struct {
+    const char *how;
+    unsigned grid;
+    CUgraph big;
+    CUgraphNode node, second;
+    CUgraphExec exec;
+} chg;
+
+static CUgraph kernel_graph(unsigned grid, unsigned second, CUgraphNode *node, CUgraphNode *other)
+{
+    CUgraph g = NULL, inner = NULL;
+    kernel_node_t p = {.func = (CUfunction)0x1234, .gridDimX = grid, .gridDimY = 1, .gridDimZ = 1,
+                       .blockDimX = 1, .blockDimY = 1, .blockDimZ = 1};
+    CUgraphNode n = NULL, m = NULL;
+    if (api.cuGraphCreate(&g, 0) != CUDA_SUCCESS) return NULL;
+    if (!strcmp(chg.how, "child")) {
+        if (api.cuGraphCreate(&inner, 0) || api.cuGraphAddKernelNode_v2(&m, inner, NULL, 0, &p) ||
+            api.cuGraphAddChildGraphNode(&n, g, NULL, 0, inner))
+            return NULL;
+    } else if (api.cuGraphAddKernelNode_v2(&n, g, NULL, 0, &p) != CUDA_SUCCESS) {
+        return NULL;
+    }
+    p.gridDimX = second;
+    if (second && api.cuGraphAddKernelNode_v2(&m, g, NULL, 0, &p) != CUDA_SUCCESS) return NULL;
+    if (node) *node = n;
+    if (other) *other = m;
+    return g;
+}
+
+/* The executable gpeak and gset launch; NULL if the driver has none of it */
+static CUgraphExec change_setup(const char *how, unsigned grid)
+{
+    chg.how = how;
+    chg.grid = grid;
+    int enable = !strcmp(how, "enable");
+    CUgraph g = kernel_graph(1, enable ? grid - 1 : 0, &chg.node, &chg.second);
+    chg.big = kernel_graph(grid, 0, NULL, NULL);
+    if (!g || !chg.big || api.cuGraphInstantiateWithFlags(&chg.exec, g, 0) != CUDA_SUCCESS) return NULL;
+    if (enable && api.cuGraphNodeSetEnabled(chg.exec, chg.second, 0) != CUDA_SUCCESS) return NULL;
+    return chg.exec;
+}
+
+/* The change; the executable to launch from now on in *exec */
+static CUresult change_apply(CUgraphExec *exec)
+{
+    const char *how = chg.how;
+    kernel_node_t p = {.func = (CUfunction)0x1234, .gridDimX = chg.grid, .gridDimY = 1, .gridDimZ = 1,
+                       .blockDimX = 1, .blockDimY = 1, .blockDimZ = 1};
+    if (!strcmp(how, "update")) {
+        update_info_t info;
+        return api.cuGraphExecUpdate_v2(chg.exec, chg.big, &info);
+    }
+    if (!strcmp(how, "update1")) {
+        CUgraphNode err;
+        int result;
+        return api1.cuGraphExecUpdate(chg.exec, chg.big, &err, &result);
+    }
+    if (!strcmp(how, "kernel")) return api.cuGraphExecKernelNodeSetParams_v2(chg.exec, chg.node, &p);
+    if (!strcmp(how, "kernel1")) return api1.cuGraphExecKernelNodeSetParams(chg.exec, chg.node, &p);
+    if (!strcmp(how, "node")) {
+        node_params np = {.type = CU_GRAPH_NODE_TYPE_KERNEL};
+        np.kernel = p;
+        return api.cuGraphExecNodeSetParams(chg.exec, chg.node, &np);
+    }
+    if (!strcmp(how, "child")) { /* a child graph of one kernel of the grid */
+        CUgraph child = NULL;
+        CUgraphNode n;
+        if (api.cuGraphCreate(&child, 0) || api.cuGraphAddKernelNode_v2(&n, child, NULL, 0, &p))
+            return CUDA_ERROR_INVALID_VALUE;
+        return api.cuGraphExecChildGraphNodeSetParams(chg.exec, chg.node, child);
+    }
+    if (!strcmp(how, "enable")) return api.cuGraphNodeSetEnabled(chg.exec, chg.second, 1);
+    if (!strcmp(how, "new")) return api.cuGraphInstantiateWithFlags(exec, chg.big, 0);
+    if (!strcmp(how, "memcpy")) {
+        static unsigned char copy[256];
+        return api.cuGraphExecMemcpyNodeSetParams(chg.exec, chg.node, (const CUDA_MEMCPY3D *)copy, NULL);
+    }
+    if (!strcmp(how, "memset")) {
+        static unsigned char set[64];
+        return api.cuGraphExecMemsetNodeSetParams(chg.exec, chg.node, set, NULL);
+    }
+    if (!strcmp(how, "host")) {
+        static unsigned char host[16];
+        return api.cuGraphExecHostNodeSetParams(chg.exec, chg.node, host);
+    }
+    return CUDA_SUCCESS; /* "none" */
+}
+
+/* "gset HOW GRID": gpeak's graph launched once and synchronised, then changed by HOW (gpeak's,
+ * or memcpy, memset, host: those nodes' setters, which the fake takes for any node), launched
+ * again and synchronised: "gset RC" (the first failure) */
+static void gset(const char *how, unsigned grid)
+{
+    CUgraphExec exec = change_setup(how, grid);
+    CUresult rc = exec ? api.cuGraphLaunch(exec, NULL) : CUDA_ERROR_NOT_SUPPORTED;
+    if (rc == CUDA_SUCCESS) rc = api.cuCtxSynchronize();
+    if (rc == CUDA_SUCCESS) rc = change_apply(&exec);
+    if (rc == CUDA_SUCCESS) rc = api.cuGraphLaunch(exec, NULL);
+    if (rc == CUDA_SUCCESS) rc = api.cuCtxSynchronize();
+    printf("gset %d\n", rc);
+}
+
+static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips,
+                       int device, const char *how);
+
 static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips, int device)
 {
+    peak_graph(seconds, window_ms, skip_ms, learn_ms, trips, device, NULL);
+}
+
+/* "gpeak SECONDS WINDOW_MS SKIP_MS LEARN_MS GRID HOW": peak with gpeak's graph, which after
+ * LEARN_MS runs GRID kernels a launch, changed by HOW (update, update1, kernel, kernel1, node,
+ * child, enable, new: its launches are then another executable's; none: no change, the graph
+ * stays at one kernel); then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
+static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips,
+                       int device, const char *how)
+{
     void (*set_trips)(uint64_t) = (void (*)(uint64_t))dlsym(libcuda, "fake_cuda_graph_trips");
-    CUgraphExec loop = trips ? loop_graph(device) : NULL;
-    if (trips && (!loop || !set_trips)) {
+    CUgraphExec loop = how ? change_setup(how, (unsigned)trips) : trips ? loop_graph(device) : NULL;
+    if ((trips && !loop) || (trips && !how && !set_trips)) {
         printf("peak %d 0 0\n", CUDA_ERROR_NOT_SUPPORTED);
         return;
     }
-    if (trips) set_trips(1);
+    if (trips && !how) set_trips(1);
     int learning = trips != 0;
     typedef uint64_t (*kns_t)(void);
     kns_t run_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_run_ns");
@@ -515,7 +662,11 @@ static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t 
     while (rc == CUDA_SUCCESS && now_ns() < end) {
         if (learning && now_ns() >= t0 + learn_ms * 1000000ull) {
             learning = 0;
-            set_trips(trips);
+            if (how)
+                rc = change_apply(&loop);
+            else
+                set_trips(trips);
+            if (rc != CUDA_SUCCESS) break;
         }
         if (!trips)
             rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
@@ -536,6 +687,12 @@ static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t 
     }
     if (loop && api.cuGraphExecDestroy(loop) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;
     printf("peak %d %llu %llu\n", rc, (unsigned long long)n, (unsigned long long)worst);
+    if (how) { /* gpeak: also how busy the GPU was (1/1000) from SKIP_MS to the end */
+        int a = 0, b = peak_log.n - 1;
+        while (a < peak_log.n && peak_log.t[a] < t0 + skip_ms * 1000000ull) a++;
+        uint64_t after = a < b ? (peak_log.ran[b] - peak_log.ran[a]) * 1000 / (peak_log.t[b] - peak_log.t[a]) : 0;
+        printf("after %d %llu\n", rc, (unsigned long long)after);
+    }
 }
 
 /* A tensor-parallel rank (the fake driver's collectives, fakelaunch.h): STEPS steps of K kernels
@@ -1729,6 +1886,13 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "peak")) {
             peak(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)), 0, 0, 0);
             i += 3;
+        } else if (!strcmp(c, "gpeak")) {
+            peak_graph(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)), (uint64_t)atoll(ARG(3)),
+                       (uint64_t)atoll(ARG(4)), 0, ARG(5));
+            i += 6;
+        } else if (!strcmp(c, "gset")) {
+            gset(ARG(0), (unsigned)atoi(ARG(1)));
+            i += 2;
         } else if (!strcmp(c, "cpeak") || !strcmp(c, "dpeak") || !strcmp(c, "fpeak")) {
             peak(atof(ARG(0)), (uint64_t)atoll(ARG(1)), (uint64_t)atoll(ARG(2)), (uint64_t)atoll(ARG(3)),
                  (uint64_t)atoll(ARG(4)), c[0] == 'd' ? 1 : c[0] == 'f' ? 2 : 0);

@@ -94,6 +94,72 @@ def test_graph_loops_are_paced_under_asan(asan_lab, kind):
     assert rc == 0 and launches > 0, res.stdout + res.stderr
 
 
+GRAPH_CHANGES = [("update", "procaddr"), ("update1", "dlsym"), ("kernel", "direct"), ("kernel1", "procaddr"),
+                 ("node", "dlsym"), ("child", "direct"), ("enable", "procaddr"), ("new", "direct")]
+
+
+@pytest.mark.parametrize(("how", "api"), GRAPH_CHANGES)
+def test_a_graph_changed_in_place_does_not_run_ahead_of_the_budget(release_lab, how, api):
+    # one graph launched back to back under 30 %: for a second a launch runs 1 ms, then the
+    # program changes it so that a launch runs 100 ms (cuGraphExecUpdate[_v2] from a graph of
+    # the same shape with a larger grid, a kernel node's grid set through
+    # cuGraphExecKernelNodeSetParams[_v2] or cuGraphExecNodeSetParams, a larger child graph set,
+    # a disabled node enabled, or a new executable instantiated).  The stream's queue held 20 ms
+    # of work by the 1 ms estimate: twenty launches, 2 s of work, admitted at once, and the GPU
+    # was 86.7 % busy over 1.5 s windows under a 30 % limit (every kind of change alike).  A
+    # changed or new executable's launch now waits for its stream's queue, and the stream's
+    # next launches for that launch's measurement: 33.3 % (29.8 % from the change to the end)
+    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "100", how, api=api,
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000")
+    rc, (launches, worst) = res.of("peak")[0]
+    assert rc == 0 and launches > 10, res.stdout + res.stderr
+    # at most the share of the window and one 100 ms launch: (0.45 s + 0.1 s) / 1.5 s
+    assert worst <= 400, f"{how}: the GPU was {worst / 10:.1f}% busy over 1.5 s under a 30% limit"
+
+
+@pytest.mark.parametrize("grid", ["100", "5"])
+def test_a_changed_graphs_launches_still_get_the_share(release_lab, grid):
+    # once the changed graph's first launch is measured, its stream's estimate is that launch's
+    # time (not joined to the old 1 ms at a quarter's weight), and its launches queue by it:
+    # 100 ms or 5 ms launches get the share from the change on
+    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "300", grid, "kernel",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000")
+    rc, (launches, worst) = res.of("peak")[0]
+    assert rc == 0 and launches > 10, res.stdout + res.stderr
+    got = res.values("after")[0] / 10
+    assert abs(got - 30) <= TOLERANCE, f"{grid} ms launches got {got:.1f}% after the change"
+    assert worst <= 400, f"the GPU was {worst / 10:.1f}% busy over 1.5 s under a 30% limit"
+
+
+@pytest.mark.parametrize("how", ["update", "update1", "kernel", "kernel1", "node", "child", "enable",
+                                 "memcpy", "memset", "host"])
+@pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
+def test_each_way_to_change_an_executable_graph_makes_its_cost_unknown(lab, how, api):
+    res = lab.run("init", "ctx", "0", "gset", how, "4", api=api, CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_KERNEL_US="100", LIBCUDA_LOG_LEVEL="3")
+    assert res.rc("gset") == 0, res.stdout + res.stderr
+    changed = res.stderr.count("changed: its next launches wait for their stream's queue")
+    # "enable" disables its second node before the first launch, then enables it
+    assert changed == (2 if how == "enable" else 1), res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("how", ["update", "kernel", "enable"])
+def test_without_a_compute_limit_graph_changes_are_passed_through(lab, how):
+    res = lab.run("init", "ctx", "0", "gset", how, "4", FAKE_CUDA_KERNEL_US="100", LIBCUDA_LOG_LEVEL="3")
+    assert res.rc("gset") == 0, res.stdout + res.stderr
+    assert "changed: its next launches" not in res.stderr
+
+
+def test_a_failed_graph_update_changes_nothing(lab):
+    # the driver refuses the update (CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE): its answer, and the
+    # executable's launches keep their measured cost
+    res = lab.run("init", "ctx", "0", "gset", "update", "4", CUDA_DEVICE_SM_LIMIT="30",
+                  FAKE_CUDA_KERNEL_US="100", LIBCUDA_LOG_LEVEL="3",
+                  FAKE_CUDA_FAIL="cuGraphExecUpdate:0:910")
+    assert res.rc("gset") == 910
+    assert "changed: its next launches" not in res.stderr
+
+
 @pytest.mark.parametrize("kernel_us", [20, 1000])
 def test_graph_loops_of_a_steady_trip_count_get_the_share(release_lab, kernel_us):
     # the shorter queue of such graphs must not starve them: tiny loops still pipeline

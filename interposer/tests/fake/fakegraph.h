@@ -20,6 +20,17 @@
  * has the launch free them first.
  * The executables of fakelaunch.h (small integers = kernel counts) still work.
  *
+ * Kernel nodes (cuGraphAddKernelNode[_v2]): a kernel's time grows with its grid, so here a node
+ * runs gridDimX kernels of FAKE_CUDA_KERNEL_US at each launch.  A launch of an executable with
+ * kernel nodes anywhere runs its enabled top-level kernel nodes' and child graphs' kernels; one
+ * without runs one kernel, as before.  An executable changes in place as the driver's does:
+ * cuGraphExecUpdate[_v2] from a graph of the same node count and types (else
+ * CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE), cuGraphExecKernelNodeSetParams[_v2] and
+ * cuGraphExecNodeSetParams (a kernel's grid), cuGraphExecChildGraphNodeSetParams (a child's
+ * kernels), cuGraphNodeSetEnabled; the memcpy, memset and host node setters are accepted for
+ * nodes of their executable and change nothing here.  Nodes are named by the handles of the
+ * graph the executable was instantiated from, as the driver's.
+ *
  * Conditional nodes (CUDA 12.3's cuGraphConditionalHandleCreate and cuGraphAddNode of
  * CU_GRAPH_NODE_TYPE_CONDITIONAL, an IF or WHILE node with body graphs): the kernels of a real
  * graph set the condition in device memory, so how many times a WHILE body runs is the GPU's
@@ -57,6 +68,7 @@ typedef struct {
 
 struct fake_node {
     CUgraphNodeType type;
+    unsigned grid;   /* KERNEL: its gridDimX, the kernels it runs */
     uint64_t bytes;  /* MEM_ALLOC */
     int ordinal;     /* MEM_ALLOC: the CUDA device */
     CUdeviceptr dptr;
@@ -77,6 +89,11 @@ struct fake_gexec {
     int loops;                    /* a conditional node, or made for device launch: fake_cuda_graph_trips
                                    * kernels a launch */
     struct fake_gexec *spawns;    /* a device graph its kernels launch (fake_cuda_graph_spawn) */
+    const struct fake_node *base; /* the nodes of the graph it was instantiated from (their handles) */
+    int nnodes;
+    uint64_t weight[FAKE_MAX_NODES]; /* each top-level node's kernels a launch (kernel, child graph) */
+    unsigned char off[FAKE_MAX_NODES]; /* cuGraphNodeSetEnabled(0) */
+    int weighted;                 /* kernel nodes somewhere: `kernels` is their sum */
     uint64_t live[FAKE_MAX_DEVS]; /* FAKE_CUDA_GRAPH_UNFREED: its last launch's allocations, alive */
 };
 
@@ -256,6 +273,37 @@ API CUresult cuGraphAddChildGraphNode(CUgraphNode *node, CUgraph g, const CUgrap
     return CUDA_SUCCESS;
 }
 
+/* cuda.h's CUDA_KERNEL_NODE_PARAMS: its v1 fields lead v2 and v3, of which gridDimX is read */
+typedef struct {
+    CUfunction func;
+    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void **kernelParams, **extra;
+} fake_kernel_params;
+
+static CUresult add_kernel(CUgraphNode *node, CUgraph g, const fake_kernel_params *p)
+{
+    if (!node || !p || !p->gridDimX) return CUDA_ERROR_INVALID_VALUE;
+    struct fake_node *n = node_add(graph_of(g), CU_GRAPH_NODE_TYPE_KERNEL);
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    n->grid = p->gridDimX;
+    *node = (CUgraphNode)n;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphAddKernelNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                                  const fake_kernel_params *p)
+{
+    (void)deps, (void)ndeps;
+    return add_kernel(node, g, p);
+}
+
+API CUresult cuGraphAddKernelNode_v2(CUgraphNode *node, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                                     const fake_kernel_params *p)
+{
+    (void)deps, (void)ndeps;
+    return add_kernel(node, g, p);
+}
+
 API CUresult cuGraphConditionalHandleCreate(uint64_t *handle, CUgraph g, CUcontext ctx, unsigned int dflt,
                                             unsigned int flags)
 {
@@ -335,6 +383,39 @@ API CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode n, CUgraph *g)
     return CUDA_SUCCESS;
 }
 
+/* The kernels a launch of g's kernel nodes runs, children's included; -1 if it has none */
+static int64_t graph_kernels(const struct fake_graph *g, int depth)
+{
+    int64_t sum = -1;
+    for (int i = 0; g && depth < 64 && i < g->n; i++) {
+        const struct fake_node *n = &g->nodes[i];
+        int64_t k = n->type == CU_GRAPH_NODE_TYPE_KERNEL ? n->grid
+                    : n->type == CU_GRAPH_NODE_TYPE_GRAPH ? graph_kernels(n->child, depth + 1) : -1;
+        if (k >= 0) sum = (sum < 0 ? 0 : sum) + k;
+    }
+    return sum;
+}
+
+/* e's kernels a launch, from its nodes' weights */
+static void exec_weigh(struct fake_gexec *e)
+{
+    if (!e->weighted) return;
+    uint64_t k = 0;
+    for (int i = 0; i < e->nnodes; i++) k += e->off[i] ? 0 : e->weight[i];
+    e->kernels = k;
+}
+
+/* e's top-level weights from g (instantiation, or an update from a graph of the same shape) */
+static void exec_weights(struct fake_gexec *e, const struct fake_graph *g)
+{
+    for (int i = 0; i < g->n && i < FAKE_MAX_NODES; i++) {
+        int64_t k = g->nodes[i].type == CU_GRAPH_NODE_TYPE_KERNEL ? g->nodes[i].grid
+                    : g->nodes[i].type == CU_GRAPH_NODE_TYPE_GRAPH ? graph_kernels(g->nodes[i].child, 1) : 0;
+        e->weight[i] = k > 0 ? (uint64_t)k : 0;
+    }
+    exec_weigh(e);
+}
+
 static void exec_sum(struct fake_gexec *e, const struct fake_graph *g, int depth)
 {
     for (int i = 0; g && depth < 64 && i < g->n; i++) {
@@ -378,6 +459,11 @@ static CUresult instantiate(CUgraphExec *exec, CUgraph g, int upload, unsigned l
     e->magic = FAKE_GRAPH_MAGIC;
     e->kernels = 1;
     exec_sum(e, fg, 0);
+    e->base = fg->nodes;
+    e->nnodes = fg->n;
+    memset(e->off, 0, sizeof(e->off));
+    e->weighted = graph_kernels(fg, 0) >= 0;
+    exec_weights(e, fg);
     e->auto_free = (flags & 1 /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH */) != 0;
     if (flags & CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH) e->loops = 1;
     CUresult rc = upload ? gexec_map(e) : CUDA_SUCCESS;
@@ -425,6 +511,134 @@ static struct fake_gexec *gexec_of(CUgraphExec g)
 {
     struct fake_gexec *e = (struct fake_gexec *)g;
     return (uintptr_t)g > 0x10000 && e->magic == FAKE_GRAPH_MAGIC ? e : NULL;
+}
+
+/* ---- executables changed in place ---- */
+
+/* the index of node n in e's graph, -1 if it is none of its nodes */
+static int exec_node(const struct fake_gexec *e, CUgraphNode n)
+{
+    const struct fake_node *p = (const struct fake_node *)n;
+    if (!e || !p || p < e->base || p >= e->base + e->nnodes) return -1;
+    return (int)(p - e->base);
+}
+
+/* cuda.h's CUgraphExecUpdateResultInfo */
+typedef struct {
+    int result;
+    CUgraphNode errorNode, errorFromNode;
+} fake_update_info;
+
+static CUresult exec_update(CUgraphExec exec, CUgraph g, int *result, CUgraphNode *err)
+{
+    struct fake_gexec *e = gexec_of(exec);
+    struct fake_graph *fg = graph_of(g);
+    if (!e || !fg) return CUDA_ERROR_INVALID_VALUE;
+    int bad = fg->n != e->nnodes ? 2 /* CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED */ : 0;
+    for (int i = 0; !bad && i < fg->n; i++)
+        if (fg->nodes[i].type != e->base[i].type) {
+            bad = 3; /* CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED */
+            if (err) *err = (CUgraphNode)&fg->nodes[i];
+        }
+    if (result) *result = bad;
+    if (bad) return 910; /* CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE */
+    pthread_mutex_lock(&mu);
+    exec_weights(e, fg);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphExecUpdate(CUgraphExec exec, CUgraph g, CUgraphNode *err, int *result)
+{
+    FAIL_POINT("cuGraphExecUpdate");
+    if (!err || !result) return CUDA_ERROR_INVALID_VALUE;
+    *err = NULL;
+    return exec_update(exec, g, result, err);
+}
+
+API CUresult cuGraphExecUpdate_v2(CUgraphExec exec, CUgraph g, fake_update_info *info)
+{
+    FAIL_POINT("cuGraphExecUpdate");
+    if (!info) return CUDA_ERROR_INVALID_VALUE;
+    info->errorNode = info->errorFromNode = NULL;
+    return exec_update(exec, g, &info->result, &info->errorNode);
+}
+
+/* node i of e (of `type`, -1 any) takes `kernels` (-1: its own unchanged) and `on` (-1 unchanged) */
+static CUresult exec_node_set(CUgraphExec exec, CUgraphNode node, int type, int64_t kernels, int on)
+{
+    struct fake_gexec *e = gexec_of(exec);
+    int i = exec_node(e, node);
+    if (i < 0 || (type >= 0 && (int)e->base[i].type != type)) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    if (kernels >= 0) e->weight[i] = (uint64_t)kernels;
+    if (on >= 0) e->off[i] = !on;
+    exec_weigh(e);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+static CUresult exec_kernel_set(CUgraphExec exec, CUgraphNode node, const fake_kernel_params *p)
+{
+    if (!p || !p->gridDimX) return CUDA_ERROR_INVALID_VALUE;
+    return exec_node_set(exec, node, CU_GRAPH_NODE_TYPE_KERNEL, p->gridDimX, -1);
+}
+
+API CUresult cuGraphExecKernelNodeSetParams(CUgraphExec exec, CUgraphNode node, const fake_kernel_params *p)
+{
+    FAIL_POINT("cuGraphExecKernelNodeSetParams");
+    return exec_kernel_set(exec, node, p);
+}
+
+API CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec exec, CUgraphNode node, const fake_kernel_params *p)
+{
+    FAIL_POINT("cuGraphExecKernelNodeSetParams");
+    return exec_kernel_set(exec, node, p);
+}
+
+/* CUDA 12.2's generic setter: a kernel node's parameters at the union (CUgraphNodeParams) */
+API CUresult cuGraphExecNodeSetParams(CUgraphExec exec, CUgraphNode node, fake_node_params *p)
+{
+    FAIL_POINT("cuGraphExecNodeSetParams");
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    if (p->type == CU_GRAPH_NODE_TYPE_KERNEL) return exec_kernel_set(exec, node, (const fake_kernel_params *)p->reserved1);
+    if (p->type == CU_GRAPH_NODE_TYPE_CONDITIONAL) return CUDA_ERROR_INVALID_VALUE; /* not supported */
+    return exec_node_set(exec, node, (int)p->type, -1, -1);
+}
+
+API CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec exec, CUgraphNode node, CUgraph child)
+{
+    FAIL_POINT("cuGraphExecChildGraphNodeSetParams");
+    struct fake_graph *fg = graph_of(child);
+    if (!fg) return CUDA_ERROR_INVALID_VALUE;
+    int64_t k = graph_kernels(fg, 1);
+    return exec_node_set(exec, node, CU_GRAPH_NODE_TYPE_GRAPH, k > 0 ? k : 0, -1);
+}
+
+API CUresult cuGraphNodeSetEnabled(CUgraphExec exec, CUgraphNode node, unsigned int on)
+{
+    FAIL_POINT("cuGraphNodeSetEnabled");
+    return exec_node_set(exec, node, -1, -1, on != 0);
+}
+
+API CUresult cuGraphExecMemcpyNodeSetParams(CUgraphExec exec, CUgraphNode node, const void *p, CUcontext ctx)
+{
+    FAIL_POINT("cuGraphExecMemcpyNodeSetParams");
+    (void)ctx;
+    return p ? exec_node_set(exec, node, -1, -1, -1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuGraphExecMemsetNodeSetParams(CUgraphExec exec, CUgraphNode node, const void *p, CUcontext ctx)
+{
+    FAIL_POINT("cuGraphExecMemsetNodeSetParams");
+    (void)ctx;
+    return p ? exec_node_set(exec, node, -1, -1, -1) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuGraphExecHostNodeSetParams(CUgraphExec exec, CUgraphNode node, const void *p)
+{
+    FAIL_POINT("cuGraphExecHostNodeSetParams");
+    return p ? exec_node_set(exec, node, -1, -1, -1) : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* cuGraphLaunch of an executable made here; 0 if g is fakelaunch.h's kind. */

@@ -914,7 +914,11 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuGraphChildGraphNodeGetGraph) X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2)                   \
     X(cuGraphInstantiate) X(cuCtxSynchronize_v2)                                                               \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
-    X(cuGraphExecDestroy) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuMemsetD8_v2) X(cuMemsetD8_v2_ptds) X(cuGetErrorName)       \
+    X(cuGraphExecDestroy) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2) X(cuGraphExecUpdate)               \
+    X(cuGraphExecUpdate_v2) X(cuGraphExecKernelNodeSetParams) X(cuGraphExecKernelNodeSetParams_v2)             \
+    X(cuGraphExecNodeSetParams) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphNodeSetEnabled)                \
+    X(cuGraphExecMemcpyNodeSetParams) X(cuGraphExecMemsetNodeSetParams) X(cuGraphExecHostNodeSetParams)        \
+    X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) X(cuMemsetD8Async) X(cuMemsetD8_v2) X(cuMemsetD8_v2_ptds) X(cuGetErrorName)       \
     X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemFree) X(cuMemGetInfo) X(cuDeviceTotalMem) X(cuArrayCreate)          \
     X(cuArray3DCreate) X(cuCtxCreate) X(cuCtxDestroy) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset) \
     X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuCtxAttach) X(cuCtxDetach) X(cuCtxGetApiVersion)    \
@@ -976,6 +980,8 @@ static const struct {
     {"cuMemcpyHtoDAsync", 3020, "cuMemcpyHtoDAsync_v2"}, {"cuMemcpyDtoHAsync", 3020, "cuMemcpyDtoHAsync_v2"},
     {"cuStreamWaitValue32", 11070, "cuStreamWaitValue32_v2"}, {"cuMemPrefetchAsync", 12020, "cuMemPrefetchAsync_v2"},
     {"cuMemsetD8", 3020, "cuMemsetD8_v2"},           {"cuIpcOpenMemHandle", 11000, "cuIpcOpenMemHandle_v2"},
+    {"cuGraphExecUpdate", 12000, "cuGraphExecUpdate_v2"}, {"cuGraphAddKernelNode", 12000, "cuGraphAddKernelNode_v2"},
+    {"cuGraphExecKernelNodeSetParams", 12000, "cuGraphExecKernelNodeSetParams_v2"},
 };
 
 static void *func_by_name(const char *name)
