@@ -41,6 +41,7 @@ typedef struct CUctxCreateParams_st CUctxCreateParams;     /* only passed throug
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;     /* only passed through */
 typedef int CUdriverProcAddressQueryResult;
 typedef int CUmemPool_attribute;
+typedef int CUpointer_attribute;
 typedef int CUarray_format;
 typedef int CUstreamCaptureStatus;
 typedef int CUgraphNodeType;
@@ -255,6 +256,7 @@ typedef struct CUlaunchConfig_st {
 
 #define CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT 5
 #define CU_MEMPOOL_ATTR_USED_MEM_CURRENT 7
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
 #define CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT 0
 #define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
 #define CU_GRAPH_NODE_TYPE_KERNEL 0

@@ -464,6 +464,7 @@
     R(cuDeviceGetMemPool, CUresult, (CUmemoryPool *pool, CUdevice dev))                       \
     R(cuDeviceGetDefaultMemPool, CUresult, (CUmemoryPool *pool_out, CUdevice dev))            \
     R(cuMemPoolGetAttribute, CUresult, (CUmemoryPool pool, CUmemPool_attribute attr, void *value)) \
+    R(cuPointerGetAttribute, CUresult, (void *data, CUpointer_attribute attribute, CUdeviceptr ptr)) \
     R(cuEventCreate, CUresult, (CUevent *phEvent, unsigned int flags))                        \
     R(cuEventRecord, CUresult, (CUevent hEvent, CUstream hStream))                            \
     R(cuEventQuery, CUresult, (CUevent hEvent))                                               \

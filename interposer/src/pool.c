@@ -649,6 +649,31 @@ static CUresult call_alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemor
     return ((cuMemAllocFromPoolAsync_fn)real)(dptr, bytesize, pool, stream);
 }
 
+/* cuMemAllocAsync on a stream whose device could not be read (a driver before CUDA 12.8 tells
+ * the current context's device only, and the switch to the stream's context was refused:
+ * gs_stream_device) is reserved on the current device, a guess.  Once the pointer exists the
+ * driver tells its device (CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, older than stream-ordered
+ * allocation), and the charge moves there.  The guess stood: the stream's device's reconcile
+ * charged the same memory again as growth no hook saw (3 GiB on a stream of device 1 under
+ * device 0's context: 3 GiB charged to each, 6 GiB for 3 held under a 4 GiB cap;
+ * test_memory.py -k charged_once_when_the_sampler_measures), and a device with no room for it
+ * took it anyway (5 GiB held under its 4 GiB cap; -k past_its_devices_cap).  Returns the slot of
+ * the pointer's device where it is another charged one than guess_slot, with *pool (if asked
+ * for) that device's current pool, the one the allocation came from (cuDeviceSetMemPool waits
+ * for it: alloc_from_current); -1 to keep the guess (no answer: charged as before, to the
+ * current device, rather than not at all). */
+static int actual_slot(CUdeviceptr dptr, int guess_slot, CUmemoryPool *pool)
+{
+    int ord = -1, slot;
+    if (!gs_cuda.cuPointerGetAttribute ||
+        gs_cuda.cuPointerGetAttribute(&ord, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, dptr) != CUDA_SUCCESS ||
+        (slot = gs_dev_slot(ord)) < 0 || slot == guess_slot)
+        return -1;
+    if (pool && (!gs_cuda.cuDeviceGetMemPool || gs_cuda.cuDeviceGetMemPool(pool, ord) != CUDA_SUCCESS || !*pool))
+        return -1;
+    return slot;
+}
+
 /* cuMemAllocAsync when the stream's device's current pool cannot be asked for
  * (cuDeviceGetMemPool failed): charged as a plain allocation, its size reserved before the call
  * and returned at its free (reserving nothing let it pass uncharged: two 600 MiB allocations
@@ -656,7 +681,7 @@ static CUresult call_alloc_from_pool(CUdeviceptr *dptr, size_t bytesize, CUmemor
  * after the free until the pool releases it) no hook sees: the near-cap reconcile charges it as
  * growth, as it does code loaded lazily. */
 static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
-                                   size_t bytesize, CUstream stream, int slot, CUcontext ctx)
+                                   size_t bytesize, CUstream stream, int slot, CUcontext ctx, int guessed)
 {
     uint64_t want = gs_charge_size(bytesize), held = want;
     gs_inflight_begin(); /* before the charge changes: no clean reading between */
@@ -671,6 +696,16 @@ static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeA
     }
     CUresult rc = call(dptr, bytesize, NULL, stream, real);
     if (GS_UNLIKELY(held != want)) gs_budget_release(slot, held - want); /* the gap's headroom */
+    int to = rc == CUDA_SUCCESS && guessed ? actual_slot(*dptr, slot, NULL) : -1;
+    if (to >= 0 && gs_reserve_raw(to, want) != 0) { /* another device's (actual_slot), with no room */
+        if (free_real) free_real(*dptr, stream);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    } else if (to >= 0) {
+        gs_budget_release(slot, want);
+        slot = to;
+        CUcontext owner = gs_stream_ctx(stream);
+        if (owner) ctx = gs_ctx_canonical(owner);
+    }
     if (rc == CUDA_SUCCESS) {
         struct gs_alloc rec = {.size = want, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
         int put = gs_am_put(GS_KIND_DPTR, *dptr, &rec, &old); /* pool_free and cuMemFree take it */
@@ -728,9 +763,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     CUcontext ctx;
     CUdevice dev;
     CUstream es = gs_effective_stream(stream, per_thread);
-    int slot = gs_stream_device(es, &ctx, &dev) == 0 ? gs_dev_slot(dev) : -1;
-    if (slot < 0 && gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS)
+    int slot = gs_stream_device(es, &ctx, &dev) == 0 ? gs_dev_slot(dev) : -1, guessed = 0;
+    if (slot < 0 && gs_cuda.cuCtxGetDevice && gs_cuda.cuCtxGetDevice(&dev) == CUDA_SUCCESS) {
         slot = gs_current_slot(&ctx); /* the stream's device unknown: charged to the current one */
+        guessed = !pool;              /* cuMemAllocAsync: its pool too (corrected after the call) */
+    }
     int unknown = 0; /* cuMemAllocAsync, the stream's device's current pool not known */
     if (!pool && slot >= 0) { /* cuMemAllocAsync: the stream's device's current pool */
         unknown = !gs_cuda.cuDeviceGetMemPool || gs_cuda.cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS || !pool;
@@ -750,7 +787,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
      * memory only when the graph runs, and graphmem.c charges it then */
     if (slot < 0 || !bytesize || gs_stream_capturing(es) || (!pool && !unknown))
         return call(dptr, bytesize, pool, stream, real);
-    if (unknown) return alloc_unknown_pool(call, real, free_real, dptr, bytesize, stream, slot, ctx);
+    if (unknown) return alloc_unknown_pool(call, real, free_real, dptr, bytesize, stream, slot, ctx, guessed);
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize), gap = 0;
     if (GS_UNLIKELY(gs_near_cap(slot, want))) {
@@ -805,6 +842,11 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
         locked = gs_ctx_lock() == 0; /* not from inside a context call of this thread */
         gone = gs_dptr_gone(*dptr);
     }
+    /* the current device guessed wrong: the allocation is the stream's device's, from its current
+     * pool, and booked there instead (see actual_slot) */
+    CUmemoryPool actual = NULL;
+    int to = rc == CUDA_SUCCESS && guessed ? actual_slot(*dptr, slot, &actual) : -1;
+    if (to >= 0 && (uint64_t)(uintptr_t)actual == key) to = -1;
     struct gs_alloc rec = {.size = bytesize, .aux = key, .slot = slot, .ctx = (uint64_t)(uintptr_t)ctx}, old;
     mu_lock();
     p = find_locked(key, slot, 0); /* kept while busy */
@@ -812,7 +854,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     if (p) {
         p->busy--;
         p->pending -= want;
-        if (rc == CUDA_SUCCESS && !gone) p->live += bytesize;
+        if (rc == CUDA_SUCCESS && !gone && to < 0) p->live += bytesize;
         cuuint64_t size;
         if (rc != CUDA_SUCCESS && took && !p->destroyed && !pool_reserved(pool, &size)) {
             /* refused, and the pool's size unknown (a destroyed pool's handle, a context in a
@@ -828,10 +870,26 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
             p->charged -= back;
         }
         int pslot = p->slot;
-        grown = reconcile_locked(p, rc == CUDA_SUCCESS && !gone);
+        grown = reconcile_locked(p, rc == CUDA_SUCCESS && !gone && to < 0); /* moved: its reservation goes */
         if (GS_UNLIKELY(gap) && took) gs_budget_release(pslot, gap); /* the gap's headroom: the charge has followed */
     }
+    if (to >= 0) { /* reserved against that device's cap in one step: refused, undone below */
+        struct pool_rec *q = find_locked((uint64_t)(uintptr_t)actual, to, 1);
+        if (q && !gone) q->live += bytesize;
+        grown = q ? reconcile_locked(q, !gone) : -1;
+        if (grown < 0 && q) { /* as reserve_for_locked: the pools' charges down to what they hold first */
+            reconcile_all_locked();
+            grown = reconcile_locked(q, !gone);
+        }
+    }
     mu_unlock();
+    if (to >= 0) {
+        pool = actual;
+        key = rec.aux = (uint64_t)(uintptr_t)actual;
+        rec.slot = to;
+        CUcontext owner = gs_stream_ctx(es); /* its context, not the current one */
+        if (owner) rec.ctx = (uint64_t)(uintptr_t)gs_ctx_canonical(owner);
+    }
     int put = rc == CUDA_SUCCESS && grown == 0 && !gone ? gs_am_put(GS_KIND_POOLPTR, *dptr, &rec, &old) : -1;
     if (locked) gs_ctx_unlock();
     if (gone) {

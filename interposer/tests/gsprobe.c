@@ -1864,6 +1864,19 @@ int main(int argc, char **argv)
             typedef unsigned long (*count_t)(void);
             count_t count = (count_t)dlsym(dlopen("libnvidia-ml.so.1", RTLD_NOW), "fake_nvml_process_queries");
             printf("nvmlqueries %d %lu\n", count ? 0 : 1, count ? count() : 0);
+        } else if (!strcmp(c, "nvmlrounds")) {
+            /* nvmlrounds D N: wait until the fake NVML has listed device D's processes N more times
+             * ("nvmlrounds 0" then, 1 if it never did).  The library's reconcile of a device lists
+             * them at most 3 times (GS_ATTEMPTS), all in one thread: with nothing else reconciling,
+             * N = 4 means a reconcile of D that began after this command has completed */
+            typedef unsigned long (*count_t)(unsigned);
+            count_t count = (count_t)dlsym(dlopen("libnvidia-ml.so.1", RTLD_NOW), "fake_nvml_device_queries");
+            unsigned dev = (unsigned)atoi(ARG(0));
+            unsigned long want = count ? count(dev) + strtoul(ARG(1), NULL, 10) : 0;
+            int n = 0;
+            while (count && count(dev) < want && n++ < 20000) usleep(1000);
+            printf("nvmlrounds %d\n", count && count(dev) >= want ? 0 : 1);
+            i += 2;
         } else if (!strcmp(c, "fill")) {
             /* allocate SIZE chunks until one is refused: "fill <last rc> <chunks granted>" */
             uint64_t size = size_arg(ARG(0));

@@ -346,15 +346,67 @@ def test_the_device_of_another_contexts_stream_is_found_when_its_context_cannot_
         lab, driver):
     # the 4th cuCtxSetCurrent of the process fails: the first one of ours where the library
     # switches to read the stream's device (the probe made three). Drivers that tell a
-    # context's or a stream's device need no switch; an older one charges the current device
-    # rather than nothing (the allocation went uncharged: its 3 GiB beside any other)
+    # context's or a stream's device need no switch; an older one reserves on the current
+    # device rather than nothing (the allocation went uncharged: its 3 GiB beside any other),
+    # and moves the charge to the device the driver gives the pointer once it exists
     used, phys, res = region_used_and_phys(lab, "ctx", "0", "xasync", "1", "3g",
                                            CUDA_DEVICE_MEMORY_LIMIT="4g",
                                            FAKE_CUDA_DRIVER_VERSION=driver,
                                            FAKE_CUDA_FAIL="cuCtxSetCurrent:4:201")
     assert res.rc("xasync") == 0 and phys == [0, 3 * GIB]
-    where = lab.UUID_A if driver == "12040" else lab.UUID_B
-    assert used == {lab.UUID_A: 0, lab.UUID_B: 0, where: 3 * GIB}
+    assert used == {lab.UUID_A: 0, lab.UUID_B: 3 * GIB}
+
+
+@DRIVERS
+def test_an_allocation_on_another_contexts_stream_is_charged_once_when_the_sampler_measures(lab, driver):
+    # as above, read once a reconcile of device 1 that began after the allocation has completed
+    # (the sampler's first round, ~500 ms on, usually came after the reading above): the older
+    # driver's allocation stayed charged to device 0 (the current one), and device 1's reconcile
+    # charged its 3 GiB again as growth no hook saw: 6 GiB charged for 3 GiB held
+    used, phys, res = region_used_and_phys(lab, "ctx", "0", "xasync", "1", "3g", "nvmlrounds", "1", "4",
+                                           CUDA_DEVICE_MEMORY_LIMIT="4g",
+                                           FAKE_CUDA_DRIVER_VERSION=driver,
+                                           FAKE_CUDA_FAIL="cuCtxSetCurrent:4:201")
+    assert res.rc("xasync") == 0 and res.rc("nvmlrounds") == 0 and phys == [0, 3 * GIB]
+    assert used == {lab.UUID_A: 0, lab.UUID_B: 3 * GIB}
+
+
+def test_an_allocation_on_another_contexts_stream_with_its_pool_unknown_is_charged_to_its_device(lab):
+    # as above with the device's current pool unknown too (charged as a plain allocation): its
+    # 3 GiB were charged to device 0, where a reconcile of device 1 charged them again
+    used, phys, res = region_used_and_phys(lab, "ctx", "0", "xasync", "1", "3g",
+                                           CUDA_DEVICE_MEMORY_LIMIT="4g",
+                                           FAKE_CUDA_DRIVER_VERSION="12040",
+                                           FAKE_CUDA_FAIL="cuCtxSetCurrent:4:201,cuDeviceGetMemPool:0:999")
+    assert res.rc("xasync") == 0 and phys == [0, 3 * GIB]
+    assert used == {lab.UUID_A: 0, lab.UUID_B: 3 * GIB}
+
+
+@pytest.mark.parametrize("fail", ["", ",cuDeviceGetMemPool:0:999"], ids=["pool", "pool_unknown"])
+def test_an_allocation_on_another_contexts_stream_past_its_devices_cap_is_undone(lab, fail):
+    # device 1 holds 2 GiB of its 4 GiB; the older driver's 3 GiB on its stream were reserved on
+    # device 0 (the current one, with room) and passed: 5 GiB held on device 1 under its 4 GiB
+    # cap.  Moved to device 1 after the call, the charge does not fit: undone, out of memory
+    used, phys, res = region_used_and_phys(lab, "ctx", "1", "alloc", "2g", "ctx", "0", "xasync", "1", "3g",
+                                           CUDA_DEVICE_MEMORY_LIMIT="4g",
+                                           FAKE_CUDA_DRIVER_VERSION="12040",
+                                           FAKE_CUDA_FAIL="cuCtxSetCurrent:5:201" + fail)
+    assert res.rc("alloc") == 0 and res.rc("xasync") == OOM
+    # a pool the library cannot ask for is not trimmed: it keeps the freed 3 GiB until it gives
+    # them back, the reconcile's to charge near the cap (as alloc_unknown_pool's other undo)
+    assert phys == [0, 2 * GIB if not fail else 5 * GIB]
+    assert used == {lab.UUID_A: 0, lab.UUID_B: 2 * GIB}
+
+
+def test_an_allocation_whose_device_the_driver_cannot_tell_keeps_the_current_devices_charge(lab):
+    # neither the stream's context made current nor the pointer's device told: charged to the
+    # current device, as before the pointer was asked (not left uncharged)
+    used, phys, res = region_used_and_phys(lab, "ctx", "0", "xasync", "1", "3g",
+                                           CUDA_DEVICE_MEMORY_LIMIT="4g",
+                                           FAKE_CUDA_DRIVER_VERSION="12040",
+                                           FAKE_CUDA_FAIL="cuCtxSetCurrent:4:201,cuPointerGetAttribute:0:1")
+    assert res.rc("xasync") == 0 and phys == [0, 3 * GIB]
+    assert used == {lab.UUID_A: 3 * GIB, lab.UUID_B: 0}
 
 
 def test_a_failed_pool_query_keeps_the_pools_charge(lab):

@@ -1704,6 +1704,34 @@ API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevicept
     return a ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
 }
 
+/* CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL only (other attributes: CUDA_ERROR_NOT_SUPPORTED, not
+ * modelled): "the device ordinal of the device against which the memory was allocated or
+ * registered", for any address inside a plain or stream-ordered allocation (a pool's: the device
+ * the pool keeps its memory on, whichever context allocated; a host pool's: the allocating
+ * context's); CUDA_ERROR_INVALID_VALUE for an address the driver did not allocate */
+#define FAKE_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+API CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr)
+{
+    FAIL_POINT("cuPointerGetAttribute");
+    NEED_INIT();
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    if (attribute != FAKE_POINTER_ATTRIBUTE_DEVICE_ORDINAL) return CUDA_ERROR_NOT_SUPPORTED;
+    int pdev = -1;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_ALLOCS && pdev < 0; i++) {
+        const struct fake_alloc *a = &allocs[i];
+        if ((a->kind == K_DPTR || a->kind == K_POOL) && ptr >= a->handle && ptr - a->handle < a->size)
+            pdev = a->pdev >= 0 ? a->pdev : a->ctx ? a->ctx->pdev : -1;
+    }
+    pthread_mutex_unlock(&mu);
+    for (int d = 0; d < nvisible; d++)
+        if (pdev >= 0 && visible[d] == pdev) {
+            *(int *)data = d;
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
 /* CUDA IPC: a handle names the exporter's allocation (its pid, device, base, size); the
  * importer maps that memory, so its mapping (K_IPC) takes no memory of its own: the fake's
  * NVML lists nothing more for the importer, as the H200 showed (driver 580.159.04, the GPU

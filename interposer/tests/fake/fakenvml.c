@@ -187,12 +187,18 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m)
  * memory up by the host's (R560 in a container listed `mem: 0`).  FAKE_NVML_PID_AS_MINE=<pid>
  * lists that process under the caller's own getpid(): another namespace's pid that happens to
  * equal ours (a host pid is not a container's). */
-static unsigned long process_queries;
+static unsigned long process_queries, device_queries[FAKE_MAX_DEVS];
 
 /* Test-only: how many process-list queries this process made. */
 API unsigned long fake_nvml_process_queries(void)
 {
     return __atomic_load_n(&process_queries, __ATOMIC_RELAXED);
+}
+
+/* Test-only: how many of them were of device `index` (NVML's order) */
+API unsigned long fake_nvml_device_queries(unsigned index)
+{
+    return index < FAKE_MAX_DEVS ? __atomic_load_n(&device_queries[index], __ATOMIC_RELAXED) : 0;
 }
 
 /* FAKE_NVML_R535 (build/fake/r535/): a driver of the R535 or R545 branch (CUDA 12.2, 12.3).  Its
@@ -227,6 +233,7 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
 {
     int i = index_of(d);
     __atomic_add_fetch(&process_queries, 1, __ATOMIC_RELAXED);
+    if (i >= 0) __atomic_add_fetch(&device_queries[i], 1, __ATOMIC_RELAXED);
     if (!refs) return NVML_ERROR_UNINITIALIZED;
     if (i < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
     struct fake_phys *m = fake_phys_map();
