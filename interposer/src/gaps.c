@@ -61,7 +61,8 @@ static void gap_end_locked(struct tstream *s, const struct measured *m)
     int tail = (s->head + s->count) % GS_RING;
     s->ring[tail] = g;
     s->launches[tail] = 0;
-    s->fresh[tail] = 0;
+    s->fn[tail] = s->est[tail] = 0;
+    s->unknown[tail] = 0;
     s->rec_ns[tail] = gs_now_ns();
     s->count++;
     s->gaps++;

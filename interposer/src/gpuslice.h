@@ -526,14 +526,9 @@ struct gs_graph_need {            /* a graph's allocation nodes, per device */
     int conditional;              /* a conditional node somewhere in it (gs_graph_variable) */
 };
 extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (atomic) */
-/* What the compute limit knows of the executable's launches' GPU time (admit.c): its GPU code
- * decides it (GS_GRAPH_VARIABLE: a conditional node, or made for device launch; queued less),
- * no launch has measured it (GS_GRAPH_UNMEASURED: new, or changed since; the launch waits for its
- * stream's queue), or 0.  GS_GRAPH_DEVICE (made for device launch) is graphmem.c's own. */
-enum { GS_GRAPH_VARIABLE = 1, GS_GRAPH_UNMEASURED = 2, GS_GRAPH_DEVICE = 4 };
+/* Is the GPU time of the executable's launches its GPU code's to decide (a conditional node, or
+ * made for device launch)?  The compute limit queues less of them (admit.c) */
 int gs_graph_variable(CUgraphExec exec);
-void gs_graph_launched_unmeasured(CUgraphExec exec); /* a launch that was GS_GRAPH_UNMEASURED went */
-void gs_graph_changed(CUgraphExec exec); /* updated, its nodes' parameters set: cost unknown again */
 void gs_graphmem_note_free(void); /* a free of a pointer not ours, or a graph launch: maybe graph memory freed */
 /* 0 = not such a graph; 1 = reserved[] taken, the charge unsettled until gs_graphmem_after;
  * -1 = over the cap (nothing taken) */
@@ -584,6 +579,7 @@ void gs_launch_settle_ctx(CUcontext ctx);
 void gs_launch_stream_gone(CUstream s); /* before its destroy, with a compute limit */
 void gs_launch_at_exit(void);
 void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */
+void gs_launch_cost_forget(uint64_t fn); /* a function or executable graph changed or went: its cost unknown */
 void gs_launch_after_fork_child(void);
 
 /* ---- capture.c ------------------------------------------------------------ */

@@ -36,7 +36,6 @@
 #include <string.h>
 
 #include "gpuslice.h"
-#include "throttle.h" /* throttle_on: only a compute limit wants a new graph measured first */
 
 int gs_graph_mem_execs;
 
@@ -149,7 +148,7 @@ static CUresult graph_need(CUgraph graph, struct gs_graph_need *need)
     return walk(graph, here, need);
 }
 
-/* ---- executables whose launches take what the GPU decides, or cost what no launch measured -- */
+/* ---- executables whose launches take what the GPU decides --------------------- */
 
 /* A conditional node's WHILE body runs as many times as the graph's kernels say, and a graph
  * made for device launch may relaunch itself from the GPU: the same executable's launch may take
@@ -157,83 +156,45 @@ static CUresult graph_need(CUgraph graph, struct gs_graph_need *need)
  * work by its per-launch estimate, and a loop whose trip count grew after that estimate was
  * learnt was queued twenty deep: 4 s of work admitted at once, the GPU 100 % busy for seconds
  * under a 30 % limit (`test_throttle.py -k trip_count`).  Their launches queue a twentieth of
- * that (admit.c).
- *
- * An executable no launch has measured yet (new, or changed since: cuGraphExecUpdate, its
- * nodes' parameters set, a node enabled) may cost anything, and the stream's estimate is what
- * other work cost.  A stream of 1 ms launches whose graph was changed to 100 ms queued twenty of
- * them by the old estimate: 2 s of work admitted at once, the GPU 86.7 % busy over 1.5 s under
- * a 30 % limit (`test_throttle.py -k changed_in_place`: 33.3 % now).  Its next launch waits
- * for its stream's queue (the unknown cost of admit.c), so that it runs alone and is measured,
- * and the stream's launches after it wait for that measurement, which its estimate takes as it
- * is (streams.c).  Only while a compute limit is on.
- *
- * Kept apart from the allocation table below (whose entries the memory hooks act on); g_var_any
- * stays 0 while there are none. */
+ * that (admit.c).  Kept apart from the allocation table below (whose entries the memory hooks
+ * act on); g_var_any stays 0 while there are none. */
 static struct var_exec {
     CUgraphExec exec;
-    CUcontext ctx;  /* it was instantiated in: goes with it */
-    int device;     /* made for device launch */
-    int variable;   /* a conditional node, or made for device launch */
-    int unmeasured; /* launches left that wait for their stream's queue (GS_GRAPH_UNMEASURED) */
+    CUcontext ctx; /* it was instantiated in: goes with it */
+    int device;    /* made for device launch */
 } *g_var;
 static int g_nvar, g_capvar, g_var_any; /* g_var_any: g_nvar, read without the lock */
 static int g_ndev;                      /* entries made for device launch */
 
-#define GS_UNMEASURED_LAUNCHES 1 /* then its stream's estimate waits for it (admit.c) */
-
-/* The entry of exec, made if need be; -1 with no host memory for it.  Caller holds g_mu. */
-static int var_entry_locked(CUgraphExec exec, CUcontext ctx)
-{
-    int i = 0;
-    while (i < g_nvar && g_var[i].exec != exec) i++;
-    if (i < g_nvar) return i;
-    if (g_nvar == g_capvar) {
-        int cap = g_capvar ? 2 * g_capvar : 16;
-        struct var_exec *t = realloc(g_var, (size_t)cap * sizeof(*t));
-        if (!t) return -1;
-        g_var = t;
-        g_capvar = cap;
-    }
-    g_var[g_nvar] = (struct var_exec){.exec = exec, .ctx = ctx};
-    __atomic_store_n(&g_var_any, ++g_nvar, __ATOMIC_RELEASE);
-    return i;
-}
-
-static void var_drop_locked(int i)
-{
-    g_ndev -= g_var[i].device;
-    g_var[i] = g_var[--g_nvar];
-    __atomic_store_n(&g_var_any, g_nvar, __ATOMIC_RELEASE);
-}
-
-static CUcontext current_ctx(void)
+static void variable_note(CUgraphExec exec, int device)
 {
     CUcontext ctx = NULL;
     if (gs_cuda.cuCtxGetCurrent) gs_cuda.cuCtxGetCurrent(&ctx);
-    return gs_ctx_canonical(ctx);
-}
-
-/* exec is variable (device: made for device launch) and/or unmeasured, as of now */
-static void variable_note(CUgraphExec exec, int variable, int device, int unmeasured)
-{
-    CUcontext ctx = current_ctx();
+    ctx = gs_ctx_canonical(ctx);
     mu_lock();
-    int i = var_entry_locked(exec, ctx);
-    if (i >= 0) {
-        g_ndev += device - g_var[i].device;
-        g_var[i].ctx = ctx;
-        g_var[i].device = device;
-        g_var[i].variable = variable;
-        g_var[i].unmeasured = unmeasured ? GS_UNMEASURED_LAUNCHES : 0;
-        if (!variable && !unmeasured) var_drop_locked(i);
+    int i = 0;
+    while (i < g_nvar && g_var[i].exec != exec) i++;
+    if (i == g_nvar && g_nvar == g_capvar) {
+        int cap = g_capvar ? 2 * g_capvar : 16;
+        struct var_exec *t = realloc(g_var, (size_t)cap * sizeof(*t));
+        if (t) {
+            g_var = t;
+            g_capvar = cap;
+        }
     }
+    if (i < g_capvar) {
+        if (i < g_nvar) g_ndev -= g_var[i].device;
+        g_var[i] = (struct var_exec){exec, ctx, device};
+        g_ndev += device;
+        if (i == g_nvar) g_nvar++;
+    }
+    __atomic_store_n(&g_var_any, g_nvar, __ATOMIC_RELEASE);
     mu_unlock();
-    if (i < 0) GS_WARN("no host memory to note a graph whose launches' cost is unknown: its launches queue as others");
+    if (i >= g_capvar) GS_WARN("no host memory to note a graph whose GPU code decides its cost: its launches queue as others");
 }
 
-/* Take exec (ctx NULL), or every executable of ctx, out; 0 if there was none, else what it was:
- * GS_GRAPH_VARIABLE, GS_GRAPH_DEVICE (made for device launch), GS_GRAPH_UNMEASURED */
+/* Take exec (ctx NULL), or every executable of ctx, out; 0 if there was none, 2 if (the last) one
+ * was made for device launch, else 1 */
 static int variable_forget(CUgraphExec exec, CUcontext ctx)
 {
     int had = 0;
@@ -241,10 +202,11 @@ static int variable_forget(CUgraphExec exec, CUcontext ctx)
     mu_lock();
     for (int i = 0; i < g_nvar; i++)
         if (ctx ? g_var[i].ctx == ctx : g_var[i].exec == exec) {
-            had = (g_var[i].variable ? GS_GRAPH_VARIABLE : 0) | (g_var[i].device ? GS_GRAPH_DEVICE : 0) |
-                  (g_var[i].unmeasured ? GS_GRAPH_UNMEASURED : 0);
-            var_drop_locked(i--);
+            had = g_var[i].device ? 2 : 1;
+            g_ndev -= g_var[i].device;
+            g_var[i--] = g_var[--g_nvar];
         }
+    __atomic_store_n(&g_var_any, g_nvar, __ATOMIC_RELEASE);
     mu_unlock();
     return had;
 }
@@ -258,35 +220,10 @@ int gs_graph_variable(CUgraphExec exec)
      * lives every graph launch may take what its GPU code decides */
     mu_lock();
     int i = 0;
-    while (i < g_nvar && g_var[i].exec != exec) i++;
-    int found = (g_ndev || (i < g_nvar && g_var[i].variable) ? GS_GRAPH_VARIABLE : 0) |
-                (i < g_nvar && g_var[i].unmeasured ? GS_GRAPH_UNMEASURED : 0);
+    while (!g_ndev && i < g_nvar && g_var[i].exec != exec) i++;
+    int found = g_ndev || i < g_nvar;
     mu_unlock();
     return found;
-}
-
-void gs_graph_launched_unmeasured(CUgraphExec exec)
-{
-    if (gs_graphmem_passthrough()) return;
-    mu_lock();
-    int i = 0;
-    while (i < g_nvar && g_var[i].exec != exec) i++;
-    if (i < g_nvar && g_var[i].unmeasured && !--g_var[i].unmeasured && !g_var[i].variable) var_drop_locked(i);
-    mu_unlock();
-}
-
-void gs_graph_changed(CUgraphExec exec)
-{
-    if (!exec || gs_graphmem_passthrough()) return;
-    CUcontext ctx = current_ctx();
-    mu_lock();
-    int i = var_entry_locked(exec, ctx); /* an entry of its own keeps its flags and context */
-    if (i >= 0) g_var[i].unmeasured = GS_UNMEASURED_LAUNCHES;
-    mu_unlock();
-    if (i < 0)
-        GS_WARN("no host memory to note a changed graph: its launches queue by the old estimate");
-    else
-        GS_DEBUG("executable graph %p changed: its next launches wait for their stream's queue", (void *)exec);
 }
 
 /* ---- the executable graphs that allocate ----------------------------------- */
@@ -629,11 +566,9 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
     }
     unsigned long long flags = a->params ? a->params->flags : a->flags;
     int device = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH) != 0, variable = need.conditional || device;
-    int unmeasured = throttle_on(); /* its first launches wait for their stream's queue */
     if (!need.n) {
         CUresult rc = call(a);
-        if (rc == CUDA_SUCCESS && a->exec && (variable || unmeasured))
-            variable_note(*a->exec, variable, device, unmeasured);
+        if (rc == CUDA_SUCCESS && a->exec && variable) variable_note(*a->exec, device);
         return rc;
     }
     if (uploads) { /* mapped while instantiating */
@@ -643,7 +578,7 @@ static CUresult instantiate(instantiate_thunk call, const struct inst_args *a, i
     need.auto_free = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
     CUresult rc = call(a);
     int made = rc == CUDA_SUCCESS && a->exec;
-    if (made && (variable || unmeasured)) variable_note(*a->exec, variable, device, unmeasured);
+    if (made && variable) variable_note(*a->exec, device);
     if (made && remember(*a->exec, &need) != 0) {
         /* no host memory to remember it: untracked, its launches would map past the cap, so it
          * is undone and refused, as a graph whose nodes cannot be read is */
@@ -751,10 +686,9 @@ GS_EXPORT CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)
               forget(hGraphExec, &was);
     int var = !gs_graphmem_passthrough() && variable_forget(hGraphExec, NULL);
     CUresult rc = gs_cuda.cuGraphExecDestroy(hGraphExec);
+    if (rc == CUDA_SUCCESS) gs_launch_cost_forget((uint64_t)(uintptr_t)hGraphExec); /* its handle may come back */
     if (rc != CUDA_SUCCESS && had) put_back(&was);
-    if (rc != CUDA_SUCCESS && var) /* in the caller's context: near enough */
-        variable_note(hGraphExec, (var & GS_GRAPH_VARIABLE) != 0, (var & GS_GRAPH_DEVICE) != 0,
-                      (var & GS_GRAPH_UNMEASURED) != 0);
+    if (rc != CUDA_SUCCESS && var) variable_note(hGraphExec, var == 2); /* in the caller's context: near enough */
     return rc;
 }
 

@@ -51,6 +51,58 @@ void thr_drop_event(CUevent e)
     if (e && gs_cuda.cuEventDestroy_v2) gs_cuda.cuEventDestroy_v2(e);
 }
 
+/* ---- what a function or an executable graph costs a launch ---------------- */
+
+/* Direct-mapped by handle: a handle whose entry another took is of unknown cost again (its
+ * next launch waits for its stream's queue and is measured).  Under thr_mu. */
+#define GS_COSTS 1024
+static struct {
+    uint64_t fn, ns;
+} g_costs[GS_COSTS];
+unsigned thr_cost_gen;
+
+static unsigned cost_index(uint64_t fn)
+{
+    return (unsigned)((fn * 0x9e3779b97f4a7c15ull) >> 54) % GS_COSTS;
+}
+
+uint64_t thr_cost_locked(uint64_t fn)
+{
+    unsigned i = cost_index(fn);
+    return fn && g_costs[i].fn == fn ? g_costs[i].ns : 0;
+}
+
+/* A launch of fn took `each` alone: a quarter of the running average, or all of it if none */
+static void cost_learn_locked(uint64_t fn, uint64_t each)
+{
+    unsigned i = cost_index(fn);
+    if (!each) each = 1; /* known: even a launch too short to read costs something */
+    if (g_costs[i].fn == fn && g_costs[i].ns)
+        g_costs[i].ns = (g_costs[i].ns * 3 + each) / 4;
+    else
+        g_costs[i].fn = fn, g_costs[i].ns = each;
+}
+
+/* fn changed (an executable graph updated, its nodes' parameters set) or went (its handle may
+ * come back for another): of unknown cost until a launch of it is measured.  Not from a driver
+ * callback under a lock of ours (thr_mu may be this thread's): the old figure stays, learnt
+ * over at the next measurement. */
+void gs_launch_cost_forget(uint64_t fn)
+{
+    if (!fn || gs_t_held || __atomic_load_n(&thr_state, __ATOMIC_ACQUIRE) != THROTTLE_ON) return;
+    thr_mu_lock();
+    unsigned i = cost_index(fn);
+    if (g_costs[i].fn == fn) g_costs[i].fn = g_costs[i].ns = 0;
+    thr_cost_gen++;
+    thr_mu_unlock();
+}
+
+void thr_queue_clear(struct tstream *s)
+{
+    s->queued_est = 0;
+    s->queued_unknown = 0;
+}
+
 static void reset_stream(struct tstream *s)
 {
     /* events of a dead context are gone with it: just forget them */
@@ -67,10 +119,10 @@ static void restart_stream(struct tstream *s)
         if (s->mark) gs_cuda.cuEventDestroy_v2(s->mark);
     }
     s->head = s->count = s->nspare = s->gaps = s->unended = 0;
+    thr_queue_clear(s);
     s->mark = NULL;
     s->mark_ns = 0;
     s->per_launch_ns = s->advance_ns = s->advance_cost = 0;
-    s->awaiting = 0;
 }
 
 static int context_gone(CUresult rc)
@@ -108,9 +160,11 @@ void thr_measure_locked(struct tstream *s)
             uint64_t charge = 0; /* a gap (n 0: copies, host functions, waits) is charged nothing */
             if (n) {
                 uint64_t each = ns / n;
-                /* a launch of a graph no launch had measured: what it took, whatever came before */
-                int unmeasured = s->fresh[s->head];
-                s->per_launch_ns = s->per_launch_ns && !unmeasured ? (s->per_launch_ns * 3 + each) / 4 : each;
+                s->per_launch_ns = s->per_launch_ns ? (s->per_launch_ns * 3 + each) / 4 : each;
+                /* not a launch admitted before a change forgot its cost: it ran what was launched
+                 * then (a queued 1 ms launch of a graph changed to 100 ms taught 1 ms again) */
+                if (n == 1 && s->fn[s->head] && s->gen[s->head] == thr_cost_gen)
+                    cost_learn_locked(s->fn[s->head], each);
                 __atomic_store_n(&thr_launch_est_ns[s->slot], s->per_launch_ns * thr_own_share(s->slot) / 1000,
                                  __ATOMIC_RELAXED);
                 double fresh = thr_line_credit_locked(s->ctx, s->mark, e, ms, elapsed);
@@ -144,8 +198,8 @@ void thr_measure_locked(struct tstream *s)
         thr_give_event(s, s->mark);
         s->mark = e;
         s->mark_ns = s->rec_ns[s->head];
-        if (s->fresh[s->head]) s->awaiting = 0; /* measured, or never will be (a failed reading) */
-        s->fresh[s->head] = 0;
+        s->queued_est -= s->est[s->head];
+        s->queued_unknown -= s->unknown[s->head];
         s->head = (s->head + 1) % GS_RING;
         if (!n) s->gaps--;
         if (!--s->count) {
@@ -245,6 +299,7 @@ static void charge_unread_locked(CUcontext ctx, uint64_t now)
             if (o->mark_ns && (!from || o->mark_ns < from)) from = o->mark_ns;
             adv_cost += o->advance_cost;
             o->count = o->gaps = 0; /* charged here, whatever its events say later */
+            thr_queue_clear(o);
             o->advance_ns = o->advance_cost = 0;
         }
         uint64_t ran = from && now > from ? now - from : 0;

@@ -40,15 +40,19 @@ struct tstream {
     int unended;        /* a launch's end could not be recorded: no gap before the next end */
     CUevent ring[GS_RING];
     unsigned launches[GS_RING]; /* launches covered by each event; 0: it ends other work (a gap) */
-    unsigned char fresh[GS_RING]; /* it ends a launch of a graph no launch had measured: its
-                                   * time replaces the estimate rather than joining it */
-    int awaiting;       /* such an event is in the ring: the estimate is unknown until it is measured */
+    uint64_t fn[GS_RING];       /* the one launch it ends: its function or executable graph, whose
+                                 * cost its interval teaches (thr_cost); 0: several, or a gap */
+    uint64_t est[GS_RING];      /* the estimated GPU time of the launches it ends, of known cost */
+    unsigned short unknown[GS_RING]; /* those launches of unknown cost */
+    unsigned gen[GS_RING];      /* thr_cost_gen when its launch was admitted */
+    uint64_t queued_est;        /* est over the ring: the queue's estimated GPU time */
+    int queued_unknown;         /* unknown over the ring */
     uint64_t rec_ns[GS_RING];   /* host time each was (last) recorded */
     CUevent mark;       /* the last measured event: start of the next interval */
     uint64_t mark_ns;   /* host time it was recorded: the interval cannot be longer than since */
     CUevent spare[GS_RING + 2];
     int nspare;
-    uint64_t per_launch_ns; /* running estimate of one launch's GPU time; 0 = unknown */
+    uint64_t per_launch_ns; /* running estimate of one launch's GPU time (any); 0 = unknown */
     uint64_t advance_ns; /* GPU time debited before it was measured (a queue wait gave up) */
     uint64_t advance_cost; /* what that cost on the clock: settled and given back at most */
     uint64_t last_use;
@@ -85,7 +89,9 @@ struct measured {
     uint64_t key;
     struct ctx_switch sw;
     int begun; /* counted in its stream's `launching` (thr_begin_locked) */
-    int fresh; /* a graph no launch had measured (GS_GRAPH_UNMEASURED) */
+    uint64_t fn; /* its function or executable graph */
+    uint64_t fn_est; /* its cost as last measured (thr_cost_locked); 0 = unknown */
+    unsigned gen;    /* thr_cost_gen then */
 };
 
 /* ---- launch.c: the hooks' fast path -------------------------------------- */
@@ -178,6 +184,15 @@ static inline cuEventElapsedTime_fn thr_elapsed_fn(void)
 }
 
 void thr_measure_locked(struct tstream *s);
+/* A function's or executable graph's GPU time a launch, as measured (a running average); 0 if
+ * none was.  Kept per process, for every stream: a stream's own running estimate is what its
+ * last launches cost, whatever they were, and a stream of 1 ms kernels that went on to launch
+ * 100 ms ones queued twenty of them by it (streams.c) */
+uint64_t thr_cost_locked(uint64_t fn);
+/* Bumped when a cost is forgotten (gs_launch_cost_forget): launches admitted before teach none,
+ * since they ran what was launched before the change.  Under thr_mu. */
+extern unsigned thr_cost_gen;
+void thr_queue_clear(struct tstream *s); /* its events forgotten (count 0): their estimates too */
 void thr_measure_all_locked(void);
 int thr_advance_pending_locked(void);
 void thr_measure_advanced_locked(void);
@@ -220,7 +235,7 @@ static inline int thr_switch_to(const struct ctx_switch *sw, int there)
     return !sw->on || gs_cuda.cuCtxSetCurrent(there ? sw->there : sw->home) == CUDA_SUCCESS ? 0 : -1;
 }
 
-int thr_admit_locked(CUstream stream, int per_thread, int kind, struct measured *m);
+int thr_admit_locked(CUstream stream, int per_thread, int variable, uint64_t fn, struct measured *m);
 void thr_launch_failed(struct measured *m);
 void thr_callback_launched(CUstream stream, int per_thread);
 void thr_record_end(struct measured *m);

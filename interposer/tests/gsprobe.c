@@ -638,13 +638,19 @@ static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t 
 /* "gpeak SECONDS WINDOW_MS SKIP_MS LEARN_MS GRID HOW": peak with gpeak's graph, which after
  * LEARN_MS runs GRID kernels a launch, changed by HOW (update, update1, kernel, kernel1, node,
  * child, enable, new: its launches are then another executable's; none: no change, the graph
- * stays at one kernel); then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
+ * stays at one kernel; bigfn: no graph, a kernel of another function whose grid of GRID runs
+ * that many); then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
 static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips,
                        int device, const char *how)
 {
     void (*set_trips)(uint64_t) = (void (*)(uint64_t))dlsym(libcuda, "fake_cuda_graph_trips");
-    CUgraphExec loop = how ? change_setup(how, (unsigned)trips) : trips ? loop_graph(device) : NULL;
-    if ((trips && !loop) || (trips && !how && !set_trips)) {
+    /* "bigfn": kernels, not a graph; after LEARN_MS another function's, of grid GRID (the fake's
+     * FAKE_GRID_FN runs one kernel per block of its grid) */
+    int bigfn = how && !strcmp(how, "bigfn");
+    CUfunction fn = (CUfunction)0x1234;
+    unsigned grid = 1;
+    CUgraphExec loop = bigfn ? NULL : how ? change_setup(how, (unsigned)trips) : trips ? loop_graph(device) : NULL;
+    if ((trips && !loop && !bigfn) || (trips && !how && !set_trips)) {
         printf("peak %d 0 0\n", CUDA_ERROR_NOT_SUPPORTED);
         return;
     }
@@ -662,14 +668,16 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
     while (rc == CUDA_SUCCESS && now_ns() < end) {
         if (learning && now_ns() >= t0 + learn_ms * 1000000ull) {
             learning = 0;
-            if (how)
+            if (bigfn)
+                fn = (CUfunction)0x6d1d, grid = (unsigned)trips;
+            else if (how)
                 rc = change_apply(&loop);
             else
                 set_trips(trips);
             if (rc != CUDA_SUCCESS) break;
         }
-        if (!trips)
-            rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+        if (!loop)
+            rc = api.cuLaunchKernel(fn, grid, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
         else
             rc = api.cuGraphLaunch(loop, NULL);
         n++;

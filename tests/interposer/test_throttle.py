@@ -117,6 +117,21 @@ def test_a_graph_changed_in_place_does_not_run_ahead_of_the_budget(release_lab, 
     assert worst <= 400, f"{how}: the GPU was {worst / 10:.1f}% busy over 1.5 s under a 30% limit"
 
 
+@pytest.mark.parametrize("api", ["direct", "ptsz"])
+def test_a_stream_that_goes_on_to_a_longer_kernel_does_not_run_ahead_of_the_budget(release_lab, api):
+    # a second of a 1 ms kernel, then another function's 100 ms kernel, launched back to back on
+    # one stream under 30 % (a loop of big matmuls after elementwise work): the stream's own
+    # estimate was what its last launches cost, 1 ms, and its queue took twenty of the 100 ms
+    # kernels by it: 2 s of work at once, 86.7 % of the GPU over 1.5 s windows.  Each function's
+    # cost is now learnt on its own (the first launch of one runs alone and is measured): 33.3 %
+    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "100", "bigfn", api=api,
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000")
+    rc, (launches, worst) = res.of("peak")[0]
+    assert rc == 0 and launches > 10, res.stdout + res.stderr
+    assert worst <= 400, f"the GPU was {worst / 10:.1f}% busy over 1.5 s under a 30% limit"
+    assert abs(res.values("after")[0] / 10 - 30) <= TOLERANCE, res.stdout
+
+
 @pytest.mark.parametrize("grid", ["100", "5"])
 def test_a_changed_graphs_launches_still_get_the_share(release_lab, grid):
     # once the changed graph's first launch is measured, its stream's estimate is that launch's
