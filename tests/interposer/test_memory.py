@@ -20,6 +20,34 @@ CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_CONTEXT = 201
 GPUBENCH = Path(__file__).resolve().parents[1] / "gpu" / "native" / "gpubench.c"
 NOT_READY_CTX = "ctx"
+HOLD_MS = 5000  # the most a driver call held open for another thread's step lasts (``held``)
+
+
+# One thread's step ordered inside another's driver call by files, not by fixed sleeps: the
+# fake sleeps at the call's FAKE_CUDA_SLEEP point, creates a mark file as it starts and goes
+# on once a go file exists (the fake's "{}" in the paths: the point's name).  A sleep of
+# 100 ms to let the other thread get there, inside a call held 300 ms, ordered them only while
+# the machine kept up.
+def held(lab, *points: str, ms: int = HOLD_MS) -> dict[str, str]:
+    """The environment that holds each driver call ``point`` (``name`` or ``name:nth``, the
+    nth such call only) until ``inside``'s go, ``ms`` at most."""
+    sleep = ",".join(f"{name}:{ms}{':' + nth if nth else ''}"
+                     for name, _, nth in (point.partition(":") for point in points))
+    return {"FAKE_CUDA_SLEEP": sleep, "FAKE_CUDA_SLEEP_MARK": str(lab.tmp / "in-{}"),
+            "FAKE_CUDA_SLEEP_UNTIL": str(lab.tmp / "go-{}")}
+
+
+def inside(lab, point: str, *step: str) -> list[str]:
+    """Commands that take ``step`` once another thread is inside the held call ``point``, then
+    let that call go on."""
+    return ["waitfile", str(lab.tmp / f"in-{point}"), *step, "touch", str(lab.tmp / f"go-{point}")]
+
+
+def bg_inside(lab, point: str) -> list[str]:
+    """Commands before a background thread's that start it once the main thread is inside the
+    held call ``point``.  That call goes on after its ``ms``: the library makes the thread's
+    own call wait for it (a context's reset), so no go can come from the thread."""
+    return ["bgafter", str(lab.tmp / f"in-{point}")]
 
 # (probe command and arguments, bytes the interposer charges for it)
 ALLOCATIONS = {
@@ -948,21 +976,23 @@ def test_resetting_the_primary_context_returns_everything_it_held(lab, stays_act
 
 
 # Another thread's allocation (200 MiB, plain or pitched) inside the driver while the primary
-# context goes: (the main thread's commands, where the fake sleeps, whether the driver keeps a
-# reset context active, the 50 MiB context's and the allocation's MiB the driver then holds)
+# context goes: (how it goes, where the fake holds a call, whether the driver keeps a reset
+# context active, the 50 MiB context's and the allocation's MiB the driver then holds).  At
+# the allocation's points the context goes inside the allocation, at the reset's the
+# allocation comes inside the reset.
 ALLOCATION_RACES = {
     # taken before the reset or the last release, which frees it; its record was booked after
     # and stayed charged: 250 MiB for 50 held
-    "taken_before_reset": (["sleep", "100", "reset", "0"], "{}After:300", None, 50),
-    "taken_before_reset_stays_active": (["sleep", "100", "reset", "0"], "{}After:300", "1", 50),
-    "taken_before_release": (["sleep", "100", "release", "0"], "{}After:300", None, 50),
+    "taken_before_reset": ("reset", "{}After", None, 50),
+    "taken_before_reset_stays_active": ("reset", "{}After", "1", 50),
+    "taken_before_release": ("release", "{}After", None, 50),
     # taken (and booked) while the reset, the context emptied, was still in the driver: the
     # reset forgot its record, 200 MiB held uncharged where NVML has no per-process figure
-    "taken_during_reset": (["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 250),
+    "taken_during_reset": ("reset", "cuDevicePrimaryCtxResetAfter", "1", 250),
     # entered before the reset, taken after it: refused (the context went), or kept in the
     # emptied context
-    "taken_after_reset": (["sleep", "100", "reset", "0"], "{}:300", None, 50),
-    "taken_after_reset_stays_active": (["sleep", "100", "reset", "0"], "{}:300", "1", 250),
+    "taken_after_reset": ("reset", "{}", None, 50),
+    "taken_after_reset_stays_active": ("reset", "{}", "1", 250),
 }
 
 
@@ -970,19 +1000,22 @@ ALLOCATION_RACES = {
 @pytest.mark.parametrize("race", ALLOCATION_RACES)
 def test_an_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_holds_it(
         lab, race, bg):
-    main, sleep, stays_active, held = ALLOCATION_RACES[race]
-    fn = "cuMemAlloc_v2" if bg == "bgalloc" else "cuMemAllocPitch_v2"
-    delay = "100" if main == ["reset", "0"] else "0"  # into the reset's sleep, or before it
+    end, point, stays_active, held_mib = ALLOCATION_RACES[race]
+    point = point.format("cuMemAlloc_v2" if bg == "bgalloc" else "cuMemAllocPitch_v2")
+    during = point.startswith("cuDevicePrimaryCtxReset")
+    if during:
+        cmds = [*bg_inside(lab, point), bg, "200m", "0", end, "0"]
+    else:
+        cmds = [bg, "200m", "0", *inside(lab, point, end, "0")]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", "ctx", "0", bg, "200m", delay, *main, "join", *again, "meminfo", "phys",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP=sleep.format(fn), FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  FAKE_NVML_PROC_MEM="0")
-    assert res.rc(main[-2]) == 0
-    assert res.rc(bg) == (0 if held == 250 or "before" in race else CUDA_ERROR_INVALID_CONTEXT)
-    assert res.values("phys") == [held * MIB]
+    res = lab.run("init", "ctx", "0", *cmds, "join", *again, "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  FAKE_NVML_PROC_MEM="0", **held(lab, point, ms=300 if during else HOLD_MS))
+    assert res.rc(end) == 0
+    assert res.rc(bg) == (0 if held_mib == 250 or "before" in race else CUDA_ERROR_INVALID_CONTEXT)
+    assert res.values("phys") == [held_mib * MIB]
     free, total = res.values("meminfo")
-    assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
+    assert (total - free) // MIB == held_mib, f"{(total - free) // MIB} MiB charged for {held_mib} held"
 
 
 CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
@@ -1009,9 +1042,9 @@ def test_an_allocation_racing_its_created_or_green_contexts_end_is_charged_as_th
     # thread still had current: that thread's allocation crashed the probe.)
     make, ends = CONTEXT_ENDS[end]
     point = "cuMemAlloc_v2After" if taken == "before" else "cuMemAlloc_v2"
-    res = lab.run("init", *make, "bgalloc", "200m", "0", "sleep", "100", *ends, "join", "ctx", "0",
+    res = lab.run("init", *make, "bgalloc", "200m", "0", *inside(lab, point, *ends), "join", "ctx", "0",
                   "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_GREEN_BYTES="8m", FAKE_CUDA_SLEEP=f"{point}:300", FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_GREEN_BYTES="8m", FAKE_NVML_PROC_MEM="0", **held(lab, point))
     assert res.rc(ends[0]) == 0
     assert res.rc("bgalloc") == (0 if taken == "before" else CUDA_ERROR_CONTEXT_IS_DESTROYED)
     assert res.values("phys") == [50 * MIB]
@@ -1020,41 +1053,45 @@ def test_an_allocation_racing_its_created_or_green_contexts_end_is_charged_as_th
 
 
 # A stream-ordered allocation of 200 MiB (from the device's default pool, which grows by 32 MiB
-# chunks: 224 MiB) inside the driver while the primary context goes: (the main thread's
-# commands, where the fake sleeps, whether a reset context stays active, the MiB then held)
+# chunks: 224 MiB) inside the driver while the primary context goes: (how it goes, where the
+# fake holds a call, whether a reset context stays active, the MiB then held)
 POOL_RACES = {
     # taken before the reset or the last release, which frees it and empties the pool
-    "taken_before_reset": (["sleep", "100", "reset", "0"], "cuMemAllocAsyncAfter:300", None, 50),
-    "taken_before_release": (["sleep", "100", "release", "0"], "cuMemAllocAsyncAfter:300", None, 50),
+    "taken_before_reset": ("reset", "cuMemAllocAsyncAfter", None, 50),
+    "taken_before_release": ("release", "cuMemAllocAsyncAfter", None, 50),
     # taken while the reset, the context emptied and kept active, was still in the driver
-    "taken_during_reset": (["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 274),
+    "taken_during_reset": ("reset", "cuDevicePrimaryCtxResetAfter", "1", 274),
     # entered before, refused after: the context went
-    "taken_after_reset": (["sleep", "100", "reset", "0"], "cuMemAllocAsync:300", None, 50),
+    "taken_after_reset": ("reset", "cuMemAllocAsync", None, 50),
 }
 
 
 @pytest.mark.parametrize("race", POOL_RACES)
 def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_holds_it(lab, race):
-    main, sleep, stays_active, held = POOL_RACES[race]
-    delay = "100" if main == ["reset", "0"] else "0"
+    end, point, stays_active, held_mib = POOL_RACES[race]
+    during = point.startswith("cuDevicePrimaryCtxReset")
+    if during:
+        cmds = [*bg_inside(lab, point), "bgasync", "200m", "0", end, "0"]
+    else:
+        cmds = ["bgasync", "200m", "0", *inside(lab, point, end, "0")]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", "ctx", "0", "bgasync", "200m", delay, *main, "join", *again, "meminfo", "phys",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep,
-                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
-    assert res.rc(main[-2]) == 0
+    res = lab.run("init", "ctx", "0", *cmds, "join", *again, "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  FAKE_NVML_PROC_MEM="0", **held(lab, point, ms=300 if during else HOLD_MS))
+    assert res.rc(end) == 0
     assert res.rc("bgasync") == (CUDA_ERROR_INVALID_CONTEXT if race == "taken_after_reset" else 0)
-    assert res.values("phys") == [held * MIB]
+    assert res.values("phys") == [held_mib * MIB]
     free, total = res.values("meminfo")
-    assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
+    assert (total - free) // MIB == held_mib, f"{(total - free) // MIB} MiB charged for {held_mib} held"
 
 
 # A 200 MiB allocation freed by the other kind of free while the primary context is reset, which
-# frees it first: (how it is made, the thread that frees it, where the fake sleeps: inside the
+# frees it first: (how it is made, the thread that frees it, where the fake holds it: inside the
 # free, before the driver looks the pointer up).  Both frees are legal in CUDA (cuMemFree of a
 # stream-ordered allocation synchronises; cuMemFreeAsync takes a cuMemAlloc pointer).
 CROSS_FREES = {
-    "plain_freed_async": (["alloc", "200m"], "bgfreeasync", "cuMemFreeAsync:300"),
-    "pool_freed_plain": (["async", "200m"], "bgfreesync", "cuMemFree_v2:300"),
+    "plain_freed_async": (["alloc", "200m"], "bgfreeasync", "cuMemFreeAsync"),
+    "pool_freed_plain": (["async", "200m"], "bgfreesync", "cuMemFree_v2"),
 }
 
 
@@ -1067,12 +1104,12 @@ def test_a_free_of_the_other_kind_refused_after_a_reset_freed_its_memory_returns
     # the driver no longer holds the pointer); these put the record back: 250 MiB charged for
     # 50 held until the process exits, and the 800 MiB allocation after it refused under the
     # 1 GiB cap
-    make, freer, sleep = CROSS_FREES[free]
+    make, freer, point = CROSS_FREES[free]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", "ctx", "0", *make, freer, "0", "0", "sleep", "100", "reset", "0", "join",
+    res = lab.run("init", "ctx", "0", *make, freer, "0", "0", *inside(lab, point, "reset", "0"), "join",
                   *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **held(lab, point))
     assert res.rc(make[0]) == 0 and res.rc("reset") == 0
     assert res.rc(freer) != 0  # refused: the reset freed it
     assert res.values("phys") == [50 * MIB]
@@ -1087,11 +1124,11 @@ def test_a_free_refused_after_a_reset_keeps_the_newer_allocation_at_the_address_
     # another allocation gets the same address (the driver reuses them) and is booked.  The
     # settle saw the address held and put the old record back over the newer one: 450 MiB
     # charged for 250 held
-    res = lab.run("init", "ctx", "0", "alloc", "200m", "bgfreesync", "0", "0", "sleep", "100", "reset", "0",
-                  "sleep", "300", "alloc", "200m", "join", "meminfo", "phys", "free", "1", "meminfo",
+    res = lab.run("init", "ctx", "0", "alloc", "200m", "bgfreesync", "0", "0",
+                  *inside(lab, "cuMemFree_v2", "reset", "0"), *inside(lab, "cuMemFree_v2After", "alloc", "200m"),
+                  "join", "meminfo", "phys", "free", "1", "meminfo",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE="1",
-                  FAKE_CUDA_ADDR_REUSE="1", FAKE_CUDA_SLEEP="cuMemFree_v2:300,cuMemFree_v2After:400",
-                  FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_ADDR_REUSE="1", FAKE_NVML_PROC_MEM="0", **held(lab, "cuMemFree_v2", "cuMemFree_v2After"))
     assert res.rc("reset") == 0 and res.rc("bgfreesync") != 0  # refused: the reset freed it
     assert [rc for rc, _ in res.of("alloc")] == [0, 0]
     assert res.values("phys") == [250 * MIB]
@@ -1102,44 +1139,49 @@ def test_a_free_refused_after_a_reset_keeps_the_newer_allocation_at_the_address_
 
 
 # A 200 MiB array another thread's cuArrayCreate makes inside the driver while a context goes:
-# (the commands that make the context, the main thread's, where the fake sleeps, whether a reset
-# context stays active, the MiB then held, charged)
+# (the commands that make the context, those that end it, where the fake holds a call, whether a
+# reset context stays active, the MiB then held, charged)
 ARRAY_RACES = {
     # made before the end, which freed it, and booked after it: it stayed charged (250 MiB for
     # 50 held, an 800 MiB allocation refused under a 1 GiB cap); the context went since the
     # allocation began, and its array with it
-    "before_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
-    "before_release": (["ctx", "0"], ["sleep", "100", "release", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
-    "before_destroy": (["ctxcreate", "0", "capcur"], ["sleep", "100", "ctxdestroy", "0"], "cuArrayCreate_v2After:300",
-                       None, 50, 50),
+    "before_reset": (["ctx", "0"], ["reset", "0"], "cuArrayCreate_v2After", None, 50, 50),
+    "before_release": (["ctx", "0"], ["release", "0"], "cuArrayCreate_v2After", None, 50, 50),
+    "before_destroy": (["ctxcreate", "0", "capcur"], ["ctxdestroy", "0"], "cuArrayCreate_v2After", None, 50, 50),
     # a reset that keeps the context active: the reset waits for the creation, which is booked
     # before it and forgotten by it (it stayed charged until the process exited, 250 MiB for 50
     # held: -k made_before_a_reset); one that comes while the reset is in progress waits for
     # it and is made in the emptied context, held and charged
-    "before_reset_stays_active": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", "1",
-                                  50, 50),
-    "during_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 250, 250),
+    "before_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuArrayCreate_v2After", "1", 50, 50),
+    "during_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuDevicePrimaryCtxResetAfter", "1", 250, 250),
     # entered before a reset, which waits for it: made, then freed and forgotten by the reset
-    "entered_before_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2:300", None, 50, 50),
+    "entered_before_reset": (["ctx", "0"], ["reset", "0"], "cuArrayCreate_v2", None, 50, 50),
     # entered before a created context's destroy, refused after it: its reservation returns
-    "refused_after_destroy": (["ctxcreate", "0", "capcur"], ["sleep", "100", "ctxdestroy", "0"],
-                              "cuArrayCreate_v2:300", None, 50, 50),
+    "refused_after_destroy": (["ctxcreate", "0", "capcur"], ["ctxdestroy", "0"], "cuArrayCreate_v2", None, 50, 50),
 }
 
 
 @pytest.mark.parametrize("race", ARRAY_RACES)
 def test_an_array_made_as_its_context_goes_is_charged_while_the_driver_may_hold_it(lab, race):
-    make, main, sleep, stays_active, held, charged = ARRAY_RACES[race]
-    delay = "100" if main == ["reset", "0"] else "0"
+    # where the context's end waits for the creation (a reset: the array fence), the creation
+    # goes on after HOLD_MS, the end's go coming only once it is done
+    make, ends, point, stays_active, held_mib, charged = ARRAY_RACES[race]
+    during = point.startswith("cuDevicePrimaryCtxReset")
+    waits = ends[0] == "reset"
+    if during:
+        cmds = [*bg_inside(lab, point), "bgarray", "4096", "3200", "0", *ends]
+    else:
+        cmds = ["bgarray", "4096", "3200", "0", *inside(lab, point, *ends)]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", *make, "bgarray", "4096", "3200", delay, *main, "join", *again, "meminfo", "phys",
+    res = lab.run("init", *make, *cmds, "join", *again, "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
-    assert res.rc(main[-2]) == 0
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **held(lab, point, ms=300 if during or waits else HOLD_MS))
+    assert res.rc(ends[0]) == 0
     assert res.rc("bgarray") == (CUDA_ERROR_CONTEXT_IS_DESTROYED if race.startswith("refused") else 0)
-    assert res.values("phys") == [held * MIB]
+    assert res.values("phys") == [held_mib * MIB]
     free, total = res.values("meminfo")
-    assert (total - free) // MIB == charged, f"{(total - free) // MIB} MiB charged for {held} held"
+    assert (total - free) // MIB == charged, f"{(total - free) // MIB} MiB charged for {held_mib} held"
     assert res.rc("alloc") == (0 if charged == 50 else OOM)
 
 
@@ -1150,11 +1192,12 @@ def test_an_array_made_before_a_reset_that_keeps_the_context_active_is_returned_
     # for 50 held, an 800 MiB allocation refused under a 1 GiB cap.  Its destroy afterwards
     # (refused: the reset took it) must not return anything a second time, and an array made
     # after the reset is charged
-    res = lab.run("init", "ctx", "0", "bgarray", "4096", "3200", "0", "sleep", "100", "reset", "0", "join",
+    # (the reset waits for the creation: held 300 ms, not until the reset's go)
+    res = lab.run("init", "ctx", "0", "bgarray", "4096", "3200", "0",
+                  *inside(lab, "cuArrayCreate_v2After", "reset", "0"), "join",
                   "meminfo", "phys", "free", "0", "meminfo", "array", "4096", "3200", "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP="cuArrayCreate_v2After:300", FAKE_CUDA_RESET_ACTIVE="1",
-                  FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_RESET_ACTIVE="1", FAKE_NVML_PROC_MEM="0", **held(lab, "cuArrayCreate_v2After", ms=300))
     assert res.rc("bgarray") == 0 and res.rc("reset") == 0
     assert res.values("phys") == [50 * MIB]
     free, total = res.values("meminfo")
@@ -1187,10 +1230,11 @@ def test_an_array_destroy_refused_after_its_context_went_returns_the_charge(lab,
     # the 1 GiB cap.  A reset now waits for the destroy (the array fence), which succeeds
     make, main, stays_active = ARRAY_DESTROY_RACES[race]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", *make, "array", "4096", "3200", "bgarrayfree", "0", "0", "sleep", "100", *main,
+    point = "cuArrayDestroy"
+    res = lab.run("init", *make, "array", "4096", "3200", "bgarrayfree", "0", "0", *inside(lab, point, *main),
                   "join", *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP="cuArrayDestroy:300",
-                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **held(lab, point, ms=300 if main[0] == "reset" else HOLD_MS))  # a reset waits for it
     assert res.rc("array") == 0 and res.rc(main[0]) == 0
     assert res.rc("bgarrayfree") == (0 if main[0] == "reset" else CUDA_ERROR_INVALID_VALUE)
     assert res.values("phys") == [50 * MIB]
@@ -1205,11 +1249,12 @@ def test_an_external_memory_destroy_racing_its_contexts_end_returns_the_charge_o
     # driver may refuse the destroy; a reset waits for it (the array fence)
     make, main, stays_active = ARRAY_DESTROY_RACES[race]
     again = [] if stays_active else ["ctx", "0"]
+    point = "cuDestroyExternalMemory"
     res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "eimport", "0", "free", "0",
-                  "bgarrayfree", "1", "0", "sleep", "100", *main, "join", *again, "meminfo", "phys",
+                  "bgarrayfree", "1", "0", *inside(lab, point, *main), "join", *again, "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP="cuDestroyExternalMemory:300", FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **held(lab, point, ms=300 if main[0] == "reset" else HOLD_MS))
     assert res.rc("eimport") == 0 and res.rc(main[0]) == 0
     assert res.rc("bgarrayfree") == (0 if main[0] == "reset" else CUDA_ERROR_INVALID_VALUE)
     assert res.values("phys") == [50 * MIB]
@@ -1230,14 +1275,15 @@ def test_a_tile_mapping_racing_its_arrays_context_goes_with_the_array(lab, race,
     make, main, stays_active = ARRAY_DESTROY_RACES[race]
     again = [] if stays_active else ["ctx", "0"]
     if op == "unmap":
-        cmds = ["amap", "0", "1", "0", "free", "1", "bgaunmap", "0", "0", "0", "sleep", "100", *main, "join"]
-        sleep = "cuMemMapArrayAsync:300"
+        point = "cuMemMapArrayAsync"
+        cmds = ["amap", "0", "1", "0", "free", "1", "bgaunmap", "0", "0", "0", *inside(lab, point, *main), "join"]
     else:
-        cmds = ["bgamap", "0", "1", "0", "0", "sleep", "100", *main, "join", "free", "1"]
-        sleep = "cuMemMapArrayAsyncAfter:300"
+        point = "cuMemMapArrayAsyncAfter"
+        cmds = ["bgamap", "0", "1", "0", "0", *inside(lab, point, *main), "join", "free", "1"]
     res = lab.run("init", *make, *SPARSE, "vmm", "300m", "0", *cmds, *again, "meminfo", "phys", "alloc",
-                  "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep,
-                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+                  "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **held(lab, point, ms=300 if op == "unmap" else HOLD_MS))  # every end waits for an unmap
     assert res.rc(main[0]) == 0 and res.rc("free") == 0
     assert res.rc("bg" + ("aunmap" if op == "unmap" else "amap")) == (1 if op == "unmap" else 0)
     assert res.values("phys") == [50 * MIB]
