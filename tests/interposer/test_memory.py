@@ -248,12 +248,14 @@ def test_memory_a_pool_gives_back_at_a_synchronisation_is_uncharged_within_a_sam
 def test_a_pool_allocation_in_flight_keeps_its_reservation_while_the_sampler_runs(lab):
     # the sampler reconciles pools every 500 ms; one whose allocation is inside the driver has
     # not grown yet, and returning its reservation then would let another process take it
-    mark = lab.tmp / "allocating"
+    # (the allocation held until the other process has tried; the 0.8 s let a round pass, the
+    # sampler's own timing, which nothing of the test's can mark)
     first = lab.start("init", "ctx", "0", "async", "600m", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                      FAKE_CUDA_SLEEP="cuMemAllocAsync:1500", FAKE_CUDA_SLEEP_MARK=str(mark))
-    lab.wait_for(mark)
+                      **held(lab, "cuMemAllocAsync"))
+    lab.wait_for(lab.tmp / "in-cuMemAllocAsync")
     time.sleep(0.8)  # past the sampler's first round
     second = lab.run("init", "ctx", "0", "alloc", "500m", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    (lab.tmp / "go-cuMemAllocAsync").touch()
     assert second.rc("alloc") == OOM
     assert lab.finish(first).rc("async") == 0
 
@@ -442,13 +444,17 @@ def test_pool_memory_given_back_at_a_streams_sync_is_measured_once_its_frees_are
 def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab):
     # two threads allocate 500 MiB from one pool at once: the second reserved only what the
     # pool's charge lacked, which the first had just reserved, so 500 MiB stood for 1000
-    mark = lab.tmp / "allocating"
-    proc = lab.start("init", "ctx", "0", "bgasync", "500m", "0", "sleep", "100", "async", "500m",
-                     "join", CUDA_DEVICE_MEMORY_LIMIT="2g",
-                     FAKE_CUDA_SLEEP="cuMemAllocAsync:1500", FAKE_CUDA_SLEEP_MARK=str(mark))
-    lab.wait_for(mark)
-    time.sleep(0.5)
-    assert lab.used() == 1024 * MIB  # 1000 MiB and the rest of the chunk the pool may grow by
+    # (the second starts once the first is inside, both held there until the charge is read:
+    # it stays put once the second has reserved, 512 MiB with the bug)
+    proc = lab.start("init", "ctx", "0", "bgasync", "500m", "0", "waitfile", str(lab.tmp / "in-cuMemAllocAsync"),
+                     "async", "500m", "join", CUDA_DEVICE_MEMORY_LIMIT="2g", **held(lab, "cuMemAllocAsync"))
+    lab.wait_for(lab.tmp / "in-cuMemAllocAsync")
+    deadline = time.monotonic() + 3
+    while lab.used() != 1024 * MIB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    used = lab.used()
+    (lab.tmp / "go-cuMemAllocAsync").touch()
+    assert used == 1024 * MIB  # 1000 MiB and the rest of the chunk the pool may grow by
     assert lab.finish(proc).rc("async") == 0
 
 
@@ -742,11 +748,11 @@ def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab)
     # 700 MiB allocation passed, 1308 MiB held under 1 GiB.  The old pool's free may still be
     # outstanding (no synchronisation yet): its 128 MiB stay charged beside the new pool's,
     # under a record of their own, until the synchronisation
-    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "100m", "free", "0",
-                  "bgpooldestroy", "sleep", "100", "mkpool", "1", "0", "upool", "pool", "600m",
-                  "sleep", "600", "join", "meminfo", "sync", "free", "1", "meminfo", "phys", "alloc",
+    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "100m", "free", "0", "bgpooldestroy",
+                  *inside(lab, "cuMemPoolDestroyAfter", "mkpool", "1", "0", "upool", "pool", "600m"),
+                  "join", "meminfo", "sync", "free", "1", "meminfo", "phys", "alloc",
                   "700m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_HANDLE_REUSE="1",
-                  FAKE_CUDA_SLEEP="cuMemPoolDestroyAfter:500")
+                  **held(lab, "cuMemPoolDestroyAfter"))
     assert res.values("upool", 0) == res.values("upool", 1)  # the handle came back
     assert res.rc("bgpooldestroy") == 0 and res.rc("pool") == 0 and res.rc("alloc") == OOM
     assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 736 * MIB, GIB - 608 * MIB]
@@ -1381,12 +1387,12 @@ def test_a_context_made_by_a_callback_inside_a_limit_change_does_not_deadlock_an
     # thread B sets a limit and the driver's callback inside makes a context; thread A makes a
     # context and the callback inside sets a limit: B held the limit lock and waited for the
     # context lock, A the other way round.  cuCtxSetLimit now takes the context lock first
-    res = lab.run("init", "ctx", "0", "alloc", "500m", "bgsetlimit", "8m", "0", "sleep", "50",
-                  "ctxcreate", "0", "join", "meminfo", "phys", timeout=30,
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_CUDA_SLEEP="cuCtxSetLimit:300,cuCtxCreate:300",
+    # (A starts once B is inside the driver; each call is held 300 ms, A's waiting for B's)
+    res = lab.run("init", "ctx", "0", "alloc", "500m", "bgsetlimit", "8m", "0",
+                  "waitfile", str(lab.tmp / "in-cuCtxSetLimit"), "ctxcreate", "0", "join", "meminfo", "phys",
+                  timeout=30, CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                   FAKE_CUDA_API_CALLBACK="cuCtxSetLimit:ctx", FAKE_CUDA_CTX_CALLBACK="setlimit",
-                  FAKE_CUDA_CTX_CALLBACK_BYTES="4m")
+                  FAKE_CUDA_CTX_CALLBACK_BYTES="4m", **held(lab, "cuCtxSetLimit", "cuCtxCreate", ms=300))
     assert res.returncode == 0 and all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
     assert "fake: api callback cuCtxSetLimit ctx 0" in res.stderr
     free, total = res.values("meminfo")
@@ -1876,11 +1882,12 @@ def test_external_memory_imported_as_its_context_goes_is_not_left_charged(lab, m
     # 200 MiB.  Booked after the context's end, which had nothing of it to forget, it stayed
     # charged: 250 MiB for 50 held, an 800 MiB allocation refused under a 1 GiB cap
     make = ["ctxcreate", "0", "capcur"] if main[0] == "ctxdestroy" else ["ctx", "0", "capcur"]
-    res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "bgeimport", "0", "0", "sleep", "100",
-                  "free", "0", *main, "join", "ctx", "0", "meminfo", "phys", "alloc", "800m",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP="cuImportExternalMemoryAfter:300", FAKE_NVML_PROC_MEM="0",
-                  FAKE_CUDA_RESET_ACTIVE=stays_active)
+    point = "cuImportExternalMemoryAfter"
+    res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "bgeimport", "0", "0",
+                  *inside(lab, point, "free", "0", *main), "join", "ctx", "0", "meminfo", "phys", "alloc", "800m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_NVML_PROC_MEM="0",
+                  FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  **held(lab, point, ms=300 if main[0] == "reset" else HOLD_MS))  # a reset waits for it
     assert res.rc("bgeimport") == 0 and res.rc(main[0]) == 0 and res.rc("free") == 0
     assert res.values("phys") == [50 * MIB]
     free, total = res.values("meminfo")
@@ -2102,9 +2109,9 @@ def test_a_first_context_made_while_another_thread_allocates_is_charged_without_
     # was not clean and the estimate stood: the container had none yet on that device, so the
     # context was charged nothing, and no reconcile charges what it holds (no figure): 100 MiB
     # held uncharged for good, a 1 GiB cap filled on top of it
-    res = lab.run("init", "ctx", "0", "bgalloc", "64m", "0", "sleep", "100", "ctx", "1", "join",
+    res = lab.run("init", "ctx", "0", "bgalloc", "64m", "0", *inside(lab, "cuMemAlloc_v2", "ctx", "1"), "join",
                   "meminfo", "physd", "1", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_NVML_PROC_MEM="0", FAKE_CUDA_SLEEP="cuMemAlloc_v2:500", **TWO_GPUS)
+                  FAKE_NVML_PROC_MEM="0", **TWO_GPUS, **held(lab, "cuMemAlloc_v2"))
     assert res.rc("ctx", 1) == 0 and res.rc("bgalloc") == 0  # (join prints as the thread's call)
     assert res.values("physd") == [100 * MIB]
     assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
