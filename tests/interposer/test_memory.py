@@ -20,34 +20,6 @@ CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_CONTEXT = 201
 GPUBENCH = Path(__file__).resolve().parents[1] / "gpu" / "native" / "gpubench.c"
 NOT_READY_CTX = "ctx"
-HOLD_MS = 5000  # the most a driver call held open for another thread's step lasts (``held``)
-
-
-# One thread's step ordered inside another's driver call by files, not by fixed sleeps: the
-# fake sleeps at the call's FAKE_CUDA_SLEEP point, creates a mark file as it starts and goes
-# on once a go file exists (the fake's "{}" in the paths: the point's name).  A sleep of
-# 100 ms to let the other thread get there, inside a call held 300 ms, ordered them only while
-# the machine kept up.
-def held(lab, *points: str, ms: int = HOLD_MS) -> dict[str, str]:
-    """The environment that holds each driver call ``point`` (``name`` or ``name:nth``, the
-    nth such call only) until ``inside``'s go, ``ms`` at most."""
-    sleep = ",".join(f"{name}:{ms}{':' + nth if nth else ''}"
-                     for name, _, nth in (point.partition(":") for point in points))
-    return {"FAKE_CUDA_SLEEP": sleep, "FAKE_CUDA_SLEEP_MARK": str(lab.tmp / "in-{}"),
-            "FAKE_CUDA_SLEEP_UNTIL": str(lab.tmp / "go-{}")}
-
-
-def inside(lab, point: str, *step: str) -> list[str]:
-    """Commands that take ``step`` once another thread is inside the held call ``point``, then
-    let that call go on."""
-    return ["waitfile", str(lab.tmp / f"in-{point}"), *step, "touch", str(lab.tmp / f"go-{point}")]
-
-
-def bg_inside(lab, point: str) -> list[str]:
-    """Commands before a background thread's that start it once the main thread is inside the
-    held call ``point``.  That call goes on after its ``ms``: the library makes the thread's
-    own call wait for it (a context's reset), so no go can come from the thread."""
-    return ["bgafter", str(lab.tmp / f"in-{point}")]
 
 # (probe command and arguments, bytes the interposer charges for it)
 ALLOCATIONS = {
@@ -251,7 +223,7 @@ def test_a_pool_allocation_in_flight_keeps_its_reservation_while_the_sampler_run
     # (the allocation held until the other process has tried; the 0.8 s let a round pass, the
     # sampler's own timing, which nothing of the test's can mark)
     first = lab.start("init", "ctx", "0", "async", "600m", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                      **held(lab, "cuMemAllocAsync"))
+                      **lab.held("cuMemAllocAsync"))
     lab.wait_for(lab.tmp / "in-cuMemAllocAsync")
     time.sleep(0.8)  # past the sampler's first round
     second = lab.run("init", "ctx", "0", "alloc", "500m", CUDA_DEVICE_MEMORY_LIMIT="1g")
@@ -447,7 +419,7 @@ def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab
     # (the second starts once the first is inside, both held there until the charge is read:
     # it stays put once the second has reserved, 512 MiB with the bug)
     proc = lab.start("init", "ctx", "0", "bgasync", "500m", "0", "waitfile", str(lab.tmp / "in-cuMemAllocAsync"),
-                     "async", "500m", "join", CUDA_DEVICE_MEMORY_LIMIT="2g", **held(lab, "cuMemAllocAsync"))
+                     "async", "500m", "join", CUDA_DEVICE_MEMORY_LIMIT="2g", **lab.held("cuMemAllocAsync"))
     lab.wait_for(lab.tmp / "in-cuMemAllocAsync")
     deadline = time.monotonic() + 3
     while lab.used() != 1024 * MIB and time.monotonic() < deadline:
@@ -749,10 +721,10 @@ def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab)
     # outstanding (no synchronisation yet): its 128 MiB stay charged beside the new pool's,
     # under a record of their own, until the synchronisation
     res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "100m", "free", "0", "bgpooldestroy",
-                  *inside(lab, "cuMemPoolDestroyAfter", "mkpool", "1", "0", "upool", "pool", "600m"),
+                  *lab.inside("cuMemPoolDestroyAfter", "mkpool", "1", "0", "upool", "pool", "600m"),
                   "join", "meminfo", "sync", "free", "1", "meminfo", "phys", "alloc",
                   "700m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_HANDLE_REUSE="1",
-                  **held(lab, "cuMemPoolDestroyAfter"))
+                  **lab.held("cuMemPoolDestroyAfter"))
     assert res.values("upool", 0) == res.values("upool", 1)  # the handle came back
     assert res.rc("bgpooldestroy") == 0 and res.rc("pool") == 0 and res.rc("alloc") == OOM
     assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 736 * MIB, GIB - 608 * MIB]
@@ -1010,13 +982,13 @@ def test_an_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_
     point = point.format("cuMemAlloc_v2" if bg == "bgalloc" else "cuMemAllocPitch_v2")
     during = point.startswith("cuDevicePrimaryCtxReset")
     if during:
-        cmds = [*bg_inside(lab, point), bg, "200m", "0", end, "0"]
+        cmds = [*lab.bg_inside(point), bg, "200m", "0", end, "0"]
     else:
-        cmds = [bg, "200m", "0", *inside(lab, point, end, "0")]
+        cmds = [bg, "200m", "0", *lab.inside(point, end, "0")]
     again = [] if stays_active else ["ctx", "0"]
     res = lab.run("init", "ctx", "0", *cmds, "join", *again, "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  FAKE_NVML_PROC_MEM="0", **held(lab, point, ms=300 if during else HOLD_MS))
+                  FAKE_NVML_PROC_MEM="0", **lab.held(point, ms=300 if during else lab.HOLD_MS))
     assert res.rc(end) == 0
     assert res.rc(bg) == (0 if held_mib == 250 or "before" in race else CUDA_ERROR_INVALID_CONTEXT)
     assert res.values("phys") == [held_mib * MIB]
@@ -1048,9 +1020,9 @@ def test_an_allocation_racing_its_created_or_green_contexts_end_is_charged_as_th
     # thread still had current: that thread's allocation crashed the probe.)
     make, ends = CONTEXT_ENDS[end]
     point = "cuMemAlloc_v2After" if taken == "before" else "cuMemAlloc_v2"
-    res = lab.run("init", *make, "bgalloc", "200m", "0", *inside(lab, point, *ends), "join", "ctx", "0",
+    res = lab.run("init", *make, "bgalloc", "200m", "0", *lab.inside(point, *ends), "join", "ctx", "0",
                   "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_GREEN_BYTES="8m", FAKE_NVML_PROC_MEM="0", **held(lab, point))
+                  FAKE_CUDA_GREEN_BYTES="8m", FAKE_NVML_PROC_MEM="0", **lab.held(point))
     assert res.rc(ends[0]) == 0
     assert res.rc("bgalloc") == (0 if taken == "before" else CUDA_ERROR_CONTEXT_IS_DESTROYED)
     assert res.values("phys") == [50 * MIB]
@@ -1077,13 +1049,13 @@ def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_dri
     end, point, stays_active, held_mib = POOL_RACES[race]
     during = point.startswith("cuDevicePrimaryCtxReset")
     if during:
-        cmds = [*bg_inside(lab, point), "bgasync", "200m", "0", end, "0"]
+        cmds = [*lab.bg_inside(point), "bgasync", "200m", "0", end, "0"]
     else:
-        cmds = ["bgasync", "200m", "0", *inside(lab, point, end, "0")]
+        cmds = ["bgasync", "200m", "0", *lab.inside(point, end, "0")]
     again = [] if stays_active else ["ctx", "0"]
     res = lab.run("init", "ctx", "0", *cmds, "join", *again, "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  FAKE_NVML_PROC_MEM="0", **held(lab, point, ms=300 if during else HOLD_MS))
+                  FAKE_NVML_PROC_MEM="0", **lab.held(point, ms=300 if during else lab.HOLD_MS))
     assert res.rc(end) == 0
     assert res.rc("bgasync") == (CUDA_ERROR_INVALID_CONTEXT if race == "taken_after_reset" else 0)
     assert res.values("phys") == [held_mib * MIB]
@@ -1112,10 +1084,10 @@ def test_a_free_of_the_other_kind_refused_after_a_reset_freed_its_memory_returns
     # 1 GiB cap
     make, freer, point = CROSS_FREES[free]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", "ctx", "0", *make, freer, "0", "0", *inside(lab, point, "reset", "0"), "join",
+    res = lab.run("init", "ctx", "0", *make, freer, "0", "0", *lab.inside(point, "reset", "0"), "join",
                   *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
                   FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
-                  **held(lab, point))
+                  **lab.held(point))
     assert res.rc(make[0]) == 0 and res.rc("reset") == 0
     assert res.rc(freer) != 0  # refused: the reset freed it
     assert res.values("phys") == [50 * MIB]
@@ -1131,10 +1103,10 @@ def test_a_free_refused_after_a_reset_keeps_the_newer_allocation_at_the_address_
     # settle saw the address held and put the old record back over the newer one: 450 MiB
     # charged for 250 held
     res = lab.run("init", "ctx", "0", "alloc", "200m", "bgfreesync", "0", "0",
-                  *inside(lab, "cuMemFree_v2", "reset", "0"), *inside(lab, "cuMemFree_v2After", "alloc", "200m"),
+                  *lab.inside("cuMemFree_v2", "reset", "0"), *lab.inside("cuMemFree_v2After", "alloc", "200m"),
                   "join", "meminfo", "phys", "free", "1", "meminfo",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE="1",
-                  FAKE_CUDA_ADDR_REUSE="1", FAKE_NVML_PROC_MEM="0", **held(lab, "cuMemFree_v2", "cuMemFree_v2After"))
+                  FAKE_CUDA_ADDR_REUSE="1", FAKE_NVML_PROC_MEM="0", **lab.held("cuMemFree_v2", "cuMemFree_v2After"))
     assert res.rc("reset") == 0 and res.rc("bgfreesync") != 0  # refused: the reset freed it
     assert [rc for rc, _ in res.of("alloc")] == [0, 0]
     assert res.values("phys") == [250 * MIB]
@@ -1170,19 +1142,19 @@ ARRAY_RACES = {
 @pytest.mark.parametrize("race", ARRAY_RACES)
 def test_an_array_made_as_its_context_goes_is_charged_while_the_driver_may_hold_it(lab, race):
     # where the context's end waits for the creation (a reset: the array fence), the creation
-    # goes on after HOLD_MS, the end's go coming only once it is done
+    # is held 300 ms: the end's go would come only once it is done
     make, ends, point, stays_active, held_mib, charged = ARRAY_RACES[race]
     during = point.startswith("cuDevicePrimaryCtxReset")
     waits = ends[0] == "reset"
     if during:
-        cmds = [*bg_inside(lab, point), "bgarray", "4096", "3200", "0", *ends]
+        cmds = [*lab.bg_inside(point), "bgarray", "4096", "3200", "0", *ends]
     else:
-        cmds = ["bgarray", "4096", "3200", "0", *inside(lab, point, *ends)]
+        cmds = ["bgarray", "4096", "3200", "0", *lab.inside(point, *ends)]
     again = [] if stays_active else ["ctx", "0"]
     res = lab.run("init", *make, *cmds, "join", *again, "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
                   FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
-                  **held(lab, point, ms=300 if during or waits else HOLD_MS))
+                  **lab.held(point, ms=300 if during or waits else lab.HOLD_MS))
     assert res.rc(ends[0]) == 0
     assert res.rc("bgarray") == (CUDA_ERROR_CONTEXT_IS_DESTROYED if race.startswith("refused") else 0)
     assert res.values("phys") == [held_mib * MIB]
@@ -1200,10 +1172,10 @@ def test_an_array_made_before_a_reset_that_keeps_the_context_active_is_returned_
     # after the reset is charged
     # (the reset waits for the creation: held 300 ms, not until the reset's go)
     res = lab.run("init", "ctx", "0", "bgarray", "4096", "3200", "0",
-                  *inside(lab, "cuArrayCreate_v2After", "reset", "0"), "join",
+                  *lab.inside("cuArrayCreate_v2After", "reset", "0"), "join",
                   "meminfo", "phys", "free", "0", "meminfo", "array", "4096", "3200", "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_RESET_ACTIVE="1", FAKE_NVML_PROC_MEM="0", **held(lab, "cuArrayCreate_v2After", ms=300))
+                  FAKE_CUDA_RESET_ACTIVE="1", FAKE_NVML_PROC_MEM="0", **lab.held("cuArrayCreate_v2After", ms=300))
     assert res.rc("bgarray") == 0 and res.rc("reset") == 0
     assert res.values("phys") == [50 * MIB]
     free, total = res.values("meminfo")
@@ -1237,10 +1209,10 @@ def test_an_array_destroy_refused_after_its_context_went_returns_the_charge(lab,
     make, main, stays_active = ARRAY_DESTROY_RACES[race]
     again = [] if stays_active else ["ctx", "0"]
     point = "cuArrayDestroy"
-    res = lab.run("init", *make, "array", "4096", "3200", "bgarrayfree", "0", "0", *inside(lab, point, *main),
+    res = lab.run("init", *make, "array", "4096", "3200", "bgarrayfree", "0", "0", *lab.inside(point, *main),
                   "join", *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
                   FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
-                  **held(lab, point, ms=300 if main[0] == "reset" else HOLD_MS))  # a reset waits for it
+                  **lab.held(point, ms=300 if main[0] == "reset" else lab.HOLD_MS))  # a reset waits for it
     assert res.rc("array") == 0 and res.rc(main[0]) == 0
     assert res.rc("bgarrayfree") == (0 if main[0] == "reset" else CUDA_ERROR_INVALID_VALUE)
     assert res.values("phys") == [50 * MIB]
@@ -1257,10 +1229,10 @@ def test_an_external_memory_destroy_racing_its_contexts_end_returns_the_charge_o
     again = [] if stays_active else ["ctx", "0"]
     point = "cuDestroyExternalMemory"
     res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "eimport", "0", "free", "0",
-                  "bgarrayfree", "1", "0", *inside(lab, point, *main), "join", *again, "meminfo", "phys",
+                  "bgarrayfree", "1", "0", *lab.inside(point, *main), "join", *again, "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
                   FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
-                  **held(lab, point, ms=300 if main[0] == "reset" else HOLD_MS))
+                  **lab.held(point, ms=300 if main[0] == "reset" else lab.HOLD_MS))
     assert res.rc("eimport") == 0 and res.rc(main[0]) == 0
     assert res.rc("bgarrayfree") == (0 if main[0] == "reset" else CUDA_ERROR_INVALID_VALUE)
     assert res.values("phys") == [50 * MIB]
@@ -1282,14 +1254,14 @@ def test_a_tile_mapping_racing_its_arrays_context_goes_with_the_array(lab, race,
     again = [] if stays_active else ["ctx", "0"]
     if op == "unmap":
         point = "cuMemMapArrayAsync"
-        cmds = ["amap", "0", "1", "0", "free", "1", "bgaunmap", "0", "0", "0", *inside(lab, point, *main), "join"]
+        cmds = ["amap", "0", "1", "0", "free", "1", "bgaunmap", "0", "0", "0", *lab.inside(point, *main), "join"]
     else:
         point = "cuMemMapArrayAsyncAfter"
-        cmds = ["bgamap", "0", "1", "0", "0", *inside(lab, point, *main), "join", "free", "1"]
+        cmds = ["bgamap", "0", "1", "0", "0", *lab.inside(point, *main), "join", "free", "1"]
     res = lab.run("init", *make, *SPARSE, "vmm", "300m", "0", *cmds, *again, "meminfo", "phys", "alloc",
                   "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
                   FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
-                  **held(lab, point, ms=300 if op == "unmap" else HOLD_MS))  # every end waits for an unmap
+                  **lab.held(point, ms=300 if op == "unmap" else lab.HOLD_MS))  # every end waits for an unmap
     assert res.rc(main[0]) == 0 and res.rc("free") == 0
     assert res.rc("bg" + ("aunmap" if op == "unmap" else "amap")) == (1 if op == "unmap" else 0)
     assert res.values("phys") == [50 * MIB]
@@ -1392,7 +1364,7 @@ def test_a_context_made_by_a_callback_inside_a_limit_change_does_not_deadlock_an
                   "waitfile", str(lab.tmp / "in-cuCtxSetLimit"), "ctxcreate", "0", "join", "meminfo", "phys",
                   timeout=30, CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                   FAKE_CUDA_API_CALLBACK="cuCtxSetLimit:ctx", FAKE_CUDA_CTX_CALLBACK="setlimit",
-                  FAKE_CUDA_CTX_CALLBACK_BYTES="4m", **held(lab, "cuCtxSetLimit", "cuCtxCreate", ms=300))
+                  FAKE_CUDA_CTX_CALLBACK_BYTES="4m", **lab.held("cuCtxSetLimit", "cuCtxCreate", ms=300))
     assert res.returncode == 0 and all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
     assert "fake: api callback cuCtxSetLimit ctx 0" in res.stderr
     free, total = res.values("meminfo")
@@ -1884,10 +1856,10 @@ def test_external_memory_imported_as_its_context_goes_is_not_left_charged(lab, m
     make = ["ctxcreate", "0", "capcur"] if main[0] == "ctxdestroy" else ["ctx", "0", "capcur"]
     point = "cuImportExternalMemoryAfter"
     res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "bgeimport", "0", "0",
-                  *inside(lab, point, "free", "0", *main), "join", "ctx", "0", "meminfo", "phys", "alloc", "800m",
+                  *lab.inside(point, "free", "0", *main), "join", "ctx", "0", "meminfo", "phys", "alloc", "800m",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_NVML_PROC_MEM="0",
                   FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  **held(lab, point, ms=300 if main[0] == "reset" else HOLD_MS))  # a reset waits for it
+                  **lab.held(point, ms=300 if main[0] == "reset" else lab.HOLD_MS))  # a reset waits for it
     assert res.rc("bgeimport") == 0 and res.rc(main[0]) == 0 and res.rc("free") == 0
     assert res.values("phys") == [50 * MIB]
     free, total = res.values("meminfo")
@@ -2109,9 +2081,9 @@ def test_a_first_context_made_while_another_thread_allocates_is_charged_without_
     # was not clean and the estimate stood: the container had none yet on that device, so the
     # context was charged nothing, and no reconcile charges what it holds (no figure): 100 MiB
     # held uncharged for good, a 1 GiB cap filled on top of it
-    res = lab.run("init", "ctx", "0", "bgalloc", "64m", "0", *inside(lab, "cuMemAlloc_v2", "ctx", "1"), "join",
+    res = lab.run("init", "ctx", "0", "bgalloc", "64m", "0", *lab.inside("cuMemAlloc_v2", "ctx", "1"), "join",
                   "meminfo", "physd", "1", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_NVML_PROC_MEM="0", **TWO_GPUS, **held(lab, "cuMemAlloc_v2"))
+                  FAKE_NVML_PROC_MEM="0", **TWO_GPUS, **lab.held("cuMemAlloc_v2"))
     assert res.rc("ctx", 1) == 0 and res.rc("bgalloc") == 0  # (join prints as the thread's call)
     assert res.values("physd") == [100 * MIB]
     assert res.values("meminfo") == [GIB - 100 * MIB, GIB]
