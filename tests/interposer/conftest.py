@@ -191,7 +191,7 @@ class Lab:
 
     def held(self, *points: str, ms: int = HOLD_MS) -> dict[str, str]:
         """The environment that holds each driver call ``point`` (``name``, or ``name:nth`` for
-        the nth such call only) until its go (``inside``), ``ms`` at most."""
+        the nth such call only) until its go (``inside``, the same ``point``), ``ms`` at most."""
         sleep = ",".join(f"{name}:{ms}{':' + nth if nth else ''}"
                          for name, _, nth in (point.partition(":") for point in points))
         return {"FAKE_CUDA_SLEEP": sleep, "FAKE_CUDA_SLEEP_MARK": str(self.tmp / "in-{}"),

@@ -437,10 +437,15 @@ def test_a_pool_s_charge_dropped_by_a_refusal_s_reconcile_is_reserved_again(lab)
     # the pool grew by 704 MiB a 500 MiB allocation beside it passed, 1604 MiB held
     # (margin 0 and the sleep: the sampler, woken when it starts, has run before the sync and
     # is not due again, so the stale charge is still there at the allocation)
+    # (the 500 MiB once the pool allocation is inside the driver, or was refused before it: its
+    # thread's end marks the same file; the first pool allocation sleeps 1 s there as before)
+    point = "cuMemAllocAsyncAfter:2"
+    env = lab.held(point)
+    env["FAKE_CUDA_SLEEP"] = f"cuMemAllocAsyncAfter:1000:1,{env['FAKE_CUDA_SLEEP']}"
     res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "alloc", "400m", "sleep", "100",
-                  "sync", "bgasync", "700m", "0", "sleep", "200", "alloc", "500m", "phys", "join",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_RELEASE="1",
-                  GPUSLICE_RECONCILE_MARGIN="0", FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+                  "sync", "bgdone", str(lab.tmp / f"in-{point}"), "bgasync", "700m", "0",
+                  *lab.inside(point, "alloc", "500m", "phys"), "join",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_RELEASE="1", GPUSLICE_RECONCILE_MARGIN="0", **env)
     assert res.values("phys") == [900 * MIB]  # 400 + 500 while the pool allocation is inside
     assert res.rc("bgasync") == OOM and [rc for rc, _ in res.of("alloc")] == [0, 0]
 
@@ -450,9 +455,12 @@ def test_the_chunk_a_pool_allocation_grows_its_pool_by_is_reserved_before_the_dr
     # before the driver's call, and another thread's 1016 MiB passed while the pool had grown
     # and its charge not yet followed: 1048 MiB held under a 1 GiB cap (the pool allocation
     # was undone after, as the chunk no longer fitted)
-    res = lab.run("init", "ctx", "0", "bgasync", "8m", "0", "sleep", "300", "alloc", "1016m",
-                  "phys", "join", "alloc", "990m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+    # (the other thread's allocation once the pool allocation is inside the driver, or was
+    # refused before it: its thread's end marks the same file)
+    point = "cuMemAllocAsyncAfter"
+    res = lab.run("init", "ctx", "0", "bgdone", str(lab.tmp / f"in-{point}"), "bgasync", "8m", "0",
+                  *lab.inside(point, "alloc", "1016m", "phys"), "join", "alloc", "990m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", **lab.held(point))
     assert [rc for rc, _ in res.of("alloc")] == [OOM, 0] and res.rc("bgasync") == 0
     assert [vals[0] for _, vals in res.of("phys")] == [32 * MIB, 1022 * MIB]
 
@@ -461,9 +469,10 @@ def test_near_the_cap_a_pool_allocation_whose_chunk_does_not_fit_is_refused_befo
     # 24 MiB left: an 8 MiB allocation would grow the pool by 32. Reserving only the 8 MiB,
     # another 16 MiB passed while the pool had grown: 1048 MiB held under a 1 GiB cap (and
     # reserving what the cap left of the chunk, 1032, before the growth was undone)
-    res = lab.run("init", "ctx", "0", "alloc", "1000m", "bgasync", "8m", "0", "sleep", "300",
-                  "alloc", "16m", "phys", "join", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+    point = "cuMemAllocAsyncAfter"  # (as above)
+    res = lab.run("init", "ctx", "0", "alloc", "1000m", "bgdone", str(lab.tmp / f"in-{point}"), "bgasync", "8m",
+                  "0", *lab.inside(point, "alloc", "16m", "phys"), "join", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  **lab.held(point))
     assert [rc for rc, _ in res.of("alloc")] == [0, 0] and res.rc("bgasync") == OOM
     assert [vals[0] for _, vals in res.of("phys")] == [1016 * MIB, 1016 * MIB]
 

@@ -345,7 +345,7 @@ def test_a_retain_racing_a_release_is_charged(lab):
     # under a 1 GiB cap)
     # (the release comes once the thread's retain, the process's second, is inside the driver;
     # it waits for the retain, held 300 ms)
-    res = lab.run("init", "ctx", "0", "bgretain", "0", *lab.inside("cuDevicePrimaryCtxRetain", "release", "0"),
+    res = lab.run("init", "ctx", "0", "bgretain", "0", *lab.inside("cuDevicePrimaryCtxRetain:2", "release", "0"),
                   "join", "ctx", "0", "module", "300m", "alloc", "500m", "alloc", "300m", "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                   **lab.held("cuDevicePrimaryCtxRetain:2", ms=300))
@@ -393,7 +393,7 @@ def test_growth_is_charged_while_a_re_measurement_waits_for_a_clean_reading(lab)
     # every reconcile wait for a clean reading, so code loaded meanwhile went uncharged
     # (1110 MiB held under a 1 GiB cap)
     res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "bgalloc", "10m", "0",
-                  *lab.inside("cuMemAlloc_v2", "ctxdestroy", "0", "module", "300m", "alloc", "700m"), "join",
+                  *lab.inside("cuMemAlloc_v2:1", "ctxdestroy", "0", "module", "300m", "alloc", "700m"), "join",
                   "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                   **lab.held("cuMemAlloc_v2:1"))
     assert res.rc("alloc") == OOM

@@ -361,8 +361,9 @@ def test_a_device_whose_processes_went_no_longer_holds_the_others(release_lab):
     lab = release_lab
     env = {"CUDA_DEVICE_SM_LIMIT": "20", "FAKE_CUDA_DEVICES": multi_gpu(2)}
     lab.run("init", **env)
-    steady = lab.start("init", "ctx", "0", "bench", "6", "own", FAKE_CUDA_KERNEL_US="1000", **env)
-    time.sleep(0.3)
+    steady = lab.start("init", "ctx", "0", "touch", str(lab.tmp / "steady"), "bench", "6", "own",
+                       FAKE_CUDA_KERNEL_US="1000", **env)
+    lab.wait_for(lab.tmp / "steady")  # launching on device 0 before device 1's process starts
     res = lab.run("init", "ctx", "1", "bench", "0.001", "kernel", FAKE_CUDA_KERNEL_US="1000000", **env)
     assert res.rc("bench") == 0
     _rc, (_n, kernel_ns, wall_ns) = lab.finish(steady).of("bench")[0]
