@@ -1568,18 +1568,17 @@ def test_a_later_context_does_not_take_a_tenant_that_appeared_meanwhile_for_itse
     # context on the device then saw one new pid, another tenant's starting meanwhile, and
     # took it for ours: that tenant's 600 MiB was charged to the container (800 MiB for the
     # 200 it held) and a 500 MiB allocation was refused under a 1 GiB cap
-    tmp, created = lab.tmp, lab.tmp / "first-context"
+    # (each of our contexts held inside the driver until the other tenant has made its own; the
+    # tenants stay until we are done)
+    tmp, done = lab.tmp, str(lab.tmp / "done")
     common = {"FAKE_CUDA_CTX_BYTES": "100m", "FAKE_NVML_PID_OFFSET": "100000"}
-    ours = lab.start("init", "ctx", "0", "sleep", "700", "touch", str(created), "ctxcreate", "0",
-                     "sleep", "1500", "alloc", "500m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400,cuCtxCreate:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **common)
-    lab.wait_for(tmp / "creating")
-    beside = lab.start("init", "ctx", "0", "sleep", "4000",
+    ours = lab.start("init", "ctx", "0", "sleep", "700", "ctxcreate", "0",
+                     "sleep", "1500", "alloc", "500m", "phys", "touch", done, CUDA_DEVICE_MEMORY_LIMIT="1g",
+                     **lab.held("cuDevicePrimaryCtxRetain", "cuCtxCreate"), **common)
+    beside = lab.start("init", *lab.inside("cuDevicePrimaryCtxRetain", "ctx", "0"), "waitfile", done,
                        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "r1"), **common)
-    meanwhile = lab.start("init", "waitfile", str(created), "sleep", "100", "ctx", "0", "alloc",
-                          "600m", "sleep", "4000", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "r2"),
-                          **common)
+    meanwhile = lab.start("init", *lab.inside("cuCtxCreate", "ctx", "0", "alloc", "600m"), "waitfile", done,
+                          CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "r2"), **common)
     res = lab.finish(ours)
     lab.finish(beside)
     lab.finish(meanwhile)
