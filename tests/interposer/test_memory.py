@@ -1533,14 +1533,12 @@ def test_without_figures_a_co_tenants_allocation_during_a_context_is_not_charged
 def started_beside_another(lab, *cmds: str, **env: str):
     """Run ``init ctx 0 cmds`` in a container's pid namespace while another tenant's process
     makes its context during ours: two pids appear with our context, so ours is not learnt
-    from it."""
-    tmp = lab.tmp
-    ours = lab.start("init", "ctx", "0", *cmds, FAKE_CUDA_CTX_BYTES="100m",
-                     FAKE_NVML_PID_OFFSET="100000",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
-    lab.wait_for(tmp / "creating")
-    other = lab.start("init", "ctx", "0", "sleep", "2500",
+    from it (ours held inside the driver until the other's is made; the other stays until we
+    are done)."""
+    tmp, done = lab.tmp, str(lab.tmp / "done")
+    ours = lab.start("init", "ctx", "0", *cmds, "touch", done, FAKE_CUDA_CTX_BYTES="100m",
+                     FAKE_NVML_PID_OFFSET="100000", **lab.held("cuDevicePrimaryCtxRetain"), **env)
+    other = lab.start("init", *lab.inside("cuDevicePrimaryCtxRetain", "ctx", "0"), "waitfile", done,
                       CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
                       FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
     res = lab.finish(ours)
@@ -2069,11 +2067,9 @@ def test_a_pid_equal_to_ours_appearing_after_our_context_is_not_taken_for_ours(l
                       CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "later-region"), **common)
     ours = lab.start("init", "ctx", "0", "touch", str(tmp / "later"), "waitfile", str(tmp / "taken"),
                      "alloc", "800m", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), FAKE_NVML_PID_AS_MINE=str(later.pid),
-                     **common)
-    lab.wait_for(tmp / "creating")
-    beside = lab.start("init", "ctx", "0", "sleep", "3000",
+                     FAKE_NVML_PID_AS_MINE=str(later.pid), **lab.held("cuDevicePrimaryCtxRetain"), **common)
+    # (ours held inside the driver until the tenant beside has made its context)
+    beside = lab.start("init", *lab.inside("cuDevicePrimaryCtxRetain", "ctx", "0"), "sleep", "3000",
                        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "beside-region"), **common)
     res = lab.finish(ours)
     for p in (later, beside):
