@@ -2006,22 +2006,24 @@ def test_the_pid_is_not_learnt_from_an_allocation_another_of_ours_crossed(lab):
     # while our probe read NVML's list around a VMM allocation, another thread of ours
     # allocated too, so our pid grew by twice the size; a co-tenant's pid that grew by the same
     # size at that moment was the one match, twice, and was learnt: 1156 MiB under a 1 GiB cap
-    tmp = lab.tmp
-    f1, f2 = str(tmp / "f1"), str(tmp / "f2")
-    ours = lab.start("init", "ctx", "0",
-                     "touch", f1, "bgalloc", "64m", "100", "vmm", "64m", "0", "join",
-                     "touch", f2, "bgalloc", "64m", "100", "vmm", "64m", "0", "join",
+    # (our context held inside the driver until the co-tenant's is made, as beside another;
+    # then twice: our VMM allocation held inside the driver while our other thread allocates,
+    # then the co-tenant, which lets it go on)
+    tmp, done = lab.tmp, str(lab.tmp / "done")
+    rounds = [[*lab.bg_inside(f"cuMemCreate:{k}"), "bgdone", str(tmp / f"ours{k}"), "bgalloc", "64m", "0",
+               "vmm", "64m", "0", "join"] for k in (1, 2)]
+    ours = lab.start("init", "ctx", "0", *rounds[0], *rounds[1], "touch", done,
                      CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                      FAKE_NVML_PID_OFFSET="100000", LIBCUDA_LOG_LEVEL="2",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400,cuMemCreate:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"))
-    lab.wait_for(tmp / "creating")
-    other = lab.start("init", "ctx", "0", "waitfile", f1, "sleep", "150", "alloc", "64m",
-                      "waitfile", f2, "sleep", "150", "alloc", "64m", "sleep", "1000",
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                     **lab.held("cuDevicePrimaryCtxRetain", "cuMemCreate:1", "cuMemCreate:2"))
+    theirs = [["waitfile", str(tmp / f"ours{k}"), "alloc", "64m", "touch", str(tmp / f"go-cuMemCreate:{k}")]
+              for k in (1, 2)]
+    other = lab.start("init", *lab.inside("cuDevicePrimaryCtxRetain", "ctx", "0"), *theirs[0], *theirs[1],
+                      "waitfile", done, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
                       FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
     res = lab.finish(ours)
-    lab.finish(other)
+    co = lab.finish(other)
+    assert all(rc == 0 for _cmd, rc, _vals in res.lines + co.lines), res.stdout + co.stdout  # in order
     assert "learnt from the process's allocations" not in res.stderr
 
 
