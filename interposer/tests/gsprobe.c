@@ -857,7 +857,20 @@ static void capture_other(int n)
     printf("captureother %d %d %d\n", rc, end, other_rc);
 }
 
-/* One background thread at a time ("bgalloc", "bgretain"), its result printed at "join". */
+/* One background thread at a time ("bgalloc", "bgretain"), its result printed at "join".  Its
+ * start and end can be ordered against the main thread's steps by files rather than by its
+ * delay: "bgafter PATH" makes the next one wait for PATH (as "waitfile") before anything else,
+ * "bgdone PATH" makes it create PATH once its call has returned. */
+static char bg_after[4096], bg_done[4096];
+
+static void wait_file(const char *path, int *timed_out)
+{
+    struct stat st;
+    int n = 0;
+    while (stat(path, &st) != 0 && n++ < 2000) usleep(5000);
+    *timed_out = n > 2000;
+}
+
 static struct {
     pthread_t thread;
     int running;
@@ -869,11 +882,26 @@ static struct {
     CUresult end_rc;   /* bgcapture: the capture's end */
     uint64_t waited;   /* bgcapture: ns its begin took */
     uint64_t handle;   /* bgarray: the array made, an allocation ID from "join" on */
+    char after[4096], done[4096]; /* "bgafter", "bgdone" given before it started */
 } bg;
+
+static void bg_work(void);
 
 static void *bg_main(void *p)
 {
     (void)p;
+    if (bg.after[0]) {
+        int timed_out;
+        wait_file(bg.after, &timed_out);
+        if (timed_out) fprintf(stderr, "gsprobe: bgafter: %s never appeared\n", bg.after);
+    }
+    bg_work();
+    if (bg.done[0]) fclose(fopen(bg.done, "w"));
+    return NULL;
+}
+
+static void bg_work(void)
+{
     if (!strcmp(bg.what, "bgalloc") || !strcmp(bg.what, "bgpitch")) {
         CUdeviceptr d = 0;
         size_t pitch = 0;
@@ -996,7 +1024,6 @@ static void *bg_main(void *p)
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuDevicePrimaryCtxRetain(&c, 0);
     }
-    return NULL;
 }
 
 static struct timespec mark_ts;
@@ -1006,6 +1033,9 @@ static void bg_start(const char *what, long ms, uint64_t size)
     snprintf(bg.what, sizeof(bg.what), "%s", what);
     bg.ms = ms;
     bg.size = size;
+    memcpy(bg.after, bg_after, sizeof(bg.after));
+    memcpy(bg.done, bg_done, sizeof(bg.done));
+    bg_after[0] = bg_done[0] = '\0'; /* the next one's own */
     bg.running = pthread_create(&bg.thread, NULL, bg_main, NULL) == 0;
 }
 
@@ -2234,10 +2264,14 @@ int main(int argc, char **argv)
             printf("touch 0\n");
             i += 1;
         } else if (!strcmp(c, "waitfile")) {
-            struct stat st;
-            int n = 0;
-            while (stat(ARG(0), &st) != 0 && n++ < 2000) usleep(5000);
-            printf("waitfile %d\n", n <= 2000 ? 0 : 1);
+            int timed_out;
+            wait_file(ARG(0), &timed_out);
+            printf("waitfile %d\n", timed_out);
+            i += 1;
+        } else if (!strcmp(c, "bgafter") || !strcmp(c, "bgdone")) {
+            /* bgafter PATH, bgdone PATH: for the next background thread only */
+            snprintf(c[2] == 'a' ? bg_after : bg_done, sizeof(bg_after), "%s", ARG(0));
+            printf("%s 0\n", c);
             i += 1;
         } else if (!strcmp(c, "reexec")) {
             /* the rest of the commands run in a new image of this program, same process */

@@ -182,6 +182,33 @@ class Lab:
     def used(self, slot: int = 0) -> int:
         return self.region().devices[slot].used_bytes
 
+    # One thread's (or process's) step ordered inside another's driver call by files, not by
+    # fixed sleeps: the fake sleeps at the call's FAKE_CUDA_SLEEP point, creates a mark file as
+    # the sleep starts and goes on once a go file exists ("{}" in the fake's paths: the point's
+    # name).  A sleep of 100 ms to let the other thread get there, inside a call held 300 ms,
+    # ordered them only while the machine kept up.
+    HOLD_MS = 5000  # the most a call held for another's step lasts
+
+    def held(self, *points: str, ms: int = HOLD_MS) -> dict[str, str]:
+        """The environment that holds each driver call ``point`` (``name``, or ``name:nth`` for
+        the nth such call only) until its go (``inside``, the same ``point``), ``ms`` at most."""
+        sleep = ",".join(f"{name}:{ms}{':' + nth if nth else ''}"
+                         for name, _, nth in (point.partition(":") for point in points))
+        return {"FAKE_CUDA_SLEEP": sleep, "FAKE_CUDA_SLEEP_MARK": str(self.tmp / "in-{}"),
+                "FAKE_CUDA_SLEEP_UNTIL": str(self.tmp / "go-{}")}
+
+    def inside(self, point: str, *step: str) -> list[str]:
+        """Probe commands that take ``step`` once another thread is inside the held call
+        ``point``, then let that call go on."""
+        return ["waitfile", str(self.tmp / f"in-{point}"), *step, "touch", str(self.tmp / f"go-{point}")]
+
+    def bg_inside(self, point: str) -> list[str]:
+        """Probe commands before a background thread's that start it once the main thread is
+        inside the held call ``point``.  That call goes on after its ``ms``: where the library
+        makes the thread's own call wait for it (a context's reset), no go can come from the
+        thread."""
+        return ["bgafter", str(self.tmp / f"in-{point}")]
+
     def wait_for(self, path: Path, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
         while not path.exists():

@@ -205,10 +205,10 @@ def test_an_executable_handle_reused_during_its_destroy_keeps_the_new_graph_char
     # the driver hands the destroyed executable's handle to another thread's instantiation
     # while cuGraphExecDestroy is still inside; forgetting it after the driver's call forgot
     # the new graph, whose 900 MiB then launched unreserved: 1.2 GiB held under 1 GiB
-    res = lab.run("init", "ctx", "0", "alloc", "300m", "gnode", "100m", "0", "ginst", "flags",
-                  "bggdestroy", "sleep", "100", "gnew", "gnode", "900m", "0", "ginst", "flags",
-                  "gexec", "sleep", "600", "join", "glaunch", "meminfo", "phys", **CAP,
-                  FAKE_CUDA_HANDLE_REUSE="1", FAKE_CUDA_SLEEP="cuGraphExecDestroyAfter:500")
+    res = lab.run("init", "ctx", "0", "alloc", "300m", "gnode", "100m", "0", "ginst", "flags", "bggdestroy",
+                  *lab.inside("cuGraphExecDestroyAfter", "gnew", "gnode", "900m", "0", "ginst", "flags", "gexec"),
+                  "join", "glaunch", "meminfo", "phys", **CAP, FAKE_CUDA_HANDLE_REUSE="1",
+                  **lab.held("cuGraphExecDestroyAfter"))
     assert res.values("gexec", 0) == res.values("gexec", 1)  # the handle came back
     assert res.rc("bggdestroy") == 0 and res.rc("glaunch") == OOM
     assert free_seen(res) == [GIB - 300 * MIB]

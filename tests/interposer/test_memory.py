@@ -220,12 +220,14 @@ def test_memory_a_pool_gives_back_at_a_synchronisation_is_uncharged_within_a_sam
 def test_a_pool_allocation_in_flight_keeps_its_reservation_while_the_sampler_runs(lab):
     # the sampler reconciles pools every 500 ms; one whose allocation is inside the driver has
     # not grown yet, and returning its reservation then would let another process take it
-    mark = lab.tmp / "allocating"
+    # (the allocation held until the other process has tried; the 0.8 s let a round pass, the
+    # sampler's own timing, which nothing of the test's can mark)
     first = lab.start("init", "ctx", "0", "async", "600m", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                      FAKE_CUDA_SLEEP="cuMemAllocAsync:1500", FAKE_CUDA_SLEEP_MARK=str(mark))
-    lab.wait_for(mark)
+                      **lab.held("cuMemAllocAsync"))
+    lab.wait_for(lab.tmp / "in-cuMemAllocAsync")
     time.sleep(0.8)  # past the sampler's first round
     second = lab.run("init", "ctx", "0", "alloc", "500m", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    (lab.tmp / "go-cuMemAllocAsync").touch()
     assert second.rc("alloc") == OOM
     assert lab.finish(first).rc("async") == 0
 
@@ -466,13 +468,17 @@ def test_pool_memory_given_back_at_a_streams_sync_is_measured_once_its_frees_are
 def test_allocations_from_one_pool_inside_the_driver_each_hold_a_reservation(lab):
     # two threads allocate 500 MiB from one pool at once: the second reserved only what the
     # pool's charge lacked, which the first had just reserved, so 500 MiB stood for 1000
-    mark = lab.tmp / "allocating"
-    proc = lab.start("init", "ctx", "0", "bgasync", "500m", "0", "sleep", "100", "async", "500m",
-                     "join", CUDA_DEVICE_MEMORY_LIMIT="2g",
-                     FAKE_CUDA_SLEEP="cuMemAllocAsync:1500", FAKE_CUDA_SLEEP_MARK=str(mark))
-    lab.wait_for(mark)
-    time.sleep(0.5)
-    assert lab.used() == 1024 * MIB  # 1000 MiB and the rest of the chunk the pool may grow by
+    # (the second starts once the first is inside, both held there until the charge is read:
+    # it stays put once the second has reserved, 512 MiB with the bug)
+    proc = lab.start("init", "ctx", "0", "bgasync", "500m", "0", "waitfile", str(lab.tmp / "in-cuMemAllocAsync"),
+                     "async", "500m", "join", CUDA_DEVICE_MEMORY_LIMIT="2g", **lab.held("cuMemAllocAsync"))
+    lab.wait_for(lab.tmp / "in-cuMemAllocAsync")
+    deadline = time.monotonic() + 3
+    while lab.used() != 1024 * MIB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    used = lab.used()
+    (lab.tmp / "go-cuMemAllocAsync").touch()
+    assert used == 1024 * MIB  # 1000 MiB and the rest of the chunk the pool may grow by
     assert lab.finish(proc).rc("async") == 0
 
 
@@ -483,10 +489,15 @@ def test_a_pool_s_charge_dropped_by_a_refusal_s_reconcile_is_reserved_again(lab)
     # the pool grew by 704 MiB a 500 MiB allocation beside it passed, 1604 MiB held
     # (margin 0 and the sleep: the sampler, woken when it starts, has run before the sync and
     # is not due again, so the stale charge is still there at the allocation)
+    # (the 500 MiB once the pool allocation is inside the driver, or was refused before it: its
+    # thread's end marks the same file; the first pool allocation sleeps 1 s there as before)
+    point = "cuMemAllocAsyncAfter:2"
+    env = lab.held(point)
+    env["FAKE_CUDA_SLEEP"] = f"cuMemAllocAsyncAfter:1000:1,{env['FAKE_CUDA_SLEEP']}"
     res = lab.run("init", "ctx", "0", "async", "600m", "free", "0", "alloc", "400m", "sleep", "100",
-                  "sync", "bgasync", "700m", "0", "sleep", "200", "alloc", "500m", "phys", "join",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_RELEASE="1",
-                  GPUSLICE_RECONCILE_MARGIN="0", FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+                  "sync", "bgdone", str(lab.tmp / f"in-{point}"), "bgasync", "700m", "0",
+                  *lab.inside(point, "alloc", "500m", "phys"), "join",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_RELEASE="1", GPUSLICE_RECONCILE_MARGIN="0", **env)
     assert res.values("phys") == [900 * MIB]  # 400 + 500 while the pool allocation is inside
     assert res.rc("bgasync") == OOM and [rc for rc, _ in res.of("alloc")] == [0, 0]
 
@@ -496,9 +507,12 @@ def test_the_chunk_a_pool_allocation_grows_its_pool_by_is_reserved_before_the_dr
     # before the driver's call, and another thread's 1016 MiB passed while the pool had grown
     # and its charge not yet followed: 1048 MiB held under a 1 GiB cap (the pool allocation
     # was undone after, as the chunk no longer fitted)
-    res = lab.run("init", "ctx", "0", "bgasync", "8m", "0", "sleep", "300", "alloc", "1016m",
-                  "phys", "join", "alloc", "990m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+    # (the other thread's allocation once the pool allocation is inside the driver, or was
+    # refused before it: its thread's end marks the same file)
+    point = "cuMemAllocAsyncAfter"
+    res = lab.run("init", "ctx", "0", "bgdone", str(lab.tmp / f"in-{point}"), "bgasync", "8m", "0",
+                  *lab.inside(point, "alloc", "1016m", "phys"), "join", "alloc", "990m", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", **lab.held(point))
     assert [rc for rc, _ in res.of("alloc")] == [OOM, 0] and res.rc("bgasync") == 0
     assert [vals[0] for _, vals in res.of("phys")] == [32 * MIB, 1022 * MIB]
 
@@ -507,9 +521,10 @@ def test_near_the_cap_a_pool_allocation_whose_chunk_does_not_fit_is_refused_befo
     # 24 MiB left: an 8 MiB allocation would grow the pool by 32. Reserving only the 8 MiB,
     # another 16 MiB passed while the pool had grown: 1048 MiB held under a 1 GiB cap (and
     # reserving what the cap left of the chunk, 1032, before the growth was undone)
-    res = lab.run("init", "ctx", "0", "alloc", "1000m", "bgasync", "8m", "0", "sleep", "300",
-                  "alloc", "16m", "phys", "join", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_SLEEP="cuMemAllocAsyncAfter:1000")
+    point = "cuMemAllocAsyncAfter"  # (as above)
+    res = lab.run("init", "ctx", "0", "alloc", "1000m", "bgdone", str(lab.tmp / f"in-{point}"), "bgasync", "8m",
+                  "0", *lab.inside(point, "alloc", "16m", "phys"), "join", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  **lab.held(point))
     assert [rc for rc, _ in res.of("alloc")] == [0, 0] and res.rc("bgasync") == OOM
     assert [vals[0] for _, vals in res.of("phys")] == [1016 * MIB, 1016 * MIB]
 
@@ -766,11 +781,11 @@ def test_a_pool_handle_reused_during_its_destroy_keeps_the_new_pools_charge(lab)
     # 700 MiB allocation passed, 1308 MiB held under 1 GiB.  The old pool's free may still be
     # outstanding (no synchronisation yet): its 128 MiB stay charged beside the new pool's,
     # under a record of their own, until the synchronisation
-    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "100m", "free", "0",
-                  "bgpooldestroy", "sleep", "100", "mkpool", "1", "0", "upool", "pool", "600m",
-                  "sleep", "600", "join", "meminfo", "sync", "free", "1", "meminfo", "phys", "alloc",
+    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "100m", "free", "0", "bgpooldestroy",
+                  *lab.inside("cuMemPoolDestroyAfter", "mkpool", "1", "0", "upool", "pool", "600m"),
+                  "join", "meminfo", "sync", "free", "1", "meminfo", "phys", "alloc",
                   "700m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_HANDLE_REUSE="1",
-                  FAKE_CUDA_SLEEP="cuMemPoolDestroyAfter:500")
+                  **lab.held("cuMemPoolDestroyAfter"))
     assert res.values("upool", 0) == res.values("upool", 1)  # the handle came back
     assert res.rc("bgpooldestroy") == 0 and res.rc("pool") == 0 and res.rc("alloc") == OOM
     assert [vals[0] for _, vals in res.of("meminfo")] == [GIB - 736 * MIB, GIB - 608 * MIB]
@@ -1000,21 +1015,23 @@ def test_resetting_the_primary_context_returns_everything_it_held(lab, stays_act
 
 
 # Another thread's allocation (200 MiB, plain or pitched) inside the driver while the primary
-# context goes: (the main thread's commands, where the fake sleeps, whether the driver keeps a
-# reset context active, the 50 MiB context's and the allocation's MiB the driver then holds)
+# context goes: (how it goes, where the fake holds a call, whether the driver keeps a reset
+# context active, the 50 MiB context's and the allocation's MiB the driver then holds).  At
+# the allocation's points the context goes inside the allocation, at the reset's the
+# allocation comes inside the reset.
 ALLOCATION_RACES = {
     # taken before the reset or the last release, which frees it; its record was booked after
     # and stayed charged: 250 MiB for 50 held
-    "taken_before_reset": (["sleep", "100", "reset", "0"], "{}After:300", None, 50),
-    "taken_before_reset_stays_active": (["sleep", "100", "reset", "0"], "{}After:300", "1", 50),
-    "taken_before_release": (["sleep", "100", "release", "0"], "{}After:300", None, 50),
+    "taken_before_reset": ("reset", "{}After", None, 50),
+    "taken_before_reset_stays_active": ("reset", "{}After", "1", 50),
+    "taken_before_release": ("release", "{}After", None, 50),
     # taken (and booked) while the reset, the context emptied, was still in the driver: the
     # reset forgot its record, 200 MiB held uncharged where NVML has no per-process figure
-    "taken_during_reset": (["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 250),
+    "taken_during_reset": ("reset", "cuDevicePrimaryCtxResetAfter", "1", 250),
     # entered before the reset, taken after it: refused (the context went), or kept in the
     # emptied context
-    "taken_after_reset": (["sleep", "100", "reset", "0"], "{}:300", None, 50),
-    "taken_after_reset_stays_active": (["sleep", "100", "reset", "0"], "{}:300", "1", 250),
+    "taken_after_reset": ("reset", "{}", None, 50),
+    "taken_after_reset_stays_active": ("reset", "{}", "1", 250),
 }
 
 
@@ -1022,19 +1039,22 @@ ALLOCATION_RACES = {
 @pytest.mark.parametrize("race", ALLOCATION_RACES)
 def test_an_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_holds_it(
         lab, race, bg):
-    main, sleep, stays_active, held = ALLOCATION_RACES[race]
-    fn = "cuMemAlloc_v2" if bg == "bgalloc" else "cuMemAllocPitch_v2"
-    delay = "100" if main == ["reset", "0"] else "0"  # into the reset's sleep, or before it
+    end, point, stays_active, held_mib = ALLOCATION_RACES[race]
+    point = point.format("cuMemAlloc_v2" if bg == "bgalloc" else "cuMemAllocPitch_v2")
+    during = point.startswith("cuDevicePrimaryCtxReset")
+    if during:
+        cmds = [*lab.bg_inside(point), bg, "200m", "0", end, "0"]
+    else:
+        cmds = [bg, "200m", "0", *lab.inside(point, end, "0")]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", "ctx", "0", bg, "200m", delay, *main, "join", *again, "meminfo", "phys",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP=sleep.format(fn), FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  FAKE_NVML_PROC_MEM="0")
-    assert res.rc(main[-2]) == 0
-    assert res.rc(bg) == (0 if held == 250 or "before" in race else CUDA_ERROR_INVALID_CONTEXT)
-    assert res.values("phys") == [held * MIB]
+    res = lab.run("init", "ctx", "0", *cmds, "join", *again, "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  FAKE_NVML_PROC_MEM="0", **lab.held(point, ms=300 if during else lab.HOLD_MS))
+    assert res.rc(end) == 0
+    assert res.rc(bg) == (0 if held_mib == 250 or "before" in race else CUDA_ERROR_INVALID_CONTEXT)
+    assert res.values("phys") == [held_mib * MIB]
     free, total = res.values("meminfo")
-    assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
+    assert (total - free) // MIB == held_mib, f"{(total - free) // MIB} MiB charged for {held_mib} held"
 
 
 CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
@@ -1061,9 +1081,9 @@ def test_an_allocation_racing_its_created_or_green_contexts_end_is_charged_as_th
     # thread still had current: that thread's allocation crashed the probe.)
     make, ends = CONTEXT_ENDS[end]
     point = "cuMemAlloc_v2After" if taken == "before" else "cuMemAlloc_v2"
-    res = lab.run("init", *make, "bgalloc", "200m", "0", "sleep", "100", *ends, "join", "ctx", "0",
+    res = lab.run("init", *make, "bgalloc", "200m", "0", *lab.inside(point, *ends), "join", "ctx", "0",
                   "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_GREEN_BYTES="8m", FAKE_CUDA_SLEEP=f"{point}:300", FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_GREEN_BYTES="8m", FAKE_NVML_PROC_MEM="0", **lab.held(point))
     assert res.rc(ends[0]) == 0
     assert res.rc("bgalloc") == (0 if taken == "before" else CUDA_ERROR_CONTEXT_IS_DESTROYED)
     assert res.values("phys") == [50 * MIB]
@@ -1072,41 +1092,45 @@ def test_an_allocation_racing_its_created_or_green_contexts_end_is_charged_as_th
 
 
 # A stream-ordered allocation of 200 MiB (from the device's default pool, which grows by 32 MiB
-# chunks: 224 MiB) inside the driver while the primary context goes: (the main thread's
-# commands, where the fake sleeps, whether a reset context stays active, the MiB then held)
+# chunks: 224 MiB) inside the driver while the primary context goes: (how it goes, where the
+# fake holds a call, whether a reset context stays active, the MiB then held)
 POOL_RACES = {
     # taken before the reset or the last release, which frees it and empties the pool
-    "taken_before_reset": (["sleep", "100", "reset", "0"], "cuMemAllocAsyncAfter:300", None, 50),
-    "taken_before_release": (["sleep", "100", "release", "0"], "cuMemAllocAsyncAfter:300", None, 50),
+    "taken_before_reset": ("reset", "cuMemAllocAsyncAfter", None, 50),
+    "taken_before_release": ("release", "cuMemAllocAsyncAfter", None, 50),
     # taken while the reset, the context emptied and kept active, was still in the driver
-    "taken_during_reset": (["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 274),
+    "taken_during_reset": ("reset", "cuDevicePrimaryCtxResetAfter", "1", 274),
     # entered before, refused after: the context went
-    "taken_after_reset": (["sleep", "100", "reset", "0"], "cuMemAllocAsync:300", None, 50),
+    "taken_after_reset": ("reset", "cuMemAllocAsync", None, 50),
 }
 
 
 @pytest.mark.parametrize("race", POOL_RACES)
 def test_a_pool_allocation_racing_the_primary_contexts_end_is_charged_as_the_driver_holds_it(lab, race):
-    main, sleep, stays_active, held = POOL_RACES[race]
-    delay = "100" if main == ["reset", "0"] else "0"
+    end, point, stays_active, held_mib = POOL_RACES[race]
+    during = point.startswith("cuDevicePrimaryCtxReset")
+    if during:
+        cmds = [*lab.bg_inside(point), "bgasync", "200m", "0", end, "0"]
+    else:
+        cmds = ["bgasync", "200m", "0", *lab.inside(point, end, "0")]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", "ctx", "0", "bgasync", "200m", delay, *main, "join", *again, "meminfo", "phys",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep,
-                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
-    assert res.rc(main[-2]) == 0
+    res = lab.run("init", "ctx", "0", *cmds, "join", *again, "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  FAKE_NVML_PROC_MEM="0", **lab.held(point, ms=300 if during else lab.HOLD_MS))
+    assert res.rc(end) == 0
     assert res.rc("bgasync") == (CUDA_ERROR_INVALID_CONTEXT if race == "taken_after_reset" else 0)
-    assert res.values("phys") == [held * MIB]
+    assert res.values("phys") == [held_mib * MIB]
     free, total = res.values("meminfo")
-    assert (total - free) // MIB == held, f"{(total - free) // MIB} MiB charged for {held} held"
+    assert (total - free) // MIB == held_mib, f"{(total - free) // MIB} MiB charged for {held_mib} held"
 
 
 # A 200 MiB allocation freed by the other kind of free while the primary context is reset, which
-# frees it first: (how it is made, the thread that frees it, where the fake sleeps: inside the
+# frees it first: (how it is made, the thread that frees it, where the fake holds it: inside the
 # free, before the driver looks the pointer up).  Both frees are legal in CUDA (cuMemFree of a
 # stream-ordered allocation synchronises; cuMemFreeAsync takes a cuMemAlloc pointer).
 CROSS_FREES = {
-    "plain_freed_async": (["alloc", "200m"], "bgfreeasync", "cuMemFreeAsync:300"),
-    "pool_freed_plain": (["async", "200m"], "bgfreesync", "cuMemFree_v2:300"),
+    "plain_freed_async": (["alloc", "200m"], "bgfreeasync", "cuMemFreeAsync"),
+    "pool_freed_plain": (["async", "200m"], "bgfreesync", "cuMemFree_v2"),
 }
 
 
@@ -1119,12 +1143,12 @@ def test_a_free_of_the_other_kind_refused_after_a_reset_freed_its_memory_returns
     # the driver no longer holds the pointer); these put the record back: 250 MiB charged for
     # 50 held until the process exits, and the 800 MiB allocation after it refused under the
     # 1 GiB cap
-    make, freer, sleep = CROSS_FREES[free]
+    make, freer, point = CROSS_FREES[free]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", "ctx", "0", *make, freer, "0", "0", "sleep", "100", "reset", "0", "join",
+    res = lab.run("init", "ctx", "0", *make, freer, "0", "0", *lab.inside(point, "reset", "0"), "join",
                   *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **lab.held(point))
     assert res.rc(make[0]) == 0 and res.rc("reset") == 0
     assert res.rc(freer) != 0  # refused: the reset freed it
     assert res.values("phys") == [50 * MIB]
@@ -1139,11 +1163,11 @@ def test_a_free_refused_after_a_reset_keeps_the_newer_allocation_at_the_address_
     # another allocation gets the same address (the driver reuses them) and is booked.  The
     # settle saw the address held and put the old record back over the newer one: 450 MiB
     # charged for 250 held
-    res = lab.run("init", "ctx", "0", "alloc", "200m", "bgfreesync", "0", "0", "sleep", "100", "reset", "0",
-                  "sleep", "300", "alloc", "200m", "join", "meminfo", "phys", "free", "1", "meminfo",
+    res = lab.run("init", "ctx", "0", "alloc", "200m", "bgfreesync", "0", "0",
+                  *lab.inside("cuMemFree_v2", "reset", "0"), *lab.inside("cuMemFree_v2After", "alloc", "200m"),
+                  "join", "meminfo", "phys", "free", "1", "meminfo",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE="1",
-                  FAKE_CUDA_ADDR_REUSE="1", FAKE_CUDA_SLEEP="cuMemFree_v2:300,cuMemFree_v2After:400",
-                  FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_ADDR_REUSE="1", FAKE_NVML_PROC_MEM="0", **lab.held("cuMemFree_v2", "cuMemFree_v2After"))
     assert res.rc("reset") == 0 and res.rc("bgfreesync") != 0  # refused: the reset freed it
     assert [rc for rc, _ in res.of("alloc")] == [0, 0]
     assert res.values("phys") == [250 * MIB]
@@ -1154,44 +1178,49 @@ def test_a_free_refused_after_a_reset_keeps_the_newer_allocation_at_the_address_
 
 
 # A 200 MiB array another thread's cuArrayCreate makes inside the driver while a context goes:
-# (the commands that make the context, the main thread's, where the fake sleeps, whether a reset
-# context stays active, the MiB then held, charged)
+# (the commands that make the context, those that end it, where the fake holds a call, whether a
+# reset context stays active, the MiB then held, charged)
 ARRAY_RACES = {
     # made before the end, which freed it, and booked after it: it stayed charged (250 MiB for
     # 50 held, an 800 MiB allocation refused under a 1 GiB cap); the context went since the
     # allocation began, and its array with it
-    "before_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
-    "before_release": (["ctx", "0"], ["sleep", "100", "release", "0"], "cuArrayCreate_v2After:300", None, 50, 50),
-    "before_destroy": (["ctxcreate", "0", "capcur"], ["sleep", "100", "ctxdestroy", "0"], "cuArrayCreate_v2After:300",
-                       None, 50, 50),
+    "before_reset": (["ctx", "0"], ["reset", "0"], "cuArrayCreate_v2After", None, 50, 50),
+    "before_release": (["ctx", "0"], ["release", "0"], "cuArrayCreate_v2After", None, 50, 50),
+    "before_destroy": (["ctxcreate", "0", "capcur"], ["ctxdestroy", "0"], "cuArrayCreate_v2After", None, 50, 50),
     # a reset that keeps the context active: the reset waits for the creation, which is booked
     # before it and forgotten by it (it stayed charged until the process exited, 250 MiB for 50
     # held: -k made_before_a_reset); one that comes while the reset is in progress waits for
     # it and is made in the emptied context, held and charged
-    "before_reset_stays_active": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2After:300", "1",
-                                  50, 50),
-    "during_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuDevicePrimaryCtxResetAfter:300", "1", 250, 250),
+    "before_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuArrayCreate_v2After", "1", 50, 50),
+    "during_reset_stays_active": (["ctx", "0"], ["reset", "0"], "cuDevicePrimaryCtxResetAfter", "1", 250, 250),
     # entered before a reset, which waits for it: made, then freed and forgotten by the reset
-    "entered_before_reset": (["ctx", "0"], ["sleep", "100", "reset", "0"], "cuArrayCreate_v2:300", None, 50, 50),
+    "entered_before_reset": (["ctx", "0"], ["reset", "0"], "cuArrayCreate_v2", None, 50, 50),
     # entered before a created context's destroy, refused after it: its reservation returns
-    "refused_after_destroy": (["ctxcreate", "0", "capcur"], ["sleep", "100", "ctxdestroy", "0"],
-                              "cuArrayCreate_v2:300", None, 50, 50),
+    "refused_after_destroy": (["ctxcreate", "0", "capcur"], ["ctxdestroy", "0"], "cuArrayCreate_v2", None, 50, 50),
 }
 
 
 @pytest.mark.parametrize("race", ARRAY_RACES)
 def test_an_array_made_as_its_context_goes_is_charged_while_the_driver_may_hold_it(lab, race):
-    make, main, sleep, stays_active, held, charged = ARRAY_RACES[race]
-    delay = "100" if main == ["reset", "0"] else "0"
+    # where the context's end waits for the creation (a reset: the array fence), the creation
+    # is held 300 ms: the end's go would come only once it is done
+    make, ends, point, stays_active, held_mib, charged = ARRAY_RACES[race]
+    during = point.startswith("cuDevicePrimaryCtxReset")
+    waits = ends[0] == "reset"
+    if during:
+        cmds = [*lab.bg_inside(point), "bgarray", "4096", "3200", "0", *ends]
+    else:
+        cmds = ["bgarray", "4096", "3200", "0", *lab.inside(point, *ends)]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", *make, "bgarray", "4096", "3200", delay, *main, "join", *again, "meminfo", "phys",
+    res = lab.run("init", *make, *cmds, "join", *again, "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP=sleep, FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
-    assert res.rc(main[-2]) == 0
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **lab.held(point, ms=300 if during or waits else lab.HOLD_MS))
+    assert res.rc(ends[0]) == 0
     assert res.rc("bgarray") == (CUDA_ERROR_CONTEXT_IS_DESTROYED if race.startswith("refused") else 0)
-    assert res.values("phys") == [held * MIB]
+    assert res.values("phys") == [held_mib * MIB]
     free, total = res.values("meminfo")
-    assert (total - free) // MIB == charged, f"{(total - free) // MIB} MiB charged for {held} held"
+    assert (total - free) // MIB == charged, f"{(total - free) // MIB} MiB charged for {held_mib} held"
     assert res.rc("alloc") == (0 if charged == 50 else OOM)
 
 
@@ -1202,11 +1231,12 @@ def test_an_array_made_before_a_reset_that_keeps_the_context_active_is_returned_
     # for 50 held, an 800 MiB allocation refused under a 1 GiB cap.  Its destroy afterwards
     # (refused: the reset took it) must not return anything a second time, and an array made
     # after the reset is charged
-    res = lab.run("init", "ctx", "0", "bgarray", "4096", "3200", "0", "sleep", "100", "reset", "0", "join",
+    # (the reset waits for the creation: held 300 ms, not until the reset's go)
+    res = lab.run("init", "ctx", "0", "bgarray", "4096", "3200", "0",
+                  *lab.inside("cuArrayCreate_v2After", "reset", "0"), "join",
                   "meminfo", "phys", "free", "0", "meminfo", "array", "4096", "3200", "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP="cuArrayCreate_v2After:300", FAKE_CUDA_RESET_ACTIVE="1",
-                  FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_RESET_ACTIVE="1", FAKE_NVML_PROC_MEM="0", **lab.held("cuArrayCreate_v2After", ms=300))
     assert res.rc("bgarray") == 0 and res.rc("reset") == 0
     assert res.values("phys") == [50 * MIB]
     free, total = res.values("meminfo")
@@ -1239,10 +1269,11 @@ def test_an_array_destroy_refused_after_its_context_went_returns_the_charge(lab,
     # the 1 GiB cap.  A reset now waits for the destroy (the array fence), which succeeds
     make, main, stays_active = ARRAY_DESTROY_RACES[race]
     again = [] if stays_active else ["ctx", "0"]
-    res = lab.run("init", *make, "array", "4096", "3200", "bgarrayfree", "0", "0", "sleep", "100", *main,
+    point = "cuArrayDestroy"
+    res = lab.run("init", *make, "array", "4096", "3200", "bgarrayfree", "0", "0", *lab.inside(point, *main),
                   "join", *again, "meminfo", "phys", "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP="cuArrayDestroy:300",
-                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **lab.held(point, ms=300 if main[0] == "reset" else lab.HOLD_MS))  # a reset waits for it
     assert res.rc("array") == 0 and res.rc(main[0]) == 0
     assert res.rc("bgarrayfree") == (0 if main[0] == "reset" else CUDA_ERROR_INVALID_VALUE)
     assert res.values("phys") == [50 * MIB]
@@ -1257,11 +1288,12 @@ def test_an_external_memory_destroy_racing_its_contexts_end_returns_the_charge_o
     # driver may refuse the destroy; a reset waits for it (the array fence)
     make, main, stays_active = ARRAY_DESTROY_RACES[race]
     again = [] if stays_active else ["ctx", "0"]
+    point = "cuDestroyExternalMemory"
     res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "eimport", "0", "free", "0",
-                  "bgarrayfree", "1", "0", "sleep", "100", *main, "join", *again, "meminfo", "phys",
+                  "bgarrayfree", "1", "0", *lab.inside(point, *main), "join", *again, "meminfo", "phys",
                   "alloc", "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP="cuDestroyExternalMemory:300", FAKE_CUDA_RESET_ACTIVE=stays_active,
-                  FAKE_NVML_PROC_MEM="0")
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **lab.held(point, ms=300 if main[0] == "reset" else lab.HOLD_MS))
     assert res.rc("eimport") == 0 and res.rc(main[0]) == 0
     assert res.rc("bgarrayfree") == (0 if main[0] == "reset" else CUDA_ERROR_INVALID_VALUE)
     assert res.values("phys") == [50 * MIB]
@@ -1282,14 +1314,15 @@ def test_a_tile_mapping_racing_its_arrays_context_goes_with_the_array(lab, race,
     make, main, stays_active = ARRAY_DESTROY_RACES[race]
     again = [] if stays_active else ["ctx", "0"]
     if op == "unmap":
-        cmds = ["amap", "0", "1", "0", "free", "1", "bgaunmap", "0", "0", "0", "sleep", "100", *main, "join"]
-        sleep = "cuMemMapArrayAsync:300"
+        point = "cuMemMapArrayAsync"
+        cmds = ["amap", "0", "1", "0", "free", "1", "bgaunmap", "0", "0", "0", *lab.inside(point, *main), "join"]
     else:
-        cmds = ["bgamap", "0", "1", "0", "0", "sleep", "100", *main, "join", "free", "1"]
-        sleep = "cuMemMapArrayAsyncAfter:300"
+        point = "cuMemMapArrayAsyncAfter"
+        cmds = ["bgamap", "0", "1", "0", "0", *lab.inside(point, *main), "join", "free", "1"]
     res = lab.run("init", *make, *SPARSE, "vmm", "300m", "0", *cmds, *again, "meminfo", "phys", "alloc",
-                  "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_CUDA_SLEEP=sleep,
-                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0")
+                  "800m", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
+                  FAKE_CUDA_RESET_ACTIVE=stays_active, FAKE_NVML_PROC_MEM="0",
+                  **lab.held(point, ms=300 if op == "unmap" else lab.HOLD_MS))  # every end waits for an unmap
     assert res.rc(main[0]) == 0 and res.rc("free") == 0
     assert res.rc("bg" + ("aunmap" if op == "unmap" else "amap")) == (1 if op == "unmap" else 0)
     assert res.values("phys") == [50 * MIB]
@@ -1387,12 +1420,12 @@ def test_a_context_made_by_a_callback_inside_a_limit_change_does_not_deadlock_an
     # thread B sets a limit and the driver's callback inside makes a context; thread A makes a
     # context and the callback inside sets a limit: B held the limit lock and waited for the
     # context lock, A the other way round.  cuCtxSetLimit now takes the context lock first
-    res = lab.run("init", "ctx", "0", "alloc", "500m", "bgsetlimit", "8m", "0", "sleep", "50",
-                  "ctxcreate", "0", "join", "meminfo", "phys", timeout=30,
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_CUDA_SLEEP="cuCtxSetLimit:300,cuCtxCreate:300",
+    # (A starts once B is inside the driver; each call is held 300 ms, A's waiting for B's)
+    res = lab.run("init", "ctx", "0", "alloc", "500m", "bgsetlimit", "8m", "0",
+                  "waitfile", str(lab.tmp / "in-cuCtxSetLimit"), "ctxcreate", "0", "join", "meminfo", "phys",
+                  timeout=30, CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                   FAKE_CUDA_API_CALLBACK="cuCtxSetLimit:ctx", FAKE_CUDA_CTX_CALLBACK="setlimit",
-                  FAKE_CUDA_CTX_CALLBACK_BYTES="4m")
+                  FAKE_CUDA_CTX_CALLBACK_BYTES="4m", **lab.held("cuCtxSetLimit", "cuCtxCreate", ms=300))
     assert res.returncode == 0 and all(rc == 0 for _cmd, rc, _vals in res.lines), res.stdout
     assert "fake: api callback cuCtxSetLimit ctx 0" in res.stderr
     free, total = res.values("meminfo")
@@ -1552,14 +1585,12 @@ def test_without_figures_a_co_tenants_allocation_during_a_context_is_not_charged
 def started_beside_another(lab, *cmds: str, **env: str):
     """Run ``init ctx 0 cmds`` in a container's pid namespace while another tenant's process
     makes its context during ours: two pids appear with our context, so ours is not learnt
-    from it."""
-    tmp = lab.tmp
-    ours = lab.start("init", "ctx", "0", *cmds, FAKE_CUDA_CTX_BYTES="100m",
-                     FAKE_NVML_PID_OFFSET="100000",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **env)
-    lab.wait_for(tmp / "creating")
-    other = lab.start("init", "ctx", "0", "sleep", "2500",
+    from it (ours held inside the driver until the other's is made; the other stays until we
+    are done)."""
+    tmp, done = lab.tmp, str(lab.tmp / "done")
+    ours = lab.start("init", "ctx", "0", *cmds, "touch", done, FAKE_CUDA_CTX_BYTES="100m",
+                     FAKE_NVML_PID_OFFSET="100000", **lab.held("cuDevicePrimaryCtxRetain"), **env)
+    other = lab.start("init", *lab.inside("cuDevicePrimaryCtxRetain", "ctx", "0"), "waitfile", done,
                       CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
                       FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
     res = lab.finish(ours)
@@ -1587,18 +1618,17 @@ def test_a_later_context_does_not_take_a_tenant_that_appeared_meanwhile_for_itse
     # context on the device then saw one new pid, another tenant's starting meanwhile, and
     # took it for ours: that tenant's 600 MiB was charged to the container (800 MiB for the
     # 200 it held) and a 500 MiB allocation was refused under a 1 GiB cap
-    tmp, created = lab.tmp, lab.tmp / "first-context"
+    # (each of our contexts held inside the driver until the other tenant has made its own; the
+    # tenants stay until we are done)
+    tmp, done = lab.tmp, str(lab.tmp / "done")
     common = {"FAKE_CUDA_CTX_BYTES": "100m", "FAKE_NVML_PID_OFFSET": "100000"}
-    ours = lab.start("init", "ctx", "0", "sleep", "700", "touch", str(created), "ctxcreate", "0",
-                     "sleep", "1500", "alloc", "500m", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400,cuCtxCreate:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), **common)
-    lab.wait_for(tmp / "creating")
-    beside = lab.start("init", "ctx", "0", "sleep", "4000",
+    ours = lab.start("init", "ctx", "0", "sleep", "700", "ctxcreate", "0",
+                     "sleep", "1500", "alloc", "500m", "phys", "touch", done, CUDA_DEVICE_MEMORY_LIMIT="1g",
+                     **lab.held("cuDevicePrimaryCtxRetain", "cuCtxCreate"), **common)
+    beside = lab.start("init", *lab.inside("cuDevicePrimaryCtxRetain", "ctx", "0"), "waitfile", done,
                        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "r1"), **common)
-    meanwhile = lab.start("init", "waitfile", str(created), "sleep", "100", "ctx", "0", "alloc",
-                          "600m", "sleep", "4000", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "r2"),
-                          **common)
+    meanwhile = lab.start("init", *lab.inside("cuCtxCreate", "ctx", "0", "alloc", "600m"), "waitfile", done,
+                          CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "r2"), **common)
     res = lab.finish(ours)
     lab.finish(beside)
     lab.finish(meanwhile)
@@ -1882,11 +1912,12 @@ def test_external_memory_imported_as_its_context_goes_is_not_left_charged(lab, m
     # 200 MiB.  Booked after the context's end, which had nothing of it to forget, it stayed
     # charged: 250 MiB for 50 held, an 800 MiB allocation refused under a 1 GiB cap
     make = ["ctxcreate", "0", "capcur"] if main[0] == "ctxdestroy" else ["ctx", "0", "capcur"]
-    res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "bgeimport", "0", "0", "sleep", "100",
-                  "free", "0", *main, "join", "ctx", "0", "meminfo", "phys", "alloc", "800m",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m",
-                  FAKE_CUDA_SLEEP="cuImportExternalMemoryAfter:300", FAKE_NVML_PROC_MEM="0",
-                  FAKE_CUDA_RESET_ACTIVE=stays_active)
+    point = "cuImportExternalMemoryAfter"
+    res = lab.run("init", *make, "vmm", "200m", "0", "vexport", "0", "bgeimport", "0", "0",
+                  *lab.inside(point, "free", "0", *main), "join", "ctx", "0", "meminfo", "phys", "alloc", "800m",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="50m", FAKE_NVML_PROC_MEM="0",
+                  FAKE_CUDA_RESET_ACTIVE=stays_active,
+                  **lab.held(point, ms=300 if main[0] == "reset" else lab.HOLD_MS))  # a reset waits for it
     assert res.rc("bgeimport") == 0 and res.rc(main[0]) == 0 and res.rc("free") == 0
     assert res.values("phys") == [50 * MIB]
     free, total = res.values("meminfo")
@@ -2027,22 +2058,24 @@ def test_the_pid_is_not_learnt_from_an_allocation_another_of_ours_crossed(lab):
     # while our probe read NVML's list around a VMM allocation, another thread of ours
     # allocated too, so our pid grew by twice the size; a co-tenant's pid that grew by the same
     # size at that moment was the one match, twice, and was learnt: 1156 MiB under a 1 GiB cap
-    tmp = lab.tmp
-    f1, f2 = str(tmp / "f1"), str(tmp / "f2")
-    ours = lab.start("init", "ctx", "0",
-                     "touch", f1, "bgalloc", "64m", "100", "vmm", "64m", "0", "join",
-                     "touch", f2, "bgalloc", "64m", "100", "vmm", "64m", "0", "join",
+    # (our context held inside the driver until the co-tenant's is made, as beside another;
+    # then twice: our VMM allocation held inside the driver while our other thread allocates,
+    # then the co-tenant, which lets it go on)
+    tmp, done = lab.tmp, str(lab.tmp / "done")
+    rounds = [[*lab.bg_inside(f"cuMemCreate:{k}"), "bgdone", str(tmp / f"ours{k}"), "bgalloc", "64m", "0",
+               "vmm", "64m", "0", "join"] for k in (1, 2)]
+    ours = lab.start("init", "ctx", "0", *rounds[0], *rounds[1], "touch", done,
                      CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
                      FAKE_NVML_PID_OFFSET="100000", LIBCUDA_LOG_LEVEL="2",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400,cuMemCreate:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"))
-    lab.wait_for(tmp / "creating")
-    other = lab.start("init", "ctx", "0", "waitfile", f1, "sleep", "150", "alloc", "64m",
-                      "waitfile", f2, "sleep", "150", "alloc", "64m", "sleep", "1000",
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
+                     **lab.held("cuDevicePrimaryCtxRetain", "cuMemCreate:1", "cuMemCreate:2"))
+    theirs = [["waitfile", str(tmp / f"ours{k}"), "alloc", "64m", "touch", str(tmp / f"go-cuMemCreate:{k}")]
+              for k in (1, 2)]
+    other = lab.start("init", *lab.inside("cuDevicePrimaryCtxRetain", "ctx", "0"), *theirs[0], *theirs[1],
+                      "waitfile", done, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
                       FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
     res = lab.finish(ours)
-    lab.finish(other)
+    co = lab.finish(other)
+    assert all(rc == 0 for _cmd, rc, _vals in res.lines + co.lines), res.stdout + co.stdout  # in order
     assert "learnt from the process's allocations" not in res.stderr
 
 
@@ -2088,11 +2121,9 @@ def test_a_pid_equal_to_ours_appearing_after_our_context_is_not_taken_for_ours(l
                       CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "later-region"), **common)
     ours = lab.start("init", "ctx", "0", "touch", str(tmp / "later"), "waitfile", str(tmp / "taken"),
                      "alloc", "800m", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                     FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:400",
-                     FAKE_CUDA_SLEEP_MARK=str(tmp / "creating"), FAKE_NVML_PID_AS_MINE=str(later.pid),
-                     **common)
-    lab.wait_for(tmp / "creating")
-    beside = lab.start("init", "ctx", "0", "sleep", "3000",
+                     FAKE_NVML_PID_AS_MINE=str(later.pid), **lab.held("cuDevicePrimaryCtxRetain"), **common)
+    # (ours held inside the driver until the tenant beside has made its context)
+    beside = lab.start("init", *lab.inside("cuDevicePrimaryCtxRetain", "ctx", "0"), "sleep", "3000",
                        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "beside-region"), **common)
     res = lab.finish(ours)
     for p in (later, beside):
@@ -2108,9 +2139,9 @@ def test_a_first_context_made_while_another_thread_allocates_is_charged_without_
     # was not clean and the estimate stood: the container had none yet on that device, so the
     # context was charged nothing, and no reconcile charges what it holds (no figure): 100 MiB
     # held uncharged for good, a 1 GiB cap filled on top of it
-    res = lab.run("init", "ctx", "0", "bgalloc", "64m", "0", "sleep", "100", "ctx", "1", "join",
+    res = lab.run("init", "ctx", "0", "bgalloc", "64m", "0", *lab.inside("cuMemAlloc_v2", "ctx", "1"), "join",
                   "meminfo", "physd", "1", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_NVML_PROC_MEM="0", FAKE_CUDA_SLEEP="cuMemAlloc_v2:500", **TWO_GPUS)
+                  FAKE_NVML_PROC_MEM="0", **TWO_GPUS, **lab.held("cuMemAlloc_v2"))
     assert res.rc("ctx", 1) == 0 and res.rc("bgalloc") == 0  # (join prints as the thread's call)
     assert res.values("physd") == [100 * MIB]
     assert res.values("meminfo") == [GIB - 100 * MIB, GIB]

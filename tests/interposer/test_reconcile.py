@@ -235,18 +235,22 @@ def test_concurrent_allocations_and_code_loads_never_count_memory_twice(lab):
 # ---- contexts and reconcile, after a review of context.c (footprint.c now) / reconcile.c / graphmem.c
 
 @pytest.mark.parametrize(("work", "sleeps"), [
-    (["bgalloc", "500m", "100"], "cuCtxCreate:300"),
-    (["bgalloc", "500m", "0", "sleep", "50"], "cuMemAlloc_v2:200,cuCtxCreate:300"),
-    (["bgsetlimit", "500m", "0", "sleep", "50"], "cuCtxSetLimit:200,cuCtxCreate:300"),
+    (["bgafter", "in-cuCtxCreate", "bgalloc", "500m", "0"], "cuCtxCreate:300"),
+    (["bgalloc", "500m", "0", "waitfile", "in-cuMemAlloc_v2"], "cuMemAlloc_v2:200,cuCtxCreate:300"),
+    (["bgsetlimit", "500m", "0", "waitfile", "in-cuCtxSetLimit"], "cuCtxSetLimit:200,cuCtxCreate:300"),
 ], ids=["allocation-during", "allocation-in-the-driver-already", "limit-in-the-driver-already"])
 def test_what_other_threads_take_while_a_context_is_created_is_not_its_footprint(lab, work, sleeps):
     # another thread takes 500 MiB while a context is being created: the process's growth holds
     # both, and was all charged to the context (1200 MiB charged for 700 held) and kept as the
     # container's footprint estimate (600 MiB for a 100 MiB context); subtracted now, or, when
     # the other call was already inside the driver (the two cannot be told apart), the
-    # estimate stands
+    # estimate stands.  The other thread starts once the creation is inside the driver, or the
+    # creation once the other call is (the fake's marks); the calls then overlap for their
+    # sleeps, the one that overlaps finishing inside the other's
+    work = [str(lab.tmp / arg) if arg.startswith("in-") else arg for arg in work]
     res = lab.run("init", "ctx", "0", *work, "ctxcreate", "0", "join", "meminfo", "phys",
-                  CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_SLEEP=sleeps)
+                  CUDA_DEVICE_MEMORY_LIMIT="2g", FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_SLEEP=sleeps,
+                  FAKE_CUDA_SLEEP_MARK=str(lab.tmp / "in-{}"))
     assert res.rc(work[0]) == 0 and res.rc("ctxcreate") == 0
     assert view_used(res) == res.of("phys")[0][1][0] == 700 * MIB
     # the next process's context reserves the container's estimate: 100 MiB fits under 300
@@ -339,10 +343,12 @@ def test_a_retain_racing_a_release_is_charged(lab):
     # a thread found the primary context active and retained it outside the lock while another
     # released the last reference: the driver made a new context nobody charged (1200 MiB held
     # under a 1 GiB cap)
-    res = lab.run("init", "ctx", "0", "bgretain", "0", "sleep", "100", "release", "0", "join",
-                  "ctx", "0", "module", "300m", "alloc", "500m", "alloc", "300m", "meminfo", "phys",
+    # (the release comes once the thread's retain, the process's second, is inside the driver;
+    # it waits for the retain, held 300 ms)
+    res = lab.run("init", "ctx", "0", "bgretain", "0", *lab.inside("cuDevicePrimaryCtxRetain:2", "release", "0"),
+                  "join", "ctx", "0", "module", "300m", "alloc", "500m", "alloc", "300m", "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_CUDA_SLEEP="cuDevicePrimaryCtxRetain:300")
+                  **lab.held("cuDevicePrimaryCtxRetain:2", ms=300))
     assert res.of("phys")[0][1][0] <= GIB
     assert view_used(res) == res.of("phys")[0][1][0]
 
@@ -350,10 +356,10 @@ def test_a_retain_racing_a_release_is_charged(lab):
 def test_growth_is_not_lost_when_a_context_goes_while_an_allocation_is_in_the_driver(lab):
     # the re-measurement after a context went dropped the untracked charge first and then could
     # not measure (an allocation was mid-way): 300 MiB of code went uncharged, 1110 MiB held
-    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "module", "300m",
-                  "sleep", "700", "bgpitch", "10m", "0", "sleep", "50", "ctxdestroy", "0",
-                  "alloc", "700m", "join", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_SLEEP="cuMemAllocPitch_v2:400")
+    res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "module", "300m", "sleep", "700",
+                  "bgpitch", "10m", "0", *lab.inside("cuMemAllocPitch_v2", "ctxdestroy", "0", "alloc", "700m"),
+                  "join", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_CTX_BYTES="100m", **lab.held("cuMemAllocPitch_v2"))
     assert res.rc("bgpitch") == 0 and res.rc("alloc") == OOM
     assert view_used(res) == res.of("phys")[0][1][0] == 410 * MIB
 
@@ -387,9 +393,9 @@ def test_growth_is_charged_while_a_re_measurement_waits_for_a_clean_reading(lab)
     # every reconcile wait for a clean reading, so code loaded meanwhile went uncharged
     # (1110 MiB held under a 1 GiB cap)
     res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "bgalloc", "10m", "0",
-                  "sleep", "50", "ctxdestroy", "0", "module", "300m", "alloc", "700m", "join",
+                  *lab.inside("cuMemAlloc_v2:1", "ctxdestroy", "0", "module", "300m", "alloc", "700m"), "join",
                   "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_CUDA_SLEEP="cuMemAlloc_v2:1500")
+                  **lab.held("cuMemAlloc_v2:1"))
     assert res.rc("alloc") == OOM
     assert res.of("phys")[0][1][0] <= GIB
 
@@ -434,9 +440,9 @@ def test_a_limit_inside_the_driver_is_not_taken_for_memory_when_a_context_goes(l
     # the re-measurement after a context went counted the limit's reservation, which NVML did
     # not show yet, as a record and lowered the untracked charge by it: 1300 MiB held under 1 GiB
     res = lab.run("init", "ctx", "0", "ctxcreate", "0", "ctx", "0", "module", "300m", "sleep", "700",
-                  "bgsetlimit", "300m", "0", "sleep", "100", "ctxdestroy", "0", "alloc", "600m",
+                  "bgsetlimit", "300m", "0", *lab.inside("cuCtxSetLimit", "ctxdestroy", "0", "alloc", "600m"),
                   "join", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_CTX_BYTES="100m", FAKE_CUDA_SLEEP="cuCtxSetLimit:400")
+                  FAKE_CUDA_CTX_BYTES="100m", **lab.held("cuCtxSetLimit", ms=400))  # the destroy waits for it
     assert res.rc("bgsetlimit") == 0 and res.rc("alloc") == OOM
     assert view_used(res) == res.of("phys")[0][1][0] == 700 * MIB
 

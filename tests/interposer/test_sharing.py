@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -759,6 +760,21 @@ def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab, versi
     assert res.rc("alloc") == OOM
 
 
+def wait_for_lock_waiters(path: Path, count: int, timeout: float = 20) -> None:
+    """Until ``count`` processes wait for a flock on ``path``'s inode (/proc/locks' "->" lines:
+    blocked requests), rather than a sleep that bets they got there."""
+    inode = str(os.stat(path).st_ino)
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line.split() for line in Path("/proc/locks").read_text().splitlines()]
+        waiting = sum(1 for f in lines if f[1:3] == ["->", "FLOCK"] and
+                      any(x.count(":") == 2 and x.rsplit(":", 1)[1] == inode for x in f))
+        if waiting >= count:
+            return
+        assert time.monotonic() < deadline, f"{waiting} of {count} processes wait for {path}'s lock"
+        time.sleep(0.005)
+
+
 def test_two_processes_replacing_an_older_librarys_region_at_once_share_the_new_one(release_lab):
     # Both open the old file and wait for its lock (held here, as by a process of the old
     # library starting); the first replaces the file, and the second, holding the old inode,
@@ -772,7 +788,7 @@ def test_two_processes_replacing_an_older_librarys_region_at_once_share_the_new_
     procs = [lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / f"held{i}"),
                        "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g",
                        FAKE_CUDA_CTX_BYTES="100m") for i in range(2)]
-    time.sleep(1.0)  # both wait for the old file's lock
+    wait_for_lock_waiters(lab.region_path, 2)  # both wait for the old file's lock
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
     for i in range(2):

@@ -442,8 +442,9 @@ def test_a_device_whose_processes_went_no_longer_holds_the_others(release_lab):
     lab = release_lab
     env = {"CUDA_DEVICE_SM_LIMIT": "20", "FAKE_CUDA_DEVICES": multi_gpu(2)}
     lab.run("init", **env)
-    steady = lab.start("init", "ctx", "0", "bench", "6", "own", FAKE_CUDA_KERNEL_US="1000", **env)
-    time.sleep(0.3)
+    steady = lab.start("init", "ctx", "0", "touch", str(lab.tmp / "steady"), "bench", "6", "own",
+                       FAKE_CUDA_KERNEL_US="1000", **env)
+    lab.wait_for(lab.tmp / "steady")  # launching on device 0 before device 1's process starts
     res = lab.run("init", "ctx", "1", "bench", "0.001", "kernel", FAKE_CUDA_KERNEL_US="1000000", **env)
     assert res.rc("bench") == 0
     _rc, (_n, kernel_ns, wall_ns) = lab.finish(steady).of("bench")[0]
@@ -1001,6 +1002,25 @@ def test_launches_under_a_capture_with_no_launch_measured_before_are_paced_witho
     assert res.rc("unhold") == 0
     got = ran_share(res)
     assert 30 - TOLERANCE <= got <= 30 + 2 * TOLERANCE, f"{nvml}: {got:.1f}%"
+
+
+@pytest.mark.xfail(strict=True, reason="the device's figure stops at a tail 1 s after the last such launch, "
+                   "compared with a round's start a few ms away: 500 ms of the queue's drain go uncharged")
+def test_launches_under_a_capture_with_no_launch_measured_before_are_paced_while_the_sampler_runs_late(
+        release_lab):
+    # as above (NVML without the per-process call), each utilisation query taking 5 ms: the
+    # sampler's rounds come ~10 ms later over two, as on a loaded machine (43.1 % seen at load
+    # ~9).  The launch that first waits for the charge stamps the last unmeasured launch ~5 ms
+    # after a round; the round whose span starts 1 s later is fresh by ~7 ms on time, not
+    # fresh once the rounds are late, and the device's figure is dropped a round early: 42.8 %
+    # for 35.0 % (3 ms late: 34.8 %).  A tail of 1.25 s (a scratch build) held 35.0, 34.8 and
+    # 34.3 % with the rounds 0, 5 and 20 ms late
+    res = release_lab.run("init", "ctx", "0", "hold", "1", "ran", "bench", "5", "graph", "ran", "unhold",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000", FAKE_CUDA_CAPTURE_STRICT="1",
+                          FAKE_NVML_PROC_UTIL="off", FAKE_NVML_UTIL_RATES="1", FAKE_NVML_UTIL_SLEEP_MS="5")
+    assert res.rc("unhold") == 0
+    got = ran_share(res)
+    assert 30 - TOLERANCE <= got <= 30 + 2 * TOLERANCE, f"rounds late: {got:.1f}%"
 
 
 def test_launches_under_a_capture_are_charged_with_the_time_slice_correction_off(release_lab):

@@ -37,7 +37,8 @@
  *                            Off by default: frees are then complete at once
  *   FAKE_CUDA_FAIL           "name[:nth[:code]],..." make a call fail (nth 0 = every
  *                            call, default 1; code default 2 = out of memory)
- *   FAKE_CUDA_SLEEP          "name:ms[,name:ms]" sleep inside those calls; "exit:ms" sleeps in the
+ *   FAKE_CUDA_SLEEP          "name:ms[:nth][,...]" sleep inside those calls (with nth, in the nth
+ *                            such call only); "exit:ms" sleeps in the
  *                            library's destructor, as a real driver tearing down its
  *                            contexts at process exit does
  *                            ("cuMemAlloc_v2After", "cuMemAllocPitch_v2After": once the memory is
@@ -45,7 +46,12 @@
  *                            "cuMemFree_v2After": freed or refused; "cuLaunchKernelAfter": the
  *                            kernel queued; "cuMemMapArrayAsyncAfter": the tiles (un)mapped;
  *                            "cuStreamGetCtx": every such query, a sleep point only)
- *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts
+ *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts ("{}" in it: the call's name,
+ *                            "name:nth" for an nth call's sleep)
+ *   FAKE_CUDA_SLEEP_UNTIL    such a sleep ends as soon as this file exists ("{}" as in the mark;
+ *                            its ms then the most it lasts): with the mark, a test orders
+ *                            another thread's or process's step inside the call (wait for the
+ *                            mark, act, create this file) instead of betting on fixed sleeps
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
  *   FAKE_CUDA_PROCADDR_FUTURE=1  a later CUDA's variant: cuGetProcAddress("cuMemGetInfo") from
  *                            13010 on is a cuMemGetInfo_v3(free, total, device) the
@@ -90,6 +96,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "cuda_abi.h"
@@ -175,6 +182,18 @@ API void fake_cuda_set_fail(const char *spec)
     pthread_mutex_unlock(&g_fail_mu);
 }
 
+/* FAKE_CUDA_SLEEP_MARK's or _UNTIL's file for a sleep at `point`: "{}" in it stands for it */
+static int sleep_path(const char *var, const char *point, char *out, size_t size)
+{
+    const char *v = getenv(var), *at = v ? strstr(v, "{}") : NULL;
+    if (!v || !*v) return 0;
+    if (at)
+        snprintf(out, size, "%.*s%s%s", (int)(at - v), v, point, at + 2);
+    else
+        snprintf(out, size, "%s", v);
+    return 1;
+}
+
 static int fail_check(const char *name)
 {
     char set_spec[sizeof(g_fail_spec)];
@@ -183,14 +202,45 @@ static int fail_check(const char *name)
         char name[64];
         unsigned calls;
     } counters[64];
-    const char *spec = getenv("FAKE_CUDA_SLEEP"); /* "name:ms[,name:ms...]" */
+    const char *spec = getenv("FAKE_CUDA_SLEEP"); /* "name:ms[:nth][,name:ms[:nth]...]" */
     size_t nl = strlen(name);
+    unsigned sleep_calls = 0; /* this call's number among the name's, counted once */
     for (const char *p = spec; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
         if (strncmp(p, name, nl) != 0 || p[nl] != ':') continue;
-        const char *mark = getenv("FAKE_CUDA_SLEEP_MARK");
-        if (mark) close(open(mark, O_CREAT | O_WRONLY | O_CLOEXEC, 0644));
+        char *end, point[96];
+        (void)strtol(p + nl + 1, &end, 10);
+        snprintf(point, sizeof(point), "%s", name);
+        if (*end == ':') { /* the nth such call only; "name:nth" in the mark's and go's paths */
+            static struct {
+                char name[64];
+                unsigned calls;
+            } sleeps[64];
+            static pthread_mutex_t sleeps_mu = PTHREAD_MUTEX_INITIALIZER;
+            if (!sleep_calls) {
+                pthread_mutex_lock(&sleeps_mu);
+                for (int i = 0; i < 64; i++) {
+                    if (!sleeps[i].name[0]) snprintf(sleeps[i].name, sizeof(sleeps[i].name), "%s", name);
+                    if (strcmp(sleeps[i].name, name) == 0) {
+                        sleep_calls = ++sleeps[i].calls;
+                        break;
+                    }
+                }
+                pthread_mutex_unlock(&sleeps_mu);
+            }
+            if (sleep_calls != (unsigned)strtoul(end + 1, NULL, 10)) continue;
+            snprintf(point, sizeof(point), "%s:%u", name, sleep_calls);
+        }
+        char path[4096];
+        if (sleep_path("FAKE_CUDA_SLEEP_MARK", point, path, sizeof(path)))
+            close(open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0644));
         struct timespec ts = {0, 0};
         long ms = atol(p + nl + 1);
+        if (sleep_path("FAKE_CUDA_SLEEP_UNTIL", point, path, sizeof(path))) {
+            struct timespec tick = {0, 1000000L}; /* 1 ms */
+            struct stat st;
+            for (long waited = 0; waited < ms && stat(path, &st) != 0; waited++) nanosleep(&tick, NULL);
+            break;
+        }
         ts.tv_sec = ms / 1000;
         ts.tv_nsec = (ms % 1000) * 1000000L;
         nanosleep(&ts, NULL);

@@ -268,7 +268,8 @@ API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigne
  * at least 100 ms, as a real GPU's sample period); board power =
  * FAKE_NVML_IDLE_MW + utilisation x FAKE_NVML_DYNAMIC_MW (the kernels' draw at
  * full duty, at whatever clock the test plays), at most the limit;
- * FAKE_NVML_POWER_MW overrides it. */
+ * FAKE_NVML_POWER_MW overrides it.  FAKE_NVML_UTIL_SLEEP_MS: each utilisation query takes that
+ * long (a sampler whose rounds come that much later, as on a loaded machine). */
 typedef uint64_t (*fake_kernel_ns_fn)(void);
 static uint64_t win_t0, win_k0;
 static unsigned win_util;
@@ -343,6 +344,11 @@ API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t
     if (!power_on(d) && !(refs && index_of(d) >= 0 && (cotenant() || fake_gpu_shared() || env_uint("FAKE_NVML_UTIL_RATES", 0))))
         return NVML_ERROR_NOT_SUPPORTED;
     if (!u) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned late = env_uint("FAKE_NVML_UTIL_SLEEP_MS", 0);
+    if (late) {
+        struct timespec ts = {(time_t)(late / 1000), (long)(late % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     u->gpu = utilisation();
     u->memory = u->gpu / 2;
     return NVML_SUCCESS;
