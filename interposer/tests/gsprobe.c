@@ -428,9 +428,12 @@ static void bench(double seconds, const char *kind)
         rc = api.cuStreamCreate(&side, 1);
         if (rc == CUDA_SUCCESS) rc = api.cuEventCreate(&ev, 0);
     }
+    /* "fns:N": N functions launched in turn (a model's many kernels) */
+    unsigned nfns = !strncmp(kind, "fns:", 4) ? (unsigned)atoi(kind + 4) : 0;
     uint64_t k0 = kernel_ns(), t0 = now_ns(), end = t0 + (uint64_t)(seconds * 1e9), n = 0;
     while (rc == CUDA_SUCCESS && now_ns() < end) {
         if ((rc = before_kernel(kind, s, side, ev)) != CUDA_SUCCESS) break;
+        if (nfns) f = (CUfunction)(uintptr_t)(0x100000 + 64 * (n % nfns));
         if (!strcmp(kind, "ex"))
             rc = api.cuLaunchKernelEx(&cfg, f, NULL, NULL);
         else if (!strcmp(kind, "coop"))
