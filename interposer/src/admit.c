@@ -31,6 +31,15 @@ static int over_queue(const struct tstream *s, int variable, uint64_t est)
     return s->queued_est >= (variable ? GS_VAR_QUEUE_NS : GS_QUEUE_NS);
 }
 
+/* A launch of cost est (0: unknown) counted in the estimates of ring entry k and of the queue */
+static void count_launch(struct tstream *s, int k, uint64_t est)
+{
+    s->est[k] += est;
+    s->unknown[k] += !est;
+    s->queued_est += est;
+    s->queued_unknown += !est;
+}
+
 /* Queued launches of unknown cost whose function's or graph's cost a measurement has taught
  * since (its first launch, measured alone while these waited behind it) count at that cost:
  * counted at nothing, a launch that gave up waiting behind them paid only what the head had run
@@ -41,12 +50,11 @@ static void queue_costs_learnt_locked(struct tstream *s)
 {
     for (int i = 0; i < s->count && s->queued_unknown; i++) {
         int k = (s->head + i) % GS_RING;
-        uint64_t c = s->unknown[k] == 1 && s->launches[k] == 1 ? thr_cost_locked(s->fn[k]) : 0;
+        uint64_t c = s->unknown[k] ? thr_cost_locked(s->fn[k]) : 0; /* fn: one launch's entry */
         if (!c) continue;
-        s->est[k] += c;
         s->unknown[k] = 0;
-        s->queued_est += c;
         s->queued_unknown--;
+        count_launch(s, k, c);
     }
 }
 
@@ -263,10 +271,7 @@ void thr_record_end(struct measured *m)
             if (!s->launches[tail]) s->gaps--; /* a gap's end now ends this launch, gap included */
             s->launches[tail]++;
             s->fn[tail] = 0; /* no one launch's interval: teaches no cost */
-            s->est[tail] += m->fn_est;
-            s->unknown[tail] += !m->fn_est;
-            s->queued_est += m->fn_est;
-            s->queued_unknown += !m->fn_est;
+            count_launch(s, tail, m->fn_est);
             s->rec_ns[tail] = gs_now_ns();
             s->unended = 0; /* recorded after every kernel queued so far, an unended one's too */
             GS_DEBUG("event ring full: the newest event now covers %u launches", s->launches[tail]);
@@ -281,10 +286,8 @@ void thr_record_end(struct measured *m)
             s->launches[tail] = 1;
             s->fn[tail] = m->fn;
             s->gen[tail] = m->gen;
-            s->est[tail] = m->fn_est;
-            s->unknown[tail] = !m->fn_est;
-            s->queued_est += m->fn_est;
-            s->queued_unknown += !m->fn_est;
+            s->est[tail] = s->unknown[tail] = 0;
+            count_launch(s, tail, m->fn_est);
             s->rec_ns[tail] = gs_now_ns();
             s->count++;
             s->unended = 0;

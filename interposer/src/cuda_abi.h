@@ -46,7 +46,7 @@ typedef int CUarray_format;
 typedef int CUstreamCaptureStatus;
 typedef int CUgraphNodeType;
 typedef int CUgraphExecUpdateResult; /* an enum: only passed through */
-/* an executable graph's node parameters: only passed through (graphmem.c's changes) */
+/* an executable graph's node parameters: only passed through (launch.c's graph-change hooks) */
 typedef struct CUDA_KERNEL_NODE_PARAMS_st CUDA_KERNEL_NODE_PARAMS_v1;
 typedef struct CUDA_KERNEL_NODE_PARAMS_v2_st CUDA_KERNEL_NODE_PARAMS;
 typedef struct CUDA_MEMSET_NODE_PARAMS_st CUDA_MEMSET_NODE_PARAMS;

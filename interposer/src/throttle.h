@@ -41,7 +41,7 @@ struct tstream {
     CUevent ring[GS_RING];
     unsigned launches[GS_RING]; /* launches covered by each event; 0: it ends other work (a gap) */
     uint64_t fn[GS_RING];       /* the one launch it ends: its function or executable graph, whose
-                                 * cost its interval teaches (thr_cost); 0: several, or a gap */
+                                 * cost its interval teaches (thr_cost_locked); 0: several, or a gap */
     uint64_t est[GS_RING];      /* the estimated GPU time of the launches it ends, of known cost */
     unsigned short unknown[GS_RING]; /* those launches of unknown cost */
     unsigned gen[GS_RING];      /* thr_cost_gen when its launch was admitted */
