@@ -50,7 +50,7 @@ static void queue_costs_learnt_locked(struct tstream *s)
 {
     for (int i = 0; i < s->count && s->queued_unknown; i++) {
         int k = (s->head + i) % GS_RING;
-        uint64_t c = s->unknown[k] ? thr_cost_locked(s->fn[k]) : 0; /* fn: one launch's entry */
+        uint64_t c = s->unknown[k] ? thr_cost_locked(s->fn[k], s->size[k]) : 0; /* fn: one launch's entry */
         if (!c) continue;
         s->unknown[k] = 0;
         s->queued_unknown--;
@@ -131,11 +131,12 @@ void thr_callback_launched(CUstream stream, int per_thread)
 
 /* Waits until a launch on the stream may go: returns 1 with thr_mu held and the stream's context
  * current, or 0 if the launch goes unmeasured (the caller's context current, thr_mu free). */
-int thr_admit_locked(CUstream stream, int per_thread, int variable, uint64_t fn, struct measured *m)
+int thr_admit_locked(CUstream stream, int per_thread, int variable, uint64_t fn, uint64_t size, struct measured *m)
 {
     m->sw.on = 0;
     m->begun = 0;
     m->fn = fn;
+    m->size = size;
     m->fn_est = 0;
     m->es = gs_effective_stream(stream, per_thread);
     m->slot = launch_slot(m->es, &m->ctx, &m->sw);
@@ -182,7 +183,7 @@ int thr_admit_locked(CUstream stream, int per_thread, int variable, uint64_t fn,
         }
         thr_measure_locked(s);
         if (s->queued_unknown) queue_costs_learnt_locked(s);
-        m->fn_est = thr_cost_locked(fn);
+        m->fn_est = thr_cost_locked(fn, size);
         m->gen = thr_cost_gen;
         uint64_t now = gs_now_ns();
         if (over_queue(s, variable, m->fn_est) && (!queue_until || now < queue_until)) {
@@ -285,6 +286,7 @@ void thr_record_end(struct measured *m)
             s->ring[tail] = end;
             s->launches[tail] = 1;
             s->fn[tail] = m->fn;
+            s->size[tail] = m->size;
             s->gen[tail] = m->gen;
             s->est[tail] = s->unknown[tail] = 0;
             count_launch(s, tail, m->fn_est);

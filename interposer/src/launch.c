@@ -99,10 +99,19 @@ int gs_limited_devices(struct gs_limited_dev *out)
 
 typedef CUresult (*launch_thunk)(const void *args);
 
+/* A kernel launch's size for its cost's estimate (thr_cost_locked): its threads, grid times
+ * block (saturated; 0 for a shape the driver refuses) */
+static uint64_t launch_size(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz)
+{
+    unsigned __int128 grid = (unsigned __int128)gx * gy * gz, block = (uint64_t)bx * by * bz;
+    if (grid >> 64 || (block && grid * block >> 64)) return UINT64_MAX;
+    return (uint64_t)(grid * block);
+}
+
 /* variable: a graph launch's gs_graph_variable, else 0; fn: the function or executable graph
- * launched, whose cost the launch's measurement teaches (thr_cost_locked) */
-static CUresult throttled(CUstream stream, int per_thread, int variable, const void *fn, launch_thunk launch,
-                          const void *args)
+ * launched, whose cost the launch's measurement teaches (thr_cost_locked), at `size` */
+static CUresult throttled(CUstream stream, int per_thread, int variable, const void *fn, uint64_t size,
+                          launch_thunk launch, const void *args)
 {
     if (gs_t_held) { /* a driver callback under a lock of ours (maybe thr_mu): charged from NVML, not measured */
         CUresult rc = launch(args);
@@ -110,7 +119,7 @@ static CUresult throttled(CUstream stream, int per_thread, int variable, const v
         return rc;
     }
     struct measured m;
-    if (!thr_admit_locked(stream, per_thread, variable, (uint64_t)(uintptr_t)fn, &m)) return launch(args);
+    if (!thr_admit_locked(stream, per_thread, variable, (uint64_t)(uintptr_t)fn, size, &m)) return launch(args);
     thr_begin_locked(&m);
     thr_mu_unlock();
     thr_switch_to(&m.sw, 0);
@@ -124,6 +133,9 @@ static CUresult throttled(CUstream stream, int per_thread, int variable, const v
 
 /* ---- the hooks ------------------------------------------------------------ */
 
+/* the size of a launch whose shape is in x's gridDimX .. blockDimZ */
+#define SIZE_OF(x) launch_size((x).gridDimX, (x).gridDimY, (x).gridDimZ, (x).blockDimX, (x).blockDimY, (x).blockDimZ)
+
 struct kernel_args {
     const void *real;
     CUfunction f;
@@ -131,6 +143,11 @@ struct kernel_args {
     CUstream stream;
     void **params, **extra;
 };
+
+static uint64_t kernel_size(const struct kernel_args *a)
+{
+    return launch_size(a->gx, a->gy, a->gz, a->bx, a->by, a->bz);
+}
 
 static CUresult call_kernel(const void *p)
 {
@@ -198,7 +215,7 @@ static CUresult call_graph_mem(const void *p)
         if (!throttle_on()) return gs_cuda.name GS_KERNEL_ARGS;                                               \
         struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
                                 blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra};          \
-        return throttled(hStream, pt, 0, f, thunk, &a);                                                       \
+        return throttled(hStream, pt, 0, f, kernel_size(&a), thunk, &a);                                       \
     }                                                                                                         \
     GS_EXPORT CUresult name GS_LAUNCH_PARAMS                                                                  \
     {                                                                                                         \
@@ -219,7 +236,7 @@ GS_KERNEL_HOOK(cuLaunchKernel_ptsz, 1, call_kernel)
         if (!throttle_on()) return gs_cuda.name GS_COOP_ARGS;                                                 \
         struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
                                 blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, NULL};           \
-        return throttled(hStream, pt, 0, f, call_coop, &a);                                                   \
+        return throttled(hStream, pt, 0, f, kernel_size(&a), call_coop, &a);                                   \
     }                                                                                                         \
     GS_EXPORT CUresult name GS_COOP_PARAMS                                                                    \
     {                                                                                                         \
@@ -252,7 +269,8 @@ static __attribute__((noinline)) CUresult multi_slow(CUDA_LAUNCH_PARAMS *list, u
     struct measured m[GPUSLICE_MAX_DEVICES];
     int on[GPUSLICE_MAX_DEVICES];
     for (unsigned i = 0; i < n; i++)
-        if ((on[i] = thr_admit_locked(list[i].hStream, 0, 0, (uint64_t)(uintptr_t)list[i].function, &m[i]))) {
+        if ((on[i] = thr_admit_locked(list[i].hStream, 0, 0, (uint64_t)(uintptr_t)list[i].function,
+                                      SIZE_OF(list[i]), &m[i]))) {
             thr_mu_unlock();
             thr_switch_to(&m[i].sw, 0);
         }
@@ -290,7 +308,7 @@ GS_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *laun
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
         if (!throttle_on() || !config) return gs_cuda.name(config, f, kernelParams, extra);                   \
         struct ex_args a = {(const void *)gs_cuda.name, config, f, kernelParams, extra};                      \
-        return throttled(config->hStream, pt, 0, f, call_ex, &a);                                             \
+        return throttled(config->hStream, pt, 0, f, SIZE_OF(*config), call_ex, &a);                            \
     }                                                                                                         \
     GS_EXPORT CUresult name(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)    \
     {                                                                                                         \
@@ -332,7 +350,7 @@ static __attribute__((noinline)) CUresult grid_slow(int how, CUfunction f, int w
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     struct grid_args a = {real, f, w, h, how, hStream};
     if (!throttle_on()) return call_grid(&a);
-    return throttled(hStream, 0, 0, f, call_grid, &a);
+    return throttled(hStream, 0, 0, f, (uint64_t)(unsigned)w * (unsigned)h, call_grid, &a); /* block: cuFuncSetBlockShape's */
 }
 
 GS_EXPORT CUresult cuLaunch(CUfunction f)
@@ -365,7 +383,7 @@ GS_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_heig
         if (!throttle_on()) return mem ? call_graph_mem(&a) : call_graph(&a);                                 \
         /* refused at once, not after waiting for the compute budget */                                      \
         if (mem && gs_graphmem_check(hGraphExec) != 0) return CUDA_ERROR_OUT_OF_MEMORY;                       \
-        return throttled(hStream, pt, gs_graph_variable(hGraphExec), hGraphExec,                              \
+        return throttled(hStream, pt, gs_graph_variable(hGraphExec), hGraphExec, 1,                           \
                          mem ? call_graph_mem : call_graph, &a);                                              \
     }                                                                                                         \
     GS_EXPORT CUresult name(CUgraphExec hGraphExec, CUstream hStream)                                         \

@@ -51,74 +51,6 @@ void thr_drop_event(CUevent e)
     if (e && gs_cuda.cuEventDestroy_v2) gs_cuda.cuEventDestroy_v2(e);
 }
 
-/* ---- what a function or an executable graph costs a launch ---------------- */
-
-/* Set-associative by handle, GS_COST_WAYS to a set, the least recently used way giving room: a
- * handle whose entry another took is of unknown cost again, and its next launch waits for its
- * stream's queue.  A program cycling through more kernels than the table holds waits so at
- * every launch: 9000 kernels of 20 us in turn got 12.4 % of the GPU under 30 % with 8192
- * entries (`test_throttle.py -k many_kernels_in_turn`; an XLA step may run thousands of fused
- * kernels).  65536 entries, 1.5 MiB of static pages that a process never launching under a
- * limit never touches.  Under thr_mu. */
-#define GS_COST_SETS 16384
-#define GS_COST_WAYS 4
-static struct cost {
-    uint64_t fn, ns, used;
-} g_costs[GS_COST_SETS][GS_COST_WAYS];
-static uint64_t g_cost_clock;
-unsigned thr_cost_gen;
-
-static struct cost *cost_set(uint64_t fn)
-{
-    return g_costs[(fn * 0x9e3779b97f4a7c15ull) >> 50 & (GS_COST_SETS - 1)];
-}
-
-static struct cost *cost_find(uint64_t fn)
-{
-    struct cost *set = cost_set(fn);
-    for (int w = 0; fn && w < GS_COST_WAYS; w++)
-        if (set[w].fn == fn) return &set[w];
-    return NULL;
-}
-
-uint64_t thr_cost_locked(uint64_t fn)
-{
-    struct cost *c = cost_find(fn);
-    if (!c) return 0;
-    c->used = ++g_cost_clock;
-    return c->ns;
-}
-
-/* A launch of fn took `each` alone: a quarter of the running average, or all of it if none */
-static void cost_learn_locked(uint64_t fn, uint64_t each)
-{
-    struct cost *c = cost_find(fn);
-    if (!each) each = 1; /* known: even a launch too short to read costs something */
-    if (c) {
-        c->ns = (c->ns * 3 + each) / 4;
-        return;
-    }
-    struct cost *set = cost_set(fn);
-    c = &set[0];
-    for (int w = 1; w < GS_COST_WAYS; w++)
-        if (set[w].used < c->used) c = &set[w]; /* an empty way's is 0 */
-    *c = (struct cost){fn, each, ++g_cost_clock};
-}
-
-/* fn changed (an executable graph updated, its nodes' parameters set) or went (its handle may
- * come back for another): of unknown cost until a launch of it is measured.  Not from a driver
- * callback under a lock of ours (thr_mu may be this thread's): the old figure stays, learnt
- * over at the next measurement. */
-void gs_launch_cost_forget(uint64_t fn)
-{
-    if (!fn || gs_t_held || __atomic_load_n(&thr_state, __ATOMIC_ACQUIRE) != THROTTLE_ON) return;
-    thr_mu_lock();
-    struct cost *c = cost_find(fn);
-    if (c) *c = (struct cost){0, 0, 0};
-    thr_cost_gen++;
-    thr_mu_unlock();
-}
-
 void thr_queue_clear(struct tstream *s)
 {
     s->queued_est = 0;
@@ -186,7 +118,7 @@ void thr_measure_locked(struct tstream *s)
                 /* not a launch admitted before a change forgot its cost: it ran what was launched
                  * then (a queued 1 ms launch of a graph changed to 100 ms taught 1 ms again) */
                 if (n == 1 && s->fn[s->head] && s->gen[s->head] == thr_cost_gen)
-                    cost_learn_locked(s->fn[s->head], each);
+                    thr_cost_learn_locked(s->fn[s->head], s->size[s->head], each);
                 __atomic_store_n(&thr_launch_est_ns[s->slot], s->per_launch_ns * thr_own_share(s->slot) / 1000,
                                  __ATOMIC_RELAXED);
                 double fresh = thr_line_credit_locked(s->ctx, s->mark, e, ms, elapsed);

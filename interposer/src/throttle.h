@@ -42,6 +42,7 @@ struct tstream {
     unsigned launches[GS_RING]; /* launches covered by each event; 0: it ends other work (a gap) */
     uint64_t fn[GS_RING];       /* the one launch it ends: its function or executable graph, whose
                                  * cost its interval teaches (thr_cost_locked); 0: several, or a gap */
+    uint64_t size[GS_RING];     /* that launch's size (threads; 1 for a graph) */
     uint64_t est[GS_RING];      /* the estimated GPU time of the launches it ends, of known cost */
     unsigned short unknown[GS_RING]; /* those launches of unknown cost */
     unsigned gen[GS_RING];      /* thr_cost_gen when its launch was admitted */
@@ -90,7 +91,8 @@ struct measured {
     struct ctx_switch sw;
     int begun; /* counted in its stream's `launching` (thr_begin_locked) */
     uint64_t fn; /* its function or executable graph */
-    uint64_t fn_est; /* its cost as last measured (thr_cost_locked); 0 = unknown */
+    uint64_t size; /* its threads, grid times block (an executable graph's: 1) */
+    uint64_t fn_est; /* its cost as estimated at its size (thr_cost_locked); 0 = unknown */
     unsigned gen;    /* thr_cost_gen then */
 };
 
@@ -184,20 +186,25 @@ static inline cuEventElapsedTime_fn thr_elapsed_fn(void)
 }
 
 void thr_measure_locked(struct tstream *s);
-/* A function's or executable graph's GPU time a launch, as measured (a running average); 0 if
- * none was.  Kept per process, for every stream: a stream's own running estimate is what its
- * last launches cost, whatever they were, and a stream of 1 ms kernels that went on to launch
- * 100 ms ones queued twenty of them by it (streams.c) */
-uint64_t thr_cost_locked(uint64_t fn);
-/* Bumped when a cost is forgotten (gs_launch_cost_forget): launches admitted before teach none,
- * since they ran what was launched before the change.  Under thr_mu. */
-extern unsigned thr_cost_gen;
 void thr_queue_clear(struct tstream *s); /* its events forgotten (count 0): their estimates too */
 void thr_measure_all_locked(void);
 int thr_advance_pending_locked(void);
 void thr_measure_advanced_locked(void);
 struct tstream *thr_stream_find_locked(uint64_t key, CUcontext ctx);
 struct tstream *thr_stream_get_locked(uint64_t key, CUcontext ctx, int slot);
+
+/* ---- costs.c -------------------------------------------------------------- */
+
+/* A function's or executable graph's GPU time a launch of `size` threads, estimated from those
+ * measured; 0 if none was.  Kept per process, for every stream: a stream's own running estimate
+ * is what its last launches cost, whatever they were, and a stream of 1 ms kernels that went on
+ * to launch 100 ms ones queued twenty of them by it.  Under thr_mu. */
+uint64_t thr_cost_locked(uint64_t fn, uint64_t size);
+/* A launch of fn at `size`, alone on its stream, took `each` ns.  Under thr_mu. */
+void thr_cost_learn_locked(uint64_t fn, uint64_t size, uint64_t each);
+/* Bumped when a cost is forgotten (gs_launch_cost_forget): launches admitted before teach none,
+ * since they ran what was launched before the change.  Under thr_mu. */
+extern unsigned thr_cost_gen;
 
 /* ---- timeline.c ----------------------------------------------------------- */
 
@@ -235,7 +242,7 @@ static inline int thr_switch_to(const struct ctx_switch *sw, int there)
     return !sw->on || gs_cuda.cuCtxSetCurrent(there ? sw->there : sw->home) == CUDA_SUCCESS ? 0 : -1;
 }
 
-int thr_admit_locked(CUstream stream, int per_thread, int variable, uint64_t fn, struct measured *m);
+int thr_admit_locked(CUstream stream, int per_thread, int variable, uint64_t fn, uint64_t size, struct measured *m);
 void thr_launch_failed(struct measured *m);
 void thr_callback_launched(CUstream stream, int per_thread);
 void thr_record_end(struct measured *m);

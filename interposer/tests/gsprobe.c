@@ -428,12 +428,21 @@ static void bench(double seconds, const char *kind)
         rc = api.cuStreamCreate(&side, 1);
         if (rc == CUDA_SUCCESS) rc = api.cuEventCreate(&ev, 0);
     }
-    /* "fns:N": N functions launched in turn (a model's many kernels) */
+    /* "fns:N": N functions launched in turn (a model's many kernels); "alt:G": one function
+     * whose time is the same at any grid, its grid 1 and G in turn (a grid the GPU never fills);
+     * "sizes:N": FAKE_GRID_FN, whose time grows with its grid, at grids 1..N in turn (a kernel
+     * over tensors of changing shapes) */
     unsigned nfns = !strncmp(kind, "fns:", 4) ? (unsigned)atoi(kind + 4) : 0;
+    unsigned alt = !strncmp(kind, "alt:", 4) ? (unsigned)atoi(kind + 4) : 0;
+    unsigned sizes = !strncmp(kind, "sizes:", 6) ? (unsigned)atoi(kind + 6) : 0;
+    unsigned grid = 1;
+    if (sizes) f = (CUfunction)0x6d1d;
     uint64_t k0 = kernel_ns(), t0 = now_ns(), end = t0 + (uint64_t)(seconds * 1e9), n = 0;
     while (rc == CUDA_SUCCESS && now_ns() < end) {
         if ((rc = before_kernel(kind, s, side, ev)) != CUDA_SUCCESS) break;
         if (nfns) f = (CUfunction)(uintptr_t)(0x100000 + 64 * (n % nfns));
+        if (alt) grid = n % 2 ? alt : 1;
+        if (sizes) grid = 1 + (unsigned)(n % sizes);
         if (!strcmp(kind, "ex"))
             rc = api.cuLaunchKernelEx(&cfg, f, NULL, NULL);
         else if (!strcmp(kind, "coop"))
@@ -449,7 +458,7 @@ static void bench(double seconds, const char *kind)
         else if (!strcmp(kind, "gridasync"))
             rc = api1.cuLaunchGridAsync(f, 1, 1, s);
         else
-            rc = api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
+            rc = api.cuLaunchKernel(f, grid, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
         if (rc == CUDA_SUCCESS && !strcmp(kind, "sync")) rc = api.cuCtxSynchronize(); /* each kernel waited for */
         n++;
     }
@@ -642,7 +651,7 @@ static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t 
  * LEARN_MS runs GRID kernels a launch, changed by HOW (update, update1, kernel, kernel1, node,
  * child, enable, new: its launches are then another executable's; none: no change, the graph
  * stays at one kernel; bigfn: no graph, a kernel of another function whose grid of GRID runs
- * that many); then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
+ * that many; bigrid: no graph, that function from the start, its grid 1, then GRID); then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
 static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips,
                        int device, const char *how)
 {
@@ -650,7 +659,11 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
     /* "bigfn": kernels, not a graph; after LEARN_MS another function's, of grid GRID (the fake's
      * FAKE_GRID_FN runs one kernel per block of its grid) */
     int bigfn = how && !strcmp(how, "bigfn");
-    CUfunction fn = (CUfunction)0x1234;
+    /* "bigrid": the same, but FAKE_GRID_FN from the start, its grid 1 until LEARN_MS (a kernel
+     * whose grid follows its tensor's size, one function for small and large) */
+    int bigrid = how && !strcmp(how, "bigrid");
+    bigfn |= bigrid;
+    CUfunction fn = bigrid ? (CUfunction)0x6d1d : (CUfunction)0x1234;
     unsigned grid = 1;
     CUgraphExec loop = bigfn ? NULL : how ? change_setup(how, (unsigned)trips) : trips ? loop_graph(device) : NULL;
     if ((trips && !loop && !bigfn) || (trips && !how && !set_trips)) {

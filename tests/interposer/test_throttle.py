@@ -118,18 +118,115 @@ def test_a_graph_changed_in_place_does_not_run_ahead_of_the_budget(release_lab, 
 
 
 @pytest.mark.parametrize("api", ["direct", "ptsz"])
-def test_a_stream_that_goes_on_to_a_longer_kernel_does_not_run_ahead_of_the_budget(release_lab, api):
-    # a second of a 1 ms kernel, then another function's 100 ms kernel, launched back to back on
-    # one stream under 30 % (a loop of big matmuls after elementwise work): the stream's own
-    # estimate was what its last launches cost, 1 ms, and its queue took twenty of the 100 ms
-    # kernels by it: 2 s of work at once, 86.7 % of the GPU over 1.5 s windows.  Each function's
-    # cost is now learnt on its own (the first launch of one runs alone and is measured): 33.3 %
-    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "100", "bigfn", api=api,
+@pytest.mark.parametrize("how", ["bigfn", "bigrid"])
+def test_a_stream_that_goes_on_to_a_longer_kernel_does_not_run_ahead_of_the_budget(release_lab, how, api):
+    # a second of a 1 ms kernel, then a 100 ms kernel, launched back to back on one stream under
+    # 30 %, and 86.7 % of the GPU over 1.5 s windows, 2 s of work at once:
+    # - bigfn: another function's (a loop of big matmuls after elementwise work).  The stream's
+    #   own estimate was what its last launches cost, 1 ms, and its queue took twenty of the
+    #   100 ms kernels by it.  Each function's cost is now learnt on its own (the first launch of
+    #   one runs alone and is measured): 33.3 %
+    # - bigrid: the same function's at a grid of 100, not 1 (the fake's FAKE_GRID_FN runs one
+    #   kernel per block), as an elementwise kernel whose grid follows its tensor's size goes
+    #   on to large tensors.  Its one figure was the small grid's.  A larger grid than any
+    #   measured is now estimated in proportion: 33.3 %
+    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "100", how, api=api,
                           CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000")
     rc, (launches, worst) = res.of("peak")[0]
     assert rc == 0 and launches > 10, res.stdout + res.stderr
     assert worst <= 400, f"the GPU was {worst / 10:.1f}% busy over 1.5 s under a 30% limit"
     assert abs(res.values("after")[0] / 10 - 30) <= TOLERANCE, res.stdout
+
+
+@pytest.mark.parametrize(("kind", "kernel_us"), [("alt:100000", "5"), ("sizes:20", "2")])
+def test_a_kernel_launched_at_many_grids_gets_the_share(release_lab, kind, kernel_us):
+    # one function at changing grids, its kernels short enough that a launch waiting for its
+    # stream's queue costs the share:
+    # - alt: a kernel whose time is the same at a grid of 1 and of 100000 (a grid the GPU never
+    #   fills), the two in turn.  Estimated in proportion to the last size measured alone, each
+    #   large launch waited for the queue: 16.8 % under 30 %.  Two sizes are kept, and a size
+    #   between them is estimated on their chord: 30 %
+    # - sizes: FAKE_GRID_FN, whose time grows with its grid, at grids 1..20 in turn (tensors of
+    #   changing shapes).  Taken for unknown, each size between two measured waited for the
+    #   queue: 11.0 %.  Estimated from them: 30 %
+    res = release_lab.run("init", "ctx", "0", "bench", "1", kind, "bench", "3", kind,
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US=kernel_us)
+    rc, (launches, kernel_ns, wall_ns) = res.of("bench")[1]
+    assert rc == 0 and launches > 100, res.stdout + res.stderr
+    got = 100.0 * kernel_ns / wall_ns
+    assert abs(got - 30) <= TOLERANCE, f"{kind}: {got:.1f}%"
+
+
+def costsim(built, *cmds: str) -> list[int]:
+    """``tests/costsim.c``: costs.c alone, fed scripted measurements; each ``est``'s figure."""
+    out = subprocess.run([str(built / "tests" / "costsim"), *cmds], capture_output=True, text=True,
+                         check=True).stdout
+    return [int(line.split()[3]) for line in out.splitlines()]
+
+
+F = "0x7f0012345600"  # a function's handle
+
+
+def test_one_sizes_cost_is_its_figure_below_and_in_proportion_above(built):
+    # measured only at a grid of 100 threads: as much at fewer (the GPU was not filled, or
+    # the time is a launch's own), in proportion at more; a size the driver refuses (0) as 1
+    assert costsim(built, "learn", F, "100", "1000", "est", F, "100", "est", F, "1", "est", F, "0",
+                   "est", F, "250", "est", F, "100000") == [1000, 1000, 1000, 2500, 1000000]
+
+
+def test_two_sizes_estimate_on_their_chord(built):
+    # 5 us at 1 thread, 100 us at 1000: on the chord between (above a time that grows in
+    # proportion or less), the smaller's figure below, in proportion to the larger above
+    est = costsim(built, "learn", F, "1", "5000", "learn", F, "1000", "100000",
+                  "est", F, "1", "est", F, "500", "est", F, "1000", "est", F, "4000", "learn", F, "0", "1",
+                  "est", F, "1")
+    assert est[:4] == [5000, 5000 + 95000 * 499 // 999, 100000, 400000], est
+    # measured again at a measured size: a quarter of the running average (one at 0 threads is at 1)
+    assert est[4] == (5000 * 3 + 1) // 4, est
+
+
+def test_a_larger_size_is_never_estimated_below_a_smaller(built):
+    # noise: the larger size measured quicker than the smaller; the larger is taken at the
+    # smaller's figure, flat between, and in proportion from it above
+    assert costsim(built, "learn", F, "10", "9000", "learn", F, "1000", "3000",
+                   "est", F, "500", "est", F, "1000", "est", F, "2000") == [9000, 9000, 18000]
+
+
+def test_a_size_between_moves_the_nearer_point_only_if_the_chord_was_low(built):
+    base = ["learn", F, "100", "1000", "learn", F, "1000", "10000"]
+    # at or under the chord (a kernel that grows less than in proportion): nothing moves
+    assert costsim(built, *base, "learn", F, "400", "1500", "est", F, "400", "est", F, "100",
+                   "est", F, "1000") == [4000, 1000, 10000]
+    # over it (grown costlier since, or faster than in proportion): the nearer point is moved
+    # there, and the chord from it is above the new figure
+    assert costsim(built, *base, "learn", F, "800", "20000", "est", F, "800", "est", F, "1000",
+                   "est", F, "100") == [20000, 25000, 1000]
+    assert costsim(built, *base, "learn", F, "200", "9000", "est", F, "200", "est", F, "100") == [9000, 9000]
+
+
+def test_an_estimate_in_proportion_is_capped(built):
+    # past the largest size measured, at most 100 ms or that size's figure (any estimate past the
+    # queue's 20 ms queues nothing behind it; what a launch waiting behind pays in advance is
+    # not inflated by a grid the GPU runs in far less than in proportion); 2^63 threads from
+    # 1 ms at 1 is no overflow
+    assert costsim(built, "learn", F, "1", "1000000", "est", F, "50", "est", F, "1000", "est", F, str(2**63),
+                   "learn", F, "10", "300000000", "est", F, "1000") == [50 * 10**6, 100 * 10**6, 100 * 10**6,
+                                                                        300 * 10**6]
+
+
+def test_a_forgotten_cost_is_unknown_and_others_stay(built):
+    other = "0x7f0012345700"
+    assert costsim(built, "learn", F, "1", "1000", "learn", other, "1", "2000", "forget", F,
+                   "est", F, "1", "est", other, "1", "learn", F, "1", "3000", "est", F, "1") == [0, 2000, 3000]
+
+
+def test_the_least_recently_used_cost_gives_room(built):
+    # 300000 other functions learnt after ours (the table holds 65536, four to a set): ours,
+    # never used since, is gone; used between each thousand of them, it stays (the same number
+    # would have pushed it out of its set with first in, first out)
+    assert costsim(built, "learn", F, "1", "1000", "fill", "300000", "est", F, "1") == [0]
+    keep = [cmd for _ in range(300) for cmd in ("est", F, "1", "fill", "1000")]
+    assert costsim(built, "learn", F, "1", "1000", *keep, "est", F, "1")[-1] == 1000
 
 
 @pytest.mark.parametrize(("functions", "kernel_us"), [(16, 200), (3000, 200), (3000, 20), (9000, 20)])

@@ -1,0 +1,125 @@
+/*
+ * costs.c - what a launch of each function or executable graph costs the GPU, as its launches
+ * alone on their stream measured it: the estimate by which a stream's queue counts the work it
+ * holds (admit.c), per process, under thr_mu.
+ */
+#define _GNU_SOURCE
+#include "throttle.h"
+
+/* Set-associative by handle, GS_COST_WAYS to a set, the least recently used way giving room: a
+ * handle whose entry another took is of unknown cost again, and its next launch waits for its
+ * stream's queue.  A program cycling through more kernels than the table holds waits so at
+ * every launch: 9000 kernels of 20 us in turn got 12.4 % of the GPU under 30 % with 8192
+ * entries (`test_throttle.py -k many_kernels_in_turn`; an XLA step may run thousands of fused
+ * kernels).  65536 entries, 3 MiB of static pages that a process never launching under a limit
+ * never touches.  Under thr_mu.
+ *
+ * A function's cost depends on its launch's size (threads: grid times block; an executable
+ * graph's is 1): an elementwise kernel's grid follows its tensor's.  Kept as two measured
+ * points, the smallest and the largest size measured, and estimated as GPU time is shaped: not
+ * less at a larger size, flat while the GPU is not filled, then in proportion.  So a size
+ * between them is estimated on the chord, above the largest in proportion to it, below the
+ * smallest at its figure: at or above the time for a kernel whose time grows in proportion or
+ * less (the errors that count let the queue run ahead; one estimate too high only shortens it).
+ * One figure per function, a second of grid-1 launches taught 1 ms, and the queue took twenty
+ * of the same kernel at a grid of 100 by it: 2 s of work at once, 86.6 % of the GPU over 1.5 s
+ * under a 30 % limit (`test_throttle.py -k grid_grows`).  A size never measured is not unknown:
+ * a kernel over tensors of changing shapes would wait for its stream's queue at each launch. */
+#define GS_COST_SETS 16384
+#define GS_COST_WAYS 4
+struct cost_point {
+    uint64_t size, ns;
+};
+static struct cost {
+    uint64_t fn, used;
+    struct cost_point lo, hi; /* lo.size <= hi.size; equal while one size was measured */
+} g_costs[GS_COST_SETS][GS_COST_WAYS];
+static uint64_t g_cost_clock;
+unsigned thr_cost_gen;
+
+/* An estimate in proportion beyond the largest size measured: at most this, or that size's figure
+ * if more.  Any estimate past a stream's queue (admit.c's GS_QUEUE_NS, 20 ms) lets nothing queue
+ * behind it, so more would change nothing there; but a launch that gives up waiting behind it pays
+ * the queue's estimate in advance (settled when measured), and a kernel measured at one block,
+ * launched at a million the GPU runs in a few times the time, would be paid for by 5 s */
+#define GS_COST_SCALED_MAX_NS 100000000ull
+
+static struct cost *cost_set(uint64_t fn)
+{
+    return g_costs[(fn * 0x9e3779b97f4a7c15ull) >> 50 & (GS_COST_SETS - 1)];
+}
+
+static struct cost *cost_find(uint64_t fn)
+{
+    struct cost *set = cost_set(fn);
+    for (int w = 0; fn && w < GS_COST_WAYS; w++)
+        if (set[w].fn == fn) return &set[w];
+    return NULL;
+}
+
+/* The estimate at `size` from the two points (size at least 1) */
+static uint64_t cost_at(const struct cost *c, uint64_t size)
+{
+    uint64_t lo = c->lo.ns, hi = c->hi.ns > lo ? c->hi.ns : lo; /* not less at a larger size */
+    if (size <= c->lo.size) return lo;
+    if (size >= c->hi.size) {
+        unsigned __int128 e = (unsigned __int128)hi * size / c->hi.size;
+        return e <= GS_COST_SCALED_MAX_NS ? (uint64_t)e : hi > GS_COST_SCALED_MAX_NS ? hi : GS_COST_SCALED_MAX_NS;
+    }
+    return lo + (uint64_t)((unsigned __int128)(hi - lo) * (size - c->lo.size) / (c->hi.size - c->lo.size));
+}
+
+uint64_t thr_cost_locked(uint64_t fn, uint64_t size)
+{
+    struct cost *c = cost_find(fn);
+    if (!c) return 0;
+    c->used = ++g_cost_clock;
+    return cost_at(c, size ? size : 1);
+}
+
+/* A launch of fn at `size` took `each` alone.  At a measured point's size: a quarter of its
+ * running average.  Beyond them: the new smallest or largest point.  Between them: the nearer
+ * point moves there if the chord had it too low (a kernel grown costlier since, or one that grows
+ * faster than in proportion); else nothing, the chord stays above. */
+void thr_cost_learn_locked(uint64_t fn, uint64_t size, uint64_t each)
+{
+    struct cost *c = cost_find(fn);
+    if (!each) each = 1; /* known: even a launch too short to read costs something */
+    if (!size) size = 1;
+    if (c) {
+        struct cost_point *p = NULL;
+        if (size == c->lo.size) p = &c->lo;
+        if (size == c->hi.size) {
+            if (p) c->hi.ns = (c->hi.ns * 3 + each) / 4; /* one size so far: both points */
+            else p = &c->hi;
+        }
+        if (p)
+            p->ns = (p->ns * 3 + each) / 4;
+        else if (size < c->lo.size)
+            c->lo = (struct cost_point){size, each};
+        else if (size > c->hi.size)
+            c->hi = (struct cost_point){size, each};
+        else if (each > cost_at(c, size))
+            *(size - c->lo.size < c->hi.size - size ? &c->lo : &c->hi) = (struct cost_point){size, each};
+        return;
+    }
+    struct cost *set = cost_set(fn);
+    c = &set[0];
+    for (int w = 1; w < GS_COST_WAYS; w++)
+        if (set[w].used < c->used) c = &set[w]; /* an empty way's is 0 */
+    *c = (struct cost){fn, ++g_cost_clock, {size, each}, {size, each}};
+}
+
+/* fn changed (an executable graph updated, its nodes' parameters set) or went (its handle may
+ * come back for another): of unknown cost until a launch of it is measured.  Not from a driver
+ * callback under a lock of ours (thr_mu may be this thread's): the old figure stays, learnt
+ * over at the next measurement. */
+void gs_launch_cost_forget(uint64_t fn)
+{
+    if (!fn || gs_t_held || __atomic_load_n(&thr_state, __ATOMIC_ACQUIRE) != THROTTLE_ON) return;
+    thr_mu_lock();
+    struct cost *c = cost_find(fn);
+    if (c) *c = (struct cost){0};
+    thr_cost_gen++;
+    thr_mu_unlock();
+}
