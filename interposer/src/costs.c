@@ -35,6 +35,9 @@ static struct cost {
     struct cost_point lo, hi; /* lo.size <= hi.size; equal while one size was measured */
 } g_costs[GS_COST_SETS][GS_COST_WAYS];
 static uint64_t g_cost_clock;
+/* Entries last used at or before this clock are gone (gs_launch_costs_forget_all): no table to
+ * clear, and the least recently used way giving room takes them first */
+static uint64_t g_cost_floor;
 unsigned thr_cost_gen;
 
 /* An estimate in proportion beyond the largest size measured: at most this, or that size's figure
@@ -53,7 +56,7 @@ static struct cost *cost_find(uint64_t fn)
 {
     struct cost *set = cost_set(fn);
     for (int w = 0; fn && w < GS_COST_WAYS; w++)
-        if (set[w].fn == fn) return &set[w];
+        if (set[w].fn == fn && set[w].used > g_cost_floor) return &set[w];
     return NULL;
 }
 
@@ -120,6 +123,24 @@ void gs_launch_cost_forget(uint64_t fn)
     thr_mu_lock();
     struct cost *c = cost_find(fn);
     if (c) *c = (struct cost){0};
+    thr_cost_gen++;
+    thr_mu_unlock();
+}
+
+/* Code unloaded (a module or library): any function's handle may come back as another's, a
+ * kernel of the code loaded again (a JIT's new version of it, the allocator handing back the
+ * old one's memory), and would inherit the old one's cost.  Every cost is forgotten: which
+ * handles were the unloaded code's is not known (a CUkernel's library, a CUfunction's module
+ * are separate lookups, not made on the launch path).  Each function's next launch then waits
+ * for its stream's queue once.  Kernel "k" at 1 ms, its module unloaded and loaded again to run
+ * 100 ms at the same handle: the queue took twenty by the old figure, 100 % of the GPU over
+ * 1.5 s windows under 30 % (`test_throttle.py -k loaded_again`).  Not from a driver callback
+ * under a lock of ours, as gs_launch_cost_forget. */
+void gs_launch_costs_forget_all(void)
+{
+    if (gs_t_held || __atomic_load_n(&thr_state, __ATOMIC_ACQUIRE) != THROTTLE_ON) return;
+    thr_mu_lock();
+    g_cost_floor = g_cost_clock;
     thr_cost_gen++;
     thr_mu_unlock();
 }

@@ -580,6 +580,7 @@ void gs_launch_stream_gone(CUstream s); /* before its destroy, with a compute li
 void gs_launch_at_exit(void);
 void gs_launch_after_sync(void);      /* a synchronisation returned: measure what completed */
 void gs_launch_cost_forget(uint64_t fn); /* a function or executable graph changed or went: its cost unknown */
+void gs_launch_costs_forget_all(void);   /* code unloaded: every function's cost unknown */
 void gs_launch_after_fork_child(void);
 
 /* ---- capture.c ------------------------------------------------------------ */

@@ -291,6 +291,7 @@ GS_CODE_HOOK(cuLibraryGetGlobal, (CUdeviceptr *dptr, size_t *bytes, CUlibrary li
  * are all forgotten (g_unloads). */
 static void unloaded(const void *handle, int everywhere)
 {
+    gs_launch_costs_forget_all(); /* the code's handles may come back as another's (costs.c) */
     gen_new(handle);
     __atomic_add_fetch(&g_unloads, 1, __ATOMIC_SEQ_CST);
     CUdevice dev;

@@ -6,6 +6,7 @@
  *   costsim CMD...   learn FN SIZE NS   a launch of FN at SIZE threads took NS alone
  *                    est FN SIZE        prints "est FN SIZE NS" (NS 0: unknown)
  *                    forget FN          FN changed or went (gs_launch_cost_forget)
+ *                    unload             code unloaded (gs_launch_costs_forget_all)
  *                    fill N             N other functions learnt, each at 1 thread and 1 ns
  *                                       (handles 0x10000000 + 64 k: the table's other entries)
  *
@@ -42,12 +43,17 @@ int main(int argc, char **argv)
 {
     for (int i = 1; i < argc;) {
         const char *cmd = argv[i];
-        int need = !strcmp(cmd, "learn") ? 3 : !strcmp(cmd, "est") ? 2 : !strcmp(cmd, "forget") || !strcmp(cmd, "fill") ? 1 : -1;
+        int need = !strcmp(cmd, "learn")                              ? 3
+                   : !strcmp(cmd, "est")                              ? 2
+                   : !strcmp(cmd, "forget") || !strcmp(cmd, "fill") ? 1
+                   : !strcmp(cmd, "unload")                         ? 0
+                                                                    : -1;
         if (need < 0 || i + need >= argc) {
             fprintf(stderr, "costsim: bad command at %s\n", cmd);
             return 2;
         }
-        uint64_t a = num(argv[i + 1]), b = need > 1 ? num(argv[i + 2]) : 0, c = need > 2 ? num(argv[i + 3]) : 0;
+        uint64_t a = need > 0 ? num(argv[i + 1]) : 0, b = need > 1 ? num(argv[i + 2]) : 0,
+                 c = need > 2 ? num(argv[i + 3]) : 0;
         thr_mu_lock();
         if (!strcmp(cmd, "learn")) {
             thr_cost_learn_locked(a, b, c);
@@ -59,6 +65,7 @@ int main(int argc, char **argv)
         }
         thr_mu_unlock();
         if (!strcmp(cmd, "forget")) gs_launch_cost_forget(a);
+        if (!strcmp(cmd, "unload")) gs_launch_costs_forget_all();
         i += need + 1;
     }
     return 0;

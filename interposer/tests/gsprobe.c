@@ -647,11 +647,23 @@ static void peak(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t 
     peak_graph(seconds, window_ms, skip_ms, learn_ms, trips, device, NULL);
 }
 
+/* gpeak's reload: kernel "k" of a module loaded (how "reload"), or of a library, as a CUkernel */
+static CUresult load_k(const char *how, CUmodule *mod, CUlibrary *lib, CUfunction *fn)
+{
+    if (!strcmp(how, "reload")) {
+        CUresult rc = api.cuModuleLoadData(mod, "fake image");
+        return rc == CUDA_SUCCESS ? api.cuModuleGetFunction(fn, *mod, "k") : rc;
+    }
+    CUresult rc = api.cuLibraryLoadData(lib, "fake image", NULL, NULL, 0, NULL, NULL, 0);
+    return rc == CUDA_SUCCESS ? api.cuLibraryGetKernel((CUkernel *)fn, *lib, "k") : rc;
+}
+
 /* "gpeak SECONDS WINDOW_MS SKIP_MS LEARN_MS GRID HOW": peak with gpeak's graph, which after
  * LEARN_MS runs GRID kernels a launch, changed by HOW (update, update1, kernel, kernel1, node,
  * child, enable, new: its launches are then another executable's; none: no change, the graph
  * stays at one kernel; bigfn: no graph, a kernel of another function whose grid of GRID runs
- * that many; bigrid: no graph, that function from the start, its grid 1, then GRID); then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
+ * that many; bigrid: no graph, that function from the start, its grid 1, then GRID; reload,
+ * relib: no graph, a module's or library's kernel, GRID times longer in the code loaded again); then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
 static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips,
                        int device, const char *how)
 {
@@ -662,8 +674,20 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
     /* "bigrid": the same, but FAKE_GRID_FN from the start, its grid 1 until LEARN_MS (a kernel
      * whose grid follows its tensor's size, one function for small and large) */
     int bigrid = how && !strcmp(how, "bigrid");
-    bigfn |= bigrid;
+    /* "reload": kernel "k" of a module ("relib": of a library, its CUkernel launched); at
+     * LEARN_MS it is unloaded, kernels are made GRID times longer (fake_cuda_kernel_us_set), and
+     * "k" of the code loaded again is launched (recompiled to do more; under
+     * FAKE_CUDA_HANDLE_REUSE the same handle: prints "reused RC 1") */
+    int reload = how && (!strcmp(how, "reload") || !strcmp(how, "relib"));
+    bigfn |= bigrid | reload;
     CUfunction fn = bigrid ? (CUfunction)0x6d1d : (CUfunction)0x1234;
+    CUmodule mod = NULL;
+    CUlibrary lib = NULL;
+    void (*set_us)(uint64_t) = (void (*)(uint64_t))dlsym(libcuda, "fake_cuda_kernel_us_set");
+    if (reload && (!set_us || load_k(how, &mod, &lib, &fn) != CUDA_SUCCESS)) {
+        printf("peak %d 0 0\n", CUDA_ERROR_NOT_SUPPORTED);
+        return;
+    }
     unsigned grid = 1;
     CUgraphExec loop = bigfn ? NULL : how ? change_setup(how, (unsigned)trips) : trips ? loop_graph(device) : NULL;
     if ((trips && !loop && !bigfn) || (trips && !how && !set_trips)) {
@@ -684,12 +708,21 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
     while (rc == CUDA_SUCCESS && now_ns() < end) {
         if (learning && now_ns() >= t0 + learn_ms * 1000000ull) {
             learning = 0;
-            if (bigfn)
+            if (reload) {
+                CUfunction was = fn;
+                const char *v = getenv("FAKE_CUDA_KERNEL_US");
+                rc = mod ? api.cuModuleUnload(mod) : api.cuLibraryUnload(lib);
+                mod = NULL, lib = NULL;
+                set_us((uint64_t)(v ? atof(v) : 10) * trips);
+                if (rc == CUDA_SUCCESS) rc = load_k(how, &mod, &lib, &fn);
+                printf("reused %d %d\n", rc, fn == was);
+            } else if (bigfn) {
                 fn = (CUfunction)0x6d1d, grid = (unsigned)trips;
-            else if (how)
+            } else if (how) {
                 rc = change_apply(&loop);
-            else
+            } else {
                 set_trips(trips);
+            }
             if (rc != CUDA_SUCCESS) break;
         }
         if (!loop)
@@ -710,6 +743,8 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
         if (busy > worst) worst = busy;
     }
     if (loop && api.cuGraphExecDestroy(loop) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;
+    if (mod && api.cuModuleUnload(mod) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;
+    if (lib && api.cuLibraryUnload(lib) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = CUDA_ERROR_INVALID_VALUE;
     printf("peak %d %llu %llu\n", rc, (unsigned long long)n, (unsigned long long)worst);
     if (how) { /* gpeak: also how busy the GPU was (1/1000) from SKIP_MS to the end */
         int a = 0, b = peak_log.n - 1;

@@ -138,6 +138,23 @@ def test_a_stream_that_goes_on_to_a_longer_kernel_does_not_run_ahead_of_the_budg
     assert abs(res.values("after")[0] / 10 - 30) <= TOLERANCE, res.stdout
 
 
+@pytest.mark.parametrize("unload", ["cuModuleUnload", "cuLibraryUnload"])
+def test_a_kernel_loaded_again_at_its_old_handle_does_not_run_ahead_of_the_budget(release_lab, unload):
+    # a second of kernel "k" at 1 ms; then its module is unloaded and loaded again, recompiled to
+    # run 100 ms (a JIT's new version of a kernel), and the driver gives "k" its old handle
+    # (FAKE_CUDA_HANDLE_REUSE: the allocator hands back the freed module's memory).  The handle's
+    # cost, 1 ms, was the old code's, and the queue took twenty of the new kernels by it: 100 %
+    # of the GPU over 1.5 s windows under 30 %.  An unload forgets every cost (any handle may come
+    # back as another's); the next launches wait for their queues once: 33.3 %
+    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "100",
+                          "reload" if unload == "cuModuleUnload" else "relib",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000", FAKE_CUDA_HANDLE_REUSE="1")
+    rc, (launches, worst) = res.of("peak")[0]
+    assert rc == 0 and launches > 10 and res.of("reused") == [(0, [1])], res.stdout + res.stderr
+    assert worst <= 400, f"the GPU was {worst / 10:.1f}% busy over 1.5 s under a 30% limit"
+    assert abs(res.values("after")[0] / 10 - 30) <= TOLERANCE, res.stdout
+
+
 @pytest.mark.parametrize(("kind", "kernel_us"), [("alt:100000", "5"), ("sizes:20", "2")])
 def test_a_kernel_launched_at_many_grids_gets_the_share(release_lab, kind, kernel_us):
     # one function at changing grids, its kernels short enough that a launch waiting for its
@@ -218,6 +235,14 @@ def test_a_forgotten_cost_is_unknown_and_others_stay(built):
     other = "0x7f0012345700"
     assert costsim(built, "learn", F, "1", "1000", "learn", other, "1", "2000", "forget", F,
                    "est", F, "1", "est", other, "1", "learn", F, "1", "3000", "est", F, "1") == [0, 2000, 3000]
+
+
+def test_an_unload_forgets_every_cost(built):
+    # which handles were the unloaded code's is not known, and any may come back as another's:
+    # all are unknown, and learnt again from the next measurement (not averaged with the old)
+    other = "0x7f0012345700"
+    assert costsim(built, "learn", F, "1", "1000", "learn", other, "1", "2000", "unload", "est", F, "1",
+                   "est", other, "1", "learn", F, "1", "3000", "est", F, "1", "est", other, "1") == [0, 0, 3000, 0]
 
 
 def test_the_least_recently_used_cost_gives_room(built):

@@ -874,6 +874,13 @@ API CUresult cuStreamWaitEvent_ptsz(CUstream s, CUevent e, unsigned flags)
     return wait_event(s, e, 1);
 }
 
+/* Test-only: each kernel launched from now on runs `us` (FAKE_CUDA_KERNEL_US's value), as the
+ * kernels of code loaded again, recompiled to do more, do */
+API void fake_cuda_kernel_us_set(uint64_t us)
+{
+    __atomic_store_n(&kernel_ns, us * 1000, __ATOMIC_RELAXED);
+}
+
 /* Test-only introspection. */
 API uint64_t fake_cuda_kernel_ns(void)
 {
