@@ -17,13 +17,14 @@
  * A function's cost depends on its launch's size (threads: grid times block; an executable
  * graph's is 1): an elementwise kernel's grid follows its tensor's.  Kept as two measured
  * points, the smallest and the largest size measured, and estimated as GPU time is shaped: not
- * less at a larger size, flat while the GPU is not filled, then in proportion.  So a size
- * between them is estimated on the chord, above the largest in proportion to it, below the
- * smallest at its figure: at or above the time for a kernel whose time grows in proportion or
- * less (the errors that count let the queue run ahead; one estimate too high only shortens it).
+ * less at a larger size, flat while the GPU is not filled, then in proportion (or faster: in the
+ * square, attention's).  So a size between them is estimated on the chord, above the largest in
+ * proportion to it (in the square if the two points grew faster than in proportion), below the
+ * smallest at its figure: at or above the time for a kernel whose time grows so (the errors that
+ * count let the queue run ahead; one estimate too high only shortens it).
  * One figure per function, a second of grid-1 launches taught 1 ms, and the queue took twenty
  * of the same kernel at a grid of 100 by it: 2 s of work at once, 86.6 % of the GPU over 1.5 s
- * under a 30 % limit (`test_throttle.py -k grid_grows`).  A size never measured is not unknown:
+ * under a 30 % limit (`test_throttle.py -k 'longer_kernel and bigrid'`).  A size never measured is not unknown:
  * a kernel over tensors of changing shapes would wait for its stream's queue at each launch. */
 #define GS_COST_SETS 16384
 #define GS_COST_WAYS 4
@@ -66,7 +67,15 @@ static uint64_t cost_at(const struct cost *c, uint64_t size)
     uint64_t lo = c->lo.ns, hi = c->hi.ns > lo ? c->hi.ns : lo; /* not less at a larger size */
     if (size <= c->lo.size) return lo;
     if (size >= c->hi.size) {
-        unsigned __int128 e = (unsigned __int128)hi * size / c->hi.size;
+        unsigned __int128 e = (unsigned __int128)hi * size / c->hi.size; /* < 2^128 */
+        /* the points grew faster than in proportion, a thread at the larger costing half as much
+         * again or more (attention over a sequence its grid follows): in the square of the size.
+         * In proportion, such a kernel at grids 1 and 2 (0.1, 0.4 ms) then at 50 (250 ms) was
+         * counted at 10 ms, two queued at a time: 50.0 % of the GPU over 1.5 s windows under 30 %,
+         * now 33.3 % (`test_throttle.py -k faster_than_its_grid`) */
+        if (e <= GS_COST_SCALED_MAX_NS &&
+            2 * (unsigned __int128)c->hi.ns * c->lo.size >= 3 * (unsigned __int128)c->lo.ns * c->hi.size)
+            e = e * size / c->hi.size; /* < 2^27 * 2^64 */
         return e <= GS_COST_SCALED_MAX_NS ? (uint64_t)e : hi > GS_COST_SCALED_MAX_NS ? hi : GS_COST_SCALED_MAX_NS;
     }
     return lo + (uint64_t)((unsigned __int128)(hi - lo) * (size - c->lo.size) / (c->hi.size - c->lo.size));

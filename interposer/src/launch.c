@@ -103,9 +103,10 @@ typedef CUresult (*launch_thunk)(const void *args);
  * block (saturated; 0 for a shape the driver refuses) */
 static uint64_t launch_size(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz)
 {
-    unsigned __int128 grid = (unsigned __int128)gx * gy * gz, block = (uint64_t)bx * by * bz;
-    if (grid >> 64 || (block && grid * block >> 64)) return UINT64_MAX;
-    return (uint64_t)(grid * block);
+    unsigned __int128 grid = (unsigned __int128)gx * gy * gz, block = (unsigned __int128)bx * by * bz; /* < 2^96 */
+    if (grid >> 64 || block >> 64) return UINT64_MAX;
+    unsigned __int128 threads = grid * block;
+    return threads >> 64 ? UINT64_MAX : (uint64_t)threads;
 }
 
 /* variable: a graph launch's gs_graph_variable, else 0; fn: the function or executable graph

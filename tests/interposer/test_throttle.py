@@ -138,6 +138,19 @@ def test_a_stream_that_goes_on_to_a_longer_kernel_does_not_run_ahead_of_the_budg
     assert abs(res.values("after")[0] / 10 - 30) <= TOLERANCE, res.stdout
 
 
+def test_a_kernel_whose_time_grows_faster_than_its_grid_does_not_run_ahead_of_the_budget(release_lab):
+    # a kernel whose time is in the square of its grid (attention over a sequence its grid
+    # follows), at grids 1 and 2 in turn for a second (0.1 and 0.4 ms), then at 50 (250 ms): in
+    # proportion to grid 2, each was counted at 10 ms and the queue took them two at a time, 50.0 %
+    # of the GPU over 1.5 s windows under 30 %.  In the square, as the two points grew: 33.3 %
+    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "50", "bigrid2",
+                          CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="100")
+    rc, (launches, worst) = res.of("peak")[0]
+    assert rc == 0 and launches > 10, res.stdout + res.stderr
+    assert worst <= 400, f"the GPU was {worst / 10:.1f}% busy over 1.5 s under a 30% limit"
+    assert abs(res.values("after")[0] / 10 - 30) <= TOLERANCE, res.stdout
+
+
 @pytest.mark.parametrize("unload", ["cuModuleUnload", "cuLibraryUnload"])
 def test_a_kernel_loaded_again_at_its_old_handle_does_not_run_ahead_of_the_budget(release_lab, unload):
     # a second of kernel "k" at 1 ms; then its module is unloaded and loaded again, recompiled to
@@ -209,15 +222,26 @@ def test_a_larger_size_is_never_estimated_below_a_smaller(built):
                    "est", F, "500", "est", F, "1000", "est", F, "2000") == [9000, 9000, 18000]
 
 
+def test_sizes_that_grew_faster_than_in_proportion_are_estimated_in_the_square_above(built):
+    # 1 us a thread at 100 threads, 2 us at 200 (attention over a sequence its grid follows):
+    # 4x the time at 2x the size is estimated at 4x again above, not 2x (on the chord between);
+    # a thread at the larger costing less than half as much again (1.25x) stays in proportion;
+    # capped as in proportion
+    assert costsim(built, "learn", F, "100", "100000", "learn", F, "200", "400000",
+                   "est", F, "400", "est", F, "150", "est", F, "10000") == [1600000, 250000, 100 * 10**6]
+    assert costsim(built, "learn", F, "100", "100000", "learn", F, "200", "250000",
+                   "est", F, "400") == [500000]
+
+
 def test_a_size_between_moves_the_nearer_point_only_if_the_chord_was_low(built):
     base = ["learn", F, "100", "1000", "learn", F, "1000", "10000"]
     # at or under the chord (a kernel that grows less than in proportion): nothing moves
     assert costsim(built, *base, "learn", F, "400", "1500", "est", F, "400", "est", F, "100",
                    "est", F, "1000") == [4000, 1000, 10000]
     # over it (grown costlier since, or faster than in proportion): the nearer point is moved
-    # there, and the chord from it is above the new figure
+    # there; above it, the two points having grown faster than in proportion, in the square
     assert costsim(built, *base, "learn", F, "800", "20000", "est", F, "800", "est", F, "1000",
-                   "est", F, "100") == [20000, 25000, 1000]
+                   "est", F, "100") == [20000, 31250, 1000]
     assert costsim(built, *base, "learn", F, "200", "9000", "est", F, "200", "est", F, "100") == [9000, 9000]
 
 

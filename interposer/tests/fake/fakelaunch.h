@@ -582,8 +582,16 @@ static CUresult enqueue(CUstream s, int ptsz, uint64_t count)
  * FAKE_CUDA_COLLECTIVE_WAIT_MS (default 5000) without them. */
 #define FAKE_COLLECTIVE_FN ((CUfunction)0xC011EC7)
 /* A kernel whose time grows with its grid: a launch of FAKE_GRID_FN runs gridDimX kernels of
- * FAKE_CUDA_KERNEL_US (cuLaunchKernel[_ptsz]); any other function runs one, whatever its grid */
+ * FAKE_CUDA_KERNEL_US (cuLaunchKernel[_ptsz]), one of FAKE_GRID2_FN gridDimX squared (attention
+ * over a sequence its grid follows); any other function runs one, whatever its grid */
 #define FAKE_GRID_FN ((CUfunction)0x6d1d)
+#define FAKE_GRID2_FN ((CUfunction)0x6d2d)
+
+static unsigned grid_kernels(CUfunction f, unsigned gx)
+{
+    if (!gx) return 1;
+    return f == FAKE_GRID_FN ? gx : f == FAKE_GRID2_FN ? gx * gx : 1;
+}
 
 static unsigned env_u(const char *name, unsigned dflt)
 {
@@ -638,7 +646,7 @@ API CUresult cuLaunchKernel(FAKE_LAUNCH_PARAMS, void **params, void **extra)
     if (f == FAKE_COLLECTIVE_FN) return collective(s, 0);
     CUresult rc = lazy_code(f);
     if (rc != CUDA_SUCCESS) return rc;
-    rc = f ? enqueue(s, 0, f == FAKE_GRID_FN && gx ? gx : 1) : CUDA_ERROR_INVALID_VALUE;
+    rc = f ? enqueue(s, 0, grid_kernels(f, gx)) : CUDA_ERROR_INVALID_VALUE;
     (void)fail_check("cuLaunchKernelAfter"); /* FAKE_CUDA_SLEEP: still inside, the kernel queued */
     return rc;
 }
@@ -648,7 +656,7 @@ API CUresult cuLaunchKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params, void **extra
     (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params, (void)extra;
     CUresult rc = lazy_code(f);
     if (rc != CUDA_SUCCESS) return rc;
-    return f ? enqueue(s, 1, f == FAKE_GRID_FN && gx ? gx : 1) : CUDA_ERROR_INVALID_VALUE;
+    return f ? enqueue(s, 1, grid_kernels(f, gx)) : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* CUDA 2.x's launches: the legacy stream, or a stream for cuLaunchGridAsync */
