@@ -99,15 +99,11 @@ void thr_cost_learn_locked(uint64_t fn, uint64_t size, uint64_t each)
     if (!each) each = 1; /* known: even a launch too short to read costs something */
     if (!size) size = 1;
     if (c) {
-        struct cost_point *p = NULL;
-        if (size == c->lo.size) p = &c->lo;
-        if (size == c->hi.size) {
-            if (p) c->hi.ns = (c->hi.ns * 3 + each) / 4; /* one size so far: both points */
-            else p = &c->hi;
-        }
-        if (p)
-            p->ns = (p->ns * 3 + each) / 4;
-        else if (size < c->lo.size)
+        int at_lo = size == c->lo.size, at_hi = size == c->hi.size; /* both while one size was measured */
+        if (at_lo) c->lo.ns = (c->lo.ns * 3 + each) / 4;
+        if (at_hi) c->hi.ns = (c->hi.ns * 3 + each) / 4;
+        if (at_lo || at_hi) return;
+        if (size < c->lo.size)
             c->lo = (struct cost_point){size, each};
         else if (size > c->hi.size)
             c->hi = (struct cost_point){size, each};

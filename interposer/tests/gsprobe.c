@@ -664,7 +664,8 @@ static CUresult load_k(const char *how, CUmodule *mod, CUlibrary *lib, CUfunctio
  * stays at one kernel; bigfn: no graph, a kernel of another function whose grid of GRID runs
  * that many; bigrid: no graph, that function from the start, its grid 1, then GRID; bigrid2:
  * the same with a function whose time is in its grid's square, its grid 1 and 2 in turn; reload,
- * relib: no graph, a module's or library's kernel, GRID times longer in the code loaded again); then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
+ * relib: no graph, a module's or library's kernel, GRID times longer in the code loaded again);
+ * then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
 static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips,
                        int device, const char *how)
 {
@@ -722,7 +723,8 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
                 if (rc == CUDA_SUCCESS) rc = load_k(how, &mod, &lib, &fn);
                 printf("reused %d %d\n", rc, fn == was);
             } else if (bigfn) {
-                fn = bigrid2 ? fn : (CUfunction)0x6d1d, grid = (unsigned)trips;
+                if (!bigrid) fn = (CUfunction)0x6d1d; /* bigrid, bigrid2: the same function */
+                grid = (unsigned)trips;
             } else if (how) {
                 rc = change_apply(&loop);
             } else {
