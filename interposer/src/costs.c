@@ -25,7 +25,16 @@
  * One figure per function, a second of grid-1 launches taught 1 ms, and the queue took twenty
  * of the same kernel at a grid of 100 by it: 2 s of work at once, 86.6 % of the GPU over 1.5 s
  * under a 30 % limit (`test_throttle.py -k 'longer_kernel and bigrid'`).  A size never measured is not unknown:
- * a kernel over tensors of changing shapes would wait for its stream's queue at each launch. */
+ * a kernel over tensors of changing shapes would wait for its stream's queue at each launch.
+ * Except a leap: more than GS_COST_LEAP times the largest size measured is unknown, and waits
+ * to be measured alone.  Nothing measured shows how fast the time grows beyond (one size
+ * measured shows nothing of it), and in proportion the error is the leap's size: attention
+ * measured at a short sequence's grid alone, then launched at a 50 times longer one, 2500
+ * times the time, was counted at 50 times, and the queue took four: 50.0 % of the GPU over
+ * 1.5 s windows under 30 % (`test_throttle.py -k 'faster_than_its_grid and bigrid1'`).  Within the
+ * leap the error is at most its factor (a queue of 80 ms for one of 20, kernels in the square
+ * of their size); a function pays the wait once a leap: a few times over sizes from one
+ * thread to millions. */
 #define GS_COST_SETS 16384
 #define GS_COST_WAYS 4
 struct cost_point {
@@ -44,9 +53,11 @@ unsigned thr_cost_gen;
 /* An estimate in proportion beyond the largest size measured: at most this, or that size's figure
  * if more.  Any estimate past a stream's queue (admit.c's GS_QUEUE_NS, 20 ms) lets nothing queue
  * behind it, so more would change nothing there; but a launch that gives up waiting behind it pays
- * the queue's estimate in advance (settled when measured), and a kernel measured at one block,
- * launched at a million the GPU runs in a few times the time, would be paid for by 5 s */
+ * the queue's estimate in advance (settled when measured), and a 30 ms kernel at 4 times its
+ * grid, estimated in the square, would be paid for by half a second however fast it ran */
 #define GS_COST_SCALED_MAX_NS 100000000ull
+/* Beyond this many times the largest size measured, unknown (above) */
+#define GS_COST_LEAP 4
 
 static struct cost *cost_set(uint64_t fn)
 {
@@ -61,13 +72,14 @@ static struct cost *cost_find(uint64_t fn)
     return NULL;
 }
 
-/* The estimate at `size` from the two points (size at least 1) */
+/* The estimate at `size` from the two points (size at least 1); 0, unknown, past a leap */
 static uint64_t cost_at(const struct cost *c, uint64_t size)
 {
     uint64_t lo = c->lo.ns, hi = c->hi.ns > lo ? c->hi.ns : lo; /* not less at a larger size */
     if (size <= c->lo.size) return lo;
     if (size >= c->hi.size) {
-        unsigned __int128 e = (unsigned __int128)hi * size / c->hi.size; /* < 2^128 */
+        if (size > (unsigned __int128)c->hi.size * GS_COST_LEAP) return 0;
+        unsigned __int128 e = (unsigned __int128)hi * size / c->hi.size; /* < 2^66 */
         /* the points grew faster than in proportion, a thread at the larger costing half as much
          * again or more (attention over a sequence its grid follows): in the square of the size.
          * In proportion, such a kernel at grids 1 and 2 (0.1, 0.4 ms) then at 50 (250 ms) was
@@ -75,7 +87,7 @@ static uint64_t cost_at(const struct cost *c, uint64_t size)
          * now 33.3 % (`test_throttle.py -k faster_than_its_grid`) */
         if (e <= GS_COST_SCALED_MAX_NS &&
             2 * (unsigned __int128)c->hi.ns * c->lo.size >= 3 * (unsigned __int128)c->lo.ns * c->hi.size)
-            e = e * size / c->hi.size; /* < 2^27 * 2^64 */
+            e = e * size / c->hi.size; /* < 2^27 * 4 */
         return e <= GS_COST_SCALED_MAX_NS ? (uint64_t)e : hi > GS_COST_SCALED_MAX_NS ? hi : GS_COST_SCALED_MAX_NS;
     }
     return lo + (uint64_t)((unsigned __int128)(hi - lo) * (size - c->lo.size) / (c->hi.size - c->lo.size));

@@ -663,7 +663,8 @@ static CUresult load_k(const char *how, CUmodule *mod, CUlibrary *lib, CUfunctio
  * child, enable, new: its launches are then another executable's; none: no change, the graph
  * stays at one kernel; bigfn: no graph, a kernel of another function whose grid of GRID runs
  * that many; bigrid: no graph, that function from the start, its grid 1, then GRID; bigrid2:
- * the same with a function whose time is in its grid's square, its grid 1 and 2 in turn; reload,
+ * the same with a function whose time is in its grid's square, its grid 1 and 2 in turn; bigrid1:
+ * that function at grid 1 alone (one size measured), then GRID; reload,
  * relib: no graph, a module's or library's kernel, GRID times longer in the code loaded again);
  * then "after RC BUSY": the GPU's busy share (1/1000) from SKIP_MS on */
 static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uint64_t learn_ms, uint64_t trips,
@@ -679,14 +680,17 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
     /* "bigrid2": FAKE_GRID2_FN (time in the square of its grid), its grid 1 and 2 in turn until
      * LEARN_MS, then GRID (attention over a sequence its grid follows, a longer one) */
     int bigrid2 = how && !strcmp(how, "bigrid2");
-    bigrid |= bigrid2;
+    /* "bigrid1": FAKE_GRID2_FN at grid 1 alone until LEARN_MS (short prompts), then GRID (a long
+     * one: nothing measured showed how its time grows) */
+    int square = bigrid2 || (how && !strcmp(how, "bigrid1"));
+    bigrid |= square;
     /* "reload": kernel "k" of a module ("relib": of a library, its CUkernel launched); at
      * LEARN_MS it is unloaded, kernels are made GRID times longer (fake_cuda_kernel_us_set), and
      * "k" of the code loaded again is launched (recompiled to do more; under
      * FAKE_CUDA_HANDLE_REUSE the same handle: prints "reused RC 1") */
     int reload = how && (!strcmp(how, "reload") || !strcmp(how, "relib"));
     bigfn |= bigrid | reload;
-    CUfunction fn = bigrid2 ? (CUfunction)0x6d2d : bigrid ? (CUfunction)0x6d1d : (CUfunction)0x1234;
+    CUfunction fn = square ? (CUfunction)0x6d2d : bigrid ? (CUfunction)0x6d1d : (CUfunction)0x1234;
     CUmodule mod = NULL;
     CUlibrary lib = NULL;
     void (*set_us)(uint64_t) = (void (*)(uint64_t))dlsym(libcuda, "fake_cuda_kernel_us_set");
@@ -723,7 +727,7 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
                 if (rc == CUDA_SUCCESS) rc = load_k(how, &mod, &lib, &fn);
                 printf("reused %d %d\n", rc, fn == was);
             } else if (bigfn) {
-                if (!bigrid) fn = (CUfunction)0x6d1d; /* bigrid, bigrid2: the same function */
+                if (!bigrid) fn = (CUfunction)0x6d1d; /* bigrid, bigrid1, bigrid2: the same function */
                 grid = (unsigned)trips;
             } else if (how) {
                 rc = change_apply(&loop);

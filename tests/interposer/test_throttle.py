@@ -128,8 +128,8 @@ def test_a_stream_that_goes_on_to_a_longer_kernel_does_not_run_ahead_of_the_budg
     #   one runs alone and is measured): 33.3 %
     # - bigrid: the same function's at a grid of 100, not 1 (the fake's FAKE_GRID_FN runs one
     #   kernel per block), as an elementwise kernel whose grid follows its tensor's size goes
-    #   on to large tensors.  Its one figure was the small grid's.  A larger grid than any
-    #   measured is now estimated in proportion: 33.3 %
+    #   on to large tensors.  Its one figure was the small grid's.  Sizes are now told apart,
+    #   and a grid 100 times any measured is a leap, measured alone first: 33.3 %
     res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "100", how, api=api,
                           CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="1000")
     rc, (launches, worst) = res.of("peak")[0]
@@ -138,12 +138,18 @@ def test_a_stream_that_goes_on_to_a_longer_kernel_does_not_run_ahead_of_the_budg
     assert abs(res.values("after")[0] / 10 - 30) <= TOLERANCE, res.stdout
 
 
-def test_a_kernel_whose_time_grows_faster_than_its_grid_does_not_run_ahead_of_the_budget(release_lab):
+@pytest.mark.parametrize("how", ["bigrid1", "bigrid2"])
+def test_a_kernel_whose_time_grows_faster_than_its_grid_does_not_run_ahead_of_the_budget(release_lab, how):
     # a kernel whose time is in the square of its grid (attention over a sequence its grid
-    # follows), at grids 1 and 2 in turn for a second (0.1 and 0.4 ms), then at 50 (250 ms): in
-    # proportion to grid 2, each was counted at 10 ms and the queue took them two at a time, 50.0 %
-    # of the GPU over 1.5 s windows under 30 %.  In the square, as the two points grew: 33.3 %
-    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "50", "bigrid2",
+    # follows) for a second, then at a grid of 50 (250 ms), 50.0 % of the GPU over 1.5 s windows
+    # under 30 % either way before:
+    # - bigrid2: at grids 1 and 2 in turn (0.1 and 0.4 ms).  In proportion to grid 2, each was
+    #   counted at 10 ms and the queue took them two at a time.  Estimated in the square, as the
+    #   two points grew, 33.3 %
+    # - bigrid1: at grid 1 alone (short prompts, then a long one).  Nothing measured showed the
+    #   growth: counted at 5 ms, four at a time.  A grid past 4x the largest measured is a leap,
+    #   measured alone first: 33.3 % (bigrid2's 25x leap is now caught so too)
+    res = release_lab.run("init", "ctx", "0", "gpeak", "5", "1500", "1000", "1000", "50", how,
                           CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="100")
     rc, (launches, worst) = res.of("peak")[0]
     assert rc == 0 and launches > 10, res.stdout + res.stderr
@@ -199,9 +205,22 @@ F = "0x7f0012345600"  # a function's handle
 
 def test_one_sizes_cost_is_its_figure_below_and_in_proportion_above(built):
     # measured only at a grid of 100 threads: as much at fewer (the GPU was not filled, or
-    # the time is a launch's own), in proportion at more; a size the driver refuses (0) as 1
+    # the time is a launch's own), in proportion at more, up to a leap (4x); a size the driver
+    # refuses (0) as 1
     assert costsim(built, "learn", F, "100", "1000", "est", F, "100", "est", F, "1", "est", F, "0",
-                   "est", F, "250", "est", F, "100000") == [1000, 1000, 1000, 2500, 1000000]
+                   "est", F, "250", "est", F, "400") == [1000, 1000, 1000, 2500, 4000]
+
+
+def test_a_leap_past_the_largest_size_measured_is_unknown_until_measured(built):
+    # past 4x the largest size measured nothing tells how the time grows (attention at a 50x
+    # longer sequence takes 2500x): unknown, so the launch is measured alone first; once it is,
+    # the next leap counts from it.  Sizes the driver may saturate to (2^64 - 1 threads) make
+    # no overflow either way
+    assert costsim(built, "learn", F, "1", "1000", "learn", F, "100", "100000", "est", F, "401", "est", F, "400",
+                   "learn", F, "401", "401000", "est", F, "401", "est", F, "1604", "est", F, "1605",
+                   "est", F, "200") == [0, 400000, 401000, 1604000, 0, 200000]
+    assert costsim(built, "learn", F, str(2**63), "1000", "est", F, str(2**64 - 1), "est", F, "5",
+                   "learn", F, "1", "1", "est", F, str(2**63 - 1)) == [1999, 1000, 999]
 
 
 def test_two_sizes_estimate_on_their_chord(built):
@@ -226,9 +245,11 @@ def test_sizes_that_grew_faster_than_in_proportion_are_estimated_in_the_square_a
     # 1 us a thread at 100 threads, 2 us at 200 (attention over a sequence its grid follows):
     # 4x the time at 2x the size is estimated at 4x again above, not 2x (on the chord between);
     # a thread at the larger costing less than half as much again (1.25x) stays in proportion;
-    # capped as in proportion
+    # capped as in proportion (10 and 40 ms at 100 and 200 threads: 640 ms at 800)
     assert costsim(built, "learn", F, "100", "100000", "learn", F, "200", "400000",
-                   "est", F, "400", "est", F, "150", "est", F, "10000") == [1600000, 250000, 100 * 10**6]
+                   "est", F, "400", "est", F, "150", "est", F, "800") == [1600000, 250000, 6400000]
+    assert costsim(built, "learn", F, "100", "10000000", "learn", F, "200", "40000000",
+                   "est", F, "800") == [100 * 10**6]
     assert costsim(built, "learn", F, "100", "100000", "learn", F, "200", "250000",
                    "est", F, "400") == [500000]
 
@@ -248,11 +269,9 @@ def test_a_size_between_moves_the_nearer_point_only_if_the_chord_was_low(built):
 def test_an_estimate_in_proportion_is_capped(built):
     # past the largest size measured, at most 100 ms or that size's figure (any estimate past the
     # queue's 20 ms queues nothing behind it; what a launch waiting behind pays in advance is
-    # not inflated by a grid the GPU runs in far less than in proportion); 2^63 threads from
-    # 1 ms at 1 is no overflow
-    assert costsim(built, "learn", F, "1", "1000000", "est", F, "50", "est", F, "1000", "est", F, str(2**63),
-                   "learn", F, "10", "300000000", "est", F, "1000") == [50 * 10**6, 100 * 10**6, 100 * 10**6,
-                                                                        300 * 10**6]
+    # not inflated by a grid the GPU runs in far less than in proportion)
+    assert costsim(built, "learn", F, "10", "30000000", "est", F, "20", "est", F, "40") == [60 * 10**6, 100 * 10**6]
+    assert costsim(built, "learn", F, "1", "1000000", "learn", F, "10", "300000000", "est", F, "40") == [300 * 10**6]
 
 
 def test_a_forgotten_cost_is_unknown_and_others_stay(built):
