@@ -86,6 +86,8 @@ typedef struct CUextSemaphore_st *CUexternalSemaphore;
 typedef struct CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS_st CUDA_EXTERNAL_SEMAPHORE_WAIT_PARAMS;
 typedef void (*CUhostFn)(void *userData);
 typedef void (*CUstreamCallback)(CUstream hStream, CUresult status, void *userData);
+/* CUDA 13.3's callback for a recapture's parameter mismatches: passed through, never called */
+typedef void (*CUgraphRecaptureCallback)(void);
 #define CU_STREAM_CAPTURE_MODE_GLOBAL 0
 #define CU_STREAM_CAPTURE_MODE_RELAXED 2
 
@@ -272,6 +274,12 @@ typedef struct CUlaunchConfig_st {
 #define CU_MEM_LOCATION_TYPE_NONE 0
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_MEM_LOCATION_TYPE_HOST 2
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA 3
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT 4
+#define CU_MEM_LOCATION_TYPE_INVISIBLE 5 /* CUDA 13.2: an imported pool's device this process does not see */
+/* CUDA 13.4: a device's memory in one of its locality domains; `id` is then a union member
+ * `localized`, bytes {deviceId, localityDomainId, reserved[2]} (gs_location_device) */
+#define CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN 6
 #define CU_MEM_ALLOCATION_TYPE_PINNED 1
 #define CU_MEM_ALLOCATION_TYPE_MANAGED 2
 #define CU_STREAM_CAPTURE_STATUS_NONE 0

@@ -245,6 +245,35 @@ int gs_dev_slot(CUdevice dev)
     return dev >= 0 && dev < g_ndev ? g_slot_of[dev] : -1;
 }
 
+/* A location of CUDA 13.4's locality domains (the partitions of a GPU's SMs and memory, which
+ * cuMemCreate and memory pools take) is its device's memory; an imported pool's location of a
+ * device this process does not see (CUDA 13.2's INVISIBLE) is the exporter's */
+CUdevice gs_location_device(const CUmemLocation *loc)
+{
+    unsigned char device_id;
+    switch ((int)loc->type) {
+    case CU_MEM_LOCATION_TYPE_DEVICE:
+        return loc->id;
+    case CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN:
+        memcpy(&device_id, &loc->id, 1); /* localized.deviceId, the union's first byte */
+        return device_id;
+    case CU_MEM_LOCATION_TYPE_NONE: /* = INVALID */
+    case CU_MEM_LOCATION_TYPE_HOST:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA:
+    case CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT:
+    case CU_MEM_LOCATION_TYPE_INVISIBLE:
+        return -1;
+    default: {
+        static int told;
+        if (!__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED))
+            GS_WARN("a memory location of type %d, newer than this library: its memory is counted as device "
+                    "memory (update gpuslice)",
+                    (int)loc->type);
+        return GS_LOCATION_UNKNOWN;
+    }
+    }
+}
+
 int gs_current_slot_raw(CUcontext *ctx)
 {
     CUcontext c = NULL;

@@ -145,6 +145,11 @@ int gs_devices_known(void);          /* the discovery is done */
 void gs_context_after_discovery(void); /* takes over primary contexts retained during it */
 void gs_devices_view_ready(void);    /* region devices for NVML-only processes (no registration) */
 int gs_dev_slot(CUdevice dev);       /* region slot of a CUDA ordinal, -1 if unknown */
+/* The device whose memory a CUmemLocation names (a device's, CUDA 13.4's locality domain of
+ * one); -1 for host memory, none, or a device this process does not see; GS_LOCATION_UNKNOWN for
+ * a type newer than the library, which callers count as device memory (the strict side) */
+#define GS_LOCATION_UNKNOWN (-2)
+CUdevice gs_location_device(const CUmemLocation *loc);
 int gs_current_slot(CUcontext *ctx); /* slot of the current context's device, -1 if none */
 /* The same with the current context as the driver has it (a green context's own CUcontext): for
  * the throttle, whose events belong to the context they are made in. */

@@ -107,8 +107,8 @@ static CUresult walk(CUgraph root, CUdevice here, struct gs_graph_need *need)
                 CUDA_MEM_ALLOC_NODE_PARAMS p;
                 memset(&p, 0, sizeof(p));
                 if ((rc = gs_cuda.cuGraphMemAllocNodeGetParams(nodes[i], &p)) != CUDA_SUCCESS || !p.bytesize) continue;
-                CUdevice dev = p.poolProps.location.type == CU_MEM_LOCATION_TYPE_DEVICE ? p.poolProps.location.id
-                                                                                        : here;
+                CUdevice dev = gs_location_device(&p.poolProps.location); /* a locality domain's too */
+                if (dev < 0) dev = here;
                 need_add(need, dev, gs_charge_size(p.bytesize));
             } else if (type == CU_GRAPH_NODE_TYPE_CONDITIONAL) {
                 need->conditional = 1; /* its bodies hold no allocation nodes (cuda.h) */

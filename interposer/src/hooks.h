@@ -31,7 +31,11 @@
      unsigned int sharedMemBytes, CUstream hStream, void **kernelParams)
 
 /* The newest cudaVersion whose variants the table holds: every PFN_<name>_v<version> the
- * toolkit's cudaTypedefs.h of CUDA 13.0 lists for a hooked name (test_paths.py -k every_variant). */
+ * toolkit's cudaTypedefs.h of CUDA 13.0 lists for a hooked name (test_paths.py -k every_variant).
+ * Entry points of CUDA 13.2 and 13.3 that copy, call the host or begin a capture are hooked too
+ * (cuMemcpy[3D]WithAttributesAsync, cuLaunchHostFunc_v2, cuStreamBeginRecaptureToGraph, with
+ * their signatures from NVIDIA's documentation; no 13.2 header here): found by identity
+ * (procaddr.c), they are not taken as proof that the table holds every variant to 13.3. */
 #define GS_HOOKS_CUDA_VERSION 13000
 
 #define GS_CUDA_HOOKS(X)                                                                                   \
@@ -167,6 +171,12 @@
       (CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies,                                  \
        const CUgraphEdgeData *dependencyData, size_t numDependencies, CUstreamCaptureMode mode),           \
       cuStreamBeginCaptureToGraph, 12030, 1)                                                               \
+    X(cuStreamBeginRecaptureToGraph, CUresult,                                                             \
+      (CUstream hStream, CUstreamCaptureMode mode, CUgraph hGraph, CUgraphRecaptureCallback callbackFunc,   \
+       void *userData), cuStreamBeginRecaptureToGraph, 13030, 0)                                           \
+    X(cuStreamBeginRecaptureToGraph_ptsz, CUresult,                                                        \
+      (CUstream hStream, CUstreamCaptureMode mode, CUgraph hGraph, CUgraphRecaptureCallback callbackFunc,   \
+       void *userData), cuStreamBeginRecaptureToGraph, 13030, 1)                                           \
     X(cuStreamEndCapture, CUresult, (CUstream hStream, CUgraph *phGraph), cuStreamEndCapture, 10000, 0)    \
     X(cuStreamEndCapture_ptsz, CUresult, (CUstream hStream, CUgraph *phGraph), cuStreamEndCapture, 10000, 1) \
     X(cuStreamDestroy, CUresult, (CUstream hStream), cuStreamDestroy, 2000, 0)                             \
@@ -244,9 +254,21 @@
       unsigned long long flags, CUstream hStream), cuMemcpy3DBatchAsync, 13000, 0)                          \
     X(cuMemcpy3DBatchAsync_v2_ptsz, CUresult, (size_t numOps, CUDA_MEMCPY3D_BATCH_OP *opList,               \
       unsigned long long flags, CUstream hStream), cuMemcpy3DBatchAsync, 13000, 1)                          \
+    X(cuMemcpyWithAttributesAsync, CUresult, (CUdeviceptr dst, CUdeviceptr src, size_t size,                \
+      CUmemcpyAttributes *attr, CUstream hStream), cuMemcpyWithAttributesAsync, 13020, 0)                   \
+    X(cuMemcpyWithAttributesAsync_ptsz, CUresult, (CUdeviceptr dst, CUdeviceptr src, size_t size,           \
+      CUmemcpyAttributes *attr, CUstream hStream), cuMemcpyWithAttributesAsync, 13020, 1)                   \
+    X(cuMemcpy3DWithAttributesAsync, CUresult, (CUDA_MEMCPY3D_BATCH_OP *op, unsigned long long flags,       \
+      CUstream hStream), cuMemcpy3DWithAttributesAsync, 13020, 0)                                           \
+    X(cuMemcpy3DWithAttributesAsync_ptsz, CUresult, (CUDA_MEMCPY3D_BATCH_OP *op, unsigned long long flags,  \
+      CUstream hStream), cuMemcpy3DWithAttributesAsync, 13020, 1)                                           \
     X(cuLaunchHostFunc, CUresult, (CUstream hStream, CUhostFn fn, void *userData), cuLaunchHostFunc, 10000, 0) \
     X(cuLaunchHostFunc_ptsz, CUresult, (CUstream hStream, CUhostFn fn, void *userData), cuLaunchHostFunc,   \
       10000, 1)                                                                                             \
+    X(cuLaunchHostFunc_v2, CUresult, (CUstream hStream, CUhostFn fn, void *userData, unsigned int syncMode), \
+      cuLaunchHostFunc, 13020, 0)                                                                           \
+    X(cuLaunchHostFunc_v2_ptsz, CUresult,                                                                  \
+      (CUstream hStream, CUhostFn fn, void *userData, unsigned int syncMode), cuLaunchHostFunc, 13020, 1)   \
     X(cuStreamAddCallback, CUresult, (CUstream hStream, CUstreamCallback callback, void *userData,          \
       unsigned int flags), cuStreamAddCallback, 5000, 0)                                                    \
     X(cuStreamAddCallback_ptsz, CUresult, (CUstream hStream, CUstreamCallback callback, void *userData,     \

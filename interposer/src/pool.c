@@ -776,13 +776,18 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     CUmemLocation loc;
     int managed = 0;
     CUdevice mem_dev = slot >= 0 ? dev : -1; /* the device whose memory it takes */
-    if (pool && pool_location((uint64_t)(uintptr_t)pool, &loc, &managed) &&
-        (!managed || loc.type == CU_MEM_LOCATION_TYPE_DEVICE)) {
-        slot = loc.type == CU_MEM_LOCATION_TYPE_DEVICE ? gs_dev_slot(loc.id) : -1; /* -1: host memory */
-        mem_dev = loc.id;
+    if (pool && pool_location((uint64_t)(uintptr_t)pool, &loc, &managed)) {
+        /* the pool's device, a locality domain's pool (CUDA 13.4) its device's too (taken for a
+         * host pool, 1.2 GiB held under a 1 GiB cap, `test_memory.py -k locality_domain`); or
+         * host memory, not charged.  Else (managed memory without a device of its own, or a
+         * location newer than the library) the stream's device's, as cuMemAllocManaged is
+         * charged to the current one (it may all migrate there) */
+        CUdevice at = gs_location_device(&loc);
+        if (at >= 0 || (at == -1 && !managed)) {
+            slot = at >= 0 ? gs_dev_slot(at) : -1;
+            mem_dev = at;
+        }
     }
-    /* else managed memory without a device of its own: charged to the stream's device, like
-     * cuMemAllocManaged's to the current one (it may all migrate there) */
     /* on a stream being captured into a graph the allocation is a graph node: it takes
      * memory only when the graph runs, and graphmem.c charges it then */
     if (slot < 0 || !bytesize || gs_stream_capturing(es) || (!pool && !unknown))

@@ -175,7 +175,8 @@ typedef struct {
     X(cuEventDestroy_v2, CUresult, (CUevent))
 API_FUNCS(FN)
 /* CUDA 2.x's entry points (and 7.0's primary-context release and reset), with the
- * cudaVersion cuGetProcAddress hands them out for; used after the "legacy" command */
+ * cudaVersion cuGetProcAddress hands them out for; used after the "legacy" command.  Also
+ * CUDA 13.2's and 13.3's, asked for at their own version */
 #define API1_FUNCS(X)                                                                                        \
     X(cuMemAlloc, CUresult, (unsigned *, unsigned), 2000)                                                    \
     X(cuMemAllocPitch, CUresult, (unsigned *, unsigned *, unsigned, unsigned, unsigned), 2000)               \
@@ -195,7 +196,12 @@ API_FUNCS(FN)
     X(cuLaunchGridAsync, CUresult, (CUfunction, int, int, CUstream), 2000)                                  \
     X(cuGraphInstantiate, CUresult, (CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t), 10000)          \
     X(cuGraphExecUpdate, CUresult, (CUgraphExec, CUgraph, CUgraphNode *, int *), 10020)                      \
-    X(cuGraphExecKernelNodeSetParams, CUresult, (CUgraphExec, CUgraphNode, const kernel_node_t *), 10010)
+    X(cuGraphExecKernelNodeSetParams, CUresult, (CUgraphExec, CUgraphNode, const kernel_node_t *), 10010)   \
+    X(cuMemcpyWithAttributesAsync, CUresult, (CUdeviceptr, CUdeviceptr, size_t, CUmemcpyAttributes *, CUstream), \
+      13020)                                                                                                 \
+    X(cuMemcpy3DWithAttributesAsync, CUresult, (CUDA_MEMCPY3D_BATCH_OP *, unsigned long long, CUstream), 13020) \
+    X(cuLaunchHostFunc_v2, CUresult, (CUstream, CUhostFn, void *, unsigned), 13020)                          \
+    X(cuStreamBeginRecaptureToGraph, CUresult, (CUstream, int, CUgraph, void (*)(void), void *), 13030)
 #define FN1(name, ret, params, version) typedef ret(*name##_t) params;
 API1_FUNCS(FN1)
 typedef CUresult (*getproc2_t)(const char *, void **, int, cuuint64_t, int *);
@@ -380,12 +386,20 @@ static void no_op(void *data)
  * "waitcopy" kinds): an async copy; a host function; a copy on a second stream that the
  * kernel's stream waits for (as JAX's copy streams are waited for); "prefetch": managed memory's
  * ("prefetchbatch": CUDA 13.0's batch of them; "decompress": the decompression engine's copy);
- * "memsetcopy": a memset, then a copy; "smemsetcopy": the same with cuMemsetD8 (no stream) */
+ * "memsetcopy": a memset, then a copy; "smemsetcopy": the same with cuMemsetD8 (no stream);
+ * CUDA 13.2's "copyattr" and "copy3dattr" (copies with attributes) and "hostfn2"
+ * (cuLaunchHostFunc_v2) */
 static CUresult before_kernel(const char *kind, CUstream s, CUstream side, CUevent ev)
 {
     static char host[64];
     if (!strcmp(kind, "copy")) return api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), s);
     if (!strcmp(kind, "hostfn")) return api.cuLaunchHostFunc(s, no_op, NULL);
+    if (!strcmp(kind, "hostfn2")) return api1.cuLaunchHostFunc_v2(s, no_op, NULL, 1 /* spin-wait */);
+    if (!strcmp(kind, "copyattr")) /* attributes the fake does not read */
+        return api1.cuMemcpyWithAttributesAsync((CUdeviceptr)0x1000, (CUdeviceptr)0x2000, sizeof(host),
+                                                (CUmemcpyAttributes *)host, s);
+    if (!strcmp(kind, "copy3dattr"))
+        return api1.cuMemcpy3DWithAttributesAsync((CUDA_MEMCPY3D_BATCH_OP *)host, 0, s);
     if (!strcmp(kind, "prefetch")) { /* managed memory to device 0 */
         CUmemLocation dev0 = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
         return api.cuMemPrefetchAsync_v2((CUdeviceptr)0x1000, sizeof(host), dev0, 0, s);
@@ -905,19 +919,23 @@ static void *other_launcher(void *arg)
     return NULL;
 }
 
-static void capture_other(int n)
+static void capture_other(int n, int recapture)
 {
     CUstream x = NULL;
     void *g = NULL;
     api.cuStreamCreate(&x, 0);
-    CUresult rc = api.cuStreamBeginCapture_v2(x, 0 /* global */);
+    CUresult rc = CUDA_SUCCESS;
+    if (!recapture)
+        rc = api.cuStreamBeginCapture_v2(x, 0 /* global */);
+    else if ((rc = api.cuGraphCreate((CUgraph *)&g, 0)) == CUDA_SUCCESS) /* CUDA 13.3: into an existing graph */
+        rc = api1.cuStreamBeginRecaptureToGraph(x, 0 /* global */, (CUgraph)g, NULL, NULL);
     if (rc == CUDA_SUCCESS) rc = api.cuLaunchKernel((CUfunction)0x1234, 1, 1, 1, 1, 1, 1, 0, x, NULL, NULL);
     other_n = n;
     pthread_t t;
     pthread_create(&t, NULL, other_launcher, NULL);
     pthread_join(t, NULL);
     CUresult end = api.cuStreamEndCapture(x, &g);
-    printf("captureother %d %d %d\n", rc, end, other_rc);
+    printf("%s %d %d %d\n", recapture ? "recaptureother" : "captureother", rc, end, other_rc);
 }
 
 /* One background thread at a time ("bgalloc", "bgretain"), its result printed at "join".  Its
@@ -1386,6 +1404,17 @@ int main(int argc, char **argv)
             if (rc == CUDA_SUCCESS) allocs[nallocs].size = size_arg(ARG(0));
             remember("vmm", rc, A_VMM, h);
             i += 2;
+        } else if (!strcmp(c, "vmmld")) {
+            /* vmmld SIZE DEV DOMAIN: cuMemCreate in locality domain DOMAIN of device DEV (CUDA
+             * 13.4's CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN: the id's bytes {device, domain}) */
+            CUmemAllocationProp prop = {1, 0, {CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN, 0}};
+            unsigned char where[4] = {(unsigned char)atoi(ARG(1)), (unsigned char)atoi(ARG(2)), 0, 0};
+            memcpy(&prop.location.id, where, sizeof(where));
+            CUmemGenericAllocationHandle h = 0;
+            CUresult rc = api.cuMemCreate(&h, size_arg(ARG(0)), &prop, 0);
+            if (rc == CUDA_SUCCESS) allocs[nallocs].size = size_arg(ARG(0));
+            remember("vmmld", rc, A_VMM, h);
+            i += 3;
         } else if (!strcmp(c, "vmap")) {
             /* map VMM allocation ID at an address of its own */
             int id = atoi(ARG(0));
@@ -2080,8 +2109,10 @@ int main(int argc, char **argv)
                     if ((r = api.cuStreamEndCapture(hss[--nhs], &g)) != CUDA_SUCCESS && rc == CUDA_SUCCESS) rc = r;
                 printf("unholds %d\n", rc);
             }
-        } else if (!strcmp(c, "captureother")) {
-            capture_other(atoi(ARG(0)));
+        } else if (!strcmp(c, "captureother") || !strcmp(c, "recaptureother")) {
+            /* a global capture (recaptureother: CUDA 13.3's recapture into a graph) in this
+             * thread while another launches N kernels */
+            capture_other(atoi(ARG(0)), c[0] == 'r');
             i += 1;
         } else if (!strcmp(c, "arraybench")) {
             arraybench(atol(ARG(0)), size_arg(ARG(1)), size_arg(ARG(2)));
@@ -2117,12 +2148,19 @@ int main(int argc, char **argv)
             printf("gcapture %d\n", rc != CUDA_SUCCESS ? rc : end);
             i += 1;
         } else if (!strcmp(c, "gnode")) {
-            /* an allocation node of SIZE on device DEV, added to the current graph */
+            /* an allocation node of SIZE on device DEV (D.L: in its locality domain L, CUDA
+             * 13.4), added to the current graph */
             CUDA_MEM_ALLOC_NODE_PARAMS prm;
             memset(&prm, 0, sizeof(prm));
             prm.poolProps.allocType = 1;
             prm.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
             prm.poolProps.location.id = atoi(ARG(1));
+            const char *dot = strchr(ARG(1), '.');
+            if (dot) {
+                unsigned char where[4] = {(unsigned char)atoi(ARG(1)), (unsigned char)atoi(dot + 1), 0, 0};
+                prm.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN;
+                memcpy(&prm.poolProps.location.id, where, sizeof(where));
+            }
             prm.bytesize = size_arg(ARG(0));
             CUgraphNode node = NULL;
             CUresult rc = graph ? CUDA_SUCCESS : api.cuGraphCreate(&graph, 0);

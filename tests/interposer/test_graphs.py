@@ -93,6 +93,23 @@ def test_a_replay_after_a_trim_is_judged_by_what_it_needed(lab):
     assert free_seen(res) == [GIB - 900 * MIB]
 
 
+def test_a_graph_allocation_in_a_locality_domain_is_charged_to_its_device(lab):
+    # an allocation node in locality domain 1 of device 1 (CUDA 13.4: its location's id the
+    # bytes {device, domain}), launched from device 0's context.  Taken for no device's, it
+    # was reckoned against device 0, whose graph pool never grew: device 1 held 600 MiB of it
+    # uncharged
+    held, go = lab.tmp / "held", lab.tmp / "go"
+    proc = lab.start("init", "ctx", "0", "gnode", "600m", "1.1", "ginst", "flags", "glaunch", "alloc", "600m",
+                     "touch", str(held), "waitfile", str(go), **CAP,
+                     FAKE_CUDA_DEVICES=f"{lab.UUID_A}=16g,{lab.UUID_B}=16g")
+    lab.wait_for(held)
+    used = {d.uuid: d.used_bytes for d in lab.region().devices}
+    go.touch()
+    res = lab.finish(proc)
+    assert res.rc("ginst") == 0 and res.rc("glaunch") == 0 and res.rc("alloc") == 0, res.stdout
+    assert used == {lab.UUID_A: 600 * MIB, lab.UUID_B: 600 * MIB}
+
+
 @pytest.mark.parametrize("inst", ["ginstf", "ginstpf"], ids=["with_flags", "with_params"])
 def test_an_auto_free_graph_is_relaunched_near_the_cap(lab, inst):
     # its 600 MiB node is not freed in the graph: it lives on after the launch, and with

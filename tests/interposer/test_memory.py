@@ -323,6 +323,48 @@ def region_used_and_phys(lab, *cmds: str, **env: str) -> tuple[dict[str, int], l
     return used, [vals[0] for _, vals in res.of("physd")], res
 
 
+# CUDA 13.4's locality domains, the partitions of a GPU's SMs and memory: a location of type 6
+# (CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN) is a device's memory in one of them, its id's
+# bytes {device, domain}.  cuMemCreate and memory pools take one (PyTorch's LocalizedAllocator,
+# NVSHMEM, vLLM).  The library took it for host memory: none of it was charged
+LOCALITY_DOMAIN = "6"
+
+
+@pytest.mark.parametrize("api", ["direct", "procaddr"])
+@pytest.mark.parametrize(("how", "charged"), [
+    (["vmmld", "600m", "1", "1", "vmmld", "600m", "1", "0"], 600 * MIB),
+    (["mkpool", LOCALITY_DOMAIN, str(1 | 1 << 8), "pool", "600m", "pool", "600m"], 608 * MIB),
+], ids=["cuMemCreate", "pool"])
+def test_memory_in_a_locality_domain_is_charged_to_its_device(lab, how, charged, api):
+    # device 1's locality domains, from device 0's context: before, neither allocation was
+    # charged, and 1.2 GiB were held under device 1's 1 GiB cap
+    used, phys, res = region_used_and_phys(lab, "ctx", "0", *how, api=api, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of(how[0] if how[0] == "vmmld" else "pool")] == [0, OOM], res.stdout
+    assert used == {lab.UUID_A: 0, lab.UUID_B: charged}
+    assert phys == [0, charged]
+
+
+@pytest.mark.parametrize("get", ["defpool", "curpool"])
+def test_a_locality_domain_s_pool_from_cuda_13_s_pool_getters_is_charged_to_its_device(lab, get):
+    # cuMemGetDefaultMemPool / cuMemGetMemPool for device 0's locality domain 0: its pool's
+    # allocations were taken for host memory, 1.2 GiB held under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", get, LOCALITY_DOMAIN, "1", "pool", "600m", "pool", "600m", "meminfo",
+                  "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc(get) == 0 and [rc for rc, _ in res.of("pool")] == [0, OOM]
+    assert res.values("meminfo") == [GIB - 608 * MIB, GIB]
+    assert res.values("phys") == [608 * MIB]
+
+
+def test_an_imported_locality_domain_allocation_is_charged_for_what_is_mapped_of_it(lab):
+    # the import's properties name the locality domain: its mapping was taken for host memory
+    res = lab.run("init", "ctx", "0", "vmmld", "600m", "0", "1", "meminfo", "vexport", "0", "vimport", "0",
+                  "free", "0", "meminfo", "vmappart", "1", "0", "200m", "meminfo", "vunmap", "1", "free", "1",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("vmmld") == 0 and res.rc("vmappart") == 0
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0, 200 * MIB, 0]
+    assert res.values("phys") == [0]
+
+
 # the stream's device is read from the context (CUDA 13), from the stream (12.8), or, before
 # that, by making the stream's context current for a moment
 DRIVERS = pytest.mark.parametrize("driver", ["13000", "12080", "12040"])

@@ -370,6 +370,9 @@ def test_graph_loops_of_a_steady_trip_count_get_the_share(release_lab, kernel_us
 
 @pytest.mark.parametrize(("kind", "env", "us"), [("copy", "FAKE_CUDA_COPY_US", 2000),
                                                  ("hostfn", "FAKE_CUDA_HOSTFN_US", 2000),
+                                                 ("copyattr", "FAKE_CUDA_COPY_US", 2000),
+                                                 ("copy3dattr", "FAKE_CUDA_COPY_US", 2000),
+                                                 ("hostfn2", "FAKE_CUDA_HOSTFN_US", 2000),
                                                  ("waitcopy", "FAKE_CUDA_COPY_US", 4000),
                                                  ("prefetch", "FAKE_CUDA_COPY_US", 2000),
                                                  ("prefetchbatch", "FAKE_CUDA_COPY_US", 2000),
@@ -382,9 +385,10 @@ def test_copies_host_functions_and_waits_between_kernels_are_not_charged_as_kern
     # overlaps the kernels queued ahead).  An interval ran from one event of the stream to the
     # next, and the throttle keeps up to 20 ms queued, so that work was charged as kernel time:
     # the kernels got 16.8 % of the GPU at a 30 % limit in each case (a 2 ms managed-memory
-    # prefetch too, single or CUDA 13.0's batch, and a 2 ms batch on the decompression engine);
-    # now 30.7 %.  The hooks of those calls mark the stream, and its next launch
-    # ends the gap with an event of its own
+    # prefetch too, single or CUDA 13.0's batch, a 2 ms batch on the decompression engine, and
+    # CUDA 13.2's copies with attributes and cuLaunchHostFunc_v2, hooked since 2026-12-06); now
+    # 30.7 %.  The hooks of those calls mark the stream, and its next launch ends the gap with an
+    # event of its own
     got = share(release_lab, 2.0, kind, api=api, CUDA_DEVICE_SM_LIMIT="30",
                 FAKE_CUDA_KERNEL_US="2000", **{env: str(us)})
     assert abs(got - 30) <= TOLERANCE, f"{kind}: measured {got:.1f}%"
@@ -1038,14 +1042,17 @@ def test_a_callback_allocating_inside_the_throttles_event_calls_and_a_release_do
     assert "fake: api callback cuEventQuery alloc 0" in res.stderr
 
 
+@pytest.mark.parametrize("how", ["captureother", "recaptureother"])
 @pytest.mark.parametrize("sm_limit", ["30", None], ids=["limited", "no-limit"])
-def test_a_global_capture_in_one_thread_is_not_invalidated_by_launches_in_another(lab, sm_limit):
+def test_a_global_capture_in_one_thread_is_not_invalidated_by_launches_in_another(lab, sm_limit, how):
     # in global capture mode the driver forbids event queries in every thread, and one would
     # invalidate the capture (PyTorch's CUDA graphs capture in global mode): while a capture is
-    # on, other threads' launches pass through unmeasured
-    res = lab.run("init", "ctx", "0", "captureother", "50", CUDA_DEVICE_SM_LIMIT=sm_limit,
+    # on, other threads' launches pass through unmeasured.  CUDA 13.3's recapture into an
+    # existing graph too: unhooked, it went uncounted and the capture was invalidated
+    # (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, 901, at its end)
+    res = lab.run("init", "ctx", "0", how, "50", CUDA_DEVICE_SM_LIMIT=sm_limit,
                   FAKE_CUDA_CAPTURE_STRICT="1")
-    assert res.of("captureother") == [(0, [0, 0])]
+    assert res.of(how) == [(0, [0, 0])], res.stdout
 
 
 def test_a_global_capture_begun_while_a_context_is_settled_before_its_destroy_waits(lab):

@@ -9,6 +9,13 @@
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
 
+/* Hooks of entry points newer than the toolkit (CUDA 13.2's and 13.3's, hooks.h) declare
+ * functions its cuda.h lacks: checked only with a toolkit that has them.  Their one type of a
+ * newer toolkit, declared here otherwise (hooks.h names it; cuda.h's own is then used) */
+#if CUDA_VERSION < 13030
+typedef void (*CUgraphRecaptureCallback)(void);
+#endif
+
 #include "hooks.h"
 
 #define ABI_DECLARE(name, ret, params, base, ver, pt) ret CUDAAPI name params;

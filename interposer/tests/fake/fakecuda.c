@@ -1105,6 +1105,7 @@ struct fake_alloc {
     CUstream pend_stream; /* K_PEND: the stream its free was made on */
     int32_t src_pid; /* K_IPC: the exporter and its allocation's base (refs: the opens) */
     uint64_t src_base;
+    int domain; /* K_VMM: 1 + the locality domain it was made in (CUDA 13.4), 0: the device's */
 };
 struct fake_pool {
     int pdev; /* -1: host memory; FAKE_POOL_FOLLOWS: managed, on the first allocating context's device */
@@ -1124,6 +1125,7 @@ static uint64_t next_handle = 0x7f0000000000ull;
 #define FAKE_POOL_FOLLOWS (-2)
 static struct fake_pool default_pools[FAKE_MAX_DEVS];
 static struct fake_pool host_pool = {.pdev = -1}, managed_pool = {.pdev = FAKE_POOL_FOLLOWS};
+static struct fake_pool domain_pools[FAKE_MAX_DEVS][4]; /* each locality domain's default pool */
 static struct fake_pool *user_pools[64];
 static struct fake_pool *freed_pool; /* FAKE_CUDA_HANDLE_REUSE: the next cuMemPoolCreate's */
 
@@ -1211,7 +1213,7 @@ static CUresult alloc_at(int kind, uint64_t size, int pdev, struct fake_pool *po
         struct fake_ctx *own = current && current->owner ? current->owner : current;
         int again = reuse_at && kind == K_DPTR && !low && !small && size <= reuse_size;
         if (again) next = &reuse_at;
-        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small, NULL, 0, 0};
+        allocs[slot] = (struct fake_alloc){*next, size, pdev, kind, own, pool, kind == K_VMM, 0, small, NULL, 0, 0, 0};
         if (low) {
             unsigned int h = (unsigned int)*next;
             memcpy(handle, &h, sizeof(h));
@@ -1877,16 +1879,51 @@ API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total)
 }
 
 /* VMM */
+/* A VMM allocation made in a locality domain remembers it (its properties say so) */
+static void set_domain(uint64_t handle, int domain)
+{
+    pthread_mutex_lock(&mu);
+    struct fake_alloc *a = alloc_find(K_VMM, handle);
+    if (a) a->domain = domain;
+    pthread_mutex_unlock(&mu);
+}
+
+/* A location's visible ordinal (*domain: 1 + its locality domain, 0 for a device's), -1 for host
+ * memory, -2 if invalid.  As a CUDA 13.4 driver, each device has FAKE_CUDA_LOCALITY_DOMAINS (2)
+ * locality domains: CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN, its id's first byte the device,
+ * its second the domain */
+static int location_ordinal(const CUmemLocation *loc, int *domain)
+{
+    *domain = 0;
+    if (loc->type == CU_MEM_LOCATION_TYPE_HOST || loc->type == CU_MEM_LOCATION_TYPE_HOST_NUMA ||
+        loc->type == CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT)
+        return -1;
+    int ordinal = loc->id;
+    if (loc->type == CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN) {
+        unsigned char b[2];
+        memcpy(b, &loc->id, 2);
+        const char *v = getenv("FAKE_CUDA_LOCALITY_DOMAINS");
+        if (b[1] >= (v ? atoi(v) : 2)) return -2;
+        ordinal = b[0];
+        *domain = 1 + b[1];
+    } else if (loc->type != CU_MEM_LOCATION_TYPE_DEVICE) {
+        return -2;
+    }
+    return ordinal >= 0 && ordinal < nvisible ? ordinal : -2;
+}
+
 API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                          unsigned long long flags)
 {
     (void)flags;
     FAIL_POINT("cuMemCreate");
     NEED_INIT();
-    if (!handle || !prop || !size || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
-        prop->location.id < 0 || prop->location.id >= nvisible || size % (2u << 20))
+    int domain = 0, ordinal = prop ? location_ordinal(&prop->location, &domain) : -2;
+    if (!handle || !prop || !size || ordinal < 0 || size % (2u << 20))
         return CUDA_ERROR_INVALID_VALUE;
-    return alloc_new(K_VMM, size, visible[prop->location.id], NULL, handle, 1); /* one reference */
+    CUresult rc = alloc_new(K_VMM, size, visible[ordinal], NULL, handle, 1); /* one reference */
+    if (rc == CUDA_SUCCESS) set_domain(*handle, domain);
+    return rc;
 }
 
 /* A VMM allocation is freed once its handle references (cuMemCreate,
@@ -2129,6 +2166,7 @@ struct fake_export {
     char magic[8];
     int32_t pid, pdev;
     uint64_t size, handle;
+    int32_t domain;
 };
 static uint64_t next_alias = 0x7a0000000000ull;
 
@@ -2140,7 +2178,8 @@ API CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAll
     if (handleType != 1) return CUDA_ERROR_NOT_SUPPORTED; /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
     pthread_mutex_lock(&mu);
     struct fake_alloc *a = alloc_find(K_VMM, handle);
-    struct fake_export body = {"FAKEEXP", (int32_t)getpid(), a ? a->pdev : 0, a ? a->size : 0, a ? a->handle : 0};
+    struct fake_export body = {"FAKEEXP", (int32_t)getpid(), a ? a->pdev : 0, a ? a->size : 0, a ? a->handle : 0,
+                               a ? a->domain : 0};
     pthread_mutex_unlock(&mu);
     if (!a) return CUDA_ERROR_INVALID_VALUE;
     int fd = memfd_create("fakecuda-export", 0);
@@ -2165,7 +2204,11 @@ API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle
     if (pread(fd, &body, sizeof(body), 0) != (ssize_t)sizeof(body) || memcmp(body.magic, "FAKEEXP", 8) ||
         !body.size || body.pdev < 0 || body.pdev >= ndevs)
         return CUDA_ERROR_INVALID_VALUE;
-    if (body.pid != (int32_t)getpid()) return alloc_new(K_VMM, body.size, body.pdev, NULL, handle, 1);
+    if (body.pid != (int32_t)getpid()) {
+        CUresult rc = alloc_new(K_VMM, body.size, body.pdev, NULL, handle, 1);
+        if (rc == CUDA_SUCCESS) set_domain(*handle, body.domain);
+        return rc;
+    }
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     struct fake_alloc *a = alloc_find(K_VMM, body.handle);
@@ -2213,7 +2256,7 @@ API CUresult fake_cuda_other_api_alloc(uint64_t bytes, uint64_t *handle, int *fd
     if (!handle || !fd || !bytes) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = alloc_new(K_VMM, bytes, current->pdev, NULL, handle, 1);
     if (rc != CUDA_SUCCESS) return rc;
-    struct fake_export body = {"FAKEEXP", (int32_t)getpid(), current->pdev, bytes, *handle};
+    struct fake_export body = {"FAKEEXP", (int32_t)getpid(), current->pdev, bytes, *handle, 0};
     *fd = memfd_create("fakecuda-other-api", 0);
     if (*fd >= 0 && write(*fd, &body, sizeof(body)) == (ssize_t)sizeof(body)) return CUDA_SUCCESS;
     if (*fd >= 0) close(*fd);
@@ -2286,7 +2329,7 @@ API CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, C
     if (!prop) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     struct fake_alloc *a = alloc_find(K_VMM, handle);
-    int pdev = a ? a->pdev : -1;
+    int pdev = a ? a->pdev : -1, domain = a ? a->domain : 0;
     pthread_mutex_unlock(&mu);
     if (pdev < 0) return CUDA_ERROR_INVALID_VALUE;
     int ordinal = -1;
@@ -2297,6 +2340,11 @@ API CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, C
     prop->requestedHandleTypes = 1;
     prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop->location.id = ordinal;
+    if (domain) { /* CUDA 13.4: localized {deviceId, localityDomainId} */
+        unsigned char b[4] = {(unsigned char)ordinal, (unsigned char)(domain - 1), 0, 0};
+        prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN;
+        memcpy(&prop->location.id, b, sizeof(b));
+    }
     return CUDA_SUCCESS;
 }
 
@@ -2434,7 +2482,13 @@ API CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *loc, int 
     }
     if (type != CU_MEM_ALLOCATION_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
     if (loc->type == CU_MEM_LOCATION_TYPE_DEVICE) return cuDeviceGetDefaultMemPool(pool, loc->id);
-    if (loc->type < CU_MEM_LOCATION_TYPE_HOST || loc->type > 4) return CUDA_ERROR_INVALID_VALUE;
+    int domain, ordinal = location_ordinal(loc, &domain);
+    if (ordinal == -2 || domain > 4) return CUDA_ERROR_INVALID_VALUE;
+    if (domain) { /* a locality domain's (CUDA 13.4) */
+        domain_pools[visible[ordinal]][domain - 1].pdev = visible[ordinal];
+        *pool = (CUmemoryPool)&domain_pools[visible[ordinal]][domain - 1];
+        return CUDA_SUCCESS;
+    }
     *pool = (CUmemoryPool)&host_pool; /* HOST, HOST_NUMA, HOST_NUMA_CURRENT */
     return CUDA_SUCCESS;
 }
@@ -2467,11 +2521,12 @@ API CUresult cuMemPoolCreate(CUmemoryPool *pool, const void *props)
     if (!pool || !props) return CUDA_ERROR_INVALID_VALUE;
     int managed = *(const int *)props == CU_MEM_ALLOCATION_TYPE_MANAGED;
     const CUmemLocation *loc = (const CUmemLocation *)((const char *)props + 8);
-    int host = loc->type != CU_MEM_LOCATION_TYPE_DEVICE; /* CU_MEM_LOCATION_TYPE_HOST*: pinned host memory */
-    if (!host && (loc->id < 0 || loc->id >= nvisible)) return CUDA_ERROR_INVALID_DEVICE;
+    int domain, ordinal = location_ordinal(loc, &domain); /* a device's or a locality domain's */
+    int host = ordinal == -1 || loc->type == CU_MEM_LOCATION_TYPE_NONE; /* CU_MEM_LOCATION_TYPE_HOST*: pinned host memory */
+    if (!host && ordinal < 0) return CUDA_ERROR_INVALID_DEVICE;
     struct fake_pool *p = reuse_or_alloc((void **)&freed_pool, sizeof(*p)); /* a destroyed pool's handle, reused */
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
-    p->pdev = !host ? visible[loc->id] : managed ? FAKE_POOL_FOLLOWS : -1;
+    p->pdev = !host ? visible[ordinal] : managed ? FAKE_POOL_FOLLOWS : -1;
     *pool = (CUmemoryPool)p;
     pthread_mutex_lock(&mu);
     if (nuser_pools < 64) user_pools[nuser_pools++] = p;

@@ -71,6 +71,7 @@ struct fake_node {
     unsigned grid;   /* KERNEL: its gridDimX, the kernels it runs */
     uint64_t bytes;  /* MEM_ALLOC */
     int ordinal;     /* MEM_ALLOC: the CUDA device */
+    CUmemLocation where; /* MEM_ALLOC: its location as given (a locality domain's, CUDA 13.4) */
     CUdeviceptr dptr;
     struct fake_graph *child; /* GRAPH */
     CUgraph bodies[FAKE_COND_BODIES]; /* CONDITIONAL */
@@ -190,6 +191,7 @@ static int fake_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t by
     }
     n->bytes = bytes;
     n->ordinal = ordinal_of(current->pdev);
+    n->where = (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, n->ordinal};
     n->dptr = *dptr = graph_address(bytes);
     *rc = CUDA_SUCCESS;
     return 1;
@@ -230,6 +232,20 @@ API CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNod
     return CUDA_SUCCESS;
 }
 
+/* CUDA 13.3's recapture into an existing graph: captured as into the program's graph (that the
+ * nodes come in the original's order is not checked; a stream is captured, not the default one,
+ * so the _ptsz variant is the same) */
+API CUresult cuStreamBeginRecaptureToGraph(CUstream s, int mode, CUgraph g, void (*callback)(void), void *data)
+{
+    (void)callback, (void)data;
+    return cuStreamBeginCaptureToGraph(s, g, NULL, NULL, 0, mode);
+}
+
+API CUresult cuStreamBeginRecaptureToGraph_ptsz(CUstream s, int mode, CUgraph g, void (*callback)(void), void *data)
+{
+    return cuStreamBeginRecaptureToGraph(s, mode, g, callback, data);
+}
+
 API CUresult cuGraphCreate(CUgraph *g, unsigned int flags)
 {
     (void)flags;
@@ -255,7 +271,9 @@ API CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphN
     struct fake_node *n = node_add(graph_of(g), CU_GRAPH_NODE_TYPE_MEM_ALLOC);
     if (!n) return CUDA_ERROR_INVALID_VALUE;
     n->bytes = params->bytesize;
-    n->ordinal = params->poolProps.location.id;
+    int domain;
+    n->ordinal = location_ordinal(&params->poolProps.location, &domain);
+    n->where = params->poolProps.location;
     n->dptr = params->dptr = graph_address(params->bytesize);
     *node = (CUgraphNode)n;
     return CUDA_SUCCESS;
@@ -368,8 +386,7 @@ API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, CUDA_MEM_ALLOC_NODE_PAR
     if (!n || !p || node_of(n)->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_INVALID_VALUE;
     memset(p, 0, sizeof(*p));
     p->poolProps.allocType = 1;
-    p->poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    p->poolProps.location.id = node_of(n)->ordinal;
+    p->poolProps.location = node_of(n)->where;
     p->bytesize = node_of(n)->bytes;
     p->dptr = node_of(n)->dptr;
     return CUDA_SUCCESS;

@@ -863,6 +863,40 @@ API CUresult cuLaunchHostFunc_ptsz(CUstream s, CUhostFn fn, void *data)
     return host_func(s, fn, data, 1);
 }
 
+/* CUDA 13.2: with a dispatch mode (0 blocking, 1 a spinning driver thread), the same here */
+API CUresult cuLaunchHostFunc_v2(CUstream s, CUhostFn fn, void *data, unsigned mode)
+{
+    return mode > 1 ? CUDA_ERROR_INVALID_VALUE : host_func(s, fn, data, 0);
+}
+
+API CUresult cuLaunchHostFunc_v2_ptsz(CUstream s, CUhostFn fn, void *data, unsigned mode)
+{
+    return mode > 1 ? CUDA_ERROR_INVALID_VALUE : host_func(s, fn, data, 1);
+}
+
+/* CUDA 13.2's single copies with attributes (which the fake does not read) */
+API CUresult cuMemcpyWithAttributesAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUmemcpyAttributes *attr,
+                                         CUstream s)
+{
+    return dst && src && n && attr ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemcpyWithAttributesAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t n, CUmemcpyAttributes *attr,
+                                              CUstream s)
+{
+    return dst && src && n && attr ? hold_stream(s, 1, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemcpy3DWithAttributesAsync(CUDA_MEMCPY3D_BATCH_OP *op, unsigned long long flags, CUstream s)
+{
+    return op && !flags ? hold_stream(s, 0, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
+API CUresult cuMemcpy3DWithAttributesAsync_ptsz(CUDA_MEMCPY3D_BATCH_OP *op, unsigned long long flags, CUstream s)
+{
+    return op && !flags ? hold_stream(s, 1, "FAKE_CUDA_COPY_US", 0) : CUDA_ERROR_INVALID_VALUE;
+}
+
 static CUresult wait_event(CUstream s, CUevent e, int ptsz)
 {
     struct fake_event *ev = (struct fake_event *)e;
@@ -943,6 +977,9 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMemcpyHtoDAsync_v2) X(cuMemcpyHtoDAsync_v2_ptsz) X(cuMemcpyDtoHAsync_v2) X(cuMemcpyAsync)               \
     X(cuLaunchHostFunc) X(cuStreamWaitEvent) X(cuStreamWaitValue32_v2) X(cuMemPrefetchAsync_v2)   \
     X(cuMemPrefetchAsync_v2_ptsz) X(cuLaunchHostFunc_ptsz) X(cuStreamWaitEvent_ptsz)                         \
+    X(cuLaunchHostFunc_v2) X(cuLaunchHostFunc_v2_ptsz) X(cuMemcpyWithAttributesAsync)                         \
+    X(cuMemcpyWithAttributesAsync_ptsz) X(cuMemcpy3DWithAttributesAsync) X(cuMemcpy3DWithAttributesAsync_ptsz) \
+    X(cuStreamBeginRecaptureToGraph) X(cuStreamBeginRecaptureToGraph_ptsz)                                     \
     X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) X(cuMemDiscardAndPrefetchBatchAsync)           \
     X(cuMemDiscardAndPrefetchBatchAsync_ptsz) X(cuMemBatchDecompressAsync) X(cuMemBatchDecompressAsync_ptsz)  \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemGetAllocationPropertiesFromHandle) \
@@ -1000,6 +1037,7 @@ static const struct {
     {"cuMemsetD8", 3020, "cuMemsetD8_v2"},           {"cuIpcOpenMemHandle", 11000, "cuIpcOpenMemHandle_v2"},
     {"cuGraphExecUpdate", 12000, "cuGraphExecUpdate_v2"}, {"cuGraphAddKernelNode", 12000, "cuGraphAddKernelNode_v2"},
     {"cuGraphExecKernelNodeSetParams", 12000, "cuGraphExecKernelNodeSetParams_v2"},
+    {"cuLaunchHostFunc", 13020, "cuLaunchHostFunc_v2"},
 };
 
 static void *func_by_name(const char *name)
