@@ -84,7 +84,9 @@ static uint64_t cost_at(const struct cost *c, uint64_t size)
          * again or more (attention over a sequence its grid follows): in the square of the size.
          * In proportion, such a kernel at grids 1 and 2 (0.1, 0.4 ms) then at 50 (250 ms) was
          * counted at 10 ms, two queued at a time: 50.0 % of the GPU over 1.5 s windows under 30 %,
-         * now 33.3 % (`test_throttle.py -k faster_than_its_grid`) */
+         * then 33.3 % (`test_throttle.py -k 'faster_than_its_grid and bigrid2'`; grid 50 is a
+         * leap now, measured alone first).  Within a leap the square keeps the queue's estimate
+         * closer (a scratch probe, grids 8 and 16 then 64: 34.1 % over 300 ms windows either way) */
         if (e <= GS_COST_SCALED_MAX_NS &&
             2 * (unsigned __int128)c->hi.ns * c->lo.size >= 3 * (unsigned __int128)c->lo.ns * c->hi.size)
             e = e * size / c->hi.size; /* < 2^27 * 4 */

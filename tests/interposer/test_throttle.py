@@ -145,7 +145,7 @@ def test_a_kernel_whose_time_grows_faster_than_its_grid_does_not_run_ahead_of_th
     # under 30 % either way before:
     # - bigrid2: at grids 1 and 2 in turn (0.1 and 0.4 ms).  In proportion to grid 2, each was
     #   counted at 10 ms and the queue took them two at a time.  Estimated in the square, as the
-    #   two points grew, 33.3 %
+    #   two points grew, 33.3 % (and grid 50, 25 times grid 2, is now a leap as below)
     # - bigrid1: at grid 1 alone (short prompts, then a long one).  Nothing measured showed the
     #   growth: counted at 5 ms, four at a time.  A grid past 4x the largest measured is a leap,
     #   measured alone first: 33.3 % (bigrid2's 25x leap is now caught so too)
