@@ -221,6 +221,11 @@ def test_a_leap_past_the_largest_size_measured_is_unknown_until_measured(built):
                    "est", F, "200") == [0, 400000, 401000, 1604000, 0, 200000]
     assert costsim(built, "learn", F, str(2**63), "1000", "est", F, str(2**64 - 1), "est", F, "5",
                    "learn", F, "1", "1", "est", F, str(2**63 - 1)) == [1999, 1000, 999]
+    # the largest point moved down to a size between (measured above the chord) moves to one
+    # nearer it than the smallest: no size measured before becomes a leap
+    moved = costsim(built, "learn", F, "1", "1000", "learn", F, "1000", "1000000", "learn", F, "600", "900000",
+                    "est", F, "1000", "est", F, "2400", "est", F, "2401")
+    assert moved[0] > 0 and moved[1] > 0 and moved[2] == 0, moved
 
 
 def test_two_sizes_estimate_on_their_chord(built):
