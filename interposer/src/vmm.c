@@ -12,6 +12,18 @@
 
 #include "mem_internal.h"
 
+/* The region slot of a VMM allocation's location, -1 if not a device of ours: a device's memory,
+ * or a locality domain's of one (CUDA 13.4: taken for host memory, two 600 MiB allocations held
+ * 1.2 GiB under a 1 GiB cap, `test_memory.py -k locality_domain`); a location newer than the
+ * library, the current device's.  *dev: its device, -1 where that is the current one */
+static int vmm_slot(const CUmemLocation *loc, CUdevice *dev)
+{
+    *dev = gs_location_device(loc);
+    if (*dev != GS_LOCATION_UNKNOWN) return gs_dev_slot(*dev);
+    *dev = -1;
+    return gs_current_slot(NULL);
+}
+
 GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                unsigned long long flags)
 {
@@ -19,11 +31,8 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     if (!gs_cuda.cuMemCreate) return CUDA_ERROR_NOT_SUPPORTED;
     if (!handle || !prop) return CUDA_ERROR_INVALID_VALUE;
     gs_devices_ready();
-    /* a device's memory, or a locality domain's of one (CUDA 13.4: taken for host memory, two
-     * 600 MiB allocations held 1.2 GiB under a 1 GiB cap, `test_memory.py -k locality_domain`);
-     * a location newer than the library, the current device's */
-    CUdevice dev = gs_location_device(&prop->location);
-    int slot = dev == GS_LOCATION_UNKNOWN ? gs_current_slot(NULL) : gs_dev_slot(dev);
+    CUdevice dev;
+    int slot = vmm_slot(&prop->location, &dev);
     if (slot < 0 || !size) return gs_cuda.cuMemCreate(handle, size, prop, flags);
     uint64_t charge = gs_charge_size(size), held;
     gs_inflight_begin();
@@ -32,7 +41,7 @@ GS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
         return gs_over_cap(slot, charge);
     }
     int probe = GS_UNLIKELY(__atomic_load_n(&gs_pid_unknown, __ATOMIC_RELAXED)) &&
-                gs_pid_probe_begin(dev == GS_LOCATION_UNKNOWN ? -1 : dev, charge, 0);
+                gs_pid_probe_begin(dev, charge, 0);
     CUresult rc = gs_cuda.cuMemCreate(handle, size, prop, flags);
     if (probe) gs_pid_probe_end(rc == CUDA_SUCCESS, charge, 0);
     if (GS_UNLIKELY(held != charge)) gs_budget_release(slot, held - charge); /* the gap's headroom */
@@ -113,8 +122,8 @@ GS_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *
     int slot = -1;
     if (gs_cuda.cuMemGetAllocationPropertiesFromHandle &&
         gs_cuda.cuMemGetAllocationPropertiesFromHandle(&p.prop, *handle) == CUDA_SUCCESS) {
-        CUdevice dev = gs_location_device(&p.prop.location);
-        slot = dev == GS_LOCATION_UNKNOWN ? gs_current_slot(NULL) : gs_dev_slot(dev);
+        CUdevice dev;
+        slot = vmm_slot(&p.prop.location, &dev);
     }
     /* not on a device of ours, or the driver does not say: not charged.  A handle the query
      * fails for is kept, not undone: multicast objects (cuMulticastCreate) are shared through
