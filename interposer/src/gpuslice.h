@@ -528,6 +528,8 @@ struct gs_graph_need {            /* a graph's allocation nodes, per device */
     uint64_t live[GS_GRAPH_DEVS]; /* scratch: the pool's live allocations before this launch,
                                    * beside which it maps (an auto-free one's `left` not among them) */
     unsigned read;                /* scratch: bit i, the pool's counters were read before it */
+    uint64_t claim[GS_GRAPH_DEVS]; /* scratch: the pool's free room this launch counts on, claimed
+                                   * from launches in flight beside it until it is settled */
     int conditional;              /* a conditional node somewhere in it (gs_graph_variable) */
 };
 extern int gs_graph_mem_execs;    /* executable graphs with allocation nodes (atomic) */
@@ -540,7 +542,7 @@ void gs_graphmem_note_free(void); /* a free of a pointer not ours, or a graph la
 int gs_graphmem_before(CUgraphExec exec, struct gs_graph_need *need, uint64_t *reserved);
 /* Would the launch's memory fit now? -1 = no (nothing kept); for refusing before the throttle waits. */
 int gs_graphmem_check(CUgraphExec exec);
-void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const uint64_t *reserved, int ran);
+void gs_graphmem_after(CUgraphExec exec, struct gs_graph_need *need, const uint64_t *reserved, int ran);
 void gs_graphmem_after_fork_child(void);
 void gs_graphmem_forget_ctx(CUcontext ctx); /* its executable graphs went with it */
 void gs_limits_forget_ctx(CUcontext ctx);   /* module.c: the limits set in it are returned */

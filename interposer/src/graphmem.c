@@ -328,6 +328,17 @@ static int graph_attr(CUdevice dev, int attr, uint64_t *value)
     return 0;
 }
 
+/* Per device, the pool's free room that launches in flight count on (reserve() to
+ * gs_graphmem_after); under g_mu */
+static uint64_t g_claimed[GS_MAX_CUDA_DEVS];
+static uint64_t g_claimed_none; /* a device past the table's: nothing counted on */
+
+static uint64_t *claimed_of(CUdevice dev)
+{
+    g_claimed_none = 0;
+    return dev >= 0 && dev < GS_MAX_CUDA_DEVS ? &g_claimed[dev] : &g_claimed_none;
+}
+
 /* Bring the device's graph charge to the pool's reserved memory; `reserved`
  * bytes were already taken from the budget for it (by gs_graphmem_before).  A pool that cannot
  * be read keeps the charge, unless `gone_unread` (no context of the process left on the device,
@@ -342,7 +353,15 @@ static uint64_t settle_as(CUdevice dev, uint64_t reserved, int gone_unread)
     struct gs_alloc rec = {0}, old;
     if (gs_am_take(GS_KIND_GRAPHMEM, (uint64_t)dev, &rec) != 0) rec.slot = slot;
     uint64_t charged = rec.size + reserved, target = charged;
-    if (graph_attr(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &target) != 0) target = gone_unread ? 0 : charged;
+    uint64_t used = 0;
+    if (graph_attr(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &target) != 0)
+        target = gone_unread ? 0 : charged;
+    else if (*claimed_of(dev) && graph_attr(dev, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) == 0 &&
+             target < gs_add_sat(used, *claimed_of(dev)))
+        /* never below the room launches in flight count on: a trim meanwhile gave it back, an
+         * allocation took it, and the launch mapped its 600 MiB again, 1200 MiB held under a
+         * 1 GiB cap (`test_graphs.py -k trim_during`) */
+        target = gs_add_sat(used, *claimed_of(dev));
     if (target > charged) {
         gs_budget_force(rec.slot, target - charged); /* grew past the reservation: charged all the same */
         /* the reconcile may have charged that pool memory already, as growth no hook saw: the
@@ -391,18 +410,34 @@ void gs_graphmem_note_free(void)
     if (__atomic_load_n(&gs_graph_mem_execs, __ATOMIC_RELAXED)) __atomic_add_fetch(&g_graph_epoch, 1, __ATOMIC_RELAXED);
 }
 
+/* Give back the pool room that devices [0, n) of a launch claimed (reserve) */
+static void unclaim(struct gs_graph_need *need, int n)
+{
+    mu_lock();
+    for (int i = 0; i < n; i++) {
+        *claimed_of(need->dev[i]) -= need->claim[i];
+        need->claim[i] = 0;
+    }
+    mu_unlock();
+}
+
 /* Reserve what the pool cannot hold of `need`; 0 = done, -1 = over the cap (nothing kept). */
 static int reserve(struct gs_graph_need *need, uint64_t *reserved)
 {
     for (int i = 0; i < need->n; i++) {
         uint64_t used = 0, held = 0, extra = 0;
-        int slot = gs_dev_slot(need->dev[i]);
+        CUdevice dev = need->dev[i];
+        int slot = gs_dev_slot(dev);
         reserved[i] = 0;
+        need->claim[i] = 0;
         need->live[i] = 0;
         need->read &= ~(1u << i);
         if (slot < 0) continue;
-        if (graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
-            graph_attr(need->dev[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0) {
+        /* the counters read and the room claimed at once: two launches in flight read the same
+         * free room otherwise */
+        mu_lock();
+        if (graph_attr(dev, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) != 0 ||
+            graph_attr(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &held) != 0) {
             /* the pool cannot be read: the whole sum of its nodes, as if the pool held nothing
              * (reserving nothing let it map past the cap) */
             used = 0;
@@ -419,8 +454,17 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
              * disjoint lifetimes share memory); both beside the allocations alive now */
             uint64_t want = need->bytes[i];
             if (need->ran[i] && need->ran[i] < want) want = need->ran[i];
-            if (used + want > held) extra = used + want - held;
+            /* of the pool's free room, what no launch in flight beside it counts on already:
+             * two threads launching 600 MiB graphs beside a pool's 600 free MiB each took it
+             * for theirs, and the pool grew to 1200 MiB under a 1 GiB cap (`test_graphs.py -k
+             * at_once`) */
+            uint64_t room = held > used ? held - used : 0, *claimed = claimed_of(dev);
+            room = room > *claimed ? room - *claimed : 0;
+            need->claim[i] = want < room ? want : room;
+            extra = want - need->claim[i];
+            *claimed += need->claim[i];
         }
+        mu_unlock();
         /* near the cap, on top of what the process holds uncharged (under the reconcile's noise
          * threshold), as memory.c's gs_reserve_near: admitted against its part alone, a 922 MiB
          * graph beside a 4 KiB array's page and a 101 MiB context held 1025 MiB under a 1 GiB
@@ -434,6 +478,7 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
         if (take && gs_reserve_raw(slot, take) != 0) {
             for (int k = 0; k < i; k++)
                 if (reserved[k]) gs_budget_release(gs_dev_slot(need->dev[k]), reserved[k]);
+            unclaim(need, i + 1);
             GS_INFO("graph launch refused: its %llu bytes of allocations would exceed the cap",
                     (unsigned long long)need->bytes[i]);
             return -1;
@@ -466,12 +511,14 @@ int gs_graphmem_check(CUgraphExec exec)
     if (reserve(&need, reserved) != 0) return -1;
     for (int i = 0; i < need.n; i++)
         if (reserved[i]) gs_budget_release(gs_dev_slot(need.dev[i]), reserved[i]);
+    unclaim(&need, need.n);
     return 0;
 }
 
-void gs_graphmem_after(CUgraphExec exec, const struct gs_graph_need *need, const uint64_t *reserved, int ran)
+void gs_graphmem_after(CUgraphExec exec, struct gs_graph_need *need, const uint64_t *reserved, int ran)
 {
     uint64_t held[GS_GRAPH_DEVS] = {0};
+    unclaim(need, need->n); /* its room is the pool's, in use or free again */
     for (int i = 0; i < need->n; i++) held[i] = settle(need->dev[i], reserved[i]);
     gs_unsettled_end();
     if (!ran || !exec) return;
@@ -709,4 +756,5 @@ GS_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice device)
 void gs_graphmem_after_fork_child(void)
 {
     pthread_mutex_init(&g_mu, NULL);
+    memset(g_claimed, 0, sizeof(g_claimed)); /* the launches in flight were other threads' */
 }

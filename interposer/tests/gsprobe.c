@@ -2346,6 +2346,16 @@ int main(int argc, char **argv)
             bg.path = ARG(0);
             bg_start("bgcapture", atol(ARG(1)), 0);
             i += 2;
+        } else if (!strcmp(c, "gnew")) {
+            /* the next gnode starts a new graph */
+            graph = NULL;
+            printf("gnew 0\n");
+        } else if (!strcmp(c, "gsave") || !strcmp(c, "guse")) {
+            /* gsave N keeps the current executable as N (0..3); guse N makes N's current */
+            static CUgraphExec saved[4];
+            if (c[1] == 's') saved[atoi(ARG(0)) & 3] = gexec; else gexec = saved[atoi(ARG(0)) & 3];
+            printf("%s 0\n", c);
+            i += 1;
         } else if (!strcmp(c, "join")) {
             bg_join();
         } else if (!strcmp(c, "mark")) {

@@ -323,3 +323,35 @@ def test_a_graph_that_does_not_fit_is_refused_without_waiting_for_the_compute_bu
     assert res.rc("glaunch") == OOM
     assert res.of("since")[0][1][0] < 150
     assert free_seen(res) == [GIB - 600 * MIB]
+
+
+def test_two_graphs_launched_at_once_do_not_both_count_on_the_pools_free_room(lab):
+    # graph A (600 MiB, no free node) ran and the program freed its allocation: the pool holds
+    # 600 MiB, none of it in use.  A thread relaunches A (held in the driver after its
+    # reservation) while the main thread launches B (600 MiB).  Each took the pool's 600 free
+    # MiB for its own: both ran, the pool grew to 1200 MiB under a 1 GiB cap
+    go = "cuGraphLaunch:2"
+    res = lab.run("init", "ctx", "0", "gnode", "600m", "0", "ginstf", "0", "gsave", "0", "glaunch",
+                  "gfreelast", "gnew", "gnode", "600m", "0", "ginstf", "0", "gsave", "1", "guse", "0",
+                  "bgglaunch", "1", *lab.inside(go, "guse", "1", "glaunch"), "join", "sync", "meminfo",
+                  "phys", **CAP, FAKE_CUDA_GRAPH_UNFREED="1", **lab.held(go))
+    assert res.rc("bgglaunch") == 0
+    assert res.rc("glaunch", 1) == OOM  # B: A counts on the pool's room
+    assert phys(res)[0] == 600 * MIB
+    assert free_seen(res) == [GIB - 600 * MIB]
+
+
+def test_a_trim_during_a_launch_keeps_the_room_it_counts_on_charged(lab):
+    # a 600 MiB graph ran (the pool holds 600 MiB, charged).  A thread relaunches it, reserving
+    # nothing (the pool has room for it), held in the driver; meanwhile the main thread trims the
+    # graph pool and allocates 600 MiB.  The trim's settle took the charge to 0, the allocation
+    # passed, and the relaunch mapped 600 MiB again: 1200 MiB held under a 1 GiB cap
+    go = "cuGraphLaunch:2"
+    res = lab.run("init", "ctx", "0", "gcapture", "600m", "ginstf", "0", "glaunch",
+                  "bgglaunch", "1", *lab.inside(go, "gtrim", "alloc", "600m"), "join", "sync",
+                  "gtrim", "meminfo", "phys", **CAP, **lab.held(go))
+    assert res.rc("bgglaunch") == 0
+    assert res.rc("alloc") == OOM
+    assert phys(res)[0] <= GIB
+    # settled to the pool once the launch is done: a trim then gives its room back
+    assert free_seen(res) == [GIB - phys(res)[0]]

@@ -663,6 +663,11 @@ static int fake_gexec_launch(CUgraphExec g, CUstream s, int ptsz, CUresult *rc)
 {
     struct fake_gexec *e = gexec_of(g);
     if (!e) return 0;
+    int failed = fail_check("cuGraphLaunch"); /* held (FAKE_CUDA_SLEEP) before it maps, or failed */
+    if (failed) {
+        *rc = (CUresult)failed;
+        return 1;
+    }
     int unfreed = getenv("FAKE_CUDA_GRAPH_UNFREED") && !e->frees;
     if (unfreed) {
         pthread_mutex_lock(&mu);
