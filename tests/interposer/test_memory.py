@@ -120,6 +120,21 @@ def test_tiles_mapped_again_or_unmapped_in_part(lab):
     assert res.values("phys") == [0]
 
 
+def test_tiles_mapped_again_with_a_handle_not_charged_lose_the_old_mapping_too(lab):
+    # the tile's new handle is one the library charges nothing for (an import whose device the
+    # driver does not tell, kept uncharged as multicast's are): the driver's old mapping goes all
+    # the same, and with it the released allocation it held.  Its 300 MiB stayed charged until
+    # the array went (500 MiB seen used while the driver held 200)
+    res = lab.run("init", "ctx", "0", *SPARSE, "vmm", "300m", "0", "vmm", "200m", "0",
+                  "vexport", "2", "vimport", "2", "amap", "0", "1", "0", "amap", "0", "3", "0",
+                  "free", "1", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_CUDA_FAIL="cuMemGetAllocationPropertiesFromHandle:1:700")
+    assert res.rc("vimport") == 0
+    assert [rc for rc, _ in res.of("amap")] == [0, 0]
+    assert res.values("phys") == [200 * MIB]
+    assert res.values("meminfo")[0] == GIB - 200 * MIB
+
+
 def test_a_failing_array_mapping_counts_nothing(lab):
     # a refused map leaves the handle unmapped (released: freed); a refused unmap keeps it
     res = lab.run("init", "ctx", "0", *SPARSE, "vmm", "300m", "0", "amap", "0", "1", "0", "free", "1",
