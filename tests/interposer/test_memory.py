@@ -2139,6 +2139,21 @@ def test_the_sampler_charges_growth_once_the_pid_is_learnt_from_allocations(lab)
     assert 4 * GIB - res.values("meminfo")[0] == res.values("phys")[0] == 496 * MIB
 
 
+def test_cumemalloc_pointers_freed_on_64_streams_leave_room_for_a_pool(lab):
+    # 64 cuMemAlloc pointers of 1 MiB freed with cuMemFreeAsync, each on a new stream, none
+    # synchronised: each free's charge is held in a record of the pools' table (64 entries) until
+    # its stream's synchronisation.  They filled it, and a 1 MiB cuMemAllocAsync far under the
+    # cap was refused as a 65th pool.  Two such records now become one to make room
+    cmds = ["init", "ctx", "0"] + ["alloc", "1m"] * 64
+    for i in range(64):
+        cmds += ["nsfree", str(i)]
+    res = lab.run(*cmds, "async", "1m", "meminfo", "sync", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("nsfree")] == [0] * 64
+    assert res.rc("async") == 0, res.stderr
+    used = [GIB - vals[0] for _, vals in res.of("meminfo")]
+    assert used == [64 * MIB + 32 * MIB, 32 * MIB]  # the frees held, then the pool's 32 MiB chunk
+
+
 def test_a_destroyed_pools_frees_on_more_contexts_than_it_remembers_wait_for_all_of_them(lab):
     # nine contexts each free a 60 MiB pool allocation on a stream of their own, and the pool is
     # destroyed, and the ninth context synchronised: the frees of the 8 others are outstanding
