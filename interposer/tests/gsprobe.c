@@ -260,6 +260,14 @@ static void *by_procaddr(const char *name, int version)
     return fn;
 }
 
+/* cuCtxSynchronize of the current context.  Through cuGetProcAddress at 13000 the pointer is
+ * CUDA 13's cuCtxSynchronize_v2(CUcontext), NULL for the current context: passed NULL in either
+ * case (called without it, the hook read a register's leftover as the context) */
+static CUresult ctx_sync(void)
+{
+    return ((CUresult(*)(CUcontext))(void (*)(void))api.cuCtxSynchronize)(NULL);
+}
+
 static void load_api(void)
 {
     libcuda = dlopen("libcuda.so.1", RTLD_NOW);
@@ -473,10 +481,10 @@ static void bench(double seconds, const char *kind)
             rc = api1.cuLaunchGridAsync(f, 1, 1, s);
         else
             rc = api.cuLaunchKernel(f, grid, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
-        if (rc == CUDA_SUCCESS && !strcmp(kind, "sync")) rc = api.cuCtxSynchronize(); /* each kernel waited for */
+        if (rc == CUDA_SUCCESS && !strcmp(kind, "sync")) rc = ctx_sync(); /* each kernel waited for */
         n++;
     }
-    api.cuCtxSynchronize();
+    ctx_sync();
     uint64_t wall = now_ns() - t0;
     printf("bench %d %llu %llu %llu\n", rc, (unsigned long long)n, (unsigned long long)(kernel_ns() - k0),
            (unsigned long long)wall);
@@ -646,10 +654,10 @@ static void gset(const char *how, unsigned grid)
 {
     CUgraphExec exec = change_setup(how, grid);
     CUresult rc = exec ? api.cuGraphLaunch(exec, NULL) : CUDA_ERROR_NOT_SUPPORTED;
-    if (rc == CUDA_SUCCESS) rc = api.cuCtxSynchronize();
+    if (rc == CUDA_SUCCESS) rc = ctx_sync();
     if (rc == CUDA_SUCCESS) rc = change_apply(&exec);
     if (rc == CUDA_SUCCESS) rc = api.cuGraphLaunch(exec, NULL);
-    if (rc == CUDA_SUCCESS) rc = api.cuCtxSynchronize();
+    if (rc == CUDA_SUCCESS) rc = ctx_sync();
     printf("gset %d\n", rc);
 }
 
@@ -759,7 +767,7 @@ static void peak_graph(double seconds, uint64_t window_ms, uint64_t skip_ms, uin
     }
     __atomic_store_n(&peak_log.stop, 1, __ATOMIC_RELEASE);
     pthread_join(th, NULL);
-    api.cuCtxSynchronize();
+    ctx_sync();
     uint64_t w = window_ms * 1000000ull;
     for (int a = 0, b = 0; a < peak_log.n; a++) {
         if (peak_log.t[a] < t0 + skip_ms * 1000000ull) continue;
@@ -1042,6 +1050,10 @@ static void bg_work(void)
         api.cuCtxSetCurrent(capture_ctx);
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuMemFreeAsync(allocs[bg.size].handle, NULL);
+    } else if (!strcmp(bg.what, "bgssync")) {
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuStreamSynchronize(NULL);
     } else if (!strcmp(bg.what, "bgsetpool")) {
         CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
         usleep((useconds_t)bg.ms * 1000);
@@ -1183,12 +1195,12 @@ static void launchbench(long count)
     if (rc == CUDA_SUCCESS) rc = getfn(&f, mod, "gs_noop");
     for (int warm = 0; warm < 1000 && rc == CUDA_SUCCESS; warm++)
         rc = api.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
-    api.cuCtxSynchronize();
+    ctx_sync();
     uint64_t t0 = now_ns();
     for (long n = 0; n < count && rc == CUDA_SUCCESS; n++)
         rc = api.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
     uint64_t launched = now_ns() - t0;
-    api.cuCtxSynchronize();
+    ctx_sync();
     printf("launchbench %d %llu %llu\n", rc, (unsigned long long)(launched / (uint64_t)count),
            (unsigned long long)((now_ns() - t0) / (uint64_t)count));
 }
@@ -1819,7 +1831,7 @@ int main(int argc, char **argv)
             CUresult rc = CUDA_SUCCESS;
             for (int n = atoi(ARG(0)); n > 0 && rc == CUDA_SUCCESS; n--)
                 rc = !strcmp(c, "launchex")   ? api.cuLaunchKernelEx(&cfg, (CUfunction)0x1234, NULL, NULL)
-                     : !strcmp(c, "ctxsyncs") ? api.cuCtxSynchronize()
+                     : !strcmp(c, "ctxsyncs") ? ctx_sync()
                      : !strcmp(c, "copies")   ? api.cuMemcpyHtoDAsync_v2((CUdeviceptr)0x1000, host, sizeof(host), NULL)
                                               : api.cuStreamSynchronize(NULL);
             printf("%s %d\n", c, rc);
@@ -1924,7 +1936,7 @@ int main(int argc, char **argv)
             live_t live = (live_t)dlsym(libcuda, "fake_cuda_live_events");
             printf("events 0 %ld\n", live ? live() : -1L);
         } else if (!strcmp(c, "sync")) {
-            printf("sync %d\n", api.cuCtxSynchronize());
+            printf("sync %d\n", ctx_sync());
         } else if (!strcmp(c, "nsfree")) {
             /* nsfree ID: cuMemFreeAsync of allocation ID on a new stream of the current context */
             CUstream ns = NULL;
@@ -2211,7 +2223,7 @@ int main(int argc, char **argv)
             printf("%s %d %d\n", c, rc, ours);
         } else if (!strcmp(c, "glaunch")) {
             CUresult rc = api.cuGraphLaunch(gexec, NULL);
-            if (rc == CUDA_SUCCESS) api.cuCtxSynchronize();
+            if (rc == CUDA_SUCCESS) ctx_sync();
             printf("glaunch %d\n", rc);
         } else if (!strcmp(c, "gupload")) {
             printf("gupload %d\n", api.cuGraphUpload(gexec, NULL));
@@ -2286,6 +2298,11 @@ int main(int argc, char **argv)
             /* bgfreeasync ID MS: a thread frees allocation ID with cuMemFreeAsync after MS */
             bg_start("bgfreeasync", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
             i += 2;
+        } else if (!strcmp(c, "bgssync")) {
+            /* bgssync MS: a thread synchronises the default stream after MS (its per-thread one
+             * with --api ptsz) */
+            bg_start("bgssync", atol(ARG(0)), 0);
+            i += 1;
         } else if (!strcmp(c, "bgsetpool")) {
             /* bgsetpool MS HOW: a thread makes the pool of "mkpool" device 0's current pool after MS
              * (HOW 0: cuDeviceSetMemPool, 1: CUDA 13's cuMemSetMemPool) */

@@ -749,6 +749,18 @@ def test_a_cumemalloc_pointer_freed_on_a_stream_stays_charged_until_its_stream_i
     assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 600 * MIB, 0, 900 * MIB]
 
 
+def test_a_free_on_the_stream_of_a_thread_that_ended_waits_for_its_contexts_sync(lab):
+    # a thread frees a 600 MiB cuMemAlloc pointer on its per-thread default stream and ends; a new
+    # thread synchronises its own.  That is not the dead thread's stream (the driver's work there
+    # goes on), but both were keyed by the address of a thread-local, which the new thread took
+    # from the dead one: the 600 MiB were returned while the free was outstanding.  Only a
+    # synchronisation of the context covers them now
+    res = lab.run("init", "ctx", "0", "alloc", "600m", "bgfreeasync", "0", "0", "join", "bgssync", "0", "join",
+                  "meminfo", "sync", "meminfo", api="ptsz", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert (res.rc("bgfreeasync"), res.rc("bgssync"), res.rc("sync")) == (0, 0, 0)
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0]
+
+
 def test_cumemalloc_pointers_freed_on_streams_taking_turns_are_charged_until_each_streams_sync(lab):
     # 200 MiB pointers freed on streams 1 and 2 in turn, each stream synchronised after the other's
     # free: what is held after each synchronisation is the latest pointer, its free outstanding,
