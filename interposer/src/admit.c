@@ -206,6 +206,15 @@ int thr_admit_locked(CUstream stream, int per_thread, int variable, uint64_t fn,
              * at 100 % then 4 s idle (`test_throttle.py -k run_ahead`) */
             advanced = 1;
             uint64_t ran = now > s->mark_ns ? now - s->mark_ns : 0, queued = s->queued_est;
+            /* nothing has run while the interval's start, or the gap at the queue's head, has not
+             * been reached (the stream waits for the host, or another stream): host time is not
+             * the head's then.  Paid all the same, a kernel behind a wait on a flag the host set
+             * only after its next launch held that launch for 3 s of host work times 100/30:
+             * 10.2 s, the container's budget on the device with it (`test_throttle.py -k
+             * host_held`) */
+            if ((s->mark && gs_cuda.cuEventQuery(s->mark) == CUDA_ERROR_NOT_READY) ||
+                (s->count && !s->launches[s->head] && gs_cuda.cuEventQuery(s->ring[s->head]) == CUDA_ERROR_NOT_READY))
+                ran = 0;
             /* a graph whose GPU code decides its cost: what the head ran, if the estimate is less */
             if (!s->queued_unknown && (!variable || queued > ran)) ran = queued;
             if (s->mark_ns && ran > s->advance_ns) {

@@ -17,6 +17,10 @@
  *   launchprobe stale SECONDS         one kernel, 5.2 s idle, a kernel on a stream held by a
  *                                     stream wait (FAKE_WAIT_MS), 5.2 s idle, then kernels on
  *                                     the first stream (the share is theirs)
+ *   launchprobe hostheld SECONDS MS   a kernel behind a stream wait (FAKE_WAIT_MS), MS of host
+ *                                     work, a second kernel on that stream (how long its launch
+ *                                     took: held_ms=, after the share), then kernels on another
+ *                                     stream (the share is theirs)
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -123,7 +127,7 @@ int main(int argc, char **argv)
     const char *mode = argv[1];
     double secs = atof(argv[2]);
     int per = argc > 3 ? atoi(argv[3]) : 1;
-    uint64_t t0 = now_ns(), end = t0 + (uint64_t)(secs * 1e9), n = 0, k0 = 0;
+    uint64_t t0 = now_ns(), end = t0 + (uint64_t)(secs * 1e9), n = 0, k0 = 0, held_ns = 0;
     int from_fake = 0; /* the share from the fake's kernel time, else from the launch count */
     CUresult rc = CUDA_SUCCESS;
     if (!strcmp(mode, "segs")) {
@@ -206,12 +210,28 @@ int main(int argc, char **argv)
         usleep(5200000);
         if (!rc) rc = launch_for(w, secs, &t0, &end, &n);
         cuStreamSynchronize(w);
+    } else if (!strcmp(mode, "hostheld")) {
+        /* the flag the wait is for would be set by the host after the second launch returns */
+        primary();
+        CUstream h, w;
+        rc = cuStreamCreate(&h, 1);
+        if (!rc) rc = cuStreamWaitValue32_v2(h, 0, 1, 0);
+        if (!rc) rc = launch(h);
+        usleep((useconds_t)per * 1000);
+        uint64_t h0 = now_ns();
+        if (!rc) rc = launch(h);
+        held_ns = now_ns() - h0;
+        if (!rc) rc = cuStreamCreate(&w, 1);
+        if (!rc) rc = launch_for(w, secs, &t0, &end, &n);
+        cuStreamSynchronize(w);
     } else {
         fprintf(stderr, "launchprobe: unknown mode %s\n", mode);
         return 2;
     }
     uint64_t wall = now_ns() - t0;
     double busy = from_fake ? (double)(fake_cuda_kernel_ns() - k0) : (double)n * kernel_us() * 1000;
-    printf("%s rc=%d launches=%llu share=%.1f%%\n", mode, rc, (unsigned long long)n, 100.0 * busy / (double)wall);
+    printf("%s rc=%d launches=%llu share=%.1f%%", mode, rc, (unsigned long long)n, 100.0 * busy / (double)wall);
+    if (held_ns) printf(" held_ms=%llu", (unsigned long long)(held_ns / 1000000));
+    printf("\n");
     return 0;
 }

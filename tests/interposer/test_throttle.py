@@ -1758,6 +1758,22 @@ def test_launches_beyond_the_streams_the_throttle_tracks_are_paced(release_lab):
     assert got <= 30 + 2 * TOLERANCE, f"measured {got:.1f}%"
 
 
+def test_a_launch_behind_a_host_held_stream_is_not_held_for_the_hosts_time(release_lab):
+    # a kernel of unknown cost waits behind a stream wait on a flag the host sets only after its
+    # next launch; 3 s of host work, then that launch.  Past its 50 ms queue wait it paid in
+    # advance what the head could have run since its interval's start was recorded, 3 s, though
+    # the GPU had not reached that start: held 3 s times 100/30, 10.2 s, and the container's
+    # budget on the device with it.  Nothing has run before the start is reached: held 50 ms
+    proc = release_lab.run_program([str(release_lab.build / "tests" / "launchprobe"), "hostheld", "1", "3000"],
+                                   timeout=120, CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="40000",
+                                   FAKE_WAIT_MS="30000")
+    match = re.fullmatch(r"hostheld rc=(\d+) launches=(\d+) share=([\d.]+)% held_ms=(\d+)\n", proc.stdout)
+    assert proc.returncode == 0 and match, proc.stdout + proc.stderr
+    assert match[1] == "0" and int(match[2]) > 0
+    assert int(match[4]) < 1000, f"the launch was held {match[4]} ms"
+    assert float(match[3]) <= 30 + 2 * TOLERANCE, f"measured {match[3]}% after it"
+
+
 def test_work_running_when_its_context_is_destroyed_is_charged(release_lab):
     # create a context, launch, wait for the GPU without a hooked synchronisation (cuCtxDestroy
     # waits for it on a GPU), destroy: the context's pending events were thrown away after the
