@@ -101,7 +101,10 @@ struct pool_where {
     CUmemLocation location;
     int managed; /* CU_MEM_ALLOCATION_TYPE_MANAGED: its location is only a preference */
 };
-static struct pool_where g_where[GS_MAX_POOLS];
+/* On the heap, grown as needed: a fixed table of 64 left the 65th pool's location unknown, and
+ * a pinned host pool's 600 MiB were charged to the GPU (`test_memory.py -k host_pool_past`) */
+static struct pool_where *g_where;
+static int g_nwhere;
 
 static void wait_put_locked(struct pool_rec *p, struct pool_wait w);
 
@@ -155,10 +158,19 @@ static struct pool_rec *find_locked(uint64_t pool, int slot, int create)
 static struct pool_where *where_entry_locked(uint64_t pool)
 {
     struct pool_where *w = NULL;
-    for (int i = 0; i < GS_MAX_POOLS && !w; i++)
+    for (int i = 0; i < g_nwhere && !w; i++)
         if (g_where[i].pool == pool) w = &g_where[i];
-    for (int i = 0; i < GS_MAX_POOLS && !w; i++)
+    for (int i = 0; i < g_nwhere && !w; i++)
         if (!g_where[i].pool) w = &g_where[i];
+    if (!w) {
+        int n = g_nwhere ? 2 * g_nwhere : GS_MAX_POOLS;
+        struct pool_where *grown = realloc(g_where, (size_t)n * sizeof(*grown));
+        if (!grown) return NULL;
+        memset(grown + g_nwhere, 0, (size_t)(n - g_nwhere) * sizeof(*grown));
+        w = &grown[g_nwhere];
+        g_where = grown;
+        g_nwhere = n;
+    }
     return w;
 }
 
@@ -199,7 +211,7 @@ static int default_pool_location(uint64_t pool, CUmemLocation *loc, int *managed
 static int pool_location(uint64_t pool, CUmemLocation *loc, int *managed)
 {
     mu_lock();
-    for (int i = 0; i < GS_MAX_POOLS; i++)
+    for (int i = 0; i < g_nwhere; i++)
         if (g_where[i].pool == pool) {
             *loc = g_where[i].location;
             *managed = g_where[i].managed;
@@ -244,7 +256,7 @@ GS_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poo
     if (rc != CUDA_SUCCESS || !pool || !poolProps || t_mine) return rc; /* t_mine: see pool_alloc */
     uint64_t key = (uint64_t)(uintptr_t)*pool;
     if (!remember_where(key, &poolProps->location, poolProps->allocType == CU_MEM_ALLOCATION_TYPE_MANAGED))
-        GS_WARN("more than %d memory pools: a new one is charged to the allocating stream's device", GS_MAX_POOLS);
+        GS_WARN("no host memory to note a memory pool's location: it is charged to the allocating stream's device");
     /* a destroyed pool's handle handed out again: the new pool's reserved memory counts
      * (what the old one still has allocated stays in the record: charged, on the safe side) */
     mu_lock();
@@ -674,7 +686,7 @@ void gs_pools_after_fork_child(void)
     pthread_mutex_init(&g_mu, NULL);
     pthread_rwlock_init(&g_current_rw, NULL);
     memset(g_pools, 0, sizeof(g_pools));
-    memset(g_where, 0, sizeof(g_where));
+    if (g_where) memset(g_where, 0, (size_t)g_nwhere * sizeof(*g_where));
     gs_pool_waits = gs_pool_frees = 0;
 }
 
@@ -726,7 +738,8 @@ static int actual_slot(CUdeviceptr dptr, int guess_slot, CUmemoryPool *pool)
  * after the free until the pool releases it) no hook sees: the near-cap reconcile charges it as
  * growth, as it does code loaded lazily. */
 static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeAsync_fn free_real, CUdeviceptr *dptr,
-                                   size_t bytesize, CUstream stream, int slot, CUcontext ctx, int guessed)
+                                   size_t bytesize, CUmemoryPool pool, CUstream stream, int slot, CUcontext ctx,
+                                   int guessed)
 {
     uint64_t want = gs_charge_size(bytesize), held = want;
     gs_inflight_begin(); /* before the charge changes: no clean reading between */
@@ -739,7 +752,7 @@ static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeA
         GS_INFO("pool allocation of %llu bytes refused: over the cap", (unsigned long long)bytesize);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    CUresult rc = call(dptr, bytesize, NULL, stream, real);
+    CUresult rc = call(dptr, bytesize, pool, stream, real);
     if (GS_UNLIKELY(held != want)) gs_budget_release(slot, held - want); /* the gap's headroom */
     int to = rc == CUDA_SUCCESS && guessed ? actual_slot(*dptr, slot, NULL) : -1;
     if (to >= 0 && gs_reserve_raw(to, want) != 0) { /* another device's (actual_slot), with no room */
@@ -837,7 +850,7 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
      * memory only when the graph runs, and graphmem.c charges it then */
     if (slot < 0 || !bytesize || gs_stream_capturing(es) || (!pool && !unknown))
         return call(dptr, bytesize, pool, stream, real);
-    if (unknown) return alloc_unknown_pool(call, real, free_real, dptr, bytesize, stream, slot, ctx, guessed);
+    if (unknown) return alloc_unknown_pool(call, real, free_real, dptr, bytesize, NULL, stream, slot, ctx, guessed);
 
     uint64_t key = (uint64_t)(uintptr_t)pool, want = gs_charge_size(bytesize), gap = 0;
     if (GS_UNLIKELY(gs_near_cap(slot, want))) {
@@ -851,9 +864,15 @@ static CUresult pool_alloc(alloc_call call, const void *real, cuMemFreeAsync_fn 
     mu_lock();
     struct pool_rec *p = find_locked(key, slot, 1);
     if (!p) {
+        /* more pools in use than the table holds: charged by its size as a plain allocation, what
+         * the pool keeps beyond it left to the near-cap reconcile (refused, the 65th pool's 1 MiB
+         * failed with 2 GiB of a 10 GiB cap in use; `test_memory.py -k 65th_pool`) */
+        static int warned;
         mu_unlock();
-        GS_ERROR("more than %d memory pools in one process: allocation refused", GS_MAX_POOLS);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        if (!__atomic_exchange_n(&warned, 1, __ATOMIC_RELAXED))
+            GS_WARN("more than %d memory pools in use in one process: allocations from the others are charged "
+                    "by their size, what those pools keep beyond it only near the cap", GS_MAX_POOLS);
+        return alloc_unknown_pool(call, real, free_real, dptr, bytesize, pool, stream, slot, ctx, guessed);
     }
     uint64_t took;
     if (reserve_for_locked(p, want, gap, &took) != 0) {
@@ -1149,7 +1168,7 @@ GS_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         __atomic_sub_fetch(&gs_pool_waits, p->nwait, __ATOMIC_RELAXED);
         memset(p, 0, sizeof(*p));
     }
-    for (int i = 0; i < GS_MAX_POOLS; i++)
+    for (int i = 0; i < g_nwhere; i++)
         if (g_where[i].pool == key) {
             where = g_where[i];
             memset(&g_where[i], 0, sizeof(g_where[i]));

@@ -2166,6 +2166,32 @@ def test_cumemalloc_pointers_freed_on_64_streams_leave_room_for_a_pool(lab):
     assert used == [64 * MIB + 32 * MIB, 32 * MIB]  # the frees held, then the pool's 32 MiB chunk
 
 
+def test_a_65th_pool_in_use_is_charged_by_its_allocations_not_refused(lab):
+    # 64 pools each with a 1 MiB allocation freed (their records stay while the pools live),
+    # then a 65th: its 1 MiB allocation was refused, 2 GiB of a 10 GiB cap in use.  Past the
+    # table it is charged as a plain allocation (its size, returned at its free)
+    cmds = ["init", "ctx", "0"]
+    for k in range(64):
+        cmds += ["mkpool", "1", "0", "pool", "1m", "freesync", str(k)]
+    res = lab.run(*cmds, "sync", "meminfo", "mkpool", "1", "0", "pool", "600m", "meminfo", "freesync", "64",
+                  "meminfo", "pool", "600m", CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert [rc for rc, _ in res.of("pool")] == [0] * 66, res.stderr
+    before, during, after = (10 * GIB - vals[0] for _, vals in res.of("meminfo"))
+    assert during == before + 600 * MIB and after == before
+    assert "more than 64 memory pools in use" in res.stderr
+
+
+def test_a_host_pool_past_64_pools_is_not_charged_to_the_device(lab):
+    # 64 device pools made, then a pinned host pool: its location was not remembered past 64
+    # pools, and its 600 MiB allocations were charged to the GPU (the second refused under a
+    # 1 GiB cap with nothing held there)
+    res = lab.run("init", "ctx", "0", *["mkpool", "1", "0"] * 64, "mkpool", "2", "0", "pool", "600m",
+                  "pool", "600m", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("pool")] == [0, 0], res.stderr
+    assert res.values("phys") == [0]
+    assert res.values("meminfo")[0] == GIB
+
+
 def test_a_destroyed_pools_frees_on_more_contexts_than_it_remembers_wait_for_all_of_them(lab):
     # nine contexts each free a 60 MiB pool allocation on a stream of their own, and the pool is
     # destroyed, and the ninth context synchronised: the frees of the 8 others are outstanding
