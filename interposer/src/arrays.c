@@ -10,16 +10,30 @@
 /* ---- arrays --------------------------------------------------------------- */
 
 /* Bytes per element: the listed formats exactly, any other (block-compressed,
- * YUV, ...) at 4 bytes per channel, which is never less than it needs. */
+ * YUV, ...) at 4 bytes per channel, which is never less than it needs.  The normalized
+ * formats name their channels (UNORM_INT8X4: four of a byte), at least NumChannels: at 4 bytes
+ * a channel an 8192 x 8192 UNORM_INT8X4 array was charged 1 GiB for 256 MiB
+ * (`test_memory.py -k normalized_formats`) */
 static uint64_t element_bytes(CUarray_format format, unsigned channels)
 {
     uint64_t per;
+    unsigned named = 0; /* the channels the format names */
     switch (format) {
     case 0x01: case 0x08: per = 1; break;            /* (un)signed int8 */
     case 0x02: case 0x09: case 0x10: per = 2; break; /* (un)signed int16, half */
     case 0x03: case 0x0a: case 0x20: per = 4; break; /* (un)signed int32, float */
+    case 0x50: return 4;                             /* UNORM_INT_101010_2: one packed word */
+    case 0xc0: case 0xc1: case 0xc2: case 0xc6: case 0xc7: case 0xc8: /* [US]NORM_INT8X1/2/4 */
+        per = 1;
+        named = 1u << ((format - 0xc0) % 3);
+        break;
+    case 0xc3: case 0xc4: case 0xc5: case 0xc9: case 0xca: case 0xcb: /* [US]NORM_INT16X1/2/4 */
+        per = 2;
+        named = 1u << ((format - 0xc3) % 3);
+        break;
     default: per = 4; break;
     }
+    if (channels < named) channels = named;
     return per * (channels ? channels : 1);
 }
 

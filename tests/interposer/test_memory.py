@@ -53,6 +53,20 @@ def test_each_allocation_api_is_charged_and_its_free_returns_it_exactly(lab, kin
     assert res.values("meminfo") == [GIB - lab.charge(expected), GIB]
 
 
+@pytest.mark.parametrize("fmt,channels", [("0xc2", "4"), ("0xc8", "4"), ("0xc4", "2"), ("0xc9", "1"),
+                                          ("0x50", "4")])
+def test_normalized_formats_are_charged_their_element_size(lab, fmt, channels):
+    # UNORM/SNORM_INT8X4, INT16X2 (4 bytes an element), SNORM_INT16X1 (2), UNORM_INT_101010_2 (one
+    # 4-byte word): charged at 4 bytes a channel, an 8192 x 8192 UNORM_INT8X4 array was 1 GiB for
+    # 256 MiB, and a second one refused under a 1 GiB cap
+    elem = 2 if fmt == "0xc9" else 4
+    array = ["mipmap3d", "8192", "8192", "0", "0", "1", fmt, channels]
+    res = lab.run("init", "ctx", "0", *array * 3, "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("mipmap3d")] == [0, 0, 0], res.stderr
+    assert res.values("phys") == [3 * 8192 * 8192 * elem]
+    assert res.values("meminfo")[0] == GIB - 3 * 8192 * 8192 * elem
+
+
 def test_a_sparse_array_is_not_charged_for_memory_it_does_not_have(lab):
     # its pages come later from cuMemCreate allocations (charged there) mapped into it
     res = lab.run("init", "ctx", "0", "sparse3d", "2048", "2048", "512", "meminfo", "phys", "free", "0",

@@ -2359,6 +2359,11 @@ API CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp 
 /* Arrays */
 static uint64_t elem_bytes(int format, unsigned ch)
 {
+    if (format == 0x50) return 4; /* UNORM_INT_101010_2 */
+    if (format >= 0xc0 && format <= 0xcb) { /* [US]NORM_INT8X1/2/4, INT16X1/2/4: as named */
+        int k = (format - 0xc0) % 6;
+        return (k < 3 ? 1u : 2u) << (k % 3);
+    }
     uint64_t per = (format == 1 || format == 8) ? 1 : (format == 2 || format == 9 || format == 0x10) ? 2 : 4;
     return per * (ch ? ch : 1);
 }
