@@ -146,6 +146,26 @@ def test_measured_share_is_the_busy_time_rate_between_scrapes(tmp_path: Path) ->
     assert ("gpuslice_container_compute_share_percent", lab) not in samples(reg)
 
 
+def test_no_share_across_a_replaced_region(tmp_path: Path) -> None:
+    # a region replaced at its path (an older library's file unlinked and made again, or the
+    # tenant's rm): its counter starts over, and the old file's made no rate with it.  1 s
+    # counted in the old file, 9 s in the new one 10 s later: the share read 80 %
+    clock = Clock()
+    path = write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 1_000_000_000)])
+    _, reg = make(tmp_path, clock=clock)
+    lab = ctr_labels("ns", "p", UID1, "c", GPU0)
+    samples(reg)
+    clock.t += 10.0
+    new = Region(UID1, "p", "ns", "c", (DeviceSlot(0, GPU0, GIB, 0, 30, 9_000_000_000),), ())
+    staged = path.with_name("region.new")
+    staged.write_bytes(encode_region(new))
+    os.rename(staged, path)
+    assert ("gpuslice_container_compute_share_percent", lab) not in samples(reg)
+    clock.t += 10.0  # 3 s more in the new file: 30 %
+    write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 12_000_000_000)])
+    assert samples(reg)[("gpuslice_container_compute_share_percent", lab)] == pytest.approx(30.0)
+
+
 def test_clock_scale_is_exported_for_limited_devices_only(tmp_path: Path) -> None:
     write_region(tmp_path, UID1, "p", "ns", "c",
                  [(0, GPU0, GIB, 0, 30, 0), (1, GPU1, GIB, 0, 0, 0)], scale=1314)
@@ -271,6 +291,26 @@ def test_names_come_from_the_api_servers_list_not_from_the_region(tmp_path: Path
     # a pod not listed yet keeps its region's names (its identity is its dirs')
     assert s[("gpuslice_container_memory_limit_bytes",
               ctr_labels("serving", "web", UID2, "app", GPU0))] == GIB
+
+
+def test_a_departed_pods_region_does_not_take_its_successors_names(tmp_path: Path) -> None:
+    # StatefulSet pod web-0 deleted and made again under a new UID: the old pod's dir stays
+    # until the clean-up's grace (600 s), and its region's names stood in for the API server's
+    # (it is not listed): both UIDs were exported as prod/web-0, their limits summed twice
+    from webhook.node.metrics import LISTED_MARGIN_S
+    write_region(tmp_path, UID1, "web-0", "prod", "app", [(0, GPU0, 8 * GIB, 0, 50, 0)])
+    write_region(tmp_path, UID2, "web-0", "prod", "app", [(0, GPU0, 8 * GIB, 0, 50, 0)])
+    collector, reg = make(tmp_path)
+    collector.pod_names = {UID2: ("prod", "web-0")}
+    collector.pod_names_at = time.time() + 2 * LISTED_MARGIN_S  # a list well after the old dir
+    s = samples(reg)
+    limits = {dict(labels)["pod_uid"]: (dict(labels)["namespace"], dict(labels)["pod"])
+              for name, labels in s if name == "gpuslice_container_memory_limit_bytes"}
+    assert limits == {UID2: ("prod", "web-0"), UID1: ("", UID1)}
+    # a list begun before the dir's last change: the pod may be too new for it, its names stand
+    collector.pod_names_at = time.time() - 2 * LISTED_MARGIN_S
+    s = samples(reg)
+    assert s[("gpuslice_container_memory_limit_bytes", ctr_labels("prod", "web-0", UID1, "app", GPU0))] == 8 * GIB
 
 
 def test_files_that_are_not_plain_are_never_opened(tmp_path: Path) -> None:
@@ -529,6 +569,7 @@ def test_without_tokens_a_slot_is_judged_by_its_process_identity(tmp_path: Path)
     child_start = start_of(child.pid)
     child.kill()
     child.wait()
+    time.sleep(0.05)  # started a few clock ticks before the scrape: no later process can be it
     procs = (
         ProcessUsage(pid=os.getpid(), used_bytes=(1 * GIB,), pidns=ns,
                      start_time=start_of(os.getpid())),  # this test: alive
@@ -583,6 +624,53 @@ def test_a_process_of_another_pid_namespace_is_found_by_its_identity(
         assert time.monotonic() < deadline, "the gone namespace's process still counted"
         time.sleep(0.05)
     assert container.charged() >= 768 * MIB
+
+
+def _fake_process(proc: Path, host: int, nspid: int, pidns: int, start: int) -> None:
+    """A process in a fake procfs: its stat (start time), status (NSpid) and ns/pid link."""
+    d = proc / str(host)
+    (d / "ns").mkdir(parents=True)
+    rest = ["0"] * 50
+    rest[17], rest[19] = "1", str(start)  # threads, start time
+    (d / "stat").write_text(f"{host} (python) S " + " ".join(rest[1:]) + "\n")
+    (d / "status").write_text(f"Name:\tpython\nNSpid:\t{host}\t{nspid}\n")
+    os.symlink(f"pid:[{pidns}]", d / "ns" / "pid")
+
+
+def test_a_process_started_after_the_scan_of_its_scrape_is_not_dead(tmp_path: Path) -> None:
+    # One procfs scan per scrape indexes every process by start time. A process of container B
+    # that started after the scan (and registered before B's region was read) was missing from
+    # the index, judged gone, remembered dead, and its 2 GiB left out of every later scrape for
+    # its whole life. A's process, started before the scan and not in it, is gone
+    state, proc = tmp_path / "state", tmp_path / "proc"
+    proc.mkdir()
+    ticks = os.sysconf("SC_CLK_TCK")
+    (proc / "uptime").write_text(f"{550 / ticks:.2f} 0.00\n")  # the scan: 550 ticks after boot
+    _fake_process(proc, 1, 1, 4026531836, 1)
+    for uid, pod, used, pid, pidns, start in ((UID1, "a", GIB, 7, 4026532001, 500),
+                                                (UID2, "b", 2 * GIB, 9, 4026532002, 600)):
+        region = Region(uid, pod, "ns", "c", (DeviceSlot(0, GPU0, 0, used, 0, 0),),
+                        (ProcessUsage(pid=pid, used_bytes=(used,), pidns=pidns, start_time=start),))
+        path = state / uid / "c" / "region"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(encode_region(region))
+    inv = Inventory(two_a100s())
+    inv.discover()
+    collector = AgentCollector(inv, state, AgentStatus(), proc_root=proc)
+    reg = make_registry(collector)
+    scan = collector._liveness._scan
+
+    def scan_then_b_starts() -> dict[int, list[int]]:
+        index = scan()
+        if not (proc / "4242").exists():
+            _fake_process(proc, 4242, 9, 4026532002, 600)
+        return index
+
+    collector._liveness._scan = scan_then_b_starts  # type: ignore[method-assign]
+    assert used_of(reg, UID2, GPU0) == 2 * GIB  # not in the index, started after it: counted
+    assert used_of(reg, UID1, GPU0) == 0  # not in it, started before it: gone
+    collector._liveness._scan = scan  # type: ignore[method-assign]
+    assert [used_of(reg, UID2, GPU0) for _ in range(3)] == [2 * GIB] * 3  # found: alive
 
 
 def test_a_slot_read_mid_registration_is_not_judged_dead(

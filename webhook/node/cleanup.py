@@ -102,7 +102,7 @@ def share_state_dirs(state_dir: str | Path) -> list[str]:
     return changed
 
 
-def _last_change(path: Path) -> float:
+def last_change(path: Path) -> float:
     """Newest change of the pod dir and its direct sub-dirs (containers starting later count)."""
     newest = _changed(path.lstat())
     try:
@@ -139,7 +139,7 @@ def stale_pod_dirs(state_dir: str | Path, live_uids: Iterable[str], grace: float
         try:
             if not entry.is_dir(follow_symlinks=False):
                 continue
-            if now - _last_change(path) < grace:
+            if now - last_change(path) < grace:
                 continue
         except OSError:
             continue

@@ -23,7 +23,8 @@ figure may show memory nobody holds, never hide memory that may be held):
    the last pid of ``NSpid`` (``status``, readable by anyone) and the ``ns/pid`` link.
    A host pid found stays known (a process keeps it for life): later scrapes read one ``stat``.
 3. Not found (where the procfs shows every process: not one mounted ``hidepid`` to a reader
-   without root's rights), or a zombie without other threads: dead (and remembered as dead: a
+   without root's rights; and started before the scan began, by the procfs's ``uptime``: one
+   that started during the scrape is not in its index), or a zombie without other threads: dead (and remembered as dead: a
    dead process stays dead). Found with its token noted but not held: alive only if it still maps the region
    file (``<proc>/<pid>/maps``: a program that closed its descriptors keeps the mapping, an
    exec takes both); the device is not compared, as btrfs and overlayfs name it otherwise in
@@ -71,6 +72,7 @@ class Liveness:
         self._deadline = 0.0
         self._index: dict[int, list[int]] | None = None  # start ticks -> host pids, this scrape
         self._index_complete = False
+        self._index_ticks: int | None = None  # ticks since boot as the index began (None: unknown)
         self._own_ns: int | None = None  # the procfs's PID namespace, where it is ours (0: not)
         self._all: bool | None = None  # whether the procfs shows this reader every process
         self._dead: set[tuple[int, int, int]] = set()  # (pidns, pid, start time) found gone
@@ -137,7 +139,7 @@ class Liveness:
                 return _GONE if self._sees_all() else _UNKNOWN
             return known if stat[0] == start else _GONE
         index = self._scan()
-        unsure = not self._index_complete or not self._sees_all()
+        unsure = not self._index_complete or not self._sees_all() or self._after_index(start, index)
         for host in index.get(start, ()):
             try:
                 nspid = self._nspid(host)
@@ -151,6 +153,16 @@ class Liveness:
             except OSError:
                 unsure = True  # (its namespace unreadable: it may be the one)
         return _UNKNOWN if unsure else _GONE
+
+    def _after_index(self, start: int, index: dict[int, list[int]]) -> bool:
+        """Whether a process of start time ``start`` may have started after the index began
+        (then its absence from it says nothing: found gone, a process of another container
+        that started during the scrape was remembered dead and its memory left out of every
+        scrape for its whole life, `test_metrics.py -k after_the_scan`). By the procfs's
+        uptime when the index began; where that is unknown, by the newest process indexed."""
+        if self._index_ticks is not None:
+            return start >= self._index_ticks - 1
+        return not index or start >= max(index)
 
     def _own_namespace(self) -> int:
         if self._own_ns is None:
@@ -190,6 +202,11 @@ class Liveness:
             return self._index
         index: dict[int, list[int]] = {}
         complete = True
+        try:
+            uptime = float((self._proc / "uptime").read_text().split()[0])
+            self._index_ticks = int(uptime * os.sysconf("SC_CLK_TCK"))
+        except (OSError, ValueError, IndexError):
+            self._index_ticks = None
         try:
             with os.scandir(self._proc) as entries:
                 for entry in entries:

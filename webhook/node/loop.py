@@ -306,6 +306,7 @@ class Agent:
             names = {p.metadata.uid: (p.metadata.namespace or "", p.metadata.name or "")
                      for p in pods if p.metadata and p.metadata.uid}
             self.collector.pod_names = names  # the metrics' names for the pods' state dirs
+            self.collector.pod_names_at = now
             live = set(names)
             if await asyncio.to_thread(cleanup.stale_pod_dirs, s.host_state_dir, live,
                                        s.cleanup_grace, now):
