@@ -14,7 +14,9 @@
  *     (possible in principle), the hook is chosen by name: the entry whose
  *     base name is `symbol`, per-thread flag matches `flags`, and whose
  *     min_version is the highest one <= cudaVersion (cuGraphInstantiate from
- *     12.0 on being cuGraphInstantiateWithFlags).  Past the table's version
+ *     12.0 on being cuGraphInstantiateWithFlags); if the driver does not export
+ *     that one, its counterpart of the same version that it does (the plain one
+ *     for a missing _ptsz), else the driver's function unhooked.  Past the table's version
  *     (GS_HOOKS_CUDA_VERSION) a later CUDA may have added a variant the table
  *     does not know, of another signature: the name decides there only if the
  *     driver hands out the same address at the table's version.
@@ -70,6 +72,19 @@ void *gs_cuda_hook_for_real(const char *symbol, void *real, int cuda_version, cu
             if (has_variant || h->per_thread) continue;
         }
         if (!best || h->min_version > best->min_version) best = h;
+    }
+    if (best && !*best->real) {
+        /* this driver does not export it, so it cannot be what it handed out: its counterpart
+         * of the same version (the same signature) that it does export is, where the per-thread
+         * one is missing (a driver without cuStreamBeginCapture_v2_ptsz got that hook, with
+         * nothing to call: 801 for every capture, `test_paths.py -k without_its_per_thread`);
+         * else unhooked.  Never an older variant: another signature */
+        const struct gs_hook *same = NULL;
+        for (size_t i = 0; i < gs_cuda_hook_count && !same; i++) {
+            const struct gs_hook *h = &gs_cuda_hooks[i];
+            if (strcmp(h->base, best->base) == 0 && h->min_version == best->min_version && *h->real) same = h;
+        }
+        best = same;
     }
     if (best) {
         GS_DEBUG("cuGetProcAddress(%s, %d): driver address not an export, hooked by name as %s", symbol,

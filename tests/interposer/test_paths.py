@@ -371,6 +371,18 @@ def test_cuda_13s_context_synchronize_gets_its_own_hook(lab, trampoline):
     assert res.of("procaddr") == [(0, [1]), (0, [1])]
 
 
+def test_a_trampoline_for_a_function_without_its_per_thread_variant_gets_the_hook_it_has(lab):
+    # a per-thread request for cuStreamBeginCapture, which this (fake) driver exports only as
+    # cuStreamBeginCapture_v2, handed out as a trampoline: chosen by name, the library took the
+    # table's cuStreamBeginCapture_v2_ptsz hook, whose driver function it never found, and every
+    # capture failed with 801 (the driver's own function works).  Its plain counterpart now
+    res = lab.run("init", "ctx", "0", "hold", "2", "unhold", api="ptsz",
+                  FAKE_CUDA_PROCADDR_TRAMPOLINE="1", LIBCUDA_LOG_LEVEL="4")
+    assert res.rc("hold") == 0 and res.rc("unhold") == 0
+    assert "cuGetProcAddress(cuStreamBeginCapture, 13000): driver address not an export, hooked by name " \
+           "as cuStreamBeginCapture_v2\n" in res.stderr
+
+
 def test_the_hook_table_has_every_variant_the_toolkit_lists_for_a_hooked_name(built):
     # cudaTypedefs.h declares PFN_<name>_v<cudaVersion>[_ptsz] for each signature
     # cuGetProcAddress(name) has had: each of a hooked name's must be a hook with that

@@ -1000,6 +1000,8 @@ static CUresult tramp_cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return cuMemAllo
 static CUresult tramp_cuMemFree_v2(CUdeviceptr p) { return cuMemFree_v2(p); }
 static CUresult tramp_cuMemGetInfo_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
 static CUresult tramp_cuCtxSynchronize_v2(CUcontext ctx) { return cuCtxSynchronize_v2(ctx); }
+/* the fake has no cuStreamBeginCapture_v2_ptsz: a per-thread request gets this one */
+static CUresult tramp_cuStreamBeginCapture_v2(CUstream s, int mode) { return cuStreamBeginCapture_v2(s, mode); }
 /* FAKE_CUDA_PROCADDR_FUTURE: a variant from a CUDA newer than any hook table, another signature */
 static CUresult tramp_cuMemGetInfo_v3(size_t *f, size_t *t, CUdevice dev)
 {
@@ -1048,6 +1050,7 @@ static void *func_by_name(const char *name)
         if (!strcmp(name, "cuMemGetInfo_v2")) return (void *)tramp_cuMemGetInfo_v2;
         if (!strcmp(name, "cuGraphInstantiateWithFlags")) return (void *)tramp_cuGraphInstantiateWithFlags;
         if (!strcmp(name, "cuCtxSynchronize_v2")) return (void *)tramp_cuCtxSynchronize_v2;
+        if (!strcmp(name, "cuStreamBeginCapture_v2")) return (void *)tramp_cuStreamBeginCapture_v2;
     }
     if (!strcmp(name, "cuMemGetInfo_v3") && getenv("FAKE_CUDA_PROCADDR_FUTURE")) return (void *)tramp_cuMemGetInfo_v3;
     for (size_t i = 0; i < sizeof(funcs) / sizeof(funcs[0]); i++)
