@@ -150,6 +150,9 @@ def test_notes_tell_the_operator_the_next_steps(helm_run: Any) -> None:
                                "resourceNames": {"gpu": "example.com/vgpu"}})
     assert "kubectl label namespace <namespace> gpuslice.io/webhook=enabled" in opt_in
     assert "get certificate gpuslice" in opt_in and "example.com/vgpu: 2" in opt_in
+    # without the agent there is no DaemonSet to wait for
+    assert "daemonset/gpuslice-agent" in notes
+    assert "daemonset/" not in _notes(helm_run, {"agent": {"enabled": False}})
 
 
 def test_renders_are_parsed_refusing_duplicate_keys(load_yaml: Any) -> None:

@@ -4,6 +4,7 @@ message naming the value; cross-value mistakes fail in the templates with a mess
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,15 @@ def test_schema_rejects_bad_values_naming_them(values: dict[str, Any], message: 
      "1.30.0", "tls.certManager.issuerRef: needs a name"),
     ({"webhook": {"matchConditions": "enabled"}}, "1.25.0",
      "webhook.matchConditions=enabled needs Kubernetes >= 1.27"),
+    # the kube-scheduler beside the webhook in one pod listens on 10259: one of them could not
+    ({"webhook": {"port": 10259}}, "1.30.0", "webhook.port: 10259 is the kube-scheduler's own port"),
+    # a bind answers within 8 s: a shorter timeout made the scheduler give up on binds that worked
+    ({"scheduler": {"extender": {"httpTimeout": "1s"}}}, "1.30.0",
+     "scheduler.extender.httpTimeout: 1s is too short"),
+    ({"scheduler": {"extender": {"httpTimeout": "8999ms"}}}, "1.30.0",
+     "scheduler.extender.httpTimeout: 8999ms is too short"),
+    ({"fullnameOverride": "9lives"}, "1.30.0",
+     'the object names would start "9lives", which Kubernetes refuses for a Service'),
 ])
 def test_inconsistent_values_fail_with_a_message(values: dict[str, Any], kube_version: str,
                                                  message: str, render_raw: Any) -> None:
@@ -110,3 +120,28 @@ def test_inconsistent_values_fail_with_a_message(values: dict[str, Any], kube_ve
 def test_chart_refuses_kubernetes_older_than_1_25(render_raw: Any) -> None:
     code, _, err = render_raw({}, "1.24.9")
     assert code != 0 and "kubeVersion" in err, err
+
+
+@pytest.mark.parametrize("timeout", ["9s", "9000ms", "0.15m", "1m30s", "1h"])
+def test_extender_timeouts_of_9s_or_more_render(timeout: str, render_raw: Any) -> None:
+    code, _, err = render_raw({"scheduler": {"extender": {"httpTimeout": timeout}}})
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(("release", "prefix"), [
+    ("my.release", "my-release-gpuslice"),  # Helm allows dots; a Service's name may not have one
+    ("x" * 38 + "--y", "x" * 38),  # cut at 40 characters: every dash left at the end goes
+])
+def test_every_release_name_helm_accepts_gives_names_kubernetes_accepts(
+        release: str, prefix: str, render_raw: Any, load_yaml: Any) -> None:
+    code, out, err = render_raw({}, release=release)
+    assert code == 0, err
+    names = {o["metadata"]["name"] for o in load_yaml(out) if o["kind"] == "Service"}
+    assert names and all(n.startswith(prefix) for n in names), names
+    assert all(re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", n) for n in names), names
+
+
+def test_a_release_name_with_a_digit_first_is_refused_with_what_to_do(render_raw: Any) -> None:
+    code, _, err = render_raw({}, release="1gpu")
+    assert code != 0
+    assert "choose another release name or set fullnameOverride" in err, err

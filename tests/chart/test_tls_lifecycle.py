@@ -511,6 +511,11 @@ class LookupCluster:
                                       "groupVersion": gv, "resources": self.groups[gv]})
         if request.method == "GET" and path in self.objects:
             return web.json_response(self.objects[path])
+        items = [o for p, o in self.objects.items() if p.rsplit("/", 1)[0] == path]
+        if request.method == "GET" and items:  # a collection (`lookup` with no name)
+            return web.json_response({"kind": items[0]["kind"] + "List",
+                                      "apiVersion": items[0]["apiVersion"],
+                                      "metadata": {"resourceVersion": "1"}, "items": items})
         return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                   "reason": "NotFound", "code": 404}, status=404)
 
@@ -529,6 +534,13 @@ class LookupCluster:
 
     async def upgrade_render(self, values: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
         """The objects `helm upgrade` with ``values`` would apply to this cluster."""
+        code, out, err = await self.upgrade_render_raw(values, tmp)
+        assert code == 0, err
+        return load_all(out)
+
+    async def upgrade_render_raw(self, values: dict[str, Any], tmp: Path,
+                                 release: str = RELEASE, namespace: str = NS) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) of that render, for renders that must fail."""
         binary = helm_binary()
         if binary is None:
             pytest.skip("helm not found: run `bash scripts/setup.sh` (puts it at .tools/helm)")
@@ -540,15 +552,14 @@ class LookupCluster:
             "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
         (tmp / "values.json").write_text(json.dumps(values))
         proc = await asyncio.create_subprocess_exec(
-            binary, "template", RELEASE, str(CHART), "--namespace", NS, "--dry-run=server",
+            binary, "template", release, str(CHART), "--namespace", namespace, "--dry-run=server",
             "--disable-openapi-validation", "--kubeconfig", str(kubeconfig),
             "-f", str(tmp / "values.json"), stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env={**os.environ, **{f"HELM_{d}_HOME": str(tmp / "helm") for d in
                                   ("CACHE", "CONFIG", "DATA")}})
         out, err = await asyncio.wait_for(proc.communicate(), 60)
-        assert proc.returncode == 0, err.decode()
-        return load_all(out.decode())
+        return proc.returncode or 0, out.decode(), err.decode()
 
 
 def _helm_three_way(original: dict[str, Any], target: dict[str, Any],
@@ -640,3 +651,25 @@ async def test_a_deleted_secret_leaves_the_other_replicas_trusted(
         finally:
             await a.stop()
             await b.stop()
+
+
+async def test_a_second_release_in_another_namespace_is_refused(tmp_path: Path, render: Any) -> None:
+    """Release "gpuslice" lives in gpuslice-system; "other" is installed in another namespace.
+    No cluster-scoped name is shared, so Helm installed it: two kube-schedulers of one name
+    booking the same GPUs (each extender its own books), two agents writing one host path, two
+    webhooks mutating every GPU pod. `lookup` finds the first release's webhook configuration
+    now, and the second is refused with what to do; the first's own upgrade goes on."""
+    kinds = render({"tls": {"mode": "secret"}}).objects
+    live = copy.deepcopy(render({"tls": {"mode": "secret"}}).one("MutatingWebhookConfiguration"))
+    live["metadata"]["annotations"] = {"meta.helm.sh/release-name": RELEASE,
+                                       "meta.helm.sh/release-namespace": NS}
+    async with LookupCluster(kinds, [live]) as cluster:
+        code, _, err = await cluster.upgrade_render_raw({}, tmp_path, release="other",
+                                                        namespace="other-ns")
+        assert code != 0
+        assert f'gpuslice is installed already (release "{RELEASE}" in namespace "{NS}"): one ' \
+               "release per cluster" in err
+        code, _, err = await cluster.upgrade_render_raw({}, tmp_path, release=RELEASE,
+                                                        namespace="other-ns")
+        assert code != 0 and "one release per cluster" in err  # its name, another namespace
+        assert await cluster.upgrade_render({}, tmp_path)  # the release itself: upgraded

@@ -8,18 +8,18 @@ Names, labels and derived values shared by the templates.
 
 {{/*
 Object-name prefix. Kept short (<= 40 chars) so "<fullname>-scheduler-lease" etc. stay valid.
+A Service's name is a DNS-1035 label: the dots Helm allows in release names become dashes,
+and every dash the cut leaves at the end goes (gpuslice.validate refuses what is still not one).
 */}}
 {{- define "gpuslice.fullname" -}}
+{{- $full := "" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- $full = .Values.fullnameOverride -}}
 {{- else -}}
 {{- $name := default .Chart.Name .Values.nameOverride -}}
-{{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
-{{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- $full = ternary .Release.Name (printf "%s-%s" .Release.Name $name) (contains $name .Release.Name) -}}
 {{- end -}}
-{{- end -}}
+{{- regexReplaceAll "-+$" ($full | replace "." "-" | trunc 40) "" -}}
 {{- end -}}
 
 {{- define "gpuslice.labels" -}}
@@ -118,6 +118,35 @@ true
 
 {{/* Checks across values that the JSON schema cannot express. */}}
 {{- define "gpuslice.validate" -}}
+{{- $full := include "gpuslice.fullname" . -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $full) -}}
+{{- fail (printf "the object names would start %q, which Kubernetes refuses for a Service (a lowercase letter first, then letters, digits and '-'): choose another release name or set fullnameOverride" $full) -}}
+{{- end -}}
+{{- if eq (int .Values.webhook.port) 10259 -}}
+{{- fail "webhook.port: 10259 is the kube-scheduler's own port in the same pod; choose another" -}}
+{{- end -}}
+{{- $timeout := .Values.scheduler.extender.httpTimeout | toString -}}
+{{- $scale := dict "h" 3600.0 "m" 60.0 "s" 1.0 "ms" 0.001 "us" 0.000001 "µs" 0.000001 "ns" 0.000000001 -}}
+{{- $secs := 0.0 -}}
+{{- range $part := regexFindAll "[0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|m|h)" $timeout -1 -}}
+{{- $num := regexFind "^[0-9.]+" $part -}}
+{{- $secs = addf $secs (mulf (float64 $num) (get $scale (trimPrefix $num $part))) -}}
+{{- end -}}
+{{- if lt $secs 9.0 -}}
+{{- fail (printf "scheduler.extender.httpTimeout: %s is too short: a bind may take up to 8 s to answer, so at least 9s" $timeout) -}}
+{{- end -}}
+{{- /* one release per cluster: two would run two schedulers of one name, each booking the same
+GPUs, two agents writing one host path and two webhooks mutating every GPU pod (`lookup` sees the
+cluster on install and upgrade; `helm template` sees none) */ -}}
+{{- $hooks := lookup "admissionregistration.k8s.io/v1" "MutatingWebhookConfiguration" "" "" -}}
+{{- range $w := (get $hooks "items" | default list) -}}
+{{- $labels := dig "metadata" "labels" dict $w -}}
+{{- $other := get $labels "app.kubernetes.io/instance" -}}
+{{- $otherNs := dig "metadata" "annotations" "meta.helm.sh/release-namespace" $.Release.Namespace $w -}}
+{{- if and (eq (get $labels "app.kubernetes.io/part-of") "gpuslice") (or (ne $other $.Release.Name) (ne $otherNs $.Release.Namespace)) -}}
+{{- fail (printf "gpuslice is installed already (release %q in namespace %q): one release per cluster, or its schedulers would book the same GPUs twice; upgrade that one, or uninstall it first" $other $otherNs) -}}
+{{- end -}}
+{{- end -}}
 {{- $r := .Values.resourceNames -}}
 {{- if ne (len (uniq (list $r.gpu $r.memory $r.memoryPercentage $r.cores))) 4 -}}
 {{- fail "resourceNames: the four resource names must differ" -}}
