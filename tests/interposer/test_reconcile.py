@@ -186,6 +186,25 @@ def test_code_unloaded_is_no_longer_charged(lab, load, unload):
     assert total - free_b == 100 * MIB, f"{(total - free_b) // MIB} MiB charged for 100 held"
 
 
+@pytest.mark.parametrize("current", ["other_device", "none"])
+def test_code_unloaded_while_its_context_is_not_current_is_no_longer_charged(lab, current):
+    # a module of device 0's context unloaded while device 1's context is current (a multi-GPU
+    # program, a collector thread), or while none is: only the current device was measured
+    # again, and device 0 kept 130 MiB charged for 100 held for as long as its context lived
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "1g", "FAKE_CUDA_CTX_BYTES": "100m", "FAKE_CUDA_MODULE_BYTES": "30m"}
+    if current == "other_device":
+        cmds = ["init", "ctx", "0", "modload", "sleep", "700", "ctx", "1", "modunload"]
+        env["FAKE_CUDA_DEVICES"] = f"{lab.UUID_A}=16g,{lab.UUID_B}=16g"
+    else:  # a created context made current, then destroyed: none is current
+        cmds = ["init", "ctx", "0", "modload", "ctxcreate", "0", "sleep", "700", "ctxdestroy", "0",
+                "modunload"]
+    res = lab.run(*cmds, "sleep", "1500", "physd", "0", "ctx", "0", "meminfo", **env)
+    assert res.rc("modunload") == 0
+    assert res.values("physd")[0] == 100 * MIB
+    free, total = res.values("meminfo")
+    assert total - free == 100 * MIB, f"{(total - free) // MIB} MiB charged for 100 held"
+
+
 @pytest.mark.parametrize(("load", "unload"), [("modload", "modunload"), ("libload", "libunload")])
 def test_an_allocation_after_an_unload_near_the_cap_has_the_codes_room(lab, load, unload):
     # near the cap: 100 MiB fit in the room the 30 MiB code left once the woken sampler has
