@@ -87,6 +87,14 @@ main() {
     echo "read NVML through pynvml (no NVIDIA GPU or driver there: every check skips)"
   fi
   echo "== tests: $PY -m pytest tests/gpu --gpu"
+  # without these no row can run: said once here rather than by 39 collection errors
+  local missing
+  missing=$("$PY" -c 'import importlib.util as u
+print(" ".join(m for m in ("pytest", "pynvml") if u.find_spec(m) is None))' 2>/dev/null) ||
+    missing="(it does not run)"
+  if [ -n "$missing" ]; then
+    echo "$PY lacks: $missing; every row will show ERROR (PYTHON=... names another interpreter)"
+  fi
   local left=$((start + budget - 8 - $(date +%s)))
   if [ "$left" -gt 20 ]; then
     # shellcheck disable=SC2086  # GPUCHECK_PYTEST_ARGS is a list of words on purpose

@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("mutate", help="print the mutated objects of a manifest (offline)")
     _settings_flags(p)
-    p.add_argument("-f", "--filename", required=True, metavar="FILE",
-                   help="YAML/JSON manifest, multi-document allowed; - for stdin")
+    p.add_argument("-f", "--filename", required=True, action="append", metavar="FILE",
+                   help="YAML/JSON manifest, multi-document allowed; - for stdin; repeatable")
     p.set_defaults(func=_run("webhook.admission.offline:cmd_mutate"))
 
     p = sub.add_parser("check", help="exit 1 listing every denial in a manifest (offline)")

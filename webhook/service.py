@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from aiohttp import web
+from kubernetes_asyncio.config import ConfigException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from webhook import __version__
@@ -173,6 +174,10 @@ async def serve(settings: Settings) -> int:
         return 1
     try:
         runner = await start_https(app, settings.host, settings.port)
+    except ConfigException as exc:  # the extender's API client, made at start-up
+        logger.error("no Kubernetes API configuration; pass --kubeconfig, run in-cluster, or use "
+                     "--no-kube", extra={"error": str(exc)})
+        return 1
     except OSError as exc:
         logger.error("cannot listen", extra={"host": settings.host, "port": settings.port,
                                              "error": str(exc)})

@@ -231,7 +231,7 @@ def cmd_certs(args: argparse.Namespace) -> int:
         return 1
     d = Path(args.dir)
     if written:
-        print(f"wrote {d / CA_CERT}, {d / TLS_CERT}, {d / TLS_KEY} "
+        print(f"wrote {d / CA_CERT}, {d / CA_KEY}, {d / TLS_CERT}, {d / TLS_KEY} "
               f"(names: {', '.join(service_names(args.namespace, args.service))}, 127.0.0.1)")
     else:
         print(f"certificates already in {d}; keeping them (--force replaces them)")

@@ -76,6 +76,18 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
+def test_mutate_takes_several_files_in_order(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # `check -f a -f b` reads both; `mutate -f a -f b` printed b alone (the last -f won)
+    docs = _manifest()
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text(yaml.safe_dump_all(docs[:2]))
+    second.write_text(yaml.safe_dump_all(docs[2:4]))
+    code, out, err = _run(capsys, "mutate", "-f", str(first), "-f", str(second))
+    assert code == 0, err
+    assert [d["kind"] for d in yaml.safe_load_all(out)] == [d["kind"] for d in docs[:4]]
+
+
 def test_mutate_prints_every_document_with_pods_and_templates_mutated(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     docs = _manifest()

@@ -558,8 +558,9 @@ spec:
 
 def test_knative_templates_are_checked_and_printed_unchanged(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the container has no name, as in Knative's own examples: Knative names it
+    # user-container (`check` refused the template for want of a name)
     svc = yaml.safe_load(KNATIVE)
-    svc["spec"]["template"]["spec"]["containers"][0]["name"] = "user-container"
     path = _write(tmp_path, yaml.safe_dump(svc))
     code, out, err = _run(capsys, "check", "-f", str(path))
     assert (code, out) == (0, "") and "1 pod checked, 0 problems" in err
@@ -649,3 +650,15 @@ def test_mutate_warns_of_a_multi_pod_lws_group_under_gpucores_below_50(
     assert "LWS_GROUP_SIZE" not in out
     assert after["spec"]["leaderWorkerTemplate"].get("size") == lws["spec"][
         "leaderWorkerTemplate"].get("size")
+
+
+def test_several_unnamed_knative_containers_are_named_apart(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    svc = yaml.safe_load(KNATIVE)
+    containers = svc["spec"]["template"]["spec"]["containers"]
+    containers.append({"image": "sidecar", "resources": {"limits": {"nvidia.com/gpu": "0.5"}}})
+    path = _write(tmp_path, yaml.safe_dump(svc))
+    code, out, _ = _run(capsys, "check", "-f", str(path))
+    assert code == 1 and out.startswith(
+        f'{path}: Service/llm: spec.template: container "user-container-1": '
+        f"resources.limits[nvidia.com/gpu] is 0.5")

@@ -231,6 +231,21 @@ def test_serve_in_files_mode_without_certificates_exits_1(tmp_path: Path) -> Non
     assert "no usable serving certificate" in err
 
 
+@pytest.mark.parametrize("kubeconfig", [None, "missing"])
+def test_serve_with_the_api_but_no_configuration_for_it_exits_1_saying_so(
+        tmp_path: Path, kubeconfig: str | None) -> None:
+    # `serve --kube` outside a cluster (no service account) or with a kubeconfig that is not
+    # there: the extender's API client, made at start-up, ended the process with a traceback
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    extra = ["--kubeconfig", str(tmp_path / "none")] if kubeconfig else []
+    proc = _gpuslice("serve", "--kube", *extra, "--tls-mode", "dev", "--cert-dir", str(tmp_path / "c"),
+                     "--port", str(_free_port()), env={**env, "PYTHONUNBUFFERED": "1"})
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "no Kubernetes API configuration; pass --kubeconfig, run in-cluster, or use --no-kube" in err
+    assert "Traceback" not in err
+
+
 async def test_the_real_extender_is_wired_in_when_placement_is_enabled(tmp_path: Path) -> None:
     pytest.importorskip("webhook.placement.extender")
     ensure_dev_certs(tmp_path, "ns", "svc")

@@ -77,7 +77,10 @@ def test_gpuslice_certs_command(tmp_path: Path, capsys: pytest.CaptureFixture[st
     args = argparse.Namespace(dir=str(tmp_path / "c"), namespace="prod", service="gs", days=10,
                               force=False)
     assert cmd_certs(args) == 0
-    assert "gs.prod.svc" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "gs.prod.svc" in out
+    # every file it wrote is named, the CA's key too (it was left out)
+    assert all(str(tmp_path / "c" / f) in out for f in ("ca.crt", "ca.key", "tls.crt", "tls.key"))
     serial = _cert(tmp_path / "c" / TLS_CERT).serial_number
     assert cmd_certs(args) == 0 and "keeping them" in capsys.readouterr().out
     assert cmd_certs(argparse.Namespace(**{**vars(args), "force": True})) == 0

@@ -103,6 +103,9 @@ class Shape:
     rewrite: bool = True
     note: str = ""
     env: tuple[tuple[str, str], ...] = ()
+    container_name: str = ""
+    """The name the system's webhook gives a container without one (Knative's
+    ``user-container``; ``-N`` after it where there are several); "" where a name is required."""
 
 
 # Pod templates of the custom resources ML workloads are written as, by (API group, kind),
@@ -136,7 +139,7 @@ CUSTOM_SHAPES: dict[tuple[str, str], Shape] = {
     # refuses schedulerName, nodeSelector, runtimeClassName and hostPath volumes unless
     # feature flags allow them; nothing counts its template's GPUs, so it is only checked.
     **{("serving.knative.dev", kind): Shape(
-        ("spec.template",), rewrite=False,
+        ("spec.template",), rewrite=False, container_name="user-container",
         note="not rewritten: Knative refuses the mutated fields (schedulerName, nodeSelector, "
              "hostPath volumes) unless its feature flags allow them; the webhook mutates the "
              "pods Knative creates")
@@ -287,6 +290,8 @@ def _mutate_templates(obj: dict[str, Any], shape: Shape, label: str, source: str
                 findings.append(Finding(source, label, None, str(template)))
                 continue
             where = f"{label}: {_dotted(path)}"
+            if shape.container_name:
+                template = _named(template, shape.container_name)
             try:
                 result = mutate_pod(template, settings, namespace=namespace,
                                     max_gpu_memory_mib=settings.max_gpu_memory_mib)
@@ -301,6 +306,22 @@ def _mutate_templates(obj: dict[str, Any], shape: Shape, label: str, source: str
             if result.changed and result.pod is not None and shape.rewrite:
                 out = _replace(out, path, result.pod)
     return out
+
+
+def _named(template: Any, name: str) -> Any:
+    """``template`` with its unnamed containers named as the system's webhook names them
+    (Knative's own examples leave the name out: `check` refused them for want of one)."""
+    spec = template.get("spec") if isinstance(template, dict) else None
+    if not isinstance(spec, dict):
+        return template
+    containers = spec.get("containers")
+    if not isinstance(containers, list) or not any(
+            isinstance(c, dict) and "name" not in c for c in containers):
+        return template
+    named = [({**c, "name": name if len(containers) == 1 else f"{name}-{i}"}
+              if isinstance(c, dict) and "name" not in c else c)
+             for i, c in enumerate(containers)]
+    return {**template, "spec": {**spec, "containers": named}}
 
 
 def _with_added_env_warnings(obj: dict[str, Any], shape: Shape, template: dict[str, Any],
