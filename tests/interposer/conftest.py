@@ -209,6 +209,17 @@ class Lab:
         thread."""
         return ["bgafter", str(self.tmp / f"in-{point}")]
 
+    def cotenant_under_our_pid(self) -> tuple[subprocess.Popen[str], dict[str, str]]:
+        """A process of another container (600 MiB beside its 100 MiB context, in a region of
+        its own) that NVML, listing host pids (every process's pid + 100000), lists under the
+        next probe's getpid(); and that probe's environment for it."""
+        env = {"FAKE_CUDA_CTX_BYTES": "100m", "FAKE_NVML_PID_OFFSET": "100000"}
+        other = self.start("init", "ctx", "0", "alloc", "600m", "touch", str(self.tmp / "other"),
+                           "sleep", "3000", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.tmp / "other-region"),
+                           **env)
+        self.wait_for(self.tmp / "other")
+        return other, {**env, "FAKE_NVML_PID_AS_MINE": str(other.pid)}
+
     def wait_for(self, path: Path, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
         while not path.exists():

@@ -1720,14 +1720,8 @@ def test_another_namespaces_pid_equal_to_ours_is_not_taken_for_ours(lab):
     # taken for ours (the driver's namespace taken for the caller's): that tenant's 700 MiB
     # were charged to the container as memory no hook sees, and an 800 MiB allocation was
     # refused under a 1 GiB cap with 100 MiB held
-    tmp = lab.tmp
-    other = lab.start("init", "ctx", "0", "alloc", "600m", "touch", str(tmp / "other"), "sleep", "3000",
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
-                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
-    lab.wait_for(tmp / "other")
-    res = lab.run("init", "ctx", "0", "alloc", "800m", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g",
-                  FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000",
-                  FAKE_NVML_PID_AS_MINE=str(other.pid))
+    other, env = lab.cotenant_under_our_pid()
+    res = lab.run("init", "ctx", "0", "alloc", "800m", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="1g", **env)
     other.kill()
     lab.finish(other)
     assert res.rc("alloc") == 0

@@ -659,14 +659,9 @@ def test_an_adopted_context_does_not_take_another_namespaces_pid_for_ours(lab):
     # reconcile took NVML's getpid() entry for ours: the co-tenant's 700 MiB charged to the
     # container for good, and an 800 MiB allocation refused under a 1 GiB cap with 100 MiB held.
     # NVML listing a pid this process cannot see says its pids are not ours
-    tmp = lab.tmp
-    other = lab.start("init", "ctx", "0", "alloc", "600m", "touch", str(tmp / "other"), "sleep", "3000",
-                      CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "other-region"),
-                      FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000")
-    lab.wait_for(tmp / "other")
+    other, env = lab.cotenant_under_our_pid()
     res = lab.run("init", "ctx", "0", "sleep", "800", "alloc", "800m", "meminfo", "phys",
-                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m", FAKE_NVML_PID_OFFSET="100000",
-                  FAKE_NVML_PID_AS_MINE=str(other.pid), FAKE_CUDA_API_CALLBACK="cuDeviceGet:retain")
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_API_CALLBACK="cuDeviceGet:retain", **env)
     other.kill()
     lab.finish(other)
     assert "fake: api callback cuDeviceGet retain 0" in res.stderr
