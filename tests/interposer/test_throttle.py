@@ -1165,7 +1165,14 @@ def test_launches_under_a_capture_are_paced_by_the_advance_without_nvml(release_
     assert abs(got - 30) <= TOLERANCE, f"without NVML's figure: {got:.1f}%"
 
 
-@pytest.mark.parametrize("nvml", ["off", "mps"])
+# NVML's per-process query answering NOT_FOUND for good, or failing from the start: before, the
+# device's utilisation never stood in (only a 2 s silence, and the next one), 99.9 % of the GPU
+NVML_SILENT = {"off": {"FAKE_NVML_PROC_UTIL": "off"}, "mps": {"FAKE_NVML_PROC_UTIL": "mps"},
+               "not_found": {"FAKE_NVML_PROC_PERIOD_MS": "100000000"},
+               "failing": {"FAKE_NVML_PROC_FAIL_AFTER_MS": "1"}}
+
+
+@pytest.mark.parametrize("nvml", sorted(NVML_SILENT))
 def test_graphs_under_a_capture_cannot_outrun_a_one_kernel_advance_without_nvmls_figure(release_lab, nvml):
     # the dodge: learn a one-kernel estimate (2 ms), open a thread-local capture on a stream of
     # its own, then launch graphs of 4 kernels: each pays the 2 ms advance, and with no
@@ -1177,7 +1184,7 @@ def test_graphs_under_a_capture_cannot_outrun_a_one_kernel_advance_without_nvmls
     # the capture's first tick, whose advances were then all given back
     res = release_lab.run("init", "ctx", "0", "bench", "1", "own", "hold", "1", "ran", "bench", "5", "graph",
                           "ran", "unhold", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
-                          FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_PROC_UTIL=nvml, FAKE_NVML_UTIL_RATES="1")
+                          FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_UTIL_RATES="1", **NVML_SILENT[nvml])
     assert res.rc("unhold") == 0
     got = ran_share(res)
     assert 30 - TOLERANCE <= got <= 30 + 2 * TOLERANCE, f"{nvml}: {got:.1f}%"
