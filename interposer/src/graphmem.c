@@ -329,15 +329,9 @@ static int graph_attr(CUdevice dev, int attr, uint64_t *value)
 }
 
 /* Per device, the pool's free room that launches in flight count on (reserve() to
- * gs_graphmem_after); under g_mu */
+ * gs_graphmem_after); under g_mu.  Indexed only by devices with a region slot (gs_dev_slot >= 0:
+ * an ordinal below GS_MAX_CUDA_DEVS) */
 static uint64_t g_claimed[GS_MAX_CUDA_DEVS];
-static uint64_t g_claimed_none; /* a device past the table's: nothing counted on */
-
-static uint64_t *claimed_of(CUdevice dev)
-{
-    g_claimed_none = 0;
-    return dev >= 0 && dev < GS_MAX_CUDA_DEVS ? &g_claimed[dev] : &g_claimed_none;
-}
 
 /* Bring the device's graph charge to the pool's reserved memory; `reserved`
  * bytes were already taken from the budget for it (by gs_graphmem_before).  A pool that cannot
@@ -356,12 +350,12 @@ static uint64_t settle_as(CUdevice dev, uint64_t reserved, int gone_unread)
     uint64_t used = 0;
     if (graph_attr(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &target) != 0)
         target = gone_unread ? 0 : charged;
-    else if (*claimed_of(dev) && graph_attr(dev, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) == 0 &&
-             target < gs_add_sat(used, *claimed_of(dev)))
+    else if (g_claimed[dev] && graph_attr(dev, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &used) == 0 &&
+             target < gs_add_sat(used, g_claimed[dev]))
         /* never below the room launches in flight count on: a trim meanwhile gave it back, an
          * allocation took it, and the launch mapped its 600 MiB again, 1200 MiB held under a
          * 1 GiB cap (`test_graphs.py -k trim_during`) */
-        target = gs_add_sat(used, *claimed_of(dev));
+        target = gs_add_sat(used, g_claimed[dev]);
     if (target > charged) {
         gs_budget_force(rec.slot, target - charged); /* grew past the reservation: charged all the same */
         /* the reconcile may have charged that pool memory already, as growth no hook saw: the
@@ -415,7 +409,7 @@ static void unclaim(struct gs_graph_need *need, int n)
 {
     mu_lock();
     for (int i = 0; i < n; i++) {
-        *claimed_of(need->dev[i]) -= need->claim[i];
+        if (need->claim[i]) g_claimed[need->dev[i]] -= need->claim[i]; /* claimed: a device of a slot */
         need->claim[i] = 0;
     }
     mu_unlock();
@@ -458,11 +452,11 @@ static int reserve(struct gs_graph_need *need, uint64_t *reserved)
              * two threads launching 600 MiB graphs beside a pool's 600 free MiB each took it
              * for theirs, and the pool grew to 1200 MiB under a 1 GiB cap (`test_graphs.py -k
              * at_once`) */
-            uint64_t room = held > used ? held - used : 0, *claimed = claimed_of(dev);
-            room = room > *claimed ? room - *claimed : 0;
+            uint64_t room = held > used ? held - used : 0;
+            room = room > g_claimed[dev] ? room - g_claimed[dev] : 0;
             need->claim[i] = want < room ? want : room;
             extra = want - need->claim[i];
-            *claimed += need->claim[i];
+            g_claimed[dev] += need->claim[i];
         }
         mu_unlock();
         /* near the cap, on top of what the process holds uncharged (under the reconcile's noise

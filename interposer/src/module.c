@@ -283,8 +283,8 @@ GS_CODE_HOOK(cuLibraryGetGlobal, (CUdeviceptr *dptr, size_t *bytes, CUlibrary li
 /* Unloads give the code's memory back to the driver, where no hook sees it go: the reconcile only
  * adds, so it stayed charged until a context of the device went (a program that loads and
  * unloads JIT-compiled modules kept its peak; 130 MiB charged for 100 held after a 30 MiB
- * module's unload, `test_reconcile.py -k code_unloaded`).  After one, the device (a library's:
- * every device, it is loaded in each context) is measured again: the next clean reading lowers
+ * module's unload, `test_reconcile.py -k code_unloaded`).  After one, every device with a
+ * context of ours is measured again (below): the next clean reading lowers
  * what was charged beyond the records to what the driver still holds, the sampler's (woken) or
  * the next near-cap reservation's.  No reading here: a runtime unloads every fatbin it
  * registered at exit, hundreds of calls.  The handle gets a new generation, and the lookups seen

@@ -260,9 +260,11 @@ static int device_pct(nvmlDevice_t h, double *pct)
  * samples, its host pid unknown and not the driver's, MPS): the device's utilisation stands in
  * for its share (device_pct), every process's kernels counted, the strict side beside other
  * tenants; without it only the advance paid for them applied, and a tenant sets that (learn a
- * one-kernel estimate, capture, launch graphs of many kernels: 99.9 % of the GPU under 30 %). */
+ * one-kernel estimate, capture, launch graphs of many kernels: 99.9 % of the GPU under 30 %).
+ * `silent`: a span in which NVML gave nothing new at all (silent()): the device's figure stands
+ * in whatever samples of ours came before. */
 static int charge_unmeasured(int slot, struct slice_state *st, nvmlDevice_t h, uint64_t since, uint64_t dt,
-                             uint64_t dm, int ours)
+                             uint64_t dm, int ours, int silent)
 {
     uint64_t last = __atomic_load_n(&gs_unmeasured_ns[slot], __ATOMIC_RELAXED);
     uint64_t prepaid = __atomic_load_n(&gs_unmeasured_prepaid_ns[slot], __ATOMIC_RELAXED);
@@ -278,7 +280,7 @@ static int charge_unmeasured(int slot, struct slice_state *st, nvmlDevice_t h, u
      * is a span the process did not run (charged other tenants' time, a process beside a busy
      * one paid it until GS_UNMEASURED_MAX_NS after its last such launch: over 60 s for 2 s of
      * launches after a capture, `test_throttle.py -k after_a_capture_beside`) */
-    int device = ours < 0 && !st->seen_ours && device_pct(h, &pct) == 0;
+    int device = ours < 0 && (silent || !st->seen_ours) && device_pct(h, &pct) == 0;
     if (ours >= 0 || device) {
         unsigned own = __atomic_load_n(&gs_slice_milli[slot], __ATOMIC_RELAXED);
         if (!own || own > 1000) own = 1000;
@@ -321,11 +323,8 @@ static void silent(int slot, struct slice_state *st, nvmlDevice_t h, uint64_t no
 {
     uint64_t last = __atomic_load_n(&gs_unmeasured_ns[slot], __ATOMIC_RELAXED);
     if (st->t_ns && (st->unmeasured || (last && last + GS_UNMEASURED_TAIL_NS >= st->t_ns))) {
-        int seen = st->seen_ours;
         uint64_t dt, dm, since = span_end(st, now, measured, &dt, &dm);
-        st->seen_ours = 0;
-        if (dt) charge_unmeasured(slot, st, h, since, dt, dm, -1);
-        st->seen_ours = seen;
+        if (dt) charge_unmeasured(slot, st, h, since, dt, dm, -1, 1);
     }
     silence(slot, st);
 }
@@ -357,7 +356,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
         /* no per-process samples ever: each tick is a span, for launches a capture kept from
          * being measured (charged the device's utilisation); nothing to learn a factor from */
         uint64_t dt, dm, since = span_end(st, now, measured, &dt, &dm);
-        if (dt) charge_unmeasured(slot, st, h, since, dt, dm, -1);
+        if (dt) charge_unmeasured(slot, st, h, since, dt, dm, -1, 0);
         return;
     }
     if (rc != NVML_SUCCESS && rc != NVML_ERROR_NOT_FOUND) {
@@ -380,7 +379,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
     st->last_seen = newest;
     commit_team(slot, team);
     if (!dt) return;
-    if (charge_unmeasured(slot, st, h, since, dt, dm, ours) || !gs_slices_enabled()) return;
+    if (charge_unmeasured(slot, st, h, since, dt, dm, ours, 0) || !gs_slices_enabled()) return;
     /* the process's own contexts on the device take turns as processes do: with several, an
      * interval of one holds the others' kernels too; so do the container's other processes
      * that measured meanwhile (the team): the correction is learnt for all of them together,
