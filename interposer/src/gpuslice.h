@@ -252,6 +252,7 @@ extern int gs_pid_unknown; /* atomic: allocations may teach the host pid (reconc
 int gs_pid_probe_begin(CUdevice dev, uint64_t bytes, int unsettled);
 void gs_pid_probe_end(int ok, uint64_t bytes, int unsettled);
 unsigned gs_host_pid(CUdevice dev); /* the process's pid in NVML's lists, 0 if not known yet */
+int gs_getpid_trusted(void); /* getpid() may stand for NVML's pid of this process (not found to be another's) */
 void gs_sampler_start(void); /* the background thread (reconcile.c), if not running yet */
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot_held(int slot);          /* gs_reconcile_slot, the caller holding the context lock */

@@ -318,6 +318,11 @@ uint64_t gs_ctx_growth(CUdevice dev, const nvmlProcessInfo_t *before, int nbefor
     return now - was;
 }
 
+int gs_getpid_trusted(void)
+{
+    return !__atomic_load_n(&g_getpid_foreign, __ATOMIC_RELAXED);
+}
+
 int gs_host_pid_known(CUdevice dev)
 {
     return gs_host_pid(dev) != 0;

@@ -1455,6 +1455,20 @@ def test_an_unknown_host_pid_corrects_nothing(release_lab):
     assert 12 <= got <= 19, f"{got:.1f}%"
 
 
+def test_a_cotenant_sample_under_a_pid_equal_to_ours_is_not_taken_for_ours(release_lab):
+    # host pids in NVML's lists, ours unknown (the context holds no memory it lists), and another
+    # tenant listed under our getpid() before our first context, running 2% of the time beside
+    # a busy one: the reconcile no longer took getpid() for ours, but the sampler still matched
+    # it to that tenant's samples, and learnt from 2% that most of our measured time was
+    # others' (the container got twice its limit)
+    other, env = release_lab.cotenant_under_our_pid()
+    got = settled_share(release_lab, 30, **{**env, "FAKE_CUDA_CTX_BYTES": "0"}, FAKE_GPU_COTENANT_SELF_PCT="2",
+                        **COTENANT)
+    other.kill()
+    release_lab.finish(other)
+    assert 12 <= got <= 19, f"{got:.1f}%"  # uncorrected, as with no pid (test above)
+
+
 def test_the_correction_holds_in_time_mode_and_under_asan(asan_lab):
     got = settled_share(asan_lab, 30, GPUSLICE_SM_LIMIT_MODE="time", **COTENANT)
     assert abs(got - 30) <= TOLERANCE, f"{got:.1f}%"

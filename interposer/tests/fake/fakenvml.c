@@ -423,7 +423,9 @@ API nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *power)
  *  - else this process (from the fake driver's kernel time) and, with a
  *    co-tenant (FAKE_GPU_COTENANT_SLICE_US), the rest for pid
  *    FAKE_GPU_COTENANT_PID (default 999999), split evenly among the next
- *    pids when there are FAKE_GPU_COTENANTS of them.
+ *    pids when there are FAKE_GPU_COTENANTS of them; FAKE_GPU_COTENANT_SELF_PCT
+ *    adds a sample with that share under the caller's own getpid(), unshifted:
+ *    another namespace's process whose host pid equals ours, running little.
  * Pids are shifted by FAKE_NVML_PID_OFFSET.  FAKE_NVML_PROC_UTIL plays other
  * drivers: "off" (not supported), "mps" (everything attributed to the
  * co-tenant's pid, as an MPS server would be), "device" (every process
@@ -493,6 +495,7 @@ static void proc_window(uint64_t t, uint64_t k)
     unsigned n = env_uint("FAKE_GPU_COTENANTS", 1);
     if (!n) n = 1;
     for (unsigned i = 0; i < n; i++) proc_sample(other + i, theirs / n);
+    proc_sample((unsigned)getpid(), env_uint("FAKE_GPU_COTENANT_SELF_PCT", 0));
     proc_device = cotenant() ? 100 : mine;
 }
 
