@@ -9,8 +9,8 @@
 
 /* ---- arrays --------------------------------------------------------------- */
 
-/* Bytes per element: the listed formats exactly, any other (block-compressed,
- * YUV, ...) at 4 bytes per channel, which is never less than it needs.  The normalized
+/* Bytes per element of the formats whose elements are texels of whole bytes: the listed ones
+ * exactly, any other at 4 bytes per channel, which is never less than it needs.  The normalized
  * formats name their channels (UNORM_INT8X4: four of a byte), at least NumChannels: at 4 bytes
  * a channel an 8192 x 8192 UNORM_INT8X4 array was charged 1 GiB for 256 MiB
  * (`test_memory.py -k normalized_formats`) */
@@ -42,9 +42,57 @@ static uint64_t mul_sat(uint64_t a, uint64_t b)
     return b && a > UINT64_MAX / b ? UINT64_MAX : a * b;
 }
 
+/* Block-compressed formats (CUDA 11.5): Width and Height count texels, stored in blocks of
+ * 4 x 4 of 8 bytes (BC1, BC4: half a byte a texel) or 16 (BC2, BC3, BC5, BC6H, BC7: one byte);
+ * 0 for another format.  At 4 bytes a channel a 4096 x 4096 BC1 texture (8 MiB) was charged
+ * 256 MiB (`test_memory.py -k compressed_and_yuv`) */
+static unsigned block_bytes(CUarray_format format)
+{
+    switch (format) {
+    case 0x91: case 0x92: case 0x97: case 0x98: return 8; /* BC1 (sRGB), BC4 (signed) */
+    case 0x93: case 0x94: case 0x95: case 0x96: case 0x99: case 0x9a: case 0x9b: case 0x9c: case 0x9d:
+    case 0x9e: return 16;
+    default: return 0;
+    }
+}
+
+/* The YUV formats: bytes a pixel of the luma (or of the packed pixel), and of each chroma pair
+ * (U and V together) with the chroma's subsampling across and down (4:2:0 halves both, 4:2:2
+ * the width); 10- and 12-bit samples take 16-bit words.  0 for another format.  At 4 bytes a
+ * channel a 3-channel 1920 x 1080 NV12 frame (3.0 MiB) was charged 23.7 MiB */
+struct yuv_layout {
+    unsigned luma, pair, across, down;
+};
+
+static int yuv_layout(CUarray_format format, struct yuv_layout *y)
+{
+    switch (format) {
+    case 0xb0: *y = (struct yuv_layout){1, 2, 2, 2}; return 1;             /* NV12 */
+    case 0x9f: case 0xa1: *y = (struct yuv_layout){2, 4, 2, 2}; return 1; /* P010, P016 */
+    case 0xa2: *y = (struct yuv_layout){1, 2, 2, 1}; return 1;             /* NV16 */
+    case 0xa3: case 0xa4: *y = (struct yuv_layout){2, 4, 2, 1}; return 1; /* P210, P216 */
+    case 0xa5: *y = (struct yuv_layout){2, 0, 1, 1}; return 1;             /* YUY2: Y and U or V */
+    case 0xa6: case 0xa7: *y = (struct yuv_layout){4, 0, 1, 1}; return 1; /* Y210, Y216 */
+    case 0xa8: case 0xa9: *y = (struct yuv_layout){4, 0, 1, 1}; return 1; /* AYUV, Y410 (one word) */
+    case 0xb1: *y = (struct yuv_layout){8, 0, 1, 1}; return 1;             /* Y416 */
+    case 0xb2: case 0xb4: *y = (struct yuv_layout){3, 0, 1, 1}; return 1; /* 4:4:4 8-bit planes */
+    case 0xb3: case 0xb5: *y = (struct yuv_layout){6, 0, 1, 1}; return 1; /* 4:4:4 10/16-bit planes */
+    default: return 0;
+    }
+}
+
 static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned ch)
 {
-    return mul_sat(mul_sat(mul_sat(w ? w : 1, h ? h : 1), d ? d : 1), element_bytes(f, ch));
+    uint64_t width = w ? w : 1, height = h ? h : 1, depth = d ? d : 1;
+    unsigned block = block_bytes(f);
+    struct yuv_layout y;
+    if (block) return mul_sat(mul_sat(mul_sat((width + 3) / 4, (height + 3) / 4), depth), block);
+    if (yuv_layout(f, &y)) {
+        uint64_t plane = mul_sat(mul_sat(width, height), y.luma);
+        uint64_t chroma = mul_sat(mul_sat((width + y.across - 1) / y.across, (height + y.down - 1) / y.down), y.pair);
+        return mul_sat(gs_add_sat(plane, chroma), depth);
+    }
+    return mul_sat(mul_sat(mul_sat(width, height), depth), element_bytes(f, ch));
 }
 
 /* Sparse arrays and arrays with deferred mapping get no memory at creation:

@@ -67,6 +67,32 @@ def test_normalized_formats_are_charged_their_element_size(lab, fmt, channels):
     assert res.values("meminfo")[0] == GIB - 3 * 8192 * 8192 * elem
 
 
+def texels_in_blocks(w: int, h: int, levels: int, block: int) -> int:
+    """A block-compressed mipmap's bytes: each level in 4 x 4 texel blocks of `block` bytes."""
+    return sum(-(-max(w >> lv, 1) // 4) * -(-max(h >> lv, 1) // 4) * block for lv in range(levels))
+
+
+@pytest.mark.parametrize(("fmt", "channels", "w", "h", "levels", "size"), [
+    ("0x91", "4", 4096, 4096, 3, texels_in_blocks(4096, 4096, 3, 8)),  # BC1: half a byte a texel
+    ("0x97", "1", 4096, 4096, 1, texels_in_blocks(4096, 4096, 1, 8)),  # BC4
+    ("0x9d", "4", 4098, 4098, 13, texels_in_blocks(4098, 4098, 13, 16)),  # BC7, partial blocks
+    ("0xb0", "3", 1920, 1080, 1, 1920 * 1080 * 3 // 2),  # NV12: a luma plane and a half-height UV one
+    ("0x9f", "3", 1920, 1080, 1, 1920 * 1080 * 3),  # P010: the same in 16-bit words
+    ("0xa5", "2", 1920, 1080, 1, 1920 * 1080 * 2),  # YUY2: packed 4:2:2
+], ids=["bc1-mips", "bc4", "bc7-odd", "nv12", "p010", "yuy2"])
+def test_compressed_and_yuv_formats_are_charged_what_they_hold(lab, fmt, channels, w, h, levels, size):
+    # Width and Height count texels (pixels); BC formats store 4 x 4 blocks of 8 or 16 bytes, YUV
+    # ones subsampled chroma.  At 4 bytes a channel a 4096 x 4096 BC1 texture (8 MiB) was charged
+    # 256 MiB, the third of three refused under a 512 MiB cap
+    array = ["mipmap3d", str(w), str(h), "0", "0", str(levels), fmt, channels]
+    res = lab.run("init", "ctx", "0", *array * 3, "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="512m")
+    assert [rc for rc, _ in res.of("mipmap3d")] == [0, 0, 0], res.stderr
+    assert res.values("phys") == [3 * size]
+    # the driver's figure is in 2 MiB pages: the reconcile may charge what they hold beyond the size
+    pages = -(-size // (2 * MIB)) * 2 * MIB
+    assert 3 * size <= 512 * MIB - res.values("meminfo")[0] <= 3 * pages
+
+
 def test_a_sparse_array_is_not_charged_for_memory_it_does_not_have(lab):
     # its pages come later from cuMemCreate allocations (charged there) mapped into it
     res = lab.run("init", "ctx", "0", "sparse3d", "2048", "2048", "512", "meminfo", "phys", "free", "0",

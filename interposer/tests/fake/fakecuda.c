@@ -2368,12 +2368,33 @@ static uint64_t elem_bytes(int format, unsigned ch)
     return per * (ch ? ch : 1);
 }
 
+/* The memory an array level takes, unpadded: block-compressed formats in 4 x 4 texel blocks
+ * (8 bytes for BC1/BC4, else 16), YUV formats by their planes (in eighths of a byte a pixel:
+ * NV12 is 12/8, 4:2:0 16-bit P0xx 24/8, ...), any other by elem_bytes. */
+static uint64_t level_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, uint64_t w, uint64_t h, uint64_t dd)
+{
+    static const struct { int format; unsigned eighths; } yuv[] = {
+        {0xb0, 12}, {0x9f, 24}, {0xa1, 24}, {0xa2, 16}, {0xa3, 32}, {0xa4, 32}, {0xa5, 16}, {0xa6, 32},
+        {0xa7, 32}, {0xa8, 32}, {0xa9, 32}, {0xb1, 64}, {0xb2, 24}, {0xb3, 48}, {0xb4, 24}, {0xb5, 48},
+    };
+    int f = (int)d->Format;
+    w = w ? w : 1, h = h ? h : 1, dd = dd ? dd : 1;
+    if (f >= 0x91 && f <= 0x9e) {
+        uint64_t block = (f <= 0x92 || f == 0x97 || f == 0x98) ? 8 : 16;
+        return ((w + 3) / 4) * ((h + 3) / 4) * dd * block;
+    }
+    for (size_t i = 0; i < sizeof(yuv) / sizeof(yuv[0]); i++)
+        if (yuv[i].format == f) return w * h * dd * yuv[i].eighths / 8; /* even sizes only */
+    return w * h * dd * elem_bytes(f, d->NumChannels);
+}
+
 API CUresult cuArrayCreate_v2(CUarray *h, const CUDA_ARRAY_DESCRIPTOR *d)
 {
     FAIL_POINT("cuArrayCreate_v2");
     NEED_CTX();
     if (!h || !d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
-    uint64_t bytes = (uint64_t)d->Width * (d->Height ? d->Height : 1) * elem_bytes(d->Format, d->NumChannels);
+    CUDA_ARRAY3D_DESCRIPTOR d3 = {d->Width, d->Height, 1, d->Format, d->NumChannels, 0};
+    uint64_t bytes = level_bytes(&d3, d->Width, d->Height, 1);
     CUresult rc = alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
     (void)fail_check("cuArrayCreate_v2After"); /* FAKE_CUDA_SLEEP: still inside, the memory taken */
     return rc;
@@ -2384,8 +2405,7 @@ API CUresult cuArray3DCreate_v2(CUarray *h, const CUDA_ARRAY3D_DESCRIPTOR *d)
     FAIL_POINT("cuArray3DCreate_v2");
     NEED_CTX();
     if (!h || !d || !d->Width) return CUDA_ERROR_INVALID_VALUE;
-    uint64_t bytes = (uint64_t)d->Width * (d->Height ? d->Height : 1) * (d->Depth ? d->Depth : 1) *
-                     elem_bytes(d->Format, d->NumChannels);
+    uint64_t bytes = level_bytes(d, d->Width, d->Height, d->Depth);
     if (d->Flags & 0xc0) bytes = 0; /* sparse or deferred mapping: memory comes from cuMemMapArrayAsync */
     return alloc_new(K_ARRAY, bytes, current->pdev, NULL, h, 1);
 }
@@ -2423,7 +2443,7 @@ API CUresult cuMipmappedArrayCreate(CUmipmappedArray *h, const CUDA_ARRAY3D_DESC
     for (unsigned l = 0; l < levels; l++) {
         /* layers and cube faces do not shrink with the level, a 3D array's depth does */
         uint64_t w = d->Width >> l, hh = d->Height >> l, dd = d->Flags & 0x05 ? d->Depth : d->Depth >> l;
-        bytes += (w ? w : 1) * (hh ? hh : 1) * (dd ? dd : 1) * elem_bytes(d->Format, d->NumChannels);
+        bytes += level_bytes(d, w, hh, dd);
     }
     if (d->Flags & 0xc0) bytes = 0;
     return alloc_new(K_MIPMAP, bytes, current->pdev, NULL, h, 1);
