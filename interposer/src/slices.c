@@ -351,7 +351,7 @@ static void sample_slot(CUdevice dev, int slot, nvmlDevice_t h)
      * was taken for ours and the factor learnt from its share: from a 2 % one, 45.7 % of the
      * GPU at a 30 % limit; test_throttle.py -k pid_equal_to_ours) */
     if (!pid && gs_getpid_trusted()) pid = (unsigned)getpid();
-    if (pid) gs_region_note_host_pid(pid);
+    gs_region_note_host_pid(pid); /* 0: not known (a getpid() noted before is no longer trusted) */
     unsigned n = GS_SLICE_SAMPLES;
     nvmlReturn_t rc = gs_nvml.nvmlDeviceGetProcessUtilization
                           ? gs_nvml.nvmlDeviceGetProcessUtilization(h, buf, &n, st->last_seen)
