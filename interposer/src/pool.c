@@ -566,7 +566,9 @@ GS_EXPORT CUresult cuStreamDestroy(CUstream hStream)
     gs_cuda_init();
     if (!gs_cuda.cuStreamDestroy) return CUDA_ERROR_NOT_SUPPORTED;
     stream_destroying(hStream);
-    return gs_cuda.cuStreamDestroy(hStream);
+    CUresult rc = gs_cuda.cuStreamDestroy(hStream);
+    if (rc == CUDA_SUCCESS) thr_capture_stream_destroyed(hStream);
+    return rc;
 }
 
 GS_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
@@ -574,7 +576,9 @@ GS_EXPORT CUresult cuStreamDestroy_v2(CUstream hStream)
     gs_cuda_init();
     if (!gs_cuda.cuStreamDestroy_v2) return CUDA_ERROR_NOT_SUPPORTED;
     stream_destroying(hStream);
-    return gs_cuda.cuStreamDestroy_v2(hStream);
+    CUresult rc = gs_cuda.cuStreamDestroy_v2(hStream);
+    if (rc == CUDA_SUCCESS) thr_capture_stream_destroyed(hStream);
+    return rc;
 }
 
 /* A context went: its streams' frees went with it (under the context lock) */

@@ -2084,12 +2084,16 @@ int main(int argc, char **argv)
             typedef uint64_t (*kns_t)(void);
             kns_t run_ns = (kns_t)dlsym(libcuda, "fake_cuda_kernel_run_ns");
             printf("ran 0 %llu %llu\n", (unsigned long long)(run_ns ? run_ns() : 0), (unsigned long long)now_ns());
-        } else if (!strcmp(c, "hold") || !strcmp(c, "holdg") || !strcmp(c, "unhold")) {
+        } else if (!strcmp(c, "hold") || !strcmp(c, "holdg") || !strcmp(c, "unhold") || !strcmp(c, "holdgone")) {
             /* hold MODE: a capture begun on a stream of its own and left open (MODE 0 global,
              * 1 thread-local, 2 relaxed); holdg MODE: the same into a graph of the program's
-             * (cuStreamBeginCaptureToGraph); unhold: its end */
+             * (cuStreamBeginCaptureToGraph); unhold: its end; holdgone: its stream destroyed
+             * instead (cuStreamDestroy_v2), the capture never ended */
             static CUstream hs;
-            if (strcmp(c, "unhold") != 0) {
+            if (!strcmp(c, "holdgone")) {
+                printf("holdgone %d\n", hs ? api.cuStreamDestroy_v2(hs) : CUDA_ERROR_INVALID_VALUE);
+                hs = NULL;
+            } else if (strcmp(c, "unhold") != 0) {
                 CUgraph into = NULL;
                 CUresult rc = hs ? CUDA_SUCCESS : api.cuStreamCreate(&hs, 1);
                 if (rc == CUDA_SUCCESS && c[4] == 'g') rc = api.cuGraphCreate(&into, 0);

@@ -1118,6 +1118,19 @@ def test_a_capture_held_open_does_not_lift_the_limit(release_lab, mode, before):
     assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
 
 
+@pytest.mark.parametrize("mode", ["0", "1"], ids=["global", "thread-local"])
+def test_a_capture_whose_stream_is_destroyed_forbids_queries_no_longer(release_lab, mode):
+    # a capture never ended, its stream destroyed (an error path), then 2 ms kernels with no
+    # NVML figure to charge unmeasured launches by: the capture stayed counted for good, every
+    # launch went unmeasured and unpaced
+    res = release_lab.run("init", "ctx", "0", "hold", mode, "holdgone", "bench", "1", "own", "ran", "bench", "4",
+                          "own", "ran", CUDA_DEVICE_SM_LIMIT="30", FAKE_CUDA_KERNEL_US="2000",
+                          FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_PROC_UTIL="off")
+    assert res.rc("hold") == 0 and res.rc("holdgone") == 0
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
+
+
 @pytest.mark.parametrize("mode", ["0", "1", "2"], ids=["global", "thread-local", "relaxed"])
 def test_a_capture_into_the_programs_graph_is_counted_as_any_other(release_lab, mode):
     # cuStreamBeginCaptureToGraph (CUDA 12.3+) held open in a green context, then begun again on

@@ -117,10 +117,13 @@ API CUresult cuStreamGetDevice(CUstream s, CUdevice *d)
     return CUDA_SUCCESS;
 }
 
+static void capture_gone(struct fake_stream *st);
+
 API CUresult cuStreamDestroy_v2(CUstream s)
 {
     FAIL_POINT("cuStreamDestroy_v2");
     if (!s || s == (CUstream)0x1 || s == CU_STREAM_PER_THREAD) return CUDA_ERROR_INVALID_VALUE;
+    capture_gone(stream_of(s, 0)); /* a capture in progress goes with its stream */
     pthread_mutex_lock(&mu);
     struct fake_pool *all[FAKE_ALL_POOLS];
     int n = all_pools(all);
@@ -195,6 +198,19 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
 API CUresult cuStreamBeginCapture(CUstream s)
 {
     return cuStreamBeginCapture_v2(s, 0);
+}
+
+/* A capturing stream destroyed: its capture forbids nothing from then on (whether the real
+ * driver allows the destroy is not documented; where it does, the capture cannot outlive it) */
+static void capture_gone(struct fake_stream *st)
+{
+    if (!st->capturing) return;
+    if (st->capture_mode == 0 && !__atomic_sub_fetch(&global_captures, 1, __ATOMIC_ACQ_REL))
+        __atomic_store_n(&capture_invalidated, 0, __ATOMIC_RELEASE);
+    if (st->capture_mode == 1 && local_captures > 0 && !--local_captures) local_invalidated = 0;
+    st->capturing = 0;
+    if (!st->to_graph) free(st->graph);
+    st->graph = NULL;
 }
 
 API CUresult cuStreamEndCapture(CUstream s, void **graph)
