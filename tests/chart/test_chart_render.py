@@ -47,6 +47,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "RBAC managed elsewhere": {"rbac": {"create": False}},
     "annotation guard off": {"annotationGuard": {"enabled": False}},
     "pods without GPUs see none": {"podsWithoutGpus": {"hideGpus": True}},
+    "images pinned by digest": {
+        "webhook": {"image": {"digest": "sha256:" + "1" * 64}},
+        "scheduler": {"image": {"tag": "v1.30.2", "digest": "sha256:" + "2" * 64}},
+        "agent": {"image": {"repository": "mirror.example:5000/gpuslice/agent",
+                            "digest": "sha256:" + "3" * 64}}},
 }
 # Rendered for the oldest supported release, one with matchConditions on by default, newest.
 KUBE_VERSIONS = (kubeschema.OLDEST, "1.28.0", kubeschema.NEWEST)

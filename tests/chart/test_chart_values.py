@@ -85,12 +85,32 @@ def test_schema_declares_every_value_with_a_type_and_forbids_unknown_keys() -> N
     ({"podsWithoutGpus": {"failurePolicy": "Maybe"}}, "/podsWithoutGpus/failurePolicy"),
     ({"annotationGuard": {"enable": True}}, "enable"),
     ({"surprise": 1}, "surprise"),
+    # a digest goes in image.digest, not in the tag or the repository
+    ({"webhook": {"image": {"tag": "0.1.0@sha256:" + "a" * 64}}}, "/webhook/image/tag"),
+    ({"agent": {"image": {"repository": "ghcr.io/gpuslice/agent@sha256:" + "a" * 64}}},
+     "/agent/image/repository"),
 ])
 def test_schema_rejects_bad_values_naming_them(values: dict[str, Any], message: str,
                                                render_raw: Any) -> None:
     code, _, err = render_raw(values)
     assert code != 0
     assert "schema" in err and message in err, err
+
+
+@pytest.mark.parametrize(("section", "digest"), [
+    ("webhook", "sha256:abc"),  # too short
+    ("scheduler", "sha256:" + "A" * 64),  # upper-case hex: registries write lower case
+    ("agent", "@sha256:" + "a" * 64),  # the separator belongs to the rendering
+    ("webhook", "sha512:" + "a" * 128),  # only sha256 digests are pinned
+    ("scheduler", "a" * 64),  # no algorithm
+    ("agent", "registry.k8s.io/pause@sha256:" + "a" * 64),  # a whole reference
+])
+def test_a_malformed_digest_is_refused_naming_the_field_and_the_form(
+        section: str, digest: str, render_raw: Any) -> None:
+    code, _, err = render_raw({section: {"image": {"digest": digest}}})
+    assert code != 0
+    assert "schema" in err and f"/{section}/image/digest" in err, err
+    assert "sha256:[a-f0-9]{64}" in err, err
 
 
 @pytest.mark.parametrize(("values", "kube_version", "message"), [

@@ -75,27 +75,47 @@ app.kubernetes.io/part-of: gpuslice
 /etc/gpuslice/tls
 {{- end -}}
 
+{{/*
+An image reference from {repository, tag, digest} and the tag used when none is set:
+repository:tag without a digest (the rendering of every release so far); with one,
+repository:tag@digest when the operator set the tag, else repository@digest. The runtime pulls
+by the digest either way; a tag the operator wrote is kept as the human-readable name, but a
+default tag (appVersion, the cluster's version) is never put beside a digest it may not name.
+*/}}
+{{- define "gpuslice.imageRef" -}}
+{{- $image := .image -}}
+{{- if not $image.digest -}}
+{{- printf "%s:%s" $image.repository (default .defaultTag $image.tag) -}}
+{{- else if $image.tag -}}
+{{- printf "%s:%s@%s" $image.repository $image.tag $image.digest -}}
+{{- else -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "gpuslice.webhookImage" -}}
-{{- printf "%s:%s" .Values.webhook.image.repository (default .Chart.AppVersion .Values.webhook.image.tag) -}}
+{{- include "gpuslice.imageRef" (dict "image" .Values.webhook.image "defaultTag" .Chart.AppVersion) -}}
 {{- end -}}
 
 {{- define "gpuslice.agentImage" -}}
-{{- printf "%s:%s" .Values.agent.image.repository (default .Chart.AppVersion .Values.agent.image.tag) -}}
+{{- include "gpuslice.imageRef" (dict "image" .Values.agent.image "defaultTag" .Chart.AppVersion) -}}
 {{- end -}}
 
 {{/*
 kube-scheduler image: the given tag, else the cluster's own version without a vendor suffix
-(v1.30.4-eks-a737599 -> v1.30.4), which registry.k8s.io publishes for every release.
+(v1.30.4-eks-a737599 -> v1.30.4), which registry.k8s.io publishes for every release. A digest
+without a tag needs no version: the digest names the image.
 */}}
 {{- define "gpuslice.schedulerImage" -}}
-{{- $tag := .Values.scheduler.image.tag -}}
-{{- if not $tag -}}
+{{- $image := .Values.scheduler.image -}}
+{{- $tag := $image.tag -}}
+{{- if not (or $tag $image.digest) -}}
 {{- $tag = regexFind "^v[0-9]+\\.[0-9]+\\.[0-9]+" .Capabilities.KubeVersion.Version -}}
 {{- if not $tag -}}
-{{- fail (printf "scheduler.image.tag: cannot derive it from the cluster version %q; set it" .Capabilities.KubeVersion.Version) -}}
+{{- fail (printf "scheduler.image.tag: cannot derive it from the cluster version %q; set it (or scheduler.image.digest)" .Capabilities.KubeVersion.Version) -}}
 {{- end -}}
 {{- end -}}
-{{- printf "%s:%s" .Values.scheduler.image.repository $tag -}}
+{{- include "gpuslice.imageRef" (dict "image" $image "defaultTag" $tag) -}}
 {{- end -}}
 
 {{/* "true" when the MutatingWebhookConfiguration carries matchConditions. */}}
