@@ -43,7 +43,10 @@ ORDER = ("test_memory.py::test_largest_allocation_within_context_footprint_of_ca
          "test_compute.py::test_sm_limit_excludes_copies_between_kernels", "test_compute.py",
          # new on 2026-12-05: what NVML counts of an imported VMM handle, and whether memsets
          # take SM time (a few seconds each)
-         "test_vmm.py", "test_memset.py")
+         "test_vmm.py", "test_memset.py",
+         # new on 2026-12-07: what the driver takes for BC1, BC7 and NV12 arrays against their
+         # charge (two gpubench runs, a few seconds)
+         "test_arrays.py")
 _state = {"recording": False}
 _setup_s: dict[str, float] = {}
 

@@ -4,7 +4,7 @@ harness's children and deadline, gpubench, the NVML watches, the agent's outside
 summary and the files under ``$OUT``) is rehearsed here on every CI run, every row of it, in two
 runs of the script:
 
-- the memory, view, process, stream-ordered pool and cost rows: their workloads are gpubench
+- the memory, view, process, stream-ordered pool, array and cost rows: their workloads are gpubench
   (the C driver-API tool) and the fills of PyTorch, CuPy and JAX, played here by ``tests/gpu/rehearsal``'s
   stand-ins, which take memory through the driver API as those frameworks' allocators do
   (PyTorch's expandable segments through ``cuMemCreate`` pages); ``nvidia-smi`` is a stand-in
@@ -40,12 +40,13 @@ STANDINS = {"PYTHONPATH": str(REHEARSAL), "GPUCHECK_REHEARSAL": "1"}
 """The stand-in frameworks on the children's path, and the switch that lets them load."""
 TESTS = ["tests/gpu/test_memory.py", "tests/gpu/test_views.py", "tests/gpu/test_processes.py",
          "tests/gpu/test_usage.py", "tests/gpu/test_overhead.py", "tests/gpu/test_vmm.py",
-         "tests/gpu/test_pidns.py", "tests/gpu/test_pool.py"]
+         "tests/gpu/test_pidns.py", "tests/gpu/test_pool.py", "tests/gpu/test_arrays.py"]
 """Every test but the compute rows'."""
 FUNCTIONAL = {"outside_usage", "oom_torch", "graph_memory", "legacy_entry_points", "green_ctx",
               "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
               "jax_default", "process_views", "memory_percent", "limits_file", "smi_view",
-              "two_procs", "race", "outside_check", "ipc_import", "vmm_import", "pool_async"}
+              "two_procs", "race", "outside_check", "ipc_import", "vmm_import", "pool_async",
+              "array_sizes"}
 """Rows whose verdict the fake decides as a GPU would (caps, refusals, views, NVML per process;
 the fake's IPC import takes no memory of its own, which is what ipc_import asks of the real
 driver). The launch and alloc+free costs are the fake's own (a 250 ns fake launch, a 2 µs fake
@@ -186,6 +187,15 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
     filled = next(m["data"] for m in report["measured"] if m.get("check") == "pool_async")
     assert filled["result"]["counts"] == [27, 0, 0, 0], filled["result"]
     assert filled["result"]["used_after"] == 300 == filled["result"]["used_before"], filled
+    # the arrays' sizes: the fake takes for each format what the library charges (its sizing
+    # model is the library's), the NV12 frame's 11.9 MiB charged as 12 (whole 2 MiB pages)
+    assert rows["array_sizes"]["value"] == (
+        "charged/real MiB: FLOAT_X4 256.0/256.0 (1.00x), BC1_UNORM 8.0/8.0 (1.00x), "
+        "BC7_UNORM 16.0/16.0 (1.00x), NV12 12.0/11.9 (1.01x)"), rows["array_sizes"]
+    arrays = next(m["data"] for m in report["measured"] if m.get("check") == "array_sizes")
+    assert [(f["name"], f["real_bytes"]) for f in arrays["formats"]] == [
+        ("FLOAT_X4", 4096 * 4096 * 16), ("BC1_UNORM", 1024 * 1024 * 8),
+        ("BC7_UNORM", 1024 * 1024 * 16), ("NV12", 3840 * 2160 * 3 // 2)], arrays["formats"]
     # the script's own nvidia-smi query (the stand-in, no library: the whole fake GPU)
     assert f"Fake GPU 0, {UUID_A}, 580.00.00-fake, 16384 MiB, 0 MiB" in log
     assert report["versions"]["gpubench"]["build"]  # how gpubench was built, for the record

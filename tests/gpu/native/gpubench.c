@@ -51,6 +51,12 @@
  *                                         passes the view's total: no cap)
  *                                         (graph, green and poolfill hold their peak for
  *                                         250 ms, so that the parent's outside NVML watch sees it)
+ *   gpubench arrays                       one cuArray3DCreate_v2 array each of float x 4,
+ *                                         BC1_UNORM, BC7_UNORM (4096 x 4096 texels) and NV12
+ *                                         (3840 x 2160), all held to the end: cuMemGetInfo's
+ *                                         used bytes before and after each creation (without the
+ *                                         library the driver's own figure, with it the charge),
+ *                                         the refusals, then after all are destroyed
  *
  * Benchmarks print one line "RESULT {json}"; errors go to stderr with exit status 2.
  */
@@ -80,6 +86,12 @@ typedef struct {
     char reserved[64];
 } CUipcMemHandle;
 typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUarray_st *CUarray;
+typedef struct {
+    size_t Width, Height, Depth;
+    int Format; /* CUarray_format */
+    unsigned int NumChannels, Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
 typedef struct {
     int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
     int id;
@@ -133,6 +145,8 @@ typedef struct {
     X(CUresult, cuMemPoolGetAttribute, (CUmemoryPool pool, int attr, void *value))       \
     X(CUresult, cuMemPoolSetAttribute, (CUmemoryPool pool, int attr, void *value))       \
     X(CUresult, cuMemPoolTrimTo, (CUmemoryPool pool, size_t keep))                       \
+    X(CUresult, cuArray3DCreate_v2, (CUarray * array, const CUDA_ARRAY3D_DESCRIPTOR *desc)) \
+    X(CUresult, cuArrayDestroy, (CUarray array))                                         \
     X(CUresult, cuGetErrorName, (CUresult err, const char **name))
 
 /* Needed by serve's ipcget / ipcopen and vmmexport / vmmimport only: a driver without them
@@ -970,6 +984,59 @@ static int cmd_poolfill(const double *mib, int n)
     return 0;
 }
 
+/* The arrays `arrays` makes (cuda.h's CUarray_format codes): a 4-channel float array, whose
+ * size no one doubts, beside the formats whose size the library computes from its own reading
+ * of their layout (interposer/src/arrays.c): block-compressed ones in 4 x 4 blocks of 8 bytes
+ * (BC1) or 16 (BC7) with Width and Height counting texels, and NV12's two planes (1.5 bytes a
+ * pixel); the channel counts are those the runtime's channel descriptors give them. */
+static const struct {
+    const char *name;
+    int format;
+    unsigned channels;
+    size_t width, height;
+} ARRAYS[] = {
+    {"FLOAT_X4", 0x20, 4, 4096, 4096},  /* 256 MiB */
+    {"BC1_UNORM", 0x91, 4, 4096, 4096}, /* 8 MiB, texels; 128 MiB were they blocks */
+    {"BC7_UNORM", 0x9d, 4, 4096, 4096}, /* 16 MiB, texels; 256 MiB were they blocks */
+    {"NV12", 0xb0, 3, 3840, 2160},      /* 11.9 MiB */
+};
+enum { N_ARRAYS = sizeof(ARRAYS) / sizeof(ARRAYS[0]) };
+
+/* Each array is held until all are made, so that none is placed in memory another one gave
+ * back; a small float array made and destroyed first takes whatever the driver sets up at a
+ * process's first array. */
+static int cmd_arrays(void)
+{
+    CUarray held[N_ARRAYS] = {0}, warm = NULL;
+    CUresult rc[N_ARRAYS];
+    long long grew[N_ARRAYS];
+    open_device();
+    CUDA_ARRAY3D_DESCRIPTOR d = {256, 256, 0, 0x20, 1, 0};
+    CUresult warm_rc = CALL(cuArray3DCreate_v2)(&warm, &d);
+    if (warm_rc == 0) check(CALL(cuArrayDestroy)(warm), "cuArrayDestroy");
+    size_t start = view_used();
+    for (int i = 0; i < N_ARRAYS; i++) {
+        CUDA_ARRAY3D_DESCRIPTOR a = {ARRAYS[i].width, ARRAYS[i].height, 0, ARRAYS[i].format,
+                                     ARRAYS[i].channels, 0};
+        size_t before = view_used();
+        rc[i] = CALL(cuArray3DCreate_v2)(&held[i], &a);
+        grew[i] = (long long)view_used() - (long long)before;
+    }
+    size_t peak = view_used();
+    for (int i = 0; i < N_ARRAYS; i++)
+        if (rc[i] == 0) check(CALL(cuArrayDestroy)(held[i]), "cuArrayDestroy");
+    check(CALL(cuCtxSynchronize)(), "cuCtxSynchronize");
+    size_t end = view_used();
+    printf("RESULT {\"warmup_rc\": %d, \"arrays\": [", warm_rc);
+    for (int i = 0; i < N_ARRAYS; i++)
+        printf("%s{\"name\": \"%s\", \"format\": %d, \"channels\": %u, \"width\": %zu, "
+               "\"height\": %zu, \"rc\": %d, \"error\": \"%s\", \"grew\": %lld}",
+               i ? ", " : "", ARRAYS[i].name, ARRAYS[i].format, ARRAYS[i].channels, ARRAYS[i].width,
+               ARRAYS[i].height, rc[i], rc[i] ? error_name(rc[i]) : "CUDA_SUCCESS", grew[i]);
+    printf("], \"used_start\": %zu, \"used_peak\": %zu, \"used_end\": %zu}\n", start, peak, end);
+    return 0;
+}
+
 /* "64,16,4,1": whole MiB, each > 0, at most MAX_SIZES of them; the count, or 0 if malformed. */
 static int parse_sizes(const char *text, double *mib)
 {
@@ -993,7 +1060,7 @@ static int usage(void)
 {
     fprintf(stderr, "usage: gpubench info | serve | launch LAUNCHES REPS BATCH | "
                     "allocfree BYTES PAIRS REPS | memset MIB MS | legacy MIB | graph MIB | green MIB | "
-                    "poolgrow MIB,MIB,... | poolfill MIB,MIB,...\n");
+                    "poolgrow MIB,MIB,... | poolfill MIB,MIB,... | arrays\n");
     return 64;
 }
 
@@ -1040,6 +1107,8 @@ int main(int argc, char **argv)
             return usage();
         return cmd_green((size_t)mib);
     }
+    if (argc == 2 && strcmp(argv[1], "arrays") == 0)
+        return cmd_arrays();
     if (argc == 3 && (strcmp(argv[1], "poolgrow") == 0 || strcmp(argv[1], "poolfill") == 0)) {
         double mib[MAX_SIZES];
         int n = parse_sizes(argv[2], mib);
