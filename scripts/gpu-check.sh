@@ -87,7 +87,7 @@ main() {
     echo "read NVML through pynvml (no NVIDIA GPU or driver there: every check skips)"
   fi
   echo "== tests: $PY -m pytest tests/gpu --gpu"
-  # without these no row can run: said once here rather than by 39 collection errors
+  # without these no row can run: said once here rather than by a collection error per row
   local missing
   missing=$("$PY" -c 'import importlib.util as u
 print(" ".join(m for m in ("pytest", "pynvml") if u.find_spec(m) is None))' 2>/dev/null) ||
