@@ -114,7 +114,9 @@ static struct {
 } g_lim;
 static pthread_once_t g_lim_once = PTHREAD_ONCE_INIT;
 
-/* The names the file decides: the limits (indexed or not) and the region path. */
+/* The names the file decides: the limits (indexed or not) and the region path.  -1 for an index
+ * with a leading zero (CUDA_DEVICE_MEMORY_LIMIT_00): a limit name, but one no reader asks for
+ * (they ask for _0), so its limit would be dropped. */
 static int is_limit_name(const char *name, size_t len)
 {
     static const char *const exact[] = {"CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT",
@@ -125,7 +127,7 @@ static int is_limit_name(const char *name, size_t len)
         if (i < 2 && len > k + 1 && !memcmp(name, exact[i], k) && name[k] == '_') {
             size_t d = k + 1;
             while (d < len && isdigit((unsigned char)name[d])) d++;
-            if (d == len) return 1;
+            if (d == len) return name[k + 1] == '0' && len > k + 2 ? -1 : 1;
         }
     }
     return 0;
@@ -169,11 +171,16 @@ static void parse_limits(char *text)
         while (nlen && isspace((unsigned char)s[nlen - 1])) nlen--;
         const char *value = eq + 1;
         while (isspace((unsigned char)*value)) value++;
-        if (!is_limit_name(s, nlen)) {
+        int known = is_limit_name(s, nlen);
+        if (!known) {
             /* a name a newer webhook may write: skipped, the rest applies */
             GS_ERROR("%s line %u: ignoring '%.*s' (not one of CUDA_DEVICE_MEMORY_LIMIT[_<i>], GPUSLICE_MEMORY_PERCENT, "
                      "CUDA_DEVICE_SM_LIMIT[_<i>], CUDA_DEVICE_MEMORY_SHARED_CACHE)",
                      g_lim.path, line, (int)(nlen < 64 ? nlen : 64), s);
+            continue;
+        }
+        if (known < 0) {
+            distrust("line %u names a device index with a leading zero", line);
             continue;
         }
         if (nlen >= sizeof(g_lim.e[0].name) || strlen(value) >= sizeof(g_lim.e[0].value)) {
@@ -193,6 +200,8 @@ static void parse_limits(char *text)
     }
 }
 
+static int parse_percent(const char *text, uint64_t *out);
+
 /* Every value the way its reader will take it: one the reader would skip (and fall back to no
  * limit) must not reach it. */
 static void check_values(void)
@@ -200,15 +209,15 @@ static void check_values(void)
     for (unsigned i = 0; i < g_lim.n && !g_lim.broken[0]; i++) {
         const char *name = g_lim.e[i].name, *v = g_lim.e[i].value;
         uint64_t n = 0;
-        char *end = NULL;
         int ok;
         if (!strncmp(name, "CUDA_DEVICE_MEMORY_LIMIT", 24)) {
             ok = gs_parse_size(v, &n) == 0 && n > 0;
         } else if (!strcmp(name, "GPUSLICE_MEMORY_PERCENT")) {
             ok = gs_parse_size(v, &n) == 0 && n >= 1 && n <= 100;
         } else if (!strncmp(name, "CUDA_DEVICE_SM_LIMIT", 20)) {
-            long pct = strtol(v, &end, 10);
-            ok = isdigit((unsigned char)*v) && end && *end == '\0' && pct >= 0 && pct <= 100; /* no sign */
+            /* its reader's own parse (a check of its own took 40 zeros and 30 for 30, which the
+             * reader skipped: no compute limit), without the sign or '%' the webhook never writes */
+            ok = isdigit((unsigned char)*v) && !strchr(v, '%') && parse_percent(v, &n) == 0;
         } else {
             ok = v[0] == '/';
         }

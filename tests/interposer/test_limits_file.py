@@ -97,13 +97,21 @@ def test_the_file_is_read_like_the_environment(lab):
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_SM_LIMIT=30%\n", "CUDA_DEVICE_SM_LIMIT has the value '30%'"),
     # strtol's sign: the check took '+30' for 30, the reader for no compute limit at all
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_SM_LIMIT=+30\n", "CUDA_DEVICE_SM_LIMIT has the value '+30'"),
+    # the check took what its reader skips: 40 zeros and 30 (the reader's buffer holds 31
+    # characters: no compute limit, 1 GiB granted), a per-device name with a leading zero (the
+    # reader asks for _0: the 512 MiB cap was dropped without a word, 1 GiB granted)
+    ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_SM_LIMIT=" + "0" * 40 + "30\n",
+     "CUDA_DEVICE_SM_LIMIT has the value '" + "0" * 40 + "'"),
+    ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_MEMORY_LIMIT_00=512m\n",
+     "line 2 names a device index with a leading zero"),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_MEMORY_LIMIT_0\n", "line 2 is not NAME=VALUE"),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\0\nCUDA_DEVICE_MEMORY_LIMIT_0=512m\n", "it holds a NUL byte"),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\n" + "#" * 4096 + "\n", "it is longer than 4096 bytes"),
     ("".join(f"CUDA_DEVICE_SM_LIMIT_{i}=30\n" for i in range(16)) + "CUDA_DEVICE_MEMORY_LIMIT=1g\n",
      "more than 16 names"),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\nCUDA_DEVICE_MEMORY_SHARED_CACHE=/" + "r" * 300 + "\n", "line 2 is too long"),
-], ids=["empty", "no-memory-name", "bad-size", "bad-percent", "zero", "bad-sm", "signed-sm", "no-equals",
+], ids=["empty", "no-memory-name", "bad-size", "bad-percent", "zero", "bad-sm", "signed-sm", "long-sm",
+        "zero-padded-index", "no-equals",
         "nul", "too-long", "too-many-names", "long-value"])
 def test_a_file_without_a_usable_memory_limit_grants_nothing(lab, text, why, default_region):
     # an empty file is what kubelet writes when the annotation is missing: the whole device
