@@ -176,6 +176,7 @@ static void discover(void)
     }
     fill_limits(devs, n);
     gs_reconcile_margin = gs_env_reconcile_margin();
+    gs_log_report_level();
 
     gs_region_sync(devs, n, 1);
 

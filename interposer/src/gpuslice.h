@@ -34,6 +34,7 @@
 enum { GS_LOG_ERROR = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3 };
 extern int gs_log_level;
 void gs_log_init(void);
+void gs_log_report_level(void); /* at the first CUDA call: a LIBCUDA_LOG_LEVEL the constructor ignored */
 void gs_log_write(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* gs_log_defer(1): lines wait (the region lock is held); 0: they are written (gs_log_flush, if
  * any waited).  Inline: every reservation and release takes and gives the region lock, and the

@@ -23,14 +23,26 @@ int gs_log_level = GS_LOG_WARN;
 
 static const char *const level_names[] = {"error", "warning", "info", "debug"};
 
+/* A value the constructor could not use, said at the first CUDA call (gs_log_report_level): the
+ * constructor says nothing, as programs that never touch CUDA must not notice the library */
+static char g_bad_level[24];
+
 void gs_log_init(void)
 {
     const char *v = gs_getenv("LIBCUDA_LOG_LEVEL");
     if (v && *v) {
         char *end = NULL;
         long lvl = strtol(v, &end, 10);
-        if (end && *end == '\0' && lvl >= 0) gs_log_level = lvl > GS_LOG_DEBUG ? GS_LOG_DEBUG : (int)lvl;
+        if (end && *end == '\0' && lvl >= 0 && end != v)
+            gs_log_level = lvl > GS_LOG_DEBUG ? GS_LOG_DEBUG : (int)lvl;
+        else
+            snprintf(g_bad_level, sizeof(g_bad_level), "%s", v);
     }
+}
+
+void gs_log_report_level(void)
+{
+    if (g_bad_level[0]) GS_ERROR("ignoring LIBCUDA_LOG_LEVEL value '%s' (expected 0..3)", g_bad_level);
 }
 
 /* Lines written while the region's lock is held wait here for its unlock (gs_log_defer, inline

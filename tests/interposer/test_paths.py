@@ -195,6 +195,16 @@ def test_programs_that_never_touch_cuda_do_not_notice_the_library(lab, argv):
     assert not lab.region_path.exists()  # no region, no files
 
 
+@pytest.mark.parametrize("value", ["debug", "-1", "2x"])
+def test_a_log_level_the_library_cannot_use_is_said_at_the_first_cuda_call_only(lab, value):
+    # it was ignored without a word; said in the constructor, every `ls` would say it too
+    quiet = lab.run_program(["sh", "-c", "echo hello"], LIBCUDA_LOG_LEVEL=value)
+    assert quiet.returncode == 0 and "gpuslice" not in quiet.stderr
+    res = lab.run("init", "ctx", "0", "alloc", "1m", LIBCUDA_LOG_LEVEL=value, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert res.rc("alloc") == 0
+    assert res.stderr.count(f"ignoring LIBCUDA_LOG_LEVEL value '{value}' (expected 0..3)") == 1, res.stderr
+
+
 @pytest.mark.parametrize("api", ["direct", "dlsym", "procaddr"])
 def test_a_driver_that_looks_up_its_own_functions_through_dlsym_gets_them(lab, api):
     # build/shim/libcuda.so.1 finds cuInit and cuMemAlloc_v2 of the driver it loads through
