@@ -19,7 +19,8 @@ static pthread_mutex_t g_cap_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct capture {
     uint64_t key; /* 0 = free */
     int mode;
-    pid_t tid; /* the thread that began it */
+    pid_t tid;     /* the thread that began it */
+    CUcontext ctx; /* its stream's context (its end ends the capture) */
 } *g_caps;
 static size_t g_ncaps; /* entries allocated */
 static int g_live;     /* entries taken (atomic): a stream's destroy looks only if some are */
@@ -67,12 +68,16 @@ static void capture_begun(CUstream stream, int per_thread, CUstreamCaptureMode m
 {
     struct capture *c = NULL;
     if (rc == CUDA_SUCCESS) {
-        uint64_t key = thr_stream_key(gs_effective_stream(stream, per_thread));
+        CUstream es = gs_effective_stream(stream, per_thread);
+        uint64_t key = thr_stream_key(es);
+        CUcontext ctx = gs_stream_ctx(es); /* NULL for a default stream: the current context's */
+        if (!ctx && gs_cuda.cuCtxGetCurrent && gs_cuda.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS) ctx = NULL;
         pthread_mutex_lock(&g_cap_mu);
         if ((c = capture_free_locked())) {
             c->key = key;
             c->mode = mode;
             c->tid = (pid_t)syscall(SYS_gettid);
+            c->ctx = ctx;
             __atomic_add_fetch(&g_live, 1, __ATOMIC_RELAXED);
         }
         pthread_mutex_unlock(&g_cap_mu);
@@ -103,22 +108,22 @@ static void capture_ended(CUstream stream, int per_thread)
     if (mode >= 0 && mode != CU_STREAM_CAPTURE_MODE_RELAXED && thr_strict_captures > 0) thr_strict_captures--;
 }
 
-/* A stream destroyed (the driver's destroy succeeded) in the middle of a capture: the capture
- * went with it, and no cuStreamEndCapture will come.  It stayed counted for good: every launch
- * of the process (of the thread, thread-local) went unmeasured, unpaced without NVML's figure,
- * 151 % of the fake GPU under 30 % (`test_throttle.py -k stream_is_destroyed`).  Whether a
- * driver lets a capturing stream be destroyed is not documented; if it refuses, nothing is seen
- * here.  A thread-local capture of another thread stays in that thread's count (its counter is
- * its own): that thread's launches stay unmeasured, charged from NVML, as while it captured */
-void thr_capture_stream_destroyed(CUstream s)
+/* The captures of a stream that went, or of every stream of a context that went (ctx set):
+ * no cuStreamEndCapture will come.  They stayed counted for good: every launch of the process
+ * (of the thread, thread-local) went unmeasured, unpaced without NVML's figure, 151 % of the
+ * fake GPU under 30 % (`test_throttle.py -k stream_is_destroyed`, `-k context_is_destroyed`).
+ * Whether a driver lets a capturing stream be destroyed is not documented; if it refuses,
+ * nothing is seen here.  A thread-local capture of another thread stays in that thread's count
+ * (its counter is its own): that thread's launches stay unmeasured, charged from NVML, as while
+ * it captured */
+static void captures_gone(uint64_t key, CUcontext ctx)
 {
     if (!__atomic_load_n(&g_live, __ATOMIC_RELAXED)) return;
-    uint64_t key = thr_stream_key(s);
     pid_t me = (pid_t)syscall(SYS_gettid);
     int global = 0, mine = 0;
     pthread_mutex_lock(&g_cap_mu);
     for (size_t i = 0; i < g_ncaps; i++) {
-        if (g_caps[i].key != key) continue;
+        if (!g_caps[i].key || (ctx ? g_caps[i].ctx != ctx : g_caps[i].key != key)) continue;
         global += g_caps[i].mode == CU_STREAM_CAPTURE_MODE_GLOBAL;
         mine += g_caps[i].mode != CU_STREAM_CAPTURE_MODE_RELAXED && g_caps[i].tid == me;
         g_caps[i].key = 0;
@@ -127,6 +132,16 @@ void thr_capture_stream_destroyed(CUstream s)
     pthread_mutex_unlock(&g_cap_mu);
     if (global) __atomic_sub_fetch(&thr_global_captures, global, __ATOMIC_ACQ_REL);
     thr_strict_captures = thr_strict_captures > mine ? thr_strict_captures - mine : 0;
+}
+
+void thr_capture_stream_destroyed(CUstream s)
+{
+    captures_gone(thr_stream_key(s), NULL);
+}
+
+void thr_capture_ctx_gone(CUcontext ctx)
+{
+    if (ctx) captures_gone(0, ctx);
 }
 
 /* In a child of fork(): the parent's other threads are gone, and with them their captures, the

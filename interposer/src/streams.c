@@ -354,6 +354,7 @@ void gs_launch_forget_ctx(CUcontext ctx)
     thr_mu_lock();
     forget_ctx_locked(ctx);
     thr_mu_unlock();
+    thr_capture_ctx_gone(ctx);
 }
 
 void gs_launch_after_fork_child(void)

@@ -222,6 +222,7 @@ extern int thr_settling; /* contexts being synchronised before their destroy (gs
 extern __thread int thr_t_settling; /* of those, this thread's */
 void thr_capture_after_fork_child(void); /* the parent's captures and settles are not the child's */
 void thr_capture_stream_destroyed(CUstream s); /* its capture, if any, went with it */
+void thr_capture_ctx_gone(CUcontext ctx);      /* its streams' captures went with it */
 
 static inline uint64_t thr_stream_key(CUstream es)
 {

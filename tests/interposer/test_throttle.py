@@ -1131,6 +1131,18 @@ def test_a_capture_whose_stream_is_destroyed_forbids_queries_no_longer(release_l
     assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
 
 
+@pytest.mark.parametrize("mode", ["0", "1"], ids=["global", "thread-local"])
+def test_a_capture_whose_context_is_destroyed_forbids_queries_no_longer(release_lab, mode):
+    # the same with the stream's context destroyed (its streams, and their captures, with it),
+    # then the primary context's launches
+    res = release_lab.run("init", "ctxcreate", "0", "hold", mode, "ctxdestroy", "0", "ctx", "0", "bench", "1",
+                          "own", "ran", "bench", "4", "own", "ran", CUDA_DEVICE_SM_LIMIT="30",
+                          FAKE_CUDA_KERNEL_US="2000", FAKE_CUDA_CAPTURE_STRICT="1", FAKE_NVML_PROC_UTIL="off")
+    assert res.rc("hold") == 0 and res.rc("ctxdestroy") == 0
+    got = ran_share(res)
+    assert abs(got - 30) <= TOLERANCE, f"capture mode {mode}: {got:.1f}%"
+
+
 @pytest.mark.parametrize("mode", ["0", "1", "2"], ids=["global", "thread-local", "relaxed"])
 def test_a_capture_into_the_programs_graph_is_counted_as_any_other(release_lab, mode):
     # cuStreamBeginCaptureToGraph (CUDA 12.3+) held open in a green context, then begun again on

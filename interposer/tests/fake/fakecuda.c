@@ -857,6 +857,7 @@ API CUresult cuGreenCtxDestroy(void *h)
 }
 
 static void ctx_drop(struct fake_ctx *c);
+static void captures_ctx_gone(const struct fake_ctx *c); /* fakelaunch.h */
 static void pools_complete_all(void); /* FAKE_CUDA_POOL_PENDING: every pool's frees complete */
 
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
@@ -1278,6 +1279,7 @@ static void extmems_drop_ctx(struct fake_ctx *c);
 /* Everything a dying context owned goes with it (called with mu held). */
 static void ctx_drop(struct fake_ctx *c)
 {
+    captures_ctx_gone(c); /* its streams went, and their captures with them */
     for (int i = 0; i < MAX_ALLOCS; i++) {
         if (!allocs[i].kind || allocs[i].ctx != c || allocs[i].kind == K_VMM) continue;
         if (allocs[i].kind == K_ARRAY || allocs[i].kind == K_MIPMAP) amap_drop_array(allocs[i].handle);

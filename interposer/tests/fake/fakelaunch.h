@@ -32,6 +32,23 @@ static struct fake_stream *stream_of(CUstream s, int ptsz)
     return (struct fake_stream *)s;
 }
 
+/* The streams capturing now (a context's end ends their captures), under cap_mu */
+#define FAKE_CAPTURING 64
+static pthread_mutex_t cap_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct fake_stream *capturing[FAKE_CAPTURING];
+
+static void capturing_set(struct fake_stream *st, int on)
+{
+    if (st == &legacy_stream || st == &ptds_stream) return; /* no context of their own here */
+    pthread_mutex_lock(&cap_mu);
+    for (int i = 0; i < FAKE_CAPTURING; i++)
+        if (on ? !capturing[i] : capturing[i] == st) {
+            capturing[i] = on ? st : NULL;
+            break;
+        }
+    pthread_mutex_unlock(&cap_mu);
+}
+
 /* Every pool (under mu): each device's default, the host's, the managed one, the program's */
 #define FAKE_ALL_POOLS (FAKE_MAX_DEVS + 2 + 64)
 static int all_pools(struct fake_pool *all[FAKE_ALL_POOLS])
@@ -186,6 +203,7 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
     }
     struct fake_stream *st = stream_of(s, 0);
     st->capturing = 1;
+    capturing_set(st, 1);
     st->capture_mode = mode;
     st->to_graph = 0;
     st->graph = fake_graph_new();
@@ -205,6 +223,7 @@ API CUresult cuStreamBeginCapture(CUstream s)
 static void capture_gone(struct fake_stream *st)
 {
     if (!st->capturing) return;
+    capturing_set(st, 0);
     if (st->capture_mode == 0 && !__atomic_sub_fetch(&global_captures, 1, __ATOMIC_ACQ_REL))
         __atomic_store_n(&capture_invalidated, 0, __ATOMIC_RELEASE);
     if (st->capture_mode == 1 && local_captures > 0 && !--local_captures) local_invalidated = 0;
@@ -213,10 +232,23 @@ static void capture_gone(struct fake_stream *st)
     st->graph = NULL;
 }
 
+/* A context went (under mu): its streams' captures with it */
+static void captures_ctx_gone(const struct fake_ctx *c)
+{
+    struct fake_stream *gone[FAKE_CAPTURING];
+    int n = 0;
+    pthread_mutex_lock(&cap_mu);
+    for (int i = 0; i < FAKE_CAPTURING; i++)
+        if (capturing[i] && capturing[i]->ctx == c) gone[n++] = capturing[i];
+    pthread_mutex_unlock(&cap_mu);
+    for (int i = 0; i < n; i++) capture_gone(gone[i]);
+}
+
 API CUresult cuStreamEndCapture(CUstream s, void **graph)
 {
     struct fake_stream *st = stream_of(s, 0);
     int invalidated = 0;
+    if (st->capturing) capturing_set(st, 0);
     if (st->capturing && st->capture_mode == 0 && !__atomic_sub_fetch(&global_captures, 1, __ATOMIC_ACQ_REL))
         invalidated = __atomic_exchange_n(&capture_invalidated, 0, __ATOMIC_ACQ_REL);
     if (st->capturing && st->capture_mode == 1 && local_captures > 0 && !--local_captures) {
