@@ -24,9 +24,10 @@ from placement.kubeobjects import gpu_node, gpu_pod
 
 from webhook.placement.extender import PLACEMENT_KEY, setup
 from webhook.placement.fit import NoFit, place
+from webhook.placement.inventory import add_usage
 from webhook.placement.preempt import choose_victims
 from webhook.placement.request import PodRequest, pod_request
-from webhook.placement.state import ClusterState, add_usage
+from webhook.placement.state import ClusterState
 from webhook.settings import Settings
 
 GIB = 1024

@@ -8,6 +8,7 @@ The agent writes node annotation ``gpuslice.io/gpus``: a JSON list of
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,14 @@ class Usage:
 
     def is_zero(self) -> bool:
         return not (self.mem or self.cores or self.slices or self.exclusive)
+
+
+def add_usage(usage: dict[str, Usage], demand: Mapping[str, Usage], sign: int) -> None:
+    """Add (``sign`` 1) or take off (-1) ``demand`` in ``usage``, copying what it changes."""
+    for uuid, d in demand.items():
+        u = usage[uuid].copy() if uuid in usage else Usage()
+        u.add(d, sign)
+        usage[uuid] = u
 
 
 def parse_inventory(raw: Any) -> tuple[Gpu, ...]:

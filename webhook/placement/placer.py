@@ -46,6 +46,7 @@ from kubernetes_asyncio import client
 
 from webhook import names
 from webhook.placement.fit import NoFit, Placement, place
+from webhook.placement.holds import Held
 from webhook.placement.model import (
     ExtenderBindingArgs,
     ExtenderBindingResult,
@@ -78,6 +79,8 @@ from webhook.settings import Settings
 logger = logging.getLogger(__name__)
 
 Fit = Placement | NoFit
+_Result = tuple[int, Held | None, Fit]
+"""A cached ``place()`` result: (node version, the hold it was placed beside, result)."""
 
 _POD_CACHE = 4096
 _LEASE_CACHE_S = 1.0
@@ -150,7 +153,7 @@ class Placer:
         """Wall-clock start of this process when an earlier one of its container ran."""
         self.sync: ClusterSync | None = None
         self._pods: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._results: OrderedDict[PodRequest, dict[str, tuple[int, Fit]]] = OrderedDict()
+        self._results: OrderedDict[PodRequest, dict[str, _Result]] = OrderedDict()
         self._inflight: set[str] = set()
         if api is not None:
             self.attach(api)
@@ -213,12 +216,15 @@ class Placer:
             while len(self._pods) > _POD_CACHE:
                 self._pods.popitem(last=False)
 
-    def _results_for(self, req: PodRequest) -> dict[str, tuple[int, Fit]]:
-        """The cached ``place()`` results of ``req`` by node: (node version, result).
+    def _results_for(self, req: PodRequest) -> dict[str, _Result]:
+        """The cached ``place()`` results of ``req`` by node: (node version, hold, result).
 
         ``place`` is pure and a node's version changes with its GPUs or their usage, so a
         result stays right for every pod with the same request: prioritize and bind reuse
         filter's work, and the replicas of a workload reuse each other's on unchanged nodes.
+        Beside the GPUs held for nominated pods, the result is kept with the hold it was placed
+        beside: the state hands out the same hold object while it stays right, and a new one
+        after any change (:meth:`ClusterState.held_usage`).
         """
         per_node = self._results.get(req)
         if per_node is None:
@@ -232,24 +238,23 @@ class Placer:
                     del per_node[name]
         return per_node
 
-    def _place(self, req: PodRequest, node: NodeState,
-               per_node: dict[str, tuple[int, Fit]]) -> Fit:
+    def _place(self, req: PodRequest, node: NodeState, per_node: dict[str, _Result],
+               held: Held | None = None) -> Fit:
+        """``place()`` on the node's usage, or beside the GPUs ``held`` there for nominated
+        pods, cached in ``per_node``."""
         hit = per_node.get(node.name)
-        if hit is not None and hit[0] == node.version:
-            return hit[1]
-        result = place(req, node.gpus, node.usage, self.settings.split_count)
-        per_node[node.name] = (node.version, result)
+        if hit is not None and hit[0] == node.version and hit[1] is held:
+            return hit[2]
+        result = place(req, node.gpus, node.usage if held is None else held,
+                       self.settings.split_count)
+        per_node[node.name] = (node.version, held, result)
         return result
 
-    def _fit(self, req: PodRequest, node: NodeState, per_node: dict[str, tuple[int, Fit]],
+    def _fit(self, req: PodRequest, node: NodeState, per_node: dict[str, _Result],
              priority: int, uid: str) -> Fit:
         """:meth:`_place` for the pod (``priority``, ``uid``), beside the GPUs held for the
-        pods nominated to the node (:meth:`ClusterState.held_usage`); not cached: the hold
-        depends on the pod's priority, and nominated pods are few."""
-        held = self.state.held_usage(node, priority, uid)
-        if held is None:
-            return self._place(req, node, per_node)
-        return place(req, node.gpus, held, self.settings.split_count)
+        pods nominated to the node (:meth:`ClusterState.held_usage`)."""
+        return self._place(req, node, per_node, self.state.held_usage(node, priority, uid))
 
     def filter(self, args: Any) -> ExtenderFilterResult:
         pod = extender_pod(args)

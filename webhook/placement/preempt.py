@@ -23,9 +23,9 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import NamedTuple
 
 from webhook.placement.fit import NoFit, eligible_gpus, place
-from webhook.placement.inventory import Gpu, Usage
+from webhook.placement.inventory import Gpu, Usage, add_usage
 from webhook.placement.request import PodRequest
-from webhook.placement.state import NodeState, PodAlloc, add_usage
+from webhook.placement.state import NodeState, PodAlloc
 
 _SEARCH_LIMIT = 256
 """Sets of pods :func:`_fewer` tries on one node at most (each a per-GPU fit)."""

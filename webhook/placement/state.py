@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from webhook import names
-from webhook.placement.fit import NoFit, place, pod_demand
+from webhook.placement.fit import pod_demand
+from webhook.placement.holds import Held, Holds
 from webhook.placement.inventory import Gpu, InventoryError, Usage, parse_inventory
 from webhook.placement.request import (
     ContainerRequest,
@@ -175,6 +176,8 @@ class ClusterState:
         """UID → the pending GPU pods nominated to a node."""
         self._nominated_on: dict[str, dict[str, Nominee]] = {}
         """Node name → UID → its nominees (no entry for a node without any)."""
+        self._holds = Holds(settings.split_count)
+        """The GPUs held for them, kept per node (:meth:`held_usage`)."""
         self.priorities: dict[str, int] = {}
         """UID → ``spec.priority`` of the bound, unfinished pods whose priority is not 0, with
         GPUs or not: preempt names the most important of a node's victims first, and the
@@ -194,40 +197,19 @@ class ClusterState:
         sizes = [g.memory_mib for n in self.nodes.values() for g in n.gpus]
         return max(sizes) if sizes else None
 
-    def held_usage(self, node: NodeState, priority: int, uid: str) -> dict[str, Usage] | None:
+    def held_usage(self, node: NodeState, priority: int, uid: str) -> Held | None:
         """``node.usage`` with the GPUs held for the pods nominated to the node, as seen by a
         pod of ``priority`` (UID ``uid``); None when none holds any (the usage as it is).
 
-        kube-scheduler's filters treat each pod nominated to a node with a priority at least
-        the filtered pod's, other than the pod itself, as on the node (addGENominatedPods).
-        Each such pod (the highest priority first) is placed by the per-GPU fit against the
-        usage without the pods being deleted (its victims, still ending), then added to the
-        usage: the GPUs its victims free are its. One that does not fit even so holds nothing
-        (its victims cannot make room for it). A pod with an allocation here (its bind under
-        way, or seen bound) counts through that instead.
+        Those nominated with a priority at least the pod's, other than the pod itself, hold
+        what their victims free (:mod:`webhook.placement.holds`). Kept between calls: the
+        result is shared and must not be changed, and is the same object while it stays right.
         """
         nominated = self._nominated_on.get(node.name)
         if not nominated:
             return None
-        holders = sorted((n for n in nominated.values()
-                          if n.priority >= priority and n.uid != uid and n.uid not in self.allocs),
-                         key=lambda n: (-n.priority, n.uid))
-        if not holders:
-            return None
-        usage = dict(node.usage)
-        base = dict(node.usage)  # without the pods being deleted
-        for alloc in (self.allocs[u] for u in node.pods):
-            if alloc.terminating:
-                add_usage(base, alloc.demand, -1)
-        held = False
-        for nominee in holders:
-            result = place(nominee.request, node.gpus, base, self.settings.split_count)
-            if isinstance(result, NoFit):
-                continue
-            add_usage(base, result.demand, 1)
-            add_usage(usage, result.demand, 1)
-            held = True
-        return usage if held else None
+        return self._holds.usage(node.name, node.version, node.gpus, node.usage, self.allocs,
+                                 node.pods, nominated, priority, uid)
 
     # ----- nodes -----
     def _node(self, name: str) -> NodeState:
@@ -263,6 +245,7 @@ class ClusterState:
         if node is None:
             return
         node.exists = False
+        self._holds.forget(name)
         if node.pods:  # pods still point at it; keep their usage, forget the GPUs
             node.gpus, node.inventory_error = (), "node was deleted"
             self._recount(node)
@@ -294,6 +277,7 @@ class ClusterState:
         node = self._node(alloc.node)
         alloc.demand = pod_demand(alloc.request, alloc.assignment, node.memory_of())
         self.allocs[alloc.uid] = alloc
+        self._nominee_changed(alloc.uid)  # a nominee with an allocation holds nothing more
         node.pods.add(alloc.uid)
         for uuid, d in alloc.demand.items():
             node.usage.setdefault(uuid, Usage()).add(d)
@@ -304,6 +288,7 @@ class ClusterState:
         alloc = self.allocs.pop(uid, None)
         if alloc is None:
             return None
+        self._nominee_changed(uid)
         node = self.nodes.get(alloc.node)
         if node is not None:
             node.pods.discard(uid)
@@ -370,9 +355,16 @@ class ClusterState:
         return listed_at is not None and current.applied_at >= listed_at
 
     # ----- nominated pods -----
+    def _nominee_changed(self, uid: str) -> None:
+        """Drop the holds kept for the node of ``uid`` if it is a nominee."""
+        nominee = self.nominees.get(uid)
+        if nominee is not None:
+            self._holds.forget(nominee.node)
+
     def _unnominate(self, uid: str) -> None:
         nominee = self.nominees.pop(uid, None)
         if nominee is not None:
+            self._holds.forget(nominee.node)
             on = self._nominated_on.get(nominee.node)
             if on is not None:
                 on.pop(uid, None)
@@ -401,6 +393,7 @@ class ClusterState:
         nominee = Nominee(uid, str(target), request, pod_priority(obj), rv)
         self.nominees[uid] = nominee
         self._nominated_on.setdefault(nominee.node, {})[uid] = nominee
+        self._holds.forget(nominee.node)
 
     def apply_pod(self, obj: dict[str, Any], listed_at: float | None = None) -> None:
         """A pod was added or changed (``listed_at``: part of a list requested then)."""
@@ -441,7 +434,10 @@ class ClusterState:
                 and current.assignment == assignment:
             current.resource_version, current.applied_at = rv, time.monotonic()
             current.started = pod_started(obj)
-            current.terminating = bool(meta.get("deletionTimestamp"))
+            terminating = bool(meta.get("deletionTimestamp"))
+            if terminating != current.terminating:  # what it holds goes to the nominees
+                current.terminating = terminating
+                self._holds.forget(current.node)
             return
         self._remove(uid)
         self._add(PodAlloc(uid, str(meta.get("namespace") or ""), str(meta.get("name") or ""),
@@ -485,11 +481,3 @@ class ClusterState:
         for uid, nominee in list(self.nominees.items()):
             if uid not in seen and rv_newer(nominee.resource_version, resource_version) is not True:
                 self._unnominate(uid)
-
-
-def add_usage(usage: dict[str, Usage], demand: Mapping[str, Usage], sign: int) -> None:
-    """Add (``sign`` 1) or take off (-1) ``demand`` in ``usage``, copying what it changes."""
-    for uuid, d in demand.items():
-        u = usage[uuid].copy() if uuid in usage else Usage()
-        u.add(d, sign)
-        usage[uuid] = u
