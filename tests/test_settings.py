@@ -55,6 +55,13 @@ def test_yaml_file_then_overrides_win(tmp_path) -> None:
     ({"default_policy": "random"}, "default_policy"),
     ({"node_label_value": "not valid!"}, "node_label_value"),
     ({"no_such_setting": 1}, "no_such_setting"),
+    # Values of the wrong type (YAML "log_level: 10", an empty "cert_dir:"), which raised
+    # AttributeError or TypeError at start-up instead.
+    ({"log_level": 10}, "log_level"),
+    ({"log_level": None}, "log_level"),
+    ({"cert_dir": None}, "cert_dir"),
+    ({"cert_dir": 5}, "cert_dir"),
+    ({"kubeconfig": 5}, "kubeconfig"),
 ])
 def test_bad_setting_is_rejected_naming_the_field(data: dict, field: str) -> None:
     with pytest.raises(SettingsError) as err:
@@ -67,6 +74,18 @@ def test_bad_config_file_stops_cli_with_field_name(tmp_path, capsys) -> None:
     cfg.write_text("split_count: -1\n")
     assert main(["check", "--config", str(cfg), "-f", str(cfg)]) == 2
     assert "split_count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, field", [("log_level: 10", "log_level"),
+                                         ("log_level:", "log_level"),
+                                         ("cert_dir:", "cert_dir")])
+def test_a_value_of_the_wrong_type_stops_the_cli_naming_the_field_not_a_traceback(
+        tmp_path, capsys, line: str, field: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(line + "\n")
+    assert main(["check", "--config", str(cfg), "-f", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpuslice: configuration error: ") and f"'{field}'" in err
 
 
 def test_unreadable_or_invalid_yaml_is_a_settings_error(tmp_path) -> None:

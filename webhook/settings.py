@@ -218,11 +218,16 @@ def _validate(s: Settings) -> None:
         _fail("port", s.port, "must be a TCP port 1-65535")
     if not isinstance(s.host, str):
         _fail("host", s.host, 'must be a listen address ("" for every address)')
+    if not isinstance(s.cert_dir, str):
+        _fail("cert_dir", s.cert_dir, "must be a directory path")
+    if s.kubeconfig is not None and not isinstance(s.kubeconfig, str):
+        _fail("kubeconfig", s.kubeconfig, "must be a file path or null")
     if s.tls_mode not in ("dev", "files", "secret"):
         _fail("tls_mode", s.tls_mode, 'must be "dev", "files" or "secret"')
     if not isinstance(s.max_body_bytes, int) or s.max_body_bytes < 1024:
         _fail("max_body_bytes", s.max_body_bytes, "must be an integer >= 1024")
-    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    if not isinstance(s.log_level, str) \
+            or s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         _fail("log_level", s.log_level, "must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
     if s.log_format not in ("text", "json"):
         _fail("log_format", s.log_format, 'must be "text" or "json"')
