@@ -62,6 +62,9 @@ def test_yaml_file_then_overrides_win(tmp_path) -> None:
     ({"cert_dir": None}, "cert_dir"),
     ({"cert_dir": 5}, "cert_dir"),
     ({"kubeconfig": 5}, "kubeconfig"),
+    # YAML true is a bool, which Python counts as the int 1: every GPU pod was denied as
+    # asking for more than "the largest GPU in the cluster has True MiB".
+    ({"max_gpu_memory_mib": True}, "max_gpu_memory_mib"),
 ])
 def test_bad_setting_is_rejected_naming_the_field(data: dict, field: str) -> None:
     with pytest.raises(SettingsError) as err:

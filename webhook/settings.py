@@ -212,7 +212,8 @@ def _validate(s: Settings) -> None:
         if not isinstance(getattr(s, f), bool):
             _fail(f, getattr(s, f), "must be true or false")
     if s.max_gpu_memory_mib is not None and (
-            not isinstance(s.max_gpu_memory_mib, int) or s.max_gpu_memory_mib <= 0):
+            not isinstance(s.max_gpu_memory_mib, int) or isinstance(s.max_gpu_memory_mib, bool)
+            or s.max_gpu_memory_mib <= 0):
         _fail("max_gpu_memory_mib", s.max_gpu_memory_mib, "must be a positive integer or null")
     if not isinstance(s.port, int) or isinstance(s.port, bool) or not 1 <= s.port <= 65535:
         _fail("port", s.port, "must be a TCP port 1-65535")
