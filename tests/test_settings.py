@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from webhook.cli import main
+from webhook.cli import build_parser, main, settings_from_args
 from webhook.names import devices_annotation, limits_annotation
 from webhook.settings import Settings, SettingsError, load_settings, settings_from_mapping
 
@@ -70,6 +70,20 @@ def test_bad_setting_is_rejected_naming_the_field(data: dict, field: str) -> Non
     with pytest.raises(SettingsError) as err:
         settings_from_mapping(data)
     assert field in str(err.value)
+
+
+def test_set_null_clears_a_setting_of_the_config_file(tmp_path) -> None:
+    """--set KEY=VALUE reads VALUE as YAML: null is the "none" of runtime_class_name,
+    scheduler_lease and the like, and was passed over (the file's value stayed)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("runtime_class_name: nvidia\nscheduler_lease: gpuslice-system/sched\n"
+                   "split_count: 4\n")
+    args = build_parser().parse_args([
+        "serve", "--config", str(cfg), "--port", "9443", "--set", "runtime_class_name=null",
+        "--set", "scheduler_lease=~", "--set", "split_count=6"])
+    s = settings_from_args(args)
+    assert s.runtime_class_name is None and s.scheduler_lease is None
+    assert s.split_count == 6 and s.port == 9443
 
 
 def test_bad_config_file_stops_cli_with_field_name(tmp_path, capsys) -> None:
