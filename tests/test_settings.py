@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from webhook.cli import main
+from webhook.cli import build_parser, main, settings_from_args
 from webhook.names import devices_annotation, limits_annotation
 from webhook.settings import Settings, SettingsError, load_settings, settings_from_mapping
 
@@ -55,6 +55,16 @@ def test_yaml_file_then_overrides_win(tmp_path) -> None:
     ({"default_policy": "random"}, "default_policy"),
     ({"node_label_value": "not valid!"}, "node_label_value"),
     ({"no_such_setting": 1}, "no_such_setting"),
+    # Values of the wrong type (YAML "log_level: 10", an empty "cert_dir:"), which raised
+    # AttributeError or TypeError at start-up instead.
+    ({"log_level": 10}, "log_level"),
+    ({"log_level": None}, "log_level"),
+    ({"cert_dir": None}, "cert_dir"),
+    ({"cert_dir": 5}, "cert_dir"),
+    ({"kubeconfig": 5}, "kubeconfig"),
+    # YAML true is a bool, which Python counts as the int 1: every GPU pod was denied as
+    # asking for more than "the largest GPU in the cluster has True MiB".
+    ({"max_gpu_memory_mib": True}, "max_gpu_memory_mib"),
 ])
 def test_bad_setting_is_rejected_naming_the_field(data: dict, field: str) -> None:
     with pytest.raises(SettingsError) as err:
@@ -62,11 +72,37 @@ def test_bad_setting_is_rejected_naming_the_field(data: dict, field: str) -> Non
     assert field in str(err.value)
 
 
+def test_set_null_clears_a_setting_of_the_config_file(tmp_path) -> None:
+    """--set KEY=VALUE reads VALUE as YAML: null is the "none" of runtime_class_name,
+    scheduler_lease and the like, and was passed over (the file's value stayed)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("runtime_class_name: nvidia\nscheduler_lease: gpuslice-system/sched\n"
+                   "split_count: 4\n")
+    args = build_parser().parse_args([
+        "serve", "--config", str(cfg), "--port", "9443", "--set", "runtime_class_name=null",
+        "--set", "scheduler_lease=~", "--set", "split_count=6"])
+    s = settings_from_args(args)
+    assert s.runtime_class_name is None and s.scheduler_lease is None
+    assert s.split_count == 6 and s.port == 9443
+
+
 def test_bad_config_file_stops_cli_with_field_name(tmp_path, capsys) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("split_count: -1\n")
     assert main(["check", "--config", str(cfg), "-f", str(cfg)]) == 2
     assert "split_count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, field", [("log_level: 10", "log_level"),
+                                         ("log_level:", "log_level"),
+                                         ("cert_dir:", "cert_dir")])
+def test_a_value_of_the_wrong_type_stops_the_cli_naming_the_field_not_a_traceback(
+        tmp_path, capsys, line: str, field: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(line + "\n")
+    assert main(["check", "--config", str(cfg), "-f", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpuslice: configuration error: ") and f"'{field}'" in err
 
 
 def test_unreadable_or_invalid_yaml_is_a_settings_error(tmp_path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from webhook import __version__
-from webhook.settings import Settings, SettingsError, load_settings
+from webhook.settings import Settings, SettingsError, load_settings, settings_from_mapping
 
 
 def _parse_set(items: Sequence[str]) -> dict[str, Any]:
@@ -38,8 +38,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             overrides[name] = value
     if getattr(args, "kube", None) is not None:
         overrides["kube_enabled"] = args.kube
-    overrides.update(_parse_set(getattr(args, "set", None) or []))
-    return load_settings(getattr(args, "config", None), overrides)
+    settings = load_settings(getattr(args, "config", None), overrides)
+    # --set last, and apart: load_settings passes over None (a flag not given), while
+    # --set KEY=null sets a setting to null (runtime_class_name, scheduler_lease...)
+    sets = _parse_set(getattr(args, "set", None) or [])
+    return settings_from_mapping(sets, settings) if sets else settings
 
 
 def _settings_flags(p: argparse.ArgumentParser) -> None:

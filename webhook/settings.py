@@ -212,17 +212,23 @@ def _validate(s: Settings) -> None:
         if not isinstance(getattr(s, f), bool):
             _fail(f, getattr(s, f), "must be true or false")
     if s.max_gpu_memory_mib is not None and (
-            not isinstance(s.max_gpu_memory_mib, int) or s.max_gpu_memory_mib <= 0):
+            not isinstance(s.max_gpu_memory_mib, int) or isinstance(s.max_gpu_memory_mib, bool)
+            or s.max_gpu_memory_mib <= 0):
         _fail("max_gpu_memory_mib", s.max_gpu_memory_mib, "must be a positive integer or null")
     if not isinstance(s.port, int) or isinstance(s.port, bool) or not 1 <= s.port <= 65535:
         _fail("port", s.port, "must be a TCP port 1-65535")
     if not isinstance(s.host, str):
         _fail("host", s.host, 'must be a listen address ("" for every address)')
+    if not isinstance(s.cert_dir, str):
+        _fail("cert_dir", s.cert_dir, "must be a directory path")
+    if s.kubeconfig is not None and not isinstance(s.kubeconfig, str):
+        _fail("kubeconfig", s.kubeconfig, "must be a file path or null")
     if s.tls_mode not in ("dev", "files", "secret"):
         _fail("tls_mode", s.tls_mode, 'must be "dev", "files" or "secret"')
     if not isinstance(s.max_body_bytes, int) or s.max_body_bytes < 1024:
         _fail("max_body_bytes", s.max_body_bytes, "must be an integer >= 1024")
-    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    if not isinstance(s.log_level, str) \
+            or s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         _fail("log_level", s.log_level, "must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
     if s.log_format not in ("text", "json"):
         _fail("log_format", s.log_format, 'must be "text" or "json"')

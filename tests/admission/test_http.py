@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import copy
+import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +159,32 @@ def test_chunked_body_over_the_limit_is_413_while_reading(server: Any) -> None:
     assert status == 413
     assert json.loads(data) == {"error": "too_large",
                                 "message": f"request body is larger than {LIMIT} bytes"}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_body_that_does_not_decompress_is_400_not_500(
+        server: Any, make_review: Any, make_gpu_pod: Any, encoding: str) -> None:
+    """aiohttp decompresses a gzip or deflate body while the handler reads it: one that does
+    not decompress was an HTTP 500 (and no outcome counted). It is a malformed request: a 400
+    with the JSON error body, and the connection closes (the rest of the body is unreadable)."""
+    registry = server.app[REGISTRY_KEY]
+    before = registry.get_sample_value("gpuslice_admission_requests_total",
+                                       {"outcome": "bad_request"}) or 0.0
+    body = json.dumps(make_review(make_gpu_pod())).encode()  # not compressed
+    status, headers, data = server.request("POST", "/mutate", body, {
+        "Content-Type": "application/json", "Content-Encoding": encoding})
+    assert status == 400
+    assert json.loads(data) == {
+        "error": "bad_request",
+        "message": f"request body cannot be read: Can not decode content-encoding: {encoding}"}
+    assert headers.get("Connection", "").lower() == "close"
+    assert registry.get_sample_value("gpuslice_admission_requests_total",
+                                     {"outcome": "bad_request"}) == before + 1
+    # a body that does decompress is read as any other
+    packed = gzip.compress(body) if encoding == "gzip" else zlib.compress(body)
+    status, _, data = server.request("POST", "/mutate", packed, {
+        "Content-Type": "application/json", "Content-Encoding": encoding})
+    assert status == 200 and json.loads(data)["response"]["allowed"] is True
 
 
 def test_unexpected_exception_is_a_logged_denial_not_a_500(

@@ -106,6 +106,9 @@ def test_missing_node_name_is_an_error_unless_no_kube(monkeypatch: pytest.Monkey
     (["--log-level", "LOUD"], "--log-level"),
     (["--node-name", "Not_A_Node"], "--node-name"),
     (["--cleanup-grace", "-1"], "--cleanup-grace"),
+    # argparse's float() takes "nan": every unlisted pod's dir was then stale at once, a pod
+    # just started by the kubelet included (its region, so its shared cap, removed)
+    (["--cleanup-grace", "nan"], "--cleanup-grace"),
     (["--audit-interval", "-1"], "--audit-interval"),
     (["--over-limit-tolerance-mib", "-5"], "--over-limit-tolerance-mib"),
     (["--over-limit-rounds", "0"], "--over-limit-rounds"),

@@ -130,6 +130,24 @@ def test_rows_naming_a_gpu_the_node_does_not_have_are_not_exported(tmp_path: Pat
             if name == "gpuslice_container_memory_used_bytes"} == {GPU0, "GPU-00000031-0000-0000-0000-000000000000"}
 
 
+def test_a_region_naming_one_gpu_twice_exports_one_series_per_label_set(
+        tmp_path: Path) -> None:
+    # the library keeps one device slot per GPU, but every process of the container can
+    # write its region: a second slot with the same UUID repeated each container series
+    # (the same labels twice in one scrape), which Prometheus drops as duplicates
+    write_region(tmp_path, UID1, "trainer-0", "ml", "main",
+                 [(0, GPU0, 10 * GIB, 3 * GIB, 30, 0), (1, GPU0, 20 * GIB, GIB, 50, 0)])
+    _, reg = make(tmp_path)
+    text = generate_latest(reg).decode()
+    series = [line.rsplit(" ", 1)[0] for line in text.splitlines()
+              if line and not line.startswith("#")]
+    assert len(series) == len(set(series))
+    s = samples(reg)
+    m = ctr_labels("ml", "trainer-0", UID1, "main", GPU0)
+    assert s[("gpuslice_container_memory_limit_bytes", m)] == 10 * GIB  # the first slot
+    assert s[("gpuslice_container_compute_limit_percent", m)] == 30
+
+
 def test_measured_share_is_the_busy_time_rate_between_scrapes(tmp_path: Path) -> None:
     clock = Clock()
     write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 5_000_000_000)])

@@ -191,3 +191,15 @@ async def test_body_in_an_unknown_charset_gets_400(client: Any, path: str) -> No
                              headers={"Content-Type": "application/json; charset=no-such"})
     assert resp.status == 400
     assert "charset" in await resp.text()
+
+
+@pytest.mark.parametrize("path", ["/scheduler/filter", "/scheduler/prioritize",
+                                  "/scheduler/preempt", "/scheduler/bind"])
+async def test_body_that_does_not_decompress_gets_400_not_500(client: Any, path: str) -> None:
+    # aiohttp decompresses a gzip or deflate body while it is read: one that does not
+    # decompress raised RequestPayloadError out of the handler, an HTTP 500.
+    resp = await client.post(path, data=_args(), headers={
+        "Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert resp.status == 400
+    assert "request body cannot be read" in await resp.text()
+    assert resp.headers.get("Connection", "").lower() == "close"

@@ -86,6 +86,10 @@ class MutateHandler:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return "too_large", _too_large(limit)
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding it does not decode to
+            response = _error(400, "bad_request", unreadable_body(exc))
+            response.force_close()  # the rest of the body cannot be read: the connection ends
+            return "bad_request", response
         try:
             admission = review.parse_review(body)
         except review.BadReview as exc:
@@ -139,6 +143,13 @@ class MutateHandler:
         except Exception:  # the inventory is advisory: never fail admission on it
             logger.exception("largest GPU memory unknown")
             return None
+
+
+def unreadable_body(exc: web.RequestPayloadError) -> str:
+    """Why a request body could not be read (a gzip or deflate body that does not decompress,
+    say): aiohttp's own message, without its status prefix."""
+    why = getattr(exc.__cause__, "message", None) or " ".join(str(exc).split())
+    return f"request body cannot be read: {why}"
 
 
 def _too_large(limit: int) -> web.Response:

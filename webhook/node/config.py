@@ -8,6 +8,7 @@ once into :class:`AgentSettings`, validated, and never read again; a bad value r
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -139,7 +140,9 @@ def _validate(s: AgentSettings) -> None:
         _fail("--metrics-host", s.metrics_host, 'must be a listen address ("" for every address)')
     if not isinstance(s.interval, (int, float)) or not 0 < s.interval <= 86400:
         _fail("--interval", s.interval, "must be more than 0 and at most 86400 seconds")
-    if not isinstance(s.cleanup_grace, (int, float)) or s.cleanup_grace < 0:
+    # (NaN passes "< 0", and no dir is then younger than the grace: each was removed at once)
+    if not isinstance(s.cleanup_grace, (int, float)) or math.isnan(s.cleanup_grace) \
+            or s.cleanup_grace < 0:
         _fail("--cleanup-grace", s.cleanup_grace, "must be >= 0 seconds")
     if not isinstance(s.audit_interval, (int, float)) or not 0 <= s.audit_interval <= 86400:
         _fail("--audit-interval", s.audit_interval, "must be 0 (off) to 86400 seconds")

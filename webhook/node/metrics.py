@@ -261,9 +261,15 @@ class AgentCollector(Collector):
             dead = self._confirmed(path, region, [
                 p for p in region.processes
                 if any(p.used_bytes) and not self._liveness.alive(p, region.inode)])
+            exported: set[str] = set()
             for d, dev in enumerate(region.devices):
                 if not dev.uuid or node_gpus is not None and dev.uuid not in node_gpus:
                     continue
+                # the library keeps one slot per GPU; a second slot naming it (written by the
+                # container's processes) would repeat the series, which Prometheus drops
+                if dev.uuid in exported:
+                    continue
+                exported.add(dev.uuid)
                 lab = [ns, pod, uid, ctr, dev.uuid]
                 gone = sum(u[d] for u in dead if d < len(u))
                 used.add_metric(lab, max(0, dev.used_bytes - gone))

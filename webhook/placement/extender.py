@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 from kubernetes_asyncio import client, config
 
+from webhook.admission.server import unreadable_body
 from webhook.placement.model import WireError, binding_args, preemption_args
 from webhook.placement.placer import NOT_READY, Placer
 from webhook.placement.state import ClusterState
@@ -43,6 +44,10 @@ async def _json_body(request: web.Request) -> Any:
         raise web.HTTPBadRequest(text=f"request body is not valid JSON: {exc}") from exc
     except LookupError as exc:  # the Content-Type names a charset Python does not know
         raise web.HTTPBadRequest(text=f"request body has an unknown charset: {exc}") from exc
+    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding it does not decode to
+        error = web.HTTPBadRequest(text=unreadable_body(exc))
+        error.force_close()  # the rest of the body cannot be read: the connection ends
+        raise error from exc
 
 
 def _bad_request(exc: WireError) -> web.HTTPBadRequest:
