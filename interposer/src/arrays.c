@@ -260,7 +260,8 @@ static void amap_settle(const CUarrayMapInfo *m)
 
 /* One operation: an unmap's record is taken before the call (after it, another thread may
  * already have mapped new memory there) and put back if the call fails; a map of a handle of
- * ours is counted after it succeeds.  Either settled after a teardown (amap_settle) */
+ * ours is counted before it and uncounted if it fails.  Either settled after a teardown
+ * (amap_settle) */
 static CUresult map_one(cuMemMapArrayAsync_fn real, CUarrayMapInfo *m, CUstream stream)
 {
     struct gs_alloc rec, old;
@@ -286,9 +287,14 @@ static CUresult map_one(cuMemMapArrayAsync_fn real, CUarrayMapInfo *m, CUstream 
         GS_WARN("a handle imported from another process cannot be mapped into a sparse array under a memory cap");
         return CUDA_ERROR_NOT_SUPPORTED;
     }
+    /* a map of a handle of ours is counted before the call (see gs_vmm_map_begin, vmm.c): a
+     * release of its last reference meanwhile took its charge, the tiles' mapping uncounted */
+    int counted = m->memOperationType == CU_MEM_OPERATION_TYPE_MAP && m->memHandleType == CU_MEM_HANDLE_TYPE_GENERIC &&
+                  gs_vmm_map_begin(m->memHandle.memHandle, &rec) == 0;
     CUresult rc = real(m, 1, stream);
+    if (rc != CUDA_SUCCESS && counted) gs_vmm_map_failed(m->memHandle.memHandle);
     if (rc != CUDA_SUCCESS || m->memOperationType != CU_MEM_OPERATION_TYPE_MAP) return rc;
-    if (m->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC || gs_vmm_count(m->memHandle.memHandle, 1, &rec) != 0) {
+    if (!counted) {
         /* not a handle of ours: the tiles' old mapping (one of ours, perhaps) is gone all the
          * same.  Kept, a released allocation's 300 MiB stayed charged until the array went
          * (`test_memory.py -k handle_not_charged`) */

@@ -178,6 +178,9 @@ static inline void gs_vmm_gone(const struct gs_alloc *rec)
 }
 
 int gs_vmm_peek(struct gs_alloc *rec, void *arg); /* leaves the record: the caller reads the copy */
+/* a mapping of a handle counted before the driver's call, and uncounted if it fails (vmm.c) */
+int gs_vmm_map_begin(CUmemGenericAllocationHandle handle, struct gs_alloc *rec);
+void gs_vmm_map_failed(CUmemGenericAllocationHandle handle);
 
 /* An array's (or mipmapped array's) destroy refused after a context's teardown began since its
  * record (*rec) was taken: settled under the context lock, after the teardown (memory.c) */

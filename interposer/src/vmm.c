@@ -142,8 +142,9 @@ struct import_grow {
     uint64_t need, surplus;
 };
 
-/* A mapping of an imported handle reaching `need` bytes into it: the charge grows to that
- * (g->surplus: what the caller reserved beyond it, another thread having grown it since). */
+/* A mapping of an imported handle reaching `need` bytes into it (counted already): the charge
+ * grows to that (g->surplus: what the caller reserved beyond it, another thread having grown it
+ * since). */
 static int import_adjust(struct gs_alloc *rec, void *arg)
 {
     struct import_grow *g = arg;
@@ -151,8 +152,27 @@ static int import_adjust(struct gs_alloc *rec, void *arg)
     if (grow > reserved) grow = reserved; /* re-imported meanwhile: no more than this call reserved */
     rec->size += grow;
     g->surplus = reserved - grow;
-    rec->aux += 1; /* one mapping more */
     return 0;
+}
+
+/* A mapping is counted in its handle's record before the driver maps it: another thread's
+ * release of the handle's last reference meanwhile then finds the mapping and leaves the record
+ * (and its charge) to it, as the driver leaves the memory to the mapping.  Counted after the
+ * driver's call, such a release took the record and returned the charge, and the mapping went
+ * uncounted: 600 MiB held with nothing charged, a 500 MiB allocation passed beside it under a
+ * 1 GiB cap (`test_memory.py -k released_while_it_is_mapped`; tiles of sparse arrays too,
+ * arrays.c).  Returns what gs_vmm_count does (0: counted). */
+int gs_vmm_map_begin(CUmemGenericAllocationHandle handle, struct gs_alloc *rec)
+{
+    return gs_vmm_count(handle, 1, rec);
+}
+
+/* The driver refused a mapping counted by gs_vmm_map_begin: uncounted, and the charge returned
+ * if that was the last of the handle's references and mappings (released meanwhile) */
+void gs_vmm_map_failed(CUmemGenericAllocationHandle handle)
+{
+    struct gs_alloc rec;
+    if (gs_vmm_count(handle, -1, &rec) == 1) gs_vmm_gone(&rec);
 }
 
 int gs_vmm_peek(struct gs_alloc *rec, void *arg)
@@ -310,25 +330,30 @@ static CUresult map_imported(CUdeviceptr ptr, size_t size, size_t offset, CUmemG
         }
         remeasured = 1;
     }
-    CUresult rc = gs_cuda.cuMemMap(ptr, size, offset, handle, flags);
     struct import_grow g = {.need = need, .surplus = extra};
     struct gs_alloc rec, old;
+    int counted = gs_vmm_map_begin(handle, &rec) == 0;
+    CUresult rc = gs_cuda.cuMemMap(ptr, size, offset, handle, flags);
     if (rc != CUDA_SUCCESS) {
         gs_budget_release(seen->slot, extra);
-    } else if (gs_am_update(GS_KIND_VMM, handle, import_adjust, &g, &rec) >= 0) {
+        if (counted) gs_vmm_map_failed(handle);
+    } else if (counted && gs_am_update(GS_KIND_VMM, handle, import_adjust, &g, &rec) >= 0) {
         gs_budget_release(seen->slot, g.surplus);
         record_mapping(ptr, size, handle, &rec);
         /* what the charge grew by may have been charged already as growth no hook saw (the
          * handle held unmapped): the next clean reading takes the overlap out */
         if (g.surplus < extra) gs_reconcile_remeasure_slot(seen->slot);
     } else {
-        /* its last reference went meanwhile (the program released the handle while mapping
-         * it): the mapping keeps the memory, charged with what this call reserved */
-        rec = (struct gs_alloc){.size = extra, .slot = seen->slot, .aux = 1, .ctx = GS_VMM_IMPORTED};
-        if (gs_am_put(GS_KIND_VMM, handle, &rec, &old) < 0)
+        /* its last reference went before the mapping was counted (the program released the
+         * handle while mapping it), its charge with it: the mapping keeps the memory, charged
+         * all of what it reaches (what this call reserved, and the rest the record held) */
+        rec = (struct gs_alloc){.size = need, .slot = seen->slot, .aux = 1, .ctx = GS_VMM_IMPORTED};
+        if (gs_am_put(GS_KIND_VMM, handle, &rec, &old) < 0) {
             gs_budget_release(seen->slot, extra);
-        else
+        } else {
+            gs_budget_force(seen->slot, need - extra);
             record_mapping(ptr, size, handle, &rec);
+        }
     }
     gs_inflight_end();
     /* refused by the driver after the reading took the handle's memory (still held, unmapped)
@@ -347,9 +372,13 @@ GS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGe
     struct gs_alloc rec, seen;
     if (gs_am_update(GS_KIND_VMM, handle, gs_vmm_peek, NULL, &seen) >= 0 && seen.ctx == GS_VMM_IMPORTED)
         return map_imported(ptr, size, offset, handle, flags, &seen);
+    int counted = gs_vmm_map_begin(handle, &rec) == 0; /* before the call: see gs_vmm_map_begin */
     CUresult rc = gs_cuda.cuMemMap(ptr, size, offset, handle, flags);
-    if (rc != CUDA_SUCCESS || gs_vmm_count(handle, 1, &rec) != 0) return rc;
-    record_mapping(ptr, size, handle, &rec);
+    if (!counted) return rc;
+    if (rc != CUDA_SUCCESS)
+        gs_vmm_map_failed(handle);
+    else
+        record_mapping(ptr, size, handle, &rec);
     return rc;
 }
 

@@ -1083,6 +1083,14 @@ static void bg_work(void)
         bg.rc = api.cuMemCreate(&h, bg.size, &prop, 0);
         if (bg.rc == CUDA_SUCCESS) bg.rc = api.cuMemMap(vrange, bg.size, 0, h, 0);
         if (h) api.cuMemRelease(h);
+    } else if (!strcmp(bg.what, "bgvmap")) {
+        /* as "vmap": VMM allocation ID mapped at an address of its own */
+        api.cuCtxSetCurrent(capture_ctx);
+        usleep((useconds_t)bg.ms * 1000);
+        bg.rc = api.cuMemAddressReserve(&allocs[bg.size].va, allocs[bg.size].size, 0, 0, 0);
+        if (bg.rc == CUDA_SUCCESS)
+            bg.rc = api.cuMemMap(allocs[bg.size].va, allocs[bg.size].size, 0, allocs[bg.size].handle, 0);
+        allocs[bg.size].mapped = allocs[bg.size].size;
     } else if (!strcmp(bg.what, "bgctxdestroy")) {
         usleep((useconds_t)bg.ms * 1000);
         bg.rc = api.cuCtxDestroy_v2(ctxs[bg.size]);
@@ -2332,6 +2340,11 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "bgvremap")) {
             /* bgvremap SIZE MS: a thread maps new memory at the start of the vmapall range after MS */
             bg_start("bgvremap", atol(ARG(1)), size_arg(ARG(0)));
+            i += 2;
+        } else if (!strcmp(c, "bgvmap")) {
+            /* bgvmap ID MS: a thread, in the context "ctx" made current, maps VMM allocation ID
+             * (as "vmap") after MS ("vunmap ID" unmaps it once joined) */
+            bg_start("bgvmap", atol(ARG(1)), (uint64_t)atoi(ARG(0)));
             i += 2;
         } else if (!strcmp(c, "bggdestroy")) {
             /* bggdestroy: a thread destroys the executable graph (printed as gexec), forgotten here */

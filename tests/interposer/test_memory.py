@@ -1943,6 +1943,37 @@ def test_a_retained_imported_handle_keeps_its_charge_after_the_import_is_release
     assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 0]
 
 
+RELEASED_WHILE_MAPPED = {
+    # (the driver call held once it has mapped, the commands before it, the background map, the
+    # release, the unmap)
+    "created": ("cuMemMapAfter", ["vmm", "600m", "0"], ["bgvmap", "0", "0"], ["free", "0"], ["vunmap", "0"]),
+    # the import was mapped and unmapped before, so its record holds a charge when released
+    "imported": ("cuMemMapAfter:2", ["vmm", "600m", "0", "vexport", "0", "vimport", "0", "free", "0",
+                                     "vmap", "1", "vunmap", "1"],
+                 ["bgvmap", "1", "0"], ["free", "1"], ["vunmap", "1"]),
+    "tiles": ("cuMemMapArrayAsyncAfter", [*SPARSE, "vmm", "600m", "0"], ["bgamap", "0", "1", "0", "0"],
+              ["free", "1"], ["aunmap", "0", "0"]),
+}
+
+
+@pytest.mark.parametrize("how", list(RELEASED_WHILE_MAPPED))
+def test_a_handle_released_while_it_is_mapped_keeps_its_charge_with_the_mapping(lab, how):
+    # one thread maps a handle (cuMemCreate's, an imported one, or into a sparse array's tiles)
+    # while another releases its last reference: the driver has mapped it (the fake holds the
+    # call there), so the mapping keeps the 600 MiB.  The mapping was counted after the driver's
+    # call, once the release had taken the record and its charge: 600 MiB held with nothing
+    # charged, and a 500 MiB allocation passed beside them under a 1 GiB cap (no per-process
+    # NVML figure for the reconcile to find them by)
+    point, before, bg, release, unmap = RELEASED_WHILE_MAPPED[how]
+    res = lab.run("init", "ctx", "0", "capcur", *before, *bg, *lab.inside(point, *release), "join", "meminfo",
+                  "phys", "alloc", "500m", *unmap, "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g",
+                  FAKE_NVML_PROC_MEM="0", **lab.held(point))
+    assert res.rc(bg[0]) == 0 and res.rc(unmap[0]) == 0
+    assert [vals[0] for _, vals in res.of("phys")] == [600 * MIB, 0]
+    assert [GIB - vals[0] for _, vals in res.of("meminfo")] == [600 * MIB, 0], "charged for 600 MiB held, then 0"
+    assert res.rc("alloc") == OOM
+
+
 def test_a_vmm_allocation_imported_as_external_memory_stays_charged_after_its_release(lab):
     # create 300 MiB, export it, import the descriptor as external memory (the object keeps the
     # allocation), release the handle: unhooked, the release returned the charge, and four

@@ -45,6 +45,7 @@
  *                            taken; "cuDevicePrimaryCtxResetAfter": once the context is emptied;
  *                            "cuMemFree_v2After": freed or refused; "cuLaunchKernelAfter": the
  *                            kernel queued; "cuMemMapArrayAsyncAfter": the tiles (un)mapped;
+ *                            "cuMemMapAfter": the range mapped;
  *                            "cuStreamGetCtx": every such query, a sleep point only)
  *   FAKE_CUDA_SLEEP_MARK     file created when such a sleep starts ("{}" in it: the call's name,
  *                            "name:nth" for an nth call's sleep)
@@ -1999,6 +2000,7 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericA
         a->maps++;
     }
     pthread_mutex_unlock(&mu);
+    if (rc == CUDA_SUCCESS) (void)fail_check("cuMemMapAfter"); /* FAKE_CUDA_SLEEP: still inside, mapped */
     return rc;
 }
 
