@@ -95,8 +95,14 @@ def test_torch_caching_allocator_segments_retry_and_oom(lab: Lab) -> None:
     assert lab.used() == 0  # the process has exited: its region entry went with it
 
 
-def test_torch_expandable_segments_map_pages_and_leave_holes(lab: Lab) -> None:
-    got = run(lab, TORCH, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+@pytest.mark.parametrize("conf", [
+    {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    # PyTorch 2.9's name, read first (c10/core/AllocatorConfig.cpp): it wins over the old one
+    {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}], ids=["cuda", "alloc-wins"])
+def test_torch_expandable_segments_map_pages_and_leave_holes(lab: Lab,
+                                                             conf: dict[str, str]) -> None:
+    got = run(lab, TORCH, **conf)
     start = got["start"]
     # a 2 MiB small page; 20 MiB pages mapped only as far as the free end lacks: 12 and 3 in
     # the first, 6 needs one more, 24 one more again (60, not the 80 of mapping each request)
