@@ -214,11 +214,17 @@ print(json.dumps(out))
     assert got["after"] == [start, 0]
 
 
-@pytest.mark.parametrize("allocator", ["bfc", "backoff", "growth", "platform"])
+@pytest.mark.parametrize("allocator", ["bfc", "backoff", "backoff-newer-name", "growth",
+                                       "growth-0", "platform", "platform-upper-case"])
 def test_jax_allocators_take_what_xla_takes(lab: Lab, allocator: str) -> None:
+    # the variables as jaxlib reads them (xla_client.generate_pjrt_gpu_plugin_options)
     env = {"bfc": {}, "backoff": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"},
+           "backoff-newer-name": {"XLA_CLIENT_MEM_FRACTION": "0.95"},
            "growth": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-           "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}}[allocator]
+           "growth-0": {"XLA_PYTHON_CLIENT_PREALLOCATE": "0"},
+           "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"},
+           "platform-upper-case": {"XLA_PYTHON_CLIENT_ALLOCATOR": "PLATFORM"}}[allocator]
+    allocator = allocator.split("-")[0]
     got = run(lab, PRELUDE + """
 import jax, jax.numpy as jnp
 out["start"] = used()
