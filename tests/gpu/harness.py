@@ -39,10 +39,13 @@ WORK = Path(os.environ.get("GPUCHECK_WORK") or Path(tempfile.gettempdir()) / "gp
 RESULTS = Path(os.environ.get("GPUCHECK_RESULTS") or WORK / "results.jsonl")
 
 # Variables that would change what the library or the frameworks do; children start clean.
+# PyTorch 2.9 reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF only without it
+# (c10/core/AllocatorConfig.cpp): one left in the machine's environment would override the
+# expandable-segments variant's PYTORCH_CUDA_ALLOC_CONF (which every 2.x reads).
 _CLEARED_PREFIXES = ("CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT", "GPUSLICE_",
                      "XLA_PYTHON_CLIENT_", "XLA_CLIENT_")
 _CLEARED = ("LD_PRELOAD", "CUDA_DEVICE_MEMORY_SHARED_CACHE", "LIBCUDA_LOG_LEVEL",
-            "PYTORCH_CUDA_ALLOC_CONF", "CUPY_GPU_MEMORY_LIMIT")
+            "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUPY_GPU_MEMORY_LIMIT")
 
 
 class ChildError(Exception):

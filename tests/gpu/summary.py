@@ -109,8 +109,9 @@ BAR = ("outside_usage", "largest_torch", "largest_torch_expandable", "largest_cu
        "alloc_free")
 """The rows of issue 3's bar: printed again below the table, each figure in full (the table
 cuts it to its column) with the command that measures that row alone, for the issue note."""
-PACKAGES = ("torch", "cupy-cuda13x", "cupy-cuda12x", "jax", "jaxlib", "jax-cuda13-plugin",
-            "nvidia-ml-py", "pytest")
+# jax[cuda12] installs jax-cuda12-plugin, jax[cuda13] jax-cuda13-plugin (jax's setup.py extras)
+PACKAGES = ("torch", "cupy-cuda13x", "cupy-cuda12x", "jax", "jaxlib", "jax-cuda12-plugin",
+            "jax-cuda13-plugin", "nvidia-ml-py", "pytest")
 
 
 def load(path: Path) -> list[dict[str, Any]]:

@@ -237,3 +237,21 @@ def test_rerun_leaves_out_a_child_that_hung_for_its_own_time(
     again = summary.rerun(summary.build_rows(lines))
     assert again is not None and "test_sm_limit_caps_matmul_throughput[10]" in again, again
     assert "[jax]" not in again, (str(hung.value), again)
+
+
+def test_children_start_without_the_machines_allocator_settings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyTorch 2.9 reads PYTORCH_ALLOC_CONF before PYTORCH_CUDA_ALLOC_CONF
+    # (c10/core/AllocatorConfig.cpp): one set on the machine would decide the allocator of
+    # every PyTorch child, the expandable-segments variant's included
+    from gpu import harness
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                 "CUPY_GPU_MEMORY_LIMIT"):
+        monkeypatch.setenv(name, "x")
+    for env in (harness.plain_env(), harness.capped_env(Path("/nonexistent/region"))):
+        assert not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION", "CUPY_GPU_MEMORY_LIMIT"} & set(env)
+    extra = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert "PYTORCH_ALLOC_CONF" not in harness.plain_env(extra)
+    assert harness.plain_env(extra)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

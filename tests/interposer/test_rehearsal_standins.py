@@ -95,8 +95,14 @@ def test_torch_caching_allocator_segments_retry_and_oom(lab: Lab) -> None:
     assert lab.used() == 0  # the process has exited: its region entry went with it
 
 
-def test_torch_expandable_segments_map_pages_and_leave_holes(lab: Lab) -> None:
-    got = run(lab, TORCH, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+@pytest.mark.parametrize("conf", [
+    {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    # PyTorch 2.9's name, read first (c10/core/AllocatorConfig.cpp): it wins over the old one
+    {"PYTORCH_ALLOC_CONF": "expandable_segments:True",
+     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}], ids=["cuda", "alloc-wins"])
+def test_torch_expandable_segments_map_pages_and_leave_holes(lab: Lab,
+                                                             conf: dict[str, str]) -> None:
+    got = run(lab, TORCH, **conf)
     start = got["start"]
     # a 2 MiB small page; 20 MiB pages mapped only as far as the free end lacks: 12 and 3 in
     # the first, 6 needs one more, 24 one more again (60, not the 80 of mapping each request)
@@ -208,11 +214,17 @@ print(json.dumps(out))
     assert got["after"] == [start, 0]
 
 
-@pytest.mark.parametrize("allocator", ["bfc", "backoff", "growth", "platform"])
+@pytest.mark.parametrize("allocator", ["bfc", "backoff", "backoff-newer-name", "growth",
+                                       "growth-0", "platform", "platform-upper-case"])
 def test_jax_allocators_take_what_xla_takes(lab: Lab, allocator: str) -> None:
+    # the variables as jaxlib reads them (xla_client.generate_pjrt_gpu_plugin_options)
     env = {"bfc": {}, "backoff": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"},
+           "backoff-newer-name": {"XLA_CLIENT_MEM_FRACTION": "0.95"},
            "growth": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-           "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}}[allocator]
+           "growth-0": {"XLA_PYTHON_CLIENT_PREALLOCATE": "0"},
+           "platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"},
+           "platform-upper-case": {"XLA_PYTHON_CLIENT_ALLOCATOR": "PLATFORM"}}[allocator]
+    allocator = allocator.split("-")[0]
     got = run(lab, PRELUDE + """
 import jax, jax.numpy as jnp
 out["start"] = used()

@@ -4,9 +4,10 @@ over the CUDA driver API through ctypes (``standin.py``), for rehearsing
 
 Buffers come from the allocator XLA's GPU client picks from the environment:
 ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` makes one ``cuMemAlloc`` per buffer, freed when the
-buffer is deleted; otherwise a BFC pool limited to ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (0.75) of
-the total ``cuMemGetInfo`` reports, allocated whole at start unless
-``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (then grown by regions from 2 MiB, each twice the last),
+buffer is deleted; otherwise a BFC pool limited to ``XLA_CLIENT_MEM_FRACTION`` (or the older
+``XLA_PYTHON_CLIENT_MEM_FRACTION``; 0.75) of the total ``cuMemGetInfo`` reports, allocated whole
+at start unless ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (then grown by regions from 2 MiB, each
+twice the last),
 a region the driver refuses asked again 10 % smaller. A buffer that does not fit raises an error
 that says ``RESOURCE_EXHAUSTED``, as XLA's does.
 """
@@ -33,14 +34,23 @@ class _Allocator:
 
     def __init__(self) -> None:
         standin.init()
-        self.platform = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default") == "platform"
-        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-        self.limit = int(standin.mem_get_info()[1] * fraction)
+        # the variables as jaxlib reads them (xla_client.generate_pjrt_gpu_plugin_options): the
+        # allocator's name in any case, XLA_CLIENT_MEM_FRACTION before the deprecated
+        # XLA_PYTHON_CLIENT_MEM_FRACTION (both: an error), preallocation off for false, False, 0
+        allocator = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default").lower()
+        self.platform = allocator == "platform"
+        fraction = os.environ.get("XLA_CLIENT_MEM_FRACTION", "")
+        deprecated = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+        if fraction and deprecated:
+            raise ValueError("XLA_CLIENT_MEM_FRACTION is specified together with "
+                             "XLA_PYTHON_CLIENT_MEM_FRACTION. (rehearsal stand-in)")
+        self.limit = int(standin.mem_get_info()[1] * float(fraction or deprecated or "0.75"))
         self.arena = Arena(min_split=256, split=lambda size, want: (
             size >= 2 * want or size - want >= self.MAX_WASTE))
         self.peak = self.allocs = 0
         self._lock = threading.RLock()  # an array collected inside malloc frees under it
-        preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true") != "false"
+        preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "") not in (
+            "false", "False", "0")
         self.region = self.limit if preallocate else self.MIN_REGION  # the next region's size
         if not self.platform and preallocate and not self._extend(256):
             raise XlaRuntimeError(f"RESOURCE_EXHAUSTED: could not preallocate {self.limit} "

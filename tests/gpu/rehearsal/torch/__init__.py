@@ -8,7 +8,8 @@ to 512 bytes, small ones (up to 1 MiB) carved from 2 MiB segments, up to 10 MiB 
 segments, larger ones from a segment of their own rounded to 2 MiB; a freed tensor's block is
 kept for the next until ``empty_cache``; a request the driver refuses empties the cache and is
 tried once more before ``torch.cuda.OutOfMemoryError``. With
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` each pool is one reserved range that maps
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (or ``PYTORCH_ALLOC_CONF``, which PyTorch
+2.9 reads first and which then wins) each pool is one reserved range that maps
 ``cuMemCreate`` pages (20 MiB; 2 MiB for small tensors) as it grows and unmaps the whole free
 pages inside free blocks when the cache is emptied.
 
@@ -48,7 +49,12 @@ class _Allocator:
     SMALL_SEGMENT, LARGE_SEGMENT, MIN_LARGE_ALLOC, ROUND_LARGE = 2 * MIB, 20 * MIB, 10 * MIB, 2 * MIB
 
     def __init__(self) -> None:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "")
+        # PyTorch 2.9's order: PYTORCH_ALLOC_CONF, else the deprecated PYTORCH_CUDA_ALLOC_CONF
+        # (c10/core/AllocatorConfig.cpp); earlier 2.x read only the second
+        conf = os.environ.get("PYTORCH_ALLOC_CONF")
+        if conf is None:
+            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        conf = conf.replace(" ", "")
         self.expandable = "expandable_segments:True" in conf.split(",")
         # a large block is split only when more than 1 MiB would be left
         self.small, self.large = Arena(min_split=512), Arena(min_split=MIB + 1)
