@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +112,13 @@ def test_sm_limit_shared_by_processes(count: int, nvml: Nvml, baseline: dict[str
                               stderr=subprocess.PIPE, text=True, cwd=harness.REPO)
              for _ in range(count)]
     results = []
+    limit = harness.budget(RUN_S + 15)
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=harness.budget(RUN_S + 15))
+        # read together: one read after another, a child's info lines could fill its pipe while
+        # the one before it was read, and stall it inside the measured window
+        with ThreadPoolExecutor(len(procs)) as pool:
+            outputs = list(pool.map(lambda p: p.communicate(timeout=limit), procs))
+        for proc, (out, err) in zip(procs, outputs, strict=True):
             assert proc.returncode == 0, harness.exit_text(args, proc.returncode, err)
             result = harness.parse_result(out)
             result["library_log"] = harness.library_log(err)
