@@ -26,6 +26,11 @@
  *    flock(2) of the file, so two processes starting at once agree.
  *  - A region written during an earlier boot (boot_id differs) is reset on
  *    open: its processes are gone, and its mutex may still look held.
+ *  - Every version keeps magic, version, size and max_procs where they are, the
+ *    process table at offset 2624 (its slot size: (size - 2624) / max_procs) and
+ *    pid, state, pidns first in each slot: a library of another version reads
+ *    them to tell a region of an earlier run of the container (replaced) from
+ *    one a process of this run uses (regionopen.c).
  */
 #ifndef GPUSLICE_REGION_H
 #define GPUSLICE_REGION_H

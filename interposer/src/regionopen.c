@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -108,6 +109,38 @@ static void no_cow(int fd, off_t size)
     if (ioctl(fd, FS_IOC_SETFLAGS, &flags) != 0) GS_DEBUG("region file: no FS_NOCOW_FL: %s", strerror(errno));
 }
 
+/* Whether a region file of another version (its process slots laid out otherwise) has a process
+ * of this run of the container registered: a slot marked live whose pid namespace is this
+ * process's (all processes of a container share one; a restarted container gets a new one).
+ * Every version keeps the header's first fields, the process table at the same offset and each
+ * slot's first fields {pid, state, pidns} (the header's rules); the slot size is the header's
+ * size spread over its max_procs.  1: such a process, 0: none, -1: cannot tell. */
+static int other_version_in_use(int fd)
+{
+    struct {
+        uint64_t magic;
+        uint32_t version, size, max_devices, max_procs;
+    } h;
+    struct stat st;
+    uint64_t my_ns = gs_pidns_inode();
+    const size_t procs = offsetof(struct gpuslice_region, procs);
+    if (!my_ns || pread(fd, &h, sizeof(h), 0) != (ssize_t)sizeof(h) || fstat(fd, &st) != 0) return -1;
+    if (h.max_procs == 0 || h.max_procs > (1u << 20) || h.size <= procs || (off_t)h.size > st.st_size ||
+        (h.size - procs) % h.max_procs != 0 || (h.size - procs) / h.max_procs < 16)
+        return -1;
+    size_t stride = (h.size - procs) / h.max_procs;
+    for (uint32_t i = 0; i < h.max_procs; i++) {
+        struct {
+            int32_t pid;
+            uint32_t state;
+            uint64_t pidns;
+        } p;
+        if (pread(fd, &p, sizeof(p), (off_t)(procs + i * stride)) != (ssize_t)sizeof(p)) return -1;
+        if (p.state == GPUSLICE_PROC_LIVE && p.pidns == my_ns) return 1;
+    }
+    return 0;
+}
+
 static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[16], int tries)
 {
     /* Never through a symlink, and only a plain file of its own: the state dir is writable by
@@ -189,6 +222,18 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
     if (have_head && head.magic == GPUSLICE_REGION_MAGIC && head.version < GPUSLICE_REGION_VERSION &&
         unlink(path) == 0) {
         GS_WARN("region %s was written by an older library (version %u): replaced", path, head.version);
+        flock(fd, LOCK_UN);
+        close(fd);
+        return map_file(path, boot_id, tries + 1);
+    }
+    /* A newer library's: left alone while a process of this run of the container may use it;
+     * one left by an earlier run (a container restarted after the node's library was rolled
+     * back) is nobody's, and kept, it granted a pod's processes no memory for the pod's life. */
+    if (have_head && head.magic == GPUSLICE_REGION_MAGIC && head.version > GPUSLICE_REGION_VERSION &&
+        other_version_in_use(fd) == 0 && unlink(path) == 0) {
+        GS_WARN("region %s was written by a newer library (version %u) in an earlier run of this container: "
+                "replaced",
+                path, head.version);
         flock(fd, LOCK_UN);
         close(fd);
         return map_file(path, boot_id, tries + 1);

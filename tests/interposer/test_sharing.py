@@ -760,6 +760,54 @@ def test_a_region_file_from_an_older_library_is_replaced_not_given_up(lab, versi
     assert res.rc("alloc") == OOM
 
 
+def newer_region(lab: Lab, pidns: int) -> bytes:
+    """Rewrite the region as a newer library's file (version 3, process slots 32 bytes longer)
+    with one live process registered from pid namespace ``pidns``; return its bytes."""
+    lab.run("init", CUDA_DEVICE_MEMORY_LIMIT="8g")  # a valid region, its slots free
+    old = lab.region_path.read_bytes()
+    stride = mirror.PROC.size + 32
+    newer = bytearray(old[:mirror.PROCS_OFFSET] + bytes(mirror.MAX_PROCS * stride))
+    newer[8:16] = (3).to_bytes(4, "little") + len(newer).to_bytes(4, "little")
+    newer[mirror.PROCS_OFFSET:mirror.PROCS_OFFSET + 16] = (
+        os.getpid().to_bytes(4, "little") + mirror.PROC_LIVE.to_bytes(4, "little")
+        + pidns.to_bytes(8, "little"))
+    lab.region_path.unlink()
+    lab.region_path.write_bytes(bytes(newer))
+    return bytes(newer)
+
+
+POD = {"GPUSLICE_POD_UID": "u-1"}  # a pod's process: without the shared region it gets nothing
+
+
+def test_a_newer_librarys_region_left_by_an_earlier_run_of_the_container_is_replaced(lab):
+    # A container started under a newer library (region version 3) and restarted after the
+    # node's library was rolled back: the new run's processes got no memory for the pod's life
+    # ("has version 3 ...: no device memory is granted"); its processes are an earlier pid
+    # namespace's, gone, so the file is started afresh and shared
+    newer_region(lab, pidns=os.stat("/proc/self/ns/pid").st_ino + 1)
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g", **POD)
+    lab.wait_for(lab.tmp / "held")
+    res = lab.run("init", "ctx", "0", "alloc", "1g", "alloc", "2g", CUDA_DEVICE_MEMORY_LIMIT="8g",
+                  **POD)
+    (lab.tmp / "go").touch()
+    first = lab.finish(holder)
+    assert first.rc("alloc") == 0, first.stderr
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]  # one budget: 7 GiB of 8 held
+    assert "newer library (version 3)" in first.stderr and "replaced" in first.stderr
+    assert lab.region().processes == ()
+
+
+def test_a_newer_librarys_region_a_process_of_this_run_uses_is_left_alone(lab):
+    # a process of this container registered in it (a tenant's LD_PRELOAD of a newer library):
+    # replaced, its budget and this process's would be two
+    newer = newer_region(lab, pidns=os.stat("/proc/self/ns/pid").st_ino)
+    res = lab.run("init", "ctx", "0", "alloc", "1g", CUDA_DEVICE_MEMORY_LIMIT="8g", **POD)
+    assert res.rc("alloc") == OOM
+    assert "has version 3" in res.stderr
+    assert lab.region_path.read_bytes() == newer
+
+
 def wait_for_lock_waiters(path: Path, count: int, timeout: float = 20) -> None:
     """Until ``count`` processes wait for a flock on ``path``'s inode (/proc/locks' "->" lines:
     blocked requests), rather than a sleep that bets they got there."""
