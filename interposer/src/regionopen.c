@@ -200,8 +200,9 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
     }
     struct gpuslice_region *r = NULL;
     struct stat st;
-    /* An older library's region (a node upgraded under a running pod): its processes keep the
-     * old file, mapped; this one starts a new file (a newer library's is left alone). */
+    /* Another version's region: an older library's (a container restarted after an upgrade of
+     * the node) or a newer one's (after a rollback) left by an earlier run of the container is
+     * replaced by a new file; one a process of this run uses is left alone. */
     struct {
         uint64_t magic;
         uint32_t version;
@@ -219,8 +220,12 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
         close(fd);
         return NULL;
     }
-    if (have_head && head.magic == GPUSLICE_REGION_MAGIC && head.version < GPUSLICE_REGION_VERSION &&
-        unlink(path) == 0) {
+    int other = have_head && head.magic == GPUSLICE_REGION_MAGIC && head.version != GPUSLICE_REGION_VERSION;
+    int in_use = other ? other_version_in_use(fd) : 0;
+    /* (not while a process of this run is registered in it: one that preloads another version
+     * from the library dir, which holds every installed one, started a budget of its own beside
+     * the old file's, 12 GiB held under an 8 GiB cap) */
+    if (other && head.version < GPUSLICE_REGION_VERSION && in_use != 1 && unlink(path) == 0) {
         GS_WARN("region %s was written by an older library (version %u): replaced", path, head.version);
         flock(fd, LOCK_UN);
         close(fd);
@@ -229,14 +234,23 @@ static struct gpuslice_region *map_file(const char *path, const uint8_t boot_id[
     /* A newer library's: left alone while a process of this run of the container may use it;
      * one left by an earlier run (a container restarted after the node's library was rolled
      * back) is nobody's, and kept, it granted a pod's processes no memory for the pod's life. */
-    if (have_head && head.magic == GPUSLICE_REGION_MAGIC && head.version > GPUSLICE_REGION_VERSION &&
-        other_version_in_use(fd) == 0 && unlink(path) == 0) {
+    if (other && head.version > GPUSLICE_REGION_VERSION && in_use == 0 && unlink(path) == 0) {
         GS_WARN("region %s was written by a newer library (version %u) in an earlier run of this container: "
                 "replaced",
                 path, head.version);
         flock(fd, LOCK_UN);
         close(fd);
         return map_file(path, boot_id, tries + 1);
+    }
+    if (other) { /* another version's, kept: neither grown nor written */
+        const char *why = in_use == 1  ? "a process of this run of the container uses it"
+                          : in_use < 0 && head.version > GPUSLICE_REGION_VERSION ? "whether its processes are gone cannot be told"
+                                                                                  : "it cannot be removed";
+        GS_ERROR("region %s has version %u, this library writes version %u, and %s: %s", path, head.version,
+                 GPUSLICE_REGION_VERSION, why, private_effect());
+        flock(fd, LOCK_UN);
+        close(fd);
+        return NULL;
     }
     /* blocks allocated now, not at the first store (a full disk would kill the process with SIGBUS) */
     int grown = fstat(fd, &st) == 0;

@@ -808,6 +808,26 @@ def test_a_newer_librarys_region_a_process_of_this_run_uses_is_left_alone(lab):
     assert lab.region_path.read_bytes() == newer
 
 
+def test_an_older_librarys_region_a_process_of_this_run_uses_is_not_replaced_under_it(lab):
+    # The library dir a pod mounts holds every installed version, so a process of a container
+    # started before an upgrade can preload the new one (LD_PRELOAD) beside the old library's
+    # processes: it replaced their region and got a budget of its own, 12 GiB under 8 GiB. Here
+    # the holder's region is marked version 1 in place, as a live old library's would be.
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g", **POD)
+    lab.wait_for(lab.tmp / "held")
+    inode = lab.region_path.stat().st_ino
+    with open(lab.region_path, "r+b") as f:
+        f.seek(8)
+        f.write((1).to_bytes(4, "little"))
+    res = lab.run("init", "ctx", "0", "alloc", "6g", CUDA_DEVICE_MEMORY_LIMIT="8g", **POD)
+    assert lab.region_path.stat().st_ino == inode
+    (lab.tmp / "go").touch()
+    lab.finish(holder)
+    assert res.rc("alloc") == OOM
+    assert "has version 1" in res.stderr and "uses it" in res.stderr
+
+
 def wait_for_lock_waiters(path: Path, count: int, timeout: float = 20) -> None:
     """Until ``count`` processes wait for a flock on ``path``'s inode (/proc/locks' "->" lines:
     blocked requests), rather than a sleep that bets they got there."""
