@@ -15,7 +15,10 @@ Back-off, as client-go's reflector: before listing again after a failure the loo
 ``410`` (the watch's version was compacted) after such a healthy stretch is the normal end of
 a long watch and is listed again at once; a ``410`` soon after the list (a server that
 compacts faster than we list) backs off like any error, so a cluster-wide list is never
-repeated in a tight loop.
+repeated in a tight loop. A watch refused with ``429`` (the API server sheds load) is made
+again from the same version after the back-off, and no sooner than its ``Retry-After``, rather
+than answered with a list of every object, the heaviest request the loop makes (the
+reflector, too, watches again after a 429).
 
 Pods are watched without a field selector: a pod that finishes must be seen as MODIFIED (the
 API server reports a pod leaving a selector as DELETED, but not every server does).
@@ -41,6 +44,15 @@ logger = logging.getLogger(__name__)
 
 class ResourceExpired(Exception):
     """The watch's resourceVersion is too old (410): list again."""
+
+
+class Throttled(Exception):
+    """The API server refused the watch with 429 (it sheds load); ``retry_after_s``: its
+    ``Retry-After`` (0 when absent or not a number of seconds)."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"HTTP 429, Retry-After {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
 
 
 class ApiStatusError(Exception):
@@ -169,9 +181,20 @@ class ClusterSync:
                     self.ready.set()
                 if healthy_since is None:
                     healthy_since = time.monotonic()
+                throttled = 0
                 while time.monotonic() - listed_at < self.resync_s:
                     started = time.monotonic()
-                    rv = await self._watch(lister, rv, on_event)
+                    try:
+                        rv = await self._watch(lister, rv, on_event)
+                    except Throttled as exc:  # watched again from rv: no list
+                        delay = max(min(self.backoff_s * 2 ** throttled, self.backoff_max_s),
+                                    min(exc.retry_after_s, self.backoff_max_s))
+                        throttled += 1
+                        logger.warning("watch throttled by the API server; watching again",
+                                       extra={"resource": what, "retry_s": delay})
+                        await asyncio.sleep(delay)
+                        continue
+                    throttled = 0
                     if time.monotonic() - started < 1.0:  # a server that ends watches at once
                         await asyncio.sleep(1.0)
             except asyncio.CancelledError:
@@ -217,6 +240,9 @@ class ClusterSync:
         try:
             if resp.status == 410:
                 raise ResourceExpired("watch resourceVersion too old")
+            if resp.status == 429:
+                retry_after = resp.headers.get("Retry-After", "")
+                raise Throttled(float(retry_after) if retry_after.isdigit() else 0.0)
             if not 200 <= resp.status <= 299:
                 await read_json(resp)
             while True:
