@@ -162,6 +162,17 @@ async def test_a_throttled_watch_is_made_again_after_retry_after_without_listing
     assert pod_retry_delays(caplog) == [1.0]
 
 
+async def test_a_throttled_list_is_not_made_again_before_its_retry_after(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    # the list of every pod, refused with 429 (Retry-After: 1), was sent again after the
+    # loop's own 0.02 s back-off
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    kube.throttle("GET", PODS, retry_after=1, watch=False)
+    async with running(kube, backoff_s=0.02):
+        assert len(pod_lists(kube)) == 2
+    assert pod_retry_delays(caplog) == [1.0]
+
+
 async def test_relists_do_not_leak_the_connections_open_at_the_time(
         kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each list freezes what is alive then (``gc.freeze``), so the cyclic collector skips the

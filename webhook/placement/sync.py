@@ -15,10 +15,11 @@ Back-off, as client-go's reflector: before listing again after a failure the loo
 ``410`` (the watch's version was compacted) after such a healthy stretch is the normal end of
 a long watch and is listed again at once; a ``410`` soon after the list (a server that
 compacts faster than we list) backs off like any error, so a cluster-wide list is never
-repeated in a tight loop. A watch refused with ``429`` (the API server sheds load) is made
-again from the same version after the back-off, and no sooner than its ``Retry-After``, rather
-than answered with a list of every object, the heaviest request the loop makes (the
-reflector, too, watches again after a 429).
+repeated in a tight loop. A list refused with ``429`` (the API server sheds load) is sent
+again no sooner than its ``Retry-After``; a watch so refused is made again from the same
+version after the back-off, and no sooner than its ``Retry-After``, rather than answered with
+a list of every object, the heaviest request the loop makes (the reflector, too, watches again
+after a 429).
 
 Pods are watched without a field selector: a pod that finishes must be seen as MODIFIED (the
 API server reports a pod leaving a selector as DELETED, but not every server does).
@@ -58,10 +59,12 @@ class Throttled(Exception):
 class ApiStatusError(Exception):
     """The API server answered with a non-2xx status."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after_s: float = 0.0) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s
+        """The ``Retry-After`` (seconds) of a 429; 0 otherwise."""
 
 
 class BadResponse(Exception):
@@ -81,7 +84,9 @@ async def read_json(resp: Any) -> Any:
             message = json.loads(body).get("message", message)
         except (ValueError, AttributeError, RecursionError):
             pass
-        raise ApiStatusError(resp.status, message)
+        retry_after = str(resp.headers.get("Retry-After") or "") if resp.status == 429 else ""
+        raise ApiStatusError(resp.status, message,
+                             float(retry_after) if retry_after.isdigit() else 0.0)
     try:
         return json.loads(body) if body else None
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -208,13 +213,15 @@ class ClusterSync:
                 if isinstance(exc, ResourceExpired) and healthy:
                     logger.info("watch expired; listing again", extra={"resource": what})
                     continue
+                # a 429: no sooner than the API server asks (bounded by the cap)
+                delay = max(backoff, min(getattr(exc, "retry_after_s", 0.0), self.backoff_max_s))
                 if isinstance(exc, ResourceExpired):
                     logger.warning("watch expired soon after the list; listing again after a "
-                                   "back-off", extra={"resource": what, "retry_s": backoff})
+                                   "back-off", extra={"resource": what, "retry_s": delay})
                 else:
                     logger.warning("list/watch failed; retrying", extra={
-                        "resource": what, "error": repr(exc), "retry_s": backoff})
-                await asyncio.sleep(backoff)
+                        "resource": what, "error": repr(exc), "retry_s": delay})
+                await asyncio.sleep(delay)
                 backoff = min(backoff * 2, self.backoff_max_s)
 
     async def _list(self, lister: Callable[..., Awaitable[Any]]) -> tuple[str, list[Any]]:
