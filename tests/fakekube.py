@@ -20,6 +20,7 @@ they matter to callers:
   :meth:`FakeKube.end_watches` ends the open watches as their timeout does,
   :meth:`FakeKube.drop_watches` cuts their connections in the middle of an event, and
   :attr:`FakeKube.down` makes every request a 503, for outage tests;
+  :meth:`FakeKube.throttle` answers as the API server sheds load (429, ``Retry-After``);
   :meth:`FakeKube.garble` answers requests with a body that is not JSON (a proxy's page);
   :meth:`FakeKube.delay` makes requests slow (answered, and carried out, only after a delay,
   whether or not the client still waits: the API server does not stop a write whose client
@@ -103,6 +104,15 @@ class _Fault:
     message: str
     watch: bool | None
     as_event: bool
+
+
+@dataclass
+class _Throttle:
+    method: str
+    pattern: re.Pattern[str]
+    retry_after: int
+    times: int
+    watch: bool | None
 
 
 @dataclass
@@ -193,6 +203,7 @@ class FakeKube:
         self._down = False
         self._faults: list[_Fault] = []
         self._garbles: list[_Garble] = []
+        self._throttles: list[_Throttle] = []
         self._delays: list[_Delay] = []
         self._closing = asyncio.Event()  # ends the delays at exit
         self._rv = itertools.count(1)
@@ -319,6 +330,15 @@ class FakeKube:
         self._faults.append(_Fault(method.upper(), re.compile(path_regex), status, times,
                                    message, watch, as_event))
 
+    def throttle(self, method: str, path_regex: str, times: int = 1, retry_after: int = 1, *,
+                 watch: bool | None = None) -> None:
+        """Answer the next ``times`` matching requests as the API server's max-in-flight and
+        priority-and-fairness filters refuse a request they shed: HTTP 429 with a
+        ``Retry-After: <retry_after>`` header and a plain-text body (``http.Error``), not a
+        Status object. ``watch`` as in :meth:`fail`."""
+        self._throttles.append(_Throttle(method.upper(), re.compile(path_regex), retry_after,
+                                         times, watch))
+
     def garble(self, method: str, path_regex: str, status: int = 200,
                body: bytes = b"<html>OK</html>", times: int = 1, *, apply: bool = True) -> None:
         """Answer the next ``times`` matching requests (not watches) with ``status`` and a
@@ -414,6 +434,15 @@ class FakeKube:
             if self.down:
                 raise ApiError(503, "the API server is unavailable")
             watching = _is_watch(request.method, request.query)
+            for throttle in self._throttles:
+                if throttle.times > 0 and throttle.method in (request.method, "*") \
+                        and throttle.watch in (None, watching) \
+                        and throttle.pattern.search(request.path):
+                    throttle.times -= 1
+                    return web.Response(
+                        status=429, text="Too many requests, please try again later.\n",
+                        headers={"Retry-After": str(throttle.retry_after),
+                                 "X-Content-Type-Options": "nosniff"})
             for fault in self._faults:
                 if fault.times > 0 and fault.method in (request.method, "*") \
                         and fault.watch in (None, watching) \

@@ -194,6 +194,28 @@ async def test_injected_watch_failures_come_as_http_errors_or_as_error_events() 
             kube.fail("GET", "/pods$", 410, as_event=True)
 
 
+async def test_throttled_requests_get_429_with_retry_after_as_plain_text() -> None:
+    async with FakeKube() as kube:
+        kube.put(_pod("a"))
+        kube.throttle("GET", "/api/v1/pods$", retry_after=3, watch=True)
+        kube.throttle("GET", "/api/v1/pods$", watch=False)
+        async with kube.api_client() as api:
+            v1 = client.CoreV1Api(api)
+            with pytest.raises(ApiException) as info:
+                await v1.list_pod_for_all_namespaces()
+            assert info.value.status == 429 and info.value.headers["Retry-After"] == "1"
+            assert info.value.body == "Too many requests, please try again later.\n"
+            assert info.value.headers["Content-Type"].startswith("text/plain")
+            resp = await v1.list_pod_for_all_namespaces(watch=True, _preload_content=False)
+            try:
+                assert resp.status == 429 and resp.headers["Retry-After"] == "3"
+            finally:
+                resp.release()
+            assert len((await v1.list_pod_for_all_namespaces()).items) == 1  # used up
+            status, event = await _first_watch_line(v1)
+            assert status == 200 and event["type"] == "ADDED"
+
+
 async def test_injected_list_failure_leaves_watches_alone() -> None:
     async with FakeKube() as kube:
         kube.put(_pod("a"))

@@ -140,6 +140,27 @@ async def test_nothing_is_published_until_the_library_is_installed(tmp_path: Pat
         assert kube.get("nodes", NODE)["status"]["capacity"]["nvidia.com/gpu"] == "20"
 
 
+async def test_a_throttled_api_server_is_not_asked_again_before_its_retry_after(
+        tmp_path: Path) -> None:
+    """The API server sheds load (429, Retry-After: 20, as priority and fairness answers while
+    it keeps dropping requests): every node's agent came back after its own 1 s back-off,
+    20 times sooner than asked. The round after is no sooner than Retry-After (at most the
+    interval)."""
+    settings = _settings(tmp_path)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            agent.backoff = Backoff(base=1.0, cap=settings.interval, rng=lambda: 1.0)
+            kube.throttle("*", r"^/api/v1/", times=2, retry_after=20)  # the node, its pods
+            assert await agent.step() == 20.0
+            kube.throttle("*", r"^/api/v1/", times=2, retry_after=3600)
+            assert await agent.step() == settings.interval
+            assert await agent.step() == settings.interval
+            assert agent.backoff.failures == 0
+            assert kube.get("nodes", NODE)["status"]["capacity"]["nvidia.com/gpu"] == "20"
+
+
 async def test_api_outage_backs_off_keeps_serving_metrics_then_recovers(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
     async with FakeKube() as kube:

@@ -141,6 +141,38 @@ async def test_a_watch_cut_inside_an_event_is_resumed_without_listing_again(
     assert pod_retry_delays(caplog) == []
 
 
+async def test_a_throttled_watch_is_made_again_after_retry_after_without_listing_again(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    # The API server sheds load (429 from priority and fairness, Retry-After: 1): the loop
+    # answered with a cluster-wide list of every pod (the heaviest request it makes) after
+    # its own 0.02 s back-off. As client-go's reflector does, the watch is made again from
+    # the same version, no sooner than Retry-After.
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    async with running(kube, backoff_s=0.02) as sync:
+        await eventually(lambda: "pods" in kube.open_watches)
+        kube.throttle("GET", PODS, retry_after=1, watch=True)
+        kube.end_watches()
+        await eventually(lambda: len(pod_watches(kube)) == 3, timeout=5)
+        pod = kube.put(gpu_pod("a", {"nvidia.com/gpumem": "1000"}, node="n1", devices="GPU-0",
+                               phase="Running"))
+        await eventually(lambda: pod["metadata"]["uid"] in sync.state.allocs)
+        assert len(pod_lists(kube)) == 1
+        first, _, again = pod_watches(kube)
+        assert again.query["resourceVersion"] == first.query["resourceVersion"]
+    assert pod_retry_delays(caplog) == [1.0]
+
+
+async def test_a_throttled_list_is_not_made_again_before_its_retry_after(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    # the list of every pod, refused with 429 (Retry-After: 1), was sent again after the
+    # loop's own 0.02 s back-off
+    kube.put(gpu_node("n1", [("GPU-0", 24576)]))
+    kube.throttle("GET", PODS, retry_after=1, watch=False)
+    async with running(kube, backoff_s=0.02):
+        assert len(pod_lists(kube)) == 2
+    assert pod_retry_delays(caplog) == [1.0]
+
+
 async def test_relists_do_not_leak_the_connections_open_at_the_time(
         kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each list freezes what is alive then (``gc.freeze``), so the cyclic collector skips the

@@ -22,8 +22,9 @@ over ``--compute-window`` against its compute limit (sampled every second,
 :mod:`webhook.node.compute`).
 
 An API or install failure shortens the wait to an exponential backoff with jitter (1 s
-doubling, capped at the interval) instead of ending the process; metrics keep being served
-throughout. SIGTERM/SIGINT stop the loop and the process exits 0, within
+doubling, capped at the interval) instead of ending the process, though never below the
+``Retry-After`` of a request the API server refused with 429 (it sheds load; every node's agent
+asks it); metrics keep being served throughout. SIGTERM/SIGINT stop the loop and the process exits 0, within
 :data:`SHUTDOWN_BOUND_S` (under the pod's grace period): the round in progress is cancelled
 (one waiting on an API server that does not answer would otherwise run on for its requests'
 30 s timeouts), scrapes in flight get :data:`METRICS_SHUTDOWN_S`, NVML's shutdown waits at
@@ -103,6 +104,14 @@ def oldest_gpu_container(pods: Iterable[client.V1Pod]) -> float:
     return oldest
 
 
+def retry_after(exc: BaseException) -> float:
+    """The ``Retry-After`` (seconds) of a 429 answer; 0 for any other failure."""
+    if getattr(exc, "status", None) != 429:
+        return 0.0
+    value = str((getattr(exc, "headers", None) or {}).get("Retry-After") or "")
+    return float(value) if value.isdigit() else 0.0
+
+
 class Backoff:
     """Exponential backoff with equal jitter: the n-th delay is in [d/2, d], d = base x 2^n."""
 
@@ -159,6 +168,8 @@ class Agent:
         self._round_done = time.monotonic()  # the start counts: the first round is under way
         self._in_round = False
         self._discovering: asyncio.Future[Discovery] | None = None
+        self._retry_after = 0.0
+        """The longest ``Retry-After`` of the round's throttled API requests (seconds)."""
 
     async def start(self) -> None:
         """Start serving /metrics and /healthz."""
@@ -232,6 +243,7 @@ class Agent:
     async def step(self) -> float:
         """One round of discover, install, publish, clean up; return seconds until the next."""
         ok = True
+        self._retry_after = 0.0
         discovery = await self._discover()
         installed = await asyncio.to_thread(self._install)
         if installed and self.publisher is None:  # no pod list: /proc alone tells
@@ -248,6 +260,7 @@ class Agent:
                 outcome = await self.publisher.publish(discovery)
             except API_ERRORS as exc:
                 ok = False
+                self._retry_after = max(self._retry_after, retry_after(exc))
                 self.status.publish_errors += 1
                 logger.warning("publishing the node's GPUs failed; will retry",
                                extra={"node": self.settings.node_name,
@@ -266,7 +279,7 @@ class Agent:
         if ok:
             self.backoff.reset()
             return self.settings.interval
-        return min(self.backoff.next(), self.settings.interval)
+        return min(max(self.backoff.next(), self._retry_after), self.settings.interval)
 
     async def _discover(self) -> Discovery | None:
         """The GPUs (``Inventory.discover`` in a worker thread), waited on for at most
@@ -297,6 +310,7 @@ class Agent:
             if pods is None:
                 pods = await self.publisher.node_pods(cached=True)
         except API_ERRORS as exc:
+            self._retry_after = max(self._retry_after, retry_after(exc))
             logger.warning("listing the node's pods failed; no state dir or old library removed",
                            extra={"node": self.settings.node_name, "error": api_error(exc)})
             return False
@@ -314,6 +328,7 @@ class Agent:
                 live = {p.metadata.uid for p in await self.publisher.node_pods()
                         if p.metadata and p.metadata.uid}
         except API_ERRORS as exc:
+            self._retry_after = max(self._retry_after, retry_after(exc))
             logger.warning("listing the node's pods failed; no state dir removed",
                            extra={"node": self.settings.node_name, "error": api_error(exc)})
             return False

@@ -15,7 +15,11 @@ Back-off, as client-go's reflector: before listing again after a failure the loo
 ``410`` (the watch's version was compacted) after such a healthy stretch is the normal end of
 a long watch and is listed again at once; a ``410`` soon after the list (a server that
 compacts faster than we list) backs off like any error, so a cluster-wide list is never
-repeated in a tight loop.
+repeated in a tight loop. A list refused with ``429`` (the API server sheds load) is sent
+again no sooner than its ``Retry-After``; a watch so refused is made again from the same
+version after the back-off, and no sooner than its ``Retry-After``, rather than answered with
+a list of every object, the heaviest request the loop makes (the reflector, too, watches again
+after a 429).
 
 Pods are watched without a field selector: a pod that finishes must be seen as MODIFIED (the
 API server reports a pod leaving a selector as DELETED, but not every server does).
@@ -43,13 +47,24 @@ class ResourceExpired(Exception):
     """The watch's resourceVersion is too old (410): list again."""
 
 
+class Throttled(Exception):
+    """The API server refused the watch with 429 (it sheds load); ``retry_after_s``: its
+    ``Retry-After`` (0 when absent or not a number of seconds)."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"HTTP 429, Retry-After {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+
+
 class ApiStatusError(Exception):
     """The API server answered with a non-2xx status."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after_s: float = 0.0) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s
+        """The ``Retry-After`` (seconds) of a 429; 0 otherwise."""
 
 
 class BadResponse(Exception):
@@ -69,7 +84,9 @@ async def read_json(resp: Any) -> Any:
             message = json.loads(body).get("message", message)
         except (ValueError, AttributeError, RecursionError):
             pass
-        raise ApiStatusError(resp.status, message)
+        retry_after = str(resp.headers.get("Retry-After") or "") if resp.status == 429 else ""
+        raise ApiStatusError(resp.status, message,
+                             float(retry_after) if retry_after.isdigit() else 0.0)
     try:
         return json.loads(body) if body else None
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -169,9 +186,20 @@ class ClusterSync:
                     self.ready.set()
                 if healthy_since is None:
                     healthy_since = time.monotonic()
+                throttled = 0
                 while time.monotonic() - listed_at < self.resync_s:
                     started = time.monotonic()
-                    rv = await self._watch(lister, rv, on_event)
+                    try:
+                        rv = await self._watch(lister, rv, on_event)
+                    except Throttled as exc:  # watched again from rv: no list
+                        delay = max(min(self.backoff_s * 2 ** throttled, self.backoff_max_s),
+                                    min(exc.retry_after_s, self.backoff_max_s))
+                        throttled += 1
+                        logger.warning("watch throttled by the API server; watching again",
+                                       extra={"resource": what, "retry_s": delay})
+                        await asyncio.sleep(delay)
+                        continue
+                    throttled = 0
                     if time.monotonic() - started < 1.0:  # a server that ends watches at once
                         await asyncio.sleep(1.0)
             except asyncio.CancelledError:
@@ -185,13 +213,15 @@ class ClusterSync:
                 if isinstance(exc, ResourceExpired) and healthy:
                     logger.info("watch expired; listing again", extra={"resource": what})
                     continue
+                # a 429: no sooner than the API server asks (bounded by the cap)
+                delay = max(backoff, min(getattr(exc, "retry_after_s", 0.0), self.backoff_max_s))
                 if isinstance(exc, ResourceExpired):
                     logger.warning("watch expired soon after the list; listing again after a "
-                                   "back-off", extra={"resource": what, "retry_s": backoff})
+                                   "back-off", extra={"resource": what, "retry_s": delay})
                 else:
                     logger.warning("list/watch failed; retrying", extra={
-                        "resource": what, "error": repr(exc), "retry_s": backoff})
-                await asyncio.sleep(backoff)
+                        "resource": what, "error": repr(exc), "retry_s": delay})
+                await asyncio.sleep(delay)
                 backoff = min(backoff * 2, self.backoff_max_s)
 
     async def _list(self, lister: Callable[..., Awaitable[Any]]) -> tuple[str, list[Any]]:
@@ -217,6 +247,9 @@ class ClusterSync:
         try:
             if resp.status == 410:
                 raise ResourceExpired("watch resourceVersion too old")
+            if resp.status == 429:
+                retry_after = resp.headers.get("Retry-After", "")
+                raise Throttled(float(retry_after) if retry_after.isdigit() else 0.0)
             if not 200 <= resp.status <= 299:
                 await read_json(resp)
             while True:
