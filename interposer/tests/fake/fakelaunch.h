@@ -12,6 +12,7 @@ struct fake_stream {
     struct fake_ctx *ctx; /* current when it was created */
     int capturing;
     int capture_mode;
+    const char *capturer; /* the capturing thread's t_me (a context's end ends only its own) */
     struct fake_graph *graph; /* being captured */
     int to_graph;             /* into the program's graph (cuStreamBeginCaptureToGraph): not freed here */
 };
@@ -32,7 +33,11 @@ static struct fake_stream *stream_of(CUstream s, int ptsz)
     return (struct fake_stream *)s;
 }
 
-/* The streams capturing now (a context's end ends their captures), under cap_mu */
+/* The streams capturing now (a context's end ends their captures), under cap_mu.  The fake
+ * keeps a stream's capture state unsynchronised, for its own thread: a context's end or a
+ * stream's destroy ends only the captures the calling thread began (another thread's stays,
+ * a limit of the model; mixrace resets contexts while other threads capture) */
+static __thread char t_me;
 #define FAKE_CAPTURING 64
 static pthread_mutex_t cap_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct fake_stream *capturing[FAKE_CAPTURING];
@@ -203,6 +208,7 @@ API CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
     }
     struct fake_stream *st = stream_of(s, 0);
     st->capturing = 1;
+    st->capturer = &t_me;
     capturing_set(st, 1);
     st->capture_mode = mode;
     st->to_graph = 0;
@@ -222,7 +228,7 @@ API CUresult cuStreamBeginCapture(CUstream s)
  * driver allows the destroy is not documented; where it does, the capture cannot outlive it) */
 static void capture_gone(struct fake_stream *st)
 {
-    if (!st->capturing) return;
+    if (st == &legacy_stream || st == &ptds_stream || st->capturer != &t_me || !st->capturing) return;
     capturing_set(st, 0);
     if (st->capture_mode == 0 && !__atomic_sub_fetch(&global_captures, 1, __ATOMIC_ACQ_REL))
         __atomic_store_n(&capture_invalidated, 0, __ATOMIC_RELEASE);
@@ -239,7 +245,7 @@ static void captures_ctx_gone(const struct fake_ctx *c)
     int n = 0;
     pthread_mutex_lock(&cap_mu);
     for (int i = 0; i < FAKE_CAPTURING; i++)
-        if (capturing[i] && capturing[i]->ctx == c) gone[n++] = capturing[i];
+        if (capturing[i] && capturing[i]->ctx == c && capturing[i]->capturer == &t_me) gone[n++] = capturing[i];
     pthread_mutex_unlock(&cap_mu);
     for (int i = 0; i < n; i++) capture_gone(gone[i]);
 }
