@@ -8,10 +8,13 @@ file and each process falls back to a region of its own: a whole cap per process
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +22,12 @@ from pathlib import Path
 import pytest
 
 from webhook.node.cleanup import share_state_dirs
+from webhook.node.region import read_region
 
 NOBODY = 65534
+HOST_ROOT = 100000
+"""The host uid a user-namespaced pod's root is (the kubelet picks a multiple of 65536)."""
+NSENTER = shutil.which("nsenter") or "nsenter"
 CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
@@ -201,3 +208,115 @@ def test_a_set_user_id_program_ignores_its_callers_environment(release_lab, shar
     assert (rc, loaded) == ("801", "0")  # no driver of the caller's choosing: not supported
     assert victim.stat().st_mode & 0o777 == 0o600
     assert victim.read_bytes() == b"root's secret\n"
+
+
+_CLONE_NEWUSER = 0x10000000
+_OPEN_TREE_CLONE, _OPEN_TREE_CLOEXEC = 1, 0o2000000
+_AT_FDCWD, _AT_EMPTY_PATH, _MOVE_MOUNT_F_EMPTY_PATH = -100, 0x1000, 4
+_MOUNT_ATTR_IDMAP = 0x00100000
+_SYS = {"x86_64": (428, 429, 442), "aarch64": (428, 429, 442)}  # open_tree, move_mount, mount_setattr
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _idmapped_bind(libc: ctypes.CDLL, source: Path, target: Path, userns: int) -> str | None:
+    """Bind ``source`` at ``target`` through an idmapped mount with ``userns``'s mapping, as
+    the container runtime mounts a user-namespaced pod's volumes; why not, or None."""
+    open_tree, move_mount, mount_setattr = _SYS[os.uname().machine]
+    fd = libc.syscall(open_tree, _AT_FDCWD, str(source).encode(),
+                      _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC)
+    if fd < 0:
+        return f"open_tree: {os.strerror(ctypes.get_errno())}"
+    try:
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns)
+        if libc.syscall(mount_setattr, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
+                        ctypes.sizeof(attr)) != 0:
+            return f"mount_setattr: {os.strerror(ctypes.get_errno())}"
+        if libc.syscall(move_mount, fd, b"", _AT_FDCWD, str(target).encode(),
+                        _MOVE_MOUNT_F_EMPTY_PATH) != 0:
+            return f"move_mount: {os.strerror(ctypes.get_errno())}"
+    finally:
+        os.close(fd)
+    return None
+
+
+@pytest.mark.parametrize("idmapped", [True, False], ids=["idmapped", "plain"])
+def test_a_user_namespaced_pods_processes_share_one_budget(release_lab, shared_base, idmapped):
+    # spec.hostUsers: false (Kubernetes 1.30+ beta, on by default from 1.33): container uid 0 is
+    # host uid 100000.  The kubelet (1.27+) has the runtime mount every volume, hostPath ones
+    # included, through an idmapped mount with the pod's mapping: the state dir's root-owned
+    # files are root's inside, and a file container root creates is host root's on disk.  Its
+    # processes, root or not, share one region and the agent reads it; without the idmap (plain)
+    # the agent's 1777 dirs let them too, the file then owned by the mapped uid.
+    lab = release_lab
+    if os.uname().machine not in _SYS:
+        pytest.skip("syscall numbers known for x86_64 and aarch64 only")
+    libc = ctypes.CDLL(None, use_errno=True)
+    root = shared_base / "containers"
+    container_dir = root / str(uuid.uuid4()) / "main"
+    container_dir.mkdir(parents=True)
+    share_state_dirs(root)
+    scratch = shared_base / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o777)
+    read, write = os.pipe()
+    holder = os.fork()
+    if holder == 0:  # the pod's user namespace, held open while the test runs
+        os.close(read)
+        os.write(write, b"1" if libc.unshare(_CLONE_NEWUSER) == 0 else b"0")
+        time.sleep(120)
+        os._exit(0)
+    os.close(write)
+    mounted = None
+    try:
+        if os.read(read, 1) != b"1":
+            pytest.skip("cannot make a user namespace here")
+        for name in ("uid_map", "gid_map"):
+            Path(f"/proc/{holder}/{name}").write_text(f"0 {HOST_ROOT} 65536\n")
+        state = container_dir
+        if idmapped:
+            state = shared_base / "mnt"
+            state.mkdir()
+            userns = os.open(f"/proc/{holder}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                why = _idmapped_bind(libc, container_dir, state, userns)
+            finally:
+                os.close(userns)
+            if why:
+                pytest.skip(f"no idmapped mount here ({why})")
+            mounted = state
+        env = lab.env(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(state / "region"),
+                      FAKE_CUDA_STATE=str(scratch / "fake"), CUDA_DEVICE_MEMORY_LIMIT="1g",
+                      GPUSLICE_POD_UID="0b7f-uid")
+
+        def start(uid: int, *cmds: str) -> subprocess.Popen[str]:
+            proc = subprocess.Popen(
+                [NSENTER, "--user", f"--target={holder}", f"--setuid={uid}", f"--setgid={uid}",
+                 *lab.command(*cmds)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True)
+            lab.procs.append(proc)
+            return proc
+
+        ready = scratch / "ready"
+        keeper = start(0, "init", "ctx", "0", "alloc", "768m", "touch", str(ready), "sleep", "30000")
+        lab.wait_for(ready)
+        for uid in (0, 1000):  # container root, and a container user
+            second = lab.finish(start(uid, "init", "ctx", "0", "alloc", "512m", "alloc", "128m"))
+            assert [second.rc("alloc", 0), second.rc("alloc", 1)] == [CUDA_ERROR_OUT_OF_MEMORY, 0]
+            assert "cannot use region" not in second.stderr
+        on_disk = (container_dir / "region").stat()
+        assert on_disk.st_uid == (0 if idmapped else HOST_ROOT)
+        assert on_disk.st_mode & 0o777 == 0o666
+        region = read_region(container_dir / "region")  # the agent's reader, as host root
+        assert region.devices[0].limit_bytes == 1 << 30
+        assert sum(p.used_bytes[0] for p in region.processes) >= 768 << 20
+        keeper.kill()
+        keeper.wait(timeout=10)
+    finally:
+        if mounted is not None:
+            subprocess.run(["umount", "-l", str(mounted)], check=False)
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)

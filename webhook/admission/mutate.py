@@ -23,7 +23,9 @@ Behaviour beyond the contract (decided here, tested in ``tests/admission/cases``
   User ``gpuslice.io/limits.*`` annotations are replaced by ours, or removed where no GPU
   container owns the key (warning where the value differed).
 * Conflicting user ``nodeSelector[gpu]``, ``schedulerName`` or ``runtimeClassName`` are
-  overwritten with a warning: without them the pod would not get its GPUs.
+  overwritten with a warning: without them the pod would not get its GPUs. A replaced
+  runtime class's ``spec.overhead`` (the API server's RuntimeClass admission copies it in
+  before webhooks run, and refuses a pod whose overhead is not its class's after) is removed.
 * Denied: privileged GPU containers and GPU containers adding ``SYS_ADMIN`` (or ``ALL``)
   capabilities (they can see every GPU or undo the library mount), ``spec.nodeName`` preset
   on a GPU pod (it would bypass the GPU scheduler), a GPU pod whose ``spec.os.name`` is not
@@ -723,6 +725,13 @@ def _mutate_pod_spec(spec: dict[str, Any], parts: list[_ContainerParts], setting
         if current not in (None, settings.runtime_class_name):
             work.warn(f"runtimeClassName {current} was changed to "
                       f"{settings.runtime_class_name}, needed for GPU access")
+            # The API server's RuntimeClass admission set spec.overhead from the class replaced
+            # here (before webhooks run) and checks it against the new class after them: kept,
+            # it refused the pod ("Pod Overhead set without corresponding RuntimeClass defined
+            # Overhead"). The configured class defines none (values.yaml).
+            if spec.pop("overhead", None) is not None:
+                work.warn(f"spec.overhead was that of runtimeClassName {current} and was "
+                          f"removed")
         spec["runtimeClassName"] = settings.runtime_class_name
 
     if settings.tolerations:
