@@ -65,8 +65,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from webhook.placement import preempt as preempt_mod
 from webhook.placement.extender import setup
-from webhook.placement.fit import NoFit, Placement, place
-from webhook.placement.inventory import Gpu, Usage, inventory_json
+from webhook.placement.fit import Placement, place
+from webhook.placement.holds import held_usage
+from webhook.placement.inventory import Gpu, inventory_json
 from webhook.placement.model import Proposed
 from webhook.placement.placer import Placer
 from webhook.placement.request import pod_request
@@ -227,36 +228,18 @@ async def main_async(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add(usage: dict[str, Usage], demand: dict[str, Usage], sign: int) -> None:
-    for uuid, d in demand.items():
-        u = usage[uuid].copy() if uuid in usage else Usage()
-        u.add(d, sign)
-        usage[uuid] = u
-
-
 def _held_recomputed(state: ClusterState, node: NodeState, nominated: dict[str, Any],
                      priority: int, uid: str) -> dict[str, Any] | None:
     """``ClusterState.held_usage`` as it was before the holds were kept (``nominated``: the
-    node's nominees by UID): worked out again on every call."""
+    node's nominees by UID): sorted and placed again on every call (``held_usage``, the same
+    placement the kept path makes once)."""
     holders = sorted((n for n in nominated.values()
                       if n.priority >= priority and n.uid != uid and n.uid not in state.allocs),
                      key=lambda n: (-n.priority, n.uid))
     if not holders:
         return None
-    usage = dict(node.usage)
-    base = dict(node.usage)
-    for alloc in (state.allocs[u] for u in node.pods):
-        if alloc.terminating:
-            _add(base, alloc.demand, -1)
-    held = False
-    for nominee in holders:
-        result = place(nominee.request, node.gpus, base, state.settings.split_count)
-        if isinstance(result, NoFit):
-            continue
-        _add(base, result.demand, 1)
-        _add(usage, result.demand, 1)
-        held = True
-    return usage if held else None
+    terminating = (a for a in (state.allocs[u] for u in node.pods) if a.terminating)
+    return held_usage(holders, node.gpus, node.usage, terminating, state.settings.split_count)
 
 
 class RecomputingPlacer(Placer):

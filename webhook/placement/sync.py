@@ -71,6 +71,12 @@ class BadResponse(Exception):
     """The API server answered 2xx with a body that is not JSON (a proxy's page, a cut body)."""
 
 
+def retry_after_s(headers: Any) -> float:
+    """A 429's ``Retry-After`` in seconds (0 when absent or not a number of seconds)."""
+    value = str(headers.get("Retry-After") or "")
+    return float(value) if value.isdigit() else 0.0
+
+
 async def read_json(resp: Any) -> Any:
     """Body of a raw (``_preload_content=False``) response; raises :class:`ApiStatusError` on
     a non-2xx status and :class:`BadResponse` on a 2xx body that is not JSON."""
@@ -84,9 +90,8 @@ async def read_json(resp: Any) -> Any:
             message = json.loads(body).get("message", message)
         except (ValueError, AttributeError, RecursionError):
             pass
-        retry_after = str(resp.headers.get("Retry-After") or "") if resp.status == 429 else ""
         raise ApiStatusError(resp.status, message,
-                             float(retry_after) if retry_after.isdigit() else 0.0)
+                             retry_after_s(resp.headers) if resp.status == 429 else 0.0)
     try:
         return json.loads(body) if body else None
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -248,8 +253,7 @@ class ClusterSync:
             if resp.status == 410:
                 raise ResourceExpired("watch resourceVersion too old")
             if resp.status == 429:
-                retry_after = resp.headers.get("Retry-After", "")
-                raise Throttled(float(retry_after) if retry_after.isdigit() else 0.0)
+                raise Throttled(retry_after_s(resp.headers))
             if not 200 <= resp.status <= 299:
                 await read_json(resp)
             while True:
