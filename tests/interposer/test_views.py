@@ -13,6 +13,8 @@ from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
 MIB = 1 << 20
 GIB = 1 << 30
 NVML_ERROR_INVALID_ARGUMENT = 2
+CUDA_SUCCESS = 0
+CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 def test_views_report_the_cap_as_total_and_the_containers_usage_as_used(lab):
@@ -418,3 +420,20 @@ def test_processes_seeing_different_gpus_as_device_0_by_uuid_charge_each_its_own
     (lab.tmp / "go").touch()
     for proc in procs:
         assert lab.finish(proc).returncode == 0
+
+
+def test_more_gpus_than_the_region_has_slots_are_named_not_passed_over_silently(lab):
+    # A container that sees 18 GPUs (given some other way: the webhook grants at most 16): the
+    # region has 16 slots, and devices 16 and 17 get none, so they run with no cap. The first
+    # 16 stay capped; the two left are named once at discovery (before: not a word).
+    uuids = [f"GPU-{i:08x}-0000-1111-2222-333333333333" for i in range(18)]
+    env = {"FAKE_CUDA_DEVICES": ",".join(f"{u}=16g" for u in uuids), "CUDA_DEVICE_MEMORY_LIMIT": "1g"}
+    res = lab.run("init", "ctx", "0", "alloc", "2g", "ctx", "15", "alloc", "2g", "ctx", "17",
+                  "alloc", "2g", **env)
+    assert [rc for rc, _ in res.of("alloc")] == [CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_OUT_OF_MEMORY,
+                                                  CUDA_SUCCESS]
+    assert [d.uuid for d in lab.region().devices] == uuids[:16]
+    said = [line for line in res.stderr.splitlines() if "more than the 16 gpuslice can cap" in line]
+    assert len(said) == 1, res.stderr
+    assert "sees 18 GPUs" in said[0] and "2 of them" in said[0] and uuids[16] in said[0]
+    assert "NO memory or compute cap" in said[0]
