@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -114,7 +115,7 @@ static void no_cow(int fd, off_t size)
  * process's (all processes of a container share one; a restarted container gets a new one).
  * Every version keeps the header's first fields, the process table at the same offset and each
  * slot's first fields {pid, state, pidns} (the header's rules); the slot size is the header's
- * size spread over its max_procs.  1: such a process, 0: none, -1: cannot tell. */
+ * size spread over its max_procs.  1: such a process, alive, 0: none, -1: cannot tell. */
 static int other_version_in_use(int fd)
 {
     struct {
@@ -136,7 +137,11 @@ static int other_version_in_use(int fd)
             uint64_t pidns;
         } p;
         if (pread(fd, &p, sizeof(p), (off_t)(procs + i * stride)) != (ssize_t)sizeof(p)) return -1;
-        if (p.state == GPUSLICE_PROC_LIVE && p.pidns == my_ns) return 1;
+        /* its pid is in this namespace: one gone (SIGKILLed, no process of its version left to
+         * sweep it) uses nothing, and kept, the container's new processes were granted no
+         * memory for the pod's life (a pid taken again since counts as in use) */
+        if (p.state == GPUSLICE_PROC_LIVE && p.pidns == my_ns && p.pid > 0 && (kill(p.pid, 0) == 0 || errno != ESRCH))
+            return 1;
     }
     return 0;
 }

@@ -828,6 +828,23 @@ def test_an_older_librarys_region_a_process_of_this_run_uses_is_not_replaced_und
     assert "has version 1" in res.stderr and "uses it" in res.stderr
 
 
+def test_an_older_librarys_region_whose_process_of_this_run_was_killed_is_replaced(lab):
+    # As above, but the old library's process was SIGKILLed: its slot stays marked live, and no
+    # process of its version is left to sweep it. The region was kept as "in use", and every new
+    # process of the container was granted no memory for the pod's life.
+    holder = lab.start("init", "ctx", "0", "alloc", "6g", "touch", str(lab.tmp / "held"),
+                       "waitfile", str(lab.tmp / "go"), CUDA_DEVICE_MEMORY_LIMIT="8g", **POD)
+    lab.wait_for(lab.tmp / "held")
+    with open(lab.region_path, "r+b") as f:
+        f.seek(8)
+        f.write((1).to_bytes(4, "little"))
+    holder.kill()
+    holder.wait(timeout=10)
+    res = lab.run("init", "ctx", "0", "alloc", "6g", CUDA_DEVICE_MEMORY_LIMIT="8g", **POD)
+    assert res.rc("alloc") == 0, res.stderr
+    assert "older library (version 1): replaced" in res.stderr
+
+
 def wait_for_lock_waiters(path: Path, count: int, timeout: float = 20) -> None:
     """Until ``count`` processes wait for a flock on ``path``'s inode (/proc/locks' "->" lines:
     blocked requests), rather than a sleep that bets they got there."""
