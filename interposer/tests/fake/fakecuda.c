@@ -54,6 +54,9 @@
  *                            another thread's or process's step inside the call (wait for the
  *                            mark, act, create this file) instead of betting on fixed sleeps
  *   FAKE_CUDA_PROCADDR_TRAMPOLINE=1  cuGetProcAddress hands out trampolines, not exports
+ *   FAKE_CUDA_PROCADDR_LOG=path  every cuGetProcAddress[_v2] request appended to that file,
+ *                            "<entry> <symbol> <cudaVersion> <flags> <rc> <export or ->"
+ *                            (tests/cudart_requests.py records the CUDA runtime's with it)
  *   FAKE_CUDA_PROCADDR_FUTURE=1  a later CUDA's variant: cuGetProcAddress("cuMemGetInfo") from
  *                            13010 on is a cuMemGetInfo_v3(free, total, device) the
  *                            interposer's table does not know (a trampoline, not an export)

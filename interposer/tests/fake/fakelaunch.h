@@ -1112,6 +1112,24 @@ static void *func_by_name(const char *name)
     return NULL;
 }
 
+/* FAKE_CUDA_PROCADDR_LOG=path: every request appended as one line,
+ * "<entry> <symbol> <cudaVersion> <flags> <rc> <the export handed out or ->" (the CUDA runtime's
+ * requests, recorded for tests/interposer/data/cudart13_procaddr.txt) */
+static void log_request(const char *entry, const char *symbol, int version, cuuint64_t flags, CUresult rc,
+                        const char *name)
+{
+    const char *path = getenv("FAKE_CUDA_PROCADDR_LOG");
+    if (!path || !*path) return;
+    char line[400];
+    const char *shown = !symbol ? "(null)" : symbol[0] ? symbol : "\"\"";
+    int n = snprintf(line, sizeof(line), "%s %s %d %llu %d %s\n", entry, shown, version, (unsigned long long)flags,
+                     (int)rc, name ? name : "-");
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) return;
+    if (n > 0) (void)!write(fd, line, (size_t)n < sizeof(line) ? (size_t)n : sizeof(line) - 1);
+    close(fd);
+}
+
 static CUresult proc_address(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status)
 {
     if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
@@ -1144,12 +1162,26 @@ static CUresult proc_address(const char *symbol, void **pfn, int version, cuuint
     return CUDA_SUCCESS;
 }
 
+static void log_answer(const char *entry, const char *symbol, int version, cuuint64_t flags, CUresult rc, void **pfn)
+{
+    Dl_info info;
+    const char *name = rc == CUDA_SUCCESS && pfn && *pfn && dladdr(*pfn, &info) && info.dli_sname &&
+                               info.dli_saddr == *pfn
+                           ? info.dli_sname
+                           : NULL;
+    log_request(entry, symbol, version, flags, rc, name);
+}
+
 API CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags)
 {
-    return proc_address(symbol, pfn, version, flags, NULL);
+    CUresult rc = proc_address(symbol, pfn, version, flags, NULL);
+    log_answer("cuGetProcAddress", symbol, version, flags, rc, pfn);
+    return rc;
 }
 
 API CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status)
 {
-    return proc_address(symbol, pfn, version, flags, status);
+    CUresult rc = proc_address(symbol, pfn, version, flags, status);
+    log_answer("cuGetProcAddress_v2", symbol, version, flags, rc, pfn);
+    return rc;
 }
