@@ -170,3 +170,26 @@ async def test_a_burst_of_gpu_binds_reads_the_lease_once(kube: FakeKube, extende
     kube.requests.clear()
     assert await asyncio.gather(*(ext.bind(p, "n1") for p in pods)) == [""] * len(pods)
     assert len(kube.requests_to("GET", "/leases/gpuslice-scheduler$")) == 1
+
+
+async def test_the_restart_hold_ends_on_time_whatever_the_wall_clock_does(
+        kube: FakeKube, extender: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    """The restart's hold is this process's own span: the wall clock stepped back an hour (NTP
+    correcting a node's clock after boot) held GPU binds an hour more, and one stepped forward
+    would have ended the hold at once."""
+    import time
+
+    from webhook.placement import placer as placer_module
+
+    kube.put(gpu_node("n1", TWO))
+    a = kube.put(gpu_pod("a", SIX_GIB))
+    marker = tmp_path / "extender-ran"
+    marker.touch()  # an earlier process of this container ran
+    ext = await extender(restart_marker=str(marker))
+    ext.placer.assume_ttl_s = ext.placer.bind_timeout_s = 0.2  # a hold of 0.4 s
+    real = time.time
+    monkeypatch.setattr(placer_module.time, "time", lambda: real() + 3600)
+    assert "restarted less than" in await ext.bind(a, "n1")  # not ended by the jump forward
+    monkeypatch.setattr(placer_module.time, "time", lambda: real() - 3600)
+    await asyncio.sleep(0.45)
+    assert await ext.bind(a, "n1") == ""

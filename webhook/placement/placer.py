@@ -179,11 +179,11 @@ class Placer:
         path = Path(marker)
         try:
             if path.exists():
-                self._restarted_at = time.time()
+                self._restarted_at = time.monotonic()
             else:
                 path.touch()
         except OSError as exc:  # cannot tell: assume the worst
-            self._restarted_at = time.time()
+            self._restarted_at = time.monotonic()
             logger.warning("cannot use the restart marker; GPU binds wait as after a restart",
                            extra={"path": marker, "error": str(exc)})
         if self._restarted_at is not None:
@@ -452,7 +452,9 @@ class Placer:
         changed hands, too recently; or the lease cannot be read before ``deadline``), or
         None."""
         if self._restarted_at is not None:
-            left = self._restarted_at + self.failover_hold_s - time.time()
+            # (this process's own clock: the wall clock stepped back an hour, by NTP after a
+            # node's boot, held GPU binds an hour)
+            left = self._restarted_at + self.failover_hold_s - time.monotonic()
             if left > 0:
                 return (f"gpuslice: the extender restarted less than "
                         f"{self.failover_hold_s:.0f}s ago; GPU binds wait {left:.0f}s more, "
