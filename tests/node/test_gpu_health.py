@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 from fakekube import FakeKube
-from node.fakenvml import two_a100s
+from node.fakenvml import FakeDevice, two_a100s
 from node.test_shutdown import _settings as shutdown_settings
 from prometheus_client import generate_latest
 
@@ -23,6 +23,7 @@ from webhook.node import inventory as inventory_module
 from webhook.node.config import AgentSettings
 from webhook.node.inventory import (
     APPLICATION_XIDS,
+    DEPARTED_KEPT,
     HEALTHY,
     HUNG_PROBLEM,
     RECOVER_ROUNDS,
@@ -109,6 +110,34 @@ async def test_a_flapping_gpu_is_not_offered_on_its_healthy_rounds(
                 await step()
                 states.append(_published(kube)[GPU1])
             assert states == [UNHEALTHY] * (RECOVER_ROUNDS - 1) + [HEALTHY] * 2
+
+
+def test_a_gpu_the_driver_stops_listing_is_judged_as_before_when_it_is_back() -> None:
+    """GPU 1 went Unhealthy, then the driver stopped listing it for a while: back and passing
+    its checks, it is still recovering (Unhealthy), as before it went. What the inventory keeps
+    of GPUs gone is bounded, though: once more than DEPARTED_KEPT are remembered (boards
+    replaced one after another at index 1), it goes, and GPU 1 back is as a GPU never seen
+    (`test_longrun.py -k replaced`: an entry per board ever seen was kept)."""
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+
+    def health() -> dict[str, str]:
+        return {g.uuid: g.health for g in inv.discover().gpus}
+
+    gpu1 = nvml.devices[1]
+    for forgotten in (False, True):
+        gpu1.retired_pending = True
+        assert health()[GPU1] == UNHEALTHY
+        nvml.devices.pop()
+        assert GPU1 not in health()
+        if forgotten:
+            for i in range(DEPARTED_KEPT + 1):
+                nvml.devices[1:] = [FakeDevice(f"GPU-{i:08d}-2222-2222-2222-222222222222")]
+                health()
+            nvml.devices.pop()
+        gpu1.retired_pending = False
+        nvml.devices.append(gpu1)
+        assert health()[GPU1] == (HEALTHY if forgotten else UNHEALTHY)
 
 
 async def test_a_recovering_gpu_is_offered_no_sooner_than_documented_when_rounds_back_off(

@@ -15,13 +15,14 @@ from typing import Any
 import pynvml
 import pytest
 from fakekube import FakeKube
-from node.fakenvml import GIB, MIB
+from node.fakenvml import GIB, MIB, FakeDevice
 from node.test_agent import LIB, _node, _settings
-from node.test_audit import GPU0, Node, _auditor, cid, one_gpu, systemd_cgroup
+from node.test_audit import GPU0, GPU1, Node, _auditor, cid, one_gpu, systemd_cgroup
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from webhook.node.audit import ABSENT_TTL
+from webhook.node.inventory import DEPARTED_KEPT
 from webhook.node.loop import Agent
 from webhook.node.region import DeviceSlot, ProcessUsage, Region, encode_region
 
@@ -266,3 +267,64 @@ async def test_a_pid_named_by_the_gpu_whose_list_fails_keeps_its_row(tmp_path: P
         report = await auditor.check()
         assert report.holdings == () and not report.complete
         assert auditor.evictions == 0
+
+
+def per_gpu_state(agent: Agent) -> dict[str, int]:
+    """The sizes of what the agent keeps per GPU (UUID)."""
+    inv, a, pub = agent.inventory, agent.auditor, agent.publisher
+    assert a is not None and a.compute is not None and pub is not None
+    return {"inventory.known": len(inv._known), "inventory.problems": len(inv._problems),
+            "inventory.recovering": len(inv._recovering),
+            "inventory.unwatched": len(inv._unwatched),
+            "compute.tracks": len(a.compute._tracks),
+            "compute.unsupported": len(a.compute.unsupported), "publisher.seen": len(pub._seen)}
+
+
+async def test_gpus_replaced_again_and_again_leave_no_bookkeeping_behind(tmp_path: Path) -> None:
+    """GPU 1 of the node is replaced 60 times over (a new board: a new UUID), some boards gone
+    Unhealthy first, some failing NVML's utilisation queries, some without XID events, through
+    the agent's rounds, checks, samples and scrapes. What the agent keeps per GPU (its size,
+    problem and recovery; the GPUs without XID events, those whose samples fail; the UUIDs
+    seen) stays within the GPUs there and ``DEPARTED_KEPT`` gone ones: it kept an entry per
+    board ever seen (after these 60 replacements: 61 sizes; 15 each of problems, recoveries,
+    GPUs without XID events). The first GPU 1, which a pod still holds a slice of, stays
+    known, and the node's totals go on counting that slice."""
+    node = Node(tmp_path)
+    settings = _settings(tmp_path, proc_root=str(node.proc), audit_interval=10.0,
+                         compute_window=20.0)
+    clocks = Clocks()
+    async with FakeKube() as kube:
+        kube.put(_node())
+        pod = one_gpu("on-the-first-gpu1", 1024)
+        pod["metadata"]["annotations"]["gpuslice.io/devices.a"] = GPU1
+        kube.put(pod)
+        async with kube.api_client() as api:
+            agent = Agent(settings, LIB, inventory=node.inventory, api_client=api)
+            fake_clocks(agent, clocks)
+
+            async def cycle() -> None:
+                for _ in range(3):
+                    clocks.tick(1.0)
+                    await agent.sample_compute()
+                await agent.audit()
+                await agent.step()
+                generate_latest(agent.registry)
+
+            await cycle()
+            for i in range(60):
+                board = FakeDevice(f"GPU-{i:08d}-0000-0000-0000-000000000000", total=80 * GIB)
+                if i % 4 == 1:
+                    board.retired_pending = True
+                elif i % 4 == 2:
+                    board.fail["nvmlDeviceGetProcessUtilization"] = pynvml.NVML_ERROR_UNKNOWN
+                elif i % 4 == 3:
+                    board.fail["nvmlDeviceRegisterEvents"] = pynvml.NVML_ERROR_NOT_SUPPORTED
+                node.nvml.devices[1] = board
+                for _ in range(2):
+                    await cycle()
+            sizes = per_gpu_state(agent)
+            assert all(v <= 2 + DEPARTED_KEPT + 1 for v in sizes.values()), sizes
+            assert GPU1 in agent.publisher._seen  # type: ignore[union-attr]
+            capacity = kube.get("nodes", _node()["metadata"]["name"])["status"]["capacity"]
+            healthy = sum(g.memory_mib for g in agent.inventory.last.healthy)
+            assert int(capacity["nvidia.com/gpumem"]) == healthy + 1024

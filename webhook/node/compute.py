@@ -188,7 +188,8 @@ class ComputeSampler:
         self.failures = 0
         """Queries that failed (NVML errors, a GPU without the queries, no sample period)."""
         self.unsupported: set[str] = set()
-        """GPUs whose last query failed (logged once each time one starts failing)."""
+        """GPUs whose last query failed (logged once each time one starts failing), of those
+        sampled: a GPU gone from the discoveries is forgotten with its samples."""
 
     def poll(self) -> None:
         """One query per GPU: the processes' samples (and the processes NVML lists) are placed
@@ -226,6 +227,7 @@ class ComputeSampler:
                 return
             for gone in self._tracks.keys() - {u.gpu.uuid for u in found}:
                 del self._tracks[gone]
+                self.unsupported.discard(gone)  # (one back that still fails is told again)
             for u in found:
                 track = self._tracks.setdefault(u.gpu.uuid, _Track())
                 self._advance(track, u, places, now)

@@ -79,6 +79,11 @@ XID_NAMES = {48: "double-bit ECC error", 63: "row remapping or page retirement r
              120: "GSP error"}
 XID_DRAIN_MAX = 1000
 """The most XID events one discovery reads (each without waiting); more wait for the next."""
+DEPARTED_KEPT = 16
+"""GPUs gone from the discoveries (replaced, or no longer listed by the driver) whose
+bookkeeping is kept: one back is judged as before it went (its last known size, its problem,
+its recovery). Past that many, what is kept of every GPU gone goes; a replaced GPU's new UUID
+added an entry to each for the agent's lifetime. A critical XID's verdict is kept regardless."""
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 _NO_SUCH_QUERY = (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
@@ -412,7 +417,22 @@ class Inventory:
             gpu = self._describe(index)
             if gpu is not None:
                 gpus.append(gpu)
+        if len(gpus) == count:  # every GPU addressed: one not among them is gone
+            self._forget_departed({g.uuid for g in gpus})
         return Discovery(available=True, gpus=tuple(gpus), driver_version=driver)
+
+    def _forget_departed(self, present: set[str]) -> None:
+        """Once more than :data:`DEPARTED_KEPT` GPUs not ``present`` are remembered, forget
+        them (their size, problem, recovery, lack of XID events)."""
+        departed = (self._known.keys() | self._problems.keys() | self._recovering.keys()
+                    | self._unwatched) - present
+        if len(departed) <= DEPARTED_KEPT:
+            return
+        for uuid in departed:
+            self._known.pop(uuid, None)
+            self._problems.pop(uuid, None)
+            self._recovering.pop(uuid, None)
+        self._unwatched -= departed
 
     def _describe(self, index: int) -> Gpu | None:
         nvml = self._nvml

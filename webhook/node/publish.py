@@ -50,7 +50,7 @@ from kubernetes_asyncio import client
 from webhook import names
 from webhook.admission.quantity import QuantityError, parse_quantity
 from webhook.node.config import AgentSettings
-from webhook.node.inventory import Discovery
+from webhook.node.inventory import DEPARTED_KEPT, Discovery
 from webhook.settings import is_qualified_name
 
 logger = logging.getLogger(__name__)
@@ -325,6 +325,7 @@ class Publisher:
                 raise
             held_off = held_off_healthy(pods, discovery,
                                         (s.resource_gpu, s.resource_mem, s.resource_cores))
+            self._forget_departed(discovery, pods)
         want = desired_state(discovery, self._settings, held_off)
         stale = recorded_resources(annotations) - set(want.resources)
         # recorded before they are published; the old ones stay recorded until they are off
@@ -351,6 +352,19 @@ class Publisher:
                     names.ANN_NODE_RESOURCES: resources_record(want.resources)}}},
                 _content_type=MERGE_PATCH, _request_timeout=TIMEOUT)
         return PublishOutcome(meta is not None or forget, spatch is not None, pods)
+
+    def _forget_departed(self, discovery: Discovery, pods: Iterable[client.V1Pod]) -> None:
+        """Once more than :data:`~webhook.node.inventory.DEPARTED_KEPT` GPUs gone from the
+        discovery are remembered, forget those no pod of the node (``pods``, just listed)
+        holds a slice of: each replaced GPU's UUID stayed for the agent's lifetime."""
+        present = {g.uuid for g in discovery.gpus}
+        if not discovery.available or len(self._seen - present) <= DEPARTED_KEPT:
+            return  # (without NVML every GPU is missing, none known gone)
+        held = {u.strip() for p in pods if p.metadata and p.metadata.annotations
+                for k, v in p.metadata.annotations.items()
+                if k.startswith(names.ANN_DEVICES_PREFIX) and isinstance(v, str)
+                for u in v.split(",")}
+        self._seen &= present | held
 
     def _check_foreign(self, capacity: Mapping[str, str]) -> None:
         """Warn (once per value) where a resource this agent set holds another value now: a
