@@ -400,7 +400,14 @@ static uint64_t env_percent_cap(uint64_t total)
         GS_WARN("GPUSLICE_MEMORY_PERCENT=%llu: the device's total is unknown, no cap applied", (unsigned long long)pct);
         return 0;
     }
-    return total / 100 * (uint64_t)pct + total % 100 * (uint64_t)pct / 100;
+    /* In whole MiB of whole MiB, as the extender counts it: the agent publishes NVML's total in
+     * MiB (rounded down) and the extender reserves memoryMiB * P / 100 MiB (rounded down).  A
+     * cap of the exact share of the bytes was up to a MiB above what was reserved, so a slice
+     * beside another that filled the rest of the GPU as counted overcommitted it. */
+    uint64_t cap = total / GS_MIB * (uint64_t)pct / 100 * GS_MIB;
+    if (!cap) /* a device under 100 MiB (test doubles): its share in bytes, not "no cap" */
+        cap = total / 100 * (uint64_t)pct + total % 100 * (uint64_t)pct / 100;
+    return cap;
 }
 
 uint64_t gs_env_memory_limit(unsigned container_index, uint64_t total)

@@ -108,10 +108,12 @@ def test_memory_percent_resolves_against_the_devices_real_total(lab):
 
 def test_memory_percent_resolves_against_nvmls_total_like_the_node_inventory(lab):
     # on an H200 NVML's total (143,771 MiB) is 615 MiB above cuDeviceTotalMem's (143,156); the
-    # agent publishes NVML's and the extender resolves gpumem-percentage against it
+    # agent publishes NVML's and the extender resolves gpumem-percentage against it, in whole
+    # MiB rounded down: the cap is the same whole MiB (8,253.5 MiB before, half a MiB more
+    # than the extender reserved; tests/interposer/test_pipeline.py)
     res = lab.run("init", "ctx", "0", "meminfo", "nvml", "0", GPUSLICE_MEMORY_PERCENT="10",
                   FAKE_CUDA_DEVICES=f"{lab.UUID_A}=80g", FAKE_NVML_TOTAL_EXTRA="615m")
-    cap = (80 * GIB + 615 * MIB) // 10
+    cap = (80 * 1024 + 615) * 10 // 100 * MIB
     assert res.values("meminfo") == [cap, cap]
     assert res.values("nvml")[0] == cap
 
@@ -352,7 +354,7 @@ def test_memory_percent_resolves_per_device_against_each_devices_total(lab):
     # view, whatever CUDA_VISIBLE_DEVICES shows and in an NVML-only process alike
     env = {"FAKE_CUDA_DEVICES": f"{lab.UUID_A}=16g,{lab.UUID_B}=80g",
            "FAKE_NVML_TOTAL_EXTRA": "615m", "GPUSLICE_MEMORY_PERCENT": "25"}
-    cap_a, cap_b = (16 * GIB + 615 * MIB) // 4, (80 * GIB + 615 * MIB) // 4
+    cap_a, cap_b = (16 * 1024 + 615) // 4 * MIB, (80 * 1024 + 615) // 4 * MIB  # whole MiB
     res = lab.run("init", "ctx", "0", "meminfo", "ctx", "1", "meminfo", "totalmem", "0",
                   "totalmem", "1", "nvml", "0", "nvml", "1", **env)
     assert [v for _, v in res.of("meminfo")] == [[cap_a, cap_a], [cap_b, cap_b]]

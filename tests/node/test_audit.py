@@ -104,9 +104,10 @@ def test_sizes_read_like_the_interposer(text: str, want: int | None) -> None:
 
 def test_a_percentage_cap_rounds_like_the_interposer() -> None:
     total = 143_771 * MIB + 123  # an H200's NVML total, plus an odd remainder
-    # config.c env_percent_cap: total / 100 * pct + total % 100 * pct / 100
-    assert Cap(percent=25).on(total) == total // 100 * 25 + total % 100 * 25 // 100
-    assert Cap(percent=100).on(total) == total
+    # config.c env_percent_cap: whole MiB of the total's whole MiB, as the extender reserves it
+    assert Cap(percent=25).on(total) == 143_771 * 25 // 100 * MIB == 35_942 * MIB
+    assert Cap(percent=100).on(total) == 143_771 * MIB
+    assert Cap(percent=1).on(MIB + 5) == (MIB + 5) // 100  # under a whole MiB: in bytes
     assert Cap(percent=25).on(None) is None and Cap(percent=25).on(0) is None
     assert Cap(limit_bytes=5).on(None) == 5
     assert cap_from({"CUDA_DEVICE_MEMORY_LIMIT": "1024m"}) == Cap(limit_bytes=GIB)

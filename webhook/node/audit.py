@@ -174,8 +174,11 @@ class Cap:
             return self.limit_bytes
         if self.percent is None or not total:
             return None
-        # the interposer's rounding (config.c env_percent_cap)
-        return total // 100 * self.percent + total % 100 * self.percent // 100
+        # the interposer's rounding (config.c env_percent_cap): whole MiB of whole MiB, what the
+        # extender reserves (the agent publishes the total in MiB, rounded down)
+        cap = total // MIB * self.percent // 100 * MIB
+        # (a GPU under 100 MiB, in tests only: its share in bytes)
+        return cap or total // 100 * self.percent + total % 100 * self.percent // 100
 
 
 def cap_from(values: Mapping[str, str]) -> Cap | None:
