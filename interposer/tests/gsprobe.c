@@ -1984,7 +1984,12 @@ int main(int argc, char **argv)
             printf("setlimit %d\n", api.cuCtxSetLimit(atoi(ARG(0)), (size_t)size_arg(ARG(1))));
             i += 2;
         } else if (!strcmp(c, "modload")) {
-            printf("modload %d\n", api.cuModuleLoadData(&user_module, "fake image"));
+            /* a failed load leaves no handle: a later modunload must not pass the one an earlier
+             * load had, unloaded since (the fake has no check of a second unload: the hook sweep's
+             * random sequence 8524 crashed in it) */
+            CUresult rc = api.cuModuleLoadData(&user_module, "fake image");
+            if (rc != CUDA_SUCCESS) user_module = NULL;
+            printf("modload %d\n", rc);
         } else if (!strcmp(c, "modunload")) {
             printf("modunload %d\n", api.cuModuleUnload(user_module));
         } else if (!strcmp(c, "libunload")) {
@@ -1992,7 +1997,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(c, "getfunc")) {
             printf("getfunc %d\n", api.cuModuleGetFunction(&user_function, user_module, "k"));
         } else if (!strcmp(c, "libload")) {
-            printf("libload %d\n", api.cuLibraryLoadData(&user_library, "fake image", NULL, NULL, 0, NULL, NULL, 0));
+            CUresult rc = api.cuLibraryLoadData(&user_library, "fake image", NULL, NULL, 0, NULL, NULL, 0);
+            if (rc != CUDA_SUCCESS) user_library = NULL; /* as modload */
+            printf("libload %d\n", rc);
         } else if (!strcmp(c, "libkernel")) {
             CUkernel k = NULL;
             CUresult rc = api.cuLibraryGetKernel(&k, user_library, "k");
