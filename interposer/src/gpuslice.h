@@ -265,6 +265,17 @@ uint64_t gs_reconcile_gap(int slot);
  * share pages, so one may take a whole page more; a code load takes code chunks of it */
 #define GS_PAGE (2ull << 20)
 void gs_reconcile_after_load(void);             /* a module or library was loaded */
+int gs_reconcile_near_any(void); /* a device with a context of ours is near its cap: loads measure at once */
+/* The same as gs_reconcile_after_load near the cap, for a load that can be undone (module.c):
+ * returns those of `slots` (a bit each) with a context of ours whose container charge is past the
+ * cap after the reading; a reading an operation in flight may have undercounted is taken again
+ * (for up to 100 ms).  0 when skipped (this thread inside a context call; the sampler woken) or
+ * where NVML gives no figure of the process */
+uint32_t gs_reconcile_load_over(uint32_t slots);
+/* Code loaded was unloaded again: the devices of `slots` (a bit each) with a context of ours are
+ * measured again at once (down as well as up, from a clean reading only; else left marked for the
+ * sampler, woken) */
+void gs_reconcile_after_undo(uint32_t slots);
 void gs_reconcile_wake(void);                   /* the sampler looks now */
 void gs_reconcile_track_ctx(CUdevice dev, CUcontext ctx);
 int gs_reconcile_dev_contexts(CUdevice dev); /* contexts of the process on dev; under the context lock */

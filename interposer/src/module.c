@@ -19,8 +19,15 @@
  * container's processes, counted in flight) and returned after it, before the reconcile
  * charges what the load really took.  The image gives no sound bound on what a load takes (a
  * PTX image is compiled first; a cubin's globals and constant banks are sized by its
- * sections, and the driver's own structures are not documented), so one chunk is assumed: a
- * load taking more can still pass the cap by the rest, until the reconcile charges it.
+ * sections, and the driver's own structures are not documented), so one chunk is assumed, and
+ * a module or library load is judged once made (load_undone): where the reading after it finds
+ * the container past its cap (the load took more than the chunk and more than was left), the
+ * code is unloaded again through the driver, measured again, and the call refused.  A lookup
+ * (cuModuleGetFunction, cuLibraryGetKernel, cuKernelGetFunction, cuFuncLoad, cuLibraryGetModule,
+ * cuLibraryGetGlobal) cannot be undone (no call unloads one function's code, and the handle may be
+ * in use already): one taking more than the chunk still passes the cap by the rest, until the
+ * reconcile charges it.  Without NVML's per-process figure nothing is measured, and a load
+ * stands as a lookup does.
  * A limit's growth is known beforehand (the new value less the one the context
  * started with; for the stack, per thread, times the threads the device runs
  * at once): it is reserved before the call and refused with
@@ -204,44 +211,128 @@ static int admit_elsewhere(int here, const char *name, uint64_t held[GPUSLICE_MA
     return 0;
 }
 
-/* A load (what NULL) or a lookup of `fname` in `what`; `made`: the handle it returns, given a
- * new generation (a load's, a kernel's), or NULL; `lib`: a library's load (admitted on the
- * other devices too when loading is eager) */
-#define GS_CODE_HOOK_(name, params, args, what, fname, made, lib)            \
+/* A lookup of `fname` in `what`; `made`: the handle it returns, given a new generation (a
+ * kernel's), or NULL.  What it loaded cannot be undone (no call unloads one function's code, nor
+ * a library from one context, and the handle may be in use already): near the cap it is admitted
+ * against one chunk, and what it takes beyond that is charged after it */
+#define GS_CODE_HOOK(name, params, args, what, fname, made)                  \
     GS_EXPORT CUresult name params                                           \
     {                                                                        \
         gs_cuda_init();                                                      \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                  \
         int slot_ = -1;                                                      \
-        uint64_t held_ = 0, key_ = 0, others_[GPUSLICE_MAX_DEVICES] = {0};   \
+        uint64_t held_ = 0, key_ = 0;                                        \
         int admit_ = load_admit(#name, (what), (fname), &slot_, &held_, &key_); \
-        if (admit_ == 0 && (lib) && !gs_t_held && admit_elsewhere(slot_, #name, others_) < 0) { \
-            if (held_) load_settle(slot_, held_);                            \
-            admit_ = -1;                                                     \
-        }                                                                    \
         if (admit_ < 0) return CUDA_ERROR_OUT_OF_MEMORY;                     \
         if (admit_ > 0) return gs_cuda.name args; /* a repeated lookup */    \
         CUresult rc = gs_cuda.name args;                                     \
         if (held_) load_settle(slot_, held_);                                \
-        if (lib) settle_elsewhere(others_);                                  \
         if (rc == CUDA_SUCCESS && key_) seen_add(key_);                      \
         if (rc == CUDA_SUCCESS && (made)) made_new((what), (made));          \
         if (rc == CUDA_SUCCESS) gs_reconcile_after_load();                   \
         return rc;                                                           \
     }
-#define GS_CODE_HOOK(name, params, args, what, fname, made) GS_CODE_HOOK_(name, params, args, what, fname, made, 0)
-#define GS_LOAD_HOOK(name, params, args, made) \
-    GS_CODE_HOOK_(name, params, args, (const void *)NULL, (const char *)NULL, made, 0)
-#define GS_LIB_LOAD_HOOK(name, params, args, made) \
-    GS_CODE_HOOK_(name, params, args, (const void *)NULL, (const char *)NULL, made, 1)
 
-GS_LOAD_HOOK(cuModuleLoad, (CUmodule *module, const char *fname), (module, fname), (const void *)*module)
-GS_LOAD_HOOK(cuModuleLoadData, (CUmodule *module, const void *image), (module, image), (const void *)*module)
+/* Loaded eagerly?  Asked of the driver only for a library loaded while a device is near its cap */
+static int loads_eagerly(void)
+{
+    CUmoduleLoadingMode mode = CU_MODULE_LAZY_LOADING;
+    return gs_cuda.cuModuleGetLoadingMode && gs_cuda.cuModuleGetLoadingMode(&mode) == CUDA_SUCCESS &&
+           mode == CU_MODULE_EAGER_LOADING;
+}
+
+/* A module or library the driver has just loaded (`handle`, from the current context's `slot`;
+ * `lib`: a library) is measured where a device of ours is near its cap (gs_reconcile_after_load's
+ * reading at once; far from it nothing changes).  If the container is then charged past the cap
+ * on the load's device (a library loaded eagerly: on any device with a context of ours, as it
+ * went into each), the load's real growth did not fit: it is unloaded through the driver, and
+ * those devices are measured again at once, so that the charge the reading added for the code
+ * goes with it.  Returns 1 if the load was undone (the hook answers CUDA_ERROR_OUT_OF_MEMORY,
+ * *module or *library NULL).  Before, the load stood past the cap by what it took beyond the chunk
+ * admitted: 1,026 MiB held under a 1,024 MiB cap after an 8 MiB load beside 1,018 MiB
+ * (`test_near_cap_growth.py -k overshoot`).
+ *  - The judgement needs a reading no allocation of ours was inside the driver across: one
+ *    reserved but not yet taken hides as much of the load's growth (the load stood, and the
+ *    allocation then took the process to 1,026 MiB).  Such a reading is taken again, every
+ *    millisecond for up to 100 ms (gs_reconcile_load_over); a reading past the cap is past it
+ *    however dirty (in-flight operations only hide growth).  After 100 ms without a clean one
+ *    the load stands, as before.
+ *  - The charge goes down the way every re-measurement's does (reconcile.c): to what the driver
+ *    holds beyond the records, from a clean reading only, and not while a charge waits for a
+ *    synchronisation (stream-ordered frees outstanding).  Until such a reading the code's charge
+ *    stays (the strict side: allocations that would fit are refused meanwhile), the device
+ *    marked for the sampler (woken) and for the next near-cap reservation.
+ *  - Where the unload itself fails the load stands, charged what the driver holds (the reading
+ *    that judged it; nothing is measured again, nothing went): the program keeps a handle it can
+ *    unload, and the next allocation is refused.
+ *  - Where NVML gives no per-process figure (or the host pid is not known) the reading charges
+ *    nothing, the container is not seen past its cap, and the load stands as before. */
+static int load_undone(const char *name, int slot, int lib, const void *handle)
+{
+    /* far from the cap, as gs_reconcile_after_load: the sampler woken, nothing more; nor from a
+     * driver callback under a lock of ours, which must not wait for the context lock */
+    if (GS_LIKELY(!gs_reconcile_near_any()) || gs_t_held) {
+        gs_reconcile_wake();
+        return 0;
+    }
+    /* a library loaded eagerly went into every context of ours: each device is judged */
+    uint32_t judged = lib && loads_eagerly() ? ~0u : slot >= 0 && slot < GPUSLICE_MAX_DEVICES ? 1u << slot : 0;
+    if (!gs_reconcile_load_over(judged)) return 0;
+    CUresult urc = CUDA_ERROR_NOT_SUPPORTED;
+    if (lib && gs_cuda.cuLibraryUnload)
+        urc = gs_cuda.cuLibraryUnload((CUlibrary)(uintptr_t)handle);
+    else if (!lib && gs_cuda.cuModuleUnload)
+        urc = gs_cuda.cuModuleUnload((CUmodule)(uintptr_t)handle);
+    if (urc != CUDA_SUCCESS) { /* the reading above charged what it holds: nothing went */
+        GS_WARN("%s took the container past its cap and could not be unloaded (error %d): it stays, charged",
+                name, (int)urc);
+        return 0;
+    }
+    /* the code went: measured again where it was (a module in the current context only, a
+     * library in every context it went into) */
+    gs_reconcile_after_undo(judged);
+    gen_new(handle); /* the driver may give the next load this handle */
+    GS_INFO("%s refused: the code took the container past its cap; unloaded", name);
+    return 1;
+}
+
+/* A load: `out` the handle it returns (given a new generation); `lib`: a library's load
+ * (admitted on the other devices too when loading is eager).  Undone if its code took the
+ * container past the cap (load_undone): *out is then NULL */
+#define GS_LOAD_HOOK_(name, params, args, out, lib)                            \
+    GS_EXPORT CUresult name params                                             \
+    {                                                                          \
+        gs_cuda_init();                                                        \
+        if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                    \
+        int slot_ = -1;                                                        \
+        uint64_t held_ = 0, key_ = 0, others_[GPUSLICE_MAX_DEVICES] = {0};     \
+        int admit_ = load_admit(#name, NULL, NULL, &slot_, &held_, &key_);     \
+        if (admit_ == 0 && (lib) && !gs_t_held && admit_elsewhere(slot_, #name, others_) < 0) { \
+            if (held_) load_settle(slot_, held_);                              \
+            admit_ = -1;                                                       \
+        }                                                                      \
+        if (admit_ < 0) return CUDA_ERROR_OUT_OF_MEMORY;                       \
+        CUresult rc = gs_cuda.name args;                                       \
+        if (held_) load_settle(slot_, held_);                                  \
+        if (lib) settle_elsewhere(others_);                                    \
+        if (rc != CUDA_SUCCESS) return rc;                                     \
+        if (GS_UNLIKELY(load_undone(#name, slot_, (lib), (const void *)*(out)))) { \
+            *(out) = NULL;                                                     \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                   \
+        }                                                                      \
+        if (*(out)) made_new(NULL, (const void *)*(out));                      \
+        return rc;                                                             \
+    }
+#define GS_LOAD_HOOK(name, params, args, out) GS_LOAD_HOOK_(name, params, args, out, 0)
+#define GS_LIB_LOAD_HOOK(name, params, args, out) GS_LOAD_HOOK_(name, params, args, out, 1)
+
+GS_LOAD_HOOK(cuModuleLoad, (CUmodule *module, const char *fname), (module, fname), module)
+GS_LOAD_HOOK(cuModuleLoadData, (CUmodule *module, const void *image), (module, image), module)
 GS_LOAD_HOOK(cuModuleLoadDataEx,
              (CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options,
               void **optionValues),
-             (module, image, numOptions, options, optionValues), (const void *)*module)
-GS_LOAD_HOOK(cuModuleLoadFatBinary, (CUmodule *module, const void *fatCubin), (module, fatCubin), (const void *)*module)
+             (module, image, numOptions, options, optionValues), module)
+GS_LOAD_HOOK(cuModuleLoadFatBinary, (CUmodule *module, const void *fatCubin), (module, fatCubin), module)
 GS_CODE_HOOK(cuModuleGetFunction, (CUfunction *hfunc, CUmodule hmod, const char *name), (hfunc, hmod, name),
              (const void *)hmod, name, (const void *)*hfunc) /* a first one: its function (cuFuncLoad's) */
 GS_LIB_LOAD_HOOK(cuLibraryLoadData,
@@ -250,14 +341,14 @@ GS_LIB_LOAD_HOOK(cuLibraryLoadData,
               unsigned int numLibraryOptions),
              (library, code, jitOptions, jitOptionsValues, numJitOptions, libraryOptions, libraryOptionValues,
               numLibraryOptions),
-             (const void *)*library)
+             library)
 GS_LIB_LOAD_HOOK(cuLibraryLoadFromFile,
              (CUlibrary *library, const char *fileName, CUjit_option *jitOptions, void **jitOptionsValues,
               unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
               unsigned int numLibraryOptions),
              (library, fileName, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
               libraryOptionValues, numLibraryOptions),
-             (const void *)*library)
+             library)
 GS_CODE_HOOK(cuLibraryGetKernel, (CUkernel *pKernel, CUlibrary library, const char *name), (pKernel, library, name),
              (const void *)library, name, (const void *)*pKernel) /* a first one: its kernel */
 GS_CODE_HOOK(cuKernelGetFunction, (CUfunction *pFunc, CUkernel kernel), (pFunc, kernel), (const void *)kernel,

@@ -335,6 +335,14 @@ unsigned gs_host_pid(CUdevice dev)
 
 /* ---- the reconcile -------------------------------------------------------- */
 
+/* What the last reading (reconcile_locked) of a device was worth, for a load's judgement
+ * (gs_reconcile_load_over); under the context lock.  Dirty: an operation of ours was in
+ * flight across it, or allocations kept changing; such a reading can only undercount (an
+ * allocation reserved before the driver has taken its memory, a free's memory gone before its
+ * charge) */
+enum { GS_READ_NONE, GS_READ_DIRTY, GS_READ_CLEAN };
+static int g_read;
+
 static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
 {
     GS_INFO("charging %llu bytes the process holds beyond its allocations (modules, driver)",
@@ -356,6 +364,7 @@ static void charge_untracked(CUdevice dev, int slot, uint64_t extra)
  * bytes added. */
 static uint64_t reconcile_locked(CUdevice dev, int rebase)
 {
+    g_read = GS_READ_NONE; /* until a reading says more */
     if (dev < 0 || dev >= GS_MAX_CUDA_DEVS) return 0;
     if (!g_dev_ctx[dev]) {
         if (rebase && g_untracked[dev]) /* no context left: what it held went with it */
@@ -379,10 +388,17 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         int inflight = __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST);
         uint64_t mine = gs_slot_mine(slot);
         int n = gs_list_processes(dev, g_procs, GS_MAX_PIDS);
-        if (n < 0) return 0;
+        if (n < 0) {
+            g_read = GS_READ_NONE;
+            return 0;
+        }
         unsettled += __atomic_load_n(&gs_unsettled, __ATOMIC_SEQ_CST);
         inflight += __atomic_load_n(&gs_inflight, __ATOMIC_SEQ_CST);
-        if (unsettled || gs_charge_seq() != seq) continue;
+        if (unsettled || gs_charge_seq() != seq) {
+            g_read = GS_READ_DIRTY;
+            continue;
+        }
+        g_read = GS_READ_NONE; /* dirty or clean once a figure of ours is found below */
         /* an allocation or free inside the driver is charged before NVML shows it, and a charge
          * held until a synchronisation may stand for memory already gone: such a reading can
          * still show growth (added below) but cannot lower the charge; the device stays marked
@@ -417,6 +433,7 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
             __atomic_store_n(&g_gap[dev], 0, __ATOMIC_RELAXED);
             return 0;
         }
+        g_read = inflight ? GS_READ_DIRTY : GS_READ_CLEAN;
         if (down) {
             __atomic_store_n(&g_rebase[dev], 0, __ATOMIC_RELAXED);
             uint64_t was = g_untracked[dev], others = mine > was ? mine - was : 0; /* the records' charges */
@@ -530,6 +547,73 @@ void gs_reconcile_after_load(void)
 {
     if (any_near_cap() && reconcile_all()) return; /* else the sampler looks soon */
     gs_reconcile_wake();
+}
+
+/* The most a load's judgement waits for a clean reading: an allocation in the driver is over in
+ * microseconds to milliseconds; a free may wait for the device (cuMemFree synchronises), and
+ * hides nothing (its memory goes) */
+#define GS_JUDGE_NS 100000000ull
+#define GS_JUDGE_STEP_NS 1000000ull
+
+int gs_reconcile_near_any(void)
+{
+    return any_near_cap();
+}
+
+uint32_t gs_reconcile_load_over(uint32_t slots)
+{
+    uint64_t until = 0;
+    for (int pass = 0;; pass++) {
+        uint32_t over = 0;
+        int dirty = 0;
+        for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS && !gs_exiting(); dev++) {
+            if (!__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
+            int slot = gs_dev_slot(dev);
+            int judged = slot >= 0 && slot < GPUSLICE_MAX_DEVICES && (slots >> slot & 1);
+            if (pass && !judged) continue; /* the first pass is gs_reconcile_after_load's, every device */
+            if (gs_ctx_lock() != 0) { /* inside a context call: skipped, the sampler looks soon */
+                gs_reconcile_wake();
+                return 0;
+            }
+            gs_reconcile_dev_locked(dev);
+            int read = g_read;
+            gs_ctx_unlock();
+            if (!judged) continue;
+            uint64_t cap = gs_slot_limit(slot);
+            if (cap && gs_slot_used(slot) > cap)
+                over |= 1u << slot; /* past it even as undercounted: the load did not fit */
+            else if (read == GS_READ_DIRTY)
+                dirty = 1; /* an allocation in flight may hide what the load took */
+        }
+        if (over || !dirty) return over;
+        uint64_t now = gs_now_ns();
+        if (!until) {
+            until = now + GS_JUDGE_NS;
+        } else if (now >= until) {
+            GS_INFO("a load near the cap was judged without a clean reading: operations stayed in flight");
+            return 0;
+        }
+        gs_sleep_ns(GS_JUDGE_STEP_NS);
+    }
+}
+
+void gs_reconcile_after_undo(uint32_t slots)
+{
+    int again = 0;
+    for (CUdevice dev = 0; dev < GS_MAX_CUDA_DEVS && !gs_exiting(); dev++) {
+        if (!__atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE)) continue;
+        int slot = gs_dev_slot(dev);
+        if (slot < 0 || slot >= GPUSLICE_MAX_DEVICES || !(slots >> slot & 1)) continue;
+        gs_reconcile_remeasure(dev); /* before the lock: a reading that cannot lower leaves it marked */
+        if (gs_ctx_lock() != 0) {
+            again = 1;
+            break;
+        }
+        gs_reconcile_dev_locked(dev);
+        gs_ctx_unlock();
+        if (__atomic_load_n(&g_rebase[dev], __ATOMIC_RELAXED)) again = 1; /* no clean reading yet */
+    }
+    if (again) gs_reconcile_wake();
 }
 
 /* ---- contexts to charge --------------------------------------------------- */

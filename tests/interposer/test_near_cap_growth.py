@@ -339,3 +339,124 @@ def test_a_lookup_in_a_reloaded_librarys_module_is_admitted(lab):
     assert [rc for rc, _ in res.of("libload")] == [0, 0] and res.rc("libunload") == 0
     assert [rc for rc, _ in res.of("libmodule")] == [0, 0] and res.rc("alloc", 1) == 0
     assert [rc for rc, _ in res.of("getfunc")] == [0, OOM], res.stdout
+
+
+# ---- loads whose code does not fit: undone ----------------------------------------------------
+# A load is admitted near the cap against one 2 MiB chunk; what it really takes is known only
+# once the driver has loaded it.  An 8 MiB module or library passed the cap by the rest: after
+# 1,018 MiB (a 100 MiB context and 918 MiB), 1,026 MiB held under the 1,024 MiB cap (a fuzz run,
+# test_hook_sweep.py's seed 3717, held 1,028).  Now a load the measurement after it finds past the
+# cap is unloaded again and refused with CUDA_ERROR_OUT_OF_MEMORY, and its charge goes with it.
+
+LOADS = {"modload": "modunload", "libload": "libunload"}
+CODE8 = {**ENV, "FAKE_CUDA_SMALL_PAGES": None, "FAKE_CUDA_MODULE_BYTES": "8m"}
+
+
+def charged(res, nth: int = 0) -> int:
+    """The container's charge on device 0 as the capped view gives it (``meminfo``)."""
+    free, total = res.values("meminfo", nth)
+    return total - free
+
+
+@pytest.mark.parametrize("api", ["direct", "procaddr"])
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_a_load_that_overshoots_the_cap_is_undone_and_the_program_goes_on(lab, load, api):
+    res = lab.run("init", "ctx", "0", "alloc", "918m", load, "meminfo", "phys", "alloc", "4m", "meminfo", "phys",
+                  "free", "0", "free", "1", "alloc", "916m", load, "meminfo", "phys", "alloc", "1k",
+                  api=api, **CODE8)
+    assert res.returncode == 0, res.stdout + res.stderr
+    phys = [vals[0] for _, vals in res.of("phys")]
+    # refused, nothing left loaded, and nothing charged for it: before, 0 and 1,026 MiB held
+    assert res.rc(load, 0) == OOM, res.stdout
+    assert phys[0] == 100 * MIB + 918 * MIB <= CAP
+    assert charged(res, 0) == phys[0]
+    # the program goes on: what fits is still granted, to the last byte
+    assert res.rc("alloc", 1) == 0
+    assert phys[1] == charged(res, 1) == 1022 * MIB
+    # and a load that fits the cap exactly stands (the 916 MiB allocation's room made)
+    assert [rc for rc, _ in res.of("free")] == [0, 0]
+    assert res.rc(load, 1) == 0, res.stdout
+    assert phys[2] == charged(res, 2) == CAP
+    assert res.rc("alloc", 3) == OOM
+
+
+def paused(lab, before: list[str], after: list[str], **env: str | None):
+    """Run the probe's ``before`` commands, read the region while it holds what they left, then
+    its ``after`` commands; returns the result and the container's charge at the pause."""
+    proc = lab.start(*before, "touch", str(lab.tmp / "paused"), "waitfile", str(lab.tmp / "go"), *after, **env)
+    lab.wait_for(lab.tmp / "paused")
+    region = lab.used()
+    (lab.tmp / "go").touch()
+    return lab.finish(proc), region
+
+
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_a_load_that_overshoots_and_cannot_be_unloaded_stands_charged_what_the_driver_holds(lab, load):
+    # the driver refuses the unload that would undo the load (its first unload call): the load
+    # stands, the program keeps a handle it can unload, and the charge is what the driver holds
+    # (past the cap: the next allocation is refused).  Unloaded by the program, the next load
+    # that overshoots is undone (before, it stood too: 1,026 MiB held)
+    unload = LOADS[load]
+    res, region = paused(lab, ["init", "ctx", "0", "alloc", "918m", load, "phys"],
+                         ["alloc", "1k", unload, load, "meminfo", "phys"],
+                         **{**CODE8, "FAKE_CUDA_FAIL": f"cu{'Module' if load == 'modload' else 'Library'}Unload:1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    rcs = [rc for rc, _ in res.of(load)]
+    phys = [vals[0] for _, vals in res.of("phys")]
+    assert rcs[0] == 0 and phys[0] == 1026 * MIB
+    assert region == phys[0], (region >> 20, phys[0] >> 20)
+    assert res.rc("alloc", 1) == OOM
+    assert res.rc(unload) == 0
+    assert rcs[1] == OOM, res.stdout
+    assert phys[1] == charged(res) == 1018 * MIB
+    assert "could not be unloaded" in res.stderr
+
+
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_a_load_that_overshoots_beside_an_allocation_in_the_driver_is_undone(lab, load):
+    # another thread's 10 MiB is reserved and inside the driver (not taken yet) while 8 MiB are
+    # loaded: a reading then sees the load's growth less those 10 MiB, nothing to charge, and the
+    # load stood; once the allocation was made the process held 1,026 MiB under the 1,024 MiB cap.
+    # The judgement takes its reading again once nothing is in flight (at most 100 ms)
+    point = "cuMemAlloc_v2:2"  # the thread's allocation, the process's second
+    res = lab.run("init", "ctx", "0", "alloc", "908m", "bgalloc", "10m", "0", "waitfile", str(lab.tmp / f"in-{point}"),
+                  load, "meminfo", "phys", "join", "meminfo", "phys", **{**CODE8, **lab.held(point, ms=30)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc("bgalloc") == 0 and res.rc(load) == OOM, res.stdout
+    phys = [vals[0] for _, vals in res.of("phys")]
+    assert phys[1] == charged(res, 1) == 1018 * MIB
+
+
+@pytest.mark.parametrize("load", sorted(LOADS))
+def test_a_load_that_overshoots_while_another_process_allocates_is_undone(lab, load):
+    # the container's other process takes the room (322 MiB beside 700) while this one's load is
+    # inside the driver, begun 324 MiB from the cap (far: nothing reserved); the 8 MiB load then
+    # took the container to 1,030 MiB under its 1,024 MiB cap
+    point = "cuModuleLoadData" if load == "modload" else "cuLibraryLoadData"
+    other = lab.start("init", "ctx", "0", "touch", str(lab.tmp / "other"), *lab.inside(point, "alloc", "322m"),
+                      "waitfile", str(lab.tmp / "judged"), "phys", **CODE8)
+    lab.wait_for(lab.tmp / "other")
+    res = lab.run("init", "ctx", "0", "alloc", "500m", load, "meminfo", "phys", "touch", str(lab.tmp / "judged"),
+                  **{**CODE8, **lab.held(point)})
+    theirs = lab.finish(other)
+    assert res.returncode == 0 and theirs.returncode == 0, res.stdout + res.stderr + theirs.stderr
+    assert theirs.rc("alloc") == 0 and res.rc(load) == OOM, res.stdout
+    ours = res.values("phys")[0]
+    assert ours == 600 * MIB and ours + theirs.values("phys")[0] == 1022 * MIB
+    assert charged(res) == 1022 * MIB
+
+
+def test_an_eager_library_load_that_overshoots_another_devices_cap_is_undone(lab):
+    # CUDA_MODULE_LOADING=EAGER: the library goes into every context at once.  Device 1 holds
+    # 1,018 MiB (admitted: a chunk is left), the library's 8 MiB take it to 1,026 MiB under its
+    # 1,024 MiB cap.  Undone, it leaves both devices; once room is made it loads in both
+    res = lab.run("init", "ctx", "1", "alloc", "918m", "ctx", "0", "libload", "physd", "0", "physd", "1",
+                  "ctx", "1", "meminfo", "alloc", "4m", "free", "1", "free", "0", "ctx", "0", "libload",
+                  "physd", "0", "physd", "1", **{**CODE8, **TWO_GPUS, "CUDA_MODULE_LOADING": "EAGER"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    physd = [vals[0] for _, vals in res.of("physd")]
+    assert [rc for rc, _ in res.of("libload")] == [OOM, 0], res.stdout
+    assert physd[:2] == [100 * MIB, 1018 * MIB]
+    assert charged(res) == 1018 * MIB  # device 1's
+    assert res.rc("alloc", 1) == 0
+    assert physd[2:] == [108 * MIB, 108 * MIB]
