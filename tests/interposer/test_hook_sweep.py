@@ -188,11 +188,13 @@ SEQ_KNOBS = ("FAKE_CUDA_ADDR_REUSE", "FAKE_CUDA_HANDLE_REUSE", "FAKE_CUDA_POOL_P
              "FAKE_CUDA_SMALL_PAGES", "FAKE_CUDA_POOL_RELEASE")
 
 
-def random_sequence(rng: random.Random) -> tuple[list[str], dict[str, str]]:
+def random_steps(rng: random.Random) -> tuple[list[list[str]], dict[str, str]]:
     """gsprobe commands: allocations of every kind, frees (right, wrong, twice), VMM maps,
     imports (as VMM handles and as external memory) and retains, contexts, green contexts, limits, pools, graphs, code loads and lookups,
-    streams, resets; then everything freed and the primary context reset."""
-    cmds = ["init", "ctx", "0"]
+    streams, resets; then everything freed and the primary context reset.  In steps (each a
+    command or a few that go together, with their arguments), as test_multiprocess_fuzz.py
+    cuts and spaces them."""
+    steps = [["init"], ["ctx", "0"]]
     kinds: list[str] = []
     loaded = {"mod": False, "lib": False}  # the fake does not check a second unload
     simple = ["vretain", "vexport", "vmap", "vunmap", "free", "freesync"]
@@ -206,76 +208,82 @@ def random_sequence(rng: random.Random) -> tuple[list[str], dict[str, str]]:
                         "libmodule", "launchk", "sdestroy", "ssync", "slaunch", "sfree", "green", *simple,
                         *plain])
         if c in ("alloc", "managed", "async", "pool"):
-            cmds += [c, size]
+            steps.append([c, size])
             kinds.append(c)
         elif c == "pitch":
-            cmds += ["pitch", "16384", "8192"]
+            steps.append(["pitch", "16384", "8192"])
             kinds.append(c)
         elif c == "vmm":
-            cmds += ["vmm", size, "0"]
+            steps.append(["vmm", size, "0"])
             kinds.append(c)
         elif c == "array":
-            cmds += ["array", "4096", "4096"]
+            steps.append(["array", "4096", "4096"])
             kinds.append(c)
         elif c == "mipmap":
-            cmds += ["mipmap", "4096", "4096", "3"]
+            steps.append(["mipmap", "4096", "4096", "3"])
             kinds.append(c)
         elif c in simple or c in ("vimport", "eimport"):
             if kinds:
-                cmds += [c, str(rng.randrange(len(kinds)))]
+                steps.append([c, str(rng.randrange(len(kinds)))])
                 if c in ("vimport", "eimport"):
                     kinds.append(c)
         elif c == "sfree":
             if kinds:
-                cmds += [c, str(rng.randrange(len(kinds))), str(rng.randrange(3))]
+                steps.append([c, str(rng.randrange(len(kinds))), str(rng.randrange(3))])
         elif c == "green":
-            cmds += [c, "0"]
+            steps.append([c, "0"])
         elif c in ("ctxcreate", "reset", "release"):
-            cmds += [c, "0", "ctx", "0"]
+            steps.append([c, "0", "ctx", "0"])
         elif c == "ctxdestroy":
-            cmds += [c, "0"]
+            steps.append([c, "0"])
         elif c == "setlimit":
-            cmds += [c, rng.choice(["1", "2"]), rng.choice(["8m", "100m", "300m"])]
+            steps.append([c, rng.choice(["1", "2"]), rng.choice(["8m", "100m", "300m"])])
         elif c in ("trim", "trimdefault"):
-            cmds += [c, "0"]
+            steps.append([c, "0"])
         elif c == "gnode":
-            cmds += [c, size, "0"]
+            steps.append([c, size, "0"])
         elif c == "ginst":
-            cmds += [c, rng.choice(["flags", "upload"])]
+            steps.append([c, rng.choice(["flags", "upload"])])
         elif c == "mkpool":
-            cmds += [c, "1", "0"]
+            steps.append([c, "1", "0"])
         elif c in ("modload", "libload"):
-            cmds.append(c)
+            steps.append([c])
             loaded["mod" if c == "modload" else "lib"] = True
         elif c == "libmodule":  # the module is the library's: not to be unloaded
-            cmds.append(c)
+            steps.append([c])
             loaded["mod"] = False
         elif c in ("modunload", "libunload"):
             key = "mod" if c == "modunload" else "lib"
             if loaded[key]:
-                cmds.append(c)
+                steps.append([c])
                 loaded[key] = False
         elif c == "launchk":
-            cmds += [c, str(rng.randrange(4))]
+            steps.append([c, str(rng.randrange(4))])
         elif c in ("sdestroy", "ssync"):
-            cmds += [c, str(rng.randrange(3))]
+            steps.append([c, str(rng.randrange(3))])
         elif c == "slaunch":
-            cmds += [c, str(rng.randrange(3)), "2"]
+            steps.append([c, str(rng.randrange(3)), "2"])
         else:
-            cmds.append(c)
+            steps.append([c])
         if rng.random() < 0.3:
-            cmds += ["meminfo", "phys"]
+            steps.append(["meminfo", "phys"])
     for i, kind in enumerate(kinds):
-        cmds += (["vunmap", str(i)] if kind in ("vmm", "vimport") else []) + ["free", str(i)]
-    cmds += ["modunload"] * loaded["mod"] + ["libunload"] * loaded["lib"]
-    cmds += ["gdestroy", "pooldestroy", "greendestroy", "ctxdestroy", "0", "sync", "trimdefault", "0",
-             "gtrim", "reset", "0", "ctx", "0", "sync"]
+        steps.append((["vunmap", str(i)] if kind in ("vmm", "vimport") else []) + ["free", str(i)])
+    steps.append(["modunload"] * loaded["mod"] + ["libunload"] * loaded["lib"])
+    steps.append(["gdestroy", "pooldestroy", "greendestroy", "ctxdestroy", "0", "sync", "trimdefault", "0",
+                  "gtrim", "reset", "0", "ctx", "0", "sync"])
     env = {k: "1" for k in SEQ_KNOBS if rng.random() < 0.3}
     if rng.random() < 0.7:
         env["FAKE_CUDA_FAIL"] = ",".join(
             f"{rng.choice(SEQ_FAILABLE)}:{rng.randint(1, 3)}:{rng.choice([2, 999])}"
             for _ in range(rng.randint(1, 3)))
-    return cmds, env
+    return [step for step in steps if step], env
+
+
+def random_sequence(rng: random.Random) -> tuple[list[str], dict[str, str]]:
+    """:func:`random_steps` as one command line."""
+    steps, env = random_steps(rng)
+    return [word for step in steps for word in step], env
 
 
 def charged_and_held(res) -> tuple[int, int]:
