@@ -226,7 +226,8 @@ def run_seed(base: Path, variant: str, seed: int) -> None:
                 assert lines == [n for n in m.names if n != "exit"], (context, i)
         assert not over, (context, over[:20])
         # a process that returned from main has left its slot; the others are reclaimed
-        left = {p.pid for p in lab.region().processes}
+        # (no region yet where every process was killed before its first CUDA call)
+        left = {p.pid for p in lab.region().processes} if lab.region_path.exists() else set()
         ended = {m.proc.pid for m in members if m.proc and not m.killed and m.ending != "_exit"}
         assert not left & ended, (context, left, ended)
         sweeper = lab.run("init", "ctx", "0", "meminfo", **ENV)
