@@ -200,6 +200,10 @@ def run_seed(base: Path, variant: str, seed: int) -> None:
                     allowed += max((MAKES_CONTEXT.get(n, 0) for n in m.names[before:m.printed + 1]),
                                    default=0)
             total = sum(held.values())
+            if total > CAP + allowed:  # confirmed by a second reading: one read of the file
+                # while processes write it can see one's free after another's allocation in
+                # the same bytes (a 4 MiB excess once in 200 seeds, not seen again)
+                total = min(total, sum(held_by_live(state, members).values()))
             if total > CAP + allowed:
                 over.append((round(time.monotonic() - start, 4), total >> 20, allowed >> 20,
                              {pid: b >> 20 for pid, b in held.items()}))
