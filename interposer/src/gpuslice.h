@@ -567,6 +567,8 @@ void gs_limits_after_fork_child(void);
  * the cuCtxSetLimit hook (reserved, refused past the cap) if the context's stack is smaller;
  * -1 = refused (CUDA_ERROR_OUT_OF_MEMORY), 0 = go on (module.c) */
 int gs_limits_stack_for(size_t need);
+/* 1 if ctx's stack is known to hold `need` bytes per thread already (no driver call) */
+int gs_limits_stack_covers(CUcontext ctx, size_t need);
 
 /* ---- lmem.c: a launch's local memory near the cap ------------------------ */
 

@@ -98,6 +98,9 @@ int gs_lmem_admit(CUfunction f, CUstream stream, int per_thread)
     if (local <= 0) return 0;
     CUcontext cur = NULL;
     if (!gs_cuda.cuCtxGetCurrent || gs_cuda.cuCtxGetCurrent(&cur) != CUDA_SUCCESS || !cur) return 0;
+    /* the common case near the cap, a kernel whose stack the context has already: no more driver
+     * calls (a launch of it near the cap made four, for every launch) */
+    if (gs_limits_stack_covers(cur, (size_t)local)) return 0;
     CUstream es = gs_effective_stream(stream, per_thread);
     CUcontext there = gs_stream_ctx(es);
     if (there && there != cur) return 0; /* another context's stream: cuCtxSetLimit would set ours */

@@ -641,18 +641,30 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
  * above, reserved before the driver's call and refused past the cap.  The stack's size is asked
  * of the driver (cuCtxGetLimit) once per context until a cuCtxSetLimit of the stack may have
  * lowered it: a kernel needing no more than the stack seen costs no driver call. */
-int gs_limits_stack_for(size_t need)
+/* The stack size per thread last seen in ctx (canonical), 0 if not known now */
+static size_t stack_seen(CUcontext ctx)
 {
-    CUcontext ctx;
-    int slot = gs_current_slot(&ctx);
-    if (slot < 0 || !ctx || !gs_cuda.cuCtxGetLimit) return 0;
     unsigned ep = __atomic_load_n(&g_stack_epoch, __ATOMIC_ACQUIRE);
     size_t seen = 0;
     pthread_mutex_lock(&g_lim_mu);
     for (int i = 0; i < g_nlim; i++)
         if (g_lim[i].ctx == ctx && g_lim[i].stack_epoch == ep) seen = g_lim[i].stack_seen;
     pthread_mutex_unlock(&g_lim_mu);
-    if (need <= seen) return 0;
+    return seen;
+}
+
+int gs_limits_stack_covers(CUcontext ctx, size_t need)
+{
+    return need <= stack_seen(gs_ctx_canonical(ctx));
+}
+
+int gs_limits_stack_for(size_t need)
+{
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
+    if (slot < 0 || !ctx || !gs_cuda.cuCtxGetLimit) return 0;
+    unsigned ep = __atomic_load_n(&g_stack_epoch, __ATOMIC_ACQUIRE);
+    if (need <= stack_seen(ctx)) return 0;
     size_t now = 0;
     if (gs_cuda.cuCtxGetLimit(&now, CU_LIMIT_STACK_SIZE) != CUDA_SUCCESS) return 0; /* the driver's own growth */
     if (now < need) {
