@@ -68,6 +68,8 @@ typedef int CUlimit;
 typedef int CUdevice_attribute;
 #define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
 #define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
+typedef int CUfunction_attribute;
+#define CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES 3
 typedef int CUstreamCaptureMode;
 typedef struct CUgraphEdgeData_st CUgraphEdgeData; /* only passed through */
 /* passed through by the hooks that end a stream's measured interval (gaps.c): copies, host

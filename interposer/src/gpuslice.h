@@ -563,6 +563,32 @@ void gs_limits_forget_ctx(CUcontext ctx);   /* module.c: the limits set in it ar
  * (returned to the budget); returns the bytes taken. */
 uint64_t gs_limits_take_slack(int slot, uint64_t bytes);
 void gs_limits_after_fork_child(void);
+/* A launch needs `need` bytes of stack per thread in the current context: grown first through
+ * the cuCtxSetLimit hook (reserved, refused past the cap) if the context's stack is smaller;
+ * -1 = refused (CUDA_ERROR_OUT_OF_MEMORY), 0 = go on (module.c) */
+int gs_limits_stack_for(size_t need);
+/* 1 if ctx's stack is known to hold `need` bytes per thread already (no driver call) */
+int gs_limits_stack_covers(CUcontext ctx, size_t need);
+
+/* ---- lmem.c: a launch's local memory near the cap ------------------------ */
+
+/* 1 while a device of this process may be near its cap (set by every near-cap reconcile,
+ * set or cleared by the sampler's ticks): launches then leave the fast path to judge the stack
+ * growth they would make the driver reserve.  Read with one relaxed load on the launch path. */
+extern int gs_lmem_watch __attribute__((visibility("hidden")));
+static inline int gs_lmem_watching(void)
+{
+    return __atomic_load_n(&gs_lmem_watch, __ATOMIC_RELAXED);
+}
+static inline void gs_lmem_watch_set(int on)
+{
+    if (__atomic_load_n(&gs_lmem_watch, __ATOMIC_RELAXED) != on) __atomic_store_n(&gs_lmem_watch, on, __ATOMIC_RELAXED);
+}
+/* Before a launch of f on stream (per_thread: a _ptsz entry point) while watching: -1 if the
+ * stack growth it needs does not fit the cap (the launch answers CUDA_ERROR_OUT_OF_MEMORY) */
+int gs_lmem_admit(CUfunction f, CUstream stream, int per_thread);
+void gs_lmem_forget_all(void); /* code unloaded or a context gone: function handles may come back */
+void gs_lmem_after_fork_child(void);
 void gs_graphmem_resettle(CUdevice dev, int contexts_left); /* a context of dev went or was reset */
 
 /* ---- the compute throttle: launch.c --------------------------------------- */

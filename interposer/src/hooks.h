@@ -473,6 +473,8 @@
     R(cuDeviceGetUuid_v2, CUresult, (CUuuid *uuid, CUdevice dev))                             \
     R(cuCtxGetDevice, CUresult, (CUdevice *device))                                           \
     R(cuCtxGetLimit, CUresult, (size_t *pvalue, CUlimit limit))                               \
+    R(cuFuncGetAttribute, CUresult, (int *pi, CUfunction_attribute attrib, CUfunction hfunc)) \
+    R(cuKernelGetAttribute, CUresult, (int *pi, CUfunction_attribute attrib, CUkernel kernel, CUdevice dev)) \
     R(cuMemGetAllocationPropertiesFromHandle, CUresult, (CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle)) \
     R(cuDeviceGetAttribute, CUresult, (int *pi, CUdevice_attribute attrib, CUdevice dev))     \
     R(cuCtxGetCurrent, CUresult, (CUcontext *pctx))                                           \

@@ -213,6 +213,7 @@ static CUresult call_graph_mem(const void *p)
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        if (gs_lmem_watching() && gs_lmem_admit(f, hStream, pt) != 0) return CUDA_ERROR_OUT_OF_MEMORY;         \
         if (!throttle_on()) return gs_cuda.name GS_KERNEL_ARGS;                                               \
         struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
                                 blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra};          \
@@ -220,7 +221,7 @@ static CUresult call_graph_mem(const void *p)
     }                                                                                                         \
     GS_EXPORT CUresult name GS_LAUNCH_PARAMS                                                                  \
     {                                                                                                         \
-        GS_FAST(name, GS_KERNEL_ARGS);                                                                        \
+        GS_FAST_LAUNCH(name, GS_KERNEL_ARGS);                                                                 \
         return name##_slow GS_KERNEL_ARGS;                                                                    \
     }
 
@@ -234,6 +235,7 @@ GS_KERNEL_HOOK(cuLaunchKernel_ptsz, 1, call_kernel)
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        if (gs_lmem_watching() && gs_lmem_admit(f, hStream, pt) != 0) return CUDA_ERROR_OUT_OF_MEMORY;         \
         if (!throttle_on()) return gs_cuda.name GS_COOP_ARGS;                                                 \
         struct kernel_args a = {(const void *)gs_cuda.name, f, gridDimX, gridDimY, gridDimZ, blockDimX,       \
                                 blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, NULL};           \
@@ -241,7 +243,7 @@ GS_KERNEL_HOOK(cuLaunchKernel_ptsz, 1, call_kernel)
     }                                                                                                         \
     GS_EXPORT CUresult name GS_COOP_PARAMS                                                                    \
     {                                                                                                         \
-        GS_FAST(name, GS_COOP_ARGS);                                                                          \
+        GS_FAST_LAUNCH(name, GS_COOP_ARGS);                                                                   \
         return name##_slow GS_COOP_ARGS;                                                                      \
     }
 
@@ -307,13 +309,15 @@ GS_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *laun
     {                                                                                                         \
         gs_cuda_init();                                                                                       \
         if (!gs_cuda.name) return CUDA_ERROR_NOT_SUPPORTED;                                                   \
+        if (gs_lmem_watching() && config && gs_lmem_admit(f, config->hStream, pt) != 0)                       \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                                  \
         if (!throttle_on() || !config) return gs_cuda.name(config, f, kernelParams, extra);                   \
         struct ex_args a = {(const void *)gs_cuda.name, config, f, kernelParams, extra};                      \
         return throttled(config->hStream, pt, 0, f, SIZE_OF(*config), call_ex, &a);                            \
     }                                                                                                         \
     GS_EXPORT CUresult name(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra)    \
     {                                                                                                         \
-        GS_FAST(name, (config, f, kernelParams, extra));                                                      \
+        GS_FAST_LAUNCH(name, (config, f, kernelParams, extra));                                               \
         return name##_slow(config, f, kernelParams, extra);                                                   \
     }
 
@@ -350,25 +354,26 @@ static __attribute__((noinline)) CUresult grid_slow(int how, CUfunction f, int w
                                           : (const void *)gs_cuda.cuLaunchGridAsync;
     if (!real) return CUDA_ERROR_NOT_SUPPORTED;
     struct grid_args a = {real, f, w, h, how, hStream};
+    if (gs_lmem_watching() && gs_lmem_admit(f, hStream, 0) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     if (!throttle_on()) return call_grid(&a);
     return throttled(hStream, 0, 0, f, (uint64_t)(unsigned)w * (unsigned)h, call_grid, &a); /* block: cuFuncSetBlockShape's */
 }
 
 GS_EXPORT CUresult cuLaunch(CUfunction f)
 {
-    GS_FAST(cuLaunch, (f));
+    GS_FAST_LAUNCH(cuLaunch, (f));
     return grid_slow(GRID_ONE, f, 1, 1, NULL);
 }
 
 GS_EXPORT CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height)
 {
-    GS_FAST(cuLaunchGrid, (f, grid_width, grid_height));
+    GS_FAST_LAUNCH(cuLaunchGrid, (f, grid_width, grid_height));
     return grid_slow(GRID_SYNC, f, grid_width, grid_height, NULL);
 }
 
 GS_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream)
 {
-    GS_FAST(cuLaunchGridAsync, (f, grid_width, grid_height, hStream));
+    GS_FAST_LAUNCH(cuLaunchGridAsync, (f, grid_width, grid_height, hStream));
     return grid_slow(GRID_ASYNC, f, grid_width, grid_height, hStream);
 }
 

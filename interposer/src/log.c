@@ -156,6 +156,7 @@ static void fork_child(void)
     gs_launch_after_fork_child();
     gs_graphmem_after_fork_child();
     gs_limits_after_fork_child();
+    gs_lmem_after_fork_child();
     gs_context_after_fork_child();
     gs_reconcile_after_fork_child();
     gs_region_after_fork_child();

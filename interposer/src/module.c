@@ -383,6 +383,7 @@ GS_CODE_HOOK(cuLibraryGetGlobal, (CUdeviceptr *dptr, size_t *bytes, CUlibrary li
 static void unloaded(const void *handle)
 {
     gs_launch_costs_forget_all(); /* the code's handles may come back as another's (costs.c) */
+    gs_lmem_forget_all();         /* and with another's local memory (lmem.c) */
     gen_new(handle);
     __atomic_add_fetch(&g_unloads, 1, __ATOMIC_SEQ_CST);
     /* every device with a context of ours: a library is loaded in each, and a module's own
@@ -426,7 +427,14 @@ struct gs_limits {
     int known[GS_LIMITS];
     uint64_t charged[GS_LIMITS]; /* bytes */
     uint64_t current[GS_LIMITS]; /* bytes the value set last takes */
+    size_t stack_seen;           /* the stack limit was at least this (cuCtxGetLimit) ... */
+    unsigned stack_epoch;        /* ... as long as g_stack_epoch is still this (gs_limits_stack_for) */
 };
+/* Moves after every cuCtxSetLimit of the stack size through the hook (which may lower it): a
+ * launch's view of a context's stack (stack_seen) holds only while it has not moved.  The driver
+ * itself only ever raises the stack (cuda.h: it "isn't reset back"), which keeps that view a
+ * lower bound. */
+static unsigned g_stack_epoch;
 static struct gs_limits *g_lim; /* under g_lim_mu */
 static int g_nlim;
 
@@ -472,6 +480,7 @@ static int lim_entry_locked(CUcontext ctx, int slot)
 
 void gs_limits_forget_ctx(CUcontext ctx)
 {
+    gs_lmem_forget_all(); /* the context's functions went with it, and their handles may come back */
     pthread_mutex_lock(&g_lim_mu);
     for (int i = 0; i < g_nlim; i++) {
         if (g_lim[i].ctx != ctx) continue;
@@ -548,14 +557,21 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
      * gs_t_held); the reconcile charges what the change took.  Inside this hook's own driver
      * call (t_setting) it is accounted without taking g_set_mu again: this thread holds it, and
      * the context lock before it */
-    if (gs_t_held) return gs_cuda.cuCtxSetLimit(limit, value);
+    if (gs_t_held) {
+        CUresult rc = gs_cuda.cuCtxSetLimit(limit, value);
+        if (limit == CU_LIMIT_STACK_SIZE) __atomic_add_fetch(&g_stack_epoch, 1, __ATOMIC_RELEASE);
+        return rc;
+    }
     gs_devices_ready();
     CUcontext ctx;
     int slot = gs_current_slot(&ctx);
     uint64_t unit = slot >= 0 && limit >= 0 && limit < GS_LIMITS ? limit_unit(limit) : 0;
     size_t now = 0;
-    if (!unit || !gs_cuda.cuCtxGetLimit || gs_cuda.cuCtxGetLimit(&now, limit) != CUDA_SUCCESS)
-        return set_then_measure(ctx, slot, limit, value);
+    if (!unit || !gs_cuda.cuCtxGetLimit || gs_cuda.cuCtxGetLimit(&now, limit) != CUDA_SUCCESS) {
+        CUresult rc = set_then_measure(ctx, slot, limit, value);
+        if (limit == CU_LIMIT_STACK_SIZE) __atomic_add_fetch(&g_stack_epoch, 1, __ATOMIC_RELEASE);
+        return rc;
+    }
     /* the context lock first, then g_set_mu: a driver callback inside this call may make a
      * context or allocate near the cap (which takes the context lock), and one inside another
      * thread's context call may set a limit.  Near the cap, reconciled first (not from inside
@@ -588,8 +604,13 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
         t_setting++;
         rc = gs_cuda.cuCtxSetLimit(limit, value);
         t_setting--;
+        unsigned ep = limit == CU_LIMIT_STACK_SIZE ? __atomic_add_fetch(&g_stack_epoch, 1, __ATOMIC_RELEASE) : 0;
         pthread_mutex_lock(&g_lim_mu);
         int mine = e >= 0 && g_lim[e].ctx == ctx;
+        if (rc == CUDA_SUCCESS && mine && limit == CU_LIMIT_STACK_SIZE) { /* what a launch compares with */
+            g_lim[e].stack_seen = value;
+            g_lim[e].stack_epoch = ep;
+        }
         /* a callback inside the driver call may have set the same limit (accounted by its own
          * hook from the same `was`): the charge is the larger of the two, reserved once */
         uint64_t inner = mine ? g_lim[e].charged[limit] : was;
@@ -610,6 +631,57 @@ GS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value)
     gs_ctx_unlock();
     if (rc == CUDA_SUCCESS) gs_reconcile_after_load();
     return rc;
+}
+
+/* Before a launch near the cap (lmem.c): the driver grows a context's stack by itself when a
+ * kernel needs more local memory per thread than the stack limit (cuda.h, CU_LIMIT_STACK_SIZE:
+ * "The driver automatically increases the per-thread stack size for each kernel launch as
+ * needed"), for every thread the device runs at once, and keeps it.  Here that growth is made
+ * first the way an explicit cuCtxSetLimit(CU_LIMIT_STACK_SIZE, need) makes it: through the hook
+ * above, reserved before the driver's call and refused past the cap.  The stack's size is asked
+ * of the driver (cuCtxGetLimit) once per context until a cuCtxSetLimit of the stack may have
+ * lowered it: a kernel needing no more than the stack seen costs no driver call. */
+/* The stack size per thread last seen in ctx (canonical), 0 if not known now */
+static size_t stack_seen(CUcontext ctx)
+{
+    unsigned ep = __atomic_load_n(&g_stack_epoch, __ATOMIC_ACQUIRE);
+    size_t seen = 0;
+    pthread_mutex_lock(&g_lim_mu);
+    for (int i = 0; i < g_nlim; i++)
+        if (g_lim[i].ctx == ctx && g_lim[i].stack_epoch == ep) seen = g_lim[i].stack_seen;
+    pthread_mutex_unlock(&g_lim_mu);
+    return seen;
+}
+
+int gs_limits_stack_covers(CUcontext ctx, size_t need)
+{
+    return need <= stack_seen(gs_ctx_canonical(ctx));
+}
+
+int gs_limits_stack_for(size_t need)
+{
+    CUcontext ctx;
+    int slot = gs_current_slot(&ctx);
+    if (slot < 0 || !ctx || !gs_cuda.cuCtxGetLimit) return 0;
+    unsigned ep = __atomic_load_n(&g_stack_epoch, __ATOMIC_ACQUIRE);
+    if (need <= stack_seen(ctx)) return 0;
+    size_t now = 0;
+    if (gs_cuda.cuCtxGetLimit(&now, CU_LIMIT_STACK_SIZE) != CUDA_SUCCESS) return 0; /* the driver's own growth */
+    if (now < need) {
+        /* the hook records the new size for the next launch (stack_seen) */
+        CUresult rc = cuCtxSetLimit(CU_LIMIT_STACK_SIZE, need);
+        GS_DEBUG("a launch needs %zu bytes of stack per thread, the context has %zu: %s", need, now,
+                 rc == CUDA_SUCCESS ? "grown first" : rc == CUDA_ERROR_OUT_OF_MEMORY ? "refused" : "left to the driver");
+        return rc == CUDA_ERROR_OUT_OF_MEMORY ? -1 : 0;
+    }
+    pthread_mutex_lock(&g_lim_mu);
+    int e = lim_entry_locked(ctx, slot);
+    if (e >= 0) {
+        g_lim[e].stack_seen = now;
+        g_lim[e].stack_epoch = ep;
+    }
+    pthread_mutex_unlock(&g_lim_mu);
+    return 0;
 }
 
 void gs_limits_after_fork_child(void)

@@ -488,6 +488,7 @@ static void nudge_sampler(void)
 
 void gs_reconcile_slot_held(int slot)
 {
+    gs_lmem_watch_set(1); /* near the cap: launches judge their stack growth (lmem.c) */
     int n = gs_dev_count();
     for (CUdevice dev = 0; dev < n && dev < GS_MAX_CUDA_DEVS; dev++)
         if (gs_dev_slot(dev) == slot && __atomic_load_n(&g_dev_ctx[dev], __ATOMIC_ACQUIRE))
@@ -507,6 +508,7 @@ uint64_t gs_reconcile_gap(int slot)
 
 void gs_reconcile_slot(int slot)
 {
+    gs_lmem_watch_set(1);
     if (gs_ctx_lock() != 0) { /* inside a context call or a callback: the sampler looks soon */
         nudge_sampler();
         return;
@@ -731,6 +733,7 @@ static void *sampler(void *arg)
         pthread_mutex_lock(&g_wake_mu);
         for (;;) {
             int near = any_near_cap();
+            gs_lmem_watch_set(near); /* launches judge their stack growth while near (lmem.c) */
             uint64_t now = gs_now_ns(), due = last + (near ? GS_SAMPLE_NEAR_NS : GS_SAMPLE_NS);
             if (g_woken && last + GS_SAMPLE_MIN_NS < due) due = last + GS_SAMPLE_MIN_NS;
             __atomic_store_n(&g_sampler_far, !near && !g_woken, __ATOMIC_RELAXED);

@@ -122,6 +122,16 @@ static inline int throttle_on(void)
             return real_ args;                                                                                \
     } while (0)
 
+/* A kernel launch's fast path: GS_FAST's, while no device of the process is near its cap
+ * (gs_lmem_watch: one more load; near it the slow path judges the stack growth, lmem.c) */
+#define GS_FAST_LAUNCH(name, args)                                                                            \
+    do {                                                                                                      \
+        name##_fn real_;                                                                                      \
+        if (GS_LIKELY(__atomic_load_n(&thr_state, __ATOMIC_ACQUIRE) == THROTTLE_OFF) &&                       \
+            GS_LIKELY(!gs_lmem_watching()) && GS_LIKELY((real_ = gs_cuda.name) != NULL))                      \
+            return real_ args;                                                                                \
+    } while (0)
+
 /* A hook that does `after` (rc: the driver's answer) once the driver's call returns: with no
  * compute limit a tail call. */
 #define GS_AFTER_HOOK(name, params, args, after)                                                              \

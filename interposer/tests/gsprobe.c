@@ -140,6 +140,7 @@ typedef struct {
     X(cuModuleUnload, CUresult, (CUmodule))                                                                  \
     X(cuLibraryUnload, CUresult, (CUlibrary))                                                                \
     X(cuCtxSetLimit, CUresult, (int, size_t))                                                                \
+    X(cuCtxGetLimit, CUresult, (size_t *, int))                                                              \
     X(cuModuleGetFunction, CUresult, (CUfunction *, CUmodule, const char *))                                 \
     X(cuLibraryLoadData, CUresult, (CUlibrary *, const void *, CUjit_option *, void **, unsigned,             \
                                     CUlibraryOption *, void **, unsigned))                                   \
@@ -1871,6 +1872,31 @@ int main(int argc, char **argv)
             }
             printf("asyncpairs %d\n", rc);
             i += 2;
+        } else if (!strcmp(c, "lmlaunch")) {
+            /* lmlaunch HOW K: one launch of kernel number K (as launchk) by HOW: plain
+             * (cuLaunchKernel), ex (cuLaunchKernelEx), coop (cuLaunchCooperativeKernel), grid
+             * (CUDA 2.x's cuLaunchGrid); the _ptsz variants with --api ptsz */
+            const char *how = ARG(0);
+            CUfunction f = (CUfunction)(uintptr_t)(0x100000 + 16 * (uint64_t)atoi(ARG(1)));
+            CUlaunchConfig cfg = {1, 1, 1, 1, 1, 1, 0, NULL, NULL, 0};
+            CUresult rc = !strcmp(how, "ex")     ? api.cuLaunchKernelEx(&cfg, f, NULL, NULL)
+                          : !strcmp(how, "coop") ? api.cuLaunchCooperativeKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL)
+                          : !strcmp(how, "grid") ? api1.cuLaunchGrid(f, 1, 1)
+                                                 : api.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+            printf("lmlaunch %d\n", rc);
+            i += 2;
+        } else if (!strcmp(c, "lmcalls")) {
+            /* the fake driver's count of the calls a launch's stack judgement may make, and of its
+             * local-size queries (FAKE_CUDA_FUNC_LOCAL) */
+            typedef unsigned long (*count_t)(void);
+            count_t calls = (count_t)dlsym(libcuda, "fake_cuda_lmem_calls");
+            count_t queries = (count_t)dlsym(libcuda, "fake_cuda_attr_queries");
+            printf("lmcalls 0 %lu %lu\n", calls ? calls() : 0ul, queries ? queries() : 0ul);
+        } else if (!strcmp(c, "getlimit")) {
+            size_t v = 0;
+            CUresult rc = api.cuCtxGetLimit ? api.cuCtxGetLimit(&v, atoi(ARG(0))) : CUDA_ERROR_NOT_FOUND;
+            printf("getlimit %d %zu\n", rc, v);
+            i += 1;
         } else if (!strcmp(c, "launchk")) {
             /* one launch of kernel number K (distinct functions load their code separately) */
             CUfunction f = (CUfunction)(uintptr_t)(0x100000 + 16 * (uint64_t)atoi(ARG(0)));

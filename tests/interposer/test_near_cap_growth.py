@@ -54,12 +54,12 @@ def physical(state, pid: int) -> int:
     return 0
 
 
-def watched(lab, *cmds: str, **env: str):
+def watched(lab, *cmds: str, api: str = "direct", **env: str):
     """Run the probe while a watcher samples its per-process figure from outside; returns the
     result, the largest figure seen, the figure and the region's charge once it has done
     ``cmds`` (it holds its memory until then)."""
     proc = lab.start(*cmds, "phys", "touch", str(lab.tmp / "held"), "waitfile",
-                     str(lab.tmp / "go"), **env)
+                     str(lab.tmp / "go"), api=api, **env)
     state = lab.tmp / "fakestate"
     peak = [0]
     done = threading.Event()
@@ -460,3 +460,83 @@ def test_an_eager_library_load_that_overshoots_another_devices_cap_is_undone(lab
     assert charged(res) == 1018 * MIB  # device 1's
     assert res.rc("alloc", 1) == 0
     assert physd[2:] == [108 * MIB, 108 * MIB]
+
+
+# A kernel's local memory: the driver grows the context's stack at a launch that needs more per
+# thread than the stack limit, for every thread the device runs at once, and keeps it (cuda.h on
+# CU_LIMIT_STACK_SIZE).  On the fake, 262,144 threads: each KiB per thread is 256 MiB (264 MiB on
+# an H100 or H200, 132 SMs x 2048 threads).  FAKE_CUDA_FUNC_LOCAL is every function's local size
+# but the probe's default kernel's (``launch``: none).
+STACK = {**ENV, "FAKE_CUDA_SMALL_PAGES": "0", "FAKE_CUDA_STACK_THREADS": "262144"}
+LAUNCH_PATHS = [("direct", "plain"), ("direct", "ex"), ("direct", "coop"), ("direct", "grid"),
+                ("procaddr", "plain"), ("procaddr", "ex"), ("procaddr", "coop"),
+                ("ptsz", "plain"), ("ptsz", "ex"), ("ptsz", "coop")]
+
+
+@pytest.mark.parametrize(("api", "how"), LAUNCH_PATHS, ids=[f"{a}-{h}" for a, h in LAUNCH_PATHS])
+def test_a_launch_whose_stack_growth_does_not_fit_is_refused_and_the_program_goes_on(lab, api, how):
+    # 100 MiB context + 700 MiB, 224 MiB left: a kernel needing 1 KiB per thread would make the
+    # driver take 256 MiB more at its launch.  Before, it went through and was charged after the
+    # fact: 1,056 MiB held under the 1,024 MiB cap
+    res = lab.run("init", "ctx", "0", "alloc", "700m", "lmlaunch", how, "1", "phys", "getlimit", "0",
+                  "launch", "1", "alloc", "100m", "phys", api=api, **{**STACK, "FAKE_CUDA_FUNC_LOCAL": "1k"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.rc("lmlaunch") == OOM, res.stdout
+    phys = [vals[0] for _, vals in res.of("phys")]
+    assert phys[0] == 800 * MIB  # nothing grew
+    assert res.values("getlimit") == [0]
+    # the program goes on: a launch that needs no more stack, a smaller allocation
+    assert res.rc("launch") == 0
+    assert res.rc("alloc", 1) == 0
+    assert phys[1] == 900 * MIB
+
+
+@pytest.mark.parametrize(("api", "how"), LAUNCH_PATHS, ids=[f"{a}-{h}" for a, h in LAUNCH_PATHS])
+def test_a_launch_whose_stack_growth_fits_is_granted_charged_and_asked_once(lab, api, how):
+    # 512 B per thread: 128 MiB, which fits the 224 MiB left; charged before the launch (through
+    # cuCtxSetLimit's reservation), and the function's local size asked of the driver once: the
+    # second launch makes no driver call of the judgement (before: none asked, the growth left
+    # to the reconcile)
+    res, peak, final, region = watched(lab, "init", "ctx", "0", "alloc", "700m", "lmlaunch", how, "1",
+                                       "lmcalls", "lmlaunch", how, "1", "lmcalls", "getlimit", "0",
+                                       api=api, **{**STACK, "FAKE_CUDA_FUNC_LOCAL": "512"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [rc for rc, _ in res.of("lmlaunch")] == [0, 0], res.stdout
+    first, second = (vals for _, vals in res.of("lmcalls"))
+    assert first[1] == 1  # one local-size query
+    assert second == first  # nothing asked again
+    assert res.values("getlimit") == [512]
+    assert final == peak == 928 * MIB
+    assert region == final  # charged what the driver holds
+
+
+def test_a_context_less_kernels_local_size_is_asked_with_cukernelgetattribute(lab):
+    # a CUkernel passed as a CUfunction (cuLaunchKernel accepts one): where cuFuncGetAttribute
+    # refuses the handle, cuKernelGetAttribute on the current device tells
+    res = lab.run("init", "ctx", "0", "alloc", "700m", "lmlaunch", "plain", "1", "lmcalls", "phys",
+                  **{**STACK, "FAKE_CUDA_FUNC_LOCAL": "1k", "FAKE_CUDA_FAIL": "cuFuncGetAttribute:0:400"})
+    assert res.rc("lmlaunch") == OOM, res.stdout
+    assert res.values("lmcalls")[1] == 2  # cuFuncGetAttribute refused, cuKernelGetAttribute answered
+    assert res.values("phys") == [800 * MIB]
+
+
+def test_far_from_the_cap_a_launchs_stack_growth_makes_no_driver_call_and_is_charged_after(lab):
+    # 200 MiB held: no judgement (the launch hook stays a tail call), the driver grows the stack
+    # by itself (256 MiB) and the sampler charges it
+    proc = lab.start("init", "ctx", "0", "alloc", "100m", "lmcalls", "lmlaunch", "plain", "1", "lmcalls",
+                     "phys", "touch", str(lab.tmp / "held"), "waitfile", str(lab.tmp / "go"),
+                     **{**STACK, "FAKE_CUDA_FUNC_LOCAL": "1k"})
+    try:
+        lab.wait_for(lab.tmp / "held")
+        deadline = time.monotonic() + 5
+        while lab.used() != 456 * MIB and time.monotonic() < deadline:
+            time.sleep(0.01)
+        charged = lab.used()
+    finally:
+        (lab.tmp / "go").touch()
+    res = lab.finish(proc)
+    assert res.rc("lmlaunch") == 0, res.stdout
+    before, after = (vals for _, vals in res.of("lmcalls"))
+    assert after == before == [0, 0]
+    assert res.values("phys") == [456 * MIB]
+    assert charged == 456 * MIB

@@ -47,6 +47,7 @@
     F(CUDA_GRAPH_INSTANTIATE_SUCCESS) F(CUDA_GRAPH_INSTANTIATE_ERROR) F(CU_LIMIT_STACK_SIZE)        \
     F(CU_LIMIT_PRINTF_FIFO_SIZE) F(CU_LIMIT_MALLOC_HEAP_SIZE) F(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) \
     F(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR) F(sizeof(CUlimit)) F(sizeof(CUdevice_attribute)) \
+    F(sizeof(CUfunction_attribute)) F(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES) \
     F(sizeof(CUarrayMapInfo)) F(offsetof(CUarrayMapInfo, resource)) F(offsetof(CUarrayMapInfo, subresourceType)) \
     F(offsetof(CUarrayMapInfo, subresource.sparseLevel.extentDepth)) F(offsetof(CUarrayMapInfo, subresource.miptail.size)) \
     F(offsetof(CUarrayMapInfo, memOperationType)) F(offsetof(CUarrayMapInfo, memHandleType)) \

@@ -82,6 +82,17 @@
  *                            reserves that many stacks (default 1024); its printf FIFO and
  *                            malloc heap limits reserve their size; with
  *                            FAKE_CUDA_LIMIT_SHRINK=1 a lowered limit frees the difference
+ *   FAKE_CUDA_FUNC_LOCAL     local memory per thread (CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, from
+ *                            cuFuncGetAttribute and cuKernelGetAttribute) of every function but
+ *                            gsprobe's default kernel 0x1234 (default 0).  A kernel launch whose
+ *                            function needs more than its context's stack limit grows the limit
+ *                            to that, taking (new - old) x FAKE_CUDA_STACK_THREADS bytes, kept, as
+ *                            the driver does ("increases the per-thread stack size for each
+ *                            kernel launch as needed"); refused with CUDA_ERROR_OUT_OF_MEMORY
+ *                            when the device cannot hold it.  fake_cuda_lmem_calls() counts the
+ *                            calls a launch's judgement may make (cuFuncGetAttribute,
+ *                            cuKernelGetAttribute, cuCtxGetLimit, cuCtxSetLimit);
+ *                            fake_cuda_attr_queries() the first two only
  *   FAKE_CUDA_ADDR_REUSE=1   the last plain allocation freed (or gone with its context) gives its
  *                            address to the next one that fits in it
  *   FAKE_CUDA_HANDLE_REUSE=1 a destroyed memory pool's (once its memory is gone), executable
@@ -1371,8 +1382,48 @@ static uint64_t cdp_unit(void)
     return n ? n : 1;
 }
 
+static unsigned long lmem_calls, attr_queries; /* FAKE_CUDA_FUNC_LOCAL's counters */
+
+API unsigned long fake_cuda_lmem_calls(void)
+{
+    return __atomic_load_n(&lmem_calls, __ATOMIC_RELAXED);
+}
+
+API unsigned long fake_cuda_attr_queries(void)
+{
+    return __atomic_load_n(&attr_queries, __ATOMIC_RELAXED);
+}
+
+/* FAKE_CUDA_FUNC_LOCAL: a function's local memory per thread */
+static uint64_t func_local(const void *f)
+{
+    const char *v = getenv("FAKE_CUDA_FUNC_LOCAL");
+    return v && f && f != (const void *)0x1234 ? fake_size(v) : 0;
+}
+
+API CUresult cuFuncGetAttribute(int *pi, int attrib, CUfunction f)
+{
+    __atomic_add_fetch(&lmem_calls, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&attr_queries, 1, __ATOMIC_RELAXED);
+    FAIL_POINT("cuFuncGetAttribute");
+    if (!pi || !f) return CUDA_ERROR_INVALID_VALUE;
+    *pi = attrib == 3 ? (int)func_local(f) : 0; /* CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES */
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuKernelGetAttribute(int *pi, int attrib, CUkernel k, CUdevice dev)
+{
+    __atomic_add_fetch(&lmem_calls, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&attr_queries, 1, __ATOMIC_RELAXED);
+    FAIL_POINT("cuKernelGetAttribute");
+    if (!pi || !k || dev < 0 || dev >= nvisible) return CUDA_ERROR_INVALID_VALUE;
+    *pi = attrib == 3 ? (int)func_local(k) : 0;
+    return CUDA_SUCCESS;
+}
+
 API CUresult cuCtxGetLimit(size_t *value, int limit)
 {
+    __atomic_add_fetch(&lmem_calls, 1, __ATOMIC_RELAXED);
     NEED_CTX();
     if (!value || limit < 0 || limit > 4) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
@@ -1385,6 +1436,7 @@ API CUresult cuCtxGetLimit(size_t *value, int limit)
 /* cuCtxSetLimit: the context reserves the stacks, the printf FIFO and the malloc heap. */
 API CUresult cuCtxSetLimit(int limit, size_t value)
 {
+    __atomic_add_fetch(&lmem_calls, 1, __ATOMIC_RELAXED);
     FAIL_POINT("cuCtxSetLimit");
     NEED_CTX();
     api_callback("cuCtxSetLimit");

@@ -689,6 +689,30 @@ static CUresult collective(CUstream s, int ptsz)
     return CUDA_SUCCESS;
 }
 
+/* A kernel needing more local memory per thread than its context's stack limit
+ * (FAKE_CUDA_FUNC_LOCAL) grows the limit at its launch, for every thread the device runs at
+ * once, and keeps it (cuda.h, CU_LIMIT_STACK_SIZE) */
+static CUresult launch_stack(CUfunction f, CUstream s)
+{
+    uint64_t lm = func_local(f);
+    if (!lm) return CUDA_SUCCESS;
+    NEED_CTX();
+    struct fake_ctx *c = stream_ctx(s);
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    CUresult rc = CUDA_SUCCESS;
+    uint64_t want = lm * stack_threads();
+    if (want > c->limits[0]) {
+        rc = phys_add(c->pdev, want - c->limits[0]);
+        if (rc == CUDA_SUCCESS) {
+            c->modules += want - c->limits[0];
+            c->limits[0] = want;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
+
 #define FAKE_LAUNCH_PARAMS                                                                                     \
     CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,          \
         unsigned int bz, unsigned int shmem, CUstream s
@@ -699,6 +723,7 @@ API CUresult cuLaunchKernel(FAKE_LAUNCH_PARAMS, void **params, void **extra)
     FAIL_POINT("cuLaunchKernel");
     if (f == FAKE_COLLECTIVE_FN) return collective(s, 0);
     CUresult rc = lazy_code(f);
+    if (rc == CUDA_SUCCESS) rc = launch_stack(f, s);
     if (rc != CUDA_SUCCESS) return rc;
     rc = f ? enqueue(s, 0, grid_kernels(f, gx)) : CUDA_ERROR_INVALID_VALUE;
     (void)fail_check("cuLaunchKernelAfter"); /* FAKE_CUDA_SLEEP: still inside, the kernel queued */
@@ -709,6 +734,7 @@ API CUresult cuLaunchKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params, void **extra
 {
     (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params, (void)extra;
     CUresult rc = lazy_code(f);
+    if (rc == CUDA_SUCCESS) rc = launch_stack(f, s);
     if (rc != CUDA_SUCCESS) return rc;
     return f ? enqueue(s, 1, grid_kernels(f, gx)) : CUDA_ERROR_INVALID_VALUE;
 }
@@ -718,6 +744,7 @@ API CUresult cuLaunch(CUfunction f)
 {
     FAIL_POINT("cuLaunch");
     CUresult rc = lazy_code(f);
+    if (rc == CUDA_SUCCESS) rc = launch_stack(f, NULL);
     if (rc != CUDA_SUCCESS) return rc;
     return f ? enqueue(NULL, 0, 1) : CUDA_ERROR_INVALID_VALUE;
 }
@@ -726,6 +753,7 @@ API CUresult cuLaunchGrid(CUfunction f, int w, int h)
 {
     FAIL_POINT("cuLaunchGrid");
     CUresult rc = lazy_code(f);
+    if (rc == CUDA_SUCCESS) rc = launch_stack(f, NULL);
     if (rc != CUDA_SUCCESS) return rc;
     return f && w > 0 && h > 0 ? enqueue(NULL, 0, 1) : CUDA_ERROR_INVALID_VALUE;
 }
@@ -734,6 +762,7 @@ API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
 {
     FAIL_POINT("cuLaunchGridAsync");
     CUresult rc = lazy_code(f);
+    if (rc == CUDA_SUCCESS) rc = launch_stack(f, s);
     if (rc != CUDA_SUCCESS) return rc;
     return f && w > 0 && h > 0 ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;
 }
@@ -741,12 +770,16 @@ API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
 API CUresult cuLaunchCooperativeKernel(FAKE_LAUNCH_PARAMS, void **params)
 {
     (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params;
+    CUresult rc = f ? launch_stack(f, s) : CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS) return rc;
     return f ? enqueue(s, 0, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
 API CUresult cuLaunchCooperativeKernel_ptsz(FAKE_LAUNCH_PARAMS, void **params)
 {
     (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shmem, (void)params;
+    CUresult rc = f ? launch_stack(f, s) : CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS) return rc;
     return f ? enqueue(s, 1, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -773,6 +806,7 @@ API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **para
 {
     (void)params, (void)extra;
     CUresult rc = lazy_code(f);
+    if (rc == CUDA_SUCCESS && c) rc = launch_stack(f, c->hStream);
     if (rc != CUDA_SUCCESS) return rc;
     return c && f ? enqueue(c->hStream, 0, 1) : CUDA_ERROR_INVALID_VALUE;
 }
@@ -780,6 +814,8 @@ API CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **para
 API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **params, void **extra)
 {
     (void)params, (void)extra;
+    CUresult rc = c && f ? launch_stack(f, c->hStream) : CUDA_SUCCESS;
+    if (rc != CUDA_SUCCESS) return rc;
     return c && f ? enqueue(c->hStream, 1, 1) : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -997,7 +1033,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuDeviceTotalMem_v2) X(cuDeviceGetName) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxGetState)          \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset_v2) X(cuCtxCreate_v2) X(cuCtxCreate_v3)           \
     X(cuCtxCreate_v4) X(cuCtxDestroy_v2) X(cuCtxSetCurrent) X(cuCtxGetCurrent) X(cuCtxGetDevice)                \
-    X(cuCtxSynchronize) X(cuCtxSetLimit) X(cuCtxGetLimit) X(cuDeviceGetAttribute) X(cuMemAlloc_v2) X(cuMemAllocManaged) X(cuMemAllocPitch_v2) X(cuMemFree_v2)             \
+    X(cuCtxSynchronize) X(cuCtxSetLimit) X(cuCtxGetLimit) X(cuFuncGetAttribute) X(cuKernelGetAttribute) X(cuDeviceGetAttribute) X(cuMemAlloc_v2) X(cuMemAllocManaged) X(cuMemAllocPitch_v2) X(cuMemFree_v2)             \
     X(cuMemGetAddressRange_v2) X(cuMemGetInfo_v2) X(cuMemCreate) X(cuMemRelease)                                \
     X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap)      \
     X(cuMemSetAccess) X(cuMemRetainAllocationHandle) X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy)                \
