@@ -34,6 +34,9 @@ ORDER = ("test_memory.py::test_largest_allocation_within_context_footprint_of_ca
          "test_compute.py::test_sm_limit_caps_matmul_throughput",
          "test_compute.py::test_torch_tiny_ops_with_library_unlimited_within_5_percent",
          "test_agent.py", "test_pool.py", "test_memory.py",
+         # new on 2026-12-07: a launch that grows the stack near the cap (lmem.c; two gpubench
+         # runs, a PTX JIT and a second or so each), beside the other memory rows
+         "test_stack.py",
          "test_compute.py::test_sm_limit_time_mode_for_comparison",
          "test_compute.py::test_sm_limit_holds_beside_a_capture_held_open",
          "test_vmm.py::test_largest_allocation_with_expandable_segments", "test_cotenant.py",

@@ -37,6 +37,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_pool_growth_steps_without_the_library"),
     ("array_sizes", "1 CUDA arrays: float4, BC1, BC7, NV12 charged", "real-2 MiB to 2x+2",
      "-", "test_arrays_are_charged_what_the_driver_takes"),
+    ("launch_stack", "1 launch growing the stack near a 2 GiB cap", "OOM or charged; <= cap", "-",
+     "test_a_launch_that_grows_the_stack_near_the_cap"),
     ("largest_torch", "2 largest allocation, PyTorch", "footprint <= ctx+64", "9.47 GiB",
      "test_largest_allocation_within_context_footprint_of_cap[torch]"),
     ("largest_torch_expandable", "2 largest allocation, PyTorch expandable segm.",

@@ -40,13 +40,14 @@ STANDINS = {"PYTHONPATH": str(REHEARSAL), "GPUCHECK_REHEARSAL": "1"}
 """The stand-in frameworks on the children's path, and the switch that lets them load."""
 TESTS = ["tests/gpu/test_memory.py", "tests/gpu/test_views.py", "tests/gpu/test_processes.py",
          "tests/gpu/test_usage.py", "tests/gpu/test_overhead.py", "tests/gpu/test_vmm.py",
-         "tests/gpu/test_pidns.py", "tests/gpu/test_pool.py", "tests/gpu/test_arrays.py"]
+         "tests/gpu/test_pidns.py", "tests/gpu/test_pool.py", "tests/gpu/test_arrays.py",
+         "tests/gpu/test_stack.py"]
 """Every test but the compute rows'."""
 FUNCTIONAL = {"outside_usage", "oom_torch", "graph_memory", "legacy_entry_points", "green_ctx",
               "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
               "jax_default", "process_views", "memory_percent", "limits_file", "smi_view",
               "two_procs", "race", "outside_check", "ipc_import", "vmm_import", "pool_async",
-              "array_sizes"}
+              "array_sizes", "launch_stack"}
 """Rows whose verdict the fake decides as a GPU would (caps, refusals, views, NVML per process;
 the fake's IPC import takes no memory of its own, which is what ipc_import asks of the real
 driver). The launch and alloc+free costs are the fake's own (a 250 ns fake launch, a 2 µs fake
@@ -133,7 +134,13 @@ def gpu_check(tmp_path: Path, tests: list[str], **fake: str) -> tuple[str, dict[
 
 @pytest.mark.slow
 def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path: Path) -> None:
-    log, report = gpu_check(tmp_path, TESTS)
+    log, report = gpu_check(
+        tmp_path, TESTS,
+        # launch_stack's kernel: 16 KiB a thread (gpubench_stack only; every other function
+        # none), the stack reserved for 262,144 threads (an H100's 270,336, near enough): its
+        # launch grows 4 GiB, past the 2 GiB cap
+        FAKE_CUDA_FUNC_LOCAL="16k", FAKE_CUDA_FUNC_LOCAL_NAME="gpubench_stack",
+        FAKE_CUDA_STACK_THREADS="262144")
     rows = report["rows"]
     for check in FUNCTIONAL:
         assert rows[check]["status"] == "PASS", (check, rows[check], log[-3000:])
@@ -196,6 +203,13 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
     assert [(f["name"], f["real_bytes"]) for f in arrays["formats"]] == [
         ("FLOAT_X4", 4096 * 4096 * 16), ("BC1_UNORM", 1024 * 1024 * 8),
         ("BC7_UNORM", 1024 * 1024 * 16), ("NV12", 3840 * 2160 * 3 // 2)], arrays["formats"]
+    # a launch that grows the stack near the cap: the fake grows 16 KiB x 262,144 threads =
+    # 4 GiB without the library; with it, filled to 212 MiB below a 2 GiB cap (context 300 MiB),
+    # the launch is refused before the driver, and the kernel with no local memory still runs
+    assert rows["launch_stack"]["value"] == (
+        "CUDA_ERROR_OUT_OF_MEMORY at 1,836/2,048 MiB; 16 KiB/thread x 262,144: no library "
+        "granted, +4,096 MiB (stack 0 -> 16,384 B); small kernel rc 0; outside 1,836"), \
+        rows["launch_stack"]
     # the script's own nvidia-smi query (the stand-in, no library: the whole fake GPU)
     assert f"Fake GPU 0, {UUID_A}, 580.00.00-fake, 16384 MiB, 0 MiB" in log
     assert report["versions"]["gpubench"]["build"]  # how gpubench was built, for the record

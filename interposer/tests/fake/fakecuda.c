@@ -93,6 +93,10 @@
  *                            calls a launch's judgement may make (cuFuncGetAttribute,
  *                            cuKernelGetAttribute, cuCtxGetLimit, cuCtxSetLimit);
  *                            fake_cuda_attr_queries() the first two only
+ *   FAKE_CUDA_FUNC_LOCAL_NAME with FAKE_CUDA_FUNC_LOCAL: only functions cuModuleGetFunction
+ *                            found by a name containing this (the first 64) have that local
+ *                            size, every other none (the GPU check's launch_stack row: a big
+ *                            kernel and a small one in one module)
  *   FAKE_CUDA_ADDR_REUSE=1   the last plain allocation freed (or gone with its context) gives its
  *                            address to the next one that fits in it
  *   FAKE_CUDA_HANDLE_REUSE=1 a destroyed memory pool's (once its memory is gone), executable
@@ -1394,10 +1398,20 @@ API unsigned long fake_cuda_attr_queries(void)
     return __atomic_load_n(&attr_queries, __ATOMIC_RELAXED);
 }
 
+static const void *local_named[64]; /* FAKE_CUDA_FUNC_LOCAL_NAME's functions */
+
+static int is_local_named(const void *f)
+{
+    for (unsigned i = 0; i < 64; i++)
+        if (__atomic_load_n(&local_named[i], __ATOMIC_ACQUIRE) == f) return 1;
+    return 0;
+}
+
 /* FAKE_CUDA_FUNC_LOCAL: a function's local memory per thread */
 static uint64_t func_local(const void *f)
 {
     const char *v = getenv("FAKE_CUDA_FUNC_LOCAL");
+    if (getenv("FAKE_CUDA_FUNC_LOCAL_NAME") && !is_local_named(f)) return 0;
     return v && f && f != (const void *)0x1234 ? fake_size(v) : 0;
 }
 
@@ -1563,6 +1577,14 @@ API CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
     FAIL_POINT("cuModuleGetFunction");
     if (!f || !m || !name) return CUDA_ERROR_INVALID_VALUE;
     *f = (CUfunction)named_handle(m, name);
+    const char *local = getenv("FAKE_CUDA_FUNC_LOCAL_NAME");
+    if (local && *local && strstr(name, local) && !is_local_named(*f))
+        for (unsigned i = 0; i < 64; i++) {
+            const void *none = NULL;
+            if (__atomic_compare_exchange_n(&local_named[i], &none, (const void *)*f, 0, __ATOMIC_RELEASE,
+                                            __ATOMIC_RELAXED))
+                break;
+        }
     return CUDA_SUCCESS;
 }
 

@@ -57,6 +57,19 @@
  *                                         used bytes before and after each creation (without the
  *                                         library the driver's own figure, with it the charge),
  *                                         the refusals, then after all are destroyed
+ *   gpubench stackgrow FREE_MIB|-         a PTX module (JIT-compiled by the driver) of two
+ *                                         kernels: gpubench_stack, 16 KiB of local memory per
+ *                                         thread (an array indexed at run time), and
+ *                                         gpubench_lean, none; device memory filled with 64 MiB
+ *                                         cuMemAllocs until the view's free memory is under
+ *                                         FREE_MIB + 64 ("-": no fill), then gpubench_stack
+ *                                         launched once (1 x 32 threads) and gpubench_lean after
+ *                                         it: their results, CU_LIMIT_STACK_SIZE before and
+ *                                         after, the local sizes, MULTIPROCESSOR_COUNT x
+ *                                         MAX_THREADS_PER_MULTIPROCESSOR and the view's used
+ *                                         memory at each step (the stack the driver grows at a
+ *                                         launch: interposer/README.md "Near the cap: a
+ *                                         launch's stack"); the fill held throughout
  *
  * Benchmarks print one line "RESULT {json}"; errors go to stderr with exit status 2.
  */
@@ -147,7 +160,10 @@ typedef struct {
     X(CUresult, cuMemPoolTrimTo, (CUmemoryPool pool, size_t keep))                       \
     X(CUresult, cuArray3DCreate_v2, (CUarray * array, const CUDA_ARRAY3D_DESCRIPTOR *desc)) \
     X(CUresult, cuArrayDestroy, (CUarray array))                                         \
-    X(CUresult, cuGetErrorName, (CUresult err, const char **name))
+    X(CUresult, cuGetErrorName, (CUresult err, const char **name))                     \
+    X(CUresult, cuDeviceGetAttribute, (int *value, int attr, CUdevice dev))              \
+    X(CUresult, cuFuncGetAttribute, (int *value, int attr, CUfunction fn))               \
+    X(CUresult, cuCtxGetLimit, (size_t * value, int limit))
 
 /* Needed by serve's ipcget / ipcopen and vmmexport / vmmimport only: a driver without them
  * still runs the others, and those commands answer CUDA_ERROR_NOT_FOUND. */
@@ -1037,6 +1053,103 @@ static int cmd_arrays(void)
     return 0;
 }
 
+/* stackgrow's kernels: gpubench_stack writes all 4,096 words of a 16 KiB local array (values
+ * that depend on a parameter) and reads one back at an index known only at run time, so the
+ * array stays in local memory; gpubench_lean does nothing.  For the oldest target CUDA 13
+ * supports, then for Hopper itself, as EMPTY_PTXS. */
+#define STACK_PTX(version, target)                                                       \
+    ".version " version "\n.target " target "\n.address_size 64\n"                       \
+    ".visible .entry gpubench_stack(.param .u64 out, .param .u32 seed)\n{\n"             \
+    "\t.local .align 4 .b8 buf[16384];\n"                                                 \
+    "\t.reg .pred %p<2>;\n\t.reg .b32 %r<10>;\n\t.reg .b64 %rd<8>;\n"                    \
+    "\tld.param.u64 %rd1, [out];\n\tld.param.u32 %r1, [seed];\n"                          \
+    "\tmov.u64 %rd2, buf;\n\tmov.u32 %r2, %tid.x;\n\tmov.u32 %r3, 0;\n"                   \
+    "LOOP:\n\tmul.wide.u32 %rd3, %r3, 4;\n\tadd.u64 %rd4, %rd2, %rd3;\n"                  \
+    "\txor.b32 %r4, %r3, %r1;\n\tadd.u32 %r4, %r4, %r2;\n\tst.local.u32 [%rd4], %r4;\n"   \
+    "\tadd.u32 %r3, %r3, 1;\n\tsetp.lt.u32 %p1, %r3, 4096;\n\t@%p1 bra LOOP;\n"           \
+    "\tmad.lo.u32 %r5, %r1, 7, %r2;\n\tand.b32 %r5, %r5, 4095;\n"                         \
+    "\tmul.wide.u32 %rd5, %r5, 4;\n\tadd.u64 %rd6, %rd2, %rd5;\n\tld.local.u32 %r6, [%rd6];\n" \
+    "\tcvta.to.global.u64 %rd7, %rd1;\n\tmul.wide.u32 %rd5, %r2, 4;\n\tadd.u64 %rd7, %rd7, %rd5;\n" \
+    "\tst.global.u32 [%rd7], %r6;\n\tret;\n}\n"                                           \
+    ".visible .entry gpubench_lean()\n{\n\tret;\n}\n"
+static const char *const STACK_PTXS[] = {STACK_PTX("7.0", "sm_75"), STACK_PTX("7.8", "sm_90")};
+
+enum { LIMIT_STACK_SIZE = 0, FUNC_LOCAL_SIZE_BYTES = 3, ATTR_SM_COUNT = 16, ATTR_THREADS_PER_SM = 39,
+       STACK_THREADS = 32 };
+
+static size_t stack_limit(void)
+{
+    size_t v = 0;
+    check(CALL(cuCtxGetLimit)(&v, LIMIT_STACK_SIZE), "cuCtxGetLimit");
+    return v;
+}
+
+/* One launch of fn and the synchronisation after it: the launch's result, *synced the other's
+ * (-1: not reached) */
+static CUresult launch_once(CUfunction fn, void **params, unsigned threads, CUresult *synced)
+{
+    CUresult rc = CALL(cuLaunchKernel)(fn, 1, 1, 1, threads, 1, 1, 0, NULL, params, NULL);
+    *synced = rc == 0 ? CALL(cuCtxSynchronize)() : -1;
+    return rc;
+}
+
+static int cmd_stackgrow(long long free_mib)
+{
+    static CUdeviceptr held[MAX_HELD];
+    CUdevice dev = open_device();
+    CUmodule mod = NULL;
+    CUfunction big = NULL, lean = NULL;
+    CUresult load = 1;
+    for (size_t i = 0; load != 0 && i < sizeof(STACK_PTXS) / sizeof(STACK_PTXS[0]); i++)
+        load = CALL(cuModuleLoadData)(&mod, STACK_PTXS[i]);
+    check(load, "cuModuleLoadData");
+    check(CALL(cuModuleGetFunction)(&big, mod, "gpubench_stack"), "cuModuleGetFunction");
+    check(CALL(cuModuleGetFunction)(&lean, mod, "gpubench_lean"), "cuModuleGetFunction");
+    int big_local = 0, lean_local = 0, sms = 0, per_sm = 0;
+    check(CALL(cuFuncGetAttribute)(&big_local, FUNC_LOCAL_SIZE_BYTES, big), "cuFuncGetAttribute");
+    check(CALL(cuFuncGetAttribute)(&lean_local, FUNC_LOCAL_SIZE_BYTES, lean), "cuFuncGetAttribute");
+    check(CALL(cuDeviceGetAttribute)(&sms, ATTR_SM_COUNT, dev), "cuDeviceGetAttribute");
+    check(CALL(cuDeviceGetAttribute)(&per_sm, ATTR_THREADS_PER_SM, dev), "cuDeviceGetAttribute");
+    CUdeviceptr out = 0;
+    check(CALL(cuMemAlloc_v2)(&out, STACK_THREADS * sizeof(unsigned)), "cuMemAlloc_v2");
+    double start = used_mib();
+    /* the fill: 64 MiB at a time while the view has more than free_mib + 64 free */
+    size_t chunk = (size_t)64 << 20, free_bytes = 0, total = 0;
+    int count = 0;
+    CUresult fill_rc = 0;
+    while (free_mib >= 0 && count < MAX_HELD) {
+        check(CALL(cuMemGetInfo_v2)(&free_bytes, &total), "cuMemGetInfo_v2");
+        if (free_bytes < ((size_t)free_mib << 20) + chunk) break;
+        fill_rc = CALL(cuMemAlloc_v2)(&held[count], chunk);
+        if (fill_rc != 0) break;
+        count++;
+    }
+    double filled = used_mib();
+    hold_peak();
+    size_t stack_before = stack_limit();
+    unsigned seed = 3;
+    void *params[] = {&out, &seed};
+    CUresult big_sync = -1, lean_sync = -1;
+    CUresult big_rc = launch_once(big, params, STACK_THREADS, &big_sync);
+    double launched = used_mib();
+    size_t stack_after = stack_limit();
+    hold_peak(); /* what the launch grew, for the parent's outside watch */
+    CUresult lean_rc = launch_once(lean, NULL, STACK_THREADS, &lean_sync);
+    double after = used_mib();
+    check(CALL(cuMemGetInfo_v2)(&free_bytes, &total), "cuMemGetInfo_v2");
+    for (int i = 0; i < count; i++)
+        check(CALL(cuMemFree_v2)(held[i]), "cuMemFree_v2");
+    printf("RESULT {\"big_local\": %d, \"lean_local\": %d, \"sms\": %d, \"threads_per_sm\": %d, "
+           "\"used_start\": %.1f, \"fill_mib\": %d, \"fill_rc\": %d, \"used_filled\": %.1f, "
+           "\"stack_before\": %zu, \"big_rc\": %d, \"big_error\": \"%s\", \"big_sync_rc\": %d, "
+           "\"used_launched\": %.1f, \"stack_after\": %zu, \"lean_rc\": %d, \"lean_sync_rc\": %d, "
+           "\"used_after\": %.1f, \"free_after\": %zu, \"total\": %zu}\n",
+           big_local, lean_local, sms, per_sm, start, count * 64, fill_rc, filled, stack_before, big_rc,
+           big_rc ? error_name(big_rc) : "CUDA_SUCCESS", big_sync, launched, stack_after, lean_rc, lean_sync,
+           after, free_bytes, total);
+    return 0;
+}
+
 /* "64,16,4,1": whole MiB, each > 0, at most MAX_SIZES of them; the count, or 0 if malformed. */
 static int parse_sizes(const char *text, double *mib)
 {
@@ -1060,7 +1173,7 @@ static int usage(void)
 {
     fprintf(stderr, "usage: gpubench info | serve | launch LAUNCHES REPS BATCH | "
                     "allocfree BYTES PAIRS REPS | memset MIB MS | legacy MIB | graph MIB | green MIB | "
-                    "poolgrow MIB,MIB,... | poolfill MIB,MIB,... | arrays\n");
+                    "poolgrow MIB,MIB,... | poolfill MIB,MIB,... | arrays | stackgrow FREE_MIB|-\n");
     return 64;
 }
 
@@ -1109,6 +1222,13 @@ int main(int argc, char **argv)
     }
     if (argc == 2 && strcmp(argv[1], "arrays") == 0)
         return cmd_arrays();
+    if (argc == 3 && strcmp(argv[1], "stackgrow") == 0) {
+        char *end = NULL;
+        long long mib = strcmp(argv[2], "-") == 0 ? -1 : strtoll(argv[2], &end, 10);
+        if (mib != -1 && (end == argv[2] || *end != '\0' || mib < 0))
+            return usage();
+        return cmd_stackgrow(mib);
+    }
     if (argc == 3 && (strcmp(argv[1], "poolgrow") == 0 || strcmp(argv[1], "poolfill") == 0)) {
         double mib[MAX_SIZES];
         int n = parse_sizes(argv[2], mib);
