@@ -580,9 +580,20 @@ static inline int gs_lmem_watching(void)
 {
     return __atomic_load_n(&gs_lmem_watch, __ATOMIC_RELAXED);
 }
+extern uint64_t gs_lmem_watch_at __attribute__((visibility("hidden"))); /* when last turned on */
+uint64_t gs_now_ns(void); /* CLOCK_MONOTONIC (declared again below) */
 static inline void gs_lmem_watch_set(int on)
 {
+    if (on) __atomic_store_n(&gs_lmem_watch_at, gs_now_ns(), __ATOMIC_RELAXED);
     if (__atomic_load_n(&gs_lmem_watch, __ATOMIC_RELAXED) != on) __atomic_store_n(&gs_lmem_watch, on, __ATOMIC_RELAXED);
+}
+/* The sampler's tick: on while near; off only a second after it was last turned on.  A near-cap
+ * reconcile turns it on before its reservation lands: a sampler tick that read the usage before
+ * that, then stored "off", left the next launch unjudged (a CI run: 1,056 MiB under 1,024) */
+static inline void gs_lmem_watch_tick(int near, uint64_t now)
+{
+    if (near) gs_lmem_watch_set(1);
+    else if (now - __atomic_load_n(&gs_lmem_watch_at, __ATOMIC_RELAXED) > 1000000000ull) gs_lmem_watch_set(0);
 }
 /* Before a launch of f on stream (per_thread: a _ptsz entry point) while watching: -1 if the
  * stack growth it needs does not fit the cap (the launch answers CUDA_ERROR_OUT_OF_MEMORY) */

@@ -30,6 +30,7 @@
 #include <string.h>
 
 __attribute__((visibility("hidden"))) int gs_lmem_watch;
+__attribute__((visibility("hidden"))) uint64_t gs_lmem_watch_at;
 
 #define GS_LMEM_FNS 4096 /* direct-mapped: a function that collides is asked again */
 

@@ -733,8 +733,8 @@ static void *sampler(void *arg)
         pthread_mutex_lock(&g_wake_mu);
         for (;;) {
             int near = any_near_cap();
-            gs_lmem_watch_set(near); /* launches judge their stack growth while near (lmem.c) */
             uint64_t now = gs_now_ns(), due = last + (near ? GS_SAMPLE_NEAR_NS : GS_SAMPLE_NS);
+            gs_lmem_watch_tick(near, now); /* launches judge their stack growth while near (lmem.c) */
             if (g_woken && last + GS_SAMPLE_MIN_NS < due) due = last + GS_SAMPLE_MIN_NS;
             __atomic_store_n(&g_sampler_far, !near && !g_woken, __ATOMIC_RELAXED);
             if (now >= due) break;
