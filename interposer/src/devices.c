@@ -114,22 +114,12 @@ static void fill_limits(struct gs_devcfg *devs, unsigned n)
  * container that sees more GPUs than gpuslice grants one: the webhook grants at most 16, so
  * only a container given GPUs some other way).  Such a device has no slot, and a device without
  * a slot runs with no cap: said once, at discovery, naming it. */
-static void report_unslotted(const struct gs_devcfg *cuda_devs, int ncuda, const struct gs_devcfg *devs,
-                             unsigned n)
+static void report_unslotted(int ncuda, int left, int first, const char *uuid)
 {
-    int left = 0, first = -1;
-    for (int i = 0; i < ncuda; i++) {
-        int known = !cuda_devs[i].uuid[0];
-        for (unsigned k = 0; k < n && !known; k++) known = strcmp(devs[k].uuid, cuda_devs[i].uuid) == 0;
-        if (known) continue;
-        if (first < 0) first = i;
-        left++;
-    }
-    if (left)
-        GS_ERROR("this container sees %d GPUs, more than the %u gpuslice can cap in one container: %d of them "
-                 "(CUDA device %d, %s, the first) run with NO memory or compute cap; give the container at most "
-                 "%u GPUs",
-                 ncuda, GPUSLICE_MAX_DEVICES, left, first, cuda_devs[first].uuid, GPUSLICE_MAX_DEVICES);
+    GS_ERROR("this container sees %d GPUs, more than the %u gpuslice can cap in one container: %d of them "
+             "(CUDA device %d, %s, the first) run with NO memory or compute cap; give the container at most "
+             "%u GPUs",
+             ncuda, GPUSLICE_MAX_DEVICES, left, first, uuid, GPUSLICE_MAX_DEVICES);
 }
 
 /* This thread is discovering the devices: a driver callback inside one of discover()'s calls
@@ -177,10 +167,16 @@ static void discover(void)
      * GPU fallen off the bus) takes the index NVML could not read: its own CUDA_DEVICE_MEMORY_LIMIT_<i>
      * (an index past NVML's gave it none, uncapped, or another device's); the one an integer
      * CUDA_VISIBLE_DEVICES entry (or its ordinal) names if that is one of them, else the lowest. */
-    for (int i = 0; i < ncuda && n < GPUSLICE_MAX_DEVICES; i++) {
+    int left = 0, first = -1; /* CUDA devices past the region's slots (report_unslotted) */
+    for (int i = 0; i < ncuda; i++) {
         int known = !cuda_devs[i].uuid[0];
         for (unsigned k = 0; k < n && !known; k++) known = strcmp(devs[k].uuid, cuda_devs[i].uuid) == 0;
         if (known) continue;
+        if (n >= GPUSLICE_MAX_DEVICES) {
+            if (first < 0) first = i;
+            left++;
+            continue;
+        }
         devs[n] = cuda_devs[i];
         if (nnvml || unread) {
             unsigned want = devs[n].index;
@@ -196,7 +192,7 @@ static void discover(void)
         for (int i = 0; i < ncuda && !devs[k].total; i++)
             if (strcmp(devs[k].uuid, cuda_devs[i].uuid) == 0) devs[k].total = cuda_devs[i].total;
     }
-    report_unslotted(cuda_devs, ncuda, devs, n);
+    if (left) report_unslotted(ncuda, left, first, cuda_devs[first].uuid);
     fill_limits(devs, n);
     gs_reconcile_margin = gs_env_reconcile_margin();
     gs_log_report_level();
