@@ -97,6 +97,23 @@ def test_a_pitch_wider_than_reserved_past_the_cap_is_freed_with_its_own_generati
     assert res.values("meminfo") == [30 * MIB, 1130 * MIB]
 
 
+@pytest.mark.parametrize("legacy", ["0", "1"], ids=["v2", "cuda-2"])
+def test_a_pitch_narrower_than_reserved_is_charged_the_drivers_pitch(lab, legacy):
+    # the rows are reserved at 512 bytes before the call; a driver whose pitch is narrower (256
+    # bytes here) gets the difference back at once: 256-byte rows x 1 Mi rows hold 256 MiB,
+    # reserved as 512 MiB.  Returning the wrong difference (the sum, found by mutation testing:
+    # no test had a pitch below 512 bytes) went unnoticed
+    ctx = ["ctxcreate", "0"] if legacy == "1" else ["ctx", "0"]
+    res = lab.run("legacy", legacy, "init", *ctx, "pitch", "200", "1048576", "meminfo", "phys", "pitch", "200",
+                  "1048576", "pitch", "200", "1048576", "meminfo", "phys", "free", "0", "meminfo",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_API_VERSIONS="1", FAKE_CUDA_PITCH_ALIGN="256")
+    # charged 512 MiB each (as reserved), the third would have been refused
+    assert [rc for rc, _ in res.of("pitch")] == [0, 0, 0]
+    assert res.values("phys", 0) == [256 * MIB]
+    assert [vals for _, vals in res.of("meminfo")] == [[768 * MIB, GIB], [256 * MIB, GIB], [512 * MIB, GIB]]
+    assert res.values("phys", 1) == [768 * MIB]
+
+
 def test_the_older_context_entry_points_charge_and_return_what_a_context_held(lab):
     # cuCtxCreate / cuCtxDestroy (CUDA 2.x) and cuDevicePrimaryCtxRelease / _Reset (7.0):
     # the footprint of a created context is charged; destroying it, releasing the primary
