@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "cuda_abi.h"
+#include "peek.h" /* the library's in-flight counts */
 
 typedef struct {
     char reserved[64]; /* CUipcMemHandle, CUipcEventHandle: CU_IPC_HANDLE_SIZE bytes */
@@ -2297,6 +2298,11 @@ int main(int argc, char **argv)
             local_t local = (local_t)dlsym(libcuda, "fake_cuda_local_used");
             printf("physd 0 %llu\n", local ? (unsigned long long)local(atoi(ARG(0))) : 0ull);
             i += 1;
+        } else if (!strcmp(c, "balanced")) {
+            /* the library's in-flight and unsettled counts (peek.h), once back at zero or after 1 s;
+             * rc -1 where they cannot be read */
+            int inflight = 0, unsettled = 0, ok = peek_balanced(1000, &inflight, &unsettled);
+            printf("balanced %d %d %d\n", ok < 0 ? -1 : 0, inflight, unsettled);
         } else if (!strcmp(c, "phys")) {
             /* what the fake driver holds for this process on physical device 0 */
             typedef uint64_t (*local_t)(int);

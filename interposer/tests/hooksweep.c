@@ -20,7 +20,9 @@
  * Before each call it prints "call NAME SET" (flushed: a crash names the call), after it
  * "ret NAME SET RC BEFORE AFTER" (the region's charges around the call: the process's on every
  * device slot plus every slot's total) and, where a
- * call that failed moved the charge, "LEAK NAME SET RC BEFORE AFTER".  The primary context of
+ * call that failed moved the charge, "LEAK NAME SET RC BEFORE AFTER"; where the library's in-flight
+ * counts stay raised after the call (peek.h), "UNBALANCED NAME SET RC INFLIGHT UNSETTLED".  The
+ * last line is "done CALLS LEAKS UNBALANCED" (UNBALANCED -1: the counts could not be read).  The primary context of
  * device 0 is made current again after each call (a call may release or reset it).
  * The fake driver is linked directly; the interposer, preloaded, is what dlsym finds.
  */
@@ -33,6 +35,7 @@
 
 #include "cuda_abi.h"
 #include "hooks.h"
+#include "peek.h"       /* the library's in-flight counts */
 #include "selfcharge.h" /* the region's layout, mmap */
 
 void fake_cuda_set_fail(const char *spec); /* the fake driver's FAKE_CUDA_FAIL, set without setenv */
@@ -180,7 +183,7 @@ static void restore_context(void)
     if (fill && charge_now() < 2 * fill) cuMemAlloc_v2(&p, fill); /* counted twice: the process's, the slot's */
 }
 
-static int leaks, calls;
+static int leaks, calls, unbalanced;
 
 static void call_one(const char *name, any_fn fn, int nargs, const uint64_t *args, const char *set, int fail)
 {
@@ -215,6 +218,11 @@ static void call_one(const char *name, any_fn fn, int nargs, const uint64_t *arg
     if (rc != CUDA_SUCCESS && after != before) {
         printf("LEAK %s %s %d %llu %llu\n", name, set, rc, (unsigned long long)before, (unsigned long long)after);
         leaks++;
+    }
+    int inflight, unsettled; /* every return path of the hook ended what it began (five reported) */
+    if (unbalanced < 5 && peek_balanced(200, &inflight, &unsettled) == 0) {
+        printf("UNBALANCED %s %s %d %d %d\n", name, set, rc, inflight, unsettled);
+        unbalanced++;
     }
     fflush(stdout);
     restore_context();
@@ -418,6 +426,8 @@ int main(int argc, char **argv)
         }
         cuCtxSynchronize();
     }
-    printf("done %d %d\n", calls, leaks);
+    int inflight, unsettled;
+    if (peek_balanced(0, &inflight, &unsettled) < 0) unbalanced = -1; /* the counts could not be read */
+    printf("done %d %d %d\n", calls, leaks, unbalanced);
     return 0;
 }

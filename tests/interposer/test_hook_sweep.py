@@ -52,11 +52,14 @@ SWEEPS = {
 def test_every_hook_survives_hostile_arguments_and_a_failure_charges_nothing(lab, fail, where):
     args, env = SWEEPS[where]
     lines = sweep(lab, *(["--fail"] if fail else []), *args, FAKE_CUDA_CTX_BYTES="64m", **env)
-    calls, leaks = (int(v) for v in lines[-1].split()[1:])
+    calls, leaks, unbalanced = (int(v) for v in lines[-1].split()[1:])
     assert calls > 1000  # each of the ~250 hooks several times
     called = {ln.split()[1] for ln in lines if ln.startswith("call ")}
     assert {"cuImportExternalMemory", "cuDestroyExternalMemory", "cuMemAlloc_v2"} <= called
     assert leaks == 0, [ln for ln in lines if ln.startswith("LEAK")]
+    # and every return path ended the in-flight operation it began (a raised count keeps the
+    # reconcile from ever reading the driver clean)
+    assert unbalanced == 0, [ln for ln in lines if ln.startswith("UNBALANCED")][:20]
     if fail:
         # the fake fails every call of the name: only hooks that answer before the driver
         # (or whose driver call has no failure point) may succeed, and none of them charges
@@ -304,8 +307,10 @@ def test_random_sequences_end_with_the_charge_what_the_driver_holds(lab, block):
             "FAKE_CUDA_GREEN_BYTES": "16m", "FAKE_CUDA_MODULE_BYTES": "8m", "FAKE_CUDA_LAUNCH_BYTES": "4m"}
     for seed in seeds:
         cmds, env = random_sequence(random.Random(seed))
-        res = lab.run(*cmds, "meminfo", "phys", **env0, **env)
+        res = lab.run(*cmds, "meminfo", "phys", "balanced", **env0, **env)
         assert res.returncode == 0, (seed, res.stderr[-2000:])
+        # every hook of the sequence ended the in-flight operation it began
+        assert res.of("balanced") == [(0, [0, 0])], (seed, env, " ".join(cmds))
         charged, held = charged_and_held(res)
         if charged != held:
             res = lab.run(*cmds, "sleep", "1500", "meminfo", "phys", **env0, **env)
