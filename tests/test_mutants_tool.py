@@ -1,0 +1,61 @@
+"""scripts/mutants.py's generator: which changes it makes, and where it makes none."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("mutants", ROOT / "scripts" / "mutants.py")
+assert spec and spec.loader
+mutants = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mutants)
+
+SOURCE = r'''#include <stdio.h>
+#define LIMIT(a, b) ((a) < (b) ? (a) : (b))
+/* a comment with a < b && c || d == e, spread
+ * over two lines: x - y */
+static int f(struct s *p, int a, int b)
+{
+    if (!p || p->n >= a) return -1; // a - b
+    GS_INFO("refused: %d < %d && %s", a,
+            b - 1, "x || y");
+    release(p, a - b);
+    p->n += a;
+    return a == b && b != 0 ? printf("<%d>", a) : 0;
+}'''
+
+
+def test_each_operator_gives_one_mutant_in_code_and_none_in_comments_strings_logs_or_macros() -> None:
+    got = [(m["line"], m["op"], m["after"]) for m in mutants.mutants(SOURCE)]
+    assert got == [
+        (7, "ge", "if (!p || p->n > a) return -1; // a - b"),
+        (7, "or", "if (!p && p->n >= a) return -1; // a - b"),
+        (7, "not", "if (p || p->n >= a) return -1; // a - b"),
+        (10, "sub", "release(p, a + b);"),
+        (10, "del", "(deleted)"),
+        (11, "addeq", "p->n -= a;"),
+        (12, "eq", 'return a != b && b != 0 ? printf("<%d>", a) : 0;'),
+        (12, "ne", 'return a == b && b == 0 ? printf("<%d>", a) : 0;'),
+        (12, "and", 'return a == b || b != 0 ? printf("<%d>", a) : 0;'),
+    ]
+    assert [m["id"] for m in mutants.mutants(SOURCE)] == list(range(len(got)))
+
+
+def test_a_mutant_changes_its_one_line_and_nothing_else() -> None:
+    for m in mutants.mutants(SOURCE):
+        before, after = SOURCE.split("\n"), mutants.apply(SOURCE, m).split("\n")
+        assert len(before) == len(after)
+        assert [i + 1 for i, (x, y) in enumerate(zip(before, after)) if x != y] == [m["line"]]
+
+
+def test_every_source_of_the_library_has_mutants_and_list_prints_them() -> None:
+    sources = sorted((ROOT / "interposer" / "src").glob("*.c"))
+    counts = {src.name: len(mutants.mutants(src.read_text())) for src in sources}
+    assert all(counts.values()), counts
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "mutants.py"), "list",
+                          str(ROOT / "interposer" / "src" / "budget.c")], capture_output=True, text=True, check=True)
+    assert len(out.stdout.splitlines()) == counts["budget.c"]
+    assert out.stderr.strip() == f"{counts['budget.c']} mutants"
