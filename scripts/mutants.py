@@ -146,13 +146,13 @@ def worktree() -> Path:
 
 def run_one(wt: Path, src: Path, text: str, mutant: dict, timeout: int) -> tuple[str, str]:
     src.write_text(apply(text, mutant))
-    build = subprocess.run(["make", "-C", str(wt / "interposer"), "lib"], capture_output=True, text=True)
+    build = subprocess.run(["make", "-C", str(wt / "interposer"), "lib"], check=False, capture_output=True, text=True)
     if build.returncode != 0:
         return "invalid", build.stderr[-300:]
     tests = [f"tests/interposer/test_{t}.py" for t in TESTS]
     proc = subprocess.run(["timeout", "-k", "5", str(timeout), str(wt / ".venv/bin/python"), "-m", "pytest", "-x",
                            "-q", "-p", "no:cacheprovider", "-k", "not asan and not tsan", *tests],
-                          cwd=wt, capture_output=True, text=True)
+                          cwd=wt, check=False, capture_output=True, text=True)
     failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     last = proc.stdout.strip().splitlines()[-1:] or [""]
     detail = (failed or last)[0][:200]
@@ -187,7 +187,7 @@ def run(files: list[str], sample: int, seed: int, log: Path, timeout: int) -> in
             finally:
                 src.write_text(text)
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], capture_output=True)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], check=False, capture_output=True)
         shutil.rmtree(wt, ignore_errors=True)
     records = [json.loads(ln) for ln in log.read_text().splitlines()]
     survivors = [r for r in records if r["result"] == "survived"]
