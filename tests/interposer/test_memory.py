@@ -1836,6 +1836,18 @@ def test_an_imported_handle_is_charged_for_what_is_mapped_of_it_and_returned_wit
     assert res.values("phys") == [0]
 
 
+def test_a_wider_mapping_of_an_imported_handle_near_the_cap_reserves_only_what_it_adds(lab):
+    # charged 200 MiB for its first mapping, then mapped up to 500 MiB into it under a 600 MiB
+    # cap: 300 MiB more fit.  Reserving the sum instead of the difference (a mutant) refused it,
+    # and no test was near the cap for a second mapping.  NVML tells no process's memory here:
+    # otherwise the reconcile charges the handle's unmapped rest near the cap (the test above)
+    res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vimport", "0", "free", "0",
+                  "vmappart", "1", "0", "200m", "vunmap", "1", "vmappart", "1", "100m", "400m", "meminfo",
+                  "vmappart", "1", "0", "600m", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="600m", FAKE_NVML_PROC_MEM="0")
+    assert [rc for rc, _ in res.of("vmappart")] == [0, 0, 0]
+    assert [600 * MIB - vals[0] for _, vals in res.of("meminfo")] == [500 * MIB, 600 * MIB]
+
+
 def test_mapping_an_imported_handle_past_the_cap_is_refused_and_changes_nothing(lab):
     res = lab.run("init", "ctx", "0", "vmm", "600m", "0", "vexport", "0", "vimport", "0", "vmap", "1",
                   "meminfo", "free", "1", "free", "0", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
@@ -1984,10 +1996,11 @@ def test_a_vmm_allocation_imported_as_external_memory_stays_charged_after_its_re
     for vmm in (0, 2, 4, 5):  # a refused import takes no id
         cmds += ["vmm", "300m", "0", "vexport", str(vmm), "eimport", str(vmm), "free", str(vmm),
                  "meminfo", "phys"]
-    res = lab.run("init", "ctx", "0", *cmds, "free", "1", "free", "3", "meminfo", "phys",
+    res = lab.run("init", "ctx", "0", *cmds, "free", "1", "free", "3", "meminfo", "phys", "balanced",
                   CUDA_DEVICE_MEMORY_LIMIT="1g")
     assert [rc for rc, _ in res.of("vmm")] == [0, 0, 0, 0]
     assert [rc for rc, _ in res.of("eimport")] == [0, 0, OOM, OOM]
+    assert res.of("balanced") == [(0, [0, 0])]  # each import and destroy ended what it began
     held = [vals[0] for _, vals in res.of("phys")]
     charged = [GIB - vals[0] for _, vals in res.of("meminfo")]
     assert held == [300 * MIB, 600 * MIB, 600 * MIB, 600 * MIB, 0]
