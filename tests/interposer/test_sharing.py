@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -943,6 +944,42 @@ def test_a_process_that_cannot_read_the_boot_id_resets_nothing(release_lab):
     assert "earlier boot" not in proc.stderr
     assert res.rc("alloc") == OOM
     assert res.values("meminfo") == [2 * GIB, 8 * GIB]
+
+
+@pytest.mark.parametrize("boot", ["earlier", "this"])
+def test_a_region_from_an_earlier_boot_is_reset_and_takes_this_boots_id(lab, boot):
+    # A region file on a path that outlives a reboot still lists the earlier boot's processes,
+    # and the new boot reuses their pids: a slot whose pid, pid namespace and start time match a
+    # live process of this boot (a sleep here) looks alive for good, its 6 GiB with it.  The
+    # boot id in the region tells: from an earlier boot the region is reset, and takes this
+    # boot's id (no test read it back: a reset that left it zero passed, found by mutation
+    # testing).  The same region of this boot keeps the slot
+    this_boot = uuid.UUID(Path("/proc/sys/kernel/random/boot_id").read_text().strip()).bytes
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        start = int(Path(f"/proc/{sleeper.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        data = bytearray(encode_region(Region(
+            pod_uid="u", pod_name="p", namespace="n", container="c",
+            devices=(DeviceSlot(index=0, uuid=lab.UUID_A, limit_bytes=8 * GIB, used_bytes=6 * GIB, sm_limit=0,
+                                busy_ns=0),),
+            processes=(ProcessUsage(pid=sleeper.pid, used_bytes=(6 * GIB,), pidns=os.stat("/proc/self/ns/pid").st_ino,
+                                    start_time=start),))))
+        at, size = mirror.field_layout(mirror.HEADER_FIELDS)["boot_id"]
+        data[at:at + size] = this_boot if boot == "this" else bytes(reversed(this_boot))
+        lab.region_path.write_bytes(data)
+        res = lab.run("init", "ctx", "0", "alloc", "6g", "meminfo", CUDA_DEVICE_MEMORY_LIMIT="8g",
+                      LIBCUDA_LOG_LEVEL="3")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert lab.region_path.read_bytes()[at:at + size] == this_boot
+    if boot == "this":
+        assert res.rc("alloc") == OOM and "earlier boot" not in res.stderr
+        assert res.values("meminfo") == [2 * GIB, 8 * GIB]
+    else:
+        assert "is from an earlier boot: reset" in res.stderr
+        assert res.rc("alloc") == 0
+        assert res.values("meminfo") == [2 * GIB, 8 * GIB]
 
 
 def test_a_process_whose_slot_was_reclaimed_never_writes_into_someone_elses(lab):
