@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""Mutation testing of the interposer: does any test notice when the code is wrong?
+"""Mutation testing: does any test notice when the code is wrong?
 
-Each mutant is one small change to one line of one C source of ``interposer/src`` (a comparison
-turned around or made strict, ``&&`` for ``||``, ``+`` for ``-``, a ``!`` dropped, a call
-statement deleted).  The release library is rebuilt with it and the interposer tests run with
-``-x`` (release variant only); a mutant that every test passes *survives*, and each survivor is
-a behaviour no test pins down (or an equivalent change: read it).  The run happens in a
-throwaway git worktree of HEAD, so the checkout and its build are never touched.
+Each mutant is one small change to one line of one source (a comparison turned around or made
+strict, ``&&`` for ``||`` (``and`` for ``or``), ``+`` for ``-``, a ``!`` (``not``) dropped, a call
+statement deleted; in Python also ``True`` for ``False``).  For a C source of ``interposer/src``
+the release library is rebuilt with it and the interposer tests run with ``-x`` (release variant
+only); for a Python source of ``webhook/`` the tests of its package (``tests/placement`` for
+``webhook/placement/``, or ``--tests``).  A mutant that every test passes *survives*, and each
+survivor is a behaviour no test pins down (or an equivalent change: read it).  The run happens
+in a throwaway git worktree of HEAD, so the checkout and its build are never touched.
 
     python scripts/mutants.py list interposer/src/memory.c
     python scripts/mutants.py run --sample 10 --seed 7 --log /tmp/mutants.jsonl memory.c region.c
+    python scripts/mutants.py run --log /tmp/py.jsonl webhook/placement/fit.py
 
-Comments, strings, preprocessor lines and log calls are never mutated.  ``run`` appends one JSON
+Comments, strings, preprocessor lines, docstrings and log calls are never mutated.  ``run`` appends one JSON
 line per mutant to the log (file, id, line, op, before, after, result, seconds, the first
 failing test) and skips mutants the log already has, so an interrupted run goes on where it
 stopped.  A mutant that takes longer than ``--timeout`` is counted as killed (a hang).
@@ -22,6 +25,7 @@ it is not part of the test suite; ``tests/interposer/test_mutants_tool.py`` test
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
 import re
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,31 +133,99 @@ def mutants(text: str) -> list[dict]:
     return out
 
 
+PY_OPS = {"==": ("eq", "!="), "!=": ("ne", "=="), "<": ("lt", "<="), "<=": ("le", "<"), ">": ("gt", ">="),
+          ">=": ("ge", ">"), "+": ("add", "-"), "-": ("sub", "+"), "+=": ("addeq", "-="), "-=": ("subeq", "+="),
+          "and": ("and", "or"), "or": ("or", "and"), "True": ("true", "False"), "False": ("false", "True"),
+          "not": ("not", "")}
+PY_LOG = re.compile(r"^\s*(log|logger|LOG|_log)\.\w+\(")
+PY_CALL = re.compile(r"^(\s*)((?:await\s+)?[A-Za-z_][\w.]*\(.*\))\s*$")
+
+
+def py_mutants(text: str) -> list[dict]:
+    """Every mutant of a Python source, from its tokens: operators and the keywords above, in
+    code only (never in strings or comments), and call statements
+    that fit on one line, replaced by ``pass``.  Same records as :func:`mutants`."""
+    lines = text.split("\n")
+    out: list[dict] = []
+    toks = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    unary = {"(", "[", "{", ",", "=", "return", ":", "==", "!=", "<", ">", "<=", ">=", "and", "or", "not", "in",
+             "if", "else", "*", "/", "+", "-", "**", "lambda", "yield"}
+    prev = None
+    for tok in toks:
+        kind, string, (row, col), (erow, ecol), _ = tok
+        if kind in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
+            prev = tok if kind != tokenize.COMMENT else prev
+            continue
+        line = lines[row - 1]
+        is_op = (kind == tokenize.OP and string in PY_OPS) or (kind == tokenize.NAME and string in PY_OPS)
+        # a sign, not a subtraction: "-1", "(-x)"
+        signed = string in ("+", "-") and (prev is None or prev.string in unary or prev.type in (
+            tokenize.NEWLINE, tokenize.NL, tokenize.INDENT))
+        if is_op and row == erow and not signed and not PY_LOG.match(line) and not line.lstrip().startswith("@"):
+            name, repl = PY_OPS[string]
+            end = ecol + (1 if string == "not" and line[ecol:ecol + 1] == " " else 0)
+            new = line[:col] + repl + line[end:]
+            out.append({"line": row, "op": name, "before": line.strip(), "after": new.strip(), "text": new})
+        prev = tok
+    for n, line in enumerate(lines):
+        m = PY_CALL.match(line)
+        if m and m.group(2).count("(") == m.group(2).count(")") and not PY_LOG.match(line) \
+                and not line.rstrip().endswith((",", "(")) and (n + 1 >= len(lines) or not lines[n + 1].startswith(
+                    (m.group(1) + " ", m.group(1) + ")"))):
+            out.append({"line": n + 1, "op": "del", "before": line.strip(), "after": "(deleted)",
+                        "text": m.group(1) + "pass  # deleted"})
+    out.sort(key=lambda m: m["line"])
+    for i, m in enumerate(out):
+        m["id"] = i
+    return out
+
+
+def mutants_of(path: Path, text: str) -> list[dict]:
+    return py_mutants(text) if path.suffix == ".py" else mutants(text)
+
+
 def apply(text: str, mutant: dict) -> str:
     lines = text.split("\n")
     lines[mutant["line"] - 1] = mutant["text"]
     return "\n".join(lines)
 
 
-def worktree() -> Path:
-    """A worktree of HEAD with the checkout's virtual environment and its own build."""
+def worktree(build: bool) -> Path:
+    """A worktree of HEAD with the checkout's virtual environment and (for C) its own build."""
     wt = Path(tempfile.mkdtemp(prefix="gpuslice-mutants-"))
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(wt), "HEAD"], check=True)
     (wt / ".venv").symlink_to(ROOT / ".venv")
-    subprocess.run(["make", "-C", str(wt / "interposer"), "-j2", "lib", "fakes", "tests"], check=True,
-                   capture_output=True)
+    if build:
+            subprocess.run(["make", "-C", str(wt / "interposer"), "-j2", "lib", "fakes", "tests"], check=True,
+                       capture_output=True)
     return wt
 
 
-def run_one(wt: Path, src: Path, text: str, mutant: dict, timeout: int) -> tuple[str, str]:
-    src.write_text(apply(text, mutant))
-    build = subprocess.run(["make", "-C", str(wt / "interposer"), "lib"], check=False, capture_output=True, text=True)
-    if build.returncode != 0:
-        return "invalid", build.stderr[-300:]
-    tests = [f"tests/interposer/test_{t}.py" for t in TESTS]
+def tests_for(src: Path, wt: Path) -> list[str]:
+    """The tests a mutant of ``src`` runs against: the interposer's, or its package's."""
+    if src.suffix == ".c":
+        return [f"tests/interposer/test_{t}.py" for t in TESTS]
+    package = src.relative_to(wt / "webhook").parts[0] if len(src.relative_to(wt / "webhook").parts) > 1 else ""
+    return [f"tests/{package}"] if package and (wt / "tests" / package).is_dir() else ["tests"]
+
+
+def run_one(wt: Path, src: Path, text: str, mutant: dict, timeout: int, tests: list[str]) -> tuple[str, str]:
+    mutated = apply(text, mutant)
+    if src.suffix == ".py":
+        try:
+            compile(mutated, str(src), "exec")
+        except SyntaxError as exc:
+            return "invalid", str(exc)[:300]
+    src.write_text(mutated)
+    if src.suffix == ".c":
+        build = subprocess.run(["make", "-C", str(wt / "interposer"), "lib"], check=False, capture_output=True,
+                               text=True)
+        if build.returncode != 0:
+            return "invalid", build.stderr[-300:]
+    select = ["-k", "not asan and not tsan"] if src.suffix == ".c" else []
     proc = subprocess.run(["timeout", "-k", "5", str(timeout), str(wt / ".venv/bin/python"), "-m", "pytest", "-x",
-                           "-q", "-p", "no:cacheprovider", "-k", "not asan and not tsan", *tests],
-                          cwd=wt, check=False, capture_output=True, text=True)
+                           "-q", "-p", "no:cacheprovider", *select, *tests],
+                          check=False, cwd=wt, capture_output=True, text=True)
     failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
     last = proc.stdout.strip().splitlines()[-1:] or [""]
     detail = (failed or last)[0][:200]
@@ -161,33 +234,43 @@ def run_one(wt: Path, src: Path, text: str, mutant: dict, timeout: int) -> tuple
     return ("timeout" if proc.returncode in (124, 137) else "killed"), detail
 
 
-def run(files: list[str], sample: int, seed: int, log: Path, timeout: int) -> int:
+def source(wt: Path, name: str) -> Path:
+    """A source in the worktree: a name in interposer/src (memory.c), or a path from the root."""
+    path = Path(name)
+    if path.suffix == ".c" and len(path.parts) == 1:
+        return wt / "interposer" / "src" / path.name
+    return wt / (path.resolve().relative_to(ROOT) if path.is_absolute() else path)
+
+
+def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests: list[str] | None) -> int:
     done = set()
     if log.exists():
         done = {(r["file"], r["id"]) for r in map(json.loads, log.read_text().splitlines())}
-    wt = worktree()
+    wt = worktree(build=any(name.endswith(".c") for name in files))
     try:
         for name in files:
-            src = wt / "interposer" / "src" / Path(name).name
+            src = source(wt, name)
+            key = str(src.relative_to(wt / "interposer" / "src" if src.suffix == ".c" else wt))
             text = src.read_text()
-            every = mutants(text)
+            every = mutants_of(src, text)
             chosen = every if not sample else sorted(random.Random(seed).sample(every, min(sample, len(every))),
                                                      key=lambda m: m["id"])
             try:
                 for m in chosen:
-                    if (src.name, m["id"]) in done:
+                    if (key, m["id"]) in done:
                         continue
                     t0 = time.monotonic()
-                    result, detail = run_one(wt, src, text, m, timeout)
-                    rec = {"file": src.name, **{k: m[k] for k in ("id", "line", "op", "before", "after")},
+                    result, detail = run_one(wt, src, text, m, timeout, tests or tests_for(src, wt))
+                    rec = {"file": key, **{k: m[k] for k in ("id", "line", "op", "before", "after")},
                            "result": result, "secs": round(time.monotonic() - t0, 1), "detail": detail}
                     with log.open("a") as f:
                         f.write(json.dumps(rec) + "\n")
-                    print(f"{src.name}:{m['line']} #{m['id']} {m['op']}: {result} ({rec['secs']} s)", flush=True)
+                    print(f"{key}:{m['line']} #{m['id']} {m['op']}: {result} ({rec['secs']} s)", flush=True)
             finally:
                 src.write_text(text)
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], check=False, capture_output=True)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], check=False,
+                       capture_output=True)
         shutil.rmtree(wt, ignore_errors=True)
     records = [json.loads(ln) for ln in log.read_text().splitlines()]
     survivors = [r for r in records if r["result"] == "survived"]
@@ -202,20 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("list", help="print a source's mutants")
     ls.add_argument("file")
-    rn = sub.add_parser("run", help="run mutants of interposer/src files against the interposer tests")
-    rn.add_argument("files", nargs="+", help="names in interposer/src (memory.c) or paths")
+    rn = sub.add_parser("run", help="run mutants of sources against their tests")
+    rn.add_argument("files", nargs="+", help="names in interposer/src (memory.c), or paths (webhook/placement/fit.py)")
+    rn.add_argument("--tests", nargs="+", help="the tests to run (default: the interposer's for C, the package's)")
     rn.add_argument("--sample", type=int, default=0, help="this many mutants per file, chosen at random (0: all)")
     rn.add_argument("--seed", type=int, default=1)
     rn.add_argument("--log", type=Path, default=Path("mutants.jsonl"))
     rn.add_argument("--timeout", type=int, default=420, help="seconds before a mutant counts as a hang")
     args = ap.parse_args(argv)
     if args.cmd == "list":
-        every = mutants(Path(args.file).read_text())
+        every = mutants_of(Path(args.file), Path(args.file).read_text())
         for m in every:
             print(f"#{m['id']} L{m['line']} {m['op']}: {m['before']}  =>  {m['after']}")
         print(f"{len(every)} mutants", file=sys.stderr)
         return 0
-    return run(args.files, args.sample, args.seed, args.log, args.timeout)
+    return run(args.files, args.sample, args.seed, args.log, args.timeout, args.tests)
 
 
 if __name__ == "__main__":

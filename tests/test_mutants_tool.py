@@ -59,3 +59,37 @@ def test_every_source_of_the_library_has_mutants_and_list_prints_them() -> None:
                           str(ROOT / "interposer" / "src" / "budget.c")], capture_output=True, text=True, check=True)
     assert len(out.stdout.splitlines()) == counts["budget.c"]
     assert out.stderr.strip() == f"{counts['budget.c']} mutants"
+
+
+PY_SOURCE = '''"""A docstring: a < b and c == d."""
+import logging
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class C:
+    def f(self, a, b):
+        if not a or b >= -1:  # a comment: x - y
+            log.info("refused: %s < %s", a, b - 1)
+            self.release(a - b)
+            return True
+        total = sum(
+            x for x in a)
+        return "a == b" if a is not b else total
+'''
+
+
+def test_python_mutants_come_from_tokens_in_code_only() -> None:
+    got = [(m["line"], m["op"], m["after"]) for m in mutants.py_mutants(PY_SOURCE)]
+    assert got == [
+        (10, "not", "if a or b >= -1:  # a comment: x - y"),
+        (10, "or", "if not a and b >= -1:  # a comment: x - y"),
+        (10, "ge", "if not a or b > -1:  # a comment: x - y"),
+        (12, "sub", "self.release(a + b)"),
+        (12, "del", "(deleted)"),
+        (13, "true", "return False"),
+        (16, "not", 'return "a == b" if a is b else total'),
+    ]
+    for m in mutants.py_mutants(PY_SOURCE):
+        compile(mutants.apply(PY_SOURCE, m), "x.py", "exec")  # each one a program
