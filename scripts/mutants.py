@@ -12,7 +12,8 @@ in a throwaway git worktree of HEAD, so the checkout and its build are never tou
 
     python scripts/mutants.py list interposer/src/memory.c
     python scripts/mutants.py run --sample 10 --seed 7 --log /tmp/mutants.jsonl memory.c region.c
-    python scripts/mutants.py run --log /tmp/py.jsonl webhook/placement/fit.py
+    python scripts/mutants.py run --log /tmp/py.jsonl --tests tests/placement/test_fit.py -- webhook/placement/fit.py
+    python scripts/mutants.py run --log /tmp/py2.jsonl --recheck /tmp/py.jsonl webhook/placement/fit.py
 
 Comments, strings, preprocessor lines, docstrings and log calls are never mutated.  ``run`` appends one JSON
 line per mutant to the log (file, id, line, op, before, after, result, seconds, the first
@@ -242,10 +243,15 @@ def source(wt: Path, name: str) -> Path:
     return wt / (path.resolve().relative_to(ROOT) if path.is_absolute() else path)
 
 
-def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests: list[str] | None) -> int:
+def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests: list[str] | None,
+        recheck: Path | None = None) -> int:
     done = set()
     if log.exists():
         done = {(r["file"], r["id"]) for r in map(json.loads, log.read_text().splitlines())}
+    again = None  # --recheck: only the survivors of an earlier log (a quick selection first, then all)
+    if recheck:
+        again = {(r["file"], r["id"]) for r in map(json.loads, recheck.read_text().splitlines())
+                 if r["result"] == "survived"}
     wt = worktree(build=any(name.endswith(".c") for name in files))
     try:
         for name in files:
@@ -257,7 +263,7 @@ def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests
                                                      key=lambda m: m["id"])
             try:
                 for m in chosen:
-                    if (key, m["id"]) in done:
+                    if (key, m["id"]) in done or (again is not None and (key, m["id"]) not in again):
                         continue
                     t0 = time.monotonic()
                     result, detail = run_one(wt, src, text, m, timeout, tests or tests_for(src, wt))
@@ -291,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--sample", type=int, default=0, help="this many mutants per file, chosen at random (0: all)")
     rn.add_argument("--seed", type=int, default=1)
     rn.add_argument("--log", type=Path, default=Path("mutants.jsonl"))
+    rn.add_argument("--recheck", type=Path, help="run only the mutants that survived in this earlier log")
     rn.add_argument("--timeout", type=int, default=420, help="seconds before a mutant counts as a hang")
     args = ap.parse_args(argv)
     if args.cmd == "list":
@@ -299,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"#{m['id']} L{m['line']} {m['op']}: {m['before']}  =>  {m['after']}")
         print(f"{len(every)} mutants", file=sys.stderr)
         return 0
-    return run(args.files, args.sample, args.seed, args.log, args.timeout, args.tests)
+    return run(args.files, args.sample, args.seed, args.log, args.timeout, args.tests, args.recheck)
 
 
 if __name__ == "__main__":
