@@ -172,8 +172,10 @@ def _try(req: PodRequest, gpus: list[Gpu], usage: Mapping[str, Usage], split_cou
          memory_of: Mapping[str, int]) -> tuple[dict[str, tuple[str, ...]], str | None]:
     running = [c for c in req.containers if c.kind != "init"]
     if len(running) > 1:
-        running.sort(key=lambda c: (-c.count, -c.cores, -(c.mem_mib or 0),
-                                    -(c.mem_percent or 0)))
+        # the largest first; a percentage as the MiB it takes on this node's largest GPU (sorted
+        # as 0 MiB it went after every fixed size: a pod that fits was refused, mutation testing)
+        largest = max((g.memory_mib for g in gpus), default=0)
+        running.sort(key=lambda c: (-c.count, -c.cores, -c.memory_on(largest)))
     inits = [c for c in req.containers if c.kind == "init"]
     assignment: dict[str, tuple[str, ...]] = {}
     work = usage
