@@ -385,6 +385,11 @@ _POD = pending("big", {"nvidia.com/gpumem": "1024"}, 1)
      "['n1'].Pods[0] must name a pod by a non-empty UID"),
     ({"Pod": _POD, "NodeNameToMetaVictims": {"n1": {"Pods": [None]}}},
      "Pods[0] must name a pod"),
+    # an empty UID, or one that is not a string (passed when the check was 'and', mutation testing)
+    ({"Pod": _POD, "NodeNameToMetaVictims": {"n1": {"Pods": [{"UID": ""}]}}},
+     "['n1'].Pods[0] must name a pod by a non-empty UID"),
+    ({"Pod": _POD, "NodeNameToMetaVictims": {"n1": {"Pods": [{"UID": "uid-p4"}, {"UID": 7}]}}},
+     "['n1'].Pods[1] must name a pod by a non-empty UID"),
     ({"Pod": _POD, "NodeNameToMetaVictims": {"n1": {"Pods": [], "NumPDBViolations": -1}}},
      "NumPDBViolations must be a non-negative integer"),
     ({"Pod": _POD, "NodeNameToMetaVictims": {"n1": {"Pods": [], "NumPDBViolations": "1"}}},
