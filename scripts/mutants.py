@@ -158,7 +158,7 @@ def py_mutants(text: str) -> list[dict]:
             prev = tok if kind != tokenize.COMMENT else prev
             continue
         line = lines[row - 1]
-        is_op = (kind == tokenize.OP and string in PY_OPS) or (kind == tokenize.NAME and string in PY_OPS)
+        is_op = kind in (tokenize.OP, tokenize.NAME) and string in PY_OPS
         # a sign, not a subtraction: "-1", "(-x)"
         signed = string in ("+", "-") and (prev is None or prev.string in unary or prev.type in (
             tokenize.NEWLINE, tokenize.NL, tokenize.INDENT))
@@ -197,7 +197,7 @@ def worktree(build: bool) -> Path:
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(wt), "HEAD"], check=True)
     (wt / ".venv").symlink_to(ROOT / ".venv")
     if build:
-            subprocess.run(["make", "-C", str(wt / "interposer"), "-j2", "lib", "fakes", "tests"], check=True,
+        subprocess.run(["make", "-C", str(wt / "interposer"), "-j2", "lib", "fakes", "tests"], check=True,
                        capture_output=True)
     return wt
 
@@ -206,8 +206,8 @@ def tests_for(src: Path, wt: Path) -> list[str]:
     """The tests a mutant of ``src`` runs against: the interposer's, or its package's."""
     if src.suffix == ".c":
         return [f"tests/interposer/test_{t}.py" for t in TESTS]
-    package = src.relative_to(wt / "webhook").parts[0] if len(src.relative_to(wt / "webhook").parts) > 1 else ""
-    return [f"tests/{package}"] if package and (wt / "tests" / package).is_dir() else ["tests"]
+    parts = src.relative_to(wt / "webhook").parts  # ("placement", "fit.py")
+    return [f"tests/{parts[0]}"] if len(parts) > 1 and (wt / "tests" / parts[0]).is_dir() else ["tests"]
 
 
 def run_one(wt: Path, src: Path, text: str, mutant: dict, timeout: int, tests: list[str]) -> tuple[str, str]:
