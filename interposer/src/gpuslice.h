@@ -29,6 +29,11 @@
 #define GS_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define GS_VERSION "0.1.0"
 
+/* ---- clock (misc) --------------------------------------------------------- */
+
+uint64_t gs_now_ns(void);             /* CLOCK_MONOTONIC */
+void gs_sleep_ns(uint64_t ns);
+
 /* ---- log.c ---------------------------------------------------------------- */
 
 enum { GS_LOG_ERROR = 0, GS_LOG_WARN = 1, GS_LOG_INFO = 2, GS_LOG_DEBUG = 3 };
@@ -581,7 +586,6 @@ static inline int gs_lmem_watching(void)
     return __atomic_load_n(&gs_lmem_watch, __ATOMIC_RELAXED);
 }
 extern uint64_t gs_lmem_watch_at __attribute__((visibility("hidden"))); /* when last turned on */
-uint64_t gs_now_ns(void); /* CLOCK_MONOTONIC (declared again below) */
 static inline void gs_lmem_watch_set(int on)
 {
     if (on) __atomic_store_n(&gs_lmem_watch_at, gs_now_ns(), __ATOMIC_RELAXED);
@@ -653,10 +657,5 @@ extern uint64_t gs_slice_measured_ns[GPUSLICE_MAX_DEVICES];
 int gs_slices_enabled(void);           /* GPUSLICE_SM_TIMESLICE_CORRECTION is not off */
 void gs_slices_sample(void);           /* sampler thread: per-process utilisation -> gs_slice_milli */
 void gs_slices_after_fork_child(void);
-
-/* ---- misc ----------------------------------------------------------------- */
-
-uint64_t gs_now_ns(void);             /* CLOCK_MONOTONIC */
-void gs_sleep_ns(uint64_t ns);
 
 #endif /* GPUSLICE_INTERNAL_H */
