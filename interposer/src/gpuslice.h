@@ -263,6 +263,9 @@ void gs_sampler_start(void); /* the background thread (reconcile.c), if not runn
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot_held(int slot);          /* gs_reconcile_slot, the caller holding the context lock */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
+/* gs_reconcile_slot from an allocation about to reserve (memory.c): the one operation this
+ * thread has in flight has neither reserved nor called the driver yet */
+void gs_reconcile_slot_reserving(int slot);
 /* What the slot's devices' latest readings showed this process holding beyond its charge, left
  * uncharged as noise (under GS_SLACK, 2 MiB, each): 0 where NVML cannot say */
 uint64_t gs_reconcile_gap(int slot);
@@ -343,6 +346,7 @@ static inline void gs_unsettled_end(void)
  * holds beyond its records when a context goes).  The main paths only (cuMemAlloc, managed,
  * pitch, arrays, cuMemCreate, cuMemFree); the reconcile that adds growth does not wait for it. */
 extern int gs_inflight;
+extern __thread unsigned gs_t_inflight; /* the part of gs_inflight this thread began */
 /* Odd while a context's teardown (its destroy, a primary release or reset) is in progress
  * under the context lock, from before the driver's call until what the context held is
  * forgotten; moves on with each (context.c).  An allocation that was inside the driver while
@@ -366,11 +370,13 @@ int gs_dptr_gone(uint64_t dptr);
 int gs_ctx_gone_since_locked(CUcontext ctx, unsigned seq0);
 static inline void gs_inflight_begin(void)
 {
+    gs_t_inflight++;
     __atomic_add_fetch(&gs_inflight, 1, __ATOMIC_SEQ_CST);
 }
 static inline void gs_inflight_end(void)
 {
     __atomic_sub_fetch(&gs_inflight, 1, __ATOMIC_SEQ_CST);
+    gs_t_inflight--;
 }
 void gs_region_reclaim_soon(void);                /* rate-limited dead-process reclaim (liveness.c) */
 void gs_region_sweep(void);                       /* the sampler's: one per container every 2 s */
@@ -567,6 +573,7 @@ void gs_limits_forget_ctx(CUcontext ctx);   /* module.c: the limits set in it ar
 /* Lower the charges of limits set above their current value on `slot` by up to `bytes`
  * (returned to the budget); returns the bytes taken. */
 uint64_t gs_limits_take_slack(int slot, uint64_t bytes);
+int gs_limits_slack(int slot); /* 1 if a limit on `slot` is charged above its current value */
 void gs_limits_after_fork_child(void);
 /* A launch needs `need` bytes of stack per thread in the current context: grown first through
  * the cuCtxSetLimit hook (reserved, refused past the cap) if the context's stack is smaller;

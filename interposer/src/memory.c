@@ -32,7 +32,7 @@
  * charge of 0 (an array without backing) takes no page and nothing of the gap. */
 __attribute__((noinline)) int gs_reserve_near(int slot, uint64_t charge, uint64_t *held)
 {
-    gs_reconcile_slot(slot);
+    gs_reconcile_slot_reserving(slot);
     uint64_t want = !charge ? 0 : gs_add_sat(charge < GS_PAGE ? GS_PAGE : charge, gs_reconcile_gap(slot));
     if (gs_reserve_raw(slot, want) != 0) return -1;
     *held = want;

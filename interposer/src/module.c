@@ -491,6 +491,17 @@ void gs_limits_forget_ctx(CUcontext ctx)
     pthread_mutex_unlock(&g_lim_mu);
 }
 
+int gs_limits_slack(int slot)
+{
+    int any = 0;
+    pthread_mutex_lock(&g_lim_mu);
+    for (int i = 0; i < g_nlim && !any; i++)
+        for (int l = 0; l < GS_LIMITS && !any; l++)
+            any = g_lim[i].ctx && g_lim[i].slot == slot && g_lim[i].charged[l] > g_lim[i].current[l];
+    pthread_mutex_unlock(&g_lim_mu);
+    return any;
+}
+
 uint64_t gs_limits_take_slack(int slot, uint64_t bytes)
 {
     uint64_t taken = 0;

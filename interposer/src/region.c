@@ -43,6 +43,7 @@ static uint64_t g_charge_seq;
 uint64_t gs_own_cap[GPUSLICE_MAX_DEVICES];
 int gs_unsettled;
 int gs_inflight;
+__thread unsigned gs_t_inflight;
 
 uint64_t gs_charge_seq(void)
 {

@@ -668,3 +668,34 @@ def test_an_adopted_context_does_not_take_another_namespaces_pid_for_ours(lab):
     assert res.values("phys") == [900 * MIB]
     assert res.rc("alloc") == 0, res.stdout
     assert GIB - res.values("meminfo")[0] <= GIB
+
+
+# ---- session 43: a lowered limit's slack while its context lives ----------------------------
+
+def test_limits_lowered_on_a_driver_that_frees_the_difference_give_the_room_back(lab):
+    # two limits raised, then both lowered on a driver that frees the difference: the process
+    # held 116 MiB but was charged for the highest values, 600 MiB, until the context ended, and
+    # a 500 MiB allocation under a 1 GiB cap was refused.  A clean reading that shows the
+    # records charge more than the process holds now takes that slack
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "300m", "setlimit", "1", "200m",
+                  "setlimit", "2", "8m", "setlimit", "1", "8m", "alloc", "500m", "meminfo", "phys",
+                  "setlimit", "2", "500m", "setlimit", "2", "300m", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_LIMIT_SHRINK="1")
+    # a raise after the slack went reserves again: past the cap it is refused, below it passes
+    assert [rc for rc, _ in res.of("setlimit")] == [0, 0, 0, 0, OOM, 0]
+    assert res.rc("alloc") == 0
+    phys = [vals[0] for _rc, vals in res.of("phys")]
+    assert phys == [616 * MIB, 908 * MIB]
+    used = [vals[1] - vals[0] for _rc, vals in res.of("meminfo")]
+    assert used == phys
+
+
+def test_a_lowered_limit_whose_memory_the_driver_keeps_stays_charged(lab):
+    # the same sequence on a driver that keeps the memory: nothing is given back, the
+    # allocation is refused and the process stays under its cap
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "300m", "setlimit", "1", "200m",
+                  "setlimit", "2", "8m", "setlimit", "1", "8m", "alloc", "500m", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("alloc") == OOM
+    assert view_used(res) == res.of("phys")[0][1][0] == 600 * MIB
