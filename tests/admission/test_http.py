@@ -336,3 +336,10 @@ def test_kubectl_debug_of_a_pod_without_gpus_is_left_alone_unless_hiding(
                                     json.loads(base64.b64decode(response["patch"])))
     assert patched["spec"]["ephemeralContainers"][0]["env"] == [
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]
+    # the namespace is the review's (the object's metadata may lack it): kube-system's pods
+    # are never changed, hiding or not (mutation testing: the object's own namespace alone was
+    # read, and this debugger was patched)
+    system = make_review(_debugged(pod, _CUDA_DEBUG), operation="UPDATE", namespace="kube-system",
+                         subResource="ephemeralcontainers", oldObject=pod)
+    status, answer = hiding.post_review(system)
+    assert status == 200 and answer["response"]["allowed"] and "patch" not in answer["response"]

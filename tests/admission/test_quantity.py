@@ -19,6 +19,8 @@ from webhook.admission.quantity import QuantityError, parse_quantity
     ("1e3", 1000), ("1E3", 1000), ("12e-1", Fraction(6, 5)), ("2e+0", 2),
     ("0.5", Fraction(1, 2)), (".5", Fraction(1, 2)), ("1.", 1), ("1.25Ki", 1280),
     (" 42 ", 42), (8000, 8000), (1.0, 1), (0.25, Fraction(1, 4)),
+    # the limits, reached and not passed: 64 characters, an exponent of 64 either way
+    ("1" * 64, int("1" * 64)), ("1e64", 10**64), ("1e-64", Fraction(1, 10**64)),
 ])
 def test_quantity_parses_to_its_exact_value(text: object, value: Fraction | int) -> None:
     assert parse_quantity(text) == value
@@ -26,7 +28,7 @@ def test_quantity_parses_to_its_exact_value(text: object, value: Fraction | int)
 
 @pytest.mark.parametrize("text", [
     "", " ", "lots", "1 k", "1kb", "1KI", "Mi", ".", "+", "1.2.3", "--1", "1e", "e3", "1e3Mi",
-    "0x10", "1_000", "１２", "1" * 65, "1e999", True, None, [], {}, float("nan"), float("inf"),
+    "0x10", "1_000", "１２", "1" * 65, "1e999", "1e65", "1e-65", True, None, [], {}, float("nan"), float("inf"),
 ])
 def test_non_quantity_is_refused_with_a_message(text: object) -> None:
     with pytest.raises(QuantityError) as info:

@@ -40,8 +40,9 @@ def warned(pod: dict[str, Any]) -> list[str]:
     ("2", "30", [{"name": "PET_NNODES", "value": "2:2"}]),
     # LeaderWorkerSet's webhook: the pods of the group (leader and workers)
     ("1", "30", [{"name": "LWS_GROUP_SIZE", "value": "2"}]),
+    ("1", "30", [{"name": "WORLD_SIZE", "value": "9" * 9}]),  # the longest count read
 ], ids=["two-pods", "more-ranks-than-gpus", "kubeflow-nodes", "elastic-up-to-4-nodes",
-        "elastic-2-nodes", "lws-group-of-2"])
+        "elastic-2-nodes", "lws-group-of-2", "nine-digits"])
 def test_a_rank_of_a_job_over_pods_is_warned(gpus, cores, env):
     (warning,) = warned(rank_pod(gpus, cores, env))
     assert f"gpucores {cores}" in warning and "one pod with all its GPUs" in warning
@@ -61,10 +62,11 @@ def test_a_rank_of_a_job_over_pods_is_warned(gpus, cores, env):
     ("1", "30", [{"name": "WORLD_SIZE", "value": "$(N)"}]),    # not a number we can read
     ("1", "30", [{"name": "WORLD_SIZE", "value": "\u00b2"}]),  # a digit to isdigit(), not to int()
     ("1", "30", [{"name": "WORLD_SIZE", "value": "7" * 5000}]),  # past int()'s 4,300 digits
+    ("1", "30", [{"name": "WORLD_SIZE", "value": "1" + "0" * 9}]),  # ten digits: not read
     ("1", "30", []),
 ], ids=["ranks-in-one-pod", "cores-50", "cores-100", "one-node", "elastic-one-node",
         "three-parts", "world-size-range", "lws-group-of-1", "lws-range", "value-from", "not-a-number",
-        "superscript-digit", "thousands-of-digits", "no-env"])
+        "superscript-digit", "thousands-of-digits", "ten-digits", "no-env"])
 def test_no_warning_where_the_ranks_can_wait_together_or_need_not(gpus, cores, env):
     assert warned(rank_pod(gpus, cores, env)) == []
 
