@@ -347,6 +347,10 @@ static inline void gs_unsettled_end(void)
  * pitch, arrays, cuMemCreate, cuMemFree); the reconcile that adds growth does not wait for it. */
 extern int gs_inflight;
 extern __thread unsigned gs_t_inflight; /* the part of gs_inflight this thread began */
+/* The process has allocated managed memory (cuMemAllocManaged, a managed pool): charged in full
+ * but resident only as touched, so NVML may show less than the records charge; atomic, set for
+ * good */
+extern int gs_managed_seen;
 /* Odd while a context's teardown (its destroy, a primary release or reset) is in progress
  * under the context lock, from before the driver's call until what the context held is
  * forgotten; moves on with each (context.c).  An allocation that was inside the driver while

@@ -163,6 +163,7 @@ GS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     if (!gs_cuda.cuMemAllocManaged) return CUDA_ERROR_NOT_SUPPORTED;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
     /* Managed memory may live on the device: charge it there, as HAMi does. */
+    if (bytesize) __atomic_store_n(&gs_managed_seen, 1, __ATOMIC_RELAXED);
     GS_CHARGED_ALLOC(GS_KIND_DPTR, dptr, !bytesize, bytesize, gs_cuda.cuMemAllocManaged(dptr, bytesize, flags), 0);
 }
 

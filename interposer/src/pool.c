@@ -184,6 +184,7 @@ static int remember_where(uint64_t pool, const CUmemLocation *loc, int managed)
         w->location = *loc;
         w->managed = managed;
     }
+    if (managed) __atomic_store_n(&gs_managed_seen, 1, __ATOMIC_RELAXED);
     mu_unlock();
     return w != NULL;
 }

@@ -457,13 +457,15 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
         }
         /* this thread's allocation about to reserve stands for nothing NVML could show yet */
         int others = inflight - (t_reserving && gs_t_inflight == 1 ? 2 : 0);
-        if (!rebase && !others && held + GS_SLACK < mine && !gs_capture_global() && gs_limits_slack(slot)) {
+        if (!rebase && !others && held + GS_SLACK < mine && !gs_capture_global() &&
+            !__atomic_load_n(&gs_managed_seen, __ATOMIC_RELAXED) && gs_limits_slack(slot)) {
             /* the records charge more than the process holds, and a limit is charged above its
              * value: lowered on a driver that freed the difference, it stood charged for its
              * highest until the context went (600 MiB for 116 held: test_reconcile.py -k
              * give_the_room_back).  The pools' charges for memory given back at a
              * synchronisation settle first and the device is read again: only what is still
-             * over comes off the limits (a raise reserves again) */
+             * over comes off the limits (a raise reserves again).  Not once the process has
+             * managed memory: its pages not yet touched would be taken for the limits' */
             if (!settle && attempt + 1 < GS_ATTEMPTS) {
                 settle = 1;
                 continue;

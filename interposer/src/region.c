@@ -44,6 +44,7 @@ uint64_t gs_own_cap[GPUSLICE_MAX_DEVICES];
 int gs_unsettled;
 int gs_inflight;
 __thread unsigned gs_t_inflight;
+int gs_managed_seen;
 
 uint64_t gs_charge_seq(void)
 {

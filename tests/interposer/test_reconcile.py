@@ -699,3 +699,14 @@ def test_a_lowered_limit_whose_memory_the_driver_keeps_stays_charged(lab):
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
     assert res.rc("alloc") == OOM
     assert view_used(res) == res.of("phys")[0][1][0] == 600 * MIB
+
+
+def test_a_process_with_managed_memory_keeps_a_lowered_limits_charge(lab):
+    # managed memory is charged in full but resident only as touched: a reading below the
+    # records says nothing about the limits then, and their highest charge stands
+    res = lab.run("init", "ctx", "0", "managed", "10m", "setlimit", "2", "300m",
+                  "setlimit", "2", "8m", "alloc", "700m", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_LIMIT_SHRINK="1")
+    assert res.rc("alloc") == OOM
+    assert view_used(res) == 410 * MIB and res.of("phys")[0][1][0] == 118 * MIB
