@@ -14,13 +14,15 @@ in a throwaway git worktree of HEAD, so the checkout and its build are never tou
     python scripts/mutants.py run --sample 10 --seed 7 --log /tmp/mutants.jsonl memory.c region.c
     python scripts/mutants.py run --log /tmp/py.jsonl --tests tests/placement/test_fit.py -- webhook/placement/fit.py
     python scripts/mutants.py run --log /tmp/py2.jsonl --recheck /tmp/py.jsonl webhook/placement/fit.py
+    python scripts/mutants.py run --since HEAD~3 --log /tmp/review.jsonl --tests tests/interposer/test_reconcile.py -- reconcile.c
 
 Comments, strings, preprocessor lines, docstrings and log calls are never mutated.  ``run`` appends one JSON
 line per mutant to the log (file, id, line, op, before, after, result, seconds, the first
 failing test) and skips mutants the log already has, so an interrupted run goes on where it
 stopped.  A mutant that takes longer than ``--timeout`` is counted as killed (a hang).
 It is slow by nature (every survivor runs the whole selection: about 4 minutes on 2 cores), so
-it is not part of the test suite; ``tests/interposer/test_mutants_tool.py`` tests the generator.
+it is not part of the test suite; ``tests/test_mutants_tool.py`` tests the generator.  ``--since REV``
+keeps only the mutants of lines HEAD changed since REV: a change's own lines, for its review.
 """
 
 from __future__ import annotations
@@ -243,8 +245,19 @@ def source(wt: Path, name: str) -> Path:
     return wt / (path.resolve().relative_to(ROOT) if path.is_absolute() else path)
 
 
+def changed_lines(rev: str, rel: str, root: Path = ROOT) -> set[int]:
+    """The lines of ``rel`` (as HEAD has it) that HEAD changed or added since ``rev``."""
+    diff = subprocess.run(["git", "-C", str(root), "diff", "-U0", rev, "HEAD", "--", rel],
+                          capture_output=True, text=True, check=True).stdout
+    lines: set[int] = set()
+    for hunk in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", diff, re.MULTILINE):
+        start, count = int(hunk[1]), int(hunk[2] or "1")
+        lines.update(range(start, start + count))
+    return lines
+
+
 def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests: list[str] | None,
-        recheck: Path | None = None) -> int:
+        recheck: Path | None = None, since: str | None = None) -> int:
     done = set()
     if log.exists():
         done = {(r["file"], r["id"]) for r in map(json.loads, log.read_text().splitlines())}
@@ -259,6 +272,9 @@ def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests
             key = str(src.relative_to(wt / "interposer" / "src" if src.suffix == ".c" else wt))
             text = src.read_text()
             every = mutants_of(src, text)
+            if since:  # --since: only what a change wrote
+                touched = changed_lines(since, str(src.relative_to(wt)))
+                every = [m for m in every if m["line"] in touched]
             chosen = every if not sample else sorted(random.Random(seed).sample(every, min(sample, len(every))),
                                                      key=lambda m: m["id"])
             try:
@@ -290,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("list", help="print a source's mutants")
-    ls.add_argument("file")
+    ls.add_argument("file", help="a name in interposer/src (memory.c), or a path")
     rn = sub.add_parser("run", help="run mutants of sources against their tests")
     rn.add_argument("files", nargs="+", help="names in interposer/src (memory.c), or paths (webhook/placement/fit.py)")
     rn.add_argument("--tests", nargs="+", help="the tests to run (default: the interposer's for C, the package's)")
@@ -299,14 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--log", type=Path, default=Path("mutants.jsonl"))
     rn.add_argument("--recheck", type=Path, help="run only the mutants that survived in this earlier log")
     rn.add_argument("--timeout", type=int, default=420, help="seconds before a mutant counts as a hang")
+    rn.add_argument("--since", metavar="REV", help="only mutants of lines HEAD changed since REV (a change's review)")
     args = ap.parse_args(argv)
     if args.cmd == "list":
-        every = mutants_of(Path(args.file), Path(args.file).read_text())
+        path = source(ROOT, args.file)
+        every = mutants_of(path, path.read_text())
         for m in every:
             print(f"#{m['id']} L{m['line']} {m['op']}: {m['before']}  =>  {m['after']}")
         print(f"{len(every)} mutants", file=sys.stderr)
         return 0
-    return run(args.files, args.sample, args.seed, args.log, args.timeout, args.tests, args.recheck)
+    return run(args.files, args.sample, args.seed, args.log, args.timeout, args.tests, args.recheck, args.since)
 
 
 if __name__ == "__main__":

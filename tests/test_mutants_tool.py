@@ -59,6 +59,10 @@ def test_every_source_of_the_library_has_mutants_and_list_prints_them() -> None:
                           str(ROOT / "interposer" / "src" / "budget.c")], capture_output=True, text=True, check=True)
     assert len(out.stdout.splitlines()) == counts["budget.c"]
     assert out.stderr.strip() == f"{counts['budget.c']} mutants"
+    # a bare name of interposer/src, as `run` takes it
+    named = subprocess.run([sys.executable, str(ROOT / "scripts" / "mutants.py"), "list", "budget.c"],
+                           capture_output=True, text=True, check=True, cwd=ROOT / "tests")
+    assert named.stdout == out.stdout
 
 
 PY_SOURCE = '''"""A docstring: a < b and c == d."""
@@ -93,3 +97,23 @@ def test_python_mutants_come_from_tokens_in_code_only() -> None:
     ]
     for m in mutants.py_mutants(PY_SOURCE):
         compile(mutants.apply(PY_SOURCE, m), "x.py", "exec")  # each one a program
+
+
+def test_since_picks_the_lines_a_change_wrote(tmp_path: Path) -> None:
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    src = tmp_path / "a.c"
+    src.write_text("".join(f"int v{i} = {i};\n" for i in range(1, 9)))
+    git("add", "a.c")
+    git("commit", "-qm", "one")
+    lines = src.read_text().splitlines()
+    lines[1] = "int v2 = 20;"                         # changed: line 2
+    del lines[3]                                     # removed: nothing of HEAD's to mutate
+    lines[4:6] = ["int v6 = 6 + 1;", "int v7 = 7 * 2;", "int w = 0;"]  # changed and added: 5-7
+    src.write_text("\n".join(lines) + "\n")
+    git("commit", "-qam", "two")
+    assert mutants.changed_lines("HEAD~1", "a.c", tmp_path) == {2, 5, 6, 7}
