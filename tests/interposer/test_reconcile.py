@@ -710,3 +710,16 @@ def test_a_process_with_managed_memory_keeps_a_lowered_limits_charge(lab):
                   FAKE_CUDA_LIMIT_SHRINK="1")
     assert res.rc("alloc") == OOM
     assert view_used(res) == 410 * MIB and res.of("phys")[0][1][0] == 118 * MIB
+
+
+def test_pool_memory_given_back_at_a_sync_is_not_taken_for_a_lowered_limits(lab):
+    # the driver keeps the lowered heap's memory; the pool gives its 224 MiB back at the
+    # synchronisation, unseen by any hook.  Read before the pools settled, that difference was
+    # taken off the heap's charge as well as the pool's: the next allocation took the process
+    # to 1100 MiB under a 1 GiB cap
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "300m", "setlimit", "2", "8m",
+                  "async", "200m", "free", "0", "sync", "alloc", "600m", "alloc", "100m",
+                  "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
+                  FAKE_CUDA_POOL_RELEASE="1")
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+    assert view_used(res) == res.of("phys")[0][1][0] == 1000 * MIB
