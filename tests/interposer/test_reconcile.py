@@ -723,3 +723,16 @@ def test_pool_memory_given_back_at_a_sync_is_not_taken_for_a_lowered_limits(lab)
                   FAKE_CUDA_POOL_RELEASE="1")
     assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
     assert view_used(res) == res.of("phys")[0][1][0] == 1000 * MIB
+
+
+def test_a_reading_just_above_the_records_takes_nothing_off_a_lowered_limit(lab):
+    # the process holds 1 MiB more than charged (code loaded: under the 2 MiB noise bound, left
+    # uncharged) and the driver kept the lowered heap's memory.  Nothing is over, so the heap
+    # keeps its highest charge, and raising it back needs no new room: 400 MiB charged for 401
+    # held (taking "what is over" from such a reading would have wrapped round, taken all the
+    # heap's slack, and the raise then charged it again: 693 MiB for 401)
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "300m", "setlimit", "2", "8m", "module", "1m",
+                  "alloc", "700m", "setlimit", "2", "300m", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert res.rc("alloc") == OOM and [rc for rc, _ in res.of("setlimit")] == [0, 0, 0]
+    assert view_used(res) == 400 * MIB and res.of("phys")[0][1][0] == 401 * MIB
