@@ -495,9 +495,9 @@ int gs_limits_slack(int slot)
 {
     int any = 0;
     pthread_mutex_lock(&g_lim_mu);
-    for (int i = 0; i < g_nlim && !any; i++)
-        for (int l = 0; l < GS_LIMITS && !any; l++)
-            any = g_lim[i].ctx && g_lim[i].slot == slot && g_lim[i].charged[l] > g_lim[i].current[l];
+    for (int i = 0; i < g_nlim; i++)
+        for (int l = 0; l < GS_LIMITS; l++)
+            if (g_lim[i].ctx && g_lim[i].slot == slot && g_lim[i].charged[l] > g_lim[i].current[l]) any = 1;
     pthread_mutex_unlock(&g_lim_mu);
     return any;
 }

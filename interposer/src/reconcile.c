@@ -464,13 +464,16 @@ static uint64_t reconcile_locked(CUdevice dev, int rebase)
              * highest until the context went (600 MiB for 116 held: test_reconcile.py -k
              * give_the_room_back).  The pools' charges for memory given back at a
              * synchronisation settle first and the device is read again: only what is still
-             * over comes off the limits (a raise reserves again).  Not once the process has
-             * managed memory: its pages not yet touched would be taken for the limits' */
+             * over comes off the limits (a raise reserves again), never while a free's charge
+             * waits for a synchronisation (-k charge_waits_for_a_sync).  The difference is net
+             * of growth no reading has charged yet, so slack beyond it stays charged (the
+             * strict side; the next reading sorts it out).  Not once the process has managed
+             * memory: its pages not yet touched would be taken for the limits' */
             if (!settle && attempt + 1 < GS_ATTEMPTS) {
                 settle = 1;
                 continue;
             }
-            if (settle && !gs_pools_held_for_frees(slot)) mine -= gs_limits_take_slack(slot, mine - held);
+            if (settle && !gs_pools_held_for_frees(slot)) gs_limits_take_slack(slot, mine - held); /* then below: 0 */
         }
         __atomic_store_n(&g_gap[dev], held > mine && held <= mine + GS_SLACK ? held - mine : 0, __ATOMIC_RELAXED);
         if (held <= mine + GS_SLACK) return 0;

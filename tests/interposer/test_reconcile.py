@@ -736,3 +736,16 @@ def test_a_reading_just_above_the_records_takes_nothing_off_a_lowered_limit(lab)
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
     assert res.rc("alloc") == OOM and [rc for rc, _ in res.of("setlimit")] == [0, 0, 0]
     assert view_used(res) == 400 * MIB and res.of("phys")[0][1][0] == 401 * MIB
+
+
+def test_a_free_whose_charge_waits_for_a_sync_is_not_taken_for_a_lowered_limits(lab):
+    # a cuMemAlloc pointer freed on a stream keeps its charge until that stream's
+    # synchronisation; this fake driver frees it at the call, and keeps the lowered heap's
+    # memory.  The reading that sees 256 MiB less than the records must not take them off the
+    # heap: it did, the sync then returned the free's charge too, and the process held 900 MiB
+    # with 644 charged
+    res = lab.run("init", "ctx", "0", "setlimit", "2", "300m", "setlimit", "2", "8m", "alloc", "256m",
+                  "sfree", "0", "1", "alloc", "500m", "ssync", "1", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m")
+    assert [rc for rc, _ in res.of("alloc")] == [0, OOM]
+    assert view_used(res) == res.of("phys")[0][1][0] == 400 * MIB
