@@ -263,8 +263,9 @@ void gs_sampler_start(void); /* the background thread (reconcile.c), if not runn
 uint64_t gs_reconcile_dev_locked(CUdevice dev); /* caller holds gs_ctx_lock; returns bytes charged */
 void gs_reconcile_slot_held(int slot);          /* gs_reconcile_slot, the caller holding the context lock */
 void gs_reconcile_slot(int slot);               /* synchronous, every ordinal of that slot */
-/* gs_reconcile_slot from an allocation about to reserve (memory.c): the one operation this
- * thread has in flight has neither reserved nor called the driver yet */
+/* gs_reconcile_slot from an allocation about to reserve (memory.c's gs_reserve_near,
+ * gs_reserve, pool.c's unknown pool): the one operation this thread may have in flight has
+ * neither reserved nor called the driver yet */
 void gs_reconcile_slot_reserving(int slot);
 /* What the slot's devices' latest readings showed this process holding beyond its charge, left
  * uncharged as noise (under GS_SLACK, 2 MiB, each): 0 where NVML cannot say */
@@ -483,8 +484,9 @@ static inline int gs_reserve_raw(int slot, uint64_t bytes)
 
 static inline int gs_reserve(int slot, uint64_t bytes)
 {
-    /* the last allocations before the cap see what the process really holds */
-    if (GS_UNLIKELY(gs_near_cap(slot, bytes))) gs_reconcile_slot(slot);
+    /* the last allocations before the cap see what the process really holds (callers: nothing
+     * of theirs reserved or called yet, gs_reconcile_slot_reserving) */
+    if (GS_UNLIKELY(gs_near_cap(slot, bytes))) gs_reconcile_slot_reserving(slot);
     return gs_reserve_raw(slot, bytes);
 }
 

@@ -749,7 +749,7 @@ static CUresult alloc_unknown_pool(alloc_call call, const void *real, cuMemFreeA
     uint64_t want = gs_charge_size(bytesize), held = want;
     gs_inflight_begin(); /* before the charge changes: no clean reading between */
     if (GS_UNLIKELY(gs_near_cap(slot, want))) { /* on top of what the process holds uncharged, as pool_alloc */
-        gs_reconcile_slot(slot);
+        gs_reconcile_slot_reserving(slot);
         held = gs_add_sat(want, gs_reconcile_gap(slot));
     }
     if (gs_reserve_raw(slot, held) != 0) {

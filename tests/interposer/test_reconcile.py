@@ -672,19 +672,25 @@ def test_an_adopted_context_does_not_take_another_namespaces_pid_for_ours(lab):
 
 # ---- session 43: a lowered limit's slack while its context lives ----------------------------
 
-def test_limits_lowered_on_a_driver_that_frees_the_difference_give_the_room_back(lab):
+@pytest.mark.parametrize("alloc, env", [
+    (["alloc", "500m"], {}), (["vmm", "500m", "0"], {}), (["async", "500m"], {}),
+    (["async", "500m"], {"FAKE_CUDA_FAIL": "cuDeviceGetMemPool:0:999"})],
+    ids=["cuMemAlloc", "cuMemCreate", "cuMemAllocAsync", "unknown-pool"])
+def test_limits_lowered_on_a_driver_that_frees_the_difference_give_the_room_back(lab, alloc, env):
     # two limits raised, then both lowered on a driver that frees the difference: the process
     # held 116 MiB but was charged for the highest values, 600 MiB, until the context ended, and
     # a 500 MiB allocation under a 1 GiB cap was refused.  A clean reading that shows the
-    # records charge more than the process holds now takes that slack
+    # records charge more than the process holds now takes that slack: the reading each
+    # allocation makes near the cap, before it reserves (a pool that cannot be asked for is
+    # charged as a plain allocation, through a path of its own)
     res = lab.run("init", "ctx", "0", "setlimit", "2", "300m", "setlimit", "1", "200m",
-                  "setlimit", "2", "8m", "setlimit", "1", "8m", "alloc", "500m", "meminfo", "phys",
+                  "setlimit", "2", "8m", "setlimit", "1", "8m", *alloc, "meminfo", "phys",
                   "setlimit", "2", "500m", "setlimit", "2", "300m", "meminfo", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_CTX_BYTES="100m",
-                  FAKE_CUDA_LIMIT_SHRINK="1")
+                  FAKE_CUDA_LIMIT_SHRINK="1", FAKE_CUDA_POOL_CHUNK="4m", **env)
     # a raise after the slack went reserves again: past the cap it is refused, below it passes
     assert [rc for rc, _ in res.of("setlimit")] == [0, 0, 0, 0, OOM, 0]
-    assert res.rc("alloc") == 0
+    assert res.rc(alloc[0]) == 0
     phys = [vals[0] for _rc, vals in res.of("phys")]
     assert phys == [616 * MIB, 908 * MIB]
     used = [vals[1] - vals[0] for _rc, vals in res.of("meminfo")]
