@@ -20,6 +20,9 @@ Comments, strings, preprocessor lines, docstrings and log calls are never mutate
 line per mutant to the log (file, id, line, op, before, after, result, seconds, the first
 failing test) and skips mutants the log already has, so an interrupted run goes on where it
 stopped.  A mutant that takes longer than ``--timeout`` is counted as killed (a hang).
+Before its first mutant, each test selection runs once on the unchanged code and must pass
+(a misspelt test path or a failing test would otherwise kill every mutant); a run whose
+pytest reports its own error, a bad command line or no tests is logged as ``error``.
 It is slow by nature (every survivor runs the whole selection: about 4 minutes on 2 cores), so
 it is not part of the test suite; ``tests/test_mutants_tool.py`` tests the generator.  ``--since REV``
 keeps only the mutants of lines HEAD changed since REV: a change's own lines, for its review.
@@ -225,16 +228,43 @@ def run_one(wt: Path, src: Path, text: str, mutant: dict, timeout: int, tests: l
                                text=True)
         if build.returncode != 0:
             return "invalid", build.stderr[-300:]
-    select = ["-k", "not asan and not tsan"] if src.suffix == ".c" else []
-    proc = subprocess.run(["timeout", "-k", "5", str(timeout), str(wt / ".venv/bin/python"), "-m", "pytest", "-x",
+    return verdict(pytest_in(wt, tests, selection(src), timeout))
+
+
+def selection(src: Path) -> list[str]:
+    """The ``-k`` a source's tests run with: the release variant only, for C."""
+    return ["-k", "not asan and not tsan"] if src.suffix == ".c" else []
+
+
+def pytest_in(wt: Path, tests: list[str], select: list[str], timeout: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["timeout", "-k", "5", str(timeout), str(wt / ".venv/bin/python"), "-m", "pytest", "-x",
                            "-q", "-p", "no:cacheprovider", *select, *tests],
                           check=False, cwd=wt, capture_output=True, text=True)
+
+
+def verdict(proc: subprocess.CompletedProcess[str]) -> tuple[str, str]:
+    """What a run of the tests says about a mutant: pytest's exit status, read.
+
+    1 (a test failed) and 2 (collection stopped: the mutant broke an import) kill it; 3, 4 and 5
+    (pytest's own error, a bad command line, no tests) say nothing about it and count as an error.
+    """
     failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
-    last = proc.stdout.strip().splitlines()[-1:] or [""]
+    last = proc.stdout.strip().splitlines()[-1:] or proc.stderr.strip().splitlines()[-1:] or [""]
     detail = (failed or last)[0][:200]
     if proc.returncode == 0:
         return "survived", detail
-    return ("timeout" if proc.returncode in (124, 137) else "killed"), detail
+    if proc.returncode in (124, 137):
+        return "timeout", detail
+    return ("killed" if proc.returncode in (1, 2) else "error"), detail
+
+
+def baseline(wt: Path, tests: list[str], select: list[str], timeout: int) -> None:
+    """The selection must pass on the unchanged code, or every mutant would look killed."""
+    proc = pytest_in(wt, tests, select, timeout)
+    if proc.returncode != 0:
+        result, detail = verdict(proc)
+        raise SystemExit(f"the tests fail before any mutant ({result}, exit {proc.returncode}): {detail}\n"
+                         f"  tests: {' '.join(tests)}")
 
 
 def source(wt: Path, name: str) -> Path:
@@ -266,6 +296,7 @@ def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests
         again = {(r["file"], r["id"]) for r in map(json.loads, recheck.read_text().splitlines())
                  if r["result"] == "survived"}
     wt = worktree(build=any(name.endswith(".c") for name in files))
+    passed: set[tuple[tuple[str, ...], str]] = set()  # selections seen passing on the unchanged code
     try:
         for name in files:
             src = source(wt, name)
@@ -281,8 +312,12 @@ def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests
                 for m in chosen:
                     if (key, m["id"]) in done or (again is not None and (key, m["id"]) not in again):
                         continue
+                    chosen_tests = tests or tests_for(src, wt)
+                    if (key_tests := (tuple(chosen_tests), src.suffix)) not in passed:
+                        baseline(wt, chosen_tests, selection(src), timeout)
+                        passed.add(key_tests)
                     t0 = time.monotonic()
-                    result, detail = run_one(wt, src, text, m, timeout, tests or tests_for(src, wt))
+                    result, detail = run_one(wt, src, text, m, timeout, chosen_tests)
                     rec = {"file": key, **{k: m[k] for k in ("id", "line", "op", "before", "after")},
                            "result": result, "secs": round(time.monotonic() - t0, 1), "detail": detail}
                     with log.open("a") as f:

@@ -117,3 +117,29 @@ def test_since_picks_the_lines_a_change_wrote(tmp_path: Path) -> None:
     src.write_text("\n".join(lines) + "\n")
     git("commit", "-qam", "two")
     assert mutants.changed_lines("HEAD~1", "a.c", tmp_path) == {2, 5, 6, 7}
+
+
+def test_a_selection_must_pass_unchanged_and_pytest_errors_kill_no_mutant(tmp_path: Path) -> None:
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    (tmp_path / "test_bad.py").write_text("def test_bad():\n    assert 1 + 1 == 3\n")
+    (tmp_path / "test_imports.py").write_text("import no_such_module_here\n\ndef test_x():\n    pass\n")
+
+    def run(*tests: str, select: tuple[str, ...] = ()) -> tuple[str, str]:
+        return mutants.verdict(mutants.pytest_in(tmp_path, list(tests), list(select), 60))
+
+    assert run("test_ok.py")[0] == "survived"
+    result, detail = run("test_bad.py")
+    assert result == "killed" and "test_bad" in detail
+    assert run("test_imports.py")[0] == "killed"          # a mutant that breaks an import
+    assert run("test_missing.py")[0] == "error"           # a misspelt path: pytest exits 4
+    assert run("test_ok.py", select=("-k", "nothing_matches"))[0] == "error"  # no tests: exit 5
+
+    mutants.baseline(tmp_path, ["test_ok.py"], [], 60)    # passes: returns
+    for tests in (["test_ok.py", "test_bad.py"], ["test_missing.py"]):
+        try:
+            mutants.baseline(tmp_path, tests, [], 60)
+        except SystemExit as exc:
+            assert "fail before any mutant" in str(exc) and tests[-1] in str(exc)
+        else:
+            raise AssertionError(f"{tests} failing unchanged let the mutants run")
