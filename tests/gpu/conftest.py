@@ -49,7 +49,9 @@ ORDER = ("test_memory.py::test_largest_allocation_within_context_footprint_of_ca
          "test_vmm.py", "test_memset.py",
          # new on 2026-12-07: what the driver takes for BC1, BC7 and NV12 arrays against their
          # charge (two gpubench runs, a few seconds)
-         "test_arrays.py")
+         "test_arrays.py",
+         # new on 2026-12-07 (later): what NVML counts of managed memory (a few seconds)
+         "test_managed.py")
 _state = {"recording": False}
 _setup_s: dict[str, float] = {}
 

@@ -68,6 +68,8 @@ ROWS: list[tuple[str, str, str, str, str]] = [
      "test_memory_shared_through_cuda_ipc_is_charged_once"),
     ("vmm_import", "4 VMM handle: 2 GiB shared by 2 processes", "region: once more", "-",
      "test_memory_shared_as_a_vmm_handle_is_charged_once_more"),
+    ("managed_nvml", "4 managed memory: NVML per process, region", "region: once", "-",
+     "test_managed_memory_as_nvml_counts_it_and_as_the_region_charges_it"),
     ("pid_namespace", "4 a process in a PID namespace: NVML's pids", "informational", "-",
      "test_a_process_in_a_pid_namespace_of_its_own"),
     ("sm_50", "5 bf16 matmul at SM limit 50%", "45-55%", "~100% (no limit)",

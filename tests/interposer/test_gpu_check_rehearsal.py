@@ -41,13 +41,13 @@ STANDINS = {"PYTHONPATH": str(REHEARSAL), "GPUCHECK_REHEARSAL": "1"}
 TESTS = ["tests/gpu/test_memory.py", "tests/gpu/test_views.py", "tests/gpu/test_processes.py",
          "tests/gpu/test_usage.py", "tests/gpu/test_overhead.py", "tests/gpu/test_vmm.py",
          "tests/gpu/test_pidns.py", "tests/gpu/test_pool.py", "tests/gpu/test_arrays.py",
-         "tests/gpu/test_stack.py"]
+         "tests/gpu/test_stack.py", "tests/gpu/test_managed.py"]
 """Every test but the compute rows'."""
 FUNCTIONAL = {"outside_usage", "oom_torch", "graph_memory", "legacy_entry_points", "green_ctx",
               "largest_torch", "largest_torch_expandable", "largest_cupy", "largest_jax",
               "jax_default", "process_views", "memory_percent", "limits_file", "smi_view",
               "two_procs", "race", "outside_check", "ipc_import", "vmm_import", "pool_async",
-              "array_sizes", "launch_stack"}
+              "array_sizes", "launch_stack", "managed_nvml"}
 """Rows whose verdict the fake decides as a GPU would (caps, refusals, views, NVML per process;
 the fake's IPC import takes no memory of its own, which is what ipc_import asks of the real
 driver). The launch and alloc+free costs are the fake's own (a 250 ns fake launch, a 2 µs fake
@@ -177,6 +177,10 @@ def test_gpu_check_runs_its_memory_rows_on_the_fake_driver(built: Path, tmp_path
     # the fake's NVML counts an imported VMM handle for the importer (the stricter model)
     assert rows["vmm_import"]["value"] == ("importer NVML +2,048 MiB, region +2,048 MiB for "
                                            "2,048 MiB shared, +0 after the unmap"), rows["vmm_import"]
+    # the fake's NVML counts managed memory as the process's, resident at once
+    assert rows["managed_nvml"]["value"] == ("NVML per process +1,024 MiB untouched, +1,024 touched "
+                                             "(device +1,024); region +1,024 MiB for 1,024 managed, "
+                                             "+0 after the free"), rows["managed_nvml"]
     assert rows["graph_memory"]["value"].endswith("outside 2,348")  # 2 GiB + the context
     assert rows["smi_view"]["value"].startswith("10,240 / 4,396 MiB (usage 4,396)")
     # the stream-ordered pool rows: the fake grows a pool by whole 32 MiB chunks, so gpubench's

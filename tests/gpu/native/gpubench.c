@@ -12,6 +12,8 @@
  *                                         ipcget IDX (prints "ipc HEX", the CUDA IPC handle of
  *                                         allocation IDX) | ipcopen HEX (maps another process's
  *                                         allocation: "ok IDX"; free IDX closes it) |
+ *                                         managed BYTES (cuMemAllocManaged, attached globally:
+ *                                         "ok IDX"; free IDX frees it) |
  *                                         touch IDX BYTES (cuMemsetD8Async of BYTES at held
  *                                         allocation or mapping IDX, then synchronised) |
  *                                         spin MS (empty kernels launched back to back for MS
@@ -136,6 +138,7 @@ typedef struct {
     X(CUresult, cuCtxSynchronize, (void))                                                \
     X(CUresult, cuMemGetInfo_v2, (size_t * free_bytes, size_t * total_bytes))            \
     X(CUresult, cuMemAlloc_v2, (CUdeviceptr * ptr, size_t bytes))                        \
+    X(CUresult, cuMemAllocManaged, (CUdeviceptr * ptr, size_t bytes, unsigned int flags)) \
     X(CUresult, cuMemFree_v2, (CUdeviceptr ptr))                                         \
     X(CUresult, cuModuleLoadData, (CUmodule * mod, const void *image))                   \
     X(CUresult, cuModuleGetFunction, (CUfunction * fn, CUmodule mod, const char *name))  \
@@ -511,9 +514,11 @@ static int cmd_serve(void)
     while (fgets(line, sizeof(line), stdin) != NULL) {
         unsigned long long arg = 0, bytes = 0;
         size_t free_bytes = 0, total_bytes = 0;
-        if (sscanf(line, "alloc %llu", &arg) == 1) {
+        if (sscanf(line, "alloc %llu", &arg) == 1 || sscanf(line, "managed %llu", &arg) == 1) {
             CUdeviceptr ptr = 0;
-            CUresult err = count < MAX_HELD ? CALL(cuMemAlloc_v2)(&ptr, (size_t)arg) : 2;
+            CUresult err = count >= MAX_HELD ? 2
+                           : line[0] == 'a' ? CALL(cuMemAlloc_v2)(&ptr, (size_t)arg)
+                                            : CALL(cuMemAllocManaged)(&ptr, (size_t)arg, 1 /* CU_MEM_ATTACH_GLOBAL */);
             if (err == 0) {
                 held[count] = ptr;
                 printf("ok %d\n", count++);
