@@ -199,3 +199,150 @@ def test_a_process_found_gone_is_remembered_and_not_looked_up_again(
     assert (PIDNS, 9, 501) not in live._dead and live._host == {(PIDNS, 7, 500): 4242}
     judge(live)
     assert live._host == {}
+
+
+# ---- the procfs index: when a process missing from it may still live --------------------------
+
+class Ticking:
+    """A clock that moves ``step`` seconds at every reading."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 100.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_a_process_missing_from_an_index_the_budget_cut_short_counts_as_alive(proc: Path) -> None:
+    for host in range(100, 140):
+        fake_process(proc, host, host, 200 + host, pidns=4026531836)
+    # 40 processes; the clock passes the budget a few entries into the scan
+    assert judge(Liveness(proc, budget=5.0, clock=Ticking(1.0)), slot(pid=9, start=501)) == [True]
+    assert judge(Liveness(proc, budget=500.0, clock=Ticking(1.0)), slot(pid=9, start=501)) == [False]
+
+
+def test_a_process_missing_from_an_index_of_unreadable_entries_counts_as_alive(proc: Path) -> None:
+    fake_process(proc, 100, 100, 300, pidns=4026531836)
+    (proc / "100" / "stat").write_text("100 (x) S 1\n")  # unparsable: the index is not complete
+    assert judge(Liveness(proc, clock=Clock()), slot(pid=9, start=501)) == [True]
+    # a procfs that cannot be listed at all: nothing is known gone
+    assert judge(Liveness(proc / "nowhere", clock=Clock()), slot(pid=9, start=501)) == [True]
+
+
+def test_a_candidate_whose_namespace_cannot_be_read_may_be_the_one(proc: Path) -> None:
+    fake_process(proc, 4242, 7, 500)
+    (proc / "4242" / "ns" / "pid").unlink()
+    (proc / "4242" / "ns" / "pid").write_text("")  # not a link: readlink fails (EINVAL)
+    assert judge(Liveness(proc, clock=Clock()), slot()) == [True]
+    # a candidate whose NSpid is not a number is not the one (and no error)
+    fake_process(proc, 4343, 8, 501)
+    (proc / "4343" / "status").write_text("Name:\tpython\nNSpid:\t4343\tx\n")
+    (proc / "4444").mkdir()
+    fake_process(proc, 4444, 9, 502)
+    (proc / "4444" / "status").write_text("Name:\tpython\nNSpid:\n")
+    assert judge(Liveness(proc, clock=Clock()), slot(pid=8, start=501), slot(pid=9, start=502)) == [False, False]
+
+
+@pytest.mark.parametrize(("start", "alive"), [(UPTIME_TICKS - 2, False), (UPTIME_TICKS - 1, True),
+                                              (UPTIME_TICKS, True), (UPTIME_TICKS + 50, True)])
+def test_a_process_that_may_have_started_after_the_index_began_is_not_judged_gone(
+        proc: Path, start: int, alive: bool) -> None:
+    # by the procfs's uptime as the index began, less a tick of rounding
+    fake_process(proc, 100, 100, 300, pidns=4026531836)
+    assert judge(Liveness(proc, clock=Clock()), slot(start=start)) == [alive]
+
+
+@pytest.mark.parametrize(("start", "alive"), [(499, False), (500, True), (600, True)])
+def test_without_the_uptime_the_newest_process_indexed_bounds_the_index(
+        proc: Path, start: int, alive: bool) -> None:
+    (proc / "uptime").unlink()
+    fake_process(proc, 100, 100, 100, pidns=4026531836)
+    fake_process(proc, 101, 101, 500, pidns=4026531836)  # the newest: not the slot's (its NSpid)
+    assert judge(Liveness(proc, clock=Clock()), slot(start=start)) == [alive]
+
+
+def test_without_the_uptime_or_any_process_indexed_nothing_is_known_gone(proc: Path) -> None:
+    (proc / "uptime").unlink()
+    assert judge(Liveness(proc, clock=Clock()), slot(start=5)) == [True]
+
+
+# ---- a procfs that may hide processes from the reader ------------------------------------------
+
+def mountinfo(proc: Path, options: str, super_options: str = "rw", fstype: str = "proc",
+              mountpoint: str | None = None) -> str:
+    at = mountpoint or os.path.realpath(proc)
+    return (f"22 1 0:21 / /sys rw,nosuid shared:7 - sysfs sysfs rw\n"
+            f"35 22 0:5 / {at} {options} shared:12 - {fstype} {fstype} {super_options}\n")
+
+
+@pytest.mark.parametrize(("text", "alive"), [
+    ("hidden", True), ("hidepid=invisible in the super options", True), ("hidepid=0", False),
+    ("hidepid=off", False), ("plain", False), ("another mount hidden", False),
+    ("not proc", False), ("unparsable", True)])
+def test_a_reader_without_roots_rights_on_a_hidepid_procfs_cannot_know_a_process_gone(
+        proc: Path, monkeypatch: pytest.MonkeyPatch, text: str, alive: bool) -> None:
+    from webhook.node import liveness
+    lines = {"hidden": mountinfo(proc, "rw,nosuid,hidepid=2"),
+             "hidepid=invisible in the super options": mountinfo(proc, "rw", "rw,hidepid=invisible"),
+             "hidepid=0": mountinfo(proc, "rw,hidepid=0"),
+             "hidepid=off": mountinfo(proc, "rw", "rw,hidepid=off"),
+             "plain": mountinfo(proc, "rw,nosuid"),
+             "another mount hidden": mountinfo(proc, "rw,hidepid=2", mountpoint="/elsewhere"),
+             "not proc": mountinfo(proc, "rw,hidepid=2", fstype="tmpfs"),
+             "unparsable": "35 22 0:5 / /proc rw\n"}[text]
+    mount = proc.parent / "mountinfo"
+    mount.write_text(lines)
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return real_open(mount if path == "/proc/self/mountinfo" else path, *args, **kwargs)
+
+    monkeypatch.setattr(liveness, "open", fake_open, raising=False)
+    monkeypatch.setattr(liveness.os, "geteuid", lambda: 1000)
+    assert judge(Liveness(proc, clock=Clock()), slot(pid=9, start=501)) == [alive]
+    monkeypatch.setattr(liveness.os, "geteuid", lambda: 0)  # root sees every process anyway
+    assert judge(Liveness(proc, clock=Clock()), slot(pid=9, start=501)) == [False]
+
+
+# ---- the mapping of the region file -------------------------------------------------------------
+
+def test_the_region_mapping_is_found_past_the_first_read_and_without_a_path(proc: Path) -> None:
+    fake_process(proc, 4242, 7, 500)
+    lib = "7f1000000000-7f1000001000 r-xp 00000000 08:01 99    /usr/lib/libfoo.so\n"
+    region = f"7f2000000000-7f2000100000 rw-s 00000000 00:2f {INODE}    /region\n"
+    (proc / "4242" / "maps").write_text(lib * 3000 + region)  # past the first 64 KiB read
+    assert judge(Liveness(proc, clock=Clock()), slot()) == [True]
+    (proc / "4242" / "maps").write_text(lib * 3000)
+    assert judge(Liveness(proc, clock=Clock()), slot()) == [False]
+    (proc / "4242" / "maps").write_text(f"7f2000000000-7f2000100000 rw-s 00000000 00:2f {INODE}\n")
+    assert judge(Liveness(proc, clock=Clock()), slot()) == [True]  # listed without its path
+
+
+def test_a_mapping_that_cannot_be_told_counts_the_process_alive_and_leaves_no_descriptor_open(
+        proc: Path) -> None:
+    fake_process(proc, 4242, 7, 500, maps_inode=None)
+    fds = set(os.listdir("/proc/self/fd"))
+    live = Liveness(proc, clock=Clock())
+    assert judge(live, slot()) == [False]  # readable, no region: gone
+    live.begin()
+    assert live.alive(slot(), 0) is True  # no inode to look for
+    live.end()
+    (proc / "4242" / "maps").unlink()
+    (proc / "4242" / "maps").mkdir()  # opens, but cannot be read
+    assert judge(Liveness(proc, clock=Clock()), slot()) == [True]
+    (proc / "4242" / "maps").rmdir()  # cannot be opened
+    assert judge(Liveness(proc, clock=Clock()), slot()) == [True]
+    assert set(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_mapping_read_past_the_budget_counts_the_process_alive(proc: Path) -> None:
+    fake_process(proc, 4242, 7, 500, maps_inode=None)
+    # the scrape's start, the slot's check against the budget, then the maps read: past it
+    for readings, alive in (([0.0, 0.5, 1.5], True), ([0.0, 0.5, 0.9], False)):
+        it = iter(readings)
+        clock = lambda it=it, last=readings[-1]: next(it, last)
+        live = Liveness(proc, budget=1.0, clock=clock)
+        live._host[(PIDNS, 7, 500)] = 4242  # found in an earlier scrape: no index needed
+        live.begin()
+        assert live.alive(slot(), INODE) is alive
