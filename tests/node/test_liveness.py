@@ -164,6 +164,7 @@ def test_a_token_not_held_is_settled_by_the_mapping_only_when_the_slots_own_proc
 
 
 def test_the_budget_is_spent_only_once_the_clock_passes_the_deadline(proc: Path) -> None:
+    fake_process(proc, 100, 100, 300, pidns=4026531836)  # an entry to scan, at the deadline
     clock = Clock()
     live = Liveness(proc, budget=0.0, clock=clock)
     # at the deadline exactly, the look-up is still made: the gone process is found gone
@@ -228,6 +229,17 @@ def test_a_process_missing_from_an_index_of_unreadable_entries_counts_as_alive(p
     assert judge(Liveness(proc, clock=Clock()), slot(pid=9, start=501)) == [True]
     # a procfs that cannot be listed at all: nothing is known gone
     assert judge(Liveness(proc / "nowhere", clock=Clock()), slot(pid=9, start=501)) == [True]
+
+
+def test_a_procfs_whose_listing_fails_knows_no_process_gone(proc: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from webhook.node import liveness
+
+    def refused(path: object) -> object:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(liveness.os, "scandir", refused)
+    assert judge(Liveness(proc, clock=Clock()), slot(pid=9, start=501)) == [True]
 
 
 def test_a_candidate_whose_namespace_cannot_be_read_may_be_the_one(proc: Path) -> None:
@@ -339,7 +351,7 @@ def test_a_mapping_that_cannot_be_told_counts_the_process_alive_and_leaves_no_de
 def test_a_mapping_read_past_the_budget_counts_the_process_alive(proc: Path) -> None:
     fake_process(proc, 4242, 7, 500, maps_inode=None)
     # the scrape's start, the slot's check against the budget, then the maps read: past it
-    for readings, alive in (([0.0, 0.5, 1.5], True), ([0.0, 0.5, 0.9], False)):
+    for readings, alive in (([0.0, 0.5, 1.5], True), ([0.0, 0.5, 1.0], False)):  # at it: read
         it = iter(readings)
         clock = lambda it=it, last=readings[-1]: next(it, last)
         live = Liveness(proc, budget=1.0, clock=clock)
