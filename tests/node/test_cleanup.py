@@ -248,3 +248,87 @@ def test_a_dir_moved_out_of_a_tree_being_removed_leads_nowhere_else(
     assert (root / victim / "main" / "d2").is_dir()  # (the mover's; not the agent's to remove)
     assert remove_stale(root, {victim}, GRACE, NOW) == [departed]  # the next round
     assert region.exists()
+
+
+# ---- edges a mutation run of webhook/node/cleanup.py found untested ------------------------------
+
+def test_a_dir_exactly_the_grace_period_old_is_stale(tmp_path: Path) -> None:
+    uid = _pod_dir(tmp_path, age=GRACE)
+    assert stale_pod_dirs(tmp_path, set(), GRACE, NOW) == [tmp_path / uid]
+    assert stale_pod_dirs(tmp_path, set(), GRACE, NOW - 1) == []
+
+
+def test_a_link_named_as_a_pod_is_not_taken_for_a_stale_pod_dir(tmp_path: Path) -> None:
+    target = tmp_path.parent / "elsewhere-old"
+    target.mkdir()
+    os.utime(target, (NOW - 9999, NOW - 9999))
+    os.symlink(target, tmp_path / str(uuid.uuid4()))
+    assert stale_pod_dirs(tmp_path, set(), GRACE, NOW) == []
+
+
+def test_a_link_to_something_changed_lately_does_not_keep_an_old_pod_dir(tmp_path: Path) -> None:
+    # the dir's age is its own and its entries' (never a link's target, which a tenant could
+    # keep fresh, and with it the pod dir, for ever)
+    uid = _pod_dir(tmp_path, age=3600)
+    fresh = tmp_path.parent / "fresh"
+    fresh.mkdir()
+    os.utime(fresh, (NOW, NOW))
+    os.symlink(fresh, tmp_path / uid / "link")
+    os.utime(tmp_path / uid / "link", (NOW - 3600, NOW - 3600), follow_symlinks=False)
+    os.utime(tmp_path / uid, (NOW - 3600, NOW - 3600))
+    assert stale_pod_dirs(tmp_path, set(), GRACE, NOW) == [tmp_path / uid]
+    assert remove_stale(tmp_path, set(), GRACE, NOW) == [uid]
+    assert fresh.is_dir()
+
+
+def test_a_link_among_a_pods_container_dirs_neither_stops_nor_redirects_the_opening_up(
+        tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    uid = _pod_dir(tmp_path, age=10, containers=("b-main",))
+    elsewhere = tmp_path.parent / "elsewhere-dir"
+    elsewhere.mkdir()
+    os.chmod(elsewhere, 0o755)
+    os.symlink(elsewhere, tmp_path / uid / "a-link")  # listed before the container dir
+    os.symlink(elsewhere, tmp_path / str(uuid.uuid4()))  # and one beside the pod dirs
+    os.chmod(tmp_path / uid / "b-main", 0o755)
+    share_state_dirs(tmp_path)
+    assert _mode(tmp_path / uid / "b-main") == 0o1777
+    assert _mode(elsewhere) == 0o755
+    assert "cannot open up" not in caplog.text  # passed by, not tried and refused
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_opening_up_and_removing_leave_no_descriptor_open(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from webhook.node import cleanup
+    before = _open_fds()
+    uid = _pod_dir(tmp_path, age=3600, containers=("a", "b"))
+    d = tmp_path / uid / "a"
+    for i in range(5):
+        d = d / f"n{i}"
+        d.mkdir()
+    os.chmod(tmp_path / uid, 0o755)
+    os.chmod(tmp_path, 0o755)
+    assert share_state_dirs(tmp_path) == [".", uid, f"{uid}/a", f"{uid}/b"]
+    assert share_state_dirs(tmp_path) == []
+    assert _open_fds() == before
+    os.utime(tmp_path / uid, (NOW - 3600, NOW - 3600))
+    for c in ("a", "b"):
+        os.utime(tmp_path / uid / c, (NOW - 3600, NOW - 3600))
+    assert remove_stale(tmp_path, set(), GRACE, NOW) == [uid]
+    assert _open_fds() == before
+    # a mode that cannot be set: the error reaches the caller, and the descriptor is closed
+    os.chmod(tmp_path, 0o755)
+
+    def refused(fd: int, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(cleanup.os, "fchmod", refused)
+    try:
+        share_state_dirs(tmp_path)
+    except PermissionError:
+        pass
+    else:
+        raise AssertionError("a refused chmod of the root passed unnoticed")
+    assert _open_fds() == before
