@@ -262,7 +262,9 @@ def test_a_link_named_as_a_pod_is_not_taken_for_a_stale_pod_dir(tmp_path: Path) 
     target = tmp_path.parent / "elsewhere-old"
     target.mkdir()
     os.utime(target, (NOW - 9999, NOW - 9999))
-    os.symlink(target, tmp_path / str(uuid.uuid4()))
+    link = tmp_path / str(uuid.uuid4())
+    os.symlink(target, link)
+    os.utime(link, (NOW - 9999, NOW - 9999), follow_symlinks=False)  # the link itself old too
     assert stale_pod_dirs(tmp_path, set(), GRACE, NOW) == []
 
 
