@@ -430,3 +430,34 @@ def test_an_event_set_that_could_not_be_made_once_is_made_at_the_next_discovery(
     assert nvml.xid(1, 79) == 1, "the GPUs were never registered for XID events"
     assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
     assert _told(caplog, "reports no XID events") == 0
+
+
+def test_what_is_kept_of_gpus_gone_goes_only_past_the_bound_and_goes_whole() -> None:
+    """GPU 1 (Unhealthy) went, then DEPARTED_KEPT other boards came and went at index 1, the
+    last still there: with GPU 1, DEPARTED_KEPT GPUs gone at once, all kept. One board more and
+    everything kept of the GPUs gone goes: size, problem and recovery alike, and GPU 1 back is
+    as a GPU never seen."""
+    boards = DEPARTED_KEPT
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+
+    def health() -> dict[str, str]:
+        return {g.uuid: g.health for g in inv.discover().gpus}
+
+    gpu1 = nvml.devices[1]
+    gpu1.retired_pending = True
+    assert health()[GPU1] == UNHEALTHY
+    assert GPU1 in inv._known and GPU1 in inv._problems
+    nvml.devices.pop()
+    gpu1.retired_pending = False
+    for extra in (False, True):
+        for i in range(boards if not extra else 1):
+            nvml.devices[1:] = [FakeDevice(f"GPU-{i + 100 * extra:08d}-2222-2222-2222-222222222222")]
+            health()
+        if not extra:
+            assert GPU1 in inv._known and GPU1 in inv._problems  # DEPARTED_KEPT at most: kept
+    gone = {GPU1, *(f"GPU-{i:08d}-2222-2222-2222-222222222222" for i in range(boards))}
+    kept = gone & (inv._known.keys() | inv._problems.keys() | inv._recovering.keys())
+    assert kept == set()
+    nvml.devices[1:] = [gpu1]
+    assert health()[GPU1] == HEALTHY  # back as a GPU never seen

@@ -417,3 +417,20 @@ def test_a_gpu_that_cannot_be_addressed_is_logged_once_not_every_round(
     inv.discover()
     inv.discover()
     assert logged() == ["GPU cannot be addressed; left out"]  # lost again: told again
+
+
+def test_an_index_the_driver_no_longer_lists_is_forgotten_with_its_addressing_failure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """GPU 1 could not be addressed, then the driver listed one GPU only (the board taken out).
+    A GPU at index 1 later is a new board: healthy at once and not "addressed again" (kept, the
+    index made the new board serve a recovery that was never its own)."""
+    nvml = two_a100s()
+    nvml.devices[1].fail["nvmlDeviceGetHandleByIndex"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    inv = Inventory(nvml)
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+    assert [g.uuid for g in inv.discover().gpus] == [nvml.devices[0].uuid]
+    nvml.devices.pop()
+    inv.discover()
+    nvml.devices.append(FakeDevice("GPU-33333333-3333-3333-3333-333333333333"))
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+    assert "GPU can be addressed again" not in [r.getMessage() for r in caplog.records]
