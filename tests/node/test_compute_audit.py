@@ -169,6 +169,49 @@ def test_no_new_sample_is_nothing_new_and_a_failing_query_is_no_answer() -> None
     assert Inventory(FakeNvml()).process_utilisation({}) == []  # not discovered: nothing
 
 
+class RepeatingNvml(FakeNvml):
+    """A driver that repeats old news: samples stamped at the time asked for come back too."""
+
+    def nvmlDeviceGetProcessUtilization(self, handle: int, timeStamp: int) -> list[Any]:
+        return super().nvmlDeviceGetProcessUtilization(handle, timeStamp - 1)
+
+    def nvmlDeviceGetSamples(self, handle: int, kind: int, timeStamp: int) -> tuple[int, list[Any]]:
+        return super().nvmlDeviceGetSamples(handle, kind, timeStamp - 1)
+
+
+def test_samples_are_taken_from_just_after_the_time_asked_up_to_now_and_waited_for_up_to_5_s_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The windows' exact bounds: a sample stamped at the time asked for is old news (taken
+    twice, a busy period counted twice); one stamped at the wall clock is taken; one ahead of it
+    by up to AHEAD_US waits (``ahead``: periods did end) and sets the driver's clock; one further
+    ahead is garbage. The wall clock is held still here (``time.monotonic`` fixed)."""
+    from webhook.node import inventory as inventory_module
+    from webhook.node.inventory import AHEAD_US
+    monkeypatch.setattr(inventory_module.time, "monotonic", lambda: 50.0)
+    wall = 10_000_000
+    dev = FakeDevice(GPU0, processes={10: GIB}, samples=[
+        (10, 100, 30), (10, wall, 40), (11, wall + 1, 20), (13, wall + AHEAD_US + 1, 5)],
+        device_samples=[(100, 90), (wall - 10, 4294967295), (wall, 30), (wall + 1, 20),
+                        (wall + AHEAD_US, 10), (wall + AHEAD_US + 1, 5)])
+    inv = Inventory(RepeatingNvml([dev]))
+    inv.discover()
+    (u,) = inv.process_utilisation({GPU0: (100, 100)}, wall_us=wall, read_at=50.0)
+    assert (u.samples, u.newest, u.dev_newest, u.ahead, u.clock_us) == \
+        ([(10, wall, 40)], wall, wall, True, wall + AHEAD_US)
+    assert u.device == pytest.approx(30.0)  # the one period taken (not the garbage, 4294967295)
+    # (the device's sample at the time asked for, repeated, would speak for no time: it is
+    # dropped all the same)
+    # nothing stamped past the wall clock: nothing waits, even with a sample right at it
+    dev.samples = [(10, wall, 40)]
+    dev.device_samples = [(wall, 30)]
+    (u,) = inv.process_utilisation({GPU0: (100, 100)}, wall_us=wall, read_at=50.0)
+    assert (u.samples, u.ahead, u.clock_us) == ([(10, wall, 40)], False, wall)
+    # a process's sample alone ahead sets the clock
+    dev.samples = [(10, wall, 40), (12, wall + AHEAD_US, 10)]
+    (u,) = inv.process_utilisation({GPU0: (100, 100)}, wall_us=wall, read_at=50.0)
+    assert (u.samples, u.clock_us) == ([(10, wall, 40)], wall + AHEAD_US)
+
+
 def test_the_compute_limit_comes_from_the_limits_the_webhook_wrote() -> None:
     assert cores_from({"CUDA_DEVICE_SM_LIMIT": "30"}) == 30
     for text in ("100", "0", "", "thirty", "-5", "150"):
