@@ -461,3 +461,32 @@ def test_what_is_kept_of_gpus_gone_goes_only_past_the_bound_and_goes_whole() -> 
     assert kept == set()
     nvml.devices[1:] = [gpu1]
     assert health()[GPU1] == HEALTHY  # back as a GPU never seen
+
+
+def test_a_recovering_gpu_is_offered_at_its_third_clean_round_exactly_recover_s_after_its_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounds of the recovery, with the inventory's clock held still between rounds: the
+    third clean round at exactly ``recover_s`` after the first offers the GPU; a moment
+    earlier it does not. Without a least time, the problem says nothing of one."""
+    now = [1000.0]
+    monkeypatch.setattr(inventory_module, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                                  time=time.time))
+    for recover_s in (60.0, 0.0):
+        nvml = two_a100s()
+        inv = Inventory(nvml, recover_s=recover_s)
+        nvml.devices[1].retired_pending = True
+        assert inv.discover().gpus[1].health == UNHEALTHY
+        nvml.devices[1].retired_pending = False
+        problems = []
+        for step in (0.0, recover_s / 2, max(0.0, recover_s / 2 - 0.5)):  # the third: 0.5 s short
+            now[0] += step
+            problems.append(inv.discover().gpus[1].problem)
+        assert all(p.startswith("recovering: ") for p in problems[:2]), problems
+        assert (" and for " in problems[0]) == bool(recover_s), problems[0]
+        assert (" and for 60 s" in problems[0]) == bool(recover_s), problems[0]
+        if recover_s:
+            assert problems[2].startswith("recovering: ")
+            now[0] += 0.5
+            assert inv.discover().gpus[1].health == HEALTHY  # exactly recover_s: offered
+        else:
+            assert problems[2] == ""  # three clean rounds, no least time
