@@ -434,3 +434,27 @@ def test_an_index_the_driver_no_longer_lists_is_forgotten_with_its_addressing_fa
     nvml.devices.append(FakeDevice("GPU-33333333-3333-3333-3333-333333333333"))
     assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
     assert "GPU can be addressed again" not in [r.getMessage() for r in caplog.records]
+
+
+def test_a_hang_is_told_once_when_it_is_first_seen_and_a_node_without_gpus_is_unavailable_meanwhile(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The hang's bookkeeping without a thread stuck in NVML: the call running is made to look
+    HUNG_S old. Its first sighting warns (once); a discovery that found no GPU cannot mark one
+    of them, so NVML counts as unavailable while the call hangs."""
+    import time
+
+    from webhook.node import inventory as inventory_module
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+    inv = Inventory(FakeNvml([]))
+    found = inv.discover()
+    assert found.available and found.gpus == ()
+    assert "NVML answers again" not in caplog.text  # nothing hung before
+    inv._busy_since = time.monotonic() - inventory_module.HUNG_S - 1
+    assert inv.hung() is not None and inv.hung() is not None
+    told = ("NVML call hung (a GPU fallen off the bus?): the GPU it queries is published "
+            "Unhealthy, and no NVML call is made until it returns")
+    assert [r.getMessage() for r in caplog.records if "hung" in r.getMessage()] == [told]
+    last = inv.last
+    assert not last.available and last.reason == inventory_module.HUNG_PROBLEM
+    inv._busy_since = None
+    assert inv.hung() is None and inv.last.available
