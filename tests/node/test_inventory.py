@@ -458,3 +458,39 @@ def test_a_hang_is_told_once_when_it_is_first_seen_and_a_node_without_gpus_is_un
     assert not last.available and last.reason == inventory_module.HUNG_PROBLEM
     inv._busy_since = None
     assert inv.hung() is None and inv.last.available
+
+
+def test_a_call_that_hung_outside_a_discovery_and_answered_leaves_its_gpu_unhealthy_then_recovering(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scrape's call to GPU 1 ran HUNG_S and answered: the next discovery finds GPU 1 Unhealthy
+    (as it was published while hung), and it recovers as any other. The hang's bookkeeping is
+    reset when the calls end: a second hang is told again. ``time.monotonic`` is held still."""
+    from webhook.node import inventory as inventory_module
+    now = [500.0]
+    monkeypatch.setattr(inventory_module.time, "monotonic", lambda: now[0])
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+    inv = Inventory(two_a100s())
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+    for _ in range(2):
+        with inv._calling() as held:
+            assert held
+            inv._query(1)
+            now[0] += inventory_module.HUNG_S  # exactly HUNG_S: hung
+            assert inv.hung() == inventory_module.HUNG_S
+        assert inv.hung() is None
+    told = [r.getMessage() for r in caplog.records if "NVML" in r.getMessage()]
+    assert [m.split(" (")[0].split(":")[0] for m in told] == [
+        "NVML call hung", "NVML answers again", "NVML call hung", "NVML answers again"]
+    d = inv.discover()
+    assert [g.health for g in d.gpus] == [HEALTHY, UNHEALTHY]
+    assert "its NVML calls hung" in d.gpus[1].problem
+    for _ in range(RECOVER_ROUNDS - 1):
+        assert inv.discover().gpus[1].problem.startswith("recovering: its NVML calls hung")
+    assert inv.discover().gpus[1].health == HEALTHY
+    # the calls turn from GPU 0, whose call hung and answered, to GPU 1: GPU 0's hang is noted
+    # as they turn (the time counts from the turn, per GPU)
+    with inv._calling():
+        inv._query(0)
+        now[0] += inventory_module.HUNG_S
+        inv._query(1)
+    assert [g.health for g in inv.discover().gpus] == [UNHEALTHY, HEALTHY]
