@@ -494,3 +494,16 @@ def test_a_call_that_hung_outside_a_discovery_and_answered_leaves_its_gpu_unheal
         now[0] += inventory_module.HUNG_S
         inv._query(1)
     assert [g.health for g in inv.discover().gpus] == [UNHEALTHY, HEALTHY]
+
+
+def test_discovered_says_whether_a_discovery_has_ended_whatever_it_found() -> None:
+    """The agent's rounds read it: behind a slow first discovery, ``last`` is a placeholder
+    (the round publishes nothing); behind a later one, the last discovery stands."""
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    assert not inv.discovered and inv.last.reason == "not discovered yet"
+    nvml.count_error = pynvml.NVML_ERROR_UNKNOWN
+    assert not inv.discover().available
+    assert inv.discovered  # ended, NVML unavailable: NVML's word, not a placeholder
+    nvml.count_error = None
+    assert inv.discover().available and inv.discovered
