@@ -507,3 +507,36 @@ def test_discovered_says_whether_a_discovery_has_ended_whatever_it_found() -> No
     assert inv.discovered  # ended, NVML unavailable: NVML's word, not a placeholder
     nvml.count_error = None
     assert inv.discover().available and inv.discovered
+
+
+def test_close_shuts_nvml_down_and_later_samples_ask_nothing_of_it() -> None:
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    assert [s.memory_total_bytes for s in inv.sample()] == [80 * GIB, 80 * GIB]
+    assert inv.close() is True and not nvml.initialised
+    calls = nvml.calls
+    assert inv.sample() == [] and inv.process_utilisation({}) == []
+    assert nvml.calls == calls
+
+
+def test_close_gives_up_after_its_timeout_while_a_call_holds_nvml() -> None:
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    with inv._calling() as held:  # a call running (as one hung on a GPU would)
+        assert held
+        assert inv.close(timeout=0.05) is False
+        assert nvml.initialised  # left as it is
+    assert inv.close(timeout=0.05) is True and not nvml.initialised
+
+
+def test_a_gpu_that_cannot_be_addressed_when_sampled_is_listed_without_figures() -> None:
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    nvml.devices[1].fail["nvmlDeviceGetHandleByIndex"] = pynvml.NVML_ERROR_GPU_IS_LOST
+    got = inv.sample()
+    assert [(s.gpu.index, s.memory_used_bytes, s.memory_total_bytes, s.utilization_percent)
+            for s in got][1] == (1, None, None, None)
+    assert got[0].memory_total_bytes == 80 * GIB
