@@ -212,6 +212,23 @@ def test_samples_are_taken_from_just_after_the_time_asked_up_to_now_and_waited_f
     assert (u.samples, u.clock_us) == ([(10, wall, 40)], wall + AHEAD_US)
 
 
+def test_idle_is_said_only_where_no_period_ended_and_the_last_read_0_percent() -> None:
+    """``idle``: no device period ended since the time asked and the driver's last period read
+    0 %. A driver repeating only old news has samples but none new: not idle by that alone; the
+    last period's figure unreadable: not idle either."""
+    dev = FakeDevice(GPU0, samples=[(10, 100, 30)], device_samples=[(100, 0)], util=0)
+    inv = Inventory(RepeatingNvml([dev]))
+    inv.discover()
+    (u,) = inv.process_utilisation({GPU0: (100, 100)}, wall_us=1000)
+    assert (u.device, u.idle) == (None, False)  # a sample came, only an old one
+    dev.device_samples = []  # none at all: NVML_ERROR_NOT_FOUND, the last period read 0 %
+    (u,) = inv.process_utilisation({GPU0: (100, 100)}, wall_us=1000)
+    assert (u.device, u.idle) == (None, True)
+    dev.fail["nvmlDeviceGetUtilizationRates"] = pynvml.NVML_ERROR_UNKNOWN
+    (u,) = inv.process_utilisation({GPU0: (100, 100)}, wall_us=1000)
+    assert (u.device, u.idle) == (None, False)
+
+
 def test_the_compute_limit_comes_from_the_limits_the_webhook_wrote() -> None:
     assert cores_from({"CUDA_DEVICE_SM_LIMIT": "30"}) == 30
     for text in ("100", "0", "", "thirty", "-5", "150"):
