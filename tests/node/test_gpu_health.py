@@ -490,3 +490,30 @@ def test_a_recovering_gpu_is_offered_at_its_third_clean_round_exactly_recover_s_
             assert inv.discover().gpus[1].health == HEALTHY  # exactly recover_s: offered
         else:
             assert problems[2] == ""  # three clean rounds, no least time
+
+
+def test_a_gpu_is_told_unhealthy_once_and_healthy_again_in_the_round_that_offers_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+
+    def told() -> list[str]:
+        got = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU ")]
+        caplog.clear()
+        return got
+
+    inv.discover()
+    assert told() == []
+    nvml.devices[1].retired_pending = True
+    for _ in range(3):
+        assert inv.discover().gpus[1].health == UNHEALTHY
+    assert told() == ["GPU unhealthy; nothing is placed on it"]
+    nvml.devices[1].retired_pending = False
+    for _ in range(RECOVER_ROUNDS - 1):
+        assert inv.discover().gpus[1].health == UNHEALTHY
+        assert told() == []
+    assert inv.discover().gpus[1].health == HEALTHY
+    assert told() == ["GPU healthy again"]
+    inv.discover()
+    assert told() == []
