@@ -540,3 +540,16 @@ def test_a_gpu_that_cannot_be_addressed_when_sampled_is_listed_without_figures()
     assert [(s.gpu.index, s.memory_used_bytes, s.memory_total_bytes, s.utilization_percent)
             for s in got][1] == (1, None, None, None)
     assert got[0].memory_total_bytes == 80 * GIB
+
+
+def test_a_failing_xid_event_wait_is_told_once_per_distinct_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    inv = Inventory(two_a100s())
+    inv.discover()
+    assert inv._events is not None
+    caplog.set_level(logging.INFO, logger="webhook.node.inventory")
+    inv._events.freed = True  # every wait now fails (NVML_ERROR_INVALID_ARGUMENT)
+    for _ in range(3):
+        assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
+    assert [r.getMessage() for r in caplog.records if "XID" in r.getMessage()] == [
+        "reading XID events failed; tried again next round"]
