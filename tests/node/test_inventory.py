@@ -553,3 +553,25 @@ def test_a_failing_xid_event_wait_is_told_once_per_distinct_error(
         assert [g.health for g in inv.discover().gpus] == [HEALTHY, HEALTHY]
     assert [r.getMessage() for r in caplog.records if "XID" in r.getMessage()] == [
         "reading XID events failed; tried again next round"]
+
+
+def test_a_driver_whose_exports_cannot_be_told_is_read_as_a_later_one() -> None:
+    """The lookup of R550's export fails with an error other than "not found": which branch the
+    driver is cannot be told, so its lists are read as pynvml reads them (read with 32-byte
+    entries, a later driver's list is garbage), and it is asked again next time."""
+    nvml = _r535_node()
+    nvml.r535 = False
+    real = nvml._nvmlGetFunctionPointer
+
+    def lookup(name: str) -> object:
+        if name == "nvmlDeviceGetRunningProcessDetailList":
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        return real(name)
+
+    nvml._nvmlGetFunctionPointer = lookup  # type: ignore[method-assign]
+    inv = Inventory(nvml)
+    inv.discover()
+    assert inv.processes()[0].processes == {
+        101: 3 * GIB, 102: 2 * GIB, 103: None, 104: 4 * GIB, 105: 5 * GIB, 201: 64 * MIB,
+        202: 96 * MIB, 301: 7 * GIB, 302: 8 * GIB}
+    assert inv._r535 is None  # not decided: asked again
