@@ -575,3 +575,25 @@ def test_a_driver_whose_exports_cannot_be_told_is_read_as_a_later_one() -> None:
         101: 3 * GIB, 102: 2 * GIB, 103: None, 104: 4 * GIB, 105: 5 * GIB, 201: 64 * MIB,
         202: 96 * MIB, 301: 7 * GIB, 302: 8 * GIB}
     assert inv._r535 is None  # not decided: asked again
+
+
+def test_a_utilisation_query_that_hung_and_answered_is_pinned_on_its_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outside compute check's queries run GPU by GPU, each noted as the one queried: GPU 1's
+    sample query ran HUNG_S and answered, and the next discovery finds GPU 1 (only) Unhealthy."""
+    from webhook.node import inventory as inventory_module
+    now = [100.0]
+    monkeypatch.setattr(inventory_module.time, "monotonic", lambda: now[0])
+    nvml = two_a100s()
+    inv = Inventory(nvml)
+    inv.discover()
+    real = nvml.nvmlDeviceGetSamples
+
+    def slow_on_gpu1(handle: int, kind: int, since: int) -> object:
+        if handle == 1:
+            now[0] += inventory_module.HUNG_S
+        return real(handle, kind, since)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetSamples", slow_on_gpu1)
+    assert len(inv.process_utilisation({})) == 2
+    assert [g.health for g in inv.discover().gpus] == [HEALTHY, UNHEALTHY]
