@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from node.fakenvml import GIB, FakeNvml, two_a100s
+from node.test_liveness import fake_process
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -644,17 +645,6 @@ def test_a_process_of_another_pid_namespace_is_found_by_its_identity(
     assert container.charged() >= 768 * MIB
 
 
-def _fake_process(proc: Path, host: int, nspid: int, pidns: int, start: int) -> None:
-    """A process in a fake procfs: its stat (start time), status (NSpid) and ns/pid link."""
-    d = proc / str(host)
-    (d / "ns").mkdir(parents=True)
-    rest = ["0"] * 50
-    rest[17], rest[19] = "1", str(start)  # threads, start time
-    (d / "stat").write_text(f"{host} (python) S " + " ".join(rest[1:]) + "\n")
-    (d / "status").write_text(f"Name:\tpython\nNSpid:\t{host}\t{nspid}\n")
-    os.symlink(f"pid:[{pidns}]", d / "ns" / "pid")
-
-
 def test_a_process_started_after_the_scan_of_its_scrape_is_not_dead(tmp_path: Path) -> None:
     # One procfs scan per scrape indexes every process by start time. A process of container B
     # that started after the scan (and registered before B's region was read) was missing from
@@ -664,7 +654,7 @@ def test_a_process_started_after_the_scan_of_its_scrape_is_not_dead(tmp_path: Pa
     proc.mkdir()
     ticks = os.sysconf("SC_CLK_TCK")
     (proc / "uptime").write_text(f"{550 / ticks:.2f} 0.00\n")  # the scan: 550 ticks after boot
-    _fake_process(proc, 1, 1, 4026531836, 1)
+    fake_process(proc, 1, 1, 1, pidns=4026531836)
     for uid, pod, used, pid, pidns, start in ((UID1, "a", GIB, 7, 4026532001, 500),
                                                 (UID2, "b", 2 * GIB, 9, 4026532002, 600)):
         region = Region(uid, pod, "ns", "c", (DeviceSlot(0, GPU0, 0, used, 0, 0),),
@@ -681,7 +671,7 @@ def test_a_process_started_after_the_scan_of_its_scrape_is_not_dead(tmp_path: Pa
     def scan_then_b_starts() -> dict[int, list[int]]:
         index = scan()
         if not (proc / "4242").exists():
-            _fake_process(proc, 4242, 9, 4026532002, 600)
+            fake_process(proc, 4242, 9, 600, pidns=4026532002)
         return index
 
     collector._liveness._scan = scan_then_b_starts  # type: ignore[method-assign]
