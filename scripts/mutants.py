@@ -31,6 +31,7 @@ keeps only the mutants of lines HEAD changed since REV: a change's own lines, fo
 from __future__ import annotations
 
 import argparse
+import ast
 import io
 import json
 import random
@@ -144,6 +145,23 @@ PY_OPS = {"==": ("eq", "!="), "!=": ("ne", "=="), "<": ("lt", "<="), "<=": ("le"
           "and": ("and", "or"), "or": ("or", "and"), "True": ("true", "False"), "False": ("false", "True"),
           "not": ("not", "")}
 PY_LOG = re.compile(r"^\s*(log|logger|LOG|_log)\.\w+\(")
+PY_LOGGERS = {"log", "logger", "LOG", "_log"}
+
+
+def py_log_lines(text: str) -> set[int]:
+    """The lines of every log call statement (``log.info(...)`` and its kin), all the lines it
+    spans: a message or an ``extra=`` spread over several lines is not behaviour to pin."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return {n + 1 for n, line in enumerate(text.split("\n")) if PY_LOG.match(line)}
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+                and isinstance(node.value.func, ast.Attribute) and isinstance(node.value.func.value, ast.Name) \
+                and node.value.func.value.id in PY_LOGGERS:
+            out.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return out
 PY_CALL = re.compile(r"^(\s*)((?:await\s+)?[A-Za-z_][\w.]*\(.*\))\s*$")
 
 
@@ -154,6 +172,7 @@ def py_mutants(text: str) -> list[dict]:
     lines = text.split("\n")
     out: list[dict] = []
     toks = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    logs = py_log_lines(text)
     unary = {"(", "[", "{", ",", "=", "return", ":", "==", "!=", "<", ">", "<=", ">=", "and", "or", "not", "in",
              "if", "else", "*", "/", "+", "-", "**", "lambda", "yield"}
     prev = None
@@ -167,7 +186,7 @@ def py_mutants(text: str) -> list[dict]:
         # a sign, not a subtraction: "-1", "(-x)"
         signed = string in ("+", "-") and (prev is None or prev.string in unary or prev.type in (
             tokenize.NEWLINE, tokenize.NL, tokenize.INDENT))
-        if is_op and row == erow and not signed and not PY_LOG.match(line) and not line.lstrip().startswith("@"):
+        if is_op and row == erow and not signed and row not in logs and not line.lstrip().startswith("@"):
             name, repl = PY_OPS[string]
             end = ecol + (1 if string == "not" and line[ecol:ecol + 1] == " " else 0)
             new = line[:col] + repl + line[end:]
@@ -175,7 +194,7 @@ def py_mutants(text: str) -> list[dict]:
         prev = tok
     for n, line in enumerate(lines):
         m = PY_CALL.match(line)
-        if m and m.group(2).count("(") == m.group(2).count(")") and not PY_LOG.match(line) \
+        if m and m.group(2).count("(") == m.group(2).count(")") and n + 1 not in logs \
                 and not line.rstrip().endswith((",", "(")) and (n + 1 >= len(lines) or not lines[n + 1].startswith(
                     (m.group(1) + " ", m.group(1) + ")"))):
             out.append({"line": n + 1, "op": "del", "before": line.strip(), "after": "(deleted)",

@@ -81,6 +81,11 @@ class C:
         total = sum(
             x for x in a)
         return "a == b" if a is not b else total
+
+    def g(self, a, b):
+        log.warning("over by %d",
+                    a - b, extra={"gone": a == b})
+        return a - b
 '''
 
 
@@ -94,6 +99,7 @@ def test_python_mutants_come_from_tokens_in_code_only() -> None:
         (12, "del", "(deleted)"),
         (13, "true", "return False"),
         (16, "not", 'return "a == b" if a is b else total'),
+        (21, "sub", "return a + b"),  # a log call's lines, all of them, are not mutated
     ]
     for m in mutants.py_mutants(PY_SOURCE):
         compile(mutants.apply(PY_SOURCE, m), "x.py", "exec")  # each one a program
