@@ -240,6 +240,9 @@ def test_agent_status_metrics(tmp_path: Path) -> None:
     assert s[("gpuslice_agent_info", (("library", "libgpuslice.so.0.1.0"),
                                       ("version", __version__)))] == 1
     assert s[("gpuslice_agent_publish_errors_total", ())] == 0
+    # an agent that has not cleaned up yet is blocked by nothing, and NVML is not hung
+    assert s[("gpuslice_agent_library_cleanup_blocked", ())] == 0
+    assert s[("gpuslice_nvml_hung", ())] == 0
 
 
 def test_a_region_file_vanishing_mid_scrape_is_not_an_error(
@@ -330,6 +333,62 @@ def test_a_departed_pods_region_does_not_take_its_successors_names(tmp_path: Pat
     collector.pod_names_at = time.time() - 2 * LISTED_MARGIN_S
     s = samples(reg)
     assert s[("gpuslice_container_memory_limit_bytes", ctr_labels("prod", "web-0", UID1, "app", GPU0))] == 8 * GIB
+
+
+def _set_changed(pod_dir: Path, when: int) -> None:
+    """The pod dir and its container dirs last changed at ``when`` (as ``last_change`` reads
+    them: the earlier of mtime and ctime, and ctime is now)."""
+    for d in (pod_dir, *(c for c in pod_dir.iterdir() if c.is_dir())):
+        os.utime(d, ns=(when * 10**9, when * 10**9))
+
+
+def test_a_pod_dir_is_departed_only_past_the_margin_before_the_list(tmp_path: Path) -> None:
+    # the list comes from the watch cache, which may lag the kubelet's start of a pod by
+    # seconds: a dir changed within LISTED_MARGIN_S before the list began may be a pod too new
+    # for it, and keeps its region's names; one unchanged since well before is a departed pod's
+    from webhook.node.metrics import LISTED_MARGIN_S
+    path = write_region(tmp_path, UID1, "web-0", "prod", "app", [(0, GPU0, GIB, 0, 50, 0)])
+    changed = int(time.time()) - 3600
+    _set_changed(path.parent.parent, changed)
+    collector, reg = make(tmp_path)
+    collector.pod_names = {UID2: ("prod", "other")}
+    named = ("gpuslice_container_memory_limit_bytes", ctr_labels("prod", "web-0", UID1, "app", GPU0))
+    anonymous = ("gpuslice_container_memory_limit_bytes", ctr_labels("", UID1, UID1, "app", GPU0))
+    for list_began, departed in [(changed + LISTED_MARGIN_S - 1, False), (changed + LISTED_MARGIN_S, False),
+                                 (changed + LISTED_MARGIN_S + 1, True), (changed + 1, False)]:
+        collector.pod_names_at = list_began
+        s = samples(reg)
+        assert (anonymous in s, named in s) == (departed, not departed), list_began - changed
+
+
+def test_a_pod_dir_whose_age_cannot_be_read_is_not_taken_for_departed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the dir went between the region's read and its age's (the clean-up, or the kubelet)
+    from webhook.node import metrics
+    write_region(tmp_path, UID1, "web-0", "prod", "app", [(0, GPU0, GIB, 0, 50, 0)])
+    collector, reg = make(tmp_path)
+    collector.pod_names = {UID2: ("prod", "other")}
+    collector.pod_names_at = time.time() + 3600
+
+    def gone(path: Path) -> float:
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(metrics, "last_change", gone)
+    assert samples(reg)[("gpuslice_container_memory_limit_bytes",
+                         ctr_labels("prod", "web-0", UID1, "app", GPU0))] == GIB
+
+
+def test_a_region_that_reads_again_is_logged_again_when_it_breaks_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 0)])
+    good = path.read_bytes()
+    _, reg = make(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="webhook.node.metrics"):
+        for content in (b"\x00garbage" * 10, b"\x00garbage" * 10, good, b"\x00garbage" * 10):
+            path.write_bytes(content)
+            samples(reg)
+    logged = [r for r in caplog.records if r.message == "unreadable region file skipped"]
+    assert len(logged) == 2  # once per episode, not per scrape
 
 
 def test_files_that_are_not_plain_are_never_opened(tmp_path: Path) -> None:
