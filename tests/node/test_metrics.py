@@ -189,7 +189,11 @@ def test_clock_scale_is_exported_for_limited_devices_only(tmp_path: Path) -> Non
     write_region(tmp_path, UID1, "p", "ns", "c",
                  [(0, GPU0, GIB, 0, 30, 0), (1, GPU1, GIB, 0, 0, 0)], scale=1314)
     write_region(tmp_path, UID2, "q", "ns", "c", [(0, GPU0, GIB, 0, 50, 0)])  # not estimated yet
+    write_region(tmp_path, "33333333-2222-3333-4444-555555555555", "r", "ns", "c",
+                 [(0, GPU0, GIB, 0, 100, 0)], scale=1314)  # 100 %: no limit, nothing to scale
     s = samples(make(tmp_path)[1])
+    assert ("gpuslice_container_compute_clock_scale",
+            ctr_labels("ns", "r", "33333333-2222-3333-4444-555555555555", "c", GPU0)) not in s
     assert s[("gpuslice_container_compute_clock_scale", ctr_labels("ns", "p", UID1, "c", GPU0))] == 1.314
     assert ("gpuslice_container_compute_clock_scale", ctr_labels("ns", "p", UID1, "c", GPU1)) not in s
     assert s[("gpuslice_container_compute_clock_scale", ctr_labels("ns", "q", UID2, "c", GPU0))] == 1.0
