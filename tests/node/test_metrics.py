@@ -160,6 +160,8 @@ def test_measured_share_is_the_busy_time_rate_between_scrapes(tmp_path: Path) ->
     clock.t += 10.0  # 10 s later the container had the GPU busy for 3 s more: 30%
     write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 8_000_000_000)])
     assert samples(reg)[("gpuslice_container_compute_share_percent", lab)] == pytest.approx(30.0)
+    clock.t += 10.0  # idle since: 0 %, not a missing figure
+    assert samples(reg)[("gpuslice_container_compute_share_percent", lab)] == 0.0
     clock.t += 10.0  # container restarted: the counter went back, no bogus rate
     write_region(tmp_path, UID1, "p", "ns", "c", [(0, GPU0, GIB, 0, 30, 1_000_000_000)])
     assert ("gpuslice_container_compute_share_percent", lab) not in samples(reg)
@@ -458,6 +460,66 @@ def test_a_scrape_reads_one_audit_report_while_checks_replace_it(tmp_path: Path)
         assert (memory, compute, other) in ((2 * GIB, 80.0, 15.0), (None, None, 95.0))
 
 
+def test_audit_metrics_per_container_label_set_and_per_gpu(tmp_path: Path) -> None:
+    # a fixed report: a container over its cap (a restarted one: two instances' IDs), one
+    # under it, what no gpuslice container holds per GPU, and compute loads over, under and
+    # not judged
+    from webhook.node.audit import AuditReport, Cap, Holding, Load, Tracked
+
+    a = Tracked("ns", "a", UID1, "c", Cap(limit_bytes=GIB), cores=30)
+    b = Tracked("ns", "b", UID2, "c", Cap(limit_bytes=GIB), cores=50)
+    report = AuditReport(
+        holdings=(Holding(a, ("new", "old"), GPU0, 1300 * 2**20, GIB, (7, 8)),
+                  Holding(b, ("b",), GPU0, 900 * 2**20, GIB, (9,))),
+        loads=(Load(a, ("new", "old"), GPU0, 45.0, 30, 60.0, True, (7, 8)),
+               Load(b, ("b",), GPU0, 40.0, 50, 60.0, True, (9,)),
+               Load(b, ("b",), GPU1, 90.0, 50, 5.0, False, (9,))),
+        unattributed={GPU0: 3 * 2**20, GPU1: 0}, complete=True,
+        compute_unattributed={GPU0: 12.345, GPU1: 0.0})
+
+    class Compute:
+        failures = 2
+
+    class Fixed:
+        tolerance, compute_tolerance, compute = 0, 5.0, Compute()
+        errors, episodes, evictions, last = 1, 3, 0, report
+
+    inv = Inventory(two_a100s())
+    inv.discover()
+    s = samples(make_registry(AgentCollector(inv, tmp_path, AgentStatus(last_audit=1234.0),
+                                             clock=Clock(), auditor=Fixed())))  # type: ignore[arg-type]
+    la, lb = ctr_labels("ns", "a", UID1, "c", GPU0), ctr_labels("ns", "b", UID2, "c", GPU0)
+    lb1 = ctr_labels("ns", "b", UID2, "c", GPU1)
+    got = {k: v for k, v in s.items() if k[0].startswith(("gpuslice_container_memory_o",
+                                                           "gpuslice_container_compute_o",
+                                                           "gpuslice_container_compute_j",
+                                                           "gpuslice_gpu_memory_unattributed",
+                                                           "gpuslice_gpu_compute_unattributed"))}
+    assert got == {
+        ("gpuslice_container_memory_observed_bytes", la): 1300 * 2**20,
+        ("gpuslice_container_memory_over_limit", la): 1,
+        ("gpuslice_container_memory_observed_bytes", lb): 900 * 2**20,
+        ("gpuslice_container_memory_over_limit", lb): 0,
+        ("gpuslice_gpu_memory_unattributed_bytes", (("uuid", GPU0),)): 3 * 2**20,
+        ("gpuslice_gpu_memory_unattributed_bytes", (("uuid", GPU1),)): 0,
+        ("gpuslice_container_compute_observed_percent", la): 45.0,
+        ("gpuslice_container_compute_over_limit", la): 1,
+        ("gpuslice_container_compute_judged", la): 1,
+        ("gpuslice_container_compute_observed_percent", lb): 40.0,
+        ("gpuslice_container_compute_over_limit", lb): 0,
+        ("gpuslice_container_compute_judged", lb): 1,
+        ("gpuslice_container_compute_observed_percent", lb1): 90.0,  # a figure, not judged
+        ("gpuslice_container_compute_over_limit", lb1): 0,
+        ("gpuslice_container_compute_judged", lb1): 0,
+        ("gpuslice_gpu_compute_unattributed_percent", (("uuid", GPU0),)): 12.35,
+        ("gpuslice_gpu_compute_unattributed_percent", (("uuid", GPU1),)): 0.0,
+    }
+    assert (s[("gpuslice_agent_audit_complete", ())], s[("gpuslice_agent_last_audit_timestamp_seconds", ())],
+            s[("gpuslice_agent_audit_errors_total", ())], s[("gpuslice_agent_over_limit_events_total", ())],
+            s[("gpuslice_agent_evictions_total", ())], s[("gpuslice_agent_compute_sample_errors_total", ())]) \
+        == (1, 1234.0, 1, 3, 0, 2)
+
+
 def test_a_region_being_initialised_is_not_an_error(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # A container's first process creates the file (0 bytes), sizes it (zeros), writes the
@@ -581,7 +643,7 @@ def test_memory_of_a_process_gone_without_its_exit_handlers_is_not_counted(
     # The reviewer's probe: 768 MiB allocated, then an exit without handlers. The slot stays
     # live in the region until another process of the container starts and sweeps it; the
     # agent showed its 768 MiB as used with no process alive (for ever, in a finished Job pod).
-    _, reg = make(tmp_path / "state")
+    collector, reg = make(tmp_path / "state")
     if death == "_exit":
         container.run("init", "ctx", "0", "alloc", "768m", "exit", "0")
     else:
@@ -604,6 +666,11 @@ def test_memory_of_a_process_gone_without_its_exit_handlers_is_not_counted(
     # the interposer's own sweep agrees: a process of the container starting reclaims it
     container.run("init", "ctx", "0")
     assert container.charged() == 0
+    # and the agent forgets the dead process once no slot names it (a node's agent runs for
+    # months: each process ever found dead kept otherwise)
+    assert collector._liveness._dead
+    assert used_of(reg) == 0
+    assert not collector._liveness._dead
 
 
 def test_a_live_process_that_closed_its_token_descriptor_is_still_counted(
