@@ -218,6 +218,20 @@ def test_the_extenders_reader_accepts_the_published_annotation() -> None:
         ("GPU-aaaa", 0, 81920, True), ("GPU-bbbb", 1, 81920, False)]
 
 
+@pytest.mark.parametrize(("annotation", "uuids"), [
+    ('[{"uuid":"GPU-aaaa","index":0},{"uuid":"GPU-bbbb"}]', {"GPU-aaaa", "GPU-bbbb"}),
+    ('[1, "GPU-x", null, [], {"uuid": 5}, {"index": 0}, {"uuid": "GPU-aaaa"}]', {"GPU-aaaa"}),
+    ('{"uuid": "GPU-aaaa"}', set()),
+    ("GPU-aaaa", set()),
+    ("", set()),
+])
+def test_the_uuids_of_an_edited_annotation_are_read_where_they_read(annotation: str, uuids: set) -> None:
+    # the annotation is the node's, which a cluster admin may edit: what the agent published
+    # before (GPUs pods may still hold slices of) is read from what is left of it, never raised
+    from webhook.node.publish import _published_uuids
+    assert _published_uuids({"gpuslice.io/gpus": annotation}) == uuids
+
+
 def test_a_gpu_whose_memory_was_never_readable_is_left_out_of_the_annotation() -> None:
     from webhook.placement.inventory import parse_inventory
     lost = Gpu("GPU-cccc", 2, "", 0, UNHEALTHY)

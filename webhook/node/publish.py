@@ -159,8 +159,9 @@ def _published_uuids(annotations: Mapping[str, str]) -> set[str]:
         data = json.loads(annotations.get(names.ANN_NODE_GPUS) or "[]")
     except ValueError:
         return set()
-    return {g["uuid"] for g in data if isinstance(data, list) and isinstance(g, dict)
-            and isinstance(g.get("uuid"), str)} if isinstance(data, list) else set()
+    if not isinstance(data, list):
+        return set()
+    return {g["uuid"] for g in data if isinstance(g, dict) and isinstance(g.get("uuid"), str)}
 
 
 def _above(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
