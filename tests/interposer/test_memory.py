@@ -2244,6 +2244,21 @@ def test_cumemalloc_pointers_freed_on_64_streams_leave_room_for_a_pool(lab):
     assert used == [64 * MIB + 32 * MIB, 32 * MIB]  # the frees held, then the pool's 32 MiB chunk
 
 
+def test_a_pool_in_use_is_never_merged_into_a_draining_record(lab):
+    # two cuMemAlloc pointers freed each on a stream not synchronised (two draining records)
+    # with 62 pools in use between them, each holding its 32 MiB chunk: the table is full, and a
+    # 64th pool makes room by merging the two draining records.  A pool in use merged into one
+    # would lose its record: its chunk went uncharged when the stream synchronised
+    cmds = ["init", "ctx", "0", "alloc", "1m", "alloc", "1m", "nsfree", "0"]
+    for k in range(2, 64):
+        cmds += ["mkpool", "1", "0", "pool", "1m", "freesync", str(k)]
+    res = lab.run(*cmds, "nsfree", "1", "mkpool", "1", "0", "pool", "1m", "sync", "meminfo", "phys",
+                  CUDA_DEVICE_MEMORY_LIMIT="10g")
+    assert [rc for rc, _ in res.of("pool")] == [0] * 63, res.stderr
+    assert 10 * GIB - res.values("meminfo")[0] == res.values("phys")[0] == 63 * 32 * MIB
+    assert "memory pools in use" not in res.stderr
+
+
 def test_a_65th_pool_in_use_is_charged_by_its_allocations_not_refused(lab):
     # 64 pools each with a 1 MiB allocation freed (their records stay while the pools live),
     # then a 65th: its 1 MiB allocation was refused, 2 GiB of a 10 GiB cap in use.  Past the
