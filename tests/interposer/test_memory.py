@@ -2259,6 +2259,23 @@ def test_a_pool_in_use_is_never_merged_into_a_draining_record(lab):
     assert "memory pools in use" not in res.stderr
 
 
+def test_pools_destroyed_one_after_another_give_their_chunks_back(lab):
+    # 70 pools made, used and destroyed one after another (a framework's pool per step), two in
+    # three of them destroyed with their allocation outstanding (freed after: the record stays
+    # until then): each destroyed pool's chunk is returned, and the pool made after them is
+    # charged its chunk in a record of its own.  (The fake, as the driver may, hands a destroyed
+    # pool's handle to the next pool: a record left behind is taken over by it, so a leftover
+    # record filling the table is not shown here.)
+    cmds = ["init", "ctx", "0"]
+    for k in range(70):
+        cmds += ["mkpool", "1", "0", "pool", "1m"]
+        cmds += ["freesync", str(k), "pooldestroy"] if k % 3 == 2 else ["pooldestroy", "freesync", str(k)]
+    res = lab.run(*cmds, "mkpool", "1", "0", "pool", "1m", "meminfo", "phys", CUDA_DEVICE_MEMORY_LIMIT="1g")
+    assert [rc for rc, _ in res.of("pooldestroy")] == [0] * 70, res.stderr
+    assert GIB - res.values("meminfo")[0] == res.values("phys")[0] == 32 * MIB
+    assert "memory pools in use" not in res.stderr
+
+
 def test_a_65th_pool_in_use_is_charged_by_its_allocations_not_refused(lab):
     # 64 pools each with a 1 MiB allocation freed (their records stay while the pools live),
     # then a 65th: its 1 MiB allocation was refused, 2 GiB of a 10 GiB cap in use.  Past the
