@@ -368,6 +368,24 @@ async def test_an_old_name_pods_still_hold_stays_at_what_they_hold_until_they_en
             "example.com/vcores,example.com/vgpu,example.com/vmem")
 
 
+@pytest.mark.parametrize(("containers", "init", "phase", "held"), [
+    ([_asking("c", 1), _asking("d", 2)], [], "Running", 3),
+    # a sidecar started before an init container runs beside it: max(1 + 1, 1 + 3)
+    ([_asking("c", 1)], [_asking("s", 1, "Always"), _asking("i", 3)], "Running", 4),
+    # started after it, not: max(1 + 1, 3)
+    ([_asking("c", 1)], [_asking("i", 3), _asking("s", 1, "Always")], "Running", 3),
+    ([_asking("c", 1)], [_asking("s", 1, "Always"), _asking("t", 2, "Always")], "Pending", 4),
+    ([_asking("c", 1)], [_asking("i", 1), _asking("j", 2)], "Running", 2),
+    ([_asking("c", 4)], [_asking("s", 1, "Always")], "Failed", 0),
+])
+async def test_what_a_pod_holds_is_what_the_kubelet_counts_at_admission(
+        containers: list[dict], init: list[dict], phase: str, held: int) -> None:
+    from webhook.node.publish import held_by_pods
+    async with client.ApiClient() as api:
+        pod = api._ApiClient__deserialize(_pod("p", containers, init, phase), "V1Pod")
+    assert held_by_pods([pod], ["nvidia.com/gpu"]) == {"nvidia.com/gpu": held}
+
+
 def _on(pod: dict, **devices: str) -> dict:
     pod["metadata"]["annotations"] = {f"gpuslice.io/devices.{c}": u for c, u in devices.items()}
     return pod
