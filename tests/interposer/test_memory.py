@@ -2323,6 +2323,27 @@ def test_a_destroyed_pools_frees_on_more_contexts_than_it_remembers_wait_for_all
     assert res.rc("alloc") == OOM and res.values("phys", 1) == [held]
 
 
+def test_a_destroyed_pools_frees_on_many_streams_of_two_contexts_wait_for_both(lab):
+    # four frees on streams of their own in each of two contexts fill the pool's eight entries;
+    # a ninth in the first context folds each context's streams into one entry for it.  Then
+    # the pool is destroyed and the first context synchronised: the second's frees are still
+    # outstanding, and the pool's memory with them (the fake holds it until they complete)
+    cmds = ["init", "ctxcreate", "0", "ctxcreate", "0", "ctxset", "0"]
+    for k in range(4):
+        cmds += ["pool", "60m", "nsfree", str(k)]
+    cmds += ["ctxset", "1"]
+    for k in range(4, 8):
+        cmds += ["pool", "60m", "nsfree", str(k)]
+    cmds += ["ctxset", "0", "pool", "60m", "nsfree", "8", "pooldestroy", "sync", "phys", "meminfo"]
+    res = lab.run(*cmds, CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="ctx",
+                  GPUSLICE_RECONCILE_MARGIN="0")
+    assert [rc for rc, _ in res.of("nsfree")] == [0] * 9, res.stderr
+    assert res.rc("pooldestroy") == 0 and res.rc("sync") == 0
+    held = res.values("phys")[0]
+    assert held == 544 * MIB  # the whole pool, until the second context's frees complete
+    assert GIB - res.values("meminfo")[0] >= held
+
+
 def test_a_pid_equal_to_ours_appearing_after_our_context_is_not_taken_for_ours(lab):
     # our context started beside another tenant's (two pids appeared: ours not learnt from it),
     # and our getpid() was not among them: NVML lists another namespace's pids.  A co-tenant
