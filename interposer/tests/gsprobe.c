@@ -189,6 +189,7 @@ API_FUNCS(FN)
     X(cuArray3DCreate, CUresult, (CUarray *, const CUDA_ARRAY3D_DESCRIPTOR_v1 *), 2000)                      \
     X(cuCtxCreate, CUresult, (CUcontext *, unsigned, CUdevice), 2000)                                        \
     X(cuCtxDestroy, CUresult, (CUcontext), 2000)                                                             \
+    X(cuStreamDestroy, CUresult, (CUstream), 2000)                                                           \
     X(cuDevicePrimaryCtxRelease, CUresult, (CUdevice), 7000)                                                 \
     X(cuDevicePrimaryCtxReset, CUresult, (CUdevice), 7000)                                                   \
     X(cuCtxAttach, CUresult, (CUcontext *, unsigned), 2000)                                                  \
@@ -1984,7 +1985,7 @@ int main(int argc, char **argv)
             /* sfree ID S: cuMemFreeAsync of pool allocation ID on stream S (0-3, made in the
              * current context at its first use); ssync S: cuStreamSynchronize of stream S;
              * esync S: an event recorded on stream S, and cuEventSynchronize of it; sdestroy S:
-             * cuStreamDestroy of stream S (its next use makes a new one); slaunch S N: N kernel
+             * cuStreamDestroy_v2 (after "legacy 1": cuStreamDestroy) of stream S (its next use makes a new one); slaunch S N: N kernel
              * launches on stream S; shostfn S: a host function on stream S */
             static CUstream ss[4];
             int sfree = !strcmp(c, "sfree"), n = atoi(ARG(sfree)) & 3;
@@ -1997,7 +1998,7 @@ int main(int argc, char **argv)
             } else if (rc == CUDA_SUCCESS && !strcmp(c, "shostfn")) {
                 rc = api.cuLaunchHostFunc(ss[n], no_op, NULL);
             } else if (rc == CUDA_SUCCESS && !strcmp(c, "sdestroy")) {
-                rc = api.cuStreamDestroy_v2(ss[n]);
+                rc = legacy ? api1.cuStreamDestroy(ss[n]) : api.cuStreamDestroy_v2(ss[n]);
                 ss[n] = NULL;
             } else if (rc == CUDA_SUCCESS && sfree) rc = api.cuMemFreeAsync(allocs[atoi(ARG(0))].handle, ss[n]);
             else if (rc == CUDA_SUCCESS && !strcmp(c, "ssync")) rc = api.cuStreamSynchronize(ss[n]);

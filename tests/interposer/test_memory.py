@@ -817,17 +817,20 @@ def test_cumemalloc_pointers_freed_on_streams_taking_turns_are_charged_until_eac
     assert [vals[0] // MIB for _, vals in res.of("phys")] == [200] * 7
 
 
+@pytest.mark.parametrize("entry", ["cuStreamDestroy_v2", "cuStreamDestroy"])
 @pytest.mark.parametrize("make, held", [(["pool", "600m"], 608), (["alloc", "600m"], 600)],
                          ids=["destroyed_pool", "cumemalloc_pointer"])
-def test_a_free_on_a_destroyed_stream_is_not_completed_by_a_new_stream_with_its_handle(lab, make, held):
+def test_a_free_on_a_destroyed_stream_is_not_completed_by_a_new_stream_with_its_handle(lab, make, held, entry):
     # freed on stream 1, which is then destroyed with the free outstanding (the driver releases
     # the stream once its work completes); the next stream gets its handle (the driver's handles
     # are addresses), and its synchronisation does not wait for the old stream's work: the memory
     # stays held until the context's synchronisation.  The new stream's synchronisation took the
     # free for complete: a 900 MiB allocation passed, 1508 MiB held under a 1 GiB cap (1500 for
     # the cuMemAlloc pointer)
+    # (CUDA 2.x's cuStreamDestroy too, which cuGetProcAddress hands out below version 4000)
     destroy = ["pooldestroy"] if make[0] == "pool" else []
-    res = lab.run("init", "ctx", "0", *make, "sfree", "0", "1", *destroy, "sdestroy", "1", "ssync", "1",
+    sdestroy = ["sdestroy", "1"] if entry == "cuStreamDestroy_v2" else ["legacy", "1", "sdestroy", "1", "legacy", "0"]
+    res = lab.run("init", "ctx", "0", *make, "sfree", "0", "1", *destroy, *sdestroy, "ssync", "1",
                   "meminfo", "alloc", "900m", "phys", "sync", "meminfo", "alloc", "900m", "phys",
                   CUDA_DEVICE_MEMORY_LIMIT="1g", FAKE_CUDA_POOL_PENDING="1", FAKE_CUDA_HANDLE_REUSE="1")
     assert res.rc("sfree") == 0 and res.rc("sdestroy") == 0 and res.rc("ssync") == 0

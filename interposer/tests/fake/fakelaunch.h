@@ -163,6 +163,13 @@ API CUresult cuStreamDestroy_v2(CUstream s)
     return CUDA_SUCCESS;
 }
 
+/* CUDA 2.x's entry point (cuGetProcAddress below 4000): the same destroy */
+API CUresult cuStreamDestroy(CUstream s)
+{
+    FAIL_POINT("cuStreamDestroy");
+    return cuStreamDestroy_v2(s);
+}
+
 API CUresult cuStreamSynchronize(CUstream s)
 {
     sleep_until(__atomic_load_n(&stream_of(s, 0)->tail, __ATOMIC_ACQUIRE));
@@ -1041,7 +1048,7 @@ API uint64_t fake_cuda_local_used(int pdev)
     X(cuMemGetDefaultMemPool) X(cuMemGetMemPool) X(cuMemSetMemPool)                                                               \
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) X(cuMemPoolGetAttribute) X(cuMemPoolSetAttribute)                          \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz)       \
-    X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamGetCtx) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
+    X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuStreamCreate) X(cuStreamGetCtx) X(cuStreamDestroy) X(cuStreamDestroy_v2) X(cuStreamSynchronize)     \
     X(cuStreamSynchronize_ptsz) X(cuStreamBeginCapture) X(cuStreamBeginCapture_v2) X(cuStreamBeginCaptureToGraph) X(cuStreamEndCapture) X(cuStreamIsCapturing)         \
     X(cuStreamIsCapturing_ptsz) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz)    \
     X(cuEventQuery) X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuLaunchKernel)      \
