@@ -320,6 +320,20 @@ def test_a_record_naming_native_resources_takes_none_of_them_off() -> None:
     assert "gone.io/x" not in patch["status"]["capacity"]  # not on the node: nothing to send
 
 
+def test_an_old_name_pods_hold_is_set_to_what_they_hold_in_capacity_and_allocatable_both() -> None:
+    want = desired_state(TWO, RENAMED)
+    mine = dict(want.resources)
+    assert status_patch({**mine, "nvidia.com/gpu": "3"}, {**mine, "nvidia.com/gpu": "3"}, want,
+                        {"nvidia.com/gpu": 3}) is None
+    # one of the two differs (the kubelet's reset of allocatable, say): both are sent
+    for capacity, allocatable in (("3", "10"), ("10", "3"), ("3", None)):
+        have_alloc = {**mine, "nvidia.com/gpu": allocatable} if allocatable else mine
+        patch = status_patch({**mine, "nvidia.com/gpu": capacity}, have_alloc, want, {"nvidia.com/gpu": 3})
+        assert patch is not None
+        assert patch["status"]["capacity"]["nvidia.com/gpu"] == patch["status"]["allocatable"]["nvidia.com/gpu"] \
+            == "3"
+
+
 def _pod(name: str, containers: list[dict], init: list[dict] | None = None,
          phase: str = "Running") -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "ml"},
