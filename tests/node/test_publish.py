@@ -308,6 +308,23 @@ async def test_a_rename_cut_short_after_the_first_patch_is_finished_by_the_next_
         assert node["status"]["capacity"]["example.com/vmem"] == "81920"
 
 
+async def test_an_old_name_left_in_allocatable_alone_is_taken_off() -> None:
+    # an old name in allocatable but no longer in capacity (a status update of the kubelet's
+    # between the two): still on the node for the scheduler, which fits pods on allocatable
+    async with FakeKube() as kube:
+        node = _node()
+        node["metadata"]["annotations"] = {"gpuslice.io/resources": "nvidia.com/gpu"}
+        node["status"]["allocatable"]["nvidia.com/gpu"] = "10"
+        kube.put(node)
+        async with kube.api_client() as api:
+            await Publisher(api, RENAMED).publish(Discovery(True, (A,), "550"))
+        node = kube.get("nodes", "gpu-node-1")
+        assert "nvidia.com/gpu" not in node["status"]["allocatable"]
+        assert node["status"]["allocatable"]["example.com/vgpu"] == "10"
+        # what pods hold of it, from the watch cache (every node's agent asks)
+        assert [r.query.get("resourceVersion") for r in kube.requests_to("GET", r"^/api/v1/pods$")] == ["0"]
+
+
 def test_a_record_naming_native_resources_takes_none_of_them_off() -> None:
     from webhook.node.publish import recorded_resources
     assert recorded_resources({"gpuslice.io/resources": (
