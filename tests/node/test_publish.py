@@ -325,6 +325,30 @@ async def test_an_old_name_left_in_allocatable_alone_is_taken_off() -> None:
         assert [r.query.get("resourceVersion") for r in kube.requests_to("GET", r"^/api/v1/pods$")] == ["0"]
 
 
+async def test_gpus_gone_past_departed_kept_are_forgotten_unless_pods_hold_them() -> None:
+    # GPUs replaced one after another (a new UUID each time): the publisher remembers the gone
+    # ones (pods may hold slices of them) and lists the node's pods every round for them; past
+    # DEPARTED_KEPT it forgets those no pod holds.  A round without NVML, where every GPU is
+    # missing, forgets nothing
+    from webhook.node.inventory import DEPARTED_KEPT
+
+    def one(i: int) -> Discovery:
+        return Discovery(True, (Gpu(f"GPU-old-{i}", 0, A.product, 81920, HEALTHY),), "550")
+
+    async with FakeKube() as kube:
+        kube.put(_node())
+        kube.put(_on(_pod("on-3", [_slice("c", 1, 1024, 10)]), c="GPU-old-3"))
+        async with kube.api_client() as api:
+            pub = Publisher(api, SETTINGS)
+            for i in range(DEPARTED_KEPT + 1):
+                await pub.publish(one(i))
+            assert len(pub._seen) == DEPARTED_KEPT + 1  # 16 gone: kept
+            await pub.publish(Discovery(available=False, reason="NVML initialisation failed"))
+            assert len(pub._seen) == DEPARTED_KEPT + 1
+            await pub.publish(one(DEPARTED_KEPT + 1))  # the 17th gone
+            assert pub._seen == {"GPU-old-3", f"GPU-old-{DEPARTED_KEPT + 1}"}
+
+
 def test_a_record_naming_native_resources_takes_none_of_them_off() -> None:
     from webhook.node.publish import recorded_resources
     assert recorded_resources({"gpuslice.io/resources": (
