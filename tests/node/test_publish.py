@@ -338,6 +338,10 @@ async def test_gpus_gone_past_departed_kept_are_forgotten_unless_pods_hold_them(
     async with FakeKube() as kube:
         kube.put(_node())
         kube.put(_on(_pod("on-3", [_slice("c", 1, 1024, 10)]), c="GPU-old-3"))
+        kube.put(_pod("plain", [_asking("c", 0)]))  # no annotations at all
+        noted = _pod("noted", [_asking("c", 0)])
+        noted["metadata"]["annotations"] = {"example.com/last-gpu": "GPU-old-5"}  # not a slice
+        kube.put(noted)
         async with kube.api_client() as api:
             pub = Publisher(api, SETTINGS)
             for i in range(DEPARTED_KEPT + 1):
