@@ -426,6 +426,59 @@ def _gpu_pod(kube: FakeKube, name: str, started: float, runtime: str = "gvisor")
                    "state": {"running": {"startedAt": at}}}]}})
 
 
+async def test_the_oldest_gpu_container_is_the_earliest_running_one_of_a_mutated_pod(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the oldest running container of a pod the webhook mutated started: the clean-up
+    keeps every old library while one may have pinned the host's ld.so.preload of before."""
+    import datetime as dt
+    import math
+
+    from kubernetes_asyncio import client
+
+    from webhook.node.loop import oldest_gpu_container
+
+    def pod(main: dict | None = None, sidecar: dict | None = None, mutated: bool = True,
+            status: bool = True) -> dict:
+        def of(name: str, state: dict | None) -> list[dict]:
+            return [{"name": name, "ready": True, "restartCount": 0, "image": "cuda", "imageID": "",
+                     "state": state}] if state is not None else []
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "p", "namespace": "ml",
+                             "annotations": {"gpuslice.io/mutated": "true"} if mutated else {}},
+                "spec": {"containers": [{"name": "main", "image": "cuda"}]},
+                **({"status": {"phase": "Running", "containerStatuses": of("main", main),
+                               "initContainerStatuses": of("sidecar", sidecar)}} if status else {})}
+
+    def running(at: str) -> dict:
+        return {"running": {"startedAt": at}}
+
+    async with client.ApiClient() as api:
+        def oldest(*pods: dict) -> float:
+            return oldest_gpu_container([api._ApiClient__deserialize(p, "V1Pod") for p in pods])
+
+        t1 = dt.datetime(2026, 12, 1, 10, 0, tzinfo=dt.UTC).timestamp()
+        t0 = t1 - 3600
+        at0, at1 = "2026-12-01T09:00:00Z", "2026-12-01T10:00:00Z"
+        assert oldest() == math.inf
+        assert oldest(pod(main=running(at1), sidecar=running(at0))) == t0  # a sidecar's counts
+        assert oldest(pod(main=running(at1), sidecar={"terminated": {"exitCode": 0}})) == t1
+        assert oldest(pod(main={"waiting": {"reason": "ContainerCreating"}})) == math.inf
+        # pods the webhook did not mutate bind-mount nothing of ours; a pod without status runs nothing
+        assert oldest(pod(main=running(at0), mutated=False), pod(status=False), pod(main=running(at1))) == t1
+        # a running container without a start time may be the oldest of all
+        assert oldest(pod(main={"running": {}}), pod(main=running(at1))) == -math.inf
+        # the API server's times are UTC, whether or not the client made them aware
+        naive = api._ApiClient__deserialize(pod(main=running(at1)), "V1Pod")
+        naive.status.container_statuses[0].state.running.started_at = dt.datetime(2026, 12, 1, 10, 0)
+        monkeypatch.setenv("TZ", "America/New_York")  # a node not on UTC
+        time.tzset()
+        try:
+            assert oldest_gpu_container([naive]) == t1
+        finally:
+            monkeypatch.undo()
+            time.tzset()
+
+
 async def test_a_library_a_sandboxed_gpu_pod_started_with_is_kept_while_it_runs(
         tmp_path: Path) -> None:
     """A container's /etc/ld.so.preload is a bind mount of the host's file as it was when the
