@@ -281,6 +281,23 @@ async def test_no_kube_mode_installs_and_serves_metrics_without_api_calls(
         await agent.close()
 
 
+async def test_metrics_are_served_on_the_configured_address_only_until_close(tmp_path: Path) -> None:
+    # a metrics host given (127.0.0.1 here): bound there alone, not on every interface; after
+    # close() nothing listens (an agent started again in the same process found the port taken)
+    import socket
+    settings = _settings(tmp_path, kube_enabled=False, node_name="")
+    agent = Agent(settings, LIB, inventory=Inventory(FakeNvml([])))
+    await agent.start()
+    port = agent.metrics_port
+    try:
+        assert agent._runner is not None
+        assert [a[0] for a in agent._runner.addresses] == ["127.0.0.1"]
+    finally:
+        await agent.close()
+    with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
+        sock.connect(("127.0.0.1", port))
+
+
 def test_backoff_doubles_with_jitter_and_is_capped() -> None:
     b = Backoff(base=1.0, cap=10.0, rng=lambda: 0.0)
     assert [b.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
