@@ -298,6 +298,41 @@ async def test_metrics_are_served_on_the_configured_address_only_until_close(tmp
         sock.connect(("127.0.0.1", port))
 
 
+async def test_a_state_dir_that_cannot_be_prepared_fails_the_round(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # the host path is a file (a mistyped hostPath): logged, and the round is retried soon
+    settings = _settings(tmp_path, kube_enabled=False, node_name="",
+                         host_state_dir=str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    agent = Agent(settings, LIB, inventory=Inventory(FakeNvml([])))
+    with caplog.at_level("ERROR", logger="webhook.node.loop"):
+        assert await agent.step() < settings.interval
+    assert any(r.message.startswith("cannot prepare the state dirs") for r in caplog.records)
+    (tmp_path / "a-file").unlink()
+    assert await agent.step() == settings.interval
+
+
+async def test_an_nvml_shutdown_that_hangs_is_left_behind_at_close(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # nvmlShutdown itself hung (not only a call holding NVML): close() gives up on it, says so,
+    # and returns within its bound
+    from webhook.node import loop
+
+    class Hanging(Inventory):
+        def close(self, timeout: float | None = None) -> bool:
+            time.sleep(1.0)
+            return True
+
+    monkeypatch.setattr(loop, "NVML_CLOSE_S", 0.05)
+    agent = Agent(_settings(tmp_path, kube_enabled=False, node_name=""), LIB,
+                  inventory=Hanging(FakeNvml([])))
+    began = time.monotonic()
+    with caplog.at_level("WARNING", logger="webhook.node.loop"):
+        await agent.close()
+    assert time.monotonic() - began < 0.9
+    assert any(r.message.startswith("NVML not shut down") for r in caplog.records)
+
+
 def test_backoff_doubles_with_jitter_and_is_capped() -> None:
     b = Backoff(base=1.0, cap=10.0, rng=lambda: 0.0)
     assert [b.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
