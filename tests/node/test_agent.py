@@ -333,6 +333,86 @@ async def test_an_nvml_shutdown_that_hangs_is_left_behind_at_close(
     assert any(r.message.startswith("NVML not shut down") for r in caplog.records)
 
 
+async def test_a_failed_consistent_read_before_a_removal_fails_the_round(tmp_path: Path) -> None:
+    # the cached list shows a departed pod's dir; the consistent read that must confirm it
+    # before anything is removed is refused: nothing removed, and the round is retried soon
+    settings = _settings(tmp_path)
+    async with FakeKube() as kube:
+        kube.put(_node())
+        gone = _old_pod_dir(tmp_path / "state", str(uuid.uuid4()))
+        async with kube.api_client() as api:
+            from kubernetes_asyncio import client
+            agent = Agent(settings, LIB, inventory=Inventory(two_a100s()), api_client=api)
+            assert agent.publisher is not None
+            listed = agent.publisher.node_pods
+
+            async def node_pods(*, cached: bool = False) -> list:
+                if not cached:
+                    raise client.ApiException(status=500, reason="Internal Server Error")
+                return await listed(cached=True)
+
+            agent.publisher.node_pods = node_pods  # type: ignore[method-assign]
+            assert await agent.step() < settings.interval
+            assert gone.exists()
+            agent.publisher.node_pods = listed  # type: ignore[method-assign]
+            assert await agent.step() == settings.interval
+            assert not gone.exists()
+
+
+async def test_the_checks_and_rounds_wait_their_intervals(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # rounds, outside checks and compute samples each at its own interval, not back to back
+    from webhook.node import loop
+    monkeypatch.setattr(loop, "SAMPLE_INTERVAL", 30.0)  # (1 s: a loaded machine's scheduling)
+    settings = _settings(tmp_path, kube_enabled=False, node_name="", audit_interval=60.0)
+    agent = Agent(settings, LIB, inventory=Inventory(FakeNvml([])))
+    assert agent.auditor is not None and agent.auditor.compute is not None
+    calls = {"round": 0, "check": 0, "sample": 0}
+
+    async def step() -> float:
+        calls["round"] += 1
+        return settings.interval
+
+    async def check() -> None:
+        calls["check"] += 1
+
+    def poll() -> None:
+        calls["sample"] += 1
+
+    agent.step = step  # type: ignore[method-assign]
+    agent.auditor.check = check  # type: ignore[method-assign]
+    agent.auditor.compute.poll = poll  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    deadline = time.monotonic() + 10
+    while not all(calls.values()):
+        assert time.monotonic() < deadline, calls
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert calls == {"round": 1, "check": 1, "sample": 1}
+
+
+async def test_a_check_that_raises_is_counted_and_the_checks_go_on(tmp_path: Path) -> None:
+    settings = _settings(tmp_path, kube_enabled=False, node_name="", audit_interval=60.0)
+    agent = Agent(settings, LIB, inventory=Inventory(FakeNvml([])))
+    assert agent.auditor is not None and agent.auditor.compute is not None
+
+    async def check() -> None:
+        raise RuntimeError("a bug")
+
+    def poll() -> None:
+        raise RuntimeError("another")
+
+    agent.auditor.check = check  # type: ignore[method-assign]
+    agent.auditor.compute.poll = poll  # type: ignore[method-assign]
+    await agent.audit()
+    await agent.sample_compute()
+    await agent.audit()
+    assert agent.auditor.errors == 3 and agent.status.last_audit == 0.0
+
+
 def test_backoff_doubles_with_jitter_and_is_capped() -> None:
     b = Backoff(base=1.0, cap=10.0, rng=lambda: 0.0)
     assert [b.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
