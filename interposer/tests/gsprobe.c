@@ -2266,7 +2266,9 @@ int main(int argc, char **argv)
             if (!strcmp(c, "ctxsync13")) api.cuCtxGetCurrent(&cur);
             CUresult rc = fn ? fn(cur) : CUDA_ERROR_NOT_FOUND;
             Dl_info info;
-            int ours = fn && dladdr((void *)fn, &info) && info.dli_fname && strstr(info.dli_fname, "libgpuslice");
+            const char *file = fn && dladdr((void *)fn, &info) && info.dli_fname ? info.dli_fname : "";
+            const char *slash = strrchr(file, '/'); /* the file's name, not the checkout's path */
+            int ours = !strncmp(slash ? slash + 1 : file, "libgpuslice", 11);
             printf("%s %d %d\n", c, rc, ours);
         } else if (!strcmp(c, "glaunch")) {
             CUresult rc = api.cuGraphLaunch(gexec, NULL);

@@ -27,7 +27,10 @@ int main(int argc, char **argv)
     if (argc > 2 && dlopen(argv[2], RTLD_NOW | RTLD_GLOBAL)) {
         void *a = dlsym(self, "cuMemAlloc_v2");
         Dl_info info;
-        int ours = a && dladdr(a, &info) && info.dli_fname && strstr(info.dli_fname, "gpuslice");
+        /* by the file's name: the checkout's path may hold "gpuslice" (a clone of the repository) */
+        const char *file = a && dladdr(a, &info) && info.dli_fname ? info.dli_fname : "";
+        const char *slash = strrchr(file, '/');
+        int ours = !strncmp(slash ? slash + 1 : file, "libgpuslice", 11);
         printf("loaded %d %d %d\n", a == dlsym(RTLD_DEFAULT, "cuMemAlloc_v2"), a != NULL, ours);
     }
     return 0;
