@@ -440,6 +440,20 @@ def test_agent_process_installs_serves_and_exits_0_on_sigterm(tmp_path: Path) ->
         [sys.executable, "-m", "webhook", "agent", *no_kube_args(tmp_path, src)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        import json
+        import urllib.request
+        assert proc.stderr is not None
+        import select
+        head = ""
+        deadline = time.time() + 20
+        while '"msg": "metrics served"' not in head:  # the first lines, up to that one
+            assert time.time() < deadline and proc.poll() is None, head
+            if select.select([proc.stderr], [], [], 0.1)[0]:
+                head += os.read(proc.stderr.fileno(), 65536).decode()
+        served = next(ln for ln in head.splitlines() if '"msg": "metrics served"' in ln)
+        port = json.loads(served)["port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert b"gpuslice_agent_info" in r.read()
         deadline = time.time() + 20
         while not (tmp_path / "lib" / "ld.so.preload").exists():
             assert proc.poll() is None, proc.communicate()[1]
