@@ -218,6 +218,7 @@ def apply(text: str, mutant: dict) -> str:
 def worktree(build: bool) -> Path:
     """A worktree of HEAD with the checkout's virtual environment and (for C) its own build."""
     wt = Path(tempfile.mkdtemp(prefix="gpuslice-mutants-"))
+    wt.chmod(0o755)  # (mkdtemp's 0700: test_nonroot's processes of other users load the library from it)
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(wt), "HEAD"], check=True)
     (wt / ".venv").symlink_to(ROOT / ".venv")
     if build:
