@@ -413,6 +413,28 @@ async def test_a_check_that_raises_is_counted_and_the_checks_go_on(tmp_path: Pat
     assert agent.auditor.errors == 3 and agent.status.last_audit == 0.0
 
 
+def test_the_exit_waits_for_worker_threads_up_to_its_bound() -> None:
+    # serve()'s exit: a worker that ends within the bound is waited for (the normal exit, atexit
+    # handlers run); one still busy past it (an NVML call hung) is left behind (os._exit).  In a
+    # process of its own: this one's threads are the test runner's
+    script = """if True:
+        import threading, time
+        from webhook.node.loop import _threads_end
+        done = threading.Event()
+        print(_threads_end(0.0))
+        threading.Thread(target=lambda: done.wait(0.2)).start()
+        began = time.monotonic()
+        print(_threads_end(5.0), round(time.monotonic() - began, 1) < 2.0)
+        threading.Thread(target=lambda: done.wait(10.0)).start()
+        began = time.monotonic()
+        print(_threads_end(0.3), 0.25 < time.monotonic() - began < 2.0)
+        done.set()
+    """
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split("\n")[:3] == ["True", "True True", "False True"], out.stderr
+
+
 def test_backoff_doubles_with_jitter_and_is_capped() -> None:
     b = Backoff(base=1.0, cap=10.0, rng=lambda: 0.0)
     assert [b.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
