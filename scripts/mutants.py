@@ -306,15 +306,23 @@ def changed_lines(rev: str, rel: str, root: Path = ROOT) -> set[int]:
     return lines
 
 
+def change(file: str, mutant: dict) -> tuple[str, str, str, str]:
+    """What a mutant changes (file, operator, the line before and after), which an edit elsewhere
+    in the file does not move as it moves the mutant's number and line."""
+    return file, mutant["op"], mutant["before"], mutant["after"]
+
+
+def survivors(log: Path) -> set[tuple[str, str, str, str]]:
+    """The changes of the mutants an earlier log saw survive (``--recheck``)."""
+    return {change(r["file"], r) for r in map(json.loads, log.read_text().splitlines()) if r["result"] == "survived"}
+
+
 def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests: list[str] | None,
         recheck: Path | None = None, since: str | None = None) -> int:
     done = set()
     if log.exists():
         done = {(r["file"], r["id"]) for r in map(json.loads, log.read_text().splitlines())}
-    again = None  # --recheck: only the survivors of an earlier log (a quick selection first, then all)
-    if recheck:
-        again = {(r["file"], r["id"]) for r in map(json.loads, recheck.read_text().splitlines())
-                 if r["result"] == "survived"}
+    again = survivors(recheck) if recheck else None  # (a quick selection first, then all)
     wt = worktree(build=any(name.endswith(".c") for name in files))
     passed: set[tuple[tuple[str, ...], str]] = set()  # selections seen passing on the unchanged code
     try:
@@ -330,7 +338,7 @@ def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests
                                                      key=lambda m: m["id"])
             try:
                 for m in chosen:
-                    if (key, m["id"]) in done or (again is not None and (key, m["id"]) not in again):
+                    if (key, m["id"]) in done or (again is not None and change(key, m) not in again):
                         continue
                     chosen_tests = tests or tests_for(src, wt)
                     if (key_tests := (tuple(chosen_tests), src.suffix)) not in passed:
@@ -350,9 +358,9 @@ def run(files: list[str], sample: int, seed: int, log: Path, timeout: int, tests
                        capture_output=True)
         shutil.rmtree(wt, ignore_errors=True)
     records = [json.loads(ln) for ln in log.read_text().splitlines()]
-    survivors = [r for r in records if r["result"] == "survived"]
-    print(f"{len(records)} mutants in {log}: {len(survivors)} survived")
-    for r in survivors:
+    alive = [r for r in records if r["result"] == "survived"]
+    print(f"{len(records)} mutants in {log}: {len(alive)} survived")
+    for r in alive:
         print(f"  {r['file']}:{r['line']} {r['op']}: {r['before']}  =>  {r['after']}")
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,20 @@ def test_a_selection_must_pass_unchanged_and_pytest_errors_kill_no_mutant(tmp_pa
             assert "fail before any mutant" in str(exc) and tests[-1] in str(exc)
         else:
             raise AssertionError(f"{tests} failing unchanged let the mutants run")
+
+
+def test_a_recheck_finds_its_survivors_in_a_source_edited_since(tmp_path: Path) -> None:
+    # the survivors' tests were written, and the source was touched too: the mutants' numbers
+    # and lines moved, what they change did not
+    before = mutants.py_mutants(PY_SOURCE)
+    survived = [m for m in before if m["op"] in ("sub", "true")]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"file": "x.py", **{k: m[k] for k in ("id", "line", "op", "before", "after")},
+                                       "result": "survived"}) + "\n" for m in survived)
+                   + json.dumps({"file": "x.py", **{k: before[0][k] for k in ("id", "line", "op", "before", "after")},
+                                 "result": "killed"}) + "\n")
+    edited = PY_SOURCE.replace("import logging\n", "import logging\nTWO = 1 + 1\n")  # a mutant more, first
+    again = mutants.survivors(log)
+    found = [m for m in mutants.py_mutants(edited) if mutants.change("x.py", m) in again]
+    assert [(m["line"], m["op"]) for m in found] == [(m["line"] + 1, m["op"]) for m in survived]
+    assert [m["id"] for m in found] != [m["id"] for m in survived]  # numbered otherwise now
