@@ -79,7 +79,7 @@ a departed pod's (the list, from the watch cache, may lag the kubelet's start of
 
 
 def _labels(region: Region, region_path: Path, pod_names: Mapping[str, tuple[str, str]],
-            departed: bool = False) -> tuple[str, str, str, str]:
+            departed: bool) -> tuple[str, str, str, str]:
     """namespace, pod, pod UID, container. The UID and container are the dirs' (kubelet makes
     them for the container's mount), the names the API server's (``pod_names``: UID →
     namespace, name). Every process of the container can write the region, and could claim
