@@ -490,6 +490,18 @@ def test_agent_process_installs_serves_and_exits_0_on_sigterm(tmp_path: Path) ->
     assert '"msg": "agent stopped"' in err
 
 
+@pytest.mark.parametrize(("interval", "limit"), [(30.0, 300.0), (100.0, 500.0)])
+def test_the_agent_is_stalled_only_past_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  interval: float, limit: float) -> None:
+    # five intervals, at least five minutes: at the bound itself the agent is still healthy
+    agent = Agent(_settings(tmp_path, kube_enabled=False, node_name="", interval=interval), LIB,
+                  inventory=Inventory(two_a100s()))
+    agent._round_done = 1000.0
+    for quiet, stalled in ((limit - 1, False), (limit, False), (limit + 0.5, True)):
+        monkeypatch.setattr(time, "monotonic", lambda q=quiet: 1000.0 + q)
+        assert (agent.stalled() is not None) == stalled, quiet
+
+
 async def test_healthz_fails_when_no_round_ends_so_the_probe_restarts_a_stuck_agent(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from webhook.node import loop
