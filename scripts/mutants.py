@@ -145,6 +145,7 @@ PY_OPS = {"==": ("eq", "!="), "!=": ("ne", "=="), "<": ("lt", "<="), "<=": ("le"
           "and": ("and", "or"), "or": ("or", "and"), "True": ("true", "False"), "False": ("false", "True"),
           "not": ("not", "")}
 PY_LOG = re.compile(r"^\s*(log|logger|LOG|_log)\.\w+\(")
+PY_CALL = re.compile(r"^(\s*)((?:await\s+)?[A-Za-z_][\w.]*\(.*\))\s*$")
 PY_LOGGERS = {"log", "logger", "LOG", "_log"}
 
 
@@ -162,7 +163,6 @@ def py_log_lines(text: str) -> set[int]:
                 and node.value.func.value.id in PY_LOGGERS:
             out.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
     return out
-PY_CALL = re.compile(r"^(\s*)((?:await\s+)?[A-Za-z_][\w.]*\(.*\))\s*$")
 
 
 def py_mutants(text: str) -> list[dict]:

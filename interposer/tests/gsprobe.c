@@ -1985,8 +1985,9 @@ int main(int argc, char **argv)
             /* sfree ID S: cuMemFreeAsync of pool allocation ID on stream S (0-3, made in the
              * current context at its first use); ssync S: cuStreamSynchronize of stream S;
              * esync S: an event recorded on stream S, and cuEventSynchronize of it; sdestroy S:
-             * cuStreamDestroy_v2 (after "legacy 1": cuStreamDestroy) of stream S (its next use makes a new one); slaunch S N: N kernel
-             * launches on stream S; shostfn S: a host function on stream S */
+             * cuStreamDestroy_v2 (after "legacy 1": cuStreamDestroy) of stream S (its next use
+             * makes a new one); slaunch S N: N kernel launches on stream S; shostfn S: a host
+             * function on stream S */
             static CUstream ss[4];
             int sfree = !strcmp(c, "sfree"), n = atoi(ARG(sfree)) & 3;
             CUresult rc = ss[n] ? CUDA_SUCCESS : api.cuStreamCreate(&ss[n], 0);
