@@ -497,6 +497,21 @@ def test_a_fork_after_cuda_clears_only_the_stream_entries_in_use(release_lab):
     assert child - parent < 200, (parent, child)
 
 
+def test_a_child_forked_while_another_thread_holds_the_pools_lock_can_use_pools(lab):
+    # a thread of the parent frees a pool allocation, and the pools' lock is held across the
+    # driver's pool attribute query (the fake sleeps in the fifth one, the free's); the main
+    # thread forks meanwhile.  The child has the lock as it was, held by a thread it does not
+    # have: its fork handler makes it anew, or the child's first pool allocation waits for ever
+    mark = lab.tmp / "held"
+    res = lab.run("init", "ctx", "0", "mkpool", "1", "0", "pool", "1m", "bgfreesync", "0", "0",
+                  "waitfile", str(mark), "fork", "pool", "1m", "childexit", "join", timeout=30,
+                  FAKE_CUDA_SLEEP="cuMemPoolGetAttribute:1500:5", FAKE_CUDA_SLEEP_MARK=str(mark))
+    assert res.returncode == 0, res.stderr
+    assert res.of("waitfile") == [(0, [])], res.stdout
+    assert res.of("fork") == [(0, [])] and res.of("bgfreesync") == [(0, [])], res.stdout
+    assert [rc for rc, _ in res.of("pool")] == [0, 0, 0]  # the parent's, the child's, the parent's again
+
+
 def test_a_forked_child_does_not_wait_for_a_settle_of_its_parents_other_thread(lab):
     # a thread of the parent destroys a context with a 1 s kernel in flight: under a compute limit
     # the throttle synchronises it first, counted so that a global capture begun meanwhile waits
