@@ -320,7 +320,7 @@ async def test_an_nvml_shutdown_that_hangs_is_left_behind_at_close(
 
     class Hanging(Inventory):
         def close(self, timeout: float | None = None) -> bool:
-            time.sleep(1.0)
+            time.sleep(3.0)
             return True
 
     monkeypatch.setattr(loop, "NVML_CLOSE_S", 0.05)
@@ -329,7 +329,7 @@ async def test_an_nvml_shutdown_that_hangs_is_left_behind_at_close(
     began = time.monotonic()
     with caplog.at_level("WARNING", logger="webhook.node.loop"):
         await agent.close()
-    assert time.monotonic() - began < 0.9
+    assert time.monotonic() - began < 2.5  # (0.55 s: NVML_CLOSE_S and the half second after it)
     assert any(r.message.startswith("NVML not shut down") for r in caplog.records)
 
 
